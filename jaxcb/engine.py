@@ -1,0 +1,324 @@
+"""The engine loop: requests in, token events out, one padded jitted step at a time.
+
+    step():  schedule -> pad into buckets -> dispatch (async) -> one device-to-host copy -> postprocess
+
+`schedule` (host) picks decode rows and prefill chunks under the page pool; each group is padded into
+a precompiled bucket and dispatched without waiting; all sampled tokens come back in one copy; then
+each request gets its tokens, its stop checks and its text delta, and finished requests leave the
+batch (their pages freed) in the same step. Requests and aborts from other threads go through an
+inbox that the loop drains at the start of every step, so only the engine thread touches the
+scheduler and the pool.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import queue
+import random
+import threading
+import time
+from typing import Callable
+
+from jaxcb.buckets import PaddedSampling, RowSpec, SamplingRow, bucket_for, pad_sampling, pad_step
+from jaxcb.engine_config import EngineConfig
+from jaxcb.page_pool import PagePool
+from jaxcb.request import FinishReason, Request, SamplingParams, Status, TokenEvent
+from jaxcb.scheduler import Chunk, Scheduler
+from jaxcb.tokenizer import IncrementalDetokenizer
+
+EventCallback = Callable[[TokenEvent], None]
+
+
+@dataclasses.dataclass
+class _Stream:
+    """Host-side output state of one request: detokenizer, text, stop-string hold-back."""
+
+    detok: IncrementalDetokenizer | None
+    seed: int
+    callback: EventCallback | None
+    text: str = ""
+    emitted: int = 0  # chars of `text` already sent
+
+
+@dataclasses.dataclass
+class EngineStats:
+    running: int
+    waiting: int
+    pages_total: int
+    pages_free: int
+    pages_in_use: int
+    compilations: int
+    preemptions: int
+    prompt_tokens_computed: int  # prompt (and recomputed) tokens run through the model
+    output_tokens: int
+    steps: int
+    padding_fraction: float  # padded token slots over computed token slots
+    page_utilization: float  # mean fraction of allocated page slots holding tokens
+    host_wait_fraction: float  # fraction of step time the device sat waiting for the host
+
+
+class Engine:
+    def __init__(self, runner, tokenizer, config: EngineConfig, eos_ids: tuple[int, ...] = ()):
+        from jaxcb.runner import compilation_count  # the one JAX-side import of the loop
+
+        self._compilation_count = compilation_count
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.config = config
+        self.model_config = runner.config
+        self.pool = PagePool(config.num_pages, config.page_size)
+        self.scheduler = Scheduler(config.scheduler, self.pool)
+        self.eos_ids = frozenset(eos_ids)
+        self.max_context = min(config.scheduler.max_context, self.model_config.max_context)
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._requests: dict[str, Request] = {}
+        self._streams: dict[str, _Stream] = {}
+        self._rng = random.Random(config.seed)
+        self._seed_lock = threading.Lock()
+        self._counters = dict(prompt_tokens_computed=0, output_tokens=0, steps=0, slots=0, live=0,
+                              page_slots=0, page_tokens=0, page_samples=0, host_s=0.0, step_s=0.0)
+        self._last_fetch_end: float | None = None
+
+    # ---- the API (thread-safe) ----
+    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Raise ValueError naming the field and the limit; touches no engine state."""
+        if not prompt_ids:
+            raise ValueError("prompt: must not be empty")
+        v = self.model_config.vocab_size
+        bad = next((t for t in prompt_ids if not 0 <= int(t) < v), None)
+        if bad is not None:
+            raise ValueError(f"prompt_token_ids: token id {bad} is outside the vocabulary [0, {v})")
+        bad = next((t for t in params.stop_token_ids if not 0 <= t < v), None)
+        if bad is not None:
+            raise ValueError(f"stop_token_ids: token id {bad} is outside the vocabulary [0, {v})")
+        if len(prompt_ids) >= self.max_context:
+            raise ValueError(
+                f"prompt: {len(prompt_ids)} tokens; the limit is {self.max_context - 1} "
+                f"(context {self.max_context} tokens, at least one generated)"
+            )
+        if len(prompt_ids) + params.max_tokens > self.max_context:
+            raise ValueError(
+                f"max_tokens: prompt ({len(prompt_ids)}) + max_tokens ({params.max_tokens}) exceeds the "
+                f"context limit of {self.max_context} tokens"
+            )
+        self.scheduler.check_fits(Request(list(prompt_ids), params))
+
+    def add_request(self, prompt_ids: list[int], params: SamplingParams, *, request_id: str | None = None,
+                    priority: int = 0, callback: EventCallback | None = None,
+                    arrival_time: float | None = None) -> str:
+        prompt_ids = [int(t) for t in prompt_ids]
+        self.validate(prompt_ids, params)
+        req = Request(prompt_ids, params, request_id=request_id or "", priority=int(priority))
+        if arrival_time is not None:
+            req.arrival_time = arrival_time
+        with self._seed_lock:
+            seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
+        detok = IncrementalDetokenizer(self.tokenizer) if self.tokenizer is not None else None
+        self._inbox.put(("add", req, _Stream(detok=detok, seed=seed, callback=callback)))
+        return req.request_id
+
+    def abort(self, request_id: str) -> None:
+        """The request ends with finish reason `abort` and its pages are freed at the next step."""
+        self._inbox.put(("abort", request_id, None))
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work or not self._inbox.empty()
+
+    def stats(self) -> EngineStats:
+        c = self._counters
+        return EngineStats(
+            running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
+            pages_total=self.pool.num_usable, pages_free=self.pool.num_free, pages_in_use=self.pool.num_in_use,
+            compilations=self._compilation_count(), preemptions=self.scheduler.num_preemptions,
+            prompt_tokens_computed=c["prompt_tokens_computed"], output_tokens=c["output_tokens"], steps=c["steps"],
+            padding_fraction=(c["slots"] - c["live"]) / c["slots"] if c["slots"] else 0.0,
+            page_utilization=c["page_tokens"] / c["page_slots"] if c["page_slots"] else 0.0,
+            host_wait_fraction=c["host_s"] / c["step_s"] if c["step_s"] else 0.0,
+        )
+
+    def reset_counters(self) -> None:
+        for k in self._counters:
+            self._counters[k] = 0.0 if k.endswith("_s") else 0
+        self._last_fetch_end = None
+
+    # ---- the loop ----
+    def _drain_inbox(self, events: list[TokenEvent]) -> None:
+        while True:
+            try:
+                kind, item, stream = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                self._requests[item.request_id] = item
+                self._streams[item.request_id] = stream
+                self.scheduler.add(item)
+            elif kind == "abort" and item in self._requests:
+                self._finish(self._requests[item], FinishReason.ABORT, events)
+
+    def step(self) -> list[TokenEvent]:
+        """Run one engine step; returns the events it produced (also sent to callbacks)."""
+        start = time.perf_counter()
+        events: list[TokenEvent] = []
+        self._drain_inbox(events)
+        out = self.scheduler.schedule()
+        dispatched: list[tuple[list[Chunk], object]] = []
+        b = self.config.buckets
+        if out.decode:
+            rows = max(len(out.decode), out.num_static_rows)
+            dispatched.append((out.decode, self._dispatch(out.decode, bucket_for(b.decode_batch, rows, "batch"), 1)))
+        for chunk in out.prefill:
+            t = bucket_for(b.prefill_tokens, chunk.num_tokens, "prefill chunk")
+            dispatched.append(([chunk], self._dispatch([chunk], 1, t)))
+        if dispatched:
+            dispatch_end = time.perf_counter()
+            if self._last_fetch_end is not None:  # the device idled from the last fetch until now
+                self._counters["host_s"] += dispatch_end - self._last_fetch_end
+            results = self.runner.fetch([d for _, d in dispatched])
+            fetch_end = time.perf_counter()
+            if self._last_fetch_end is not None:
+                self._counters["step_s"] += fetch_end - self._last_fetch_end
+            self._last_fetch_end = fetch_end
+            for (chunks, _), result in zip(dispatched, results):
+                self._postprocess(chunks, result, events)
+            self._counters["steps"] += 1
+        if self.scheduler.config.target_tpot_ms is not None and out.decode:
+            self.scheduler.observe_decode_step((time.perf_counter() - start) * 1000)
+        return events
+
+    def _dispatch(self, chunks: list[Chunk], batch_bucket: int, token_bucket: int):
+        b, s = self.config.buckets, self.config.page_size
+        pages = bucket_for(b.pages_per_seq, max(len(c.request.page_ids) for c in chunks), "pages per sequence")
+        rows = [RowSpec(c.request.all_ids[c.start:c.start + c.num_tokens], c.start, c.request.page_ids)
+                for c in chunks]
+        batch = pad_step(rows, batch_bucket, token_bucket, pages, s)
+        sampling = pad_sampling(
+            [SamplingRow(c.request.params, self._streams[c.request.request_id].seed, c.request.prompt_ids,
+                         c.request.output_ids) for c in chunks],
+            batch_bucket, pages * s)
+        cnt = self._counters
+        cnt["slots"] += batch_bucket * token_bucket
+        cnt["live"] += batch.num_tokens
+        for c in chunks:
+            r = c.request
+            cnt["page_slots"] += len(r.page_ids) * s
+            cnt["page_tokens"] += c.start + c.num_tokens
+            if not (c.num_tokens == 1 and c.samples and r.output_ids):  # all but plain decode tokens
+                cnt["prompt_tokens_computed"] += c.num_tokens
+        return self.runner.run(batch, sampling)
+
+    def _postprocess(self, chunks: list[Chunk], result, events: list[TokenEvent]) -> None:
+        for row, c in enumerate(chunks):
+            r = c.request
+            if r.status is not Status.RUNNING:
+                continue  # aborted or preempted meanwhile
+            r.num_computed = c.start + c.num_tokens
+            if not c.samples:
+                continue
+            token = int(result.token_ids[row])
+            r.output_ids.append(token)
+            self._counters["output_tokens"] += 1
+            if r.first_token_time is None:
+                r.first_token_time = time.monotonic()
+            logprobs = None
+            if r.params.logprobs:
+                n = r.params.logprobs
+                top = tuple(zip(result.top_ids[row, :n].tolist(), result.top_logprobs[row, :n].tolist()))
+                logprobs = ((float(result.logprobs[row]), top),)
+            self._on_token(r, token, logprobs, events)
+
+    def _on_token(self, r: Request, token: int, logprobs, events: list[TokenEvent]) -> None:
+        p, stream = r.params, self._streams[r.request_id]
+        reason = None
+        if token in p.stop_token_ids or (token in self.eos_ids and not p.ignore_eos):
+            reason = FinishReason.STOP
+        elif len(r.output_ids) >= p.max_tokens or r.num_tokens >= self.max_context:
+            reason = FinishReason.LENGTH
+        if stream.detok is not None and reason is not FinishReason.STOP:
+            stream.text += stream.detok.add([token])
+        elif stream.detok is not None:
+            stream.detok.add([token])  # keep the detokenizer's window aligned; the text skips it
+        cut = _find_stop(stream.text, p.stop, stream.emitted)
+        if cut is not None:
+            stream.text = stream.text[:cut]
+            reason = FinishReason.STOP
+        if reason is None:
+            safe = len(stream.text) - _held_back(stream.text, p.stop)
+            delta, stream.emitted = stream.text[stream.emitted:safe], max(stream.emitted, safe)
+            self._emit(TokenEvent(r.request_id, (token,), delta, False, None, logprobs,
+                                  len(r.prompt_ids), len(r.output_ids)), stream, events)
+        else:
+            self._finish(r, reason, events, new_tokens=(token,), logprobs=logprobs)
+
+    def _finish(self, r: Request, reason: FinishReason, events: list[TokenEvent], new_tokens=(), logprobs=None,
+                error: str | None = None) -> None:
+        stream = self._streams.pop(r.request_id)
+        self._requests.pop(r.request_id, None)
+        self.scheduler.remove(r)
+        r.status = Status.FINISHED
+        r.finish_reason = reason
+        delta = stream.text[stream.emitted:]
+        self._emit(TokenEvent(r.request_id, tuple(new_tokens), delta, True, reason, logprobs,
+                              len(r.prompt_ids), len(r.output_ids), error), stream, events)
+
+    @staticmethod
+    def _emit(event: TokenEvent, stream: _Stream, events: list[TokenEvent]) -> None:
+        events.append(event)
+        if stream.callback is not None:
+            stream.callback(event)
+
+    # ---- warm-up ----
+    def warmup(self, progress: Callable[[int, int, tuple], None] | None = None) -> int:
+        """Compile every reachable bucket shape once (padding rows only: nothing real is written)."""
+        shapes = list(reachable_shapes(self.config.buckets, self.config.page_size))
+        for i, (kind, rows, tokens, pages) in enumerate(shapes):
+            batch = pad_step([], rows, tokens, pages, self.config.page_size)
+            sampling = pad_sampling([], rows, pages * self.config.page_size)
+            self.runner.fetch([self.runner.run(batch, sampling)])
+            if progress is not None:
+                progress(i + 1, len(shapes), (kind, rows, tokens, pages))
+        return len(shapes)
+
+    def run_until_done(self, max_steps: int | None = None) -> list[TokenEvent]:
+        events: list[TokenEvent] = []
+        steps = 0
+        while self.has_work():
+            events.extend(self.step())
+            steps += 1
+            if max_steps is not None and steps >= max_steps:
+                break
+        return events
+
+
+def reachable_shapes(buckets, page_size: int):
+    """Decode (batch, pages) are all reachable; a prefill bucket of T tokens only with enough pages
+    to hold more tokens than the next smaller bucket."""
+    for b in buckets.decode_batch:
+        for n in buckets.pages_per_seq:
+            yield ("decode", b, 1, n)
+    prev = 0
+    for t in buckets.prefill_tokens:
+        for n in buckets.pages_per_seq:
+            if n * page_size > prev:
+                yield ("prefill", 1, t, n)
+        prev = t
+
+
+def _find_stop(text: str, stops: tuple[str, ...], emitted: int) -> int | None:
+    """Index where the earliest stop string starts (searching only where a new match can be)."""
+    best = None
+    for s in stops:
+        i = text.find(s, max(0, emitted - len(s) + 1))
+        if i >= 0 and (best is None or i < best):
+            best = i
+    return best
+
+
+def _held_back(text: str, stops: tuple[str, ...]) -> int:
+    """Length of the longest tail of `text` that could still grow into a stop string."""
+    hold = 0
+    for s in stops:
+        for k in range(min(len(s) - 1, len(text)), hold, -1):
+            if text.endswith(s[:k]):
+                hold = k
+                break
+    return hold

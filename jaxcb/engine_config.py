@@ -1,0 +1,91 @@
+"""Engine configuration: cache size, scheduler settings and buckets, read from a TOML file.
+
+Plain values, no JAX. The file's sections map onto `SchedulerConfig` and `Buckets`; everything is
+validated here, at start, so a bad file fails before any device memory is touched.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tomllib
+
+from jaxcb.buckets import Buckets
+from jaxcb.scheduler import SchedulerConfig
+
+DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "default.toml")
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    num_pages: int
+    scheduler: SchedulerConfig
+    buckets: Buckets
+    seed: int = 0  # draws seeds for requests that bring none
+
+    @property
+    def page_size(self) -> int:
+        return self.scheduler.page_size
+
+    def __post_init__(self):
+        s, b = self.scheduler, self.buckets
+        if s.max_context % s.page_size:
+            raise ValueError(f"scheduler.max_context: {s.max_context} is not a multiple of page_size {s.page_size}")
+        b.validate(max_batch=s.max_running, max_pages_per_seq=s.max_context // s.page_size,
+                   max_prefill_tokens=s.max_chunk)
+        if self.num_pages < 2:
+            raise ValueError(f"cache.num_pages: must be >= 2, got {self.num_pages}")
+
+    def replace(self, *, num_pages=None, buckets=None, **scheduler_changes) -> "EngineConfig":
+        return EngineConfig(
+            num_pages=self.num_pages if num_pages is None else num_pages,
+            scheduler=dataclasses.replace(self.scheduler, **scheduler_changes),
+            buckets=self.buckets if buckets is None else buckets,
+            seed=self.seed,
+        )
+
+
+def make_config(*, page_size=16, num_pages=4096, max_context=2048, decode_batch=(1, 2, 4, 8, 16, 32),
+                pages_per_seq=None, prefill_tokens=(32, 64, 128, 256, 512), max_prefill_tokens=None,
+                **scheduler) -> EngineConfig:
+    """An EngineConfig from keyword values (tests and the Python API)."""
+    if pages_per_seq is None:
+        top = max_context // page_size
+        pages_per_seq = tuple(sorted({max(1, top // 16), max(1, top // 4), top}))
+    sched = SchedulerConfig(
+        page_size=page_size, max_running=decode_batch[-1], max_context=max_context,
+        max_chunk=prefill_tokens[-1],
+        max_prefill_tokens=prefill_tokens[-1] if max_prefill_tokens is None else max_prefill_tokens,
+        **scheduler,
+    )
+    return EngineConfig(num_pages=num_pages, scheduler=sched,
+                        buckets=Buckets(tuple(decode_batch), tuple(pages_per_seq), tuple(prefill_tokens)))
+
+
+def load_config(path: str | None = None) -> EngineConfig:
+    if path is None:
+        if not os.path.isfile(DEFAULT_CONFIG):  # installed without the source tree's configs/
+            return make_config()
+        path = DEFAULT_CONFIG
+    try:
+        with open(path, "rb") as f:
+            raw = tomllib.load(f)
+    except FileNotFoundError:
+        raise ValueError(f"config: file not found: {path}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ValueError(f"config: {path} is not valid TOML ({e})") from None
+    cache, sched, buckets = raw.get("cache", {}), dict(raw.get("scheduler", {})), raw.get("buckets", {})
+    try:
+        b = Buckets(tuple(buckets["decode_batch"]), tuple(buckets["pages_per_seq"]), tuple(buckets["prefill_tokens"]))
+    except KeyError as e:
+        raise ValueError(f"config: buckets.{e.args[0]} is missing") from None
+    if "length_bounds" in sched:
+        sched["length_bounds"] = tuple(sched["length_bounds"])
+    sched.setdefault("max_running", b.max_batch)
+    sched.setdefault("max_chunk", b.max_prefill_tokens)
+    try:
+        sc = SchedulerConfig(page_size=int(cache.get("page_size", 16)), **sched)
+    except TypeError as e:
+        raise ValueError(f"config: unknown setting in [scheduler] ({e})") from None
+    return EngineConfig(num_pages=int(cache.get("num_pages", 4096)), scheduler=sc, buckets=b,
+                        seed=int(raw.get("seed", 0)))

@@ -1,0 +1,119 @@
+"""The offline Python API: load a model, run a list of prompts through the engine, get completions.
+
+    llm = LLM()                                   # the embedded SmolLM2 model
+    outs = llm.generate(["Hello"], SamplingParams(max_tokens=32))
+    outs = llm.chat([[{"role": "user", "content": "Hi"}]], SamplingParams(max_tokens=32))
+
+All prompts are submitted at once and batched continuously; results come back in input order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+from jaxcb.engine import Engine
+from jaxcb.engine_config import EngineConfig, load_config
+from jaxcb.request import FinishReason, SamplingParams, TokenEvent
+
+
+@dataclasses.dataclass
+class Completion:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    logprobs: list | None = None
+    error: str | None = None
+
+
+def load_model(path: str | None = None, dtype=None):
+    """(ModelConfig, Params, Tokenizer, eos ids) from a GGUF file (default: the embedded SmolLM2)."""
+    from jaxcb.model.gguf_loader import default_model_path, load_gguf
+    from jaxcb.model.llama import params_from_numpy
+    from jaxcb.runner import default_dtype
+    from jaxcb.tokenizer import Tokenizer
+
+    loaded = load_gguf(path or default_model_path())
+    tokenizer = Tokenizer(loaded.tokenizer) if loaded.tokenizer is not None else None
+    params = params_from_numpy(loaded.weights, dtype or default_dtype())
+    eos = (tokenizer.eos_id,) if tokenizer is not None and tokenizer.eos_id is not None else ()
+    return loaded.config, params, tokenizer, eos
+
+
+class LLM:
+    def __init__(self, model: str | None = None, *, config: EngineConfig | str | None = None, dtype=None,
+                 _loaded=None):
+        from jaxcb.runner import ModelRunner
+
+        t0 = time.perf_counter()
+        model_config, params, tokenizer, eos = _loaded or load_model(model, dtype)
+        self.load_seconds = time.perf_counter() - t0
+        if not isinstance(config, EngineConfig):
+            config = load_config(config)
+        self.model_config = model_config
+        self.tokenizer = tokenizer
+        runner = ModelRunner(model_config, params, config.num_pages, config.page_size)
+        self.engine = Engine(runner, tokenizer, config, eos_ids=eos)
+
+    @classmethod
+    def from_params(cls, model_config, params, tokenizer=None, *, config: EngineConfig, eos_ids=()):
+        return cls(config=config, _loaded=(model_config, params, tokenizer, tuple(eos_ids)))
+
+    # ---- prompts to ids ----
+    def encode(self, prompt: str | list[int], chat: bool = False) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("prompt: this model has no tokenizer; pass token ids")
+            if chat:
+                return self.tokenizer.encode_chat([{"role": "user", "content": prompt}])
+            return self.tokenizer.encode(prompt)
+        return [int(t) for t in prompt]
+
+    # ---- generation ----
+    def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None, *,
+                 chat: bool = False, priorities: list[int] | None = None) -> list[Completion]:
+        """prompts: strings or token-id lists. Bad input raises ValueError before anything runs."""
+        prompts = list(prompts)
+        if params is None or isinstance(params, SamplingParams):
+            params = [params or SamplingParams()] * len(prompts)
+        ids = [self.encode(p, chat) for p in prompts]
+        return self._run(ids, params, priorities)
+
+    def chat(self, conversations: list[list[dict]], params: SamplingParams | list[SamplingParams] | None = None):
+        if self.tokenizer is None:
+            raise ValueError("messages: this model has no tokenizer")
+        if params is None or isinstance(params, SamplingParams):
+            params = [params or SamplingParams()] * len(conversations)
+        return self._run([self.tokenizer.encode_chat(m) for m in conversations], params, None)
+
+    def _run(self, ids: list[list[int]], params: list[SamplingParams], priorities) -> list[Completion]:
+        for i, (p, sp) in enumerate(zip(ids, params)):
+            try:
+                self.engine.validate(p, sp)
+            except ValueError as e:
+                raise ValueError(f"request {i}: {e}") from None
+        results: dict[str, Completion] = {}
+        order = []
+        for i, (p, sp) in enumerate(zip(ids, params)):
+            rid = self.engine.add_request(p, sp, priority=priorities[i] if priorities else 0)
+            results[rid] = Completion(rid, p, [], "", None, [] if sp.logprobs else None)
+            order.append(rid)
+        while self.engine.has_work():
+            for ev in self.engine.step():
+                _apply(results[ev.request_id], ev)
+        return [results[r] for r in order]
+
+    def warmup(self, progress=None) -> int:
+        return self.engine.warmup(progress)
+
+
+def _apply(out: Completion, ev: TokenEvent) -> None:
+    out.token_ids.extend(ev.token_ids)
+    out.text += ev.text
+    if ev.logprobs and out.logprobs is not None:
+        out.logprobs.extend(ev.logprobs)
+    if ev.finished:
+        out.finish_reason = ev.finish_reason.value if isinstance(ev.finish_reason, FinishReason) else ev.finish_reason
+        out.error = ev.error

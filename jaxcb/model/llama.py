@@ -1,0 +1,138 @@
+"""Llama in JAX over the paged KV cache: one pure step function for prefill and decode alike.
+
+    kv_pages, logits = forward(params, kv_pages, batch, config)
+
+The per-layer weights are stacked on a leading axis and the layers run under `jax.lax.scan`, so
+compile time does not grow with depth. The KV pages travel through the scan as part of the carry
+and each layer scatters its new K/V into them; with the pages donated to the jitted caller the
+cache is updated in place, never copied.
+"""
+
+from __future__ import annotations
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxcb.model.config import ModelConfig
+from jaxcb.model.paged_attention import paged_attention_reference, write_kv
+
+
+@flax.struct.dataclass
+class LayerParams:
+    """Stacked over layers: every array has a leading L axis."""
+
+    attn_norm: jax.Array  # [L, E]
+    wq: jax.Array  # [L, E, H*D]
+    wk: jax.Array  # [L, E, K*D]
+    wv: jax.Array  # [L, E, K*D]
+    wo: jax.Array  # [L, H*D, E]
+    mlp_norm: jax.Array  # [L, E]
+    w_gate: jax.Array  # [L, E, F]
+    w_up: jax.Array  # [L, E, F]
+    w_down: jax.Array  # [L, F, E]
+
+
+@flax.struct.dataclass
+class Params:
+    embed: jax.Array  # [V, E]
+    final_norm: jax.Array  # [E]
+    lm_head: jax.Array | None  # [E, V], None when tied to the embedding
+    layers: LayerParams
+
+
+@flax.struct.dataclass
+class StepInput:
+    """One padded step: B sequences with T new tokens each (T = 1 for decode)."""
+
+    token_ids: jax.Array  # int32 [B, T]
+    positions: jax.Array  # int32 [B, T], position of each token in its sequence
+    slot_ids: jax.Array  # int32 [B, T], flat KV slot to write (null page for padding)
+    page_table: jax.Array  # int32 [B, N]
+    kv_lens: jax.Array  # int32 [B], context length once this step's tokens are written
+    logits_index: jax.Array  # int32 [B], which of the T tokens to return logits for
+
+
+def params_from_numpy(weights: dict[str, np.ndarray], dtype=jnp.float32) -> Params:
+    as_array = lambda name: jnp.asarray(weights[name], dtype=dtype)  # noqa: E731
+    layers = LayerParams(**{f.name: as_array(f.name) for f in LayerParams.__dataclass_fields__.values()})
+    lm_head = as_array("lm_head") if "lm_head" in weights else None
+    return Params(embed=as_array("embed"), final_norm=as_array("final_norm"), lm_head=lm_head, layers=layers)
+
+
+def random_weights(config: ModelConfig, seed: int = 0, scale: float = 0.08) -> dict[str, np.ndarray]:
+    """Random weights in the loader's layout, for tests."""
+    rng = np.random.default_rng(seed)
+    e, f, l = config.hidden_size, config.intermediate_size, config.num_layers
+    q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    shapes = {
+        "embed": (config.vocab_size, e), "wq": (l, e, q), "wk": (l, e, kv), "wv": (l, e, kv),
+        "wo": (l, q, e), "w_gate": (l, e, f), "w_up": (l, e, f), "w_down": (l, f, e),
+    }
+    w = {k: (rng.standard_normal(s) * scale).astype(np.float32) for k, s in shapes.items()}
+    w["embed"] *= 10  # embeddings of a useful size relative to the norms
+    for k, s in {"attn_norm": (l, e), "mlp_norm": (l, e), "final_norm": (e,)}.items():
+        w[k] = (1.0 + 0.1 * rng.standard_normal(s)).astype(np.float32)
+    if not config.tie_embeddings:
+        w["lm_head"] = (rng.standard_normal((e, config.vocab_size)) * scale).astype(np.float32)
+    return w
+
+
+def rms_norm(x, weight, eps):
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (weight.astype(jnp.float32) * x32).astype(x.dtype)
+
+
+def rotary(x, positions, theta):
+    """Rotate-half rotary embedding. x [B, T, heads, D]; positions int32 [B, T]."""
+    d = x.shape[-1]
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, D/2]
+    angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]
+    cos, sin = jnp.cos(angles), jnp.sin(angles)
+    x32 = x.astype(jnp.float32)
+    half = d // 2
+    rotated = jnp.concatenate([-x32[..., half:], x32[..., :half]], axis=-1)
+    return (x32 * cos + rotated * sin).astype(x.dtype)
+
+
+def _layer(config: ModelConfig, batch: StepInput, h, kv_pages, layer_index, w: LayerParams):
+    b, t, _ = h.shape
+    nh, nk, d = config.num_heads, config.num_kv_heads, config.head_dim
+    x = rms_norm(h, w.attn_norm, config.rms_norm_eps)
+    q = (x @ w.wq).reshape(b, t, nh, d)
+    k = (x @ w.wk).reshape(b, t, nk, d)
+    v = (x @ w.wv).reshape(b, t, nk, d)
+    q = rotary(q, batch.positions, config.rope_theta)
+    k = rotary(k, batch.positions, config.rope_theta)
+
+    layer_kv = write_kv(kv_pages[layer_index], k.reshape(b * t, nk, d), v.reshape(b * t, nk, d),
+                        batch.slot_ids.reshape(b * t))
+    kv_pages = jax.lax.dynamic_update_index_in_dim(kv_pages, layer_kv, layer_index, axis=0)
+    attn = paged_attention_reference(q, layer_kv[0], layer_kv[1], batch.page_table, batch.kv_lens,
+                                     batch.positions)
+    h = h + attn.reshape(b, t, nh * d) @ w.wo
+
+    x = rms_norm(h, w.mlp_norm, config.rms_norm_eps)
+    h = h + (jax.nn.silu(x @ w.w_gate) * (x @ w.w_up)) @ w.w_down
+    return h, kv_pages
+
+
+def forward(params: Params, kv_pages: jax.Array, batch: StepInput, config: ModelConfig):
+    """Returns (kv_pages with this step's K/V written, logits [B, V] in float32)."""
+    h = params.embed[batch.token_ids]  # [B, T, E]
+
+    def body(carry, xs):
+        h, kv_pages = carry
+        layer_index, w = xs
+        return _layer(config, batch, h, kv_pages, layer_index, w), None
+
+    layer_ids = jnp.arange(config.num_layers, dtype=jnp.int32)
+    (h, kv_pages), _ = jax.lax.scan(body, (h, kv_pages), (layer_ids, params.layers))
+    last = jnp.take_along_axis(h, batch.logits_index[:, None, None], axis=1)[:, 0]  # [B, E]
+    last = rms_norm(last, params.final_norm, config.rms_norm_eps)
+    head = params.embed.T if params.lm_head is None else params.lm_head
+    logits = jnp.dot(last, head, preferred_element_type=jnp.float32)
+    return kv_pages, logits

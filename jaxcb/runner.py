@@ -1,0 +1,84 @@
+"""The device side of a step: params and KV pages on the accelerator, one jitted program per bucket.
+
+    kv_pages, sampled = step(params, kv_pages, batch, sampling)
+
+`step` is pure; the KV pages are donated so the cache is updated in place. `ModelRunner` owns the
+device state, turns padded numpy batches into device arrays, dispatches asynchronously and counts
+XLA compilations (which must stay flat after warm-up).
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+
+import jax
+import jax.monitoring
+import jax.numpy as jnp
+import numpy as np
+
+from jaxcb.buckets import PaddedBatch, PaddedSampling
+from jaxcb.model.config import ModelConfig
+from jaxcb.model.llama import Params, StepInput, forward
+from jaxcb.model.paged_attention import allocate_kv_pages
+from jaxcb.sampling import SampleOutput, SamplingInput, sample
+
+_compile_lock = threading.Lock()
+_compilations = 0
+
+
+def _count_compile(name, *args, **kwargs):
+    global _compilations
+    if name == "/jax/core/compile/backend_compile_duration":
+        with _compile_lock:
+            _compilations += 1
+
+
+jax.monitoring.register_event_duration_secs_listener(_count_compile)
+
+
+def compilation_count() -> int:
+    """XLA backend compilations in this process so far (all functions, all runners)."""
+    return _compilations
+
+
+@functools.partial(jax.jit, static_argnames=("config",), donate_argnums=(1,))
+def step(params: Params, kv_pages: jax.Array, batch: StepInput, sampling: SamplingInput, config: ModelConfig):
+    kv_pages, logits = forward(params, kv_pages, batch, config)
+    return kv_pages, sample(logits, sampling)
+
+
+def default_dtype():
+    """float32 on the CPU, bfloat16 on accelerators."""
+    return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
+
+
+class ModelRunner:
+    def __init__(self, config: ModelConfig, params: Params, num_pages: int, page_size: int, dtype=None):
+        self.config = config
+        self.params = params
+        self.dtype = dtype or params.embed.dtype
+        self.page_size = page_size
+        self.num_pages = num_pages
+        self.kv_pages = allocate_kv_pages(config.num_layers, config.num_kv_heads, num_pages, page_size,
+                                          config.head_dim, self.dtype)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        c = self.config
+        return 2 * c.num_layers * c.num_kv_heads * c.head_dim * jnp.dtype(self.dtype).itemsize
+
+    def run(self, batch: PaddedBatch, sampling: PaddedSampling) -> SampleOutput:
+        """Dispatch one step; returns device arrays without waiting for them."""
+        step_input = StepInput(
+            token_ids=batch.token_ids, positions=batch.positions, slot_ids=batch.slot_ids,
+            page_table=batch.page_table, kv_lens=batch.kv_lens, logits_index=batch.logits_index,
+        )
+        sampling_input = SamplingInput(**{k: getattr(sampling, k) for k in SamplingInput.__dataclass_fields__})
+        self.kv_pages, out = step(self.params, self.kv_pages, step_input, sampling_input, config=self.config)
+        return out
+
+    @staticmethod
+    def fetch(outputs: list[SampleOutput]) -> list[SampleOutput]:
+        """The one device-to-host copy of a step: every dispatched output at once."""
+        return jax.device_get(outputs)

@@ -1,0 +1,263 @@
+"""The scheduler: each step, which requests run and how many of their tokens.
+
+Plain Python, no JAX. Every step, running requests come first, best first by the policy: each gets
+one token if it is decoding, or a chunk of its prompt (chunked prefill, under a per-step budget of
+prefill tokens) if it is still prefilling. Each first takes the pages its tokens need; when the pool
+cannot supply them, the worst running request by the policy is preempted (its pages freed, its
+progress dropped, requeued to be recomputed later) until they fit. Then, if nothing was preempted,
+waiting requests are admitted in policy order while a batch slot, budget and pages remain.
+
+A request with a single pending token is a decode row; the engine batches those in one step and runs
+each multi-token chunk as a prefill. Policies only decide order; the mechanism is the same for all:
+  fcfs            arrival order
+  sjf             shortest first (prompt length + max_tokens)
+  priority        larger priority first; waiting raises it by `aging_per_s` a second, so nothing starves
+  length-buckets  prompts grouped by length; a group is admitted together once it fills the free
+                  slots or its oldest request has waited max_wait_ms, then the others fill in
+"""
+
+from __future__ import annotations
+
+import bisect
+import collections
+import dataclasses
+import time
+
+from jaxcb.page_pool import PagePool
+from jaxcb.request import Request, Status
+
+POLICIES = ("fcfs", "sjf", "priority", "length-buckets")
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerConfig:
+    page_size: int = 16
+    max_running: int = 32  # batch slots
+    max_prefill_tokens: int = 512  # prompt tokens per step, over all chunks
+    max_chunk: int = 512  # tokens of one prefill chunk (the largest prefill bucket)
+    max_context: int = 2048  # tokens one sequence may hold (prompt + output)
+    policy: str = "fcfs"
+    max_wait_ms: float = 0.0  # dynamic-batching window for admitting new prefills
+    min_batch: int = 1  # admit new prefills once this many wait (or max_wait_ms passed)
+    aging_per_s: float = 1.0  # priority policy: priority gained per second of waiting
+    length_bounds: tuple[int, ...] = (64, 256)  # length-buckets policy: short < 64 <= medium < 256 <= long
+    target_tpot_ms: float | None = None  # latency target: adapt the running limit to this p99
+    static: bool = False  # classic static batching: admit a new batch only when the last one is done
+
+    def __post_init__(self):
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy: {self.policy!r} is not one of {', '.join(POLICIES)}")
+        for name in ("page_size", "max_running", "max_prefill_tokens", "max_chunk", "max_context", "min_batch"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        if self.max_wait_ms < 0:
+            raise ValueError(f"max_wait_ms: must be >= 0, got {self.max_wait_ms}")
+
+
+@dataclasses.dataclass
+class Chunk:
+    """Tokens `request.all_ids[start:start + num_tokens]` run this step."""
+
+    request: Request
+    start: int
+    num_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """A chunk that reaches the newest token yields the request's next token."""
+        return self.start + self.num_tokens == self.request.num_tokens
+
+
+@dataclasses.dataclass
+class SchedulerOutput:
+    decode: list[Chunk]  # one token each, batched in one decode step
+    prefill: list[Chunk]  # more than one token each, one prefill step each
+    preempted: list[Request]  # lost their pages this step; back in the waiting queue
+    num_static_rows: int = 0  # static mode: rows the batch occupies, finished ones included
+
+    @property
+    def empty(self) -> bool:
+        return not self.decode and not self.prefill
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, pool: PagePool):
+        self.config = config
+        self.pool = pool
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self.running_limit = config.max_running
+        self.num_preemptions = 0
+        self._static_rows = 0
+        self._tpot_ms = collections.deque(maxlen=64)
+
+    # ---- queue ----
+    def check_fits(self, request: Request) -> None:
+        """Reject at once what could never run, instead of queueing it forever."""
+        c = self.config
+        if request.max_total_tokens > c.max_context:
+            raise ValueError(
+                f"max_tokens: prompt ({len(request.prompt_ids)} tokens) + max_tokens "
+                f"({request.params.max_tokens}) = {request.max_total_tokens} exceeds the context limit of "
+                f"{c.max_context} tokens"
+            )
+        pages = self.pool.pages_for(request.max_total_tokens)
+        if pages > self.pool.num_usable:
+            raise ValueError(
+                f"max_tokens: prompt + max_tokens needs {pages} KV pages but the cache holds only "
+                f"{self.pool.num_usable}"
+            )
+
+    def add(self, request: Request) -> None:
+        self.check_fits(request)
+        request.status = Status.WAITING
+        self.waiting.append(request)
+
+    def remove(self, request: Request) -> None:
+        """Drop a request (finished or aborted) and return its pages."""
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        if request.page_ids:
+            self.pool.free(request.page_ids)
+            request.page_ids = []
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- policy ----
+    def _key(self, r: Request, now: float):
+        p = self.config.policy
+        if p == "sjf":
+            return (r.max_total_tokens, r.arrival_time, r.seq_no)
+        if p == "priority":
+            return (-(r.priority + self.config.aging_per_s * (now - r.arrival_time)), r.arrival_time, r.seq_no)
+        return (r.arrival_time, r.seq_no)
+
+    def _length_bucket(self, r: Request) -> int:
+        return bisect.bisect_right(self.config.length_bounds, len(r.prompt_ids))
+
+    def _admission_order(self, now: float, room: int) -> list[Request]:
+        c = self.config
+        waiting = sorted(self.waiting, key=lambda r: self._key(r, now))
+        if not waiting:
+            return []
+        oldest_wait_ms = (now - min(r.arrival_time for r in waiting)) * 1000
+        window_open = len(waiting) >= c.min_batch or oldest_wait_ms >= c.max_wait_ms or c.max_wait_ms == 0
+        if c.policy != "length-buckets":
+            return waiting if window_open else []
+        groups: dict[int, list[Request]] = collections.defaultdict(list)
+        for r in waiting:
+            groups[self._length_bucket(r)].append(r)
+
+        def ready(g):
+            return len(g) >= room or (now - g[0].arrival_time) * 1000 >= c.max_wait_ms
+
+        ready_groups = [g for g in groups.values() if ready(g)]
+        if not ready_groups:
+            if self.running:
+                return []  # let a group fill up (it becomes ready by max_wait_ms at the latest)
+            ready_groups = [max(groups.values(), key=len)]
+        first = min(ready_groups, key=lambda g: g[0].arrival_time)
+        return first + [r for r in waiting if r not in first]
+
+    # ---- latency target ----
+    def observe_decode_step(self, ms_per_token: float) -> None:
+        """Adapt the running limit to the latency target: grow while p99 is well under, shrink near it."""
+        target = self.config.target_tpot_ms
+        if target is None:
+            return
+        self._tpot_ms.append(ms_per_token)
+        if len(self._tpot_ms) < 8:
+            return
+        window = sorted(self._tpot_ms)
+        p99 = window[min(len(window) - 1, int(0.99 * len(window)))]
+        if p99 > 0.9 * target and self.running_limit > 1:
+            self.running_limit = max(1, int(self.running_limit * 0.8))
+            self._tpot_ms.clear()
+        elif p99 < 0.7 * target and self.running_limit < self.config.max_running:
+            self.running_limit += 1
+
+    # ---- the step ----
+    def _preempt(self, victim: Request, out: SchedulerOutput) -> None:
+        self.running.remove(victim)
+        self.pool.free(victim.page_ids)
+        victim.page_ids = []
+        victim.num_computed = 0
+        victim.status = Status.WAITING
+        victim.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.append(victim)
+        out.preempted.append(victim)
+
+    def _grow(self, r: Request, num_tokens: int) -> bool:
+        """Give `r` the pages to hold its first num_tokens tokens; False when the pool is short."""
+        need = self.pool.pages_for(num_tokens) - len(r.page_ids)
+        if need <= 0:
+            return True
+        pages = self.pool.allocate(need)
+        if pages is None:
+            return False
+        r.page_ids.extend(pages)
+        return True
+
+    def _chunk(self, r: Request, budget: int) -> int:
+        pending = r.num_tokens - r.num_computed
+        if pending == 1:
+            return 1
+        return min(pending, budget, self.config.max_chunk)
+
+    def schedule(self, now: float | None = None) -> SchedulerOutput:
+        now = time.monotonic() if now is None else now
+        c = self.config
+        out = SchedulerOutput(decode=[], prefill=[], preempted=[])
+        budget = c.max_prefill_tokens
+        scheduled: set[int] = set()
+
+        self.running.sort(key=lambda r: self._key(r, now))
+        i = 0
+        while i < len(self.running):
+            r = self.running[i]
+            n = self._chunk(r, budget)
+            if n == 0:
+                i += 1
+                continue
+            while not self._grow(r, r.num_computed + n):
+                victim = next((v for v in reversed(self.running) if id(v) not in scheduled), None)
+                self._preempt(victim, out)
+                if victim is r:
+                    break
+            if r.status is Status.WAITING:  # r preempted itself: nothing left to take from
+                break
+            scheduled.add(id(r))
+            self._emit(out, Chunk(r, r.num_computed, n))
+            if n > 1 or r.num_tokens - r.num_computed > 1:
+                budget -= n
+            i += 1
+
+        admit = not out.preempted and not (c.static and self.running)
+        if admit:
+            room = self.running_limit - len(self.running)
+            for r in self._admission_order(now, room):
+                if room <= 0 or budget <= 0:
+                    break
+                n = self._chunk(r, budget)
+                if not self._grow(r, r.num_computed + n):
+                    break  # out of pages: wait for running requests to finish
+                self.waiting.remove(r)
+                r.status = Status.RUNNING
+                self.running.append(r)
+                self._emit(out, Chunk(r, r.num_computed, n))
+                if n > 1 or r.num_tokens - r.num_computed > 1:
+                    budget -= n
+                room -= 1
+            if c.static and self.running:
+                self._static_rows = len(self.running)
+        out.num_static_rows = self._static_rows if c.static else 0
+        return out
+
+    @staticmethod
+    def _emit(out: SchedulerOutput, chunk: Chunk) -> None:
+        (out.decode if chunk.num_tokens == 1 else out.prefill).append(chunk)

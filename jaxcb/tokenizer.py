@@ -1,0 +1,132 @@
+"""Tokenizer and chat template, built from the model file's metadata.
+
+The byte-level BPE model is built with the `tokenizers` library from the GGUF vocabulary and merges;
+the pre-tokenizer follows llama.cpp's name for it (`tokenizer.ggml.pre`). Control and user-defined
+tokens (`<|im_start|>`...) are added as special tokens so that they are matched whole in text.
+The chat template stored in the file is rendered with jinja2 in a sandbox.
+
+`IncrementalDetokenizer` turns a stream of ids into text deltas that never split a character that
+spans several tokens.
+"""
+
+from __future__ import annotations
+
+import jinja2
+import jinja2.sandbox
+from tokenizers import AddedToken, Regex, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
+
+from jaxcb.model.gguf_loader import TokenizerSpec
+
+_CONTROL, _USER_DEFINED = 3, 4
+# GPT-2's split pattern, used by most byte-level BPE vocabularies.
+_GPT2_PATTERN = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+_LLAMA3_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+ROLES = ("system", "user", "assistant", "tool")
+
+
+def _pre_tokenizer(pre: str):
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if pre in ("smollm", "starcoder", "refact", "codeshell"):
+        # llama.cpp: "\p{N}" first (every digit its own piece), then the GPT-2 pattern.
+        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+    if pre in ("llama-bpe", "llama3", "smaug-bpe"):
+        return pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(_LLAMA3_PATTERN), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ])
+    return byte_level
+
+
+class Tokenizer:
+    def __init__(self, spec: TokenizerSpec):
+        if spec.model != "gpt2":
+            raise ValueError(
+                f"tokenizer.ggml.model: {spec.model!r} is not supported; supported: 'gpt2' (byte-level BPE)"
+            )
+        vocab = {tok: i for i, tok in enumerate(spec.tokens)}
+        merges = [tuple(m.split(" ", 1)) for m in spec.merges]
+        tok = HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, ignore_merges=False))
+        tok.pre_tokenizer = _pre_tokenizer(spec.pre)
+        tok.decoder = decoders.ByteLevel()
+        special = [
+            AddedToken(t, special=True, normalized=False)
+            for t, kind in zip(spec.tokens, spec.token_types)
+            if kind in (_CONTROL, _USER_DEFINED)
+        ]
+        tok.add_special_tokens(special)
+        self._tok = tok
+        self.spec = spec
+        self.vocab_size = len(spec.tokens)
+        self.bos_id = spec.bos_id
+        self.eos_id = spec.eos_id
+        self.special_ids = frozenset(vocab[t.content] for t in special)
+        self._template = None
+        if spec.chat_template:
+            env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            env.globals["raise_exception"] = _raise_template_error
+            self._template = env.from_string(spec.chat_template)
+
+    def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
+        ids = self._tok.encode(text, add_special_tokens=False).ids
+        if (self.spec.add_bos if add_bos is None else add_bos) and self.bos_id is not None:
+            if not ids or ids[0] != self.bos_id:
+                ids = [self.bos_id, *ids]
+        return ids
+
+    def decode(self, ids, skip_special: bool = True) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special)
+
+    def id_to_token(self, i: int) -> str | None:
+        return self._tok.id_to_token(i)
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        if self._template is None:
+            raise ValueError("chat: this model file has no chat template; send a raw prompt")
+        for i, m in enumerate(messages):
+            if m.get("role") not in ROLES:
+                raise ValueError(f"messages[{i}].role: {m.get('role')!r} is not one of {', '.join(ROLES)}")
+            if not isinstance(m.get("content"), str):
+                raise ValueError(f"messages[{i}].content: must be a string")
+        bos = self.id_to_token(self.bos_id) if self.bos_id is not None else ""
+        eos = self.id_to_token(self.eos_id) if self.eos_id is not None else ""
+        return self._template.render(
+            messages=messages, add_generation_prompt=add_generation_prompt, bos_token=bos, eos_token=eos
+        )
+
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        # The template writes the special tokens itself; never add another BOS.
+        return self.encode(self.render_chat(messages), add_bos=False)
+
+
+def _raise_template_error(message):
+    raise ValueError(f"chat template: {message}")
+
+
+class IncrementalDetokenizer:
+    """Text deltas for a growing id list, holding back the bytes of an unfinished character.
+
+    Each call decodes a short window of earlier ids plus the new ones and emits only what the new
+    ones add (byte-level merges at the window edge then decode as they do in the whole text); while
+    the text ends in U+FFFD, a character split across tokens, nothing is emitted yet.
+    """
+
+    def __init__(self, tokenizer: Tokenizer):
+        self.tok = tokenizer
+        self.ids: list[int] = []
+        self.prefix_offset = 0  # start of the decoding window
+        self.read_offset = 0  # ids before this have been emitted as text
+        self.text = ""
+
+    def add(self, new_ids) -> str:
+        self.ids.extend(int(i) for i in new_ids)
+        before = self.tok.decode(self.ids[self.prefix_offset:self.read_offset])
+        after = self.tok.decode(self.ids[self.prefix_offset:])
+        if len(after) <= len(before) or after.endswith("\ufffd"):
+            return ""
+        delta = after[len(before):]
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        self.text += delta
+        return delta
