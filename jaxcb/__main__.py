@@ -1,0 +1,5 @@
+import sys
+
+from jaxcb.cli import main
+
+sys.exit(main())

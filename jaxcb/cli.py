@@ -1,0 +1,217 @@
+"""The `jaxcb` command line.
+
+    jaxcb generate "Why is the sky blue?"            # chat template applied; --raw to skip it
+    jaxcb generate --input requests.jsonl --output results.jsonl [--stats] [--static]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+GENERATION_FIELDS = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty",
+                     "presence_penalty", "frequency_penalty", "seed", "stop", "stop_token_ids",
+                     "ignore_eos", "logprobs")
+LINE_FIELDS = {"prompt", "prompt_token_ids", "messages", "chat", "priority", "id", *GENERATION_FIELDS}
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="a Llama-architecture GGUF file (default: embedded SmolLM2-135M)")
+    p.add_argument("--config", default=None, help="engine config TOML (default: configs/default.toml)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
+                   help="weights and KV dtype (default: float32 on CPU, bfloat16 on GPU/TPU)")
+    p.add_argument("--policy", default=None, help="scheduling policy: fcfs, sjf, priority, length-buckets")
+
+
+def _sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="jaxcb", description="jaxcb: LLM serving on JAX/XLA")
+    sub = parser.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("generate", help="generate completions offline")
+    g.add_argument("prompt", nargs="?", help="the prompt text")
+    g.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    g.add_argument("--input", help="JSONL file of requests, one JSON object per line")
+    g.add_argument("--output", help="JSONL file for the results (default: stdout)")
+    g.add_argument("--stats", action="store_true", help="warm up first, then print one final JSON line of figures")
+    g.add_argument("--static", action="store_true", help="static batching (admit a batch only when the last is done)")
+    _add_model_args(g)
+    _sampling_args(g)
+    return parser
+
+
+def _engine_config(args):
+    from jaxcb.engine_config import load_config
+
+    config = load_config(args.config)
+    changes = {}
+    if args.policy:
+        changes["policy"] = args.policy
+    if getattr(args, "static", False):
+        changes["static"] = True
+    return config.replace(**changes) if changes else config
+
+
+def _make_llm(args):
+    import jax.numpy as jnp
+
+    from jaxcb.llm import LLM
+
+    dtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}.get(args.dtype)
+    return LLM(args.model, config=_engine_config(args), dtype=dtype)
+
+
+def _params_from_args(args, overrides: dict | None = None):
+    from jaxcb.request import SamplingParams
+
+    values = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                  min_p=args.min_p, seed=args.seed, ignore_eos=args.ignore_eos, stop=tuple(args.stop))
+    values.update(overrides or {})
+    if isinstance(values.get("stop"), str):
+        values["stop"] = (values["stop"],)
+    return SamplingParams(**values)
+
+
+def _parse_line(llm, args, lineno: int, line: str):
+    """One input line -> (prompt ids, SamplingParams, priority, id); ValueError names line and field."""
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"line {lineno}: not valid JSON ({e.msg})") from None
+    if not isinstance(obj, dict):
+        raise ValueError(f"line {lineno}: must be a JSON object")
+    unknown = set(obj) - LINE_FIELDS
+    if unknown:
+        raise ValueError(f"line {lineno}: unknown field(s) {', '.join(sorted(unknown))}")
+    try:
+        chat = obj.get("chat", not args.raw)
+        if "prompt_token_ids" in obj:
+            ids = obj["prompt_token_ids"]
+            if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+                raise ValueError("prompt_token_ids: must be a list of integers")
+        elif "messages" in obj:
+            if llm.tokenizer is None:
+                raise ValueError("messages: this model has no tokenizer")
+            ids = llm.tokenizer.encode_chat(obj["messages"])
+        elif "prompt" in obj:
+            if not isinstance(obj["prompt"], str):
+                raise ValueError("prompt: must be a string")
+            ids = llm.encode(obj["prompt"], chat=bool(chat))
+        else:
+            raise ValueError("one of prompt, prompt_token_ids or messages is required")
+        params = _params_from_args(args, {k: obj[k] for k in GENERATION_FIELDS if k in obj})
+        llm.engine.validate(ids, params)
+        priority = obj.get("priority", 0)
+        if not isinstance(priority, int):
+            raise ValueError("priority: must be an integer")
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"line {lineno}: {e}") from None
+    return ids, params, priority, obj.get("id")
+
+
+def _result(out, rid=None) -> dict:
+    d = {"prompt_token_ids": out.prompt_token_ids, "token_ids": out.token_ids, "text": out.text,
+         "finish_reason": out.finish_reason}
+    if out.logprobs is not None:
+        d["logprobs"] = out.logprobs
+    if rid is not None:
+        d["id"] = rid
+    return d
+
+
+def cmd_generate(args) -> int:
+    if (args.prompt is None) == (args.input is None):
+        print("jaxcb generate: give either a prompt or --input FILE", file=sys.stderr)
+        return 2
+    llm = _make_llm(args)
+    if args.stats:
+        t0 = time.perf_counter()
+        llm.warmup()
+        print(f"warm-up: {time.perf_counter() - t0:.1f}s", file=sys.stderr)
+    if args.prompt is not None:
+        outs = llm.generate([args.prompt], _params_from_args(args), chat=not args.raw)
+        print(outs[0].text)
+        return 0
+
+    try:
+        with open(args.input, encoding="utf-8") as f:
+            lines = f.read().splitlines()
+    except OSError as e:
+        print(f"jaxcb generate: --input: {e}", file=sys.stderr)
+        return 2
+    slots: list[dict | None] = []
+    jobs = []  # (slot index, ids, params, priority, id)
+    failed = 0
+    for lineno, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            ids, params, priority, rid = _parse_line(llm, args, lineno, line)
+        except ValueError as e:
+            print(f"jaxcb generate: {args.input}: {e}", file=sys.stderr)
+            slots.append({"line": lineno, "error": str(e)})
+            failed += 1
+            continue
+        jobs.append((len(slots), ids, params, priority, rid))
+        slots.append(None)
+
+    engine = llm.engine
+    compiled_before = engine.stats().compilations
+    engine.reset_counters()
+    t0 = time.perf_counter()
+    outs = llm._run([j[1] for j in jobs], [j[2] for j in jobs], [j[3] for j in jobs]) if jobs else []
+    wall = time.perf_counter() - t0
+    for job, out in zip(jobs, outs):
+        slots[job[0]] = _result(out, job[4])
+
+    sink = open(args.output, "w", encoding="utf-8") if args.output else sys.stdout
+    try:
+        for s in slots:
+            sink.write(json.dumps(s, ensure_ascii=False) + "\n")
+    finally:
+        if args.output:
+            sink.close()
+    if args.stats:
+        st = engine.stats()
+        useful = sum(len(o.token_ids) for o in outs)
+        prompt_tokens = sum(len(o.prompt_token_ids) for o in outs)
+        print(json.dumps({
+            "requests": len(outs), "failed_lines": failed, "wall_s": round(wall, 3),
+            "output_tokens_per_s": useful / wall if wall else 0.0,
+            "prompt_tokens_per_s": prompt_tokens / wall if wall else 0.0,
+            "prompt_tokens_computed": st.prompt_tokens_computed,
+            "compilations_after_warmup": st.compilations - compiled_before,
+            "padding_fraction": st.padding_fraction, "page_utilization": st.page_utilization,
+            "preemptions": st.preemptions, "host_wait_fraction": st.host_wait_fraction, "steps": st.steps,
+        }))
+    if failed:
+        print(f"jaxcb generate: {failed} of {failed + len(jobs)} lines failed", file=sys.stderr)
+        return 1
+    return 0
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "generate":
+            return cmd_generate(args)
+    except ValueError as e:
+        print(f"jaxcb {args.command}: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

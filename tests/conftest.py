@@ -1,0 +1,70 @@
+"""Shared fixtures: a tiny random-weight GGUF model for most tests, the real SmolLM2 for a few.
+
+Every engine a test makes through `make_llm` is checked at teardown: the page pool must be whole
+again (nothing in use, free + in use == total)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from tiny_gguf import write_tiny_gguf
+
+GOLDEN = os.path.join(os.path.dirname(__file__), "golden", "smollm2")
+
+
+@pytest.fixture(scope="session")
+def tiny_gguf_path(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("models") / "tiny.gguf")
+    write_tiny_gguf(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_gguf_path):
+    from jaxcb.llm import load_model
+
+    return load_model(tiny_gguf_path)
+
+
+@pytest.fixture
+def make_llm(tiny_model):
+    """make_llm(**engine_config) -> LLM on the tiny model; pools are checked whole at teardown."""
+    from jaxcb.engine_config import make_config
+    from jaxcb.llm import LLM
+
+    made = []
+
+    def make(model=None, **config):
+        config.setdefault("num_pages", 256)
+        config.setdefault("max_context", 256)
+        config.setdefault("decode_batch", (1, 2, 4, 8))
+        config.setdefault("prefill_tokens", (16, 32, 64))
+        config_obj = make_config(**config)
+        cfg, params, tok, eos = model or tiny_model
+        llm = LLM.from_params(cfg, params, tok, config=config_obj, eos_ids=eos)
+        made.append(llm)
+        return llm
+
+    yield make
+    for llm in made:
+        assert not llm.engine.has_work(), "a test left requests in the engine"
+        llm.engine.pool.check_all_free()
+
+
+@pytest.fixture(scope="session")
+def smollm2_model():
+    from jaxcb.llm import load_model
+
+    return load_model()
+
+
+@pytest.fixture(scope="session")
+def golden():
+    with open(GOLDEN + ".json") as f:
+        data = json.load(f)
+    data["prefill_logits"] = np.load(GOLDEN + "_prefill_logits.npz")["logits"]
+    return data

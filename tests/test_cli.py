@@ -1,0 +1,78 @@
+"""`jaxcb generate` as a user runs it, in a subprocess, on the tiny GGUF model."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tiny_gguf import write_tiny_gguf
+
+
+def run_cli(*args, **kw):
+    return subprocess.run([sys.executable, "-m", "jaxcb", *args], capture_output=True, text=True, timeout=300, **kw)
+
+
+@pytest.fixture(scope="module")
+def small_config(tmp_path_factory):
+    path = tmp_path_factory.mktemp("cfg") / "small.toml"
+    path.write_text(
+        "[cache]\npage_size = 16\nnum_pages = 128\n"
+        "[scheduler]\nmax_context = 256\nmax_prefill_tokens = 64\n"
+        "[buckets]\ndecode_batch = [1, 4]\npages_per_seq = [4, 16]\nprefill_tokens = [32, 64]\n"
+    )
+    return str(path)
+
+
+def test_generate_file_keeps_order_and_reports_bad_lines(tiny_gguf_path, small_config, tmp_path):
+    lines = [
+        {"prompt": "the weather", "max_tokens": 5, "ignore_eos": True},
+        {"prompt_token_ids": [5, 6, 7], "max_tokens": 3, "ignore_eos": True, "id": "abc"},
+        "this line is not json",
+        {"prompt_token_ids": [5, 100000], "max_tokens": 3},
+        {"prompt": "hi", "max_tokens": 0},
+        {"prompt": "is it", "chat": False, "max_tokens": 4, "ignore_eos": True},
+    ]
+    inp = tmp_path / "in.jsonl"
+    inp.write_text("\n".join(l if isinstance(l, str) else json.dumps(l) for l in lines) + "\n")
+    out = tmp_path / "out.jsonl"
+    r = run_cli("generate", "--model", tiny_gguf_path, "--config", small_config, "--input", str(inp), "--output", str(out))
+    assert r.returncode == 1, r.stderr
+    assert "line 3: not valid JSON" in r.stderr
+    assert "line 4: prompt_token_ids: token id 100000 is outside the vocabulary [0, 284)" in r.stderr
+    assert "line 5: max_tokens: must be >= 1, got 0" in r.stderr
+    results = [json.loads(l) for l in out.read_text().splitlines()]
+    assert len(results) == 6
+    assert [r.get("line") for r in results] == [None, None, 3, 4, 5, None]
+    assert len(results[0]["token_ids"]) == 5 and results[0]["finish_reason"] == "length"
+    assert results[1]["prompt_token_ids"] == [5, 6, 7] and results[1]["id"] == "abc"
+    assert results[5]["finish_reason"] == "length" and len(results[5]["token_ids"]) == 4
+    assert results[0]["prompt_token_ids"][0] == 1  # chat template applied by default
+
+
+def test_generate_prompt_and_stats(tiny_gguf_path, small_config, tmp_path):
+    inp = tmp_path / "in.jsonl"
+    inp.write_text("".join(json.dumps({"prompt_token_ids": [5] * n, "max_tokens": 6, "ignore_eos": True}) + "\n"
+                           for n in (3, 20, 40)))
+    r = run_cli("generate", "--model", tiny_gguf_path, "--config", small_config, "--input", str(inp), "--stats")
+    assert r.returncode == 0, r.stderr
+    out = r.stdout.strip().splitlines()
+    assert len(out) == 4
+    stats = json.loads(out[-1])
+    assert stats["compilations_after_warmup"] == 0
+    assert stats["prompt_tokens_computed"] == 63
+    for key in ("output_tokens_per_s", "prompt_tokens_per_s", "padding_fraction", "page_utilization", "preemptions"):
+        assert key in stats
+    r = run_cli("generate", "--model", tiny_gguf_path, "--config", small_config, "--raw", "--max-tokens", "3", "the")
+    assert r.returncode == 0, r.stderr
+
+
+def test_cli_errors_are_clear(tiny_gguf_path, tmp_path):
+    r = run_cli("generate", "--model", str(tmp_path / "missing.gguf"), "hello")
+    assert r.returncode == 2 and "model: file not found" in r.stderr
+    bad = tmp_path / "qwen.gguf"
+    write_tiny_gguf(str(bad), arch="qwen3")
+    r = run_cli("generate", "--model", str(bad), "hello")
+    assert r.returncode == 2 and "supported architectures: llama" in r.stderr
+    r = run_cli("generate", "--model", tiny_gguf_path, "--max-tokens", "0", "hello")
+    assert r.returncode == 2 and "max_tokens: must be >= 1" in r.stderr

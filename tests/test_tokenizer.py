@@ -1,0 +1,71 @@
+import pytest
+
+from jaxcb.tokenizer import IncrementalDetokenizer
+
+STREAM_TEXTS = [
+    "plain ascii text, with punctuation!",
+    "café crème brûlée",
+    "日本語のテキストと絵文字 🙂🚀 mixed",
+    "emoji family 👨‍👩‍👧 and flags 🇫🇷",
+    "  leading spaces\n\n\ttabs and 12345 digits",
+]
+
+
+@pytest.fixture(scope="module")
+def tok(smollm2_model):
+    return smollm2_model[2]
+
+
+def test_prompt_ids_match_the_reference_tokenizer(tok, golden):
+    for rec in golden["records"]:
+        if rec["chat"]:
+            ids = tok.encode_chat([{"role": "user", "content": rec["text"]}])
+        else:
+            ids = tok.encode(rec["text"])
+        assert ids == rec["prompt_ids"], rec["text"]
+
+
+def test_digits_are_split_and_round_trip(tok):
+    ids = tok.encode("year 2024")
+    assert [tok.decode([i]) for i in ids[-4:]] == ["2", "0", "2", "4"]
+    for text in STREAM_TEXTS:
+        assert tok.decode(tok.encode(text)) == text
+
+
+def test_special_tokens_are_matched_whole(tok):
+    ids = tok.encode("<|im_start|>user\nhi<|im_end|>")
+    assert ids[0] == tok.bos_id and ids[-1] == tok.eos_id
+    assert tok.decode(ids) == "user\nhi"  # special tokens are skipped in text
+
+
+@pytest.mark.parametrize("text", STREAM_TEXTS)
+def test_incremental_detokenizer_streams_exact_text(tok, text):
+    ids = tok.encode(text)
+    detok = IncrementalDetokenizer(tok)
+    deltas = [detok.add([i]) for i in ids]
+    assert "".join(deltas) == text
+    assert all("\ufffd" not in d for d in deltas)
+
+
+def test_multibyte_character_waits_for_all_its_tokens(tok):
+    ids = tok.encode("🚀")
+    assert len(ids) > 1  # one character over several byte-level tokens
+    detok = IncrementalDetokenizer(tok)
+    assert [detok.add([i]) for i in ids[:-1]] == [""] * (len(ids) - 1)
+    assert detok.add(ids[-1:]) == "🚀"
+
+
+def test_chat_template_from_the_file(tok):
+    text = tok.render_chat([{"role": "user", "content": "Hi"}])
+    assert text.startswith("<|im_start|>system\n")
+    assert text.endswith("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
+    with pytest.raises(ValueError, match=r"messages\[0\].role: 'wizard' is not one of"):
+        tok.render_chat([{"role": "wizard", "content": "x"}])
+
+
+def test_tiny_tokenizer_from_gguf(tiny_model):
+    tok = tiny_model[2]
+    text = "the weather is fine, 42 ünïcödé"
+    assert tok.decode(tok.encode(text)) == text
+    ids = tok.encode_chat([{"role": "user", "content": "hey"}])
+    assert ids[0] == 1 and tok.decode(ids) == "user\nhey\nassistant\n"

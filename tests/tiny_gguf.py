@@ -1,0 +1,117 @@
+"""Build tiny Llama GGUF files for tests: random weights, a small byte-level BPE vocabulary, a chat
+template. Written the way llama.cpp's converter writes them (Q/K rows permuted for its rotary layout,
+weights as [out, in]), so the loader's whole path is exercised."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+
+from jaxcb.model.config import ModelConfig, tiny_config
+from jaxcb.model.llama import random_weights
+
+CHATML = (
+    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + "
+    "'<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+MERGES = ("Ġ t", "h e", "Ġt he", "i n", "Ġ a", "e r", "o n", "Ġ s", "r e", "a t", "e n", "o r",
+          "Ġ w", "Ġ o", "i s", "Ġ c", "Ġ b", "Ġ f", "e s", "a n", "l l", "Ġ h", "e d", "i t", "a r")
+
+
+def _byte_chars() -> list[str]:
+    """GPT-2's byte-to-unicode table, in byte order."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    table = dict(zip(bs, cs))
+    return [chr(table[b]) for b in range(256)]
+
+
+def tiny_vocab() -> tuple[list[str], list[str], list[int]]:
+    tokens = list(SPECIALS) + _byte_chars()
+    for m in MERGES:
+        tokens.append(m.replace(" ", ""))
+    types = [3] * len(SPECIALS) + [1] * (len(tokens) - len(SPECIALS))
+    return tokens, list(MERGES), types
+
+
+def tiny_model_config(**overrides) -> ModelConfig:
+    tokens, _, _ = tiny_vocab()
+    return tiny_config(vocab_size=len(tokens), **overrides)
+
+
+def permute_rotary(w: np.ndarray, num_heads: int) -> np.ndarray:
+    """llama.cpp's converter permutation of a [out, in] Q or K weight."""
+    return w.reshape(num_heads, 2, w.shape[0] // num_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_tiny_gguf(path: str, config: ModelConfig | None = None, seed: int = 0, *, arch: str = "llama",
+                    quant: str = "f32", broken_type: bool = False) -> dict[str, np.ndarray]:
+    """Write a GGUF file; returns the weights in the project's layout (what loading must give back,
+    exactly for f32, up to quantization error otherwise)."""
+    config = config or tiny_model_config()
+    w = random_weights(config, seed)
+    tokens, merges, types = tiny_vocab()
+    writer = gguf.GGUFWriter(path, arch)
+    writer.add_name("tiny-random")
+    writer.add_block_count(config.num_layers)
+    writer.add_context_length(config.max_context)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_heads)
+    writer.add_head_count_kv(config.num_kv_heads)
+    writer.add_rope_freq_base(config.rope_theta)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_vocab_size(config.vocab_size)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_merges(merges)
+    writer.add_token_types(types)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_add_bos_token(False)
+    writer.add_chat_template(CHATML)
+
+    def put(name: str, array: np.ndarray, linear: bool):
+        array = np.ascontiguousarray(array, dtype=np.float32)
+        if broken_type and name == "blk.0.attn_v.weight":
+            qtype = gguf.GGMLQuantizationType.Q8_1  # the gguf library cannot dequantize this one
+            block, size = gguf.GGML_QUANT_SIZES[qtype]
+            writer.add_tensor(name, np.zeros((array.shape[0], array.shape[1] // block * size), np.uint8),
+                              raw_dtype=qtype)
+            return
+        if linear and quant == "q8_0":
+            qtype = gguf.GGMLQuantizationType.Q8_0
+            writer.add_tensor(name, gguf.quants.quantize(array, qtype), raw_dtype=qtype)
+        elif linear and quant == "f16":
+            writer.add_tensor(name, array.astype(np.float16))
+        else:
+            writer.add_tensor(name, array)
+
+    put("token_embd.weight", w["embed"], True)
+    put("output_norm.weight", w["final_norm"], False)
+    names = {"attn_norm": "attn_norm", "wq": "attn_q", "wk": "attn_k", "wv": "attn_v", "wo": "attn_output",
+             "mlp_norm": "ffn_norm", "w_gate": "ffn_gate", "w_up": "ffn_up", "w_down": "ffn_down"}
+    for i in range(config.num_layers):
+        for key, gname in names.items():
+            a = w[key][i]
+            linear = a.ndim == 2
+            if linear:
+                a = a.T  # to [out, in]
+                if key == "wq":
+                    a = permute_rotary(a, config.num_heads)
+                elif key == "wk":
+                    a = permute_rotary(a, config.num_kv_heads)
+            put(f"blk.{i}.{gname}.weight", a, linear)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return w
