@@ -155,6 +155,7 @@ class SamplingRow:
     seed: int  # 64-bit
     prompt_ids: list[int]
     output_ids: list[int]
+    samples: bool = True  # False for a prefill chunk that ends before the newest token
 
 
 def pad_sampling(rows: list[SamplingRow], batch_bucket: int, window: int) -> PaddedSampling:
@@ -179,7 +180,7 @@ def pad_sampling(rows: list[SamplingRow], batch_bucket: int, window: int) -> Pad
         out.frequency_penalty[r] = p.frequency_penalty
         out.seed[r] = (row.seed >> 32) & 0xFFFFFFFF, row.seed & 0xFFFFFFFF
         out.counter[r] = len(row.output_ids)
-        if p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0:
+        if row.samples and (p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0):
             n_prompt, n_out = len(row.prompt_ids), len(row.output_ids)
             assert n_prompt + n_out <= window, "the token history does not fit the step's window"
             out.history_ids[r, :n_prompt] = row.prompt_ids

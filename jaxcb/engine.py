@@ -193,7 +193,7 @@ class Engine:
         batch = pad_step(rows, batch_bucket, token_bucket, pages, s)
         sampling = pad_sampling(
             [SamplingRow(c.request.params, self._streams[c.request.request_id].seed, c.request.prompt_ids,
-                         c.request.output_ids) for c in chunks],
+                         c.request.output_ids, c.samples) for c in chunks],
             batch_bucket, pages * s)
         cnt = self._counters
         cnt["slots"] += batch_bucket * token_bucket

@@ -94,6 +94,6 @@ def sample(logits: jax.Array, s: SamplingInput) -> SampleOutput:
     drawn = jax.vmap(lambda k, l: jax.random.categorical(k, l))(keys, scaled).astype(jnp.int32)
     tokens = jnp.where(sampling, drawn, greedy)
 
-    top_logprobs, top_ids = jax.lax.top_k(logprobs_all, NUM_TOP_LOGPROBS)
+    top_logprobs, top_ids = jax.lax.top_k(logprobs_all, min(NUM_TOP_LOGPROBS, logits.shape[-1]))
     chosen = jnp.take_along_axis(logprobs_all, tokens[:, None], axis=-1)[:, 0]
     return SampleOutput(tokens, chosen, top_ids.astype(jnp.int32), top_logprobs)

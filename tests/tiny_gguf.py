@@ -97,6 +97,8 @@ def write_tiny_gguf(path: str, config: ModelConfig | None = None, seed: int = 0,
 
     put("token_embd.weight", w["embed"], True)
     put("output_norm.weight", w["final_norm"], False)
+    if not config.tie_embeddings:
+        put("output.weight", w["lm_head"].T, True)
     names = {"attn_norm": "attn_norm", "wq": "attn_q", "wk": "attn_k", "wv": "attn_v", "wo": "attn_output",
              "mlp_norm": "ffn_norm", "w_gate": "ffn_gate", "w_up": "ffn_up", "w_down": "ffn_down"}
     for i in range(config.num_layers):

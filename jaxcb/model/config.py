@@ -50,7 +50,7 @@ def tiny_config(**overrides) -> ModelConfig:
     values = dict(
         vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2,
         num_heads=4, num_kv_heads=2, head_dim=16, max_context=512, rope_theta=10000.0,
-        rms_norm_eps=1e-5, tie_embeddings=True, name="tiny-random",
+        rms_norm_eps=1e-5, tie_embeddings=False, name="tiny-random",
     )
     values.update(overrides)
     return ModelConfig(**values)

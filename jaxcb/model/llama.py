@@ -71,11 +71,12 @@ def random_weights(config: ModelConfig, seed: int = 0, scale: float = 0.08) -> d
         "wo": (l, q, e), "w_gate": (l, e, f), "w_up": (l, e, f), "w_down": (l, f, e),
     }
     w = {k: (rng.standard_normal(s) * scale).astype(np.float32) for k, s in shapes.items()}
-    w["embed"] *= 10  # embeddings of a useful size relative to the norms
+    w["embed"] *= 4  # embeddings of a useful size next to the layers' outputs
     for k, s in {"attn_norm": (l, e), "mlp_norm": (l, e), "final_norm": (e,)}.items():
         w[k] = (1.0 + 0.1 * rng.standard_normal(s)).astype(np.float32)
     if not config.tie_embeddings:
-        w["lm_head"] = (rng.standard_normal((e, config.vocab_size)) * scale).astype(np.float32)
+        # Logits with a spread of a few units: sampling varies, greedy has clear winners.
+        w["lm_head"] = (rng.standard_normal((e, config.vocab_size)) * 2.5 / np.sqrt(e)).astype(np.float32)
     return w
 
 

@@ -1,0 +1,119 @@
+"""The continuous-batching engine on the tiny random-weight model."""
+
+import numpy as np
+import pytest
+
+from jaxcb.request import FinishReason, SamplingParams
+
+
+def random_prompts(llm, lengths, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, llm.model_config.vocab_size, size=n).tolist() for n in lengths]
+
+
+def test_chunked_prefill_gives_the_same_tokens(make_llm):
+    small_chunks = make_llm(max_prefill_tokens=16)
+    whole = make_llm()
+    prompts = random_prompts(whole, (100, 37, 3, 64))
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    a = small_chunks.generate(prompts, params)
+    b = whole.generate(prompts, params)
+    assert [o.token_ids for o in a] == [o.token_ids for o in b]
+
+
+@pytest.mark.parametrize("sampled", [False, True])
+def test_preemption_under_a_tiny_pool_gives_identical_outputs(make_llm, sampled):
+    ample = make_llm(num_pages=256)
+    tiny = make_llm(num_pages=14)  # 13 pages of 16 tokens for 8 requests of up to 70 tokens
+    prompts = random_prompts(ample, (20, 33, 5, 17, 40, 9, 28, 12), seed=1)
+    params = [SamplingParams(max_tokens=30, ignore_eos=True, temperature=0.9 if sampled else 0.0, top_p=0.9,
+                             seed=100 + i) for i in range(len(prompts))]
+    want = ample.generate(prompts, params)
+    got = tiny.generate(prompts, params)
+    assert tiny.engine.stats().preemptions > 0
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+
+
+def test_seeded_sampling_ignores_batch_composition(make_llm):
+    llm = make_llm()
+    prompts = random_prompts(llm, (7, 30, 12, 50, 3), seed=2)
+    p = SamplingParams(max_tokens=16, temperature=1.0, top_k=20, seed=1234, ignore_eos=True)
+    alone = llm.generate([prompts[0]], p)[0].token_ids
+    others = [SamplingParams(max_tokens=5 + i, temperature=0.7, seed=i, ignore_eos=True) for i in range(4)]
+    together = llm.generate(prompts, [p] + others)[0].token_ids
+    assert alone == together
+    unseeded = llm.generate([prompts[0]] * 2, SamplingParams(max_tokens=16, temperature=1.0, ignore_eos=True))
+    assert unseeded[0].token_ids != unseeded[1].token_ids  # fresh seeds when none is given
+
+
+def test_no_compilation_after_warmup_for_200_random_requests(make_llm):
+    llm = make_llm(num_pages=40, decode_batch=(1, 2, 4, 8), prefill_tokens=(16, 32, 64), max_prefill_tokens=64)
+    seen = []
+    n = llm.warmup(progress=lambda i, total, shape: seen.append((i, total)))
+    assert seen[-1] == (n, n)
+    engine = llm.engine
+    before = engine.stats().compilations
+    rng = np.random.default_rng(3)
+    submitted = 0
+    finished = 0
+    while finished < 200:
+        for _ in range(rng.integers(0, 4)):
+            if submitted < 200:
+                plen = int(rng.integers(1, 150))
+                params = SamplingParams(
+                    max_tokens=int(rng.integers(1, 256 - plen)) if rng.random() < 0.1 else int(rng.integers(1, 40)),
+                    temperature=float(rng.choice([0.0, 0.7, 1.3])), top_k=int(rng.choice([0, 5])),
+                    top_p=float(rng.choice([1.0, 0.8])), repetition_penalty=float(rng.choice([1.0, 1.2])),
+                    ignore_eos=bool(rng.random() < 0.5), logprobs=int(rng.choice([0, 3])))
+                engine.add_request(rng.integers(3, 280, size=plen).tolist(), params)
+                submitted += 1
+        finished += sum(ev.finished for ev in engine.step())
+    assert engine.stats().compilations == before
+    assert engine.stats().preemptions > 0  # the pool was tight enough to exercise preemption too
+
+
+def test_abort_frees_pages_within_one_step(make_llm):
+    llm = make_llm()
+    engine = llm.engine
+    ids = [engine.add_request(p, SamplingParams(max_tokens=50, ignore_eos=True))
+           for p in random_prompts(llm, (20, 30, 40))]
+    for _ in range(3):
+        engine.step()
+    in_use = engine.stats().pages_in_use
+    engine.abort(ids[1])
+    events = engine.step()
+    ends = [e for e in events if e.finished]
+    assert [(e.request_id, e.finish_reason) for e in ends] == [(ids[1], FinishReason.ABORT)]
+    assert engine.stats().pages_in_use < in_use
+    engine.abort("no-such-request")  # unknown ids are ignored
+    rest = engine.run_until_done()
+    assert {e.request_id for e in rest if e.finished} == {ids[0], ids[2]}
+
+
+def test_stop_strings_cut_the_text_and_never_stream_it(make_llm):
+    llm = make_llm()
+    prompt = llm.tokenizer.encode("the weather is")
+    free = llm.generate([prompt], SamplingParams(max_tokens=40, ignore_eos=True))[0].text
+    clean = free.replace("\ufffd", "")
+    stop = next(clean[i:i + 2] for i in range(5, len(clean) - 2) if clean[i:i + 2].strip() and clean[i:i + 2] in free)
+    cut = free.index(stop)
+    streamed = []
+    engine = llm.engine
+    engine.add_request(prompt, SamplingParams(max_tokens=40, ignore_eos=True, stop=(stop,)), callback=streamed.append)
+    engine.run_until_done()
+    text = "".join(e.text for e in streamed)
+    assert text == free[:cut]
+    assert streamed[-1].finished and streamed[-1].finish_reason == FinishReason.STOP
+    assert all(stop not in e.text for e in streamed)
+
+
+def test_logprobs_and_stats(make_llm):
+    llm = make_llm()
+    out = llm.generate(random_prompts(llm, (9,)), SamplingParams(max_tokens=5, logprobs=3, ignore_eos=True))[0]
+    assert len(out.logprobs) == 5
+    for token, (lp, top) in zip(out.token_ids, out.logprobs):
+        assert len(top) == 3 and top[0][0] == token  # greedy: the chosen token is the top one
+        assert lp == pytest.approx(top[0][1]) and top[0][1] >= top[1][1] >= top[2][1]
+    st = llm.engine.stats()
+    assert st.output_tokens == 5 and st.prompt_tokens_computed == 9 and st.running == 0 and st.waiting == 0
+    assert 0 <= st.padding_fraction < 1 and 0 < st.page_utilization <= 1

@@ -1,0 +1,78 @@
+"""The jitted sampler on hand-made logits."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxcb.buckets import SamplingRow, pad_sampling
+from jaxcb.request import SamplingParams
+from jaxcb.sampling import SamplingInput, sample
+
+sample_jit = jax.jit(sample)
+
+
+def inputs(params_list, seeds=None, prompts=None, outputs=None, window=16):
+    rows = [SamplingRow(p, (seeds or [0] * len(params_list))[i], (prompts or [[]] * len(params_list))[i],
+                        (outputs or [[]] * len(params_list))[i]) for i, p in enumerate(params_list)]
+    padded = pad_sampling(rows, len(rows), window)
+    return SamplingInput(**{k: jnp.asarray(getattr(padded, k)) for k in SamplingInput.__dataclass_fields__})
+
+
+def test_greedy_and_logprobs():
+    logits = jnp.asarray([[0.0, 3.0, 1.0, 2.0]])
+    out = sample_jit(logits, inputs([SamplingParams()]))
+    assert int(out.token_ids[0]) == 1
+    lp = np.asarray(jax.nn.log_softmax(logits[0]))
+    np.testing.assert_allclose(float(out.logprobs[0]), lp[1], rtol=1e-6)
+    assert list(np.asarray(out.top_ids[0, :4])) == [1, 3, 2, 0]
+
+
+def draw(logits_row, params, n=4000):
+    logits = jnp.tile(jnp.asarray(logits_row, jnp.float32)[None], (n, 1))
+    out = sample_jit(logits, inputs([params] * n, seeds=list(range(n))))
+    return np.bincount(np.asarray(out.token_ids), minlength=len(logits_row)) / n
+
+
+def test_temperature_sampling_follows_the_distribution():
+    logits = np.log(np.asarray([0.1, 0.2, 0.3, 0.4]))
+    freq = draw(logits, SamplingParams(temperature=1.0))
+    np.testing.assert_allclose(freq, [0.1, 0.2, 0.3, 0.4], atol=0.03)
+
+
+def test_top_k_top_p_min_p_filters():
+    logits = np.log(np.asarray([0.05, 0.15, 0.3, 0.5]))
+    assert draw(logits, SamplingParams(temperature=1.0, top_k=2))[:2].sum() == 0
+    freq = draw(logits, SamplingParams(temperature=1.0, top_k=2))
+    np.testing.assert_allclose(freq[2:], [0.375, 0.625], atol=0.03)
+    # top_p 0.7: 0.5 alone is below 0.7, with 0.3 the mass reaches 0.8: keep {0.5, 0.3}
+    freq = draw(logits, SamplingParams(temperature=1.0, top_p=0.7))
+    assert freq[:2].sum() == 0 and freq[2] > 0.3
+    # min_p 0.5: keep tokens with p >= 0.25
+    freq = draw(logits, SamplingParams(temperature=1.0, min_p=0.5))
+    assert freq[:2].sum() == 0
+    # top_k = 1 is greedy whatever the temperature
+    assert draw(logits, SamplingParams(temperature=5.0, top_k=1))[3] == 1.0
+
+
+def test_same_seed_same_token_whatever_the_neighbours():
+    rng = np.random.default_rng(0)
+    logits = rng.standard_normal((6, 50)).astype(np.float32)
+    params = [SamplingParams(temperature=1.0, seed=s) for s in range(6)]
+    full = np.asarray(sample_jit(jnp.asarray(logits), inputs(params, seeds=list(range(6)))).token_ids)
+    for i in range(6):
+        alone = sample_jit(jnp.asarray(logits[i:i + 1]), inputs([params[i]], seeds=[i])).token_ids
+        assert int(alone[0]) == full[i]
+
+
+def test_penalties():
+    logits = jnp.asarray([[2.0, 1.9, -1.0, 0.0]])
+    # token 0 seen in the prompt: repetition penalty 2 halves its logit -> token 1 wins
+    out = sample_jit(logits, inputs([SamplingParams(repetition_penalty=2.0)], prompts=[[0]]))
+    assert int(out.token_ids[0]) == 1
+    # presence/frequency penalties only count output tokens
+    out = sample_jit(logits, inputs([SamplingParams(presence_penalty=0.5)], prompts=[[0]]))
+    assert int(out.token_ids[0]) == 0
+    out = sample_jit(logits, inputs([SamplingParams(presence_penalty=0.5)], outputs=[[0]]))
+    assert int(out.token_ids[0]) == 1
+    out = sample_jit(logits, inputs([SamplingParams(frequency_penalty=0.06)], outputs=[[0, 0]]))
+    assert int(out.token_ids[0]) == 1  # 2.0 - 2 * 0.06 = 1.88 < 1.9

@@ -1,0 +1,224 @@
+"""Scheduler tests with hand-written requests and no model: a fake step marks chunks computed."""
+
+import pytest
+
+from jaxcb.page_pool import PagePool
+from jaxcb.request import Request, SamplingParams, Status
+from jaxcb.scheduler import Scheduler, SchedulerConfig
+
+
+def req(prompt_len, max_tokens=4, priority=0, t=0.0):
+    r = Request(list(range(3, 3 + prompt_len)), SamplingParams(max_tokens=max_tokens, ignore_eos=True), priority=priority)
+    r.arrival_time = t
+    return r
+
+
+def make(num_pages=64, **kw):
+    kw.setdefault("page_size", 4)
+    pool = PagePool(num_pages, kw["page_size"])
+    return Scheduler(SchedulerConfig(**kw), pool), pool
+
+
+def fake_step(sched, out):
+    """What the engine does after a step: tokens computed, a token sampled, finished requests removed."""
+    for c in out.decode + out.prefill:
+        r = c.request
+        r.num_computed = c.start + c.num_tokens
+        if c.samples:
+            r.output_ids.append(7)
+            if len(r.output_ids) >= r.params.max_tokens:
+                r.status = Status.FINISHED
+                sched.remove(r)
+
+
+def run_all(sched, now=0.0, max_steps=1000):
+    steps = 0
+    while sched.has_work:
+        fake_step(sched, sched.schedule(now=now))
+        steps += 1
+        assert steps < max_steps
+    return steps
+
+
+def test_chunked_prefill_keeps_decoders_going():
+    sched, pool = make(max_prefill_tokens=8, max_chunk=8, max_context=256)
+    short, long = req(3, max_tokens=10), req(30, max_tokens=2)
+    sched.add(short)
+    fake_step(sched, sched.schedule(now=0))
+    sched.add(long)
+    chunks = []
+    for _ in range(4):
+        out = sched.schedule(now=0)
+        assert [c.request for c in out.decode] == [short]  # the decoder never waits for the long prompt
+        chunks += [c.num_tokens for c in out.prefill]
+        fake_step(sched, out)
+    assert chunks == [8, 8, 8, 6]
+    assert long.output_ids == [7]  # sampled at the end of its last chunk
+    run_all(sched)
+    pool.check_all_free()
+
+
+def test_pages_grow_one_page_at_a_time_and_return_at_the_end():
+    sched, pool = make(num_pages=16, page_size=4, max_context=64)
+    r = req(4, max_tokens=6)
+    sched.add(r)
+    sizes = []
+    while sched.has_work:
+        out = sched.schedule(now=0)
+        sizes.append(len(r.page_ids))
+        fake_step(sched, out)
+    assert sizes == [1, 2, 2, 2, 2, 3]  # prompt 4 tokens, then each decode step holds num_tokens
+    pool.check_all_free()
+
+
+def test_out_of_pages_preempts_the_newest_and_recomputes_it():
+    sched, pool = make(num_pages=7, page_size=4, max_context=64)  # 6 usable pages
+    a, b = req(8, max_tokens=12, t=0), req(8, max_tokens=12, t=1)
+    sched.add(a)
+    sched.add(b)
+    preempted = []
+    while sched.has_work:
+        out = sched.schedule(now=2)
+        preempted += out.preempted
+        assert pool.num_in_use <= 6
+        fake_step(sched, out)
+        pool.check()
+    assert b in preempted and a not in preempted  # FCFS keeps the oldest
+    assert b.num_preemptions >= 1 and len(b.output_ids) == 12
+    pool.check_all_free()
+
+
+def test_request_that_can_never_fit_is_rejected_at_once():
+    sched, _ = make(num_pages=5, page_size=4, max_context=64)
+    with pytest.raises(ValueError, match="exceeds the context limit of 64"):
+        sched.add(req(60, max_tokens=10))
+    with pytest.raises(ValueError, match="needs 5 KV pages but the cache holds only 4"):
+        sched.add(req(12, max_tokens=8))
+
+
+def test_running_limit_and_fcfs_order():
+    sched, _ = make(max_running=2, max_context=64)
+    rs = [req(4, t=i) for i in range(4)]
+    for r in reversed(rs):
+        sched.add(r)
+    out = sched.schedule(now=10)
+    assert [c.request for c in out.prefill] == rs[:2]
+    run_all(sched, now=10)
+
+
+def test_sjf_runs_the_shortest_first():
+    sched, _ = make(max_running=1, policy="sjf", max_context=128)
+    long, short, mid = req(40, t=0), req(4, t=1), req(10, t=2)
+    for r in (long, short, mid):
+        sched.add(r)
+    order = []
+    while sched.has_work:
+        out = sched.schedule(now=5)
+        order += [c.request for c in out.prefill if c.request not in order]
+        fake_step(sched, out)
+    assert order == [short, mid, long]
+
+
+@pytest.mark.parametrize("aging,starves", [(0.0, True), (1.0, False)])
+def test_priority_aging_prevents_starvation(aging, starves):
+    """One slot; a low-priority request waits while a new high-priority request arrives every second."""
+    sched, pool = make(max_running=1, policy="priority", aging_per_s=aging, max_context=64)
+    low = req(4, max_tokens=1, priority=0, t=0.0)
+    sched.add(low)
+    started_at = None
+    for step in range(60):
+        now = float(step)
+        sched.add(req(4, max_tokens=1, priority=10, t=now))
+        out = sched.schedule(now=now)
+        if any(c.request is low for c in out.prefill):
+            started_at = step
+            break
+        fake_step(sched, out)
+    if starves:
+        assert started_at is None
+    else:
+        assert started_at is not None and started_at <= 15
+    for r in list(sched.waiting) + list(sched.running):
+        sched.remove(r)
+    pool.check_all_free()
+
+
+def test_length_buckets_admit_a_full_group_together():
+    """Two free slots: the short group (2 requests) is full and goes first, although the long request
+    is older; FCFS would have taken the long one."""
+    sched, _ = make(max_running=3, policy="length-buckets", length_bounds=(8,), max_wait_ms=1000,
+                    max_context=128)
+    blocker = req(3, max_tokens=50, t=0.0)
+    sched.add(blocker)
+    fake_step(sched, sched.schedule(now=0.0))
+    long1, short1, short2 = req(20, t=0.0), req(3, t=0.1), req(4, t=0.2)
+    for r in (long1, short1, short2):
+        sched.add(r)
+    out = sched.schedule(now=0.3)
+    assert [c.request for c in out.prefill] == [short1, short2]
+    for r in list(sched.waiting) + list(sched.running):
+        sched.remove(r)
+
+
+def test_length_buckets_wait_window_then_fallback():
+    sched, _ = make(max_running=4, policy="length-buckets", length_bounds=(8,), max_wait_ms=100, max_context=128)
+    blocker = req(3, max_tokens=50, t=0.0)
+    sched.add(blocker)
+    fake_step(sched, sched.schedule(now=0.0))
+    long1 = req(20, t=1.0)
+    sched.add(long1)
+    assert sched.schedule(now=1.05).prefill == []  # group not full, window not over: wait
+    out = sched.schedule(now=1.2)  # waited 200 ms > 100 ms: admitted
+    assert [c.request for c in out.prefill] == [long1]
+    for r in list(sched.waiting) + list(sched.running):
+        sched.remove(r)
+
+
+def test_dynamic_batching_window():
+    sched, _ = make(max_running=8, min_batch=3, max_wait_ms=50, max_context=64)
+    a, b = req(4, t=0.0), req(4, t=0.0)
+    sched.add(a)
+    sched.add(b)
+    assert sched.schedule(now=0.01).empty  # 2 < min_batch and only 10 ms waited
+    out = sched.schedule(now=0.06)  # the window closed
+    assert {c.request for c in out.prefill} == {a, b}
+    fake_step(sched, out)
+    c, d, e = req(4, t=1.0), req(4, t=1.0), req(4, t=1.0)
+    for r in (c, d, e):
+        sched.add(r)
+    out = sched.schedule(now=1.0)  # min_batch reached: no wait
+    assert {ch.request for ch in out.prefill} == {c, d, e}
+    assert {ch.request for ch in out.decode} == {a, b}
+    for r in list(sched.waiting) + list(sched.running):
+        sched.remove(r)
+
+
+def test_latency_target_adapts_the_running_limit():
+    sched, _ = make(max_running=16, target_tpot_ms=100.0, max_context=64)
+    for _ in range(8):
+        sched.observe_decode_step(150.0)
+    assert sched.running_limit < 16
+    shrunk = sched.running_limit
+    for _ in range(40):
+        sched.observe_decode_step(20.0)
+    assert sched.running_limit > shrunk
+
+
+def test_static_mode_admits_only_when_the_batch_is_done():
+    sched, pool = make(max_running=4, static=True, max_context=64)
+    first = [req(4, max_tokens=2 + i, t=0) for i in range(3)]
+    for r in first:
+        sched.add(r)
+    out = sched.schedule(now=0)
+    assert len(out.prefill) == 3 and out.num_static_rows == 3
+    late = req(4, t=0.5)
+    sched.add(late)
+    while any(r.status is not Status.FINISHED for r in first):
+        out = sched.schedule(now=1)
+        assert all(c.request is not late for c in out.decode + out.prefill)
+        assert out.num_static_rows == 3  # finished rows still occupy the batch
+        fake_step(sched, out)
+    out = sched.schedule(now=2)
+    assert [c.request for c in out.prefill] == [late]
+    run_all(sched, now=2)
+    pool.check_all_free()
