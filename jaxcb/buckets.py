@@ -147,6 +147,7 @@ class PaddedSampling:
     counter: np.ndarray  # i32 [B]
     history_ids: np.ndarray  # i32 [B, W]
     history_is_output: np.ndarray  # bool [B, W]
+    logprobs: np.ndarray  # i32 [B]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,6 +169,7 @@ def pad_sampling(rows: list[SamplingRow], batch_bucket: int, window: int) -> Pad
         presence_penalty=np.zeros(b, np.float32), frequency_penalty=np.zeros(b, np.float32),
         seed=np.zeros((b, 2), np.uint32), counter=np.zeros(b, np.int32),
         history_ids=np.full((b, window), -1, np.int32), history_is_output=np.zeros((b, window), bool),
+        logprobs=np.zeros(b, np.int32),
     )
     for r, row in enumerate(rows):
         p = row.params
@@ -180,6 +182,7 @@ def pad_sampling(rows: list[SamplingRow], batch_bucket: int, window: int) -> Pad
         out.frequency_penalty[r] = p.frequency_penalty
         out.seed[r] = (row.seed >> 32) & 0xFFFFFFFF, row.seed & 0xFFFFFFFF
         out.counter[r] = len(row.output_ids)
+        out.logprobs[r] = p.logprobs
         if row.samples and (p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0):
             n_prompt, n_out = len(row.prompt_ids), len(row.output_ids)
             assert n_prompt + n_out <= window, "the token history does not fit the step's window"

@@ -48,6 +48,30 @@ def step(params: Params, kv_pages: jax.Array, batch: StepInput, sampling: Sampli
     return kv_pages, sample(logits, sampling)
 
 
+def keep_freed_memory_on_cpu() -> bool:
+    """On the CPU, have glibc's allocator keep freed memory for reuse instead of returning it to the OS.
+
+    Every step allocates fresh intermediates of tens of MB (gathered pages, activations); by default
+    glibc serves each from a new mmap and unmaps it afterwards, so every step pays a page fault per
+    4 KiB touched. Measured here, that made gathering KV pages 5x slower (2.7 vs 13 GB/s). A server
+    that runs the same steps over and over gains by keeping that memory mapped.
+    """
+    import ctypes
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return False
+    m_trim_threshold, m_top_pad, m_mmap_threshold = -1, -2, -3
+    ok = libc.mallopt(m_mmap_threshold, 1 << 30) == 1
+    ok &= libc.mallopt(m_trim_threshold, 2**31 - 1) == 1
+    ok &= libc.mallopt(m_top_pad, 64 << 20) == 1
+    return bool(ok)
+
+
 def default_dtype():
     """float32 on the CPU, bfloat16 on accelerators."""
     return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
@@ -55,6 +79,8 @@ def default_dtype():
 
 class ModelRunner:
     def __init__(self, config: ModelConfig, params: Params, num_pages: int, page_size: int, dtype=None):
+        if jax.default_backend() == "cpu":
+            keep_freed_memory_on_cpu()
         self.config = config
         self.params = params
         self.dtype = dtype or params.embed.dtype

@@ -29,6 +29,7 @@ class SamplingInput:
     counter: jax.Array  # i32 [B], the index of the token being sampled in the request's output
     history_ids: jax.Array  # i32 [B, W], the sequence's tokens so far (prompt and output), -1 padded
     history_is_output: jax.Array  # bool [B, W], which of them are output tokens
+    logprobs: jax.Array  # i32 [B], top-n logprobs wanted (0 = none)
 
 
 @flax.struct.dataclass
@@ -77,23 +78,42 @@ def _row_key(seed, counter):
 
 
 def sample(logits: jax.Array, s: SamplingInput) -> SampleOutput:
-    """logits f32 [B, V] -> one token per row."""
-    logits = logits.astype(jnp.float32)
-    logprobs_all = jax.nn.log_softmax(logits, axis=-1)
-    penalised = _apply_penalties(logits, s)
-    greedy = jnp.argmax(penalised, axis=-1).astype(jnp.int32)
+    """logits f32 [B, V] -> one token per row.
 
-    scaled = penalised / jnp.maximum(s.temperature, 1e-6)[:, None]
+    Each costly part (penalties, the vocabulary sort of the filters, the random draw, the logprobs'
+    top-k) sits behind a `lax.cond` on whether any row needs it, so an all-greedy batch pays only for
+    an argmax. Both branches are compiled once; which one runs is data, not shape.
+    """
+    b, v = logits.shape
+    raw = logits = logits.astype(jnp.float32)
+    uses_penalty = (s.repetition_penalty != 1.0) | (s.presence_penalty != 0.0) | (s.frequency_penalty != 0.0)
+    logits = jax.lax.cond(jnp.any(uses_penalty), _apply_penalties, lambda x, _: x, logits, s)
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
     sampling = s.temperature > 0
     needs_filter = sampling & ((s.top_k > 0) | (s.top_p < 1.0) | (s.min_p > 0.0))
-    # Sorting the vocabulary is the costly part: skip it when no row asks for a filter.
-    scaled = jax.lax.cond(jnp.any(needs_filter),
-                          lambda x: jnp.where(needs_filter[:, None], _filter(x, s), x),
-                          lambda x: x, scaled)
-    keys = jax.vmap(_row_key)(s.seed, s.counter)
-    drawn = jax.vmap(lambda k, l: jax.random.categorical(k, l))(keys, scaled).astype(jnp.int32)
-    tokens = jnp.where(sampling, drawn, greedy)
 
-    top_logprobs, top_ids = jax.lax.top_k(logprobs_all, min(NUM_TOP_LOGPROBS, logits.shape[-1]))
-    chosen = jnp.take_along_axis(logprobs_all, tokens[:, None], axis=-1)[:, 0]
-    return SampleOutput(tokens, chosen, top_ids.astype(jnp.int32), top_logprobs)
+    def draw(x):
+        scaled = x / jnp.maximum(s.temperature, 1e-6)[:, None]
+        scaled = jax.lax.cond(jnp.any(needs_filter),
+                              lambda y: jnp.where(needs_filter[:, None], _filter(y, s), y),
+                              lambda y: y, scaled)
+        keys = jax.vmap(_row_key)(s.seed, s.counter)
+        drawn = jax.vmap(lambda k, l: jax.random.categorical(k, l))(keys, scaled).astype(jnp.int32)
+        return jnp.where(sampling, drawn, greedy)
+
+    tokens = jax.lax.cond(jnp.any(sampling), draw, lambda x: greedy, logits)
+
+    n = min(NUM_TOP_LOGPROBS, v)
+
+    def logprobs(raw):
+        lp = jax.nn.log_softmax(raw, axis=-1)
+        top_lp, top_ids = jax.lax.top_k(lp, n)
+        return jnp.take_along_axis(lp, tokens[:, None], axis=-1)[:, 0], top_ids.astype(jnp.int32), top_lp
+
+    def no_logprobs(raw):
+        return jnp.zeros((b,), jnp.float32), jnp.zeros((b, n), jnp.int32), jnp.zeros((b, n), jnp.float32)
+
+    # Logprobs describe the model's own distribution, before penalties and filters.
+    chosen, top_ids, top_lp = jax.lax.cond(jnp.any(s.logprobs > 0), logprobs, no_logprobs, raw)
+    return SampleOutput(tokens, chosen, top_ids, top_lp)

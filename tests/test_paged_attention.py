@@ -64,13 +64,14 @@ def test_matches_dense_on_awkward_lengths(page_size, heads, kv_heads):
 
 
 def test_write_kv_scatters_into_pages_and_padding_into_the_null_page():
-    kv_layer = jnp.zeros((2, 2, 5, 4, 3), jnp.float32)  # [2, K, P, S, D]
+    kv_pages = jnp.zeros((3, 2, 2, 5, 4, 3), jnp.float32)  # [L, 2, K, P, S, D]
     k = jnp.arange(3 * 2 * 3, dtype=jnp.float32).reshape(3, 2, 3) + 1
     v = -k
     slots = jnp.asarray([2 * 4 + 1, 3 * 4 + 0, 0], jnp.int32)  # page 2 slot 1, page 3 slot 0, null page
-    out = np.asarray(write_kv(kv_layer, k, v, slots))
-    np.testing.assert_array_equal(out[0, :, 2, 1], np.asarray(k[0]))
-    np.testing.assert_array_equal(out[1, :, 3, 0], np.asarray(v[1]))
-    touched = np.zeros(out.shape[2:4], bool)
+    out = np.asarray(write_kv(kv_pages, jnp.int32(1), k, v, slots))
+    np.testing.assert_array_equal(out[1, 0, :, 2, 1], np.asarray(k[0]))
+    np.testing.assert_array_equal(out[1, 1, :, 3, 0], np.asarray(v[1]))
+    touched = np.zeros(out.shape[3:5], bool)
     touched[2, 1] = touched[3, 0] = touched[0, 0] = True
-    assert not np.any(out[:, :, ~touched])
+    assert not np.any(out[1][:, :, ~touched])
+    assert not np.any(out[0]) and not np.any(out[2])  # other layers untouched

@@ -20,7 +20,7 @@ def inputs(params_list, seeds=None, prompts=None, outputs=None, window=16):
 
 def test_greedy_and_logprobs():
     logits = jnp.asarray([[0.0, 3.0, 1.0, 2.0]])
-    out = sample_jit(logits, inputs([SamplingParams()]))
+    out = sample_jit(logits, inputs([SamplingParams(logprobs=4)]))
     assert int(out.token_ids[0]) == 1
     lp = np.asarray(jax.nn.log_softmax(logits[0]))
     np.testing.assert_allclose(float(out.logprobs[0]), lp[1], rtol=1e-6)

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxcb.model.config import ModelConfig
-from jaxcb.model.paged_attention import paged_attention_reference, write_kv
+from jaxcb.model.paged_attention import attend, gather_kv, write_kv
 
 
 @flax.struct.dataclass
@@ -109,11 +109,10 @@ def _layer(config: ModelConfig, batch: StepInput, h, kv_pages, layer_index, w: L
     q = rotary(q, batch.positions, config.rope_theta)
     k = rotary(k, batch.positions, config.rope_theta)
 
-    layer_kv = write_kv(kv_pages[layer_index], k.reshape(b * t, nk, d), v.reshape(b * t, nk, d),
+    kv_pages = write_kv(kv_pages, layer_index, k.reshape(b * t, nk, d), v.reshape(b * t, nk, d),
                         batch.slot_ids.reshape(b * t))
-    kv_pages = jax.lax.dynamic_update_index_in_dim(kv_pages, layer_kv, layer_index, axis=0)
-    attn = paged_attention_reference(q, layer_kv[0], layer_kv[1], batch.page_table, batch.kv_lens,
-                                     batch.positions)
+    keys, values = gather_kv(kv_pages, layer_index, batch.page_table)
+    attn = attend(q, keys, values, batch.kv_lens, batch.positions, mask_values=False)
     h = h + attn.reshape(b, t, nh * d) @ w.wo
 
     x = rms_norm(h, w.mlp_norm, config.rms_norm_eps)

@@ -30,18 +30,70 @@ def allocate_kv_pages(num_layers, num_kv_heads, num_pages, page_size, head_dim, 
     return jnp.zeros((num_layers, 2, num_kv_heads, num_pages, page_size, head_dim), dtype)
 
 
-def write_kv(kv_layer: jax.Array, k: jax.Array, v: jax.Array, slot_ids: jax.Array) -> jax.Array:
-    """Scatter new keys and values into one layer's pages.
+def write_kv(kv_pages: jax.Array, layer: jax.Array, k: jax.Array, v: jax.Array, slot_ids: jax.Array) -> jax.Array:
+    """Scatter new keys and values of one layer into the pool, in place when the pool is donated.
 
-    kv_layer [2, K, P, S, D]; k, v [N, K, D] for N tokens; slot_ids [N] flat slot indices
-    (padding tokens point into the null page). Returns the updated layer; under jit with the pages
-    donated, XLA does this in place.
+    kv_pages [L, 2, K, P, S, D]; layer a scalar; k, v [N, K, D] for N tokens; slot_ids [N] flat slot
+    indices (padding tokens point into the null page). One scatter on the whole pool: slicing the layer
+    out first would copy that layer's pages every step.
     """
-    two, nk, p, s, d = kv_layer.shape
-    flat = kv_layer.reshape(two, nk, p * s, d)
-    kv = jnp.stack([k, v]).astype(kv_layer.dtype).transpose(0, 2, 1, 3)  # [2, K, N, D]
-    flat = flat.at[:, :, slot_ids].set(kv, mode="promise_in_bounds", unique_indices=False)
-    return flat.reshape(kv_layer.shape)
+    l, two, nk, p, s, d = kv_pages.shape
+    flat = kv_pages.reshape(l, two, nk, p * s, d)
+    kv = jnp.stack([k, v], axis=1).astype(kv_pages.dtype)  # [N, 2, K, D], the indexed layout
+    if slot_ids.shape[0] == 1:
+        # XLA on the CPU turns a one-index scatter into a dynamic-update-slice that it then performs on
+        # a copy of the whole pool (seconds per step for a large pool). A second write, into the null
+        # page, keeps it a scatter, which is done in place.
+        slot_ids = jnp.concatenate([slot_ids, jnp.zeros((1,), slot_ids.dtype)])
+        kv = jnp.concatenate([kv, jnp.zeros_like(kv)])
+    flat = flat.at[layer, :, :, slot_ids].set(kv, mode="promise_in_bounds")
+    return flat.reshape(kv_pages.shape)
+
+
+def gather_kv(kv_pages: jax.Array, layer: jax.Array, page_table: jax.Array):
+    """Keys and values of each sequence's pages, [B, K, N*S, D] each, in one gather of whole pages.
+
+    The gather indexes (key/value, kv head, page) together so its output already has the layout the
+    attention matmuls want; gathering token by token, slicing the layer out first, or transposing the
+    result afterwards each cost a full extra pass over the gathered pages.
+    """
+    l, two, nk, p, s, d = kv_pages.shape
+    b, n = page_table.shape
+    rows = kv_pages.reshape(l, two * nk * p, s * d)
+    index = (jnp.arange(two, dtype=page_table.dtype)[:, None, None, None] * (nk * p)
+             + jnp.arange(nk, dtype=page_table.dtype)[None, None, :, None] * p
+             + page_table[None, :, None, :])  # [2, B, K, N]
+    kv = rows[layer][index].reshape(two, b, nk, n * s, d)
+    return kv[0], kv[1]
+
+
+def attend(q, k, v, kv_lens, q_positions, scale=None, mask_values=True):
+    """Causal attention over gathered keys and values.
+
+    q [B, T, H, D]; k, v [B, K, C, D] (C = N*S context slots); kv_lens [B]; q_positions [B, T].
+    A query at position t sees keys 0..t that are below kv_len. Returns [B, T, H, D].
+    `mask_values` zeroes values past kv_len, so that whatever unused slots hold (even NaN) cannot
+    leak through a zero softmax weight; the engine's pages only ever hold finite values, so its step
+    skips that extra pass.
+    """
+    b, t, h, d = q.shape
+    nk, c = k.shape[1], k.shape[2]
+    g = h // nk
+    scale = (1.0 / d**0.5) if scale is None else scale
+    key_pos = jnp.arange(c, dtype=jnp.int32)
+    valid_key = key_pos[None, :] < kv_lens[:, None]  # [B, C]
+    if mask_values:
+        v = jnp.where(valid_key[:, None, :, None], v, jnp.zeros((), v.dtype))
+    qg = q.reshape(b, t, nk, g, d)
+    # Scores as [B, K, C, T, G]: with the context dim leading, this is one plain matmul per (b, k)
+    # over the gathered keys, about twice as fast on the CPU as the [.., T, G, C] orientation.
+    scores = jnp.einsum("bkcd,btkgd->bkctg", k, qg, preferred_element_type=jnp.float32) * scale
+    mask = valid_key[:, :, None] & (key_pos[None, :, None] <= q_positions[:, None, :])  # [B, C, T]
+    mask = mask[:, None, :, :, None]
+    scores = jnp.where(mask, scores, _MASKED)
+    probs = jnp.where(mask, jax.nn.softmax(scores, axis=2), 0.0)
+    out = jnp.einsum("bkctg,bkcd->btkgd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return out.reshape(b, t, h, d).astype(q.dtype)
 
 
 def paged_attention_reference(q, k_pages, v_pages, page_table, kv_lens, q_positions, scale=None):
@@ -50,24 +102,8 @@ def paged_attention_reference(q, k_pages, v_pages, page_table, kv_lens, q_positi
     q [B, T, H, D] queries (T new tokens per sequence, right-padded);
     k_pages, v_pages [K, P, S, D]; page_table int32 [B, N]; kv_lens int32 [B] (tokens of context,
     the new ones included); q_positions int32 [B, T] (each query's position in its sequence).
-    A query at position t sees keys 0..t that are below kv_len. Returns [B, T, H, D].
+    Returns [B, T, H, D]; a sequence of length 0 gives zeros.
     """
-    b, t, h, d = q.shape
-    nk, _, s, _ = k_pages.shape
-    g = h // nk
-    n = page_table.shape[1]
-    scale = (1.0 / d**0.5) if scale is None else scale
-    k = k_pages[:, page_table].reshape(nk, b, n * s, d)  # [K, B, N*S, D]
-    v = v_pages[:, page_table].reshape(nk, b, n * s, d)
-    key_pos = jnp.arange(n * s, dtype=jnp.int32)
-    valid_key = key_pos[None, :] < kv_lens[:, None]  # [B, N*S]
-    # Unwritten or foreign page contents (even NaN) must not leak through a zero softmax weight.
-    v = jnp.where(valid_key[None, :, :, None], v, jnp.zeros((), v.dtype))
-    qg = q.reshape(b, t, nk, g, d)
-    scores = jnp.einsum("btkgd,kbsd->bkgts", qg, k, preferred_element_type=jnp.float32) * scale
-    mask = valid_key[:, None, :] & (key_pos[None, None, :] <= q_positions[:, :, None])  # [B, T, N*S]
-    scores = jnp.where(mask[:, None, None], scores, _MASKED)
-    probs = jax.nn.softmax(scores, axis=-1)
-    probs = jnp.where(mask[:, None, None], probs, 0.0)
-    out = jnp.einsum("bkgts,kbsd->btkgd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
-    return out.reshape(b, t, h, d).astype(q.dtype)
+    pool = jnp.stack([k_pages, v_pages])[None]  # [1, 2, K, P, S, D]
+    k, v = gather_kv(pool, jnp.int32(0), page_table)
+    return attend(q, k, v, kv_lens, q_positions, scale, mask_values=True)

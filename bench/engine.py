@@ -1,0 +1,161 @@
+"""Continuous vs static batching on a mixed workload, SmolLM2 on this machine.
+
+    .venv/bin/python bench/engine.py [--requests 32] [--max-batch 32] [--sweep] [--plot bench/throughput.png]
+
+Workload: prompt lengths log-normal (median 75, clipped to 8..384), output lengths log-normal (median 45,
+clipped to 4..192), EOS ignored, all requests submitted at once. Both modes run on the same engine,
+after one warm-up that compiles every bucket, in the same process. Prints useful output tokens/s for
+each mode and their ratio next to the ideal ratio (static slot-steps over useful tokens), the share of
+the compute limit, compilations after warm-up, padding fraction, page utilisation and host-wait fraction.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from common import machine, matmul_flops_per_s  # noqa: E402
+
+
+def workload(n: int, seed: int, vocab: int):
+    rng = np.random.default_rng(seed)
+    prompt_lens = np.clip(np.round(np.exp(rng.normal(np.log(75), 0.8, n))), 8, 384).astype(int)
+    output_lens = np.clip(np.round(np.exp(rng.normal(np.log(45), 0.8, n))), 4, 192).astype(int)
+    prompts = [rng.integers(100, vocab - 100, size=p).tolist() for p in prompt_lens]
+    return prompts, output_lens.tolist()
+
+
+def run(engine, prompts, output_lens):
+    from jaxcb.request import SamplingParams
+
+    engine.reset_counters()
+    compiled = engine.stats().compilations
+    t0 = time.perf_counter()
+    for p, n in zip(prompts, output_lens):
+        engine.add_request(p, SamplingParams(max_tokens=int(n), ignore_eos=True))
+    useful = 0
+    while engine.has_work():
+        useful += sum(len(ev.token_ids) for ev in engine.step())
+    wall = time.perf_counter() - t0
+    st = engine.stats()
+    engine.pool.check_all_free()
+    return {
+        "wall_s": round(wall, 2), "useful_output_tokens": useful,
+        "output_tokens_per_s": round(useful / wall, 2),
+        "prompt_tokens_per_s": round(sum(map(len, prompts)) / wall, 2),
+        "compilations_after_warmup": st.compilations - compiled,
+        "padding_fraction": round(st.padding_fraction, 4), "page_utilization": round(st.page_utilization, 4),
+        "host_wait_fraction": round(st.host_wait_fraction, 4), "preemptions": st.preemptions, "steps": st.steps,
+    }
+
+
+def ideal_ratio(output_lens, max_batch):
+    """Static slot-steps over useful tokens: each batch of max_batch decodes as long as its longest."""
+    slot_steps = sum(len(output_lens[i:i + max_batch]) * max(output_lens[i:i + max_batch])
+                     for i in range(0, len(output_lens), max_batch))
+    return slot_steps / sum(output_lens)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--config", default=None)
+    ap.add_argument("--requests", type=int, default=32)
+    ap.add_argument("--max-batch", type=int, default=32)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--sweep", action="store_true", help="also measure continuous throughput per max batch size")
+    ap.add_argument("--plot", default=None, help="PNG of throughput against batch size (needs --sweep)")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+
+    from jaxcb.engine import Engine
+    from jaxcb.engine_config import load_config
+    from jaxcb.llm import load_model
+    from jaxcb.runner import ModelRunner
+
+    model_config, params, tokenizer, eos = load_model(args.model)
+    config = load_config(args.config)
+    assert config.scheduler.max_running >= args.max_batch, "the config must allow --max-batch running requests"
+    runner = ModelRunner(model_config, params, config.num_pages, config.page_size)
+
+    def engine(**changes):
+        return Engine(runner, tokenizer, config.replace(**changes), eos_ids=eos)
+
+    t0 = time.perf_counter()
+    shapes = engine().warmup()
+    warmup_s = time.perf_counter() - t0
+    prompts, output_lens = workload(args.requests, args.seed, model_config.vocab_size)
+
+    cont = run(engine(max_running=args.max_batch), prompts, output_lens)
+    stat = run(engine(max_running=args.max_batch, static=True), prompts, output_lens)
+    rate = matmul_flops_per_s()
+    tokens = sum(map(len, prompts)) + sum(output_lens)
+    mean_context = np.mean([len(p) + n / 2 for p, n in zip(prompts, output_lens)])
+    limit_tokens_per_s = rate / model_config.flops_per_token(int(mean_context))
+    result = {
+        "machine": machine(), "model": model_config.name, "requests": args.requests, "max_batch": args.max_batch,
+        "prompt_tokens": sum(map(len, prompts)), "output_tokens": sum(output_lens),
+        "warmup_shapes": shapes, "warmup_s": round(warmup_s, 1),
+        "continuous": cont, "static": stat,
+        "ratio": round(cont["output_tokens_per_s"] / stat["output_tokens_per_s"], 3),
+        "ideal_ratio": round(ideal_ratio(output_lens, args.max_batch), 3),
+        "matmul_gflops_f32": round(rate / 1e9, 1),
+        "compute_limit_tokens_per_s": round(limit_tokens_per_s, 1),
+        "fraction_of_compute_limit": round(tokens / cont["wall_s"] / limit_tokens_per_s, 3),
+    }
+    print(f"machine: {result['machine']}; model {model_config.name}; warm-up {shapes} shapes in {warmup_s:.0f} s")
+    print(f"workload: {args.requests} requests, {result['prompt_tokens']} prompt + {result['output_tokens']} output tokens")
+    for name in ("continuous", "static"):
+        r = result[name]
+        print(f"{name:>10}: {r['output_tokens_per_s']:7.1f} useful output tokens/s  wall {r['wall_s']:.1f} s  "
+              f"padding {r['padding_fraction']:.1%}  pages used {r['page_utilization']:.1%}  "
+              f"host wait {r['host_wait_fraction']:.1%}  compilations after warm-up {r['compilations_after_warmup']}  "
+              f"preemptions {r['preemptions']}")
+    print(f"continuous / static: {result['ratio']:.2f}x (ideal {result['ideal_ratio']:.2f}x)")
+    print(f"compute limit: {rate / 1e9:.0f} GFLOP/s / {model_config.flops_per_token(int(mean_context)) / 1e9:.3f} GFLOP per "
+          f"token = {limit_tokens_per_s:.0f} tokens/s; continuous ran (prompt + output) tokens at "
+          f"{result['fraction_of_compute_limit']:.1%} of it")
+
+    if args.sweep:
+        sweep = []
+        for b in [x for x in config.buckets.decode_batch if x <= args.max_batch]:
+            r = run(engine(max_running=b), prompts, output_lens)
+            sweep.append({"max_batch": b, "output_tokens_per_s": r["output_tokens_per_s"],
+                          "total_tokens_per_s": round(tokens / r["wall_s"], 1)})
+            print(f"  max batch {b:3d}: {r['output_tokens_per_s']:7.1f} output tokens/s, "
+                  f"{tokens / r['wall_s']:7.1f} prompt+output tokens/s")
+        result["sweep"] = sweep
+        if args.plot:
+            import matplotlib
+
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+
+            fig, ax = plt.subplots(figsize=(6, 4))
+            xs = [s["max_batch"] for s in sweep]
+            ax.plot(xs, [s["output_tokens_per_s"] for s in sweep], "o-", label="useful output tokens/s")
+            ax.plot(xs, [s["total_tokens_per_s"] for s in sweep], "s--", label="prompt + output tokens/s")
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("max running requests (batch)")
+            ax.set_ylabel("tokens/s")
+            ax.set_title(f"jaxcb continuous batching, {model_config.name.split()[0]}\n{result['machine']}", fontsize=9)
+            ax.grid(True, alpha=0.3)
+            ax.legend()
+            fig.tight_layout()
+            fig.savefig(args.plot, dpi=120)
+            print("wrote", args.plot)
+    print(json.dumps(result))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
