@@ -3,8 +3,11 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+HOST ?= 127.0.0.1
+PORT ?= 50051
+SERVE_ARGS ?=
 
-.PHONY: setup test serve bench golden clean
+.PHONY: setup test serve bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -18,6 +21,10 @@ setup: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests
+
+# Serves the embedded SmolLM2 model over gRPC on $(HOST):$(PORT), metrics on port 9090.
+serve: $(STAMP)
+	$(VENV)/bin/jaxcb serve --host $(HOST) --port $(PORT) --metrics-port 9090 $(SERVE_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

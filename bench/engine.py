@@ -85,8 +85,11 @@ def main():
     assert config.scheduler.max_running >= args.max_batch, "the config must allow --max-batch running requests"
     runner = ModelRunner(model_config, params, config.num_pages, config.page_size)
 
-    def engine(**changes):
-        return Engine(runner, tokenizer, config.replace(**changes), eos_ids=eos)
+    def engine(max_running=None, **changes):
+        eng = Engine(runner, tokenizer, config.replace(**changes) if changes else config, eos_ids=eos)
+        if max_running is not None:  # below the largest bucket: a running limit, like the latency target's
+            eng.scheduler.running_limit = max_running
+        return eng
 
     t0 = time.perf_counter()
     shapes = engine().warmup()

@@ -49,6 +49,28 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--static", action="store_true", help="static batching (admit a batch only when the last is done)")
     _add_model_args(g)
     _sampling_args(g)
+
+    s = sub.add_parser("serve", help="serve the model over gRPC")
+    _add_model_args(s)
+    s.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    s.add_argument("--port", type=int, default=50051)
+    s.add_argument("--metrics-port", type=int, default=None, help="Prometheus metrics over HTTP on this port")
+    s.add_argument("--tls-cert", default=None, help="PEM certificate chain (with --tls-key)")
+    s.add_argument("--tls-key", default=None)
+    s.add_argument("--auth-token", default=os.environ.get("JAXCB_AUTH_TOKEN"),
+                   help="require 'authorization: Bearer TOKEN' on every call (default: $JAXCB_AUTH_TOKEN)")
+    s.add_argument("--grace-period", type=float, default=10.0, help="seconds in-flight streams get at shutdown")
+    s.add_argument("--max-waiting", type=int, default=1024, help="queued requests before RESOURCE_EXHAUSTED")
+
+    c = sub.add_parser("client", help="stream a completion from a running server")
+    c.add_argument("prompt")
+    c.add_argument("--target", default="127.0.0.1:50051")
+    c.add_argument("--raw", action="store_true", help="send the text as is (no chat template)")
+    c.add_argument("--json", action="store_true", help="print one JSON object per response message")
+    c.add_argument("--auth-token", default=os.environ.get("JAXCB_AUTH_TOKEN"))
+    c.add_argument("--tls-root-cert", default=None)
+    c.add_argument("--timeout", type=float, default=None)
+    _sampling_args(c)
     return parser
 
 
@@ -202,11 +224,83 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def cmd_serve(args) -> int:
+    import asyncio
+    import logging
+
+    import jax
+
+    from jaxcb.engine import Engine
+    from jaxcb.llm import load_model
+    from jaxcb.runner import ModelRunner
+    from serve.server import ServerOptions, run_server
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if bool(args.tls_cert) != bool(args.tls_key):
+        raise ValueError("--tls-cert and --tls-key go together")
+    import jax.numpy as jnp
+
+    dtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}.get(args.dtype)
+    config = _engine_config(args)
+    model_config, params, tokenizer, eos = load_model(args.model, dtype)
+    if tokenizer is None:
+        raise ValueError("model: the file has no tokenizer; the server needs one")
+    runner = ModelRunner(model_config, params, config.num_pages, config.page_size)
+    engine = Engine(runner, tokenizer, config, eos_ids=eos)
+    options = ServerOptions(host=args.host, port=args.port, metrics_port=args.metrics_port, tls_cert=args.tls_cert,
+                            tls_key=args.tls_key, auth_token=args.auth_token, grace_s=args.grace_period,
+                            max_waiting=args.max_waiting)
+    print(f"jaxcb: model {model_config.name} on {jax.devices()[0].platform}, {jnp.dtype(runner.dtype).name}; "
+          f"{config.num_pages} KV pages of {config.page_size} tokens; policy {config.scheduler.policy}", flush=True)
+    target = f"{args.host}:{args.port}"
+    print(f"jaxcb: try it:  .venv/bin/jaxcb client --target {target} \"Why is the sky blue?\"", flush=True)
+
+    def announce(msg):
+        print(msg, flush=True)
+
+    return asyncio.run(run_server(engine, tokenizer, model_config.name, jnp.dtype(runner.dtype).name, options,
+                                  announce))
+
+
+def cmd_client(args) -> int:
+    import grpc
+
+    from serve.client import Client, Result
+
+    sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                    seed=args.seed)
+    with Client(args.target, token=args.auth_token, tls_root_cert=args.tls_root_cert) as client:
+        try:
+            for item in client.generate(args.prompt, chat=not args.raw, max_tokens=args.max_tokens,
+                                        stop=args.stop, ignore_eos=args.ignore_eos, timeout=args.timeout,
+                                        **sampling):
+                if isinstance(item, Result):
+                    if args.json:
+                        print(json.dumps({"request_id": item.request_id, "finish_reason": item.finish_reason,
+                                          "token_ids": item.token_ids, "text": item.text,
+                                          "usage": {"prompt_tokens": item.prompt_tokens,
+                                                    "completion_tokens": item.completion_tokens}}))
+                    else:
+                        print(flush=True)
+                elif args.json:
+                    print(json.dumps({"token_ids": item.token_ids, "text": item.text}), flush=True)
+                else:
+                    print(item.text, end="", flush=True)
+        except grpc.RpcError as e:
+            print(f"jaxcb client: {e.code().name}: {e.details()}", file=sys.stderr)
+            return 1
+    return 0
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
         if args.command == "generate":
             return cmd_generate(args)
+        if args.command == "serve":
+            return cmd_serve(args)
+        if args.command == "client":
+            return cmd_client(args)
     except ValueError as e:
         print(f"jaxcb {args.command}: {e}", file=sys.stderr)
         return 2

@@ -13,6 +13,7 @@ scheduler and the pool.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import queue
 import random
 import threading
@@ -27,6 +28,7 @@ from jaxcb.scheduler import Chunk, Scheduler
 from jaxcb.tokenizer import IncrementalDetokenizer
 
 EventCallback = Callable[[TokenEvent], None]
+log = logging.getLogger("jaxcb.engine")
 
 
 @dataclasses.dataclass
@@ -74,10 +76,14 @@ class Engine:
         self._requests: dict[str, Request] = {}
         self._streams: dict[str, _Stream] = {}
         self._rng = random.Random(config.seed)
-        self._seed_lock = threading.Lock()
+        self._seed_lock = threading.Lock()  # guards the seed generator and _live_ids
+        self._live_ids: set[str] = set()
         self._counters = dict(prompt_tokens_computed=0, output_tokens=0, steps=0, slots=0, live=0,
                               page_slots=0, page_tokens=0, page_samples=0, host_s=0.0, step_s=0.0)
         self._last_fetch_end: float | None = None
+        self.num_failed_steps = 0
+        # Test seam: called with each SchedulerOutput before dispatch; raising simulates a failed step.
+        self.fault_injector: Callable | None = None
 
     # ---- the API (thread-safe) ----
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
@@ -109,6 +115,10 @@ class Engine:
         prompt_ids = [int(t) for t in prompt_ids]
         self.validate(prompt_ids, params)
         req = Request(prompt_ids, params, request_id=request_id or "", priority=int(priority))
+        with self._seed_lock:
+            if req.request_id in self._live_ids:
+                raise ValueError(f"request_id: {req.request_id!r} is already in use by a running request")
+            self._live_ids.add(req.request_id)
         if arrival_time is not None:
             req.arrival_time = arrival_time
         with self._seed_lock:
@@ -120,6 +130,10 @@ class Engine:
     def abort(self, request_id: str) -> None:
         """The request ends with finish reason `abort` and its pages are freed at the next step."""
         self._inbox.put(("abort", request_id, None))
+
+    def is_live(self, request_id: str) -> bool:
+        with self._seed_lock:
+            return request_id in self._live_ids
 
     def has_work(self) -> bool:
         return self.scheduler.has_work or not self._inbox.empty()
@@ -161,29 +175,52 @@ class Engine:
         events: list[TokenEvent] = []
         self._drain_inbox(events)
         out = self.scheduler.schedule()
+        try:
+            self._run(out, events)
+        except Exception as e:  # noqa: BLE001 - a failed step fails its own requests; the engine goes on
+            self._fail_step(out, e, events)
+        if self.scheduler.config.target_tpot_ms is not None and out.decode:
+            self.scheduler.observe_decode_step((time.perf_counter() - start) * 1000)
+        return events
+
+    def _run(self, out, events: list[TokenEvent]) -> None:
         dispatched: list[tuple[list[Chunk], object]] = []
         b = self.config.buckets
+        if self.fault_injector is not None:
+            self.fault_injector(out)
         if out.decode:
             rows = max(len(out.decode), out.num_static_rows)
             dispatched.append((out.decode, self._dispatch(out.decode, bucket_for(b.decode_batch, rows, "batch"), 1)))
         for chunk in out.prefill:
             t = bucket_for(b.prefill_tokens, chunk.num_tokens, "prefill chunk")
             dispatched.append(([chunk], self._dispatch([chunk], 1, t)))
-        if dispatched:
-            dispatch_end = time.perf_counter()
-            if self._last_fetch_end is not None:  # the device idled from the last fetch until now
-                self._counters["host_s"] += dispatch_end - self._last_fetch_end
-            results = self.runner.fetch([d for _, d in dispatched])
-            fetch_end = time.perf_counter()
-            if self._last_fetch_end is not None:
-                self._counters["step_s"] += fetch_end - self._last_fetch_end
-            self._last_fetch_end = fetch_end
-            for (chunks, _), result in zip(dispatched, results):
-                self._postprocess(chunks, result, events)
-            self._counters["steps"] += 1
-        if self.scheduler.config.target_tpot_ms is not None and out.decode:
-            self.scheduler.observe_decode_step((time.perf_counter() - start) * 1000)
-        return events
+        if not dispatched:
+            return
+        dispatch_end = time.perf_counter()
+        if self._last_fetch_end is not None:  # the device idled from the last fetch until now
+            self._counters["host_s"] += dispatch_end - self._last_fetch_end
+        results = self.runner.fetch([d for _, d in dispatched])
+        fetch_end = time.perf_counter()
+        if self._last_fetch_end is not None:
+            self._counters["step_s"] += fetch_end - self._last_fetch_end
+        self._last_fetch_end = fetch_end
+        for (chunks, _), result in zip(dispatched, results):
+            self._postprocess(chunks, result, events)
+        self._counters["steps"] += 1
+
+    def _fail_step(self, out, error: Exception, events: list[TokenEvent]) -> None:
+        """Finish this step's requests with an error. If the failed call consumed the donated KV pages,
+        allocate fresh ones and send every other running request back to be recomputed."""
+        message = f"{type(error).__name__}: {error}"
+        self.num_failed_steps += 1
+        for chunk in out.decode + out.prefill:
+            r = chunk.request
+            if r.status is Status.RUNNING and r.request_id in self._streams:
+                self._finish(r, FinishReason.ERROR, events, error=message)
+        if self.runner.reset_kv_if_lost():
+            for r in list(self.scheduler.running):
+                self.scheduler.preempt(r, out)
+        self._last_fetch_end = None
 
     def _dispatch(self, chunks: list[Chunk], batch_bucket: int, token_bucket: int):
         b, s = self.config.buckets, self.config.page_size
@@ -217,8 +254,6 @@ class Engine:
             token = int(result.token_ids[row])
             r.output_ids.append(token)
             self._counters["output_tokens"] += 1
-            if r.first_token_time is None:
-                r.first_token_time = time.monotonic()
             logprobs = None
             if r.params.logprobs:
                 n = r.params.logprobs
@@ -241,30 +276,39 @@ class Engine:
         if cut is not None:
             stream.text = stream.text[:cut]
             reason = FinishReason.STOP
+        queue_s = None
+        if r.first_token_time is None:
+            r.first_token_time = time.monotonic()
+            queue_s = (r.first_scheduled_time or r.first_token_time) - r.arrival_time
         if reason is None:
             safe = len(stream.text) - _held_back(stream.text, p.stop)
             delta, stream.emitted = stream.text[stream.emitted:safe], max(stream.emitted, safe)
             self._emit(TokenEvent(r.request_id, (token,), delta, False, None, logprobs,
-                                  len(r.prompt_ids), len(r.output_ids)), stream, events)
+                                  len(r.prompt_ids), len(r.output_ids), queue_s=queue_s), stream, events)
         else:
-            self._finish(r, reason, events, new_tokens=(token,), logprobs=logprobs)
+            self._finish(r, reason, events, new_tokens=(token,), logprobs=logprobs, queue_s=queue_s)
 
     def _finish(self, r: Request, reason: FinishReason, events: list[TokenEvent], new_tokens=(), logprobs=None,
-                error: str | None = None) -> None:
+                error: str | None = None, queue_s: float | None = None) -> None:
         stream = self._streams.pop(r.request_id)
         self._requests.pop(r.request_id, None)
+        with self._seed_lock:
+            self._live_ids.discard(r.request_id)
         self.scheduler.remove(r)
         r.status = Status.FINISHED
         r.finish_reason = reason
         delta = stream.text[stream.emitted:]
         self._emit(TokenEvent(r.request_id, tuple(new_tokens), delta, True, reason, logprobs,
-                              len(r.prompt_ids), len(r.output_ids), error), stream, events)
+                              len(r.prompt_ids), len(r.output_ids), error, queue_s), stream, events)
 
     @staticmethod
     def _emit(event: TokenEvent, stream: _Stream, events: list[TokenEvent]) -> None:
         events.append(event)
         if stream.callback is not None:
-            stream.callback(event)
+            try:
+                stream.callback(event)
+            except Exception:  # noqa: BLE001 - a broken listener must not fail the step for others
+                log.exception("event callback for %s failed", event.request_id)
 
     # ---- warm-up ----
     def warmup(self, progress: Callable[[int, int, tuple], None] | None = None) -> int:

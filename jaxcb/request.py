@@ -120,6 +120,7 @@ class Request:
     num_preemptions: int = 0
     seq_no: int = dataclasses.field(default_factory=lambda: next(_ids))  # FCFS tie-break
     first_token_time: float | None = None
+    first_scheduled_time: float | None = None  # when it first got a batch slot (queue time ends)
     error: str | None = None
 
     def __post_init__(self):
@@ -157,3 +158,4 @@ class TokenEvent:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     error: str | None = None
+    queue_s: float | None = None  # on the first event: seconds from arrival to first scheduling

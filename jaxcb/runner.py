@@ -89,6 +89,15 @@ class ModelRunner:
         self.kv_pages = allocate_kv_pages(config.num_layers, config.num_kv_heads, num_pages, page_size,
                                           config.head_dim, self.dtype)
 
+    def reset_kv_if_lost(self) -> bool:
+        """After a failed step: if the donated pages were consumed, allocate fresh ones (True)."""
+        if not self.kv_pages.is_deleted():
+            return False
+        c = self.config
+        self.kv_pages = allocate_kv_pages(c.num_layers, c.num_kv_heads, self.num_pages, self.page_size,
+                                          c.head_dim, self.dtype)
+        return True
+
     @property
     def kv_bytes_per_token(self) -> int:
         c = self.config

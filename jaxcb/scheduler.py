@@ -181,7 +181,7 @@ class Scheduler:
             self.running_limit += 1
 
     # ---- the step ----
-    def _preempt(self, victim: Request, out: SchedulerOutput) -> None:
+    def preempt(self, victim: Request, out: SchedulerOutput) -> None:
         self.running.remove(victim)
         self.pool.free(victim.page_ids)
         victim.page_ids = []
@@ -226,7 +226,7 @@ class Scheduler:
                 continue
             while not self._grow(r, r.num_computed + n):
                 victim = next((v for v in reversed(self.running) if id(v) not in scheduled), None)
-                self._preempt(victim, out)
+                self.preempt(victim, out)
                 if victim is r:
                     break
             if r.status is Status.WAITING:  # r preempted itself: nothing left to take from
@@ -248,6 +248,8 @@ class Scheduler:
                     break  # out of pages: wait for running requests to finish
                 self.waiting.remove(r)
                 r.status = Status.RUNNING
+                if r.first_scheduled_time is None:
+                    r.first_scheduled_time = now
                 self.running.append(r)
                 self._emit(out, Chunk(r, r.num_computed, n))
                 if n > 1 or r.num_tokens - r.num_computed > 1:

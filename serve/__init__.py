@@ -1,0 +1,1 @@
+"""jaxcb's gRPC front end: the server, its metrics, and Python clients."""

@@ -1,0 +1,182 @@
+"""Python clients for jaxcb's gRPC API: `Client` (blocking) and `AsyncClient` (asyncio).
+
+    from serve.client import Client
+    with Client("127.0.0.1:50051") as c:
+        for chunk in c.generate("Why is the sky blue?", max_tokens=64, chat=True):
+            print(chunk.text, end="", flush=True)
+        result = c.complete("Hello", max_tokens=16)      # the whole completion at once
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import grpc
+
+from serve.proto import jaxcb_pb2, jaxcb_pb2_grpc
+
+
+@dataclasses.dataclass
+class Chunk:
+    token_ids: list[int]
+    text: str
+    logprobs: list | None = None
+
+
+@dataclasses.dataclass
+class Result:
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    cached_prompt_tokens: int = 0
+
+
+SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                   "frequency_penalty", "seed")
+
+
+def build_request(prompt=None, *, messages=None, token_ids=None, chat: bool = False, max_tokens: int = 64,
+                  stop=(), stop_token_ids=(), ignore_eos=False, priority=0, request_id="", logprobs=0,
+                  **sampling) -> jaxcb_pb2.GenerateRequest:
+    """prompt: text (with chat=True it becomes one user message); or messages; or token_ids."""
+    unknown = set(sampling) - set(SAMPLING_FIELDS)
+    if unknown:
+        raise TypeError(f"unknown sampling settings: {', '.join(sorted(unknown))}")
+    req = jaxcb_pb2.GenerateRequest(max_tokens=max_tokens, stop=list(stop), stop_token_ids=list(stop_token_ids),
+                                    ignore_eos=ignore_eos, priority=priority, request_id=request_id,
+                                    logprobs=logprobs)
+    for k, v in sampling.items():
+        if v is not None:
+            setattr(req.sampling, k, v)
+    if token_ids is not None:
+        req.tokens.token_ids.extend(token_ids)
+    elif messages is not None or chat:
+        msgs = messages if messages is not None else [{"role": "user", "content": prompt}]
+        req.chat.messages.extend(jaxcb_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in msgs)
+    else:
+        req.text = prompt
+    return req
+
+
+def _channel(target, tls_root_cert, aio):
+    mod = grpc.aio if aio else grpc
+    if tls_root_cert is not None:
+        with open(tls_root_cert, "rb") as f:
+            creds = grpc.ssl_channel_credentials(f.read())
+        return mod.secure_channel(target, creds)
+    return mod.insecure_channel(target)
+
+
+def _metadata(token):
+    return (("authorization", f"Bearer {token}"),) if token else None
+
+
+def _chunk(resp) -> Chunk:
+    lps = [(lp.token_id, lp.logprob, [(t.token_id, t.logprob) for t in lp.top]) for lp in resp.chunk.logprobs]
+    return Chunk(list(resp.chunk.token_ids), resp.chunk.text, lps or None)
+
+
+def _result(responses) -> Result:
+    ids, text, rid = [], [], ""
+    for resp in responses:
+        rid = resp.request_id
+        if resp.HasField("chunk"):
+            ids.extend(resp.chunk.token_ids)
+            text.append(resp.chunk.text)
+        else:
+            u = resp.final.usage
+            return Result(rid, ids, "".join(text), resp.final.finish_reason, u.prompt_tokens, u.completion_tokens,
+                          u.cached_prompt_tokens)
+    raise RuntimeError("the stream ended without a final message")
+
+
+class Client:
+    def __init__(self, target: str = "127.0.0.1:50051", *, token: str | None = None, tls_root_cert: str | None = None):
+        self.channel = _channel(target, tls_root_cert, aio=False)
+        self.stub = jaxcb_pb2_grpc.JaxcbStub(self.channel)
+        self.metadata = _metadata(token)
+
+    def stream(self, request: jaxcb_pb2.GenerateRequest, timeout: float | None = None):
+        """The raw response stream (cancel it with .cancel())."""
+        return self.stub.Generate(request, timeout=timeout, metadata=self.metadata)
+
+    def generate(self, prompt=None, *, timeout=None, **kw):
+        """Yield Chunks as they arrive; the last item is the Result."""
+        ids, text = [], []
+        for resp in self.stream(build_request(prompt, **kw), timeout):
+            if resp.HasField("chunk"):
+                c = _chunk(resp)
+                ids.extend(c.token_ids)
+                text.append(c.text)
+                yield c
+            else:
+                u = resp.final.usage
+                yield Result(resp.request_id, ids, "".join(text), resp.final.finish_reason, u.prompt_tokens,
+                             u.completion_tokens, u.cached_prompt_tokens)
+
+    def complete(self, prompt=None, *, timeout=None, **kw) -> Result:
+        return _result(self.stream(build_request(prompt, **kw), timeout))
+
+    def abort(self, request_id: str) -> bool:
+        return self.stub.Abort(jaxcb_pb2.AbortRequest(request_id=request_id), metadata=self.metadata).found
+
+    def model_info(self):
+        return self.stub.GetModelInfo(jaxcb_pb2.GetModelInfoRequest(), metadata=self.metadata)
+
+    def server_info(self):
+        return self.stub.GetServerInfo(jaxcb_pb2.GetServerInfoRequest(), metadata=self.metadata)
+
+    def close(self):
+        self.channel.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+class AsyncClient:
+    def __init__(self, target: str = "127.0.0.1:50051", *, token: str | None = None, tls_root_cert: str | None = None):
+        self.channel = _channel(target, tls_root_cert, aio=True)
+        self.stub = jaxcb_pb2_grpc.JaxcbStub(self.channel)
+        self.metadata = _metadata(token)
+
+    def stream(self, request: jaxcb_pb2.GenerateRequest, timeout: float | None = None):
+        return self.stub.Generate(request, timeout=timeout, metadata=self.metadata)
+
+    async def generate(self, prompt=None, *, timeout=None, **kw):
+        ids, text = [], []
+        async for resp in self.stream(build_request(prompt, **kw), timeout):
+            if resp.HasField("chunk"):
+                c = _chunk(resp)
+                ids.extend(c.token_ids)
+                text.append(c.text)
+                yield c
+            else:
+                u = resp.final.usage
+                yield Result(resp.request_id, ids, "".join(text), resp.final.finish_reason, u.prompt_tokens,
+                             u.completion_tokens, u.cached_prompt_tokens)
+
+    async def complete(self, prompt=None, *, timeout=None, **kw) -> Result:
+        last = None
+        async for item in self.generate(prompt, timeout=timeout, **kw):
+            last = item
+        if not isinstance(last, Result):
+            raise RuntimeError("the stream ended without a final message")
+        return last
+
+    async def server_info(self):
+        return await self.stub.GetServerInfo(jaxcb_pb2.GetServerInfoRequest(), metadata=self.metadata)
+
+    async def close(self):
+        await self.channel.close()
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.close()

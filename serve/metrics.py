@@ -1,0 +1,70 @@
+"""Prometheus metrics with the names operators know from vLLM, under the `jaxcb:` prefix.
+
+Per-request timings are observed on the engine thread as events arrive (`RequestTimer`); gauges
+are refreshed from `Engine.stats()` after every step.
+"""
+
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                    20.0, 40.0, 80.0)
+
+
+class Metrics:
+    def __init__(self, registry: CollectorRegistry | None = None):
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.ttft = Histogram("jaxcb:time_to_first_token_seconds", "Time to first token.",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("jaxcb:inter_token_latency_seconds", "Time between consecutive output tokens.",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("jaxcb:e2e_request_latency_seconds", "End-to-end request latency.",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.queue_time = Histogram("jaxcb:request_queue_time_seconds", "Time from arrival to first scheduling.",
+                                    buckets=_LATENCY_BUCKETS, registry=r)
+        self.running = Gauge("jaxcb:num_requests_running", "Requests in the running batch.", registry=r)
+        self.waiting = Gauge("jaxcb:num_requests_waiting", "Requests waiting to be scheduled.", registry=r)
+        self.kv_usage = Gauge("jaxcb:kv_cache_usage_perc", "Fraction of KV pages in use (0-1).", registry=r)
+        self.preemptions = Gauge("jaxcb:num_preemptions", "Preemptions since start (cumulative).", registry=r)
+        self.compilations = Gauge("jaxcb:compilations", "XLA compilations since start (cumulative).", registry=r)
+        self.prompt_tokens = Counter("jaxcb:prompt_tokens", "Prompt tokens of finished requests.", registry=r)
+        self.generation_tokens = Counter("jaxcb:generation_tokens", "Generated tokens.", registry=r)
+        self.finished = Counter("jaxcb:request_success", "Finished requests by finish reason.",
+                                ["finished_reason"], registry=r)
+
+    def refresh(self, stats) -> None:
+        self.running.set(stats.running)
+        self.waiting.set(stats.waiting)
+        self.kv_usage.set(stats.pages_in_use / stats.pages_total if stats.pages_total else 0.0)
+        self.preemptions.set(stats.preemptions)
+        self.compilations.set(stats.compilations)
+
+
+class RequestTimer:
+    """Follows one request's events and records its latencies."""
+
+    def __init__(self, metrics: Metrics, arrival: float | None = None):
+        self.m = metrics
+        self.arrival = time.monotonic() if arrival is None else arrival
+        self.last: float | None = None
+
+    def on_event(self, event) -> None:
+        now = time.monotonic()
+        if event.queue_s is not None:
+            self.m.queue_time.observe(event.queue_s)
+        if event.token_ids:
+            if self.last is None:
+                self.m.ttft.observe(now - self.arrival)
+            else:
+                self.m.itl.observe(now - self.last)
+            self.last = now
+            self.m.generation_tokens.inc(len(event.token_ids))
+        if event.finished:
+            self.m.e2e.observe(now - self.arrival)
+            self.m.prompt_tokens.inc(event.num_prompt_tokens)
+            reason = event.finish_reason.value if event.finish_reason is not None else "unknown"
+            self.m.finished.labels(finished_reason=reason).inc()

@@ -1,0 +1,1 @@
+"""Generated from protos/ by tools/gen_protos.sh; do not edit."""

@@ -1,0 +1,375 @@
+"""The gRPC server: jaxcb.v1.Jaxcb, JetStream's Orchestrator, grpc.health.v1 and reflection.
+
+The engine runs on its own thread (`EngineThread`); each streaming call is an asyncio task that
+submits its request with a callback that hops events onto the event loop, and yields them as they
+come. A call that ends early (cancelled, disconnected, past its deadline) aborts its request in the
+`finally` of its handler, so its pages are freed at the engine's next step.
+
+Start-up: the port opens first with health NOT_SERVING, every bucket is compiled, then SERVING.
+Shutdown (SIGTERM/SIGINT): stop accepting, let streams finish for the grace period, abort the rest
+(their streams end with finish reason "abort"), exit 0. If the engine thread dies, health turns
+NOT_SERVING and the process exits non-zero.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import signal
+import time
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from jaxcb.engine import Engine
+from jaxcb.engine_thread import EngineThread
+from jaxcb.request import FinishReason, SamplingParams, TokenEvent
+from serve.metrics import Metrics, RequestTimer
+from serve.proto import jaxcb_pb2, jaxcb_pb2_grpc, jetstream_pb2, jetstream_pb2_grpc
+
+log = logging.getLogger("jaxcb.serve")
+
+MAX_TEXT_CHARS = 1 << 20  # prompt text and each chat message
+MAX_MESSAGES = 256
+MAX_GRPC_MESSAGE_BYTES = 64 << 20  # gRPC's own cap, above ours, so ours answer with a clear message
+SERVICE_NAME = "jaxcb.v1.Jaxcb"
+
+
+@dataclasses.dataclass
+class ServerOptions:
+    host: str = "127.0.0.1"
+    port: int = 50051
+    metrics_port: int | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    auth_token: str | None = None
+    grace_s: float = 10.0
+    max_waiting: int = 1024
+
+
+class InvalidRequest(Exception):
+    """Bad input, already phrased for the caller."""
+
+
+class State:
+    """What the handlers share: the engine thread, the tokenizer, metrics, and the server's phase."""
+
+    def __init__(self, engine: Engine, tokenizer, model_name: str, dtype: str, options: ServerOptions,
+                 metrics: Metrics):
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.dtype = dtype
+        self.options = options
+        self.metrics = metrics
+        self.ready = False
+        self.draining = False
+        self.active: set[str] = set()
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.thread: EngineThread | None = None
+        self.died = asyncio.Event()
+
+    def check_open(self) -> None:
+        if self.draining:
+            raise _Abort(grpc.StatusCode.UNAVAILABLE, "the server is shutting down")
+        if self.thread is None or not self.thread.alive:
+            raise _Abort(grpc.StatusCode.UNAVAILABLE, "the engine is not running")
+        if not self.ready:
+            raise _Abort(grpc.StatusCode.UNAVAILABLE, "the server is warming up; retry when health is SERVING")
+
+    async def stream(self, prompt_ids: list[int], params: SamplingParams, priority: int, request_id: str,
+                     context):
+        """Submit one request; yield its TokenEvents as they arrive; abort it if the call ends early."""
+        self.check_open()
+        if self.engine.stats().waiting >= self.options.max_waiting:
+            raise _Abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                         f"queue full: {self.options.max_waiting} requests already waiting")
+        queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+        timer = RequestTimer(self.metrics)
+
+        def on_event(ev: TokenEvent) -> None:  # engine thread
+            timer.on_event(ev)
+            loop.call_soon_threadsafe(queue.put_nowait, ev)
+
+        try:
+            rid = self.thread.submit(prompt_ids, params, on_event, request_id=request_id or None, priority=priority)
+        except ValueError as e:
+            raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+        self.active.add(rid)
+        finished = False
+        try:
+            while True:
+                ev = await queue.get()
+                finished = ev.finished
+                yield ev
+                if finished:
+                    return
+        finally:
+            self.active.discard(rid)
+            if not finished:
+                self.thread.abort(rid)
+
+
+class _Abort(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code, self.message = code, message
+
+
+def _sampling(req) -> SamplingParams:
+    s = req.sampling
+    try:
+        return SamplingParams(
+            max_tokens=req.max_tokens, temperature=s.temperature, top_k=s.top_k,
+            top_p=s.top_p if s.HasField("top_p") else 1.0, min_p=s.min_p,
+            repetition_penalty=s.repetition_penalty if s.HasField("repetition_penalty") else 1.0,
+            presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
+            seed=s.seed if s.HasField("seed") else None, stop=tuple(req.stop),
+            stop_token_ids=tuple(req.stop_token_ids), ignore_eos=req.ignore_eos, logprobs=req.logprobs,
+        )
+    except ValueError as e:
+        raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+
+
+def _prompt_ids(state: State, req) -> list[int]:
+    kind = req.WhichOneof("input")
+    tok = state.tokenizer
+    try:
+        if kind == "text":
+            if not req.text:
+                raise ValueError("text: the prompt must not be empty")
+            if len(req.text) > MAX_TEXT_CHARS:
+                raise ValueError(f"text: {len(req.text)} characters; the limit is {MAX_TEXT_CHARS}")
+            return tok.encode(req.text)
+        if kind == "chat":
+            msgs = req.chat.messages
+            if not msgs:
+                raise ValueError("chat.messages: must not be empty")
+            if len(msgs) > MAX_MESSAGES:
+                raise ValueError(f"chat.messages: {len(msgs)} messages; the limit is {MAX_MESSAGES}")
+            for i, m in enumerate(msgs):
+                if len(m.content) > MAX_TEXT_CHARS:
+                    raise ValueError(f"chat.messages[{i}].content: {len(m.content)} characters; the limit is {MAX_TEXT_CHARS}")
+            return tok.encode_chat([{"role": m.role, "content": m.content} for m in msgs])
+        if kind == "tokens":
+            if not req.tokens.token_ids:
+                raise ValueError("tokens.token_ids: must not be empty")
+            return list(req.tokens.token_ids)
+        raise ValueError("input: one of text, chat or tokens is required")
+    except ValueError as e:
+        raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+
+
+def _logprobs_pb(ev: TokenEvent):
+    out = []
+    if ev.logprobs:
+        for token, (lp, top) in zip(ev.token_ids, ev.logprobs):
+            out.append(jaxcb_pb2.TokenLogprobs(token_id=token, logprob=lp,
+                                               top=[jaxcb_pb2.TopLogprob(token_id=t, logprob=l) for t, l in top]))
+    return out
+
+
+class JaxcbService(jaxcb_pb2_grpc.JaxcbServicer):
+    def __init__(self, state: State):
+        self.state = state
+
+    async def Generate(self, request, context):
+        try:
+            params = _sampling(request)
+            ids = _prompt_ids(self.state, request)
+            async for ev in self.state.stream(ids, params, request.priority, request.request_id, context):
+                if ev.finish_reason is FinishReason.ERROR:
+                    await context.abort(grpc.StatusCode.INTERNAL, f"the step running this request failed: {ev.error}")
+                if ev.token_ids or ev.text:
+                    yield jaxcb_pb2.GenerateResponse(request_id=ev.request_id, chunk=jaxcb_pb2.GenerateChunk(
+                        token_ids=list(ev.token_ids), text=ev.text, logprobs=_logprobs_pb(ev)))
+                if ev.finished:
+                    usage = jaxcb_pb2.Usage(prompt_tokens=ev.num_prompt_tokens, completion_tokens=ev.num_output_tokens)
+                    yield jaxcb_pb2.GenerateResponse(request_id=ev.request_id, final=jaxcb_pb2.GenerateFinal(
+                        finish_reason=ev.finish_reason.value, usage=usage))
+        except _Abort as e:
+            await context.abort(e.code, e.message)
+
+    async def Abort(self, request, context):
+        found = self.state.engine.is_live(request.request_id)
+        if found:
+            self.state.thread.abort(request.request_id)
+        return jaxcb_pb2.AbortResponse(found=found)
+
+    async def GetModelInfo(self, request, context):
+        s = self.state
+        c = s.engine.model_config
+        return jaxcb_pb2.ModelInfo(name=s.model_name, vocab_size=c.vocab_size, context_length=s.engine.max_context,
+                                   dtype=s.dtype, num_layers=c.num_layers, num_params=c.num_params)
+
+    async def GetServerInfo(self, request, context):
+        e = self.state.engine
+        st = e.stats()
+        b = e.config.buckets
+        return jaxcb_pb2.ServerInfo(
+            decode_batch_buckets=b.decode_batch, pages_per_seq_buckets=b.pages_per_seq,
+            prefill_token_buckets=b.prefill_tokens, page_size=e.config.page_size, pages_total=st.pages_total,
+            pages_free=st.pages_free, policy=e.config.scheduler.policy, compilations=st.compilations,
+            running=st.running, waiting=st.waiting, preemptions=st.preemptions)
+
+
+class OrchestratorService(jetstream_pb2_grpc.OrchestratorServicer):
+    """JetStream's API over the same engine: greedy, as JetStream's Decode carries no sampling settings."""
+
+    def __init__(self, state: State):
+        self.state = state
+
+    async def Decode(self, request, context):
+        try:
+            kind = request.WhichOneof("content")
+            if kind == "text_content":
+                if not request.text_content.text:
+                    raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, "text_content.text: the prompt must not be empty")
+                if len(request.text_content.text) > MAX_TEXT_CHARS:
+                    raise _Abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                 f"text_content.text: {len(request.text_content.text)} characters; the limit is {MAX_TEXT_CHARS}")
+                ids = self.state.tokenizer.encode(request.text_content.text)
+            elif kind == "token_content":
+                ids = list(request.token_content.token_ids)
+                if not ids:
+                    raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, "token_content.token_ids: must not be empty")
+            else:
+                raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, "content: text_content or token_content is required")
+            if request.num_samples > 1:
+                raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, "num_samples: only 1 is supported")
+            try:
+                params = SamplingParams(max_tokens=request.max_tokens)
+            except ValueError as e:
+                raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+            async for ev in self.state.stream(ids, params, request.priority, "", context):
+                if ev.finish_reason is FinishReason.ERROR:
+                    await context.abort(grpc.StatusCode.INTERNAL, f"the step running this request failed: {ev.error}")
+                if ev.token_ids or ev.text:
+                    sample = jetstream_pb2.DecodeResponse.StreamContent.Sample(text=ev.text, token_ids=list(ev.token_ids))
+                    yield jetstream_pb2.DecodeResponse(
+                        stream_content=jetstream_pb2.DecodeResponse.StreamContent(samples=[sample]))
+        except _Abort as e:
+            await context.abort(e.code, e.message)
+
+    async def HealthCheck(self, request, context):
+        s = self.state
+        return jetstream_pb2.HealthCheckResponse(is_live=bool(s.ready and s.thread and s.thread.alive and not s.draining))
+
+
+class _AuthInterceptor(grpc.aio.ServerInterceptor):
+    """Every call must carry `authorization: Bearer <token>`."""
+
+    def __init__(self, token: str):
+        self._expected = f"Bearer {token}"
+
+        async def deny(request, context):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token in 'authorization'")
+
+        self._deny_unary = grpc.unary_unary_rpc_method_handler(deny)
+
+        async def deny_stream(request, context):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token in 'authorization'")
+            yield  # pragma: no cover - makes this an async generator
+
+        self._deny_stream = grpc.unary_stream_rpc_method_handler(deny_stream)
+
+    async def intercept_service(self, continuation, details):
+        md = dict(details.invocation_metadata or ())
+        if md.get("authorization") == self._expected:
+            return await continuation(details)
+        handler = await continuation(details)
+        if handler is not None and handler.response_streaming:
+            return self._deny_stream
+        return self._deny_unary
+
+
+async def run_server(engine: Engine, tokenizer, model_name: str, dtype: str, options: ServerOptions,
+                     announce=print) -> int:
+    """Serve until SIGTERM/SIGINT (returns 0) or until the engine dies (returns 1)."""
+    metrics = Metrics()
+    state = State(engine, tokenizer, model_name, dtype, options, metrics)
+    state.loop = asyncio.get_running_loop()
+
+    def on_death(error):
+        state.loop.call_soon_threadsafe(state.died.set)
+
+    def on_step(eng, events):
+        metrics.refresh(eng.stats())
+
+    state.thread = EngineThread(engine, on_death=on_death, on_step=on_step)
+
+    interceptors = [_AuthInterceptor(options.auth_token)] if options.auth_token else []
+    server = grpc.aio.server(interceptors=interceptors, options=[
+        ("grpc.max_receive_message_length", MAX_GRPC_MESSAGE_BYTES),
+        ("grpc.max_send_message_length", MAX_GRPC_MESSAGE_BYTES),
+    ])
+    jaxcb_pb2_grpc.add_JaxcbServicer_to_server(JaxcbService(state), server)
+    jetstream_pb2_grpc.add_OrchestratorServicer_to_server(OrchestratorService(state), server)
+    health_servicer = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    names = (SERVICE_NAME, "jetstream_proto.Orchestrator", health.SERVICE_NAME, reflection.SERVICE_NAME)
+    reflection.enable_server_reflection(names, server)
+
+    async def set_health(status):
+        for name in ("", SERVICE_NAME, "jetstream_proto.Orchestrator"):
+            result = health_servicer.set(name, status)
+            if asyncio.iscoroutine(result):
+                await result
+
+    await set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+    address = f"{options.host}:{options.port}"
+    if options.tls_cert:
+        with open(options.tls_key, "rb") as f:
+            key = f.read()
+        with open(options.tls_cert, "rb") as f:
+            cert = f.read()
+        port = server.add_secure_port(address, grpc.ssl_server_credentials([(key, cert)]))
+    else:
+        port = server.add_insecure_port(address)
+    await server.start()
+    if options.metrics_port is not None:
+        from prometheus_client import start_http_server
+
+        start_http_server(options.metrics_port, addr=options.host, registry=metrics.registry)
+
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        try:
+            state.loop.add_signal_handler(sig, stop.set)
+        except (NotImplementedError, RuntimeError):  # not the main thread (tests)
+            pass
+
+    announce(f"jaxcb: listening on {options.host}:{port}; warming up ({model_name})")
+    t0 = time.perf_counter()
+    shapes = await asyncio.to_thread(engine.warmup)
+    state.thread.start()
+    state.ready = True
+    await set_health(health_pb2.HealthCheckResponse.SERVING)
+    announce(f"jaxcb: SERVING on {options.host}:{port} after compiling {shapes} bucket shapes in "
+             f"{time.perf_counter() - t0:.1f}s")
+
+    died = asyncio.ensure_future(state.died.wait())
+    stopping = asyncio.ensure_future(stop.wait())
+    await asyncio.wait([died, stopping], return_when=asyncio.FIRST_COMPLETED)
+    code = 1 if state.died.is_set() else 0
+    state.draining = True
+    await set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+    if code == 0:
+        announce(f"jaxcb: shutting down; {len(state.active)} streams in flight, grace {options.grace_s:.0f}s")
+        deadline = time.monotonic() + options.grace_s
+        while state.active and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        for rid in list(state.active):
+            state.thread.abort(rid)
+        deadline = time.monotonic() + 5.0
+        while state.active and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+    else:
+        log.error("the engine thread died: %r", state.thread.error)
+        announce(f"jaxcb: the engine died ({state.thread.error!r}); exiting")
+    await server.stop(1.0)
+    state.thread.stop()
+    return code

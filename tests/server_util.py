@@ -1,0 +1,68 @@
+"""Start `jaxcb serve` as a user would, in its own process, and wait for it to report SERVING."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+SMALL_CONFIG = (
+    "[cache]\npage_size = 16\nnum_pages = 96\n"
+    "[scheduler]\nmax_context = 256\nmax_prefill_tokens = 64\n"
+    "[buckets]\ndecode_batch = [1, 2, 4, 8]\npages_per_seq = [4, 16]\nprefill_tokens = [32, 64]\n"
+)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    def __init__(self, model: str, config: str, *extra: str, env=None):
+        self.port = free_port()
+        self.metrics_port = free_port()
+        self.target = f"127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "jaxcb", "serve", "--model", model, "--config", config,
+               "--port", str(self.port), "--metrics-port", str(self.metrics_port), *extra]
+        self.log_path = config + f".{self.port}.log"
+        self.log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+
+    def wait_serving(self, timeout=240.0, metadata=None):
+        deadline = time.monotonic() + timeout
+        with grpc.insecure_channel(self.target) as ch:
+            stub = health_pb2_grpc.HealthStub(ch)
+            while time.monotonic() < deadline:
+                assert self.proc.poll() is None, f"server exited early:\n{self.output()}"
+                try:
+                    r = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=2, metadata=metadata)
+                    if r.status == health_pb2.HealthCheckResponse.SERVING:
+                        return
+                except grpc.RpcError:
+                    pass
+                time.sleep(0.2)
+        raise AssertionError(f"server not SERVING after {timeout}s:\n{self.output()}")
+
+    def output(self) -> str:
+        self.log.flush()
+        with open(self.log_path) as f:
+            return f.read()
+
+    def stop(self, timeout=30.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+        return self.proc.returncode

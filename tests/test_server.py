@@ -1,0 +1,253 @@
+"""The gRPC server over a real loopback port, started as a separate process the way a user starts it."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import signal
+import time
+import urllib.request
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from jaxcb.engine_config import load_config
+from jaxcb.llm import LLM
+from jaxcb.request import SamplingParams
+from serve.client import AsyncClient, Client, build_request
+from serve.proto import jaxcb_pb2, jaxcb_pb2_grpc, jetstream_pb2, jetstream_pb2_grpc
+from server_util import SMALL_CONFIG, ServerProcess
+
+
+@pytest.fixture(scope="module")
+def config_path(tmp_path_factory):
+    path = tmp_path_factory.mktemp("server") / "small.toml"
+    path.write_text(SMALL_CONFIG)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_gguf_path, config_path):
+    s = ServerProcess(tiny_gguf_path, config_path, "--grace-period", "20")
+    try:
+        s.wait_serving()
+        yield s
+    finally:
+        code = s.stop()
+        assert code == 0, s.output()
+
+
+@pytest.fixture(scope="module")
+def offline(tiny_model, config_path):
+    cfg, params, tok, eos = tiny_model
+    return LLM.from_params(cfg, params, tok, config=load_config(config_path), eos_ids=eos)
+
+
+@pytest.fixture
+def client(server):
+    with Client(server.target) as c:
+        yield c
+
+
+def wait_pool_whole(client, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while True:
+        info = client.server_info()
+        if info.pages_free == info.pages_total and info.running == 0 and info.waiting == 0:
+            return info
+        assert time.monotonic() < deadline, f"pool not whole: {info}"
+        time.sleep(0.05)
+
+
+def test_streamed_tokens_equal_the_offline_engine(client, offline):
+    prompts = [[5, 6, 7], list(range(10, 60)), [100] * 20]
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    want = offline.generate(prompts, params)
+    for prompt, w in zip(prompts, want):
+        chunks = list(client.generate(token_ids=prompt, max_tokens=12, ignore_eos=True))
+        result = chunks[-1]
+        assert len(chunks) > 2, "tokens should stream as separate messages"
+        assert result.token_ids == w.token_ids and result.finish_reason == "length"
+        assert result.prompt_tokens == len(prompt) and result.completion_tokens == 12
+    # Text and chat inputs go through the server's tokenizer and template like the offline path.
+    text = client.complete("the weather", max_tokens=6, ignore_eos=True)
+    assert text.token_ids == offline.generate(["the weather"], SamplingParams(max_tokens=6, ignore_eos=True))[0].token_ids
+    chat = client.complete("hi", chat=True, max_tokens=6, ignore_eos=True)
+    assert chat.token_ids == offline.generate(["hi"], SamplingParams(max_tokens=6, ignore_eos=True), chat=True)[0].token_ids
+    # Seeded sampling through the server equals the offline engine too.
+    seeded = client.complete(token_ids=[9, 8, 7], max_tokens=10, ignore_eos=True, temperature=0.8, top_k=50, seed=42)
+    assert seeded.token_ids == offline.generate(
+        [[9, 8, 7]], SamplingParams(max_tokens=10, ignore_eos=True, temperature=0.8, top_k=50, seed=42))[0].token_ids
+    wait_pool_whole(client)
+
+
+def test_jetstream_decode_returns_the_same_tokens(server, client):
+    want = client.complete(token_ids=[11, 12, 13, 14], max_tokens=8).token_ids
+    with grpc.insecure_channel(server.target) as ch:
+        stub = jetstream_pb2_grpc.OrchestratorStub(ch)
+        req = jetstream_pb2.DecodeRequest(max_tokens=8, token_content=jetstream_pb2.DecodeRequest.TokenContent(
+            token_ids=[11, 12, 13, 14]))
+        got = []
+        for resp in stub.Decode(req, timeout=60):
+            for sample in resp.stream_content.samples:
+                got.extend(sample.token_ids)
+        assert got == want
+        text = "".join(s.text for r in stub.Decode(jetstream_pb2.DecodeRequest(
+            max_tokens=5, text_content=jetstream_pb2.DecodeRequest.TextContent(text="is it")), timeout=60)
+            for s in r.stream_content.samples)
+        assert isinstance(text, str)
+        assert stub.HealthCheck(jetstream_pb2.HealthCheckRequest(), timeout=5).is_live
+        with pytest.raises(grpc.RpcError) as e:
+            list(stub.Decode(jetstream_pb2.DecodeRequest(max_tokens=0, token_content=jetstream_pb2.DecodeRequest.TokenContent(token_ids=[5])), timeout=10))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_health_and_reflection(server):
+    with grpc.insecure_channel(server.target) as ch:
+        health = health_pb2_grpc.HealthStub(ch)
+        for service in ("", "jaxcb.v1.Jaxcb"):
+            assert health.Check(health_pb2.HealthCheckRequest(service=service), timeout=5).status == \
+                health_pb2.HealthCheckResponse.SERVING
+        refl = reflection_pb2_grpc.ServerReflectionStub(ch)
+        resp = next(refl.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5))
+        names = {s.name for s in resp.list_services_response.service}
+        assert {"jaxcb.v1.Jaxcb", "jetstream_proto.Orchestrator", "grpc.health.v1.Health"} <= names
+
+
+def test_model_and_server_info(client):
+    m = client.model_info()
+    assert m.vocab_size == 284 and m.context_length == 256 and m.dtype == "float32"
+    s = client.server_info()
+    assert list(s.decode_batch_buckets) == [1, 2, 4, 8] and s.page_size == 16 and s.pages_total == 95
+    assert s.policy == "fcfs" and s.compilations > 0
+
+
+BAD = [
+    (dict(prompt=""), "text: the prompt must not be empty"),
+    (dict(token_ids=[5] * 300), "prompt: 300 tokens; the limit is 255"),
+    (dict(token_ids=[5], max_tokens=0), "max_tokens: must be >= 1, got 0"),
+    (dict(token_ids=[5] * 10, max_tokens=250), "max_tokens: prompt (10) + max_tokens (250) exceeds the context limit of 256"),
+    (dict(token_ids=[5], temperature=-0.5), "temperature: must be >= 0"),
+    (dict(token_ids=[5], temperature=math.nan), "temperature: must be a finite number"),
+    (dict(token_ids=[5], temperature=math.inf), "temperature: must be a finite number"),
+    (dict(token_ids=[5], top_p=0.0), "top_p: must be in (0, 1]"),
+    (dict(token_ids=[5], top_p=1.5), "top_p: must be in (0, 1]"),
+    (dict(token_ids=[5], top_k=-2), "top_k: must be >= 0"),
+    (dict(token_ids=[5, 284]), "prompt_token_ids: token id 284 is outside the vocabulary [0, 284)"),
+    (dict(token_ids=[-1]), "token id -1 is outside the vocabulary"),
+    (dict(messages=[{"role": "wizard", "content": "x"}]), "messages[0].role: 'wizard' is not one of"),
+    (dict(token_ids=[5], stop=[f"s{i}" for i in range(17)]), "stop: at most 16 stop strings, got 17"),
+    (dict(prompt="x" * ((1 << 20) + 1)), "text: 1048577 characters; the limit is 1048576"),
+    (dict(token_ids=[5], logprobs=21), "logprobs: must be <= 20"),
+]
+
+
+@pytest.mark.parametrize("kwargs,message", BAD, ids=[b[1][:40] for b in BAD])
+def test_bad_input_is_invalid_argument(client, kwargs, message):
+    kwargs.setdefault("max_tokens", 4)
+    with pytest.raises(grpc.RpcError) as e:
+        client.complete(timeout=30, **kwargs)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value.details()
+    assert message in e.value.details()
+
+
+def test_bad_input_leaves_the_server_serving(client):
+    with pytest.raises(grpc.RpcError):
+        client.complete(token_ids=[5, 99999], max_tokens=3)
+    assert client.complete(token_ids=[5, 6], max_tokens=3, ignore_eos=True).completion_tokens == 3
+    wait_pool_whole(client)
+
+
+def test_fifty_concurrent_streams_some_cancelled(server):
+    async def main():
+        async with AsyncClient(server.target) as c:
+            async def one(i):
+                call = c.stream(build_request(token_ids=[3 + i % 50, 7, 9], max_tokens=40, ignore_eos=True))
+                got = []
+                async for resp in call:
+                    if resp.HasField("chunk"):
+                        got.extend(resp.chunk.token_ids)
+                        if i % 3 == 0 and len(got) >= 3:
+                            call.cancel()
+                            return ("cancelled", got)
+                    else:
+                        return (resp.final.finish_reason, got)
+                return ("cancelled", got)
+
+            return await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(50))), 600)
+
+    results = asyncio.run(main())
+    for i, (reason, got) in enumerate(results):
+        if i % 3 == 0:
+            assert reason == "cancelled" and len(got) >= 3
+        else:
+            assert reason == "length" and len(got) == 40
+    with Client(server.target) as c:
+        wait_pool_whole(c)
+
+
+def test_deadline_and_abort_free_pages(server, client):
+    with pytest.raises(grpc.RpcError) as e:
+        for _ in client.generate(token_ids=[5, 6], max_tokens=250, ignore_eos=True, timeout=0.1):
+            pass
+    assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    wait_pool_whole(client)
+    stream = client.stream(build_request(token_ids=[5, 6], max_tokens=200, ignore_eos=True, request_id="mine"))
+    first = next(stream)
+    assert first.request_id == "mine"
+    assert client.abort("mine") is True
+    rest = list(stream)
+    assert rest[-1].final.finish_reason == "abort"
+    assert client.abort("mine") is False
+    wait_pool_whole(client)
+
+
+def test_metrics_endpoint(server, client):
+    client.complete(token_ids=[5, 6, 7], max_tokens=4, ignore_eos=True)
+    body = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10).read().decode()
+    for name in ("jaxcb:time_to_first_token_seconds_bucket", "jaxcb:inter_token_latency_seconds_bucket",
+                 "jaxcb:e2e_request_latency_seconds_count", "jaxcb:request_queue_time_seconds_count",
+                 "jaxcb:num_requests_running", "jaxcb:num_requests_waiting", "jaxcb:kv_cache_usage_perc",
+                 "jaxcb:num_preemptions", "jaxcb:compilations", "jaxcb:prompt_tokens_total",
+                 "jaxcb:generation_tokens_total", 'jaxcb:request_success_total{finished_reason="length"}'):
+        assert name in body, name
+
+
+def test_auth_token_and_queue_limit(tiny_gguf_path, config_path):
+    s = ServerProcess(tiny_gguf_path, config_path, "--auth-token", "s3cret", "--max-waiting", "0")
+    try:
+        s.wait_serving(metadata=(("authorization", "Bearer s3cret"),))
+        for token in (None, "wrong"):
+            with Client(s.target, token=token) as c:
+                with pytest.raises(grpc.RpcError) as e:
+                    c.complete(token_ids=[5], max_tokens=2, timeout=10)
+                assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+                with pytest.raises(grpc.RpcError) as e:
+                    c.server_info()
+                assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        with Client(s.target, token="s3cret") as c:
+            assert c.server_info().pages_total == 95
+            with pytest.raises(grpc.RpcError) as e:
+                c.complete(token_ids=[5], max_tokens=2, timeout=10)
+            assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "queue full" in e.value.details()
+    finally:
+        assert s.stop() == 0
+
+
+@pytest.mark.parametrize("grace,expect", [("30", "length"), ("0", "abort")])
+def test_sigterm_drains_then_exits_zero(tiny_gguf_path, config_path, grace, expect):
+    s = ServerProcess(tiny_gguf_path, config_path, "--grace-period", grace)
+    try:
+        s.wait_serving()
+        with Client(s.target) as c:
+            stream = c.stream(build_request(token_ids=[5, 6], max_tokens=250, ignore_eos=True))
+            next(stream)
+            s.proc.send_signal(signal.SIGTERM)
+            rest = list(stream)
+            assert rest[-1].final.finish_reason == expect
+        assert s.proc.wait(60) == 0, s.output()
+    finally:
+        s.stop()

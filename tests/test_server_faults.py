@@ -1,0 +1,78 @@
+"""Failures inside the engine, with the server run in this process (so a fault can be injected)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from jaxcb.engine import Engine
+from jaxcb.engine_config import make_config
+from jaxcb.runner import ModelRunner
+from serve.client import Client
+from serve.server import ServerOptions, run_server
+from server_util import free_port
+
+
+class InProcessServer:
+    def __init__(self, tiny_model):
+        cfg, params, tok, eos = tiny_model
+        config = make_config(num_pages=64, max_context=128, decode_batch=(1, 4), pages_per_seq=(8,),
+                             prefill_tokens=(32,))
+        self.engine = Engine(ModelRunner(cfg, params, config.num_pages, config.page_size), tok, config, eos_ids=eos)
+        self.port = free_port()
+        self.target = f"127.0.0.1:{self.port}"
+        self.code = None
+        self.ready = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self):
+        def announce(msg):
+            if "SERVING" in msg:
+                self.ready.set()
+
+        opts = ServerOptions(port=self.port, grace_s=0)
+        self.code = asyncio.run(run_server(self.engine, self.engine.tokenizer, "tiny", "float32", opts, announce))
+        self.ready.set()
+
+
+def health(target):
+    with grpc.insecure_channel(target) as ch:
+        return health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5).status
+
+
+def test_failed_step_fails_its_requests_with_internal_and_serving_goes_on(tiny_model):
+    s = InProcessServer(tiny_model)
+    assert s.ready.wait(120)
+    poison = 77
+
+    def inject(out):
+        if any(poison in c.request.prompt_ids for c in out.decode + out.prefill):
+            raise RuntimeError("injected device failure")
+
+    s.engine.fault_injector = inject
+    with Client(s.target) as c:
+        with pytest.raises(grpc.RpcError) as e:
+            c.complete(token_ids=[5, poison, 6], max_tokens=5, timeout=30)
+        assert e.value.code() == grpc.StatusCode.INTERNAL
+        assert "injected device failure" in e.value.details()
+        ok = c.complete(token_ids=[5, 6, 7], max_tokens=5, ignore_eos=True, timeout=30)
+        assert ok.completion_tokens == 5
+        info = c.server_info()
+        assert info.pages_free == info.pages_total
+    assert health(s.target) == health_pb2.HealthCheckResponse.SERVING
+    s.engine.fault_injector = None
+    s.engine.step = _raise  # now the loop itself breaks: the engine thread dies
+    with Client(s.target) as c:
+        with pytest.raises(grpc.RpcError):
+            c.complete(token_ids=[5, 6], max_tokens=3, timeout=30)
+    s.thread.join(60)
+    assert s.code == 1  # the server exits non-zero instead of accepting calls it would never answer
+
+
+def _raise():
+    raise MemoryError("engine broken beyond one step")
