@@ -190,3 +190,43 @@ def pad_sampling(rows: list[SamplingRow], batch_bucket: int, window: int) -> Pad
             out.history_ids[r, n_prompt:n_prompt + n_out] = row.output_ids
             out.history_is_output[r, n_prompt:n_prompt + n_out] = True
     return out
+
+
+# Relative costs of a decode call, measured on the CPU (SmolLM2, float32): a fixed part per call
+# (reading every weight once), a part per padded row (its matmuls), and a part per padded page of
+# context per row (gathering and attending over it).
+CALL_COST, ROW_COST, PAGE_ROW_COST = 30.0, 2.0, 0.25
+
+
+def plan_decode_groups(pages_per_row: list[int], buckets: Buckets, max_groups: int = 3) -> list[list[int]]:
+    """Split decode rows into up to `max_groups` calls when that costs less than one padded call.
+
+    One call pads every row to the longest row's pages; a batch with a few long sequences among
+    many short ones then pays for the long context on every row. Rows sorted by pages, the best
+    split points are found by dynamic programming over the cost model above. Returns groups of row
+    indices; every group's shape is an existing bucket, so no split ever compiles anything.
+    """
+    order = sorted(range(len(pages_per_row)), key=lambda i: pages_per_row[i])
+    n = len(order)
+
+    def cost(lo: int, hi: int) -> float:  # rows order[lo:hi] in one call
+        b = bucket_for(buckets.decode_batch, hi - lo, "batch")
+        p = bucket_for(buckets.pages_per_seq, pages_per_row[order[hi - 1]], "pages per sequence")
+        return CALL_COST + b * (ROW_COST + PAGE_ROW_COST * p)
+
+    best = {0: (0.0, [])}  # rows taken -> (cost, split points), for the current number of groups
+    answer = (cost(0, n), [])
+    for _ in range(max_groups - 1):
+        nxt = {}
+        for taken, (c, cuts) in best.items():
+            for end in range(taken + 1, n):
+                cand = (c + cost(taken, end), cuts + [end])
+                if end not in nxt or cand[0] < nxt[end][0]:
+                    nxt[end] = cand
+        for taken, (c, cuts) in nxt.items():
+            total = c + cost(taken, n)
+            if total < answer[0]:
+                answer = (total, cuts)
+        best = nxt
+    bounds = [0, *answer[1], n]
+    return [[order[i] for i in range(lo, hi)] for lo, hi in zip(bounds, bounds[1:])]

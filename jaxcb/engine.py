@@ -20,7 +20,7 @@ import threading
 import time
 from typing import Callable
 
-from jaxcb.buckets import PaddedSampling, RowSpec, SamplingRow, bucket_for, pad_sampling, pad_step
+from jaxcb.buckets import RowSpec, SamplingRow, bucket_for, pad_sampling, pad_step, plan_decode_groups
 from jaxcb.engine_config import EngineConfig
 from jaxcb.page_pool import PagePool
 from jaxcb.request import FinishReason, Request, SamplingParams, Status, TokenEvent
@@ -82,6 +82,7 @@ class Engine:
                               page_slots=0, page_tokens=0, page_samples=0, host_s=0.0, step_s=0.0)
         self._last_fetch_end: float | None = None
         self.num_failed_steps = 0
+        self.max_decode_groups = 3  # decode rows may be split into this many calls (see plan_decode_groups)
         # Test seam: called with each SchedulerOutput before dispatch; raising simulates a failed step.
         self.fault_injector: Callable | None = None
 
@@ -188,9 +189,14 @@ class Engine:
         b = self.config.buckets
         if self.fault_injector is not None:
             self.fault_injector(out)
-        if out.decode:
+        if out.decode and out.num_static_rows:  # static batching: one call, finished rows still padded in
             rows = max(len(out.decode), out.num_static_rows)
             dispatched.append((out.decode, self._dispatch(out.decode, bucket_for(b.decode_batch, rows, "batch"), 1)))
+        elif out.decode:
+            groups = plan_decode_groups([len(c.request.page_ids) for c in out.decode], b, self.max_decode_groups)
+            for group in groups:
+                chunks = [out.decode[i] for i in group]
+                dispatched.append((chunks, self._dispatch(chunks, bucket_for(b.decode_batch, len(chunks), "batch"), 1)))
         for chunk in out.prefill:
             t = bucket_for(b.prefill_tokens, chunk.num_tokens, "prefill chunk")
             dispatched.append(([chunk], self._dispatch([chunk], 1, t)))

@@ -88,7 +88,8 @@ class Scheduler:
         self.running: list[Request] = []
         self.running_limit = config.max_running
         self.num_preemptions = 0
-        self._static_rows = 0
+        self._static_rows = 0  # static mode: size of the current batch, finished members included
+        self._static_batch: list[Request] = []
         self._tpot_ms = collections.deque(maxlen=64)
 
     # ---- queue ----
@@ -237,10 +238,19 @@ class Scheduler:
                 budget -= n
             i += 1
 
-        admit = not out.preempted and not (c.static and self.running)
+        admit = not out.preempted
         if admit:
             room = self.running_limit - len(self.running)
-            for r in self._admission_order(now, room):
+            order = self._admission_order(now, room)
+            if c.static:
+                # A batch is chosen whole when the last one is done, then admitted as the prefill budget
+                # allows; nothing joins it until every member has finished.
+                if not self.running and not any(r.status is Status.WAITING for r in self._static_batch):
+                    self._static_batch = order[: self.running_limit]
+                    self._static_rows = len(self._static_batch)
+                members = {id(r) for r in self._static_batch}
+                order = [r for r in order if id(r) in members]
+            for r in order:
                 if room <= 0 or budget <= 0:
                     break
                 n = self._chunk(r, budget)
@@ -255,8 +265,6 @@ class Scheduler:
                 if n > 1 or r.num_tokens - r.num_computed > 1:
                     budget -= n
                 room -= 1
-            if c.static and self.running:
-                self._static_rows = len(self.running)
         out.num_static_rows = self._static_rows if c.static else 0
         return out
 

@@ -251,3 +251,32 @@ def test_sigterm_drains_then_exits_zero(tiny_gguf_path, config_path, grace, expe
         assert s.proc.wait(60) == 0, s.output()
     finally:
         s.stop()
+
+
+def test_tls(tiny_gguf_path, config_path, tmp_path):
+    import shutil
+    import subprocess
+
+    openssl = shutil.which("openssl")
+    assert openssl, "the openssl command is needed to make a test certificate"
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run([openssl, "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
+                    "-days", "1", "-subj", "/CN=localhost", "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost"],
+                   check=True, capture_output=True)
+    s = ServerProcess(tiny_gguf_path, config_path, "--tls-cert", str(cert), "--tls-key", str(key))
+    try:
+        deadline = time.monotonic() + 240
+        while True:  # health over TLS
+            try:
+                with Client(s.target, tls_root_cert=str(cert)) as c:
+                    r = c.complete(token_ids=[5, 6], max_tokens=3, ignore_eos=True, timeout=10)
+                    assert r.completion_tokens == 3
+                    break
+            except grpc.RpcError as e:
+                assert e.code() == grpc.StatusCode.UNAVAILABLE and time.monotonic() < deadline, s.output()
+                time.sleep(0.3)
+        with Client(s.target) as plain:  # a plaintext client cannot talk to it
+            with pytest.raises(grpc.RpcError):
+                plain.complete(token_ids=[5], max_tokens=2, timeout=5)
+    finally:
+        assert s.stop() == 0
