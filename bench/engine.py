@@ -70,6 +70,8 @@ def main():
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--max-batch", type=int, default=32)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--trials", type=int, default=1,
+                    help="run each mode this many times, interleaved, and report the median run (the CPU is noisy)")
     ap.add_argument("--sweep", action="store_true", help="also measure continuous throughput per max batch size")
     ap.add_argument("--plot", default=None, help="PNG of throughput against batch size (needs --sweep)")
     ap.add_argument("--json", default=None)
@@ -96,8 +98,12 @@ def main():
     warmup_s = time.perf_counter() - t0
     prompts, output_lens = workload(args.requests, args.seed, model_config.vocab_size)
 
-    cont = run(engine(max_running=args.max_batch), prompts, output_lens)
-    stat = run(engine(max_running=args.max_batch, static=True), prompts, output_lens)
+    trials = {"continuous": [], "static": []}
+    for _ in range(args.trials):
+        trials["continuous"].append(run(engine(max_running=args.max_batch), prompts, output_lens))
+        trials["static"].append(run(engine(max_running=args.max_batch, static=True), prompts, output_lens))
+    median = lambda runs: sorted(runs, key=lambda r: r["wall_s"])[len(runs) // 2]  # noqa: E731
+    cont, stat = median(trials["continuous"]), median(trials["static"])
     rate = matmul_flops_per_s()
     tokens = sum(map(len, prompts)) + sum(output_lens)
     mean_context = np.mean([len(p) + n / 2 for p, n in zip(prompts, output_lens)])
@@ -106,7 +112,8 @@ def main():
         "machine": machine(), "model": model_config.name, "requests": args.requests, "max_batch": args.max_batch,
         "prompt_tokens": sum(map(len, prompts)), "output_tokens": sum(output_lens),
         "warmup_shapes": shapes, "warmup_s": round(warmup_s, 1),
-        "continuous": cont, "static": stat,
+        "continuous": cont, "static": stat, "trials": args.trials,
+        "walls_s": {k: [r["wall_s"] for r in v] for k, v in trials.items()},
         "ratio": round(cont["output_tokens_per_s"] / stat["output_tokens_per_s"], 3),
         "ideal_ratio": round(ideal_ratio(output_lens, args.max_batch), 3),
         "matmul_gflops_f32": round(rate / 1e9, 1),
@@ -121,7 +128,8 @@ def main():
               f"padding {r['padding_fraction']:.1%}  pages used {r['page_utilization']:.1%}  "
               f"host wait {r['host_wait_fraction']:.1%}  compilations after warm-up {r['compilations_after_warmup']}  "
               f"preemptions {r['preemptions']}")
-    print(f"continuous / static: {result['ratio']:.2f}x (ideal {result['ideal_ratio']:.2f}x)")
+    print(f"continuous / static: {result['ratio']:.2f}x (ideal {result['ideal_ratio']:.2f}x); "
+          f"median of {args.trials} interleaved runs each, walls {result['walls_s']}")
     print(f"compute limit: {rate / 1e9:.0f} GFLOP/s / {model_config.flops_per_token(int(mean_context)) / 1e9:.3f} GFLOP per "
           f"token = {limit_tokens_per_s:.0f} tokens/s; continuous ran (prompt + output) tokens at "
           f"{result['fraction_of_compute_limit']:.1%} of it")

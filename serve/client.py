@@ -74,22 +74,31 @@ def _metadata(token):
     return (("authorization", f"Bearer {token}"),) if token else None
 
 
-def _chunk(resp) -> Chunk:
-    lps = [(lp.token_id, lp.logprob, [(t.token_id, t.logprob) for t in lp.top]) for lp in resp.chunk.logprobs]
-    return Chunk(list(resp.chunk.token_ids), resp.chunk.text, lps or None)
+class _Collector:
+    """Turns response messages into Chunks, and the final message into the whole Result."""
+
+    def __init__(self):
+        self.ids: list[int] = []
+        self.text: list[str] = []
+
+    def add(self, resp) -> Chunk | Result:
+        if resp.HasField("chunk"):
+            lps = [(lp.token_id, lp.logprob, [(t.token_id, t.logprob) for t in lp.top]) for lp in resp.chunk.logprobs]
+            chunk = Chunk(list(resp.chunk.token_ids), resp.chunk.text, lps or None)
+            self.ids.extend(chunk.token_ids)
+            self.text.append(chunk.text)
+            return chunk
+        u = resp.final.usage
+        return Result(resp.request_id, self.ids, "".join(self.text), resp.final.finish_reason, u.prompt_tokens,
+                      u.completion_tokens, u.cached_prompt_tokens)
 
 
 def _result(responses) -> Result:
-    ids, text, rid = [], [], ""
+    collector = _Collector()
     for resp in responses:
-        rid = resp.request_id
-        if resp.HasField("chunk"):
-            ids.extend(resp.chunk.token_ids)
-            text.append(resp.chunk.text)
-        else:
-            u = resp.final.usage
-            return Result(rid, ids, "".join(text), resp.final.finish_reason, u.prompt_tokens, u.completion_tokens,
-                          u.cached_prompt_tokens)
+        item = collector.add(resp)
+        if isinstance(item, Result):
+            return item
     raise RuntimeError("the stream ended without a final message")
 
 
@@ -105,17 +114,9 @@ class Client:
 
     def generate(self, prompt=None, *, timeout=None, **kw):
         """Yield Chunks as they arrive; the last item is the Result."""
-        ids, text = [], []
+        collector = _Collector()
         for resp in self.stream(build_request(prompt, **kw), timeout):
-            if resp.HasField("chunk"):
-                c = _chunk(resp)
-                ids.extend(c.token_ids)
-                text.append(c.text)
-                yield c
-            else:
-                u = resp.final.usage
-                yield Result(resp.request_id, ids, "".join(text), resp.final.finish_reason, u.prompt_tokens,
-                             u.completion_tokens, u.cached_prompt_tokens)
+            yield collector.add(resp)
 
     def complete(self, prompt=None, *, timeout=None, **kw) -> Result:
         return _result(self.stream(build_request(prompt, **kw), timeout))
@@ -149,17 +150,10 @@ class AsyncClient:
         return self.stub.Generate(request, timeout=timeout, metadata=self.metadata)
 
     async def generate(self, prompt=None, *, timeout=None, **kw):
-        ids, text = [], []
+        """Yield Chunks as they arrive; the last item is the Result."""
+        collector = _Collector()
         async for resp in self.stream(build_request(prompt, **kw), timeout):
-            if resp.HasField("chunk"):
-                c = _chunk(resp)
-                ids.extend(c.token_ids)
-                text.append(c.text)
-                yield c
-            else:
-                u = resp.final.usage
-                yield Result(resp.request_id, ids, "".join(text), resp.final.finish_reason, u.prompt_tokens,
-                             u.completion_tokens, u.cached_prompt_tokens)
+            yield collector.add(resp)
 
     async def complete(self, prompt=None, *, timeout=None, **kw) -> Result:
         last = None
