@@ -139,11 +139,6 @@ class Request:
     def max_total_tokens(self) -> int:
         return len(self.prompt_ids) + self.params.max_tokens
 
-    @property
-    def is_prefilling(self) -> bool:
-        """True while tokens other than the newest sampled one still need their K/V computed."""
-        return self.num_computed < self.num_tokens - 1 or (not self.output_ids and self.num_computed < self.num_tokens)
-
 
 @dataclasses.dataclass(frozen=True)
 class TokenEvent:

@@ -79,8 +79,7 @@ class State:
         if not self.ready:
             raise _Abort(grpc.StatusCode.UNAVAILABLE, "the server is warming up; retry when health is SERVING")
 
-    async def stream(self, prompt_ids: list[int], params: SamplingParams, priority: int, request_id: str,
-                     context):
+    async def stream(self, prompt_ids: list[int], params: SamplingParams, priority: int, request_id: str):
         """Submit one request; yield its TokenEvents as they arrive; abort it if the call ends early."""
         self.check_open()
         if self.engine.stats().waiting >= self.options.max_waiting:
@@ -180,7 +179,7 @@ class JaxcbService(jaxcb_pb2_grpc.JaxcbServicer):
         try:
             params = _sampling(request)
             ids = _prompt_ids(self.state, request)
-            async for ev in self.state.stream(ids, params, request.priority, request.request_id, context):
+            async for ev in self.state.stream(ids, params, request.priority, request.request_id):
                 if ev.finish_reason is FinishReason.ERROR:
                     await context.abort(grpc.StatusCode.INTERNAL, f"the step running this request failed: {ev.error}")
                 if ev.token_ids or ev.text:
@@ -244,7 +243,7 @@ class OrchestratorService(jetstream_pb2_grpc.OrchestratorServicer):
                 params = SamplingParams(max_tokens=request.max_tokens)
             except ValueError as e:
                 raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
-            async for ev in self.state.stream(ids, params, request.priority, "", context):
+            async for ev in self.state.stream(ids, params, request.priority, ""):
                 if ev.finish_reason is FinishReason.ERROR:
                     await context.abort(grpc.StatusCode.INTERNAL, f"the step running this request failed: {ev.error}")
                 if ev.token_ids or ev.text:
