@@ -86,13 +86,17 @@ def _engine_config(args):
     return config.replace(**changes) if changes else config
 
 
-def _make_llm(args):
+def _dtype(args):
+    """--dtype as a JAX dtype, or None for the backend's default."""
     import jax.numpy as jnp
 
+    return {"float32": jnp.float32, "bfloat16": jnp.bfloat16}.get(args.dtype)
+
+
+def _make_llm(args):
     from jaxcb.llm import LLM
 
-    dtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}.get(args.dtype)
-    return LLM(args.model, config=_engine_config(args), dtype=dtype)
+    return LLM(args.model, config=_engine_config(args), dtype=_dtype(args))
 
 
 def _params_from_args(args, overrides: dict | None = None):
@@ -240,9 +244,8 @@ def cmd_serve(args) -> int:
         raise ValueError("--tls-cert and --tls-key go together")
     import jax.numpy as jnp
 
-    dtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}.get(args.dtype)
     config = _engine_config(args)
-    model_config, params, tokenizer, eos = load_model(args.model, dtype)
+    model_config, params, tokenizer, eos = load_model(args.model, _dtype(args))
     if tokenizer is None:
         raise ValueError("model: the file has no tokenizer; the server needs one")
     runner = ModelRunner(model_config, params, config.num_pages, config.page_size)

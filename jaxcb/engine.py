@@ -79,7 +79,7 @@ class Engine:
         self._seed_lock = threading.Lock()  # guards the seed generator and _live_ids
         self._live_ids: set[str] = set()
         self._counters = dict(prompt_tokens_computed=0, output_tokens=0, steps=0, slots=0, live=0,
-                              page_slots=0, page_tokens=0, page_samples=0, host_s=0.0, step_s=0.0)
+                              page_slots=0, page_tokens=0, host_s=0.0, step_s=0.0)
         self._last_fetch_end: float | None = None
         self.num_failed_steps = 0
         self.max_decode_groups = 3  # decode rows may be split into this many calls (see plan_decode_groups)
@@ -116,13 +116,12 @@ class Engine:
         prompt_ids = [int(t) for t in prompt_ids]
         self.validate(prompt_ids, params)
         req = Request(prompt_ids, params, request_id=request_id or "", priority=int(priority))
+        if arrival_time is not None:
+            req.arrival_time = arrival_time
         with self._seed_lock:
             if req.request_id in self._live_ids:
                 raise ValueError(f"request_id: {req.request_id!r} is already in use by a running request")
             self._live_ids.add(req.request_id)
-        if arrival_time is not None:
-            req.arrival_time = arrival_time
-        with self._seed_lock:
             seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         detok = IncrementalDetokenizer(self.tokenizer) if self.tokenizer is not None else None
         self._inbox.put(("add", req, _Stream(detok=detok, seed=seed, callback=callback)))

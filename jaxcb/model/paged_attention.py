@@ -53,9 +53,9 @@ def write_kv(kv_pages: jax.Array, layer: jax.Array, k: jax.Array, v: jax.Array, 
 def gather_kv(kv_pages: jax.Array, layer: jax.Array, page_table: jax.Array):
     """Keys and values of each sequence's pages, [B, K, N*S, D] each, in one gather of whole pages.
 
-    The gather indexes (key/value, kv head, page) together so its output already has the layout the
-    attention matmuls want; gathering token by token, slicing the layer out first, or transposing the
-    result afterwards each cost a full extra pass over the gathered pages.
+    The gather indexes (key/value, kv head, page) together so its output already has the [B, K, C, D]
+    layout the attention matmuls take, with no transpose of the gathered pages afterwards. Whole pages
+    (S*D contiguous values) are copied, never single tokens.
     """
     l, two, nk, p, s, d = kv_pages.shape
     b, n = page_table.shape
@@ -86,7 +86,7 @@ def attend(q, k, v, kv_lens, q_positions, scale=None, mask_values=True):
         v = jnp.where(valid_key[:, None, :, None], v, jnp.zeros((), v.dtype))
     qg = q.reshape(b, t, nk, g, d)
     # Scores as [B, K, C, T, G]: with the context dim leading, this is one plain matmul per (b, k)
-    # over the gathered keys, about twice as fast on the CPU as the [.., T, G, C] orientation.
+    # over the gathered keys; measured 10-15% faster in the whole CPU step than [.., T, G, C].
     scores = jnp.einsum("bkcd,btkgd->bkctg", k, qg, preferred_element_type=jnp.float32) * scale
     mask = valid_key[:, :, None] & (key_pos[None, :, None] <= q_positions[:, None, :])  # [B, C, T]
     mask = mask[:, None, :, :, None]
