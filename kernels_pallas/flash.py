@@ -1,0 +1,60 @@
+"""The online-softmax update that both backends' kernels run on each tile of keys.
+
+Each query row keeps a running maximum m, a running sum l and an unnormalised output acc, all in
+float32, so a sequence is attended one tile at a time without ever holding all its scores.
+m and l are kept as [R, 1] columns: TPU vector layouts want 2-D values, and the GPU is indifferent.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+MASKED = -1e30  # finite: a row that sees no key keeps m = MASKED and l = 0 instead of NaN
+
+
+def cdiv(a, b):
+    """Ceiling division of non-negative ints with lax.div: jnp's // adds a sign fix-up that Mosaic
+    cannot lower without a TPU attached (so kernels could not be lowered for TPU on a CPU machine)."""
+    return lax.div(a + b - 1, b)
+
+
+def init(rows: int, head_dim: int):
+    return (jnp.zeros((rows, head_dim), jnp.float32), jnp.full((rows, 1), MASKED, jnp.float32),
+            jnp.zeros((rows, 1), jnp.float32))
+
+
+def tile_update(carry, q, k, v, first_key, row_pos, key_end, scale):
+    """One tile: q [R, D]; k, v [BK, D] for keys at first_key...; row_pos int32 [R, 1]; key_end scalar.
+
+    A key is seen by a row when its position is at most the row's and below key_end. Keys at or past
+    key_end may be pages the sequence never wrote (zeros, or NaN in uninitialised memory): their
+    scores are replaced, not multiplied by zero, and their values are zeroed before the product.
+    """
+    acc, m, l = carry
+    precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
+    s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
+                        preferred_element_type=jnp.float32) * scale  # [R, BK]
+    bk = k.shape[0]
+    key_pos = first_key + lax.broadcasted_iota(jnp.int32, (1, bk), 1)
+    seen = (key_pos < key_end) & (key_pos <= row_pos)  # [R, BK]
+    s = jnp.where(seen, s, MASKED)
+    m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
+    alpha = jnp.exp(m - m_new)
+    p = jnp.where(seen, jnp.exp(s - m_new), 0.0)
+    l = alpha * l + jnp.sum(p, axis=1, keepdims=True)
+    key_ok = first_key + lax.broadcasted_iota(jnp.int32, (bk, 1), 0) < key_end  # [BK, 1]
+    v = jnp.where(key_ok, v, jnp.zeros((), v.dtype))
+    pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=precision,
+                         preferred_element_type=jnp.float32)
+    return acc * alpha + pv, m_new, l
+
+
+def finish(carry):
+    """(output [R, D], log-sum-exp [R, 1]); a row that saw no key gives zeros and lse = MASKED."""
+    acc, m, l = carry
+    seen_any = l > 0
+    out = acc / jnp.where(seen_any, l, 1.0)
+    lse = jnp.where(seen_any, m + jnp.log(jnp.where(seen_any, l, 1.0)), MASKED)
+    return out, lse

@@ -1,0 +1,171 @@
+"""Pallas kernels (GPU and TPU variants, interpret mode on the CPU) against the plain-JAX reference.
+
+Every case draws fresh random inputs: a shared pool whose pages are handed out in random order,
+page-table entries past each sequence's end pointing at pages nobody owns, and every page that no
+sequence owns filled with NaN, which must not reach any output.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import export
+
+from jaxcb.model.paged_attention import paged_attention_reference
+from kernels_pallas import PAGE_SIZES, engine_attention, paged_attention, ragged_paged_attention
+
+# (page size S, head dim D, query heads per kv head): each S and each D with two ratios and each
+# ratio with two S and both D, rather than the full product (interpret mode is slow).
+SHAPES = [(16, 64, 1), (16, 128, 3), (32, 64, 8), (32, 128, 1), (64, 64, 3), (64, 128, 8)]
+BACKENDS = ["gpu", "tpu"]
+TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
+NUM_KV_HEADS = 2
+PAGES_PER_SEQ = 5
+
+
+def make_pool(rng, kv_lens, page_size, head_dim, dtype, extra_pages=7):
+    """Pools [K, P, S, D] and page tables [B, N]; pages beyond each sequence's length are NaN."""
+    b = len(kv_lens)
+    num_pages = b * PAGES_PER_SEQ + extra_pages
+    order = rng.permutation(num_pages)
+    table = order[: b * PAGES_PER_SEQ].reshape(b, PAGES_PER_SEQ).astype(np.int32)
+    owned = {int(table[i, j]) for i, n in enumerate(kv_lens) for j in range(-(-n // page_size))}
+    unowned = np.array(sorted(set(range(num_pages)) - owned))
+    for i, n in enumerate(kv_lens):  # table entries past the end name pages no one owns
+        used = -(-n // page_size)
+        table[i, used:] = rng.choice(unowned, PAGES_PER_SEQ - used)
+    shape = (NUM_KV_HEADS, num_pages, page_size, head_dim)
+    k, v = rng.standard_normal(shape).astype(np.float32), rng.standard_normal(shape).astype(np.float32)
+    k[:, unowned] = np.nan
+    v[:, unowned] = np.nan
+    return jnp.asarray(k, dtype), jnp.asarray(v, dtype), jnp.asarray(table)
+
+
+def reference(q, k, v, table, kv_lens, q_lens):
+    """Per sequence: q [n, H, D] at the last n positions. Computed in float32."""
+    outs = []
+    for i, (n, q_i) in enumerate(zip(q_lens, q)):
+        pos = np.arange(kv_lens[i] - n, kv_lens[i], dtype=np.int32)[None]
+        out = paged_attention_reference(q_i[None].astype(jnp.float32), k.astype(jnp.float32),
+                                        v.astype(jnp.float32), table[i : i + 1],
+                                        jnp.array([kv_lens[i]], jnp.int32), pos)
+        outs.append(np.asarray(out[0]))
+    return outs
+
+
+def assert_close(out, ref, dtype):
+    out = np.asarray(jnp.asarray(out, jnp.float32))
+    assert np.isfinite(out).all(), "NaN/inf reached the output"
+    scale = max(np.abs(ref).max(), 1e-6)
+    err = np.abs(out - ref).max() / scale
+    assert err < TOLERANCE[dtype], f"relative error {err:.2e} >= {TOLERANCE[dtype]}"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("page_size,head_dim,group", SHAPES)
+def test_decode_kernel_matches_reference(backend, dtype, page_size, head_dim, group):
+    rng = np.random.default_rng()
+    s, max_len = page_size, page_size * PAGES_PER_SEQ
+    lengths = [0, 1, s - 1, s, s + 1, max_len, int(rng.integers(1, max_len))]
+    k, v, table = make_pool(rng, lengths, s, head_dim, dtype)
+    q = jnp.asarray(rng.standard_normal((len(lengths), NUM_KV_HEADS * group, head_dim)), dtype)
+    out = paged_attention(q, k, v, jnp.array(lengths, jnp.int32), table, backend=backend, interpret=True)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    ref = np.stack([r[0] for r in reference(q[:, None], k, v, table, lengths, [1] * len(lengths))])
+    ref[0] = 0  # a sequence of length 0 returns zeros
+    assert_close(out, ref, dtype)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_decode_kernel_splits_and_tiles(backend):
+    """Long sequences cut into several splits and tiles give the same result as one of each."""
+    rng = np.random.default_rng()
+    lengths = [80, 33, 1, 0]
+    k, v, table = make_pool(rng, lengths, 16, 64, jnp.float32)
+    q = jnp.asarray(rng.standard_normal((4, 4, 64)), jnp.float32)
+    ref = np.stack([r[0] for r in reference(q[:, None], k, v, table, lengths, [1] * 4)])
+    for tiles, splits in [(1, 1), (1, 5), (2, 2), (4, 1), (8, 3)]:
+        out = paged_attention(q, k, v, jnp.array(lengths, jnp.int32), table, backend=backend,
+                              interpret=True, pages_per_tile=tiles, num_splits=splits)
+        assert_close(out, ref, jnp.float32)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("page_size,head_dim,group", SHAPES)
+def test_ragged_kernel_matches_reference(backend, dtype, page_size, head_dim, group):
+    rng = np.random.default_rng()
+    s, max_len = page_size, page_size * PAGES_PER_SEQ
+    # (kv_len, q_len): decode rows, a whole prompt, a chunk starting mid-page, a chunk starting on a
+    # page boundary, decode at the maximum length.
+    seqs = [(s + 1, 1), (2 * s + 3, 2 * s + 3), (3 * s - 2, 2 * s - 2 - s // 2), (2 * s, s), (1, 1),
+            (max_len, 1), (int(rng.integers(2, max_len)), 1)]
+    rng.shuffle(seqs)
+    kv_lens = [n for n, _ in seqs] + [0, 0]  # two padding slots after num_seqs
+    q_lens = [n for _, n in seqs]
+    k, v, table = make_pool(rng, kv_lens, s, head_dim, dtype)
+    live_tokens = sum(q_lens)
+    t = live_tokens + 5  # padding rows after the live ones
+    cu = np.concatenate([[0], np.cumsum(q_lens), rng.integers(0, t, 2)]).astype(np.int32)  # junk past num_seqs
+    q = jnp.asarray(rng.standard_normal((t, NUM_KV_HEADS * group, head_dim)), dtype)
+    out = ragged_paged_attention(q, k, v, jnp.array(kv_lens, jnp.int32), table, jnp.asarray(cu),
+                                 jnp.array([len(seqs)], jnp.int32), backend=backend, interpret=True)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    ref = reference([q[cu[i] : cu[i + 1]] for i in range(len(seqs))], k, v, table, kv_lens, q_lens)
+    assert_close(out[:live_tokens], np.concatenate(ref), dtype)
+    assert np.isfinite(np.asarray(out[live_tokens:], np.float32)).all()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_engine_layout_reads_only_its_layer(backend):
+    """engine_attention over the whole cache [L, 2, K, P, S, D] equals the reference on one layer."""
+    rng = np.random.default_rng()
+    lengths = [20, 3, 0]
+    k, v, table = make_pool(rng, lengths, 16, 64, jnp.float32)
+    other = jnp.full_like(k, jnp.nan)
+    cache = jnp.stack([jnp.stack([other, other]), jnp.stack([k, v]), jnp.stack([other, other])])
+    q_lens = np.array([4, 3, 1])
+    q = jnp.asarray(rng.standard_normal((3, 6, 4, 64)), jnp.float32)  # T = 6, right-padded
+    out = engine_attention(q, cache, jnp.int32(1), jnp.array(lengths, jnp.int32), jnp.asarray(q_lens),
+                           table, backend=backend, interpret=True, tokens_per_block=4)
+    ref = reference([q[i, :n] for i, n in enumerate(q_lens)], k, v, table, lengths, q_lens)
+    for i, n in enumerate(q_lens[:2]):
+        assert_close(out[i, :n], ref[i], jnp.float32)
+    assert np.isfinite(np.asarray(out)).all()
+    decode = engine_attention(q[:, :1], cache, jnp.int32(1), jnp.array(lengths, jnp.int32),
+                              jnp.ones(3, jnp.int32), table, backend=backend, interpret=True)
+    ref = reference([q[i, :1] for i in range(3)], k, v, table, lengths, [1, 1, 1])
+    assert_close(decode[:2, 0], np.stack([r[0] for r in ref[:2]]), jnp.float32)
+
+
+@pytest.mark.parametrize("platform", ["cuda", "tpu"])
+def test_kernels_lower_for_gpu_and_tpu(platform):
+    """Triton and Mosaic lowering of both kernels, on this CPU machine (no device needed to lower)."""
+    backend = {"cuda": "gpu", "tpu": "tpu"}[platform]
+    sd = jax.ShapeDtypeStruct
+    k, h, d, s, p, n, b, t = 8, 32, 128, 16, 512, 32, 8, 64
+    checks = [export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+    for dtype in [jnp.bfloat16, jnp.float32]:
+        pool, lens, table = sd((k, p, s, d), dtype), sd((b,), jnp.int32), sd((b, n), jnp.int32)
+        decode = jax.jit(lambda *a: paged_attention(*a, backend=backend))
+        lowered = export.export(decode, platforms=[platform], disabled_checks=checks)(
+            sd((b, h, d), dtype), pool, pool, lens, table)
+        assert "jaxcb_paged_attention" in lowered.mlir_module()
+        ragged = jax.jit(lambda *a: ragged_paged_attention(*a, backend=backend))
+        export.export(ragged, platforms=[platform], disabled_checks=checks)(
+            sd((t, h, d), dtype), pool, pool, lens, table, sd((b + 1,), jnp.int32), sd((1,), jnp.int32))
+
+
+def test_kernels_reject_unsupported_shapes():
+    q = jnp.zeros((1, 4, 64))
+    pool = jnp.zeros((2, 4, 16, 64))
+    lens, table = jnp.ones(1, jnp.int32), jnp.zeros((1, 2), jnp.int32)
+    with pytest.raises(ValueError, match="page size 12"):
+        paged_attention(q, jnp.zeros((2, 4, 12, 64)), jnp.zeros((2, 4, 12, 64)), lens, table, interpret=True)
+    with pytest.raises(ValueError, match=r"query heads \(3\)"):
+        paged_attention(jnp.zeros((1, 3, 64)), pool, pool, lens, table, interpret=True)
+    with pytest.raises(ValueError, match="head dim 48"):
+        paged_attention(jnp.zeros((1, 4, 48)), jnp.zeros((2, 4, 16, 48)), jnp.zeros((2, 4, 16, 48)),
+                        lens, table, interpret=True)
+    assert 16 in PAGE_SIZES
