@@ -24,6 +24,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
                    help="weights and KV dtype (default: float32 on CPU, bfloat16 on GPU/TPU)")
     p.add_argument("--policy", default=None, help="scheduling policy: fcfs, sjf, priority, length-buckets")
+    p.add_argument("--attention", choices=("xla", "pallas", "auto"), default=None,
+                   help="attention: plain JAX, the Pallas kernels, or auto (kernels on GPU/TPU; the config's "
+                        "model.attention by default)")
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
@@ -83,6 +86,8 @@ def _engine_config(args):
         changes["policy"] = args.policy
     if getattr(args, "static", False):
         changes["static"] = True
+    if args.attention:
+        changes["attention"] = args.attention
     return config.replace(**changes) if changes else config
 
 
@@ -248,7 +253,7 @@ def cmd_serve(args) -> int:
     model_config, params, tokenizer, eos = load_model(args.model, _dtype(args))
     if tokenizer is None:
         raise ValueError("model: the file has no tokenizer; the server needs one")
-    runner = ModelRunner(model_config, params, config.num_pages, config.page_size)
+    runner = ModelRunner(model_config, params, config.num_pages, config.page_size, attention=config.attention)
     engine = Engine(runner, tokenizer, config, eos_ids=eos)
     options = ServerOptions(host=args.host, port=args.port, metrics_port=args.metrics_port, tls_cert=args.tls_cert,
                             tls_key=args.tls_key, auth_token=args.auth_token, grace_s=args.grace_period,

@@ -13,6 +13,8 @@ import tomllib
 from jaxcb.buckets import Buckets
 from jaxcb.scheduler import SchedulerConfig
 
+ATTENTION_CHOICES = ("xla", "pallas", "auto")
+KERNEL_PAGE_SIZES = (8, 16, 32, 64, 128, 256)  # = kernels_pallas.PAGE_SIZES (this module imports no JAX)
 DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "default.toml")
 
 
@@ -22,6 +24,7 @@ class EngineConfig:
     scheduler: SchedulerConfig
     buckets: Buckets
     seed: int = 0  # draws seeds for requests that bring none
+    attention: str = "auto"  # "xla" (plain JAX) | "pallas" (kernels) | "auto" (kernels on GPU/TPU)
 
     @property
     def page_size(self) -> int:
@@ -35,19 +38,25 @@ class EngineConfig:
                    max_prefill_tokens=s.max_chunk)
         if self.num_pages < 2:
             raise ValueError(f"cache.num_pages: must be >= 2, got {self.num_pages}")
+        if self.attention not in ATTENTION_CHOICES:
+            raise ValueError(f"model.attention: {self.attention!r} is not one of {ATTENTION_CHOICES}")
+        if self.attention != "xla" and s.page_size not in KERNEL_PAGE_SIZES:
+            raise ValueError(f"cache.page_size: the Pallas kernels take {KERNEL_PAGE_SIZES}, got "
+                             f"{s.page_size} (or set model.attention = 'xla')")
 
-    def replace(self, *, num_pages=None, buckets=None, **scheduler_changes) -> "EngineConfig":
+    def replace(self, *, num_pages=None, buckets=None, attention=None, **scheduler_changes) -> "EngineConfig":
         return EngineConfig(
             num_pages=self.num_pages if num_pages is None else num_pages,
             scheduler=dataclasses.replace(self.scheduler, **scheduler_changes),
             buckets=self.buckets if buckets is None else buckets,
             seed=self.seed,
+            attention=self.attention if attention is None else attention,
         )
 
 
 def make_config(*, page_size=16, num_pages=4096, max_context=2048, decode_batch=(1, 2, 4, 8, 16, 32),
                 pages_per_seq=None, prefill_tokens=(32, 64, 128, 256, 512), max_prefill_tokens=None,
-                **scheduler) -> EngineConfig:
+                attention="auto", **scheduler) -> EngineConfig:
     """An EngineConfig from keyword values (tests and the Python API)."""
     if pages_per_seq is None:
         top = max_context // page_size
@@ -58,7 +67,7 @@ def make_config(*, page_size=16, num_pages=4096, max_context=2048, decode_batch=
         max_prefill_tokens=prefill_tokens[-1] if max_prefill_tokens is None else max_prefill_tokens,
         **scheduler,
     )
-    return EngineConfig(num_pages=num_pages, scheduler=sched,
+    return EngineConfig(num_pages=num_pages, scheduler=sched, attention=attention,
                         buckets=Buckets(tuple(decode_batch), tuple(pages_per_seq), tuple(prefill_tokens)))
 
 
@@ -87,5 +96,9 @@ def load_config(path: str | None = None) -> EngineConfig:
         sc = SchedulerConfig(page_size=int(cache.get("page_size", 16)), **sched)
     except TypeError as e:
         raise ValueError(f"config: unknown setting in [scheduler] ({e})") from None
+    model = raw.get("model", {})
+    unknown = set(model) - {"attention"}
+    if unknown:
+        raise ValueError(f"config: unknown setting in [model]: {sorted(unknown)}")
     return EngineConfig(num_pages=int(cache.get("num_pages", 4096)), scheduler=sc, buckets=b,
-                        seed=int(raw.get("seed", 0)))
+                        seed=int(raw.get("seed", 0)), attention=str(model.get("attention", "auto")))

@@ -54,7 +54,7 @@ class LLM:
             config = load_config(config)
         self.model_config = model_config
         self.tokenizer = tokenizer
-        runner = ModelRunner(model_config, params, config.num_pages, config.page_size)
+        runner = ModelRunner(model_config, params, config.num_pages, config.page_size, attention=config.attention)
         self.engine = Engine(runner, tokenizer, config, eos_ids=eos)
 
     @classmethod

@@ -19,7 +19,7 @@ import numpy as np
 
 from jaxcb.buckets import PaddedBatch, PaddedSampling
 from jaxcb.model.config import ModelConfig
-from jaxcb.model.llama import Params, StepInput, forward
+from jaxcb.model.llama import Attention, Params, StepInput, forward
 from jaxcb.model.paged_attention import allocate_kv_pages
 from jaxcb.sampling import SampleOutput, SamplingInput, sample
 
@@ -42,9 +42,10 @@ def compilation_count() -> int:
     return _compilations
 
 
-@functools.partial(jax.jit, static_argnames=("config",), donate_argnums=(1,))
-def step(params: Params, kv_pages: jax.Array, batch: StepInput, sampling: SamplingInput, config: ModelConfig):
-    kv_pages, logits = forward(params, kv_pages, batch, config)
+@functools.partial(jax.jit, static_argnames=("config", "attention"), donate_argnums=(1,))
+def step(params: Params, kv_pages: jax.Array, batch: StepInput, sampling: SamplingInput, config: ModelConfig,
+         attention: Attention = Attention()):
+    kv_pages, logits = forward(params, kv_pages, batch, config, attention)
     return kv_pages, sample(logits, sampling)
 
 
@@ -77,10 +78,28 @@ def default_dtype():
     return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
 
 
+def resolve_attention(choice: str) -> Attention:
+    """The engine config's `attention` for this platform.
+
+    "xla": the plain-JAX reference everywhere. "pallas": the Pallas kernels of the platform (on the CPU,
+    the GPU kernel in interpret mode: for tests, slow). "auto": the kernels on GPU/TPU, the reference
+    on the CPU, where it is the faster of the two.
+    """
+    platform = jax.default_backend()
+    kernel = {"tpu": "tpu", "gpu": "gpu", "cuda": "gpu", "rocm": "gpu"}.get(platform)
+    if choice == "xla" or (choice == "auto" and kernel is None):
+        return Attention("xla")
+    if choice in ("pallas", "auto"):
+        return Attention(kernel or "gpu", interpret=kernel is None)
+    raise ValueError(f"attention: {choice!r} is not one of 'xla', 'pallas', 'auto'")
+
+
 class ModelRunner:
-    def __init__(self, config: ModelConfig, params: Params, num_pages: int, page_size: int, dtype=None):
+    def __init__(self, config: ModelConfig, params: Params, num_pages: int, page_size: int, dtype=None,
+                 attention: str = "auto"):
         if jax.default_backend() == "cpu":
             keep_freed_memory_on_cpu()
+        self.attention = resolve_attention(attention)
         self.config = config
         self.params = params
         self.dtype = dtype or params.embed.dtype
@@ -110,7 +129,8 @@ class ModelRunner:
             page_table=batch.page_table, kv_lens=batch.kv_lens, logits_index=batch.logits_index,
         )
         sampling_input = SamplingInput(**{k: getattr(sampling, k) for k in SamplingInput.__dataclass_fields__})
-        self.kv_pages, out = step(self.params, self.kv_pages, step_input, sampling_input, config=self.config)
+        self.kv_pages, out = step(self.params, self.kv_pages, step_input, sampling_input, config=self.config,
+                                   attention=self.attention)
         return out
 
     @staticmethod

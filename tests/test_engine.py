@@ -117,3 +117,19 @@ def test_logprobs_and_stats(make_llm):
     st = llm.engine.stats()
     assert st.output_tokens == 5 and st.prompt_tokens_computed == 9 and st.running == 0 and st.waiting == 0
     assert 0 <= st.padding_fraction < 1 and 0 < st.page_utilization <= 1
+
+
+@pytest.mark.parametrize("kernel", ["gpu", "tpu"])
+def test_pallas_attention_gives_the_reference_tokens(make_llm, kernel):
+    """The engine with the Pallas kernels (interpret mode) generates exactly the reference's greedy
+    tokens: decode batches, whole prompts and prefill chunks that start mid-page."""
+    from jaxcb.model.llama import Attention
+
+    reference = make_llm(attention="xla", max_prefill_tokens=20)
+    pallas = make_llm(attention="pallas", max_prefill_tokens=20)
+    assert pallas.engine.runner.attention == Attention("gpu", interpret=True)
+    pallas.engine.runner.attention = Attention(kernel, interpret=True)
+    prompts = random_prompts(reference, (1, 15, 16, 17, 45, 70), seed=4)
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    want = [o.token_ids for o in reference.generate(prompts, params)]
+    assert [o.token_ids for o in pallas.generate(prompts, params)] == want

@@ -10,6 +10,8 @@ cache is updated in place, never copied.
 
 from __future__ import annotations
 
+import dataclasses
+
 import flax.struct
 import jax
 import jax.numpy as jnp
@@ -17,6 +19,15 @@ import numpy as np
 
 from jaxcb.model.config import ModelConfig
 from jaxcb.model.paged_attention import attend, gather_kv, write_kv
+from kernels_pallas import engine_attention
+
+
+@dataclasses.dataclass(frozen=True)
+class Attention:
+    """Which attention the step runs (a static argument: each choice is its own program)."""
+
+    kernel: str = "xla"  # "xla": gather pages + plain JAX; "gpu" | "tpu": the Pallas kernels
+    interpret: bool = False  # run the Pallas kernel in interpret mode (the CPU)
 
 
 @flax.struct.dataclass
@@ -99,7 +110,7 @@ def rotary(x, positions, theta):
     return (x32 * cos + rotated * sin).astype(x.dtype)
 
 
-def _layer(config: ModelConfig, batch: StepInput, h, kv_pages, layer_index, w: LayerParams):
+def _layer(config: ModelConfig, attention: Attention, batch: StepInput, h, kv_pages, layer_index, w: LayerParams):
     b, t, _ = h.shape
     nh, nk, d = config.num_heads, config.num_kv_heads, config.head_dim
     x = rms_norm(h, w.attn_norm, config.rms_norm_eps)
@@ -111,8 +122,12 @@ def _layer(config: ModelConfig, batch: StepInput, h, kv_pages, layer_index, w: L
 
     kv_pages = write_kv(kv_pages, layer_index, k.reshape(b * t, nk, d), v.reshape(b * t, nk, d),
                         batch.slot_ids.reshape(b * t))
-    keys, values = gather_kv(kv_pages, layer_index, batch.page_table)
-    attn = attend(q, keys, values, batch.kv_lens, batch.positions, mask_values=False)
+    if attention.kernel == "xla":
+        keys, values = gather_kv(kv_pages, layer_index, batch.page_table)
+        attn = attend(q, keys, values, batch.kv_lens, batch.positions, mask_values=False)
+    else:  # each row's new tokens come first: logits_index + 1 of them
+        attn = engine_attention(q, kv_pages, layer_index, batch.kv_lens, batch.logits_index + 1,
+                                batch.page_table, backend=attention.kernel, interpret=attention.interpret)
     h = h + attn.reshape(b, t, nh * d) @ w.wo
 
     x = rms_norm(h, w.mlp_norm, config.rms_norm_eps)
@@ -120,14 +135,15 @@ def _layer(config: ModelConfig, batch: StepInput, h, kv_pages, layer_index, w: L
     return h, kv_pages
 
 
-def forward(params: Params, kv_pages: jax.Array, batch: StepInput, config: ModelConfig):
+def forward(params: Params, kv_pages: jax.Array, batch: StepInput, config: ModelConfig,
+            attention: Attention = Attention()):
     """Returns (kv_pages with this step's K/V written, logits [B, V] in float32)."""
     h = params.embed[batch.token_ids]  # [B, T, E]
 
     def body(carry, xs):
         h, kv_pages = carry
         layer_index, w = xs
-        return _layer(config, batch, h, kv_pages, layer_index, w), None
+        return _layer(config, attention, batch, h, kv_pages, layer_index, w), None
 
     layer_ids = jnp.arange(config.num_layers, dtype=jnp.int32)
     (h, kv_pages), _ = jax.lax.scan(body, (h, kv_pages), (layer_ids, params.layers))
