@@ -88,8 +88,8 @@ def main(argv=None) -> int:
     batches, contexts, page_sizes = (8, 32, 64, 128), (512, 2048, 8192), (16, 64)
     if args.quick:
         batches, contexts, page_sizes = (8, 64), (512, 2048), (16,)
-    if args.interpret:
-        batches, contexts, page_sizes, args.repeats = (2,), (64,), (16,), 2
+    if args.interpret:  # float32: the CPU has no bf16 x bf16 -> f32 matmul for the reference
+        batches, contexts, page_sizes, args.repeats, dtype = (2,), (64,), (16,), 2, jnp.float32
 
     ours = jax.jit(lambda *a: paged_attention(*a, interpret=args.interpret))
     theirs = jax.jit(shipped)
@@ -97,7 +97,7 @@ def main(argv=None) -> int:
         q[:, None], k, v, table, lens, (lens - 1)[:, None])[:, 0])
 
     copy_bw = None if args.interpret else copy_bandwidth(args.repeats)
-    lines = [f"Decode attention, {machine()}, bf16, {HEADS} q heads / {KV_HEADS} kv heads, D={HEAD_DIM}; "
+    lines = [f"Decode attention, {machine()}, {jnp.dtype(dtype).name}, {HEADS} q heads / {KV_HEADS} kv heads, D={HEAD_DIM}; "
              f"median of {args.repeats} calls.",
              f"Measured copy bandwidth: {copy_bw / 1e9:.0f} GB/s." if copy_bw else "Interpret mode: no figures.",
              "",
@@ -118,7 +118,7 @@ def main(argv=None) -> int:
                                                  - ref(q, k, v, lengths, table).astype(jnp.float32))))
                     ref_cell, diff_cell = f"{t_ref * 1e6:.0f}", f"{diff:.3g}"
                 except Exception as e:  # the reference gathers the whole context: may not fit
-                    ref_cell, diff_cell = f"failed ({type(e).__name__})", "-"
+                    ref_cell, diff_cell = f"failed ({type(e).__name__}: {str(e)[:80]})", "-"
                 if args.interpret:
                     theirs_cell, speedup = "-", "-"
                 else:

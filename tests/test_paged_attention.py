@@ -75,3 +75,19 @@ def test_write_kv_scatters_into_pages_and_padding_into_the_null_page():
     touched[2, 1] = touched[3, 0] = touched[0, 0] = True
     assert not np.any(out[1][:, :, ~touched])
     assert not np.any(out[0]) and not np.any(out[2])  # other layers untouched
+
+
+@pytest.mark.parametrize("tokens", [1, 8])
+def test_donated_kv_write_updates_the_pool_in_place(tokens):
+    """The KV write is a scatter into the donated pool: XLA aliases the output onto the input and
+    needs no temporary anywhere near the pool's size (a copy would need all of it)."""
+    import jax
+
+    pool = jax.ShapeDtypeStruct((2, 2, 2, 512, 16, 64), jnp.float32)  # 16 MiB
+    k = jax.ShapeDtypeStruct((tokens, 2, 64), jnp.float32)
+    slots = jax.ShapeDtypeStruct((tokens,), jnp.int32)
+    donated = jax.jit(write_kv, donate_argnums=0).lower(pool, jnp.int32(1), k, k, slots).compile()
+    memory = donated.memory_analysis()
+    pool_bytes = 2 * 2 * 2 * 512 * 16 * 64 * 4
+    assert memory.alias_size_in_bytes == pool_bytes
+    assert memory.temp_size_in_bytes < pool_bytes // 100
