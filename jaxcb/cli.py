@@ -14,7 +14,7 @@ import time
 
 GENERATION_FIELDS = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty",
                      "presence_penalty", "frequency_penalty", "seed", "stop", "stop_token_ids",
-                     "ignore_eos", "logprobs")
+                     "ignore_eos", "logprobs", "n")
 LINE_FIELDS = {"prompt", "prompt_token_ids", "messages", "chat", "priority", "id", *GENERATION_FIELDS}
 
 
@@ -24,6 +24,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
                    help="weights and KV dtype (default: float32 on CPU, bfloat16 on GPU/TPU)")
     p.add_argument("--policy", default=None, help="scheduling policy: fcfs, sjf, priority, length-buckets")
+    p.add_argument("--prefix-cache", choices=("on", "off"), default=None,
+                   help="share the pages of common prompt prefixes (default: the config's cache.prefix_caching, on)")
     p.add_argument("--attention", choices=("xla", "pallas", "auto"), default=None,
                    help="attention: plain JAX, the Pallas kernels, or auto (kernels on GPU/TPU; the config's "
                         "model.attention by default)")
@@ -88,6 +90,8 @@ def _engine_config(args):
         changes["static"] = True
     if args.attention:
         changes["attention"] = args.attention
+    if args.prefix_cache:
+        changes["prefix_caching"] = args.prefix_cache == "on"
     return config.replace(**changes) if changes else config
 
 
@@ -152,11 +156,21 @@ def _parse_line(llm, args, lineno: int, line: str):
     return ids, params, priority, obj.get("id")
 
 
-def _result(out, rid=None) -> dict:
-    d = {"prompt_token_ids": out.prompt_token_ids, "token_ids": out.token_ids, "text": out.text,
-         "finish_reason": out.finish_reason}
+def _sample(out) -> dict:
+    d = {"token_ids": out.token_ids, "text": out.text, "finish_reason": out.finish_reason,
+         "cached_prompt_tokens": out.num_cached_tokens}
     if out.logprobs is not None:
         d["logprobs"] = out.logprobs
+    return d
+
+
+def _result(outs, rid=None) -> dict:
+    """One output line: the sample's fields, or with n > 1 a list of `samples`."""
+    d = {"prompt_token_ids": outs[0].prompt_token_ids}
+    if len(outs) == 1:
+        d.update(_sample(outs[0]))
+    else:
+        d["samples"] = [dict(index=o.index, **_sample(o)) for o in outs]
     if rid is not None:
         d["id"] = rid
     return d
@@ -204,8 +218,10 @@ def cmd_generate(args) -> int:
     t0 = time.perf_counter()
     outs = llm._run([j[1] for j in jobs], [j[2] for j in jobs], [j[3] for j in jobs]) if jobs else []
     wall = time.perf_counter() - t0
-    for job, out in zip(jobs, outs):
-        slots[job[0]] = _result(out, job[4])
+    at = 0
+    for job in jobs:
+        slots[job[0]] = _result(outs[at:at + job[2].n], job[4])
+        at += job[2].n
 
     sink = open(args.output, "w", encoding="utf-8") if args.output else sys.stdout
     try:
@@ -226,6 +242,7 @@ def cmd_generate(args) -> int:
             "compilations_after_warmup": st.compilations - compiled_before,
             "padding_fraction": st.padding_fraction, "page_utilization": st.page_utilization,
             "preemptions": st.preemptions, "host_wait_fraction": st.host_wait_fraction, "steps": st.steps,
+            "prefix_cache_queries": st.prefix_cache_queries, "prefix_cache_hits": st.prefix_cache_hits,
         }))
     if failed:
         print(f"jaxcb generate: {failed} of {failed + len(jobs)} lines failed", file=sys.stderr)

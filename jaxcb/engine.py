@@ -57,6 +57,9 @@ class EngineStats:
     padding_fraction: float  # padded token slots over computed token slots
     page_utilization: float  # mean fraction of allocated page slots holding tokens
     host_wait_fraction: float  # fraction of step time the device sat waiting for the host
+    pages_cached: int = 0  # pages registered in the prefix cache (in use or free-but-cached)
+    prefix_cache_queries: int = 0  # tokens of admitted sequences looked up in the prefix cache
+    prefix_cache_hits: int = 0  # of those, found cached (not computed again)
 
 
 class Engine:
@@ -73,7 +76,7 @@ class Engine:
         self.eos_ids = frozenset(eos_ids)
         self.max_context = min(config.scheduler.max_context, self.model_config.max_context)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._requests: dict[str, Request] = {}
+        self._requests: dict[str, list[Request]] = {}  # request id -> its live samples
         self._streams: dict[str, _Stream] = {}
         self._rng = random.Random(config.seed)
         self._seed_lock = threading.Lock()  # guards the seed generator and _live_ids
@@ -113,19 +116,29 @@ class Engine:
     def add_request(self, prompt_ids: list[int], params: SamplingParams, *, request_id: str | None = None,
                     priority: int = 0, callback: EventCallback | None = None,
                     arrival_time: float | None = None) -> str:
+        """Queue a request; with params.n > 1, n samples that share the prompt's pages (events carry
+        the same request id and the sample's `index`). Returns the request id."""
         prompt_ids = [int(t) for t in prompt_ids]
         self.validate(prompt_ids, params)
-        req = Request(prompt_ids, params, request_id=request_id or "", priority=int(priority))
+        samples = [Request(prompt_ids, params, request_id=request_id or "", priority=int(priority))]
+        for i in range(1, params.n):
+            samples.append(Request(prompt_ids, params, request_id=samples[0].request_id, priority=int(priority),
+                                   arrival_time=samples[0].arrival_time, leader=samples[0], sample_index=i))
+        rid = samples[0].request_id
         if arrival_time is not None:
-            req.arrival_time = arrival_time
+            for r in samples:
+                r.arrival_time = arrival_time
         with self._seed_lock:
-            if req.request_id in self._live_ids:
-                raise ValueError(f"request_id: {req.request_id!r} is already in use by a running request")
-            self._live_ids.add(req.request_id)
-            seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
-        detok = IncrementalDetokenizer(self.tokenizer) if self.tokenizer is not None else None
-        self._inbox.put(("add", req, _Stream(detok=detok, seed=seed, callback=callback)))
-        return req.request_id
+            if rid in self._live_ids:
+                raise ValueError(f"request_id: {rid!r} is already in use by a running request")
+            self._live_ids.add(rid)
+            base_seed = params.seed if params.seed is not None else None
+            seeds = [self._rng.getrandbits(63) if base_seed is None else (base_seed + i) % 2**63
+                     for i in range(params.n)]
+        for r, seed in zip(samples, seeds):
+            detok = IncrementalDetokenizer(self.tokenizer) if self.tokenizer is not None else None
+            self._inbox.put(("add", r, _Stream(detok=detok, seed=seed, callback=callback)))
+        return rid
 
     def abort(self, request_id: str) -> None:
         """The request ends with finish reason `abort` and its pages are freed at the next step."""
@@ -139,7 +152,7 @@ class Engine:
         return self.scheduler.has_work or not self._inbox.empty()
 
     def stats(self) -> EngineStats:
-        c = self._counters
+        c, cache = self._counters, self.scheduler.cache
         return EngineStats(
             running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
             pages_total=self.pool.num_usable, pages_free=self.pool.num_free, pages_in_use=self.pool.num_in_use,
@@ -148,12 +161,17 @@ class Engine:
             padding_fraction=(c["slots"] - c["live"]) / c["slots"] if c["slots"] else 0.0,
             page_utilization=c["page_tokens"] / c["page_slots"] if c["page_slots"] else 0.0,
             host_wait_fraction=c["host_s"] / c["step_s"] if c["step_s"] else 0.0,
+            pages_cached=self.pool.num_cached,
+            prefix_cache_queries=cache.num_queried_tokens if cache else 0,
+            prefix_cache_hits=cache.num_hit_tokens if cache else 0,
         )
 
     def reset_counters(self) -> None:
         for k in self._counters:
             self._counters[k] = 0.0 if k.endswith("_s") else 0
         self._last_fetch_end = None
+        if self.scheduler.cache is not None:
+            self.scheduler.cache.num_queried_tokens = self.scheduler.cache.num_hit_tokens = 0
 
     # ---- the loop ----
     def _drain_inbox(self, events: list[TokenEvent]) -> None:
@@ -163,11 +181,12 @@ class Engine:
             except queue.Empty:
                 return
             if kind == "add":
-                self._requests[item.request_id] = item
-                self._streams[item.request_id] = stream
+                self._requests.setdefault(item.request_id, []).append(item)
+                self._streams[item.key] = stream
                 self.scheduler.add(item)
             elif kind == "abort" and item in self._requests:
-                self._finish(self._requests[item], FinishReason.ABORT, events)
+                for r in list(self._requests[item]):
+                    self._finish(r, FinishReason.ABORT, events)
 
     def step(self) -> list[TokenEvent]:
         """Run one engine step; returns the events it produced (also sent to callbacks)."""
@@ -220,11 +239,12 @@ class Engine:
         self.num_failed_steps += 1
         for chunk in out.decode + out.prefill:
             r = chunk.request
-            if r.status is Status.RUNNING and r.request_id in self._streams:
+            if r.status is Status.RUNNING and r.key in self._streams:
                 self._finish(r, FinishReason.ERROR, events, error=message)
         if self.runner.reset_kv_if_lost():
             for r in list(self.scheduler.running):
                 self.scheduler.preempt(r, out)
+            self.pool.forget_cached()  # the cached pages' contents went with the old KV array
         self._last_fetch_end = None
 
     def _dispatch(self, chunks: list[Chunk], batch_bucket: int, token_bucket: int):
@@ -234,7 +254,7 @@ class Engine:
                 for c in chunks]
         batch = pad_step(rows, batch_bucket, token_bucket, pages, s)
         sampling = pad_sampling(
-            [SamplingRow(c.request.params, self._streams[c.request.request_id].seed, c.request.prompt_ids,
+            [SamplingRow(c.request.params, self._streams[c.request.key].seed, c.request.prompt_ids,
                          c.request.output_ids, c.samples) for c in chunks],
             batch_bucket, pages * s)
         cnt = self._counters
@@ -242,6 +262,9 @@ class Engine:
         cnt["live"] += batch.num_tokens
         for c in chunks:
             r = c.request
+            written = r.page_ids[c.start // s:(c.start + c.num_tokens - 1) // s + 1]
+            assert all(self.pool.ref_counts[p] == 1 for p in written), (
+                f"{r.key} would write into a page another request holds")
             cnt["page_slots"] += len(r.page_ids) * s
             cnt["page_tokens"] += c.start + c.num_tokens
             if not (c.num_tokens == 1 and c.samples and r.output_ids):  # all but plain decode tokens
@@ -254,6 +277,7 @@ class Engine:
             if r.status is not Status.RUNNING:
                 continue  # aborted or preempted meanwhile
             r.num_computed = c.start + c.num_tokens
+            self.scheduler.on_computed(r)
             if not c.samples:
                 continue
             token = int(result.token_ids[row])
@@ -267,7 +291,7 @@ class Engine:
             self._on_token(r, token, logprobs, events)
 
     def _on_token(self, r: Request, token: int, logprobs, events: list[TokenEvent]) -> None:
-        p, stream = r.params, self._streams[r.request_id]
+        p, stream = r.params, self._streams[r.key]
         reason = None
         if token in p.stop_token_ids or (token in self.eos_ids and not p.ignore_eos):
             reason = FinishReason.STOP
@@ -289,22 +313,28 @@ class Engine:
             safe = len(stream.text) - _held_back(stream.text, p.stop)
             delta, stream.emitted = stream.text[stream.emitted:safe], max(stream.emitted, safe)
             self._emit(TokenEvent(r.request_id, (token,), delta, False, None, logprobs,
-                                  len(r.prompt_ids), len(r.output_ids), queue_s=queue_s), stream, events)
+                                  len(r.prompt_ids), len(r.output_ids), queue_s=queue_s,
+                                  num_cached_tokens=r.num_cached_tokens, index=r.sample_index), stream, events)
         else:
             self._finish(r, reason, events, new_tokens=(token,), logprobs=logprobs, queue_s=queue_s)
 
     def _finish(self, r: Request, reason: FinishReason, events: list[TokenEvent], new_tokens=(), logprobs=None,
                 error: str | None = None, queue_s: float | None = None) -> None:
-        stream = self._streams.pop(r.request_id)
-        self._requests.pop(r.request_id, None)
-        with self._seed_lock:
-            self._live_ids.discard(r.request_id)
+        stream = self._streams.pop(r.key)
+        samples = self._requests.get(r.request_id, [])
+        if r in samples:
+            samples.remove(r)
+        if not samples:  # the last sample of the request: its id is free again
+            self._requests.pop(r.request_id, None)
+            with self._seed_lock:
+                self._live_ids.discard(r.request_id)
         self.scheduler.remove(r)
         r.status = Status.FINISHED
         r.finish_reason = reason
         delta = stream.text[stream.emitted:]
         self._emit(TokenEvent(r.request_id, tuple(new_tokens), delta, True, reason, logprobs,
-                              len(r.prompt_ids), len(r.output_ids), error, queue_s), stream, events)
+                              len(r.prompt_ids), len(r.output_ids), error, queue_s,
+                              num_cached_tokens=r.num_cached_tokens, index=r.sample_index), stream, events)
 
     @staticmethod
     def _emit(event: TokenEvent, stream: _Stream, events: list[TokenEvent]) -> None:

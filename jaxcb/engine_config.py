@@ -90,10 +90,13 @@ def load_config(path: str | None = None) -> EngineConfig:
         raise ValueError(f"config: buckets.{e.args[0]} is missing") from None
     if "length_bounds" in sched:
         sched["length_bounds"] = tuple(sched["length_bounds"])
+    prefix_caching = cache.get("prefix_caching", True)
+    if not isinstance(prefix_caching, bool):
+        raise ValueError(f"config: cache.prefix_caching must be true or false, got {prefix_caching!r}")
     sched.setdefault("max_running", b.max_batch)
     sched.setdefault("max_chunk", b.max_prefill_tokens)
     try:
-        sc = SchedulerConfig(page_size=int(cache.get("page_size", 16)), **sched)
+        sc = SchedulerConfig(page_size=int(cache.get("page_size", 16)), prefix_caching=prefix_caching, **sched)
     except TypeError as e:
         raise ValueError(f"config: unknown setting in [scheduler] ({e})") from None
     model = raw.get("model", {})

@@ -4,7 +4,8 @@
     outs = llm.generate(["Hello"], SamplingParams(max_tokens=32))
     outs = llm.chat([[{"role": "user", "content": "Hi"}]], SamplingParams(max_tokens=32))
 
-All prompts are submitted at once and batched continuously; results come back in input order.
+All prompts are submitted at once and batched continuously; results come back in input order, with
+SamplingParams(n=k) giving k consecutive completions per prompt (`index` 0..k-1).
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ class Completion:
     finish_reason: str | None
     logprobs: list | None = None
     error: str | None = None
+    index: int = 0  # which sample of the prompt (SamplingParams.n)
+    num_cached_tokens: int = 0  # prompt tokens taken from the prefix cache instead of computed
 
 
 def load_model(path: str | None = None, dtype=None):
@@ -94,16 +97,15 @@ class LLM:
                 self.engine.validate(p, sp)
             except ValueError as e:
                 raise ValueError(f"request {i}: {e}") from None
-        results: dict[str, Completion] = {}
-        order = []
+        results: dict[tuple[str, int], Completion] = {}
         for i, (p, sp) in enumerate(zip(ids, params)):
             rid = self.engine.add_request(p, sp, priority=priorities[i] if priorities else 0)
-            results[rid] = Completion(rid, p, [], "", None, [] if sp.logprobs else None)
-            order.append(rid)
+            for k in range(sp.n):
+                results[rid, k] = Completion(rid, p, [], "", None, [] if sp.logprobs else None, index=k)
         while self.engine.has_work():
             for ev in self.engine.step():
-                _apply(results[ev.request_id], ev)
-        return [results[r] for r in order]
+                _apply(results[ev.request_id, ev.index], ev)
+        return list(results.values())
 
     def warmup(self, progress=None) -> int:
         return self.engine.warmup(progress)
@@ -112,6 +114,7 @@ class LLM:
 def _apply(out: Completion, ev: TokenEvent) -> None:
     out.token_ids.extend(ev.token_ids)
     out.text += ev.text
+    out.num_cached_tokens = ev.num_cached_tokens
     if ev.logprobs and out.logprobs is not None:
         out.logprobs.extend(ev.logprobs)
     if ev.finished:

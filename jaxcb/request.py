@@ -15,6 +15,7 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
 MAX_LOGPROBS = 20
+MAX_SAMPLES = 16
 
 
 class FinishReason(str, enum.Enum):
@@ -47,6 +48,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int = 0  # top-n logprobs per generated token; 0 = none
+    n: int = 1  # independent samples of the same prompt (they share its KV pages)
 
     def __post_init__(self):
         object.__setattr__(self, "stop", tuple(self.stop or ()))
@@ -75,6 +77,7 @@ class SamplingParams:
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
             raise ValueError(f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS}, got {len(self.stop_token_ids)}")
         _check_int("logprobs", self.logprobs, low=0, high=MAX_LOGPROBS)
+        _check_int("n", self.n, low=1, high=MAX_SAMPLES)
 
     @property
     def greedy(self) -> bool:
@@ -116,6 +119,11 @@ class Request:
     output_ids: list[int] = dataclasses.field(default_factory=list)
     page_ids: list[int] = dataclasses.field(default_factory=list)  # the page table
     num_computed: int = 0  # tokens whose K/V are in the cache
+    page_hashes: list[bytes] = dataclasses.field(default_factory=list)  # chained hashes of full pages
+    num_registered: int = 0  # leading pages offered to the prefix cache
+    num_cached_tokens: int = 0  # prompt tokens taken from the prefix cache at the last admission
+    leader: "Request | None" = None  # n > 1: the sample whose prefill the others wait for
+    sample_index: int = 0  # n > 1: which sample this is
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
     seq_no: int = dataclasses.field(default_factory=lambda: next(_ids))  # FCFS tie-break
@@ -126,6 +134,11 @@ class Request:
     def __post_init__(self):
         if not self.request_id:
             self.request_id = f"req-{self.seq_no}"
+
+    @property
+    def key(self) -> str:
+        """Unique among live requests: the request id, with the sample index for n > 1."""
+        return self.request_id if self.params.n == 1 else f"{self.request_id}/{self.sample_index}"
 
     @property
     def all_ids(self) -> list[int]:
@@ -154,3 +167,5 @@ class TokenEvent:
     num_output_tokens: int = 0
     error: str | None = None
     queue_s: float | None = None  # on the first event: seconds from arrival to first scheduling
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (not computed)
+    index: int = 0  # which sample of an n > 1 request

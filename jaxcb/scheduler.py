@@ -7,6 +7,12 @@ cannot supply them, the worst running request by the policy is preempted (its pa
 progress dropped, requeued to be recomputed later) until they fit. Then, if nothing was preempted,
 waiting requests are admitted in policy order while a batch slot, budget and pages remain.
 
+With prefix caching (jaxcb.prefix_cache), a request being admitted first takes the cached pages of
+its longest cached prefix and is scheduled from there. With `prefix_aware`, waiting requests whose
+prefix is cached go first, except that a request waiting longer than `prefix_max_wait_ms` goes
+before both (so preferring cached prefixes cannot starve anyone). The samples of an n > 1 request
+wait until the first sample has computed the prompt's full pages, then share them.
+
 A request with a single pending token is a decode row; the engine batches those in one step and runs
 each multi-token chunk as a prefill. Policies only decide order; the mechanism is the same for all:
   fcfs            arrival order
@@ -24,6 +30,7 @@ import dataclasses
 import time
 
 from jaxcb.page_pool import PagePool
+from jaxcb.prefix_cache import PrefixCache
 from jaxcb.request import Request, Status
 
 POLICIES = ("fcfs", "sjf", "priority", "length-buckets")
@@ -43,6 +50,9 @@ class SchedulerConfig:
     length_bounds: tuple[int, ...] = (64, 256)  # length-buckets policy: short < 64 <= medium < 256 <= long
     target_tpot_ms: float | None = None  # latency target: adapt the running limit to this p99
     static: bool = False  # classic static batching: admit a new batch only when the last one is done
+    prefix_caching: bool = True  # share computed pages between requests with a common prefix
+    prefix_aware: bool = False  # admit requests whose prefix is cached first ...
+    prefix_max_wait_ms: float = 500.0  # ... unless another has waited longer than this
 
     def __post_init__(self):
         if self.policy not in POLICIES:
@@ -52,6 +62,8 @@ class SchedulerConfig:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
         if self.max_wait_ms < 0:
             raise ValueError(f"max_wait_ms: must be >= 0, got {self.max_wait_ms}")
+        if self.prefix_max_wait_ms < 0:
+            raise ValueError(f"prefix_max_wait_ms: must be >= 0, got {self.prefix_max_wait_ms}")
 
 
 @dataclasses.dataclass
@@ -84,6 +96,7 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, pool: PagePool):
         self.config = config
         self.pool = pool
+        self.cache = PrefixCache(pool) if config.prefix_caching else None
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.running_limit = config.max_running
@@ -123,6 +136,12 @@ class Scheduler:
         if request.page_ids:
             self.pool.free(request.page_ids)
             request.page_ids = []
+        request.num_registered = 0
+
+    def on_computed(self, request: Request) -> None:
+        """After a step wrote request's K/V: offer its newly full pages to the prefix cache."""
+        if self.cache is not None:
+            self.cache.register(request)
 
     @property
     def has_work(self) -> bool:
@@ -140,11 +159,25 @@ class Scheduler:
     def _length_bucket(self, r: Request) -> int:
         return bisect.bisect_right(self.config.length_bounds, len(r.prompt_ids))
 
+    def _admissible(self, r: Request) -> bool:
+        """A sample of an n > 1 request waits until its leader has computed the prompt's full pages."""
+        lead = r.leader
+        if lead is None or self.cache is None or lead.status is Status.FINISHED:
+            return True
+        return lead.num_computed >= (len(lead.prompt_ids) - 1) // self.config.page_size * self.config.page_size
+
+    def _prefix_key(self, r: Request, now: float) -> int:
+        if (now - r.arrival_time) * 1000 >= self.config.prefix_max_wait_ms:
+            return 0  # waited long enough: first, whatever its prefix
+        return 1 if self.cache.cached_pages(r) else 2
+
     def _admission_order(self, now: float, room: int) -> list[Request]:
         c = self.config
-        waiting = sorted(self.waiting, key=lambda r: self._key(r, now))
+        waiting = sorted((r for r in self.waiting if self._admissible(r)), key=lambda r: self._key(r, now))
         if not waiting:
             return []
+        if c.prefix_aware and self.cache is not None:
+            waiting.sort(key=lambda r: self._prefix_key(r, now))  # stable: policy order within a tier
         oldest_wait_ms = (now - min(r.arrival_time for r in waiting)) * 1000
         window_open = len(waiting) >= c.min_batch or oldest_wait_ms >= c.max_wait_ms or c.max_wait_ms == 0
         if c.policy != "length-buckets":
@@ -186,7 +219,7 @@ class Scheduler:
         self.running.remove(victim)
         self.pool.free(victim.page_ids)
         victim.page_ids = []
-        victim.num_computed = 0
+        victim.num_computed = victim.num_registered = 0
         victim.status = Status.WAITING
         victim.num_preemptions += 1
         self.num_preemptions += 1
@@ -253,8 +286,12 @@ class Scheduler:
             for r in order:
                 if room <= 0 or budget <= 0:
                     break
+                if self.cache is not None:
+                    self.cache.attach(r)
                 n = self._chunk(r, budget)
                 if not self._grow(r, r.num_computed + n):
+                    if self.cache is not None:
+                        self.cache.detach(r)
                     break  # out of pages: wait for running requests to finish
                 self.waiting.remove(r)
                 r.status = Status.RUNNING

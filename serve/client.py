@@ -32,6 +32,7 @@ class Result:
     prompt_tokens: int
     completion_tokens: int
     cached_prompt_tokens: int = 0
+    index: int = 0  # which sample (GenerateRequest.n)
 
 
 SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
@@ -39,7 +40,7 @@ SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty
 
 
 def build_request(prompt=None, *, messages=None, token_ids=None, chat: bool = False, max_tokens: int = 64,
-                  stop=(), stop_token_ids=(), ignore_eos=False, priority=0, request_id="", logprobs=0,
+                  stop=(), stop_token_ids=(), ignore_eos=False, priority=0, request_id="", logprobs=0, n=1,
                   **sampling) -> jaxcb_pb2.GenerateRequest:
     """prompt: text (with chat=True it becomes one user message); or messages; or token_ids."""
     unknown = set(sampling) - set(SAMPLING_FIELDS)
@@ -47,7 +48,7 @@ def build_request(prompt=None, *, messages=None, token_ids=None, chat: bool = Fa
         raise TypeError(f"unknown sampling settings: {', '.join(sorted(unknown))}")
     req = jaxcb_pb2.GenerateRequest(max_tokens=max_tokens, stop=list(stop), stop_token_ids=list(stop_token_ids),
                                     ignore_eos=ignore_eos, priority=priority, request_id=request_id,
-                                    logprobs=logprobs)
+                                    logprobs=logprobs, n=n)
     for k, v in sampling.items():
         if v is not None:
             setattr(req.sampling, k, v)
@@ -90,7 +91,7 @@ class _Collector:
             return chunk
         u = resp.final.usage
         return Result(resp.request_id, self.ids, "".join(self.text), resp.final.finish_reason, u.prompt_tokens,
-                      u.completion_tokens, u.cached_prompt_tokens)
+                      u.completion_tokens, u.cached_prompt_tokens, resp.index)
 
 
 def _result(responses) -> Result:
@@ -120,6 +121,18 @@ class Client:
 
     def complete(self, prompt=None, *, timeout=None, **kw) -> Result:
         return _result(self.stream(build_request(prompt, **kw), timeout))
+
+    def complete_samples(self, prompt=None, *, n: int, timeout=None, **kw) -> list[Result]:
+        """n samples of one prompt (they share its prefill), in index order."""
+        collectors: dict[int, _Collector] = {}
+        results: dict[int, Result] = {}
+        for resp in self.stream(build_request(prompt, n=n, **kw), timeout):
+            item = collectors.setdefault(resp.index, _Collector()).add(resp)
+            if isinstance(item, Result):
+                results[resp.index] = item
+        if len(results) != n:
+            raise RuntimeError(f"the stream ended after {len(results)} of {n} samples")
+        return [results[i] for i in range(n)]
 
     def abort(self, request_id: str) -> bool:
         return self.stub.Abort(jaxcb_pb2.AbortRequest(request_id=request_id), metadata=self.metadata).found

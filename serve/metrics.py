@@ -36,7 +36,16 @@ class Metrics:
         self.finished = Counter("jaxcb:request_success", "Finished requests by finish reason.",
                                 ["finished_reason"], registry=r)
 
+        self.prefix_queries = Counter("jaxcb:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                                      registry=r)
+        self.prefix_hits = Counter("jaxcb:prefix_cache_hits", "Prompt tokens found in the prefix cache.", registry=r)
+        self._prefix_seen = (0, 0)
+
     def refresh(self, stats) -> None:
+        queries, hits = stats.prefix_cache_queries, stats.prefix_cache_hits
+        self.prefix_queries.inc(max(0, queries - self._prefix_seen[0]))
+        self.prefix_hits.inc(max(0, hits - self._prefix_seen[1]))
+        self._prefix_seen = (queries, hits)
         self.running.set(stats.running)
         self.waiting.set(stats.waiting)
         self.kv_usage.set(stats.pages_in_use / stats.pages_total if stats.pages_total else 0.0)

@@ -99,10 +99,12 @@ class State:
             raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
         self.active.add(rid)
         finished = False
+        samples_left = params.n
         try:
             while True:
                 ev = await queue.get()
-                finished = ev.finished
+                samples_left -= ev.finished
+                finished = samples_left == 0
                 yield ev
                 if finished:
                     return
@@ -128,6 +130,7 @@ def _sampling(req) -> SamplingParams:
             presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
             seed=s.seed if s.HasField("seed") else None, stop=tuple(req.stop),
             stop_token_ids=tuple(req.stop_token_ids), ignore_eos=req.ignore_eos, logprobs=req.logprobs,
+            n=req.n or 1,
         )
     except ValueError as e:
         raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
@@ -183,11 +186,12 @@ class JaxcbService(jaxcb_pb2_grpc.JaxcbServicer):
                 if ev.finish_reason is FinishReason.ERROR:
                     await context.abort(grpc.StatusCode.INTERNAL, f"the step running this request failed: {ev.error}")
                 if ev.token_ids or ev.text:
-                    yield jaxcb_pb2.GenerateResponse(request_id=ev.request_id, chunk=jaxcb_pb2.GenerateChunk(
+                    yield jaxcb_pb2.GenerateResponse(request_id=ev.request_id, index=ev.index, chunk=jaxcb_pb2.GenerateChunk(
                         token_ids=list(ev.token_ids), text=ev.text, logprobs=_logprobs_pb(ev)))
                 if ev.finished:
-                    usage = jaxcb_pb2.Usage(prompt_tokens=ev.num_prompt_tokens, completion_tokens=ev.num_output_tokens)
-                    yield jaxcb_pb2.GenerateResponse(request_id=ev.request_id, final=jaxcb_pb2.GenerateFinal(
+                    usage = jaxcb_pb2.Usage(prompt_tokens=ev.num_prompt_tokens, completion_tokens=ev.num_output_tokens,
+                                            cached_prompt_tokens=ev.num_cached_tokens)
+                    yield jaxcb_pb2.GenerateResponse(request_id=ev.request_id, index=ev.index, final=jaxcb_pb2.GenerateFinal(
                         finish_reason=ev.finish_reason.value, usage=usage))
         except _Abort as e:
             await context.abort(e.code, e.message)

@@ -44,3 +44,43 @@ def test_misuse_is_caught():
 def test_pages_for():
     pool = PagePool(4, 16)
     assert [pool.pages_for(n) for n in (0, 1, 15, 16, 17, 32, 33)] == [0, 1, 1, 1, 2, 2, 3]
+
+
+def test_cached_pages_stay_free_but_findable_until_evicted():
+    pool = PagePool(6, 4)  # 5 usable pages
+    a = pool.allocate(3)
+    assert pool.register(a[0], b"h0") and pool.register(a[1], b"h1")
+    assert not pool.register(a[2], b"h0")  # that prefix is already held by another page
+    pool.free(a)
+    assert pool.num_free == 5 and pool.num_cached == 2  # cached pages count as free
+    pool.check_all_free()
+    assert pool.lookup([b"h0", b"h1", b"h2"]) == a[:2]
+    assert pool.lookup([b"hx", b"h1"]) == []  # only a run from the first page counts
+    pool.acquire(a[:2])  # back in use, off the LRU list
+    assert pool.ref_counts[a[0]] == 1 and pool.num_free == 3
+    pool.check()
+    pool.free(a[:2])
+    # Plain free pages go first; then the least recently freed cached page. free() releases a
+    # sequence's pages last first, so its tail page is evicted before its head.
+    fresh = pool.allocate(3)
+    assert set(fresh).isdisjoint(a[:2]) and pool.num_evictions == 0
+    more = pool.allocate(1)
+    assert more == [a[1]] and pool.num_evictions == 1
+    assert pool.lookup([b"h0", b"h1"]) == [a[0]]
+    pool.check()
+    pool.free(fresh + more)
+    pool.forget_cached()
+    assert pool.num_cached == 0 and pool.lookup([b"h0"]) == []
+    pool.check_all_free()
+
+
+def test_shared_cached_page_is_freed_only_by_its_last_holder():
+    pool = PagePool(4, 4)
+    (p,) = pool.allocate(1)
+    pool.register(p, b"h")
+    pool.acquire([p])  # a second request takes the cached page
+    pool.free([p])
+    assert pool.num_free == 2  # still held by one
+    pool.free([p])
+    assert pool.num_free == 3 and pool.lookup([b"h"]) == [p]
+    pool.check_all_free()

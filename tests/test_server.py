@@ -9,6 +9,7 @@ import time
 import urllib.request
 
 import grpc
+import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
@@ -213,6 +214,26 @@ def test_metrics_endpoint(server, client):
                  "jaxcb:num_preemptions", "jaxcb:compilations", "jaxcb:prompt_tokens_total",
                  "jaxcb:generation_tokens_total", 'jaxcb:request_success_total{finished_reason="length"}'):
         assert name in body, name
+
+
+def test_parallel_samples_and_cached_prefix_over_grpc(server, client):
+    prompt = [int(t) for t in np.random.default_rng(1234).integers(3, 100, size=40)]  # two full pages
+    first = client.complete(token_ids=prompt, max_tokens=3, ignore_eos=True)
+    again = client.complete(token_ids=prompt + [7], max_tokens=3, ignore_eos=True)
+    assert first.cached_prompt_tokens == 0 and again.cached_prompt_tokens == 32
+    samples = client.complete_samples(token_ids=prompt, n=3, max_tokens=5, ignore_eos=True, temperature=1.0, seed=3)
+    assert [r.index for r in samples] == [0, 1, 2]
+    assert all(len(r.token_ids) == 5 and r.finish_reason == "length" for r in samples)
+    assert all(r.cached_prompt_tokens == 32 for r in samples)  # all three found the prompt's pages
+    assert len({tuple(r.token_ids) for r in samples}) > 1
+    with pytest.raises(grpc.RpcError) as e:
+        client.complete(token_ids=prompt, n=17, max_tokens=2)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "n: must be <= 16" in e.value.details()
+    wait_pool_whole(client)
+    body = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10).read().decode()
+    hits = next(float(line.split()[-1]) for line in body.splitlines()
+                if line.startswith("jaxcb:prefix_cache_hits_total"))
+    assert hits >= 32 + 3 * 32
 
 
 def test_auth_token_and_queue_limit(tiny_gguf_path, config_path):

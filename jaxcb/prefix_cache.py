@@ -1,0 +1,78 @@
+"""Prefix caching: requests whose tokens begin with pages already computed reuse those pages.
+
+Plain Python, no JAX. Every full page of a sequence is named by a hash chained over all its tokens
+from the start of the sequence to the end of that page, so equal hashes mean equal prefixes, not
+just equal pages. Once a page is full and its K/V computed, it is registered in the page pool under
+that hash. A request being admitted looks up its longest run of registered pages, takes a reference
+on each (they are read-only to it: it only ever writes at positions past them) and prefills only
+the rest. Partial pages are never shared; at least one token is always left to compute, because the
+step must produce the logits of the last one.
+
+The pool keeps registered pages that nobody holds in an LRU list (jaxcb.page_pool), so a prefix
+outlives its requests until the memory is needed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+
+from jaxcb.page_pool import PagePool
+from jaxcb.request import Request
+
+
+def chain_hash(previous: bytes, tokens: list[int]) -> bytes:
+    """The hash of a page: its tokens and the hash of everything before it (128-bit BLAKE2b)."""
+    h = hashlib.blake2b(previous, digest_size=16)
+    h.update(np.asarray(tokens, np.int64).tobytes())
+    return h.digest()
+
+
+class PrefixCache:
+    def __init__(self, pool: PagePool):
+        self.pool = pool
+        self.page_size = pool.page_size
+        self.num_queried_tokens = 0  # tokens of admitted sequences looked up
+        self.num_hit_tokens = 0  # of those, found cached
+
+    def _hashes(self, r: Request, num_pages: int) -> list[bytes]:
+        """Hashes of r's first num_pages full pages, extending r.page_hashes (tokens never change)."""
+        s, ids = self.page_size, None
+        while len(r.page_hashes) < num_pages:
+            ids = ids or r.all_ids
+            i = len(r.page_hashes)
+            r.page_hashes.append(chain_hash(r.page_hashes[-1] if i else b"", ids[i * s:(i + 1) * s]))
+        return r.page_hashes[:num_pages]
+
+    def cached_pages(self, r: Request) -> list[int]:
+        """The registered pages r could start from (leaving at least its last token to compute)."""
+        return self.pool.lookup(self._hashes(r, (r.num_tokens - 1) // self.page_size))
+
+    def attach(self, r: Request) -> int:
+        """At admission of a request that holds no pages: take its cached prefix. Returns the tokens."""
+        assert not r.page_ids and r.num_computed == 0, "attach needs a request with no pages"
+        pages = self.cached_pages(r)
+        self.pool.acquire(pages)
+        r.page_ids = list(pages)
+        r.num_computed = r.num_cached_tokens = len(pages) * self.page_size
+        r.num_registered = len(pages)
+        self.num_queried_tokens += r.num_tokens
+        self.num_hit_tokens += r.num_cached_tokens
+        return r.num_cached_tokens
+
+    def detach(self, r: Request) -> None:
+        """Undo `attach` when the admission did not go through."""
+        self.num_queried_tokens -= r.num_tokens
+        self.num_hit_tokens -= r.num_cached_tokens
+        self.pool.free(r.page_ids)
+        r.page_ids, r.num_computed, r.num_registered, r.num_cached_tokens = [], 0, 0, 0
+
+    def register(self, r: Request) -> None:
+        """After a step: register r's pages that are now full and computed."""
+        full = min(r.num_computed // self.page_size, len(r.page_ids))
+        if full <= r.num_registered:
+            return
+        for page, page_hash in zip(r.page_ids[r.num_registered:full], self._hashes(r, full)[r.num_registered:]):
+            self.pool.register(page, page_hash)
+        r.num_registered = full
