@@ -123,7 +123,7 @@ class Engine:
         samples = [Request(prompt_ids, params, request_id=request_id or "", priority=int(priority))]
         for i in range(1, params.n):
             samples.append(Request(prompt_ids, params, request_id=samples[0].request_id, priority=int(priority),
-                                   arrival_time=samples[0].arrival_time, leader=samples[0], sample_index=i))
+                                   arrival_time=samples[0].arrival_time, sample_index=i))
         rid = samples[0].request_id
         if arrival_time is not None:
             for r in samples:

@@ -49,6 +49,16 @@ class PrefixCache:
         """The registered pages r could start from (leaving at least its last token to compute)."""
         return self.pool.lookup(self._hashes(r, (r.num_tokens - 1) // self.page_size))
 
+    def upcoming(self, r: Request) -> list[bytes]:
+        """Hashes of r's full prompt pages that it has yet to compute and register."""
+        full = len(r.prompt_ids) // self.page_size
+        return self._hashes(r, full)[r.num_registered:] if full > r.num_registered else []
+
+    def next_hash(self, r: Request) -> bytes | None:
+        """After attach: the hash of the first full page r would compute itself, if any."""
+        k = len(r.page_ids)
+        return self._hashes(r, k + 1)[k] if k < (r.num_tokens - 1) // self.page_size else None
+
     def attach(self, r: Request) -> int:
         """At admission of a request that holds no pages: take its cached prefix. Returns the tokens."""
         assert not r.page_ids and r.num_computed == 0, "attach needs a request with no pages"

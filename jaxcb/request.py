@@ -122,7 +122,6 @@ class Request:
     page_hashes: list[bytes] = dataclasses.field(default_factory=list)  # chained hashes of full pages
     num_registered: int = 0  # leading pages offered to the prefix cache
     num_cached_tokens: int = 0  # prompt tokens taken from the prefix cache at the last admission
-    leader: "Request | None" = None  # n > 1: the sample whose prefill the others wait for
     sample_index: int = 0  # n > 1: which sample this is
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0

@@ -10,8 +10,10 @@ waiting requests are admitted in policy order while a batch slot, budget and pag
 With prefix caching (jaxcb.prefix_cache), a request being admitted first takes the cached pages of
 its longest cached prefix and is scheduled from there. With `prefix_aware`, waiting requests whose
 prefix is cached go first, except that a request waiting longer than `prefix_max_wait_ms` goes
-before both (so preferring cached prefixes cannot starve anyone). The samples of an n > 1 request
-wait until the first sample has computed the prompt's full pages, then share them.
+before both (so preferring cached prefixes cannot starve anyone). A request whose next page is being
+computed right now by a running request's prefill waits for it instead of computing it a second time:
+that is how the samples of an n > 1 request, or a burst of requests with one system prompt, prefill
+their shared pages once.
 
 A request with a single pending token is a decode row; the engine batches those in one step and runs
 each multi-token chunk as a prefill. Policies only decide order; the mechanism is the same for all:
@@ -159,13 +161,6 @@ class Scheduler:
     def _length_bucket(self, r: Request) -> int:
         return bisect.bisect_right(self.config.length_bounds, len(r.prompt_ids))
 
-    def _admissible(self, r: Request) -> bool:
-        """A sample of an n > 1 request waits until its leader has computed the prompt's full pages."""
-        lead = r.leader
-        if lead is None or self.cache is None or lead.status is Status.FINISHED:
-            return True
-        return lead.num_computed >= (len(lead.prompt_ids) - 1) // self.config.page_size * self.config.page_size
-
     def _prefix_key(self, r: Request, now: float) -> int:
         if (now - r.arrival_time) * 1000 >= self.config.prefix_max_wait_ms:
             return 0  # waited long enough: first, whatever its prefix
@@ -173,7 +168,7 @@ class Scheduler:
 
     def _admission_order(self, now: float, room: int) -> list[Request]:
         c = self.config
-        waiting = sorted((r for r in self.waiting if self._admissible(r)), key=lambda r: self._key(r, now))
+        waiting = sorted(self.waiting, key=lambda r: self._key(r, now))
         if not waiting:
             return []
         if c.prefix_aware and self.cache is not None:
@@ -283,11 +278,18 @@ class Scheduler:
                     self._static_rows = len(self._static_batch)
                 members = {id(r) for r in self._static_batch}
                 order = [r for r in order if id(r) in members]
+            pending = set()  # pages running prefills are computing now
+            if self.cache is not None:
+                for r in self.running:
+                    pending.update(self.cache.upcoming(r))
             for r in order:
                 if room <= 0 or budget <= 0:
                     break
                 if self.cache is not None:
                     self.cache.attach(r)
+                    if self.cache.next_hash(r) in pending:
+                        self.cache.detach(r)  # wait for those pages rather than compute them twice
+                        continue
                 n = self._chunk(r, budget)
                 if not self._grow(r, r.num_computed + n):
                     if self.cache is not None:
@@ -298,6 +300,8 @@ class Scheduler:
                 if r.first_scheduled_time is None:
                     r.first_scheduled_time = now
                 self.running.append(r)
+                if self.cache is not None:
+                    pending.update(self.cache.upcoming(r))
                 self._emit(out, Chunk(r, r.num_computed, n))
                 if n > 1 or r.num_tokens - r.num_computed > 1:
                     budget -= n

@@ -152,3 +152,15 @@ def test_caching_off_computes_everything(make_llm):
     llm.generate([prompt], GREEDY)
     out = llm.generate([prompt], GREEDY)[0]
     assert out.num_cached_tokens == 0 and llm.engine.stats().pages_cached == 0
+
+
+def test_a_burst_sharing_a_system_prompt_computes_it_once(make_llm):
+    """Requests submitted together wait for the pages a running prefill is computing, instead of
+    computing them again, even though none were cached when they arrived."""
+    system = tokens(48, 11)  # three full pages
+    prompts = [system + tokens(5 + i, 50 + i) for i in range(6)]
+    r = run_both(make_llm, [prompts], max_prefill_tokens=32)  # the system prompt takes two steps
+    (on, on_stats), (off, off_stats) = r[True], r[False]
+    assert [o.token_ids for o in on] == [o.token_ids for o in off]
+    assert on_stats.prompt_tokens_computed == len(system) + sum(len(p) - len(system) for p in prompts)
+    assert off_stats.prompt_tokens_computed == sum(map(len, prompts))

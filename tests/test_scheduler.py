@@ -15,6 +15,9 @@ def req(prompt_len, max_tokens=4, priority=0, t=0.0):
 
 def make(num_pages=64, **kw):
     kw.setdefault("page_size", 4)
+    # req() gives every request the same tokens: with prefix caching they would share pages and wait
+    # for each other's prefill. These tests are about policies; tests/test_prefix_cache.py covers that.
+    kw.setdefault("prefix_caching", False)
     pool = PagePool(num_pages, kw["page_size"])
     return Scheduler(SchedulerConfig(**kw), pool), pool
 
