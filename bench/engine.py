@@ -80,12 +80,12 @@ def main():
     from jaxcb.engine import Engine
     from jaxcb.engine_config import load_config
     from jaxcb.llm import load_model
-    from jaxcb.runner import ModelRunner
+    from jaxcb.runner import make_runner
 
     model_config, params, tokenizer, eos = load_model(args.model)
     config = load_config(args.config)
     assert config.scheduler.max_running >= args.max_batch, "the config must allow --max-batch running requests"
-    runner = ModelRunner(model_config, params, config.num_pages, config.page_size)
+    runner, config = make_runner(model_config, params, config)
 
     def engine(max_running=None, **changes):
         eng = Engine(runner, tokenizer, config.replace(**changes) if changes else config, eos_ids=eos)

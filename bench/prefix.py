@@ -77,11 +77,11 @@ def main():
     from jaxcb.engine import Engine
     from jaxcb.engine_config import load_config
     from jaxcb.llm import load_model
-    from jaxcb.runner import ModelRunner
+    from jaxcb.runner import make_runner
 
     model_config, params, tokenizer, eos = load_model(args.model)
     config = load_config(args.config)
-    runner = ModelRunner(model_config, params, config.num_pages, config.page_size, attention=config.attention)
+    runner, config = make_runner(model_config, params, config)
     t0 = time.perf_counter()
     shapes = Engine(runner, tokenizer, config, eos_ids=eos).warmup()
     warmup_s = time.perf_counter() - t0

@@ -2,6 +2,7 @@
 
     jaxcb generate "Why is the sky blue?"            # chat template applied; --raw to skip it
     jaxcb generate --input requests.jsonl --output results.jsonl [--stats] [--static]
+    jaxcb serve | client | warmup | convert | plan | buckets   (see --help of each)
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ import json
 import os
 import sys
 import time
+
+from jaxcb import cli_tools
 
 GENERATION_FIELDS = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty",
                      "presence_penalty", "frequency_penalty", "seed", "stop", "stop_token_ids",
@@ -24,6 +27,11 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
                    help="weights and KV dtype (default: float32 on CPU, bfloat16 on GPU/TPU)")
     p.add_argument("--policy", default=None, help="scheduling policy: fcfs, sjf, priority, length-buckets")
+    p.add_argument("--compile-cache", default=None, metavar="DIR",
+                   help="persistent XLA compilation cache (default: $JAXCB_COMPILE_CACHE or ~/.cache/jaxcb/xla; "
+                        "'off' for none)")
+    p.add_argument("--record-lengths", default=None, metavar="FILE",
+                   help="append each finished request's prompt and context length to FILE (for `jaxcb buckets`)")
     p.add_argument("--prefix-cache", choices=("on", "off"), default=None,
                    help="share the pages of common prompt prefixes (default: the config's cache.prefix_caching, on)")
     p.add_argument("--attention", choices=("xla", "pallas", "auto"), default=None,
@@ -76,6 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--tls-root-cert", default=None)
     c.add_argument("--timeout", type=float, default=None)
     _sampling_args(c)
+    cli_tools.add_parsers(sub, _add_model_args)
     return parser
 
 
@@ -103,9 +112,14 @@ def _dtype(args):
 
 
 def _make_llm(args):
+    from jaxcb import compile_cache
     from jaxcb.llm import LLM
 
-    return LLM(args.model, config=_engine_config(args), dtype=_dtype(args))
+    compile_cache.enable(args.compile_cache)
+    llm = LLM(args.model, config=_engine_config(args), dtype=_dtype(args))
+    if args.record_lengths:
+        llm.engine.record_lengths(args.record_lengths)
+    return llm
 
 
 def _params_from_args(args, overrides: dict | None = None):
@@ -258,7 +272,7 @@ def cmd_serve(args) -> int:
 
     from jaxcb.engine import Engine
     from jaxcb.llm import load_model
-    from jaxcb.runner import ModelRunner
+    from jaxcb.runner import make_runner
     from serve.server import ServerOptions, run_server
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -266,17 +280,23 @@ def cmd_serve(args) -> int:
         raise ValueError("--tls-cert and --tls-key go together")
     import jax.numpy as jnp
 
+    from jaxcb import compile_cache
+
     config = _engine_config(args)
+    cache_dir = compile_cache.enable(args.compile_cache)
     model_config, params, tokenizer, eos = load_model(args.model, _dtype(args))
     if tokenizer is None:
         raise ValueError("model: the file has no tokenizer; the server needs one")
-    runner = ModelRunner(model_config, params, config.num_pages, config.page_size, attention=config.attention)
+    runner, config = make_runner(model_config, params, config)
     engine = Engine(runner, tokenizer, config, eos_ids=eos)
+    if args.record_lengths:
+        engine.record_lengths(args.record_lengths)
     options = ServerOptions(host=args.host, port=args.port, metrics_port=args.metrics_port, tls_cert=args.tls_cert,
                             tls_key=args.tls_key, auth_token=args.auth_token, grace_s=args.grace_period,
                             max_waiting=args.max_waiting)
     print(f"jaxcb: model {model_config.name} on {jax.devices()[0].platform}, {jnp.dtype(runner.dtype).name}; "
-          f"{config.num_pages} KV pages of {config.page_size} tokens; policy {config.scheduler.policy}", flush=True)
+          f"{config.num_pages} KV pages of {config.page_size} tokens; policy {config.scheduler.policy}; "
+          f"compile cache {cache_dir or 'off'}", flush=True)
     target = f"{args.host}:{args.port}"
     print(f"jaxcb: try it:  .venv/bin/jaxcb client --target {target} \"Why is the sky blue?\"", flush=True)
 
@@ -322,6 +342,8 @@ def main(argv=None) -> int:
     try:
         if args.command == "generate":
             return cmd_generate(args)
+        if args.command in cli_tools.COMMANDS:
+            return cli_tools.COMMANDS[args.command](args)
         if args.command == "serve":
             return cmd_serve(args)
         if args.command == "client":

@@ -88,6 +88,12 @@ class Engine:
         self.max_decode_groups = 3  # decode rows may be split into this many calls (see plan_decode_groups)
         # Test seam: called with each SchedulerOutput before dispatch; raising simulates a failed step.
         self.fault_injector: Callable | None = None
+        self._length_log = None  # record_lengths(): one JSON line per finished request
+
+    def record_lengths(self, path: str) -> None:
+        """Append {"prompt": tokens, "context": tokens} for every request that finishes, for
+        `jaxcb buckets` to choose buckets from real traffic."""
+        self._length_log = open(path, "a", encoding="utf-8")
 
     # ---- the API (thread-safe) ----
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
@@ -330,6 +336,9 @@ class Engine:
                 self._live_ids.discard(r.request_id)
         self.scheduler.remove(r)
         r.status = Status.FINISHED
+        if self._length_log is not None:
+            self._length_log.write(f'{{"prompt": {len(r.prompt_ids)}, "context": {r.num_tokens}}}\n')
+            self._length_log.flush()
         r.finish_reason = reason
         delta = stream.text[stream.emitted:]
         self._emit(TokenEvent(r.request_id, tuple(new_tokens), delta, True, reason, logprobs,
@@ -347,12 +356,12 @@ class Engine:
 
     # ---- warm-up ----
     def warmup(self, progress: Callable[[int, int, tuple], None] | None = None) -> int:
-        """Compile every reachable bucket shape once (padding rows only: nothing real is written)."""
+        """Compile every reachable bucket shape ahead of time (nothing is run)."""
         shapes = list(reachable_shapes(self.config.buckets, self.config.page_size))
         for i, (kind, rows, tokens, pages) in enumerate(shapes):
             batch = pad_step([], rows, tokens, pages, self.config.page_size)
             sampling = pad_sampling([], rows, pages * self.config.page_size)
-            self.runner.fetch([self.runner.run(batch, sampling)])
+            self.runner.compile(batch, sampling)
             if progress is not None:
                 progress(i + 1, len(shapes), (kind, rows, tokens, pages))
         return len(shapes)

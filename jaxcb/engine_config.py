@@ -14,6 +14,7 @@ from jaxcb.buckets import Buckets
 from jaxcb.scheduler import SchedulerConfig
 
 ATTENTION_CHOICES = ("xla", "pallas", "auto")
+AUTO_PAGES = 0  # num_pages = "auto": as many as the memory plan fits (jaxcb.memory_plan)
 KERNEL_PAGE_SIZES = (8, 16, 32, 64, 128, 256)  # = kernels_pallas.PAGE_SIZES (this module imports no JAX)
 DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "default.toml")
 
@@ -25,6 +26,8 @@ class EngineConfig:
     buckets: Buckets
     seed: int = 0  # draws seeds for requests that bring none
     attention: str = "auto"  # "xla" (plain JAX) | "pallas" (kernels) | "auto" (kernels on GPU/TPU)
+    memory_fraction: float = 0.9  # of the memory budget the engine may use (weights, pages, step)
+    memory_bytes: int = 0  # the memory budget; 0 = the device's memory
 
     @property
     def page_size(self) -> int:
@@ -36,8 +39,10 @@ class EngineConfig:
             raise ValueError(f"scheduler.max_context: {s.max_context} is not a multiple of page_size {s.page_size}")
         b.validate(max_batch=s.max_running, max_pages_per_seq=s.max_context // s.page_size,
                    max_prefill_tokens=s.max_chunk)
-        if self.num_pages < 2:
-            raise ValueError(f"cache.num_pages: must be >= 2, got {self.num_pages}")
+        if self.num_pages != AUTO_PAGES and self.num_pages < 2:
+            raise ValueError(f"cache.num_pages: must be >= 2 or \"auto\", got {self.num_pages}")
+        if not 0 < self.memory_fraction <= 1:
+            raise ValueError(f"cache.memory_fraction: must be in (0, 1], got {self.memory_fraction}")
         if self.attention not in ATTENTION_CHOICES:
             raise ValueError(f"model.attention: {self.attention!r} is not one of {ATTENTION_CHOICES}")
         if self.attention != "xla" and s.page_size not in KERNEL_PAGE_SIZES:
@@ -51,6 +56,7 @@ class EngineConfig:
             buckets=self.buckets if buckets is None else buckets,
             seed=self.seed,
             attention=self.attention if attention is None else attention,
+            memory_fraction=self.memory_fraction, memory_bytes=self.memory_bytes,
         )
 
 
@@ -103,5 +109,14 @@ def load_config(path: str | None = None) -> EngineConfig:
     unknown = set(model) - {"attention"}
     if unknown:
         raise ValueError(f"config: unknown setting in [model]: {sorted(unknown)}")
-    return EngineConfig(num_pages=int(cache.get("num_pages", 4096)), scheduler=sc, buckets=b,
-                        seed=int(raw.get("seed", 0)), attention=str(model.get("attention", "auto")))
+    from jaxcb.memory_plan import parse_bytes
+
+    num_pages = cache.get("num_pages", 4096)
+    if num_pages == "auto":
+        num_pages = AUTO_PAGES
+    elif not isinstance(num_pages, int) or isinstance(num_pages, bool):
+        raise ValueError(f"config: cache.num_pages must be an integer or \"auto\", got {num_pages!r}")
+    return EngineConfig(num_pages=num_pages, scheduler=sc, buckets=b, seed=int(raw.get("seed", 0)),
+                        attention=str(model.get("attention", "auto")),
+                        memory_fraction=float(cache.get("memory_fraction", 0.9)),
+                        memory_bytes=parse_bytes(cache["memory"]) if "memory" in cache else 0)

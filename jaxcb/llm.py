@@ -11,6 +11,7 @@ SamplingParams(n=k) giving k consecutive completions per prompt (`index` 0..k-1)
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 
 from jaxcb.engine import Engine
@@ -31,24 +32,54 @@ class Completion:
     num_cached_tokens: int = 0  # prompt tokens taken from the prefix cache instead of computed
 
 
+def read_model_config(path: str | None = None):
+    """The ModelConfig of a model (GGUF file, converted checkpoint or Hugging Face directory) without
+    loading its weights."""
+    from jaxcb.model import checkpoint, gguf_loader, hf_loader
+
+    path = path or gguf_loader.default_model_path()
+    if checkpoint.is_checkpoint_dir(path):
+        return checkpoint.read_config(path)[0]
+    if hf_loader.is_hf_dir(path):
+        return hf_loader.read_config(path)
+    if os.path.isdir(path):
+        raise ValueError(f"model: {path} is neither a converted checkpoint ({checkpoint.MANIFEST}) nor a Hugging "
+                         "Face directory (config.json)")
+    return gguf_loader.read_config(gguf_loader.open_reader(path))
+
+
 def load_model(path: str | None = None, dtype=None):
-    """(ModelConfig, Params, Tokenizer, eos ids) from a GGUF file (default: the embedded SmolLM2)."""
-    from jaxcb.model.gguf_loader import default_model_path, load_gguf
+    """(ModelConfig, Params, Tokenizer, eos ids) from a GGUF file (default: the embedded SmolLM2), a
+    directory written by `jaxcb convert`, or a Hugging Face checkpoint directory."""
+    from jaxcb.model import checkpoint, gguf_loader, hf_loader
     from jaxcb.model.llama import params_from_numpy
     from jaxcb.runner import default_dtype
     from jaxcb.tokenizer import Tokenizer
 
-    loaded = load_gguf(path or default_model_path())
-    tokenizer = Tokenizer(loaded.tokenizer) if loaded.tokenizer is not None else None
-    params = params_from_numpy(loaded.weights, dtype or default_dtype())
+    path = path or gguf_loader.default_model_path()
+    if checkpoint.is_checkpoint_dir(path):
+        config, weights = checkpoint.load(path, dtype)
+        dtype = dtype or next(iter(weights.values())).dtype
+        tokenizer = Tokenizer.from_dir(path) if os.path.isfile(os.path.join(path, "tokenizer.json")) else None
+    elif hf_loader.is_hf_dir(path):
+        config = hf_loader.read_config(path)
+        weights = hf_loader.load_weights(path, config)
+        tokenizer = Tokenizer.from_dir(path) if os.path.isfile(os.path.join(path, "tokenizer.json")) else None
+    elif os.path.isdir(path):
+        read_model_config(path)  # raises the explanation
+    else:
+        loaded = gguf_loader.load_gguf(path)
+        config, weights = loaded.config, loaded.weights
+        tokenizer = Tokenizer(loaded.tokenizer) if loaded.tokenizer is not None else None
+    params = params_from_numpy(weights, dtype or default_dtype())
     eos = (tokenizer.eos_id,) if tokenizer is not None and tokenizer.eos_id is not None else ()
-    return loaded.config, params, tokenizer, eos
+    return config, params, tokenizer, eos
 
 
 class LLM:
     def __init__(self, model: str | None = None, *, config: EngineConfig | str | None = None, dtype=None,
                  _loaded=None):
-        from jaxcb.runner import ModelRunner
+        from jaxcb.runner import make_runner
 
         t0 = time.perf_counter()
         model_config, params, tokenizer, eos = _loaded or load_model(model, dtype)
@@ -57,7 +88,7 @@ class LLM:
             config = load_config(config)
         self.model_config = model_config
         self.tokenizer = tokenizer
-        runner = ModelRunner(model_config, params, config.num_pages, config.page_size, attention=config.attention)
+        runner, config = make_runner(model_config, params, config)
         self.engine = Engine(runner, tokenizer, config, eos_ids=eos)
 
     @classmethod

@@ -78,6 +78,50 @@ def default_dtype():
     return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
 
 
+def device_memory_bytes() -> int:
+    """The accelerator's memory; on the CPU, the host memory available now."""
+    try:
+        stats = jax.devices()[0].memory_stats() or {}
+    except Exception:  # noqa: BLE001 - not every backend reports it
+        stats = {}
+    if stats.get("bytes_limit"):
+        return int(stats["bytes_limit"])
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration):
+        import os
+
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def plan_memory(model_config: ModelConfig, params: Params, config, dtype=None, budget_bytes: int | None = None):
+    """The engine config's memory plan for these weights on this device (nothing allocated).
+    Raises ValueError with the numbers when the configuration cannot fit."""
+    from jaxcb import memory_plan
+
+    dtype = jnp.dtype(dtype or params.embed.dtype)
+    weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(params))
+    s, b = config.scheduler, config.buckets
+    c = model_config
+    return memory_plan.plan(
+        budget_bytes=budget_bytes or config.memory_bytes or device_memory_bytes(),
+        fraction=config.memory_fraction, weight_bytes=weight_bytes, num_layers=c.num_layers,
+        num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, hidden_size=c.hidden_size,
+        intermediate_size=c.intermediate_size, vocab_size=c.vocab_size, dtype_bytes=dtype.itemsize,
+        page_size=s.page_size, max_context=min(s.max_context, c.max_context), max_batch=b.max_batch,
+        max_prefill_tokens=s.max_chunk, num_pages=config.num_pages or None)
+
+
+def make_runner(model_config: ModelConfig, params: Params, config, dtype=None):
+    """(ModelRunner, config with num_pages resolved): the memory plan first, then the KV pages."""
+    plan = plan_memory(model_config, params, config, dtype)
+    if plan.num_pages != config.num_pages:
+        config = config.replace(num_pages=plan.num_pages)
+    runner = ModelRunner(model_config, params, config.num_pages, config.page_size, dtype, attention=config.attention)
+    return runner, config
+
+
 def resolve_attention(choice: str) -> Attention:
     """The engine config's `attention` for this platform.
 
@@ -100,6 +144,7 @@ class ModelRunner:
         if jax.default_backend() == "cpu":
             keep_freed_memory_on_cpu()
         self.attention = resolve_attention(attention)
+        self._compiled: dict[tuple, object] = {}  # padded input shapes -> the compiled step
         self.config = config
         self.params = params
         self.dtype = dtype or params.embed.dtype
@@ -122,15 +167,30 @@ class ModelRunner:
         c = self.config
         return 2 * c.num_layers * c.num_kv_heads * c.head_dim * jnp.dtype(self.dtype).itemsize
 
-    def run(self, batch: PaddedBatch, sampling: PaddedSampling) -> SampleOutput:
-        """Dispatch one step; returns device arrays without waiting for them."""
+    @staticmethod
+    def _inputs(batch: PaddedBatch, sampling: PaddedSampling):
         step_input = StepInput(
             token_ids=batch.token_ids, positions=batch.positions, slot_ids=batch.slot_ids,
             page_table=batch.page_table, kv_lens=batch.kv_lens, logits_index=batch.logits_index,
         )
         sampling_input = SamplingInput(**{k: getattr(sampling, k) for k in SamplingInput.__dataclass_fields__})
-        self.kv_pages, out = step(self.params, self.kv_pages, step_input, sampling_input, config=self.config,
-                                   attention=self.attention)
+        key = tuple(np.shape(x) for x in jax.tree_util.tree_leaves((step_input, sampling_input)))
+        return step_input, sampling_input, key
+
+    def compile(self, batch: PaddedBatch, sampling: PaddedSampling) -> None:
+        """Compile the step for this padded shape ahead of time, without running it: a warm-up that
+        executes nothing, and that the persistent compile cache turns into loading."""
+        step_input, sampling_input, key = self._inputs(batch, sampling)
+        if key not in self._compiled:
+            self._compiled[key] = step.lower(self.params, self.kv_pages, step_input, sampling_input,
+                                             config=self.config, attention=self.attention).compile()
+
+    def run(self, batch: PaddedBatch, sampling: PaddedSampling) -> SampleOutput:
+        """Dispatch one step; returns device arrays without waiting for them."""
+        step_input, sampling_input, key = self._inputs(batch, sampling)
+        if key not in self._compiled:  # a shape warm-up did not cover: compiled now (and counted)
+            self.compile(batch, sampling)
+        self.kv_pages, out = self._compiled[key](self.params, self.kv_pages, step_input, sampling_input)
         return out
 
     @staticmethod

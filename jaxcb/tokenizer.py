@@ -57,21 +57,69 @@ class Tokenizer:
             if kind in (_CONTROL, _USER_DEFINED)
         ]
         tok.add_special_tokens(special)
+        self._setup(tok, spec.bos_id, spec.eos_id, spec.add_bos, spec.chat_template)
+
+    def _setup(self, tok: HFTokenizer, bos_id, eos_id, add_bos: bool, chat_template: str | None) -> None:
         self._tok = tok
-        self.spec = spec
-        self.vocab_size = len(spec.tokens)
-        self.bos_id = spec.bos_id
-        self.eos_id = spec.eos_id
-        self.special_ids = frozenset(vocab[t.content] for t in special)
+        self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
+        self.bos_id = bos_id
+        self.eos_id = eos_id
+        self.add_bos = add_bos
+        self.chat_template = chat_template
+        self.special_ids = frozenset(i for i, t in tok.get_added_tokens_decoder().items() if t.special)
         self._template = None
-        if spec.chat_template:
+        if chat_template:
             env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
             env.globals["raise_exception"] = _raise_template_error
-            self._template = env.from_string(spec.chat_template)
+            self._template = env.from_string(chat_template)
+
+    @classmethod
+    def from_dir(cls, path: str) -> "Tokenizer":
+        """A Hugging Face tokenizer directory: tokenizer.json (+ tokenizer_config.json for the BOS/EOS
+        tokens and the chat template), as written by `save`."""
+        import json
+        import os
+
+        tok_path = os.path.join(path, "tokenizer.json")
+        if not os.path.isfile(tok_path):
+            raise ValueError(f"model: {path} has no tokenizer.json")
+        try:
+            tok = HFTokenizer.from_file(tok_path)
+        except Exception as e:  # noqa: BLE001 - the library raises its own exception type
+            raise ValueError(f"model: {tok_path} is not a readable tokenizer ({e})") from None
+        cfg = {}
+        cfg_path = os.path.join(path, "tokenizer_config.json")
+        if os.path.isfile(cfg_path):
+            with open(cfg_path, encoding="utf-8") as f:
+                cfg = json.load(f)
+
+        def token_id(key):
+            t = cfg.get(key)
+            t = t.get("content") if isinstance(t, dict) else t
+            return tok.token_to_id(t) if isinstance(t, str) else None
+
+        self = cls.__new__(cls)
+        template = cfg.get("chat_template")
+        if isinstance(template, list):  # named templates: take the default one
+            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        self._setup(tok, token_id("bos_token"), token_id("eos_token"), bool(cfg.get("add_bos_token", False)),
+                    template)
+        return self
+
+    def save(self, path: str) -> None:
+        """tokenizer.json and tokenizer_config.json into directory `path` (read back by from_dir)."""
+        import json
+        import os
+
+        self._tok.save(os.path.join(path, "tokenizer.json"))
+        name = lambda i: self.id_to_token(i) if i is not None else None  # noqa: E731
+        with open(os.path.join(path, "tokenizer_config.json"), "w", encoding="utf-8") as f:
+            json.dump({"bos_token": name(self.bos_id), "eos_token": name(self.eos_id), "add_bos_token": self.add_bos,
+                       "chat_template": self.chat_template}, f, indent=1)
 
     def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
         ids = self._tok.encode(text, add_special_tokens=False).ids
-        if (self.spec.add_bos if add_bos is None else add_bos) and self.bos_id is not None:
+        if (self.add_bos if add_bos is None else add_bos) and self.bos_id is not None:
             if not ids or ids[0] != self.bos_id:
                 ids = [self.bos_id, *ids]
         return ids

@@ -347,7 +347,11 @@ async def run_server(engine: Engine, tokenizer, model_name: str, dtype: str, opt
 
     announce(f"jaxcb: listening on {options.host}:{port}; warming up ({model_name})")
     t0 = time.perf_counter()
-    shapes = await asyncio.to_thread(engine.warmup)
+    def progress(i, total, shape):  # engine thread; a line per quarter
+        if i == total or i * 4 // total != (i - 1) * 4 // total:
+            announce(f"jaxcb: warm-up {i}/{total} shapes ({time.perf_counter() - t0:.0f}s)")
+
+    shapes = await asyncio.to_thread(engine.warmup, progress)
     state.thread.start()
     state.ready = True
     await set_health(health_pb2.HealthCheckResponse.SERVING)

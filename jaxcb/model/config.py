@@ -21,6 +21,7 @@ class ModelConfig:
     rms_norm_eps: float = 1e-5
     tie_embeddings: bool = True
     name: str = "llama"
+    attention_bias: bool = False  # biases on the q, k, v projections (Qwen2)
 
     def __post_init__(self):
         assert self.num_heads % self.num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads"
@@ -30,7 +31,7 @@ class ModelConfig:
         e, f, v = self.hidden_size, self.intermediate_size, self.vocab_size
         q = self.num_heads * self.head_dim
         kv = self.num_kv_heads * self.head_dim
-        per_layer = e * q + 2 * e * kv + q * e + 3 * e * f + 2 * e
+        per_layer = e * q + 2 * e * kv + q * e + 3 * e * f + 2 * e + (q + 2 * kv if self.attention_bias else 0)
         head = 0 if self.tie_embeddings else e * v
         return v * e + self.num_layers * per_layer + e + head
 

@@ -43,6 +43,9 @@ class LayerParams:
     w_gate: jax.Array  # [L, E, F]
     w_up: jax.Array  # [L, E, F]
     w_down: jax.Array  # [L, F, E]
+    bq: jax.Array | None = None  # [L, H*D] attention biases (Qwen2); None in Llama
+    bk: jax.Array | None = None  # [L, K*D]
+    bv: jax.Array | None = None  # [L, K*D]
 
 
 @flax.struct.dataclass
@@ -67,9 +70,20 @@ class StepInput:
 
 def params_from_numpy(weights: dict[str, np.ndarray], dtype=jnp.float32) -> Params:
     as_array = lambda name: jnp.asarray(weights[name], dtype=dtype)  # noqa: E731
-    layers = LayerParams(**{f.name: as_array(f.name) for f in LayerParams.__dataclass_fields__.values()})
+    layers = LayerParams(**{name: as_array(name) for name in LayerParams.__dataclass_fields__ if name in weights})
     lm_head = as_array("lm_head") if "lm_head" in weights else None
     return Params(embed=as_array("embed"), final_norm=as_array("final_norm"), lm_head=lm_head, layers=layers)
+
+
+def params_to_weights(params: Params) -> dict[str, jax.Array]:
+    """The inverse of params_from_numpy: a flat dict in the loader layout (absent parts left out)."""
+    weights = {"embed": params.embed, "final_norm": params.final_norm}
+    if params.lm_head is not None:
+        weights["lm_head"] = params.lm_head
+    for name in LayerParams.__dataclass_fields__:
+        if getattr(params.layers, name) is not None:
+            weights[name] = getattr(params.layers, name)
+    return weights
 
 
 def random_weights(config: ModelConfig, seed: int = 0, scale: float = 0.08) -> dict[str, np.ndarray]:
@@ -85,6 +99,9 @@ def random_weights(config: ModelConfig, seed: int = 0, scale: float = 0.08) -> d
     w["embed"] *= 4  # embeddings of a useful size next to the layers' outputs
     for k, s in {"attn_norm": (l, e), "mlp_norm": (l, e), "final_norm": (e,)}.items():
         w[k] = (1.0 + 0.1 * rng.standard_normal(s)).astype(np.float32)
+    if config.attention_bias:
+        for name, width in (("bq", q), ("bk", kv), ("bv", kv)):
+            w[name] = (rng.standard_normal((l, width)) * 0.5).astype(np.float32)
     if not config.tie_embeddings:
         # Logits with a spread of a few units: sampling varies, greedy has clear winners.
         w["lm_head"] = (rng.standard_normal((e, config.vocab_size)) * 2.5 / np.sqrt(e)).astype(np.float32)
@@ -114,9 +131,10 @@ def _layer(config: ModelConfig, attention: Attention, batch: StepInput, h, kv_pa
     b, t, _ = h.shape
     nh, nk, d = config.num_heads, config.num_kv_heads, config.head_dim
     x = rms_norm(h, w.attn_norm, config.rms_norm_eps)
-    q = (x @ w.wq).reshape(b, t, nh, d)
-    k = (x @ w.wk).reshape(b, t, nk, d)
-    v = (x @ w.wv).reshape(b, t, nk, d)
+    q, k, v = x @ w.wq, x @ w.wk, x @ w.wv
+    if w.bq is not None:
+        q, k, v = q + w.bq, k + w.bk, v + w.bv
+    q, k, v = q.reshape(b, t, nh, d), k.reshape(b, t, nk, d), v.reshape(b, t, nk, d)
     q = rotary(q, batch.positions, config.rope_theta)
     k = rotary(k, batch.positions, config.rope_theta)
 

@@ -1,0 +1,185 @@
+"""Operator commands: `jaxcb warmup`, `convert`, `plan` and `buckets`.
+
+    jaxcb warmup [--config C] [--model M] [--compile-cache DIR]    compile every bucket into the cache
+    jaxcb convert MODEL OUT_DIR [--dtype bfloat16|float32]         orbax checkpoint of the weights
+    jaxcb plan --model M --memory 80GiB [--max-context N]          what fits in that memory
+    jaxcb buckets --lengths FILE --max-buckets N [--out F]         buckets from recorded lengths
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+
+def add_parsers(sub, add_model_args) -> None:
+    w = sub.add_parser("warmup", help="compile every configured bucket into the persistent compile cache")
+    add_model_args(w)
+
+    c = sub.add_parser("convert", help="save a model's dequantized weights as an orbax checkpoint (loads faster)")
+    c.add_argument("model", help="GGUF file or model directory; 'default' for the embedded SmolLM2")
+    c.add_argument("out_dir")
+    c.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
+                   help="stored dtype (default: float32 on CPU, bfloat16 on GPU/TPU)")
+
+    p = sub.add_parser("plan", help="what fits in a memory budget: weights, KV pages, batch per context")
+    p.add_argument("--model", default=None, help="GGUF file or model directory (default: embedded SmolLM2)")
+    p.add_argument("--memory", required=True, help="the device memory, e.g. 80GiB")
+    p.add_argument("--config", default=None)
+    p.add_argument("--max-context", type=int, default=None, help="tokens per request (default: the config's)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16")
+
+    b = sub.add_parser("buckets", help="choose bucket boundaries from recorded lengths (--record-lengths)")
+    b.add_argument("--lengths", required=True, help="JSONL of {prompt, context} lines, or one number per line")
+    b.add_argument("--max-buckets", type=int, required=True,
+                   help="buckets per list (each bucket is a compiled shape per batch size)")
+    b.add_argument("--config", default=None, help="config whose maxima the largest buckets must equal")
+    b.add_argument("--out", default=None, help="write the [buckets] config fragment here")
+
+
+def _bar(i: int, total: int, shape, t0: float) -> None:
+    width = 30
+    done = width * i // total
+    kind, rows, tokens, pages = shape
+    sys.stderr.write(f"\r[{'#' * done}{'.' * (width - done)}] {i}/{total} {kind} batch {rows} tokens {tokens} "
+                     f"pages {pages}  {time.perf_counter() - t0:.0f}s   ")
+    if i == total:
+        sys.stderr.write("\n")
+    sys.stderr.flush()
+
+
+def cmd_warmup(args) -> int:
+    from jaxcb import compile_cache
+    from jaxcb.cli import _dtype, _engine_config
+    from jaxcb.engine import Engine
+    from jaxcb.llm import load_model
+    from jaxcb.runner import make_runner
+
+    config = _engine_config(args)
+    cache_dir = compile_cache.enable(args.compile_cache)
+    model_config, params, tokenizer, eos = load_model(args.model, _dtype(args))
+    runner, config = make_runner(model_config, params, config)
+    engine = Engine(runner, tokenizer, config, eos_ids=eos)
+    t0 = time.perf_counter()
+    shapes = engine.warmup(lambda i, total, shape: _bar(i, total, shape, t0))
+    print(f"jaxcb warmup: {shapes} bucket shapes in {time.perf_counter() - t0:.1f}s; "
+          f"compile cache: {cache_dir or 'off (nothing kept)'}")
+    return 0
+
+
+def _read_lengths(path: str) -> tuple[list[int], list[int]]:
+    """(prompt lengths, context lengths) from a --record-lengths file (plain numbers: both)."""
+    import json
+
+    prompts, contexts = [], []
+    try:
+        with open(path, encoding="utf-8") as f:
+            for lineno, line in enumerate(f, start=1):
+                line = line.strip()
+                if not line:
+                    continue
+                try:
+                    obj = json.loads(line)
+                    p, c = (obj, obj) if isinstance(obj, int) else (obj["prompt"], obj["context"])
+                    if not (isinstance(p, int) and isinstance(c, int)) or p < 1 or c < p:
+                        raise ValueError
+                except (ValueError, KeyError, TypeError):
+                    raise ValueError(f"--lengths: {path} line {lineno}: expected {{\"prompt\": N, \"context\": M}} "
+                                     f"with 1 <= N <= M, got {line[:80]!r}") from None
+                prompts.append(p)
+                contexts.append(c)
+    except OSError as e:
+        raise ValueError(f"--lengths: {e}") from None
+    if not prompts:
+        raise ValueError(f"--lengths: {path} holds no lengths")
+    return prompts, contexts
+
+
+def cmd_buckets(args) -> int:
+    from jaxcb import bucket_plan
+    from jaxcb.engine_config import load_config
+
+    config = load_config(args.config)
+    s = config.scheduler
+    prompts, contexts = _read_lengths(args.lengths)
+    too_long = max(contexts)
+    if too_long > s.max_context:
+        raise ValueError(f"--lengths: a context of {too_long} tokens exceeds the config's max_context {s.max_context}")
+    chunks = bucket_plan.prefill_chunks(prompts, s.max_chunk)
+    pages = [-(-c // s.page_size) for c in contexts]
+    top_pages = s.max_context // s.page_size
+    lists = {"prefill_tokens": (chunks, s.max_chunk, 16), "pages_per_seq": (pages, top_pages, 1)}
+    chosen = {}
+    print(f"{len(prompts)} requests; largest buckets from the config: prefill {s.max_chunk} tokens, "
+          f"{top_pages} pages of {s.page_size}")
+    for name, (lengths, top, smallest) in lists.items():
+        ours = bucket_plan.plan(lengths, args.max_buckets, top)
+        pow2 = bucket_plan.powers_of_two(top, smallest)
+        chosen[name] = ours
+        print(f"{name}: {ours}  expected padding {bucket_plan.padding_fraction(lengths, ours):.1%}; "
+              f"powers of two {pow2} ({len(pow2)} buckets): {bucket_plan.padding_fraction(lengths, pow2):.1%}")
+    fragment = ("[buckets]\n"
+                f"decode_batch = {list(config.buckets.decode_batch)}\n"
+                f"pages_per_seq = {chosen['pages_per_seq']}\n"
+                f"prefill_tokens = {chosen['prefill_tokens']}\n")
+    if args.out:
+        with open(args.out, "w", encoding="utf-8") as f:
+            f.write(fragment)
+        print(f"wrote {args.out}")
+    else:
+        print(fragment, end="")
+    return 0
+
+
+def cmd_convert(args) -> int:
+    from jaxcb.cli import _dtype
+    from jaxcb.llm import load_model
+    from jaxcb.model import checkpoint
+    from jaxcb.model.llama import params_to_weights
+    from jaxcb.runner import default_dtype
+
+    if os.path.exists(os.path.join(args.out_dir, checkpoint.MANIFEST)):
+        raise ValueError(f"out_dir: {args.out_dir} already holds a converted checkpoint")
+    t0 = time.perf_counter()
+    dtype = _dtype(args) or default_dtype()
+    config, params, tokenizer, _ = load_model(None if args.model == "default" else args.model, dtype)
+    loaded = time.perf_counter() - t0
+    checkpoint.save(args.out_dir, config, params_to_weights(params), tokenizer, dtype)
+    print(f"jaxcb convert: {config.name} ({config.num_params / 1e6:.1f}M parameters, {jax_dtype_name(dtype)}) "
+          f"loaded in {loaded:.1f}s, written to {args.out_dir} in {time.perf_counter() - t0 - loaded:.1f}s; "
+          f"serve it with --model {args.out_dir}")
+    return 0
+
+
+def jax_dtype_name(dtype) -> str:
+    import numpy as np
+
+    return np.dtype(dtype).name
+
+
+def cmd_plan(args) -> int:
+    from jaxcb import memory_plan
+    from jaxcb.engine_config import load_config
+    from jaxcb.llm import read_model_config
+
+    config = load_config(args.config)
+    model = read_model_config(args.model)
+    s = config.scheduler
+    max_context = args.max_context or min(s.max_context, model.max_context)
+    if max_context < 1:
+        raise ValueError(f"--max-context: must be >= 1, got {max_context}")
+    dtype_bytes = {"float32": 4, "bfloat16": 2}[args.dtype]
+    plan = memory_plan.plan(
+        budget_bytes=memory_plan.parse_bytes(args.memory), fraction=config.memory_fraction,
+        weight_bytes=model.num_params * dtype_bytes, num_layers=model.num_layers, num_kv_heads=model.num_kv_heads,
+        head_dim=model.head_dim, hidden_size=model.hidden_size, intermediate_size=model.intermediate_size,
+        vocab_size=model.vocab_size, dtype_bytes=dtype_bytes, page_size=s.page_size, max_context=max_context,
+        max_batch=config.buckets.max_batch, max_prefill_tokens=s.max_chunk)
+    print(f"model {model.name}: {model.num_params / 1e6:.1f}M parameters, {args.dtype}; memory {args.memory} "
+          f"x {config.memory_fraction:g}; largest batch bucket {config.buckets.max_batch}")
+    print(plan.describe(sorted({512, 2048, max_context})))
+    return 0
+
+
+COMMANDS = {"warmup": cmd_warmup, "convert": cmd_convert, "plan": cmd_plan, "buckets": cmd_buckets}

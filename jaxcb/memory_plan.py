@@ -1,0 +1,102 @@
+"""How many KV pages fit on the device, decided before anything is allocated.
+
+Plain Python, no JAX. The budget is the device's memory (or one given) times a fraction; from it go
+the weights, a reserve for the largest step's temporaries, and the rest is KV pages:
+
+    pages = (budget * fraction - weights - reserve) // bytes per page
+
+A configuration that cannot hold even one request of the maximum context next to the largest step is
+refused with the numbers, before the engine allocates a byte.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(text: str) -> int:
+    """'80GiB', '80 GB', '512MiB', '1e9' -> bytes."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"memory: {text!r} is not a size like 80GiB, 24GB or 512MiB")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n} B"
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryPlan:
+    budget_bytes: int  # memory the engine may use: device (or given) memory x fraction
+    weight_bytes: int
+    reserve_bytes: int  # temporaries of the largest step (activations, gathered pages, logits)
+    kv_bytes_per_token: int  # keys and values of one token, all layers
+    page_size: int
+    num_pages: int  # pages that fit, the null page included
+
+    @property
+    def page_bytes(self) -> int:
+        return self.kv_bytes_per_token * self.page_size
+
+    @property
+    def kv_bytes(self) -> int:
+        return self.num_pages * self.page_bytes
+
+    def max_batch_at(self, context: int) -> int:
+        """Requests of `context` tokens that fit in the pages at once."""
+        return (self.num_pages - 1) // -(-context // self.page_size)
+
+    def describe(self, contexts=(512, 2048, 8192)) -> str:
+        lines = [
+            f"budget        {fmt_bytes(self.budget_bytes)}",
+            f"weights       {fmt_bytes(self.weight_bytes)}",
+            f"step reserve  {fmt_bytes(self.reserve_bytes)}",
+            f"KV per token  {fmt_bytes(self.kv_bytes_per_token)} ({fmt_bytes(self.page_bytes)} per page of "
+            f"{self.page_size} tokens)",
+            f"KV pages      {self.num_pages} = {fmt_bytes(self.kv_bytes)}, "
+            f"{(self.num_pages - 1) * self.page_size} tokens cached",
+        ]
+        lines += [f"largest batch at context {c}: {self.max_batch_at(c)}" for c in contexts]
+        return "\n".join(lines)
+
+
+def plan(*, budget_bytes: int, fraction: float, weight_bytes: int, num_layers: int, num_kv_heads: int,
+         head_dim: int, hidden_size: int, intermediate_size: int, vocab_size: int, dtype_bytes: int,
+         page_size: int, max_context: int, max_batch: int, max_prefill_tokens: int,
+         num_pages: int | None = None) -> MemoryPlan:
+    """The plan for these sizes; num_pages None = as many as fit, else check that many fit.
+    Raises ValueError with the numbers when one request of max_context cannot be held."""
+    if not 0 < fraction <= 1:
+        raise ValueError(f"cache.memory_fraction: must be in (0, 1], got {fraction}")
+    kv_per_token = 2 * num_layers * num_kv_heads * head_dim * dtype_bytes
+    pages_per_seq = -(-max_context // page_size)
+    # The largest step's temporaries, an upper estimate: a decode step of the largest batch gathers
+    # every page of every row (plain-JAX attention), a prefill chunk's activations, and the float32
+    # logits with the sampler's sorted copies.
+    gathered = max_batch * pages_per_seq * page_size * kv_per_token // num_layers
+    activations = max_prefill_tokens * (4 * hidden_size + 3 * intermediate_size) * 4
+    logits = max(max_batch, 1) * vocab_size * 4 * 4
+    reserve = gathered + activations + logits
+    usable = int(budget_bytes * fraction) - weight_bytes - reserve
+    page_bytes = kv_per_token * page_size
+    fit = max(0, usable // page_bytes)
+    need = pages_per_seq + 1  # one request of the maximum context, and the null page
+    if fit < need or (num_pages is not None and num_pages > fit):
+        wanted = need if num_pages is None or num_pages < need else num_pages
+        raise ValueError(
+            f"memory: {fmt_bytes(budget_bytes)} x {fraction:g} = {fmt_bytes(budget_bytes * fraction)} holds the "
+            f"weights ({fmt_bytes(weight_bytes)}) and the largest step ({fmt_bytes(reserve)}: batch {max_batch}, "
+            f"{max_prefill_tokens}-token prefill) with room for {fit} KV pages of {fmt_bytes(page_bytes)}, but "
+            f"{wanted} are needed ({'cache.num_pages' if num_pages else f'one request of {max_context} tokens + the null page'}); "
+            f"lower the context, batch or page count, or give more memory")
+    return MemoryPlan(budget_bytes, weight_bytes, reserve, kv_per_token, page_size,
+                      fit if num_pages is None else num_pages)
