@@ -16,6 +16,14 @@ from tiny_gguf import write_tiny_gguf
 GOLDEN = os.path.join(os.path.dirname(__file__), "golden", "smollm2")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def compile_cache_dir(tmp_path_factory):
+    """Servers and CLIs the tests start keep their compile cache here, not in the user's ~/.cache."""
+    path = str(tmp_path_factory.mktemp("xla-cache"))
+    os.environ["JAXCB_COMPILE_CACHE"] = path
+    return path
+
+
 @pytest.fixture(scope="session")
 def tiny_gguf_path(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("models") / "tiny.gguf")

@@ -1,0 +1,142 @@
+"""Model directories: Hugging Face checkpoints (Llama, Qwen2 biases, untied head) and converted orbax
+checkpoints, checked against the same weights loaded through the project's own path."""
+
+import json
+import os
+import shutil
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from safetensors.numpy import save_file
+
+from jaxcb.cli import main as cli
+from jaxcb.engine_config import make_config
+from jaxcb.llm import LLM, load_model
+from jaxcb.model.hf_loader import _BIASES, _LAYER
+from jaxcb.model.llama import params_from_numpy, random_weights
+from jaxcb.request import SamplingParams
+from tiny_gguf import tiny_model_config
+
+CONFIG = dict(num_pages=64, max_context=256, decode_batch=(1, 2, 4), prefill_tokens=(16, 32, 64))
+PROMPTS = [[5, 9, 40, 41, 7], list(range(3, 40))]
+
+
+def write_hf_dir(path, config, weights, tokenizer, arch="LlamaForCausalLM"):
+    """A checkpoint as transformers writes one: torch layouts ([out, in]), HF tensor names."""
+    os.makedirs(path, exist_ok=True)
+    tensors = {"model.embed_tokens.weight": weights["embed"], "model.norm.weight": weights["final_norm"]}
+    names = dict(_LAYER)
+    if config.attention_bias:
+        names.update({k: (v, False) for k, v in _BIASES.items()})
+    for key, (name, transpose) in names.items():
+        for i in range(config.num_layers):
+            w = weights[key][i]
+            tensors[f"model.layers.{i}.{name}"] = np.ascontiguousarray(w.T if transpose else w)
+    if not config.tie_embeddings:
+        tensors["lm_head.weight"] = np.ascontiguousarray(weights["lm_head"].T)
+    half = len(tensors) // 2  # two shards, as large checkpoints come
+    items = sorted(tensors.items())
+    save_file(dict(items[:half]), os.path.join(path, "model-00001-of-00002.safetensors"))
+    save_file(dict(items[half:]), os.path.join(path, "model-00002-of-00002.safetensors"))
+    hf = {"architectures": [arch], "vocab_size": config.vocab_size, "hidden_size": config.hidden_size,
+          "intermediate_size": config.intermediate_size, "num_hidden_layers": config.num_layers,
+          "num_attention_heads": config.num_heads, "num_key_value_heads": config.num_kv_heads,
+          "max_position_embeddings": config.max_context, "rope_theta": config.rope_theta,
+          "rms_norm_eps": config.rms_norm_eps, "tie_word_embeddings": config.tie_embeddings}
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(hf, f)
+    tokenizer.save(path)
+
+
+def greedy(llm, prompts=PROMPTS):
+    return [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True))]
+
+
+@pytest.mark.parametrize("arch,tied,bias", [("LlamaForCausalLM", True, False), ("LlamaForCausalLM", False, False),
+                                            ("Qwen2ForCausalLM", False, True), ("MistralForCausalLM", True, False)])
+def test_hf_checkpoint_gives_the_logits_of_the_same_weights(tmp_path, tiny_model, arch, tied, bias):
+    config = tiny_model_config(tie_embeddings=tied, attention_bias=bias)
+    weights = random_weights(config, seed=3)
+    write_hf_dir(str(tmp_path), config, weights, tiny_model[2], arch)
+    loaded_config, params, tokenizer, eos = load_model(str(tmp_path), jnp.float32)
+    assert loaded_config.attention_bias == bias and loaded_config.tie_embeddings == tied
+    assert (params.layers.bq is not None) == bias and (params.lm_head is None) == tied
+    ours = LLM.from_params(config, params_from_numpy(weights), tokenizer, config=make_config(**CONFIG))
+    theirs = LLM.from_params(loaded_config, params, tokenizer, config=make_config(**CONFIG))
+    import jax
+
+    for a, b in zip(jax.tree_util.tree_leaves(ours.engine.runner.params), jax.tree_util.tree_leaves(params)):
+        assert np.array_equal(np.asarray(a), np.asarray(b))  # the same weights, every one in its place
+    assert greedy(theirs) == greedy(ours)
+    if bias:  # the biases matter: without them the tokens change
+        no_bias = {k: v for k, v in weights.items() if k not in ("bq", "bk", "bv")}
+        plain = LLM.from_params(tiny_model_config(tie_embeddings=tied), params_from_numpy(no_bias), tokenizer,
+                                config=make_config(**CONFIG))
+        assert greedy(plain) != greedy(ours)
+    assert tokenizer.encode("hello world") == tiny_model[2].encode("hello world")
+
+
+def test_hf_prefill_logits_match_exactly(tmp_path, tiny_model):
+    from jaxcb.buckets import pad_step
+    from jaxcb.model.llama import StepInput, forward
+    from jaxcb.model.paged_attention import allocate_kv_pages
+
+    config = tiny_model_config(tie_embeddings=False, attention_bias=True)
+    weights = random_weights(config, seed=4)
+    write_hf_dir(str(tmp_path), config, weights, tiny_model[2], "Qwen2ForCausalLM")
+    _, params, _, _ = load_model(str(tmp_path), jnp.float32)
+    batch = pad_step([], 1, 16, 2, 16)
+    batch.token_ids[0, :5] = PROMPTS[0]
+    step = StepInput(**{k: jnp.asarray(getattr(batch, k)) for k in StepInput.__dataclass_fields__})
+    pages = lambda: allocate_kv_pages(config.num_layers, config.num_kv_heads, 4, 16, config.head_dim, jnp.float32)  # noqa: E731
+    _, a = forward(params, pages(), step, config)
+    _, b = forward(params_from_numpy(weights), pages(), step, config)
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-6)
+
+
+def test_hf_bad_directories(tmp_path, tiny_model):
+    config = tiny_model_config()
+    write_hf_dir(str(tmp_path), config, random_weights(config), tiny_model[2])
+    raw = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(dict(raw, architectures=["GPT2LMHeadModel"])))
+    with pytest.raises(ValueError, match="architecture 'GPT2LMHeadModel' is not supported"):
+        load_model(str(tmp_path))
+    (tmp_path / "config.json").write_text(json.dumps(dict(raw, rope_scaling={"rope_type": "yarn", "factor": 4})))
+    with pytest.raises(ValueError, match="rope_scaling"):
+        load_model(str(tmp_path))
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    os.remove(tmp_path / "model-00002-of-00002.safetensors")
+    with pytest.raises(ValueError, match="is missing from"):
+        load_model(str(tmp_path))
+    with pytest.raises(ValueError, match="neither a converted checkpoint"):
+        load_model(str(tmp_path.parent))  # a directory that is neither kind
+
+
+def test_convert_round_trip_and_bad_checkpoints(tmp_path, tiny_gguf_path, tiny_model, capsys):
+    out = str(tmp_path / "converted")
+    assert cli(["convert", tiny_gguf_path, out, "--dtype", "float32"]) == 0
+    assert "serve it with --model" in capsys.readouterr().out
+    config, params, tokenizer, eos = load_model(out)
+    assert config == tiny_model[0] and eos == tiny_model[3]
+    assert tokenizer.encode("hello world") == tiny_model[2].encode("hello world")
+    assert tokenizer.chat_template == tiny_model[2].chat_template
+    from_gguf = LLM.from_params(*tiny_model[:3], config=make_config(**CONFIG), eos_ids=tiny_model[3])
+    from_ckpt = LLM(out, config=make_config(**CONFIG))
+    assert greedy(from_ckpt) == greedy(from_gguf)
+    assert cli(["convert", tiny_gguf_path, out]) == 2  # will not overwrite
+    assert "already holds" in capsys.readouterr().err
+
+    other = str(tmp_path / "other")
+    shutil.copytree(out, other)
+    manifest = json.loads(open(os.path.join(other, "jaxcb_model.json")).read())
+    manifest["config"]["hidden_size"] *= 2
+    open(os.path.join(other, "jaxcb_model.json"), "w").write(json.dumps(manifest))
+    with pytest.raises(ValueError, match="from another model: embed has shape"):
+        load_model(other)
+    shutil.rmtree(os.path.join(other, "params"))
+    with pytest.raises(ValueError, match="incomplete checkpoint"):
+        load_model(other)
+    os.remove(os.path.join(other, "jaxcb_model.json"))
+    with pytest.raises(ValueError, match="neither a converted checkpoint"):
+        load_model(other)
