@@ -271,8 +271,8 @@ def cmd_serve(args) -> int:
     import jax
 
     from jaxcb.engine import Engine
-    from jaxcb.llm import load_model
-    from jaxcb.runner import make_runner
+    from jaxcb.llm import load_model, read_model_config
+    from jaxcb.runner import make_runner, plan_memory
     from serve.server import ServerOptions, run_server
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -284,6 +284,7 @@ def cmd_serve(args) -> int:
 
     config = _engine_config(args)
     cache_dir = compile_cache.enable(args.compile_cache)
+    plan_memory(read_model_config(args.model), config, _dtype(args))  # before loading anything
     model_config, params, tokenizer, eos = load_model(args.model, _dtype(args))
     if tokenizer is None:
         raise ValueError("model: the file has no tokenizer; the server needs one")

@@ -79,13 +79,15 @@ def load_model(path: str | None = None, dtype=None):
 class LLM:
     def __init__(self, model: str | None = None, *, config: EngineConfig | str | None = None, dtype=None,
                  _loaded=None):
-        from jaxcb.runner import make_runner
+        from jaxcb.runner import make_runner, plan_memory
 
+        if not isinstance(config, EngineConfig):
+            config = load_config(config)
+        if _loaded is None:  # refuse a configuration that cannot fit before loading anything
+            plan_memory(read_model_config(model), config, dtype)
         t0 = time.perf_counter()
         model_config, params, tokenizer, eos = _loaded or load_model(model, dtype)
         self.load_seconds = time.perf_counter() - t0
-        if not isinstance(config, EngineConfig):
-            config = load_config(config)
         self.model_config = model_config
         self.tokenizer = tokenizer
         runner, config = make_runner(model_config, params, config)

@@ -95,13 +95,14 @@ def device_memory_bytes() -> int:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def plan_memory(model_config: ModelConfig, params: Params, config, dtype=None, budget_bytes: int | None = None):
-    """The engine config's memory plan for these weights on this device (nothing allocated).
-    Raises ValueError with the numbers when the configuration cannot fit."""
+def plan_memory(model_config: ModelConfig, config, dtype=None, budget_bytes: int | None = None):
+    """The engine config's memory plan for this model in `dtype` on this device. Needs no weights, so
+    it runs before anything is loaded or allocated; raises ValueError with the numbers when the
+    configuration cannot fit."""
     from jaxcb import memory_plan
 
-    dtype = jnp.dtype(dtype or params.embed.dtype)
-    weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(params))
+    dtype = jnp.dtype(dtype or default_dtype())
+    weight_bytes = model_config.num_params * dtype.itemsize
     s, b = config.scheduler, config.buckets
     c = model_config
     return memory_plan.plan(
@@ -115,7 +116,7 @@ def plan_memory(model_config: ModelConfig, params: Params, config, dtype=None, b
 
 def make_runner(model_config: ModelConfig, params: Params, config, dtype=None):
     """(ModelRunner, config with num_pages resolved): the memory plan first, then the KV pages."""
-    plan = plan_memory(model_config, params, config, dtype)
+    plan = plan_memory(model_config, config, dtype or params.embed.dtype)
     if plan.num_pages != config.num_pages:
         config = config.replace(num_pages=plan.num_pages)
     runner = ModelRunner(model_config, params, config.num_pages, config.page_size, dtype, attention=config.attention)
