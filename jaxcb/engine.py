@@ -58,7 +58,7 @@ class EngineStats:
     page_utilization: float  # mean fraction of allocated page slots holding tokens
     host_wait_fraction: float  # fraction of step time the device sat waiting for the host
     pages_cached: int = 0  # pages registered in the prefix cache (in use or free-but-cached)
-    prefix_cache_queries: int = 0  # tokens of admitted sequences looked up in the prefix cache
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
     prefix_cache_hits: int = 0  # of those, found cached (not computed again)
 
 
@@ -77,7 +77,7 @@ class Engine:
         self.max_context = min(config.scheduler.max_context, self.model_config.max_context)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._requests: dict[str, list[Request]] = {}  # request id -> its live samples
-        self._streams: dict[str, _Stream] = {}
+        self._streams: dict[tuple[str, int], _Stream] = {}  # Request.key -> its output state
         self._rng = random.Random(config.seed)
         self._seed_lock = threading.Lock()  # guards the seed generator and _live_ids
         self._live_ids: set[str] = set()
@@ -138,12 +138,14 @@ class Engine:
             if rid in self._live_ids:
                 raise ValueError(f"request_id: {rid!r} is already in use by a running request")
             self._live_ids.add(rid)
-            base_seed = params.seed if params.seed is not None else None
-            seeds = [self._rng.getrandbits(63) if base_seed is None else (base_seed + i) % 2**63
+            # Sample 0 keeps the given seed; the others draw theirs from it (not seed + i, which would
+            # repeat another request's sample 0 that asked for seed + 1).
+            seeds = [self._rng.getrandbits(63) if params.seed is None
+                     else params.seed if i == 0 else random.Random(f"{params.seed}/{i}").getrandbits(63)
                      for i in range(params.n)]
-        for r, seed in zip(samples, seeds):
-            detok = IncrementalDetokenizer(self.tokenizer) if self.tokenizer is not None else None
-            self._inbox.put(("add", r, _Stream(detok=detok, seed=seed, callback=callback)))
+        streams = [_Stream(detok=IncrementalDetokenizer(self.tokenizer) if self.tokenizer is not None else None,
+                           seed=seed, callback=callback) for seed in seeds]
+        self._inbox.put(("add", samples, streams))  # all samples in one item: they arrive together
         return rid
 
     def abort(self, request_id: str) -> None:
@@ -187,9 +189,10 @@ class Engine:
             except queue.Empty:
                 return
             if kind == "add":
-                self._requests.setdefault(item.request_id, []).append(item)
-                self._streams[item.key] = stream
-                self.scheduler.add(item)
+                for r, st in zip(item, stream):
+                    self._requests.setdefault(r.request_id, []).append(r)
+                    self._streams[r.key] = st
+                    self.scheduler.add(r)
             elif kind == "abort" and item in self._requests:
                 for r in list(self._requests[item]):
                     self._finish(r, FinishReason.ABORT, events)
@@ -245,8 +248,14 @@ class Engine:
         self.num_failed_steps += 1
         for chunk in out.decode + out.prefill:
             r = chunk.request
-            if r.status is Status.RUNNING and r.key in self._streams:
+            if r.status is not Status.RUNNING:
+                continue
+            if r.key in self._streams:
                 self._finish(r, FinishReason.ERROR, events, error=message)
+            else:  # nobody listens for it (a broken invariant): take it out rather than fail every step
+                log.error("request %s has no stream; removing it", r.key)
+                self.scheduler.remove(r)
+                r.status = Status.FINISHED
         if self.runner.reset_kv_if_lost():
             for r in list(self.scheduler.running):
                 self.scheduler.preempt(r, out)

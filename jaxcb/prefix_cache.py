@@ -33,7 +33,7 @@ class PrefixCache:
     def __init__(self, pool: PagePool):
         self.pool = pool
         self.page_size = pool.page_size
-        self.num_queried_tokens = 0  # tokens of admitted sequences looked up
+        self.num_queried_tokens = 0  # prompt tokens looked up (first admissions)
         self.num_hit_tokens = 0  # of those, found cached
 
     def _hashes(self, r: Request, num_pages: int) -> list[bytes]:
@@ -65,18 +65,22 @@ class PrefixCache:
         pages = self.cached_pages(r)
         self.pool.acquire(pages)
         r.page_ids = list(pages)
-        r.num_computed = r.num_cached_tokens = len(pages) * self.page_size
+        r.num_computed = len(pages) * self.page_size
         r.num_registered = len(pages)
-        self.num_queried_tokens += r.num_tokens
-        self.num_hit_tokens += r.num_cached_tokens
-        return r.num_cached_tokens
+        if r.num_preemptions == 0:  # usage and counters: the prompt, at its first admission
+            r.num_cached_tokens = min(r.num_computed, len(r.prompt_ids))
+            self.num_queried_tokens += len(r.prompt_ids)
+            self.num_hit_tokens += r.num_cached_tokens
+        return r.num_computed
 
     def detach(self, r: Request) -> None:
         """Undo `attach` when the admission did not go through."""
-        self.num_queried_tokens -= r.num_tokens
-        self.num_hit_tokens -= r.num_cached_tokens
+        if r.num_preemptions == 0:
+            self.num_queried_tokens -= len(r.prompt_ids)
+            self.num_hit_tokens -= r.num_cached_tokens
+            r.num_cached_tokens = 0
         self.pool.free(r.page_ids)
-        r.page_ids, r.num_computed, r.num_registered, r.num_cached_tokens = [], 0, 0, 0
+        r.page_ids, r.num_computed, r.num_registered = [], 0, 0
 
     def register(self, r: Request) -> None:
         """After a step: register r's pages that are now full and computed."""

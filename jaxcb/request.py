@@ -121,7 +121,7 @@ class Request:
     num_computed: int = 0  # tokens whose K/V are in the cache
     page_hashes: list[bytes] = dataclasses.field(default_factory=list)  # chained hashes of full pages
     num_registered: int = 0  # leading pages offered to the prefix cache
-    num_cached_tokens: int = 0  # prompt tokens taken from the prefix cache at the last admission
+    num_cached_tokens: int = 0  # prompt tokens taken from the prefix cache at the first admission
     sample_index: int = 0  # n > 1: which sample this is
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
@@ -135,9 +135,9 @@ class Request:
             self.request_id = f"req-{self.seq_no}"
 
     @property
-    def key(self) -> str:
-        """Unique among live requests: the request id, with the sample index for n > 1."""
-        return self.request_id if self.params.n == 1 else f"{self.request_id}/{self.sample_index}"
+    def key(self) -> tuple[str, int]:
+        """Unique among live requests: (request id, sample index)."""
+        return (self.request_id, self.sample_index)
 
     @property
     def all_ids(self) -> list[int]:

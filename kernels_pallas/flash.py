@@ -20,6 +20,19 @@ def cdiv(a, b):
     return lax.div(a + b - 1, b)
 
 
+def page_range(pos, rows, kv_len, split, page_size, pages_per_split, pages_per_tile):
+    """What one program reads: (key_end, first_page, end_page, num_tiles).
+
+    The block's queries see keys below key_end (its last query's position + 1, at most kv_len; 0 for
+    a padding block); its split covers table entries [first_page, end_page), walked in num_tiles tiles.
+    """
+    key_end = jnp.where(rows > 0, jnp.minimum(kv_len, pos + rows), 0)
+    first_page = split * pages_per_split
+    end_page = jnp.minimum(first_page + pages_per_split, cdiv(key_end, page_size))
+    num_tiles = cdiv(jnp.maximum(end_page - first_page, 0), pages_per_tile)
+    return key_end, first_page, end_page, num_tiles
+
+
 def init(rows: int, head_dim: int):
     return (jnp.zeros((rows, head_dim), jnp.float32), jnp.full((rows, 1), MASKED, jnp.float32),
             jnp.zeros((rows, 1), jnp.float32))

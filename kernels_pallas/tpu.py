@@ -25,11 +25,9 @@ def _kernel(seq_ref, pos_ref, rows_ref, kv_lens_ref, pages_ref, kv_index_ref,  #
             q_ref, k_hbm, v_hbm, out_ref, lse_ref, k_buf, v_buf, sems,
             *, page_size, pages_per_tile, pages_per_split, pages_per_seq, group_pad, scale):
     h, j, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    seq, pos, rows = seq_ref[j], pos_ref[j], rows_ref[j]
-    key_end = jnp.where(rows > 0, jnp.minimum(kv_lens_ref[seq], pos + rows), 0)
-    first_page = split * pages_per_split
-    end_page = jnp.minimum(first_page + pages_per_split, flash.cdiv(key_end, page_size))
-    num_tiles = flash.cdiv(jnp.maximum(end_page - first_page, 0), pages_per_tile)
+    seq, pos = seq_ref[j], pos_ref[j]
+    key_end, first_page, end_page, num_tiles = flash.page_range(
+        pos, rows_ref[j], kv_lens_ref[seq], split, page_size, pages_per_split, pages_per_tile)
     k_layer, v_layer = kv_index_ref[0], kv_index_ref[1]
 
     def copies(tile, slot, page_in_tile):

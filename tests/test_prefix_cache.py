@@ -164,3 +164,15 @@ def test_a_burst_sharing_a_system_prompt_computes_it_once(make_llm):
     assert [o.token_ids for o in on] == [o.token_ids for o in off]
     assert on_stats.prompt_tokens_computed == len(system) + sum(len(p) - len(system) for p in prompts)
     assert off_stats.prompt_tokens_computed == sum(map(len, prompts))
+
+
+def test_sample_ids_cannot_collide_with_client_ids(make_llm):
+    """A client id that looks like another request's sample ('a/1') is just another id."""
+    llm = make_llm()
+    engine = llm.engine
+    engine.add_request(tokens(9, 12), SamplingParams(max_tokens=4, ignore_eos=True), request_id="a/1")
+    engine.add_request(tokens(9, 13), SamplingParams(max_tokens=6, n=2, ignore_eos=True), request_id="a")
+    events = engine.run_until_done()
+    done = sorted((e.request_id, e.index, e.finish_reason.value) for e in events if e.finished)
+    assert done == [("a", 0, "length"), ("a", 1, "length"), ("a/1", 0, "length")]
+    assert engine.num_failed_steps == 0
