@@ -82,8 +82,7 @@ def padded_blocks(q, kv_lens, q_lens, num_kv_heads, tokens_per_block) -> QueryBl
     Row b's tokens end at position kv_lens[b] - 1. Blocks are cut along T, so no gather is needed.
     """
     b, t, h, d = q.shape
-    bq, group_pad = block_tokens(h, num_kv_heads, tokens_per_block)
-    bq = min(bq, next_power_of_2(t)) if t * group_pad >= MIN_ROWS else bq
+    bq, group_pad = block_tokens(h, num_kv_heads, min(tokens_per_block, t))  # no longer than the rows
     per_seq = -(-t // bq)
     q = jnp.pad(q, ((0, 0), (0, per_seq * bq - t), (0, 0), (0, 0)))
     qb = _split_heads(q, num_kv_heads, group_pad)  # [B, T', K, G_pad, D]
