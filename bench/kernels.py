@@ -105,35 +105,35 @@ def main(argv=None) -> int:
              "| reference us | max abs diff vs reference |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     print("\n".join(lines), flush=True)
+    def row(batch, context, page_size):
+        """One table row; the inputs are freed when it returns."""
+        q, k, v, lengths, table = inputs(batch, context, page_size, dtype)
+        kv_bytes = 2 * batch * context * KV_HEADS * HEAD_DIM * jnp.dtype(dtype).itemsize
+        t_ours = median_seconds(lambda: ours(q, k, v, lengths, table), args.repeats)
+        out = ours(q, k, v, lengths, table)
+        try:
+            t_ref = median_seconds(lambda: ref(q, k, v, lengths, table), args.repeats)
+            diff = float(jnp.max(jnp.abs(out.astype(jnp.float32) - ref(q, k, v, lengths, table).astype(jnp.float32))))
+            ref_cell, diff_cell = f"{t_ref * 1e6:.0f}", f"{diff:.3g}"
+        except Exception as e:  # the reference gathers the whole context: may not fit
+            ref_cell, diff_cell = f"failed ({type(e).__name__}: {str(e)[:80]})", "-"
+        theirs_cell, speedup = "-", "-"
+        if not args.interpret:
+            try:
+                t_theirs = median_seconds(lambda: theirs(q, k, v, lengths, table), args.repeats)
+                theirs_cell, speedup = f"{t_theirs * 1e6:.0f}", f"{t_theirs / t_ours:.2f}x"
+            except Exception as e:
+                theirs_cell = f"failed ({type(e).__name__})"
+        bw = kv_bytes / t_ours
+        share = f"{100 * bw / copy_bw:.0f}%" if copy_bw else "-"
+        return (f"| {batch} | {context} | {page_size} | {t_ours * 1e6:.0f} | {bw / 1e9:.0f} | {share} | "
+                f"{theirs_cell} | {speedup} | {ref_cell} | {diff_cell} |")
+
     for page_size in page_sizes:
         for context in contexts:
             for batch in batches:
-                q, k, v, lengths, table = inputs(batch, context, page_size, dtype)
-                kv_bytes = 2 * batch * context * KV_HEADS * HEAD_DIM * jnp.dtype(dtype).itemsize
-                t_ours = median_seconds(lambda: ours(q, k, v, lengths, table), args.repeats)
-                out = ours(q, k, v, lengths, table)
-                try:
-                    t_ref = median_seconds(lambda: ref(q, k, v, lengths, table), args.repeats)
-                    diff = float(jnp.max(jnp.abs(out.astype(jnp.float32)
-                                                 - ref(q, k, v, lengths, table).astype(jnp.float32))))
-                    ref_cell, diff_cell = f"{t_ref * 1e6:.0f}", f"{diff:.3g}"
-                except Exception as e:  # the reference gathers the whole context: may not fit
-                    ref_cell, diff_cell = f"failed ({type(e).__name__}: {str(e)[:80]})", "-"
-                if args.interpret:
-                    theirs_cell, speedup = "-", "-"
-                else:
-                    try:
-                        t_theirs = median_seconds(lambda: theirs(q, k, v, lengths, table), args.repeats)
-                        theirs_cell, speedup = f"{t_theirs * 1e6:.0f}", f"{t_theirs / t_ours:.2f}x"
-                    except Exception as e:
-                        theirs_cell, speedup = f"failed ({type(e).__name__})", "-"
-                bw = kv_bytes / t_ours
-                share = f"{100 * bw / copy_bw:.0f}%" if copy_bw else "-"
-                row = (f"| {batch} | {context} | {page_size} | {t_ours * 1e6:.0f} | {bw / 1e9:.0f} | {share} | "
-                       f"{theirs_cell} | {speedup} | {ref_cell} | {diff_cell} |")
-                lines.append(row)
-                print(row, flush=True)
-                del q, k, v
+                lines.append(row(batch, context, page_size))
+                print(lines[-1], flush=True)
     if args.markdown:
         with open(args.markdown, "w") as f:
             f.write("\n".join(lines) + "\n")

@@ -325,7 +325,8 @@ def cmd_client(args) -> int:
                         print(json.dumps({"request_id": item.request_id, "finish_reason": item.finish_reason,
                                           "token_ids": item.token_ids, "text": item.text,
                                           "usage": {"prompt_tokens": item.prompt_tokens,
-                                                    "completion_tokens": item.completion_tokens}}))
+                                                    "completion_tokens": item.completion_tokens,
+                                                    "cached_prompt_tokens": item.cached_prompt_tokens}}))
                     else:
                         print(flush=True)
                 elif args.json:

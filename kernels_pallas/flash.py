@@ -7,7 +7,6 @@ m and l are kept as [R, 1] columns: TPU vector layouts want 2-D values, and the 
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 

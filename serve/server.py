@@ -355,7 +355,8 @@ async def run_server(engine: Engine, tokenizer, model_name: str, dtype: str, opt
     state.thread.start()
     state.ready = True
     await set_health(health_pb2.HealthCheckResponse.SERVING)
-    announce(f"jaxcb: SERVING on {options.host}:{port} after compiling {shapes} bucket shapes in "
+    announce(f"jaxcb: SERVING on {options.host}:{port} after warming up {shapes} bucket shapes (compiled or "
+             f"loaded from the compile cache) in "
              f"{time.perf_counter() - t0:.1f}s")
 
     died = asyncio.ensure_future(state.died.wait())
