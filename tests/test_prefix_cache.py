@@ -176,3 +176,17 @@ def test_sample_ids_cannot_collide_with_client_ids(make_llm):
     done = sorted((e.request_id, e.index, e.finish_reason.value) for e in events if e.finished)
     assert done == [("a", 0, "length"), ("a", 1, "length"), ("a/1", 0, "length")]
     assert engine.num_failed_steps == 0
+
+
+def test_preemption_of_requests_that_share_pages_keeps_outputs_identical(make_llm):
+    """Shared pages free nothing when one holder is preempted: the scheduler must keep preempting
+    until the pages fit, and the recomputed requests must still give the same tokens."""
+    system = tokens(40, 14)
+    prompts = [system + tokens(6 + i, 60 + i) for i in range(4)]
+    params = [SamplingParams(max_tokens=30, ignore_eos=True, n=2 if i == 0 else 1, temperature=0.8 if i == 0 else 0.0,
+                             seed=9) for i in range(4)]
+    ample = make_llm(num_pages=256).generate(prompts, params)
+    tight = make_llm(num_pages=16)
+    got = tight.generate(prompts, params)
+    assert tight.engine.stats().preemptions > 0
+    assert [o.token_ids for o in got] == [o.token_ids for o in ample]
