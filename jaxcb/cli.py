@@ -271,7 +271,7 @@ def cmd_serve(args) -> int:
     import jax
 
     from jaxcb.engine import Engine
-    from jaxcb.llm import load_model, read_model_config
+    from jaxcb.llm import load_model
     from jaxcb.runner import make_runner, plan_memory
     from serve.server import ServerOptions, run_server
 
@@ -284,8 +284,8 @@ def cmd_serve(args) -> int:
 
     config = _engine_config(args)
     cache_dir = compile_cache.enable(args.compile_cache)
-    plan_memory(read_model_config(args.model), config, _dtype(args))  # before loading anything
-    model_config, params, tokenizer, eos = load_model(args.model, _dtype(args))
+    model_config, params, tokenizer, eos = load_model(  # a config that cannot fit: refused before the weights
+        args.model, _dtype(args), check_config=lambda c: plan_memory(c, config, _dtype(args)))
     if tokenizer is None:
         raise ValueError("model: the file has no tokenizer; the server needs one")
     runner, config = make_runner(model_config, params, config)

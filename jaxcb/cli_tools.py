@@ -54,11 +54,12 @@ def cmd_warmup(args) -> int:
     from jaxcb.cli import _dtype, _engine_config
     from jaxcb.engine import Engine
     from jaxcb.llm import load_model
-    from jaxcb.runner import make_runner
+    from jaxcb.runner import make_runner, plan_memory
 
     config = _engine_config(args)
     cache_dir = compile_cache.enable(args.compile_cache)
-    model_config, params, tokenizer, eos = load_model(args.model, _dtype(args))
+    model_config, params, tokenizer, eos = load_model(
+        args.model, _dtype(args), check_config=lambda c: plan_memory(c, config, _dtype(args)))
     runner, config = make_runner(model_config, params, config)
     engine = Engine(runner, tokenizer, config, eos_ids=eos)
     t0 = time.perf_counter()
@@ -133,6 +134,8 @@ def cmd_buckets(args) -> int:
 
 
 def cmd_convert(args) -> int:
+    import numpy as np
+
     from jaxcb.cli import _dtype
     from jaxcb.llm import load_model
     from jaxcb.model import checkpoint
@@ -146,16 +149,10 @@ def cmd_convert(args) -> int:
     config, params, tokenizer, _ = load_model(None if args.model == "default" else args.model, dtype)
     loaded = time.perf_counter() - t0
     checkpoint.save(args.out_dir, config, params_to_weights(params), tokenizer, dtype)
-    print(f"jaxcb convert: {config.name} ({config.num_params / 1e6:.1f}M parameters, {jax_dtype_name(dtype)}) "
+    print(f"jaxcb convert: {config.name} ({config.num_params / 1e6:.1f}M parameters, {np.dtype(dtype).name}) "
           f"loaded in {loaded:.1f}s, written to {args.out_dir} in {time.perf_counter() - t0 - loaded:.1f}s; "
           f"serve it with --model {args.out_dir}")
     return 0
-
-
-def jax_dtype_name(dtype) -> str:
-    import numpy as np
-
-    return np.dtype(dtype).name
 
 
 def cmd_plan(args) -> int:

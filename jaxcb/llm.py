@@ -48,27 +48,28 @@ def read_model_config(path: str | None = None):
     return gguf_loader.read_config(gguf_loader.open_reader(path))
 
 
-def load_model(path: str | None = None, dtype=None):
+def load_model(path: str | None = None, dtype=None, check_config=None):
     """(ModelConfig, Params, Tokenizer, eos ids) from a GGUF file (default: the embedded SmolLM2), a
-    directory written by `jaxcb convert`, or a Hugging Face checkpoint directory."""
+    directory written by `jaxcb convert`, or a Hugging Face checkpoint directory. `check_config(config)`,
+    if given, runs once the config is read and before any weight is (the memory plan's refusal)."""
     from jaxcb.model import checkpoint, gguf_loader, hf_loader
     from jaxcb.model.llama import params_from_numpy
     from jaxcb.runner import default_dtype
     from jaxcb.tokenizer import Tokenizer
 
+    check_config = check_config or (lambda config: None)
     path = path or gguf_loader.default_model_path()
-    if checkpoint.is_checkpoint_dir(path):
-        config, weights = checkpoint.load(path, dtype)
-        dtype = dtype or next(iter(weights.values())).dtype
+    if os.path.isdir(path):
+        check_config(read_model_config(path))  # raises the explanation for a directory of neither kind
+        if checkpoint.is_checkpoint_dir(path):
+            config, weights = checkpoint.load(path, dtype)
+            dtype = dtype or next(iter(weights.values())).dtype
+        else:
+            config = hf_loader.read_config(path)
+            weights = hf_loader.load_weights(path, config)
         tokenizer = Tokenizer.from_dir(path) if os.path.isfile(os.path.join(path, "tokenizer.json")) else None
-    elif hf_loader.is_hf_dir(path):
-        config = hf_loader.read_config(path)
-        weights = hf_loader.load_weights(path, config)
-        tokenizer = Tokenizer.from_dir(path) if os.path.isfile(os.path.join(path, "tokenizer.json")) else None
-    elif os.path.isdir(path):
-        read_model_config(path)  # raises the explanation
     else:
-        loaded = gguf_loader.load_gguf(path)
+        loaded = gguf_loader.load_gguf(path, check_config)
         config, weights = loaded.config, loaded.weights
         tokenizer = Tokenizer(loaded.tokenizer) if loaded.tokenizer is not None else None
     params = params_from_numpy(weights, dtype or default_dtype())
@@ -83,10 +84,10 @@ class LLM:
 
         if not isinstance(config, EngineConfig):
             config = load_config(config)
-        if _loaded is None:  # refuse a configuration that cannot fit before loading anything
-            plan_memory(read_model_config(model), config, dtype)
         t0 = time.perf_counter()
-        model_config, params, tokenizer, eos = _loaded or load_model(model, dtype)
+        # A configuration that cannot fit is refused before any weight is read.
+        model_config, params, tokenizer, eos = _loaded or load_model(
+            model, dtype, check_config=lambda c: plan_memory(c, config, dtype))
         self.load_seconds = time.perf_counter() - t0
         self.model_config = model_config
         self.tokenizer = tokenizer

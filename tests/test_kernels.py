@@ -53,6 +53,11 @@ def reference(q, k, v, table, kv_lens, q_lens):
     return outs
 
 
+def decode_reference(q, k, v, table, lengths):
+    """reference() for one query per sequence: q [B, H, D] -> [B, H, D]."""
+    return np.stack([r[0] for r in reference(q[:, None], k, v, table, lengths, [1] * len(lengths))])
+
+
 def assert_close(out, ref, dtype):
     out = np.asarray(jnp.asarray(out, jnp.float32))
     assert np.isfinite(out).all(), "NaN/inf reached the output"
@@ -72,7 +77,7 @@ def test_decode_kernel_matches_reference(backend, dtype, page_size, head_dim, gr
     q = jnp.asarray(rng.standard_normal((len(lengths), NUM_KV_HEADS * group, head_dim)), dtype)
     out = paged_attention(q, k, v, jnp.array(lengths, jnp.int32), table, backend=backend, interpret=True)
     assert out.shape == q.shape and out.dtype == q.dtype
-    ref = np.stack([r[0] for r in reference(q[:, None], k, v, table, lengths, [1] * len(lengths))])
+    ref = decode_reference(q, k, v, table, lengths)
     ref[0] = 0  # a sequence of length 0 returns zeros
     assert_close(out, ref, dtype)
 
@@ -84,7 +89,7 @@ def test_decode_kernel_splits_and_tiles(backend):
     lengths = [80, 33, 1, 0]
     k, v, table = make_pool(rng, lengths, 16, 64, jnp.float32)
     q = jnp.asarray(rng.standard_normal((4, 4, 64)), jnp.float32)
-    ref = np.stack([r[0] for r in reference(q[:, None], k, v, table, lengths, [1] * 4)])
+    ref = decode_reference(q, k, v, table, lengths)
     for tiles, splits in [(1, 1), (1, 5), (2, 2), (4, 1), (8, 3)]:
         out = paged_attention(q, k, v, jnp.array(lengths, jnp.int32), table, backend=backend,
                               interpret=True, pages_per_tile=tiles, num_splits=splits)
@@ -169,3 +174,6 @@ def test_kernels_reject_unsupported_shapes():
         paged_attention(jnp.zeros((1, 4, 48)), jnp.zeros((2, 4, 16, 48)), jnp.zeros((2, 4, 16, 48)),
                         lens, table, interpret=True)
     assert 16 in PAGE_SIZES
+    from jaxcb.engine_config import KERNEL_PAGE_SIZES
+
+    assert KERNEL_PAGE_SIZES == PAGE_SIZES  # the engine's copy (its module imports no JAX) agrees

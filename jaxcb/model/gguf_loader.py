@@ -173,9 +173,12 @@ def open_reader(path: str):
         raise ValueError(f"model: {path} is not a readable GGUF file ({type(e).__name__}: {e})") from None
 
 
-def load_gguf(path: str) -> LoadedModel:
+def load_gguf(path: str, check_config=None) -> LoadedModel:
+    """The model in `path`; `check_config(config)` runs before any tensor is dequantized."""
     reader = open_reader(path)
     config = read_config(reader)
+    if check_config is not None:
+        check_config(config)
     tensors = {t.name: t for t in reader.tensors}
 
     def get(name: str, transpose: bool) -> np.ndarray:
