@@ -41,9 +41,8 @@ def add_parsers(sub, add_model_args) -> None:
 def _bar(i: int, total: int, shape, t0: float) -> None:
     width = 30
     done = width * i // total
-    kind, rows, tokens, pages = shape
-    sys.stderr.write(f"\r[{'#' * done}{'.' * (width - done)}] {i}/{total} {kind} batch {rows} tokens {tokens} "
-                     f"pages {pages}  {time.perf_counter() - t0:.0f}s   ")
+    sys.stderr.write(f"\r[{'#' * done}{'.' * (width - done)}] {i}/{total} step of {shape.tokens} tokens, "
+                     f"{shape.seqs} sequences  {time.perf_counter() - t0:.0f}s   ")
     if i == total:
         sys.stderr.write("\n")
     sys.stderr.flush()

@@ -1,9 +1,10 @@
-"""The engine loop: requests in, token events out, one padded jitted step at a time.
+"""The engine loop: requests in, token events out, one packed jitted step at a time.
 
-    step():  schedule -> pad into buckets -> dispatch (async) -> one device-to-host copy -> postprocess
+    step():  schedule -> pack into a token bucket -> dispatch (one call) -> one device-to-host copy -> postprocess
 
-`schedule` (host) picks decode rows and prefill chunks under the page pool; each group is padded into
-a precompiled bucket and dispatched without waiting; all sampled tokens come back in one copy; then
+`schedule` (host) picks decode rows and prefill chunks under the page pool; they are packed into one
+token batch (jaxcb.batch) of a precompiled bucket and dispatched as one call; the sampled tokens come
+back in one copy; then
 each request gets its tokens, its stop checks and its text delta, and finished requests leave the
 batch (their pages freed) in the same step. Requests and aborts from other threads go through an
 inbox that the loop drains at the start of every step, so only the engine thread touches the
@@ -20,7 +21,7 @@ import threading
 import time
 from typing import Callable
 
-from jaxcb.buckets import RowSpec, SamplingRow, bucket_for, pad_sampling, pad_step, plan_decode_groups
+from jaxcb.batch import SamplingRow, SeqSpec, pack, pack_sampling
 from jaxcb.engine_config import EngineConfig
 from jaxcb.page_pool import PagePool
 from jaxcb.request import FinishReason, Request, SamplingParams, Status, TokenEvent
@@ -85,7 +86,6 @@ class Engine:
                               page_slots=0, page_tokens=0, host_s=0.0, step_s=0.0)
         self._last_fetch_end: float | None = None
         self.num_failed_steps = 0
-        self.max_decode_groups = 3  # decode rows may be split into this many calls (see plan_decode_groups)
         # Test seam: called with each SchedulerOutput before dispatch; raising simulates a failed step.
         self.fault_injector: Callable | None = None
         self._length_log = None  # record_lengths(): one JSON line per finished request
@@ -212,33 +212,21 @@ class Engine:
         return events
 
     def _run(self, out, events: list[TokenEvent]) -> None:
-        dispatched: list[tuple[list[Chunk], object]] = []
-        b = self.config.buckets
         if self.fault_injector is not None:
             self.fault_injector(out)
-        if out.decode and out.num_static_rows:  # static batching: one call, finished rows still padded in
-            rows = max(len(out.decode), out.num_static_rows)
-            dispatched.append((out.decode, self._dispatch(out.decode, bucket_for(b.decode_batch, rows, "batch"), 1)))
-        elif out.decode:
-            groups = plan_decode_groups([len(c.request.page_ids) for c in out.decode], b, self.max_decode_groups)
-            for group in groups:
-                chunks = [out.decode[i] for i in group]
-                dispatched.append((chunks, self._dispatch(chunks, bucket_for(b.decode_batch, len(chunks), "batch"), 1)))
-        for chunk in out.prefill:
-            t = bucket_for(b.prefill_tokens, chunk.num_tokens, "prefill chunk")
-            dispatched.append(([chunk], self._dispatch([chunk], 1, t)))
-        if not dispatched:
+        chunks = out.decode + out.prefill  # decode sequences first: the packed layout (jaxcb.batch)
+        if not chunks:
             return
+        result = self._dispatch(chunks, out.num_static_rows)
         dispatch_end = time.perf_counter()
         if self._last_fetch_end is not None:  # the device idled from the last fetch until now
             self._counters["host_s"] += dispatch_end - self._last_fetch_end
-        results = self.runner.fetch([d for _, d in dispatched])
+        result = self.runner.fetch(result)
         fetch_end = time.perf_counter()
         if self._last_fetch_end is not None:
             self._counters["step_s"] += fetch_end - self._last_fetch_end
         self._last_fetch_end = fetch_end
-        for (chunks, _), result in zip(dispatched, results):
-            self._postprocess(chunks, result, events)
+        self._postprocess(chunks, result, events)
         self._counters["steps"] += 1
 
     def _fail_step(self, out, error: Exception, events: list[TokenEvent]) -> None:
@@ -262,19 +250,20 @@ class Engine:
             self.pool.forget_cached()  # the cached pages' contents went with the old KV array
         self._last_fetch_end = None
 
-    def _dispatch(self, chunks: list[Chunk], batch_bucket: int, token_bucket: int):
-        b, s = self.config.buckets, self.config.page_size
-        pages = bucket_for(b.pages_per_seq, max(len(c.request.page_ids) for c in chunks), "pages per sequence")
-        rows = [RowSpec(c.request.all_ids[c.start:c.start + c.num_tokens], c.start, c.request.page_ids)
-                for c in chunks]
-        batch = pad_step(rows, batch_bucket, token_bucket, pages, s)
-        sampling = pad_sampling(
+    def _dispatch(self, chunks: list[Chunk], num_static_rows: int = 0):
+        """Pack the step into one batch of its token bucket and dispatch it (one jitted call)."""
+        s = self.config.page_size
+        live = sum(c.num_tokens for c in chunks)
+        # Static batching pays for the batch's finished rows too: they stay padded in.
+        shape = self.config.buckets.step_shape(max(live, num_static_rows), s, self.max_context)
+        batch = pack([SeqSpec(c.request.all_ids[c.start:c.start + c.num_tokens], c.start, c.request.page_ids)
+                      for c in chunks], shape, s)
+        sampling = pack_sampling(
             [SamplingRow(c.request.params, self._streams[c.request.key].seed, c.request.prompt_ids,
-                         c.request.output_ids, c.samples) for c in chunks],
-            batch_bucket, pages * s)
+                         c.request.output_ids, c.samples) for c in chunks], shape)
         cnt = self._counters
-        cnt["slots"] += batch_bucket * token_bucket
-        cnt["live"] += batch.num_tokens
+        cnt["slots"] += shape.tokens
+        cnt["live"] += live
         for c in chunks:
             r = c.request
             written = r.page_ids[c.start // s:(c.start + c.num_tokens - 1) // s + 1]
@@ -284,7 +273,7 @@ class Engine:
             cnt["page_tokens"] += c.start + c.num_tokens
             if not (c.num_tokens == 1 and c.samples and r.output_ids):  # all but plain decode tokens
                 cnt["prompt_tokens_computed"] += c.num_tokens
-        return self.runner.run(batch, sampling)
+        return self.runner.run(batch, sampling, shape)
 
     def _postprocess(self, chunks: list[Chunk], result, events: list[TokenEvent]) -> None:
         for row, c in enumerate(chunks):
@@ -364,15 +353,13 @@ class Engine:
                 log.exception("event callback for %s failed", event.request_id)
 
     # ---- warm-up ----
-    def warmup(self, progress: Callable[[int, int, tuple], None] | None = None) -> int:
-        """Compile every reachable bucket shape ahead of time (nothing is run)."""
-        shapes = list(reachable_shapes(self.config.buckets, self.config.page_size))
-        for i, (kind, rows, tokens, pages) in enumerate(shapes):
-            batch = pad_step([], rows, tokens, pages, self.config.page_size)
-            sampling = pad_sampling([], rows, pages * self.config.page_size)
-            self.runner.compile(batch, sampling)
+    def warmup(self, progress: Callable[[int, int, object], None] | None = None) -> int:
+        """Compile every step shape ahead of time (nothing is run): one program per token bucket."""
+        shapes = self.config.buckets.shapes(self.config.page_size, self.max_context)
+        for i, shape in enumerate(shapes):
+            self.runner.compile(shape)
             if progress is not None:
-                progress(i + 1, len(shapes), (kind, rows, tokens, pages))
+                progress(i + 1, len(shapes), shape)
         return len(shapes)
 
     def run_until_done(self, max_steps: int | None = None) -> list[TokenEvent]:
@@ -384,20 +371,6 @@ class Engine:
             if max_steps is not None and steps >= max_steps:
                 break
         return events
-
-
-def reachable_shapes(buckets, page_size: int):
-    """Decode (batch, pages) are all reachable; a prefill bucket of T tokens only with enough pages
-    to hold more tokens than the next smaller bucket."""
-    for b in buckets.decode_batch:
-        for n in buckets.pages_per_seq:
-            yield ("decode", b, 1, n)
-    prev = 0
-    for t in buckets.prefill_tokens:
-        for n in buckets.pages_per_seq:
-            if n * page_size > prev:
-                yield ("prefill", 1, t, n)
-        prev = t
 
 
 def _find_stop(text: str, stops: tuple[str, ...], emitted: int) -> int | None:

@@ -38,7 +38,7 @@ class EngineConfig:
         if s.max_context % s.page_size:
             raise ValueError(f"scheduler.max_context: {s.max_context} is not a multiple of page_size {s.page_size}")
         b.validate(max_batch=s.max_running, max_pages_per_seq=s.max_context // s.page_size,
-                   max_prefill_tokens=s.max_chunk)
+                   max_prefill_tokens=s.max_chunk, step_prefill_tokens=s.max_prefill_tokens)
         if self.num_pages != AUTO_PAGES and self.num_pages < 2:
             raise ValueError(f"cache.num_pages: must be >= 2 or \"auto\", got {self.num_pages}")
         if not 0 < self.memory_fraction <= 1:
@@ -62,11 +62,14 @@ class EngineConfig:
 
 def make_config(*, page_size=16, num_pages=4096, max_context=2048, decode_batch=(1, 2, 4, 8, 16, 32),
                 pages_per_seq=None, prefill_tokens=(32, 64, 128, 256, 512), max_prefill_tokens=None,
-                attention="auto", **scheduler) -> EngineConfig:
+                tokens=None, attention="auto", **scheduler) -> EngineConfig:
     """An EngineConfig from keyword values (tests and the Python API)."""
     if pages_per_seq is None:
-        top = max_context // page_size
-        pages_per_seq = tuple(sorted({max(1, top // 16), max(1, top // 4), top}))
+        pages_per_seq = (max_context // page_size,)
+    if tokens is None:
+        budget = prefill_tokens[-1] if max_prefill_tokens is None else max_prefill_tokens
+        b = decode_batch[-1]
+        tokens = sorted(set(decode_batch) | {b + t for t in prefill_tokens if t < budget} | {b + budget})
     sched = SchedulerConfig(
         page_size=page_size, max_running=decode_batch[-1], max_context=max_context,
         max_chunk=prefill_tokens[-1],
@@ -74,7 +77,8 @@ def make_config(*, page_size=16, num_pages=4096, max_context=2048, decode_batch=
         **scheduler,
     )
     return EngineConfig(num_pages=num_pages, scheduler=sched, attention=attention,
-                        buckets=Buckets(tuple(decode_batch), tuple(pages_per_seq), tuple(prefill_tokens)))
+                        buckets=Buckets(tuple(decode_batch), tuple(pages_per_seq), tuple(prefill_tokens),
+                                        tuple(tokens)))
 
 
 def load_config(path: str | None = None) -> EngineConfig:
@@ -90,8 +94,15 @@ def load_config(path: str | None = None) -> EngineConfig:
     except tomllib.TOMLDecodeError as e:
         raise ValueError(f"config: {path} is not valid TOML ({e})") from None
     cache, sched, buckets = raw.get("cache", {}), dict(raw.get("scheduler", {})), raw.get("buckets", {})
+    page_size = int(cache.get("page_size", 16))
+    max_context = int(sched.get("max_context", 2048))
+    unknown = set(buckets) - {"decode_batch", "pages_per_seq", "prefill_tokens", "tokens"}
+    if unknown:
+        raise ValueError(f"config: unknown setting in [buckets]: {sorted(unknown)}")
     try:
-        b = Buckets(tuple(buckets["decode_batch"]), tuple(buckets["pages_per_seq"]), tuple(buckets["prefill_tokens"]))
+        b = Buckets(tuple(buckets["decode_batch"]),
+                    tuple(buckets.get("pages_per_seq", (max(1, max_context // page_size),))),
+                    tuple(buckets["prefill_tokens"]), tuple(buckets.get("tokens", ())))
     except KeyError as e:
         raise ValueError(f"config: buckets.{e.args[0]} is missing") from None
     if "length_bounds" in sched:
@@ -101,8 +112,9 @@ def load_config(path: str | None = None) -> EngineConfig:
         raise ValueError(f"config: cache.prefix_caching must be true or false, got {prefix_caching!r}")
     sched.setdefault("max_running", b.max_batch)
     sched.setdefault("max_chunk", b.max_prefill_tokens)
+    sched.setdefault("max_prefill_tokens", b.max_prefill_tokens)  # the per-step budget: the largest chunk
     try:
-        sc = SchedulerConfig(page_size=int(cache.get("page_size", 16)), prefix_caching=prefix_caching, **sched)
+        sc = SchedulerConfig(page_size=page_size, prefix_caching=prefix_caching, **sched)
     except TypeError as e:
         raise ValueError(f"config: unknown setting in [scheduler] ({e})") from None
     model = raw.get("model", {})

@@ -1,4 +1,4 @@
-"""The device side of a step: params and KV pages on the accelerator, one jitted program per bucket.
+"""The device side of a step: params and KV pages on the accelerator, one jitted program per token bucket.
 
     kv_pages, sampled = step(params, kv_pages, batch, sampling)
 
@@ -17,11 +17,11 @@ import jax.monitoring
 import jax.numpy as jnp
 import numpy as np
 
-from jaxcb.buckets import PaddedBatch, PaddedSampling
+from jaxcb.batch import SamplingInput, StepInput, StepShape, pack, pack_sampling
 from jaxcb.model.config import ModelConfig
-from jaxcb.model.llama import Attention, Params, StepInput, forward
+from jaxcb.model.llama import Attention, Params, forward
 from jaxcb.model.paged_attention import allocate_kv_pages
-from jaxcb.sampling import SampleOutput, SamplingInput, sample
+from jaxcb.sampling import SampleOutput, sample
 
 _compile_lock = threading.Lock()
 _compilations = 0
@@ -145,7 +145,7 @@ class ModelRunner:
         if jax.default_backend() == "cpu":
             keep_freed_memory_on_cpu()
         self.attention = resolve_attention(attention)
-        self._compiled: dict[tuple, object] = {}  # padded input shapes -> the compiled step
+        self._compiled: dict[int, object] = {}  # token bucket -> the compiled step
         self.config = config
         self.params = params
         self.dtype = dtype or params.embed.dtype
@@ -168,30 +168,19 @@ class ModelRunner:
         c = self.config
         return 2 * c.num_layers * c.num_kv_heads * c.head_dim * jnp.dtype(self.dtype).itemsize
 
-    @staticmethod
-    def _inputs(batch: PaddedBatch, sampling: PaddedSampling):
-        step_input = StepInput(
-            token_ids=batch.token_ids, positions=batch.positions, slot_ids=batch.slot_ids,
-            page_table=batch.page_table, kv_lens=batch.kv_lens, logits_index=batch.logits_index,
-        )
-        sampling_input = SamplingInput(**{k: getattr(sampling, k) for k in SamplingInput.__dataclass_fields__})
-        key = tuple(np.shape(x) for x in jax.tree_util.tree_leaves((step_input, sampling_input)))
-        return step_input, sampling_input, key
+    def compile(self, shape: StepShape) -> None:
+        """Compile the step for this shape ahead of time, without running it: a warm-up that executes
+        nothing, and that the persistent compile cache turns into loading."""
+        if shape.tokens not in self._compiled:
+            batch, sampling = pack([], shape, self.page_size), pack_sampling([], shape)
+            self._compiled[shape.tokens] = step.lower(self.params, self.kv_pages, batch, sampling,
+                                                      config=self.config, attention=self.attention).compile()
 
-    def compile(self, batch: PaddedBatch, sampling: PaddedSampling) -> None:
-        """Compile the step for this padded shape ahead of time, without running it: a warm-up that
-        executes nothing, and that the persistent compile cache turns into loading."""
-        step_input, sampling_input, key = self._inputs(batch, sampling)
-        if key not in self._compiled:
-            self._compiled[key] = step.lower(self.params, self.kv_pages, step_input, sampling_input,
-                                             config=self.config, attention=self.attention).compile()
-
-    def run(self, batch: PaddedBatch, sampling: PaddedSampling) -> SampleOutput:
+    def run(self, batch: StepInput, sampling: SamplingInput, shape: StepShape) -> SampleOutput:
         """Dispatch one step; returns device arrays without waiting for them."""
-        step_input, sampling_input, key = self._inputs(batch, sampling)
-        if key not in self._compiled:  # a shape warm-up did not cover: compiled now (and counted)
-            self.compile(batch, sampling)
-        self.kv_pages, out = self._compiled[key](self.params, self.kv_pages, step_input, sampling_input)
+        if shape.tokens not in self._compiled:  # a shape warm-up did not cover: compiled now (and counted)
+            self.compile(shape)
+        self.kv_pages, out = self._compiled[shape.tokens](self.params, self.kv_pages, batch, sampling)
         return out
 
     @staticmethod

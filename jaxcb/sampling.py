@@ -13,23 +13,11 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from jaxcb.batch import SamplingInput
+from jaxcb.model.llama import _register
+
 NUM_TOP_LOGPROBS = 20  # returned for every row; the host keeps each request's top-n
-
-
-@flax.struct.dataclass
-class SamplingInput:
-    temperature: jax.Array  # f32 [B]; 0 = greedy
-    top_k: jax.Array  # i32 [B]; 0 = off
-    top_p: jax.Array  # f32 [B]; 1 = off
-    min_p: jax.Array  # f32 [B]; 0 = off
-    repetition_penalty: jax.Array  # f32 [B]; 1 = off
-    presence_penalty: jax.Array  # f32 [B]
-    frequency_penalty: jax.Array  # f32 [B]
-    seed: jax.Array  # u32 [B, 2] (high, low words of the request's 64-bit seed)
-    counter: jax.Array  # i32 [B], the index of the token being sampled in the request's output
-    history_ids: jax.Array  # i32 [B, W], the sequence's tokens so far (prompt and output), -1 padded
-    history_is_output: jax.Array  # bool [B, W], which of them are output tokens
-    logprobs: jax.Array  # i32 [B], top-n logprobs wanted (0 = none)
+_register(SamplingInput)
 
 
 @flax.struct.dataclass

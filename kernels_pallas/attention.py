@@ -138,3 +138,23 @@ def engine_attention(q, kv_pages, layer, kv_lens, q_lens, page_table, *, backend
     out = _attend(qb, pool, pool, kv_index, kv_lens, page_table, scale=None, backend=backend,
                   interpret=interpret, pages_per_tile=None, num_splits=None, decode=False)
     return qblocks.padded_unblock(out, b, t, h, qb.group_pad)
+
+
+def engine_ragged_attention(q, kv_pages, layer, kv_lens, page_table, cu_q_lens, num_seqs, *, backend=None,
+                            interpret=False, tokens_per_block=16):
+    """The engine's packed step (jaxcb.batch) over its whole cache, without slicing a layer out.
+
+    q [T, H, D], sequence i's tokens at rows cu_q_lens[i]:cu_q_lens[i+1] (cu_q_lens [M+1], num_seqs
+    [1]); kv_pages [L, 2, K, P, S, D]; layer a scalar; kv_lens [M] (new tokens included); page_table
+    [M, N]. Returns [T, H, D] (rows past the live sequences: zeros).
+    """
+    t, h, d = q.shape
+    nl, _, nk, p, s, _ = kv_pages.shape
+    pool = kv_pages.reshape(nl * 2, nk, p, s, d)
+    kv_index = jnp.stack([2 * layer, 2 * layer + 1]).astype(jnp.int32)
+    kv_lens = kv_lens.astype(jnp.int32)
+    qb, where = qblocks.ragged_blocks(q, kv_lens, cu_q_lens.astype(jnp.int32), num_seqs.astype(jnp.int32), nk,
+                                      tokens_per_block)
+    out = _attend(qb, pool, pool, kv_index, kv_lens, page_table, scale=None, backend=backend,
+                  interpret=interpret, pages_per_tile=None, num_splits=None, decode=False)
+    return qblocks.ragged_unblock(out, where, h, qb.group_pad)

@@ -1,8 +1,8 @@
 import numpy as np
 import pytest
 
-from jaxcb.buckets import Buckets, RowSpec, bucket_for, pad_step
-from jaxcb.engine import reachable_shapes
+from jaxcb.batch import SeqSpec, StepShape, pack
+from jaxcb.buckets import Buckets, bucket_for
 from jaxcb.engine_config import load_config, make_config
 
 
@@ -35,22 +35,48 @@ def test_default_config_file_is_valid(tmp_path):
         load_config(str(tmp_path / "none.toml"))
 
 
-def test_padding_points_at_the_null_page():
-    rows = [RowSpec([11, 12, 13], 0, [5]), RowSpec([21], 17, [7, 9])]
-    b = pad_step(rows, 4, 4, 3, page_size=16)
-    assert b.token_ids.shape == (4, 4) and b.page_table.shape == (4, 3)
-    np.testing.assert_array_equal(b.slot_ids[0], [80, 81, 82, 0])  # page 5, then padding -> null page
-    assert b.slot_ids[1, 0] == 9 * 16 + 1  # position 17 -> second page, slot 1
-    np.testing.assert_array_equal(b.page_table[1], [7, 9, 0])
-    np.testing.assert_array_equal(b.kv_lens, [3, 18, 0, 0])
-    np.testing.assert_array_equal(b.logits_index, [2, 0, 0, 0])
-    assert (b.slot_ids[2:] == 0).all() and (b.page_table[2:] == 0).all()
-    assert b.num_rows == 2 and b.num_tokens == 4
+def test_packing_lays_sequences_on_one_token_axis():
+    # A decode token at position 17 (second page, slot 1) and a 3-token prefill chunk on page 5.
+    seqs = [SeqSpec([21], 17, [7, 9]), SeqSpec([11, 12, 13], 0, [5])]
+    b = pack(seqs, StepShape(tokens=8, seqs=4, pages_per_seq=3, history=48), page_size=16)
+    np.testing.assert_array_equal(b.token_ids, [21, 11, 12, 13, 0, 0, 0, 0])
+    np.testing.assert_array_equal(b.positions[:4], [17, 0, 1, 2])
+    np.testing.assert_array_equal(b.slot_ids, [9 * 16 + 1, 80, 81, 82, 0, 0, 0, 0])  # padding -> null page
+    np.testing.assert_array_equal(b.seq_ids, [0, 1, 1, 1, 4, 4, 4, 4])
+    np.testing.assert_array_equal(b.dense, [False, True, True, True, False, False, False, False])
+    np.testing.assert_array_equal(b.cu_q_lens, [0, 1, 4, 4, 4])
+    np.testing.assert_array_equal(b.kv_lens, [18, 3, 0, 0])
+    np.testing.assert_array_equal(b.last_token, [0, 3, 0, 0])
+    np.testing.assert_array_equal(b.page_table[:2], [[7, 9, 0], [5, 0, 0]])
+    assert (b.page_table[2:] == 0).all() and b.num_seqs[0] == 2
+    # Items: the decode sequence's two pages, then the prefill sequence's one; the rest padding.
+    np.testing.assert_array_equal(b.item_pages[:4], [7, 9, 5, 0])
+    np.testing.assert_array_equal(b.item_owner[:4], [0, 0, 1, 4])
+    np.testing.assert_array_equal(b.item_start[:3], [0, 16, 0])
+    np.testing.assert_array_equal(b.item_bounds, [2, 3])
+    assert b.item_pages.shape == (12,)
 
 
-def test_reachable_prefill_shapes_have_room_for_their_tokens():
-    buckets = Buckets((1, 2), (1, 4, 16), (16, 64))
-    shapes = list(reachable_shapes(buckets, page_size=16))
-    assert ("prefill", 1, 64, 1) not in shapes  # 17..64 tokens never fit one page
-    assert ("prefill", 1, 16, 1) in shapes and ("prefill", 1, 64, 4) in shapes
-    assert sum(s[0] == "decode" for s in shapes) == 6
+def test_packing_refuses_prefill_before_decode_and_overflow():
+    shape = StepShape(tokens=4, seqs=2, pages_per_seq=2, history=32)
+    with pytest.raises(AssertionError, match="decode sequences must come before"):
+        pack([SeqSpec([1, 2], 0, [3]), SeqSpec([4], 5, [6])], shape, page_size=16)
+    with pytest.raises(AssertionError, match="do not fit bucket"):
+        pack([SeqSpec([1, 2, 3, 4, 5], 0, [3])], shape, page_size=16)
+
+
+def test_shapes_are_the_token_buckets():
+    buckets = Buckets((1, 2, 4), (16,), (16, 64))
+    assert buckets.tokens == (1, 2, 4, 20, 68)  # decode steps, and max batch + each chunk size
+    shapes = buckets.shapes(page_size=16, max_context=256)
+    assert [s.tokens for s in shapes] == [1, 2, 4, 20, 68]
+    assert [s.seqs for s in shapes] == [1, 2, 4, 4, 4]
+    assert {s.pages_per_seq for s in shapes} == {16}
+    assert buckets.step_shape(5, 16, 256).tokens == 20
+    with pytest.raises(ValueError, match="step tokens: 69 is above the largest bucket 68"):
+        buckets.step_shape(69, 16, 256)
+
+
+def test_token_buckets_must_hold_a_full_step():
+    with pytest.raises(ValueError, match="buckets.tokens: the largest bucket is 40, but a step can hold 72"):
+        make_config(decode_batch=(1, 8), prefill_tokens=(64,), tokens=(1, 8, 40))

@@ -78,17 +78,15 @@ def test_hf_checkpoint_gives_the_logits_of_the_same_weights(tmp_path, tiny_model
 
 
 def test_hf_prefill_logits_match_exactly(tmp_path, tiny_model):
-    from jaxcb.buckets import pad_step
-    from jaxcb.model.llama import StepInput, forward
+    from jaxcb.batch import SeqSpec, StepShape, pack
+    from jaxcb.model.llama import forward
     from jaxcb.model.paged_attention import allocate_kv_pages
 
     config = tiny_model_config(tie_embeddings=False, attention_bias=True)
     weights = random_weights(config, seed=4)
     write_hf_dir(str(tmp_path), config, weights, tiny_model[2], "Qwen2ForCausalLM")
     _, params, _, _ = load_model(str(tmp_path), jnp.float32)
-    batch = pad_step([], 1, 16, 2, 16)
-    batch.token_ids[0, :5] = PROMPTS[0]
-    step = StepInput(**{k: jnp.asarray(getattr(batch, k)) for k in StepInput.__dataclass_fields__})
+    step = pack([SeqSpec(list(PROMPTS[0]), 0, [1])], StepShape(16, 1, 2, 32), 16)
     pages = lambda: allocate_kv_pages(config.num_layers, config.num_kv_heads, 4, 16, config.head_dim, jnp.float32)  # noqa: E731
     _, a = forward(params, pages(), step, config)
     _, b = forward(params_from_numpy(weights), pages(), step, config)

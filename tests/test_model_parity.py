@@ -4,10 +4,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxcb.buckets import RowSpec, pad_step
+from jaxcb.batch import SeqSpec, StepShape, pack
 from jaxcb.engine_config import make_config
 from jaxcb.llm import LLM
-from jaxcb.model.llama import StepInput, forward
+from jaxcb.model.llama import forward
 from jaxcb.model.paged_attention import allocate_kv_pages
 from jaxcb.request import SamplingParams
 
@@ -26,9 +26,8 @@ def test_prefill_logits_match_reference(smollm2_model, golden):
         ids = rec["prompt_ids"]
         # Pages out of order on purpose: the page table, not contiguity, decides where tokens live.
         pages = [7, 3, 5, 1][: -(-len(ids) // page_size)]
-        batch = pad_step([RowSpec(ids, 0, pages)], 1, 64, 4, page_size)
-        kv, logits = step(params, kv, StepInput(**{k: jnp.asarray(getattr(batch, k)) for k in StepInput.__dataclass_fields__}),
-                          config=cfg)
+        batch = pack([SeqSpec(ids, 0, pages)], StepShape(64, 1, 4, 64), page_size)
+        kv, logits = step(params, kv, batch, config=cfg)
         got = np.asarray(logits[0])
         rel = np.linalg.norm(got - ref) / np.linalg.norm(ref)
         worst = max(worst, rel)

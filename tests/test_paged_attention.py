@@ -91,3 +91,45 @@ def test_donated_kv_write_updates_the_pool_in_place(tokens):
     pool_bytes = 2 * 2 * 2 * 512 * 16 * 64 * 4
     assert memory.alias_size_in_bytes == pool_bytes
     assert memory.temp_size_in_bytes < pool_bytes // 100
+
+
+@pytest.mark.parametrize("page_size,heads,kv_heads", [(4, 4, 4), (16, 6, 2), (8, 8, 1)])
+def test_ragged_attention_matches_dense_on_a_mixed_step(page_size, heads, kv_heads):
+    """The engine's CPU attention over a packed step: decode rows at awkward lengths and prefill chunks
+    (a whole prompt, one starting mid-page, one starting on a page boundary), padding tokens, pages in
+    random order, NaN in every slot nobody wrote; against dense causal attention."""
+    import jax
+
+    from jaxcb.batch import SeqSpec, StepShape, pack
+    from jaxcb.model.paged_attention import ragged_attention
+
+    rng = np.random.default_rng(page_size + heads)
+    d, n_max, layers, layer = 8, 7, 2, 1
+    s = page_size
+    # (context before this step, new tokens): decode rows first, then prefill chunks.
+    seqs = [(0, 1), (s - 2, 1), (s - 1, 1), (s, 1), (n_max * s - 1, 1), (0, 2 * s + 3), (s + 3, s), (2 * s, 5)]
+    num_pages = 1 + sum(-(-(c + n) // s) for c, n in seqs) + 4
+    kv = np.full((layers, 2, kv_heads, num_pages, s, d), np.nan, np.float32)
+    perm = iter(rng.permutation(np.arange(1, num_pages)))
+    specs, qs, want = [], [], []
+    for ctx, n in seqs:
+        total = ctx + n
+        pages = [int(next(perm)) for _ in range(-(-total // s))]
+        k = rng.standard_normal((total, kv_heads, d)).astype(np.float32)
+        v = rng.standard_normal((total, kv_heads, d)).astype(np.float32)
+        for pos in range(total):  # the step's own tokens are written before attention runs
+            kv[layer, 0, :, pages[pos // s], pos % s] = k[pos]
+            kv[layer, 1, :, pages[pos // s], pos % s] = v[pos]
+        q = rng.standard_normal((n, heads, d)).astype(np.float32)
+        specs.append(SeqSpec([0] * n, ctx, pages))
+        qs.append(q)
+        want.append(dense_attention(q, k, v, np.arange(ctx, total), total))
+    live = sum(n for _, n in seqs)
+    batch = pack(specs, StepShape(tokens=live + 5, seqs=len(seqs) + 2, pages_per_seq=n_max, history=n_max * s), s)
+    q = np.zeros((live + 5, heads, d), np.float32)
+    q[:live] = np.concatenate(qs)
+    batch = jax.tree_util.tree_map(jnp.asarray, batch)
+    got = np.asarray(jax.jit(ragged_attention)(jnp.asarray(q), jnp.asarray(kv), jnp.int32(layer), batch))
+    assert np.isfinite(got).all(), "NaN from unwritten slots reached the output"
+    np.testing.assert_allclose(got[:live], np.concatenate(want), rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(got[live:], 0)

@@ -4,9 +4,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxcb.buckets import SamplingRow, pad_sampling
+from jaxcb.batch import SamplingRow, StepShape, pack_sampling
 from jaxcb.request import SamplingParams
-from jaxcb.sampling import SamplingInput, sample
+from jaxcb.sampling import sample
 
 sample_jit = jax.jit(sample)
 
@@ -14,8 +14,7 @@ sample_jit = jax.jit(sample)
 def inputs(params_list, seeds=None, prompts=None, outputs=None, window=16):
     rows = [SamplingRow(p, (seeds or [0] * len(params_list))[i], (prompts or [[]] * len(params_list))[i],
                         (outputs or [[]] * len(params_list))[i]) for i, p in enumerate(params_list)]
-    padded = pad_sampling(rows, len(rows), window)
-    return SamplingInput(**{k: jnp.asarray(getattr(padded, k)) for k in SamplingInput.__dataclass_fields__})
+    return pack_sampling(rows, StepShape(tokens=len(rows), seqs=len(rows), pages_per_seq=1, history=window))
 
 
 def test_greedy_and_logprobs():

@@ -1,6 +1,9 @@
-"""Llama in JAX over the paged KV cache: one pure step function for prefill and decode alike.
+"""Llama in JAX over the paged KV cache: one pure step function over a packed batch of tokens.
 
     kv_pages, logits = forward(params, kv_pages, batch, config)
+
+`batch` (jaxcb.batch.StepInput) packs decode tokens and prefill chunks of many sequences on one token
+axis; every matmul runs once over all of them, attention reads each sequence's own pages.
 
 The per-layer weights are stacked on a leading axis and the layers run under `jax.lax.scan`, so
 compile time does not grow with depth. The KV pages travel through the scan as part of the carry
@@ -17,16 +20,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxcb.batch import StepInput
 from jaxcb.model.config import ModelConfig
-from jaxcb.model.paged_attention import attend, gather_kv, write_kv
-from kernels_pallas import engine_attention
+from jaxcb.model.paged_attention import ragged_attention, write_kv
+from kernels_pallas import engine_ragged_attention
 
 
 @dataclasses.dataclass(frozen=True)
 class Attention:
     """Which attention the step runs (a static argument: each choice is its own program)."""
 
-    kernel: str = "xla"  # "xla": gather pages + plain JAX; "gpu" | "tpu": the Pallas kernels
+    kernel: str = "xla"  # "xla": plain JAX; "gpu" | "tpu": the Pallas kernels; "none": skipped (profiling only)
     interpret: bool = False  # run the Pallas kernel in interpret mode (the CPU)
 
 
@@ -56,16 +60,16 @@ class Params:
     layers: LayerParams
 
 
-@flax.struct.dataclass
-class StepInput:
-    """One padded step: B sequences with T new tokens each (T = 1 for decode)."""
+def _register(cls):
+    """The host-side batch types (plain dataclasses, no JAX) as pytrees of arrays."""
+    if cls not in _REGISTERED:
+        jax.tree_util.register_dataclass(cls, data_fields=[f.name for f in dataclasses.fields(cls)], meta_fields=[])
+        _REGISTERED.add(cls)
+    return cls
 
-    token_ids: jax.Array  # int32 [B, T]
-    positions: jax.Array  # int32 [B, T], position of each token in its sequence
-    slot_ids: jax.Array  # int32 [B, T], flat KV slot to write (null page for padding)
-    page_table: jax.Array  # int32 [B, N]
-    kv_lens: jax.Array  # int32 [B], context length once this step's tokens are written
-    logits_index: jax.Array  # int32 [B], which of the T tokens to return logits for
+
+_REGISTERED: set = set()
+_register(StepInput)
 
 
 def params_from_numpy(weights: dict[str, np.ndarray], dtype=jnp.float32) -> Params:
@@ -115,11 +119,11 @@ def rms_norm(x, weight, eps):
 
 
 def rotary(x, positions, theta):
-    """Rotate-half rotary embedding. x [B, T, heads, D]; positions int32 [B, T]."""
+    """Rotate-half rotary embedding. x [..., heads, D]; positions int32 [...]."""
     d = x.shape[-1]
     inv_freq = 1.0 / (theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
-    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, D/2]
-    angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [..., D/2]
+    angles = jnp.concatenate([angles, angles], axis=-1)[..., None, :]
     cos, sin = jnp.cos(angles), jnp.sin(angles)
     x32 = x.astype(jnp.float32)
     half = d // 2
@@ -128,25 +132,25 @@ def rotary(x, positions, theta):
 
 
 def _layer(config: ModelConfig, attention: Attention, batch: StepInput, h, kv_pages, layer_index, w: LayerParams):
-    b, t, _ = h.shape
+    t, _ = h.shape
     nh, nk, d = config.num_heads, config.num_kv_heads, config.head_dim
     x = rms_norm(h, w.attn_norm, config.rms_norm_eps)
     q, k, v = x @ w.wq, x @ w.wk, x @ w.wv
     if w.bq is not None:
         q, k, v = q + w.bq, k + w.bk, v + w.bv
-    q, k, v = q.reshape(b, t, nh, d), k.reshape(b, t, nk, d), v.reshape(b, t, nk, d)
+    q, k, v = q.reshape(t, nh, d), k.reshape(t, nk, d), v.reshape(t, nk, d)
     q = rotary(q, batch.positions, config.rope_theta)
     k = rotary(k, batch.positions, config.rope_theta)
 
-    kv_pages = write_kv(kv_pages, layer_index, k.reshape(b * t, nk, d), v.reshape(b * t, nk, d),
-                        batch.slot_ids.reshape(b * t))
+    kv_pages = write_kv(kv_pages, layer_index, k, v, batch.slot_ids)
     if attention.kernel == "xla":
-        keys, values = gather_kv(kv_pages, layer_index, batch.page_table)
-        attn = attend(q, keys, values, batch.kv_lens, batch.positions, mask_values=False)
-    else:  # each row's new tokens come first: logits_index + 1 of them
-        attn = engine_attention(q, kv_pages, layer_index, batch.kv_lens, batch.logits_index + 1,
-                                batch.page_table, backend=attention.kernel, interpret=attention.interpret)
-    h = h + attn.reshape(b, t, nh * d) @ w.wo
+        attn = ragged_attention(q, kv_pages, layer_index, batch)
+    elif attention.kernel == "none":  # bench/step.py: the step's cost without attention
+        attn = q
+    else:  # the ragged Pallas kernel over the whole cache, one call for the step's every sequence
+        attn = engine_ragged_attention(q, kv_pages, layer_index, batch.kv_lens, batch.page_table, batch.cu_q_lens,
+                                       batch.num_seqs, backend=attention.kernel, interpret=attention.interpret)
+    h = h + attn.reshape(t, nh * d) @ w.wo
 
     x = rms_norm(h, w.mlp_norm, config.rms_norm_eps)
     h = h + (jax.nn.silu(x @ w.w_gate) * (x @ w.w_up)) @ w.w_down
@@ -155,8 +159,9 @@ def _layer(config: ModelConfig, attention: Attention, batch: StepInput, h, kv_pa
 
 def forward(params: Params, kv_pages: jax.Array, batch: StepInput, config: ModelConfig,
             attention: Attention = Attention()):
-    """Returns (kv_pages with this step's K/V written, logits [B, V] in float32)."""
-    h = params.embed[batch.token_ids]  # [B, T, E]
+    """One packed step. Returns (kv_pages with this step's K/V written, logits [M, V] in float32 of each
+    sequence's last token)."""
+    h = params.embed[batch.token_ids]  # [T, E]
 
     def body(carry, xs):
         h, kv_pages = carry
@@ -165,8 +170,7 @@ def forward(params: Params, kv_pages: jax.Array, batch: StepInput, config: Model
 
     layer_ids = jnp.arange(config.num_layers, dtype=jnp.int32)
     (h, kv_pages), _ = jax.lax.scan(body, (h, kv_pages), (layer_ids, params.layers))
-    last = jnp.take_along_axis(h, batch.logits_index[:, None, None], axis=1)[:, 0]  # [B, E]
-    last = rms_norm(last, params.final_norm, config.rms_norm_eps)
+    last = rms_norm(h[batch.last_token], params.final_norm, config.rms_norm_eps)  # [M, E]
     head = params.embed.T if params.lm_head is None else params.lm_head
     logits = jnp.dot(last, head, preferred_element_type=jnp.float32)
     return kv_pages, logits

@@ -107,3 +107,108 @@ def paged_attention_reference(q, k_pages, v_pages, page_table, kv_lens, q_positi
     pool = jnp.stack([k_pages, v_pages])[None]  # [1, 2, K, P, S, D]
     k, v = gather_kv(pool, jnp.int32(0), page_table)
     return attend(q, k, v, kv_lens, q_positions, scale, mask_values=True)
+
+
+def _blocks_for(num_seqs: int) -> int:
+    """Pages per loop iteration of the decode attention: larger blocks amortise the loop (measured on
+    the CPU: 256 pages a block ran 2x faster than 16 at 32 rows x 512 tokens); at most one partial
+    block per layer is wasted, so small steps take small blocks."""
+    return int(min(256, max(16, 8 * num_seqs)))
+
+
+PREFILL_BLOCK_PAGES = 16  # pages (keys) per loop iteration of the prefill attention: a 256-key GEMM
+
+
+def ragged_attention(q, kv_pages, layer, batch):
+    """Causal attention of a packed step over the paged cache, in plain JAX (the CPU path).
+
+    q [T, H, D]; kv_pages [L, 2, K, P, S, D]; layer a scalar; batch a jaxcb.batch.StepInput. Returns
+    [T, H, D] (padding tokens: zeros).
+
+    The cost follows what the context holds, not rows x the longest row. Attention loops over the
+    step's page items (one per live page of every sequence) in blocks, with a trip count read from
+    the batch, so padding costs nothing; each block gathers its pages straight from the pool, so no
+    [rows, context] copy of the cache is ever made (that copy, written and read back, was what made the
+    padded formulation slow on the CPU). Two sub-computations:
+      - decode tokens (one per sequence): per block, each page's scores against its own sequence's
+        query, combined per sequence with an online softmax (segment max / sum over the owners);
+      - prefill tokens: every token of the step against blocks of the prefill sequences' pages, as
+        two GEMMs per block, masked to the token's own sequence and causally, online softmax.
+    """
+    t, h, d = q.shape
+    nl, two, nk, p, s, _ = kv_pages.shape
+    g = h // nk
+    m = batch.kv_lens.shape[0]
+    w = batch.item_pages.shape[0]
+    qg = (q.astype(jnp.float32) * (1.0 / d**0.5)).reshape(t, nk, g, d)
+    pool = kv_pages.reshape(nl * two * nk * p, s, d)
+    heads = jnp.arange(nk, dtype=jnp.int32)[:, None] * p
+    k_base, v_base = (2 * layer) * nk * p, (2 * layer + 1) * nk * p
+    n_decode, n_items = batch.item_bounds[0], batch.item_bounds[1]
+
+    def gather(base, ids):  # [K, B, S, D] straight from the pool
+        return pool[base + heads + ids[None, :]].astype(jnp.float32)
+
+    # ---- decode: one query per sequence (its last token), page by page ----
+    wb = _blocks_for(m)
+    pad = lambda x, v: jnp.concatenate([x, jnp.full((wb,), v, x.dtype)])  # noqa: E731 - room for the last block
+    pages, owner, first = pad(batch.item_pages, NULL_PAGE), pad(batch.item_owner, m), pad(batch.item_start, 0)
+    q_last = jnp.concatenate([qg[batch.last_token], jnp.zeros((1, nk, g, d), jnp.float32)])  # [M+1, K, G, D]
+    kv_lens = jnp.concatenate([batch.kv_lens, jnp.zeros((1,), batch.kv_lens.dtype)])
+
+    def decode_block(i, carry):
+        mx, den, acc = carry  # [M+1, K, G], [M+1, K, G], [M+1, K, G, D]
+        off = i * wb
+        ids = jax.lax.dynamic_slice(pages, (off,), (wb,))
+        own = jax.lax.dynamic_slice(owner, (off,), (wb,))
+        own = jnp.where(off + jnp.arange(wb) < n_decode, own, m)  # prefill items and padding: dropped
+        pos = jax.lax.dynamic_slice(first, (off,), (wb,))[:, None] + jnp.arange(s)[None, :]  # [B, S]
+        valid = (pos < kv_lens[own][:, None])[:, None, None, :]  # [B, 1, 1, S]
+        scores = jnp.einsum("kbsd,bkgd->bkgs", gather(k_base, ids), q_last[own])
+        scores = jnp.where(valid, scores, _MASKED)
+        new_mx = jnp.maximum(mx, jax.ops.segment_max(scores.max(-1), own, num_segments=m + 1))
+        e = jnp.where(valid, jnp.exp(scores - new_mx[own][..., None]), 0.0)
+        keep = jnp.exp(mx - new_mx)
+        den = den * keep + jax.ops.segment_sum(e.sum(-1), own, num_segments=m + 1)
+        values = jnp.where(valid[:, 0, 0][None, :, :, None], gather(v_base, ids), 0.0)  # unwritten slots: 0
+        part = jnp.einsum("bkgs,kbsd->bkgd", e, values)
+        acc = acc * keep[..., None] + jax.ops.segment_sum(part, own, num_segments=m + 1)
+        return new_mx, den, acc
+
+    init = (jnp.full((m + 1, nk, g), _MASKED, jnp.float32), jnp.zeros((m + 1, nk, g), jnp.float32),
+            jnp.zeros((m + 1, nk, g, d), jnp.float32))
+    _, den, acc = jax.lax.fori_loop(0, (n_decode + wb - 1) // wb, decode_block, init)
+    decoded = acc / jnp.where(den > 0, den, 1.0)[..., None]  # [M+1, K, G, D]
+
+    # ---- prefill: all tokens against blocks of the prefill sequences' pages ----
+    pb = PREFILL_BLOCK_PAGES
+    pages_p = jnp.concatenate([batch.item_pages, jnp.full((pb,), NULL_PAGE, jnp.int32)])
+    owner_p = jnp.concatenate([batch.item_owner, jnp.full((pb,), m, jnp.int32)])
+    first_p = jnp.concatenate([batch.item_start, jnp.zeros((pb,), jnp.int32)])
+
+    def prefill_block(i, carry):
+        mx, den, acc = carry  # [T, K, G], [T, K, G], [T, K, G, D]
+        off = n_decode + i * pb
+        ids = jax.lax.dynamic_slice(pages_p, (off,), (pb,))
+        own = jnp.where(off + jnp.arange(pb) < n_items, jax.lax.dynamic_slice(owner_p, (off,), (pb,)), -1)
+        pos = jax.lax.dynamic_slice(first_p, (off,), (pb,))[:, None] + jnp.arange(s)[None, :]  # [B, S]
+        own_c, pos_c = jnp.repeat(own, s), pos.reshape(-1)  # [C]
+        valid = (own_c[None, :] == batch.seq_ids[:, None]) & (pos_c[None, :] <= batch.positions[:, None])
+        valid = valid[:, None, None, :]  # [T, 1, 1, C]
+        keys = gather(k_base, ids).reshape(nk, pb * s, d)
+        scores = jnp.where(valid, jnp.einsum("tkgd,kcd->tkgc", qg, keys), _MASKED)
+        new_mx = jnp.maximum(mx, scores.max(-1))
+        e = jnp.where(valid, jnp.exp(scores - new_mx[..., None]), 0.0)
+        keep = jnp.exp(mx - new_mx)
+        written = (pos < kv_lens[jnp.where(own >= 0, own, m)][:, None]).reshape(-1)  # [C]
+        values = jnp.where(written[None, :, None], gather(v_base, ids).reshape(nk, pb * s, d), 0.0)
+        acc = acc * keep[..., None] + jnp.einsum("tkgc,kcd->tkgd", e, values)
+        return new_mx, den * keep + e.sum(-1), acc
+
+    init = (jnp.full((t, nk, g), _MASKED, jnp.float32), jnp.zeros((t, nk, g), jnp.float32),
+            jnp.zeros((t, nk, g, d), jnp.float32))
+    _, pden, pacc = jax.lax.fori_loop(0, (n_items - n_decode + pb - 1) // pb, prefill_block, init)
+    prefilled = pacc / jnp.where(pden > 0, pden, 1.0)[..., None]  # [T, K, G, D]
+
+    out = jnp.where(batch.dense[:, None, None, None], prefilled, decoded[jnp.minimum(batch.seq_ids, m)])
+    return out.reshape(t, h, d).astype(q.dtype)

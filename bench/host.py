@@ -1,0 +1,113 @@
+"""Host time per engine step, with the device replaced by a stub.
+
+    .venv/bin/python bench/host.py [--running 32 64 256] [--steps 200] [--sleep-ms 5]
+
+The engine runs its real host side (inbox, scheduler, page pool, prefix cache, packing, output
+processing with the SmolLM2 tokenizer's detokenizer) over a stub runner that returns sampled tokens at
+once: the time per step is then all host. With `--sleep-ms`, the stub's results become ready that many
+milliseconds after dispatch (a device busy for that long): the step time over (sleep + host) tells how
+much of the host work the engine hides behind the device (0% when it is serial).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from common import machine  # noqa: E402
+
+
+@dataclasses.dataclass
+class _Out:
+    token_ids: np.ndarray
+    logprobs: np.ndarray
+    top_ids: np.ndarray
+    top_logprobs: np.ndarray
+    ready_at: float
+
+
+class StubRunner:
+    """Stands in for ModelRunner: random tokens, ready `sleep_s` after dispatch."""
+
+    def __init__(self, config, vocab: int, sleep_s: float = 0.0):
+        self.config = config
+        self.vocab = vocab
+        self.sleep_s = sleep_s
+        self.rng = np.random.default_rng(0)
+
+    def run(self, batch, sampling, shape):
+        m = shape.seqs
+        return _Out(self.rng.integers(100, self.vocab - 100, m).astype(np.int32), np.zeros(m, np.float32),
+                    np.zeros((m, 20), np.int32), np.zeros((m, 20), np.float32), time.perf_counter() + self.sleep_s)
+
+    def fetch(self, out):
+        wait = out.ready_at - time.perf_counter()
+        if wait > 0:
+            time.sleep(wait)
+        return out
+
+    def compile(self, shape):
+        pass
+
+    def reset_kv_if_lost(self):
+        return False
+
+
+def measure(model_config, tokenizer, running: int, steps: int, sleep_s: float) -> dict:
+    from jaxcb.engine import Engine
+    from jaxcb.engine_config import make_config
+    from jaxcb.request import SamplingParams
+
+    batch = tuple(b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512) if b < running) + (running,)
+    config = make_config(num_pages=running * 64 + 1, max_context=1024, decode_batch=batch,
+                         prefill_tokens=(64, 128, 256, 512))
+    engine = Engine(StubRunner(model_config, model_config.vocab_size, sleep_s), tokenizer, config)
+    rng = np.random.default_rng(1)
+    for _ in range(running):  # long outputs: the batch stays full for the whole measurement
+        engine.add_request(rng.integers(100, 5000, int(rng.integers(16, 200))).tolist(),
+                           SamplingParams(max_tokens=900, ignore_eos=True))
+    while engine.stats().running < running or engine.scheduler.waiting:  # admission and prefill first
+        engine.step()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    per_step = (time.perf_counter() - t0) / steps
+    for rid in list(engine._requests):
+        engine.abort(rid)
+    engine.run_until_done()
+    return {"running": running, "sleep_ms": sleep_s * 1000, "step_ms": round(per_step * 1000, 3)}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--running", type=int, nargs="+", default=[32, 64, 256])
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--sleep-ms", type=float, default=5.0)
+    args = ap.parse_args()
+    from jaxcb.llm import load_model
+
+    model_config, _, tokenizer, _ = load_model()
+    print(f"machine: {machine()}; host side of the engine, device replaced by a stub")
+    results = []
+    for n in args.running:
+        host = measure(model_config, tokenizer, n, args.steps, 0.0)
+        slept = measure(model_config, tokenizer, n, args.steps, args.sleep_ms / 1000)
+        hidden = 1 - (slept["step_ms"] - args.sleep_ms) / host["step_ms"]
+        results.append({"running": n, "host_ms_per_step": host["step_ms"],
+                        f"step_ms_with_{args.sleep_ms:g}ms_device": slept["step_ms"],
+                        "host_hidden_fraction": round(hidden, 3)})
+        print(f"{n:4d} running: host {host['step_ms']:.3f} ms/step; with a {args.sleep_ms:g} ms device "
+              f"{slept['step_ms']:.3f} ms/step -> {max(hidden, 0):.0%} of the host work hidden", flush=True)
+    print(json.dumps({"machine": machine(), "results": results}))
+
+
+if __name__ == "__main__":
+    main()
