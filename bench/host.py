@@ -73,7 +73,7 @@ def measure(model_config, tokenizer, running: int, steps: int, sleep_s: float) -
     rng = np.random.default_rng(1)
     for _ in range(running):  # long outputs: the batch stays full for the whole measurement
         engine.add_request(rng.integers(100, 5000, int(rng.integers(16, 200))).tolist(),
-                           SamplingParams(max_tokens=900, ignore_eos=True))
+                           SamplingParams(max_tokens=800, ignore_eos=True))
     while engine.stats().running < running or engine.scheduler.waiting:  # admission and prefill first
         engine.step()
     t0 = time.perf_counter()
