@@ -184,6 +184,6 @@ class ModelRunner:
         return out
 
     @staticmethod
-    def fetch(outputs: list[SampleOutput]) -> list[SampleOutput]:
-        """The one device-to-host copy of a step: every dispatched output at once."""
+    def fetch(outputs: SampleOutput) -> SampleOutput:
+        """The one device-to-host copy of a step."""
         return jax.device_get(outputs)

@@ -14,10 +14,10 @@ import jax
 import jax.numpy as jnp
 
 from jaxcb.batch import SamplingInput
-from jaxcb.model.llama import _register
+from jaxcb.model.llama import register_pytree
 
 NUM_TOP_LOGPROBS = 20  # returned for every row; the host keeps each request's top-n
-_register(SamplingInput)
+register_pytree(SamplingInput)
 
 
 @flax.struct.dataclass

@@ -60,16 +60,13 @@ class Params:
     layers: LayerParams
 
 
-def _register(cls):
-    """The host-side batch types (plain dataclasses, no JAX) as pytrees of arrays."""
-    if cls not in _REGISTERED:
-        jax.tree_util.register_dataclass(cls, data_fields=[f.name for f in dataclasses.fields(cls)], meta_fields=[])
-        _REGISTERED.add(cls)
+def register_pytree(cls):
+    """Make a host-side batch type (a plain dataclass, no JAX) a pytree of arrays; once per type."""
+    jax.tree_util.register_dataclass(cls, data_fields=[f.name for f in dataclasses.fields(cls)], meta_fields=[])
     return cls
 
 
-_REGISTERED: set = set()
-_register(StepInput)
+register_pytree(StepInput)
 
 
 def params_from_numpy(weights: dict[str, np.ndarray], dtype=jnp.float32) -> Params:

@@ -150,8 +150,9 @@ def ragged_attention(q, kv_pages, layer, batch):
         return pool[base + heads + ids[None, :]].astype(jnp.float32)
 
     # ---- decode: one query per sequence (its last token), page by page ----
-    wb = _blocks_for(m)
-    pad = lambda x, v: jnp.concatenate([x, jnp.full((wb,), v, x.dtype)])  # noqa: E731 - room for the last block
+    wb, pb = _blocks_for(m), PREFILL_BLOCK_PAGES
+    # Room past the last item for either loop's last block (dynamic_slice would shift a block that overhangs).
+    pad = lambda x, v: jnp.concatenate([x, jnp.full((max(wb, pb),), v, x.dtype)])  # noqa: E731
     pages, owner, first = pad(batch.item_pages, NULL_PAGE), pad(batch.item_owner, m), pad(batch.item_start, 0)
     q_last = jnp.concatenate([qg[batch.last_token], jnp.zeros((1, nk, g, d), jnp.float32)])  # [M+1, K, G, D]
     kv_lens = jnp.concatenate([batch.kv_lens, jnp.zeros((1,), batch.kv_lens.dtype)])
@@ -181,17 +182,13 @@ def ragged_attention(q, kv_pages, layer, batch):
     decoded = acc / jnp.where(den > 0, den, 1.0)[..., None]  # [M+1, K, G, D]
 
     # ---- prefill: all tokens against blocks of the prefill sequences' pages ----
-    pb = PREFILL_BLOCK_PAGES
-    pages_p = jnp.concatenate([batch.item_pages, jnp.full((pb,), NULL_PAGE, jnp.int32)])
-    owner_p = jnp.concatenate([batch.item_owner, jnp.full((pb,), m, jnp.int32)])
-    first_p = jnp.concatenate([batch.item_start, jnp.zeros((pb,), jnp.int32)])
 
     def prefill_block(i, carry):
         mx, den, acc = carry  # [T, K, G], [T, K, G], [T, K, G, D]
         off = n_decode + i * pb
-        ids = jax.lax.dynamic_slice(pages_p, (off,), (pb,))
-        own = jnp.where(off + jnp.arange(pb) < n_items, jax.lax.dynamic_slice(owner_p, (off,), (pb,)), -1)
-        pos = jax.lax.dynamic_slice(first_p, (off,), (pb,))[:, None] + jnp.arange(s)[None, :]  # [B, S]
+        ids = jax.lax.dynamic_slice(pages, (off,), (pb,))
+        own = jnp.where(off + jnp.arange(pb) < n_items, jax.lax.dynamic_slice(owner, (off,), (pb,)), -1)
+        pos = jax.lax.dynamic_slice(first, (off,), (pb,))[:, None] + jnp.arange(s)[None, :]  # [B, S]
         own_c, pos_c = jnp.repeat(own, s), pos.reshape(-1)  # [C]
         valid = (own_c[None, :] == batch.seq_ids[:, None]) & (pos_c[None, :] <= batch.positions[:, None])
         valid = valid[:, None, None, :]  # [T, 1, 1, C]
