@@ -1,12 +1,17 @@
 """Continuous vs static batching on a mixed workload, SmolLM2 on this machine.
 
-    .venv/bin/python bench/engine.py [--requests 32] [--max-batch 32] [--sweep] [--plot bench/throughput.png]
+    .venv/bin/python bench/engine.py [--requests 32] [--max-batch 32] [--trials 3] [--sweep] [--plot bench/throughput.png]
+        [--peer BIN [--peer-slots 8]]
 
 Workload: prompt lengths log-normal (median 75, clipped to 8..384), output lengths log-normal (median 45,
 clipped to 4..192), EOS ignored, all requests submitted at once. Both modes run on the same engine,
 after one warm-up that compiles every bucket, in the same process. Prints useful output tokens/s for
 each mode and their ratio next to the ideal ratio (static slot-steps over useful tokens), the share of
 the compute limit, compilations after warm-up, padding fraction, page utilisation and host-wait fraction.
+
+With --peer (llama.cpp's `llama-server`, built by ../shared/peers/build-llama-server.sh), each trial also
+sends the same requests (token ids, greedy, EOS ignored, all at once) to that server through
+../shared/peers/llama_server_bench.py, interleaved with jaxcb's runs, and prints the ratio of the medians.
 """
 
 from __future__ import annotations
@@ -14,7 +19,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -56,6 +63,25 @@ def run(engine, prompts, output_lens):
     }
 
 
+PEER_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared", "peers",
+                           "llama_server_bench.py")
+
+
+def run_peer(server: str, script: str, prompts, output_lens, slots: int) -> dict:
+    """The same requests through llama.cpp's server: useful output tokens/s (its own JSON line)."""
+    with tempfile.NamedTemporaryFile("w", suffix=".jsonl", delete=False) as f:
+        for p, n in zip(prompts, output_lens):
+            f.write(json.dumps({"prompt_token_ids": p, "max_tokens": int(n)}) + "\n")
+    try:
+        out = subprocess.run([sys.executable, script, "--server", server, "--input", f.name, "--slots", str(slots)],
+                             capture_output=True, text=True, check=True, timeout=3600)
+    finally:
+        os.unlink(f.name)
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    result["wall_s"] = result["seconds"]
+    return result
+
+
 def ideal_ratio(output_lens, max_batch):
     """Static slot-steps over useful tokens: each batch of max_batch decodes as long as its longest."""
     slot_steps = sum(len(output_lens[i:i + max_batch]) * max(output_lens[i:i + max_batch])
@@ -75,6 +101,9 @@ def main():
     ap.add_argument("--sweep", action="store_true", help="also measure continuous throughput per max batch size")
     ap.add_argument("--plot", default=None, help="PNG of throughput against batch size (needs --sweep)")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--peer", default=None, help="llama-server binary: run the same requests through it, interleaved")
+    ap.add_argument("--peer-script", default=PEER_SCRIPT)
+    ap.add_argument("--peer-slots", type=int, default=8)
     args = ap.parse_args()
 
     from jaxcb.engine import Engine
@@ -98,10 +127,12 @@ def main():
     warmup_s = time.perf_counter() - t0
     prompts, output_lens = workload(args.requests, args.seed, model_config.vocab_size)
 
-    trials = {"continuous": [], "static": []}
+    trials = {"continuous": [], "static": []} | ({"peer": []} if args.peer else {})
     for _ in range(args.trials):
         trials["continuous"].append(run(engine(max_running=args.max_batch), prompts, output_lens))
         trials["static"].append(run(engine(max_running=args.max_batch, static=True), prompts, output_lens))
+        if args.peer:
+            trials["peer"].append(run_peer(args.peer, args.peer_script, prompts, output_lens, args.peer_slots))
     median = lambda runs: sorted(runs, key=lambda r: r["wall_s"])[len(runs) // 2]  # noqa: E731
     cont, stat = median(trials["continuous"]), median(trials["static"])
     rate = matmul_flops_per_s()
@@ -130,6 +161,13 @@ def main():
               f"preemptions {r['preemptions']}")
     print(f"continuous / static: {result['ratio']:.2f}x (ideal {result['ideal_ratio']:.2f}x); "
           f"median of {args.trials} interleaved runs each, walls {result['walls_s']}")
+    if args.peer:
+        peer = median(trials["peer"])
+        result["peer"] = peer
+        result["ratio_to_peer"] = round(cont["output_tokens_per_s"] / peer["output_tokens_per_s"], 3)
+        print(f"{'peer':>10}: {peer['output_tokens_per_s']:7.1f} useful output tokens/s  wall {peer['wall_s']:.1f} s  "
+              f"({peer['peer']}, its GGUF as shipped)")
+        print(f"continuous / peer: {result['ratio_to_peer']:.2f}x (medians of {args.trials} interleaved runs)")
     print(f"compute limit: {rate / 1e9:.0f} GFLOP/s / {model_config.flops_per_token(int(mean_context)) / 1e9:.3f} GFLOP per "
           f"token = {limit_tokens_per_s:.0f} tokens/s; continuous ran (prompt + output) tokens at "
           f"{result['fraction_of_compute_limit']:.1%} of it")

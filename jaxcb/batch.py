@@ -10,6 +10,10 @@ For the plain-JAX attention on the CPU the step also carries a flat list of *ite
 of every sequence (decode sequences' pages first, then the prefill sequences'), so that attention loops
 over the pages the context holds, not over rows x the longest row (see model.paged_attention).
 
+With async scheduling a decode token may not be on the host yet (the step in flight samples it): its
+slot holds a placeholder and `src_rows` names the row of the previous step's output that the jitted
+step reads it from; `SamplingInput.pending_col` likewise fills its place in the penalties' history.
+
 Plain numpy, no JAX: `StepInput` and `SamplingInput` are registered as pytrees by the device side.
 Packing is vectorised: no Python loop runs per token.
 """
@@ -28,6 +32,7 @@ class StepInput:
     """One packed step (T tokens, M sequence slots, N pages per sequence, W page items)."""
 
     token_ids: np.ndarray  # i32 [T]
+    src_rows: np.ndarray  # i32 [T], -1, or the row of the previous step's sampled tokens this token is
     positions: np.ndarray  # i32 [T], position of each token in its sequence
     slot_ids: np.ndarray  # i32 [T], flat KV slot to write (null page for padding)
     seq_ids: np.ndarray  # i32 [T], the token's sequence; M for padding
@@ -63,6 +68,8 @@ class SamplingInput:
     history_ids: np.ndarray  # i32 [M, C], the sequence's tokens so far (prompt and output), -1 padded
     history_is_output: np.ndarray  # bool [M, C], which of them are output tokens
     logprobs: np.ndarray  # i32 [M], top-n logprobs wanted (0 = none)
+    pending_col: np.ndarray  # i32 [M], history column of the row's input token when the host does
+    #                          not know it yet (it comes from the previous step on the device); -1 none
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,6 +93,7 @@ class SeqSpec:
     token_ids: list[int]
     start: int
     page_ids: list[int]
+    src_row: int = -1  # >= 0: a decode token not yet on the host, row src_row of the previous step's output
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,6 +103,7 @@ class SamplingRow:
     prompt_ids: list[int]
     output_ids: list[int]
     samples: bool = True  # False for a prefill chunk that ends before the newest token
+    pending: bool = False  # the newest token (this row's input) is still on the device
 
 
 def pack(seqs: list[SeqSpec], shape: StepShape, page_size: int) -> StepInput:
@@ -126,6 +135,11 @@ def pack(seqs: list[SeqSpec], shape: StepShape, page_size: int) -> StepInput:
     token_ids = np.zeros(t_max, np.int32)
     if total:
         token_ids[:total] = np.concatenate([np.asarray(s.token_ids, np.int32) for s in seqs])
+    src_rows = np.full(t_max, -1, np.int32)
+    src = np.fromiter((s.src_row for s in seqs), np.int32, m)
+    from_device = src >= 0
+    assert (q_lens[from_device] == 1).all(), "only a decode token can come from the previous step"
+    src_rows[cu[:m][from_device]] = src[from_device]
     pos = positions[:total]
     slot_ids = np.full(t_max, NULL_PAGE * page_size, np.int32)
     slot_ids[:total] = page_table[seq_of_token, pos // page_size] * page_size + pos % page_size
@@ -150,7 +164,7 @@ def pack(seqs: list[SeqSpec], shape: StepShape, page_size: int) -> StepInput:
     decode_first = q_lens.size == 0 or not (np.diff((q_lens > 1).astype(np.int8)) < 0).any()
     assert decode_first, "decode sequences must come before prefill chunks"
     return StepInput(
-        token_ids=token_ids, positions=positions, slot_ids=slot_ids, seq_ids=seq_ids, dense=dense,
+        token_ids=token_ids, src_rows=src_rows, positions=positions, slot_ids=slot_ids, seq_ids=seq_ids, dense=dense,
         kv_lens=kv_lens, last_token=last_token, cu_q_lens=cu, num_seqs=np.array([m], np.int32),
         page_table=page_table, item_pages=item_pages, item_owner=item_owner, item_start=item_start,
         item_bounds=np.array([num_decode_items, num_items], np.int32),
@@ -171,7 +185,7 @@ def pack_sampling(rows: list[SamplingRow], shape: StepShape) -> SamplingInput:
         presence_penalty=np.zeros(m, np.float32), frequency_penalty=np.zeros(m, np.float32),
         seed=np.zeros((m, 2), np.uint32), counter=np.zeros(m, np.int32),
         history_ids=np.full((m, c), -1, np.int32), history_is_output=np.zeros((m, c), bool),
-        logprobs=np.zeros(m, np.int32),
+        logprobs=np.zeros(m, np.int32), pending_col=np.full(m, -1, np.int32),
     )
     if not n:
         return out
@@ -182,12 +196,14 @@ def pack_sampling(rows: list[SamplingRow], shape: StepShape) -> SamplingInput:
     seeds = np.array([r.seed for r in rows], np.uint64)
     out.seed[:n, 0] = (seeds >> np.uint64(32)).astype(np.uint32)
     out.seed[:n, 1] = (seeds & np.uint64(0xFFFFFFFF)).astype(np.uint32)
-    out.counter[:n] = [len(r.output_ids) for r in rows]
+    out.counter[:n] = [len(r.output_ids) + r.pending for r in rows]
     for i, (row, p) in enumerate(zip(rows, params)):
         if row.samples and (p.repetition_penalty, p.presence_penalty, p.frequency_penalty) != _PENALTY_FREE:
             n_prompt, n_out = len(row.prompt_ids), len(row.output_ids)
-            assert n_prompt + n_out <= c, "the token history does not fit the step's window"
+            assert n_prompt + n_out + row.pending <= c, "the token history does not fit the step's window"
             out.history_ids[i, :n_prompt] = row.prompt_ids
             out.history_ids[i, n_prompt:n_prompt + n_out] = row.output_ids
-            out.history_is_output[i, n_prompt:n_prompt + n_out] = True
+            out.history_is_output[i, n_prompt:n_prompt + n_out + row.pending] = True
+            if row.pending:  # filled on the device from the step's input token
+                out.pending_col[i] = n_prompt + n_out
     return out

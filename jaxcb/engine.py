@@ -1,18 +1,21 @@
 """The engine loop: requests in, token events out, one packed jitted step at a time.
 
-    step():  schedule -> pack into a token bucket -> dispatch (one call) -> one device-to-host copy -> postprocess
+    step():  schedule N+1 -> pack -> dispatch N+1 (one call) -> fetch N (one copy) -> postprocess N
 
 `schedule` (host) picks decode rows and prefill chunks under the page pool; they are packed into one
-token batch (jaxcb.batch) of a precompiled bucket and dispatched as one call; the sampled tokens come
-back in one copy; then
-each request gets its tokens, its stop checks and its text delta, and finished requests leave the
-batch (their pages freed) in the same step. Requests and aborts from other threads go through an
-inbox that the loop drains at the start of every step, so only the engine thread touches the
-scheduler and the pool.
+token batch (jaxcb.batch) of a precompiled bucket and dispatched as one call. With async scheduling
+(the default) the scheduler runs one step ahead of the device: a request that is decoding is
+scheduled again before its newest token has come back, the step reads that token from the previous
+step's output on the device, and a request whose token turns out to stop it wastes one row. Then the
+previous step's tokens come back in one copy; each request gets its tokens, its stop checks and its
+text delta, and finished requests leave the batch (their pages freed). Requests and aborts from other
+threads go through an inbox that the loop drains at the start of every step, so only the engine
+thread touches the scheduler and the pool.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import queue
@@ -25,7 +28,7 @@ from jaxcb.batch import SamplingRow, SeqSpec, pack, pack_sampling
 from jaxcb.engine_config import EngineConfig
 from jaxcb.page_pool import PagePool
 from jaxcb.request import FinishReason, Request, SamplingParams, Status, TokenEvent
-from jaxcb.scheduler import Chunk, Scheduler
+from jaxcb.scheduler import Chunk, Scheduler, SchedulerOutput
 from jaxcb.tokenizer import IncrementalDetokenizer
 
 EventCallback = Callable[[TokenEvent], None]
@@ -44,6 +47,16 @@ class _Stream:
 
 
 @dataclasses.dataclass
+class _InFlight:
+    """A launched step: its chunks (row i = chunk i), each request's preemption count at launch (a
+    request preempted since then ignores the step's results), and the device's result."""
+
+    chunks: list[Chunk]
+    epochs: list[int]
+    result: object
+
+
+@dataclasses.dataclass
 class EngineStats:
     running: int
     waiting: int
@@ -57,7 +70,7 @@ class EngineStats:
     steps: int
     padding_fraction: float  # padded token slots over computed token slots
     page_utilization: float  # mean fraction of allocated page slots holding tokens
-    host_wait_fraction: float  # fraction of step time the device sat waiting for the host
+    host_wait_fraction: float  # fraction of step time the device sat waiting for the host (with nothing queued)
     pages_cached: int = 0  # pages registered in the prefix cache (in use or free-but-cached)
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
     prefix_cache_hits: int = 0  # of those, found cached (not computed again)
@@ -85,6 +98,8 @@ class Engine:
         self._counters = dict(prompt_tokens_computed=0, output_tokens=0, steps=0, slots=0, live=0,
                               page_slots=0, page_tokens=0, host_s=0.0, step_s=0.0)
         self._last_fetch_end: float | None = None
+        self._in_flight: collections.deque[_InFlight] = collections.deque()  # launched, not yet fetched
+        self._step_id = 0  # steps launched
         self.num_failed_steps = 0
         # Test seam: called with each SchedulerOutput before dispatch; raising simulates a failed step.
         self.fault_injector: Callable | None = None
@@ -157,7 +172,7 @@ class Engine:
             return request_id in self._live_ids
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work or not self._inbox.empty()
+        return self.scheduler.has_work or not self._inbox.empty() or bool(self._in_flight)
 
     def stats(self) -> EngineStats:
         c, cache = self._counters, self.scheduler.cache
@@ -198,69 +213,56 @@ class Engine:
                     self._finish(r, FinishReason.ABORT, events)
 
     def step(self) -> list[TokenEvent]:
-        """Run one engine step; returns the events it produced (also sent to callbacks)."""
+        """Run one engine step; returns the events it produced (also sent to callbacks).
+
+        With async scheduling the step launched here is still running when this returns: its tokens
+        are fetched by the next call, after the step after it has been scheduled, packed and
+        dispatched behind it. So the host's work (inbox, schedule, pack, output processing) overlaps
+        the device's, and the device always has the next step queued while the host waits for one.
+        """
         start = time.perf_counter()
         events: list[TokenEvent] = []
         self._drain_inbox(events)
         out = self.scheduler.schedule()
-        try:
-            self._run(out, events)
-        except Exception as e:  # noqa: BLE001 - a failed step fails its own requests; the engine goes on
-            self._fail_step(out, e, events)
+        launched = False
+        if not out.empty:
+            try:
+                if self.fault_injector is not None:
+                    self.fault_injector(out)
+                self._in_flight.append(self._launch(out.decode + out.prefill, out.num_static_rows))
+                launched = True
+            except Exception as e:  # noqa: BLE001 - a failed step fails its own requests; the engine goes on
+                self._fail_step(out.decode + out.prefill, e, events)
+        keep = 1 if launched and self.scheduler.config.async_scheduling else 0
+        while len(self._in_flight) > keep:
+            self._complete(self._in_flight.popleft(), events)
         if self.scheduler.config.target_tpot_ms is not None and out.decode:
             self.scheduler.observe_decode_step((time.perf_counter() - start) * 1000)
         return events
 
-    def _run(self, out, events: list[TokenEvent]) -> None:
-        if self.fault_injector is not None:
-            self.fault_injector(out)
-        chunks = out.decode + out.prefill  # decode sequences first: the packed layout (jaxcb.batch)
-        if not chunks:
-            return
-        result = self._dispatch(chunks, out.num_static_rows)
-        dispatch_end = time.perf_counter()
-        if self._last_fetch_end is not None:  # the device idled from the last fetch until now
-            self._counters["host_s"] += dispatch_end - self._last_fetch_end
-        result = self.runner.fetch(result)
-        fetch_end = time.perf_counter()
-        if self._last_fetch_end is not None:
-            self._counters["step_s"] += fetch_end - self._last_fetch_end
-        self._last_fetch_end = fetch_end
-        self._postprocess(chunks, result, events)
-        self._counters["steps"] += 1
-
-    def _fail_step(self, out, error: Exception, events: list[TokenEvent]) -> None:
-        """Finish this step's requests with an error. If the failed call consumed the donated KV pages,
-        allocate fresh ones and send every other running request back to be recomputed."""
-        message = f"{type(error).__name__}: {error}"
-        self.num_failed_steps += 1
-        for chunk in out.decode + out.prefill:
-            r = chunk.request
-            if r.status is not Status.RUNNING:
-                continue
-            if r.key in self._streams:
-                self._finish(r, FinishReason.ERROR, events, error=message)
-            else:  # nobody listens for it (a broken invariant): take it out rather than fail every step
-                log.error("request %s has no stream; removing it", r.key)
-                self.scheduler.remove(r)
-                r.status = Status.FINISHED
-        if self.runner.reset_kv_if_lost():
-            for r in list(self.scheduler.running):
-                self.scheduler.preempt(r, out)
-            self.pool.forget_cached()  # the cached pages' contents went with the old KV array
-        self._last_fetch_end = None
-
-    def _dispatch(self, chunks: list[Chunk], num_static_rows: int = 0):
-        """Pack the step into one batch of its token bucket and dispatch it (one jitted call)."""
+    def _launch(self, chunks: list[Chunk], num_static_rows: int) -> _InFlight:
+        """Pack the step into one batch of its token bucket and dispatch it (one jitted call, not
+        waited for). A decode token whose id is still on the device (sampled by the step in flight)
+        is read there by the step itself."""
         s = self.config.page_size
         live = sum(c.num_tokens for c in chunks)
         # Static batching pays for the batch's finished rows too: they stay padded in.
         shape = self.config.buckets.step_shape(max(live, num_static_rows), s, self.max_context)
-        batch = pack([SeqSpec(c.request.all_ids[c.start:c.start + c.num_tokens], c.start, c.request.page_ids)
-                      for c in chunks], shape, s)
-        sampling = pack_sampling(
-            [SamplingRow(c.request.params, self._streams[c.request.key].seed, c.request.prompt_ids,
-                         c.request.output_ids, c.samples) for c in chunks], shape)
+        specs, rows = [], []
+        for c in chunks:  # decode sequences first: the packed layout (jaxcb.batch)
+            r = c.request
+            end = c.start + c.num_tokens
+            pending = end > r.num_known
+            if pending:
+                assert c.num_tokens == 1 and r.pending_src is not None and r.pending_src[0] == self._step_id, (
+                    f"{r.key}: its input token is not in the previous step's output")
+                specs.append(SeqSpec([0], c.start, r.page_ids, src_row=r.pending_src[1]))
+            else:
+                specs.append(SeqSpec(r.all_ids[c.start:end], c.start, r.page_ids))
+            rows.append(SamplingRow(r.params, self._streams[r.key].seed, r.prompt_ids, r.output_ids, c.samples,
+                                    pending=pending))
+        batch = pack(specs, shape, s)
+        sampling = pack_sampling(rows, shape)
         cnt = self._counters
         cnt["slots"] += shape.tokens
         cnt["live"] += live
@@ -271,19 +273,69 @@ class Engine:
                 f"{r.key} would write into a page another request holds")
             cnt["page_slots"] += len(r.page_ids) * s
             cnt["page_tokens"] += c.start + c.num_tokens
-            if not (c.num_tokens == 1 and c.samples and r.output_ids):  # all but plain decode tokens
+            if not (c.num_tokens == 1 and c.samples and c.start >= len(r.prompt_ids)):  # all but decode tokens
                 cnt["prompt_tokens_computed"] += c.num_tokens
-        return self.runner.run(batch, sampling, shape)
-
-    def _postprocess(self, chunks: list[Chunk], result, events: list[TokenEvent]) -> None:
-        for row, c in enumerate(chunks):
+        pipelined = bool(self._in_flight)
+        result = self.runner.run(batch, sampling, shape)
+        dispatch_end = time.perf_counter()
+        if not pipelined and self._last_fetch_end is not None:  # the device idled since the last fetch
+            cnt["host_s"] += dispatch_end - self._last_fetch_end
+        self._step_id += 1
+        for row, c in enumerate(chunks):  # the scheduler now counts these tokens as computed
             r = c.request
-            if r.status is not Status.RUNNING:
-                continue  # aborted or preempted meanwhile
             r.num_computed = c.start + c.num_tokens
-            self.scheduler.on_computed(r)
+            if c.samples:
+                r.num_pending += 1
+                r.pending_src = (self._step_id, row)
+        return _InFlight(chunks, [c.request.num_preemptions for c in chunks], result)
+
+    def _complete(self, step: _InFlight, events: list[TokenEvent]) -> None:
+        """Wait for a launched step's tokens (the one device-to-host copy) and process them."""
+        try:
+            result = self.runner.fetch(step.result)
+        except Exception as e:  # noqa: BLE001 - the step failed on the device: its requests fail
+            self._fail_step(step.chunks, e, events)
+            return
+        fetch_end = time.perf_counter()
+        if self._last_fetch_end is not None:
+            self._counters["step_s"] += fetch_end - self._last_fetch_end
+        self._last_fetch_end = fetch_end
+        self._postprocess(step, result, events)
+        self._counters["steps"] += 1
+
+    def _fail_step(self, chunks: list[Chunk], error: Exception, events: list[TokenEvent]) -> None:
+        """Finish this step's requests with an error. If the failed call consumed the donated KV pages,
+        allocate fresh ones and send every other running request back to be recomputed."""
+        message = f"{type(error).__name__}: {error}"
+        self.num_failed_steps += 1
+        for chunk in chunks:
+            r = chunk.request
+            if r.status is not Status.RUNNING:
+                continue
+            if r.key in self._streams:
+                self._finish(r, FinishReason.ERROR, events, error=message)
+            else:  # nobody listens for it (a broken invariant): take it out rather than fail every step
+                log.error("request %s has no stream; removing it", r.key)
+                self.scheduler.remove(r)
+                r.status = Status.FINISHED
+        if self.runner.reset_kv_if_lost():
+            out = SchedulerOutput(decode=[], prefill=[], preempted=[])
+            for r in list(self.scheduler.running):
+                self.scheduler.preempt(r, out)
+            self.pool.forget_cached()  # the cached pages' contents went with the old KV array
+        self._last_fetch_end = None
+
+    def _postprocess(self, step: _InFlight, result, events: list[TokenEvent]) -> None:
+        for row, (c, epoch) in enumerate(zip(step.chunks, step.epochs)):
+            r = c.request
+            if r.status is not Status.RUNNING or r.num_preemptions != epoch:
+                continue  # aborted, finished or preempted since the launch: its results are void
+            self.scheduler.on_computed(r, c.start + c.num_tokens)
             if not c.samples:
                 continue
+            r.num_pending -= 1
+            if not r.num_pending:
+                r.pending_src = None
             token = int(result.token_ids[row])
             r.output_ids.append(token)
             self._counters["output_tokens"] += 1
@@ -299,7 +351,7 @@ class Engine:
         reason = None
         if token in p.stop_token_ids or (token in self.eos_ids and not p.ignore_eos):
             reason = FinishReason.STOP
-        elif len(r.output_ids) >= p.max_tokens or r.num_tokens >= self.max_context:
+        elif len(r.output_ids) >= p.max_tokens or r.num_known >= self.max_context:
             reason = FinishReason.LENGTH
         if stream.detok is not None and reason is not FinishReason.STOP:
             stream.text += stream.detok.add([token])

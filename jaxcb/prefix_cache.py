@@ -82,9 +82,11 @@ class PrefixCache:
         self.pool.free(r.page_ids)
         r.page_ids, r.num_computed, r.num_registered = [], 0, 0
 
-    def register(self, r: Request) -> None:
-        """After a step: register r's pages that are now full and computed."""
-        full = min(r.num_computed // self.page_size, len(r.page_ids))
+    def register(self, r: Request, upto: int | None = None) -> None:
+        """After a step: register r's pages that are now full and computed (up to token `upto`, and
+        never past the tokens whose ids are known)."""
+        upto = min(r.num_computed if upto is None else upto, r.num_known)
+        full = min(upto // self.page_size, len(r.page_ids))
         if full <= r.num_registered:
             return
         for page, page_hash in zip(r.page_ids[r.num_registered:full], self._hashes(r, full)[r.num_registered:]):

@@ -118,7 +118,9 @@ class Request:
     status: Status = Status.WAITING
     output_ids: list[int] = dataclasses.field(default_factory=list)
     page_ids: list[int] = dataclasses.field(default_factory=list)  # the page table
-    num_computed: int = 0  # tokens whose K/V are in the cache
+    num_computed: int = 0  # tokens whose K/V are in the cache (or being written by a step in flight)
+    num_pending: int = 0  # tokens sampled by a step in flight, not yet in output_ids
+    pending_src: tuple[int, int] | None = None  # (step, row) of the newest pending token's output
     page_hashes: list[bytes] = dataclasses.field(default_factory=list)  # chained hashes of full pages
     num_registered: int = 0  # leading pages offered to the prefix cache
     num_cached_tokens: int = 0  # prompt tokens taken from the prefix cache at the first admission
@@ -145,7 +147,18 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
+        """Tokens of the sequence as the scheduler sees it: known ones plus those still in flight."""
+        return len(self.prompt_ids) + len(self.output_ids) + self.num_pending
+
+    @property
+    def num_known(self) -> int:
+        """Tokens whose ids the host has (prompt and fetched output)."""
         return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def last_in_flight(self) -> bool:
+        """Its final token (max_tokens) is being sampled by a step in flight: nothing left to run."""
+        return self.num_pending > 0 and self.num_tokens >= self.max_total_tokens
 
     @property
     def max_total_tokens(self) -> int:

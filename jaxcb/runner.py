@@ -1,6 +1,6 @@
 """The device side of a step: params and KV pages on the accelerator, one jitted program per token bucket.
 
-    kv_pages, sampled = step(params, kv_pages, batch, sampling)
+    kv_pages, sampled, last_tokens = step(params, kv_pages, last_tokens, batch, sampling)
 
 `step` is pure; the KV pages are donated so the cache is updated in place. `ModelRunner` owns the
 device state, turns padded numpy batches into device arrays, dispatches asynchronously and counts
@@ -9,6 +9,7 @@ XLA compilations (which must stay flat after warm-up).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import threading
 
@@ -43,10 +44,24 @@ def compilation_count() -> int:
 
 
 @functools.partial(jax.jit, static_argnames=("config", "attention"), donate_argnums=(1,))
-def step(params: Params, kv_pages: jax.Array, batch: StepInput, sampling: SamplingInput, config: ModelConfig,
-         attention: Attention = Attention()):
+def step(params: Params, kv_pages: jax.Array, last_tokens: jax.Array, batch: StepInput, sampling: SamplingInput,
+         config: ModelConfig, attention: Attention = Attention()):
+    """One engine step. `last_tokens` [L] are the previous step's sampled tokens: a decode token the
+    host has not fetched yet (async scheduling) is taken from there (batch.src_rows), and so is its
+    place in the penalties' history. Returns the new KV pages, the sampled tokens and the new
+    last_tokens."""
+    from_prev = batch.src_rows >= 0
+    token_ids = jnp.where(from_prev, last_tokens[jnp.maximum(batch.src_rows, 0)], batch.token_ids)
+    batch = dataclasses.replace(batch, token_ids=token_ids)
+    rows = jnp.arange(sampling.pending_col.shape[0])
+    col = jnp.maximum(sampling.pending_col, 0)
+    history = sampling.history_ids.at[rows, col].set(
+        jnp.where(sampling.pending_col >= 0, token_ids[batch.last_token], sampling.history_ids[rows, col]))
+    sampling = dataclasses.replace(sampling, history_ids=history)
     kv_pages, logits = forward(params, kv_pages, batch, config, attention)
-    return kv_pages, sample(logits, sampling)
+    out = sample(logits, sampling)
+    last_tokens = jax.lax.dynamic_update_slice(jnp.zeros_like(last_tokens), out.token_ids, (0,))
+    return kv_pages, out, last_tokens
 
 
 def keep_freed_memory_on_cpu() -> bool:
@@ -119,7 +134,8 @@ def make_runner(model_config: ModelConfig, params: Params, config, dtype=None):
     plan = plan_memory(model_config, config, dtype or params.embed.dtype)
     if plan.num_pages != config.num_pages:
         config = config.replace(num_pages=plan.num_pages)
-    runner = ModelRunner(model_config, params, config.num_pages, config.page_size, dtype, attention=config.attention)
+    runner = ModelRunner(model_config, params, config.num_pages, config.page_size, dtype, attention=config.attention,
+                         max_seqs=config.buckets.max_batch)
     return runner, config
 
 
@@ -141,7 +157,7 @@ def resolve_attention(choice: str) -> Attention:
 
 class ModelRunner:
     def __init__(self, config: ModelConfig, params: Params, num_pages: int, page_size: int, dtype=None,
-                 attention: str = "auto"):
+                 attention: str = "auto", max_seqs: int = 256):
         if jax.default_backend() == "cpu":
             keep_freed_memory_on_cpu()
         self.attention = resolve_attention(attention)
@@ -153,6 +169,7 @@ class ModelRunner:
         self.num_pages = num_pages
         self.kv_pages = allocate_kv_pages(config.num_layers, config.num_kv_heads, num_pages, page_size,
                                           config.head_dim, self.dtype)
+        self.last_tokens = jnp.zeros(max_seqs, jnp.int32)  # the previous step's sampled tokens, on the device
 
     def reset_kv_if_lost(self) -> bool:
         """After a failed step: if the donated pages were consumed, allocate fresh ones (True)."""
@@ -171,16 +188,20 @@ class ModelRunner:
     def compile(self, shape: StepShape) -> None:
         """Compile the step for this shape ahead of time, without running it: a warm-up that executes
         nothing, and that the persistent compile cache turns into loading."""
+        if shape.seqs > self.last_tokens.shape[0]:
+            raise ValueError(f"a step of {shape.seqs} sequences does not fit this runner's "
+                             f"{self.last_tokens.shape[0]} rows (max_seqs)")
         if shape.tokens not in self._compiled:
             batch, sampling = pack([], shape, self.page_size), pack_sampling([], shape)
-            self._compiled[shape.tokens] = step.lower(self.params, self.kv_pages, batch, sampling,
+            self._compiled[shape.tokens] = step.lower(self.params, self.kv_pages, self.last_tokens, batch, sampling,
                                                       config=self.config, attention=self.attention).compile()
 
     def run(self, batch: StepInput, sampling: SamplingInput, shape: StepShape) -> SampleOutput:
         """Dispatch one step; returns device arrays without waiting for them."""
         if shape.tokens not in self._compiled:  # a shape warm-up did not cover: compiled now (and counted)
             self.compile(shape)
-        self.kv_pages, out = self._compiled[shape.tokens](self.params, self.kv_pages, batch, sampling)
+        self.kv_pages, out, self.last_tokens = self._compiled[shape.tokens](
+            self.params, self.kv_pages, self.last_tokens, batch, sampling)
         return out
 
     @staticmethod

@@ -55,6 +55,7 @@ class SchedulerConfig:
     prefix_caching: bool = True  # share computed pages between requests with a common prefix
     prefix_aware: bool = False  # admit requests whose prefix is cached first ...
     prefix_max_wait_ms: float = 500.0  # ... unless another has waited longer than this
+    async_scheduling: bool = True  # schedule and pack step N+1 while the device runs step N
 
     def __post_init__(self):
         if self.policy not in POLICIES:
@@ -75,11 +76,11 @@ class Chunk:
     request: Request
     start: int
     num_tokens: int
+    samples: bool = dataclasses.field(init=False)  # it reaches the newest token: it yields the next one
 
-    @property
-    def samples(self) -> bool:
-        """A chunk that reaches the newest token yields the request's next token."""
-        return self.start + self.num_tokens == self.request.num_tokens
+    def __post_init__(self):
+        # Fixed when scheduled: by the time the step's tokens come back the request may have grown.
+        self.samples = self.start + self.num_tokens == self.request.num_tokens
 
 
 @dataclasses.dataclass
@@ -140,10 +141,11 @@ class Scheduler:
             request.page_ids = []
         request.num_registered = 0
 
-    def on_computed(self, request: Request) -> None:
-        """After a step wrote request's K/V: offer its newly full pages to the prefix cache."""
+    def on_computed(self, request: Request, upto: int) -> None:
+        """After a step wrote request's K/V up to token `upto`: offer its newly full pages to the
+        prefix cache."""
         if self.cache is not None:
-            self.cache.register(request)
+            self.cache.register(request, upto)
 
     @property
     def has_work(self) -> bool:
@@ -215,6 +217,7 @@ class Scheduler:
         self.pool.free(victim.page_ids)
         victim.page_ids = []
         victim.num_computed = victim.num_registered = 0
+        victim.num_pending, victim.pending_src = 0, None  # a token in flight is dropped and recomputed
         victim.status = Status.WAITING
         victim.num_preemptions += 1
         self.num_preemptions += 1
@@ -233,6 +236,8 @@ class Scheduler:
         return True
 
     def _chunk(self, r: Request, budget: int) -> int:
+        if r.last_in_flight:
+            return 0  # finishes by length once that token arrives
         pending = r.num_tokens - r.num_computed
         if pending == 1:
             return 1
