@@ -107,17 +107,15 @@ def main():
     args = ap.parse_args()
 
     from jaxcb.engine import Engine
-    from jaxcb.engine_config import load_config
-    from jaxcb.llm import load_model
-    from jaxcb.runner import make_runner
+    from jaxcb.llm import build_engine
 
-    model_config, params, tokenizer, eos = load_model(args.model)
-    config = load_config(args.config)
+    first = build_engine(args.model, args.config)
+    model_config, config = first.model_config, first.config
     assert config.scheduler.max_running >= args.max_batch, "the config must allow --max-batch running requests"
-    runner, config = make_runner(model_config, params, config)
 
-    def engine(max_running=None, **changes):
-        eng = Engine(runner, tokenizer, config.replace(**changes) if changes else config, eos_ids=eos)
+    def engine(max_running=None, **changes):  # engines over the first one's runner (its weights and pages)
+        eng = Engine(first.runner, first.tokenizer, config.replace(**changes) if changes else config,
+                     eos_ids=first.scheduler.eos_ids)
         if max_running is not None:  # below the largest bucket: a running limit, like the latency target's
             eng.scheduler.running_limit = max_running
         return eng

@@ -75,15 +75,13 @@ def main():
     args = ap.parse_args()
 
     from jaxcb.engine import Engine
-    from jaxcb.engine_config import load_config
-    from jaxcb.llm import load_model
-    from jaxcb.runner import make_runner
+    from jaxcb.llm import build_engine
 
-    model_config, params, tokenizer, eos = load_model(args.model)
-    config = load_config(args.config)
-    runner, config = make_runner(model_config, params, config)
+    first = build_engine(args.model, args.config)
+    model_config, config, runner, tokenizer = first.model_config, first.config, first.runner, first.tokenizer
+    eos = first.scheduler.eos_ids
     t0 = time.perf_counter()
-    shapes = Engine(runner, tokenizer, config, eos_ids=eos).warmup()
+    shapes = first.warmup()
     warmup_s = time.perf_counter() - t0
     prompts = workload(args.requests, args.system, args.seed, model_config.vocab_size)
     system_pages = args.system // config.page_size

@@ -270,9 +270,7 @@ def cmd_serve(args) -> int:
 
     import jax
 
-    from jaxcb.engine import Engine
-    from jaxcb.llm import load_model
-    from jaxcb.runner import make_runner, plan_memory
+    from jaxcb.llm import build_engine
     from serve.server import ServerOptions, run_server
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -284,12 +282,10 @@ def cmd_serve(args) -> int:
 
     config = _engine_config(args)
     cache_dir = compile_cache.enable(args.compile_cache)
-    model_config, params, tokenizer, eos = load_model(  # a config that cannot fit: refused before the weights
-        args.model, _dtype(args), check_config=lambda c: plan_memory(c, config, _dtype(args)))
+    engine = build_engine(args.model, config, _dtype(args))  # a config that cannot fit: refused before the weights
+    model_config, tokenizer, runner, config = engine.model_config, engine.tokenizer, engine.runner, engine.config
     if tokenizer is None:
         raise ValueError("model: the file has no tokenizer; the server needs one")
-    runner, config = make_runner(model_config, params, config)
-    engine = Engine(runner, tokenizer, config, eos_ids=eos)
     if args.record_lengths:
         engine.record_lengths(args.record_lengths)
     options = ServerOptions(host=args.host, port=args.port, metrics_port=args.metrics_port, tls_cert=args.tls_cert,

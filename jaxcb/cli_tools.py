@@ -51,16 +51,11 @@ def _bar(i: int, total: int, shape, t0: float) -> None:
 def cmd_warmup(args) -> int:
     from jaxcb import compile_cache
     from jaxcb.cli import _dtype, _engine_config
-    from jaxcb.engine import Engine
-    from jaxcb.llm import load_model
-    from jaxcb.runner import make_runner, plan_memory
+    from jaxcb.llm import build_engine
 
     config = _engine_config(args)
     cache_dir = compile_cache.enable(args.compile_cache)
-    model_config, params, tokenizer, eos = load_model(
-        args.model, _dtype(args), check_config=lambda c: plan_memory(c, config, _dtype(args)))
-    runner, config = make_runner(model_config, params, config)
-    engine = Engine(runner, tokenizer, config, eos_ids=eos)
+    engine = build_engine(args.model, config, _dtype(args))
     t0 = time.perf_counter()
     shapes = engine.warmup(lambda i, total, shape: _bar(i, total, shape, t0))
     print(f"jaxcb warmup: {shapes} bucket shapes in {time.perf_counter() - t0:.1f}s; "

@@ -26,24 +26,13 @@ from typing import Callable
 
 from jaxcb.batch import SamplingRow, SeqSpec, pack, pack_sampling
 from jaxcb.engine_config import EngineConfig
+from jaxcb.output import EventCallback, Outputs
 from jaxcb.page_pool import PagePool
 from jaxcb.request import FinishReason, Request, SamplingParams, Status, TokenEvent
 from jaxcb.scheduler import Chunk, Scheduler, SchedulerOutput
-from jaxcb.tokenizer import IncrementalDetokenizer
 
-EventCallback = Callable[[TokenEvent], None]
+__all__ = ["Engine", "EngineStats", "EventCallback"]
 log = logging.getLogger("jaxcb.engine")
-
-
-@dataclasses.dataclass
-class _Stream:
-    """Host-side output state of one request: detokenizer, text, stop-string hold-back."""
-
-    detok: IncrementalDetokenizer | None
-    seed: int
-    callback: EventCallback | None
-    text: str = ""
-    emitted: int = 0  # chars of `text` already sent
 
 
 @dataclasses.dataclass
@@ -86,12 +75,13 @@ class Engine:
         self.config = config
         self.model_config = runner.config
         self.pool = PagePool(config.num_pages, config.page_size)
-        self.scheduler = Scheduler(config.scheduler, self.pool)
-        self.eos_ids = frozenset(eos_ids)
+        # One context limit for everything: the configured one, or the model's if that is smaller.
         self.max_context = min(config.scheduler.max_context, self.model_config.max_context)
+        self.scheduler = Scheduler(dataclasses.replace(config.scheduler, max_context=self.max_context), self.pool,
+                                   eos_ids)
+        self.outputs = Outputs(tokenizer)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._requests: dict[str, list[Request]] = {}  # request id -> its live samples
-        self._streams: dict[tuple[str, int], _Stream] = {}  # Request.key -> its output state
         self._rng = random.Random(config.seed)
         self._seed_lock = threading.Lock()  # guards the seed generator and _live_ids
         self._live_ids: set[str] = set()
@@ -101,6 +91,7 @@ class Engine:
         self._in_flight: collections.deque[_InFlight] = collections.deque()  # launched, not yet fetched
         self._step_id = 0  # steps launched
         self.num_failed_steps = 0
+        self.load_seconds = 0.0  # set by build_engine: time spent loading the weights
         # Test seam: called with each SchedulerOutput before dispatch; raising simulates a failed step.
         self.fault_injector: Callable | None = None
         self._length_log = None  # record_lengths(): one JSON line per finished request
@@ -136,11 +127,13 @@ class Engine:
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams, *, request_id: str | None = None,
                     priority: int = 0, callback: EventCallback | None = None,
-                    arrival_time: float | None = None) -> str:
+                    arrival_time: float | None = None, validated: bool = False) -> str:
         """Queue a request; with params.n > 1, n samples that share the prompt's pages (events carry
-        the same request id and the sample's `index`). Returns the request id."""
+        the same request id and the sample's `index`). Returns the request id. `validated`: the caller
+        already ran validate() on exactly these arguments."""
         prompt_ids = [int(t) for t in prompt_ids]
-        self.validate(prompt_ids, params)
+        if not validated:
+            self.validate(prompt_ids, params)
         samples = [Request(prompt_ids, params, request_id=request_id or "", priority=int(priority))]
         for i in range(1, params.n):
             samples.append(Request(prompt_ids, params, request_id=samples[0].request_id, priority=int(priority),
@@ -158,8 +151,7 @@ class Engine:
             seeds = [self._rng.getrandbits(63) if params.seed is None
                      else params.seed if i == 0 else random.Random(f"{params.seed}/{i}").getrandbits(63)
                      for i in range(params.n)]
-        streams = [_Stream(detok=IncrementalDetokenizer(self.tokenizer) if self.tokenizer is not None else None,
-                           seed=seed, callback=callback) for seed in seeds]
+        streams = [self.outputs.new_stream(seed, callback) for seed in seeds]
         self._inbox.put(("add", samples, streams))  # all samples in one item: they arrive together
         return rid
 
@@ -206,7 +198,7 @@ class Engine:
             if kind == "add":
                 for r, st in zip(item, stream):
                     self._requests.setdefault(r.request_id, []).append(r)
-                    self._streams[r.key] = st
+                    self.outputs.open(r, st)
                     self.scheduler.add(r)
             elif kind == "abort" and item in self._requests:
                 for r in list(self._requests[item]):
@@ -258,8 +250,8 @@ class Engine:
                     f"{r.key}: its input token is not in the previous step's output")
                 specs.append(SeqSpec([0], c.start, r.page_ids, src_row=r.pending_src[1]))
             else:
-                specs.append(SeqSpec(r.all_ids[c.start:end], c.start, r.page_ids))
-            rows.append(SamplingRow(r.params, self._streams[r.key].seed, r.prompt_ids, r.output_ids, c.samples,
+                specs.append(SeqSpec(_token_slice(r, c.start, end), c.start, r.page_ids))
+            rows.append(SamplingRow(r.params, self.outputs.seed(r), r.prompt_ids, r.output_ids, c.samples,
                                     pending=pending))
         batch = pack(specs, shape, s)
         sampling = pack_sampling(rows, shape)
@@ -281,12 +273,7 @@ class Engine:
         if not pipelined and self._last_fetch_end is not None:  # the device idled since the last fetch
             cnt["host_s"] += dispatch_end - self._last_fetch_end
         self._step_id += 1
-        for row, c in enumerate(chunks):  # the scheduler now counts these tokens as computed
-            r = c.request
-            r.num_computed = c.start + c.num_tokens
-            if c.samples:
-                r.num_pending += 1
-                r.pending_src = (self._step_id, row)
+        self.scheduler.on_launched(chunks, self._step_id)
         return _InFlight(chunks, [c.request.num_preemptions for c in chunks], result)
 
     def _complete(self, step: _InFlight, events: list[TokenEvent]) -> None:
@@ -312,7 +299,7 @@ class Engine:
             r = chunk.request
             if r.status is not Status.RUNNING:
                 continue
-            if r.key in self._streams:
+            if r in self.outputs:
                 self._finish(r, FinishReason.ERROR, events, error=message)
             else:  # nobody listens for it (a broken invariant): take it out rather than fail every step
                 log.error("request %s has no stream; removing it", r.key)
@@ -326,57 +313,25 @@ class Engine:
         self._last_fetch_end = None
 
     def _postprocess(self, step: _InFlight, result, events: list[TokenEvent]) -> None:
-        for row, (c, epoch) in enumerate(zip(step.chunks, step.epochs)):
-            r = c.request
-            if r.status is not Status.RUNNING or r.num_preemptions != epoch:
-                continue  # aborted, finished or preempted since the launch: its results are void
-            self.scheduler.on_computed(r, c.start + c.num_tokens)
-            if not c.samples:
-                continue
-            r.num_pending -= 1
-            if not r.num_pending:
-                r.pending_src = None
-            token = int(result.token_ids[row])
-            r.output_ids.append(token)
-            self._counters["output_tokens"] += 1
+        sampled = self.scheduler.on_step_done(step.chunks, step.epochs, result.token_ids)
+        self._counters["output_tokens"] += len(sampled)
+        for row, r, token, reason in sampled:
             logprobs = None
             if r.params.logprobs:
                 n = r.params.logprobs
                 top = tuple(zip(result.top_ids[row, :n].tolist(), result.top_logprobs[row, :n].tolist()))
                 logprobs = ((float(result.logprobs[row]), top),)
-            self._on_token(r, token, logprobs, events)
+            reason = self.outputs.on_token(r, token, logprobs, reason, events)
+            if reason is not None:
+                self._retire(r, reason)
 
-    def _on_token(self, r: Request, token: int, logprobs, events: list[TokenEvent]) -> None:
-        p, stream = r.params, self._streams[r.key]
-        reason = None
-        if token in p.stop_token_ids or (token in self.eos_ids and not p.ignore_eos):
-            reason = FinishReason.STOP
-        elif len(r.output_ids) >= p.max_tokens or r.num_known >= self.max_context:
-            reason = FinishReason.LENGTH
-        if stream.detok is not None and reason is not FinishReason.STOP:
-            stream.text += stream.detok.add([token])
-        elif stream.detok is not None:
-            stream.detok.add([token])  # keep the detokenizer's window aligned; the text skips it
-        cut = _find_stop(stream.text, p.stop, stream.emitted)
-        if cut is not None:
-            stream.text = stream.text[:cut]
-            reason = FinishReason.STOP
-        queue_s = None
-        if r.first_token_time is None:
-            r.first_token_time = time.monotonic()
-            queue_s = (r.first_scheduled_time or r.first_token_time) - r.arrival_time
-        if reason is None:
-            safe = len(stream.text) - _held_back(stream.text, p.stop)
-            delta, stream.emitted = stream.text[stream.emitted:safe], max(stream.emitted, safe)
-            self._emit(TokenEvent(r.request_id, (token,), delta, False, None, logprobs,
-                                  len(r.prompt_ids), len(r.output_ids), queue_s=queue_s,
-                                  num_cached_tokens=r.num_cached_tokens, index=r.sample_index), stream, events)
-        else:
-            self._finish(r, reason, events, new_tokens=(token,), logprobs=logprobs, queue_s=queue_s)
+    def _finish(self, r: Request, reason: FinishReason, events: list[TokenEvent], error: str | None = None) -> None:
+        """End a request from outside its tokens (abort, error): its final event, then retire it."""
+        self.outputs.close(r, reason, events, error=error)
+        self._retire(r, reason)
 
-    def _finish(self, r: Request, reason: FinishReason, events: list[TokenEvent], new_tokens=(), logprobs=None,
-                error: str | None = None, queue_s: float | None = None) -> None:
-        stream = self._streams.pop(r.key)
+    def _retire(self, r: Request, reason: FinishReason) -> None:
+        self.scheduler.finish(r, reason)
         samples = self._requests.get(r.request_id, [])
         if r in samples:
             samples.remove(r)
@@ -384,25 +339,9 @@ class Engine:
             self._requests.pop(r.request_id, None)
             with self._seed_lock:
                 self._live_ids.discard(r.request_id)
-        self.scheduler.remove(r)
-        r.status = Status.FINISHED
         if self._length_log is not None:
-            self._length_log.write(f'{{"prompt": {len(r.prompt_ids)}, "context": {r.num_tokens}}}\n')
+            self._length_log.write(f'{{"prompt": {len(r.prompt_ids)}, "context": {r.num_known}}}\n')
             self._length_log.flush()
-        r.finish_reason = reason
-        delta = stream.text[stream.emitted:]
-        self._emit(TokenEvent(r.request_id, tuple(new_tokens), delta, True, reason, logprobs,
-                              len(r.prompt_ids), len(r.output_ids), error, queue_s,
-                              num_cached_tokens=r.num_cached_tokens, index=r.sample_index), stream, events)
-
-    @staticmethod
-    def _emit(event: TokenEvent, stream: _Stream, events: list[TokenEvent]) -> None:
-        events.append(event)
-        if stream.callback is not None:
-            try:
-                stream.callback(event)
-            except Exception:  # noqa: BLE001 - a broken listener must not fail the step for others
-                log.exception("event callback for %s failed", event.request_id)
 
     # ---- warm-up ----
     def warmup(self, progress: Callable[[int, int, object], None] | None = None) -> int:
@@ -425,22 +364,12 @@ class Engine:
         return events
 
 
-def _find_stop(text: str, stops: tuple[str, ...], emitted: int) -> int | None:
-    """Index where the earliest stop string starts (searching only where a new match can be)."""
-    best = None
-    for s in stops:
-        i = text.find(s, max(0, emitted - len(s) + 1))
-        if i >= 0 and (best is None or i < best):
-            best = i
-    return best
 
-
-def _held_back(text: str, stops: tuple[str, ...]) -> int:
-    """Length of the longest tail of `text` that could still grow into a stop string."""
-    hold = 0
-    for s in stops:
-        for k in range(min(len(s) - 1, len(text)), hold, -1):
-            if text.endswith(s[:k]):
-                hold = k
-                break
-    return hold
+def _token_slice(r: Request, start: int, end: int) -> list[int]:
+    """r's known tokens [start, end) without building prompt + output whole."""
+    n = len(r.prompt_ids)
+    if start >= n:
+        return r.output_ids[start - n:end - n]
+    if end <= n:
+        return r.prompt_ids[start:end]
+    return r.prompt_ids[start:] + r.output_ids[:end - n]

@@ -77,22 +77,42 @@ def load_model(path: str | None = None, dtype=None, check_config=None):
     return config, params, tokenizer, eos
 
 
+def build_engine(model: str | None = None, config: EngineConfig | str | None = None, dtype=None, *,
+                 loaded=None) -> Engine:
+    """The one way to an engine: config -> memory plan -> weights -> runner (KV pages) -> Engine.
+
+    `model`: a GGUF file (default: the embedded SmolLM2), a converted checkpoint or a Hugging Face
+    directory; `config`: an EngineConfig or a TOML path (default configs/default.toml); `loaded`: an
+    already loaded (ModelConfig, Params, Tokenizer, eos ids) instead of `model`. A configuration that
+    cannot fit is refused by the memory plan before any weight is read; the plan is made once.
+    `engine.load_seconds` is the time spent loading the weights.
+    """
+    from jaxcb.runner import default_dtype, make_runner, plan_memory
+
+    if not isinstance(config, EngineConfig):
+        config = load_config(config)
+    plans = []
+    t0 = time.perf_counter()
+    model_config, params, tokenizer, eos = loaded or load_model(
+        model, dtype, check_config=lambda c: plans.append(plan_memory(c, config, dtype)))
+    load_seconds = time.perf_counter() - t0
+    import jax.numpy as jnp
+
+    # The plan stands if the weights came in the dtype it assumed (a checkpoint may bring its own).
+    plan = plans[0] if plans and jnp.dtype(params.embed.dtype) == jnp.dtype(dtype or default_dtype()) else None
+    runner, config = make_runner(model_config, params, config, plan=plan)
+    engine = Engine(runner, tokenizer, config, eos_ids=eos)
+    engine.load_seconds = load_seconds
+    return engine
+
+
 class LLM:
     def __init__(self, model: str | None = None, *, config: EngineConfig | str | None = None, dtype=None,
                  _loaded=None):
-        from jaxcb.runner import make_runner, plan_memory
-
-        if not isinstance(config, EngineConfig):
-            config = load_config(config)
-        t0 = time.perf_counter()
-        # A configuration that cannot fit is refused before any weight is read.
-        model_config, params, tokenizer, eos = _loaded or load_model(
-            model, dtype, check_config=lambda c: plan_memory(c, config, dtype))
-        self.load_seconds = time.perf_counter() - t0
-        self.model_config = model_config
-        self.tokenizer = tokenizer
-        runner, config = make_runner(model_config, params, config)
-        self.engine = Engine(runner, tokenizer, config, eos_ids=eos)
+        self.engine = build_engine(model, config, dtype, loaded=_loaded)
+        self.load_seconds = self.engine.load_seconds
+        self.model_config = self.engine.model_config
+        self.tokenizer = self.engine.tokenizer
 
     @classmethod
     def from_params(cls, model_config, params, tokenizer=None, *, config: EngineConfig, eos_ids=()):
@@ -133,7 +153,7 @@ class LLM:
                 raise ValueError(f"request {i}: {e}") from None
         results: dict[tuple[str, int], Completion] = {}
         for i, (p, sp) in enumerate(zip(ids, params)):
-            rid = self.engine.add_request(p, sp, priority=priorities[i] if priorities else 0)
+            rid = self.engine.add_request(p, sp, priority=priorities[i] if priorities else 0, validated=True)
             for k in range(sp.n):
                 results[rid, k] = Completion(rid, p, [], "", None, [] if sp.logprobs else None, index=k)
         while self.engine.has_work():

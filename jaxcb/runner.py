@@ -129,9 +129,10 @@ def plan_memory(model_config: ModelConfig, config, dtype=None, budget_bytes: int
         max_prefill_tokens=s.max_chunk, num_pages=config.num_pages or None)
 
 
-def make_runner(model_config: ModelConfig, params: Params, config, dtype=None):
-    """(ModelRunner, config with num_pages resolved): the memory plan first, then the KV pages."""
-    plan = plan_memory(model_config, config, dtype or params.embed.dtype)
+def make_runner(model_config: ModelConfig, params: Params, config, dtype=None, plan=None):
+    """(ModelRunner, config with num_pages resolved): the memory plan (`plan`, if already made for
+    these weights' dtype), then the KV pages."""
+    plan = plan or plan_memory(model_config, config, dtype or params.embed.dtype)
     if plan.num_pages != config.num_pages:
         config = config.replace(num_pages=plan.num_pages)
     runner = ModelRunner(model_config, params, config.num_pages, config.page_size, dtype, attention=config.attention,

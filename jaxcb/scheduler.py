@@ -33,7 +33,7 @@ import time
 
 from jaxcb.page_pool import PagePool
 from jaxcb.prefix_cache import PrefixCache
-from jaxcb.request import Request, Status
+from jaxcb.request import FinishReason, Request, Status
 
 POLICIES = ("fcfs", "sjf", "priority", "length-buckets")
 
@@ -96,9 +96,12 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, pool: PagePool):
+    """Owns the request state: which run, their pages, their computed and generated tokens, their end."""
+
+    def __init__(self, config: SchedulerConfig, pool: PagePool, eos_ids: tuple[int, ...] = ()):
         self.config = config
         self.pool = pool
+        self.eos_ids = frozenset(eos_ids)
         self.cache = PrefixCache(pool) if config.prefix_caching else None
         self.waiting: list[Request] = []
         self.running: list[Request] = []
@@ -110,14 +113,9 @@ class Scheduler:
 
     # ---- queue ----
     def check_fits(self, request: Request) -> None:
-        """Reject at once what could never run, instead of queueing it forever."""
-        c = self.config
-        if request.max_total_tokens > c.max_context:
-            raise ValueError(
-                f"max_tokens: prompt ({len(request.prompt_ids)} tokens) + max_tokens "
-                f"({request.params.max_tokens}) = {request.max_total_tokens} exceeds the context limit of "
-                f"{c.max_context} tokens"
-            )
+        """Reject at once what could never run, instead of queueing it forever: a request whose whole
+        context needs more pages than the cache holds. (The context limit is checked with the other
+        fields by Engine.validate.)"""
         pages = self.pool.pages_for(request.max_total_tokens)
         if pages > self.pool.num_usable:
             raise ValueError(
@@ -126,7 +124,7 @@ class Scheduler:
             )
 
     def add(self, request: Request) -> None:
-        self.check_fits(request)
+        """Queue a validated request (Engine.validate)."""
         request.status = Status.WAITING
         self.waiting.append(request)
 
@@ -141,11 +139,51 @@ class Scheduler:
             request.page_ids = []
         request.num_registered = 0
 
-    def on_computed(self, request: Request, upto: int) -> None:
-        """After a step wrote request's K/V up to token `upto`: offer its newly full pages to the
-        prefix cache."""
-        if self.cache is not None:
-            self.cache.register(request, upto)
+    def finish(self, request: Request, reason: FinishReason) -> None:
+        """The request ends (its last token, a stop string, an abort or an error): its pages go back."""
+        self.remove(request)
+        request.status = Status.FINISHED
+        request.finish_reason = reason
+
+    # ---- a step's life: launched, then its tokens back ----
+    def on_launched(self, chunks: list[Chunk], step_id: int) -> None:
+        """The step is on the device: its tokens count as computed, and each sampling chunk's next token
+        is pending (row `i` of step `step_id`'s output) until the step's tokens come back."""
+        for row, c in enumerate(chunks):
+            r = c.request
+            r.num_computed = c.start + c.num_tokens
+            if c.samples:
+                r.num_pending += 1
+                r.pending_src = (step_id, row)
+
+    def on_step_done(self, chunks: list[Chunk], epochs: list[int], token_ids) -> list[tuple[int, Request, int, FinishReason | None]]:
+        """The step's tokens came back (`token_ids[i]` sampled for chunk i). Registers the pages it filled,
+        appends each sampled token and returns (row, request, token, finish) for them, finish being STOP
+        for a stop token or EOS and LENGTH at max_tokens or the context limit; the caller finishes them.
+        A chunk whose request ended or was preempted (`epochs`: preemption counts at launch) since the
+        launch is void."""
+        sampled = []
+        eos, max_context = self.eos_ids, self.config.max_context
+        for row, (c, epoch) in enumerate(zip(chunks, epochs)):
+            r = c.request
+            if r.status is not Status.RUNNING or r.num_preemptions != epoch:
+                continue
+            if self.cache is not None:
+                self.cache.register(r, c.start + c.num_tokens)
+            if not c.samples:
+                continue
+            r.num_pending -= 1
+            if not r.num_pending:
+                r.pending_src = None
+            token = int(token_ids[row])
+            r.output_ids.append(token)
+            p, reason = r.params, None
+            if token in p.stop_token_ids or (token in eos and not p.ignore_eos):
+                reason = FinishReason.STOP
+            elif len(r.output_ids) >= p.max_tokens or r.num_known >= max_context:
+                reason = FinishReason.LENGTH
+            sampled.append((row, r, token, reason))
+        return sampled
 
     @property
     def has_work(self) -> bool:

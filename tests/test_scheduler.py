@@ -92,11 +92,11 @@ def test_out_of_pages_preempts_the_newest_and_recomputes_it():
 
 
 def test_request_that_can_never_fit_is_rejected_at_once():
+    # The context limit is checked with the other fields at the edge (Engine.validate, test_llm).
     sched, _ = make(num_pages=5, page_size=4, max_context=64)
-    with pytest.raises(ValueError, match="exceeds the context limit of 64"):
-        sched.add(req(60, max_tokens=10))
+    sched.check_fits(req(12, max_tokens=4))  # 4 pages: fits
     with pytest.raises(ValueError, match="needs 5 KV pages but the cache holds only 4"):
-        sched.add(req(12, max_tokens=8))
+        sched.check_fits(req(12, max_tokens=8))
 
 
 def test_running_limit_and_fcfs_order():
