@@ -86,7 +86,7 @@ class StepShape:
         return self.seqs * self.pages_per_seq
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(slots=True)
 class SeqSpec:
     """One sequence's part of a step: `token_ids` start at position `start` of the sequence."""
 
@@ -96,7 +96,7 @@ class SeqSpec:
     src_row: int = -1  # >= 0: a decode token not yet on the host, row src_row of the previous step's output
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(slots=True)
 class SamplingRow:
     params: "object"  # request.SamplingParams
     seed: int  # 64-bit

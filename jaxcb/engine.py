@@ -258,15 +258,20 @@ class Engine:
         cnt = self._counters
         cnt["slots"] += shape.tokens
         cnt["live"] += live
+        refs, page_slots, page_tokens, prompt_tokens = self.pool.ref_counts, 0, 0, 0
         for c in chunks:
             r = c.request
-            written = r.page_ids[c.start // s:(c.start + c.num_tokens - 1) // s + 1]
-            assert all(self.pool.ref_counts[p] == 1 for p in written), (
+            first, last = c.start // s, (c.start + c.num_tokens - 1) // s
+            assert refs[r.page_ids[first]] == 1 and (first == last or all(
+                refs[p] == 1 for p in r.page_ids[first + 1:last + 1])), (
                 f"{r.key} would write into a page another request holds")
-            cnt["page_slots"] += len(r.page_ids) * s
-            cnt["page_tokens"] += c.start + c.num_tokens
+            page_slots += len(r.page_ids) * s
+            page_tokens += c.start + c.num_tokens
             if not (c.num_tokens == 1 and c.samples and c.start >= len(r.prompt_ids)):  # all but decode tokens
-                cnt["prompt_tokens_computed"] += c.num_tokens
+                prompt_tokens += c.num_tokens
+        cnt["page_slots"] += page_slots
+        cnt["page_tokens"] += page_tokens
+        cnt["prompt_tokens_computed"] += prompt_tokens
         pipelined = bool(self._in_flight)
         result = self.runner.run(batch, sampling, shape)
         dispatch_end = time.perf_counter()

@@ -69,7 +69,7 @@ class SchedulerConfig:
             raise ValueError(f"prefix_max_wait_ms: must be >= 0, got {self.prefix_max_wait_ms}")
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class Chunk:
     """Tokens `request.all_ids[start:start + num_tokens]` run this step."""
 

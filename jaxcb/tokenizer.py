@@ -169,9 +169,10 @@ class IncrementalDetokenizer:
         self.text = ""
 
     def add(self, new_ids) -> str:
-        self.ids.extend(int(i) for i in new_ids)
-        before = self.tok.decode(self.ids[self.prefix_offset:self.read_offset])
-        after = self.tok.decode(self.ids[self.prefix_offset:])
+        self.ids.extend(map(int, new_ids))
+        decode = self.tok._tok.decode  # the tokenizers library's own: this runs once per generated token
+        before = decode(self.ids[self.prefix_offset:self.read_offset], skip_special_tokens=True)
+        after = decode(self.ids[self.prefix_offset:], skip_special_tokens=True)
         if len(after) <= len(before) or after.endswith("\ufffd"):
             return ""
         delta = after[len(before):]
