@@ -84,8 +84,9 @@ def main():
             skip = jax.jit(step, static_argnames=("config", "attention"), donate_argnums=(1,))
 
             def no_attention():
-                runner.kv_pages, out = skip(runner.params, runner.kv_pages, batch, sampling, config=model_config,
-                                            attention=Attention("none"))
+                runner.kv_pages, out, runner.last_tokens = skip(
+                    runner.params, runner.kv_pages, runner.last_tokens, batch, sampling, config=model_config,
+                    attention=Attention("none"))
                 jax.device_get(out)
 
             none_ms = timed(no_attention)
