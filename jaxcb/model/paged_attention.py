@@ -146,8 +146,11 @@ def ragged_attention(q, kv_pages, layer, batch):
     k_base, v_base = (2 * layer) * nk * p, (2 * layer + 1) * nk * p
     n_decode, n_items = batch.item_bounds[0], batch.item_bounds[1]
 
-    def gather(base, ids):  # [K, B, S, D] straight from the pool
+    def gather(base, ids):  # [K, B, S, D] straight from the pool (prefill: K-major for its GEMMs)
         return pool[base + heads + ids[None, :]].astype(jnp.float32)
+
+    def gather_pages(base, ids):  # [B, K, S, D]: decode's per-page dots batch over (page, head) with no transpose
+        return pool[base + heads.T + ids[:, None]].astype(jnp.float32)
 
     # ---- decode: one query per sequence (its last token), page by page ----
     wb, pb = _blocks_for(m), PREFILL_BLOCK_PAGES
@@ -165,14 +168,14 @@ def ragged_attention(q, kv_pages, layer, batch):
         own = jnp.where(off + jnp.arange(wb) < n_decode, own, m)  # prefill items and padding: dropped
         pos = jax.lax.dynamic_slice(first, (off,), (wb,))[:, None] + jnp.arange(s)[None, :]  # [B, S]
         valid = (pos < kv_lens[own][:, None])[:, None, None, :]  # [B, 1, 1, S]
-        scores = jnp.einsum("kbsd,bkgd->bkgs", gather(k_base, ids), q_last[own])
+        scores = jnp.einsum("bksd,bkgd->bkgs", gather_pages(k_base, ids), q_last[own])
         scores = jnp.where(valid, scores, _MASKED)
         new_mx = jnp.maximum(mx, jax.ops.segment_max(scores.max(-1), own, num_segments=m + 1))
         e = jnp.where(valid, jnp.exp(scores - new_mx[own][..., None]), 0.0)
         keep = jnp.exp(mx - new_mx)
         den = den * keep + jax.ops.segment_sum(e.sum(-1), own, num_segments=m + 1)
-        values = jnp.where(valid[:, 0, 0][None, :, :, None], gather(v_base, ids), 0.0)  # unwritten slots: 0
-        part = jnp.einsum("bkgs,kbsd->bkgd", e, values)
+        values = jnp.where(valid[:, 0, 0][:, None, :, None], gather_pages(v_base, ids), 0.0)  # unwritten slots: 0
+        part = jnp.einsum("bkgs,bksd->bkgd", e, values)
         acc = acc * keep[..., None] + jax.ops.segment_sum(part, own, num_segments=m + 1)
         return new_mx, den, acc
 
