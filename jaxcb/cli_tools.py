@@ -166,7 +166,7 @@ def cmd_plan(args) -> int:
         weight_bytes=model.num_params * dtype_bytes, num_layers=model.num_layers, num_kv_heads=model.num_kv_heads,
         head_dim=model.head_dim, hidden_size=model.hidden_size, intermediate_size=model.intermediate_size,
         vocab_size=model.vocab_size, dtype_bytes=dtype_bytes, page_size=s.page_size, max_context=max_context,
-        max_batch=config.buckets.max_batch, max_prefill_tokens=s.max_chunk)
+        max_batch=config.buckets.max_batch, max_prefill_tokens=s.max_prefill_tokens, num_heads=model.num_heads)
     print(f"model {model.name}: {model.num_params / 1e6:.1f}M parameters, {args.dtype}; memory {args.memory} "
           f"x {config.memory_fraction:g}; largest batch bucket {config.buckets.max_batch}")
     print(plan.describe(sorted({512, 2048, max_context})))

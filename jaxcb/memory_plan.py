@@ -38,7 +38,7 @@ def fmt_bytes(n: float) -> str:
 class MemoryPlan:
     budget_bytes: int  # memory the engine may use: device (or given) memory x fraction
     weight_bytes: int
-    reserve_bytes: int  # temporaries of the largest step (activations, gathered pages, logits)
+    reserve_bytes: int  # temporaries of the largest step (activations, attention blocks, logits)
     kv_bytes_per_token: int  # keys and values of one token, all layers
     page_size: int
     num_pages: int  # pages that fit, the null page included
@@ -72,20 +72,24 @@ class MemoryPlan:
 def plan(*, budget_bytes: int, fraction: float, weight_bytes: int, num_layers: int, num_kv_heads: int,
          head_dim: int, hidden_size: int, intermediate_size: int, vocab_size: int, dtype_bytes: int,
          page_size: int, max_context: int, max_batch: int, max_prefill_tokens: int,
-         num_pages: int | None = None) -> MemoryPlan:
+         num_pages: int | None = None, num_heads: int | None = None) -> MemoryPlan:
     """The plan for these sizes; num_pages None = as many as fit, else check that many fit.
     Raises ValueError with the numbers when one request of max_context cannot be held."""
     if not 0 < fraction <= 1:
         raise ValueError(f"cache.memory_fraction: must be in (0, 1], got {fraction}")
     kv_per_token = 2 * num_layers * num_kv_heads * head_dim * dtype_bytes
     pages_per_seq = -(-max_context // page_size)
-    # The largest step's temporaries, an upper estimate: a decode step of the largest batch gathers
-    # every page of every row (plain-JAX attention), a prefill chunk's activations, and the float32
-    # logits with the sampler's sorted copies.
-    gathered = max_batch * pages_per_seq * page_size * kv_per_token // num_layers
-    activations = max_prefill_tokens * (4 * hidden_size + 3 * intermediate_size) * 4
+    # The largest step's temporaries, an upper estimate. The step is one packed batch of up to
+    # max_batch decode tokens and max_prefill_tokens prompt tokens: its activations, the plain-JAX
+    # attention's working set for one layer (a block of 256 pages of keys and values in float32, and the
+    # prefill scores of every token against a 256-key block; the pages themselves are read in place,
+    # never copied whole), and the float32 logits with the sampler's sorted copies.
+    tokens = max_batch + max_prefill_tokens
+    heads = num_heads or max(1, hidden_size // head_dim)
+    attention = 256 * page_size * 2 * num_kv_heads * head_dim * 4 + 3 * tokens * heads * 256 * 4
+    activations = tokens * (4 * hidden_size + 3 * intermediate_size) * 4
     logits = max(max_batch, 1) * vocab_size * 4 * 4
-    reserve = gathered + activations + logits
+    reserve = attention + activations + logits
     usable = int(budget_bytes * fraction) - weight_bytes - reserve
     page_bytes = kv_per_token * page_size
     fit = max(0, usable // page_bytes)

@@ -126,7 +126,7 @@ def plan_memory(model_config: ModelConfig, config, dtype=None, budget_bytes: int
         num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, hidden_size=c.hidden_size,
         intermediate_size=c.intermediate_size, vocab_size=c.vocab_size, dtype_bytes=dtype.itemsize,
         page_size=s.page_size, max_context=min(s.max_context, c.max_context), max_batch=b.max_batch,
-        max_prefill_tokens=s.max_chunk, num_pages=config.num_pages or None)
+        max_prefill_tokens=s.max_prefill_tokens, num_pages=config.num_pages or None, num_heads=c.num_heads)
 
 
 def make_runner(model_config: ModelConfig, params: Params, config, dtype=None, plan=None):
