@@ -37,6 +37,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attention", choices=("xla", "pallas", "auto"), default=None,
                    help="attention: plain JAX, the Pallas kernels, or auto (kernels on GPU/TPU; the config's "
                         "model.attention by default)")
+    p.add_argument("--tensor-parallel", type=int, default=None, metavar="N",
+                   help="split each step over N devices by attention heads (default: the config's parallel.tensor, 1)")
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
@@ -101,6 +103,8 @@ def _engine_config(args):
         changes["attention"] = args.attention
     if args.prefix_cache:
         changes["prefix_caching"] = args.prefix_cache == "on"
+    if getattr(args, "tensor_parallel", None) is not None:
+        changes["tensor_parallel"] = args.tensor_parallel
     return config.replace(**changes) if changes else config
 
 

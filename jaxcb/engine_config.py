@@ -28,6 +28,7 @@ class EngineConfig:
     attention: str = "auto"  # "xla" (plain JAX) | "pallas" (kernels) | "auto" (kernels on GPU/TPU)
     memory_fraction: float = 0.9  # of the memory budget the engine may use (weights, pages, step)
     memory_bytes: int = 0  # the memory budget; 0 = the device's memory
+    tensor_parallel: int = 1  # devices one step is split over by heads (jaxcb.parallel); 1 = one device
 
     @property
     def page_size(self) -> int:
@@ -43,13 +44,16 @@ class EngineConfig:
             raise ValueError(f"cache.num_pages: must be >= 2 or \"auto\", got {self.num_pages}")
         if not 0 < self.memory_fraction <= 1:
             raise ValueError(f"cache.memory_fraction: must be in (0, 1], got {self.memory_fraction}")
+        if not isinstance(self.tensor_parallel, int) or isinstance(self.tensor_parallel, bool) or self.tensor_parallel < 1:
+            raise ValueError(f"parallel.tensor: must be an integer >= 1, got {self.tensor_parallel!r}")
         if self.attention not in ATTENTION_CHOICES:
             raise ValueError(f"model.attention: {self.attention!r} is not one of {ATTENTION_CHOICES}")
         if self.attention != "xla" and s.page_size not in KERNEL_PAGE_SIZES:
             raise ValueError(f"cache.page_size: the Pallas kernels take {KERNEL_PAGE_SIZES}, got "
                              f"{s.page_size} (or set model.attention = 'xla')")
 
-    def replace(self, *, num_pages=None, buckets=None, attention=None, **scheduler_changes) -> "EngineConfig":
+    def replace(self, *, num_pages=None, buckets=None, attention=None, tensor_parallel=None,
+                **scheduler_changes) -> "EngineConfig":
         return EngineConfig(
             num_pages=self.num_pages if num_pages is None else num_pages,
             scheduler=dataclasses.replace(self.scheduler, **scheduler_changes),
@@ -57,12 +61,13 @@ class EngineConfig:
             seed=self.seed,
             attention=self.attention if attention is None else attention,
             memory_fraction=self.memory_fraction, memory_bytes=self.memory_bytes,
+            tensor_parallel=self.tensor_parallel if tensor_parallel is None else tensor_parallel,
         )
 
 
 def make_config(*, page_size=16, num_pages=4096, max_context=2048, decode_batch=(1, 2, 4, 8, 16, 32),
                 pages_per_seq=None, prefill_tokens=(32, 64, 128, 256, 512), max_prefill_tokens=None,
-                tokens=None, attention="auto", **scheduler) -> EngineConfig:
+                tokens=None, attention="auto", tensor_parallel=1, **scheduler) -> EngineConfig:
     """An EngineConfig from keyword values (tests and the Python API)."""
     if pages_per_seq is None:
         pages_per_seq = (max_context // page_size,)
@@ -76,7 +81,7 @@ def make_config(*, page_size=16, num_pages=4096, max_context=2048, decode_batch=
         max_prefill_tokens=prefill_tokens[-1] if max_prefill_tokens is None else max_prefill_tokens,
         **scheduler,
     )
-    return EngineConfig(num_pages=num_pages, scheduler=sched, attention=attention,
+    return EngineConfig(num_pages=num_pages, scheduler=sched, attention=attention, tensor_parallel=tensor_parallel,
                         buckets=Buckets(tuple(decode_batch), tuple(pages_per_seq), tuple(prefill_tokens),
                                         tuple(tokens)))
 
@@ -121,6 +126,10 @@ def load_config(path: str | None = None) -> EngineConfig:
     unknown = set(model) - {"attention"}
     if unknown:
         raise ValueError(f"config: unknown setting in [model]: {sorted(unknown)}")
+    parallel = raw.get("parallel", {})
+    unknown = set(parallel) - {"tensor"}
+    if unknown:
+        raise ValueError(f"config: unknown setting in [parallel]: {sorted(unknown)}")
     from jaxcb.memory_plan import parse_bytes
 
     num_pages = cache.get("num_pages", 4096)
@@ -131,4 +140,5 @@ def load_config(path: str | None = None) -> EngineConfig:
     return EngineConfig(num_pages=num_pages, scheduler=sc, buckets=b, seed=int(raw.get("seed", 0)),
                         attention=str(model.get("attention", "auto")),
                         memory_fraction=float(cache.get("memory_fraction", 0.9)),
-                        memory_bytes=parse_bytes(cache["memory"]) if "memory" in cache else 0)
+                        memory_bytes=parse_bytes(cache["memory"]) if "memory" in cache else 0,
+                        tensor_parallel=parallel.get("tensor", 1))

@@ -135,12 +135,18 @@ def make_runner(model_config: ModelConfig, params: Params, config, dtype=None, p
     plan = plan or plan_memory(model_config, config, dtype or params.embed.dtype)
     if plan.num_pages != config.num_pages:
         config = config.replace(num_pages=plan.num_pages)
+    mesh = None
+    if config.tensor_parallel > 1:
+        from jaxcb import parallel
+
+        parallel.check_tensor_parallel(model_config, config.tensor_parallel)
+        mesh = parallel.make_mesh(config.tensor_parallel)
     runner = ModelRunner(model_config, params, config.num_pages, config.page_size, dtype, attention=config.attention,
-                         max_seqs=config.buckets.max_batch)
+                         max_seqs=config.buckets.max_batch, mesh=mesh)
     return runner, config
 
 
-def resolve_attention(choice: str) -> Attention:
+def resolve_attention(choice: str, mesh=None) -> Attention:
     """The engine config's `attention` for this platform.
 
     "xla": the plain-JAX reference everywhere. "pallas": the Pallas kernels of the platform (on the CPU,
@@ -150,35 +156,47 @@ def resolve_attention(choice: str) -> Attention:
     platform = jax.default_backend()
     kernel = {"tpu": "tpu", "gpu": "gpu", "cuda": "gpu", "rocm": "gpu"}.get(platform)
     if choice == "xla" or (choice == "auto" and kernel is None):
-        return Attention("xla")
+        return Attention("xla", mesh=mesh)
     if choice in ("pallas", "auto"):
-        return Attention(kernel or "gpu", interpret=kernel is None)
+        return Attention(kernel or "gpu", interpret=kernel is None, mesh=mesh)
     raise ValueError(f"attention: {choice!r} is not one of 'xla', 'pallas', 'auto'")
 
 
 class ModelRunner:
     def __init__(self, config: ModelConfig, params: Params, num_pages: int, page_size: int, dtype=None,
-                 attention: str = "auto", max_seqs: int = 256):
+                 attention: str = "auto", max_seqs: int = 256, mesh=None):
         if jax.default_backend() == "cpu":
             keep_freed_memory_on_cpu()
-        self.attention = resolve_attention(attention)
+        self.mesh = mesh  # tensor parallelism (jaxcb.parallel); None = one device
+        self.attention = resolve_attention(attention, mesh)
         self._compiled: dict[int, object] = {}  # token bucket -> the compiled step
         self.config = config
-        self.params = params
         self.dtype = dtype or params.embed.dtype
         self.page_size = page_size
         self.num_pages = num_pages
-        self.kv_pages = allocate_kv_pages(config.num_layers, config.num_kv_heads, num_pages, page_size,
-                                          config.head_dim, self.dtype)
         self.last_tokens = jnp.zeros(max_seqs, jnp.int32)  # the previous step's sampled tokens, on the device
+        if mesh is not None:
+            from jaxcb import parallel
+
+            params = parallel.shard_params(params, mesh)
+            self.last_tokens = jax.device_put(self.last_tokens, parallel.replicated(mesh))
+        self.params = params
+        self.kv_pages = self._allocate_kv()
+
+    def _allocate_kv(self) -> jax.Array:
+        c = self.config
+        shape = (c.num_layers, c.num_kv_heads, self.num_pages, self.page_size, c.head_dim, self.dtype)
+        if self.mesh is None:
+            return allocate_kv_pages(*shape)
+        from jaxcb import parallel  # allocated split over the devices, never whole on one
+
+        return jax.jit(allocate_kv_pages, static_argnums=range(6), out_shardings=parallel.kv_sharding(self.mesh))(*shape)
 
     def reset_kv_if_lost(self) -> bool:
         """After a failed step: if the donated pages were consumed, allocate fresh ones (True)."""
         if not self.kv_pages.is_deleted():
             return False
-        c = self.config
-        self.kv_pages = allocate_kv_pages(c.num_layers, c.num_kv_heads, self.num_pages, self.page_size,
-                                          c.head_dim, self.dtype)
+        self.kv_pages = self._allocate_kv()
         return True
 
     @property

@@ -14,11 +14,13 @@ cache is updated in place, never copied.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 from jaxcb.batch import StepInput
 from jaxcb.model.config import ModelConfig
@@ -32,6 +34,7 @@ class Attention:
 
     kernel: str = "xla"  # "xla": plain JAX; "gpu" | "tpu": the Pallas kernels; "none": skipped (profiling only)
     interpret: bool = False  # run the Pallas kernel in interpret mode (the CPU)
+    mesh: object = None  # a jax.sharding.Mesh with a "model" axis: attention runs per device (jaxcb.parallel)
 
 
 @flax.struct.dataclass
@@ -139,6 +142,25 @@ def _layer(config: ModelConfig, attention: Attention, batch: StepInput, h, kv_pa
     q = rotary(q, batch.positions, config.rope_theta)
     k = rotary(k, batch.positions, config.rope_theta)
 
+    if attention.mesh is None:
+        attn, kv_pages = _attend(attention, q, k, v, kv_pages, layer_index, batch)
+    else:  # each device writes and reads the pages of its own KV heads: no communication
+        from jaxcb.parallel import AXIS, KV_SPEC
+
+        heads = P(None, AXIS, None)
+        attn, kv_pages = jax.shard_map(
+            functools.partial(_attend, attention), mesh=attention.mesh,
+            in_specs=(heads, heads, heads, KV_SPEC, P(), P()), out_specs=(heads, KV_SPEC),
+            check_vma=False)(q, k, v, kv_pages, layer_index, batch)
+    h = h + attn.reshape(t, nh * d) @ w.wo
+
+    x = rms_norm(h, w.mlp_norm, config.rms_norm_eps)
+    h = h + (jax.nn.silu(x @ w.w_gate) * (x @ w.w_up)) @ w.w_down
+    return h, kv_pages
+
+
+def _attend(attention: Attention, q, k, v, kv_pages, layer_index, batch: StepInput):
+    """Write this layer's new K/V into the pages, then attend over them: (attention [T, H, D], pages)."""
     kv_pages = write_kv(kv_pages, layer_index, k, v, batch.slot_ids)
     if attention.kernel == "xla":
         attn = ragged_attention(q, kv_pages, layer_index, batch)
@@ -147,11 +169,7 @@ def _layer(config: ModelConfig, attention: Attention, batch: StepInput, h, kv_pa
     else:  # the ragged Pallas kernel over the whole cache, one call for the step's every sequence
         attn = engine_ragged_attention(q, kv_pages, layer_index, batch.kv_lens, batch.page_table, batch.cu_q_lens,
                                        batch.num_seqs, backend=attention.kernel, interpret=attention.interpret)
-    h = h + attn.reshape(t, nh * d) @ w.wo
-
-    x = rms_norm(h, w.mlp_norm, config.rms_norm_eps)
-    h = h + (jax.nn.silu(x @ w.w_gate) * (x @ w.w_up)) @ w.w_down
-    return h, kv_pages
+    return attn, kv_pages
 
 
 def forward(params: Params, kv_pages: jax.Array, batch: StepInput, config: ModelConfig,
