@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import types
 
 import pytest
 
@@ -14,7 +15,8 @@ from jaxcb.engine_config import load_config, make_config
 from jaxcb.model.config import tiny_config
 from jaxcb.parallel import check_tensor_parallel
 
-HELPER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tp_check.py")
+HERE = os.path.dirname(os.path.abspath(__file__))
+HELPER = os.path.join(HERE, "tp_check.py")
 
 
 def test_tensor_parallel_gives_the_single_device_tokens(tmp_path):
@@ -28,6 +30,20 @@ def test_tensor_parallel_gives_the_single_device_tokens(tmp_path):
     for name in ("tp2", "tp2-pallas"):
         assert out[name]["tokens"] == out["tp1"]["tokens"], name
         assert out[name]["compilations_after_warmup"] == 0, name
+
+
+def test_smollm2_at_tensor_parallel_3_gives_the_golden_tokens(golden):
+    """9 query heads and 3 KV heads over 3 devices: one KV head each; the reference greedy tokens."""
+    from test_model_parity import check_against_golden
+
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "tp_golden.py"), os.path.join(HERE, "golden", "smollm2.json")],
+                          capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert [s[2] for s in out["kv_shards"]] == [1, 1, 1]
+    outs = [types.SimpleNamespace(token_ids=t) for t in out["tokens"]]
+    full = check_against_golden(outs, golden)
+    print(f"TP 3: {full}/{len(outs)} golden prompts identical in full")
 
 
 @pytest.mark.parametrize("tensor, message", [

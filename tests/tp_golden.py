@@ -1,0 +1,29 @@
+"""Run by test_parallel.py in a subprocess: SmolLM2 (9 query heads, 3 KV heads) split over 3 forced
+host devices, greedy on the golden prompts; prints the token ids as JSON."""
+
+import json
+import os
+import sys
+
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=3"
+
+
+def main(golden_path: str) -> None:
+    from jaxcb.engine_config import make_config
+    from jaxcb.llm import LLM
+    from jaxcb.request import SamplingParams
+
+    with open(golden_path) as f:
+        golden = json.load(f)
+    config = make_config(num_pages=512, max_context=256, decode_batch=(1, 2, 4, 8, 16, 32),
+                         prefill_tokens=(16, 32, 64), tensor_parallel=3)
+    llm = LLM(config=config)
+    outs = llm.generate([r["prompt_ids"] for r in golden["records"]],
+                        SamplingParams(max_tokens=golden["steps"], ignore_eos=True))
+    llm.engine.pool.check_all_free()
+    shards = [list(x.data.shape) for x in llm.engine.runner.kv_pages.addressable_shards]
+    print(json.dumps({"tokens": [o.token_ids for o in outs], "kv_shards": shards}))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
