@@ -29,7 +29,7 @@ from jaxcb.engine_config import EngineConfig
 from jaxcb.output import EventCallback, Outputs
 from jaxcb.page_pool import PagePool
 from jaxcb.request import FinishReason, Request, SamplingParams, Status, TokenEvent
-from jaxcb.scheduler import Chunk, Scheduler, SchedulerOutput
+from jaxcb.scheduler import Chunk, Scheduler
 
 __all__ = ["Engine", "EngineStats", "EventCallback"]
 log = logging.getLogger("jaxcb.engine")
@@ -308,12 +308,10 @@ class Engine:
                 self._finish(r, FinishReason.ERROR, events, error=message)
             else:  # nobody listens for it (a broken invariant): take it out rather than fail every step
                 log.error("request %s has no stream; removing it", r.key)
-                self.scheduler.remove(r)
-                r.status = Status.FINISHED
+                self.scheduler.finish(r, FinishReason.ERROR)
         if self.runner.reset_kv_if_lost():
-            out = SchedulerOutput(decode=[], prefill=[], preempted=[])
             for r in list(self.scheduler.running):
-                self.scheduler.preempt(r, out)
+                self.scheduler.preempt(r)
             self.pool.forget_cached()  # the cached pages' contents went with the old KV array
         self._last_fetch_end = None
 

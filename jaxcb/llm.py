@@ -87,6 +87,8 @@ def build_engine(model: str | None = None, config: EngineConfig | str | None = N
     cannot fit is refused by the memory plan before any weight is read; the plan is made once.
     `engine.load_seconds` is the time spent loading the weights.
     """
+    import jax.numpy as jnp
+
     from jaxcb.runner import default_dtype, make_runner, plan_memory
 
     if not isinstance(config, EngineConfig):
@@ -96,8 +98,6 @@ def build_engine(model: str | None = None, config: EngineConfig | str | None = N
     model_config, params, tokenizer, eos = loaded or load_model(
         model, dtype, check_config=lambda c: plans.append(plan_memory(c, config, dtype)))
     load_seconds = time.perf_counter() - t0
-    import jax.numpy as jnp
-
     # The plan stands if the weights came in the dtype it assumed (a checkpoint may bring its own).
     plan = plans[0] if plans and jnp.dtype(params.embed.dtype) == jnp.dtype(dtype or default_dtype()) else None
     runner, config = make_runner(model_config, params, config, plan=plan)

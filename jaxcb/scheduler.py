@@ -250,7 +250,8 @@ class Scheduler:
             self.running_limit += 1
 
     # ---- the step ----
-    def preempt(self, victim: Request, out: SchedulerOutput) -> None:
+    def preempt(self, victim: Request, out: SchedulerOutput | None = None) -> None:
+        """Free victim's pages and requeue it to be recomputed (listed in `out.preempted` if given)."""
         self.running.remove(victim)
         self.pool.free(victim.page_ids)
         victim.page_ids = []
@@ -260,7 +261,8 @@ class Scheduler:
         victim.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.append(victim)
-        out.preempted.append(victim)
+        if out is not None:
+            out.preempted.append(victim)
 
     def _grow(self, r: Request, num_tokens: int) -> bool:
         """Give `r` the pages to hold its first num_tokens tokens; False when the pool is short."""
