@@ -39,6 +39,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                         "model.attention by default)")
     p.add_argument("--tensor-parallel", type=int, default=None, metavar="N",
                    help="split each step over N devices by attention heads (default: the config's parallel.tensor, 1)")
+    p.add_argument("--data-parallel", type=int, default=None, metavar="M",
+                   help="M engine replicas on disjoint devices behind one router (default: the config's "
+                        "parallel.data, 1); each replica takes --tensor-parallel devices")
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
@@ -105,6 +108,8 @@ def _engine_config(args):
         changes["prefix_caching"] = args.prefix_cache == "on"
     if getattr(args, "tensor_parallel", None) is not None:
         changes["tensor_parallel"] = args.tensor_parallel
+    if getattr(args, "data_parallel", None) is not None:
+        changes["data_parallel"] = args.data_parallel
     return config.replace(**changes) if changes else config
 
 

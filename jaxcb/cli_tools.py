@@ -2,7 +2,7 @@
 
     jaxcb warmup [--config C] [--model M] [--compile-cache DIR]    compile every bucket into the cache
     jaxcb convert MODEL OUT_DIR [--dtype bfloat16|float32]         orbax checkpoint of the weights
-    jaxcb plan --model M --memory 80GiB [--max-context N]          what fits in that memory
+    jaxcb plan --model M --memory 80GiB [--max-context N] [--tensor-parallel N]   what fits, per device
     jaxcb buckets --lengths FILE --max-buckets N [--out F]         buckets from recorded lengths
 """
 
@@ -29,6 +29,8 @@ def add_parsers(sub, add_model_args) -> None:
     p.add_argument("--config", default=None)
     p.add_argument("--max-context", type=int, default=None, help="tokens per request (default: the config's)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16")
+    p.add_argument("--tensor-parallel", type=int, default=None, metavar="N",
+                   help="split the model over N devices of --memory each (default: the config's parallel.tensor)")
 
     b = sub.add_parser("buckets", help="choose bucket boundaries from recorded lengths (--record-lengths)")
     b.add_argument("--lengths", required=True, help="JSONL of {prompt, context} lines, or one number per line")
@@ -153,6 +155,7 @@ def cmd_plan(args) -> int:
     from jaxcb import memory_plan
     from jaxcb.engine_config import load_config
     from jaxcb.llm import read_model_config
+    from jaxcb.parallel import check_tensor_parallel
 
     config = load_config(args.config)
     model = read_model_config(args.model)
@@ -161,14 +164,18 @@ def cmd_plan(args) -> int:
     if max_context < 1:
         raise ValueError(f"--max-context: must be >= 1, got {max_context}")
     dtype_bytes = {"float32": 4, "bfloat16": 2}[args.dtype]
+    tensor = config.tensor_parallel if args.tensor_parallel is None else args.tensor_parallel
+    check_tensor_parallel(model, tensor)
     plan = memory_plan.plan(
         budget_bytes=memory_plan.parse_bytes(args.memory), fraction=config.memory_fraction,
         weight_bytes=model.num_params * dtype_bytes, num_layers=model.num_layers, num_kv_heads=model.num_kv_heads,
         head_dim=model.head_dim, hidden_size=model.hidden_size, intermediate_size=model.intermediate_size,
         vocab_size=model.vocab_size, dtype_bytes=dtype_bytes, page_size=s.page_size, max_context=max_context,
-        max_batch=config.buckets.max_batch, max_prefill_tokens=s.max_prefill_tokens, num_heads=model.num_heads)
+        max_batch=config.buckets.max_batch, max_prefill_tokens=s.max_prefill_tokens, num_heads=model.num_heads,
+        tensor=tensor)
     print(f"model {model.name}: {model.num_params / 1e6:.1f}M parameters, {args.dtype}; memory {args.memory} "
-          f"x {config.memory_fraction:g}; largest batch bucket {config.buckets.max_batch}")
+          f"{'per device ' if tensor > 1 else ''}x {config.memory_fraction:g}; largest batch bucket "
+          f"{config.buckets.max_batch}")
     print(plan.describe(sorted({512, 2048, max_context})))
     return 0
 

@@ -73,7 +73,7 @@ class Engine:
         self.runner = runner
         self.tokenizer = tokenizer
         self.config = config
-        self.model_config = runner.config
+        self.model_config = runner.model_config
         self.pool = PagePool(config.num_pages, config.page_size)
         # One context limit for everything: the configured one, or the model's if that is smaller.
         self.max_context = min(config.scheduler.max_context, self.model_config.max_context)

@@ -29,6 +29,7 @@ class EngineConfig:
     memory_fraction: float = 0.9  # of the memory budget the engine may use (weights, pages, step)
     memory_bytes: int = 0  # the memory budget; 0 = the device's memory
     tensor_parallel: int = 1  # devices one step is split over by heads (jaxcb.parallel); 1 = one device
+    data_parallel: int = 1  # engine replicas on disjoint devices behind one router (jaxcb.replicas)
 
     @property
     def page_size(self) -> int:
@@ -46,13 +47,15 @@ class EngineConfig:
             raise ValueError(f"cache.memory_fraction: must be in (0, 1], got {self.memory_fraction}")
         if not isinstance(self.tensor_parallel, int) or isinstance(self.tensor_parallel, bool) or self.tensor_parallel < 1:
             raise ValueError(f"parallel.tensor: must be an integer >= 1, got {self.tensor_parallel!r}")
+        if not isinstance(self.data_parallel, int) or isinstance(self.data_parallel, bool) or self.data_parallel < 1:
+            raise ValueError(f"parallel.data: must be an integer >= 1, got {self.data_parallel!r}")
         if self.attention not in ATTENTION_CHOICES:
             raise ValueError(f"model.attention: {self.attention!r} is not one of {ATTENTION_CHOICES}")
         if self.attention != "xla" and s.page_size not in KERNEL_PAGE_SIZES:
             raise ValueError(f"cache.page_size: the Pallas kernels take {KERNEL_PAGE_SIZES}, got "
                              f"{s.page_size} (or set model.attention = 'xla')")
 
-    def replace(self, *, num_pages=None, buckets=None, attention=None, tensor_parallel=None,
+    def replace(self, *, num_pages=None, buckets=None, attention=None, tensor_parallel=None, data_parallel=None,
                 **scheduler_changes) -> "EngineConfig":
         return EngineConfig(
             num_pages=self.num_pages if num_pages is None else num_pages,
@@ -62,12 +65,13 @@ class EngineConfig:
             attention=self.attention if attention is None else attention,
             memory_fraction=self.memory_fraction, memory_bytes=self.memory_bytes,
             tensor_parallel=self.tensor_parallel if tensor_parallel is None else tensor_parallel,
+            data_parallel=self.data_parallel if data_parallel is None else data_parallel,
         )
 
 
 def make_config(*, page_size=16, num_pages=4096, max_context=2048, decode_batch=(1, 2, 4, 8, 16, 32),
                 pages_per_seq=None, prefill_tokens=(32, 64, 128, 256, 512), max_prefill_tokens=None,
-                tokens=None, attention="auto", tensor_parallel=1, **scheduler) -> EngineConfig:
+                tokens=None, attention="auto", tensor_parallel=1, data_parallel=1, **scheduler) -> EngineConfig:
     """An EngineConfig from keyword values (tests and the Python API)."""
     if pages_per_seq is None:
         pages_per_seq = (max_context // page_size,)
@@ -82,6 +86,7 @@ def make_config(*, page_size=16, num_pages=4096, max_context=2048, decode_batch=
         **scheduler,
     )
     return EngineConfig(num_pages=num_pages, scheduler=sched, attention=attention, tensor_parallel=tensor_parallel,
+                        data_parallel=data_parallel,
                         buckets=Buckets(tuple(decode_batch), tuple(pages_per_seq), tuple(prefill_tokens),
                                         tuple(tokens)))
 
@@ -127,7 +132,7 @@ def load_config(path: str | None = None) -> EngineConfig:
     if unknown:
         raise ValueError(f"config: unknown setting in [model]: {sorted(unknown)}")
     parallel = raw.get("parallel", {})
-    unknown = set(parallel) - {"tensor"}
+    unknown = set(parallel) - {"tensor", "data"}
     if unknown:
         raise ValueError(f"config: unknown setting in [parallel]: {sorted(unknown)}")
     from jaxcb.memory_plan import parse_bytes
@@ -141,4 +146,4 @@ def load_config(path: str | None = None) -> EngineConfig:
                         attention=str(model.get("attention", "auto")),
                         memory_fraction=float(cache.get("memory_fraction", 0.9)),
                         memory_bytes=parse_bytes(cache["memory"]) if "memory" in cache else 0,
-                        tensor_parallel=parallel.get("tensor", 1))
+                        tensor_parallel=parallel.get("tensor", 1), data_parallel=parallel.get("data", 1))

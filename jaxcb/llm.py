@@ -16,6 +16,7 @@ import time
 
 from jaxcb.engine import Engine
 from jaxcb.engine_config import EngineConfig, load_config
+from jaxcb.replicas import Replicas
 from jaxcb.request import FinishReason, SamplingParams, TokenEvent
 
 
@@ -85,14 +86,29 @@ def build_engine(model: str | None = None, config: EngineConfig | str | None = N
     directory; `config`: an EngineConfig or a TOML path (default configs/default.toml); `loaded`: an
     already loaded (ModelConfig, Params, Tokenizer, eos ids) instead of `model`. A configuration that
     cannot fit is refused by the memory plan before any weight is read; the plan is made once.
-    `engine.load_seconds` is the time spent loading the weights.
+    `engine.load_seconds` is the time spent loading the weights. With parallel.data > 1 this is the
+    first replica only: see build_engines.
     """
+    return build_engines(model, config, dtype, loaded=loaded, replicas=1)[0]
+
+
+def build_engines(model: str | None = None, config: EngineConfig | str | None = None, dtype=None, *,
+                  loaded=None, replicas: int | None = None) -> list[Engine]:
+    """config.data_parallel engines (or `replicas`), each on its own `tensor_parallel` devices
+    (jaxcb.replicas), from one read of the weights and one memory plan (per device, the same for
+    every replica)."""
+    import dataclasses
+
+    import jax
     import jax.numpy as jnp
 
+    from jaxcb.replicas import split_devices
     from jaxcb.runner import default_dtype, make_runner, plan_memory
 
     if not isinstance(config, EngineConfig):
         config = load_config(config)
+    count = config.data_parallel if replicas is None else replicas
+    groups = split_devices(jax.devices(), config.tensor_parallel, count) if count > 1 else [None]
     plans = []
     t0 = time.perf_counter()
     model_config, params, tokenizer, eos = loaded or load_model(
@@ -100,16 +116,25 @@ def build_engine(model: str | None = None, config: EngineConfig | str | None = N
     load_seconds = time.perf_counter() - t0
     # The plan stands if the weights came in the dtype it assumed (a checkpoint may bring its own).
     plan = plans[0] if plans and jnp.dtype(params.embed.dtype) == jnp.dtype(dtype or default_dtype()) else None
-    runner, config = make_runner(model_config, params, config, plan=plan)
-    engine = Engine(runner, tokenizer, config, eos_ids=eos)
-    engine.load_seconds = load_seconds
-    return engine
+    engines = []
+    for i, devices in enumerate(groups):
+        runner, resolved = make_runner(model_config, params, config, plan=plan, devices=devices)
+        plan = plan or plan_memory(model_config, config, params.embed.dtype)
+        # Each replica draws the seeds of unseeded requests from its own generator.
+        engine = Engine(runner, tokenizer, dataclasses.replace(resolved, seed=config.seed + i), eos_ids=eos)
+        engine.load_seconds = load_seconds
+        engine.replica = i
+        engines.append(engine)
+    return engines
 
 
 class LLM:
     def __init__(self, model: str | None = None, *, config: EngineConfig | str | None = None, dtype=None,
                  _loaded=None):
-        self.engine = build_engine(model, config, dtype, loaded=_loaded)
+        engines = build_engines(model, config, dtype, loaded=_loaded)
+        self.engine = engines[0]
+        # parallel.data > 1: the replicas step on their threads behind the router (jaxcb.replicas)
+        self.replicas = Replicas(engines) if len(engines) > 1 else None
         self.load_seconds = self.engine.load_seconds
         self.model_config = self.engine.model_config
         self.tokenizer = self.engine.tokenizer
@@ -152,6 +177,8 @@ class LLM:
             except ValueError as e:
                 raise ValueError(f"request {i}: {e}") from None
         results: dict[tuple[str, int], Completion] = {}
+        if self.replicas is not None:
+            return self._run_replicas(ids, params, priorities, results)
         for i, (p, sp) in enumerate(zip(ids, params)):
             rid = self.engine.add_request(p, sp, priority=priorities[i] if priorities else 0, validated=True)
             for k in range(sp.n):
@@ -161,8 +188,35 @@ class LLM:
                 _apply(results[ev.request_id, ev.index], ev)
         return list(results.values())
 
+    def _run_replicas(self, ids, params, priorities, results) -> list[Completion]:
+        import queue
+
+        events: queue.Queue[TokenEvent] = queue.Queue()
+        if not self.replicas.started:
+            self.replicas.start()
+        for i, (p, sp) in enumerate(zip(ids, params)):
+            rid = self.replicas.submit(p, sp, events.put, priority=priorities[i] if priorities else 0)
+            for k in range(sp.n):
+                results[rid, k] = Completion(rid, p, [], "", None, [] if sp.logprobs else None, index=k)
+        left = len(results)
+        while left:
+            try:
+                ev = events.get(timeout=1.0)
+            except queue.Empty:
+                if not self.replicas.alive:
+                    raise RuntimeError(f"a replica's engine died: {self.replicas.error!r}") from None
+                continue
+            _apply(results[ev.request_id, ev.index], ev)
+            left -= ev.finished
+        return list(results.values())
+
     def warmup(self, progress=None) -> int:
-        return self.engine.warmup(progress)
+        return (self.replicas or self.engine).warmup(progress)
+
+    def close(self) -> None:
+        """Stop the replicas' threads (parallel.data > 1); nothing to do for one engine."""
+        if self.replicas is not None:
+            self.replicas.stop()
 
 
 def _apply(out: Completion, ev: TokenEvent) -> None:

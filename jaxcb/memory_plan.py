@@ -5,6 +5,11 @@ the weights, a reserve for the largest step's temporaries, and the rest is KV pa
 
     pages = (budget * fraction - weights - reserve) // bytes per page
 
+Under tensor parallelism over N devices every figure is per device: the weights are split N ways, a
+page holds the KV heads of one device (K/N of them, or one copy of a replicated head when N > K),
+and the step's temporaries are those of one device's heads and columns. Every device holds the same
+number of pages (page p spans all devices).
+
 A configuration that cannot hold even one request of the maximum context next to the largest step is
 refused with the numbers, before the engine allocates a byte.
 """
@@ -42,6 +47,8 @@ class MemoryPlan:
     kv_bytes_per_token: int  # keys and values of one token, all layers
     page_size: int
     num_pages: int  # pages that fit, the null page included
+    tensor: int = 1  # devices the model is split over; every byte figure above is per device
+    kv_replication: int = 1  # copies of each KV head on the mesh (tensor > KV heads)
 
     @property
     def page_bytes(self) -> int:
@@ -56,7 +63,11 @@ class MemoryPlan:
         return (self.num_pages - 1) // -(-context // self.page_size)
 
     def describe(self, contexts=(512, 2048, 8192)) -> str:
-        lines = [
+        lines = [f"tensor parallel {self.tensor}: every figure below is per device"] if self.tensor > 1 else []
+        if self.kv_replication > 1:
+            lines.append(f"KV heads replicated: {self.tensor} devices outnumber the KV heads, each head is held "
+                         f"{self.kv_replication} times (one copy per device)")
+        lines += [
             f"budget        {fmt_bytes(self.budget_bytes)}",
             f"weights       {fmt_bytes(self.weight_bytes)}",
             f"step reserve  {fmt_bytes(self.reserve_bytes)}",
@@ -72,12 +83,18 @@ class MemoryPlan:
 def plan(*, budget_bytes: int, fraction: float, weight_bytes: int, num_layers: int, num_kv_heads: int,
          head_dim: int, hidden_size: int, intermediate_size: int, vocab_size: int, dtype_bytes: int,
          page_size: int, max_context: int, max_batch: int, max_prefill_tokens: int,
-         num_pages: int | None = None, num_heads: int | None = None) -> MemoryPlan:
-    """The plan for these sizes; num_pages None = as many as fit, else check that many fit.
-    Raises ValueError with the numbers when one request of max_context cannot be held."""
+         num_pages: int | None = None, num_heads: int | None = None, tensor: int = 1) -> MemoryPlan:
+    """The plan for these sizes (the whole model's; `tensor` devices split it), per device; num_pages
+    None = as many as fit, else check that many fit. Raises ValueError with the numbers when one
+    request of max_context cannot be held."""
     if not 0 < fraction <= 1:
         raise ValueError(f"cache.memory_fraction: must be in (0, 1], got {fraction}")
-    kv_per_token = 2 * num_layers * num_kv_heads * head_dim * dtype_bytes
+    replication = max(1, tensor // num_kv_heads)
+    kv_heads = num_kv_heads * replication // tensor  # per device
+    weight_bytes = -(-weight_bytes // tensor)
+    heads = (num_heads or max(1, hidden_size // head_dim)) // tensor
+    intermediate_size //= tensor
+    kv_per_token = 2 * num_layers * kv_heads * head_dim * dtype_bytes
     pages_per_seq = -(-max_context // page_size)
     # The largest step's temporaries, an upper estimate. The step is one packed batch of up to
     # max_batch decode tokens and max_prefill_tokens prompt tokens: its activations, the plain-JAX
@@ -85,8 +102,7 @@ def plan(*, budget_bytes: int, fraction: float, weight_bytes: int, num_layers: i
     # prefill scores of every token against a 256-key block; the pages themselves are read in place,
     # never copied whole), and the float32 logits with the sampler's sorted copies.
     tokens = max_batch + max_prefill_tokens
-    heads = num_heads or max(1, hidden_size // head_dim)
-    attention = 256 * page_size * 2 * num_kv_heads * head_dim * 4 + 3 * tokens * heads * 256 * 4
+    attention = 256 * page_size * 2 * kv_heads * head_dim * 4 + 3 * tokens * heads * 256 * 4
     activations = tokens * (4 * hidden_size + 3 * intermediate_size) * 4
     logits = max(max_batch, 1) * vocab_size * 4 * 4
     reserve = attention + activations + logits
@@ -96,11 +112,12 @@ def plan(*, budget_bytes: int, fraction: float, weight_bytes: int, num_layers: i
     need = pages_per_seq + 1  # one request of the maximum context, and the null page
     if fit < need or (num_pages is not None and num_pages > fit):
         wanted = need if num_pages is None or num_pages < need else num_pages
+        where = f" per device at tensor parallel {tensor}" if tensor > 1 else ""
         raise ValueError(
-            f"memory: {fmt_bytes(budget_bytes)} x {fraction:g} = {fmt_bytes(budget_bytes * fraction)} holds the "
+            f"memory{where}: {fmt_bytes(budget_bytes)} x {fraction:g} = {fmt_bytes(budget_bytes * fraction)} holds the "
             f"weights ({fmt_bytes(weight_bytes)}) and the largest step ({fmt_bytes(reserve)}: batch {max_batch}, "
             f"{max_prefill_tokens}-token prefill) with room for {fit} KV pages of {fmt_bytes(page_bytes)}, but "
             f"{wanted} are needed ({'cache.num_pages' if num_pages else f'one request of {max_context} tokens + the null page'}); "
             f"lower the context, batch or page count, or give more memory")
     return MemoryPlan(budget_bytes, weight_bytes, reserve, kv_per_token, page_size,
-                      fit if num_pages is None else num_pages)
+                      fit if num_pages is None else num_pages, tensor, replication)

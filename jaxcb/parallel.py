@@ -5,7 +5,8 @@ by output columns (whole heads, whole intermediate columns), the o projection an
 input rows, so each device holds a slice of every layer and XLA adds one all-reduce after each of
 those two; the embedding is split by vocabulary rows and an untied output head by vocabulary
 columns; norms are replicated. The KV pages `[L, 2, K, P, S, D]` are split on the KV-head axis, so
-each device holds every page of its own heads and attention (the KV write and the paged attention
+each device holds every page of its own heads (when the devices outnumber the KV heads, each KV head
+is replicated so that every device holds one copy: `replicate_kv_heads`) and attention (the KV write and the paged attention
 of model.llama) runs per device under `shard_map` with no communication. Everything else is left
 to jit's sharding propagation. The host side (scheduler, pool, buckets) never sees the mesh: the
 step's inputs are replicated.
@@ -37,12 +38,45 @@ def check_tensor_parallel(config: ModelConfig, tensor: int) -> None:
     """Raise ValueError naming the numbers when `tensor` devices cannot split this model."""
     if tensor < 1:
         raise ValueError(f"parallel.tensor: must be >= 1, got {tensor}")
-    for what, n in (("query heads", config.num_heads), ("KV heads", config.num_kv_heads),
-                    ("intermediate columns", config.intermediate_size)):
+    for what, n in (("query heads", config.num_heads), ("intermediate columns", config.intermediate_size)):
         if n % tensor:
             raise ValueError(f"parallel.tensor: {tensor} devices do not divide the model's {n} {what}")
+    k = config.num_kv_heads
+    if (k % tensor) if tensor <= k else (tensor % k):
+        raise ValueError(f"parallel.tensor: the model's {k} KV heads can be neither split evenly over {tensor} "
+                         f"devices nor replicated evenly onto them")
     if config.vocab_size % tensor:
         raise ValueError(f"parallel.tensor: {tensor} devices do not divide the vocabulary of {config.vocab_size}")
+
+
+def kv_replication(config: ModelConfig, tensor: int) -> int:
+    """Copies of each KV head on the mesh: 1 when the devices split the KV heads, tensor/K when they
+    outnumber them (each device then holds one copy of the head its query heads read)."""
+    return max(1, tensor // config.num_kv_heads)
+
+
+def replicate_kv_heads(config: ModelConfig, params, tensor: int):
+    """(config, params) with each KV head repeated kv_replication times, so that the KV heads equal the
+    devices. Query head h reads KV head h // (H / K); after repeating head k into k*r .. k*r+r-1,
+    device d holds query heads d*H/N .. (d+1)*H/N - 1, all of which read original head d // r = copy d.
+    """
+    r = kv_replication(config, tensor)
+    if r == 1:
+        return config, params
+    import dataclasses
+
+    import jax.numpy as jnp
+
+    k, d = config.num_kv_heads, config.head_dim
+
+    def repeat(x):  # [..., K*D] -> [..., K*r*D], each head's D columns r times in a row
+        if x is None:
+            return None
+        y = jnp.repeat(x.reshape(*x.shape[:-1], k, d), r, axis=-2)
+        return y.reshape(*x.shape[:-1], k * r * d)
+
+    layers = dataclasses.replace(params.layers, **{n: repeat(getattr(params.layers, n)) for n in ("wk", "wv", "bk", "bv")})
+    return dataclasses.replace(config, num_kv_heads=k * r), dataclasses.replace(params, layers=layers)
 
 
 def make_mesh(tensor: int, devices=None) -> Mesh:

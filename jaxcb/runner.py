@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import threading
 
 import jax
@@ -23,6 +24,8 @@ from jaxcb.model.config import ModelConfig
 from jaxcb.model.llama import Attention, Params, forward
 from jaxcb.model.paged_attention import allocate_kv_pages
 from jaxcb.sampling import SampleOutput, sample
+
+log = logging.getLogger("jaxcb.runner")
 
 _compile_lock = threading.Lock()
 _compilations = 0
@@ -111,36 +114,47 @@ def device_memory_bytes() -> int:
 
 
 def plan_memory(model_config: ModelConfig, config, dtype=None, budget_bytes: int | None = None):
-    """The engine config's memory plan for this model in `dtype` on this device. Needs no weights, so
-    it runs before anything is loaded or allocated; raises ValueError with the numbers when the
-    configuration cannot fit."""
+    """The engine config's memory plan for this model in `dtype` on this device (per device of the
+    mesh under tensor parallelism). Needs no weights, so it runs before anything is loaded or
+    allocated; raises ValueError with the numbers when the configuration cannot fit."""
     from jaxcb import memory_plan
 
     dtype = jnp.dtype(dtype or default_dtype())
     weight_bytes = model_config.num_params * dtype.itemsize
     s, b = config.scheduler, config.buckets
     c = model_config
+    if config.tensor_parallel > 1:
+        from jaxcb.parallel import check_tensor_parallel
+
+        check_tensor_parallel(c, config.tensor_parallel)
+    budget = budget_bytes or config.memory_bytes
+    if not budget:
+        budget = device_memory_bytes()
+        if jax.default_backend() == "cpu":  # host devices share the one memory
+            budget //= config.tensor_parallel * config.data_parallel
     return memory_plan.plan(
-        budget_bytes=budget_bytes or config.memory_bytes or device_memory_bytes(),
+        budget_bytes=budget,
         fraction=config.memory_fraction, weight_bytes=weight_bytes, num_layers=c.num_layers,
         num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, hidden_size=c.hidden_size,
         intermediate_size=c.intermediate_size, vocab_size=c.vocab_size, dtype_bytes=dtype.itemsize,
         page_size=s.page_size, max_context=min(s.max_context, c.max_context), max_batch=b.max_batch,
-        max_prefill_tokens=s.max_prefill_tokens, num_pages=config.num_pages or None, num_heads=c.num_heads)
+        max_prefill_tokens=s.max_prefill_tokens, num_pages=config.num_pages or None, num_heads=c.num_heads,
+        tensor=config.tensor_parallel)
 
 
-def make_runner(model_config: ModelConfig, params: Params, config, dtype=None, plan=None):
+def make_runner(model_config: ModelConfig, params: Params, config, dtype=None, plan=None, devices=None):
     """(ModelRunner, config with num_pages resolved): the memory plan (`plan`, if already made for
-    these weights' dtype), then the KV pages."""
+    these weights' dtype), then the KV pages. `devices`: where this runner lives (a data-parallel
+    replica's share); default the first `tensor_parallel` devices, or the default device."""
     plan = plan or plan_memory(model_config, config, dtype or params.embed.dtype)
     if plan.num_pages != config.num_pages:
         config = config.replace(num_pages=plan.num_pages)
     mesh = None
-    if config.tensor_parallel > 1:
+    if config.tensor_parallel > 1 or devices is not None:
         from jaxcb import parallel
 
         parallel.check_tensor_parallel(model_config, config.tensor_parallel)
-        mesh = parallel.make_mesh(config.tensor_parallel)
+        mesh = parallel.make_mesh(config.tensor_parallel, devices)
     runner = ModelRunner(model_config, params, config.num_pages, config.page_size, dtype, attention=config.attention,
                          max_seqs=config.buckets.max_batch, mesh=mesh)
     return runner, config
@@ -167,10 +181,21 @@ class ModelRunner:
                  attention: str = "auto", max_seqs: int = 256, mesh=None):
         if jax.default_backend() == "cpu":
             keep_freed_memory_on_cpu()
-        self.mesh = mesh  # tensor parallelism (jaxcb.parallel); None = one device
+        self.mesh = mesh  # tensor parallelism (jaxcb.parallel); None = the default device
         self.attention = resolve_attention(attention, mesh)
         self._compiled: dict[int, object] = {}  # token bucket -> the compiled step
-        self.config = config
+        self.model_config = config  # the model as loaded
+        self.kv_replication = 1
+        if mesh is not None:
+            from jaxcb import parallel
+
+            tensor = mesh.shape[parallel.AXIS]
+            self.kv_replication = parallel.kv_replication(config, tensor)
+            if self.kv_replication > 1:
+                log.info("tensor parallel %d over %d KV heads: each KV head is replicated %d times, one copy per "
+                         "device", tensor, config.num_kv_heads, self.kv_replication)
+            config, params = parallel.replicate_kv_heads(config, params, tensor)
+        self.config = config  # the layout the step runs (KV heads replicated onto the mesh if needed)
         self.dtype = dtype or params.embed.dtype
         self.page_size = page_size
         self.num_pages = num_pages

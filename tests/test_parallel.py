@@ -19,17 +19,29 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 HELPER = os.path.join(HERE, "tp_check.py")
 
 
-def test_tensor_parallel_gives_the_single_device_tokens(tmp_path):
-    proc = subprocess.run([sys.executable, HELPER, str(tmp_path)], capture_output=True, text=True, timeout=900)
+def test_meshes_give_the_single_device_tokens(tmp_path):
+    """Tiny models over 8 forced host devices: TP 2/4/8 (KV heads replicated at TP 4 of model a and
+    TP 4/8 of model b), the Pallas kernels in interpret mode under shard_map, DP 2 and TP 2 x DP 2."""
+    proc = subprocess.run([sys.executable, HELPER, str(tmp_path)], capture_output=True, text=True, timeout=1500)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
-    # [L, 2, K, P, S, D]: one device holds both KV heads; under TP 2 each device holds one, every page.
-    assert [s[2:4] for s in out["tp1"]["kv_shards"]] == [[2, 16]]
-    assert [s[2:4] for s in out["tp2"]["kv_shards"]] == [[1, 16], [1, 16]]
-    assert out["tp1"]["preemptions"] > 0  # a pool tight enough to preempt under the mesh too
-    for name in ("tp2", "tp2-pallas"):
-        assert out[name]["tokens"] == out["tp1"]["tokens"], name
-        assert out[name]["compilations_after_warmup"] == 0, name
+    # [L, 2, K, P, S, D] per device: one device holds both KV heads; TP 2 one each; TP 4 over 2 KV heads
+    # holds one copy per device (replicated), as does TP 8 over model b's 2.
+    assert [s[2:4] for s in out["a-tp1"]["kv_shards"][0]] == [[2, 16]]
+    assert [s[2:4] for s in out["a-tp2"]["kv_shards"][0]] == [[1, 16]] * 2
+    assert [s[2:4] for s in out["a-tp4"]["kv_shards"][0]] == [[1, 16]] * 4
+    assert [s[2:4] for s in out["b-tp8"]["kv_shards"][0]] == [[1, 16]] * 8
+    assert out["a-tp1"]["preemptions"] > 0  # a pool tight enough to preempt under the meshes too
+    for name, run in out.items():
+        reference = out[name[0] + "-tp1"]["tokens"]
+        assert run["tokens"] == reference, name
+        assert run["compilations_after_warmup"] == 0, name
+    # Replicas on disjoint devices, both used, every routed token accounted for at the end.
+    assert out["a-dp2"]["devices"] == [[0], [1]]
+    assert out["a-tp2-dp2"]["devices"] == [[0, 1], [2, 3]]
+    for name in ("a-dp2", "a-tp2-dp2"):
+        assert min(out[name]["routed"]) > 0 and sum(out[name]["routed"]) == 6, name
+        assert out[name]["load_left"] == [0, 0], name
 
 
 def test_smollm2_at_tensor_parallel_3_gives_the_golden_tokens(golden):
@@ -48,7 +60,7 @@ def test_smollm2_at_tensor_parallel_3_gives_the_golden_tokens(golden):
 
 @pytest.mark.parametrize("tensor, message", [
     (3, "parallel.tensor: 3 devices do not divide the model's 4 query heads"),
-    (4, "parallel.tensor: 4 devices do not divide the model's 2 KV heads"),
+    (6, "parallel.tensor: 6 devices do not divide the model's 4 query heads"),
     (0, "parallel.tensor: must be >= 1"),
 ])
 def test_tensor_parallel_that_cannot_split_the_model_is_refused(tensor, message):
@@ -65,3 +77,34 @@ def test_parallel_config_section(tmp_path):
         load_config(str(path))
     with pytest.raises(ValueError, match="parallel.tensor: must be an integer >= 1"):
         make_config(tensor_parallel=0)
+
+
+def test_memory_plan_is_per_device_and_names_replicated_kv_heads():
+    from jaxcb import memory_plan
+
+    c = tiny_config(vocab_size=256, num_heads=8, num_kv_heads=2)
+    common = dict(budget_bytes=64 << 20, fraction=0.9, weight_bytes=c.num_params * 4, num_layers=c.num_layers,
+                  num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, hidden_size=c.hidden_size,
+                  intermediate_size=c.intermediate_size, vocab_size=c.vocab_size, dtype_bytes=4, page_size=16,
+                  max_context=256, max_batch=8, max_prefill_tokens=64, num_heads=c.num_heads)
+    one, two, eight = (memory_plan.plan(**common, tensor=n) for n in (1, 2, 8))
+    assert two.weight_bytes * 2 >= one.weight_bytes > two.weight_bytes
+    assert two.kv_bytes_per_token * 2 == one.kv_bytes_per_token  # one KV head each
+    assert eight.kv_bytes_per_token == two.kv_bytes_per_token  # one copy of one head each
+    assert (one.kv_replication, two.kv_replication, eight.kv_replication) == (1, 1, 4)
+    assert two.num_pages > one.num_pages and "per device" in two.describe()
+    assert "replicated" in eight.describe() and "replicated" not in two.describe()
+
+
+def test_plan_command_takes_tensor_parallel(capsys):
+    """An 8B Llama (config.json only) on a 16 GiB chip: does not fit one, fits four."""
+    from jaxcb.cli import main
+
+    assert main(["plan", "--model", os.path.join(HERE, "..", "configs", "models", "llama-3-8b"), "--memory",
+                 "16GiB", "--max-context", "4096", "--tensor-parallel", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "tensor parallel 4: every figure below is per device" in out
+    assert "weights       3.7 GiB" in out  # 8.0B parameters in bfloat16, a quarter each
+    assert main(["plan", "--model", os.path.join(HERE, "..", "configs", "models", "llama-3-8b"), "--memory",
+                 "16GiB", "--max-context", "4096", "--tensor-parallel", "1"]) == 2
+    assert "memory: 16.0 GiB x 0.9 = 14.4 GiB holds the weights (15.0 GiB)" in capsys.readouterr().err
