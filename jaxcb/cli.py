@@ -235,7 +235,7 @@ def cmd_generate(args) -> int:
         jobs.append((len(slots), ids, params, priority, rid))
         slots.append(None)
 
-    engine = llm.engine
+    engine = llm.replicas or llm.engine  # stats summed over data-parallel replicas
     compiled_before = engine.stats().compilations
     engine.reset_counters()
     t0 = time.perf_counter()
@@ -279,7 +279,7 @@ def cmd_serve(args) -> int:
 
     import jax
 
-    from jaxcb.llm import build_engine
+    from jaxcb.llm import build_engines
     from serve.server import ServerOptions, run_server
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -291,25 +291,30 @@ def cmd_serve(args) -> int:
 
     config = _engine_config(args)
     cache_dir = compile_cache.enable(args.compile_cache)
-    engine = build_engine(args.model, config, _dtype(args))  # a config that cannot fit: refused before the weights
+    engines = build_engines(args.model, config, _dtype(args))  # a config that cannot fit: refused before the weights
+    engine = engines[0]
     model_config, tokenizer, runner, config = engine.model_config, engine.tokenizer, engine.runner, engine.config
     if tokenizer is None:
         raise ValueError("model: the file has no tokenizer; the server needs one")
     if args.record_lengths:
-        engine.record_lengths(args.record_lengths)
+        for e in engines:
+            e.record_lengths(args.record_lengths)
     options = ServerOptions(host=args.host, port=args.port, metrics_port=args.metrics_port, tls_cert=args.tls_cert,
                             tls_key=args.tls_key, auth_token=args.auth_token, grace_s=args.grace_period,
                             max_waiting=args.max_waiting)
     print(f"jaxcb: model {model_config.name} on {jax.devices()[0].platform}, {jnp.dtype(runner.dtype).name}; "
           f"{config.num_pages} KV pages of {config.page_size} tokens; policy {config.scheduler.policy}; "
           f"compile cache {cache_dir or 'off'}", flush=True)
+    if len(engines) > 1 or config.tensor_parallel > 1:
+        print(f"jaxcb: {len(engines)} replica(s) x tensor parallel {config.tensor_parallel}: devices "
+              f"{[sorted(d.id for d in e.runner.kv_pages.devices()) for e in engines]}", flush=True)
     target = f"{args.host}:{args.port}"
     print(f"jaxcb: try it:  .venv/bin/jaxcb client --target {target} \"Why is the sky blue?\"", flush=True)
 
     def announce(msg):
         print(msg, flush=True)
 
-    return asyncio.run(run_server(engine, tokenizer, model_config.name, jnp.dtype(runner.dtype).name, options,
+    return asyncio.run(run_server(engines, tokenizer, model_config.name, jnp.dtype(runner.dtype).name, options,
                                   announce))
 
 

@@ -53,13 +53,14 @@ def _bar(i: int, total: int, shape, t0: float) -> None:
 def cmd_warmup(args) -> int:
     from jaxcb import compile_cache
     from jaxcb.cli import _dtype, _engine_config
-    from jaxcb.llm import build_engine
+    from jaxcb.llm import build_engines
 
     config = _engine_config(args)
     cache_dir = compile_cache.enable(args.compile_cache)
-    engine = build_engine(args.model, config, _dtype(args))
+    engines = build_engines(args.model, config, _dtype(args))  # every replica: each has its own devices
     t0 = time.perf_counter()
-    shapes = engine.warmup(lambda i, total, shape: _bar(i, total, shape, t0))
+    for engine in engines:
+        shapes = engine.warmup(lambda i, total, shape: _bar(i, total, shape, t0))
     print(f"jaxcb warmup: {shapes} bucket shapes in {time.perf_counter() - t0:.1f}s; "
           f"compile cache: {cache_dir or 'off (nothing kept)'}")
     return 0

@@ -78,6 +78,10 @@ class Replicas:
                 sum(values) / len(values) if isinstance(values[0], float) else sum(values))
         return EngineStats(**total)
 
+    def reset_counters(self) -> None:
+        for e in self.engines:
+            e.reset_counters()
+
     def replica_stats(self) -> list[EngineStats]:
         return [e.stats() for e in self.engines]
 

@@ -1,11 +1,13 @@
 """Prometheus metrics with the names operators know from vLLM, under the `jaxcb:` prefix.
 
 Per-request timings are observed on the engine thread as events arrive (`RequestTimer`); gauges
-are refreshed from `Engine.stats()` after every step.
+are refreshed from `Engine.stats()` after every step. With data-parallel replicas each replica's
+step refreshes its own `jaxcb:replica_*{replica="i"}` gauges, and the unlabelled gauges hold the sums.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -15,7 +17,7 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1
 
 
 class Metrics:
-    def __init__(self, registry: CollectorRegistry | None = None):
+    def __init__(self, registry: CollectorRegistry | None = None, replicas: int = 1):
         self.registry = registry or CollectorRegistry()
         r = self.registry
         self.ttft = Histogram("jaxcb:time_to_first_token_seconds", "Time to first token.",
@@ -39,18 +41,37 @@ class Metrics:
         self.prefix_queries = Counter("jaxcb:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
                                       registry=r)
         self.prefix_hits = Counter("jaxcb:prefix_cache_hits", "Prompt tokens found in the prefix cache.", registry=r)
-        self._prefix_seen = (0, 0)
+        self.replica_running = Gauge("jaxcb:replica_num_requests_running", "Requests running, per replica.",
+                                     ["replica"], registry=r)
+        self.replica_waiting = Gauge("jaxcb:replica_num_requests_waiting", "Requests waiting, per replica.",
+                                     ["replica"], registry=r)
+        self.replica_kv_usage = Gauge("jaxcb:replica_kv_cache_usage_perc", "KV pages in use (0-1), per replica.",
+                                      ["replica"], registry=r)
+        self._lock = threading.Lock()  # replicas refresh from their own threads
+        self._latest = [None] * replicas  # each replica's last stats
+        self._prefix_seen = [(0, 0)] * replicas
 
-    def refresh(self, stats) -> None:
-        queries, hits = stats.prefix_cache_queries, stats.prefix_cache_hits
-        self.prefix_queries.inc(max(0, queries - self._prefix_seen[0]))
-        self.prefix_hits.inc(max(0, hits - self._prefix_seen[1]))
-        self._prefix_seen = (queries, hits)
-        self.running.set(stats.running)
-        self.waiting.set(stats.waiting)
-        self.kv_usage.set(stats.pages_in_use / stats.pages_total if stats.pages_total else 0.0)
-        self.preemptions.set(stats.preemptions)
-        self.compilations.set(stats.compilations)
+    def refresh(self, stats, replica: int = 0) -> None:
+        with self._lock:
+            queries, hits = stats.prefix_cache_queries, stats.prefix_cache_hits
+            seen = self._prefix_seen[replica]
+            self.prefix_queries.inc(max(0, queries - seen[0]))
+            self.prefix_hits.inc(max(0, hits - seen[1]))
+            self._prefix_seen[replica] = (queries, hits)
+            self._latest[replica] = stats
+            latest = [s for s in self._latest if s is not None]
+            if len(self._latest) > 1:
+                label = str(replica)
+                self.replica_running.labels(replica=label).set(stats.running)
+                self.replica_waiting.labels(replica=label).set(stats.waiting)
+                self.replica_kv_usage.labels(replica=label).set(
+                    stats.pages_in_use / stats.pages_total if stats.pages_total else 0.0)
+            total = sum(s.pages_total for s in latest)
+            self.running.set(sum(s.running for s in latest))
+            self.waiting.set(sum(s.waiting for s in latest))
+            self.kv_usage.set(sum(s.pages_in_use for s in latest) / total if total else 0.0)
+            self.preemptions.set(sum(s.preemptions for s in latest))
+            self.compilations.set(max(s.compilations for s in latest))
 
 
 class RequestTimer:

@@ -1,6 +1,7 @@
 """The gRPC server: jaxcb.v1.Jaxcb, JetStream's Orchestrator, grpc.health.v1 and reflection.
 
-The engine runs on its own thread (`EngineThread`); each streaming call is an asyncio task that
+The engine runs on its own thread (`EngineThread`); with data parallelism, M engines each on their
+own, behind the router (`jaxcb.replicas.Replicas`, which the server always talks to). Each streaming call is an asyncio task that
 submits its request with a callback that hops events onto the event loop, and yields them as they
 come. A call that ends early (cancelled, disconnected, past its deadline) aborts its request in the
 `finally` of its handler, so its pages are freed at the engine's next step.
@@ -24,7 +25,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from jaxcb.engine import Engine
-from jaxcb.engine_thread import EngineThread
+from jaxcb.replicas import Replicas
 from jaxcb.request import FinishReason, SamplingParams, TokenEvent
 from serve.metrics import Metrics, RequestTimer
 from serve.proto import jaxcb_pb2, jaxcb_pb2_grpc, jetstream_pb2, jetstream_pb2_grpc
@@ -54,9 +55,11 @@ class InvalidRequest(Exception):
 
 
 class State:
-    """What the handlers share: the engine thread, the tokenizer, metrics, and the server's phase."""
+    """What the handlers share: the engine replicas (one or more, on their threads, behind the
+    router), the tokenizer, metrics, and the server's phase. `engine` and `thread` are both the
+    Replicas: the first for what one reads of an engine, the second for submit/abort/alive."""
 
-    def __init__(self, engine: Engine, tokenizer, model_name: str, dtype: str, options: ServerOptions,
+    def __init__(self, engine: Replicas, tokenizer, model_name: str, dtype: str, options: ServerOptions,
                  metrics: Metrics):
         self.engine = engine
         self.tokenizer = tokenizer
@@ -68,7 +71,7 @@ class State:
         self.draining = False
         self.active: set[str] = set()
         self.loop: asyncio.AbstractEventLoop | None = None
-        self.thread: EngineThread | None = None
+        self.thread: Replicas | None = None
         self.died = asyncio.Event()
 
     def check_open(self) -> None:
@@ -212,11 +215,17 @@ class JaxcbService(jaxcb_pb2_grpc.JaxcbServicer):
         e = self.state.engine
         st = e.stats()
         b = e.config.buckets
+        replicas = [jaxcb_pb2.ReplicaInfo(
+            replica=i, device_ids=sorted(d.id for d in eng.runner.kv_pages.devices()), pages_total=r.pages_total,
+            pages_free=r.pages_free, running=r.running, waiting=r.waiting, preemptions=r.preemptions,
+            pending_tokens=e.load[i], requests_routed=e.routed[i])
+            for i, (eng, r) in enumerate(zip(e.engines, e.replica_stats()))]
         return jaxcb_pb2.ServerInfo(
             decode_batch_buckets=b.decode_batch, pages_per_seq_buckets=b.pages_per_seq,
             prefill_token_buckets=b.prefill_tokens, page_size=e.config.page_size, pages_total=st.pages_total,
             pages_free=st.pages_free, policy=e.config.scheduler.policy, compilations=st.compilations,
-            running=st.running, waiting=st.waiting, preemptions=st.preemptions)
+            running=st.running, waiting=st.waiting, preemptions=st.preemptions,
+            tensor_parallel=e.config.tensor_parallel, data_parallel=len(e), replicas=replicas)
 
 
 class OrchestratorService(jetstream_pb2_grpc.OrchestratorServicer):
@@ -289,20 +298,24 @@ class _AuthInterceptor(grpc.aio.ServerInterceptor):
         return self._deny_unary
 
 
-async def run_server(engine: Engine, tokenizer, model_name: str, dtype: str, options: ServerOptions,
+async def run_server(engine: Engine | list[Engine], tokenizer, model_name: str, dtype: str, options: ServerOptions,
                      announce=print) -> int:
-    """Serve until SIGTERM/SIGINT (returns 0) or until the engine dies (returns 1)."""
-    metrics = Metrics()
-    state = State(engine, tokenizer, model_name, dtype, options, metrics)
-    state.loop = asyncio.get_running_loop()
+    """Serve one engine, or data-parallel replicas (a list), until SIGTERM/SIGINT (returns 0) or until
+    an engine dies (returns 1)."""
+    engines = list(engine) if isinstance(engine, (list, tuple)) else [engine]
+    metrics = Metrics(replicas=len(engines))
+    loop = asyncio.get_running_loop()
+    died = asyncio.Event()
 
     def on_death(error):
-        state.loop.call_soon_threadsafe(state.died.set)
+        loop.call_soon_threadsafe(died.set)
 
     def on_step(eng, events):
-        metrics.refresh(eng.stats())
+        metrics.refresh(eng.stats(), getattr(eng, "replica", 0))
 
-    state.thread = EngineThread(engine, on_death=on_death, on_step=on_step)
+    replicas = Replicas(engines, on_death=on_death, on_step=on_step)
+    state = State(replicas, tokenizer, model_name, dtype, options, metrics)
+    state.loop, state.died, state.thread = loop, died, replicas
 
     interceptors = [_AuthInterceptor(options.auth_token)] if options.auth_token else []
     server = grpc.aio.server(interceptors=interceptors, options=[
@@ -351,7 +364,7 @@ async def run_server(engine: Engine, tokenizer, model_name: str, dtype: str, opt
         if i == total or i * 4 // total != (i - 1) * 4 // total:
             announce(f"jaxcb: warm-up {i}/{total} shapes ({time.perf_counter() - t0:.0f}s)")
 
-    shapes = await asyncio.to_thread(engine.warmup, progress)
+    shapes = await asyncio.to_thread(replicas.warmup, progress)
     state.thread.start()
     state.ready = True
     await set_health(health_pb2.HealthCheckResponse.SERVING)
@@ -359,9 +372,9 @@ async def run_server(engine: Engine, tokenizer, model_name: str, dtype: str, opt
              f"loaded from the compile cache) in "
              f"{time.perf_counter() - t0:.1f}s")
 
-    died = asyncio.ensure_future(state.died.wait())
+    dying = asyncio.ensure_future(state.died.wait())
     stopping = asyncio.ensure_future(stop.wait())
-    await asyncio.wait([died, stopping], return_when=asyncio.FIRST_COMPLETED)
+    await asyncio.wait([dying, stopping], return_when=asyncio.FIRST_COMPLETED)
     code = 1 if state.died.is_set() else 0
     state.draining = True
     await set_health(health_pb2.HealthCheckResponse.NOT_SERVING)

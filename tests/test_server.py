@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import math
 import signal
 import time
@@ -301,3 +302,31 @@ def test_tls(tiny_gguf_path, config_path, tmp_path):
                 plain.complete(token_ids=[5], max_tokens=2, timeout=5)
     finally:
         assert s.stop() == 0
+
+
+def test_data_parallel_server_routes_over_two_replicas_with_the_single_engine_tokens(tiny_gguf_path, config_path,
+                                                                                   offline):
+    """`jaxcb serve --data-parallel 2` on two forced host devices: GetServerInfo and the metrics show
+    each replica; concurrent requests spread over both and get the one-engine tokens; pools whole."""
+    s = ServerProcess(tiny_gguf_path, config_path, "--data-parallel", "2",
+                      env={"XLA_FLAGS": "--xla_force_host_platform_device_count=2"})
+    try:
+        s.wait_serving()
+        rng = np.random.default_rng(7)
+        prompts = [rng.integers(3, 128, int(n)).tolist() for n in rng.integers(2, 60, 8)]
+        with Client(s.target) as c:
+            with concurrent.futures.ThreadPoolExecutor(8) as pool:
+                results = list(pool.map(lambda p: c.complete(token_ids=p, max_tokens=12, ignore_eos=True, timeout=120),
+                                        prompts))
+            info = wait_pool_whole(c)
+        expected = offline.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True))
+        assert [r.token_ids for r in results] == [o.token_ids for o in expected]
+        assert info.data_parallel == 2 and info.tensor_parallel == 1
+        assert [list(r.device_ids) for r in info.replicas] == [[0], [1]]
+        assert all(r.requests_routed > 0 for r in info.replicas) and sum(r.requests_routed for r in info.replicas) == 8
+        assert all(r.pending_tokens == 0 and r.pages_free == r.pages_total for r in info.replicas)
+        assert info.pages_total == sum(r.pages_total for r in info.replicas)
+        metrics = urllib.request.urlopen(f"http://127.0.0.1:{s.metrics_port}/metrics", timeout=10).read().decode()
+        assert 'jaxcb:replica_kv_cache_usage_perc{replica="1"}' in metrics
+    finally:
+        assert s.stop() == 0, s.output()

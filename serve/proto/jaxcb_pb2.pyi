@@ -169,7 +169,7 @@ class GetServerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServerInfo(_message.Message):
-    __slots__ = ("decode_batch_buckets", "pages_per_seq_buckets", "prefill_token_buckets", "page_size", "pages_total", "pages_free", "policy", "compilations", "running", "waiting", "preemptions")
+    __slots__ = ("decode_batch_buckets", "pages_per_seq_buckets", "prefill_token_buckets", "page_size", "pages_total", "pages_free", "policy", "compilations", "running", "waiting", "preemptions", "tensor_parallel", "data_parallel", "replicas")
     DECODE_BATCH_BUCKETS_FIELD_NUMBER: _ClassVar[int]
     PAGES_PER_SEQ_BUCKETS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_TOKEN_BUCKETS_FIELD_NUMBER: _ClassVar[int]
@@ -181,6 +181,9 @@ class ServerInfo(_message.Message):
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
     PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_PARALLEL_FIELD_NUMBER: _ClassVar[int]
+    DATA_PARALLEL_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
     decode_batch_buckets: _containers.RepeatedScalarFieldContainer[int]
     pages_per_seq_buckets: _containers.RepeatedScalarFieldContainer[int]
     prefill_token_buckets: _containers.RepeatedScalarFieldContainer[int]
@@ -192,4 +195,29 @@ class ServerInfo(_message.Message):
     running: int
     waiting: int
     preemptions: int
-    def __init__(self, decode_batch_buckets: _Optional[_Iterable[int]] = ..., pages_per_seq_buckets: _Optional[_Iterable[int]] = ..., prefill_token_buckets: _Optional[_Iterable[int]] = ..., page_size: _Optional[int] = ..., pages_total: _Optional[int] = ..., pages_free: _Optional[int] = ..., policy: _Optional[str] = ..., compilations: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., preemptions: _Optional[int] = ...) -> None: ...
+    tensor_parallel: int
+    data_parallel: int
+    replicas: _containers.RepeatedCompositeFieldContainer[ReplicaInfo]
+    def __init__(self, decode_batch_buckets: _Optional[_Iterable[int]] = ..., pages_per_seq_buckets: _Optional[_Iterable[int]] = ..., prefill_token_buckets: _Optional[_Iterable[int]] = ..., page_size: _Optional[int] = ..., pages_total: _Optional[int] = ..., pages_free: _Optional[int] = ..., policy: _Optional[str] = ..., compilations: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., preemptions: _Optional[int] = ..., tensor_parallel: _Optional[int] = ..., data_parallel: _Optional[int] = ..., replicas: _Optional[_Iterable[_Union[ReplicaInfo, _Mapping]]] = ...) -> None: ...
+
+class ReplicaInfo(_message.Message):
+    __slots__ = ("replica", "device_ids", "pages_total", "pages_free", "running", "waiting", "preemptions", "pending_tokens", "requests_routed")
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_IDS_FIELD_NUMBER: _ClassVar[int]
+    PAGES_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    PAGES_FREE_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_FIELD_NUMBER: _ClassVar[int]
+    WAITING_FIELD_NUMBER: _ClassVar[int]
+    PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
+    PENDING_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_ROUTED_FIELD_NUMBER: _ClassVar[int]
+    replica: int
+    device_ids: _containers.RepeatedScalarFieldContainer[int]
+    pages_total: int
+    pages_free: int
+    running: int
+    waiting: int
+    preemptions: int
+    pending_tokens: int
+    requests_routed: int
+    def __init__(self, replica: _Optional[int] = ..., device_ids: _Optional[_Iterable[int]] = ..., pages_total: _Optional[int] = ..., pages_free: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., preemptions: _Optional[int] = ..., pending_tokens: _Optional[int] = ..., requests_routed: _Optional[int] = ...) -> None: ...
