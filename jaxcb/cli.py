@@ -79,6 +79,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="require 'authorization: Bearer TOKEN' on every call (default: $JAXCB_AUTH_TOKEN)")
     s.add_argument("--grace-period", type=float, default=10.0, help="seconds in-flight streams get at shutdown")
     s.add_argument("--max-waiting", type=int, default=1024, help="queued requests before RESOURCE_EXHAUSTED")
+    s.add_argument("--coordinator", default=None, metavar="HOST:PORT",
+                   help="multi-host: process 0's address for jax.distributed (every process gives the same)")
+    s.add_argument("--num-processes", type=int, default=None, help="multi-host: processes in the cluster")
+    s.add_argument("--process-id", type=int, default=None, help="multi-host: this process (0 serves, the others follow)")
+    s.add_argument("--multihost", action="store_true",
+                   help="multi-host with JAX's cluster detection (TPU pods, SLURM, ...) instead of the three above")
 
     c = sub.add_parser("client", help="stream a completion from a running server")
     c.add_argument("prompt")
@@ -291,7 +297,15 @@ def cmd_serve(args) -> int:
 
     config = _engine_config(args)
     cache_dir = compile_cache.enable(args.compile_cache)
-    engines = build_engines(args.model, config, _dtype(args))  # a config that cannot fit: refused before the weights
+    wrap = None
+    if args.multihost or args.coordinator or args.num_processes is not None or args.process_id is not None:
+        from jaxcb import multihost
+
+        config, wrap = _join_cluster(args, config)
+        if not multihost.is_leader():
+            return _follow(args, config)
+    # A config that cannot fit is refused before the weights are read.
+    engines = build_engines(args.model, config, _dtype(args), wrap_runner=wrap)
     engine = engines[0]
     model_config, tokenizer, runner, config = engine.model_config, engine.tokenizer, engine.runner, engine.config
     if tokenizer is None:
@@ -314,8 +328,84 @@ def cmd_serve(args) -> int:
     def announce(msg):
         print(msg, flush=True)
 
-    return asyncio.run(run_server(engines, tokenizer, model_config.name, jnp.dtype(runner.dtype).name, options,
+    code = asyncio.run(run_server(engines, tokenizer, model_config.name, jnp.dtype(runner.dtype).name, options,
                                   announce))
+    if wrap is not None:
+        return _leave_cluster(engine.runner, code)
+    return code
+
+
+def _join_cluster(args, config):
+    """jax.distributed.initialize, then the config for a mesh of every device of every process, and
+    the leader's runner wrapper (jaxcb.multihost)."""
+    import jax
+
+    from jaxcb import multihost
+
+    multihost.initialize(args.coordinator, args.num_processes, args.process_id)
+    n = jax.device_count()
+    if config.data_parallel > 1:
+        raise ValueError("parallel.data: data-parallel replicas are not combined with multi-host serving; "
+                         "run one server per replica")
+    if config.tensor_parallel == 1:
+        config = config.replace(tensor_parallel=n)
+    elif config.tensor_parallel != n:
+        raise ValueError(f"parallel.tensor: multi-host serving splits the model over all {n} devices of the "
+                         f"cluster, got {config.tensor_parallel}")
+    print(f"jaxcb: process {jax.process_index()} of {jax.process_count()}; tensor parallel {n} over "
+          f"{jax.local_device_count()} local devices each", flush=True)
+
+    def wrap(runner, resolved):
+        return multihost.LeaderRunner(runner, _channel(runner, resolved))
+
+    return config, wrap
+
+
+def _channel(runner, config):
+    from jaxcb import multihost
+
+    max_context = min(config.scheduler.max_context, runner.model_config.max_context)
+    return multihost.Channel(config.buckets.shapes(config.page_size, max_context), config.page_size)
+
+
+def _follow(args, config) -> int:
+    """A follower process: the same weights and pages on its devices, mirroring the leader's steps."""
+    import jax
+
+    from jaxcb import multihost
+    from jaxcb.llm import load_model
+    from jaxcb.runner import make_runner, plan_memory
+
+    plans = []
+
+    def check(c):
+        plans.append(plan_memory(c, config, _dtype(args)))
+
+    model_config, params, _, _ = load_model(args.model, _dtype(args), check_config=check)
+    runner, resolved = make_runner(model_config, params, config, plan=plans[0] if plans else None)
+    print(f"jaxcb: process {jax.process_index()} follows process 0", flush=True)
+    try:
+        steps = multihost.follow(runner, _channel(runner, resolved))
+    except Exception as e:  # noqa: BLE001 - the leader is gone or the cluster broke: exit non-zero at once
+        print(f"jaxcb: follower {jax.process_index()}: the cluster failed ({e!r}); exiting", flush=True)
+        os._exit(1)
+    print(f"jaxcb: follower {jax.process_index()}: stopped by the leader after {steps} steps", flush=True)
+    jax.distributed.shutdown()
+    return 0
+
+
+def _leave_cluster(runner, code: int) -> int:
+    """The leader after its server stopped: on a clean stop, tell the followers to stop; after a
+    failure (a process died: the engine thread failed in a collective), exit non-zero at once rather
+    than wait on the dead."""
+    import jax
+
+    if code != 0:
+        print("jaxcb: leaving the cluster after a failure", flush=True)
+        os._exit(code)
+    runner.stop_followers()
+    jax.distributed.shutdown()
+    return 0
 
 
 def cmd_client(args) -> int:

@@ -93,10 +93,11 @@ def build_engine(model: str | None = None, config: EngineConfig | str | None = N
 
 
 def build_engines(model: str | None = None, config: EngineConfig | str | None = None, dtype=None, *,
-                  loaded=None, replicas: int | None = None) -> list[Engine]:
+                  loaded=None, replicas: int | None = None, wrap_runner=None) -> list[Engine]:
     """config.data_parallel engines (or `replicas`), each on its own `tensor_parallel` devices
     (jaxcb.replicas), from one read of the weights and one memory plan (per device, the same for
-    every replica)."""
+    every replica). `wrap_runner(runner, config)`: what the engine steps instead of the runner
+    (the multi-host leader's, jaxcb.multihost)."""
     import dataclasses
 
     import jax
@@ -120,6 +121,8 @@ def build_engines(model: str | None = None, config: EngineConfig | str | None = 
     for i, devices in enumerate(groups):
         runner, resolved = make_runner(model_config, params, config, plan=plan, devices=devices)
         plan = plan or plan_memory(model_config, config, params.embed.dtype)
+        if wrap_runner is not None:
+            runner = wrap_runner(runner, resolved)
         # Each replica draws the seeds of unseeded requests from its own generator.
         engine = Engine(runner, tokenizer, dataclasses.replace(resolved, seed=config.seed + i), eos_ids=eos)
         engine.load_seconds = load_seconds

@@ -91,11 +91,20 @@ def shard_params(params, mesh: Mesh):
     from jaxcb.model.llama import LayerParams, Params
 
     def put(x, spec):
-        return None if x is None else jax.device_put(x, NamedSharding(mesh, spec))
+        return None if x is None else place(x, NamedSharding(mesh, spec))
 
     layers = LayerParams(**{name: put(getattr(params.layers, name), spec) for name, spec in _LAYER_SPECS.items()})
     return Params(embed=put(params.embed, P(AXIS, None)), final_norm=put(params.final_norm, P()),
                   lm_head=put(params.lm_head, P(None, AXIS)), layers=layers)
+
+
+def place(x, sharding: NamedSharding):
+    """device_put onto a sharding; across processes (multi-host), each process makes its own shards
+    from its copy of the same host value."""
+    if jax.process_count() == 1:
+        return jax.device_put(x, sharding)
+    host = np.asarray(x)
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

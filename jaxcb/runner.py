@@ -204,7 +204,7 @@ class ModelRunner:
             from jaxcb import parallel
 
             params = parallel.shard_params(params, mesh)
-            self.last_tokens = jax.device_put(self.last_tokens, parallel.replicated(mesh))
+            self.last_tokens = parallel.place(np.zeros(max_seqs, np.int32), parallel.replicated(mesh))
         self.params = params
         self.kv_pages = self._allocate_kv()
 
@@ -250,5 +250,11 @@ class ModelRunner:
 
     @staticmethod
     def fetch(outputs: SampleOutput) -> SampleOutput:
-        """The one device-to-host copy of a step."""
-        return jax.device_get(outputs)
+        """The one device-to-host copy of a step. Across processes (multi-host) the outputs are
+        replicated over the mesh: this process reads its own copy."""
+        if jax.process_count() == 1:
+            return jax.device_get(outputs)
+        return jax.tree.map(lambda x: np.asarray(x.addressable_data(0)), outputs)
+
+    def idle(self) -> None:
+        """Called by the engine thread while it has no work (the multi-host leader pings)."""

@@ -25,13 +25,13 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    def __init__(self, model: str, config: str, *extra: str, env=None):
-        self.port = free_port()
+    def __init__(self, model: str, config: str, *extra: str, env=None, port: int | None = None):
+        self.port = port or free_port()
         self.metrics_port = free_port()
         self.target = f"127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "jaxcb", "serve", "--model", model, "--config", config,
                "--port", str(self.port), "--metrics-port", str(self.metrics_port), *extra]
-        self.log_path = config + f".{self.port}.log"
+        self.log_path = config + f".{self.port}.{self.metrics_port}.log"
         self.log = open(self.log_path, "w")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
                                      env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
