@@ -122,6 +122,13 @@ class LeaderRunner:
         self.channel.send(OP_RUN, shape, batch, sampling)
         return self._runner.run(batch, sampling, shape)
 
+    def reset_kv_if_lost(self) -> bool:
+        """After a failed step: fresh pages would be allocated by this process alone, which the
+        followers cannot mirror; a lost cache ends the cluster (the engine thread dies, exit 1)."""
+        if self._runner.kv_pages.is_deleted():
+            raise RuntimeError("multi-host: a failed step lost the KV pages; restart the cluster")
+        return False
+
     def idle(self) -> None:
         if time.monotonic() - self.channel.last_send >= PING_EVERY_S:
             self.channel.send(OP_PING)

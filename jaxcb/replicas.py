@@ -45,6 +45,8 @@ class Replicas:
         if not engines:
             raise ValueError("parallel.data: at least one replica is needed")
         self.engines = engines
+        for i, e in enumerate(engines):
+            e.replica = i  # what its on_step callback reports (the metrics' replica label)
         self.threads = [EngineThread(e, on_death=on_death, on_step=on_step) for e in engines]
         first = engines[0]
         self.model_config, self.tokenizer, self.config = first.model_config, first.tokenizer, first.config
