@@ -75,10 +75,15 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--metrics-port", type=int, default=None, help="Prometheus metrics over HTTP on this port")
     s.add_argument("--tls-cert", default=None, help="PEM certificate chain (with --tls-key)")
     s.add_argument("--tls-key", default=None)
-    s.add_argument("--auth-token", default=os.environ.get("JAXCB_AUTH_TOKEN"),
-                   help="require 'authorization: Bearer TOKEN' on every call (default: $JAXCB_AUTH_TOKEN)")
+    s.add_argument("--auth-token", action="append", default=None,
+                   help="require 'authorization: Bearer TOKEN' on every call but health checks; repeat for several "
+                        "tenants (each token sees and aborts only its own requests); default: $JAXCB_AUTH_TOKEN")
     s.add_argument("--grace-period", type=float, default=10.0, help="seconds in-flight streams get at shutdown")
-    s.add_argument("--max-waiting", type=int, default=1024, help="queued requests before RESOURCE_EXHAUSTED")
+    s.add_argument("--max-waiting", type=int, default=1024,
+                   help="requests accepted and not yet running before RESOURCE_EXHAUSTED")
+    s.add_argument("--max-concurrent-streams", type=int, default=4096, help="calls in progress at once")
+    s.add_argument("--metrics-host", default="127.0.0.1",
+                   help="address of the (unauthenticated) metrics port (default: loopback only)")
     s.add_argument("--coordinator", default=None, metavar="HOST:PORT",
                    help="multi-host: process 0's address for jax.distributed (every process gives the same)")
     s.add_argument("--num-processes", type=int, default=None, help="multi-host: processes in the cluster")
@@ -314,8 +319,9 @@ def cmd_serve(args) -> int:
         for e in engines:
             e.record_lengths(args.record_lengths)
     options = ServerOptions(host=args.host, port=args.port, metrics_port=args.metrics_port, tls_cert=args.tls_cert,
-                            tls_key=args.tls_key, auth_token=args.auth_token, grace_s=args.grace_period,
-                            max_waiting=args.max_waiting)
+                            tls_key=args.tls_key, grace_s=args.grace_period, max_waiting=args.max_waiting,
+                            auth_token=tuple(args.auth_token or filter(None, [os.environ.get("JAXCB_AUTH_TOKEN")])),
+                            max_concurrent_streams=args.max_concurrent_streams, metrics_host=args.metrics_host)
     print(f"jaxcb: model {model_config.name} on {jax.devices()[0].platform}, {jnp.dtype(runner.dtype).name}; "
           f"{config.num_pages} KV pages of {config.page_size} tokens; policy {config.scheduler.policy}; "
           f"compile cache {cache_dir or 'off'}", flush=True)

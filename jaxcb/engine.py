@@ -20,9 +20,12 @@ import dataclasses
 import logging
 import queue
 import random
+import secrets
 import threading
 import time
 from typing import Callable
+
+import numpy as np
 
 from jaxcb.batch import SamplingRow, SeqSpec, pack, pack_sampling
 from jaxcb.engine_config import EngineConfig
@@ -63,9 +66,12 @@ class EngineStats:
     pages_cached: int = 0  # pages registered in the prefix cache (in use or free-but-cached)
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
     prefix_cache_hits: int = 0  # of those, found cached (not computed again)
+    failed_steps: int = 0  # steps that raised (their requests ended with an error)
 
 
 class Engine:
+    MAX_FAILED_STEPS_IN_A_ROW = 8  # then the engine counts as broken (the server exits non-zero)
+
     def __init__(self, runner, tokenizer, config: EngineConfig, eos_ids: tuple[int, ...] = ()):
         from jaxcb.runner import compilation_count  # the one JAX-side import of the loop
 
@@ -82,7 +88,9 @@ class Engine:
         self.outputs = Outputs(tokenizer)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._requests: dict[str, list[Request]] = {}  # request id -> its live samples
-        self._rng = random.Random(config.seed)
+        # Seeds for requests that bring none: OS entropy (unpredictable, also across restarts), unless
+        # the config fixes a seed for reproducible runs.
+        self._rng = secrets.SystemRandom() if config.seed is None else random.Random(config.seed)
         self._seed_lock = threading.Lock()  # guards the seed generator and _live_ids
         self._live_ids: set[str] = set()
         self._counters = dict(prompt_tokens_computed=0, output_tokens=0, steps=0, slots=0, live=0,
@@ -91,6 +99,8 @@ class Engine:
         self._in_flight: collections.deque[_InFlight] = collections.deque()  # launched, not yet fetched
         self._step_id = 0  # steps launched
         self.num_failed_steps = 0
+        self.last_step_idle = False
+        self.failed_in_a_row = 0
         self.load_seconds = 0.0  # set by build_engine: time spent loading the weights
         # Test seam: called with each SchedulerOutput before dispatch; raising simulates a failed step.
         self.fault_injector: Callable | None = None
@@ -106,13 +116,7 @@ class Engine:
         """Raise ValueError naming the field and the limit; touches no engine state."""
         if not prompt_ids:
             raise ValueError("prompt: must not be empty")
-        v = self.model_config.vocab_size
-        bad = next((t for t in prompt_ids if not 0 <= int(t) < v), None)
-        if bad is not None:
-            raise ValueError(f"prompt_token_ids: token id {bad} is outside the vocabulary [0, {v})")
-        bad = next((t for t in params.stop_token_ids if not 0 <= t < v), None)
-        if bad is not None:
-            raise ValueError(f"stop_token_ids: token id {bad} is outside the vocabulary [0, {v})")
+        # Sizes first: nothing is scanned or copied past a limit.
         if len(prompt_ids) >= self.max_context:
             raise ValueError(
                 f"prompt: {len(prompt_ids)} tokens; the limit is {self.max_context - 1} "
@@ -123,21 +127,32 @@ class Engine:
                 f"max_tokens: prompt ({len(prompt_ids)}) + max_tokens ({params.max_tokens}) exceeds the "
                 f"context limit of {self.max_context} tokens"
             )
+        v = self.model_config.vocab_size
+        bad = next((t for t in prompt_ids if isinstance(t, bool) or not isinstance(t, (int, np.integer))
+                    or not 0 <= int(t) < v), None)
+        if bad is not None:
+            raise ValueError(f"prompt_token_ids: token id {bad!r} is outside the vocabulary [0, {v})")
+        bad = next((t for t in params.stop_token_ids if not 0 <= t < v), None)
+        if bad is not None:
+            raise ValueError(f"stop_token_ids: token id {bad} is outside the vocabulary [0, {v})")
         self.scheduler.check_fits(Request(list(prompt_ids), params))
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams, *, request_id: str | None = None,
                     priority: int = 0, callback: EventCallback | None = None,
-                    arrival_time: float | None = None, validated: bool = False) -> str:
+                    arrival_time: float | None = None, validated: bool = False, cache_salt: str = "") -> str:
         """Queue a request; with params.n > 1, n samples that share the prompt's pages (events carry
         the same request id and the sample's `index`). Returns the request id. `validated`: the caller
         already ran validate() on exactly these arguments."""
-        prompt_ids = [int(t) for t in prompt_ids]
+        if isinstance(priority, bool) or not isinstance(priority, (int, np.integer)) or not -2**31 <= priority < 2**31:
+            raise ValueError(f"priority: must be an integer in [-2**31, 2**31), got {priority!r}")
         if not validated:
             self.validate(prompt_ids, params)
-        samples = [Request(prompt_ids, params, request_id=request_id or "", priority=int(priority))]
+        prompt_ids = [int(t) for t in prompt_ids]
+        samples = [Request(prompt_ids, params, request_id=request_id or "", priority=int(priority),
+                           cache_salt=cache_salt)]
         for i in range(1, params.n):
             samples.append(Request(prompt_ids, params, request_id=samples[0].request_id, priority=int(priority),
-                                   arrival_time=samples[0].arrival_time, sample_index=i))
+                                   arrival_time=samples[0].arrival_time, sample_index=i, cache_salt=cache_salt))
         rid = samples[0].request_id
         if arrival_time is not None:
             for r in samples:
@@ -179,6 +194,7 @@ class Engine:
             pages_cached=self.pool.num_cached,
             prefix_cache_queries=cache.num_queried_tokens if cache else 0,
             prefix_cache_hits=cache.num_hit_tokens if cache else 0,
+            failed_steps=self.num_failed_steps,
         )
 
     def reset_counters(self) -> None:
@@ -225,6 +241,7 @@ class Engine:
                 launched = True
             except Exception as e:  # noqa: BLE001 - a failed step fails its own requests; the engine goes on
                 self._fail_step(out.decode + out.prefill, e, events)
+        self.last_step_idle = not launched and not self._in_flight  # nothing ran: a window is closed
         keep = 1 if launched and self.scheduler.config.async_scheduling else 0
         while len(self._in_flight) > keep:
             self._complete(self._in_flight.popleft(), events)
@@ -286,8 +303,9 @@ class Engine:
         try:
             result = self.runner.fetch(step.result)
         except Exception as e:  # noqa: BLE001 - the step failed on the device: its requests fail
-            self._fail_step(step.chunks, e, events)
+            self._fail_step(step.chunks, e, events, step.epochs)
             return
+        self.failed_in_a_row = 0
         fetch_end = time.perf_counter()
         if self._last_fetch_end is not None:
             self._counters["step_s"] += fetch_end - self._last_fetch_end
@@ -295,14 +313,20 @@ class Engine:
         self._postprocess(step, result, events)
         self._counters["steps"] += 1
 
-    def _fail_step(self, chunks: list[Chunk], error: Exception, events: list[TokenEvent]) -> None:
-        """Finish this step's requests with an error. If the failed call consumed the donated KV pages,
-        allocate fresh ones and send every other running request back to be recomputed."""
+    def _fail_step(self, chunks: list[Chunk], error: Exception, events: list[TokenEvent],
+                   epochs: list[int] | None = None) -> None:
+        """Finish this step's requests with an error. If the KV pages' state is unknown (consumed by
+        the failed call, or left in an error state), allocate fresh ones and send every other running
+        request back to be recomputed; a step already in flight behind this one then ran on the lost
+        pages: its requests were sent back too, and its own failure is not theirs (`epochs`: the
+        requests' preemption counts at launch). After MAX_FAILED_STEPS_IN_A_ROW failures in a row the
+        engine is broken: raise, so the engine thread dies and the server exits non-zero."""
         message = f"{type(error).__name__}: {error}"
         self.num_failed_steps += 1
-        for chunk in chunks:
+        self.failed_in_a_row += 1
+        for i, chunk in enumerate(chunks):
             r = chunk.request
-            if r.status is not Status.RUNNING:
+            if r.status is not Status.RUNNING or (epochs is not None and r.num_preemptions != epochs[i]):
                 continue
             if r in self.outputs:
                 self._finish(r, FinishReason.ERROR, events, error=message)
@@ -310,10 +334,14 @@ class Engine:
                 log.error("request %s has no stream; removing it", r.key)
                 self.scheduler.finish(r, FinishReason.ERROR)
         if self.runner.reset_kv_if_lost():
+            log.warning("a failed step left the KV pages in an unknown state: fresh pages, %d running requests "
+                        "recomputed", len(self.scheduler.running))
             for r in list(self.scheduler.running):
                 self.scheduler.preempt(r)
             self.pool.forget_cached()  # the cached pages' contents went with the old KV array
         self._last_fetch_end = None
+        if self.failed_in_a_row >= self.MAX_FAILED_STEPS_IN_A_ROW:
+            raise RuntimeError(f"{self.failed_in_a_row} steps in a row failed (last: {message}); the engine is broken")
 
     def _postprocess(self, step: _InFlight, result, events: list[TokenEvent]) -> None:
         sampled = self.scheduler.on_step_done(step.chunks, step.epochs, result.token_ids)
@@ -343,8 +371,12 @@ class Engine:
             with self._seed_lock:
                 self._live_ids.discard(r.request_id)
         if self._length_log is not None:
-            self._length_log.write(f'{{"prompt": {len(r.prompt_ids)}, "context": {r.num_known}}}\n')
-            self._length_log.flush()
+            try:
+                self._length_log.write(f'{{"prompt": {len(r.prompt_ids)}, "context": {r.num_known}}}\n')
+                self._length_log.flush()
+            except OSError as e:  # a full disk must not end requests: stop recording, say so once
+                log.warning("--record-lengths: %s; no longer recording", e)
+                self._length_log = None
 
     # ---- warm-up ----
     def warmup(self, progress: Callable[[int, int, object], None] | None = None) -> int:

@@ -24,7 +24,7 @@ class EngineConfig:
     num_pages: int
     scheduler: SchedulerConfig
     buckets: Buckets
-    seed: int = 0  # draws seeds for requests that bring none
+    seed: int | None = None  # draws seeds for requests that bring none; None = OS entropy
     attention: str = "auto"  # "xla" (plain JAX) | "pallas" (kernels) | "auto" (kernels on GPU/TPU)
     memory_fraction: float = 0.9  # of the memory budget the engine may use (weights, pages, step)
     memory_bytes: int = 0  # the memory budget; 0 = the device's memory
@@ -142,7 +142,7 @@ def load_config(path: str | None = None) -> EngineConfig:
         num_pages = AUTO_PAGES
     elif not isinstance(num_pages, int) or isinstance(num_pages, bool):
         raise ValueError(f"config: cache.num_pages must be an integer or \"auto\", got {num_pages!r}")
-    return EngineConfig(num_pages=num_pages, scheduler=sc, buckets=b, seed=int(raw.get("seed", 0)),
+    return EngineConfig(num_pages=num_pages, scheduler=sc, buckets=b, seed=int(raw["seed"]) if "seed" in raw else None,
                         attention=str(model.get("attention", "auto")),
                         memory_fraction=float(cache.get("memory_fraction", 0.9)),
                         memory_bytes=parse_bytes(cache["memory"]) if "memory" in cache else 0,

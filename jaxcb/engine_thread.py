@@ -58,13 +58,16 @@ class EngineThread:
         try:
             while not self._stop.is_set():
                 if not self.engine.has_work():
-                    self.engine.runner.idle()
+                    getattr(self.engine.runner, "idle", lambda: None)()
                     self._wake.wait(0.05)
                     self._wake.clear()
                     continue
                 events = self.engine.step()
                 if self.on_step is not None:
                     self.on_step(self.engine, events)
+                if self.engine.last_step_idle:  # requests wait behind a closed batching window: sleep, not spin
+                    self._wake.wait(max(0.001, min(0.05, self.engine.scheduler.admission_wait_s())))
+                    self._wake.clear()
         except BaseException as e:  # noqa: BLE001 - record and report, then let the thread end
             self.error = e
             log.exception("the engine thread died")

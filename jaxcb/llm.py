@@ -124,7 +124,8 @@ def build_engines(model: str | None = None, config: EngineConfig | str | None = 
         if wrap_runner is not None:
             runner = wrap_runner(runner, resolved)
         # Each replica draws the seeds of unseeded requests from its own generator.
-        engine = Engine(runner, tokenizer, dataclasses.replace(resolved, seed=config.seed + i), eos_ids=eos)
+        seed = None if config.seed is None else config.seed + i
+        engine = Engine(runner, tokenizer, dataclasses.replace(resolved, seed=seed), eos_ids=eos)
         engine.load_seconds = load_seconds
         engine.replica = i
         engines.append(engine)

@@ -82,6 +82,8 @@ class Outputs:
               error: str | None = None, queue_s: float | None = None) -> None:
         """r's final event: the text still held back (up to any stop string) and the finish reason."""
         stream = self.streams.pop(r.key)
+        if stream.detok is not None and reason is not FinishReason.STOP:
+            stream.text += stream.detok.flush()  # a character cut off by the end is not dropped
         _emit(TokenEvent(r.request_id, tuple(new_tokens), stream.text[stream.emitted:], True, reason, logprobs,
                          len(r.prompt_ids), len(r.output_ids), error, queue_s,
                          num_cached_tokens=r.num_cached_tokens, index=r.sample_index), stream, events)

@@ -1,8 +1,8 @@
 """Prefix caching: requests whose tokens begin with pages already computed reuse those pages.
 
 Plain Python, no JAX. Every full page of a sequence is named by a hash chained over all its tokens
-from the start of the sequence to the end of that page, so equal hashes mean equal prefixes, not
-just equal pages. Once a page is full and its K/V computed, it is registered in the page pool under
+from the start of the sequence to the end of that page (and the request's cache salt, its tenant),
+so equal hashes mean equal prefixes of the same tenant, not just equal pages. Once a page is full and its K/V computed, it is registered in the page pool under
 that hash. A request being admitted looks up its longest run of registered pages, takes a reference
 on each (they are read-only to it: it only ever writes at positions past them) and prefills only
 the rest. Partial pages are never shared; at least one token is always left to compute, because the
@@ -20,6 +20,12 @@ import numpy as np
 
 from jaxcb.page_pool import PagePool
 from jaxcb.request import Request
+
+
+def salt_root(salt: str) -> bytes:
+    """The hash the chain of a request with this cache salt starts from (b"" for none): requests of
+    different salts (tenants) never match each other's pages, so the cache reveals nothing across them."""
+    return hashlib.blake2b(salt.encode(), digest_size=16, person=b"jaxcb-salt").digest() if salt else b""
 
 
 def chain_hash(previous: bytes, tokens: list[int]) -> bytes:
@@ -42,7 +48,7 @@ class PrefixCache:
         while len(r.page_hashes) < num_pages:
             ids = ids or r.all_ids
             i = len(r.page_hashes)
-            r.page_hashes.append(chain_hash(r.page_hashes[-1] if i else b"", ids[i * s:(i + 1) * s]))
+            r.page_hashes.append(chain_hash(r.page_hashes[-1] if i else salt_root(r.cache_salt), ids[i * s:(i + 1) * s]))
         return r.page_hashes[:num_pages]
 
     def cached_pages(self, r: Request) -> list[int]:

@@ -25,7 +25,7 @@ from typing import Callable
 
 from jaxcb.engine import Engine, EngineStats
 from jaxcb.engine_thread import EngineThread
-from jaxcb.prefix_cache import chain_hash
+from jaxcb.prefix_cache import chain_hash, salt_root
 from jaxcb.request import SamplingParams, TokenEvent
 
 
@@ -117,13 +117,13 @@ class Replicas:
             t.stop(timeout)
 
     # ---- routing ----
-    def choose(self, prompt_ids: list[int]) -> tuple[int, int]:
+    def choose(self, prompt_ids: list[int], cache_salt: str = "") -> tuple[int, int]:
         """(replica, cached prefix pages there) for a prompt; see the module docstring."""
         least = min(range(len(self.engines)), key=lambda i: (self.load[i], self.routed[i]))
         if len(self.engines) == 1:
             return 0, 0
         s = self.config.page_size
-        hashes, h = [], b""
+        hashes, h = [], salt_root(cache_salt)
         for k in range((len(prompt_ids) - 1) // s):  # the pages a request can take from the cache
             h = chain_hash(h, prompt_ids[k * s:(k + 1) * s])
             hashes.append(h)
@@ -148,7 +148,7 @@ class Replicas:
         with self._lock:
             if request_id and request_id in self._routes:
                 raise ValueError(f"request_id: {request_id!r} is already in use by a running request")
-            i, cached = self.choose(prompt_ids)
+            i, cached = self.choose(prompt_ids, kw.get("cache_salt", ""))
             rid = self.threads[i].submit(prompt_ids, params, on_event, request_id=request_id, **kw)
             self._routes[rid] = _Routed(i, cost, len(prompt_ids), params.n, params.max_tokens)
             self.load[i] += cost

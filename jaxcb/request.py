@@ -51,11 +51,12 @@ class SamplingParams:
     n: int = 1  # independent samples of the same prompt (they share its KV pages)
 
     def __post_init__(self):
-        object.__setattr__(self, "stop", tuple(self.stop or ()))
+        stop = self.stop or ()
+        object.__setattr__(self, "stop", (stop,) if isinstance(stop, str) else tuple(stop))  # "END": one stop
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in (self.stop_token_ids or ())))
         _check_int("max_tokens", self.max_tokens, low=1)
         _check_finite("temperature", self.temperature, low=0.0)
-        _check_int("top_k", self.top_k, low=0)
+        _check_int("top_k", self.top_k, low=0, high=2**31 - 1)
         _check_finite("top_p", self.top_p)
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p: must be in (0, 1], got {self.top_p}")
@@ -114,6 +115,7 @@ class Request:
     request_id: str = ""
     priority: int = 0  # larger runs earlier under the priority policy
     arrival_time: float = dataclasses.field(default_factory=time.monotonic)
+    cache_salt: str = ""  # requests share cached prefixes only with requests of the same salt
 
     status: Status = Status.WAITING
     output_ids: list[int] = dataclasses.field(default_factory=list)

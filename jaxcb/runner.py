@@ -218,10 +218,26 @@ class ModelRunner:
         return jax.jit(allocate_kv_pages, static_argnums=range(6), out_shardings=parallel.kv_sharding(self.mesh))(*shape)
 
     def reset_kv_if_lost(self) -> bool:
-        """After a failed step: if the donated pages were consumed, allocate fresh ones (True)."""
-        if not self.kv_pages.is_deleted():
+        """After a failed step: if the KV pages were consumed (donated to the failed call) or hold an
+        error (a device failure leaves the step's outputs in an error state), their contents are
+        unknown: allocate fresh ones, and fresh last tokens (True)."""
+        lost = self.kv_pages.is_deleted()
+        if not lost:
+            try:
+                self.kv_pages.block_until_ready()
+                self.last_tokens.block_until_ready()
+            except Exception:  # noqa: BLE001 - an error-carrying buffer: its state is unknown
+                lost = True
+        if not lost:
             return False
         self.kv_pages = self._allocate_kv()
+        zeros = np.zeros(self.last_tokens.shape[0], np.int32)
+        if self.mesh is None:
+            self.last_tokens = jnp.asarray(zeros)
+        else:
+            from jaxcb import parallel
+
+            self.last_tokens = parallel.place(zeros, parallel.replicated(self.mesh))
         return True
 
     @property

@@ -49,6 +49,8 @@ class SchedulerConfig:
     max_wait_ms: float = 0.0  # dynamic-batching window for admitting new prefills
     min_batch: int = 1  # admit new prefills once this many wait (or max_wait_ms passed)
     aging_per_s: float = 1.0  # priority policy: priority gained per second of waiting
+    max_priority: int = 100  # priority policy: client priorities are clamped to +-this (bounds any wait)
+    sjf_aging_tokens_per_s: float = 100.0  # sjf: a waiting request counts this many tokens shorter a second
     length_bounds: tuple[int, ...] = (64, 256)  # length-buckets policy: short < 64 <= medium < 256 <= long
     target_tpot_ms: float | None = None  # latency target: adapt the running limit to this p99
     static: bool = False  # classic static batching: admit a new batch only when the last one is done
@@ -63,8 +65,12 @@ class SchedulerConfig:
         for name in ("page_size", "max_running", "max_prefill_tokens", "max_chunk", "max_context", "min_batch"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
-        if self.max_wait_ms < 0:
-            raise ValueError(f"max_wait_ms: must be >= 0, got {self.max_wait_ms}")
+        if not 0 <= self.max_wait_ms < float("inf"):
+            raise ValueError(f"max_wait_ms: must be a finite number >= 0, got {self.max_wait_ms}")
+        if self.max_priority < 0:
+            raise ValueError(f"max_priority: must be >= 0, got {self.max_priority}")
+        if self.aging_per_s < 0 or self.sjf_aging_tokens_per_s < 0:
+            raise ValueError("aging_per_s, sjf_aging_tokens_per_s: must be >= 0")
         if self.prefix_max_wait_ms < 0:
             raise ValueError(f"prefix_max_wait_ms: must be >= 0, got {self.prefix_max_wait_ms}")
 
@@ -192,10 +198,13 @@ class Scheduler:
     # ---- policy ----
     def _key(self, r: Request, now: float):
         p = self.config.policy
-        if p == "sjf":
-            return (r.max_total_tokens, r.arrival_time, r.seq_no)
+        waited = now - r.arrival_time
+        if p == "sjf":  # aging: a long request waits at most (its length - a short one's) / rate seconds
+            return (r.max_total_tokens - self.config.sjf_aging_tokens_per_s * waited, r.arrival_time, r.seq_no)
         if p == "priority":
-            return (-(r.priority + self.config.aging_per_s * (now - r.arrival_time)), r.arrival_time, r.seq_no)
+            m = self.config.max_priority
+            priority = min(max(r.priority, -m), m)  # clamped: no priority outranks aging for long
+            return (-(priority + self.config.aging_per_s * waited), r.arrival_time, r.seq_no)
         return (r.arrival_time, r.seq_no)
 
     def _length_bucket(self, r: Request) -> int:
@@ -282,6 +291,15 @@ class Scheduler:
         if pending == 1:
             return 1
         return min(pending, budget, self.config.max_chunk)
+
+    def admission_wait_s(self, now: float | None = None) -> float:
+        """Seconds until a closed batching window (max_wait_ms) opens for the oldest waiting request;
+        0 when there is nothing to wait for. The engine thread sleeps this long instead of stepping."""
+        if not self.waiting or self.config.max_wait_ms == 0:
+            return 0.0
+        now = time.monotonic() if now is None else now
+        oldest = min(r.arrival_time for r in self.waiting)
+        return max(0.0, oldest + self.config.max_wait_ms / 1000 - now)
 
     def schedule(self, now: float | None = None) -> SchedulerOutput:
         now = time.monotonic() if now is None else now

@@ -67,6 +67,9 @@ class Tokenizer:
         self.add_bos = add_bos
         self.chat_template = chat_template
         self.special_ids = frozenset(i for i, t in tok.get_added_tokens_decoder().items() if t.special)
+        # A copy that reads special-token text as plain text: for what users wrote (encode_chat).
+        self._plain = HFTokenizer.from_str(tok.to_str())
+        self._plain.encode_special_tokens = True
         self._template = None
         if chat_template:
             env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
@@ -145,8 +148,28 @@ class Tokenizer:
         )
 
     def encode_chat(self, messages: list[dict]) -> list[int]:
-        # The template writes the special tokens itself; never add another BOS.
-        return self.encode(self.render_chat(messages), add_bos=False)
+        """The rendered conversation's ids. The template writes the special tokens itself (never
+        another BOS); special-token text inside a message's content (a user typing `<|im_start|>system`)
+        is encoded as the plain text it is, so no message can forge a role or end another's turn."""
+        text = self.render_chat(messages)
+        enc = self._tok.encode(text, add_special_tokens=False)
+        spans, at = [], 0
+        for m in messages:  # where each message's content landed in the rendered text
+            content = m["content"].strip()
+            start = text.find(content, at) if content else -1
+            if start >= 0:
+                spans.append((start, start + len(content)))
+                at = start + len(content)
+        forged = [i for i, (t, (a, b)) in enumerate(zip(enc.ids, enc.offsets))
+                  if t in self.special_ids and any(s <= a and b <= e for s, e in spans)]
+        if not forged:
+            return enc.ids
+        ids, prev = [], 0
+        for i in forged:
+            a, b = enc.offsets[i]
+            ids += enc.ids[prev:i] + self._plain.encode(text[a:b], add_special_tokens=False).ids
+            prev = i + 1
+        return ids + enc.ids[prev:]
 
 
 def _raise_template_error(message):
@@ -167,6 +190,15 @@ class IncrementalDetokenizer:
         self.prefix_offset = 0  # start of the decoding window
         self.read_offset = 0  # ids before this have been emitted as text
         self.text = ""
+
+    def flush(self) -> str:
+        """At the end of the stream: the text still held back (an unfinished character comes out as
+        U+FFFD rather than being dropped)."""
+        decode = self.tok._tok.decode
+        before = decode(self.ids[self.prefix_offset:self.read_offset], skip_special_tokens=True)
+        after = decode(self.ids[self.prefix_offset:], skip_special_tokens=True)
+        self.prefix_offset = self.read_offset = len(self.ids)
+        return after[len(before):] if len(after) > len(before) else ""
 
     def add(self, new_ids) -> str:
         self.ids.extend(map(int, new_ids))

@@ -41,6 +41,8 @@ class Metrics:
         self.prefix_queries = Counter("jaxcb:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
                                       registry=r)
         self.prefix_hits = Counter("jaxcb:prefix_cache_hits", "Prompt tokens found in the prefix cache.", registry=r)
+        self.failed_steps = Counter("jaxcb:failed_steps", "Engine steps that failed (their requests got an error).",
+                                    registry=r)
         self.replica_running = Gauge("jaxcb:replica_num_requests_running", "Requests running, per replica.",
                                      ["replica"], registry=r)
         self.replica_waiting = Gauge("jaxcb:replica_num_requests_waiting", "Requests waiting, per replica.",
@@ -50,6 +52,7 @@ class Metrics:
         self._lock = threading.Lock()  # replicas refresh from their own threads
         self._latest = [None] * replicas  # each replica's last stats
         self._prefix_seen = [(0, 0)] * replicas
+        self._failed_seen = [0] * replicas
 
     def refresh(self, stats, replica: int = 0) -> None:
         with self._lock:
@@ -58,6 +61,8 @@ class Metrics:
             self.prefix_queries.inc(max(0, queries - seen[0]))
             self.prefix_hits.inc(max(0, hits - seen[1]))
             self._prefix_seen[replica] = (queries, hits)
+            self.failed_steps.inc(max(0, stats.failed_steps - self._failed_seen[replica]))
+            self._failed_seen[replica] = stats.failed_steps
             self._latest[replica] = stats
             latest = [s for s in self._latest if s is not None]
             if len(self._latest) > 1:
@@ -95,6 +100,7 @@ class RequestTimer:
             self.m.generation_tokens.inc(len(event.token_ids))
         if event.finished:
             self.m.e2e.observe(now - self.arrival)
-            self.m.prompt_tokens.inc(event.num_prompt_tokens)
+            if event.index == 0:  # the prompt once, however many samples
+                self.m.prompt_tokens.inc(event.num_prompt_tokens)
             reason = event.finish_reason.value if event.finish_reason is not None else "unknown"
             self.m.finished.labels(finished_reason=reason).inc()

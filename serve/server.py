@@ -16,9 +16,14 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hmac
 import logging
+import os
 import signal
+import sys
+import threading
 import time
+import uuid
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -26,14 +31,16 @@ from grpc_reflection.v1alpha import reflection
 
 from jaxcb.engine import Engine
 from jaxcb.replicas import Replicas
-from jaxcb.request import FinishReason, SamplingParams, TokenEvent
+from jaxcb.request import MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, FinishReason, SamplingParams, TokenEvent
 from serve.metrics import Metrics, RequestTimer
 from serve.proto import jaxcb_pb2, jaxcb_pb2_grpc, jetstream_pb2, jetstream_pb2_grpc
 
 log = logging.getLogger("jaxcb.serve")
 
-MAX_TEXT_CHARS = 1 << 20  # prompt text and each chat message
+MAX_TEXT_CHARS = 1 << 20  # prompt text, and all of a chat's messages together
 MAX_MESSAGES = 256
+MAX_REQUEST_ID_CHARS = 128
+MAX_CACHE_SALT_CHARS = 256
 MAX_GRPC_MESSAGE_BYTES = 64 << 20  # gRPC's own cap, above ours, so ours answer with a clear message
 SERVICE_NAME = "jaxcb.v1.Jaxcb"
 
@@ -45,9 +52,17 @@ class ServerOptions:
     metrics_port: int | None = None
     tls_cert: str | None = None
     tls_key: str | None = None
-    auth_token: str | None = None
+    auth_token: str | tuple[str, ...] | None = None  # one or several bearer tokens; each is a tenant
     grace_s: float = 10.0
-    max_waiting: int = 1024
+    max_waiting: int = 1024  # requests accepted and not yet running, before RESOURCE_EXHAUSTED
+    max_concurrent_streams: int = 4096  # calls in progress at once (gRPC's maximum_concurrent_rpcs)
+    metrics_host: str = "127.0.0.1"  # the metrics port is unauthenticated: loopback unless asked
+
+    @property
+    def tokens(self) -> tuple[str, ...]:
+        if not self.auth_token:
+            return ()
+        return (self.auth_token,) if isinstance(self.auth_token, str) else tuple(self.auth_token)
 
 
 class InvalidRequest(Exception):
@@ -69,7 +84,10 @@ class State:
         self.metrics = metrics
         self.ready = False
         self.draining = False
-        self.active: set[str] = set()
+        self.active: set[str] = set()  # engine keys of accepted, unfinished requests
+        # (tenant, the client's request id) -> engine key. Engine keys are uuid4s, never reused: an
+        # Abort reaches only its own tenant's requests, and a stream's clean-up only its own request.
+        self.ids: dict[tuple[str, str], str] = {}
         self.loop: asyncio.AbstractEventLoop | None = None
         self.thread: Replicas | None = None
         self.died = asyncio.Event()
@@ -82,25 +100,38 @@ class State:
         if not self.ready:
             raise _Abort(grpc.StatusCode.UNAVAILABLE, "the server is warming up; retry when health is SERVING")
 
-    async def stream(self, prompt_ids: list[int], params: SamplingParams, priority: int, request_id: str):
-        """Submit one request; yield its TokenEvents as they arrive; abort it if the call ends early."""
+    def admit(self) -> None:
+        """Admission counts every request accepted and not finished, inbox included."""
         self.check_open()
-        if self.engine.stats().waiting >= self.options.max_waiting:
+        waiting = len(self.active) - self.engine.stats().running
+        if waiting >= self.options.max_waiting:
             raise _Abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                          f"queue full: {self.options.max_waiting} requests already waiting")
+
+    async def stream(self, prompt_ids: list[int], params: SamplingParams, priority: int, request_id: str,
+                     tenant: str = "", cache_salt: str = ""):
+        """Submit one request; yield (public id, TokenEvent) as they arrive; abort it if the call ends early."""
+        self.admit()
+        public = request_id or uuid.uuid4().hex
+        key = uuid.uuid4().hex  # the engine's id for this request: unguessable, never reused
+        if (tenant, public) in self.ids:
+            raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, f"request_id: {public!r} is already in use by a running request")
         queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
         loop = asyncio.get_running_loop()
-        timer = RequestTimer(self.metrics)
+        timers = [RequestTimer(self.metrics) for _ in range(params.n)]  # one per sample
 
         def on_event(ev: TokenEvent) -> None:  # engine thread
-            timer.on_event(ev)
+            timers[ev.index].on_event(ev)
             loop.call_soon_threadsafe(queue.put_nowait, ev)
 
         try:
-            rid = self.thread.submit(prompt_ids, params, on_event, request_id=request_id or None, priority=priority)
+            # With auth, each token's requests share cached prefixes only among themselves.
+            salt = f"{tenant}\0{cache_salt}" if self.options.tokens else cache_salt
+            self.thread.submit(prompt_ids, params, on_event, request_id=key, priority=priority, cache_salt=salt)
         except ValueError as e:
             raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
-        self.active.add(rid)
+        self.active.add(key)
+        self.ids[tenant, public] = key
         finished = False
         samples_left = params.n
         try:
@@ -108,13 +139,34 @@ class State:
                 ev = await queue.get()
                 samples_left -= ev.finished
                 finished = samples_left == 0
-                yield ev
+                yield public, ev
                 if finished:
                     return
         finally:
-            self.active.discard(rid)
+            self.active.discard(key)
+            if self.ids.get((tenant, public)) == key:
+                del self.ids[tenant, public]
             if not finished:
-                self.thread.abort(rid)
+                self.thread.abort(key)
+
+    def abort(self, tenant: str, request_id: str) -> bool:
+        key = self.ids.get((tenant, request_id))
+        if key is None:
+            return False
+        self.thread.abort(key)
+        return True
+
+
+def tenant_of(state: State, context) -> str:
+    """Who is calling: the bearer token's index when the server has tokens (each token is a tenant),
+    else the connection (gRPC's peer)."""
+    if state.options.tokens:
+        md = dict(context.invocation_metadata() or ())
+        given = md.get("authorization", "")
+        for i, token in enumerate(state.options.tokens):
+            if hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
+                return f"token{i}"
+    return f"peer:{context.peer()}"
 
 
 class _Abort(Exception):
@@ -126,6 +178,10 @@ class _Abort(Exception):
 def _sampling(req) -> SamplingParams:
     s = req.sampling
     try:
+        if len(req.stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop: at most {MAX_STOP_STRINGS} stop strings, got {len(req.stop)}")
+        if len(req.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS}, got {len(req.stop_token_ids)}")
         return SamplingParams(
             max_tokens=req.max_tokens, temperature=s.temperature, top_k=s.top_k,
             top_p=s.top_p if s.HasField("top_p") else 1.0, min_p=s.min_p,
@@ -139,29 +195,37 @@ def _sampling(req) -> SamplingParams:
         raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
 
 
-def _prompt_ids(state: State, req) -> list[int]:
+async def _prompt_ids(state: State, req) -> list[int]:
+    """The request's prompt as token ids. Sizes are checked first (nothing is copied, scanned or
+    tokenized past a limit), and tokenization runs off the event loop."""
     kind = req.WhichOneof("input")
     tok = state.tokenizer
+    limit = state.engine.max_context - 1
     try:
         if kind == "text":
             if not req.text:
                 raise ValueError("text: the prompt must not be empty")
             if len(req.text) > MAX_TEXT_CHARS:
                 raise ValueError(f"text: {len(req.text)} characters; the limit is {MAX_TEXT_CHARS}")
-            return tok.encode(req.text)
+            return await asyncio.to_thread(tok.encode, req.text)
         if kind == "chat":
             msgs = req.chat.messages
             if not msgs:
                 raise ValueError("chat.messages: must not be empty")
             if len(msgs) > MAX_MESSAGES:
                 raise ValueError(f"chat.messages: {len(msgs)} messages; the limit is {MAX_MESSAGES}")
-            for i, m in enumerate(msgs):
-                if len(m.content) > MAX_TEXT_CHARS:
-                    raise ValueError(f"chat.messages[{i}].content: {len(m.content)} characters; the limit is {MAX_TEXT_CHARS}")
-            return tok.encode_chat([{"role": m.role, "content": m.content} for m in msgs])
+            total = sum(len(m.content) + len(m.role) for m in msgs)
+            if total > MAX_TEXT_CHARS:
+                raise ValueError(f"chat.messages: {total} characters in all; the limit is {MAX_TEXT_CHARS}")
+            messages = [{"role": m.role, "content": m.content} for m in msgs]
+            return await asyncio.to_thread(tok.encode_chat, messages)
         if kind == "tokens":
-            if not req.tokens.token_ids:
+            n = len(req.tokens.token_ids)
+            if not n:
                 raise ValueError("tokens.token_ids: must not be empty")
+            if n > limit:
+                raise ValueError(f"tokens.token_ids: {n} tokens; the limit is {limit} "
+                                 f"(context {state.engine.max_context} tokens, at least one generated)")
             return list(req.tokens.token_ids)
         raise ValueError("input: one of text, chat or tokens is required")
     except ValueError as e:
@@ -183,27 +247,34 @@ class JaxcbService(jaxcb_pb2_grpc.JaxcbServicer):
 
     async def Generate(self, request, context):
         try:
+            if len(request.request_id) > MAX_REQUEST_ID_CHARS:
+                raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, f"request_id: {len(request.request_id)} characters; "
+                             f"the limit is {MAX_REQUEST_ID_CHARS}")
+            if len(request.cache_salt) > MAX_CACHE_SALT_CHARS:
+                raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, f"cache_salt: {len(request.cache_salt)} characters; "
+                             f"the limit is {MAX_CACHE_SALT_CHARS}")
             params = _sampling(request)
-            ids = _prompt_ids(self.state, request)
-            async for ev in self.state.stream(ids, params, request.priority, request.request_id):
+            self.state.admit()  # before any tokenizing
+            ids = await _prompt_ids(self.state, request)
+            tenant = tenant_of(self.state, context)
+            async for rid, ev in self.state.stream(ids, params, request.priority, request.request_id, tenant,
+                                                   request.cache_salt):
                 if ev.finish_reason is FinishReason.ERROR:
                     await context.abort(grpc.StatusCode.INTERNAL, f"the step running this request failed: {ev.error}")
                 if ev.token_ids or ev.text:
-                    yield jaxcb_pb2.GenerateResponse(request_id=ev.request_id, index=ev.index, chunk=jaxcb_pb2.GenerateChunk(
+                    yield jaxcb_pb2.GenerateResponse(request_id=rid, index=ev.index, chunk=jaxcb_pb2.GenerateChunk(
                         token_ids=list(ev.token_ids), text=ev.text, logprobs=_logprobs_pb(ev)))
                 if ev.finished:
                     usage = jaxcb_pb2.Usage(prompt_tokens=ev.num_prompt_tokens, completion_tokens=ev.num_output_tokens,
                                             cached_prompt_tokens=ev.num_cached_tokens)
-                    yield jaxcb_pb2.GenerateResponse(request_id=ev.request_id, index=ev.index, final=jaxcb_pb2.GenerateFinal(
+                    yield jaxcb_pb2.GenerateResponse(request_id=rid, index=ev.index, final=jaxcb_pb2.GenerateFinal(
                         finish_reason=ev.finish_reason.value, usage=usage))
         except _Abort as e:
             await context.abort(e.code, e.message)
 
     async def Abort(self, request, context):
-        found = self.state.engine.is_live(request.request_id)
-        if found:
-            self.state.thread.abort(request.request_id)
-        return jaxcb_pb2.AbortResponse(found=found)
+        """Only the caller's own requests (same token, or same connection without auth) are found."""
+        return jaxcb_pb2.AbortResponse(found=self.state.abort(tenant_of(self.state, context), request.request_id))
 
     async def GetModelInfo(self, request, context):
         s = self.state
@@ -243,11 +314,16 @@ class OrchestratorService(jetstream_pb2_grpc.OrchestratorServicer):
                 if len(request.text_content.text) > MAX_TEXT_CHARS:
                     raise _Abort(grpc.StatusCode.INVALID_ARGUMENT,
                                  f"text_content.text: {len(request.text_content.text)} characters; the limit is {MAX_TEXT_CHARS}")
-                ids = self.state.tokenizer.encode(request.text_content.text)
+                self.state.admit()
+                ids = await asyncio.to_thread(self.state.tokenizer.encode, request.text_content.text)
             elif kind == "token_content":
-                ids = list(request.token_content.token_ids)
-                if not ids:
+                n, limit = len(request.token_content.token_ids), self.state.engine.max_context - 1
+                if not n:
                     raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, "token_content.token_ids: must not be empty")
+                if n > limit:
+                    raise _Abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                 f"token_content.token_ids: {n} tokens; the limit is {limit}")
+                ids = list(request.token_content.token_ids)
             else:
                 raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, "content: text_content or token_content is required")
             if request.num_samples > 1:
@@ -256,7 +332,7 @@ class OrchestratorService(jetstream_pb2_grpc.OrchestratorServicer):
                 params = SamplingParams(max_tokens=request.max_tokens)
             except ValueError as e:
                 raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
-            async for ev in self.state.stream(ids, params, request.priority, ""):
+            async for _, ev in self.state.stream(ids, params, request.priority, "", tenant_of(self.state, context)):
                 if ev.finish_reason is FinishReason.ERROR:
                     await context.abort(grpc.StatusCode.INTERNAL, f"the step running this request failed: {ev.error}")
                 if ev.token_ids or ev.text:
@@ -272,10 +348,14 @@ class OrchestratorService(jetstream_pb2_grpc.OrchestratorServicer):
 
 
 class _AuthInterceptor(grpc.aio.ServerInterceptor):
-    """Every call must carry `authorization: Bearer <token>`."""
+    """Every call but health checks must carry `authorization: Bearer <token>` with one of the tokens
+    (compared in constant time). Health is exempt so that load balancers and Kubernetes' gRPC probes
+    can use it: it answers SERVING or NOT_SERVING and reveals nothing else."""
 
-    def __init__(self, token: str):
-        self._expected = f"Bearer {token}"
+    EXEMPT = ("/grpc.health.v1.Health/",)
+
+    def __init__(self, tokens: tuple[str, ...]):
+        self._expected = [f"Bearer {t}".encode() for t in tokens]
 
         async def deny(request, context):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token in 'authorization'")
@@ -288,9 +368,18 @@ class _AuthInterceptor(grpc.aio.ServerInterceptor):
 
         self._deny_stream = grpc.unary_stream_rpc_method_handler(deny_stream)
 
+    def allowed(self, given: str) -> bool:
+        given_b = given.encode()
+        ok = False
+        for expected in self._expected:  # every token compared, whatever matches
+            ok |= hmac.compare_digest(given_b, expected)
+        return ok
+
     async def intercept_service(self, continuation, details):
+        if details.method.startswith(self.EXEMPT):
+            return await continuation(details)
         md = dict(details.invocation_metadata or ())
-        if md.get("authorization") == self._expected:
+        if self.allowed(md.get("authorization", "")):
             return await continuation(details)
         handler = await continuation(details)
         if handler is not None and handler.response_streaming:
@@ -317,8 +406,8 @@ async def run_server(engine: Engine | list[Engine], tokenizer, model_name: str, 
     state = State(replicas, tokenizer, model_name, dtype, options, metrics)
     state.loop, state.died, state.thread = loop, died, replicas
 
-    interceptors = [_AuthInterceptor(options.auth_token)] if options.auth_token else []
-    server = grpc.aio.server(interceptors=interceptors, options=[
+    interceptors = [_AuthInterceptor(options.tokens)] if options.tokens else []
+    server = grpc.aio.server(interceptors=interceptors, maximum_concurrent_rpcs=options.max_concurrent_streams, options=[
         ("grpc.max_receive_message_length", MAX_GRPC_MESSAGE_BYTES),
         ("grpc.max_send_message_length", MAX_GRPC_MESSAGE_BYTES),
     ])
@@ -349,7 +438,7 @@ async def run_server(engine: Engine | list[Engine], tokenizer, model_name: str, 
     if options.metrics_port is not None:
         from prometheus_client import start_http_server
 
-        start_http_server(options.metrics_port, addr=options.host, registry=metrics.registry)
+        start_http_server(options.metrics_port, addr=options.metrics_host, registry=metrics.registry)
 
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -364,7 +453,26 @@ async def run_server(engine: Engine | list[Engine], tokenizer, model_name: str, 
         if i == total or i * 4 // total != (i - 1) * 4 // total:
             announce(f"jaxcb: warm-up {i}/{total} shapes ({time.perf_counter() - t0:.0f}s)")
 
-    shapes = await asyncio.to_thread(replicas.warmup, progress)
+    # Warm-up on a thread of its own, so that SIGTERM during it stops the server at once.
+    warmed: asyncio.Future = loop.create_future()
+
+    def warm():
+        try:
+            result = replicas.warmup(progress)
+            loop.call_soon_threadsafe(lambda: warmed.done() or warmed.set_result(result))
+        except BaseException as e:  # noqa: BLE001 - reported on the loop
+            loop.call_soon_threadsafe(lambda: warmed.done() or warmed.set_exception(e))
+
+    threading.Thread(target=warm, name="jaxcb-warmup", daemon=True).start()
+    stopping = asyncio.ensure_future(stop.wait())
+    await asyncio.wait([warmed, stopping], return_when=asyncio.FIRST_COMPLETED)
+    if not warmed.done():
+        announce("jaxcb: stopped during warm-up; exiting")
+        await server.stop(0)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)  # the warm-up thread is inside the compiler: do not wait for it
+    shapes = warmed.result()
     state.thread.start()
     state.ready = True
     await set_health(health_pb2.HealthCheckResponse.SERVING)
@@ -373,7 +481,6 @@ async def run_server(engine: Engine | list[Engine], tokenizer, model_name: str, 
              f"{time.perf_counter() - t0:.1f}s")
 
     dying = asyncio.ensure_future(state.died.wait())
-    stopping = asyncio.ensure_future(stop.wait())
     await asyncio.wait([dying, stopping], return_when=asyncio.FIRST_COMPLETED)
     code = 1 if state.died.is_set() else 0
     state.draining = True

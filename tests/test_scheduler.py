@@ -110,7 +110,7 @@ def test_running_limit_and_fcfs_order():
 
 
 def test_sjf_runs_the_shortest_first():
-    sched, _ = make(max_running=1, policy="sjf", max_context=128)
+    sched, _ = make(max_running=1, policy="sjf", max_context=128, sjf_aging_tokens_per_s=0.0)
     long, short, mid = req(40, t=0), req(4, t=1), req(10, t=2)
     for r in (long, short, mid):
         sched.add(r)
@@ -225,3 +225,28 @@ def test_static_mode_admits_only_when_the_batch_is_done():
     assert [c.request for c in out.prefill] == [late]
     run_all(sched, now=2)
     pool.check_all_free()
+
+
+def test_sjf_ages_so_a_long_request_is_not_starved():
+    """A long request that has waited (length difference / aging rate) seconds goes before a newer short one."""
+    sched, _ = make(max_running=1, policy="sjf", max_context=128, sjf_aging_tokens_per_s=10.0)
+    long, short = req(40, t=0), req(4, t=5)
+    for r in (short, long):
+        sched.add(r)
+    # Lengths 44 and 8 (max_tokens 4): at t=5 long counts 44 - 50 = -6, short 8 - 0: long first.
+    assert [c.request for c in sched.schedule(now=5).prefill] == [long]
+
+
+def test_priority_is_clamped_so_aging_catches_up():
+    sched, _ = make(max_running=1, policy="priority", max_context=128, max_priority=10, aging_per_s=1.0)
+    old, vip = req(4, t=0), req(4, t=20)
+    vip.priority = 2**31 - 1
+    for r in (vip, old):
+        sched.add(r)
+    # Clamped to 10, the newcomer has 10; the old request has aged 20: it goes first.
+    assert [c.request for c in sched.schedule(now=20).prefill] == [old]
+
+
+def test_an_infinite_batching_window_is_refused():
+    with pytest.raises(ValueError, match="max_wait_ms: must be a finite number >= 0"):
+        make(max_wait_ms=float("inf"), min_batch=2)

@@ -128,7 +128,7 @@ def test_model_and_server_info(client):
 
 BAD = [
     (dict(prompt=""), "text: the prompt must not be empty"),
-    (dict(token_ids=[5] * 300), "prompt: 300 tokens; the limit is 255"),
+    (dict(token_ids=[5] * 300), "tokens.token_ids: 300 tokens; the limit is 255"),
     (dict(token_ids=[5], max_tokens=0), "max_tokens: must be >= 1, got 0"),
     (dict(token_ids=[5] * 10, max_tokens=250), "max_tokens: prompt (10) + max_tokens (250) exceeds the context limit of 256"),
     (dict(token_ids=[5], temperature=-0.5), "temperature: must be >= 0"),
@@ -143,6 +143,11 @@ BAD = [
     (dict(token_ids=[5], stop=[f"s{i}" for i in range(17)]), "stop: at most 16 stop strings, got 17"),
     (dict(prompt="x" * ((1 << 20) + 1)), "text: 1048577 characters; the limit is 1048576"),
     (dict(token_ids=[5], logprobs=21), "logprobs: must be <= 20"),
+    (dict(token_ids=[5], request_id="r" * 129), "request_id: 129 characters; the limit is 128"),
+    (dict(token_ids=[5], cache_salt="s" * 257), "cache_salt: 257 characters; the limit is 256"),
+    (dict(messages=[{"role": "user", "content": "x" * (1 << 19)}] * 3),
+     "chat.messages: 1572876 characters in all; the limit is 1048576"),
+    (dict(token_ids=[5] * 5_000_000), "tokens.token_ids: 5000000 tokens; the limit is 255"),
 ]
 
 
@@ -206,6 +211,30 @@ def test_deadline_and_abort_free_pages(server, client):
     wait_pool_whole(client)
 
 
+def test_request_ids_are_unguessable_and_each_client_aborts_only_its_own(server, client):
+    r = client.complete(token_ids=[5, 6], max_tokens=2, ignore_eos=True)
+    assert len(r.request_id) == 32 and int(r.request_id, 16) >= 0  # a uuid4, not req-N
+    mine = client.stream(build_request(token_ids=[5, 6], max_tokens=200, ignore_eos=True, request_id="job-1"))
+    assert next(mine).request_id == "job-1"
+    # Another connection is another tenant (a channel of its own: in one process gRPC shares connections).
+    with grpc.insecure_channel(server.target, options=[("grpc.use_local_subchannel_pool", 1)]) as ch:
+        other = jaxcb_pb2_grpc.JaxcbStub(ch)
+        assert other.Abort(jaxcb_pb2.AbortRequest(request_id="job-1"), timeout=10).found is False
+        # The same client id is free in the other's namespace, and its stream is its own.
+        theirs = list(other.Generate(build_request(token_ids=[7, 8], max_tokens=3, ignore_eos=True,
+                                                   request_id="job-1"), timeout=60))
+        assert theirs[-1].request_id == "job-1" and theirs[-1].final.finish_reason == "length"
+    assert client.abort("job-1") is True
+    assert list(mine)[-1].final.finish_reason == "abort"
+    # A retry with the same id right after a cancelled stream is not killed by the old one's clean-up.
+    first = client.stream(build_request(token_ids=[5, 6], max_tokens=200, ignore_eos=True, request_id="job-2"))
+    next(first)
+    first.cancel()
+    retry = client.complete(token_ids=[5, 6], max_tokens=5, ignore_eos=True, request_id="job-2", timeout=60)
+    assert retry.finish_reason == "length" and retry.completion_tokens == 5
+    wait_pool_whole(client)
+
+
 def test_metrics_endpoint(server, client):
     client.complete(token_ids=[5, 6, 7], max_tokens=4, ignore_eos=True)
     body = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10).read().decode()
@@ -249,6 +278,9 @@ def test_auth_token_and_queue_limit(tiny_gguf_path, config_path):
                 with pytest.raises(grpc.RpcError) as e:
                     c.server_info()
                 assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        with grpc.insecure_channel(s.target) as ch:  # health needs no token (it reveals nothing else)
+            assert health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5).status == \
+                health_pb2.HealthCheckResponse.SERVING
         with Client(s.target, token="s3cret") as c:
             assert c.server_info().pages_total == 95
             with pytest.raises(grpc.RpcError) as e:
@@ -271,6 +303,20 @@ def test_sigterm_drains_then_exits_zero(tiny_gguf_path, config_path, grace, expe
             rest = list(stream)
             assert rest[-1].final.finish_reason == expect
         assert s.proc.wait(60) == 0, s.output()
+    finally:
+        s.stop()
+
+
+def test_sigterm_during_warm_up_exits_at_once(tiny_gguf_path, config_path):
+    s = ServerProcess(tiny_gguf_path, config_path)
+    try:
+        deadline = time.monotonic() + 120
+        while "warming up" not in s.output():
+            assert time.monotonic() < deadline and s.proc.poll() is None, s.output()
+            time.sleep(0.1)
+        s.proc.send_signal(signal.SIGTERM)
+        assert s.proc.wait(15) == 0, s.output()
+        assert "stopped during warm-up" in s.output()
     finally:
         s.stop()
 

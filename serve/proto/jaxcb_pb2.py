@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0bjaxcb.proto\x12\x08jaxcb.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"4\n\tChatInput\x12\'\n\x08messages\x18\x01 \x03(\x0b\x32\x15.jaxcb.v1.ChatMessage\"\x1f\n\nTokenInput\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"\xee\x01\n\x12SamplingParameters\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x00\x88\x01\x01\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x05 \x01(\x02H\x01\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x02\x12\x11\n\x04seed\x18\x08 \x01(\x04H\x02\x88\x01\x01\x42\x08\n\x06_top_pB\x15\n\x13_repetition_penaltyB\x07\n\x05_seed\"\xb8\x02\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12#\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x13.jaxcb.v1.ChatInputH\x00\x12&\n\x06tokens\x18\x03 \x01(\x0b\x32\x14.jaxcb.v1.TokenInputH\x00\x12.\n\x08sampling\x18\x04 \x01(\x0b\x32\x1c.jaxcb.v1.SamplingParameters\x12\x12\n\nmax_tokens\x18\x05 \x01(\x05\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x10\n\x08priority\x18\t \x01(\x05\x12\x12\n\nrequest_id\x18\n \x01(\t\x12\x10\n\x08logprobs\x18\x0b \x01(\x05\x12\t\n\x01n\x18\x0c \x01(\x05\x42\x07\n\x05input\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"U\n\rTokenLogprobs\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12!\n\x03top\x18\x03 \x03(\x0b\x32\x14.jaxcb.v1.TopLogprob\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\x05\"[\n\rGenerateChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12)\n\x08logprobs\x18\x03 \x03(\x0b\x32\x17.jaxcb.v1.TokenLogprobs\"F\n\rGenerateFinal\x12\x15\n\rfinish_reason\x18\x01 \x01(\t\x12\x1e\n\x05usage\x18\x02 \x01(\x0b\x32\x0f.jaxcb.v1.Usage\"\x94\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12(\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x17.jaxcb.v1.GenerateChunkH\x00\x12(\n\x05\x66inal\x18\x03 \x01(\x0b\x32\x17.jaxcb.v1.GenerateFinalH\x00\x12\r\n\x05index\x18\x04 \x01(\x05\x42\t\n\x07\x63ontent\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x15\n\x13GetModelInfoRequest\"|\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\x05\x12\x16\n\x0e\x63ontext_length\x18\x03 \x01(\x05\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x12\n\nnum_layers\x18\x05 \x01(\x05\x12\x12\n\nnum_params\x18\x06 \x01(\x03\"\x16\n\x14GetServerInfoRequest\"\xda\x02\n\nServerInfo\x12\x1c\n\x14\x64\x65\x63ode_batch_buckets\x18\x01 \x03(\x05\x12\x1d\n\x15pages_per_seq_buckets\x18\x02 \x03(\x05\x12\x1d\n\x15prefill_token_buckets\x18\x03 \x03(\x05\x12\x11\n\tpage_size\x18\x04 \x01(\x05\x12\x13\n\x0bpages_total\x18\x05 \x01(\x05\x12\x12\n\npages_free\x18\x06 \x01(\x05\x12\x0e\n\x06policy\x18\x07 \x01(\t\x12\x14\n\x0c\x63ompilations\x18\x08 \x01(\x03\x12\x0f\n\x07running\x18\t \x01(\x05\x12\x0f\n\x07waiting\x18\n \x01(\x05\x12\x13\n\x0bpreemptions\x18\x0b \x01(\x03\x12\x17\n\x0ftensor_parallel\x18\x0c \x01(\x05\x12\x15\n\rdata_parallel\x18\r \x01(\x05\x12\'\n\x08replicas\x18\x0e \x03(\x0b\x32\x15.jaxcb.v1.ReplicaInfo\"\xc3\x01\n\x0bReplicaInfo\x12\x0f\n\x07replica\x18\x01 \x01(\x05\x12\x12\n\ndevice_ids\x18\x02 \x03(\x05\x12\x13\n\x0bpages_total\x18\x03 \x01(\x05\x12\x12\n\npages_free\x18\x04 \x01(\x05\x12\x0f\n\x07running\x18\x05 \x01(\x05\x12\x0f\n\x07waiting\x18\x06 \x01(\x05\x12\x13\n\x0bpreemptions\x18\x07 \x01(\x03\x12\x16\n\x0epending_tokens\x18\x08 \x01(\x03\x12\x17\n\x0frequests_routed\x18\t \x01(\x03\x32\x99\x02\n\x05Jaxcb\x12\x45\n\x08Generate\x12\x19.jaxcb.v1.GenerateRequest\x1a\x1a.jaxcb.v1.GenerateResponse\"\x00\x30\x01\x12:\n\x05\x41\x62ort\x12\x16.jaxcb.v1.AbortRequest\x1a\x17.jaxcb.v1.AbortResponse\"\x00\x12\x44\n\x0cGetModelInfo\x12\x1d.jaxcb.v1.GetModelInfoRequest\x1a\x13.jaxcb.v1.ModelInfo\"\x00\x12G\n\rGetServerInfo\x12\x1e.jaxcb.v1.GetServerInfoRequest\x1a\x14.jaxcb.v1.ServerInfo\"\x00\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0bjaxcb.proto\x12\x08jaxcb.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"4\n\tChatInput\x12\'\n\x08messages\x18\x01 \x03(\x0b\x32\x15.jaxcb.v1.ChatMessage\"\x1f\n\nTokenInput\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"\xee\x01\n\x12SamplingParameters\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x00\x88\x01\x01\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x05 \x01(\x02H\x01\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x02\x12\x11\n\x04seed\x18\x08 \x01(\x04H\x02\x88\x01\x01\x42\x08\n\x06_top_pB\x15\n\x13_repetition_penaltyB\x07\n\x05_seed\"\xcc\x02\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12#\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x13.jaxcb.v1.ChatInputH\x00\x12&\n\x06tokens\x18\x03 \x01(\x0b\x32\x14.jaxcb.v1.TokenInputH\x00\x12.\n\x08sampling\x18\x04 \x01(\x0b\x32\x1c.jaxcb.v1.SamplingParameters\x12\x12\n\nmax_tokens\x18\x05 \x01(\x05\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x10\n\x08priority\x18\t \x01(\x05\x12\x12\n\nrequest_id\x18\n \x01(\t\x12\x10\n\x08logprobs\x18\x0b \x01(\x05\x12\t\n\x01n\x18\x0c \x01(\x05\x12\x12\n\ncache_salt\x18\r \x01(\tB\x07\n\x05input\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"U\n\rTokenLogprobs\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12!\n\x03top\x18\x03 \x03(\x0b\x32\x14.jaxcb.v1.TopLogprob\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\x05\"[\n\rGenerateChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12)\n\x08logprobs\x18\x03 \x03(\x0b\x32\x17.jaxcb.v1.TokenLogprobs\"F\n\rGenerateFinal\x12\x15\n\rfinish_reason\x18\x01 \x01(\t\x12\x1e\n\x05usage\x18\x02 \x01(\x0b\x32\x0f.jaxcb.v1.Usage\"\x94\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12(\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x17.jaxcb.v1.GenerateChunkH\x00\x12(\n\x05\x66inal\x18\x03 \x01(\x0b\x32\x17.jaxcb.v1.GenerateFinalH\x00\x12\r\n\x05index\x18\x04 \x01(\x05\x42\t\n\x07\x63ontent\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x15\n\x13GetModelInfoRequest\"|\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\x05\x12\x16\n\x0e\x63ontext_length\x18\x03 \x01(\x05\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x12\n\nnum_layers\x18\x05 \x01(\x05\x12\x12\n\nnum_params\x18\x06 \x01(\x03\"\x16\n\x14GetServerInfoRequest\"\xda\x02\n\nServerInfo\x12\x1c\n\x14\x64\x65\x63ode_batch_buckets\x18\x01 \x03(\x05\x12\x1d\n\x15pages_per_seq_buckets\x18\x02 \x03(\x05\x12\x1d\n\x15prefill_token_buckets\x18\x03 \x03(\x05\x12\x11\n\tpage_size\x18\x04 \x01(\x05\x12\x13\n\x0bpages_total\x18\x05 \x01(\x05\x12\x12\n\npages_free\x18\x06 \x01(\x05\x12\x0e\n\x06policy\x18\x07 \x01(\t\x12\x14\n\x0c\x63ompilations\x18\x08 \x01(\x03\x12\x0f\n\x07running\x18\t \x01(\x05\x12\x0f\n\x07waiting\x18\n \x01(\x05\x12\x13\n\x0bpreemptions\x18\x0b \x01(\x03\x12\x17\n\x0ftensor_parallel\x18\x0c \x01(\x05\x12\x15\n\rdata_parallel\x18\r \x01(\x05\x12\'\n\x08replicas\x18\x0e \x03(\x0b\x32\x15.jaxcb.v1.ReplicaInfo\"\xc3\x01\n\x0bReplicaInfo\x12\x0f\n\x07replica\x18\x01 \x01(\x05\x12\x12\n\ndevice_ids\x18\x02 \x03(\x05\x12\x13\n\x0bpages_total\x18\x03 \x01(\x05\x12\x12\n\npages_free\x18\x04 \x01(\x05\x12\x0f\n\x07running\x18\x05 \x01(\x05\x12\x0f\n\x07waiting\x18\x06 \x01(\x05\x12\x13\n\x0bpreemptions\x18\x07 \x01(\x03\x12\x16\n\x0epending_tokens\x18\x08 \x01(\x03\x12\x17\n\x0frequests_routed\x18\t \x01(\x03\x32\x99\x02\n\x05Jaxcb\x12\x45\n\x08Generate\x12\x19.jaxcb.v1.GenerateRequest\x1a\x1a.jaxcb.v1.GenerateResponse\"\x00\x30\x01\x12:\n\x05\x41\x62ort\x12\x16.jaxcb.v1.AbortRequest\x1a\x17.jaxcb.v1.AbortResponse\"\x00\x12\x44\n\x0cGetModelInfo\x12\x1d.jaxcb.v1.GetModelInfoRequest\x1a\x13.jaxcb.v1.ModelInfo\"\x00\x12G\n\rGetServerInfo\x12\x1e.jaxcb.v1.GetServerInfoRequest\x1a\x14.jaxcb.v1.ServerInfo\"\x00\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -40,33 +40,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLINGPARAMETERS']._serialized_start=159
   _globals['_SAMPLINGPARAMETERS']._serialized_end=397
   _globals['_GENERATEREQUEST']._serialized_start=400
-  _globals['_GENERATEREQUEST']._serialized_end=712
-  _globals['_TOPLOGPROB']._serialized_start=714
-  _globals['_TOPLOGPROB']._serialized_end=761
-  _globals['_TOKENLOGPROBS']._serialized_start=763
-  _globals['_TOKENLOGPROBS']._serialized_end=848
-  _globals['_USAGE']._serialized_start=850
-  _globals['_USAGE']._serialized_end=937
-  _globals['_GENERATECHUNK']._serialized_start=939
-  _globals['_GENERATECHUNK']._serialized_end=1030
-  _globals['_GENERATEFINAL']._serialized_start=1032
-  _globals['_GENERATEFINAL']._serialized_end=1102
-  _globals['_GENERATERESPONSE']._serialized_start=1105
-  _globals['_GENERATERESPONSE']._serialized_end=1253
-  _globals['_ABORTREQUEST']._serialized_start=1255
-  _globals['_ABORTREQUEST']._serialized_end=1289
-  _globals['_ABORTRESPONSE']._serialized_start=1291
-  _globals['_ABORTRESPONSE']._serialized_end=1321
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1323
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1344
-  _globals['_MODELINFO']._serialized_start=1346
-  _globals['_MODELINFO']._serialized_end=1470
-  _globals['_GETSERVERINFOREQUEST']._serialized_start=1472
-  _globals['_GETSERVERINFOREQUEST']._serialized_end=1494
-  _globals['_SERVERINFO']._serialized_start=1497
-  _globals['_SERVERINFO']._serialized_end=1843
-  _globals['_REPLICAINFO']._serialized_start=1846
-  _globals['_REPLICAINFO']._serialized_end=2041
-  _globals['_JAXCB']._serialized_start=2044
-  _globals['_JAXCB']._serialized_end=2325
+  _globals['_GENERATEREQUEST']._serialized_end=732
+  _globals['_TOPLOGPROB']._serialized_start=734
+  _globals['_TOPLOGPROB']._serialized_end=781
+  _globals['_TOKENLOGPROBS']._serialized_start=783
+  _globals['_TOKENLOGPROBS']._serialized_end=868
+  _globals['_USAGE']._serialized_start=870
+  _globals['_USAGE']._serialized_end=957
+  _globals['_GENERATECHUNK']._serialized_start=959
+  _globals['_GENERATECHUNK']._serialized_end=1050
+  _globals['_GENERATEFINAL']._serialized_start=1052
+  _globals['_GENERATEFINAL']._serialized_end=1122
+  _globals['_GENERATERESPONSE']._serialized_start=1125
+  _globals['_GENERATERESPONSE']._serialized_end=1273
+  _globals['_ABORTREQUEST']._serialized_start=1275
+  _globals['_ABORTREQUEST']._serialized_end=1309
+  _globals['_ABORTRESPONSE']._serialized_start=1311
+  _globals['_ABORTRESPONSE']._serialized_end=1341
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1343
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1364
+  _globals['_MODELINFO']._serialized_start=1366
+  _globals['_MODELINFO']._serialized_end=1490
+  _globals['_GETSERVERINFOREQUEST']._serialized_start=1492
+  _globals['_GETSERVERINFOREQUEST']._serialized_end=1514
+  _globals['_SERVERINFO']._serialized_start=1517
+  _globals['_SERVERINFO']._serialized_end=1863
+  _globals['_REPLICAINFO']._serialized_start=1866
+  _globals['_REPLICAINFO']._serialized_end=2061
+  _globals['_JAXCB']._serialized_start=2064
+  _globals['_JAXCB']._serialized_end=2345
 # @@protoc_insertion_point(module_scope)
