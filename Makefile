@@ -7,7 +7,7 @@ HOST ?= 127.0.0.1
 PORT ?= 50051
 SERVE_ARGS ?=
 
-.PHONY: setup test serve bench clean
+.PHONY: setup test stress serve bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -21,6 +21,11 @@ setup: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests
+
+# The full stress suite (tools/stress.py): 500 streams with cancels, 10,000 fuzzed requests, slow and
+# giant clients, injected faults, SIGTERM under load, RSS over 10,000 requests; prints its table.
+stress: $(STAMP)
+	$(PY) tools/stress.py --scale full
 
 # Serves the embedded SmolLM2 model over gRPC on $(HOST):$(PORT), metrics on port 9090.
 serve: $(STAMP)

@@ -1,0 +1,545 @@
+"""The stress suite: a server under cancels, fuzzing, slow and giant clients, faults, SIGTERM and a
+long run; prints one table of figures (and JSON with --json).
+
+    .venv/bin/python tools/stress.py [--scale small|full] [--model M] [--json]
+
+`make stress` runs the full scale (500 streams, 10,000 fuzzed requests, RSS after 1,000 vs 10,000
+requests); tests/test_stress.py runs the small one and asserts its targets. The model defaults to a
+tiny random-weight one (tests/tiny_gguf.py): the suite is about the server, not the model.
+
+Scenarios (each against a fresh `jaxcb serve` process unless said otherwise):
+  streams   N concurrent streams of mixed lengths, half cancelled at random moments (before the first
+            token, mid-prefill, mid-decode): every stream ends with one final message or a status, the
+            pool is whole afterwards, nothing compiles.
+  fuzz      hypothesis-generated GenerateRequests over every field, JetStream Decode requests, and raw
+            random bytes on the wire, while healthy streams run: answers are OK or INVALID_ARGUMENT /
+            RESOURCE_EXHAUSTED naming a field; the healthy streams get exactly their tokens alone.
+  slow      a client that never reads its stream and the largest request the limits allow, beside a
+            healthy stream: its p99 inter-token latency against its own baseline.
+  faults    in-process server, 1% of steps raise and some leave the KV pages in an error state: the
+            affected requests get INTERNAL, the others their tokens alone, the pool is whole.
+  sigterm   SIGTERM under load: every stream finishes or ends with `abort` within the grace period, exit 0.
+  memory    server RSS after the first K requests and after 10K.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "tests"))
+
+import grpc  # noqa: E402
+import numpy as np  # noqa: E402
+
+from serve.client import Client, build_request  # noqa: E402
+from serve.proto import jaxcb_pb2, jaxcb_pb2_grpc, jetstream_pb2, jetstream_pb2_grpc  # noqa: E402
+from server_util import SMALL_CONFIG, ServerProcess  # noqa: E402
+
+SCALES = {
+    "small": dict(streams=60, fuzz=300, raw=50, rss_first=100, rss_total=500, sigterm_streams=12),
+    "full": dict(streams=500, fuzz=10_000, raw=1_000, rss_first=1_000, rss_total=10_000, sigterm_streams=64),
+}
+FIELD_MESSAGE = re.compile(r"^[a-z_][\w.\[\]]*:")  # "max_tokens: must be >= 1", "messages[0].role: ..."
+GRACE_S = 0.5  # short enough that long streams are cut (abort), not all finished
+
+
+def _prompt(rng, n):
+    return rng.integers(3, 128, n).tolist()
+
+
+def _pool_whole(client, timeout=30.0):
+    deadline = time.monotonic() + timeout
+    while True:
+        info = client.server_info()
+        if (info.pages_free == info.pages_total and not info.running and not info.waiting) or time.monotonic() > deadline:
+            return info
+        time.sleep(0.1)
+
+
+# ---- streams with cancels ----
+async def _streams(target, n, seed):
+    rng = random.Random(seed)
+    results = {"final": 0, "cancelled": 0, "error": 0, "lost": 0, "two_finals": 0}
+
+    async def one(i, stub):
+        req = build_request(token_ids=[rng.randrange(3, 128) for _ in range(rng.randrange(1, 200))],
+                            max_tokens=rng.randrange(1, 40), ignore_eos=True)
+        cancel_after = None
+        if i % 2:  # half are cancelled: before the first token (-1), or after k tokens
+            cancel_after = rng.choice([-1, 0, 1, 3, 10, 25])
+        call = stub.Generate(req, timeout=300)
+        finals, tokens = 0, 0
+        try:
+            if cancel_after == -1:
+                await asyncio.sleep(rng.random() * 0.02)
+                call.cancel()
+            async for resp in call:
+                if resp.HasField("final"):
+                    finals += 1
+                else:
+                    tokens += len(resp.chunk.token_ids)
+                if cancel_after is not None and tokens >= cancel_after > -1:
+                    call.cancel()
+                    break
+        except grpc.aio.AioRpcError as e:
+            if e.code() == grpc.StatusCode.CANCELLED and cancel_after is not None:
+                results["cancelled"] += 1
+            else:
+                results["error"] += 1
+            return
+        except asyncio.CancelledError:
+            results["cancelled"] += 1
+            return
+        if finals > 1:
+            results["two_finals"] += 1
+        if finals == 1:
+            results["final"] += 1
+        elif cancel_after is not None:
+            results["cancelled"] += 1
+        else:
+            results["lost"] += 1
+
+    async with grpc.aio.insecure_channel(target) as ch:
+        stub = jaxcb_pb2_grpc.JaxcbStub(ch)
+        await asyncio.gather(*(one(i, stub) for i in range(n)))
+    return results
+
+
+def scenario_streams(model, config, n):
+    s = ServerProcess(model, config)
+    try:
+        s.wait_serving()
+        with Client(s.target) as c:
+            before = c.server_info().compilations
+            t0 = time.perf_counter()
+            r = asyncio.run(_streams(s.target, n, seed=1))
+            r["seconds"] = round(time.perf_counter() - t0, 1)
+            info = _pool_whole(c)
+            r["pages_leaked"] = info.pages_total - info.pages_free
+            r["compilations_after_warmup"] = info.compilations - before
+        r["exit_code"] = s.stop()
+        return r
+    finally:
+        s.stop()
+
+
+# ---- fuzzing ----
+def _strategies():
+    from hypothesis import strategies as st
+
+    i32 = st.integers(-2**31, 2**31 - 1)
+    small_or_any = st.one_of(st.integers(1, 8), st.integers(-3, 12), i32)  # mostly valid, some not
+    floats = st.one_of(st.floats(-3, 3), st.floats(allow_nan=True, allow_infinity=True, width=32))
+    text = st.text(max_size=120)
+    roles = st.one_of(st.sampled_from(["system", "user", "assistant"]), st.text(max_size=12))
+    sampling = st.fixed_dictionaries({}, optional={
+        "temperature": floats, "top_k": i32, "top_p": floats, "min_p": floats, "repetition_penalty": floats,
+        "presence_penalty": floats, "frequency_penalty": floats, "seed": st.integers(0, 2**64 - 1)})
+    request = st.fixed_dictionaries({
+        "input": st.one_of(
+            st.tuples(st.just("text"), text),
+            st.tuples(st.just("messages"), st.lists(st.fixed_dictionaries({"role": roles, "content": text}), max_size=4)),
+            st.tuples(st.just("token_ids"), st.lists(st.one_of(st.integers(-5, 300), i32), max_size=300))),
+        "max_tokens": small_or_any, "stop": st.lists(st.text(max_size=300), max_size=20),
+        "stop_token_ids": st.lists(i32, max_size=70), "ignore_eos": st.booleans(), "priority": i32,
+        "request_id": st.text(max_size=140), "logprobs": small_or_any, "n": st.one_of(st.integers(-1, 3), i32),
+        "cache_salt": st.text(max_size=300), "sampling": sampling})
+    jetstream = st.fixed_dictionaries({
+        "text": st.one_of(st.none(), text), "tokens": st.lists(st.one_of(st.integers(-5, 300), i32), max_size=300),
+        "max_tokens": small_or_any, "num_samples": st.integers(-1, 3), "priority": i32})
+    return request, jetstream
+
+
+def _to_proto(d):
+    kind, value = d["input"]
+    req = jaxcb_pb2.GenerateRequest(max_tokens=d["max_tokens"], stop=d["stop"], stop_token_ids=d["stop_token_ids"],
+                                    ignore_eos=d["ignore_eos"], priority=d["priority"], request_id=d["request_id"],
+                                    logprobs=d["logprobs"], n=d["n"], cache_salt=d["cache_salt"])
+    for k, v in d["sampling"].items():
+        setattr(req.sampling, k, v)
+    if kind == "text":
+        req.text = value
+    elif kind == "messages":
+        req.chat.messages.extend(jaxcb_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in value)
+    else:
+        req.tokens.token_ids.extend(value)
+    return req
+
+
+def _healthy_loop(target, stop, expected, out):
+    """Greedy streams over and over while the attack runs: each must give its tokens alone."""
+    with Client(target) as c:
+        while not stop.is_set():
+            for prompt, tokens in expected:
+                r = c.complete(token_ids=prompt, max_tokens=len(tokens), ignore_eos=True, timeout=120)
+                out["healthy_runs"] += 1
+                out["healthy_mismatches"] += r.token_ids != tokens
+
+
+def scenario_fuzz(model, config, n, raw):
+    from hypothesis import HealthCheck, given, settings
+
+    s = ServerProcess(model, config)
+    out = {"fuzzed": 0, "ok": 0, "invalid": 0, "exhausted": 0, "unnamed_errors": 0, "other_status": 0, "raw": 0,
+           "raw_statuses": {}, "healthy_runs": 0, "healthy_mismatches": 0}
+    try:
+        s.wait_serving()
+        rng = np.random.default_rng(3)
+        with Client(s.target) as c:
+            expected = [(p, c.complete(token_ids=p, max_tokens=12, ignore_eos=True).token_ids)
+                        for p in (_prompt(rng, 7), _prompt(rng, 40))]
+        stop = threading.Event()
+        healthy = threading.Thread(target=_healthy_loop, args=(s.target, stop, expected, out), daemon=True)
+        healthy.start()
+        request_st, jetstream_st = _strategies()
+        with grpc.insecure_channel(s.target) as ch:
+            stub, js = jaxcb_pb2_grpc.JaxcbStub(ch), jetstream_pb2_grpc.OrchestratorStub(ch)
+
+            def judge(call):
+                try:
+                    for _ in call:
+                        pass
+                    out["ok"] += 1
+                except grpc.RpcError as e:
+                    if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                        out["invalid"] += 1
+                    elif e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                        out["exhausted"] += 1
+                    else:
+                        out["other_status"] += 1
+                        out.setdefault("other_examples", []).append(f"{e.code().name}: {e.details()[:120]}")
+                        return
+                    if not FIELD_MESSAGE.match(e.details() or ""):
+                        out["unnamed_errors"] += 1
+                        out.setdefault("unnamed_examples", []).append(e.details()[:120])
+                out["fuzzed"] += 1
+
+            @settings(max_examples=n * 9 // 10, deadline=None, database=None,
+                      suppress_health_check=list(HealthCheck))
+            @given(request_st)
+            def fuzz_generate(d):
+                judge(stub.Generate(_to_proto(d), timeout=60))
+
+            @settings(max_examples=max(1, n // 10), deadline=None, database=None,
+                      suppress_health_check=list(HealthCheck))
+            @given(jetstream_st)
+            def fuzz_decode(d):
+                req = jetstream_pb2.DecodeRequest(max_tokens=d["max_tokens"], num_samples=d["num_samples"],
+                                                  priority=d["priority"])
+                if d["text"] is not None:
+                    req.text_content.text = d["text"]
+                else:
+                    req.token_content.token_ids.extend(d["tokens"])
+                judge(js.Decode(req, timeout=60))
+
+            fuzz_generate()
+            fuzz_decode()
+            raw_call = ch.unary_stream("/jaxcb.v1.Jaxcb/Generate")  # bytes as they are, no protobuf
+            byte_rng = random.Random(5)
+            for _ in range(raw):
+                data = bytes(byte_rng.randrange(256) for _ in range(byte_rng.randrange(0, 200)))
+                try:
+                    for _ in raw_call(data, timeout=30):
+                        pass
+                    code = "OK"
+                except grpc.RpcError as e:
+                    code = e.code().name
+                out["raw_statuses"][code] = out["raw_statuses"].get(code, 0) + 1
+                out["raw"] += 1
+        stop.set()
+        healthy.join(120)
+        with Client(s.target) as c:
+            info = _pool_whole(c)
+            out["pages_leaked"] = info.pages_total - info.pages_free
+        out["crashed"] = s.proc.poll() is not None
+        out["exit_code"] = s.stop()
+        return out
+    finally:
+        s.stop()
+
+
+# ---- slow client and giant request ----
+def _itl_p99(target, prompt, n):
+    with Client(target) as c:
+        times = []
+        for _ in c.generate(token_ids=prompt, max_tokens=n, ignore_eos=True, timeout=300):
+            times.append(time.perf_counter())
+    gaps = np.diff(times[:-1])  # chunks only (the last item is the final)
+    return float(np.percentile(gaps, 99)) if len(gaps) else 0.0
+
+
+def scenario_slow(model, config, max_context):
+    s = ServerProcess(model, config)
+    try:
+        s.wait_serving()
+        rng = np.random.default_rng(4)
+        healthy = _prompt(rng, 10)
+        _itl_p99(s.target, healthy, 20)  # warm the path
+        baseline = float(np.median([_itl_p99(s.target, healthy, 80) for _ in range(3)]))
+        ch = grpc.insecure_channel(s.target)
+        stub = jaxcb_pb2_grpc.JaxcbStub(ch)
+        slow = stub.Generate(build_request(token_ids=_prompt(rng, 30), max_tokens=max_context // 2,
+                                           ignore_eos=True))  # never read
+        giant_tokens = 16
+        giant_call = stub.Generate(build_request(token_ids=_prompt(rng, max_context - giant_tokens),
+                                                 max_tokens=giant_tokens, ignore_eos=True))
+        drain = threading.Thread(target=lambda: list(giant_call), daemon=True)
+        drain.start()
+        attacked = float(np.median([_itl_p99(s.target, healthy, 80) for _ in range(3)]))
+        slow.cancel()
+        drain.join(120)
+        ch.close()
+        with Client(s.target) as c:
+            info = _pool_whole(c)
+        out = {"itl_p99_baseline_ms": round(baseline * 1e3, 2), "itl_p99_attacked_ms": round(attacked * 1e3, 2),
+               "itl_ratio": round(attacked / baseline, 2) if baseline else None,
+               "pages_leaked": info.pages_total - info.pages_free}
+        out["exit_code"] = s.stop()
+        return out
+    finally:
+        s.stop()
+
+
+# ---- injected faults (in-process) ----
+def scenario_faults(model, n_requests, seed=6):
+    import jaxcb.runner  # noqa: F401
+    from jaxcb.engine_config import load_config
+    from jaxcb.llm import build_engine
+    from serve.server import ServerOptions, run_server
+    from server_util import free_port
+
+    cfg_path = os.path.join(tempfile.mkdtemp(), "small.toml")
+    with open(cfg_path, "w") as f:
+        f.write(SMALL_CONFIG)
+    engine = build_engine(model, load_config(cfg_path))
+    rng = np.random.default_rng(seed)
+    prompts = [_prompt(rng, int(k)) for k in rng.integers(3, 60, n_requests)]
+    alone = {}
+    for i, p in enumerate(prompts):  # reference: each alone, greedy, before any fault
+        rid = engine.add_request(p, _sp(10))
+        alone[i] = [t for e in engine.run_until_done() if e.request_id == rid for t in e.token_ids]
+    faults = {"raised": 0, "error_state": 0}
+    fault_rng = random.Random(seed)
+
+    class ErrorBuffer:
+        def __init__(self, real):
+            self.shape, self.dtype = real.shape, real.dtype
+
+        def is_deleted(self):
+            return False
+
+        def block_until_ready(self):
+            raise RuntimeError("INTERNAL: an error-state buffer")
+
+    def inject(out):
+        x = fault_rng.random()
+        if x < 0.01:
+            faults["raised"] += 1
+            raise RuntimeError("injected step failure")
+        if x < 0.015:
+            faults["error_state"] += 1
+            engine.runner.kv_pages = ErrorBuffer(engine.runner.kv_pages)
+            raise RuntimeError("injected failure leaving the KV pages in an error state")
+
+    engine.fault_injector = inject
+    port = free_port()
+    ready, result = threading.Event(), {}
+
+    def serve():
+        result["code"] = asyncio.run(run_server(engine, engine.tokenizer, "tiny", "float32",
+                                                ServerOptions(port=port, grace_s=0),
+                                                lambda m: "SERVING" in m and ready.set()))
+
+    threading.Thread(target=serve, daemon=True).start()
+    assert ready.wait(300)
+    out = {"requests": n_requests, "internal": 0, "identical": 0, "different": 0, "other": 0}
+    lock = threading.Lock()
+
+    def one(i):
+        with Client(f"127.0.0.1:{port}") as c:
+            try:
+                r = c.complete(token_ids=prompts[i], max_tokens=10, ignore_eos=True, timeout=120)
+                key = "identical" if r.token_ids == alone[i] else "different"
+            except grpc.RpcError as e:
+                key = "internal" if e.code() == grpc.StatusCode.INTERNAL else "other"
+        with lock:
+            out[key] += 1
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(n_requests)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    engine.fault_injector = None
+    with Client(f"127.0.0.1:{port}") as c:
+        info = _pool_whole(c)
+    out.update(faults, pages_leaked=info.pages_total - info.pages_free, failed_steps=engine.stats().failed_steps)
+    return out
+
+
+def _sp(n):
+    from jaxcb.request import SamplingParams
+
+    return SamplingParams(max_tokens=n, ignore_eos=True)
+
+
+# ---- SIGTERM under load ----
+def scenario_sigterm(model, config, n):
+    s = ServerProcess(model, config, "--grace-period", str(GRACE_S))
+    try:
+        s.wait_serving()
+        rng = np.random.default_rng(8)
+        ends, lock = [], threading.Lock()
+
+        def one(i):
+            with Client(s.target) as c:
+                try:
+                    r = c.complete(token_ids=_prompt(rng, 5 + i % 10), max_tokens=240, ignore_eos=True, timeout=120)
+                    end = r.finish_reason
+                except (grpc.RpcError, RuntimeError) as e:
+                    end = f"status {getattr(e, 'code', lambda: e)()}"
+            with lock:
+                ends.append(end)
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+        for t in threads:
+            t.start()
+        time.sleep(0.3)  # streams admitted and decoding, far from their 240 tokens
+        t0 = time.monotonic()
+        s.proc.send_signal(signal.SIGTERM)
+        code = s.proc.wait(60)
+        took = time.monotonic() - t0
+        for t in threads:
+            t.join(30)
+        return {"streams": n, "finished_length": ends.count("length"), "finished_abort": ends.count("abort"),
+                "other_ends": len(ends) - ends.count("length") - ends.count("abort"), "lost": n - len(ends),
+                "exit_code": code, "shutdown_s": round(took, 1), "grace_s": GRACE_S}
+    finally:
+        s.stop()
+
+
+# ---- memory ----
+def _rss_bytes(pid):
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+
+def scenario_memory(model, config, first, total):
+    s = ServerProcess(model, config)
+    try:
+        s.wait_serving()
+        rng = random.Random(9)
+
+        async def batch(count):
+            async with grpc.aio.insecure_channel(s.target) as ch:
+                stub = jaxcb_pb2_grpc.JaxcbStub(ch)
+                sem = asyncio.Semaphore(32)
+
+                async def one():
+                    async with sem:
+                        req = build_request(token_ids=[rng.randrange(3, 128) for _ in range(rng.randrange(1, 60))],
+                                            max_tokens=rng.randrange(1, 6), ignore_eos=True,
+                                            request_id=f"m{rng.random()}", cache_salt=str(rng.randrange(4)))
+                        async for _ in stub.Generate(req, timeout=120):
+                            pass
+
+                await asyncio.gather(*(one() for _ in range(count)))
+
+        asyncio.run(batch(first))
+        rss_first = _rss_bytes(s.proc.pid)
+        asyncio.run(batch(total - first))
+        rss_total = _rss_bytes(s.proc.pid)
+        return {"requests_first": first, "rss_first_mib": round(rss_first / 2**20, 1), "requests_total": total,
+                "rss_total_mib": round(rss_total / 2**20, 1), "rss_growth": round(rss_total / rss_first - 1, 4),
+                "exit_code": s.stop()}
+    finally:
+        s.stop()
+
+
+def run(scale: str, model: str | None) -> dict:
+    sizes = SCALES[scale]
+    workdir = tempfile.mkdtemp(prefix="jaxcb-stress-")
+    config = os.path.join(workdir, "small.toml")
+    with open(config, "w") as f:
+        f.write(SMALL_CONFIG.replace("num_pages = 96", "num_pages = 160"))
+    if model is None:
+        from tiny_gguf import write_tiny_gguf
+
+        model = os.path.join(workdir, "tiny.gguf")
+        write_tiny_gguf(model)
+    os.environ.setdefault("JAXCB_COMPILE_CACHE", os.path.join(workdir, "xla"))
+    out = {"scale": scale}
+    for name, fn in (("streams", lambda: scenario_streams(model, config, sizes["streams"])),
+                     ("fuzz", lambda: scenario_fuzz(model, config, sizes["fuzz"], sizes["raw"])),
+                     ("slow", lambda: scenario_slow(model, config, 256)),
+                     ("faults", lambda: scenario_faults(model, sizes["streams"])),
+                     ("sigterm", lambda: scenario_sigterm(model, config, sizes["sigterm_streams"])),
+                     ("memory", lambda: scenario_memory(model, config, sizes["rss_first"], sizes["rss_total"]))):
+        t0 = time.perf_counter()
+        out[name] = fn()
+        out[name]["scenario_s"] = round(time.perf_counter() - t0, 1)
+        print(f"{name}: {json.dumps(out[name])}", file=sys.stderr, flush=True)
+    return out
+
+
+def table(r: dict) -> str:
+    st, fz, sl, fa, sg, mem = (r[k] for k in ("streams", "fuzz", "slow", "faults", "sigterm", "memory"))
+    lost = st["lost"] + sg["lost"] + fa["other"] + fz.get("other_status", 0)
+    leaked = st["pages_leaked"] + fz["pages_leaked"] + sl["pages_leaked"] + fa["pages_leaked"]
+    crashes = int(fz["crashed"]) + sum(x.get("exit_code", 0) not in (0, None) for x in (st, fz, sl, sg, mem))
+    rows = [
+        ("streams (cancelled)", f"{st['final'] + st['cancelled'] + st['error'] + st['lost']} ({st['cancelled']})", ""),
+        ("fuzzed inputs (raw bytes)", f"{fz['fuzzed']} ({fz['raw']})", ""),
+        ("fuzz answers OK / INVALID / EXHAUSTED / unnamed", f"{fz['ok']} / {fz['invalid']} / {fz['exhausted']} / "
+         f"{fz['unnamed_errors']}", "unnamed 0"),
+        ("healthy streams during fuzz (mismatches)", f"{fz['healthy_runs']} ({fz['healthy_mismatches']})", "0"),
+        ("faults injected (raised + error state)", f"{fa['raised'] + fa['error_state']}", ""),
+        ("fault run: INTERNAL / identical / different", f"{fa['internal']} / {fa['identical']} / {fa['different']}",
+         "different 0"),
+        ("requests lost", str(lost), "0"),
+        ("pages leaked", str(leaked), "0"),
+        ("crashes (unexpected exit codes)", str(crashes), "0"),
+        ("compilations after warm-up (streams)", str(st["compilations_after_warmup"]), "0"),
+        ("healthy-stream p99 ITL under slow+giant clients", f"{sl['itl_ratio']}x ({sl['itl_p99_baseline_ms']} -> "
+         f"{sl['itl_p99_attacked_ms']} ms)", "<= 2x"),
+        ("SIGTERM under load: length / abort / other, exit", f"{sg['finished_length']} / {sg['finished_abort']} / "
+         f"{sg['other_ends']}, exit {sg['exit_code']} in {sg['shutdown_s']} s", "exit 0"),
+        ("RSS growth", f"{mem['rss_growth']:.1%} ({mem['rss_first_mib']} MiB after {mem['requests_first']} -> "
+         f"{mem['rss_total_mib']} MiB after {mem['requests_total']})", "<= 10%"),
+    ]
+    width = max(len(a) for a, _, _ in rows)
+    return "\n".join(f"{a:<{width}}  {b:<40}  target {c}" if c else f"{a:<{width}}  {b}" for a, b, c in rows)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--scale", choices=sorted(SCALES), default="full")
+    p.add_argument("--model", default=None, help="GGUF file (default: a tiny random-weight model)")
+    p.add_argument("--json", action="store_true", help="print the figures as one JSON line too")
+    args = p.parse_args()
+    from bench.common import machine
+
+    r = run(args.scale, args.model)
+    print(f"jaxcb stress ({args.scale}) on {machine()}")
+    print(table(r))
+    if args.json:
+        print(json.dumps(r))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
