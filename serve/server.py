@@ -347,6 +347,51 @@ class OrchestratorService(jetstream_pb2_grpc.OrchestratorServicer):
         return jetstream_pb2.HealthCheckResponse(is_live=bool(s.ready and s.thread and s.thread.alive and not s.draining))
 
 
+class _Malformed:
+    """A request body that is not the message it should be (random bytes on the wire)."""
+
+    def __init__(self, name: str, error: Exception):
+        self.message = f"request: the body is not a valid {name} ({type(error).__name__})"
+
+
+def _add_service(server, descriptor, servicer) -> None:
+    """Register `servicer` for a service from its descriptor, like the generated add_*_to_server, but a
+    body that does not parse is answered INVALID_ARGUMENT (gRPC's own answer is UNKNOWN)."""
+    from google.protobuf import message_factory
+
+    handlers = {}
+    for method in descriptor.methods:
+        request_cls = message_factory.GetMessageClass(method.input_type)
+        response_cls = message_factory.GetMessageClass(method.output_type)
+
+        def parse(data, cls=request_cls):
+            try:
+                return cls.FromString(data)
+            except Exception as e:  # noqa: BLE001 - any parse failure is the client's
+                return _Malformed(cls.DESCRIPTOR.full_name, e)
+
+        fn = getattr(servicer, method.name)
+        if method.server_streaming:
+            async def handler(request, context, fn=fn):
+                if isinstance(request, _Malformed):
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
+                async for item in fn(request, context):
+                    yield item
+
+            make = grpc.unary_stream_rpc_method_handler
+        else:
+            async def handler(request, context, fn=fn):
+                if isinstance(request, _Malformed):
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
+                return await fn(request, context)
+
+            make = grpc.unary_unary_rpc_method_handler
+        handlers[method.name] = make(handler, request_deserializer=parse,
+                                     response_serializer=response_cls.SerializeToString)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(descriptor.full_name, handlers),))
+    server.add_registered_method_handlers(descriptor.full_name, handlers)
+
+
 class _AuthInterceptor(grpc.aio.ServerInterceptor):
     """Every call but health checks must carry `authorization: Bearer <token>` with one of the tokens
     (compared in constant time). Health is exempt so that load balancers and Kubernetes' gRPC probes
@@ -411,8 +456,8 @@ async def run_server(engine: Engine | list[Engine], tokenizer, model_name: str, 
         ("grpc.max_receive_message_length", MAX_GRPC_MESSAGE_BYTES),
         ("grpc.max_send_message_length", MAX_GRPC_MESSAGE_BYTES),
     ])
-    jaxcb_pb2_grpc.add_JaxcbServicer_to_server(JaxcbService(state), server)
-    jetstream_pb2_grpc.add_OrchestratorServicer_to_server(OrchestratorService(state), server)
+    _add_service(server, jaxcb_pb2.DESCRIPTOR.services_by_name["Jaxcb"], JaxcbService(state))
+    _add_service(server, jetstream_pb2.DESCRIPTOR.services_by_name["Orchestrator"], OrchestratorService(state))
     health_servicer = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = (SERVICE_NAME, "jetstream_proto.Orchestrator", health.SERVICE_NAME, reflection.SERVICE_NAME)

@@ -11,13 +11,14 @@ import urllib.request
 
 import grpc
 import numpy as np
+import prometheus_client
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from jaxcb.engine_config import load_config
 from jaxcb.llm import LLM
-from jaxcb.request import SamplingParams
+from jaxcb.request import FinishReason, SamplingParams
 from serve.client import AsyncClient, Client, build_request
 from serve.proto import jaxcb_pb2, jaxcb_pb2_grpc, jetstream_pb2, jetstream_pb2_grpc
 from server_util import SMALL_CONFIG, ServerProcess
@@ -376,3 +377,46 @@ def test_data_parallel_server_routes_over_two_replicas_with_the_single_engine_to
         assert 'jaxcb:replica_kv_cache_usage_perc{replica="1"}' in metrics
     finally:
         assert s.stop() == 0, s.output()
+
+
+def test_admission_counts_requests_not_yet_in_the_scheduler(tiny_gguf_path, config_path):
+    """16 long streams at once against 8 batch slots and --max-waiting 2: at most 10 are accepted, even
+    though they all arrive before the engine has moved any into its queue."""
+    s = ServerProcess(tiny_gguf_path, config_path, "--max-waiting", "2", "--grace-period", "0")
+    try:
+        s.wait_serving()
+        with Client(s.target) as c:
+            def one(i):
+                try:
+                    return c.complete(token_ids=[5 + i, 6], max_tokens=240, ignore_eos=True, timeout=120).finish_reason
+                except grpc.RpcError as e:
+                    return e.code().name
+
+            with concurrent.futures.ThreadPoolExecutor(16) as pool:
+                ends = list(pool.map(one, range(16)))
+        assert ends.count("RESOURCE_EXHAUSTED") >= 6, ends
+        assert ends.count("length") == 16 - ends.count("RESOURCE_EXHAUSTED")
+    finally:
+        assert s.stop() == 0
+
+
+def test_metrics_time_each_sample_and_count_failed_steps():
+    from jaxcb.engine import EngineStats
+    from jaxcb.request import TokenEvent
+    from serve.metrics import Metrics, RequestTimer
+
+    m = Metrics()
+    timers = [RequestTimer(m, arrival=0.0) for _ in range(2)]  # n = 2: one timer per sample
+    for i, t in enumerate(timers):
+        t.on_event(TokenEvent("r", (5,), "a", False, None, None, 7, 1, index=i))
+    for i, t in enumerate(timers):
+        t.on_event(TokenEvent("r", (6,), "b", True, FinishReason.LENGTH, None, 7, 2, index=i))
+    text = prometheus_client.generate_latest(m.registry).decode()
+    assert "jaxcb:prompt_tokens_total 7.0" in text  # the prompt once, not once per sample
+    assert "jaxcb:inter_token_latency_seconds_count 2.0" in text  # one gap per sample, none across them
+    stats = EngineStats(running=0, waiting=0, pages_total=10, pages_free=10, pages_in_use=0, compilations=0,
+                        preemptions=0, prompt_tokens_computed=0, output_tokens=0, steps=0, padding_fraction=0.0,
+                        page_utilization=0.0, host_wait_fraction=0.0, failed_steps=3)
+    m.refresh(stats)
+    m.refresh(stats)
+    assert "jaxcb:failed_steps_total 3.0" in prometheus_client.generate_latest(m.registry).decode()

@@ -21,6 +21,7 @@ def test_small_stress_suite_loses_nothing():
     assert st["pages_leaked"] == fz["pages_leaked"] == sl["pages_leaked"] == fa["pages_leaked"] == 0
     assert st["compilations_after_warmup"] == 0
     assert fz["fuzzed"] == 300 and fz["raw"] == 50 and not fz["crashed"]
+    assert fz["raw_other"] == 0, fz["raw_statuses"]  # a body that does not parse: INVALID_ARGUMENT
     assert fz["other_status"] == 0, fz.get("other_examples")
     assert fz["unnamed_errors"] == 0, fz.get("unnamed_examples")
     assert fz["healthy_runs"] > 0 and fz["healthy_mismatches"] == 0

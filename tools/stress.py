@@ -260,6 +260,8 @@ def scenario_fuzz(model, config, n, raw):
                     code = e.code().name
                 out["raw_statuses"][code] = out["raw_statuses"].get(code, 0) + 1
                 out["raw"] += 1
+                out["raw_other"] = out.get("raw_other", 0) + (code not in ("OK", "INVALID_ARGUMENT",
+                                                                             "RESOURCE_EXHAUSTED"))
         stop.set()
         healthy.join(120)
         with Client(s.target) as c:
@@ -504,6 +506,7 @@ def table(r: dict) -> str:
     rows = [
         ("streams (cancelled)", f"{st['final'] + st['cancelled'] + st['error'] + st['lost']} ({st['cancelled']})", ""),
         ("fuzzed inputs (raw bytes)", f"{fz['fuzzed']} ({fz['raw']})", ""),
+        ("raw bytes answered other than OK / INVALID / EXHAUSTED", str(fz.get("raw_other", 0)), "0"),
         ("fuzz answers OK / INVALID / EXHAUSTED / unnamed", f"{fz['ok']} / {fz['invalid']} / {fz['exhausted']} / "
          f"{fz['unnamed_errors']}", "unnamed 0"),
         ("healthy streams during fuzz (mismatches)", f"{fz['healthy_runs']} ({fz['healthy_mismatches']})", "0"),
