@@ -5,6 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 HOST ?= 127.0.0.1
 PORT ?= 50051
+HTTP_PORT ?= 8000
 SERVE_ARGS ?=
 
 .PHONY: setup test stress serve bench clean
@@ -27,9 +28,10 @@ test: $(STAMP)
 stress: $(STAMP)
 	$(PY) tools/stress.py --scale full
 
-# Serves the embedded SmolLM2 model over gRPC on $(HOST):$(PORT), metrics on port 9090.
+# Serves the embedded SmolLM2 model over gRPC on $(HOST):$(PORT) and the OpenAI-compatible HTTP API on
+# $(HOST):$(HTTP_PORT), metrics on port 9090.
 serve: $(STAMP)
-	$(VENV)/bin/jaxcb serve --host $(HOST) --port $(PORT) --metrics-port 9090 $(SERVE_ARGS)
+	$(VENV)/bin/jaxcb serve --host $(HOST) --port $(PORT) --http-port $(HTTP_PORT) --metrics-port 9090 $(SERVE_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

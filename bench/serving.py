@@ -1,7 +1,14 @@
-"""Serving benchmark: Poisson arrivals against a running jaxcb server, over the jaxcb or JetStream API.
+"""Serving benchmark: Poisson arrivals against a running server, over the jaxcb, JetStream or OpenAI API.
 
     .venv/bin/python bench/serving.py --spawn --rates 0.5,1,2,inf --requests 32 --json out.json --plot lat.png
     .venv/bin/python bench/serving.py --target 127.0.0.1:50051 --rates inf --api jetstream
+    .venv/bin/python bench/serving.py --spawn --api openai --also llama.cpp=http://127.0.0.1:8081/v1
+    .venv/bin/python bench/serving.py --api openai --openai http://127.0.0.1:8000/v1   # any OpenAI server
+
+With `--api openai` the requests go to `/v1/completions` (token-id prompts, `stream: true`,
+`ignore_eos`, usage in the last chunk), so the same client and trace measure any OpenAI-compatible
+server; `--also NAME=URL` (repeatable) runs more such endpoints in the same run, interleaved rate by
+rate with the main target (the machines are noisy), and prints one table.
 
 --spawn starts `jaxcb serve` (the embedded model, configs/default.toml unless --config) and waits for
 SERVING. For each rate (requests/s; inf = all at once) it sends the same workload (prompt and output
@@ -37,7 +44,25 @@ async def one_request(stub, api, prompt, max_tokens, start_at, t0, sem):
     async with sem:
         sent = time.perf_counter()
         arrivals = []
-        if api == "jaxcb":
+        if api == "openai":  # stub: (httpx.AsyncClient, base URL)
+            client, base = stub
+            body = {"prompt": prompt, "max_tokens": max_tokens, "stream": True, "ignore_eos": True,
+                    "temperature": 0.0, "stream_options": {"include_usage": True}}
+            tokens = None
+            async with client.stream("POST", base + "/completions", json=body) as r:
+                r.raise_for_status()
+                async for line in r.aiter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    chunk = json.loads(line[6:])
+                    if chunk.get("usage"):
+                        tokens = chunk["usage"]["completion_tokens"]
+                    if chunk.get("choices") and chunk["choices"][0].get("text"):
+                        arrivals.append(time.perf_counter())
+            if tokens and len(arrivals) > 1 and tokens != len(arrivals):  # chunks held several tokens
+                first, last = arrivals[0], arrivals[-1]
+                arrivals = [first] + list(np.linspace(first, last, tokens)[1:])
+        elif api == "jaxcb":
             req = jaxcb_pb2.GenerateRequest(max_tokens=max_tokens, ignore_eos=True, tokens=jaxcb_pb2.TokenInput(token_ids=prompt))
             async for resp in stub.Generate(req):
                 if resp.HasField("chunk") and resp.chunk.token_ids:
@@ -69,13 +94,23 @@ async def run_rate(target, api, prompts, outputs, rate, concurrency, seed, slo_t
     rng = np.random.default_rng(seed)
     gaps = rng.exponential(1.0 / rate, len(prompts)) if math.isfinite(rate) else np.zeros(len(prompts))
     starts = np.cumsum(gaps) - gaps[0]
-    async with grpc.aio.insecure_channel(target) as ch:
-        stub = jaxcb_pb2_grpc.JaxcbStub(ch) if api == "jaxcb" else jetstream_pb2_grpc.OrchestratorStub(ch)
-        sem = asyncio.Semaphore(concurrency or len(prompts))
-        t0 = time.perf_counter()
-        results = await asyncio.gather(*(one_request(stub, api, p, int(n), s, t0, sem)
-                                         for p, n, s in zip(prompts, outputs, starts)))
-        wall = time.perf_counter() - t0
+    sem = asyncio.Semaphore(concurrency or len(prompts))
+    if api == "openai":
+        import httpx
+
+        limits = httpx.Limits(max_connections=len(prompts) + 8, max_keepalive_connections=len(prompts) + 8)
+        async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
+            t0 = time.perf_counter()
+            results = await asyncio.gather(*(one_request((client, target.rstrip("/")), api, p, int(n), s, t0, sem)
+                                             for p, n, s in zip(prompts, outputs, starts)))
+            wall = time.perf_counter() - t0
+    else:
+        async with grpc.aio.insecure_channel(target) as ch:
+            stub = jaxcb_pb2_grpc.JaxcbStub(ch) if api == "jaxcb" else jetstream_pb2_grpc.OrchestratorStub(ch)
+            t0 = time.perf_counter()
+            results = await asyncio.gather(*(one_request(stub, api, p, int(n), s, t0, sem)
+                                             for p, n, s in zip(prompts, outputs, starts)))
+            wall = time.perf_counter() - t0
     good = sum(1 for r in results if r["ttft"] * 1000 <= slo_ttft and (math.isnan(r["tpot"]) or r["tpot"] * 1000 <= slo_tpot))
     out_tokens = sum(r["n"] for r in results)
     return {
@@ -87,11 +122,24 @@ async def run_rate(target, api, prompts, outputs, rate, concurrency, seed, slo_t
     }
 
 
+def table(runs, slo_ttft, slo_tpot) -> str:
+    head = (f"{'server':<12}{'rate':>6}{'req/s':>8}{'tok/s':>8}{'TTFT p50':>10}{'TTFT p99':>10}{'TPOT p50':>10}"
+            f"{'TPOT p99':>10}{'ITL p50':>9}{'E2E p50':>9}{'goodput':>9}")
+    lines = [f"SLO: TTFT <= {slo_ttft:.0f} ms and TPOT <= {slo_tpot:.0f} ms (goodput: requests/s meeting both)", head]
+    for r in runs:
+        lines.append(f"{r.get('name', ''):<12}{str(r['rate']):>6}{r['request_throughput']:>8.2f}"
+                     f"{r['output_tokens_per_s']:>8.1f}{r['ttft_ms'].get('p50', math.nan):>10.0f}"
+                     f"{r['ttft_ms'].get('p99', math.nan):>10.0f}{r['tpot_ms'].get('p50', math.nan):>10.0f}"
+                     f"{r['tpot_ms'].get('p99', math.nan):>10.0f}{r['itl_ms'].get('p50', math.nan):>9.0f}"
+                     f"{r['e2e_ms'].get('p50', math.nan):>9.0f}{r['goodput_rps']:>9.2f}")
+    return "\n".join(lines)
+
+
 def spawn(args):
     from server_util import free_port  # tests/server_util.py
 
-    port = free_port()
-    cmd = [sys.executable, "-m", "jaxcb", "serve", "--port", str(port)]
+    port, http = free_port(), free_port()
+    cmd = [sys.executable, "-m", "jaxcb", "serve", "--port", str(port), "--http-port", str(http)]
     if args.config:
         cmd += ["--config", args.config]
     if args.model:
@@ -100,7 +148,7 @@ def spawn(args):
     for line in proc.stdout:
         print("  server:", line.rstrip(), file=sys.stderr)
         if "SERVING" in line:
-            return proc, f"127.0.0.1:{port}"
+            return proc, f"127.0.0.1:{port}", f"http://127.0.0.1:{http}/v1"
     raise RuntimeError("the server exited before SERVING")
 
 
@@ -110,7 +158,13 @@ def main():
     ap.add_argument("--spawn", action="store_true", help="start a server for the run")
     ap.add_argument("--model", default=None)
     ap.add_argument("--config", default=None)
-    ap.add_argument("--api", choices=("jaxcb", "jetstream"), default="jaxcb")
+    ap.add_argument("--api", choices=("jaxcb", "jetstream", "openai"), default="jaxcb")
+    ap.add_argument("--openai", default=None, metavar="URL", help="base URL of an OpenAI-compatible API "
+                    "(with --api openai; default: the spawned server's)")
+    ap.add_argument("--also", action="append", default=[], metavar="NAME=URL",
+                    help="another OpenAI-compatible endpoint run in the same run, interleaved rate by rate "
+                         "(URL 'spawned': the spawned server's own HTTP API, to compare it with its gRPC)")
+    ap.add_argument("--name", default="jaxcb", help="the main target's name in the table")
     ap.add_argument("--rates", default="1,2,4,inf")
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--concurrency", type=int, default=0, help="cap on requests in flight (0 = none)")
@@ -121,27 +175,37 @@ def main():
     ap.add_argument("--plot", default=None)
     args = ap.parse_args()
 
-    proc = None
+    proc, spawned_http = None, None
     if args.spawn:
-        proc, args.target = spawn(args)
+        proc, args.target, spawned_http = spawn(args)
+        args.openai = args.openai or spawned_http
+    if args.api == "openai":
+        args.target = args.openai or "http://127.0.0.1:8000/v1"
+    also = [a.split("=", 1) for a in args.also]  # URL "spawned": the spawned server's HTTP API
+    targets = [(args.name, args.api, args.target)] + [(n, "openai", spawned_http if u == "spawned" else u)
+                                                      for n, u in also]
     try:
         vocab = 49152
         prompts, outputs = workload(args.requests, args.seed, vocab)
         runs = []
         for rate in [float(r) for r in args.rates.split(",")]:
-            r = asyncio.run(run_rate(args.target, args.api, prompts, outputs, rate, args.concurrency, args.seed,
-                                     args.slo_ttft_ms, args.slo_tpot_ms))
-            runs.append(r)
-            print(f"rate {r['rate']:>5} req/s: {r['request_throughput']:.2f} req/s, {r['output_tokens_per_s']:.1f} tok/s; "
-                  f"TTFT p50 {r['ttft_ms']['p50']:.0f} p99 {r['ttft_ms']['p99']:.0f} ms; "
-                  f"TPOT p50 {r['tpot_ms']['p50']:.0f} p99 {r['tpot_ms']['p99']:.0f} ms; "
-                  f"ITL p50 {r['itl_ms']['p50']:.0f} ms; E2E p50 {r['e2e_ms']['p50']:.0f} ms; "
-                  f"goodput {r['goodput_rps']:.2f} req/s", flush=True)
+            for name, api, target in targets:  # interleaved: every endpoint at this rate, then the next
+                r = asyncio.run(run_rate(target, api, prompts, outputs, rate, args.concurrency, args.seed,
+                                         args.slo_ttft_ms, args.slo_tpot_ms))
+                r["name"], r["api"] = name, api
+                runs.append(r)
+                print(f"{name:>10} ({api}) rate {r['rate']:>5} req/s: {r['request_throughput']:.2f} req/s, "
+                      f"{r['output_tokens_per_s']:.1f} tok/s; "
+                      f"TTFT p50 {r['ttft_ms']['p50']:.0f} p99 {r['ttft_ms']['p99']:.0f} ms; "
+                      f"TPOT p50 {r['tpot_ms']['p50']:.0f} p99 {r['tpot_ms']['p99']:.0f} ms; "
+                      f"ITL p50 {r['itl_ms']['p50']:.0f} ms; E2E p50 {r['e2e_ms']['p50']:.0f} ms; "
+                      f"goodput {r['goodput_rps']:.2f} req/s", flush=True)
     finally:
         if proc is not None:
             proc.terminate()
             proc.wait(60)
     result = {"machine": machine(), "api": args.api, "requests": args.requests, "runs": runs}
+    print(table(runs, args.slo_ttft_ms, args.slo_tpot_ms))
     print(json.dumps(result))
     if args.json:
         with open(args.json, "w") as f:
@@ -153,15 +217,17 @@ def main():
         import matplotlib.pyplot as plt
 
         fig, ax = plt.subplots(figsize=(6, 4))
-        xs = [r["output_tokens_per_s"] for r in runs]
-        for key, label in (("ttft_ms", "TTFT p50"), ("tpot_ms", "TPOT p50"), ("e2e_ms", "E2E p50")):
-            ax.plot(xs, [r[key]["p50"] for r in runs], "o-", label=label)
-        for x, r in zip(xs, runs):
-            ax.annotate(f"{r['rate']}/s", (x, r["e2e_ms"]["p50"]), fontsize=7)
+        for name in dict.fromkeys(r["name"] for r in runs):
+            mine = [r for r in runs if r["name"] == name]
+            xs = [r["output_tokens_per_s"] for r in mine]
+            for key, label, style in (("ttft_ms", "TTFT p50", "o-"), ("tpot_ms", "TPOT p50", "s--")):
+                ax.plot(xs, [r[key].get("p50", math.nan) for r in mine], style, label=f"{name} {label}")
+            for x, r in zip(xs, mine):
+                ax.annotate(f"{r['rate']}/s", (x, r["ttft_ms"].get("p50", math.nan)), fontsize=7)
         ax.set_yscale("log")
         ax.set_xlabel("output tokens/s")
         ax.set_ylabel("latency (ms)")
-        ax.set_title(f"jaxcb serving, {args.api} API\n{result['machine']}", fontsize=9)
+        ax.set_title(f"serving: {', '.join(dict.fromkeys(r['name'] for r in runs))}\n{result['machine']}", fontsize=9)
         ax.grid(True, alpha=0.3)
         ax.legend()
         fig.tight_layout()

@@ -73,6 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     s.add_argument("--port", type=int, default=50051)
     s.add_argument("--metrics-port", type=int, default=None, help="Prometheus metrics over HTTP on this port")
+    s.add_argument("--http-port", type=int, default=None,
+                   help="also serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
+                        "/v1/models, /health, /metrics) on this port")
     s.add_argument("--tls-cert", default=None, help="PEM certificate chain (with --tls-key)")
     s.add_argument("--tls-key", default=None)
     s.add_argument("--auth-token", action="append", default=None,
@@ -318,7 +321,8 @@ def cmd_serve(args) -> int:
     if args.record_lengths:
         for e in engines:
             e.record_lengths(args.record_lengths)
-    options = ServerOptions(host=args.host, port=args.port, metrics_port=args.metrics_port, tls_cert=args.tls_cert,
+    options = ServerOptions(host=args.host, port=args.port, metrics_port=args.metrics_port, http_port=args.http_port,
+                            tls_cert=args.tls_cert,
                             tls_key=args.tls_key, grace_s=args.grace_period, max_waiting=args.max_waiting,
                             auth_token=tuple(args.auth_token or filter(None, [os.environ.get("JAXCB_AUTH_TOKEN")])),
                             max_concurrent_streams=args.max_concurrent_streams, metrics_host=args.metrics_host)

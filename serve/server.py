@@ -50,6 +50,7 @@ class ServerOptions:
     host: str = "127.0.0.1"
     port: int = 50051
     metrics_port: int | None = None
+    http_port: int | None = None  # the OpenAI-compatible HTTP API (serve.openai_api), same engine
     tls_cert: str | None = None
     tls_key: str | None = None
     auth_token: str | tuple[str, ...] | None = None  # one or several bearer tokens; each is a tenant
@@ -158,15 +159,17 @@ class State:
 
 
 def tenant_of(state: State, context) -> str:
+    """Who is calling over gRPC: see tenant()."""
+    return tenant(state, dict(context.invocation_metadata() or ()).get("authorization", ""), context.peer())
+
+
+def tenant(state: State, authorization: str, peer: str) -> str:
     """Who is calling: the bearer token's index when the server has tokens (each token is a tenant),
-    else the connection (gRPC's peer)."""
-    if state.options.tokens:
-        md = dict(context.invocation_metadata() or ())
-        given = md.get("authorization", "")
-        for i, token in enumerate(state.options.tokens):
-            if hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
-                return f"token{i}"
-    return f"peer:{context.peer()}"
+    else the connection."""
+    for i, token in enumerate(state.options.tokens):
+        if hmac.compare_digest(authorization.encode(), f"Bearer {token}".encode()):
+            return f"token{i}"
+    return f"peer:{peer}"
 
 
 class _Abort(Exception):
@@ -195,37 +198,48 @@ def _sampling(req) -> SamplingParams:
         raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
 
 
+def check_text(field: str, text: str) -> None:
+    """The size limits of a text prompt, before any work (shared by the gRPC and HTTP front ends)."""
+    if not text:
+        raise ValueError(f"{field}: the prompt must not be empty")
+    if len(text) > MAX_TEXT_CHARS:
+        raise ValueError(f"{field}: {len(text)} characters; the limit is {MAX_TEXT_CHARS}")
+
+
+def check_messages(field: str, messages: list[tuple[str, str]]) -> None:
+    """(role, content) pairs of a chat: count and total size, before any work."""
+    if not messages:
+        raise ValueError(f"{field}: must not be empty")
+    if len(messages) > MAX_MESSAGES:
+        raise ValueError(f"{field}: {len(messages)} messages; the limit is {MAX_MESSAGES}")
+    total = sum(len(content) + len(role) for role, content in messages)
+    if total > MAX_TEXT_CHARS:
+        raise ValueError(f"{field}: {total} characters in all; the limit is {MAX_TEXT_CHARS}")
+
+
+def check_token_count(state: State, field: str, n: int) -> None:
+    if not n:
+        raise ValueError(f"{field}: must not be empty")
+    limit = state.engine.max_context - 1
+    if n > limit:
+        raise ValueError(f"{field}: {n} tokens; the limit is {limit} "
+                         f"(context {state.engine.max_context} tokens, at least one generated)")
+
+
 async def _prompt_ids(state: State, req) -> list[int]:
     """The request's prompt as token ids. Sizes are checked first (nothing is copied, scanned or
     tokenized past a limit), and tokenization runs off the event loop."""
     kind = req.WhichOneof("input")
-    tok = state.tokenizer
-    limit = state.engine.max_context - 1
     try:
         if kind == "text":
-            if not req.text:
-                raise ValueError("text: the prompt must not be empty")
-            if len(req.text) > MAX_TEXT_CHARS:
-                raise ValueError(f"text: {len(req.text)} characters; the limit is {MAX_TEXT_CHARS}")
-            return await asyncio.to_thread(tok.encode, req.text)
+            check_text("text", req.text)
+            return await asyncio.to_thread(state.tokenizer.encode, req.text)
         if kind == "chat":
-            msgs = req.chat.messages
-            if not msgs:
-                raise ValueError("chat.messages: must not be empty")
-            if len(msgs) > MAX_MESSAGES:
-                raise ValueError(f"chat.messages: {len(msgs)} messages; the limit is {MAX_MESSAGES}")
-            total = sum(len(m.content) + len(m.role) for m in msgs)
-            if total > MAX_TEXT_CHARS:
-                raise ValueError(f"chat.messages: {total} characters in all; the limit is {MAX_TEXT_CHARS}")
-            messages = [{"role": m.role, "content": m.content} for m in msgs]
-            return await asyncio.to_thread(tok.encode_chat, messages)
+            check_messages("chat.messages", [(m.role, m.content) for m in req.chat.messages])
+            messages = [{"role": m.role, "content": m.content} for m in req.chat.messages]
+            return await asyncio.to_thread(state.tokenizer.encode_chat, messages)
         if kind == "tokens":
-            n = len(req.tokens.token_ids)
-            if not n:
-                raise ValueError("tokens.token_ids: must not be empty")
-            if n > limit:
-                raise ValueError(f"tokens.token_ids: {n} tokens; the limit is {limit} "
-                                 f"(context {state.engine.max_context} tokens, at least one generated)")
+            check_token_count(state, "tokens.token_ids", len(req.tokens.token_ids))
             return list(req.tokens.token_ids)
         raise ValueError("input: one of text, chat or tokens is required")
     except ValueError as e:
@@ -485,6 +499,13 @@ async def run_server(engine: Engine | list[Engine], tokenizer, model_name: str, 
 
         start_http_server(options.metrics_port, addr=options.metrics_host, registry=metrics.registry)
 
+    http_stop = None
+    if options.http_port is not None:
+        from serve.openai_api import make_app, serve_http
+
+        _, http_stop = await serve_http(make_app(state), options.host, options.http_port)
+        announce(f"jaxcb: OpenAI-compatible HTTP API on http://{options.host}:{options.http_port}/v1")
+
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         try:
@@ -543,6 +564,8 @@ async def run_server(engine: Engine | list[Engine], tokenizer, model_name: str, 
     else:
         log.error("the engine thread died: %r", state.thread.error)
         announce(f"jaxcb: the engine died ({state.thread.error!r}); exiting")
+    if http_stop is not None:
+        await http_stop()
     await server.stop(1.0)
     state.thread.stop()
     return code

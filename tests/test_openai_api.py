@@ -1,0 +1,156 @@
+"""The OpenAI-compatible HTTP API (serve/openai_api.py), driven by the official `openai` client and by
+raw HTTP, against `jaxcb serve --http-port` on the tiny model; the same server's gRPC and the offline
+engine are the references."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import openai
+import pytest
+
+from jaxcb.engine_config import load_config
+from jaxcb.llm import LLM
+from jaxcb.request import SamplingParams
+from serve.client import Client
+from server_util import SMALL_CONFIG, ServerProcess, free_port
+
+
+@pytest.fixture(scope="module")
+def config_path(tmp_path_factory):
+    path = tmp_path_factory.mktemp("http") / "small.toml"
+    path.write_text(SMALL_CONFIG)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_gguf_path, config_path):
+    http = free_port()
+    s = ServerProcess(tiny_gguf_path, config_path, "--http-port", str(http))
+    s.http = f"http://127.0.0.1:{http}"
+    try:
+        s.wait_serving()
+        yield s
+    finally:
+        assert s.stop() == 0, s.output()
+
+
+@pytest.fixture(scope="module")
+def oai(server):
+    return openai.OpenAI(base_url=server.http + "/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def model_name(oai):
+    return oai.models.list().data[0].id
+
+
+def _pool_whole(server, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    with Client(server.target) as c:
+        while True:
+            info = c.server_info()
+            if (info.pages_free == info.pages_total and not info.running and not info.waiting) or \
+                    time.monotonic() > deadline:
+                return info
+            time.sleep(0.05)
+
+
+def test_completions_equal_grpc_and_the_offline_engine(server, oai, model_name, tiny_model, config_path):
+    prompt = [5, 6, 7, 8, 9]
+    cfg, params, tok, eos = tiny_model
+    offline = LLM.from_params(cfg, params, tok, config=load_config(config_path), eos_ids=eos)
+    for sampling in (dict(temperature=0.0), dict(temperature=0.9, seed=11)):
+        http = oai.completions.create(model=model_name, prompt=prompt, max_tokens=12, extra_body={"ignore_eos": True},
+                                      **sampling)
+        streamed = "".join(c.choices[0].text for c in oai.completions.create(
+            model=model_name, prompt=prompt, max_tokens=12, stream=True, extra_body={"ignore_eos": True}, **sampling))
+        with Client(server.target) as c:
+            grpc_text = c.complete(token_ids=prompt, max_tokens=12, ignore_eos=True, **sampling).text
+        expected = offline.generate([prompt], SamplingParams(max_tokens=12, ignore_eos=True, **sampling))[0].text
+        assert http.choices[0].text == streamed == grpc_text == expected, sampling
+        assert http.choices[0].finish_reason == "length"
+        assert http.usage.prompt_tokens == 5 and http.usage.completion_tokens == 12
+
+
+def test_chat_streaming_with_usage(oai, model_name):
+    messages = [{"role": "user", "content": "Hello there"}]
+    full = oai.chat.completions.create(model=model_name, messages=messages, max_tokens=10, temperature=0,
+                                       extra_body={"ignore_eos": True})
+    chunks = list(oai.chat.completions.create(model=model_name, messages=messages, max_tokens=10, temperature=0,
+                                              stream=True, stream_options={"include_usage": True},
+                                              extra_body={"ignore_eos": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full.choices[0].message.content and full.choices[0].message.role == "assistant"
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 10
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+
+
+def test_n_logprobs_and_stop(oai, model_name):
+    out = oai.completions.create(model=model_name, prompt=[[5, 6], [7, 8, 9]], max_tokens=6, n=2, temperature=1.0,
+                                 seed=3, logprobs=2, extra_body={"ignore_eos": True})
+    assert [c.index for c in out.choices] == [0, 1, 2, 3]
+    for c in out.choices:
+        # top_logprobs is keyed by token text (as OpenAI has it): byte tokens that decode alike share a key
+        assert len(c.logprobs.tokens) == 6 and all(1 <= len(t) <= 2 for t in c.logprobs.top_logprobs)
+        assert all(lp <= 0 for lp in c.logprobs.token_logprobs)
+    chat = oai.chat.completions.create(model=model_name, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                                       temperature=0, logprobs=True, top_logprobs=3, extra_body={"ignore_eos": True})
+    assert len(chat.choices[0].logprobs.content) == 4 and len(chat.choices[0].logprobs.content[0].top_logprobs) == 3
+    free = oai.completions.create(model=model_name, prompt=[5, 6, 7], max_tokens=20, temperature=0,
+                                  extra_body={"ignore_eos": True}).choices[0].text
+    stop = free[3:5]
+    cut = oai.completions.create(model=model_name, prompt=[5, 6, 7], max_tokens=20, temperature=0, stop=[stop],
+                                 extra_body={"ignore_eos": True}).choices[0]
+    assert cut.finish_reason == "stop" and cut.text == free[:free.index(stop)]
+
+
+def test_errors_have_the_openai_shape(server, oai, model_name):
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.completions.create(model=model_name, prompt=[5], max_tokens=4, temperature=-1)
+    assert e.value.body["param"] == "temperature" and "temperature: must be >= 0" in e.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.completions.create(model=model_name, prompt=[5] * 300, max_tokens=4)
+    assert "prompt: 300 tokens; the limit is 255" in e.value.body["message"]
+    with pytest.raises(openai.NotFoundError) as e:
+        oai.completions.create(model="gpt-4", prompt="x", max_tokens=4)
+    assert e.value.body["code"] == "model_not_found"
+    r = httpx.post(server.http + "/v1/completions", content=b"{not json", timeout=10)
+    assert r.status_code == 400 and r.json()["error"]["message"].startswith("body: not valid JSON")
+
+
+def test_sse_framing_disconnect_health_and_metrics(server):
+    with httpx.stream("POST", server.http + "/v1/completions", timeout=60,
+                      json={"prompt": [5, 6], "max_tokens": 5, "stream": True, "ignore_eos": True}) as r:
+        lines = [line for line in r.iter_lines() if line]
+    assert all(line.startswith("data: ") for line in lines) and lines[-1] == "data: [DONE]"
+    assert all(json.loads(line[6:])["object"] == "text_completion" for line in lines[:-1])
+    # A client that hangs up mid-stream: its request is aborted and its pages freed.
+    with httpx.stream("POST", server.http + "/v1/completions", timeout=60,
+                      json={"prompt": [5, 6], "max_tokens": 240, "stream": True, "ignore_eos": True}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                break
+    info = _pool_whole(server)
+    assert info.pages_free == info.pages_total and info.running == 0
+    assert httpx.get(server.http + "/health", timeout=10).status_code == 200
+    assert "jaxcb:generation_tokens_total" in httpx.get(server.http + "/metrics", timeout=10).text
+
+
+def test_http_auth(tiny_gguf_path, config_path):
+    http = free_port()
+    s = ServerProcess(tiny_gguf_path, config_path, "--http-port", str(http), "--auth-token", "s3cret")
+    try:
+        s.wait_serving(metadata=(("authorization", "Bearer s3cret"),))
+        base = f"http://127.0.0.1:{http}"
+        assert httpx.get(base + "/health", timeout=10).status_code == 200  # no token needed
+        r = httpx.post(base + "/v1/completions", json={"prompt": [5], "max_tokens": 2}, timeout=10)
+        assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+        client = openai.OpenAI(base_url=base + "/v1", api_key="s3cret", max_retries=0)
+        assert client.completions.create(model=client.models.list().data[0].id, prompt=[5], max_tokens=2,
+                                         extra_body={"ignore_eos": True}).usage.completion_tokens == 2
+    finally:
+        assert s.stop() == 0, s.output()
