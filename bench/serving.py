@@ -173,7 +173,16 @@ def main():
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None)
     ap.add_argument("--plot", default=None)
+    ap.add_argument("--from-json", default=None, metavar="FILE",
+                    help="print the table (and --plot) of an earlier run's --json instead of running")
     args = ap.parse_args()
+    if args.from_json:
+        with open(args.from_json) as f:
+            result = json.load(f)
+        print(table(result["runs"], args.slo_ttft_ms, args.slo_tpot_ms))
+        if args.plot:
+            plot(result, args.plot)
+        return
 
     proc, spawned_http = None, None
     if args.spawn:
@@ -211,28 +220,34 @@ def main():
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
     if args.plot:
-        import matplotlib
+        plot(result, args.plot)
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
 
-        fig, ax = plt.subplots(figsize=(6, 4))
-        for name in dict.fromkeys(r["name"] for r in runs):
-            mine = [r for r in runs if r["name"] == name]
-            xs = [r["output_tokens_per_s"] for r in mine]
-            for key, label, style in (("ttft_ms", "TTFT p50", "o-"), ("tpot_ms", "TPOT p50", "s--")):
-                ax.plot(xs, [r[key].get("p50", math.nan) for r in mine], style, label=f"{name} {label}")
-            for x, r in zip(xs, mine):
-                ax.annotate(f"{r['rate']}/s", (x, r["ttft_ms"].get("p50", math.nan)), fontsize=7)
-        ax.set_yscale("log")
-        ax.set_xlabel("output tokens/s")
-        ax.set_ylabel("latency (ms)")
-        ax.set_title(f"serving: {', '.join(dict.fromkeys(r['name'] for r in runs))}\n{result['machine']}", fontsize=9)
-        ax.grid(True, alpha=0.3)
-        ax.legend()
-        fig.tight_layout()
-        fig.savefig(args.plot, dpi=120)
-        print("wrote", args.plot)
+def plot(result: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = result["runs"]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name in dict.fromkeys(r.get("name", "jaxcb") for r in runs):
+        mine = [r for r in runs if r.get("name", "jaxcb") == name]
+        xs = [r["output_tokens_per_s"] for r in mine]
+        for key, label, style in (("ttft_ms", "TTFT p50", "o-"), ("tpot_ms", "TPOT p50", "s--")):
+            ax.plot(xs, [r[key].get("p50", math.nan) for r in mine], style, label=f"{name} {label}")
+        for x, r in zip(xs, mine):
+            ax.annotate(f"{r['rate']}/s", (x, r["ttft_ms"].get("p50", math.nan)), fontsize=7)
+    ax.set_yscale("log")
+    ax.set_xlabel("output tokens/s")
+    ax.set_ylabel("latency (ms)")
+    names = ", ".join(dict.fromkeys(r.get("name", "jaxcb") for r in runs))
+    ax.set_title(f"serving: {names}\n{result['machine']}", fontsize=9)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print("wrote", path)
 
 
 if __name__ == "__main__":
