@@ -140,9 +140,10 @@ def test_sse_framing_disconnect_health_and_metrics(server):
     assert "jaxcb:generation_tokens_total" in httpx.get(server.http + "/metrics", timeout=10).text
 
 
-def test_http_auth(tiny_gguf_path, config_path):
+def test_http_auth_and_a_full_queue(tiny_gguf_path, config_path):
     http = free_port()
-    s = ServerProcess(tiny_gguf_path, config_path, "--http-port", str(http), "--auth-token", "s3cret")
+    s = ServerProcess(tiny_gguf_path, config_path, "--http-port", str(http), "--auth-token", "s3cret",
+                      "--max-waiting", "0")
     try:
         s.wait_serving(metadata=(("authorization", "Bearer s3cret"),))
         base = f"http://127.0.0.1:{http}"
@@ -150,7 +151,9 @@ def test_http_auth(tiny_gguf_path, config_path):
         r = httpx.post(base + "/v1/completions", json={"prompt": [5], "max_tokens": 2}, timeout=10)
         assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
         client = openai.OpenAI(base_url=base + "/v1", api_key="s3cret", max_retries=0)
-        assert client.completions.create(model=client.models.list().data[0].id, prompt=[5], max_tokens=2,
-                                         extra_body={"ignore_eos": True}).usage.completion_tokens == 2
+        assert client.models.list().data[0].id == "tiny-random"  # the token lets it in
+        with pytest.raises(openai.RateLimitError) as e:  # --max-waiting 0: the queue is always full
+            client.completions.create(model="tiny-random", prompt=[5], max_tokens=2)
+        assert e.value.status_code == 429 and "queue full" in e.value.body["message"]
     finally:
         assert s.stop() == 0, s.output()
