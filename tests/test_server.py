@@ -231,8 +231,15 @@ def test_request_ids_are_unguessable_and_each_client_aborts_only_its_own(server,
     first = client.stream(build_request(token_ids=[5, 6], max_tokens=200, ignore_eos=True, request_id="job-2"))
     next(first)
     first.cancel()
-    retry = client.complete(token_ids=[5, 6], max_tokens=5, ignore_eos=True, request_id="job-2", timeout=60)
-    assert retry.finish_reason == "length" and retry.completion_tokens == 5
+    deadline = time.monotonic() + 30
+    while True:  # until the server has seen the cancel, the id is still in use: then the retry goes in
+        try:
+            retry = client.complete(token_ids=[5, 6], max_tokens=5, ignore_eos=True, request_id="job-2", timeout=60)
+            break
+        except grpc.RpcError as e:
+            assert "already in use" in e.details() and time.monotonic() < deadline, e.details()
+            time.sleep(0.01)
+    assert retry.finish_reason == "length" and retry.completion_tokens == 5  # not aborted by the old clean-up
     wait_pool_whole(client)
 
 
