@@ -58,7 +58,7 @@ class EngineThread:
         try:
             while not self._stop.is_set():
                 if not self.engine.has_work():
-                    getattr(self.engine.runner, "idle", lambda: None)()
+                    self.engine.runner.idle()
                     self._wake.wait(0.05)
                     self._wake.clear()
                     continue

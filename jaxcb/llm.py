@@ -116,11 +116,13 @@ def build_engines(model: str | None = None, config: EngineConfig | str | None = 
         model, dtype, check_config=lambda c: plans.append(plan_memory(c, config, dtype)))
     load_seconds = time.perf_counter() - t0
     # The plan stands if the weights came in the dtype it assumed (a checkpoint may bring its own).
-    plan = plans[0] if plans and jnp.dtype(params.embed.dtype) == jnp.dtype(dtype or default_dtype()) else None
+    if plans and jnp.dtype(params.embed.dtype) == jnp.dtype(dtype or default_dtype()):
+        plan = plans[0]
+    else:
+        plan = plan_memory(model_config, config, params.embed.dtype)
     engines = []
     for i, devices in enumerate(groups):
         runner, resolved = make_runner(model_config, params, config, plan=plan, devices=devices)
-        plan = plan or plan_memory(model_config, config, params.embed.dtype)
         if wrap_runner is not None:
             runner = wrap_runner(runner, resolved)
         # Each replica draws the seeds of unseeded requests from its own generator.

@@ -199,14 +199,21 @@ class ModelRunner:
         self.dtype = dtype or params.embed.dtype
         self.page_size = page_size
         self.num_pages = num_pages
-        self.last_tokens = jnp.zeros(max_seqs, jnp.int32)  # the previous step's sampled tokens, on the device
         if mesh is not None:
             from jaxcb import parallel
 
             params = parallel.shard_params(params, mesh)
-            self.last_tokens = parallel.place(np.zeros(max_seqs, np.int32), parallel.replicated(mesh))
         self.params = params
+        self.last_tokens = self._zero_last_tokens(max_seqs)  # the previous step's sampled tokens, on the device
         self.kv_pages = self._allocate_kv()
+
+    def _zero_last_tokens(self, max_seqs: int) -> jax.Array:
+        zeros = np.zeros(max_seqs, np.int32)
+        if self.mesh is None:
+            return jnp.asarray(zeros)
+        from jaxcb import parallel
+
+        return parallel.place(zeros, parallel.replicated(self.mesh))
 
     def _allocate_kv(self) -> jax.Array:
         c = self.config
@@ -231,13 +238,7 @@ class ModelRunner:
         if not lost:
             return False
         self.kv_pages = self._allocate_kv()
-        zeros = np.zeros(self.last_tokens.shape[0], np.int32)
-        if self.mesh is None:
-            self.last_tokens = jnp.asarray(zeros)
-        else:
-            from jaxcb import parallel
-
-            self.last_tokens = parallel.place(zeros, parallel.replicated(self.mesh))
+        self.last_tokens = self._zero_last_tokens(self.last_tokens.shape[0])
         return True
 
     @property

@@ -50,19 +50,14 @@ class Metrics:
         self.replica_kv_usage = Gauge("jaxcb:replica_kv_cache_usage_perc", "KV pages in use (0-1), per replica.",
                                       ["replica"], registry=r)
         self._lock = threading.Lock()  # replicas refresh from their own threads
-        self._latest = [None] * replicas  # each replica's last stats
-        self._prefix_seen = [(0, 0)] * replicas
-        self._failed_seen = [0] * replicas
+        self._latest = [None] * replicas  # each replica's last stats (the counters grow from them)
 
     def refresh(self, stats, replica: int = 0) -> None:
         with self._lock:
-            queries, hits = stats.prefix_cache_queries, stats.prefix_cache_hits
-            seen = self._prefix_seen[replica]
-            self.prefix_queries.inc(max(0, queries - seen[0]))
-            self.prefix_hits.inc(max(0, hits - seen[1]))
-            self._prefix_seen[replica] = (queries, hits)
-            self.failed_steps.inc(max(0, stats.failed_steps - self._failed_seen[replica]))
-            self._failed_seen[replica] = stats.failed_steps
+            prev = self._latest[replica]
+            for counter, field in ((self.prefix_queries, "prefix_cache_queries"),
+                                   (self.prefix_hits, "prefix_cache_hits"), (self.failed_steps, "failed_steps")):
+                counter.inc(max(0, getattr(stats, field) - (getattr(prev, field) if prev is not None else 0)))
             self._latest[replica] = stats
             latest = [s for s in self._latest if s is not None]
             if len(self._latest) > 1:

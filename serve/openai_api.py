@@ -20,7 +20,6 @@ The app runs under uvicorn on the gRPC server's event loop (serve.server.run_ser
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import time
 import uuid
@@ -118,8 +117,7 @@ def make_app(state) -> FastAPI:
     def authorize(request: Request) -> str:
         """The caller's tenant (raises 401 when the server has tokens and this is none of them)."""
         given = request.headers.get("authorization", "")
-        if state.options.tokens and not any(hmac.compare_digest(given.encode(), f"Bearer {t}".encode())
-                                            for t in state.options.tokens):
+        if state.options.tokens and grpc_server.token_index(state.options.tokens, given) is None:
             raise HTTPError(401, "missing or wrong bearer token in the Authorization header")
         client = request.client
         return grpc_server.tenant(state, given, f"http:{client.host}:{client.port}" if client else "http")
@@ -235,18 +233,18 @@ def make_app(state) -> FastAPI:
             raise _bad(str(e)) from None
 
     async def _run(request: Request, body: dict, tenant: str, prompts, params, *, chat: bool, top_logprobs=0):
-        for p in prompts:  # every prompt checked before any is submitted
-            try:
-                state.engine.validate(p, params)
-            except ValueError as e:
-                raise _bad(str(e)) from None
         priority = _int(body, "priority", 0)
         salt = body.get("cache_salt") or ""
         request_id = body.get("request_id") or ""
-        if not isinstance(salt, str) or len(salt) > grpc_server.MAX_CACHE_SALT_CHARS:
-            raise _bad(f"cache_salt: must be a string of at most {grpc_server.MAX_CACHE_SALT_CHARS} characters")
-        if not isinstance(request_id, str) or len(request_id) > grpc_server.MAX_REQUEST_ID_CHARS:
-            raise _bad(f"request_id: must be a string of at most {grpc_server.MAX_REQUEST_ID_CHARS} characters")
+        for name, value in (("cache_salt", salt), ("request_id", request_id)):
+            if not isinstance(value, str):
+                raise _bad(f"{name}: must be a string, got {value!r}")
+        try:
+            grpc_server.check_ids(request_id, salt)
+            for p in prompts:  # every prompt checked before any is submitted
+                state.engine.validate(p, params)
+        except ValueError as e:
+            raise _bad(str(e)) from None
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         created = int(time.time())
         events: asyncio.Queue = asyncio.Queue()

@@ -163,13 +163,21 @@ def tenant_of(state: State, context) -> str:
     return tenant(state, dict(context.invocation_metadata() or ()).get("authorization", ""), context.peer())
 
 
+def token_index(tokens: tuple[str, ...], authorization: str) -> int | None:
+    """Which of the server's tokens an `authorization` header carries (None: none). Every token is
+    compared, in constant time, whatever matches."""
+    given, found = authorization.encode(), None
+    for i, token in enumerate(tokens):
+        if hmac.compare_digest(given, f"Bearer {token}".encode()) and found is None:
+            found = i
+    return found
+
+
 def tenant(state: State, authorization: str, peer: str) -> str:
     """Who is calling: the bearer token's index when the server has tokens (each token is a tenant),
     else the connection."""
-    for i, token in enumerate(state.options.tokens):
-        if hmac.compare_digest(authorization.encode(), f"Bearer {token}".encode()):
-            return f"token{i}"
-    return f"peer:{peer}"
+    i = token_index(state.options.tokens, authorization)
+    return f"peer:{peer}" if i is None else f"token{i}"
 
 
 class _Abort(Exception):
@@ -217,6 +225,14 @@ def check_messages(field: str, messages: list[tuple[str, str]]) -> None:
         raise ValueError(f"{field}: {total} characters in all; the limit is {MAX_TEXT_CHARS}")
 
 
+def check_ids(request_id: str, cache_salt: str) -> None:
+    """The lengths of a request's id and cache salt, before any work."""
+    if len(request_id) > MAX_REQUEST_ID_CHARS:
+        raise ValueError(f"request_id: {len(request_id)} characters; the limit is {MAX_REQUEST_ID_CHARS}")
+    if len(cache_salt) > MAX_CACHE_SALT_CHARS:
+        raise ValueError(f"cache_salt: {len(cache_salt)} characters; the limit is {MAX_CACHE_SALT_CHARS}")
+
+
 def check_token_count(state: State, field: str, n: int) -> None:
     if not n:
         raise ValueError(f"{field}: must not be empty")
@@ -261,12 +277,10 @@ class JaxcbService(jaxcb_pb2_grpc.JaxcbServicer):
 
     async def Generate(self, request, context):
         try:
-            if len(request.request_id) > MAX_REQUEST_ID_CHARS:
-                raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, f"request_id: {len(request.request_id)} characters; "
-                             f"the limit is {MAX_REQUEST_ID_CHARS}")
-            if len(request.cache_salt) > MAX_CACHE_SALT_CHARS:
-                raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, f"cache_salt: {len(request.cache_salt)} characters; "
-                             f"the limit is {MAX_CACHE_SALT_CHARS}")
+            try:
+                check_ids(request.request_id, request.cache_salt)
+            except ValueError as e:
+                raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
             params = _sampling(request)
             self.state.admit()  # before any tokenizing
             ids = await _prompt_ids(self.state, request)
@@ -323,20 +337,17 @@ class OrchestratorService(jetstream_pb2_grpc.OrchestratorServicer):
         try:
             kind = request.WhichOneof("content")
             if kind == "text_content":
-                if not request.text_content.text:
-                    raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, "text_content.text: the prompt must not be empty")
-                if len(request.text_content.text) > MAX_TEXT_CHARS:
-                    raise _Abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                 f"text_content.text: {len(request.text_content.text)} characters; the limit is {MAX_TEXT_CHARS}")
+                try:
+                    check_text("text_content.text", request.text_content.text)
+                except ValueError as e:
+                    raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
                 self.state.admit()
                 ids = await asyncio.to_thread(self.state.tokenizer.encode, request.text_content.text)
             elif kind == "token_content":
-                n, limit = len(request.token_content.token_ids), self.state.engine.max_context - 1
-                if not n:
-                    raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, "token_content.token_ids: must not be empty")
-                if n > limit:
-                    raise _Abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                 f"token_content.token_ids: {n} tokens; the limit is {limit}")
+                try:
+                    check_token_count(self.state, "token_content.token_ids", len(request.token_content.token_ids))
+                except ValueError as e:
+                    raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
                 ids = list(request.token_content.token_ids)
             else:
                 raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, "content: text_content or token_content is required")
@@ -414,7 +425,7 @@ class _AuthInterceptor(grpc.aio.ServerInterceptor):
     EXEMPT = ("/grpc.health.v1.Health/",)
 
     def __init__(self, tokens: tuple[str, ...]):
-        self._expected = [f"Bearer {t}".encode() for t in tokens]
+        self._tokens = tokens
 
         async def deny(request, context):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token in 'authorization'")
@@ -427,18 +438,11 @@ class _AuthInterceptor(grpc.aio.ServerInterceptor):
 
         self._deny_stream = grpc.unary_stream_rpc_method_handler(deny_stream)
 
-    def allowed(self, given: str) -> bool:
-        given_b = given.encode()
-        ok = False
-        for expected in self._expected:  # every token compared, whatever matches
-            ok |= hmac.compare_digest(given_b, expected)
-        return ok
-
     async def intercept_service(self, continuation, details):
         if details.method.startswith(self.EXEMPT):
             return await continuation(details)
         md = dict(details.invocation_metadata or ())
-        if self.allowed(md.get("authorization", "")):
+        if token_index(self._tokens, md.get("authorization", "")) is not None:
             return await continuation(details)
         handler = await continuation(details)
         if handler is not None and handler.response_streaming:

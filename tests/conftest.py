@@ -31,6 +31,16 @@ def tiny_gguf_path(tmp_path_factory):
     return path
 
 
+@pytest.fixture(scope="module")
+def config_path(tmp_path_factory):
+    """The small server config (server_util.SMALL_CONFIG) as a file, for `jaxcb serve` processes."""
+    from server_util import SMALL_CONFIG
+
+    path = tmp_path_factory.mktemp("server") / "small.toml"
+    path.write_text(SMALL_CONFIG)
+    return str(path)
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tiny_gguf_path):
     from jaxcb.llm import load_model

@@ -7,6 +7,7 @@ import time
 import numpy as np
 import pytest
 
+from faults import ErrorBuffer
 from jaxcb.engine_thread import EngineThread
 from jaxcb.request import FinishReason, SamplingParams
 
@@ -14,19 +15,6 @@ from jaxcb.request import FinishReason, SamplingParams
 def _prompts(n, length, seed=0):
     rng = np.random.default_rng(seed)
     return [rng.integers(3, 128, length).tolist() for _ in range(n)]
-
-
-class _ErrorBuffer:
-    """What a device step that failed leaves behind on a GPU: not deleted, but reading it raises."""
-
-    def __init__(self, real):
-        self.shape, self.dtype = real.shape, real.dtype
-
-    def is_deleted(self):
-        return False
-
-    def block_until_ready(self):
-        raise RuntimeError("INTERNAL: the buffer holds an error")
 
 
 def test_a_failed_step_that_leaves_the_kv_pages_in_an_error_state_resets_them(make_llm):
@@ -39,7 +27,7 @@ def test_a_failed_step_that_leaves_the_kv_pages_in_an_error_state_resets_them(ma
 
     def inject(out):
         if any(c.request.prompt_ids == poison for c in out.decode + out.prefill):
-            engine.runner.kv_pages = _ErrorBuffer(engine.runner.kv_pages)
+            engine.runner.kv_pages = ErrorBuffer(engine.runner.kv_pages)
             raise RuntimeError("injected device failure")
 
     engine.fault_injector = inject

@@ -8,13 +8,12 @@ import concurrent.futures
 import time
 
 import numpy as np
-import pytest
 
 from jaxcb.engine_config import load_config
 from jaxcb.llm import LLM
 from jaxcb.request import SamplingParams
 from serve.client import Client
-from server_util import SMALL_CONFIG, ServerProcess, free_port
+from server_util import ServerProcess, free_port
 
 
 class Cluster:
@@ -32,13 +31,6 @@ class Cluster:
             if p.proc.poll() is None:
                 p.proc.kill()
                 p.proc.wait()
-
-
-@pytest.fixture
-def config_path(tmp_path):
-    path = tmp_path / "small.toml"
-    path.write_text(SMALL_CONFIG)
-    return str(path)
 
 
 def test_two_processes_give_the_single_device_tokens_and_stop_together(tiny_gguf_path, tiny_model, config_path,

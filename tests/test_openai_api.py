@@ -15,14 +15,7 @@ from jaxcb.engine_config import load_config
 from jaxcb.llm import LLM
 from jaxcb.request import SamplingParams
 from serve.client import Client
-from server_util import SMALL_CONFIG, ServerProcess, free_port
-
-
-@pytest.fixture(scope="module")
-def config_path(tmp_path_factory):
-    path = tmp_path_factory.mktemp("http") / "small.toml"
-    path.write_text(SMALL_CONFIG)
-    return str(path)
+from server_util import ServerProcess, free_port
 
 
 @pytest.fixture(scope="module")

@@ -21,14 +21,7 @@ from jaxcb.llm import LLM
 from jaxcb.request import FinishReason, SamplingParams
 from serve.client import AsyncClient, Client, build_request
 from serve.proto import jaxcb_pb2, jaxcb_pb2_grpc, jetstream_pb2, jetstream_pb2_grpc
-from server_util import SMALL_CONFIG, ServerProcess
-
-
-@pytest.fixture(scope="module")
-def config_path(tmp_path_factory):
-    path = tmp_path_factory.mktemp("server") / "small.toml"
-    path.write_text(SMALL_CONFIG)
-    return str(path)
+from server_util import ServerProcess
 
 
 @pytest.fixture(scope="module")

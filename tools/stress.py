@@ -31,7 +31,6 @@ import os
 import random
 import re
 import signal
-import subprocess
 import sys
 import tempfile
 import threading
@@ -47,6 +46,7 @@ import numpy as np  # noqa: E402
 
 from serve.client import Client, build_request  # noqa: E402
 from serve.proto import jaxcb_pb2, jaxcb_pb2_grpc, jetstream_pb2, jetstream_pb2_grpc  # noqa: E402
+from faults import ErrorBuffer  # noqa: E402
 from server_util import SMALL_CONFIG, ServerProcess  # noqa: E402
 
 SCALES = {
@@ -337,16 +337,6 @@ def scenario_faults(model, n_requests, seed=6):
     faults = {"raised": 0, "error_state": 0}
     fault_rng = random.Random(seed)
 
-    class ErrorBuffer:
-        def __init__(self, real):
-            self.shape, self.dtype = real.shape, real.dtype
-
-        def is_deleted(self):
-            return False
-
-        def block_until_ready(self):
-            raise RuntimeError("INTERNAL: an error-state buffer")
-
     def inject(out):
         x = fault_rng.random()
         if x < 0.01:
@@ -413,7 +403,7 @@ def scenario_sigterm(model, config, n):
                     r = c.complete(token_ids=_prompt(rng, 5 + i % 10), max_tokens=240, ignore_eos=True, timeout=120)
                     end = r.finish_reason
                 except (grpc.RpcError, RuntimeError) as e:
-                    end = f"status {getattr(e, 'code', lambda: e)()}"
+                    end = f"status {e.code() if isinstance(e, grpc.RpcError) else e}"
             with lock:
                 ends.append(end)
 
