@@ -15,6 +15,7 @@ NOT_SERVING and the process exits non-zero.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import hmac
 import logging
@@ -524,16 +525,16 @@ async def run_server(engine: Engine | list[Engine], tokenizer, model_name: str, 
             announce(f"jaxcb: warm-up {i}/{total} shapes ({time.perf_counter() - t0:.0f}s)")
 
     # Warm-up on a thread of its own, so that SIGTERM during it stops the server at once.
-    warmed: asyncio.Future = loop.create_future()
+    done = concurrent.futures.Future()
 
     def warm():
         try:
-            result = replicas.warmup(progress)
-            loop.call_soon_threadsafe(lambda: warmed.done() or warmed.set_result(result))
-        except BaseException as e:  # noqa: BLE001 - reported on the loop
-            loop.call_soon_threadsafe(lambda: warmed.done() or warmed.set_exception(e))
+            done.set_result(replicas.warmup(progress))
+        except BaseException as e:  # noqa: BLE001 - raised on the loop by warmed.result()
+            done.set_exception(e)
 
     threading.Thread(target=warm, name="jaxcb-warmup", daemon=True).start()
+    warmed = asyncio.wrap_future(done)
     stopping = asyncio.ensure_future(stop.wait())
     await asyncio.wait([warmed, stopping], return_when=asyncio.FIRST_COMPLETED)
     if not warmed.done():

@@ -76,3 +76,19 @@ def test_failed_step_fails_its_requests_with_internal_and_serving_goes_on(tiny_m
 
 def _raise():
     raise MemoryError("engine broken beyond one step")
+
+
+def test_a_failed_warm_up_ends_the_server_with_its_error(tiny_model):
+    """Warm-up runs on a thread of its own; its failure must reach run_server, not hang it."""
+    cfg, params, tok, eos = tiny_model
+    config = make_config(num_pages=64, max_context=128, decode_batch=(1, 4), pages_per_seq=(8,),
+                         prefill_tokens=(32,))
+    engine = Engine(ModelRunner(cfg, params, config.num_pages, config.page_size), tok, config, eos_ids=eos)
+
+    def broken(progress=None):
+        raise RuntimeError("the compiler ran out of memory")
+
+    engine.warmup = broken
+    opts = ServerOptions(port=free_port(), grace_s=0)
+    with pytest.raises(RuntimeError, match="the compiler ran out of memory"):
+        asyncio.run(asyncio.wait_for(run_server(engine, tok, "tiny", "float32", opts, lambda m: None), 60))
