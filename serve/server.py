@@ -508,7 +508,11 @@ async def run_server(engine: Engine | list[Engine], tokenizer, model_name: str, 
     if options.http_port is not None:
         from serve.openai_api import make_app, serve_http
 
-        _, http_stop = await serve_http(make_app(state), options.host, options.http_port)
+        try:
+            _, http_stop = await serve_http(make_app(state), options.host, options.http_port)
+        except BaseException:
+            await server.stop(0)  # e.g. the HTTP port is taken: an unstopped aio server blocks exit
+            raise
         announce(f"jaxcb: OpenAI-compatible HTTP API on http://{options.host}:{options.http_port}/v1")
 
     stop = asyncio.Event()
@@ -543,7 +547,14 @@ async def run_server(engine: Engine | list[Engine], tokenizer, model_name: str, 
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)  # the warm-up thread is inside the compiler: do not wait for it
-    shapes = warmed.result()
+    try:
+        shapes = warmed.result()
+    except BaseException:
+        stopping.cancel()
+        if http_stop is not None:
+            await http_stop()
+        await server.stop(0)  # an unstopped aio server keeps the process from exiting
+        raise
     state.thread.start()
     state.ready = True
     await set_health(health_pb2.HealthCheckResponse.SERVING)

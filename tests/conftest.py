@@ -5,8 +5,10 @@ again (nothing in use, free + in use == total)."""
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
+import sys
 
 import numpy as np
 import pytest
@@ -14,6 +16,13 @@ import pytest
 from tiny_gguf import write_tiny_gguf
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "golden", "smollm2")
+
+
+def pytest_unconfigure(config):
+    """A test that leaves a live server or thread behind must not hang the run after it has passed
+    (CI once waited 90 minutes on an unstopped gRPC aio server): if the process has not exited two
+    minutes after pytest is done, print every thread's stack and exit non-zero."""
+    faulthandler.dump_traceback_later(120, exit=True, file=sys.__stderr__)
 
 
 @pytest.fixture(scope="session", autouse=True)

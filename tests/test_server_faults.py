@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import socket
 import threading
 
 import grpc
@@ -92,3 +93,7 @@ def test_a_failed_warm_up_ends_the_server_with_its_error(tiny_model):
     opts = ServerOptions(port=free_port(), grace_s=0)
     with pytest.raises(RuntimeError, match="the compiler ran out of memory"):
         asyncio.run(asyncio.wait_for(run_server(engine, tok, "tiny", "float32", opts, lambda m: None), 60))
+    # The gRPC server was stopped on the way out (an unstopped one keeps the process from exiting):
+    # its port can be bound again.
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", opts.port))
