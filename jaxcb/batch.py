@@ -46,10 +46,29 @@ class StepInput:
     item_owner: np.ndarray  # i32 [W], the item's sequence; M for padding
     item_start: np.ndarray  # i32 [W], position of the item's first slot in its sequence
     item_bounds: np.ndarray  # i32 [2], (decode items, all items): [0, a) decode, [a, b) prefill
+    window: "WindowPages | None" = None  # the sliding layers' page group (models with sliding layers)
 
     @property
     def num_tokens(self) -> int:
         return self.token_ids.shape[0]
+
+
+@dataclasses.dataclass
+class WindowPages:
+    """The sliding-window layers' view of the step: the same tokens and lengths over their own page
+    group (jaxcb.window). Pages before a sequence's window are no longer held (null in the table), and
+    its items cover only the pages its queries can see."""
+
+    page_table: np.ndarray  # i32 [M, N]
+    slot_ids: np.ndarray  # i32 [T]
+    item_pages: np.ndarray  # i32 [W]
+    item_owner: np.ndarray  # i32 [W]
+    item_start: np.ndarray  # i32 [W]
+    item_bounds: np.ndarray  # i32 [2]
+
+    def apply(self, batch: StepInput) -> StepInput:
+        """`batch` with this group's pages in place of the full layers'."""
+        return dataclasses.replace(batch, **{f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
 
 
 @dataclasses.dataclass
@@ -94,6 +113,7 @@ class SeqSpec:
     start: int
     page_ids: list[int]
     src_row: int = -1  # >= 0: a decode token not yet on the host, row src_row of the previous step's output
+    window_page_ids: list[int] | None = None  # the sliding layers' pages (null before the window)
 
 
 @dataclasses.dataclass(slots=True)
@@ -106,8 +126,26 @@ class SamplingRow:
     pending: bool = False  # the newest token (this row's input) is still on the device
 
 
-def pack(seqs: list[SeqSpec], shape: StepShape, page_size: int) -> StepInput:
-    """Lay the sequences (decode ones first, then prefill chunks) into one step of `shape`."""
+def _items(page_table, live, q_lens, m, shape: StepShape, page_size: int):
+    """(item_pages, item_owner, item_start, item_bounds): the `live` pages of each sequence, decode
+    sequences' first."""
+    n_max, m_max = shape.pages_per_seq, shape.seqs
+    num_items = int(live.sum())
+    w = shape.items
+    item_pages = np.full(w, NULL_PAGE, np.int32)
+    item_owner = np.full(w, m_max, np.int32)
+    item_start = np.zeros(w, np.int32)
+    item_pages[:num_items] = page_table[:m][live]
+    item_owner[:num_items] = np.broadcast_to(np.arange(m, dtype=np.int32)[:, None], live.shape)[live]
+    item_start[:num_items] = np.broadcast_to(np.arange(n_max, dtype=np.int32) * page_size, live.shape)[live]
+    num_decode_items = int(live[q_lens == 1].sum()) if m else 0
+    return item_pages, item_owner, item_start, np.array([num_decode_items, num_items], np.int32)
+
+
+def pack(seqs: list[SeqSpec], shape: StepShape, page_size: int, window: int = 0) -> StepInput:
+    """Lay the sequences (decode ones first, then prefill chunks) into one step of `shape`. `window`
+    (> 0 for a model with sliding layers): also lay out their page group from each SeqSpec's
+    window_page_ids."""
     t_max, m_max, n_max = shape.tokens, shape.seqs, shape.pages_per_seq
     m = len(seqs)
     assert m <= m_max, f"{m} sequences do not fit {m_max} slots"
@@ -152,22 +190,26 @@ def pack(seqs: list[SeqSpec], shape: StepShape, page_size: int) -> StepInput:
 
     # Items: the pages each sequence's context covers, decode sequences' first.
     live = np.arange(n_max)[None, :] < -(-kv_lens[:m] // page_size)[:, None]  # [m, N]
-    num_items = int(live.sum())
-    w = shape.items
-    item_pages = np.full(w, NULL_PAGE, np.int32)
-    item_owner = np.full(w, m_max, np.int32)
-    item_start = np.zeros(w, np.int32)
-    item_pages[:num_items] = page_table[:m][live]
-    item_owner[:num_items] = np.broadcast_to(np.arange(m, dtype=np.int32)[:, None], live.shape)[live]
-    item_start[:num_items] = np.broadcast_to(np.arange(n_max, dtype=np.int32) * page_size, live.shape)[live]
-    num_decode_items = int(live[q_lens == 1].sum()) if m else 0
+    item_pages, item_owner, item_start, item_bounds = _items(page_table, live, q_lens, m, shape, page_size)
     decode_first = q_lens.size == 0 or not (np.diff((q_lens > 1).astype(np.int8)) < 0).any()
     assert decode_first, "decode sequences must come before prefill chunks"
+    pages = None
+    if window:
+        w_table = np.full((m_max, n_max), NULL_PAGE, np.int32)
+        for i, s in enumerate(seqs):
+            w_table[i, :len(s.window_page_ids)] = s.window_page_ids
+        # The pages a sequence's queries can see: from the first query's window start on.
+        first_seen = np.maximum(starts - window + 1, 0) // page_size
+        w_live = live & (np.arange(n_max)[None, :] >= first_seen[:, None])
+        assert (w_table[:m][w_live] != NULL_PAGE).all(), "a sliding page the step needs is not held"
+        w_slots = np.full(t_max, NULL_PAGE * page_size, np.int32)
+        w_slots[:total] = w_table[seq_of_token, pos // page_size] * page_size + pos % page_size
+        pages = WindowPages(w_table, w_slots, *_items(w_table, w_live, q_lens, m, shape, page_size))
     return StepInput(
         token_ids=token_ids, src_rows=src_rows, positions=positions, slot_ids=slot_ids, seq_ids=seq_ids, dense=dense,
         kv_lens=kv_lens, last_token=last_token, cu_q_lens=cu, num_seqs=np.array([m], np.int32),
         page_table=page_table, item_pages=item_pages, item_owner=item_owner, item_start=item_start,
-        item_bounds=np.array([num_decode_items, num_items], np.int32),
+        item_bounds=item_bounds, window=pages,
     )
 
 

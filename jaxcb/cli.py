@@ -22,7 +22,7 @@ LINE_FIELDS = {"prompt", "prompt_token_ids", "messages", "chat", "priority", "id
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="a Llama-architecture GGUF file (default: embedded SmolLM2-135M)")
+    p.add_argument("--model", default=None, help="a GGUF file (Llama, Qwen3, Gemma 2/3), a Hugging Face or converted directory, or an embedded model: smollm2-135m (the default), gemma3-270m")
     p.add_argument("--config", default=None, help="engine config TOML (default: configs/default.toml)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
                    help="weights and KV dtype (default: float32 on CPU, bfloat16 on GPU/TPU)")
@@ -331,7 +331,7 @@ def cmd_serve(args) -> int:
           f"compile cache {cache_dir or 'off'}", flush=True)
     if len(engines) > 1 or config.tensor_parallel > 1:
         print(f"jaxcb: {len(engines)} replica(s) x tensor parallel {config.tensor_parallel}: devices "
-              f"{[sorted(d.id for d in e.runner.kv_pages.devices()) for e in engines]}", flush=True)
+              f"{[sorted(d.id for d in e.runner.kv_arrays[0].devices()) for e in engines]}", flush=True)
     target = f"{args.host}:{args.port}"
     print(f"jaxcb: try it:  .venv/bin/jaxcb client --target {target} \"Why is the sky blue?\"", flush=True)
 

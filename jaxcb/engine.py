@@ -33,6 +33,7 @@ from jaxcb.output import EventCallback, Outputs
 from jaxcb.page_pool import PagePool
 from jaxcb.request import FinishReason, Request, SamplingParams, Status, TokenEvent
 from jaxcb.scheduler import Chunk, Scheduler
+from jaxcb.window import WindowGroup
 
 __all__ = ["Engine", "EngineStats", "EventCallback"]
 log = logging.getLogger("jaxcb.engine")
@@ -67,6 +68,8 @@ class EngineStats:
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
     prefix_cache_hits: int = 0  # of those, found cached (not computed again)
     failed_steps: int = 0  # steps that raised (their requests ended with an error)
+    window_pages_total: int = 0  # the sliding layers' page group (jaxcb.window); 0 without one
+    window_pages_in_use: int = 0
 
 
 class Engine:
@@ -81,10 +84,15 @@ class Engine:
         self.config = config
         self.model_config = runner.model_config
         self.pool = PagePool(config.num_pages, config.page_size)
+        # Sliding-window layers (Gemma): their pages are a group of their own (jaxcb.window).
+        self.window_group = None
+        if runner.config.windowed:
+            self.window_group = WindowGroup(runner.num_window_pages, config.page_size,
+                                            runner.config.sliding_window)
         # One context limit for everything: the configured one, or the model's if that is smaller.
         self.max_context = min(config.scheduler.max_context, self.model_config.max_context)
         self.scheduler = Scheduler(dataclasses.replace(config.scheduler, max_context=self.max_context), self.pool,
-                                   eos_ids)
+                                   eos_ids, window=self.window_group)
         self.outputs = Outputs(tokenizer)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._requests: dict[str, list[Request]] = {}  # request id -> its live samples
@@ -195,6 +203,8 @@ class Engine:
             prefix_cache_queries=cache.num_queried_tokens if cache else 0,
             prefix_cache_hits=cache.num_hit_tokens if cache else 0,
             failed_steps=self.num_failed_steps,
+            window_pages_total=self.window_group.pool.num_usable if self.window_group else 0,
+            window_pages_in_use=self.window_group.pool.num_in_use if self.window_group else 0,
         )
 
     def reset_counters(self) -> None:
@@ -265,12 +275,14 @@ class Engine:
             if pending:
                 assert c.num_tokens == 1 and r.pending_src is not None and r.pending_src[0] == self._step_id, (
                     f"{r.key}: its input token is not in the previous step's output")
-                specs.append(SeqSpec([0], c.start, r.page_ids, src_row=r.pending_src[1]))
+                specs.append(SeqSpec([0], c.start, r.page_ids, src_row=r.pending_src[1],
+                                     window_page_ids=r.window_page_ids))
             else:
-                specs.append(SeqSpec(_token_slice(r, c.start, end), c.start, r.page_ids))
+                specs.append(SeqSpec(_token_slice(r, c.start, end), c.start, r.page_ids,
+                                     window_page_ids=r.window_page_ids))
             rows.append(SamplingRow(r.params, self.outputs.seed(r), r.prompt_ids, r.output_ids, c.samples,
                                     pending=pending))
-        batch = pack(specs, shape, s)
+        batch = pack(specs, shape, s, self.window_group.window if self.window_group else 0)
         sampling = pack_sampling(rows, shape)
         cnt = self._counters
         cnt["slots"] += shape.tokens
@@ -339,6 +351,8 @@ class Engine:
             for r in list(self.scheduler.running):
                 self.scheduler.preempt(r)
             self.pool.forget_cached()  # the cached pages' contents went with the old KV array
+            if self.window_group is not None:
+                self.window_group.pool.forget_cached()
         self._last_fetch_end = None
         if self.failed_in_a_row >= self.MAX_FAILED_STEPS_IN_A_ROW:
             raise RuntimeError(f"{self.failed_in_a_row} steps in a row failed (last: {message}); the engine is broken")

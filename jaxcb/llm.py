@@ -37,8 +37,9 @@ def read_model_config(path: str | None = None):
     """The ModelConfig of a model (GGUF file, converted checkpoint or Hugging Face directory) without
     loading its weights."""
     from jaxcb.model import checkpoint, gguf_loader, hf_loader
+    from jaxcb.model.embedded import resolve_model
 
-    path = path or gguf_loader.default_model_path()
+    path = resolve_model(path)
     if checkpoint.is_checkpoint_dir(path):
         return checkpoint.read_config(path)[0]
     if hf_loader.is_hf_dir(path):
@@ -58,8 +59,10 @@ def load_model(path: str | None = None, dtype=None, check_config=None):
     from jaxcb.runner import default_dtype
     from jaxcb.tokenizer import Tokenizer
 
+    from jaxcb.model.embedded import resolve_model
+
     check_config = check_config or (lambda config: None)
-    path = path or gguf_loader.default_model_path()
+    path = resolve_model(path)
     if os.path.isdir(path):
         check_config(read_model_config(path))  # raises the explanation for a directory of neither kind
         if checkpoint.is_checkpoint_dir(path):

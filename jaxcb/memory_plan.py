@@ -49,6 +49,12 @@ class MemoryPlan:
     num_pages: int  # pages that fit, the null page included
     tensor: int = 1  # devices the model is split over; every byte figure above is per device
     kv_replication: int = 1  # copies of each KV head on the mesh (tensor > KV heads)
+    # Models with sliding-window layers (jaxcb.window): their pages are a second group. Then
+    # kv_bytes_per_token and num_pages are the full-attention layers' and these the sliding layers'.
+    window: int = 0  # keys a sliding layer sees; 0: no sliding group
+    window_bytes_per_token: int = 0
+    num_window_pages: int = 0  # the null page included
+    kv_bytes_per_token_all: int = 0  # every layer's: what a page would cost with no group of its own
 
     @property
     def page_bytes(self) -> int:
@@ -56,11 +62,23 @@ class MemoryPlan:
 
     @property
     def kv_bytes(self) -> int:
-        return self.num_pages * self.page_bytes
+        return self.num_pages * self.page_bytes + self.num_window_pages * self.window_bytes_per_token * self.page_size
+
+    def window_pages_held(self, context: int) -> int:
+        """Sliding pages a decoding sequence of `context` tokens holds: those its window touches."""
+        return min(-(-context // self.page_size), -(-self.window // self.page_size) + 1)
 
     def max_batch_at(self, context: int) -> int:
         """Requests of `context` tokens that fit in the pages at once."""
-        return (self.num_pages - 1) // -(-context // self.page_size)
+        full = (self.num_pages - 1) // -(-context // self.page_size)
+        if not self.window:
+            return full
+        return min(full, (self.num_window_pages - 1) // self.window_pages_held(context))
+
+    def max_batch_without_window(self, context: int) -> int:
+        """The same if every layer kept every page (no group of its own for the sliding layers)."""
+        pages = self.kv_bytes // (self.kv_bytes_per_token_all * self.page_size)
+        return (pages - 1) // -(-context // self.page_size)
 
     def describe(self, contexts=(512, 2048, 8192)) -> str:
         lines = [f"tensor parallel {self.tensor}: every figure below is per device"] if self.tensor > 1 else []
@@ -73,17 +91,28 @@ class MemoryPlan:
             f"step reserve  {fmt_bytes(self.reserve_bytes)}",
             f"KV per token  {fmt_bytes(self.kv_bytes_per_token)} ({fmt_bytes(self.page_bytes)} per page of "
             f"{self.page_size} tokens)",
-            f"KV pages      {self.num_pages} = {fmt_bytes(self.kv_bytes)}, "
+            f"KV pages      {self.num_pages} = {fmt_bytes(self.num_pages * self.page_bytes)}, "
             f"{(self.num_pages - 1) * self.page_size} tokens cached",
         ]
-        lines += [f"largest batch at context {c}: {self.max_batch_at(c)}" for c in contexts]
+        if self.window:
+            lines[-2] = lines[-2].replace("KV per token ", "KV per token (full-attention layers)")
+            lines.append(
+                f"sliding pages {self.num_window_pages} = "
+                f"{fmt_bytes(self.num_window_pages * self.window_bytes_per_token * self.page_size)} "
+                f"({fmt_bytes(self.window_bytes_per_token)} per token; window {self.window}: a sequence holds at "
+                f"most {self.window_pages_held(1 << 30)} pages, the rest go back as it decodes)")
+        for c in contexts:
+            extra = (f" ({self.max_batch_without_window(c)} if the sliding layers kept every page)"
+                     if self.window else "")
+            lines.append(f"largest batch at context {c}: {self.max_batch_at(c)}{extra}")
         return "\n".join(lines)
 
 
 def plan(*, budget_bytes: int, fraction: float, weight_bytes: int, num_layers: int, num_kv_heads: int,
          head_dim: int, hidden_size: int, intermediate_size: int, vocab_size: int, dtype_bytes: int,
          page_size: int, max_context: int, max_batch: int, max_prefill_tokens: int,
-         num_pages: int | None = None, num_heads: int | None = None, tensor: int = 1) -> MemoryPlan:
+         num_pages: int | None = None, num_heads: int | None = None, tensor: int = 1,
+         sliding_layers: int = 0, window: int = 0) -> MemoryPlan:
     """The plan for these sizes (the whole model's; `tensor` devices split it), per device; num_pages
     None = as many as fit, else check that many fit. Raises ValueError with the numbers when one
     request of max_context cannot be held."""
@@ -94,8 +123,12 @@ def plan(*, budget_bytes: int, fraction: float, weight_bytes: int, num_layers: i
     weight_bytes = -(-weight_bytes // tensor)
     heads = (num_heads or max(1, hidden_size // head_dim)) // tensor
     intermediate_size //= tensor
-    kv_per_token = 2 * num_layers * kv_heads * head_dim * dtype_bytes
+    layer_token = 2 * kv_heads * head_dim * dtype_bytes  # one layer's keys and values of one token
+    window = window if sliding_layers else 0
+    kv_per_token = (num_layers - (sliding_layers if window else 0)) * layer_token
     pages_per_seq = -(-max_context // page_size)
+    # A sliding layer's sequence holds the pages its window and one prefill chunk touch.
+    window_per_seq = min(pages_per_seq, (window - 1 + max_prefill_tokens) // page_size + 2) if window else 0
     # The largest step's temporaries, an upper estimate. The step is one packed batch of up to
     # max_batch decode tokens and max_prefill_tokens prompt tokens: its activations, the plain-JAX
     # attention's working set for one layer (a block of 256 pages of keys and values in float32, and the
@@ -108,7 +141,10 @@ def plan(*, budget_bytes: int, fraction: float, weight_bytes: int, num_layers: i
     reserve = attention + activations + logits
     usable = int(budget_bytes * fraction) - weight_bytes - reserve
     page_bytes = kv_per_token * page_size
-    fit = max(0, usable // page_bytes)
+    # With a sliding group, both groups are sized for the same number of max-context sequences: each
+    # full page comes with window_per_seq / pages_per_seq sliding pages.
+    window_page_bytes = sliding_layers * layer_token * page_size if window else 0
+    fit = max(0, int(usable // (page_bytes + window_page_bytes * window_per_seq / pages_per_seq)))
     need = pages_per_seq + 1  # one request of the maximum context, and the null page
     if fit < need or (num_pages is not None and num_pages > fit):
         wanted = need if num_pages is None or num_pages < need else num_pages
@@ -119,5 +155,7 @@ def plan(*, budget_bytes: int, fraction: float, weight_bytes: int, num_layers: i
             f"{max_prefill_tokens}-token prefill) with room for {fit} KV pages of {fmt_bytes(page_bytes)}, but "
             f"{wanted} are needed ({'cache.num_pages' if num_pages else f'one request of {max_context} tokens + the null page'}); "
             f"lower the context, batch or page count, or give more memory")
-    return MemoryPlan(budget_bytes, weight_bytes, reserve, kv_per_token, page_size,
-                      fit if num_pages is None else num_pages, tensor, replication)
+    pages = fit if num_pages is None else num_pages
+    window_pages = max(window_per_seq + 1, -(-(pages - 1) * window_per_seq // pages_per_seq) + 1) if window else 0
+    return MemoryPlan(budget_bytes, weight_bytes, reserve, kv_per_token, page_size, pages, tensor, replication,
+                      window, sliding_layers * layer_token if window else 0, window_pages, num_layers * layer_token)

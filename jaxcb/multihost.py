@@ -125,7 +125,7 @@ class LeaderRunner:
     def reset_kv_if_lost(self) -> bool:
         """After a failed step: fresh pages would be allocated by this process alone, which the
         followers cannot mirror; a lost cache ends the cluster (the engine thread dies, exit 1)."""
-        if self._runner.kv_pages.is_deleted():
+        if any(a.is_deleted() for a in self._runner.kv_arrays):
             raise RuntimeError("multi-host: a failed step lost the KV pages; restart the cluster")
         return False
 

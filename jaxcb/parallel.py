@@ -25,7 +25,7 @@ AXIS = "model"
 
 # Per Params leaf (model.llama): how it is split over the model axis.
 _LAYER_SPECS = {
-    "attn_norm": P(), "mlp_norm": P(),
+    "attn_norm": P(), "mlp_norm": P(), "q_norm": P(), "k_norm": P(), "post_attn_norm": P(), "post_mlp_norm": P(),
     "wq": P(None, None, AXIS), "wk": P(None, None, AXIS), "wv": P(None, None, AXIS),
     "bq": P(None, AXIS), "bk": P(None, AXIS), "bv": P(None, AXIS),
     "wo": P(None, AXIS, None),

@@ -36,8 +36,9 @@ def chain_hash(previous: bytes, tokens: list[int]) -> bytes:
 
 
 class PrefixCache:
-    def __init__(self, pool: PagePool):
+    def __init__(self, pool: PagePool, window=None):
         self.pool = pool
+        self.window = window  # jaxcb.window.WindowGroup of a model with sliding layers, else None
         self.page_size = pool.page_size
         self.num_queried_tokens = 0  # prompt tokens looked up (first admissions)
         self.num_hit_tokens = 0  # of those, found cached
@@ -69,6 +70,10 @@ class PrefixCache:
         """At admission of a request that holds no pages: take its cached prefix. Returns the tokens."""
         assert not r.page_ids and r.num_computed == 0, "attach needs a request with no pages"
         pages = self.cached_pages(r)
+        if self.window is not None:  # only as far as the sliding layers' window is cached too
+            k, window_pages = self.window.usable_prefix(r.page_hashes, len(pages))
+            pages = pages[:k]
+            self.window.attach(r, k, window_pages)
         self.pool.acquire(pages)
         r.page_ids = list(pages)
         r.num_computed = len(pages) * self.page_size
@@ -86,6 +91,8 @@ class PrefixCache:
             self.num_hit_tokens -= r.num_cached_tokens
             r.num_cached_tokens = 0
         self.pool.free(r.page_ids)
+        if self.window is not None:
+            self.window.release(r)
         r.page_ids, r.num_computed, r.num_registered = [], 0, 0
 
     def register(self, r: Request, upto: int | None = None) -> None:
@@ -95,6 +102,9 @@ class PrefixCache:
         full = min(upto // self.page_size, len(r.page_ids))
         if full <= r.num_registered:
             return
-        for page, page_hash in zip(r.page_ids[r.num_registered:full], self._hashes(r, full)[r.num_registered:]):
+        hashes = self._hashes(r, full)[r.num_registered:]
+        for page, page_hash in zip(r.page_ids[r.num_registered:full], hashes):
             self.pool.register(page, page_hash)
+        if self.window is not None:
+            self.window.register(r, r.num_registered, hashes)
         r.num_registered = full

@@ -120,6 +120,7 @@ class Request:
     status: Status = Status.WAITING
     output_ids: list[int] = dataclasses.field(default_factory=list)
     page_ids: list[int] = dataclasses.field(default_factory=list)  # the page table
+    window_page_ids: list[int] = dataclasses.field(default_factory=list)  # sliding layers' (jaxcb.window)
     num_computed: int = 0  # tokens whose K/V are in the cache (or being written by a step in flight)
     num_pending: int = 0  # tokens sampled by a step in flight, not yet in output_ids
     pending_src: tuple[int, int] | None = None  # (step, row) of the newest pending token's output

@@ -139,7 +139,7 @@ def plan_memory(model_config: ModelConfig, config, dtype=None, budget_bytes: int
         intermediate_size=c.intermediate_size, vocab_size=c.vocab_size, dtype_bytes=dtype.itemsize,
         page_size=s.page_size, max_context=min(s.max_context, c.max_context), max_batch=b.max_batch,
         max_prefill_tokens=s.max_prefill_tokens, num_pages=config.num_pages or None, num_heads=c.num_heads,
-        tensor=config.tensor_parallel)
+        tensor=config.tensor_parallel, sliding_layers=c.num_sliding_layers, window=c.sliding_window)
 
 
 def make_runner(model_config: ModelConfig, params: Params, config, dtype=None, plan=None, devices=None):
@@ -156,11 +156,11 @@ def make_runner(model_config: ModelConfig, params: Params, config, dtype=None, p
         parallel.check_tensor_parallel(model_config, config.tensor_parallel)
         mesh = parallel.make_mesh(config.tensor_parallel, devices)
     runner = ModelRunner(model_config, params, config.num_pages, config.page_size, dtype, attention=config.attention,
-                         max_seqs=config.buckets.max_batch, mesh=mesh)
+                         max_seqs=config.buckets.max_batch, mesh=mesh, num_window_pages=plan.num_window_pages or None)
     return runner, config
 
 
-def resolve_attention(choice: str, mesh=None) -> Attention:
+def resolve_attention(choice: str, mesh=None, model: ModelConfig | None = None) -> Attention:
     """The engine config's `attention` for this platform.
 
     "xla": the plain-JAX reference everywhere. "pallas": the Pallas kernels of the platform (on the CPU,
@@ -171,6 +171,11 @@ def resolve_attention(choice: str, mesh=None) -> Attention:
     kernel = {"tpu": "tpu", "gpu": "gpu", "cuda": "gpu", "rocm": "gpu"}.get(platform)
     if choice == "xla" or (choice == "auto" and kernel is None):
         return Attention("xla", mesh=mesh)
+    if model is not None and (model.windowed or model.attn_softcap) and choice in ("pallas", "auto"):
+        # The Pallas kernels take neither a window nor soft-capping yet: the plain-JAX path runs these.
+        log.warning("attention: the Pallas kernels do not support %s yet; using the plain-JAX attention",
+                    "sliding windows" if model.windowed else "score soft-capping")
+        return Attention("xla", mesh=mesh)
     if choice in ("pallas", "auto"):
         return Attention(kernel or "gpu", interpret=kernel is None, mesh=mesh)
     raise ValueError(f"attention: {choice!r} is not one of 'xla', 'pallas', 'auto'")
@@ -178,11 +183,11 @@ def resolve_attention(choice: str, mesh=None) -> Attention:
 
 class ModelRunner:
     def __init__(self, config: ModelConfig, params: Params, num_pages: int, page_size: int, dtype=None,
-                 attention: str = "auto", max_seqs: int = 256, mesh=None):
+                 attention: str = "auto", max_seqs: int = 256, mesh=None, num_window_pages: int | None = None):
         if jax.default_backend() == "cpu":
             keep_freed_memory_on_cpu()
         self.mesh = mesh  # tensor parallelism (jaxcb.parallel); None = the default device
-        self.attention = resolve_attention(attention, mesh)
+        self.attention = resolve_attention(attention, mesh, config)
         self._compiled: dict[int, object] = {}  # token bucket -> the compiled step
         self.model_config = config  # the model as loaded
         self.kv_replication = 1
@@ -199,6 +204,8 @@ class ModelRunner:
         self.dtype = dtype or params.embed.dtype
         self.page_size = page_size
         self.num_pages = num_pages
+        # The sliding layers' page group (jaxcb.window); by default as many pages as the full layers'.
+        self.num_window_pages = (num_window_pages or num_pages) if config.windowed else 0
         if mesh is not None:
             from jaxcb import parallel
 
@@ -215,23 +222,39 @@ class ModelRunner:
 
         return parallel.place(zeros, parallel.replicated(self.mesh))
 
-    def _allocate_kv(self) -> jax.Array:
+    def _allocate_kv(self):
+        """The page array [L, 2, K, P, S, D]; with sliding layers a pair (full layers' [Lf, ..., P, ...],
+        sliding layers' [Ls, ..., P_window, ...])."""
         c = self.config
-        shape = (c.num_layers, c.num_kv_heads, self.num_pages, self.page_size, c.head_dim, self.dtype)
-        if self.mesh is None:
-            return allocate_kv_pages(*shape)
-        from jaxcb import parallel  # allocated split over the devices, never whole on one
+        groups = [(c.num_full_layers, self.num_pages)]
+        if c.windowed:
+            groups.append((c.num_sliding_layers, self.num_window_pages))
+        arrays = []
+        for layers, pages in groups:
+            shape = (layers, c.num_kv_heads, pages, self.page_size, c.head_dim, self.dtype)
+            if self.mesh is None:
+                arrays.append(allocate_kv_pages(*shape))
+                continue
+            from jaxcb import parallel  # allocated split over the devices, never whole on one
 
-        return jax.jit(allocate_kv_pages, static_argnums=range(6), out_shardings=parallel.kv_sharding(self.mesh))(*shape)
+            arrays.append(jax.jit(allocate_kv_pages, static_argnums=range(6),
+                                  out_shardings=parallel.kv_sharding(self.mesh))(*shape))
+        return tuple(arrays) if c.windowed else arrays[0]
+
+    @property
+    def kv_arrays(self) -> list[jax.Array]:
+        """The page arrays (one, or two with sliding layers)."""
+        return jax.tree.leaves(self.kv_pages)
 
     def reset_kv_if_lost(self) -> bool:
         """After a failed step: if the KV pages were consumed (donated to the failed call) or hold an
         error (a device failure leaves the step's outputs in an error state), their contents are
         unknown: allocate fresh ones, and fresh last tokens (True)."""
-        lost = self.kv_pages.is_deleted()
+        lost = any(a.is_deleted() for a in self.kv_arrays)
         if not lost:
             try:
-                self.kv_pages.block_until_ready()
+                for a in self.kv_arrays:
+                    a.block_until_ready()
                 self.last_tokens.block_until_ready()
             except Exception:  # noqa: BLE001 - an error-carrying buffer: its state is unknown
                 lost = True
@@ -253,7 +276,8 @@ class ModelRunner:
             raise ValueError(f"a step of {shape.seqs} sequences does not fit this runner's "
                              f"{self.last_tokens.shape[0]} rows (max_seqs)")
         if shape.tokens not in self._compiled:
-            batch, sampling = pack([], shape, self.page_size), pack_sampling([], shape)
+            window = self.config.sliding_window if self.config.windowed else 0
+            batch, sampling = pack([], shape, self.page_size, window), pack_sampling([], shape)
             self._compiled[shape.tokens] = step.lower(self.params, self.kv_pages, self.last_tokens, batch, sampling,
                                                       config=self.config, attention=self.attention).compile()
 

@@ -104,11 +104,12 @@ class SchedulerOutput:
 class Scheduler:
     """Owns the request state: which run, their pages, their computed and generated tokens, their end."""
 
-    def __init__(self, config: SchedulerConfig, pool: PagePool, eos_ids: tuple[int, ...] = ()):
+    def __init__(self, config: SchedulerConfig, pool: PagePool, eos_ids: tuple[int, ...] = (), window=None):
         self.config = config
         self.pool = pool
+        self.window = window  # jaxcb.window.WindowGroup: the sliding layers' pages (Gemma), else None
         self.eos_ids = frozenset(eos_ids)
-        self.cache = PrefixCache(pool) if config.prefix_caching else None
+        self.cache = PrefixCache(pool, window) if config.prefix_caching else None
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.running_limit = config.max_running
@@ -128,6 +129,12 @@ class Scheduler:
                 f"max_tokens: prompt + max_tokens needs {pages} KV pages but the cache holds only "
                 f"{self.pool.num_usable}"
             )
+        if self.window is not None:
+            chunk = min(self.config.max_chunk, self.config.max_prefill_tokens, request.max_total_tokens)
+            pages = min(self.window.pages_per_chunk(chunk), self.pool.pages_for(request.max_total_tokens))
+            if pages > self.window.pool.num_usable:
+                raise ValueError(f"max_tokens: the sliding-window layers need {pages} KV pages for this request "
+                                 f"but their cache holds only {self.window.pool.num_usable}")
 
     def add(self, request: Request) -> None:
         """Queue a validated request (Engine.validate)."""
@@ -143,6 +150,8 @@ class Scheduler:
         if request.page_ids:
             self.pool.free(request.page_ids)
             request.page_ids = []
+        if self.window is not None:
+            self.window.release(request)
         request.num_registered = 0
 
     def finish(self, request: Request, reason: FinishReason) -> None:
@@ -264,6 +273,8 @@ class Scheduler:
         self.running.remove(victim)
         self.pool.free(victim.page_ids)
         victim.page_ids = []
+        if self.window is not None:
+            self.window.release(victim)
         victim.num_computed = victim.num_registered = 0
         victim.num_pending, victim.pending_src = 0, None  # a token in flight is dropped and recomputed
         victim.status = Status.WAITING
@@ -276,13 +287,12 @@ class Scheduler:
     def _grow(self, r: Request, num_tokens: int) -> bool:
         """Give `r` the pages to hold its first num_tokens tokens; False when the pool is short."""
         need = self.pool.pages_for(num_tokens) - len(r.page_ids)
-        if need <= 0:
-            return True
-        pages = self.pool.allocate(need)
-        if pages is None:
-            return False
-        r.page_ids.extend(pages)
-        return True
+        if need > 0:
+            pages = self.pool.allocate(need)
+            if pages is None:
+                return False
+            r.page_ids.extend(pages)
+        return self.window is None or self.window.grow(r, r.num_computed, num_tokens)
 
     def _chunk(self, r: Request, budget: int) -> int:
         if r.last_in_flight:

@@ -3,6 +3,14 @@
 The byte-level BPE model is built with the `tokenizers` library from the GGUF vocabulary and merges;
 the pre-tokenizer follows llama.cpp's name for it (`tokenizer.ggml.pre`). Control and user-defined
 tokens (`<|im_start|>`...) are added as special tokens so that they are matched whole in text.
+
+A SentencePiece vocabulary (`tokenizer.ggml.model = llama`: Llama 2, Gemma) becomes a BPE model with
+byte fallback over "▁"-for-space text. Such files carry no merges: they are rebuilt from the
+vocabulary (every split of a token into two tokens is a merge), ranked by the token's score, except
+for Gemma, whose merge order is the order of its tokens in the file (its scores do not follow it);
+Gemma files also spell whitespace-only tokens with real spaces, which are respelled with "▁".
+Control tokens are special; user-defined ones (Gemma's runs of newlines, its HTML tags) are matched
+whole but decoded as text.
 The chat template stored in the file is rendered with jinja2 in a sandbox.
 
 `IncrementalDetokenizer` turns a stream of ids into text deltas that never split a character that
@@ -13,7 +21,7 @@ from __future__ import annotations
 
 import jinja2
 import jinja2.sandbox
-from tokenizers import AddedToken, Regex, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, Tokenizer as HFTokenizer, decoders, models, normalizers, pre_tokenizers
 
 from jaxcb.model.gguf_loader import TokenizerSpec
 
@@ -40,11 +48,50 @@ def _pre_tokenizer(pre: str):
     return byte_level
 
 
+def _sentencepiece_bpe(spec: TokenizerSpec) -> HFTokenizer:
+    space = "\u2581"
+    tokens = [space * len(t) if t and not t.strip(" ") else t for t in spec.tokens]
+    vocab = {t: i for i, t in enumerate(tokens)}
+    if spec.arch.startswith("gemma") or not spec.scores:
+        rank = lambda i: -i  # noqa: E731 - earlier in the file merges first
+    else:
+        rank = spec.scores.__getitem__
+    merges = []
+    for i, t in enumerate(tokens):
+        for cut in range(1, len(t)):
+            left, right = t[:cut], t[cut:]
+            if left in vocab and right in vocab:
+                merges.append((rank(i), len(left), len(right), vocab[left], vocab[right], left, right))
+    # Best token first; among one token's splits, the longest left piece first.
+    merges.sort(key=lambda m: (-m[0], -m[1], -m[2], m[3], m[4]))
+    unk = "<unk>" if "<unk>" in vocab else None
+    tok = HFTokenizer(models.BPE(vocab=vocab, merges=[(m[5], m[6]) for m in merges], unk_token=unk,
+                                 fuse_unk=True, byte_fallback=True))
+    steps = [normalizers.Prepend(space)] if spec.add_space_prefix else []
+    tok.normalizer = normalizers.Sequence([*steps, normalizers.Replace(" ", space)])
+    tok.decoder = decoders.Sequence([decoders.Replace(space, " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     *([decoders.Strip(" ", 1, 0)] if spec.add_space_prefix else [])])
+    return tok
+
+
 class Tokenizer:
     def __init__(self, spec: TokenizerSpec):
+        if spec.model == "llama":
+            tok = _sentencepiece_bpe(spec)
+            # User-defined tokens are matched whole, except the whitespace runs, which the vocabulary
+            # holds respelled with "▁" and the merges produce.
+            vocab = tok.get_vocab()
+            special = [AddedToken(t, special=kind == _CONTROL, normalized=False)
+                       for t, kind in zip(spec.tokens, spec.token_types)
+                       if kind == _CONTROL or (kind == _USER_DEFINED and t in vocab)]
+            tok.add_special_tokens([t for t in special if t.special])
+            tok.add_tokens([t for t in special if not t.special])
+            self._setup(tok, spec.bos_id, spec.eos_id, spec.add_bos, spec.chat_template)
+            return
         if spec.model != "gpt2":
             raise ValueError(
-                f"tokenizer.ggml.model: {spec.model!r} is not supported; supported: 'gpt2' (byte-level BPE)"
+                f"tokenizer.ggml.model: {spec.model!r} is not supported; supported: 'gpt2' (byte-level BPE), "
+                "'llama' (SentencePiece)"
             )
         vocab = {tok: i for i, tok in enumerate(spec.tokens)}
         merges = [tuple(m.split(" ", 1)) for m in spec.merges]

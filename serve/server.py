@@ -309,14 +309,16 @@ class JaxcbService(jaxcb_pb2_grpc.JaxcbServicer):
         s = self.state
         c = s.engine.model_config
         return jaxcb_pb2.ModelInfo(name=s.model_name, vocab_size=c.vocab_size, context_length=s.engine.max_context,
-                                   dtype=s.dtype, num_layers=c.num_layers, num_params=c.num_params)
+                                   dtype=s.dtype, num_layers=c.num_layers, num_params=c.num_params,
+                                   family=c.family, sliding_window=c.sliding_window if c.windowed else 0,
+                                   num_sliding_layers=c.num_sliding_layers)
 
     async def GetServerInfo(self, request, context):
         e = self.state.engine
         st = e.stats()
         b = e.config.buckets
         replicas = [jaxcb_pb2.ReplicaInfo(
-            replica=i, device_ids=sorted(d.id for d in eng.runner.kv_pages.devices()), pages_total=r.pages_total,
+            replica=i, device_ids=sorted(d.id for d in eng.runner.kv_arrays[0].devices()), pages_total=r.pages_total,
             pages_free=r.pages_free, running=r.running, waiting=r.waiting, preemptions=r.preemptions,
             pending_tokens=e.load[i], requests_routed=e.routed[i])
             for i, (eng, r) in enumerate(zip(e.engines, e.replica_stats()))]

@@ -80,6 +80,15 @@ def make_llm(tiny_model):
     for llm in made:
         assert not llm.engine.has_work(), "a test left requests in the engine"
         llm.engine.pool.check_all_free()
+        if llm.engine.window_group is not None:
+            llm.engine.window_group.pool.check_all_free()
+
+
+@pytest.fixture(scope="session")
+def gemma3_model():
+    from jaxcb.llm import load_model
+
+    return load_model("gemma3-270m")
 
 
 @pytest.fixture(scope="session")

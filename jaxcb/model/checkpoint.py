@@ -35,6 +35,10 @@ def _expected_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
               "w_down": (l, f, e)}
     if c.attention_bias:
         shapes.update(bq=(l, q), bk=(l, kv), bv=(l, kv))
+    if c.qk_norm:
+        shapes.update(q_norm=(l, c.head_dim), k_norm=(l, c.head_dim))
+    if c.post_norms:
+        shapes.update(post_attn_norm=(l, e), post_mlp_norm=(l, e))
     if not c.tie_embeddings:
         shapes["lm_head"] = (e, c.vocab_size)
     return shapes
@@ -71,7 +75,9 @@ def read_config(path: str) -> tuple[ModelConfig, str]:
     if manifest.get("format") != FORMAT:
         raise ValueError(f"model: {path} is format {manifest.get('format')!r}; this jaxcb reads {FORMAT!r}")
     try:
-        return ModelConfig(**manifest["config"]), manifest["dtype"]
+        raw = dict(manifest["config"])
+        raw["sliding_layers"] = tuple(raw.get("sliding_layers", ()))  # JSON has lists; the config is hashable
+        return ModelConfig(**raw), manifest["dtype"]
     except (KeyError, TypeError) as e:
         raise ValueError(f"model: {path}/{MANIFEST} has a bad config ({e})") from None
 

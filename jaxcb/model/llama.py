@@ -1,4 +1,10 @@
-"""Llama in JAX over the paged KV cache: one pure step function over a packed batch of tokens.
+"""Llama and its named variations in JAX over the paged KV cache: one pure step function over a
+packed batch of tokens.
+
+The variations (jaxcb.model.config.ModelConfig, each a flag): Qwen3's per-head q/k norms; Gemma's
+(1 + w) norms, four norms per layer, GeGLU, scaled embeddings and attention scale; Gemma 2's score
+and logit soft-capping; Gemma 2/3's sliding-window layers, whose KV pages are a group of their own
+(`kv_pages` is then a pair (full layers' pages, sliding layers' pages), see _attend).
 
     kv_pages, logits = forward(params, kv_pages, batch, config)
 
@@ -22,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from jaxcb.batch import StepInput
+from jaxcb.batch import StepInput, WindowPages
 from jaxcb.model.config import ModelConfig
 from jaxcb.model.paged_attention import ragged_attention, write_kv
 from kernels_pallas import engine_ragged_attention
@@ -53,6 +59,10 @@ class LayerParams:
     bq: jax.Array | None = None  # [L, H*D] attention biases (Qwen2); None in Llama
     bk: jax.Array | None = None  # [L, K*D]
     bv: jax.Array | None = None  # [L, K*D]
+    q_norm: jax.Array | None = None  # [L, D] per-head norms of q and k (Qwen3, Gemma 3)
+    k_norm: jax.Array | None = None  # [L, D]
+    post_attn_norm: jax.Array | None = None  # [L, E] on the attention's output (Gemma 2/3)
+    post_mlp_norm: jax.Array | None = None  # [L, E] on the MLP's output (Gemma 2/3)
 
 
 @flax.struct.dataclass
@@ -70,6 +80,7 @@ def register_pytree(cls):
 
 
 register_pytree(StepInput)
+register_pytree(WindowPages)
 
 
 def params_from_numpy(weights: dict[str, np.ndarray], dtype=jnp.float32) -> Params:
@@ -106,20 +117,31 @@ def random_weights(config: ModelConfig, seed: int = 0, scale: float = 0.08) -> d
     if config.attention_bias:
         for name, width in (("bq", q), ("bk", kv), ("bv", kv)):
             w[name] = (rng.standard_normal((l, width)) * 0.5).astype(np.float32)
+    norms = {}
+    if config.qk_norm:
+        norms.update(q_norm=(l, config.head_dim), k_norm=(l, config.head_dim))
+    if config.post_norms:
+        norms.update(post_attn_norm=(l, e), post_mlp_norm=(l, e))
+    for k, s in norms.items():
+        w[k] = (1.0 + 0.1 * rng.standard_normal(s)).astype(np.float32)
+    if config.norm_plus_one:  # the same effective scales, stored as (w - 1)
+        for k in ("attn_norm", "mlp_norm", "final_norm", *norms):
+            w[k] -= 1.0
     if not config.tie_embeddings:
         # Logits with a spread of a few units: sampling varies, greedy has clear winners.
         w["lm_head"] = (rng.standard_normal((e, config.vocab_size)) * 2.5 / np.sqrt(e)).astype(np.float32)
     return w
 
 
-def rms_norm(x, weight, eps):
+def rms_norm(x, weight, eps, plus_one: bool = False):
     x32 = x.astype(jnp.float32)
     x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return (weight.astype(jnp.float32) * x32).astype(x.dtype)
+    scale = weight.astype(jnp.float32)
+    return ((1.0 + scale if plus_one else scale) * x32).astype(x.dtype)
 
 
 def rotary(x, positions, theta):
-    """Rotate-half rotary embedding. x [..., heads, D]; positions int32 [...]."""
+    """Rotate-half rotary embedding. x [..., heads, D]; positions int32 [...]; theta may be traced."""
     d = x.shape[-1]
     inv_freq = 1.0 / (theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
     angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [..., D/2]
@@ -131,61 +153,110 @@ def rotary(x, positions, theta):
     return (x32 * cos + rotated * sin).astype(x.dtype)
 
 
-def _layer(config: ModelConfig, attention: Attention, batch: StepInput, h, kv_pages, layer_index, w: LayerParams):
+def layer_kinds(config: ModelConfig):
+    """Per-layer arrays scanned with the weights: (sliding: bool, RoPE base: f32, index of the layer in
+    its KV page group: i32)."""
+    flags = np.array(config.sliding_layers if config.windowed else [False] * config.num_layers)
+    local = config.local_rope_theta or config.rope_theta
+    theta = np.where(flags, local, config.rope_theta).astype(np.float32)
+    group_index = np.where(flags, np.cumsum(flags) - 1, np.cumsum(~flags) - 1).astype(np.int32)
+    return jnp.asarray(flags), jnp.asarray(theta), jnp.asarray(group_index)
+
+
+def _layer(config: ModelConfig, attention: Attention, batch: StepInput, h, kv_pages, kind, w: LayerParams):
     t, _ = h.shape
     nh, nk, d = config.num_heads, config.num_kv_heads, config.head_dim
-    x = rms_norm(h, w.attn_norm, config.rms_norm_eps)
+    sliding, theta, group_index = kind
+    norm = functools.partial(rms_norm, eps=config.rms_norm_eps, plus_one=config.norm_plus_one)
+    x = norm(h, w.attn_norm)
     q, k, v = x @ w.wq, x @ w.wk, x @ w.wv
     if w.bq is not None:
         q, k, v = q + w.bq, k + w.bk, v + w.bv
     q, k, v = q.reshape(t, nh, d), k.reshape(t, nk, d), v.reshape(t, nk, d)
-    q = rotary(q, batch.positions, config.rope_theta)
-    k = rotary(k, batch.positions, config.rope_theta)
+    if w.q_norm is not None:
+        q, k = norm(q, w.q_norm), norm(k, w.k_norm)
+    q = rotary(q, batch.positions, theta)
+    k = rotary(k, batch.positions, theta)
 
+    attend = functools.partial(_attend, attention, config)
     if attention.mesh is None:
-        attn, kv_pages = _attend(attention, q, k, v, kv_pages, layer_index, batch)
+        attn, kv_pages = attend(q, k, v, kv_pages, sliding, group_index, batch)
     else:  # each device writes and reads the pages of its own KV heads: no communication
         from jaxcb.parallel import AXIS, KV_SPEC
 
         heads = P(None, AXIS, None)
+        kv_spec = jax.tree.map(lambda _: KV_SPEC, kv_pages)
         attn, kv_pages = jax.shard_map(
-            functools.partial(_attend, attention), mesh=attention.mesh,
-            in_specs=(heads, heads, heads, KV_SPEC, P(), P()), out_specs=(heads, KV_SPEC),
-            check_vma=False)(q, k, v, kv_pages, layer_index, batch)
-    h = h + attn.reshape(t, nh * d) @ w.wo
+            attend, mesh=attention.mesh,
+            in_specs=(heads, heads, heads, kv_spec, P(), P(), P()), out_specs=(heads, kv_spec),
+            check_vma=False)(q, k, v, kv_pages, sliding, group_index, batch)
+    out = attn.reshape(t, nh * d) @ w.wo
+    if w.post_attn_norm is not None:
+        out = norm(out, w.post_attn_norm)
+    h = h + out
 
-    x = rms_norm(h, w.mlp_norm, config.rms_norm_eps)
-    h = h + (jax.nn.silu(x @ w.w_gate) * (x @ w.w_up)) @ w.w_down
-    return h, kv_pages
+    x = norm(h, w.mlp_norm)
+    act = jax.nn.silu if config.activation == "silu" else functools.partial(jax.nn.gelu, approximate=True)
+    out = (act(x @ w.w_gate) * (x @ w.w_up)) @ w.w_down
+    if w.post_mlp_norm is not None:
+        out = norm(out, w.post_mlp_norm)
+    return h + out, kv_pages
 
 
-def _attend(attention: Attention, q, k, v, kv_pages, layer_index, batch: StepInput):
-    """Write this layer's new K/V into the pages, then attend over them: (attention [T, H, D], pages)."""
-    kv_pages = write_kv(kv_pages, layer_index, k, v, batch.slot_ids)
+def _attend_group(attention: Attention, config: ModelConfig, q, k, v, pages, layer_index, batch: StepInput,
+                  window):
+    """Write this layer's new K/V into one page group, then attend over it: (attention [T, H, D], pages)."""
+    pages = write_kv(pages, layer_index, k, v, batch.slot_ids)
     if attention.kernel == "xla":
-        attn = ragged_attention(q, kv_pages, layer_index, batch)
+        attn = ragged_attention(q, pages, layer_index, batch, scale=config.attention_scale, window=window,
+                                softcap=config.attn_softcap)
     elif attention.kernel == "none":  # bench/step.py: the step's cost without attention
         attn = q
     else:  # the ragged Pallas kernel over the whole cache, one call for the step's every sequence
-        attn = engine_ragged_attention(q, kv_pages, layer_index, batch.kv_lens, batch.page_table, batch.cu_q_lens,
+        attn = engine_ragged_attention(q, pages, layer_index, batch.kv_lens, batch.page_table, batch.cu_q_lens,
                                        batch.num_seqs, backend=attention.kernel, interpret=attention.interpret)
-    return attn, kv_pages
+    return attn, pages
 
 
-def forward(params: Params, kv_pages: jax.Array, batch: StepInput, config: ModelConfig,
-            attention: Attention = Attention()):
+def _attend(attention: Attention, config: ModelConfig, q, k, v, kv_pages, sliding, group_index, batch: StepInput):
+    """Attention of one layer. A model without sliding layers has one page group (`kv_pages` an array).
+    With sliding layers there are two, each with its own page table (batch.window holds the sliding
+    group's): the layer writes and reads its own group, and the other group's call has nothing to do
+    (its writes go to the null page, its lengths and page items are empty), so no branch is needed and
+    both arrays stay in place."""
+    if not config.windowed:
+        return _attend_group(attention, config, q, k, v, kv_pages, group_index, batch, 0)
+    full, swa = kv_pages
+    full_batch, swa_batch = _inactive(batch, ~sliding), _inactive(batch.window.apply(batch), sliding)
+    a_full, full = _attend_group(attention, config, q, k, v, full, jnp.where(sliding, 0, group_index), full_batch, 0)
+    a_swa, swa = _attend_group(attention, config, q, k, v, swa, jnp.where(sliding, group_index, 0), swa_batch,
+                               config.sliding_window)
+    return a_full + a_swa, (full, swa)
+
+
+def _inactive(batch: StepInput, active):
+    """`batch` when `active`, else the same step with nothing to write or read (traced select)."""
+    return dataclasses.replace(
+        batch, slot_ids=jnp.where(active, batch.slot_ids, 0), kv_lens=jnp.where(active, batch.kv_lens, 0),
+        item_bounds=jnp.where(active, batch.item_bounds, 0))
+
+
+def forward(params: Params, kv_pages, batch: StepInput, config: ModelConfig, attention: Attention = Attention()):
     """One packed step. Returns (kv_pages with this step's K/V written, logits [M, V] in float32 of each
     sequence's last token)."""
     h = params.embed[batch.token_ids]  # [T, E]
+    if config.embed_scale:
+        h = h * jnp.asarray(config.hidden_size**0.5, h.dtype)
 
     def body(carry, xs):
         h, kv_pages = carry
-        layer_index, w = xs
-        return _layer(config, attention, batch, h, kv_pages, layer_index, w), None
+        kind, w = xs
+        return _layer(config, attention, batch, h, kv_pages, kind, w), None
 
-    layer_ids = jnp.arange(config.num_layers, dtype=jnp.int32)
-    (h, kv_pages), _ = jax.lax.scan(body, (h, kv_pages), (layer_ids, params.layers))
-    last = rms_norm(h[batch.last_token], params.final_norm, config.rms_norm_eps)  # [M, E]
+    (h, kv_pages), _ = jax.lax.scan(body, (h, kv_pages), (layer_kinds(config), params.layers))
+    last = rms_norm(h[batch.last_token], params.final_norm, config.rms_norm_eps, config.norm_plus_one)  # [M, E]
     head = params.embed.T if params.lm_head is None else params.lm_head
     logits = jnp.dot(last, head, preferred_element_type=jnp.float32)
+    if config.final_softcap:
+        logits = config.final_softcap * jnp.tanh(logits / config.final_softcap)
     return kv_pages, logits

@@ -119,11 +119,13 @@ def _blocks_for(num_seqs: int) -> int:
 PREFILL_BLOCK_PAGES = 16  # pages (keys) per loop iteration of the prefill attention: a 256-key GEMM
 
 
-def ragged_attention(q, kv_pages, layer, batch):
+def ragged_attention(q, kv_pages, layer, batch, scale=None, window=0, softcap=0.0):
     """Causal attention of a packed step over the paged cache, in plain JAX (the CPU path).
 
     q [T, H, D]; kv_pages [L, 2, K, P, S, D]; layer a scalar; batch a jaxcb.batch.StepInput. Returns
-    [T, H, D] (padding tokens: zeros).
+    [T, H, D] (padding tokens: zeros). `scale`: of the scores (default 1/sqrt(D)); `window` (may be
+    traced; 0 = none): a query at position t sees only keys after t - window; `softcap` (static; 0 =
+    off): scores become softcap * tanh(scores / softcap).
 
     The cost follows what the context holds, not rows x the longest row. Attention loops over the
     step's page items (one per live page of every sequence) in blocks, with a trip count read from
@@ -140,7 +142,10 @@ def ragged_attention(q, kv_pages, layer, batch):
     g = h // nk
     m = batch.kv_lens.shape[0]
     w = batch.item_pages.shape[0]
-    qg = (q.astype(jnp.float32) * (1.0 / d**0.5)).reshape(t, nk, g, d)
+    qg = (q.astype(jnp.float32) * (1.0 / d**0.5 if scale is None else scale)).reshape(t, nk, g, d)
+    cap = (lambda x: softcap * jnp.tanh(x / softcap)) if softcap else (lambda x: x)  # noqa: E731
+    window = jnp.asarray(window, jnp.int32)
+    reach = jnp.where(window > 0, window, jnp.iinfo(jnp.int32).max // 2)  # keys at t - reach and before: out
     pool = kv_pages.reshape(nl * two * nk * p, s, d)
     heads = jnp.arange(nk, dtype=jnp.int32)[:, None] * p
     k_base, v_base = (2 * layer) * nk * p, (2 * layer + 1) * nk * p
@@ -167,8 +172,9 @@ def ragged_attention(q, kv_pages, layer, batch):
         own = jax.lax.dynamic_slice(owner, (off,), (wb,))
         own = jnp.where(off + jnp.arange(wb) < n_decode, own, m)  # prefill items and padding: dropped
         pos = jax.lax.dynamic_slice(first, (off,), (wb,))[:, None] + jnp.arange(s)[None, :]  # [B, S]
-        valid = (pos < kv_lens[own][:, None])[:, None, None, :]  # [B, 1, 1, S]
-        scores = jnp.einsum("bksd,bkgd->bkgs", gather_pages(k_base, ids), q_last[own])
+        kv_len = kv_lens[own][:, None]
+        valid = ((pos < kv_len) & (pos > kv_len - 1 - reach))[:, None, None, :]  # [B, 1, 1, S]
+        scores = cap(jnp.einsum("bksd,bkgd->bkgs", gather_pages(k_base, ids), q_last[own]))
         scores = jnp.where(valid, scores, _MASKED)
         new_mx = jnp.maximum(mx, jax.ops.segment_max(scores.max(-1), own, num_segments=m + 1))
         e = jnp.where(valid, jnp.exp(scores - new_mx[own][..., None]), 0.0)
@@ -194,9 +200,10 @@ def ragged_attention(q, kv_pages, layer, batch):
         pos = jax.lax.dynamic_slice(first, (off,), (pb,))[:, None] + jnp.arange(s)[None, :]  # [B, S]
         own_c, pos_c = jnp.repeat(own, s), pos.reshape(-1)  # [C]
         valid = (own_c[None, :] == batch.seq_ids[:, None]) & (pos_c[None, :] <= batch.positions[:, None])
+        valid &= pos_c[None, :] > batch.positions[:, None] - reach
         valid = valid[:, None, None, :]  # [T, 1, 1, C]
         keys = gather(k_base, ids).reshape(nk, pb * s, d)
-        scores = jnp.where(valid, jnp.einsum("tkgd,kcd->tkgc", qg, keys), _MASKED)
+        scores = jnp.where(valid, cap(jnp.einsum("tkgd,kcd->tkgc", qg, keys)), _MASKED)
         new_mx = jnp.maximum(mx, scores.max(-1))
         e = jnp.where(valid, jnp.exp(scores - new_mx[..., None]), 0.0)
         keep = jnp.exp(mx - new_mx)

@@ -151,20 +151,26 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "vocab_size", "context_length", "dtype", "num_layers", "num_params")
+    __slots__ = ("name", "vocab_size", "context_length", "dtype", "num_layers", "num_params", "family", "sliding_window", "num_sliding_layers")
     NAME_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     NUM_PARAMS_FIELD_NUMBER: _ClassVar[int]
+    FAMILY_FIELD_NUMBER: _ClassVar[int]
+    SLIDING_WINDOW_FIELD_NUMBER: _ClassVar[int]
+    NUM_SLIDING_LAYERS_FIELD_NUMBER: _ClassVar[int]
     name: str
     vocab_size: int
     context_length: int
     dtype: str
     num_layers: int
     num_params: int
-    def __init__(self, name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., context_length: _Optional[int] = ..., dtype: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_params: _Optional[int] = ...) -> None: ...
+    family: str
+    sliding_window: int
+    num_sliding_layers: int
+    def __init__(self, name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., context_length: _Optional[int] = ..., dtype: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_params: _Optional[int] = ..., family: _Optional[str] = ..., sliding_window: _Optional[int] = ..., num_sliding_layers: _Optional[int] = ...) -> None: ...
 
 class GetServerInfoRequest(_message.Message):
     __slots__ = ()

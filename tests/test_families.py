@@ -1,0 +1,82 @@
+"""Qwen3, Gemma 2 and Gemma 3 against transformers' own modules: tiny random checkpoints in the Hugging
+Face layout (tools/make_tiny_hf.py wrote them and their golden outputs with transformers), loaded
+through jaxcb's Hugging Face loader and run by the engine (sliding window 8, so prompts and decode run
+far past it, and the sliding layers' pages are freed as they go)."""
+
+import json
+import os
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxcb.batch import SeqSpec, StepShape, pack
+from jaxcb.engine_config import make_config
+from jaxcb.llm import LLM, load_model
+from jaxcb.model.llama import forward
+from jaxcb.model.paged_attention import allocate_kv_pages
+from jaxcb.request import SamplingParams
+
+GOLDEN = os.path.join(os.path.dirname(__file__), "golden", "tiny_hf")
+FAMILIES = ("qwen3", "gemma2", "gemma3")
+
+
+def golden(family):
+    with open(os.path.join(GOLDEN, family, "golden.json")) as f:
+        return json.load(f)["records"]
+
+
+def prefill_logits(config, params, ids, page_size=16):
+    """The last position's logits of one sequence, from one packed step (pages for every group)."""
+    n = -(-len(ids) // page_size)
+    pages = list(range(1, n + 1))
+    shape = StepShape(64, 1, 4, 64)
+    window = config.sliding_window if config.windowed else 0
+    step = pack([SeqSpec(list(ids), 0, pages, window_page_ids=pages if window else None)], shape, page_size, window)
+    alloc = lambda layers: allocate_kv_pages(layers, config.num_kv_heads, 8, page_size, config.head_dim,  # noqa: E731
+                                             jnp.float32)
+    kv = (alloc(config.num_full_layers), alloc(config.num_sliding_layers)) if config.windowed else alloc(config.num_layers)
+    _, logits = forward(params, kv, step, config)
+    return np.asarray(logits[0])
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_prefill_logits_match_transformers(family):
+    config, params, _, _ = load_model(os.path.join(GOLDEN, family), jnp.float32)
+    assert config.family == family
+    assert config.qk_norm == (family != "gemma2")
+    assert config.windowed == family.startswith("gemma")
+    for record in golden(family):
+        ours = prefill_logits(config, params, record["prompt_ids"])
+        ref = np.asarray(record["prefill_logits"], np.float32)
+        scale = np.abs(ref).max()
+        assert np.abs(ours - ref).max() <= 1e-5 * scale, (family, len(record["prompt_ids"]), np.abs(ours - ref).max())
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_engine_greedy_matches_transformers_up_to_a_near_tie(family):
+    """Continuous batching of all prompts at once, chunked prefill (16-token buckets), decode past the
+    window: the greedy ids are the reference's up to its first near tie (margin < 1e-3)."""
+    config, params, tok, _ = load_model(os.path.join(GOLDEN, family), jnp.float32)
+    llm = LLM.from_params(config, params, tok, config=make_config(
+        num_pages=64, page_size=16, max_context=128, decode_batch=(1, 2, 4), prefill_tokens=(16, 32),
+        max_prefill_tokens=32))
+    records = golden(family)
+    outs = llm.generate([r["prompt_ids"] for r in records], SamplingParams(max_tokens=16, ignore_eos=True))
+    for record, out in zip(records, outs):
+        n = next((i for i, m in enumerate(record["margins"]) if m < 1e-3), len(record["margins"]))
+        assert out.token_ids[:n] == record["greedy_ids"][:n], (family, len(record["prompt_ids"]))
+    llm.engine.pool.check_all_free()
+    if config.windowed:
+        llm.engine.window_group.pool.check_all_free()
+
+
+def test_gemma_norms_are_one_plus_w():
+    """The loader keeps Gemma's (1 + w) form: reading the weights as plain scales changes the logits."""
+    import dataclasses
+
+    config, params, _, _ = load_model(os.path.join(GOLDEN, "gemma3"), jnp.float32)
+    record = golden("gemma3")[0]
+    plain = dataclasses.replace(config, norm_plus_one=False)
+    assert np.abs(prefill_logits(plain, params, record["prompt_ids"]) -
+                  np.asarray(record["prefill_logits"])).max() > 1e-2

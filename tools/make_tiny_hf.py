@@ -1,0 +1,80 @@
+"""Write tiny random-weight Hugging Face checkpoints of Qwen3, Gemma 2 and Gemma 3 with transformers'
+own modules, and their golden outputs, for tests/test_families.py.
+
+Run with the `tools` environment (see tools/make_golden.py):
+    .venv-tools/bin/python tools/make_tiny_hf.py
+
+For each family: tests/golden/tiny_hf/<family>/ holds config.json and model.safetensors as
+`save_pretrained` writes them, and golden.json: per prompt (token ids), the float32 logits of the
+last prompt position and greedy ids for 16 tokens from a plain loop over the model's forward pass
+with its KV cache (eager attention, so the sliding window is the reference's own mask). The sliding
+window is 8 tokens so that the prompts (up to 40 tokens) and their decode run well past it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+
+OUT = "tests/golden/tiny_hf"
+PROMPTS = [[2, 17, 99, 4, 31], [2] + [(7 * i + 3) % 250 + 3 for i in range(22)], [2] + [(11 * i + 5) % 250 + 3 for i in range(39)]]
+STEPS = 16
+COMMON = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=16, max_position_embeddings=256, rms_norm_eps=1e-6)
+
+
+def configs():
+    from transformers import Gemma2Config, Gemma3TextConfig, Qwen3Config
+
+    types = ["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"]
+    return {
+        "qwen3": Qwen3Config(**COMMON, tie_word_embeddings=False, rope_theta=10000.0),
+        "gemma2": Gemma2Config(**COMMON, sliding_window=8, query_pre_attn_scalar=24, attn_logit_softcapping=5.0,
+                               final_logit_softcapping=3.0, hidden_activation="gelu_pytorch_tanh",
+                               layer_types=["sliding_attention", "full_attention"] * 2),
+        "gemma3": Gemma3TextConfig(**COMMON, sliding_window=8, query_pre_attn_scalar=16, layer_types=types,
+                                   hidden_activation="gelu_pytorch_tanh",
+                                   rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                                                    "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}),
+    }
+
+
+def main():
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.set_grad_enabled(False)
+    for family, config in configs().items():
+        torch.manual_seed(0)
+        config._attn_implementation = "eager"
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+        with torch.no_grad():  # norms away from their init, so a (1 + w) vs w mix-up shows
+            for name, p in model.named_parameters():
+                if "norm" in name:
+                    p.add_(torch.randn_like(p) * 0.3)
+                elif p.dim() == 2:
+                    p.mul_(4.0 if "embed" in name else 2.0)
+        folder = os.path.join(OUT, family)
+        model.save_pretrained(folder, safe_serialization=True)
+        records = []
+        for ids in PROMPTS:
+            out = model(torch.tensor([ids]), use_cache=True)
+            past, logits = out.past_key_values, out.logits[0, -1]
+            prefill = logits.numpy().astype(np.float32).tolist()
+            greedy, margins = [], []
+            for _ in range(STEPS):
+                top2 = torch.topk(logits, 2).values
+                margins.append(float(top2[0] - top2[1]))
+                greedy.append(int(torch.argmax(logits)))
+                out = model(torch.tensor([[greedy[-1]]]), past_key_values=past, use_cache=True)
+                past, logits = out.past_key_values, out.logits[0, -1]
+            records.append({"prompt_ids": ids, "prefill_logits": prefill, "greedy_ids": greedy, "margins": margins})
+        with open(os.path.join(folder, "golden.json"), "w") as f:
+            json.dump({"family": family, "steps": STEPS, "records": records}, f)
+        print(family, [r["greedy_ids"][:6] for r in records], "min margin", min(min(r["margins"]) for r in records))
+
+
+if __name__ == "__main__":
+    main()
