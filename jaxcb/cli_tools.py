@@ -173,8 +173,8 @@ def cmd_plan(args) -> int:
         head_dim=model.head_dim, hidden_size=model.hidden_size, intermediate_size=model.intermediate_size,
         vocab_size=model.vocab_size, dtype_bytes=dtype_bytes, page_size=s.page_size, max_context=max_context,
         max_batch=config.buckets.max_batch, max_prefill_tokens=s.max_prefill_tokens, num_heads=model.num_heads,
-        tensor=tensor)
-    print(f"model {model.name}: {model.num_params / 1e6:.1f}M parameters, {args.dtype}; memory {args.memory} "
+        tensor=tensor, sliding_layers=model.num_sliding_layers, window=model.sliding_window)
+    print(f"model {model.name} ({model.family}): {model.num_params / 1e6:.1f}M parameters, {args.dtype}; memory {args.memory} "
           f"{'per device ' if tensor > 1 else ''}x {config.memory_fraction:g}; largest batch bucket "
           f"{config.buckets.max_batch}")
     print(plan.describe(sorted({512, 2048, max_context})))

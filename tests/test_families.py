@@ -59,8 +59,7 @@ def test_engine_greedy_matches_transformers_up_to_a_near_tie(family):
     window: the greedy ids are the reference's up to its first near tie (margin < 1e-3)."""
     config, params, tok, _ = load_model(os.path.join(GOLDEN, family), jnp.float32)
     llm = LLM.from_params(config, params, tok, config=make_config(
-        num_pages=64, page_size=16, max_context=128, decode_batch=(1, 2, 4), prefill_tokens=(16, 32),
-        max_prefill_tokens=32))
+        num_pages=64, page_size=16, max_context=128, decode_batch=(4,), prefill_tokens=(16,), max_prefill_tokens=16))
     records = golden(family)
     outs = llm.generate([r["prompt_ids"] for r in records], SamplingParams(max_tokens=16, ignore_eos=True))
     for record, out in zip(records, outs):

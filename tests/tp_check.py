@@ -18,7 +18,10 @@ RUNS = [
     ("a", "tp1", 1, 1, "xla"), ("a", "tp2", 2, 1, "xla"), ("a", "tp2-pallas", 2, 1, "pallas"),
     ("a", "tp4", 4, 1, "xla"), ("a", "dp2", 1, 2, "xla"), ("a", "tp2-dp2", 2, 2, "xla"),
     ("b", "tp1", 1, 1, "xla"), ("b", "tp8", 8, 1, "xla"), ("b", "tp4-pallas", 4, 1, "pallas"),
+    ("g", "tp1", 1, 1, "xla"), ("g", "tp2", 2, 1, "xla"), ("g", "dp2", 1, 2, "xla"),
 ]
+# Model "g": the tiny Gemma 3 checkpoint (sliding window 8: its second page group is sharded too).
+GEMMA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "golden", "tiny_hf", "gemma3")
 
 
 def main(workdir: str) -> None:
@@ -27,11 +30,13 @@ def main(workdir: str) -> None:
     from jaxcb.model.config import tiny_config
     from jaxcb.request import SamplingParams
 
-    models = {"a": tiny_config(), "b": tiny_config(num_heads=8, hidden_size=128)}
+    models = {"a": tiny_config(), "b": tiny_config(num_heads=8, hidden_size=128), "g": None}
     out = {}
     for key, model in models.items():
-        path = os.path.join(workdir, f"tiny-{key}.gguf")
-        write_tiny_gguf(path, model)
+        path = GEMMA
+        if model is not None:
+            path = os.path.join(workdir, f"tiny-{key}.gguf")
+            write_tiny_gguf(path, model)
         cfg, params, tok, eos = load_model(path)
         rng = np.random.default_rng(0)
         prompts = [rng.integers(3, cfg.vocab_size, n).tolist() for n in (5, 40, 17, 90, 33, 1)]
@@ -48,8 +53,8 @@ def main(workdir: str) -> None:
                 e.pool.check_all_free()
             out[f"{key}-{name}"] = {
                 "tokens": tokens, "compilations_after_warmup": engines[0].stats().compilations - before,
-                "kv_shards": [[list(x.data.shape) for x in e.runner.kv_pages.addressable_shards] for e in engines],
-                "devices": [sorted(d.id for d in e.runner.kv_pages.devices()) for e in engines],
+                "kv_shards": [[list(x.data.shape) for x in e.runner.kv_arrays[0].addressable_shards] for e in engines],
+                "devices": [sorted(d.id for d in e.runner.kv_arrays[0].devices()) for e in engines],
                 "preemptions": sum(e.stats().preemptions for e in engines),
                 "routed": llm.replicas.routed if llm.replicas else None,
                 "load_left": llm.replicas.load if llm.replicas else None,

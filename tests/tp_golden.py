@@ -21,7 +21,7 @@ def main(golden_path: str) -> None:
     outs = llm.generate([r["prompt_ids"] for r in golden["records"]],
                         SamplingParams(max_tokens=golden["steps"], ignore_eos=True))
     llm.engine.pool.check_all_free()
-    shards = [list(x.data.shape) for x in llm.engine.runner.kv_pages.addressable_shards]
+    shards = [list(x.data.shape) for x in llm.engine.runner.kv_arrays[0].addressable_shards]
     print(json.dumps({"tokens": [o.token_ids for o in outs], "kv_shards": shards}))
 
 
