@@ -29,6 +29,10 @@ log = logging.getLogger("jaxcb.runner")
 
 _compile_lock = threading.Lock()
 _compilations = 0
+# One XLA compilation at a time in this process: data-parallel replicas compile on their own threads,
+# and on the CPU two threads compiling the same step at once crashed the process once (a segfault
+# inside XLA's compile, in CI). Compiling is CPU-bound, so little is lost.
+_compile_serial = threading.Lock()
 
 
 def _count_compile(name, *args, **kwargs):
@@ -160,7 +164,7 @@ def make_runner(model_config: ModelConfig, params: Params, config, dtype=None, p
     return runner, config
 
 
-def resolve_attention(choice: str, mesh=None, model: ModelConfig | None = None) -> Attention:
+def resolve_attention(choice: str, mesh=None) -> Attention:
     """The engine config's `attention` for this platform.
 
     "xla": the plain-JAX reference everywhere. "pallas": the Pallas kernels of the platform (on the CPU,
@@ -170,11 +174,6 @@ def resolve_attention(choice: str, mesh=None, model: ModelConfig | None = None) 
     platform = jax.default_backend()
     kernel = {"tpu": "tpu", "gpu": "gpu", "cuda": "gpu", "rocm": "gpu"}.get(platform)
     if choice == "xla" or (choice == "auto" and kernel is None):
-        return Attention("xla", mesh=mesh)
-    if model is not None and (model.windowed or model.attn_softcap) and choice in ("pallas", "auto"):
-        # The Pallas kernels take neither a window nor soft-capping yet: the plain-JAX path runs these.
-        log.warning("attention: the Pallas kernels do not support %s yet; using the plain-JAX attention",
-                    "sliding windows" if model.windowed else "score soft-capping")
         return Attention("xla", mesh=mesh)
     if choice in ("pallas", "auto"):
         return Attention(kernel or "gpu", interpret=kernel is None, mesh=mesh)
@@ -187,7 +186,7 @@ class ModelRunner:
         if jax.default_backend() == "cpu":
             keep_freed_memory_on_cpu()
         self.mesh = mesh  # tensor parallelism (jaxcb.parallel); None = the default device
-        self.attention = resolve_attention(attention, mesh, config)
+        self.attention = resolve_attention(attention, mesh)
         self._compiled: dict[int, object] = {}  # token bucket -> the compiled step
         self.model_config = config  # the model as loaded
         self.kv_replication = 1
@@ -278,8 +277,10 @@ class ModelRunner:
         if shape.tokens not in self._compiled:
             window = self.config.sliding_window if self.config.windowed else 0
             batch, sampling = pack([], shape, self.page_size, window), pack_sampling([], shape)
-            self._compiled[shape.tokens] = step.lower(self.params, self.kv_pages, self.last_tokens, batch, sampling,
-                                                      config=self.config, attention=self.attention).compile()
+            with _compile_serial:
+                self._compiled[shape.tokens] = step.lower(
+                    self.params, self.kv_pages, self.last_tokens, batch, sampling, config=self.config,
+                    attention=self.attention).compile()
 
     def run(self, batch: StepInput, sampling: SamplingInput, shape: StepShape) -> SampleOutput:
         """Dispatch one step; returns device arrays without waiting for them."""

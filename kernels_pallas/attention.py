@@ -47,7 +47,7 @@ def _check(num_heads, num_kv_heads, page_size, head_dim):
 
 
 def _attend(qb: qblocks.QueryBlocks, k_pool, v_pool, kv_index, kv_lens, page_indices, *, scale,
-            backend, interpret, pages_per_tile, num_splits, decode):
+            backend, interpret, pages_per_tile, num_splits, decode, softcap=0.0):
     """Runs the kernel over query blocks and merges splits: returns [K, NB, R, D] in q's dtype."""
     nk, nb, _, d = qb.q.shape
     page_size = k_pool.shape[3]
@@ -71,7 +71,7 @@ def _attend(qb: qblocks.QueryBlocks, k_pool, v_pool, kv_index, kv_lens, page_ind
                       kv_index.astype(jnp.int32), k_pool, v_pool, group_pad=qb.group_pad,
                       scale=(1.0 / d**0.5) if scale is None else scale, pages_per_tile=pages_per_tile,
                       num_splits=num_splits, out_dtype=qb.q.dtype if num_splits == 1 else jnp.float32,
-                      interpret=interpret)
+                      interpret=interpret, softcap=softcap)
     if num_splits == 1:
         return out[:, :, 0]
     return qblocks.combine_splits(out, lse).astype(qb.q.dtype)
@@ -91,7 +91,7 @@ def paged_attention(q, k_pages, v_pages, lengths, page_indices, *, scale=None, i
     """
     _check(q.shape[1], k_pages.shape[0], k_pages.shape[2], q.shape[2])
     qb = qblocks.decode_blocks(q, lengths, k_pages.shape[0])
-    out = _attend(qb, k_pages[None], v_pages[None], jnp.zeros(2, jnp.int32), lengths, page_indices,
+    out = _attend(qb, k_pages[None], v_pages[None], jnp.zeros(3, jnp.int32), lengths, page_indices,
                   scale=scale, backend=backend, interpret=interpret, pages_per_tile=pages_per_tile,
                   num_splits=num_splits, decode=True)
     return qblocks.decode_unblock(out, q.shape[1])
@@ -111,7 +111,7 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens
     _check(q.shape[1], k_pages.shape[0], k_pages.shape[2], q.shape[2])
     qb, where = qblocks.ragged_blocks(q, kv_lens.astype(jnp.int32), cu_q_lens.astype(jnp.int32),
                                       num_seqs.astype(jnp.int32), k_pages.shape[0], tokens_per_block)
-    out = _attend(qb, k_pages[None], v_pages[None], jnp.zeros(2, jnp.int32), kv_lens, page_indices,
+    out = _attend(qb, k_pages[None], v_pages[None], jnp.zeros(3, jnp.int32), kv_lens, page_indices,
                   scale=scale, backend=backend, interpret=interpret, pages_per_tile=pages_per_tile,
                   num_splits=num_splits, decode=False)
     return qblocks.ragged_unblock(out, where, q.shape[1], qb.group_pad)
@@ -128,7 +128,7 @@ def engine_attention(q, kv_pages, layer, kv_lens, q_lens, page_table, *, backend
     b, t, h, d = q.shape
     nl, _, nk, p, s, _ = kv_pages.shape
     pool = kv_pages.reshape(nl * 2, nk, p, s, d)
-    kv_index = jnp.stack([2 * layer, 2 * layer + 1]).astype(jnp.int32)
+    kv_index = jnp.stack([2 * layer, 2 * layer + 1, 0]).astype(jnp.int32)
     if t == 1:
         qb = qblocks.decode_blocks(q[:, 0], kv_lens, nk)
         out = _attend(qb, pool, pool, kv_index, kv_lens, page_table, scale=None, backend=backend,
@@ -141,20 +141,22 @@ def engine_attention(q, kv_pages, layer, kv_lens, q_lens, page_table, *, backend
 
 
 def engine_ragged_attention(q, kv_pages, layer, kv_lens, page_table, cu_q_lens, num_seqs, *, backend=None,
-                            interpret=False, tokens_per_block=16):
+                            interpret=False, tokens_per_block=16, scale=None, window=0, softcap=0.0):
     """The engine's packed step (jaxcb.batch) over its whole cache, without slicing a layer out.
 
     q [T, H, D], sequence i's tokens at rows cu_q_lens[i]:cu_q_lens[i+1] (cu_q_lens [M+1], num_seqs
     [1]); kv_pages [L, 2, K, P, S, D]; layer a scalar; kv_lens [M] (new tokens included); page_table
-    [M, N]. Returns [T, H, D] (rows past the live sequences: zeros).
+    [M, N]. `scale` of the scores (default 1/sqrt(D)); `window` (may be traced; 0 = none): a query at
+    t sees keys after t - window only, and pages wholly before its block's window are never read;
+    `softcap` (static; 0 = off). Returns [T, H, D] (rows past the live sequences: zeros).
     """
     t, h, d = q.shape
     nl, _, nk, p, s, _ = kv_pages.shape
     pool = kv_pages.reshape(nl * 2, nk, p, s, d)
-    kv_index = jnp.stack([2 * layer, 2 * layer + 1]).astype(jnp.int32)
+    kv_index = jnp.stack([2 * layer, 2 * layer + 1, jnp.asarray(window, jnp.int32)]).astype(jnp.int32)
     kv_lens = kv_lens.astype(jnp.int32)
     qb, where = qblocks.ragged_blocks(q, kv_lens, cu_q_lens.astype(jnp.int32), num_seqs.astype(jnp.int32), nk,
                                       tokens_per_block)
-    out = _attend(qb, pool, pool, kv_index, kv_lens, page_table, scale=None, backend=backend,
-                  interpret=interpret, pages_per_tile=None, num_splits=None, decode=False)
+    out = _attend(qb, pool, pool, kv_index, kv_lens, page_table, scale=scale, backend=backend,
+                  interpret=interpret, pages_per_tile=None, num_splits=None, decode=False, softcap=softcap)
     return qblocks.ragged_unblock(out, where, h, qb.group_pad)

@@ -19,15 +19,19 @@ def cdiv(a, b):
     return lax.div(a + b - 1, b)
 
 
-def page_range(pos, rows, kv_len, split, page_size, pages_per_split, pages_per_tile):
+def page_range(pos, rows, kv_len, split, page_size, pages_per_split, pages_per_tile, window=0):
     """What one program reads: (key_end, first_page, end_page, num_tiles).
 
     The block's queries see keys below key_end (its last query's position + 1, at most kv_len; 0 for
     a padding block); its split covers table entries [first_page, end_page), walked in num_tiles tiles.
+    With a sliding `window` (> 0), pages wholly before the window of the block's first query are
+    skipped: never read (a sliding layer's table holds the null page there).
     """
     key_end = jnp.where(rows > 0, jnp.minimum(kv_len, pos + rows), 0)
-    first_page = split * pages_per_split
-    end_page = jnp.minimum(first_page + pages_per_split, cdiv(key_end, page_size))
+    split_start = split * pages_per_split
+    seen_from = jnp.where(window > 0, lax.div(jnp.maximum(pos - window + 1, 0), page_size), 0)
+    first_page = jnp.maximum(split_start, seen_from)
+    end_page = jnp.minimum(split_start + pages_per_split, cdiv(key_end, page_size))
     num_tiles = cdiv(jnp.maximum(end_page - first_page, 0), pages_per_tile)
     return key_end, first_page, end_page, num_tiles
 
@@ -37,10 +41,12 @@ def init(rows: int, head_dim: int):
             jnp.zeros((rows, 1), jnp.float32))
 
 
-def tile_update(carry, q, k, v, first_key, row_pos, key_end, scale):
+def tile_update(carry, q, k, v, first_key, row_pos, key_end, scale, window=0, softcap=0.0):
     """One tile: q [R, D]; k, v [BK, D] for keys at first_key...; row_pos int32 [R, 1]; key_end scalar.
 
-    A key is seen by a row when its position is at most the row's and below key_end. Keys at or past
+    A key is seen by a row when its position is at most the row's and below key_end (and, with a
+    sliding `window` > 0, after row - window). `softcap` (static, 0 = off): scores become
+    softcap * tanh(scores / softcap). Keys at or past
     key_end may be pages the sequence never wrote (zeros, or NaN in uninitialised memory): their
     scores are replaced, not multiplied by zero, and their values are zeroed before the product.
     """
@@ -48,9 +54,12 @@ def tile_update(carry, q, k, v, first_key, row_pos, key_end, scale):
     precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
     s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
                         preferred_element_type=jnp.float32) * scale  # [R, BK]
+    if softcap:
+        s = softcap * jnp.tanh(s / softcap)
     bk = k.shape[0]
     key_pos = first_key + lax.broadcasted_iota(jnp.int32, (1, bk), 1)
     seen = (key_pos < key_end) & (key_pos <= row_pos)  # [R, BK]
+    seen &= key_pos > jnp.where(window > 0, row_pos - window, -1)
     s = jnp.where(seen, s, MASKED)
     m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
     alpha = jnp.exp(m - m_new)

@@ -24,11 +24,12 @@ from kernels_pallas import flash
 
 
 def _kernel(seq_ref, pos_ref, rows_ref, kv_lens_ref, pages_ref, kv_index_ref, q_ref, k_ref, v_ref,
-            out_ref, lse_ref, *, page_size, pages_per_tile, pages_per_split, group_pad, scale):
+            out_ref, lse_ref, *, page_size, pages_per_tile, pages_per_split, group_pad, scale, softcap):
     h, j, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     seq, pos = seq_ref[j], pos_ref[j]
+    window = kv_index_ref[2]
     key_end, first_page, end_page, num_tiles = flash.page_range(
-        pos, rows_ref[j], kv_lens_ref[seq], split, page_size, pages_per_split, pages_per_tile)
+        pos, rows_ref[j], kv_lens_ref[seq], split, page_size, pages_per_split, pages_per_tile, window)
 
     q = q_ref[...]
     r, d = q.shape
@@ -48,7 +49,7 @@ def _kernel(seq_ref, pos_ref, rows_ref, kv_lens_ref, pages_ref, kv_index_ref, q_
         k = plgpu.load(k_ref.at[k_layer, h, page_ids, slot, dim], mask=mask, other=0)
         v = plgpu.load(v_ref.at[v_layer, h, page_ids, slot, dim], mask=mask, other=0)
         k, v = k.reshape(tile_keys, d), v.reshape(tile_keys, d)
-        return flash.tile_update(carry, q, k, v, tile_page * page_size, row_pos, key_end, scale)
+        return flash.tile_update(carry, q, k, v, tile_page * page_size, row_pos, key_end, scale, window, softcap)
 
     out, lse = flash.finish(lax.fori_loop(0, num_tiles, body, flash.init(r, d)))
     out_ref[...] = out.astype(out_ref.dtype)
@@ -56,14 +57,16 @@ def _kernel(seq_ref, pos_ref, rows_ref, kv_lens_ref, pages_ref, kv_index_ref, q_
 
 
 def attend_blocks(q, seq, pos, rows, kv_lens, page_indices, kv_index, k_pool, v_pool, *, group_pad,
-                  scale, pages_per_tile, num_splits, out_dtype, interpret):
+                  scale, pages_per_tile, num_splits, out_dtype, interpret, softcap=0.0):
     """q [K, NB, R, D]; k_pool, v_pool [X, K, P, S, D]; page_indices [M, N'] with N' a multiple of
-    num_splits * pages_per_tile. Returns out [K, NB, splits, R, D] (out_dtype), lse [.., R, 1] f32."""
+    num_splits * pages_per_tile; kv_index [3]: (key layer, value layer, sliding window or 0).
+    Returns out [K, NB, splits, R, D] (out_dtype), lse [.., R, 1] f32."""
     nk, nb, r, d = q.shape
     page_size = k_pool.shape[3]
     pages_per_split = page_indices.shape[1] // num_splits
     kernel = functools.partial(_kernel, page_size=page_size, pages_per_tile=pages_per_tile,
-                               pages_per_split=pages_per_split, group_pad=group_pad, scale=scale)
+                               pages_per_split=pages_per_split, group_pad=group_pad, scale=scale,
+                               softcap=softcap)
     whole = lambda a: pl.BlockSpec(a.shape, lambda *_: (0,) * a.ndim)  # noqa: E731
     return pl.pallas_call(
         kernel,

@@ -23,11 +23,12 @@ from kernels_pallas import flash
 
 def _kernel(seq_ref, pos_ref, rows_ref, kv_lens_ref, pages_ref, kv_index_ref,  # scalar prefetch
             q_ref, k_hbm, v_hbm, out_ref, lse_ref, k_buf, v_buf, sems,
-            *, page_size, pages_per_tile, pages_per_split, pages_per_seq, group_pad, scale):
+            *, page_size, pages_per_tile, pages_per_split, pages_per_seq, group_pad, scale, softcap):
     h, j, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     seq, pos = seq_ref[j], pos_ref[j]
+    window = kv_index_ref[2]
     key_end, first_page, end_page, num_tiles = flash.page_range(
-        pos, rows_ref[j], kv_lens_ref[seq], split, page_size, pages_per_split, pages_per_tile)
+        pos, rows_ref[j], kv_lens_ref[seq], split, page_size, pages_per_split, pages_per_tile, window)
     k_layer, v_layer = kv_index_ref[0], kv_index_ref[1]
 
     def copies(tile, slot, page_in_tile):
@@ -60,7 +61,8 @@ def _kernel(seq_ref, pos_ref, rows_ref, kv_lens_ref, pages_ref, kv_index_ref,  #
 
         for_each_page(tile, slot, lambda c: c.wait())
         first_key = (first_page + tile * pages_per_tile) * page_size
-        return flash.tile_update(carry, q, k_buf[slot], v_buf[slot], first_key, row_pos, key_end, scale)
+        return flash.tile_update(carry, q, k_buf[slot], v_buf[slot], first_key, row_pos, key_end, scale, window,
+                                 softcap)
 
     out, lse = flash.finish(lax.fori_loop(0, num_tiles, body, flash.init(*q.shape)))
     out_ref[...] = out.astype(out_ref.dtype)
@@ -68,14 +70,14 @@ def _kernel(seq_ref, pos_ref, rows_ref, kv_lens_ref, pages_ref, kv_index_ref,  #
 
 
 def attend_blocks(q, seq, pos, rows, kv_lens, page_indices, kv_index, k_pool, v_pool, *, group_pad,
-                  scale, pages_per_tile, num_splits, out_dtype, interpret):
+                  scale, pages_per_tile, num_splits, out_dtype, interpret, softcap=0.0):
     """Same contract as kernels_pallas.gpu.attend_blocks."""
     nk, nb, r, d = q.shape
     page_size = k_pool.shape[3]
     num_seqs, pages_per_seq = page_indices.shape
     kernel = functools.partial(_kernel, page_size=page_size, pages_per_tile=pages_per_tile,
                                pages_per_split=pages_per_seq // num_splits, pages_per_seq=pages_per_seq,
-                               group_pad=group_pad, scale=scale)
+                               group_pad=group_pad, scale=scale, softcap=softcap)
     tile = (2, pages_per_tile * page_size, d)
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=6,

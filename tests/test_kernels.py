@@ -144,6 +144,47 @@ def test_engine_layout_reads_only_its_layer(backend):
     assert_close(decode[:2, 0], np.stack([r[0] for r in ref[:2]]), jnp.float32)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_engine_ragged_kernel_with_a_sliding_window_and_softcap(backend):
+    """The engine's packed step of a sliding layer (Gemma): keys before each query's window masked,
+    soft-capped scores, a custom scale; its pages before the window are the null page, filled with NaN
+    here, which must never be read. Against the plain-JAX path the CPU runs."""
+    from jaxcb.batch import SeqSpec, StepShape, pack
+    from jaxcb.model.paged_attention import ragged_attention
+    from kernels_pallas import engine_ragged_attention
+
+    rng = np.random.default_rng()
+    s, d, nk, h, window = 16, 64, 2, 4, 40
+    num_pages = 24
+    cache = rng.standard_normal((1, 2, nk, num_pages, s, d)).astype(np.float32)
+    cache[:, :, :, 0] = np.nan  # the null page
+    # (tokens this step, start): decode past the window, a prefill chunk past it, a short prefill, decode.
+    seqs = [(1, 100), (20, 70), (9, 0), (1, 30)]
+    pages = iter(rng.permutation(np.arange(1, num_pages)).tolist())
+    specs = []
+    for n, start in seqs:
+        total = -(-(start + n) // s)
+        first = max(0, start - window + 1) // s
+        ids = [0] * first + [next(pages) for _ in range(total - first)]
+        tokens = rng.integers(0, 100, n).tolist()
+        specs.append(SeqSpec(tokens, start, ids, window_page_ids=ids))
+    specs.sort(key=lambda sp: len(sp.token_ids) > 1)  # decode first
+    step = pack(specs, StepShape(64, 8, 8, 256), s, window)
+    batch = step.window.apply(step)
+    q = jnp.asarray(rng.standard_normal((64, h, d)), jnp.float32)
+    kv = jnp.asarray(cache)
+    ref = ragged_attention(q, kv, jnp.int32(0), jax.tree.map(jnp.asarray, batch), scale=0.2, window=window,
+                           softcap=3.0)
+    out = engine_ragged_attention(q, kv, jnp.int32(0), jnp.asarray(batch.kv_lens), jnp.asarray(batch.page_table),
+                                  jnp.asarray(batch.cu_q_lens), jnp.asarray(batch.num_seqs), backend=backend,
+                                  interpret=True, scale=0.2, window=window, softcap=3.0)
+    live = int(batch.cu_q_lens[len(seqs)])
+    assert_close(out[:live], np.asarray(ref[:live]), jnp.float32)
+    plain = ragged_attention(q, kv.at[:, :, :, 0].set(0.0), jnp.int32(0), jax.tree.map(jnp.asarray, batch),
+                             scale=0.2, softcap=3.0)  # no window (null pages as zeros): a different answer
+    assert np.abs(np.asarray(plain[:live]) - np.asarray(ref[:live])).max() > 1e-3
+
+
 @pytest.mark.parametrize("platform", ["cuda", "tpu"])
 def test_kernels_lower_for_gpu_and_tpu(platform):
     """Triton and Mosaic lowering of both kernels, on this CPU machine (no device needed to lower)."""

@@ -142,3 +142,15 @@ def test_memory_plan_counts_each_group_and_fits_more_sequences():
     assert windowed.max_batch_at(8192) > 3 * full.max_batch_at(8192)
     assert windowed.max_batch_without_window(8192) == pytest.approx(full.max_batch_at(8192), rel=0.01)
     assert "sliding pages" in windowed.describe()
+
+
+def test_pallas_kernels_give_the_plain_jax_tokens(params):
+    """The engine with the Pallas kernels (interpret mode on the CPU) over both page groups: the window
+    and scale reach the kernels, and the inactive group's empty lengths keep its call a no-op."""
+    prompts = PROMPTS[1:3]
+    sp = SamplingParams(max_tokens=12, ignore_eos=True)
+    xla = [o.token_ids for o in make(params).generate(prompts, sp)]
+    pallas = make(params, attention="pallas")
+    assert pallas.engine.runner.attention.kernel == "gpu"
+    assert [o.token_ids for o in pallas.generate(prompts, sp)] == xla
+    check_whole(pallas)

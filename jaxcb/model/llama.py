@@ -214,7 +214,8 @@ def _attend_group(attention: Attention, config: ModelConfig, q, k, v, pages, lay
         attn = q
     else:  # the ragged Pallas kernel over the whole cache, one call for the step's every sequence
         attn = engine_ragged_attention(q, pages, layer_index, batch.kv_lens, batch.page_table, batch.cu_q_lens,
-                                       batch.num_seqs, backend=attention.kernel, interpret=attention.interpret)
+                                       batch.num_seqs, backend=attention.kernel, interpret=attention.interpret,
+                                       scale=config.attention_scale, window=window, softcap=config.attn_softcap)
     return attn, pages
 
 
