@@ -232,7 +232,10 @@ class ModelRunner:
         for layers, pages in groups:
             shape = (layers, c.num_kv_heads, pages, self.page_size, c.head_dim, self.dtype)
             if self.mesh is None:
-                arrays.append(allocate_kv_pages(*shape))
+                kv = allocate_kv_pages(*shape)
+                # One KV head: stored without its size-1 axis, which made XLA copy the cache every
+                # layer (jaxcb.model.llama._with_head_axis).
+                arrays.append(kv.reshape(kv.shape[:2] + kv.shape[3:]) if c.num_kv_heads == 1 else kv)
                 continue
             from jaxcb import parallel  # allocated split over the devices, never whole on one
 
