@@ -238,6 +238,12 @@ class Engine:
         dispatched behind it. So the host's work (inbox, schedule, pack, output processing) overlaps
         the device's, and the device always has the next step queued while the host waits for one.
         """
+        try:
+            return self._step()
+        finally:
+            self.outputs.deliver()  # after the step's retirements: a final event means the pages are back
+
+    def _step(self) -> list[TokenEvent]:
         start = time.perf_counter()
         events: list[TokenEvent] = []
         self._drain_inbox(events)

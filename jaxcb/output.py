@@ -3,8 +3,9 @@
 Plain Python, no JAX. Each live request (each sample of an n > 1 request) has an `OutputStream`: its
 incremental detokenizer, its text so far and how much of it was sent. Text that could still grow into
 a stop string is held back until it cannot; a stop string ends the request and is never sent, nor is
-anything after it. Events go to the request's callback and into the step's list; a failing callback
-never fails the step. The scheduler decides the finishes it can see from token ids (stop tokens, EOS,
+anything after it. Events go into the step's list and are handed to the requests' callbacks by
+`deliver()` once the step's bookkeeping is done (so a caller that sees its final event also sees its
+pages freed); a failing callback never fails the step. The scheduler decides the finishes it can see from token ids (stop tokens, EOS,
 length); this module adds the stop strings, which need the text.
 """
 
@@ -37,6 +38,16 @@ class Outputs:
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
         self.streams: dict[tuple[str, int], OutputStream] = {}
+        self._undelivered: list[tuple[EventCallback, TokenEvent]] = []
+
+    def deliver(self) -> None:
+        """Hand this step's events to their callbacks, in the order they were made."""
+        pending, self._undelivered = self._undelivered, []
+        for callback, event in pending:
+            try:
+                callback(event)
+            except Exception:  # noqa: BLE001 - a broken listener must not fail the step for others
+                log.exception("event callback for %s failed", event.request_id)
 
     def new_stream(self, seed: int, callback: EventCallback | None) -> OutputStream:
         detok = IncrementalDetokenizer(self.tokenizer) if self.tokenizer is not None else None
@@ -75,7 +86,7 @@ class Outputs:
         delta, stream.emitted = stream.text[stream.emitted:safe], max(stream.emitted, safe)
         _emit(TokenEvent(r.request_id, (token,), delta, False, None, logprobs, len(r.prompt_ids),
                          len(r.output_ids), queue_s=queue_s, num_cached_tokens=r.num_cached_tokens,
-                         index=r.sample_index), stream, events)
+                         index=r.sample_index), stream, events, self._undelivered)
         return None
 
     def close(self, r: Request, reason: FinishReason, events: list[TokenEvent], new_tokens=(), logprobs=None,
@@ -86,16 +97,13 @@ class Outputs:
             stream.text += stream.detok.flush()  # a character cut off by the end is not dropped
         _emit(TokenEvent(r.request_id, tuple(new_tokens), stream.text[stream.emitted:], True, reason, logprobs,
                          len(r.prompt_ids), len(r.output_ids), error, queue_s,
-                         num_cached_tokens=r.num_cached_tokens, index=r.sample_index), stream, events)
+                         num_cached_tokens=r.num_cached_tokens, index=r.sample_index), stream, events, self._undelivered)
 
 
-def _emit(event: TokenEvent, stream: OutputStream, events: list[TokenEvent]) -> None:
+def _emit(event: TokenEvent, stream: OutputStream, events: list[TokenEvent], undelivered: list) -> None:
     events.append(event)
     if stream.callback is not None:
-        try:
-            stream.callback(event)
-        except Exception:  # noqa: BLE001 - a broken listener must not fail the step for others
-            log.exception("event callback for %s failed", event.request_id)
+        undelivered.append((stream.callback, event))
 
 
 def _find_stop(text: str, stops: tuple[str, ...], emitted: int) -> int | None:

@@ -133,3 +133,21 @@ def test_pallas_attention_gives_the_reference_tokens(make_llm, kernel):
     params = SamplingParams(max_tokens=12, ignore_eos=True)
     want = [o.token_ids for o in reference.generate(prompts, params)]
     assert [o.token_ids for o in pallas.generate(prompts, params)] == want
+
+
+def test_a_final_event_reaches_its_caller_after_the_request_gave_its_pages_back(make_llm):
+    """A caller that reads the engine's state on its final event sees its pages freed and its id free."""
+    llm = make_llm()
+    engine = llm.engine
+    seen = []
+
+    def on_event(event):
+        if event.finished:
+            seen.append((engine.pool.num_free, engine.stats().running, engine.is_live(event.request_id)))
+
+    for i, prompt in enumerate(random_prompts(llm, (5, 40, 17), seed=9)):
+        engine.add_request(prompt, SamplingParams(max_tokens=3 + 4 * i, ignore_eos=True), callback=on_event)
+    engine.run_until_done()
+    assert len(seen) == 3
+    assert seen[-1] == (engine.pool.num_usable, 0, False)
+    assert [running for _, running, _ in seen] == [2, 1, 0] and not any(live for _, _, live in seen)
