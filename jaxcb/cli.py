@@ -26,7 +26,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", default=None, help="engine config TOML (default: configs/default.toml)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
                    help="weights and KV dtype (default: float32 on CPU, bfloat16 on GPU/TPU)")
-    p.add_argument("--policy", default=None, help="scheduling policy: fcfs, sjf, priority, length-buckets")
+    p.add_argument("--policy", default=None, help="scheduling policy: fcfs, sjf, priority, length-buckets, round-robin")
     p.add_argument("--compile-cache", default=None, metavar="DIR",
                    help="persistent XLA compilation cache (default: $JAXCB_COMPILE_CACHE or ~/.cache/jaxcb/xla; "
                         "'off' for none)")

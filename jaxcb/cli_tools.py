@@ -4,6 +4,8 @@
     jaxcb convert MODEL OUT_DIR [--dtype bfloat16|float32]         orbax checkpoint of the weights
     jaxcb plan --model M --memory 80GiB [--max-context N] [--tensor-parallel N]   what fits, per device
     jaxcb buckets --lengths FILE --max-buckets N [--out F]         buckets from recorded lengths
+    jaxcb simulate --trace FILE [--policy P] [--step-model F | --device NAME --model-shape M]
+                                                                   a trace on a simulated clock
 """
 
 from __future__ import annotations
@@ -31,6 +33,23 @@ def add_parsers(sub, add_model_args) -> None:
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16")
     p.add_argument("--tensor-parallel", type=int, default=None, metavar="N",
                    help="split the model over N devices of --memory each (default: the config's parallel.tensor)")
+
+    s = sub.add_parser("simulate", help="run a request trace through the real scheduler on a simulated clock")
+    s.add_argument("--trace", required=True, help="JSONL: arrival_s, prompt_tokens, output_tokens[, priority, "
+                   "prefix_id, prefix_tokens] per line")
+    s.add_argument("--policy", default=None, help="scheduling policy (default: the config's)")
+    s.add_argument("--config", default=None, help="engine config TOML (buckets, limits, pages)")
+    s.add_argument("--step-model", default=None, help="a fitted step-time model (JSON, bench/policies.py "
+                   "writes one); default: the built-in SmolLM2-on-a-2-core-CPU model")
+    s.add_argument("--device", default=None, help="a roofline of an accelerator instead: "
+                   "h200, h100, a100, tpu-v5e, tpu-v6e")
+    s.add_argument("--model-shape", default="llama-3-8b",
+                   help="with --device: llama-3-8b (default), smollm2-135m, qwen3-0.6b")
+    s.add_argument("--num-pages", type=int, default=None,
+                   help="KV pages (default: the config's; with --device, what the device holds)")
+    s.add_argument("--max-wait-ms", type=float, default=None)
+    s.add_argument("--target-p99-tpot-ms", type=float, default=None)
+    s.add_argument("--max-running", type=int, default=None, help="a fixed running limit below max_running")
 
     b = sub.add_parser("buckets", help="choose bucket boundaries from recorded lengths (--record-lengths)")
     b.add_argument("--lengths", required=True, help="JSONL of {prompt, context} lines, or one number per line")
@@ -181,4 +200,57 @@ def cmd_plan(args) -> int:
     return 0
 
 
-COMMANDS = {"warmup": cmd_warmup, "convert": cmd_convert, "plan": cmd_plan, "buckets": cmd_buckets}
+
+
+def cmd_simulate(args) -> int:
+    import json
+
+    from jaxcb.engine_config import AUTO_PAGES, load_config
+    from jaxcb.simulate import DEVICES, MODELS, RooflineStepModel, load_step_model, simulate
+    from jaxcb.trace import read_trace
+
+    if args.step_model and args.device:
+        raise ValueError("--step-model and --device: give one of them")
+    config = load_config(args.config)
+    changes = {}
+    if args.policy:
+        changes["policy"] = args.policy
+    if args.max_wait_ms is not None:
+        changes["max_wait_ms"] = args.max_wait_ms
+    if args.target_p99_tpot_ms is not None:
+        changes["target_p99_tpot_ms"] = args.target_p99_tpot_ms
+    if args.device:
+        if args.device not in DEVICES:
+            raise ValueError(f"--device: {args.device!r} is not one of {', '.join(DEVICES)}")
+        if args.model_shape not in MODELS:
+            raise ValueError(f"--model-shape: {args.model_shape!r} is not one of {', '.join(MODELS)}")
+        model = RooflineStepModel(DEVICES[args.device], MODELS[args.model_shape])
+        vocab = MODELS[args.model_shape].vocab
+        pages = args.num_pages or (config.num_pages if config.num_pages != AUTO_PAGES and args.config
+                                   else model.num_pages(config.page_size))
+    else:
+        model = load_step_model(args.step_model)
+        vocab = 49152
+        pages = args.num_pages or (config.num_pages if config.num_pages != AUTO_PAGES else 4096)
+    config = config.replace(num_pages=pages, **changes)
+    if args.max_running is not None:
+        if not 1 <= args.max_running <= config.scheduler.max_running:
+            raise ValueError(f"--max-running: must be in [1, {config.scheduler.max_running}], got {args.max_running}")
+    trace = read_trace(args.trace)
+    if not trace:
+        raise ValueError(f"--trace: {args.trace} holds no requests")
+    print(f"simulating {len(trace)} requests, policy {config.scheduler.policy}, {pages} pages of "
+          f"{config.page_size} tokens, step model: {json.dumps(model.to_json())[:200]}", file=sys.stderr)
+
+    def progress(clock, arrived, total):
+        print(f"  simulated {clock:.0f} s, {arrived}/{total} arrived", file=sys.stderr)
+
+    result = simulate(trace, config, model, vocab=vocab, progress=progress, max_running=args.max_running)
+    for k, v in result.items():
+        print(f"{k:>22}: {v}")
+    print(json.dumps(result))
+    return 0
+
+
+COMMANDS = {"warmup": cmd_warmup, "convert": cmd_convert, "plan": cmd_plan, "buckets": cmd_buckets,
+            "simulate": cmd_simulate}

@@ -47,6 +47,18 @@ class _InFlight:
     chunks: list[Chunk]
     epochs: list[int]
     result: object
+    padded_tokens: int = 0  # the step's token bucket
+    started: float | None = None  # when the device could start it: its dispatch when nothing ran before it
+
+
+def step_record(step: _InFlight, fetch_end: float, start: float | None) -> dict:
+    """One completed step, as `Engine.step_log` keeps it for fitting the step-time model
+    (jaxcb.simulate): its tokens (live and padded), the context its attention read, its rows, and the
+    time it took (from the previous step's tokens, or from its own packing when nothing ran before it)."""
+    return {"tokens": sum(c.num_tokens for c in step.chunks), "padded_tokens": step.padded_tokens,
+            "context": sum(c.start + c.num_tokens for c in step.chunks), "rows": len(step.chunks),
+            "decode_rows": sum(1 for c in step.chunks if c.num_tokens == 1),
+            "seconds": None if start is None else fetch_end - start}
 
 
 @dataclasses.dataclass
@@ -70,6 +82,13 @@ class EngineStats:
     failed_steps: int = 0  # steps that raised (their requests ended with an error)
     window_pages_total: int = 0  # the sliding layers' page group (jaxcb.window); 0 without one
     window_pages_in_use: int = 0
+    switches: int = 0  # round-robin yields
+    recomputed_tokens: int = 0  # tokens computed again after preemptions and switches
+    switch_recomputed_tokens: int = 0  # ... of those, after switches
+    running_limit: int = 0  # batch slots now (the latency controller moves it)
+    prefill_budget: int = 0  # prompt tokens per step now (the latency controller moves it)
+    measured_p99_tpot_ms: float = 0.0  # with a latency target: p99 time per token of recent requests
+    measured_p99_ttft_ms: float = 0.0  # ... and of their first tokens
 
 
 class Engine:
@@ -113,6 +132,7 @@ class Engine:
         # Test seam: called with each SchedulerOutput before dispatch; raising simulates a failed step.
         self.fault_injector: Callable | None = None
         self._length_log = None  # record_lengths(): one JSON line per finished request
+        self.step_log: list[dict] | None = None  # set to a list to record every step (step_record)
 
     def record_lengths(self, path: str) -> None:
         """Append {"prompt": tokens, "context": tokens} for every request that finishes, for
@@ -190,7 +210,7 @@ class Engine:
         return self.scheduler.has_work or not self._inbox.empty() or bool(self._in_flight)
 
     def stats(self) -> EngineStats:
-        c, cache = self._counters, self.scheduler.cache
+        c, cache, ctl = self._counters, self.scheduler.cache, self.scheduler.controller
         return EngineStats(
             running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
             pages_total=self.pool.num_usable, pages_free=self.pool.num_free, pages_in_use=self.pool.num_in_use,
@@ -205,6 +225,12 @@ class Engine:
             failed_steps=self.num_failed_steps,
             window_pages_total=self.window_group.pool.num_usable if self.window_group else 0,
             window_pages_in_use=self.window_group.pool.num_in_use if self.window_group else 0,
+            switches=self.scheduler.num_switches, recomputed_tokens=self.scheduler.num_recomputed_tokens,
+            switch_recomputed_tokens=self.scheduler.num_switch_recomputed_tokens,
+            running_limit=self.scheduler.running_limit,
+            prefill_budget=ctl.prefill_budget if ctl else self.scheduler.config.max_prefill_tokens,
+            measured_p99_tpot_ms=ctl.measured_p99_tpot_ms if ctl else 0.0,
+            measured_p99_ttft_ms=ctl.measured_p99_ttft_ms if ctl else 0.0,
         )
 
     def reset_counters(self) -> None:
@@ -261,14 +287,13 @@ class Engine:
         keep = 1 if launched and self.scheduler.config.async_scheduling else 0
         while len(self._in_flight) > keep:
             self._complete(self._in_flight.popleft(), events)
-        if self.scheduler.config.target_tpot_ms is not None and out.decode:
-            self.scheduler.observe_decode_step((time.perf_counter() - start) * 1000)
         return events
 
     def _launch(self, chunks: list[Chunk], num_static_rows: int) -> _InFlight:
         """Pack the step into one batch of its token bucket and dispatch it (one jitted call, not
         waited for). A decode token whose id is still on the device (sampled by the step in flight)
         is read there by the step itself."""
+        packing = time.perf_counter()
         s = self.config.page_size
         live = sum(c.num_tokens for c in chunks)
         # Static batching pays for the batch's finished rows too: they stay padded in.
@@ -314,7 +339,8 @@ class Engine:
             cnt["host_s"] += dispatch_end - self._last_fetch_end
         self._step_id += 1
         self.scheduler.on_launched(chunks, self._step_id)
-        return _InFlight(chunks, [c.request.num_preemptions for c in chunks], result)
+        return _InFlight(chunks, [c.request.num_preemptions for c in chunks], result, shape.tokens,
+                         None if pipelined else packing)
 
     def _complete(self, step: _InFlight, events: list[TokenEvent]) -> None:
         """Wait for a launched step's tokens (the one device-to-host copy) and process them."""
@@ -327,6 +353,14 @@ class Engine:
         fetch_end = time.perf_counter()
         if self._last_fetch_end is not None:
             self._counters["step_s"] += fetch_end - self._last_fetch_end
+        # The step's own time: from the previous step's tokens when it was queued behind that step,
+        # else from its packing (not from an idle spell before it).
+        start = step.started if step.started is not None else self._last_fetch_end
+        if start is not None:
+            if self.scheduler.controller is not None and any(c.num_tokens == 1 for c in step.chunks):
+                self.scheduler.controller.observe_step(fetch_end - start)  # a decode row waited this long
+        if self.step_log is not None:
+            self.step_log.append(step_record(step, fetch_end, start))
         self._last_fetch_end = fetch_end
         self._postprocess(step, result, events)
         self._counters["steps"] += 1
@@ -366,7 +400,10 @@ class Engine:
     def _postprocess(self, step: _InFlight, result, events: list[TokenEvent]) -> None:
         sampled = self.scheduler.on_step_done(step.chunks, step.epochs, result.token_ids)
         self._counters["output_tokens"] += len(sampled)
+        controller = self.scheduler.controller
         for row, r, token, reason in sampled:
+            if controller is not None and r.first_token_time is None:
+                controller.observe_first_token(time.monotonic() - r.arrival_time)
             logprobs = None
             if r.params.logprobs:
                 n = r.params.logprobs
@@ -374,6 +411,8 @@ class Engine:
                 logprobs = ((float(result.logprobs[row]), top),)
             reason = self.outputs.on_token(r, token, logprobs, reason, events)
             if reason is not None:
+                if controller is not None and len(r.output_ids) > 1:
+                    controller.observe_finished((time.monotonic() - r.first_token_time) / (len(r.output_ids) - 1))
                 self._retire(r, reason)
 
     def _finish(self, r: Request, reason: FinishReason, events: list[TokenEvent], error: str | None = None) -> None:

@@ -115,6 +115,8 @@ def load_config(path: str | None = None) -> EngineConfig:
                     tuple(buckets["prefill_tokens"]), tuple(buckets.get("tokens", ())))
     except KeyError as e:
         raise ValueError(f"config: buckets.{e.args[0]} is missing") from None
+    if "target_tpot_ms" in sched:  # the name before the controller took a TTFT target too
+        sched.setdefault("target_p99_tpot_ms", sched.pop("target_tpot_ms"))
     if "length_bounds" in sched:
         sched["length_bounds"] = tuple(sched["length_bounds"])
     prefix_caching = cache.get("prefix_caching", True)

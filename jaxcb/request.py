@@ -129,7 +129,11 @@ class Request:
     num_cached_tokens: int = 0  # prompt tokens taken from the prefix cache at the first admission
     sample_index: int = 0  # n > 1: which sample this is
     finish_reason: FinishReason | None = None
-    num_preemptions: int = 0
+    num_preemptions: int = 0  # times it lost its pages (out of pages, or a round-robin switch): the epoch
+    queued_time: float | None = None  # when it last joined the waiting queue (round-robin order)
+    admitted_output: int = 0  # its generated tokens when it was last admitted (round-robin quantum)
+    lost_tokens: int = 0  # tokens it had computed when it last lost its pages (recompute accounting)
+    lost_by_switch: bool = False  # ... by a round-robin switch rather than a preemption
     seq_no: int = dataclasses.field(default_factory=lambda: next(_ids))  # FCFS tie-break
     first_token_time: float | None = None
     first_scheduled_time: float | None = None  # when it first got a batch slot (queue time ends)

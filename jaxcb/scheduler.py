@@ -22,6 +22,15 @@ each multi-token chunk as a prefill. Policies only decide order; the mechanism i
   priority        larger priority first; waiting raises it by `aging_per_s` a second, so nothing starves
   length-buckets  prompts grouped by length; a group is admitted together once it fills the free
                   slots or its oldest request has waited max_wait_ms, then the others fill in
+  round-robin     queue order; while requests wait for a slot, a running request that has generated
+                  `quantum_tokens` since it was (re)admitted yields its slot to the longest-waiting
+                  one. Its full pages stay registered in the prefix cache (free but cached), so on its
+                  return it recomputes only what was evicted meanwhile and its partial last page.
+
+A latency target (`target_p99_tpot_ms`, optionally `target_p99_ttft_ms`) hands the running limit and
+the prefill budget to a controller (`LatencyController`) fed with measured step times and first-token
+times; with it, admission also keeps a page of headroom per running request, so growth does not
+preempt.
 """
 
 from __future__ import annotations
@@ -35,7 +44,7 @@ from jaxcb.page_pool import PagePool
 from jaxcb.prefix_cache import PrefixCache
 from jaxcb.request import FinishReason, Request, Status
 
-POLICIES = ("fcfs", "sjf", "priority", "length-buckets")
+POLICIES = ("fcfs", "sjf", "priority", "length-buckets", "round-robin")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,7 +61,9 @@ class SchedulerConfig:
     max_priority: int = 100  # priority policy: client priorities are clamped to +-this (bounds any wait)
     sjf_aging_tokens_per_s: float = 100.0  # sjf: a waiting request counts this many tokens shorter a second
     length_bounds: tuple[int, ...] = (64, 256)  # length-buckets policy: short < 64 <= medium < 256 <= long
-    target_tpot_ms: float | None = None  # latency target: adapt the running limit to this p99
+    quantum_tokens: int = 32  # round-robin: tokens a request generates before it yields to a waiting one
+    target_p99_tpot_ms: float | None = None  # latency target: the running limit and prefill budget adapt
+    target_p99_ttft_ms: float | None = None  # ... and to this time to first token (the TPOT target wins)
     static: bool = False  # classic static batching: admit a new batch only when the last one is done
     prefix_caching: bool = True  # share computed pages between requests with a common prefix
     prefix_aware: bool = False  # admit requests whose prefix is cached first ...
@@ -62,7 +73,8 @@ class SchedulerConfig:
     def __post_init__(self):
         if self.policy not in POLICIES:
             raise ValueError(f"policy: {self.policy!r} is not one of {', '.join(POLICIES)}")
-        for name in ("page_size", "max_running", "max_prefill_tokens", "max_chunk", "max_context", "min_batch"):
+        for name in ("page_size", "max_running", "max_prefill_tokens", "max_chunk", "max_context", "min_batch",
+                     "quantum_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
         if not 0 <= self.max_wait_ms < float("inf"):
@@ -71,8 +83,92 @@ class SchedulerConfig:
             raise ValueError(f"max_priority: must be >= 0, got {self.max_priority}")
         if self.aging_per_s < 0 or self.sjf_aging_tokens_per_s < 0:
             raise ValueError("aging_per_s, sjf_aging_tokens_per_s: must be >= 0")
+        for name in ("target_p99_tpot_ms", "target_p99_ttft_ms"):
+            value = getattr(self, name)
+            if value is not None and not 0 < value < float("inf"):
+                raise ValueError(f"{name}: must be a positive number of milliseconds, got {value}")
         if self.prefix_max_wait_ms < 0:
             raise ValueError(f"prefix_max_wait_ms: must be >= 0, got {self.prefix_max_wait_ms}")
+
+
+class LatencyController:
+    """Holds a p99 time-per-output-token target (and optionally a time-to-first-token one) by moving the
+    running limit and the per-step prefill budget, from measured step times.
+
+    A request's time per token is the mean of the step times over its life, so the worst one a short
+    request (`span` tokens) can see is the largest mean of `span` consecutive decode steps: that,
+    over the last `window` steps, is the signal. Every `every` steps both knobs shrink
+    multiplicatively (limit x0.8, budget x0.7) when the signal is above `high` x target, and grow
+    (limit + 1, budget x1.15) when it is below `low` x target. A TTFT target above its measured p90
+    (first tokens of the last requests) grows both knobs while the TPOT signal has room, since
+    queueing is what makes a first token late; the TPOT target wins a conflict.
+    """
+
+    high, low, window, span, every = 0.9, 0.7, 64, 8, 8
+
+    def __init__(self, config: SchedulerConfig):
+        self.config = config
+        self.running_limit = config.max_running
+        self.min_budget = min(64, config.max_prefill_tokens)
+        self.prefill_budget = config.max_prefill_tokens
+        self._steps = collections.deque(maxlen=self.window)
+        self._ttft = collections.deque(maxlen=32)
+        self._tpot = collections.deque(maxlen=128)  # finished requests' mean time per token (the metric)
+        self._since = 0
+        self.signal_ms = 0.0  # the last signal: the largest mean of `span` consecutive decode steps
+        self.num_adjustments = 0
+
+    def observe_step(self, seconds: float) -> None:
+        """A completed step that had decode rows took `seconds`."""
+        self._steps.append(seconds * 1000)
+        self._since += 1
+        if self._since < self.every or len(self._steps) < self.span:
+            return
+        self._since = 0
+        c = self.config
+        steps, k = list(self._steps), self.span
+        run = sum(steps[:k])
+        worst = run
+        for i in range(k, len(steps)):
+            run += steps[i] - steps[i - k]
+            worst = max(worst, run)
+        self.signal_ms = worst / k
+        tpot = c.target_p99_tpot_ms
+        if tpot is not None and self.signal_ms > self.high * tpot:
+            self._set(max(1, int(self.running_limit * 0.8)), max(self.min_budget, int(self.prefill_budget * 0.7)))
+            self._steps.clear()  # judge the new setting on its own steps
+        elif tpot is None or self.signal_ms < self.low * tpot:
+            ttft, late = c.target_p99_ttft_ms, False
+            if ttft is not None and len(self._ttft) >= 4:
+                late = _quantile(self._ttft, 0.9) > ttft
+            if tpot is not None or late:
+                self._set(self.running_limit + 1, int(self.prefill_budget * 1.15) + 1)
+
+    def observe_first_token(self, seconds: float) -> None:
+        self._ttft.append(seconds * 1000)
+
+    def observe_finished(self, tpot_seconds: float) -> None:
+        self._tpot.append(tpot_seconds * 1000)
+
+    @property
+    def measured_p99_tpot_ms(self) -> float:
+        return _quantile(self._tpot, 0.99) if self._tpot else 0.0
+
+    @property
+    def measured_p99_ttft_ms(self) -> float:
+        return _quantile(self._ttft, 0.99) if self._ttft else 0.0
+
+    def _set(self, limit: int, budget: int) -> None:
+        limit = min(max(1, limit), self.config.max_running)
+        budget = min(max(self.min_budget, budget), self.config.max_prefill_tokens)
+        if (limit, budget) != (self.running_limit, self.prefill_budget):
+            self.num_adjustments += 1
+        self.running_limit, self.prefill_budget = limit, budget
+
+
+def _quantile(values, q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 @dataclasses.dataclass(slots=True)
@@ -112,11 +208,15 @@ class Scheduler:
         self.cache = PrefixCache(pool, window) if config.prefix_caching else None
         self.waiting: list[Request] = []
         self.running: list[Request] = []
-        self.running_limit = config.max_running
-        self.num_preemptions = 0
+        self.controller = (LatencyController(config) if config.target_p99_tpot_ms is not None
+                           or config.target_p99_ttft_ms is not None else None)
+        self._fixed_limit = config.max_running
+        self.num_preemptions = 0  # out of pages
+        self.num_switches = 0  # round-robin yields
+        self.num_recomputed_tokens = 0  # tokens computed again after a preemption or a switch ...
+        self.num_switch_recomputed_tokens = 0  # ... of those, after a switch
         self._static_rows = 0  # static mode: size of the current batch, finished members included
         self._static_batch: list[Request] = []
-        self._tpot_ms = collections.deque(maxlen=64)
 
     # ---- queue ----
     def check_fits(self, request: Request) -> None:
@@ -136,9 +236,23 @@ class Scheduler:
                 raise ValueError(f"max_tokens: the sliding-window layers need {pages} KV pages for this request "
                                  f"but their cache holds only {self.window.pool.num_usable}")
 
+    @property
+    def running_limit(self) -> int:
+        """Batch slots now: max_running, or the latency controller's current limit."""
+        return self.controller.running_limit if self.controller is not None else self._fixed_limit
+
+    @running_limit.setter
+    def running_limit(self, value: int) -> None:  # a fixed limit (benchmarks); the controller sets its own
+        if self.controller is not None:
+            self.controller.running_limit = value
+        else:
+            self._fixed_limit = value
+
     def add(self, request: Request) -> None:
         """Queue a validated request (Engine.validate)."""
         request.status = Status.WAITING
+        if request.queued_time is None:
+            request.queued_time = request.arrival_time
         self.waiting.append(request)
 
     def remove(self, request: Request) -> None:
@@ -214,6 +328,8 @@ class Scheduler:
             m = self.config.max_priority
             priority = min(max(r.priority, -m), m)  # clamped: no priority outranks aging for long
             return (-(priority + self.config.aging_per_s * waited), r.arrival_time, r.seq_no)
+        if p == "round-robin":  # queue order: a request that yielded goes to the back
+            return (r.queued_time if r.queued_time is not None else r.arrival_time, r.seq_no)
         return (r.arrival_time, r.seq_no)
 
     def _length_bucket(self, r: Request) -> int:
@@ -250,27 +366,16 @@ class Scheduler:
         first = min(ready_groups, key=lambda g: g[0].arrival_time)
         return first + [r for r in waiting if r not in first]
 
-    # ---- latency target ----
-    def observe_decode_step(self, ms_per_token: float) -> None:
-        """Adapt the running limit to the latency target: grow while p99 is well under, shrink near it."""
-        target = self.config.target_tpot_ms
-        if target is None:
-            return
-        self._tpot_ms.append(ms_per_token)
-        if len(self._tpot_ms) < 8:
-            return
-        window = sorted(self._tpot_ms)
-        p99 = window[min(len(window) - 1, int(0.99 * len(window)))]
-        if p99 > 0.9 * target and self.running_limit > 1:
-            self.running_limit = max(1, int(self.running_limit * 0.8))
-            self._tpot_ms.clear()
-        elif p99 < 0.7 * target and self.running_limit < self.config.max_running:
-            self.running_limit += 1
-
     # ---- the step ----
-    def preempt(self, victim: Request, out: SchedulerOutput | None = None) -> None:
-        """Free victim's pages and requeue it to be recomputed (listed in `out.preempted` if given)."""
+    def preempt(self, victim: Request, out: SchedulerOutput | None = None, *, switch: bool = False,
+                now: float | None = None) -> None:
+        """Free victim's pages and requeue it to be recomputed (listed in `out.preempted` if given). Its
+        registered pages stay in the prefix cache while nobody needs their memory, so what it recomputes
+        at readmission is only what was evicted meanwhile. `switch`: a round-robin yield (it goes to the
+        back of the queue) rather than an out-of-pages preemption."""
         self.running.remove(victim)
+        victim.lost_tokens = max(victim.lost_tokens, victim.num_computed)
+        victim.lost_by_switch = switch
         self.pool.free(victim.page_ids)
         victim.page_ids = []
         if self.window is not None:
@@ -278,8 +383,12 @@ class Scheduler:
         victim.num_computed = victim.num_registered = 0
         victim.num_pending, victim.pending_src = 0, None  # a token in flight is dropped and recomputed
         victim.status = Status.WAITING
-        victim.num_preemptions += 1
-        self.num_preemptions += 1
+        victim.num_preemptions += 1  # the epoch: its chunks in flight are void
+        if switch:
+            self.num_switches += 1
+            victim.queued_time = time.monotonic() if now is None else now
+        else:
+            self.num_preemptions += 1
         self.waiting.append(victim)
         if out is not None:
             out.preempted.append(victim)
@@ -311,12 +420,42 @@ class Scheduler:
         oldest = min(r.arrival_time for r in self.waiting)
         return max(0.0, oldest + self.config.max_wait_ms / 1000 - now)
 
+    def _round_robin_yields(self, now: float) -> None:
+        """Round-robin: for each request waiting for a slot, the running request that has used its
+        quantum for longest yields its slot (back of the queue, its pages left in the prefix cache)."""
+        short = len(self.waiting) - max(0, self.running_limit - len(self.running))
+        if short <= 0:
+            return
+        q = self.config.quantum_tokens
+        done = [r for r in self.running
+                if len(r.output_ids) + r.num_pending - r.admitted_output >= q and not r.last_in_flight]
+        done.sort(key=lambda r: self._key(r, now))
+        for r in done[:short]:
+            self.preempt(r, switch=True, now=now)
+
+    def _admitted(self, r: Request, now: float) -> None:
+        """r got a slot (after attaching its cached prefix): its quantum starts, its recompute is counted."""
+        self.waiting.remove(r)
+        r.status = Status.RUNNING
+        if r.first_scheduled_time is None:
+            r.first_scheduled_time = now
+        r.admitted_output = len(r.output_ids) + r.num_pending
+        if r.lost_tokens:
+            lost = max(0, r.lost_tokens - r.num_computed)
+            self.num_recomputed_tokens += lost
+            if r.lost_by_switch:
+                self.num_switch_recomputed_tokens += lost
+            r.lost_tokens, r.lost_by_switch = 0, False
+        self.running.append(r)
+
     def schedule(self, now: float | None = None) -> SchedulerOutput:
         now = time.monotonic() if now is None else now
         c = self.config
         out = SchedulerOutput(decode=[], prefill=[], preempted=[])
-        budget = c.max_prefill_tokens
+        budget = self.controller.prefill_budget if self.controller is not None else c.max_prefill_tokens
         scheduled: set[int] = set()
+        if c.policy == "round-robin" and self.waiting:
+            self._round_robin_yields(now)
 
         self.running.sort(key=lambda r: self._key(r, now))
         i = 0
@@ -364,15 +503,16 @@ class Scheduler:
                         self.cache.detach(r)  # wait for those pages rather than compute them twice
                         continue
                 n = self._chunk(r, budget)
+                if (self.controller is not None and self.pool.num_free
+                        < self.pool.pages_for(r.num_computed + n) - len(r.page_ids) + len(self.running)):
+                    if self.cache is not None:  # keep a page of headroom per running request: growth
+                        self.cache.detach(r)    # must not preempt under a latency target
+                    break
                 if not self._grow(r, r.num_computed + n):
                     if self.cache is not None:
                         self.cache.detach(r)
                     break  # out of pages: wait for running requests to finish
-                self.waiting.remove(r)
-                r.status = Status.RUNNING
-                if r.first_scheduled_time is None:
-                    r.first_scheduled_time = now
-                self.running.append(r)
+                self._admitted(r, now)
                 if self.cache is not None:
                     pending.update(self.cache.upcoming(r))
                 self._emit(out, Chunk(r, r.num_computed, n))

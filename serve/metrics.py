@@ -32,6 +32,19 @@ class Metrics:
         self.waiting = Gauge("jaxcb:num_requests_waiting", "Requests waiting to be scheduled.", registry=r)
         self.kv_usage = Gauge("jaxcb:kv_cache_usage_perc", "Fraction of KV pages in use (0-1).", registry=r)
         self.preemptions = Gauge("jaxcb:num_preemptions", "Preemptions since start (cumulative).", registry=r)
+        self.switches = Gauge("jaxcb:num_round_robin_switches", "Round-robin yields since start (cumulative).",
+                              registry=r)
+        self.recomputed = Gauge("jaxcb:recomputed_tokens", "Tokens computed again after preemptions and "
+                                "round-robin switches (cumulative).", registry=r)
+        self.running_limit = Gauge("jaxcb:running_limit", "Batch slots now (the latency controller moves it).",
+                                   registry=r)
+        self.prefill_budget = Gauge("jaxcb:prefill_budget_tokens", "Prompt tokens per step now (the latency "
+                                    "controller moves it).", registry=r)
+        self.measured_tpot = Gauge("jaxcb:measured_p99_tpot_seconds", "With a latency target: the p99 time per "
+                                   "output token of recently finished requests, as the controller measures it.",
+                                   registry=r)
+        self.measured_ttft = Gauge("jaxcb:measured_p99_ttft_seconds", "With a latency target: the p99 time to "
+                                   "first token of recent requests, as the controller measures it.", registry=r)
         self.compilations = Gauge("jaxcb:compilations", "XLA compilations since start (cumulative).", registry=r)
         self.prompt_tokens = Counter("jaxcb:prompt_tokens", "Prompt tokens of finished requests.", registry=r)
         self.generation_tokens = Counter("jaxcb:generation_tokens", "Generated tokens.", registry=r)
@@ -72,6 +85,12 @@ class Metrics:
             self.kv_usage.set(sum(s.pages_in_use for s in latest) / total if total else 0.0)
             self.preemptions.set(sum(s.preemptions for s in latest))
             self.compilations.set(max(s.compilations for s in latest))
+            self.switches.set(sum(s.switches for s in latest))
+            self.recomputed.set(sum(s.recomputed_tokens for s in latest))
+            self.running_limit.set(sum(s.running_limit for s in latest))
+            self.prefill_budget.set(sum(s.prefill_budget for s in latest))
+            self.measured_tpot.set(max(s.measured_p99_tpot_ms for s in latest) / 1000)
+            self.measured_ttft.set(max(s.measured_p99_ttft_ms for s in latest) / 1000)
 
 
 class RequestTimer:

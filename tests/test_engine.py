@@ -151,3 +151,40 @@ def test_a_final_event_reaches_its_caller_after_the_request_gave_its_pages_back(
     assert len(seen) == 3
     assert seen[-1] == (engine.pool.num_usable, 0, False)
     assert [running for _, running, _ in seen] == [2, 1, 0] and not any(live for _, _, live in seen)
+
+
+@pytest.mark.parametrize("sampled", [False, True])
+def test_round_robin_switches_leave_the_tokens_unchanged(make_llm, sampled):
+    """Four requests over two slots, a quantum of 5 tokens: they take turns, each return recomputes at
+    most its partial last page (plus the token in flight), and every token equals the plain run's."""
+    plain = make_llm(decode_batch=(1, 2, 4))
+    rr = make_llm(decode_batch=(1, 2), policy="round-robin", quantum_tokens=5)
+    prompts = random_prompts(plain, (21, 40, 9, 33), seed=4)
+    params = [SamplingParams(max_tokens=24, ignore_eos=True, temperature=0.8 if sampled else 0.0, seed=50 + i)
+              for i in range(len(prompts))]
+    want = plain.generate(prompts, params)
+    got = rr.generate(prompts, params)
+    st = rr.engine.stats()
+    assert st.switches >= 4 and st.preemptions == 0
+    assert st.switch_recomputed_tokens <= st.switches * (rr.engine.config.page_size + 1)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    rr.engine.pool.check_all_free()
+
+
+def test_the_latency_controller_state_is_in_the_stats_and_the_metrics(make_llm):
+    from prometheus_client import generate_latest
+
+    from serve.metrics import Metrics
+
+    llm = make_llm(target_p99_tpot_ms=1e-3)  # unreachable: the controller shrinks to its floor
+    prompts = random_prompts(llm, (8,) * 6, seed=5)
+    llm.generate(prompts, SamplingParams(max_tokens=100, ignore_eos=True))
+    st = llm.engine.stats()
+    assert st.running_limit == 1 and st.prefill_budget == llm.engine.scheduler.controller.min_budget
+    assert st.measured_p99_tpot_ms > 0 and st.measured_p99_ttft_ms > 0
+    m = Metrics()
+    m.refresh(st)
+    body = generate_latest(m.registry).decode()
+    assert "jaxcb:running_limit 1.0" in body
+    assert f"jaxcb:prefill_budget_tokens {float(st.prefill_budget)}" in body
+    assert "jaxcb:measured_p99_tpot_seconds" in body and "jaxcb:num_round_robin_switches 0.0" in body

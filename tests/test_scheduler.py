@@ -196,15 +196,106 @@ def test_dynamic_batching_window():
         sched.remove(r)
 
 
-def test_latency_target_adapts_the_running_limit():
-    sched, _ = make(max_running=16, target_tpot_ms=100.0, max_context=64)
+def test_latency_target_moves_the_running_limit_and_the_prefill_budget():
+    sched, _ = make(max_running=16, target_p99_tpot_ms=100.0, max_context=64, max_prefill_tokens=256)
+    ctl = sched.controller
     for _ in range(8):
-        sched.observe_decode_step(150.0)
-    assert sched.running_limit < 16
-    shrunk = sched.running_limit
-    for _ in range(40):
-        sched.observe_decode_step(20.0)
-    assert sched.running_limit > shrunk
+        ctl.observe_step(0.150)  # mean 150 ms a token: over the target
+    assert sched.running_limit < 16 and ctl.prefill_budget < 256
+    shrunk = (sched.running_limit, ctl.prefill_budget)
+    for _ in range(80):
+        ctl.observe_step(0.020)  # far under: grows back, one slot at a time
+    assert sched.running_limit > shrunk[0] and ctl.prefill_budget > shrunk[1]
+    assert sched.running_limit <= 16 and ctl.prefill_budget <= 256
+    for _ in range(16):
+        ctl.observe_step(0.075)  # between low and high: holds
+    held = (sched.running_limit, ctl.prefill_budget)
+    for _ in range(16):
+        ctl.observe_step(0.075)
+    assert (sched.running_limit, ctl.prefill_budget) == held
+
+
+def test_latency_target_uses_the_shrunk_prefill_budget_and_keeps_page_headroom():
+    sched, pool = make(num_pages=11, max_running=8, target_p99_tpot_ms=100.0, max_context=64,
+                       max_prefill_tokens=32, max_chunk=32)
+    sched.controller.prefill_budget = 8
+    a = req(30, max_tokens=6)
+    sched.add(a)
+    out = sched.schedule(now=0)
+    assert [c.num_tokens for c in out.prefill] == [8]  # the controller's budget, not max_prefill_tokens
+    fake_step(sched, out)
+    for _ in range(3):
+        fake_step(sched, sched.schedule(now=0))
+    # 10 usable pages of 4 tokens: a holds 8; b's first chunk (8 tokens) needs the other 2, which would
+    # leave a no page of headroom to grow into: b waits instead of forcing a preemption later.
+    b = req(12, max_tokens=4)
+    sched.add(b)
+    out = sched.schedule(now=0)
+    assert b.status is Status.WAITING and not out.preempted
+    run_all(sched)
+    assert sched.num_preemptions == 0
+
+
+def test_a_ttft_target_alone_grows_the_limit_when_first_tokens_are_late():
+    sched, _ = make(max_running=16, target_p99_ttft_ms=500.0, max_context=64)
+    ctl = sched.controller
+    ctl.running_limit = 4
+    for _ in range(8):
+        ctl.observe_first_token(2.0)
+    for _ in range(16):
+        ctl.observe_step(0.05)
+    assert sched.running_limit > 4
+    grown = sched.running_limit
+    for _ in range(32):
+        ctl.observe_first_token(0.1)
+    for _ in range(16):
+        ctl.observe_step(0.05)
+    assert sched.running_limit == grown  # first tokens on time: nothing to gain
+
+
+def engine_step(sched, out, step_id, tokens=7):
+    """What the engine does with a step: launched, then its tokens back (through the prefix cache)."""
+    chunks = out.decode + out.prefill
+    epochs = [c.request.num_preemptions for c in chunks]
+    sched.on_launched(chunks, step_id)
+    for _, r, _, reason in sched.on_step_done(chunks, epochs, [tokens] * len(chunks)):
+        if reason is not None:
+            sched.finish(r, reason)
+
+
+def test_round_robin_shares_the_slots_and_keeps_the_yielded_pages_cached():
+    sched, pool = make(num_pages=64, max_running=2, policy="round-robin", quantum_tokens=4, max_context=64,
+                       prefix_caching=True)
+    reqs = []
+    for i in range(4):
+        r = Request([3 + i] + list(range(20, 27)), SamplingParams(max_tokens=12, ignore_eos=True))
+        r.arrival_time = float(i)
+        reqs.append(r)
+        sched.add(r)
+    order, step = [], 0
+    while sched.has_work:
+        out = sched.schedule(now=10.0 + step)
+        order.append(tuple(sorted(reqs.index(c.request) for c in out.decode + out.prefill)))
+        engine_step(sched, out, step)
+        step += 1
+        assert step < 200
+    assert order[0] == (0, 1)
+    first_turn_of_3 = next(i for i, o in enumerate(order) if 3 in o)
+    assert first_turn_of_3 <= 2 * (1 + 4)  # waits two quanta at most, not for 0 and 1 to finish
+    assert sched.num_switches >= 4 and sched.num_preemptions == 0
+    # Each return recomputes at most the partial last page (4 tokens) plus its last token: the full
+    # pages came back from the prefix cache.
+    assert sched.num_switch_recomputed_tokens <= sched.num_switches * pool.page_size
+    assert all(len(r.output_ids) == 12 for r in reqs)
+    pool.check_all_free()
+
+
+def test_round_robin_does_not_switch_when_nobody_waits():
+    sched, _ = make(max_running=4, policy="round-robin", quantum_tokens=2, max_context=64)
+    for i in range(3):
+        sched.add(req(4, max_tokens=10, t=float(i)))
+    run_all(sched)
+    assert sched.num_switches == 0
 
 
 def test_static_mode_admits_only_when_the_batch_is_done():

@@ -1,0 +1,389 @@
+"""Every scheduling policy on the same arrival traces, SmolLM2 on this machine; then the simulator
+checked against those runs.
+
+    .venv/bin/python bench/policies.py [--requests 32] [--out bench/policies] [--plot] [--save-step-model]
+    .venv/bin/python bench/policies.py --sweep [--out bench/policies]
+    .venv/bin/python bench/policies.py --simulate-device h200 [--sim-requests 100000] [--sim-rate 50]
+
+Traces (written to OUT/traces/*.jsonl in `jaxcb simulate`'s format): prompts from three length classes
+(60% 16-127 tokens, 30% 128-512, 10% 513-768; 30% of them start with one of two shared 64-token
+prefixes), output lengths log-normal (median 32, 8-192, EOS ignored), 20% of requests at priority 5.
+Arrivals: Poisson at 0.5x, 0.9x and 1.3x the capacity measured first (every request at once, FCFS),
+and a bursty trace (bursts of 8 within about a second, 0.8x capacity on average).
+
+Runs, one engine's weights and pages, warmed up once (no compilation after): every policy on every
+trace; FCFS with a batching window (max_wait_ms 10 and 50) on the near-capacity and bursty traces (new prefills wait until 8 are queued or the oldest has waited that
+long); on
+the near and above-capacity traces, fixed running limits 4, 8 and 16 (32 = the FCFS run) and the
+latency controller with a TPOT target just above what the limit-8 run achieved. Per run: output
+tokens/s, requests/s, TTFT p50/p99, TPOT p50/p99, end-to-end p99, the longest wait for a first slot,
+preemptions, round-robin switches and recomputed tokens, padding.
+
+Then the step-time model: fitted to the FCFS runs' steps (Engine.step_log), its error on every run's
+steps, written to OUT/step_model.json (and, with --save-step-model, to the built-in
+jaxcb/step_models/smollm2-135m-cpu.json); and every run simulated (jaxcb.simulate) on the same trace
+and configuration, with the error of throughput and p99 latencies against the real run.
+
+--simulate-device: the same kind of trace (N requests, Poisson at R/s) through `jaxcb.simulate` with a
+roofline of the device serving an 8B Llama (configs/sim-h200-llama8b.toml): every policy, the window,
+and latency targets; no JAX, no model.
+
+--sweep: the running limit at 1, 4, 8, 16, 32, 64, 128 on a closed batch (2 x limit requests, at least
+8, all at once, prompts 64-128 tokens, 64 output tokens): throughput, TPOT and end-to-end p50/p99,
+peak KV memory (pages in use x page bytes) and the largest step's temporaries (the memory plan).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import random
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from common import machine  # noqa: E402
+
+from jaxcb.trace import RequestRecord, TraceRequest, prompt_ids, summarize, write_trace  # noqa: E402
+
+POLICIES = ("fcfs", "sjf", "priority", "length-buckets", "round-robin")
+CLASSES = ((0.6, 16, 127), (0.3, 128, 512), (0.1, 513, 768))
+VOCAB_SEED = 11
+
+
+def draw_request(rng: random.Random, arrival: float) -> TraceRequest:
+    u, acc = rng.random(), 0.0
+    for p, lo, hi in CLASSES:
+        acc += p
+        if u <= acc:
+            break
+    prompt = rng.randint(lo, hi)
+    output = int(min(192, max(8, round(math.exp(rng.gauss(math.log(32), 0.8))))))
+    prefix = rng.choice((0, 1)) if rng.random() < 0.3 else None
+    return TraceRequest(arrival, prompt, output, priority=5 if rng.random() < 0.2 else 0, prefix_id=prefix,
+                        prefix_tokens=min(64, prompt) if prefix is not None else 0)
+
+
+def poisson_trace(n: int, rate: float, seed: int) -> list[TraceRequest]:
+    rng, t, out = random.Random(seed), 0.0, []
+    for _ in range(n):
+        out.append(draw_request(rng, t))
+        t += rng.expovariate(rate)
+    return out
+
+
+def bursty_trace(n: int, rate: float, seed: int, burst: int = 8) -> list[TraceRequest]:
+    """Bursts of `burst` requests (gaps of ~0.1 s inside), the bursts Poisson: `rate` requests/s on average."""
+    rng, start, out = random.Random(seed), 0.0, []
+    while len(out) < n:
+        t = start
+        for _ in range(min(burst, n - len(out))):
+            out.append(draw_request(rng, t))
+            t += rng.expovariate(10.0)
+        start += rng.expovariate(rate / burst)
+    return out
+
+
+def replay(engine, trace: list[TraceRequest], ids: list[list[int]], record_steps: bool = True) -> dict:
+    """Run a trace on an engine in real time (this thread drives the engine, as the server's engine
+    thread does): each request is submitted at its arrival time; returns summarize()'s figures."""
+    from jaxcb.request import SamplingParams
+
+    records = [RequestRecord(t.arrival_s) for t in trace]
+    engine.reset_counters()
+    engine.step_log = [] if record_steps else None
+    compiled = engine.stats().compilations
+    t0 = time.monotonic()
+
+    def callback(k):
+        def on_event(ev):
+            now, rec = time.monotonic() - t0, records[k]
+            if ev.queue_s is not None:
+                rec.scheduled = rec.arrival + ev.queue_s
+            if rec.first_token is None and ev.token_ids:
+                rec.first_token = now
+            if ev.finished:
+                rec.finished, rec.output_tokens = now, ev.num_output_tokens
+        return on_event
+
+    i, n = 0, len(trace)
+    while i < n or engine.has_work():
+        now = time.monotonic() - t0
+        while i < n and trace[i].arrival_s <= now:
+            t = trace[i]
+            engine.add_request(ids[i], SamplingParams(max_tokens=t.output_tokens, ignore_eos=True),
+                               priority=t.priority, arrival_time=t0 + t.arrival_s, callback=callback(i))
+            i += 1
+        if not engine.has_work():
+            time.sleep(max(0.0, trace[i].arrival_s - (time.monotonic() - t0)))
+            continue
+        engine.step()
+        if engine.last_step_idle:  # a batching window is closed: wait for it or for the next arrival
+            nxt = trace[i].arrival_s - (time.monotonic() - t0) if i < n else 0.05
+            time.sleep(max(0.0005, min(engine.scheduler.admission_wait_s(), nxt, 0.05)))
+    engine.pool.check_all_free()
+    st, sched = engine.stats(), engine.scheduler
+    out = summarize(records, preemptions=sched.num_preemptions, switches=sched.num_switches,
+                    recomputed_tokens=sched.num_recomputed_tokens,
+                    padding_fraction=round(st.padding_fraction, 4),
+                    compilations_after_warmup=st.compilations - compiled)
+    if sched.controller is not None:
+        out["controller"] = {"final_running_limit": sched.running_limit,
+                             "final_prefill_budget": sched.controller.prefill_budget,
+                             "adjustments": sched.controller.num_adjustments}
+    out["_steps"] = engine.step_log
+    engine.step_log = None
+    return out
+
+
+def real_runs(args, first, make_engine, traces, ids) -> list[dict]:
+    runs = []
+
+    def run(trace_name, label, changes=None, max_running=None):
+        eng = make_engine(max_running=max_running, **(changes or {}))
+        r = replay(eng, traces[trace_name], ids[trace_name])
+        r.update(trace=trace_name, run=label, changes=changes or {}, max_running=max_running)
+        runs.append(r)
+        print(f"  {trace_name:>6} {label:<24} {r['output_tokens_per_s']:7.1f} tok/s  TTFT p99 {r['ttft_p99_s']:6.2f} s  "
+              f"TPOT p99 {r['tpot_p99_s'] * 1000:6.1f} ms  e2e p99 {r['e2e_p99_s']:6.2f} s  max wait "
+              f"{r['max_wait_s']:6.2f} s  preempt {r['preemptions']} switch {r['switches']}", flush=True)
+        return r
+
+    for name in traces:
+        for policy in POLICIES:
+            run(name, policy, {"policy": policy})
+    for name in ("near", "bursty"):
+        for wait in (10.0, 50.0):
+            run(name, f"fcfs window {wait:g} ms", {"max_wait_ms": wait, "min_batch": 8})
+    for name in ("near", "above"):
+        fixed = {32: next(r for r in runs if r["trace"] == name and r["run"] == "fcfs")}
+        for limit in (4, 8, 16):
+            fixed[limit] = run(name, f"fcfs fixed limit {limit}", max_running=limit)
+        target_ms = round(fixed[8]["tpot_p99_s"] * 1000 * 1.05, 1)
+        run(name, f"fcfs target {target_ms:g} ms", {"target_p99_tpot_ms": target_ms})
+    return runs
+
+
+def fit_and_simulate(args, first, config, runs, traces):
+    from jaxcb.simulate import FittedStepModel, simulate
+
+    fcfs_steps = [s for r in runs if r["run"] == "fcfs" for s in r["_steps"]]
+    model = FittedStepModel.fit(fcfs_steps, info={"machine": machine(), "model": "SmolLM2-135M-Instruct float32",
+                                                  "fitted_on": "bench/policies.py FCFS runs"})
+    fit = {"in_sample_fcfs": model.error(fcfs_steps),
+           "out_of_sample_other_runs": model.error([s for r in runs if r["run"] != "fcfs" for s in r["_steps"]]),
+           "per_context_token_s": model.per_context_token,
+           "intercepts_s": dict(zip(model.buckets, model.intercepts))}
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "step_model.json"), "w") as f:
+        json.dump(model.to_json(), f, indent=1)
+    if args.save_step_model:
+        from jaxcb.simulate import BUILTIN_STEP_MODEL
+
+        with open(BUILTIN_STEP_MODEL, "w") as f:
+            json.dump(model.to_json(), f, indent=1)
+    sims = []
+    for r in runs:
+        cfg = config.replace(**r["changes"])
+        s = simulate(traces[r["trace"]], cfg, model, vocab=first.model_config.vocab_size, seed=VOCAB_SEED,
+                     max_running=r["max_running"])
+        err = {k: round(s[k] / r[k] - 1, 4) if r[k] else None
+               for k in ("output_tokens_per_s", "ttft_p99_s", "tpot_p99_s", "e2e_p99_s")}
+        sims.append({"trace": r["trace"], "run": r["run"], "sim": s, "error": err})
+    return fit, sims
+
+
+def sweep(args):
+    from jaxcb.engine import Engine
+    from jaxcb.engine_config import make_config
+    from jaxcb.llm import build_engine
+    from jaxcb.memory_plan import plan
+
+    limits = (1, 4, 8, 16, 32, 64, 128)
+    config = make_config(num_pages=4096, max_context=1024, decode_batch=limits, prefill_tokens=(64, 128, 256, 512))
+    first = build_engine(None, config)
+    t0 = time.perf_counter()
+    first.warmup()
+    print(f"warm-up {time.perf_counter() - t0:.0f} s", flush=True)
+    c = first.model_config
+    rng = random.Random(5)
+    out = []
+    for limit in limits:
+        n = max(8, 2 * limit)
+        trace = [TraceRequest(0.0, rng.randint(64, 128), 64) for _ in range(n)]
+        ids = prompt_ids(trace, c.vocab_size, seed=limit)
+        eng = Engine(first.runner, first.tokenizer, config.replace(prefix_caching=False), eos_ids=first.scheduler.eos_ids)
+        eng.scheduler.running_limit = limit
+        peak = [0]
+        step = eng.step
+
+        def counting_step(step=step, eng=eng, peak=peak):
+            events = step()
+            peak[0] = max(peak[0], eng.pool.num_in_use)
+            return events
+
+        eng.step = counting_step
+        r = replay(eng, trace, ids, record_steps=True)
+        steps = r.pop("_steps")
+        e2e = r["e2e_p99_s"]
+        mp = plan(budget_bytes=1 << 40, fraction=1.0, weight_bytes=0, num_layers=c.num_layers,
+                  num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, hidden_size=c.hidden_size,
+                  intermediate_size=c.intermediate_size, vocab_size=c.vocab_size, dtype_bytes=4, page_size=16,
+                  max_context=1024, max_batch=limit, max_prefill_tokens=512, num_heads=c.num_heads)
+        row = {"running": limit, "requests": n, "output_tokens_per_s": r["output_tokens_per_s"],
+               "tpot_p50_s": r["tpot_p50_s"], "tpot_p99_s": r["tpot_p99_s"], "e2e_p50_s": r["e2e_p50_s"], "e2e_p99_s": e2e,
+               "peak_kv_bytes": peak[0] * mp.page_bytes, "step_temporaries_bytes": mp.reserve_bytes,
+               "decode_step_s": _median([s["seconds"] for s in steps if s["seconds"] and s["decode_rows"] == s["rows"]
+                                         and s["rows"] == limit])}
+        out.append(row)
+        print(f"  running {limit:>3}: {row['output_tokens_per_s']:7.1f} tok/s  TPOT p50 {row['tpot_p50_s'] * 1000:6.1f} ms "
+              f"p99 {row['tpot_p99_s'] * 1000:6.1f} ms  e2e p99 {e2e:6.2f} s  peak KV {row['peak_kv_bytes'] / 2**20:7.1f} MiB  "
+              f"step temporaries {row['step_temporaries_bytes'] / 2**20:6.1f} MiB", flush=True)
+    # The knee: the first limit from which the next one adds less than a quarter of a proportional gain.
+    knee = None
+    for a, b in zip(out, out[1:]):
+        gain = b["output_tokens_per_s"] / a["output_tokens_per_s"] - 1
+        if knee is None and gain < 0.25 * (b["running"] / a["running"] - 1):
+            knee = a["running"]
+    result = {"machine": machine(), "rows": out, "knee_running": knee}
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "sweep.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"knee: running {knee}")
+    print(json.dumps(result))
+
+
+def simulate_device(args):
+    from jaxcb.engine_config import load_config
+    from jaxcb.simulate import DEVICES, MODELS, RooflineStepModel, simulate
+
+    model = RooflineStepModel(DEVICES[args.simulate_device], MODELS["llama-3-8b"])
+    config = load_config(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "configs",
+                                      "sim-h200-llama8b.toml"))
+    config = config.replace(num_pages=model.num_pages(config.page_size))
+    trace = poisson_trace(args.sim_requests, args.sim_rate, args.seed + 10)
+    os.makedirs(os.path.join(args.out, "traces"), exist_ok=True)
+    write_trace(os.path.join(args.out, "traces", f"{args.simulate_device}-{args.sim_requests}.jsonl"), trace)
+    runs = [(p, {"policy": p}) for p in POLICIES]
+    runs += [(f"fcfs window {w:g} ms", {"max_wait_ms": w, "min_batch": 8}) for w in (10.0, 50.0)]
+    runs += [(f"fcfs target {t:g} ms", {"target_p99_tpot_ms": t}) for t in (15.0, 25.0)]
+    print(f"{len(trace)} requests at {args.sim_rate} req/s on a simulated {model.device.name}, Llama 3 8B bfloat16, "
+          f"{config.num_pages} pages of {config.page_size}", flush=True)
+    table = []
+    for label, changes in runs:
+        r = simulate(trace, config.replace(**changes), model, vocab=MODELS["llama-3-8b"].vocab, seed=VOCAB_SEED)
+        r["run"] = label
+        table.append(r)
+        print(f"  {label:<24} {r['output_tokens_per_s']:8.0f} tok/s  TTFT p50/p99 {r['ttft_p50_s'] * 1000:6.0f}/"
+              f"{r['ttft_p99_s'] * 1000:6.0f} ms  TPOT p50/p99 {r['tpot_p50_s'] * 1000:5.1f}/{r['tpot_p99_s'] * 1000:5.1f} ms"
+              f"  e2e p99 {r['e2e_p99_s']:6.2f} s  max wait {r['max_wait_s']:6.2f} s  preempt {r['preemptions']}"
+              f"  switches {r['switches']}  wall {r['wall_s']:.0f} s", flush=True)
+    result = {"device": model.to_json(), "config": "configs/sim-h200-llama8b.toml", "num_pages": config.num_pages,
+              "requests": args.sim_requests, "rate": args.sim_rate, "runs": table}
+    with open(os.path.join(args.out, f"simulated-{args.simulate_device}.json"), "w") as f:
+        json.dump(result, f, indent=1)
+
+
+def _median(values):
+    values = sorted(v for v in values if v is not None)
+    return values[len(values) // 2] if values else None
+
+
+def plot(path, runs):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    for policy in POLICIES:
+        pts = sorted((r["output_tokens_per_s"], r["ttft_p99_s"], r["tpot_p99_s"] * 1000) for r in runs
+                     if r["run"] == policy and r["trace"] in ("below", "near", "above"))
+        axes[0].plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=policy)
+        axes[1].plot([p[0] for p in pts], [p[2] for p in pts], marker="o", label=policy)
+    axes[0].set(xlabel="output tokens/s", ylabel="TTFT p99 (s)", yscale="log",
+                title="TTFT p99 vs throughput (0.5x, 0.9x, 1.3x capacity)")
+    axes[1].set(xlabel="output tokens/s", ylabel="TPOT p99 (ms)", title="TPOT p99 vs throughput")
+    axes[0].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--requests", type=int, default=32, help="requests per trace")
+    ap.add_argument("--out", default="bench/policies")
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--plot", action="store_true", help="write OUT/latency_throughput.png (needs matplotlib)")
+    ap.add_argument("--sweep", action="store_true", help="the batch-size sweep instead")
+    ap.add_argument("--simulate-device", default=None, help="the simulated table on this device instead (h200, ...)")
+    ap.add_argument("--sim-requests", type=int, default=100000)
+    ap.add_argument("--sim-rate", type=float, default=50.0)
+    ap.add_argument("--save-step-model", action="store_true", help="also write the fitted model as the built-in one")
+    args = ap.parse_args()
+    if args.sweep:
+        return sweep(args)
+    if args.simulate_device:
+        return simulate_device(args)
+
+    from jaxcb.engine import Engine
+    from jaxcb.engine_config import load_config
+    from jaxcb.llm import build_engine
+
+    config = load_config(None)
+    first = build_engine(None, config)
+    config = first.config
+
+    def make_engine(max_running=None, **changes):
+        eng = Engine(first.runner, first.tokenizer, config.replace(**changes) if changes else config,
+                     eos_ids=first.scheduler.eos_ids)
+        if max_running is not None:
+            eng.scheduler.running_limit = max_running
+        return eng
+
+    print(f"machine: {machine()}", flush=True)
+    t0 = time.perf_counter()
+    shapes = first.warmup()
+    print(f"warm-up: {shapes} shapes in {time.perf_counter() - t0:.0f} s", flush=True)
+    vocab = first.model_config.vocab_size
+
+    sat = poisson_trace(32, 1e9, args.seed + 100)  # everything at once
+    cap = replay(make_engine(), sat, prompt_ids(sat, vocab, VOCAB_SEED))
+    capacity = cap["requests_per_s"]
+    print(f"capacity (32 requests at once, FCFS): {capacity:.3f} requests/s, {cap['output_tokens_per_s']:.1f} "
+          f"output tokens/s", flush=True)
+    traces = {"below": poisson_trace(args.requests, 0.5 * capacity, args.seed),
+              "near": poisson_trace(args.requests, 0.9 * capacity, args.seed + 1),
+              "above": poisson_trace(args.requests, 1.3 * capacity, args.seed + 2),
+              "bursty": bursty_trace(args.requests, 0.8 * capacity, args.seed + 3)}
+    os.makedirs(os.path.join(args.out, "traces"), exist_ok=True)
+    for name, t in traces.items():
+        write_trace(os.path.join(args.out, "traces", f"{name}.jsonl"), t)
+    ids = {name: prompt_ids(t, vocab, VOCAB_SEED) for name, t in traces.items()}
+
+    runs = real_runs(args, first, make_engine, traces, ids)
+    fit, sims = fit_and_simulate(args, first, config, runs, traces)
+    print(f"step model: in-sample {fit['in_sample_fcfs']}, other runs {fit['out_of_sample_other_runs']}")
+    for s in sims:
+        print(f"  sim {s['trace']:>6} {s['run']:<24} error: " + "  ".join(f"{k} {v:+.1%}" for k, v in s["error"].items()
+                                                                       if v is not None))
+    result = {"machine": machine(), "capacity_requests_per_s": capacity, "capacity_run": _public(cap),
+              "requests_per_trace": args.requests, "runs": [_public(r) for r in runs], "step_model_fit": fit,
+              "simulated": sims}
+    with open(os.path.join(args.out, "results.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    if args.plot:
+        plot(os.path.join(args.out, "latency_throughput.png"), runs)
+    print(json.dumps({k: v for k, v in result.items() if k != "simulated"})[:2000])
+
+
+def _public(r: dict) -> dict:
+    return {k: v for k, v in r.items() if not k.startswith("_")}
+
+
+if __name__ == "__main__":
+    main()

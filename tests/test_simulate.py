@@ -1,0 +1,124 @@
+"""Traces and the simulator: the real scheduler on a simulated clock (no JAX)."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from jaxcb.engine_config import make_config
+from jaxcb.simulate import (DEVICES, MODELS, FittedStepModel, RooflineStepModel, StepStats, load_step_model,
+                            simulate)
+from jaxcb.trace import RequestRecord, TraceRequest, prompt_ids, quantile, read_trace, summarize, write_trace
+
+
+class Constant:
+    """Every step takes the same time."""
+
+    def __init__(self, seconds):
+        self.s = seconds
+        self.seen = []
+
+    def seconds(self, stats):
+        self.seen.append(stats)
+        return self.s
+
+
+def test_trace_files_round_trip_and_bad_lines_name_line_and_field(tmp_path):
+    trace = [TraceRequest(0.5, 30, 8, priority=2, prefix_id=1, prefix_tokens=16), TraceRequest(0.1, 5, 3)]
+    path = tmp_path / "t.jsonl"
+    write_trace(str(path), trace)
+    back = read_trace(str(path))
+    assert [r.arrival_s for r in back] == [0.1, 0.5]  # sorted by arrival
+    assert back[1] == trace[0]
+    path.write_text('{"arrival_s": 0, "prompt_tokens": 4, "output_tokens": 2}\n{"arrival_s": 1, "output_tokens": 2}\n')
+    with pytest.raises(ValueError, match=r"t.jsonl:2: KeyError: 'prompt_tokens'"):
+        read_trace(str(path))
+    path.write_text('{"arrival_s": -1, "prompt_tokens": 4, "output_tokens": 2}\n')
+    with pytest.raises(ValueError, match="t.jsonl:1: arrival_s must be >= 0"):
+        read_trace(str(path))
+
+
+def test_requests_with_one_prefix_id_share_their_prefix_tokens():
+    trace = [TraceRequest(0, 40, 1, prefix_id=7, prefix_tokens=24), TraceRequest(0, 30, 1, prefix_id=7, prefix_tokens=24),
+             TraceRequest(0, 40, 1), TraceRequest(0, 3, 1, prompt_token_ids=[5, 6, 7])]
+    ids = prompt_ids(trace, vocab=1000, seed=3)
+    assert [len(x) for x in ids] == [40, 30, 40, 3]
+    assert ids[0][:24] == ids[1][:24] and ids[0][24:30] != ids[1][24:30]
+    assert ids[2][:24] != ids[0][:24] and ids[3] == [5, 6, 7]
+    assert ids == prompt_ids(trace, vocab=1000, seed=3)  # reproducible
+
+
+def test_summary_figures_from_records():
+    recs = [RequestRecord(0.0, 0.0, 1.0, 5.0, 5), RequestRecord(1.0, 3.0, 4.0, 6.0, 3)]
+    s = summarize(recs, preemptions=2)
+    assert s["span_s"] == 6.0 and s["output_tokens_per_s"] == round(8 / 6, 2)
+    assert s["ttft_p50_s"] == 2.0 and s["max_wait_s"] == 2.0 and s["preemptions"] == 2
+    assert s["tpot_p99_s"] == pytest.approx(quantile([1.0, 1.0], 0.99))
+    assert quantile([1, 2, 3, 4], 0.5) == 2.5
+
+
+def test_one_request_on_a_constant_clock():
+    config = make_config(num_pages=64, max_context=256, page_size=16, decode_batch=(1, 2, 4),
+                         prefill_tokens=(16, 32, 64))
+    model = Constant(1.0)
+    s = simulate([TraceRequest(2.0, 10, 5)], config, model)
+    # One prefill step then four decode steps, a second each, from the arrival at 2 s.
+    assert s["ttft_p50_s"] == 1.0 and s["e2e_p99_s"] == 5.0 and s["tpot_p50_s"] == 1.0
+    assert s["simulated_s"] == 7.0 and s["steps"] == 5
+    assert [st.padded_tokens for st in model.seen] == [20, 1, 1, 1, 1]  # token buckets: 4 + 16 holds 10
+    assert [st.context for st in model.seen] == [10, 11, 12, 13, 14]
+
+
+def test_the_simulator_runs_the_real_policies():
+    config = make_config(num_pages=256, max_context=256, decode_batch=(1, 2), prefill_tokens=(16, 32, 64))
+    trace = [TraceRequest(0.01 * i, 20, 40) for i in range(6)]
+    fcfs = simulate(trace, config, Constant(0.01))
+    rr = simulate(trace, config.replace(policy="round-robin", quantum_tokens=8), Constant(0.01))
+    assert fcfs["switches"] == 0 and rr["switches"] > 0
+    assert rr["ttft_p99_s"] < fcfs["ttft_p99_s"]  # turns: nobody waits for two whole requests
+    assert rr["output_tokens"] == fcfs["output_tokens"] == 240
+    tiny = simulate(trace, config.replace(num_pages=8), Constant(0.01))  # 7 pages of 16: preemptions
+    assert tiny["preemptions"] > 0 and tiny["output_tokens"] == 240
+
+
+def test_a_fitted_model_recovers_its_coefficients():
+    steps = [{"padded_tokens": t, "context": c, "seconds": {1: 0.02, 32: 0.05}[t] + 2e-6 * c}
+             for t in (1, 32) for c in range(100, 5000, 700)]
+    m = FittedStepModel.fit(steps)
+    assert m.per_context_token == pytest.approx(2e-6, rel=1e-6)
+    assert m.intercept(1) == pytest.approx(0.02) and m.intercept(32) == pytest.approx(0.05)
+    assert m.intercept(16) == pytest.approx(0.02 + 15 * 0.03 / 31)  # interpolated between buckets
+    assert m.error(steps)["mean_abs_error_frac"] < 1e-6
+
+
+def test_the_builtin_step_model_loads():
+    m = load_step_model()
+    assert m.seconds(StepStats(1, 1, 100, 100, 1, 1)) > 0
+    assert m.seconds(StepStats(m.buckets[-1], 500, 3000, 0, 32, 32)) > m.seconds(StepStats(1, 1, 100, 100, 1, 1))
+
+
+def test_roofline_decode_is_memory_bound_and_a_big_prefill_compute_bound():
+    m = RooflineStepModel(DEVICES["h200"], MODELS["llama-3-8b"])
+    decode = m.seconds(StepStats(1, 1, 1000, 1000, 1, 1))
+    weights = MODELS["llama-3-8b"].params * 2
+    assert decode == pytest.approx(weights / (4.8e12 * 0.7) + 0.0005, rel=0.01)
+    prefill = m.seconds(StepStats(8192, 8192, 8192, 8192 * 4096, 1, 1))
+    assert prefill > 8192 * 2 * MODELS["llama-3-8b"].params / (989e12 * 0.5)
+    assert m.num_pages(16) > 40000  # ~110 GB of an H200 for KV at 128 KiB a token
+
+
+def test_simulate_command_prints_the_table_as_json_last(tmp_path):
+    path = tmp_path / "t.jsonl"
+    write_trace(str(path), [TraceRequest(0.05 * i, 30 + i, 10) for i in range(20)])
+    out = subprocess.run([sys.executable, "-m", "jaxcb", "simulate", "--trace", str(path), "--policy", "sjf"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    for key in ("output_tokens_per_s", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s", "max_wait_s",
+                "preemptions"):
+        assert key in result
+    assert result["requests"] == 20 and result["output_tokens"] == 200
+    bad = subprocess.run([sys.executable, "-m", "jaxcb", "simulate", "--trace", str(path), "--device", "h300"],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "--device: 'h300' is not one of" in bad.stderr
