@@ -12,10 +12,12 @@ Arrivals: Poisson at 0.5x, 0.9x and 1.3x the capacity measured first (every requ
 and a bursty trace (bursts of 8 within about a second, 0.8x capacity on average).
 
 Runs, one engine's weights and pages, warmed up once (no compilation after): every policy on every
-trace; FCFS with a batching window (max_wait_ms 10 and 50) on the near-capacity and bursty traces (new prefills wait until 8 are queued or the oldest has waited that
-long); on
-the near and above-capacity traces, fixed running limits 4, 8 and 16 (32 = the FCFS run) and the
-latency controller with a TPOT target just above what the limit-8 run achieved. Per run: output
+trace with a running limit of 8 (--policy-limit: with more slots than requests in the system, nobody
+waits for a slot and the policies differ only in who prefills first); FCFS with a batching window
+(max_wait_ms 10 and 50: new prefills wait until 4 are queued or the oldest has waited that long) on
+the near-capacity and bursty traces; on the near and above-capacity traces, FCFS at fixed running
+limits 4, 8, 16 and 32 and the latency controller (max 32) with a TPOT target just above what the
+limit-8 run achieved. Per run: output
 tokens/s, requests/s, TTFT p50/p99, TPOT p50/p99, end-to-end p99, the longest wait for a first slot,
 preemptions, round-robin switches and recomputed tokens, padding.
 
@@ -153,16 +155,18 @@ def real_runs(args, first, make_engine, traces, ids) -> list[dict]:
               f"{r['max_wait_s']:6.2f} s  preempt {r['preemptions']} switch {r['switches']}", flush=True)
         return r
 
+    limit = args.policy_limit
     for name in traces:
         for policy in POLICIES:
-            run(name, policy, {"policy": policy})
+            run(name, policy, {"policy": policy}, max_running=limit)
     for name in ("near", "bursty"):
         for wait in (10.0, 50.0):
-            run(name, f"fcfs window {wait:g} ms", {"max_wait_ms": wait, "min_batch": 8})
+            run(name, f"fcfs window {wait:g} ms", {"max_wait_ms": wait, "min_batch": 4}, max_running=limit)
     for name in ("near", "above"):
-        fixed = {32: next(r for r in runs if r["trace"] == name and r["run"] == "fcfs")}
-        for limit in (4, 8, 16):
-            fixed[limit] = run(name, f"fcfs fixed limit {limit}", max_running=limit)
+        fixed = {limit: next(r for r in runs if r["trace"] == name and r["run"] == "fcfs")}
+        for fixed_limit in (4, 8, 16, 32):
+            if fixed_limit not in fixed:
+                fixed[fixed_limit] = run(name, f"fcfs fixed limit {fixed_limit}", max_running=fixed_limit)
         target_ms = round(fixed[8]["tpot_p99_s"] * 1000 * 1.05, 1)
         run(name, f"fcfs target {target_ms:g} ms", {"target_p99_tpot_ms": target_ms})
     return runs
@@ -273,11 +277,13 @@ def simulate_device(args):
     runs += [(f"fcfs target {t:g} ms", {"target_p99_tpot_ms": t}) for t in (15.0, 25.0)]
     print(f"{len(trace)} requests at {args.sim_rate} req/s on a simulated {model.device.name}, Llama 3 8B bfloat16, "
           f"{config.num_pages} pages of {config.page_size}", flush=True)
-    table = []
-    for label, changes in runs:
-        r = simulate(trace, config.replace(**changes), model, vocab=MODELS["llama-3-8b"].vocab, seed=VOCAB_SEED)
-        r["run"] = label
-        table.append(r)
+    import multiprocessing
+
+    jobs = [(trace, config.replace(**changes), model, label) for label, changes in runs]
+    with multiprocessing.get_context("fork").Pool(args.sim_jobs) as pool:
+        table = pool.map(_simulate_job, jobs)
+    for r in table:
+        label = r["run"]
         print(f"  {label:<24} {r['output_tokens_per_s']:8.0f} tok/s  TTFT p50/p99 {r['ttft_p50_s'] * 1000:6.0f}/"
               f"{r['ttft_p99_s'] * 1000:6.0f} ms  TPOT p50/p99 {r['tpot_p50_s'] * 1000:5.1f}/{r['tpot_p99_s'] * 1000:5.1f} ms"
               f"  e2e p99 {r['e2e_p99_s']:6.2f} s  max wait {r['max_wait_s']:6.2f} s  preempt {r['preemptions']}"
@@ -286,6 +292,69 @@ def simulate_device(args):
               "requests": args.sim_requests, "rate": args.sim_rate, "runs": table}
     with open(os.path.join(args.out, f"simulated-{args.simulate_device}.json"), "w") as f:
         json.dump(result, f, indent=1)
+
+
+def rerun(args, first, config, make_engine):
+    from jaxcb.simulate import load_step_model, simulate
+    from jaxcb.trace import read_trace
+
+    path = os.path.join(args.out, "results.json")
+    with open(path) as f:
+        res = json.load(f)
+    model = load_step_model(os.path.join(args.out, "step_model.json"))
+    vocab = first.model_config.vocab_size
+    for i, old in enumerate(res["runs"]):
+        if args.rerun not in old["run"]:
+            continue
+        trace = read_trace(os.path.join(args.out, "traces", f"{old['trace']}.jsonl"))
+        r = replay(make_engine(max_running=old["max_running"], **old["changes"]), trace,
+                   prompt_ids(trace, vocab, VOCAB_SEED))
+        r.pop("_steps")
+        r.update(trace=old["trace"], run=old["run"], changes=old["changes"], max_running=old["max_running"])
+        res["runs"][i] = r
+        sim = simulate(trace, config.replace(**old["changes"]), model, vocab=vocab, seed=VOCAB_SEED,
+                       max_running=old["max_running"])
+        err = {k: round(sim[k] / r[k] - 1, 4) if r[k] else None
+               for k in ("output_tokens_per_s", "ttft_p99_s", "tpot_p99_s", "e2e_p99_s")}
+        j = next(j for j, x in enumerate(res["simulated"]) if x["trace"] == old["trace"] and x["run"] == old["run"])
+        res["simulated"][j] = {"trace": old["trace"], "run": old["run"], "sim": sim, "error": err}
+        print(f"  {old['trace']:>6} {old['run']:<24} {r['output_tokens_per_s']:7.1f} tok/s  TPOT p99 "
+              f"{r['tpot_p99_s'] * 1000:6.1f} ms  TTFT p99 {r['ttft_p99_s']:6.2f} s  {r.get('controller')}  "
+              f"(simulated: {sim['output_tokens_per_s']:.1f} tok/s, TPOT p99 {sim['tpot_p99_s'] * 1000:.1f} ms)", flush=True)
+    res["rerun"] = res.get("rerun", []) + [args.rerun]
+    with open(path, "w") as f:
+        json.dump(res, f, indent=1)
+
+
+def markdown(runs, sims=None) -> str:
+    """The policy table (README): one row per run; with `sims`, the simulator's error next to it."""
+    head = ("| trace | run | out tok/s | req/s | TTFT p50 / p99 (s) | TPOT p50 / p99 (ms) | e2e p99 (s) | "
+            "longest wait (s) | preempt. | switches (recomputed) | padding |")
+    lines = [head, "|" + " --- |" * (head.count("|") - 1)]
+    for r in runs:
+        lines.append(
+            f"| {r['trace']} | {r['run']} | {r['output_tokens_per_s']:.1f} | {r['requests_per_s']:.3f} | "
+            f"{r['ttft_p50_s']:.2f} / {r['ttft_p99_s']:.2f} | {r['tpot_p50_s'] * 1000:.0f} / {r['tpot_p99_s'] * 1000:.0f} | "
+            f"{r['e2e_p99_s']:.1f} | {r['max_wait_s']:.2f} | {r['preemptions']} | {r['switches']} "
+            f"({r['recomputed_tokens']}) | {r['padding_fraction']:.1%} |")
+    if sims:
+        lines += ["", "| trace | run | simulated out tok/s (error) | TTFT p99 (error) | TPOT p99 (error) | e2e p99 (error) |",
+                  "| --- | --- | --- | --- | --- | --- |"]
+        for x in sims:
+            s, e = x["sim"], x["error"]
+            lines.append(f"| {x['trace']} | {x['run']} | {s['output_tokens_per_s']:.1f} ({e['output_tokens_per_s']:+.0%}) | "
+                         f"{s['ttft_p99_s']:.2f} ({e['ttft_p99_s']:+.0%}) | {s['tpot_p99_s'] * 1000:.0f} "
+                         f"({e['tpot_p99_s']:+.0%}) | {s['e2e_p99_s']:.1f} ({e['e2e_p99_s']:+.0%}) |")
+    return "\n".join(lines)
+
+
+def _simulate_job(job):
+    from jaxcb.simulate import MODELS, simulate
+
+    trace, config, model, label = job
+    r = simulate(trace, config, model, vocab=MODELS["llama-3-8b"].vocab, seed=VOCAB_SEED)
+    r["run"] = label
+    return r
 
 
 def _median(values):
@@ -300,13 +369,14 @@ def plot(path, runs):
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
-    for policy in POLICIES:
-        pts = sorted((r["output_tokens_per_s"], r["ttft_p99_s"], r["tpot_p99_s"] * 1000) for r in runs
-                     if r["run"] == policy and r["trace"] in ("below", "near", "above"))
-        axes[0].plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=policy)
-        axes[1].plot([p[0] for p in pts], [p[2] for p in pts], marker="o", label=policy)
+    load = ("below", "near", "above")
+    for policy in POLICIES:  # in order of offered load, so each line follows its policy as the load grows
+        pts = sorted(((load.index(r["trace"]), r["output_tokens_per_s"], r["ttft_p99_s"], r["tpot_p99_s"] * 1000)
+                      for r in runs if r["run"] == policy and r["trace"] in load))
+        axes[0].plot([p[1] for p in pts], [p[2] for p in pts], marker="o", label=policy)
+        axes[1].plot([p[1] for p in pts], [p[3] for p in pts], marker="o", label=policy)
     axes[0].set(xlabel="output tokens/s", ylabel="TTFT p99 (s)", yscale="log",
-                title="TTFT p99 vs throughput (0.5x, 0.9x, 1.3x capacity)")
+                title="TTFT p99 vs throughput at 0.5x, 0.9x, 1.3x capacity")
     axes[1].set(xlabel="output tokens/s", ylabel="TPOT p99 (ms)", title="TPOT p99 vs throughput")
     axes[0].legend()
     fig.tight_layout()
@@ -316,17 +386,32 @@ def plot(path, runs):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--requests", type=int, default=32, help="requests per trace")
+    ap.add_argument("--policy-limit", type=int, default=8,
+                    help="running limit of the policy and window runs (slots must be short for the order to matter)")
     ap.add_argument("--out", default="bench/policies")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--plot", action="store_true", help="write OUT/latency_throughput.png (needs matplotlib)")
     ap.add_argument("--sweep", action="store_true", help="the batch-size sweep instead")
+    ap.add_argument("--replot", action="store_true", help="only redraw the plot from OUT/results.json")
+    ap.add_argument("--rerun", default=None, metavar="TEXT",
+                    help="run again only the runs of OUT/results.json whose label contains TEXT (same traces, "
+                         "same settings) and replace them and their simulations there")
+    ap.add_argument("--table", action="store_true", help="only print the markdown tables from OUT/results.json")
     ap.add_argument("--simulate-device", default=None, help="the simulated table on this device instead (h200, ...)")
     ap.add_argument("--sim-requests", type=int, default=100000)
     ap.add_argument("--sim-rate", type=float, default=50.0)
+    ap.add_argument("--sim-jobs", type=int, default=2, help="simulations run in parallel (processes)")
     ap.add_argument("--save-step-model", action="store_true", help="also write the fitted model as the built-in one")
     args = ap.parse_args()
     if args.sweep:
         return sweep(args)
+    if args.table:
+        with open(os.path.join(args.out, "results.json")) as f:
+            res = json.load(f)
+        return print(markdown(res["runs"], res["simulated"]))
+    if args.replot:
+        with open(os.path.join(args.out, "results.json")) as f:
+            return plot(os.path.join(args.out, "latency_throughput.png"), json.load(f)["runs"])
     if args.simulate_device:
         return simulate_device(args)
 
@@ -351,6 +436,8 @@ def main():
     print(f"warm-up: {shapes} shapes in {time.perf_counter() - t0:.0f} s", flush=True)
     vocab = first.model_config.vocab_size
 
+    if args.rerun:
+        return rerun(args, first, config, make_engine)
     sat = poisson_trace(32, 1e9, args.seed + 100)  # everything at once
     cap = replay(make_engine(), sat, prompt_ids(sat, vocab, VOCAB_SEED))
     capacity = cap["requests_per_s"]

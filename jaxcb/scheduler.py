@@ -96,12 +96,13 @@ class LatencyController:
     running limit and the per-step prefill budget, from measured step times.
 
     A request's time per token is the mean of the step times over its life, so the worst one a short
-    request (`span` tokens) can see is the largest mean of `span` consecutive decode steps: that,
-    over the last `window` steps, is the signal. Every `every` steps both knobs shrink
-    multiplicatively (limit x0.8, budget x0.7) when the signal is above `high` x target, and grow
-    (limit + 1, budget x1.15) when it is below `low` x target. A TTFT target above its measured p90
-    (first tokens of the last requests) grows both knobs while the TPOT signal has room, since
-    queueing is what makes a first token late; the TPOT target wins a conflict.
+    request (`span` tokens) sees is the largest mean of `span` consecutive decode steps. Decrease is
+    fast: after every step, once `span` steps ran since the last change, a mean of the last `span`
+    steps above `high` x target shrinks both knobs by target / mean (at most halving them, at least
+    by 15%). Increase is slow: every `every` steps, when the largest `span`-step mean over the last
+    `window` steps is below `low` x target, the limit grows by one and the budget by 15%. A TTFT target
+    above its measured p90 (first tokens of the last requests) grows both knobs while the TPOT signal
+    has room, since queueing is what makes a first token late; the TPOT target wins a conflict.
     """
 
     high, low, window, span, every = 0.9, 0.7, 64, 8, 8
@@ -109,12 +110,13 @@ class LatencyController:
     def __init__(self, config: SchedulerConfig):
         self.config = config
         self.running_limit = config.max_running
-        self.min_budget = min(64, config.max_prefill_tokens)
+        self.min_budget = min(32, config.max_prefill_tokens)
         self.prefill_budget = config.max_prefill_tokens
         self._steps = collections.deque(maxlen=self.window)
         self._ttft = collections.deque(maxlen=32)
         self._tpot = collections.deque(maxlen=128)  # finished requests' mean time per token (the metric)
-        self._since = 0
+        self._since = 0  # steps since the last evaluation of growth
+        self._fresh = 0  # steps since the last change
         self.signal_ms = 0.0  # the last signal: the largest mean of `span` consecutive decode steps
         self.num_adjustments = 0
 
@@ -122,23 +124,26 @@ class LatencyController:
         """A completed step that had decode rows took `seconds`."""
         self._steps.append(seconds * 1000)
         self._since += 1
-        if self._since < self.every or len(self._steps) < self.span:
+        self._fresh += 1
+        tpot, k = self.config.target_p99_tpot_ms, self.span
+        if self._fresh < k:
+            return
+        steps = list(self._steps)
+        recent = sum(steps[-k:]) / k
+        if tpot is not None and recent > self.high * tpot:
+            factor = min(0.85, max(0.5, self.high * tpot / recent))
+            self._set(int(self.running_limit * factor), int(self.prefill_budget * factor))
+            return
+        if self._since < self.every:
             return
         self._since = 0
-        c = self.config
-        steps, k = list(self._steps), self.span
-        run = sum(steps[:k])
-        worst = run
+        run = worst = sum(steps[:k])
         for i in range(k, len(steps)):
             run += steps[i] - steps[i - k]
             worst = max(worst, run)
         self.signal_ms = worst / k
-        tpot = c.target_p99_tpot_ms
-        if tpot is not None and self.signal_ms > self.high * tpot:
-            self._set(max(1, int(self.running_limit * 0.8)), max(self.min_budget, int(self.prefill_budget * 0.7)))
-            self._steps.clear()  # judge the new setting on its own steps
-        elif tpot is None or self.signal_ms < self.low * tpot:
-            ttft, late = c.target_p99_ttft_ms, False
+        if tpot is None or self.signal_ms < self.low * tpot:
+            ttft, late = self.config.target_p99_ttft_ms, False
             if ttft is not None and len(self._ttft) >= 4:
                 late = _quantile(self._ttft, 0.9) > ttft
             if tpot is not None or late:
@@ -163,6 +168,7 @@ class LatencyController:
         budget = min(max(self.min_budget, budget), self.config.max_prefill_tokens)
         if (limit, budget) != (self.running_limit, self.prefill_budget):
             self.num_adjustments += 1
+            self._fresh = 0  # judge the new setting on its own steps
         self.running_limit, self.prefill_budget = limit, budget
 
 
