@@ -186,13 +186,9 @@ def cmd_plan(args) -> int:
     dtype_bytes = {"float32": 4, "bfloat16": 2}[args.dtype]
     tensor = config.tensor_parallel if args.tensor_parallel is None else args.tensor_parallel
     check_tensor_parallel(model, tensor)
-    plan = memory_plan.plan(
-        budget_bytes=memory_plan.parse_bytes(args.memory), fraction=config.memory_fraction,
-        weight_bytes=model.num_params * dtype_bytes, num_layers=model.num_layers, num_kv_heads=model.num_kv_heads,
-        head_dim=model.head_dim, hidden_size=model.hidden_size, intermediate_size=model.intermediate_size,
-        vocab_size=model.vocab_size, dtype_bytes=dtype_bytes, page_size=s.page_size, max_context=max_context,
-        max_batch=config.buckets.max_batch, max_prefill_tokens=s.max_prefill_tokens, num_heads=model.num_heads,
-        tensor=tensor, sliding_layers=model.num_sliding_layers, window=model.sliding_window)
+    # What the config asks for, except the page count: the plan says how many fit.
+    plan = memory_plan.plan_for_model(model, config.replace(num_pages=0), budget_bytes=memory_plan.parse_bytes(args.memory),
+                                      dtype_bytes=dtype_bytes, max_context=max_context, tensor=tensor)
     print(f"model {model.name} ({model.family}): {model.num_params / 1e6:.1f}M parameters, {args.dtype}; memory {args.memory} "
           f"{'per device ' if tensor > 1 else ''}x {config.memory_fraction:g}; largest batch bucket "
           f"{config.buckets.max_batch}")

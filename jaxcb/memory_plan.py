@@ -19,6 +19,8 @@ from __future__ import annotations
 import dataclasses
 import re
 
+from jaxcb.window import sliding_pages_per_chunk
+
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
@@ -128,7 +130,7 @@ def plan(*, budget_bytes: int, fraction: float, weight_bytes: int, num_layers: i
     kv_per_token = (num_layers - (sliding_layers if window else 0)) * layer_token
     pages_per_seq = -(-max_context // page_size)
     # A sliding layer's sequence holds the pages its window and one prefill chunk touch.
-    window_per_seq = min(pages_per_seq, (window - 1 + max_prefill_tokens) // page_size + 2) if window else 0
+    window_per_seq = min(pages_per_seq, sliding_pages_per_chunk(window, page_size, max_prefill_tokens)) if window else 0
     # The largest step's temporaries, an upper estimate. The step is one packed batch of up to
     # max_batch decode tokens and max_prefill_tokens prompt tokens: its activations, the plain-JAX
     # attention's working set for one layer (a block of 256 pages of keys and values in float32, and the
@@ -159,3 +161,20 @@ def plan(*, budget_bytes: int, fraction: float, weight_bytes: int, num_layers: i
     window_pages = max(window_per_seq + 1, -(-(pages - 1) * window_per_seq // pages_per_seq) + 1) if window else 0
     return MemoryPlan(budget_bytes, weight_bytes, reserve, kv_per_token, page_size, pages, tensor, replication,
                       window, sliding_layers * layer_token if window else 0, window_pages, num_layers * layer_token)
+
+
+def plan_for_model(model, config, *, budget_bytes: int, dtype_bytes: int, max_context: int | None = None,
+                   tensor: int | None = None) -> MemoryPlan:
+    """The plan for a model (a ModelConfig) under an EngineConfig: what the engine sizes its cache with
+    (jaxcb.runner.plan_memory) and what `jaxcb plan` prints. `max_context` / `tensor` override the
+    config's."""
+    s, c = config.scheduler, model
+    return plan(
+        budget_bytes=budget_bytes, fraction=config.memory_fraction, weight_bytes=c.num_params * dtype_bytes,
+        num_layers=c.num_layers, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, hidden_size=c.hidden_size,
+        intermediate_size=c.intermediate_size, vocab_size=c.vocab_size, dtype_bytes=dtype_bytes,
+        page_size=s.page_size, max_context=max_context or min(s.max_context, c.max_context),
+        max_batch=config.buckets.max_batch, max_prefill_tokens=s.max_prefill_tokens,
+        num_pages=config.num_pages or None, num_heads=c.num_heads,
+        tensor=config.tensor_parallel if tensor is None else tensor,
+        sliding_layers=c.num_sliding_layers, window=c.sliding_window)

@@ -124,26 +124,16 @@ def plan_memory(model_config: ModelConfig, config, dtype=None, budget_bytes: int
     from jaxcb import memory_plan
 
     dtype = jnp.dtype(dtype or default_dtype())
-    weight_bytes = model_config.num_params * dtype.itemsize
-    s, b = config.scheduler, config.buckets
-    c = model_config
     if config.tensor_parallel > 1:
         from jaxcb.parallel import check_tensor_parallel
 
-        check_tensor_parallel(c, config.tensor_parallel)
+        check_tensor_parallel(model_config, config.tensor_parallel)
     budget = budget_bytes or config.memory_bytes
     if not budget:
         budget = device_memory_bytes()
         if jax.default_backend() == "cpu":  # host devices share the one memory
             budget //= config.tensor_parallel * config.data_parallel
-    return memory_plan.plan(
-        budget_bytes=budget,
-        fraction=config.memory_fraction, weight_bytes=weight_bytes, num_layers=c.num_layers,
-        num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, hidden_size=c.hidden_size,
-        intermediate_size=c.intermediate_size, vocab_size=c.vocab_size, dtype_bytes=dtype.itemsize,
-        page_size=s.page_size, max_context=min(s.max_context, c.max_context), max_batch=b.max_batch,
-        max_prefill_tokens=s.max_prefill_tokens, num_pages=config.num_pages or None, num_heads=c.num_heads,
-        tensor=config.tensor_parallel, sliding_layers=c.num_sliding_layers, window=c.sliding_window)
+    return memory_plan.plan_for_model(model_config, config, budget_bytes=budget, dtype_bytes=dtype.itemsize)
 
 
 def make_runner(model_config: ModelConfig, params: Params, config, dtype=None, plan=None, devices=None):

@@ -39,7 +39,7 @@ class WindowGroup:
 
     def pages_per_chunk(self, num_tokens: int) -> int:
         """The most sliding pages a request holds while it computes a chunk of `num_tokens` tokens."""
-        return (self.window - 1 + num_tokens) // self.page_size + 2
+        return sliding_pages_per_chunk(self.window, self.page_size, num_tokens)
 
     def grow(self, r, start: int, num_tokens: int) -> bool:
         """Before r computes its tokens start .. num_tokens-1: free its pages before the window of the
@@ -93,3 +93,9 @@ class WindowGroup:
         for i, h in enumerate(hashes, start=first):
             if i < len(r.window_page_ids) and r.window_page_ids[i] != NULL_PAGE:
                 self.pool.register(r.window_page_ids[i], h)
+
+
+def sliding_pages_per_chunk(window: int, page_size: int, num_tokens: int) -> int:
+    """The most sliding pages a sequence holds while it computes a chunk of `num_tokens` tokens: the
+    window behind the chunk's first query, the chunk, and a partial page at each end."""
+    return (window - 1 + num_tokens) // page_size + 2
