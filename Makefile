@@ -25,7 +25,7 @@ setup: $(STAMP)
 # Two worker processes (one per core of the CI machine), a test file each at a time: half the wall
 # time of one process, and neither accumulates the whole session's compiled programs.
 test: $(STAMP)
-	$(PY) -m pytest -q -n 2 --dist loadfile tests
+	$(PY) -m pytest -q -n 2 --dist loadfile --durations=12 tests
 
 # The full stress suite (tools/stress.py): 500 streams with cancels, 10,000 fuzzed requests, slow and
 # giant clients, injected faults, SIGTERM under load, RSS over 10,000 requests; prints its table.
