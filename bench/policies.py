@@ -274,7 +274,7 @@ def simulate_device(args):
     write_trace(os.path.join(args.out, "traces", f"{args.simulate_device}-{args.sim_requests}.jsonl"), trace)
     runs = [(p, {"policy": p}) for p in POLICIES]
     runs += [(f"fcfs window {w:g} ms", {"max_wait_ms": w, "min_batch": 8}) for w in (10.0, 50.0)]
-    runs += [(f"fcfs target {t:g} ms", {"target_p99_tpot_ms": t}) for t in (15.0, 25.0)]
+    runs += [(f"fcfs target {t:g} ms", {"target_p99_tpot_ms": t}) for t in args.sim_targets]
     print(f"{len(trace)} requests at {args.sim_rate} req/s on a simulated {model.device.name}, Llama 3 8B bfloat16, "
           f"{config.num_pages} pages of {config.page_size}", flush=True)
     import multiprocessing
@@ -290,7 +290,7 @@ def simulate_device(args):
               f"  switches {r['switches']}  wall {r['wall_s']:.0f} s", flush=True)
     result = {"device": model.to_json(), "config": "configs/sim-h200-llama8b.toml", "num_pages": config.num_pages,
               "requests": args.sim_requests, "rate": args.sim_rate, "runs": table}
-    with open(os.path.join(args.out, f"simulated-{args.simulate_device}.json"), "w") as f:
+    with open(os.path.join(args.out, f"simulated-{args.simulate_device}-{args.sim_rate:g}.json"), "w") as f:
         json.dump(result, f, indent=1)
 
 
@@ -400,6 +400,8 @@ def main():
     ap.add_argument("--simulate-device", default=None, help="the simulated table on this device instead (h200, ...)")
     ap.add_argument("--sim-requests", type=int, default=100000)
     ap.add_argument("--sim-rate", type=float, default=50.0)
+    ap.add_argument("--sim-targets", type=lambda v: [float(x) for x in v.split(",")], default=[15.0, 25.0],
+                    help="TPOT targets (ms) of the controller runs, comma-separated")
     ap.add_argument("--sim-jobs", type=int, default=2, help="simulations run in parallel (processes)")
     ap.add_argument("--save-step-model", action="store_true", help="also write the fitted model as the built-in one")
     args = ap.parse_args()
