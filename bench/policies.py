@@ -326,6 +326,32 @@ def rerun(args, first, config, make_engine):
         json.dump(res, f, indent=1)
 
 
+def validate(args, first, config, make_engine):
+    from jaxcb.simulate import load_step_model, simulate
+
+    with open(os.path.join(args.out, "results.json")) as f:
+        res = json.load(f)
+    capacity = res["capacity_requests_per_s"]
+    model = load_step_model(os.path.join(args.out, "step_model.json"))
+    vocab = first.model_config.vocab_size
+    traces = {"near": poisson_trace(args.validate, 0.9 * capacity, args.seed + 21),
+              "above": poisson_trace(args.validate, 1.3 * capacity, args.seed + 22),
+              "bursty": bursty_trace(args.validate, 0.8 * capacity, args.seed + 23)}
+    out = []
+    for name, trace in traces.items():
+        write_trace(os.path.join(args.out, "traces", f"validate-{name}-{args.validate}.jsonl"), trace)
+        r = replay(make_engine(max_running=args.policy_limit), trace, prompt_ids(trace, vocab, VOCAB_SEED))
+        r.pop("_steps")
+        sim = simulate(trace, config, model, vocab=vocab, seed=VOCAB_SEED, max_running=args.policy_limit)
+        keys = ("output_tokens_per_s", "ttft_p50_s", "ttft_p99_s", "tpot_p99_s", "e2e_p99_s")
+        err = {k: round(sim[k] / r[k] - 1, 4) for k in keys}
+        out.append({"trace": name, "requests": args.validate, "real": r, "sim": sim, "error": err})
+        print(f"  {name:>6} x{args.validate}: " + "  ".join(f"{k} {r[k]:.3f} real, {sim[k]:.3f} sim ({err[k]:+.1%})"
+                                                          for k in keys), flush=True)
+    with open(os.path.join(args.out, f"validate-{args.validate}.json"), "w") as f:
+        json.dump({"machine": machine(), "policy_limit": args.policy_limit, "runs": out}, f, indent=1)
+
+
 def markdown(runs, sims=None) -> str:
     """The policy table (README): one row per run; with `sims`, the simulator's error next to it."""
     head = ("| trace | run | out tok/s | req/s | TTFT p50 / p99 (s) | TPOT p50 / p99 (ms) | e2e p99 (s) | "
@@ -396,6 +422,9 @@ def main():
     ap.add_argument("--rerun", default=None, metavar="TEXT",
                     help="run again only the runs of OUT/results.json whose label contains TEXT (same traces, "
                          "same settings) and replace them and their simulations there")
+    ap.add_argument("--validate", type=int, default=0, metavar="N",
+                    help="only check the simulator (OUT/step_model.json) against real FCFS runs of new traces of N "
+                         "requests at 0.9x and 1.3x the capacity in OUT/results.json, and bursty at 0.8x")
     ap.add_argument("--table", action="store_true", help="only print the markdown tables from OUT/results.json")
     ap.add_argument("--simulate-device", default=None, help="the simulated table on this device instead (h200, ...)")
     ap.add_argument("--sim-requests", type=int, default=100000)
@@ -440,6 +469,8 @@ def main():
 
     if args.rerun:
         return rerun(args, first, config, make_engine)
+    if args.validate:
+        return validate(args, first, config, make_engine)
     sat = poisson_trace(32, 1e9, args.seed + 100)  # everything at once
     cap = replay(make_engine(), sat, prompt_ids(sat, vocab, VOCAB_SEED))
     capacity = cap["requests_per_s"]
