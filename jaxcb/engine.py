@@ -356,13 +356,10 @@ class Engine:
         # The step's own time: from the previous step's tokens when it was queued behind that step,
         # else from its packing (not from an idle spell before it).
         start = step.started if step.started is not None else self._last_fetch_end
-        if start is not None:
-            if self.scheduler.controller is not None and any(c.num_tokens == 1 for c in step.chunks):
-                self.scheduler.controller.observe_step(fetch_end - start)  # a decode row waited this long
         if self.step_log is not None:
             self.step_log.append(step_record(step, fetch_end, start))
         self._last_fetch_end = fetch_end
-        self._postprocess(step, result, events)
+        self._postprocess(step, result, events, None if start is None else fetch_end - start)
         self._counters["steps"] += 1
 
     def _fail_step(self, chunks: list[Chunk], error: Exception, events: list[TokenEvent],
@@ -397,23 +394,21 @@ class Engine:
         if self.failed_in_a_row >= self.MAX_FAILED_STEPS_IN_A_ROW:
             raise RuntimeError(f"{self.failed_in_a_row} steps in a row failed (last: {message}); the engine is broken")
 
-    def _postprocess(self, step: _InFlight, result, events: list[TokenEvent]) -> None:
+    def _postprocess(self, step: _InFlight, result, events: list[TokenEvent], seconds: float | None) -> None:
         sampled = self.scheduler.on_step_done(step.chunks, step.epochs, result.token_ids)
         self._counters["output_tokens"] += len(sampled)
-        controller = self.scheduler.controller
+        observed = []
         for row, r, token, reason in sampled:
-            if controller is not None and r.first_token_time is None:
-                controller.observe_first_token(time.monotonic() - r.arrival_time)
             logprobs = None
             if r.params.logprobs:
                 n = r.params.logprobs
                 top = tuple(zip(result.top_ids[row, :n].tolist(), result.top_logprobs[row, :n].tolist()))
                 logprobs = ((float(result.logprobs[row]), top),)
-            reason = self.outputs.on_token(r, token, logprobs, reason, events)
+            reason = self.outputs.on_token(r, token, logprobs, reason, events)  # sets r.first_token_time
+            observed.append((r, reason is not None))
             if reason is not None:
-                if controller is not None and len(r.output_ids) > 1:
-                    controller.observe_finished((time.monotonic() - r.first_token_time) / (len(r.output_ids) - 1))
                 self._retire(r, reason)
+        self.scheduler.observe_step_done(step.chunks, seconds, observed, time.monotonic())
 
     def _finish(self, r: Request, reason: FinishReason, events: list[TokenEvent], error: str | None = None) -> None:
         """End a request from outside its tokens (abort, error): its final event, then retire it."""

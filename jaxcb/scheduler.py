@@ -43,6 +43,7 @@ import time
 from jaxcb.page_pool import PagePool
 from jaxcb.prefix_cache import PrefixCache
 from jaxcb.request import FinishReason, Request, Status
+from jaxcb.trace import quantile
 
 POLICIES = ("fcfs", "sjf", "priority", "length-buckets", "round-robin")
 
@@ -145,7 +146,7 @@ class LatencyController:
         if tpot is None or self.signal_ms < self.low * tpot:
             ttft, late = self.config.target_p99_ttft_ms, False
             if ttft is not None and len(self._ttft) >= 4:
-                late = _quantile(self._ttft, 0.9) > ttft
+                late = quantile(list(self._ttft), 0.9) > ttft
             if tpot is not None or late:
                 self._set(self.running_limit + 1, int(self.prefill_budget * 1.15) + 1)
 
@@ -157,11 +158,11 @@ class LatencyController:
 
     @property
     def measured_p99_tpot_ms(self) -> float:
-        return _quantile(self._tpot, 0.99) if self._tpot else 0.0
+        return quantile(list(self._tpot), 0.99)
 
     @property
     def measured_p99_ttft_ms(self) -> float:
-        return _quantile(self._ttft, 0.99) if self._ttft else 0.0
+        return quantile(list(self._ttft), 0.99)
 
     def _set(self, limit: int, budget: int) -> None:
         limit = min(max(1, limit), self.config.max_running)
@@ -170,11 +171,6 @@ class LatencyController:
             self.num_adjustments += 1
             self._fresh = 0  # judge the new setting on its own steps
         self.running_limit, self.prefill_budget = limit, budget
-
-
-def _quantile(values, q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 @dataclasses.dataclass(slots=True)
@@ -319,6 +315,24 @@ class Scheduler:
                 reason = FinishReason.LENGTH
             sampled.append((row, r, token, reason))
         return sampled
+
+    def observe_step_done(self, chunks: list[Chunk], seconds: float | None,
+                          sampled: list[tuple[Request, bool]], now: float) -> None:
+        """Feed the latency controller from a completed step, by the one rule the engine and the
+        simulator share: the step's time when it had decode rows (`seconds`: None when it followed an
+        idle spell), the wait for each first token, each finished request's mean time per token.
+        `sampled`: (request, finished) for each token the step appended, with `first_token_time` set."""
+        ctl = self.controller
+        if ctl is None:
+            return
+        if seconds is not None and any(c.num_tokens == 1 for c in chunks):
+            ctl.observe_step(seconds)  # a decode row waited this long for its token
+        for r, finished in sampled:
+            n = len(r.output_ids)
+            if n == 1:
+                ctl.observe_first_token(r.first_token_time - r.arrival_time)
+            if finished and n > 1:
+                ctl.observe_finished((now - r.first_token_time) / (n - 1))
 
     @property
     def has_work(self) -> bool:

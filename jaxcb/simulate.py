@@ -264,23 +264,19 @@ def simulate(trace: list[TraceRequest], config, step_model, *, vocab: int = 3200
         dt = step_model.seconds(stats)
         clock += dt
         steps += 1
-        ctl = sched.controller  # the latency target's controller is fed as the engine feeds it
-        if ctl is not None and out.decode:
-            ctl.observe_step(dt)
+        observed = []
         for _, r, _, reason in sched.on_step_done(chunks, epochs, [0] * len(chunks)):
             rec = records[index[id(r)]]
             if rec.first_token is None:
-                rec.first_token = clock
+                rec.first_token = r.first_token_time = clock
                 rec.scheduled = r.first_scheduled_time
-                if ctl is not None:
-                    ctl.observe_first_token(clock - rec.arrival)
             rec.output_tokens = len(r.output_ids)
+            observed.append((r, reason is not None))
             if reason is not None:
-                if ctl is not None and rec.output_tokens > 1:
-                    ctl.observe_finished((clock - rec.first_token) / (rec.output_tokens - 1))
                 sched.finish(r, reason)
                 rec.finished = clock
                 del index[id(r)]
+        sched.observe_step_done(chunks, dt, observed, clock)  # as the engine feeds the latency controller
         if progress is not None and steps % 10000 == 0:
             progress(clock, i, n)
     pool.check_all_free()

@@ -253,6 +253,32 @@ def test_a_ttft_target_alone_grows_the_limit_when_first_tokens_are_late():
     assert sched.running_limit == grown  # first tokens on time: nothing to gain
 
 
+def test_a_completed_step_feeds_the_controller_one_way_for_the_engine_and_the_simulator():
+    sched, _ = make(max_running=4, target_p99_tpot_ms=100.0, max_context=64)
+    ctl = sched.controller
+    a, b = req(5, max_tokens=3, t=1.0), req(5, max_tokens=3, t=2.0)
+    for r in (a, b):
+        sched.add(r)
+    prefill = sched.schedule(now=2.0)
+    chunks = prefill.decode + prefill.prefill
+    for c in chunks:
+        c.request.num_computed = c.start + c.num_tokens
+        c.request.output_ids.append(7)
+        c.request.first_token_time = 2.5
+    sched.observe_step_done(chunks, 0.5, [(a, False), (b, False)], now=2.5)
+    assert sorted(ctl._ttft) == [500.0, 1500.0]  # first tokens: their waits since arrival
+    assert not ctl._steps  # a prefill-only step says nothing about time per token
+    decode = sched.schedule(now=2.5)
+    for r in (a, b):
+        r.output_ids += [7, 7]
+    sched.observe_step_done(decode.decode, 0.25, [(a, True), (b, False)], now=3.5)
+    assert list(ctl._steps) == [250.0]
+    assert list(ctl._tpot) == [500.0]  # a: two tokens after its first, 1 s later; b has not finished
+    assert sorted(ctl._ttft) == [500.0, 1500.0]  # no request's first token twice
+    sched.observe_step_done(decode.decode, None, [], now=4.0)  # after an idle spell: no step time
+    assert list(ctl._steps) == [250.0]
+
+
 def engine_step(sched, out, step_id, tokens=7):
     """What the engine does with a step: launched, then its tokens back (through the prefix cache)."""
     chunks = out.decode + out.prefill
