@@ -25,7 +25,14 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="a GGUF file (Llama, Qwen3, Gemma 2/3), a Hugging Face or converted directory, or an embedded model: smollm2-135m (the default), gemma3-270m")
     p.add_argument("--config", default=None, help="engine config TOML (default: configs/default.toml)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
-                   help="weights and KV dtype (default: float32 on CPU, bfloat16 on GPU/TPU)")
+                   help="compute (activations and KV) dtype, and the weights' unless --weights says otherwise "
+                        "(default: float32 on CPU, bfloat16 on GPU/TPU)")
+    p.add_argument("--weights", choices=("float32", "bfloat16", "int8", "int4"), default=None,
+                   help="how the weight matrices are stored: a float dtype, int8 per output channel or int4 in "
+                        "groups of 32, dequantized inside the step (default: the config's model.weights, auto)")
+    p.add_argument("--kv-dtype", choices=("float32", "bfloat16", "int8"), default=None,
+                   help="KV pages: a float dtype, or int8 with a scale per token and head (default: the config's "
+                        "cache.kv_dtype, auto = the compute dtype)")
     p.add_argument("--policy", default=None, help="scheduling policy: fcfs, sjf, priority, length-buckets, round-robin")
     p.add_argument("--compile-cache", default=None, metavar="DIR",
                    help="persistent XLA compilation cache (default: $JAXCB_COMPILE_CACHE or ~/.cache/jaxcb/xla; "
@@ -124,6 +131,10 @@ def _engine_config(args):
         changes["tensor_parallel"] = args.tensor_parallel
     if getattr(args, "data_parallel", None) is not None:
         changes["data_parallel"] = args.data_parallel
+    if getattr(args, "weights", None):
+        changes["weights"] = args.weights
+    if getattr(args, "kv_dtype", None):
+        changes["kv_dtype"] = args.kv_dtype
     return config.replace(**changes) if changes else config
 
 

@@ -23,7 +23,11 @@ def add_parsers(sub, add_model_args) -> None:
     c.add_argument("model", help="GGUF file or model directory; 'default' for the embedded SmolLM2")
     c.add_argument("out_dir")
     c.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
-                   help="stored dtype (default: float32 on CPU, bfloat16 on GPU/TPU)")
+                   help="stored float dtype (default: float32 on CPU, bfloat16 on GPU/TPU)")
+    c.add_argument("--weights", choices=("int8", "int4"), default=None,
+                   help="store the weight matrices quantized (jaxcb.model.quant); scales in --dtype")
+    c.add_argument("--weight-group", type=int, default=0, metavar="G",
+                   help="input rows per scale (default 0: per output column for int8, 32 for int4)")
 
     p = sub.add_parser("plan", help="what fits in a memory budget: weights, KV pages, batch per context")
     p.add_argument("--model", default=None, help="GGUF file, model directory, or an embedded model: smollm2-135m (default), gemma3-270m")
@@ -31,6 +35,10 @@ def add_parsers(sub, add_model_args) -> None:
     p.add_argument("--config", default=None)
     p.add_argument("--max-context", type=int, default=None, help="tokens per request (default: the config's)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16")
+    p.add_argument("--weights", choices=("float32", "bfloat16", "int8", "int4"), default=None,
+                   help="how the weights are stored (default: the config's model.weights; auto = --dtype)")
+    p.add_argument("--kv-dtype", choices=("float32", "bfloat16", "int8"), default=None,
+                   help="KV pages (default: the config's cache.kv_dtype; auto = --dtype)")
     p.add_argument("--tensor-parallel", type=int, default=None, metavar="N",
                    help="split the model over N devices of --memory each (default: the config's parallel.tensor)")
 
@@ -162,10 +170,12 @@ def cmd_convert(args) -> int:
         raise ValueError(f"out_dir: {args.out_dir} already holds a converted checkpoint")
     t0 = time.perf_counter()
     dtype = _dtype(args) or default_dtype()
-    config, params, tokenizer, _ = load_model(None if args.model == "default" else args.model, dtype)
+    mode = args.weights or np.dtype(dtype).name
+    config, params, tokenizer, _ = load_model(None if args.model == "default" else args.model, dtype,
+                                              weights=mode, group=args.weight_group)
     loaded = time.perf_counter() - t0
-    checkpoint.save(args.out_dir, config, params_to_weights(params), tokenizer, dtype)
-    print(f"jaxcb convert: {config.name} ({config.num_params / 1e6:.1f}M parameters, {np.dtype(dtype).name}) "
+    checkpoint.save(args.out_dir, config, params_to_weights(params), tokenizer, dtype, mode, args.weight_group)
+    print(f"jaxcb convert: {config.name} ({config.num_params / 1e6:.1f}M parameters, {mode}) "
           f"loaded in {loaded:.1f}s, written to {args.out_dir} in {time.perf_counter() - t0 - loaded:.1f}s; "
           f"serve it with --model {args.out_dir}")
     return 0
@@ -185,11 +195,18 @@ def cmd_plan(args) -> int:
         raise ValueError(f"--max-context: must be >= 1, got {max_context}")
     dtype_bytes = {"float32": 4, "bfloat16": 2}[args.dtype]
     tensor = config.tensor_parallel if args.tensor_parallel is None else args.tensor_parallel
-    check_tensor_parallel(model, tensor)
+    weights = args.weights or config.weights
+    check_tensor_parallel(model, tensor, weights, config.weight_group)
     # What the config asks for, except the page count: the plan says how many fit.
+    if args.kv_dtype:
+        config = config.replace(kv_dtype=args.kv_dtype)
     plan = memory_plan.plan_for_model(model, config.replace(num_pages=0), budget_bytes=memory_plan.parse_bytes(args.memory),
-                                      dtype_bytes=dtype_bytes, max_context=max_context, tensor=tensor)
-    print(f"model {model.name} ({model.family}): {model.num_params / 1e6:.1f}M parameters, {args.dtype}; memory {args.memory} "
+                                      dtype_bytes=dtype_bytes, max_context=max_context, tensor=tensor, weights=weights)
+    stored = args.dtype if weights == "auto" else weights
+    if weights in ("int8", "int4") and config.weight_group:
+        stored += f" (groups of {config.weight_group})"
+    print(f"model {model.name} ({model.family}): {model.num_params / 1e6:.1f}M parameters, weights {stored}, "
+          f"compute {args.dtype}, KV {args.dtype if config.kv_dtype == 'auto' else config.kv_dtype}; memory {args.memory} "
           f"{'per device ' if tensor > 1 else ''}x {config.memory_fraction:g}; largest batch bucket "
           f"{config.buckets.max_batch}")
     print(plan.describe(sorted({512, 2048, max_context})))

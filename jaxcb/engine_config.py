@@ -14,6 +14,8 @@ from jaxcb.buckets import Buckets
 from jaxcb.scheduler import SchedulerConfig
 
 ATTENTION_CHOICES = ("xla", "pallas", "auto")
+WEIGHT_CHOICES = ("auto", "float32", "bfloat16", "int8", "int4")  # = jaxcb.model.quant.WEIGHT_MODES
+KV_CHOICES = ("auto", "float32", "bfloat16", "int8")
 AUTO_PAGES = 0  # num_pages = "auto": as many as the memory plan fits (jaxcb.memory_plan)
 KERNEL_PAGE_SIZES = (8, 16, 32, 64, 128, 256)  # = kernels_pallas.PAGE_SIZES (this module imports no JAX)
 DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "default.toml")
@@ -30,6 +32,13 @@ class EngineConfig:
     memory_bytes: int = 0  # the memory budget; 0 = the device's memory
     tensor_parallel: int = 1  # devices one step is split over by heads (jaxcb.parallel); 1 = one device
     data_parallel: int = 1  # engine replicas on disjoint devices behind one router (jaxcb.replicas)
+    # How the weight matrices are stored (jaxcb.model.quant): "auto" = the compute dtype; "float32" /
+    # "bfloat16" also set the compute dtype unless --dtype does; "int8" / "int4" quantized at load.
+    weights: str = "auto"
+    weight_group: int = 0  # quantized weights: input rows per scale; 0 = per column for int8, 32 for int4
+    # The KV pages' dtype: "auto" = the compute dtype; "int8": values and a float32 scale per token and
+    # head side by side in the page (jaxcb.model.paged_attention.quantize_kv).
+    kv_dtype: str = "auto"
 
     @property
     def page_size(self) -> int:
@@ -49,6 +58,13 @@ class EngineConfig:
             raise ValueError(f"parallel.tensor: must be an integer >= 1, got {self.tensor_parallel!r}")
         if not isinstance(self.data_parallel, int) or isinstance(self.data_parallel, bool) or self.data_parallel < 1:
             raise ValueError(f"parallel.data: must be an integer >= 1, got {self.data_parallel!r}")
+        if self.weights not in WEIGHT_CHOICES:
+            raise ValueError(f"model.weights: {self.weights!r} is not one of {WEIGHT_CHOICES}")
+        if (not isinstance(self.weight_group, int) or isinstance(self.weight_group, bool) or self.weight_group < 0
+                or self.weight_group % 2):
+            raise ValueError(f"model.weight_group: must be 0 or an even number of input rows, got {self.weight_group!r}")
+        if self.kv_dtype not in KV_CHOICES:
+            raise ValueError(f"cache.kv_dtype: {self.kv_dtype!r} is not one of {KV_CHOICES}")
         if self.attention not in ATTENTION_CHOICES:
             raise ValueError(f"model.attention: {self.attention!r} is not one of {ATTENTION_CHOICES}")
         if self.attention != "xla" and s.page_size not in KERNEL_PAGE_SIZES:
@@ -56,7 +72,7 @@ class EngineConfig:
                              f"{s.page_size} (or set model.attention = 'xla')")
 
     def replace(self, *, num_pages=None, buckets=None, attention=None, tensor_parallel=None, data_parallel=None,
-                **scheduler_changes) -> "EngineConfig":
+                weights=None, weight_group=None, kv_dtype=None, **scheduler_changes) -> "EngineConfig":
         return EngineConfig(
             num_pages=self.num_pages if num_pages is None else num_pages,
             scheduler=dataclasses.replace(self.scheduler, **scheduler_changes),
@@ -66,12 +82,16 @@ class EngineConfig:
             memory_fraction=self.memory_fraction, memory_bytes=self.memory_bytes,
             tensor_parallel=self.tensor_parallel if tensor_parallel is None else tensor_parallel,
             data_parallel=self.data_parallel if data_parallel is None else data_parallel,
+            weights=self.weights if weights is None else weights,
+            weight_group=self.weight_group if weight_group is None else weight_group,
+            kv_dtype=self.kv_dtype if kv_dtype is None else kv_dtype,
         )
 
 
 def make_config(*, page_size=16, num_pages=4096, max_context=2048, decode_batch=(1, 2, 4, 8, 16, 32),
                 pages_per_seq=None, prefill_tokens=(32, 64, 128, 256, 512), max_prefill_tokens=None,
-                tokens=None, attention="auto", tensor_parallel=1, data_parallel=1, **scheduler) -> EngineConfig:
+                tokens=None, attention="auto", tensor_parallel=1, data_parallel=1, weights="auto",
+                weight_group=0, kv_dtype="auto", **scheduler) -> EngineConfig:
     """An EngineConfig from keyword values (tests and the Python API)."""
     if pages_per_seq is None:
         pages_per_seq = (max_context // page_size,)
@@ -86,7 +106,8 @@ def make_config(*, page_size=16, num_pages=4096, max_context=2048, decode_batch=
         **scheduler,
     )
     return EngineConfig(num_pages=num_pages, scheduler=sched, attention=attention, tensor_parallel=tensor_parallel,
-                        data_parallel=data_parallel,
+                        data_parallel=data_parallel, weights=weights, weight_group=weight_group,
+                        kv_dtype=kv_dtype,
                         buckets=Buckets(tuple(decode_batch), tuple(pages_per_seq), tuple(prefill_tokens),
                                         tuple(tokens)))
 
@@ -130,7 +151,7 @@ def load_config(path: str | None = None) -> EngineConfig:
     except TypeError as e:
         raise ValueError(f"config: unknown setting in [scheduler] ({e})") from None
     model = raw.get("model", {})
-    unknown = set(model) - {"attention"}
+    unknown = set(model) - {"attention", "weights", "weight_group"}
     if unknown:
         raise ValueError(f"config: unknown setting in [model]: {sorted(unknown)}")
     parallel = raw.get("parallel", {})
@@ -145,7 +166,8 @@ def load_config(path: str | None = None) -> EngineConfig:
     elif not isinstance(num_pages, int) or isinstance(num_pages, bool):
         raise ValueError(f"config: cache.num_pages must be an integer or \"auto\", got {num_pages!r}")
     return EngineConfig(num_pages=num_pages, scheduler=sc, buckets=b, seed=int(raw["seed"]) if "seed" in raw else None,
-                        attention=str(model.get("attention", "auto")),
+                        attention=str(model.get("attention", "auto")), weights=str(model.get("weights", "auto")),
+                        weight_group=model.get("weight_group", 0), kv_dtype=str(cache.get("kv_dtype", "auto")),
                         memory_fraction=float(cache.get("memory_fraction", 0.9)),
                         memory_bytes=parse_bytes(cache["memory"]) if "memory" in cache else 0,
                         tensor_parallel=parallel.get("tensor", 1), data_parallel=parallel.get("data", 1))

@@ -50,10 +50,12 @@ def read_model_config(path: str | None = None):
     return gguf_loader.read_config(gguf_loader.open_reader(path))
 
 
-def load_model(path: str | None = None, dtype=None, check_config=None):
+def load_model(path: str | None = None, dtype=None, check_config=None, weights: str = "auto", group: int = 0):
     """(ModelConfig, Params, Tokenizer, eos ids) from a GGUF file (default: the embedded SmolLM2), a
     directory written by `jaxcb convert`, or a Hugging Face checkpoint directory. `check_config(config)`,
-    if given, runs once the config is read and before any weight is (the memory plan's refusal)."""
+    if given, runs once the config is read and before any weight is (the memory plan's refusal).
+    `weights`: "int8" / "int4" quantize the matrices as they load (jaxcb.model.quant; `group` input
+    rows per scale, 0 = the mode's default)."""
     from jaxcb.model import checkpoint, gguf_loader, hf_loader
     from jaxcb.model.llama import params_from_numpy
     from jaxcb.runner import default_dtype
@@ -66,17 +68,17 @@ def load_model(path: str | None = None, dtype=None, check_config=None):
     if os.path.isdir(path):
         check_config(read_model_config(path))  # raises the explanation for a directory of neither kind
         if checkpoint.is_checkpoint_dir(path):
-            config, weights = checkpoint.load(path, dtype)
-            dtype = dtype or next(iter(weights.values())).dtype
+            config, loaded_weights = checkpoint.load(path, dtype)
+            dtype = dtype or checkpoint.compute_dtype(loaded_weights)
         else:
             config = hf_loader.read_config(path)
-            weights = hf_loader.load_weights(path, config)
+            loaded_weights = hf_loader.load_weights(path, config)
         tokenizer = Tokenizer.from_dir(path) if os.path.isfile(os.path.join(path, "tokenizer.json")) else None
     else:
         loaded = gguf_loader.load_gguf(path, check_config)
-        config, weights = loaded.config, loaded.weights
+        config, loaded_weights = loaded.config, loaded.weights
         tokenizer = Tokenizer(loaded.tokenizer) if loaded.tokenizer is not None else None
-    params = params_from_numpy(weights, dtype or default_dtype())
+    params = params_from_numpy(loaded_weights, dtype or default_dtype(), weights, group)
     eos = (tokenizer.eos_id,) if tokenizer is not None and tokenizer.eos_id is not None else ()
     return config, params, tokenizer, eos
 
@@ -107,7 +109,7 @@ def build_engines(model: str | None = None, config: EngineConfig | str | None = 
     import jax.numpy as jnp
 
     from jaxcb.replicas import split_devices
-    from jaxcb.runner import default_dtype, make_runner, plan_memory
+    from jaxcb.runner import compute_dtype, make_runner, plan_memory
 
     if not isinstance(config, EngineConfig):
         config = load_config(config)
@@ -116,10 +118,11 @@ def build_engines(model: str | None = None, config: EngineConfig | str | None = 
     plans = []
     t0 = time.perf_counter()
     model_config, params, tokenizer, eos = loaded or load_model(
-        model, dtype, check_config=lambda c: plans.append(plan_memory(c, config, dtype)))
+        model, compute_dtype(config, dtype), check_config=lambda c: plans.append(plan_memory(c, config, dtype)),
+        weights=config.weights, group=config.weight_group)
     load_seconds = time.perf_counter() - t0
     # The plan stands if the weights came in the dtype it assumed (a checkpoint may bring its own).
-    if plans and jnp.dtype(params.embed.dtype) == jnp.dtype(dtype or default_dtype()):
+    if plans and jnp.dtype(params.embed.dtype) == compute_dtype(config, dtype):
         plan = plans[0]
     else:
         plan = plan_memory(model_config, config, params.embed.dtype)

@@ -114,7 +114,7 @@ def plan(*, budget_bytes: int, fraction: float, weight_bytes: int, num_layers: i
          head_dim: int, hidden_size: int, intermediate_size: int, vocab_size: int, dtype_bytes: int,
          page_size: int, max_context: int, max_batch: int, max_prefill_tokens: int,
          num_pages: int | None = None, num_heads: int | None = None, tensor: int = 1,
-         sliding_layers: int = 0, window: int = 0) -> MemoryPlan:
+         sliding_layers: int = 0, window: int = 0, kv_dtype: str = "auto") -> MemoryPlan:
     """The plan for these sizes (the whole model's; `tensor` devices split it), per device; num_pages
     None = as many as fit, else check that many fit. Raises ValueError with the numbers when one
     request of max_context cannot be held."""
@@ -125,7 +125,7 @@ def plan(*, budget_bytes: int, fraction: float, weight_bytes: int, num_layers: i
     weight_bytes = -(-weight_bytes // tensor)
     heads = (num_heads or max(1, hidden_size // head_dim)) // tensor
     intermediate_size //= tensor
-    layer_token = 2 * kv_heads * head_dim * dtype_bytes  # one layer's keys and values of one token
+    layer_token = 2 * kv_heads * kv_slot_bytes(head_dim, kv_dtype, dtype_bytes)  # one layer's keys and values of one token
     window = window if sliding_layers else 0
     kv_per_token = (num_layers - (sliding_layers if window else 0)) * layer_token
     pages_per_seq = -(-max_context // page_size)
@@ -163,18 +163,53 @@ def plan(*, budget_bytes: int, fraction: float, weight_bytes: int, num_layers: i
                       window, sliding_layers * layer_token if window else 0, window_pages, num_layers * layer_token)
 
 
+INT4_GROUP = 32  # = jaxcb.model.quant.GROUP
+
+
+def kv_slot_bytes(head_dim: int, kv_dtype: str, dtype_bytes: int) -> int:
+    """Bytes of one token's keys (or values) of one head in the pages: `dtype_bytes` a value for
+    "auto", int8's a byte a value and a float32 scale (jaxcb.model.paged_attention.kv_slot_width)."""
+    if kv_dtype == "int8":
+        return head_dim + 4
+    return head_dim * {"float32": 4, "bfloat16": 2}.get(kv_dtype, dtype_bytes)
+
+
+def weight_bytes(c, mode: str, dtype_bytes: int, group: int = 0) -> int:
+    """Bytes of a model's (a ModelConfig's) weights stored in `mode` (jaxcb.model.quant): "auto"
+    `dtype_bytes` a value, float32/bfloat16 theirs; int8 one byte a value of every matrix and the
+    embedding, plus a scale (`dtype_bytes`) per output column or per `group` values of one, and per
+    vocabulary row; int4 half a byte a value of the layers' matrices plus a float16 scale and offset per
+    `group` (default 32) values, the embedding and head as in int8. Norms and biases in `dtype_bytes`."""
+    if mode not in ("int8", "int4"):
+        return c.num_params * {"float32": 4, "bfloat16": 2}.get(mode, dtype_bytes)
+    e, f, layers = c.hidden_size, c.intermediate_size, c.num_layers
+    q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    shapes = [(e, q), (e, kv), (e, kv), (q, e), (e, f), (e, f), (f, e)]
+    values = layers * sum(i * o for i, o in shapes)
+    if mode == "int8":
+        scales = layers * sum((i // group if group else 1) * o for i, o in shapes)
+        matrices = values + scales * dtype_bytes
+    else:
+        matrices = values // 2 + layers * sum(i // (group or INT4_GROUP) * o for i, o in shapes) * 2 * 2
+    tables = 1 if c.tie_embeddings else 2  # the embedding, and an untied head
+    vocab = tables * c.vocab_size * (e + dtype_bytes)
+    rest = c.num_params - values - tables * c.vocab_size * e
+    return int(matrices + vocab + rest * dtype_bytes)
+
+
 def plan_for_model(model, config, *, budget_bytes: int, dtype_bytes: int, max_context: int | None = None,
-                   tensor: int | None = None) -> MemoryPlan:
+                   tensor: int | None = None, weights: str | None = None) -> MemoryPlan:
     """The plan for a model (a ModelConfig) under an EngineConfig: what the engine sizes its cache with
-    (jaxcb.runner.plan_memory) and what `jaxcb plan` prints. `max_context` / `tensor` override the
-    config's."""
+    (jaxcb.runner.plan_memory) and what `jaxcb plan` prints. `max_context` / `tensor` / `weights`
+    override the config's."""
     s, c = config.scheduler, model
+    mode = config.weights if weights is None else weights
     return plan(
-        budget_bytes=budget_bytes, fraction=config.memory_fraction, weight_bytes=c.num_params * dtype_bytes,
+        budget_bytes=budget_bytes, fraction=config.memory_fraction, weight_bytes=weight_bytes(c, mode, dtype_bytes, config.weight_group),
         num_layers=c.num_layers, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, hidden_size=c.hidden_size,
         intermediate_size=c.intermediate_size, vocab_size=c.vocab_size, dtype_bytes=dtype_bytes,
         page_size=s.page_size, max_context=max_context or min(s.max_context, c.max_context),
         max_batch=config.buckets.max_batch, max_prefill_tokens=s.max_prefill_tokens,
         num_pages=config.num_pages or None, num_heads=c.num_heads,
         tensor=config.tensor_parallel if tensor is None else tensor,
-        sliding_layers=c.num_sliding_layers, window=c.sliding_window)
+        sliding_layers=c.num_sliding_layers, window=c.sliding_window, kv_dtype=getattr(config, "kv_dtype", "auto"))

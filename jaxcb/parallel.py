@@ -34,8 +34,9 @@ _LAYER_SPECS = {
 KV_SPEC = P(None, None, AXIS, None, None, None)  # [L, 2, K, P, S, D] split on K
 
 
-def check_tensor_parallel(config: ModelConfig, tensor: int) -> None:
-    """Raise ValueError naming the numbers when `tensor` devices cannot split this model."""
+def check_tensor_parallel(config: ModelConfig, tensor: int, weights: str = "auto", group: int = 0) -> None:
+    """Raise ValueError naming the numbers when `tensor` devices cannot split this model (stored as
+    `weights` with `group` input rows per scale: a group must not straddle two devices)."""
     if tensor < 1:
         raise ValueError(f"parallel.tensor: must be >= 1, got {tensor}")
     for what, n in (("query heads", config.num_heads), ("intermediate columns", config.intermediate_size)):
@@ -47,6 +48,15 @@ def check_tensor_parallel(config: ModelConfig, tensor: int) -> None:
                          f"devices nor replicated evenly onto them")
     if config.vocab_size % tensor:
         raise ValueError(f"parallel.tensor: {tensor} devices do not divide the vocabulary of {config.vocab_size}")
+    if weights == "int4" or (weights == "int8" and group):
+        from jaxcb.memory_plan import INT4_GROUP
+
+        g = group or INT4_GROUP
+        for what, rows in (("attention output rows", config.num_heads * config.head_dim),
+                           ("MLP down rows", config.intermediate_size)):
+            if (rows // g) % tensor:
+                raise ValueError(f"parallel.tensor: {weights} weights: the {rows} {what} make {rows // g} groups of {g}, "
+                                 f"which {tensor} devices do not divide")
 
 
 def kv_replication(config: ModelConfig, tensor: int) -> int:
@@ -72,6 +82,8 @@ def replicate_kv_heads(config: ModelConfig, params, tensor: int):
     def repeat(x):  # [..., K*D] -> [..., K*r*D], each head's D columns r times in a row
         if x is None:
             return None
+        if not hasattr(x, "reshape"):  # a QuantWeight: its values and scales have the columns last
+            return jax.tree.map(repeat, x)
         y = jnp.repeat(x.reshape(*x.shape[:-1], k, d), r, axis=-2)
         return y.reshape(*x.shape[:-1], k * r * d)
 
@@ -90,8 +102,17 @@ def shard_params(params, mesh: Mesh):
     """Place Params (model.llama) on the mesh in the layout above."""
     from jaxcb.model.llama import LayerParams, Params
 
+    from jaxcb.model.quant import QuantRows, QuantWeight
+
     def put(x, spec):
-        return None if x is None else place(x, NamedSharding(mesh, spec))
+        if x is None:
+            return None
+        if isinstance(x, QuantWeight):  # scales [.., in/g, out] split as the matrix; per column ([.., 1, out]) by columns
+            scale_spec = spec if x.scale.shape[-2] > 1 else P(*spec[:-2], None, spec[-1])
+            return x.replace(q=put(x.q, spec), scale=put(x.scale, scale_spec), offset=put(x.offset, scale_spec))
+        if isinstance(x, QuantRows):  # [V, E] and its [V, 1] scales, split by vocabulary rows
+            return x.replace(q=put(x.q, spec), scale=put(x.scale, spec))
+        return place(x, NamedSharding(mesh, spec))
 
     layers = LayerParams(**{name: put(getattr(params.layers, name), spec) for name, spec in _LAYER_SPECS.items()})
     return Params(embed=put(params.embed, P(AXIS, None)), final_norm=put(params.final_norm, P()),

@@ -117,17 +117,27 @@ def device_memory_bytes() -> int:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+def compute_dtype(config, dtype=None):
+    """The dtype of activations and KV pages: `dtype` (--dtype) if given, else the float mode of
+    model.weights, else the backend's default."""
+    if dtype is not None:
+        return jnp.dtype(dtype)
+    if getattr(config, "weights", "auto") in ("float32", "bfloat16"):
+        return jnp.dtype(config.weights)
+    return jnp.dtype(default_dtype())
+
+
 def plan_memory(model_config: ModelConfig, config, dtype=None, budget_bytes: int | None = None):
     """The engine config's memory plan for this model in `dtype` on this device (per device of the
     mesh under tensor parallelism). Needs no weights, so it runs before anything is loaded or
     allocated; raises ValueError with the numbers when the configuration cannot fit."""
     from jaxcb import memory_plan
 
-    dtype = jnp.dtype(dtype or default_dtype())
+    dtype = compute_dtype(config, dtype)
     if config.tensor_parallel > 1:
         from jaxcb.parallel import check_tensor_parallel
 
-        check_tensor_parallel(model_config, config.tensor_parallel)
+        check_tensor_parallel(model_config, config.tensor_parallel, config.weights, config.weight_group)
     budget = budget_bytes or config.memory_bytes
     if not budget:
         budget = device_memory_bytes()
@@ -147,10 +157,11 @@ def make_runner(model_config: ModelConfig, params: Params, config, dtype=None, p
     if config.tensor_parallel > 1 or devices is not None:
         from jaxcb import parallel
 
-        parallel.check_tensor_parallel(model_config, config.tensor_parallel)
+        parallel.check_tensor_parallel(model_config, config.tensor_parallel, config.weights, config.weight_group)
         mesh = parallel.make_mesh(config.tensor_parallel, devices)
     runner = ModelRunner(model_config, params, config.num_pages, config.page_size, dtype, attention=config.attention,
-                         max_seqs=config.buckets.max_batch, mesh=mesh, num_window_pages=plan.num_window_pages or None)
+                         max_seqs=config.buckets.max_batch, mesh=mesh, num_window_pages=plan.num_window_pages or None,
+                         kv_dtype=None if config.kv_dtype == "auto" else config.kv_dtype)
     return runner, config
 
 
@@ -172,7 +183,8 @@ def resolve_attention(choice: str, mesh=None) -> Attention:
 
 class ModelRunner:
     def __init__(self, config: ModelConfig, params: Params, num_pages: int, page_size: int, dtype=None,
-                 attention: str = "auto", max_seqs: int = 256, mesh=None, num_window_pages: int | None = None):
+                 attention: str = "auto", max_seqs: int = 256, mesh=None, num_window_pages: int | None = None,
+                 kv_dtype=None):
         if jax.default_backend() == "cpu":
             keep_freed_memory_on_cpu()
         self.mesh = mesh  # tensor parallelism (jaxcb.parallel); None = the default device
@@ -191,6 +203,12 @@ class ModelRunner:
             config, params = parallel.replicate_kv_heads(config, params, tensor)
         self.config = config  # the layout the step runs (KV heads replicated onto the mesh if needed)
         self.dtype = dtype or params.embed.dtype
+        # The KV pages' dtype: the compute dtype, or cache.kv_dtype (int8: values and a scale per
+        # token and head, jaxcb.model.paged_attention.quantize_kv).
+        self.kv_dtype = jnp.dtype(kv_dtype or self.dtype)
+        if self.kv_dtype == jnp.int8 and self.attention.kernel not in ("xla", "none"):
+            raise ValueError("cache.kv_dtype: int8 KV pages are read by the plain-JAX attention (model.attention = "
+                             "'xla'); the Pallas kernels take float pages")
         self.page_size = page_size
         self.num_pages = num_pages
         # The sliding layers' page group (jaxcb.window); by default as many pages as the full layers'.
@@ -220,7 +238,7 @@ class ModelRunner:
             groups.append((c.num_sliding_layers, self.num_window_pages))
         arrays = []
         for layers, pages in groups:
-            shape = (layers, c.num_kv_heads, pages, self.page_size, c.head_dim, self.dtype)
+            shape = (layers, c.num_kv_heads, pages, self.page_size, c.head_dim, self.kv_dtype)
             if self.mesh is None:
                 kv = allocate_kv_pages(*shape)
                 # One KV head: stored without its size-1 axis, which made XLA copy the cache every
@@ -259,7 +277,9 @@ class ModelRunner:
     @property
     def kv_bytes_per_token(self) -> int:
         c = self.config
-        return 2 * c.num_layers * c.num_kv_heads * c.head_dim * jnp.dtype(self.dtype).itemsize
+        from jaxcb.model.paged_attention import kv_slot_width
+
+        return 2 * c.num_layers * c.num_kv_heads * kv_slot_width(c.head_dim, self.kv_dtype) * self.kv_dtype.itemsize
 
     def compile(self, shape: StepShape) -> None:
         """Compile the step for this shape ahead of time, without running it: a warm-up that executes

@@ -133,3 +133,49 @@ def test_ragged_attention_matches_dense_on_a_mixed_step(page_size, heads, kv_hea
     assert np.isfinite(got).all(), "NaN from unwritten slots reached the output"
     np.testing.assert_allclose(got[:live], np.concatenate(want), rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(got[live:], 0)
+
+
+def test_int8_pages_hold_values_and_scales_and_attention_reads_them():
+    """int8 KV (cache.kv_dtype): write_kv stores each token-head as int8 values and its float32 scale
+    side by side; the CPU attention dequantizes what it gathers. Against dense attention over the
+    dequantized keys and values, with every slot nobody wrote holding bytes whose scale is NaN."""
+    import jax
+
+    from jaxcb.batch import SeqSpec, StepShape, pack
+    from jaxcb.model.paged_attention import dequantize_kv, quantize_kv, ragged_attention
+
+    rng = np.random.default_rng(7)
+    s, heads, kv_heads, d, n_max, layers, layer = 16, 6, 2, 8, 7, 2, 1
+    x = rng.standard_normal((5, kv_heads, d)).astype(np.float32) * 3
+    x[2, 1] = 0  # an all-zero token-head: scale 1, values 0
+    q8 = np.asarray(quantize_kv(jnp.asarray(x)))
+    assert q8.dtype == np.int8 and q8.shape == (5, kv_heads, d + 4)
+    back = np.asarray(dequantize_kv(jnp.asarray(q8)))
+    step = np.abs(x).max(-1, keepdims=True) / 127
+    assert (np.abs(back - x) <= step / 2 + 1e-6).all() and (back[2, 1] == 0).all()
+
+    seqs = [(0, 1), (s - 1, 1), (3 * s, 1), (0, 2 * s + 3), (s + 3, s)]
+    num_pages = 1 + sum(-(-(c + n) // s) for c, n in seqs) + 4
+    kv = jnp.full((layers, 2, kv_heads, num_pages, s, d + 4), -1, jnp.int8)  # scale bytes 0xFFFFFFFF: NaN
+    perm = iter(rng.permutation(np.arange(1, num_pages)))
+    specs, qs, want = [], [], []
+    for ctx, n in seqs:
+        total = ctx + n
+        pages = [int(next(perm)) for _ in range(-(-total // s))]
+        k = rng.standard_normal((total, kv_heads, d)).astype(np.float32)
+        v = rng.standard_normal((total, kv_heads, d)).astype(np.float32)
+        slots = jnp.asarray([pages[p // s] * s + p % s for p in range(total)], jnp.int32)
+        kv = write_kv(kv, jnp.int32(layer), jnp.asarray(k), jnp.asarray(v), slots)
+        deq = lambda a: np.asarray(dequantize_kv(quantize_kv(jnp.asarray(a))))  # noqa: E731
+        q = rng.standard_normal((n, heads, d)).astype(np.float32)
+        specs.append(SeqSpec([0] * n, ctx, pages))
+        qs.append(q)
+        want.append(dense_attention(q, deq(k), deq(v), np.arange(ctx, total), total))
+    live = sum(n for _, n in seqs)
+    batch = pack(specs, StepShape(tokens=live + 3, seqs=len(seqs) + 1, pages_per_seq=n_max, history=n_max * s), s)
+    q = np.zeros((live + 3, heads, d), np.float32)
+    q[:live] = np.concatenate(qs)
+    batch = jax.tree_util.tree_map(jnp.asarray, batch)
+    got = np.asarray(jax.jit(ragged_attention)(jnp.asarray(q), kv, jnp.int32(layer), batch))
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got[:live], np.concatenate(want), rtol=1e-5, atol=1e-5)

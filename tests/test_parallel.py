@@ -21,8 +21,9 @@ HELPER = os.path.join(HERE, "tp_check.py")
 
 def test_meshes_give_the_single_device_tokens(tmp_path):
     """Tiny models over 8 forced host devices: TP 2/4/8 (KV heads replicated at TP 4 of model a and
-    TP 4/8 of model b), the Pallas kernels in interpret mode under shard_map, DP 2 and TP 2 x DP 2; and
-    a tiny Gemma 3 (two page groups) at TP 2 and DP 2."""
+    TP 4/8 of model b), the Pallas kernels in interpret mode under shard_map, DP 2 and TP 2 x DP 2;
+    quantized weights split with their scales (int4 at TP 2, int8 weights and int8 KV pages at TP 4 with
+    the KV heads replicated); and a tiny Gemma 3 (two page groups) at TP 2 and DP 2."""
     proc = subprocess.run([sys.executable, HELPER, str(tmp_path)], capture_output=True, text=True, timeout=1500)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -32,9 +33,16 @@ def test_meshes_give_the_single_device_tokens(tmp_path):
     assert [s[2:4] for s in out["a-tp2"]["kv_shards"][0]] == [[1, 16]] * 2
     assert [s[2:4] for s in out["a-tp4"]["kv_shards"][0]] == [[1, 16]] * 4
     assert [s[2:4] for s in out["b-tp8"]["kv_shards"][0]] == [[1, 16]] * 8
+    # Quantized matrices split like the floats, scales with them: int4's packed [L, in/2, out] by
+    # columns at TP 2; int8's [L, in, out] over 4 devices.
+    assert out["a-tp2-int4"]["wq_shards"] == [[2, 32, 32]] * 2
+    assert out["a-tp4-int8"]["wq_shards"] == [[2, 64, 16]] * 4
+    # int8 KV pages (values and a 4-byte scale per slot) split on the KV heads like float ones.
+    assert out["a-tp4-int8"]["kv_dtype"] == "int8" and [s[2:] for s in out["a-tp4-int8"]["kv_shards"][0]] == [[1, 16, 16, 20]] * 4
     assert out["a-tp1"]["preemptions"] > 0  # a pool tight enough to preempt under the meshes too
     for name, run in out.items():
-        reference = out[name[0] + "-tp1"]["tokens"]
+        weights = name.split("-")[-1] if name.endswith(("-int4", "-int8")) else None
+        reference = out[name[0] + "-tp1" + (f"-{weights}" if weights else "")]["tokens"]
         assert run["tokens"] == reference, name
         assert run["compilations_after_warmup"] == 0, name
     # Replicas on disjoint devices, both used, every routed token accounted for at the end.

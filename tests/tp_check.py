@@ -13,18 +13,24 @@ import numpy as np  # noqa: E402
 
 from tiny_gguf import write_tiny_gguf  # noqa: E402
 
-# (model, name, tensor, data, attention). Model "a": 4 query heads, 2 KV heads; "b": 8 and 2.
+# (model, name, tensor, data, attention, weights). Model "a": 4 query heads, 2 KV heads; "b": 8 and 2.
+# A run's reference is its model's "tp1" run with the same weights ("tp1-int4" for "tp2-int4"); the
+# int8 runs also keep their KV pages in int8.
 RUNS = [
-    ("a", "tp1", 1, 1, "xla"), ("a", "tp2", 2, 1, "xla"), ("a", "tp2-pallas", 2, 1, "pallas"),
-    ("a", "tp4", 4, 1, "xla"), ("a", "dp2", 1, 2, "xla"), ("a", "tp2-dp2", 2, 2, "xla"),
-    ("b", "tp1", 1, 1, "xla"), ("b", "tp8", 8, 1, "xla"), ("b", "tp4-pallas", 4, 1, "pallas"),
-    ("g", "tp1", 1, 1, "xla"), ("g", "tp2", 2, 1, "xla"), ("g", "dp2", 1, 2, "xla"),
+    ("a", "tp1", 1, 1, "xla", "auto"), ("a", "tp2", 2, 1, "xla", "auto"), ("a", "tp2-pallas", 2, 1, "pallas", "auto"),
+    ("a", "tp4", 4, 1, "xla", "auto"), ("a", "dp2", 1, 2, "xla", "auto"), ("a", "tp2-dp2", 2, 2, "xla", "auto"),
+    ("a", "tp1-int4", 1, 1, "xla", "int4"), ("a", "tp2-int4", 2, 1, "xla", "int4"),
+    ("a", "tp1-int8", 1, 1, "xla", "int8"), ("a", "tp4-int8", 4, 1, "xla", "int8"),
+    ("b", "tp1", 1, 1, "xla", "auto"), ("b", "tp8", 8, 1, "xla", "auto"), ("b", "tp4-pallas", 4, 1, "pallas", "auto"),
+    ("g", "tp1", 1, 1, "xla", "auto"), ("g", "tp2", 2, 1, "xla", "auto"), ("g", "dp2", 1, 2, "xla", "auto"),
 ]
 # Model "g": the tiny Gemma 3 checkpoint (sliding window 8: its second page group is sharded too).
 GEMMA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "golden", "tiny_hf", "gemma3")
 
 
 def main(workdir: str) -> None:
+    import jax
+
     from jaxcb.engine_config import make_config
     from jaxcb.llm import LLM, load_model
     from jaxcb.model.config import tiny_config
@@ -37,12 +43,16 @@ def main(workdir: str) -> None:
         if model is not None:
             path = os.path.join(workdir, f"tiny-{key}.gguf")
             write_tiny_gguf(path, model)
-        cfg, params, tok, eos = load_model(path)
-        rng = np.random.default_rng(0)
-        prompts = [rng.integers(3, cfg.vocab_size, n).tolist() for n in (5, 40, 17, 90, 33, 1)]
-        for _, name, tp, dp, attention in (r for r in RUNS if r[0] == key):
+        loaded = {}
+        for _, name, tp, dp, attention, weights in (r for r in RUNS if r[0] == key):
+            if weights not in loaded:  # quantized as the engine loads them (jaxcb.model.quant)
+                loaded[weights] = load_model(path, weights=weights)
+            cfg, params, tok, eos = loaded[weights]
+            rng = np.random.default_rng(0)
+            prompts = [rng.integers(3, cfg.vocab_size, n).tolist() for n in (5, 40, 17, 90, 33, 1)]
             config = make_config(num_pages=16, max_context=256, decode_batch=(2, 8), prefill_tokens=(32, 64),
-                                 tensor_parallel=tp, data_parallel=dp, attention=attention)
+                                 tensor_parallel=tp, data_parallel=dp, attention=attention, weights=weights,
+                                 kv_dtype="int8" if weights == "int8" else "auto")  # int8 runs: int8 KV too
             llm = LLM.from_params(cfg, params, tok, config=config, eos_ids=eos)
             llm.warmup()
             engines = llm.replicas.engines if llm.replicas else [llm.engine]
@@ -54,8 +64,10 @@ def main(workdir: str) -> None:
             out[f"{key}-{name}"] = {
                 "tokens": tokens, "compilations_after_warmup": engines[0].stats().compilations - before,
                 "kv_shards": [[list(x.data.shape) for x in e.runner.kv_arrays[0].addressable_shards] for e in engines],
+                "kv_dtype": str(engines[0].runner.kv_arrays[0].dtype),
                 "devices": [sorted(d.id for d in e.runner.kv_arrays[0].devices()) for e in engines],
                 "preemptions": sum(e.stats().preemptions for e in engines),
+                "wq_shards": [list(x.data.shape) for x in jax.tree.leaves(engines[0].runner.params.layers.wq)[0].addressable_shards],
                 "routed": llm.replicas.routed if llm.replicas else None,
                 "load_left": llm.replicas.load if llm.replicas else None,
             }

@@ -31,6 +31,7 @@ from jax.sharding import PartitionSpec as P
 from jaxcb.batch import StepInput, WindowPages
 from jaxcb.model.config import ModelConfig
 from jaxcb.model.paged_attention import ragged_attention, write_kv
+from jaxcb.model.quant import QuantRows, QuantWeight, dense, embed_rows, head_logits, quantize_weights
 from kernels_pallas import engine_ragged_attention
 
 
@@ -83,8 +84,23 @@ register_pytree(StepInput)
 register_pytree(WindowPages)
 
 
-def params_from_numpy(weights: dict[str, np.ndarray], dtype=jnp.float32) -> Params:
-    as_array = lambda name: jnp.asarray(weights[name], dtype=dtype)  # noqa: E731
+def params_from_numpy(weights: dict[str, np.ndarray], dtype=jnp.float32, mode: str = "auto", group: int = 0) -> Params:
+    """Params on the default device from the loader's weights: float arrays in `dtype` (the compute
+    dtype), the matrices quantized first when `mode` is "int8" or "int4" (jaxcb.model.quant, `group`
+    input rows per scale; int8 scales in `dtype`, int4's float16). Weights that are already quantized
+    (a converted checkpoint) stay as they are."""
+    weights = quantize_weights(weights, mode, group)
+
+    def as_array(name):
+        w = weights[name]
+        if isinstance(w, QuantRows):
+            return w.replace(q=jnp.asarray(w.q), scale=jnp.asarray(w.scale, dtype=dtype))
+        if isinstance(w, QuantWeight):
+            if w.bits == 4:
+                return w.replace(q=jnp.asarray(w.q), scale=jnp.asarray(w.scale), offset=jnp.asarray(w.offset))
+            return w.replace(q=jnp.asarray(w.q), scale=jnp.asarray(w.scale, dtype=dtype))
+        return jnp.asarray(w, dtype=dtype)
+
     layers = LayerParams(**{name: as_array(name) for name in LayerParams.__dataclass_fields__ if name in weights})
     lm_head = as_array("lm_head") if "lm_head" in weights else None
     return Params(embed=as_array("embed"), final_norm=as_array("final_norm"), lm_head=lm_head, layers=layers)
@@ -169,7 +185,7 @@ def _layer(config: ModelConfig, attention: Attention, batch: StepInput, h, kv_pa
     sliding, theta, group_index = kind
     norm = functools.partial(rms_norm, eps=config.rms_norm_eps, plus_one=config.norm_plus_one)
     x = norm(h, w.attn_norm)
-    q, k, v = x @ w.wq, x @ w.wk, x @ w.wv
+    q, k, v = dense(x, w.wq), dense(x, w.wk), dense(x, w.wv)
     if w.bq is not None:
         q, k, v = q + w.bq, k + w.bk, v + w.bv
     q, k, v = q.reshape(t, nh, d), k.reshape(t, nk, d), v.reshape(t, nk, d)
@@ -190,14 +206,14 @@ def _layer(config: ModelConfig, attention: Attention, batch: StepInput, h, kv_pa
             attend, mesh=attention.mesh,
             in_specs=(heads, heads, heads, kv_spec, P(), P(), P()), out_specs=(heads, kv_spec),
             check_vma=False)(q, k, v, kv_pages, sliding, group_index, batch)
-    out = attn.reshape(t, nh * d) @ w.wo
+    out = dense(attn.reshape(t, nh * d), w.wo)
     if w.post_attn_norm is not None:
         out = norm(out, w.post_attn_norm)
     h = h + out
 
     x = norm(h, w.mlp_norm)
     act = jax.nn.silu if config.activation == "silu" else functools.partial(jax.nn.gelu, approximate=True)
-    out = (act(x @ w.w_gate) * (x @ w.w_up)) @ w.w_down
+    out = dense(act(dense(x, w.w_gate)) * dense(x, w.w_up), w.w_down)
     if w.post_mlp_norm is not None:
         out = norm(out, w.post_mlp_norm)
     return h + out, kv_pages
@@ -253,7 +269,7 @@ def _with_head_axis(a):
 def forward(params: Params, kv_pages, batch: StepInput, config: ModelConfig, attention: Attention = Attention()):
     """One packed step. Returns (kv_pages with this step's K/V written, logits [M, V] in float32 of each
     sequence's last token)."""
-    h = params.embed[batch.token_ids]  # [T, E]
+    h = embed_rows(params.embed, batch.token_ids, params.final_norm.dtype)  # [T, E]
     if config.embed_scale:
         h = h * jnp.asarray(config.hidden_size**0.5, h.dtype)
 
@@ -265,8 +281,7 @@ def forward(params: Params, kv_pages, batch: StepInput, config: ModelConfig, att
 
     (h, kv_pages), _ = jax.lax.scan(body, (h, kv_pages), (layer_kinds(config), params.layers))
     last = rms_norm(h[batch.last_token], params.final_norm, config.rms_norm_eps, config.norm_plus_one)  # [M, E]
-    head = params.embed.T if params.lm_head is None else params.lm_head
-    logits = jnp.dot(last, head, preferred_element_type=jnp.float32)
+    logits = head_logits(last, params.embed, params.lm_head)
     if config.final_softcap:
         logits = config.final_softcap * jnp.tanh(logits / config.final_softcap)
     return kv_pages, logits

@@ -25,9 +25,39 @@ NULL_PAGE = 0
 _MASKED = -1e30  # finite, so an all-masked padding row gives zeros instead of NaN
 
 
+SCALE_BYTES = 4  # an int8 page's slot: D int8 values, then its float32 scale as 4 bytes
+
+
+def kv_slot_width(head_dim: int, dtype) -> int:
+    """The last axis of a page array: D, or D + SCALE_BYTES for int8 KV (each token-head's values and
+    its scale side by side, so the int8 cache is still one array that splits, donates and pages like
+    the float one)."""
+    return head_dim + SCALE_BYTES if jnp.dtype(dtype) == jnp.int8 else head_dim
+
+
 def allocate_kv_pages(num_layers, num_kv_heads, num_pages, page_size, head_dim, dtype) -> jax.Array:
-    """kv_pages [L, 2, K, P, S, D], zero-filled; page 0 is the null page."""
-    return jnp.zeros((num_layers, 2, num_kv_heads, num_pages, page_size, head_dim), dtype)
+    """kv_pages [L, 2, K, P, S, D] (int8: D + 4, see kv_slot_width), zero-filled; page 0 is the null page."""
+    return jnp.zeros((num_layers, 2, num_kv_heads, num_pages, page_size, kv_slot_width(head_dim, dtype)), dtype)
+
+
+def quantize_kv(x: jax.Array) -> jax.Array:
+    """[..., D] float -> [..., D + 4] int8: symmetric, one scale per token and head (max / 127), the
+    scale's float32 bytes after the values."""
+    x = x.astype(jnp.float32)
+    scale = jnp.max(jnp.abs(x), axis=-1, keepdims=True) / 127.0
+    scale = jnp.where(scale > 0, scale, 1.0)
+    q = jnp.clip(jnp.round(x / scale), -127, 127).astype(jnp.int8)
+    return jnp.concatenate([q, jax.lax.bitcast_convert_type(scale, jnp.int8).reshape(*x.shape[:-1], SCALE_BYTES)],
+                           axis=-1)
+
+
+def dequantize_kv(slots: jax.Array) -> jax.Array:
+    """[..., D + 4] int8 -> [..., D] float32 (float pages: just the cast)."""
+    if slots.dtype != jnp.int8:
+        return slots.astype(jnp.float32)
+    d = slots.shape[-1] - SCALE_BYTES
+    scale = jax.lax.bitcast_convert_type(slots[..., d:], jnp.float32)  # [..., 4] int8 -> [...] float32
+    return slots[..., :d].astype(jnp.float32) * scale[..., None]
 
 
 def write_kv(kv_pages: jax.Array, layer: jax.Array, k: jax.Array, v: jax.Array, slot_ids: jax.Array) -> jax.Array:
@@ -39,7 +69,8 @@ def write_kv(kv_pages: jax.Array, layer: jax.Array, k: jax.Array, v: jax.Array, 
     """
     l, two, nk, p, s, d = kv_pages.shape
     flat = kv_pages.reshape(l, two, nk, p * s, d)
-    kv = jnp.stack([k, v], axis=1).astype(kv_pages.dtype)  # [N, 2, K, D], the indexed layout
+    kv = jnp.stack([k, v], axis=1)  # [N, 2, K, D], the indexed layout
+    kv = quantize_kv(kv) if kv_pages.dtype == jnp.int8 else kv.astype(kv_pages.dtype)
     if slot_ids.shape[0] == 1:
         # XLA on the CPU turns a one-index scatter into a dynamic-update-slice that it then performs on
         # a copy of the whole pool (seconds per step for a large pool). A second write, into the null
@@ -64,6 +95,8 @@ def gather_kv(kv_pages: jax.Array, layer: jax.Array, page_table: jax.Array):
              + jnp.arange(nk, dtype=page_table.dtype)[None, None, :, None] * p
              + page_table[None, :, None, :])  # [2, B, K, N]
     kv = rows[layer][index].reshape(two, b, nk, n * s, d)
+    if kv.dtype == jnp.int8:  # int8 pages: values and their scales, dequantized (dequantize_kv)
+        kv = dequantize_kv(kv)
     return kv[0], kv[1]
 
 
@@ -138,7 +171,7 @@ def ragged_attention(q, kv_pages, layer, batch, scale=None, window=0, softcap=0.
         two GEMMs per block, masked to the token's own sequence and causally, online softmax.
     """
     t, h, d = q.shape
-    nl, two, nk, p, s, _ = kv_pages.shape
+    nl, two, nk, p, s, width = kv_pages.shape  # width: D, or D + 4 for int8 pages (dequantized as gathered)
     g = h // nk
     m = batch.kv_lens.shape[0]
     w = batch.item_pages.shape[0]
@@ -146,16 +179,16 @@ def ragged_attention(q, kv_pages, layer, batch, scale=None, window=0, softcap=0.
     cap = (lambda x: softcap * jnp.tanh(x / softcap)) if softcap else (lambda x: x)  # noqa: E731
     window = jnp.asarray(window, jnp.int32)
     reach = jnp.where(window > 0, window, jnp.iinfo(jnp.int32).max // 2)  # keys at t - reach and before: out
-    pool = kv_pages.reshape(nl * two * nk * p, s, d)
+    pool = kv_pages.reshape(nl * two * nk * p, s, width)
     heads = jnp.arange(nk, dtype=jnp.int32)[:, None] * p
     k_base, v_base = (2 * layer) * nk * p, (2 * layer + 1) * nk * p
     n_decode, n_items = batch.item_bounds[0], batch.item_bounds[1]
 
     def gather(base, ids):  # [K, B, S, D] straight from the pool (prefill: K-major for its GEMMs)
-        return pool[base + heads + ids[None, :]].astype(jnp.float32)
+        return dequantize_kv(pool[base + heads + ids[None, :]])
 
     def gather_pages(base, ids):  # [B, K, S, D]: decode's per-page dots batch over (page, head) with no transpose
-        return pool[base + heads.T + ids[:, None]].astype(jnp.float32)
+        return dequantize_kv(pool[base + heads.T + ids[:, None]])
 
     # ---- decode: one query per sequence (its last token), page by page ----
     wb, pb = _blocks_for(m), PREFILL_BLOCK_PAGES

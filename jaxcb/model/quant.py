@@ -1,0 +1,203 @@
+"""Quantized weights: int8 per output channel (or in groups) and int4 in groups, dequantized inside
+the step.
+
+    [model] weights = "float32" | "bfloat16" | "int8" | "int4"      (--weights)
+    [model] weight_group = 0                                         (input rows per scale; 0 = the default)
+
+A matrix `[..., in, out]` (q/k/v/o, gate/up/down, an untied output head) becomes a QuantWeight:
+  int8  q int8 [..., in, out], symmetric (max/127), one scale per output column [..., 1, out] by
+        default: x @ w = (x @ q) * scale, the scale applied after the dot. With weight_group = g, one
+        scale per g consecutive input rows of each column [..., in/g, out]: closer to the float
+        weights (a GGUF's Q8_0/Q4_1 blocks are 32 rows), dequantized right before the dot.
+  int4  q uint8 [..., in/2, out], two values a byte (rows 2i and 2i+1 in the low and high nibble, so
+        a split of the rows over devices keeps whole bytes), one scale and one offset per group of g
+        (default 32) input rows of each column, in float16 [..., in/g, out]: value = nibble x scale +
+        offset (asymmetric, as llama.cpp's Q4_1; a GGUF's Q4_1 blocks come back exactly). The step
+        runs x @ w as x[:, 0::2] @ low + x[:, 1::2] @ high, each half dequantized right before its dot.
+Every dequantization runs inside the layer scan on one layer's matrix: the step reads the quantized
+bytes and never holds a float copy of the model's weights (tests/test_quant.py checks the compiled
+program). The embedding (and a tied output head, the same array) is int8 per vocabulary row in both
+modes: a row is what a token looks up and one output column of the head, so one scale serves both,
+and the head stays at 8 bits as llama.cpp keeps it. Norms and biases stay in the compute dtype.
+
+Quantization happens once, on the host in numpy, from the float weights the loaders give (at load,
+or by `jaxcb convert --weights`). The activations, the KV cache and the logits keep the compute dtype.
+"""
+
+from __future__ import annotations
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+WEIGHT_MODES = ("auto", "float32", "bfloat16", "int8", "int4")
+MATRICES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+GROUP = 32  # int4's default input rows per scale (= jaxcb.memory_plan.INT4_GROUP, which imports no JAX)
+
+
+@flax.struct.dataclass
+class QuantWeight:
+    """A quantized matrix [..., in, out]: see the module's docstring."""
+
+    q: jax.Array
+    scale: jax.Array  # [..., in/g, out] (int8 per column: g = in)
+    offset: jax.Array | None = None  # int4: [..., in/g, out]
+    bits: int = flax.struct.field(pytree_node=False, default=8)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        rows = self.q.shape[-2] * (2 if self.bits == 4 else 1)
+        return (*self.q.shape[:-2], rows, self.q.shape[-1])
+
+    @property
+    def nbytes(self) -> int:
+        return int(sum(a.size * a.dtype.itemsize for a in (self.q, self.scale, self.offset) if a is not None))
+
+
+@flax.struct.dataclass
+class QuantRows:
+    """An int8 embedding [V, E] with one scale per row [V, 1]: rows looked up by token, and (tied) the
+    output head's columns."""
+
+    q: jax.Array
+    scale: jax.Array
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.q.shape)
+
+    @property
+    def dtype(self):
+        return self.scale.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.q.size + self.scale.size * self.scale.dtype.itemsize)
+
+
+def _safe(scale: np.ndarray) -> np.ndarray:
+    return np.where(scale == 0, np.float32(1), scale).astype(np.float32)
+
+
+def _groups(w: np.ndarray, group: int, name: str, what: str) -> np.ndarray:
+    rows, cols = w.shape[-2], w.shape[-1]
+    if group < 1 or rows % group:
+        raise ValueError(f"model.weight_group: {what} groups of {group} do not divide the {rows} input rows of {name}")
+    return w.reshape(*w.shape[:-2], rows // group, group, cols)
+
+
+def quantize_int8(w: np.ndarray, group: int = 0, name: str = "weight") -> QuantWeight:
+    """Symmetric, one scale per output column (the last axis) over all input rows (`group` 0), or over
+    each `group` consecutive input rows."""
+    w = np.asarray(w, np.float32)
+    g = _groups(w, group or w.shape[-2], name, "int8")
+    scale = _safe(np.abs(g).max(axis=-2, keepdims=True) / 127.0)
+    q = np.clip(np.rint(g / scale), -127, 127).astype(np.int8).reshape(w.shape)
+    return QuantWeight(q, scale.reshape(*w.shape[:-2], g.shape[-3], w.shape[-1]), None, 8)
+
+
+def quantize_int4(w: np.ndarray, group: int = GROUP, name: str = "weight") -> QuantWeight:
+    """Asymmetric in groups of `group` input rows per output column; two values a byte along the input
+    axis. The group's minimum is the offset and (max - min) / 15 the scale, both float16."""
+    w = np.asarray(w, np.float32)
+    if group % 2:
+        raise ValueError(f"model.weight_group: int4 needs an even group, got {group}")
+    g = _groups(w, group, name, "int4")
+    lo, hi = g.min(axis=-2, keepdims=True), g.max(axis=-2, keepdims=True)
+    scale = np.float16((hi - lo) / 15.0).astype(np.float32)
+    offset = np.float16(lo).astype(np.float32)  # what the step will use, rounded as it is stored
+    q = np.clip(np.rint((g - offset) / _safe(scale)), 0, 15).astype(np.uint8).reshape(w.shape)
+    packed = q[..., 0::2, :] | (q[..., 1::2, :] << 4)
+    lead, cols = w.shape[:-2], w.shape[-1]
+    return QuantWeight(packed, scale.reshape(*lead, g.shape[-3], cols).astype(np.float16),
+                       offset.reshape(*lead, g.shape[-3], cols).astype(np.float16), 4)
+
+
+def quantize_rows(w: np.ndarray) -> QuantRows:
+    """int8 per row of [V, E]."""
+    w = np.asarray(w, np.float32)
+    scale = _safe(np.abs(w).max(axis=-1, keepdims=True) / 127.0)
+    return QuantRows(np.clip(np.rint(w / scale), -127, 127).astype(np.int8), scale)
+
+
+def _int4_half(w: QuantWeight, nibbles: jax.Array, dtype) -> jax.Array:
+    """One half (the even or the odd input rows) of an int4 matrix, dequantized: [..., in/2, out]."""
+    *lead, half, cols = nibbles.shape
+    groups = w.scale.shape[-2]
+    vals = nibbles.astype(dtype).reshape(*lead, groups, half // groups, cols)
+    out = vals * w.scale.astype(dtype)[..., :, None, :] + w.offset.astype(dtype)[..., :, None, :]
+    return out.reshape(*lead, half, cols)
+
+
+def dequantize(w: QuantWeight, dtype=jnp.float32) -> jax.Array:
+    """The float matrix [..., in, out] (traced inside the step: one layer's matrix at a time)."""
+    if w.bits == 4:
+        even, odd = _int4_half(w, w.q & 15, dtype), _int4_half(w, w.q >> 4, dtype)
+        *lead, half, cols = even.shape
+        return jnp.stack([even, odd], axis=-2).reshape(*lead, 2 * half, cols)
+    *lead, rows, cols = w.q.shape
+    groups = w.scale.shape[-2]
+    vals = w.q.reshape(*lead, groups, rows // groups, cols).astype(dtype)
+    return (vals * w.scale.astype(dtype)[..., :, None, :]).reshape(*lead, rows, cols)
+
+
+def dense(x: jax.Array, w) -> jax.Array:
+    """x @ w for a float matrix or a QuantWeight, in x's dtype."""
+    if not isinstance(w, QuantWeight):
+        return x @ w
+    if w.bits == 4:  # the even and the odd input rows: each half dequantized beside its own dot
+        return (jnp.dot(x[..., 0::2], _int4_half(w, w.q & 15, x.dtype))
+                + jnp.dot(x[..., 1::2], _int4_half(w, w.q >> 4, x.dtype)))
+    if w.scale.shape[-2] == 1:  # per column: the scale applies after the dot
+        return jnp.dot(x, w.q.astype(x.dtype)) * w.scale.astype(x.dtype)
+    return jnp.dot(x, dequantize(w, x.dtype))
+
+
+def embed_rows(embed, ids: jax.Array, dtype) -> jax.Array:
+    """The embedding rows of `ids` [T] -> [T, E] in `dtype`."""
+    if isinstance(embed, QuantRows):
+        return embed.q[ids].astype(dtype) * embed.scale[ids].astype(dtype)
+    return embed[ids]
+
+
+def head_logits(last: jax.Array, embed, lm_head) -> jax.Array:
+    """Logits [M, V] in float32 from the final hidden states: the untied head, else the embedding's
+    transpose."""
+    if lm_head is not None:
+        if isinstance(lm_head, QuantWeight):
+            return (jnp.dot(last, lm_head.q.astype(last.dtype), preferred_element_type=jnp.float32)
+                    * lm_head.scale.astype(jnp.float32))
+        return jnp.dot(last, lm_head, preferred_element_type=jnp.float32)
+    if isinstance(embed, QuantRows):
+        return (jnp.dot(last, embed.q.T.astype(last.dtype), preferred_element_type=jnp.float32)
+                * embed.scale[:, 0].astype(jnp.float32))
+    return jnp.dot(last, embed.T, preferred_element_type=jnp.float32)
+
+
+def check_mode(mode: str) -> str:
+    if mode not in WEIGHT_MODES:
+        raise ValueError(f"model.weights: {mode!r} is not one of {WEIGHT_MODES}")
+    return mode
+
+
+def quantize_weights(weights: dict[str, np.ndarray], mode: str, group: int = 0) -> dict:
+    """The loader's float weights with the matrices, the embedding and an untied head quantized for
+    `mode` ("int8" | "int4"; `group` input rows per scale, 0 = the mode's default); other modes return
+    them unchanged. Already quantized entries (a converted checkpoint) stay as they are."""
+    if check_mode(mode) not in ("int8", "int4"):
+        return weights
+    out = dict(weights)
+    for name in MATRICES:
+        if name in out and not is_quantized(out[name]):
+            w = out[name]
+            out[name] = quantize_int8(w, group, name) if mode == "int8" else quantize_int4(w, group or GROUP, name)
+    if not is_quantized(out["embed"]):
+        out["embed"] = quantize_rows(out["embed"])
+    if "lm_head" in out and not is_quantized(out["lm_head"]):
+        out["lm_head"] = quantize_int8(out["lm_head"], 0, "lm_head")
+    return out
+
+
+def is_quantized(x) -> bool:
+    return isinstance(x, (QuantWeight, QuantRows))

@@ -1,0 +1,199 @@
+"""Quantized weights (jaxcb.model.quant): the formats, the step that reads them, and what they cost in
+quality on the real model."""
+
+import os
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxcb import memory_plan
+from jaxcb.engine_config import load_config, make_config
+from jaxcb.llm import LLM, load_model
+from jaxcb.model import quant
+from jaxcb.model.llama import params_from_numpy, params_to_weights, random_weights
+from jaxcb.request import SamplingParams
+
+CONFIG = dict(num_pages=48, max_context=256, decode_batch=(2, 8), prefill_tokens=(32, 64))
+HELDOUT = os.path.join(os.path.dirname(__file__), "data", "heldout_prose.txt")
+
+
+def on_device(w):
+    return jax.tree.map(jnp.asarray, w)
+
+
+@pytest.mark.parametrize("group", [0, 16])
+def test_int8_values_are_within_half_a_step_of_the_float_weights(group):
+    w = np.random.default_rng(0).standard_normal((3, 64, 40)).astype(np.float32)
+    w[1, :, 5] = 0.0  # an all-zero column must not divide by zero
+    q = quant.quantize_int8(w, group)
+    assert q.q.dtype == np.int8 and q.scale.shape == (3, 64 // (group or 64), 40)
+    back = np.asarray(quant.dequantize(on_device(q)))
+    step = np.repeat(q.scale, group or 64, axis=-2)
+    assert (np.abs(back - w) <= step / 2 + 1e-7).all()
+    assert (back[1, :, 5] == 0).all()
+
+
+def test_int4_packs_two_values_a_byte_and_reproduces_a_q4_1_grid_exactly():
+    rng = np.random.default_rng(1)
+    # Weights already on an asymmetric 16-level grid per group of 32 input rows (what a GGUF's Q4_1
+    # blocks dequantize to), with float16 scales and minimums: int4 must give them back exactly.
+    d = rng.uniform(0.01, 0.1, (2, 4, 1, 24)).astype(np.float16).astype(np.float32)
+    m = rng.uniform(-1, 0, (2, 4, 1, 24)).astype(np.float16).astype(np.float32)
+    levels = rng.integers(0, 16, (2, 4, 32, 24))
+    levels[..., 0, :], levels[..., 1, :] = 0, 15  # every group spans its grid
+    w = (levels * d + m).reshape(2, 128, 24).astype(np.float32)
+    q = quant.quantize_int4(w, 32)
+    assert q.q.dtype == np.uint8 and q.q.shape == (2, 64, 24) and q.scale.dtype == np.float16
+    back = np.asarray(quant.dequantize(on_device(q)))
+    np.testing.assert_allclose(back, w, atol=1e-6)
+    # Any float matrix: within half a step (plus float16 rounding of the grid) of the original.
+    g = rng.standard_normal((128, 24)).astype(np.float32)
+    q = quant.quantize_int4(g, 32)
+    step = np.repeat(q.scale.astype(np.float32), 32, axis=0)
+    assert (np.abs(np.asarray(quant.dequantize(on_device(q))) - g) <= step / 2 + 2e-3).all()
+
+
+@pytest.mark.parametrize("make", [lambda w: quant.quantize_int8(w), lambda w: quant.quantize_int8(w, 32),
+                                  lambda w: quant.quantize_int4(w, 32)], ids=["int8", "int8-g32", "int4"])
+def test_dense_is_the_matmul_with_the_dequantized_matrix(make):
+    rng = np.random.default_rng(2)
+    w = make(rng.standard_normal((96, 40)).astype(np.float32))
+    x = jnp.asarray(rng.standard_normal((5, 96)).astype(np.float32))
+    expect = np.asarray(x @ quant.dequantize(on_device(w)))
+    np.testing.assert_allclose(np.asarray(quant.dense(x, on_device(w))), expect, rtol=2e-5, atol=2e-5)
+
+
+def test_bad_groups_and_modes_are_refused_naming_the_setting():
+    w = np.zeros((48, 8), np.float32)
+    with pytest.raises(ValueError, match="model.weight_group: int4 groups of 32 do not divide the 48 input rows of wq"):
+        quant.quantize_int4(w, 32, "wq")
+    with pytest.raises(ValueError, match="model.weights: 'int3' is not one of"):
+        make_config(weights="int3")
+    with pytest.raises(ValueError, match="model.weight_group: must be 0 or an even number"):
+        make_config(weight_group=3)
+
+
+@pytest.mark.parametrize("mode, group", [("int8", 0), ("int8", 16), ("int4", 32)])
+def test_the_step_reads_the_quantized_weights_and_gives_the_dequantized_models_tokens(tiny_model, mode, group):
+    """The engine on quantized weights gives the tokens of the same engine on those weights
+    dequantized (what the quantized model means), never compiles after warm-up, and holds the bytes
+    the memory plan counts; the compiled step has no float copy of any stacked weight."""
+    cfg, params, tok, eos = tiny_model
+    floats = {k: np.asarray(v) for k, v in params_to_weights(params).items()}
+    qparams = params_from_numpy(floats, jnp.float32, mode, group)
+    assert isinstance(qparams.layers.wq, quant.QuantWeight) and isinstance(qparams.embed, quant.QuantRows)
+    held = sum(x.nbytes for x in jax.tree.leaves(qparams))
+    assert held == memory_plan.weight_bytes(cfg, mode, 4, group)
+    assert held < 0.6 * sum(x.nbytes for x in jax.tree.leaves(params))
+
+    meant = {k: np.asarray(quant.dequantize(v) if isinstance(v, quant.QuantWeight)
+                           else v.q.astype(jnp.float32) * v.scale if isinstance(v, quant.QuantRows) else v)
+             for k, v in params_to_weights(qparams).items()}
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(3, cfg.vocab_size, n).tolist() for n in (5, 40, 17, 70)]
+    sp = SamplingParams(max_tokens=20, ignore_eos=True)
+    reference = LLM.from_params(cfg, params_from_numpy(meant), tok, config=make_config(**CONFIG), eos_ids=eos)
+    expect = [o.token_ids for o in reference.generate(prompts, sp)]
+    llm = LLM.from_params(cfg, qparams, tok, config=make_config(**CONFIG), eos_ids=eos)
+    llm.warmup()
+    before = llm.engine.stats().compilations
+    assert [o.token_ids for o in llm.generate(prompts, sp)] == expect
+    assert llm.engine.stats().compilations == before
+    llm.engine.pool.check_all_free()
+
+    hlo = llm.engine.runner._compiled[max(llm.engine.runner._compiled)].as_text()
+    layers = cfg.num_layers
+    stacked = {f"f32[{layers},{','.join(map(str, np.shape(floats[n])[1:]))}]" for n in quant.MATRICES}
+    found = set(re.findall(r"f32\[\d+,\d+,\d+\]", hlo))
+    assert not stacked & found, f"a float copy of stacked weights in the step: {stacked & found}"
+
+
+def test_int8_kv_pages_serve_under_preemption_and_prefix_caching(tiny_model):
+    """int8 KV (cache.kv_dtype): a pool tight enough to preempt gives the ample pool's tokens (greedy and
+    seeded), shared prefixes are served from cached int8 pages, nothing compiles after warm-up, and the
+    memory plan counts a byte a value plus each token-head's scale."""
+    from jaxcb.memory_plan import plan_for_model
+
+    cfg, params, tok, eos = tiny_model
+    rng = np.random.default_rng(4)
+    shared = rng.integers(3, cfg.vocab_size, 40).tolist()
+    prompts = [shared + rng.integers(3, cfg.vocab_size, n).tolist() for n in (3, 9, 20, 1, 30, 14)]
+    sps = [SamplingParams(max_tokens=24, ignore_eos=True),
+           SamplingParams(max_tokens=24, ignore_eos=True, temperature=0.8, seed=11)]
+    runs = {}
+    for pages in (200, 14):
+        llm = LLM.from_params(cfg, params, tok, config=make_config(**{**CONFIG, "num_pages": pages}, kv_dtype="int8"),
+                              eos_ids=eos)
+        assert llm.engine.runner.kv_arrays[0].dtype == jnp.int8
+        llm.warmup()
+        before = llm.engine.stats().compilations
+        outs = [llm.generate(prompts, sp) for sp in sps]
+        runs[pages] = [[o.token_ids for o in out] for out in outs]
+        st = llm.engine.stats()
+        assert st.compilations == before
+        llm.engine.pool.check_all_free()
+        if pages == 14:
+            assert st.preemptions > 0
+        else:  # the second round finds the shared prefix's pages cached
+            assert st.prefix_cache_hits > 0 and sum(o.num_cached_tokens for o in outs[1]) >= 32 * len(prompts)
+        plan = plan_for_model(cfg, llm.engine.config, budget_bytes=1 << 30, dtype_bytes=4)
+        assert plan.kv_bytes_per_token == llm.engine.runner.kv_bytes_per_token == 2 * cfg.num_layers * cfg.num_kv_heads * (cfg.head_dim + 4)
+        llm.close()
+    assert runs[14] == runs[200]
+
+
+def test_convert_stores_quantized_weights_and_loads_them_as_they_were(tmp_path, tiny_gguf_path, tiny_model):
+    from jaxcb.cli import main as cli
+
+    for mode in ("int8", "int4"):
+        out = str(tmp_path / mode)
+        assert cli(["convert", tiny_gguf_path, out, "--dtype", "float32", "--weights", mode]) == 0
+        _, params, _, _ = load_model(out)
+        _, at_load, _, _ = load_model(tiny_gguf_path, jnp.float32, weights=mode)
+        for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(at_load)):
+            assert a.dtype == b.dtype and np.array_equal(np.asarray(a), np.asarray(b))
+        assert jax.tree.structure(params) == jax.tree.structure(at_load)
+
+
+def test_plan_counts_the_quantized_bytes(capsys):
+    from jaxcb.cli import main as cli
+
+    llama8b = os.path.join(os.path.dirname(os.path.dirname(__file__)), "configs", "models", "llama-3-8b")
+    seen = {}
+    for mode in ("bfloat16", "int8", "int4"):
+        assert cli(["plan", "--model", llama8b, "--memory", "16GiB", "--max-context", "4096", "--weights", mode]) in (0, 2)
+        out = capsys.readouterr()
+        seen[mode] = out.out + out.err
+    assert "room for 0 KV pages" in seen["bfloat16"]  # 15 GiB of weights do not leave room on one 16 GiB chip
+    gib = {m: float(re.search(r"weights\s+([\d.]+) GiB", seen[m]).group(1)) for m in ("int8", "int4")}
+    # int8: a byte a value (+ the embedding and head at 8 bits); int4: 5 bits a value with the float16
+    # scale and offset of each group of 32, the 1 GiB of embedding and head at 8 bits
+    assert 7.0 < gib["int8"] < 7.6 and 4.6 < gib["int4"] < 5.2
+    assert int(re.search(r"largest batch at context 4096: (\d+)", seen["int4"]).group(1)) > \
+        int(re.search(r"largest batch at context 4096: (\d+)", seen["int8"]).group(1)) > 0
+
+
+def test_smollm2_perplexity_of_each_mode_against_float32():
+    """The real model on held-out prose (tests/data): int4 (groups of 32, asymmetric) gives back the
+    GGUF's own Q4_1 matrices, so it costs only the int8 embedding; int8 in groups of 32 likewise; int8
+    per output column rounds the Q4_1 groups onto one grid per column."""
+    from jaxcb.evaluate import perplexity
+
+    text = open(HELDOUT, encoding="utf-8").read()
+    figures = {}
+    for mode, group, kv in (("float32", 0, "auto"), ("int8", 0, "auto"), ("int8", 32, "auto"), ("int4", 0, "auto"),
+                            ("float32", 0, "int8")):
+        llm = LLM(config=make_config(num_pages=200, max_context=4096, weights=mode, weight_group=group, kv_dtype=kv))
+        ids = llm.tokenizer.encode(text)[:1024]
+        figures[mode, group, kv] = perplexity(llm.engine.runner, ids)["perplexity"]
+        llm.close()
+    base = figures["float32", 0, "auto"]
+    ratios = {k: v / base - 1 for k, v in figures.items()}
+    print({f"{m}/g{g}/kv-{kv}": f"{v:+.2%}" for (m, g, kv), v in ratios.items()})
+    assert abs(ratios["int8", 32, "auto"]) < 0.01
+    assert abs(ratios["int4", 0, "auto"]) < 0.01  # target 5%
+    assert abs(ratios["float32", 0, "int8"]) < 0.01
+    assert abs(ratios["int8", 0, "auto"]) < 0.02  # per column: about 1% (see the README's table)
