@@ -206,9 +206,6 @@ class ModelRunner:
         # The KV pages' dtype: the compute dtype, or cache.kv_dtype (int8: values and a scale per
         # token and head, jaxcb.model.paged_attention.quantize_kv).
         self.kv_dtype = jnp.dtype(kv_dtype or self.dtype)
-        if self.kv_dtype == jnp.int8 and self.attention.kernel not in ("xla", "none"):
-            raise ValueError("cache.kv_dtype: int8 KV pages are read by the plain-JAX attention (model.attention = "
-                             "'xla'); the Pallas kernels take float pages")
         self.page_size = page_size
         self.num_pages = num_pages
         # The sliding layers' page group (jaxcb.window); by default as many pages as the full layers'.

@@ -48,6 +48,7 @@ def _check(num_heads, num_kv_heads, page_size, head_dim):
 
 def _attend(qb: qblocks.QueryBlocks, k_pool, v_pool, kv_index, kv_lens, page_indices, *, scale,
             backend, interpret, pages_per_tile, num_splits, decode, softcap=0.0):
+    kv_int8 = k_pool.dtype == jnp.int8  # slots of D values and 4 scale bytes (jaxcb.model.paged_attention)
     """Runs the kernel over query blocks and merges splits: returns [K, NB, R, D] in q's dtype."""
     nk, nb, _, d = qb.q.shape
     page_size = k_pool.shape[3]
@@ -71,7 +72,7 @@ def _attend(qb: qblocks.QueryBlocks, k_pool, v_pool, kv_index, kv_lens, page_ind
                       kv_index.astype(jnp.int32), k_pool, v_pool, group_pad=qb.group_pad,
                       scale=(1.0 / d**0.5) if scale is None else scale, pages_per_tile=pages_per_tile,
                       num_splits=num_splits, out_dtype=qb.q.dtype if num_splits == 1 else jnp.float32,
-                      interpret=interpret, softcap=softcap)
+                      interpret=interpret, softcap=softcap, kv_int8=kv_int8)
     if num_splits == 1:
         return out[:, :, 0]
     return qblocks.combine_splits(out, lse).astype(qb.q.dtype)
@@ -126,8 +127,8 @@ def engine_attention(q, kv_pages, layer, kv_lens, q_lens, page_table, *, backend
     or any finite value, never read).
     """
     b, t, h, d = q.shape
-    nl, _, nk, p, s, _ = kv_pages.shape
-    pool = kv_pages.reshape(nl * 2, nk, p, s, d)
+    nl, _, nk, p, s, width = kv_pages.shape  # width: D, or D + 4 for int8 pages
+    pool = kv_pages.reshape(nl * 2, nk, p, s, width)
     kv_index = jnp.stack([2 * layer, 2 * layer + 1, 0]).astype(jnp.int32)
     if t == 1:
         qb = qblocks.decode_blocks(q[:, 0], kv_lens, nk)
@@ -145,14 +146,14 @@ def engine_ragged_attention(q, kv_pages, layer, kv_lens, page_table, cu_q_lens, 
     """The engine's packed step (jaxcb.batch) over its whole cache, without slicing a layer out.
 
     q [T, H, D], sequence i's tokens at rows cu_q_lens[i]:cu_q_lens[i+1] (cu_q_lens [M+1], num_seqs
-    [1]); kv_pages [L, 2, K, P, S, D]; layer a scalar; kv_lens [M] (new tokens included); page_table
-    [M, N]. `scale` of the scores (default 1/sqrt(D)); `window` (may be traced; 0 = none): a query at
+    [1]); kv_pages [L, 2, K, P, S, D] (int8 pages: D + 4, values then scale, dequantized as read);
+    layer a scalar; kv_lens [M] (new tokens included); page_table [M, N]. `scale` of the scores (default 1/sqrt(D)); `window` (may be traced; 0 = none): a query at
     t sees keys after t - window only, and pages wholly before its block's window are never read;
     `softcap` (static; 0 = off). Returns [T, H, D] (rows past the live sequences: zeros).
     """
     t, h, d = q.shape
-    nl, _, nk, p, s, _ = kv_pages.shape
-    pool = kv_pages.reshape(nl * 2, nk, p, s, d)
+    nl, _, nk, p, s, width = kv_pages.shape  # width: D, or D + 4 for int8 pages
+    pool = kv_pages.reshape(nl * 2, nk, p, s, width)
     kv_index = jnp.stack([2 * layer, 2 * layer + 1, jnp.asarray(window, jnp.int32)]).astype(jnp.int32)
     kv_lens = kv_lens.astype(jnp.int32)
     qb, where = qblocks.ragged_blocks(q, kv_lens, cu_q_lens.astype(jnp.int32), num_seqs.astype(jnp.int32), nk,

@@ -72,6 +72,14 @@ def tile_update(carry, q, k, v, first_key, row_pos, key_end, scale, window=0, so
     return acc * alpha + pv, m_new, l
 
 
+def scales_from_bytes(b0, b1, b2, b3):
+    """float32 scales from their four little-endian bytes (int8 arrays of one shape): an int8 page's
+    slot holds D values then its scale's bytes (jaxcb.model.paged_attention.quantize_kv)."""
+    word = ((b0.astype(jnp.int32) & 255) | ((b1.astype(jnp.int32) & 255) << 8)
+            | ((b2.astype(jnp.int32) & 255) << 16) | (b3.astype(jnp.int32) << 24))
+    return lax.bitcast_convert_type(word, jnp.float32)
+
+
 def finish(carry):
     """(output [R, D], log-sum-exp [R, 1]); a row that saw no key gives zeros and lse = MASKED."""
     acc, m, l = carry

@@ -23,7 +23,7 @@ from kernels_pallas import flash
 
 def _kernel(seq_ref, pos_ref, rows_ref, kv_lens_ref, pages_ref, kv_index_ref,  # scalar prefetch
             q_ref, k_hbm, v_hbm, out_ref, lse_ref, k_buf, v_buf, sems,
-            *, page_size, pages_per_tile, pages_per_split, pages_per_seq, group_pad, scale, softcap):
+            *, page_size, pages_per_tile, pages_per_split, pages_per_seq, group_pad, scale, softcap, kv_int8):
     h, j, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     seq, pos = seq_ref[j], pos_ref[j]
     window = kv_index_ref[2]
@@ -61,8 +61,17 @@ def _kernel(seq_ref, pos_ref, rows_ref, kv_lens_ref, pages_ref, kv_index_ref,  #
 
         for_each_page(tile, slot, lambda c: c.wait())
         first_key = (first_page + tile * pages_per_tile) * page_size
-        return flash.tile_update(carry, q, k_buf[slot], v_buf[slot], first_key, row_pos, key_end, scale, window,
-                                 softcap)
+        if kv_int8:  # [keys, D + 4]: the values, then each slot's float32 scale as 4 bytes
+            d = q.shape[-1]
+
+            def dequantized(buf):
+                scale_ = flash.scales_from_bytes(*(buf[slot, :, pl.ds(d + c, 1)] for c in range(4)))
+                return buf[slot, :, pl.ds(0, d)].astype(q.dtype) * scale_.astype(q.dtype)
+
+            k, v = dequantized(k_buf), dequantized(v_buf)
+        else:
+            k, v = k_buf[slot], v_buf[slot]
+        return flash.tile_update(carry, q, k, v, first_key, row_pos, key_end, scale, window, softcap)
 
     out, lse = flash.finish(lax.fori_loop(0, num_tiles, body, flash.init(*q.shape)))
     out_ref[...] = out.astype(out_ref.dtype)
@@ -70,15 +79,15 @@ def _kernel(seq_ref, pos_ref, rows_ref, kv_lens_ref, pages_ref, kv_index_ref,  #
 
 
 def attend_blocks(q, seq, pos, rows, kv_lens, page_indices, kv_index, k_pool, v_pool, *, group_pad,
-                  scale, pages_per_tile, num_splits, out_dtype, interpret, softcap=0.0):
+                  scale, pages_per_tile, num_splits, out_dtype, interpret, softcap=0.0, kv_int8=False):
     """Same contract as kernels_pallas.gpu.attend_blocks."""
     nk, nb, r, d = q.shape
     page_size = k_pool.shape[3]
     num_seqs, pages_per_seq = page_indices.shape
     kernel = functools.partial(_kernel, page_size=page_size, pages_per_tile=pages_per_tile,
                                pages_per_split=pages_per_seq // num_splits, pages_per_seq=pages_per_seq,
-                               group_pad=group_pad, scale=scale, softcap=softcap)
-    tile = (2, pages_per_tile * page_size, d)
+                               group_pad=group_pad, scale=scale, softcap=softcap, kv_int8=kv_int8)
+    tile = (2, pages_per_tile * page_size, k_pool.shape[-1])  # whole slots: int8 ones hold their scale too
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=6,
         grid=(nk, nb, num_splits),

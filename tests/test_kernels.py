@@ -12,7 +12,7 @@ import pytest
 from jax import export
 
 from jaxcb.model.paged_attention import paged_attention_reference
-from kernels_pallas import PAGE_SIZES, engine_attention, paged_attention, ragged_paged_attention
+from kernels_pallas import PAGE_SIZES, engine_attention, engine_ragged_attention, paged_attention, ragged_paged_attention
 
 # (page size S, head dim D, query heads per kv head): each S and each D with two ratios and each
 # ratio with two S and both D, rather than the full product (interpret mode is slow).
@@ -185,6 +185,34 @@ def test_engine_ragged_kernel_with_a_sliding_window_and_softcap(backend):
     assert np.abs(np.asarray(plain[:live]) - np.asarray(ref[:live])).max() > 1e-3
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_engine_ragged_kernel_reads_int8_pages(backend):
+    """int8 KV pages (cache.kv_dtype): each slot's D int8 values and its float32 scale's 4 bytes; the
+    kernels dequantize what they load. Against the plain-JAX path on the same int8 pages, decode rows
+    and prefill chunks, with the null page's bytes all 0xFF (a NaN scale) that must never be read."""
+    from jaxcb.batch import SeqSpec, StepShape, pack
+    from jaxcb.model.paged_attention import quantize_kv, ragged_attention
+    from kernels_pallas import engine_ragged_attention
+
+    rng = np.random.default_rng()
+    s, d, nk, h, num_pages = 16, 64, 2, 4, 24
+    values = jnp.asarray(rng.standard_normal((1, 2, nk, num_pages, s, d)) * 2, jnp.float32)
+    kv = quantize_kv(values).at[:, :, :, 0].set(-1)
+    assert kv.dtype == jnp.int8 and kv.shape[-1] == d + 4
+    seqs = [(1, 40), (1, 0), (20, 13), (9, 0)]  # (tokens this step, start)
+    pages = iter(rng.permutation(np.arange(1, num_pages)).tolist())
+    specs = [SeqSpec(rng.integers(0, 100, n).tolist(), start, [next(pages) for _ in range(-(-(start + n) // s))])
+             for n, start in seqs]
+    batch = pack(specs, StepShape(48, 8, 6, 128), s)
+    q = jnp.asarray(rng.standard_normal((48, h, d)), jnp.float32)
+    ref = ragged_attention(q, kv, jnp.int32(0), jax.tree.map(jnp.asarray, batch))
+    out = engine_ragged_attention(q, kv, jnp.int32(0), jnp.asarray(batch.kv_lens), jnp.asarray(batch.page_table),
+                                  jnp.asarray(batch.cu_q_lens), jnp.asarray(batch.num_seqs), backend=backend,
+                                  interpret=True)
+    live = int(batch.cu_q_lens[len(seqs)])
+    assert_close(out[:live], np.asarray(ref[:live]), jnp.float32)
+
+
 @pytest.mark.parametrize("platform", ["cuda", "tpu"])
 def test_kernels_lower_for_gpu_and_tpu(platform):
     """Triton and Mosaic lowering of both kernels, on this CPU machine (no device needed to lower)."""
@@ -201,6 +229,12 @@ def test_kernels_lower_for_gpu_and_tpu(platform):
         ragged = jax.jit(lambda *a: ragged_paged_attention(*a, backend=backend))
         export.export(ragged, platforms=[platform], disabled_checks=checks)(
             sd((t, h, d), dtype), pool, pool, lens, table, sd((b + 1,), jnp.int32), sd((1,), jnp.int32))
+    # The engine's entry over int8 pages (D values + 4 scale bytes a slot), bfloat16 queries.
+    engine = jax.jit(lambda q, kv, *a: engine_ragged_attention(q, kv, jnp.int32(0), *a, backend=backend))
+    lowered = export.export(engine, platforms=[platform], disabled_checks=checks)(
+        sd((t, h, d), jnp.bfloat16), sd((2, 2, k, p, s, d + 4), jnp.int8), lens, table, sd((b + 1,), jnp.int32),
+        sd((1,), jnp.int32))
+    assert "jaxcb_paged_attention" in lowered.mlir_module()
 
 
 def test_kernels_reject_unsupported_shapes():
