@@ -196,10 +196,16 @@ def main():
                 runs[m].append(run(fresh, prompts, output_lens))
                 print(f"engine benchmark {m}: {runs[m][-1]['output_tokens_per_s']} output tokens/s", flush=True)
             if args.peer:
-                runs["llama.cpp"].append(run_peer(args.peer, PEER_SCRIPT, prompts, output_lens, args.peer_slots))
-                print(f"engine benchmark llama.cpp: {runs['llama.cpp'][-1]['output_tokens_per_s']} output tokens/s",
-                      flush=True)
-        result["engine"] = {m: statistics.median(r["output_tokens_per_s"] for r in v) for m, v in runs.items()}
+                try:
+                    peer = run_peer(args.peer, PEER_SCRIPT, prompts, output_lens, args.peer_slots)
+                except Exception as e:  # noqa: BLE001 - a peer that fails is reported, not fatal
+                    peer = {"output_tokens_per_s": 0.0, "error": str(e)[:200]}
+                if not peer["output_tokens_per_s"]:  # nothing came back: the server died (see its stderr)
+                    print(f"llama.cpp's server returned nothing: {peer.get('error', peer)}", flush=True)
+                    continue
+                runs["llama.cpp"].append(peer)
+                print(f"engine benchmark llama.cpp: {peer['output_tokens_per_s']} output tokens/s", flush=True)
+        result["engine"] = {m: statistics.median(r["output_tokens_per_s"] for r in v) for m, v in runs.items() if v}
         result["engine_runs"] = {m: [r["output_tokens_per_s"] for r in v] for m, v in runs.items()}
 
     print()

@@ -114,7 +114,7 @@ def plan(*, budget_bytes: int, fraction: float, weight_bytes: int, num_layers: i
          head_dim: int, hidden_size: int, intermediate_size: int, vocab_size: int, dtype_bytes: int,
          page_size: int, max_context: int, max_batch: int, max_prefill_tokens: int,
          num_pages: int | None = None, num_heads: int | None = None, tensor: int = 1,
-         sliding_layers: int = 0, window: int = 0, kv_dtype: str = "auto") -> MemoryPlan:
+         sliding_layers: int = 0, window: int = 0, kv_dtype: str = "auto", dequant_bytes: int = 0) -> MemoryPlan:
     """The plan for these sizes (the whole model's; `tensor` devices split it), per device; num_pages
     None = as many as fit, else check that many fit. Raises ValueError with the numbers when one
     request of max_context cannot be held."""
@@ -140,7 +140,9 @@ def plan(*, budget_bytes: int, fraction: float, weight_bytes: int, num_layers: i
     attention = 256 * page_size * 2 * kv_heads * head_dim * 4 + 3 * tokens * heads * 256 * 4
     activations = tokens * (4 * hidden_size + 3 * intermediate_size) * 4
     logits = max(max_batch, 1) * vocab_size * 4 * 4
-    reserve = attention + activations + logits
+    # Quantized weights: the step dequantizes one layer's matrices next to their dots (dequant_bytes,
+    # the two largest in the compute dtype), split like the weights.
+    reserve = attention + activations + logits + dequant_bytes // tensor
     usable = int(budget_bytes * fraction) - weight_bytes - reserve
     page_bytes = kv_per_token * page_size
     # With a sliding group, both groups are sized for the same number of max-context sequences: each
@@ -212,4 +214,6 @@ def plan_for_model(model, config, *, budget_bytes: int, dtype_bytes: int, max_co
         max_batch=config.buckets.max_batch, max_prefill_tokens=s.max_prefill_tokens,
         num_pages=config.num_pages or None, num_heads=c.num_heads,
         tensor=config.tensor_parallel if tensor is None else tensor,
-        sliding_layers=c.num_sliding_layers, window=c.sliding_window, kv_dtype=getattr(config, "kv_dtype", "auto"))
+        sliding_layers=c.num_sliding_layers, window=c.sliding_window, kv_dtype=getattr(config, "kv_dtype", "auto"),
+        dequant_bytes=2 * c.hidden_size * max(c.intermediate_size, c.num_heads * c.head_dim) * dtype_bytes
+        if mode in ("int8", "int4") else 0)

@@ -68,6 +68,15 @@ def test_generate_prompt_and_stats(tiny_gguf_path, small_config, tmp_path):
         assert key in stats
     r = run_cli("generate", "--model", tiny_gguf_path, "--config", small_config, "--raw", "--max-tokens", "3", "the")
     assert r.returncode == 0, r.stderr
+    # Quantized weights and KV from the command line: the same requests, nothing compiled after warm-up.
+    r = run_cli("generate", "--model", tiny_gguf_path, "--config", small_config, "--input", str(inp), "--stats",
+                "--weights", "int4", "--kv-dtype", "int8")
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.strip().splitlines()
+    assert [len(json.loads(x)["token_ids"]) for x in lines[:3]] == [6, 6, 6]
+    assert json.loads(lines[-1])["compilations_after_warmup"] == 0
+    r = run_cli("generate", "--model", tiny_gguf_path, "--config", small_config, "--weights", "int3", "hi")
+    assert r.returncode == 2 and "--weights" in r.stderr
 
 
 def test_cli_errors_are_clear(tiny_gguf_path, tmp_path):

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 
 from jaxcb import memory_plan
-from jaxcb.engine_config import load_config, make_config
+from jaxcb.engine_config import make_config
 from jaxcb.llm import LLM, load_model
 from jaxcb.model import quant
-from jaxcb.model.llama import params_from_numpy, params_to_weights, random_weights
+from jaxcb.model.llama import params_from_numpy, params_to_weights
 from jaxcb.request import SamplingParams
 
 CONFIG = dict(num_pages=48, max_context=256, decode_batch=(2, 8), prefill_tokens=(32, 64))
@@ -182,12 +182,14 @@ def test_smollm2_perplexity_of_each_mode_against_float32():
     per output column rounds the Q4_1 groups onto one grid per column."""
     from jaxcb.evaluate import perplexity
 
-    text = open(HELDOUT, encoding="utf-8").read()
+    cfg, params, tok, eos = load_model()  # the embedded SmolLM2, float32; each mode quantizes these weights
+    floats = {k: np.asarray(v) for k, v in params_to_weights(params).items()}
+    ids = tok.encode(open(HELDOUT, encoding="utf-8").read())[:1024]
     figures = {}
     for mode, group, kv in (("float32", 0, "auto"), ("int8", 0, "auto"), ("int8", 32, "auto"), ("int4", 0, "auto"),
                             ("float32", 0, "int8")):
-        llm = LLM(config=make_config(num_pages=200, max_context=4096, weights=mode, weight_group=group, kv_dtype=kv))
-        ids = llm.tokenizer.encode(text)[:1024]
+        config = make_config(num_pages=80, max_context=2048, weights=mode, weight_group=group, kv_dtype=kv)
+        llm = LLM.from_params(cfg, params_from_numpy(floats, jnp.float32, mode, group), tok, config=config, eos_ids=eos)
         figures[mode, group, kv] = perplexity(llm.engine.runner, ids)["perplexity"]
         llm.close()
     base = figures["float32", 0, "auto"]

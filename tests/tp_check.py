@@ -20,8 +20,8 @@ RUNS = [
     ("a", "tp1", 1, 1, "xla", "auto"), ("a", "tp2", 2, 1, "xla", "auto"), ("a", "tp2-pallas", 2, 1, "pallas", "auto"),
     ("a", "tp4", 4, 1, "xla", "auto"), ("a", "dp2", 1, 2, "xla", "auto"), ("a", "tp2-dp2", 2, 2, "xla", "auto"),
     ("a", "tp1-int4", 1, 1, "xla", "int4"), ("a", "tp2-int4", 2, 1, "xla", "int4"),
-    ("a", "tp1-int8", 1, 1, "xla", "int8"), ("a", "tp4-int8", 4, 1, "xla", "int8"),
-    ("b", "tp1", 1, 1, "xla", "auto"), ("b", "tp8", 8, 1, "xla", "auto"), ("b", "tp4-pallas", 4, 1, "pallas", "auto"),
+    ("b", "tp1-int8", 1, 1, "xla", "int8"), ("b", "tp8-int8", 8, 1, "xla", "int8"),
+    ("b", "tp4-pallas-int8", 4, 1, "pallas", "int8"),
     ("g", "tp1", 1, 1, "xla", "auto"), ("g", "tp2", 2, 1, "xla", "auto"), ("g", "dp2", 1, 2, "xla", "auto"),
 ]
 # Model "g": the tiny Gemma 3 checkpoint (sliding window 8: its second page group is sharded too).

@@ -16,7 +16,6 @@ import os
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jaxcb.model.config import ModelConfig
 
