@@ -166,6 +166,7 @@ def plan(*, budget_bytes: int, fraction: float, weight_bytes: int, num_layers: i
 
 
 INT4_GROUP = 32  # = jaxcb.model.quant.GROUP
+ROW_GROUP = 32  # = jaxcb.model.quant.ROW_GROUP: the int8 embedding's values per scale
 
 
 def kv_slot_bytes(head_dim: int, kv_dtype: str, dtype_bytes: int) -> int:
@@ -180,7 +181,7 @@ def weight_bytes(c, mode: str, dtype_bytes: int, group: int = 0) -> int:
     """Bytes of a model's (a ModelConfig's) weights stored in `mode` (jaxcb.model.quant): "auto"
     `dtype_bytes` a value, float32/bfloat16 theirs; int8 one byte a value of every matrix and the
     embedding, plus a scale (`dtype_bytes`) per output column or per `group` values of one, and per
-    vocabulary row; int4 half a byte a value of the layers' matrices plus a float16 scale and offset per
+    32 values of an embedding row; int4 half a byte a value of the layers' matrices plus a float16 scale and offset per
     `group` (default 32) values, the embedding and head as in int8. Norms and biases in `dtype_bytes`."""
     if mode not in ("int8", "int4"):
         return c.num_params * {"float32": 4, "bfloat16": 2}.get(mode, dtype_bytes)
@@ -193,10 +194,11 @@ def weight_bytes(c, mode: str, dtype_bytes: int, group: int = 0) -> int:
         matrices = values + scales * dtype_bytes
     else:
         matrices = values // 2 + layers * sum(i // (group or INT4_GROUP) * o for i, o in shapes) * 2 * 2
-    tables = 1 if c.tie_embeddings else 2  # the embedding, and an untied head
-    vocab = tables * c.vocab_size * (e + dtype_bytes)
-    rest = c.num_params - values - tables * c.vocab_size * e
-    return int(matrices + vocab + rest * dtype_bytes)
+    row_scales = e // ROW_GROUP if e % ROW_GROUP == 0 else 1
+    embed = c.vocab_size * (e + row_scales * dtype_bytes)  # int8, a scale per 32 values of a row
+    head = 0 if c.tie_embeddings else c.vocab_size * (e + dtype_bytes)  # an untied head: int8 per column
+    rest = c.num_params - values - c.vocab_size * e * (1 if c.tie_embeddings else 2)
+    return int(matrices + embed + head + rest * dtype_bytes)
 
 
 def plan_for_model(model, config, *, budget_bytes: int, dtype_bytes: int, max_context: int | None = None,

@@ -62,8 +62,11 @@ def _stored(config: ModelConfig, mode: str, dtype, group: int = 0) -> dict[str, 
                 out[name + "__q"] = jax.ShapeDtypeStruct(shape, jnp.int8)
                 out[name + "__scale"] = jax.ShapeDtypeStruct((*lead, rows // g, cols), dtype)
         elif mode in ("int8", "int4") and name == "embed":
+            from jaxcb.model.quant import ROW_GROUP
+
             out["embed__q"] = jax.ShapeDtypeStruct(shape, jnp.int8)
-            out["embed__scale"] = jax.ShapeDtypeStruct((shape[0], 1), dtype)
+            groups = shape[1] // ROW_GROUP if shape[1] % ROW_GROUP == 0 else 1
+            out["embed__scale"] = jax.ShapeDtypeStruct((shape[0], groups), dtype)
         else:
             out[name] = jax.ShapeDtypeStruct(shape, dtype)
     return out

@@ -16,9 +16,9 @@ A matrix `[..., in, out]` (q/k/v/o, gate/up/down, an untied output head) becomes
         runs x @ w as x[:, 0::2] @ low + x[:, 1::2] @ high, each half dequantized right before its dot.
 Every dequantization runs inside the layer scan on one layer's matrix: the step reads the quantized
 bytes and never holds a float copy of the model's weights (tests/test_quant.py checks the compiled
-program). The embedding (and a tied output head, the same array) is int8 per vocabulary row in both
-modes: a row is what a token looks up and one output column of the head, so one scale serves both,
-and the head stays at 8 bits as llama.cpp keeps it. Norms and biases stay in the compute dtype.
+program). The embedding (and a tied output head, the same array) is int8 in both modes, a scale per 32
+values of each vocabulary row (a GGUF's Q8_0 embedding comes back exactly): a row is what a token looks
+up and one output column of the head, and the head stays at 8 bits as llama.cpp keeps it. Norms and biases stay in the compute dtype.
 
 Quantization happens once, on the host in numpy, from the float weights the loaders give (at load,
 or by `jaxcb convert --weights`). The activations, the KV cache and the logits keep the compute dtype.
@@ -57,8 +57,8 @@ class QuantWeight:
 
 @flax.struct.dataclass
 class QuantRows:
-    """An int8 embedding [V, E] with one scale per row [V, 1]: rows looked up by token, and (tied) the
-    output head's columns."""
+    """An int8 embedding [V, E] with a scale per 32 values of each row [V, E/32]: rows looked up by
+    token, and (tied) the output head's columns."""
 
     q: jax.Array
     scale: jax.Array
@@ -114,11 +114,27 @@ def quantize_int4(w: np.ndarray, group: int = GROUP, name: str = "weight") -> Qu
                        offset.reshape(*lead, g.shape[-3], cols).astype(np.float16), 4)
 
 
-def quantize_rows(w: np.ndarray) -> QuantRows:
-    """int8 per row of [V, E]."""
+ROW_GROUP = 32  # embedding values per scale along a row (= jaxcb.memory_plan.ROW_GROUP); a GGUF's Q8_0 blocks
+
+
+def quantize_rows(w: np.ndarray, group: int = ROW_GROUP) -> QuantRows:
+    """int8 of [V, E], symmetric, a scale per `group` values of each row ([V, E/group]; one per row when
+    E is not a multiple of `group`). A GGUF's Q8_0 embedding (blocks of 32 along the row) comes back
+    exactly."""
     w = np.asarray(w, np.float32)
-    scale = _safe(np.abs(w).max(axis=-1, keepdims=True) / 127.0)
-    return QuantRows(np.clip(np.rint(w / scale), -127, 127).astype(np.int8), scale)
+    v, e = w.shape
+    group = group if e % group == 0 else e
+    g = w.reshape(v, e // group, group)
+    scale = _safe(np.abs(g).max(axis=-1, keepdims=True) / 127.0)
+    q = np.clip(np.rint(g / scale), -127, 127).astype(np.int8).reshape(v, e)
+    return QuantRows(q, scale[..., 0])
+
+
+def _rows(embed: QuantRows, q: jax.Array, scale: jax.Array, dtype) -> jax.Array:
+    """Rows [N, E] of int8 values with their [N, E/group] scales, in `dtype`."""
+    n, e = q.shape
+    groups = scale.shape[-1]
+    return (q.reshape(n, groups, e // groups).astype(dtype) * scale.astype(dtype)[..., None]).reshape(n, e)
 
 
 def _int4_half(w: QuantWeight, nibbles: jax.Array, dtype) -> jax.Array:
@@ -157,7 +173,7 @@ def dense(x: jax.Array, w) -> jax.Array:
 def embed_rows(embed, ids: jax.Array, dtype) -> jax.Array:
     """The embedding rows of `ids` [T] -> [T, E] in `dtype`."""
     if isinstance(embed, QuantRows):
-        return embed.q[ids].astype(dtype) * embed.scale[ids].astype(dtype)
+        return _rows(embed, embed.q[ids], embed.scale[ids], dtype)
     return embed[ids]
 
 
@@ -169,9 +185,11 @@ def head_logits(last: jax.Array, embed, lm_head) -> jax.Array:
             return (jnp.dot(last, lm_head.q.astype(last.dtype), preferred_element_type=jnp.float32)
                     * lm_head.scale.astype(jnp.float32))
         return jnp.dot(last, lm_head, preferred_element_type=jnp.float32)
-    if isinstance(embed, QuantRows):
-        return (jnp.dot(last, embed.q.T.astype(last.dtype), preferred_element_type=jnp.float32)
-                * embed.scale[:, 0].astype(jnp.float32))
+    if isinstance(embed, QuantRows):  # the tied head: the embedding dequantized beside the dot
+        if embed.scale.shape[-1] == 1:
+            return (jnp.dot(last, embed.q.T.astype(last.dtype), preferred_element_type=jnp.float32)
+                    * embed.scale[:, 0].astype(jnp.float32))
+        return jnp.dot(last, _rows(embed, embed.q, embed.scale, last.dtype).T, preferred_element_type=jnp.float32)
     return jnp.dot(last, embed.T, preferred_element_type=jnp.float32)
 
 
