@@ -342,7 +342,7 @@ def cmd_serve(args) -> int:
           f"compile cache {cache_dir or 'off'}", flush=True)
     if len(engines) > 1 or config.tensor_parallel > 1:
         print(f"jaxcb: {len(engines)} replica(s) x tensor parallel {config.tensor_parallel}: devices "
-              f"{[sorted(d.id for d in e.runner.kv_arrays[0].devices()) for e in engines]}", flush=True)
+              f"{[e.runner.device_ids for e in engines]}", flush=True)
     target = f"{args.host}:{args.port}"
     print(f"jaxcb: try it:  .venv/bin/jaxcb client --target {target} \"Why is the sky blue?\"", flush=True)
 

@@ -217,6 +217,9 @@ class ModelRunner:
         self.params = params
         self.last_tokens = self._zero_last_tokens(max_seqs)  # the previous step's sampled tokens, on the device
         self.kv_pages = self._allocate_kv()
+        # Where this runner lives, read once: the page arrays themselves are donated to every step, so
+        # another thread reading them (GetServerInfo) could meet a deleted array.
+        self.device_ids = sorted(d.id for d in self.kv_arrays[0].devices())
 
     def _zero_last_tokens(self, max_seqs: int) -> jax.Array:
         zeros = np.zeros(max_seqs, np.int32)

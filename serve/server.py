@@ -318,7 +318,7 @@ class JaxcbService(jaxcb_pb2_grpc.JaxcbServicer):
         st = e.stats()
         b = e.config.buckets
         replicas = [jaxcb_pb2.ReplicaInfo(
-            replica=i, device_ids=sorted(d.id for d in eng.runner.kv_arrays[0].devices()), pages_total=r.pages_total,
+            replica=i, device_ids=eng.runner.device_ids, pages_total=r.pages_total,
             pages_free=r.pages_free, running=r.running, waiting=r.waiting, preemptions=r.preemptions,
             pending_tokens=e.load[i], requests_routed=e.routed[i])
             for i, (eng, r) in enumerate(zip(e.engines, e.replica_stats()))]
