@@ -14,7 +14,7 @@ from jaxcb.buckets import Buckets
 from jaxcb.scheduler import SchedulerConfig
 
 ATTENTION_CHOICES = ("xla", "pallas", "auto")
-WEIGHT_CHOICES = ("auto", "float32", "bfloat16", "int8", "int4")  # = jaxcb.model.quant.WEIGHT_MODES
+WEIGHT_CHOICES = ("auto", "float32", "bfloat16", "int8", "int4")  # model.weights (jaxcb.model.quant)
 KV_CHOICES = ("auto", "float32", "bfloat16", "int8")
 AUTO_PAGES = 0  # num_pages = "auto": as many as the memory plan fits (jaxcb.memory_plan)
 KERNEL_PAGE_SIZES = (8, 16, 32, 64, 128, 256)  # = kernels_pallas.PAGE_SIZES (this module imports no JAX)

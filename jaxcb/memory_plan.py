@@ -165,8 +165,8 @@ def plan(*, budget_bytes: int, fraction: float, weight_bytes: int, num_layers: i
                       window, sliding_layers * layer_token if window else 0, window_pages, num_layers * layer_token)
 
 
-INT4_GROUP = 32  # = jaxcb.model.quant.GROUP
-ROW_GROUP = 32  # = jaxcb.model.quant.ROW_GROUP: the int8 embedding's values per scale
+INT4_GROUP = 32  # int4 weights: input rows per scale (jaxcb.model.quant takes it from here)
+ROW_GROUP = 32  # the int8 embedding's values per scale along a row (likewise)
 
 
 def kv_slot_bytes(head_dim: int, kv_dtype: str, dtype_bytes: int) -> int:

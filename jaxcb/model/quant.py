@@ -31,9 +31,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-WEIGHT_MODES = ("auto", "float32", "bfloat16", "int8", "int4")
+from jaxcb.engine_config import WEIGHT_CHOICES as WEIGHT_MODES  # the one list of model.weights
+from jaxcb.memory_plan import INT4_GROUP as GROUP  # int4's default input rows per scale
+from jaxcb.memory_plan import ROW_GROUP  # the int8 embedding's values per scale: a GGUF's Q8_0 blocks
+
 MATRICES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
-GROUP = 32  # int4's default input rows per scale (= jaxcb.memory_plan.INT4_GROUP, which imports no JAX)
 
 
 @flax.struct.dataclass
@@ -114,7 +116,6 @@ def quantize_int4(w: np.ndarray, group: int = GROUP, name: str = "weight") -> Qu
                        offset.reshape(*lead, g.shape[-3], cols).astype(np.float16), 4)
 
 
-ROW_GROUP = 32  # embedding values per scale along a row (= jaxcb.memory_plan.ROW_GROUP); a GGUF's Q8_0 blocks
 
 
 def quantize_rows(w: np.ndarray, group: int = ROW_GROUP) -> QuantRows:
