@@ -1,5 +1,5 @@
-"""Run by test_parallel.py in a subprocess: SmolLM2 (9 query heads, 3 KV heads) split over 3 forced
-host devices, greedy on the golden prompts; prints the token ids as JSON."""
+"""Run by test_parallel_golden.py in a subprocess: SmolLM2 (9 query heads, 3 KV heads) split over 3
+forced host devices, greedy on every other golden prompt; prints the token ids as JSON."""
 
 import json
 import os
@@ -15,10 +15,11 @@ def main(golden_path: str) -> None:
 
     with open(golden_path) as f:
         golden = json.load(f)
-    config = make_config(num_pages=512, max_context=256, decode_batch=(1, 2, 4, 8, 16, 32),
-                         prefill_tokens=(16, 32, 64), tensor_parallel=3)
+    config = make_config(num_pages=512, max_context=256, decode_batch=(32,), prefill_tokens=(64,),
+                         tensor_parallel=3)  # two step shapes: few compilations
     llm = LLM(config=config)
-    outs = llm.generate([r["prompt_ids"] for r in golden["records"]],
+    records = golden["records"][::2]  # 10 of the 20 (long and short prompts): the suite's time budget
+    outs = llm.generate([r["prompt_ids"] for r in records],
                         SamplingParams(max_tokens=golden["steps"], ignore_eos=True))
     llm.engine.pool.check_all_free()
     shards = [list(x.data.shape) for x in llm.engine.runner.kv_arrays[0].addressable_shards]
