@@ -57,6 +57,7 @@ def step_record(step: _InFlight, fetch_end: float, start: float | None) -> dict:
     time it took (from the previous step's tokens, or from its own packing when nothing ran before it)."""
     return {"tokens": sum(c.num_tokens for c in step.chunks), "padded_tokens": step.padded_tokens,
             "context": sum(c.start + c.num_tokens for c in step.chunks), "rows": len(step.chunks),
+            "attention_pairs": sum(c.attention_pairs for c in step.chunks),
             "decode_rows": sum(1 for c in step.chunks if c.num_tokens == 1),
             "seconds": None if start is None else fetch_end - start}
 

@@ -6,8 +6,9 @@ gives for its shape, and every sampled token is a placeholder (requests run to t
 output length). The report is the same table the real runs print (jaxcb.trace.summarize).
 
 Step-time models:
-  fitted    step_time = intercept[token bucket] + per_context_token x context, least squares over
-            the steps a real run recorded (Engine.step_log, written by bench/policies.py). A bucket
+  fitted    step_time = intercept[token bucket] + per_context_token x context + per_extra_pair x
+            (prefill attention pairs beyond one per context token), least squares over the steps a
+            real run recorded (Engine.step_log, written by bench/policies.py). A bucket
             the run never used is interpolated between its neighbours. The built-in one is SmolLM2
             on the 2-core CPU this project is developed on (jaxcb/step_models/).
   roofline  a named accelerator (peak FLOP/s, memory bandwidth and memory, `DEVICES`) and a model
@@ -50,10 +51,12 @@ class StepStats:
 class FittedStepModel:
     kind = "fitted"
 
-    def __init__(self, intercepts: dict[int, float], per_context_token: float, info: dict | None = None):
+    def __init__(self, intercepts: dict[int, float], per_context_token: float, info: dict | None = None,
+                 per_extra_pair: float = 0.0):
         self.buckets = sorted(int(k) for k in intercepts)
         self.intercepts = [float(intercepts[k] if k in intercepts else intercepts[str(k)]) for k in self.buckets]
         self.per_context_token = float(per_context_token)
+        self.per_extra_pair = float(per_extra_pair)
         self.info = info or {}
 
     def intercept(self, padded: int) -> float:
@@ -68,12 +71,20 @@ class FittedStepModel:
         return max(v[lo] + slope * (padded - b[lo]), 1e-6)
 
     def seconds(self, s: StepStats) -> float:
-        return self.intercept(s.padded_tokens) + self.per_context_token * s.context
+        return (self.intercept(s.padded_tokens) + self.per_context_token * s.context
+                + self.per_extra_pair * _extra_pairs(s.attention_pairs, s.context))
+
+    @staticmethod
+    def _stats(r: dict) -> StepStats:
+        return StepStats(int(r["padded_tokens"]), r.get("tokens", 0), r["context"],
+                         r.get("attention_pairs", r["context"]), r.get("rows", 0), 0)
 
     @classmethod
     def fit(cls, records: list[dict], info: dict | None = None) -> "FittedStepModel":
-        """Least squares over recorded steps ({"padded_tokens", "context", "seconds"}): one intercept per
-        token bucket and one slope for the context."""
+        """Least squares over recorded steps ({"padded_tokens", "context", "seconds"}, optionally
+        "attention_pairs"): one intercept per token bucket, one slope for the context the rows read, and
+        one for the (query, key) pairs of prefill chunks beyond one per context token (a decode row has
+        none); a slope that comes out negative is dropped and the rest refitted."""
         import numpy as np
 
         rows = [r for r in records if r.get("seconds") is not None]
@@ -81,34 +92,53 @@ class FittedStepModel:
             raise ValueError("step model: no timed steps to fit")
         buckets = sorted({int(r["padded_tokens"]) for r in rows})
         col = {b: i for i, b in enumerate(buckets)}
-        a = np.zeros((len(rows), len(buckets) + 1))
         y = np.array([r["seconds"] for r in rows])
+        slopes = np.array([[r["context"], _extra_pairs(r.get("attention_pairs", r["context"]), r["context"])]
+                           for r in rows], dtype=float)
+        onehot = np.zeros((len(rows), len(buckets)))
         for i, r in enumerate(rows):
-            a[i, col[int(r["padded_tokens"])]] = 1.0
-            a[i, -1] = r["context"]
-        coef, *_ = np.linalg.lstsq(a, y, rcond=None)
-        slope = max(float(coef[-1]), 0.0)
+            onehot[i, col[int(r["padded_tokens"])]] = 1.0
+        use = [j for j in range(2) if slopes[:, j].any()]
+        while True:
+            coef, *_ = np.linalg.lstsq(np.hstack([onehot, slopes[:, use]]), y, rcond=None)
+            negative = [j for j, c in zip(use, coef[len(buckets):]) if c < 0]
+            if not negative:
+                break
+            use.remove(negative[0])
+        k = dict(zip(use, (float(c) for c in coef[len(buckets):])))
+        per_context, per_pair = k.get(0, 0.0), k.get(1, 0.0)
         intercepts = {}
-        for b in buckets:  # refit each intercept with the clipped slope: the mean residual of its steps
-            ys = [r["seconds"] - slope * r["context"] for r in rows if int(r["padded_tokens"]) == b]
+        for b in buckets:  # each intercept: the mean residual of its steps (kept positive)
+            ys = [r["seconds"] - per_context * s[0] - per_pair * s[1] for r, s in zip(rows, slopes)
+                  if int(r["padded_tokens"]) == b]
             intercepts[b] = max(sum(ys) / len(ys), 1e-6)
-        return cls(intercepts, slope, info)
+        return cls(intercepts, per_context, info, per_pair)
 
     def error(self, records: list[dict]) -> dict:
         """How well the model predicts recorded steps: mean absolute error over the steps (as a fraction
         of their mean time) and the total time predicted over the total measured."""
         rows = [r for r in records if r.get("seconds") is not None]
-        pred = [self.seconds(StepStats(int(r["padded_tokens"]), r.get("tokens", 0), r["context"], 0,
-                                       r.get("rows", 0), 0)) for r in rows]
+        pred = [self.seconds(self._stats(r)) for r in rows]
         real = [r["seconds"] for r in rows]
         mean = sum(real) / len(real)
         return {"steps": len(rows), "mean_abs_error_frac": round(sum(abs(p - q) for p, q in zip(pred, real))
                                                                 / len(real) / mean, 4),
                 "total_ratio": round(sum(pred) / sum(real), 4)}
 
+    @classmethod
+    def from_json(cls, d: dict) -> "FittedStepModel":
+        return cls({int(k): v for k, v in d["intercepts_s"].items()}, d["per_context_token_s"], d.get("info"),
+                   d.get("per_extra_pair_s", 0.0))
+
     def to_json(self) -> dict:
         return {"kind": "fitted", "intercepts_s": {str(b): round(v, 7) for b, v in zip(self.buckets, self.intercepts)},
-                "per_context_token_s": self.per_context_token, **({"info": self.info} if self.info else {})}
+                "per_context_token_s": self.per_context_token, "per_extra_pair_s": self.per_extra_pair,
+                **({"info": self.info} if self.info else {})}
+
+
+def _extra_pairs(attention_pairs: int, context: int) -> int:
+    """Attention pairs beyond one per context token: zero for decode rows, ~n^2/2 for a chunk of n."""
+    return max(0, attention_pairs - context)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -197,8 +227,7 @@ def load_step_model(path: str | None = None) -> FittedStepModel:
     try:
         with open(path, encoding="utf-8") as f:
             d = json.load(f)
-        return FittedStepModel({int(k): v for k, v in d["intercepts_s"].items()}, d["per_context_token_s"],
-                               d.get("info"))
+        return FittedStepModel.from_json(d)
     except FileNotFoundError:
         raise ValueError(f"step model: file not found: {path}") from None
     except (KeyError, ValueError, TypeError, AttributeError) as e:
@@ -221,7 +250,32 @@ def simulate(trace: list[TraceRequest], config, step_model, *, vocab: int = 3200
     rejected = 0
     clock, i, n, step_id = 0.0, 0, len(trace), 0
     slots = live_total = steps = 0
+    # The step on the simulated device: (chunks, epochs at launch, its end time, its duration). With
+    # async scheduling (the engine's default) step N+1 is scheduled while step N runs, so it is planned
+    # before N's tokens are known: a request whose last token is in flight keeps its slot one more
+    # step, and one arriving during step N joins at N+2 — as in Engine.step().
+    in_flight: tuple | None = None
+    pipelined = sc.async_scheduling
     wall0 = time.perf_counter()
+
+    def complete(step) -> None:
+        nonlocal clock
+        chunks, epochs, end, dt = step
+        clock = max(clock, end)
+        observed = []
+        for _, r, _, reason in sched.on_step_done(chunks, epochs, [0] * len(chunks)):
+            rec = records[index[id(r)]]
+            if rec.first_token is None:
+                rec.first_token = r.first_token_time = clock
+                rec.scheduled = r.first_scheduled_time
+            rec.output_tokens = len(r.output_ids)
+            observed.append((r, reason is not None))
+            if reason is not None:
+                sched.finish(r, reason)
+                rec.finished = clock
+                del index[id(r)]
+        sched.observe_step_done(chunks, dt, observed, clock)  # as the engine feeds the latency controller
+
     while i < n or sched.has_work:
         while i < n and trace[i].arrival_s <= clock:
             t = trace[i]
@@ -243,6 +297,10 @@ def simulate(trace: list[TraceRequest], config, step_model, *, vocab: int = 3200
             continue
         out = sched.schedule(now=clock)
         if out.empty:
+            if in_flight is not None:  # nothing new to run: wait for the step on the device
+                step, in_flight = in_flight, None
+                complete(step)
+                continue
             next_arrival = trace[i].arrival_s if i < n else math.inf
             wait = sched.admission_wait_s(clock)
             if wait <= 0 and next_arrival == math.inf:
@@ -254,31 +312,26 @@ def simulate(trace: list[TraceRequest], config, step_model, *, vocab: int = 3200
         shape = buckets.step_shape(max(live, out.num_static_rows), page_size, sc.max_context)
         stats = StepStats(
             padded_tokens=shape.tokens, tokens=live, context=sum(c.start + c.num_tokens for c in chunks),
-            attention_pairs=sum(c.num_tokens * c.start + c.num_tokens * (c.num_tokens + 1) // 2 for c in chunks),
+            attention_pairs=sum(c.attention_pairs for c in chunks),
             rows=len(chunks), sampled_rows=sum(1 for c in chunks if c.samples))
         slots += shape.tokens
         live_total += live
         epochs = [c.request.num_preemptions for c in chunks]
-        sched.on_launched(chunks, step_id)
         step_id += 1
+        sched.on_launched(chunks, step_id)
         dt = step_model.seconds(stats)
-        clock += dt
+        start = clock if in_flight is None else max(clock, in_flight[2])  # queued behind the running step
+        launched = (chunks, epochs, start + dt, dt)
         steps += 1
-        observed = []
-        for _, r, _, reason in sched.on_step_done(chunks, epochs, [0] * len(chunks)):
-            rec = records[index[id(r)]]
-            if rec.first_token is None:
-                rec.first_token = r.first_token_time = clock
-                rec.scheduled = r.first_scheduled_time
-            rec.output_tokens = len(r.output_ids)
-            observed.append((r, reason is not None))
-            if reason is not None:
-                sched.finish(r, reason)
-                rec.finished = clock
-                del index[id(r)]
-        sched.observe_step_done(chunks, dt, observed, clock)  # as the engine feeds the latency controller
+        if in_flight is not None:
+            complete(in_flight)
+        in_flight = launched
+        if not pipelined:
+            in_flight = None
+            complete(launched)
         if progress is not None and steps % 10000 == 0:
             progress(clock, i, n)
+    assert in_flight is None
     pool.check_all_free()
     return summarize(records, preemptions=sched.num_preemptions, switches=sched.num_switches,
                      recomputed_tokens=sched.num_recomputed_tokens,

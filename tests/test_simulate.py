@@ -70,6 +70,22 @@ def test_one_request_on_a_constant_clock():
     assert [st.context for st in model.seen] == [10, 11, 12, 13, 14]
 
 
+def test_async_scheduling_keeps_a_finishing_request_in_its_slot_one_more_step():
+    """As in Engine.step(): step N+1 is scheduled while step N runs, so a request whose last token is in
+    flight still holds its slot, and the one waiting for that slot joins a step later than when every
+    step's tokens are back before the next is scheduled."""
+    config = make_config(num_pages=64, max_context=256, page_size=16, decode_batch=(1, 2),
+                         prefill_tokens=(16, 32, 64))
+    trace = [TraceRequest(0.0, 10, 3), TraceRequest(0.0, 10, 20), TraceRequest(0.0, 10, 3)]
+    serial = simulate(trace, config.replace(async_scheduling=False), Constant(1.0))
+    pipelined = simulate(trace, config, Constant(1.0))
+    # A and B prefill in step 1; A's third token comes from step 3. Serial: C prefills in step 4.
+    # Pipelined: step 4 was planned while A's last token was in flight, so C prefills in step 5.
+    assert serial["ttft_p99_s"] == pytest.approx(quantile([1.0, 1.0, 4.0], 0.99))
+    assert pipelined["ttft_p99_s"] == pytest.approx(quantile([1.0, 1.0, 5.0], 0.99))
+    assert pipelined["output_tokens"] == serial["output_tokens"] == 26
+
+
 def test_the_simulator_runs_the_real_policies():
     config = make_config(num_pages=256, max_context=256, decode_batch=(1, 2), prefill_tokens=(16, 32, 64))
     trace = [TraceRequest(0.01 * i, 20, 40) for i in range(6)]
@@ -90,6 +106,23 @@ def test_a_fitted_model_recovers_its_coefficients():
     assert m.intercept(1) == pytest.approx(0.02) and m.intercept(32) == pytest.approx(0.05)
     assert m.intercept(16) == pytest.approx(0.02 + 15 * 0.03 / 31)  # interpolated between buckets
     assert m.error(steps)["mean_abs_error_frac"] < 1e-6
+
+
+def test_a_fitted_model_separates_prefill_attention_from_context():
+    """Prefill chunks compute ~n^2/2 attention pairs beyond their context: a slope of its own."""
+    steps = []
+    for t in (1, 32, 64):
+        for c in range(100, 5000, 700):
+            for extra in (0, 300, 2000):  # decode-only steps have none
+                pairs = c + (extra if t > 1 else 0)
+                steps.append({"padded_tokens": t, "context": c, "attention_pairs": pairs,
+                              "seconds": {1: 0.02, 32: 0.05, 64: 0.08}[t] + 2e-6 * c + 5e-7 * (pairs - c)})
+    m = FittedStepModel.fit(steps)
+    assert m.per_context_token == pytest.approx(2e-6, rel=1e-6)
+    assert m.per_extra_pair == pytest.approx(5e-7, rel=1e-6)
+    assert m.error(steps)["mean_abs_error_frac"] < 1e-6
+    back = FittedStepModel.from_json(json.loads(json.dumps(m.to_json())))
+    assert back.seconds(StepStats(64, 40, 900, 2900, 2, 1)) == pytest.approx(0.08 + 2e-6 * 900 + 5e-7 * 2000)
 
 
 def test_the_builtin_step_model_loads():
