@@ -96,44 +96,64 @@ class LatencyController:
     """Holds a p99 time-per-output-token target (and optionally a time-to-first-token one) by moving the
     running limit and the per-step prefill budget, from measured step times.
 
-    A request's time per token is the mean of the step times over its life, so the worst one a short
-    request (`span` tokens) sees is the largest mean of `span` consecutive decode steps. Decrease is
-    fast: after every step, once `span` steps ran since the last change, a mean of the last `span`
-    steps above `high` x target shrinks both knobs by target / mean (at most halving them, at least
-    by 15%). Increase is slow: every `every` steps, when the largest `span`-step mean over the last
-    `window` steps is below `low` x target, the limit grows by one and the budget by 15%. A TTFT target
-    above its measured p90 (first tokens of the last requests) grows both knobs while the TPOT signal
-    has room, since queueing is what makes a first token late; the TPOT target wins a conflict.
+    A request's time per token is the mean of the step times over its life, and what makes a step slow
+    is the prompt tokens it carries beside the decode rows. So the prefill budget is set from two
+    running estimates, the time of a decode-only step and the time each prompt token adds: the most
+    prompt tokens a step can carry and stay under `high` x target (at least `min_budget`). Prefill is
+    then spread over the steps instead of arriving in bursts that a short request cannot average out,
+    at the same cost per prompt token. The running limit is the backstop: once `span` steps ran since
+    the last change, a mean of the last `span` decode steps above `high` x target shrinks it by target
+    / mean (at most halving it, at least by 15%); every `every` steps, when the largest `span`-step mean
+    over the last `window` steps is below `high` x target, it grows by one. A TTFT target above its
+    measured p90 (first tokens of the last requests) grows the budget while the TPOT target leaves room,
+    since queueing is what makes a first token late; the TPOT target wins a conflict.
     """
 
-    high, low, window, span, every = 0.9, 0.7, 64, 8, 8
+    high, window, span, every = 0.9, 64, 8, 8
+    smoothing = 0.2  # weight of the newest step in the running estimates
 
     def __init__(self, config: SchedulerConfig):
         self.config = config
         self.running_limit = config.max_running
-        self.min_budget = min(32, config.max_prefill_tokens)
+        self.min_budget = min(16, config.max_prefill_tokens)
         self.prefill_budget = config.max_prefill_tokens
         self._steps = collections.deque(maxlen=self.window)
         self._ttft = collections.deque(maxlen=32)
         self._tpot = collections.deque(maxlen=128)  # finished requests' mean time per token (the metric)
         self._since = 0  # steps since the last evaluation of growth
-        self._fresh = 0  # steps since the last change
+        self._fresh = 0  # steps since the last change of the limit
+        self.decode_ms: float | None = None  # a decode-only step, smoothed
+        self.prompt_token_ms: float | None = None  # what a prompt token adds to a step, smoothed
+        self._extra = 0.0  # TTFT: the share of the room between the budget's step and the target to use
         self.signal_ms = 0.0  # the last signal: the largest mean of `span` consecutive decode steps
         self.num_adjustments = 0
 
-    def observe_step(self, seconds: float) -> None:
-        """A completed step that had decode rows took `seconds`."""
-        self._steps.append(seconds * 1000)
-        self._since += 1
-        self._fresh += 1
-        tpot, k = self.config.target_p99_tpot_ms, self.span
+    def observe_step(self, seconds: float, decode_rows: int = 1, prompt_tokens: int = 0) -> None:
+        """A completed step took `seconds`: `decode_rows` rows waited for their next token in it beside
+        `prompt_tokens` tokens of prefill chunks."""
+        ms, a = seconds * 1000, self.smoothing
+        if prompt_tokens == 0:
+            self.decode_ms = ms if self.decode_ms is None else (1 - a) * self.decode_ms + a * ms
+        elif prompt_tokens >= self.min_budget // 2:  # enough tokens to tell their cost from the noise
+            base = self.decode_ms if self.decode_ms is not None and decode_rows else 0.0
+            per = max(ms - base, 0.0) / prompt_tokens
+            self.prompt_token_ms = per if self.prompt_token_ms is None else (1 - a) * self.prompt_token_ms + a * per
+        tpot = self.config.target_p99_tpot_ms
+        if decode_rows:  # a prefill-only step: no row waited for a token
+            self._steps.append(ms)
+            self._since += 1
+            self._fresh += 1
+        if tpot is not None:
+            self._budget_for(tpot)
+        if not decode_rows:
+            return
+        k = self.span
         if self._fresh < k:
             return
         steps = list(self._steps)
         recent = sum(steps[-k:]) / k
         if tpot is not None and recent > self.high * tpot:
-            factor = min(0.85, max(0.5, self.high * tpot / recent))
-            self._set(int(self.running_limit * factor), int(self.prefill_budget * factor))
+            self._set_limit(int(self.running_limit * min(0.85, max(0.5, self.high * tpot / recent))))
             return
         if self._since < self.every:
             return
@@ -143,12 +163,34 @@ class LatencyController:
             run += steps[i] - steps[i - k]
             worst = max(worst, run)
         self.signal_ms = worst / k
-        if tpot is None or self.signal_ms < self.low * tpot:
-            ttft, late = self.config.target_p99_ttft_ms, False
-            if ttft is not None and len(self._ttft) >= 4:
-                late = quantile(list(self._ttft), 0.9) > ttft
-            if tpot is not None or late:
-                self._set(self.running_limit + 1, int(self.prefill_budget * 1.15) + 1)
+        ttft, late = self.config.target_p99_ttft_ms, False
+        if ttft is not None and len(self._ttft) >= 4:
+            late = quantile(list(self._ttft), 0.9) > ttft
+        if tpot is None:
+            if late:  # only a TTFT target: queueing makes first tokens late; more of everything
+                self._set_limit(self.running_limit + 1)
+                self.prefill_budget = min(self.config.max_prefill_tokens, int(self.prefill_budget * 1.15) + 1)
+            return
+        if self.signal_ms < self.high * tpot:
+            self._set_limit(self.running_limit + 1)
+            if late:
+                self._extra = min(1.0, self._extra + 0.25)
+        elif not late:
+            self._extra = 0.0
+
+    def _budget_for(self, tpot: float) -> None:
+        """The most prompt tokens the next step can carry and keep the mean of the last `span` decode
+        steps under `high` x target: a big chunk is followed by decode-only steps until the window has
+        room again, so prefill is spread over the steps instead of arriving in bursts."""
+        if self.prompt_token_ms is None or self.prompt_token_ms <= 0:
+            return
+        k = self.span
+        previous = list(self._steps)[-(k - 1):]
+        previous_ms = sum(previous) + (k - 1 - len(previous)) * (self.decode_ms or 0.0)
+        room = k * self.high * tpot - previous_ms - (self.decode_ms or 0.0)
+        room += self._extra * k * (1 - self.high) * tpot  # a late TTFT may use the margin
+        budget = int(room / self.prompt_token_ms + 1e-6)
+        self.prefill_budget = min(max(self.min_budget, budget), self.config.max_prefill_tokens)
 
     def observe_first_token(self, seconds: float) -> None:
         self._ttft.append(seconds * 1000)
@@ -164,13 +206,12 @@ class LatencyController:
     def measured_p99_ttft_ms(self) -> float:
         return quantile(list(self._ttft), 0.99)
 
-    def _set(self, limit: int, budget: int) -> None:
+    def _set_limit(self, limit: int) -> None:
         limit = min(max(1, limit), self.config.max_running)
-        budget = min(max(self.min_budget, budget), self.config.max_prefill_tokens)
-        if (limit, budget) != (self.running_limit, self.prefill_budget):
+        if limit != self.running_limit:
             self.num_adjustments += 1
             self._fresh = 0  # judge the new setting on its own steps
-        self.running_limit, self.prefill_budget = limit, budget
+        self.running_limit = limit
 
 
 @dataclasses.dataclass(slots=True)
@@ -185,6 +226,11 @@ class Chunk:
     def __post_init__(self):
         # Fixed when scheduled: by the time the step's tokens come back the request may have grown.
         self.samples = self.start + self.num_tokens == self.request.num_tokens
+
+    @property
+    def attention_pairs(self) -> int:
+        """(query, key) pairs its causal attention computes: each token sees the context before it."""
+        return self.num_tokens * self.start + self.num_tokens * (self.num_tokens + 1) // 2
 
 
 @dataclasses.dataclass
@@ -325,8 +371,9 @@ class Scheduler:
         ctl = self.controller
         if ctl is None:
             return
-        if seconds is not None and any(c.num_tokens == 1 for c in chunks):
-            ctl.observe_step(seconds)  # a decode row waited this long for its token
+        if seconds is not None:
+            decode = sum(1 for c in chunks if c.num_tokens == 1)  # each waited this long for its token
+            ctl.observe_step(seconds, decode, sum(c.num_tokens for c in chunks if c.num_tokens > 1))
         for r, finished in sampled:
             n = len(r.output_ids)
             if n == 1:

@@ -201,18 +201,40 @@ def test_latency_target_moves_the_running_limit_and_the_prefill_budget():
     ctl = sched.controller
     for _ in range(8):
         ctl.observe_step(0.150)  # mean 150 ms a token: over the target
-    assert sched.running_limit < 16 and ctl.prefill_budget < 256
-    shrunk = (sched.running_limit, ctl.prefill_budget)
+    assert sched.running_limit < 16
+    shrunk = sched.running_limit
     for _ in range(80):
         ctl.observe_step(0.020)  # far under: grows back, one slot at a time
-    assert sched.running_limit > shrunk[0] and ctl.prefill_budget > shrunk[1]
-    assert sched.running_limit <= 16 and ctl.prefill_budget <= 256
+    assert 16 >= sched.running_limit > shrunk
+    grown = sched.running_limit
     for _ in range(16):
-        ctl.observe_step(0.075)  # between low and high: holds
-    held = (sched.running_limit, ctl.prefill_budget)
-    for _ in range(16):
-        ctl.observe_step(0.075)
-    assert (sched.running_limit, ctl.prefill_budget) == held
+        ctl.observe_step(0.095)  # over 0.9 x target: shrinks again
+    assert sched.running_limit < grown
+    held = sched.running_limit
+    for _ in range(32):
+        ctl.observe_step(0.085)  # under 0.9 x target: not shrunk
+    assert sched.running_limit >= held
+
+
+def test_the_prefill_budget_keeps_the_window_of_decode_steps_under_the_target():
+    """The budget is what the next step can carry: the room the last 7 decode steps leave under
+    0.9 x target over 8 steps, less a decode step, at the measured cost of a prompt token."""
+    sched, _ = make(max_running=16, target_p99_tpot_ms=100.0, max_context=64, max_prefill_tokens=256)
+    ctl = sched.controller
+    for _ in range(8):
+        ctl.observe_step(0.050, decode_rows=4)
+    assert ctl.prefill_budget == 256  # a prompt token's cost not yet known
+    ctl.observe_step(0.050 + 0.100, decode_rows=4, prompt_tokens=50)  # 2 ms a prompt token
+    assert ctl.prompt_token_ms == pytest.approx(2.0)
+    # Window: 7 x 50 ms before + 150 ms now; room = 8 x 90 - (6 x 50 + 150) - 50 = 220 ms -> 110 tokens.
+    assert ctl.prefill_budget == 110
+    ctl.observe_step(0.050 + 0.400, decode_rows=4, prompt_tokens=200)  # a burst: little room left
+    assert ctl.prefill_budget == ctl.min_budget
+    for _ in range(8):
+        ctl.observe_step(0.050, decode_rows=4)  # decode-only steps: the window has room again
+    assert ctl.prefill_budget > 100
+    ctl.observe_step(0.300, decode_rows=0, prompt_tokens=100)  # a prefill-only step: no row waited
+    assert len(ctl._steps) == 18 and list(ctl._steps)[-1] == 50.0
 
 
 def test_latency_target_uses_the_shrunk_prefill_budget_and_keeps_page_headroom():
