@@ -38,7 +38,7 @@ peak KV memory (pages in use x page bytes) and the largest step's temporaries (t
 from __future__ import annotations
 
 import argparse
-import dataclasses
+import gzip
 import json
 import math
 import os
@@ -172,15 +172,16 @@ def real_runs(args, first, make_engine, traces, ids) -> list[dict]:
     return runs
 
 
-def fit_and_simulate(args, first, config, runs, traces):
-    from jaxcb.simulate import FittedStepModel, simulate
+def fit_and_simulate(args, config, runs, traces, vocab):
+    """Fit the step-time model to the FCFS runs' steps, write it, and simulate every run with it."""
+    from jaxcb.simulate import FittedStepModel
 
     fcfs_steps = [s for r in runs if r["run"] == "fcfs" for s in r["_steps"]]
     model = FittedStepModel.fit(fcfs_steps, info={"machine": machine(), "model": "SmolLM2-135M-Instruct float32",
                                                   "fitted_on": "bench/policies.py FCFS runs"})
     fit = {"in_sample_fcfs": model.error(fcfs_steps),
            "out_of_sample_other_runs": model.error([s for r in runs if r["run"] != "fcfs" for s in r["_steps"]]),
-           "per_context_token_s": model.per_context_token,
+           "per_context_token_s": model.per_context_token, "per_extra_pair_s": model.per_extra_pair,
            "intercepts_s": dict(zip(model.buckets, model.intercepts))}
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "step_model.json"), "w") as f:
@@ -190,15 +191,97 @@ def fit_and_simulate(args, first, config, runs, traces):
 
         with open(BUILTIN_STEP_MODEL, "w") as f:
             json.dump(model.to_json(), f, indent=1)
-    sims = []
+    return fit, [simulate_run(r, traces[r["trace"]], config, model, vocab) for r in runs]
+
+
+def simulate_run(r: dict, trace, config, model, vocab) -> dict:
+    """One real run's twin on the simulator (same trace, settings and running limit) and its errors."""
+    from jaxcb.simulate import simulate
+
+    s = simulate(trace, config.replace(**r["changes"]), model, vocab=vocab, seed=VOCAB_SEED,
+                 max_running=r["max_running"])
+    return {"trace": r["trace"], "run": r["run"], "sim": s, "error": errors(s, r)}
+
+
+ERROR_KEYS = ("output_tokens_per_s", "ttft_p50_s", "ttft_p99_s", "tpot_p99_s", "e2e_p99_s")
+
+
+def errors(sim: dict, real: dict) -> dict:
+    return {k: round(sim[k] / real[k] - 1, 4) if real[k] else None for k in ERROR_KEYS}
+
+
+def error_summary(sims: list[dict], limit: float = 0.15) -> dict:
+    """Per figure: runs within `limit`, median and worst absolute error."""
+    out = {}
+    for k in ERROR_KEYS:
+        v = sorted(abs(x["error"][k]) for x in sims if x["error"].get(k) is not None)
+        if v:
+            out[k] = {"within": sum(e <= limit for e in v), "runs": len(v), "median": round(v[len(v) // 2], 4),
+                      "worst": round(v[-1], 4)}
+    return out
+
+
+def save_steps(out_dir: str, runs: list[dict]) -> None:
+    """Every real run's recorded steps (Engine.step_log), for refitting the step model offline."""
+    steps = {f"{r['trace']}/{r['run']}": r["_steps"] for r in runs if r.get("_steps") is not None}
+    with gzip.open(os.path.join(out_dir, "steps.json.gz"), "wt") as f:
+        json.dump(steps, f)
+
+
+def load_steps(out_dir: str, runs: list[dict]) -> None:
+    with gzip.open(os.path.join(out_dir, "steps.json.gz"), "rt") as f:
+        steps = json.load(f)
     for r in runs:
-        cfg = config.replace(**r["changes"])
-        s = simulate(traces[r["trace"]], cfg, model, vocab=first.model_config.vocab_size, seed=VOCAB_SEED,
-                     max_running=r["max_running"])
-        err = {k: round(s[k] / r[k] - 1, 4) if r[k] else None
-               for k in ("output_tokens_per_s", "ttft_p99_s", "tpot_p99_s", "e2e_p99_s")}
-        sims.append({"trace": r["trace"], "run": r["run"], "sim": s, "error": err})
-    return fit, sims
+        r["_steps"] = steps[f"{r['trace']}/{r['run']}"]
+
+
+def resimulate(args):
+    """No JAX: refit the step model to the saved steps, simulate every saved run (and the validation
+    runs, if any) again, and rewrite the simulated part of the results."""
+    from jaxcb.engine_config import load_config
+    from jaxcb.simulate import load_step_model, simulate
+    from jaxcb.trace import read_trace
+
+    path = os.path.join(args.out, "results.json")
+    with open(path) as f:
+        res = json.load(f)
+    runs = res["runs"]
+    load_steps(args.out, runs)
+    config = load_config(None).replace(num_pages=res["num_pages"])
+    traces = {r["trace"]: read_trace(os.path.join(args.out, "traces", f"{r['trace']}.jsonl")) for r in runs}
+    res["step_model_fit"], res["simulated"] = fit_and_simulate(args, config, runs, traces, res["vocab"])
+    res["simulator_error"] = error_summary(res["simulated"])
+    for r in runs:
+        del r["_steps"]
+    with open(path, "w") as f:
+        json.dump(res, f, indent=1)
+    print(f"step model: in-sample {res['step_model_fit']['in_sample_fcfs']}, other runs "
+          f"{res['step_model_fit']['out_of_sample_other_runs']}")
+    print_errors(res["simulated"])
+    model = load_step_model(os.path.join(args.out, "step_model.json"))
+    for name in sorted(os.listdir(args.out)):
+        if not (name.startswith("validate-") and name.endswith(".json")):
+            continue
+        vpath = os.path.join(args.out, name)
+        with open(vpath) as f:
+            val = json.load(f)
+        for v in val["runs"]:
+            trace = read_trace(os.path.join(args.out, "traces", f"validate-{v['trace']}-{v['requests']}.jsonl"))
+            v["sim"] = simulate(trace, config, model, vocab=res["vocab"], seed=VOCAB_SEED,
+                                max_running=val["policy_limit"])
+            v["error"] = errors(v["sim"], v["real"])
+        with open(vpath, "w") as f:
+            json.dump(val, f, indent=1)
+        print(name)
+        print_validation(val["runs"])
+
+
+def print_errors(sims: list[dict]) -> None:
+    for s in sims:
+        print(f"  sim {s['trace']:>6} {s['run']:<24} error: " + "  ".join(f"{k} {v:+.1%}" for k, v in s["error"].items()
+                                                                       if v is not None))
+    for k, v in error_summary(sims).items():
+        print(f"  {k:<20} within 15% on {v['within']}/{v['runs']} runs, median {v['median']:.1%}, worst {v['worst']:.1%}")
 
 
 def sweep(args):
@@ -295,12 +378,13 @@ def simulate_device(args):
 
 
 def rerun(args, first, config, make_engine):
-    from jaxcb.simulate import load_step_model, simulate
+    from jaxcb.simulate import load_step_model
     from jaxcb.trace import read_trace
 
     path = os.path.join(args.out, "results.json")
     with open(path) as f:
         res = json.load(f)
+    load_steps(args.out, res["runs"])
     model = load_step_model(os.path.join(args.out, "step_model.json"))
     vocab = first.model_config.vocab_size
     for i, old in enumerate(res["runs"]):
@@ -309,24 +393,27 @@ def rerun(args, first, config, make_engine):
         trace = read_trace(os.path.join(args.out, "traces", f"{old['trace']}.jsonl"))
         r = replay(make_engine(max_running=old["max_running"], **old["changes"]), trace,
                    prompt_ids(trace, vocab, VOCAB_SEED))
-        r.pop("_steps")
         r.update(trace=old["trace"], run=old["run"], changes=old["changes"], max_running=old["max_running"])
         res["runs"][i] = r
-        sim = simulate(trace, config.replace(**old["changes"]), model, vocab=vocab, seed=VOCAB_SEED,
-                       max_running=old["max_running"])
-        err = {k: round(sim[k] / r[k] - 1, 4) if r[k] else None
-               for k in ("output_tokens_per_s", "ttft_p99_s", "tpot_p99_s", "e2e_p99_s")}
+        sim = simulate_run(r, trace, config, model, vocab)
         j = next(j for j, x in enumerate(res["simulated"]) if x["trace"] == old["trace"] and x["run"] == old["run"])
-        res["simulated"][j] = {"trace": old["trace"], "run": old["run"], "sim": sim, "error": err}
+        res["simulated"][j] = sim
         print(f"  {old['trace']:>6} {old['run']:<24} {r['output_tokens_per_s']:7.1f} tok/s  TPOT p99 "
               f"{r['tpot_p99_s'] * 1000:6.1f} ms  TTFT p99 {r['ttft_p99_s']:6.2f} s  {r.get('controller')}  "
-              f"(simulated: {sim['output_tokens_per_s']:.1f} tok/s, TPOT p99 {sim['tpot_p99_s'] * 1000:.1f} ms)", flush=True)
+              f"(simulated: {sim['sim']['output_tokens_per_s']:.1f} tok/s, TPOT p99 "
+              f"{sim['sim']['tpot_p99_s'] * 1000:.1f} ms)", flush=True)
+    save_steps(args.out, res["runs"])
+    res["runs"] = [_public(r) for r in res["runs"]]
+    res["simulator_error"] = error_summary(res["simulated"])
     res["rerun"] = res.get("rerun", []) + [args.rerun]
     with open(path, "w") as f:
         json.dump(res, f, indent=1)
 
 
 def validate(args, first, config, make_engine):
+    """New, longer traces (FCFS at the policy runs' limit): the simulator against the real engine, and,
+    with --repeat K, the real engine against itself (each trace run K times, interleaved): the noise
+    floor any simulator's error sits on."""
     from jaxcb.simulate import load_step_model, simulate
 
     with open(os.path.join(args.out, "results.json")) as f:
@@ -337,19 +424,79 @@ def validate(args, first, config, make_engine):
     traces = {"near": poisson_trace(args.validate, 0.9 * capacity, args.seed + 21),
               "above": poisson_trace(args.validate, 1.3 * capacity, args.seed + 22),
               "bursty": bursty_trace(args.validate, 0.8 * capacity, args.seed + 23)}
+    reals = {name: [] for name in traces}
+    for _ in range(args.repeat):
+        for name, trace in traces.items():
+            write_trace(os.path.join(args.out, "traces", f"validate-{name}-{args.validate}.jsonl"), trace)
+            r = replay(make_engine(max_running=args.policy_limit), trace, prompt_ids(trace, vocab, VOCAB_SEED))
+            r.pop("_steps")
+            reals[name].append(r)
+            print(f"  real {name:>6} x{args.validate}: " + "  ".join(f"{k} {r[k]:.3f}" for k in ERROR_KEYS), flush=True)
     out = []
     for name, trace in traces.items():
-        write_trace(os.path.join(args.out, "traces", f"validate-{name}-{args.validate}.jsonl"), trace)
-        r = replay(make_engine(max_running=args.policy_limit), trace, prompt_ids(trace, vocab, VOCAB_SEED))
-        r.pop("_steps")
         sim = simulate(trace, config, model, vocab=vocab, seed=VOCAB_SEED, max_running=args.policy_limit)
-        keys = ("output_tokens_per_s", "ttft_p50_s", "ttft_p99_s", "tpot_p99_s", "e2e_p99_s")
-        err = {k: round(sim[k] / r[k] - 1, 4) for k in keys}
-        out.append({"trace": name, "requests": args.validate, "real": r, "sim": sim, "error": err})
-        print(f"  {name:>6} x{args.validate}: " + "  ".join(f"{k} {r[k]:.3f} real, {sim[k]:.3f} sim ({err[k]:+.1%})"
-                                                          for k in keys), flush=True)
+        real = reals[name][0]
+        v = {"trace": name, "requests": args.validate, "real": real, "sim": sim, "error": errors(sim, real)}
+        if len(reals[name]) > 1:  # the real runs' spread: each repeat against the first
+            v["repeats"] = reals[name][1:]
+            v["real_vs_real"] = [errors(r, real) for r in reals[name][1:]]
+        out.append(v)
+    print_validation(out)
     with open(os.path.join(args.out, f"validate-{args.validate}.json"), "w") as f:
         json.dump({"machine": machine(), "policy_limit": args.policy_limit, "runs": out}, f, indent=1)
+
+
+def controller_trials(args, first, config, make_engine):
+    """The latency controller against fixed running limits on the near-capacity trace, K times each,
+    interleaved (one round of every setting, then the next): medians and spread of throughput and
+    TPOT p99, and the controller's median against the best fixed limit whose median holds the target."""
+    from jaxcb.trace import read_trace
+
+    with open(os.path.join(args.out, "results.json")) as f:
+        res = json.load(f)
+    name = "near"
+    target = next(r["changes"]["target_p99_tpot_ms"] for r in res["runs"]
+                  if r["trace"] == name and "target_p99_tpot_ms" in r["changes"])
+    trace = read_trace(os.path.join(args.out, "traces", f"{name}.jsonl"))
+    ids = prompt_ids(trace, first.model_config.vocab_size, VOCAB_SEED)
+    settings = [(f"fixed limit {n}", {}, n) for n in (4, 8, 16, 32)]
+    settings.append((f"target {target:g} ms", {"target_p99_tpot_ms": target}, None))
+    trials = {label: [] for label, _, _ in settings}
+    for k in range(args.controller_trials):
+        for label, changes, limit in settings:
+            r = replay(make_engine(max_running=limit, **changes), trace, ids, record_steps=False)
+            r.pop("_steps")
+            trials[label].append(r)
+            print(f"  trial {k + 1} {label:<20} {r['output_tokens_per_s']:6.2f} tok/s  TPOT p99 "
+                  f"{r['tpot_p99_s'] * 1000:6.1f} ms  TTFT p99 {r['ttft_p99_s']:6.2f} s", flush=True)
+    rows = []
+    for label, _, _ in settings:
+        tps = [r["output_tokens_per_s"] for r in trials[label]]
+        tpot = [r["tpot_p99_s"] * 1000 for r in trials[label]]
+        rows.append({"setting": label, "tokens_per_s": tps, "tpot_p99_ms": tpot, "median_tokens_per_s": _median(tps),
+                     "median_tpot_p99_ms": _median(tpot), "holds": sum(t <= target for t in tpot),
+                     "median_ttft_p99_s": _median([r["ttft_p99_s"] for r in trials[label]])})
+    ctl = rows[-1]
+    holding = [r for r in rows[:-1] if r["median_tpot_p99_ms"] <= target]
+    best = max(holding, key=lambda r: r["median_tokens_per_s"]) if holding else None
+    for r in rows:
+        print(f"  {r['setting']:<20} median {r['median_tokens_per_s']:6.2f} tok/s (trials {r['tokens_per_s']}), TPOT p99 "
+              f"median {r['median_tpot_p99_ms']:.1f} ms (held in {r['holds']}/{len(r['tpot_p99_ms'])}), TTFT p99 "
+              f"median {r['median_ttft_p99_s']:.2f} s")
+    if best:
+        print(f"controller {ctl['median_tokens_per_s']:.2f} vs best fixed holding the target ({best['setting']}) "
+              f"{best['median_tokens_per_s']:.2f} tok/s: {ctl['median_tokens_per_s'] / best['median_tokens_per_s']:.3f}x")
+    with open(os.path.join(args.out, "controller-trials.json"), "w") as f:
+        json.dump({"machine": machine(), "trace": name, "target_ms": target, "trials": args.controller_trials,
+                   "rows": rows, "best_fixed": best["setting"] if best else None}, f, indent=1)
+
+
+def print_validation(runs: list[dict]) -> None:
+    for v in runs:
+        print(f"  {v['trace']:>6} x{v['requests']}: " + "  ".join(
+            f"{k} {v['real'][k]:.3f} real, {v['sim'][k]:.3f} sim ({v['error'][k]:+.1%})" for k in ERROR_KEYS))
+        for e in v.get("real_vs_real", []):
+            print("           real repeat vs first: " + "  ".join(f"{k} {e[k]:+.1%}" for k in ERROR_KEYS))
 
 
 def markdown(runs, sims=None) -> str:
@@ -425,6 +572,12 @@ def main():
     ap.add_argument("--validate", type=int, default=0, metavar="N",
                     help="only check the simulator (OUT/step_model.json) against real FCFS runs of new traces of N "
                          "requests at 0.9x and 1.3x the capacity in OUT/results.json, and bursty at 0.8x")
+    ap.add_argument("--repeat", type=int, default=1, metavar="K",
+                    help="with --validate: run each real trace K times (interleaved) to measure the real spread")
+    ap.add_argument("--controller-trials", type=int, default=0, metavar="K",
+                    help="only the controller against fixed limits 4/8/16/32 on the near trace, K interleaved trials")
+    ap.add_argument("--resimulate", action="store_true",
+                    help="no JAX: refit the step model to OUT/steps.json.gz and simulate the saved runs again")
     ap.add_argument("--table", action="store_true", help="only print the markdown tables from OUT/results.json")
     ap.add_argument("--simulate-device", default=None, help="the simulated table on this device instead (h200, ...)")
     ap.add_argument("--sim-requests", type=int, default=100000)
@@ -440,6 +593,8 @@ def main():
         with open(os.path.join(args.out, "results.json")) as f:
             res = json.load(f)
         return print(markdown(res["runs"], res["simulated"]))
+    if args.resimulate:
+        return resimulate(args)
     if args.replot:
         with open(os.path.join(args.out, "results.json")) as f:
             return plot(os.path.join(args.out, "latency_throughput.png"), json.load(f)["runs"])
@@ -471,6 +626,8 @@ def main():
         return rerun(args, first, config, make_engine)
     if args.validate:
         return validate(args, first, config, make_engine)
+    if args.controller_trials:
+        return controller_trials(args, first, config, make_engine)
     sat = poisson_trace(32, 1e9, args.seed + 100)  # everything at once
     cap = replay(make_engine(), sat, prompt_ids(sat, vocab, VOCAB_SEED))
     capacity = cap["requests_per_s"]
@@ -486,14 +643,14 @@ def main():
     ids = {name: prompt_ids(t, vocab, VOCAB_SEED) for name, t in traces.items()}
 
     runs = real_runs(args, first, make_engine, traces, ids)
-    fit, sims = fit_and_simulate(args, first, config, runs, traces)
+    save_steps(args.out, runs)
+    fit, sims = fit_and_simulate(args, config, runs, traces, vocab)
     print(f"step model: in-sample {fit['in_sample_fcfs']}, other runs {fit['out_of_sample_other_runs']}")
-    for s in sims:
-        print(f"  sim {s['trace']:>6} {s['run']:<24} error: " + "  ".join(f"{k} {v:+.1%}" for k, v in s["error"].items()
-                                                                       if v is not None))
+    print_errors(sims)
     result = {"machine": machine(), "capacity_requests_per_s": capacity, "capacity_run": _public(cap),
-              "requests_per_trace": args.requests, "runs": [_public(r) for r in runs], "step_model_fit": fit,
-              "simulated": sims}
+              "requests_per_trace": args.requests, "num_pages": config.num_pages, "vocab": vocab,
+              "runs": [_public(r) for r in runs], "step_model_fit": fit, "simulated": sims,
+              "simulator_error": error_summary(sims)}
     with open(os.path.join(args.out, "results.json"), "w") as f:
         json.dump(result, f, indent=1)
     if args.plot:
