@@ -269,7 +269,7 @@ def resimulate(args):
             trace = read_trace(os.path.join(args.out, "traces", f"validate-{v['trace']}-{v['requests']}.jsonl"))
             v["sim"] = simulate(trace, config, model, vocab=res["vocab"], seed=VOCAB_SEED,
                                 max_running=val["policy_limit"])
-            v["error"] = errors(v["sim"], v["real"])
+            compare_validation(v)
         with open(vpath, "w") as f:
             json.dump(val, f, indent=1)
         print(name)
@@ -435,12 +435,8 @@ def validate(args, first, config, make_engine):
     out = []
     for name, trace in traces.items():
         sim = simulate(trace, config, model, vocab=vocab, seed=VOCAB_SEED, max_running=args.policy_limit)
-        real = reals[name][0]
-        v = {"trace": name, "requests": args.validate, "real": real, "sim": sim, "error": errors(sim, real)}
-        if len(reals[name]) > 1:  # the real runs' spread: each repeat against the first
-            v["repeats"] = reals[name][1:]
-            v["real_vs_real"] = [errors(r, real) for r in reals[name][1:]]
-        out.append(v)
+        v = {"trace": name, "requests": args.validate, "real": reals[name][0], "repeats": reals[name][1:], "sim": sim}
+        out.append(compare_validation(v))
     print_validation(out)
     with open(os.path.join(args.out, f"validate-{args.validate}.json"), "w") as f:
         json.dump({"machine": machine(), "policy_limit": args.policy_limit, "runs": out}, f, indent=1)
@@ -491,12 +487,29 @@ def controller_trials(args, first, config, make_engine):
                    "rows": rows, "best_fixed": best["setting"] if best else None}, f, indent=1)
 
 
+def compare_validation(v: dict) -> dict:
+    """The simulator against the first real run and, with repeats, against the real runs' mean; and
+    each repeat against the first (the real engine's own spread)."""
+    reals = [v["real"]] + v.get("repeats", [])
+    v["error"] = errors(v["sim"], v["real"])
+    if len(reals) > 1:
+        mean = {k: sum(r[k] for r in reals) / len(reals) for k in ERROR_KEYS}
+        v["real_mean"] = mean
+        v["error_vs_real_mean"] = errors(v["sim"], mean)
+        v["real_vs_real"] = [errors(r, v["real"]) for r in reals[1:]]
+    return v
+
+
 def print_validation(runs: list[dict]) -> None:
     for v in runs:
         print(f"  {v['trace']:>6} x{v['requests']}: " + "  ".join(
             f"{k} {v['real'][k]:.3f} real, {v['sim'][k]:.3f} sim ({v['error'][k]:+.1%})" for k in ERROR_KEYS))
         for e in v.get("real_vs_real", []):
             print("           real repeat vs first: " + "  ".join(f"{k} {e[k]:+.1%}" for k in ERROR_KEYS))
+        if "error_vs_real_mean" in v:
+            e = v["error_vs_real_mean"]
+            print(f"           sim vs the mean of {1 + len(v['repeats'])} real runs: "
+                  + "  ".join(f"{k} {e[k]:+.1%}" for k in ERROR_KEYS))
 
 
 def markdown(runs, sims=None) -> str:
