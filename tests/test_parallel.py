@@ -20,7 +20,7 @@ HELPER = os.path.join(HERE, "tp_check.py")
 
 def test_meshes_give_the_single_device_tokens(tmp_path):
     """Tiny models over 8 forced host devices: TP 2/4/8 (KV heads replicated at TP 4 of model a and
-    TP 4/8 of model b), the Pallas kernels in interpret mode under shard_map, DP 2 and TP 2 x DP 2;
+    TP 4/8 of model b), the Pallas kernels in interpret mode under shard_map, TP 2 x DP 2;
     quantized weights split with their scales (int4 at TP 2; model b with int8 weights and int8 KV pages
     throughout, KV heads replicated at TP 8, the Pallas kernels at TP 4); and a tiny Gemma 3 (two page groups) at TP 2 and DP 2."""
     proc = subprocess.run([sys.executable, HELPER, str(tmp_path)], capture_output=True, text=True, timeout=1500)
@@ -47,10 +47,10 @@ def test_meshes_give_the_single_device_tokens(tmp_path):
         assert run["tokens"] == reference, name
         assert run["compilations_after_warmup"] == 0, name
     # Replicas on disjoint devices, both used, every routed token accounted for at the end.
-    assert out["a-dp2"]["devices"] == [[0], [1]]
+    assert out["g-dp2"]["devices"] == [[0], [1]]
     assert out["a-tp2-dp2"]["devices"] == [[0, 1], [2, 3]]
     assert [s[2:4] for s in out["g-tp2"]["kv_shards"][0]] == [[1, 16]] * 2  # Gemma's full-layer group, split
-    for name in ("a-dp2", "a-tp2-dp2"):
+    for name in ("g-dp2", "a-tp2-dp2"):
         assert min(out[name]["routed"]) > 0 and sum(out[name]["routed"]) == 6, name
         assert out[name]["load_left"] == [0, 0], name
 

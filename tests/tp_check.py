@@ -18,7 +18,7 @@ from tiny_gguf import write_tiny_gguf  # noqa: E402
 # int8 runs also keep their KV pages in int8.
 RUNS = [
     ("a", "tp1", 1, 1, "xla", "auto"), ("a", "tp2", 2, 1, "xla", "auto"), ("a", "tp2-pallas", 2, 1, "pallas", "auto"),
-    ("a", "tp4", 4, 1, "xla", "auto"), ("a", "dp2", 1, 2, "xla", "auto"), ("a", "tp2-dp2", 2, 2, "xla", "auto"),
+    ("a", "tp4", 4, 1, "xla", "auto"), ("a", "tp2-dp2", 2, 2, "xla", "auto"),
     ("a", "tp1-int4", 1, 1, "xla", "int4"), ("a", "tp2-int4", 2, 1, "xla", "int4"),
     ("b", "tp1-int8", 1, 1, "xla", "int8"), ("b", "tp8-int8", 8, 1, "xla", "int8"),
     ("b", "tp4-pallas-int8", 4, 1, "pallas", "int8"),
