@@ -14,7 +14,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 def test_smollm2_at_tensor_parallel_3_gives_the_golden_tokens(golden):
     """9 query heads and 3 KV heads over 3 devices: one KV head each; the reference greedy tokens (the first
     24) on every other golden prompt (all 20 x 48 matched in full when tensor parallelism was built, and
-    again with these buckets in this session; this much keeps the suite in its time budget)."""
+    these 10 x 48 with these buckets; 10 x 24 keeps the suite in its time budget)."""
     from test_model_parity import check_against_golden
 
     proc = subprocess.run([sys.executable, os.path.join(HERE, "tp_golden.py"), os.path.join(HERE, "golden", "smollm2.json")],
