@@ -74,7 +74,9 @@ def test_a_closed_batching_window_sleeps_instead_of_spinning(make_llm):
                       lambda ev: ev.finished and done.set())
         time.sleep(0.2)
         assert calls[0] < 30  # was tens of thousands of empty steps a second
-        assert done.wait(10)  # the lone request still runs once the window closes
+        # The lone request still runs once the window closes. Its steps compile first (no warm-up here),
+        # which took over 10 s on the 2-core CI machine beside the mesh tests: a generous bound.
+        assert done.wait(120)
         assert time.monotonic() - t0 >= 0.29
     finally:
         thread.stop()
