@@ -99,7 +99,8 @@ class LatencyController:
     A request's time per token is the mean of the step times over its life, and what makes a step slow
     is the prompt tokens it carries beside the decode rows. So the prefill budget is set from two
     running estimates, the time of a decode-only step and the time each prompt token adds: the most
-    prompt tokens a step can carry and stay under `high` x target (at least `min_budget`). Prefill is
+    prompt tokens the next step can carry and keep the mean of the last `span` decode steps under
+    `high` x target (at least `min_budget`). Prefill is
     then spread over the steps instead of arriving in bursts that a short request cannot average out,
     at the same cost per prompt token. The running limit is the backstop: once `span` steps ran since
     the last change, a mean of the last `span` decode steps above `high` x target shrinks it by target
