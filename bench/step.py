@@ -1,6 +1,6 @@
 """Time one engine step, shape by shape, on the engine's own runner: where a decode step's time goes.
 
-    .venv/bin/python bench/step.py [--rows 1 32] [--contexts 128 512 2048] [--repeats 10]
+    .venv/bin/python bench/step.py [--rows 1 32] [--contexts 128 512 2048] [--repeats 10] [--attention xla native]
 
 For each (rows, context): a packed decode step of `rows` sequences, each `context` tokens long (the
 newest token included), pages scattered over the pool, float32, the default model. Prints the median
@@ -8,9 +8,12 @@ step time (dispatch + the one device-to-host copy) and splits it:
   - no attention: the same program with attention skipped (its output is the queries): matmuls,
     embeddings, norms, rotary, the KV write, sampling;
   - attention: full minus no attention;
-  - KV read rate: the live K/V bytes over the attention time;
+  - KV read rate: the live K/V bytes over the attention time, and its share of the copy rate (a jitted
+    x * 2 over a 1 GiB float32 array in the same process: bytes read per second; it also writes as many);
   - sampling (greedy): the sampler alone on [M, V] logits;
   - host: packing the step's numpy arrays (jaxcb.batch.pack / pack_sampling).
+With several `--attention` choices (xla: the plain-JAX loops; native: the C++ decode kernel) each shape
+runs every choice back to back, so their ratio is measured under the same conditions.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ def main():
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 32])
     ap.add_argument("--contexts", type=int, nargs="+", default=[128, 512, 2048])
     ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--attention", nargs="+", default=["xla", "native"], choices=["xla", "native"])
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
 
@@ -46,7 +50,7 @@ def main():
     from jaxcb.llm import load_model
     from jaxcb.model.llama import Attention
     from jaxcb.request import SamplingParams
-    from jaxcb.runner import ModelRunner, step
+    from jaxcb.runner import ModelRunner, resolve_attention, step
     from jaxcb.sampling import sample
 
     model_config, params, _, _ = load_model(args.model)
@@ -58,7 +62,10 @@ def main():
     rng = np.random.default_rng(0)
     kv_bytes_per_token = runner.kv_bytes_per_token
     rows_out = []
-    print(f"machine: {machine()}; model {model_config.name}, float32, page size {s}")
+    copy_gb_s = copy_rate()
+    print(f"machine: {machine()}; model {model_config.name}, float32, page size {s}; "
+          f"copy rate {copy_gb_s:.1f} GB/s read (+ as much written)")
+    step_with = jax.jit(step, static_argnames=("config", "attention"), donate_argnums=(1,))
     for rows in args.rows:
         for ctx in args.contexts:
             n_pages = -(-ctx // s)
@@ -80,33 +87,55 @@ def main():
                     times.append(time.perf_counter() - t)
                 return statistics.median(times) * 1000
 
-            full_ms = timed(lambda: jax.device_get(runner.run(batch, sampling, shape)))
-            skip = jax.jit(step, static_argnames=("config", "attention"), donate_argnums=(1,))
+            def run_with(attention):
+                def go():
+                    runner.kv_pages, out, runner.last_tokens = step_with(
+                        runner.params, runner.kv_pages, runner.last_tokens, batch, sampling, config=model_config,
+                        attention=attention)
+                    jax.device_get(out)
+                return go
 
-            def no_attention():
-                runner.kv_pages, out, runner.last_tokens = skip(
-                    runner.params, runner.kv_pages, runner.last_tokens, batch, sampling, config=model_config,
-                    attention=Attention("none"))
-                jax.device_get(out)
-
-            none_ms = timed(no_attention)
+            none_ms = timed(run_with(Attention("none")))
             logits = jnp.zeros((shape.seqs, model_config.vocab_size), jnp.float32)
             sample_jit = jax.jit(sample)
             sample_ms = timed(lambda: jax.device_get(sample_jit(logits, sampling)))
-            attn_ms = max(full_ms - none_ms, 1e-9)
             kv_gb = rows * ctx * kv_bytes_per_token / 1e9
-            row = {"rows": rows, "context": ctx, "tokens_bucket": shape.tokens, "step_ms": round(full_ms, 1),
-                   "no_attention_ms": round(none_ms, 1), "attention_ms": round(attn_ms, 1),
-                   "kv_read_gb_per_s": round(kv_gb / (attn_ms / 1000), 1), "sampling_ms": round(sample_ms, 2),
-                   "host_pack_ms": round(host_ms, 3)}
-            rows_out.append(row)
-            print(f"rows {rows:3d} context {ctx:5d}: step {full_ms:7.1f} ms | without attention {none_ms:6.1f} ms | "
-                  f"attention {attn_ms:6.1f} ms ({row['kv_read_gb_per_s']} GB/s of live K/V) | "
-                  f"sampling {sample_ms:5.2f} ms | host pack {host_ms:.3f} ms", flush=True)
-    print(json.dumps({"machine": machine(), "steps": rows_out}))
+            for choice in args.attention:
+                full_ms = timed(run_with(resolve_attention(choice)))
+                attn_ms = max(full_ms - none_ms, 1e-9)
+                rate = kv_gb / (attn_ms / 1000)
+                row = {"attention": choice, "rows": rows, "context": ctx, "tokens_bucket": shape.tokens,
+                       "step_ms": round(full_ms, 1), "no_attention_ms": round(none_ms, 1),
+                       "attention_ms": round(attn_ms, 1), "attention_share": round(attn_ms / full_ms, 3),
+                       "kv_read_gb_per_s": round(rate, 2), "kv_read_of_copy_rate": round(rate / copy_gb_s, 3),
+                       "sampling_ms": round(sample_ms, 2), "host_pack_ms": round(host_ms, 3)}
+                rows_out.append(row)
+                print(f"{choice:6s} rows {rows:3d} context {ctx:5d}: step {full_ms:7.1f} ms | without attention "
+                      f"{none_ms:6.1f} ms | attention {attn_ms:6.1f} ms ({100 * attn_ms / full_ms:.0f}%; "
+                      f"{rate:.1f} GB/s of live K/V, {100 * rate / copy_gb_s:.0f}% of copy) | "
+                      f"sampling {sample_ms:5.2f} ms | host pack {host_ms:.3f} ms", flush=True)
+    result = {"machine": machine(), "copy_gb_per_s": round(copy_gb_s, 2), "steps": rows_out}
+    print(json.dumps(result))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"machine": machine(), "steps": rows_out}, f, indent=1)
+            json.dump(result, f, indent=1)
+
+
+def copy_rate(gib: float = 1.0, repeats: int = 5) -> float:
+    """GB/s read by a jitted streaming copy (x * 2) of a `gib` GiB float32 array: the memory rate a
+    kernel that reads each byte once can hope for."""
+    import jax
+    import jax.numpy as jnp
+
+    x = jnp.ones((int(gib * 2**30) // 4,), jnp.float32)
+    f = jax.jit(lambda a: a * 2, donate_argnums=0)  # in place: no fresh output pages to fault in
+    x = f(x).block_until_ready()
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        x = f(x).block_until_ready()
+        best = min(best, time.perf_counter() - t)
+    return x.nbytes / best / 1e9
 
 
 if __name__ == "__main__":

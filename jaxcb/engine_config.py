@@ -13,7 +13,7 @@ import tomllib
 from jaxcb.buckets import Buckets
 from jaxcb.scheduler import SchedulerConfig
 
-ATTENTION_CHOICES = ("xla", "pallas", "auto")
+ATTENTION_CHOICES = ("xla", "native", "pallas", "auto")
 WEIGHT_CHOICES = ("auto", "float32", "bfloat16", "int8", "int4")  # model.weights (jaxcb.model.quant)
 KV_CHOICES = ("auto", "float32", "bfloat16", "int8")
 AUTO_PAGES = 0  # num_pages = "auto": as many as the memory plan fits (jaxcb.memory_plan)
@@ -27,7 +27,8 @@ class EngineConfig:
     scheduler: SchedulerConfig
     buckets: Buckets
     seed: int | None = None  # draws seeds for requests that bring none; None = OS entropy
-    attention: str = "auto"  # "xla" (plain JAX) | "pallas" (kernels) | "auto" (kernels on GPU/TPU)
+    attention: str = "auto"  # "xla" (plain JAX) | "native" (the C++ CPU decode kernel) | "pallas" (kernels) |
+    #                          "auto" (Pallas on GPU/TPU, native on the CPU when it builds, else plain JAX)
     memory_fraction: float = 0.9  # of the memory budget the engine may use (weights, pages, step)
     memory_bytes: int = 0  # the memory budget; 0 = the device's memory
     tensor_parallel: int = 1  # devices one step is split over by heads (jaxcb.parallel); 1 = one device
@@ -67,7 +68,7 @@ class EngineConfig:
             raise ValueError(f"cache.kv_dtype: {self.kv_dtype!r} is not one of {KV_CHOICES}")
         if self.attention not in ATTENTION_CHOICES:
             raise ValueError(f"model.attention: {self.attention!r} is not one of {ATTENTION_CHOICES}")
-        if self.attention != "xla" and s.page_size not in KERNEL_PAGE_SIZES:
+        if self.attention == "pallas" and s.page_size not in KERNEL_PAGE_SIZES:
             raise ValueError(f"cache.page_size: the Pallas kernels take {KERNEL_PAGE_SIZES}, got "
                              f"{s.page_size} (or set model.attention = 'xla')")
 

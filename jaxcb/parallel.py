@@ -34,6 +34,13 @@ _LAYER_SPECS = {
 KV_SPEC = P(None, None, AXIS, None, None, None)  # [L, 2, K, P, S, D] split on K
 
 
+def param_spec(name: str) -> P:
+    """How the weight `name` (the loader's layout) is split: embedding by vocabulary rows, an untied
+    head by vocabulary columns, the final norm replicated, the layers as _LAYER_SPECS."""
+    top = {"embed": P(AXIS, None), "lm_head": P(None, AXIS), "final_norm": P()}
+    return top[name] if name in top else _LAYER_SPECS[name]
+
+
 def check_tensor_parallel(config: ModelConfig, tensor: int, weights: str = "auto", group: int = 0) -> None:
     """Raise ValueError naming the numbers when `tensor` devices cannot split this model (stored as
     `weights` with `group` input rows per scale: a group must not straddle two devices)."""
@@ -115,8 +122,8 @@ def shard_params(params, mesh: Mesh):
         return place(x, NamedSharding(mesh, spec))
 
     layers = LayerParams(**{name: put(getattr(params.layers, name), spec) for name, spec in _LAYER_SPECS.items()})
-    return Params(embed=put(params.embed, P(AXIS, None)), final_norm=put(params.final_norm, P()),
-                  lm_head=put(params.lm_head, P(None, AXIS)), layers=layers)
+    return Params(embed=put(params.embed, param_spec("embed")), final_norm=put(params.final_norm, param_spec("final_norm")),
+                  lm_head=put(params.lm_head, param_spec("lm_head")), layers=layers)
 
 
 def place(x, sharding: NamedSharding):

@@ -168,17 +168,27 @@ def make_runner(model_config: ModelConfig, params: Params, config, dtype=None, p
 def resolve_attention(choice: str, mesh=None) -> Attention:
     """The engine config's `attention` for this platform.
 
-    "xla": the plain-JAX reference everywhere. "pallas": the Pallas kernels of the platform (on the CPU,
-    the GPU kernel in interpret mode: for tests, slow). "auto": the kernels on GPU/TPU, the reference
-    on the CPU, where it is the faster of the two.
+    "xla": the plain-JAX reference everywhere. "native": on the CPU, the plain-JAX step with decode
+    attention in the C++ kernel (kernels_cpu; an error where it cannot be built). "pallas": the Pallas
+    kernels of the platform (on the CPU, the GPU kernel in interpret mode: for tests, slow). "auto": the
+    Pallas kernels on GPU/TPU; on the CPU the native kernel when it builds, else the plain-JAX path.
     """
     platform = jax.default_backend()
     kernel = {"tpu": "tpu", "gpu": "gpu", "cuda": "gpu", "rocm": "gpu"}.get(platform)
-    if choice == "xla" or (choice == "auto" and kernel is None):
+    if choice == "native" or (choice == "auto" and kernel is None):
+        import kernels_cpu
+
+        if kernel is None and kernels_cpu.available():
+            return Attention("cpu", mesh=mesh)
+        if choice == "native":
+            why = kernels_cpu.unavailable_reason() if kernel is None else f"the {platform} backend is not the CPU"
+            raise ValueError(f"attention: 'native' is not available here ({why})")
+        return Attention("xla", mesh=mesh)
+    if choice == "xla":
         return Attention("xla", mesh=mesh)
     if choice in ("pallas", "auto"):
         return Attention(kernel or "gpu", interpret=kernel is None, mesh=mesh)
-    raise ValueError(f"attention: {choice!r} is not one of 'xla', 'pallas', 'auto'")
+    raise ValueError(f"attention: {choice!r} is not one of 'xla', 'native', 'pallas', 'auto'")
 
 
 class ModelRunner:

@@ -93,11 +93,15 @@ def test_donated_kv_write_updates_the_pool_in_place(tokens):
     assert memory.temp_size_in_bytes < pool_bytes // 100
 
 
+@pytest.mark.parametrize("native", [False, True], ids=["xla", "native"])
 @pytest.mark.parametrize("page_size,heads,kv_heads", [(4, 4, 4), (16, 6, 2), (8, 8, 1)])
-def test_ragged_attention_matches_dense_on_a_mixed_step(page_size, heads, kv_heads):
+def test_ragged_attention_matches_dense_on_a_mixed_step(page_size, heads, kv_heads, native):
     """The engine's CPU attention over a packed step: decode rows at awkward lengths and prefill chunks
     (a whole prompt, one starting mid-page, one starting on a page boundary), padding tokens, pages in
-    random order, NaN in every slot nobody wrote; against dense causal attention."""
+    random order, NaN in every slot nobody wrote; against dense causal attention. `native`: decode
+    rows through the C++ kernel (kernels_cpu), which must build on every CPU machine the tests run on."""
+    import functools
+
     import jax
 
     from jaxcb.batch import SeqSpec, StepShape, pack
@@ -129,16 +133,24 @@ def test_ragged_attention_matches_dense_on_a_mixed_step(page_size, heads, kv_hea
     q = np.zeros((live + 5, heads, d), np.float32)
     q[:live] = np.concatenate(qs)
     batch = jax.tree_util.tree_map(jnp.asarray, batch)
-    got = np.asarray(jax.jit(ragged_attention)(jnp.asarray(q), jnp.asarray(kv), jnp.int32(layer), batch))
+    if native:
+        import kernels_cpu
+
+        assert kernels_cpu.available(), kernels_cpu.unavailable_reason()
+    attention = jax.jit(functools.partial(ragged_attention, native=native))
+    got = np.asarray(attention(jnp.asarray(q), jnp.asarray(kv), jnp.int32(layer), batch))
     assert np.isfinite(got).all(), "NaN from unwritten slots reached the output"
     np.testing.assert_allclose(got[:live], np.concatenate(want), rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(got[live:], 0)
 
 
-def test_int8_pages_hold_values_and_scales_and_attention_reads_them():
+@pytest.mark.parametrize("native", [False, True], ids=["xla", "native"])
+def test_int8_pages_hold_values_and_scales_and_attention_reads_them(native):
     """int8 KV (cache.kv_dtype): write_kv stores each token-head as int8 values and its float32 scale
     side by side; the CPU attention dequantizes what it gathers. Against dense attention over the
     dequantized keys and values, with every slot nobody wrote holding bytes whose scale is NaN."""
+    import functools
+
     import jax
 
     from jaxcb.batch import SeqSpec, StepShape, pack
@@ -176,6 +188,46 @@ def test_int8_pages_hold_values_and_scales_and_attention_reads_them():
     q = np.zeros((live + 3, heads, d), np.float32)
     q[:live] = np.concatenate(qs)
     batch = jax.tree_util.tree_map(jnp.asarray, batch)
-    got = np.asarray(jax.jit(ragged_attention)(jnp.asarray(q), kv, jnp.int32(layer), batch))
+    got = np.asarray(jax.jit(functools.partial(ragged_attention, native=native))(jnp.asarray(q), kv, jnp.int32(layer),
+                                                                                 batch))
     assert np.isfinite(got).all()
     np.testing.assert_allclose(got[:live], np.concatenate(want), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8"])
+def test_native_decode_matches_the_plain_jax_path_with_window_and_softcap(dtype):
+    """The native decode kernel against the plain-JAX loop it replaces, on what the unit tests above do
+    not cover: a sliding window (keys before t - window skipped, pages before it null in the table),
+    score soft-capping, a custom score scale, bfloat16 and int8 pages, 16 query heads per KV head,
+    page size 256 with lengths 0, 1, 255, 256, 257 and one near the maximum, and padding rows."""
+    import functools
+
+    import jax
+
+    import kernels_cpu
+    from jaxcb.batch import SeqSpec, StepShape, pack
+    from jaxcb.model.paged_attention import ragged_attention
+
+    assert kernels_cpu.available(), kernels_cpu.unavailable_reason()
+    rng = np.random.default_rng(3)
+    s, heads, kv_heads, d, n_max, layers, layer = 256, 32, 2, 16, 4, 3, 2
+    lens = [1, 255, 256, 257, n_max * s - 3, 40]
+    num_pages = 1 + sum(-(-n // s) for n in lens) + 2
+    kv = jnp.asarray(rng.standard_normal((layers, 2, kv_heads, num_pages, s, d)), jnp.float32)
+    if dtype == "int8":
+        from jaxcb.model.paged_attention import quantize_kv
+
+        kv = quantize_kv(kv)
+    else:
+        kv = kv.astype(dtype)
+    perm = iter(rng.permutation(np.arange(1, num_pages)))
+    specs = [SeqSpec([0], n - 1, [int(next(perm)) for _ in range(-(-n // s))]) for n in lens]
+    batch = pack(specs, StepShape(tokens=len(lens) + 3, seqs=len(lens) + 2, pages_per_seq=n_max, history=n_max * s), s)
+    batch = jax.tree_util.tree_map(jnp.asarray, batch)
+    q = jnp.asarray(rng.standard_normal((len(lens) + 3, heads, d)), jnp.float32)
+    for window, softcap, scale in [(0, 0.0, None), (300, 0.0, 0.1), (37, 5.0, None)]:
+        run = lambda native: np.asarray(jax.jit(functools.partial(  # noqa: E731
+            ragged_attention, native=native, window=window, softcap=softcap, scale=scale))(q, kv, jnp.int32(layer), batch))
+        want, got = run(False), run(True)
+        np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5, err_msg=f"window {window} softcap {softcap}")
+        np.testing.assert_array_equal(got[len(lens):], 0)

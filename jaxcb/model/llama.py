@@ -39,7 +39,8 @@ from kernels_pallas import engine_ragged_attention
 class Attention:
     """Which attention the step runs (a static argument: each choice is its own program)."""
 
-    kernel: str = "xla"  # "xla": plain JAX; "gpu" | "tpu": the Pallas kernels; "none": skipped (profiling only)
+    kernel: str = "xla"  # "xla": plain JAX; "cpu": plain JAX with the native decode kernel (kernels_cpu);
+    #                      "gpu" | "tpu": the Pallas kernels; "none": skipped (profiling only)
     interpret: bool = False  # run the Pallas kernel in interpret mode (the CPU)
     mesh: object = None  # a jax.sharding.Mesh with a "model" axis: attention runs per device (jaxcb.parallel)
 
@@ -117,35 +118,54 @@ def params_to_weights(params: Params) -> dict[str, jax.Array]:
     return weights
 
 
-def random_weights(config: ModelConfig, seed: int = 0, scale: float = 0.08) -> dict[str, np.ndarray]:
-    """Random weights in the loader's layout, for tests."""
-    rng = np.random.default_rng(seed)
+def weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The shape of every weight of the model, in the loader's layout (float weights, unquantized)."""
     e, f, l = config.hidden_size, config.intermediate_size, config.num_layers
     q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
     shapes = {
         "embed": (config.vocab_size, e), "wq": (l, e, q), "wk": (l, e, kv), "wv": (l, e, kv),
         "wo": (l, q, e), "w_gate": (l, e, f), "w_up": (l, e, f), "w_down": (l, f, e),
+        "attn_norm": (l, e), "mlp_norm": (l, e), "final_norm": (e,),
     }
-    w = {k: (rng.standard_normal(s) * scale).astype(np.float32) for k, s in shapes.items()}
-    w["embed"] *= 4  # embeddings of a useful size next to the layers' outputs
-    for k, s in {"attn_norm": (l, e), "mlp_norm": (l, e), "final_norm": (e,)}.items():
-        w[k] = (1.0 + 0.1 * rng.standard_normal(s)).astype(np.float32)
     if config.attention_bias:
-        for name, width in (("bq", q), ("bk", kv), ("bv", kv)):
-            w[name] = (rng.standard_normal((l, width)) * 0.5).astype(np.float32)
-    norms = {}
+        shapes.update(bq=(l, q), bk=(l, kv), bv=(l, kv))
     if config.qk_norm:
-        norms.update(q_norm=(l, config.head_dim), k_norm=(l, config.head_dim))
+        shapes.update(q_norm=(l, config.head_dim), k_norm=(l, config.head_dim))
     if config.post_norms:
-        norms.update(post_attn_norm=(l, e), post_mlp_norm=(l, e))
-    for k, s in norms.items():
-        w[k] = (1.0 + 0.1 * rng.standard_normal(s)).astype(np.float32)
-    if config.norm_plus_one:  # the same effective scales, stored as (w - 1)
-        for k in ("attn_norm", "mlp_norm", "final_norm", *norms):
-            w[k] -= 1.0
+        shapes.update(post_attn_norm=(l, e), post_mlp_norm=(l, e))
     if not config.tie_embeddings:
-        # Logits with a spread of a few units: sampling varies, greedy has clear winners.
-        w["lm_head"] = (rng.standard_normal((e, config.vocab_size)) * 2.5 / np.sqrt(e)).astype(np.float32)
+        shapes["lm_head"] = (e, config.vocab_size)
+    return shapes
+
+
+def abstract_params(config: ModelConfig, dtype=jnp.float32, sharding=lambda name: None) -> Params:
+    """Params of jax.ShapeDtypeStruct leaves (float weights in `dtype`): for lowering and exporting a
+    step without weights. `sharding(name)` gives each weight's sharding (None: unspecified)."""
+    sds = {name: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding(name))
+           for name, shape in weight_shapes(config).items()}
+    layers = LayerParams(**{name: sds.get(name) for name in LayerParams.__dataclass_fields__})
+    return Params(embed=sds["embed"], final_norm=sds["final_norm"], lm_head=sds.get("lm_head"), layers=layers)
+
+
+def random_weights(config: ModelConfig, seed: int = 0, scale: float = 0.08) -> dict[str, np.ndarray]:
+    """Random weights in the loader's layout, for tests."""
+    rng = np.random.default_rng(seed)
+    shapes = weight_shapes(config)
+    norms = [k for k in shapes if k.endswith("_norm")]
+    w = {}
+    for k, s in shapes.items():  # drawn in weight_shapes' order
+        if k in norms:
+            w[k] = (1.0 + 0.1 * rng.standard_normal(s)).astype(np.float32)
+        elif k in ("bq", "bk", "bv"):
+            w[k] = (rng.standard_normal(s) * 0.5).astype(np.float32)
+        elif k == "lm_head":  # logits with a spread of a few units: sampling varies, greedy has clear winners
+            w[k] = (rng.standard_normal(s) * 2.5 / np.sqrt(s[0])).astype(np.float32)
+        else:
+            w[k] = (rng.standard_normal(s) * scale).astype(np.float32)
+    w["embed"] *= 4  # embeddings of a useful size next to the layers' outputs
+    if config.norm_plus_one:  # the same effective scales, stored as (w - 1)
+        for k in norms:
+            w[k] -= 1.0
     return w
 
 
@@ -223,9 +243,9 @@ def _attend_group(attention: Attention, config: ModelConfig, q, k, v, pages, lay
                   window):
     """Write this layer's new K/V into one page group, then attend over it: (attention [T, H, D], pages)."""
     pages = write_kv(pages, layer_index, k, v, batch.slot_ids)
-    if attention.kernel == "xla":
+    if attention.kernel in ("xla", "cpu"):
         attn = ragged_attention(q, pages, layer_index, batch, scale=config.attention_scale, window=window,
-                                softcap=config.attn_softcap)
+                                softcap=config.attn_softcap, native=attention.kernel == "cpu")
     elif attention.kernel == "none":  # bench/step.py: the step's cost without attention
         attn = q
     else:  # the ragged Pallas kernel over the whole cache, one call for the step's every sequence

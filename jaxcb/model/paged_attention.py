@@ -152,7 +152,7 @@ def _blocks_for(num_seqs: int) -> int:
 PREFILL_BLOCK_PAGES = 16  # pages (keys) per loop iteration of the prefill attention: a 256-key GEMM
 
 
-def ragged_attention(q, kv_pages, layer, batch, scale=None, window=0, softcap=0.0):
+def ragged_attention(q, kv_pages, layer, batch, scale=None, window=0, softcap=0.0, native=False):
     """Causal attention of a packed step over the paged cache, in plain JAX (the CPU path).
 
     q [T, H, D]; kv_pages [L, 2, K, P, S, D]; layer a scalar; batch a jaxcb.batch.StepInput. Returns
@@ -169,6 +169,8 @@ def ragged_attention(q, kv_pages, layer, batch, scale=None, window=0, softcap=0.
         query, combined per sequence with an online softmax (segment max / sum over the owners);
       - prefill tokens: every token of the step against blocks of the prefill sequences' pages, as
         two GEMMs per block, masked to the token's own sequence and causally, online softmax.
+    `native`: the decode tokens go to the native CPU kernel (kernels_cpu.paged_decode, one pass over
+    each page) instead of the first loop; this function stays its oracle.
     """
     t, h, d = q.shape
     nl, two, nk, p, s, width = kv_pages.shape  # width: D, or D + 4 for int8 pages (dequantized as gathered)
@@ -218,10 +220,17 @@ def ragged_attention(q, kv_pages, layer, batch, scale=None, window=0, softcap=0.
         acc = acc * keep[..., None] + jax.ops.segment_sum(part, own, num_segments=m + 1)
         return new_mx, den, acc
 
-    init = (jnp.full((m + 1, nk, g), _MASKED, jnp.float32), jnp.zeros((m + 1, nk, g), jnp.float32),
-            jnp.zeros((m + 1, nk, g, d), jnp.float32))
-    _, den, acc = jax.lax.fori_loop(0, (n_decode + wb - 1) // wb, decode_block, init)
-    decoded = acc / jnp.where(den > 0, den, 1.0)[..., None]  # [M+1, K, G, D]
+    if native:
+        import kernels_cpu
+
+        decoded = kernels_cpu.paged_decode(q_last[:m].reshape(m, h, d), kv_pages, layer, batch.kv_lens,
+                                           batch.page_table, batch.cu_q_lens, batch.num_seqs, window, softcap)
+        decoded = jnp.concatenate([decoded.reshape(m, nk, g, d), jnp.zeros((1, nk, g, d), jnp.float32)])
+    else:
+        init = (jnp.full((m + 1, nk, g), _MASKED, jnp.float32), jnp.zeros((m + 1, nk, g), jnp.float32),
+                jnp.zeros((m + 1, nk, g, d), jnp.float32))
+        _, den, acc = jax.lax.fori_loop(0, (n_decode + wb - 1) // wb, decode_block, init)
+        decoded = acc / jnp.where(den > 0, den, 1.0)[..., None]  # [M+1, K, G, D]
 
     # ---- prefill: all tokens against blocks of the prefill sequences' pages ----
 

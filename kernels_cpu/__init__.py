@@ -1,0 +1,60 @@
+"""Native CPU kernels, called from the jitted step through XLA's FFI (the CPU backend only).
+
+`paged_decode(...)` is the decode half of `jaxcb.model.paged_attention.ragged_attention`: one query
+token per sequence over its paged keys and values, in one pass over each page (paged_attention.cc).
+`available()` builds the library on first use (kernels_cpu.build) and registers it with XLA; where it
+cannot be built it is False and the engine keeps the plain-JAX attention, which is also the oracle.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+
+log = logging.getLogger("jaxcb.kernels_cpu")
+
+TARGET = "jaxcb_paged_decode"
+
+
+@functools.cache
+def _load() -> str | None:
+    """Builds and registers the library; returns None on success, else why it is not available."""
+    import jax
+
+    from kernels_cpu import build
+
+    try:
+        path = build.build()
+        lib = ctypes.cdll.LoadLibrary(str(path))
+        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.JaxcbPagedDecode), platform="cpu")
+    except Exception as e:  # no compiler, a failed build: the plain-JAX path stays
+        log.warning("native CPU attention unavailable (%s); using the plain-JAX attention", e)
+        return str(e)
+    return None
+
+
+def available() -> bool:
+    return _load() is None
+
+
+def unavailable_reason() -> str | None:
+    return _load()
+
+
+def paged_decode(q, kv_pages, layer, kv_lens, page_table, cu_q_lens, num_seqs, window=0, softcap=0.0):
+    """q [M, H, D] float32, already multiplied by the score scale (each sequence's last query);
+    kv_pages [L, 2, K, P, S, W] float32, bfloat16 or int8 (W = D + 4); layer, window scalars; kv_lens
+    [M]; page_table [M, N]; cu_q_lens [M + 1]; num_seqs [1]. Returns [M, H, D] float32: each sequence
+    with exactly one query token of the step (cu_q_lens) attends over its kv_lens[i] keys (only the
+    last `window` when window > 0); other rows are zeros. `softcap` (static): scores become
+    softcap * tanh(scores / softcap)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    assert available(), unavailable_reason()
+    i32 = lambda x: jnp.asarray(x, jnp.int32)  # noqa: E731
+    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))
+    return call(q.astype(jnp.float32), kv_pages, i32(layer), i32(kv_lens), i32(page_table), i32(cu_q_lens),
+                i32(num_seqs).reshape(1), i32(window), softcap=np.float32(softcap))

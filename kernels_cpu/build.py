@@ -1,0 +1,109 @@
+"""Builds the native CPU kernels (paged_attention.cc) into a shared library, once per source, CPU and jaxlib.
+
+    python -m kernels_cpu.build        # prints the library's path (make setup runs it)
+
+The library goes to ~/.cache/jaxcb/kernels/<key>/ (JAXCB_KERNEL_CACHE overrides the folder). The key
+hashes the source, the compiler flags and the jaxlib version, so a cache carried to another CPU or
+jaxlib builds anew. The ISA flags are those the CPU lists (AVX2/FMA, AVX-512): never -march=native,
+which on these virtual machines can enable extensions that are listed but not granted. Nothing here
+runs on a GPU or TPU machine unless asked: the kernels are for the CPU backend only, and a machine
+without a C++ compiler simply keeps the plain-JAX attention.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+log = logging.getLogger("jaxcb.kernels_cpu")
+
+SOURCE = Path(__file__).with_name("paged_attention.cc")
+
+
+def cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def isa_flags(flags: set[str] | None = None) -> list[str]:
+    """Compiler ISA flags for the extensions this CPU lists (x86-64); none elsewhere."""
+    import platform
+
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return []
+    flags = cpu_flags() if flags is None else flags
+    out = []
+    if {"avx2", "fma", "f16c"} <= flags:
+        out += ["-mavx2", "-mfma", "-mf16c"]
+    if {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags:
+        out += ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"]
+    return out
+
+
+def compile_command(output: str) -> list[str]:
+    import jax
+
+    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
+    if cxx is None:
+        raise RuntimeError("no C++ compiler (g++, c++ or clang++) on PATH")
+    return [cxx, "-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp-simd", "-fno-math-errno",
+            *isa_flags(), *os.environ.get("JAXCB_KERNEL_FLAGS", "").split(), "-I", jax.ffi.include_dir(),
+            str(SOURCE), "-o", output]
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("JAXCB_KERNEL_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "jaxcb", "kernels")
+    return Path(root)
+
+
+def library_path() -> Path:
+    import jaxlib
+
+    key = hashlib.sha256()
+    key.update(SOURCE.read_bytes())
+    key.update(" ".join(compile_command("x")[1:]).encode())  # flags and include dir, not the compiler's path
+    key.update(jaxlib.__version__.encode())
+    return cache_dir() / key.hexdigest()[:16] / "libjaxcb_cpu_kernels.so"
+
+
+def build() -> Path:
+    """The library's path, compiling it first if it is not in the cache (under a file lock, so
+    concurrent processes build it once)."""
+    path = library_path()
+    if path.exists():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.parent / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if path.exists():
+            return path
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
+        os.close(fd)
+        cmd = compile_command(tmp)
+        log.info("building the CPU kernels: %s", " ".join(cmd))
+        result = subprocess.run(cmd, capture_output=True, text=True)
+        if result.returncode != 0:
+            os.unlink(tmp)
+            raise RuntimeError(f"building {SOURCE.name} failed:\n{result.stderr[-4000:]}")
+        os.replace(tmp, path)
+    return path
+
+
+if __name__ == "__main__":
+    try:
+        print(build())
+    except Exception as e:  # the engine falls back to plain JAX; setup must not fail for this
+        print(f"kernels_cpu: not built ({e}); the plain-JAX attention will be used", file=sys.stderr)

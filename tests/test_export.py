@@ -1,0 +1,37 @@
+"""The whole engine step lowers for GPU and TPU without a device (jaxcb.export).
+
+Every warm-up shape of the default configuration (the token buckets of configs/default.toml, the
+default SmolLM2 model's shapes), single device and tensor-parallel over an abstract mesh, exported with
+jax.export for `cuda` and `tpu`: each program must hold the platform's Pallas kernel and nothing but it
+and the partitioner's markers as custom calls (no host callback, no CPU kernel).
+"""
+
+import pytest
+
+from jaxcb.engine_config import load_config
+from jaxcb.llm import read_model_config
+
+
+@pytest.mark.parametrize("platform", ["cuda", "tpu"])
+def test_every_warmup_shape_of_the_step_exports_for_gpu_and_tpu(platform):
+    import jax.numpy as jnp
+
+    from jaxcb.export import KERNEL_CALLS, custom_calls, export_step, unexpected_calls
+
+    model = read_model_config(None)
+    config = load_config()
+    shapes = config.buckets.shapes(config.page_size, min(config.scheduler.max_context, model.max_context))
+    assert len(shapes) == len(config.buckets.tokens) > 10
+    exported = 0
+    # Single device over every shape; tensor-parallel over 3 devices (SmolLM2's 3 KV heads) on every
+    # other shape and the largest, with int8 KV pages on the mesh to cover the kernels' int8 path.
+    for tensor, kv_dtype, chosen in [(1, None, shapes), (3, jnp.int8, shapes[::2] + shapes[-1:])]:
+        for shape in chosen:
+            e = export_step(model, shape, platform, page_size=config.page_size, tensor=tensor, kv_dtype=kv_dtype)
+            calls = custom_calls(e)
+            assert KERNEL_CALLS[platform] <= calls, (shape, tensor, calls)
+            assert not unexpected_calls(e, platform), (shape, tensor, calls)
+            assert "jaxcb_paged_decode" not in e.mlir_module()
+            assert e.nr_devices == tensor and e.platforms == (platform,)
+            exported += 1
+    assert exported == len(shapes) + len(shapes[::2]) + 1
