@@ -104,6 +104,9 @@ def main():
     ap.add_argument("--peer", default=None, help="llama-server binary: run the same requests through it, interleaved")
     ap.add_argument("--peer-script", default=PEER_SCRIPT)
     ap.add_argument("--peer-slots", type=int, default=8)
+    ap.add_argument("--baseline-attention", default=None, choices=["xla", "native"],
+                    help="also run continuous batching with this attention (a second runner on the same weights), "
+                         "interleaved: the engine-level gain of the attention the config picks")
     args = ap.parse_args()
 
     from jaxcb.engine import Engine
@@ -123,11 +126,30 @@ def main():
     t0 = time.perf_counter()
     shapes = engine().warmup()
     warmup_s = time.perf_counter() - t0
+    baseline = None
+    if args.baseline_attention:
+        from jaxcb.runner import ModelRunner
+
+        r = first.runner
+        runner = ModelRunner(r.model_config, r.params, r.num_pages, r.page_size, r.dtype, attention=args.baseline_attention,
+                             max_seqs=config.buckets.max_batch, kv_dtype=r.kv_dtype)
+
+        def baseline():
+            eng = Engine(runner, first.tokenizer, config, eos_ids=first.scheduler.eos_ids)
+            eng.scheduler.running_limit = args.max_batch
+            return eng
+
+        baseline().warmup()
+    print(f"attention: {first.runner.attention.kernel}" + (f"; baseline {args.baseline_attention}" if baseline else ""),
+          flush=True)
     prompts, output_lens = workload(args.requests, args.seed, model_config.vocab_size)
 
-    trials = {"continuous": [], "static": []} | ({"peer": []} if args.peer else {})
+    trials = {"continuous": [], "static": []} | ({"peer": []} if args.peer else {}) | (
+        {"baseline": []} if baseline else {})
     for _ in range(args.trials):
         trials["continuous"].append(run(engine(max_running=args.max_batch), prompts, output_lens))
+        if baseline:
+            trials["baseline"].append(run(baseline(), prompts, output_lens))
         trials["static"].append(run(engine(max_running=args.max_batch, static=True), prompts, output_lens))
         if args.peer:
             trials["peer"].append(run_peer(args.peer, args.peer_script, prompts, output_lens, args.peer_slots))
@@ -138,7 +160,7 @@ def main():
     mean_context = np.mean([len(p) + n / 2 for p, n in zip(prompts, output_lens)])
     limit_tokens_per_s = rate / model_config.flops_per_token(int(mean_context))
     result = {
-        "machine": machine(), "model": model_config.name, "requests": args.requests, "max_batch": args.max_batch,
+        "machine": machine(), "model": model_config.name, "attention": first.runner.attention.kernel, "requests": args.requests, "max_batch": args.max_batch,
         "prompt_tokens": sum(map(len, prompts)), "output_tokens": sum(output_lens),
         "warmup_shapes": shapes, "warmup_s": round(warmup_s, 1),
         "continuous": cont, "static": stat, "trials": args.trials,
@@ -159,6 +181,12 @@ def main():
               f"preemptions {r['preemptions']}")
     print(f"continuous / static: {result['ratio']:.2f}x (ideal {result['ideal_ratio']:.2f}x); "
           f"median of {args.trials} interleaved runs each, walls {result['walls_s']}")
+    if baseline:
+        b = median(trials["baseline"])
+        result["baseline"] = b | {"attention": args.baseline_attention}
+        result["ratio_to_baseline"] = round(cont["output_tokens_per_s"] / b["output_tokens_per_s"], 3)
+        print(f"{'baseline':>10}: {b['output_tokens_per_s']:7.1f} useful output tokens/s  wall {b['wall_s']:.1f} s  "
+              f"(continuous, attention {args.baseline_attention}); continuous / baseline: {result['ratio_to_baseline']:.2f}x")
     if args.peer:
         peer = median(trials["peer"])
         result["peer"] = peer

@@ -453,6 +453,10 @@ class _AuthInterceptor(grpc.aio.ServerInterceptor):
         return self._deny_unary
 
 
+ATTENTION_NAMES = {"cpu": "native CPU kernel", "xla": "plain JAX", "gpu": "Pallas (Triton)",
+                   "tpu": "Pallas (Mosaic)"}
+
+
 async def run_server(engine: Engine | list[Engine], tokenizer, model_name: str, dtype: str, options: ServerOptions,
                      announce=print) -> int:
     """Serve one engine, or data-parallel replicas (a list), until SIGTERM/SIGINT (returns 0) or until
@@ -560,9 +564,10 @@ async def run_server(engine: Engine | list[Engine], tokenizer, model_name: str, 
     state.thread.start()
     state.ready = True
     await set_health(health_pb2.HealthCheckResponse.SERVING)
+    attention = engines[0].runner.attention.kernel
     announce(f"jaxcb: SERVING on {options.host}:{port} after warming up {shapes} bucket shapes (compiled or "
              f"loaded from the compile cache) in "
-             f"{time.perf_counter() - t0:.1f}s")
+             f"{time.perf_counter() - t0:.1f}s; attention: {ATTENTION_NAMES.get(attention, attention)}")
 
     dying = asyncio.ensure_future(state.died.wait())
     await asyncio.wait([dying, stopping], return_when=asyncio.FIRST_COMPLETED)

@@ -1,0 +1,216 @@
+"""Everything a GPU (or TPU) should measure, in one command of at most 8 minutes; one JSON file.
+
+    .venv/bin/python bench/device.py [--json bench/device.json] [--quick]
+
+1. Kernel bandwidth: the engine's Pallas ragged kernel on a decode batch of an 8B-shaped cache
+   (32 KV heads x ... as Llama 3 8B: 8 KV heads, head dim 128, bfloat16), live K/V bytes per second
+   against a jitted copy of as many bytes on the same device.
+2. The engine benchmark (bench/engine.py's workload, all requests at once) with SmolLM2 and with an
+   8B-shaped model of random weights (configs/models/llama-3-8b, bfloat16), continuous batching.
+3. MBU at batch 1 (weights + live K/V bytes a decode step reads, over the step time, against the copy
+   rate) and MFU at the largest decode batch (the step's FLOPs over its time, against the datasheet's
+   dense bfloat16 rate when the device is known, else the measured matmul rate).
+
+--quick shrinks every size so that the script can be checked on the CPU (its figures mean nothing there).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from common import machine, matmul_flops_per_s  # noqa: E402
+
+# Dense bfloat16 matrix rate by the vendors' datasheets (FLOP/s), for MFU.
+PEAK_BF16 = {"NVIDIA H200": 989e12, "NVIDIA H100 80GB HBM3": 989e12, "NVIDIA A100-SXM4-80GB": 312e12,
+             "TPU v5 lite": 197e12, "TPU v6 lite": 918e12}
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def timed(fn, repeats=5):
+    fn()
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def copy_rate(nbytes: int) -> float:
+    import jax
+    import jax.numpy as jnp
+
+    x = jnp.ones((nbytes // 2,), jnp.bfloat16)
+    f = jax.jit(lambda a: a * 2, donate_argnums=0)
+    state = {"x": f(x)}
+
+    def go():
+        state["x"] = f(state["x"])
+        state["x"].block_until_ready()
+
+    return nbytes / timed(go)
+
+
+def kernel_bandwidth(quick: bool) -> dict:
+    """The engine's ragged kernel on a decode batch over an 8B-shaped cache, against a copy."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jaxcb.batch import SeqSpec, StepShape, pack
+    from jaxcb.runner import resolve_attention
+    from kernels_pallas import engine_ragged_attention
+
+    attention = resolve_attention("auto")
+    rows, ctx, k, h, d, s = (4, 256, 2, 8, 64, 16) if quick else (64, 4096, 8, 32, 128, 16)
+    pages_per_seq = ctx // s
+    num_pages = rows * pages_per_seq + 1
+    rng = np.random.default_rng(0)
+    kv = jnp.asarray(rng.standard_normal((1, 2, k, num_pages, s, d), np.float32), jnp.bfloat16)
+    perm = rng.permutation(np.arange(1, num_pages))
+    specs = [SeqSpec([0], ctx - 1, perm[i * pages_per_seq:(i + 1) * pages_per_seq].tolist()) for i in range(rows)]
+    batch = pack(specs, StepShape(tokens=rows, seqs=rows, pages_per_seq=pages_per_seq, history=ctx), s)
+    q = jnp.asarray(rng.standard_normal((rows, h, d), np.float32), jnp.bfloat16)
+    args = [jnp.asarray(a) for a in (batch.kv_lens, batch.page_table, batch.cu_q_lens, batch.num_seqs)]
+    if attention.kernel in ("gpu", "tpu"):
+        fn = jax.jit(lambda q, kv, *a: engine_ragged_attention(q, kv, jnp.int32(0), *a, backend=attention.kernel))
+    else:  # the CPU (--quick): the engine's own CPU attention
+        from jaxcb.model.paged_attention import ragged_attention
+
+        b = jax.tree.map(jnp.asarray, batch)
+        fn = jax.jit(lambda q, kv, *a: ragged_attention(q, kv, jnp.int32(0), b, native=attention.kernel == "cpu"))
+    seconds = timed(lambda: fn(q, kv, *args).block_until_ready(), repeats=10)
+    live = rows * ctx * k * d * 2 * 2  # keys and values, bfloat16
+    copy = copy_rate(live)
+    return {"kernel": attention.kernel, "rows": rows, "context": ctx, "kv_heads": k, "heads": h, "head_dim": d,
+            "ms": round(seconds * 1e3, 3), "live_kv_gb_per_s": round(live / seconds / 1e9, 1),
+            "copy_gb_per_s": round(copy / 1e9, 1), "fraction_of_copy": round(live / seconds / copy, 3)}
+
+
+def random_params(config, dtype):
+    """Random weights made on the device (an 8B model's weights would take minutes in numpy)."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxcb.model.llama import LayerParams, Params, weight_shapes
+
+    key = jax.random.PRNGKey(0)
+    weights = {}
+    for i, (name, shape) in enumerate(weight_shapes(config).items()):
+        if name.endswith("_norm"):
+            weights[name] = jnp.ones(shape, dtype)
+        else:
+            weights[name] = (jax.random.normal(jax.random.fold_in(key, i), shape, jnp.float32) * 0.02).astype(dtype)
+    layers = LayerParams(**{n: weights.get(n) for n in LayerParams.__dataclass_fields__})
+    return Params(embed=weights["embed"], final_norm=weights["final_norm"], lm_head=weights.get("lm_head"),
+                  layers=layers)
+
+
+def engine_run(name, model_config, params, tokenizer, eos, requests, quick) -> dict:
+    import jax.numpy as jnp
+
+    from engine import run, workload
+    from jaxcb.engine_config import load_config
+    from jaxcb.llm import build_engine
+
+    config = load_config()
+    if quick:
+        config = config.replace(num_pages=512)
+    engine = build_engine(config=config, loaded=(model_config, params, tokenizer, eos))
+    t0 = time.perf_counter()
+    shapes = engine.warmup()
+    warmup_s = time.perf_counter() - t0
+    prompts, output_lens = workload(requests, 0, model_config.vocab_size)
+    result = run(engine, prompts, output_lens)
+    step = decode_steps(engine, model_config, params, quick)
+    del engine
+    return {"model": name, "dtype": str(jnp.dtype(params.embed.dtype)), "warmup_shapes": shapes,
+            "warmup_s": round(warmup_s, 1), "requests": requests, **result, **step}
+
+
+def decode_steps(engine, model_config, params, quick) -> dict:
+    """MBU at batch 1 and MFU at the largest decode batch, from timed decode steps at context 1024."""
+    import jax
+
+    from jaxcb.batch import SamplingRow, SeqSpec, pack, pack_sampling
+    from jaxcb.request import SamplingParams
+
+    runner, config = engine.runner, engine.config
+    s = config.page_size
+    ctx = 128 if quick else 1024
+    weight_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
+    out = {}
+    for rows in (1, config.buckets.max_batch):
+        n = -(-ctx // s)
+        if rows * n + 1 > runner.num_pages:
+            continue
+        seqs = [SeqSpec([1], ctx - 1, list(range(1 + i * n, 1 + (i + 1) * n))) for i in range(rows)]
+        shape = config.buckets.step_shape(rows, s, min(config.scheduler.max_context, model_config.max_context))
+        batch = pack(seqs, shape, s)
+        sampling = pack_sampling([SamplingRow(SamplingParams(), 0, [], [])] * rows, shape)
+        seconds = timed(lambda: jax.device_get(runner.run(batch, sampling, shape)))
+        kv_bytes = rows * ctx * runner.kv_bytes_per_token
+        flops = rows * model_config.flops_per_token(ctx)
+        out[f"decode_{rows}_rows_ms"] = round(seconds * 1e3, 3)
+        out[f"decode_{rows}_rows_bytes"] = weight_bytes + kv_bytes
+        out[f"decode_{rows}_rows_flops"] = flops
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json", default=os.path.join(HERE, "device.json"))
+    ap.add_argument("--quick", action="store_true", help="tiny sizes: checks the script on the CPU")
+    ap.add_argument("--requests", type=int, default=None)
+    args = ap.parse_args()
+
+    import jax
+    import jax.numpy as jnp
+
+    from jaxcb.llm import load_model, read_model_config
+
+    t_start = time.perf_counter()
+    dev = jax.devices()[0]
+    result = {"machine": machine(), "device_kind": dev.device_kind, "platform": dev.platform}
+    result["kernel"] = kernel_bandwidth(args.quick)
+    print("kernel:", result["kernel"], flush=True)
+    rate_copy = result["kernel"]["copy_gb_per_s"] * 1e9
+    peak = PEAK_BF16.get(dev.device_kind) or matmul_flops_per_s(4096 if not args.quick else 256, "bfloat16")
+    result["peak_bf16_flops"] = peak
+    requests = args.requests or (8 if args.quick else 256)
+    runs = []
+    model_config, params, tokenizer, eos = load_model(None, dtype=jnp.bfloat16)
+    runs.append(engine_run("smollm2-135m", model_config, params, tokenizer, eos, requests, args.quick))
+    print("smollm2:", runs[-1], flush=True)
+    del params
+    big = read_model_config(os.path.join(HERE, "..", "configs", "models", "llama-3-8b"))
+    if args.quick:  # an 8B-shaped model cut to 2 layers and a small width
+        import dataclasses
+
+        big = dataclasses.replace(big, num_layers=2, hidden_size=256, intermediate_size=512, num_heads=4,
+                                  num_kv_heads=2, head_dim=64, vocab_size=1024)
+    params = random_params(big, jnp.bfloat16)
+    runs.append(engine_run("llama-3-8b-shaped (random weights)", big, params, None, (), requests, args.quick))
+    print("8B-shaped:", runs[-1], flush=True)
+    for r in runs:
+        max_batch = max(int(k.split("_")[1]) for k in r if k.startswith("decode_") and k.endswith("_ms"))
+        if "decode_1_rows_ms" in r:
+            r["mbu_batch_1"] = round(r["decode_1_rows_bytes"] / (r["decode_1_rows_ms"] / 1e3) / rate_copy, 3)
+        r[f"mfu_batch_{max_batch}"] = round(
+            r[f"decode_{max_batch}_rows_flops"] / (r[f"decode_{max_batch}_rows_ms"] / 1e3) / peak, 4)
+    result["engine"] = runs
+    result["seconds"] = round(time.perf_counter() - t_start, 1)
+    print(json.dumps(result))
+    with open(args.json, "w") as f:
+        json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
