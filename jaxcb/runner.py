@@ -179,7 +179,7 @@ def resolve_attention(choice: str, mesh=None) -> Attention:
         import kernels_cpu
 
         if kernel is None and kernels_cpu.available():
-            return Attention("cpu", mesh=mesh)
+            return Attention("cpu", mesh=mesh, native_matmul=mesh is None)
         if choice == "native":
             why = kernels_cpu.unavailable_reason() if kernel is None else f"the {platform} backend is not the CPU"
             raise ValueError(f"attention: 'native' is not available here ({why})")

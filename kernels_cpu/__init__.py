@@ -2,6 +2,8 @@
 
 `paged_decode(...)` is the decode half of `jaxcb.model.paged_attention.ragged_attention`: one query
 token per sequence over its paged keys and values, in one pass over each page (paged_attention.cc).
+`layer_matmul(x, w, layer)` is x @ w[layer] for float32 weights stacked over layers, read in place
+inside the layer scan (matmul.cc), where XLA would copy the layer's matrix out of the stack first.
 `available()` builds the library on first use (kernels_cpu.build) and registers it with XLA; where it
 cannot be built it is False and the engine keeps the plain-JAX attention, which is also the oracle.
 """
@@ -15,6 +17,7 @@ import logging
 log = logging.getLogger("jaxcb.kernels_cpu")
 
 TARGET = "jaxcb_paged_decode"
+MATMUL_TARGET = "jaxcb_layer_matmul"
 
 
 @functools.cache
@@ -28,6 +31,7 @@ def _load() -> str | None:
         path = build.build()
         lib = ctypes.cdll.LoadLibrary(str(path))
         jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.JaxcbPagedDecode), platform="cpu")
+        jax.ffi.register_ffi_target(MATMUL_TARGET, jax.ffi.pycapsule(lib.JaxcbLayerMatmul), platform="cpu")
     except Exception as e:  # no compiler, a failed build: the plain-JAX path stays
         log.warning("native CPU attention unavailable (%s); using the plain-JAX attention", e)
         return str(e)
@@ -58,3 +62,16 @@ def paged_decode(q, kv_pages, layer, kv_lens, page_table, cu_q_lens, num_seqs, w
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))
     return call(q.astype(jnp.float32), kv_pages, i32(layer), i32(kv_lens), i32(page_table), i32(cu_q_lens),
                 i32(num_seqs).reshape(1), i32(window), softcap=np.float32(softcap))
+
+
+def layer_matmul(x, w, layer):
+    """x [..., K] float32 @ w [L, K, N] float32 at `layer` (a scalar, may be traced) -> [..., N] float32,
+    reading the layer's matrix in place."""
+    import jax
+    import jax.numpy as jnp
+
+    assert available(), unavailable_reason()
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
+    call = jax.ffi.ffi_call(MATMUL_TARGET, jax.ShapeDtypeStruct((x2.shape[0], w.shape[2]), jnp.float32))
+    return call(x2, w, jnp.asarray(layer, jnp.int32)).reshape(*lead, w.shape[2])

@@ -1,4 +1,5 @@
-"""Builds the native CPU kernels (paged_attention.cc) into a shared library, once per source, CPU and jaxlib.
+"""Builds the native CPU kernels (paged_attention.cc, matmul.cc) into one shared library, once per source,
+CPU and jaxlib.
 
     python -m kernels_cpu.build        # prints the library's path (make setup runs it)
 
@@ -24,7 +25,9 @@ from pathlib import Path
 
 log = logging.getLogger("jaxcb.kernels_cpu")
 
-SOURCE = Path(__file__).with_name("paged_attention.cc")
+HERE = Path(__file__).parent
+SOURCES = [HERE / "paged_attention.cc", HERE / "matmul.cc"]
+HEADERS = [HERE / "parallel.h"]
 
 
 def cpu_flags() -> set[str]:
@@ -61,7 +64,7 @@ def compile_command(output: str) -> list[str]:
         raise RuntimeError("no C++ compiler (g++, c++ or clang++) on PATH")
     return [cxx, "-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp-simd", "-fno-math-errno",
             *isa_flags(), *os.environ.get("JAXCB_KERNEL_FLAGS", "").split(), "-I", jax.ffi.include_dir(),
-            str(SOURCE), "-o", output]
+            *map(str, SOURCES), "-o", output]
 
 
 def cache_dir() -> Path:
@@ -73,7 +76,8 @@ def library_path() -> Path:
     import jaxlib
 
     key = hashlib.sha256()
-    key.update(SOURCE.read_bytes())
+    for source in SOURCES + HEADERS:
+        key.update(source.read_bytes())
     key.update(" ".join(compile_command("x")[1:]).encode())  # flags and include dir, not the compiler's path
     key.update(jaxlib.__version__.encode())
     return cache_dir() / key.hexdigest()[:16] / "libjaxcb_cpu_kernels.so"
@@ -97,7 +101,7 @@ def build() -> Path:
         result = subprocess.run(cmd, capture_output=True, text=True)
         if result.returncode != 0:
             os.unlink(tmp)
-            raise RuntimeError(f"building {SOURCE.name} failed:\n{result.stderr[-4000:]}")
+            raise RuntimeError(f"building the CPU kernels failed:\n{result.stderr[-4000:]}")
         os.replace(tmp, path)
     return path
 

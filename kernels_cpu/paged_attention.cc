@@ -24,6 +24,7 @@
 #include <thread>
 #include <vector>
 
+#include "parallel.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -252,31 +253,6 @@ void decode_item(const Problem& p, int64_t i, int64_t k) {
   }
 }
 
-// Runs fn(item) for every item in [0, total) on the caller and the intra-op pool.
-template <typename F>
-void parallel_for(ffi::ThreadPool& pool, int64_t total, bool helpers_pay, F fn) {
-  struct Shared {
-    std::atomic<int64_t> next{0};
-    std::atomic<int64_t> done{0};
-  };
-  auto shared = std::make_shared<Shared>();
-  auto work = [shared, total, fn]() {
-    int64_t finished = 0;
-    for (int64_t item; (item = shared->next.fetch_add(1)) < total;) {
-      fn(item);
-      ++finished;
-    }
-    shared->done.fetch_add(finished);
-  };
-  const int64_t helpers = helpers_pay ? std::min<int64_t>(pool.num_threads(), total) - 1 : 0;
-  for (int64_t h = 0; h < helpers; ++h) {
-    auto task = work;
-    pool.Schedule(std::move(task));
-  }
-  work();
-  while (shared->done.load() < total) std::this_thread::yield();
-}
-
 template <typename Page, int G>
 void run_group(ffi::ThreadPool& pool, const Problem& p) {
   // Waking a pool thread costs tens of microseconds: below about 1 MiB of K/V a call (a few
@@ -285,7 +261,7 @@ void run_group(ffi::ThreadPool& pool, const Problem& p) {
   int64_t slots = 0;
   for (int64_t i = 0; i < std::min<int64_t>(p.m, p.num_seqs); ++i) slots += p.kv_lens[i];
   const bool helpers_pay = slots * p.nk * 2 * p.w * static_cast<int64_t>(Page::kBytes) >= (1 << 20);
-  parallel_for(pool, p.m * p.nk, helpers_pay,
+  jaxcb::parallel_for(pool, p.m * p.nk, helpers_pay,
                [p](int64_t item) { decode_item<Page, G>(p, item / p.nk, item % p.nk); });
 }
 

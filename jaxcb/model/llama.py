@@ -31,7 +31,8 @@ from jax.sharding import PartitionSpec as P
 from jaxcb.batch import StepInput, WindowPages
 from jaxcb.model.config import ModelConfig
 from jaxcb.model.paged_attention import ragged_attention, write_kv
-from jaxcb.model.quant import QuantRows, QuantWeight, dense, embed_rows, head_logits, quantize_weights
+from jaxcb.model.quant import (MATRICES, QuantRows, QuantWeight, StackedMatrix, dense, embed_rows, head_logits,
+                               quantize_weights)
 from kernels_pallas import engine_ragged_attention
 
 
@@ -43,6 +44,9 @@ class Attention:
     #                      "gpu" | "tpu": the Pallas kernels; "none": skipped (profiling only)
     interpret: bool = False  # run the Pallas kernel in interpret mode (the CPU)
     mesh: object = None  # a jax.sharding.Mesh with a "model" axis: attention runs per device (jaxcb.parallel)
+    # The layers' float32 matrices through the native CPU matmul, read in place from their stacks
+    # (kernels_cpu.layer_matmul); single device only (XLA cannot partition the custom call).
+    native_matmul: bool = False
 
 
 @flax.struct.dataclass
@@ -293,13 +297,21 @@ def forward(params: Params, kv_pages, batch: StepInput, config: ModelConfig, att
     if config.embed_scale:
         h = h * jnp.asarray(config.hidden_size**0.5, h.dtype)
 
+    layers, stacks = params.layers, {}
+    if attention.native_matmul:  # matrices stay out of the scanned xs: the body reads them from the stack
+        stacks = {name: getattr(layers, name) for name in MATRICES
+                  if isinstance(getattr(layers, name), jax.Array) and getattr(layers, name).dtype == jnp.float32}
+        layers = dataclasses.replace(layers, **{name: None for name in stacks})
+
     def body(carry, xs):
         h, stored = carry
-        kind, w = xs
+        kind, index, w = xs
+        w = dataclasses.replace(w, **{name: StackedMatrix(stack, index) for name, stack in stacks.items()})
         h, kv = _layer(config, attention, batch, h, jax.tree.map(_with_head_axis, stored), kind, w)
         return (h, jax.tree.map(lambda a, like: a.reshape(like.shape), kv, stored)), None
 
-    (h, kv_pages), _ = jax.lax.scan(body, (h, kv_pages), (layer_kinds(config), params.layers))
+    xs = (layer_kinds(config), jnp.arange(config.num_layers, dtype=jnp.int32), layers)
+    (h, kv_pages), _ = jax.lax.scan(body, (h, kv_pages), xs)
     last = rms_norm(h[batch.last_token], params.final_norm, config.rms_norm_eps, config.norm_plus_one)  # [M, E]
     logits = head_logits(last, params.embed, params.lm_head)
     if config.final_softcap:

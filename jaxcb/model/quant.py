@@ -26,6 +26,8 @@ or by `jaxcb convert --weights`). The activations, the KV cache and the logits k
 
 from __future__ import annotations
 
+import dataclasses
+
 import flax.struct
 import jax
 import jax.numpy as jnp
@@ -159,8 +161,22 @@ def dequantize(w: QuantWeight, dtype=jnp.float32) -> jax.Array:
     return (vals * w.scale.astype(dtype)[..., :, None, :]).reshape(*lead, rows, cols)
 
 
+@dataclasses.dataclass(frozen=True)
+class StackedMatrix:
+    """A float32 layer matrix left in its [L, K, N] stack, with the (traced) layer to read: the native
+    CPU matmul reads it in place (kernels_cpu.layer_matmul), where slicing it out of the stack inside
+    the layer scan makes XLA copy it every step."""
+
+    stack: jax.Array  # [L, K, N] float32
+    layer: jax.Array  # [] int32
+
+
 def dense(x: jax.Array, w) -> jax.Array:
-    """x @ w for a float matrix or a QuantWeight, in x's dtype."""
+    """x @ w for a float matrix, a QuantWeight or a StackedMatrix, in x's dtype."""
+    if isinstance(w, StackedMatrix):
+        import kernels_cpu
+
+        return kernels_cpu.layer_matmul(x, w.stack, w.layer).astype(x.dtype)
     if not isinstance(w, QuantWeight):
         return x @ w
     if w.bits == 4:  # the even and the odd input rows: each half dequantized beside its own dot
