@@ -6,10 +6,11 @@
 // of the same layers unrolled over separate arrays). This kernel reads the matrix in place from the
 // stack, with the layer as an operand, so the weights stream from memory once a step.
 //
-// The kernel: out [M, N] = x [M, K] @ w [L, K, N][layer]. Columns in blocks of kNB (the work items,
-// shared with XLA's intra-op pool), the reduction in blocks of kKB rows of w (a kKB x kNB slab stays in
-// L1 while every row block of x passes over it), kMR rows of x at a time with kMR x kNB accumulators in
-// registers. Columns past the last whole block take a plain loop.
+// The kernel: out [M, N] = x [M, K] @ w [L, K, N][layer]. Ranges of columns are the work items (shared
+// with XLA's intra-op pool); within one, the reduction goes in slabs of kKB rows of w, each slab in
+// blocks of kNB columns (a kKB x kNB block stays in L1 while every row block of x passes over it),
+// kMR rows of x at a time with kMR x kNB accumulators in registers. Columns past the last whole block
+// take a plain loop.
 
 #include <algorithm>
 #include <cstdint>
@@ -51,14 +52,34 @@ inline void micro(const float* a, int64_t lda, const float* b, int64_t ldb, floa
     for (int i = 0; i < kNV; ++i) vstore(c + r * ldc + i * kLanes, acc[r][i]);
 }
 
-// Columns n0 .. n0 + kNB of the output.
-void column_block(const float* a, const float* b, float* c, int64_t m, int64_t k, int64_t n, int64_t n0) {
+// c[m0:m, :] for one block of columns and one slab of w: whole 8-row blocks, then the remaining rows
+// with a micro-kernel of their own count (a row at a time would re-read the slab once per row).
+inline void rows(const float* a, const float* b, float* c, int64_t m, int64_t k, int64_t n, int64_t k0, int64_t kn,
+                 int64_t n0) {
+  const bool first = k0 == 0;
+  int64_t m0 = 0;
+  for (; m0 + kMR <= m; m0 += kMR) micro<kMR>(a + m0 * k + k0, k, b + k0 * n + n0, n, c + m0 * n + n0, n, kn, first);
+  const float* am = a + m0 * k + k0;
+  const float* bm = b + k0 * n + n0;
+  float* cm = c + m0 * n + n0;
+  switch (m - m0) {
+    case 1: micro<1>(am, k, bm, n, cm, n, kn, first); break;
+    case 2: micro<2>(am, k, bm, n, cm, n, kn, first); break;
+    case 3: micro<3>(am, k, bm, n, cm, n, kn, first); break;
+    case 4: micro<4>(am, k, bm, n, cm, n, kn, first); break;
+    case 5: micro<5>(am, k, bm, n, cm, n, kn, first); break;
+    case 6: micro<6>(am, k, bm, n, cm, n, kn, first); break;
+    case 7: micro<7>(am, k, bm, n, cm, n, kn, first); break;
+    default: break;
+  }
+}
+
+// Columns [n0, n1) of the output (whole kNB blocks): slab by slab, so that each row of a slab is read
+// as one contiguous run of up to `wide` columns rather than 128 bytes at a time.
+void column_range(const float* a, const float* b, float* c, int64_t m, int64_t k, int64_t n, int64_t n0, int64_t n1) {
   for (int64_t k0 = 0; k0 < k; k0 += kKB) {
     const int64_t kn = std::min(kKB, k - k0);
-    int64_t m0 = 0;
-    for (; m0 + kMR <= m; m0 += kMR)
-      micro<kMR>(a + m0 * k + k0, k, b + k0 * n + n0, n, c + m0 * n + n0, n, kn, k0 == 0);
-    for (; m0 < m; ++m0) micro<1>(a + m0 * k + k0, k, b + k0 * n + n0, n, c + m0 * n + n0, n, kn, k0 == 0);
+    for (int64_t j = n0; j < n1; j += kNB) rows(a, b, c, m, k, n, k0, kn, j);
   }
 }
 
@@ -82,10 +103,15 @@ ffi::Error LayerMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::B
   const float* a = x.typed_data();
   const float* b = w.typed_data() + static_cast<size_t>(l) * k * n;
   float* c = out->typed_data();
-  const int64_t blocks = n / kNB;
-  jaxcb::parallel_for(pool, blocks, m * k * n >= (1 << 16),
-                      [=](int64_t i) { column_block(a, b, c, m, k, n, i * kNB); });
-  if (blocks * kNB < n) column_tail(a, b, c, m, k, n, blocks * kNB);
+  // Work items: ranges of `wide` columns, a multiple of kNB between kNB and 256, about a quarter of
+  // the whole blocks so that both threads get work.
+  const int64_t whole = n / kNB * kNB;
+  const int64_t wide = std::max<int64_t>(kNB, std::min<int64_t>(256, whole / 4 / kNB * kNB));
+  const int64_t items = (whole + wide - 1) / wide;
+  jaxcb::parallel_for(pool, items, m * k * n >= (1 << 16), [=](int64_t i) {
+    column_range(a, b, c, m, k, n, i * wide, std::min(whole, (i + 1) * wide));
+  });
+  if (whole < n) column_tail(a, b, c, m, k, n, whole);
   return ffi::Error::Success();
 }
 
