@@ -1,7 +1,8 @@
 """Native CPU kernels, called from the jitted step through XLA's FFI (the CPU backend only).
 
-`paged_decode(...)` is the decode half of `jaxcb.model.paged_attention.ragged_attention`: one query
-token per sequence over its paged keys and values, in one pass over each page (paged_attention.cc).
+`ragged_attention(...)` is `jaxcb.model.paged_attention.ragged_attention` (its oracle) for a packed step:
+every sequence's new tokens (decode rows and prefill chunks) over its own paged keys and values, causal,
+in one pass over each page per block of queries (paged_attention.cc).
 `layer_matmul(x, w, layer)` is x @ w[layer] for float32 weights stacked over layers, read in place
 inside the layer scan (matmul.cc), where XLA would copy the layer's matrix out of the stack first.
 `available()` builds the library on first use (kernels_cpu.build) and registers it with XLA; where it
@@ -16,7 +17,7 @@ import logging
 
 log = logging.getLogger("jaxcb.kernels_cpu")
 
-TARGET = "jaxcb_paged_decode"
+TARGET = "jaxcb_ragged_attention"
 MATMUL_TARGET = "jaxcb_layer_matmul"
 
 
@@ -30,7 +31,7 @@ def _load() -> str | None:
     try:
         path = build.build()
         lib = ctypes.cdll.LoadLibrary(str(path))
-        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.JaxcbPagedDecode), platform="cpu")
+        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.JaxcbRaggedAttention), platform="cpu")
         jax.ffi.register_ffi_target(MATMUL_TARGET, jax.ffi.pycapsule(lib.JaxcbLayerMatmul), platform="cpu")
     except Exception as e:  # no compiler, a failed build: the plain-JAX path stays
         log.warning("native CPU attention unavailable (%s); using the plain-JAX attention", e)
@@ -46,13 +47,13 @@ def unavailable_reason() -> str | None:
     return _load()
 
 
-def paged_decode(q, kv_pages, layer, kv_lens, page_table, cu_q_lens, num_seqs, window=0, softcap=0.0):
-    """q [M, H, D] float32, already multiplied by the score scale (each sequence's last query);
-    kv_pages [L, 2, K, P, S, W] float32, bfloat16 or int8 (W = D + 4); layer, window scalars; kv_lens
-    [M]; page_table [M, N]; cu_q_lens [M + 1]; num_seqs [1]. Returns [M, H, D] float32: each sequence
-    with exactly one query token of the step (cu_q_lens) attends over its kv_lens[i] keys (only the
-    last `window` when window > 0); other rows are zeros. `softcap` (static): scores become
-    softcap * tanh(scores / softcap)."""
+def ragged_attention(q, kv_pages, layer, kv_lens, page_table, cu_q_lens, num_seqs, window=0, softcap=0.0):
+    """q [T, H, D] float32, already multiplied by the score scale; kv_pages [L, 2, K, P, S, W] float32,
+    bfloat16 or int8 (W = D + 4); layer, window scalars; kv_lens [M]; page_table [M, N]; cu_q_lens
+    [M + 1]; num_seqs [1]. Returns [T, H, D] float32: sequence i's tokens cu_q_lens[i]:cu_q_lens[i+1]
+    are the last of its kv_lens[i] keys, each attends causally to the keys up to its own position
+    (only the last `window` when window > 0); padding rows and sequences without keys give zeros.
+    `softcap` (static): scores become softcap * tanh(scores / softcap)."""
     import jax
     import jax.numpy as jnp
     import numpy as np

@@ -165,48 +165,59 @@ inline void page_values(const float* weights, const float* v, int64_t d, int64_t
 }
 
 struct Problem {
-  const float* q;          // [M, H, D], already multiplied by the score scale
-  const uint8_t* pages;    // [L, 2, K, P, S, W] of `elem` bytes each
-  int64_t layer, nk, np, s, w, d, g, m, n;  // layer, K, P, S, W, D, G, M, N (page-table width)
+  const float* q;          // [T, H, D], already multiplied by the score scale
+  const uint8_t* pages;    // [L, 2, K, P, S, W]
+  int64_t layer, nk, np, s, w, d, g, n;  // layer, K, P, S, W, D, G, N (page-table width)
   const int32_t* kv_lens;  // [M]
   const int32_t* page_table;  // [M, N]
   const int32_t* cu_q_lens;   // [M + 1]
-  int32_t num_seqs, window;
+  int32_t window;
   float softcap;
-  float* out;  // [M, H, D]
+  float* out;  // [T, H, D]
 };
+
+// A work item: queries j0 .. j0 + nq - 1 of sequence i, against KV head k.
+struct Block {
+  int32_t i, k, j0, nq;
+};
+constexpr int64_t kQueriesPerBlock = 8;
 
 inline void prefetch_page(const uint8_t* page, size_t bytes) {
   for (size_t off = 0; off < bytes; off += 64) __builtin_prefetch(page + off, 0, PREFETCH_LEVEL);
 }
 
-// Attention of sequence i's one query (the G heads of KV head k) over its live pages, page by page
-// with an online softmax.
+// The block's queries (each with the G query heads of KV head k) over the pages their keys are on,
+// page by page with an online softmax per query head. Query j of a sequence with kv_len keys and q_len
+// new tokens sits at position kv_len - q_len + j and sees the keys at positions up to its own (and,
+// with a window, after position - window). A decode token is a block of one query.
 template <typename Page, int G>
-void decode_item(const Problem& p, int64_t i, int64_t k) {
-  const int64_t g = G, d = p.d, s = p.s;
-  float* out = p.out + (i * p.nk * g + k * g) * d;
-  const int64_t len = p.kv_lens[i];
-  if (i >= p.num_seqs || p.cu_q_lens[i + 1] - p.cu_q_lens[i] != 1 || len <= 0) {
-    std::fill(out, out + g * d, 0.0f);
+void attend_block(const Problem& p, const Block& b) {
+  const int64_t g = G, d = p.d, s = p.s, h = p.nk * G;
+  const int64_t len = p.kv_lens[b.i], q_len = p.cu_q_lens[b.i + 1] - p.cu_q_lens[b.i];
+  const int64_t row0 = p.cu_q_lens[b.i] + b.j0;  // token row of the block's first query
+  const int64_t nq = b.nq;
+  if (len <= 0) {  // nothing to attend to (an inactive page group): zeros
+    for (int64_t jq = 0; jq < nq; ++jq) std::fill_n(p.out + ((row0 + jq) * h + b.k * g) * d, g * d, 0.0f);
     return;
   }
-  const float* q = p.q + (i * p.nk * g + k * g) * d;
-  const int64_t lo = p.window > 0 ? std::max<int64_t>(0, len - p.window) : 0;  // first visible key
-  float mx[G], den[G];
-  thread_local std::vector<float> buffers;  // per thread: acc [G, D], scores [G, S], a widened page [S, D]
-  buffers.resize(static_cast<size_t>(G * d + G * s + s * d));
+  thread_local std::vector<float> buffers;  // acc [nq, G, D], scores [nq, G, S], K and V pages widened [2, S, D]
+  buffers.resize(static_cast<size_t>(kQueriesPerBlock * G * (d + s) + 2 * s * d));
   float* acc = buffers.data();
-  float* scores = acc + G * d;
-  float* scratch = scores + G * s;
+  float* scores = acc + kQueriesPerBlock * G * d;
+  float* k_scratch = scores + kQueriesPerBlock * G * s;
+  float* v_scratch = k_scratch + s * d;
+  float mx[kQueriesPerBlock * G], den[kQueriesPerBlock * G];
   float kscale[256], vscale[256];
-  for (int j = 0; j < G; ++j) mx[j] = kMasked, den[j] = 0.0f;
-  std::fill(acc, acc + g * d, 0.0f);
+  std::fill_n(mx, nq * G, kMasked);
+  std::fill_n(den, nq * G, 0.0f);
+  std::fill_n(acc, nq * G * d, 0.0f);
+  const int64_t first_pos = len - q_len + b.j0, last_pos = first_pos + nq - 1;
+  const int64_t lo = p.window > 0 ? std::max<int64_t>(0, first_pos - p.window + 1) : 0;  // first key any query sees
   const size_t page_bytes = static_cast<size_t>(s * p.w) * Page::kBytes;
-  const uint8_t* k_pool = p.pages + static_cast<size_t>((p.layer * 2 + 0) * p.nk + k) * p.np * page_bytes;
-  const uint8_t* v_pool = p.pages + static_cast<size_t>((p.layer * 2 + 1) * p.nk + k) * p.np * page_bytes;
-  const int32_t* table = p.page_table + i * p.n;
-  const int64_t first = lo / s, last = (len - 1) / s;
+  const uint8_t* k_pool = p.pages + static_cast<size_t>((p.layer * 2 + 0) * p.nk + b.k) * p.np * page_bytes;
+  const uint8_t* v_pool = p.pages + static_cast<size_t>((p.layer * 2 + 1) * p.nk + b.k) * p.np * page_bytes;
+  const int32_t* table = p.page_table + static_cast<int64_t>(b.i) * p.n;
+  const int64_t first = lo / s, last = last_pos / s;
   // Pages sit anywhere in the pool, so the hardware prefetcher cannot run ahead across them: the
   // pages kPrefetchPages ahead are requested while this one is computed.
   for (int64_t n = first; n <= std::min(last, first + kPrefetchPages - 1); ++n) {
@@ -218,83 +229,94 @@ void decode_item(const Problem& p, int64_t i, int64_t k) {
       prefetch_page(k_pool + table[n + kPrefetchPages] * page_bytes, page_bytes);
       prefetch_page(v_pool + table[n + kPrefetchPages] * page_bytes, page_bytes);
     }
-    const int64_t page = table[n];
-    const int64_t s0 = std::max<int64_t>(lo - n * s, 0), s1 = std::min<int64_t>(len - n * s, s);
-    const float* keys = Page::rows(k_pool + page * page_bytes, s0, s1, p.w, scratch, kscale);
-    page_scores<G>(q, keys, d, s, s0, s1, kscale, scores);
-    for (int j = 0; j < G; ++j) {
-      float* sj = scores + j * s;
-      if (p.softcap > 0.0f)
-        for (int64_t t = s0; t < s1; ++t) sj[t] = p.softcap * std::tanh(sj[t] / p.softcap);
-      float page_max = kMasked;
-      for (int64_t t = s0; t < s1; ++t) page_max = std::max(page_max, sj[t]);
-      const float new_mx = std::max(mx[j], page_max);
-      const float keep = exp_nonpos(mx[j] - new_mx);
-      mx[j] = new_mx;
-      float sum = 0.0f;
+    const int64_t page = table[n], base = n * s;
+    const int64_t s0 = std::max<int64_t>(lo - base, 0), s1 = std::min<int64_t>(last_pos + 1 - base, s);
+    const float* keys = Page::rows(k_pool + page * page_bytes, s0, s1, p.w, k_scratch, kscale);
+    const float* values = Page::rows(v_pool + page * page_bytes, s0, s1, p.w, v_scratch, vscale);
+    for (int64_t jq = 0; jq < nq; ++jq) {
+      const int64_t pos = first_pos + jq;
+      const int64_t from = p.window > 0 ? pos - p.window + 1 : 0;
+      const int64_t t0 = std::max(s0, from - base), t1 = std::min(s1, pos + 1 - base);
+      if (t0 >= t1) continue;
+      const float* q = p.q + ((row0 + jq) * h + b.k * g) * d;
+      float* sc = scores + jq * G * s;
+      float* a = acc + jq * G * d;
+      page_scores<G>(q, keys, d, s, t0, t1, kscale, sc);
+      for (int j = 0; j < G; ++j) {
+        float* sj = sc + j * s;
+        const int64_t r = jq * G + j;
+        if (p.softcap > 0.0f)
+          for (int64_t t = t0; t < t1; ++t) sj[t] = p.softcap * std::tanh(sj[t] / p.softcap);
+        float page_max = kMasked;
+        for (int64_t t = t0; t < t1; ++t) page_max = std::max(page_max, sj[t]);
+        const float new_mx = std::max(mx[r], page_max);
+        const float keep = exp_nonpos(mx[r] - new_mx);
+        mx[r] = new_mx;
+        float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
-      for (int64_t t = s0; t < s1; ++t) {
-        sj[t] = exp_nonpos(sj[t] - new_mx);
-        sum += sj[t];
-      }
-      den[j] = den[j] * keep + sum;
-      if (keep != 1.0f) {
-        float* a = acc + j * d;
+        for (int64_t t = t0; t < t1; ++t) {
+          sj[t] = exp_nonpos(sj[t] - new_mx);
+          sum += sj[t];
+        }
+        den[r] = den[r] * keep + sum;
+        if (keep != 1.0f) {
+          float* aj = a + j * d;
 #pragma omp simd
-        for (int64_t e = 0; e < d; ++e) a[e] *= keep;
+          for (int64_t e = 0; e < d; ++e) aj[e] *= keep;
+        }
       }
+      page_values<G>(sc, values, d, s, t0, t1, vscale, a);
     }
-    const float* values = Page::rows(v_pool + page * page_bytes, s0, s1, p.w, scratch, vscale);
-    page_values<G>(scores, values, d, s, s0, s1, vscale, acc);
   }
-  for (int j = 0; j < G; ++j) {
-    const float inv = den[j] > 0.0f ? 1.0f / den[j] : 0.0f;
-    for (int64_t e = 0; e < d; ++e) out[j * d + e] = acc[j * d + e] * inv;
+  for (int64_t jq = 0; jq < nq; ++jq) {
+    float* out = p.out + ((row0 + jq) * h + b.k * g) * d;
+    for (int j = 0; j < G; ++j) {
+      const float dn = den[jq * G + j];
+      const float inv = dn > 0.0f ? 1.0f / dn : 0.0f;
+      const float* a = acc + (jq * G + j) * d;
+      for (int64_t e = 0; e < d; ++e) out[j * d + e] = a[e] * inv;
+    }
   }
 }
 
 template <typename Page, int G>
-void run_group(ffi::ThreadPool& pool, const Problem& p) {
-  // Waking a pool thread costs tens of microseconds: below about 1 MiB of K/V a call (a few
-  // sequences of short context) the calling thread does all of it (measured: 1 row x 128 tokens ran
-  // 3x slower with a helper).
-  int64_t slots = 0;
-  for (int64_t i = 0; i < std::min<int64_t>(p.m, p.num_seqs); ++i) slots += p.kv_lens[i];
-  const bool helpers_pay = slots * p.nk * 2 * p.w * static_cast<int64_t>(Page::kBytes) >= (1 << 20);
-  jaxcb::parallel_for(pool, p.m * p.nk, helpers_pay,
-               [p](int64_t item) { decode_item<Page, G>(p, item / p.nk, item % p.nk); });
+void run_group(ffi::ThreadPool& pool, const Problem& p, const std::vector<Block>& blocks, bool helpers_pay) {
+  const Block* items = blocks.data();
+  jaxcb::parallel_for(pool, static_cast<int64_t>(blocks.size()), helpers_pay,
+                      [p, items](int64_t item) { attend_block<Page, G>(p, items[item]); });
 }
 
 // Query heads per KV head as a compile-time constant, so each head's accumulators stay in registers.
 template <typename Page>
-bool run(ffi::ThreadPool& pool, const Problem& p) {
+bool run(ffi::ThreadPool& pool, const Problem& p, const std::vector<Block>& blocks, bool helpers_pay) {
   switch (p.g) {
-    case 1: run_group<Page, 1>(pool, p); return true;
-    case 2: run_group<Page, 2>(pool, p); return true;
-    case 3: run_group<Page, 3>(pool, p); return true;
-    case 4: run_group<Page, 4>(pool, p); return true;
-    case 5: run_group<Page, 5>(pool, p); return true;
-    case 6: run_group<Page, 6>(pool, p); return true;
-    case 7: run_group<Page, 7>(pool, p); return true;
-    case 8: run_group<Page, 8>(pool, p); return true;
-    case 12: run_group<Page, 12>(pool, p); return true;
-    case 16: run_group<Page, 16>(pool, p); return true;
+    case 1: run_group<Page, 1>(pool, p, blocks, helpers_pay); return true;
+    case 2: run_group<Page, 2>(pool, p, blocks, helpers_pay); return true;
+    case 3: run_group<Page, 3>(pool, p, blocks, helpers_pay); return true;
+    case 4: run_group<Page, 4>(pool, p, blocks, helpers_pay); return true;
+    case 5: run_group<Page, 5>(pool, p, blocks, helpers_pay); return true;
+    case 6: run_group<Page, 6>(pool, p, blocks, helpers_pay); return true;
+    case 7: run_group<Page, 7>(pool, p, blocks, helpers_pay); return true;
+    case 8: run_group<Page, 8>(pool, p, blocks, helpers_pay); return true;
+    case 12: run_group<Page, 12>(pool, p, blocks, helpers_pay); return true;
+    case 16: run_group<Page, 16>(pool, p, blocks, helpers_pay); return true;
     default: return false;
   }
 }
 
-ffi::Error PagedDecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer kv_pages,
-                           ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> kv_lens,
-                           ffi::Buffer<ffi::S32> page_table, ffi::Buffer<ffi::S32> cu_q_lens,
-                           ffi::Buffer<ffi::S32> num_seqs, ffi::Buffer<ffi::S32> window, float softcap,
-                           ffi::ResultBuffer<ffi::F32> out) {
+ffi::Error RaggedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer kv_pages,
+                               ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> kv_lens,
+                               ffi::Buffer<ffi::S32> page_table, ffi::Buffer<ffi::S32> cu_q_lens,
+                               ffi::Buffer<ffi::S32> num_seqs, ffi::Buffer<ffi::S32> window, float softcap,
+                               ffi::ResultBuffer<ffi::F32> out) {
   auto qd = q.dimensions();
   auto kd = kv_pages.dimensions();
-  if (qd.size() != 3 || kd.size() != 6) return ffi::Error::InvalidArgument("paged_decode: q [M,H,D], pages [L,2,K,P,S,W]");
+  if (qd.size() != 3 || kd.size() != 6)
+    return ffi::Error::InvalidArgument("ragged_attention: q [T, H, D], pages [L, 2, K, P, S, W]");
   Problem p;
   p.q = q.typed_data();
   p.pages = static_cast<const uint8_t*>(kv_pages.untyped_data());
-  p.m = qd[0];
+  const int64_t t = qd[0];
   p.d = qd[2];
   p.nk = kd[2];
   p.np = kd[3];
@@ -306,38 +328,52 @@ ffi::Error PagedDecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::A
   p.kv_lens = kv_lens.typed_data();
   p.page_table = page_table.typed_data();
   p.cu_q_lens = cu_q_lens.typed_data();
-  p.num_seqs = num_seqs.typed_data()[0];
   p.window = window.typed_data()[0];
   p.softcap = softcap;
   p.out = out->typed_data();
+  const int64_t m = kv_lens.dimensions()[0];
+  const int64_t seqs = std::min<int64_t>(num_seqs.typed_data()[0], m);
   if (p.s > 256 || p.g * p.nk != qd[1])
-    return ffi::Error::InvalidArgument("paged_decode: unsupported heads, head dim or page size");
-  if (p.layer < 0 || p.layer >= kd[0]) return ffi::Error::InvalidArgument("paged_decode: layer out of range");
+    return ffi::Error::InvalidArgument("ragged_attention: unsupported page size or heads");
+  if (p.layer < 0 || p.layer >= kd[0]) return ffi::Error::InvalidArgument("ragged_attention: layer out of range");
+  size_t elem = 0;
   switch (kv_pages.element_type()) {
-    case ffi::DataType::F32:
-      if (p.w != p.d) return ffi::Error::InvalidArgument("paged_decode: float32 pages must have W = D");
-      if (!run<F32Page>(pool, p)) return ffi::Error::InvalidArgument("paged_decode: unsupported query heads per KV head");
-      break;
-    case ffi::DataType::BF16:
-      if (p.w != p.d) return ffi::Error::InvalidArgument("paged_decode: bfloat16 pages must have W = D");
-      if (!run<BF16Page>(pool, p)) return ffi::Error::InvalidArgument("paged_decode: unsupported query heads per KV head");
-      break;
-    case ffi::DataType::S8:
-      if (p.w != p.d + 4) return ffi::Error::InvalidArgument("paged_decode: int8 pages must have W = D + 4");
-      if (!run<I8Page>(pool, p)) return ffi::Error::InvalidArgument("paged_decode: unsupported query heads per KV head");
-      break;
-    default:
-      return ffi::Error::InvalidArgument("paged_decode: pages must be float32, bfloat16 or int8");
+    case ffi::DataType::F32: elem = 4; break;
+    case ffi::DataType::BF16: elem = 2; break;
+    case ffi::DataType::S8: elem = 1; break;
+    default: return ffi::Error::InvalidArgument("ragged_attention: pages must be float32, bfloat16 or int8");
   }
+  if (p.w != p.d + (elem == 1 ? 4 : 0)) return ffi::Error::InvalidArgument("ragged_attention: page width");
+  // Blocks of up to kQueriesPerBlock queries per sequence and KV head; the K/V bytes they read decide
+  // whether pool threads are worth waking (below about 1 MiB a call the caller does it alone).
+  std::vector<Block> blocks;
+  int64_t slots = 0;
+  for (int64_t i = 0; i < seqs; ++i) {
+    const int64_t q_len = p.cu_q_lens[i + 1] - p.cu_q_lens[i];
+    for (int64_t j0 = 0; j0 < q_len; j0 += kQueriesPerBlock) {
+      const int64_t nq = std::min(kQueriesPerBlock, q_len - j0);
+      for (int64_t k = 0; k < p.nk; ++k)
+        blocks.push_back({static_cast<int32_t>(i), static_cast<int32_t>(k), static_cast<int32_t>(j0),
+                          static_cast<int32_t>(nq)});
+      slots += std::max<int64_t>(0, p.kv_lens[i] - q_len + j0 + nq);
+    }
+  }
+  const int64_t live = seqs > 0 ? std::min<int64_t>(p.cu_q_lens[seqs], t) : 0;
+  std::fill(p.out + live * qd[1] * p.d, p.out + t * qd[1] * p.d, 0.0f);  // padding tokens: zeros
+  const bool helpers_pay = slots * p.nk * 2 * p.w * static_cast<int64_t>(elem) >= (1 << 20);
+  bool ok = elem == 4 ? run<F32Page>(pool, p, blocks, helpers_pay)
+            : elem == 2 ? run<BF16Page>(pool, p, blocks, helpers_pay)
+                        : run<I8Page>(pool, p, blocks, helpers_pay);
+  if (!ok) return ffi::Error::InvalidArgument("ragged_attention: unsupported query heads per KV head");
   return ffi::Error::Success();
 }
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcbPagedDecode, PagedDecodeImpl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcbRaggedAttention, RaggedAttentionImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // q [M, H, D]
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // q [T, H, D]
                                   .Arg<ffi::AnyBuffer>()          // kv_pages [L, 2, K, P, S, W]
                                   .Arg<ffi::Buffer<ffi::S32>>()   // layer []
                                   .Arg<ffi::Buffer<ffi::S32>>()   // kv_lens [M]
@@ -346,4 +382,4 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcbPagedDecode, PagedDecodeImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()   // num_seqs [1]
                                   .Arg<ffi::Buffer<ffi::S32>>()   // window []
                                   .Attr<float>("softcap")
-                                  .Ret<ffi::Buffer<ffi::F32>>());  // out [M, H, D]
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // out [T, H, D]

@@ -31,7 +31,7 @@ def test_every_warmup_shape_of_the_step_exports_for_gpu_and_tpu(platform):
             calls = custom_calls(e)
             assert KERNEL_CALLS[platform] <= calls, (shape, tensor, calls)
             assert not unexpected_calls(e, platform), (shape, tensor, calls)
-            assert "jaxcb_paged_decode" not in e.mlir_module()
+            assert "jaxcb_ragged_attention" not in e.mlir_module()
             assert e.nr_devices == tensor and e.platforms == (platform,)
             exported += 1
     assert exported == len(shapes) + len(shapes[::2]) + 1

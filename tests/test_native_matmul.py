@@ -54,7 +54,7 @@ def test_the_native_step_gives_the_plain_step_logits():
     np.testing.assert_allclose(np.asarray(kv_native), np.asarray(kv_plain), rtol=2e-4, atol=2e-4)
     # The native step really calls the kernels; the plain one calls neither.
     text = step.lower(params, kv, batch, config=config, attention=native).as_text()
-    assert "jaxcb_layer_matmul" in text and "jaxcb_paged_decode" in text
+    assert "jaxcb_layer_matmul" in text and "jaxcb_ragged_attention" in text
     plain = step.lower(params, kv, batch, config=config, attention=dataclasses.replace(native, kernel="xla",
                                                                                       native_matmul=False)).as_text()
     assert "jaxcb_" not in plain

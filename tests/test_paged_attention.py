@@ -195,11 +195,12 @@ def test_int8_pages_hold_values_and_scales_and_attention_reads_them(native):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8"])
-def test_native_decode_matches_the_plain_jax_path_with_window_and_softcap(dtype):
-    """The native decode kernel against the plain-JAX loop it replaces, on what the unit tests above do
-    not cover: a sliding window (keys before t - window skipped, pages before it null in the table),
-    score soft-capping, a custom score scale, bfloat16 and int8 pages, 16 query heads per KV head,
-    page size 256 with lengths 0, 1, 255, 256, 257 and one near the maximum, and padding rows."""
+def test_native_attention_matches_the_plain_jax_path_with_window_and_softcap(dtype):
+    """The native kernel against the plain-JAX loops it replaces, on what the unit tests above do not
+    cover: a sliding window (keys before t - window skipped) for decode rows and for prefill chunks
+    longer than a query block and crossing the window's edge, score soft-capping, a custom score scale,
+    bfloat16 and int8 pages, 16 query heads per KV head, page size 256 with lengths 1, 255, 256, 257
+    and one near the maximum, and padding rows."""
     import functools
 
     import jax
@@ -211,8 +212,10 @@ def test_native_decode_matches_the_plain_jax_path_with_window_and_softcap(dtype)
     assert kernels_cpu.available(), kernels_cpu.unavailable_reason()
     rng = np.random.default_rng(3)
     s, heads, kv_heads, d, n_max, layers, layer = 256, 32, 2, 16, 4, 3, 2
-    lens = [1, 255, 256, 257, n_max * s - 3, 40]
-    num_pages = 1 + sum(-(-n // s) for n in lens) + 2
+    lens = [1, 255, 256, 257, n_max * s - 3, 40]  # decode rows: context lengths
+    chunks = [(300, 45), (0, 19)]  # prefill chunks: (start, tokens)
+    totals = lens + [a + b for a, b in chunks]
+    num_pages = 1 + sum(-(-n // s) for n in totals) + 2
     kv = jnp.asarray(rng.standard_normal((layers, 2, kv_heads, num_pages, s, d)), jnp.float32)
     if dtype == "int8":
         from jaxcb.model.paged_attention import quantize_kv
@@ -221,13 +224,16 @@ def test_native_decode_matches_the_plain_jax_path_with_window_and_softcap(dtype)
     else:
         kv = kv.astype(dtype)
     perm = iter(rng.permutation(np.arange(1, num_pages)))
-    specs = [SeqSpec([0], n - 1, [int(next(perm)) for _ in range(-(-n // s))]) for n in lens]
-    batch = pack(specs, StepShape(tokens=len(lens) + 3, seqs=len(lens) + 2, pages_per_seq=n_max, history=n_max * s), s)
+    pages = [[int(next(perm)) for _ in range(-(-n // s))] for n in totals]
+    specs = [SeqSpec([0], n - 1, pages[i]) for i, n in enumerate(lens)]
+    specs += [SeqSpec([0] * b, a, pages[len(lens) + i]) for i, (a, b) in enumerate(chunks)]
+    live = len(lens) + sum(b for _, b in chunks)
+    batch = pack(specs, StepShape(tokens=live + 3, seqs=len(specs) + 2, pages_per_seq=n_max, history=n_max * s), s)
     batch = jax.tree_util.tree_map(jnp.asarray, batch)
-    q = jnp.asarray(rng.standard_normal((len(lens) + 3, heads, d)), jnp.float32)
+    q = jnp.asarray(rng.standard_normal((live + 3, heads, d)), jnp.float32)
     for window, softcap, scale in [(0, 0.0, None), (300, 0.0, 0.1), (37, 5.0, None)]:
         run = lambda native: np.asarray(jax.jit(functools.partial(  # noqa: E731
             ragged_attention, native=native, window=window, softcap=softcap, scale=scale))(q, kv, jnp.int32(layer), batch))
         want, got = run(False), run(True)
         np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5, err_msg=f"window {window} softcap {softcap}")
-        np.testing.assert_array_equal(got[len(lens):], 0)
+        np.testing.assert_array_equal(got[live:], 0)

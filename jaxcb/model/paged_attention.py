@@ -169,8 +169,9 @@ def ragged_attention(q, kv_pages, layer, batch, scale=None, window=0, softcap=0.
         query, combined per sequence with an online softmax (segment max / sum over the owners);
       - prefill tokens: every token of the step against blocks of the prefill sequences' pages, as
         two GEMMs per block, masked to the token's own sequence and causally, online softmax.
-    `native`: the decode tokens go to the native CPU kernel (kernels_cpu.paged_decode, one pass over
-    each page) instead of the first loop; this function stays its oracle.
+    `native`: the whole step goes to the native CPU kernel instead (kernels_cpu.ragged_attention: each
+    sequence's queries over its own pages only, one pass over each page per block of queries); this
+    function stays its oracle.
     """
     t, h, d = q.shape
     nl, two, nk, p, s, width = kv_pages.shape  # width: D, or D + 4 for int8 pages (dequantized as gathered)
@@ -178,6 +179,11 @@ def ragged_attention(q, kv_pages, layer, batch, scale=None, window=0, softcap=0.
     m = batch.kv_lens.shape[0]
     w = batch.item_pages.shape[0]
     qg = (q.astype(jnp.float32) * (1.0 / d**0.5 if scale is None else scale)).reshape(t, nk, g, d)
+    if native:
+        import kernels_cpu
+
+        return kernels_cpu.ragged_attention(qg.reshape(t, h, d), kv_pages, layer, batch.kv_lens, batch.page_table,
+                                            batch.cu_q_lens, batch.num_seqs, window, softcap).astype(q.dtype)
     cap = (lambda x: softcap * jnp.tanh(x / softcap)) if softcap else (lambda x: x)  # noqa: E731
     window = jnp.asarray(window, jnp.int32)
     reach = jnp.where(window > 0, window, jnp.iinfo(jnp.int32).max // 2)  # keys at t - reach and before: out
@@ -220,17 +226,10 @@ def ragged_attention(q, kv_pages, layer, batch, scale=None, window=0, softcap=0.
         acc = acc * keep[..., None] + jax.ops.segment_sum(part, own, num_segments=m + 1)
         return new_mx, den, acc
 
-    if native:
-        import kernels_cpu
-
-        decoded = kernels_cpu.paged_decode(q_last[:m].reshape(m, h, d), kv_pages, layer, batch.kv_lens,
-                                           batch.page_table, batch.cu_q_lens, batch.num_seqs, window, softcap)
-        decoded = jnp.concatenate([decoded.reshape(m, nk, g, d), jnp.zeros((1, nk, g, d), jnp.float32)])
-    else:
-        init = (jnp.full((m + 1, nk, g), _MASKED, jnp.float32), jnp.zeros((m + 1, nk, g), jnp.float32),
-                jnp.zeros((m + 1, nk, g, d), jnp.float32))
-        _, den, acc = jax.lax.fori_loop(0, (n_decode + wb - 1) // wb, decode_block, init)
-        decoded = acc / jnp.where(den > 0, den, 1.0)[..., None]  # [M+1, K, G, D]
+    init = (jnp.full((m + 1, nk, g), _MASKED, jnp.float32), jnp.zeros((m + 1, nk, g), jnp.float32),
+            jnp.zeros((m + 1, nk, g, d), jnp.float32))
+    _, den, acc = jax.lax.fori_loop(0, (n_decode + wb - 1) // wb, decode_block, init)
+    decoded = acc / jnp.where(den > 0, den, 1.0)[..., None]  # [M+1, K, G, D]
 
     # ---- prefill: all tokens against blocks of the prefill sequences' pages ----
 
