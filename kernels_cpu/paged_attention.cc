@@ -1,19 +1,19 @@
-// Paged decode attention for the CPU, called from the jitted step through XLA's FFI.
+// Paged attention of a packed step for the CPU, called from the jitted step through XLA's FFI.
 //
 // Why a native kernel: in plain JAX, XLA:CPU gathers each page into a temporary, runs small batched
-// dots and an online softmax as separate passes, and reads the live K/V at 2.8-5 GB/s. Here one pass
-// streams each page once from the pool and does the dots, the softmax and the weighted sum while it is
-// in L1, so decode attention runs at the speed memory delivers the pages.
+// dots and an online softmax as separate passes, and reads the live K/V at 2.8-5 GB/s; its prefill
+// formulation also runs every token of the step against every prefill sequence's pages (masked). Here
+// each sequence's queries see only their own pages, and one pass streams each page once and does the
+// dots, the softmax and the weighted sum while it is in L1.
 //
 // Layout (jaxcb.model.paged_attention): kv_pages [L, 2, K, P, S, W], W = D (float pages) or D + 4
 // (int8 pages: D values, then the float32 scale's 4 bytes). Query head h belongs to KV head h / G.
+// Sequence i's tokens are rows cu_q_lens[i]:cu_q_lens[i+1] of q, the last of its kv_lens[i] keys.
 //
-// Work: one item per (sequence, KV head) of the step's decode sequences (one query token each);
-// items are shared between the calling thread and XLA's intra-op thread pool through an atomic
-// counter, so a pool thread that starts late finds nothing left and the caller never waits on a task
-// that has not started.
+// Work: one block per (sequence, KV head, up to 8 consecutive queries); a decode token is a block of
+// one query. Blocks are shared between the calling thread and XLA's intra-op thread pool (parallel.h).
 //
-// The plain-JAX `ragged_attention` is the oracle (tests/test_cpu_kernel.py).
+// The plain-JAX `ragged_attention` is the oracle (tests/test_paged_attention.py).
 
 #include <algorithm>
 #include <atomic>
