@@ -42,7 +42,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefix-cache", choices=("on", "off"), default=None,
                    help="share the pages of common prompt prefixes (default: the config's cache.prefix_caching, on)")
     p.add_argument("--attention", choices=("xla", "native", "pallas", "auto"), default=None,
-                   help="attention: plain JAX, the native CPU decode kernel, the Pallas kernels, or auto (Pallas "
+                   help="attention: plain JAX, the native CPU kernels, the Pallas kernels, or auto (Pallas "
                         "on GPU/TPU, native on the CPU when it builds; the config's model.attention by default)")
     p.add_argument("--tensor-parallel", type=int, default=None, metavar="N",
                    help="split each step over N devices by attention heads (default: the config's parallel.tensor, 1)")

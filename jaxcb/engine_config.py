@@ -27,7 +27,7 @@ class EngineConfig:
     scheduler: SchedulerConfig
     buckets: Buckets
     seed: int | None = None  # draws seeds for requests that bring none; None = OS entropy
-    attention: str = "auto"  # "xla" (plain JAX) | "native" (the C++ CPU decode kernel) | "pallas" (kernels) |
+    attention: str = "auto"  # "xla" (plain JAX) | "native" (the C++ CPU kernels) | "pallas" (kernels) |
     #                          "auto" (Pallas on GPU/TPU, native on the CPU when it builds, else plain JAX)
     memory_fraction: float = 0.9  # of the memory budget the engine may use (weights, pages, step)
     memory_bytes: int = 0  # the memory budget; 0 = the device's memory

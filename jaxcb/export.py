@@ -31,8 +31,6 @@ from jaxcb.model.config import ModelConfig
 from jaxcb.model.llama import Attention, abstract_params
 from jaxcb.model.paged_attention import kv_slot_width
 
-PLATFORMS = ("cuda", "tpu")
-KERNEL = {"cuda": "gpu", "tpu": "tpu"}  # jaxcb.model.llama.Attention.kernel per platform
 KERNEL_CALLS = {"cuda": {"__gpu$xla.gpu.triton"}, "tpu": {"tpu_custom_call"}}  # the Pallas kernels
 PARTITIONER_CALLS = {"Sharding", "SPMDFullToShardShape", "SPMDShardToFullShape"}  # around shard_map
 HOST_CALLBACK = re.compile(r"callback|py_func", re.IGNORECASE)
@@ -43,7 +41,7 @@ def export_step(config: ModelConfig, shape: StepShape, platform: str, *, page_si
                 tensor: int = 1) -> export.Exported:
     """The engine step of `shape` (`config`'s model, float weights in `dtype`, pages in `kv_dtype`)
     exported for `platform` ("cuda" or "tpu") with its Pallas kernels, on `tensor` devices."""
-    from jaxcb.runner import step
+    from jaxcb.runner import PALLAS_KERNEL, step
 
     kv_dtype = jnp.dtype(kv_dtype or dtype)
     mesh = AbstractMesh((tensor,), (parallel.AXIS,)) if tensor > 1 else None
@@ -65,7 +63,7 @@ def export_step(config: ModelConfig, shape: StepShape, platform: str, *, page_si
     args = (params, tuple(kv) if config.windowed else kv[0],
             jax.ShapeDtypeStruct((max_seqs,), jnp.int32, sharding=sharded(P())),
             host(pack([], shape, page_size, window)), host(pack_sampling([], shape)))
-    attention = Attention(KERNEL[platform], mesh=mesh)
+    attention = Attention(PALLAS_KERNEL[platform], mesh=mesh)
     fn = jax.jit(step, static_argnames=("config", "attention"), donate_argnums=(1,))
     checks = [export.DisabledSafetyCheck.custom_call(name) for name in KERNEL_CALLS[platform]]
     with jax.sharding.use_abstract_mesh(mesh) if mesh is not None else contextlib.nullcontext():

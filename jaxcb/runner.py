@@ -165,16 +165,19 @@ def make_runner(model_config: ModelConfig, params: Params, config, dtype=None, p
     return runner, config
 
 
+PALLAS_KERNEL = {"tpu": "tpu", "gpu": "gpu", "cuda": "gpu", "rocm": "gpu"}  # platform -> Attention.kernel
+
+
 def resolve_attention(choice: str, mesh=None) -> Attention:
     """The engine config's `attention` for this platform.
 
-    "xla": the plain-JAX reference everywhere. "native": on the CPU, the plain-JAX step with decode
-    attention in the C++ kernel (kernels_cpu; an error where it cannot be built). "pallas": the Pallas
+    "xla": the plain-JAX reference everywhere. "native": on the CPU, the step's attention, and on one
+    device its float32 layer matmuls, in the C++ kernels (kernels_cpu; an error where they cannot be built). "pallas": the Pallas
     kernels of the platform (on the CPU, the GPU kernel in interpret mode: for tests, slow). "auto": the
     Pallas kernels on GPU/TPU; on the CPU the native kernel when it builds, else the plain-JAX path.
     """
     platform = jax.default_backend()
-    kernel = {"tpu": "tpu", "gpu": "gpu", "cuda": "gpu", "rocm": "gpu"}.get(platform)
+    kernel = PALLAS_KERNEL.get(platform)
     if choice == "native" or (choice == "auto" and kernel is None):
         import kernels_cpu
 

@@ -34,7 +34,7 @@ def _load() -> str | None:
         jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.JaxcbRaggedAttention), platform="cpu")
         jax.ffi.register_ffi_target(MATMUL_TARGET, jax.ffi.pycapsule(lib.JaxcbLayerMatmul), platform="cpu")
     except Exception as e:  # no compiler, a failed build: the plain-JAX path stays
-        log.warning("native CPU attention unavailable (%s); using the plain-JAX attention", e)
+        log.warning("native CPU kernels unavailable (%s); using the plain-JAX step", e)
         return str(e)
     return None
 

@@ -27,7 +27,7 @@ log = logging.getLogger("jaxcb.kernels_cpu")
 
 HERE = Path(__file__).parent
 SOURCES = [HERE / "paged_attention.cc", HERE / "matmul.cc"]
-HEADERS = [HERE / "parallel.h"]
+HEADERS = [HERE / "parallel.h", HERE / "vec.h"]
 
 
 def cpu_flags() -> set[str]:

@@ -16,22 +16,21 @@
 #include <cstdint>
 
 #include "parallel.h"
+#include "vec.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
 
-typedef float vf __attribute__((vector_size(64)));               // 16 floats
-typedef float vfu __attribute__((vector_size(64), aligned(4)));  // the same, unaligned
-constexpr int kLanes = 16;
+using jaxcb::kLanes;
+using jaxcb::vf;
+using jaxcb::vload;
+using jaxcb::vstore;
 constexpr int kNV = 2;                // vectors of columns per block
 constexpr int kNB = kNV * kLanes;     // columns per block (a work item)
 constexpr int kMR = 8;                // rows of x per micro-kernel call
 constexpr int64_t kKB = 128;          // rows of w per slab (kKB x kNB floats = 16 KiB)
-
-inline vf vload(const float* p) { return *reinterpret_cast<const vfu*>(p); }
-inline void vstore(float* p, vf v) { *reinterpret_cast<vfu*>(p) = v; }
 
 // c[0:R, 0:kNB] (+)= a[0:R, 0:kn] @ b[0:kn, 0:kNB]; `first`: c starts at zero.
 template <int R>

@@ -16,15 +16,13 @@
 // The plain-JAX `ragged_attention` is the oracle (tests/test_paged_attention.py).
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <memory>
-#include <thread>
 #include <vector>
 
 #include "parallel.h"
+#include "vec.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -101,12 +99,10 @@ struct I8Page {  // rows of D int8 values then the float32 scale's 4 bytes; scra
   }
 };
 
-// 16 floats: AVX-512 registers where the build has them, two AVX2 (or four SSE) registers elsewhere.
-typedef float vf __attribute__((vector_size(64)));
-typedef float vfu __attribute__((vector_size(64), aligned(4)));
-constexpr int kLanes = 16;
-inline vf vload(const float* p) { return *reinterpret_cast<const vfu*>(p); }
-inline void vstore(float* p, vf v) { *reinterpret_cast<vfu*>(p) = v; }
+using jaxcb::kLanes;
+using jaxcb::vf;
+using jaxcb::vload;
+using jaxcb::vstore;
 inline float hsum(vf v) {  // a tree of halves: 4 dependent adds instead of 16
   typedef float v8 __attribute__((vector_size(32)));
   typedef float v4 __attribute__((vector_size(16)));

@@ -40,7 +40,7 @@ from kernels_pallas import engine_ragged_attention
 class Attention:
     """Which attention the step runs (a static argument: each choice is its own program)."""
 
-    kernel: str = "xla"  # "xla": plain JAX; "cpu": plain JAX with the native decode kernel (kernels_cpu);
+    kernel: str = "xla"  # "xla": plain JAX; "cpu": the native CPU attention (kernels_cpu);
     #                      "gpu" | "tpu": the Pallas kernels; "none": skipped (profiling only)
     interpret: bool = False  # run the Pallas kernel in interpret mode (the CPU)
     mesh: object = None  # a jax.sharding.Mesh with a "model" axis: attention runs per device (jaxcb.parallel)
