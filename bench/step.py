@@ -35,6 +35,8 @@ from common import machine  # noqa: E402
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default=None)
+    ap.add_argument("--weights", default="float32", choices=["float32", "int8", "int4"],
+                    help="the layer matrices' storage (jaxcb.model.quant)")
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 32])
     ap.add_argument("--contexts", type=int, nargs="+", default=[128, 512, 2048])
     ap.add_argument("--repeats", type=int, default=10)
@@ -53,7 +55,7 @@ def main():
     from jaxcb.runner import ModelRunner, resolve_attention, step
     from jaxcb.sampling import sample
 
-    model_config, params, _, _ = load_model(args.model)
+    model_config, params, _, _ = load_model(args.model, weights=args.weights)
     config = load_config()
     s = config.page_size
     max_context = min(config.scheduler.max_context, model_config.max_context)
@@ -63,7 +65,7 @@ def main():
     kv_bytes_per_token = runner.kv_bytes_per_token
     rows_out = []
     copy_gb_s = copy_rate()
-    print(f"machine: {machine()}; model {model_config.name}, float32, page size {s}; "
+    print(f"machine: {machine()}; model {model_config.name}, {args.weights} weights, page size {s}; "
           f"copy rate {copy_gb_s:.1f} GB/s read (+ as much written)")
     step_with = jax.jit(step, static_argnames=("config", "attention"), donate_argnums=(1,))
     for rows in args.rows:
@@ -116,7 +118,7 @@ def main():
                       f"{none_ms:6.1f} ms | attention {attn_ms:6.1f} ms ({100 * attn_ms / full_ms:.0f}%; "
                       f"{rate:.1f} GB/s of live K/V, {100 * rate / copy_gb_s:.0f}% of copy) | "
                       f"sampling {sample_ms:5.2f} ms | host pack {host_ms:.3f} ms", flush=True)
-    result = {"machine": machine(), "copy_gb_per_s": round(copy_gb_s, 2), "steps": rows_out}
+    result = {"machine": machine(), "weights": args.weights, "copy_gb_per_s": round(copy_gb_s, 2), "steps": rows_out}
     print(json.dumps(result))
     if args.json:
         with open(args.json, "w") as f:

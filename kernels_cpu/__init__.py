@@ -3,8 +3,11 @@
 `ragged_attention(...)` is `jaxcb.model.paged_attention.ragged_attention` (its oracle) for a packed step:
 every sequence's new tokens (decode rows and prefill chunks) over its own paged keys and values, causal,
 in one pass over each page per block of queries (paged_attention.cc).
-`layer_matmul(x, w, layer)` is x @ w[layer] for float32 weights stacked over layers, read in place
-inside the layer scan (matmul.cc), where XLA would copy the layer's matrix out of the stack first.
+`layer_matmul(x, w, layer, scale, offset)` is x @ w[layer] for weights stacked over layers (float32, or
+int8 / int4 with their scales as jaxcb.model.quant stores them), read in place inside the layer scan
+(matmul.cc), where XLA would copy (and dequantize) the layer's matrix out of the stack first.
+`rows_matmul(x, rows, scale)` is x @ rows.T for the tied output head (the embedding table, float32 or int8
+with a scale per group of each row), without the dequantized copy of the table XLA makes (head.cc).
 `available()` builds the library on first use (kernels_cpu.build) and registers it with XLA; where it
 cannot be built it is False and the engine keeps the plain-JAX attention, which is also the oracle.
 """
@@ -18,7 +21,11 @@ import logging
 log = logging.getLogger("jaxcb.kernels_cpu")
 
 TARGET = "jaxcb_ragged_attention"
-MATMUL_TARGET = "jaxcb_layer_matmul"
+MATMUL_TARGETS = {"float32": ("jaxcb_layer_matmul", "JaxcbLayerMatmul"),
+                  "int8": ("jaxcb_layer_matmul_int8", "JaxcbLayerMatmulInt8"),
+                  "uint8": ("jaxcb_layer_matmul_int4", "JaxcbLayerMatmulInt4")}  # by the stack's dtype
+ROWS_TARGETS = {"float32": ("jaxcb_rows_matmul", "JaxcbRowsMatmul"),
+                "int8": ("jaxcb_rows_matmul_int8", "JaxcbRowsMatmulInt8")}  # by the rows' dtype
 
 
 @functools.cache
@@ -32,7 +39,8 @@ def _load() -> str | None:
         path = build.build()
         lib = ctypes.cdll.LoadLibrary(str(path))
         jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.JaxcbRaggedAttention), platform="cpu")
-        jax.ffi.register_ffi_target(MATMUL_TARGET, jax.ffi.pycapsule(lib.JaxcbLayerMatmul), platform="cpu")
+        for target, symbol in (*MATMUL_TARGETS.values(), *ROWS_TARGETS.values()):
+            jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
     except Exception as e:  # no compiler, a failed build: the plain-JAX path stays
         log.warning("native CPU kernels unavailable (%s); using the plain-JAX step", e)
         return str(e)
@@ -65,14 +73,31 @@ def ragged_attention(q, kv_pages, layer, kv_lens, page_table, cu_q_lens, num_seq
                 i32(num_seqs).reshape(1), i32(window), softcap=np.float32(softcap))
 
 
-def layer_matmul(x, w, layer):
-    """x [..., K] float32 @ w [L, K, N] float32 at `layer` (a scalar, may be traced) -> [..., N] float32,
-    reading the layer's matrix in place."""
+def layer_matmul(x, w, layer, scale=None, offset=None):
+    """x [..., K] float32 @ w[layer] -> [..., N] float32 (layer a scalar, may be traced), reading the
+    layer's matrix in place. w: float32 [L, K, N]; int8 [L, K, N] with `scale` float32 [L, G, N] (a
+    scale per K/G input rows of each column); or uint8 [L, K/2, N] (int4: input rows 2i and 2i+1 in
+    the low and high nibble of byte row i) with `scale` and `offset` float16 [L, G, N]."""
     import jax
     import jax.numpy as jnp
 
     assert available(), unavailable_reason()
+    target, _ = MATMUL_TARGETS[jnp.dtype(w.dtype).name]
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
-    call = jax.ffi.ffi_call(MATMUL_TARGET, jax.ShapeDtypeStruct((x2.shape[0], w.shape[2]), jnp.float32))
-    return call(x2, w, jnp.asarray(layer, jnp.int32)).reshape(*lead, w.shape[2])
+    operands = {"float32": (w,), "int8": (w, scale), "uint8": (w, scale, offset)}[jnp.dtype(w.dtype).name]
+    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((x2.shape[0], w.shape[2]), jnp.float32))
+    return call(x2, *operands, jnp.asarray(layer, jnp.int32)).reshape(*lead, w.shape[2])
+
+
+def rows_matmul(x, rows, scale=None):
+    """x [M, E] float32 @ rows [V, E]^T -> [M, V] float32: rows float32, or int8 with `scale` float32
+    [V, G] (a scale per E/G values of each row)."""
+    import jax
+    import jax.numpy as jnp
+
+    assert available(), unavailable_reason()
+    target, _ = ROWS_TARGETS[jnp.dtype(rows.dtype).name]
+    operands = (rows,) if scale is None else (rows, scale)
+    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((x.shape[0], rows.shape[0]), jnp.float32))
+    return call(x.astype(jnp.float32), *operands)

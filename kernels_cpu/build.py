@@ -1,4 +1,4 @@
-"""Builds the native CPU kernels (paged_attention.cc, matmul.cc) into one shared library, once per source,
+"""Builds the native CPU kernels (paged_attention.cc, matmul.cc, head.cc) into one shared library, once per source,
 CPU and jaxlib.
 
     python -m kernels_cpu.build        # prints the library's path (make setup runs it)
@@ -26,7 +26,7 @@ from pathlib import Path
 log = logging.getLogger("jaxcb.kernels_cpu")
 
 HERE = Path(__file__).parent
-SOURCES = [HERE / "paged_attention.cc", HERE / "matmul.cc"]
+SOURCES = [HERE / "paged_attention.cc", HERE / "matmul.cc", HERE / "head.cc"]
 HEADERS = [HERE / "parallel.h", HERE / "vec.h"]
 
 

@@ -1,19 +1,31 @@
-// x @ w[layer] for the stacked float32 layer weights, called from inside the layer scan through XLA's FFI.
+// x @ w[layer] for the stacked layer weights, called from inside the layer scan through XLA's FFI.
 //
 // Why: the step scans over layers with every weight stacked on a leading L axis. XLA:CPU feeds each
 // layer's matrix to its dot through a dynamic-slice fusion, i.e. it copies the layer's weights every
 // step before reading them (measured: a 30-layer scan of SmolLM2's MLP at 32 rows ran at half the rate
-// of the same layers unrolled over separate arrays). This kernel reads the matrix in place from the
-// stack, with the layer as an operand, so the weights stream from memory once a step.
+// of the same layers unrolled over separate arrays); for int8 and int4 weights that copy is also the
+// dequantization, a float32 matrix written and read again. These kernels read the matrix in place from
+// the stack, with the layer as an operand, so the weights stream from memory once a step at their
+// stored width, and quantized values become floats only in registers.
 //
-// The kernel: out [M, N] = x [M, K] @ w [L, K, N][layer]. Ranges of columns are the work items (shared
-// with XLA's intra-op pool); within one, the reduction goes in slabs of kKB rows of w, each slab in
-// blocks of kNB columns (a kKB x kNB block stays in L1 while every row block of x passes over it),
+// Three weight formats (jaxcb.model.quant), out [M, N] = x [M, K] @ w[layer]:
+//   float32  w [L, K, N].
+//   int8     q [L, K, N] int8, scale [L, G, N] float32: w = q * scale of its group of K/G input rows
+//            (G = 1: one scale per column).
+//   int4     q [L, K/2, N] uint8 (input rows 2i and 2i+1 in the low and high nibble of byte row i),
+//            scale and offset [L, G, N] float16: w = nibble * scale + offset of its group. Per group,
+//            sum_k x_k w_k = scale * sum_k x_k nibble_k + offset * sum_k x_k.
+// Ranges of columns are the work items (shared with XLA's intra-op pool); within one, the reduction
+// goes in slabs of kKB rows of w, each slab in blocks of kNB columns (the block stays in L1 while every
+// row block of x passes over it; a quantized block is widened to floats in registers as it is used
+// when x has at most kDirect rows, else once into an L1 buffer),
 // kMR rows of x at a time with kMR x kNB accumulators in registers. Columns past the last whole block
 // take a plain loop.
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
+#include <type_traits>
 
 #include "parallel.h"
 #include "vec.h"
@@ -28,9 +40,32 @@ using jaxcb::vf;
 using jaxcb::vload;
 using jaxcb::vstore;
 constexpr int kNV = 2;                // vectors of columns per block
-constexpr int kNB = kNV * kLanes;     // columns per block (a work item)
+constexpr int kNB = kNV * kLanes;     // columns per block
 constexpr int kMR = 8;                // rows of x per micro-kernel call
-constexpr int64_t kKB = 128;          // rows of w per slab (kKB x kNB floats = 16 KiB)
+constexpr int64_t kKB = 128;          // rows of w per slab (even: int4's byte rows stay whole)
+
+inline float half(uint16_t bits) {
+  _Float16 h;
+  std::memcpy(&h, &bits, 2);
+  return static_cast<float>(h);
+}
+
+// One layer's matrix in one of the three formats (n columns; `group` input rows per scale).
+struct F32 {
+  const float* w;
+  int64_t n;
+};
+struct Q8 {
+  const int8_t* q;
+  const float* scale;  // [G, N]
+  int64_t n, group;
+};
+struct Q4 {
+  const uint8_t* q;
+  const uint16_t* scale;  // [G, N] float16 bits
+  const uint16_t* offset;
+  int64_t n, group;
+};
 
 // c[0:R, 0:kNB] (+)= a[0:R, 0:kn] @ b[0:kn, 0:kNB]; `first`: c starts at zero.
 template <int R>
@@ -51,75 +86,221 @@ inline void micro(const float* a, int64_t lda, const float* b, int64_t ldb, floa
     for (int i = 0; i < kNV; ++i) vstore(c + r * ldc + i * kLanes, acc[r][i]);
 }
 
-// c[m0:m, :] for one block of columns and one slab of w: whole 8-row blocks, then the remaining rows
-// with a micro-kernel of their own count (a row at a time would re-read the slab once per row).
-inline void rows(const float* a, const float* b, float* c, int64_t m, int64_t k, int64_t n, int64_t k0, int64_t kn,
-                 int64_t n0) {
+// Rows e .. e + kStep - 1 of a quantized matrix at columns j .. j + kNB - 1, widened to floats in
+// registers (int8: one row; int4: the two rows of a byte row, which share a group as groups are even).
+inline void widen(const Q8& w, int64_t e, int64_t j, vf (&out)[1][kNV]) {
+  const int8_t* q = w.q + e * w.n + j;
+  const float* s = w.scale + (e / w.group) * w.n + j;
+  for (int i = 0; i < kNV; ++i) out[0][i] = jaxcb::load_i8(q + i * kLanes) * vload(s + i * kLanes);
+}
+
+inline void widen(const Q4& w, int64_t e, int64_t j, vf (&out)[2][kNV]) {
+  const uint8_t* q = w.q + (e / 2) * w.n + j;
+  const int64_t at = (e / w.group) * w.n + j;
+  for (int i = 0; i < kNV; ++i) {
+    vf lo, hi;
+    jaxcb::load_u4(q + i * kLanes, lo, hi);
+    const vf s = jaxcb::load_f16(w.scale + at + i * kLanes), o = jaxcb::load_f16(w.offset + at + i * kLanes);
+    out[0][i] = lo * s + o;
+    out[1][i] = hi * s + o;
+  }
+}
+
+template <class W> constexpr int kStep = 1;
+template <> constexpr int kStep<Q4> = 2;
+
+// The float weights w[k0:k0+kn, j:j+kNB] of a quantized block into buf [kn, kNB] (L1): with more than
+// kDirect rows of x, each value is widened once per block, however many row blocks then pass over it.
+template <class W>
+inline void dequantize(const W& w, int64_t k0, int64_t kn, int64_t j, float* buf) {
+  for (int64_t e = 0; e < kn; e += kStep<W>) {
+    vf rows[kStep<W>][kNV];
+    widen(w, k0 + e, j, rows);
+    for (int t = 0; t < kStep<W>; ++t)
+      for (int i = 0; i < kNV; ++i) vstore(buf + (e + t) * kNB + i * kLanes, rows[t][i]);
+  }
+}
+
+// With few rows of x (decode of one to a few sequences, bound by reading the weights) the block is
+// widened in registers and used at once: no buffer to write and read back.
+constexpr int64_t kDirect = 4;
+
+template <int R, class W>
+inline void micro_direct(const float* a, int64_t lda, const W& w, float* c, int64_t ldc, int64_t k0, int64_t kn,
+                         int64_t j, bool first) {
+  vf acc[R][kNV];
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < kNV; ++i) acc[r][i] = first ? vf{} : vload(c + r * ldc + i * kLanes);
+  for (int64_t k = 0; k < kn; k += kStep<W>) {
+    vf bv[kStep<W>][kNV];
+    widen(w, k0 + k, j, bv);
+    for (int r = 0; r < R; ++r)
+      for (int t = 0; t < kStep<W>; ++t) {
+        const float x = a[r * lda + k + t];
+        for (int i = 0; i < kNV; ++i) acc[r][i] += x * bv[t][i];
+      }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < kNV; ++i) vstore(c + r * ldc + i * kLanes, acc[r][i]);
+}
+
+// c[:, j:j+kNB] for one slab of w (rows k0:k0+kn): whole 8-row blocks, then the remaining rows with a
+// micro-kernel of their own count (a row at a time would re-read the slab once per row).
+template <class W>
+inline void rows(const float* a, const W& w, float* c, int64_t m, int64_t k, int64_t n, int64_t k0, int64_t kn,
+                 int64_t j) {
+  const float* b;
+  int64_t ldb;
+  alignas(64) float buf[kKB * kNB];
   const bool first = k0 == 0;
+  if constexpr (std::is_same_v<W, F32>) {
+    b = w.w + k0 * n + j, ldb = n;
+  } else {
+    if (m <= kDirect) {
+      const float* am = a + k0;
+      float* cm = c + j;
+      switch (m) {
+        case 1: return micro_direct<1>(am, k, w, cm, n, k0, kn, j, first);
+        case 2: return micro_direct<2>(am, k, w, cm, n, k0, kn, j, first);
+        case 3: return micro_direct<3>(am, k, w, cm, n, k0, kn, j, first);
+        case 4: return micro_direct<4>(am, k, w, cm, n, k0, kn, j, first);
+        default: return;
+      }
+    }
+    dequantize(w, k0, kn, j, buf);
+    b = buf, ldb = kNB;
+  }
   int64_t m0 = 0;
-  for (; m0 + kMR <= m; m0 += kMR) micro<kMR>(a + m0 * k + k0, k, b + k0 * n + n0, n, c + m0 * n + n0, n, kn, first);
+  for (; m0 + kMR <= m; m0 += kMR) micro<kMR>(a + m0 * k + k0, k, b, ldb, c + m0 * n + j, n, kn, first);
   const float* am = a + m0 * k + k0;
-  const float* bm = b + k0 * n + n0;
-  float* cm = c + m0 * n + n0;
+  float* cm = c + m0 * n + j;
   switch (m - m0) {
-    case 1: micro<1>(am, k, bm, n, cm, n, kn, first); break;
-    case 2: micro<2>(am, k, bm, n, cm, n, kn, first); break;
-    case 3: micro<3>(am, k, bm, n, cm, n, kn, first); break;
-    case 4: micro<4>(am, k, bm, n, cm, n, kn, first); break;
-    case 5: micro<5>(am, k, bm, n, cm, n, kn, first); break;
-    case 6: micro<6>(am, k, bm, n, cm, n, kn, first); break;
-    case 7: micro<7>(am, k, bm, n, cm, n, kn, first); break;
+    case 1: micro<1>(am, k, b, ldb, cm, n, kn, first); break;
+    case 2: micro<2>(am, k, b, ldb, cm, n, kn, first); break;
+    case 3: micro<3>(am, k, b, ldb, cm, n, kn, first); break;
+    case 4: micro<4>(am, k, b, ldb, cm, n, kn, first); break;
+    case 5: micro<5>(am, k, b, ldb, cm, n, kn, first); break;
+    case 6: micro<6>(am, k, b, ldb, cm, n, kn, first); break;
+    case 7: micro<7>(am, k, b, ldb, cm, n, kn, first); break;
     default: break;
   }
 }
 
 // Columns [n0, n1) of the output (whole kNB blocks): slab by slab, so that each row of a slab is read
-// as one contiguous run of up to `wide` columns rather than 128 bytes at a time.
-void column_range(const float* a, const float* b, float* c, int64_t m, int64_t k, int64_t n, int64_t n0, int64_t n1) {
+// as one contiguous run of the range's columns rather than a block at a time.
+template <class W>
+void column_range(const float* a, const W& w, float* c, int64_t m, int64_t k, int64_t n, int64_t n0, int64_t n1) {
   for (int64_t k0 = 0; k0 < k; k0 += kKB) {
     const int64_t kn = std::min(kKB, k - k0);
-    for (int64_t j = n0; j < n1; j += kNB) rows(a, b, c, m, k, n, k0, kn, j);
+    for (int64_t j = n0; j < n1; j += kNB) rows(a, w, c, m, k, n, k0, kn, j);
   }
 }
 
-void column_tail(const float* a, const float* b, float* c, int64_t m, int64_t k, int64_t n, int64_t n0) {
+inline float weight(const F32& w, int64_t e, int64_t j) { return w.w[e * w.n + j]; }
+inline float weight(const Q8& w, int64_t e, int64_t j) { return w.q[e * w.n + j] * w.scale[(e / w.group) * w.n + j]; }
+inline float weight(const Q4& w, int64_t e, int64_t j) {
+  const uint8_t byte = w.q[(e / 2) * w.n + j];
+  const int64_t at = (e / w.group) * w.n + j;
+  return static_cast<float>((e % 2) ? byte >> 4 : byte & 15) * half(w.scale[at]) + half(w.offset[at]);
+}
+
+template <class W>
+void column_tail(const float* a, const W& w, float* c, int64_t m, int64_t k, int64_t n, int64_t n0) {
   for (int64_t i = 0; i < m; ++i)
     for (int64_t j = n0; j < n; ++j) {
       float s = 0.0f;
-      for (int64_t e = 0; e < k; ++e) s += a[i * k + e] * b[e * n + j];
+      for (int64_t e = 0; e < k; ++e) s += a[i * k + e] * weight(w, e, j);
       c[i * n + j] = s;
     }
 }
 
-ffi::Error LayerMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
-                           ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> out) {
-  auto xd = x.dimensions();
-  auto wd = w.dimensions();
-  if (xd.size() != 2 || wd.size() != 3 || xd[1] != wd[1])
-    return ffi::Error::InvalidArgument("layer_matmul: x [M, K] and w [L, K, N]");
-  const int64_t m = xd[0], k = xd[1], n = wd[2], l = layer.typed_data()[0];
-  if (l < 0 || l >= wd[0]) return ffi::Error::InvalidArgument("layer_matmul: layer out of range");
-  const float* a = x.typed_data();
-  const float* b = w.typed_data() + static_cast<size_t>(l) * k * n;
-  float* c = out->typed_data();
+template <class W>
+void run(ffi::ThreadPool& pool, const float* a, const W& w, float* c, int64_t m, int64_t k, int64_t n) {
   // Work items: ranges of `wide` columns, a multiple of kNB between kNB and 256, about a quarter of
   // the whole blocks so that both threads get work.
   const int64_t whole = n / kNB * kNB;
   const int64_t wide = std::max<int64_t>(kNB, std::min<int64_t>(256, whole / 4 / kNB * kNB));
   const int64_t items = (whole + wide - 1) / wide;
-  jaxcb::parallel_for(pool, items, m * k * n >= (1 << 16), [=](int64_t i) {
-    column_range(a, b, c, m, k, n, i * wide, std::min(whole, (i + 1) * wide));
+  jaxcb::parallel_for(pool, items, m * k * n >= (1 << 16), [=, &w](int64_t i) {
+    column_range(a, w, c, m, k, n, i * wide, std::min(whole, (i + 1) * wide));
   });
-  if (whole < n) column_tail(a, b, c, m, k, n, whole);
+  if (whole < n) column_tail(a, w, c, m, k, n, whole);
+}
+
+// Checks x [M, K], the stack's [L, rows, N] (rows = K / per_byte_row) and the layer; sets m, k, n, l.
+ffi::Error shapes(ffi::Span<const int64_t> xd, ffi::Span<const int64_t> wd, int64_t per_byte_row, int32_t layer,
+                  int64_t& m, int64_t& k, int64_t& n, int64_t& l) {
+  if (xd.size() != 2 || wd.size() != 3 || xd[1] != wd[1] * per_byte_row)
+    return ffi::Error::InvalidArgument("layer_matmul: x [M, K] and w [L, K, N]");
+  m = xd[0], k = xd[1], n = wd[2], l = layer;
+  if (l < 0 || l >= wd[0]) return ffi::Error::InvalidArgument("layer_matmul: layer out of range");
+  return ffi::Error::Success();
+}
+
+ffi::Error F32Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
+                   ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> out) {
+  int64_t m, k, n, l;
+  if (auto e = shapes(x.dimensions(), w.dimensions(), 1, layer.typed_data()[0], m, k, n, l); e.failure()) return e;
+  const F32 view{w.typed_data() + static_cast<size_t>(l) * k * n, n};
+  run(pool, x.typed_data(), view, out->typed_data(), m, k, n);
+  return ffi::Error::Success();
+}
+
+ffi::Error Q8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> q, ffi::Buffer<ffi::F32> scale,
+                  ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> out) {
+  int64_t m, k, n, l;
+  if (auto e = shapes(x.dimensions(), q.dimensions(), 1, layer.typed_data()[0], m, k, n, l); e.failure()) return e;
+  const int64_t groups = scale.dimensions()[1];
+  if (scale.dimensions().size() != 3 || k % groups || scale.dimensions()[2] != n)
+    return ffi::Error::InvalidArgument("layer_matmul: int8 scale [L, G, N] with G dividing K");
+  const int64_t group = k / groups;
+  const Q8 view{q.typed_data() + static_cast<size_t>(l) * k * n, scale.typed_data() + static_cast<size_t>(l) * groups * n,
+                n, group};
+  run(pool, x.typed_data(), view, out->typed_data(), m, k, n);
+  return ffi::Error::Success();
+}
+
+ffi::Error Q4Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> q, ffi::Buffer<ffi::F16> scale,
+                  ffi::Buffer<ffi::F16> offset, ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> out) {
+  int64_t m, k, n, l;
+  if (auto e = shapes(x.dimensions(), q.dimensions(), 2, layer.typed_data()[0], m, k, n, l); e.failure()) return e;
+  const int64_t groups = scale.dimensions()[1];
+  if (scale.dimensions().size() != 3 || k % groups || (k / groups) % 2 || scale.dimensions()[2] != n)
+    return ffi::Error::InvalidArgument("layer_matmul: int4 scale [L, G, N] with even groups dividing K");
+  const int64_t group = k / groups;
+  const size_t at = static_cast<size_t>(l) * groups * n;
+  const Q4 view{q.typed_data() + static_cast<size_t>(l) * (k / 2) * n,
+                reinterpret_cast<const uint16_t*>(scale.typed_data()) + at,
+                reinterpret_cast<const uint16_t*>(offset.typed_data()) + at, n, group};
+  run(pool, x.typed_data(), view, out->typed_data(), m, k, n);
   return ffi::Error::Success();
 }
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcbLayerMatmul, LayerMatmulImpl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcbLayerMatmul, F32Impl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()   // x [M, K]
                                   .Arg<ffi::Buffer<ffi::F32>>()   // w [L, K, N]
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // layer []
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // out [M, N]
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcbLayerMatmulInt8, Q8Impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // x [M, K]
+                                  .Arg<ffi::Buffer<ffi::S8>>()    // q [L, K, N]
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // scale [L, G, N]
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // layer []
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // out [M, N]
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcbLayerMatmulInt4, Q4Impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // x [M, K]
+                                  .Arg<ffi::Buffer<ffi::U8>>()    // q [L, K/2, N]
+                                  .Arg<ffi::Buffer<ffi::F16>>()   // scale [L, G, N]
+                                  .Arg<ffi::Buffer<ffi::F16>>()   // offset [L, G, N]
                                   .Arg<ffi::Buffer<ffi::S32>>()   // layer []
                                   .Ret<ffi::Buffer<ffi::F32>>());  // out [M, N]

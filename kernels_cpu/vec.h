@@ -1,6 +1,14 @@
 // Shared by the native CPU kernels: 16-float vectors through GCC's vector extensions (AVX-512 registers
-// where the build has them, two AVX2 or four SSE registers elsewhere), loaded and stored unaligned.
+// where the build has them, two AVX2 or four SSE registers elsewhere), loaded and stored unaligned, and
+// the widening loads of the quantized formats (16 int8, 16 unsigned 4-bit values, 16 float16) written
+// with the ISA's conversion instructions: GCC 12 turns __builtin_convertvector on bytes into one scalar
+// conversion per lane.
 #pragma once
+
+#include <immintrin.h>
+
+#include <cstdint>
+#include <cstring>
 
 namespace jaxcb {
 
@@ -9,5 +17,65 @@ typedef float vfu __attribute__((vector_size(64), aligned(4)));
 constexpr int kLanes = 16;
 inline vf vload(const float* p) { return *reinterpret_cast<const vfu*>(p); }
 inline void vstore(float* p, vf v) { *reinterpret_cast<vfu*>(p) = v; }
+
+// 16 int32 lanes (one __m512i, or two __m256i) to floats.
+#if defined(__AVX512F__)
+inline vf from_i8(__m128i b) { return reinterpret_cast<vf>(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b))); }
+inline vf from_u8(__m128i b) { return reinterpret_cast<vf>(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b))); }
+inline vf from_f16(const uint16_t* p) {
+  return reinterpret_cast<vf>(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))));
+}
+#elif defined(__AVX2__) && defined(__F16C__)
+inline vf join(__m256 lo, __m256 hi) {
+  vf r;
+  std::memcpy(&r, &lo, 32);
+  std::memcpy(reinterpret_cast<char*>(&r) + 32, &hi, 32);
+  return r;
+}
+inline vf from_i8(__m128i b) {
+  return join(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8))));
+}
+inline vf from_u8(__m128i b) {
+  return join(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(b, 8))));
+}
+inline vf from_f16(const uint16_t* p) {
+  return join(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
+              _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8))));
+}
+#else
+#define JAXCB_SCALAR_CONVERSIONS 1
+#endif
+
+#ifdef JAXCB_SCALAR_CONVERSIONS
+inline vf load_i8(const int8_t* p) {
+  vf r;
+  for (int i = 0; i < kLanes; ++i) r[i] = p[i];
+  return r;
+}
+inline void load_u4(const uint8_t* p, vf& lo, vf& hi) {
+  for (int i = 0; i < kLanes; ++i) lo[i] = p[i] & 15, hi[i] = p[i] >> 4;
+}
+inline vf load_f16(const uint16_t* p) {
+  vf r;
+  for (int i = 0; i < kLanes; ++i) {
+    _Float16 h;
+    std::memcpy(&h, p + i, 2);
+    r[i] = static_cast<float>(h);
+  }
+  return r;
+}
+#else
+// 16 int8 values as floats.
+inline vf load_i8(const int8_t* p) { return from_i8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+// 16 bytes of two 4-bit values each: the low nibbles and the high nibbles as floats.
+inline void load_u4(const uint8_t* p, vf& lo, vf& hi) {
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m128i mask = _mm_set1_epi8(15);
+  lo = from_u8(_mm_and_si128(b, mask));
+  hi = from_u8(_mm_and_si128(_mm_srli_epi16(b, 4), mask));
+}
+// 16 float16 values as floats.
+inline vf load_f16(const uint16_t* p) { return from_f16(p); }
+#endif
 
 }  // namespace jaxcb

@@ -24,6 +24,84 @@ def test_layer_matmul_matches_numpy_on_awkward_shapes(m, k, n):
         np.testing.assert_allclose(got, x @ w[layer], rtol=1e-4, atol=1e-4 * np.sqrt(k))
 
 
+@pytest.mark.parametrize("bits,group", [(8, 0), (8, 32), (8, 96), (8, 192), (4, 32), (4, 64), (4, 96), (4, 384)])
+@pytest.mark.parametrize("m,n", [(1, 31), (4, 40), (9, 70), (33, 192)])
+def test_quantized_layer_matmul_matches_the_dequantized_matrix(bits, group, m, n):
+    """int8 (per column, and groups that divide or straddle the 128-row slabs) and int4 (groups of 32
+    to more than a slab) stacks read in place: x @ dequantize(w)[layer] within float rounding, for rows
+    below and past the micro-kernel's 8 and columns below, at and past the 32-column blocks."""
+    import jax
+    import jax.numpy as jnp
+
+    import kernels_cpu
+    from jaxcb.model.quant import dequantize, quantize_int4, quantize_int8
+
+    k = 384
+    rng = np.random.default_rng(bits + group + m + n)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    w = rng.standard_normal((3, k, n)).astype(np.float32) + 0.3  # an offset: int4's zero point matters
+    quant = quantize_int8(w, group) if bits == 8 else quantize_int4(w, group)
+    quant = jax.tree.map(jnp.asarray, quant)
+    dense = np.asarray(dequantize(quant))
+    f = jax.jit(kernels_cpu.layer_matmul)
+    for layer in range(3):
+        got = np.asarray(f(jnp.asarray(x), quant.q, jnp.int32(layer), quant.scale, quant.offset))
+        np.testing.assert_allclose(got, x @ dense[layer], rtol=1e-4, atol=1e-4 * np.sqrt(k))
+
+
+@pytest.mark.parametrize("m,v,e,group", [(1, 37, 576, 32), (5, 64, 40, 40), (33, 9, 96, 32), (4, 130, 24, 8)])
+def test_rows_matmul_matches_numpy(m, v, e, group):
+    """The tied head over an int8 embedding (a scale per group of each row, groups that are whole
+    vectors, a whole row, or smaller than a vector) and a float32 one: x @ rows.T, with rows past the
+    4-row blocks and rows of x past the 4-row blocks."""
+    import jax
+    import jax.numpy as jnp
+
+    import kernels_cpu
+    from jaxcb.model.quant import _rows, quantize_rows
+
+    rng = np.random.default_rng(m + v + e)
+    x = rng.standard_normal((m, e)).astype(np.float32)
+    w = rng.standard_normal((v, e)).astype(np.float32)
+    quant = jax.tree.map(jnp.asarray, quantize_rows(w, group))
+    dense = np.asarray(_rows(quant, quant.q, quant.scale, jnp.float32))
+    got = np.asarray(jax.jit(kernels_cpu.rows_matmul)(jnp.asarray(x), quant.q, quant.scale))
+    np.testing.assert_allclose(got, x @ dense.T, rtol=1e-4, atol=1e-4 * np.sqrt(e))
+    got = np.asarray(jax.jit(kernels_cpu.rows_matmul)(jnp.asarray(x), jnp.asarray(w)))
+    np.testing.assert_allclose(got, x @ w.T, rtol=1e-4, atol=1e-4 * np.sqrt(e))
+
+
+@pytest.mark.parametrize("weights,tied", [("int8", True), ("int8", False), ("int4", True)])
+def test_the_native_step_with_quantized_weights_gives_the_plain_step_logits(weights, tied):
+    """A step of a tiny random model with int8 / int4 layer matrices and an int8 head (the tied
+    embedding, or an untied matrix): the native kernels (reading the quantized arrays in place) against
+    the plain step that dequantizes them."""
+    import dataclasses
+
+    import jax
+    import jax.numpy as jnp
+
+    from jaxcb.batch import SeqSpec, StepShape, pack
+    from jaxcb.model.config import tiny_config
+    from jaxcb.model.llama import Attention, forward, params_from_numpy, random_weights
+    from jaxcb.model.paged_attention import allocate_kv_pages
+    from jaxcb.model.quant import quantize_weights
+
+    config = dataclasses.replace(tiny_config(), tie_embeddings=tied)
+    params = params_from_numpy(quantize_weights(random_weights(config, seed=2), weights))
+    s = 8
+    kv = allocate_kv_pages(config.num_layers, config.num_kv_heads, 40, s, config.head_dim, jnp.float32)
+    specs = [SeqSpec([5], 12, list(range(4, 6))), SeqSpec(list(range(3, 3 + 19)), 0, list(range(1, 4)))]
+    batch = jax.tree.map(jnp.asarray, pack(specs, StepShape(tokens=32, seqs=4, pages_per_seq=4, history=32), s))
+    step = jax.jit(forward, static_argnames=("config", "attention"))
+    _, logits_plain = step(params, kv, batch, config=config, attention=Attention("xla"))
+    native = Attention("xla", native_matmul=True)
+    _, logits_native = step(params, kv, batch, config=config, attention=native)
+    np.testing.assert_allclose(np.asarray(logits_native), np.asarray(logits_plain), rtol=2e-4, atol=2e-4)
+    text = step.lower(params, kv, batch, config=config, attention=native).as_text()
+    assert "jaxcb_layer_matmul_int" in text and (not tied or "jaxcb_rows_matmul_int8" in text)
+
+
 def test_the_native_step_gives_the_plain_step_logits():
     """A whole step of a tiny random model (prefill chunks and decode rows) through the native matmul
     and attention, against the plain-JAX step: the same KV pages written and the same logits."""

@@ -32,7 +32,7 @@ from jaxcb.batch import StepInput, WindowPages
 from jaxcb.model.config import ModelConfig
 from jaxcb.model.paged_attention import ragged_attention, write_kv
 from jaxcb.model.quant import (MATRICES, QuantRows, QuantWeight, StackedMatrix, dense, embed_rows, head_logits,
-                               quantize_weights)
+                               native_stack, quantize_weights)
 from kernels_pallas import engine_ragged_attention
 
 
@@ -44,8 +44,9 @@ class Attention:
     #                      "gpu" | "tpu": the Pallas kernels; "none": skipped (profiling only)
     interpret: bool = False  # run the Pallas kernel in interpret mode (the CPU)
     mesh: object = None  # a jax.sharding.Mesh with a "model" axis: attention runs per device (jaxcb.parallel)
-    # The layers' float32 matrices through the native CPU matmul, read in place from their stacks
-    # (kernels_cpu.layer_matmul); single device only (XLA cannot partition the custom call).
+    # The layers' matrices (float32, int8, int4) through the native CPU matmul, read in place from their
+    # stacks (kernels_cpu.layer_matmul), and an int8 tied head (kernels_cpu.rows_matmul); single device
+    # only (XLA cannot partition the custom calls).
     native_matmul: bool = False
 
 
@@ -299,8 +300,7 @@ def forward(params: Params, kv_pages, batch: StepInput, config: ModelConfig, att
 
     layers, stacks = params.layers, {}
     if attention.native_matmul:  # matrices stay out of the scanned xs: the body reads them from the stack
-        stacks = {name: getattr(layers, name) for name in MATRICES
-                  if isinstance(getattr(layers, name), jax.Array) and getattr(layers, name).dtype == jnp.float32}
+        stacks = {name: getattr(layers, name) for name in MATRICES if native_stack(getattr(layers, name))}
         layers = dataclasses.replace(layers, **{name: None for name in stacks})
 
     def body(carry, xs):
@@ -313,7 +313,7 @@ def forward(params: Params, kv_pages, batch: StepInput, config: ModelConfig, att
     xs = (layer_kinds(config), jnp.arange(config.num_layers, dtype=jnp.int32), layers)
     (h, kv_pages), _ = jax.lax.scan(body, (h, kv_pages), xs)
     last = rms_norm(h[batch.last_token], params.final_norm, config.rms_norm_eps, config.norm_plus_one)  # [M, E]
-    logits = head_logits(last, params.embed, params.lm_head)
+    logits = head_logits(last, params.embed, params.lm_head, native=attention.native_matmul)
     if config.final_softcap:
         logits = config.final_softcap * jnp.tanh(logits / config.final_softcap)
     return kv_pages, logits

@@ -163,12 +163,22 @@ def dequantize(w: QuantWeight, dtype=jnp.float32) -> jax.Array:
 
 @dataclasses.dataclass(frozen=True)
 class StackedMatrix:
-    """A float32 layer matrix left in its [L, K, N] stack, with the (traced) layer to read: the native
-    CPU matmul reads it in place (kernels_cpu.layer_matmul), where slicing it out of the stack inside
-    the layer scan makes XLA copy it every step."""
+    """A layer matrix left in its [L, K, N] stack (float32, or a QuantWeight stack), with the (traced)
+    layer to read: the native CPU matmul reads it in place (kernels_cpu.layer_matmul), where slicing it
+    out of the stack inside the layer scan makes XLA copy it (and dequantize it) every step."""
 
-    stack: jax.Array  # [L, K, N] float32
+    stack: "jax.Array | QuantWeight"  # [L, K, N]
     layer: jax.Array  # [] int32
+
+
+def native_stack(w) -> bool:
+    """Whether the native CPU matmul reads this layer stack in place: float32 matrices, int8 with float32
+    scales, int4 with float16 scales and offsets (the formats this module writes)."""
+    if isinstance(w, QuantWeight):
+        if w.bits == 8:
+            return w.q.dtype == jnp.int8 and w.scale.dtype == jnp.float32
+        return w.q.dtype == jnp.uint8 and w.scale.dtype == jnp.float16 and w.offset.dtype == jnp.float16
+    return isinstance(w, jax.Array) and w.dtype == jnp.float32
 
 
 def dense(x: jax.Array, w) -> jax.Array:
@@ -176,6 +186,9 @@ def dense(x: jax.Array, w) -> jax.Array:
     if isinstance(w, StackedMatrix):
         import kernels_cpu
 
+        if isinstance(w.stack, QuantWeight):
+            q = w.stack
+            return kernels_cpu.layer_matmul(x, q.q, w.layer, q.scale, q.offset).astype(x.dtype)
         return kernels_cpu.layer_matmul(x, w.stack, w.layer).astype(x.dtype)
     if not isinstance(w, QuantWeight):
         return x @ w
@@ -194,9 +207,20 @@ def embed_rows(embed, ids: jax.Array, dtype) -> jax.Array:
     return embed[ids]
 
 
-def head_logits(last: jax.Array, embed, lm_head) -> jax.Array:
+def head_logits(last: jax.Array, embed, lm_head, native: bool = False) -> jax.Array:
     """Logits [M, V] in float32 from the final hidden states: the untied head, else the embedding's
-    transpose."""
+    transpose. `native`: an int8 head through the native CPU kernels, which widen each value as they
+    read it (kernels_cpu.rows_matmul for the tied embedding, layer_matmul for an untied head as a
+    one-layer stack) where XLA dequantizes the whole table first."""
+    if native and lm_head is None and isinstance(embed, QuantRows) and embed.scale.dtype == jnp.float32:
+        import kernels_cpu
+
+        return kernels_cpu.rows_matmul(last, embed.q, embed.scale)
+    if native and isinstance(lm_head, QuantWeight) and native_stack(lm_head):
+        import kernels_cpu
+
+        one = jax.tree.map(lambda a: a[None], lm_head)
+        return kernels_cpu.layer_matmul(last, one.q, 0, one.scale, one.offset)
     if lm_head is not None:
         if isinstance(lm_head, QuantWeight):
             return (jnp.dot(last, lm_head.q.astype(last.dtype), preferred_element_type=jnp.float32)

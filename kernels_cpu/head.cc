@@ -1,0 +1,140 @@
+// The output head as the tied embedding stores it: out [M, V] = x [M, E] @ rows [V, E]^T, the rows float32
+// or int8 with a scale per E/G values of each row (jaxcb.model.quant.QuantRows), called from the step
+// through XLA's FFI.
+//
+// Why: for int8 rows XLA:CPU dequantizes the whole [V, E] table to float32 every step before its dot
+// (at SmolLM2's 49,152 x 576, 28 M values written and read again: a third of a 32-row step's matmul
+// time); here each row is widened in registers as it is used and the table streams from memory once.
+// The reduction runs along a row (contiguous): blocks of kVB vocabulary rows x up to kMB rows of x,
+// kVB x kMB accumulators of 16 lanes, summed across lanes once at the end of the row. Ranges of
+// vocabulary rows are the work items (shared with XLA's intra-op pool).
+
+#include <algorithm>
+#include <cstdint>
+
+#include "parallel.h"
+#include "vec.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+using jaxcb::kLanes;
+using jaxcb::vf;
+using jaxcb::vload;
+constexpr int kVB = 4;      // vocabulary rows per block
+constexpr int kMB = 4;      // rows of x per block
+constexpr int64_t kItem = 256;  // vocabulary rows per work item
+
+inline float hsum(vf v) {
+  float s = 0.0f;
+  for (int i = 0; i < kLanes; ++i) s += v[i];
+  return s;
+}
+
+// A vocabulary row's 16 values at e as floats: float32 rows as they are, int8 rows times their scale
+// (the 16 values lie in one group: the caller checks that groups are whole vectors).
+struct F32Rows {
+  const float* w;
+  int64_t e;
+  inline vf at(int64_t v, int64_t i) const { return vload(w + v * e + i); }
+  inline float scalar(int64_t v, int64_t i) const { return w[v * e + i]; }
+};
+struct Q8Rows {
+  const int8_t* q;
+  const float* scale;  // [V, G]
+  int64_t e, groups, group;
+  inline vf at(int64_t v, int64_t i) const { return jaxcb::load_i8(q + v * e + i) * scale[v * groups + i / group]; }
+  inline float scalar(int64_t v, int64_t i) const { return q[v * e + i] * scale[v * groups + i / group]; }
+};
+
+// out[m0:m0+MB, v0:v0+VB] for whole blocks; e16 = the vectorised part of each row, the rest scalar.
+template <int VB, int MB, class R>
+inline void block(const float* x, const R& w, float* out, int64_t nv, int64_t e, int64_t e16, int64_t m0, int64_t v0) {
+  vf acc[MB][VB] = {};
+  for (int64_t i = 0; i < e16; i += kLanes) {
+    vf wv[VB];
+    for (int b = 0; b < VB; ++b) wv[b] = w.at(v0 + b, i);
+    for (int a = 0; a < MB; ++a) {
+      const vf xv = vload(x + (m0 + a) * e + i);
+      for (int b = 0; b < VB; ++b) acc[a][b] += xv * wv[b];
+    }
+  }
+  for (int a = 0; a < MB; ++a)
+    for (int b = 0; b < VB; ++b) {
+      float s = hsum(acc[a][b]);
+      for (int64_t i = e16; i < e; ++i) s += x[(m0 + a) * e + i] * w.scalar(v0 + b, i);
+      out[(m0 + a) * nv + v0 + b] = s;
+    }
+}
+
+// Vocabulary rows [v0, v1) for every row of x: blocks of kVB rows, then single rows; for each, the
+// rows of x in blocks of kMB, then the rest one at a time.
+template <class R>
+void vocab_range(const float* x, const R& w, float* out, int64_t m, int64_t nv, int64_t e, int64_t e16, int64_t v0,
+                 int64_t v1) {
+  int64_t v = v0;
+  auto each_m = [&](auto vb, int64_t at) {
+    constexpr int VB = decltype(vb)::value;
+    int64_t a = 0;
+    for (; a + kMB <= m; a += kMB) block<VB, kMB>(x, w, out, nv, e, e16, a, at);
+    for (; a < m; ++a) block<VB, 1>(x, w, out, nv, e, e16, a, at);
+  };
+  for (; v + kVB <= v1; v += kVB) each_m(std::integral_constant<int, kVB>{}, v);
+  for (; v < v1; ++v) each_m(std::integral_constant<int, 1>{}, v);
+}
+
+template <class R>
+void run(ffi::ThreadPool& pool, const float* x, const R& w, float* out, int64_t m, int64_t nv, int64_t e, int64_t e16) {
+  const int64_t items = (nv + kItem - 1) / kItem;
+  jaxcb::parallel_for(pool, items, m * nv * e >= (1 << 16), [=, &w](int64_t i) {
+    vocab_range(x, w, out, m, nv, e, e16, i * kItem, std::min(nv, (i + 1) * kItem));
+  });
+}
+
+ffi::Error check(ffi::Span<const int64_t> xd, ffi::Span<const int64_t> wd) {
+  if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[1])
+    return ffi::Error::InvalidArgument("rows_matmul: x [M, E] and rows [V, E]");
+  return ffi::Error::Success();
+}
+
+ffi::Error F32Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> rows,
+                   ffi::ResultBuffer<ffi::F32> out) {
+  if (auto err = check(x.dimensions(), rows.dimensions()); err.failure()) return err;
+  const int64_t m = x.dimensions()[0], e = x.dimensions()[1], nv = rows.dimensions()[0];
+  run(pool, x.typed_data(), F32Rows{rows.typed_data(), e}, out->typed_data(), m, nv, e, e / kLanes * kLanes);
+  return ffi::Error::Success();
+}
+
+ffi::Error Q8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> rows, ffi::Buffer<ffi::F32> scale,
+                  ffi::ResultBuffer<ffi::F32> out) {
+  if (auto err = check(x.dimensions(), rows.dimensions()); err.failure()) return err;
+  const int64_t m = x.dimensions()[0], e = x.dimensions()[1], nv = rows.dimensions()[0];
+  auto sd = scale.dimensions();
+  if (sd.size() != 2 || sd[0] != nv || sd[1] < 1 || e % sd[1])
+    return ffi::Error::InvalidArgument("rows_matmul: int8 scale [V, G] with G dividing E");
+  const int64_t groups = sd[1], group = e / groups;
+  // Vectors of 16 must not straddle two groups; where they would, the whole row goes the scalar way.
+  const int64_t e16 = (groups == 1 || group % kLanes == 0) ? e / kLanes * kLanes : 0;
+  run(pool, x.typed_data(), Q8Rows{rows.typed_data(), scale.typed_data(), e, groups, group}, out->typed_data(), m, nv,
+      e, e16);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcbRowsMatmul, F32Impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // x [M, E]
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // rows [V, E]
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // out [M, V]
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcbRowsMatmulInt8, Q8Impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // x [M, E]
+                                  .Arg<ffi::Buffer<ffi::S8>>()    // rows [V, E]
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // scale [V, G]
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // out [M, V]
