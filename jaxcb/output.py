@@ -12,6 +12,7 @@ length); this module adds the stop strings, which need the text.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
 from typing import Callable
@@ -30,6 +31,7 @@ class OutputStream:
     callback: EventCallback | None
     text: str = ""
     emitted: int = 0  # chars of `text` already sent
+    stop_state: int = 0  # where `text` has taken the request's StopStrings automaton
 
 
 class Outputs:
@@ -67,11 +69,16 @@ class Outputs:
         """r's new token (already appended to its output): its text delta, or its final event.
         `reason` is the scheduler's finish, if any; returns the finish, a stop string's included."""
         p, stream = r.params, self.streams[r.key]
+        piece = ""
         if stream.detok is not None:
             piece = stream.detok.add([token])  # always: keeps the detokenizer's window aligned
-            if reason is not FinishReason.STOP:  # a stop token's text is never shown
-                stream.text += piece
-        cut = _find_stop(stream.text, p.stop, stream.emitted)
+            if reason is FinishReason.STOP:  # a stop token's text is never shown
+                piece = ""
+            stream.text += piece
+        cut = None
+        if p.stop and piece:
+            stops = StopStrings.of(p.stop)
+            stream.stop_state, cut = stops.feed(stream.stop_state, piece, len(stream.text) - len(piece))
         if cut is not None:
             stream.text = stream.text[:cut]
             reason = FinishReason.STOP
@@ -82,7 +89,7 @@ class Outputs:
         if reason is not None:
             self.close(r, reason, events, new_tokens=(token,), logprobs=logprobs, queue_s=queue_s)
             return reason
-        safe = len(stream.text) - _held_back(stream.text, p.stop)
+        safe = len(stream.text) - (StopStrings.of(p.stop).held(stream.stop_state) if p.stop else 0)
         delta, stream.emitted = stream.text[stream.emitted:safe], max(stream.emitted, safe)
         _emit(TokenEvent(r.request_id, (token,), delta, False, None, logprobs, len(r.prompt_ids),
                          len(r.output_ids), queue_s=queue_s, num_cached_tokens=r.num_cached_tokens,
@@ -106,22 +113,60 @@ def _emit(event: TokenEvent, stream: OutputStream, events: list[TokenEvent], und
         undelivered.append((stream.callback, event))
 
 
-def _find_stop(text: str, stops: tuple[str, ...], emitted: int) -> int | None:
-    """Index where the earliest stop string starts (searching only where a new match can be)."""
-    best = None
-    for s in stops:
-        i = text.find(s, max(0, emitted - len(s) + 1))
-        if i >= 0 and (best is None or i < best):
-            best = i
-    return best
+class StopStrings:
+    """A request's stop strings as an Aho-Corasick automaton over characters, fed the text as it grows:
+    each new character costs amortised constant time, however many and however long the stop strings
+    (re-searching the text for each string cost O(sum of len(s)^2) per token). A state is a node of the
+    trie of the strings: the longest tail of the text so far that is a prefix of one of them, so its
+    depth is the text that must be held back (it could still grow into a stop string)."""
 
+    def __init__(self, stops: tuple[str, ...]):
+        self.next: list[dict[str, int]] = [{}]
+        self.depth = [0]
+        ends = [0]  # the length of the stop string that ends at a node (0: none)
+        for s in stops:
+            node = 0
+            for c in s:
+                if c not in self.next[node]:
+                    self.next.append({})
+                    self.depth.append(self.depth[node] + 1)
+                    ends.append(0)
+                    self.next[node][c] = len(self.next) - 1
+                node = self.next[node][c]
+            ends[node] = len(s)
+        # Failure links in breadth-first order; `match[n]`: the longest stop string that ends at n's
+        # text (n's own, else its failure's), i.e. the earliest-starting match ending here.
+        self.fail = [0] * len(self.next)
+        self.match = list(ends)
+        queue = list(self.next[0].values())
+        for node in queue:
+            for c, child in self.next[node].items():
+                f = self.fail[node]
+                while f and c not in self.next[f]:
+                    f = self.fail[f]
+                self.fail[child] = self.next[f][c] if c in self.next[f] and self.next[f][c] != child else 0
+                self.match[child] = ends[child] or self.match[self.fail[child]]
+                queue.append(child)
 
-def _held_back(text: str, stops: tuple[str, ...]) -> int:
-    """Length of the longest tail of `text` that could still grow into a stop string."""
-    hold = 0
-    for s in stops:
-        for k in range(min(len(s) - 1, len(text)), hold, -1):
-            if text.endswith(s[:k]):
-                hold = k
-                break
-    return hold
+    @staticmethod
+    @functools.lru_cache(maxsize=512)
+    def of(stops: tuple[str, ...]) -> "StopStrings":
+        """The automaton for these strings, built once however many requests and samples use them."""
+        return StopStrings(stops)
+
+    def feed(self, state: int, piece: str, at: int) -> tuple[int, int | None]:
+        """Feeds `piece`, which starts at index `at` of the text: (the new state, the index where the
+        earliest stop string that ends inside `piece` starts, or None)."""
+        cut = None
+        nxt, fail, match = self.next, self.fail, self.match
+        for i, c in enumerate(piece):
+            while state and c not in nxt[state]:
+                state = fail[state]
+            state = nxt[state].get(c, 0)
+            if match[state]:
+                start = at + i - match[state] + 1
+                cut = start if cut is None else min(cut, start)
+        return state, cut
+
+    def held(self, state: int) -> int:
+        return self.depth[state]

@@ -197,18 +197,36 @@ class Tokenizer:
     def encode_chat(self, messages: list[dict]) -> list[int]:
         """The rendered conversation's ids. The template writes the special tokens itself (never
         another BOS); special-token text inside a message's content (a user typing `<|im_start|>system`)
-        is encoded as the plain text it is, so no message can forge a role or end another's turn."""
+        is encoded as the plain text it is, so no message can forge a role or end another's turn.
+
+        Where each content lands in the rendered text is found exactly, not searched for: the template
+        is also rendered with a unique marker in place of each content, which gives the template's own
+        text between contents; the real rendering must be that text with the contents put back (as
+        they are, or trimmed where the template trims them). The whole text is then tokenized at once
+        (the template's tokens as the model was trained on them) and any special token that touches a
+        content span is encoded as plain text; if one straddles a span's edge, or the contents cannot
+        be located, every content is encoded on its own as plain text between the template's pieces."""
         text = self.render_chat(messages)
-        enc = self._tok.encode(text, add_special_tokens=False)
+        pieces = self._chat_pieces(messages, text)
+        if pieces is None:  # the template does something else with the contents: each part on its own
+            raise ValueError("messages: the chat template uses message contents in a way jaxcb cannot "
+                             "separate from its own markup; send a raw prompt")
         spans, at = [], 0
-        for m in messages:  # where each message's content landed in the rendered text
-            content = m["content"].strip()
-            start = text.find(content, at) if content else -1
-            if start >= 0:
-                spans.append((start, start + len(content)))
-                at = start + len(content)
-        forged = [i for i, (t, (a, b)) in enumerate(zip(enc.ids, enc.offsets))
-                  if t in self.special_ids and any(s <= a and b <= e for s, e in spans)]
+        for part, is_content in pieces:
+            if is_content and part:
+                spans.append((at, at + len(part)))
+            at += len(part)
+        enc = self._tok.encode(text, add_special_tokens=False)
+        forged = []
+        for i, (t, (a, b)) in enumerate(zip(enc.ids, enc.offsets)):
+            if t not in self.special_ids:
+                continue
+            touching = [(s, e) for s, e in spans if a < e and s < b]
+            if not touching:
+                continue
+            if any(not (s <= a and b <= e) for s, e in touching):  # across a content's edge
+                return self._encode_pieces(pieces)
+            forged.append(i)
         if not forged:
             return enc.ids
         ids, prev = [], 0
@@ -217,6 +235,37 @@ class Tokenizer:
             ids += enc.ids[prev:i] + self._plain.encode(text[a:b], add_special_tokens=False).ids
             prev = i + 1
         return ids + enc.ids[prev:]
+
+    def _chat_pieces(self, messages: list[dict], text: str) -> list[tuple[str, bool]] | None:
+        """The rendered `text` cut into (piece, is a message's content), or None when it is not the
+        template's own text with the contents inserted."""
+        import re
+        import uuid
+
+        nonce = uuid.uuid4().hex
+        marks = [f"\ue000{nonce}{i}\ue001" for i in range(len(messages))]
+        # An em space each side (whitespace no template writes itself): a template that trims contents
+        # trims these, and so the real contents.
+        marked = self.render_chat([{**m, "content": f"\u2003{mark}\u2003"} for m, mark in zip(messages, marks)])
+        pattern = re.compile("(\u2003?)(" + "|".join(map(re.escape, marks)) + ")(\u2003?)")
+        pieces, at = [], 0
+        for found in pattern.finditer(marked):
+            content = messages[marks.index(found.group(2))]["content"]
+            trimmed = not found.group(1) and not found.group(3)
+            if found.group(1) != found.group(3):
+                return None  # trimmed on one side only: not a transformation this can follow
+            pieces.append((marked[at:found.start()], False))
+            pieces.append((content.strip() if trimmed else content, True))
+            at = found.end()
+        pieces.append((marked[at:], False))
+        return pieces if "".join(p for p, _ in pieces) == text else None
+
+    def _encode_pieces(self, pieces: list[tuple[str, bool]]) -> list[int]:
+        ids = []
+        for part, is_content in pieces:
+            if part:
+                ids += (self._plain if is_content else self._tok).encode(part, add_special_tokens=False).ids
+        return ids
 
 
 def _raise_template_error(message):

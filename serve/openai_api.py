@@ -20,6 +20,7 @@ The app runs under uvicorn on the gRPC server's event loop (serve.server.run_ser
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 import uuid
@@ -33,7 +34,7 @@ from serve import server as grpc_server
 
 _STATUS = {grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
            grpc.StatusCode.UNAVAILABLE: 503, grpc.StatusCode.UNAUTHENTICATED: 401}
-_TYPE = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+_TYPE = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error", 413: "invalid_request_error",
          429: "rate_limit_error", 500: "internal_error", 503: "service_unavailable"}
 _EXTRAS = {"top_k", "min_p", "repetition_penalty", "ignore_eos", "priority", "cache_salt", "request_id"}
 _COMMON = {"model", "stream", "stream_options", "n", "max_tokens", "temperature", "top_p", "presence_penalty",
@@ -105,10 +106,129 @@ def _sampling(body: dict, *, max_tokens: int, logprobs: int) -> SamplingParams:
         raise _bad(str(e)) from None
 
 
+MAX_PROMPTS = 64  # prompts in one completions request
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit on top_logprobs
+
+
+def _parse_json(raw: bytes) -> dict:
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError, an integer past Python's digit limit
+        raise HTTPError(400, f"body: not valid JSON ({e})", param="body") from None
+    except RecursionError:
+        raise HTTPError(400, "body: JSON nested too deeply", param="body") from None
+    if not isinstance(body, dict):
+        raise HTTPError(400, "body: must be a JSON object", param="body")
+    return body
+
+
+def _bool(body: dict, name: str, default: bool) -> bool:
+    v = body.get(name)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise _bad(f"{name}: must be true or false, got {v!r}")
+    return v
+
+
+def _str(body: dict, name: str, default: str) -> str:
+    v = body.get(name)
+    if v is None:
+        return default
+    if not isinstance(v, str):
+        raise _bad(f"{name}: must be a string, got {v!r}")
+    return v
+
+
+@dataclasses.dataclass(frozen=True)
+class _Options:
+    """The request's fields that are not sampling settings, checked before any work."""
+
+    stream: bool
+    include_usage: bool
+    priority: int
+    cache_salt: str
+    request_id: str
+
+
+def _common(body: dict) -> _Options:
+    """Checks every field both endpoints share that SamplingParams does not (types and ranges)."""
+    stream = _bool(body, "stream", False)
+    stream_options = body.get("stream_options")
+    if stream_options is not None and not isinstance(stream_options, dict):
+        raise _bad(f"stream_options: must be an object, got {stream_options!r}")
+    stream_options = stream_options or {}
+    unknown = sorted(set(stream_options) - {"include_usage", "continuous_usage_stats"})
+    if unknown:
+        raise _bad(f"stream_options.{unknown[0]}: not a field this endpoint takes")
+    include_usage = _bool(stream_options, "include_usage", False)
+    if stream_options and not stream:
+        raise _bad("stream_options: only with stream: true")
+    priority = _int(body, "priority", 0)
+    salt, request_id = _str(body, "cache_salt", ""), _str(body, "request_id", "")
+    _str(body, "user", "")
+    bias = body.get("logit_bias")
+    if bias is not None and not isinstance(bias, dict):
+        raise _bad(f"logit_bias: must be an object, got {bias!r}")
+    if bias:  # refused rather than ignored: a token the caller banned must not come out
+        raise _bad("logit_bias: not supported")
+    try:
+        grpc_server.check_priority(priority)
+        grpc_server.check_ids(request_id, salt)
+    except ValueError as e:
+        raise _bad(str(e)) from None
+    return _Options(stream, include_usage, priority, salt, request_id)
+
+
+def _is_ids(p) -> bool:
+    return isinstance(p, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in p)
+
+
+def _prompt_list(prompt) -> list:
+    """`prompt` as a list of prompts (each a string or a list of token ids), shapes checked."""
+    if isinstance(prompt, str):
+        prompt = [prompt]
+    if not isinstance(prompt, list) or not prompt:
+        raise _bad("prompt: must be a string, a list of strings, a list of token ids or a list of lists")
+    if _is_ids(prompt):
+        prompt = [prompt]
+    if len(prompt) > MAX_PROMPTS:
+        raise _bad(f"prompt: {len(prompt)} prompts; the limit is {MAX_PROMPTS}")
+    if not all(isinstance(p, str) or _is_ids(p) for p in prompt):
+        raise _bad("prompt: must be a string, a list of strings, a list of token ids or a list of lists")
+    return prompt
+
+
+def _prompt_count(prompt) -> int:
+    return len(_prompt_list(prompt))
+
+
 def _check_fields(body: dict, allowed: set[str]) -> None:
     unknown = sorted(set(body) - allowed)
     if unknown:
         raise _bad(f"{unknown[0]}: not a field this endpoint takes")
+
+
+class _ConcurrencyLimit:
+    """At most `limit` API calls (/v1/...) in progress at once, the number gRPC's maximum_concurrent_rpcs
+    has (--max-concurrent-streams): the next is a 429 before its body is read. A call counts until the
+    app has sent its last byte or the client has gone (pure ASGI: nothing here can outlive the call)."""
+
+    def __init__(self, app, limit: int):
+        self.app, self.limit, self.in_flight = app, limit, 0
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
+            return await self.app(scope, receive, send)
+        if self.in_flight >= self.limit:
+            response = HTTPError(429, f"too many requests in progress: the limit is {self.limit} "
+                                      "(--max-concurrent-streams)").response()
+            return await response(scope, receive, send)
+        self.in_flight += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.in_flight -= 1
 
 
 def make_app(state) -> FastAPI:
@@ -123,12 +243,21 @@ def make_app(state) -> FastAPI:
         return grpc_server.tenant(state, given, f"http:{client.host}:{client.port}" if client else "http")
 
     async def body_of(request: Request) -> dict:
-        try:
-            body = json.loads(await request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise HTTPError(400, f"body: not valid JSON ({e})") from None
-        if not isinstance(body, dict):
-            raise HTTPError(400, "body: must be a JSON object")
+        """The JSON object of the body: at most MAX_REQUEST_BYTES (checked from Content-Length before
+        reading, and while reading), parsed off the event loop when large; anything that is not a
+        JSON object (bad bytes, nesting too deep, an integer of thousands of digits) is a 400."""
+        limit = grpc_server.MAX_REQUEST_BYTES
+        declared = request.headers.get("content-length")
+        if declared is not None and (not declared.isdigit() or int(declared) > limit):
+            raise HTTPError(413, f"body: {declared} bytes; the limit is {limit}", param="body")
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise HTTPError(413, f"body: more than {limit} bytes; the limit is {limit}", param="body")
+            chunks.append(chunk)
+        raw = b"".join(chunks)
+        body = await asyncio.to_thread(_parse_json, raw) if size > 1 << 16 else _parse_json(raw)
         model = body.get("model")
         if model is not None and model != state.model_name:
             raise HTTPError(404, f"model: {model!r} is not served here; the model is {state.model_name!r}",
@@ -138,6 +267,8 @@ def make_app(state) -> FastAPI:
     @app.exception_handler(HTTPError)
     async def _http_error(request, exc: HTTPError):
         return exc.response()
+
+    app.add_middleware(_ConcurrencyLimit, limit=state.options.max_concurrent_streams)
 
     @app.get("/health")
     async def health():
@@ -162,13 +293,16 @@ def make_app(state) -> FastAPI:
         tenant = authorize(request)
         body = await body_of(request)
         _check_fields(body, _COMPLETION_FIELDS)
-        if body.get("echo") or body.get("suffix") or (body.get("best_of") or 1) > 1:
-            raise _bad("echo, suffix, best_of: not supported")
-        state_check()
-        prompts = await _completion_prompts(body.get("prompt"))
+        if _bool(body, "echo", False) or _str(body, "suffix", "") or _int(body, "best_of", 1) != 1:
+            raise _bad("echo, suffix, best_of: not supported (best_of must be 1)")
+        options = _common(body)
         logprobs = _int(body, "logprobs", 0) or 0
         params = _sampling(body, max_tokens=_int(body, "max_tokens", 16), logprobs=logprobs)
-        return await _run(request, body, tenant, prompts, params, chat=False)
+        prompt = body.get("prompt")
+        count = _prompt_count(prompt)
+        state_check(count * params.n)
+        prompts = await _completion_prompts(prompt)
+        return await _run(request, options, tenant, prompts, params, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -178,69 +312,65 @@ def make_app(state) -> FastAPI:
         for name in ("tools", "response_format"):
             if body.get(name):
                 raise _bad(f"{name}: not supported")
-        state_check()
+        options = _common(body)
         messages = body.get("messages")
         if not isinstance(messages, list) or not all(
                 isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
                 for m in messages):
             raise _bad("messages: must be a list of {role, content} objects with string content")
+        top = _int(body, "top_logprobs", 0) or 0
+        if not 0 <= top <= MAX_TOP_LOGPROBS:
+            raise _bad(f"top_logprobs: must be between 0 and {MAX_TOP_LOGPROBS}, got {top}")
+        want = _bool(body, "logprobs", False)
+        if top and not want:
+            raise _bad("top_logprobs: needs logprobs: true")
+        limit = _int(body, "max_completion_tokens", _int(body, "max_tokens"))
         try:
             grpc_server.check_messages("messages", [(m["role"], m["content"]) for m in messages])
+        except ValueError as e:
+            raise _bad(str(e)) from None
+        # Validated with a placeholder length first (every field before any tokenizing); the real
+        # default max_tokens needs the prompt's length.
+        params = _sampling(body, max_tokens=limit or 1, logprobs=max(top, 1) if want else 0)
+        state_check(params.n)
+        try:
             ids = await asyncio.to_thread(state.tokenizer.encode_chat,
                                           [{"role": m["role"], "content": m["content"]} for m in messages])
         except ValueError as e:
             raise _bad(str(e)) from None
-        top = _int(body, "top_logprobs", 0) or 0
-        want = body.get("logprobs", False)
-        if not isinstance(want, bool):
-            raise _bad(f"logprobs: must be true or false, got {want!r}")
-        if top and not want:
-            raise _bad("top_logprobs: needs logprobs: true")
-        limit = _int(body, "max_completion_tokens", _int(body, "max_tokens"))
         max_tokens = limit if limit is not None else max(1, state.engine.max_context - len(ids))
         params = _sampling(body, max_tokens=max_tokens, logprobs=max(top, 1) if want else 0)
-        return await _run(request, body, tenant, [ids], params, chat=True, top_logprobs=top)
+        return await _run(request, options, tenant, [ids], params, chat=True, top_logprobs=top)
 
-    def state_check():
+    def state_check(samples: int):
         try:
-            state.admit()
+            state.admit(samples)
         except grpc_server._Abort as e:
             raise _from_abort(e) from None
 
     async def _completion_prompts(prompt) -> list[list[int]]:
+        """The prompts as token ids; every size (count, total characters, token counts) is checked
+        before any is tokenized."""
+        prompts = _prompt_list(prompt)
         try:
-            if isinstance(prompt, str):
-                prompt = [prompt]
-            if not isinstance(prompt, list) or not prompt:
-                raise ValueError("prompt: must be a string, a list of strings, a list of token ids or a list of lists")
-            if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-                prompt = [prompt]
-            if len(prompt) > 64:
-                raise ValueError(f"prompt: {len(prompt)} prompts; the limit is 64")
-            out = []
-            for p in prompt:
+            total = sum(len(p) for p in prompts if isinstance(p, str))
+            if total > grpc_server.MAX_TEXT_CHARS:
+                raise ValueError(f"prompt: {total} characters in all; the limit is {grpc_server.MAX_TEXT_CHARS}")
+            for p in prompts:
                 if isinstance(p, str):
                     grpc_server.check_text("prompt", p)
-                    out.append(await asyncio.to_thread(state.tokenizer.encode, p))
-                elif isinstance(p, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
-                    grpc_server.check_token_count(state, "prompt", len(p))
-                    out.append(list(p))
                 else:
-                    raise ValueError("prompt: must be a string, a list of strings, a list of token ids or a list "
-                                     "of lists")
+                    grpc_server.check_token_count(state, "prompt", len(p))
+            out = []
+            for p in prompts:
+                out.append(await asyncio.to_thread(state.tokenizer.encode, p) if isinstance(p, str) else list(p))
             return out
         except ValueError as e:
             raise _bad(str(e)) from None
 
-    async def _run(request: Request, body: dict, tenant: str, prompts, params, *, chat: bool, top_logprobs=0):
-        priority = _int(body, "priority", 0)
-        salt = body.get("cache_salt") or ""
-        request_id = body.get("request_id") or ""
-        for name, value in (("cache_salt", salt), ("request_id", request_id)):
-            if not isinstance(value, str):
-                raise _bad(f"{name}: must be a string, got {value!r}")
+    async def _run(request: Request, options: "_Options", tenant: str, prompts, params, *, chat: bool,
+                   top_logprobs=0):
         try:
-            grpc_server.check_ids(request_id, salt)
             for p in prompts:  # every prompt checked before any is submitted
                 state.engine.validate(p, params)
         except ValueError as e:
@@ -249,16 +379,23 @@ def make_app(state) -> FastAPI:
         created = int(time.time())
         events: asyncio.Queue = asyncio.Queue()
         n = params.n
+        request_id = options.request_id
 
         async def pump(i, ids):
             try:
-                async for _, ev in state.stream(ids, params, priority, f"{request_id}/{i}" if request_id else "",
-                                                tenant, salt):
+                async for _, ev in state.stream(ids, params, options.priority,
+                                                f"{request_id}/{i}" if request_id else "", tenant, options.cache_salt):
                     await events.put((i, ev))
             except grpc_server._Abort as e:
                 await events.put((i, _from_abort(e)))
 
-        tasks = [asyncio.ensure_future(pump(i, ids)) for i, ids in enumerate(prompts)]
+        # The requests start only where something is there to stop them: inside the stream's generator
+        # (a client gone before the first byte never starts one) or the try below.
+        tasks: list[asyncio.Future] = []
+
+        def start():
+            tasks.extend(asyncio.ensure_future(pump(i, ids)) for i, ids in enumerate(prompts))
+
         left = len(prompts) * n
         usage = {"prompt_tokens": 0, "completion_tokens": 0, "cached": 0}
 
@@ -286,13 +423,14 @@ def make_app(state) -> FastAPI:
                 raise HTTPError(500, f"the step running this request failed: {ev.error}")
             return i, ev
 
-        if body.get("stream"):
-            include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        if options.stream:
+            include_usage = options.include_usage
             obj = "chat.completion.chunk" if chat else "text_completion"
 
             async def sse():
                 nonlocal left
                 try:
+                    start()
                     if chat:
                         for k in range(len(prompts) * n):
                             yield _sse({"id": rid, "object": obj, "created": created, "model": state.model_name,
@@ -344,15 +482,18 @@ def make_app(state) -> FastAPI:
             while not await request.is_disconnected():
                 await asyncio.sleep(0.25)
 
-        work, gone = asyncio.ensure_future(collect()), asyncio.ensure_future(watch())
+        work = gone = None
         try:
+            start()
+            work, gone = asyncio.ensure_future(collect()), asyncio.ensure_future(watch())
             await asyncio.wait([work, gone], return_when=asyncio.FIRST_COMPLETED)
             if not work.done():
                 return Response(status_code=499)
             work.result()
         finally:
             for t in (*tasks, work, gone):
-                t.cancel()
+                if t is not None:
+                    t.cancel()
         if chat:
             choices = [{"index": k, "message": {"role": "assistant", "content": texts[k]}, "logprobs": logs[k],
                         "finish_reason": finishes[k]} for k in range(len(texts))]
@@ -401,9 +542,12 @@ def _merge(old, new, chat: bool):
     return {k: old[k] + new[k] for k in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
 
 
-async def serve_http(app: FastAPI, host: str, port: int):
-    """A uvicorn server for `app` on the running loop, leaving signals to the gRPC server. Returns
-    (task, stop): await stop() to end it."""
+async def serve_http(app: FastAPI, host: str, port: int, tls_cert: str | None = None, tls_key: str | None = None,
+                     close_s: float = 2.0):
+    """A uvicorn server for `app` on the running loop (HTTPS with `tls_cert`/`tls_key`, the gRPC
+    server's certificate), leaving signals to the gRPC server. Returns (task, stop): await stop() to
+    end it; connections still open `close_s` seconds after stop() (a client that stopped reading) are
+    cut."""
     import contextlib
 
     import uvicorn
@@ -417,7 +561,8 @@ async def serve_http(app: FastAPI, host: str, port: int):
             yield
 
     server = _Server(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off",
-                                    access_log=False))
+                                    access_log=False, ssl_certfile=tls_cert, ssl_keyfile=tls_key,
+                                    timeout_graceful_shutdown=close_s))
     task = asyncio.ensure_future(server.serve())
     while not server.started:
         if task.done():

@@ -42,7 +42,8 @@ MAX_TEXT_CHARS = 1 << 20  # prompt text, and all of a chat's messages together
 MAX_MESSAGES = 256
 MAX_REQUEST_ID_CHARS = 128
 MAX_CACHE_SALT_CHARS = 256
-MAX_GRPC_MESSAGE_BYTES = 64 << 20  # gRPC's own cap, above ours, so ours answer with a clear message
+MAX_REQUEST_BYTES = 16 << 20  # one request's message (gRPC) or body (HTTP): room for MAX_TEXT_CHARS escaped
+HTTP_CLOSE_S = 2.0  # at shutdown, after the drain: how long open HTTP connections get before they are cut
 SERVICE_NAME = "jaxcb.v1.Jaxcb"
 
 
@@ -86,7 +87,10 @@ class State:
         self.metrics = metrics
         self.ready = False
         self.draining = False
-        self.active: set[str] = set()  # engine keys of accepted, unfinished requests
+        # Engine keys of accepted, unfinished requests -> their samples (n): admission counts samples,
+        # as the engine runs each of them as a sequence of its own.
+        self.active: dict[str, int] = {}
+        self.queues: dict[str, asyncio.Queue] = {}  # engine key -> its stream's event queue
         # (tenant, the client's request id) -> engine key. Engine keys are uuid4s, never reused: an
         # Abort reaches only its own tenant's requests, and a stream's clean-up only its own request.
         self.ids: dict[tuple[str, str], str] = {}
@@ -102,18 +106,25 @@ class State:
         if not self.ready:
             raise _Abort(grpc.StatusCode.UNAVAILABLE, "the server is warming up; retry when health is SERVING")
 
-    def admit(self) -> None:
-        """Admission counts every request accepted and not finished, inbox included."""
+    def admit(self, samples: int = 1) -> None:
+        """Admission counts every sample of every request accepted and not finished (inbox included)
+        and not yet running: `samples` more are refused if they would take that past max_waiting."""
         self.check_open()
-        waiting = len(self.active) - self.engine.stats().running
-        if waiting >= self.options.max_waiting:
+        waiting = max(0, sum(self.active.values()) - self.engine.stats().running)
+        if waiting + samples > self.options.max_waiting:
             raise _Abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                         f"queue full: {self.options.max_waiting} requests already waiting")
+                         f"queue full: {waiting} samples already waiting and {samples} more asked for; the limit is "
+                         f"{self.options.max_waiting} (--max-waiting)")
+
+    def engine_died(self) -> None:
+        """Ends every open stream with an error: nothing will come from a dead engine."""
+        for queue in self.queues.values():
+            queue.put_nowait(_DIED)
 
     async def stream(self, prompt_ids: list[int], params: SamplingParams, priority: int, request_id: str,
                      tenant: str = "", cache_salt: str = ""):
         """Submit one request; yield (public id, TokenEvent) as they arrive; abort it if the call ends early."""
-        self.admit()
+        self.admit(params.n)
         public = request_id or uuid.uuid4().hex
         key = uuid.uuid4().hex  # the engine's id for this request: unguessable, never reused
         if (tenant, public) in self.ids:
@@ -132,20 +143,24 @@ class State:
             self.thread.submit(prompt_ids, params, on_event, request_id=key, priority=priority, cache_salt=salt)
         except ValueError as e:
             raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
-        self.active.add(key)
+        self.active[key] = params.n
+        self.queues[key] = queue
         self.ids[tenant, public] = key
         finished = False
         samples_left = params.n
         try:
             while True:
                 ev = await queue.get()
+                if ev is _DIED:
+                    raise _Abort(grpc.StatusCode.UNAVAILABLE, "the engine stopped; the request was not finished")
                 samples_left -= ev.finished
                 finished = samples_left == 0
                 yield public, ev
                 if finished:
                     return
         finally:
-            self.active.discard(key)
+            self.active.pop(key, None)
+            self.queues.pop(key, None)
             if self.ids.get((tenant, public)) == key:
                 del self.ids[tenant, public]
             if not finished:
@@ -179,6 +194,9 @@ def tenant(state: State, authorization: str, peer: str) -> str:
     else the connection."""
     i = token_index(state.options.tokens, authorization)
     return f"peer:{peer}" if i is None else f"token{i}"
+
+
+_DIED = object()  # put on every open stream's queue when the engine dies
 
 
 class _Abort(Exception):
@@ -234,6 +252,11 @@ def check_ids(request_id: str, cache_salt: str) -> None:
         raise ValueError(f"cache_salt: {len(cache_salt)} characters; the limit is {MAX_CACHE_SALT_CHARS}")
 
 
+def check_priority(priority) -> None:
+    if isinstance(priority, bool) or not isinstance(priority, int) or not -2**31 <= priority < 2**31:
+        raise ValueError(f"priority: must be an integer in [-2**31, 2**31), got {priority!r}")
+
+
 def check_token_count(state: State, field: str, n: int) -> None:
     if not n:
         raise ValueError(f"{field}: must not be empty")
@@ -283,7 +306,7 @@ class JaxcbService(jaxcb_pb2_grpc.JaxcbServicer):
             except ValueError as e:
                 raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
             params = _sampling(request)
-            self.state.admit()  # before any tokenizing
+            self.state.admit(params.n)  # before any tokenizing
             ids = await _prompt_ids(self.state, request)
             tenant = tenant_of(self.state, context)
             async for rid, ev in self.state.stream(ids, params, request.priority, request.request_id, tenant,
@@ -478,8 +501,8 @@ async def run_server(engine: Engine | list[Engine], tokenizer, model_name: str, 
 
     interceptors = [_AuthInterceptor(options.tokens)] if options.tokens else []
     server = grpc.aio.server(interceptors=interceptors, maximum_concurrent_rpcs=options.max_concurrent_streams, options=[
-        ("grpc.max_receive_message_length", MAX_GRPC_MESSAGE_BYTES),
-        ("grpc.max_send_message_length", MAX_GRPC_MESSAGE_BYTES),
+        ("grpc.max_receive_message_length", MAX_REQUEST_BYTES),
+        ("grpc.max_send_message_length", MAX_REQUEST_BYTES),
     ])
     _add_service(server, jaxcb_pb2.DESCRIPTOR.services_by_name["Jaxcb"], JaxcbService(state))
     _add_service(server, jetstream_pb2.DESCRIPTOR.services_by_name["Orchestrator"], OrchestratorService(state))
@@ -515,11 +538,13 @@ async def run_server(engine: Engine | list[Engine], tokenizer, model_name: str, 
         from serve.openai_api import make_app, serve_http
 
         try:
-            _, http_stop = await serve_http(make_app(state), options.host, options.http_port)
+            _, http_stop = await serve_http(make_app(state), options.host, options.http_port, tls_cert=options.tls_cert,
+                                            tls_key=options.tls_key, close_s=HTTP_CLOSE_S)
         except BaseException:
             await server.stop(0)  # e.g. the HTTP port is taken: an unstopped aio server blocks exit
             raise
-        announce(f"jaxcb: OpenAI-compatible HTTP API on http://{options.host}:{options.http_port}/v1")
+        scheme = "https" if options.tls_cert else "http"
+        announce(f"jaxcb: OpenAI-compatible HTTP API on {scheme}://{options.host}:{options.http_port}/v1")
 
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -587,8 +612,14 @@ async def run_server(engine: Engine | list[Engine], tokenizer, model_name: str, 
     else:
         log.error("the engine thread died: %r", state.thread.error)
         announce(f"jaxcb: the engine died ({state.thread.error!r}); exiting")
+        state.engine_died()
     if http_stop is not None:
-        await http_stop()
+        # Connections still open (a client that stopped reading its stream) are closed after a short
+        # wait: the streams' requests are already finished or aborted.
+        try:
+            await asyncio.wait_for(http_stop(), timeout=HTTP_CLOSE_S + 2.0)
+        except (asyncio.TimeoutError, asyncio.CancelledError):
+            log.warning("the HTTP server did not close its connections in time; leaving them")
     await server.stop(1.0)
     state.thread.stop()
     return code

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import time
 
+import grpc
 import httpx
 import openai
 import pytest
@@ -150,3 +151,119 @@ def test_http_auth_and_a_full_queue(tiny_gguf_path, config_path):
         assert e.value.status_code == 429 and "queue full" in e.value.body["message"]
     finally:
         assert s.stop() == 0, s.output()
+
+
+def test_malformed_bodies_are_400_naming_the_problem(server):
+    """Every malformed body is a 400 (never a 500), and a field out of range is refused before a
+    streaming 200 begins."""
+    url = server.http + "/v1/completions"
+    cases = [
+        (b"[" * 100000 + b"]" * 100000, "body: JSON nested too deeply"),
+        (b'{"prompt": [5], "max_tokens": ' + b"9" * 5000 + b"}", "body: not valid JSON"),
+        (b"\xff\xfe garbage", "body: not valid JSON"),
+        (json.dumps({"prompt": [5], "best_of": "x"}).encode(), "best_of: must be an integer"),
+        (json.dumps({"prompt": [5], "stream": True, "priority": 2**40}).encode(), "priority: must be an integer"),
+        (json.dumps({"prompt": [5], "stream": True, "stream_options": "x"}).encode(), "stream_options: must be an object"),
+        (json.dumps({"prompt": [5], "stream": "yes"}).encode(), "stream: must be true or false"),
+        (json.dumps({"prompt": [5], "logit_bias": {"5": -100}}).encode(), "logit_bias: not supported"),
+        (json.dumps({"prompt": [5], "echo": "x"}).encode(), "echo: must be true or false"),
+        (json.dumps({"prompt": ["a" * 600000, "b" * 600000]}).encode(), "prompt: 1200000 characters in all"),
+    ]
+    for raw, message in cases:
+        r = httpx.post(url, content=raw, headers={"content-type": "application/json"}, timeout=30)
+        assert r.status_code == 400, (message, r.status_code, r.text[:200])
+        assert r.json()["error"]["message"].startswith(message), (message, r.json())
+    chat = server.http + "/v1/chat/completions"
+    r = httpx.post(chat, json={"messages": [{"role": "user", "content": "hi"}], "logprobs": True,
+                               "top_logprobs": -1}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["message"].startswith("top_logprobs: must be between 0 and 20")
+    big = b'{"prompt": "' + b"a" * (16 << 20) + b'"}'
+    r = httpx.post(url, content=big, headers={"content-type": "application/json"}, timeout=60)
+    assert r.status_code == 413 and "the limit is 16777216" in r.json()["error"]["message"]
+    info = _pool_whole(server)
+    assert info.running == 0 and info.pages_free == info.pages_total
+
+
+def test_a_request_lives_as_long_as_its_client(server):
+    """A stream refused after its fields are read starts nothing; a client that hangs up before the
+    first byte of its stream, or while waiting for a whole answer, has its request aborted: the
+    running count returns to zero and the pool is whole."""
+    import socket
+
+    def generated():
+        text = httpx.get(server.http + "/metrics", timeout=10).text
+        return sum(float(line.split()[-1]) for line in text.splitlines()
+                   if line.startswith("jaxcb:generation_tokens_total"))
+
+    _pool_whole(server)
+    before = generated()
+    host, port = server.http.removeprefix("http://").split(":")
+    body = json.dumps({"prompt": [5, 6, 7], "max_tokens": 240, "ignore_eos": True, "stream": True, "n": 4}).encode()
+    for _ in range(3):  # hang up right after sending: before the response's first byte
+        with socket.create_connection((host, int(port))) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    with pytest.raises(httpx.ReadTimeout):  # a whole answer the client stops waiting for
+        httpx.post(server.http + "/v1/completions", timeout=httpx.Timeout(10.0, read=0.1),
+                   json={"prompt": [5, 6, 7], "max_tokens": 240, "ignore_eos": True, "n": 16})
+    info = _pool_whole(server, timeout=20)
+    assert info.running == 0 and info.waiting == 0 and info.pages_free == info.pages_total
+    # Aborted, not run to the end: far fewer tokens than the 3 x 4 + 16 samples of 240 asked for.
+    assert generated() - before < 0.25 * (3 * 4 + 16) * 240
+
+
+def test_http_limits_count_samples_and_concurrent_calls(tiny_gguf_path, config_path):
+    """--max-waiting counts samples (n), on gRPC and HTTP alike; --max-concurrent-streams bounds HTTP
+    calls in progress as it bounds gRPC's."""
+    http = free_port()
+    s = ServerProcess(tiny_gguf_path, config_path, "--http-port", str(http), "--max-waiting", "3",
+                      "--max-concurrent-streams", "2", "--grace-period", "0")
+    try:
+        s.wait_serving()
+        base = f"http://127.0.0.1:{http}"
+        r = httpx.post(base + "/v1/completions", json={"prompt": [5], "max_tokens": 2, "n": 4}, timeout=30)
+        assert r.status_code == 429 and "4 more asked for; the limit is 3" in r.json()["error"]["message"]
+        with Client(s.target) as c:
+            with pytest.raises(grpc.RpcError) as e:
+                c.complete(token_ids=[5], max_tokens=2, n=4, timeout=30)
+            assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert len(c.complete_samples(token_ids=[5], max_tokens=2, n=3, timeout=30)) == 3
+        body = {"prompt": [5, 6], "max_tokens": 240, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", base + "/v1/completions", json=body, timeout=60) as a, \
+                httpx.stream("POST", base + "/v1/completions", json=body, timeout=60) as b:
+            assert a.status_code == b.status_code == 200
+            r = httpx.post(base + "/v1/completions", json={"prompt": [5], "max_tokens": 2}, timeout=30)
+            assert r.status_code == 429 and "--max-concurrent-streams" in r.json()["error"]["message"]
+        assert httpx.post(base + "/v1/completions", json={"prompt": [5], "max_tokens": 2}, timeout=30).status_code == 200
+    finally:
+        assert s.stop() == 0, s.output()
+
+
+def test_sigterm_ends_the_server_with_a_reader_that_stopped_reading(tiny_gguf_path, config_path):
+    """A client opens a large stream and stops reading (a tiny receive buffer, never read): SIGTERM
+    still ends the process, exit 0, within the grace period plus a few seconds."""
+    import signal
+    import socket
+
+    http = free_port()
+    s = ServerProcess(tiny_gguf_path, config_path, "--http-port", str(http), "--grace-period", "1")
+    try:
+        s.wait_serving()
+        body = json.dumps({"prompt": [5, 6], "max_tokens": 240, "ignore_eos": True, "stream": True, "n": 16,
+                           "logprobs": 5}).encode()
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.connect(("127.0.0.1", http))
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        sock.recv(64)  # the stream has begun; nothing more is read
+        time.sleep(1.0)
+        t = time.monotonic()
+        s.proc.send_signal(signal.SIGTERM)
+        code = s.proc.wait(timeout=30)
+        took = time.monotonic() - t
+        sock.close()
+        assert code == 0, s.output()
+        assert took < 1 + 10, took
+    finally:
+        s.stop()

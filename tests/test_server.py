@@ -21,7 +21,7 @@ from jaxcb.llm import LLM
 from jaxcb.request import FinishReason, SamplingParams
 from serve.client import AsyncClient, Client, build_request
 from serve.proto import jaxcb_pb2, jaxcb_pb2_grpc, jetstream_pb2, jetstream_pb2_grpc
-from server_util import ServerProcess
+from server_util import ServerProcess, free_port
 
 
 @pytest.fixture(scope="module")
@@ -332,12 +332,14 @@ def test_tls(tiny_gguf_path, config_path, tmp_path):
     subprocess.run([openssl, "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
                     "-days", "1", "-subj", "/CN=localhost", "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost"],
                    check=True, capture_output=True)
-    s = ServerProcess(tiny_gguf_path, config_path, "--tls-cert", str(cert), "--tls-key", str(key))
+    http = free_port()
+    s = ServerProcess(tiny_gguf_path, config_path, "--tls-cert", str(cert), "--tls-key", str(key),
+                      "--http-port", str(http), "--auth-token", "s3cret")
     try:
         deadline = time.monotonic() + 240
         while True:  # health over TLS
             try:
-                with Client(s.target, tls_root_cert=str(cert)) as c:
+                with Client(s.target, tls_root_cert=str(cert), token="s3cret") as c:
                     r = c.complete(token_ids=[5, 6], max_tokens=3, ignore_eos=True, timeout=10)
                     assert r.completion_tokens == 3
                     break
@@ -347,6 +349,19 @@ def test_tls(tiny_gguf_path, config_path, tmp_path):
         with Client(s.target) as plain:  # a plaintext client cannot talk to it
             with pytest.raises(grpc.RpcError):
                 plain.complete(token_ids=[5], max_tokens=2, timeout=5)
+        # The HTTP API takes the same tokens, so it serves HTTPS with the same certificate; cleartext fails.
+        import ssl
+
+        import httpx
+
+        r = httpx.post(f"https://127.0.0.1:{http}/v1/completions", timeout=30,
+                       verify=ssl.create_default_context(cafile=str(cert)),
+                       headers={"authorization": "Bearer s3cret"}, json={"prompt": [5, 6], "max_tokens": 3})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+        with pytest.raises(httpx.HTTPError):
+            httpx.post(f"http://127.0.0.1:{http}/v1/completions", timeout=10,
+                       headers={"authorization": "Bearer s3cret"}, json={"prompt": [5, 6], "max_tokens": 3})
+        assert "https://127.0.0.1" in s.output()
     finally:
         assert s.stop() == 0
 
