@@ -324,8 +324,11 @@ def cmd_serve(args) -> int:
         if not multihost.is_leader():
             return _follow(args, config)
     # A config that cannot fit is refused before the weights are read.
-    engines = build_engines(args.model, config, _dtype(args), wrap_runner=wrap)
+    engines = build_engines(args.model, config, _dtype(args), wrap_runner=wrap,
+                            agree_plan=multihost.agree_plan if wrap is not None else None)
     engine = engines[0]
+    if wrap is not None:  # every process built the same engine, or none starts
+        multihost.check_same_engine(engine.runner, engine.config)
     model_config, tokenizer, runner, config = engine.model_config, engine.tokenizer, engine.runner, engine.config
     if tokenizer is None:
         raise ValueError("model: the file has no tokenizer; the server needs one")
@@ -385,28 +388,26 @@ def _join_cluster(args, config):
 def _channel(runner, config):
     from jaxcb import multihost
 
-    max_context = min(config.scheduler.max_context, runner.model_config.max_context)
-    return multihost.Channel(config.buckets.shapes(config.page_size, max_context), config.page_size)
+    c = runner.model_config
+    max_context = min(config.scheduler.max_context, c.max_context)
+    return multihost.Channel(config.buckets.shapes(config.page_size, max_context), config.page_size,
+                             c.sliding_window if c.windowed else 0)
 
 
 def _follow(args, config) -> int:
-    """A follower process: the same weights and pages on its devices, mirroring the leader's steps."""
+    """A follower process: the leader's engine, built by the same function from the same config (its
+    weights and pages on this process's devices), mirroring the leader's steps."""
     import jax
 
     from jaxcb import multihost
-    from jaxcb.llm import load_model
-    from jaxcb.runner import make_runner, plan_memory
+    from jaxcb.llm import build_engines
 
-    plans = []
-
-    def check(c):
-        plans.append(plan_memory(c, config, _dtype(args)))
-
-    model_config, params, _, _ = load_model(args.model, _dtype(args), check_config=check)
-    runner, resolved = make_runner(model_config, params, config, plan=plans[0] if plans else None)
+    engine = build_engines(args.model, config, _dtype(args), agree_plan=multihost.agree_plan)[0]
+    runner = engine.runner
+    multihost.check_same_engine(runner, engine.config)
     print(f"jaxcb: process {jax.process_index()} follows process 0", flush=True)
     try:
-        steps = multihost.follow(runner, _channel(runner, resolved))
+        steps = multihost.follow(runner, _channel(runner, engine.config))
     except Exception as e:  # noqa: BLE001 - the leader is gone or the cluster broke: exit non-zero at once
         print(f"jaxcb: follower {jax.process_index()}: the cluster failed ({e!r}); exiting", flush=True)
         os._exit(1)

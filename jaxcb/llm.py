@@ -98,11 +98,12 @@ def build_engine(model: str | None = None, config: EngineConfig | str | None = N
 
 
 def build_engines(model: str | None = None, config: EngineConfig | str | None = None, dtype=None, *,
-                  loaded=None, replicas: int | None = None, wrap_runner=None) -> list[Engine]:
+                  loaded=None, replicas: int | None = None, wrap_runner=None, agree_plan=None) -> list[Engine]:
     """config.data_parallel engines (or `replicas`), each on its own `tensor_parallel` devices
     (jaxcb.replicas), from one read of the weights and one memory plan (per device, the same for
     every replica). `wrap_runner(runner, config)`: what the engine steps instead of the runner
-    (the multi-host leader's, jaxcb.multihost)."""
+    (the multi-host leader's, jaxcb.multihost). `agree_plan(plan)`: the plan to use instead (every
+    process of a multi-host cluster takes the same page counts, jaxcb.multihost.agree_plan)."""
     import dataclasses
 
     import jax
@@ -126,6 +127,8 @@ def build_engines(model: str | None = None, config: EngineConfig | str | None = 
         plan = plans[0]
     else:
         plan = plan_memory(model_config, config, params.embed.dtype)
+    if agree_plan is not None:
+        plan = agree_plan(plan)
     engines = []
     for i, devices in enumerate(groups):
         runner, resolved = make_runner(model_config, params, config, plan=plan, devices=devices)

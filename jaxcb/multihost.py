@@ -50,16 +50,84 @@ def is_leader() -> bool:
     return jax.process_index() == 0
 
 
+def _allgather(x: np.ndarray) -> np.ndarray:
+    """[processes, ...]: every process's `x` (the same shape and dtype everywhere)."""
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(x))
+
+
+def agree_plan(plan):
+    """The memory plan every process uses: each plans from its own free memory, and the cluster takes
+    the smallest page counts, so page ids mean the same pages everywhere (build_engines' agree_plan)."""
+    import dataclasses
+
+    counts = _allgather(np.array([plan.num_pages, plan.num_window_pages], np.int64))
+    agreed = dataclasses.replace(plan, num_pages=int(counts[:, 0].min()), num_window_pages=int(counts[:, 1].min()))
+    if agreed != plan:
+        log.info("process %d: pages %d/%d as the cluster agreed (planned %d/%d)", jax.process_index(),
+                 agreed.num_pages, agreed.num_window_pages, plan.num_pages, plan.num_window_pages)
+    return agreed
+
+
+def fingerprint(runner, config) -> dict[str, str]:
+    """What must be the same in every process for them to run one engine: the model, its weights
+    (each array's path, global shape and dtype, so the weights mode and group), the compute and KV
+    dtypes, the window layout, the buckets, the pages and the attention."""
+    import hashlib
+
+    import jax.numpy as jnp
+
+    c = runner.config
+    leaves = jax.tree_util.tree_leaves_with_path(runner.params)
+    weights = hashlib.sha256(repr([(jax.tree_util.keystr(k), tuple(a.shape), str(a.dtype))
+                                   for k, a in leaves]).encode()).hexdigest()[:16]
+    return {
+        "model": f"{c.name} ({c.family}, {c.num_layers} layers, vocab {c.vocab_size}, {c.num_params} parameters)",
+        "weights": f"{', '.join(sorted({str(a.dtype) for _, a in leaves}))} arrays {weights}",
+        "compute dtype": jnp.dtype(runner.dtype).name,
+        "kv dtype": jnp.dtype(runner.kv_dtype).name,
+        "window layout": f"window {c.sliding_window if c.windowed else 0}, {c.num_sliding_layers} sliding layers, "
+                         f"{runner.num_window_pages} window pages",
+        "buckets": repr(config.buckets),
+        "pages": f"{config.num_pages} of {config.page_size} tokens",
+        "tensor parallel": str(config.tensor_parallel),
+        "attention": str(runner.attention.kernel),
+    }
+
+
+def check_same_engine(runner, config, size: int = 8192) -> None:
+    """Every process reports its fingerprint; any difference from the leader's refuses the start (on
+    every process: the same collective), naming what differs."""
+    import json
+
+    mine = json.dumps(fingerprint(runner, config), sort_keys=True).encode()
+    if len(mine) > size:
+        raise ValueError(f"multi-host: the engine fingerprint is over {size} bytes")
+    buf = np.zeros(size, np.uint8)
+    buf[:len(mine)] = np.frombuffer(mine, np.uint8)
+    everyone = [json.loads(bytes(row).rstrip(b"\0")) for row in _allgather(buf)]
+    leader = everyone[0]
+    diffs = [f"process {i} {key}: {theirs.get(key)!r}, leader: {leader.get(key)!r}"
+             for i, theirs in enumerate(everyone[1:], 1) for key in sorted(set(leader) | set(theirs))
+             if theirs.get(key) != leader.get(key)]
+    if diffs:
+        raise ValueError("multi-host: the processes would not run one engine; start every process with the "
+                         "same model, config and flags: " + "; ".join(diffs))
+
+
 class Channel:
     """The per-step broadcast from the leader; one instance per process, the same bucket list."""
 
-    def __init__(self, shapes: list[StepShape], page_size: int):
+    def __init__(self, shapes: list[StepShape], page_size: int, window: int = 0):
         import jaxcb.runner  # noqa: F401 - registers the step input types as pytrees
 
         self.shapes = list(shapes)
         self.page_size = page_size
         self._index = {s: i for i, s in enumerate(self.shapes)}
-        self._templates = [jax.tree.flatten((pack([], s, page_size), pack_sampling([], s))) for s in self.shapes]
+        # The step inputs as the engine packs them (a model with sliding layers adds its window pages).
+        self._templates = [jax.tree.flatten((pack([], s, page_size, window), pack_sampling([], s)))
+                           for s in self.shapes]
         self.steps = 0
         self.bytes_sent = 0
         self.last_send = time.monotonic()
@@ -124,8 +192,16 @@ class LeaderRunner:
 
     def reset_kv_if_lost(self) -> bool:
         """After a failed step: fresh pages would be allocated by this process alone, which the
-        followers cannot mirror; a lost cache ends the cluster (the engine thread dies, exit 1)."""
-        if any(a.is_deleted() for a in self._runner.kv_arrays):
+        followers cannot mirror; a lost cache (consumed, or holding an error as the single-process
+        runner checks) ends the cluster (the engine thread dies, exit 1)."""
+        lost = any(a.is_deleted() for a in self._runner.kv_arrays)
+        if not lost:
+            try:
+                for a in (*self._runner.kv_arrays, self._runner.last_tokens):
+                    a.block_until_ready()
+            except Exception:  # noqa: BLE001 - an error-carrying buffer: its contents are unknown
+                lost = True
+        if lost:
             raise RuntimeError("multi-host: a failed step lost the KV pages; restart the cluster")
         return False
 

@@ -432,7 +432,8 @@ class Scheduler:
                 return []  # let a group fill up (it becomes ready by max_wait_ms at the latest)
             ready_groups = [max(groups.values(), key=len)]
         first = min(ready_groups, key=lambda g: g[0].arrival_time)
-        return first + [r for r in waiting if r not in first]
+        chosen = set(map(id, first))  # by identity, in one pass: `r not in first` was O(waiting x group)
+        return first + [r for r in waiting if id(r) not in chosen]
 
     # ---- the step ----
     def preempt(self, victim: Request, out: SchedulerOutput | None = None, *, switch: bool = False,
@@ -464,12 +465,18 @@ class Scheduler:
     def _grow(self, r: Request, num_tokens: int) -> bool:
         """Give `r` the pages to hold its first num_tokens tokens; False when the pool is short."""
         need = self.pool.pages_for(num_tokens) - len(r.page_ids)
+        pages = []
         if need > 0:
             pages = self.pool.allocate(need)
             if pages is None:
                 return False
             r.page_ids.extend(pages)
-        return self.window is None or self.window.grow(r, r.num_computed, num_tokens)
+        if self.window is None or self.window.grow(r, r.num_computed, num_tokens):
+            return True
+        if pages:  # the sliding layers are short: give back what was just taken, not hold it while waiting
+            del r.page_ids[-len(pages):]
+            self.pool.free(pages)
+        return False
 
     def _chunk(self, r: Request, budget: int) -> int:
         if r.last_in_flight:

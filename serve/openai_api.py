@@ -20,6 +20,7 @@ The app runs under uvicorn on the gRPC server's event loop (serve.server.run_ser
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import time
@@ -293,8 +294,12 @@ def make_app(state) -> FastAPI:
         tenant = authorize(request)
         body = await body_of(request)
         _check_fields(body, _COMPLETION_FIELDS)
-        if _bool(body, "echo", False) or _str(body, "suffix", "") or _int(body, "best_of", 1) != 1:
-            raise _bad("echo, suffix, best_of: not supported (best_of must be 1)")
+        if _bool(body, "echo", False):
+            raise _bad("echo: not supported")
+        if _str(body, "suffix", ""):
+            raise _bad("suffix: not supported")
+        if _int(body, "best_of", 1) != 1:
+            raise _bad("best_of: only 1 is supported")
         options = _common(body)
         logprobs = _int(body, "logprobs", 0) or 0
         params = _sampling(body, max_tokens=_int(body, "max_tokens", 16), logprobs=logprobs)
@@ -383,9 +388,11 @@ def make_app(state) -> FastAPI:
 
         async def pump(i, ids):
             try:
-                async for _, ev in state.stream(ids, params, options.priority,
-                                                f"{request_id}/{i}" if request_id else "", tenant, options.cache_salt):
-                    await events.put((i, ev))
+                async with contextlib.aclosing(state.stream(ids, params, options.priority,
+                                                            f"{request_id}/{i}" if request_id else "", tenant,
+                                                            options.cache_salt)) as stream:
+                    async for _, ev in stream:
+                        await events.put((i, ev))
             except grpc_server._Abort as e:
                 await events.put((i, _from_abort(e)))
 

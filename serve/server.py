@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import dataclasses
 import hmac
 import logging
@@ -309,18 +310,21 @@ class JaxcbService(jaxcb_pb2_grpc.JaxcbServicer):
             self.state.admit(params.n)  # before any tokenizing
             ids = await _prompt_ids(self.state, request)
             tenant = tenant_of(self.state, context)
-            async for rid, ev in self.state.stream(ids, params, request.priority, request.request_id, tenant,
-                                                   request.cache_salt):
-                if ev.finish_reason is FinishReason.ERROR:
-                    await context.abort(grpc.StatusCode.INTERNAL, f"the step running this request failed: {ev.error}")
-                if ev.token_ids or ev.text:
-                    yield jaxcb_pb2.GenerateResponse(request_id=rid, index=ev.index, chunk=jaxcb_pb2.GenerateChunk(
-                        token_ids=list(ev.token_ids), text=ev.text, logprobs=_logprobs_pb(ev)))
-                if ev.finished:
-                    usage = jaxcb_pb2.Usage(prompt_tokens=ev.num_prompt_tokens, completion_tokens=ev.num_output_tokens,
-                                            cached_prompt_tokens=ev.num_cached_tokens)
-                    yield jaxcb_pb2.GenerateResponse(request_id=rid, index=ev.index, final=jaxcb_pb2.GenerateFinal(
-                        finish_reason=ev.finish_reason.value, usage=usage))
+            # aclosing: a call that ends inside the loop (an error, a cancel) closes the stream at once,
+            # aborting the request's other samples, rather than whenever the generator is collected.
+            async with contextlib.aclosing(self.state.stream(ids, params, request.priority, request.request_id,
+                                                             tenant, request.cache_salt)) as events:
+                async for rid, ev in events:
+                    if ev.finish_reason is FinishReason.ERROR:
+                        await context.abort(grpc.StatusCode.INTERNAL, f"the step running this request failed: {ev.error}")
+                    if ev.token_ids or ev.text:
+                        yield jaxcb_pb2.GenerateResponse(request_id=rid, index=ev.index, chunk=jaxcb_pb2.GenerateChunk(
+                            token_ids=list(ev.token_ids), text=ev.text, logprobs=_logprobs_pb(ev)))
+                    if ev.finished:
+                        usage = jaxcb_pb2.Usage(prompt_tokens=ev.num_prompt_tokens, completion_tokens=ev.num_output_tokens,
+                                                cached_prompt_tokens=ev.num_cached_tokens)
+                        yield jaxcb_pb2.GenerateResponse(request_id=rid, index=ev.index, final=jaxcb_pb2.GenerateFinal(
+                            finish_reason=ev.finish_reason.value, usage=usage))
         except _Abort as e:
             await context.abort(e.code, e.message)
 
@@ -383,13 +387,15 @@ class OrchestratorService(jetstream_pb2_grpc.OrchestratorServicer):
                 params = SamplingParams(max_tokens=request.max_tokens)
             except ValueError as e:
                 raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
-            async for _, ev in self.state.stream(ids, params, request.priority, "", tenant_of(self.state, context)):
-                if ev.finish_reason is FinishReason.ERROR:
-                    await context.abort(grpc.StatusCode.INTERNAL, f"the step running this request failed: {ev.error}")
-                if ev.token_ids or ev.text:
-                    sample = jetstream_pb2.DecodeResponse.StreamContent.Sample(text=ev.text, token_ids=list(ev.token_ids))
-                    yield jetstream_pb2.DecodeResponse(
-                        stream_content=jetstream_pb2.DecodeResponse.StreamContent(samples=[sample]))
+            async with contextlib.aclosing(self.state.stream(ids, params, request.priority, "",
+                                                             tenant_of(self.state, context))) as events:
+                async for _, ev in events:
+                    if ev.finish_reason is FinishReason.ERROR:
+                        await context.abort(grpc.StatusCode.INTERNAL, f"the step running this request failed: {ev.error}")
+                    if ev.token_ids or ev.text:
+                        sample = jetstream_pb2.DecodeResponse.StreamContent.Sample(text=ev.text, token_ids=list(ev.token_ids))
+                        yield jetstream_pb2.DecodeResponse(
+                            stream_content=jetstream_pb2.DecodeResponse.StreamContent(samples=[sample]))
         except _Abort as e:
             await context.abort(e.code, e.message)
 

@@ -8,6 +8,7 @@ import concurrent.futures
 import time
 
 import numpy as np
+import pytest
 
 from jaxcb.engine_config import load_config
 from jaxcb.llm import LLM
@@ -19,12 +20,12 @@ from server_util import ServerProcess, free_port
 class Cluster:
     """Leader and follower, each `jaxcb serve` with two forced host devices; the follower opens no port."""
 
-    def __init__(self, model: str, config: str):
+    def __init__(self, model: str, config: str, leader_args=(), follower_args=()):
         port, coordinator = free_port(), free_port()
         env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
         args = ("--coordinator", f"127.0.0.1:{coordinator}", "--num-processes", "2", "--compile-cache", "off")
-        self.follower = ServerProcess(model, config, *args, "--process-id", "1", env=env, port=port)
-        self.leader = ServerProcess(model, config, *args, "--process-id", "0", env=env, port=port)
+        self.follower = ServerProcess(model, config, *args, "--process-id", "1", *follower_args, env=env, port=port)
+        self.leader = ServerProcess(model, config, *args, "--process-id", "0", *leader_args, env=env, port=port)
 
     def stop(self):
         for p in (self.leader, self.follower):
@@ -69,5 +70,60 @@ def test_a_dead_follower_makes_the_leader_exit_non_zero(tiny_gguf_path, config_p
         assert code != 0, cluster.leader.output()
         assert time.monotonic() - t0 < 30
         assert "the engine died" in cluster.leader.output()
+    finally:
+        cluster.stop()
+
+
+def _windowed_model_dir(path, tokenizer) -> str:
+    """A tiny Gemma 3 checkpoint in the Hugging Face layout (sliding-window layers, window 8; written by
+    tools/make_tiny_hf.py), with a tokenizer beside it for the server."""
+    import os
+    import shutil
+
+    src = os.path.join(os.path.dirname(__file__), "golden", "tiny_hf", "gemma3")
+    shutil.copytree(src, path)
+    tokenizer.save(str(path))
+    return str(path)
+
+
+@pytest.mark.parametrize("kind", ["int8", "windowed"])
+def test_two_processes_run_the_single_process_engine_with_int8_weights_and_windows(kind, tiny_gguf_path, tiny_model,
+                                                                                   config_path, tmp_path):
+    """Followers build the leader's engine: with --weights int8 (quantized shards everywhere) and with a
+    sliding-window model (the broadcast carries the window pages), the tokens are the one-process
+    engine's."""
+    cfg, params, tok, eos = tiny_model
+    config = load_config(config_path)
+    if kind == "int8":
+        model, extra = tiny_gguf_path, ("--weights", "int8")
+        offline = LLM(tiny_gguf_path, config=config.replace(weights="int8"))
+    else:
+        model, extra = _windowed_model_dir(tmp_path / "windowed", tok), ()
+        offline = LLM(model, config=config)
+    cluster = Cluster(model, config_path, extra, extra)
+    try:
+        cluster.leader.wait_serving()
+        rng = np.random.default_rng(8)
+        prompts = [rng.integers(3, 120, int(n)).tolist() for n in rng.integers(2, 80, 6)]  # past window 8
+        with Client(cluster.leader.target) as c:
+            with concurrent.futures.ThreadPoolExecutor(6) as pool:
+                results = list(pool.map(
+                    lambda p: c.complete(token_ids=p, max_tokens=30, ignore_eos=True, timeout=120), prompts))
+        expected = offline.generate(prompts, SamplingParams(max_tokens=30, ignore_eos=True))
+        assert [r.token_ids for r in results] == [o.token_ids for o in expected]
+        assert cluster.leader.stop() == 0, cluster.leader.output()
+        assert cluster.follower.proc.wait(60) == 0, cluster.follower.output()
+    finally:
+        cluster.stop()
+
+
+def test_processes_that_would_not_run_one_engine_refuse_to_start(tiny_gguf_path, config_path):
+    """A follower started with other weights than the leader's: both exit non-zero, naming what differs."""
+    cluster = Cluster(tiny_gguf_path, config_path, follower_args=("--weights", "int8"))
+    try:
+        assert cluster.leader.proc.wait(180) != 0
+        assert cluster.follower.proc.wait(60) != 0
+        out = cluster.leader.output()
+        assert "would not run one engine" in out and "process 1 weights" in out, out
     finally:
         cluster.stop()

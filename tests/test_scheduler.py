@@ -389,3 +389,24 @@ def test_priority_is_clamped_so_aging_catches_up():
 def test_an_infinite_batching_window_is_refused():
     with pytest.raises(ValueError, match="max_wait_ms: must be a finite number >= 0"):
         make(max_wait_ms=float("inf"), min_batch=2)
+
+
+def test_a_request_short_of_sliding_pages_holds_no_full_pages_while_it_waits():
+    """Without prefix caching, a request that gets its full-attention pages but not its sliding-window
+    pages gives the former back: it waits holding nothing (it kept them before: preemption churn)."""
+    from jaxcb.window import WindowGroup
+
+    pool = PagePool(64, 4)
+    window = WindowGroup(num_pages=5, page_size=4, window=8)  # 4 usable sliding pages: one request's chunk
+    sched = Scheduler(SchedulerConfig(page_size=4, prefix_caching=False, max_running=4, max_prefill_tokens=64,
+                                      max_chunk=16), pool, window=window)
+    a, b = req(16, max_tokens=8), req(16, max_tokens=8)
+    sched.add(a)
+    sched.add(b)
+    out = sched.schedule(now=0.0)
+    running = [c.request for c in out.prefill + out.decode]
+    waiting = [r for r in (a, b) if r not in running]
+    assert running and waiting
+    for r in waiting:
+        assert r.page_ids == [] and not any(p for p in r.window_page_ids)
+    assert pool.num_in_use == sum(len(r.page_ids) for r in running)

@@ -31,3 +31,15 @@ def test_small_stress_suite_loses_nothing():
     assert sg["finished_length"] + sg["finished_abort"] == sg["streams"]
     for scenario in (st, fz, sl, mem):
         assert scenario["exit_code"] == 0
+    # The same over the OpenAI HTTP API.
+    h = r["http"]
+    assert h["streams"]["lost"] == 0 and h["streams"]["error"] == 0 and h["streams"]["cancelled"] > 0
+    assert sum(h["streams"].values()) == 60
+    assert set(h["statuses"]) <= {"200", "400", "404", "413", "429"}, h["statuses"]
+    assert h["statuses"].get("400", 0) > 0 and h["statuses"].get("200", 0) > 0, h["statuses"]
+    assert h["unnamed_errors"] == 0, h.get("unnamed_examples")
+    assert h["healthy_runs"] > 0 and h["healthy_mismatches"] == 0
+    assert h["oversized_status"] == 413
+    assert set(h["flood"]) <= {"200", "429"} and h["flood"].get("429", 0) > 0, h["flood"]
+    assert h["pages_leaked"] == 0 and not h["crashed"] and h["compilations_after_warmup"] == 0
+    assert h["sigterm_exit_code"] == 0 and h["sigterm_shutdown_s"] < 15

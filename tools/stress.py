@@ -20,6 +20,10 @@ Scenarios (each against a fresh `jaxcb serve` process unless said otherwise):
             affected requests get INTERNAL, the others their tokens alone, the pool is whole.
   sigterm   SIGTERM under load: every stream finishes or ends with `abort` within the grace period, exit 0.
   memory    server RSS after the first K requests and after 10K.
+  http      the same over the OpenAI HTTP API, on one server: SSE streams with random hang-ups (before
+            the first byte too), fuzzed bodies (typed fields, raw bytes, deep JSON, huge integers) while
+            healthy requests run, a slow reader and a 17 MiB body beside a healthy stream, a flood past
+            --max-concurrent-streams, RSS over many requests, SIGTERM with a reader that stopped reading.
 """
 
 from __future__ import annotations
@@ -462,6 +466,228 @@ def scenario_memory(model, config, first, total):
         s.stop()
 
 
+# ---- the same attacks over the OpenAI HTTP API ----
+def _sse_request(body: dict) -> bytes:
+    raw = json.dumps(body).encode()
+    return (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: " + str(len(raw)).encode() + b"\r\n\r\n" + raw)
+
+
+async def _http_streams(base, n, seed):
+    """n concurrent SSE streams; half hang up at random moments (before the first byte, after k
+    events). Each completed stream must end with finish reasons for its samples and [DONE]."""
+    import httpx
+
+    rng = random.Random(seed)
+    host, port = base.removeprefix("http://").split(":")
+    results = {"final": 0, "cancelled": 0, "error": 0, "lost": 0}
+
+    async def one(i, client):
+        body = {"prompt": [rng.randrange(3, 128) for _ in range(rng.randrange(1, 200))],
+                "max_tokens": rng.randrange(1, 40), "ignore_eos": True, "stream": True, "n": rng.choice([1, 1, 2])}
+        hang_up = rng.choice([-1, 0, 1, 3, 10]) if i % 2 else None
+        if hang_up == -1:  # the request sent, the connection closed before any byte comes back
+            _, writer = await asyncio.open_connection(host, int(port))
+            writer.write(_sse_request(body))
+            await writer.drain()
+            writer.close()
+            results["cancelled"] += 1
+            return
+        events, done, finishes = 0, False, 0
+        try:
+            async with client.stream("POST", base + "/v1/completions", json=body, timeout=300) as r:
+                if r.status_code != 200:
+                    results["error"] += 1
+                    return
+                async for line in r.aiter_lines():
+                    if line == "data: [DONE]":
+                        done = True
+                    elif line.startswith("data: {"):
+                        events += 1
+                        finishes += sum(c.get("finish_reason") is not None for c in json.loads(line[6:])["choices"])
+                    if hang_up is not None and events >= hang_up:
+                        results["cancelled"] += 1
+                        return
+        except Exception:  # noqa: BLE001 - a broken stream is an error, counted
+            results["error"] += 1
+            return
+        results["final" if done and finishes == body["n"] else "lost"] += 1
+
+    async with httpx.AsyncClient(limits=httpx.Limits(max_connections=n)) as client:
+        await asyncio.gather(*(one(i, client) for i in range(n)))
+    return results
+
+
+def _http_bodies(n, seed):
+    """Fuzzed bodies: hypothesis-drawn fields of every type around the real ones, raw bytes, JSON
+    nested too deeply, integers of thousands of digits."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    json_value = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=40),
+                              lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner,
+                                                                                          max_size=4), max_leaves=12)
+    # Each field mostly plausible (so that many bodies are served), one time in five anything at all.
+    plausible = {
+        "prompt": st.one_of(st.text(min_size=1, max_size=60), st.lists(st.integers(3, 120), min_size=1, max_size=80),
+                            st.lists(st.text(min_size=1, max_size=20), min_size=1, max_size=3)),
+        "max_tokens": st.integers(-1, 30), "n": st.integers(0, 3), "stream": st.booleans(),
+        "temperature": st.floats(-0.5, 2.5), "top_p": st.floats(0, 1.2), "top_k": st.integers(-2, 50),
+        "min_p": st.floats(-0.1, 1.0), "presence_penalty": st.floats(-3, 3), "seed": st.integers(-5, 2**64),
+        "stop": st.one_of(st.text(max_size=5), st.lists(st.text(max_size=5), max_size=5)),
+        "logprobs": st.integers(-1, 25), "priority": st.integers(-2**32, 2**32), "ignore_eos": st.booleans(),
+        "request_id": st.text(max_size=20), "cache_salt": st.text(max_size=10), "user": st.text(max_size=10),
+        "stream_options": st.fixed_dictionaries({}, optional={"include_usage": st.booleans()}),
+        "best_of": st.integers(0, 2), "echo": st.booleans(), "logit_bias": st.just({})}
+
+    def field(value):
+        return st.integers(0, 4).flatmap(lambda k: json_value if k == 0 else value)
+
+    body = st.fixed_dictionaries({"prompt": field(plausible["prompt"])},
+                                 optional={f: field(v) for f, v in plausible.items() if f != "prompt"})
+    bodies = []
+
+    @settings(max_examples=n, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+    @given(body)
+    def draw(d):
+        bodies.append(json.dumps(d).encode())
+
+    draw()
+    rng = random.Random(seed)
+    for i in range(max(1, n // 10)):
+        bodies.append(bytes(rng.randrange(256) for _ in range(rng.randrange(0, 200))))
+        bodies.append(b"[" * 50000 + b"]" * 50000 if i % 2 else b'{"max_tokens": ' + b"7" * 6000 + b"}")
+    return bodies
+
+
+def _http_healthy_loop(base, stop, expected, out):
+    import httpx
+
+    with httpx.Client(timeout=120) as c:
+        while not stop.is_set():
+            for prompt, text in expected:
+                r = c.post(base + "/v1/completions", json={"prompt": prompt, "max_tokens": 12, "ignore_eos": True,
+                                                           "temperature": 0})
+                out["healthy_runs"] += 1
+                out["healthy_mismatches"] += r.status_code != 200 or r.json()["choices"][0]["text"] != text
+
+
+def _http_itl_p99(base, prompt, n):
+    import httpx
+
+    times = []
+    with httpx.stream("POST", base + "/v1/completions", timeout=300,
+                      json={"prompt": prompt, "max_tokens": n, "ignore_eos": True, "stream": True}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                times.append(time.perf_counter())
+    gaps = np.diff(times[:-1])
+    return float(np.percentile(gaps, 99)) if len(gaps) else 0.0
+
+
+def scenario_http(model, config, streams, fuzz, rss_total):
+    """The stress suite's attacks through the OpenAI HTTP API, on one server: streams with random
+    hang-ups, fuzzed bodies while healthy requests run, a slow reader and an oversized body beside a
+    healthy stream, a flood past --max-concurrent-streams, RSS over many requests, then SIGTERM with a
+    reader that stopped reading."""
+    import socket
+
+    import httpx
+
+    from server_util import free_port
+
+    http = free_port()
+    s = ServerProcess(model, config, "--http-port", str(http), "--grace-period", str(GRACE_S),
+                      "--max-concurrent-streams", "64")
+    base = f"http://127.0.0.1:{http}"
+    out = {"statuses": {}, "unnamed_errors": 0, "healthy_runs": 0, "healthy_mismatches": 0}
+    try:
+        s.wait_serving()
+        with Client(s.target) as c:
+            before = c.server_info().compilations
+        t0 = time.perf_counter()
+        out["streams"] = asyncio.run(_http_streams(base, streams, seed=11))
+        out["streams_s"] = round(time.perf_counter() - t0, 1)
+        rng = np.random.default_rng(12)
+        prompts = [_prompt(rng, 7), _prompt(rng, 40)]
+        expected = [(p, httpx.post(base + "/v1/completions", timeout=120, json={
+            "prompt": p, "max_tokens": 12, "ignore_eos": True, "temperature": 0}).json()["choices"][0]["text"])
+            for p in prompts]
+        stop = threading.Event()
+        healthy = threading.Thread(target=_http_healthy_loop, args=(base, stop, expected, out), daemon=True)
+        healthy.start()
+        with httpx.Client(timeout=60) as c:
+            for body in _http_bodies(fuzz, seed=13):
+                r = c.post(base + "/v1/completions", content=body, headers={"content-type": "application/json"})
+                out["statuses"][str(r.status_code)] = out["statuses"].get(str(r.status_code), 0) + 1
+                if 400 <= r.status_code < 500:
+                    message = r.json()["error"]["message"]
+                    if not FIELD_MESSAGE.match(message):
+                        out["unnamed_errors"] += 1
+                        out.setdefault("unnamed_examples", []).append(message[:120])
+                elif r.status_code == 200 and b'"stream": true' not in body:
+                    r.json()  # a whole answer parses
+        stop.set()
+        healthy.join(120)
+        out["fuzzed"] = sum(out["statuses"].values())
+        # A slow reader (never reads its large stream) and the largest request beside a healthy stream.
+        healthy_prompt = _prompt(rng, 10)
+        _http_itl_p99(base, healthy_prompt, 20)
+        baseline = float(np.median([_http_itl_p99(base, healthy_prompt, 80) for _ in range(3)]))
+        slow = socket.socket()
+        slow.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        slow.connect(("127.0.0.1", http))
+        slow.sendall(_sse_request({"prompt": _prompt(rng, 30), "max_tokens": 120, "ignore_eos": True, "stream": True,
+                                   "n": 4, "logprobs": 5}))
+        oversized = httpx.post(base + "/v1/completions", content=b'{"prompt": "' + b"a" * (17 << 20) + b'"}',
+                               headers={"content-type": "application/json"}, timeout=120)
+        out["oversized_status"] = oversized.status_code
+        attacked = float(np.median([_http_itl_p99(base, healthy_prompt, 80) for _ in range(3)]))
+        out.update(itl_p99_baseline_ms=round(baseline * 1e3, 2), itl_p99_attacked_ms=round(attacked * 1e3, 2),
+                   itl_ratio=round(attacked / baseline, 2) if baseline else None)
+        slow.close()
+
+        async def flood(count):  # past --max-concurrent-streams: 200 or 429, nothing else
+            async with httpx.AsyncClient(limits=httpx.Limits(max_connections=count), timeout=120) as client:
+                async def one(i):
+                    r = await client.post(base + "/v1/completions", json={"prompt": [3 + i % 100, 5], "max_tokens": 8,
+                                                                           "ignore_eos": True})
+                    return r.status_code
+                return await asyncio.gather(*(one(i) for i in range(count)))
+
+        codes = asyncio.run(flood(200))
+        out["flood"] = {str(k): codes.count(k) for k in sorted(set(codes))}
+        rss_first = _rss_bytes(s.proc.pid)
+        with httpx.Client(timeout=120) as c:
+            for i in range(rss_total):
+                c.post(base + "/v1/completions", json={"prompt": [3 + i % 100, 7, 9], "max_tokens": 2,
+                                                       "cache_salt": str(i % 4), "request_id": f"r{i}"})
+        out.update(rss_first_mib=round(rss_first / 2**20, 1), rss_total_mib=round(_rss_bytes(s.proc.pid) / 2**20, 1),
+                   rss_requests=rss_total)
+        out["rss_growth"] = round(out["rss_total_mib"] / out["rss_first_mib"] - 1, 4)
+        with Client(s.target) as c:
+            info = _pool_whole(c)
+            out["pages_leaked"] = info.pages_total - info.pages_free
+            out["compilations_after_warmup"] = info.compilations - before
+        out["crashed"] = s.proc.poll() is not None
+        # SIGTERM with a reader that has stopped reading a large stream.
+        stalled = socket.socket()
+        stalled.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        stalled.connect(("127.0.0.1", http))
+        stalled.sendall(_sse_request({"prompt": _prompt(rng, 8), "max_tokens": 200, "ignore_eos": True,
+                                      "stream": True, "n": 16, "logprobs": 5}))
+        stalled.recv(64)
+        time.sleep(0.5)
+        t0 = time.monotonic()
+        s.proc.send_signal(signal.SIGTERM)
+        out["sigterm_exit_code"] = s.proc.wait(60)
+        out["sigterm_shutdown_s"] = round(time.monotonic() - t0, 1)
+        stalled.close()
+        return out
+    finally:
+        s.stop()
+
+
 def run(scale: str, model: str | None) -> dict:
     sizes = SCALES[scale]
     workdir = tempfile.mkdtemp(prefix="jaxcb-stress-")
@@ -480,7 +706,9 @@ def run(scale: str, model: str | None) -> dict:
                      ("slow", lambda: scenario_slow(model, config, 256)),
                      ("faults", lambda: scenario_faults(model, sizes["streams"])),
                      ("sigterm", lambda: scenario_sigterm(model, config, sizes["sigterm_streams"])),
-                     ("memory", lambda: scenario_memory(model, config, sizes["rss_first"], sizes["rss_total"]))):
+                     ("memory", lambda: scenario_memory(model, config, sizes["rss_first"], sizes["rss_total"])),
+                     ("http", lambda: scenario_http(model, config, sizes["streams"], sizes["fuzz"],
+                                                    sizes["rss_total"] // 2))):
         t0 = time.perf_counter()
         out[name] = fn()
         out[name]["scenario_s"] = round(time.perf_counter() - t0, 1)
@@ -489,6 +717,36 @@ def run(scale: str, model: str | None) -> dict:
 
 
 def table(r: dict) -> str:
+    return _grpc_table(r) + "\n\nOpenAI HTTP API\n" + _http_table(r["http"])
+
+
+def _http_table(h: dict) -> str:
+    hs = h["streams"]
+    statuses = " / ".join(f"{k}: {v}" for k, v in sorted(h["statuses"].items()))
+    bad = sum(v for k, v in h["statuses"].items() if k not in ("200", "400", "404", "413", "429"))
+    rows = [
+        ("streams (hung up)", f"{sum(hs.values())} ({hs['cancelled']})", ""),
+        ("streams lost / broken", f"{hs['lost']} / {hs['error']}", "0 / 0"),
+        ("fuzzed bodies answered (by status)", f"{h['fuzzed']} ({statuses})", ""),
+        ("fuzz answers other than 200/400/404/413/429 / unnamed 4xx", f"{bad} / {h['unnamed_errors']}", "0 / 0"),
+        ("healthy requests during fuzz (mismatches)", f"{h['healthy_runs']} ({h['healthy_mismatches']})", "0"),
+        ("17 MiB body", str(h["oversized_status"]), "413"),
+        ("flood of 200 past --max-concurrent-streams 64", " / ".join(f"{k}: {v}" for k, v in h["flood"].items()),
+         "200 or 429 only"),
+        ("pages leaked / crashed", f"{h['pages_leaked']} / {h['crashed']}", "0 / False"),
+        ("compilations after warm-up", str(h["compilations_after_warmup"]), "0"),
+        ("healthy-stream p99 ITL under slow reader + 17 MiB body", f"{h['itl_ratio']}x ({h['itl_p99_baseline_ms']} -> "
+         f"{h['itl_p99_attacked_ms']} ms)", "<= 2x"),
+        ("RSS growth", f"{h['rss_growth']:.1%} ({h['rss_first_mib']} -> {h['rss_total_mib']} MiB over "
+         f"{h['rss_requests']} requests)", "<= 10%"),
+        ("SIGTERM with a stalled reader: exit, time", f"exit {h['sigterm_exit_code']} in {h['sigterm_shutdown_s']} s "
+         f"(grace {GRACE_S} s)", "exit 0"),
+    ]
+    width = max(len(a) for a, _, _ in rows)
+    return "\n".join(f"{a:<{width}}  {b:<40}  target {c}" if c else f"{a:<{width}}  {b}" for a, b, c in rows)
+
+
+def _grpc_table(r: dict) -> str:
     st, fz, sl, fa, sg, mem = (r[k] for k in ("streams", "fuzz", "slow", "faults", "sigterm", "memory"))
     lost = st["lost"] + sg["lost"] + fa["other"] + fz.get("other_status", 0)
     leaked = st["pages_leaked"] + fz["pages_leaked"] + sl["pages_leaked"] + fa["pages_leaked"]
