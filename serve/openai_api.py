@@ -23,18 +23,17 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import re
 import time
 import uuid
 
-import grpc
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from jaxcb.request import FinishReason, SamplingParams
-from serve import server as grpc_server
+from serve import frontend
 
-_STATUS = {grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
-           grpc.StatusCode.UNAVAILABLE: 503, grpc.StatusCode.UNAUTHENTICATED: 401}
+_STATUS = {"invalid": 400, "exhausted": 429, "unavailable": 503, "unauthenticated": 401, "internal": 500}
 _TYPE = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error", 413: "invalid_request_error",
          429: "rate_limit_error", 500: "internal_error", 503: "service_unavailable"}
 _EXTRAS = {"top_k", "min_p", "repetition_penalty", "ignore_eos", "priority", "cache_salt", "request_id"}
@@ -62,8 +61,8 @@ def _bad(message: str) -> HTTPError:
     return HTTPError(400, message, param=field if field and " " not in field else None)
 
 
-def _from_abort(e) -> HTTPError:
-    return HTTPError(_STATUS.get(e.code, 500), e.message)
+def _from_rejected(e: frontend.Rejected) -> HTTPError:
+    return HTTPError(_STATUS.get(e.kind, 500), e.message)
 
 
 def _int(body: dict, name: str, default=None):
@@ -88,8 +87,8 @@ def _sampling(body: dict, *, max_tokens: int, logprobs: int) -> SamplingParams:
     stop = body.get("stop")
     if stop is not None and not isinstance(stop, (str, list)):
         raise _bad("stop: must be a string or a list of strings")
-    if isinstance(stop, list) and len(stop) > grpc_server.MAX_STOP_STRINGS:
-        raise _bad(f"stop: at most {grpc_server.MAX_STOP_STRINGS} stop strings, got {len(stop)}")
+    if isinstance(stop, list) and len(stop) > frontend.MAX_STOP_STRINGS:
+        raise _bad(f"stop: at most {frontend.MAX_STOP_STRINGS} stop strings, got {len(stop)}")
     if isinstance(stop, list) and not all(isinstance(x, str) for x in stop):
         raise _bad("stop: must be a string or a list of strings")
     ignore_eos = body.get("ignore_eos", False)
@@ -107,7 +106,6 @@ def _sampling(body: dict, *, max_tokens: int, logprobs: int) -> SamplingParams:
         raise _bad(str(e)) from None
 
 
-MAX_PROMPTS = 64  # prompts in one completions request
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit on top_logprobs
 
 
@@ -161,7 +159,7 @@ def _common(body: dict) -> _Options:
     stream_options = stream_options or {}
     unknown = sorted(set(stream_options) - {"include_usage", "continuous_usage_stats"})
     if unknown:
-        raise _bad(f"stream_options.{unknown[0]}: not a field this endpoint takes")
+        raise _unknown_field("stream_options", unknown[0])
     include_usage = _bool(stream_options, "include_usage", False)
     if stream_options and not stream:
         raise _bad("stream_options: only with stream: true")
@@ -174,8 +172,8 @@ def _common(body: dict) -> _Options:
     if bias:  # refused rather than ignored: a token the caller banned must not come out
         raise _bad("logit_bias: not supported")
     try:
-        grpc_server.check_priority(priority)
-        grpc_server.check_ids(request_id, salt)
+        frontend.check_priority(priority)
+        frontend.check_ids(request_id, salt)
     except ValueError as e:
         raise _bad(str(e)) from None
     return _Options(stream, include_usage, priority, salt, request_id)
@@ -193,8 +191,8 @@ def _prompt_list(prompt) -> list:
         raise _bad("prompt: must be a string, a list of strings, a list of token ids or a list of lists")
     if _is_ids(prompt):
         prompt = [prompt]
-    if len(prompt) > MAX_PROMPTS:
-        raise _bad(f"prompt: {len(prompt)} prompts; the limit is {MAX_PROMPTS}")
+    if len(prompt) > frontend.MAX_PROMPTS:
+        raise _bad(f"prompt: {len(prompt)} prompts; the limit is {frontend.MAX_PROMPTS}")
     if not all(isinstance(p, str) or _is_ids(p) for p in prompt):
         raise _bad("prompt: must be a string, a list of strings, a list of token ids or a list of lists")
     return prompt
@@ -204,10 +202,17 @@ def _prompt_count(prompt) -> int:
     return len(_prompt_list(prompt))
 
 
+def _unknown_field(where: str, name: str) -> HTTPError:
+    """An unknown field, named as the field when it is a plain name, else inside `where`'s message."""
+    if re.fullmatch(r"[a-z_][a-z0-9_]*", name):
+        return _bad(f"{where + '.' if where != 'body' else ''}{name}: not a field this endpoint takes")
+    return _bad(f"{where}: {name[:64]!r} is not a field this endpoint takes")
+
+
 def _check_fields(body: dict, allowed: set[str]) -> None:
     unknown = sorted(set(body) - allowed)
     if unknown:
-        raise _bad(f"{unknown[0]}: not a field this endpoint takes")
+        raise _unknown_field("body", unknown[0])
 
 
 class _ConcurrencyLimit:
@@ -238,16 +243,16 @@ def make_app(state) -> FastAPI:
     def authorize(request: Request) -> str:
         """The caller's tenant (raises 401 when the server has tokens and this is none of them)."""
         given = request.headers.get("authorization", "")
-        if state.options.tokens and grpc_server.token_index(state.options.tokens, given) is None:
+        if state.options.tokens and frontend.token_index(state.options.tokens, given) is None:
             raise HTTPError(401, "missing or wrong bearer token in the Authorization header")
         client = request.client
-        return grpc_server.tenant(state, given, f"http:{client.host}:{client.port}" if client else "http")
+        return frontend.tenant(state, given, f"http:{client.host}:{client.port}" if client else "http")
 
     async def body_of(request: Request) -> dict:
         """The JSON object of the body: at most MAX_REQUEST_BYTES (checked from Content-Length before
         reading, and while reading), parsed off the event loop when large; anything that is not a
         JSON object (bad bytes, nesting too deep, an integer of thousands of digits) is a 400."""
-        limit = grpc_server.MAX_REQUEST_BYTES
+        limit = frontend.MAX_REQUEST_BYTES
         declared = request.headers.get("content-length")
         if declared is not None and (not declared.isdigit() or int(declared) > limit):
             raise HTTPError(413, f"body: {declared} bytes; the limit is {limit}", param="body")
@@ -331,7 +336,7 @@ def make_app(state) -> FastAPI:
             raise _bad("top_logprobs: needs logprobs: true")
         limit = _int(body, "max_completion_tokens", _int(body, "max_tokens"))
         try:
-            grpc_server.check_messages("messages", [(m["role"], m["content"]) for m in messages])
+            frontend.check_messages("messages", [(m["role"], m["content"]) for m in messages])
         except ValueError as e:
             raise _bad(str(e)) from None
         # Validated with a placeholder length first (every field before any tokenizing); the real
@@ -350,8 +355,8 @@ def make_app(state) -> FastAPI:
     def state_check(samples: int):
         try:
             state.admit(samples)
-        except grpc_server._Abort as e:
-            raise _from_abort(e) from None
+        except frontend.Rejected as e:
+            raise _from_rejected(e) from None
 
     async def _completion_prompts(prompt) -> list[list[int]]:
         """The prompts as token ids; every size (count, total characters, token counts) is checked
@@ -359,13 +364,13 @@ def make_app(state) -> FastAPI:
         prompts = _prompt_list(prompt)
         try:
             total = sum(len(p) for p in prompts if isinstance(p, str))
-            if total > grpc_server.MAX_TEXT_CHARS:
-                raise ValueError(f"prompt: {total} characters in all; the limit is {grpc_server.MAX_TEXT_CHARS}")
+            if total > frontend.MAX_TEXT_CHARS:
+                raise ValueError(f"prompt: {total} characters in all; the limit is {frontend.MAX_TEXT_CHARS}")
             for p in prompts:
                 if isinstance(p, str):
-                    grpc_server.check_text("prompt", p)
+                    frontend.check_text("prompt", p)
                 else:
-                    grpc_server.check_token_count(state, "prompt", len(p))
+                    frontend.check_token_count(state, "prompt", len(p))
             out = []
             for p in prompts:
                 out.append(await asyncio.to_thread(state.tokenizer.encode, p) if isinstance(p, str) else list(p))
@@ -393,8 +398,8 @@ def make_app(state) -> FastAPI:
                                                             options.cache_salt)) as stream:
                     async for _, ev in stream:
                         await events.put((i, ev))
-            except grpc_server._Abort as e:
-                await events.put((i, _from_abort(e)))
+            except frontend.Rejected as e:
+                await events.put((i, _from_rejected(e)))
 
         # The requests start only where something is there to stop them: inside the stream's generator
         # (a client gone before the first byte never starts one) or the try below.

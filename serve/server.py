@@ -1,4 +1,8 @@
-"""The gRPC server: jaxcb.v1.Jaxcb, JetStream's Orchestrator, grpc.health.v1 and reflection.
+"""The gRPC server: jaxcb.v1.Jaxcb, JetStream's Orchestrator, grpc.health.v1 and reflection; and the
+server's start and stop (`run_server`, which also starts the OpenAI HTTP API, serve.openai_api).
+
+Admission, tenancy, the limits, submission and abort are the front end's (serve.frontend), shared with
+the HTTP API; this module maps its refusals (frontend.Rejected) to gRPC status codes (GRPC_CODE).
 
 The engine runs on its own thread (`EngineThread`); with data parallelism, M engines each on their
 own, behind the router (`jaxcb.replicas.Replicas`, which the server always talks to). Each streaming call is an asyncio task that
@@ -17,15 +21,12 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import dataclasses
-import hmac
 import logging
 import os
 import signal
 import sys
 import threading
 import time
-import uuid
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -34,176 +35,30 @@ from grpc_reflection.v1alpha import reflection
 from jaxcb.engine import Engine
 from jaxcb.replicas import Replicas
 from jaxcb.request import MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, FinishReason, SamplingParams, TokenEvent
-from serve.metrics import Metrics, RequestTimer
+from serve.frontend import (MAX_REQUEST_BYTES, Rejected, ServerOptions, State, check_ids, check_messages,
+                            check_text, check_token_count, tenant, token_index)
+from serve.metrics import Metrics
 from serve.proto import jaxcb_pb2, jaxcb_pb2_grpc, jetstream_pb2, jetstream_pb2_grpc
 
 log = logging.getLogger("jaxcb.serve")
 
-MAX_TEXT_CHARS = 1 << 20  # prompt text, and all of a chat's messages together
-MAX_MESSAGES = 256
-MAX_REQUEST_ID_CHARS = 128
-MAX_CACHE_SALT_CHARS = 256
-MAX_REQUEST_BYTES = 16 << 20  # one request's message (gRPC) or body (HTTP): room for MAX_TEXT_CHARS escaped
 HTTP_CLOSE_S = 2.0  # at shutdown, after the drain: how long open HTTP connections get before they are cut
 SERVICE_NAME = "jaxcb.v1.Jaxcb"
 
 
-@dataclasses.dataclass
-class ServerOptions:
-    host: str = "127.0.0.1"
-    port: int = 50051
-    metrics_port: int | None = None
-    http_port: int | None = None  # the OpenAI-compatible HTTP API (serve.openai_api), same engine
-    tls_cert: str | None = None
-    tls_key: str | None = None
-    auth_token: str | tuple[str, ...] | None = None  # one or several bearer tokens; each is a tenant
-    grace_s: float = 10.0
-    max_waiting: int = 1024  # requests accepted and not yet running, before RESOURCE_EXHAUSTED
-    max_concurrent_streams: int = 4096  # calls in progress at once (gRPC's maximum_concurrent_rpcs)
-    metrics_host: str = "127.0.0.1"  # the metrics port is unauthenticated: loopback unless asked
-
-    @property
-    def tokens(self) -> tuple[str, ...]:
-        if not self.auth_token:
-            return ()
-        return (self.auth_token,) if isinstance(self.auth_token, str) else tuple(self.auth_token)
+GRPC_CODE = {"invalid": grpc.StatusCode.INVALID_ARGUMENT, "exhausted": grpc.StatusCode.RESOURCE_EXHAUSTED,
+             "unavailable": grpc.StatusCode.UNAVAILABLE, "unauthenticated": grpc.StatusCode.UNAUTHENTICATED,
+             "internal": grpc.StatusCode.INTERNAL}
+_KIND = {code: kind for kind, code in GRPC_CODE.items()}
 
 
-class InvalidRequest(Exception):
-    """Bad input, already phrased for the caller."""
-
-
-class State:
-    """What the handlers share: the engine replicas (one or more, on their threads, behind the
-    router), the tokenizer, metrics, and the server's phase. `engine` and `thread` are both the
-    Replicas: the first for what one reads of an engine, the second for submit/abort/alive."""
-
-    def __init__(self, engine: Replicas, tokenizer, model_name: str, dtype: str, options: ServerOptions,
-                 metrics: Metrics):
-        self.engine = engine
-        self.tokenizer = tokenizer
-        self.model_name = model_name
-        self.dtype = dtype
-        self.options = options
-        self.metrics = metrics
-        self.ready = False
-        self.draining = False
-        # Engine keys of accepted, unfinished requests -> their samples (n): admission counts samples,
-        # as the engine runs each of them as a sequence of its own.
-        self.active: dict[str, int] = {}
-        self.queues: dict[str, asyncio.Queue] = {}  # engine key -> its stream's event queue
-        # (tenant, the client's request id) -> engine key. Engine keys are uuid4s, never reused: an
-        # Abort reaches only its own tenant's requests, and a stream's clean-up only its own request.
-        self.ids: dict[tuple[str, str], str] = {}
-        self.loop: asyncio.AbstractEventLoop | None = None
-        self.thread: Replicas | None = None
-        self.died = asyncio.Event()
-
-    def check_open(self) -> None:
-        if self.draining:
-            raise _Abort(grpc.StatusCode.UNAVAILABLE, "the server is shutting down")
-        if self.thread is None or not self.thread.alive:
-            raise _Abort(grpc.StatusCode.UNAVAILABLE, "the engine is not running")
-        if not self.ready:
-            raise _Abort(grpc.StatusCode.UNAVAILABLE, "the server is warming up; retry when health is SERVING")
-
-    def admit(self, samples: int = 1) -> None:
-        """Admission counts every sample of every request accepted and not finished (inbox included)
-        and not yet running: `samples` more are refused if they would take that past max_waiting."""
-        self.check_open()
-        waiting = max(0, sum(self.active.values()) - self.engine.stats().running)
-        if waiting + samples > self.options.max_waiting:
-            raise _Abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                         f"queue full: {waiting} samples already waiting and {samples} more asked for; the limit is "
-                         f"{self.options.max_waiting} (--max-waiting)")
-
-    def engine_died(self) -> None:
-        """Ends every open stream with an error: nothing will come from a dead engine."""
-        for queue in self.queues.values():
-            queue.put_nowait(_DIED)
-
-    async def stream(self, prompt_ids: list[int], params: SamplingParams, priority: int, request_id: str,
-                     tenant: str = "", cache_salt: str = ""):
-        """Submit one request; yield (public id, TokenEvent) as they arrive; abort it if the call ends early."""
-        self.admit(params.n)
-        public = request_id or uuid.uuid4().hex
-        key = uuid.uuid4().hex  # the engine's id for this request: unguessable, never reused
-        if (tenant, public) in self.ids:
-            raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, f"request_id: {public!r} is already in use by a running request")
-        queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
-        loop = asyncio.get_running_loop()
-        timers = [RequestTimer(self.metrics) for _ in range(params.n)]  # one per sample
-
-        def on_event(ev: TokenEvent) -> None:  # engine thread
-            timers[ev.index].on_event(ev)
-            loop.call_soon_threadsafe(queue.put_nowait, ev)
-
-        try:
-            # With auth, each token's requests share cached prefixes only among themselves.
-            salt = f"{tenant}\0{cache_salt}" if self.options.tokens else cache_salt
-            self.thread.submit(prompt_ids, params, on_event, request_id=key, priority=priority, cache_salt=salt)
-        except ValueError as e:
-            raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
-        self.active[key] = params.n
-        self.queues[key] = queue
-        self.ids[tenant, public] = key
-        finished = False
-        samples_left = params.n
-        try:
-            while True:
-                ev = await queue.get()
-                if ev is _DIED:
-                    raise _Abort(grpc.StatusCode.UNAVAILABLE, "the engine stopped; the request was not finished")
-                samples_left -= ev.finished
-                finished = samples_left == 0
-                yield public, ev
-                if finished:
-                    return
-        finally:
-            self.active.pop(key, None)
-            self.queues.pop(key, None)
-            if self.ids.get((tenant, public)) == key:
-                del self.ids[tenant, public]
-            if not finished:
-                self.thread.abort(key)
-
-    def abort(self, tenant: str, request_id: str) -> bool:
-        key = self.ids.get((tenant, request_id))
-        if key is None:
-            return False
-        self.thread.abort(key)
-        return True
+def _reject(code: grpc.StatusCode, message: str) -> Rejected:
+    return Rejected(_KIND[code], message)
 
 
 def tenant_of(state: State, context) -> str:
     """Who is calling over gRPC: see tenant()."""
     return tenant(state, dict(context.invocation_metadata() or ()).get("authorization", ""), context.peer())
-
-
-def token_index(tokens: tuple[str, ...], authorization: str) -> int | None:
-    """Which of the server's tokens an `authorization` header carries (None: none). Every token is
-    compared, in constant time, whatever matches."""
-    given, found = authorization.encode(), None
-    for i, token in enumerate(tokens):
-        if hmac.compare_digest(given, f"Bearer {token}".encode()) and found is None:
-            found = i
-    return found
-
-
-def tenant(state: State, authorization: str, peer: str) -> str:
-    """Who is calling: the bearer token's index when the server has tokens (each token is a tenant),
-    else the connection."""
-    i = token_index(state.options.tokens, authorization)
-    return f"peer:{peer}" if i is None else f"token{i}"
-
-
-_DIED = object()  # put on every open stream's queue when the engine dies
-
-
-class _Abort(Exception):
-    def __init__(self, code: grpc.StatusCode, message: str):
-        super().__init__(message)
-        self.code, self.message = code, message
 
 
 def _sampling(req) -> SamplingParams:
@@ -223,48 +78,7 @@ def _sampling(req) -> SamplingParams:
             n=req.n or 1,
         )
     except ValueError as e:
-        raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
-
-
-def check_text(field: str, text: str) -> None:
-    """The size limits of a text prompt, before any work (shared by the gRPC and HTTP front ends)."""
-    if not text:
-        raise ValueError(f"{field}: the prompt must not be empty")
-    if len(text) > MAX_TEXT_CHARS:
-        raise ValueError(f"{field}: {len(text)} characters; the limit is {MAX_TEXT_CHARS}")
-
-
-def check_messages(field: str, messages: list[tuple[str, str]]) -> None:
-    """(role, content) pairs of a chat: count and total size, before any work."""
-    if not messages:
-        raise ValueError(f"{field}: must not be empty")
-    if len(messages) > MAX_MESSAGES:
-        raise ValueError(f"{field}: {len(messages)} messages; the limit is {MAX_MESSAGES}")
-    total = sum(len(content) + len(role) for role, content in messages)
-    if total > MAX_TEXT_CHARS:
-        raise ValueError(f"{field}: {total} characters in all; the limit is {MAX_TEXT_CHARS}")
-
-
-def check_ids(request_id: str, cache_salt: str) -> None:
-    """The lengths of a request's id and cache salt, before any work."""
-    if len(request_id) > MAX_REQUEST_ID_CHARS:
-        raise ValueError(f"request_id: {len(request_id)} characters; the limit is {MAX_REQUEST_ID_CHARS}")
-    if len(cache_salt) > MAX_CACHE_SALT_CHARS:
-        raise ValueError(f"cache_salt: {len(cache_salt)} characters; the limit is {MAX_CACHE_SALT_CHARS}")
-
-
-def check_priority(priority) -> None:
-    if isinstance(priority, bool) or not isinstance(priority, int) or not -2**31 <= priority < 2**31:
-        raise ValueError(f"priority: must be an integer in [-2**31, 2**31), got {priority!r}")
-
-
-def check_token_count(state: State, field: str, n: int) -> None:
-    if not n:
-        raise ValueError(f"{field}: must not be empty")
-    limit = state.engine.max_context - 1
-    if n > limit:
-        raise ValueError(f"{field}: {n} tokens; the limit is {limit} "
-                         f"(context {state.engine.max_context} tokens, at least one generated)")
+        raise _reject(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
 
 
 async def _prompt_ids(state: State, req) -> list[int]:
@@ -284,7 +98,7 @@ async def _prompt_ids(state: State, req) -> list[int]:
             return list(req.tokens.token_ids)
         raise ValueError("input: one of text, chat or tokens is required")
     except ValueError as e:
-        raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+        raise _reject(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
 
 
 def _logprobs_pb(ev: TokenEvent):
@@ -305,7 +119,7 @@ class JaxcbService(jaxcb_pb2_grpc.JaxcbServicer):
             try:
                 check_ids(request.request_id, request.cache_salt)
             except ValueError as e:
-                raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+                raise _reject(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
             params = _sampling(request)
             self.state.admit(params.n)  # before any tokenizing
             ids = await _prompt_ids(self.state, request)
@@ -325,8 +139,8 @@ class JaxcbService(jaxcb_pb2_grpc.JaxcbServicer):
                                                 cached_prompt_tokens=ev.num_cached_tokens)
                         yield jaxcb_pb2.GenerateResponse(request_id=rid, index=ev.index, final=jaxcb_pb2.GenerateFinal(
                             finish_reason=ev.finish_reason.value, usage=usage))
-        except _Abort as e:
-            await context.abort(e.code, e.message)
+        except Rejected as e:
+            await context.abort(GRPC_CODE[e.kind], e.message)
 
     async def Abort(self, request, context):
         """Only the caller's own requests (same token, or same connection without auth) are found."""
@@ -370,23 +184,23 @@ class OrchestratorService(jetstream_pb2_grpc.OrchestratorServicer):
                 try:
                     check_text("text_content.text", request.text_content.text)
                 except ValueError as e:
-                    raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+                    raise _reject(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
                 self.state.admit()
                 ids = await asyncio.to_thread(self.state.tokenizer.encode, request.text_content.text)
             elif kind == "token_content":
                 try:
                     check_token_count(self.state, "token_content.token_ids", len(request.token_content.token_ids))
                 except ValueError as e:
-                    raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+                    raise _reject(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
                 ids = list(request.token_content.token_ids)
             else:
-                raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, "content: text_content or token_content is required")
+                raise _reject(grpc.StatusCode.INVALID_ARGUMENT, "content: text_content or token_content is required")
             if request.num_samples > 1:
-                raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, "num_samples: only 1 is supported")
+                raise _reject(grpc.StatusCode.INVALID_ARGUMENT, "num_samples: only 1 is supported")
             try:
                 params = SamplingParams(max_tokens=request.max_tokens)
             except ValueError as e:
-                raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+                raise _reject(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
             async with contextlib.aclosing(self.state.stream(ids, params, request.priority, "",
                                                              tenant_of(self.state, context))) as events:
                 async for _, ev in events:
@@ -396,8 +210,8 @@ class OrchestratorService(jetstream_pb2_grpc.OrchestratorServicer):
                         sample = jetstream_pb2.DecodeResponse.StreamContent.Sample(text=ev.text, token_ids=list(ev.token_ids))
                         yield jetstream_pb2.DecodeResponse(
                             stream_content=jetstream_pb2.DecodeResponse.StreamContent(samples=[sample]))
-        except _Abort as e:
-            await context.abort(e.code, e.message)
+        except Rejected as e:
+            await context.abort(GRPC_CODE[e.kind], e.message)
 
     async def HealthCheck(self, request, context):
         s = self.state

@@ -20,7 +20,7 @@ from server_util import free_port
 
 
 class InProcessServer:
-    def __init__(self, tiny_model):
+    def __init__(self, tiny_model, http_port: int | None = None):
         cfg, params, tok, eos = tiny_model
         config = make_config(num_pages=64, max_context=128, decode_batch=(1, 4), pages_per_seq=(8,),
                              prefill_tokens=(32,))
@@ -28,6 +28,7 @@ class InProcessServer:
         self.port = free_port()
         self.target = f"127.0.0.1:{self.port}"
         self.code = None
+        self.http_port = http_port
         self.ready = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
@@ -37,7 +38,7 @@ class InProcessServer:
             if "SERVING" in msg:
                 self.ready.set()
 
-        opts = ServerOptions(port=self.port, grace_s=0)
+        opts = ServerOptions(port=self.port, grace_s=0, http_port=self.http_port)
         self.code = asyncio.run(run_server(self.engine, self.engine.tokenizer, "tiny", "float32", opts, announce))
         self.ready.set()
 
@@ -102,3 +103,51 @@ def test_a_failed_warm_up_ends_the_server_with_its_error(tiny_model):
     # its port can be bound again.
     with socket.socket() as s:
         s.bind(("127.0.0.1", opts.port))
+
+
+def test_an_engine_death_ends_every_open_stream_with_an_error_and_the_server_exits_non_zero(tiny_model):
+    """A gRPC stream and an HTTP stream are open when the engine thread dies: both end at once with an
+    error (nothing more will come from a dead engine), and run_server returns 1."""
+    import json
+
+    import httpx
+
+    s = InProcessServer(tiny_model, http_port=free_port())
+    assert s.ready.wait(120)
+    body = {"prompt": [5, 6, 7], "max_tokens": 120, "ignore_eos": True, "stream": True}
+    ends = {}
+
+    def http_stream(started):
+        lines = []
+        with httpx.stream("POST", f"http://127.0.0.1:{s.http_port}/v1/completions", json=body, timeout=60) as r:
+            for line in r.iter_lines():
+                lines.append(line)
+                started.set()
+        ends["http"] = lines
+
+    def grpc_stream(started):
+        with Client(s.target) as c:
+            try:
+                for _ in c.generate(token_ids=[5, 6, 7], max_tokens=120, ignore_eos=True, timeout=60):
+                    started.set()
+                ends["grpc"] = "finished"
+            except grpc.RpcError as e:
+                ends["grpc"] = e.code()
+
+    # Slow steps, so that both streams are surely open when the engine dies.
+    s.engine.fault_injector = lambda out: time.sleep(0.05)
+    events = [threading.Event(), threading.Event()]
+    threads = [threading.Thread(target=http_stream, args=(events[0],)),
+               threading.Thread(target=grpc_stream, args=(events[1],))]
+    for t in threads:
+        t.start()
+    assert all(e.wait(60) for e in events)
+    s.engine.step = _raise
+    for t in threads:
+        t.join(30)
+        assert not t.is_alive()
+    errors = [json.loads(line[6:]) for line in ends["http"] if line.startswith("data: {") and '"error"' in line]
+    assert errors and "engine stopped" in errors[-1]["error"]["message"], ends["http"][-3:]
+    assert ends["grpc"] == grpc.StatusCode.UNAVAILABLE
+    s.thread.join(60)
+    assert s.code == 1

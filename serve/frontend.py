@@ -1,0 +1,218 @@
+"""The server's front end, shared by both APIs (gRPC in serve.server, the OpenAI HTTP API in
+serve.openai_api): admission, tenancy, the request limits, submission to the engine and abort. Nothing
+here knows a transport: a refusal is a `Rejected` with a kind, which each API maps to its own status
+(gRPC codes in serve.server.GRPC_CODE, HTTP statuses in serve.openai_api).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hmac
+import uuid
+
+from jaxcb.replicas import Replicas
+from jaxcb.request import MAX_STOP_STRINGS, SamplingParams, TokenEvent  # noqa: F401 - the limit, re-exported
+from serve.metrics import Metrics, RequestTimer
+
+MAX_TEXT_CHARS = 1 << 20  # prompt text, and all of a chat's messages together
+MAX_MESSAGES = 256
+MAX_REQUEST_ID_CHARS = 128
+MAX_CACHE_SALT_CHARS = 256
+MAX_REQUEST_BYTES = 16 << 20  # one request's message (gRPC) or body (HTTP): room for MAX_TEXT_CHARS escaped
+MAX_PROMPTS = 64  # prompts in one completions request (gRPC takes one)
+
+
+class Rejected(Exception):
+    """A request refused or ended by the front end, phrased for the caller ("field: what is wrong").
+    kind: "invalid" (bad input), "exhausted" (a limit on load), "unavailable" (not serving now),
+    "unauthenticated", "internal" (a failed step)."""
+
+    def __init__(self, kind: str, message: str):
+        super().__init__(message)
+        self.kind, self.message = kind, message
+
+
+@dataclasses.dataclass
+class ServerOptions:
+    host: str = "127.0.0.1"
+    port: int = 50051
+    metrics_port: int | None = None
+    http_port: int | None = None  # the OpenAI-compatible HTTP API (serve.openai_api), same engine
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    auth_token: str | tuple[str, ...] | None = None  # one or several bearer tokens; each is a tenant
+    grace_s: float = 10.0
+    max_waiting: int = 1024  # requests accepted and not yet running, before RESOURCE_EXHAUSTED
+    max_concurrent_streams: int = 4096  # calls in progress at once (gRPC's maximum_concurrent_rpcs)
+    metrics_host: str = "127.0.0.1"  # the metrics port is unauthenticated: loopback unless asked
+
+    @property
+    def tokens(self) -> tuple[str, ...]:
+        if not self.auth_token:
+            return ()
+        return (self.auth_token,) if isinstance(self.auth_token, str) else tuple(self.auth_token)
+
+
+class State:
+    """What the handlers share: the engine replicas (one or more, on their threads, behind the
+    router), the tokenizer, metrics, and the server's phase. `engine` and `thread` are both the
+    Replicas: the first for what one reads of an engine, the second for submit/abort/alive."""
+
+    def __init__(self, engine: Replicas, tokenizer, model_name: str, dtype: str, options: ServerOptions,
+                 metrics: Metrics):
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.dtype = dtype
+        self.options = options
+        self.metrics = metrics
+        self.ready = False
+        self.draining = False
+        # Engine keys of accepted, unfinished requests -> their samples (n): admission counts samples,
+        # as the engine runs each of them as a sequence of its own.
+        self.active: dict[str, int] = {}
+        self.queues: dict[str, asyncio.Queue] = {}  # engine key -> its stream's event queue
+        # (tenant, the client's request id) -> engine key. Engine keys are uuid4s, never reused: an
+        # Abort reaches only its own tenant's requests, and a stream's clean-up only its own request.
+        self.ids: dict[tuple[str, str], str] = {}
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.thread: Replicas | None = None
+        self.died = asyncio.Event()
+
+    def check_open(self) -> None:
+        if self.draining:
+            raise Rejected("unavailable", "the server is shutting down")
+        if self.thread is None or not self.thread.alive:
+            raise Rejected("unavailable", "the engine is not running")
+        if not self.ready:
+            raise Rejected("unavailable", "the server is warming up; retry when health is SERVING")
+
+    def admit(self, samples: int = 1) -> None:
+        """Admission counts every sample of every request accepted and not finished (inbox included)
+        and not yet running: `samples` more are refused if they would take that past max_waiting."""
+        self.check_open()
+        waiting = max(0, sum(self.active.values()) - self.engine.stats().running)
+        if waiting + samples > self.options.max_waiting:
+            raise Rejected("exhausted",
+                         f"queue full: {waiting} samples already waiting and {samples} more asked for; the limit is "
+                         f"{self.options.max_waiting} (--max-waiting)")
+
+    def engine_died(self) -> None:
+        """Ends every open stream with an error: nothing will come from a dead engine."""
+        for queue in self.queues.values():
+            queue.put_nowait(_DIED)
+
+    async def stream(self, prompt_ids: list[int], params: SamplingParams, priority: int, request_id: str,
+                     tenant: str = "", cache_salt: str = ""):
+        """Submit one request; yield (public id, TokenEvent) as they arrive; abort it if the call ends early."""
+        self.admit(params.n)
+        public = request_id or uuid.uuid4().hex
+        key = uuid.uuid4().hex  # the engine's id for this request: unguessable, never reused
+        if (tenant, public) in self.ids:
+            raise Rejected("invalid", f"request_id: {public!r} is already in use by a running request")
+        queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+        timers = [RequestTimer(self.metrics) for _ in range(params.n)]  # one per sample
+
+        def on_event(ev: TokenEvent) -> None:  # engine thread
+            timers[ev.index].on_event(ev)
+            loop.call_soon_threadsafe(queue.put_nowait, ev)
+
+        try:
+            # With auth, each token's requests share cached prefixes only among themselves.
+            salt = f"{tenant}\0{cache_salt}" if self.options.tokens else cache_salt
+            self.thread.submit(prompt_ids, params, on_event, request_id=key, priority=priority, cache_salt=salt)
+        except ValueError as e:
+            raise Rejected("invalid", str(e)) from None
+        self.active[key] = params.n
+        self.queues[key] = queue
+        self.ids[tenant, public] = key
+        finished = False
+        samples_left = params.n
+        try:
+            while True:
+                ev = await queue.get()
+                if ev is _DIED:
+                    raise Rejected("unavailable", "the engine stopped; the request was not finished")
+                samples_left -= ev.finished
+                finished = samples_left == 0
+                yield public, ev
+                if finished:
+                    return
+        finally:
+            self.active.pop(key, None)
+            self.queues.pop(key, None)
+            if self.ids.get((tenant, public)) == key:
+                del self.ids[tenant, public]
+            if not finished:
+                self.thread.abort(key)
+
+    def abort(self, tenant: str, request_id: str) -> bool:
+        key = self.ids.get((tenant, request_id))
+        if key is None:
+            return False
+        self.thread.abort(key)
+        return True
+
+
+def token_index(tokens: tuple[str, ...], authorization: str) -> int | None:
+    """Which of the server's tokens an `authorization` header carries (None: none). Every token is
+    compared, in constant time, whatever matches."""
+    given, found = authorization.encode(), None
+    for i, token in enumerate(tokens):
+        if hmac.compare_digest(given, f"Bearer {token}".encode()) and found is None:
+            found = i
+    return found
+
+
+def tenant(state: State, authorization: str, peer: str) -> str:
+    """Who is calling: the bearer token's index when the server has tokens (each token is a tenant),
+    else the connection."""
+    i = token_index(state.options.tokens, authorization)
+    return f"peer:{peer}" if i is None else f"token{i}"
+
+
+
+_DIED = object()  # put on every open stream's queue when the engine dies
+
+
+def check_text(field: str, text: str) -> None:
+    """The size limits of a text prompt, before any work (shared by the gRPC and HTTP front ends)."""
+    if not text:
+        raise ValueError(f"{field}: the prompt must not be empty")
+    if len(text) > MAX_TEXT_CHARS:
+        raise ValueError(f"{field}: {len(text)} characters; the limit is {MAX_TEXT_CHARS}")
+
+
+def check_messages(field: str, messages: list[tuple[str, str]]) -> None:
+    """(role, content) pairs of a chat: count and total size, before any work."""
+    if not messages:
+        raise ValueError(f"{field}: must not be empty")
+    if len(messages) > MAX_MESSAGES:
+        raise ValueError(f"{field}: {len(messages)} messages; the limit is {MAX_MESSAGES}")
+    total = sum(len(content) + len(role) for role, content in messages)
+    if total > MAX_TEXT_CHARS:
+        raise ValueError(f"{field}: {total} characters in all; the limit is {MAX_TEXT_CHARS}")
+
+
+def check_ids(request_id: str, cache_salt: str) -> None:
+    """The lengths of a request's id and cache salt, before any work."""
+    if len(request_id) > MAX_REQUEST_ID_CHARS:
+        raise ValueError(f"request_id: {len(request_id)} characters; the limit is {MAX_REQUEST_ID_CHARS}")
+    if len(cache_salt) > MAX_CACHE_SALT_CHARS:
+        raise ValueError(f"cache_salt: {len(cache_salt)} characters; the limit is {MAX_CACHE_SALT_CHARS}")
+
+
+def check_priority(priority) -> None:
+    if isinstance(priority, bool) or not isinstance(priority, int) or not -2**31 <= priority < 2**31:
+        raise ValueError(f"priority: must be an integer in [-2**31, 2**31), got {priority!r}")
+
+
+def check_token_count(state: State, field: str, n: int) -> None:
+    if not n:
+        raise ValueError(f"{field}: must not be empty")
+    limit = state.engine.max_context - 1
+    if n > limit:
+        raise ValueError(f"{field}: {n} tokens; the limit is {limit} "
+                         f"(context {state.engine.max_context} tokens, at least one generated)")
