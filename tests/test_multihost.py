@@ -14,7 +14,19 @@ from jaxcb.engine_config import load_config
 from jaxcb.llm import LLM
 from jaxcb.request import SamplingParams
 from serve.client import Client
-from server_util import ServerProcess, free_port
+from server_util import SMALL_CONFIG, ServerProcess, free_port
+
+
+@pytest.fixture(scope="module")
+def config_path(tmp_path_factory):
+    """The small server config with one bucket of each kind: both processes compile every shape (and
+    its broadcast) at warm-up, and fewer shapes keep these tests cheap; every prompt and output here
+    fits (at most 80 + 30 tokens: 16 pages of 16, prefill chunks of 64)."""
+    path = tmp_path_factory.mktemp("multihost") / "one-bucket.toml"
+    path.write_text(SMALL_CONFIG.replace("decode_batch = [1, 2, 4, 8]", "decode_batch = [8]")
+                    .replace("pages_per_seq = [4, 16]", "pages_per_seq = [16]")
+                    .replace("prefill_tokens = [32, 64]", "prefill_tokens = [64]"))
+    return str(path)
 
 
 class Cluster:
