@@ -79,7 +79,8 @@ def _bar(i: int, total: int, shape, t0: float) -> None:
 
 def cmd_warmup(args) -> int:
     from jaxcb import compile_cache
-    from jaxcb.cli import _dtype, _engine_config
+    from jaxcb.cli_args import dtype as _dtype
+    from jaxcb.cli_args import engine_config as _engine_config
     from jaxcb.llm import build_engines
 
     config = _engine_config(args)
@@ -160,7 +161,7 @@ def cmd_buckets(args) -> int:
 def cmd_convert(args) -> int:
     import numpy as np
 
-    from jaxcb.cli import _dtype
+    from jaxcb.cli_args import dtype as _dtype
     from jaxcb.llm import load_model
     from jaxcb.model import checkpoint
     from jaxcb.model.llama import params_to_weights

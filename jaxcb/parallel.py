@@ -20,8 +20,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxcb.model.config import ModelConfig
-
-AXIS = "model"
+from jaxcb.model.mesh_axes import AXIS, KV_SPEC  # noqa: F401 - the shared names, re-exported
 
 # Per Params leaf (model.llama): how it is split over the model axis.
 _LAYER_SPECS = {
@@ -31,7 +30,6 @@ _LAYER_SPECS = {
     "wo": P(None, AXIS, None),
     "w_gate": P(None, None, AXIS), "w_up": P(None, None, AXIS), "w_down": P(None, AXIS, None),
 }
-KV_SPEC = P(None, None, AXIS, None, None, None)  # [L, 2, K, P, S, D] split on K
 
 
 def param_spec(name: str) -> P:

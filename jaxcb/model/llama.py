@@ -30,6 +30,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxcb.batch import StepInput, WindowPages
 from jaxcb.model.config import ModelConfig
+from jaxcb.model.mesh_axes import AXIS, KV_SPEC
 from jaxcb.model.paged_attention import ragged_attention, write_kv
 from jaxcb.model.quant import (MATRICES, QuantRows, QuantWeight, StackedMatrix, dense, embed_rows, head_logits,
                                native_stack, quantize_weights)
@@ -223,8 +224,6 @@ def _layer(config: ModelConfig, attention: Attention, batch: StepInput, h, kv_pa
     if attention.mesh is None:
         attn, kv_pages = attend(q, k, v, kv_pages, sliding, group_index, batch)
     else:  # each device writes and reads the pages of its own KV heads: no communication
-        from jaxcb.parallel import AXIS, KV_SPEC
-
         heads = P(None, AXIS, None)
         kv_spec = jax.tree.map(lambda _: KV_SPEC, kv_pages)
         attn, kv_pages = jax.shard_map(
