@@ -9,10 +9,11 @@
 `stream: true` sends server-sent events ending in `data: [DONE]` (with `stream_options.include_usage`
 a last chunk carries the usage). jaxcb's extras ride in the body as vLLM's do: top_k, min_p,
 repetition_penalty, ignore_eos, priority, cache_salt, request_id. Bad input is 400 in OpenAI's error
-shape naming the field (the validation is the gRPC one: SamplingParams, the engine's limits and the
-server's size checks), a missing token 401, an unknown model 404, a full queue 429, a draining or
-warming server 503. A client that disconnects has its request aborted (its pages are freed at the
-next step), streaming or not.
+shape naming the field (the fields' checks are serve.openai_fields; the limits and admission are the
+front end's, serve.frontend, shared with gRPC), a missing token 401, an unknown model 404, a body over
+the limit 413, a full queue or too many calls in progress 429, a draining or warming server 503. A
+client that disconnects has its request aborted (its pages are freed at the next step), streaming or
+not.
 
 The app runs under uvicorn on the gRPC server's event loop (serve.server.run_server starts it).
 """
@@ -21,199 +22,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import json
-import re
 import time
 import uuid
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 
-from jaxcb.request import FinishReason, SamplingParams
+from jaxcb.request import FinishReason
 from serve import frontend
-
-_STATUS = {"invalid": 400, "exhausted": 429, "unavailable": 503, "unauthenticated": 401, "internal": 500}
-_TYPE = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error", 413: "invalid_request_error",
-         429: "rate_limit_error", 500: "internal_error", 503: "service_unavailable"}
-_EXTRAS = {"top_k", "min_p", "repetition_penalty", "ignore_eos", "priority", "cache_salt", "request_id"}
-_COMMON = {"model", "stream", "stream_options", "n", "max_tokens", "temperature", "top_p", "presence_penalty",
-           "frequency_penalty", "seed", "stop", "user", "logit_bias"}
-_COMPLETION_FIELDS = _COMMON | _EXTRAS | {"prompt", "logprobs", "echo", "suffix", "best_of"}
-_CHAT_FIELDS = _COMMON | _EXTRAS | {"messages", "logprobs", "top_logprobs", "max_completion_tokens",
-                                    "response_format", "tools", "tool_choice", "parallel_tool_calls"}
-
-
-class HTTPError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
-
-    def response(self) -> JSONResponse:
-        return JSONResponse(status_code=self.status, content={"error": {
-            "message": self.message, "type": _TYPE.get(self.status, "error"), "param": self.param,
-            "code": self.code}})
-
-
-def _bad(message: str) -> HTTPError:
-    """A ValueError's message ("field: what is wrong") as a 400 naming that field."""
-    field = message.split(":", 1)[0] if ":" in message else None
-    return HTTPError(400, message, param=field if field and " " not in field else None)
-
-
-def _from_rejected(e: frontend.Rejected) -> HTTPError:
-    return HTTPError(_STATUS.get(e.kind, 500), e.message)
-
-
-def _int(body: dict, name: str, default=None):
-    v = body.get(name, default)
-    if v is None:
-        return default
-    if isinstance(v, bool) or not isinstance(v, int):
-        raise _bad(f"{name}: must be an integer, got {v!r}")
-    return v
-
-
-def _number(body: dict, name: str, default):
-    v = body.get(name)
-    if v is None:
-        return default
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        raise _bad(f"{name}: must be a number, got {v!r}")
-    return float(v)
-
-
-def _sampling(body: dict, *, max_tokens: int, logprobs: int) -> SamplingParams:
-    stop = body.get("stop")
-    if stop is not None and not isinstance(stop, (str, list)):
-        raise _bad("stop: must be a string or a list of strings")
-    if isinstance(stop, list) and len(stop) > frontend.MAX_STOP_STRINGS:
-        raise _bad(f"stop: at most {frontend.MAX_STOP_STRINGS} stop strings, got {len(stop)}")
-    if isinstance(stop, list) and not all(isinstance(x, str) for x in stop):
-        raise _bad("stop: must be a string or a list of strings")
-    ignore_eos = body.get("ignore_eos", False)
-    if not isinstance(ignore_eos, bool):
-        raise _bad(f"ignore_eos: must be true or false, got {ignore_eos!r}")
-    try:
-        return SamplingParams(
-            max_tokens=max_tokens, temperature=_number(body, "temperature", 1.0), top_p=_number(body, "top_p", 1.0),
-            top_k=_int(body, "top_k", 0), min_p=_number(body, "min_p", 0.0),
-            repetition_penalty=_number(body, "repetition_penalty", 1.0),
-            presence_penalty=_number(body, "presence_penalty", 0.0),
-            frequency_penalty=_number(body, "frequency_penalty", 0.0), seed=_int(body, "seed"),
-            stop=stop or (), ignore_eos=ignore_eos, logprobs=logprobs, n=_int(body, "n", 1))
-    except ValueError as e:
-        raise _bad(str(e)) from None
-
-
-MAX_TOP_LOGPROBS = 20  # OpenAI's limit on top_logprobs
-
-
-def _parse_json(raw: bytes) -> dict:
-    try:
-        body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError, an integer past Python's digit limit
-        raise HTTPError(400, f"body: not valid JSON ({e})", param="body") from None
-    except RecursionError:
-        raise HTTPError(400, "body: JSON nested too deeply", param="body") from None
-    if not isinstance(body, dict):
-        raise HTTPError(400, "body: must be a JSON object", param="body")
-    return body
-
-
-def _bool(body: dict, name: str, default: bool) -> bool:
-    v = body.get(name)
-    if v is None:
-        return default
-    if not isinstance(v, bool):
-        raise _bad(f"{name}: must be true or false, got {v!r}")
-    return v
-
-
-def _str(body: dict, name: str, default: str) -> str:
-    v = body.get(name)
-    if v is None:
-        return default
-    if not isinstance(v, str):
-        raise _bad(f"{name}: must be a string, got {v!r}")
-    return v
-
-
-@dataclasses.dataclass(frozen=True)
-class _Options:
-    """The request's fields that are not sampling settings, checked before any work."""
-
-    stream: bool
-    include_usage: bool
-    priority: int
-    cache_salt: str
-    request_id: str
-
-
-def _common(body: dict) -> _Options:
-    """Checks every field both endpoints share that SamplingParams does not (types and ranges)."""
-    stream = _bool(body, "stream", False)
-    stream_options = body.get("stream_options")
-    if stream_options is not None and not isinstance(stream_options, dict):
-        raise _bad(f"stream_options: must be an object, got {stream_options!r}")
-    stream_options = stream_options or {}
-    unknown = sorted(set(stream_options) - {"include_usage", "continuous_usage_stats"})
-    if unknown:
-        raise _unknown_field("stream_options", unknown[0])
-    include_usage = _bool(stream_options, "include_usage", False)
-    if stream_options and not stream:
-        raise _bad("stream_options: only with stream: true")
-    priority = _int(body, "priority", 0)
-    salt, request_id = _str(body, "cache_salt", ""), _str(body, "request_id", "")
-    _str(body, "user", "")
-    bias = body.get("logit_bias")
-    if bias is not None and not isinstance(bias, dict):
-        raise _bad(f"logit_bias: must be an object, got {bias!r}")
-    if bias:  # refused rather than ignored: a token the caller banned must not come out
-        raise _bad("logit_bias: not supported")
-    try:
-        frontend.check_priority(priority)
-        frontend.check_ids(request_id, salt)
-    except ValueError as e:
-        raise _bad(str(e)) from None
-    return _Options(stream, include_usage, priority, salt, request_id)
-
-
-def _is_ids(p) -> bool:
-    return isinstance(p, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in p)
-
-
-def _prompt_list(prompt) -> list:
-    """`prompt` as a list of prompts (each a string or a list of token ids), shapes checked."""
-    if isinstance(prompt, str):
-        prompt = [prompt]
-    if not isinstance(prompt, list) or not prompt:
-        raise _bad("prompt: must be a string, a list of strings, a list of token ids or a list of lists")
-    if _is_ids(prompt):
-        prompt = [prompt]
-    if len(prompt) > frontend.MAX_PROMPTS:
-        raise _bad(f"prompt: {len(prompt)} prompts; the limit is {frontend.MAX_PROMPTS}")
-    if not all(isinstance(p, str) or _is_ids(p) for p in prompt):
-        raise _bad("prompt: must be a string, a list of strings, a list of token ids or a list of lists")
-    return prompt
-
-
-def _prompt_count(prompt) -> int:
-    return len(_prompt_list(prompt))
-
-
-def _unknown_field(where: str, name: str) -> HTTPError:
-    """An unknown field, named as the field when it is a plain name, else inside `where`'s message."""
-    if re.fullmatch(r"[a-z_][a-z0-9_]*", name):
-        return _bad(f"{where + '.' if where != 'body' else ''}{name}: not a field this endpoint takes")
-    return _bad(f"{where}: {name[:64]!r} is not a field this endpoint takes")
-
-
-def _check_fields(body: dict, allowed: set[str]) -> None:
-    unknown = sorted(set(body) - allowed)
-    if unknown:
-        raise _unknown_field("body", unknown[0])
-
+from serve.openai_fields import (CHAT_FIELDS, COMPLETION_FIELDS, ERROR_TYPE, MAX_TOP_LOGPROBS, HTTPError,
+                                 RequestOptions, bad_request, bool_field, check_fields, common_fields, from_rejected,
+                                 int_field, parse_json, prompt_count, prompt_list, sampling_params, str_field)
 
 class _ConcurrencyLimit:
     """At most `limit` API calls (/v1/...) in progress at once, the number gRPC's maximum_concurrent_rpcs
@@ -263,7 +83,7 @@ def make_app(state) -> FastAPI:
                 raise HTTPError(413, f"body: more than {limit} bytes; the limit is {limit}", param="body")
             chunks.append(chunk)
         raw = b"".join(chunks)
-        body = await asyncio.to_thread(_parse_json, raw) if size > 1 << 16 else _parse_json(raw)
+        body = await asyncio.to_thread(parse_json, raw) if size > 1 << 16 else parse_json(raw)
         model = body.get("model")
         if model is not None and model != state.model_name:
             raise HTTPError(404, f"model: {model!r} is not served here; the model is {state.model_name!r}",
@@ -298,18 +118,18 @@ def make_app(state) -> FastAPI:
     async def completions(request: Request):
         tenant = authorize(request)
         body = await body_of(request)
-        _check_fields(body, _COMPLETION_FIELDS)
-        if _bool(body, "echo", False):
-            raise _bad("echo: not supported")
-        if _str(body, "suffix", ""):
-            raise _bad("suffix: not supported")
-        if _int(body, "best_of", 1) != 1:
-            raise _bad("best_of: only 1 is supported")
-        options = _common(body)
-        logprobs = _int(body, "logprobs", 0) or 0
-        params = _sampling(body, max_tokens=_int(body, "max_tokens", 16), logprobs=logprobs)
+        check_fields(body, COMPLETION_FIELDS)
+        if bool_field(body, "echo", False):
+            raise bad_request("echo: not supported")
+        if str_field(body, "suffix", ""):
+            raise bad_request("suffix: not supported")
+        if int_field(body, "best_of", 1) != 1:
+            raise bad_request("best_of: only 1 is supported")
+        options = common_fields(body)
+        logprobs = int_field(body, "logprobs", 0) or 0
+        params = sampling_params(body, max_tokens=int_field(body, "max_tokens", 16), logprobs=logprobs)
         prompt = body.get("prompt")
-        count = _prompt_count(prompt)
+        count = prompt_count(prompt)
         state_check(count * params.n)
         prompts = await _completion_prompts(prompt)
         return await _run(request, options, tenant, prompts, params, chat=False)
@@ -318,50 +138,50 @@ def make_app(state) -> FastAPI:
     async def chat_completions(request: Request):
         tenant = authorize(request)
         body = await body_of(request)
-        _check_fields(body, _CHAT_FIELDS)
+        check_fields(body, CHAT_FIELDS)
         for name in ("tools", "response_format"):
             if body.get(name):
-                raise _bad(f"{name}: not supported")
-        options = _common(body)
+                raise bad_request(f"{name}: not supported")
+        options = common_fields(body)
         messages = body.get("messages")
         if not isinstance(messages, list) or not all(
                 isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
                 for m in messages):
-            raise _bad("messages: must be a list of {role, content} objects with string content")
-        top = _int(body, "top_logprobs", 0) or 0
+            raise bad_request("messages: must be a list of {role, content} objects with string content")
+        top = int_field(body, "top_logprobs", 0) or 0
         if not 0 <= top <= MAX_TOP_LOGPROBS:
-            raise _bad(f"top_logprobs: must be between 0 and {MAX_TOP_LOGPROBS}, got {top}")
-        want = _bool(body, "logprobs", False)
+            raise bad_request(f"top_logprobs: must be between 0 and {MAX_TOP_LOGPROBS}, got {top}")
+        want = bool_field(body, "logprobs", False)
         if top and not want:
-            raise _bad("top_logprobs: needs logprobs: true")
-        limit = _int(body, "max_completion_tokens", _int(body, "max_tokens"))
+            raise bad_request("top_logprobs: needs logprobs: true")
+        limit = int_field(body, "max_completion_tokens", int_field(body, "max_tokens"))
         try:
             frontend.check_messages("messages", [(m["role"], m["content"]) for m in messages])
         except ValueError as e:
-            raise _bad(str(e)) from None
+            raise bad_request(str(e)) from None
         # Validated with a placeholder length first (every field before any tokenizing); the real
         # default max_tokens needs the prompt's length.
-        params = _sampling(body, max_tokens=limit or 1, logprobs=max(top, 1) if want else 0)
+        params = sampling_params(body, max_tokens=limit or 1, logprobs=max(top, 1) if want else 0)
         state_check(params.n)
         try:
             ids = await asyncio.to_thread(state.tokenizer.encode_chat,
                                           [{"role": m["role"], "content": m["content"]} for m in messages])
         except ValueError as e:
-            raise _bad(str(e)) from None
+            raise bad_request(str(e)) from None
         max_tokens = limit if limit is not None else max(1, state.engine.max_context - len(ids))
-        params = _sampling(body, max_tokens=max_tokens, logprobs=max(top, 1) if want else 0)
+        params = sampling_params(body, max_tokens=max_tokens, logprobs=max(top, 1) if want else 0)
         return await _run(request, options, tenant, [ids], params, chat=True, top_logprobs=top)
 
     def state_check(samples: int):
         try:
             state.admit(samples)
         except frontend.Rejected as e:
-            raise _from_rejected(e) from None
+            raise from_rejected(e) from None
 
     async def _completion_prompts(prompt) -> list[list[int]]:
         """The prompts as token ids; every size (count, total characters, token counts) is checked
         before any is tokenized."""
-        prompts = _prompt_list(prompt)
+        prompts = prompt_list(prompt)
         try:
             total = sum(len(p) for p in prompts if isinstance(p, str))
             if total > frontend.MAX_TEXT_CHARS:
@@ -376,15 +196,15 @@ def make_app(state) -> FastAPI:
                 out.append(await asyncio.to_thread(state.tokenizer.encode, p) if isinstance(p, str) else list(p))
             return out
         except ValueError as e:
-            raise _bad(str(e)) from None
+            raise bad_request(str(e)) from None
 
-    async def _run(request: Request, options: "_Options", tenant: str, prompts, params, *, chat: bool,
+    async def _run(request: Request, options: "RequestOptions", tenant: str, prompts, params, *, chat: bool,
                    top_logprobs=0):
         try:
             for p in prompts:  # every prompt checked before any is submitted
                 state.engine.validate(p, params)
         except ValueError as e:
-            raise _bad(str(e)) from None
+            raise bad_request(str(e)) from None
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         created = int(time.time())
         events: asyncio.Queue = asyncio.Queue()
@@ -399,7 +219,7 @@ def make_app(state) -> FastAPI:
                     async for _, ev in stream:
                         await events.put((i, ev))
             except frontend.Rejected as e:
-                await events.put((i, _from_rejected(e)))
+                await events.put((i, from_rejected(e)))
 
         # The requests start only where something is there to stop them: inside the stream's generator
         # (a client gone before the first byte never starts one) or the try below.
@@ -452,7 +272,7 @@ def make_app(state) -> FastAPI:
                         try:
                             i, ev = await next_event()
                         except HTTPError as e:  # mid-stream: an error event, then the end
-                            yield _sse({"error": {"message": e.message, "type": _TYPE.get(e.status, "error"),
+                            yield _sse({"error": {"message": e.message, "type": ERROR_TYPE.get(e.status, "error"),
                                                   "param": e.param, "code": e.code}})
                             break
                         left -= ev.finished

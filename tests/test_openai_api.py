@@ -212,12 +212,11 @@ def test_a_request_lives_as_long_as_its_client(server):
     assert generated() - before < 0.25 * (3 * 4 + 16) * 240
 
 
-def test_http_limits_count_samples_and_concurrent_calls(tiny_gguf_path, config_path):
-    """--max-waiting counts samples (n), on gRPC and HTTP alike; --max-concurrent-streams bounds HTTP
-    calls in progress as it bounds gRPC's."""
+def test_http_limits_count_samples(tiny_gguf_path, config_path):
+    """--max-waiting counts samples (n), on gRPC and HTTP alike."""
     http = free_port()
     s = ServerProcess(tiny_gguf_path, config_path, "--http-port", str(http), "--max-waiting", "3",
-                      "--max-concurrent-streams", "2", "--grace-period", "0")
+                      "--grace-period", "0")
     try:
         s.wait_serving()
         base = f"http://127.0.0.1:{http}"
@@ -228,15 +227,55 @@ def test_http_limits_count_samples_and_concurrent_calls(tiny_gguf_path, config_p
                 c.complete(token_ids=[5], max_tokens=2, n=4, timeout=30)
             assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
             assert len(c.complete_samples(token_ids=[5], max_tokens=2, n=3, timeout=30)) == 3
-        body = {"prompt": [5, 6], "max_tokens": 240, "ignore_eos": True, "stream": True}
-        with httpx.stream("POST", base + "/v1/completions", json=body, timeout=60) as a, \
-                httpx.stream("POST", base + "/v1/completions", json=body, timeout=60) as b:
-            assert a.status_code == b.status_code == 200
-            r = httpx.post(base + "/v1/completions", json={"prompt": [5], "max_tokens": 2}, timeout=30)
-            assert r.status_code == 429 and "--max-concurrent-streams" in r.json()["error"]["message"]
-        assert httpx.post(base + "/v1/completions", json={"prompt": [5], "max_tokens": 2}, timeout=30).status_code == 200
+        r = httpx.post(base + "/v1/completions", json={"prompt": [5], "max_tokens": 2, "n": 3}, timeout=30)
+        assert r.status_code == 200 and len(r.json()["choices"]) == 3
     finally:
         assert s.stop() == 0, s.output()
+
+
+def test_concurrent_api_calls_past_the_limit_are_429_until_one_ends():
+    """The HTTP side of --max-concurrent-streams (serve.openai_api._ConcurrencyLimit), with calls that
+    end only when the test lets them: two in progress fill a limit of 2, the third is a 429 before its
+    body is read, /health is not counted, and once one ends the next is let in."""
+    import asyncio
+
+    from serve.openai_api import _ConcurrencyLimit
+
+    async def scenario():
+        release = asyncio.Event()
+
+        async def app(scope, receive, send):
+            await release.wait()
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+            await send({"type": "http.response.body", "body": b"ok"})
+
+        limited = _ConcurrencyLimit(app, limit=2)
+
+        async def call(path):
+            sent = []
+
+            async def send(message):
+                sent.append(message)
+
+            async def receive():
+                return {"type": "http.request", "body": b"{}", "more_body": False}
+
+            await limited({"type": "http", "path": path, "method": "POST", "headers": []}, receive, send)
+            return sent[0]["status"], b"".join(m.get("body", b"") for m in sent[1:])
+
+        first = [asyncio.ensure_future(call("/v1/completions")) for _ in range(2)]
+        await asyncio.sleep(0.05)
+        status, body = await call("/v1/completions")
+        assert status == 429 and b"--max-concurrent-streams" in body
+        health = asyncio.ensure_future(call("/health"))  # not an API call: not counted, not refused
+        await asyncio.sleep(0.05)
+        assert not health.done()
+        release.set()
+        assert [await f for f in first] == [(200, b"ok")] * 2 and (await health)[0] == 200
+        assert limited.in_flight == 0
+        assert (await call("/v1/completions"))[0] == 200
+
+    asyncio.run(scenario())
 
 
 def test_sigterm_ends_the_server_with_a_reader_that_stopped_reading(tiny_gguf_path, config_path):

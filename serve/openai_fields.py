@@ -1,0 +1,196 @@
+"""The OpenAI HTTP API's request fields: the error shape, each field's type and range, the options both
+endpoints share, the prompt shapes and the JSON body itself. Every check here runs before a request
+starts (serve.openai_api), and a refusal is an HTTPError naming the field ("field: what is wrong").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+
+from fastapi.responses import JSONResponse
+
+from jaxcb.request import SamplingParams
+from serve import frontend
+
+STATUS = {"invalid": 400, "exhausted": 429, "unavailable": 503, "unauthenticated": 401, "internal": 500}
+ERROR_TYPE = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error", 413: "invalid_request_error",
+         429: "rate_limit_error", 500: "internal_error", 503: "service_unavailable"}
+EXTRAS = {"top_k", "min_p", "repetition_penalty", "ignore_eos", "priority", "cache_salt", "request_id"}
+COMMON_FIELDS = {"model", "stream", "stream_options", "n", "max_tokens", "temperature", "top_p", "presence_penalty",
+           "frequency_penalty", "seed", "stop", "user", "logit_bias"}
+COMPLETION_FIELDS = COMMON_FIELDS | EXTRAS | {"prompt", "logprobs", "echo", "suffix", "best_of"}
+CHAT_FIELDS = COMMON_FIELDS | EXTRAS | {"messages", "logprobs", "top_logprobs", "max_completion_tokens",
+                                    "response_format", "tools", "tool_choice", "parallel_tool_calls"}
+
+
+class HTTPError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(status_code=self.status, content={"error": {
+            "message": self.message, "type": ERROR_TYPE.get(self.status, "error"), "param": self.param,
+            "code": self.code}})
+
+
+def bad_request(message: str) -> HTTPError:
+    """A ValueError's message ("field: what is wrong") as a 400 naming that field."""
+    field = message.split(":", 1)[0] if ":" in message else None
+    return HTTPError(400, message, param=field if field and " " not in field else None)
+
+
+def from_rejected(e: frontend.Rejected) -> HTTPError:
+    return HTTPError(STATUS.get(e.kind, 500), e.message)
+
+
+def int_field(body: dict, name: str, default=None):
+    v = body.get(name, default)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise bad_request(f"{name}: must be an integer, got {v!r}")
+    return v
+
+
+def number_field(body: dict, name: str, default):
+    v = body.get(name)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise bad_request(f"{name}: must be a number, got {v!r}")
+    return float(v)
+
+
+def sampling_params(body: dict, *, max_tokens: int, logprobs: int) -> SamplingParams:
+    stop = body.get("stop")
+    if stop is not None and not isinstance(stop, (str, list)):
+        raise bad_request("stop: must be a string or a list of strings")
+    if isinstance(stop, list) and len(stop) > frontend.MAX_STOP_STRINGS:
+        raise bad_request(f"stop: at most {frontend.MAX_STOP_STRINGS} stop strings, got {len(stop)}")
+    if isinstance(stop, list) and not all(isinstance(x, str) for x in stop):
+        raise bad_request("stop: must be a string or a list of strings")
+    ignore_eos = body.get("ignore_eos", False)
+    if not isinstance(ignore_eos, bool):
+        raise bad_request(f"ignore_eos: must be true or false, got {ignore_eos!r}")
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens, temperature=number_field(body, "temperature", 1.0), top_p=number_field(body, "top_p", 1.0),
+            top_k=int_field(body, "top_k", 0), min_p=number_field(body, "min_p", 0.0),
+            repetition_penalty=number_field(body, "repetition_penalty", 1.0),
+            presence_penalty=number_field(body, "presence_penalty", 0.0),
+            frequency_penalty=number_field(body, "frequency_penalty", 0.0), seed=int_field(body, "seed"),
+            stop=stop or (), ignore_eos=ignore_eos, logprobs=logprobs, n=int_field(body, "n", 1))
+    except ValueError as e:
+        raise bad_request(str(e)) from None
+
+
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit on top_logprobs
+
+
+def parse_json(raw: bytes) -> dict:
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError, an integer past Python's digit limit
+        raise HTTPError(400, f"body: not valid JSON ({e})", param="body") from None
+    except RecursionError:
+        raise HTTPError(400, "body: JSON nested too deeply", param="body") from None
+    if not isinstance(body, dict):
+        raise HTTPError(400, "body: must be a JSON object", param="body")
+    return body
+
+
+def bool_field(body: dict, name: str, default: bool) -> bool:
+    v = body.get(name)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise bad_request(f"{name}: must be true or false, got {v!r}")
+    return v
+
+
+def str_field(body: dict, name: str, default: str) -> str:
+    v = body.get(name)
+    if v is None:
+        return default
+    if not isinstance(v, str):
+        raise bad_request(f"{name}: must be a string, got {v!r}")
+    return v
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestOptions:
+    """The request's fields that are not sampling settings, checked before any work."""
+
+    stream: bool
+    include_usage: bool
+    priority: int
+    cache_salt: str
+    request_id: str
+
+
+def common_fields(body: dict) -> RequestOptions:
+    """Checks every field both endpoints share that SamplingParams does not (types and ranges)."""
+    stream = bool_field(body, "stream", False)
+    stream_options = body.get("stream_options")
+    if stream_options is not None and not isinstance(stream_options, dict):
+        raise bad_request(f"stream_options: must be an object, got {stream_options!r}")
+    stream_options = stream_options or {}
+    unknown = sorted(set(stream_options) - {"include_usage", "continuous_usage_stats"})
+    if unknown:
+        raise unknown_field("stream_options", unknown[0])
+    include_usage = bool_field(stream_options, "include_usage", False)
+    if stream_options and not stream:
+        raise bad_request("stream_options: only with stream: true")
+    priority = int_field(body, "priority", 0)
+    salt, request_id = str_field(body, "cache_salt", ""), str_field(body, "request_id", "")
+    str_field(body, "user", "")
+    bias = body.get("logit_bias")
+    if bias is not None and not isinstance(bias, dict):
+        raise bad_request(f"logit_bias: must be an object, got {bias!r}")
+    if bias:  # refused rather than ignored: a token the caller banned must not come out
+        raise bad_request("logit_bias: not supported")
+    try:
+        frontend.check_priority(priority)
+        frontend.check_ids(request_id, salt)
+    except ValueError as e:
+        raise bad_request(str(e)) from None
+    return RequestOptions(stream, include_usage, priority, salt, request_id)
+
+
+def is_token_ids(p) -> bool:
+    return isinstance(p, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in p)
+
+
+def prompt_list(prompt) -> list:
+    """`prompt` as a list of prompts (each a string or a list of token ids), shapes checked."""
+    if isinstance(prompt, str):
+        prompt = [prompt]
+    if not isinstance(prompt, list) or not prompt:
+        raise bad_request("prompt: must be a string, a list of strings, a list of token ids or a list of lists")
+    if is_token_ids(prompt):
+        prompt = [prompt]
+    if len(prompt) > frontend.MAX_PROMPTS:
+        raise bad_request(f"prompt: {len(prompt)} prompts; the limit is {frontend.MAX_PROMPTS}")
+    if not all(isinstance(p, str) or is_token_ids(p) for p in prompt):
+        raise bad_request("prompt: must be a string, a list of strings, a list of token ids or a list of lists")
+    return prompt
+
+
+def prompt_count(prompt) -> int:
+    return len(prompt_list(prompt))
+
+
+def unknown_field(where: str, name: str) -> HTTPError:
+    """An unknown field, named as the field when it is a plain name, else inside `where`'s message."""
+    if re.fullmatch(r"[a-z_][a-z0-9_]*", name):
+        return bad_request(f"{where + '.' if where != 'body' else ''}{name}: not a field this endpoint takes")
+    return bad_request(f"{where}: {name[:64]!r} is not a field this endpoint takes")
+
+
+def check_fields(body: dict, allowed: set[str]) -> None:
+    unknown = sorted(set(body) - allowed)
+    if unknown:
+        raise unknown_field("body", unknown[0])
