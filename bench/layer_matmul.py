@@ -1,0 +1,60 @@
+"""The native layer matmul (kernels_cpu.layer_matmul) per weight format: a 30-layer scan of SmolLM2's
+MLP up-projection shape (576 x 1536, random weights) at 1, 8 and 32 rows, float32 / int8 (per column) /
+int4 (groups of 32), best of 5, in one process.
+
+    .venv/bin/python bench/layer_matmul.py
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from common import machine  # noqa: E402
+
+
+def main():
+    import jax
+    import jax.numpy as jnp
+
+    import kernels_cpu
+    from jaxcb.model.quant import quantize_int4, quantize_int8
+
+    layers, k, n = 30, 576, 1536
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((layers, k, n)).astype(np.float32)
+    q8 = jax.tree.map(jnp.asarray, quantize_int8(w, 0))
+    q4 = jax.tree.map(jnp.asarray, quantize_int4(w, 32))
+    wf = jnp.asarray(w)
+
+    def scan(fn):
+        def f(x):
+            return jax.lax.scan(lambda h, layer: (h, fn(h, layer)), x, jnp.arange(layers, dtype=jnp.int32))[1]
+        return jax.jit(f)
+
+    kinds = {"float32": scan(lambda h, i: kernels_cpu.layer_matmul(h, wf, i)),
+             "int8": scan(lambda h, i: kernels_cpu.layer_matmul(h, q8.q, i, q8.scale)),
+             "int4": scan(lambda h, i: kernels_cpu.layer_matmul(h, q4.q, i, q4.scale, q4.offset))}
+    print(f"machine: {machine()}; {layers} layers of {k} x {n}, best of 5")
+    for m in (1, 8, 32):
+        x = jnp.asarray(rng.standard_normal((m, k)).astype(np.float32))
+        line = []
+        for name, f in kinds.items():
+            f(x).block_until_ready()
+            best = float("inf")
+            for _ in range(5):
+                t = time.perf_counter()
+                f(x).block_until_ready()
+                best = min(best, time.perf_counter() - t)
+            line.append(f"{name} {best * 1e3:6.2f} ms ({2 * m * k * n * layers / best / 1e9:5.1f} GFLOP/s)")
+        print(f"rows {m:2d}: " + " | ".join(line), flush=True)
+
+
+if __name__ == "__main__":
+    main()
