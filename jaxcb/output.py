@@ -76,8 +76,8 @@ class Outputs:
                 piece = ""
             stream.text += piece
         cut = None
-        if p.stop and piece:
-            stops = StopStrings.of(p.stop)
+        stops = StopStrings.of(p.stop) if p.stop else None
+        if stops is not None and piece:
             stream.stop_state, cut = stops.feed(stream.stop_state, piece, len(stream.text) - len(piece))
         if cut is not None:
             stream.text = stream.text[:cut]
@@ -89,7 +89,7 @@ class Outputs:
         if reason is not None:
             self.close(r, reason, events, new_tokens=(token,), logprobs=logprobs, queue_s=queue_s)
             return reason
-        safe = len(stream.text) - (StopStrings.of(p.stop).held(stream.stop_state) if p.stop else 0)
+        safe = len(stream.text) - (stops.held(stream.stop_state) if stops is not None else 0)
         delta, stream.emitted = stream.text[stream.emitted:safe], max(stream.emitted, safe)
         _emit(TokenEvent(r.request_id, (token,), delta, False, None, logprobs, len(r.prompt_ids),
                          len(r.output_ids), queue_s=queue_s, num_cached_tokens=r.num_cached_tokens,

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import time
 import uuid
@@ -33,7 +34,7 @@ from jaxcb.request import FinishReason
 from serve import frontend
 from serve.openai_fields import (CHAT_FIELDS, COMPLETION_FIELDS, ERROR_TYPE, MAX_TOP_LOGPROBS, HTTPError,
                                  RequestOptions, bad_request, bool_field, check_fields, common_fields, from_rejected,
-                                 int_field, parse_json, prompt_count, prompt_list, sampling_params, str_field)
+                                 int_field, parse_json, prompt_list, sampling_params, str_field)
 
 class _ConcurrencyLimit:
     """At most `limit` API calls (/v1/...) in progress at once, the number gRPC's maximum_concurrent_rpcs
@@ -128,10 +129,9 @@ def make_app(state) -> FastAPI:
         options = common_fields(body)
         logprobs = int_field(body, "logprobs", 0) or 0
         params = sampling_params(body, max_tokens=int_field(body, "max_tokens", 16), logprobs=logprobs)
-        prompt = body.get("prompt")
-        count = prompt_count(prompt)
-        state_check(count * params.n)
-        prompts = await _completion_prompts(prompt)
+        given = prompt_list(body.get("prompt"))
+        state_check(len(given) * params.n)
+        prompts = await _completion_prompts(given)
         return await _run(request, options, tenant, prompts, params, chat=False)
 
     @app.post("/v1/chat/completions")
@@ -161,15 +161,15 @@ def make_app(state) -> FastAPI:
             raise bad_request(str(e)) from None
         # Validated with a placeholder length first (every field before any tokenizing); the real
         # default max_tokens needs the prompt's length.
-        params = sampling_params(body, max_tokens=limit or 1, logprobs=max(top, 1) if want else 0)
+        params = sampling_params(body, max_tokens=1 if limit is None else limit, logprobs=max(top, 1) if want else 0)
         state_check(params.n)
         try:
             ids = await asyncio.to_thread(state.tokenizer.encode_chat,
                                           [{"role": m["role"], "content": m["content"]} for m in messages])
         except ValueError as e:
             raise bad_request(str(e)) from None
-        max_tokens = limit if limit is not None else max(1, state.engine.max_context - len(ids))
-        params = sampling_params(body, max_tokens=max_tokens, logprobs=max(top, 1) if want else 0)
+        if limit is None:  # the default needs the prompt's length (validated again by replace)
+            params = dataclasses.replace(params, max_tokens=max(1, state.engine.max_context - len(ids)))
         return await _run(request, options, tenant, [ids], params, chat=True, top_logprobs=top)
 
     def state_check(samples: int):
@@ -178,10 +178,9 @@ def make_app(state) -> FastAPI:
         except frontend.Rejected as e:
             raise from_rejected(e) from None
 
-    async def _completion_prompts(prompt) -> list[list[int]]:
-        """The prompts as token ids; every size (count, total characters, token counts) is checked
-        before any is tokenized."""
-        prompts = prompt_list(prompt)
+    async def _completion_prompts(prompts: list) -> list[list[int]]:
+        """The prompts (prompt_list's) as token ids; every size (total characters, token counts) is
+        checked before any is tokenized."""
         try:
             total = sum(len(p) for p in prompts if isinstance(p, str))
             if total > frontend.MAX_TEXT_CHARS:

@@ -46,22 +46,31 @@ def from_rejected(e: frontend.Rejected) -> HTTPError:
     return HTTPError(STATUS.get(e.kind, 500), e.message)
 
 
-def int_field(body: dict, name: str, default=None):
-    v = body.get(name, default)
-    if v is None:
-        return default
-    if isinstance(v, bool) or not isinstance(v, int):
-        raise bad_request(f"{name}: must be an integer, got {v!r}")
-    return v
-
-
-def number_field(body: dict, name: str, default):
+def _typed(body: dict, name: str, default, ok, what: str):
+    """body[name] if it passes `ok` (absent or null: `default`), else a 400 naming the field."""
     v = body.get(name)
     if v is None:
         return default
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        raise bad_request(f"{name}: must be a number, got {v!r}")
-    return float(v)
+    if not ok(v):
+        raise bad_request(f"{name}: must be {what}, got {v!r}")
+    return v
+
+
+def int_field(body: dict, name: str, default=None):
+    return _typed(body, name, default, lambda v: isinstance(v, int) and not isinstance(v, bool), "an integer")
+
+
+def number_field(body: dict, name: str, default):
+    v = _typed(body, name, None, lambda v: isinstance(v, (int, float)) and not isinstance(v, bool), "a number")
+    return default if v is None else float(v)
+
+
+def bool_field(body: dict, name: str, default: bool) -> bool:
+    return _typed(body, name, default, lambda v: isinstance(v, bool), "true or false")
+
+
+def str_field(body: dict, name: str, default: str) -> str:
+    return _typed(body, name, default, lambda v: isinstance(v, str), "a string")
 
 
 def sampling_params(body: dict, *, max_tokens: int, logprobs: int) -> SamplingParams:
@@ -72,9 +81,7 @@ def sampling_params(body: dict, *, max_tokens: int, logprobs: int) -> SamplingPa
         raise bad_request(f"stop: at most {frontend.MAX_STOP_STRINGS} stop strings, got {len(stop)}")
     if isinstance(stop, list) and not all(isinstance(x, str) for x in stop):
         raise bad_request("stop: must be a string or a list of strings")
-    ignore_eos = body.get("ignore_eos", False)
-    if not isinstance(ignore_eos, bool):
-        raise bad_request(f"ignore_eos: must be true or false, got {ignore_eos!r}")
+    ignore_eos = bool_field(body, "ignore_eos", False)
     try:
         return SamplingParams(
             max_tokens=max_tokens, temperature=number_field(body, "temperature", 1.0), top_p=number_field(body, "top_p", 1.0),
@@ -100,24 +107,6 @@ def parse_json(raw: bytes) -> dict:
     if not isinstance(body, dict):
         raise HTTPError(400, "body: must be a JSON object", param="body")
     return body
-
-
-def bool_field(body: dict, name: str, default: bool) -> bool:
-    v = body.get(name)
-    if v is None:
-        return default
-    if not isinstance(v, bool):
-        raise bad_request(f"{name}: must be true or false, got {v!r}")
-    return v
-
-
-def str_field(body: dict, name: str, default: str) -> str:
-    v = body.get(name)
-    if v is None:
-        return default
-    if not isinstance(v, str):
-        raise bad_request(f"{name}: must be a string, got {v!r}")
-    return v
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,10 +166,6 @@ def prompt_list(prompt) -> list:
     if not all(isinstance(p, str) or is_token_ids(p) for p in prompt):
         raise bad_request("prompt: must be a string, a list of strings, a list of token ids or a list of lists")
     return prompt
-
-
-def prompt_count(prompt) -> int:
-    return len(prompt_list(prompt))
 
 
 def unknown_field(where: str, name: str) -> HTTPError:

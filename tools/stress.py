@@ -744,6 +744,11 @@ def _http_table(h: dict) -> str:
         ("SIGTERM with a stalled reader: exit, time", f"exit {h['sigterm_exit_code']} in {h['sigterm_shutdown_s']} s "
          f"(grace {GRACE_S} s)", "exit 0"),
     ]
+    return _format_rows(rows)
+
+
+def _format_rows(rows) -> str:
+    """(figure, value, target) rows as aligned text; a row without a target has none printed."""
     width = max(len(a) for a, _, _ in rows)
     return "\n".join(f"{a:<{width}}  {b:<40}  target {c}" if c else f"{a:<{width}}  {b}" for a, b, c in rows)
 
@@ -774,8 +779,7 @@ def _grpc_table(r: dict) -> str:
         ("RSS growth", f"{mem['rss_growth']:.1%} ({mem['rss_first_mib']} MiB after {mem['requests_first']} -> "
          f"{mem['rss_total_mib']} MiB after {mem['requests_total']})", "<= 10%"),
     ]
-    width = max(len(a) for a, _, _ in rows)
-    return "\n".join(f"{a:<{width}}  {b:<40}  target {c}" if c else f"{a:<{width}}  {b}" for a, b, c in rows)
+    return _format_rows(rows)
 
 
 def main() -> int:
