@@ -13,7 +13,7 @@ import os
 import sys
 import time
 
-from jaxcb import cli_tools
+from jaxcb import cli_tools, cpu_dots
 from jaxcb.cli_args import add_model_args as _add_model_args
 from jaxcb.cli_args import dtype as _dtype
 from jaxcb.cli_args import engine_config as _engine_config
@@ -257,6 +257,7 @@ def cmd_serve(args) -> int:
     from jaxcb import compile_cache
 
     config = _engine_config(args)
+    dots = cpu_dots.setup(config.cpu_dots)  # before the first device call: XLA reads its flags once
     cache_dir = compile_cache.enable(args.compile_cache)
     wrap = None
     if args.multihost or args.coordinator or args.num_processes is not None or args.process_id is not None:
@@ -285,6 +286,9 @@ def cmd_serve(args) -> int:
     print(f"jaxcb: model {model_config.name} on {jax.devices()[0].platform}, {jnp.dtype(runner.dtype).name}; "
           f"{config.num_pages} KV pages of {config.page_size} tokens; policy {config.scheduler.policy}; "
           f"compile cache {cache_dir or 'off'}", flush=True)
+    step = runner.describe()
+    print(f"jaxcb: step: weights {step['weights']}, KV {step['kv_dtype']}, attention {step['attention']}"
+          + (f"; XLA:CPU dots: {dots.describe()}" if step["platform"] == "cpu" else ""), flush=True)
     if len(engines) > 1 or config.tensor_parallel > 1:
         print(f"jaxcb: {len(engines)} replica(s) x tensor parallel {config.tensor_parallel}: devices "
               f"{[e.runner.device_ids for e in engines]}", flush=True)

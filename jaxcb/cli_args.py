@@ -19,6 +19,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-dtype", choices=("float32", "bfloat16", "int8"), default=None,
                    help="KV pages: a float dtype, or int8 with a scale per token and head (default: the config's "
                         "cache.kv_dtype, auto = the compute dtype)")
+    p.add_argument("--cpu-dots", choices=("auto", "default", "ynn", "xnn", "onednn", "eigen"), default=None,
+                   help="XLA:CPU's dot library: auto (chosen for this CPU, see `python -m jaxcb.cpu_dots`), jaxlib's "
+                        "default, YNNPACK, XNNPACK, oneDNN or XLA's own emitter (default: the config's "
+                        "model.cpu_dots, auto)")
     p.add_argument("--policy", default=None, help="scheduling policy: fcfs, sjf, priority, length-buckets, round-robin")
     p.add_argument("--compile-cache", default=None, metavar="DIR",
                    help="persistent XLA compilation cache (default: $JAXCB_COMPILE_CACHE or ~/.cache/jaxcb/xla; "
@@ -58,6 +62,8 @@ def engine_config(args):
         changes["weights"] = args.weights
     if getattr(args, "kv_dtype", None):
         changes["kv_dtype"] = args.kv_dtype
+    if getattr(args, "cpu_dots", None):
+        changes["cpu_dots"] = args.cpu_dots
     return config.replace(**changes) if changes else config
 
 

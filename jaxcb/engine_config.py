@@ -11,6 +11,7 @@ import os
 import tomllib
 
 from jaxcb.buckets import Buckets
+from jaxcb.cpu_dots import CHOICES as CPU_DOTS_CHOICES
 from jaxcb.scheduler import SchedulerConfig
 
 ATTENTION_CHOICES = ("xla", "native", "pallas", "auto")
@@ -40,6 +41,9 @@ class EngineConfig:
     # The KV pages' dtype: "auto" = the compute dtype; "int8": values and a float32 scale per token and
     # head side by side in the page (jaxcb.model.paged_attention.quantize_kv).
     kv_dtype: str = "auto"
+    # XLA:CPU's dot library (jaxcb.cpu_dots): "auto" = chosen for the CPU at start; or one of
+    # "default", "ynn", "xnn", "onednn", "eigen". Takes effect only before JAX's CPU backend starts.
+    cpu_dots: str = "auto"
 
     @property
     def page_size(self) -> int:
@@ -66,6 +70,8 @@ class EngineConfig:
             raise ValueError(f"model.weight_group: must be 0 or an even number of input rows, got {self.weight_group!r}")
         if self.kv_dtype not in KV_CHOICES:
             raise ValueError(f"cache.kv_dtype: {self.kv_dtype!r} is not one of {KV_CHOICES}")
+        if self.cpu_dots not in CPU_DOTS_CHOICES:
+            raise ValueError(f"model.cpu_dots: {self.cpu_dots!r} is not one of {CPU_DOTS_CHOICES}")
         if self.attention not in ATTENTION_CHOICES:
             raise ValueError(f"model.attention: {self.attention!r} is not one of {ATTENTION_CHOICES}")
         if self.attention == "pallas" and s.page_size not in KERNEL_PAGE_SIZES:
@@ -73,7 +79,7 @@ class EngineConfig:
                              f"{s.page_size} (or set model.attention = 'xla')")
 
     def replace(self, *, num_pages=None, buckets=None, attention=None, tensor_parallel=None, data_parallel=None,
-                weights=None, weight_group=None, kv_dtype=None, **scheduler_changes) -> "EngineConfig":
+                weights=None, weight_group=None, kv_dtype=None, cpu_dots=None, **scheduler_changes) -> "EngineConfig":
         return EngineConfig(
             num_pages=self.num_pages if num_pages is None else num_pages,
             scheduler=dataclasses.replace(self.scheduler, **scheduler_changes),
@@ -86,13 +92,14 @@ class EngineConfig:
             weights=self.weights if weights is None else weights,
             weight_group=self.weight_group if weight_group is None else weight_group,
             kv_dtype=self.kv_dtype if kv_dtype is None else kv_dtype,
+            cpu_dots=self.cpu_dots if cpu_dots is None else cpu_dots,
         )
 
 
 def make_config(*, page_size=16, num_pages=4096, max_context=2048, decode_batch=(1, 2, 4, 8, 16, 32),
                 pages_per_seq=None, prefill_tokens=(32, 64, 128, 256, 512), max_prefill_tokens=None,
                 tokens=None, attention="auto", tensor_parallel=1, data_parallel=1, weights="auto",
-                weight_group=0, kv_dtype="auto", **scheduler) -> EngineConfig:
+                weight_group=0, kv_dtype="auto", cpu_dots="auto", **scheduler) -> EngineConfig:
     """An EngineConfig from keyword values (tests and the Python API)."""
     if pages_per_seq is None:
         pages_per_seq = (max_context // page_size,)
@@ -108,7 +115,7 @@ def make_config(*, page_size=16, num_pages=4096, max_context=2048, decode_batch=
     )
     return EngineConfig(num_pages=num_pages, scheduler=sched, attention=attention, tensor_parallel=tensor_parallel,
                         data_parallel=data_parallel, weights=weights, weight_group=weight_group,
-                        kv_dtype=kv_dtype,
+                        kv_dtype=kv_dtype, cpu_dots=cpu_dots,
                         buckets=Buckets(tuple(decode_batch), tuple(pages_per_seq), tuple(prefill_tokens),
                                         tuple(tokens)))
 
@@ -152,7 +159,7 @@ def load_config(path: str | None = None) -> EngineConfig:
     except TypeError as e:
         raise ValueError(f"config: unknown setting in [scheduler] ({e})") from None
     model = raw.get("model", {})
-    unknown = set(model) - {"attention", "weights", "weight_group"}
+    unknown = set(model) - {"attention", "weights", "weight_group", "cpu_dots"}
     if unknown:
         raise ValueError(f"config: unknown setting in [model]: {sorted(unknown)}")
     parallel = raw.get("parallel", {})
@@ -169,6 +176,7 @@ def load_config(path: str | None = None) -> EngineConfig:
     return EngineConfig(num_pages=num_pages, scheduler=sc, buckets=b, seed=int(raw["seed"]) if "seed" in raw else None,
                         attention=str(model.get("attention", "auto")), weights=str(model.get("weights", "auto")),
                         weight_group=model.get("weight_group", 0), kv_dtype=str(cache.get("kv_dtype", "auto")),
+                        cpu_dots=str(model.get("cpu_dots", "auto")),
                         memory_fraction=float(cache.get("memory_fraction", 0.9)),
                         memory_bytes=parse_bytes(cache["memory"]) if "memory" in cache else 0,
                         tensor_parallel=parallel.get("tensor", 1), data_parallel=parallel.get("data", 1))

@@ -14,6 +14,7 @@ import dataclasses
 import os
 import time
 
+from jaxcb import cpu_dots
 from jaxcb.engine import Engine
 from jaxcb.engine_config import EngineConfig, load_config
 from jaxcb.replicas import Replicas
@@ -114,6 +115,7 @@ def build_engines(model: str | None = None, config: EngineConfig | str | None = 
 
     if not isinstance(config, EngineConfig):
         config = load_config(config)
+    cpu_dots.setup(config.cpu_dots)  # before the first device call: XLA reads its flags once
     count = config.data_parallel if replicas is None else replicas
     groups = split_devices(jax.devices(), config.tensor_parallel, count) if count > 1 else [None]
     plans = []

@@ -27,6 +27,7 @@ import time
 import jax
 import numpy as np
 
+from jaxcb import cpu_dots
 from jaxcb.batch import StepShape, pack, pack_sampling
 
 log = logging.getLogger("jaxcb.multihost")
@@ -73,7 +74,7 @@ def agree_plan(plan):
 def fingerprint(runner, config) -> dict[str, str]:
     """What must be the same in every process for them to run one engine: the model, its weights
     (each array's path, global shape and dtype, so the weights mode and group), the compute and KV
-    dtypes, the window layout, the buckets, the pages and the attention."""
+    dtypes, the window layout, the buckets, the pages, the attention and, on the CPU, the dot library."""
     import hashlib
 
     import jax.numpy as jnp
@@ -93,6 +94,8 @@ def fingerprint(runner, config) -> dict[str, str]:
         "pages": f"{config.num_pages} of {config.page_size} tokens",
         "tensor parallel": str(config.tensor_parallel),
         "attention": str(runner.attention.kernel),
+        # XLA:CPU's dot library changes float rounding (jaxcb.cpu_dots); a measured choice may differ by host
+        "cpu dots": cpu_dots.current().library if runner.describe()["platform"] == "cpu" else "-",
     }
 
 

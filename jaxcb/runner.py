@@ -232,7 +232,9 @@ class ModelRunner:
         self.kv_pages = self._allocate_kv()
         # Where this runner lives, read once: the page arrays themselves are donated to every step, so
         # another thread reading them (GetServerInfo) could meet a deleted array.
-        self.device_ids = sorted(d.id for d in self.kv_arrays[0].devices())
+        devices = self.kv_arrays[0].devices()
+        self.device_ids = sorted(d.id for d in devices)
+        self.platform = next(iter(devices)).platform
 
     def _zero_last_tokens(self, max_seqs: int) -> jax.Array:
         zeros = np.zeros(max_seqs, np.int32)
@@ -286,6 +288,19 @@ class ModelRunner:
         self.kv_pages = self._allocate_kv()
         self.last_tokens = self._zero_last_tokens(self.last_tokens.shape[0])
         return True
+
+    def describe(self) -> dict[str, str]:
+        """How the step computes (the start banner, GetServerInfo): platform, compute dtype, the weight
+        matrices' format, KV dtype, and the attention path."""
+        from jaxcb.model.quant import is_quantized
+
+        w = self.params.layers.wq
+        weights = f"int{w.bits}" if is_quantized(w) else jnp.dtype(w.dtype).name
+        attention = {"cpu": "native", "xla": "xla"}.get(self.attention.kernel, "pallas")
+        if self.attention.interpret:
+            attention += " (interpreted)"
+        return {"platform": self.platform, "compute_dtype": jnp.dtype(self.dtype).name,
+                "weights": weights, "kv_dtype": self.kv_dtype.name, "attention": attention}
 
     @property
     def kv_bytes_per_token(self) -> int:

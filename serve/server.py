@@ -32,6 +32,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from jaxcb import cpu_dots
 from jaxcb.engine import Engine
 from jaxcb.replicas import Replicas
 from jaxcb.request import MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, FinishReason, SamplingParams, TokenEvent
@@ -168,7 +169,17 @@ class JaxcbService(jaxcb_pb2_grpc.JaxcbServicer):
             prefill_token_buckets=b.prefill_tokens, page_size=e.config.page_size, pages_total=st.pages_total,
             pages_free=st.pages_free, policy=e.config.scheduler.policy, compilations=st.compilations,
             running=st.running, waiting=st.waiting, preemptions=st.preemptions,
-            tensor_parallel=e.config.tensor_parallel, data_parallel=len(e), replicas=replicas)
+            tensor_parallel=e.config.tensor_parallel, data_parallel=len(e), replicas=replicas,
+            **_step_fields(e.engines[0].runner))
+
+
+def _step_fields(runner) -> dict:
+    """How the step computes; on the CPU, also XLA:CPU's dot settings (jaxcb.cpu_dots)."""
+    fields = runner.describe()
+    if fields["platform"] == "cpu":
+        d = cpu_dots.current()
+        fields.update(cpu_dots=d.library, cpu_max_isa=d.isa, cpu_dots_reason=d.reason)
+    return fields
 
 
 class OrchestratorService(jetstream_pb2_grpc.OrchestratorServicer):

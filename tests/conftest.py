@@ -27,11 +27,19 @@ def pytest_unconfigure(config):
     faulthandler.dump_traceback_later(120, exit=True, file=sys.__stderr__)
 
 
+# XLA:CPU's dot library (jaxcb.cpu_dots): jaxlib's default in this process and every server and CLI the
+# tests start, so that their outputs compare on any CPU (auto would measure an unknown CPU at the first
+# engine and might pick another library). tests/test_cpu_dots.py covers auto and forces each library.
+os.environ.setdefault("JAXCB_CPU_DOTS", "default")
+
+
 @pytest.fixture(scope="session", autouse=True)
 def compile_cache_dir(tmp_path_factory):
-    """Servers and CLIs the tests start keep their compile cache here, not in the user's ~/.cache."""
+    """Servers and CLIs the tests start keep their compile cache (and the dot-library probes) here, not in
+    the user's ~/.cache."""
     path = str(tmp_path_factory.mktemp("xla-cache"))
     os.environ["JAXCB_COMPILE_CACHE"] = path
+    os.environ["JAXCB_CPU_DOTS_CACHE"] = os.path.join(path, "cpu-dots.json")
     return path
 
 

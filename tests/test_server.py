@@ -112,12 +112,17 @@ def test_health_and_reflection(server):
         assert {"jaxcb.v1.Jaxcb", "jetstream_proto.Orchestrator", "grpc.health.v1.Health"} <= names
 
 
-def test_model_and_server_info(client):
+def test_model_and_server_info(client, server):
     m = client.model_info()
     assert m.vocab_size == 284 and m.context_length == 256 and m.dtype == "float32"
     s = client.server_info()
     assert list(s.decode_batch_buckets) == [1, 2, 4, 8] and s.page_size == 16 and s.pages_total == 95
     assert s.policy == "fcfs" and s.compilations > 0
+    # How the step computes, and XLA:CPU's dot library (the tests run every process with the default).
+    assert (s.platform, s.compute_dtype, s.weights, s.kv_dtype) == ("cpu", "float32", "float32", "float32")
+    assert s.attention in ("native", "xla") and (s.cpu_dots, s.cpu_max_isa, s.cpu_dots_reason) == (
+        "default", "", "asked for")
+    assert f"attention {s.attention}; XLA:CPU dots: default, isa all, compute float32 (asked for)" in server.output()
 
 
 BAD = [

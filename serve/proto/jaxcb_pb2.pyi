@@ -177,7 +177,7 @@ class GetServerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServerInfo(_message.Message):
-    __slots__ = ("decode_batch_buckets", "pages_per_seq_buckets", "prefill_token_buckets", "page_size", "pages_total", "pages_free", "policy", "compilations", "running", "waiting", "preemptions", "tensor_parallel", "data_parallel", "replicas")
+    __slots__ = ("decode_batch_buckets", "pages_per_seq_buckets", "prefill_token_buckets", "page_size", "pages_total", "pages_free", "policy", "compilations", "running", "waiting", "preemptions", "tensor_parallel", "data_parallel", "replicas", "platform", "compute_dtype", "weights", "kv_dtype", "attention", "cpu_dots", "cpu_max_isa", "cpu_dots_reason")
     DECODE_BATCH_BUCKETS_FIELD_NUMBER: _ClassVar[int]
     PAGES_PER_SEQ_BUCKETS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_TOKEN_BUCKETS_FIELD_NUMBER: _ClassVar[int]
@@ -192,6 +192,14 @@ class ServerInfo(_message.Message):
     TENSOR_PARALLEL_FIELD_NUMBER: _ClassVar[int]
     DATA_PARALLEL_FIELD_NUMBER: _ClassVar[int]
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    PLATFORM_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_FIELD_NUMBER: _ClassVar[int]
+    KV_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    ATTENTION_FIELD_NUMBER: _ClassVar[int]
+    CPU_DOTS_FIELD_NUMBER: _ClassVar[int]
+    CPU_MAX_ISA_FIELD_NUMBER: _ClassVar[int]
+    CPU_DOTS_REASON_FIELD_NUMBER: _ClassVar[int]
     decode_batch_buckets: _containers.RepeatedScalarFieldContainer[int]
     pages_per_seq_buckets: _containers.RepeatedScalarFieldContainer[int]
     prefill_token_buckets: _containers.RepeatedScalarFieldContainer[int]
@@ -206,7 +214,15 @@ class ServerInfo(_message.Message):
     tensor_parallel: int
     data_parallel: int
     replicas: _containers.RepeatedCompositeFieldContainer[ReplicaInfo]
-    def __init__(self, decode_batch_buckets: _Optional[_Iterable[int]] = ..., pages_per_seq_buckets: _Optional[_Iterable[int]] = ..., prefill_token_buckets: _Optional[_Iterable[int]] = ..., page_size: _Optional[int] = ..., pages_total: _Optional[int] = ..., pages_free: _Optional[int] = ..., policy: _Optional[str] = ..., compilations: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., preemptions: _Optional[int] = ..., tensor_parallel: _Optional[int] = ..., data_parallel: _Optional[int] = ..., replicas: _Optional[_Iterable[_Union[ReplicaInfo, _Mapping]]] = ...) -> None: ...
+    platform: str
+    compute_dtype: str
+    weights: str
+    kv_dtype: str
+    attention: str
+    cpu_dots: str
+    cpu_max_isa: str
+    cpu_dots_reason: str
+    def __init__(self, decode_batch_buckets: _Optional[_Iterable[int]] = ..., pages_per_seq_buckets: _Optional[_Iterable[int]] = ..., prefill_token_buckets: _Optional[_Iterable[int]] = ..., page_size: _Optional[int] = ..., pages_total: _Optional[int] = ..., pages_free: _Optional[int] = ..., policy: _Optional[str] = ..., compilations: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., preemptions: _Optional[int] = ..., tensor_parallel: _Optional[int] = ..., data_parallel: _Optional[int] = ..., replicas: _Optional[_Iterable[_Union[ReplicaInfo, _Mapping]]] = ..., platform: _Optional[str] = ..., compute_dtype: _Optional[str] = ..., weights: _Optional[str] = ..., kv_dtype: _Optional[str] = ..., attention: _Optional[str] = ..., cpu_dots: _Optional[str] = ..., cpu_max_isa: _Optional[str] = ..., cpu_dots_reason: _Optional[str] = ...) -> None: ...
 
 class ReplicaInfo(_message.Message):
     __slots__ = ("replica", "device_ids", "pages_total", "pages_free", "running", "waiting", "preemptions", "pending_tokens", "requests_routed")
