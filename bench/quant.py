@@ -3,8 +3,9 @@
     .venv/bin/python bench/quant.py [--modes float32,int8,int8-g32,int4] [--trials 2] [--peer BIN]
         [--skip-quality] [--skip-speed] [--json bench/quant.json]
 
-A mode is WEIGHTS[-gGROUP][+kv-KV]: "int8" (per output column), "int8-g32" (a scale per 32 input rows),
-"int4" (groups of 32), "float32+kv-int8" (float weights, int8 KV pages). On the embedded SmolLM2, in one
+A mode is WEIGHTS[-gGROUP][+a8][+kv-KV]: "int8" (per output column), "int8-g32" (a scale per 32 input
+rows), "int4" (groups of 32), "int8+a8" (int8 activations too: w8a8), "float32+kv-int8" (float weights,
+int8 KV pages). On the embedded SmolLM2, in one
 process, float32 compute:
   quality  perplexity on tests/data/heldout_prose.txt (the whole text as one sequence, chunked prefill
            through the mode's own KV pages) and its ratio to float32; greedy agreement with the
@@ -42,12 +43,18 @@ LLAMA8B = os.path.join(ROOT, "configs", "models", "llama-3-8b")
 
 
 def parse_mode(mode: str) -> dict:
-    """"int8-g32+kv-int8" -> {"weights": "int8", "weight_group": 32, "kv_dtype": "int8"}."""
-    weights, _, kv = mode.partition("+kv-")
+    """"int8-g32+kv-int8" -> {"weights": "int8", "weight_group": 32, "kv_dtype": "int8"}; "+a8": int8
+    activations ("int8+a8": w8a8)."""
+    weights, *extras = mode.split("+")
     weights, _, group = weights.partition("-g")
     out = {"weights": weights, "weight_group": int(group or 0)}
-    if kv:
-        out["kv_dtype"] = kv
+    for extra in extras:
+        if extra.startswith("kv-"):
+            out["kv_dtype"] = extra[3:]
+        elif extra == "a8":
+            out["activations"] = "int8"
+        else:
+            raise ValueError(f"mode {mode!r}: unknown part {extra!r} (kv-DTYPE or a8)")
     return out
 
 

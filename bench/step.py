@@ -35,8 +35,8 @@ from common import machine  # noqa: E402
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default=None)
-    ap.add_argument("--weights", default="float32", choices=["float32", "int8", "int4"],
-                    help="the layer matrices' storage (jaxcb.model.quant)")
+    ap.add_argument("--weights", default="float32", choices=["float32", "int8", "int4", "w8a8"],
+                    help="the layer matrices' storage (jaxcb.model.quant); w8a8: int8 with int8 activations")
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 32])
     ap.add_argument("--contexts", type=int, nargs="+", default=[128, 512, 2048])
     ap.add_argument("--repeats", type=int, default=10)
@@ -55,7 +55,11 @@ def main():
     from jaxcb.runner import ModelRunner, resolve_attention, step
     from jaxcb.sampling import sample
 
-    model_config, params, _, _ = load_model(args.model, weights=args.weights)
+    model_config, params, _, _ = load_model(args.model, weights="int8" if args.weights == "w8a8" else args.weights)
+    if args.weights == "w8a8":
+        from jaxcb.model.quant import with_int8_activations
+
+        params = with_int8_activations(params)
     config = load_config()
     s = config.page_size
     max_context = min(config.scheduler.max_context, model_config.max_context)

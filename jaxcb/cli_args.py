@@ -16,6 +16,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--weights", choices=("float32", "bfloat16", "int8", "int4"), default=None,
                    help="how the weight matrices are stored: a float dtype, int8 per output channel or int4 in "
                         "groups of 32, dequantized inside the step (default: the config's model.weights, auto)")
+    p.add_argument("--activations", choices=("float", "int8"), default=None,
+                   help="int8: quantize each row entering a layer matrix to int8 per 32 values and sum integer "
+                        "products (w8a8; with --weights int8; the config's model.activations by default, float)")
     p.add_argument("--kv-dtype", choices=("float32", "bfloat16", "int8"), default=None,
                    help="KV pages: a float dtype, or int8 with a scale per token and head (default: the config's "
                         "cache.kv_dtype, auto = the compute dtype)")
@@ -62,6 +65,8 @@ def engine_config(args):
         changes["weights"] = args.weights
     if getattr(args, "kv_dtype", None):
         changes["kv_dtype"] = args.kv_dtype
+    if getattr(args, "activations", None):
+        changes["activations"] = args.activations
     if getattr(args, "cpu_dots", None):
         changes["cpu_dots"] = args.cpu_dots
     return config.replace(**changes) if changes else config

@@ -17,6 +17,7 @@ from jaxcb.scheduler import SchedulerConfig
 ATTENTION_CHOICES = ("xla", "native", "pallas", "auto")
 WEIGHT_CHOICES = ("auto", "float32", "bfloat16", "int8", "int4")  # model.weights (jaxcb.model.quant)
 KV_CHOICES = ("auto", "float32", "bfloat16", "int8")
+ACTIVATION_CHOICES = ("float", "int8")  # model.activations (jaxcb.model.quant.quantize_activations)
 AUTO_PAGES = 0  # num_pages = "auto": as many as the memory plan fits (jaxcb.memory_plan)
 KERNEL_PAGE_SIZES = (8, 16, 32, 64, 128, 256)  # = kernels_pallas.PAGE_SIZES (this module imports no JAX)
 DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "default.toml")
@@ -38,6 +39,9 @@ class EngineConfig:
     # "bfloat16" also set the compute dtype unless --dtype does; "int8" / "int4" quantized at load.
     weights: str = "auto"
     weight_group: int = 0  # quantized weights: input rows per scale; 0 = per column for int8, 32 for int4
+    # "int8": each row entering a layer matrix is quantized to int8 per 32 values and the dot sums
+    # integers (w8a8; needs int8 weights per column); "float": the compute dtype.
+    activations: str = "float"
     # The KV pages' dtype: "auto" = the compute dtype; "int8": values and a float32 scale per token and
     # head side by side in the page (jaxcb.model.paged_attention.quantize_kv).
     kv_dtype: str = "auto"
@@ -68,6 +72,12 @@ class EngineConfig:
         if (not isinstance(self.weight_group, int) or isinstance(self.weight_group, bool) or self.weight_group < 0
                 or self.weight_group % 2):
             raise ValueError(f"model.weight_group: must be 0 or an even number of input rows, got {self.weight_group!r}")
+        if self.activations not in ACTIVATION_CHOICES:
+            raise ValueError(f"model.activations: {self.activations!r} is not one of {ACTIVATION_CHOICES}")
+        if self.activations == "int8" and (self.weights not in ("int8", "auto") or self.weight_group):
+            raise ValueError(f"model.activations: int8 activations need int8 weights with one scale per column "
+                             f"(model.weights = \"int8\", weight_group = 0), got {self.weights!r}"
+                             + (f" in groups of {self.weight_group}" if self.weight_group else ""))
         if self.kv_dtype not in KV_CHOICES:
             raise ValueError(f"cache.kv_dtype: {self.kv_dtype!r} is not one of {KV_CHOICES}")
         if self.cpu_dots not in CPU_DOTS_CHOICES:
@@ -79,7 +89,8 @@ class EngineConfig:
                              f"{s.page_size} (or set model.attention = 'xla')")
 
     def replace(self, *, num_pages=None, buckets=None, attention=None, tensor_parallel=None, data_parallel=None,
-                weights=None, weight_group=None, kv_dtype=None, cpu_dots=None, **scheduler_changes) -> "EngineConfig":
+                weights=None, weight_group=None, kv_dtype=None, cpu_dots=None, activations=None,
+                **scheduler_changes) -> "EngineConfig":
         return EngineConfig(
             num_pages=self.num_pages if num_pages is None else num_pages,
             scheduler=dataclasses.replace(self.scheduler, **scheduler_changes),
@@ -93,13 +104,14 @@ class EngineConfig:
             weight_group=self.weight_group if weight_group is None else weight_group,
             kv_dtype=self.kv_dtype if kv_dtype is None else kv_dtype,
             cpu_dots=self.cpu_dots if cpu_dots is None else cpu_dots,
+            activations=self.activations if activations is None else activations,
         )
 
 
 def make_config(*, page_size=16, num_pages=4096, max_context=2048, decode_batch=(1, 2, 4, 8, 16, 32),
                 pages_per_seq=None, prefill_tokens=(32, 64, 128, 256, 512), max_prefill_tokens=None,
                 tokens=None, attention="auto", tensor_parallel=1, data_parallel=1, weights="auto",
-                weight_group=0, kv_dtype="auto", cpu_dots="auto", **scheduler) -> EngineConfig:
+                weight_group=0, kv_dtype="auto", cpu_dots="auto", activations="float", **scheduler) -> EngineConfig:
     """An EngineConfig from keyword values (tests and the Python API)."""
     if pages_per_seq is None:
         pages_per_seq = (max_context // page_size,)
@@ -115,7 +127,7 @@ def make_config(*, page_size=16, num_pages=4096, max_context=2048, decode_batch=
     )
     return EngineConfig(num_pages=num_pages, scheduler=sched, attention=attention, tensor_parallel=tensor_parallel,
                         data_parallel=data_parallel, weights=weights, weight_group=weight_group,
-                        kv_dtype=kv_dtype, cpu_dots=cpu_dots,
+                        kv_dtype=kv_dtype, cpu_dots=cpu_dots, activations=activations,
                         buckets=Buckets(tuple(decode_batch), tuple(pages_per_seq), tuple(prefill_tokens),
                                         tuple(tokens)))
 
@@ -159,7 +171,7 @@ def load_config(path: str | None = None) -> EngineConfig:
     except TypeError as e:
         raise ValueError(f"config: unknown setting in [scheduler] ({e})") from None
     model = raw.get("model", {})
-    unknown = set(model) - {"attention", "weights", "weight_group", "cpu_dots"}
+    unknown = set(model) - {"attention", "weights", "weight_group", "cpu_dots", "activations"}
     if unknown:
         raise ValueError(f"config: unknown setting in [model]: {sorted(unknown)}")
     parallel = raw.get("parallel", {})
@@ -176,7 +188,7 @@ def load_config(path: str | None = None) -> EngineConfig:
     return EngineConfig(num_pages=num_pages, scheduler=sc, buckets=b, seed=int(raw["seed"]) if "seed" in raw else None,
                         attention=str(model.get("attention", "auto")), weights=str(model.get("weights", "auto")),
                         weight_group=model.get("weight_group", 0), kv_dtype=str(cache.get("kv_dtype", "auto")),
-                        cpu_dots=str(model.get("cpu_dots", "auto")),
+                        cpu_dots=str(model.get("cpu_dots", "auto")), activations=str(model.get("activations", "float")),
                         memory_fraction=float(cache.get("memory_fraction", 0.9)),
                         memory_bytes=parse_bytes(cache["memory"]) if "memory" in cache else 0,
                         tensor_parallel=parallel.get("tensor", 1), data_parallel=parallel.get("data", 1))

@@ -87,6 +87,7 @@ def fingerprint(runner, config) -> dict[str, str]:
         "model": f"{c.name} ({c.family}, {c.num_layers} layers, vocab {c.vocab_size}, {c.num_params} parameters)",
         "weights": f"{', '.join(sorted({str(a.dtype) for _, a in leaves}))} arrays {weights}",
         "compute dtype": jnp.dtype(runner.dtype).name,
+        "activations": config.activations,
         "kv dtype": jnp.dtype(runner.kv_dtype).name,
         "window layout": f"window {c.sliding_window if c.windowed else 0}, {c.num_sliding_layers} sliding layers, "
                          f"{runner.num_window_pages} window pages",

@@ -159,6 +159,10 @@ def make_runner(model_config: ModelConfig, params: Params, config, dtype=None, p
 
         parallel.check_tensor_parallel(model_config, config.tensor_parallel, config.weights, config.weight_group)
         mesh = parallel.make_mesh(config.tensor_parallel, devices)
+    if config.activations == "int8":
+        from jaxcb.model.quant import with_int8_activations
+
+        params = with_int8_activations(params)
     runner = ModelRunner(model_config, params, config.num_pages, config.page_size, dtype, attention=config.attention,
                          max_seqs=config.buckets.max_batch, mesh=mesh, num_window_pages=plan.num_window_pages or None,
                          kv_dtype=None if config.kv_dtype == "auto" else config.kv_dtype)
@@ -296,6 +300,8 @@ class ModelRunner:
 
         w = self.params.layers.wq
         weights = f"int{w.bits}" if is_quantized(w) else jnp.dtype(w.dtype).name
+        if getattr(w, "act_block", 0):
+            weights += ", int8 activations"
         attention = {"cpu": "native", "xla": "xla"}.get(self.attention.kernel, "pallas")
         if self.attention.interpret:
             attention += " (interpreted)"

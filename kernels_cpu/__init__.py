@@ -73,13 +73,17 @@ def ragged_attention(q, kv_pages, layer, kv_lens, page_table, cu_q_lens, num_seq
                 i32(num_seqs).reshape(1), i32(window), softcap=np.float32(softcap))
 
 
-def layer_matmul(x, w, layer, scale=None, offset=None):
+def layer_matmul(x, w, layer, scale=None, offset=None, act_block=0):
     """x [..., K] float32 @ w[layer] -> [..., N] float32 (layer a scalar, may be traced), reading the
     layer's matrix in place. w: float32 [L, K, N]; int8 [L, K, N] with `scale` float32 [L, G, N] (a
     scale per K/G input rows of each column); or uint8 [L, K/2, N] (int4: input rows 2i and 2i+1 in
-    the low and high nibble of byte row i) with `scale` and `offset` float16 [L, G, N]."""
+    the low and high nibble of byte row i) with `scale` and `offset` float16 [L, G, N]. int8 only:
+    `act_block` > 0 (dividing 128) quantizes each row of x per that many input rows first (w8a8,
+    jaxcb.model.quant)."""
     import jax
     import jax.numpy as jnp
+
+    import numpy as np
 
     assert available(), unavailable_reason()
     target, _ = MATMUL_TARGETS[jnp.dtype(w.dtype).name]
@@ -87,7 +91,8 @@ def layer_matmul(x, w, layer, scale=None, offset=None):
     x2 = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
     operands = {"float32": (w,), "int8": (w, scale), "uint8": (w, scale, offset)}[jnp.dtype(w.dtype).name]
     call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((x2.shape[0], w.shape[2]), jnp.float32))
-    return call(x2, *operands, jnp.asarray(layer, jnp.int32)).reshape(*lead, w.shape[2])
+    attrs = {"act_block": np.int64(act_block)} if jnp.dtype(w.dtype) == jnp.int8 else {}
+    return call(x2, *operands, jnp.asarray(layer, jnp.int32), **attrs).reshape(*lead, w.shape[2])
 
 
 def rows_matmul(x, rows, scale=None):

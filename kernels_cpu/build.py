@@ -53,6 +53,8 @@ def isa_flags(flags: set[str] | None = None) -> list[str]:
         out += ["-mavx2", "-mfma", "-mf16c"]
     if {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags:
         out += ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"]
+        if "avx512_vnni" in flags:
+            out += ["-mavx512vnni"]
     return out
 
 

@@ -5,12 +5,17 @@
 // Why: for int8 rows XLA:CPU dequantizes the whole [V, E] table to float32 every step before its dot
 // (at SmolLM2's 49,152 x 576, 28 M values written and read again: a third of a 32-row step's matmul
 // time); here each row is widened in registers as it is used and the table streams from memory once.
-// The reduction runs along a row (contiguous): blocks of kVB vocabulary rows x up to kMB rows of x,
-// kVB x kMB accumulators of 16 lanes, summed across lanes once at the end of the row. Ranges of
-// vocabulary rows are the work items (shared with XLA's intra-op pool).
+// With few rows of x (decode of a few sequences, bound by reading the table) the reduction runs along a
+// row (contiguous): blocks of kVB vocabulary rows x up to kMB rows of x, kVB x kMB accumulators of 16
+// lanes, summed across lanes once at the end of the row. With kTiled rows or more, that widened each
+// int8 row once per block of x rows; instead each block of kTR vocabulary rows is widened once into an
+// L1 buffer and multiplied by x transposed ([E, M], made once a call, M padded to whole vectors), kTR
+// x 32 accumulators, the tile then stored transposed. Ranges of vocabulary rows are the work items
+// (shared with XLA's intra-op pool).
 
 #include <algorithm>
 #include <cstdint>
+#include <vector>
 
 #include "parallel.h"
 #include "vec.h"
@@ -85,9 +90,71 @@ void vocab_range(const float* x, const R& w, float* out, int64_t m, int64_t nv, 
   for (; v < v1; ++v) each_m(std::integral_constant<int, 1>{}, v);
 }
 
+constexpr int64_t kTiled = 16;  // rows of x from which the tiled path runs
+constexpr int kTR = 8;           // vocabulary rows per tile
+
+// tile[r][0:NV*16] = sum_e rows[r][e] * xt[e][m0 : m0 + NV*16] for the kTR widened rows in `a`.
+template <int NV>
+inline void tile(const float* a, int64_t e, const float* xt, int64_t mp, int64_t m0, vf (&acc)[kTR][2]) {
+  for (int r = 0; r < kTR; ++r)
+    for (int i = 0; i < NV; ++i) acc[r][i] = vf{};
+  for (int64_t k = 0; k < e; ++k) {
+    vf xv[NV];
+    for (int i = 0; i < NV; ++i) xv[i] = vload(xt + k * mp + m0 + i * kLanes);
+    for (int r = 0; r < kTR; ++r) {
+      const float av = a[r * e + k];
+      for (int i = 0; i < NV; ++i) acc[r][i] += av * xv[i];
+    }
+  }
+}
+
+template <class R>
+void vocab_range_tiled(const float* xt, const R& w, float* out, int64_t m, int64_t mp, int64_t nv, int64_t e,
+                       int64_t e16, int64_t v0, int64_t v1) {
+  std::vector<float> a(kTR * e);
+  int64_t v = v0;
+  for (; v + kTR <= v1; v += kTR) {
+    for (int r = 0; r < kTR; ++r) {  // the block's rows widened once
+      for (int64_t i = 0; i < e16; i += kLanes) jaxcb::vstore(a.data() + r * e + i, w.at(v + r, i));
+      for (int64_t i = e16; i < e; ++i) a[r * e + i] = w.scalar(v + r, i);
+    }
+    for (int64_t m0 = 0; m0 < mp; m0 += 2 * kLanes) {
+      vf acc[kTR][2];
+      const int nvec = mp - m0 >= 2 * kLanes ? 2 : 1;
+      if (nvec == 2)
+        tile<2>(a.data(), e, xt, mp, m0, acc);
+      else
+        tile<1>(a.data(), e, xt, mp, m0, acc);
+      for (int i = 0; i < nvec; ++i)
+        for (int j = 0; j < kLanes; ++j) {
+          const int64_t row = m0 + i * kLanes + j;
+          if (row >= m) break;
+          for (int r = 0; r < kTR; ++r) out[row * nv + v + r] = acc[r][i][j];
+        }
+    }
+  }
+  for (; v < v1; ++v)  // the last rows of the range, one at a time
+    for (int64_t row = 0; row < m; ++row) {
+      float s = 0.0f;
+      for (int64_t i = 0; i < e; ++i) s += xt[i * mp + row] * w.scalar(v, i);
+      out[row * nv + v] = s;
+    }
+}
+
 template <class R>
 void run(ffi::ThreadPool& pool, const float* x, const R& w, float* out, int64_t m, int64_t nv, int64_t e, int64_t e16) {
   const int64_t items = (nv + kItem - 1) / kItem;
+  if (m >= kTiled) {
+    const int64_t mp = (m + kLanes - 1) / kLanes * kLanes;
+    std::vector<float> xt(e * mp, 0.0f);
+    for (int64_t row = 0; row < m; ++row)
+      for (int64_t i = 0; i < e; ++i) xt[i * mp + row] = x[row * e + i];
+    const float* xtp = xt.data();
+    jaxcb::parallel_for(pool, items, true, [=, &w](int64_t i) {
+      vocab_range_tiled(xtp, w, out, m, mp, nv, e, e16, i * kItem, std::min(nv, (i + 1) * kItem));
+    });
+    return;
+  }
   jaxcb::parallel_for(pool, items, m * nv * e >= (1 << 16), [=, &w](int64_t i) {
     vocab_range(x, w, out, m, nv, e, e16, i * kItem, std::min(nv, (i + 1) * kItem));
   });

@@ -15,6 +15,14 @@
 //   int4     q [L, K/2, N] uint8 (input rows 2i and 2i+1 in the low and high nibble of byte row i),
 //            scale and offset [L, G, N] float16: w = nibble * scale + offset of its group. Per group,
 //            sum_k x_k w_k = scale * sum_k x_k nibble_k + offset * sum_k x_k.
+// int8 with activations quantized too ("w8a8", act_block > 0, dividing kKB): each row of x is quantized
+// per block of act_block input rows (scale = max |x| / 127, values rounded half to even), and, where the
+// build has AVX-512 VNNI and the weights have one scale per column, a block's products are summed in
+// int32 by vpdpbusd
+// (unsigned x signed bytes: the weights, stored signed, are flipped to w + 128 as a block is packed into
+// the instruction's layout of 4 input rows per 32-bit lane, and 128 * sum(x) of the row's block is taken
+// off), then scaled by the row's block scale and the column's scale; elsewhere x is replaced by its
+// quantized values and takes the float path, the same sums up to rounding.
 // Ranges of columns are the work items (shared with XLA's intra-op pool); within one, the reduction
 // goes in slabs of kKB rows of w, each slab in blocks of kNB columns (the block stays in L1 while every
 // row block of x passes over it; a quantized block is widened to floats in registers as it is used
@@ -23,9 +31,11 @@
 // take a plain loop.
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <vector>
 
 #include "parallel.h"
 #include "vec.h"
@@ -214,6 +224,140 @@ void column_tail(const float* a, const W& w, float* c, int64_t m, int64_t k, int
     }
 }
 
+
+// --- int8 activations (w8a8) ---
+
+// x quantized per row and block of `block` input rows (a divisor of kKB): q [m, k], scale and sum of q
+// [m, blocks].
+struct XQuant {
+  std::vector<int8_t> q;
+  std::vector<float> scale;
+  std::vector<int32_t> sum;
+  int64_t block, blocks;
+};
+
+inline XQuant quantize_rows(const float* a, int64_t m, int64_t k, int64_t block) {
+  XQuant x;
+  x.block = block, x.blocks = (k + block - 1) / block;
+  x.q.resize(m * k), x.scale.resize(m * x.blocks), x.sum.resize(m * x.blocks);
+  for (int64_t i = 0; i < m; ++i)
+    for (int64_t b = 0; b < x.blocks; ++b) {
+      const int64_t k0 = b * block, kn = std::min(block, k - k0);
+      const float* row = a + i * k + k0;
+      float amax = 0.0f;
+      for (int64_t e = 0; e < kn; ++e) amax = std::max(amax, std::fabs(row[e]));
+      const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+      int32_t total = 0;
+      for (int64_t e = 0; e < kn; ++e) {
+        const int32_t v = static_cast<int32_t>(std::nearbyint(row[e] * inv));
+        x.q[i * k + k0 + e] = static_cast<int8_t>(v);
+        total += v;
+      }
+      x.scale[i * x.blocks + b] = amax / 127.0f;
+      x.sum[i * x.blocks + b] = total;
+    }
+  return x;
+}
+
+// x as its quantized values, in floats (the path without VNNI, and columns past the last whole block).
+inline std::vector<float> dequantized_rows(const XQuant& x, int64_t m, int64_t k) {
+  std::vector<float> out(m * k);
+  for (int64_t i = 0; i < m; ++i)
+    for (int64_t e = 0; e < k; ++e) out[i * k + e] = x.q[i * k + e] * x.scale[i * x.blocks + e / x.block];
+  return out;
+}
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define JAXCB_VNNI 1
+
+// Rows k0 .. k0 + kn - 1 (kn a multiple of 4) of columns j .. j + 31 into buf as vpdpbusd reads them: for
+// each 4 input rows, 32 lanes of 4 bytes (w + 128: the signed values with their top bit flipped).
+inline void pack_block(const Q8& w, int64_t k0, int64_t kn, int64_t j, uint8_t* buf) {
+  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+  for (int64_t e = 0; e < kn; e += 4) {
+    const int8_t* q = w.q + (k0 + e) * w.n + j;
+    const auto row = [&](int t) {
+      return _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + t * w.n)), flip);
+    };
+    const __m256i r0 = row(0), r1 = row(1), r2 = row(2), r3 = row(3);
+    const __m256i lo01 = _mm256_unpacklo_epi8(r0, r1), hi01 = _mm256_unpackhi_epi8(r0, r1);
+    const __m256i lo23 = _mm256_unpacklo_epi8(r2, r3), hi23 = _mm256_unpackhi_epi8(r2, r3);
+    const __m256i c0 = _mm256_unpacklo_epi16(lo01, lo23);  // columns 0-3 | 16-19
+    const __m256i c4 = _mm256_unpackhi_epi16(lo01, lo23);  // 4-7 | 20-23
+    const __m256i c8 = _mm256_unpacklo_epi16(hi01, hi23);  // 8-11 | 24-27
+    const __m256i c12 = _mm256_unpackhi_epi16(hi01, hi23);  // 12-15 | 28-31
+    __m256i* out = reinterpret_cast<__m256i*>(buf + e * 32);
+    _mm256_storeu_si256(out, _mm256_permute2x128_si256(c0, c4, 0x20));
+    _mm256_storeu_si256(out + 1, _mm256_permute2x128_si256(c8, c12, 0x20));
+    _mm256_storeu_si256(out + 2, _mm256_permute2x128_si256(c0, c4, 0x31));
+    _mm256_storeu_si256(out + 3, _mm256_permute2x128_si256(c8, c12, 0x31));
+  }
+}
+
+// c[0:R, 0:32] (+)= for one slab, block by block of x's quantization: (sum_k q_x (w + 128) - 128 sum_k
+// q_x) * x's block scale * column scale.
+template <int R>
+inline void micro_vnni(const XQuant& x, int64_t row0, int64_t k, int64_t k0, const uint8_t* buf, int64_t kn,
+                       const float* scale, float* c, int64_t ldc, bool first) {
+  static_assert(kNB == 32, "two 16-lane vectors of columns");
+  const int8_t* xq = x.q.data() + row0 * k + k0;
+  const __m512 s0 = _mm512_loadu_ps(scale), s1 = _mm512_loadu_ps(scale + 16);
+  for (int64_t b0 = 0; b0 < kn; b0 += x.block) {
+    __m512i acc[R][2];
+    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_si512();
+    const int64_t b1 = std::min(kn, b0 + x.block);
+    for (int64_t e = b0; e < b1; e += 4) {
+      const __m512i w0 = _mm512_loadu_si512(buf + e * 32), w1 = _mm512_loadu_si512(buf + e * 32 + 64);
+      for (int r = 0; r < R; ++r) {
+        int32_t four;
+        std::memcpy(&four, xq + r * k + e, 4);
+        const __m512i xb = _mm512_set1_epi32(four);
+        acc[r][0] = _mm512_dpbusd_epi32(acc[r][0], w0, xb);
+        acc[r][1] = _mm512_dpbusd_epi32(acc[r][1], w1, xb);
+      }
+    }
+    const int64_t block = (k0 + b0) / x.block;
+    for (int r = 0; r < R; ++r) {
+      const int64_t at = (row0 + r) * x.blocks + block;
+      const __m512i corr = _mm512_set1_epi32(128 * x.sum[at]);
+      const __m512 f = _mm512_set1_ps(x.scale[at]);
+      float* cr = c + r * ldc;
+      __m512 v0 = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc[r][0], corr)), f), s0);
+      __m512 v1 = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc[r][1], corr)), f), s1);
+      if (!first || b0) v0 = _mm512_add_ps(v0, _mm512_loadu_ps(cr)), v1 = _mm512_add_ps(v1, _mm512_loadu_ps(cr + 16));
+      _mm512_storeu_ps(cr, v0);
+      _mm512_storeu_ps(cr + 16, v1);
+    }
+  }
+}
+
+void column_range_vnni(const XQuant& x, const Q8& w, float* c, int64_t m, int64_t k, int64_t n, int64_t n0,
+                       int64_t n1) {
+  alignas(64) uint8_t buf[kKB * kNB];
+  for (int64_t k0 = 0; k0 < k; k0 += kKB) {
+    const int64_t kn = std::min(kKB, k - k0);
+    const bool first = k0 == 0;
+    for (int64_t j = n0; j < n1; j += kNB) {
+      pack_block(w, k0, kn, j, buf);
+      const float* s = w.scale + j;
+      int64_t m0 = 0;
+      for (; m0 + kMR <= m; m0 += kMR) micro_vnni<kMR>(x, m0, k, k0, buf, kn, s, c + m0 * n + j, n, first);
+      float* cm = c + m0 * n + j;
+      switch (m - m0) {
+        case 1: micro_vnni<1>(x, m0, k, k0, buf, kn, s, cm, n, first); break;
+        case 2: micro_vnni<2>(x, m0, k, k0, buf, kn, s, cm, n, first); break;
+        case 3: micro_vnni<3>(x, m0, k, k0, buf, kn, s, cm, n, first); break;
+        case 4: micro_vnni<4>(x, m0, k, k0, buf, kn, s, cm, n, first); break;
+        case 5: micro_vnni<5>(x, m0, k, k0, buf, kn, s, cm, n, first); break;
+        case 6: micro_vnni<6>(x, m0, k, k0, buf, kn, s, cm, n, first); break;
+        case 7: micro_vnni<7>(x, m0, k, k0, buf, kn, s, cm, n, first); break;
+        default: break;
+      }
+    }
+  }
+}
+#endif
+
 template <class W>
 void run(ffi::ThreadPool& pool, const float* a, const W& w, float* c, int64_t m, int64_t k, int64_t n) {
   // Work items: ranges of `wide` columns, a multiple of kNB between kNB and 256, about a quarter of
@@ -225,6 +369,29 @@ void run(ffi::ThreadPool& pool, const float* a, const W& w, float* c, int64_t m,
     column_range(a, w, c, m, k, n, i * wide, std::min(whole, (i + 1) * wide));
   });
   if (whole < n) column_tail(a, w, c, m, k, n, whole);
+}
+
+// x @ w with x's rows quantized per slab (w8a8): integer sums where the build and the weights allow.
+void run_w8a8(ffi::ThreadPool& pool, const float* a, const Q8& w, float* c, int64_t m, int64_t k, int64_t n,
+              int64_t block) {
+  const XQuant x = quantize_rows(a, m, k, block);
+#ifdef JAXCB_VNNI
+  if (w.group == k && k % 4 == 0 && block % 4 == 0) {
+    const int64_t whole = n / kNB * kNB;
+    const int64_t wide = std::max<int64_t>(kNB, std::min<int64_t>(256, whole / 4 / kNB * kNB));
+    const int64_t items = (whole + wide - 1) / wide;
+    jaxcb::parallel_for(pool, items, m * k * n >= (1 << 16), [&](int64_t i) {
+      column_range_vnni(x, w, c, m, k, n, i * wide, std::min(whole, (i + 1) * wide));
+    });
+    if (whole < n) {
+      const std::vector<float> xf = dequantized_rows(x, m, k);
+      column_tail(xf.data(), w, c, m, k, n, whole);
+    }
+    return;
+  }
+#endif
+  const std::vector<float> xf = dequantized_rows(x, m, k);
+  run(pool, xf.data(), w, c, m, k, n);
 }
 
 // Checks x [M, K], the stack's [L, rows, N] (rows = K / per_byte_row) and the layer; sets m, k, n, l.
@@ -247,7 +414,7 @@ ffi::Error F32Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ff
 }
 
 ffi::Error Q8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> q, ffi::Buffer<ffi::F32> scale,
-                  ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> out) {
+                  ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> out, int64_t act_block) {
   int64_t m, k, n, l;
   if (auto e = shapes(x.dimensions(), q.dimensions(), 1, layer.typed_data()[0], m, k, n, l); e.failure()) return e;
   const int64_t groups = scale.dimensions()[1];
@@ -256,7 +423,12 @@ ffi::Error Q8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi
   const int64_t group = k / groups;
   const Q8 view{q.typed_data() + static_cast<size_t>(l) * k * n, scale.typed_data() + static_cast<size_t>(l) * groups * n,
                 n, group};
-  run(pool, x.typed_data(), view, out->typed_data(), m, k, n);
+  if (act_block < 0 || (act_block && kKB % act_block))
+    return ffi::Error::InvalidArgument("layer_matmul: int8 activations are quantized in blocks that divide 128");
+  if (act_block)
+    run_w8a8(pool, x.typed_data(), view, out->typed_data(), m, k, n, act_block);
+  else
+    run(pool, x.typed_data(), view, out->typed_data(), m, k, n);
   return ffi::Error::Success();
 }
 
@@ -293,7 +465,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcbLayerMatmulInt8, Q8Impl,
                                   .Arg<ffi::Buffer<ffi::S8>>()    // q [L, K, N]
                                   .Arg<ffi::Buffer<ffi::F32>>()   // scale [L, G, N]
                                   .Arg<ffi::Buffer<ffi::S32>>()   // layer []
-                                  .Ret<ffi::Buffer<ffi::F32>>());  // out [M, N]
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // out [M, N]
+                                  .Attr<int64_t>("act_block"));   // 0, or x quantized per this many rows
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcbLayerMatmulInt4, Q4Impl,
                               ffi::Ffi::Bind()

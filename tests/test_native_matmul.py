@@ -49,11 +49,13 @@ def test_quantized_layer_matmul_matches_the_dequantized_matrix(bits, group, m, n
         np.testing.assert_allclose(got, x @ dense[layer], rtol=1e-4, atol=1e-4 * np.sqrt(k))
 
 
-@pytest.mark.parametrize("m,v,e,group", [(1, 37, 576, 32), (5, 64, 40, 40), (33, 9, 96, 32), (4, 130, 24, 8)])
+@pytest.mark.parametrize("m,v,e,group", [(1, 37, 576, 32), (5, 64, 40, 40), (33, 9, 96, 32), (4, 130, 24, 8),
+                                         (16, 300, 576, 32), (40, 19, 40, 40)])
 def test_rows_matmul_matches_numpy(m, v, e, group):
     """The tied head over an int8 embedding (a scale per group of each row, groups that are whole
     vectors, a whole row, or smaller than a vector) and a float32 one: x @ rows.T, with rows past the
-    4-row blocks and rows of x past the 4-row blocks."""
+    4-row blocks and rows of x past the 4-row blocks; from 16 rows of x the tiled path (rows of x padded
+    to whole vectors, vocabulary rows past the 8-row tiles and past a 256-row work item)."""
     import jax
     import jax.numpy as jnp
 
@@ -71,11 +73,13 @@ def test_rows_matmul_matches_numpy(m, v, e, group):
     np.testing.assert_allclose(got, x @ w.T, rtol=1e-4, atol=1e-4 * np.sqrt(e))
 
 
-@pytest.mark.parametrize("weights,tied", [("int8", True), ("int8", False), ("int4", True)])
+@pytest.mark.parametrize("weights,tied", [("int8", True), ("int8", False), ("int4", True), ("w8a8", True),
+                                          ("w8a8", False)])
 def test_the_native_step_with_quantized_weights_gives_the_plain_step_logits(weights, tied):
     """A step of a tiny random model with int8 / int4 layer matrices and an int8 head (the tied
     embedding, or an untied matrix): the native kernels (reading the quantized arrays in place) against
-    the plain step that dequantizes them."""
+    the plain step that dequantizes them. w8a8: int8 weights with int8 activations, integer sums in the
+    kernel against the plain step's quantize_activations."""
     import dataclasses
 
     import jax
@@ -87,8 +91,12 @@ def test_the_native_step_with_quantized_weights_gives_the_plain_step_logits(weig
     from jaxcb.model.paged_attention import allocate_kv_pages
     from jaxcb.model.quant import quantize_weights
 
+    from jaxcb.model.quant import with_int8_activations
+
     config = dataclasses.replace(tiny_config(), tie_embeddings=tied)
-    params = params_from_numpy(quantize_weights(random_weights(config, seed=2), weights))
+    params = params_from_numpy(quantize_weights(random_weights(config, seed=2), "int8" if weights == "w8a8" else weights))
+    if weights == "w8a8":
+        params = with_int8_activations(params)
     s = 8
     kv = allocate_kv_pages(config.num_layers, config.num_kv_heads, 40, s, config.head_dim, jnp.float32)
     specs = [SeqSpec([5], 12, list(range(4, 6))), SeqSpec(list(range(3, 3 + 19)), 0, list(range(1, 4)))]
@@ -136,3 +144,48 @@ def test_the_native_step_gives_the_plain_step_logits():
     plain = step.lower(params, kv, batch, config=config, attention=dataclasses.replace(native, kernel="xla",
                                                                                       native_matmul=False)).as_text()
     assert "jaxcb_" not in plain
+
+
+def _w8a8_reference(x, q, scale, block):
+    """x @ (q * scale) with x's rows rounded to int8 per `block` values (scale max|x| / 127, half to
+    even): integer sums in int64, scaled per row block and column."""
+    y = np.zeros((x.shape[0], q.shape[1]), np.float64)
+    for b0 in range(0, x.shape[1], block):
+        xs = x[:, b0:b0 + block]
+        amax = np.abs(xs).max(1).astype(np.float32)
+        inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
+        qx = np.rint(xs * inv[:, None]).astype(np.int64)
+        y += (amax / np.float32(127)).astype(np.float64)[:, None] * (qx @ q[b0:b0 + block].astype(np.int64))
+    return y * scale[0]
+
+
+@pytest.mark.parametrize("m,k,n,block", [(1, 576, 1536, 32), (4, 64, 33, 32), (9, 576, 40, 64), (33, 200, 96, 32),
+                                         (32, 1536, 64, 128), (5, 100, 32, 32)])
+def test_int8_activations_sum_integers_as_the_reference_does(m, k, n, block):
+    """w8a8: the native kernel (VNNI's integer sums where the build has them) and the plain-JAX
+    quantize_activations both give the reference's values: rows of x quantized per 32, 64 or 128 inputs
+    (K not a multiple of the block or of 128 too), an outlier input channel, a zero row, columns past the
+    last 32-block."""
+    import jax.numpy as jnp
+
+    import kernels_cpu
+    from jaxcb.model.quant import dense, quantize_activations, quantize_int8
+
+    rng = np.random.default_rng(m * 1000 + k + n)
+    w = rng.standard_normal((2, k, n)).astype(np.float32)
+    qw = quantize_int8(w, 0)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    x[:, 5] *= 30  # an outlier channel: only its own block loses resolution
+    if m > 2:
+        x[1] = 0.0
+    want = _w8a8_reference(x, np.asarray(qw.q[1]), np.asarray(qw.scale[1]), block)
+    tol = dict(rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    got = kernels_cpu.layer_matmul(jnp.asarray(x), jnp.asarray(qw.q), 1, jnp.asarray(qw.scale), act_block=block)
+    np.testing.assert_allclose(np.asarray(got), want, **tol)
+    one = qw.replace(q=jnp.asarray(qw.q[1]), scale=jnp.asarray(qw.scale[1]), act_block=block)
+    np.testing.assert_allclose(np.asarray(dense(jnp.asarray(x), one)), want, **tol)
+    deq = np.asarray(quantize_activations(jnp.asarray(x), block))
+    levels = deq[0, :block] / (np.abs(x[0, :block]).max() / 127)
+    np.testing.assert_allclose(levels, np.round(levels), atol=1e-3)  # whole int8 levels of the block's scale
+    if m > 2:
+        assert not deq[1].any()

@@ -90,6 +90,44 @@ def test_bad_groups_and_modes_are_refused_naming_the_setting():
         make_config(weights="int3")
     with pytest.raises(ValueError, match="model.weight_group: must be 0 or an even number"):
         make_config(weight_group=3)
+    with pytest.raises(ValueError, match="model.activations: int8 activations need int8 weights with one scale "
+                                         "per column .* got 'int4'"):
+        make_config(weights="int4", activations="int8")
+    with pytest.raises(ValueError, match="model.activations: .* got 'int8' in groups of 32"):
+        make_config(weights="int8", weight_group=32, activations="int8")
+    with pytest.raises(ValueError, match="model.activations: 'int4' is not one of"):
+        make_config(activations="int4")
+
+
+def test_int8_activations_refuse_weights_that_are_not_int8_per_column(tiny_model):
+    """weights = "auto" with int8 activations is allowed by the config (a converted int8 checkpoint);
+    the float weights it finds are refused when the runner is made, naming the matrix."""
+    cfg, params, tok, eos = tiny_model
+    with pytest.raises(ValueError, match="model.activations: int8 activations need int8 weights .* wq is float32"):
+        LLM.from_params(cfg, params, tok, config=make_config(**CONFIG, activations="int8"), eos_ids=eos)
+
+
+def test_int8_activations_give_the_plain_steps_tokens_natively_and_never_compile_after_warmup(tiny_model):
+    """w8a8 (int8 weights per column, int8 activations): the native CPU kernels (VNNI's integer sums
+    where the build has them) give the tokens of the plain-JAX step, which quantizes the activations in
+    floats; the banner's description says so."""
+    cfg, params, tok, eos = tiny_model
+    floats = {k: np.asarray(v) for k, v in params_to_weights(params).items()}
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(3, cfg.vocab_size, n).tolist() for n in (5, 40, 17, 70)]
+    sp = SamplingParams(max_tokens=20, ignore_eos=True)
+    outs = {}
+    for attention in ("xla", "native"):
+        config = make_config(**CONFIG, weights="int8", activations="int8", attention=attention)
+        llm = LLM.from_params(cfg, params_from_numpy(floats, jnp.float32, "int8", 0), tok, config=config, eos_ids=eos)
+        assert llm.engine.runner.params.layers.w_up.act_block == quant.ACT_BLOCK
+        assert llm.engine.runner.describe()["weights"] == "int8, int8 activations"
+        llm.warmup()
+        before = llm.engine.stats().compilations
+        outs[attention] = [o.token_ids for o in llm.generate(prompts, sp)]
+        assert llm.engine.stats().compilations == before
+        llm.engine.pool.check_all_free()
+    assert outs["native"] == outs["xla"]
 
 
 @pytest.mark.parametrize("mode, group", [("int8", 0), ("int4", 32)])  # int8 in groups: test_dense_... above
@@ -196,7 +234,8 @@ def test_plan_counts_the_quantized_bytes(capsys):
 def test_smollm2_perplexity_of_each_mode_against_float32():
     """The real model on held-out prose (tests/data): int4 (groups of 32, asymmetric) gives back the
     GGUF's own Q4_1 matrices and the int8 embedding its Q8_0 rows, so int4 is the float32 model; int8
-    in groups of 32 is close; int8 per output column rounds the Q4_1 groups onto one grid per column."""
+    in groups of 32 is close; int8 per output column rounds the Q4_1 groups onto one grid per column;
+    int8 activations (w8a8) add their own rounding."""
     from jaxcb.evaluate import perplexity
 
     cfg, params, tok, eos = load_model()  # the embedded SmolLM2, float32; each mode quantizes these weights
@@ -204,9 +243,12 @@ def test_smollm2_perplexity_of_each_mode_against_float32():
     ids = tok.encode(open(HELDOUT, encoding="utf-8").read())[:1024]
     figures = {}
     for mode, group, kv in (("float32", 0, "auto"), ("int8", 0, "auto"), ("int8", 32, "auto"), ("int4", 0, "auto"),
-                            ("float32", 0, "int8")):
-        config = make_config(num_pages=80, max_context=2048, weights=mode, weight_group=group, kv_dtype=kv)
-        llm = LLM.from_params(cfg, params_from_numpy(floats, jnp.float32, mode, group), tok, config=config, eos_ids=eos)
+                            ("float32", 0, "int8"), ("w8a8", 0, "auto")):
+        weights, activations = ("int8", "int8") if mode == "w8a8" else (mode, "float")
+        config = make_config(num_pages=80, max_context=2048, weights=weights, weight_group=group, kv_dtype=kv,
+                             activations=activations)
+        llm = LLM.from_params(cfg, params_from_numpy(floats, jnp.float32, weights, group), tok, config=config,
+                              eos_ids=eos)
         figures[mode, group, kv] = perplexity(llm.engine.runner, ids)["perplexity"]
         llm.close()
     base = figures["float32", 0, "auto"]
@@ -218,3 +260,5 @@ def test_smollm2_perplexity_of_each_mode_against_float32():
     assert -0.03 < ratios["int8", 32, "auto"] < 0.01  # on this excerpt a little below float32
     # Per output column: +0.9% on the whole text (README), +1.5% on this excerpt.
     assert 0 < ratios["int8", 0, "auto"] < 0.02
+    # int8 activations too (rows quantized per 32 values): about +0.8% more on this excerpt.
+    assert ratios["int8", 0, "auto"] < ratios["w8a8", 0, "auto"] < 0.035
