@@ -1,6 +1,7 @@
 """The native layer matmul (kernels_cpu.layer_matmul) per weight format: a 30-layer scan of SmolLM2's
 MLP up-projection shape (576 x 1536, random weights) at 1, 8 and 32 rows, float32 / int8 (per column) /
-int4 (groups of 32), best of 5, in one process.
+int4 (groups of 32) / w8a8 (int8 weights per column, rows of x quantized per 32 values, VNNI's integer
+sums where the build has them), best of 5, in one process.
 
     .venv/bin/python bench/layer_matmul.py
 """
@@ -24,7 +25,7 @@ def main():
     import jax.numpy as jnp
 
     import kernels_cpu
-    from jaxcb.model.quant import quantize_int4, quantize_int8
+    from jaxcb.model.quant import ACT_BLOCK, quantize_int4, quantize_int8
 
     layers, k, n = 30, 576, 1536
     rng = np.random.default_rng(0)
@@ -40,7 +41,8 @@ def main():
 
     kinds = {"float32": scan(lambda h, i: kernels_cpu.layer_matmul(h, wf, i)),
              "int8": scan(lambda h, i: kernels_cpu.layer_matmul(h, q8.q, i, q8.scale)),
-             "int4": scan(lambda h, i: kernels_cpu.layer_matmul(h, q4.q, i, q4.scale, q4.offset))}
+             "int4": scan(lambda h, i: kernels_cpu.layer_matmul(h, q4.q, i, q4.scale, q4.offset)),
+             "w8a8": scan(lambda h, i: kernels_cpu.layer_matmul(h, q8.q, i, q8.scale, act_block=ACT_BLOCK))}
     print(f"machine: {machine()}; {layers} layers of {k} x {n}, best of 5")
     for m in (1, 8, 32):
         x = jnp.asarray(rng.standard_normal((m, k)).astype(np.float32))
