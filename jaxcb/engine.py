@@ -39,6 +39,22 @@ __all__ = ["Engine", "EngineStats", "EventCallback"]
 log = logging.getLogger("jaxcb.engine")
 
 
+@dataclasses.dataclass(frozen=True)
+class _Add:
+    """Inbox item (Engine.add_request, any thread): a request's samples and their output streams, which
+    join the scheduler together at the next step."""
+
+    samples: list[Request]
+    streams: list
+
+
+@dataclasses.dataclass(frozen=True)
+class _Abort:
+    """Inbox item (Engine.abort, any thread): every sample of the request ends at the next step."""
+
+    request_id: str
+
+
 @dataclasses.dataclass
 class _InFlight:
     """A launched step: its chunks (row i = chunk i), each request's preemption count at launch (a
@@ -196,12 +212,12 @@ class Engine:
                      else params.seed if i == 0 else random.Random(f"{params.seed}/{i}").getrandbits(63)
                      for i in range(params.n)]
         streams = [self.outputs.new_stream(seed, callback) for seed in seeds]
-        self._inbox.put(("add", samples, streams))  # all samples in one item: they arrive together
+        self._inbox.put(_Add(samples, streams))  # all samples in one item: they arrive together
         return rid
 
     def abort(self, request_id: str) -> None:
         """The request ends with finish reason `abort` and its pages are freed at the next step."""
-        self._inbox.put(("abort", request_id, None))
+        self._inbox.put(_Abort(request_id))
 
     def is_live(self, request_id: str) -> bool:
         with self._seed_lock:
@@ -245,16 +261,16 @@ class Engine:
     def _drain_inbox(self, events: list[TokenEvent]) -> None:
         while True:
             try:
-                kind, item, stream = self._inbox.get_nowait()
+                item = self._inbox.get_nowait()
             except queue.Empty:
                 return
-            if kind == "add":
-                for r, st in zip(item, stream):
+            if isinstance(item, _Add):
+                for r, st in zip(item.samples, item.streams):
                     self._requests.setdefault(r.request_id, []).append(r)
                     self.outputs.open(r, st)
                     self.scheduler.add(r)
-            elif kind == "abort" and item in self._requests:
-                for r in list(self._requests[item]):
+            elif item.request_id in self._requests:  # an _Abort
+                for r in list(self._requests[item.request_id]):
                     self._finish(r, FinishReason.ABORT, events)
 
     def step(self) -> list[TokenEvent]:
@@ -399,7 +415,7 @@ class Engine:
         sampled = self.scheduler.on_step_done(step.chunks, step.epochs, result.token_ids)
         self._counters["output_tokens"] += len(sampled)
         observed = []
-        for row, r, token, reason in sampled:
+        for row, r, token, reason in sampled:  # Sampled
             logprobs = None
             if r.params.logprobs:
                 n = r.params.logprobs

@@ -39,6 +39,7 @@ import bisect
 import collections
 import dataclasses
 import time
+from typing import NamedTuple
 
 from jaxcb.page_pool import PagePool
 from jaxcb.prefix_cache import PrefixCache
@@ -46,6 +47,16 @@ from jaxcb.request import FinishReason, Request, Status
 from jaxcb.trace import quantile
 
 POLICIES = ("fcfs", "sjf", "priority", "length-buckets", "round-robin")
+
+
+class Sampled(NamedTuple):
+    """A token a step sampled for a request (Scheduler.on_step_done): its row in the step's output, the
+    request it was appended to, the token, and how the request ends with it (None: it goes on)."""
+
+    row: int
+    request: Request
+    token: int
+    finish: FinishReason | None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -334,9 +345,9 @@ class Scheduler:
                 r.num_pending += 1
                 r.pending_src = (step_id, row)
 
-    def on_step_done(self, chunks: list[Chunk], epochs: list[int], token_ids) -> list[tuple[int, Request, int, FinishReason | None]]:
+    def on_step_done(self, chunks: list[Chunk], epochs: list[int], token_ids) -> list[Sampled]:
         """The step's tokens came back (`token_ids[i]` sampled for chunk i). Registers the pages it filled,
-        appends each sampled token and returns (row, request, token, finish) for them, finish being STOP
+        appends each sampled token and returns a Sampled for each, its finish being STOP
         for a stop token or EOS and LENGTH at max_tokens or the context limit; the caller finishes them.
         A chunk whose request ended or was preempted (`epochs`: preemption counts at launch) since the
         launch is void."""
@@ -360,7 +371,7 @@ class Scheduler:
                 reason = FinishReason.STOP
             elif len(r.output_ids) >= p.max_tokens or r.num_known >= max_context:
                 reason = FinishReason.LENGTH
-            sampled.append((row, r, token, reason))
+            sampled.append(Sampled(row, r, token, reason))
         return sampled
 
     def observe_step_done(self, chunks: list[Chunk], seconds: float | None,

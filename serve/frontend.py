@@ -72,6 +72,7 @@ class State:
         # Engine keys of accepted, unfinished requests -> their samples (n): admission counts samples,
         # as the engine runs each of them as a sequence of its own.
         self.active: dict[str, int] = {}
+        self.active_samples = 0  # sum(active.values()), kept as they change: admission is O(1)
         self.queues: dict[str, asyncio.Queue] = {}  # engine key -> its stream's event queue
         # (tenant, the client's request id) -> engine key. Engine keys are uuid4s, never reused: an
         # Abort reaches only its own tenant's requests, and a stream's clean-up only its own request.
@@ -92,7 +93,7 @@ class State:
         """Admission counts every sample of every request accepted and not finished (inbox included)
         and not yet running: `samples` more are refused if they would take that past max_waiting."""
         self.check_open()
-        waiting = max(0, sum(self.active.values()) - self.engine.stats().running)
+        waiting = max(0, self.active_samples - self.engine.stats().running)
         if waiting + samples > self.options.max_waiting:
             raise Rejected("exhausted",
                          f"queue full: {waiting} samples already waiting and {samples} more asked for; the limit is "
@@ -126,6 +127,7 @@ class State:
         except ValueError as e:
             raise Rejected("invalid", str(e)) from None
         self.active[key] = params.n
+        self.active_samples += params.n
         self.queues[key] = queue
         self.ids[tenant, public] = key
         finished = False
@@ -141,7 +143,7 @@ class State:
                 if finished:
                     return
         finally:
-            self.active.pop(key, None)
+            self.active_samples -= self.active.pop(key, 0)
             self.queues.pop(key, None)
             if self.ids.get((tenant, public)) == key:
                 del self.ids[tenant, public]
