@@ -111,7 +111,7 @@ class EngineStats:
 class Engine:
     MAX_FAILED_STEPS_IN_A_ROW = 8  # then the engine counts as broken (the server exits non-zero)
 
-    def __init__(self, runner, tokenizer, config: EngineConfig, eos_ids: tuple[int, ...] = ()):
+    def __init__(self, runner, tokenizer, config: EngineConfig, eos_ids: tuple[int, ...] = (), load_seconds: float = 0.0):
         from jaxcb.runner import compilation_count  # the one JAX-side import of the loop
 
         self._compilation_count = compilation_count
@@ -145,7 +145,7 @@ class Engine:
         self.num_failed_steps = 0
         self.last_step_idle = False
         self.failed_in_a_row = 0
-        self.load_seconds = 0.0  # set by build_engine: time spent loading the weights
+        self.load_seconds = load_seconds  # time spent loading the weights (build_engines)
         # Test seam: called with each SchedulerOutput before dispatch; raising simulates a failed step.
         self.fault_injector: Callable | None = None
         self._length_log = None  # record_lengths(): one JSON line per finished request

@@ -138,9 +138,8 @@ def build_engines(model: str | None = None, config: EngineConfig | str | None = 
             runner = wrap_runner(runner, resolved)
         # Each replica draws the seeds of unseeded requests from its own generator.
         seed = None if config.seed is None else config.seed + i
-        engine = Engine(runner, tokenizer, dataclasses.replace(resolved, seed=seed), eos_ids=eos)
-        engine.load_seconds = load_seconds
-        engine.replica = i
+        engine = Engine(runner, tokenizer, dataclasses.replace(resolved, seed=seed), eos_ids=eos,
+                        load_seconds=load_seconds)
         engines.append(engine)
     return engines
 

@@ -20,6 +20,7 @@ warmup; submit, abort, start, stop, alive), so one replica and many are served t
 from __future__ import annotations
 
 import dataclasses
+import functools
 import threading
 from typing import Callable
 
@@ -41,13 +42,14 @@ class _Routed:
 
 class Replicas:
     def __init__(self, engines: list[Engine], on_death: Callable[[BaseException], None] | None = None,
-                 on_step: Callable[[Engine, list], None] | None = None, balance_tokens: int | None = None):
+                 on_step: Callable[[int, Engine, list], None] | None = None, balance_tokens: int | None = None):
         if not engines:
             raise ValueError("parallel.data: at least one replica is needed")
         self.engines = engines
-        for i, e in enumerate(engines):
-            e.replica = i  # what its on_step callback reports (the metrics' replica label)
-        self.threads = [EngineThread(e, on_death=on_death, on_step=on_step) for e in engines]
+        # on_step(replica index, engine, events) on each replica's thread after each of its steps
+        self.threads = [EngineThread(e, on_death=on_death,
+                                     on_step=None if on_step is None else functools.partial(on_step, i))
+                        for i, e in enumerate(engines)]
         first = engines[0]
         self.model_config, self.tokenizer, self.config = first.model_config, first.tokenizer, first.config
         self.max_context = first.max_context

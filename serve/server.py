@@ -323,8 +323,8 @@ async def run_server(engine: Engine | list[Engine], tokenizer, model_name: str, 
     def on_death(error):
         loop.call_soon_threadsafe(died.set)
 
-    def on_step(eng, events):
-        metrics.refresh(eng.stats(), getattr(eng, "replica", 0))
+    def on_step(replica, eng, events):
+        metrics.refresh(eng.stats(), replica)
 
     replicas = Replicas(engines, on_death=on_death, on_step=on_step)
     state = State(replicas, tokenizer, model_name, dtype, options, metrics)
