@@ -23,7 +23,7 @@ import random
 import secrets
 import threading
 import time
-from typing import Callable
+from typing import Callable, Protocol
 
 import numpy as np
 
@@ -108,10 +108,29 @@ class EngineStats:
     measured_p99_ttft_ms: float = 0.0  # ... and of their first tokens
 
 
+class Runner(Protocol):
+    """What the engine (and the server) needs of the device side: jaxcb.runner.ModelRunner on one
+    process, jaxcb.multihost.LeaderRunner across hosts (the same calls, each first sent to the
+    followers), a simulated runner in tests."""
+
+    model_config: object  # the model as loaded (jaxcb.model.config.ModelConfig)
+    config: object  # the layout the step runs (KV heads replicated onto a mesh if needed)
+    num_window_pages: int  # the sliding-window layers' pages (0: none)
+    device_ids: list[int]
+
+    def compile(self, shape) -> None: ...  # compile the step for a StepShape ahead of time
+    def run(self, batch, sampling, shape): ...  # launch one step (asynchronously); its result handle
+    def fetch(self, outputs): ...  # the host copy of a step's result (waits for it)
+    def idle(self) -> None: ...  # nothing to run this time round (the leader pings its followers)
+    def reset_kv_if_lost(self) -> bool: ...  # after a failed step: fresh pages if the old were consumed
+    def describe(self) -> dict[str, str]: ...  # how the step computes (banner, GetServerInfo)
+
+
 class Engine:
     MAX_FAILED_STEPS_IN_A_ROW = 8  # then the engine counts as broken (the server exits non-zero)
 
-    def __init__(self, runner, tokenizer, config: EngineConfig, eos_ids: tuple[int, ...] = (), load_seconds: float = 0.0):
+    def __init__(self, runner: Runner, tokenizer, config: EngineConfig, eos_ids: tuple[int, ...] = (),
+                 load_seconds: float = 0.0):
         from jaxcb.runner import compilation_count  # the one JAX-side import of the loop
 
         self._compilation_count = compilation_count

@@ -185,9 +185,9 @@ def weight_bytes(c, mode: str, dtype_bytes: int, group: int = 0) -> int:
     `group` (default 32) values, the embedding and head as in int8. Norms and biases in `dtype_bytes`."""
     if mode not in ("int8", "int4"):
         return c.num_params * {"float32": 4, "bfloat16": 2}.get(mode, dtype_bytes)
-    e, f, layers = c.hidden_size, c.intermediate_size, c.num_layers
-    q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-    shapes = [(e, q), (e, kv), (e, kv), (q, e), (e, f), (e, f), (f, e)]
+    e, layers = c.hidden_size, c.num_layers
+    # the layers' matrices [in, out] (= jaxcb.model.quant.MATRICES; this module imports no JAX)
+    shapes = [c.weight_shapes()[n][1:] for n in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")]
     values = layers * sum(i * o for i, o in shapes)
     if mode == "int8":
         scales = layers * sum((i // group if group else 1) * o for i, o in shapes)

@@ -27,29 +27,13 @@ def is_checkpoint_dir(path: str) -> bool:
     return os.path.isdir(path) and os.path.isfile(os.path.join(path, MANIFEST))
 
 
-def _expected_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
-    e, f, l, q, kv = c.hidden_size, c.intermediate_size, c.num_layers, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-    shapes = {"embed": (c.vocab_size, e), "final_norm": (e,), "attn_norm": (l, e), "wq": (l, e, q), "wk": (l, e, kv),
-              "wv": (l, e, kv), "wo": (l, q, e), "mlp_norm": (l, e), "w_gate": (l, e, f), "w_up": (l, e, f),
-              "w_down": (l, f, e)}
-    if c.attention_bias:
-        shapes.update(bq=(l, q), bk=(l, kv), bv=(l, kv))
-    if c.qk_norm:
-        shapes.update(q_norm=(l, c.head_dim), k_norm=(l, c.head_dim))
-    if c.post_norms:
-        shapes.update(post_attn_norm=(l, e), post_mlp_norm=(l, e))
-    if not c.tie_embeddings:
-        shapes["lm_head"] = (e, c.vocab_size)
-    return shapes
-
-
 def _stored(config: ModelConfig, mode: str, dtype, group: int = 0) -> dict[str, jax.ShapeDtypeStruct]:
     """What the checkpoint holds, flat: a float array per weight, or for a quantized weight "NAME__q",
     "NAME__scale" (and int4's "NAME__offset") in jaxcb.model.quant's layout."""
     from jaxcb.model.quant import GROUP, MATRICES
 
     out = {}
-    for name, shape in _expected_shapes(config).items():
+    for name, shape in config.weight_shapes().items():
         if mode in ("int8", "int4") and (name in MATRICES or name == "lm_head"):
             *lead, rows, cols = shape
             if mode == "int4" and name != "lm_head":

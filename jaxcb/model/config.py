@@ -58,15 +58,41 @@ class ModelConfig:
     def attention_scale(self) -> float:
         return self.query_scale or 1.0 / self.head_dim**0.5
 
+    def weight_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every weight array of the model by the name the loaders give it, and its shape: matrices
+        [in, out] and per-layer vectors stacked over layers on a leading L axis. The one statement of the
+        model's tensors (loaders check against it, checkpoints store it, num_params sums it)."""
+        e, f, l = self.hidden_size, self.intermediate_size, self.num_layers
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        shapes = {"embed": (self.vocab_size, e), "final_norm": (e,), "attn_norm": (l, e), "wq": (l, e, q),
+                  "wk": (l, e, kv), "wv": (l, e, kv), "wo": (l, q, e), "mlp_norm": (l, e), "w_gate": (l, e, f),
+                  "w_up": (l, e, f), "w_down": (l, f, e)}
+        if self.attention_bias:
+            shapes.update(bq=(l, q), bk=(l, kv), bv=(l, kv))
+        if self.qk_norm:
+            shapes.update(q_norm=(l, self.head_dim), k_norm=(l, self.head_dim))
+        if self.post_norms:
+            shapes.update(post_attn_norm=(l, e), post_mlp_norm=(l, e))
+        if not self.tie_embeddings:
+            shapes["lm_head"] = (e, self.vocab_size)
+        return shapes
+
+    def check_weight_shapes(self, weights: dict, source: str) -> None:
+        """Every weight a loader found has the shape this config gives it (names it does not know are
+        left to the loader): a clear error naming the tensor and `source` (the file or config.json)."""
+        for key, shape in self.weight_shapes().items():
+            if key in weights and tuple(weights[key].shape) != shape:
+                raise ValueError(f"{source}: tensor {key} has shape {tuple(weights[key].shape)}, expected {shape}")
+
     @property
     def num_params(self) -> int:
-        e, f, v = self.hidden_size, self.intermediate_size, self.vocab_size
-        q = self.num_heads * self.head_dim
-        kv = self.num_kv_heads * self.head_dim
-        per_layer = e * q + 2 * e * kv + q * e + 3 * e * f + 2 * e + (q + 2 * kv if self.attention_bias else 0)
-        per_layer += (2 * self.head_dim if self.qk_norm else 0) + (2 * e if self.post_norms else 0)
-        head = 0 if self.tie_embeddings else e * v
-        return v * e + self.num_layers * per_layer + e + head
+        total = 0
+        for shape in self.weight_shapes().values():
+            n = 1
+            for d in shape:
+                n *= d
+            total += n
+        return total
 
     def flops_per_token(self, context: int = 0) -> int:
         """Forward FLOPs for one token: 2 per weight of every matmul (embedding lookup excluded,

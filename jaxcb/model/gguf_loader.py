@@ -249,13 +249,5 @@ def load_gguf(path: str, check_config=None) -> LoadedModel:
     table = {**_LAYER_TENSORS, **{k: (v, False) for k, v in _EXTRA_TENSORS.get(config.family, {}).items()}}
     for key, (pattern, transpose) in table.items():
         weights[key] = np.stack([get(pattern.format(i=i), transpose) for i in range(config.num_layers)])
-    expected = {
-        "embed": (config.vocab_size, config.hidden_size),
-        "wq": (config.num_layers, config.hidden_size, config.num_heads * config.head_dim),
-        "wk": (config.num_layers, config.hidden_size, config.num_kv_heads * config.head_dim),
-        "w_down": (config.num_layers, config.intermediate_size, config.hidden_size),
-    }
-    for key, shape in expected.items():
-        if weights[key].shape != shape:
-            raise ValueError(f"model file: tensor {key} has shape {weights[key].shape}, expected {shape}")
+    config.check_weight_shapes(weights, "model file")
     return LoadedModel(config=config, weights=weights, tokenizer=read_tokenizer(reader), path=path)

@@ -154,11 +154,5 @@ def load_weights(path: str, config: ModelConfig) -> dict[str, np.ndarray]:
         weights[key] = np.stack([get(layer.format(i=i) + name, transpose) for i in range(config.num_layers)])
     if not config.tie_embeddings:
         weights["lm_head"] = get("lm_head.weight", transpose=True)
-    expected = {"embed": (config.vocab_size, config.hidden_size),
-                "wq": (config.num_layers, config.hidden_size, config.num_heads * config.head_dim),
-                "wk": (config.num_layers, config.hidden_size, config.num_kv_heads * config.head_dim),
-                "w_down": (config.num_layers, config.intermediate_size, config.hidden_size)}
-    for key, shape in expected.items():
-        if weights[key].shape != shape:
-            raise ValueError(f"model: tensor {key} has shape {weights[key].shape}, expected {shape} from config.json")
+    config.check_weight_shapes(weights, "model (config.json)")
     return weights
