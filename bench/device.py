@@ -99,11 +99,11 @@ def random_params(config, dtype):
     import jax
     import jax.numpy as jnp
 
-    from jaxcb.model.llama import LayerParams, Params, weight_shapes
+    from jaxcb.model.llama import LayerParams, Params
 
     key = jax.random.PRNGKey(0)
     weights = {}
-    for i, (name, shape) in enumerate(weight_shapes(config).items()):
+    for i, (name, shape) in enumerate(config.weight_shapes().items()):
         if name.endswith("_norm"):
             weights[name] = jnp.ones(shape, dtype)
         else:

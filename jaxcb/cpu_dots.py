@@ -22,6 +22,7 @@ import argparse
 import dataclasses
 import hashlib
 import json
+import math
 import os
 import platform
 import subprocess
@@ -188,7 +189,7 @@ def pick(rates: dict) -> str:
     XLA's default by MARGIN; else the default."""
     def score(lib):
         vals = [v for k, v in rates.get(lib, {}).items() if k.startswith("float32")]
-        return (float(__import__("math").prod(vals)) ** (1 / len(vals))) if vals else 0.0
+        return math.prod(vals) ** (1 / len(vals)) if vals else 0.0
 
     best = max(LIBRARIES, key=score)
     return best if score(best) >= MARGIN * score("default") else "default"
@@ -234,9 +235,7 @@ def apply(choice: DotChoice) -> DotChoice:
     if _applied is not None:
         return _applied
     if backend_started():
-        flags = _user_dot_flags()
-        _applied = DotChoice("xla_flags" if flags else "default", "", choice.compute_dtype,
-                             "JAX had started before the choice: " + (" ".join(flags) or "XLA's defaults"))
+        _applied = _from_xla_flags("JAX had started before the choice: ")
         return _applied
     extra = [f for f in choice.xla_flags() if f not in os.environ.get("XLA_FLAGS", "").split()]
     if extra:
@@ -256,9 +255,13 @@ def current() -> DotChoice:
     """What this process runs with (after setup; else what XLA_FLAGS says)."""
     if _applied is not None:
         return _applied
+    return _from_xla_flags("no choice made: ")
+
+
+def _from_xla_flags(why: str) -> DotChoice:
+    """What XLA_FLAGS alone gives: the operator's dot flags, or XLA's defaults."""
     flags = _user_dot_flags()
-    return DotChoice("xla_flags" if flags else "default", "", "float32",
-                     " ".join(flags) if flags else "XLA's defaults (no choice made)")
+    return DotChoice("xla_flags" if flags else "default", "", "float32", why + (" ".join(flags) or "XLA's defaults"))
 
 
 # --- the measurement: a subprocess per library, since XLA_FLAGS is read once per process ---

@@ -383,31 +383,34 @@ void column_range_vnni(const XQuant& x, const Q8& w, float* c, int64_t m, int64_
 }
 #endif
 
-template <class W>
-void run(ffi::ThreadPool& pool, const float* a, const W& w, float* c, int64_t m, int64_t k, int64_t n) {
-  // Work items: ranges of `wide` columns, a multiple of kNB between kNB and 256, about a quarter of
-  // the whole blocks so that both threads get work.
+// range(n0, n1) over the whole kNB-column blocks of an [m, k] @ [k, n] product, shared with the pool in
+// work items of `wide` columns, a multiple of kNB between kNB and 256, about a quarter of the whole
+// blocks so that both threads get work. Returns where the whole blocks end: the caller does the rest.
+template <class F>
+int64_t whole_columns(ffi::ThreadPool& pool, int64_t m, int64_t k, int64_t n, F range) {
   const int64_t whole = n / kNB * kNB;
   const int64_t wide = std::max<int64_t>(kNB, std::min<int64_t>(256, whole / 4 / kNB * kNB));
   const int64_t items = (whole + wide - 1) / wide;
-  jaxcb::parallel_for(pool, items, m * k * n >= (1 << 16), [=, &w](int64_t i) {
-    column_range(a, w, c, m, k, n, i * wide, std::min(whole, (i + 1) * wide));
-  });
+  jaxcb::parallel_for(pool, items, m * k * n >= (1 << 16),
+                      [=](int64_t i) { range(i * wide, std::min(whole, (i + 1) * wide)); });
+  return whole;
+}
+
+template <class W>
+void run(ffi::ThreadPool& pool, const float* a, const W& w, float* c, int64_t m, int64_t k, int64_t n) {
+  const int64_t whole =
+      whole_columns(pool, m, k, n, [=, &w](int64_t n0, int64_t n1) { column_range(a, w, c, m, k, n, n0, n1); });
   if (whole < n) column_tail(a, w, c, m, k, n, whole);
 }
 
-// x @ w with x's rows quantized per slab (w8a8): integer sums where the build and the weights allow.
+// x @ w with x's rows quantized per block (w8a8): integer sums where the build and the weights allow.
 void run_w8a8(ffi::ThreadPool& pool, const float* a, const Q8& w, float* c, int64_t m, int64_t k, int64_t n,
               int64_t block) {
   const XQuant x = quantize_rows(a, m, k, block);
 #ifdef JAXCB_VNNI
   if (w.group == k && k % 4 == 0 && block % 4 == 0) {
-    const int64_t whole = n / kNB * kNB;
-    const int64_t wide = std::max<int64_t>(kNB, std::min<int64_t>(256, whole / 4 / kNB * kNB));
-    const int64_t items = (whole + wide - 1) / wide;
-    jaxcb::parallel_for(pool, items, m * k * n >= (1 << 16), [&](int64_t i) {
-      column_range_vnni(x, w, c, m, k, n, i * wide, std::min(whole, (i + 1) * wide));
-    });
+    const int64_t whole =
+        whole_columns(pool, m, k, n, [&](int64_t n0, int64_t n1) { column_range_vnni(x, w, c, m, k, n, n0, n1); });
     if (whole < n) {
       const std::vector<float> xf = dequantized_rows(x, m, k);
       column_tail(xf.data(), w, c, m, k, n, whole);

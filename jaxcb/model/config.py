@@ -61,12 +61,15 @@ class ModelConfig:
     def weight_shapes(self) -> dict[str, tuple[int, ...]]:
         """Every weight array of the model by the name the loaders give it, and its shape: matrices
         [in, out] and per-layer vectors stacked over layers on a leading L axis. The one statement of the
-        model's tensors (loaders check against it, checkpoints store it, num_params sums it)."""
+        model's tensors (loaders check against it, checkpoints store it, random and abstract weights are made
+        from it, num_params sums it)."""
         e, f, l = self.hidden_size, self.intermediate_size, self.num_layers
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        shapes = {"embed": (self.vocab_size, e), "final_norm": (e,), "attn_norm": (l, e), "wq": (l, e, q),
-                  "wk": (l, e, kv), "wv": (l, e, kv), "wo": (l, q, e), "mlp_norm": (l, e), "w_gate": (l, e, f),
-                  "w_up": (l, e, f), "w_down": (l, f, e)}
+        shapes = {  # in this order: jaxcb.model.llama.random_weights draws them so
+            "embed": (self.vocab_size, e), "wq": (l, e, q), "wk": (l, e, kv), "wv": (l, e, kv),
+            "wo": (l, q, e), "w_gate": (l, e, f), "w_up": (l, e, f), "w_down": (l, f, e),
+            "attn_norm": (l, e), "mlp_norm": (l, e), "final_norm": (e,),
+        }
         if self.attention_bias:
             shapes.update(bq=(l, q), bk=(l, kv), bv=(l, kv))
         if self.qk_norm:

@@ -124,31 +124,11 @@ def params_to_weights(params: Params) -> dict[str, jax.Array]:
     return weights
 
 
-def weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """The shape of every weight of the model, in the loader's layout (float weights, unquantized)."""
-    e, f, l = config.hidden_size, config.intermediate_size, config.num_layers
-    q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
-    shapes = {
-        "embed": (config.vocab_size, e), "wq": (l, e, q), "wk": (l, e, kv), "wv": (l, e, kv),
-        "wo": (l, q, e), "w_gate": (l, e, f), "w_up": (l, e, f), "w_down": (l, f, e),
-        "attn_norm": (l, e), "mlp_norm": (l, e), "final_norm": (e,),
-    }
-    if config.attention_bias:
-        shapes.update(bq=(l, q), bk=(l, kv), bv=(l, kv))
-    if config.qk_norm:
-        shapes.update(q_norm=(l, config.head_dim), k_norm=(l, config.head_dim))
-    if config.post_norms:
-        shapes.update(post_attn_norm=(l, e), post_mlp_norm=(l, e))
-    if not config.tie_embeddings:
-        shapes["lm_head"] = (e, config.vocab_size)
-    return shapes
-
-
 def abstract_params(config: ModelConfig, dtype=jnp.float32, sharding=lambda name: None) -> Params:
     """Params of jax.ShapeDtypeStruct leaves (float weights in `dtype`): for lowering and exporting a
     step without weights. `sharding(name)` gives each weight's sharding (None: unspecified)."""
     sds = {name: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding(name))
-           for name, shape in weight_shapes(config).items()}
+           for name, shape in config.weight_shapes().items()}
     layers = LayerParams(**{name: sds.get(name) for name in LayerParams.__dataclass_fields__})
     return Params(embed=sds["embed"], final_norm=sds["final_norm"], lm_head=sds.get("lm_head"), layers=layers)
 
@@ -156,7 +136,7 @@ def abstract_params(config: ModelConfig, dtype=jnp.float32, sharding=lambda name
 def random_weights(config: ModelConfig, seed: int = 0, scale: float = 0.08) -> dict[str, np.ndarray]:
     """Random weights in the loader's layout, for tests."""
     rng = np.random.default_rng(seed)
-    shapes = weight_shapes(config)
+    shapes = config.weight_shapes()
     norms = [k for k in shapes if k.endswith("_norm")]
     w = {}
     for k, s in shapes.items():  # drawn in weight_shapes' order
