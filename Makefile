@@ -33,7 +33,7 @@ test: $(STAMP)
 # The full stress suite (tools/stress.py): 500 streams with cancels, 10,000 fuzzed requests, slow and
 # giant clients, injected faults, SIGTERM under load, RSS over 10,000 requests; prints its table.
 stress: $(STAMP)
-	$(PY) tools/stress.py --scale full
+	$(PY) -m tools.stress --scale full
 
 # Serves the embedded SmolLM2 model over gRPC on $(HOST):$(PORT) and the OpenAI-compatible HTTP API on
 # $(HOST):$(HTTP_PORT), metrics on port 9090.

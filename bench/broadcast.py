@@ -1,6 +1,6 @@
-"""Per-step cost of the multi-host leader broadcast (jaxcb.multihost), two local processes.
+"""Per-step cost of the multi-host leader broadcast (jaxcb.device.multihost), two local processes.
 
-    .venv/bin/python bench/broadcast.py [--running 32 256] [--steps 200] [--devices-per-process 2]
+    .venv/bin/python -m bench.broadcast [--running 32 256] [--steps 200] [--devices-per-process 2]
 
 Starts two processes of `--devices-per-process` forced host devices joined by jax.distributed
 (gloo). For a decode step of each running count (SmolLM2's default context, 2048 tokens, so 128
@@ -18,13 +18,10 @@ import subprocess
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
 
 def worker(args) -> None:
-    from jaxcb import multihost
-    from jaxcb.engine_config import make_config
+    from jaxcb.device import multihost
+    from jaxcb.host.engine_config import make_config
 
     multihost.initialize(args.coordinator, 2, args.process_id)
     config = make_config(decode_batch=tuple(args.running), max_context=2048, prefill_tokens=(512,))

@@ -1,7 +1,9 @@
-"""Helpers shared by the benchmark scripts: the machine's measured matmul rate and a description."""
+"""Helpers shared by the benchmark scripts: the machine's description, its measured matmul rate, and
+writing a result."""
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import time
@@ -36,3 +38,14 @@ def matmul_flops_per_s(n: int = 1024, dtype="float32", repeats: int = 10) -> flo
         f(a, b).block_until_ready()
         best = min(best, time.perf_counter() - t)
     return 2 * n**3 / best
+
+
+def write_result(result: dict, path: str | None, echo: bool = True) -> None:
+    """A benchmark's closing step: its result as one JSON line on stdout (the last line, for scripts that
+    read it) and, when `path` is given, indented into that file."""
+    if echo:
+        print(json.dumps(result))
+    if path:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "w") as f:
+            json.dump(result, f, indent=1)

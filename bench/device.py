@@ -1,6 +1,6 @@
 """Everything a GPU (or TPU) should measure, in one command of at most 8 minutes; one JSON file.
 
-    .venv/bin/python bench/device.py [--json bench/device.json] [--quick]
+    .venv/bin/python -m bench.device [--json bench/results/device.json] [--quick]
 
 1. Kernel bandwidth: the engine's Pallas ragged kernel on a decode batch of an 8B-shaped cache
    (32 KV heads x ... as Llama 3 8B: 8 KV heads, head dim 128, bfloat16), live K/V bytes per second
@@ -17,15 +17,11 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from common import machine, matmul_flops_per_s  # noqa: E402
+from bench.common import machine, matmul_flops_per_s, write_result
 
 # Dense bfloat16 matrix rate by the vendors' datasheets (FLOP/s), for MFU.
 PEAK_BF16 = {"NVIDIA H200": 989e12, "NVIDIA H100 80GB HBM3": 989e12, "NVIDIA A100-SXM4-80GB": 312e12,
@@ -64,8 +60,8 @@ def kernel_bandwidth(quick: bool) -> dict:
     import jax.numpy as jnp
     import numpy as np
 
-    from jaxcb.batch import SeqSpec, StepShape, pack
-    from jaxcb.runner import resolve_attention
+    from jaxcb.device.runner import resolve_attention
+    from jaxcb.host.batch import SeqSpec, StepShape, pack
     from kernels_pallas import engine_ragged_attention
 
     attention = resolve_attention("auto")
@@ -115,9 +111,9 @@ def random_params(config, dtype):
 
 def engine_run(name, model_config, params, tokenizer, eos, requests, quick) -> dict:
     import jax.numpy as jnp
-
     from engine import run, workload
-    from jaxcb.engine_config import load_config
+
+    from jaxcb.host.engine_config import load_config
     from jaxcb.llm import build_engine
 
     config = load_config()
@@ -139,8 +135,8 @@ def decode_steps(engine, model_config, params, quick) -> dict:
     """MBU at batch 1 and MFU at the largest decode batch, from timed decode steps at context 1024."""
     import jax
 
-    from jaxcb.batch import SamplingRow, SeqSpec, pack, pack_sampling
-    from jaxcb.request import SamplingParams
+    from jaxcb.host.batch import SamplingRow, SeqSpec, pack, pack_sampling
+    from jaxcb.host.request import SamplingParams
 
     runner, config = engine.runner, engine.config
     s = config.page_size
@@ -166,7 +162,7 @@ def decode_steps(engine, model_config, params, quick) -> dict:
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--json", default=os.path.join(HERE, "device.json"))
+    ap.add_argument("--json", default=os.path.join(HERE, "results", "device.json"))
     ap.add_argument("--quick", action="store_true", help="tiny sizes: checks the script on the CPU")
     ap.add_argument("--requests", type=int, default=None)
     args = ap.parse_args()
@@ -207,9 +203,7 @@ def main():
             r[f"decode_{max_batch}_rows_flops"] / (r[f"decode_{max_batch}_rows_ms"] / 1e3) / peak, 4)
     result["engine"] = runs
     result["seconds"] = round(time.perf_counter() - t_start, 1)
-    print(json.dumps(result))
-    with open(args.json, "w") as f:
-        json.dump(result, f, indent=1)
+    write_result(result, args.json)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Continuous vs static batching on a mixed workload, SmolLM2 on this machine.
 
-    .venv/bin/python bench/engine.py [--requests 32] [--max-batch 32] [--trials 3] [--sweep] [--plot bench/throughput.png]
+    .venv/bin/python -m bench.engine [--requests 32] [--max-batch 32] [--trials 3] [--sweep] [--plot bench/results/throughput.png]
         [--peer BIN [--peer-slots 8]]
 
 Workload: prompt lengths log-normal (median 75, clipped to 8..384), output lengths log-normal (median 45,
@@ -26,9 +26,7 @@ import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from common import machine, matmul_flops_per_s  # noqa: E402
+from bench.common import machine, matmul_flops_per_s, write_result
 
 
 def workload(n: int, seed: int, vocab: int):
@@ -40,7 +38,7 @@ def workload(n: int, seed: int, vocab: int):
 
 
 def run(engine, prompts, output_lens):
-    from jaxcb.request import SamplingParams
+    from jaxcb.host.request import SamplingParams
 
     engine.reset_counters()
     compiled = engine.stats().compilations
@@ -109,7 +107,7 @@ def main():
                          "interleaved: the engine-level gain of the attention the config picks")
     args = ap.parse_args()
 
-    from jaxcb.engine import Engine
+    from jaxcb.host.engine import Engine
     from jaxcb.llm import build_engine
 
     first = build_engine(args.model, args.config)
@@ -128,7 +126,7 @@ def main():
     warmup_s = time.perf_counter() - t0
     baseline = None
     if args.baseline_attention:
-        from jaxcb.runner import ModelRunner
+        from jaxcb.device.runner import ModelRunner
 
         r = first.runner
         runner = ModelRunner(r.model_config, r.params, r.num_pages, r.page_size, r.dtype, attention=args.baseline_attention,
@@ -226,10 +224,7 @@ def main():
             fig.tight_layout()
             fig.savefig(args.plot, dpi=120)
             print("wrote", args.plot)
-    print(json.dumps(result))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+    write_result(result, args.json)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 the KV memory a Gemma 3 sequence holds at context 4,096 with its sliding layers' pages freed as they
 leave the window, against what it would hold if those layers kept every page.
 
-    .venv/bin/python bench/families.py [--trials 3] [--json out.json]
+    .venv/bin/python -m bench.families [--trials 3] [--json out.json]
 
 Decode speed: B prompts of 128 random token ids, generated twice, to 1 token and to 1 + 64 tokens (EOS
 ignored, greedy); decode tokens/s = B * 64 / (difference in wall time), so prefill is left out.
@@ -14,30 +14,26 @@ the end, in bytes of the engine's dtype.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import sys
 import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from common import machine  # noqa: E402
+from bench.common import machine, write_result
 
 MODELS = ("smollm2-135m", "gemma3-270m")
 
 
 def engine_config(max_context=4224):
-    from jaxcb.engine_config import make_config
+    from jaxcb.host.engine_config import make_config
 
     return make_config(num_pages=1200, page_size=16, max_context=max_context, decode_batch=(1, 32),
                        prefill_tokens=(128, 512), max_prefill_tokens=512)
 
 
 def decode_rate(llm, batch: int, vocab: int, seed: int) -> float:
-    from jaxcb.request import SamplingParams
+    from jaxcb.host.request import SamplingParams
 
     rng = np.random.default_rng(seed)
     prompts = [rng.integers(100, vocab - 100, size=128).tolist() for _ in range(batch)]
@@ -51,7 +47,7 @@ def decode_rate(llm, batch: int, vocab: int, seed: int) -> float:
 
 def window_memory(llm) -> dict:
     """Held pages of one sequence at context 4,096 (4,000 prompt tokens + 96 decoded)."""
-    from jaxcb.request import SamplingParams
+    from jaxcb.host.request import SamplingParams
 
     engine, c = llm.engine, llm.model_config
     rng = np.random.default_rng(7)
@@ -102,9 +98,7 @@ def main():
     print(f"Gemma 3 KV of one sequence at context 4096 ({mem['dtype']}): {mem['full_pages']} full pages x 3 layers + "
           f"{mem['sliding_pages']} sliding pages x 15 layers = {mem['bytes_freeing'] / 2**20:.1f} MiB; keeping every "
           f"sliding page: {mem['bytes_keeping_all'] / 2**20:.1f} MiB ({mem['ratio']:.2f}x)")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+    write_result(result, args.json, echo=False)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """SmolLM2 on this machine: load time, prefill and single-request decode speed, against the compute limit.
 
-    .venv/bin/python bench/foundation.py [--model PATH.gguf] [--prompt-tokens 256] [--decode-tokens 128]
+    .venv/bin/python -m bench.foundation [--model PATH.gguf] [--prompt-tokens 256] [--decode-tokens 128]
 
 Prints each figure next to the machine's measured float32 matmul rate and the model's FLOPs per token,
 so it also reads as a fraction of what the hardware could do.
@@ -11,12 +11,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from common import machine, matmul_flops_per_s  # noqa: E402
+from bench.common import machine, matmul_flops_per_s
 
 
 def main():
@@ -27,9 +24,9 @@ def main():
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
 
-    from jaxcb.engine_config import make_config
+    from jaxcb.host.engine_config import make_config
+    from jaxcb.host.request import SamplingParams
     from jaxcb.llm import LLM, load_model
-    from jaxcb.request import SamplingParams
 
     t0 = time.perf_counter()
     loaded = load_model(args.model)

@@ -1,6 +1,6 @@
 """Host time per engine step, with the device replaced by a stub.
 
-    .venv/bin/python bench/host.py [--running 32 64 256] [--steps 200] [--sleep-ms 5]
+    .venv/bin/python -m bench.host [--running 32 64 256] [--steps 200] [--sleep-ms 5]
 
 The engine runs its real host side (inbox, scheduler, page pool, prefix cache, packing, output
 processing with the SmolLM2 tokenizer's detokenizer) over a stub runner that returns sampled tokens at
@@ -16,14 +16,11 @@ import argparse
 import dataclasses
 import json
 import os
-import sys
 import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from common import machine  # noqa: E402
+from bench.common import machine
 
 
 @dataclasses.dataclass
@@ -40,7 +37,9 @@ class StubRunner:
     `sleep_s` (a step dispatched while another runs starts when that one ends)."""
 
     def __init__(self, config, vocab: int, sleep_s: float = 0.0):
-        self.config = config
+        self.model_config = self.step_config = config  # jaxcb.host.engine.Runner's fields
+        self.num_window_pages = 0
+        self.device_ids = [0]
         self.vocab = vocab
         self.sleep_s = sleep_s
         self.rng = np.random.default_rng(0)
@@ -64,11 +63,21 @@ class StubRunner:
     def reset_kv_if_lost(self):
         return False
 
+    def idle(self):
+        pass
+
+    def describe(self):
+        return {"platform": "stub", "compute_dtype": "float32", "weights": "none", "kv_dtype": "none",
+                "attention": "none"}
+
+    def compilations(self):
+        return 0
+
 
 def measure(model_config, tokenizer, running: int, steps: int, sleep_s: float, async_scheduling: bool = True) -> dict:
-    from jaxcb.engine import Engine
-    from jaxcb.engine_config import make_config
-    from jaxcb.request import SamplingParams
+    from jaxcb.host.engine import Engine
+    from jaxcb.host.engine_config import make_config
+    from jaxcb.host.request import SamplingParams
 
     batch = tuple(b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512) if b < running) + (running,)
     config = make_config(num_pages=running * 64 + 1, max_context=1024, decode_batch=batch,

@@ -1,8 +1,8 @@
 """Decode-kernel timings on a GPU: jaxcb's Pallas kernel against JAX's shipped one and the reference.
 
-    python bench/kernels.py                 # the full table, on a GPU (bf16, 32 q heads / 8 kv heads, D=128)
-    python bench/kernels.py --quick         # a few sizes, to check the script (any GPU)
-    python bench/kernels.py --interpret     # tiny sizes in interpret mode on the CPU: checks it runs, no figures
+    python -m bench.kernels                 # the full table, on a GPU (bf16, 32 q heads / 8 kv heads, D=128)
+    python -m bench.kernels --quick         # a few sizes, to check the script (any GPU)
+    python -m bench.kernels --interpret     # tiny sizes in interpret mode on the CPU: checks it runs, no figures
 
 Each figure is the median of --repeats calls after warm-up. Achieved bandwidth counts the K/V bytes a
 kernel must read (each sequence's context, keys and values, once) over its time, and is set against
@@ -14,18 +14,15 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-
-from common import machine  # noqa: E402
-from jaxcb.model.paged_attention import paged_attention_reference  # noqa: E402
-from kernels_pallas import paged_attention  # noqa: E402
+from bench.common import machine
+from jaxcb.model.paged_attention import paged_attention_reference
+from kernels_pallas import paged_attention
 
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 

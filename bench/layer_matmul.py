@@ -3,21 +3,17 @@ MLP up-projection shape (576 x 1536, random weights) at 1, 8 and 32 rows, float3
 int4 (groups of 32) / w8a8 (int8 weights per column, rows of x quantized per 32 values, VNNI's integer
 sums where the build has them), best of 5, in one process.
 
-    .venv/bin/python bench/layer_matmul.py
+    .venv/bin/python -m bench.layer_matmul
 """
 
 from __future__ import annotations
 
 import os
-import sys
 import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from common import machine  # noqa: E402
+from bench.common import machine
 
 
 def main():

@@ -1,6 +1,6 @@
 """Model load time: the GGUF (read + dequantize) against its `jaxcb convert` orbax checkpoint.
 
-    .venv/bin/python bench/load.py [--model M] [--dtype float32] [--repeats 3]
+    .venv/bin/python -m bench.load [--model M] [--dtype float32] [--repeats 3]
 
 Converts the model into a temporary directory, then loads each form `--repeats` times (alternating,
 file cache warm for both) until the weights are on the device, and reports the medians. Then checks
@@ -12,13 +12,10 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from common import machine  # noqa: E402
+from bench.common import machine
 
 
 def timed_load(path, dtype):
@@ -42,10 +39,10 @@ def main():
     import jax.numpy as jnp
 
     from jaxcb.cli import main as cli
-    from jaxcb.engine_config import make_config
+    from jaxcb.host.engine_config import make_config
+    from jaxcb.host.request import SamplingParams
     from jaxcb.llm import LLM
     from jaxcb.model.gguf_loader import default_model_path
-    from jaxcb.request import SamplingParams
 
     dtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[args.dtype]
     gguf = args.model or default_model_path()

@@ -1,9 +1,9 @@
 """Every scheduling policy on the same arrival traces, SmolLM2 on this machine; then the simulator
 checked against those runs.
 
-    .venv/bin/python bench/policies.py [--requests 32] [--out bench/policies] [--plot] [--save-step-model]
-    .venv/bin/python bench/policies.py --sweep [--out bench/policies]
-    .venv/bin/python bench/policies.py --simulate-device h200 [--sim-requests 100000] [--sim-rate 50]
+    .venv/bin/python -m bench.policies [--requests 32] [--out bench/results/policies] [--plot] [--save-step-model]
+    .venv/bin/python -m bench.policies --sweep [--out bench/results/policies]
+    .venv/bin/python -m bench.policies --simulate-device h200 [--sim-requests 100000] [--sim-rate 50]
 
 Traces (written to OUT/traces/*.jsonl in `jaxcb simulate`'s format): prompts from three length classes
 (60% 16-127 tokens, 30% 128-512, 10% 513-768; 30% of them start with one of two shared 64-token
@@ -23,10 +23,10 @@ preemptions, round-robin switches and recomputed tokens, padding.
 
 Then the step-time model: fitted to the FCFS runs' steps (Engine.step_log), its error on every run's
 steps, written to OUT/step_model.json (and, with --save-step-model, to the built-in
-jaxcb/step_models/smollm2-135m-cpu.json); and every run simulated (jaxcb.simulate) on the same trace
+jaxcb/sim/step_models/smollm2-135m-cpu.json); and every run simulated (jaxcb.sim.simulate) on the same trace
 and configuration, with the error of throughput and p99 latencies against the real run.
 
---simulate-device: the same kind of trace (N requests, Poisson at R/s) through `jaxcb.simulate` with a
+--simulate-device: the same kind of trace (N requests, Poisson at R/s) through `jaxcb.sim.simulate` with a
 roofline of the device serving an 8B Llama (configs/sim-h200-llama8b.toml): every policy, the window,
 and latency targets; no JAX, no model.
 
@@ -38,19 +38,16 @@ peak KV memory (pages in use x page bytes) and the largest step's temporaries (t
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gzip
 import json
 import math
 import os
 import random
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from common import machine  # noqa: E402
-
-from jaxcb.trace import RequestRecord, TraceRequest, prompt_ids, summarize, write_trace  # noqa: E402
+from bench.common import machine
+from jaxcb.sim.trace import RequestRecord, TraceRequest, prompt_ids, summarize, write_trace
 
 POLICIES = ("fcfs", "sjf", "priority", "length-buckets", "round-robin")
 CLASSES = ((0.6, 16, 127), (0.3, 128, 512), (0.1, 513, 768))
@@ -93,7 +90,7 @@ def bursty_trace(n: int, rate: float, seed: int, burst: int = 8) -> list[TraceRe
 def replay(engine, trace: list[TraceRequest], ids: list[list[int]], record_steps: bool = True) -> dict:
     """Run a trace on an engine in real time (this thread drives the engine, as the server's engine
     thread does): each request is submitted at its arrival time; returns summarize()'s figures."""
-    from jaxcb.request import SamplingParams
+    from jaxcb.host.request import SamplingParams
 
     records = [RequestRecord(t.arrival_s) for t in trace]
     engine.reset_counters()
@@ -137,7 +134,7 @@ def replay(engine, trace: list[TraceRequest], ids: list[list[int]], record_steps
         out["controller"] = {"final_running_limit": sched.running_limit,
                              "final_prefill_budget": sched.controller.prefill_budget,
                              "adjustments": sched.controller.num_adjustments}
-    out["_steps"] = engine.step_log
+    out["_steps"] = None if engine.step_log is None else [dataclasses.asdict(s) for s in engine.step_log]
     engine.step_log = None
     return out
 
@@ -174,7 +171,7 @@ def real_runs(args, first, make_engine, traces, ids) -> list[dict]:
 
 def fit_and_simulate(args, config, runs, traces, vocab):
     """Fit the step-time model to the FCFS runs' steps, write it, and simulate every run with it."""
-    from jaxcb.simulate import FittedStepModel
+    from jaxcb.sim.simulate import FittedStepModel
 
     fcfs_steps = [s for r in runs if r["run"] == "fcfs" for s in r["_steps"]]
     model = FittedStepModel.fit(fcfs_steps, info={"machine": machine(), "model": "SmolLM2-135M-Instruct float32",
@@ -187,7 +184,7 @@ def fit_and_simulate(args, config, runs, traces, vocab):
     with open(os.path.join(args.out, "step_model.json"), "w") as f:
         json.dump(model.to_json(), f, indent=1)
     if args.save_step_model:
-        from jaxcb.simulate import BUILTIN_STEP_MODEL
+        from jaxcb.sim.simulate import BUILTIN_STEP_MODEL
 
         with open(BUILTIN_STEP_MODEL, "w") as f:
             json.dump(model.to_json(), f, indent=1)
@@ -196,7 +193,7 @@ def fit_and_simulate(args, config, runs, traces, vocab):
 
 def simulate_run(r: dict, trace, config, model, vocab) -> dict:
     """One real run's twin on the simulator (same trace, settings and running limit) and its errors."""
-    from jaxcb.simulate import simulate
+    from jaxcb.sim.simulate import simulate
 
     s = simulate(trace, config.replace(**r["changes"]), model, vocab=vocab, seed=VOCAB_SEED,
                  max_running=r["max_running"])
@@ -238,9 +235,9 @@ def load_steps(out_dir: str, runs: list[dict]) -> None:
 def resimulate(args):
     """No JAX: refit the step model to the saved steps, simulate every saved run (and the validation
     runs, if any) again, and rewrite the simulated part of the results."""
-    from jaxcb.engine_config import load_config
-    from jaxcb.simulate import load_step_model, simulate
-    from jaxcb.trace import read_trace
+    from jaxcb.host.engine_config import load_config
+    from jaxcb.sim.simulate import load_step_model, simulate
+    from jaxcb.sim.trace import read_trace
 
     path = os.path.join(args.out, "results.json")
     with open(path) as f:
@@ -285,10 +282,10 @@ def print_errors(sims: list[dict]) -> None:
 
 
 def sweep(args):
-    from jaxcb.engine import Engine
-    from jaxcb.engine_config import make_config
+    from jaxcb.host.engine import Engine
+    from jaxcb.host.engine_config import make_config
+    from jaxcb.host.memory_plan import plan
     from jaxcb.llm import build_engine
-    from jaxcb.memory_plan import plan
 
     limits = (1, 4, 8, 16, 32, 64, 128)
     config = make_config(num_pages=4096, max_context=1024, decode_batch=limits, prefill_tokens=(64, 128, 256, 512))
@@ -345,8 +342,8 @@ def sweep(args):
 
 
 def simulate_device(args):
-    from jaxcb.engine_config import load_config
-    from jaxcb.simulate import DEVICES, MODELS, RooflineStepModel, simulate
+    from jaxcb.host.engine_config import load_config
+    from jaxcb.sim.simulate import DEVICES, MODELS, RooflineStepModel, simulate
 
     model = RooflineStepModel(DEVICES[args.simulate_device], MODELS["llama-3-8b"])
     config = load_config(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "configs",
@@ -378,8 +375,8 @@ def simulate_device(args):
 
 
 def rerun(args, first, config, make_engine):
-    from jaxcb.simulate import load_step_model
-    from jaxcb.trace import read_trace
+    from jaxcb.sim.simulate import load_step_model
+    from jaxcb.sim.trace import read_trace
 
     path = os.path.join(args.out, "results.json")
     with open(path) as f:
@@ -414,7 +411,7 @@ def validate(args, first, config, make_engine):
     """New, longer traces (FCFS at the policy runs' limit): the simulator against the real engine, and,
     with --repeat K, the real engine against itself (each trace run K times, interleaved): the noise
     floor any simulator's error sits on."""
-    from jaxcb.simulate import load_step_model, simulate
+    from jaxcb.sim.simulate import load_step_model, simulate
 
     with open(os.path.join(args.out, "results.json")) as f:
         res = json.load(f)
@@ -446,7 +443,7 @@ def controller_trials(args, first, config, make_engine):
     """The latency controller against fixed running limits on the near-capacity trace, K times each,
     interleaved (one round of every setting, then the next): medians and spread of throughput and
     TPOT p99, and the controller's median against the best fixed limit whose median holds the target."""
-    from jaxcb.trace import read_trace
+    from jaxcb.sim.trace import read_trace
 
     with open(os.path.join(args.out, "results.json")) as f:
         res = json.load(f)
@@ -535,7 +532,7 @@ def markdown(runs, sims=None) -> str:
 
 
 def _simulate_job(job):
-    from jaxcb.simulate import MODELS, simulate
+    from jaxcb.sim.simulate import MODELS, simulate
 
     trace, config, model, label = job
     r = simulate(trace, config, model, vocab=MODELS["llama-3-8b"].vocab, seed=VOCAB_SEED)
@@ -574,7 +571,7 @@ def main():
     ap.add_argument("--requests", type=int, default=32, help="requests per trace")
     ap.add_argument("--policy-limit", type=int, default=8,
                     help="running limit of the policy and window runs (slots must be short for the order to matter)")
-    ap.add_argument("--out", default="bench/policies")
+    ap.add_argument("--out", default="bench/results/policies")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--plot", action="store_true", help="write OUT/latency_throughput.png (needs matplotlib)")
     ap.add_argument("--sweep", action="store_true", help="the batch-size sweep instead")
@@ -614,8 +611,8 @@ def main():
     if args.simulate_device:
         return simulate_device(args)
 
-    from jaxcb.engine import Engine
-    from jaxcb.engine_config import load_config
+    from jaxcb.host.engine import Engine
+    from jaxcb.host.engine_config import load_config
     from jaxcb.llm import build_engine
 
     config = load_config(None)

@@ -1,6 +1,6 @@
 """Prefix caching on and off, on a workload that shares one system prompt, SmolLM2 on this machine.
 
-    .venv/bin/python bench/prefix.py [--requests 64] [--system 256] [--output 32] [--trials 1]
+    .venv/bin/python -m bench.prefix [--requests 64] [--system 256] [--output 32] [--trials 1]
 
 Workload: `--requests` prompts, each the same `--system`-token system prompt followed by a distinct
 question of 16..64 tokens, `--output` tokens each (EOS ignored), all submitted at once. Both modes run
@@ -12,16 +12,12 @@ were held at once (the most distinct pages at any system-prompt page position, o
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import sys
 import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from common import machine  # noqa: E402
+from bench.common import machine, write_result
 
 
 def workload(n: int, system_len: int, seed: int, vocab: int):
@@ -31,7 +27,7 @@ def workload(n: int, system_len: int, seed: int, vocab: int):
 
 
 def run(engine, prompts, output_len: int, system_pages: int):
-    from jaxcb.request import SamplingParams
+    from jaxcb.host.request import SamplingParams
 
     engine.reset_counters()
     compiled = engine.stats().compilations
@@ -74,7 +70,7 @@ def main():
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
 
-    from jaxcb.engine import Engine
+    from jaxcb.host.engine import Engine
     from jaxcb.llm import build_engine
 
     first = build_engine(args.model, args.config)
@@ -113,9 +109,7 @@ def main():
     print(f"off/on prompt tokens computed: {result['computed_ratio']:.2f}x fewer; mean TTFT {result['ttft_mean_ratio']:.2f}x "
           f"lower; output tokens/s {result['throughput_ratio']:.2f}x; compilations after warm-up: "
           f"{on['compilations_after_warmup']} (on), {off['compilations_after_warmup']} (off)")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+    write_result(result, args.json, echo=False)
 
 
 if __name__ == "__main__":

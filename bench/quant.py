@@ -1,7 +1,7 @@
 """Quantized weights and KV cache against float32: quality, speed, bytes and what fits.
 
-    .venv/bin/python bench/quant.py [--modes float32,int8,int8-g32,int4] [--trials 2] [--peer BIN]
-        [--skip-quality] [--skip-speed] [--json bench/quant.json]
+    .venv/bin/python -m bench.quant [--modes float32,int8,int8-g32,int4] [--trials 2] [--peer BIN]
+        [--skip-quality] [--skip-speed] [--json bench/results/quant.json]
 
 A mode is WEIGHTS[-gGROUP][+a8][+kv-KV]: "int8" (per output column), "int8-g32" (a scale per 32 input
 rows), "int4" (groups of 32), "int8+a8" (int8 activations too: w8a8), "float32+kv-int8" (float weights,
@@ -25,17 +25,15 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import time
 
 import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-sys.path.insert(0, HERE)
 
-from common import machine  # noqa: E402
-from engine import PEER_SCRIPT, run, run_peer, workload  # noqa: E402
+from bench.common import machine, write_result
+from bench.engine import PEER_SCRIPT, run, run_peer, workload
 
 HELDOUT = os.path.join(ROOT, "tests", "data", "heldout_prose.txt")
 GOLDEN = os.path.join(ROOT, "tests", "golden", "smollm2.json")
@@ -59,7 +57,7 @@ def parse_mode(mode: str) -> dict:
 
 
 def config_for(mode: str, **changes):
-    from jaxcb.engine_config import load_config
+    from jaxcb.host.engine_config import load_config
 
     return load_config().replace(**parse_mode(mode), **changes)
 
@@ -78,8 +76,8 @@ def step_bytes(runner, rows: int, context: int) -> dict:
 def decode_speed(runners: dict, rows_list, context: int, repeats: int) -> dict:
     import jax
 
-    from jaxcb.batch import SamplingRow, SeqSpec, pack, pack_sampling
-    from jaxcb.request import SamplingParams
+    from jaxcb.host.batch import SamplingRow, SeqSpec, pack, pack_sampling
+    from jaxcb.host.request import SamplingParams
 
     rng = np.random.default_rng(0)
     first = next(iter(runners.values()))
@@ -109,9 +107,9 @@ def decode_speed(runners: dict, rows_list, context: int, repeats: int) -> dict:
 
 
 def quality(mode: str, ids: list[int], golden: list[dict]) -> dict:
-    from jaxcb.evaluate import greedy_agreement, perplexity
+    from jaxcb.device.evaluate import greedy_agreement, perplexity
+    from jaxcb.host.request import SamplingParams
     from jaxcb.llm import LLM
-    from jaxcb.request import SamplingParams
 
     llm = LLM(config=config_for(mode, num_pages=len(ids) // 16 + 64))
     ppl = perplexity(llm.engine.runner, ids)
@@ -123,7 +121,7 @@ def quality(mode: str, ids: list[int], golden: list[dict]) -> dict:
 
 
 def plan_8b(mode: str) -> dict:
-    from jaxcb import memory_plan
+    from jaxcb.host import memory_plan
     from jaxcb.llm import read_model_config
 
     model = read_model_config(LLAMA8B)
@@ -180,7 +178,7 @@ def main():
         for m in modes:
             result["quality"][m]["perplexity_vs_first"] = round(result["quality"][m]["perplexity"] / base - 1, 4)
     if not args.skip_speed:
-        from jaxcb.engine import Engine
+        from jaxcb.host.engine import Engine
 
         pages = args.requests * 40 + 64
         engines = {}
@@ -239,10 +237,7 @@ def main():
         peer = result["engine"]["llama.cpp"]
         print(f"llama.cpp's server (its Q4_1/Q8_0 GGUF as shipped): {peer:.1f} output tokens/s; jaxcb / llama.cpp: "
               + ", ".join(f"{m} {result['engine'][m] / peer:.2f}x" for m in modes))
-    print(json.dumps(result))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+    write_result(result, args.json)
 
 
 if __name__ == "__main__":

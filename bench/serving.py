@@ -1,9 +1,9 @@
 """Serving benchmark: Poisson arrivals against a running server, over the jaxcb, JetStream or OpenAI API.
 
-    .venv/bin/python bench/serving.py --spawn --rates 0.5,1,2,inf --requests 32 --json out.json --plot lat.png
-    .venv/bin/python bench/serving.py --target 127.0.0.1:50051 --rates inf --api jetstream
-    .venv/bin/python bench/serving.py --spawn --api openai --also llama.cpp=http://127.0.0.1:8081/v1
-    .venv/bin/python bench/serving.py --api openai --openai http://127.0.0.1:8000/v1   # any OpenAI server
+    .venv/bin/python -m bench.serving --spawn --rates 0.5,1,2,inf --requests 32 --json out.json --plot lat.png
+    .venv/bin/python -m bench.serving --target 127.0.0.1:50051 --rates inf --api jetstream
+    .venv/bin/python -m bench.serving --spawn --api openai --also llama.cpp=http://127.0.0.1:8081/v1
+    .venv/bin/python -m bench.serving --api openai --openai http://127.0.0.1:8000/v1   # any OpenAI server
 
 With `--api openai` the requests go to `/v1/completions` (token-id prompts, `stream: true`,
 `ignore_eos`, usage in the last chunk), so the same client and trace measure any OpenAI-compatible
@@ -30,11 +30,8 @@ import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
-
-from common import machine  # noqa: E402
-from engine import workload  # noqa: E402
+from bench.common import machine, write_result
+from bench.engine import workload
 
 
 async def one_request(stub, api, prompt, max_tokens, start_at, t0, sem):
@@ -136,7 +133,7 @@ def table(runs, slo_ttft, slo_tpot) -> str:
 
 
 def spawn(args):
-    from server_util import free_port  # tests/server_util.py
+    from tests.server_util import free_port  # tests/server_util.py
 
     port, http = free_port(), free_port()
     cmd = [sys.executable, "-m", "jaxcb", "serve", "--port", str(port), "--http-port", str(http)]
@@ -215,10 +212,7 @@ def main():
             proc.wait(60)
     result = {"machine": machine(), "api": args.api, "requests": args.requests, "runs": runs}
     print(table(runs, args.slo_ttft_ms, args.slo_tpot_ms))
-    print(json.dumps(result))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+    write_result(result, args.json)
     if args.plot:
         plot(result, args.plot)
 

@@ -1,6 +1,6 @@
 """Server start to SERVING, cold (empty compile cache) and again on the same cache.
 
-    .venv/bin/python bench/startup.py [--config C] [--model M] [--runs 2]
+    .venv/bin/python -m bench.startup [--config C] [--model M] [--runs 2]
 
 Starts `jaxcb serve` as a user would, with a fresh compile-cache directory, and measures the seconds
 from spawning the process until gRPC health says SERVING (model load + warm-up of every bucket);
@@ -17,9 +17,7 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from common import machine  # noqa: E402
+from bench.common import machine
 
 
 def free_port() -> int:

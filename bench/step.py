@@ -1,6 +1,6 @@
 """Time one engine step, shape by shape, on the engine's own runner: where a decode step's time goes.
 
-    .venv/bin/python bench/step.py [--rows 1 32] [--contexts 128 512 2048] [--repeats 10] [--attention xla native]
+    .venv/bin/python -m bench.step [--rows 1 32] [--contexts 128 512 2048] [--repeats 10] [--attention xla native]
 
 For each (rows, context): a packed decode step of `rows` sequences, each `context` tokens long (the
 newest token included), pages scattered over the pool, float32, the default model. Prints the median
@@ -11,7 +11,7 @@ step time (dispatch + the one device-to-host copy) and splits it:
   - KV read rate: the live K/V bytes over the attention time, and its share of the copy rate (a jitted
     x * 2 over a 1 GiB float32 array in the same process: bytes read per second; it also writes as many);
   - sampling (greedy): the sampler alone on [M, V] logits;
-  - host: packing the step's numpy arrays (jaxcb.batch.pack / pack_sampling).
+  - host: packing the step's numpy arrays (jaxcb.host.batch.pack / pack_sampling).
 With several `--attention` choices (xla: the plain-JAX loops; native: the C++ decode kernel) each shape
 runs every choice back to back, so their ratio is measured under the same conditions.
 """
@@ -19,17 +19,13 @@ runs every choice back to back, so their ratio is measured under the same condit
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import sys
 import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from common import machine  # noqa: E402
+from bench.common import machine, write_result
 
 
 def main():
@@ -47,13 +43,13 @@ def main():
     import jax
     import jax.numpy as jnp
 
-    from jaxcb.batch import SamplingRow, SeqSpec, pack, pack_sampling
-    from jaxcb.engine_config import load_config
+    from jaxcb.device.runner import ModelRunner, resolve_attention, step
+    from jaxcb.device.sampling import sample
+    from jaxcb.host.batch import SamplingRow, SeqSpec, pack, pack_sampling
+    from jaxcb.host.engine_config import load_config
+    from jaxcb.host.request import SamplingParams
     from jaxcb.llm import load_model
     from jaxcb.model.llama import Attention
-    from jaxcb.request import SamplingParams
-    from jaxcb.runner import ModelRunner, resolve_attention, step
-    from jaxcb.sampling import sample
 
     model_config, params, _, _ = load_model(args.model, weights="int8" if args.weights == "w8a8" else args.weights)
     if args.weights == "w8a8":
@@ -123,10 +119,7 @@ def main():
                       f"{rate:.1f} GB/s of live K/V, {100 * rate / copy_gb_s:.0f}% of copy) | "
                       f"sampling {sample_ms:5.2f} ms | host pack {host_ms:.3f} ms", flush=True)
     result = {"machine": machine(), "weights": args.weights, "copy_gb_per_s": round(copy_gb_s, 2), "steps": rows_out}
-    print(json.dumps(result))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+    write_result(result, args.json)
 
 
 def copy_rate(gib: float = 1.0, repeats: int = 5) -> float:

@@ -1,8 +1,8 @@
-"""Stop-string cost per generated token: the automaton (jaxcb.output.StopStrings) against the search it
+"""Stop-string cost per generated token: the automaton (jaxcb.host.output.StopStrings) against the search it
 replaced (each stop string searched for in the new text, and every prefix of each tried against the
 text's tail to find what to hold back: O(sum of len(s)^2) per token).
 
-    .venv/bin/python bench/stop_strings.py [--stops 16] [--chars 256] [--tokens 2000]
+    .venv/bin/python -m bench.stop_strings [--stops 16] [--chars 256] [--tokens 2000]
 
 16 stop strings of 256 characters, 4 characters a token, two texts: one the strings keep almost
 matching (runs of "a" that each string continues differently) and one unrelated to them (where the old
@@ -13,19 +13,14 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from common import machine  # noqa: E402
-
-from jaxcb.output import StopStrings  # noqa: E402
+from bench.common import machine
+from jaxcb.host.output import StopStrings
 
 
 def search(text: str, stops: tuple[str, ...], emitted: int) -> tuple[int | None, int]:
-    """The replaced code (jaxcb/output.py before the automaton): earliest stop, then the hold-back."""
+    """The replaced code (jaxcb/host/output.py before the automaton): earliest stop, then the hold-back."""
     best = None
     for s in stops:
         i = text.find(s, max(0, emitted - len(s) + 1))

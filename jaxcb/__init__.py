@@ -14,7 +14,7 @@ def __getattr__(name):
 
         return LLM
     if name == "SamplingParams":
-        from jaxcb.request import SamplingParams
+        from jaxcb.host.request import SamplingParams
 
         return SamplingParams
     raise AttributeError(name)

@@ -14,11 +14,11 @@ import dataclasses
 import os
 import time
 
-from jaxcb import cpu_dots
-from jaxcb.engine import Engine
-from jaxcb.engine_config import EngineConfig, load_config
-from jaxcb.replicas import Replicas
-from jaxcb.request import FinishReason, SamplingParams, TokenEvent
+from jaxcb.device import cpu_dots
+from jaxcb.host.engine import Engine
+from jaxcb.host.engine_config import EngineConfig, load_config
+from jaxcb.host.replicas import Replicas
+from jaxcb.host.request import FinishReason, SamplingParams, TokenEvent
 
 
 @dataclasses.dataclass
@@ -57,12 +57,11 @@ def load_model(path: str | None = None, dtype=None, check_config=None, weights: 
     if given, runs once the config is read and before any weight is (the memory plan's refusal).
     `weights`: "int8" / "int4" quantize the matrices as they load (jaxcb.model.quant; `group` input
     rows per scale, 0 = the mode's default)."""
+    from jaxcb.device.runner import default_dtype
+    from jaxcb.host.tokenizer import Tokenizer
     from jaxcb.model import checkpoint, gguf_loader, hf_loader
-    from jaxcb.model.llama import params_from_numpy
-    from jaxcb.runner import default_dtype
-    from jaxcb.tokenizer import Tokenizer
-
     from jaxcb.model.embedded import resolve_model
+    from jaxcb.model.llama import params_from_numpy
 
     check_config = check_config or (lambda config: None)
     path = resolve_model(path)
@@ -101,17 +100,17 @@ def build_engine(model: str | None = None, config: EngineConfig | str | None = N
 def build_engines(model: str | None = None, config: EngineConfig | str | None = None, dtype=None, *,
                   loaded=None, replicas: int | None = None, wrap_runner=None, agree_plan=None) -> list[Engine]:
     """config.data_parallel engines (or `replicas`), each on its own `tensor_parallel` devices
-    (jaxcb.replicas), from one read of the weights and one memory plan (per device, the same for
+    (jaxcb.host.replicas), from one read of the weights and one memory plan (per device, the same for
     every replica). `wrap_runner(runner, config)`: what the engine steps instead of the runner
-    (the multi-host leader's, jaxcb.multihost). `agree_plan(plan)`: the plan to use instead (every
-    process of a multi-host cluster takes the same page counts, jaxcb.multihost.agree_plan)."""
+    (the multi-host leader's, jaxcb.device.multihost). `agree_plan(plan)`: the plan to use instead (every
+    process of a multi-host cluster takes the same page counts, jaxcb.device.multihost.agree_plan)."""
     import dataclasses
 
     import jax
     import jax.numpy as jnp
 
-    from jaxcb.replicas import split_devices
-    from jaxcb.runner import compute_dtype, make_runner, plan_memory
+    from jaxcb.device.runner import compute_dtype, make_runner, plan_memory
+    from jaxcb.host.replicas import split_devices
 
     if not isinstance(config, EngineConfig):
         config = load_config(config)
@@ -149,7 +148,7 @@ class LLM:
                  _loaded=None):
         engines = build_engines(model, config, dtype, loaded=_loaded)
         self.engine = engines[0]
-        # parallel.data > 1: the replicas step on their threads behind the router (jaxcb.replicas)
+        # parallel.data > 1: the replicas step on their threads behind the router (jaxcb.host.replicas)
         self.replicas = Replicas(engines) if len(engines) > 1 else None
         self.load_seconds = self.engine.load_seconds
         self.model_config = self.engine.model_config

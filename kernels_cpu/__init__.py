@@ -82,7 +82,6 @@ def layer_matmul(x, w, layer, scale=None, offset=None, act_block=0):
     jaxcb.model.quant)."""
     import jax
     import jax.numpy as jnp
-
     import numpy as np
 
     assert available(), unavailable_reason()

@@ -4,7 +4,6 @@ The plain-JAX `jaxcb.model.paged_attention.paged_attention_reference` is their o
 """
 
 from kernels_pallas.attention import (PAGE_SIZES, default_backend, engine_attention, engine_ragged_attention,
-                                      paged_attention,
-                                      ragged_paged_attention)
+                                      paged_attention, ragged_paged_attention)
 
 __all__ = ["PAGE_SIZES", "default_backend", "engine_attention", "engine_ragged_attention", "paged_attention", "ragged_paged_attention"]

@@ -143,7 +143,7 @@ def engine_attention(q, kv_pages, layer, kv_lens, q_lens, page_table, *, backend
 
 def engine_ragged_attention(q, kv_pages, layer, kv_lens, page_table, cu_q_lens, num_seqs, *, backend=None,
                             interpret=False, tokens_per_block=16, scale=None, window=0, softcap=0.0):
-    """The engine's packed step (jaxcb.batch) over its whole cache, without slicing a layer out.
+    """The engine's packed step (jaxcb.host.batch) over its whole cache, without slicing a layer out.
 
     q [T, H, D], sequence i's tokens at rows cu_q_lens[i]:cu_q_lens[i+1] (cu_q_lens [M+1], num_seqs
     [1]); kv_pages [L, 2, K, P, S, D] (int8 pages: D + 4, values then scale, dequantized as read);

@@ -11,8 +11,8 @@ import dataclasses
 import hmac
 import uuid
 
-from jaxcb.replicas import Replicas
-from jaxcb.request import MAX_STOP_STRINGS, SamplingParams, TokenEvent  # noqa: F401 - the limit, re-exported
+from jaxcb.host.replicas import Replicas
+from jaxcb.host.request import MAX_STOP_STRINGS, SamplingParams, TokenEvent  # noqa: F401 - the limit, re-exported
 from serve.metrics import Metrics, RequestTimer
 
 MAX_TEXT_CHARS = 1 << 20  # prompt text, and all of a chat's messages together

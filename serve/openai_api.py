@@ -30,11 +30,12 @@ import uuid
 from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 
-from jaxcb.request import FinishReason
+from jaxcb.host.request import FinishReason
 from serve import frontend
 from serve.openai_fields import (CHAT_FIELDS, COMPLETION_FIELDS, ERROR_TYPE, MAX_TOP_LOGPROBS, HTTPError,
                                  RequestOptions, bad_request, bool_field, check_fields, common_fields, from_rejected,
                                  int_field, parse_json, prompt_list, sampling_params, str_field)
+
 
 class _ConcurrencyLimit:
     """At most `limit` API calls (/v1/...) in progress at once, the number gRPC's maximum_concurrent_rpcs

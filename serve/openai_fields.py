@@ -11,7 +11,7 @@ import re
 
 from fastapi.responses import JSONResponse
 
-from jaxcb.request import SamplingParams
+from jaxcb.host.request import SamplingParams
 from serve import frontend
 
 STATUS = {"invalid": 400, "exhausted": 429, "unavailable": 503, "unauthenticated": 401, "internal": 500}

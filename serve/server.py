@@ -5,9 +5,9 @@ Admission, tenancy, the limits, submission and abort are the front end's (serve.
 the HTTP API; this module maps its refusals (frontend.Rejected) to gRPC status codes (GRPC_CODE).
 
 The engine runs on its own thread (`EngineThread`); with data parallelism, M engines each on their
-own, behind the router (`jaxcb.replicas.Replicas`, which the server always talks to). Each streaming call is an asyncio task that
-submits its request with a callback that hops events onto the event loop, and yields them as they
-come. A call that ends early (cancelled, disconnected, past its deadline) aborts its request in the
+own, behind the router (`jaxcb.host.replicas.Replicas`, which the server always talks to). Each
+streaming call is an asyncio task that submits its request with a callback that hops events onto the
+event loop, and yields them as they come. A call that ends early (cancelled, disconnected, past its deadline) aborts its request in the
 `finally` of its handler, so its pages are freed at the engine's next step.
 
 Start-up: the port opens first with health NOT_SERVING, every bucket is compiled, then SERVING.
@@ -32,12 +32,12 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from jaxcb import cpu_dots
-from jaxcb.engine import Engine
-from jaxcb.replicas import Replicas
-from jaxcb.request import MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, FinishReason, SamplingParams, TokenEvent
-from serve.frontend import (MAX_REQUEST_BYTES, Rejected, ServerOptions, State, check_ids, check_messages,
-                            check_text, check_token_count, tenant, token_index)
+from jaxcb.device import cpu_dots
+from jaxcb.host.engine import Engine
+from jaxcb.host.replicas import Replicas
+from jaxcb.host.request import MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, FinishReason, SamplingParams, TokenEvent
+from serve.frontend import (MAX_REQUEST_BYTES, Rejected, ServerOptions, State, check_ids, check_messages, check_text,
+                            check_token_count, tenant, token_index)
 from serve.metrics import Metrics
 from serve.proto import jaxcb_pb2, jaxcb_pb2_grpc, jetstream_pb2, jetstream_pb2_grpc
 
@@ -174,7 +174,7 @@ class JaxcbService(jaxcb_pb2_grpc.JaxcbServicer):
 
 
 def _step_fields(runner) -> dict:
-    """How the step computes; on the CPU, also XLA:CPU's dot settings (jaxcb.cpu_dots)."""
+    """How the step computes; on the CPU, also XLA:CPU's dot settings (jaxcb.device.cpu_dots)."""
     fields = runner.describe()
     if fields["platform"] == "cpu":
         d = cpu_dots.current()
@@ -307,10 +307,6 @@ class _AuthInterceptor(grpc.aio.ServerInterceptor):
         return self._deny_unary
 
 
-ATTENTION_NAMES = {"cpu": "native CPU kernel", "xla": "plain JAX", "gpu": "Pallas (Triton)",
-                   "tpu": "Pallas (Mosaic)"}
-
-
 async def run_server(engine: Engine | list[Engine], tokenizer, model_name: str, dtype: str, options: ServerOptions,
                      announce=print) -> int:
     """Serve one engine, or data-parallel replicas (a list), until SIGTERM/SIGINT (returns 0) or until
@@ -420,10 +416,10 @@ async def run_server(engine: Engine | list[Engine], tokenizer, model_name: str, 
     state.thread.start()
     state.ready = True
     await set_health(health_pb2.HealthCheckResponse.SERVING)
-    attention = engines[0].runner.attention.kernel
+    step = engines[0].runner.describe()
     announce(f"jaxcb: SERVING on {options.host}:{port} after warming up {shapes} bucket shapes (compiled or "
              f"loaded from the compile cache) in "
-             f"{time.perf_counter() - t0:.1f}s; attention: {ATTENTION_NAMES.get(attention, attention)}")
+             f"{time.perf_counter() - t0:.1f}s; attention: {step['attention']} on {step['platform']}")
 
     dying = asyncio.ensure_future(state.died.wait())
     await asyncio.wait([dying, stopping], return_when=asyncio.FIRST_COMPLETED)

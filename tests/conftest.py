@@ -8,12 +8,14 @@ from __future__ import annotations
 import faulthandler
 import json
 import os
+import shutil
 import sys
+import tempfile
 
 import numpy as np
 import pytest
 
-from tiny_gguf import write_tiny_gguf
+from tests.tiny_gguf import write_tiny_gguf
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "golden", "smollm2")
 
@@ -24,22 +26,38 @@ def pytest_unconfigure(config):
     minutes after pytest is done, print every thread's stack and exit non-zero."""
     if hasattr(config, "workerinput"):  # an xdist worker waits, idle, until the other workers finish: not a hang
         return
+    if _OWN_CACHE:
+        shutil.rmtree(os.environ["JAXCB_TEST_XLA_CACHE"], ignore_errors=True)
     faulthandler.dump_traceback_later(120, exit=True, file=sys.__stderr__)
 
 
-# XLA:CPU's dot library (jaxcb.cpu_dots): jaxlib's default in this process and every server and CLI the
+# XLA:CPU's dot library (jaxcb.device.cpu_dots): jaxlib's default in this process and every server and CLI the
 # tests start, so that their outputs compare on any CPU (auto would measure an unknown CPU at the first
 # engine and might pick another library). tests/test_cpu_dots.py covers auto and forces each library.
 os.environ.setdefault("JAXCB_CPU_DOTS", "default")
 
 
+# One persistent compile cache for the whole test session: made by the first pytest process (the xdist
+# controller, or a lone pytest), inherited by its workers and by every server and CLI they start, so that
+# a step shape compiled once is loaded, not compiled again, by every later engine with the same model and
+# config. Loads count as compilations (jaxcb.device.runner.compilation_count), so "nothing compiled after
+# warm-up" still means no program was made after it. Not the user's ~/.cache; removed at the end.
+if "JAXCB_TEST_XLA_CACHE" not in os.environ:
+    os.environ["JAXCB_TEST_XLA_CACHE"] = tempfile.mkdtemp(prefix="jaxcb-test-xla-")
+    _OWN_CACHE = True
+else:
+    _OWN_CACHE = False
+os.environ["JAXCB_COMPILE_CACHE"] = os.environ["JAXCB_TEST_XLA_CACHE"]
+os.environ["JAXCB_CPU_DOTS_CACHE"] = os.path.join(os.environ["JAXCB_TEST_XLA_CACHE"], "cpu-dots.json")
+
+
 @pytest.fixture(scope="session", autouse=True)
-def compile_cache_dir(tmp_path_factory):
-    """Servers and CLIs the tests start keep their compile cache (and the dot-library probes) here, not in
-    the user's ~/.cache."""
-    path = str(tmp_path_factory.mktemp("xla-cache"))
-    os.environ["JAXCB_COMPILE_CACHE"] = path
-    os.environ["JAXCB_CPU_DOTS_CACHE"] = os.path.join(path, "cpu-dots.json")
+def compile_cache_dir():
+    """The session's compile cache, in use in this process too (engines built in-process by the tests)."""
+    from jaxcb.device import compile_cache
+
+    path = compile_cache.enable(os.environ["JAXCB_TEST_XLA_CACHE"])
+    assert path is not None
     return path
 
 
@@ -53,7 +71,7 @@ def tiny_gguf_path(tmp_path_factory):
 @pytest.fixture(scope="module")
 def config_path(tmp_path_factory):
     """The small server config (server_util.SMALL_CONFIG) as a file, for `jaxcb serve` processes."""
-    from server_util import SMALL_CONFIG
+    from tests.server_util import SMALL_CONFIG
 
     path = tmp_path_factory.mktemp("server") / "small.toml"
     path.write_text(SMALL_CONFIG)
@@ -70,7 +88,7 @@ def tiny_model(tiny_gguf_path):
 @pytest.fixture
 def make_llm(tiny_model):
     """make_llm(**engine_config) -> LLM on the tiny model; pools are checked whole at teardown."""
-    from jaxcb.engine_config import make_config
+    from jaxcb.host.engine_config import make_config
     from jaxcb.llm import LLM
 
     made = []

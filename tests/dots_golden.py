@@ -10,10 +10,10 @@ STEPS = 24
 
 
 def main(golden_path: str, library: str) -> None:
-    from jaxcb import cpu_dots
-    from jaxcb.engine_config import make_config
+    from jaxcb.device import cpu_dots
+    from jaxcb.host.engine_config import make_config
+    from jaxcb.host.request import SamplingParams
     from jaxcb.llm import LLM
-    from jaxcb.request import SamplingParams
 
     config = make_config(num_pages=512, max_context=256, decode_batch=(16,), prefill_tokens=(64,), cpu_dots=library)
     llm = LLM(config=config)

@@ -7,7 +7,7 @@ or looks at its history (penalties).
 
 import numpy as np
 
-from jaxcb.request import SamplingParams
+from jaxcb.host.request import SamplingParams
 
 
 def _prompts(llm, lengths, seed=0):

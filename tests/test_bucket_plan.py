@@ -5,7 +5,7 @@ import itertools
 import numpy as np
 import pytest
 
-from jaxcb.bucket_plan import padded_tokens, padding_fraction, plan, powers_of_two, prefill_chunks
+from jaxcb.sim.bucket_plan import padded_tokens, padding_fraction, plan, powers_of_two, prefill_chunks
 
 
 def brute_force(lengths, max_buckets, top):

@@ -1,9 +1,9 @@
 import numpy as np
 import pytest
 
-from jaxcb.batch import SeqSpec, StepShape, pack
-from jaxcb.buckets import Buckets, bucket_for
-from jaxcb.engine_config import load_config, make_config
+from jaxcb.host.batch import SeqSpec, StepShape, pack
+from jaxcb.host.buckets import Buckets, bucket_for
+from jaxcb.host.engine_config import load_config, make_config
 
 
 def test_bucket_lookup_never_pads_past_the_largest():

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from tiny_gguf import write_tiny_gguf
+from tests.tiny_gguf import write_tiny_gguf
 
 
 def run_cli(*args, **kw):

@@ -1,4 +1,4 @@
-"""XLA:CPU's dot library chosen per CPU (jaxcb.cpu_dots): the rule, the one-off measurement and its
+"""XLA:CPU's dot library chosen per CPU (jaxcb.device.cpu_dots): the rule, the one-off measurement and its
 cache, the operator's overrides, and each library forced on the real model (its own process, as XLA reads
 its flags once), which must give the golden tokens or be refused with a clear error."""
 
@@ -12,7 +12,7 @@ import types
 
 import pytest
 
-from jaxcb import cpu_dots
+from jaxcb.device import cpu_dots
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -113,8 +113,8 @@ def test_amx_listed_but_not_granted_caps_the_isa(clean):
 
 def test_the_config_key_and_flag_are_checked():
     from jaxcb.cli import build_parser
-    from jaxcb.cli_args import engine_config
-    from jaxcb.engine_config import make_config
+    from jaxcb.cli.args import engine_config
+    from jaxcb.host.engine_config import make_config
 
     with pytest.raises(ValueError, match="model.cpu_dots: 'fast' is not one of"):
         make_config(cpu_dots="fast")
@@ -151,13 +151,13 @@ def test_each_library_gives_the_golden_tokens_or_is_refused(library, golden, con
         assert proc.returncode == 2, proc.stderr[-2000:]
         assert f"cpu_dots: '{library}' does not run on this CPU" in proc.stderr
         return
-    proc = subprocess.run([sys.executable, os.path.join(HERE, "dots_golden.py"),
+    proc = subprocess.run([sys.executable, "-m", "tests.dots_golden",
                            os.path.join(HERE, "golden", "smollm2.json"), library],
                           env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["library"] == library and out["fusions"] == FUSIONS[library]
-    from test_model_parity import check_against_golden
+    from tests.parity import check_against_golden
 
     outs = [types.SimpleNamespace(token_ids=t) for t in out["tokens"]]
     n = len(outs[0].token_ids)  # tests/dots_golden.py STEPS: the first n golden tokens

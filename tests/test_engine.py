@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from jaxcb.request import FinishReason, SamplingParams
+from jaxcb.host.request import FinishReason, SamplingParams
 
 
 def random_prompts(llm, lengths, seed=0):

@@ -1,4 +1,4 @@
-"""The whole engine step lowers for GPU and TPU without a device (jaxcb.export).
+"""The whole engine step lowers for GPU and TPU without a device (jaxcb.device.export).
 
 Every warm-up shape of the default configuration (the token buckets of configs/default.toml, the
 default SmolLM2 model's shapes), single device and tensor-parallel over an abstract mesh, exported with
@@ -8,7 +8,7 @@ and the partitioner's markers as custom calls (no host callback, no CPU kernel).
 
 import pytest
 
-from jaxcb.engine_config import load_config
+from jaxcb.host.engine_config import load_config
 from jaxcb.llm import read_model_config
 
 
@@ -16,7 +16,7 @@ from jaxcb.llm import read_model_config
 def test_every_warmup_shape_of_the_step_exports_for_gpu_and_tpu(platform):
     import jax.numpy as jnp
 
-    from jaxcb.export import KERNEL_CALLS, custom_calls, export_step, unexpected_calls
+    from jaxcb.device.export import KERNEL_CALLS, custom_calls, export_step, unexpected_calls
 
     model = read_model_config(None)
     config = load_config()

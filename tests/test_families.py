@@ -10,12 +10,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxcb.batch import SeqSpec, StepShape, pack
-from jaxcb.engine_config import make_config
+from jaxcb.host.batch import SeqSpec, StepShape, pack
+from jaxcb.host.engine_config import make_config
+from jaxcb.host.request import SamplingParams
 from jaxcb.llm import LLM, load_model
 from jaxcb.model.llama import forward
 from jaxcb.model.paged_attention import allocate_kv_pages
-from jaxcb.request import SamplingParams
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "golden", "tiny_hf")
 FAMILIES = ("qwen3", "gemma2", "gemma3")
@@ -102,7 +102,7 @@ def test_server_serves_a_gemma_model_and_names_its_family(config_path, tiny_mode
     import shutil
 
     from serve.client import Client
-    from server_util import ServerProcess
+    from tests.server_util import ServerProcess
 
     model_dir = str(tmp_path / "gemma3")
     shutil.copytree(os.path.join(GOLDEN, "gemma3"), model_dir)

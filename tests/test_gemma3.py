@@ -11,12 +11,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxcb.batch import SeqSpec, StepShape, pack
-from jaxcb.engine_config import make_config
+from jaxcb.host.batch import SeqSpec, StepShape, pack
+from jaxcb.host.engine_config import make_config
+from jaxcb.host.request import SamplingParams
 from jaxcb.llm import LLM
 from jaxcb.model.llama import forward
 from jaxcb.model.paged_attention import allocate_kv_pages
-from jaxcb.request import SamplingParams
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "golden", "gemma3")
 NEAR_TIE = 1e-2

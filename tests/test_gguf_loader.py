@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from jaxcb.model.gguf_loader import default_model_path, load_gguf
-from tiny_gguf import tiny_model_config, write_tiny_gguf
+from tests.tiny_gguf import tiny_model_config, write_tiny_gguf
 
 
 def test_f32_round_trip_undoes_the_rotary_permutation(tmp_path):

@@ -7,9 +7,9 @@ import time
 import numpy as np
 import pytest
 
-from faults import ErrorBuffer
-from jaxcb.engine_thread import EngineThread
-from jaxcb.request import FinishReason, SamplingParams
+from jaxcb.host.engine_thread import EngineThread
+from jaxcb.host.request import FinishReason, SamplingParams
+from tests.faults import ErrorBuffer
 
 
 def _prompts(n, length, seed=0):

@@ -12,7 +12,8 @@ import pytest
 from jax import export
 
 from jaxcb.model.paged_attention import paged_attention_reference
-from kernels_pallas import PAGE_SIZES, engine_attention, engine_ragged_attention, paged_attention, ragged_paged_attention
+from kernels_pallas import (PAGE_SIZES, engine_attention, engine_ragged_attention, paged_attention,
+                            ragged_paged_attention)
 
 # (page size S, head dim D, query heads per kv head): each S and each D with two ratios and each
 # ratio with two S and both D, rather than the full product (interpret mode is slow).
@@ -149,7 +150,7 @@ def test_engine_ragged_kernel_with_a_sliding_window_and_softcap(backend):
     """The engine's packed step of a sliding layer (Gemma): keys before each query's window masked,
     soft-capped scores, a custom scale; its pages before the window are the null page, filled with NaN
     here, which must never be read. Against the plain-JAX path the CPU runs."""
-    from jaxcb.batch import SeqSpec, StepShape, pack
+    from jaxcb.host.batch import SeqSpec, StepShape, pack
     from jaxcb.model.paged_attention import ragged_attention
     from kernels_pallas import engine_ragged_attention
 
@@ -190,7 +191,7 @@ def test_engine_ragged_kernel_reads_int8_pages(backend):
     """int8 KV pages (cache.kv_dtype): each slot's D int8 values and its float32 scale's 4 bytes; the
     kernels dequantize what they load. Against the plain-JAX path on the same int8 pages, decode rows
     and prefill chunks, with the null page's bytes all 0xFF (a NaN scale) that must never be read."""
-    from jaxcb.batch import SeqSpec, StepShape, pack
+    from jaxcb.host.batch import SeqSpec, StepShape, pack
     from jaxcb.model.paged_attention import quantize_kv, ragged_attention
     from kernels_pallas import engine_ragged_attention
 
@@ -249,6 +250,6 @@ def test_kernels_reject_unsupported_shapes():
         paged_attention(jnp.zeros((1, 4, 48)), jnp.zeros((2, 4, 16, 48)), jnp.zeros((2, 4, 16, 48)),
                         lens, table, interpret=True)
     assert 16 in PAGE_SIZES
-    from jaxcb.engine_config import KERNEL_PAGE_SIZES
+    from jaxcb.host.engine_config import KERNEL_PAGE_SIZES
 
     assert KERNEL_PAGE_SIZES == PAGE_SIZES  # the engine's copy (its module imports no JAX) agrees

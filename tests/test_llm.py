@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from jaxcb.request import SamplingParams
+from jaxcb.host.request import SamplingParams
 
 
 def test_batched_greedy_equals_one_at_a_time(make_llm):

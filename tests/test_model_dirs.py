@@ -11,12 +11,12 @@ import pytest
 from safetensors.numpy import save_file
 
 from jaxcb.cli import main as cli
-from jaxcb.engine_config import make_config
+from jaxcb.host.engine_config import make_config
+from jaxcb.host.request import SamplingParams
 from jaxcb.llm import LLM, load_model
 from jaxcb.model.hf_loader import _BIASES, _LAYER
 from jaxcb.model.llama import params_from_numpy, random_weights
-from jaxcb.request import SamplingParams
-from tiny_gguf import tiny_model_config
+from tests.tiny_gguf import tiny_model_config
 
 CONFIG = dict(num_pages=64, max_context=256, decode_batch=(1, 2, 4), prefill_tokens=(16, 32, 64))
 PROMPTS = [[5, 9, 40, 41, 7], list(range(3, 40))]
@@ -78,7 +78,7 @@ def test_hf_checkpoint_gives_the_logits_of_the_same_weights(tmp_path, tiny_model
 
 
 def test_hf_prefill_logits_match_exactly(tmp_path, tiny_model):
-    from jaxcb.batch import SeqSpec, StepShape, pack
+    from jaxcb.host.batch import SeqSpec, StepShape, pack
     from jaxcb.model.llama import forward
     from jaxcb.model.paged_attention import allocate_kv_pages
 

@@ -1,4 +1,4 @@
-"""Multi-host serving (jaxcb.multihost) with two local processes of two forced host devices each,
+"""Multi-host serving (jaxcb.device.multihost) with two local processes of two forced host devices each,
 joined by jax.distributed (gloo collectives): the leader serves and broadcasts every step, the
 follower mirrors it."""
 
@@ -10,11 +10,11 @@ import time
 import numpy as np
 import pytest
 
-from jaxcb.engine_config import load_config
+from jaxcb.host.engine_config import load_config
+from jaxcb.host.request import SamplingParams
 from jaxcb.llm import LLM
-from jaxcb.request import SamplingParams
 from serve.client import Client
-from server_util import SMALL_CONFIG, ServerProcess, free_port
+from tests.server_util import SMALL_CONFIG, ServerProcess, free_port
 
 
 @pytest.fixture(scope="module")

@@ -85,13 +85,11 @@ def test_the_native_step_with_quantized_weights_gives_the_plain_step_logits(weig
     import jax
     import jax.numpy as jnp
 
-    from jaxcb.batch import SeqSpec, StepShape, pack
+    from jaxcb.host.batch import SeqSpec, StepShape, pack
     from jaxcb.model.config import tiny_config
     from jaxcb.model.llama import Attention, forward, params_from_numpy, random_weights
     from jaxcb.model.paged_attention import allocate_kv_pages
-    from jaxcb.model.quant import quantize_weights
-
-    from jaxcb.model.quant import with_int8_activations
+    from jaxcb.model.quant import quantize_weights, with_int8_activations
 
     config = dataclasses.replace(tiny_config(), tie_embeddings=tied)
     params = params_from_numpy(quantize_weights(random_weights(config, seed=2), "int8" if weights == "w8a8" else weights))
@@ -118,11 +116,11 @@ def test_the_native_step_gives_the_plain_step_logits():
     import jax
     import jax.numpy as jnp
 
-    from jaxcb.batch import SeqSpec, StepShape, pack
+    from jaxcb.device.runner import resolve_attention
+    from jaxcb.host.batch import SeqSpec, StepShape, pack
     from jaxcb.model.config import tiny_config
     from jaxcb.model.llama import Attention, forward, params_from_numpy, random_weights
     from jaxcb.model.paged_attention import allocate_kv_pages
-    from jaxcb.runner import resolve_attention
 
     config = tiny_config()
     params = params_from_numpy(random_weights(config, seed=1))

@@ -12,11 +12,11 @@ import httpx
 import openai
 import pytest
 
-from jaxcb.engine_config import load_config
+from jaxcb.host.engine_config import load_config
+from jaxcb.host.request import SamplingParams
 from jaxcb.llm import LLM
-from jaxcb.request import SamplingParams
 from serve.client import Client
-from server_util import ServerProcess, free_port
+from tests.server_util import ServerProcess, free_port
 
 
 @pytest.fixture(scope="module")

@@ -5,11 +5,12 @@ import os
 
 import pytest
 
-from jaxcb import compile_cache, memory_plan
 from jaxcb.cli import main as cli
-from jaxcb.engine_config import load_config, make_config
+from jaxcb.device import compile_cache
+from jaxcb.host import memory_plan
+from jaxcb.host.engine_config import load_config, make_config
+from jaxcb.host.request import SamplingParams
 from jaxcb.llm import LLM
-from jaxcb.request import SamplingParams
 
 SMOLLM2 = dict(num_layers=30, num_kv_heads=3, head_dim=64, hidden_size=576, intermediate_size=1536,
                vocab_size=49152, dtype_bytes=2, page_size=16, max_batch=32, max_prefill_tokens=512)

@@ -1,6 +1,6 @@
 import pytest
 
-from jaxcb.page_pool import NULL_PAGE, PagePool
+from jaxcb.host.page_pool import NULL_PAGE, PagePool
 
 
 def test_allocate_free_and_invariants():

@@ -104,7 +104,7 @@ def test_ragged_attention_matches_dense_on_a_mixed_step(page_size, heads, kv_hea
 
     import jax
 
-    from jaxcb.batch import SeqSpec, StepShape, pack
+    from jaxcb.host.batch import SeqSpec, StepShape, pack
     from jaxcb.model.paged_attention import ragged_attention
 
     rng = np.random.default_rng(page_size + heads)
@@ -153,7 +153,7 @@ def test_int8_pages_hold_values_and_scales_and_attention_reads_them(native):
 
     import jax
 
-    from jaxcb.batch import SeqSpec, StepShape, pack
+    from jaxcb.host.batch import SeqSpec, StepShape, pack
     from jaxcb.model.paged_attention import dequantize_kv, quantize_kv, ragged_attention
 
     rng = np.random.default_rng(7)
@@ -206,7 +206,7 @@ def test_native_attention_matches_the_plain_jax_path_with_window_and_softcap(dty
     import jax
 
     import kernels_cpu
-    from jaxcb.batch import SeqSpec, StepShape, pack
+    from jaxcb.host.batch import SeqSpec, StepShape, pack
     from jaxcb.model.paged_attention import ragged_attention
 
     assert kernels_cpu.available(), kernels_cpu.unavailable_reason()

@@ -1,4 +1,4 @@
-"""Tensor parallelism (jaxcb.parallel): the sharded step gives the single-device tokens.
+"""Tensor parallelism (jaxcb.device.parallel): the sharded step gives the single-device tokens.
 
 Meshes need forced host devices, which must be set before JAX starts: the engines run in a
 subprocess (tests/tp_check.py)."""
@@ -10,12 +10,11 @@ import sys
 
 import pytest
 
-from jaxcb.engine_config import load_config, make_config
+from jaxcb.device.parallel import check_tensor_parallel
+from jaxcb.host.engine_config import load_config, make_config
 from jaxcb.model.config import tiny_config
-from jaxcb.parallel import check_tensor_parallel
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-HELPER = os.path.join(HERE, "tp_check.py")
 
 
 def test_meshes_give_the_single_device_tokens(tmp_path):
@@ -23,7 +22,8 @@ def test_meshes_give_the_single_device_tokens(tmp_path):
     TP 4/8 of model b), the Pallas kernels in interpret mode under shard_map, TP 2 x DP 2;
     quantized weights split with their scales (int4 at TP 2; model b with int8 weights and int8 KV pages
     throughout, KV heads replicated at TP 8, the Pallas kernels at TP 4); and a tiny Gemma 3 (two page groups) at TP 2 and DP 2."""
-    proc = subprocess.run([sys.executable, HELPER, str(tmp_path)], capture_output=True, text=True, timeout=1500)
+    proc = subprocess.run([sys.executable, "-m", "tests.tp_check", str(tmp_path)], capture_output=True, text=True,
+                          timeout=1500, cwd=os.path.dirname(HERE))
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     # [L, 2, K, P, S, D] per device: one device holds both KV heads; TP 2 one each; TP 4 over 2 KV heads
@@ -77,7 +77,7 @@ def test_parallel_config_section(tmp_path):
 
 
 def test_memory_plan_is_per_device_and_names_replicated_kv_heads():
-    from jaxcb import memory_plan
+    from jaxcb.host import memory_plan
 
     c = tiny_config(vocab_size=256, num_heads=8, num_kv_heads=2)
     common = dict(budget_bytes=64 << 20, fraction=0.9, weight_bytes=c.num_params * 4, num_layers=c.num_layers,

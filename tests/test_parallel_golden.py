@@ -15,10 +15,10 @@ def test_smollm2_at_tensor_parallel_3_gives_the_golden_tokens(golden):
     """9 query heads and 3 KV heads over 3 devices: one KV head each; the reference greedy tokens (the first
     24) on every other golden prompt (all 20 x 48 matched in full when tensor parallelism was built, and
     these 10 x 48 with these buckets; 10 x 24 keeps the suite in its time budget)."""
-    from test_model_parity import check_against_golden
+    from tests.parity import check_against_golden
 
-    proc = subprocess.run([sys.executable, os.path.join(HERE, "tp_golden.py"), os.path.join(HERE, "golden", "smollm2.json")],
-                          capture_output=True, text=True, timeout=1200)
+    proc = subprocess.run([sys.executable, "-m", "tests.tp_golden", os.path.join(HERE, "golden", "smollm2.json")],
+                          capture_output=True, text=True, timeout=1200, cwd=os.path.dirname(HERE))
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert [s[2] for s in out["kv_shards"]] == [1, 1, 1]

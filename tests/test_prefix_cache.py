@@ -2,10 +2,11 @@
 
 import numpy as np
 
-from jaxcb.page_pool import PagePool
-from jaxcb.prefix_cache import PrefixCache, chain_hash
-from jaxcb.request import Request, SamplingParams, Status
-from jaxcb.scheduler import Scheduler, SchedulerConfig
+from jaxcb.host.page_pool import PagePool
+from jaxcb.host.policies import SchedulerConfig
+from jaxcb.host.prefix_cache import PrefixCache, chain_hash
+from jaxcb.host.request import Request, SamplingParams, Status
+from jaxcb.host.scheduler import Scheduler
 
 PAGE = 16
 GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)

@@ -9,12 +9,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxcb import memory_plan
-from jaxcb.engine_config import make_config
+from jaxcb.host import memory_plan
+from jaxcb.host.engine_config import make_config
+from jaxcb.host.request import SamplingParams
 from jaxcb.llm import LLM, load_model
 from jaxcb.model import quant
 from jaxcb.model.llama import params_from_numpy, params_to_weights
-from jaxcb.request import SamplingParams
 
 CONFIG = dict(num_pages=48, max_context=256, decode_batch=(2, 8), prefill_tokens=(32, 64))
 HELDOUT = os.path.join(os.path.dirname(__file__), "data", "heldout_prose.txt")
@@ -170,7 +170,7 @@ def test_int8_kv_pages_serve_under_preemption_and_prefix_caching(tiny_model):
     """int8 KV (cache.kv_dtype): a pool tight enough to preempt gives the ample pool's tokens (greedy and
     seeded), shared prefixes are served from cached int8 pages, nothing compiles after warm-up, and the
     memory plan counts a byte a value plus each token-head's scale."""
-    from jaxcb.memory_plan import plan_for_model
+    from jaxcb.host.memory_plan import plan_for_model
 
     cfg, params, tok, eos = tiny_model
     rng = np.random.default_rng(4)
@@ -236,7 +236,7 @@ def test_smollm2_perplexity_of_each_mode_against_float32():
     GGUF's own Q4_1 matrices and the int8 embedding its Q8_0 rows, so int4 is the float32 model; int8
     in groups of 32 is close; int8 per output column rounds the Q4_1 groups onto one grid per column;
     int8 activations (w8a8) add their own rounding."""
-    from jaxcb.evaluate import perplexity
+    from jaxcb.device.evaluate import perplexity
 
     cfg, params, tok, eos = load_model()  # the embedded SmolLM2, float32; each mode quantizes these weights
     floats = {k: np.asarray(v) for k, v in params_to_weights(params).items()}

@@ -1,4 +1,4 @@
-"""Data parallelism's router (jaxcb.replicas): prefix preference, fewest pending tokens, accounting.
+"""Data parallelism's router (jaxcb.host.replicas): prefix preference, fewest pending tokens, accounting.
 
 The router does not care where its engines run, so these tests put two engines of the tiny model
 on the one CPU device; the same on disjoint forced host devices is in test_parallel.py."""
@@ -8,11 +8,11 @@ import threading
 import numpy as np
 import pytest
 
-from jaxcb.engine import Engine
-from jaxcb.engine_config import make_config
-from jaxcb.replicas import Replicas, split_devices
-from jaxcb.request import SamplingParams
-from jaxcb.runner import make_runner
+from jaxcb.device.runner import make_runner
+from jaxcb.host.engine import Engine
+from jaxcb.host.engine_config import make_config
+from jaxcb.host.replicas import Replicas, split_devices
+from jaxcb.host.request import SamplingParams
 
 
 @pytest.fixture

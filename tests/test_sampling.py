@@ -4,9 +4,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxcb.batch import SamplingRow, StepShape, pack_sampling
-from jaxcb.request import SamplingParams
-from jaxcb.sampling import sample
+from jaxcb.device.sampling import sample
+from jaxcb.host.batch import SamplingRow, StepShape, pack_sampling
+from jaxcb.host.request import SamplingParams
 
 sample_jit = jax.jit(sample)
 

@@ -2,9 +2,10 @@
 
 import pytest
 
-from jaxcb.page_pool import PagePool
-from jaxcb.request import Request, SamplingParams, Status
-from jaxcb.scheduler import Scheduler, SchedulerConfig
+from jaxcb.host.page_pool import PagePool
+from jaxcb.host.policies import SchedulerConfig
+from jaxcb.host.request import Request, SamplingParams, Status
+from jaxcb.host.scheduler import Scheduler
 
 
 def req(prompt_len, max_tokens=4, priority=0, t=0.0):
@@ -394,7 +395,7 @@ def test_an_infinite_batching_window_is_refused():
 def test_a_request_short_of_sliding_pages_holds_no_full_pages_while_it_waits():
     """Without prefix caching, a request that gets its full-attention pages but not its sliding-window
     pages gives the former back: it waits holding nothing (it kept them before: preemption churn)."""
-    from jaxcb.window import WindowGroup
+    from jaxcb.host.window import WindowGroup
 
     pool = PagePool(64, 4)
     window = WindowGroup(num_pages=5, page_size=4, window=8)  # 4 usable sliding pages: one request's chunk

@@ -16,12 +16,12 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from jaxcb.engine_config import load_config
+from jaxcb.host.engine_config import load_config
+from jaxcb.host.request import FinishReason, SamplingParams
 from jaxcb.llm import LLM
-from jaxcb.request import FinishReason, SamplingParams
 from serve.client import AsyncClient, Client, build_request
 from serve.proto import jaxcb_pb2, jaxcb_pb2_grpc, jetstream_pb2, jetstream_pb2_grpc
-from server_util import ServerProcess, free_port
+from tests.server_util import ServerProcess, free_port
 
 
 @pytest.fixture(scope="module")
@@ -421,8 +421,8 @@ def test_admission_counts_requests_not_yet_in_the_scheduler(tiny_gguf_path, conf
 
 
 def test_metrics_time_each_sample_and_count_failed_steps():
-    from jaxcb.engine import EngineStats
-    from jaxcb.request import TokenEvent
+    from jaxcb.host.engine_stats import EngineStats
+    from jaxcb.host.request import TokenEvent
     from serve.metrics import Metrics, RequestTimer
 
     m = Metrics()

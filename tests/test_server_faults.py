@@ -11,12 +11,12 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from jaxcb.engine import Engine
-from jaxcb.engine_config import make_config
-from jaxcb.runner import ModelRunner
+from jaxcb.device.runner import ModelRunner
+from jaxcb.host.engine import Engine
+from jaxcb.host.engine_config import make_config
 from serve.client import Client
 from serve.server import ServerOptions, run_server
-from server_util import free_port
+from tests.server_util import free_port
 
 
 class InProcessServer:

@@ -6,10 +6,10 @@ import sys
 
 import pytest
 
-from jaxcb.engine_config import make_config
-from jaxcb.simulate import (DEVICES, MODELS, FittedStepModel, RooflineStepModel, StepStats, load_step_model,
-                            simulate)
-from jaxcb.trace import RequestRecord, TraceRequest, prompt_ids, quantile, read_trace, summarize, write_trace
+from jaxcb.host.engine_config import make_config
+from jaxcb.host.latency import quantile
+from jaxcb.sim.simulate import DEVICES, MODELS, FittedStepModel, RooflineStepModel, StepStats, load_step_model, simulate
+from jaxcb.sim.trace import RequestRecord, TraceRequest, prompt_ids, read_trace, summarize, write_trace
 
 
 class Constant:

@@ -1,4 +1,4 @@
-"""Stop strings (jaxcb.output.StopStrings): the automaton fed the text piece by piece finds what a
+"""Stop strings (jaxcb.host.output.StopStrings): the automaton fed the text piece by piece finds what a
 search of the whole text finds (the earliest-starting stop string) and holds back exactly the tail
 that could still grow into one; its cost per character does not grow with the strings' length."""
 
@@ -7,7 +7,7 @@ import time
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaxcb.output import StopStrings
+from jaxcb.host.output import StopStrings
 
 
 def reference(text: str, stops: tuple[str, ...]) -> tuple[int | None, int]:

@@ -10,8 +10,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def test_small_stress_suite_loses_nothing():
-    proc = subprocess.run([sys.executable, os.path.join(HERE, "..", "tools", "stress.py"), "--scale", "small", "--json"],
-                          capture_output=True, text=True, timeout=1200)
+    proc = subprocess.run([sys.executable, "-m", "tools.stress", "--scale", "small", "--json"],
+                          capture_output=True, text=True, timeout=1200, cwd=os.path.dirname(HERE))
     assert proc.returncode == 0, proc.stderr[-3000:]
     print(proc.stdout)
     r = json.loads(proc.stdout.strip().splitlines()[-1])

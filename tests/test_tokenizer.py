@@ -2,7 +2,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaxcb.tokenizer import IncrementalDetokenizer
+from jaxcb.host.tokenizer import IncrementalDetokenizer
 
 STREAM_TEXTS = [
     "plain ascii text, with punctuation!",

@@ -1,4 +1,4 @@
-"""Sliding-window layers over their own page group (jaxcb.window): pages before the window go back as a
+"""Sliding-window layers over their own page group (jaxcb.host.window): pages before the window go back as a
 sequence decodes, and everything else the engine does (batching, prefix caching, preemption, n > 1)
 gives the tokens of a run that never freed anything."""
 
@@ -7,13 +7,13 @@ import dataclasses
 import numpy as np
 import pytest
 
-from jaxcb.engine_config import make_config
+from jaxcb.host.engine_config import make_config
+from jaxcb.host.page_pool import NULL_PAGE
+from jaxcb.host.request import SamplingParams
+from jaxcb.host.window import WindowGroup
 from jaxcb.llm import LLM
 from jaxcb.model.config import tiny_config
 from jaxcb.model.llama import params_from_numpy, random_weights
-from jaxcb.page_pool import NULL_PAGE
-from jaxcb.request import SamplingParams
-from jaxcb.window import WindowGroup
 
 WINDOW, PAGE = 24, 8
 # A Gemma-shaped tiny model: sliding layers around a full one, (1 + w) norms, four norms a layer.
@@ -131,7 +131,7 @@ def test_a_prefix_whose_window_pages_were_evicted_is_shortened_to_what_is_cached
 
 
 def test_memory_plan_counts_each_group_and_fits_more_sequences():
-    from jaxcb.memory_plan import plan
+    from jaxcb.host.memory_plan import plan
 
     common = dict(budget_bytes=16 << 30, fraction=0.9, weight_bytes=1 << 30, num_layers=18, num_kv_heads=1,
                   head_dim=256, hidden_size=640, intermediate_size=2048, vocab_size=262144, dtype_bytes=2,

@@ -7,11 +7,10 @@ import os
 import sys
 
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import numpy as np  # noqa: E402
+import numpy as np
 
-from tiny_gguf import write_tiny_gguf  # noqa: E402
+from tests.tiny_gguf import write_tiny_gguf
 
 # (model, name, tensor, data, attention, weights). Model "a": 4 query heads, 2 KV heads; "b": 8 and 2.
 # A run's reference is its model's "tp1" run with the same weights ("tp1-int4" for "tp2-int4"); the
@@ -31,10 +30,10 @@ GEMMA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "golden", "tiny
 def main(workdir: str) -> None:
     import jax
 
-    from jaxcb.engine_config import make_config
+    from jaxcb.host.engine_config import make_config
+    from jaxcb.host.request import SamplingParams
     from jaxcb.llm import LLM, load_model
     from jaxcb.model.config import tiny_config
-    from jaxcb.request import SamplingParams
 
     models = {"a": tiny_config(), "b": tiny_config(num_heads=8, hidden_size=128), "g": None}
     out = {}

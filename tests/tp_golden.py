@@ -14,9 +14,9 @@ STEPS = 24
 
 
 def main(golden_path: str) -> None:
-    from jaxcb.engine_config import make_config
+    from jaxcb.host.engine_config import make_config
+    from jaxcb.host.request import SamplingParams
     from jaxcb.llm import LLM
-    from jaxcb.request import SamplingParams
 
     with open(golden_path) as f:
         golden = json.load(f)

@@ -2,8 +2,8 @@
 
 Run with a separate environment that has the `tools` extra (transformers, torch):
     python3 -m venv .venv-tools && .venv-tools/bin/pip install torch transformers accelerate gguf tokenizers jinja2
-    .venv-tools/bin/python tools/make_golden.py                      # SmolLM2 -> tests/golden/smollm2*
-    .venv-tools/bin/python tools/make_golden.py --model gemma3-270m  # Gemma 3 -> tests/golden/gemma3*
+    .venv-tools/bin/python -m tools.make_golden                      # SmolLM2 -> tests/golden/smollm2*
+    .venv-tools/bin/python -m tools.make_golden --model gemma3-270m  # Gemma 3 -> tests/golden/gemma3*
 
 Gemma 3's vocabulary is 262,144 wide: its golden keeps each prompt's prefill logits at the top 1,024
 ids and 1,024 fixed random ones (and the largest magnitude), not the whole row.

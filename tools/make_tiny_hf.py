@@ -2,7 +2,7 @@
 own modules, and their golden outputs, for tests/test_families.py.
 
 Run with the `tools` environment (see tools/make_golden.py):
-    .venv-tools/bin/python tools/make_tiny_hf.py
+    .venv-tools/bin/python -m tools.make_tiny_hf
 
 For each family: tests/golden/tiny_hf/<family>/ holds config.json and model.safetensors as
 `save_pretrained` writes them, and golden.json: per prompt (token ids), the float32 logits of the

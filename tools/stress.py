@@ -1,7 +1,7 @@
 """The stress suite: a server under cancels, fuzzing, slow and giant clients, faults, SIGTERM and a
 long run; prints one table of figures (and JSON with --json).
 
-    .venv/bin/python tools/stress.py [--scale small|full] [--model M] [--json]
+    .venv/bin/python -m tools.stress [--scale small|full] [--model M] [--json]
 
 `make stress` runs the full scale (500 streams, 10,000 fuzzed requests, RSS after 1,000 vs 10,000
 requests); tests/test_stress.py runs the small one and asserts its targets. The model defaults to a
@@ -42,16 +42,14 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "tests"))
 
-import grpc  # noqa: E402
-import numpy as np  # noqa: E402
+import grpc
+import numpy as np
 
-from serve.client import Client, build_request  # noqa: E402
-from serve.proto import jaxcb_pb2, jaxcb_pb2_grpc, jetstream_pb2, jetstream_pb2_grpc  # noqa: E402
-from faults import ErrorBuffer  # noqa: E402
-from server_util import SMALL_CONFIG, ServerProcess  # noqa: E402
+from serve.client import Client, build_request
+from serve.proto import jaxcb_pb2, jaxcb_pb2_grpc, jetstream_pb2, jetstream_pb2_grpc
+from tests.faults import ErrorBuffer
+from tests.server_util import SMALL_CONFIG, ServerProcess
 
 SCALES = {
     "small": dict(streams=60, fuzz=300, raw=50, rss_first=100, rss_total=500, sigterm_streams=12),
@@ -322,11 +320,11 @@ def scenario_slow(model, config, max_context):
 
 # ---- injected faults (in-process) ----
 def scenario_faults(model, n_requests, seed=6):
-    import jaxcb.runner  # noqa: F401
-    from jaxcb.engine_config import load_config
+    import jaxcb.device.runner  # noqa: F401
+    from jaxcb.host.engine_config import load_config
     from jaxcb.llm import build_engine
     from serve.server import ServerOptions, run_server
-    from server_util import free_port
+    from tests.server_util import free_port
 
     cfg_path = os.path.join(tempfile.mkdtemp(), "small.toml")
     with open(cfg_path, "w") as f:
@@ -388,7 +386,7 @@ def scenario_faults(model, n_requests, seed=6):
 
 
 def _sp(n):
-    from jaxcb.request import SamplingParams
+    from jaxcb.host.request import SamplingParams
 
     return SamplingParams(max_tokens=n, ignore_eos=True)
 
@@ -594,7 +592,7 @@ def scenario_http(model, config, streams, fuzz, rss_total):
 
     import httpx
 
-    from server_util import free_port
+    from tests.server_util import free_port
 
     http = free_port()
     limit = streams + 16  # room for the streams scenario; the flood goes past it
@@ -697,7 +695,7 @@ def run(scale: str, model: str | None) -> dict:
     with open(config, "w") as f:
         f.write(SMALL_CONFIG.replace("num_pages = 96", "num_pages = 160"))
     if model is None:
-        from tiny_gguf import write_tiny_gguf
+        from tests.tiny_gguf import write_tiny_gguf
 
         model = os.path.join(workdir, "tiny.gguf")
         write_tiny_gguf(model)

@@ -22,6 +22,8 @@ import os
 
 import numpy as np
 
+from jaxcb.host.tokenizer import TokenizerSpec
+from jaxcb.model.gguf_file import GGUFFile
 from jaxcb.model.config import ModelConfig
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen3", "gemma2", "gemma3")
@@ -49,24 +51,6 @@ WEIGHT_NAMES = ("embed", "final_norm", "lm_head", *_LAYER_TENSORS, "q_norm", "k_
                 "post_mlp_norm")
 
 
-@dataclasses.dataclass(frozen=True)
-class TokenizerSpec:
-    """What a tokenizer needs, as stored in the model file."""
-
-    model: str  # "gpt2" (byte-level BPE) or "llama" (SentencePiece BPE with byte fallback)
-    pre: str  # llama.cpp pre-tokenizer name, e.g. "smollm", "llama-bpe", "default"
-    tokens: tuple[str, ...]
-    merges: tuple[str, ...]
-    token_types: tuple[int, ...]  # 1 normal, 2 unknown, 3 control, 4 user-defined, 5 unused, 6 byte
-    bos_id: int | None
-    eos_id: int | None
-    add_bos: bool
-    chat_template: str | None
-    scores: tuple[float, ...] = ()  # SentencePiece: each token's score (its merge priority)
-    add_space_prefix: bool = True  # SentencePiece: a space before the text (Llama 2 yes, Gemma no)
-    arch: str = "llama"  # general.architecture (Gemma's merge order is its token order, not its scores)
-
-
 @dataclasses.dataclass
 class LoadedModel:
     config: ModelConfig
@@ -83,10 +67,7 @@ def default_model_path() -> str:
 
 
 def _field(reader, key, default=None):
-    field = reader.fields.get(key)
-    if field is None:
-        return default
-    return field.contents()
+    return reader.metadata.get(key, default)
 
 
 def _unpermute_rotary(w: np.ndarray, num_heads: int) -> np.ndarray:
@@ -100,14 +81,13 @@ def _dequantize(tensor) -> np.ndarray:
     import gguf
 
     try:
-        data = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        data = gguf.quants.dequantize(tensor.data, tensor.qtype)
     except NotImplementedError as e:
         raise ValueError(
-            f"tensor {tensor.name}: type {tensor.tensor_type.name} cannot be dequantized "
+            f"tensor {tensor.name}: type {tensor.qtype.name} cannot be dequantized "
             f"by the gguf library ({e})"
         ) from None
-    shape = tuple(int(d) for d in reversed(tensor.shape))
-    return np.asarray(data, dtype=np.float32).reshape(shape)
+    return np.asarray(data, dtype=np.float32).reshape(tensor.shape)
 
 
 def read_config(reader) -> ModelConfig:
@@ -128,10 +108,10 @@ def read_config(reader) -> ModelConfig:
     heads = int(need("attention.head_count"))
     kv_heads = int(_field(reader, f"{arch}.attention.head_count_kv", heads))
     head_dim = int(_field(reader, f"{arch}.attention.key_length", hidden // heads))
-    names = {t.name for t in reader.tensors}
+    names = set(reader.tensors)
     vocab = _field(reader, f"{arch}.vocab_size")
     if vocab is None:
-        vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
+        vocab = len(reader.metadata["tokenizer.ggml.tokens"])
     layers = int(need("block_count"))
     theta = float(_field(reader, f"{arch}.rope.freq_base", 10000.0))
     family = {}
@@ -169,22 +149,15 @@ def read_config(reader) -> ModelConfig:
 
 
 def _strings(reader, key) -> list[str]:
-    """A string array field, read straight from its parts (contents() takes seconds on 262k tokens)."""
-    field = reader.fields.get(key)
-    if field is None:
-        return []
-    return [bytes(field.parts[i]).decode("utf-8", errors="replace") for i in field.data]
+    return list(reader.metadata.get(key, []))
 
 
 def _numbers(reader, key) -> list:
-    field = reader.fields.get(key)
-    if field is None or not field.data:
-        return []
-    return np.concatenate([field.parts[i] for i in field.data]).tolist()
+    return np.asarray(reader.metadata.get(key, [])).tolist()
 
 
 def read_tokenizer(reader) -> TokenizerSpec | None:
-    if "tokenizer.ggml.tokens" not in reader.fields:
+    if "tokenizer.ggml.tokens" not in reader.metadata:
         return None
     merges = _strings(reader, "tokenizer.ggml.merges")
     types = _numbers(reader, "tokenizer.ggml.token_type")
@@ -209,15 +182,13 @@ def read_tokenizer(reader) -> TokenizerSpec | None:
     )
 
 
-def open_reader(path: str):
-    import gguf
-
+def open_reader(path: str) -> GGUFFile:
     if not os.path.isfile(path):
         raise ValueError(f"model: file not found: {path}")
     try:
-        return gguf.GGUFReader(path)
-    except Exception as e:  # the library raises ValueError, struct.error, IndexError...
-        raise ValueError(f"model: {path} is not a readable GGUF file ({type(e).__name__}: {e})") from None
+        return GGUFFile(path)
+    except (ValueError, OSError) as e:
+        raise ValueError(f"model: {path} is not a readable GGUF file ({e})") from None
 
 
 def load_gguf(path: str, check_config=None) -> LoadedModel:
@@ -226,7 +197,7 @@ def load_gguf(path: str, check_config=None) -> LoadedModel:
     config = read_config(reader)
     if check_config is not None:
         check_config(config)
-    tensors = {t.name: t for t in reader.tensors}
+    tensors = reader.tensors
 
     def get(name: str, transpose: bool) -> np.ndarray:
         if name not in tensors:

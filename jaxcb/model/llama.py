@@ -8,7 +8,7 @@ and logit soft-capping; Gemma 2/3's sliding-window layers, whose KV pages are a 
 
     kv_pages, logits = forward(params, kv_pages, batch, config)
 
-`batch` (jaxcb.batch.StepInput) packs decode tokens and prefill chunks of many sequences on one token
+`batch` (jaxcb.host.batch.StepInput) packs decode tokens and prefill chunks of many sequences on one token
 axis; every matmul runs once over all of them, attention reads each sequence's own pages.
 
 The per-layer weights are stacked on a leading axis and the layers run under `jax.lax.scan`, so
@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from jaxcb.batch import StepInput, WindowPages
+from jaxcb.host.batch import StepInput, WindowPages
 from jaxcb.model.config import ModelConfig
 from jaxcb.model.mesh_axes import AXIS, KV_SPEC
 from jaxcb.model.paged_attention import ragged_attention, write_kv
@@ -44,7 +44,7 @@ class Attention:
     kernel: str = "xla"  # "xla": plain JAX; "cpu": the native CPU attention (kernels_cpu);
     #                      "gpu" | "tpu": the Pallas kernels; "none": skipped (profiling only)
     interpret: bool = False  # run the Pallas kernel in interpret mode (the CPU)
-    mesh: object = None  # a jax.sharding.Mesh with a "model" axis: attention runs per device (jaxcb.parallel)
+    mesh: object = None  # a jax.sharding.Mesh with a "model" axis: attention runs per device (jaxcb.device.parallel)
     # The layers' matrices (float32, int8, int4) through the native CPU matmul, read in place from their
     # stacks (kernels_cpu.layer_matmul), and an int8 tied head (kernels_cpu.rows_matmul); single device
     # only (XLA cannot partition the custom calls).
@@ -264,7 +264,7 @@ def _inactive(batch: StepInput, active):
 
 def _with_head_axis(a):
     """A page array as the layers see it, [L, 2, K, P, S, D]. With one KV head the runner stores it
-    without that axis ([L, 2, P, S, D], jaxcb.runner): carried through the scan with a size-1 axis, XLA
+    without that axis ([L, 2, P, S, D], jaxcb.device.runner): carried through the scan with a size-1 axis, XLA
     on the CPU copied the whole cache every layer (measured: a 0.3 GB cache, 1.3 s a step instead of
     0.1 ms); the reshape inside the loop body is free."""
     return a.reshape(a.shape[:2] + (1,) + a.shape[2:]) if a.ndim == 5 else a

@@ -155,7 +155,7 @@ PREFILL_BLOCK_PAGES = 16  # pages (keys) per loop iteration of the prefill atten
 def ragged_attention(q, kv_pages, layer, batch, scale=None, window=0, softcap=0.0, native=False):
     """Causal attention of a packed step over the paged cache, in plain JAX (the CPU path).
 
-    q [T, H, D]; kv_pages [L, 2, K, P, S, D]; layer a scalar; batch a jaxcb.batch.StepInput. Returns
+    q [T, H, D]; kv_pages [L, 2, K, P, S, D]; layer a scalar; batch a jaxcb.host.batch.StepInput. Returns
     [T, H, D] (padding tokens: zeros). `scale`: of the scores (default 1/sqrt(D)); `window` (may be
     traced; 0 = none): a query at position t sees only keys after t - window; `softcap` (static; 0 =
     off): scores become softcap * tanh(scores / softcap).

@@ -37,9 +37,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxcb.engine_config import WEIGHT_CHOICES as WEIGHT_MODES  # the one list of model.weights
-from jaxcb.memory_plan import INT4_GROUP as GROUP  # int4's default input rows per scale
-from jaxcb.memory_plan import ROW_GROUP  # the int8 embedding's values per scale: a GGUF's Q8_0 blocks
+from jaxcb.host.engine_config import WEIGHT_CHOICES as WEIGHT_MODES  # the one list of model.weights
+from jaxcb.host.memory_plan import INT4_GROUP as GROUP  # int4's default input rows per scale
+from jaxcb.host.memory_plan import ROW_GROUP  # the int8 embedding's values per scale: a GGUF's Q8_0 blocks
 
 MATRICES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 

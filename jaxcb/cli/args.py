@@ -1,0 +1,82 @@
+"""The arguments every model command shares (`jaxcb generate`, `serve`, and the operator commands of
+jaxcb.cli.tools) and what they turn into: the engine config and the compute dtype. Its own module so
+that the CLI and its tools both import it, neither the other."""
+
+from __future__ import annotations
+
+import argparse
+
+from jaxcb.host.engine_config import ACTIVATION_CHOICES, CPU_DOTS_CHOICES, KV_CHOICES, WEIGHT_CHOICES
+from jaxcb.host.policies import POLICIES
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="a GGUF file (Llama, Qwen3, Gemma 2/3), a Hugging Face or converted directory, or an embedded model: smollm2-135m (the default), gemma3-270m")
+    p.add_argument("--config", default=None, help="engine config TOML (default: configs/default.toml)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
+                   help="compute (activations and KV) dtype, and the weights' unless --weights says otherwise "
+                        "(default: float32 on CPU, bfloat16 on GPU/TPU)")
+    p.add_argument("--weights", choices=WEIGHT_CHOICES[1:], default=None,
+                   help="how the weight matrices are stored: a float dtype, int8 per output channel or int4 in "
+                        "groups of 32, dequantized inside the step (default: the config's model.weights, auto)")
+    p.add_argument("--activations", choices=ACTIVATION_CHOICES, default=None,
+                   help="int8: quantize each row entering a layer matrix to int8 per 32 values and sum integer "
+                        "products (w8a8; with --weights int8; the config's model.activations by default, float)")
+    p.add_argument("--kv-dtype", choices=KV_CHOICES[1:], default=None,
+                   help="KV pages: a float dtype, or int8 with a scale per token and head (default: the config's "
+                        "cache.kv_dtype, auto = the compute dtype)")
+    p.add_argument("--cpu-dots", choices=CPU_DOTS_CHOICES, default=None,
+                   help="XLA:CPU's dot library: auto (chosen for this CPU, see `python -m jaxcb.device.cpu_dots`), "
+                        "jaxlib's default, YNNPACK, XNNPACK, oneDNN or XLA's own emitter (default: the config's "
+                        "model.cpu_dots, auto)")
+    p.add_argument("--policy", default=None, help=f"scheduling policy: {', '.join(POLICIES)}")
+    p.add_argument("--compile-cache", default=None, metavar="DIR",
+                   help="persistent XLA compilation cache (default: $JAXCB_COMPILE_CACHE or ~/.cache/jaxcb/xla; "
+                        "'off' for none)")
+    p.add_argument("--record-lengths", default=None, metavar="FILE",
+                   help="append each finished request's prompt and context length to FILE (for `jaxcb buckets`)")
+    p.add_argument("--prefix-cache", choices=("on", "off"), default=None,
+                   help="share the pages of common prompt prefixes (default: the config's cache.prefix_caching, on)")
+    p.add_argument("--attention", choices=("xla", "native", "pallas", "auto"), default=None,
+                   help="attention: plain JAX, the native CPU kernels, the Pallas kernels, or auto (Pallas "
+                        "on GPU/TPU, native on the CPU when it builds; the config's model.attention by default)")
+    p.add_argument("--tensor-parallel", type=int, default=None, metavar="N",
+                   help="split each step over N devices by attention heads (default: the config's parallel.tensor, 1)")
+    p.add_argument("--data-parallel", type=int, default=None, metavar="M",
+                   help="M engine replicas on disjoint devices behind one router (default: the config's "
+                        "parallel.data, 1); each replica takes --tensor-parallel devices")
+
+
+def engine_config(args):
+    from jaxcb.host.engine_config import load_config
+
+    config = load_config(args.config)
+    changes = {}
+    if args.policy:
+        changes["policy"] = args.policy
+    if getattr(args, "static", False):
+        changes["static"] = True
+    if args.attention:
+        changes["attention"] = args.attention
+    if args.prefix_cache:
+        changes["prefix_caching"] = args.prefix_cache == "on"
+    if getattr(args, "tensor_parallel", None) is not None:
+        changes["tensor_parallel"] = args.tensor_parallel
+    if getattr(args, "data_parallel", None) is not None:
+        changes["data_parallel"] = args.data_parallel
+    if getattr(args, "weights", None):
+        changes["weights"] = args.weights
+    if getattr(args, "kv_dtype", None):
+        changes["kv_dtype"] = args.kv_dtype
+    if getattr(args, "activations", None):
+        changes["activations"] = args.activations
+    if getattr(args, "cpu_dots", None):
+        changes["cpu_dots"] = args.cpu_dots
+    return config.replace(**changes) if changes else config
+
+
+def dtype(args):
+    """--dtype as a JAX dtype, or None for the backend's default."""
+    import jax.numpy as jnp
+
+    return {"float32": jnp.float32, "bfloat16": jnp.bfloat16}.get(args.dtype)

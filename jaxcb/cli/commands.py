@@ -1,0 +1,427 @@
+"""The `jaxcb` command line.
+
+    jaxcb generate "Why is the sky blue?"            # chat template applied; --raw to skip it
+    jaxcb generate --input requests.jsonl --output results.jsonl [--stats] [--static]
+    jaxcb serve | client | warmup | convert | plan | buckets   (see --help of each)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+from jaxcb.cli import tools as cli_tools
+from jaxcb.cli.args import add_model_args as _add_model_args
+from jaxcb.cli.args import dtype as _dtype
+from jaxcb.cli.args import engine_config as _engine_config
+from jaxcb.device import cpu_dots
+
+GENERATION_FIELDS = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty",
+                     "presence_penalty", "frequency_penalty", "seed", "stop", "stop_token_ids",
+                     "ignore_eos", "logprobs", "n")
+LINE_FIELDS = {"prompt", "prompt_token_ids", "messages", "chat", "priority", "id", *GENERATION_FIELDS}
+
+
+def _sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="jaxcb", description="jaxcb: LLM serving on JAX/XLA")
+    sub = parser.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("generate", help="generate completions offline")
+    g.add_argument("prompt", nargs="?", help="the prompt text")
+    g.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    g.add_argument("--input", help="JSONL file of requests, one JSON object per line")
+    g.add_argument("--output", help="JSONL file for the results (default: stdout)")
+    g.add_argument("--stats", action="store_true", help="warm up first, then print one final JSON line of figures")
+    g.add_argument("--static", action="store_true", help="static batching (admit a batch only when the last is done)")
+    _add_model_args(g)
+    _sampling_args(g)
+
+    s = sub.add_parser("serve", help="serve the model over gRPC")
+    _add_model_args(s)
+    s.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    s.add_argument("--port", type=int, default=50051)
+    s.add_argument("--metrics-port", type=int, default=None, help="Prometheus metrics over HTTP on this port")
+    s.add_argument("--http-port", type=int, default=None,
+                   help="also serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
+                        "/v1/models, /health, /metrics) on this port")
+    s.add_argument("--tls-cert", default=None, help="PEM certificate chain (with --tls-key)")
+    s.add_argument("--tls-key", default=None)
+    s.add_argument("--auth-token", action="append", default=None,
+                   help="require 'authorization: Bearer TOKEN' on every call but health checks; repeat for several "
+                        "tenants (each token sees and aborts only its own requests); default: $JAXCB_AUTH_TOKEN")
+    s.add_argument("--grace-period", type=float, default=10.0, help="seconds in-flight streams get at shutdown")
+    s.add_argument("--max-waiting", type=int, default=1024,
+                   help="requests accepted and not yet running before RESOURCE_EXHAUSTED")
+    s.add_argument("--max-concurrent-streams", type=int, default=4096, help="calls in progress at once")
+    s.add_argument("--metrics-host", default="127.0.0.1",
+                   help="address of the (unauthenticated) metrics port (default: loopback only)")
+    s.add_argument("--coordinator", default=None, metavar="HOST:PORT",
+                   help="multi-host: process 0's address for jax.distributed (every process gives the same)")
+    s.add_argument("--num-processes", type=int, default=None, help="multi-host: processes in the cluster")
+    s.add_argument("--process-id", type=int, default=None, help="multi-host: this process (0 serves, the others follow)")
+    s.add_argument("--multihost", action="store_true",
+                   help="multi-host with JAX's cluster detection (TPU pods, SLURM, ...) instead of the three above")
+
+    c = sub.add_parser("client", help="stream a completion from a running server")
+    c.add_argument("prompt")
+    c.add_argument("--target", default="127.0.0.1:50051")
+    c.add_argument("--raw", action="store_true", help="send the text as is (no chat template)")
+    c.add_argument("--json", action="store_true", help="print one JSON object per response message")
+    c.add_argument("--auth-token", default=os.environ.get("JAXCB_AUTH_TOKEN"))
+    c.add_argument("--tls-root-cert", default=None)
+    c.add_argument("--timeout", type=float, default=None)
+    _sampling_args(c)
+    cli_tools.add_parsers(sub, _add_model_args)
+    return parser
+
+
+def _make_llm(args):
+    from jaxcb.device import compile_cache
+    from jaxcb.llm import LLM
+
+    compile_cache.enable(args.compile_cache)
+    llm = LLM(args.model, config=_engine_config(args), dtype=_dtype(args))
+    if args.record_lengths:
+        llm.engine.record_lengths(args.record_lengths)
+    return llm
+
+
+def _params_from_args(args, overrides: dict | None = None):
+    from jaxcb.host.request import SamplingParams
+
+    values = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                  min_p=args.min_p, seed=args.seed, ignore_eos=args.ignore_eos, stop=tuple(args.stop))
+    values.update(overrides or {})
+    if isinstance(values.get("stop"), str):
+        values["stop"] = (values["stop"],)
+    return SamplingParams(**values)
+
+
+def _parse_line(llm, args, lineno: int, line: str):
+    """One input line -> (prompt ids, SamplingParams, priority, id); ValueError names line and field."""
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"line {lineno}: not valid JSON ({e.msg})") from None
+    if not isinstance(obj, dict):
+        raise ValueError(f"line {lineno}: must be a JSON object")
+    unknown = set(obj) - LINE_FIELDS
+    if unknown:
+        raise ValueError(f"line {lineno}: unknown field(s) {', '.join(sorted(unknown))}")
+    try:
+        chat = obj.get("chat", not args.raw)
+        if "prompt_token_ids" in obj:
+            ids = obj["prompt_token_ids"]
+            if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+                raise ValueError("prompt_token_ids: must be a list of integers")
+        elif "messages" in obj:
+            if llm.tokenizer is None:
+                raise ValueError("messages: this model has no tokenizer")
+            ids = llm.tokenizer.encode_chat(obj["messages"])
+        elif "prompt" in obj:
+            if not isinstance(obj["prompt"], str):
+                raise ValueError("prompt: must be a string")
+            ids = llm.encode(obj["prompt"], chat=bool(chat))
+        else:
+            raise ValueError("one of prompt, prompt_token_ids or messages is required")
+        params = _params_from_args(args, {k: obj[k] for k in GENERATION_FIELDS if k in obj})
+        llm.engine.validate(ids, params)
+        priority = obj.get("priority", 0)
+        if not isinstance(priority, int):
+            raise ValueError("priority: must be an integer")
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"line {lineno}: {e}") from None
+    return ids, params, priority, obj.get("id")
+
+
+def _sample(out) -> dict:
+    d = {"token_ids": out.token_ids, "text": out.text, "finish_reason": out.finish_reason,
+         "cached_prompt_tokens": out.num_cached_tokens}
+    if out.logprobs is not None:
+        d["logprobs"] = out.logprobs
+    return d
+
+
+def _result(outs, rid=None) -> dict:
+    """One output line: the sample's fields, or with n > 1 a list of `samples`."""
+    d = {"prompt_token_ids": outs[0].prompt_token_ids}
+    if len(outs) == 1:
+        d.update(_sample(outs[0]))
+    else:
+        d["samples"] = [dict(index=o.index, **_sample(o)) for o in outs]
+    if rid is not None:
+        d["id"] = rid
+    return d
+
+
+def cmd_generate(args) -> int:
+    if (args.prompt is None) == (args.input is None):
+        print("jaxcb generate: give either a prompt or --input FILE", file=sys.stderr)
+        return 2
+    llm = _make_llm(args)
+    if args.stats:
+        t0 = time.perf_counter()
+        llm.warmup()
+        print(f"warm-up: {time.perf_counter() - t0:.1f}s", file=sys.stderr)
+    if args.prompt is not None:
+        outs = llm.generate([args.prompt], _params_from_args(args), chat=not args.raw)
+        print(outs[0].text)
+        return 0
+
+    try:
+        with open(args.input, encoding="utf-8") as f:
+            lines = f.read().splitlines()
+    except OSError as e:
+        print(f"jaxcb generate: --input: {e}", file=sys.stderr)
+        return 2
+    slots: list[dict | None] = []
+    jobs = []  # (slot index, ids, params, priority, id)
+    failed = 0
+    for lineno, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            ids, params, priority, rid = _parse_line(llm, args, lineno, line)
+        except ValueError as e:
+            print(f"jaxcb generate: {args.input}: {e}", file=sys.stderr)
+            slots.append({"line": lineno, "error": str(e)})
+            failed += 1
+            continue
+        jobs.append((len(slots), ids, params, priority, rid))
+        slots.append(None)
+
+    engine = llm.replicas or llm.engine  # stats summed over data-parallel replicas
+    compiled_before = engine.stats().compilations
+    engine.reset_counters()
+    t0 = time.perf_counter()
+    outs = llm._run([j[1] for j in jobs], [j[2] for j in jobs], [j[3] for j in jobs]) if jobs else []
+    wall = time.perf_counter() - t0
+    at = 0
+    for job in jobs:
+        slots[job[0]] = _result(outs[at:at + job[2].n], job[4])
+        at += job[2].n
+
+    sink = open(args.output, "w", encoding="utf-8") if args.output else sys.stdout
+    try:
+        for s in slots:
+            sink.write(json.dumps(s, ensure_ascii=False) + "\n")
+    finally:
+        if args.output:
+            sink.close()
+    if args.stats:
+        st = engine.stats()
+        useful = sum(len(o.token_ids) for o in outs)
+        prompt_tokens = sum(len(o.prompt_token_ids) for o in outs)
+        print(json.dumps({
+            "requests": len(outs), "failed_lines": failed, "wall_s": round(wall, 3),
+            "output_tokens_per_s": useful / wall if wall else 0.0,
+            "prompt_tokens_per_s": prompt_tokens / wall if wall else 0.0,
+            "prompt_tokens_computed": st.prompt_tokens_computed,
+            "compilations_after_warmup": st.compilations - compiled_before,
+            "padding_fraction": st.padding_fraction, "page_utilization": st.page_utilization,
+            "preemptions": st.preemptions, "host_wait_fraction": st.host_wait_fraction, "steps": st.steps,
+            "prefix_cache_queries": st.prefix_cache_queries, "prefix_cache_hits": st.prefix_cache_hits,
+        }))
+    if failed:
+        print(f"jaxcb generate: {failed} of {failed + len(jobs)} lines failed", file=sys.stderr)
+        return 1
+    return 0
+
+
+def cmd_serve(args) -> int:
+    import asyncio
+    import logging
+
+    import jax
+
+    from jaxcb.llm import build_engines
+    from serve.server import ServerOptions, run_server
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if bool(args.tls_cert) != bool(args.tls_key):
+        raise ValueError("--tls-cert and --tls-key go together")
+    from jaxcb.device import compile_cache
+
+    config = _engine_config(args)
+    dots = cpu_dots.setup(config.cpu_dots)  # before the first device call: XLA reads its flags once
+    cache_dir = compile_cache.enable(args.compile_cache)
+    wrap = None
+    if args.multihost or args.coordinator or args.num_processes is not None or args.process_id is not None:
+        from jaxcb.device import multihost
+
+        config, wrap = _join_cluster(args, config)
+        if not multihost.is_leader():
+            return _follow(args, config)
+    # A config that cannot fit is refused before the weights are read.
+    engines = build_engines(args.model, config, _dtype(args), wrap_runner=wrap,
+                            agree_plan=multihost.agree_plan if wrap is not None else None)
+    engine = engines[0]
+    if wrap is not None:  # every process built the same engine, or none starts
+        multihost.check_same_engine(engine.runner, engine.config)
+    model_config, tokenizer, runner, config = engine.model_config, engine.tokenizer, engine.runner, engine.config
+    if tokenizer is None:
+        raise ValueError("model: the file has no tokenizer; the server needs one")
+    if args.record_lengths:
+        for e in engines:
+            e.record_lengths(args.record_lengths)
+    options = ServerOptions(host=args.host, port=args.port, metrics_port=args.metrics_port, http_port=args.http_port,
+                            tls_cert=args.tls_cert,
+                            tls_key=args.tls_key, grace_s=args.grace_period, max_waiting=args.max_waiting,
+                            auth_token=tuple(args.auth_token or filter(None, [os.environ.get("JAXCB_AUTH_TOKEN")])),
+                            max_concurrent_streams=args.max_concurrent_streams, metrics_host=args.metrics_host)
+    step = runner.describe()
+    print(f"jaxcb: model {model_config.name} on {step['platform']}, {step['compute_dtype']}; "
+          f"{config.num_pages} KV pages of {config.page_size} tokens; policy {config.scheduler.policy}; "
+          f"compile cache {cache_dir or 'off'}", flush=True)
+    print(f"jaxcb: step: weights {step['weights']}, KV {step['kv_dtype']}, attention {step['attention']}"
+          + (f"; XLA:CPU dots: {dots.describe()}" if step["platform"] == "cpu" else ""), flush=True)
+    if len(engines) > 1 or config.tensor_parallel > 1:
+        print(f"jaxcb: {len(engines)} replica(s) x tensor parallel {config.tensor_parallel}: devices "
+              f"{[e.runner.device_ids for e in engines]}", flush=True)
+    target = f"{args.host}:{args.port}"
+    print(f"jaxcb: try it:  .venv/bin/jaxcb client --target {target} \"Why is the sky blue?\"", flush=True)
+
+    def announce(msg):
+        print(msg, flush=True)
+
+    code = asyncio.run(run_server(engines, tokenizer, model_config.name, step['compute_dtype'], options,
+                                  announce))
+    if wrap is not None:
+        return _leave_cluster(engine.runner, code)
+    return code
+
+
+def _join_cluster(args, config):
+    """jax.distributed.initialize, then the config for a mesh of every device of every process, and
+    the leader's runner wrapper (jaxcb.device.multihost)."""
+    import jax
+
+    from jaxcb.device import multihost
+
+    multihost.initialize(args.coordinator, args.num_processes, args.process_id)
+    n = jax.device_count()
+    if config.data_parallel > 1:
+        raise ValueError("parallel.data: data-parallel replicas are not combined with multi-host serving; "
+                         "run one server per replica")
+    if config.tensor_parallel == 1:
+        config = config.replace(tensor_parallel=n)
+    elif config.tensor_parallel != n:
+        raise ValueError(f"parallel.tensor: multi-host serving splits the model over all {n} devices of the "
+                         f"cluster, got {config.tensor_parallel}")
+    print(f"jaxcb: process {jax.process_index()} of {jax.process_count()}; tensor parallel {n} over "
+          f"{jax.local_device_count()} local devices each", flush=True)
+
+    def wrap(runner, resolved):
+        return multihost.LeaderRunner(runner, _channel(runner, resolved))
+
+    return config, wrap
+
+
+def _channel(runner, config):
+    from jaxcb.device import multihost
+
+    c = runner.model_config
+    max_context = min(config.scheduler.max_context, c.max_context)
+    return multihost.Channel(config.buckets.shapes(config.page_size, max_context), config.page_size,
+                             c.sliding_window if c.windowed else 0)
+
+
+def _follow(args, config) -> int:
+    """A follower process: the leader's engine, built by the same function from the same config (its
+    weights and pages on this process's devices), mirroring the leader's steps."""
+    import jax
+
+    from jaxcb.device import multihost
+    from jaxcb.llm import build_engines
+
+    engine = build_engines(args.model, config, _dtype(args), agree_plan=multihost.agree_plan)[0]
+    runner = engine.runner
+    multihost.check_same_engine(runner, engine.config)
+    print(f"jaxcb: process {jax.process_index()} follows process 0", flush=True)
+    try:
+        steps = multihost.follow(runner, _channel(runner, engine.config))
+    except Exception as e:  # noqa: BLE001 - the leader is gone or the cluster broke: exit non-zero at once
+        print(f"jaxcb: follower {jax.process_index()}: the cluster failed ({e!r}); exiting", flush=True)
+        os._exit(1)
+    print(f"jaxcb: follower {jax.process_index()}: stopped by the leader after {steps} steps", flush=True)
+    jax.distributed.shutdown()
+    return 0
+
+
+def _leave_cluster(runner, code: int) -> int:
+    """The leader after its server stopped: on a clean stop, tell the followers to stop; after a
+    failure (a process died: the engine thread failed in a collective), exit non-zero at once rather
+    than wait on the dead."""
+    import jax
+
+    if code != 0:
+        print("jaxcb: leaving the cluster after a failure", flush=True)
+        os._exit(code)
+    runner.stop_followers()
+    jax.distributed.shutdown()
+    return 0
+
+
+def cmd_client(args) -> int:
+    import grpc
+
+    from serve.client import Client, Result
+
+    sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                    seed=args.seed)
+    with Client(args.target, token=args.auth_token, tls_root_cert=args.tls_root_cert) as client:
+        try:
+            for item in client.generate(args.prompt, chat=not args.raw, max_tokens=args.max_tokens,
+                                        stop=args.stop, ignore_eos=args.ignore_eos, timeout=args.timeout,
+                                        **sampling):
+                if isinstance(item, Result):
+                    if args.json:
+                        print(json.dumps({"request_id": item.request_id, "finish_reason": item.finish_reason,
+                                          "token_ids": item.token_ids, "text": item.text,
+                                          "usage": {"prompt_tokens": item.prompt_tokens,
+                                                    "completion_tokens": item.completion_tokens,
+                                                    "cached_prompt_tokens": item.cached_prompt_tokens}}))
+                    else:
+                        print(flush=True)
+                elif args.json:
+                    print(json.dumps({"token_ids": item.token_ids, "text": item.text}), flush=True)
+                else:
+                    print(item.text, end="", flush=True)
+        except grpc.RpcError as e:
+            print(f"jaxcb client: {e.code().name}: {e.details()}", file=sys.stderr)
+            return 1
+    return 0
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "generate":
+            return cmd_generate(args)
+        if args.command in cli_tools.COMMANDS:
+            return cli_tools.COMMANDS[args.command](args)
+        if args.command == "serve":
+            return cmd_serve(args)
+        if args.command == "client":
+            return cmd_client(args)
+    except ValueError as e:
+        print(f"jaxcb {args.command}: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,243 @@
+"""Multi-host serving: one step program over the devices of several processes, one scheduler.
+
+Every process (host) runs `jaxcb serve` with the same model and config and joins one JAX cluster
+(`jax.distributed.initialize`; on the CPU the collectives go over gloo). The mesh is every device of
+every process, split by tensor parallelism (jaxcb.device.parallel). Process 0, the leader, runs the gRPC
+server, the scheduler and the page pool; the others, followers, hold their shards of the weights and
+KV pages and run whatever step the leader runs, in the same order:
+
+    leader, every step:  broadcast header [op, bucket, step no.]  then the step's padded input as
+                         one byte buffer (its size follows from the bucket), then run the step
+    follower, forever:   receive the header; RUN: receive the input, run the same compiled step;
+                         COMPILE: compile that bucket (warm-up); PING: nothing; STOP: return
+
+Both broadcasts are `multihost_utils.broadcast_one_to_all` (a psum in which only the leader
+contributes). Warm-up sends COMPILE for every bucket with a zero input, so the broadcast of every
+size is compiled too and nothing compiles after it. While the leader is idle it sends PING every
+second: a follower never waits long in a collective, and a dead process is found within a second
+(the collective fails: the leader's engine thread dies and the server exits non-zero; a follower
+whose leader is gone exits non-zero). SIGTERM on the leader drains the server, then sends STOP.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import jax
+import numpy as np
+
+from jaxcb.device import cpu_dots
+from jaxcb.host.batch import StepShape, pack, pack_sampling
+
+log = logging.getLogger("jaxcb.device.multihost")
+
+OP_RUN, OP_COMPILE, OP_PING, OP_STOP = 1, 2, 3, 4
+HEADER_WORDS = 4  # op, bucket index, step number, reserved
+PING_EVERY_S = 1.0
+
+
+def initialize(coordinator: str | None, num_processes: int | None, process_id: int | None) -> None:
+    """Join the cluster: explicit coordinator/count/id, or (all None) JAX's own cluster detection
+    (TPU pods, SLURM, Open MPI, ...). Must run before anything touches a device."""
+    if jax.config.jax_platforms in (None, "", "cpu") or jax.config.jax_platforms.startswith("cpu"):
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(coordinator, num_processes, process_id, heartbeat_timeout_seconds=10)
+    log.info("process %d of %d; %d local devices of %d", jax.process_index(), jax.process_count(),
+             jax.local_device_count(), jax.device_count())
+
+
+def is_leader() -> bool:
+    return jax.process_index() == 0
+
+
+def _allgather(x: np.ndarray) -> np.ndarray:
+    """[processes, ...]: every process's `x` (the same shape and dtype everywhere)."""
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(x))
+
+
+def agree_plan(plan):
+    """The memory plan every process uses: each plans from its own free memory, and the cluster takes
+    the smallest page counts, so page ids mean the same pages everywhere (build_engines' agree_plan)."""
+    import dataclasses
+
+    counts = _allgather(np.array([plan.num_pages, plan.num_window_pages], np.int64))
+    agreed = dataclasses.replace(plan, num_pages=int(counts[:, 0].min()), num_window_pages=int(counts[:, 1].min()))
+    if agreed != plan:
+        log.info("process %d: pages %d/%d as the cluster agreed (planned %d/%d)", jax.process_index(),
+                 agreed.num_pages, agreed.num_window_pages, plan.num_pages, plan.num_window_pages)
+    return agreed
+
+
+def fingerprint(runner, config) -> dict[str, str]:
+    """What must be the same in every process for them to run one engine: the model, its weights
+    (each array's path, global shape and dtype, so the weights mode and group), the compute and KV
+    dtypes, the window layout, the buckets, the pages, the attention and, on the CPU, the dot library."""
+    import hashlib
+
+    import jax.numpy as jnp
+
+    c = runner.step_config
+    leaves = jax.tree_util.tree_leaves_with_path(runner.params)
+    weights = hashlib.sha256(repr([(jax.tree_util.keystr(k), tuple(a.shape), str(a.dtype))
+                                   for k, a in leaves]).encode()).hexdigest()[:16]
+    return {
+        "model": f"{c.name} ({c.family}, {c.num_layers} layers, vocab {c.vocab_size}, {c.num_params} parameters)",
+        "weights": f"{', '.join(sorted({str(a.dtype) for _, a in leaves}))} arrays {weights}",
+        "compute dtype": jnp.dtype(runner.dtype).name,
+        "activations": config.activations,
+        "kv dtype": jnp.dtype(runner.kv_dtype).name,
+        "window layout": f"window {c.sliding_window if c.windowed else 0}, {c.num_sliding_layers} sliding layers, "
+                         f"{runner.num_window_pages} window pages",
+        "buckets": repr(config.buckets),
+        "pages": f"{config.num_pages} of {config.page_size} tokens",
+        "tensor parallel": str(config.tensor_parallel),
+        "attention": str(runner.attention.kernel),
+        # XLA:CPU's dot library changes float rounding (jaxcb.device.cpu_dots); a measured choice may differ by host
+        "cpu dots": cpu_dots.current().library if runner.describe()["platform"] == "cpu" else "-",
+    }
+
+
+def check_same_engine(runner, config, size: int = 8192) -> None:
+    """Every process reports its fingerprint; any difference from the leader's refuses the start (on
+    every process: the same collective), naming what differs."""
+    import json
+
+    mine = json.dumps(fingerprint(runner, config), sort_keys=True).encode()
+    if len(mine) > size:
+        raise ValueError(f"multi-host: the engine fingerprint is over {size} bytes")
+    buf = np.zeros(size, np.uint8)
+    buf[:len(mine)] = np.frombuffer(mine, np.uint8)
+    everyone = [json.loads(bytes(row).rstrip(b"\0")) for row in _allgather(buf)]
+    leader = everyone[0]
+    diffs = [f"process {i} {key}: {theirs.get(key)!r}, leader: {leader.get(key)!r}"
+             for i, theirs in enumerate(everyone[1:], 1) for key in sorted(set(leader) | set(theirs))
+             if theirs.get(key) != leader.get(key)]
+    if diffs:
+        raise ValueError("multi-host: the processes would not run one engine; start every process with the "
+                         "same model, config and flags: " + "; ".join(diffs))
+
+
+class Channel:
+    """The per-step broadcast from the leader; one instance per process, the same bucket list."""
+
+    def __init__(self, shapes: list[StepShape], page_size: int, window: int = 0):
+        import jaxcb.device.runner  # noqa: F401 - registers the step input types as pytrees
+
+        self.shapes = list(shapes)
+        self.page_size = page_size
+        self._index = {s: i for i, s in enumerate(self.shapes)}
+        # The step inputs as the engine packs them (a model with sliding layers adds its window pages).
+        self._templates = [jax.tree.flatten((pack([], s, page_size, window), pack_sampling([], s)))
+                           for s in self.shapes]
+        self.steps = 0
+        self.bytes_sent = 0
+        self.last_send = time.monotonic()
+
+    def payload_bytes(self, shape: StepShape) -> int:
+        return sum(x.nbytes for x in self._templates[self._index[shape]][0])
+
+    @staticmethod
+    def _broadcast(x: np.ndarray) -> np.ndarray:
+        from jax.experimental import multihost_utils
+
+        return np.asarray(multihost_utils.broadcast_one_to_all(x))
+
+    # ---- leader ----
+    def send(self, op: int, shape: StepShape | None = None, batch=None, sampling=None) -> None:
+        index = -1 if shape is None else self._index[shape]
+        header = np.array([op, index, self.steps, 0], np.int32)
+        self._broadcast(header)
+        if op in (OP_RUN, OP_COMPILE):
+            leaves = jax.tree.leaves((batch, sampling)) if batch is not None else self._templates[index][0]
+            buf = np.concatenate([np.ascontiguousarray(x).view(np.uint8).ravel() for x in leaves])
+            self._broadcast(buf)
+            self.bytes_sent += buf.nbytes
+        self.bytes_sent += header.nbytes
+        self.steps += op == OP_RUN
+        self.last_send = time.monotonic()
+
+    # ---- follower ----
+    def receive(self):
+        """(op, shape, batch, sampling) from the leader's next send."""
+        header = self._broadcast(np.zeros(HEADER_WORDS, np.int32))
+        op, index = int(header[0]), int(header[1])
+        if op not in (OP_RUN, OP_COMPILE):
+            return op, None, None, None
+        leaves, treedef = self._templates[index]
+        buf = self._broadcast(np.zeros(sum(x.nbytes for x in leaves), np.uint8))
+        out, at = [], 0
+        for x in leaves:
+            out.append(buf[at:at + x.nbytes].view(x.dtype).reshape(x.shape))
+            at += x.nbytes
+        batch, sampling = jax.tree.unflatten(treedef, out)
+        return op, self.shapes[index], batch, sampling
+
+
+class LeaderRunner:
+    """The leader's ModelRunner: every compile and step is first sent to the followers. Implements the
+    engine's Runner protocol (jaxcb.host.engine.Runner); what it does not send on is the wrapped runner's."""
+
+    def __init__(self, runner, channel: Channel):
+        self._runner = runner
+        self.channel = channel
+        self.model_config = runner.model_config
+        self.step_config = runner.step_config
+        self.num_window_pages = runner.num_window_pages
+        self.device_ids = runner.device_ids
+
+    def fetch(self, outputs):
+        return self._runner.fetch(outputs)
+
+    def describe(self) -> dict[str, str]:
+        return self._runner.describe()
+
+    def compilations(self) -> int:
+        return self._runner.compilations()
+
+    def compile(self, shape: StepShape) -> None:
+        self.channel.send(OP_COMPILE, shape)
+        self._runner.compile(shape)
+
+    def run(self, batch, sampling, shape: StepShape):
+        self.channel.send(OP_RUN, shape, batch, sampling)
+        return self._runner.run(batch, sampling, shape)
+
+    def reset_kv_if_lost(self) -> bool:
+        """After a failed step: fresh pages would be allocated by this process alone, which the
+        followers cannot mirror; a lost cache (consumed, or holding an error as the single-process
+        runner checks) ends the cluster (the engine thread dies, exit 1)."""
+        lost = any(a.is_deleted() for a in self._runner.kv_arrays)
+        if not lost:
+            try:
+                for a in (*self._runner.kv_arrays, self._runner.last_tokens):
+                    a.block_until_ready()
+            except Exception:  # noqa: BLE001 - an error-carrying buffer: its contents are unknown
+                lost = True
+        if lost:
+            raise RuntimeError("multi-host: a failed step lost the KV pages; restart the cluster")
+        return False
+
+    def idle(self) -> None:
+        if time.monotonic() - self.channel.last_send >= PING_EVERY_S:
+            self.channel.send(OP_PING)
+
+    def stop_followers(self) -> None:
+        self.channel.send(OP_STOP)
+
+
+def follow(runner, channel: Channel) -> int:
+    """A follower's whole life after loading: mirror the leader until STOP (returns the steps run)."""
+    runs = 0
+    while True:
+        op, shape, batch, sampling = channel.receive()
+        if op == OP_STOP:
+            log.info("follower %d: STOP after %d steps", jax.process_index(), runs)
+            return runs
+        if op == OP_COMPILE:
+            runner.compile(shape)
+        elif op == OP_RUN:
+            runner.run(batch, sampling, shape)
+            runs += 1

@@ -1,0 +1,365 @@
+"""The device side of a step: params and KV pages on the accelerator, one jitted program per token bucket.
+
+    kv_pages, sampled, last_tokens = step(params, kv_pages, last_tokens, batch, sampling)
+
+`step` is pure; the KV pages are donated so the cache is updated in place. `ModelRunner` owns the
+device state, turns padded numpy batches into device arrays, dispatches asynchronously and counts
+XLA compilations (which must stay flat after warm-up).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import threading
+
+import jax
+import jax.monitoring
+import jax.numpy as jnp
+import numpy as np
+
+from jaxcb.device.sampling import SampleOutput, sample
+from jaxcb.host.batch import SamplingInput, StepInput, StepShape, pack, pack_sampling
+from jaxcb.model.config import ModelConfig
+from jaxcb.model.llama import Attention, Params, forward
+from jaxcb.model.paged_attention import allocate_kv_pages
+
+log = logging.getLogger("jaxcb.device.runner")
+
+_compile_lock = threading.Lock()
+_compilations = 0
+# One XLA compilation at a time in this process: data-parallel replicas compile on their own threads,
+# and on the CPU two threads compiling the same step at once crashed the process once (a segfault
+# inside XLA's compile, in CI). Compiling is CPU-bound, so little is lost.
+_compile_serial = threading.Lock()
+
+
+def _count_compile(name, *args, **kwargs):
+    global _compilations
+    if name == "/jax/core/compile/backend_compile_duration":
+        with _compile_lock:
+            _compilations += 1
+
+
+def _count_cache_load(name, *args, **kwargs):
+    """A program loaded from the persistent compile cache instead of compiled: counted as a compilation
+    too, so that "nothing compiled after warm-up" also means nothing new was loaded after it."""
+    global _compilations
+    if name == "/jax/compilation_cache/cache_hits":
+        with _compile_lock:
+            _compilations += 1
+
+
+jax.monitoring.register_event_duration_secs_listener(_count_compile)
+jax.monitoring.register_event_listener(_count_cache_load)
+
+
+def compilation_count() -> int:
+    """XLA programs this process compiled or loaded from the compile cache so far (all functions, all
+    runners)."""
+    return _compilations
+
+
+@functools.partial(jax.jit, static_argnames=("config", "attention"), donate_argnums=(1,))
+def step(params: Params, kv_pages: jax.Array, last_tokens: jax.Array, batch: StepInput, sampling: SamplingInput,
+         config: ModelConfig, attention: Attention = Attention()):
+    """One engine step. `last_tokens` [L] are the previous step's sampled tokens: a decode token the
+    host has not fetched yet (async scheduling) is taken from there (batch.src_rows), and so is its
+    place in the penalties' history. Returns the new KV pages, the sampled tokens and the new
+    last_tokens."""
+    from_prev = batch.src_rows >= 0
+    token_ids = jnp.where(from_prev, last_tokens[jnp.maximum(batch.src_rows, 0)], batch.token_ids)
+    batch = dataclasses.replace(batch, token_ids=token_ids)
+    rows = jnp.arange(sampling.pending_col.shape[0])
+    col = jnp.maximum(sampling.pending_col, 0)
+    history = sampling.history_ids.at[rows, col].set(
+        jnp.where(sampling.pending_col >= 0, token_ids[batch.last_token], sampling.history_ids[rows, col]))
+    sampling = dataclasses.replace(sampling, history_ids=history)
+    kv_pages, logits = forward(params, kv_pages, batch, config, attention)
+    out = sample(logits, sampling)
+    last_tokens = jax.lax.dynamic_update_slice(jnp.zeros_like(last_tokens), out.token_ids, (0,))
+    return kv_pages, out, last_tokens
+
+
+def keep_freed_memory_on_cpu() -> bool:
+    """On the CPU, have glibc's allocator keep freed memory for reuse instead of returning it to the OS.
+
+    Every step allocates fresh intermediates of tens of MB (gathered pages, activations); by default
+    glibc serves each from a new mmap and unmaps it afterwards, so every step pays a page fault per
+    4 KiB touched. Measured here, that made gathering KV pages 5x slower (2.7 vs 13 GB/s). A server
+    that runs the same steps over and over gains by keeping that memory mapped.
+    """
+    import ctypes
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return False
+    m_trim_threshold, m_top_pad, m_mmap_threshold = -1, -2, -3
+    ok = libc.mallopt(m_mmap_threshold, 1 << 30) == 1
+    ok &= libc.mallopt(m_trim_threshold, 2**31 - 1) == 1
+    ok &= libc.mallopt(m_top_pad, 64 << 20) == 1
+    return bool(ok)
+
+
+def default_dtype():
+    """float32 on the CPU, bfloat16 on accelerators."""
+    return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
+
+
+def device_memory_bytes() -> int:
+    """The accelerator's memory; on the CPU, the host memory available now."""
+    try:
+        stats = jax.devices()[0].memory_stats() or {}
+    except Exception:  # noqa: BLE001 - not every backend reports it
+        stats = {}
+    if stats.get("bytes_limit"):
+        return int(stats["bytes_limit"])
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration):
+        import os
+
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def compute_dtype(config, dtype=None):
+    """The dtype of activations and KV pages: `dtype` (--dtype) if given, else the float mode of
+    model.weights, else the backend's default."""
+    if dtype is not None:
+        return jnp.dtype(dtype)
+    if getattr(config, "weights", "auto") in ("float32", "bfloat16"):
+        return jnp.dtype(config.weights)
+    return jnp.dtype(default_dtype())
+
+
+def plan_memory(model_config: ModelConfig, config, dtype=None, budget_bytes: int | None = None):
+    """The engine config's memory plan for this model in `dtype` on this device (per device of the
+    mesh under tensor parallelism). Needs no weights, so it runs before anything is loaded or
+    allocated; raises ValueError with the numbers when the configuration cannot fit."""
+    from jaxcb.host import memory_plan
+
+    dtype = compute_dtype(config, dtype)
+    if config.tensor_parallel > 1:
+        from jaxcb.device.parallel import check_tensor_parallel
+
+        check_tensor_parallel(model_config, config.tensor_parallel, config.weights, config.weight_group)
+    budget = budget_bytes or config.memory_bytes
+    if not budget:
+        budget = device_memory_bytes()
+        if jax.default_backend() == "cpu":  # host devices share the one memory
+            budget //= config.tensor_parallel * config.data_parallel
+    return memory_plan.plan_for_model(model_config, config, budget_bytes=budget, dtype_bytes=dtype.itemsize)
+
+
+def make_runner(model_config: ModelConfig, params: Params, config, dtype=None, plan=None, devices=None):
+    """(ModelRunner, config with num_pages resolved): the memory plan (`plan`, if already made for
+    these weights' dtype), then the KV pages. `devices`: where this runner lives (a data-parallel
+    replica's share); default the first `tensor_parallel` devices, or the default device."""
+    plan = plan or plan_memory(model_config, config, dtype or params.embed.dtype)
+    if plan.num_pages != config.num_pages:
+        config = config.replace(num_pages=plan.num_pages)
+    mesh = None
+    if config.tensor_parallel > 1 or devices is not None:
+        from jaxcb.device import parallel
+
+        parallel.check_tensor_parallel(model_config, config.tensor_parallel, config.weights, config.weight_group)
+        mesh = parallel.make_mesh(config.tensor_parallel, devices)
+    if config.activations == "int8":
+        from jaxcb.model.quant import with_int8_activations
+
+        params = with_int8_activations(params)
+    runner = ModelRunner(model_config, params, config.num_pages, config.page_size, dtype, attention=config.attention,
+                         max_seqs=config.buckets.max_batch, mesh=mesh, num_window_pages=plan.num_window_pages or None,
+                         kv_dtype=None if config.kv_dtype == "auto" else config.kv_dtype)
+    return runner, config
+
+
+PALLAS_KERNEL = {"tpu": "tpu", "gpu": "gpu", "cuda": "gpu", "rocm": "gpu"}  # platform -> Attention.kernel
+
+
+def resolve_attention(choice: str, mesh=None) -> Attention:
+    """The engine config's `attention` for this platform.
+
+    "xla": the plain-JAX reference everywhere. "native": on the CPU, the step's attention, and on one
+    device its float32 layer matmuls, in the C++ kernels (kernels_cpu; an error where they cannot be built). "pallas": the Pallas
+    kernels of the platform (on the CPU, the GPU kernel in interpret mode: for tests, slow). "auto": the
+    Pallas kernels on GPU/TPU; on the CPU the native kernel when it builds, else the plain-JAX path.
+    """
+    platform = jax.default_backend()
+    kernel = PALLAS_KERNEL.get(platform)
+    if choice == "native" or (choice == "auto" and kernel is None):
+        import kernels_cpu
+
+        if kernel is None and kernels_cpu.available():
+            return Attention("cpu", mesh=mesh, native_matmul=mesh is None)
+        if choice == "native":
+            why = kernels_cpu.unavailable_reason() if kernel is None else f"the {platform} backend is not the CPU"
+            raise ValueError(f"attention: 'native' is not available here ({why})")
+        return Attention("xla", mesh=mesh)
+    if choice == "xla":
+        return Attention("xla", mesh=mesh)
+    if choice in ("pallas", "auto"):
+        return Attention(kernel or "gpu", interpret=kernel is None, mesh=mesh)
+    raise ValueError(f"attention: {choice!r} is not one of 'xla', 'native', 'pallas', 'auto'")
+
+
+class ModelRunner:
+    def __init__(self, config: ModelConfig, params: Params, num_pages: int, page_size: int, dtype=None,
+                 attention: str = "auto", max_seqs: int = 256, mesh=None, num_window_pages: int | None = None,
+                 kv_dtype=None):
+        if jax.default_backend() == "cpu":
+            keep_freed_memory_on_cpu()
+        self.mesh = mesh  # tensor parallelism (jaxcb.device.parallel); None = the default device
+        self.attention = resolve_attention(attention, mesh)
+        self._compiled: dict[int, object] = {}  # token bucket -> the compiled step
+        self.model_config = config  # the model as loaded
+        self.kv_replication = 1
+        if mesh is not None:
+            from jaxcb.device import parallel
+
+            tensor = mesh.shape[parallel.AXIS]
+            self.kv_replication = parallel.kv_replication(config, tensor)
+            if self.kv_replication > 1:
+                log.info("tensor parallel %d over %d KV heads: each KV head is replicated %d times, one copy per "
+                         "device", tensor, config.num_kv_heads, self.kv_replication)
+            config, params = parallel.replicate_kv_heads(config, params, tensor)
+        self.step_config = config  # the layout the step runs (KV heads replicated onto the mesh if needed)
+        self.dtype = dtype or params.embed.dtype
+        # The KV pages' dtype: the compute dtype, or cache.kv_dtype (int8: values and a scale per
+        # token and head, jaxcb.model.paged_attention.quantize_kv).
+        self.kv_dtype = jnp.dtype(kv_dtype or self.dtype)
+        self.page_size = page_size
+        self.num_pages = num_pages
+        # The sliding layers' page group (jaxcb.host.window); by default as many pages as the full layers'.
+        self.num_window_pages = (num_window_pages or num_pages) if config.windowed else 0
+        if mesh is not None:
+            from jaxcb.device import parallel
+
+            params = parallel.shard_params(params, mesh)
+        self.params = params
+        self.last_tokens = self._zero_last_tokens(max_seqs)  # the previous step's sampled tokens, on the device
+        self.kv_pages = self._allocate_kv()
+        # Where this runner lives, read once: the page arrays themselves are donated to every step, so
+        # another thread reading them (GetServerInfo) could meet a deleted array.
+        devices = self.kv_arrays[0].devices()
+        self.device_ids = sorted(d.id for d in devices)
+        self.platform = next(iter(devices)).platform
+
+    def _zero_last_tokens(self, max_seqs: int) -> jax.Array:
+        zeros = np.zeros(max_seqs, np.int32)
+        if self.mesh is None:
+            return jnp.asarray(zeros)
+        from jaxcb.device import parallel
+
+        return parallel.place(zeros, parallel.replicated(self.mesh))
+
+    def _allocate_kv(self):
+        """The page array [L, 2, K, P, S, D]; with sliding layers a pair (full layers' [Lf, ..., P, ...],
+        sliding layers' [Ls, ..., P_window, ...])."""
+        c = self.step_config
+        groups = [(c.num_full_layers, self.num_pages)]
+        if c.windowed:
+            groups.append((c.num_sliding_layers, self.num_window_pages))
+        arrays = []
+        for layers, pages in groups:
+            shape = (layers, c.num_kv_heads, pages, self.page_size, c.head_dim, self.kv_dtype)
+            if self.mesh is None:
+                kv = allocate_kv_pages(*shape)
+                # One KV head: stored without its size-1 axis, which made XLA copy the cache every
+                # layer (jaxcb.model.llama._with_head_axis).
+                arrays.append(kv.reshape(kv.shape[:2] + kv.shape[3:]) if c.num_kv_heads == 1 else kv)
+                continue
+            from jaxcb.device import parallel  # allocated split over the devices, never whole on one
+
+            arrays.append(jax.jit(allocate_kv_pages, static_argnums=range(6),
+                                  out_shardings=parallel.kv_sharding(self.mesh))(*shape))
+        return tuple(arrays) if c.windowed else arrays[0]
+
+    @property
+    def kv_arrays(self) -> list[jax.Array]:
+        """The page arrays (one, or two with sliding layers)."""
+        return jax.tree.leaves(self.kv_pages)
+
+    def reset_kv_if_lost(self) -> bool:
+        """After a failed step: if the KV pages were consumed (donated to the failed call) or hold an
+        error (a device failure leaves the step's outputs in an error state), their contents are
+        unknown: allocate fresh ones, and fresh last tokens (True)."""
+        lost = any(a.is_deleted() for a in self.kv_arrays)
+        if not lost:
+            try:
+                for a in self.kv_arrays:
+                    a.block_until_ready()
+                self.last_tokens.block_until_ready()
+            except Exception:  # noqa: BLE001 - an error-carrying buffer: its state is unknown
+                lost = True
+        if not lost:
+            return False
+        self.kv_pages = self._allocate_kv()
+        self.last_tokens = self._zero_last_tokens(self.last_tokens.shape[0])
+        return True
+
+    def describe(self) -> dict[str, str]:
+        """How the step computes (the start banner, GetServerInfo): platform, compute dtype, the weight
+        matrices' format, KV dtype, and the attention path."""
+        from jaxcb.model.quant import is_quantized
+
+        w = self.params.layers.wq
+        weights = f"int{w.bits}" if is_quantized(w) else jnp.dtype(w.dtype).name
+        if getattr(w, "act_block", 0):
+            weights += ", int8 activations"
+        attention = {"cpu": "native", "xla": "xla"}.get(self.attention.kernel, "pallas")
+        if self.attention.interpret:
+            attention += " (interpreted)"
+        return {"platform": self.platform, "compute_dtype": jnp.dtype(self.dtype).name,
+                "weights": weights, "kv_dtype": self.kv_dtype.name, "attention": attention}
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        c = self.step_config
+        from jaxcb.model.paged_attention import kv_slot_width
+
+        return 2 * c.num_layers * c.num_kv_heads * kv_slot_width(c.head_dim, self.kv_dtype) * self.kv_dtype.itemsize
+
+    def compile(self, shape: StepShape) -> None:
+        """Compile the step for this shape ahead of time, without running it: a warm-up that executes
+        nothing, and that the persistent compile cache turns into loading."""
+        if shape.seqs > self.last_tokens.shape[0]:
+            raise ValueError(f"a step of {shape.seqs} sequences does not fit this runner's "
+                             f"{self.last_tokens.shape[0]} rows (max_seqs)")
+        if shape.tokens not in self._compiled:
+            window = self.step_config.sliding_window if self.step_config.windowed else 0
+            batch, sampling = pack([], shape, self.page_size, window), pack_sampling([], shape)
+            with _compile_serial:
+                self._compiled[shape.tokens] = step.lower(
+                    self.params, self.kv_pages, self.last_tokens, batch, sampling, config=self.step_config,
+                    attention=self.attention).compile()
+
+    def run(self, batch: StepInput, sampling: SamplingInput, shape: StepShape) -> SampleOutput:
+        """Dispatch one step; returns device arrays without waiting for them."""
+        if shape.tokens not in self._compiled:  # a shape warm-up did not cover: compiled now (and counted)
+            self.compile(shape)
+        self.kv_pages, out, self.last_tokens = self._compiled[shape.tokens](
+            self.params, self.kv_pages, self.last_tokens, batch, sampling)
+        return out
+
+    @staticmethod
+    def fetch(outputs: SampleOutput) -> SampleOutput:
+        """The one device-to-host copy of a step. Across processes (multi-host) the outputs are
+        replicated over the mesh: this process reads its own copy."""
+        if jax.process_count() == 1:
+            return jax.device_get(outputs)
+        return jax.tree.map(lambda x: np.asarray(x.addressable_data(0)), outputs)
+
+    @staticmethod
+    def compilations() -> int:
+        """XLA compilations in this process so far (the engine's counter of compilations after warm-up)."""
+        return compilation_count()
+
+    def idle(self) -> None:
+        """Called by the engine thread while it has no work (the multi-host leader pings)."""

@@ -1,0 +1,457 @@
+"""The engine loop: requests in, token events out, one packed jitted step at a time.
+
+    step():  schedule N+1 -> pack -> dispatch N+1 (one call) -> fetch N (one copy) -> postprocess N
+
+`schedule` (host) picks decode rows and prefill chunks under the page pool; they are packed into one
+token batch (jaxcb.host.batch) of a precompiled bucket and dispatched as one call. With async scheduling
+(the default) the scheduler runs one step ahead of the device: a request that is decoding is
+scheduled again before its newest token has come back, the step reads that token from the previous
+step's output on the device, and a request whose token turns out to stop it wastes one row. Then the
+previous step's tokens come back in one copy; each request gets its tokens, its stop checks and its
+text delta, and finished requests leave the batch (their pages freed). Requests and aborts from other
+threads go through an inbox that the loop drains at the start of every step, so only the engine
+thread touches the scheduler and the pool.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import queue
+import random
+import secrets
+import threading
+import time
+from typing import Callable, Protocol
+
+import numpy as np
+
+from jaxcb.host.batch import SamplingRow, SeqSpec, pack, pack_sampling
+from jaxcb.host.engine_config import EngineConfig
+from jaxcb.host.engine_stats import Counters, EngineStats, StepRecord
+from jaxcb.host.output import EventCallback, Outputs
+from jaxcb.host.page_pool import PagePool
+from jaxcb.host.request import FinishReason, Request, SamplingParams, Status, TokenEvent
+from jaxcb.host.scheduler import Chunk, Scheduler
+from jaxcb.host.window import WindowGroup
+
+__all__ = ["Engine", "EventCallback", "Runner"]
+log = logging.getLogger("jaxcb.host.engine")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Add:
+    """Inbox item (Engine.add_request, any thread): a request's samples and their output streams, which
+    join the scheduler together at the next step."""
+
+    samples: list[Request]
+    streams: list
+
+
+@dataclasses.dataclass(frozen=True)
+class _Abort:
+    """Inbox item (Engine.abort, any thread): every sample of the request ends at the next step."""
+
+    request_id: str
+
+
+@dataclasses.dataclass
+class _InFlight:
+    """A launched step: its chunks (row i = chunk i), each request's preemption count at launch (a
+    request preempted since then ignores the step's results), and the device's result."""
+
+    chunks: list[Chunk]
+    epochs: list[int]
+    result: object
+    padded_tokens: int = 0  # the step's token bucket
+    started: float | None = None  # when the device could start it: its dispatch when nothing ran before it
+
+
+class Runner(Protocol):
+    """What the engine (and the server) needs of the device side: jaxcb.device.runner.ModelRunner on one
+    process, jaxcb.device.multihost.LeaderRunner across hosts (the same calls, each first sent to the
+    followers), a simulated runner in tests."""
+
+    model_config: object  # the model as loaded (jaxcb.model.config.ModelConfig)
+    step_config: object  # the layout the step runs (KV heads replicated onto a mesh if needed)
+    num_window_pages: int  # the sliding-window layers' pages (0: none)
+    device_ids: list[int]
+
+    def compile(self, shape) -> None: ...  # compile the step for a StepShape ahead of time
+    def run(self, batch, sampling, shape): ...  # launch one step (asynchronously); its result handle
+    def fetch(self, outputs): ...  # the host copy of a step's result (waits for it)
+    def idle(self) -> None: ...  # nothing to run this time round (the leader pings its followers)
+    def reset_kv_if_lost(self) -> bool: ...  # after a failed step: fresh pages if the old were consumed
+    def describe(self) -> dict[str, str]: ...  # how the step computes (banner, GetServerInfo)
+    def compilations(self) -> int: ...  # XLA compilations in this process so far
+
+
+class Engine:
+    MAX_FAILED_STEPS_IN_A_ROW = 8  # then the engine counts as broken (the server exits non-zero)
+
+    def __init__(self, runner: Runner, tokenizer, config: EngineConfig, eos_ids: tuple[int, ...] = (),
+                 load_seconds: float = 0.0):
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.config = config
+        self.model_config = runner.model_config
+        self.pool = PagePool(config.num_pages, config.page_size)
+        # Sliding-window layers (Gemma): their pages are a group of their own (jaxcb.host.window).
+        self.window_group = None
+        if runner.step_config.windowed:
+            self.window_group = WindowGroup(runner.num_window_pages, config.page_size,
+                                            runner.step_config.sliding_window)
+        # One context limit for everything: the configured one, or the model's if that is smaller.
+        self.max_context = min(config.scheduler.max_context, self.model_config.max_context)
+        self.scheduler = Scheduler(dataclasses.replace(config.scheduler, max_context=self.max_context), self.pool,
+                                   eos_ids, window=self.window_group)
+        self.outputs = Outputs(tokenizer)
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._requests: dict[str, list[Request]] = {}  # request id -> its live samples
+        # Seeds for requests that bring none: OS entropy (unpredictable, also across restarts), unless
+        # the config fixes a seed for reproducible runs.
+        self._rng = secrets.SystemRandom() if config.seed is None else random.Random(config.seed)
+        self._seed_lock = threading.Lock()  # guards the seed generator and _live_ids
+        self._live_ids: set[str] = set()
+        self._counters = Counters()
+        self._last_fetch_end: float | None = None
+        self._in_flight: collections.deque[_InFlight] = collections.deque()  # launched, not yet fetched
+        self._step_id = 0  # steps launched
+        self.num_failed_steps = 0
+        self.last_step_idle = False
+        self.failed_in_a_row = 0
+        self.load_seconds = load_seconds  # time spent loading the weights (build_engines)
+        # Test seam: called with each SchedulerOutput before dispatch; raising simulates a failed step.
+        self.fault_injector: Callable | None = None
+        self._length_log = None  # record_lengths(): one JSON line per finished request
+        self.step_log: list[StepRecord] | None = None  # set to a list to record every step
+
+    def record_lengths(self, path: str) -> None:
+        """Append {"prompt": tokens, "context": tokens} for every request that finishes, for
+        `jaxcb buckets` to choose buckets from real traffic."""
+        self._length_log = open(path, "a", encoding="utf-8")
+
+    # ---- the API (thread-safe) ----
+    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Raise ValueError naming the field and the limit; touches no engine state."""
+        if not prompt_ids:
+            raise ValueError("prompt: must not be empty")
+        # Sizes first: nothing is scanned or copied past a limit.
+        if len(prompt_ids) >= self.max_context:
+            raise ValueError(
+                f"prompt: {len(prompt_ids)} tokens; the limit is {self.max_context - 1} "
+                f"(context {self.max_context} tokens, at least one generated)"
+            )
+        if len(prompt_ids) + params.max_tokens > self.max_context:
+            raise ValueError(
+                f"max_tokens: prompt ({len(prompt_ids)}) + max_tokens ({params.max_tokens}) exceeds the "
+                f"context limit of {self.max_context} tokens"
+            )
+        v = self.model_config.vocab_size
+        bad = next((t for t in prompt_ids if isinstance(t, bool) or not isinstance(t, (int, np.integer))
+                    or not 0 <= int(t) < v), None)
+        if bad is not None:
+            raise ValueError(f"prompt_token_ids: token id {bad!r} is outside the vocabulary [0, {v})")
+        bad = next((t for t in params.stop_token_ids if not 0 <= t < v), None)
+        if bad is not None:
+            raise ValueError(f"stop_token_ids: token id {bad} is outside the vocabulary [0, {v})")
+        self.scheduler.check_fits(Request(list(prompt_ids), params))
+
+    def add_request(self, prompt_ids: list[int], params: SamplingParams, *, request_id: str | None = None,
+                    priority: int = 0, callback: EventCallback | None = None,
+                    arrival_time: float | None = None, validated: bool = False, cache_salt: str = "") -> str:
+        """Queue a request; with params.n > 1, n samples that share the prompt's pages (events carry
+        the same request id and the sample's `index`). Returns the request id. `validated`: the caller
+        already ran validate() on exactly these arguments."""
+        if isinstance(priority, bool) or not isinstance(priority, (int, np.integer)) or not -2**31 <= priority < 2**31:
+            raise ValueError(f"priority: must be an integer in [-2**31, 2**31), got {priority!r}")
+        if not validated:
+            self.validate(prompt_ids, params)
+        prompt_ids = [int(t) for t in prompt_ids]
+        samples = [Request(prompt_ids, params, request_id=request_id or "", priority=int(priority),
+                           cache_salt=cache_salt)]
+        for i in range(1, params.n):
+            samples.append(Request(prompt_ids, params, request_id=samples[0].request_id, priority=int(priority),
+                                   arrival_time=samples[0].arrival_time, sample_index=i, cache_salt=cache_salt))
+        rid = samples[0].request_id
+        if arrival_time is not None:
+            for r in samples:
+                r.arrival_time = arrival_time
+        with self._seed_lock:
+            if rid in self._live_ids:
+                raise ValueError(f"request_id: {rid!r} is already in use by a running request")
+            self._live_ids.add(rid)
+            # Sample 0 keeps the given seed; the others draw theirs from it (not seed + i, which would
+            # repeat another request's sample 0 that asked for seed + 1).
+            seeds = [self._rng.getrandbits(63) if params.seed is None
+                     else params.seed if i == 0 else random.Random(f"{params.seed}/{i}").getrandbits(63)
+                     for i in range(params.n)]
+        streams = [self.outputs.new_stream(seed, callback) for seed in seeds]
+        self._inbox.put(_Add(samples, streams))  # all samples in one item: they arrive together
+        return rid
+
+    def abort(self, request_id: str) -> None:
+        """The request ends with finish reason `abort` and its pages are freed at the next step."""
+        self._inbox.put(_Abort(request_id))
+
+    def is_live(self, request_id: str) -> bool:
+        with self._seed_lock:
+            return request_id in self._live_ids
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work or not self._inbox.empty() or bool(self._in_flight)
+
+    def stats(self) -> EngineStats:
+        c, cache, ctl = self._counters, self.scheduler.cache, self.scheduler.controller
+        return EngineStats(
+            running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
+            pages_total=self.pool.num_usable, pages_free=self.pool.num_free, pages_in_use=self.pool.num_in_use,
+            compilations=self.runner.compilations(), preemptions=self.scheduler.num_preemptions,
+            prompt_tokens_computed=c.prompt_tokens_computed, output_tokens=c.output_tokens, steps=c.steps,
+            padding_fraction=(c.slots - c.live) / c.slots if c.slots else 0.0,
+            page_utilization=c.page_tokens / c.page_slots if c.page_slots else 0.0,
+            host_wait_fraction=c.host_s / c.step_s if c.step_s else 0.0,
+            pages_cached=self.pool.num_cached,
+            prefix_cache_queries=cache.num_queried_tokens if cache else 0,
+            prefix_cache_hits=cache.num_hit_tokens if cache else 0,
+            failed_steps=self.num_failed_steps,
+            window_pages_total=self.window_group.pool.num_usable if self.window_group else 0,
+            window_pages_in_use=self.window_group.pool.num_in_use if self.window_group else 0,
+            switches=self.scheduler.num_switches, recomputed_tokens=self.scheduler.num_recomputed_tokens,
+            switch_recomputed_tokens=self.scheduler.num_switch_recomputed_tokens,
+            running_limit=self.scheduler.running_limit,
+            prefill_budget=ctl.prefill_budget if ctl else self.scheduler.config.max_prefill_tokens,
+            measured_p99_tpot_ms=ctl.measured_p99_tpot_ms if ctl else 0.0,
+            measured_p99_ttft_ms=ctl.measured_p99_ttft_ms if ctl else 0.0,
+        )
+
+    def reset_counters(self) -> None:
+        self._counters = Counters()
+        self._last_fetch_end = None
+        if self.scheduler.cache is not None:
+            self.scheduler.cache.num_queried_tokens = self.scheduler.cache.num_hit_tokens = 0
+
+    # ---- the loop ----
+    def _drain_inbox(self, events: list[TokenEvent]) -> None:
+        while True:
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(item, _Add):
+                for r, st in zip(item.samples, item.streams):
+                    self._requests.setdefault(r.request_id, []).append(r)
+                    self.outputs.open(r, st)
+                    self.scheduler.add(r)
+            elif item.request_id in self._requests:  # an _Abort
+                for r in list(self._requests[item.request_id]):
+                    self._finish(r, FinishReason.ABORT, events)
+
+    def step(self) -> list[TokenEvent]:
+        """Run one engine step; returns the events it produced (also sent to callbacks).
+
+        With async scheduling the step launched here is still running when this returns: its tokens
+        are fetched by the next call, after the step after it has been scheduled, packed and
+        dispatched behind it. So the host's work (inbox, schedule, pack, output processing) overlaps
+        the device's, and the device always has the next step queued while the host waits for one.
+        """
+        try:
+            return self._step()
+        finally:
+            self.outputs.deliver()  # after the step's retirements: a final event means the pages are back
+
+    def _step(self) -> list[TokenEvent]:
+        start = time.perf_counter()
+        events: list[TokenEvent] = []
+        self._drain_inbox(events)
+        out = self.scheduler.schedule()
+        launched = False
+        if not out.empty:
+            try:
+                if self.fault_injector is not None:
+                    self.fault_injector(out)
+                self._in_flight.append(self._launch(out.decode + out.prefill, out.num_static_rows))
+                launched = True
+            except Exception as e:  # noqa: BLE001 - a failed step fails its own requests; the engine goes on
+                self._fail_step(out.decode + out.prefill, e, events)
+        self.last_step_idle = not launched and not self._in_flight  # nothing ran: a window is closed
+        keep = 1 if launched and self.scheduler.config.async_scheduling else 0
+        while len(self._in_flight) > keep:
+            self._complete(self._in_flight.popleft(), events)
+        return events
+
+    def _launch(self, chunks: list[Chunk], num_static_rows: int) -> _InFlight:
+        """Pack the step into one batch of its token bucket and dispatch it (one jitted call, not
+        waited for). A decode token whose id is still on the device (sampled by the step in flight)
+        is read there by the step itself."""
+        packing = time.perf_counter()
+        s = self.config.page_size
+        live = sum(c.num_tokens for c in chunks)
+        # Static batching pays for the batch's finished rows too: they stay padded in.
+        shape = self.config.buckets.step_shape(max(live, num_static_rows), s, self.max_context)
+        specs, rows = [], []
+        for c in chunks:  # decode sequences first: the packed layout (jaxcb.host.batch)
+            r = c.request
+            end = c.start + c.num_tokens
+            pending = end > r.num_known
+            if pending:
+                assert c.num_tokens == 1 and r.pending_src is not None and r.pending_src[0] == self._step_id, (
+                    f"{r.key}: its input token is not in the previous step's output")
+                specs.append(SeqSpec([0], c.start, r.page_ids, src_row=r.pending_src[1],
+                                     window_page_ids=r.window_page_ids))
+            else:
+                specs.append(SeqSpec(_token_slice(r, c.start, end), c.start, r.page_ids,
+                                     window_page_ids=r.window_page_ids))
+            rows.append(SamplingRow(r.params, self.outputs.seed(r), r.prompt_ids, r.output_ids, c.samples,
+                                    pending=pending))
+        batch = pack(specs, shape, s, self.window_group.window if self.window_group else 0)
+        sampling = pack_sampling(rows, shape)
+        cnt = self._counters
+        cnt.slots += shape.tokens
+        cnt.live += live
+        refs, page_slots, page_tokens, prompt_tokens = self.pool.ref_counts, 0, 0, 0
+        for c in chunks:
+            r = c.request
+            first, last = c.start // s, (c.start + c.num_tokens - 1) // s
+            assert refs[r.page_ids[first]] == 1 and (first == last or all(
+                refs[p] == 1 for p in r.page_ids[first + 1:last + 1])), (
+                f"{r.key} would write into a page another request holds")
+            page_slots += len(r.page_ids) * s
+            page_tokens += c.start + c.num_tokens
+            if not (c.num_tokens == 1 and c.samples and c.start >= len(r.prompt_ids)):  # all but decode tokens
+                prompt_tokens += c.num_tokens
+        cnt.page_slots += page_slots
+        cnt.page_tokens += page_tokens
+        cnt.prompt_tokens_computed += prompt_tokens
+        pipelined = bool(self._in_flight)
+        result = self.runner.run(batch, sampling, shape)
+        dispatch_end = time.perf_counter()
+        if not pipelined and self._last_fetch_end is not None:  # the device idled since the last fetch
+            cnt.host_s += dispatch_end - self._last_fetch_end
+        self._step_id += 1
+        self.scheduler.on_launched(chunks, self._step_id)
+        return _InFlight(chunks, [c.request.num_preemptions for c in chunks], result, shape.tokens,
+                         None if pipelined else packing)
+
+    def _complete(self, step: _InFlight, events: list[TokenEvent]) -> None:
+        """Wait for a launched step's tokens (the one device-to-host copy) and process them."""
+        try:
+            result = self.runner.fetch(step.result)
+        except Exception as e:  # noqa: BLE001 - the step failed on the device: its requests fail
+            self._fail_step(step.chunks, e, events, step.epochs)
+            return
+        self.failed_in_a_row = 0
+        fetch_end = time.perf_counter()
+        if self._last_fetch_end is not None:
+            self._counters.step_s += fetch_end - self._last_fetch_end
+        # The step's own time: from the previous step's tokens when it was queued behind that step,
+        # else from its packing (not from an idle spell before it).
+        start = step.started if step.started is not None else self._last_fetch_end
+        if self.step_log is not None:
+            self.step_log.append(StepRecord.of(step.chunks, step.padded_tokens,
+                                               None if start is None else fetch_end - start))
+        self._last_fetch_end = fetch_end
+        self._postprocess(step, result, events, None if start is None else fetch_end - start)
+        self._counters.steps += 1
+
+    def _fail_step(self, chunks: list[Chunk], error: Exception, events: list[TokenEvent],
+                   epochs: list[int] | None = None) -> None:
+        """Finish this step's requests with an error. If the KV pages' state is unknown (consumed by
+        the failed call, or left in an error state), allocate fresh ones and send every other running
+        request back to be recomputed; a step already in flight behind this one then ran on the lost
+        pages: its requests were sent back too, and its own failure is not theirs (`epochs`: the
+        requests' preemption counts at launch). After MAX_FAILED_STEPS_IN_A_ROW failures in a row the
+        engine is broken: raise, so the engine thread dies and the server exits non-zero."""
+        message = f"{type(error).__name__}: {error}"
+        self.num_failed_steps += 1
+        self.failed_in_a_row += 1
+        for i, chunk in enumerate(chunks):
+            r = chunk.request
+            if r.status is not Status.RUNNING or (epochs is not None and r.num_preemptions != epochs[i]):
+                continue
+            if r in self.outputs:
+                self._finish(r, FinishReason.ERROR, events, error=message)
+            else:  # nobody listens for it (a broken invariant): take it out rather than fail every step
+                log.error("request %s has no stream; removing it", r.key)
+                self.scheduler.finish(r, FinishReason.ERROR)
+        if self.runner.reset_kv_if_lost():
+            log.warning("a failed step left the KV pages in an unknown state: fresh pages, %d running requests "
+                        "recomputed", len(self.scheduler.running))
+            for r in list(self.scheduler.running):
+                self.scheduler.preempt(r)
+            self.pool.forget_cached()  # the cached pages' contents went with the old KV array
+            if self.window_group is not None:
+                self.window_group.pool.forget_cached()
+        self._last_fetch_end = None
+        if self.failed_in_a_row >= self.MAX_FAILED_STEPS_IN_A_ROW:
+            raise RuntimeError(f"{self.failed_in_a_row} steps in a row failed (last: {message}); the engine is broken")
+
+    def _postprocess(self, step: _InFlight, result, events: list[TokenEvent], seconds: float | None) -> None:
+        sampled = self.scheduler.on_step_done(step.chunks, step.epochs, result.token_ids)
+        self._counters.output_tokens += len(sampled)
+        observed = []
+        for row, r, token, reason in sampled:  # Sampled
+            logprobs = None
+            if r.params.logprobs:
+                n = r.params.logprobs
+                top = tuple(zip(result.top_ids[row, :n].tolist(), result.top_logprobs[row, :n].tolist()))
+                logprobs = ((float(result.logprobs[row]), top),)
+            reason = self.outputs.on_token(r, token, logprobs, reason, events)  # sets r.first_token_time
+            observed.append((r, reason is not None))
+            if reason is not None:
+                self._retire(r, reason)
+        self.scheduler.observe_step_done(step.chunks, seconds, observed, time.monotonic())
+
+    def _finish(self, r: Request, reason: FinishReason, events: list[TokenEvent], error: str | None = None) -> None:
+        """End a request from outside its tokens (abort, error): its final event, then retire it."""
+        self.outputs.close(r, reason, events, error=error)
+        self._retire(r, reason)
+
+    def _retire(self, r: Request, reason: FinishReason) -> None:
+        self.scheduler.finish(r, reason)
+        samples = self._requests.get(r.request_id, [])
+        if r in samples:
+            samples.remove(r)
+        if not samples:  # the last sample of the request: its id is free again
+            self._requests.pop(r.request_id, None)
+            with self._seed_lock:
+                self._live_ids.discard(r.request_id)
+        if self._length_log is not None:
+            try:
+                self._length_log.write(f'{{"prompt": {len(r.prompt_ids)}, "context": {r.num_known}}}\n')
+                self._length_log.flush()
+            except OSError as e:  # a full disk must not end requests: stop recording, say so once
+                log.warning("--record-lengths: %s; no longer recording", e)
+                self._length_log = None
+
+    # ---- warm-up ----
+    def warmup(self, progress: Callable[[int, int, object], None] | None = None) -> int:
+        """Compile every step shape ahead of time (nothing is run): one program per token bucket."""
+        shapes = self.config.buckets.shapes(self.config.page_size, self.max_context)
+        for i, shape in enumerate(shapes):
+            self.runner.compile(shape)
+            if progress is not None:
+                progress(i + 1, len(shapes), shape)
+        return len(shapes)
+
+    def run_until_done(self, max_steps: int | None = None) -> list[TokenEvent]:
+        events: list[TokenEvent] = []
+        steps = 0
+        while self.has_work():
+            events.extend(self.step())
+            steps += 1
+            if max_steps is not None and steps >= max_steps:
+                break
+        return events
+
+
+
+def _token_slice(r: Request, start: int, end: int) -> list[int]:
+    """r's known tokens [start, end) without building prompt + output whole."""
+    n = len(r.prompt_ids)
+    if start >= n:
+        return r.output_ids[start - n:end - n]
+    if end <= n:
+        return r.prompt_ids[start:end]
+    return r.prompt_ids[start:] + r.output_ids[:end - n]

@@ -1,0 +1,195 @@
+"""Engine configuration: cache size, scheduler settings and buckets, read from a TOML file.
+
+Plain values, no JAX. The file's sections map onto `SchedulerConfig` and `Buckets`; everything is
+validated here, at start, so a bad file fails before any device memory is touched.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tomllib
+
+from jaxcb.host.buckets import Buckets
+from jaxcb.host.policies import SchedulerConfig
+
+ATTENTION_CHOICES = ("xla", "native", "pallas", "auto")
+WEIGHT_CHOICES = ("auto", "float32", "bfloat16", "int8", "int4")  # model.weights (jaxcb.model.quant)
+KV_CHOICES = ("auto", "float32", "bfloat16", "int8")
+# XLA:CPU's dot libraries (jaxcb.device.cpu_dots sets them up; "default" = whatever jaxlib does)
+CPU_DOTS_CHOICES = ("auto", "default", "ynn", "xnn", "onednn", "eigen")
+ACTIVATION_CHOICES = ("float", "int8")  # model.activations (jaxcb.model.quant.quantize_activations)
+AUTO_PAGES = 0  # num_pages = "auto": as many as the memory plan fits (jaxcb.host.memory_plan)
+KERNEL_PAGE_SIZES = (8, 16, 32, 64, 128, 256)  # = kernels_pallas.PAGE_SIZES (this module imports no JAX)
+DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "default.toml")
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    num_pages: int
+    scheduler: SchedulerConfig
+    buckets: Buckets
+    seed: int | None = None  # draws seeds for requests that bring none; None = OS entropy
+    attention: str = "auto"  # "xla" (plain JAX) | "native" (the C++ CPU kernels) | "pallas" (kernels) |
+    #                          "auto" (Pallas on GPU/TPU, native on the CPU when it builds, else plain JAX)
+    memory_fraction: float = 0.9  # of the memory budget the engine may use (weights, pages, step)
+    memory_bytes: int = 0  # the memory budget; 0 = the device's memory
+    tensor_parallel: int = 1  # devices one step is split over by heads (jaxcb.device.parallel); 1 = one device
+    data_parallel: int = 1  # engine replicas on disjoint devices behind one router (jaxcb.host.replicas)
+    # How the weight matrices are stored (jaxcb.model.quant): "auto" = the compute dtype; "float32" /
+    # "bfloat16" also set the compute dtype unless --dtype does; "int8" / "int4" quantized at load.
+    weights: str = "auto"
+    weight_group: int = 0  # quantized weights: input rows per scale; 0 = per column for int8, 32 for int4
+    # "int8": each row entering a layer matrix is quantized to int8 per 32 values and the dot sums
+    # integers (w8a8; needs int8 weights per column); "float": the compute dtype.
+    activations: str = "float"
+    # The KV pages' dtype: "auto" = the compute dtype; "int8": values and a float32 scale per token and
+    # head side by side in the page (jaxcb.model.paged_attention.quantize_kv).
+    kv_dtype: str = "auto"
+    # XLA:CPU's dot library (jaxcb.device.cpu_dots): "auto" = chosen for the CPU at start; or one of
+    # "default", "ynn", "xnn", "onednn", "eigen". Takes effect only before JAX's CPU backend starts.
+    cpu_dots: str = "auto"
+
+    @property
+    def page_size(self) -> int:
+        return self.scheduler.page_size
+
+    def __post_init__(self):
+        s, b = self.scheduler, self.buckets
+        if s.max_context % s.page_size:
+            raise ValueError(f"scheduler.max_context: {s.max_context} is not a multiple of page_size {s.page_size}")
+        b.validate(max_batch=s.max_running, max_pages_per_seq=s.max_context // s.page_size,
+                   max_prefill_tokens=s.max_chunk, step_prefill_tokens=s.max_prefill_tokens)
+        if self.num_pages != AUTO_PAGES and self.num_pages < 2:
+            raise ValueError(f"cache.num_pages: must be >= 2 or \"auto\", got {self.num_pages}")
+        if not 0 < self.memory_fraction <= 1:
+            raise ValueError(f"cache.memory_fraction: must be in (0, 1], got {self.memory_fraction}")
+        if not isinstance(self.tensor_parallel, int) or isinstance(self.tensor_parallel, bool) or self.tensor_parallel < 1:
+            raise ValueError(f"parallel.tensor: must be an integer >= 1, got {self.tensor_parallel!r}")
+        if not isinstance(self.data_parallel, int) or isinstance(self.data_parallel, bool) or self.data_parallel < 1:
+            raise ValueError(f"parallel.data: must be an integer >= 1, got {self.data_parallel!r}")
+        if self.weights not in WEIGHT_CHOICES:
+            raise ValueError(f"model.weights: {self.weights!r} is not one of {WEIGHT_CHOICES}")
+        if (not isinstance(self.weight_group, int) or isinstance(self.weight_group, bool) or self.weight_group < 0
+                or self.weight_group % 2):
+            raise ValueError(f"model.weight_group: must be 0 or an even number of input rows, got {self.weight_group!r}")
+        if self.activations not in ACTIVATION_CHOICES:
+            raise ValueError(f"model.activations: {self.activations!r} is not one of {ACTIVATION_CHOICES}")
+        if self.activations == "int8" and (self.weights not in ("int8", "auto") or self.weight_group):
+            raise ValueError(f"model.activations: int8 activations need int8 weights with one scale per column "
+                             f"(model.weights = \"int8\", weight_group = 0), got {self.weights!r}"
+                             + (f" in groups of {self.weight_group}" if self.weight_group else ""))
+        if self.kv_dtype not in KV_CHOICES:
+            raise ValueError(f"cache.kv_dtype: {self.kv_dtype!r} is not one of {KV_CHOICES}")
+        if self.cpu_dots not in CPU_DOTS_CHOICES:
+            raise ValueError(f"model.cpu_dots: {self.cpu_dots!r} is not one of {CPU_DOTS_CHOICES}")
+        if self.attention not in ATTENTION_CHOICES:
+            raise ValueError(f"model.attention: {self.attention!r} is not one of {ATTENTION_CHOICES}")
+        if self.attention == "pallas" and s.page_size not in KERNEL_PAGE_SIZES:
+            raise ValueError(f"cache.page_size: the Pallas kernels take {KERNEL_PAGE_SIZES}, got "
+                             f"{s.page_size} (or set model.attention = 'xla')")
+
+    def replace(self, *, num_pages=None, buckets=None, attention=None, tensor_parallel=None, data_parallel=None,
+                weights=None, weight_group=None, kv_dtype=None, cpu_dots=None, activations=None,
+                **scheduler_changes) -> "EngineConfig":
+        return EngineConfig(
+            num_pages=self.num_pages if num_pages is None else num_pages,
+            scheduler=dataclasses.replace(self.scheduler, **scheduler_changes),
+            buckets=self.buckets if buckets is None else buckets,
+            seed=self.seed,
+            attention=self.attention if attention is None else attention,
+            memory_fraction=self.memory_fraction, memory_bytes=self.memory_bytes,
+            tensor_parallel=self.tensor_parallel if tensor_parallel is None else tensor_parallel,
+            data_parallel=self.data_parallel if data_parallel is None else data_parallel,
+            weights=self.weights if weights is None else weights,
+            weight_group=self.weight_group if weight_group is None else weight_group,
+            kv_dtype=self.kv_dtype if kv_dtype is None else kv_dtype,
+            cpu_dots=self.cpu_dots if cpu_dots is None else cpu_dots,
+            activations=self.activations if activations is None else activations,
+        )
+
+
+def make_config(*, page_size=16, num_pages=4096, max_context=2048, decode_batch=(1, 2, 4, 8, 16, 32),
+                pages_per_seq=None, prefill_tokens=(32, 64, 128, 256, 512), max_prefill_tokens=None,
+                tokens=None, attention="auto", tensor_parallel=1, data_parallel=1, weights="auto",
+                weight_group=0, kv_dtype="auto", cpu_dots="auto", activations="float", **scheduler) -> EngineConfig:
+    """An EngineConfig from keyword values (tests and the Python API)."""
+    if pages_per_seq is None:
+        pages_per_seq = (max_context // page_size,)
+    if tokens is None:
+        budget = prefill_tokens[-1] if max_prefill_tokens is None else max_prefill_tokens
+        b = decode_batch[-1]
+        tokens = sorted(set(decode_batch) | {b + t for t in prefill_tokens if t < budget} | {b + budget})
+    sched = SchedulerConfig(
+        page_size=page_size, max_running=decode_batch[-1], max_context=max_context,
+        max_chunk=prefill_tokens[-1],
+        max_prefill_tokens=prefill_tokens[-1] if max_prefill_tokens is None else max_prefill_tokens,
+        **scheduler,
+    )
+    return EngineConfig(num_pages=num_pages, scheduler=sched, attention=attention, tensor_parallel=tensor_parallel,
+                        data_parallel=data_parallel, weights=weights, weight_group=weight_group,
+                        kv_dtype=kv_dtype, cpu_dots=cpu_dots, activations=activations,
+                        buckets=Buckets(tuple(decode_batch), tuple(pages_per_seq), tuple(prefill_tokens),
+                                        tuple(tokens)))
+
+
+def load_config(path: str | None = None) -> EngineConfig:
+    if path is None:
+        if not os.path.isfile(DEFAULT_CONFIG):  # installed without the source tree's configs/
+            return make_config()
+        path = DEFAULT_CONFIG
+    try:
+        with open(path, "rb") as f:
+            raw = tomllib.load(f)
+    except FileNotFoundError:
+        raise ValueError(f"config: file not found: {path}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ValueError(f"config: {path} is not valid TOML ({e})") from None
+    cache, sched, buckets = raw.get("cache", {}), dict(raw.get("scheduler", {})), raw.get("buckets", {})
+    page_size = int(cache.get("page_size", 16))
+    max_context = int(sched.get("max_context", 2048))
+    unknown = set(buckets) - {"decode_batch", "pages_per_seq", "prefill_tokens", "tokens"}
+    if unknown:
+        raise ValueError(f"config: unknown setting in [buckets]: {sorted(unknown)}")
+    try:
+        b = Buckets(tuple(buckets["decode_batch"]),
+                    tuple(buckets.get("pages_per_seq", (max(1, max_context // page_size),))),
+                    tuple(buckets["prefill_tokens"]), tuple(buckets.get("tokens", ())))
+    except KeyError as e:
+        raise ValueError(f"config: buckets.{e.args[0]} is missing") from None
+    if "target_tpot_ms" in sched:  # the name before the controller took a TTFT target too
+        sched.setdefault("target_p99_tpot_ms", sched.pop("target_tpot_ms"))
+    if "length_bounds" in sched:
+        sched["length_bounds"] = tuple(sched["length_bounds"])
+    prefix_caching = cache.get("prefix_caching", True)
+    if not isinstance(prefix_caching, bool):
+        raise ValueError(f"config: cache.prefix_caching must be true or false, got {prefix_caching!r}")
+    sched.setdefault("max_running", b.max_batch)
+    sched.setdefault("max_chunk", b.max_prefill_tokens)
+    sched.setdefault("max_prefill_tokens", b.max_prefill_tokens)  # the per-step budget: the largest chunk
+    try:
+        sc = SchedulerConfig(page_size=page_size, prefix_caching=prefix_caching, **sched)
+    except TypeError as e:
+        raise ValueError(f"config: unknown setting in [scheduler] ({e})") from None
+    model = raw.get("model", {})
+    unknown = set(model) - {"attention", "weights", "weight_group", "cpu_dots", "activations"}
+    if unknown:
+        raise ValueError(f"config: unknown setting in [model]: {sorted(unknown)}")
+    parallel = raw.get("parallel", {})
+    unknown = set(parallel) - {"tensor", "data"}
+    if unknown:
+        raise ValueError(f"config: unknown setting in [parallel]: {sorted(unknown)}")
+    from jaxcb.host.memory_plan import parse_bytes
+
+    num_pages = cache.get("num_pages", 4096)
+    if num_pages == "auto":
+        num_pages = AUTO_PAGES
+    elif not isinstance(num_pages, int) or isinstance(num_pages, bool):
+        raise ValueError(f"config: cache.num_pages must be an integer or \"auto\", got {num_pages!r}")
+    return EngineConfig(num_pages=num_pages, scheduler=sc, buckets=b, seed=int(raw["seed"]) if "seed" in raw else None,
+                        attention=str(model.get("attention", "auto")), weights=str(model.get("weights", "auto")),
+                        weight_group=model.get("weight_group", 0), kv_dtype=str(cache.get("kv_dtype", "auto")),
+                        cpu_dots=str(model.get("cpu_dots", "auto")), activations=str(model.get("activations", "float")),
+                        memory_fraction=float(cache.get("memory_fraction", 0.9)),
+                        memory_bytes=parse_bytes(cache["memory"]) if "memory" in cache else 0,
+                        tensor_parallel=parallel.get("tensor", 1), data_parallel=parallel.get("data", 1))

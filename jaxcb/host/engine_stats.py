@@ -1,0 +1,75 @@
+"""What the engine counts: one record per completed step (for fitting the simulator's step-time model),
+the running counters, and the snapshot `Engine.stats()` hands to the server's metrics. Plain Python."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StepRecord:
+    """One completed step, as `Engine.step_log` keeps it (its JSON form, `dataclasses.asdict`, is what
+    jaxcb.sim.simulate.FittedStepModel.fit reads): its tokens (live and padded), the context its
+    attention read, its rows, and the time it took (from the previous step's tokens, or from its own
+    packing when nothing ran before it; None when unknown)."""
+
+    tokens: int
+    padded_tokens: int
+    context: int
+    rows: int
+    attention_pairs: int
+    decode_rows: int
+    seconds: float | None
+
+    @classmethod
+    def of(cls, chunks, padded_tokens: int, seconds: float | None) -> "StepRecord":
+        """The record of a step that ran these scheduler chunks (jaxcb.host.scheduler.Chunk)."""
+        return cls(tokens=sum(c.num_tokens for c in chunks), padded_tokens=padded_tokens,
+                   context=sum(c.start + c.num_tokens for c in chunks), rows=len(chunks),
+                   attention_pairs=sum(c.attention_pairs for c in chunks),
+                   decode_rows=sum(1 for c in chunks if c.num_tokens == 1), seconds=seconds)
+
+
+@dataclasses.dataclass(slots=True)
+class Counters:
+    """The engine's running sums since start or the last `Engine.reset_counters()`."""
+
+    prompt_tokens_computed: int = 0  # prompt (and recomputed) tokens run through the model
+    output_tokens: int = 0
+    steps: int = 0
+    slots: int = 0  # token slots dispatched (the buckets' sizes)
+    live: int = 0  # ... of those, holding a real token
+    page_slots: int = 0  # token slots of the pages the steps' sequences held
+    page_tokens: int = 0  # ... of those, holding a token
+    host_s: float = 0.0  # time the device waited for the host with nothing queued
+    step_s: float = 0.0  # time from one step's tokens to the next's
+
+
+@dataclasses.dataclass
+class EngineStats:
+    running: int
+    waiting: int
+    pages_total: int
+    pages_free: int
+    pages_in_use: int
+    compilations: int
+    preemptions: int
+    prompt_tokens_computed: int  # prompt (and recomputed) tokens run through the model
+    output_tokens: int
+    steps: int
+    padding_fraction: float  # padded token slots over computed token slots
+    page_utilization: float  # mean fraction of allocated page slots holding tokens
+    host_wait_fraction: float  # fraction of step time the device sat waiting for the host (with nothing queued)
+    pages_cached: int = 0  # pages registered in the prefix cache (in use or free-but-cached)
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int = 0  # of those, found cached (not computed again)
+    failed_steps: int = 0  # steps that raised (their requests ended with an error)
+    window_pages_total: int = 0  # the sliding layers' page group (jaxcb.host.window); 0 without one
+    window_pages_in_use: int = 0
+    switches: int = 0  # round-robin yields
+    recomputed_tokens: int = 0  # tokens computed again after preemptions and switches
+    switch_recomputed_tokens: int = 0  # ... of those, after switches
+    running_limit: int = 0  # batch slots now (the latency controller moves it)
+    prefill_budget: int = 0  # prompt tokens per step now (the latency controller moves it)
+    measured_p99_tpot_ms: float = 0.0  # with a latency target: p99 time per token of recent requests
+    measured_p99_ttft_ms: float = 0.0  # ... and of their first tokens

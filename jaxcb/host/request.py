@@ -1,0 +1,190 @@
+"""Requests as the engine sees them: sampling parameters, lifecycle state, and the events it emits.
+
+Plain Python, no JAX. Bad input is a ValueError that names the field and the limit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import itertools
+import math
+import time
+
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
+MAX_STOP_TOKEN_IDS = 64
+MAX_LOGPROBS = 20
+MAX_SAMPLES = 16
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # an end-of-sequence token, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens reached (or the context limit)
+    ABORT = "abort"  # cancelled by the caller
+    ERROR = "error"  # failed inside the engine; other requests go on
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """Per-request generation settings. Every value becomes an array in the jitted step."""
+
+    max_tokens: int = 16
+    temperature: float = 0.0  # 0 = greedy
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # in (0, 1]
+    min_p: float = 0.0  # in [0, 1)
+    repetition_penalty: float = 1.0  # > 0; 1 = off
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int = 0  # top-n logprobs per generated token; 0 = none
+    n: int = 1  # independent samples of the same prompt (they share its KV pages)
+
+    def __post_init__(self):
+        stop = self.stop or ()
+        object.__setattr__(self, "stop", (stop,) if isinstance(stop, str) else tuple(stop))  # "END": one stop
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in (self.stop_token_ids or ())))
+        _check_int("max_tokens", self.max_tokens, low=1)
+        _check_finite("temperature", self.temperature, low=0.0)
+        _check_int("top_k", self.top_k, low=0, high=2**31 - 1)
+        _check_finite("top_p", self.top_p)
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p: must be in (0, 1], got {self.top_p}")
+        _check_finite("min_p", self.min_p)
+        if not 0.0 <= self.min_p < 1.0:
+            raise ValueError(f"min_p: must be in [0, 1), got {self.min_p}")
+        _check_finite("repetition_penalty", self.repetition_penalty)
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty: must be > 0, got {self.repetition_penalty}")
+        _check_finite("presence_penalty", self.presence_penalty, low=-2.0, high=2.0)
+        _check_finite("frequency_penalty", self.frequency_penalty, low=-2.0, high=2.0)
+        if self.seed is not None:
+            _check_int("seed", self.seed, low=0, high=2**63 - 1)
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop: at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
+        for s in self.stop:
+            if not isinstance(s, str) or not s or len(s) > MAX_STOP_STRING_CHARS:
+                raise ValueError(f"stop: each stop string must be 1..{MAX_STOP_STRING_CHARS} characters")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS}, got {len(self.stop_token_ids)}")
+        _check_int("logprobs", self.logprobs, low=0, high=MAX_LOGPROBS)
+        _check_int("n", self.n, low=1, high=MAX_SAMPLES)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def _check_int(name, value, low=None, high=None):
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name}: must be an integer, got {value!r}")
+    if low is not None and value < low:
+        raise ValueError(f"{name}: must be >= {low}, got {value}")
+    if high is not None and value > high:
+        raise ValueError(f"{name}: must be <= {high}, got {value}")
+
+
+def _check_finite(name, value, low=None, high=None):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{name}: must be a finite number, got {value!r}")
+    if low is not None and value < low:
+        raise ValueError(f"{name}: must be >= {low}, got {value}")
+    if high is not None and value > high:
+        raise ValueError(f"{name}: must be <= {high}, got {value}")
+
+
+_ids = itertools.count()
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+    """One generation request and its progress. Owned by the engine thread."""
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    request_id: str = ""
+    priority: int = 0  # larger runs earlier under the priority policy
+    arrival_time: float = dataclasses.field(default_factory=time.monotonic)
+    cache_salt: str = ""  # requests share cached prefixes only with requests of the same salt
+
+    status: Status = Status.WAITING
+    output_ids: list[int] = dataclasses.field(default_factory=list)
+    page_ids: list[int] = dataclasses.field(default_factory=list)  # the page table
+    window_page_ids: list[int] = dataclasses.field(default_factory=list)  # sliding layers' (jaxcb.host.window)
+    num_computed: int = 0  # tokens whose K/V are in the cache (or being written by a step in flight)
+    num_pending: int = 0  # tokens sampled by a step in flight, not yet in output_ids
+    pending_src: tuple[int, int] | None = None  # (step, row) of the newest pending token's output
+    page_hashes: list[bytes] = dataclasses.field(default_factory=list)  # chained hashes of full pages
+    num_registered: int = 0  # leading pages offered to the prefix cache
+    num_cached_tokens: int = 0  # prompt tokens taken from the prefix cache at the first admission
+    sample_index: int = 0  # n > 1: which sample this is
+    finish_reason: FinishReason | None = None
+    num_preemptions: int = 0  # times it lost its pages (out of pages, or a round-robin switch): the epoch
+    queued_time: float | None = None  # when it last joined the waiting queue (round-robin order)
+    admitted_output: int = 0  # its generated tokens when it was last admitted (round-robin quantum)
+    lost_tokens: int = 0  # tokens it had computed when it last lost its pages (recompute accounting)
+    lost_by_switch: bool = False  # ... by a round-robin switch rather than a preemption
+    seq_no: int = dataclasses.field(default_factory=lambda: next(_ids))  # FCFS tie-break
+    first_token_time: float | None = None
+    first_scheduled_time: float | None = None  # when it first got a batch slot (queue time ends)
+    error: str | None = None
+
+    def __post_init__(self):
+        if not self.request_id:
+            self.request_id = f"req-{self.seq_no}"
+
+    @property
+    def key(self) -> tuple[str, int]:
+        """Unique among live requests: (request id, sample index)."""
+        return (self.request_id, self.sample_index)
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens of the sequence as the scheduler sees it: known ones plus those still in flight."""
+        return len(self.prompt_ids) + len(self.output_ids) + self.num_pending
+
+    @property
+    def num_known(self) -> int:
+        """Tokens whose ids the host has (prompt and fetched output)."""
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def last_in_flight(self) -> bool:
+        """Its final token (max_tokens) is being sampled by a step in flight: nothing left to run."""
+        return self.num_pending > 0 and self.num_tokens >= self.max_total_tokens
+
+    @property
+    def max_total_tokens(self) -> int:
+        return len(self.prompt_ids) + self.params.max_tokens
+
+
+@dataclasses.dataclass(slots=True)  # one per token: cheap to make (a frozen dataclass costs 3x)
+class TokenEvent:
+    """What the engine tells a caller after each step that touched a request."""
+
+    request_id: str
+    token_ids: tuple[int, ...]  # new tokens of this step (may be empty on the final event)
+    text: str  # the text delta (stop strings and what follows are never included)
+    finished: bool
+    finish_reason: FinishReason | None = None
+    logprobs: tuple | None = None  # per new token: (logprob, ((token_id, logprob), ...top-n))
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    error: str | None = None
+    queue_s: float | None = None  # on the first event: seconds from arrival to first scheduling
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (not computed)
+    index: int = 0  # which sample of an n > 1 request

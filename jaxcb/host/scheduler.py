@@ -1,0 +1,390 @@
+"""The scheduler: each step, which requests run and how many of their tokens.
+
+Plain Python, no JAX. Every step, running requests come first, best first by the policy: each gets
+one token if it is decoding, or a chunk of its prompt (chunked prefill, under a per-step budget of
+prefill tokens) if it is still prefilling. Each first takes the pages its tokens need; when the pool
+cannot supply them, the worst running request by the policy is preempted (its pages freed, its
+progress dropped, requeued to be recomputed later) until they fit. Then, if nothing was preempted,
+waiting requests are admitted in policy order while a batch slot, budget and pages remain.
+
+With prefix caching (jaxcb.host.prefix_cache), a request being admitted first takes the cached pages of
+its longest cached prefix and is scheduled from there. With `prefix_aware`, waiting requests whose
+prefix is cached go first, except that a request waiting longer than `prefix_max_wait_ms` goes
+before both (so preferring cached prefixes cannot starve anyone). A request whose next page is being
+computed right now by a running request's prefill waits for it instead of computing it a second time:
+that is how the samples of an n > 1 request, or a burst of requests with one system prompt, prefill
+their shared pages once.
+
+A request with a single pending token is a decode row; the engine batches those in one step and runs
+each multi-token chunk as a prefill. Policies (jaxcb.host.policies) only decide order; the mechanism is
+the same for all. Round-robin adds one thing to it: while requests wait for a slot, a running request
+that has generated `quantum_tokens` since it was (re)admitted yields its slot to the longest-waiting
+one. Its full pages stay registered in the prefix cache (free but cached), so on its return it
+recomputes only what was evicted meanwhile and its partial last page.
+
+A latency target (`target_p99_tpot_ms`, optionally `target_p99_ttft_ms`) hands the running limit and
+the prefill budget to a controller (jaxcb.host.latency) fed with measured step times and first-token
+times; with it, admission also keeps a page of headroom per running request, so growth does not
+preempt.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import NamedTuple
+
+from jaxcb.host.latency import LatencyController
+from jaxcb.host.page_pool import PagePool
+from jaxcb.host.policies import SchedulerConfig, admission_order, order_key
+from jaxcb.host.prefix_cache import PrefixCache
+from jaxcb.host.request import FinishReason, Request, Status
+
+
+class Sampled(NamedTuple):
+    """A token a step sampled for a request (Scheduler.on_step_done): its row in the step's output, the
+    request it was appended to, the token, and how the request ends with it (None: it goes on)."""
+
+    row: int
+    request: Request
+    token: int
+    finish: FinishReason | None
+
+
+@dataclasses.dataclass(slots=True)
+class Chunk:
+    """Tokens `request.all_ids[start:start + num_tokens]` run this step."""
+
+    request: Request
+    start: int
+    num_tokens: int
+    samples: bool = dataclasses.field(init=False)  # it reaches the newest token: it yields the next one
+
+    def __post_init__(self):
+        # Fixed when scheduled: by the time the step's tokens come back the request may have grown.
+        self.samples = self.start + self.num_tokens == self.request.num_tokens
+
+    @property
+    def attention_pairs(self) -> int:
+        """(query, key) pairs its causal attention computes: each token sees the context before it."""
+        return self.num_tokens * self.start + self.num_tokens * (self.num_tokens + 1) // 2
+
+
+@dataclasses.dataclass
+class SchedulerOutput:
+    decode: list[Chunk]  # one token each, batched in one decode step
+    prefill: list[Chunk]  # more than one token each, one prefill step each
+    preempted: list[Request]  # lost their pages this step; back in the waiting queue
+    num_static_rows: int = 0  # static mode: rows the batch occupies, finished ones included
+
+    @property
+    def empty(self) -> bool:
+        return not self.decode and not self.prefill
+
+
+class Scheduler:
+    """Owns the request state: which run, their pages, their computed and generated tokens, their end."""
+
+    def __init__(self, config: SchedulerConfig, pool: PagePool, eos_ids: tuple[int, ...] = (), window=None):
+        self.config = config
+        self.pool = pool
+        self.window = window  # jaxcb.host.window.WindowGroup: the sliding layers' pages (Gemma), else None
+        self.eos_ids = frozenset(eos_ids)
+        self.cache = PrefixCache(pool, window) if config.prefix_caching else None
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self.controller = (LatencyController(config) if config.target_p99_tpot_ms is not None
+                           or config.target_p99_ttft_ms is not None else None)
+        self._fixed_limit = config.max_running
+        self.num_preemptions = 0  # out of pages
+        self.num_switches = 0  # round-robin yields
+        self.num_recomputed_tokens = 0  # tokens computed again after a preemption or a switch ...
+        self.num_switch_recomputed_tokens = 0  # ... of those, after a switch
+        self._static_rows = 0  # static mode: size of the current batch, finished members included
+        self._static_batch: list[Request] = []
+
+    # ---- queue ----
+    def check_fits(self, request: Request) -> None:
+        """Reject at once what could never run, instead of queueing it forever: a request whose whole
+        context needs more pages than the cache holds. (The context limit is checked with the other
+        fields by Engine.validate.)"""
+        pages = self.pool.pages_for(request.max_total_tokens)
+        if pages > self.pool.num_usable:
+            raise ValueError(
+                f"max_tokens: prompt + max_tokens needs {pages} KV pages but the cache holds only "
+                f"{self.pool.num_usable}"
+            )
+        if self.window is not None:
+            chunk = min(self.config.max_chunk, self.config.max_prefill_tokens, request.max_total_tokens)
+            pages = min(self.window.pages_per_chunk(chunk), self.pool.pages_for(request.max_total_tokens))
+            if pages > self.window.pool.num_usable:
+                raise ValueError(f"max_tokens: the sliding-window layers need {pages} KV pages for this request "
+                                 f"but their cache holds only {self.window.pool.num_usable}")
+
+    @property
+    def running_limit(self) -> int:
+        """Batch slots now: max_running, or the latency controller's current limit."""
+        return self.controller.running_limit if self.controller is not None else self._fixed_limit
+
+    @running_limit.setter
+    def running_limit(self, value: int) -> None:  # a fixed limit (benchmarks); the controller sets its own
+        if self.controller is not None:
+            self.controller.running_limit = value
+        else:
+            self._fixed_limit = value
+
+    def add(self, request: Request) -> None:
+        """Queue a validated request (Engine.validate)."""
+        request.status = Status.WAITING
+        if request.queued_time is None:
+            request.queued_time = request.arrival_time
+        self.waiting.append(request)
+
+    def remove(self, request: Request) -> None:
+        """Drop a request (finished or aborted) and return its pages."""
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        if request.page_ids:
+            self.pool.free(request.page_ids)
+            request.page_ids = []
+        if self.window is not None:
+            self.window.release(request)
+        request.num_registered = 0
+
+    def finish(self, request: Request, reason: FinishReason) -> None:
+        """The request ends (its last token, a stop string, an abort or an error): its pages go back."""
+        self.remove(request)
+        request.status = Status.FINISHED
+        request.finish_reason = reason
+
+    # ---- a step's life: launched, then its tokens back ----
+    def on_launched(self, chunks: list[Chunk], step_id: int) -> None:
+        """The step is on the device: its tokens count as computed, and each sampling chunk's next token
+        is pending (row `i` of step `step_id`'s output) until the step's tokens come back."""
+        for row, c in enumerate(chunks):
+            r = c.request
+            r.num_computed = c.start + c.num_tokens
+            if c.samples:
+                r.num_pending += 1
+                r.pending_src = (step_id, row)
+
+    def on_step_done(self, chunks: list[Chunk], epochs: list[int], token_ids) -> list[Sampled]:
+        """The step's tokens came back (`token_ids[i]` sampled for chunk i). Registers the pages it filled,
+        appends each sampled token and returns a Sampled for each, its finish being STOP
+        for a stop token or EOS and LENGTH at max_tokens or the context limit; the caller finishes them.
+        A chunk whose request ended or was preempted (`epochs`: preemption counts at launch) since the
+        launch is void."""
+        sampled = []
+        eos, max_context = self.eos_ids, self.config.max_context
+        for row, (c, epoch) in enumerate(zip(chunks, epochs)):
+            r = c.request
+            if r.status is not Status.RUNNING or r.num_preemptions != epoch:
+                continue
+            if self.cache is not None:
+                self.cache.register(r, c.start + c.num_tokens)
+            if not c.samples:
+                continue
+            r.num_pending -= 1
+            if not r.num_pending:
+                r.pending_src = None
+            token = int(token_ids[row])
+            r.output_ids.append(token)
+            p, reason = r.params, None
+            if token in p.stop_token_ids or (token in eos and not p.ignore_eos):
+                reason = FinishReason.STOP
+            elif len(r.output_ids) >= p.max_tokens or r.num_known >= max_context:
+                reason = FinishReason.LENGTH
+            sampled.append(Sampled(row, r, token, reason))
+        return sampled
+
+    def observe_step_done(self, chunks: list[Chunk], seconds: float | None,
+                          sampled: list[tuple[Request, bool]], now: float) -> None:
+        """Feed the latency controller from a completed step, by the one rule the engine and the
+        simulator share: the step's time when it had decode rows (`seconds`: None when it followed an
+        idle spell), the wait for each first token, each finished request's mean time per token.
+        `sampled`: (request, finished) for each token the step appended, with `first_token_time` set."""
+        ctl = self.controller
+        if ctl is None:
+            return
+        if seconds is not None:
+            decode = sum(1 for c in chunks if c.num_tokens == 1)  # each waited this long for its token
+            ctl.observe_step(seconds, decode, sum(c.num_tokens for c in chunks if c.num_tokens > 1))
+        for r, finished in sampled:
+            n = len(r.output_ids)
+            if n == 1:
+                ctl.observe_first_token(r.first_token_time - r.arrival_time)
+            if finished and n > 1:
+                ctl.observe_finished((now - r.first_token_time) / (n - 1))
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- policy ----
+    # ---- the step ----
+    def preempt(self, victim: Request, out: SchedulerOutput | None = None, *, switch: bool = False,
+                now: float | None = None) -> None:
+        """Free victim's pages and requeue it to be recomputed (listed in `out.preempted` if given). Its
+        registered pages stay in the prefix cache while nobody needs their memory, so what it recomputes
+        at readmission is only what was evicted meanwhile. `switch`: a round-robin yield (it goes to the
+        back of the queue) rather than an out-of-pages preemption."""
+        self.running.remove(victim)
+        victim.lost_tokens = max(victim.lost_tokens, victim.num_computed)
+        victim.lost_by_switch = switch
+        self.pool.free(victim.page_ids)
+        victim.page_ids = []
+        if self.window is not None:
+            self.window.release(victim)
+        victim.num_computed = victim.num_registered = 0
+        victim.num_pending, victim.pending_src = 0, None  # a token in flight is dropped and recomputed
+        victim.status = Status.WAITING
+        victim.num_preemptions += 1  # the epoch: its chunks in flight are void
+        if switch:
+            self.num_switches += 1
+            victim.queued_time = time.monotonic() if now is None else now
+        else:
+            self.num_preemptions += 1
+        self.waiting.append(victim)
+        if out is not None:
+            out.preempted.append(victim)
+
+    def _grow(self, r: Request, num_tokens: int) -> bool:
+        """Give `r` the pages to hold its first num_tokens tokens; False when the pool is short."""
+        need = self.pool.pages_for(num_tokens) - len(r.page_ids)
+        pages = []
+        if need > 0:
+            pages = self.pool.allocate(need)
+            if pages is None:
+                return False
+            r.page_ids.extend(pages)
+        if self.window is None or self.window.grow(r, r.num_computed, num_tokens):
+            return True
+        if pages:  # the sliding layers are short: give back what was just taken, not hold it while waiting
+            del r.page_ids[-len(pages):]
+            self.pool.free(pages)
+        return False
+
+    def _chunk(self, r: Request, budget: int) -> int:
+        if r.last_in_flight:
+            return 0  # finishes by length once that token arrives
+        pending = r.num_tokens - r.num_computed
+        if pending == 1:
+            return 1
+        return min(pending, budget, self.config.max_chunk)
+
+    def admission_wait_s(self, now: float | None = None) -> float:
+        """Seconds until a closed batching window (max_wait_ms) opens for the oldest waiting request;
+        0 when there is nothing to wait for. The engine thread sleeps this long instead of stepping."""
+        if not self.waiting or self.config.max_wait_ms == 0:
+            return 0.0
+        now = time.monotonic() if now is None else now
+        oldest = min(r.arrival_time for r in self.waiting)
+        return max(0.0, oldest + self.config.max_wait_ms / 1000 - now)
+
+    def _round_robin_yields(self, now: float) -> None:
+        """Round-robin: for each request waiting for a slot, the running request that has used its
+        quantum for longest yields its slot (back of the queue, its pages left in the prefix cache)."""
+        short = len(self.waiting) - max(0, self.running_limit - len(self.running))
+        if short <= 0:
+            return
+        q = self.config.quantum_tokens
+        done = [r for r in self.running
+                if len(r.output_ids) + r.num_pending - r.admitted_output >= q and not r.last_in_flight]
+        done.sort(key=lambda r: order_key(self.config, r, now))
+        for r in done[:short]:
+            self.preempt(r, switch=True, now=now)
+
+    def _admitted(self, r: Request, now: float) -> None:
+        """r got a slot (after attaching its cached prefix): its quantum starts, its recompute is counted."""
+        self.waiting.remove(r)
+        r.status = Status.RUNNING
+        if r.first_scheduled_time is None:
+            r.first_scheduled_time = now
+        r.admitted_output = len(r.output_ids) + r.num_pending
+        if r.lost_tokens:
+            lost = max(0, r.lost_tokens - r.num_computed)
+            self.num_recomputed_tokens += lost
+            if r.lost_by_switch:
+                self.num_switch_recomputed_tokens += lost
+            r.lost_tokens, r.lost_by_switch = 0, False
+        self.running.append(r)
+
+    def schedule(self, now: float | None = None) -> SchedulerOutput:
+        now = time.monotonic() if now is None else now
+        c = self.config
+        out = SchedulerOutput(decode=[], prefill=[], preempted=[])
+        budget = self.controller.prefill_budget if self.controller is not None else c.max_prefill_tokens
+        scheduled: set[int] = set()
+        if c.policy == "round-robin" and self.waiting:
+            self._round_robin_yields(now)
+
+        self.running.sort(key=lambda r: order_key(self.config, r, now))
+        i = 0
+        while i < len(self.running):
+            r = self.running[i]
+            n = self._chunk(r, budget)
+            if n == 0:
+                i += 1
+                continue
+            while not self._grow(r, r.num_computed + n):
+                victim = next((v for v in reversed(self.running) if id(v) not in scheduled), None)
+                self.preempt(victim, out)
+                if victim is r:
+                    break
+            if r.status is Status.WAITING:  # r preempted itself: nothing left to take from
+                break
+            scheduled.add(id(r))
+            self._emit(out, Chunk(r, r.num_computed, n))
+            if n > 1 or r.num_tokens - r.num_computed > 1:
+                budget -= n
+            i += 1
+
+        admit = not out.preempted
+        if admit:
+            room = self.running_limit - len(self.running)
+            order = admission_order(self.config, self.waiting, bool(self.running), self.cache, now, room)
+            if c.static:
+                # A batch is chosen whole when the last one is done, then admitted as the prefill budget
+                # allows; nothing joins it until every member has finished.
+                if not self.running and not any(r.status is Status.WAITING for r in self._static_batch):
+                    self._static_batch = order[: self.running_limit]
+                    self._static_rows = len(self._static_batch)
+                members = {id(r) for r in self._static_batch}
+                order = [r for r in order if id(r) in members]
+            pending = set()  # pages running prefills are computing now
+            if self.cache is not None:
+                for r in self.running:
+                    pending.update(self.cache.upcoming(r))
+            for r in order:
+                if room <= 0 or budget <= 0:
+                    break
+                if self.cache is not None:
+                    self.cache.attach(r)
+                    if self.cache.next_hash(r) in pending:
+                        self.cache.detach(r)  # wait for those pages rather than compute them twice
+                        continue
+                n = self._chunk(r, budget)
+                if (self.controller is not None and self.pool.num_free
+                        < self.pool.pages_for(r.num_computed + n) - len(r.page_ids) + len(self.running)):
+                    if self.cache is not None:  # keep a page of headroom per running request: growth
+                        self.cache.detach(r)    # must not preempt under a latency target
+                    break
+                if not self._grow(r, r.num_computed + n):
+                    if self.cache is not None:
+                        self.cache.detach(r)
+                    break  # out of pages: wait for running requests to finish
+                self._admitted(r, now)
+                if self.cache is not None:
+                    pending.update(self.cache.upcoming(r))
+                self._emit(out, Chunk(r, r.num_computed, n))
+                if n > 1 or r.num_tokens - r.num_computed > 1:
+                    budget -= n
+                room -= 1
+        out.num_static_rows = self._static_rows if c.static else 0
+        return out
+
+    @staticmethod
+    def _emit(out: SchedulerOutput, chunk: Chunk) -> None:
+        (out.decode if chunk.num_tokens == 1 else out.prefill).append(chunk)

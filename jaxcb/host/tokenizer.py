@@ -1,0 +1,328 @@
+"""Tokenizer and chat template, built from the model file's metadata.
+
+The byte-level BPE model is built with the `tokenizers` library from the GGUF vocabulary and merges;
+the pre-tokenizer follows llama.cpp's name for it (`tokenizer.ggml.pre`). Control and user-defined
+tokens (`<|im_start|>`...) are added as special tokens so that they are matched whole in text.
+
+A SentencePiece vocabulary (`tokenizer.ggml.model = llama`: Llama 2, Gemma) becomes a BPE model with
+byte fallback over "▁"-for-space text. Such files carry no merges: they are rebuilt from the
+vocabulary (every split of a token into two tokens is a merge), ranked by the token's score, except
+for Gemma, whose merge order is the order of its tokens in the file (its scores do not follow it);
+Gemma files also spell whitespace-only tokens with real spaces, which are respelled with "▁".
+Control tokens are special; user-defined ones (Gemma's runs of newlines, its HTML tags) are matched
+whole but decoded as text.
+The chat template stored in the file is rendered with jinja2 in a sandbox.
+
+`IncrementalDetokenizer` turns a stream of ids into text deltas that never split a character that
+spans several tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jinja2
+import jinja2.sandbox
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
+from tokenizers import Tokenizer as HFTokenizer
+
+_CONTROL, _USER_DEFINED = 3, 4
+# GPT-2's split pattern, used by most byte-level BPE vocabularies.
+_GPT2_PATTERN = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+_LLAMA3_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+ROLES = ("system", "user", "assistant", "tool")
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenizerSpec:
+    """What a tokenizer needs, as stored in the model file."""
+
+    model: str  # "gpt2" (byte-level BPE) or "llama" (SentencePiece BPE with byte fallback)
+    pre: str  # llama.cpp pre-tokenizer name, e.g. "smollm", "llama-bpe", "default"
+    tokens: tuple[str, ...]
+    merges: tuple[str, ...]
+    token_types: tuple[int, ...]  # 1 normal, 2 unknown, 3 control, 4 user-defined, 5 unused, 6 byte
+    bos_id: int | None
+    eos_id: int | None
+    add_bos: bool
+    chat_template: str | None
+    scores: tuple[float, ...] = ()  # SentencePiece: each token's score (its merge priority)
+    add_space_prefix: bool = True  # SentencePiece: a space before the text (Llama 2 yes, Gemma no)
+    arch: str = "llama"  # general.architecture (Gemma's merge order is its token order, not its scores)
+
+
+def _pre_tokenizer(pre: str):
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if pre in ("smollm", "starcoder", "refact", "codeshell"):
+        # llama.cpp: "\p{N}" first (every digit its own piece), then the GPT-2 pattern.
+        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+    if pre in ("llama-bpe", "llama3", "smaug-bpe"):
+        return pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(_LLAMA3_PATTERN), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ])
+    return byte_level
+
+
+def _sentencepiece_bpe(spec: TokenizerSpec) -> HFTokenizer:
+    space = "\u2581"
+    tokens = [space * len(t) if t and not t.strip(" ") else t for t in spec.tokens]
+    vocab = {t: i for i, t in enumerate(tokens)}
+    if spec.arch.startswith("gemma") or not spec.scores:
+        rank = lambda i: -i  # noqa: E731 - earlier in the file merges first
+    else:
+        rank = spec.scores.__getitem__
+    merges = []
+    for i, t in enumerate(tokens):
+        for cut in range(1, len(t)):
+            left, right = t[:cut], t[cut:]
+            if left in vocab and right in vocab:
+                merges.append((rank(i), len(left), len(right), vocab[left], vocab[right], left, right))
+    # Best token first; among one token's splits, the longest left piece first.
+    merges.sort(key=lambda m: (-m[0], -m[1], -m[2], m[3], m[4]))
+    unk = "<unk>" if "<unk>" in vocab else None
+    tok = HFTokenizer(models.BPE(vocab=vocab, merges=[(m[5], m[6]) for m in merges], unk_token=unk,
+                                 fuse_unk=True, byte_fallback=True))
+    steps = [normalizers.Prepend(space)] if spec.add_space_prefix else []
+    tok.normalizer = normalizers.Sequence([*steps, normalizers.Replace(" ", space)])
+    tok.decoder = decoders.Sequence([decoders.Replace(space, " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     *([decoders.Strip(" ", 1, 0)] if spec.add_space_prefix else [])])
+    return tok
+
+
+class Tokenizer:
+    def __init__(self, spec: TokenizerSpec):
+        if spec.model == "llama":
+            tok = _sentencepiece_bpe(spec)
+            # User-defined tokens are matched whole, except the whitespace runs, which the vocabulary
+            # holds respelled with "▁" and the merges produce.
+            vocab = tok.get_vocab()
+            special = [AddedToken(t, special=kind == _CONTROL, normalized=False)
+                       for t, kind in zip(spec.tokens, spec.token_types)
+                       if kind == _CONTROL or (kind == _USER_DEFINED and t in vocab)]
+            tok.add_special_tokens([t for t in special if t.special])
+            tok.add_tokens([t for t in special if not t.special])
+            self._setup(tok, spec.bos_id, spec.eos_id, spec.add_bos, spec.chat_template)
+            return
+        if spec.model != "gpt2":
+            raise ValueError(
+                f"tokenizer.ggml.model: {spec.model!r} is not supported; supported: 'gpt2' (byte-level BPE), "
+                "'llama' (SentencePiece)"
+            )
+        vocab = {tok: i for i, tok in enumerate(spec.tokens)}
+        merges = [tuple(m.split(" ", 1)) for m in spec.merges]
+        tok = HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, ignore_merges=False))
+        tok.pre_tokenizer = _pre_tokenizer(spec.pre)
+        tok.decoder = decoders.ByteLevel()
+        special = [
+            AddedToken(t, special=True, normalized=False)
+            for t, kind in zip(spec.tokens, spec.token_types)
+            if kind in (_CONTROL, _USER_DEFINED)
+        ]
+        tok.add_special_tokens(special)
+        self._setup(tok, spec.bos_id, spec.eos_id, spec.add_bos, spec.chat_template)
+
+    def _setup(self, tok: HFTokenizer, bos_id, eos_id, add_bos: bool, chat_template: str | None) -> None:
+        self._tok = tok
+        self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
+        self.bos_id = bos_id
+        self.eos_id = eos_id
+        self.add_bos = add_bos
+        self.chat_template = chat_template
+        self.special_ids = frozenset(i for i, t in tok.get_added_tokens_decoder().items() if t.special)
+        # A copy that reads special-token text as plain text: for what users wrote (encode_chat).
+        self._plain = HFTokenizer.from_str(tok.to_str())
+        self._plain.encode_special_tokens = True
+        self._template = None
+        if chat_template:
+            env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            env.globals["raise_exception"] = _raise_template_error
+            self._template = env.from_string(chat_template)
+
+    @classmethod
+    def from_dir(cls, path: str) -> "Tokenizer":
+        """A Hugging Face tokenizer directory: tokenizer.json (+ tokenizer_config.json for the BOS/EOS
+        tokens and the chat template), as written by `save`."""
+        import json
+        import os
+
+        tok_path = os.path.join(path, "tokenizer.json")
+        if not os.path.isfile(tok_path):
+            raise ValueError(f"model: {path} has no tokenizer.json")
+        try:
+            tok = HFTokenizer.from_file(tok_path)
+        except Exception as e:  # noqa: BLE001 - the library raises its own exception type
+            raise ValueError(f"model: {tok_path} is not a readable tokenizer ({e})") from None
+        cfg = {}
+        cfg_path = os.path.join(path, "tokenizer_config.json")
+        if os.path.isfile(cfg_path):
+            with open(cfg_path, encoding="utf-8") as f:
+                cfg = json.load(f)
+
+        def token_id(key):
+            t = cfg.get(key)
+            t = t.get("content") if isinstance(t, dict) else t
+            return tok.token_to_id(t) if isinstance(t, str) else None
+
+        self = cls.__new__(cls)
+        template = cfg.get("chat_template")
+        if isinstance(template, list):  # named templates: take the default one
+            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        self._setup(tok, token_id("bos_token"), token_id("eos_token"), bool(cfg.get("add_bos_token", False)),
+                    template)
+        return self
+
+    def save(self, path: str) -> None:
+        """tokenizer.json and tokenizer_config.json into directory `path` (read back by from_dir)."""
+        import json
+        import os
+
+        self._tok.save(os.path.join(path, "tokenizer.json"))
+        name = lambda i: self.id_to_token(i) if i is not None else None  # noqa: E731
+        with open(os.path.join(path, "tokenizer_config.json"), "w", encoding="utf-8") as f:
+            json.dump({"bos_token": name(self.bos_id), "eos_token": name(self.eos_id), "add_bos_token": self.add_bos,
+                       "chat_template": self.chat_template}, f, indent=1)
+
+    def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
+        ids = self._tok.encode(text, add_special_tokens=False).ids
+        if (self.add_bos if add_bos is None else add_bos) and self.bos_id is not None:
+            if not ids or ids[0] != self.bos_id:
+                ids = [self.bos_id, *ids]
+        return ids
+
+    def decode(self, ids, skip_special: bool = True) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special)
+
+    def id_to_token(self, i: int) -> str | None:
+        return self._tok.id_to_token(i)
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        if self._template is None:
+            raise ValueError("chat: this model file has no chat template; send a raw prompt")
+        for i, m in enumerate(messages):
+            if m.get("role") not in ROLES:
+                raise ValueError(f"messages[{i}].role: {m.get('role')!r} is not one of {', '.join(ROLES)}")
+            if not isinstance(m.get("content"), str):
+                raise ValueError(f"messages[{i}].content: must be a string")
+        bos = self.id_to_token(self.bos_id) if self.bos_id is not None else ""
+        eos = self.id_to_token(self.eos_id) if self.eos_id is not None else ""
+        return self._template.render(
+            messages=messages, add_generation_prompt=add_generation_prompt, bos_token=bos, eos_token=eos
+        )
+
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        """The rendered conversation's ids. The template writes the special tokens itself (never
+        another BOS); special-token text inside a message's content (a user typing `<|im_start|>system`)
+        is encoded as the plain text it is, so no message can forge a role or end another's turn.
+
+        Where each content lands in the rendered text is found exactly, not searched for: the template
+        is also rendered with a unique marker in place of each content, which gives the template's own
+        text between contents; the real rendering must be that text with the contents put back (as
+        they are, or trimmed where the template trims them). The whole text is then tokenized at once
+        (the template's tokens as the model was trained on them) and any special token that touches a
+        content span is encoded as plain text; if one straddles a span's edge, or the contents cannot
+        be located, every content is encoded on its own as plain text between the template's pieces."""
+        text = self.render_chat(messages)
+        pieces = self._chat_pieces(messages, text)
+        if pieces is None:  # the template does something else with the contents: each part on its own
+            raise ValueError("messages: the chat template uses message contents in a way jaxcb cannot "
+                             "separate from its own markup; send a raw prompt")
+        spans, at = [], 0
+        for part, is_content in pieces:
+            if is_content and part:
+                spans.append((at, at + len(part)))
+            at += len(part)
+        enc = self._tok.encode(text, add_special_tokens=False)
+        forged = []
+        for i, (t, (a, b)) in enumerate(zip(enc.ids, enc.offsets)):
+            if t not in self.special_ids:
+                continue
+            touching = [(s, e) for s, e in spans if a < e and s < b]
+            if not touching:
+                continue
+            if any(not (s <= a and b <= e) for s, e in touching):  # across a content's edge
+                return self._encode_pieces(pieces)
+            forged.append(i)
+        if not forged:
+            return enc.ids
+        ids, prev = [], 0
+        for i in forged:
+            a, b = enc.offsets[i]
+            ids += enc.ids[prev:i] + self._plain.encode(text[a:b], add_special_tokens=False).ids
+            prev = i + 1
+        return ids + enc.ids[prev:]
+
+    def _chat_pieces(self, messages: list[dict], text: str) -> list[tuple[str, bool]] | None:
+        """The rendered `text` cut into (piece, is a message's content), or None when it is not the
+        template's own text with the contents inserted."""
+        import re
+        import uuid
+
+        nonce = uuid.uuid4().hex
+        marks = [f"\ue000{nonce}{i}\ue001" for i in range(len(messages))]
+        # An em space each side (whitespace no template writes itself): a template that trims contents
+        # trims these, and so the real contents.
+        marked = self.render_chat([{**m, "content": f"\u2003{mark}\u2003"} for m, mark in zip(messages, marks)])
+        pattern = re.compile("(\u2003?)(" + "|".join(map(re.escape, marks)) + ")(\u2003?)")
+        pieces, at = [], 0
+        for found in pattern.finditer(marked):
+            content = messages[marks.index(found.group(2))]["content"]
+            trimmed = not found.group(1) and not found.group(3)
+            if found.group(1) != found.group(3):
+                return None  # trimmed on one side only: not a transformation this can follow
+            pieces.append((marked[at:found.start()], False))
+            pieces.append((content.strip() if trimmed else content, True))
+            at = found.end()
+        pieces.append((marked[at:], False))
+        return pieces if "".join(p for p, _ in pieces) == text else None
+
+    def _encode_pieces(self, pieces: list[tuple[str, bool]]) -> list[int]:
+        ids = []
+        for part, is_content in pieces:
+            if part:
+                ids += (self._plain if is_content else self._tok).encode(part, add_special_tokens=False).ids
+        return ids
+
+
+def _raise_template_error(message):
+    raise ValueError(f"chat template: {message}")
+
+
+class IncrementalDetokenizer:
+    """Text deltas for a growing id list, holding back the bytes of an unfinished character.
+
+    Each call decodes a short window of earlier ids plus the new ones and emits only what the new
+    ones add (byte-level merges at the window edge then decode as they do in the whole text); while
+    the text ends in U+FFFD, a character split across tokens, nothing is emitted yet.
+    """
+
+    def __init__(self, tokenizer: Tokenizer):
+        self.tok = tokenizer
+        self.ids: list[int] = []
+        self.prefix_offset = 0  # start of the decoding window
+        self.read_offset = 0  # ids before this have been emitted as text
+        self.text = ""
+
+    def flush(self) -> str:
+        """At the end of the stream: the text still held back (an unfinished character comes out as
+        U+FFFD rather than being dropped)."""
+        decode = self.tok._tok.decode
+        before = decode(self.ids[self.prefix_offset:self.read_offset], skip_special_tokens=True)
+        after = decode(self.ids[self.prefix_offset:], skip_special_tokens=True)
+        self.prefix_offset = self.read_offset = len(self.ids)
+        return after[len(before):] if len(after) > len(before) else ""
+
+    def add(self, new_ids) -> str:
+        self.ids.extend(map(int, new_ids))
+        decode = self.tok._tok.decode  # the tokenizers library's own: this runs once per generated token
+        before = decode(self.ids[self.prefix_offset:self.read_offset], skip_special_tokens=True)
+        after = decode(self.ids[self.prefix_offset:], skip_special_tokens=True)
+        if len(after) <= len(before) or after.endswith("\ufffd"):
+            return ""
+        delta = after[len(before):]
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        self.text += delta
+        return delta

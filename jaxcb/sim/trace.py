@@ -1,0 +1,133 @@
+"""Request traces and the figures every scheduling run reports, real or simulated.
+
+Plain Python, no JAX. A trace is JSONL, one request a line:
+  {"arrival_s": 0.42, "prompt_tokens": 300, "output_tokens": 64, "priority": 0, "prefix_id": 3, "prefix_tokens": 128}
+(`prompt_token_ids` may replace `prompt_tokens`; requests with the same `prefix_id` share their first
+`prefix_tokens` tokens). `bench/policies.py` writes its traces in this form, replays them on the real
+engine, and `jaxcb simulate` replays them on the host-side scheduler with a step-time model; both
+reduce their per-request records to the same table with `summarize`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+
+from jaxcb.host.latency import quantile
+
+
+@dataclasses.dataclass
+class TraceRequest:
+    arrival_s: float
+    prompt_tokens: int
+    output_tokens: int
+    priority: int = 0
+    prefix_id: int | None = None
+    prefix_tokens: int = 0
+    prompt_token_ids: list[int] | None = None
+
+    def to_json(self) -> str:
+        d = {"arrival_s": round(self.arrival_s, 6), "prompt_tokens": self.prompt_tokens,
+             "output_tokens": self.output_tokens}
+        if self.priority:
+            d["priority"] = self.priority
+        if self.prefix_id is not None:
+            d["prefix_id"], d["prefix_tokens"] = self.prefix_id, self.prefix_tokens
+        if self.prompt_token_ids is not None:
+            d["prompt_token_ids"] = self.prompt_token_ids
+        return json.dumps(d)
+
+
+def read_trace(path: str) -> list[TraceRequest]:
+    """A trace file, sorted by arrival; a bad line is an error naming the line and the field."""
+    out = []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                d = json.loads(line)
+                ids = d.get("prompt_token_ids")
+                prompt = len(ids) if ids is not None else int(d["prompt_tokens"])
+                r = TraceRequest(float(d["arrival_s"]), prompt, int(d["output_tokens"]), int(d.get("priority", 0)),
+                                 d.get("prefix_id"), int(d.get("prefix_tokens", 0)),
+                                 [int(t) for t in ids] if ids is not None else None)
+            except (ValueError, KeyError, TypeError) as e:
+                raise ValueError(f"{path}:{n}: {type(e).__name__}: {e}") from None
+            if r.arrival_s < 0 or r.prompt_tokens < 1 or r.output_tokens < 1 or r.prefix_tokens < 0:
+                raise ValueError(f"{path}:{n}: arrival_s must be >= 0, prompt_tokens and output_tokens >= 1")
+            out.append(r)
+    out.sort(key=lambda r: r.arrival_s)
+    return out
+
+
+def write_trace(path: str, requests: list[TraceRequest]) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        for r in requests:
+            f.write(r.to_json() + "\n")
+
+
+def prompt_ids(trace: list[TraceRequest], vocab: int, seed: int = 0, low: int = 100) -> list[list[int]]:
+    """Token ids for every request: its own, or random ones (the same for the same seed) whose first
+    `prefix_tokens` are shared with every request of the same `prefix_id`."""
+    rng = random.Random(seed)
+    prefixes: dict[int, list[int]] = {}
+    out = []
+    for r in trace:
+        if r.prompt_token_ids is not None:
+            out.append(list(r.prompt_token_ids))
+            continue
+        shared = []
+        if r.prefix_id is not None and r.prefix_tokens:
+            p = prefixes.setdefault(r.prefix_id, [])
+            while len(p) < r.prefix_tokens:
+                p.append(rng.randrange(low, vocab))
+            shared = p[:min(r.prefix_tokens, r.prompt_tokens)]
+        out.append(shared + [rng.randrange(low, vocab) for _ in range(r.prompt_tokens - len(shared))])
+    return out
+
+
+@dataclasses.dataclass
+class RequestRecord:
+    """One request's timeline, in seconds from the run's start."""
+
+    arrival: float
+    scheduled: float | None = None  # first given a batch slot
+    first_token: float | None = None
+    finished: float | None = None
+    output_tokens: int = 0
+
+    @property
+    def ttft(self) -> float:
+        return self.first_token - self.arrival
+
+    @property
+    def tpot(self) -> float | None:
+        if self.output_tokens < 2:
+            return None
+        return (self.finished - self.first_token) / (self.output_tokens - 1)
+
+
+def summarize(records: list[RequestRecord], **extra) -> dict:
+    """The table's figures: throughput over the run (first arrival to last finish), TTFT, TPOT (per
+    request: (finish - first token) / (outputs - 1)), end-to-end latency and the longest wait for a
+    first slot (starvation). `extra` (preemptions, recomputed tokens, padding...) is passed through."""
+    done = [r for r in records if r.finished is not None]
+    if not done:
+        return {"requests": 0, **extra}
+    span = max(r.finished for r in done) - min(r.arrival for r in records)
+    tokens = sum(r.output_tokens for r in done)
+    ttft = [r.ttft for r in done]
+    tpot = [t for t in (r.tpot for r in done) if t is not None]
+    e2e = [r.finished - r.arrival for r in done]
+    waits = [(r.scheduled if r.scheduled is not None else r.first_token) - r.arrival for r in done]
+    return {
+        "requests": len(done), "output_tokens": tokens, "span_s": round(span, 3),
+        "output_tokens_per_s": round(tokens / span, 2) if span > 0 else 0.0,
+        "requests_per_s": round(len(done) / span, 4) if span > 0 else 0.0,
+        "ttft_p50_s": round(quantile(ttft, 0.5), 4), "ttft_p99_s": round(quantile(ttft, 0.99), 4),
+        "tpot_p50_s": round(quantile(tpot, 0.5), 5), "tpot_p99_s": round(quantile(tpot, 0.99), 5),
+        "e2e_p50_s": round(quantile(e2e, 0.5), 4), "e2e_p99_s": round(quantile(e2e, 0.99), 4), "max_wait_s": round(max(waits), 4),
+        **extra,
+    }
