@@ -101,3 +101,13 @@ def test_recorded_lengths_plan_buckets(make_llm, tmp_path, capsys):
     log.write_text("not json\n")
     assert cli(["buckets", "--lengths", str(log), "--max-buckets", "3"]) == 2
     assert "line 1" in capsys.readouterr().err
+
+
+def test_the_default_config_is_the_source_trees():
+    """load_config() with no path reads configs/default.toml of this tree (a path that went stale when
+    a module moved would fall back to the built-in defaults without a word)."""
+    from jaxcb.host.engine_config import DEFAULT_CONFIG, load_config
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    assert DEFAULT_CONFIG == os.path.join(root, "configs", "default.toml")
+    assert load_config() == load_config(os.path.join(root, "configs", "default.toml"))

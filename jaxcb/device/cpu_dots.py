@@ -304,7 +304,7 @@ def _run_worker(lib, isa, rows, dtypes, shape) -> tuple[dict, str]:
            "--dtypes", *dtypes, "--shape", *map(str, shape)]
     try:
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600,
-                              cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+                              cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     except subprocess.TimeoutExpired:
         return {}, "timed out after 600 s"
     lines = proc.stdout.strip().splitlines()

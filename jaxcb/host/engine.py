@@ -91,8 +91,11 @@ class Engine:
     MAX_FAILED_STEPS_IN_A_ROW = 8  # then the engine counts as broken (the server exits non-zero)
 
     def __init__(self, runner: Runner, tokenizer, config: EngineConfig, eos_ids: tuple[int, ...] = (),
-                 load_seconds: float = 0.0):
+                 load_seconds: float = 0.0, clock: Callable[[], float] = time.monotonic):
         self.runner = runner
+        # Every time the loop reads (arrivals, queueing, step times, first tokens): the wall clock, or the
+        # simulator's (jaxcb.sim.simulate: a runner that models the step's time on a virtual clock).
+        self._clock = clock
         self.tokenizer = tokenizer
         self.config = config
         self.model_config = runner.model_config
@@ -106,7 +109,7 @@ class Engine:
         self.max_context = min(config.scheduler.max_context, self.model_config.max_context)
         self.scheduler = Scheduler(dataclasses.replace(config.scheduler, max_context=self.max_context), self.pool,
                                    eos_ids, window=self.window_group)
-        self.outputs = Outputs(tokenizer)
+        self.outputs = Outputs(tokenizer, clock)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._requests: dict[str, list[Request]] = {}  # request id -> its live samples
         # Seeds for requests that bring none: OS entropy (unpredictable, also across restarts), unless
@@ -175,9 +178,9 @@ class Engine:
             samples.append(Request(prompt_ids, params, request_id=samples[0].request_id, priority=int(priority),
                                    arrival_time=samples[0].arrival_time, sample_index=i, cache_salt=cache_salt))
         rid = samples[0].request_id
-        if arrival_time is not None:
-            for r in samples:
-                r.arrival_time = arrival_time
+        arrival = self._clock() if arrival_time is None else arrival_time
+        for r in samples:
+            r.arrival_time = arrival
         with self._seed_lock:
             if rid in self._live_ids:
                 raise ValueError(f"request_id: {rid!r} is already in use by a running request")
@@ -262,10 +265,9 @@ class Engine:
             self.outputs.deliver()  # after the step's retirements: a final event means the pages are back
 
     def _step(self) -> list[TokenEvent]:
-        start = time.perf_counter()
         events: list[TokenEvent] = []
         self._drain_inbox(events)
-        out = self.scheduler.schedule()
+        out = self.scheduler.schedule(now=self._clock())
         launched = False
         if not out.empty:
             try:
@@ -275,7 +277,9 @@ class Engine:
                 launched = True
             except Exception as e:  # noqa: BLE001 - a failed step fails its own requests; the engine goes on
                 self._fail_step(out.decode + out.prefill, e, events)
-        self.last_step_idle = not launched and not self._in_flight  # nothing ran: a window is closed
+        # Nothing ran and nothing came back: requests wait behind a closed batching window (the caller
+        # sleeps until it opens). A step that came back may have made room: the caller steps again at once.
+        self.last_step_idle = not launched and not self._in_flight
         keep = 1 if launched and self.scheduler.config.async_scheduling else 0
         while len(self._in_flight) > keep:
             self._complete(self._in_flight.popleft(), events)
@@ -285,7 +289,7 @@ class Engine:
         """Pack the step into one batch of its token bucket and dispatch it (one jitted call, not
         waited for). A decode token whose id is still on the device (sampled by the step in flight)
         is read there by the step itself."""
-        packing = time.perf_counter()
+        packing = self._clock()
         s = self.config.page_size
         live = sum(c.num_tokens for c in chunks)
         # Static batching pays for the batch's finished rows too: they stay padded in.
@@ -326,7 +330,7 @@ class Engine:
         cnt.prompt_tokens_computed += prompt_tokens
         pipelined = bool(self._in_flight)
         result = self.runner.run(batch, sampling, shape)
-        dispatch_end = time.perf_counter()
+        dispatch_end = self._clock()
         if not pipelined and self._last_fetch_end is not None:  # the device idled since the last fetch
             cnt.host_s += dispatch_end - self._last_fetch_end
         self._step_id += 1
@@ -342,7 +346,7 @@ class Engine:
             self._fail_step(step.chunks, e, events, step.epochs)
             return
         self.failed_in_a_row = 0
-        fetch_end = time.perf_counter()
+        fetch_end = self._clock()
         if self._last_fetch_end is not None:
             self._counters.step_s += fetch_end - self._last_fetch_end
         # The step's own time: from the previous step's tokens when it was queued behind that step,
@@ -401,7 +405,7 @@ class Engine:
             observed.append((r, reason is not None))
             if reason is not None:
                 self._retire(r, reason)
-        self.scheduler.observe_step_done(step.chunks, seconds, observed, time.monotonic())
+        self.scheduler.observe_step_done(step.chunks, seconds, observed, self._clock())
 
     def _finish(self, r: Request, reason: FinishReason, events: list[TokenEvent], error: str | None = None) -> None:
         """End a request from outside its tokens (abort, error): its final event, then retire it."""

@@ -21,7 +21,8 @@ CPU_DOTS_CHOICES = ("auto", "default", "ynn", "xnn", "onednn", "eigen")
 ACTIVATION_CHOICES = ("float", "int8")  # model.activations (jaxcb.model.quant.quantize_activations)
 AUTO_PAGES = 0  # num_pages = "auto": as many as the memory plan fits (jaxcb.host.memory_plan)
 KERNEL_PAGE_SIZES = (8, 16, 32, 64, 128, 256)  # = kernels_pallas.PAGE_SIZES (this module imports no JAX)
-DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "default.toml")
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the source tree
+DEFAULT_CONFIG = os.path.join(_ROOT, "configs", "default.toml")
 
 
 @dataclasses.dataclass(frozen=True)

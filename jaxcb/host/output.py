@@ -37,8 +37,9 @@ class OutputStream:
 class Outputs:
     """The output streams of the live requests, keyed by Request.key."""
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, clock=time.monotonic):
         self.tokenizer = tokenizer
+        self._clock = clock  # the engine's (first-token times)
         self.streams: dict[tuple[str, int], OutputStream] = {}
         self._undelivered: list[tuple[EventCallback, TokenEvent]] = []
 
@@ -84,7 +85,7 @@ class Outputs:
             reason = FinishReason.STOP
         queue_s = None
         if r.first_token_time is None:
-            r.first_token_time = time.monotonic()
+            r.first_token_time = self._clock()
             queue_s = (r.first_scheduled_time or r.first_token_time) - r.arrival_time
         if reason is not None:
             self.close(r, reason, events, new_tokens=(token,), logprobs=logprobs, queue_s=queue_s)

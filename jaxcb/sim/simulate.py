@@ -1,9 +1,11 @@
-"""The scheduler on a simulated clock: `jaxcb simulate --trace FILE --policy P [--step-model FILE | --device NAME]`.
+"""The engine on a simulated clock: `jaxcb simulate --trace FILE --policy P [--step-model FILE | --device NAME]`.
 
-Plain Python, no JAX. The real Scheduler, PagePool, PrefixCache and Buckets run a trace (jaxcb.sim.trace)
-exactly as the engine would, but nothing is computed: each step takes the time a step-time model
-gives for its shape, and every sampled token is a placeholder (requests run to their trace's
-output length). The report is the same table the real runs print (jaxcb.sim.trace.summarize).
+Plain Python, no JAX. The real engine loop (jaxcb.host.engine.Engine: scheduler, page pool, prefix cache,
+buckets, packing, async pipelining, output processing) runs a trace (jaxcb.sim.trace), with a runner
+that computes nothing (SimRunner): each step takes the time a step-time model gives for its packed
+batch on a virtual clock, and every sampled token is a placeholder (requests run to their trace's
+output length). A change to the loop is a change to the simulator: there is no second copy of it. The
+report is the same table the real runs print (jaxcb.sim.trace.summarize).
 
 Step-time models:
   fitted    step_time = intercept[token bucket] + per_context_token x context + per_extra_pair x
@@ -26,10 +28,12 @@ import json
 import math
 import os
 import time
+import types
 
-from jaxcb.host.page_pool import PagePool
-from jaxcb.host.request import Request, SamplingParams
-from jaxcb.host.scheduler import Scheduler
+import numpy as np
+
+from jaxcb.host.engine import Engine
+from jaxcb.host.request import SamplingParams
 from jaxcb.sim.trace import RequestRecord, TraceRequest, prompt_ids, summarize
 
 BUILTIN_STEP_MODEL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "step_models",
@@ -85,8 +89,6 @@ class FittedStepModel:
         "attention_pairs"): one intercept per token bucket, one slope for the context the rows read, and
         one for the (query, key) pairs of prefill chunks beyond one per context token (a decode row has
         none); a slope that comes out negative is dropped and the rest refitted."""
-        import numpy as np
-
         rows = [r for r in records if r.get("seconds") is not None]
         if not rows:
             raise ValueError("step model: no timed steps to fit")
@@ -234,109 +236,143 @@ def load_step_model(path: str | None = None) -> FittedStepModel:
         raise ValueError(f"step model: {path} is not a fitted step model ({type(e).__name__}: {e})") from None
 
 
+class SimClock:
+    """The simulator's time: it moves only when a step ends or the loop waits for an arrival."""
+
+    def __init__(self):
+        self.t = 0.0
+
+    def now(self) -> float:
+        return self.t
+
+    def advance_to(self, t: float) -> None:
+        self.t = max(self.t, t)
+
+
+@dataclasses.dataclass
+class _SimOutput:
+    """What the engine reads of a step's result (jaxcb.device.sampling.SampleOutput's fields)."""
+
+    token_ids: np.ndarray
+    logprobs: np.ndarray
+    top_ids: np.ndarray
+    top_logprobs: np.ndarray
+    ready_at: float  # when the simulated device finishes the step
+
+
+class SimRunner:
+    """The engine's runner on a simulated device (jaxcb.host.engine.Runner): a step computes nothing and
+    takes the time `step_model` gives for its packed batch; one step runs at a time, so a step dispatched
+    while another runs starts when that one ends; fetching a step's result moves the clock to its end.
+    Every sampled token is a placeholder (0): requests run to their max_tokens."""
+
+    def __init__(self, step_model, clock: SimClock, vocab: int):
+        self.step_model, self.clock = step_model, clock
+        self.model_config = self.step_config = types.SimpleNamespace(
+            vocab_size=vocab, max_context=2**31 - 1, windowed=False, sliding_window=0)
+        self.num_window_pages = 0
+        self.device_ids = [0]
+        self.busy_until = 0.0
+
+    def run(self, batch, sampling, shape) -> _SimOutput:
+        m = int(batch.num_seqs[0])
+        q = np.diff(batch.cu_q_lens[: m + 1]).astype(np.int64)
+        kv = batch.kv_lens[:m].astype(np.int64)
+        start = kv - q
+        stats = StepStats(padded_tokens=shape.tokens, tokens=int(q.sum()), context=int(kv.sum()),
+                          attention_pairs=int((q * start + q * (q + 1) // 2).sum()), rows=m, sampled_rows=m)
+        begin = max(self.clock.now(), self.busy_until)
+        self.busy_until = begin + self.step_model.seconds(stats)
+        n = shape.seqs
+        return _SimOutput(np.zeros(n, np.int32), np.zeros(n, np.float32), np.zeros((n, 1), np.int32),
+                          np.zeros((n, 1), np.float32), self.busy_until)
+
+    def fetch(self, out: _SimOutput) -> _SimOutput:
+        self.clock.advance_to(out.ready_at)
+        return out
+
+    def compile(self, shape) -> None:
+        pass
+
+    def idle(self) -> None:
+        pass
+
+    def reset_kv_if_lost(self) -> bool:
+        return False
+
+    def describe(self) -> dict[str, str]:
+        return {"platform": "simulated", "compute_dtype": "-", "weights": "-", "kv_dtype": "-",
+                "attention": getattr(self.step_model, "kind", "-")}
+
+    def compilations(self) -> int:
+        return 0
+
+
 def simulate(trace: list[TraceRequest], config, step_model, *, vocab: int = 32000, seed: int = 0,
              max_running: int | None = None, progress=None) -> dict:
-    """Run `trace` through the host-side scheduler with `config` (an EngineConfig) on a simulated
-    clock; returns the table's figures (jaxcb.sim.trace.summarize) plus the run's counters. `max_running`:
-    a fixed running limit below the config's (as the benchmark's fixed-limit runs set it)."""
-    sc, buckets, page_size = config.scheduler, config.buckets, config.page_size
-    pool = PagePool(config.num_pages, page_size)
-    sched = Scheduler(sc, pool)
+    """Run `trace` through the real engine loop (jaxcb.host.engine.Engine: the same scheduling,
+    packing, async pipelining and output processing as a served run) with `config` (an EngineConfig),
+    on a simulated clock and device (SimRunner); returns the table's figures (jaxcb.sim.trace.summarize)
+    plus the run's counters. `max_running`: a fixed running limit below the config's (as the
+    benchmark's fixed-limit runs set it)."""
+    clock = SimClock()
+    engine = Engine(SimRunner(step_model, clock, vocab), None, dataclasses.replace(config, seed=seed),
+                    clock=clock.now)
+    sched = engine.scheduler
     if max_running is not None:
         sched.running_limit = max_running
+    max_context = sched.config.max_context
     ids = prompt_ids(trace, vocab, seed)
     records: list[RequestRecord] = []
-    index: dict[int, int] = {}
     rejected = 0
-    clock, i, n, step_id = 0.0, 0, len(trace), 0
-    slots = live_total = steps = 0
-    # The step on the simulated device: (chunks, epochs at launch, its end time, its duration). With
-    # async scheduling (the engine's default) step N+1 is scheduled while step N runs, so it is planned
-    # before N's tokens are known: a request whose last token is in flight keeps its slot one more
-    # step, and one arriving during step N joins at N+2 — as in Engine.step().
-    in_flight: tuple | None = None
-    pipelined = sc.async_scheduling
+    i, n, steps = 0, len(trace), 0
     wall0 = time.perf_counter()
 
-    def complete(step) -> None:
-        nonlocal clock
-        chunks, epochs, end, dt = step
-        clock = max(clock, end)
-        observed = []
-        for _, r, _, reason in sched.on_step_done(chunks, epochs, [0] * len(chunks)):
-            rec = records[index[id(r)]]
-            if rec.first_token is None:
-                rec.first_token = r.first_token_time = clock
-                rec.scheduled = r.first_scheduled_time
-            rec.output_tokens = len(r.output_ids)
-            observed.append((r, reason is not None))
-            if reason is not None:
-                sched.finish(r, reason)
-                rec.finished = clock
-                del index[id(r)]
-        sched.observe_step_done(chunks, dt, observed, clock)  # as the engine feeds the latency controller
+    def on_event(rec: RequestRecord):
+        def record(ev) -> None:
+            if ev.queue_s is not None and rec.scheduled is None:
+                rec.scheduled = rec.arrival + ev.queue_s
+            if rec.first_token is None and ev.token_ids:
+                rec.first_token = clock.now()
+            rec.output_tokens = ev.num_output_tokens
+            if ev.finished:
+                rec.finished = clock.now()
+        return record
 
-    while i < n or sched.has_work:
-        while i < n and trace[i].arrival_s <= clock:
+    while i < n or engine.has_work():
+        while i < n and trace[i].arrival_s <= clock.now():
             t = trace[i]
-            prompt = ids[i][: max(1, sc.max_context - 1)]
-            r = Request(prompt, SamplingParams(max_tokens=max(1, min(t.output_tokens, sc.max_context - len(prompt))),
-                                               ignore_eos=True), request_id=str(i), priority=t.priority)
-            r.arrival_time = t.arrival_s
+            prompt = ids[i][: max(1, max_context - 1)]
+            params = SamplingParams(max_tokens=max(1, min(t.output_tokens, max_context - len(prompt))),
+                                    ignore_eos=True)
+            rec = RequestRecord(t.arrival_s)
             i += 1
             try:
-                sched.check_fits(r)
+                engine.add_request(prompt, params, request_id=str(i - 1), priority=t.priority,
+                                   arrival_time=t.arrival_s, callback=on_event(rec))
             except ValueError:
                 rejected += 1
                 continue
-            index[id(r)] = len(records)
-            records.append(RequestRecord(t.arrival_s))
-            sched.add(r)
-        if not sched.has_work:
-            clock = trace[i].arrival_s
+            records.append(rec)
+        if not engine.has_work():
+            clock.advance_to(trace[i].arrival_s)
             continue
-        out = sched.schedule(now=clock)
-        if out.empty:
-            if in_flight is not None:  # nothing new to run: wait for the step on the device
-                step, in_flight = in_flight, None
-                complete(step)
-                continue
+        engine.step()
+        steps += 1
+        if engine.last_step_idle:  # a batching window is closed: wait for it or for the next arrival
             next_arrival = trace[i].arrival_s if i < n else math.inf
-            wait = sched.admission_wait_s(clock)
+            wait = sched.admission_wait_s(clock.now())
             if wait <= 0 and next_arrival == math.inf:
                 raise RuntimeError("simulation stalled: requests wait but nothing can be scheduled")
-            clock = min(next_arrival, clock + wait) if wait > 0 else next_arrival
-            continue
-        chunks = out.decode + out.prefill
-        live = sum(c.num_tokens for c in chunks)
-        shape = buckets.step_shape(max(live, out.num_static_rows), page_size, sc.max_context)
-        stats = StepStats(
-            padded_tokens=shape.tokens, tokens=live, context=sum(c.start + c.num_tokens for c in chunks),
-            attention_pairs=sum(c.attention_pairs for c in chunks),
-            rows=len(chunks), sampled_rows=sum(1 for c in chunks if c.samples))
-        slots += shape.tokens
-        live_total += live
-        epochs = [c.request.num_preemptions for c in chunks]
-        step_id += 1
-        sched.on_launched(chunks, step_id)
-        dt = step_model.seconds(stats)
-        start = clock if in_flight is None else max(clock, in_flight[2])  # queued behind the running step
-        launched = (chunks, epochs, start + dt, dt)
-        steps += 1
-        if in_flight is not None:
-            complete(in_flight)
-        in_flight = launched
-        if not pipelined:
-            in_flight = None
-            complete(launched)
+            clock.advance_to(min(next_arrival, clock.now() + wait) if wait > 0 else next_arrival)
         if progress is not None and steps % 10000 == 0:
-            progress(clock, i, n)
-    assert in_flight is None
-    pool.check_all_free()
+            progress(clock.now(), i, n)
+    engine.pool.check_all_free()
+    st = engine.stats()
     return summarize(records, preemptions=sched.num_preemptions, switches=sched.num_switches,
                      recomputed_tokens=sched.num_recomputed_tokens,
-                     padding_fraction=round((slots - live_total) / slots, 4) if slots else 0.0,
-                     steps=steps, rejected=rejected, simulated_s=round(clock, 3),
+                     padding_fraction=round(st.padding_fraction, 4), steps=st.steps, rejected=rejected,
+                     simulated_s=round(clock.now(), 3),
                      **({"final_running_limit": sched.running_limit,
                          "final_prefill_budget": sched.controller.prefill_budget} if sched.controller else {}),
                      wall_s=round(time.perf_counter() - wall0, 2))
