@@ -270,7 +270,7 @@ def cmd_serve(args) -> int:
                             agree_plan=multihost.agree_plan if wrap is not None else None)
     engine = engines[0]
     if wrap is not None:  # every process built the same engine, or none starts
-        multihost.check_same_engine(engine.runner, engine.config)
+        multihost.check_same_engine(engine.runner.runner, engine.config)  # the leader's ModelRunner
     model_config, tokenizer, runner, config = engine.model_config, engine.tokenizer, engine.runner, engine.config
     if tokenizer is None:
         raise ValueError("model: the file has no tokenizer; the server needs one")

@@ -181,7 +181,7 @@ class LeaderRunner:
     engine's Runner protocol (jaxcb.host.engine.Runner); what it does not send on is the wrapped runner's."""
 
     def __init__(self, runner, channel: Channel):
-        self._runner = runner
+        self.runner = runner
         self.channel = channel
         self.model_config = runner.model_config
         self.step_config = runner.step_config
@@ -189,30 +189,30 @@ class LeaderRunner:
         self.device_ids = runner.device_ids
 
     def fetch(self, outputs):
-        return self._runner.fetch(outputs)
+        return self.runner.fetch(outputs)
 
     def describe(self) -> dict[str, str]:
-        return self._runner.describe()
+        return self.runner.describe()
 
     def compilations(self) -> int:
-        return self._runner.compilations()
+        return self.runner.compilations()
 
     def compile(self, shape: StepShape) -> None:
         self.channel.send(OP_COMPILE, shape)
-        self._runner.compile(shape)
+        self.runner.compile(shape)
 
     def run(self, batch, sampling, shape: StepShape):
         self.channel.send(OP_RUN, shape, batch, sampling)
-        return self._runner.run(batch, sampling, shape)
+        return self.runner.run(batch, sampling, shape)
 
     def reset_kv_if_lost(self) -> bool:
         """After a failed step: fresh pages would be allocated by this process alone, which the
         followers cannot mirror; a lost cache (consumed, or holding an error as the single-process
         runner checks) ends the cluster (the engine thread dies, exit 1)."""
-        lost = any(a.is_deleted() for a in self._runner.kv_arrays)
+        lost = any(a.is_deleted() for a in self.runner.kv_arrays)
         if not lost:
             try:
-                for a in (*self._runner.kv_arrays, self._runner.last_tokens):
+                for a in (*self.runner.kv_arrays, self.runner.last_tokens):
                     a.block_until_ready()
             except Exception:  # noqa: BLE001 - an error-carrying buffer: its contents are unknown
                 lost = True
