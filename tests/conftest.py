@@ -132,3 +132,16 @@ def golden():
         data = json.load(f)
     data["prefill_logits"] = np.load(GOLDEN + "_prefill_logits.npz")["logits"]
     return data
+
+
+# The longest test files first (measured: `make test` prints the slowest tests): xdist's --dist
+# loadfile hands files to its two workers in collection order, so a long file collected last would
+# leave one worker running alone at the end.
+LONGEST_FIRST = ("test_kernels.py", "test_engine.py", "test_quant.py", "test_parallel.py", "test_server.py",
+                 "test_multihost.py", "test_cpu_dots.py", "test_stress.py", "test_paged_attention.py",
+                 "test_gemma3.py", "test_families.py", "test_native_matmul.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(os.path.basename(str(item.fspath)), len(rank)))

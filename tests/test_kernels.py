@@ -15,9 +15,14 @@ from jaxcb.model.paged_attention import paged_attention_reference
 from kernels_pallas import (PAGE_SIZES, engine_attention, engine_ragged_attention, paged_attention,
                             ragged_paged_attention)
 
-# (page size S, head dim D, query heads per kv head): each S and each D with two ratios and each
-# ratio with two S and both D, rather than the full product (interpret mode is slow).
-SHAPES = [(16, 64, 1), (16, 128, 3), (32, 64, 8), (32, 128, 1), (64, 64, 3), (64, 128, 8)]
+# (page size S, head dim D, query heads per kv head, dtype): each S and each D with two ratios, each
+# ratio with two S and both D, and each S, D and ratio in both dtypes: 8 cases rather than the full
+# product (interpret mode is slow; the dtype changes the kernels' casts, not their indexing).
+CASES = [pytest.param(*shape, dtype, id=f"{'-'.join(map(str, shape))}-{name}")
+         for shape, dtype, name in [((16, 64, 1), jnp.float32, "f32"), ((16, 128, 3), jnp.bfloat16, "bf16"),
+                                    ((32, 64, 8), jnp.float32, "f32"), ((32, 64, 8), jnp.bfloat16, "bf16"),
+                                    ((32, 128, 1), jnp.bfloat16, "bf16"), ((32, 128, 1), jnp.float32, "f32"),
+                                    ((64, 64, 3), jnp.float32, "f32"), ((64, 128, 8), jnp.bfloat16, "bf16")]]
 BACKENDS = ["gpu", "tpu"]
 TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
 NUM_KV_HEADS = 2
@@ -68,9 +73,8 @@ def assert_close(out, ref, dtype):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
-@pytest.mark.parametrize("page_size,head_dim,group", SHAPES)
-def test_decode_kernel_matches_reference(backend, dtype, page_size, head_dim, group):
+@pytest.mark.parametrize("page_size,head_dim,group,dtype", CASES)
+def test_decode_kernel_matches_reference(backend, page_size, head_dim, group, dtype):
     rng = np.random.default_rng()
     s, max_len = page_size, page_size * PAGES_PER_SEQ
     lengths = [0, 1, s - 1, s, s + 1, max_len, int(rng.integers(1, max_len))]
@@ -98,9 +102,8 @@ def test_decode_kernel_splits_and_tiles(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
-@pytest.mark.parametrize("page_size,head_dim,group", SHAPES)
-def test_ragged_kernel_matches_reference(backend, dtype, page_size, head_dim, group):
+@pytest.mark.parametrize("page_size,head_dim,group,dtype", CASES)
+def test_ragged_kernel_matches_reference(backend, page_size, head_dim, group, dtype):
     rng = np.random.default_rng()
     s, max_len = page_size, page_size * PAGES_PER_SEQ
     # (kv_len, q_len): decode rows, a whole prompt, a chunk starting mid-page, a chunk starting on a
