@@ -125,8 +125,11 @@ def test_pallas_attention_gives_the_reference_tokens(make_llm, kernel):
     tokens: decode batches, whole prompts and prefill chunks that start mid-page."""
     from jaxcb.model.llama import Attention
 
-    reference = make_llm(attention="xla", max_prefill_tokens=20)
-    pallas = make_llm(attention="pallas", max_prefill_tokens=20)
+    # Two token buckets (8: decode batches; 32: chunks of at most 20 prompt tokens beside decode rows):
+    # every step kind the test is about, at a third of the interpreted kernels' compile time.
+    buckets = dict(max_prefill_tokens=20, decode_batch=(8,), prefill_tokens=(32,))
+    reference = make_llm(attention="xla", **buckets)
+    pallas = make_llm(attention="pallas", **buckets)
     assert pallas.engine.runner.attention == Attention("gpu", interpret=True)
     pallas.engine.runner.attention = Attention(kernel, interpret=True)
     prompts = random_prompts(reference, (1, 15, 16, 17, 45, 70), seed=4)
