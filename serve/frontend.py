@@ -1,7 +1,7 @@
-"""The server's front end, shared by both APIs (gRPC in serve.server, the OpenAI HTTP API in
+"""The server's front end, shared by both APIs (gRPC in serve.grpc_api, the OpenAI HTTP API in
 serve.openai_api): admission, tenancy, the request limits, submission to the engine and abort. Nothing
 here knows a transport: a refusal is a `Rejected` with a kind, which each API maps to its own status
-(gRPC codes in serve.server.GRPC_CODE, HTTP statuses in serve.openai_api).
+(gRPC codes in serve.grpc_api.GRPC_CODE, HTTP statuses in serve.openai_api).
 """
 
 from __future__ import annotations

@@ -310,9 +310,9 @@ def make_app(state) -> FastAPI:
                 if finish:
                     finishes[index] = finish
 
-        async def watch():  # a client that hangs up while we work: abort
-            while not await request.is_disconnected():
-                await asyncio.sleep(0.25)
+        async def watch():  # a client that hangs up while we work: abort, the moment the server hears of it
+            while (await request.receive())["type"] != "http.disconnect":  # the body was read: only this comes
+                pass
 
         work = gone = None
         try:

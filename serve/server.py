@@ -1,14 +1,8 @@
-"""The gRPC server: jaxcb.v1.Jaxcb, JetStream's Orchestrator, grpc.health.v1 and reflection; and the
-server's start and stop (`run_server`, which also starts the OpenAI HTTP API, serve.openai_api).
-
-Admission, tenancy, the limits, submission and abort are the front end's (serve.frontend), shared with
-the HTTP API; this module maps its refusals (frontend.Rejected) to gRPC status codes (GRPC_CODE).
+"""The server's start and stop (`run_server`): the engine threads behind the router, the gRPC server
+(serve.grpc_api), the OpenAI HTTP API (serve.openai_api) and the metrics endpoint, on one event loop.
 
 The engine runs on its own thread (`EngineThread`); with data parallelism, M engines each on their
-own, behind the router (`jaxcb.host.replicas.Replicas`, which the server always talks to). Each
-streaming call is an asyncio task that submits its request with a callback that hops events onto the
-event loop, and yields them as they come. A call that ends early (cancelled, disconnected, past its deadline) aborts its request in the
-`finally` of its handler, so its pages are freed at the engine's next step.
+own, behind the router (`jaxcb.host.replicas.Replicas`, which the server always talks to).
 
 Start-up: the port opens first with health NOT_SERVING, every bucket is compiled, then SERVING.
 Shutdown (SIGTERM/SIGINT): stop accepting, let streams finish for the grace period, abort the rest
@@ -20,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
 import logging
 import os
 import signal
@@ -29,282 +22,17 @@ import threading
 import time
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_health.v1 import health_pb2
 
-from jaxcb.device import cpu_dots
 from jaxcb.host.engine import Engine
 from jaxcb.host.replicas import Replicas
-from jaxcb.host.request import MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, FinishReason, SamplingParams, TokenEvent
-from serve.frontend import (MAX_REQUEST_BYTES, Rejected, ServerOptions, State, check_ids, check_messages, check_text,
-                            check_token_count, tenant, token_index)
+from serve.frontend import ServerOptions, State
+from serve.grpc_api import make_grpc_server
 from serve.metrics import Metrics
-from serve.proto import jaxcb_pb2, jaxcb_pb2_grpc, jetstream_pb2, jetstream_pb2_grpc
 
+__all__ = ["ServerOptions", "run_server"]
 log = logging.getLogger("jaxcb.serve")
-
 HTTP_CLOSE_S = 2.0  # at shutdown, after the drain: how long open HTTP connections get before they are cut
-SERVICE_NAME = "jaxcb.v1.Jaxcb"
-
-
-GRPC_CODE = {"invalid": grpc.StatusCode.INVALID_ARGUMENT, "exhausted": grpc.StatusCode.RESOURCE_EXHAUSTED,
-             "unavailable": grpc.StatusCode.UNAVAILABLE, "unauthenticated": grpc.StatusCode.UNAUTHENTICATED,
-             "internal": grpc.StatusCode.INTERNAL}
-_KIND = {code: kind for kind, code in GRPC_CODE.items()}
-
-
-def _reject(code: grpc.StatusCode, message: str) -> Rejected:
-    return Rejected(_KIND[code], message)
-
-
-def tenant_of(state: State, context) -> str:
-    """Who is calling over gRPC: see tenant()."""
-    return tenant(state, dict(context.invocation_metadata() or ()).get("authorization", ""), context.peer())
-
-
-def _sampling(req) -> SamplingParams:
-    s = req.sampling
-    try:
-        if len(req.stop) > MAX_STOP_STRINGS:
-            raise ValueError(f"stop: at most {MAX_STOP_STRINGS} stop strings, got {len(req.stop)}")
-        if len(req.stop_token_ids) > MAX_STOP_TOKEN_IDS:
-            raise ValueError(f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS}, got {len(req.stop_token_ids)}")
-        return SamplingParams(
-            max_tokens=req.max_tokens, temperature=s.temperature, top_k=s.top_k,
-            top_p=s.top_p if s.HasField("top_p") else 1.0, min_p=s.min_p,
-            repetition_penalty=s.repetition_penalty if s.HasField("repetition_penalty") else 1.0,
-            presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
-            seed=s.seed if s.HasField("seed") else None, stop=tuple(req.stop),
-            stop_token_ids=tuple(req.stop_token_ids), ignore_eos=req.ignore_eos, logprobs=req.logprobs,
-            n=req.n or 1,
-        )
-    except ValueError as e:
-        raise _reject(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
-
-
-async def _prompt_ids(state: State, req) -> list[int]:
-    """The request's prompt as token ids. Sizes are checked first (nothing is copied, scanned or
-    tokenized past a limit), and tokenization runs off the event loop."""
-    kind = req.WhichOneof("input")
-    try:
-        if kind == "text":
-            check_text("text", req.text)
-            return await asyncio.to_thread(state.tokenizer.encode, req.text)
-        if kind == "chat":
-            check_messages("chat.messages", [(m.role, m.content) for m in req.chat.messages])
-            messages = [{"role": m.role, "content": m.content} for m in req.chat.messages]
-            return await asyncio.to_thread(state.tokenizer.encode_chat, messages)
-        if kind == "tokens":
-            check_token_count(state, "tokens.token_ids", len(req.tokens.token_ids))
-            return list(req.tokens.token_ids)
-        raise ValueError("input: one of text, chat or tokens is required")
-    except ValueError as e:
-        raise _reject(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
-
-
-def _logprobs_pb(ev: TokenEvent):
-    out = []
-    if ev.logprobs:
-        for token, (lp, top) in zip(ev.token_ids, ev.logprobs):
-            out.append(jaxcb_pb2.TokenLogprobs(token_id=token, logprob=lp,
-                                               top=[jaxcb_pb2.TopLogprob(token_id=t, logprob=l) for t, l in top]))
-    return out
-
-
-class JaxcbService(jaxcb_pb2_grpc.JaxcbServicer):
-    def __init__(self, state: State):
-        self.state = state
-
-    async def Generate(self, request, context):
-        try:
-            try:
-                check_ids(request.request_id, request.cache_salt)
-            except ValueError as e:
-                raise _reject(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
-            params = _sampling(request)
-            self.state.admit(params.n)  # before any tokenizing
-            ids = await _prompt_ids(self.state, request)
-            tenant = tenant_of(self.state, context)
-            # aclosing: a call that ends inside the loop (an error, a cancel) closes the stream at once,
-            # aborting the request's other samples, rather than whenever the generator is collected.
-            async with contextlib.aclosing(self.state.stream(ids, params, request.priority, request.request_id,
-                                                             tenant, request.cache_salt)) as events:
-                async for rid, ev in events:
-                    if ev.finish_reason is FinishReason.ERROR:
-                        await context.abort(grpc.StatusCode.INTERNAL, f"the step running this request failed: {ev.error}")
-                    if ev.token_ids or ev.text:
-                        yield jaxcb_pb2.GenerateResponse(request_id=rid, index=ev.index, chunk=jaxcb_pb2.GenerateChunk(
-                            token_ids=list(ev.token_ids), text=ev.text, logprobs=_logprobs_pb(ev)))
-                    if ev.finished:
-                        usage = jaxcb_pb2.Usage(prompt_tokens=ev.num_prompt_tokens, completion_tokens=ev.num_output_tokens,
-                                                cached_prompt_tokens=ev.num_cached_tokens)
-                        yield jaxcb_pb2.GenerateResponse(request_id=rid, index=ev.index, final=jaxcb_pb2.GenerateFinal(
-                            finish_reason=ev.finish_reason.value, usage=usage))
-        except Rejected as e:
-            await context.abort(GRPC_CODE[e.kind], e.message)
-
-    async def Abort(self, request, context):
-        """Only the caller's own requests (same token, or same connection without auth) are found."""
-        return jaxcb_pb2.AbortResponse(found=self.state.abort(tenant_of(self.state, context), request.request_id))
-
-    async def GetModelInfo(self, request, context):
-        s = self.state
-        c = s.engine.model_config
-        return jaxcb_pb2.ModelInfo(name=s.model_name, vocab_size=c.vocab_size, context_length=s.engine.max_context,
-                                   dtype=s.dtype, num_layers=c.num_layers, num_params=c.num_params,
-                                   family=c.family, sliding_window=c.sliding_window if c.windowed else 0,
-                                   num_sliding_layers=c.num_sliding_layers)
-
-    async def GetServerInfo(self, request, context):
-        e = self.state.engine
-        st = e.stats()
-        b = e.config.buckets
-        replicas = [jaxcb_pb2.ReplicaInfo(
-            replica=i, device_ids=eng.runner.device_ids, pages_total=r.pages_total,
-            pages_free=r.pages_free, running=r.running, waiting=r.waiting, preemptions=r.preemptions,
-            pending_tokens=e.load[i], requests_routed=e.routed[i])
-            for i, (eng, r) in enumerate(zip(e.engines, e.replica_stats()))]
-        return jaxcb_pb2.ServerInfo(
-            decode_batch_buckets=b.decode_batch, pages_per_seq_buckets=b.pages_per_seq,
-            prefill_token_buckets=b.prefill_tokens, page_size=e.config.page_size, pages_total=st.pages_total,
-            pages_free=st.pages_free, policy=e.config.scheduler.policy, compilations=st.compilations,
-            running=st.running, waiting=st.waiting, preemptions=st.preemptions,
-            tensor_parallel=e.config.tensor_parallel, data_parallel=len(e), replicas=replicas,
-            **_step_fields(e.engines[0].runner))
-
-
-def _step_fields(runner) -> dict:
-    """How the step computes; on the CPU, also XLA:CPU's dot settings (jaxcb.device.cpu_dots)."""
-    fields = runner.describe()
-    if fields["platform"] == "cpu":
-        d = cpu_dots.current()
-        fields.update(cpu_dots=d.library, cpu_max_isa=d.isa, cpu_dots_reason=d.reason)
-    return fields
-
-
-class OrchestratorService(jetstream_pb2_grpc.OrchestratorServicer):
-    """JetStream's API over the same engine: greedy, as JetStream's Decode carries no sampling settings."""
-
-    def __init__(self, state: State):
-        self.state = state
-
-    async def Decode(self, request, context):
-        try:
-            kind = request.WhichOneof("content")
-            if kind == "text_content":
-                try:
-                    check_text("text_content.text", request.text_content.text)
-                except ValueError as e:
-                    raise _reject(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
-                self.state.admit()
-                ids = await asyncio.to_thread(self.state.tokenizer.encode, request.text_content.text)
-            elif kind == "token_content":
-                try:
-                    check_token_count(self.state, "token_content.token_ids", len(request.token_content.token_ids))
-                except ValueError as e:
-                    raise _reject(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
-                ids = list(request.token_content.token_ids)
-            else:
-                raise _reject(grpc.StatusCode.INVALID_ARGUMENT, "content: text_content or token_content is required")
-            if request.num_samples > 1:
-                raise _reject(grpc.StatusCode.INVALID_ARGUMENT, "num_samples: only 1 is supported")
-            try:
-                params = SamplingParams(max_tokens=request.max_tokens)
-            except ValueError as e:
-                raise _reject(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
-            async with contextlib.aclosing(self.state.stream(ids, params, request.priority, "",
-                                                             tenant_of(self.state, context))) as events:
-                async for _, ev in events:
-                    if ev.finish_reason is FinishReason.ERROR:
-                        await context.abort(grpc.StatusCode.INTERNAL, f"the step running this request failed: {ev.error}")
-                    if ev.token_ids or ev.text:
-                        sample = jetstream_pb2.DecodeResponse.StreamContent.Sample(text=ev.text, token_ids=list(ev.token_ids))
-                        yield jetstream_pb2.DecodeResponse(
-                            stream_content=jetstream_pb2.DecodeResponse.StreamContent(samples=[sample]))
-        except Rejected as e:
-            await context.abort(GRPC_CODE[e.kind], e.message)
-
-    async def HealthCheck(self, request, context):
-        s = self.state
-        return jetstream_pb2.HealthCheckResponse(is_live=bool(s.ready and s.thread and s.thread.alive and not s.draining))
-
-
-class _Malformed:
-    """A request body that is not the message it should be (random bytes on the wire)."""
-
-    def __init__(self, name: str, error: Exception):
-        self.message = f"request: the body is not a valid {name} ({type(error).__name__})"
-
-
-def _add_service(server, descriptor, servicer) -> None:
-    """Register `servicer` for a service from its descriptor, like the generated add_*_to_server, but a
-    body that does not parse is answered INVALID_ARGUMENT (gRPC's own answer is UNKNOWN)."""
-    from google.protobuf import message_factory
-
-    handlers = {}
-    for method in descriptor.methods:
-        request_cls = message_factory.GetMessageClass(method.input_type)
-        response_cls = message_factory.GetMessageClass(method.output_type)
-
-        def parse(data, cls=request_cls):
-            try:
-                return cls.FromString(data)
-            except Exception as e:  # noqa: BLE001 - any parse failure is the client's
-                return _Malformed(cls.DESCRIPTOR.full_name, e)
-
-        fn = getattr(servicer, method.name)
-        if method.server_streaming:
-            async def handler(request, context, fn=fn):
-                if isinstance(request, _Malformed):
-                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
-                async for item in fn(request, context):
-                    yield item
-
-            make = grpc.unary_stream_rpc_method_handler
-        else:
-            async def handler(request, context, fn=fn):
-                if isinstance(request, _Malformed):
-                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
-                return await fn(request, context)
-
-            make = grpc.unary_unary_rpc_method_handler
-        handlers[method.name] = make(handler, request_deserializer=parse,
-                                     response_serializer=response_cls.SerializeToString)
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(descriptor.full_name, handlers),))
-    server.add_registered_method_handlers(descriptor.full_name, handlers)
-
-
-class _AuthInterceptor(grpc.aio.ServerInterceptor):
-    """Every call but health checks must carry `authorization: Bearer <token>` with one of the tokens
-    (compared in constant time). Health is exempt so that load balancers and Kubernetes' gRPC probes
-    can use it: it answers SERVING or NOT_SERVING and reveals nothing else."""
-
-    EXEMPT = ("/grpc.health.v1.Health/",)
-
-    def __init__(self, tokens: tuple[str, ...]):
-        self._tokens = tokens
-
-        async def deny(request, context):
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token in 'authorization'")
-
-        self._deny_unary = grpc.unary_unary_rpc_method_handler(deny)
-
-        async def deny_stream(request, context):
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token in 'authorization'")
-            yield  # pragma: no cover - makes this an async generator
-
-        self._deny_stream = grpc.unary_stream_rpc_method_handler(deny_stream)
-
-    async def intercept_service(self, continuation, details):
-        if details.method.startswith(self.EXEMPT):
-            return await continuation(details)
-        md = dict(details.invocation_metadata or ())
-        if token_index(self._tokens, md.get("authorization", "")) is not None:
-            return await continuation(details)
-        handler = await continuation(details)
-        if handler is not None and handler.response_streaming:
-            return self._deny_stream
-        return self._deny_unary
 
 
 async def run_server(engine: Engine | list[Engine], tokenizer, model_name: str, dtype: str, options: ServerOptions,
@@ -326,24 +54,7 @@ async def run_server(engine: Engine | list[Engine], tokenizer, model_name: str, 
     state = State(replicas, tokenizer, model_name, dtype, options, metrics)
     state.loop, state.died, state.thread = loop, died, replicas
 
-    interceptors = [_AuthInterceptor(options.tokens)] if options.tokens else []
-    server = grpc.aio.server(interceptors=interceptors, maximum_concurrent_rpcs=options.max_concurrent_streams, options=[
-        ("grpc.max_receive_message_length", MAX_REQUEST_BYTES),
-        ("grpc.max_send_message_length", MAX_REQUEST_BYTES),
-    ])
-    _add_service(server, jaxcb_pb2.DESCRIPTOR.services_by_name["Jaxcb"], JaxcbService(state))
-    _add_service(server, jetstream_pb2.DESCRIPTOR.services_by_name["Orchestrator"], OrchestratorService(state))
-    health_servicer = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    names = (SERVICE_NAME, "jetstream_proto.Orchestrator", health.SERVICE_NAME, reflection.SERVICE_NAME)
-    reflection.enable_server_reflection(names, server)
-
-    async def set_health(status):
-        for name in ("", SERVICE_NAME, "jetstream_proto.Orchestrator"):
-            result = health_servicer.set(name, status)
-            if asyncio.iscoroutine(result):
-                await result
-
+    server, set_health = make_grpc_server(state, options)
     await set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
     address = f"{options.host}:{options.port}"
     if options.tls_cert:
