@@ -3,9 +3,10 @@
     .venv/bin/python -m bench.host [--running 32 64 256] [--steps 200] [--sleep-ms 5]
 
 The engine runs its real host side (inbox, scheduler, page pool, prefix cache, packing, output
-processing with the SmolLM2 tokenizer's detokenizer) over a stub runner that returns sampled tokens at
-once: the time per step is then all host. With `--sleep-ms`, the stub's results become ready that many
-milliseconds after dispatch (a device busy for that long): the step time over (sleep + host) tells how
+processing with the SmolLM2 tokenizer's detokenizer) over the simulator's runner
+(jaxcb.sim.simulate.SimRunner) on the wall clock, which returns random sampled tokens at once: the time
+per step is then all host. With `--sleep-ms`, its results become ready that many milliseconds after
+dispatch (a device busy for that long): the step time over (sleep + host) tells how
 much of the host work the engine hides behind the device, with async scheduling (the default) and
 without it (serial: about 0%).
 """
@@ -13,76 +14,39 @@ without it (serial: about 0%).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import time
+import types
 
 import numpy as np
 
 from bench.common import machine
 
 
-@dataclasses.dataclass
-class _Out:
-    token_ids: np.ndarray
-    logprobs: np.ndarray
-    top_ids: np.ndarray
-    top_logprobs: np.ndarray
-    ready_at: float
+class WallClock:
+    """The real clock for jaxcb.sim.simulate.SimRunner: waiting for a step's end sleeps until then."""
 
+    now = staticmethod(time.perf_counter)
 
-class StubRunner:
-    """Stands in for ModelRunner: random tokens; a device that runs one step at a time, each taking
-    `sleep_s` (a step dispatched while another runs starts when that one ends)."""
-
-    def __init__(self, config, vocab: int, sleep_s: float = 0.0):
-        self.model_config = self.step_config = config  # jaxcb.host.engine.Runner's fields
-        self.num_window_pages = 0
-        self.device_ids = [0]
-        self.vocab = vocab
-        self.sleep_s = sleep_s
-        self.rng = np.random.default_rng(0)
-        self.busy_until = 0.0
-
-    def run(self, batch, sampling, shape):
-        m = shape.seqs
-        self.busy_until = max(time.perf_counter(), self.busy_until) + self.sleep_s
-        return _Out(self.rng.integers(100, self.vocab - 100, m).astype(np.int32), np.zeros(m, np.float32),
-                    np.zeros((m, 20), np.int32), np.zeros((m, 20), np.float32), self.busy_until)
-
-    def fetch(self, out):
-        wait = out.ready_at - time.perf_counter()
-        if wait > 0:
-            time.sleep(wait)
-        return out
-
-    def compile(self, shape):
-        pass
-
-    def reset_kv_if_lost(self):
-        return False
-
-    def idle(self):
-        pass
-
-    def describe(self):
-        return {"platform": "stub", "compute_dtype": "float32", "weights": "none", "kv_dtype": "none",
-                "attention": "none"}
-
-    def compilations(self):
-        return 0
+    def advance_to(self, t: float) -> None:
+        if t > time.perf_counter():
+            time.sleep(t - time.perf_counter())
 
 
 def measure(model_config, tokenizer, running: int, steps: int, sleep_s: float, async_scheduling: bool = True) -> dict:
     from jaxcb.host.engine import Engine
     from jaxcb.host.engine_config import make_config
     from jaxcb.host.request import SamplingParams
+    from jaxcb.sim.simulate import SimRunner
 
     batch = tuple(b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512) if b < running) + (running,)
     config = make_config(num_pages=running * 64 + 1, max_context=1024, decode_batch=batch,
                          prefill_tokens=(64, 128, 256, 512), async_scheduling=async_scheduling)
-    engine = Engine(StubRunner(model_config, model_config.vocab_size, sleep_s), tokenizer, config)
+    # The device: the simulator's runner on the wall clock, each step taking sleep_s, random tokens.
+    runner = SimRunner(types.SimpleNamespace(seconds=lambda stats: sleep_s), WallClock(), model_config.vocab_size,
+                       rng=np.random.default_rng(0))
+    engine = Engine(runner, tokenizer, config)
     rng = np.random.default_rng(1)
     for _ in range(running):  # long outputs: the batch stays full for the whole measurement
         engine.add_request(rng.integers(100, 5000, int(rng.integers(16, 200))).tolist(),

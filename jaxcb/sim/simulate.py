@@ -263,11 +263,13 @@ class _SimOutput:
 class SimRunner:
     """The engine's runner on a simulated device (jaxcb.host.engine.Runner): a step computes nothing and
     takes the time `step_model` gives for its packed batch; one step runs at a time, so a step dispatched
-    while another runs starts when that one ends; fetching a step's result moves the clock to its end.
-    Every sampled token is a placeholder (0): requests run to their max_tokens."""
+    while another runs starts when that one ends; fetching a step's result moves `clock` to its end (a
+    SimClock jumps; bench/host.py's wall clock sleeps). Every sampled token is a placeholder, 0 or, with
+    `rng`, a random id away from the vocabulary's ends (text for the detokenizer); requests run to their
+    max_tokens."""
 
-    def __init__(self, step_model, clock: SimClock, vocab: int):
-        self.step_model, self.clock = step_model, clock
+    def __init__(self, step_model, clock, vocab: int, rng: np.random.Generator | None = None):
+        self.step_model, self.clock, self.rng = step_model, clock, rng
         self.model_config = self.step_config = types.SimpleNamespace(
             vocab_size=vocab, max_context=2**31 - 1, windowed=False, sliding_window=0)
         self.num_window_pages = 0
@@ -284,7 +286,9 @@ class SimRunner:
         begin = max(self.clock.now(), self.busy_until)
         self.busy_until = begin + self.step_model.seconds(stats)
         n = shape.seqs
-        return _SimOutput(np.zeros(n, np.int32), np.zeros(n, np.float32), np.zeros((n, 1), np.int32),
+        tokens = (np.zeros(n, np.int32) if self.rng is None
+                  else self.rng.integers(100, self.model_config.vocab_size - 100, n).astype(np.int32))
+        return _SimOutput(tokens, np.zeros(n, np.float32), np.zeros((n, 1), np.int32),
                           np.zeros((n, 1), np.float32), self.busy_until)
 
     def fetch(self, out: _SimOutput) -> _SimOutput:
