@@ -17,6 +17,7 @@ import time
 from jaxcb.device import cpu_dots
 from jaxcb.host.engine import Engine
 from jaxcb.host.engine_config import EngineConfig, load_config
+from jaxcb.host.errors import InvalidConfig, InvalidRequest, Unavailable
 from jaxcb.host.replicas import Replicas
 from jaxcb.host.request import FinishReason, SamplingParams, TokenEvent
 
@@ -46,7 +47,7 @@ def read_model_config(path: str | None = None):
     if hf_loader.is_hf_dir(path):
         return hf_loader.read_config(path)
     if os.path.isdir(path):
-        raise ValueError(f"model: {path} is neither a converted checkpoint ({checkpoint.MANIFEST}) nor a Hugging "
+        raise InvalidConfig(f"model: {path} is neither a converted checkpoint ({checkpoint.MANIFEST}) nor a Hugging "
                          "Face directory (config.json)")
     return gguf_loader.read_config(gguf_loader.open_reader(path))
 
@@ -162,7 +163,7 @@ class LLM:
     def encode(self, prompt: str | list[int], chat: bool = False) -> list[int]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise ValueError("prompt: this model has no tokenizer; pass token ids")
+                raise InvalidRequest("prompt: this model has no tokenizer; pass token ids")
             if chat:
                 return self.tokenizer.encode_chat([{"role": "user", "content": prompt}])
             return self.tokenizer.encode(prompt)
@@ -171,7 +172,7 @@ class LLM:
     # ---- generation ----
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None, *,
                  chat: bool = False, priorities: list[int] | None = None) -> list[Completion]:
-        """prompts: strings or token-id lists. Bad input raises ValueError before anything runs."""
+        """prompts: strings or token-id lists. Bad input raises InvalidRequest (a ValueError) before anything runs."""
         prompts = list(prompts)
         if params is None or isinstance(params, SamplingParams):
             params = [params or SamplingParams()] * len(prompts)
@@ -180,7 +181,7 @@ class LLM:
 
     def chat(self, conversations: list[list[dict]], params: SamplingParams | list[SamplingParams] | None = None):
         if self.tokenizer is None:
-            raise ValueError("messages: this model has no tokenizer")
+            raise InvalidRequest("messages: this model has no tokenizer")
         if params is None or isinstance(params, SamplingParams):
             params = [params or SamplingParams()] * len(conversations)
         return self._run([self.tokenizer.encode_chat(m) for m in conversations], params, None)
@@ -189,8 +190,8 @@ class LLM:
         for i, (p, sp) in enumerate(zip(ids, params)):
             try:
                 self.engine.validate(p, sp)
-            except ValueError as e:
-                raise ValueError(f"request {i}: {e}") from None
+            except InvalidRequest as e:
+                raise InvalidRequest(f"request {i}: {e}") from None
         results: dict[tuple[str, int], Completion] = {}
         if self.replicas is not None:
             return self._run_replicas(ids, params, priorities, results)
@@ -219,7 +220,7 @@ class LLM:
                 ev = events.get(timeout=1.0)
             except queue.Empty:
                 if not self.replicas.alive:
-                    raise RuntimeError(f"a replica's engine died: {self.replicas.error!r}") from None
+                    raise Unavailable(f"a replica's engine died: {self.replicas.error!r}") from None
                 continue
             _apply(results[ev.request_id, ev.index], ev)
             left -= ev.finished

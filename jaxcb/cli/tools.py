@@ -190,8 +190,7 @@ def cmd_plan(args) -> int:
 
     config = load_config(args.config)
     model = read_model_config(args.model)
-    s = config.scheduler
-    max_context = args.max_context or min(s.max_context, model.max_context)
+    max_context = args.max_context or config.max_context_for(model)
     if max_context < 1:
         raise ValueError(f"--max-context: must be >= 1, got {max_context}")
     dtype_bytes = {"float32": 4, "bfloat16": 2}[args.dtype]

@@ -29,6 +29,7 @@ import subprocess
 import sys
 
 from jaxcb.host.engine_config import CPU_DOTS_CHOICES
+from jaxcb.host.errors import InvalidConfig
 
 # jaxlib 0.10.2 compiles dots into YNNPACK fusions by default; the others are reached by clearing that
 # and naming theirs (checked in the compiled HLO by tests/test_cpu_dots.py).
@@ -161,14 +162,14 @@ def choose(setting: str | None = None, *, info: CpuInfo | None = None, measure: 
     if setting in (None, "auto"):  # a library named by the flag or config comes before the environment
         setting = os.environ.get(ENV) or "auto"
     if setting not in CHOICES:
-        raise ValueError(f"cpu_dots: {setting!r} is not one of {CHOICES}")
+        raise InvalidConfig(f"cpu_dots: {setting!r} is not one of {CHOICES}")
     info = info or cpu_info()
     isa = AMX_CAP if "amx_tile" in info.flags and not info.amx_usable else ""
     compute = "float32"  # bfloat16 ran slower than float32 on every CPU measured (--measure --dtypes ...)
     if setting != "auto":
         failure = probe(setting, isa) if setting != "default" else None
         if failure:
-            raise ValueError(f"cpu_dots: {setting!r} does not run on this CPU ({failure}); use \"auto\" or "
+            raise InvalidConfig(f"cpu_dots: {setting!r} does not run on this CPU ({failure}); use \"auto\" or "
                              f"another of {LIBRARIES}")
         return DotChoice(setting, isa, compute, "asked for")
     user = _user_dot_flags()

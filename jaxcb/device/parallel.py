@@ -19,6 +19,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxcb.host.errors import InvalidConfig
 from jaxcb.model.config import ModelConfig
 from jaxcb.model.mesh_axes import AXIS, KV_SPEC  # noqa: F401 - the shared names, re-exported
 
@@ -43,16 +44,16 @@ def check_tensor_parallel(config: ModelConfig, tensor: int, weights: str = "auto
     """Raise ValueError naming the numbers when `tensor` devices cannot split this model (stored as
     `weights` with `group` input rows per scale: a group must not straddle two devices)."""
     if tensor < 1:
-        raise ValueError(f"parallel.tensor: must be >= 1, got {tensor}")
+        raise InvalidConfig(f"parallel.tensor: must be >= 1, got {tensor}")
     for what, n in (("query heads", config.num_heads), ("intermediate columns", config.intermediate_size)):
         if n % tensor:
-            raise ValueError(f"parallel.tensor: {tensor} devices do not divide the model's {n} {what}")
+            raise InvalidConfig(f"parallel.tensor: {tensor} devices do not divide the model's {n} {what}")
     k = config.num_kv_heads
     if (k % tensor) if tensor <= k else (tensor % k):
-        raise ValueError(f"parallel.tensor: the model's {k} KV heads can be neither split evenly over {tensor} "
+        raise InvalidConfig(f"parallel.tensor: the model's {k} KV heads can be neither split evenly over {tensor} "
                          f"devices nor replicated evenly onto them")
     if config.vocab_size % tensor:
-        raise ValueError(f"parallel.tensor: {tensor} devices do not divide the vocabulary of {config.vocab_size}")
+        raise InvalidConfig(f"parallel.tensor: {tensor} devices do not divide the vocabulary of {config.vocab_size}")
     if weights == "int4" or (weights == "int8" and group):
         from jaxcb.host.memory_plan import INT4_GROUP
 
@@ -60,7 +61,7 @@ def check_tensor_parallel(config: ModelConfig, tensor: int, weights: str = "auto
         for what, rows in (("attention output rows", config.num_heads * config.head_dim),
                            ("MLP down rows", config.intermediate_size)):
             if (rows // g) % tensor:
-                raise ValueError(f"parallel.tensor: {weights} weights: the {rows} {what} make {rows // g} groups of {g}, "
+                raise InvalidConfig(f"parallel.tensor: {weights} weights: the {rows} {what} make {rows // g} groups of {g}, "
                                  f"which {tensor} devices do not divide")
 
 
@@ -99,7 +100,7 @@ def replicate_kv_heads(config: ModelConfig, params, tensor: int):
 def make_mesh(tensor: int, devices=None) -> Mesh:
     devices = list(devices if devices is not None else jax.devices())
     if tensor > len(devices):
-        raise ValueError(f"parallel.tensor: {tensor} devices asked for, {len(devices)} present")
+        raise InvalidConfig(f"parallel.tensor: {tensor} devices asked for, {len(devices)} present")
     return Mesh(np.array(devices[:tensor]), (AXIS,))
 
 

@@ -16,6 +16,7 @@ import bisect
 import dataclasses
 
 from jaxcb.host.batch import StepShape
+from jaxcb.host.errors import InvalidConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,11 +35,11 @@ class Buckets:
             values = tuple(int(v) for v in getattr(self, name))
             object.__setattr__(self, name, values)
             if not values:
-                raise ValueError(f"buckets.{name}: must not be empty")
+                raise InvalidConfig(f"buckets.{name}: must not be empty")
             if any(v < 1 for v in values):
-                raise ValueError(f"buckets.{name}: every bucket must be >= 1, got {list(values)}")
+                raise InvalidConfig(f"buckets.{name}: every bucket must be >= 1, got {list(values)}")
             if list(values) != sorted(set(values)):
-                raise ValueError(f"buckets.{name}: must be strictly increasing, got {list(values)}")
+                raise InvalidConfig(f"buckets.{name}: must be strictly increasing, got {list(values)}")
 
     @property
     def max_batch(self) -> int:
@@ -62,10 +63,10 @@ class Buckets:
             ("prefill_tokens", self.max_prefill_tokens, max_prefill_tokens),
         ):
             if largest != want:
-                raise ValueError(f"buckets.{name}: the largest bucket is {largest}, but the configured maximum is {want}")
+                raise InvalidConfig(f"buckets.{name}: the largest bucket is {largest}, but the configured maximum is {want}")
         step_prefill = max_prefill_tokens if step_prefill_tokens is None else step_prefill_tokens
         if self.max_tokens < max_batch + step_prefill:
-            raise ValueError(f"buckets.tokens: the largest bucket is {self.max_tokens}, but a step can hold "
+            raise InvalidConfig(f"buckets.tokens: the largest bucket is {self.max_tokens}, but a step can hold "
                              f"{max_batch + step_prefill} tokens (max batch {max_batch} + prompt tokens per step "
                              f"{step_prefill})")
 

@@ -11,6 +11,7 @@ import os
 import tomllib
 
 from jaxcb.host.buckets import Buckets
+from jaxcb.host.errors import InvalidConfig
 from jaxcb.host.policies import SchedulerConfig
 
 ATTENTION_CHOICES = ("xla", "native", "pallas", "auto")
@@ -55,39 +56,44 @@ class EngineConfig:
     def page_size(self) -> int:
         return self.scheduler.page_size
 
+    def max_context_for(self, model) -> int:
+        """The one context limit for everything (the engine, its memory plan, `jaxcb plan`): the
+        configured scheduler.max_context, or the model's (a ModelConfig) if that is smaller."""
+        return min(self.scheduler.max_context, model.max_context)
+
     def __post_init__(self):
         s, b = self.scheduler, self.buckets
         if s.max_context % s.page_size:
-            raise ValueError(f"scheduler.max_context: {s.max_context} is not a multiple of page_size {s.page_size}")
+            raise InvalidConfig(f"scheduler.max_context: {s.max_context} is not a multiple of page_size {s.page_size}")
         b.validate(max_batch=s.max_running, max_pages_per_seq=s.max_context // s.page_size,
                    max_prefill_tokens=s.max_chunk, step_prefill_tokens=s.max_prefill_tokens)
         if self.num_pages != AUTO_PAGES and self.num_pages < 2:
-            raise ValueError(f"cache.num_pages: must be >= 2 or \"auto\", got {self.num_pages}")
+            raise InvalidConfig(f"cache.num_pages: must be >= 2 or \"auto\", got {self.num_pages}")
         if not 0 < self.memory_fraction <= 1:
-            raise ValueError(f"cache.memory_fraction: must be in (0, 1], got {self.memory_fraction}")
+            raise InvalidConfig(f"cache.memory_fraction: must be in (0, 1], got {self.memory_fraction}")
         if not isinstance(self.tensor_parallel, int) or isinstance(self.tensor_parallel, bool) or self.tensor_parallel < 1:
-            raise ValueError(f"parallel.tensor: must be an integer >= 1, got {self.tensor_parallel!r}")
+            raise InvalidConfig(f"parallel.tensor: must be an integer >= 1, got {self.tensor_parallel!r}")
         if not isinstance(self.data_parallel, int) or isinstance(self.data_parallel, bool) or self.data_parallel < 1:
-            raise ValueError(f"parallel.data: must be an integer >= 1, got {self.data_parallel!r}")
+            raise InvalidConfig(f"parallel.data: must be an integer >= 1, got {self.data_parallel!r}")
         if self.weights not in WEIGHT_CHOICES:
-            raise ValueError(f"model.weights: {self.weights!r} is not one of {WEIGHT_CHOICES}")
+            raise InvalidConfig(f"model.weights: {self.weights!r} is not one of {WEIGHT_CHOICES}")
         if (not isinstance(self.weight_group, int) or isinstance(self.weight_group, bool) or self.weight_group < 0
                 or self.weight_group % 2):
-            raise ValueError(f"model.weight_group: must be 0 or an even number of input rows, got {self.weight_group!r}")
+            raise InvalidConfig(f"model.weight_group: must be 0 or an even number of input rows, got {self.weight_group!r}")
         if self.activations not in ACTIVATION_CHOICES:
-            raise ValueError(f"model.activations: {self.activations!r} is not one of {ACTIVATION_CHOICES}")
+            raise InvalidConfig(f"model.activations: {self.activations!r} is not one of {ACTIVATION_CHOICES}")
         if self.activations == "int8" and (self.weights not in ("int8", "auto") or self.weight_group):
-            raise ValueError(f"model.activations: int8 activations need int8 weights with one scale per column "
+            raise InvalidConfig(f"model.activations: int8 activations need int8 weights with one scale per column "
                              f"(model.weights = \"int8\", weight_group = 0), got {self.weights!r}"
                              + (f" in groups of {self.weight_group}" if self.weight_group else ""))
         if self.kv_dtype not in KV_CHOICES:
-            raise ValueError(f"cache.kv_dtype: {self.kv_dtype!r} is not one of {KV_CHOICES}")
+            raise InvalidConfig(f"cache.kv_dtype: {self.kv_dtype!r} is not one of {KV_CHOICES}")
         if self.cpu_dots not in CPU_DOTS_CHOICES:
-            raise ValueError(f"model.cpu_dots: {self.cpu_dots!r} is not one of {CPU_DOTS_CHOICES}")
+            raise InvalidConfig(f"model.cpu_dots: {self.cpu_dots!r} is not one of {CPU_DOTS_CHOICES}")
         if self.attention not in ATTENTION_CHOICES:
-            raise ValueError(f"model.attention: {self.attention!r} is not one of {ATTENTION_CHOICES}")
+            raise InvalidConfig(f"model.attention: {self.attention!r} is not one of {ATTENTION_CHOICES}")
         if self.attention == "pallas" and s.page_size not in KERNEL_PAGE_SIZES:
-            raise ValueError(f"cache.page_size: the Pallas kernels take {KERNEL_PAGE_SIZES}, got "
+            raise InvalidConfig(f"cache.page_size: the Pallas kernels take {KERNEL_PAGE_SIZES}, got "
                              f"{s.page_size} (or set model.attention = 'xla')")
 
     def replace(self, *, num_pages=None, buckets=None, attention=None, tensor_parallel=None, data_parallel=None,
@@ -143,50 +149,50 @@ def load_config(path: str | None = None) -> EngineConfig:
         with open(path, "rb") as f:
             raw = tomllib.load(f)
     except FileNotFoundError:
-        raise ValueError(f"config: file not found: {path}") from None
+        raise InvalidConfig(f"config: file not found: {path}") from None
     except tomllib.TOMLDecodeError as e:
-        raise ValueError(f"config: {path} is not valid TOML ({e})") from None
+        raise InvalidConfig(f"config: {path} is not valid TOML ({e})") from None
     cache, sched, buckets = raw.get("cache", {}), dict(raw.get("scheduler", {})), raw.get("buckets", {})
     page_size = int(cache.get("page_size", 16))
     max_context = int(sched.get("max_context", 2048))
     unknown = set(buckets) - {"decode_batch", "pages_per_seq", "prefill_tokens", "tokens"}
     if unknown:
-        raise ValueError(f"config: unknown setting in [buckets]: {sorted(unknown)}")
+        raise InvalidConfig(f"config: unknown setting in [buckets]: {sorted(unknown)}")
     try:
         b = Buckets(tuple(buckets["decode_batch"]),
                     tuple(buckets.get("pages_per_seq", (max(1, max_context // page_size),))),
                     tuple(buckets["prefill_tokens"]), tuple(buckets.get("tokens", ())))
     except KeyError as e:
-        raise ValueError(f"config: buckets.{e.args[0]} is missing") from None
+        raise InvalidConfig(f"config: buckets.{e.args[0]} is missing") from None
     if "target_tpot_ms" in sched:  # the name before the controller took a TTFT target too
         sched.setdefault("target_p99_tpot_ms", sched.pop("target_tpot_ms"))
     if "length_bounds" in sched:
         sched["length_bounds"] = tuple(sched["length_bounds"])
     prefix_caching = cache.get("prefix_caching", True)
     if not isinstance(prefix_caching, bool):
-        raise ValueError(f"config: cache.prefix_caching must be true or false, got {prefix_caching!r}")
+        raise InvalidConfig(f"config: cache.prefix_caching must be true or false, got {prefix_caching!r}")
     sched.setdefault("max_running", b.max_batch)
     sched.setdefault("max_chunk", b.max_prefill_tokens)
     sched.setdefault("max_prefill_tokens", b.max_prefill_tokens)  # the per-step budget: the largest chunk
     try:
         sc = SchedulerConfig(page_size=page_size, prefix_caching=prefix_caching, **sched)
     except TypeError as e:
-        raise ValueError(f"config: unknown setting in [scheduler] ({e})") from None
+        raise InvalidConfig(f"config: unknown setting in [scheduler] ({e})") from None
     model = raw.get("model", {})
     unknown = set(model) - {"attention", "weights", "weight_group", "cpu_dots", "activations"}
     if unknown:
-        raise ValueError(f"config: unknown setting in [model]: {sorted(unknown)}")
+        raise InvalidConfig(f"config: unknown setting in [model]: {sorted(unknown)}")
     parallel = raw.get("parallel", {})
     unknown = set(parallel) - {"tensor", "data"}
     if unknown:
-        raise ValueError(f"config: unknown setting in [parallel]: {sorted(unknown)}")
+        raise InvalidConfig(f"config: unknown setting in [parallel]: {sorted(unknown)}")
     from jaxcb.host.memory_plan import parse_bytes
 
     num_pages = cache.get("num_pages", 4096)
     if num_pages == "auto":
         num_pages = AUTO_PAGES
     elif not isinstance(num_pages, int) or isinstance(num_pages, bool):
-        raise ValueError(f"config: cache.num_pages must be an integer or \"auto\", got {num_pages!r}")
+        raise InvalidConfig(f"config: cache.num_pages must be an integer or \"auto\", got {num_pages!r}")
     return EngineConfig(num_pages=num_pages, scheduler=sc, buckets=b, seed=int(raw["seed"]) if "seed" in raw else None,
                         attention=str(model.get("attention", "auto")), weights=str(model.get("weights", "auto")),
                         weight_group=model.get("weight_group", 0), kv_dtype=str(cache.get("kv_dtype", "auto")),

@@ -13,6 +13,7 @@ import threading
 from typing import Callable
 
 from jaxcb.host.engine import Engine, EventCallback
+from jaxcb.host.errors import Unavailable
 from jaxcb.host.request import SamplingParams
 
 log = logging.getLogger("jaxcb.host.engine_thread")
@@ -39,7 +40,7 @@ class EngineThread:
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, callback: EventCallback, **kw) -> str:
         if not self.alive:
-            raise RuntimeError("the engine is not running")
+            raise Unavailable("the engine is not running")
         rid = self.engine.add_request(prompt_ids, params, callback=callback, **kw)
         self._wake.set()
         return rid

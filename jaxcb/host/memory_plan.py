@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import re
 
+from jaxcb.host.errors import InvalidConfig
 from jaxcb.host.window import sliding_pages_per_chunk
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -29,7 +30,7 @@ def parse_bytes(text: str) -> int:
     """'80GiB', '80 GB', '512MiB', '1e9' -> bytes."""
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
     if not m or m.group(2).lower() not in _UNITS:
-        raise ValueError(f"memory: {text!r} is not a size like 80GiB, 24GB or 512MiB")
+        raise InvalidConfig(f"memory: {text!r} is not a size like 80GiB, 24GB or 512MiB")
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
@@ -119,7 +120,7 @@ def plan(*, budget_bytes: int, fraction: float, weight_bytes: int, num_layers: i
     None = as many as fit, else check that many fit. Raises ValueError with the numbers when one
     request of max_context cannot be held."""
     if not 0 < fraction <= 1:
-        raise ValueError(f"cache.memory_fraction: must be in (0, 1], got {fraction}")
+        raise InvalidConfig(f"cache.memory_fraction: must be in (0, 1], got {fraction}")
     replication = max(1, tensor // num_kv_heads)
     kv_heads = num_kv_heads * replication // tensor  # per device
     weight_bytes = -(-weight_bytes // tensor)
@@ -153,7 +154,7 @@ def plan(*, budget_bytes: int, fraction: float, weight_bytes: int, num_layers: i
     if fit < need or (num_pages is not None and num_pages > fit):
         wanted = need if num_pages is None or num_pages < need else num_pages
         where = f" per device at tensor parallel {tensor}" if tensor > 1 else ""
-        raise ValueError(
+        raise InvalidConfig(
             f"memory{where}: {fmt_bytes(budget_bytes)} x {fraction:g} = {fmt_bytes(budget_bytes * fraction)} holds the "
             f"weights ({fmt_bytes(weight_bytes)}) and the largest step ({fmt_bytes(reserve)}: batch {max_batch}, "
             f"{max_prefill_tokens}-token prefill) with room for {fit} KV pages of {fmt_bytes(page_bytes)}, but "
@@ -212,7 +213,7 @@ def plan_for_model(model, config, *, budget_bytes: int, dtype_bytes: int, max_co
         budget_bytes=budget_bytes, fraction=config.memory_fraction, weight_bytes=weight_bytes(c, mode, dtype_bytes, config.weight_group),
         num_layers=c.num_layers, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, hidden_size=c.hidden_size,
         intermediate_size=c.intermediate_size, vocab_size=c.vocab_size, dtype_bytes=dtype_bytes,
-        page_size=s.page_size, max_context=max_context or min(s.max_context, c.max_context),
+        page_size=s.page_size, max_context=max_context or config.max_context_for(c),
         max_batch=config.buckets.max_batch, max_prefill_tokens=s.max_prefill_tokens,
         num_pages=config.num_pages or None, num_heads=c.num_heads,
         tensor=config.tensor_parallel if tensor is None else tensor,

@@ -18,15 +18,17 @@ import collections
 
 import numpy as np
 
+from jaxcb.host.errors import InvalidConfig
+
 NULL_PAGE = 0
 
 
 class PagePool:
     def __init__(self, num_pages: int, page_size: int):
         if num_pages < 2:
-            raise ValueError(f"num_pages: {num_pages} is too small; the pool needs at least 2 (page 0 is reserved)")
+            raise InvalidConfig(f"num_pages: {num_pages} is too small; the pool needs at least 2 (page 0 is reserved)")
         if page_size < 1:
-            raise ValueError(f"page_size: must be >= 1, got {page_size}")
+            raise InvalidConfig(f"page_size: must be >= 1, got {page_size}")
         self.num_pages = num_pages
         self.page_size = page_size
         # Popped from the end: low page ids are handed out first, which keeps tests readable.

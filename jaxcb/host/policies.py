@@ -16,6 +16,7 @@ import bisect
 import collections
 import dataclasses
 
+from jaxcb.host.errors import InvalidConfig
 from jaxcb.host.request import Request
 
 POLICIES = ("fcfs", "sjf", "priority", "length-buckets", "round-robin")
@@ -46,23 +47,23 @@ class SchedulerConfig:
 
     def __post_init__(self):
         if self.policy not in POLICIES:
-            raise ValueError(f"policy: {self.policy!r} is not one of {', '.join(POLICIES)}")
+            raise InvalidConfig(f"policy: {self.policy!r} is not one of {', '.join(POLICIES)}")
         for name in ("page_size", "max_running", "max_prefill_tokens", "max_chunk", "max_context", "min_batch",
                      "quantum_tokens"):
             if getattr(self, name) < 1:
-                raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+                raise InvalidConfig(f"{name}: must be >= 1, got {getattr(self, name)}")
         if not 0 <= self.max_wait_ms < float("inf"):
-            raise ValueError(f"max_wait_ms: must be a finite number >= 0, got {self.max_wait_ms}")
+            raise InvalidConfig(f"max_wait_ms: must be a finite number >= 0, got {self.max_wait_ms}")
         if self.max_priority < 0:
-            raise ValueError(f"max_priority: must be >= 0, got {self.max_priority}")
+            raise InvalidConfig(f"max_priority: must be >= 0, got {self.max_priority}")
         if self.aging_per_s < 0 or self.sjf_aging_tokens_per_s < 0:
-            raise ValueError("aging_per_s, sjf_aging_tokens_per_s: must be >= 0")
+            raise InvalidConfig("aging_per_s, sjf_aging_tokens_per_s: must be >= 0")
         for name in ("target_p99_tpot_ms", "target_p99_ttft_ms"):
             value = getattr(self, name)
             if value is not None and not 0 < value < float("inf"):
-                raise ValueError(f"{name}: must be a positive number of milliseconds, got {value}")
+                raise InvalidConfig(f"{name}: must be a positive number of milliseconds, got {value}")
         if self.prefix_max_wait_ms < 0:
-            raise ValueError(f"prefix_max_wait_ms: must be >= 0, got {self.prefix_max_wait_ms}")
+            raise InvalidConfig(f"prefix_max_wait_ms: must be >= 0, got {self.prefix_max_wait_ms}")
 
 
 def order_key(config: SchedulerConfig, r: Request, now: float):

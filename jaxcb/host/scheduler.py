@@ -34,6 +34,7 @@ import dataclasses
 import time
 from typing import NamedTuple
 
+from jaxcb.host.errors import InvalidRequest
 from jaxcb.host.latency import LatencyController
 from jaxcb.host.page_pool import PagePool
 from jaxcb.host.policies import SchedulerConfig, admission_order, order_key
@@ -110,7 +111,7 @@ class Scheduler:
         fields by Engine.validate.)"""
         pages = self.pool.pages_for(request.max_total_tokens)
         if pages > self.pool.num_usable:
-            raise ValueError(
+            raise InvalidRequest(
                 f"max_tokens: prompt + max_tokens needs {pages} KV pages but the cache holds only "
                 f"{self.pool.num_usable}"
             )
@@ -118,7 +119,7 @@ class Scheduler:
             chunk = min(self.config.max_chunk, self.config.max_prefill_tokens, request.max_total_tokens)
             pages = min(self.window.pages_per_chunk(chunk), self.pool.pages_for(request.max_total_tokens))
             if pages > self.window.pool.num_usable:
-                raise ValueError(f"max_tokens: the sliding-window layers need {pages} KV pages for this request "
+                raise InvalidRequest(f"max_tokens: the sliding-window layers need {pages} KV pages for this request "
                                  f"but their cache holds only {self.window.pool.num_usable}")
 
     @property

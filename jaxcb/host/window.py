@@ -22,13 +22,14 @@ request's full pages and `release` where it frees them.
 
 from __future__ import annotations
 
+from jaxcb.host.errors import InvalidConfig
 from jaxcb.host.page_pool import NULL_PAGE, PagePool
 
 
 class WindowGroup:
     def __init__(self, num_pages: int, page_size: int, window: int):
         if window < 1:
-            raise ValueError(f"sliding_window: must be >= 1, got {window}")
+            raise InvalidConfig(f"sliding_window: must be >= 1, got {window}")
         self.pool = PagePool(num_pages, page_size)
         self.page_size = page_size
         self.window = window

@@ -17,6 +17,7 @@ import os
 import jax
 import jax.numpy as jnp
 
+from jaxcb.host.errors import InvalidConfig
 from jaxcb.model.config import ModelConfig
 
 FORMAT = "jaxcb-orbax-1"
@@ -103,7 +104,7 @@ def save(path: str, config: ModelConfig, weights: dict, tokenizer, dtype, mode: 
     os.makedirs(path, exist_ok=True)
     params_dir = os.path.join(os.path.abspath(path), "params")
     if os.path.exists(params_dir):
-        raise ValueError(f"OUT_DIR: {path} already holds a converted checkpoint; choose an empty directory")
+        raise InvalidConfig(f"OUT_DIR: {path} already holds a converted checkpoint; choose an empty directory")
     arrays = {k: jnp.asarray(flat[k], s.dtype) for k, s in stored.items()}
     with ocp.StandardCheckpointer() as ckpt:
         ckpt.save(params_dir, arrays)
@@ -130,15 +131,15 @@ def read_config(path: str) -> tuple[ModelConfig, str]:
         with open(os.path.join(path, MANIFEST), encoding="utf-8") as f:
             manifest = json.load(f)
     except (OSError, json.JSONDecodeError) as e:
-        raise ValueError(f"model: {path}/{MANIFEST} is not readable ({e})") from None
+        raise InvalidConfig(f"model: {path}/{MANIFEST} is not readable ({e})") from None
     if manifest.get("format") != FORMAT:
-        raise ValueError(f"model: {path} is format {manifest.get('format')!r}; this jaxcb reads {FORMAT!r}")
+        raise InvalidConfig(f"model: {path} is format {manifest.get('format')!r}; this jaxcb reads {FORMAT!r}")
     try:
         raw = dict(manifest["config"])
         raw["sliding_layers"] = tuple(raw.get("sliding_layers", ()))  # JSON has lists; the config is hashable
         return ModelConfig(**raw), manifest["dtype"]
     except (KeyError, TypeError) as e:
-        raise ValueError(f"model: {path}/{MANIFEST} has a bad config ({e})") from None
+        raise InvalidConfig(f"model: {path}/{MANIFEST} has a bad config ({e})") from None
 
 
 def load(path: str, dtype=None):
@@ -149,7 +150,7 @@ def load(path: str, dtype=None):
     dtype = jnp.dtype(dtype or stored)
     params_dir = os.path.join(os.path.abspath(path), "params")
     if not os.path.isdir(params_dir):
-        raise ValueError(f"model: incomplete checkpoint: {params_dir} is missing")
+        raise InvalidConfig(f"model: incomplete checkpoint: {params_dir} is missing")
     mode, group = read_weights_mode(path)
     expected = _stored(config, mode, jnp.dtype(stored), group)
     with ocp.StandardCheckpointer() as ckpt:
@@ -158,19 +159,19 @@ def load(path: str, dtype=None):
             meta = getattr(meta, "item_metadata", meta)  # newer orbax wraps the tree
             found = {k: tuple(v.shape) for k, v in dict(meta).items()}
         except Exception as e:  # noqa: BLE001 - orbax raises many kinds
-            raise ValueError(f"model: incomplete checkpoint: cannot read {params_dir} ({type(e).__name__}: {e})") from None
+            raise InvalidConfig(f"model: incomplete checkpoint: cannot read {params_dir} ({type(e).__name__}: {e})") from None
         missing = sorted(set(expected) - set(found))
         if missing:
-            raise ValueError(f"model: incomplete checkpoint: {params_dir} lacks {', '.join(missing)}")
+            raise InvalidConfig(f"model: incomplete checkpoint: {params_dir} lacks {', '.join(missing)}")
         wrong = {k: (found[k], tuple(s.shape)) for k, s in expected.items() if found[k] != tuple(s.shape)}
         if wrong:
             k, (got, want) = next(iter(wrong.items()))
-            raise ValueError(f"model: the checkpoint in {path} is from another model: {k} has shape {got}, "
+            raise InvalidConfig(f"model: the checkpoint in {path} is from another model: {k} has shape {got}, "
                              f"its config says {want}")
         try:
             arrays = ckpt.restore(params_dir, expected)
         except Exception as e:  # noqa: BLE001
-            raise ValueError(f"model: incomplete checkpoint: restoring {params_dir} failed ({type(e).__name__}: {e})") from None
+            raise InvalidConfig(f"model: incomplete checkpoint: restoring {params_dir} failed ({type(e).__name__}: {e})") from None
     if dtype != jnp.dtype(stored):  # floats (and scales) into the asked dtype; quantized values as they are
         arrays = {k: v if k.endswith("__q") or v.dtype == jnp.float16 else v.astype(dtype) for k, v in arrays.items()}
     arrays = _unflatten(arrays)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from jaxcb.host.errors import InvalidConfig
+
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
@@ -85,7 +87,7 @@ class ModelConfig:
         left to the loader): a clear error naming the tensor and `source` (the file or config.json)."""
         for key, shape in self.weight_shapes().items():
             if key in weights and tuple(weights[key].shape) != shape:
-                raise ValueError(f"{source}: tensor {key} has shape {tuple(weights[key].shape)}, expected {shape}")
+                raise InvalidConfig(f"{source}: tensor {key} has shape {tuple(weights[key].shape)}, expected {shape}")
 
     @property
     def num_params(self) -> int:

@@ -18,6 +18,8 @@ import importlib.util
 import os
 import tempfile
 
+from jaxcb.host.errors import InvalidConfig
+
 
 @dataclasses.dataclass(frozen=True)
 class EmbeddedModel:
@@ -50,7 +52,7 @@ def resolve_model(model: str | None) -> str:
 def _package_dirs(package: str, name: str, install: str) -> list[str]:
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
-        raise ValueError(f"model: {name} is not installed; run `{install}` (make setup installs it), "
+        raise InvalidConfig(f"model: {name} is not installed; run `{install}` (make setup installs it), "
                          "or pass --model PATH")
     return list(spec.submodule_search_locations)
 
@@ -63,7 +65,7 @@ def embedded_path(name: str) -> str:
             for f in sorted(os.listdir(folder)):
                 if f.endswith(".gguf") and (m.file is None or f == m.file):
                     return os.path.join(folder, f)
-        raise ValueError(f"model: the {m.package} package holds no .gguf file")
+        raise InvalidConfig(f"model: the {m.package} package holds no .gguf file")
     return _assembled(m, name, folders)
 
 
@@ -83,7 +85,7 @@ def _expected_sha256(folders: list[str], file: str) -> str:
                     digest, _, fname = line.strip().partition("  ")
                     if fname.lstrip("*") == file:
                         return digest.lower()
-    raise ValueError(f"model: no sha256 for {file} in the package's data/SHA256SUMS")
+    raise InvalidConfig(f"model: no sha256 for {file} in the package's data/SHA256SUMS")
 
 
 def _sha256(path: str) -> str:
@@ -109,7 +111,7 @@ def _assembled(m: EmbeddedModel, name: str, folders: list[str]) -> str:
         found = [os.path.join(d, "data", f"{m.file}.part{i:02d}") for d in dirs]
         found = [p for p in found if os.path.isfile(p)]
         if not found:
-            raise ValueError(f"model: chunk {i} of {name} ({m.file}.part{i:02d}) is missing from {part}; "
+            raise InvalidConfig(f"model: chunk {i} of {name} ({m.file}.part{i:02d}) is missing from {part}; "
                              f"run `{m.install}`")
         chunks.append(found[0])
     os.makedirs(os.path.dirname(target), exist_ok=True)
@@ -123,7 +125,7 @@ def _assembled(m: EmbeddedModel, name: str, folders: list[str]) -> str:
                         h.update(block)
                         out.write(block)
         if h.hexdigest() != expected:
-            raise ValueError(f"model: {name} assembled from its chunks has sha256 {h.hexdigest()}, expected "
+            raise InvalidConfig(f"model: {name} assembled from its chunks has sha256 {h.hexdigest()}, expected "
                              f"{expected}; reinstall it (`{m.install}`)")
         os.replace(tmp, target)  # atomic: concurrent starts each write their own temporary file
     except BaseException:

@@ -22,9 +22,10 @@ import os
 
 import numpy as np
 
+from jaxcb.host.errors import InvalidConfig
 from jaxcb.host.tokenizer import TokenizerSpec
-from jaxcb.model.gguf_file import GGUFFile
 from jaxcb.model.config import ModelConfig
+from jaxcb.model.gguf_file import GGUFFile
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen3", "gemma2", "gemma3")
 
@@ -83,7 +84,7 @@ def _dequantize(tensor) -> np.ndarray:
     try:
         data = gguf.quants.dequantize(tensor.data, tensor.qtype)
     except NotImplementedError as e:
-        raise ValueError(
+        raise InvalidConfig(
             f"tensor {tensor.name}: type {tensor.qtype.name} cannot be dequantized "
             f"by the gguf library ({e})"
         ) from None
@@ -93,7 +94,7 @@ def _dequantize(tensor) -> np.ndarray:
 def read_config(reader) -> ModelConfig:
     arch = _field(reader, "general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
-        raise ValueError(
+        raise InvalidConfig(
             f"general.architecture: {arch!r} is not supported; supported architectures: "
             f"{', '.join(SUPPORTED_ARCHITECTURES)}"
         )
@@ -101,7 +102,7 @@ def read_config(reader) -> ModelConfig:
     def need(key):
         value = _field(reader, f"{arch}.{key}")
         if value is None:
-            raise ValueError(f"model file: missing metadata {arch}.{key}")
+            raise InvalidConfig(f"model file: missing metadata {arch}.{key}")
         return value
 
     hidden = int(need("embedding_length"))
@@ -120,7 +121,7 @@ def read_config(reader) -> ModelConfig:
     elif arch in ("gemma2", "gemma3"):
         scaling = _field(reader, f"{arch}.rope.scaling.factor")
         if scaling not in (None, 1.0):
-            raise ValueError(f"{arch}.rope.scaling.factor: {scaling} is not supported (plain RoPE only)")
+            raise InvalidConfig(f"{arch}.rope.scaling.factor: {scaling} is not supported (plain RoPE only)")
         window = int(_field(reader, f"{arch}.attention.sliding_window", 0) or 0)
         # llama.cpp's layer patterns: Gemma 2 alternates sliding and full from layer 0; Gemma 3 has
         # five sliding layers, then a full one.
@@ -184,11 +185,11 @@ def read_tokenizer(reader) -> TokenizerSpec | None:
 
 def open_reader(path: str) -> GGUFFile:
     if not os.path.isfile(path):
-        raise ValueError(f"model: file not found: {path}")
+        raise InvalidConfig(f"model: file not found: {path}")
     try:
         return GGUFFile(path)
     except (ValueError, OSError) as e:
-        raise ValueError(f"model: {path} is not a readable GGUF file ({e})") from None
+        raise InvalidConfig(f"model: {path} is not a readable GGUF file ({e})") from None
 
 
 def load_gguf(path: str, check_config=None) -> LoadedModel:
@@ -201,7 +202,7 @@ def load_gguf(path: str, check_config=None) -> LoadedModel:
 
     def get(name: str, transpose: bool) -> np.ndarray:
         if name not in tensors:
-            raise ValueError(f"model file: missing tensor {name}")
+            raise InvalidConfig(f"model file: missing tensor {name}")
         w = _dequantize(tensors[name])
         if config.family == "llama" and name.endswith("attn_q.weight"):
             w = _unpermute_rotary(w, config.num_heads)

@@ -16,6 +16,7 @@ import os
 
 import numpy as np
 
+from jaxcb.host.errors import InvalidConfig
 from jaxcb.model.config import ModelConfig
 
 # architecture -> family
@@ -59,7 +60,7 @@ def _plain_rope(scaling) -> None:
     kind = scaling.get("rope_type", scaling.get("type")) if scaling else None
     factor = scaling.get("factor", 1.0) if scaling else 1.0
     if kind not in (None, "default") and not (kind == "linear" and factor == 1.0):
-        raise ValueError(f"config.json: rope_scaling {scaling!r} is not supported (plain RoPE only)")
+        raise InvalidConfig(f"config.json: rope_scaling {scaling!r} is not supported (plain RoPE only)")
 
 
 def read_config(path: str) -> ModelConfig:
@@ -67,11 +68,11 @@ def read_config(path: str) -> ModelConfig:
         with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
             raw = json.load(f)
     except (OSError, json.JSONDecodeError) as e:
-        raise ValueError(f"model: {path}/config.json is not readable JSON ({e})") from None
+        raise InvalidConfig(f"model: {path}/config.json is not readable JSON ({e})") from None
     raw = {**raw, **(raw.get("text_config") or {})}
     arch = (raw.get("architectures") or ["?"])[0]
     if arch not in ARCHITECTURES:
-        raise ValueError(f"config.json: architecture {arch!r} is not supported; supported: {', '.join(ARCHITECTURES)}")
+        raise InvalidConfig(f"config.json: architecture {arch!r} is not supported; supported: {', '.join(ARCHITECTURES)}")
     family = ARCHITECTURES[arch]
     gemma = family.startswith("gemma")
     theta, scaling = _rope(raw, "full_attention")
@@ -104,7 +105,7 @@ def read_config(path: str) -> ModelConfig:
                 final_softcap=float(raw.get("final_logit_softcapping") or 0.0))
             act = raw.get("hidden_activation") or raw.get("hidden_act")
             if act not in (None, "gelu_pytorch_tanh", "gelu_tanh"):
-                raise ValueError(f"config.json: hidden_activation {act!r} is not supported (gelu_pytorch_tanh)")
+                raise InvalidConfig(f"config.json: hidden_activation {act!r} is not supported (gelu_pytorch_tanh)")
         return ModelConfig(
             vocab_size=int(raw["vocab_size"]), hidden_size=hidden, intermediate_size=int(raw["intermediate_size"]),
             num_layers=layers, num_heads=heads,
@@ -118,7 +119,7 @@ def read_config(path: str) -> ModelConfig:
             family="llama" if family == "qwen2" else family, **extra,
         )
     except KeyError as e:
-        raise ValueError(f"config.json: {e.args[0]} is missing") from None
+        raise InvalidConfig(f"config.json: {e.args[0]} is missing") from None
 
 
 def load_weights(path: str, config: ModelConfig) -> dict[str, np.ndarray]:
@@ -127,17 +128,17 @@ def load_weights(path: str, config: ModelConfig) -> dict[str, np.ndarray]:
 
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not files:
-        raise ValueError(f"model: {path} has no *.safetensors files")
+        raise InvalidConfig(f"model: {path} has no *.safetensors files")
     tensors: dict[str, np.ndarray] = {}
     for f in files:
         try:
             tensors.update(load_file(f))
         except Exception as e:  # noqa: BLE001 - the library raises its own error types
-            raise ValueError(f"model: {f} is not a readable safetensors file ({e})") from None
+            raise InvalidConfig(f"model: {f} is not a readable safetensors file ({e})") from None
 
     def get(name: str, transpose: bool = False) -> np.ndarray:
         if name not in tensors:
-            raise ValueError(f"model: tensor {name} is missing from {path}")
+            raise InvalidConfig(f"model: tensor {name} is missing from {path}")
         w = np.asarray(tensors[name], dtype=np.float32)
         return np.ascontiguousarray(w.T) if transpose else w
 

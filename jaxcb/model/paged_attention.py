@@ -177,7 +177,6 @@ def ragged_attention(q, kv_pages, layer, batch, scale=None, window=0, softcap=0.
     nl, two, nk, p, s, width = kv_pages.shape  # width: D, or D + 4 for int8 pages (dequantized as gathered)
     g = h // nk
     m = batch.kv_lens.shape[0]
-    w = batch.item_pages.shape[0]
     qg = (q.astype(jnp.float32) * (1.0 / d**0.5 if scale is None else scale)).reshape(t, nk, g, d)
     if native:
         import kernels_cpu

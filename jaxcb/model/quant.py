@@ -38,6 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxcb.host.engine_config import WEIGHT_CHOICES as WEIGHT_MODES  # the one list of model.weights
+from jaxcb.host.errors import InvalidConfig
 from jaxcb.host.memory_plan import INT4_GROUP as GROUP  # int4's default input rows per scale
 from jaxcb.host.memory_plan import ROW_GROUP  # the int8 embedding's values per scale: a GGUF's Q8_0 blocks
 
@@ -94,7 +95,7 @@ def _safe(scale: np.ndarray) -> np.ndarray:
 def _groups(w: np.ndarray, group: int, name: str, what: str) -> np.ndarray:
     rows, cols = w.shape[-2], w.shape[-1]
     if group < 1 or rows % group:
-        raise ValueError(f"model.weight_group: {what} groups of {group} do not divide the {rows} input rows of {name}")
+        raise InvalidConfig(f"model.weight_group: {what} groups of {group} do not divide the {rows} input rows of {name}")
     return w.reshape(*w.shape[:-2], rows // group, group, cols)
 
 
@@ -113,7 +114,7 @@ def quantize_int4(w: np.ndarray, group: int = GROUP, name: str = "weight") -> Qu
     axis. The group's minimum is the offset and (max - min) / 15 the scale, both float16."""
     w = np.asarray(w, np.float32)
     if group % 2:
-        raise ValueError(f"model.weight_group: int4 needs an even group, got {group}")
+        raise InvalidConfig(f"model.weight_group: int4 needs an even group, got {group}")
     g = _groups(w, group, name, "int4")
     lo, hi = g.min(axis=-2, keepdims=True), g.max(axis=-2, keepdims=True)
     scale = np.float16((hi - lo) / 15.0).astype(np.float32)
@@ -196,7 +197,7 @@ def with_int8_activations(params, block: int = ACT_BLOCK):
         if w is None:
             continue
         if not (isinstance(w, QuantWeight) and w.bits == 8 and w.scale.shape[-2] == 1):
-            raise ValueError(f"model.activations: int8 activations need int8 weights with one scale per column "
+            raise InvalidConfig(f"model.activations: int8 activations need int8 weights with one scale per column "
                              f"(--weights int8, weight_group 0); {name} is "
                              f"{'int%d in groups' % w.bits if isinstance(w, QuantWeight) else jnp.dtype(w.dtype).name}")
         changes[name] = w.replace(act_block=block)
@@ -280,7 +281,7 @@ def head_logits(last: jax.Array, embed, lm_head, native: bool = False) -> jax.Ar
 
 def check_mode(mode: str) -> str:
     if mode not in WEIGHT_MODES:
-        raise ValueError(f"model.weights: {mode!r} is not one of {WEIGHT_MODES}")
+        raise InvalidConfig(f"model.weights: {mode!r} is not one of {WEIGHT_MODES}")
     return mode
 
 
