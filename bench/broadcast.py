@@ -26,7 +26,7 @@ def worker(args) -> None:
     multihost.initialize(args.coordinator, 2, args.process_id)
     config = make_config(decode_batch=tuple(args.running), max_context=2048, prefill_tokens=(512,))
     shapes = [config.buckets.step_shape(n, config.page_size, 2048) for n in args.running]
-    channel = multihost.Channel(shapes, config.page_size)
+    channel = multihost.Channel(shapes, config.page_size, 49152)  # SmolLM2's vocabulary
     results = {}
     for shape in shapes:
         for phase in ("warm", "timed"):

@@ -148,9 +148,9 @@ def decode_steps(engine, model_config, params, quick) -> dict:
         if rows * n + 1 > runner.num_pages:
             continue
         seqs = [SeqSpec([1], ctx - 1, list(range(1 + i * n, 1 + (i + 1) * n))) for i in range(rows)]
-        shape = config.buckets.step_shape(rows, s, min(config.scheduler.max_context, model_config.max_context))
+        shape = config.buckets.step_shape(rows, s, config.max_context_for(model_config))
         batch = pack(seqs, shape, s)
-        sampling = pack_sampling([SamplingRow(SamplingParams(), 0, [], [])] * rows, shape)
+        sampling = pack_sampling([SamplingRow(SamplingParams(), 0, [], [])] * rows, shape, model_config.vocab_size)
         seconds = timed(lambda: jax.device_get(runner.run(batch, sampling, shape)))
         kv_bytes = rows * ctx * runner.kv_bytes_per_token
         flops = rows * model_config.flops_per_token(ctx)

@@ -89,7 +89,7 @@ def decode_speed(runners: dict, rows_list, context: int, repeats: int) -> dict:
         seqs = [SeqSpec([int(rng.integers(100, 1000))], context - 1, perm[i].tolist()) for i in range(rows)]
         shape = config_for("float32").buckets.step_shape(rows, s, 2048)
         batch = pack(seqs, shape, s)
-        sampling = pack_sampling([SamplingRow(SamplingParams(), 0, [], [])] * rows, shape)
+        sampling = pack_sampling([SamplingRow(SamplingParams(), 0, [], [])] * rows, shape, first.model_config.vocab_size)
         times = {m: [] for m in runners}
         for r in runners.values():
             jax.device_get(r.run(batch, sampling, shape))

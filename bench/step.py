@@ -77,7 +77,7 @@ def main():
             t0 = time.perf_counter()
             for _ in range(args.repeats):
                 batch = pack(seqs, shape, s)
-                sampling = pack_sampling([SamplingRow(SamplingParams(), 0, [], [])] * rows, shape)
+                sampling = pack_sampling([SamplingRow(SamplingParams(), 0, [], [])] * rows, shape, model_config.vocab_size)
             host_ms = (time.perf_counter() - t0) / args.repeats * 1000
 
             def timed(fn):

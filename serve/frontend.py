@@ -1,7 +1,7 @@
 """The server's front end, shared by both APIs (gRPC in serve.grpc_api, the OpenAI HTTP API in
 serve.openai_api): admission, tenancy, the request limits, submission to the engine and abort. Nothing
-here knows a transport: a refusal is a `Rejected` with a kind, which each API maps to its own status
-(gRPC codes in serve.grpc_api.GRPC_CODE, HTTP statuses in serve.openai_api).
+here knows a transport: a refusal is one of jaxcb's error kinds (jaxcb.host.errors), which each API maps
+to its own status (gRPC codes in serve.grpc_api.GRPC_CODE, HTTP statuses in serve.openai_fields.HTTP_STATUS).
 """
 
 from __future__ import annotations
@@ -11,8 +11,9 @@ import dataclasses
 import hmac
 import uuid
 
+from jaxcb.host.errors import InvalidRequest, Overloaded, StepFailed, Unavailable
 from jaxcb.host.replicas import Replicas
-from jaxcb.host.request import MAX_STOP_STRINGS, SamplingParams, TokenEvent  # noqa: F401 - the limit, re-exported
+from jaxcb.host.request import FinishReason, SamplingParams, TokenEvent, check_prompt_length
 from serve.metrics import Metrics, RequestTimer
 
 MAX_TEXT_CHARS = 1 << 20  # prompt text, and all of a chat's messages together
@@ -21,16 +22,7 @@ MAX_REQUEST_ID_CHARS = 128
 MAX_CACHE_SALT_CHARS = 256
 MAX_REQUEST_BYTES = 16 << 20  # one request's message (gRPC) or body (HTTP): room for MAX_TEXT_CHARS escaped
 MAX_PROMPTS = 64  # prompts in one completions request (gRPC takes one)
-
-
-class Rejected(Exception):
-    """A request refused or ended by the front end, phrased for the caller ("field: what is wrong").
-    kind: "invalid" (bad input), "exhausted" (a limit on load), "unavailable" (not serving now),
-    "unauthenticated", "internal" (a failed step)."""
-
-    def __init__(self, kind: str, message: str):
-        super().__init__(message)
-        self.kind, self.message = kind, message
+MAX_COMPILE_S = 10.0  # compiling one structured-output constraint (llguidance's own limits bound it too)
 
 
 @dataclasses.dataclass
@@ -83,11 +75,11 @@ class State:
 
     def check_open(self) -> None:
         if self.draining:
-            raise Rejected("unavailable", "the server is shutting down")
+            raise Unavailable("the server is shutting down")
         if self.thread is None or not self.thread.alive:
-            raise Rejected("unavailable", "the engine is not running")
+            raise Unavailable("the engine is not running")
         if not self.ready:
-            raise Rejected("unavailable", "the server is warming up; retry when health is SERVING")
+            raise Unavailable("the server is warming up; retry when health is SERVING")
 
     def admit(self, samples: int = 1) -> None:
         """Admission counts every sample of every request accepted and not finished (inbox included)
@@ -95,9 +87,9 @@ class State:
         self.check_open()
         waiting = max(0, self.active_samples - self.engine.stats().running)
         if waiting + samples > self.options.max_waiting:
-            raise Rejected("exhausted",
-                         f"queue full: {waiting} samples already waiting and {samples} more asked for; the limit is "
-                         f"{self.options.max_waiting} (--max-waiting)")
+            raise Overloaded(
+                f"queue full: {waiting} samples already waiting and {samples} more asked for; the limit is "
+                f"{self.options.max_waiting} (--max-waiting)")
 
     def engine_died(self) -> None:
         """Ends every open stream with an error: nothing will come from a dead engine."""
@@ -111,7 +103,7 @@ class State:
         public = request_id or uuid.uuid4().hex
         key = uuid.uuid4().hex  # the engine's id for this request: unguessable, never reused
         if (tenant, public) in self.ids:
-            raise Rejected("invalid", f"request_id: {public!r} is already in use by a running request")
+            raise InvalidRequest(f"request_id: {public!r} is already in use by a running request")
         queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
         loop = asyncio.get_running_loop()
         timers = [RequestTimer(self.metrics) for _ in range(params.n)]  # one per sample
@@ -120,12 +112,9 @@ class State:
             timers[ev.index].on_event(ev)
             loop.call_soon_threadsafe(queue.put_nowait, ev)
 
-        try:
-            # With auth, each token's requests share cached prefixes only among themselves.
-            salt = f"{tenant}\0{cache_salt}" if self.options.tokens else cache_salt
-            self.thread.submit(prompt_ids, params, on_event, request_id=key, priority=priority, cache_salt=salt)
-        except ValueError as e:
-            raise Rejected("invalid", str(e)) from None
+        # With auth, each token's requests share cached prefixes only among themselves.
+        salt = f"{tenant}\0{cache_salt}" if self.options.tokens else cache_salt
+        self.thread.submit(prompt_ids, params, on_event, request_id=key, priority=priority, cache_salt=salt)
         self.active[key] = params.n
         self.active_samples += params.n
         self.queues[key] = queue
@@ -136,7 +125,9 @@ class State:
             while True:
                 ev = await queue.get()
                 if ev is _DIED:
-                    raise Rejected("unavailable", "the engine stopped; the request was not finished")
+                    raise Unavailable("the engine stopped; the request was not finished")
+                if ev.finish_reason is FinishReason.ERROR:
+                    raise StepFailed(f"the step running this request failed: {ev.error}")
                 samples_left -= ev.finished
                 finished = samples_left == 0
                 yield public, ev
@@ -179,42 +170,46 @@ def tenant(state: State, authorization: str, peer: str) -> str:
 _DIED = object()  # put on every open stream's queue when the engine dies
 
 
+async def check_constraint(state: State, constraint) -> None:
+    """Compile a request's structured-output constraint off the event loop (cached by the engine), before
+    the request is queued: InvalidRequest naming the problem, or the time limit."""
+    if constraint is None:
+        return
+    try:
+        await asyncio.wait_for(asyncio.to_thread(state.engine.check_constraint, constraint), MAX_COMPILE_S)
+    except asyncio.TimeoutError:
+        raise InvalidRequest(f"{constraint.field}: compiling the {constraint.kind} took longer than the limit of "
+                             f"{MAX_COMPILE_S:g} s") from None
+
+
 def check_text(field: str, text: str) -> None:
     """The size limits of a text prompt, before any work (shared by the gRPC and HTTP front ends)."""
     if not text:
-        raise ValueError(f"{field}: the prompt must not be empty")
+        raise InvalidRequest(f"{field}: the prompt must not be empty")
     if len(text) > MAX_TEXT_CHARS:
-        raise ValueError(f"{field}: {len(text)} characters; the limit is {MAX_TEXT_CHARS}")
+        raise InvalidRequest(f"{field}: {len(text)} characters; the limit is {MAX_TEXT_CHARS}")
 
 
 def check_messages(field: str, messages: list[tuple[str, str]]) -> None:
     """(role, content) pairs of a chat: count and total size, before any work."""
     if not messages:
-        raise ValueError(f"{field}: must not be empty")
+        raise InvalidRequest(f"{field}: must not be empty")
     if len(messages) > MAX_MESSAGES:
-        raise ValueError(f"{field}: {len(messages)} messages; the limit is {MAX_MESSAGES}")
+        raise InvalidRequest(f"{field}: {len(messages)} messages; the limit is {MAX_MESSAGES}")
     total = sum(len(content) + len(role) for role, content in messages)
     if total > MAX_TEXT_CHARS:
-        raise ValueError(f"{field}: {total} characters in all; the limit is {MAX_TEXT_CHARS}")
+        raise InvalidRequest(f"{field}: {total} characters in all; the limit is {MAX_TEXT_CHARS}")
 
 
 def check_ids(request_id: str, cache_salt: str) -> None:
     """The lengths of a request's id and cache salt, before any work."""
     if len(request_id) > MAX_REQUEST_ID_CHARS:
-        raise ValueError(f"request_id: {len(request_id)} characters; the limit is {MAX_REQUEST_ID_CHARS}")
+        raise InvalidRequest(f"request_id: {len(request_id)} characters; the limit is {MAX_REQUEST_ID_CHARS}")
     if len(cache_salt) > MAX_CACHE_SALT_CHARS:
-        raise ValueError(f"cache_salt: {len(cache_salt)} characters; the limit is {MAX_CACHE_SALT_CHARS}")
+        raise InvalidRequest(f"cache_salt: {len(cache_salt)} characters; the limit is {MAX_CACHE_SALT_CHARS}")
 
 
-def check_priority(priority) -> None:
-    if isinstance(priority, bool) or not isinstance(priority, int) or not -2**31 <= priority < 2**31:
-        raise ValueError(f"priority: must be an integer in [-2**31, 2**31), got {priority!r}")
 
 
 def check_token_count(state: State, field: str, n: int) -> None:
-    if not n:
-        raise ValueError(f"{field}: must not be empty")
-    limit = state.engine.max_context - 1
-    if n > limit:
-        raise ValueError(f"{field}: {n} tokens; the limit is {limit} "
-                         f"(context {state.engine.max_context} tokens, at least one generated)")
+    check_prompt_length(field, n, state.engine.max_context)

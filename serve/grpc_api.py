@@ -2,7 +2,7 @@
 interceptor, and `make_grpc_server` that puts them on one server (serve.server starts and stops it).
 
 Admission, tenancy, the limits, submission and abort are the front end's (serve.frontend), shared with
-the HTTP API; this module maps its refusals (frontend.Rejected) to gRPC status codes (GRPC_CODE). Each
+the HTTP API; this module maps jaxcb's error kinds (jaxcb.host.errors) to gRPC status codes (GRPC_CODE). Each
 streaming call is an asyncio task that submits its request with a callback that hops events onto the
 event loop, and yields them as they come. A call that ends early (cancelled, disconnected, past its
 deadline) aborts its request in the `finally` of its handler, so its pages are freed at the engine's
@@ -20,8 +20,10 @@ from grpc_health.v1 import health, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from jaxcb.device import cpu_dots
-from jaxcb.host.request import MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, FinishReason, SamplingParams, TokenEvent
-from serve.frontend import (MAX_REQUEST_BYTES, Rejected, ServerOptions, State, check_ids, check_messages, check_text,
+from jaxcb.host.errors import InvalidRequest, JaxcbError, Overloaded, StepFailed, Unauthenticated, Unavailable
+from jaxcb.host.request import SamplingParams, TokenEvent, check_stop_counts
+from jaxcb.host.structured import MAX_CHOICES, Constraint
+from serve.frontend import (MAX_REQUEST_BYTES, ServerOptions, State, check_constraint, check_ids, check_messages, check_text,
                             check_token_count, tenant, token_index)
 from serve.proto import jaxcb_pb2, jaxcb_pb2_grpc, jetstream_pb2, jetstream_pb2_grpc
 
@@ -30,14 +32,14 @@ log = logging.getLogger("jaxcb.serve")
 SERVICE_NAME = "jaxcb.v1.Jaxcb"
 
 
-GRPC_CODE = {"invalid": grpc.StatusCode.INVALID_ARGUMENT, "exhausted": grpc.StatusCode.RESOURCE_EXHAUSTED,
-             "unavailable": grpc.StatusCode.UNAVAILABLE, "unauthenticated": grpc.StatusCode.UNAUTHENTICATED,
-             "internal": grpc.StatusCode.INTERNAL}
-_KIND = {code: kind for kind, code in GRPC_CODE.items()}
+GRPC_CODE = {InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT, Overloaded: grpc.StatusCode.RESOURCE_EXHAUSTED,
+             Unavailable: grpc.StatusCode.UNAVAILABLE, Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
+             StepFailed: grpc.StatusCode.INTERNAL}
 
 
-def _reject(code: grpc.StatusCode, message: str) -> Rejected:
-    return Rejected(_KIND[code], message)
+def grpc_code(e: JaxcbError) -> grpc.StatusCode:
+    """The status for one of jaxcb's errors (its nearest kind in GRPC_CODE; INTERNAL if none)."""
+    return next((GRPC_CODE[kind] for kind in type(e).__mro__ if kind in GRPC_CODE), grpc.StatusCode.INTERNAL)
 
 
 def tenant_of(state: State, context) -> str:
@@ -47,42 +49,54 @@ def tenant_of(state: State, context) -> str:
 
 def _sampling(req) -> SamplingParams:
     s = req.sampling
-    try:
-        if len(req.stop) > MAX_STOP_STRINGS:
-            raise ValueError(f"stop: at most {MAX_STOP_STRINGS} stop strings, got {len(req.stop)}")
-        if len(req.stop_token_ids) > MAX_STOP_TOKEN_IDS:
-            raise ValueError(f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS}, got {len(req.stop_token_ids)}")
-        return SamplingParams(
-            max_tokens=req.max_tokens, temperature=s.temperature, top_k=s.top_k,
-            top_p=s.top_p if s.HasField("top_p") else 1.0, min_p=s.min_p,
-            repetition_penalty=s.repetition_penalty if s.HasField("repetition_penalty") else 1.0,
-            presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
-            seed=s.seed if s.HasField("seed") else None, stop=tuple(req.stop),
-            stop_token_ids=tuple(req.stop_token_ids), ignore_eos=req.ignore_eos, logprobs=req.logprobs,
-            n=req.n or 1,
-        )
-    except ValueError as e:
-        raise _reject(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+    check_stop_counts(len(req.stop), len(req.stop_token_ids))  # before the lists are copied
+    return SamplingParams(
+        max_tokens=req.max_tokens, temperature=s.temperature, top_k=s.top_k,
+        top_p=s.top_p if s.HasField("top_p") else 1.0, min_p=s.min_p,
+        repetition_penalty=s.repetition_penalty if s.HasField("repetition_penalty") else 1.0,
+        presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
+        seed=s.seed if s.HasField("seed") else None, stop=tuple(req.stop),
+        stop_token_ids=tuple(req.stop_token_ids), ignore_eos=req.ignore_eos, logprobs=req.logprobs,
+        n=req.n or 1, structured=_structured(req),
+    )
+
+
+def _structured(req) -> Constraint | None:
+    if not req.HasField("structured"):
+        return None
+    s = req.structured
+    kind = s.WhichOneof("constraint")
+    field = f"structured.{kind}"
+    if kind is None:
+        raise InvalidRequest("structured: set one of json_schema, json_object, regex, choice, grammar")
+    if kind == "json_schema":
+        return Constraint.json_schema(s.json_schema, field)
+    if kind == "json_object":
+        if not s.json_object:
+            raise InvalidRequest(f"{field}: must be true")
+        return Constraint.json_object(field)
+    if kind == "choice":
+        if len(s.choice.values) > MAX_CHOICES:  # before the list is copied
+            raise InvalidRequest(f"{field}: {len(s.choice.values)} choices; the limit is {MAX_CHOICES}")
+        return Constraint.choice(list(s.choice.values), field)
+    return Constraint(kind, getattr(s, kind), field)
 
 
 async def _prompt_ids(state: State, req) -> list[int]:
     """The request's prompt as token ids. Sizes are checked first (nothing is copied, scanned or
     tokenized past a limit), and tokenization runs off the event loop."""
     kind = req.WhichOneof("input")
-    try:
-        if kind == "text":
-            check_text("text", req.text)
-            return await asyncio.to_thread(state.tokenizer.encode, req.text)
-        if kind == "chat":
-            check_messages("chat.messages", [(m.role, m.content) for m in req.chat.messages])
-            messages = [{"role": m.role, "content": m.content} for m in req.chat.messages]
-            return await asyncio.to_thread(state.tokenizer.encode_chat, messages)
-        if kind == "tokens":
-            check_token_count(state, "tokens.token_ids", len(req.tokens.token_ids))
-            return list(req.tokens.token_ids)
-        raise ValueError("input: one of text, chat or tokens is required")
-    except ValueError as e:
-        raise _reject(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+    if kind == "text":
+        check_text("text", req.text)
+        return await asyncio.to_thread(state.tokenizer.encode, req.text)
+    if kind == "chat":
+        check_messages("chat.messages", [(m.role, m.content) for m in req.chat.messages])
+        messages = [{"role": m.role, "content": m.content} for m in req.chat.messages]
+        return await asyncio.to_thread(state.tokenizer.encode_chat, messages)
+    if kind == "tokens":
+        check_token_count(state, "tokens.token_ids", len(req.tokens.token_ids))
+        return list(req.tokens.token_ids)
+    raise InvalidRequest("input: one of text, chat or tokens is required")
 
 
 def _logprobs_pb(ev: TokenEvent):
@@ -100,12 +114,10 @@ class JaxcbService(jaxcb_pb2_grpc.JaxcbServicer):
 
     async def Generate(self, request, context):
         try:
-            try:
-                check_ids(request.request_id, request.cache_salt)
-            except ValueError as e:
-                raise _reject(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+            check_ids(request.request_id, request.cache_salt)
             params = _sampling(request)
             self.state.admit(params.n)  # before any tokenizing
+            await check_constraint(self.state, params.structured)
             ids = await _prompt_ids(self.state, request)
             tenant = tenant_of(self.state, context)
             # aclosing: a call that ends inside the loop (an error, a cancel) closes the stream at once,
@@ -113,8 +125,6 @@ class JaxcbService(jaxcb_pb2_grpc.JaxcbServicer):
             async with contextlib.aclosing(self.state.stream(ids, params, request.priority, request.request_id,
                                                              tenant, request.cache_salt)) as events:
                 async for rid, ev in events:
-                    if ev.finish_reason is FinishReason.ERROR:
-                        await context.abort(grpc.StatusCode.INTERNAL, f"the step running this request failed: {ev.error}")
                     if ev.token_ids or ev.text:
                         yield jaxcb_pb2.GenerateResponse(request_id=rid, index=ev.index, chunk=jaxcb_pb2.GenerateChunk(
                             token_ids=list(ev.token_ids), text=ev.text, logprobs=_logprobs_pb(ev)))
@@ -123,8 +133,8 @@ class JaxcbService(jaxcb_pb2_grpc.JaxcbServicer):
                                                 cached_prompt_tokens=ev.num_cached_tokens)
                         yield jaxcb_pb2.GenerateResponse(request_id=rid, index=ev.index, final=jaxcb_pb2.GenerateFinal(
                             finish_reason=ev.finish_reason.value, usage=usage))
-        except Rejected as e:
-            await context.abort(GRPC_CODE[e.kind], e.message)
+        except JaxcbError as e:
+            await context.abort(grpc_code(e), str(e))
 
     async def Abort(self, request, context):
         """Only the caller's own requests (same token, or same connection without auth) are found."""
@@ -175,37 +185,26 @@ class OrchestratorService(jetstream_pb2_grpc.OrchestratorServicer):
         try:
             kind = request.WhichOneof("content")
             if kind == "text_content":
-                try:
-                    check_text("text_content.text", request.text_content.text)
-                except ValueError as e:
-                    raise _reject(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+                check_text("text_content.text", request.text_content.text)
                 self.state.admit()
                 ids = await asyncio.to_thread(self.state.tokenizer.encode, request.text_content.text)
             elif kind == "token_content":
-                try:
-                    check_token_count(self.state, "token_content.token_ids", len(request.token_content.token_ids))
-                except ValueError as e:
-                    raise _reject(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+                check_token_count(self.state, "token_content.token_ids", len(request.token_content.token_ids))
                 ids = list(request.token_content.token_ids)
             else:
-                raise _reject(grpc.StatusCode.INVALID_ARGUMENT, "content: text_content or token_content is required")
+                raise InvalidRequest("content: text_content or token_content is required")
             if request.num_samples > 1:
-                raise _reject(grpc.StatusCode.INVALID_ARGUMENT, "num_samples: only 1 is supported")
-            try:
-                params = SamplingParams(max_tokens=request.max_tokens)
-            except ValueError as e:
-                raise _reject(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+                raise InvalidRequest("num_samples: only 1 is supported")
+            params = SamplingParams(max_tokens=request.max_tokens)
             async with contextlib.aclosing(self.state.stream(ids, params, request.priority, "",
                                                              tenant_of(self.state, context))) as events:
                 async for _, ev in events:
-                    if ev.finish_reason is FinishReason.ERROR:
-                        await context.abort(grpc.StatusCode.INTERNAL, f"the step running this request failed: {ev.error}")
                     if ev.token_ids or ev.text:
                         sample = jetstream_pb2.DecodeResponse.StreamContent.Sample(text=ev.text, token_ids=list(ev.token_ids))
                         yield jetstream_pb2.DecodeResponse(
                             stream_content=jetstream_pb2.DecodeResponse.StreamContent(samples=[sample]))
-        except Rejected as e:
-            await context.abort(GRPC_CODE[e.kind], e.message)
+        except JaxcbError as e:
+            await context.abort(grpc_code(e), str(e))
 
     async def HealthCheck(self, request, context):
         s = self.state

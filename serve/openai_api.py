@@ -30,10 +30,11 @@ import uuid
 from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 
+from jaxcb.host.errors import InvalidRequest, JaxcbError, Unauthenticated
 from jaxcb.host.request import FinishReason
-from serve import frontend
+from serve import frontend, tool_calls
 from serve.openai_fields import (CHAT_FIELDS, COMPLETION_FIELDS, ERROR_TYPE, MAX_TOP_LOGPROBS, HTTPError,
-                                 RequestOptions, bad_request, bool_field, check_fields, common_fields, from_rejected,
+                                 RequestOptions, bad_request, bool_field, check_fields, common_fields, http_error,
                                  int_field, parse_json, prompt_list, sampling_params, str_field)
 
 
@@ -66,7 +67,7 @@ def make_app(state) -> FastAPI:
         """The caller's tenant (raises 401 when the server has tokens and this is none of them)."""
         given = request.headers.get("authorization", "")
         if state.options.tokens and frontend.token_index(state.options.tokens, given) is None:
-            raise HTTPError(401, "missing or wrong bearer token in the Authorization header")
+            raise Unauthenticated("missing or wrong bearer token in the Authorization header")
         client = request.client
         return frontend.tenant(state, given, f"http:{client.host}:{client.port}" if client else "http")
 
@@ -95,6 +96,10 @@ def make_app(state) -> FastAPI:
     @app.exception_handler(HTTPError)
     async def _http_error(request, exc: HTTPError):
         return exc.response()
+
+    @app.exception_handler(JaxcbError)  # a refusal from the front end or the engine, before any answer
+    async def _jaxcb_error(request, exc: JaxcbError):
+        return http_error(exc).response()
 
     app.add_middleware(_ConcurrencyLimit, limit=state.options.max_concurrent_streams)
 
@@ -131,7 +136,8 @@ def make_app(state) -> FastAPI:
         logprobs = int_field(body, "logprobs", 0) or 0
         params = sampling_params(body, max_tokens=int_field(body, "max_tokens", 16), logprobs=logprobs)
         given = prompt_list(body.get("prompt"))
-        state_check(len(given) * params.n)
+        state.admit(len(given) * params.n)
+        await frontend.check_constraint(state, params.structured)
         prompts = await _completion_prompts(given)
         return await _run(request, options, tenant, prompts, params, chat=False)
 
@@ -140,15 +146,13 @@ def make_app(state) -> FastAPI:
         tenant = authorize(request)
         body = await body_of(request)
         check_fields(body, CHAT_FIELDS)
-        for name in ("tools", "response_format"):
-            if body.get(name):
-                raise bad_request(f"{name}: not supported")
         options = common_fields(body)
+        tools = tool_calls.parse_tools(body)
         messages = body.get("messages")
-        if not isinstance(messages, list) or not all(
-                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                for m in messages):
-            raise bad_request("messages: must be a list of {role, content} objects with string content")
+        if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+            raise bad_request("messages: must be a list of {role, content} objects")
+        frontend.check_messages("messages", [(str(m.get("role")), m.get("content") or "") for m in messages])
+        messages = tool_calls.render_messages(messages, tools)
         top = int_field(body, "top_logprobs", 0) or 0
         if not 0 <= top <= MAX_TOP_LOGPROBS:
             raise bad_request(f"top_logprobs: must be between 0 and {MAX_TOP_LOGPROBS}, got {top}")
@@ -156,55 +160,45 @@ def make_app(state) -> FastAPI:
         if top and not want:
             raise bad_request("top_logprobs: needs logprobs: true")
         limit = int_field(body, "max_completion_tokens", int_field(body, "max_tokens"))
-        try:
-            frontend.check_messages("messages", [(m["role"], m["content"]) for m in messages])
-        except ValueError as e:
-            raise bad_request(str(e)) from None
+        frontend.check_messages("messages", [(m["role"], m["content"]) for m in messages])
         # Validated with a placeholder length first (every field before any tokenizing); the real
         # default max_tokens needs the prompt's length.
         params = sampling_params(body, max_tokens=1 if limit is None else limit, logprobs=max(top, 1) if want else 0)
-        state_check(params.n)
-        try:
-            ids = await asyncio.to_thread(state.tokenizer.encode_chat,
-                                          [{"role": m["role"], "content": m["content"]} for m in messages])
-        except ValueError as e:
-            raise bad_request(str(e)) from None
+        forced = tool_calls.constraint(tools) if tools is not None else None
+        if forced is not None:  # "required" or a named function: the output is tool-call blocks
+            if params.structured is not None:
+                raise bad_request("tool_choice: a required tool call cannot be combined with response_format "
+                                  "or structured_outputs")
+            params = dataclasses.replace(params, structured=forced)
+        state.admit(params.n)
+        await frontend.check_constraint(state, params.structured)
+        ids = await asyncio.to_thread(state.tokenizer.encode_chat,
+                                      [{"role": m["role"], "content": m["content"]} for m in messages])
         if limit is None:  # the default needs the prompt's length (validated again by replace)
             params = dataclasses.replace(params, max_tokens=max(1, state.engine.max_context - len(ids)))
-        return await _run(request, options, tenant, [ids], params, chat=True, top_logprobs=top)
-
-    def state_check(samples: int):
-        try:
-            state.admit(samples)
-        except frontend.Rejected as e:
-            raise from_rejected(e) from None
+        return await _run(request, options, tenant, [ids], params, chat=True, top_logprobs=top,
+                          tools=tools if tools is not None and tools.active else None)
 
     async def _completion_prompts(prompts: list) -> list[list[int]]:
         """The prompts (prompt_list's) as token ids; every size (total characters, token counts) is
         checked before any is tokenized."""
-        try:
-            total = sum(len(p) for p in prompts if isinstance(p, str))
-            if total > frontend.MAX_TEXT_CHARS:
-                raise ValueError(f"prompt: {total} characters in all; the limit is {frontend.MAX_TEXT_CHARS}")
-            for p in prompts:
-                if isinstance(p, str):
-                    frontend.check_text("prompt", p)
-                else:
-                    frontend.check_token_count(state, "prompt", len(p))
-            out = []
-            for p in prompts:
-                out.append(await asyncio.to_thread(state.tokenizer.encode, p) if isinstance(p, str) else list(p))
-            return out
-        except ValueError as e:
-            raise bad_request(str(e)) from None
+        total = sum(len(p) for p in prompts if isinstance(p, str))
+        if total > frontend.MAX_TEXT_CHARS:
+            raise InvalidRequest(f"prompt: {total} characters in all; the limit is {frontend.MAX_TEXT_CHARS}")
+        for p in prompts:
+            if isinstance(p, str):
+                frontend.check_text("prompt", p)
+            else:
+                frontend.check_token_count(state, "prompt", len(p))
+        out = []
+        for p in prompts:
+            out.append(await asyncio.to_thread(state.tokenizer.encode, p) if isinstance(p, str) else list(p))
+        return out
 
     async def _run(request: Request, options: "RequestOptions", tenant: str, prompts, params, *, chat: bool,
-                   top_logprobs=0):
-        try:
-            for p in prompts:  # every prompt checked before any is submitted
-                state.engine.validate(p, params)
-        except ValueError as e:
-            raise bad_request(str(e)) from None
+                   top_logprobs=0, tools=None):
+        for p in prompts:  # every prompt checked before any is submitted
+            state.engine.validate(p, params)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         created = int(time.time())
         events: asyncio.Queue = asyncio.Queue()
@@ -218,8 +212,8 @@ def make_app(state) -> FastAPI:
                                                             options.cache_salt)) as stream:
                     async for _, ev in stream:
                         await events.put((i, ev))
-            except frontend.Rejected as e:
-                await events.put((i, from_rejected(e)))
+            except JaxcbError as e:
+                await events.put((i, http_error(e)))
 
         # The requests start only where something is there to stop them: inside the stream's generator
         # (a client gone before the first byte never starts one) or the try below.
@@ -251,13 +245,13 @@ def make_app(state) -> FastAPI:
             i, ev = await events.get()
             if isinstance(ev, HTTPError):
                 raise ev
-            if ev.finish_reason is FinishReason.ERROR:
-                raise HTTPError(500, f"the step running this request failed: {ev.error}")
             return i, ev
 
         if options.stream:
             include_usage = options.include_usage
             obj = "chat.completion.chunk" if chat else "text_completion"
+
+            streams: dict[int, tool_calls.CallStream] = {}  # per choice, with tools
 
             async def sse():
                 nonlocal left
@@ -277,10 +271,19 @@ def make_app(state) -> FastAPI:
                             break
                         left -= ev.finished
                         index, text, logprobs, finish = shape(i, ev)
-                        if not (text or finish or logprobs):
+                        delta = {"content": text} if text else {}
+                        if tools is not None:  # text in, content and tool-call deltas out
+                            calls = streams.setdefault(index, tool_calls.CallStream(tools))
+                            content, pieces = calls.feed(text, final=bool(finish))
+                            delta = {"content": content} if content else {}
+                            if pieces:
+                                delta["tool_calls"] = pieces
+                            if finish == "stop" and calls.calls:
+                                finish = "tool_calls"
+                        if not (delta or finish or logprobs):
                             continue
                         choice = {"index": index, "logprobs": logprobs, "finish_reason": finish}
-                        choice.update({"delta": {"content": text} if text else {}} if chat else {"text": text})
+                        choice.update({"delta": delta} if chat else {"text": text})
                         yield _sse({"id": rid, "object": obj, "created": created, "model": state.model_name,
                                     "choices": [choice]})
                     if include_usage and not left:
@@ -329,6 +332,12 @@ def make_app(state) -> FastAPI:
         if chat:
             choices = [{"index": k, "message": {"role": "assistant", "content": texts[k]}, "logprobs": logs[k],
                         "finish_reason": finishes[k]} for k in range(len(texts))]
+            for choice in choices if tools is not None else ():  # the calls the answers make
+                content, calls = tool_calls.parse(choice["message"]["content"], tools)
+                if calls:
+                    choice["message"] = {"role": "assistant", "content": content or None, "tool_calls": calls}
+                    if choice["finish_reason"] == "stop":
+                        choice["finish_reason"] = "tool_calls"
             return {"id": rid, "object": "chat.completion", "created": created, "model": state.model_name,
                     "choices": choices, "usage": usage_json()}
         choices = [{"index": k, "text": texts[k], "logprobs": logs[k], "finish_reason": finishes[k]}

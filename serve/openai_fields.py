@@ -11,16 +11,19 @@ import re
 
 from fastapi.responses import JSONResponse
 
-from jaxcb.host.request import SamplingParams
+from jaxcb.host.errors import InvalidRequest, JaxcbError, Overloaded, StepFailed, Unauthenticated, Unavailable
+from jaxcb.host.request import SamplingParams, check_priority, check_stop_counts
+from jaxcb.host.structured import Constraint, from_response_format, from_structured_outputs
 from serve import frontend
 
-STATUS = {"invalid": 400, "exhausted": 429, "unavailable": 503, "unauthenticated": 401, "internal": 500}
+HTTP_STATUS = {InvalidRequest: 400, Overloaded: 429, Unavailable: 503, Unauthenticated: 401, StepFailed: 500}
 ERROR_TYPE = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error", 413: "invalid_request_error",
          429: "rate_limit_error", 500: "internal_error", 503: "service_unavailable"}
-EXTRAS = {"top_k", "min_p", "repetition_penalty", "ignore_eos", "priority", "cache_salt", "request_id"}
+EXTRAS = {"top_k", "min_p", "repetition_penalty", "ignore_eos", "priority", "cache_salt", "request_id",
+          "structured_outputs"}
 COMMON_FIELDS = {"model", "stream", "stream_options", "n", "max_tokens", "temperature", "top_p", "presence_penalty",
            "frequency_penalty", "seed", "stop", "user", "logit_bias"}
-COMPLETION_FIELDS = COMMON_FIELDS | EXTRAS | {"prompt", "logprobs", "echo", "suffix", "best_of"}
+COMPLETION_FIELDS = COMMON_FIELDS | EXTRAS | {"prompt", "logprobs", "echo", "suffix", "best_of", "response_format"}
 CHAT_FIELDS = COMMON_FIELDS | EXTRAS | {"messages", "logprobs", "top_logprobs", "max_completion_tokens",
                                     "response_format", "tools", "tool_choice", "parallel_tool_calls"}
 
@@ -37,13 +40,15 @@ class HTTPError(Exception):
 
 
 def bad_request(message: str) -> HTTPError:
-    """A ValueError's message ("field: what is wrong") as a 400 naming that field."""
-    field = message.split(":", 1)[0] if ":" in message else None
-    return HTTPError(400, message, param=field if field and " " not in field else None)
+    """A message ("field: what is wrong") as a 400 naming that field."""
+    return http_error(InvalidRequest(message))
 
 
-def from_rejected(e: frontend.Rejected) -> HTTPError:
-    return HTTPError(STATUS.get(e.kind, 500), e.message)
+def http_error(e: JaxcbError) -> HTTPError:
+    """One of jaxcb's errors as its HTTP status (its nearest kind in HTTP_STATUS; 500 if none), naming
+    the field it names."""
+    status = next((HTTP_STATUS[kind] for kind in type(e).__mro__ if kind in HTTP_STATUS), 500)
+    return HTTPError(status, str(e), param=e.field if status == 400 else None)
 
 
 def _typed(body: dict, name: str, default, ok, what: str):
@@ -77,21 +82,35 @@ def sampling_params(body: dict, *, max_tokens: int, logprobs: int) -> SamplingPa
     stop = body.get("stop")
     if stop is not None and not isinstance(stop, (str, list)):
         raise bad_request("stop: must be a string or a list of strings")
-    if isinstance(stop, list) and len(stop) > frontend.MAX_STOP_STRINGS:
-        raise bad_request(f"stop: at most {frontend.MAX_STOP_STRINGS} stop strings, got {len(stop)}")
+    if isinstance(stop, list):
+        try:
+            check_stop_counts(len(stop), 0)
+        except InvalidRequest as e:
+            raise http_error(e) from None
     if isinstance(stop, list) and not all(isinstance(x, str) for x in stop):
         raise bad_request("stop: must be a string or a list of strings")
     ignore_eos = bool_field(body, "ignore_eos", False)
     try:
+        structured = constraint_of(body)
         return SamplingParams(
             max_tokens=max_tokens, temperature=number_field(body, "temperature", 1.0), top_p=number_field(body, "top_p", 1.0),
             top_k=int_field(body, "top_k", 0), min_p=number_field(body, "min_p", 0.0),
             repetition_penalty=number_field(body, "repetition_penalty", 1.0),
             presence_penalty=number_field(body, "presence_penalty", 0.0),
             frequency_penalty=number_field(body, "frequency_penalty", 0.0), seed=int_field(body, "seed"),
-            stop=stop or (), ignore_eos=ignore_eos, logprobs=logprobs, n=int_field(body, "n", 1))
-    except ValueError as e:
-        raise bad_request(str(e)) from None
+            stop=stop or (), ignore_eos=ignore_eos, logprobs=logprobs, n=int_field(body, "n", 1),
+            structured=structured)
+    except InvalidRequest as e:
+        raise http_error(e) from None
+
+
+def constraint_of(body: dict) -> Constraint | None:
+    """The request's structured output: OpenAI's response_format or vLLM's structured_outputs (one)."""
+    from_format = from_response_format(body.get("response_format"))
+    from_vllm = from_structured_outputs(body.get("structured_outputs"))
+    if from_format is not None and from_vllm is not None:
+        raise InvalidRequest("structured_outputs: give either response_format or structured_outputs, not both")
+    return from_format or from_vllm
 
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit on top_logprobs
@@ -142,10 +161,10 @@ def common_fields(body: dict) -> RequestOptions:
     if bias:  # refused rather than ignored: a token the caller banned must not come out
         raise bad_request("logit_bias: not supported")
     try:
-        frontend.check_priority(priority)
+        check_priority(priority)
         frontend.check_ids(request_id, salt)
-    except ValueError as e:
-        raise bad_request(str(e)) from None
+    except InvalidRequest as e:
+        raise http_error(e) from None
     return RequestOptions(stream, include_usage, priority, salt, request_id)
 
 

@@ -306,3 +306,149 @@ def test_sigterm_ends_the_server_with_a_reader_that_stopped_reading(tiny_gguf_pa
         assert took < 1 + 10, took
     finally:
         s.stop()
+
+
+# ---- structured output and tool calls (jaxcb.host.structured, serve/tool_calls.py) ----
+
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 99}},
+          "required": ["name", "age"], "additionalProperties": False}
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+                                            "parameters": {"type": "object", "properties": {
+                                                "city": {"type": "string", "maxLength": 10},
+                                                "unit": {"enum": ["c", "f"]}},
+                                                "required": ["city", "unit"], "additionalProperties": False}}}
+CLOCK = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"type": "integer", "minimum": -12, "maximum": 12}},
+    "required": ["zone"], "additionalProperties": False}}}
+
+
+def test_response_format_and_structured_outputs_hold_on_both_endpoints(server, oai, model_name):
+    import re
+
+    import jsonschema
+
+    for seed in range(3):
+        r = oai.chat.completions.create(
+            model=model_name, messages=[{"role": "user", "content": "a person"}], max_tokens=100, temperature=1.0,
+            seed=seed, response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON}})
+        assert r.choices[0].finish_reason == "stop"
+        jsonschema.validate(json.loads(r.choices[0].message.content), PERSON)
+    r = oai.chat.completions.create(model=model_name, messages=[{"role": "user", "content": "json"}], max_tokens=100,
+                                    response_format={"type": "json_object"})
+    text = r.choices[0].message.content  # any object: random weights may write one key until the limit
+    assert text.startswith("{") and (r.choices[0].finish_reason == "length" or isinstance(json.loads(text), dict))
+    r = oai.completions.create(model=model_name, prompt="date:", max_tokens=40, temperature=1.0, n=2,
+                               extra_body={"structured_outputs": {"regex": r"\d{4}-\d{2}"}})
+    assert all(re.fullmatch(r"[0-9]{4}-[0-9]{2}", c.text) for c in r.choices), r.choices
+    stream = oai.completions.create(model=model_name, prompt="pick:", max_tokens=40, stream=True,
+                                    extra_body={"structured_outputs": {"choice": ["yes", "no", "später"]}})
+    assert "".join(c.choices[0].text for c in stream) in ("yes", "no", "später")
+    r = oai.chat.completions.create(model=model_name, messages=[{"role": "user", "content": "sum"}], max_tokens=60,
+                                    extra_body={"structured_outputs": {"grammar": 'start: NUM "+" NUM\nNUM: /[0-9]{1,3}/'}})
+    assert re.fullmatch(r"[0-9]{1,3}\+[0-9]{1,3}", r.choices[0].message.content)
+
+
+@pytest.mark.parametrize("body, param, message", [
+    ({"structured_outputs": {"regex": "[a-"}}, "structured_outputs.regex", "not a valid regex"),
+    ({"structured_outputs": {"grammar": "start: x"}}, "structured_outputs.grammar", "not a valid grammar"),
+    ({"response_format": {"type": "xml"}}, "response_format.type", "is not one of text, json_object, json_schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objec"}}}},
+     "response_format.json_schema.schema", "not a valid json"),
+    ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs", "give exactly one of"),
+    ({"tools": [{"type": "function", "function": {"name": "bad name"}}]}, "tools[0].function.name", "must be 1-64"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+     "tool_choice.function.name", "is not one of the tools"),
+])
+def test_a_bad_constraint_or_tool_is_a_400_naming_the_field(server, model_name, body, param, message):
+    r = httpx.post(server.http + "/v1/chat/completions", timeout=30, json={
+        "model": model_name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **body})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and message in error["message"], error
+
+
+@pytest.fixture(scope="module")
+def long_server(tmp_path_factory):
+    """A server with room for the tools' system text (the tiny model's tokenizer spends about a token a
+    byte): the tiny model with a 2,048-token context."""
+    from tests.tiny_gguf import tiny_model_config, write_tiny_gguf
+
+    path = tmp_path_factory.mktemp("long") / "long.toml"
+    model = str(path.parent / "tiny-long.gguf")
+    write_tiny_gguf(model, tiny_model_config(max_context=2048))
+    path.write_text("[cache]\npage_size = 16\nnum_pages = 256\n[scheduler]\nmax_context = 2048\n"
+                    "max_prefill_tokens = 256\n[buckets]\ndecode_batch = [1, 4]\nprefill_tokens = [256]\n")
+    http = free_port()
+    s = ServerProcess(model, str(path), "--http-port", str(http))
+    s.http = f"http://127.0.0.1:{http}"
+    try:
+        s.wait_serving()
+        yield s
+    finally:
+        assert s.stop() == 0, s.output()
+
+
+def test_required_tool_calls_parse_and_validate_streamed_and_not(long_server):
+    import jsonschema
+
+    oai = openai.OpenAI(base_url=long_server.http + "/v1", api_key="unused", max_retries=0)
+    model_name = oai.models.list().data[0].id
+
+    messages = [{"role": "user", "content": "weather in Paris and the time?"}]
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, CLOCK)}
+    for seed in range(3):
+        r = oai.chat.completions.create(model=model_name, messages=messages, tools=[WEATHER, CLOCK],
+                                        tool_choice="required", max_tokens=200, temperature=1.0, seed=seed,
+                                        parallel_tool_calls=False)
+        choice = r.choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.tool_calls, choice
+        for call in choice.message.tool_calls:
+            assert call.type == "function" and call.id.startswith("call_")
+            jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+        # The same request streamed: the deltas add up to calls that validate.
+        stream = oai.chat.completions.create(model=model_name, messages=messages, tools=[WEATHER, CLOCK],
+                                             tool_choice="required", max_tokens=200, temperature=1.0, seed=seed,
+                                             parallel_tool_calls=False, stream=True)
+        calls, finish = {}, None
+        for chunk in stream:
+            for delta in chunk.choices[0].delta.tool_calls or ():
+                call = calls.setdefault(delta.index, {"name": None, "arguments": ""})
+                if delta.function.name:
+                    call["name"] = delta.function.name
+                call["arguments"] += delta.function.arguments or ""
+            finish = chunk.choices[0].finish_reason or finish
+        assert finish == "tool_calls" and calls
+        assert [(c["name"], json.loads(c["arguments"])) for c in calls.values()] == [
+            (c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls]
+    # Parallel calls (the default): every block the answer holds is a valid call (random weights may go
+    # on calling until max_tokens; a model that is done may end after any whole call).
+    r = oai.chat.completions.create(model=model_name, messages=messages, tools=[WEATHER, CLOCK],
+                                    tool_choice="required", max_tokens=120, temperature=1.0, seed=7)
+    assert r.choices[0].message.tool_calls
+    for call in r.choices[0].message.tool_calls:
+        jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+    # A named function: exactly that one.
+    r = oai.chat.completions.create(model=model_name, messages=messages, tools=[WEATHER, CLOCK], max_tokens=200,
+                                    tool_choice={"type": "function", "function": {"name": "get_time"}})
+    assert [c.function.name for c in r.choices[0].message.tool_calls] == ["get_time"]
+    # A conversation that carries the call and its result is accepted back.
+    call = r.choices[0].message.tool_calls[0]
+    follow = oai.chat.completions.create(model=model_name, max_tokens=5, tools=[WEATHER, CLOCK], messages=messages + [
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": "12:00"}])
+    assert follow.choices[0].finish_reason in ("stop", "length", "tool_calls")
+
+
+def test_grpc_takes_the_same_constraints(server):
+    import re
+
+    with Client(server.target) as c:
+        out = c.complete("date:", max_tokens=30, structured={"regex": r"\d{2}/\d{2}"})
+        assert re.fullmatch(r"[0-9]{2}/[0-9]{2}", out.text), out.text
+        out = c.complete("pick:", max_tokens=30, structured={"choice": ["alpha", "beta"]})
+        assert out.text in ("alpha", "beta")
+        with pytest.raises(grpc.RpcError) as e:
+            c.complete("x", max_tokens=4, structured={"regex": "(a"})
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "structured.regex: not a valid regex" in e.value.details()

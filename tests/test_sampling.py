@@ -11,10 +11,10 @@ from jaxcb.host.request import SamplingParams
 sample_jit = jax.jit(sample)
 
 
-def inputs(params_list, seeds=None, prompts=None, outputs=None, window=16):
+def inputs(params_list, seeds=None, prompts=None, outputs=None, window=16, vocab=1024):
     rows = [SamplingRow(p, (seeds or [0] * len(params_list))[i], (prompts or [[]] * len(params_list))[i],
                         (outputs or [[]] * len(params_list))[i]) for i, p in enumerate(params_list)]
-    return pack_sampling(rows, StepShape(tokens=len(rows), seqs=len(rows), pages_per_seq=1, history=window))
+    return pack_sampling(rows, StepShape(tokens=len(rows), seqs=len(rows), pages_per_seq=1, history=window), vocab)
 
 
 def test_greedy_and_logprobs():
@@ -75,3 +75,24 @@ def test_penalties():
     assert int(out.token_ids[0]) == 1
     out = sample_jit(logits, inputs([SamplingParams(frequency_penalty=0.06)], outputs=[[0, 0]]))
     assert int(out.token_ids[0]) == 1  # 2.0 - 2 * 0.06 = 1.88 < 1.9
+
+
+def test_the_allowed_mask_limits_greedy_and_random_rows_and_leaves_free_rows_alone():
+    rng = np.random.default_rng(1)
+    v = 70  # not a multiple of 32: the last word is partly past the vocabulary
+    logits = jnp.asarray(rng.standard_normal((3, v)).astype(np.float32))
+    params = [SamplingParams(), SamplingParams(temperature=1.0, seed=3), SamplingParams()]
+    s = inputs(params, vocab=v)
+    assert s.allowed.shape == (3, 3) and (s.allowed == -1).all()
+    allowed_ids = [[5, 40, 69], [1, 2, 66]]
+    for row, ids in enumerate(allowed_ids):
+        s.allowed[row] = 0
+        for t in ids:
+            s.allowed[row, t // 32] |= np.int32(1 << (t % 32)) if t % 32 < 31 else np.int32(-2**31)
+    raw = np.asarray(logits)
+    for seed in range(20):
+        s.seed[1, 1] = seed
+        out = np.asarray(sample_jit(logits, s).token_ids)
+        assert out[0] == max(allowed_ids[0], key=lambda t: raw[0, t])  # greedy: the best allowed token
+        assert out[1] in allowed_ids[1]
+        assert out[2] == raw[2].argmax()  # a free row in the same batch: untouched

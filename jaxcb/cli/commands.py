@@ -18,11 +18,13 @@ from jaxcb.cli.args import add_model_args as _add_model_args
 from jaxcb.cli.args import dtype as _dtype
 from jaxcb.cli.args import engine_config as _engine_config
 from jaxcb.device import cpu_dots
+from jaxcb.host.errors import InvalidConfig, InvalidRequest, JaxcbError
 
 GENERATION_FIELDS = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty",
                      "presence_penalty", "frequency_penalty", "seed", "stop", "stop_token_ids",
                      "ignore_eos", "logprobs", "n")
-LINE_FIELDS = {"prompt", "prompt_token_ids", "messages", "chat", "priority", "id", *GENERATION_FIELDS}
+LINE_FIELDS = {"prompt", "prompt_token_ids", "messages", "chat", "priority", "id", "response_format",
+               "structured_outputs", *GENERATION_FIELDS}
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
@@ -111,39 +113,45 @@ def _params_from_args(args, overrides: dict | None = None):
 
 
 def _parse_line(llm, args, lineno: int, line: str):
-    """One input line -> (prompt ids, SamplingParams, priority, id); ValueError names line and field."""
+    """One input line -> (prompt ids, SamplingParams, priority, id); InvalidRequest names line and field."""
+    from jaxcb.host import structured
     try:
         obj = json.loads(line)
     except json.JSONDecodeError as e:
-        raise ValueError(f"line {lineno}: not valid JSON ({e.msg})") from None
+        raise InvalidRequest(f"line {lineno}: not valid JSON ({e.msg})") from None
     if not isinstance(obj, dict):
-        raise ValueError(f"line {lineno}: must be a JSON object")
+        raise InvalidRequest(f"line {lineno}: must be a JSON object")
     unknown = set(obj) - LINE_FIELDS
     if unknown:
-        raise ValueError(f"line {lineno}: unknown field(s) {', '.join(sorted(unknown))}")
+        raise InvalidRequest(f"line {lineno}: unknown field(s) {', '.join(sorted(unknown))}")
     try:
         chat = obj.get("chat", not args.raw)
         if "prompt_token_ids" in obj:
             ids = obj["prompt_token_ids"]
             if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-                raise ValueError("prompt_token_ids: must be a list of integers")
+                raise InvalidRequest("prompt_token_ids: must be a list of integers")
         elif "messages" in obj:
             if llm.tokenizer is None:
-                raise ValueError("messages: this model has no tokenizer")
+                raise InvalidRequest("messages: this model has no tokenizer")
             ids = llm.tokenizer.encode_chat(obj["messages"])
         elif "prompt" in obj:
             if not isinstance(obj["prompt"], str):
-                raise ValueError("prompt: must be a string")
+                raise InvalidRequest("prompt: must be a string")
             ids = llm.encode(obj["prompt"], chat=bool(chat))
         else:
-            raise ValueError("one of prompt, prompt_token_ids or messages is required")
-        params = _params_from_args(args, {k: obj[k] for k in GENERATION_FIELDS if k in obj})
+            raise InvalidRequest("one of prompt, prompt_token_ids or messages is required")
+        overrides = {k: obj[k] for k in GENERATION_FIELDS if k in obj}
+        if "response_format" in obj and "structured_outputs" in obj:
+            raise InvalidRequest("structured_outputs: give either response_format or structured_outputs, not both")
+        overrides["structured"] = (structured.from_response_format(obj.get("response_format"))
+                                   or structured.from_structured_outputs(obj.get("structured_outputs")))
+        params = _params_from_args(args, overrides)
         llm.engine.validate(ids, params)
         priority = obj.get("priority", 0)
         if not isinstance(priority, int):
-            raise ValueError("priority: must be an integer")
+            raise InvalidRequest("priority: must be an integer")
     except (ValueError, TypeError) as e:
-        raise ValueError(f"line {lineno}: {e}") from None
+        raise InvalidRequest(f"line {lineno}: {e}") from None
     return ids, params, priority, obj.get("id")
 
 
@@ -195,7 +203,7 @@ def cmd_generate(args) -> int:
             continue
         try:
             ids, params, priority, rid = _parse_line(llm, args, lineno, line)
-        except ValueError as e:
+        except InvalidRequest as e:
             print(f"jaxcb generate: {args.input}: {e}", file=sys.stderr)
             slots.append({"line": lineno, "error": str(e)})
             failed += 1
@@ -245,14 +253,12 @@ def cmd_serve(args) -> int:
     import asyncio
     import logging
 
-    import jax
-
     from jaxcb.llm import build_engines
     from serve.server import ServerOptions, run_server
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if bool(args.tls_cert) != bool(args.tls_key):
-        raise ValueError("--tls-cert and --tls-key go together")
+        raise InvalidConfig("--tls-cert and --tls-key go together")
     from jaxcb.device import compile_cache
 
     config = _engine_config(args)
@@ -273,7 +279,7 @@ def cmd_serve(args) -> int:
         multihost.check_same_engine(engine.runner.runner, engine.config)  # the leader's ModelRunner
     model_config, tokenizer, runner, config = engine.model_config, engine.tokenizer, engine.runner, engine.config
     if tokenizer is None:
-        raise ValueError("model: the file has no tokenizer; the server needs one")
+        raise InvalidConfig("model: the file has no tokenizer; the server needs one")
     if args.record_lengths:
         for e in engines:
             e.record_lengths(args.record_lengths)
@@ -314,12 +320,12 @@ def _join_cluster(args, config):
     multihost.initialize(args.coordinator, args.num_processes, args.process_id)
     n = jax.device_count()
     if config.data_parallel > 1:
-        raise ValueError("parallel.data: data-parallel replicas are not combined with multi-host serving; "
+        raise InvalidConfig("parallel.data: data-parallel replicas are not combined with multi-host serving; "
                          "run one server per replica")
     if config.tensor_parallel == 1:
         config = config.replace(tensor_parallel=n)
     elif config.tensor_parallel != n:
-        raise ValueError(f"parallel.tensor: multi-host serving splits the model over all {n} devices of the "
+        raise InvalidConfig(f"parallel.tensor: multi-host serving splits the model over all {n} devices of the "
                          f"cluster, got {config.tensor_parallel}")
     print(f"jaxcb: process {jax.process_index()} of {jax.process_count()}; tensor parallel {n} over "
           f"{jax.local_device_count()} local devices each", flush=True)
@@ -334,9 +340,8 @@ def _channel(runner, config):
     from jaxcb.device import multihost
 
     c = runner.model_config
-    max_context = min(config.scheduler.max_context, c.max_context)
-    return multihost.Channel(config.buckets.shapes(config.page_size, max_context), config.page_size,
-                             c.sliding_window if c.windowed else 0)
+    return multihost.Channel(config.buckets.shapes(config.page_size, config.max_context_for(c)), config.page_size,
+                             c.vocab_size, c.sliding_window if c.windowed else 0)
 
 
 def _follow(args, config) -> int:
@@ -417,7 +422,7 @@ def main(argv=None) -> int:
             return cmd_serve(args)
         if args.command == "client":
             return cmd_client(args)
-    except ValueError as e:
+    except (JaxcbError, ValueError) as e:  # jaxcb's own kinds, and a bad value from argparse's callers
         print(f"jaxcb {args.command}: {e}", file=sys.stderr)
         return 2
     return 0

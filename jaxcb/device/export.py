@@ -62,7 +62,7 @@ def export_step(config: ModelConfig, shape: StepShape, platform: str, *, page_si
         lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype, sharding=sharded(P())), tree)
     args = (params, tuple(kv) if config.windowed else kv[0],
             jax.ShapeDtypeStruct((max_seqs,), jnp.int32, sharding=sharded(P())),
-            host(pack([], shape, page_size, window)), host(pack_sampling([], shape)))
+            host(pack([], shape, page_size, window)), host(pack_sampling([], shape, config.vocab_size)))
     attention = Attention(PALLAS_KERNEL[platform], mesh=mesh)
     fn = jax.jit(step, static_argnames=("config", "attention"), donate_argnums=(1,))
     checks = [export.DisabledSafetyCheck.custom_call(name) for name in KERNEL_CALLS[platform]]

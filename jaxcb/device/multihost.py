@@ -29,6 +29,7 @@ import numpy as np
 
 from jaxcb.device import cpu_dots
 from jaxcb.host.batch import StepShape, pack, pack_sampling
+from jaxcb.host.errors import InvalidConfig
 
 log = logging.getLogger("jaxcb.device.multihost")
 
@@ -107,7 +108,7 @@ def check_same_engine(runner, config, size: int = 8192) -> None:
 
     mine = json.dumps(fingerprint(runner, config), sort_keys=True).encode()
     if len(mine) > size:
-        raise ValueError(f"multi-host: the engine fingerprint is over {size} bytes")
+        raise InvalidConfig(f"multi-host: the engine fingerprint is over {size} bytes")
     buf = np.zeros(size, np.uint8)
     buf[:len(mine)] = np.frombuffer(mine, np.uint8)
     everyone = [json.loads(bytes(row).rstrip(b"\0")) for row in _allgather(buf)]
@@ -116,21 +117,21 @@ def check_same_engine(runner, config, size: int = 8192) -> None:
              for i, theirs in enumerate(everyone[1:], 1) for key in sorted(set(leader) | set(theirs))
              if theirs.get(key) != leader.get(key)]
     if diffs:
-        raise ValueError("multi-host: the processes would not run one engine; start every process with the "
+        raise InvalidConfig("multi-host: the processes would not run one engine; start every process with the "
                          "same model, config and flags: " + "; ".join(diffs))
 
 
 class Channel:
     """The per-step broadcast from the leader; one instance per process, the same bucket list."""
 
-    def __init__(self, shapes: list[StepShape], page_size: int, window: int = 0):
+    def __init__(self, shapes: list[StepShape], page_size: int, vocab_size: int, window: int = 0):
         import jaxcb.device.runner  # noqa: F401 - registers the step input types as pytrees
 
         self.shapes = list(shapes)
         self.page_size = page_size
         self._index = {s: i for i, s in enumerate(self.shapes)}
         # The step inputs as the engine packs them (a model with sliding layers adds its window pages).
-        self._templates = [jax.tree.flatten((pack([], s, page_size, window), pack_sampling([], s)))
+        self._templates = [jax.tree.flatten((pack([], s, page_size, window), pack_sampling([], s, vocab_size)))
                            for s in self.shapes]
         self.steps = 0
         self.bytes_sent = 0

@@ -21,6 +21,7 @@ import numpy as np
 
 from jaxcb.device.sampling import SampleOutput, sample
 from jaxcb.host.batch import SamplingInput, StepInput, StepShape, pack, pack_sampling
+from jaxcb.host.errors import InvalidConfig
 from jaxcb.model.config import ModelConfig
 from jaxcb.model.llama import Attention, Params, forward
 from jaxcb.model.paged_attention import allocate_kv_pages
@@ -200,13 +201,13 @@ def resolve_attention(choice: str, mesh=None) -> Attention:
             return Attention("cpu", mesh=mesh, native_matmul=mesh is None)
         if choice == "native":
             why = kernels_cpu.unavailable_reason() if kernel is None else f"the {platform} backend is not the CPU"
-            raise ValueError(f"attention: 'native' is not available here ({why})")
+            raise InvalidConfig(f"attention: 'native' is not available here ({why})")
         return Attention("xla", mesh=mesh)
     if choice == "xla":
         return Attention("xla", mesh=mesh)
     if choice in ("pallas", "auto"):
         return Attention(kernel or "gpu", interpret=kernel is None, mesh=mesh)
-    raise ValueError(f"attention: {choice!r} is not one of 'xla', 'native', 'pallas', 'auto'")
+    raise InvalidConfig(f"attention: {choice!r} is not one of 'xla', 'native', 'pallas', 'auto'")
 
 
 class ModelRunner:
@@ -334,7 +335,7 @@ class ModelRunner:
                              f"{self.last_tokens.shape[0]} rows (max_seqs)")
         if shape.tokens not in self._compiled:
             window = self.step_config.sliding_window if self.step_config.windowed else 0
-            batch, sampling = pack([], shape, self.page_size, window), pack_sampling([], shape)
+            batch, sampling = pack([], shape, self.page_size, window), pack_sampling([], shape, self.model_config.vocab_size)
             with _compile_serial:
                 self._compiled[shape.tokens] = step.lower(
                     self.params, self.kv_pages, self.last_tokens, batch, sampling, config=self.step_config,

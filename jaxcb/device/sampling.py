@@ -60,6 +60,13 @@ def _filter(logits, s: SamplingInput):
     return jnp.where(logits >= threshold, logits, -jnp.inf)
 
 
+def _allowed_only(logits, allowed):
+    """-inf for every token a row's mask (bit t of word t // 32) does not allow."""
+    b, v = logits.shape
+    bits = (allowed[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1  # [B, words, 32]
+    return jnp.where(bits.reshape(b, -1)[:, :v] != 0, logits, -jnp.inf)
+
+
 def _row_key(seed, counter):
     key = jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(0), seed[0]), seed[1])
     return jax.random.fold_in(key, counter)
@@ -76,6 +83,8 @@ def sample(logits: jax.Array, s: SamplingInput) -> SampleOutput:
     raw = logits = logits.astype(jnp.float32)
     uses_penalty = (s.repetition_penalty != 1.0) | (s.presence_penalty != 0.0) | (s.frequency_penalty != 0.0)
     logits = jax.lax.cond(jnp.any(uses_penalty), _apply_penalties, lambda x, _: x, logits, s)
+    # Structured output: only what the row's grammar allows, greedy and random alike.
+    logits = jax.lax.cond(jnp.any(s.allowed != -1), _allowed_only, lambda x, _: x, logits, s.allowed)
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
     sampling = s.temperature > 0

@@ -89,6 +89,8 @@ class SamplingInput:
     logprobs: np.ndarray  # i32 [M], top-n logprobs wanted (0 = none)
     pending_col: np.ndarray  # i32 [M], history column of the row's input token when the host does
     #                          not know it yet (it comes from the previous step on the device); -1 none
+    allowed: np.ndarray  # i32 [M, ceil(V/32)], bit t of word t // 32: token t may be sampled (structured
+    #                      output, jaxcb.host.structured); all ones (-1) for a row without a constraint
 
 
 @dataclasses.dataclass(frozen=True)
@@ -216,9 +218,10 @@ def pack(seqs: list[SeqSpec], shape: StepShape, page_size: int, window: int = 0)
 _PENALTY_FREE = (1.0, 0.0, 0.0)
 
 
-def pack_sampling(rows: list[SamplingRow], shape: StepShape) -> SamplingInput:
+def pack_sampling(rows: list[SamplingRow], shape: StepShape, vocab_size: int) -> SamplingInput:
     """Sampling settings for the step's sequences (row i = sequence i). The token history that the
-    penalties need is filled only for rows that use a penalty; it always fits (C = the context limit)."""
+    penalties need is filled only for rows that use a penalty; it always fits (C = the context limit).
+    `allowed` is all ones: the engine writes the constrained rows' masks into it."""
     m, c = shape.seqs, shape.history
     n = len(rows)
     out = SamplingInput(
@@ -228,6 +231,7 @@ def pack_sampling(rows: list[SamplingRow], shape: StepShape) -> SamplingInput:
         seed=np.zeros((m, 2), np.uint32), counter=np.zeros(m, np.int32),
         history_ids=np.full((m, c), -1, np.int32), history_is_output=np.zeros((m, c), bool),
         logprobs=np.zeros(m, np.int32), pending_col=np.full(m, -1, np.int32),
+        allowed=np.full((m, (vocab_size + 31) // 32), -1, np.int32),
     )
     if not n:
         return out

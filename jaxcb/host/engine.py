@@ -30,10 +30,13 @@ import numpy as np
 from jaxcb.host.batch import SamplingRow, SeqSpec, pack, pack_sampling
 from jaxcb.host.engine_config import EngineConfig
 from jaxcb.host.engine_stats import Counters, EngineStats, StepRecord
+from jaxcb.host.errors import InvalidRequest, StepFailed
 from jaxcb.host.output import EventCallback, Outputs
 from jaxcb.host.page_pool import PagePool
-from jaxcb.host.request import FinishReason, Request, SamplingParams, Status, TokenEvent
+from jaxcb.host.request import (FinishReason, Request, SamplingParams, Status, TokenEvent, check_priority,
+                                check_prompt_length)
 from jaxcb.host.scheduler import Chunk, Scheduler
+from jaxcb.host.structured import grammars_for
 from jaxcb.host.window import WindowGroup
 
 __all__ = ["Engine", "EventCallback", "Runner"]
@@ -66,6 +69,7 @@ class _InFlight:
     result: object
     padded_tokens: int = 0  # the step's token bucket
     started: float | None = None  # when the device could start it: its dispatch when nothing ran before it
+    constrained: bool = False  # it samples a structured-output row: the next step waits for its tokens
 
 
 class Runner(Protocol):
@@ -97,6 +101,7 @@ class Engine:
         # simulator's (jaxcb.sim.simulate: a runner that models the step's time on a virtual clock).
         self._clock = clock
         self.tokenizer = tokenizer
+        self.eos_ids = tuple(eos_ids)
         self.config = config
         self.model_config = runner.model_config
         self.pool = PagePool(config.num_pages, config.page_size)
@@ -105,8 +110,7 @@ class Engine:
         if runner.step_config.windowed:
             self.window_group = WindowGroup(runner.num_window_pages, config.page_size,
                                             runner.step_config.sliding_window)
-        # One context limit for everything: the configured one, or the model's if that is smaller.
-        self.max_context = min(config.scheduler.max_context, self.model_config.max_context)
+        self.max_context = config.max_context_for(self.model_config)
         self.scheduler = Scheduler(dataclasses.replace(config.scheduler, max_context=self.max_context), self.pool,
                                    eos_ids, window=self.window_group)
         self.outputs = Outputs(tokenizer, clock)
@@ -137,17 +141,11 @@ class Engine:
 
     # ---- the API (thread-safe) ----
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        """Raise ValueError naming the field and the limit; touches no engine state."""
-        if not prompt_ids:
-            raise ValueError("prompt: must not be empty")
+        """Raise InvalidRequest naming the field and the limit; touches no engine state."""
         # Sizes first: nothing is scanned or copied past a limit.
-        if len(prompt_ids) >= self.max_context:
-            raise ValueError(
-                f"prompt: {len(prompt_ids)} tokens; the limit is {self.max_context - 1} "
-                f"(context {self.max_context} tokens, at least one generated)"
-            )
+        check_prompt_length("prompt", len(prompt_ids), self.max_context)
         if len(prompt_ids) + params.max_tokens > self.max_context:
-            raise ValueError(
+            raise InvalidRequest(
                 f"max_tokens: prompt ({len(prompt_ids)}) + max_tokens ({params.max_tokens}) exceeds the "
                 f"context limit of {self.max_context} tokens"
             )
@@ -155,11 +153,20 @@ class Engine:
         bad = next((t for t in prompt_ids if isinstance(t, bool) or not isinstance(t, (int, np.integer))
                     or not 0 <= int(t) < v), None)
         if bad is not None:
-            raise ValueError(f"prompt_token_ids: token id {bad!r} is outside the vocabulary [0, {v})")
+            raise InvalidRequest(f"prompt_token_ids: token id {bad!r} is outside the vocabulary [0, {v})")
         bad = next((t for t in params.stop_token_ids if not 0 <= t < v), None)
         if bad is not None:
-            raise ValueError(f"stop_token_ids: token id {bad} is outside the vocabulary [0, {v})")
+            raise InvalidRequest(f"stop_token_ids: token id {bad} is outside the vocabulary [0, {v})")
+        if params.structured is not None:
+            self.grammars.compile(params.structured)  # cached after the first: check it off the event loop
         self.scheduler.check_fits(Request(list(prompt_ids), params))
+
+    @property
+    def grammars(self):
+        """The tokenizer's structured-output machinery (jaxcb.host.structured), built on first use."""
+        if self.tokenizer is None:
+            raise InvalidRequest("structured_outputs: this model has no tokenizer to match a grammar with")
+        return grammars_for(self.tokenizer, self.model_config.vocab_size, self.eos_ids)
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams, *, request_id: str | None = None,
                     priority: int = 0, callback: EventCallback | None = None,
@@ -167,8 +174,7 @@ class Engine:
         """Queue a request; with params.n > 1, n samples that share the prompt's pages (events carry
         the same request id and the sample's `index`). Returns the request id. `validated`: the caller
         already ran validate() on exactly these arguments."""
-        if isinstance(priority, bool) or not isinstance(priority, (int, np.integer)) or not -2**31 <= priority < 2**31:
-            raise ValueError(f"priority: must be an integer in [-2**31, 2**31), got {priority!r}")
+        check_priority(int(priority) if isinstance(priority, np.integer) else priority)
         if not validated:
             self.validate(prompt_ids, params)
         prompt_ids = [int(t) for t in prompt_ids]
@@ -177,13 +183,16 @@ class Engine:
         for i in range(1, params.n):
             samples.append(Request(prompt_ids, params, request_id=samples[0].request_id, priority=int(priority),
                                    arrival_time=samples[0].arrival_time, sample_index=i, cache_salt=cache_salt))
+        if params.structured is not None:
+            for r in samples:  # each sample its own grammar state
+                r.matcher = self.grammars.matcher(params.structured)
         rid = samples[0].request_id
         arrival = self._clock() if arrival_time is None else arrival_time
         for r in samples:
             r.arrival_time = arrival
         with self._seed_lock:
             if rid in self._live_ids:
-                raise ValueError(f"request_id: {rid!r} is already in use by a running request")
+                raise InvalidRequest(f"request_id: {rid!r} is already in use by a running request")
             self._live_ids.add(rid)
             # Sample 0 keeps the given seed; the others draw theirs from it (not seed + i, which would
             # repeat another request's sample 0 that asked for seed + 1).
@@ -280,7 +289,9 @@ class Engine:
         # Nothing ran and nothing came back: requests wait behind a closed batching window (the caller
         # sleeps until it opens). A step that came back may have made room: the caller steps again at once.
         self.last_step_idle = not launched and not self._in_flight
-        keep = 1 if launched and self.scheduler.config.async_scheduling else 0
+        # Async: the step just launched stays in flight while the next is scheduled, unless it samples a
+        # structured-output row, whose next mask needs the token it samples.
+        keep = 1 if launched and self.scheduler.config.async_scheduling and not self._in_flight[-1].constrained else 0
         while len(self._in_flight) > keep:
             self._complete(self._in_flight.popleft(), events)
         return events
@@ -310,7 +321,10 @@ class Engine:
             rows.append(SamplingRow(r.params, self.outputs.seed(r), r.prompt_ids, r.output_ids, c.samples,
                                     pending=pending))
         batch = pack(specs, shape, s, self.window_group.window if self.window_group else 0)
-        sampling = pack_sampling(rows, shape)
+        sampling = pack_sampling(rows, shape, self.model_config.vocab_size)
+        constrained = [(c.request.matcher, i) for i, c in enumerate(chunks) if c.samples and c.request.matcher]
+        if constrained:  # each constrained row's next-token mask (the rest stay all ones)
+            self.grammars.fill_masks([m for m, _ in constrained], [i for _, i in constrained], sampling.allowed)
         cnt = self._counters
         cnt.slots += shape.tokens
         cnt.live += live
@@ -336,7 +350,7 @@ class Engine:
         self._step_id += 1
         self.scheduler.on_launched(chunks, self._step_id)
         return _InFlight(chunks, [c.request.num_preemptions for c in chunks], result, shape.tokens,
-                         None if pipelined else packing)
+                         None if pipelined else packing, constrained=bool(constrained))
 
     def _complete(self, step: _InFlight, events: list[TokenEvent]) -> None:
         """Wait for a launched step's tokens (the one device-to-host copy) and process them."""
@@ -389,7 +403,7 @@ class Engine:
                 self.window_group.pool.forget_cached()
         self._last_fetch_end = None
         if self.failed_in_a_row >= self.MAX_FAILED_STEPS_IN_A_ROW:
-            raise RuntimeError(f"{self.failed_in_a_row} steps in a row failed (last: {message}); the engine is broken")
+            raise StepFailed(f"{self.failed_in_a_row} steps in a row failed (last: {message}); the engine is broken")
 
     def _postprocess(self, step: _InFlight, result, events: list[TokenEvent], seconds: float | None) -> None:
         sampled = self.scheduler.on_step_done(step.chunks, step.epochs, result.token_ids)
@@ -401,7 +415,15 @@ class Engine:
                 n = r.params.logprobs
                 top = tuple(zip(result.top_ids[row, :n].tolist(), result.top_logprobs[row, :n].tolist()))
                 logprobs = ((float(result.logprobs[row]), top),)
-            reason = self.outputs.on_token(r, token, logprobs, reason, events)  # sets r.first_token_time
+            stop_token = None
+            if r.matcher is not None:  # the grammar takes the token; a finished grammar ends the request
+                if not r.matcher.consume_token(token):
+                    self._finish(r, FinishReason.ERROR, events, error=f"structured output: {r.matcher.get_error()}")
+                    observed.append((r, True))
+                    continue
+                if reason is None and r.matcher.is_stopped():  # its last token is text, not a stop token
+                    reason, stop_token = FinishReason.STOP, False
+            reason = self.outputs.on_token(r, token, logprobs, reason, events, stop_token)  # sets r.first_token_time
             observed.append((r, reason is not None))
             if reason is not None:
                 self._retire(r, reason)

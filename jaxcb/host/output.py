@@ -66,14 +66,17 @@ class Outputs:
         return self.streams[r.key].seed
 
     def on_token(self, r: Request, token: int, logprobs, reason: FinishReason | None,
-                 events: list[TokenEvent]) -> FinishReason | None:
+                 events: list[TokenEvent], stop_token: bool | None = None) -> FinishReason | None:
         """r's new token (already appended to its output): its text delta, or its final event.
-        `reason` is the scheduler's finish, if any; returns the finish, a stop string's included."""
+        `reason` is the scheduler's finish, if any; returns the finish, a stop string's included.
+        `stop_token`: the token ended the request and its text is not shown (default: reason is STOP,
+        an end-of-sequence or stop token; a structured output's last token is shown)."""
         p, stream = r.params, self.streams[r.key]
+        hide = reason is FinishReason.STOP if stop_token is None else stop_token
         piece = ""
         if stream.detok is not None:
             piece = stream.detok.add([token])  # always: keeps the detokenizer's window aligned
-            if reason is FinishReason.STOP:  # a stop token's text is never shown
+            if hide:  # a stop token's text is never shown
                 piece = ""
             stream.text += piece
         cut = None
@@ -88,7 +91,8 @@ class Outputs:
             r.first_token_time = self._clock()
             queue_s = (r.first_scheduled_time or r.first_token_time) - r.arrival_time
         if reason is not None:
-            self.close(r, reason, events, new_tokens=(token,), logprobs=logprobs, queue_s=queue_s)
+            self.close(r, reason, events, new_tokens=(token,), logprobs=logprobs, queue_s=queue_s,
+                       flush=not hide and cut is None)
             return reason
         safe = len(stream.text) - (stops.held(stream.stop_state) if stops is not None else 0)
         delta, stream.emitted = stream.text[stream.emitted:safe], max(stream.emitted, safe)
@@ -98,10 +102,11 @@ class Outputs:
         return None
 
     def close(self, r: Request, reason: FinishReason, events: list[TokenEvent], new_tokens=(), logprobs=None,
-              error: str | None = None, queue_s: float | None = None) -> None:
-        """r's final event: the text still held back (up to any stop string) and the finish reason."""
+              error: str | None = None, queue_s: float | None = None, flush: bool | None = None) -> None:
+        """r's final event: the text still held back (up to any stop string) and the finish reason.
+        `flush`: add what the detokenizer still holds (default: unless the request stopped)."""
         stream = self.streams.pop(r.key)
-        if stream.detok is not None and reason is not FinishReason.STOP:
+        if stream.detok is not None and (reason is not FinishReason.STOP if flush is None else flush):
             stream.text += stream.detok.flush()  # a character cut off by the end is not dropped
         _emit(TokenEvent(r.request_id, tuple(new_tokens), stream.text[stream.emitted:], True, reason, logprobs,
                          len(r.prompt_ids), len(r.output_ids), error, queue_s,

@@ -27,6 +27,7 @@ from typing import Callable
 from jaxcb.host.engine import Engine
 from jaxcb.host.engine_stats import EngineStats
 from jaxcb.host.engine_thread import EngineThread
+from jaxcb.host.errors import InvalidConfig, InvalidRequest
 from jaxcb.host.prefix_cache import chain_hash, salt_root
 from jaxcb.host.request import SamplingParams, TokenEvent
 
@@ -45,7 +46,7 @@ class Replicas:
     def __init__(self, engines: list[Engine], on_death: Callable[[BaseException], None] | None = None,
                  on_step: Callable[[int, Engine, list], None] | None = None, balance_tokens: int | None = None):
         if not engines:
-            raise ValueError("parallel.data: at least one replica is needed")
+            raise InvalidConfig("parallel.data: at least one replica is needed")
         self.engines = engines
         # on_step(replica index, engine, events) on each replica's thread after each of its steps
         self.threads = [EngineThread(e, on_death=on_death,
@@ -70,6 +71,11 @@ class Replicas:
     # ---- what the server reads ----
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         self.engines[0].validate(prompt_ids, params)  # replicas share the model and the config
+
+    def check_constraint(self, constraint) -> None:
+        """Compile a structured-output constraint (cached; InvalidRequest if it is not valid). Slow the
+        first time for a large grammar: the server calls it off the event loop."""
+        self.engines[0].grammars.compile(constraint)  # one Grammars per tokenizer, shared by the replicas
 
     def stats(self) -> EngineStats:
         """The replicas' stats summed (compilations are counted per process: the same in every one)."""
@@ -150,7 +156,7 @@ class Replicas:
         # Under the lock until the route is recorded: the replica's first event waits for it.
         with self._lock:
             if request_id and request_id in self._routes:
-                raise ValueError(f"request_id: {request_id!r} is already in use by a running request")
+                raise InvalidRequest(f"request_id: {request_id!r} is already in use by a running request")
             i, cached = self.choose(prompt_ids, kw.get("cache_salt", ""))
             rid = self.threads[i].submit(prompt_ids, params, on_event, request_id=request_id, **kw)
             self._routes[rid] = _Routed(i, cost, len(prompt_ids), params.n, params.max_tokens)
@@ -188,6 +194,6 @@ def split_devices(devices: list, tensor: int, data: int) -> list[list]:
     """Disjoint device groups, one per replica, `tensor` devices each (in jax.devices() order)."""
     need = tensor * data
     if need > len(devices):
-        raise ValueError(f"parallel: {data} replicas x {tensor} devices = {need} devices asked for, "
+        raise InvalidConfig(f"parallel: {data} replicas x {tensor} devices = {need} devices asked for, "
                          f"{len(devices)} present")
     return [devices[i * tensor:(i + 1) * tensor] for i in range(data)]

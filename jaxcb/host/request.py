@@ -11,6 +11,9 @@ import itertools
 import math
 import time
 
+from jaxcb.host.errors import InvalidRequest
+from jaxcb.host.structured import Constraint
+
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
@@ -49,6 +52,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int = 0  # top-n logprobs per generated token; 0 = none
     n: int = 1  # independent samples of the same prompt (they share its KV pages)
+    structured: Constraint | None = None  # what the output must match (jaxcb.host.structured)
 
     def __post_init__(self):
         stop = self.stop or ()
@@ -59,48 +63,73 @@ class SamplingParams:
         _check_int("top_k", self.top_k, low=0, high=2**31 - 1)
         _check_finite("top_p", self.top_p)
         if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p: must be in (0, 1], got {self.top_p}")
+            raise InvalidRequest(f"top_p: must be in (0, 1], got {self.top_p}")
         _check_finite("min_p", self.min_p)
         if not 0.0 <= self.min_p < 1.0:
-            raise ValueError(f"min_p: must be in [0, 1), got {self.min_p}")
+            raise InvalidRequest(f"min_p: must be in [0, 1), got {self.min_p}")
         _check_finite("repetition_penalty", self.repetition_penalty)
         if self.repetition_penalty <= 0:
-            raise ValueError(f"repetition_penalty: must be > 0, got {self.repetition_penalty}")
+            raise InvalidRequest(f"repetition_penalty: must be > 0, got {self.repetition_penalty}")
         _check_finite("presence_penalty", self.presence_penalty, low=-2.0, high=2.0)
         _check_finite("frequency_penalty", self.frequency_penalty, low=-2.0, high=2.0)
         if self.seed is not None:
             _check_int("seed", self.seed, low=0, high=2**63 - 1)
-        if len(self.stop) > MAX_STOP_STRINGS:
-            raise ValueError(f"stop: at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
+        check_stop_counts(len(self.stop), len(self.stop_token_ids))
         for s in self.stop:
             if not isinstance(s, str) or not s or len(s) > MAX_STOP_STRING_CHARS:
-                raise ValueError(f"stop: each stop string must be 1..{MAX_STOP_STRING_CHARS} characters")
-        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
-            raise ValueError(f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS}, got {len(self.stop_token_ids)}")
+                raise InvalidRequest(f"stop: each stop string must be 1..{MAX_STOP_STRING_CHARS} characters")
         _check_int("logprobs", self.logprobs, low=0, high=MAX_LOGPROBS)
         _check_int("n", self.n, low=1, high=MAX_SAMPLES)
+        if self.structured is not None and not isinstance(self.structured, Constraint):
+            raise InvalidRequest(f"structured: must be a Constraint, got {type(self.structured).__name__}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
 
+# The request limits that every API checks before it copies or tokenizes anything (the engine checks
+# them again): one function each, so the limit and its message are written once.
+
+def check_stop_counts(stop: int, stop_token_ids: int) -> None:
+    """The number of stop strings and stop token ids."""
+    if stop > MAX_STOP_STRINGS:
+        raise InvalidRequest(f"stop: at most {MAX_STOP_STRINGS} stop strings, got {stop}")
+    if stop_token_ids > MAX_STOP_TOKEN_IDS:
+        raise InvalidRequest(f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS}, got {stop_token_ids}")
+
+
+def check_priority(priority) -> None:
+    if isinstance(priority, bool) or not isinstance(priority, int) or not -2**31 <= priority < 2**31:
+        raise InvalidRequest(f"priority: must be an integer in [-2**31, 2**31), got {priority!r}")
+
+
+def check_prompt_length(field: str, tokens: int, max_context: int) -> None:
+    """A prompt of `tokens` tokens under a context of `max_context`: at least one token must be left
+    to generate."""
+    if not tokens:
+        raise InvalidRequest(f"{field}: must not be empty")
+    if tokens >= max_context:
+        raise InvalidRequest(f"{field}: {tokens} tokens; the limit is {max_context - 1} "
+                             f"(context {max_context} tokens, at least one generated)")
+
+
 def _check_int(name, value, low=None, high=None):
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name}: must be an integer, got {value!r}")
+        raise InvalidRequest(f"{name}: must be an integer, got {value!r}")
     if low is not None and value < low:
-        raise ValueError(f"{name}: must be >= {low}, got {value}")
+        raise InvalidRequest(f"{name}: must be >= {low}, got {value}")
     if high is not None and value > high:
-        raise ValueError(f"{name}: must be <= {high}, got {value}")
+        raise InvalidRequest(f"{name}: must be <= {high}, got {value}")
 
 
 def _check_finite(name, value, low=None, high=None):
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ValueError(f"{name}: must be a finite number, got {value!r}")
+        raise InvalidRequest(f"{name}: must be a finite number, got {value!r}")
     if low is not None and value < low:
-        raise ValueError(f"{name}: must be >= {low}, got {value}")
+        raise InvalidRequest(f"{name}: must be >= {low}, got {value}")
     if high is not None and value > high:
-        raise ValueError(f"{name}: must be <= {high}, got {value}")
+        raise InvalidRequest(f"{name}: must be <= {high}, got {value}")
 
 
 _ids = itertools.count()
@@ -138,6 +167,7 @@ class Request:
     first_token_time: float | None = None
     first_scheduled_time: float | None = None  # when it first got a batch slot (queue time ends)
     error: str | None = None
+    matcher: object = None  # structured output: this sample's grammar state (jaxcb.host.structured)
 
     def __post_init__(self):
         if not self.request_id:

@@ -26,6 +26,8 @@ import jinja2.sandbox
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
+from jaxcb.host.errors import InvalidConfig, InvalidRequest
+
 _CONTROL, _USER_DEFINED = 3, 4
 # GPT-2's split pattern, used by most byte-level BPE vocabularies.
 _GPT2_PATTERN = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
@@ -108,7 +110,7 @@ class Tokenizer:
             self._setup(tok, spec.bos_id, spec.eos_id, spec.add_bos, spec.chat_template)
             return
         if spec.model != "gpt2":
-            raise ValueError(
+            raise InvalidConfig(
                 f"tokenizer.ggml.model: {spec.model!r} is not supported; supported: 'gpt2' (byte-level BPE), "
                 "'llama' (SentencePiece)"
             )
@@ -142,6 +144,10 @@ class Tokenizer:
             env.globals["raise_exception"] = _raise_template_error
             self._template = env.from_string(chat_template)
 
+    def to_str(self) -> str:
+        """The tokenizer as Hugging Face tokenizers' JSON (what llguidance reads: jaxcb.host.structured)."""
+        return self._tok.to_str()
+
     @classmethod
     def from_dir(cls, path: str) -> "Tokenizer":
         """A Hugging Face tokenizer directory: tokenizer.json (+ tokenizer_config.json for the BOS/EOS
@@ -151,11 +157,11 @@ class Tokenizer:
 
         tok_path = os.path.join(path, "tokenizer.json")
         if not os.path.isfile(tok_path):
-            raise ValueError(f"model: {path} has no tokenizer.json")
+            raise InvalidConfig(f"model: {path} has no tokenizer.json")
         try:
             tok = HFTokenizer.from_file(tok_path)
         except Exception as e:  # noqa: BLE001 - the library raises its own exception type
-            raise ValueError(f"model: {tok_path} is not a readable tokenizer ({e})") from None
+            raise InvalidConfig(f"model: {tok_path} is not a readable tokenizer ({e})") from None
         cfg = {}
         cfg_path = os.path.join(path, "tokenizer_config.json")
         if os.path.isfile(cfg_path):
@@ -201,12 +207,12 @@ class Tokenizer:
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         if self._template is None:
-            raise ValueError("chat: this model file has no chat template; send a raw prompt")
+            raise InvalidRequest("chat: this model file has no chat template; send a raw prompt")
         for i, m in enumerate(messages):
             if m.get("role") not in ROLES:
-                raise ValueError(f"messages[{i}].role: {m.get('role')!r} is not one of {', '.join(ROLES)}")
+                raise InvalidRequest(f"messages[{i}].role: {m.get('role')!r} is not one of {', '.join(ROLES)}")
             if not isinstance(m.get("content"), str):
-                raise ValueError(f"messages[{i}].content: must be a string")
+                raise InvalidRequest(f"messages[{i}].content: must be a string")
         bos = self.id_to_token(self.bos_id) if self.bos_id is not None else ""
         eos = self.id_to_token(self.eos_id) if self.eos_id is not None else ""
         return self._template.render(
@@ -228,7 +234,7 @@ class Tokenizer:
         text = self.render_chat(messages)
         pieces = self._chat_pieces(messages, text)
         if pieces is None:  # the template does something else with the contents: each part on its own
-            raise ValueError("messages: the chat template uses message contents in a way jaxcb cannot "
+            raise InvalidRequest("messages: the chat template uses message contents in a way jaxcb cannot "
                              "separate from its own markup; send a raw prompt")
         spans, at = [], 0
         for part, is_content in pieces:
@@ -288,7 +294,7 @@ class Tokenizer:
 
 
 def _raise_template_error(message):
-    raise ValueError(f"chat template: {message}")
+    raise InvalidRequest(f"chat template: {message}")
 
 
 class IncrementalDetokenizer:

@@ -1,0 +1,241 @@
+"""Structured output: a constraint that a request's output must match (a JSON schema, any JSON object,
+a regex, one of several strings, or a Lark / GBNF grammar), enforced token by token.
+
+The grammar work is llguidance's (the library vLLM and sglang-jax use; Rust, no torch): it compiles a
+constraint against the model's tokenizer and, for a request's tokens so far, gives the set of tokens
+that may come next as a bitmask of ceil(V/32) int32 words. Here:
+
+- `Constraint` is what a request carries (SamplingParams.structured): kind and text, checked for size.
+- `Grammars` is one tokenizer's machinery: the llguidance tokenizer (built once, ~1 s), a cache of
+  compiled constraints (LRU; a constraint compiles once, off the engine thread, when its first request
+  is checked; every request then gets a cheap copy of the compiled matcher), and the pool of threads
+  that computes a step's masks in parallel.
+
+The engine (jaxcb.host.engine) gives each constrained sample a matcher, writes the matchers' masks into
+the step's `allowed` input (all ones for free rows) and advances each matcher with the token the step
+sampled; the step itself (jaxcb.device.sampling) sets the disallowed logits to -inf before sampling.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import threading
+import weakref
+
+import numpy as np
+
+from jaxcb.host.errors import InvalidRequest
+
+KINDS = ("json", "regex", "choice", "grammar")
+MAX_SPEC_CHARS = 1 << 16  # a schema, regex or grammar's text
+MAX_CHOICES = 256
+ASCII_CLASSES = "dw"  # in a regex constraint, \d is [0-9] and \w is [0-9a-zA-Z_], not any Unicode digit or letter
+CACHE_SIZE = 256  # compiled constraints kept per tokenizer
+# llguidance's resource limits (its LLParserLimits): they bound the work of compiling a constraint and
+# of each step's mask, so a hostile grammar is refused with the limit it hit instead of stalling.
+LIMITS = dict(max_items_in_row=2000, initial_lexer_fuel=1_000_000, step_lexer_fuel=200_000,
+              step_max_items=50_000, max_lexer_states=250_000, max_grammar_size=500_000,
+              verbose_errors=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class Constraint:
+    """kind: "json" (spec: a JSON schema's text; '{"type": "object"}' for any object), "regex" (spec:
+    the pattern; the whole output must match), "choice" (spec: a JSON list of strings), "grammar"
+    (spec: a Lark grammar, or GBNF as llama.cpp writes it). `field` names the request field the
+    constraint came from, for errors."""
+
+    kind: str
+    spec: str
+    field: str = "structured_outputs"
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise InvalidRequest(f"{self.field}: the kind {self.kind!r} is not one of {', '.join(KINDS)}")
+        if not isinstance(self.spec, str) or not self.spec:
+            raise InvalidRequest(f"{self.field}: the {self.kind} must be a non-empty string")
+        if len(self.spec) > MAX_SPEC_CHARS:
+            raise InvalidRequest(f"{self.field}: the {self.kind} has {len(self.spec)} characters; "
+                                 f"the limit is {MAX_SPEC_CHARS}")
+
+    @classmethod
+    def json_schema(cls, schema, field: str = "structured_outputs.json") -> "Constraint":
+        """A schema given as a dict (or a bool) or as JSON text."""
+        if isinstance(schema, str):
+            text = schema
+        elif isinstance(schema, (dict, bool)):
+            text = json.dumps(schema)
+        else:
+            raise InvalidRequest(f"{field}: must be a JSON schema (an object), got {type(schema).__name__}")
+        return cls("json", text, field)
+
+    @classmethod
+    def json_object(cls, field: str = "response_format") -> "Constraint":
+        return cls("json", '{"type": "object"}', field)
+
+    @classmethod
+    def choice(cls, choices, field: str = "structured_outputs.choice") -> "Constraint":
+        if (not isinstance(choices, (list, tuple)) or not choices
+                or not all(isinstance(c, str) and c for c in choices)):
+            raise InvalidRequest(f"{field}: must be a non-empty list of non-empty strings")
+        if len(choices) > MAX_CHOICES:
+            raise InvalidRequest(f"{field}: {len(choices)} choices; the limit is {MAX_CHOICES}")
+        return cls("choice", json.dumps(list(choices)), field)
+
+    def grammar(self) -> str:
+        """llguidance's grammar for this constraint (not yet checked: Grammars.compile does that)."""
+        import llguidance
+
+        try:
+            if self.kind == "json":
+                schema = json.loads(self.spec)
+                if not isinstance(schema, (dict, bool)):
+                    raise ValueError("a JSON schema is an object")
+                return llguidance.LLMatcher.grammar_from_json_schema(
+                    schema, defaults={"whitespace_flexible": False})
+            if self.kind == "regex":  # \d, \w as ASCII classes (as JSON schema patterns read them)
+                return llguidance.LLMatcher.grammar_from_lark(
+                    f"start: /{llguidance.regex_to_lark(self.spec, ASCII_CLASSES)}/")
+            if self.kind == "choice":
+                return llguidance.grammar_from("choice", self.spec)
+            return llguidance.grammar_from("grammar", self.spec)
+        except (ValueError, TypeError, RecursionError) as e:
+            raise InvalidRequest(f"{self.field}: not a valid {self.kind} ({_first_line(e)})") from None
+
+
+# The JSON shapes clients send (the OpenAI HTTP API, `jaxcb generate --input` lines): vLLM's
+# structured_outputs object and OpenAI's response_format.
+STRUCTURED_OUTPUTS_KEYS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+def from_structured_outputs(obj, field: str = "structured_outputs") -> Constraint | None:
+    """vLLM's `structured_outputs`: an object with one of json (a schema), json_object (true), regex,
+    choice (a list of strings) or grammar."""
+    if obj is None:
+        return None
+    if not isinstance(obj, dict):
+        raise InvalidRequest(f"{field}: must be an object with one of {', '.join(STRUCTURED_OUTPUTS_KEYS)}")
+    unknown = sorted(k for k in obj if k not in STRUCTURED_OUTPUTS_KEYS)
+    if unknown:
+        raise InvalidRequest(f"{field}.{unknown[0]}: not supported; give one of {', '.join(STRUCTURED_OUTPUTS_KEYS)}")
+    given = [k for k in STRUCTURED_OUTPUTS_KEYS if obj.get(k) not in (None, False)]
+    if len(given) != 1:
+        raise InvalidRequest(f"{field}: give exactly one of {', '.join(STRUCTURED_OUTPUTS_KEYS)}, got "
+                             f"{', '.join(given) or 'none'}")
+    kind, value = given[0], obj[given[0]]
+    where = f"{field}.{kind}"
+    if kind == "json":
+        return Constraint.json_schema(value, where)
+    if kind == "json_object":
+        if value is not True:
+            raise InvalidRequest(f"{where}: must be true")
+        return Constraint.json_object(where)
+    if kind == "choice":
+        return Constraint.choice(value, where)
+    if not isinstance(value, str):
+        raise InvalidRequest(f"{where}: must be a string")
+    return Constraint(kind, value, where)
+
+
+def from_response_format(obj, field: str = "response_format") -> Constraint | None:
+    """OpenAI's `response_format`: {"type": "text"} (none), {"type": "json_object"} or {"type":
+    "json_schema", "json_schema": {"name", "schema", "strict", "description"}}."""
+    if obj is None:
+        return None
+    if not isinstance(obj, dict) or not isinstance(obj.get("type"), str):
+        raise InvalidRequest(f"{field}: must be an object with a type (text, json_object or json_schema)")
+    kind = obj["type"]
+    extra = sorted(set(obj) - {"type", "json_schema"})
+    if extra:
+        raise InvalidRequest(f"{field}.{extra[0]}: not a field of response_format")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return Constraint.json_object(field)
+    if kind != "json_schema":
+        raise InvalidRequest(f"{field}.type: {kind!r} is not one of text, json_object, json_schema")
+    spec = obj.get("json_schema")
+    if not isinstance(spec, dict):
+        raise InvalidRequest(f"{field}.json_schema: must be an object with the schema")
+    extra = sorted(set(spec) - {"name", "schema", "strict", "description"})
+    if extra:
+        raise InvalidRequest(f"{field}.json_schema.{extra[0]}: not a field of json_schema")
+    if "name" in spec and not isinstance(spec["name"], str):
+        raise InvalidRequest(f"{field}.json_schema.name: must be a string")
+    if "schema" not in spec:  # OpenAI's default when no schema is given: any object
+        return Constraint.json_object(f"{field}.json_schema")
+    return Constraint.json_schema(spec["schema"], f"{field}.json_schema.schema")
+
+
+def _first_line(e) -> str:
+    text = str(e).strip() or type(e).__name__
+    return " ".join(text.split())[:300]
+
+
+class Grammars:
+    """One tokenizer's grammar machinery (see the module's docstring). Thread-safe: the server checks
+    constraints on worker threads while the engine thread makes matchers and masks."""
+
+    def __init__(self, tokenizer, vocab_size: int, eos_ids=(), cache_size: int = CACHE_SIZE):
+        import llguidance
+
+        self._llg = llguidance
+        eos = list(eos_ids) or ([tokenizer.eos_id] if tokenizer.eos_id is not None else [])
+        # The tokenizer's own definition (Hugging Face tokenizers), the model's vocabulary width: the
+        # mask covers every logit, and ids past the tokenizer's vocabulary are never allowed.
+        self.tokenizer = llguidance.LLTokenizer(tokenizer.to_str(), n_vocab=vocab_size, eos_token=eos or None)
+        self.vocab_size = vocab_size
+        self.words = (vocab_size + 31) // 32
+        self.limits = llguidance.LLParserLimits(**LIMITS)
+        self._executor = llguidance.LLExecutor(num_threads=2)
+        self._cache: collections.OrderedDict[Constraint, object] = collections.OrderedDict()
+        self._cache_size = cache_size
+        self._lock = threading.Lock()
+
+    def compile(self, c: Constraint):
+        """The compiled matcher of `c` (cached): raises InvalidRequest naming the problem. Slow for a
+        large grammar the first time: call it off the event loop."""
+        with self._lock:
+            m = self._cache.get(c)
+            if m is not None:
+                self._cache.move_to_end(c)
+                return m
+        m = self._llg.LLMatcher(self.tokenizer, c.grammar(), limits=self.limits, log_level=0)
+        if m.is_error():
+            raise InvalidRequest(f"{c.field}: not a valid {c.kind} ({_first_line(m.get_error())})")
+        with self._lock:
+            self._cache[c] = m
+            while len(self._cache) > self._cache_size:
+                self._cache.popitem(last=False)
+        return m
+
+    def matcher(self, c: Constraint):
+        """A fresh matcher for one sample of a request (a copy of the compiled one)."""
+        return self.compile(c).deep_copy()
+
+    def fill_masks(self, matchers: list, rows: list[int], allowed: np.ndarray) -> None:
+        """Write each matcher's next-token mask into row rows[i] of `allowed` (int32 [M, words]), in
+        parallel."""
+        if len(matchers) == 1:
+            matchers[0].unsafe_compute_mask_ptr(allowed[rows[0]].ctypes.data, self.words * 4)
+            return
+        self._executor.unsafe_compute_mask_ptr(list(zip(matchers, rows)), allowed.ctypes.data, self.words * 4,
+                                               allowed.shape[0])
+
+
+_SHARED: "weakref.WeakKeyDictionary[object, dict]" = weakref.WeakKeyDictionary()
+_SHARED_LOCK = threading.Lock()
+
+
+def grammars_for(tokenizer, vocab_size: int, eos_ids=()) -> Grammars:
+    """The one Grammars of a tokenizer (and vocabulary width), shared by every engine that uses it
+    (replicas, the LLM API) and built on first use."""
+    key = (vocab_size, tuple(eos_ids))
+    with _SHARED_LOCK:
+        per = _SHARED.setdefault(tokenizer, {})
+        g = per.get(key)
+        if g is None:
+            g = per[key] = Grammars(tokenizer, vocab_size, eos_ids)
+        return g

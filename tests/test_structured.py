@@ -1,0 +1,159 @@
+"""Structured output (jaxcb.host.structured): constraints enforced inside the step, on the tiny model
+(random weights: whatever it would say, the mask decides what it may say) and on the embedded models'
+tokenizers (byte-level BPE and SentencePiece with byte fallback)."""
+
+import json
+import re
+
+import jsonschema
+import pytest
+
+from jaxcb.host.errors import InvalidRequest
+from jaxcb.host.request import SamplingParams
+from jaxcb.host.structured import Constraint, from_response_format, from_structured_outputs
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 6},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "tags": {"type": "array", "items": {"enum": ["a", "bc", "d"]}, "minItems": 1, "maxItems": 3},
+        "ok": {"type": "boolean"},
+        "code": {"type": "string", "pattern": "^[A-Z]{2}[0-9]{2}$"},
+    },
+    "required": ["name", "age", "tags", "code"],
+    "additionalProperties": False,
+}
+REGEX = r"\d{3}-[a-z]{2,4}"
+CHOICES = ["red", "green", "blue", "café", "日本"]  # multi-byte characters too
+GRAMMAR = 'start: "x=" NUM (", " NUM)*\nNUM: /[1-9][0-9]?/'
+
+
+def _check(kind: str, text: str) -> None:
+    if kind == "json":
+        jsonschema.validate(json.loads(text), SCHEMA)
+    elif kind == "regex":
+        assert re.fullmatch(r"[0-9]{3}-[a-z]{2,4}", text), text
+    elif kind == "choice":
+        assert text in CHOICES, text
+    else:
+        assert re.fullmatch(r"x=[1-9][0-9]?(, [1-9][0-9]?)*", text), text
+
+
+CONSTRAINTS = {"json": Constraint.json_schema(SCHEMA), "regex": Constraint("regex", REGEX),
+               "choice": Constraint.choice(CHOICES), "grammar": Constraint("grammar", GRAMMAR)}
+
+
+def test_every_kind_holds_at_temperature_one_with_n_samples_beside_free_rows(make_llm):
+    llm = make_llm()
+    prompts, params = [], []
+    for seed in range(3):
+        for kind, c in CONSTRAINTS.items():
+            prompts.append([5 + seed, 6, 7, 8])
+            params.append(SamplingParams(max_tokens=120, temperature=1.0, seed=seed, n=2, structured=c))
+    free = [[9, 10, 11], [12, 13]]
+    alone = llm.generate(free, SamplingParams(max_tokens=20, ignore_eos=True))
+    outs = llm.generate(prompts + free, params + [SamplingParams(max_tokens=20, ignore_eos=True)] * 2)
+    kinds = [k for _ in range(3) for k in CONSTRAINTS]
+    constrained = outs[:-2]
+    assert len(constrained) == 2 * len(kinds)
+    for i, kind in enumerate(kinds):
+        for o in (constrained[2 * i], constrained[2 * i + 1]):
+            assert o.finish_reason == "stop", (kind, o.text, o.finish_reason)
+            _check(kind, o.text)
+    # Rows without a constraint in the same batches: the tokens they get alone.
+    assert [o.token_ids for o in outs[-2:]] == [o.token_ids for o in alone]
+
+
+def test_constrained_output_is_the_same_under_preemption_and_without_async(make_llm):
+    kinds = ("json", "regex", "grammar") * 2
+    # Free requests that fill the pool first, then the constrained ones (the latest: preempted first).
+    prompts = [[3 + i] + list(range(6, 36)) for i in range(4)] + [[5 + i] + list(range(6, 40)) for i in range(6)]
+    params = ([SamplingParams(max_tokens=40, ignore_eos=True)] * 4
+              + [SamplingParams(max_tokens=120, temperature=1.0 if i % 2 else 0.0, seed=i, structured=CONSTRAINTS[k])
+                 for i, k in enumerate(kinds)])
+    reference = [o.text for o in make_llm(num_pages=256).generate(prompts, params)]
+    for o, k in zip(reference[4:], kinds):
+        _check(k, o)
+    tight = make_llm(num_pages=14, async_scheduling=False)
+    preempted = []
+    preempt = tight.engine.scheduler.preempt
+    tight.engine.scheduler.preempt = lambda r, *a, **kw: (preempted.append(r.matcher is not None), preempt(r, *a, **kw))[1]
+    assert [o.text for o in tight.generate(prompts, params)] == reference
+    assert any(preempted), "no constrained request was preempted"
+
+
+def test_a_constrained_step_is_completed_before_the_next_is_scheduled(make_llm):
+    llm = make_llm()
+    engine = llm.engine
+    engine.add_request([5, 6, 7], SamplingParams(max_tokens=8, structured=CONSTRAINTS["regex"]))
+    engine.add_request([8, 9], SamplingParams(max_tokens=8, ignore_eos=True))
+    while engine.has_work():
+        engine.step()
+        # A step with a constrained row never stays in flight: its token decides the next mask.
+        assert not any(s.constrained for s in engine._in_flight)
+
+
+@pytest.mark.parametrize("constraint, message", [
+    (lambda: Constraint("regex", "[a-"), "structured_outputs: not a valid regex"),
+    (lambda: Constraint("grammar", "start: foo\nfoo: 'a' bar"), "structured_outputs: not a valid grammar"),
+    (lambda: Constraint.json_schema('{"type": "objec"}'), "structured_outputs.json: not a valid json"),
+    (lambda: Constraint.json_schema("[1, 2"), "structured_outputs.json: not a valid json"),
+    (lambda: Constraint.choice([]), "structured_outputs.choice: must be a non-empty list"),
+    (lambda: Constraint("regex", "a" * 70_000), "the regex has 70000 characters; the limit is 65536"),
+    (lambda: Constraint("sql", "x"), "the kind 'sql' is not one of"),
+])
+def test_a_bad_constraint_is_refused_by_name_before_it_runs(make_llm, constraint, message):
+    llm = make_llm()
+    with pytest.raises(InvalidRequest, match=re.escape(message)):
+        llm.generate([[5, 6]], SamplingParams(max_tokens=4, structured=constraint()))
+    assert not llm.engine.has_work()
+
+
+def test_the_request_shapes_of_both_apis():
+    assert from_response_format({"type": "text"}) is None
+    assert from_response_format({"type": "json_object"}).spec == '{"type": "object"}'
+    c = from_response_format({"type": "json_schema", "json_schema": {"name": "p", "schema": SCHEMA, "strict": True}})
+    assert c.kind == "json" and json.loads(c.spec) == SCHEMA and c.field == "response_format.json_schema.schema"
+    assert from_structured_outputs({"regex": "a+"}) == Constraint("regex", "a+", "structured_outputs.regex")
+    assert from_structured_outputs({"choice": ["x", "y"]}).kind == "choice"
+    assert from_structured_outputs({"json": SCHEMA}).kind == "json"
+    assert from_structured_outputs({"grammar": GRAMMAR}).kind == "grammar"
+    for bad, message in [
+        ({"type": "xml"}, "response_format.type: 'xml' is not one of"),
+        ({"type": "json_schema"}, "response_format.json_schema: must be an object"),
+        ({"type": "json_schema", "json_schema": {"schema": {}, "nme": "x"}}, "response_format.json_schema.nme"),
+    ]:
+        with pytest.raises(InvalidRequest, match=re.escape(message)):
+            from_response_format(bad)
+    for bad, message in [
+        ({"regex": "a", "choice": ["b"]}, "give exactly one of"),
+        ({}, "give exactly one of"),
+        ({"structural_tag": "x"}, "structured_outputs.structural_tag: not supported"),
+        ({"json_object": False}, "give exactly one of"),
+        ({"regex": 5}, "structured_outputs.regex: must be a string"),
+    ]:
+        with pytest.raises(InvalidRequest, match=re.escape(message)):
+            from_structured_outputs(bad)
+
+
+@pytest.mark.parametrize("model", ["smollm2-135m", "gemma3-270m"])
+def test_the_embedded_models_tokenizers_spell_multibyte_choices_exactly(model):
+    """Byte-level BPE (SmolLM2) and SentencePiece with byte fallback (Gemma 3): a choice of words with
+    multi-byte characters comes out exactly, whichever tokens spell it."""
+    from jaxcb.host.structured import Grammars
+    from jaxcb.host.tokenizer import Tokenizer
+    from jaxcb.model import gguf_loader
+    from jaxcb.model.embedded import resolve_model
+
+    reader = gguf_loader.open_reader(resolve_model(model))  # the tokenizer alone, no weights
+    cfg, tok = gguf_loader.read_config(reader), Tokenizer(gguf_loader.read_tokenizer(reader))
+    g = Grammars(tok, cfg.vocab_size, [tok.eos_id])
+    words = ["café", "naïve", "日本語", "Ünïcödé ✓"]
+    for word in words:
+        m = g.matcher(Constraint.choice(words))
+        ids = tok.encode(word)
+        if ids and ids[0] == tok.bos_id:
+            ids = ids[1:]
+        assert m.consume_tokens(ids), (word, m.get_error())
+        assert m.is_accepting() and tok.decode(ids) == word

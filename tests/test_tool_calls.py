@@ -1,0 +1,92 @@
+"""Tool calls in the OpenAI chat API (serve/tool_calls.py): the request's tools checked, rendered and
+parsed back, whole and as streamed deltas, whatever way the answer's text is cut into pieces."""
+
+import json
+import random
+
+import pytest
+
+from jaxcb.host.errors import InvalidRequest
+from serve import tool_calls
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+CLOCK = {"type": "function", "function": {"name": "get_time", "description": "now"}}
+
+
+def _tools(choice="auto"):
+    return tool_calls.parse_tools({"tools": [WEATHER, CLOCK], "tool_choice": choice})
+
+
+ANSWERS = [
+    ("Sure.\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris \\\"}{\"}}\n</tool_call>",
+     "Sure.", [("get_weather", {"city": "Paris \"}{"})]),
+    ('<tool_call>{"name":"get_time","arguments":{}}</tool_call><tool_call>{"name":"get_weather","arguments":'
+     '{"city":"Oslo"}}</tool_call>', "", [("get_time", {}), ("get_weather", {"city": "Oslo"})]),
+    ('<tool_call>{"arguments": {"city": "Rome"}, "name": "get_weather"}</tool_call>', "",
+     [("get_weather", {"city": "Rome"})]),  # arguments first: the call comes whole at the block's end
+    ("no call here, just < and <tool", "no call here, just < and <tool", []),
+    ('<tool_call>{"name": "unknown", "arguments": {}}</tool_call>', '<tool_call>{"name": "unknown", '
+     '"arguments": {}}</tool_call>', []),  # not one of the tools: it stays text
+]
+
+
+@pytest.mark.parametrize("text, content, calls", ANSWERS)
+def test_answers_parse_whole_and_streamed_in_any_pieces(text, content, calls):
+    tools = _tools()
+    got_content, got_calls = tool_calls.parse(text, tools)
+    assert got_content == content
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in got_calls] == calls
+    rng = random.Random(0)
+    for _ in range(30):
+        cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randint(1, 12))))
+        pieces = [text[a:b] for a, b in zip([0] + cuts, cuts + [len(text)])]
+        stream = tool_calls.CallStream(tools)
+        streamed, deltas = "", []
+        for i, piece in enumerate(pieces):
+            c, d = stream.feed(piece, final=i == len(pieces) - 1)
+            streamed += c
+            deltas += d
+        merged = {}
+        for d in deltas:
+            call = merged.setdefault(d["index"], {"name": None, "arguments": ""})
+            call["name"] = d["function"].get("name") or call["name"]
+            call["arguments"] += d["function"]["arguments"]
+        assert [(c["name"], json.loads(c["arguments"])) for c in merged.values()] == calls
+        if not calls:
+            assert streamed == text
+        else:
+            assert streamed.strip() == content
+
+
+def test_tools_and_messages_render_for_the_chat_template():
+    tools = _tools("required")
+    messages = tool_calls.render_messages([
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "weather?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "rain"},
+    ], tools)
+    assert [m["role"] for m in messages] == ["system", "user", "assistant", "user"]
+    assert messages[0]["content"].startswith("Be brief.") and '"name": "get_weather"' in messages[0]["content"]
+    assert messages[2]["content"] == '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>'
+    assert messages[3]["content"] == "<tool_response>rain</tool_response>"
+    assert tool_calls.constraint(tools).kind == "grammar"
+    assert tool_calls.constraint(_tools("auto")) is None
+    none = _tools("none")
+    assert tool_calls.render_messages([{"role": "user", "content": "x"}], none) == [{"role": "user", "content": "x"}]
+
+
+@pytest.mark.parametrize("body, message", [
+    ({"tools": []}, "tools: must be a non-empty list"),
+    ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools[0].function.name"),
+    ({"tools": [WEATHER, WEATHER]}, "tools[1].function.name: 'get_weather' is given twice"),
+    ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice: 'sometimes' is not one of"),
+    ({"tool_choice": "required"}, "tool_choice: needs tools"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": [1]}}]}, "tools[0].function.parameters"),
+    ({"tools": [WEATHER], "parallel_tool_calls": "yes"}, "parallel_tool_calls: must be true or false"),
+])
+def test_bad_tools_are_refused_by_name(body, message):
+    with pytest.raises(InvalidRequest, match=message.replace("[", r"\[").replace("]", r"\]")):
+        tool_calls.parse_tools(body)
