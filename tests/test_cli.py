@@ -1,6 +1,7 @@
 """`jaxcb generate` as a user runs it, in a subprocess, on the tiny GGUF model."""
 
 import json
+import re
 import subprocess
 import sys
 
@@ -32,6 +33,11 @@ def test_generate_file_keeps_order_and_reports_bad_lines(tiny_gguf_path, small_c
         {"prompt_token_ids": [5, 100000], "max_tokens": 3},
         {"prompt": "hi", "max_tokens": 0},
         {"prompt": "is it", "chat": False, "max_tokens": 4, "ignore_eos": True},
+        {"prompt": "a code", "max_tokens": 40, "structured_outputs": {"regex": "[A-Z]{2}-[0-9]{3}"}},
+        {"prompt": "json", "max_tokens": 60, "response_format": {"type": "json_schema", "json_schema": {
+            "name": "x", "schema": {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+                                    "additionalProperties": False}}}},
+        {"prompt": "bad", "max_tokens": 4, "structured_outputs": {"regex": "[a-"}},
     ]
     inp = tmp_path / "in.jsonl"
     inp.write_text("\n".join(l if isinstance(l, str) else json.dumps(l) for l in lines) + "\n")
@@ -41,9 +47,12 @@ def test_generate_file_keeps_order_and_reports_bad_lines(tiny_gguf_path, small_c
     assert "line 3: not valid JSON" in r.stderr
     assert "line 4: prompt_token_ids: token id 100000 is outside the vocabulary [0, 284)" in r.stderr
     assert "line 5: max_tokens: must be >= 1, got 0" in r.stderr
+    assert "line 9: structured_outputs.regex: not a valid regex" in r.stderr
     results = [json.loads(l) for l in out.read_text().splitlines()]
-    assert len(results) == 6
-    assert [r.get("line") for r in results] == [None, None, 3, 4, 5, None]
+    assert len(results) == 9
+    assert [r.get("line") for r in results] == [None, None, 3, 4, 5, None, None, None, 9]
+    assert re.fullmatch(r"[A-Z]{2}-[0-9]{3}", results[6]["text"]), results[6]
+    assert json.loads(results[7]["text"]) in ({"ok": True}, {"ok": False})
     assert len(results[0]["token_ids"]) == 5 and results[0]["finish_reason"] == "length"
     assert results[1]["prompt_token_ids"] == [5, 6, 7] and results[1]["id"] == "abc"
     assert results[5]["finish_reason"] == "length" and len(results[5]["token_ids"]) == 4

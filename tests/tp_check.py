@@ -32,6 +32,7 @@ def main(workdir: str) -> None:
 
     from jaxcb.host.engine_config import make_config
     from jaxcb.host.request import SamplingParams
+    from jaxcb.host.structured import Constraint
     from jaxcb.llm import LLM, load_model
     from jaxcb.model.config import tiny_config
 
@@ -56,7 +57,10 @@ def main(workdir: str) -> None:
             llm.warmup()
             engines = llm.replicas.engines if llm.replicas else [llm.engine]
             before = engines[0].stats().compilations
-            tokens = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=24, ignore_eos=True))]
+            params = [SamplingParams(max_tokens=24, ignore_eos=True)] * len(prompts)
+            if tok is not None:  # a structured-output row among them: its mask is a step input like any other
+                params[2] = SamplingParams(max_tokens=24, structured=Constraint("regex", "[a-z]{3,40}"))
+            tokens = [o.token_ids for o in llm.generate(prompts, params)]
             llm.close()
             for e in engines:
                 e.pool.check_all_free()

@@ -25,6 +25,7 @@ import dataclasses
 import numpy as np
 
 from jaxcb.host.page_pool import NULL_PAGE
+from jaxcb.host.request import SamplingParams
 
 
 @dataclasses.dataclass
@@ -120,7 +121,7 @@ class SeqSpec:
 
 @dataclasses.dataclass(slots=True)
 class SamplingRow:
-    params: "object"  # request.SamplingParams
+    params: SamplingParams
     seed: int  # 64-bit
     prompt_ids: list[int]
     output_ids: list[int]

@@ -236,6 +236,9 @@ class Engine:
             prefill_budget=ctl.prefill_budget if ctl else self.scheduler.config.max_prefill_tokens,
             measured_p99_tpot_ms=ctl.measured_p99_tpot_ms if ctl else 0.0,
             measured_p99_ttft_ms=ctl.measured_p99_ttft_ms if ctl else 0.0,
+            structured_steps=c.structured_steps,
+            structured_rows_per_step=c.structured_rows / c.structured_steps if c.structured_steps else 0.0,
+            mask_ms_per_step=1000 * c.mask_s / c.structured_steps if c.structured_steps else 0.0,
         )
 
     def reset_counters(self) -> None:
@@ -324,7 +327,11 @@ class Engine:
         sampling = pack_sampling(rows, shape, self.model_config.vocab_size)
         constrained = [(c.request.matcher, i) for i, c in enumerate(chunks) if c.samples and c.request.matcher]
         if constrained:  # each constrained row's next-token mask (the rest stay all ones)
+            t0 = time.perf_counter()
             self.grammars.fill_masks([m for m, _ in constrained], [i for _, i in constrained], sampling.allowed)
+            self._counters.mask_s += time.perf_counter() - t0
+            self._counters.structured_steps += 1
+            self._counters.structured_rows += len(constrained)
         cnt = self._counters
         cnt.slots += shape.tokens
         cnt.live += live

@@ -43,6 +43,9 @@ class Counters:
     page_tokens: int = 0  # ... of those, holding a token
     host_s: float = 0.0  # time the device waited for the host with nothing queued
     step_s: float = 0.0  # time from one step's tokens to the next's
+    structured_steps: int = 0  # steps with a structured-output row (jaxcb.host.structured)
+    structured_rows: int = 0  # ... their constrained rows, summed
+    mask_s: float = 0.0  # host time computing those rows' masks
 
 
 @dataclasses.dataclass
@@ -73,3 +76,6 @@ class EngineStats:
     prefill_budget: int = 0  # prompt tokens per step now (the latency controller moves it)
     measured_p99_tpot_ms: float = 0.0  # with a latency target: p99 time per token of recent requests
     measured_p99_ttft_ms: float = 0.0  # ... and of their first tokens
+    structured_steps: int = 0  # steps with structured-output rows (not pipelined: their tokens decide the next mask)
+    structured_rows_per_step: float = 0.0  # ... their mean number of constrained rows
+    mask_ms_per_step: float = 0.0  # ... the host's mean time computing their masks

@@ -185,9 +185,13 @@ class Grammars:
         eos = list(eos_ids) or ([tokenizer.eos_id] if tokenizer.eos_id is not None else [])
         # The tokenizer's own definition (Hugging Face tokenizers), the model's vocabulary width: the
         # mask covers every logit, and ids past the tokenizer's vocabulary are never allowed.
-        self.tokenizer = llguidance.LLTokenizer(tokenizer.to_str(), n_vocab=vocab_size, eos_token=eos or None)
+        # llguidance's vocabulary covers the tokenizer's too (a model may have fewer logits than the
+        # tokenizer has tokens): its masks are that wide, the step's `allowed` the model's width.
+        n_vocab = max(vocab_size, getattr(tokenizer, "vocab_size", 0) or 0)
+        self.tokenizer = llguidance.LLTokenizer(tokenizer.to_str(), n_vocab=n_vocab, eos_token=eos or None)
         self.vocab_size = vocab_size
         self.words = (vocab_size + 31) // 32
+        self._llg_words = (n_vocab + 31) // 32
         self.limits = llguidance.LLParserLimits(**LIMITS)
         self._executor = llguidance.LLExecutor(num_threads=2)
         self._cache: collections.OrderedDict[Constraint, object] = collections.OrderedDict()
@@ -218,11 +222,17 @@ class Grammars:
     def fill_masks(self, matchers: list, rows: list[int], allowed: np.ndarray) -> None:
         """Write each matcher's next-token mask into row rows[i] of `allowed` (int32 [M, words]), in
         parallel."""
+        assert allowed.dtype == np.int32 and allowed.flags["C_CONTIGUOUS"] and allowed.shape[1] == self.words
+        target = allowed
+        if self._llg_words != self.words:  # wider masks: computed aside, cut to the model's width
+            target = np.empty((allowed.shape[0], self._llg_words), np.int32)
         if len(matchers) == 1:
-            matchers[0].unsafe_compute_mask_ptr(allowed[rows[0]].ctypes.data, self.words * 4)
-            return
-        self._executor.unsafe_compute_mask_ptr(list(zip(matchers, rows)), allowed.ctypes.data, self.words * 4,
-                                               allowed.shape[0])
+            matchers[0].unsafe_compute_mask_ptr(target[rows[0]].ctypes.data, self._llg_words * 4)
+        else:
+            self._executor.unsafe_compute_mask_ptr(list(zip(matchers, rows)), target.ctypes.data, self._llg_words * 4,
+                                                   target.shape[0])
+        if target is not allowed:
+            allowed[rows] = target[rows, :self.words]
 
 
 _SHARED: "weakref.WeakKeyDictionary[object, dict]" = weakref.WeakKeyDictionary()
