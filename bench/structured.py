@@ -92,7 +92,7 @@ def random_grammar(rng: random.Random) -> tuple[str, str]:
     ])
 
 
-def validity(llm, n_schemas: int, seed: int = 0) -> dict:
+def validity(llm, n_schemas: int, seed: int = 0, max_tokens: int = 256, modes=(True, False)) -> dict:
     import jsonschema
 
     from jaxcb.host.request import SamplingParams
@@ -126,9 +126,9 @@ def validity(llm, n_schemas: int, seed: int = 0) -> dict:
         cases.append(("grammar", Constraint("grammar", grammar), f"Write text in this grammar:\n{grammar}",
                       lambda t, r=lang: re.fullmatch(r, t) is not None))
     out = {}
-    for constrained in (True, False):
+    for constrained in modes:
         convs = [[{"role": "user", "content": prompt}] for _, _, prompt, _ in cases]
-        params = [SamplingParams(max_tokens=256, temperature=1.0, seed=i, structured=c if constrained else None)
+        params = [SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=i, structured=c if constrained else None)
                   for i, (_, c, _, _) in enumerate(cases)]
         t0 = time.perf_counter()
         results = llm.chat(convs, params)
@@ -142,7 +142,11 @@ def validity(llm, n_schemas: int, seed: int = 0) -> dict:
             by_kind.setdefault(kind, []).append((check(text), r.finish_reason))
         label = "constrained" if constrained else "unconstrained"
         out[label] = {kind: {"requests": len(v), "valid_share": round(sum(ok for ok, _ in v) / len(v), 4),
-                             "length_cut": sum(f == "length" for _, f in v)} for kind, v in by_kind.items()}
+                             "length_cut": sum(f == "length" for _, f in v),
+                             "valid_share_of_finished": round(sum(ok for ok, f in v if f != "length")
+                                                              / max(1, sum(f != "length" for _, f in v)), 4)}
+                      for kind, v in by_kind.items()}
+        out[label]["max_tokens"] = max_tokens
         out[label]["wall_s"] = round(wall, 1)
         print(label, json.dumps(out[label]), flush=True)
     return out
@@ -181,11 +185,14 @@ def throughput(llm, repeats: int = 2) -> dict:
         st = engine.stats()
         halves.update(wall_s=round(time.perf_counter() - t0, 2), structured_steps=st.structured_steps,
                       structured_rows_per_step=round(st.structured_rows_per_step, 1),
-                      mask_ms_per_step=round(st.mask_ms_per_step, 2), steps=engine._counters.steps)
+                      mask_ms_per_step=round(st.mask_ms_per_step, 2), mask_wait_fraction=round(st.mask_wait_fraction, 3),
+                      mask_wait_ms=round(st.mask_wait_ms, 2), steps=engine._counters.steps)
         assert sum(tokens.values()) == sum(lens), "a request did not make its max_tokens"
         return halves
 
     run(False)  # warm
+    result = {"mask_ms_at_32_rows": mask_time(engine, constraint)}
+    print(json.dumps(result), flush=True)
     rows = []
     for _ in range(repeats):
         free, mixed = run(False), run(True)
@@ -193,10 +200,41 @@ def throughput(llm, repeats: int = 2) -> dict:
                      "constrained_half_ratio": round(mixed["constrained_half"] / free["constrained_half"], 3),
                      "free_half_ratio": round(mixed["free_half"] / free["free_half"], 3)})
         print(json.dumps(rows[-1]), flush=True)
-    return {"runs": rows}
+    result["runs"] = rows
+    return result
 
 
-def tool_calls(n: int) -> dict:
+def mask_time(engine, constraint, rows: int = 32, steps: int = 60) -> dict:
+    """The host's time for one step's masks at `rows` constrained rows, each advancing by a random
+    allowed token (the JSON array schema and a nested-object schema)."""
+    import numpy as np
+
+    from jaxcb.host.structured import Constraint
+
+    out = {}
+    nested = Constraint.json_schema(random_schema(random.Random(5)))
+    for name, c in (("long_array", constraint), ("nested_object", nested)):
+        g = engine.grammars
+        matchers = [g.matcher(c) for _ in range(rows)]
+        allowed = np.full((rows, g.words), -1, np.int32)
+        rng = np.random.default_rng(0)
+        times = []
+        for _ in range(steps):
+            live = [i for i, m in enumerate(matchers) if not m.is_stopped()]
+            if not live:
+                break
+            t0 = time.perf_counter()
+            g.fill_masks([matchers[i] for i in live], live, allowed)
+            times.append(time.perf_counter() - t0)
+            for i in live:
+                bits = np.unpackbits(allowed[i].view(np.uint8), bitorder="little")[:g.vocab_size]
+                matchers[i].consume_token(int(rng.choice(np.nonzero(bits)[0])))
+        out[name] = {"mean_ms": round(1000 * float(np.mean(times)), 2), "p99_ms": round(1000 * float(np.quantile(times, 0.99)), 2),
+                     "steps": len(times)}
+    return out
+
+
+def tool_calls(n: int, max_tokens: int = 400) -> dict:
     import jsonschema
     import openai
 
@@ -230,13 +268,15 @@ def tool_calls(n: int) -> dict:
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{http}/v1", api_key="x", max_retries=0)
         model = client.models.list().data[0].id
         valid = {"plain": 0, "streamed": 0}
+        finishes = []
         first_delta = []
         for i in range(n):
             messages = [{"role": "user", "content": questions[i % len(questions)]}]
-            kw = dict(model=model, messages=messages, tools=tools, tool_choice="required", max_tokens=200,
+            kw = dict(model=model, messages=messages, tools=tools, tool_choice="required", max_tokens=max_tokens,
                       temperature=1.0, seed=i, parallel_tool_calls=False)
             r = client.chat.completions.create(**kw)
             calls = r.choices[0].message.tool_calls or []
+            finishes.append(r.choices[0].finish_reason)
             valid["plain"] += bool(calls) and r.choices[0].finish_reason == "tool_calls" and all(
                 _validates(jsonschema, json.loads(c.function.arguments), schemas[c.function.name]) for c in calls)
             t0 = time.perf_counter()
@@ -254,7 +294,8 @@ def tool_calls(n: int) -> dict:
     finally:
         server.stop()
     first_delta = sorted(x for x in first_delta if x is not None)
-    return {"requests_each": n, "valid_share_plain": valid["plain"] / n, "valid_share_streamed": valid["streamed"] / n,
+    return {"requests_each": n, "max_tokens": max_tokens, "finish_reasons": {f: finishes.count(f) for f in set(finishes)},
+            "valid_share_plain": valid["plain"] / n, "valid_share_streamed": valid["streamed"] / n,
             "first_tool_call_delta_s_p50": round(first_delta[len(first_delta) // 2], 3) if first_delta else None,
             "first_tool_call_delta_s_max": round(first_delta[-1], 3) if first_delta else None}
 
@@ -279,6 +320,8 @@ def main() -> None:
     ap.add_argument("--schemas", type=int, default=200)
     ap.add_argument("--tool-requests", type=int, default=20)
     ap.add_argument("--parts", nargs="+", default=["validity", "throughput", "tools"])
+    ap.add_argument("--max-tokens", type=int, default=256, help="validity: each request's max_tokens")
+    ap.add_argument("--constrained-only", action="store_true", help="validity: skip the unconstrained comparison")
     ap.add_argument("--out", default="bench/results/structured.json")
     args = ap.parse_args()
     from jaxcb.llm import LLM
@@ -288,7 +331,8 @@ def main() -> None:
         llm = LLM()
         llm.warmup()
         if "validity" in args.parts:
-            result["validity"] = validity(llm, args.schemas)
+            result["validity"] = validity(llm, args.schemas, max_tokens=args.max_tokens,
+                                          modes=(True,) if args.constrained_only else (True, False))
         if "throughput" in args.parts:
             result["throughput"] = throughput(llm)
         llm.close()

@@ -83,15 +83,24 @@ def test_constrained_output_is_the_same_under_preemption_and_without_async(make_
     assert any(preempted), "no constrained request was preempted"
 
 
-def test_a_constrained_step_is_completed_before_the_next_is_scheduled(make_llm):
-    llm = make_llm()
-    engine = llm.engine
-    engine.add_request([5, 6, 7], SamplingParams(max_tokens=8, structured=CONSTRAINTS["regex"]))
-    engine.add_request([8, 9], SamplingParams(max_tokens=8, ignore_eos=True))
-    while engine.has_work():
-        engine.step()
-        # A step with a constrained row never stays in flight: its token decides the next mask.
-        assert not any(s.constrained for s in engine._in_flight)
+def test_async_scheduling_gives_the_synchronous_tokens_with_constraints_in_the_batch(make_llm):
+    """With async scheduling a constrained row's step is packed while the step before it runs; its
+    mask waits only for that step's tokens. The tokens are those of the synchronous engine."""
+    prompts = [[5 + i] + list(range(6, 6 + 3 * i)) for i in range(8)]
+    kinds = list(CONSTRAINTS) * 2
+    params = [SamplingParams(max_tokens=150, temperature=0.8 * (i % 2), seed=i,
+                             structured=CONSTRAINTS[k] if i % 3 else None, ignore_eos=not i % 3)
+              for i, k in enumerate(kinds)]
+    sync = make_llm(async_scheduling=False).generate(prompts, params)
+    llm = make_llm(async_scheduling=True)
+    got = llm.generate(prompts, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in sync]
+    st = llm.engine.stats()
+    assert st.structured_steps > 0 and st.structured_rows_per_step >= 1
+    for i, (o, k) in enumerate(zip(got, kinds)):
+        if i % 3:
+            assert o.finish_reason == "stop", (k, o.text)
+            _check(k, o.text)
 
 
 @pytest.mark.parametrize("constraint, message", [
@@ -157,3 +166,29 @@ def test_the_embedded_models_tokenizers_spell_multibyte_choices_exactly(model):
             ids = ids[1:]
         assert m.consume_tokens(ids), (word, m.get_error())
         assert m.is_accepting() and tok.decode(ids) == word
+
+
+def test_constraints_hold_with_round_robin_stop_strings_logprobs_and_abort(make_llm):
+    """Round-robin yielding (a request gives its slot away and comes back: its matcher keeps its state),
+    stop strings (the text ends before the stop, the tokens stay grammar-valid), logprobs (of the
+    model's own distribution), and an abort mid-generation (its pages come back: the fixture checks)."""
+    prompts = [[5 + i, 6, 7] for i in range(6)]
+    params = [SamplingParams(max_tokens=120, temperature=1.0, seed=i, structured=CONSTRAINTS["json"]) for i in range(6)]
+    ample = make_llm().generate(prompts, params)
+    rr = make_llm(policy="round-robin", quantum_tokens=4, decode_batch=(1, 2))
+    got = rr.generate(prompts, params)
+    assert rr.engine.stats().switches > 0
+    assert [o.token_ids for o in got] == [o.token_ids for o in ample]
+    for o in got:
+        _check("json", o.text)
+    llm = make_llm()
+    (stopped,) = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=120, stop=('"age"',), logprobs=2,
+                                                          structured=CONSTRAINTS["json"]))
+    assert stopped.text.startswith('{"') and '"age"' not in stopped.text
+    assert len(stopped.logprobs) == len(stopped.token_ids)
+    engine = llm.engine
+    rid = engine.add_request([8, 9], SamplingParams(max_tokens=100, structured=CONSTRAINTS["grammar"]))
+    for _ in range(3):
+        engine.step()
+    engine.abort(rid)
+    engine.run_until_done()

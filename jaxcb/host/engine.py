@@ -69,7 +69,6 @@ class _InFlight:
     result: object
     padded_tokens: int = 0  # the step's token bucket
     started: float | None = None  # when the device could start it: its dispatch when nothing ran before it
-    constrained: bool = False  # it samples a structured-output row: the next step waits for its tokens
 
 
 class Runner(Protocol):
@@ -239,6 +238,8 @@ class Engine:
             structured_steps=c.structured_steps,
             structured_rows_per_step=c.structured_rows / c.structured_steps if c.structured_steps else 0.0,
             mask_ms_per_step=1000 * c.mask_s / c.structured_steps if c.structured_steps else 0.0,
+            mask_wait_fraction=c.mask_waits / c.structured_steps if c.structured_steps else 0.0,
+            mask_wait_ms=1000 * c.mask_wait_s / c.mask_waits if c.mask_waits else 0.0,
         )
 
     def reset_counters(self) -> None:
@@ -285,25 +286,32 @@ class Engine:
             try:
                 if self.fault_injector is not None:
                     self.fault_injector(out)
-                self._in_flight.append(self._launch(out.decode + out.prefill, out.num_static_rows))
+                self._in_flight.append(self._launch(out.decode + out.prefill, out.num_static_rows, events))
                 launched = True
             except Exception as e:  # noqa: BLE001 - a failed step fails its own requests; the engine goes on
                 self._fail_step(out.decode + out.prefill, e, events)
         # Nothing ran and nothing came back: requests wait behind a closed batching window (the caller
         # sleeps until it opens). A step that came back may have made room: the caller steps again at once.
         self.last_step_idle = not launched and not self._in_flight
-        # Async: the step just launched stays in flight while the next is scheduled, unless it samples a
-        # structured-output row, whose next mask needs the token it samples.
-        keep = 1 if launched and self.scheduler.config.async_scheduling and not self._in_flight[-1].constrained else 0
+        keep = 1 if launched and self.scheduler.config.async_scheduling else 0
         while len(self._in_flight) > keep:
             self._complete(self._in_flight.popleft(), events)
         return events
 
-    def _launch(self, chunks: list[Chunk], num_static_rows: int) -> _InFlight:
+    def _launch(self, chunks: list[Chunk], num_static_rows: int, events: list[TokenEvent]) -> _InFlight:
         """Pack the step into one batch of its token bucket and dispatch it (one jitted call, not
         waited for). A decode token whose id is still on the device (sampled by the step in flight)
-        is read there by the step itself."""
+        is read there by the step itself.
+
+        Structured output: a constrained row's mask needs its input token. When that token is the step
+        in flight's, this step is scheduled and packed while that one runs, then that one's tokens are
+        taken (the matchers advance) and the masks computed, and only then is this one dispatched: the
+        device waits for the masks alone, and rows without a constraint lose only that."""
         packing = self._clock()
+        # Each request's preemption count now: a request that the step completed below preempts
+        # ignores this step's results.
+        epochs = [c.request.num_preemptions for c in chunks]
+        pipelined = bool(self._in_flight)
         s = self.config.page_size
         live = sum(c.num_tokens for c in chunks)
         # Static batching pays for the batch's finished rows too: they stay padded in.
@@ -325,13 +333,7 @@ class Engine:
                                     pending=pending))
         batch = pack(specs, shape, s, self.window_group.window if self.window_group else 0)
         sampling = pack_sampling(rows, shape, self.model_config.vocab_size)
-        constrained = [(c.request.matcher, i) for i, c in enumerate(chunks) if c.samples and c.request.matcher]
-        if constrained:  # each constrained row's next-token mask (the rest stay all ones)
-            t0 = time.perf_counter()
-            self.grammars.fill_masks([m for m, _ in constrained], [i for _, i in constrained], sampling.allowed)
-            self._counters.mask_s += time.perf_counter() - t0
-            self._counters.structured_steps += 1
-            self._counters.structured_rows += len(constrained)
+        constrained = [i for i, c in enumerate(chunks) if c.samples and c.request.matcher is not None]
         cnt = self._counters
         cnt.slots += shape.tokens
         cnt.live += live
@@ -349,15 +351,36 @@ class Engine:
         cnt.page_slots += page_slots
         cnt.page_tokens += page_tokens
         cnt.prompt_tokens_computed += prompt_tokens
-        pipelined = bool(self._in_flight)
+        waited = not pipelined
+        early = False
+        if constrained:
+            if self._in_flight and any(rows[i].pending for i in constrained):
+                self._complete(self._in_flight.popleft(), events)  # their input tokens, to the matchers
+                waited = early = True
+            self._fill_masks([chunks[i].request for i in constrained], constrained, sampling.allowed)
+        started = self._clock() if pipelined and waited else None
         result = self.runner.run(batch, sampling, shape)
         dispatch_end = self._clock()
-        if not pipelined and self._last_fetch_end is not None:  # the device idled since the last fetch
+        if early and self._last_fetch_end is not None:
+            cnt.mask_waits += 1
+            cnt.mask_wait_s += dispatch_end - self._last_fetch_end
+        if waited and self._last_fetch_end is not None:  # the device idled since the last fetch
             cnt.host_s += dispatch_end - self._last_fetch_end
         self._step_id += 1
         self.scheduler.on_launched(chunks, self._step_id)
-        return _InFlight(chunks, [c.request.num_preemptions for c in chunks], result, shape.tokens,
-                         None if pipelined else packing, constrained=bool(constrained))
+        return _InFlight(chunks, epochs, result, shape.tokens, started if pipelined else packing)
+
+    def _fill_masks(self, requests: list[Request], rows: list[int], allowed: np.ndarray) -> None:
+        """The constrained rows' next-token masks (the rest stay all ones). A request that ended since
+        it was scheduled (its row's result will be ignored) keeps an all-ones row."""
+        t0 = time.perf_counter()
+        live = [(r.matcher, i) for r, i in zip(requests, rows)
+                if r.status is Status.RUNNING and not r.matcher.is_stopped() and not r.matcher.is_error()]
+        if live:
+            self.grammars.fill_masks([m for m, _ in live], [i for _, i in live], allowed)
+        self._counters.mask_s += time.perf_counter() - t0
+        self._counters.structured_steps += 1
+        self._counters.structured_rows += len(live)
 
     def _complete(self, step: _InFlight, events: list[TokenEvent]) -> None:
         """Wait for a launched step's tokens (the one device-to-host copy) and process them."""

@@ -46,6 +46,8 @@ class Counters:
     structured_steps: int = 0  # steps with a structured-output row (jaxcb.host.structured)
     structured_rows: int = 0  # ... their constrained rows, summed
     mask_s: float = 0.0  # host time computing those rows' masks
+    mask_waits: int = 0  # ... steps whose dispatch waited for the step before (its tokens, then the masks)
+    mask_wait_s: float = 0.0  # ... the device's idle time from that step's tokens to this one's dispatch
 
 
 @dataclasses.dataclass
@@ -79,3 +81,5 @@ class EngineStats:
     structured_steps: int = 0  # steps with structured-output rows (not pipelined: their tokens decide the next mask)
     structured_rows_per_step: float = 0.0  # ... their mean number of constrained rows
     mask_ms_per_step: float = 0.0  # ... the host's mean time computing their masks
+    mask_wait_fraction: float = 0.0  # ... the share whose dispatch waited for the step before's tokens
+    mask_wait_ms: float = 0.0  # ... the device's mean idle time in such a wait
