@@ -19,16 +19,21 @@ from serve.client import Client
 from tests.server_util import ServerProcess, free_port
 
 
-@pytest.fixture(scope="module")
-def server(tiny_gguf_path, config_path):
+def _http_server(model: str, config: str):
+    """A `jaxcb serve` with the HTTP API (its URL as .http), stopped cleanly at the end."""
     http = free_port()
-    s = ServerProcess(tiny_gguf_path, config_path, "--http-port", str(http))
+    s = ServerProcess(model, config, "--http-port", str(http))
     s.http = f"http://127.0.0.1:{http}"
     try:
         s.wait_serving()
         yield s
     finally:
         assert s.stop() == 0, s.output()
+
+
+@pytest.fixture(scope="module")
+def server(tiny_gguf_path, config_path):
+    yield from _http_server(tiny_gguf_path, config_path)
 
 
 @pytest.fixture(scope="module")
@@ -379,14 +384,7 @@ def long_server(tmp_path_factory):
     write_tiny_gguf(model, tiny_model_config(max_context=2048))
     path.write_text("[cache]\npage_size = 16\nnum_pages = 256\n[scheduler]\nmax_context = 2048\n"
                     "max_prefill_tokens = 256\n[buckets]\ndecode_batch = [1, 4]\nprefill_tokens = [256]\n")
-    http = free_port()
-    s = ServerProcess(model, str(path), "--http-port", str(http))
-    s.http = f"http://127.0.0.1:{http}"
-    try:
-        s.wait_serving()
-        yield s
-    finally:
-        assert s.stop() == 0, s.output()
+    yield from _http_server(model, str(path))
 
 
 def test_required_tool_calls_parse_and_validate_streamed_and_not(long_server):
