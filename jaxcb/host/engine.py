@@ -34,7 +34,7 @@ from jaxcb.host.errors import InvalidRequest, StepFailed
 from jaxcb.host.output import EventCallback, Outputs
 from jaxcb.host.page_pool import PagePool
 from jaxcb.host.request import (FinishReason, Request, SamplingParams, Status, TokenEvent, check_priority,
-                                check_prompt_length)
+                                check_tokens)
 from jaxcb.host.scheduler import Chunk, Scheduler
 from jaxcb.host.structured import grammars_for
 from jaxcb.host.window import WindowGroup
@@ -141,21 +141,7 @@ class Engine:
     # ---- the API (thread-safe) ----
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """Raise InvalidRequest naming the field and the limit; touches no engine state."""
-        # Sizes first: nothing is scanned or copied past a limit.
-        check_prompt_length("prompt", len(prompt_ids), self.max_context)
-        if len(prompt_ids) + params.max_tokens > self.max_context:
-            raise InvalidRequest(
-                f"max_tokens: prompt ({len(prompt_ids)}) + max_tokens ({params.max_tokens}) exceeds the "
-                f"context limit of {self.max_context} tokens"
-            )
-        v = self.model_config.vocab_size
-        bad = next((t for t in prompt_ids if isinstance(t, bool) or not isinstance(t, (int, np.integer))
-                    or not 0 <= int(t) < v), None)
-        if bad is not None:
-            raise InvalidRequest(f"prompt_token_ids: token id {bad!r} is outside the vocabulary [0, {v})")
-        bad = next((t for t in params.stop_token_ids if not 0 <= t < v), None)
-        if bad is not None:
-            raise InvalidRequest(f"stop_token_ids: token id {bad} is outside the vocabulary [0, {v})")
+        check_tokens(prompt_ids, params, self.max_context, self.model_config.vocab_size)
         if params.structured is not None:
             self.grammars.compile(params.structured)  # cached after the first: check it off the event loop
         self.scheduler.check_fits(Request(list(prompt_ids), params))
@@ -214,33 +200,8 @@ class Engine:
         return self.scheduler.has_work or not self._inbox.empty() or bool(self._in_flight)
 
     def stats(self) -> EngineStats:
-        c, cache, ctl = self._counters, self.scheduler.cache, self.scheduler.controller
-        return EngineStats(
-            running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
-            pages_total=self.pool.num_usable, pages_free=self.pool.num_free, pages_in_use=self.pool.num_in_use,
-            compilations=self.runner.compilations(), preemptions=self.scheduler.num_preemptions,
-            prompt_tokens_computed=c.prompt_tokens_computed, output_tokens=c.output_tokens, steps=c.steps,
-            padding_fraction=(c.slots - c.live) / c.slots if c.slots else 0.0,
-            page_utilization=c.page_tokens / c.page_slots if c.page_slots else 0.0,
-            host_wait_fraction=c.host_s / c.step_s if c.step_s else 0.0,
-            pages_cached=self.pool.num_cached,
-            prefix_cache_queries=cache.num_queried_tokens if cache else 0,
-            prefix_cache_hits=cache.num_hit_tokens if cache else 0,
-            failed_steps=self.num_failed_steps,
-            window_pages_total=self.window_group.pool.num_usable if self.window_group else 0,
-            window_pages_in_use=self.window_group.pool.num_in_use if self.window_group else 0,
-            switches=self.scheduler.num_switches, recomputed_tokens=self.scheduler.num_recomputed_tokens,
-            switch_recomputed_tokens=self.scheduler.num_switch_recomputed_tokens,
-            running_limit=self.scheduler.running_limit,
-            prefill_budget=ctl.prefill_budget if ctl else self.scheduler.config.max_prefill_tokens,
-            measured_p99_tpot_ms=ctl.measured_p99_tpot_ms if ctl else 0.0,
-            measured_p99_ttft_ms=ctl.measured_p99_ttft_ms if ctl else 0.0,
-            structured_steps=c.structured_steps,
-            structured_rows_per_step=c.structured_rows / c.structured_steps if c.structured_steps else 0.0,
-            mask_ms_per_step=1000 * c.mask_s / c.structured_steps if c.structured_steps else 0.0,
-            mask_wait_fraction=c.mask_waits / c.structured_steps if c.structured_steps else 0.0,
-            mask_wait_ms=1000 * c.mask_wait_s / c.mask_waits if c.mask_waits else 0.0,
-        )
+        return EngineStats.of(self._counters, self.scheduler, self.pool, self.window_group,
+                              compilations=self.runner.compilations(), failed_steps=self.num_failed_steps)
 
     def reset_counters(self) -> None:
         self._counters = Counters()
@@ -334,30 +295,24 @@ class Engine:
         batch = pack(specs, shape, s, self.window_group.window if self.window_group else 0)
         sampling = pack_sampling(rows, shape, self.model_config.vocab_size)
         constrained = [i for i, c in enumerate(chunks) if c.samples and c.request.matcher is not None]
-        cnt = self._counters
-        cnt.slots += shape.tokens
-        cnt.live += live
-        refs, page_slots, page_tokens, prompt_tokens = self.pool.ref_counts, 0, 0, 0
+        refs = self.pool.ref_counts
         for c in chunks:
             r = c.request
             first, last = c.start // s, (c.start + c.num_tokens - 1) // s
             assert refs[r.page_ids[first]] == 1 and (first == last or all(
                 refs[p] == 1 for p in r.page_ids[first + 1:last + 1])), (
                 f"{r.key} would write into a page another request holds")
-            page_slots += len(r.page_ids) * s
-            page_tokens += c.start + c.num_tokens
-            if not (c.num_tokens == 1 and c.samples and c.start >= len(r.prompt_ids)):  # all but decode tokens
-                prompt_tokens += c.num_tokens
-        cnt.page_slots += page_slots
-        cnt.page_tokens += page_tokens
-        cnt.prompt_tokens_computed += prompt_tokens
+        cnt = self._counters
+        cnt.add_step(chunks, shape.tokens, live, s)
         waited = not pipelined
         early = False
         if constrained:
             if self._in_flight and any(rows[i].pending for i in constrained):
                 self._complete(self._in_flight.popleft(), events)  # their input tokens, to the matchers
                 waited = early = True
-            self._fill_masks([chunks[i].request for i in constrained], constrained, sampling.allowed)
+            t0 = time.perf_counter()
+            n = self.grammars.fill_rows([chunks[i].request for i in constrained], constrained, sampling.allowed)
+            cnt.add_masks(n, time.perf_counter() - t0)
         started = self._clock() if pipelined and waited else None
         result = self.runner.run(batch, sampling, shape)
         dispatch_end = self._clock()
@@ -369,18 +324,6 @@ class Engine:
         self._step_id += 1
         self.scheduler.on_launched(chunks, self._step_id)
         return _InFlight(chunks, epochs, result, shape.tokens, started if pipelined else packing)
-
-    def _fill_masks(self, requests: list[Request], rows: list[int], allowed: np.ndarray) -> None:
-        """The constrained rows' next-token masks (the rest stay all ones). A request that ended since
-        it was scheduled (its row's result will be ignored) keeps an all-ones row."""
-        t0 = time.perf_counter()
-        live = [(r.matcher, i) for r, i in zip(requests, rows)
-                if r.status is Status.RUNNING and not r.matcher.is_stopped() and not r.matcher.is_error()]
-        if live:
-            self.grammars.fill_masks([m for m, _ in live], [i for _, i in live], allowed)
-        self._counters.mask_s += time.perf_counter() - t0
-        self._counters.structured_steps += 1
-        self._counters.structured_rows += len(live)
 
     def _complete(self, step: _InFlight, events: list[TokenEvent]) -> None:
         """Wait for a launched step's tokens (the one device-to-host copy) and process them."""

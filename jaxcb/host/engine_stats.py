@@ -49,6 +49,23 @@ class Counters:
     mask_waits: int = 0  # ... steps whose dispatch waited for the step before (its tokens, then the masks)
     mask_wait_s: float = 0.0  # ... the device's idle time from that step's tokens to this one's dispatch
 
+    def add_step(self, chunks, padded_tokens: int, live: int, page_size: int) -> None:
+        """A launched step's slots, its sequences' page use and the prompt tokens it computes."""
+        self.slots += padded_tokens
+        self.live += live
+        for c in chunks:
+            r = c.request
+            self.page_slots += len(r.page_ids) * page_size
+            self.page_tokens += c.start + c.num_tokens
+            if not (c.num_tokens == 1 and c.samples and c.start >= len(r.prompt_ids)):  # all but decode tokens
+                self.prompt_tokens_computed += c.num_tokens
+
+    def add_masks(self, rows: int, seconds: float) -> None:
+        """A step with structured-output rows: `rows` masks computed in `seconds`."""
+        self.structured_steps += 1
+        self.structured_rows += rows
+        self.mask_s += seconds
+
 
 @dataclasses.dataclass
 class EngineStats:
@@ -83,3 +100,34 @@ class EngineStats:
     mask_ms_per_step: float = 0.0  # ... the host's mean time computing their masks
     mask_wait_fraction: float = 0.0  # ... the share whose dispatch waited for the step before's tokens
     mask_wait_ms: float = 0.0  # ... the device's mean idle time in such a wait
+
+    @classmethod
+    def of(cls, c: Counters, scheduler, pool, window_group, *, compilations: int, failed_steps: int) -> "EngineStats":
+        """An engine's stats from its counters and the state of its scheduler and page pools."""
+        cache, ctl = scheduler.cache, scheduler.controller
+        return cls(
+            running=len(scheduler.running), waiting=len(scheduler.waiting),
+            pages_total=pool.num_usable, pages_free=pool.num_free, pages_in_use=pool.num_in_use,
+            compilations=compilations, preemptions=scheduler.num_preemptions,
+            prompt_tokens_computed=c.prompt_tokens_computed, output_tokens=c.output_tokens, steps=c.steps,
+            padding_fraction=(c.slots - c.live) / c.slots if c.slots else 0.0,
+            page_utilization=c.page_tokens / c.page_slots if c.page_slots else 0.0,
+            host_wait_fraction=c.host_s / c.step_s if c.step_s else 0.0,
+            pages_cached=pool.num_cached,
+            prefix_cache_queries=cache.num_queried_tokens if cache else 0,
+            prefix_cache_hits=cache.num_hit_tokens if cache else 0,
+            failed_steps=failed_steps,
+            window_pages_total=window_group.pool.num_usable if window_group else 0,
+            window_pages_in_use=window_group.pool.num_in_use if window_group else 0,
+            switches=scheduler.num_switches, recomputed_tokens=scheduler.num_recomputed_tokens,
+            switch_recomputed_tokens=scheduler.num_switch_recomputed_tokens,
+            running_limit=scheduler.running_limit,
+            prefill_budget=ctl.prefill_budget if ctl else scheduler.config.max_prefill_tokens,
+            measured_p99_tpot_ms=ctl.measured_p99_tpot_ms if ctl else 0.0,
+            measured_p99_ttft_ms=ctl.measured_p99_ttft_ms if ctl else 0.0,
+            structured_steps=c.structured_steps,
+            structured_rows_per_step=c.structured_rows / c.structured_steps if c.structured_steps else 0.0,
+            mask_ms_per_step=1000 * c.mask_s / c.structured_steps if c.structured_steps else 0.0,
+            mask_wait_fraction=c.mask_waits / c.structured_steps if c.structured_steps else 0.0,
+            mask_wait_ms=1000 * c.mask_wait_s / c.mask_waits if c.mask_waits else 0.0,
+        )

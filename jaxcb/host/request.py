@@ -11,6 +11,8 @@ import itertools
 import math
 import time
 
+import numpy as np
+
 from jaxcb.host.errors import InvalidRequest
 from jaxcb.host.structured import Constraint
 
@@ -112,6 +114,23 @@ def check_prompt_length(field: str, tokens: int, max_context: int) -> None:
     if tokens >= max_context:
         raise InvalidRequest(f"{field}: {tokens} tokens; the limit is {max_context - 1} "
                              f"(context {max_context} tokens, at least one generated)")
+
+
+def check_tokens(prompt_ids, params: SamplingParams, max_context: int, vocab_size: int) -> None:
+    """A request's token ids against the context and the vocabulary: sizes first (nothing is scanned
+    past a limit), then every id."""
+    check_prompt_length("prompt", len(prompt_ids), max_context)
+    if len(prompt_ids) + params.max_tokens > max_context:
+        raise InvalidRequest(f"max_tokens: prompt ({len(prompt_ids)}) + max_tokens ({params.max_tokens}) exceeds the "
+                             f"context limit of {max_context} tokens")
+    v = vocab_size
+    bad = next((t for t in prompt_ids if isinstance(t, bool) or not isinstance(t, (int, np.integer))
+                or not 0 <= int(t) < v), None)
+    if bad is not None:
+        raise InvalidRequest(f"prompt_token_ids: token id {bad!r} is outside the vocabulary [0, {v})")
+    bad = next((t for t in params.stop_token_ids if not 0 <= t < v), None)
+    if bad is not None:
+        raise InvalidRequest(f"stop_token_ids: token id {bad} is outside the vocabulary [0, {v})")
 
 
 def _check_int(name, value, low=None, high=None):

@@ -219,6 +219,15 @@ class Grammars:
         """A fresh matcher for one sample of a request (a copy of the compiled one)."""
         return self.compile(c).deep_copy()
 
+    def fill_rows(self, requests: list, rows: list[int], allowed: np.ndarray) -> int:
+        """Row rows[i] of `allowed` gets requests[i]'s next-token mask; a request that ended since it
+        was scheduled (its row's result will be ignored) keeps an all-ones row. Returns the masks made."""
+        live = [(r.matcher, i) for r, i in zip(requests, rows)
+                if r.finish_reason is None and not r.matcher.is_stopped() and not r.matcher.is_error()]
+        if live:
+            self.fill_masks([m for m, _ in live], [i for _, i in live], allowed)
+        return len(live)
+
     def fill_masks(self, matchers: list, rows: list[int], allowed: np.ndarray) -> None:
         """Write each matcher's next-token mask into row rows[i] of `allowed` (int32 [M, words]), in
         parallel."""
