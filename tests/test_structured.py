@@ -111,6 +111,7 @@ def test_async_scheduling_gives_the_synchronous_tokens_with_constraints_in_the_b
     (lambda: Constraint.choice([]), "structured_outputs.choice: must be a non-empty list"),
     (lambda: Constraint("regex", "a" * 70_000), "the regex has 70000 characters; the limit is 65536"),
     (lambda: Constraint("sql", "x"), "the kind 'sql' is not one of"),
+    (lambda: Constraint("regex", "(" * 2000 + "a" + ")" * 2000), "structured_outputs: not a valid regex"),
 ])
 def test_a_bad_constraint_is_refused_by_name_before_it_runs(make_llm, constraint, message):
     llm = make_llm()
@@ -192,3 +193,20 @@ def test_constraints_hold_with_round_robin_stop_strings_logprobs_and_abort(make_
         engine.step()
     engine.abort(rid)
     engine.run_until_done()
+
+
+def test_a_constraint_that_compiles_too_long_is_refused_with_the_limit(monkeypatch):
+    """The server compiles a constraint off the event loop, within MAX_COMPILE_S (llguidance's own fuel
+    limits bound the work too): past it the request is refused, naming the limit."""
+    import asyncio
+    import time
+    import types
+
+    from serve import frontend
+
+    monkeypatch.setattr(frontend, "MAX_COMPILE_S", 0.2)
+    slow = types.SimpleNamespace(check_constraint=lambda c: time.sleep(1.0))
+    t0 = time.monotonic()
+    with pytest.raises(InvalidRequest, match=r"structured_outputs: compiling the regex took longer than the limit of 0.2 s"):
+        asyncio.run(frontend.check_constraint(types.SimpleNamespace(engine=slow), Constraint("regex", "a+")))
+    assert time.monotonic() - t0 < 5
