@@ -151,8 +151,7 @@ def make_app(state) -> FastAPI:
         messages = body.get("messages")
         if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
             raise bad_request("messages: must be a list of {role, content} objects")
-        frontend.check_messages("messages", [(str(m.get("role")), m.get("content") or "") for m in messages])
-        messages = tool_calls.render_messages(messages, tools)
+        messages = tool_calls.render_messages(messages, tools)  # checks each message's fields
         top = int_field(body, "top_logprobs", 0) or 0
         if not 0 <= top <= MAX_TOP_LOGPROBS:
             raise bad_request(f"top_logprobs: must be between 0 and {MAX_TOP_LOGPROBS}, got {top}")
@@ -160,7 +159,7 @@ def make_app(state) -> FastAPI:
         if top and not want:
             raise bad_request("top_logprobs: needs logprobs: true")
         limit = int_field(body, "max_completion_tokens", int_field(body, "max_tokens"))
-        frontend.check_messages("messages", [(m["role"], m["content"]) for m in messages])
+        frontend.check_messages("messages", [(m["role"], m["content"]) for m in messages])  # the rendered chat
         # Validated with a placeholder length first (every field before any tokenizing); the real
         # default max_tokens needs the prompt's length.
         params = sampling_params(body, max_tokens=1 if limit is None else limit, logprobs=max(top, 1) if want else 0)

@@ -1,7 +1,7 @@
 """The OpenAI HTTP API's request fields: the error shape, each field's type and range, the options both
 endpoints share, the prompt shapes and the JSON body itself. Every check here runs before a request
-starts (serve.openai_api), and a refusal is an HTTPError naming the field ("field: what is wrong").
-"""
+starts (serve.openai_api), and a refusal names the field ("field: what is wrong"): an HTTPError, or
+one of jaxcb's error kinds that the app's handler answers with http_error()."""
 
 from __future__ import annotations
 
@@ -83,25 +83,18 @@ def sampling_params(body: dict, *, max_tokens: int, logprobs: int) -> SamplingPa
     if stop is not None and not isinstance(stop, (str, list)):
         raise bad_request("stop: must be a string or a list of strings")
     if isinstance(stop, list):
-        try:
-            check_stop_counts(len(stop), 0)
-        except InvalidRequest as e:
-            raise http_error(e) from None
+        check_stop_counts(len(stop), 0)
     if isinstance(stop, list) and not all(isinstance(x, str) for x in stop):
         raise bad_request("stop: must be a string or a list of strings")
     ignore_eos = bool_field(body, "ignore_eos", False)
-    try:
-        structured = constraint_of(body)
-        return SamplingParams(
-            max_tokens=max_tokens, temperature=number_field(body, "temperature", 1.0), top_p=number_field(body, "top_p", 1.0),
-            top_k=int_field(body, "top_k", 0), min_p=number_field(body, "min_p", 0.0),
-            repetition_penalty=number_field(body, "repetition_penalty", 1.0),
-            presence_penalty=number_field(body, "presence_penalty", 0.0),
-            frequency_penalty=number_field(body, "frequency_penalty", 0.0), seed=int_field(body, "seed"),
-            stop=stop or (), ignore_eos=ignore_eos, logprobs=logprobs, n=int_field(body, "n", 1),
-            structured=structured)
-    except InvalidRequest as e:
-        raise http_error(e) from None
+    return SamplingParams(
+        max_tokens=max_tokens, temperature=number_field(body, "temperature", 1.0), top_p=number_field(body, "top_p", 1.0),
+        top_k=int_field(body, "top_k", 0), min_p=number_field(body, "min_p", 0.0),
+        repetition_penalty=number_field(body, "repetition_penalty", 1.0),
+        presence_penalty=number_field(body, "presence_penalty", 0.0),
+        frequency_penalty=number_field(body, "frequency_penalty", 0.0), seed=int_field(body, "seed"),
+        stop=stop or (), ignore_eos=ignore_eos, logprobs=logprobs, n=int_field(body, "n", 1),
+        structured=constraint_of(body))
 
 
 def constraint_of(body: dict) -> Constraint | None:
@@ -160,11 +153,8 @@ def common_fields(body: dict) -> RequestOptions:
         raise bad_request(f"logit_bias: must be an object, got {bias!r}")
     if bias:  # refused rather than ignored: a token the caller banned must not come out
         raise bad_request("logit_bias: not supported")
-    try:
-        check_priority(priority)
-        frontend.check_ids(request_id, salt)
-    except InvalidRequest as e:
-        raise http_error(e) from None
+    check_priority(priority)
+    frontend.check_ids(request_id, salt)
     return RequestOptions(stream, include_usage, priority, salt, request_id)
 
 

@@ -215,6 +215,7 @@ class CallStream:
         self.calls = 0
         self.sent_args = None  # the current call's arguments sent so far (None: its head not yet sent)
         self.block_called = False  # the current block's call has been sent (its head at least)
+        self.args_start = 0  # where the current call's arguments begin in its block
         self.ids: list[str] = []
 
     def feed(self, text: str, final: bool = False) -> tuple[str, list[dict]]:

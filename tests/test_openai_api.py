@@ -364,6 +364,9 @@ def test_response_format_and_structured_outputs_hold_on_both_endpoints(server, o
     ({"tools": [{"type": "function", "function": {"name": "bad name"}}]}, "tools[0].function.name", "must be 1-64"),
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
      "tool_choice.function.name", "is not one of the tools"),
+    ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content", "must be a string"),
+    ({"messages": [{"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "f", "arguments": "{"}}]}]},
+     "messages[0].tool_calls[0].function.arguments", "not valid JSON"),
 ])
 def test_a_bad_constraint_or_tool_is_a_400_naming_the_field(server, model_name, body, param, message):
     r = httpx.post(server.http + "/v1/chat/completions", timeout=30, json={

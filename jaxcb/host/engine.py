@@ -313,7 +313,7 @@ class Engine:
             t0 = time.perf_counter()
             n = self.grammars.fill_rows([chunks[i].request for i in constrained], constrained, sampling.allowed)
             cnt.add_masks(n, time.perf_counter() - t0)
-        started = self._clock() if pipelined and waited else None
+        started = self._clock() if early else None  # queued behind nothing: it starts at its dispatch
         result = self.runner.run(batch, sampling, shape)
         dispatch_end = self._clock()
         if early and self._last_fetch_end is not None:
