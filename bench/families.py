@@ -14,7 +14,6 @@ the end, in bytes of the engine's dtype.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import time
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
 
 from bench.common import machine, matmul_flops_per_s

@@ -12,7 +12,6 @@ the device's copy bandwidth measured in the same run (a large array copied: byte
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import time
 

@@ -8,7 +8,6 @@ sums where the build has them), best of 5, in one process.
 
 from __future__ import annotations
 
-import os
 import time
 
 import numpy as np

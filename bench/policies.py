@@ -343,7 +343,7 @@ def sweep(args):
 
 def simulate_device(args):
     from jaxcb.host.engine_config import load_config
-    from jaxcb.sim.simulate import DEVICES, MODELS, RooflineStepModel, simulate
+    from jaxcb.sim.simulate import DEVICES, MODELS, RooflineStepModel
 
     model = RooflineStepModel(DEVICES[args.simulate_device], MODELS["llama-3-8b"])
     config = load_config(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "configs",

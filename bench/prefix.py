@@ -12,7 +12,6 @@ were held at once (the most distinct pages at any system-prompt page position, o
 from __future__ import annotations
 
 import argparse
-import os
 import time
 
 import numpy as np

@@ -23,7 +23,6 @@ import argparse
 import asyncio
 import json
 import math
-import os
 import subprocess
 import sys
 import time

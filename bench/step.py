@@ -19,7 +19,6 @@ runs every choice back to back, so their ratio is measured under the same condit
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import time
 

@@ -12,7 +12,6 @@ hold-back tried every prefix of every string each token).
 from __future__ import annotations
 
 import argparse
-import os
 import time
 
 from bench.common import machine

@@ -58,6 +58,7 @@ def _sampling(req) -> SamplingParams:
         seed=s.seed if s.HasField("seed") else None, stop=tuple(req.stop),
         stop_token_ids=tuple(req.stop_token_ids), ignore_eos=req.ignore_eos, logprobs=req.logprobs,
         n=req.n or 1, structured=_structured(req),
+        speculative=req.speculative if req.HasField("speculative") else True,
     )
 
 
@@ -163,6 +164,10 @@ class JaxcbService(jaxcb_pb2_grpc.JaxcbServicer):
             pages_free=st.pages_free, policy=e.config.scheduler.policy, compilations=st.compilations,
             running=st.running, waiting=st.waiting, preemptions=st.preemptions,
             tensor_parallel=e.config.tensor_parallel, data_parallel=len(e), replicas=replicas,
+            speculative_method=st.speculative_method,
+            num_speculative_tokens=e.config.scheduler.speculative.num_tokens if st.speculative_method else 0,
+            speculative_acceptance_rate=st.acceptance_rate,
+            speculative_mean_accepted_length=st.mean_accepted_length,
             **_step_fields(e.engines[0].runner))
 
 

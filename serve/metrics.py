@@ -56,6 +56,13 @@ class Metrics:
         self.prefix_hits = Counter("jaxcb:prefix_cache_hits", "Prompt tokens found in the prefix cache.", registry=r)
         self.failed_steps = Counter("jaxcb:failed_steps", "Engine steps that failed (their requests got an error).",
                                     registry=r)
+        # Speculative decoding (vLLM's spec_decode_* counters): acceptance rate = accepted / draft tokens,
+        # mean accepted length = 1 + accepted / drafts.
+        self.spec_drafts = Counter("jaxcb:spec_decode_num_drafts", "Speculating rows: a request's proposals "
+                                   "scored in one step.", registry=r)
+        self.spec_draft_tokens = Counter("jaxcb:spec_decode_num_draft_tokens", "Proposed tokens.", registry=r)
+        self.spec_accepted_tokens = Counter("jaxcb:spec_decode_num_accepted_tokens", "Proposed tokens accepted.",
+                                            registry=r)
         self.replica_running = Gauge("jaxcb:replica_num_requests_running", "Requests running, per replica.",
                                      ["replica"], registry=r)
         self.replica_waiting = Gauge("jaxcb:replica_num_requests_waiting", "Requests waiting, per replica.",
@@ -69,7 +76,10 @@ class Metrics:
         with self._lock:
             prev = self._latest[replica]
             for counter, field in ((self.prefix_queries, "prefix_cache_queries"),
-                                   (self.prefix_hits, "prefix_cache_hits"), (self.failed_steps, "failed_steps")):
+                                   (self.prefix_hits, "prefix_cache_hits"), (self.failed_steps, "failed_steps"),
+                                   (self.spec_drafts, "speculative_rows"),
+                                   (self.spec_draft_tokens, "speculative_proposed"),
+                                   (self.spec_accepted_tokens, "speculative_accepted")):
                 counter.inc(max(0, getattr(stats, field) - (getattr(prev, field) if prev is not None else 0)))
             self._latest[replica] = stats
             latest = [s for s in self._latest if s is not None]

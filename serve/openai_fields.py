@@ -20,7 +20,7 @@ HTTP_STATUS = {InvalidRequest: 400, Overloaded: 429, Unavailable: 503, Unauthent
 ERROR_TYPE = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error", 413: "invalid_request_error",
          429: "rate_limit_error", 500: "internal_error", 503: "service_unavailable"}
 EXTRAS = {"top_k", "min_p", "repetition_penalty", "ignore_eos", "priority", "cache_salt", "request_id",
-          "structured_outputs"}
+          "structured_outputs", "speculative"}
 COMMON_FIELDS = {"model", "stream", "stream_options", "n", "max_tokens", "temperature", "top_p", "presence_penalty",
            "frequency_penalty", "seed", "stop", "user", "logit_bias"}
 COMPLETION_FIELDS = COMMON_FIELDS | EXTRAS | {"prompt", "logprobs", "echo", "suffix", "best_of", "response_format"}
@@ -94,7 +94,7 @@ def sampling_params(body: dict, *, max_tokens: int, logprobs: int) -> SamplingPa
         presence_penalty=number_field(body, "presence_penalty", 0.0),
         frequency_penalty=number_field(body, "frequency_penalty", 0.0), seed=int_field(body, "seed"),
         stop=stop or (), ignore_eos=ignore_eos, logprobs=logprobs, n=int_field(body, "n", 1),
-        structured=constraint_of(body))
+        structured=constraint_of(body), speculative=bool_field(body, "speculative", True))
 
 
 def constraint_of(body: dict) -> Constraint | None:

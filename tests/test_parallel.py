@@ -21,7 +21,8 @@ def test_meshes_give_the_single_device_tokens(tmp_path):
     """Tiny models over 8 forced host devices: TP 2/4/8 (KV heads replicated at TP 4 of model a and
     TP 4/8 of model b), the Pallas kernels in interpret mode under shard_map, TP 2 x DP 2;
     quantized weights split with their scales (int4 at TP 2; model b with int8 weights and int8 KV pages
-    throughout, KV heads replicated at TP 8, the Pallas kernels at TP 4); and a tiny Gemma 3 (two page groups) at TP 2 and DP 2."""
+    throughout, KV heads replicated at TP 8, the Pallas kernels at TP 4); a tiny Gemma 3 (two page groups) at TP 2
+    and DP 2; and n-gram speculation at TP 2 x DP 2."""
     proc = subprocess.run([sys.executable, "-m", "tests.tp_check", str(tmp_path)], capture_output=True, text=True,
                           timeout=1500, cwd=os.path.dirname(HERE))
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -41,6 +42,7 @@ def test_meshes_give_the_single_device_tokens(tmp_path):
     assert out["b-tp8-int8"]["kv_dtype"] == "int8"
     assert [s[2:] for s in out["b-tp8-int8"]["kv_shards"][0]] == [[1, 16, 16, 20]] * 8
     assert out["a-tp1"]["preemptions"] > 0  # a pool tight enough to preempt under the meshes too
+    assert out["a-tp2-dp2-spec"]["speculative_accepted"] > 0  # speculation over a mesh and replicas
     for name, run in out.items():
         weights = name.split("-")[-1] if name.endswith(("-int4", "-int8")) else None
         reference = out[name[0] + "-tp1" + (f"-{weights}" if weights else "")]["tokens"]

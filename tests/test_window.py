@@ -4,7 +4,6 @@ gives the tokens of a run that never freed anything."""
 
 import dataclasses
 
-import numpy as np
 import pytest
 
 from jaxcb.host.engine_config import make_config

@@ -14,10 +14,10 @@ from tests.tiny_gguf import write_tiny_gguf
 
 # (model, name, tensor, data, attention, weights). Model "a": 4 query heads, 2 KV heads; "b": 8 and 2.
 # A run's reference is its model's "tp1" run with the same weights ("tp1-int4" for "tp2-int4"); the
-# int8 runs also keep their KV pages in int8.
+# int8 runs also keep their KV pages in int8; a "spec" run speculates (n-gram proposals, all kept).
 RUNS = [
     ("a", "tp1", 1, 1, "xla", "auto"), ("a", "tp2", 2, 1, "xla", "auto"), ("a", "tp2-pallas", 2, 1, "pallas", "auto"),
-    ("a", "tp4", 4, 1, "xla", "auto"), ("a", "tp2-dp2", 2, 2, "xla", "auto"),
+    ("a", "tp4", 4, 1, "xla", "auto"), ("a", "tp2-dp2", 2, 2, "xla", "auto"), ("a", "tp2-dp2-spec", 2, 2, "xla", "auto"),
     ("a", "tp1-int4", 1, 1, "xla", "int4"), ("a", "tp2-int4", 2, 1, "xla", "int4"),
     ("b", "tp1-int8", 1, 1, "xla", "int8"), ("b", "tp8-int8", 8, 1, "xla", "int8"),
     ("b", "tp4-pallas-int8", 4, 1, "pallas", "int8"),
@@ -32,6 +32,7 @@ def main(workdir: str) -> None:
 
     from jaxcb.host.engine_config import make_config
     from jaxcb.host.request import SamplingParams
+    from jaxcb.host.speculative import SpeculativeConfig
     from jaxcb.host.structured import Constraint
     from jaxcb.llm import LLM, load_model
     from jaxcb.model.config import tiny_config
@@ -52,7 +53,9 @@ def main(workdir: str) -> None:
             prompts = [rng.integers(3, cfg.vocab_size, n).tolist() for n in (5, 40, 17, 90, 33, 1)]
             config = make_config(num_pages=16, max_context=256, decode_batch=(8,), prefill_tokens=(64,),
                                  tensor_parallel=tp, data_parallel=dp, attention=attention, weights=weights,
-                                 kv_dtype="int8" if weights == "int8" else "auto")  # int8 runs: int8 KV too
+                                 kv_dtype="int8" if weights == "int8" else "auto",  # int8 runs: int8 KV too
+                                 speculative=SpeculativeConfig("ngram", adaptive=False) if "spec" in name
+                                 else SpeculativeConfig())
             llm = LLM.from_params(cfg, params, tok, config=config, eos_ids=eos)
             llm.warmup()
             engines = llm.replicas.engines if llm.replicas else [llm.engine]
@@ -70,6 +73,7 @@ def main(workdir: str) -> None:
                 "kv_dtype": str(engines[0].runner.kv_arrays[0].dtype),
                 "devices": [sorted(d.id for d in e.runner.kv_arrays[0].devices()) for e in engines],
                 "preemptions": sum(e.stats().preemptions for e in engines),
+                "speculative_accepted": sum(e.stats().speculative_accepted for e in engines),
                 "wq_shards": [list(x.data.shape) for x in jax.tree.leaves(engines[0].runner.params.layers.wq)[0].addressable_shards],
                 "routed": llm.replicas.routed if llm.replicas else None,
                 "load_left": llm.replicas.load if llm.replicas else None,

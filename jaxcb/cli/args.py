@@ -5,6 +5,7 @@ that the CLI and its tools both import it, neither the other."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 from jaxcb.host.engine_config import ACTIVATION_CHOICES, CPU_DOTS_CHOICES, KV_CHOICES, WEIGHT_CHOICES
 from jaxcb.host.policies import POLICIES
@@ -40,6 +41,13 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attention", choices=("xla", "native", "pallas", "auto"), default=None,
                    help="attention: plain JAX, the native CPU kernels, the Pallas kernels, or auto (Pallas "
                         "on GPU/TPU, native on the CPU when it builds; the config's model.attention by default)")
+    p.add_argument("--speculative", choices=("ngram", "off"), default=None,
+                   help="speculative decoding: ngram proposes what followed the sequence's latest suffix match in "
+                        "its own prompt and output; the step scores the proposals and keeps what greedy or seeded "
+                        "sampling would have produced (default: the config's speculative.method, off)")
+    p.add_argument("--num-speculative-tokens", type=int, default=None, metavar="K",
+                   help="tokens proposed per speculating step, at most (default: the config's "
+                        "speculative.num_tokens, 4)")
     p.add_argument("--tensor-parallel", type=int, default=None, metavar="N",
                    help="split each step over N devices by attention heads (default: the config's parallel.tensor, 1)")
     p.add_argument("--data-parallel", type=int, default=None, metavar="M",
@@ -72,6 +80,13 @@ def engine_config(args):
         changes["activations"] = args.activations
     if getattr(args, "cpu_dots", None):
         changes["cpu_dots"] = args.cpu_dots
+    spec = config.scheduler.speculative
+    if getattr(args, "speculative", None):
+        spec = dataclasses.replace(spec, method="" if args.speculative == "off" else args.speculative)
+    if getattr(args, "num_speculative_tokens", None) is not None:
+        spec = dataclasses.replace(spec, num_tokens=args.num_speculative_tokens)
+    if spec != config.scheduler.speculative:
+        changes["speculative"] = spec
     return config.replace(**changes) if changes else config
 
 

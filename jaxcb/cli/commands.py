@@ -22,7 +22,7 @@ from jaxcb.host.errors import InvalidConfig, InvalidRequest, JaxcbError
 
 GENERATION_FIELDS = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty",
                      "presence_penalty", "frequency_penalty", "seed", "stop", "stop_token_ids",
-                     "ignore_eos", "logprobs", "n")
+                     "ignore_eos", "logprobs", "n", "speculative")
 LINE_FIELDS = {"prompt", "prompt_token_ids", "messages", "chat", "priority", "id", "response_format",
                "structured_outputs", *GENERATION_FIELDS}
 
@@ -242,6 +242,10 @@ def cmd_generate(args) -> int:
             "padding_fraction": st.padding_fraction, "page_utilization": st.page_utilization,
             "preemptions": st.preemptions, "host_wait_fraction": st.host_wait_fraction, "steps": st.steps,
             "prefix_cache_queries": st.prefix_cache_queries, "prefix_cache_hits": st.prefix_cache_hits,
+            **({"speculative_method": st.speculative_method, "speculative_steps": st.speculative_steps,
+                "speculative_proposed": st.speculative_proposed, "speculative_accepted": st.speculative_accepted,
+                "acceptance_rate": st.acceptance_rate, "mean_accepted_length": st.mean_accepted_length}
+               if st.speculative_method else {}),
         }))
     if failed:
         print(f"jaxcb generate: {failed} of {failed + len(jobs)} lines failed", file=sys.stderr)
@@ -340,7 +344,8 @@ def _channel(runner, config):
     from jaxcb.device import multihost
 
     c = runner.model_config
-    return multihost.Channel(config.buckets.shapes(config.page_size, config.max_context_for(c)), config.page_size,
+    shapes = config.buckets.shapes(config.page_size, config.max_context_for(c), config.scheduler.speculative.extra_rows)
+    return multihost.Channel(shapes, config.page_size,
                              c.vocab_size, c.sliding_window if c.windowed else 0)
 
 

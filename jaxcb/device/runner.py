@@ -23,7 +23,7 @@ from jaxcb.device.sampling import SampleOutput, sample
 from jaxcb.host.batch import SamplingInput, StepInput, StepShape, pack, pack_sampling
 from jaxcb.host.errors import InvalidConfig
 from jaxcb.model.config import ModelConfig
-from jaxcb.model.llama import Attention, Params, forward
+from jaxcb.model.llama import Attention, Params, forward_hidden, logits_at
 from jaxcb.model.paged_attention import allocate_kv_pages
 
 log = logging.getLogger("jaxcb.device.runner")
@@ -72,14 +72,34 @@ def step(params: Params, kv_pages: jax.Array, last_tokens: jax.Array, batch: Ste
     from_prev = batch.src_rows >= 0
     token_ids = jnp.where(from_prev, last_tokens[jnp.maximum(batch.src_rows, 0)], batch.token_ids)
     batch = dataclasses.replace(batch, token_ids=token_ids)
-    rows = jnp.arange(sampling.pending_col.shape[0])
+    m, e = batch.last_token.shape[0], batch.extra_rows.shape[0]
+    rows = jnp.arange(m + e)
     col = jnp.maximum(sampling.pending_col, 0)
+    newest = jnp.pad(token_ids[batch.last_token], (0, e))  # extra rows never wait for a token
     history = sampling.history_ids.at[rows, col].set(
-        jnp.where(sampling.pending_col >= 0, token_ids[batch.last_token], sampling.history_ids[rows, col]))
+        jnp.where(sampling.pending_col >= 0, newest, sampling.history_ids[rows, col]))
     sampling = dataclasses.replace(sampling, history_ids=history)
-    kv_pages, logits = forward(params, kv_pages, batch, config, attention)
-    out = sample(logits, sampling)
-    last_tokens = jax.lax.dynamic_update_slice(jnp.zeros_like(last_tokens), out.token_ids, (0,))
+    kv_pages, h = forward_hidden(params, kv_pages, batch, config, attention)
+    t = batch.token_ids.shape[0]
+
+    def plain(_):
+        out = sample(logits_at(params, h, batch.last_token, config, attention), jax.tree.map(lambda a: a[:m], sampling))
+        return jax.tree.map(lambda a: jnp.pad(a, [(0, e)] + [(0, 0)] * (a.ndim - 1)), out)
+
+    def verify(_):
+        # Speculation: logits at the extra rows too. In a small bucket the head runs once over every
+        # token row (fewer rows than M + E), and the sampled rows are gathered from it.
+        extra_rows = jnp.maximum(batch.extra_rows, 0)
+        if t <= m + e:
+            every = logits_at(params, h, jnp.arange(t), config, attention)
+            logits = jnp.concatenate([every[batch.last_token], every[extra_rows]])
+        else:
+            logits = logits_at(params, h, jnp.concatenate([batch.last_token, extra_rows]), config, attention)
+        return sample(logits, sampling)
+
+    # The extra rows cost only in steps that have any (a cond, not a new shape).
+    out = plain(None) if not e else jax.lax.cond(jnp.any(batch.extra_rows >= 0), verify, plain, None)
+    last_tokens = jax.lax.dynamic_update_slice(jnp.zeros_like(last_tokens), out.token_ids[:m], (0,))
     return kv_pages, out, last_tokens
 
 
@@ -188,8 +208,8 @@ def resolve_attention(choice: str, mesh=None) -> Attention:
     """The engine config's `attention` for this platform.
 
     "xla": the plain-JAX reference everywhere. "native": on the CPU, the step's attention, and on one
-    device its float32 layer matmuls, in the C++ kernels (kernels_cpu; an error where they cannot be built). "pallas": the Pallas
-    kernels of the platform (on the CPU, the GPU kernel in interpret mode: for tests, slow). "auto": the
+    device its float32 layer matmuls (with "auto": where the CPU has AVX-512), in the C++ kernels
+    (kernels_cpu; an error where they cannot be built). "pallas": the Pallas kernels of the platform (on the CPU, the GPU kernel in interpret mode: for tests, slow). "auto": the
     Pallas kernels on GPU/TPU; on the CPU the native kernel when it builds, else the plain-JAX path.
     """
     platform = jax.default_backend()
@@ -198,7 +218,8 @@ def resolve_attention(choice: str, mesh=None) -> Attention:
         import kernels_cpu
 
         if kernel is None and kernels_cpu.available():
-            return Attention("cpu", mesh=mesh, native_matmul=mesh is None)
+            # "auto" takes the native matmul only where it beats XLA's dot (AVX-512); "native" always
+            return Attention("cpu", mesh=mesh, native_matmul=mesh is None and (choice == "native" or kernels_cpu.matmul_pays()))
         if choice == "native":
             why = kernels_cpu.unavailable_reason() if kernel is None else f"the {platform} backend is not the CPU"
             raise InvalidConfig(f"attention: 'native' is not available here ({why})")
@@ -218,7 +239,7 @@ class ModelRunner:
             keep_freed_memory_on_cpu()
         self.mesh = mesh  # tensor parallelism (jaxcb.device.parallel); None = the default device
         self.attention = resolve_attention(attention, mesh)
-        self._compiled: dict[int, object] = {}  # token bucket -> the compiled step
+        self._compiled: dict[StepShape, object] = {}  # step shape -> the compiled step
         self.model_config = config  # the model as loaded
         self.kv_replication = 1
         if mesh is not None:
@@ -333,19 +354,19 @@ class ModelRunner:
         if shape.seqs > self.last_tokens.shape[0]:
             raise ValueError(f"a step of {shape.seqs} sequences does not fit this runner's "
                              f"{self.last_tokens.shape[0]} rows (max_seqs)")
-        if shape.tokens not in self._compiled:
+        if shape not in self._compiled:
             window = self.step_config.sliding_window if self.step_config.windowed else 0
             batch, sampling = pack([], shape, self.page_size, window), pack_sampling([], shape, self.model_config.vocab_size)
             with _compile_serial:
-                self._compiled[shape.tokens] = step.lower(
+                self._compiled[shape] = step.lower(
                     self.params, self.kv_pages, self.last_tokens, batch, sampling, config=self.step_config,
                     attention=self.attention).compile()
 
     def run(self, batch: StepInput, sampling: SamplingInput, shape: StepShape) -> SampleOutput:
         """Dispatch one step; returns device arrays without waiting for them."""
-        if shape.tokens not in self._compiled:  # a shape warm-up did not cover: compiled now (and counted)
+        if shape not in self._compiled:  # a shape warm-up did not cover: compiled now (and counted)
             self.compile(shape)
-        self.kv_pages, out, self.last_tokens = self._compiled[shape.tokens](
+        self.kv_pages, out, self.last_tokens = self._compiled[shape](
             self.params, self.kv_pages, self.last_tokens, batch, sampling)
         return out
 

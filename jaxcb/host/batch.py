@@ -10,6 +10,10 @@ For the plain-JAX attention on the CPU the step also carries a flat list of *ite
 of every sequence (decode sequences' pages first, then the prefill sequences'), so that attention loops
 over the pages the context holds, not over rows x the longest row (see model.paged_attention).
 
+Speculative decoding (jaxcb.host.speculative): a decoding sequence may bring its newest token and k
+proposed ones as one chunk; the step samples at each of its positions, the first k at `extra_rows`
+(sample rows M .. M+E of the step's output, sequence by sequence) and the last at `last_token` as usual.
+
 With async scheduling a decode token may not be on the host yet (the step in flight samples it): its
 slot holds a placeholder and `src_rows` names the row of the previous step's output that the jitted
 step reads it from; `SamplingInput.pending_col` likewise fills its place in the penalties' history.
@@ -47,6 +51,7 @@ class StepInput:
     item_owner: np.ndarray  # i32 [W], the item's sequence; M for padding
     item_start: np.ndarray  # i32 [W], position of the item's first slot in its sequence
     item_bounds: np.ndarray  # i32 [2], (decode items, all items): [0, a) decode, [a, b) prefill
+    extra_rows: np.ndarray  # i32 [E], token rows sampled besides each sequence's last (speculation); -1 none
     window: "WindowPages | None" = None  # the sliding layers' page group (models with sliding layers)
 
     @property
@@ -74,7 +79,8 @@ class WindowPages:
 
 @dataclasses.dataclass
 class SamplingInput:
-    """Per-sequence sampling settings of one step (M rows), see jaxcb.device.sampling."""
+    """Per-row sampling settings of one step, see jaxcb.device.sampling: row i < M samples sequence i's
+    last token, row M + j the token at StepInput.extra_rows[j] (M + E rows in all)."""
 
     temperature: np.ndarray  # f32 [M]; 0 = greedy
     top_k: np.ndarray  # i32 [M]; 0 = off
@@ -102,6 +108,11 @@ class StepShape:
     seqs: int  # M
     pages_per_seq: int  # N
     history: int  # C, tokens of history the penalties can see (the context limit)
+    extra_rows: int = 0  # E, sample positions besides each sequence's last (speculative decoding)
+
+    @property
+    def rows(self) -> int:  # sampled rows: M + E
+        return self.seqs + self.extra_rows
 
     @property
     def items(self) -> int:  # W: every sequence slot may hold N pages
@@ -117,6 +128,7 @@ class SeqSpec:
     page_ids: list[int]
     src_row: int = -1  # >= 0: a decode token not yet on the host, row src_row of the previous step's output
     window_page_ids: list[int] | None = None  # the sliding layers' pages (null before the window)
+    num_draft: int = 0  # speculation: the last num_draft tokens are proposals, each position sampled
 
 
 @dataclasses.dataclass(slots=True)
@@ -190,6 +202,16 @@ def pack(seqs: list[SeqSpec], shape: StepShape, page_size: int, window: int = 0)
     dense[:total] = (q_lens > 1)[seq_of_token]
     last_token = np.zeros(m_max, np.int32)
     last_token[:m] = cu[1:m + 1] - 1
+    # Speculating sequences: each position but the last is sampled too, at rows M + j of the output.
+    drafts = np.fromiter((s.num_draft for s in seqs), np.int32, m)
+    assert (drafts < q_lens).all(), "a speculating sequence brings its newest token before its proposals"
+    num_extra = int(drafts.sum())
+    assert num_extra <= shape.extra_rows, f"{num_extra} proposed tokens do not fit {shape.extra_rows} sample rows"
+    extra_rows = np.full(shape.extra_rows, -1, np.int32)
+    if num_extra:
+        owner = np.repeat(np.arange(m, dtype=np.int32), drafts)
+        first = np.cumsum(drafts) - drafts
+        extra_rows[:num_extra] = cu[owner] + np.arange(num_extra, dtype=np.int32) - first[owner]
 
     # Items: the pages each sequence's context covers, decode sequences' first.
     live = np.arange(n_max)[None, :] < -(-kv_lens[:m] // page_size)[:, None]  # [m, N]
@@ -212,19 +234,21 @@ def pack(seqs: list[SeqSpec], shape: StepShape, page_size: int, window: int = 0)
         token_ids=token_ids, src_rows=src_rows, positions=positions, slot_ids=slot_ids, seq_ids=seq_ids, dense=dense,
         kv_lens=kv_lens, last_token=last_token, cu_q_lens=cu, num_seqs=np.array([m], np.int32),
         page_table=page_table, item_pages=item_pages, item_owner=item_owner, item_start=item_start,
-        item_bounds=item_bounds, window=pages,
+        item_bounds=item_bounds, extra_rows=extra_rows, window=pages,
     )
 
 
 _PENALTY_FREE = (1.0, 0.0, 0.0)
 
 
-def pack_sampling(rows: list[SamplingRow], shape: StepShape, vocab_size: int) -> SamplingInput:
-    """Sampling settings for the step's sequences (row i = sequence i). The token history that the
-    penalties need is filled only for rows that use a penalty; it always fits (C = the context limit).
-    `allowed` is all ones: the engine writes the constrained rows' masks into it."""
-    m, c = shape.seqs, shape.history
-    n = len(rows)
+def pack_sampling(rows: list[SamplingRow], shape: StepShape, vocab_size: int,
+                  extra: list[SamplingRow] = ()) -> SamplingInput:
+    """Sampling settings for the step's sequences (row i = sequence i) and its extra sample positions
+    (`extra`, rows M ..: speculation). The token history that the penalties need is filled only for
+    rows that use a penalty; it always fits (C = the context limit). `allowed` is all ones: the engine
+    writes the constrained rows' masks into it."""
+    m, c = shape.rows, shape.history
+    assert len(rows) <= shape.seqs and len(extra) <= shape.extra_rows
     out = SamplingInput(
         temperature=np.zeros(m, np.float32), top_k=np.zeros(m, np.int32), top_p=np.ones(m, np.float32),
         min_p=np.zeros(m, np.float32), repetition_penalty=np.ones(m, np.float32),
@@ -234,17 +258,25 @@ def pack_sampling(rows: list[SamplingRow], shape: StepShape, vocab_size: int) ->
         logprobs=np.zeros(m, np.int32), pending_col=np.full(m, -1, np.int32),
         allowed=np.full((m, (vocab_size + 31) // 32), -1, np.int32),
     )
+    _fill(out, 0, rows, c)
+    _fill(out, shape.seqs, list(extra), c)
+    return out
+
+
+def _fill(out: SamplingInput, first: int, rows: list[SamplingRow], c: int) -> None:
+    """Rows first .. first + len(rows) of `out` from `rows`."""
+    n = len(rows)
     if not n:
-        return out
+        return
     params = [r.params for r in rows]
     for name in ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
                  "frequency_penalty", "logprobs"):
-        getattr(out, name)[:n] = [getattr(p, name) for p in params]
+        getattr(out, name)[first:first + n] = [getattr(p, name) for p in params]
     seeds = np.array([r.seed for r in rows], np.uint64)
-    out.seed[:n, 0] = (seeds >> np.uint64(32)).astype(np.uint32)
-    out.seed[:n, 1] = (seeds & np.uint64(0xFFFFFFFF)).astype(np.uint32)
-    out.counter[:n] = [len(r.output_ids) + r.pending for r in rows]
-    for i, (row, p) in enumerate(zip(rows, params)):
+    out.seed[first:first + n, 0] = (seeds >> np.uint64(32)).astype(np.uint32)
+    out.seed[first:first + n, 1] = (seeds & np.uint64(0xFFFFFFFF)).astype(np.uint32)
+    out.counter[first:first + n] = [len(r.output_ids) + r.pending for r in rows]
+    for i, (row, p) in enumerate(zip(rows, params), start=first):
         if row.samples and (p.repetition_penalty, p.presence_penalty, p.frequency_penalty) != _PENALTY_FREE:
             n_prompt, n_out = len(row.prompt_ids), len(row.output_ids)
             assert n_prompt + n_out + row.pending <= c, "the token history does not fit the step's window"
@@ -253,4 +285,3 @@ def pack_sampling(rows: list[SamplingRow], shape: StepShape, vocab_size: int) ->
             out.history_is_output[i, n_prompt:n_prompt + n_out + row.pending] = True
             if row.pending:  # filled on the device from the step's input token
                 out.pending_col[i] = n_prompt + n_out
-    return out

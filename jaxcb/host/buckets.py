@@ -74,15 +74,17 @@ class Buckets:
     def max_tokens(self) -> int:
         return self.tokens[-1]
 
-    def step_shape(self, num_tokens: int, page_size: int, max_context: int) -> StepShape:
-        """The shape a step of `num_tokens` live tokens is padded to."""
+    def step_shape(self, num_tokens: int, page_size: int, max_context: int, extra_rows: int = 0) -> StepShape:
+        """The shape a step of `num_tokens` live tokens is padded to. `extra_rows`: sample positions a
+        step may need besides each sequence's last (speculative decoding; at most one per token but
+        the sequence's first)."""
         t = bucket_for(self.tokens, max(1, num_tokens), "step tokens")
         return StepShape(tokens=t, seqs=min(t, self.max_batch), pages_per_seq=-(-max_context // page_size),
-                         history=max_context)
+                         history=max_context, extra_rows=min(t - 1, extra_rows))
 
-    def shapes(self, page_size: int, max_context: int) -> list[StepShape]:
+    def shapes(self, page_size: int, max_context: int, extra_rows: int = 0) -> list[StepShape]:
         """Every shape a step can take: what warm-up compiles (one program per token bucket)."""
-        return [self.step_shape(t, page_size, max_context) for t in self.tokens]
+        return [self.step_shape(t, page_size, max_context, extra_rows) for t in self.tokens]
 
 
 def bucket_for(buckets: tuple[int, ...], value: int, field: str) -> int:

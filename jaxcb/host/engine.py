@@ -110,8 +110,12 @@ class Engine:
             self.window_group = WindowGroup(runner.num_window_pages, config.page_size,
                                             runner.step_config.sliding_window)
         self.max_context = config.max_context_for(self.model_config)
+        self._extra_rows = config.scheduler.speculative.extra_rows  # sample rows for proposals, per step
         self.scheduler = Scheduler(dataclasses.replace(config.scheduler, max_context=self.max_context), self.pool,
                                    eos_ids, window=self.window_group)
+        if self.scheduler.proposer is not None and config.scheduler.speculative.adaptive:
+            # speculation weighs its tokens by the buckets' step times
+            self.scheduler.proposer.buckets = config.buckets.tokens
         self.outputs = Outputs(tokenizer, clock)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._requests: dict[str, list[Request]] = {}  # request id -> its live samples
@@ -208,6 +212,9 @@ class Engine:
         self._last_fetch_end = None
         if self.scheduler.cache is not None:
             self.scheduler.cache.num_queried_tokens = self.scheduler.cache.num_hit_tokens = 0
+        if self.scheduler.proposer is not None:
+            p = self.scheduler.proposer
+            p.num_rows = p.num_proposed = p.num_accepted = 0
 
     # ---- the loop ----
     def _drain_inbox(self, events: list[TokenEvent]) -> None:
@@ -241,20 +248,27 @@ class Engine:
     def _step(self) -> list[TokenEvent]:
         events: list[TokenEvent] = []
         self._drain_inbox(events)
-        out = self.scheduler.schedule(now=self._clock())
+        # Speculation needs every token of a proposing request known: the step in flight finishes first
+        # (the host's work no longer overlaps the device's for this step), and the speculating step's
+        # own tokens are taken before the next is scheduled (how many it accepts decides where that
+        # one starts).
+        speculate = self.scheduler.wants_speculation()
+        while speculate and self._in_flight:
+            self._complete(self._in_flight.popleft(), events)
+        out = self.scheduler.schedule(now=self._clock(), speculate=speculate)
         launched = False
         if not out.empty:
             try:
                 if self.fault_injector is not None:
                     self.fault_injector(out)
-                self._in_flight.append(self._launch(out.decode + out.prefill, out.num_static_rows, events))
+                self._in_flight.append(self._launch(out.chunks, out.num_static_rows, events))
                 launched = True
             except Exception as e:  # noqa: BLE001 - a failed step fails its own requests; the engine goes on
-                self._fail_step(out.decode + out.prefill, e, events)
+                self._fail_step(out.chunks, e, events)
         # Nothing ran and nothing came back: requests wait behind a closed batching window (the caller
         # sleeps until it opens). A step that came back may have made room: the caller steps again at once.
         self.last_step_idle = not launched and not self._in_flight
-        keep = 1 if launched and self.scheduler.config.async_scheduling else 0
+        keep = 1 if launched and self.scheduler.config.async_scheduling and not out.speculative else 0
         while len(self._in_flight) > keep:
             self._complete(self._in_flight.popleft(), events)
         return events
@@ -276,24 +290,29 @@ class Engine:
         s = self.config.page_size
         live = sum(c.num_tokens for c in chunks)
         # Static batching pays for the batch's finished rows too: they stay padded in.
-        shape = self.config.buckets.step_shape(max(live, num_static_rows), s, self.max_context)
-        specs, rows = [], []
+        shape = self.config.buckets.step_shape(max(live, num_static_rows), s, self.max_context, self._extra_rows)
+        specs, rows, extra = [], [], []
         for c in chunks:  # decode sequences first: the packed layout (jaxcb.host.batch)
             r = c.request
-            end = c.start + c.num_tokens
+            end = c.start + c.num_tokens - len(c.draft)
             pending = end > r.num_known
+            seed = self.outputs.seed(r)
             if pending:
                 assert c.num_tokens == 1 and r.pending_src is not None and r.pending_src[0] == self._step_id, (
                     f"{r.key}: its input token is not in the previous step's output")
                 specs.append(SeqSpec([0], c.start, r.page_ids, src_row=r.pending_src[1],
                                      window_page_ids=r.window_page_ids))
             else:
-                specs.append(SeqSpec(_token_slice(r, c.start, end), c.start, r.page_ids,
-                                     window_page_ids=r.window_page_ids))
-            rows.append(SamplingRow(r.params, self.outputs.seed(r), r.prompt_ids, r.output_ids, c.samples,
+                specs.append(SeqSpec(_token_slice(r, c.start, end) + list(c.draft), c.start, r.page_ids,
+                                     window_page_ids=r.window_page_ids, num_draft=len(c.draft)))
+            if c.draft:  # a sample at each proposal's position, as if the proposals before it were output
+                c.extra_row = shape.seqs + len(extra)
+                extra.extend(SamplingRow(r.params, seed, r.prompt_ids, r.output_ids + list(c.draft[:j]))
+                             for j in range(len(c.draft)))
+            rows.append(SamplingRow(r.params, seed, r.prompt_ids, r.output_ids + list(c.draft), c.samples,
                                     pending=pending))
         batch = pack(specs, shape, s, self.window_group.window if self.window_group else 0)
-        sampling = pack_sampling(rows, shape, self.model_config.vocab_size)
+        sampling = pack_sampling(rows, shape, self.model_config.vocab_size, extra)
         constrained = [i for i, c in enumerate(chunks) if c.samples and c.request.matcher is not None]
         refs = self.pool.ref_counts
         for c in chunks:
@@ -304,6 +323,8 @@ class Engine:
                 f"{r.key} would write into a page another request holds")
         cnt = self._counters
         cnt.add_step(chunks, shape.tokens, live, s)
+        if extra:
+            cnt.speculative_steps += 1
         waited = not pipelined
         early = False
         if constrained:
@@ -343,6 +364,8 @@ class Engine:
             self.step_log.append(StepRecord.of(step.chunks, step.padded_tokens,
                                                None if start is None else fetch_end - start))
         self._last_fetch_end = fetch_end
+        if start is not None and self.scheduler.proposer is not None:
+            self.scheduler.proposer.observe_step(step.padded_tokens, fetch_end - start)
         self._postprocess(step, result, events, None if start is None else fetch_end - start)
         self._counters.steps += 1
 
@@ -383,6 +406,9 @@ class Engine:
         self._counters.output_tokens += len(sampled)
         observed = []
         for row, r, token, reason in sampled:  # Sampled
+            if r.status is Status.FINISHED:  # a speculating request ended at an earlier token of this step
+                r.output_ids.pop()  # ... this one (always its newest) is not part of its output
+                continue
             logprobs = None
             if r.params.logprobs:
                 n = r.params.logprobs
@@ -427,7 +453,7 @@ class Engine:
     # ---- warm-up ----
     def warmup(self, progress: Callable[[int, int, object], None] | None = None) -> int:
         """Compile every step shape ahead of time (nothing is run): one program per token bucket."""
-        shapes = self.config.buckets.shapes(self.config.page_size, self.max_context)
+        shapes = self.config.buckets.shapes(self.config.page_size, self.max_context, self._extra_rows)
         for i, shape in enumerate(shapes):
             self.runner.compile(shape)
             if progress is not None:

@@ -13,6 +13,7 @@ import tomllib
 from jaxcb.host.buckets import Buckets
 from jaxcb.host.errors import InvalidConfig
 from jaxcb.host.policies import SchedulerConfig
+from jaxcb.host.speculative import SpeculativeConfig
 
 ATTENTION_CHOICES = ("xla", "native", "pallas", "auto")
 WEIGHT_CHOICES = ("auto", "float32", "bfloat16", "int8", "int4")  # model.weights (jaxcb.model.quant)
@@ -174,6 +175,11 @@ def load_config(path: str | None = None) -> EngineConfig:
     sched.setdefault("max_running", b.max_batch)
     sched.setdefault("max_chunk", b.max_prefill_tokens)
     sched.setdefault("max_prefill_tokens", b.max_prefill_tokens)  # the per-step budget: the largest chunk
+    speculative = dict(raw.get("speculative", {}))
+    known = {f.name for f in dataclasses.fields(SpeculativeConfig)}
+    if set(speculative) - known:
+        raise InvalidConfig(f"config: unknown setting in [speculative]: {sorted(set(speculative) - known)}")
+    sched["speculative"] = SpeculativeConfig(**speculative)
     try:
         sc = SchedulerConfig(page_size=page_size, prefix_caching=prefix_caching, **sched)
     except TypeError as e:

@@ -27,7 +27,7 @@ class StepRecord:
         return cls(tokens=sum(c.num_tokens for c in chunks), padded_tokens=padded_tokens,
                    context=sum(c.start + c.num_tokens for c in chunks), rows=len(chunks),
                    attention_pairs=sum(c.attention_pairs for c in chunks),
-                   decode_rows=sum(1 for c in chunks if c.num_tokens == 1), seconds=seconds)
+                   decode_rows=sum(1 for c in chunks if c.is_decode), seconds=seconds)
 
 
 @dataclasses.dataclass(slots=True)
@@ -48,6 +48,7 @@ class Counters:
     mask_s: float = 0.0  # host time computing those rows' masks
     mask_waits: int = 0  # ... steps whose dispatch waited for the step before (its tokens, then the masks)
     mask_wait_s: float = 0.0  # ... the device's idle time from that step's tokens to this one's dispatch
+    speculative_steps: int = 0  # steps with a speculating row (jaxcb.host.speculative)
 
     def add_step(self, chunks, padded_tokens: int, live: int, page_size: int) -> None:
         """A launched step's slots, its sequences' page use and the prompt tokens it computes."""
@@ -57,7 +58,7 @@ class Counters:
             r = c.request
             self.page_slots += len(r.page_ids) * page_size
             self.page_tokens += c.start + c.num_tokens
-            if not (c.num_tokens == 1 and c.samples and c.start >= len(r.prompt_ids)):  # all but decode tokens
+            if not (c.is_decode and c.samples and c.start >= len(r.prompt_ids)):  # all but decode tokens
                 self.prompt_tokens_computed += c.num_tokens
 
     def add_masks(self, rows: int, seconds: float) -> None:
@@ -100,6 +101,13 @@ class EngineStats:
     mask_ms_per_step: float = 0.0  # ... the host's mean time computing their masks
     mask_wait_fraction: float = 0.0  # ... the share whose dispatch waited for the step before's tokens
     mask_wait_ms: float = 0.0  # ... the device's mean idle time in such a wait
+    speculative_method: str = ""  # speculative decoding ("" off; jaxcb.host.speculative)
+    speculative_steps: int = 0  # steps with a speculating row
+    speculative_rows: int = 0  # speculating rows (a request's proposals scored in one step)
+    speculative_proposed: int = 0  # proposed tokens
+    speculative_accepted: int = 0  # ... of those, accepted
+    acceptance_rate: float = 0.0  # accepted / proposed
+    mean_accepted_length: float = 0.0  # tokens a speculating row emitted, on average (accepted + 1)
 
     @classmethod
     def of(cls, c: Counters, scheduler, pool, window_group, *, compilations: int, failed_steps: int) -> "EngineStats":
@@ -130,4 +138,15 @@ class EngineStats:
             mask_ms_per_step=1000 * c.mask_s / c.structured_steps if c.structured_steps else 0.0,
             mask_wait_fraction=c.mask_waits / c.structured_steps if c.structured_steps else 0.0,
             mask_wait_ms=1000 * c.mask_wait_s / c.mask_waits if c.mask_waits else 0.0,
+            **_speculation(c, scheduler.proposer),
         )
+
+
+def _speculation(c: Counters, proposer) -> dict:
+    if proposer is None:
+        return {}
+    rows, proposed, accepted = proposer.num_rows, proposer.num_proposed, proposer.num_accepted
+    return dict(speculative_method=proposer.config.method, speculative_steps=c.speculative_steps,
+                speculative_rows=rows, speculative_proposed=proposed, speculative_accepted=accepted,
+                acceptance_rate=accepted / proposed if proposed else 0.0,
+                mean_accepted_length=(accepted + rows) / rows if rows else 0.0)

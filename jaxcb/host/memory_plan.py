@@ -115,7 +115,8 @@ def plan(*, budget_bytes: int, fraction: float, weight_bytes: int, num_layers: i
          head_dim: int, hidden_size: int, intermediate_size: int, vocab_size: int, dtype_bytes: int,
          page_size: int, max_context: int, max_batch: int, max_prefill_tokens: int,
          num_pages: int | None = None, num_heads: int | None = None, tensor: int = 1,
-         sliding_layers: int = 0, window: int = 0, kv_dtype: str = "auto", dequant_bytes: int = 0) -> MemoryPlan:
+         sliding_layers: int = 0, window: int = 0, kv_dtype: str = "auto", dequant_bytes: int = 0,
+         extra_rows: int = 0) -> MemoryPlan:
     """The plan for these sizes (the whole model's; `tensor` devices split it), per device; num_pages
     None = as many as fit, else check that many fit. Raises ValueError with the numbers when one
     request of max_context cannot be held."""
@@ -140,7 +141,7 @@ def plan(*, budget_bytes: int, fraction: float, weight_bytes: int, num_layers: i
     tokens = max_batch + max_prefill_tokens
     attention = 256 * page_size * 2 * kv_heads * head_dim * 4 + 3 * tokens * heads * 256 * 4
     activations = tokens * (4 * hidden_size + 3 * intermediate_size) * 4
-    logits = max(max_batch, 1) * vocab_size * 4 * 4
+    logits = (max(max_batch, 1) + extra_rows) * vocab_size * 4 * 4  # extra rows: speculation's proposals
     # Quantized weights: the step dequantizes one layer's matrices next to their dots (dequant_bytes,
     # the two largest in the compute dtype), split like the weights.
     reserve = attention + activations + logits + dequant_bytes // tensor
@@ -219,4 +220,4 @@ def plan_for_model(model, config, *, budget_bytes: int, dtype_bytes: int, max_co
         tensor=config.tensor_parallel if tensor is None else tensor,
         sliding_layers=c.num_sliding_layers, window=c.sliding_window, kv_dtype=getattr(config, "kv_dtype", "auto"),
         dequant_bytes=2 * c.hidden_size * max(c.intermediate_size, c.num_heads * c.head_dim) * dtype_bytes
-        if mode in ("int8", "int4") else 0)
+        if mode in ("int8", "int4") else 0, extra_rows=s.speculative.extra_rows)

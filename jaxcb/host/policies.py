@@ -18,6 +18,7 @@ import dataclasses
 
 from jaxcb.host.errors import InvalidConfig
 from jaxcb.host.request import Request
+from jaxcb.host.speculative import SpeculativeConfig
 
 POLICIES = ("fcfs", "sjf", "priority", "length-buckets", "round-robin")
 
@@ -44,6 +45,7 @@ class SchedulerConfig:
     prefix_aware: bool = False  # admit requests whose prefix is cached first ...
     prefix_max_wait_ms: float = 500.0  # ... unless another has waited longer than this
     async_scheduling: bool = True  # schedule and pack step N+1 while the device runs step N
+    speculative: SpeculativeConfig = SpeculativeConfig()  # speculative decoding (off by default)
 
     def __post_init__(self):
         if self.policy not in POLICIES:

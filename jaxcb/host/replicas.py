@@ -85,8 +85,8 @@ class Replicas:
         total = {}
         for f in dataclasses.fields(EngineStats):
             values = [getattr(s, f.name) for s in per]
-            total[f.name] = max(values) if f.name == "compilations" else (
-                sum(values) / len(values) if isinstance(values[0], float) else sum(values))
+            total[f.name] = (max(values) if f.name == "compilations" else values[0] if isinstance(values[0], str)
+                             else sum(values) / len(values) if isinstance(values[0], float) else sum(values))
         return EngineStats(**total)
 
     def reset_counters(self) -> None:

@@ -55,6 +55,7 @@ class SamplingParams:
     logprobs: int = 0  # top-n logprobs per generated token; 0 = none
     n: int = 1  # independent samples of the same prompt (they share its KV pages)
     structured: Constraint | None = None  # what the output must match (jaxcb.host.structured)
+    speculative: bool = True  # False: never speculate for this request (when the server does)
 
     def __post_init__(self):
         stop = self.stop or ()
@@ -82,6 +83,8 @@ class SamplingParams:
                 raise InvalidRequest(f"stop: each stop string must be 1..{MAX_STOP_STRING_CHARS} characters")
         _check_int("logprobs", self.logprobs, low=0, high=MAX_LOGPROBS)
         _check_int("n", self.n, low=1, high=MAX_SAMPLES)
+        if not isinstance(self.speculative, bool):
+            raise InvalidRequest(f"speculative: must be true or false, got {self.speculative!r}")
         if self.structured is not None and not isinstance(self.structured, Constraint):
             raise InvalidRequest(f"structured: must be a Constraint, got {type(self.structured).__name__}")
 
@@ -187,6 +190,7 @@ class Request:
     first_scheduled_time: float | None = None  # when it first got a batch slot (queue time ends)
     error: str | None = None
     matcher: object = None  # structured output: this sample's grammar state (jaxcb.host.structured)
+    spec: object = None  # speculative decoding: its acceptance record (jaxcb.host.speculative.SpecState)
 
     def __post_init__(self):
         if not self.request_id:

@@ -40,6 +40,7 @@ from jaxcb.host.page_pool import PagePool
 from jaxcb.host.policies import SchedulerConfig, admission_order, order_key
 from jaxcb.host.prefix_cache import PrefixCache
 from jaxcb.host.request import FinishReason, Request, Status
+from jaxcb.host.speculative import Proposer
 
 
 class Sampled(NamedTuple):
@@ -54,16 +55,24 @@ class Sampled(NamedTuple):
 
 @dataclasses.dataclass(slots=True)
 class Chunk:
-    """Tokens `request.all_ids[start:start + num_tokens]` run this step."""
+    """Tokens `request.all_ids[start:start + num_tokens]` run this step; when speculating, the last
+    len(draft) of them are the proposals (jaxcb.host.speculative), known to nobody else."""
 
     request: Request
     start: int
     num_tokens: int
+    draft: tuple[int, ...] = ()
     samples: bool = dataclasses.field(init=False)  # it reaches the newest token: it yields the next one
+    extra_row: int = -1  # speculating: the step's output row of the first proposal's position
 
     def __post_init__(self):
         # Fixed when scheduled: by the time the step's tokens come back the request may have grown.
-        self.samples = self.start + self.num_tokens == self.request.num_tokens
+        self.samples = self.start + self.num_tokens - len(self.draft) == self.request.num_tokens
+
+    @property
+    def is_decode(self) -> bool:
+        """One known token (and maybe proposals after it): a decode row, not a prompt chunk."""
+        return self.num_tokens - len(self.draft) == 1
 
     @property
     def attention_pairs(self) -> int:
@@ -77,10 +86,16 @@ class SchedulerOutput:
     prefill: list[Chunk]  # more than one token each, one prefill step each
     preempted: list[Request]  # lost their pages this step; back in the waiting queue
     num_static_rows: int = 0  # static mode: rows the batch occupies, finished ones included
+    speculative: list[Chunk] = dataclasses.field(default_factory=list)  # decode rows with proposals
 
     @property
     def empty(self) -> bool:
-        return not self.decode and not self.prefill
+        return not self.decode and not self.prefill and not self.speculative
+
+    @property
+    def chunks(self) -> list[Chunk]:
+        """In the packed step's order: single tokens first (jaxcb.host.batch), then multi-token chunks."""
+        return self.decode + self.speculative + self.prefill
 
 
 class Scheduler:
@@ -92,6 +107,7 @@ class Scheduler:
         self.window = window  # jaxcb.host.window.WindowGroup: the sliding layers' pages (Gemma), else None
         self.eos_ids = frozenset(eos_ids)
         self.cache = PrefixCache(pool, window) if config.prefix_caching else None
+        self.proposer = Proposer(config.speculative) if config.speculative.enabled else None
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.controller = (LatencyController(config) if config.target_p99_tpot_ms is not None
@@ -166,7 +182,7 @@ class Scheduler:
         is pending (row `i` of step `step_id`'s output) until the step's tokens come back."""
         for row, c in enumerate(chunks):
             r = c.request
-            r.num_computed = c.start + c.num_tokens
+            r.num_computed = c.start + c.num_tokens  # with proposals: until the step says how many hold
             if c.samples:
                 r.num_pending += 1
                 r.pending_src = (step_id, row)
@@ -178,10 +194,12 @@ class Scheduler:
         A chunk whose request ended or was preempted (`epochs`: preemption counts at launch) since the
         launch is void."""
         sampled = []
-        eos, max_context = self.eos_ids, self.config.max_context
         for row, (c, epoch) in enumerate(zip(chunks, epochs)):
             r = c.request
             if r.status is not Status.RUNNING or r.num_preemptions != epoch:
+                continue
+            if c.draft:
+                self._accept(c, row, token_ids, sampled)
                 continue
             if self.cache is not None:
                 self.cache.register(r, c.start + c.num_tokens)
@@ -190,15 +208,46 @@ class Scheduler:
             r.num_pending -= 1
             if not r.num_pending:
                 r.pending_src = None
-            token = int(token_ids[row])
-            r.output_ids.append(token)
-            p, reason = r.params, None
-            if token in p.stop_token_ids or (token in eos and not p.ignore_eos):
-                reason = FinishReason.STOP
-            elif len(r.output_ids) >= p.max_tokens or r.num_known >= max_context:
-                reason = FinishReason.LENGTH
-            sampled.append(Sampled(row, r, token, reason))
+            sampled.append(self._append(r, row, int(token_ids[row])))
         return sampled
+
+    def _append(self, r: Request, row: int, token: int) -> Sampled:
+        """Append a sampled token to r: its Sampled, with how r ends with it."""
+        r.output_ids.append(token)
+        p, reason = r.params, None
+        if token in p.stop_token_ids or (token in self.eos_ids and not p.ignore_eos):
+            reason = FinishReason.STOP
+        elif len(r.output_ids) >= p.max_tokens or r.num_known >= self.config.max_context:
+            reason = FinishReason.LENGTH
+        return Sampled(row, r, token, reason)
+
+    def _accept(self, c: Chunk, row: int, token_ids, sampled: list[Sampled]) -> None:
+        """A speculating chunk's tokens: the one sampled after its newest token, then while the token
+        sampled at a proposal's position equals that proposal, the one sampled after it (each is what
+        decoding one token at a time would have sampled). The K/V of rejected proposals is dropped: the
+        request's length ends after the accepted ones, and pages past its tokens go back."""
+        r, k = c.request, len(c.draft)
+        r.num_pending -= 1
+        if not r.num_pending:
+            r.pending_src = None
+        accepted = 0
+        for j in range(k + 1):
+            out_row = c.extra_row + j if j < k else row
+            s = self._append(r, out_row, int(token_ids[out_row]))
+            sampled.append(s)
+            if s.finish is not None or j == k or s.token != c.draft[j]:
+                break
+            accepted += 1
+        self.proposer.record(r, k, accepted)
+        r.num_computed = c.start + 1 + accepted
+        keep = self.pool.pages_for(r.num_tokens)
+        if len(r.page_ids) > keep:
+            self.pool.free(r.page_ids[keep:])
+            del r.page_ids[keep:]
+        if self.window is not None:
+            self.window.trim(r, keep)
+        if self.cache is not None:
+            self.cache.register(r, r.num_computed)
 
     def observe_step_done(self, chunks: list[Chunk], seconds: float | None,
                           sampled: list[tuple[Request, bool]], now: float) -> None:
@@ -210,8 +259,8 @@ class Scheduler:
         if ctl is None:
             return
         if seconds is not None:
-            decode = sum(1 for c in chunks if c.num_tokens == 1)  # each waited this long for its token
-            ctl.observe_step(seconds, decode, sum(c.num_tokens for c in chunks if c.num_tokens > 1))
+            decode = sum(1 for c in chunks if c.is_decode)  # each waited this long for its token
+            ctl.observe_step(seconds, decode, sum(c.num_tokens for c in chunks if not c.is_decode))
         for r, finished in sampled:
             n = len(r.output_ids)
             if n == 1:
@@ -312,7 +361,9 @@ class Scheduler:
             r.lost_tokens, r.lost_by_switch = 0, False
         self.running.append(r)
 
-    def schedule(self, now: float | None = None) -> SchedulerOutput:
+    def schedule(self, now: float | None = None, speculate: bool = False) -> SchedulerOutput:
+        """This step's chunks. `speculate`: decoding requests whose tokens are all known may bring
+        proposals (the engine has no step in flight; jaxcb.host.speculative)."""
         now = time.monotonic() if now is None else now
         c = self.config
         out = SchedulerOutput(decode=[], prefill=[], preempted=[])
@@ -329,6 +380,14 @@ class Scheduler:
             if n == 0:
                 i += 1
                 continue
+            if n == 1 and self.proposer is not None:
+                draft = self._propose(r, budget, speculate)
+                if draft:
+                    scheduled.add(id(r))
+                    self._emit(out, Chunk(r, r.num_computed, 1 + len(draft), tuple(draft)))
+                    budget -= len(draft)  # proposals are tokens of the step like a prompt's
+                    i += 1
+                    continue
             while not self._grow(r, r.num_computed + n):
                 victim = next((v for v in reversed(self.running) if id(v) not in scheduled), None)
                 self.preempt(victim, out)
@@ -384,8 +443,53 @@ class Scheduler:
                     budget -= n
                 room -= 1
         out.num_static_rows = self._static_rows if c.static else 0
+        if out.speculative:
+            self._keep_proposals(out)
         return out
+
+    def _propose(self, r: Request, budget: int, speculate: bool) -> list[int]:
+        """Proposals for r's next decode step, its pages already grown to hold them; [] to decode one
+        token (not speculating now, nothing to propose, or no pages for them: never preempts)."""
+        self.proposer.tick(r)
+        if not speculate or r.num_pending or budget <= 0 or not self.proposer.eligible(r):
+            return []
+        # Room for the proposals and the token after them, within max_tokens and the context limit.
+        limit = min(budget, r.params.max_tokens - len(r.output_ids) - 1, self.config.max_context - r.num_known - 1)
+        draft = self.proposer.propose(r, limit) if limit > 0 else []
+        if draft and not self._grow(r, r.num_computed + 1 + len(draft)):
+            return []
+        return draft
+
+    def _keep_proposals(self, out: SchedulerOutput) -> None:
+        """Drop the proposals' tokens that do not pay in this step (Proposer.keep); their pages go back."""
+        chunks = out.chunks
+        counts = self.proposer.keep([(c.request, len(c.draft)) for c in out.speculative],
+                                    sum(c.num_tokens - len(c.draft) for c in chunks), sum(c.samples for c in chunks))
+        kept = []
+        for c, n in zip(out.speculative, counts):
+            if n < len(c.draft):
+                r = c.request
+                keep = self.pool.pages_for(c.start + 1 + n)
+                self.pool.free(r.page_ids[keep:])
+                del r.page_ids[keep:]
+                if self.window is not None:
+                    self.window.trim(r, keep)
+                c = Chunk(r, c.start, 1 + n, c.draft[:n])
+            (kept if n else out.decode).append(c)
+        out.speculative = kept
+
+    def wants_speculation(self) -> bool:
+        """Whether the next step would speculate if the running requests' tokens were all known (some
+        decoding request finds a proposal in the tokens it has): the engine then lets the step in
+        flight finish before scheduling."""
+        p = self.proposer
+        return (p is not None and p.active(len(self.running))
+                and any(r.num_tokens - r.num_computed == 1 and not r.last_in_flight and p.likely(r)
+                        for r in self.running))
 
     @staticmethod
     def _emit(out: SchedulerOutput, chunk: Chunk) -> None:
-        (out.decode if chunk.num_tokens == 1 else out.prefill).append(chunk)
+        if chunk.draft:
+            out.speculative.append(chunk)
+        else:
+            (out.decode if chunk.num_tokens == 1 else out.prefill).append(chunk)

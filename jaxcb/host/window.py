@@ -61,6 +61,14 @@ class WindowGroup:
         ids.extend([NULL_PAGE] * (max(len(ids), lo) - len(ids)) + pages)
         return True
 
+    def trim(self, r, num_pages: int) -> None:
+        """r's tokens now end within its first num_pages pages (rejected speculative tokens rolled
+        back): the sliding pages past them go back."""
+        tail = [p for p in r.window_page_ids[num_pages:] if p != NULL_PAGE]
+        if tail:
+            self.pool.free(tail)
+        del r.window_page_ids[num_pages:]
+
     def release(self, r) -> None:
         """r ends or is preempted: every sliding page it holds goes back."""
         held = [p for p in r.window_page_ids if p != NULL_PAGE]

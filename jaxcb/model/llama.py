@@ -273,6 +273,13 @@ def _with_head_axis(a):
 def forward(params: Params, kv_pages, batch: StepInput, config: ModelConfig, attention: Attention = Attention()):
     """One packed step. Returns (kv_pages with this step's K/V written, logits [M, V] in float32 of each
     sequence's last token)."""
+    kv_pages, h = forward_hidden(params, kv_pages, batch, config, attention)
+    return kv_pages, logits_at(params, h, batch.last_token, config, attention)
+
+
+def forward_hidden(params: Params, kv_pages, batch: StepInput, config: ModelConfig,
+                   attention: Attention = Attention()):
+    """The layers of one packed step: (kv_pages with its K/V written, the last layer's output [T, E])."""
     h = embed_rows(params.embed, batch.token_ids, params.final_norm.dtype)  # [T, E]
     if config.embed_scale:
         h = h * jnp.asarray(config.hidden_size**0.5, h.dtype)
@@ -291,8 +298,13 @@ def forward(params: Params, kv_pages, batch: StepInput, config: ModelConfig, att
 
     xs = (layer_kinds(config), jnp.arange(config.num_layers, dtype=jnp.int32), layers)
     (h, kv_pages), _ = jax.lax.scan(body, (h, kv_pages), xs)
-    last = rms_norm(h[batch.last_token], params.final_norm, config.rms_norm_eps, config.norm_plus_one)  # [M, E]
+    return kv_pages, h
+
+
+def logits_at(params: Params, h, rows, config: ModelConfig, attention: Attention = Attention()):
+    """float32 logits [R, V] of the token rows `rows` [R] of the last layer's output h [T, E]."""
+    last = rms_norm(h[rows], params.final_norm, config.rms_norm_eps, config.norm_plus_one)  # [R, E]
     logits = head_logits(last, params.embed, params.lm_head, native=attention.native_matmul)
     if config.final_softcap:
         logits = config.final_softcap * jnp.tanh(logits / config.final_softcap)
-    return kv_pages, logits
+    return logits

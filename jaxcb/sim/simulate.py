@@ -285,7 +285,7 @@ class SimRunner:
                           attention_pairs=int((q * start + q * (q + 1) // 2).sum()), rows=m, sampled_rows=m)
         begin = max(self.clock.now(), self.busy_until)
         self.busy_until = begin + self.step_model.seconds(stats)
-        n = shape.seqs
+        n = shape.rows
         tokens = (np.zeros(n, np.int32) if self.rng is None
                   else self.rng.integers(100, self.model_config.vocab_size - 100, n).astype(np.int32))
         return _SimOutput(tokens, np.zeros(n, np.float32), np.zeros((n, 1), np.int32),

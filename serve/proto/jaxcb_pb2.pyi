@@ -47,7 +47,7 @@ class SamplingParameters(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("text", "chat", "tokens", "sampling", "max_tokens", "stop", "stop_token_ids", "ignore_eos", "priority", "request_id", "logprobs", "n", "cache_salt", "structured")
+    __slots__ = ("text", "chat", "tokens", "sampling", "max_tokens", "stop", "stop_token_ids", "ignore_eos", "priority", "request_id", "logprobs", "n", "cache_salt", "structured", "speculative")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     CHAT_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -62,6 +62,7 @@ class GenerateRequest(_message.Message):
     N_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     STRUCTURED_FIELD_NUMBER: _ClassVar[int]
+    SPECULATIVE_FIELD_NUMBER: _ClassVar[int]
     text: str
     chat: ChatInput
     tokens: TokenInput
@@ -76,7 +77,8 @@ class GenerateRequest(_message.Message):
     n: int
     cache_salt: str
     structured: StructuredOutput
-    def __init__(self, text: _Optional[str] = ..., chat: _Optional[_Union[ChatInput, _Mapping]] = ..., tokens: _Optional[_Union[TokenInput, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParameters, _Mapping]] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., priority: _Optional[int] = ..., request_id: _Optional[str] = ..., logprobs: _Optional[int] = ..., n: _Optional[int] = ..., cache_salt: _Optional[str] = ..., structured: _Optional[_Union[StructuredOutput, _Mapping]] = ...) -> None: ...
+    speculative: bool
+    def __init__(self, text: _Optional[str] = ..., chat: _Optional[_Union[ChatInput, _Mapping]] = ..., tokens: _Optional[_Union[TokenInput, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParameters, _Mapping]] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., priority: _Optional[int] = ..., request_id: _Optional[str] = ..., logprobs: _Optional[int] = ..., n: _Optional[int] = ..., cache_salt: _Optional[str] = ..., structured: _Optional[_Union[StructuredOutput, _Mapping]] = ..., speculative: _Optional[bool] = ...) -> None: ...
 
 class StructuredOutput(_message.Message):
     __slots__ = ("json_schema", "json_object", "regex", "choice", "grammar")
@@ -199,7 +201,7 @@ class GetServerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServerInfo(_message.Message):
-    __slots__ = ("decode_batch_buckets", "pages_per_seq_buckets", "prefill_token_buckets", "page_size", "pages_total", "pages_free", "policy", "compilations", "running", "waiting", "preemptions", "tensor_parallel", "data_parallel", "replicas", "platform", "compute_dtype", "weights", "kv_dtype", "attention", "cpu_dots", "cpu_max_isa", "cpu_dots_reason")
+    __slots__ = ("decode_batch_buckets", "pages_per_seq_buckets", "prefill_token_buckets", "page_size", "pages_total", "pages_free", "policy", "compilations", "running", "waiting", "preemptions", "tensor_parallel", "data_parallel", "replicas", "platform", "compute_dtype", "weights", "kv_dtype", "attention", "cpu_dots", "cpu_max_isa", "cpu_dots_reason", "speculative_method", "num_speculative_tokens", "speculative_acceptance_rate", "speculative_mean_accepted_length")
     DECODE_BATCH_BUCKETS_FIELD_NUMBER: _ClassVar[int]
     PAGES_PER_SEQ_BUCKETS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_TOKEN_BUCKETS_FIELD_NUMBER: _ClassVar[int]
@@ -222,6 +224,10 @@ class ServerInfo(_message.Message):
     CPU_DOTS_FIELD_NUMBER: _ClassVar[int]
     CPU_MAX_ISA_FIELD_NUMBER: _ClassVar[int]
     CPU_DOTS_REASON_FIELD_NUMBER: _ClassVar[int]
+    SPECULATIVE_METHOD_FIELD_NUMBER: _ClassVar[int]
+    NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SPECULATIVE_ACCEPTANCE_RATE_FIELD_NUMBER: _ClassVar[int]
+    SPECULATIVE_MEAN_ACCEPTED_LENGTH_FIELD_NUMBER: _ClassVar[int]
     decode_batch_buckets: _containers.RepeatedScalarFieldContainer[int]
     pages_per_seq_buckets: _containers.RepeatedScalarFieldContainer[int]
     prefill_token_buckets: _containers.RepeatedScalarFieldContainer[int]
@@ -244,7 +250,11 @@ class ServerInfo(_message.Message):
     cpu_dots: str
     cpu_max_isa: str
     cpu_dots_reason: str
-    def __init__(self, decode_batch_buckets: _Optional[_Iterable[int]] = ..., pages_per_seq_buckets: _Optional[_Iterable[int]] = ..., prefill_token_buckets: _Optional[_Iterable[int]] = ..., page_size: _Optional[int] = ..., pages_total: _Optional[int] = ..., pages_free: _Optional[int] = ..., policy: _Optional[str] = ..., compilations: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., preemptions: _Optional[int] = ..., tensor_parallel: _Optional[int] = ..., data_parallel: _Optional[int] = ..., replicas: _Optional[_Iterable[_Union[ReplicaInfo, _Mapping]]] = ..., platform: _Optional[str] = ..., compute_dtype: _Optional[str] = ..., weights: _Optional[str] = ..., kv_dtype: _Optional[str] = ..., attention: _Optional[str] = ..., cpu_dots: _Optional[str] = ..., cpu_max_isa: _Optional[str] = ..., cpu_dots_reason: _Optional[str] = ...) -> None: ...
+    speculative_method: str
+    num_speculative_tokens: int
+    speculative_acceptance_rate: float
+    speculative_mean_accepted_length: float
+    def __init__(self, decode_batch_buckets: _Optional[_Iterable[int]] = ..., pages_per_seq_buckets: _Optional[_Iterable[int]] = ..., prefill_token_buckets: _Optional[_Iterable[int]] = ..., page_size: _Optional[int] = ..., pages_total: _Optional[int] = ..., pages_free: _Optional[int] = ..., policy: _Optional[str] = ..., compilations: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., preemptions: _Optional[int] = ..., tensor_parallel: _Optional[int] = ..., data_parallel: _Optional[int] = ..., replicas: _Optional[_Iterable[_Union[ReplicaInfo, _Mapping]]] = ..., platform: _Optional[str] = ..., compute_dtype: _Optional[str] = ..., weights: _Optional[str] = ..., kv_dtype: _Optional[str] = ..., attention: _Optional[str] = ..., cpu_dots: _Optional[str] = ..., cpu_max_isa: _Optional[str] = ..., cpu_dots_reason: _Optional[str] = ..., speculative_method: _Optional[str] = ..., num_speculative_tokens: _Optional[int] = ..., speculative_acceptance_rate: _Optional[float] = ..., speculative_mean_accepted_length: _Optional[float] = ...) -> None: ...
 
 class ReplicaInfo(_message.Message):
     __slots__ = ("replica", "device_ids", "pages_total", "pages_free", "running", "waiting", "preemptions", "pending_tokens", "requests_routed")

@@ -1,0 +1,225 @@
+"""Speculative decoding (jaxcb.host.speculative): n-gram proposals scored inside the packed step give
+exactly the tokens of decoding without them, greedy and sampled, in every situation the engine meets."""
+
+import dataclasses
+import math
+
+import numpy as np
+import pytest
+
+from jaxcb.host.errors import InvalidConfig
+from jaxcb.host.request import FinishReason, SamplingParams
+from jaxcb.host.speculative import SpeculativeConfig, propose_ngram
+
+# adaptive=False: keep every proposal (the tiny model's step times say nothing about what pays).
+NGRAM = SpeculativeConfig("ngram", num_tokens=4, adaptive=False)
+
+
+def test_ngram_proposes_what_followed_the_latest_longest_match():
+    t = np.array([5, 6, 7, 8, 9, 1, 6, 7, 2, 3, 5, 6, 7], np.int32)
+    # suffix [5, 6, 7] occurred at 0 (followed by 8, 9, 1); [6, 7] alone occurred later, but longer wins
+    assert propose_ngram(t, 3, 2, 3).tolist() == [8, 9, 1]
+    assert propose_ngram(t, 2, 2, 3).tolist() == [8, 9]
+    # with at most 2-token suffixes, the latest occurrence of [6, 7] (position 6) is used
+    assert propose_ngram(t, 3, 2, 2).tolist() == [2, 3, 5]
+    assert propose_ngram(np.array([1, 2, 3, 4], np.int32), 3, 1, 3).size == 0  # nothing repeats
+    # the continuation stops at the sequence's end
+    assert propose_ngram(np.array([4, 4, 4], np.int32), 5, 1, 2).tolist() == [4]
+
+
+def test_config_checks_name_the_field():
+    with pytest.raises(InvalidConfig, match="speculative.method"):
+        SpeculativeConfig("draft")
+    with pytest.raises(InvalidConfig, match="speculative.num_tokens"):
+        SpeculativeConfig("ngram", num_tokens=0)
+    with pytest.raises(InvalidConfig, match="speculative.max_n"):
+        SpeculativeConfig("ngram", min_n=3, max_n=2)
+
+
+def test_the_config_file_and_the_flags_set_it(tmp_path):
+    import argparse
+
+    from jaxcb.cli.args import add_model_args, engine_config
+    from jaxcb.host.engine_config import DEFAULT_CONFIG, load_config
+
+    path = tmp_path / "spec.toml"
+    path.write_text(open(DEFAULT_CONFIG).read().replace('method = ""', 'method = "ngram"'))
+    assert load_config(str(path)).scheduler.speculative.method == "ngram"
+    assert load_config().scheduler.speculative.enabled is False
+    path.write_text(open(DEFAULT_CONFIG).read() + "\n[speculative]\nbogus = 1\n")
+    with pytest.raises(Exception, match="speculative"):
+        load_config(str(path))
+    p = argparse.ArgumentParser()
+    add_model_args(p)
+    spec = engine_config(p.parse_args(["--speculative", "ngram", "--num-speculative-tokens", "3"])).scheduler.speculative
+    assert (spec.method, spec.num_tokens) == ("ngram", 3)
+
+
+def repetitive_prompts(vocab, lengths, seed=0):
+    """Prompts that repeat their own first part: the n-gram proposer finds matches in them."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for n in lengths:
+        part = rng.integers(3, vocab, size=n).tolist()
+        out.append(part + part[: max(2, n // 2)])
+    return out
+
+
+def both(make_llm, spec=NGRAM, **config):
+    return make_llm(**config), make_llm(speculative=spec, **config)
+
+
+def check_speculated(llm):
+    st = llm.engine.stats()
+    assert st.speculative_steps > 0 and st.speculative_accepted > 0, st
+    assert 0 < st.acceptance_rate <= 1 and st.mean_accepted_length > 1
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_greedy_outputs_are_those_of_decoding_without_it(make_llm, async_scheduling):
+    base, spec = both(make_llm, async_scheduling=async_scheduling)
+    prompts = repetitive_prompts(base.model_config.vocab_size, (5, 20, 33, 8, 50, 12))
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    want = [o.token_ids for o in base.generate(prompts, params)]
+    spec.warmup()
+    compiled = spec.engine.stats().compilations
+    got = [o.token_ids for o in spec.generate(prompts, params)]
+    assert got == want
+    check_speculated(spec)
+    assert spec.engine.stats().compilations == compiled  # no new shapes after warm-up
+
+
+@pytest.mark.parametrize("case", ["preemption", "prefix_cache", "n", "stop", "penalties", "logprobs", "eos"])
+def test_exact_in_every_situation(make_llm, case):
+    config = {"num_pages": 14} if case == "preemption" else {}
+    # Penalties keep the tiny model from repeating itself: one-token matches give it proposals.
+    base, spec = both(make_llm, dataclasses.replace(NGRAM, min_n=1) if case == "penalties" else NGRAM, **config)
+    vocab = base.model_config.vocab_size
+    prompts = repetitive_prompts(vocab, (20, 33, 5, 17, 40, 9, 28, 12), seed=1)
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    if case == "prefix_cache":
+        prompts = [prompts[0] + p for p in prompts]  # one shared prefix; each engine generates twice
+    elif case == "n":
+        params = SamplingParams(max_tokens=24, ignore_eos=True, n=3, temperature=0.2, seed=7)
+    elif case == "penalties":
+        # mild: stronger penalties stop the tiny model from ever repeating itself (nothing to propose)
+        params = SamplingParams(max_tokens=30, ignore_eos=True, repetition_penalty=1.05, frequency_penalty=0.05)
+    elif case == "logprobs":
+        params = SamplingParams(max_tokens=20, ignore_eos=True, logprobs=3)
+    elif case == "eos":
+        params = SamplingParams(max_tokens=30, stop_token_ids=(7, 11, 13, 29, 31, 57))
+    want = base.generate(prompts, params)
+    if case == "stop":  # stop at the text of a token the plain run produces, mid-way
+        texts = [o.text for o in want]
+        stop = next(t[len(t) // 2: len(t) // 2 + 2] for t in texts if len(t) > 8)
+        params = dataclasses.replace(params, stop=(stop,))
+        want = base.generate(prompts, params)
+    got = spec.generate(prompts, params)
+    if case == "prefix_cache":
+        want, got = base.generate(prompts, params), spec.generate(prompts, params)
+        assert spec.engine.stats().prefix_cache_hits > 0
+    if case == "preemption":
+        assert spec.engine.stats().preemptions > 0
+    for a, b in zip(want, got):
+        assert b.token_ids == a.token_ids
+        assert b.text == a.text and b.finish_reason == a.finish_reason
+        if case == "logprobs":
+            np.testing.assert_allclose([lp for lp, _ in b.logprobs], [lp for lp, _ in a.logprobs], rtol=1e-4, atol=1e-5)
+    if case == "stop":
+        assert any(o.finish_reason == FinishReason.STOP for o in got)
+    check_speculated(spec)
+
+
+def test_seeded_sampling_gives_the_same_tokens_and_the_same_distribution(make_llm):
+    """A proposal is accepted when the token sampled at its position (the request's key for that output
+    position) equals it, so a seeded request samples what it samples without speculation; unseeded,
+    the token frequencies at the speculated positions match decoding without it (two-sample chi-square)."""
+    base, spec = both(make_llm, dataclasses.replace(NGRAM, min_n=1))  # sampled text repeats less
+    vocab = base.model_config.vocab_size
+    prompts = repetitive_prompts(vocab, (12, 20, 9, 30), seed=3)
+    params = [SamplingParams(max_tokens=24, ignore_eos=True, temperature=0.5, top_k=40, seed=i) for i in range(4)]
+    assert [o.token_ids for o in spec.generate(prompts, params)] == [o.token_ids for o in base.generate(prompts, params)]
+    check_speculated(spec)
+
+    # A low temperature on a repeating prompt: the proposal (what followed before) is often but not
+    # always what the model samples, so a wrong acceptance rule would shift these frequencies.
+    prompt = repetitive_prompts(vocab, (10,), seed=4)[0]
+    p = SamplingParams(max_tokens=4, ignore_eos=True, temperature=0.6, n=16)
+    counts = []
+    for llm, first_seed in ((base, 0), (spec, 10_000)):  # different seeds: independent samples
+        c = {}
+        for s in range(first_seed, first_seed + 20):
+            for o in llm.generate([prompt], dataclasses.replace(p, seed=s)):
+                for pos, t in enumerate(o.token_ids[1:4]):
+                    c[(pos, t)] = c.get((pos, t), 0) + 1
+        counts.append(c)
+    keys = sorted(set(counts[0]) | set(counts[1]))
+    a = np.array([counts[0].get(k, 0) for k in keys], float)
+    b = np.array([counts[1].get(k, 0) for k in keys], float)
+    big = (a + b) >= 10  # pool the rare cells
+    a = np.append(a[big], a[~big].sum())
+    b = np.append(b[big], b[~big].sum())
+    keep = (a + b) > 0
+    a, b = a[keep], b[keep]
+    chi2 = float((((a - b) ** 2) / (a + b)).sum())  # equal totals: the two-sample statistic
+    dof = len(a) - 1
+    # p < 0.001 rejects: the 0.999 quantile of chi-square, Wilson-Hilferty
+    z = 3.09
+    limit = dof * (1 - 2 / (9 * dof) + z * math.sqrt(2 / (9 * dof))) ** 3
+    assert chi2 < limit, (chi2, dof, limit)
+    assert spec.engine.stats().speculative_steps > 0
+
+
+def test_opting_out_and_constraints_do_not_speculate(make_llm):
+    spec = make_llm(speculative=NGRAM)
+    prompts = repetitive_prompts(spec.model_config.vocab_size, (20, 30), seed=5)
+    spec.generate(prompts, SamplingParams(max_tokens=20, ignore_eos=True, speculative=False))
+    assert spec.engine.stats().speculative_steps == 0
+    spec.generate(prompts, SamplingParams(max_tokens=20, ignore_eos=True))
+    assert spec.engine.stats().speculative_steps > 0
+
+
+def test_speculation_backs_off_where_it_does_not_pay(make_llm):
+    """With the step times known, a proposal is kept only while it raises the expected tokens per
+    second: where a bigger bucket costs far more than a proposal can win, none is kept."""
+    spec = make_llm(speculative=dataclasses.replace(NGRAM, adaptive=True))
+    proposer = spec.engine.scheduler.proposer
+    proposer.observe_step = lambda tokens, seconds: None  # the tiny model's own times would say little
+    prompts = repetitive_prompts(spec.model_config.vocab_size, (30,), seed=6)  # alone: no bucket padding to fill
+    for tokens in spec.engine.config.buckets.tokens:
+        proposer.bucket_s[tokens] = 0.01 * tokens  # cost grows with every token: never pays
+    spec.generate(prompts, SamplingParams(max_tokens=20, ignore_eos=True))
+    assert spec.engine.stats().speculative_steps == 0
+    spec.engine.reset_counters()
+    for tokens in spec.engine.config.buckets.tokens:
+        proposer.bucket_s[tokens] = 0.01  # every bucket costs the same: every proposal pays
+    spec.generate(prompts, SamplingParams(max_tokens=20, ignore_eos=True))
+    assert spec.engine.stats().speculative_steps > 0
+
+
+def test_rejected_tokens_give_their_pages_back(make_llm):
+    """Rolled back: a request's pages never outgrow its tokens after a step, and all come back."""
+    spec = make_llm(speculative=NGRAM, page_size=4, num_pages=200)
+    engine = spec.engine
+    prompts = repetitive_prompts(spec.model_config.vocab_size, (9, 14, 30), seed=8)
+    for p in prompts:
+        engine.add_request(p, SamplingParams(max_tokens=30, ignore_eos=True))
+    while engine.has_work():
+        engine.step()
+        for r in engine.scheduler.running:
+            assert len(r.page_ids) <= engine.pool.pages_for(r.num_tokens + 1)
+    check_speculated(spec)
+
+
+def test_sliding_window_layers_roll_back_too(make_llm):
+    """A tiny Gemma 3 (sliding window of 8 tokens: a second page group, trimmed with the first)."""
+    import os
+
+    from jaxcb.llm import load_model
+
+    model = load_model(os.path.join(os.path.dirname(__file__), "golden", "tiny_hf", "gemma3"))
+    base, spec = both(make_llm, model=model, page_size=4)
+    prompts = repetitive_prompts(base.model_config.vocab_size, (9, 21, 30), seed=9)
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    assert [o.token_ids for o in spec.generate(prompts, params)] == [o.token_ids for o in base.generate(prompts, params)]
+    check_speculated(spec)
