@@ -123,6 +123,8 @@ def main():
     ap.add_argument("--num-tokens", type=int, default=4)
     ap.add_argument("--min-n", type=int, default=None, help="the n-gram proposer's shortest suffix (default: its own)")
     ap.add_argument("--kinds", nargs="+", default=["grounded", "chat"], help="task kinds to run")
+    ap.add_argument("--batches", nargs="+", type=int, default=[1, 4], help="requests submitted together")
+    ap.add_argument("--no-workload", action="store_true", help="skip the engine workload")
     ap.add_argument("--max-tokens", type=int, default=160)
     ap.add_argument("--trials", type=int, default=2)
     ap.add_argument("--requests", type=int, default=32, help="the engine workload's requests")
@@ -161,7 +163,7 @@ def main():
     print(f"{'tasks':10} {'batch':>5} {'mode':6} {'tok/s':>7} {'ratio':>6} {'accept':>7} {'mean len':>8} "
           f"{'p99 ITL ms':>10} {'spec steps':>10} {'compiles':>8} {'exact':>5}")
     for kind, ps in prompts.items():
-        for batch in (1, 4):
+        for batch in args.batches:
             runs = {name: [] for name in engines}
             for _ in range(args.trials):
                 for name, e in engines.items():
@@ -178,7 +180,7 @@ def main():
                 results["tasks"].setdefault(kind, {}).setdefault(f"batch_{batch}", {})[name] = dict(m, ratio=round(ratio, 3))
             results["tasks"][kind][f"batch_{batch}"]["exact"] = exact
 
-    if not args.quick:
+    if not args.quick and not args.no_workload:
         w_prompts, w_lens = workload(args.requests, 0, first.model_config.vocab_size)
         runs = {name: [] for name in engines}
         for _ in range(args.trials):
@@ -187,10 +189,13 @@ def main():
         med = {name: median_run(r) for name, r in runs.items()}
         for name, m in med.items():
             ratio = m["output_tokens_per_s"] / med["off"]["output_tokens_per_s"]
-            print(f"workload {args.requests} requests, {name:6}: {m['output_tokens_per_s']:7.1f} tok/s  ratio {ratio:.3f}  "
+            trials = " ".join(f"{r['output_tokens_per_s']:.1f}" for r in runs[name])
+            print(f"workload {args.requests} requests, {name:6}: {m['output_tokens_per_s']:7.1f} tok/s (trials {trials})  "
+                  f"ratio {ratio:.3f}  "
                   f"accept {m['acceptance_rate']:.3f}  mean len {m['mean_accepted_length']:.2f}  "
                   f"speculative steps {m['speculative_steps']}/{m['steps']}  compiles {m['compilations_after_warmup']}")
-            results["workload"][name] = dict(m, ratio=round(ratio, 3))
+            results["workload"][name] = dict(m, ratio=round(ratio, 3),
+                                             trials=[r["output_tokens_per_s"] for r in runs[name]])
     write_result(results, args.json, echo=False)
 
 

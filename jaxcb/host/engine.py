@@ -8,9 +8,11 @@ token batch (jaxcb.host.batch) of a precompiled bucket and dispatched as one cal
 scheduled again before its newest token has come back, the step reads that token from the previous
 step's output on the device, and a request whose token turns out to stop it wastes one row. Then the
 previous step's tokens come back in one copy; each request gets its tokens, its stop checks and its
-text delta, and finished requests leave the batch (their pages freed). Requests and aborts from other
-threads go through an inbox that the loop drains at the start of every step, so only the engine
-thread touches the scheduler and the pool.
+text delta, and finished requests leave the batch (their pages freed). Speculative decoding
+(jaxcb.host.speculative) trades that overlap for several tokens a step: a step with proposals is
+scheduled only once every token of its requests is known, and completed before the next is scheduled.
+Requests and aborts from other threads go through an inbox that the loop drains at the start of every
+step, so only the engine thread touches the scheduler and the pool.
 """
 
 from __future__ import annotations

@@ -479,13 +479,18 @@ class Scheduler:
         out.speculative = kept
 
     def wants_speculation(self) -> bool:
-        """Whether the next step would speculate if the running requests' tokens were all known (some
-        decoding request finds a proposal in the tokens it has): the engine then lets the step in
-        flight finish before scheduling."""
+        """Whether the next step would speculate if the running requests' tokens were all known: some
+        decoding request finds a proposal in the tokens it has, and proposals of that size would pay
+        in a step of the running requests' decode rows (Proposer.keep). The engine then lets the step
+        in flight finish before scheduling (its host work no longer overlaps the device's)."""
         p = self.proposer
-        return (p is not None and p.active(len(self.running))
-                and any(r.num_tokens - r.num_computed == 1 and not r.last_in_flight and p.likely(r)
-                        for r in self.running))
+        if p is None or not p.active(len(self.running)):
+            return False
+        likely = [r for r in self.running if r.num_tokens - r.num_computed == 1 and not r.last_in_flight and p.likely(r)]
+        if not likely:
+            return False
+        n = len(self.running)
+        return any(p.keep([(r, p.config.num_tokens) for r in likely], n, n))
 
     @staticmethod
     def _emit(out: SchedulerOutput, chunk: Chunk) -> None:
