@@ -81,12 +81,14 @@ def test_greedy_outputs_are_those_of_decoding_without_it(make_llm, async_schedul
     prompts = repetitive_prompts(base.model_config.vocab_size, (5, 20, 33, 8, 50, 12))
     params = SamplingParams(max_tokens=40, ignore_eos=True)
     want = [o.token_ids for o in base.generate(prompts, params)]
-    spec.warmup()
+    if async_scheduling:
+        spec.warmup()
     compiled = spec.engine.stats().compilations
     got = [o.token_ids for o in spec.generate(prompts, params)]
     assert got == want
     check_speculated(spec)
-    assert spec.engine.stats().compilations == compiled  # no new shapes after warm-up
+    if async_scheduling:
+        assert spec.engine.stats().compilations == compiled  # no new shapes after warm-up
 
 
 @pytest.mark.parametrize("case", ["preemption", "prefix_cache", "n", "stop", "penalties", "logprobs", "eos"])
@@ -95,19 +97,19 @@ def test_exact_in_every_situation(make_llm, case):
     # Penalties keep the tiny model from repeating itself: one-token matches give it proposals.
     base, spec = both(make_llm, dataclasses.replace(NGRAM, min_n=1) if case == "penalties" else NGRAM, **config)
     vocab = base.model_config.vocab_size
-    prompts = repetitive_prompts(vocab, (20, 33, 5, 17, 40, 9, 28, 12), seed=1)
-    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    prompts = repetitive_prompts(vocab, (20, 33, 5, 17, 40, 12), seed=1)
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
     if case == "prefix_cache":
         prompts = [prompts[0] + p for p in prompts]  # one shared prefix; each engine generates twice
     elif case == "n":
         params = SamplingParams(max_tokens=24, ignore_eos=True, n=3, temperature=0.2, seed=7)
     elif case == "penalties":
         # mild: stronger penalties stop the tiny model from ever repeating itself (nothing to propose)
-        params = SamplingParams(max_tokens=30, ignore_eos=True, repetition_penalty=1.05, frequency_penalty=0.05)
+        params = SamplingParams(max_tokens=24, ignore_eos=True, repetition_penalty=1.05, frequency_penalty=0.05)
     elif case == "logprobs":
         params = SamplingParams(max_tokens=20, ignore_eos=True, logprobs=3)
     elif case == "eos":
-        params = SamplingParams(max_tokens=30, stop_token_ids=(7, 11, 13, 29, 31, 57))
+        params = SamplingParams(max_tokens=24, stop_token_ids=(7, 11, 13, 29, 31, 57))
     want = base.generate(prompts, params)
     if case == "stop":  # stop at the text of a token the plain run produces, mid-way
         texts = [o.text for o in want]
@@ -219,7 +221,7 @@ def test_sliding_window_layers_roll_back_too(make_llm):
 
     model = load_model(os.path.join(os.path.dirname(__file__), "golden", "tiny_hf", "gemma3"))
     base, spec = both(make_llm, model=model, page_size=4)
-    prompts = repetitive_prompts(base.model_config.vocab_size, (9, 21, 30), seed=9)
-    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    prompts = repetitive_prompts(base.model_config.vocab_size, (9, 30), seed=9)
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
     assert [o.token_ids for o in spec.generate(prompts, params)] == [o.token_ids for o in base.generate(prompts, params)]
     check_speculated(spec)
