@@ -240,12 +240,7 @@ class Scheduler:
             accepted += 1
         self.proposer.record(r, k, accepted)
         r.num_computed = c.start + 1 + accepted
-        keep = self.pool.pages_for(r.num_tokens)
-        if len(r.page_ids) > keep:
-            self.pool.free(r.page_ids[keep:])
-            del r.page_ids[keep:]
-        if self.window is not None:
-            self.window.trim(r, keep)
+        self._trim_pages(r, r.num_tokens)
         if self.cache is not None:
             self.cache.register(r, r.num_computed)
 
@@ -460,6 +455,16 @@ class Scheduler:
             return []
         return draft
 
+    def _trim_pages(self, r: Request, num_tokens: int) -> None:
+        """r's pages (both groups) past those its first num_tokens tokens need go back: proposals
+        dropped or rejected."""
+        keep = self.pool.pages_for(num_tokens)
+        if len(r.page_ids) > keep:
+            self.pool.free(r.page_ids[keep:])
+            del r.page_ids[keep:]
+        if self.window is not None:
+            self.window.trim(r, keep)
+
     def _keep_proposals(self, out: SchedulerOutput) -> None:
         """Drop the proposals' tokens that do not pay in this step (Proposer.keep); their pages go back."""
         chunks = out.chunks
@@ -468,13 +473,8 @@ class Scheduler:
         kept = []
         for c, n in zip(out.speculative, counts):
             if n < len(c.draft):
-                r = c.request
-                keep = self.pool.pages_for(c.start + 1 + n)
-                self.pool.free(r.page_ids[keep:])
-                del r.page_ids[keep:]
-                if self.window is not None:
-                    self.window.trim(r, keep)
-                c = Chunk(r, c.start, 1 + n, c.draft[:n])
+                self._trim_pages(c.request, c.start + 1 + n)
+                c = Chunk(c.request, c.start, 1 + n, c.draft[:n])
             (kept if n else out.decode).append(c)
         out.speculative = kept
 
