@@ -215,8 +215,7 @@ class Engine:
         if self.scheduler.cache is not None:
             self.scheduler.cache.num_queried_tokens = self.scheduler.cache.num_hit_tokens = 0
         if self.scheduler.proposer is not None:
-            p = self.scheduler.proposer
-            p.num_rows = p.num_proposed = p.num_accepted = 0
+            self.scheduler.proposer.reset_counters()
 
     # ---- the loop ----
     def _drain_inbox(self, events: list[TokenEvent]) -> None:
@@ -311,7 +310,8 @@ class Engine:
                 c.extra_row = shape.seqs + len(extra)
                 extra.extend(SamplingRow(r.params, seed, r.prompt_ids, r.output_ids + list(c.draft[:j]))
                              for j in range(len(c.draft)))
-            rows.append(SamplingRow(r.params, seed, r.prompt_ids, r.output_ids + list(c.draft), c.samples,
+            outputs = r.output_ids + list(c.draft) if c.draft else r.output_ids  # no copy for a plain row
+            rows.append(SamplingRow(r.params, seed, r.prompt_ids, outputs, c.samples,
                                     pending=pending))
         batch = pack(specs, shape, s, self.window_group.window if self.window_group else 0)
         sampling = pack_sampling(rows, shape, self.model_config.vocab_size, extra)

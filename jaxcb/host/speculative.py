@@ -120,6 +120,9 @@ class Proposer:
         self.num_proposed = 0
         self.num_accepted = 0
 
+    def reset_counters(self) -> None:
+        self.num_rows = self.num_proposed = self.num_accepted = 0
+
     def active(self, num_running: int) -> bool:
         """Whether this step may speculate at all."""
         return self.config.enabled and 0 < num_running <= self.config.max_batch
