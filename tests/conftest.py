@@ -61,6 +61,13 @@ def compile_cache_dir():
     return path
 
 
+def compile_mode(model_config) -> str:
+    """EngineConfig.compile for a test's model: the tiny random models' steps cost nothing to run, so
+    they compile "fast" (most of the suite's time is XLA compiling them); the real models keep XLA's
+    optimised compile, as served."""
+    return "fast" if model_config.hidden_size < 512 else "optimized"
+
+
 @pytest.fixture(scope="session")
 def tiny_gguf_path(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("models") / "tiny.gguf")
@@ -98,8 +105,9 @@ def make_llm(tiny_model):
         config.setdefault("max_context", 256)
         config.setdefault("decode_batch", (1, 2, 4, 8))
         config.setdefault("prefill_tokens", (16, 32, 64))
-        config_obj = make_config(**config)
         cfg, params, tok, eos = model or tiny_model
+        config.setdefault("compile", compile_mode(cfg))
+        config_obj = make_config(**config)
         llm = LLM.from_params(cfg, params, tok, config=config_obj, eos_ids=eos)
         made.append(llm)
         return llm

@@ -11,7 +11,8 @@ import time
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-SMALL_CONFIG = (
+SMALL_CONFIG = (  # for the tiny test models (compile = "fast": conftest.compile_mode)
+    "[model]\ncompile = \"fast\"\n"
     "[cache]\npage_size = 16\nnum_pages = 96\n"
     "[scheduler]\nmax_context = 256\nmax_prefill_tokens = 64\n"
     "[buckets]\ndecode_batch = [1, 2, 4, 8]\npages_per_seq = [4, 16]\nprefill_tokens = [32, 64]\n"

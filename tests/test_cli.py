@@ -18,7 +18,7 @@ def run_cli(*args, **kw):
 def small_config(tmp_path_factory):
     path = tmp_path_factory.mktemp("cfg") / "small.toml"
     path.write_text(
-        "[cache]\npage_size = 16\nnum_pages = 128\n"
+        "[model]\ncompile = \"fast\"\n[cache]\npage_size = 16\nnum_pages = 128\n"
         "[scheduler]\nmax_context = 256\nmax_prefill_tokens = 64\n"
         "[buckets]\ndecode_batch = [1, 4]\npages_per_seq = [4, 16]\nprefill_tokens = [32, 64]\n"
     )

@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from jaxcb.host.engine_config import ACTIVATION_CHOICES, CPU_DOTS_CHOICES, KV_CHOICES, WEIGHT_CHOICES
+from jaxcb.host.engine_config import ACTIVATION_CHOICES, COMPILE_CHOICES, CPU_DOTS_CHOICES, KV_CHOICES, WEIGHT_CHOICES
 from jaxcb.host.policies import POLICIES
 
 
@@ -30,6 +30,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="XLA:CPU's dot library: auto (chosen for this CPU, see `python -m jaxcb.device.cpu_dots`), "
                         "jaxlib's default, YNNPACK, XNNPACK, oneDNN or XLA's own emitter (default: the config's "
                         "model.cpu_dots, auto)")
+    p.add_argument("--compile", choices=COMPILE_CHOICES, default=None,
+                   help="how XLA compiles each step: optimized, or fast (a fraction of the compile time, slower "
+                        "steps: for development) (default: the config's model.compile, optimized)")
     p.add_argument("--policy", default=None, help=f"scheduling policy: {', '.join(POLICIES)}")
     p.add_argument("--compile-cache", default=None, metavar="DIR",
                    help="persistent XLA compilation cache (default: $JAXCB_COMPILE_CACHE or ~/.cache/jaxcb/xla; "
@@ -80,6 +83,8 @@ def engine_config(args):
         changes["activations"] = args.activations
     if getattr(args, "cpu_dots", None):
         changes["cpu_dots"] = args.cpu_dots
+    if getattr(args, "compile", None):
+        changes["compile"] = args.compile
     spec = config.scheduler.speculative
     if getattr(args, "speculative", None):
         spec = dataclasses.replace(spec, method="" if args.speculative == "off" else args.speculative)

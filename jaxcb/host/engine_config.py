@@ -20,6 +20,9 @@ WEIGHT_CHOICES = ("auto", "float32", "bfloat16", "int8", "int4")  # model.weight
 KV_CHOICES = ("auto", "float32", "bfloat16", "int8")
 # XLA:CPU's dot libraries (jaxcb.device.cpu_dots sets them up; "default" = whatever jaxlib does)
 CPU_DOTS_CHOICES = ("auto", "default", "ynn", "xnn", "onednn", "eigen")
+# How XLA compiles each step program (jaxcb.device.runner.COMPILER_OPTIONS): "optimized" (XLA's defaults) or
+# "fast" (its backend's optimisations off: a fraction of the compile time, slower steps on real models).
+COMPILE_CHOICES = ("optimized", "fast")
 ACTIVATION_CHOICES = ("float", "int8")  # model.activations (jaxcb.model.quant.quantize_activations)
 AUTO_PAGES = 0  # num_pages = "auto": as many as the memory plan fits (jaxcb.host.memory_plan)
 KERNEL_PAGE_SIZES = (8, 16, 32, 64, 128, 256)  # = kernels_pallas.PAGE_SIZES (this module imports no JAX)
@@ -52,6 +55,7 @@ class EngineConfig:
     # XLA:CPU's dot library (jaxcb.device.cpu_dots): "auto" = chosen for the CPU at start; or one of
     # "default", "ynn", "xnn", "onednn", "eigen". Takes effect only before JAX's CPU backend starts.
     cpu_dots: str = "auto"
+    compile: str = "optimized"  # COMPILE_CHOICES: "fast" for quick starts (development, tiny test models)
 
     @property
     def page_size(self) -> int:
@@ -91,6 +95,8 @@ class EngineConfig:
             raise InvalidConfig(f"cache.kv_dtype: {self.kv_dtype!r} is not one of {KV_CHOICES}")
         if self.cpu_dots not in CPU_DOTS_CHOICES:
             raise InvalidConfig(f"model.cpu_dots: {self.cpu_dots!r} is not one of {CPU_DOTS_CHOICES}")
+        if self.compile not in COMPILE_CHOICES:
+            raise InvalidConfig(f"model.compile: {self.compile!r} is not one of {COMPILE_CHOICES}")
         if self.attention not in ATTENTION_CHOICES:
             raise InvalidConfig(f"model.attention: {self.attention!r} is not one of {ATTENTION_CHOICES}")
         if self.attention == "pallas" and s.page_size not in KERNEL_PAGE_SIZES:
@@ -99,7 +105,7 @@ class EngineConfig:
 
     def replace(self, *, num_pages=None, buckets=None, attention=None, tensor_parallel=None, data_parallel=None,
                 weights=None, weight_group=None, kv_dtype=None, cpu_dots=None, activations=None,
-                **scheduler_changes) -> "EngineConfig":
+                compile=None, **scheduler_changes) -> "EngineConfig":
         return EngineConfig(
             num_pages=self.num_pages if num_pages is None else num_pages,
             scheduler=dataclasses.replace(self.scheduler, **scheduler_changes),
@@ -114,13 +120,15 @@ class EngineConfig:
             kv_dtype=self.kv_dtype if kv_dtype is None else kv_dtype,
             cpu_dots=self.cpu_dots if cpu_dots is None else cpu_dots,
             activations=self.activations if activations is None else activations,
+            compile=self.compile if compile is None else compile,
         )
 
 
 def make_config(*, page_size=16, num_pages=4096, max_context=2048, decode_batch=(1, 2, 4, 8, 16, 32),
                 pages_per_seq=None, prefill_tokens=(32, 64, 128, 256, 512), max_prefill_tokens=None,
                 tokens=None, attention="auto", tensor_parallel=1, data_parallel=1, weights="auto",
-                weight_group=0, kv_dtype="auto", cpu_dots="auto", activations="float", **scheduler) -> EngineConfig:
+                weight_group=0, kv_dtype="auto", cpu_dots="auto", activations="float", compile="optimized",
+                **scheduler) -> EngineConfig:
     """An EngineConfig from keyword values (tests and the Python API)."""
     if pages_per_seq is None:
         pages_per_seq = (max_context // page_size,)
@@ -136,7 +144,7 @@ def make_config(*, page_size=16, num_pages=4096, max_context=2048, decode_batch=
     )
     return EngineConfig(num_pages=num_pages, scheduler=sched, attention=attention, tensor_parallel=tensor_parallel,
                         data_parallel=data_parallel, weights=weights, weight_group=weight_group,
-                        kv_dtype=kv_dtype, cpu_dots=cpu_dots, activations=activations,
+                        kv_dtype=kv_dtype, cpu_dots=cpu_dots, activations=activations, compile=compile,
                         buckets=Buckets(tuple(decode_batch), tuple(pages_per_seq), tuple(prefill_tokens),
                                         tuple(tokens)))
 
@@ -185,7 +193,7 @@ def load_config(path: str | None = None) -> EngineConfig:
     except TypeError as e:
         raise InvalidConfig(f"config: unknown setting in [scheduler] ({e})") from None
     model = raw.get("model", {})
-    unknown = set(model) - {"attention", "weights", "weight_group", "cpu_dots", "activations"}
+    unknown = set(model) - {"attention", "weights", "weight_group", "cpu_dots", "activations", "compile"}
     if unknown:
         raise InvalidConfig(f"config: unknown setting in [model]: {sorted(unknown)}")
     parallel = raw.get("parallel", {})
@@ -203,6 +211,7 @@ def load_config(path: str | None = None) -> EngineConfig:
                         attention=str(model.get("attention", "auto")), weights=str(model.get("weights", "auto")),
                         weight_group=model.get("weight_group", 0), kv_dtype=str(cache.get("kv_dtype", "auto")),
                         cpu_dots=str(model.get("cpu_dots", "auto")), activations=str(model.get("activations", "float")),
+                        compile=str(model.get("compile", "optimized")),
                         memory_fraction=float(cache.get("memory_fraction", 0.9)),
                         memory_bytes=parse_bytes(cache["memory"]) if "memory" in cache else 0,
                         tensor_parallel=parallel.get("tensor", 1), data_parallel=parallel.get("data", 1))
