@@ -5,12 +5,15 @@ page-table entries past each sequence's end pointing at pages nobody owns, and e
 sequence owns filled with NaN, which must not reach any output.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import export
 
+from jaxcb.device.runner import COMPILER_OPTIONS
 from jaxcb.model.paged_attention import paged_attention_reference
 from kernels_pallas import (PAGE_SIZES, engine_attention, engine_ragged_attention, paged_attention,
                             ragged_paged_attention)
@@ -26,6 +29,13 @@ CASES = [pytest.param(*shape, dtype, id=f"{'-'.join(map(str, shape))}-{name}")
 BACKENDS = ["gpu", "tpu"]
 TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
 NUM_KV_HEADS = 2
+FAST_COMPILE = COMPILER_OPTIONS["fast"]
+
+
+def interpreted(kernel, *arrays, **options):
+    """The kernel in interpret mode, compiled as one program with the engine's "fast" compile options:
+    interpreting a kernel makes a large XLA program of small shapes, most of whose cost is compiling it."""
+    return jax.jit(functools.partial(kernel, interpret=True, **options), compiler_options=FAST_COMPILE)(*arrays)
 PAGES_PER_SEQ = 5
 
 
@@ -80,7 +90,7 @@ def test_decode_kernel_matches_reference(backend, page_size, head_dim, group, dt
     lengths = [0, 1, s - 1, s, s + 1, max_len, int(rng.integers(1, max_len))]
     k, v, table = make_pool(rng, lengths, s, head_dim, dtype)
     q = jnp.asarray(rng.standard_normal((len(lengths), NUM_KV_HEADS * group, head_dim)), dtype)
-    out = paged_attention(q, k, v, jnp.array(lengths, jnp.int32), table, backend=backend, interpret=True)
+    out = interpreted(paged_attention, q, k, v, jnp.array(lengths, jnp.int32), table, backend=backend)
     assert out.shape == q.shape and out.dtype == q.dtype
     ref = decode_reference(q, k, v, table, lengths)
     ref[0] = 0  # a sequence of length 0 returns zeros
@@ -96,8 +106,8 @@ def test_decode_kernel_splits_and_tiles(backend):
     q = jnp.asarray(rng.standard_normal((4, 4, 64)), jnp.float32)
     ref = decode_reference(q, k, v, table, lengths)
     for tiles, splits in [(1, 1), (1, 5), (2, 2), (4, 1), (8, 3)]:
-        out = paged_attention(q, k, v, jnp.array(lengths, jnp.int32), table, backend=backend,
-                              interpret=True, pages_per_tile=tiles, num_splits=splits)
+        out = interpreted(paged_attention, q, k, v, jnp.array(lengths, jnp.int32), table, backend=backend,
+                              pages_per_tile=tiles, num_splits=splits)
         assert_close(out, ref, jnp.float32)
 
 
@@ -118,8 +128,8 @@ def test_ragged_kernel_matches_reference(backend, page_size, head_dim, group, dt
     t = live_tokens + 5  # padding rows after the live ones
     cu = np.concatenate([[0], np.cumsum(q_lens), rng.integers(0, t, 2)]).astype(np.int32)  # junk past num_seqs
     q = jnp.asarray(rng.standard_normal((t, NUM_KV_HEADS * group, head_dim)), dtype)
-    out = ragged_paged_attention(q, k, v, jnp.array(kv_lens, jnp.int32), table, jnp.asarray(cu),
-                                 jnp.array([len(seqs)], jnp.int32), backend=backend, interpret=True)
+    out = interpreted(ragged_paged_attention, q, k, v, jnp.array(kv_lens, jnp.int32), table, jnp.asarray(cu),
+                                 jnp.array([len(seqs)], jnp.int32), backend=backend)
     assert out.shape == q.shape and out.dtype == q.dtype
     ref = reference([q[cu[i] : cu[i + 1]] for i in range(len(seqs))], k, v, table, kv_lens, q_lens)
     assert_close(out[:live_tokens], np.concatenate(ref), dtype)
@@ -136,14 +146,14 @@ def test_engine_layout_reads_only_its_layer(backend):
     cache = jnp.stack([jnp.stack([other, other]), jnp.stack([k, v]), jnp.stack([other, other])])
     q_lens = np.array([4, 3, 1])
     q = jnp.asarray(rng.standard_normal((3, 6, 4, 64)), jnp.float32)  # T = 6, right-padded
-    out = engine_attention(q, cache, jnp.int32(1), jnp.array(lengths, jnp.int32), jnp.asarray(q_lens),
-                           table, backend=backend, interpret=True, tokens_per_block=4)
+    out = interpreted(engine_attention, q, cache, jnp.int32(1), jnp.array(lengths, jnp.int32), jnp.asarray(q_lens),
+                           table, backend=backend, tokens_per_block=4)
     ref = reference([q[i, :n] for i, n in enumerate(q_lens)], k, v, table, lengths, q_lens)
     for i, n in enumerate(q_lens[:2]):
         assert_close(out[i, :n], ref[i], jnp.float32)
     assert np.isfinite(np.asarray(out)).all()
-    decode = engine_attention(q[:, :1], cache, jnp.int32(1), jnp.array(lengths, jnp.int32),
-                              jnp.ones(3, jnp.int32), table, backend=backend, interpret=True)
+    decode = interpreted(engine_attention, q[:, :1], cache, jnp.int32(1), jnp.array(lengths, jnp.int32),
+                              jnp.ones(3, jnp.int32), table, backend=backend)
     ref = reference([q[i, :1] for i in range(3)], k, v, table, lengths, [1, 1, 1])
     assert_close(decode[:2, 0], np.stack([r[0] for r in ref[:2]]), jnp.float32)
 
@@ -179,9 +189,10 @@ def test_engine_ragged_kernel_with_a_sliding_window_and_softcap(backend):
     kv = jnp.asarray(cache)
     ref = ragged_attention(q, kv, jnp.int32(0), jax.tree.map(jnp.asarray, batch), scale=0.2, window=window,
                            softcap=3.0)
-    out = engine_ragged_attention(q, kv, jnp.int32(0), jnp.asarray(batch.kv_lens), jnp.asarray(batch.page_table),
+    out = interpreted(engine_ragged_attention, q, kv, jnp.int32(0), jnp.asarray(batch.kv_lens),
+                      jnp.asarray(batch.page_table),
                                   jnp.asarray(batch.cu_q_lens), jnp.asarray(batch.num_seqs), backend=backend,
-                                  interpret=True, scale=0.2, window=window, softcap=3.0)
+                                  scale=0.2, window=window, softcap=3.0)
     live = int(batch.cu_q_lens[len(seqs)])
     assert_close(out[:live], np.asarray(ref[:live]), jnp.float32)
     plain = ragged_attention(q, kv.at[:, :, :, 0].set(0.0), jnp.int32(0), jax.tree.map(jnp.asarray, batch),
@@ -210,9 +221,9 @@ def test_engine_ragged_kernel_reads_int8_pages(backend):
     batch = pack(specs, StepShape(48, 8, 6, 128), s)
     q = jnp.asarray(rng.standard_normal((48, h, d)), jnp.float32)
     ref = ragged_attention(q, kv, jnp.int32(0), jax.tree.map(jnp.asarray, batch))
-    out = engine_ragged_attention(q, kv, jnp.int32(0), jnp.asarray(batch.kv_lens), jnp.asarray(batch.page_table),
-                                  jnp.asarray(batch.cu_q_lens), jnp.asarray(batch.num_seqs), backend=backend,
-                                  interpret=True)
+    out = interpreted(engine_ragged_attention, q, kv, jnp.int32(0), jnp.asarray(batch.kv_lens),
+                      jnp.asarray(batch.page_table),
+                                  jnp.asarray(batch.cu_q_lens), jnp.asarray(batch.num_seqs), backend=backend)
     live = int(batch.cu_q_lens[len(seqs)])
     assert_close(out[:live], np.asarray(ref[:live]), jnp.float32)
 
