@@ -15,6 +15,7 @@ import tempfile
 import numpy as np
 import pytest
 
+from tests.server_util import compile_mode
 from tests.tiny_gguf import write_tiny_gguf
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "golden", "smollm2")
@@ -59,13 +60,6 @@ def compile_cache_dir():
     path = compile_cache.enable(os.environ["JAXCB_TEST_XLA_CACHE"])
     assert path is not None
     return path
-
-
-def compile_mode(model_config) -> str:
-    """EngineConfig.compile for a test's model: the tiny random models' steps cost nothing to run, so
-    they compile "fast" (most of the suite's time is XLA compiling them); the real models keep XLA's
-    optimised compile, as served."""
-    return "fast" if model_config.hidden_size < 512 else "optimized"
 
 
 @pytest.fixture(scope="session")

@@ -191,3 +191,31 @@ def test_the_latency_controller_state_is_in_the_stats_and_the_metrics(make_llm):
     assert "jaxcb:running_limit 1.0" in body
     assert f"jaxcb:prefill_budget_tokens {float(st.prefill_budget)}" in body
     assert "jaxcb:measured_p99_tpot_seconds" in body and "jaxcb:num_round_robin_switches 0.0" in body
+
+
+def test_fast_compile_gives_the_optimized_compiles_tokens(make_llm, tmp_path):
+    """model.compile = "fast" (--compile fast) compiles each step with XLA's backend optimisations off:
+    the same tokens, greedy and seeded; the setting is read from the config file and the flag, and a
+    bad value is refused naming it."""
+    import argparse
+
+    from jaxcb.cli.args import add_model_args, engine_config
+    from jaxcb.device.runner import COMPILER_OPTIONS
+    from jaxcb.host.engine_config import DEFAULT_CONFIG, load_config, make_config
+
+    optimized, fast = make_llm(compile="optimized"), make_llm(compile="fast")
+    assert optimized.engine.runner.compiler_options is None
+    assert fast.engine.runner.compiler_options == COMPILER_OPTIONS["fast"]
+    prompts = [[5, 6, 7, 8], list(range(3, 60)), [9] * 20]
+    for params in (SamplingParams(max_tokens=16, ignore_eos=True),
+                   SamplingParams(max_tokens=16, ignore_eos=True, temperature=0.8, seed=3)):
+        assert [o.token_ids for o in fast.generate(prompts, params)] == \
+            [o.token_ids for o in optimized.generate(prompts, params)]
+    path = tmp_path / "c.toml"
+    path.write_text(open(DEFAULT_CONFIG).read().replace('compile = "optimized"', 'compile = "fast"'))
+    assert load_config(str(path)).compile == "fast" and load_config().compile == "optimized"
+    p = argparse.ArgumentParser()
+    add_model_args(p)
+    assert engine_config(p.parse_args(["--compile", "fast"])).compile == "fast"
+    with pytest.raises(ValueError, match="model.compile: 'quick' is not one of"):
+        make_config(compile="quick")

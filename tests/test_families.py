@@ -16,6 +16,7 @@ from jaxcb.host.request import SamplingParams
 from jaxcb.llm import LLM, load_model
 from jaxcb.model.llama import forward
 from jaxcb.model.paged_attention import allocate_kv_pages
+from tests.server_util import compile_mode
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "golden", "tiny_hf")
 FAMILIES = ("qwen3", "gemma2", "gemma3")
@@ -59,7 +60,8 @@ def test_engine_greedy_matches_transformers_up_to_a_near_tie(family):
     window: the greedy ids are the reference's up to its first near tie (margin < 1e-3)."""
     config, params, tok, _ = load_model(os.path.join(GOLDEN, family), jnp.float32)
     llm = LLM.from_params(config, params, tok, config=make_config(
-        num_pages=64, page_size=16, max_context=128, decode_batch=(4,), prefill_tokens=(16,), max_prefill_tokens=16))
+        num_pages=64, page_size=16, max_context=128, decode_batch=(4,), prefill_tokens=(16,), max_prefill_tokens=16,
+        compile=compile_mode(config)))
     records = golden(family)
     outs = llm.generate([r["prompt_ids"] for r in records], SamplingParams(max_tokens=16, ignore_eos=True))
     for record, out in zip(records, outs):

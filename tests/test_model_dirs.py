@@ -18,7 +18,7 @@ from jaxcb.model.hf_loader import _BIASES, _LAYER
 from jaxcb.model.llama import params_from_numpy, random_weights
 from tests.tiny_gguf import tiny_model_config
 
-CONFIG = dict(num_pages=64, max_context=256, decode_batch=(1, 2, 4), prefill_tokens=(16, 32, 64))
+CONFIG = dict(num_pages=64, max_context=256, decode_batch=(1, 2, 4), prefill_tokens=(16, 32, 64), compile="fast")
 PROMPTS = [[5, 9, 40, 41, 7], list(range(3, 40))]
 
 

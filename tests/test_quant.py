@@ -16,7 +16,7 @@ from jaxcb.llm import LLM, load_model
 from jaxcb.model import quant
 from jaxcb.model.llama import params_from_numpy, params_to_weights
 
-CONFIG = dict(num_pages=48, max_context=256, decode_batch=(2, 8), prefill_tokens=(32, 64))
+CONFIG = dict(num_pages=48, max_context=256, decode_batch=(2, 8), prefill_tokens=(32, 64), compile="fast")  # tiny models
 HELDOUT = os.path.join(os.path.dirname(__file__), "data", "heldout_prose.txt")
 
 

@@ -19,7 +19,7 @@ from jaxcb.host.request import SamplingParams
 def replicas(tiny_model):
     cfg, params, tok, eos = tiny_model
     config = make_config(num_pages=128, max_context=256, decode_batch=(1, 2, 4, 8), prefill_tokens=(16, 32, 64),
-                         attention="xla")
+                         attention="xla", compile="fast")
     engines = [Engine(make_runner(cfg, params, config)[0], tok, config, eos_ids=eos) for _ in range(2)]
     reps = Replicas(engines).start()
     yield reps

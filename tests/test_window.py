@@ -29,7 +29,7 @@ def params():
 
 def make(params, config=CONFIG, **engine):
     values = dict(num_pages=96, page_size=PAGE, max_context=256, decode_batch=(4,), prefill_tokens=(32,),
-                  max_prefill_tokens=32)  # few buckets: few compilations
+                  max_prefill_tokens=32, compile="fast")  # few buckets, compiled fast: a tiny model
     values.update(engine)
     return LLM.from_params(config, params, None, config=make_config(**values))
 

@@ -54,7 +54,7 @@ def main(workdir: str) -> None:
             config = make_config(num_pages=16, max_context=256, decode_batch=(8,), prefill_tokens=(64,),
                                  tensor_parallel=tp, data_parallel=dp, attention=attention, weights=weights,
                                  kv_dtype="int8" if weights == "int8" else "auto",  # int8 runs: int8 KV too
-                                 compile="fast",  # tiny models: conftest.compile_mode
+                                 compile="fast",  # tiny models: server_util.compile_mode
                                  speculative=SpeculativeConfig("ngram", adaptive=False) if "spec" in name
                                  else SpeculativeConfig())
             llm = LLM.from_params(cfg, params, tok, config=config, eos_ids=eos)
