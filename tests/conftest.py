@@ -139,8 +139,8 @@ def golden():
 # The longest test files first (measured: `make test` prints the slowest tests): xdist's --dist loadfile
 # hands files to its two workers in collection order, so a long file collected last would leave one worker
 # running alone at the end. Putting the real-model files (Gemma 3, SmolLM2 perplexity) first instead was
-# slower on the Zen 1 CPU (927 s of pytest against 813 s with this order): side by side, the two workers'
-# real-model steps compete for the memory bus.
+# slower on the Zen 1 CPU (927 s of pytest against 813 s with this order, one clean-clone run each; every
+# long test was slower, as when the two workers' real-model steps share the memory bus).
 LONGEST_FIRST = ("test_parallel.py", "test_kernels.py", "test_stress.py", "test_engine.py", "test_quant.py",
                  "test_server.py", "test_multihost.py", "test_cpu_dots.py", "test_paged_attention.py",
                  "test_gemma3.py", "test_families.py", "test_native_matmul.py")
