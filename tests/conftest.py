@@ -138,9 +138,8 @@ def golden():
 
 # The longest test files first (measured: `make test` prints the slowest tests): xdist's --dist loadfile
 # hands files to its two workers in collection order, so a long file collected last would leave one worker
-# running alone at the end. Putting the real-model files (Gemma 3, SmolLM2 perplexity) first instead was
-# slower on the Zen 1 CPU (927 s of pytest against 813 s with this order, one clean-clone run each; every
-# long test was slower, as when the two workers' real-model steps share the memory bus).
+# running alone at the end. (With the real-model files first instead, pytest took 927 s on the Zen 1 CPU
+# against 910 s with this order in the next run: no difference beyond the machine's own drift.)
 LONGEST_FIRST = ("test_parallel.py", "test_kernels.py", "test_stress.py", "test_engine.py", "test_quant.py",
                  "test_server.py", "test_multihost.py", "test_cpu_dots.py", "test_paged_attention.py",
                  "test_gemma3.py", "test_families.py", "test_native_matmul.py")
