@@ -123,6 +123,8 @@ def test_model_and_server_info(client, server):
     assert s.attention in ("native", "xla") and (s.cpu_dots, s.cpu_max_isa, s.cpu_dots_reason) == (
         "default", "", "asked for")
     assert f"attention {s.attention}; XLA:CPU dots: default, isa all, compute float32 (asked for)" in server.output()
+    # the small config compiles fast (a tiny model): the banner says so, as its steps are slower
+    assert "; compile fast (XLA's backend optimisations off: slower steps)" in server.output()
 
 
 BAD = [

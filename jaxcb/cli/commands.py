@@ -297,7 +297,9 @@ def cmd_serve(args) -> int:
           f"{config.num_pages} KV pages of {config.page_size} tokens; policy {config.scheduler.policy}; "
           f"compile cache {cache_dir or 'off'}", flush=True)
     print(f"jaxcb: step: weights {step['weights']}, KV {step['kv_dtype']}, attention {step['attention']}"
-          + (f"; XLA:CPU dots: {dots.describe()}" if step["platform"] == "cpu" else ""), flush=True)
+          + (f"; XLA:CPU dots: {dots.describe()}" if step["platform"] == "cpu" else "")
+          + ("; compile fast (XLA's backend optimisations off: slower steps)" if config.compile == "fast" else ""),
+          flush=True)
     if len(engines) > 1 or config.tensor_parallel > 1:
         print(f"jaxcb: {len(engines)} replica(s) x tensor parallel {config.tensor_parallel}: devices "
               f"{[e.runner.device_ids for e in engines]}", flush=True)
