@@ -1,9 +1,12 @@
 """Speculative decoding (jaxcb.host.speculative) against none, SmolLM2 on this machine, same process.
 
-    python -m bench.speculative [--num-tokens 4] [--min-n N] [--trials 2] [--max-tokens 160] [--kinds grounded chat]
-        [--quick] [--json PATH]
+    python -m bench.speculative [--methods ngram draft] [--num-tokens 4] [--min-n N] [--draft-layers N]
+        [--draft-weights W] [--draft-model M] [--trials 2] [--max-tokens 160] [--kinds grounded chat] [--quick]
+        [--json PATH]
 
-Two engines over one runner (the same weights and KV pages): speculation off, and n-gram proposals.
+Engines on the same weights, each with its own KV pages: speculation off, n-gram proposals, and a draft
+model's proposals (by default the target's first 8 layers, since no smaller model of its family is
+embedded; jaxcb.host.draft).
 Each runs, interleaved, `--trials` times:
 1. Input-grounded chat tasks (rewrite, summarise or edit a given text; edit a given piece of code) and
    open chat questions, greedy, at batch 1 (one request at a time) and batch 4 (four at once): output
@@ -122,6 +125,11 @@ def main():
     ap.add_argument("--config", default=None)
     ap.add_argument("--num-tokens", type=int, default=4)
     ap.add_argument("--min-n", type=int, default=None, help="the n-gram proposer's shortest suffix (default: its own)")
+    ap.add_argument("--methods", nargs="+", default=["ngram", "draft"], help="speculation methods to run against off")
+    ap.add_argument("--draft-model", default="", help="the draft model (default: the target's own weights)")
+    ap.add_argument("--draft-layers", type=int, default=8, help="the draft keeps its first N layers (0 = all)")
+    ap.add_argument("--draft-weights", default="auto", help="the draft's weights (auto, float32, bfloat16, int8, int4)")
+    ap.add_argument("--fixed", action="store_true", help="keep every proposal (no adaptive back-off)")
     ap.add_argument("--kinds", nargs="+", default=["grounded", "chat"], help="task kinds to run")
     ap.add_argument("--batches", nargs="+", type=int, default=[1, 4], help="requests submitted together")
     ap.add_argument("--no-workload", action="store_true", help="skip the engine workload")
@@ -133,22 +141,32 @@ def main():
     args = ap.parse_args()
 
     from bench.engine import workload
-    from jaxcb.device.runner import ModelRunner
+    from jaxcb.device.runner import ModelRunner, make_draft_runner
     from jaxcb.host.engine import Engine
     from jaxcb.host.speculative import SpeculativeConfig
-    from jaxcb.llm import build_engine
+    from jaxcb.llm import build_engine, load_draft
 
     first = build_engine(args.model, args.config)
     tok, config = first.tokenizer, first.config
-    spec = SpeculativeConfig("ngram", num_tokens=args.num_tokens)
-    if args.min_n is not None:
-        spec = dataclasses.replace(spec, min_n=args.min_n)
-    spec_config = config.replace(speculative=spec)
-    r = first.runner  # a second runner on the same weights: each engine's prefix cache needs its own pages
-    second = ModelRunner(r.model_config, r.params, r.num_pages, r.page_size, r.dtype, attention=config.attention,
-                         max_seqs=config.buckets.max_batch, kv_dtype=r.kv_dtype)
-    engines = {"off": Engine(r, tok, config, eos_ids=first.scheduler.eos_ids),
-               "ngram": Engine(second, tok, spec_config, eos_ids=first.scheduler.eos_ids)}
+    r = first.runner
+    engines = {"off": first}
+    specs = {}
+    for method in args.methods:
+        spec = SpeculativeConfig(method, num_tokens=args.num_tokens, adaptive=not args.fixed)
+        if method == "ngram" and args.min_n is not None:
+            spec = dataclasses.replace(spec, min_n=args.min_n)
+        if method == "draft":
+            spec = dataclasses.replace(spec, draft_model=args.draft_model, draft_layers=args.draft_layers,
+                                       draft_weights=args.draft_weights)
+        specs[method] = spec
+        # a runner of its own on the same weights: each engine's KV pages and prefix cache are its own
+        runner = ModelRunner(r.model_config, r.params, r.num_pages, r.page_size, r.dtype, attention=config.attention,
+                             max_seqs=config.buckets.max_batch, kv_dtype=r.kv_dtype, compile=config.compile)
+        draft = None
+        if method == "draft":
+            draft = make_draft_runner(runner, *load_draft(spec, r.model_config, r.params), config)
+        engines[method] = Engine(runner, tok, config.replace(speculative=spec), eos_ids=first.scheduler.eos_ids,
+                                 draft_runner=draft)
     t0 = time.perf_counter()
     for e in engines.values():
         e.warmup()
@@ -158,7 +176,8 @@ def main():
     if args.quick:
         kinds = {k: v[:4] for k, v in kinds.items()}
     prompts = {k: [tok.encode_chat([{"role": "user", "content": p}]) for p in v] for k, v in kinds.items()}
-    results = {"machine": machine(), "speculative": dataclasses.asdict(spec), "max_tokens": args.max_tokens,
+    results = {"machine": machine(), "speculative": {m: dataclasses.asdict(s) for m, s in specs.items()},
+               "max_tokens": args.max_tokens,
                "trials": args.trials, "tasks": {}, "workload": {}}
     print(f"{'tasks':10} {'batch':>5} {'mode':6} {'tok/s':>7} {'ratio':>6} {'accept':>7} {'mean len':>8} "
           f"{'p99 ITL ms':>10} {'spec steps':>10} {'compiles':>8} {'exact':>5}")

@@ -84,6 +84,56 @@ def load_model(path: str | None = None, dtype=None, check_config=None, weights: 
     return config, params, tokenizer, eos
 
 
+def draft_model_config(spec, target):
+    """Speculative decoding's draft model config (a ModelConfig) for target `target`, before any weight is
+    read: speculative.draft_model's (default the target's), its first speculative.draft_layers layers."""
+    config = read_model_config(spec.draft_model) if spec.draft_model else target
+    n = spec.draft_layers
+    if not n or n == config.num_layers:
+        return config
+    if n > config.num_layers:
+        raise InvalidConfig(f"speculative.draft_layers: {n} is more than the draft model's {config.num_layers} layers")
+    first = dataclasses.replace(config, num_layers=n, sliding_layers=config.sliding_layers[:n])
+    if config.windowed and not first.num_full_layers:
+        raise InvalidConfig(f"speculative.draft_layers: the first {n} layers of {config.name} are all sliding-window "
+                            "layers; a draft keeps at least one full-attention layer")
+    return first
+
+
+def load_draft(spec, target_config, target_params, dtype=None):
+    """(ModelConfig, Params) of speculative decoding's draft model: speculative.draft_model's weights, or
+    the target's own (shared, no copy, when the draft keeps every layer in the target's format), cut to
+    the first draft_layers layers and stored as draft_weights says."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jaxcb.model.llama import LayerParams, params_from_numpy, params_to_weights
+    from jaxcb.model.quant import is_quantized
+
+    config = draft_model_config(spec, target_config)
+    n = config.num_layers
+    mode = spec.draft_weights
+    if mode in ("float32", "bfloat16"):
+        dtype = jnp.dtype(mode)
+    if spec.draft_model:
+        params = load_model(spec.draft_model, dtype or target_params.embed.dtype, weights=mode)[1]
+    elif mode == "auto" or (mode in ("float32", "bfloat16") and jnp.dtype(mode) == target_params.embed.dtype
+                            and not is_quantized(target_params.layers.wq)):
+        params = target_params
+    elif is_quantized(target_params.layers.wq):
+        raise InvalidConfig(f"speculative.draft_weights: {mode!r} needs the target's weights in float, and they are "
+                            "quantized; leave it 'auto' or name a speculative.draft_model")
+    else:  # the target's float weights, cut and stored in the draft's format
+        layer_names = LayerParams.__dataclass_fields__
+        weights = {name: np.asarray(a[:n] if name in layer_names else a)
+                   for name, a in params_to_weights(target_params).items()}
+        return config, params_from_numpy(weights, dtype or target_params.embed.dtype, mode)
+    if n < jax.tree.leaves(params.layers)[0].shape[0]:
+        params = params.replace(layers=jax.tree.map(lambda a: a[:n], params.layers))
+    return config, params
+
+
 def build_engine(model: str | None = None, config: EngineConfig | str | None = None, dtype=None, *,
                  loaded=None) -> Engine:
     """The one way to an engine: config -> memory plan -> weights -> runner (KV pages) -> Engine.
@@ -113,33 +163,47 @@ def build_engines(model: str | None = None, config: EngineConfig | str | None = 
     from jaxcb.device.runner import compute_dtype, make_runner, plan_memory
     from jaxcb.host.replicas import split_devices
 
+    from jaxcb.device.runner import make_draft_runner
+
     if not isinstance(config, EngineConfig):
         config = load_config(config)
     cpu_dots.setup(config.cpu_dots)  # before the first device call: XLA reads its flags once
     count = config.data_parallel if replicas is None else replicas
     groups = split_devices(jax.devices(), config.tensor_parallel, count) if count > 1 else [None]
+    spec = config.scheduler.speculative
+    drafting = spec.method == "draft"
+    if drafting and (config.tensor_parallel > 1 or wrap_runner is not None):
+        raise InvalidConfig("speculative.method: 'draft' runs on one device (no tensor parallelism or multi-host "
+                            "yet); 'ngram' works there")
+
+    def draft_of(c):
+        return draft_model_config(spec, c) if drafting else None
+
     plans = []
     t0 = time.perf_counter()
     model_config, params, tokenizer, eos = loaded or load_model(
-        model, compute_dtype(config, dtype), check_config=lambda c: plans.append(plan_memory(c, config, dtype)),
+        model, compute_dtype(config, dtype),
+        check_config=lambda c: plans.append(plan_memory(c, config, dtype, draft=draft_of(c))),
         weights=config.weights, group=config.weight_group)
+    draft = load_draft(spec, model_config, params, compute_dtype(config, dtype)) if drafting else None
     load_seconds = time.perf_counter() - t0
     # The plan stands if the weights came in the dtype it assumed (a checkpoint may bring its own).
     if plans and jnp.dtype(params.embed.dtype) == compute_dtype(config, dtype):
         plan = plans[0]
     else:
-        plan = plan_memory(model_config, config, params.embed.dtype)
+        plan = plan_memory(model_config, config, params.embed.dtype, draft=draft and draft[0])
     if agree_plan is not None:
         plan = agree_plan(plan)
     engines = []
     for i, devices in enumerate(groups):
         runner, resolved = make_runner(model_config, params, config, plan=plan, devices=devices)
+        draft_runner = make_draft_runner(runner, *draft, resolved, devices) if draft else None
         if wrap_runner is not None:
             runner = wrap_runner(runner, resolved)
         # Each replica draws the seeds of unseeded requests from its own generator.
         seed = None if config.seed is None else config.seed + i
         engine = Engine(runner, tokenizer, dataclasses.replace(resolved, seed=seed), eos_ids=eos,
-                        load_seconds=load_seconds)
+                        load_seconds=load_seconds, draft_runner=draft_runner)
         engines.append(engine)
     return engines
 

@@ -168,6 +168,7 @@ class JaxcbService(jaxcb_pb2_grpc.JaxcbServicer):
             num_speculative_tokens=e.config.scheduler.speculative.num_tokens if st.speculative_method else 0,
             speculative_acceptance_rate=st.acceptance_rate,
             speculative_mean_accepted_length=st.mean_accepted_length,
+            speculative=e.engines[0].describe_speculation(),
             **_step_fields(e.engines[0].runner))
 
 

@@ -13,6 +13,12 @@ from jaxcb.host.speculative import SpeculativeConfig, propose_ngram
 
 # adaptive=False: keep every proposal (the tiny model's step times say nothing about what pays).
 NGRAM = SpeculativeConfig("ngram", num_tokens=4, adaptive=False)
+# A draft of the tiny model's first layer (of two): right often enough to be accepted, wrong often enough
+# to be rejected.
+DRAFT = SpeculativeConfig("draft", num_tokens=4, adaptive=False, draft_layers=1)
+# The target as its own draft: every greedy proposal must be accepted, so any error in what the draft's
+# KV holds shows as a rejection.
+SELF_DRAFT = SpeculativeConfig("draft", num_tokens=3, adaptive=False)
 
 
 def test_ngram_proposes_what_followed_the_latest_longest_match():
@@ -29,7 +35,11 @@ def test_ngram_proposes_what_followed_the_latest_longest_match():
 
 def test_config_checks_name_the_field():
     with pytest.raises(InvalidConfig, match="speculative.method"):
-        SpeculativeConfig("draft")
+        SpeculativeConfig("eagle")
+    with pytest.raises(InvalidConfig, match="speculative.draft_layers"):
+        SpeculativeConfig("draft", draft_layers=-1)
+    with pytest.raises(InvalidConfig, match="speculative.draft_weights"):
+        SpeculativeConfig("draft", draft_weights="int3")
     with pytest.raises(InvalidConfig, match="speculative.num_tokens"):
         SpeculativeConfig("ngram", num_tokens=0)
     with pytest.raises(InvalidConfig, match="speculative.max_n"):
@@ -75,9 +85,10 @@ def check_speculated(llm):
     assert 0 < st.acceptance_rate <= 1 and st.mean_accepted_length > 1
 
 
-@pytest.mark.parametrize("async_scheduling", [True, False])
-def test_greedy_outputs_are_those_of_decoding_without_it(make_llm, async_scheduling):
-    base, spec = both(make_llm, async_scheduling=async_scheduling)
+@pytest.mark.parametrize("async_scheduling,spec", [(True, NGRAM), (False, NGRAM), (True, DRAFT)],
+                         ids=["ngram-async", "ngram-sync", "draft-async"])
+def test_greedy_outputs_are_those_of_decoding_without_it(make_llm, async_scheduling, spec):
+    base, spec = both(make_llm, spec, async_scheduling=async_scheduling)
     prompts = repetitive_prompts(base.model_config.vocab_size, (5, 20, 33, 8, 50, 12))
     params = SamplingParams(max_tokens=40, ignore_eos=True)
     want = [o.token_ids for o in base.generate(prompts, params)]
@@ -91,11 +102,18 @@ def test_greedy_outputs_are_those_of_decoding_without_it(make_llm, async_schedul
         assert spec.engine.stats().compilations == compiled  # no new shapes after warm-up
 
 
-@pytest.mark.parametrize("case", ["preemption", "prefix_cache", "n", "stop", "penalties", "logprobs", "eos"])
-def test_exact_in_every_situation(make_llm, case):
+CASES = ["preemption", "prefix_cache", "n", "stop", "penalties", "logprobs", "eos"]
+
+
+@pytest.mark.parametrize("case,method", [(c, "ngram") for c in CASES]
+                         + [("preemption", "self"), ("prefix_cache", "self"), ("n", "draft"), ("stop", "draft"),
+                            ("penalties", "draft")])
+def test_exact_in_every_situation(make_llm, case, method):
     config = {"num_pages": 14} if case == "preemption" else {}
     # Penalties keep the tiny model from repeating itself: one-token matches give it proposals.
-    base, spec = both(make_llm, dataclasses.replace(NGRAM, min_n=1) if case == "penalties" else NGRAM, **config)
+    proposer = {"ngram": dataclasses.replace(NGRAM, min_n=1) if case == "penalties" else NGRAM,
+                "draft": DRAFT, "self": SELF_DRAFT}[method]
+    base, spec = both(make_llm, proposer, **config)
     vocab = base.model_config.vocab_size
     prompts = repetitive_prompts(vocab, (20, 33, 5, 17, 40, 12), seed=1)
     params = SamplingParams(max_tokens=24, ignore_eos=True)
@@ -130,13 +148,19 @@ def test_exact_in_every_situation(make_llm, case):
     if case == "stop":
         assert any(o.finish_reason == FinishReason.STOP for o in got)
     check_speculated(spec)
+    if method == "self":  # greedy, its own draft: a stale or misplaced draft KV would show as a rejection
+        assert spec.engine.stats().acceptance_rate == 1.0
 
 
-def test_seeded_sampling_gives_the_same_tokens_and_the_same_distribution(make_llm):
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_seeded_sampling_gives_the_same_tokens_and_the_same_distribution(make_llm, method):
     """A proposal is accepted when the token sampled at its position (the request's key for that output
     position) equals it, so a seeded request samples what it samples without speculation; unseeded,
-    the token frequencies at the speculated positions match decoding without it (two-sample chi-square)."""
-    base, spec = both(make_llm, dataclasses.replace(NGRAM, min_n=1))  # sampled text repeats less
+    the token frequencies at the speculated positions match decoding without it (two-sample chi-square).
+    The draft: the target's own greedy tokens, which sampling at temperature 0.6 often but not always
+    takes."""
+    # sampled text repeats less: one-token matches give the n-gram proposer something to propose
+    base, spec = both(make_llm, dataclasses.replace(NGRAM, min_n=1) if method == "ngram" else SELF_DRAFT)
     vocab = base.model_config.vocab_size
     prompts = repetitive_prompts(vocab, (12, 20, 9, 30), seed=3)
     params = [SamplingParams(max_tokens=24, ignore_eos=True, temperature=0.5, top_k=40, seed=i) for i in range(4)]
@@ -213,15 +237,90 @@ def test_rejected_tokens_give_their_pages_back(make_llm):
     check_speculated(spec)
 
 
-def test_sliding_window_layers_roll_back_too(make_llm):
-    """A tiny Gemma 3 (sliding window of 8 tokens: a second page group, trimmed with the first)."""
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_sliding_window_layers_roll_back_too(make_llm, method):
+    """A tiny Gemma 3 (sliding window of 8 tokens: a second page group, trimmed with the first; a
+    draft model writes both groups of the request's pages)."""
     import os
 
     from jaxcb.llm import load_model
 
     model = load_model(os.path.join(os.path.dirname(__file__), "golden", "tiny_hf", "gemma3"))
-    base, spec = both(make_llm, model=model, page_size=4)
+    base, spec = both(make_llm, NGRAM if method == "ngram" else SELF_DRAFT, model=model, page_size=4)
     prompts = repetitive_prompts(base.model_config.vocab_size, (9, 30), seed=9)
     params = SamplingParams(max_tokens=24, ignore_eos=True)
     assert [o.token_ids for o in spec.generate(prompts, params)] == [o.token_ids for o in base.generate(prompts, params)]
     check_speculated(spec)
+
+
+def test_the_draft_flags_and_what_a_draft_must_share(make_llm, tiny_model):
+    import argparse
+    import types
+
+    from jaxcb.cli.args import add_model_args, engine_config
+    from jaxcb.host.engine import Engine
+    from jaxcb.llm import draft_model_config
+
+    p = argparse.ArgumentParser()
+    add_model_args(p)
+    spec = engine_config(p.parse_args(["--draft-layers", "1", "--draft-weights", "int8"])).scheduler.speculative
+    assert (spec.method, spec.draft_layers, spec.draft_weights, spec.draft_model) == ("draft", 1, "int8", "")
+    cfg = tiny_model[0]
+    assert draft_model_config(spec, cfg).num_layers == 1
+    with pytest.raises(InvalidConfig, match="speculative.draft_layers: 3 is more than .* 2 layers"):
+        draft_model_config(dataclasses.replace(spec, draft_layers=3), cfg)
+    # A draft must share the vocabulary (checked before anything runs), and runs on one device.
+    llm = make_llm()
+    wrong = types.SimpleNamespace(model_config=dataclasses.replace(cfg, vocab_size=cfg.vocab_size + 1))
+    with pytest.raises(InvalidConfig, match="speculative.draft_model: its vocabulary"):
+        Engine(llm.engine.runner, None, llm.engine.config.replace(speculative=DRAFT), draft_runner=wrong)
+    with pytest.raises(InvalidConfig, match="speculative.method: 'draft' needs a draft model"):
+        Engine(llm.engine.runner, None, llm.engine.config.replace(speculative=DRAFT))
+    with pytest.raises(InvalidConfig, match="runs on one device"):
+        make_llm(speculative=DRAFT, tensor_parallel=2)
+
+
+def test_the_memory_plan_counts_the_drafts_weights_and_kv(tiny_gguf_path, capsys):
+    from jaxcb.cli import main as cli
+    from jaxcb.host import memory_plan
+    from jaxcb.host.engine_config import make_config
+    from jaxcb.llm import draft_model_config, read_model_config
+
+    model = read_model_config()  # SmolLM2: 30 layers
+    config = make_config(num_pages=0, max_context=2048)
+    spec = SpeculativeConfig("draft", draft_layers=8)
+    base = memory_plan.plan_for_model(model, config, budget_bytes=4 << 30, dtype_bytes=4)
+    with_draft = memory_plan.plan_for_model(model, config.replace(speculative=spec), budget_bytes=4 << 30,
+                                            dtype_bytes=4, draft=draft_model_config(spec, model))
+    assert with_draft.kv_bytes_per_token == base.kv_bytes_per_token * 38 // 30
+    assert with_draft.draft_kv_bytes_per_token == base.kv_bytes_per_token * 8 // 30
+    # The first 8 layers' matrices and norms, float32; the embedding is shared with the target.
+    shapes = model.weight_shapes()
+    layer = sum(int(np.prod(shapes[n][1:])) for n in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down",
+                                                       "attn_norm", "mlp_norm"))
+    assert with_draft.weight_bytes - base.weight_bytes == with_draft.draft_weight_bytes == 8 * layer * 4
+    assert with_draft.num_pages < base.num_pages
+    # The int8 draft of another file counts all of its own weights.
+    other = memory_plan.plan_for_model(
+        model, config.replace(speculative=dataclasses.replace(spec, draft_model="x.gguf", draft_weights="int8")),
+        budget_bytes=4 << 30, dtype_bytes=4, draft=draft_model_config(spec, model))
+    assert other.draft_weight_bytes == memory_plan.weight_bytes(draft_model_config(spec, model), "int8", 4)
+    assert cli(["plan", "--model", tiny_gguf_path, "--memory", "1GiB", "--max-context", "256", "--dtype", "float32",
+                "--draft-layers", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "draft model" in out and "1 of its layers" in out and "of which the draft model's" in out
+
+
+@pytest.mark.parametrize("draft_weights", ["int8", "int4"])
+def test_a_quantized_draft_of_the_target_proposes_well(make_llm, draft_weights):
+    """The target's own layers in int8 (or int4) as its draft: most greedy proposals hold."""
+    spec_config = SpeculativeConfig("draft", num_tokens=4, adaptive=False, draft_weights=draft_weights)
+    base, spec = both(make_llm, spec_config)
+    prompts = repetitive_prompts(base.model_config.vocab_size, (7, 25, 40), seed=11)
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    assert [o.token_ids for o in spec.generate(prompts, params)] == [o.token_ids for o in base.generate(prompts, params)]
+    assert spec.engine.draft_runner.describe()["weights"] == draft_weights
+    # the tiny random model's near-ties make its int4 copy a weaker draft than real models' (0.96 for
+    # SmolLM2 in int8); the first layer alone is accepted a few percent of the time
+    assert spec.engine.stats().acceptance_rate > {"int8": 0.7, "int4": 0.3}[draft_weights]
+    assert draft_weights in spec.engine.describe_speculation()

@@ -44,18 +44,48 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attention", choices=("xla", "native", "pallas", "auto"), default=None,
                    help="attention: plain JAX, the native CPU kernels, the Pallas kernels, or auto (Pallas "
                         "on GPU/TPU, native on the CPU when it builds; the config's model.attention by default)")
-    p.add_argument("--speculative", choices=("ngram", "off"), default=None,
-                   help="speculative decoding: ngram proposes what followed the sequence's latest suffix match in "
-                        "its own prompt and output; the step scores the proposals and keeps what greedy or seeded "
-                        "sampling would have produced (default: the config's speculative.method, off)")
-    p.add_argument("--num-speculative-tokens", type=int, default=None, metavar="K",
-                   help="tokens proposed per speculating step, at most (default: the config's "
-                        "speculative.num_tokens, 4)")
+    add_speculative_args(p)
     p.add_argument("--tensor-parallel", type=int, default=None, metavar="N",
                    help="split each step over N devices by attention heads (default: the config's parallel.tensor, 1)")
     p.add_argument("--data-parallel", type=int, default=None, metavar="M",
                    help="M engine replicas on disjoint devices behind one router (default: the config's "
                         "parallel.data, 1); each replica takes --tensor-parallel devices")
+
+
+def add_speculative_args(p: argparse.ArgumentParser) -> None:
+    """Speculative decoding's flags (generate, serve, warmup, plan)."""
+    p.add_argument("--speculative", choices=("ngram", "draft", "off"), default=None,
+                   help="speculative decoding: ngram proposes what followed the sequence's latest suffix match in "
+                        "its own prompt and output, draft what a draft model (--draft-model, --draft-layers) "
+                        "decodes greedily; the step scores the proposals and keeps what greedy or seeded "
+                        "sampling would have produced (default: the config's speculative.method, off)")
+    p.add_argument("--draft-model", default=None, metavar="MODEL",
+                   help="the draft model (implies --speculative draft): a GGUF, converted checkpoint, Hugging Face "
+                        "directory or embedded model name with the target's vocabulary (default: the config's "
+                        "speculative.draft_model; none = the target's own weights)")
+    p.add_argument("--draft-layers", type=int, default=None, metavar="N",
+                   help="the draft keeps the first N layers of its model (implies --speculative draft; default: "
+                        "the config's speculative.draft_layers, 0 = all)")
+    p.add_argument("--draft-weights", choices=("auto", "float32", "bfloat16", "int8", "int4"), default=None,
+                   help="the draft's weight format (default: the config's speculative.draft_weights, auto)")
+    p.add_argument("--num-speculative-tokens", type=int, default=None, metavar="K",
+                   help="tokens proposed per speculating step, at most (default: the config's "
+                        "speculative.num_tokens, 4)")
+
+
+def speculative_config(args, spec):
+    """The config's SpeculativeConfig with the speculative flags applied."""
+    if getattr(args, "speculative", None):
+        spec = dataclasses.replace(spec, method="" if args.speculative == "off" else args.speculative)
+    if getattr(args, "num_speculative_tokens", None) is not None:
+        spec = dataclasses.replace(spec, num_tokens=args.num_speculative_tokens)
+    draft = {name: getattr(args, name, None) for name in ("draft_model", "draft_layers", "draft_weights")}
+    draft = {name: v for name, v in draft.items() if v is not None}
+    if draft:
+        if not getattr(args, "speculative", None) and spec.method != "draft":
+            draft["method"] = "draft"  # naming a draft asks for it
+        spec = dataclasses.replace(spec, **draft)
+    return spec
 
 
 def engine_config(args):
@@ -85,11 +115,7 @@ def engine_config(args):
         changes["cpu_dots"] = args.cpu_dots
     if getattr(args, "compile", None):
         changes["compile"] = args.compile
-    spec = config.scheduler.speculative
-    if getattr(args, "speculative", None):
-        spec = dataclasses.replace(spec, method="" if args.speculative == "off" else args.speculative)
-    if getattr(args, "num_speculative_tokens", None) is not None:
-        spec = dataclasses.replace(spec, num_tokens=args.num_speculative_tokens)
+    spec = speculative_config(args, config.scheduler.speculative)
     if spec != config.scheduler.speculative:
         changes["speculative"] = spec
     return config.replace(**changes) if changes else config

@@ -300,6 +300,8 @@ def cmd_serve(args) -> int:
           + (f"; XLA:CPU dots: {dots.describe()}" if step["platform"] == "cpu" else "")
           + ("; compile fast (XLA's backend optimisations off: slower steps)" if config.compile == "fast" else ""),
           flush=True)
+    if engines[0].describe_speculation():
+        print(f"jaxcb: speculative decoding: {engines[0].describe_speculation()}", flush=True)
     if len(engines) > 1 or config.tensor_parallel > 1:
         print(f"jaxcb: {len(engines)} replica(s) x tensor parallel {config.tensor_parallel}: devices "
               f"{[e.runner.device_ids for e in engines]}", flush=True)

@@ -16,6 +16,8 @@ import time
 
 
 def add_parsers(sub, add_model_args) -> None:
+    from jaxcb.cli.args import add_speculative_args
+
     w = sub.add_parser("warmup", help="compile every configured bucket into the persistent compile cache")
     add_model_args(w)
 
@@ -41,6 +43,7 @@ def add_parsers(sub, add_model_args) -> None:
                    help="KV pages (default: the config's cache.kv_dtype; auto = --dtype)")
     p.add_argument("--tensor-parallel", type=int, default=None, metavar="N",
                    help="split the model over N devices of --memory each (default: the config's parallel.tensor)")
+    add_speculative_args(p)  # a draft model's weights and KV count too
 
     s = sub.add_parser("simulate", help="run a request trace through the real scheduler on a simulated clock")
     s.add_argument("--trace", required=True, help="JSONL: arrival_s, prompt_tokens, output_tokens[, priority, "
@@ -186,10 +189,14 @@ def cmd_plan(args) -> int:
     from jaxcb.device.parallel import check_tensor_parallel
     from jaxcb.host import memory_plan
     from jaxcb.host.engine_config import load_config
-    from jaxcb.llm import read_model_config
+    from jaxcb.cli.args import speculative_config
+    from jaxcb.llm import draft_model_config, read_model_config
 
     config = load_config(args.config)
+    spec = speculative_config(args, config.scheduler.speculative)
+    config = config.replace(speculative=spec)
     model = read_model_config(args.model)
+    draft = draft_model_config(spec, model) if spec.method == "draft" else None
     max_context = args.max_context or config.max_context_for(model)
     if max_context < 1:
         raise ValueError(f"--max-context: must be >= 1, got {max_context}")
@@ -201,7 +208,8 @@ def cmd_plan(args) -> int:
     if args.kv_dtype:
         config = config.replace(kv_dtype=args.kv_dtype)
     plan = memory_plan.plan_for_model(model, config.replace(num_pages=0), budget_bytes=memory_plan.parse_bytes(args.memory),
-                                      dtype_bytes=dtype_bytes, max_context=max_context, tensor=tensor, weights=weights)
+                                      dtype_bytes=dtype_bytes, max_context=max_context, tensor=tensor, weights=weights,
+                                      draft=draft)
     stored = args.dtype if weights == "auto" else weights
     if weights in ("int8", "int4") and config.weight_group:
         stored += f" (groups of {config.weight_group})"
@@ -209,6 +217,9 @@ def cmd_plan(args) -> int:
           f"compute {args.dtype}, KV {args.dtype if config.kv_dtype == 'auto' else config.kv_dtype}; memory {args.memory} "
           f"{'per device ' if tensor > 1 else ''}x {config.memory_fraction:g}; largest batch bucket "
           f"{config.buckets.max_batch}")
+    if draft is not None:
+        print(f"speculative decoding: draft model {spec.draft_model or model.name}, {draft.num_layers} of its layers, "
+              f"weights {spec.draft_weights}; {spec.num_tokens} tokens proposed per step")
     print(plan.describe(sorted({512, 2048, max_context})))
     return 0
 

@@ -165,10 +165,11 @@ def compute_dtype(config, dtype=None):
     return jnp.dtype(default_dtype())
 
 
-def plan_memory(model_config: ModelConfig, config, dtype=None, budget_bytes: int | None = None):
+def plan_memory(model_config: ModelConfig, config, dtype=None, budget_bytes: int | None = None, draft=None):
     """The engine config's memory plan for this model in `dtype` on this device (per device of the
-    mesh under tensor parallelism). Needs no weights, so it runs before anything is loaded or
-    allocated; raises ValueError with the numbers when the configuration cannot fit."""
+    mesh under tensor parallelism), with speculative decoding's draft model (`draft`, a ModelConfig) if
+    any. Needs no weights, so it runs before anything is loaded or allocated; raises ValueError with
+    the numbers when the configuration cannot fit."""
     from jaxcb.host import memory_plan
 
     dtype = compute_dtype(config, dtype)
@@ -181,7 +182,7 @@ def plan_memory(model_config: ModelConfig, config, dtype=None, budget_bytes: int
         budget = device_memory_bytes()
         if jax.default_backend() == "cpu":  # host devices share the one memory
             budget //= config.tensor_parallel * config.data_parallel
-    return memory_plan.plan_for_model(model_config, config, budget_bytes=budget, dtype_bytes=dtype.itemsize)
+    return memory_plan.plan_for_model(model_config, config, budget_bytes=budget, dtype_bytes=dtype.itemsize, draft=draft)
 
 
 def make_runner(model_config: ModelConfig, params: Params, config, dtype=None, plan=None, devices=None):
@@ -205,6 +206,20 @@ def make_runner(model_config: ModelConfig, params: Params, config, dtype=None, p
                          max_seqs=config.buckets.max_batch, mesh=mesh, num_window_pages=plan.num_window_pages or None,
                          kv_dtype=None if config.kv_dtype == "auto" else config.kv_dtype, compile=config.compile)
     return runner, config
+
+
+def make_draft_runner(target: "ModelRunner", model_config: ModelConfig, params: Params, config, devices=None):
+    """Speculative decoding's draft model on the target's device, its KV pages laid out as the
+    target's (the same page count, size and sliding group: it writes each request's own page ids,
+    jaxcb.host.draft)."""
+    mesh = None
+    if devices is not None:
+        from jaxcb.device import parallel
+
+        mesh = parallel.make_mesh(1, devices)
+    return ModelRunner(model_config, params, target.num_pages, target.page_size, attention=config.attention,
+                       max_seqs=config.buckets.max_batch, mesh=mesh, num_window_pages=target.num_window_pages or None,
+                       kv_dtype=None if config.kv_dtype == "auto" else config.kv_dtype, compile=config.compile)
 
 
 PALLAS_KERNEL = {"tpu": "tpu", "gpu": "gpu", "cuda": "gpu", "rocm": "gpu"}  # platform -> Attention.kernel

@@ -32,7 +32,7 @@ import numpy as np
 from jaxcb.host.batch import SamplingRow, SeqSpec, pack, pack_sampling
 from jaxcb.host.engine_config import EngineConfig
 from jaxcb.host.engine_stats import Counters, EngineStats, StepRecord
-from jaxcb.host.errors import InvalidRequest, StepFailed
+from jaxcb.host.errors import InvalidConfig, InvalidRequest, StepFailed
 from jaxcb.host.output import EventCallback, Outputs
 from jaxcb.host.page_pool import PagePool
 from jaxcb.host.request import (FinishReason, Request, SamplingParams, Status, TokenEvent, check_priority,
@@ -96,8 +96,9 @@ class Engine:
     MAX_FAILED_STEPS_IN_A_ROW = 8  # then the engine counts as broken (the server exits non-zero)
 
     def __init__(self, runner: Runner, tokenizer, config: EngineConfig, eos_ids: tuple[int, ...] = (),
-                 load_seconds: float = 0.0, clock: Callable[[], float] = time.monotonic):
+                 load_seconds: float = 0.0, clock: Callable[[], float] = time.monotonic, draft_runner: Runner | None = None):
         self.runner = runner
+        self.draft_runner = draft_runner  # speculative.method "draft": the draft model's (jaxcb.host.draft)
         # Every time the loop reads (arrivals, queueing, step times, first tokens): the wall clock, or the
         # simulator's (jaxcb.sim.simulate: a runner that models the step's time on a virtual clock).
         self._clock = clock
@@ -114,7 +115,7 @@ class Engine:
         self.max_context = config.max_context_for(self.model_config)
         self._extra_rows = config.scheduler.speculative.extra_rows  # sample rows for proposals, per step
         self.scheduler = Scheduler(dataclasses.replace(config.scheduler, max_context=self.max_context), self.pool,
-                                   eos_ids, window=self.window_group)
+                                   eos_ids, window=self.window_group, proposer=self._draft_proposer(config))
         if self.scheduler.proposer is not None and config.scheduler.speculative.adaptive:
             # speculation weighs its tokens by the buckets' step times
             self.scheduler.proposer.buckets = config.buckets.tokens
@@ -138,6 +139,46 @@ class Engine:
         self.fault_injector: Callable | None = None
         self._length_log = None  # record_lengths(): one JSON line per finished request
         self.step_log: list[StepRecord] | None = None  # set to a list to record every step
+
+    def _draft_proposer(self, config: EngineConfig):
+        """speculative.method "draft": the draft model's proposer, its runner checked against the target's
+        (the same vocabulary, and page layout: it writes the request's own page ids); else None."""
+        spec = config.scheduler.speculative
+        if spec.method != "draft":
+            return None
+        d = self.draft_runner
+        if d is None:
+            raise InvalidConfig("speculative.method: 'draft' needs a draft model (built by jaxcb.llm.build_engines "
+                                "from speculative.draft_model)")
+        t = self.runner
+        if d.model_config.vocab_size != t.model_config.vocab_size:
+            raise InvalidConfig(f"speculative.draft_model: its vocabulary ({d.model_config.vocab_size} tokens) is not "
+                                f"the target's ({t.model_config.vocab_size}); a draft must share the tokenizer")
+        if (d.step_config.windowed, d.step_config.sliding_window) != (t.step_config.windowed, t.step_config.sliding_window):
+            raise InvalidConfig("speculative.draft_model: its sliding window "
+                                f"({d.step_config.sliding_window if d.step_config.windowed else 'none'}) is not the "
+                                f"target's ({t.step_config.sliding_window if t.step_config.windowed else 'none'}): a "
+                                "draft shares the request's page groups")
+        if (d.num_pages, d.page_size, d.num_window_pages) != (t.num_pages, t.page_size, t.num_window_pages):
+            raise InvalidConfig(f"speculative.draft_model: its runner has {d.num_pages} pages of {d.page_size} tokens "
+                                f"({d.num_window_pages} sliding), the target's {t.num_pages} of {t.page_size} "
+                                f"({t.num_window_pages}): a draft mirrors the target's pages")
+        from jaxcb.host.draft import DraftProposer
+
+        window = t.step_config.sliding_window if t.step_config.windowed else 0
+        return DraftProposer(spec, d, config.buckets, config.page_size, self.max_context, window)
+
+    def describe_speculation(self) -> str:
+        """Speculative decoding as configured ("" off): the start banner and GetServerInfo."""
+        spec = self.config.scheduler.speculative
+        if not spec.enabled:
+            return ""
+        what = spec.method
+        if self.draft_runner is not None:
+            d = self.draft_runner
+            what += (f" (draft model {spec.draft_model or d.model_config.name}: {d.model_config.num_layers} layers, "
+                     f"weights {d.describe()['weights']})")
+        return f"{what}, up to {spec.num_tokens} tokens per step"
 
     def record_lengths(self, path: str) -> None:
         """Append {"prompt": tokens, "context": tokens} for every request that finishes, for
@@ -304,7 +345,7 @@ class Engine:
                 specs.append(SeqSpec([0], c.start, r.page_ids, src_row=r.pending_src[1],
                                      window_page_ids=r.window_page_ids))
             else:
-                specs.append(SeqSpec(_token_slice(r, c.start, end) + list(c.draft), c.start, r.page_ids,
+                specs.append(SeqSpec(r.token_slice(c.start, end) + list(c.draft), c.start, r.page_ids,
                                      window_page_ids=r.window_page_ids, num_draft=len(c.draft)))
             if c.draft:  # a sample at each proposal's position, as if the proposals before it were output
                 c.extra_row = shape.seqs + len(extra)
@@ -456,11 +497,14 @@ class Engine:
     def warmup(self, progress: Callable[[int, int, object], None] | None = None) -> int:
         """Compile every step shape ahead of time (nothing is run): one program per token bucket."""
         shapes = self.config.buckets.shapes(self.config.page_size, self.max_context, self._extra_rows)
-        for i, shape in enumerate(shapes):
-            self.runner.compile(shape)
+        programs = [(self.runner, shape) for shape in shapes]
+        if self.draft_runner is not None:  # the draft model's steps: the same buckets, one sample per row
+            programs += [(self.draft_runner, shape) for shape in self.scheduler.proposer.shapes()]
+        for i, (runner, shape) in enumerate(programs):
+            runner.compile(shape)
             if progress is not None:
-                progress(i + 1, len(shapes), shape)
-        return len(shapes)
+                progress(i + 1, len(programs), shape)
+        return len(programs)
 
     def run_until_done(self, max_steps: int | None = None) -> list[TokenEvent]:
         events: list[TokenEvent] = []
@@ -471,14 +515,3 @@ class Engine:
             if max_steps is not None and steps >= max_steps:
                 break
         return events
-
-
-
-def _token_slice(r: Request, start: int, end: int) -> list[int]:
-    """r's known tokens [start, end) without building prompt + output whole."""
-    n = len(r.prompt_ids)
-    if start >= n:
-        return r.output_ids[start - n:end - n]
-    if end <= n:
-        return r.prompt_ids[start:end]
-    return r.prompt_ids[start:] + r.output_ids[:end - n]

@@ -58,6 +58,10 @@ class MemoryPlan:
     window_bytes_per_token: int = 0
     num_window_pages: int = 0  # the null page included
     kv_bytes_per_token_all: int = 0  # every layer's: what a page would cost with no group of its own
+    # Speculative decoding's draft model (jaxcb.host.draft), counted in the figures above: its weights
+    # (those it does not share with the target) and its keys and values of a token in the same pages.
+    draft_weight_bytes: int = 0
+    draft_kv_bytes_per_token: int = 0
 
     @property
     def page_bytes(self) -> int:
@@ -97,6 +101,9 @@ class MemoryPlan:
             f"KV pages      {self.num_pages} = {fmt_bytes(self.num_pages * self.page_bytes)}, "
             f"{(self.num_pages - 1) * self.page_size} tokens cached",
         ]
+        if self.draft_weight_bytes or self.draft_kv_bytes_per_token:
+            lines.insert(-3, f"  of which the draft model's: weights {fmt_bytes(self.draft_weight_bytes)}, KV "
+                             f"{fmt_bytes(self.draft_kv_bytes_per_token)} per token")
         if self.window:
             lines[-2] = lines[-2].replace("KV per token ", "KV per token (full-attention layers)")
             lines.append(
@@ -116,10 +123,12 @@ def plan(*, budget_bytes: int, fraction: float, weight_bytes: int, num_layers: i
          page_size: int, max_context: int, max_batch: int, max_prefill_tokens: int,
          num_pages: int | None = None, num_heads: int | None = None, tensor: int = 1,
          sliding_layers: int = 0, window: int = 0, kv_dtype: str = "auto", dequant_bytes: int = 0,
-         extra_rows: int = 0) -> MemoryPlan:
+         extra_rows: int = 0, draft_weight_bytes: int = 0, draft_kv_per_token: int = 0,
+         draft_window_per_token: int = 0) -> MemoryPlan:
     """The plan for these sizes (the whole model's; `tensor` devices split it), per device; num_pages
     None = as many as fit, else check that many fit. Raises ValueError with the numbers when one
-    request of max_context cannot be held."""
+    request of max_context cannot be held. `draft_*`: a draft model's weights (included in
+    weight_bytes) and its keys and values per token in the full-attention and sliding pages."""
     if not 0 < fraction <= 1:
         raise InvalidConfig(f"cache.memory_fraction: must be in (0, 1], got {fraction}")
     replication = max(1, tensor // num_kv_heads)
@@ -129,7 +138,7 @@ def plan(*, budget_bytes: int, fraction: float, weight_bytes: int, num_layers: i
     intermediate_size //= tensor
     layer_token = 2 * kv_heads * kv_slot_bytes(head_dim, kv_dtype, dtype_bytes)  # one layer's keys and values of one token
     window = window if sliding_layers else 0
-    kv_per_token = (num_layers - (sliding_layers if window else 0)) * layer_token
+    kv_per_token = (num_layers - (sliding_layers if window else 0)) * layer_token + draft_kv_per_token
     pages_per_seq = -(-max_context // page_size)
     # A sliding layer's sequence holds the pages its window and one prefill chunk touch.
     window_per_seq = min(pages_per_seq, sliding_pages_per_chunk(window, page_size, max_prefill_tokens)) if window else 0
@@ -149,7 +158,8 @@ def plan(*, budget_bytes: int, fraction: float, weight_bytes: int, num_layers: i
     page_bytes = kv_per_token * page_size
     # With a sliding group, both groups are sized for the same number of max-context sequences: each
     # full page comes with window_per_seq / pages_per_seq sliding pages.
-    window_page_bytes = sliding_layers * layer_token * page_size if window else 0
+    window_token = sliding_layers * layer_token + draft_window_per_token if window else 0
+    window_page_bytes = window_token * page_size
     fit = max(0, int(usable // (page_bytes + window_page_bytes * window_per_seq / pages_per_seq)))
     need = pages_per_seq + 1  # one request of the maximum context, and the null page
     if fit < need or (num_pages is not None and num_pages > fit):
@@ -164,7 +174,9 @@ def plan(*, budget_bytes: int, fraction: float, weight_bytes: int, num_layers: i
     pages = fit if num_pages is None else num_pages
     window_pages = max(window_per_seq + 1, -(-(pages - 1) * window_per_seq // pages_per_seq) + 1) if window else 0
     return MemoryPlan(budget_bytes, weight_bytes, reserve, kv_per_token, page_size, pages, tensor, replication,
-                      window, sliding_layers * layer_token if window else 0, window_pages, num_layers * layer_token)
+                      window, window_token, window_pages,
+                      num_layers * layer_token + draft_kv_per_token + draft_window_per_token, draft_weight_bytes,
+                      draft_kv_per_token + draft_window_per_token)
 
 
 INT4_GROUP = 32  # int4 weights: input rows per scale (jaxcb.model.quant takes it from here)
@@ -203,15 +215,37 @@ def weight_bytes(c, mode: str, dtype_bytes: int, group: int = 0) -> int:
     return int(matrices + embed + head + rest * dtype_bytes)
 
 
+def draft_bytes(draft, model, config, mode: str, dtype_bytes: int) -> tuple[int, int, int]:
+    """(weight bytes, KV bytes per token in the full pages, in the sliding pages) of speculative
+    decoding's draft model `draft` (a ModelConfig) for target `model`. A draft made of the target's own
+    weights (no draft_model, draft_weights "auto") shares the embedding and head, and with every layer
+    all of it."""
+    spec = config.scheduler.speculative
+    kv_dtype = getattr(config, "kv_dtype", "auto")
+    token = 2 * draft.num_kv_heads * kv_slot_bytes(draft.head_dim, kv_dtype, dtype_bytes)
+    if not spec.draft_model and spec.draft_weights == "auto":
+        layers = model.num_layers - draft.num_layers  # weight bytes are affine in the layer count
+        full = weight_bytes(model, mode, dtype_bytes, config.weight_group)
+        per_layer = (full - weight_bytes(draft, mode, dtype_bytes, config.weight_group)) / layers if layers else 0
+        weights = int(per_layer * draft.num_layers) if layers else 0
+    else:
+        weights = weight_bytes(draft, spec.draft_weights if spec.draft_weights != "auto" else mode, dtype_bytes)
+    return weights, token * draft.num_full_layers, token * draft.num_sliding_layers
+
+
 def plan_for_model(model, config, *, budget_bytes: int, dtype_bytes: int, max_context: int | None = None,
-                   tensor: int | None = None, weights: str | None = None) -> MemoryPlan:
+                   tensor: int | None = None, weights: str | None = None, draft=None) -> MemoryPlan:
     """The plan for a model (a ModelConfig) under an EngineConfig: what the engine sizes its cache with
     (jaxcb.device.runner.plan_memory) and what `jaxcb plan` prints. `max_context` / `tensor` / `weights`
-    override the config's."""
+    override the config's; `draft`: speculative decoding's draft model (a ModelConfig), whose weights and
+    KV are counted too."""
     s, c = config.scheduler, model
     mode = config.weights if weights is None else weights
+    d_weights, d_kv, d_window = draft_bytes(draft, model, config, mode, dtype_bytes) if draft is not None else (0, 0, 0)
     return plan(
-        budget_bytes=budget_bytes, fraction=config.memory_fraction, weight_bytes=weight_bytes(c, mode, dtype_bytes, config.weight_group),
+        draft_weight_bytes=d_weights, draft_kv_per_token=d_kv, draft_window_per_token=d_window,
+        budget_bytes=budget_bytes, fraction=config.memory_fraction,
+        weight_bytes=weight_bytes(c, mode, dtype_bytes, config.weight_group) + d_weights,
         num_layers=c.num_layers, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, hidden_size=c.hidden_size,
         intermediate_size=c.intermediate_size, vocab_size=c.vocab_size, dtype_bytes=dtype_bytes,
         page_size=s.page_size, max_context=max_context or config.max_context_for(c),

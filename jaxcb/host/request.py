@@ -205,6 +205,15 @@ class Request:
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
 
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """Known tokens [start, end) without building prompt + output whole."""
+        n = len(self.prompt_ids)
+        if start >= n:
+            return self.output_ids[start - n:end - n]
+        if end <= n:
+            return self.prompt_ids[start:end]
+        return self.prompt_ids[start:] + self.output_ids[:end - n]
+
     @property
     def num_tokens(self) -> int:
         """Tokens of the sequence as the scheduler sees it: known ones plus those still in flight."""

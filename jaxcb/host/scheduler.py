@@ -101,13 +101,15 @@ class SchedulerOutput:
 class Scheduler:
     """Owns the request state: which run, their pages, their computed and generated tokens, their end."""
 
-    def __init__(self, config: SchedulerConfig, pool: PagePool, eos_ids: tuple[int, ...] = (), window=None):
+    def __init__(self, config: SchedulerConfig, pool: PagePool, eos_ids: tuple[int, ...] = (), window=None,
+                 proposer: Proposer | None = None):
         self.config = config
         self.pool = pool
         self.window = window  # jaxcb.host.window.WindowGroup: the sliding layers' pages (Gemma), else None
         self.eos_ids = frozenset(eos_ids)
         self.cache = PrefixCache(pool, window) if config.prefix_caching else None
-        self.proposer = Proposer(config.speculative) if config.speculative.enabled else None
+        # speculative decoding: the n-gram proposer, or the one given (a draft model's, jaxcb.host.draft)
+        self.proposer = proposer or (Proposer(config.speculative) if config.speculative.enabled else None)
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.controller = (LatencyController(config) if config.target_p99_tpot_ms is not None
@@ -235,11 +237,13 @@ class Scheduler:
             out_row = c.extra_row + j if j < k else row
             s = self._append(r, out_row, int(token_ids[out_row]))
             sampled.append(s)
-            if s.finish is not None or j == k or s.token != c.draft[j]:
+            if j == k or s.token != c.draft[j]:
                 break
-            accepted += 1
-        self.proposer.record(r, k, accepted)
+            accepted += 1  # the proposal held (also when it ends the request)
+            if s.finish is not None:
+                break
         r.num_computed = c.start + 1 + accepted
+        self.proposer.record(r, k, accepted)
         self._trim_pages(r, r.num_tokens)
         if self.cache is not None:
             self.cache.register(r, r.num_computed)
@@ -440,6 +444,7 @@ class Scheduler:
         out.num_static_rows = self._static_rows if c.static else 0
         if out.speculative:
             self._keep_proposals(out)
+            self.proposer.fill(out.speculative)  # a draft model runs for the rows that kept proposals
         return out
 
     def _propose(self, r: Request, budget: int, speculate: bool) -> list[int]:

@@ -12,16 +12,20 @@ the same seed, and the number accepted varies per row without changing any shape
 With a one-hot proposal this walk *is* rejection sampling: the proposal d is accepted with probability
 p(d) (the sampled token equals d), and on rejection the sampled token follows p restricted to tokens
 other than d, renormalised, which is the residual distribution. A draft model with probabilities of its
-own would need the general rule (accept with min(1, p/q)); only the n-gram proposer exists so far.
+own would need the general rule (accept with min(1, p/q)); both proposers here propose one token per
+position with certainty (q one-hot), so this walk is exact for each of them, at any temperature.
 
 Proposers: `ngram` (prompt lookup): the longest suffix of the sequence, `min_n`..`max_n` tokens, that
 occurred before in its prompt or output proposes the tokens that followed its latest occurrence.
+`draft`: a smaller model with the target's vocabulary (jaxcb.host.draft: the target's own weights with
+fewer layers or in int4, or any model jaxcb loads) decodes k tokens greedily on its own KV pages.
 
-Backing off: each request keeps a moving average of the share of its proposed tokens accepted; the
-step keeps a proposal's tokens only while they are expected to raise the step's output tokens per
-second, by the step times measured per token bucket (Proposer.keep), and a request whose proposals
-are rarely accepted proposes only every `probe_every` steps. Speculation runs only while at most
-`max_batch` requests are running.
+Backing off: each request keeps a moving average of the share of its proposed tokens accepted,
+starting from the server's (a slower moving average over every request); the step keeps a proposal's
+tokens only while they are expected to raise the step's output tokens per second, by the step times
+measured per token bucket and what proposing costs (a draft model's steps; Proposer.keep). A request
+whose proposals are rarely accepted only probes: after `probe_every` steps, then twice as long after
+each probe that found nothing. Speculation runs only while at most `max_batch` requests are running.
 
 Plain Python and numpy, no JAX.
 """
@@ -35,25 +39,37 @@ import numpy as np
 
 from jaxcb.host.errors import InvalidConfig
 
-METHODS = ("ngram",)  # "draft" (a smaller model's proposals) is not implemented yet
+METHODS = ("ngram", "draft")
+DRAFT_WEIGHTS = ("auto", "float32", "bfloat16", "int8", "int4")  # speculative.draft_weights (jaxcb.model.quant)
 
 
 @dataclasses.dataclass(frozen=True)
 class SpeculativeConfig:
     """`[speculative]` in the engine config (flags --speculative, --num-speculative-tokens)."""
 
-    method: str = ""  # "" = off; "ngram"
+    method: str = ""  # "" = off; "ngram" or "draft"
     num_tokens: int = 4  # k: tokens proposed per speculating step, at most
     min_n: int = 2  # n-gram: the shortest suffix looked up
     max_n: int = 4  # n-gram: the longest
     max_batch: int = 8  # speculate only while at most this many requests run
     probe_every: int = 8  # a request whose proposals are rarely accepted tries again every this many steps
     adaptive: bool = True  # keep only the proposals that pay by the measured step times; False: keep all
+    # method "draft": the draft model (a GGUF, a converted checkpoint, a Hugging Face directory or an
+    # embedded model's name; "" = the target's own weights), its first `draft_layers` layers (0 = all)
+    # and its weights' format (jaxcb.model.quant; "auto" = as loaded, or as the target's when shared)
+    draft_model: str = ""
+    draft_layers: int = 0
+    draft_weights: str = "auto"
 
     def __post_init__(self):
         if self.method and self.method not in METHODS:
-            extra = " (a draft model's proposals are not implemented yet)" if self.method == "draft" else ""
-            raise InvalidConfig(f"speculative.method: {self.method!r} is not one of {METHODS}{extra}")
+            raise InvalidConfig(f"speculative.method: {self.method!r} is not one of {METHODS}")
+        if not isinstance(self.draft_model, str):
+            raise InvalidConfig(f"speculative.draft_model: must be a path or a model name, got {self.draft_model!r}")
+        if self.draft_weights not in DRAFT_WEIGHTS:
+            raise InvalidConfig(f"speculative.draft_weights: {self.draft_weights!r} is not one of {DRAFT_WEIGHTS}")
+        if isinstance(self.draft_layers, bool) or not isinstance(self.draft_layers, int) or self.draft_layers < 0:
+            raise InvalidConfig(f"speculative.draft_layers: must be an integer >= 0 (0 = all), got {self.draft_layers!r}")
         for name, low in (("num_tokens", 1), ("min_n", 1), ("max_n", 1), ("max_batch", 1), ("probe_every", 1)):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < low:
@@ -94,8 +110,11 @@ class SpecState:
 
     rate: float  # moving average of the share of its proposed tokens accepted
     steps_since: int = 0  # decode steps since it last speculated (probing while backed off)
+    misses: int = 0  # probes in a row that had nothing accepted (each doubles the wait for the next)
     proposed: int = 0
     accepted: int = 0
+    draft_valid: int = 0  # method "draft": the draft model's KV holds the first this many tokens ...
+    draft_epoch: int = -1  # ... while the request's preemption count is this (its pages are then its own)
 
 
 class Proposer:
@@ -108,14 +127,17 @@ class Proposer:
     bigger bucket costs nearly nothing (a memory-bound step) it keeps them all, and where the step is
     compute-bound (many rows, a slow CPU) it keeps fewer or none."""
 
+    deferred = False  # True: propose() gives placeholders, fill() the tokens, for all rows of a step at once
     AVG_WEIGHT = 0.3  # weight of the newest step in the moving averages
-    PRIOR_RATE = 0.7  # a new request's expected acceptance, before it has proposed anything
-    BACKED_OFF = 0.1  # below this acceptance a request proposes only every probe_every steps
+    PRIOR_RATE = 0.7  # the expected acceptance before anything was proposed (and a probe's)
+    BACKED_OFF = 0.1  # below this acceptance a request only probes
+    GLOBAL_WEIGHT = 0.05  # weight of a speculating row in the server's acceptance, a new request's start
 
     def __init__(self, config: SpeculativeConfig, buckets: tuple[int, ...] = ()):
         self.config = config
         self.buckets = tuple(buckets)  # the token buckets (jaxcb.host.buckets); () = cost not considered
         self.bucket_s: dict[int, float] = {}  # moving average of a step's seconds, per token bucket
+        self.global_rate = self.PRIOR_RATE  # moving average of every request's acceptance
         self.num_rows = 0  # speculating rows
         self.num_proposed = 0
         self.num_accepted = 0
@@ -129,7 +151,7 @@ class Proposer:
 
     def state(self, r) -> SpecState:
         if r.spec is None:
-            r.spec = SpecState(rate=self.PRIOR_RATE)
+            r.spec = SpecState(rate=self.global_rate)
         return r.spec
 
     def eligible(self, r) -> bool:
@@ -138,7 +160,13 @@ class Proposer:
         if not r.params.speculative or r.matcher is not None:
             return False
         s = self.state(r)
-        return s.rate >= self.BACKED_OFF or s.steps_since >= self.config.probe_every
+        return s.rate >= self.BACKED_OFF or s.steps_since >= self.config.probe_every << min(s.misses, 6)
+
+    def estimate(self, r) -> float:
+        """The acceptance r's proposals are weighed with: its own, or for a backed-off request's probe
+        the prior (a probe is there to find out)."""
+        rate = self.state(r).rate
+        return rate if rate >= self.BACKED_OFF else self.PRIOR_RATE
 
     def likely(self, r) -> bool:
         """Whether eligible `r` would find a proposal in its known tokens (its newest token may still be
@@ -159,9 +187,17 @@ class Proposer:
         k = min(limit, self.config.num_tokens)
         return self._lookup(r, k).tolist() if k > 0 else []
 
+    def fill(self, chunks) -> None:
+        """Put the proposals into the kept speculating chunks (a deferred proposer); the n-gram
+        proposals are there already."""
+
+    def proposal_cost(self, depth: int) -> float:
+        """Seconds that proposing `depth` tokens deep costs besides the step (a draft model's steps)."""
+        return 0.0
+
     def expected(self, r, k: int) -> float:
         """Tokens a proposal of k tokens by r is expected to add: p + p^2 + ... + p^k."""
-        p = self.state(r).rate
+        p = self.estimate(r)
         return sum(p ** j for j in range(1, k + 1))
 
     def observe_step(self, padded_tokens: int, seconds: float) -> None:
@@ -171,44 +207,51 @@ class Proposer:
 
     def _step_s(self, tokens: int) -> float | None:
         """The measured time of the bucket `tokens` falls in; a bucket not yet measured costs what the
-        largest measured one below it does (so speculation tries it, and then knows)."""
+        largest measured one below it does (so speculation tries it, and then knows); with none measured
+        below, the smallest measured above it (a smaller step costs no more: a step that always
+        speculates never measures the bucket it would take without proposals)."""
         i = bisect.bisect_left(self.buckets, tokens)
         if i == len(self.buckets):
             return None
         for b in reversed(self.buckets[:i + 1]):
             if b in self.bucket_s:
                 return self.bucket_s[b]
-        return None
+        return next((self.bucket_s[b] for b in self.buckets[i + 1:] if b in self.bucket_s), None)
 
     def keep(self, proposals: list[tuple[object, int]], base_tokens: int, base_outputs: int) -> list[int]:
         """How many tokens of each proposal (request, k) to keep in a step that has `base_tokens`
         tokens and samples `base_outputs` tokens without them: the prefix of all proposals' tokens, in
         order of expected gain, that maximises expected output tokens per second of step."""
-        gains = sorted(((self.state(r).rate ** j, i) for i, (r, k) in enumerate(proposals) for j in range(1, k + 1)),
-                       reverse=True)
-        best_n, best_rate, expected = 0, None, float(base_outputs)
+        gains = sorted(((self.estimate(r) ** j, -j, i) for i, (r, k) in enumerate(proposals)
+                        for j in range(1, k + 1)), reverse=True)
+        best_n, best_rate, expected, depth = 0, None, float(base_outputs), 0
         base = self._step_s(base_tokens)
         if base is not None:
             best_rate = expected / base
-        for n, (gain, _) in enumerate(gains, start=1):
+        for n, (gain, minus_j, _) in enumerate(gains, start=1):
             expected += gain
+            depth = max(depth, -minus_j)
             seconds = self._step_s(base_tokens + n)
             if seconds is None:
                 break
+            seconds += self.proposal_cost(depth)
             if best_rate is None or expected / seconds > best_rate:
                 best_n, best_rate = n, expected / seconds
         if best_rate is None:  # nothing measured yet: try them all
             best_n = len(gains)
         counts = [0] * len(proposals)
-        for _, i in gains[:best_n]:
+        for _, _, i in gains[:best_n]:
             counts[i] += 1
         return counts
 
     def record(self, r, proposed: int, accepted: int) -> None:
-        """A speculating step's outcome for r."""
+        """A speculating step's outcome for r (its num_computed already counts the accepted tokens)."""
         s = self.state(r)
         s.steps_since = 0
+        if s.rate < self.BACKED_OFF:  # a probe
+            s.misses = 0 if accepted else s.misses + 1
         s.rate += self.AVG_WEIGHT * (accepted / proposed - s.rate)
+        self.global_rate += self.GLOBAL_WEIGHT * (accepted / proposed - self.global_rate)
         s.proposed += proposed
         s.accepted += accepted
         self.num_rows += 1

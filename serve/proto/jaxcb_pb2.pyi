@@ -201,7 +201,7 @@ class GetServerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServerInfo(_message.Message):
-    __slots__ = ("decode_batch_buckets", "pages_per_seq_buckets", "prefill_token_buckets", "page_size", "pages_total", "pages_free", "policy", "compilations", "running", "waiting", "preemptions", "tensor_parallel", "data_parallel", "replicas", "platform", "compute_dtype", "weights", "kv_dtype", "attention", "cpu_dots", "cpu_max_isa", "cpu_dots_reason", "speculative_method", "num_speculative_tokens", "speculative_acceptance_rate", "speculative_mean_accepted_length")
+    __slots__ = ("decode_batch_buckets", "pages_per_seq_buckets", "prefill_token_buckets", "page_size", "pages_total", "pages_free", "policy", "compilations", "running", "waiting", "preemptions", "tensor_parallel", "data_parallel", "replicas", "platform", "compute_dtype", "weights", "kv_dtype", "attention", "cpu_dots", "cpu_max_isa", "cpu_dots_reason", "speculative_method", "num_speculative_tokens", "speculative_acceptance_rate", "speculative_mean_accepted_length", "speculative")
     DECODE_BATCH_BUCKETS_FIELD_NUMBER: _ClassVar[int]
     PAGES_PER_SEQ_BUCKETS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_TOKEN_BUCKETS_FIELD_NUMBER: _ClassVar[int]
@@ -228,6 +228,7 @@ class ServerInfo(_message.Message):
     NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SPECULATIVE_ACCEPTANCE_RATE_FIELD_NUMBER: _ClassVar[int]
     SPECULATIVE_MEAN_ACCEPTED_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    SPECULATIVE_FIELD_NUMBER: _ClassVar[int]
     decode_batch_buckets: _containers.RepeatedScalarFieldContainer[int]
     pages_per_seq_buckets: _containers.RepeatedScalarFieldContainer[int]
     prefill_token_buckets: _containers.RepeatedScalarFieldContainer[int]
@@ -254,7 +255,8 @@ class ServerInfo(_message.Message):
     num_speculative_tokens: int
     speculative_acceptance_rate: float
     speculative_mean_accepted_length: float
-    def __init__(self, decode_batch_buckets: _Optional[_Iterable[int]] = ..., pages_per_seq_buckets: _Optional[_Iterable[int]] = ..., prefill_token_buckets: _Optional[_Iterable[int]] = ..., page_size: _Optional[int] = ..., pages_total: _Optional[int] = ..., pages_free: _Optional[int] = ..., policy: _Optional[str] = ..., compilations: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., preemptions: _Optional[int] = ..., tensor_parallel: _Optional[int] = ..., data_parallel: _Optional[int] = ..., replicas: _Optional[_Iterable[_Union[ReplicaInfo, _Mapping]]] = ..., platform: _Optional[str] = ..., compute_dtype: _Optional[str] = ..., weights: _Optional[str] = ..., kv_dtype: _Optional[str] = ..., attention: _Optional[str] = ..., cpu_dots: _Optional[str] = ..., cpu_max_isa: _Optional[str] = ..., cpu_dots_reason: _Optional[str] = ..., speculative_method: _Optional[str] = ..., num_speculative_tokens: _Optional[int] = ..., speculative_acceptance_rate: _Optional[float] = ..., speculative_mean_accepted_length: _Optional[float] = ...) -> None: ...
+    speculative: str
+    def __init__(self, decode_batch_buckets: _Optional[_Iterable[int]] = ..., pages_per_seq_buckets: _Optional[_Iterable[int]] = ..., prefill_token_buckets: _Optional[_Iterable[int]] = ..., page_size: _Optional[int] = ..., pages_total: _Optional[int] = ..., pages_free: _Optional[int] = ..., policy: _Optional[str] = ..., compilations: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., preemptions: _Optional[int] = ..., tensor_parallel: _Optional[int] = ..., data_parallel: _Optional[int] = ..., replicas: _Optional[_Iterable[_Union[ReplicaInfo, _Mapping]]] = ..., platform: _Optional[str] = ..., compute_dtype: _Optional[str] = ..., weights: _Optional[str] = ..., kv_dtype: _Optional[str] = ..., attention: _Optional[str] = ..., cpu_dots: _Optional[str] = ..., cpu_max_isa: _Optional[str] = ..., cpu_dots_reason: _Optional[str] = ..., speculative_method: _Optional[str] = ..., num_speculative_tokens: _Optional[int] = ..., speculative_acceptance_rate: _Optional[float] = ..., speculative_mean_accepted_length: _Optional[float] = ..., speculative: _Optional[str] = ...) -> None: ...
 
 class ReplicaInfo(_message.Message):
     __slots__ = ("replica", "device_ids", "pages_total", "pages_free", "running", "waiting", "preemptions", "pending_tokens", "requests_routed")
