@@ -134,6 +134,21 @@ def load_draft(spec, target_config, target_params, dtype=None):
     return config, params
 
 
+def adapter_reader(model_config, lora_config):
+    """(name, path) -> the PEFT adapter at path, checked against the model and lora.max_rank."""
+    from jaxcb.model.lora import read_adapter
+
+    def read(name, path):
+        adapter = read_adapter(path, model_config, name, lora_config.max_rank)
+        unused = sorted(set(adapter.weights) - set(lora_config.targets))
+        if unused:
+            raise InvalidConfig(f"lora {name}: it adapts {unused}, which lora.targets {list(lora_config.targets)} "
+                                "leaves out")
+        return adapter
+
+    return read
+
+
 def build_engine(model: str | None = None, config: EngineConfig | str | None = None, dtype=None, *,
                  loaded=None) -> Engine:
     """The one way to an engine: config -> memory plan -> weights -> runner (KV pages) -> Engine.
@@ -172,6 +187,8 @@ def build_engines(model: str | None = None, config: EngineConfig | str | None = 
     groups = split_devices(jax.devices(), config.tensor_parallel, count) if count > 1 else [None]
     spec = config.scheduler.speculative
     drafting = spec.method == "draft"
+    if config.lora.enabled and wrap_runner is not None:
+        raise InvalidConfig("lora.max_loras: LoRA adapters are not served multi-host yet")
     if drafting and (config.tensor_parallel > 1 or wrap_runner is not None):
         raise InvalidConfig("speculative.method: 'draft' runs on one device (no tensor parallelism or multi-host "
                             "yet); 'ngram' works there")
@@ -204,7 +221,16 @@ def build_engines(model: str | None = None, config: EngineConfig | str | None = 
         seed = None if config.seed is None else config.seed + i
         engine = Engine(runner, tokenizer, dataclasses.replace(resolved, seed=seed), eos_ids=eos,
                         load_seconds=load_seconds, draft_runner=draft_runner)
+        if engine.adapters is not None:
+            engine.adapters.reader = adapter_reader(model_config, config.lora)
         engines.append(engine)
+    for spec in config.lora.adapters:  # --lora NAME=PATH: read once, registered with every replica
+        from jaxcb.model.lora import parse_spec
+
+        name, path = parse_spec(spec)
+        adapter = engines[0].adapters.reader(name, path)
+        for engine in engines:
+            engine.adapters.add(name, adapter)
     return engines
 
 

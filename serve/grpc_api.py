@@ -20,7 +20,7 @@ from grpc_health.v1 import health, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from jaxcb.device import cpu_dots
-from jaxcb.host.errors import InvalidRequest, JaxcbError, Overloaded, StepFailed, Unauthenticated, Unavailable
+from jaxcb.host.errors import InvalidConfig, InvalidRequest, JaxcbError, Overloaded, StepFailed, Unauthenticated, Unavailable
 from jaxcb.host.request import SamplingParams, TokenEvent, check_stop_counts
 from jaxcb.host.structured import MAX_CHOICES, Constraint
 from serve.frontend import (MAX_REQUEST_BYTES, ServerOptions, State, check_constraint, check_ids, check_messages, check_text,
@@ -58,7 +58,7 @@ def _sampling(req) -> SamplingParams:
         seed=s.seed if s.HasField("seed") else None, stop=tuple(req.stop),
         stop_token_ids=tuple(req.stop_token_ids), ignore_eos=req.ignore_eos, logprobs=req.logprobs,
         n=req.n or 1, structured=_structured(req),
-        speculative=req.speculative if req.HasField("speculative") else True,
+        speculative=req.speculative if req.HasField("speculative") else True, lora=req.lora,
     )
 
 
@@ -147,7 +147,30 @@ class JaxcbService(jaxcb_pb2_grpc.JaxcbServicer):
         return jaxcb_pb2.ModelInfo(name=s.model_name, vocab_size=c.vocab_size, context_length=s.engine.max_context,
                                    dtype=s.dtype, num_layers=c.num_layers, num_params=c.num_params,
                                    family=c.family, sliding_window=c.sliding_window if c.windowed else 0,
-                                   num_sliding_layers=c.num_sliding_layers)
+                                   num_sliding_layers=c.num_sliding_layers, lora_adapters=s.engine.lora_names())
+
+    async def LoadLoraAdapter(self, request, context):
+        try:
+            if not request.lora_name or not request.lora_path:
+                raise InvalidRequest("lora_name: required" if not request.lora_name else "lora_path: required")
+            if request.lora_name == self.state.model_name:
+                raise InvalidRequest(f"lora_name: {request.lora_name!r} is the base model's name")
+            try:
+                await asyncio.to_thread(self.state.engine.load_lora, request.lora_name, request.lora_path)
+            except InvalidConfig as e:  # what the adapter directory holds: the client's to fix
+                raise InvalidRequest(f"lora_path: {e}") from None
+        except JaxcbError as e:
+            await context.abort(grpc_code(e), str(e))
+        return jaxcb_pb2.LoraAdapterResponse(message=f"LoRA adapter {request.lora_name!r} loaded", done=True)
+
+    async def UnloadLoraAdapter(self, request, context):
+        try:
+            done = self.state.engine.unload_lora(request.lora_name)
+        except JaxcbError as e:
+            await context.abort(grpc_code(e), str(e))
+        return jaxcb_pb2.LoraAdapterResponse(
+            message=f"LoRA adapter {request.lora_name!r} " + ("unloaded" if done else "unloads when its requests end"),
+            done=done)
 
     async def GetServerInfo(self, request, context):
         e = self.state.engine

@@ -69,6 +69,19 @@ class Metrics:
                                      ["replica"], registry=r)
         self.replica_kv_usage = Gauge("jaxcb:replica_kv_cache_usage_perc", "KV pages in use (0-1), per replica.",
                                       ["replica"], registry=r)
+        # LoRA adapters (jaxcb.host.lora), as vLLM reports them and the Gateway API Inference Extension's
+        # endpoint picker reads them: one sample of lora_requests_info whose labels list the adapters with
+        # running and with waiting requests (its value: when it was set); counts per adapter besides.
+        self.lora_info = Gauge("jaxcb:lora_requests_info", "LoRA adapters: max_lora slots, the adapters with "
+                               "running and with waiting requests (comma-separated); the value is the time it "
+                               "was set.", ["max_lora", "running_lora_adapters", "waiting_lora_adapters"], registry=r)
+        self.lora_running = Gauge("jaxcb:lora_num_requests_running", "Requests running, per LoRA adapter.",
+                                  ["lora_name"], registry=r)
+        self.lora_waiting = Gauge("jaxcb:lora_num_requests_waiting", "Requests waiting, per LoRA adapter.",
+                                  ["lora_name"], registry=r)
+        self.lora_swaps = Gauge("jaxcb:lora_slot_loads", "Adapters put into a device slot since start (cumulative).",
+                                registry=r)
+        self._lora_key = None
         self._lock = threading.Lock()  # replicas refresh from their own threads
         self._latest = [None] * replicas  # each replica's last stats (the counters grow from them)
 
@@ -101,6 +114,24 @@ class Metrics:
             self.prefill_budget.set(sum(s.prefill_budget for s in latest))
             self.measured_tpot.set(max(s.measured_p99_tpot_ms for s in latest) / 1000)
             self.measured_ttft.set(max(s.measured_p99_ttft_ms for s in latest) / 1000)
+
+
+    def refresh_lora(self, info: dict | None) -> None:
+        """The adapters' gauges from jaxcb.host.replicas.Replicas.lora_info()."""
+        if info is None:
+            return
+        with self._lock:
+            key = (str(info["max_lora"]), ",".join(info["running"]), ",".join(info["waiting"]))
+            if key != self._lora_key:  # one sample: the current sets of adapters
+                self.lora_info.clear()
+                self._lora_key = key
+            self.lora_info.labels(*key).set(time.time())
+            self.lora_running.clear()
+            self.lora_waiting.clear()
+            for name, (running, waiting) in info["per_adapter"].items():
+                self.lora_running.labels(lora_name=name).set(running)
+                self.lora_waiting.labels(lora_name=name).set(waiting)
+            self.lora_swaps.set(info["swaps"])
 
 
 class RequestTimer:

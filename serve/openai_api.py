@@ -1,6 +1,8 @@
 """The OpenAI-compatible HTTP API, beside gRPC: same process, same engine, same admission and limits.
 
-    GET  /v1/models              the one model served
+    GET  /v1/models              the model served and its LoRA adapters (each selected by its `model` name)
+    POST /v1/load_lora_adapter   {"lora_name", "lora_path"}: register a PEFT adapter while serving (vLLM's)
+    POST /v1/unload_lora_adapter {"lora_name"}: unregister it (when its requests have ended)
     POST /v1/completions         prompt: text, list of texts, token ids or lists of them
     POST /v1/chat/completions    messages through the model's chat template
     GET  /health                 200 once warm (no auth), else 503
@@ -30,7 +32,7 @@ import uuid
 from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 
-from jaxcb.host.errors import InvalidRequest, JaxcbError, Unauthenticated
+from jaxcb.host.errors import InvalidConfig, InvalidRequest, JaxcbError, Unauthenticated
 from jaxcb.host.request import FinishReason
 from serve import frontend, tool_calls
 from serve.openai_fields import (CHAT_FIELDS, COMPLETION_FIELDS, ERROR_TYPE, MAX_TOP_LOGPROBS, HTTPError,
@@ -88,10 +90,16 @@ def make_app(state) -> FastAPI:
         raw = b"".join(chunks)
         body = await asyncio.to_thread(parse_json, raw) if size > 1 << 16 else parse_json(raw)
         model = body.get("model")
-        if model is not None and model != state.model_name:
-            raise HTTPError(404, f"model: {model!r} is not served here; the model is {state.model_name!r}",
-                            param="model", code="model_not_found")
+        if model is not None and model != state.model_name and model not in state.engine.lora_names():
+            adapters = state.engine.lora_names()
+            raise HTTPError(404, f"model: {model!r} is not served here; the model is {state.model_name!r}"
+                            + (f", the adapters {adapters}" if adapters else ""), param="model", code="model_not_found")
         return body
+
+    def adapter_of(body: dict) -> str:
+        """The LoRA adapter the body's `model` names ("" = the base model)."""
+        model = body.get("model")
+        return "" if model is None or model == state.model_name else model
 
     @app.exception_handler(HTTPError)
     async def _http_error(request, exc: HTTPError):
@@ -118,8 +126,38 @@ def make_app(state) -> FastAPI:
     @app.get("/v1/models")
     async def models(request: Request):
         authorize(request)
-        return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": 0,
-                                            "owned_by": "jaxcb", "max_model_len": state.engine.max_context}]}
+        base = {"id": state.model_name, "object": "model", "created": 0, "owned_by": "jaxcb",
+                "root": state.model_name, "parent": None, "max_model_len": state.engine.max_context}
+        adapters = [dict(base, id=name, root=name, parent=state.model_name) for name in state.engine.lora_names()]
+        return {"object": "list", "data": [base, *adapters]}
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(request: Request):
+        authorize(request)
+        body = await body_of(request)
+        check_fields(body, {"lora_name", "lora_path", "model"})
+        name, path = str_field(body, "lora_name", ""), str_field(body, "lora_path", "")
+        if not name or not path:
+            raise bad_request("lora_name: required" if not name else "lora_path: required")
+        if name == state.model_name:
+            raise bad_request(f"lora_name: {name!r} is the base model's name")
+        try:
+            await asyncio.to_thread(state.engine.load_lora, name, path)
+        except InvalidConfig as e:  # what the adapter directory holds: the client's to fix
+            raise bad_request(f"lora_path: {e}") from None
+        return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(request: Request):
+        authorize(request)
+        body = await body_of(request)
+        check_fields(body, {"lora_name", "lora_int_id", "model"})
+        name = str_field(body, "lora_name", "")
+        if not name:
+            raise bad_request("lora_name: required")
+        now = state.engine.unload_lora(name)
+        return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully."
+                                 + ("" if now else " (its running requests finish first)"))
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -135,6 +173,7 @@ def make_app(state) -> FastAPI:
         options = common_fields(body)
         logprobs = int_field(body, "logprobs", 0) or 0
         params = sampling_params(body, max_tokens=int_field(body, "max_tokens", 16), logprobs=logprobs)
+        params = dataclasses.replace(params, lora=adapter_of(body))
         given = prompt_list(body.get("prompt"))
         state.admit(len(given) * params.n)
         await frontend.check_constraint(state, params.structured)
@@ -163,6 +202,7 @@ def make_app(state) -> FastAPI:
         # Validated with a placeholder length first (every field before any tokenizing); the real
         # default max_tokens needs the prompt's length.
         params = sampling_params(body, max_tokens=1 if limit is None else limit, logprobs=max(top, 1) if want else 0)
+        params = dataclasses.replace(params, lora=adapter_of(body))
         forced = tool_calls.constraint(tools) if tools is not None else None
         if forced is not None:  # "required" or a named function: the output is tool-call blocks
             if params.structured is not None:
@@ -200,6 +240,7 @@ def make_app(state) -> FastAPI:
             state.engine.validate(p, params)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         created = int(time.time())
+        model_name = params.lora or state.model_name  # an adapter's answers carry its name
         events: asyncio.Queue = asyncio.Queue()
         n = params.n
         request_id = options.request_id
@@ -258,7 +299,7 @@ def make_app(state) -> FastAPI:
                     start()
                     if chat:
                         for k in range(len(prompts) * n):
-                            yield _sse({"id": rid, "object": obj, "created": created, "model": state.model_name,
+                            yield _sse({"id": rid, "object": obj, "created": created, "model": model_name,
                                         "choices": [{"index": k, "delta": {"role": "assistant", "content": ""},
                                                      "logprobs": None, "finish_reason": None}]})
                     while left:
@@ -283,10 +324,10 @@ def make_app(state) -> FastAPI:
                             continue
                         choice = {"index": index, "logprobs": logprobs, "finish_reason": finish}
                         choice.update({"delta": delta} if chat else {"text": text})
-                        yield _sse({"id": rid, "object": obj, "created": created, "model": state.model_name,
+                        yield _sse({"id": rid, "object": obj, "created": created, "model": model_name,
                                     "choices": [choice]})
                     if include_usage and not left:
-                        yield _sse({"id": rid, "object": obj, "created": created, "model": state.model_name,
+                        yield _sse({"id": rid, "object": obj, "created": created, "model": model_name,
                                     "choices": [], "usage": usage_json()})
                     yield "data: [DONE]\n\n"
                 finally:  # the client went away (or we are done): what still runs is aborted
@@ -337,11 +378,11 @@ def make_app(state) -> FastAPI:
                     choice["message"] = {"role": "assistant", "content": content or None, "tool_calls": calls}
                     if choice["finish_reason"] == "stop":
                         choice["finish_reason"] = "tool_calls"
-            return {"id": rid, "object": "chat.completion", "created": created, "model": state.model_name,
+            return {"id": rid, "object": "chat.completion", "created": created, "model": model_name,
                     "choices": choices, "usage": usage_json()}
         choices = [{"index": k, "text": texts[k], "logprobs": logs[k], "finish_reason": finishes[k]}
                    for k in range(len(texts))]
-        return {"id": rid, "object": "text_completion", "created": created, "model": state.model_name,
+        return {"id": rid, "object": "text_completion", "created": created, "model": model_name,
                 "choices": choices, "usage": usage_json()}
 
     return app

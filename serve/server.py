@@ -49,6 +49,8 @@ async def run_server(engine: Engine | list[Engine], tokenizer, model_name: str, 
 
     def on_step(replica, eng, events):
         metrics.refresh(eng.stats(), replica)
+        if eng.adapters is not None:
+            metrics.refresh_lora(replicas.lora_info())
 
     replicas = Replicas(engines, on_death=on_death, on_step=on_step)
     state = State(replicas, tokenizer, model_name, dtype, options, metrics)

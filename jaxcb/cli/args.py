@@ -45,6 +45,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="attention: plain JAX, the native CPU kernels, the Pallas kernels, or auto (Pallas "
                         "on GPU/TPU, native on the CPU when it builds; the config's model.attention by default)")
     add_speculative_args(p)
+    add_lora_args(p)
+    p.add_argument("--lora", action="append", default=None, metavar="NAME=PATH",
+                   help="serve the PEFT LoRA adapter in directory PATH as model NAME (repeatable; implies "
+                        "--max-loras 1 if the config has no slots); more are loaded while serving")
     p.add_argument("--tensor-parallel", type=int, default=None, metavar="N",
                    help="split each step over N devices by attention heads (default: the config's parallel.tensor, 1)")
     p.add_argument("--data-parallel", type=int, default=None, metavar="M",
@@ -71,6 +75,29 @@ def add_speculative_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-speculative-tokens", type=int, default=None, metavar="K",
                    help="tokens proposed per speculating step, at most (default: the config's "
                         "speculative.num_tokens, 4)")
+
+
+def add_lora_args(p: argparse.ArgumentParser) -> None:
+    """LoRA adapter slots (generate, serve, warmup, plan)."""
+    p.add_argument("--max-loras", type=int, default=None, metavar="S",
+                   help="LoRA adapters resident on the device at once, each a slot of the step (default: the "
+                        "config's lora.max_loras, 0 = none)")
+    p.add_argument("--max-lora-rank", type=int, default=None, metavar="R",
+                   help="the largest adapter rank the slots hold (default: the config's lora.max_rank, 16)")
+
+
+def lora_config(args, lora):
+    """The config's LoraConfig with the LoRA flags applied."""
+    changes = {}
+    if getattr(args, "max_loras", None) is not None:
+        changes["max_loras"] = args.max_loras
+    if getattr(args, "max_lora_rank", None) is not None:
+        changes["max_rank"] = args.max_lora_rank
+    if getattr(args, "lora", None):
+        changes["adapters"] = tuple(lora.adapters) + tuple(args.lora)
+        if not changes.get("max_loras", lora.max_loras):
+            changes["max_loras"] = 1
+    return dataclasses.replace(lora, **changes) if changes else lora
 
 
 def speculative_config(args, spec):
@@ -118,6 +145,9 @@ def engine_config(args):
     spec = speculative_config(args, config.scheduler.speculative)
     if spec != config.scheduler.speculative:
         changes["speculative"] = spec
+    lora = lora_config(args, config.lora)
+    if lora != config.lora:
+        changes["lora"] = lora
     return config.replace(**changes) if changes else config
 
 

@@ -16,7 +16,7 @@ import time
 
 
 def add_parsers(sub, add_model_args) -> None:
-    from jaxcb.cli.args import add_speculative_args
+    from jaxcb.cli.args import add_lora_args, add_speculative_args
 
     w = sub.add_parser("warmup", help="compile every configured bucket into the persistent compile cache")
     add_model_args(w)
@@ -30,6 +30,8 @@ def add_parsers(sub, add_model_args) -> None:
                    help="store the weight matrices quantized (jaxcb.model.quant); scales in --dtype")
     c.add_argument("--weight-group", type=int, default=0, metavar="G",
                    help="input rows per scale (default 0: per output column for int8, 32 for int4)")
+    c.add_argument("--lora", action="append", default=None, metavar="PATH",
+                   help="merge this PEFT LoRA adapter into the weights (repeatable: merged in order)")
 
     p = sub.add_parser("plan", help="what fits in a memory budget: weights, KV pages, batch per context")
     p.add_argument("--model", default=None, help="GGUF file, model directory, or an embedded model: smollm2-135m (default), gemma3-270m")
@@ -44,6 +46,7 @@ def add_parsers(sub, add_model_args) -> None:
     p.add_argument("--tensor-parallel", type=int, default=None, metavar="N",
                    help="split the model over N devices of --memory each (default: the config's parallel.tensor)")
     add_speculative_args(p)  # a draft model's weights and KV count too
+    add_lora_args(p)  # and LoRA adapter slots
 
     s = sub.add_parser("simulate", help="run a request trace through the real scheduler on a simulated clock")
     s.add_argument("--trace", required=True, help="JSONL: arrival_s, prompt_tokens, output_tokens[, priority, "
@@ -176,7 +179,15 @@ def cmd_convert(args) -> int:
     dtype = _dtype(args) or default_dtype()
     mode = args.weights or np.dtype(dtype).name
     config, params, tokenizer, _ = load_model(None if args.model == "default" else args.model, dtype,
-                                              weights=mode, group=args.weight_group)
+                                              weights="auto" if args.lora else mode, group=args.weight_group)
+    if args.lora:  # merged into the float weights, then stored as asked
+        from jaxcb.model.llama import params_from_numpy
+        from jaxcb.model.lora import merge, read_adapter
+
+        weights = {k: np.asarray(v) for k, v in params_to_weights(params).items()}
+        for path in args.lora:
+            weights = merge(weights, read_adapter(path, config))
+        params = params_from_numpy(weights, dtype, mode, args.weight_group)
     loaded = time.perf_counter() - t0
     checkpoint.save(args.out_dir, config, params_to_weights(params), tokenizer, dtype, mode, args.weight_group)
     print(f"jaxcb convert: {config.name} ({config.num_params / 1e6:.1f}M parameters, {mode}) "
@@ -189,12 +200,12 @@ def cmd_plan(args) -> int:
     from jaxcb.device.parallel import check_tensor_parallel
     from jaxcb.host import memory_plan
     from jaxcb.host.engine_config import load_config
-    from jaxcb.cli.args import speculative_config
+    from jaxcb.cli.args import lora_config, speculative_config
     from jaxcb.llm import draft_model_config, read_model_config
 
     config = load_config(args.config)
     spec = speculative_config(args, config.scheduler.speculative)
-    config = config.replace(speculative=spec)
+    config = config.replace(speculative=spec, lora=lora_config(args, config.lora))
     model = read_model_config(args.model)
     draft = draft_model_config(spec, model) if spec.method == "draft" else None
     max_context = args.max_context or config.max_context_for(model)

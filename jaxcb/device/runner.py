@@ -70,11 +70,11 @@ def compilation_count() -> int:
 
 @functools.partial(jax.jit, static_argnames=("config", "attention"), donate_argnums=(1,))
 def step(params: Params, kv_pages: jax.Array, last_tokens: jax.Array, batch: StepInput, sampling: SamplingInput,
-         config: ModelConfig, attention: Attention = Attention()):
+         lora=None, *, config: ModelConfig, attention: Attention = Attention()):
     """One engine step. `last_tokens` [L] are the previous step's sampled tokens: a decode token the
     host has not fetched yet (async scheduling) is taken from there (batch.src_rows), and so is its
-    place in the penalties' history. Returns the new KV pages, the sampled tokens and the new
-    last_tokens."""
+    place in the penalties' history. `lora`: the LoRA adapter slots (jaxcb.device.lora), or None.
+    Returns the new KV pages, the sampled tokens and the new last_tokens."""
     from_prev = batch.src_rows >= 0
     token_ids = jnp.where(from_prev, last_tokens[jnp.maximum(batch.src_rows, 0)], batch.token_ids)
     batch = dataclasses.replace(batch, token_ids=token_ids)
@@ -85,7 +85,7 @@ def step(params: Params, kv_pages: jax.Array, last_tokens: jax.Array, batch: Ste
     history = sampling.history_ids.at[rows, col].set(
         jnp.where(sampling.pending_col >= 0, newest, sampling.history_ids[rows, col]))
     sampling = dataclasses.replace(sampling, history_ids=history)
-    kv_pages, h = forward_hidden(params, kv_pages, batch, config, attention)
+    kv_pages, h = forward_hidden(params, kv_pages, batch, config, attention, lora)
     t = batch.token_ids.shape[0]
 
     def plain(_):
@@ -204,7 +204,8 @@ def make_runner(model_config: ModelConfig, params: Params, config, dtype=None, p
         params = with_int8_activations(params)
     runner = ModelRunner(model_config, params, config.num_pages, config.page_size, dtype, attention=config.attention,
                          max_seqs=config.buckets.max_batch, mesh=mesh, num_window_pages=plan.num_window_pages or None,
-                         kv_dtype=None if config.kv_dtype == "auto" else config.kv_dtype, compile=config.compile)
+                         kv_dtype=None if config.kv_dtype == "auto" else config.kv_dtype, compile=config.compile,
+                         lora=(config.lora.targets, config.lora.max_loras, config.lora.max_rank) if config.lora.enabled else None)
     return runner, config
 
 
@@ -255,7 +256,7 @@ def resolve_attention(choice: str, mesh=None) -> Attention:
 class ModelRunner:
     def __init__(self, config: ModelConfig, params: Params, num_pages: int, page_size: int, dtype=None,
                  attention: str = "auto", max_seqs: int = 256, mesh=None, num_window_pages: int | None = None,
-                 kv_dtype=None, compile: str = "optimized"):
+                 kv_dtype=None, compile: str = "optimized", lora=None):
         if jax.default_backend() == "cpu":
             keep_freed_memory_on_cpu()
         self.mesh = mesh  # tensor parallelism (jaxcb.device.parallel); None = the default device
@@ -287,6 +288,12 @@ class ModelRunner:
 
             params = parallel.shard_params(params, mesh)
         self.params = params
+        # LoRA adapter slots (jaxcb.device.lora), `lora` = (targets, slots, max rank); None: no adapters
+        self.lora = None
+        if lora is not None and lora[1] > 0:
+            from jaxcb.device.lora import LoraSlots
+
+            self.lora = LoraSlots(config, lora[0], lora[1], lora[2], self.dtype, mesh)
         self.last_tokens = self._zero_last_tokens(max_seqs)  # the previous step's sampled tokens, on the device
         self.kv_pages = self._allocate_kv()
         # Where this runner lives, read once: the page arrays themselves are donated to every step, so
@@ -381,16 +388,24 @@ class ModelRunner:
             batch, sampling = pack([], shape, self.page_size, window), pack_sampling([], shape, self.model_config.vocab_size)
             with _compile_serial:
                 self._compiled[shape] = step.lower(
-                    self.params, self.kv_pages, self.last_tokens, batch, sampling, config=self.step_config,
-                    attention=self.attention).compile(self.compiler_options)
+                    self.params, self.kv_pages, self.last_tokens, batch, sampling, self._lora_arrays(),
+                    config=self.step_config, attention=self.attention).compile(self.compiler_options)
 
     def run(self, batch: StepInput, sampling: SamplingInput, shape: StepShape) -> SampleOutput:
         """Dispatch one step; returns device arrays without waiting for them."""
         if shape not in self._compiled:  # a shape warm-up did not cover: compiled now (and counted)
             self.compile(shape)
         self.kv_pages, out, self.last_tokens = self._compiled[shape](
-            self.params, self.kv_pages, self.last_tokens, batch, sampling)
+            self.params, self.kv_pages, self.last_tokens, batch, sampling, self._lora_arrays())
         return out
+
+    def _lora_arrays(self):
+        return None if self.lora is None else self.lora.arrays
+
+    def fill_lora_slot(self, slot: int, adapter) -> None:
+        """Put a LoRA adapter (jaxcb.model.lora.Adapter) into device slot `slot` (queued behind the steps
+        already dispatched, before the next)."""
+        self.lora.fill(slot, adapter)
 
     @staticmethod
     def fetch(outputs: SampleOutput) -> SampleOutput:

@@ -52,6 +52,7 @@ class StepInput:
     item_start: np.ndarray  # i32 [W], position of the item's first slot in its sequence
     item_bounds: np.ndarray  # i32 [2], (decode items, all items): [0, a) decode, [a, b) prefill
     extra_rows: np.ndarray  # i32 [E], token rows sampled besides each sequence's last (speculation); -1 none
+    lora_slots: np.ndarray  # i32 [T], the LoRA adapter slot of each token's sequence (jaxcb.host.lora); -1 none
     window: "WindowPages | None" = None  # the sliding layers' page group (models with sliding layers)
 
     @property
@@ -129,6 +130,7 @@ class SeqSpec:
     src_row: int = -1  # >= 0: a decode token not yet on the host, row src_row of the previous step's output
     window_page_ids: list[int] | None = None  # the sliding layers' pages (null before the window)
     num_draft: int = 0  # speculation: the last num_draft tokens are proposals, each position sampled
+    lora_slot: int = -1  # the device slot of the sequence's LoRA adapter (jaxcb.host.lora); -1 the base model
 
 
 @dataclasses.dataclass(slots=True)
@@ -198,6 +200,10 @@ def pack(seqs: list[SeqSpec], shape: StepShape, page_size: int, window: int = 0)
     slot_ids[:total] = page_table[seq_of_token, pos // page_size] * page_size + pos % page_size
     seq_ids = np.full(t_max, m_max, np.int32)
     seq_ids[:total] = seq_of_token
+    lora_slots = np.full(t_max, -1, np.int32)
+    slots = np.fromiter((s.lora_slot for s in seqs), np.int32, m)
+    if (slots >= 0).any():
+        lora_slots[:total] = slots[seq_of_token]
     dense = np.zeros(t_max, bool)
     dense[:total] = (q_lens > 1)[seq_of_token]
     last_token = np.zeros(m_max, np.int32)
@@ -234,7 +240,7 @@ def pack(seqs: list[SeqSpec], shape: StepShape, page_size: int, window: int = 0)
         token_ids=token_ids, src_rows=src_rows, positions=positions, slot_ids=slot_ids, seq_ids=seq_ids, dense=dense,
         kv_lens=kv_lens, last_token=last_token, cu_q_lens=cu, num_seqs=np.array([m], np.int32),
         page_table=page_table, item_pages=item_pages, item_owner=item_owner, item_start=item_start,
-        item_bounds=item_bounds, extra_rows=extra_rows, window=pages,
+        item_bounds=item_bounds, extra_rows=extra_rows, lora_slots=lora_slots, window=pages,
     )
 
 

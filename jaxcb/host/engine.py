@@ -32,6 +32,7 @@ import numpy as np
 from jaxcb.host.batch import SamplingRow, SeqSpec, pack, pack_sampling
 from jaxcb.host.engine_config import EngineConfig
 from jaxcb.host.engine_stats import Counters, EngineStats, StepRecord
+from jaxcb.host.lora import Adapters
 from jaxcb.host.errors import InvalidConfig, InvalidRequest, StepFailed
 from jaxcb.host.output import EventCallback, Outputs
 from jaxcb.host.page_pool import PagePool
@@ -114,8 +115,13 @@ class Engine:
                                             runner.step_config.sliding_window)
         self.max_context = config.max_context_for(self.model_config)
         self._extra_rows = config.scheduler.speculative.extra_rows  # sample rows for proposals, per step
+        # LoRA adapters (jaxcb.host.lora): the registry, its slots filled by the runner
+        self.adapters = None
+        if config.lora.enabled:
+            self.adapters = Adapters(config.lora, fill=runner.fill_lora_slot)
         self.scheduler = Scheduler(dataclasses.replace(config.scheduler, max_context=self.max_context), self.pool,
-                                   eos_ids, window=self.window_group, proposer=self._draft_proposer(config))
+                                   eos_ids, window=self.window_group, proposer=self._draft_proposer(config),
+                                   adapters=self.adapters)
         if self.scheduler.proposer is not None and config.scheduler.speculative.adaptive:
             # speculation weighs its tokens by the buckets' step times
             self.scheduler.proposer.buckets = config.buckets.tokens
@@ -191,7 +197,24 @@ class Engine:
         check_tokens(prompt_ids, params, self.max_context, self.model_config.vocab_size)
         if params.structured is not None:
             self.grammars.compile(params.structured)  # cached after the first: check it off the event loop
+        if params.lora and params.lora not in self._adapters_for(params.lora).names():
+            self._adapters_for(params.lora).ref(params.lora, 0)  # raises, naming the loaded adapters
         self.scheduler.check_fits(Request(list(prompt_ids), params))
+
+    def _adapters_for(self, name: str) -> Adapters:
+        if self.adapters is None:
+            raise InvalidRequest(f"model: no LoRA adapter named {name!r}: this server serves none (lora.max_loras = 0)")
+        return self.adapters
+
+    # ---- LoRA adapters (any thread) ----
+    def load_lora(self, name: str, path: str) -> None:
+        """Register the PEFT adapter at `path` as `name` (read and checked here, put in a device slot
+        when a request for it runs)."""
+        self._adapters_for(name).load(name, path)
+
+    def unload_lora(self, name: str) -> bool:
+        """Unregister `name`: at once if no request uses it (True), else when the last one ends."""
+        return self._adapters_for(name).remove(name)
 
     @property
     def grammars(self):
@@ -215,6 +238,10 @@ class Engine:
         for i in range(1, params.n):
             samples.append(Request(prompt_ids, params, request_id=samples[0].request_id, priority=int(priority),
                                    arrival_time=samples[0].arrival_time, sample_index=i, cache_salt=cache_salt))
+        if params.lora:  # each sample holds the adapter until it ends
+            entry = self._adapters_for(params.lora).ref(params.lora, params.n)
+            for r in samples:
+                r.lora = entry
         if params.structured is not None:
             for r in samples:  # each sample its own grammar state
                 r.matcher = self.grammars.matcher(params.structured)
@@ -343,10 +370,10 @@ class Engine:
                 assert c.num_tokens == 1 and r.pending_src is not None and r.pending_src[0] == self._step_id, (
                     f"{r.key}: its input token is not in the previous step's output")
                 specs.append(SeqSpec([0], c.start, r.page_ids, src_row=r.pending_src[1],
-                                     window_page_ids=r.window_page_ids))
+                                     window_page_ids=r.window_page_ids, lora_slot=r.lora_slot))
             else:
                 specs.append(SeqSpec(r.token_slice(c.start, end) + list(c.draft), c.start, r.page_ids,
-                                     window_page_ids=r.window_page_ids, num_draft=len(c.draft)))
+                                     window_page_ids=r.window_page_ids, num_draft=len(c.draft), lora_slot=r.lora_slot))
             if c.draft:  # a sample at each proposal's position, as if the proposals before it were output
                 c.extra_row = shape.seqs + len(extra)
                 extra.extend(SamplingRow(r.params, seed, r.prompt_ids, r.output_ids + list(c.draft[:j]))
@@ -497,6 +524,8 @@ class Engine:
     def warmup(self, progress: Callable[[int, int, object], None] | None = None) -> int:
         """Compile every step shape ahead of time (nothing is run): one program per token bucket."""
         shapes = self.config.buckets.shapes(self.config.page_size, self.max_context, self._extra_rows)
+        if getattr(self.runner, "lora", None) is not None:
+            self.runner.lora.warmup()  # the slot filler's program
         programs = [(self.runner, shape) for shape in shapes]
         if self.draft_runner is not None:  # the draft model's steps: the same buckets, one sample per row
             programs += [(self.draft_runner, shape) for shape in self.scheduler.proposer.shapes()]

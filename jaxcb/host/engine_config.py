@@ -13,6 +13,7 @@ import tomllib
 from jaxcb.host.buckets import Buckets
 from jaxcb.host.errors import InvalidConfig
 from jaxcb.host.policies import SchedulerConfig
+from jaxcb.host.lora import LoraConfig
 from jaxcb.host.speculative import SpeculativeConfig
 
 ATTENTION_CHOICES = ("xla", "native", "pallas", "auto")
@@ -56,6 +57,7 @@ class EngineConfig:
     # "default", "ynn", "xnn", "onednn", "eigen". Takes effect only before JAX's CPU backend starts.
     cpu_dots: str = "auto"
     compile: str = "optimized"  # COMPILE_CHOICES: "fast" for quick starts (development, tiny test models)
+    lora: LoraConfig = LoraConfig()  # LoRA adapter slots (jaxcb.host.lora); none by default
 
     @property
     def page_size(self) -> int:
@@ -105,7 +107,7 @@ class EngineConfig:
 
     def replace(self, *, num_pages=None, buckets=None, attention=None, tensor_parallel=None, data_parallel=None,
                 weights=None, weight_group=None, kv_dtype=None, cpu_dots=None, activations=None,
-                compile=None, **scheduler_changes) -> "EngineConfig":
+                compile=None, lora=None, **scheduler_changes) -> "EngineConfig":
         return EngineConfig(
             num_pages=self.num_pages if num_pages is None else num_pages,
             scheduler=dataclasses.replace(self.scheduler, **scheduler_changes),
@@ -121,6 +123,7 @@ class EngineConfig:
             cpu_dots=self.cpu_dots if cpu_dots is None else cpu_dots,
             activations=self.activations if activations is None else activations,
             compile=self.compile if compile is None else compile,
+            lora=self.lora if lora is None else lora,
         )
 
 
@@ -128,7 +131,7 @@ def make_config(*, page_size=16, num_pages=4096, max_context=2048, decode_batch=
                 pages_per_seq=None, prefill_tokens=(32, 64, 128, 256, 512), max_prefill_tokens=None,
                 tokens=None, attention="auto", tensor_parallel=1, data_parallel=1, weights="auto",
                 weight_group=0, kv_dtype="auto", cpu_dots="auto", activations="float", compile="optimized",
-                **scheduler) -> EngineConfig:
+                lora=None, **scheduler) -> EngineConfig:
     """An EngineConfig from keyword values (tests and the Python API)."""
     if pages_per_seq is None:
         pages_per_seq = (max_context // page_size,)
@@ -145,7 +148,7 @@ def make_config(*, page_size=16, num_pages=4096, max_context=2048, decode_batch=
     return EngineConfig(num_pages=num_pages, scheduler=sched, attention=attention, tensor_parallel=tensor_parallel,
                         data_parallel=data_parallel, weights=weights, weight_group=weight_group,
                         kv_dtype=kv_dtype, cpu_dots=cpu_dots, activations=activations, compile=compile,
-                        buckets=Buckets(tuple(decode_batch), tuple(pages_per_seq), tuple(prefill_tokens),
+                        lora=lora or LoraConfig(), buckets=Buckets(tuple(decode_batch), tuple(pages_per_seq), tuple(prefill_tokens),
                                         tuple(tokens)))
 
 
@@ -192,6 +195,11 @@ def load_config(path: str | None = None) -> EngineConfig:
         sc = SchedulerConfig(page_size=page_size, prefix_caching=prefix_caching, **sched)
     except TypeError as e:
         raise InvalidConfig(f"config: unknown setting in [scheduler] ({e})") from None
+    lora = dict(raw.get("lora", {}))
+    known = {f.name for f in dataclasses.fields(LoraConfig)}
+    if set(lora) - known:
+        raise InvalidConfig(f"config: unknown setting in [lora]: {sorted(set(lora) - known)}")
+    lora = LoraConfig(**lora)
     model = raw.get("model", {})
     unknown = set(model) - {"attention", "weights", "weight_group", "cpu_dots", "activations", "compile"}
     if unknown:
@@ -211,7 +219,7 @@ def load_config(path: str | None = None) -> EngineConfig:
                         attention=str(model.get("attention", "auto")), weights=str(model.get("weights", "auto")),
                         weight_group=model.get("weight_group", 0), kv_dtype=str(cache.get("kv_dtype", "auto")),
                         cpu_dots=str(model.get("cpu_dots", "auto")), activations=str(model.get("activations", "float")),
-                        compile=str(model.get("compile", "optimized")),
+                        compile=str(model.get("compile", "optimized")), lora=lora,
                         memory_fraction=float(cache.get("memory_fraction", 0.9)),
                         memory_bytes=parse_bytes(cache["memory"]) if "memory" in cache else 0,
                         tensor_parallel=parallel.get("tensor", 1), data_parallel=parallel.get("data", 1))

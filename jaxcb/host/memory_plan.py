@@ -62,6 +62,7 @@ class MemoryPlan:
     # (those it does not share with the target) and its keys and values of a token in the same pages.
     draft_weight_bytes: int = 0
     draft_kv_bytes_per_token: int = 0
+    lora_bytes: int = 0  # LoRA adapter slots (jaxcb.device.lora), counted in weight_bytes
 
     @property
     def page_bytes(self) -> int:
@@ -101,6 +102,8 @@ class MemoryPlan:
             f"KV pages      {self.num_pages} = {fmt_bytes(self.num_pages * self.page_bytes)}, "
             f"{(self.num_pages - 1) * self.page_size} tokens cached",
         ]
+        if self.lora_bytes:
+            lines.insert(-3, f"  of which LoRA adapter slots: {fmt_bytes(self.lora_bytes)}")
         if self.draft_weight_bytes or self.draft_kv_bytes_per_token:
             lines.insert(-3, f"  of which the draft model's: weights {fmt_bytes(self.draft_weight_bytes)}, KV "
                              f"{fmt_bytes(self.draft_kv_bytes_per_token)} per token")
@@ -233,6 +236,16 @@ def draft_bytes(draft, model, config, mode: str, dtype_bytes: int) -> tuple[int,
     return weights, token * draft.num_full_layers, token * draft.num_sliding_layers
 
 
+def lora_slot_bytes(model, lora, dtype_bytes: int) -> int:
+    """Bytes of the LoRA adapter slots (jaxcb.device.lora) of `lora` (a LoraConfig) for a ModelConfig:
+    per slot and target, A [L, in, R] and B [L, R, out]."""
+    if not lora.enabled:
+        return 0
+    shapes = model.weight_shapes()
+    per_slot = sum((shapes[t][1] + shapes[t][2]) * lora.max_rank for t in lora.targets) * model.num_layers
+    return lora.max_loras * per_slot * dtype_bytes
+
+
 def plan_for_model(model, config, *, budget_bytes: int, dtype_bytes: int, max_context: int | None = None,
                    tensor: int | None = None, weights: str | None = None, draft=None) -> MemoryPlan:
     """The plan for a model (a ModelConfig) under an EngineConfig: what the engine sizes its cache with
@@ -242,10 +255,11 @@ def plan_for_model(model, config, *, budget_bytes: int, dtype_bytes: int, max_co
     s, c = config.scheduler, model
     mode = config.weights if weights is None else weights
     d_weights, d_kv, d_window = draft_bytes(draft, model, config, mode, dtype_bytes) if draft is not None else (0, 0, 0)
-    return plan(
+    lora = lora_slot_bytes(model, config.lora, dtype_bytes) if hasattr(config, "lora") else 0
+    result = plan(
         draft_weight_bytes=d_weights, draft_kv_per_token=d_kv, draft_window_per_token=d_window,
         budget_bytes=budget_bytes, fraction=config.memory_fraction,
-        weight_bytes=weight_bytes(c, mode, dtype_bytes, config.weight_group) + d_weights,
+        weight_bytes=weight_bytes(c, mode, dtype_bytes, config.weight_group) + d_weights + lora,
         num_layers=c.num_layers, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, hidden_size=c.hidden_size,
         intermediate_size=c.intermediate_size, vocab_size=c.vocab_size, dtype_bytes=dtype_bytes,
         page_size=s.page_size, max_context=max_context or config.max_context_for(c),
@@ -255,3 +269,4 @@ def plan_for_model(model, config, *, budget_bytes: int, dtype_bytes: int, max_co
         sliding_layers=c.num_sliding_layers, window=c.sliding_window, kv_dtype=getattr(config, "kv_dtype", "auto"),
         dequant_bytes=2 * c.hidden_size * max(c.intermediate_size, c.num_heads * c.head_dim) * dtype_bytes
         if mode in ("int8", "int4") else 0, extra_rows=s.speculative.extra_rows)
+    return dataclasses.replace(result, lora_bytes=-(-lora // result.tensor))

@@ -49,7 +49,9 @@ class PrefixCache:
         while len(r.page_hashes) < num_pages:
             ids = ids or r.all_ids
             i = len(r.page_hashes)
-            r.page_hashes.append(chain_hash(r.page_hashes[-1] if i else salt_root(r.cache_salt), ids[i * s:(i + 1) * s]))
+            # the chain starts from the tenant's salt and the adapter's load: neither shares pages
+            prev = r.page_hashes[-1] if i else salt_root(r.cache_salt + (r.lora.key if r.lora is not None else ""))
+            r.page_hashes.append(chain_hash(prev, ids[i * s:(i + 1) * s]))
         return r.page_hashes[:num_pages]
 
     def cached_pages(self, r: Request) -> list[int]:

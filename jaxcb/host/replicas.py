@@ -89,6 +89,34 @@ class Replicas:
                              else sum(values) / len(values) if isinstance(values[0], float) else sum(values))
         return EngineStats(**total)
 
+    # ---- LoRA adapters: registered with every replica (jaxcb.host.lora) ----
+    def load_lora(self, name: str, path: str) -> None:
+        first = self.engines[0]
+        first.load_lora(name, path)  # read and checked once
+        adapter = first.adapters.entries[name].adapter
+        for e in self.engines[1:]:
+            e.adapters.add(name, adapter)
+
+    def unload_lora(self, name: str) -> bool:
+        return all([e.unload_lora(name) for e in self.engines])
+
+    def lora_info(self) -> dict | None:
+        """The adapters (jaxcb.host.lora.Adapters.info) summed over the replicas; None without slots."""
+        infos = [e.adapters.info() for e in self.engines if e.adapters is not None]
+        if not infos:
+            return None
+        per = {}
+        for info in infos:
+            for name, (run, wait) in info["per_adapter"].items():
+                r, w = per.get(name, (0, 0))
+                per[name] = (r + run, w + wait)
+        return {"max_lora": infos[0]["max_lora"], "running": sorted(n for n, (r, _) in per.items() if r),
+                "waiting": sorted(n for n, (_, w) in per.items() if w), "loaded": infos[0]["loaded"],
+                "swaps": sum(i["swaps"] for i in infos), "per_adapter": per}
+
+    def lora_names(self) -> list[str]:
+        return self.engines[0].adapters.names() if self.engines[0].adapters is not None else []
+
     def reset_counters(self) -> None:
         for e in self.engines:
             e.reset_counters()

@@ -56,6 +56,7 @@ class SamplingParams:
     n: int = 1  # independent samples of the same prompt (they share its KV pages)
     structured: Constraint | None = None  # what the output must match (jaxcb.host.structured)
     speculative: bool = True  # False: never speculate for this request (when the server does)
+    lora: str = ""  # the LoRA adapter to generate with (jaxcb.host.lora); "" = the base model
 
     def __post_init__(self):
         stop = self.stop or ()
@@ -85,6 +86,8 @@ class SamplingParams:
         _check_int("n", self.n, low=1, high=MAX_SAMPLES)
         if not isinstance(self.speculative, bool):
             raise InvalidRequest(f"speculative: must be true or false, got {self.speculative!r}")
+        if not isinstance(self.lora, str) or len(self.lora) > 256:
+            raise InvalidRequest("lora: must be an adapter name of at most 256 characters")
         if self.structured is not None and not isinstance(self.structured, Constraint):
             raise InvalidRequest(f"structured: must be a Constraint, got {type(self.structured).__name__}")
 
@@ -191,6 +194,8 @@ class Request:
     error: str | None = None
     matcher: object = None  # structured output: this sample's grammar state (jaxcb.host.structured)
     spec: object = None  # speculative decoding: its acceptance record (jaxcb.host.speculative.SpecState)
+    lora: object = None  # its LoRA adapter's registry entry (jaxcb.host.lora.Entry), None the base model
+    lora_slot: int = -1  # the device slot its adapter sits in while it runs
 
     def __post_init__(self):
         if not self.request_id:

@@ -102,8 +102,9 @@ class Scheduler:
     """Owns the request state: which run, their pages, their computed and generated tokens, their end."""
 
     def __init__(self, config: SchedulerConfig, pool: PagePool, eos_ids: tuple[int, ...] = (), window=None,
-                 proposer: Proposer | None = None):
+                 proposer: Proposer | None = None, adapters=None):
         self.config = config
+        self.adapters = adapters  # jaxcb.host.lora.Adapters: LoRA slots, taken at admission; None without
         self.pool = pool
         self.window = window  # jaxcb.host.window.WindowGroup: the sliding layers' pages (Gemma), else None
         self.eos_ids = frozenset(eos_ids)
@@ -171,6 +172,15 @@ class Scheduler:
         if self.window is not None:
             self.window.release(request)
         request.num_registered = 0
+        self._release_slot(request)
+        if request.lora is not None:  # it no longer uses its adapter (an unloaded one may go now)
+            self.adapters.unref(request.lora)
+            request.lora = None
+
+    def _release_slot(self, r: Request) -> None:
+        if r.lora_slot >= 0:
+            self.adapters.release(r.lora)
+            r.lora_slot = -1
 
     def finish(self, request: Request, reason: FinishReason) -> None:
         """The request ends (its last token, a stop string, an abort or an error): its pages go back."""
@@ -286,6 +296,7 @@ class Scheduler:
         victim.page_ids = []
         if self.window is not None:
             self.window.release(victim)
+        self._release_slot(victim)
         victim.num_computed = victim.num_registered = 0
         victim.num_pending, victim.pending_src = 0, None  # a token in flight is dropped and recomputed
         victim.status = Status.WAITING
@@ -430,9 +441,16 @@ class Scheduler:
                     if self.cache is not None:  # keep a page of headroom per running request: growth
                         self.cache.detach(r)    # must not preempt under a latency target
                     break
+                if r.lora is not None and r.lora_slot < 0:
+                    r.lora_slot = self.adapters.acquire(r.lora, now)
+                    if r.lora_slot < 0:  # every LoRA slot is held by running requests: it waits for one
+                        if self.cache is not None:
+                            self.cache.detach(r)
+                        continue
                 if not self._grow(r, r.num_computed + n):
                     if self.cache is not None:
                         self.cache.detach(r)
+                    self._release_slot(r)
                     break  # out of pages: wait for running requests to finish
                 self._admitted(r, now)
                 if self.cache is not None:

@@ -185,13 +185,23 @@ def layer_kinds(config: ModelConfig):
     return jnp.asarray(flags), jnp.asarray(theta), jnp.asarray(group_index)
 
 
-def _layer(config: ModelConfig, attention: Attention, batch: StepInput, h, kv_pages, kind, w: LayerParams):
+def _layer(config: ModelConfig, attention: Attention, batch: StepInput, h, kv_pages, kind, w: LayerParams,
+           lora=None, lora_mask=None):
     t, _ = h.shape
     nh, nk, d = config.num_heads, config.num_kv_heads, config.head_dim
     sliding, theta, group_index = kind
     norm = functools.partial(rms_norm, eps=config.rms_norm_eps, plus_one=config.norm_plus_one)
+
+    def proj(x, name):
+        """x @ the layer's matrix `name`, plus each token's own adapter's low-rank update: every slot's
+        A at once ([in, S*R], a few columns), the columns of other slots masked to zero, then B."""
+        y = dense(x, getattr(w, name))
+        if lora is not None and name in lora["a"]:
+            y = y + ((x @ lora["a"][name]) * lora_mask) @ lora["b"][name]
+        return y
+
     x = norm(h, w.attn_norm)
-    q, k, v = dense(x, w.wq), dense(x, w.wk), dense(x, w.wv)
+    q, k, v = proj(x, "wq"), proj(x, "wk"), proj(x, "wv")
     if w.bq is not None:
         q, k, v = q + w.bq, k + w.bk, v + w.bv
     q, k, v = q.reshape(t, nh, d), k.reshape(t, nk, d), v.reshape(t, nk, d)
@@ -210,14 +220,14 @@ def _layer(config: ModelConfig, attention: Attention, batch: StepInput, h, kv_pa
             attend, mesh=attention.mesh,
             in_specs=(heads, heads, heads, kv_spec, P(), P(), P()), out_specs=(heads, kv_spec),
             check_vma=False)(q, k, v, kv_pages, sliding, group_index, batch)
-    out = dense(attn.reshape(t, nh * d), w.wo)
+    out = proj(attn.reshape(t, nh * d), "wo")
     if w.post_attn_norm is not None:
         out = norm(out, w.post_attn_norm)
     h = h + out
 
     x = norm(h, w.mlp_norm)
     act = jax.nn.silu if config.activation == "silu" else functools.partial(jax.nn.gelu, approximate=True)
-    out = dense(act(dense(x, w.w_gate)) * dense(x, w.w_up), w.w_down)
+    out = proj(act(proj(x, "w_gate")) * proj(x, "w_up"), "w_down")
     if w.post_mlp_norm is not None:
         out = norm(out, w.post_mlp_norm)
     return h + out, kv_pages
@@ -278,9 +288,14 @@ def forward(params: Params, kv_pages, batch: StepInput, config: ModelConfig, att
 
 
 def forward_hidden(params: Params, kv_pages, batch: StepInput, config: ModelConfig,
-                   attention: Attention = Attention()):
-    """The layers of one packed step: (kv_pages with its K/V written, the last layer's output [T, E])."""
+                   attention: Attention = Attention(), lora=None):
+    """The layers of one packed step: (kv_pages with its K/V written, the last layer's output [T, E]).
+    `lora`: the adapter slots (jaxcb.device.lora: {"a": {target: [L, in, S*R]}, "b": {target: [L, S*R, out]},
+    "col_slot": [S*R]}); each token takes its sequence's slot, batch.lora_slots (-1: the base model)."""
     h = embed_rows(params.embed, batch.token_ids, params.final_norm.dtype)  # [T, E]
+    lora_mask = None
+    if lora is not None:  # [T, S*R]: 1 in the columns of the token's own slot
+        lora_mask = (batch.lora_slots[:, None] == lora["col_slot"][None, :]).astype(h.dtype)
     if config.embed_scale:
         h = h * jnp.asarray(config.hidden_size**0.5, h.dtype)
 
@@ -291,12 +306,13 @@ def forward_hidden(params: Params, kv_pages, batch: StepInput, config: ModelConf
 
     def body(carry, xs):
         h, stored = carry
-        kind, index, w = xs
+        kind, index, w, lora_w = xs
         w = dataclasses.replace(w, **{name: StackedMatrix(stack, index) for name, stack in stacks.items()})
-        h, kv = _layer(config, attention, batch, h, jax.tree.map(_with_head_axis, stored), kind, w)
+        h, kv = _layer(config, attention, batch, h, jax.tree.map(_with_head_axis, stored), kind, w, lora_w, lora_mask)
         return (h, jax.tree.map(lambda a, like: a.reshape(like.shape), kv, stored)), None
 
-    xs = (layer_kinds(config), jnp.arange(config.num_layers, dtype=jnp.int32), layers)
+    lora_layers = None if lora is None else {"a": lora["a"], "b": lora["b"]}
+    xs = (layer_kinds(config), jnp.arange(config.num_layers, dtype=jnp.int32), layers, lora_layers)
     (h, kv_pages), _ = jax.lax.scan(body, (h, kv_pages), xs)
     return kv_pages, h
 

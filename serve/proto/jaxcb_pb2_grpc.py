@@ -54,6 +54,16 @@ class JaxcbStub:
                 request_serializer=jaxcb__pb2.GetServerInfoRequest.SerializeToString,
                 response_deserializer=jaxcb__pb2.ServerInfo.FromString,
                 _registered_method=True)
+        self.LoadLoraAdapter = channel.unary_unary(
+                '/jaxcb.v1.Jaxcb/LoadLoraAdapter',
+                request_serializer=jaxcb__pb2.LoadLoraAdapterRequest.SerializeToString,
+                response_deserializer=jaxcb__pb2.LoraAdapterResponse.FromString,
+                _registered_method=True)
+        self.UnloadLoraAdapter = channel.unary_unary(
+                '/jaxcb.v1.Jaxcb/UnloadLoraAdapter',
+                request_serializer=jaxcb__pb2.UnloadLoraAdapterRequest.SerializeToString,
+                response_deserializer=jaxcb__pb2.LoraAdapterResponse.FromString,
+                _registered_method=True)
 
 
 class JaxcbServicer:
@@ -85,6 +95,21 @@ class JaxcbServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLoraAdapter(self, request, context):
+        """LoRA adapters while serving (the server needs lora.max_loras > 0): register a PEFT adapter
+        directory under a name that GenerateRequest.lora then selects; unregister it (at once, or when
+        the requests that use it have ended).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoraAdapter(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_JaxcbServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -107,6 +132,16 @@ def add_JaxcbServicer_to_server(servicer, server):
                     servicer.GetServerInfo,
                     request_deserializer=jaxcb__pb2.GetServerInfoRequest.FromString,
                     response_serializer=jaxcb__pb2.ServerInfo.SerializeToString,
+            ),
+            'LoadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoraAdapter,
+                    request_deserializer=jaxcb__pb2.LoadLoraAdapterRequest.FromString,
+                    response_serializer=jaxcb__pb2.LoraAdapterResponse.SerializeToString,
+            ),
+            'UnloadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoraAdapter,
+                    request_deserializer=jaxcb__pb2.UnloadLoraAdapterRequest.FromString,
+                    response_serializer=jaxcb__pb2.LoraAdapterResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -217,6 +252,60 @@ class Jaxcb:
             '/jaxcb.v1.Jaxcb/GetServerInfo',
             jaxcb__pb2.GetServerInfoRequest.SerializeToString,
             jaxcb__pb2.ServerInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/jaxcb.v1.Jaxcb/LoadLoraAdapter',
+            jaxcb__pb2.LoadLoraAdapterRequest.SerializeToString,
+            jaxcb__pb2.LoraAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/jaxcb.v1.Jaxcb/UnloadLoraAdapter',
+            jaxcb__pb2.UnloadLoraAdapterRequest.SerializeToString,
+            jaxcb__pb2.LoraAdapterResponse.FromString,
             options,
             channel_credentials,
             insecure,

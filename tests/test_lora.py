@@ -1,0 +1,251 @@
+"""LoRA adapters (jaxcb.host.lora, jaxcb.model.lora, jaxcb.device.lora): PEFT directories written here,
+served in one batch with the base model, against models with the adapters merged into their weights
+(computed here, from the PEFT tensors)."""
+
+import dataclasses
+import os
+
+import numpy as np
+import pytest
+
+from jaxcb.host.errors import InvalidConfig, InvalidRequest
+from jaxcb.host.lora import LoraConfig
+from jaxcb.host.request import SamplingParams
+from tests.lora_util import merged_weights, write_adapter
+
+GREEDY = SamplingParams(max_tokens=16, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def adapters(tmp_path_factory, tiny_model):
+    """Three adapters of the tiny model: all projections at rank 4; q/v/down at rank 8 with a per-module
+    rank and alpha; the MLP only, in some layers, with rsLoRA scaling."""
+    cfg = tiny_model[0]
+    root = tmp_path_factory.mktemp("adapters")
+    raw = {
+        "all4": write_adapter(str(root / "all4"), cfg, rank=4, seed=1),
+        "qvd8": write_adapter(str(root / "qvd8"), cfg, rank=8, targets=("wq", "wv", "w_down"), seed=2,
+                              rank_pattern={"v_proj": 2}, alpha_pattern={"down_proj": 4.0}),
+        "mlp": write_adapter(str(root / "mlp"), cfg, rank=4, targets=("w_gate", "w_up", "w_down"), seed=3,
+                             layers=[1], extra_config={"use_rslora": True}),
+    }
+    for (t, i), (a, b, s) in raw["mlp"].items():  # rsLoRA: alpha / sqrt(r)
+        raw["mlp"][(t, i)] = (a, b, s * a.shape[0] / np.sqrt(a.shape[0]))
+    return {name: str(root / name) for name in raw}, raw
+
+
+def _merged_llm(make_llm, tiny_model, raw):
+    from jaxcb.model.llama import params_from_numpy, params_to_weights
+
+    cfg, params, tok, eos = tiny_model
+    weights = {k: np.asarray(v) for k, v in params_to_weights(params).items()}
+    return make_llm(model=(cfg, params_from_numpy(merged_weights(weights, raw)), tok, eos))
+
+
+def _prompts(vocab, lengths, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, vocab, size=n).tolist() for n in lengths]
+
+
+def test_a_batch_mixing_adapters_gives_each_merged_models_tokens(make_llm, tiny_model, adapters):
+    paths, raw = adapters
+    llm = make_llm(lora=LoraConfig(max_loras=3, max_rank=8))
+    for name, path in paths.items():
+        llm.engine.load_lora(name, path)
+    names = ["", "all4", "qvd8", "mlp", "all4", "", "qvd8", "mlp"]
+    prompts = _prompts(llm.model_config.vocab_size, (5, 17, 30, 9, 40, 12, 3, 25))
+    compiled = None
+    llm.warmup()
+    compiled = llm.engine.stats().compilations
+    got = llm.generate(prompts, [dataclasses.replace(GREEDY, lora=n) for n in names])
+    assert llm.engine.stats().compilations == compiled  # adapters in and out of slots: no new program
+    reference = {"": make_llm(), **{n: _merged_llm(make_llm, tiny_model, raw[n]) for n in raw}}
+    for p, n, o in zip(prompts, names, got):
+        assert o.token_ids == reference[n].generate([p], GREEDY)[0].token_ids, n
+    # each adapter changes the tokens of the same prompt (the base's are checked above)
+    outs = {n: llm.generate([prompts[0]], dataclasses.replace(GREEDY, lora=n))[0].token_ids for n in reference}
+    assert len({tuple(v) for v in outs.values()}) == len(outs)
+
+
+def test_more_adapters_than_slots_swap_in_and_wait(make_llm, tiny_model, adapters):
+    """One slot, three adapters: requests for an adapter not resident wait for the slot (none fails),
+    and each gets its merged model's tokens."""
+    paths, raw = adapters
+    llm = make_llm(lora=LoraConfig(max_loras=1, max_rank=8))
+    for name, path in paths.items():
+        llm.engine.load_lora(name, path)
+    names = ["all4", "qvd8", "mlp", "all4", "mlp", "qvd8", ""]
+    prompts = _prompts(llm.model_config.vocab_size, (6, 20, 11, 33, 8, 14, 9), seed=1)
+    got = llm.generate(prompts, [dataclasses.replace(GREEDY, lora=n) for n in names])
+    assert all(o.finish_reason == "length" for o in got)
+    info = llm.engine.adapters.info()
+    assert info["swaps"] >= 3 and info["running"] == [] and info["waiting"] == []
+    reference = {n: _merged_llm(make_llm, tiny_model, raw[n]) for n in raw}
+    reference[""] = make_llm()
+    for p, n, o in zip(prompts, names, got):
+        assert o.token_ids == reference[n].generate([p], GREEDY)[0].token_ids, n
+
+
+def test_the_prefix_cache_keys_pages_by_adapter(make_llm, tiny_model, adapters):
+    paths, raw = adapters
+    llm = make_llm(lora=LoraConfig(max_loras=2, max_rank=8))
+    llm.engine.load_lora("all4", paths["all4"])
+    prompt = _prompts(llm.model_config.vocab_size, (48,), seed=2)[0]
+    base = llm.generate([prompt], GREEDY)[0]
+    under = llm.generate([prompt], dataclasses.replace(GREEDY, lora="all4"))[0]
+    assert under.num_cached_tokens == 0  # the base model's pages are not the adapter's
+    again = llm.generate([prompt], dataclasses.replace(GREEDY, lora="all4"))[0]
+    assert again.num_cached_tokens > 0 and again.token_ids == under.token_ids
+    assert under.token_ids == _merged_llm(make_llm, tiny_model, raw["all4"]).generate([prompt], GREEDY)[0].token_ids
+    assert base.token_ids != under.token_ids
+    # A new load under the same name is another adapter: its pages are its own too.
+    llm.engine.unload_lora("all4")
+    llm.engine.load_lora("all4", paths["mlp"])
+    reloaded = llm.generate([prompt], dataclasses.replace(GREEDY, lora="all4"))[0]
+    assert reloaded.num_cached_tokens == 0
+    assert reloaded.token_ids == _merged_llm(make_llm, tiny_model, raw["mlp"]).generate([prompt], GREEDY)[0].token_ids
+
+
+def test_unloading_waits_for_the_adapters_requests(make_llm, adapters):
+    paths, _ = adapters
+    llm = make_llm(lora=LoraConfig(max_loras=1, max_rank=8))
+    e = llm.engine
+    e.load_lora("all4", paths["all4"])
+    with pytest.raises(InvalidRequest, match="already loaded"):
+        e.load_lora("all4", paths["all4"])
+    e.add_request([5, 6, 7, 8], dataclasses.replace(GREEDY, lora="all4"))
+    e.step()
+    assert e.unload_lora("all4") is False  # in use: it goes when the request ends
+    with pytest.raises(InvalidRequest, match="no LoRA adapter named 'all4'"):
+        e.add_request([5, 6], dataclasses.replace(GREEDY, lora="all4"))
+    e.run_until_done()
+    assert e.adapters.names() == [] and e.adapters.slots == [None]
+    with pytest.raises(InvalidRequest, match=r"model: no LoRA adapter named 'nope' is loaded \(loaded: none\)"):
+        llm.generate([[5, 6]], dataclasses.replace(GREEDY, lora="nope"))
+    plain = make_llm()
+    with pytest.raises(InvalidRequest, match="serves none"):
+        plain.generate([[5, 6]], dataclasses.replace(GREEDY, lora="all4"))
+
+
+def test_bad_adapters_are_refused_naming_the_key(make_llm, tiny_model, tmp_path):
+    from jaxcb.model.lora import read_adapter
+
+    cfg = tiny_model[0]
+    write_adapter(str(tmp_path / "big"), cfg, rank=16, seed=4)
+    with pytest.raises(InvalidConfig, match="rank 16 is above lora.max_rank 8"):
+        read_adapter(str(tmp_path / "big"), cfg, max_rank=8)
+    write_adapter(str(tmp_path / "dora"), cfg, extra_config={"use_dora": True})
+    with pytest.raises(InvalidConfig, match="use_dora"):
+        read_adapter(str(tmp_path / "dora"), cfg)
+    with pytest.raises(InvalidConfig, match="adapter_config.json"):
+        read_adapter(str(tmp_path), cfg)
+    from safetensors.numpy import save_file
+
+    write_adapter(str(tmp_path / "embed"), cfg)
+    save_file({"base_model.model.model.embed_tokens.lora_A.weight": np.zeros((4, 8), np.float32)},
+              os.path.join(tmp_path / "embed", "adapter_model.safetensors"))
+    with pytest.raises(InvalidConfig, match="embed_tokens.lora_A.weight is not a LoRA A/B weight"):
+        read_adapter(str(tmp_path / "embed"), cfg)
+    with pytest.raises(InvalidConfig, match="lora.max_loras"):
+        LoraConfig(adapters=("a=/x",))
+    with pytest.raises(InvalidConfig, match="lora.targets"):
+        LoraConfig(max_loras=1, targets=("wq", "lm_head"))
+    llm = make_llm(lora=LoraConfig(max_loras=1, targets=("wq",)))
+    write_adapter(str(tmp_path / "v"), cfg, targets=("wv",))
+    with pytest.raises(InvalidConfig, match="lora.targets"):
+        llm.engine.load_lora("v", str(tmp_path / "v"))
+
+
+def test_merge_and_the_memory_plan(tiny_model, adapters):
+    from jaxcb.host import memory_plan
+    from jaxcb.host.engine_config import make_config
+    from jaxcb.model.llama import params_to_weights
+    from jaxcb.model.lora import merge, read_adapter
+
+    cfg, params, _, _ = tiny_model
+    paths, raw = adapters
+    weights = {k: np.asarray(v) for k, v in params_to_weights(params).items()}
+    ours = merge(weights, read_adapter(paths["qvd8"], cfg))
+    theirs = merged_weights(weights, raw["qvd8"])
+    for k in weights:
+        np.testing.assert_allclose(ours[k], theirs[k], rtol=1e-5, atol=1e-6)
+    config = make_config(num_pages=0, max_context=256)
+    base = memory_plan.plan_for_model(cfg, config, budget_bytes=64 << 20, dtype_bytes=4)
+    lora = LoraConfig(max_loras=8, max_rank=16)
+    with_slots = memory_plan.plan_for_model(cfg, config.replace(lora=lora), budget_bytes=64 << 20, dtype_bytes=4)
+    shapes = cfg.weight_shapes()
+    per_slot = sum((shapes[t][1] + shapes[t][2]) * 16 for t in lora.targets) * cfg.num_layers * 4
+    assert with_slots.lora_bytes == 8 * per_slot
+    assert with_slots.weight_bytes == base.weight_bytes + 8 * per_slot
+
+
+def test_served_over_http_and_grpc(tiny_gguf_path, config_path, tiny_model, adapters):
+    """`jaxcb serve --lora NAME=PATH`: vLLM's load/unload endpoints, /v1/models, the `model` field, gRPC's
+    LoadLoraAdapter and GenerateRequest.lora, the endpoint picker's lora_requests_info metric."""
+    import httpx
+
+    from jaxcb.host.engine_config import load_config
+    from jaxcb.llm import LLM
+    from serve.client import Client
+    from serve.proto import jaxcb_pb2
+    from tests.server_util import ServerProcess, free_port
+
+    paths, _ = adapters
+    cfg, params, tok, eos = tiny_model
+    offline = LLM.from_params(cfg, params, tok, eos_ids=eos, config=load_config(config_path).replace(
+        lora=LoraConfig(max_loras=2, max_rank=8)))
+    for name, path in paths.items():
+        offline.engine.load_lora(name, path)
+    prompt = [5, 6, 7, 8, 9, 10, 11]
+
+    def expected(name):
+        return offline.generate([prompt], dataclasses.replace(GREEDY, lora=name))[0].text
+
+    http = free_port()
+    server = ServerProcess(tiny_gguf_path, config_path, "--http-port", str(http), "--lora", f"all4={paths['all4']}",
+                           "--max-loras", "2", "--max-lora-rank", "8")
+    url = f"http://127.0.0.1:{http}"
+    try:
+        server.wait_serving()
+        with httpx.Client(base_url=url, timeout=60) as h:
+            base = h.get("/v1/models").json()["data"][0]["id"]
+            r = h.post("/v1/load_lora_adapter", json={"lora_name": "qvd8", "lora_path": paths["qvd8"]})
+            assert r.status_code == 200, r.text
+            r = h.post("/v1/load_lora_adapter", json={"lora_name": "bad", "lora_path": "/nonexistent"})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "lora_path", r.text
+            models = {m["id"]: m for m in h.get("/v1/models").json()["data"]}
+            assert set(models) == {base, "all4", "qvd8"} and models["qvd8"]["parent"] == base
+            for name in ("all4", "qvd8", base):
+                body = {"model": name, "prompt": prompt, "max_tokens": 16, "temperature": 0, "ignore_eos": True}
+                answer = h.post("/v1/completions", json=body).json()
+                assert answer["model"] == name
+                assert answer["choices"][0]["text"] == expected("" if name == base else name), name
+            missing = h.post("/v1/completions", json={"model": "nope", "prompt": prompt, "max_tokens": 2})
+            assert missing.status_code == 404 and "qvd8" in missing.json()["error"]["message"]
+            metrics = h.get("/metrics").text
+            assert 'jaxcb:lora_requests_info{max_lora="2"' in metrics
+            assert h.post("/v1/unload_lora_adapter", json={"lora_name": "qvd8"}).status_code == 200
+            assert "qvd8" not in {m["id"] for m in h.get("/v1/models").json()["data"]}
+        with Client(server.target) as c:
+            c.stub.LoadLoraAdapter(jaxcb_pb2.LoadLoraAdapterRequest(lora_name="mlp", lora_path=paths["mlp"]))
+            assert "mlp" in c.stub.GetModelInfo(jaxcb_pb2.GetModelInfoRequest()).lora_adapters
+            assert c.complete(token_ids=prompt, max_tokens=16, ignore_eos=True, lora="mlp").text == expected("mlp")
+            done = c.stub.UnloadLoraAdapter(jaxcb_pb2.UnloadLoraAdapterRequest(lora_name="mlp"))
+            assert done.done
+    finally:
+        assert server.stop() == 0, server.output()
+
+
+def test_convert_merges_an_adapter(tiny_gguf_path, tiny_model, adapters, tmp_path):
+    from jaxcb.cli import main as cli
+    from jaxcb.llm import load_model
+    from jaxcb.model.llama import params_to_weights
+
+    paths, raw = adapters
+    out = str(tmp_path / "merged")
+    assert cli(["convert", tiny_gguf_path, out, "--dtype", "float32", "--lora", paths["qvd8"]]) == 0
+    _, params, _, _ = load_model(out)
+    weights = {k: np.asarray(v) for k, v in params_to_weights(tiny_model[1]).items()}
+    want = merged_weights(weights, raw["qvd8"])
+    for k, v in params_to_weights(params).items():
+        np.testing.assert_allclose(np.asarray(v), want[k], rtol=1e-5, atol=1e-6)
