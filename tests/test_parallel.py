@@ -22,7 +22,8 @@ def test_meshes_give_the_single_device_tokens(tmp_path):
     TP 4/8 of model b), the Pallas kernels in interpret mode under shard_map, TP 2 x DP 2;
     quantized weights split with their scales (int4 at TP 2; model b with int8 weights and int8 KV pages
     throughout, KV heads replicated at TP 8, the Pallas kernels at TP 4); a tiny Gemma 3 (two page groups) at TP 2
-    and DP 2; and n-gram speculation at TP 2 x DP 2."""
+    and DP 2; n-gram speculation at TP 2 x DP 2; and two LoRA adapters beside the base model at TP 2 and
+    TP 2 x DP 2."""
     proc = subprocess.run([sys.executable, "-m", "tests.tp_check", str(tmp_path)], capture_output=True, text=True,
                           timeout=1500, cwd=os.path.dirname(HERE))
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -43,8 +44,11 @@ def test_meshes_give_the_single_device_tokens(tmp_path):
     assert [s[2:] for s in out["b-tp8-int8"]["kv_shards"][0]] == [[1, 16, 16, 20]] * 8
     assert out["a-tp1"]["preemptions"] > 0  # a pool tight enough to preempt under the meshes too
     assert out["a-tp2-dp2-spec"]["speculative_accepted"] > 0  # speculation over a mesh and replicas
+    # LoRA slots split with their targets: wq's B [L, S*R, out] by columns at TP 2.
+    assert out["a-tp2-lora"]["lora_b_wq_shards"] == [[2, 8, 32]] * 2
+    assert out["a-tp1-lora"]["tokens"] != out["a-tp1"]["tokens"]  # the adapters change the tokens
     for name, run in out.items():
-        weights = name.split("-")[-1] if name.endswith(("-int4", "-int8")) else None
+        weights = name.split("-")[-1] if name.endswith(("-int4", "-int8", "-lora")) else None
         reference = out[name[0] + "-tp1" + (f"-{weights}" if weights else "")]["tokens"]
         assert run["tokens"] == reference, name  # a structured-output row included (models a and b)
         assert run["compilations_after_warmup"] == 0, name

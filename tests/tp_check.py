@@ -22,7 +22,10 @@ RUNS = [
     ("b", "tp1-int8", 1, 1, "xla", "int8"), ("b", "tp8-int8", 8, 1, "xla", "int8"),
     ("b", "tp4-pallas-int8", 4, 1, "pallas", "int8"),
     ("g", "tp1", 1, 1, "xla", "auto"), ("g", "tp2", 2, 1, "xla", "auto"), ("g", "dp2", 1, 2, "xla", "auto"),
+    ("a", "tp1-lora", 1, 1, "xla", "auto"), ("a", "tp2-lora", 2, 1, "xla", "auto"),
+    ("a", "tp2-dp2-lora", 2, 2, "xla", "auto"),
 ]
+# A "lora" run serves two LoRA adapters (all projections) beside the base model, rows of all three mixed.
 # Model "g": the tiny Gemma 3 checkpoint (sliding window 8: its second page group is sharded too).
 GEMMA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "golden", "tiny_hf", "gemma3")
 
@@ -31,6 +34,8 @@ def main(workdir: str) -> None:
     import jax
 
     from jaxcb.host.engine_config import make_config
+    from jaxcb.host.lora import LoraConfig
+    from tests.lora_util import write_adapter
     from jaxcb.host.request import SamplingParams
     from jaxcb.host.speculative import SpeculativeConfig
     from jaxcb.host.structured import Constraint
@@ -56,12 +61,20 @@ def main(workdir: str) -> None:
                                  kv_dtype="int8" if weights == "int8" else "auto",  # int8 runs: int8 KV too
                                  compile="fast",  # tiny models: server_util.compile_mode
                                  speculative=SpeculativeConfig("ngram", adaptive=False) if "spec" in name
-                                 else SpeculativeConfig())
+                                 else SpeculativeConfig(),
+                                 lora=LoraConfig(max_loras=2, max_rank=4) if "lora" in name else None)
             llm = LLM.from_params(cfg, params, tok, config=config, eos_ids=eos)
+            adapters = ("",)
+            if "lora" in name:
+                adapters = ("", "x", "y")
+                for seed, a in enumerate(adapters[1:]):
+                    write_adapter(os.path.join(workdir, f"{key}-{a}"), cfg, rank=4, seed=seed)
+                    (llm.replicas or llm.engine).load_lora(a, os.path.join(workdir, f"{key}-{a}"))
             llm.warmup()
             engines = llm.replicas.engines if llm.replicas else [llm.engine]
             before = engines[0].stats().compilations
-            params = [SamplingParams(max_tokens=24, ignore_eos=True)] * len(prompts)
+            params = [SamplingParams(max_tokens=24, ignore_eos=True, lora=adapters[i % len(adapters)])
+                      for i in range(len(prompts))]
             if tok is not None:  # a structured-output row among them: its mask is a step input like any other
                 params[2] = SamplingParams(max_tokens=24, structured=Constraint("regex", "[a-z]{3,40}"))
             tokens = [o.token_ids for o in llm.generate(prompts, params)]
@@ -77,6 +90,8 @@ def main(workdir: str) -> None:
                 "speculative_accepted": sum(e.stats().speculative_accepted for e in engines),
                 "wq_shards": [list(x.data.shape) for x in jax.tree.leaves(engines[0].runner.params.layers.wq)[0].addressable_shards],
                 "routed": llm.replicas.routed if llm.replicas else None,
+                "lora_b_wq_shards": [list(x.data.shape) for x in engines[0].runner.lora.arrays["b"]["wq"]
+                                     .addressable_shards] if "lora" in name else None,
                 "load_left": llm.replicas.load if llm.replicas else None,
             }
     print(json.dumps(out))
