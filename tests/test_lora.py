@@ -125,6 +125,8 @@ def test_unloading_waits_for_the_adapters_requests(make_llm, adapters):
     plain = make_llm()
     with pytest.raises(InvalidRequest, match="serves none"):
         plain.generate([[5, 6]], dataclasses.replace(GREEDY, lora="all4"))
+    with pytest.raises(InvalidRequest, match="lora_name: this server has no LoRA slots"):
+        plain.engine.load_lora("all4", paths["all4"])
 
 
 def test_bad_adapters_are_refused_naming_the_key(make_llm, tiny_model, tmp_path):

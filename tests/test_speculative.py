@@ -324,3 +324,26 @@ def test_a_quantized_draft_of_the_target_proposes_well(make_llm, draft_weights):
     # SmolLM2 in int8); the first layer alone is accepted a few percent of the time
     assert spec.engine.stats().acceptance_rate > {"int8": 0.7, "int4": 0.3}[draft_weights]
     assert draft_weights in spec.engine.describe_speculation()
+
+
+def test_a_failed_draft_step_decodes_without_proposals(make_llm):
+    """The draft's step fails once: those rows decode one token that step (outputs unchanged, nothing
+    leaks), the draft's KV counts as lost, and speculation goes on after it."""
+    base, spec = both(make_llm, SELF_DRAFT)
+    prompts = repetitive_prompts(base.model_config.vocab_size, (9, 21), seed=12)
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    want = [o.token_ids for o in base.generate(prompts, params)]
+    proposer = spec.engine.scheduler.proposer
+    run, failures = proposer.runner.run, []
+
+    def failing_once(*args):
+        if not failures:
+            failures.append(1)
+            raise RuntimeError("injected draft failure")
+        return run(*args)
+
+    proposer.runner.run = failing_once
+    assert [o.token_ids for o in spec.generate(prompts, params)] == want
+    assert failures and proposer.generation == 1
+    check_speculated(spec)
+    assert spec.engine.stats().acceptance_rate == 1.0  # the catch-up after the failure rebuilt the draft's KV

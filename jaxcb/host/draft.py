@@ -60,6 +60,7 @@ class DraftProposer(Proposer):
         self.token_s: float | None = None  # moving average of one proposed token's draft time
         self.num_draft_steps = 0
         self.draft_s = 0.0
+        self.generation = 0  # bumped when a draft step fails: every request's draft KV counts as lost
 
     def reset_counters(self) -> None:
         super().reset_counters()
@@ -81,14 +82,14 @@ class DraftProposer(Proposer):
 
     def valid(self, r) -> int:
         s = self.state(r)
-        return s.draft_valid if s.draft_epoch == r.num_preemptions else 0
+        return s.draft_valid if s.draft_epoch == (r.num_preemptions, self.generation) else 0
 
     def record(self, r, proposed: int, accepted: int) -> None:
         super().record(r, proposed, accepted)
         s = self.state(r)
         # The draft was fed the newest token and proposals 1 .. k-1; the accepted ones among them hold.
         s.draft_valid = r.num_computed - (1 if accepted == proposed else 0)
-        s.draft_epoch = r.num_preemptions
+        s.draft_epoch = (r.num_preemptions, self.generation)
 
     def _earliest(self, r) -> int:
         """The first position the draft can compute for r now: with sliding layers, the first whose
@@ -113,9 +114,19 @@ class DraftProposer(Proposer):
 
     def fill(self, chunks) -> None:
         """Run the draft for the kept speculating chunks (each a decode row whose newest token is at
-        c.start, with len(c.draft) placeholders after it) and put its tokens in their place."""
+        c.start, with len(c.draft) placeholders after it) and put its tokens in their place. If a draft
+        step fails, the draft's KV is forgotten (every request catches up from its start) and the error
+        goes to the scheduler, which decodes these rows without proposals."""
         if not chunks:
             return
+        try:
+            self._fill(chunks)
+        except Exception:
+            self.generation += 1  # what any request's draft KV holds is unknown now
+            self.runner.reset_kv_if_lost()
+            raise
+
+    def _fill(self, chunks) -> None:
         t0 = time.perf_counter()
         largest, max_seqs = self.step_buckets.max_tokens, self.step_buckets.max_batch
         # The final catch-up step holds every row's last piece; what comes before goes first.

@@ -210,11 +210,15 @@ class Engine:
     def load_lora(self, name: str, path: str) -> None:
         """Register the PEFT adapter at `path` as `name` (read and checked here, put in a device slot
         when a request for it runs)."""
-        self._adapters_for(name).load(name, path)
+        if self.adapters is None:
+            raise InvalidRequest("lora_name: this server has no LoRA slots (start it with --max-loras S)")
+        self.adapters.load(name, path)
 
     def unload_lora(self, name: str) -> bool:
         """Unregister `name`: at once if no request uses it (True), else when the last one ends."""
-        return self._adapters_for(name).remove(name)
+        if self.adapters is None:
+            raise InvalidRequest(f"lora_name: no adapter named {name!r} is loaded (this server has no LoRA slots)")
+        return self.adapters.remove(name)
 
     @property
     def grammars(self):

@@ -31,6 +31,7 @@ preempt.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from typing import NamedTuple
 
@@ -42,6 +43,8 @@ from jaxcb.host.prefix_cache import PrefixCache
 from jaxcb.host.request import FinishReason, Request, Status
 from jaxcb.host.speculative import Proposer
 
+
+log = logging.getLogger("jaxcb.host.scheduler")
 
 class Sampled(NamedTuple):
     """A token a step sampled for a request (Scheduler.on_step_done): its row in the step's output, the
@@ -462,7 +465,14 @@ class Scheduler:
         out.num_static_rows = self._static_rows if c.static else 0
         if out.speculative:
             self._keep_proposals(out)
-            self.proposer.fill(out.speculative)  # a draft model runs for the rows that kept proposals
+            try:
+                self.proposer.fill(out.speculative)  # a draft model runs for the rows that kept proposals
+            except Exception:  # noqa: BLE001 - a failed draft step: these rows decode one token instead
+                log.exception("speculative decoding: the draft model's step failed; decoding without proposals")
+                for c in out.speculative:
+                    self._trim_pages(c.request, c.start + 1)
+                    out.decode.append(Chunk(c.request, c.start, 1))
+                out.speculative = []
         return out
 
     def _propose(self, r: Request, budget: int, speculate: bool) -> list[int]:

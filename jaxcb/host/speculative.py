@@ -114,7 +114,7 @@ class SpecState:
     proposed: int = 0
     accepted: int = 0
     draft_valid: int = 0  # method "draft": the draft model's KV holds the first this many tokens ...
-    draft_epoch: int = -1  # ... while the request's preemption count is this (its pages are then its own)
+    draft_epoch: object = None  # ... while (its preemption count, the draft's generation) is this
 
 
 class Proposer:
