@@ -224,10 +224,10 @@ def build_engines(model: str | None = None, config: EngineConfig | str | None = 
         if engine.adapters is not None:
             engine.adapters.reader = adapter_reader(model_config, config.lora)
         engines.append(engine)
-    for spec in config.lora.adapters:  # --lora NAME=PATH: read once, registered with every replica
+    for text in config.lora.adapters:  # --lora NAME=PATH: read once, registered with every replica
         from jaxcb.model.lora import parse_spec
 
-        name, path = parse_spec(spec)
+        name, path = parse_spec(text)
         adapter = engines[0].adapters.reader(name, path)
         for engine in engines:
             engine.adapters.add(name, adapter)

@@ -197,8 +197,8 @@ class Engine:
         check_tokens(prompt_ids, params, self.max_context, self.model_config.vocab_size)
         if params.structured is not None:
             self.grammars.compile(params.structured)  # cached after the first: check it off the event loop
-        if params.lora and params.lora not in self._adapters_for(params.lora).names():
-            self._adapters_for(params.lora).ref(params.lora, 0)  # raises, naming the loaded adapters
+        if params.lora:  # a reference of no samples: raises, naming the loaded adapters, unless it is loaded
+            self._adapters_for(params.lora).ref(params.lora, 0)
         self.scheduler.check_fits(Request(list(prompt_ids), params))
 
     def _adapters_for(self, name: str) -> Adapters:
