@@ -27,14 +27,7 @@ import time
 import numpy as np
 
 from bench.common import machine, matmul_flops_per_s, write_result
-
-
-def workload(n: int, seed: int, vocab: int):
-    rng = np.random.default_rng(seed)
-    prompt_lens = np.clip(np.round(np.exp(rng.normal(np.log(75), 0.8, n))), 8, 384).astype(int)
-    output_lens = np.clip(np.round(np.exp(rng.normal(np.log(45), 0.8, n))), 4, 192).astype(int)
-    prompts = [rng.integers(100, vocab - 100, size=p).tolist() for p in prompt_lens]
-    return prompts, output_lens.tolist()
+from serve.benchmark import workload  # the workload of every benchmark here (and of `jaxcb bench serve`)
 
 
 def run(engine, prompts, output_lens):

@@ -9,9 +9,10 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import hmac
+import time
 import uuid
 
-from jaxcb.host.errors import InvalidRequest, Overloaded, StepFailed, Unavailable
+from jaxcb.host.errors import InvalidRequest, NotFound, Overloaded, StepFailed, Unavailable
 from jaxcb.host.replicas import Replicas
 from jaxcb.host.request import FinishReason, SamplingParams, TokenEvent, check_prompt_length
 from serve.metrics import Metrics, RequestTimer
@@ -51,14 +52,17 @@ class State:
     router), the tokenizer, metrics, and the server's phase. `engine` and `thread` are both the
     Replicas: the first for what one reads of an engine, the second for submit/abort/alive."""
 
-    def __init__(self, engine: Replicas, tokenizer, model_name: str, dtype: str, options: ServerOptions,
-                 metrics: Metrics):
+    def __init__(self, engine: Replicas, tokenizer, served_names: str | tuple[str, ...], dtype: str,
+                 options: ServerOptions, metrics: Metrics):
         self.engine = engine
         self.tokenizer = tokenizer
-        self.model_name = model_name
+        # The names requests may give the model (--served-model-name); answers carry the first.
+        self.served_names = (served_names,) if isinstance(served_names, str) else tuple(served_names)
+        self.model_name = self.served_names[0]
         self.dtype = dtype
         self.options = options
         self.metrics = metrics
+        self.started = int(time.time())  # what /v1/models gives as the model's `created`
         self.ready = False
         self.draining = False
         # Engine keys of accepted, unfinished requests -> their samples (n): admission counts samples,
@@ -80,6 +84,23 @@ class State:
             raise Unavailable("the engine is not running")
         if not self.ready:
             raise Unavailable("the server is warming up; retry when health is SERVING")
+
+    def adapter_for(self, model: str | None) -> str:
+        """The LoRA adapter a request's `model` names: "" for the base model (any of its served names,
+        or none given), else a loaded adapter's name; NotFound naming what is served otherwise."""
+        if not model or model in self.served_names:
+            return ""
+        adapters = self.engine.lora_names()
+        if model in adapters:
+            return model
+        names = ", ".join(repr(n) for n in self.served_names)
+        raise NotFound(f"model: {model!r} is not served here; the model is served as {names}"
+                       + (f", the LoRA adapters as {adapters}" if adapters else ""))
+
+    def check_adapter_name(self, name: str) -> None:
+        """A LoRA adapter's name must not be one the base model is served as."""
+        if name in self.served_names:
+            raise InvalidRequest(f"lora_name: {name!r} is a name the base model is served as")
 
     def admit(self, samples: int = 1) -> None:
         """Admission counts every sample of every request accepted and not finished (inbox included)

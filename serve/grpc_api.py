@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 
 import grpc
@@ -20,7 +21,7 @@ from grpc_health.v1 import health, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from jaxcb.device import cpu_dots
-from jaxcb.host.errors import InvalidConfig, InvalidRequest, JaxcbError, Overloaded, StepFailed, Unauthenticated, Unavailable
+from jaxcb.host.errors import InvalidConfig, InvalidRequest, JaxcbError, NotFound, Overloaded, StepFailed, Unauthenticated, Unavailable
 from jaxcb.host.request import SamplingParams, TokenEvent, check_stop_counts
 from jaxcb.host.structured import MAX_CHOICES, Constraint
 from serve.frontend import (MAX_REQUEST_BYTES, ServerOptions, State, check_constraint, check_ids, check_messages, check_text,
@@ -32,7 +33,7 @@ log = logging.getLogger("jaxcb.serve")
 SERVICE_NAME = "jaxcb.v1.Jaxcb"
 
 
-GRPC_CODE = {InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT, Overloaded: grpc.StatusCode.RESOURCE_EXHAUSTED,
+GRPC_CODE = {InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT, NotFound: grpc.StatusCode.NOT_FOUND, Overloaded: grpc.StatusCode.RESOURCE_EXHAUSTED,
              Unavailable: grpc.StatusCode.UNAVAILABLE, Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
              StepFailed: grpc.StatusCode.INTERNAL}
 
@@ -117,6 +118,12 @@ class JaxcbService(jaxcb_pb2_grpc.JaxcbServicer):
         try:
             check_ids(request.request_id, request.cache_salt)
             params = _sampling(request)
+            if request.model:  # a served name (the base model) or an adapter's, as the HTTP API's `model`
+                adapter = self.state.adapter_for(request.model)
+                if request.lora and request.lora != adapter:
+                    raise InvalidRequest(f"lora: {request.lora!r} differs from the adapter the model field names "
+                                         f"({request.model!r})")
+                params = dataclasses.replace(params, lora=adapter)
             self.state.admit(params.n)  # before any tokenizing
             await check_constraint(self.state, params.structured)
             ids = await _prompt_ids(self.state, request)
@@ -144,7 +151,7 @@ class JaxcbService(jaxcb_pb2_grpc.JaxcbServicer):
     async def GetModelInfo(self, request, context):
         s = self.state
         c = s.engine.model_config
-        return jaxcb_pb2.ModelInfo(name=s.model_name, vocab_size=c.vocab_size, context_length=s.engine.max_context,
+        return jaxcb_pb2.ModelInfo(name=s.model_name, served_model_names=s.served_names, vocab_size=c.vocab_size, context_length=s.engine.max_context,
                                    dtype=s.dtype, num_layers=c.num_layers, num_params=c.num_params,
                                    family=c.family, sliding_window=c.sliding_window if c.windowed else 0,
                                    num_sliding_layers=c.num_sliding_layers, lora_adapters=s.engine.lora_names())
@@ -153,8 +160,7 @@ class JaxcbService(jaxcb_pb2_grpc.JaxcbServicer):
         try:
             if not request.lora_name or not request.lora_path:
                 raise InvalidRequest("lora_name: required" if not request.lora_name else "lora_path: required")
-            if request.lora_name == self.state.model_name:
-                raise InvalidRequest(f"lora_name: {request.lora_name!r} is the base model's name")
+            self.state.check_adapter_name(request.lora_name)
             try:
                 await asyncio.to_thread(self.state.engine.load_lora, request.lora_name, request.lora_path)
             except InvalidConfig as e:  # what the adapter directory holds: the client's to fix

@@ -1,10 +1,14 @@
 """The OpenAI-compatible HTTP API, beside gRPC: same process, same engine, same admission and limits.
 
-    GET  /v1/models              the model served and its LoRA adapters (each selected by its `model` name)
+    GET  /v1/models              the model under each name it is served as (--served-model-name) and its LoRA
+                                 adapters; a request's `model` selects one (answers carry the first name)
     POST /v1/load_lora_adapter   {"lora_name", "lora_path"}: register a PEFT adapter while serving (vLLM's)
     POST /v1/unload_lora_adapter {"lora_name"}: unregister it (when its requests have ended)
     POST /v1/completions         prompt: text, list of texts, token ids or lists of them
     POST /v1/chat/completions    messages through the model's chat template
+    POST /tokenize               vLLM's: {prompt} or {messages} -> {count, max_model_len, tokens, token_strs}
+    POST /detokenize             vLLM's: {tokens} -> {prompt}
+    GET  /version                {version}: jaxcb's (no auth)
     GET  /health                 200 once warm (no auth), else 503
     GET  /metrics                the server's Prometheus registry
 
@@ -30,18 +34,23 @@ import time
 import uuid
 
 from fastapi import FastAPI, Request
+
+import jaxcb
 from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 
-from jaxcb.host.errors import InvalidConfig, InvalidRequest, JaxcbError, Unauthenticated
+from jaxcb.host.errors import InvalidConfig, InvalidRequest, JaxcbError, NotFound, Unauthenticated
 from jaxcb.host.request import FinishReason
 from serve import frontend, tool_calls
-from serve.openai_fields import (CHAT_FIELDS, COMPLETION_FIELDS, ERROR_TYPE, MAX_TOP_LOGPROBS, HTTPError,
+from serve.openai_fields import (CHAT_FIELDS, COMPLETION_FIELDS, DETOKENIZE_FIELDS, TOKENIZE_FIELDS, ERROR_TYPE, MAX_TOP_LOGPROBS, HTTPError,
                                  RequestOptions, bad_request, bool_field, check_fields, common_fields, http_error,
                                  int_field, parse_json, prompt_list, sampling_params, str_field)
 
 
+LIMITED = ("/v1/", "/tokenize", "/detokenize")  # the paths of API calls (what the concurrency limit counts)
+
+
 class _ConcurrencyLimit:
-    """At most `limit` API calls (/v1/...) in progress at once, the number gRPC's maximum_concurrent_rpcs
+    """At most `limit` API calls (/v1/..., /tokenize, /detokenize) in progress at once, the number gRPC's maximum_concurrent_rpcs
     has (--max-concurrent-streams): the next is a 429 before its body is read. A call counts until the
     app has sent its last byte or the client has gone (pure ASGI: nothing here can outlive the call)."""
 
@@ -49,7 +58,7 @@ class _ConcurrencyLimit:
         self.app, self.limit, self.in_flight = app, limit, 0
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
+        if scope["type"] != "http" or not scope["path"].startswith(LIMITED):
             return await self.app(scope, receive, send)
         if self.in_flight >= self.limit:
             response = HTTPError(429, f"too many requests in progress: the limit is {self.limit} "
@@ -89,17 +98,16 @@ def make_app(state) -> FastAPI:
             chunks.append(chunk)
         raw = b"".join(chunks)
         body = await asyncio.to_thread(parse_json, raw) if size > 1 << 16 else parse_json(raw)
-        model = body.get("model")
-        if model is not None and model != state.model_name and model not in state.engine.lora_names():
-            adapters = state.engine.lora_names()
-            raise HTTPError(404, f"model: {model!r} is not served here; the model is {state.model_name!r}"
-                            + (f", the adapters {adapters}" if adapters else ""), param="model", code="model_not_found")
+        adapter_of(body)  # the model it names is served (404 before any other work)
         return body
 
     def adapter_of(body: dict) -> str:
-        """The LoRA adapter the body's `model` names ("" = the base model)."""
-        model = body.get("model")
-        return "" if model is None or model == state.model_name else model
+        """The LoRA adapter the body's `model` names ("" = the base model, by any of its served names)."""
+        model = str_field(body, "model", "")
+        try:
+            return state.adapter_for(model)
+        except NotFound as e:
+            raise HTTPError(404, str(e), param="model", code="model_not_found") from None
 
     @app.exception_handler(HTTPError)
     async def _http_error(request, exc: HTTPError):
@@ -126,10 +134,79 @@ def make_app(state) -> FastAPI:
     @app.get("/v1/models")
     async def models(request: Request):
         authorize(request)
-        base = {"id": state.model_name, "object": "model", "created": 0, "owned_by": "jaxcb",
-                "root": state.model_name, "parent": None, "max_model_len": state.engine.max_context}
-        adapters = [dict(base, id=name, root=name, parent=state.model_name) for name in state.engine.lora_names()]
-        return {"object": "list", "data": [base, *adapters]}
+        entry = {"object": "model", "created": state.started, "owned_by": "jaxcb", "parent": None,
+                 "max_model_len": state.engine.max_context, "permission": []}
+        served = [dict(entry, id=name, root=name) for name in state.served_names]
+        adapters = [dict(entry, id=name, root=name, parent=state.model_name) for name in state.engine.lora_names()]
+        return {"object": "list", "data": [*served, *adapters]}
+
+    @app.get("/version")
+    async def version():
+        return {"version": jaxcb.__version__}
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        """vLLM's: {prompt} or {messages} (through the chat template) -> {count, max_model_len, tokens,
+        token_strs}."""
+        authorize(request)
+        body = await body_of(request)
+        check_fields(body, TOKENIZE_FIELDS)
+        tokenizer = _tokenizer()
+        special = bool_field(body, "add_special_tokens", None)
+        strs = bool_field(body, "return_token_strs", False)
+        if ("prompt" in body) == ("messages" in body):
+            raise bad_request("prompt: give either prompt or messages")
+        if "prompt" in body:
+            prompt = body["prompt"]
+            if not isinstance(prompt, str):
+                raise bad_request(f"prompt: must be a string, got {type(prompt).__name__}")
+            frontend.check_text("prompt", prompt)
+            # add_special_tokens (default true): what the tokenizer adds to a text (its BOS, if the model has one)
+            ids = await asyncio.to_thread(tokenizer.encode, prompt, None if special is not False else False)
+        else:
+            messages = body["messages"]
+            if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+                raise bad_request("messages: must be a list of {role, content} objects")
+            messages = tool_calls.render_messages(messages, None)
+            frontend.check_messages("messages", [(m["role"], m["content"]) for m in messages])
+            generation = bool_field(body, "add_generation_prompt", True)
+            if bool_field(body, "continue_final_message", False):
+                raise bad_request("continue_final_message: not supported")
+            try:
+                ids = await asyncio.to_thread(tokenizer.encode_chat, [{"role": m["role"], "content": m["content"]}
+                                                                      for m in messages], generation)
+            except ValueError as e:  # no chat template, or the template refused the messages
+                raise bad_request(f"messages: {e}") from None
+            # The template writes its own special tokens; add_special_tokens (default false) adds the
+            # tokenizer's BOS where the model's tokenizer adds one and the template did not.
+            if special and tokenizer.add_bos and tokenizer.bos_id is not None and ids[:1] != [tokenizer.bos_id]:
+                ids = [tokenizer.bos_id, *ids]
+        out = {"count": len(ids), "max_model_len": state.engine.max_context, "tokens": ids,
+               "token_strs": [tokenizer.id_to_token(t) for t in ids] if strs else None}
+        return out
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        """vLLM's: {tokens} -> {prompt}, the text they decode to."""
+        authorize(request)
+        body = await body_of(request)
+        check_fields(body, DETOKENIZE_FIELDS)
+        tokenizer = _tokenizer()
+        ids = body.get("tokens")
+        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise bad_request("tokens: must be a list of token ids")
+        if len(ids) > state.engine.max_context:
+            raise bad_request(f"tokens: {len(ids)} tokens; the limit is {state.engine.max_context} (the context)")
+        vocab = state.engine.model_config.vocab_size
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise bad_request(f"tokens: {bad} is not a token id (0 <= id < {vocab})")
+        return {"prompt": await asyncio.to_thread(tokenizer.decode, ids, False)}
+
+    def _tokenizer():
+        if state.tokenizer is None:
+            raise bad_request("model: the model has no tokenizer")
+        return state.tokenizer
 
     @app.post("/v1/load_lora_adapter")
     async def load_lora_adapter(request: Request):
@@ -139,8 +216,7 @@ def make_app(state) -> FastAPI:
         name, path = str_field(body, "lora_name", ""), str_field(body, "lora_path", "")
         if not name or not path:
             raise bad_request("lora_name: required" if not name else "lora_path: required")
-        if name == state.model_name:
-            raise bad_request(f"lora_name: {name!r} is the base model's name")
+        state.check_adapter_name(name)
         try:
             await asyncio.to_thread(state.engine.load_lora, name, path)
         except InvalidConfig as e:  # what the adapter directory holds: the client's to fix

@@ -11,12 +11,12 @@ import re
 
 from fastapi.responses import JSONResponse
 
-from jaxcb.host.errors import InvalidRequest, JaxcbError, Overloaded, StepFailed, Unauthenticated, Unavailable
+from jaxcb.host.errors import InvalidRequest, JaxcbError, NotFound, Overloaded, StepFailed, Unauthenticated, Unavailable
 from jaxcb.host.request import SamplingParams, check_priority, check_stop_counts
 from jaxcb.host.structured import Constraint, from_response_format, from_structured_outputs
 from serve import frontend
 
-HTTP_STATUS = {InvalidRequest: 400, Overloaded: 429, Unavailable: 503, Unauthenticated: 401, StepFailed: 500}
+HTTP_STATUS = {InvalidRequest: 400, NotFound: 404, Overloaded: 429, Unavailable: 503, Unauthenticated: 401, StepFailed: 500}
 ERROR_TYPE = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error", 413: "invalid_request_error",
          429: "rate_limit_error", 500: "internal_error", 503: "service_unavailable"}
 EXTRAS = {"top_k", "min_p", "repetition_penalty", "ignore_eos", "priority", "cache_salt", "request_id",
@@ -26,6 +26,9 @@ COMMON_FIELDS = {"model", "stream", "stream_options", "n", "max_tokens", "temper
 COMPLETION_FIELDS = COMMON_FIELDS | EXTRAS | {"prompt", "logprobs", "echo", "suffix", "best_of", "response_format"}
 CHAT_FIELDS = COMMON_FIELDS | EXTRAS | {"messages", "logprobs", "top_logprobs", "max_completion_tokens",
                                     "response_format", "tools", "tool_choice", "parallel_tool_calls"}
+TOKENIZE_FIELDS = {"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt", "continue_final_message",
+                   "return_token_strs"}
+DETOKENIZE_FIELDS = {"model", "tokens"}
 
 
 class HTTPError(Exception):

@@ -35,10 +35,11 @@ log = logging.getLogger("jaxcb.serve")
 HTTP_CLOSE_S = 2.0  # at shutdown, after the drain: how long open HTTP connections get before they are cut
 
 
-async def run_server(engine: Engine | list[Engine], tokenizer, model_name: str, dtype: str, options: ServerOptions,
-                     announce=print) -> int:
-    """Serve one engine, or data-parallel replicas (a list), until SIGTERM/SIGINT (returns 0) or until
-    an engine dies (returns 1)."""
+async def run_server(engine: Engine | list[Engine], tokenizer, served_names: str | tuple[str, ...], dtype: str,
+                     options: ServerOptions, announce=print) -> int:
+    """Serve one engine, or data-parallel replicas (a list), under `served_names` (the names requests
+    may give the model; answers carry the first) until SIGTERM/SIGINT (returns 0) or until an engine
+    dies (returns 1)."""
     engines = list(engine) if isinstance(engine, (list, tuple)) else [engine]
     metrics = Metrics(replicas=len(engines))
     loop = asyncio.get_running_loop()
@@ -53,7 +54,7 @@ async def run_server(engine: Engine | list[Engine], tokenizer, model_name: str, 
             metrics.refresh_lora(replicas.lora_info())
 
     replicas = Replicas(engines, on_death=on_death, on_step=on_step)
-    state = State(replicas, tokenizer, model_name, dtype, options, metrics)
+    state = State(replicas, tokenizer, served_names, dtype, options, metrics)
     state.loop, state.died, state.thread = loop, died, replicas
 
     server, set_health = make_grpc_server(state, options)
@@ -93,7 +94,7 @@ async def run_server(engine: Engine | list[Engine], tokenizer, model_name: str, 
         except (NotImplementedError, RuntimeError):  # not the main thread (tests)
             pass
 
-    announce(f"jaxcb: listening on {options.host}:{port}; warming up ({model_name})")
+    announce(f"jaxcb: listening on {options.host}:{port}; warming up ({', '.join(state.served_names)})")
     t0 = time.perf_counter()
     def progress(i, total, shape):  # engine thread; a line per quarter
         if i == total or i * 4 // total != (i - 1) * 4 // total:

@@ -35,6 +35,27 @@ def test_default_config_file_is_valid(tmp_path):
         load_config(str(tmp_path / "none.toml"))
 
 
+def test_served_model_names_from_the_config_and_their_checks(tmp_path):
+    from jaxcb.model.embedded import served_name
+
+    path = tmp_path / "c.toml"
+    base = "[buckets]\ndecode_batch = [1, 32]\nprefill_tokens = [512]\n"
+    for value, names in (('"acme/m"', ("acme/m",)), ('["a", "b"]', ("a", "b"))):
+        path.write_text(f"[model]\nserved_model_name = {value}\n" + base)
+        assert load_config(str(path)).served_model_name == names
+    assert load_config().served_model_name == ()  # the default: the model's own short name
+    for value, message in (('["a", "a"]', "names one model twice"), ('["a b"]', "without whitespace"),
+                           ('[""]', "must be 1 to 256"), ("5", "must be a list of names")):
+        path.write_text(f"[model]\nserved_model_name = {value}\n" + base)
+        with pytest.raises(ValueError, match="model.served_model_name: .*" + message):
+            load_config(str(path))
+    path.write_text('[model]\nserved_model_name = "x"\n[lora]\nmax_loras = 1\nadapters = ["x=/tmp/a"]\n' + base)
+    with pytest.raises(ValueError, match="model.served_model_name: 'x' is also a LoRA adapter's name"):
+        load_config(str(path))
+    assert (served_name(None), served_name("gemma3-270m"), served_name("/m/Qwen3-0.6B/"),
+            served_name("/m/smol.Q8_0.gguf")) == ("smollm2-135m", "gemma3-270m", "Qwen3-0.6B", "smol.Q8_0")
+
+
 def test_packing_lays_sequences_on_one_token_axis():
     # A decode token at position 17 (second page, slot 1) and a 3-token prefill chunk on page 5.
     seqs = [SeqSpec([21], 17, [7, 9]), SeqSpec([11, 12, 13], 0, [5])]

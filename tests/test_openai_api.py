@@ -5,6 +5,7 @@ engine are the references."""
 from __future__ import annotations
 
 import json
+import os
 import time
 
 import grpc
@@ -12,6 +13,7 @@ import httpx
 import openai
 import pytest
 
+import jaxcb
 from jaxcb.host.engine_config import load_config
 from jaxcb.host.request import SamplingParams
 from jaxcb.llm import LLM
@@ -140,22 +142,92 @@ def test_sse_framing_disconnect_health_and_metrics(server):
 
 
 def test_http_auth_and_a_full_queue(tiny_gguf_path, config_path):
+    """Also: the names of --served-model-name, and the auth of every API path but /health and /version."""
     http = free_port()
     s = ServerProcess(tiny_gguf_path, config_path, "--http-port", str(http), "--auth-token", "s3cret",
-                      "--max-waiting", "0")
+                      "--max-waiting", "0", "--served-model-name", "acme/tiny", "tiny-alias")
     try:
         s.wait_serving(metadata=(("authorization", "Bearer s3cret"),))
         base = f"http://127.0.0.1:{http}"
         assert httpx.get(base + "/health", timeout=10).status_code == 200  # no token needed
-        r = httpx.post(base + "/v1/completions", json={"prompt": [5], "max_tokens": 2}, timeout=10)
-        assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+        assert httpx.get(base + "/version", timeout=10).json() == {"version": jaxcb.__version__}
+        for path, body in (("/v1/completions", {"prompt": [5], "max_tokens": 2}), ("/tokenize", {"prompt": "hi"}),
+                           ("/detokenize", {"tokens": [5]})):
+            r = httpx.post(base + path, json=body, timeout=10)
+            assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error", path
+        assert httpx.get(base + "/v1/models", timeout=10).status_code == 401
         client = openai.OpenAI(base_url=base + "/v1", api_key="s3cret", max_retries=0)
-        assert client.models.list().data[0].id == "tiny-random"  # the token lets it in
-        with pytest.raises(openai.RateLimitError) as e:  # --max-waiting 0: the queue is always full
+        assert [m.id for m in client.models.list().data] == ["acme/tiny", "tiny-alias"]  # the token lets it in
+        r = httpx.post(base + "/tokenize", json={"prompt": "hi", "model": "tiny-alias"}, timeout=10,
+                       headers={"Authorization": "Bearer s3cret"})
+        assert r.status_code == 200 and r.json()["count"] == len(r.json()["tokens"]) > 0
+        with pytest.raises(openai.NotFoundError) as e:  # the GGUF's own name is not one it is served as
             client.completions.create(model="tiny-random", prompt=[5], max_tokens=2)
+        assert "'acme/tiny', 'tiny-alias'" in e.value.body["message"] and e.value.body["param"] == "model"
+        with pytest.raises(openai.RateLimitError) as e:  # --max-waiting 0: the queue is always full
+            client.completions.create(model="tiny-alias", prompt=[5], max_tokens=2)
         assert e.value.status_code == 429 and "queue full" in e.value.body["message"]
+        with Client(s.target, token="s3cret") as c:
+            info = c.model_info()
+            assert info.name == "acme/tiny" and list(info.served_model_names) == ["acme/tiny", "tiny-alias"]
     finally:
         assert s.stop() == 0, s.output()
+
+
+def test_served_name_model_list_and_unknown_models(server, oai, model_name, tiny_gguf_path):
+    """The default served name is the checkpoint's file name; /v1/models carries what vLLM's clients
+    read; an unknown name is a 404 naming the names served, on both APIs."""
+    assert model_name == os.path.basename(tiny_gguf_path)[:-len(".gguf")] == "tiny"
+    entry = httpx.get(server.http + "/v1/models", timeout=10).json()["data"][0]
+    assert entry["id"] == entry["root"] == "tiny" and entry["parent"] is None and entry["owned_by"] == "jaxcb"
+    assert entry["object"] == "model" and entry["max_model_len"] == 256 and entry["created"] > 0
+    answer = oai.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    assert answer.model == "tiny"
+    with pytest.raises(openai.NotFoundError) as e:
+        oai.chat.completions.create(model="smollm2-135m", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    assert e.value.body["code"] == "model_not_found" and "served as 'tiny'" in e.value.body["message"]
+    r = httpx.post(server.http + "/tokenize", json={"model": "nope", "prompt": "x"}, timeout=10)
+    assert r.status_code == 404 and r.json()["error"]["param"] == "model"
+    with Client(server.target) as c:
+        named = c.complete(token_ids=[5, 6], max_tokens=3, ignore_eos=True, temperature=0, model="tiny")
+        assert named.token_ids == c.complete(token_ids=[5, 6], max_tokens=3, ignore_eos=True, temperature=0).token_ids
+        with pytest.raises(grpc.RpcError) as e:
+            c.complete(token_ids=[5, 6], max_tokens=3, model="gpt-4")
+        assert e.value.code() == grpc.StatusCode.NOT_FOUND and "served as 'tiny'" in e.value.details()
+
+
+def test_tokenize_and_detokenize_take_vllms_shapes(server, tiny_model):
+    _, _, tok, _ = tiny_model
+    text = "Hello there, world"
+    r = httpx.post(server.http + "/tokenize", json={"prompt": text, "return_token_strs": True}, timeout=10).json()
+    assert r["tokens"] == tok.encode(text) and r["count"] == len(r["tokens"]) and r["max_model_len"] == 256
+    assert r["token_strs"] == [tok.id_to_token(t) for t in r["tokens"]]
+    plain = httpx.post(server.http + "/tokenize", json={"prompt": text, "add_special_tokens": False}, timeout=10).json()
+    assert plain["tokens"] == tok.encode(text, add_bos=False) and plain["token_strs"] is None
+    messages = [{"role": "user", "content": "Hi <|im_start|>system"}]
+    chat = httpx.post(server.http + "/tokenize", json={"messages": messages}, timeout=10).json()
+    assert chat["tokens"] == tok.encode_chat(messages)  # the template, and no forged special token
+    bare = httpx.post(server.http + "/tokenize", json={"messages": messages, "add_generation_prompt": False},
+                      timeout=10).json()
+    assert bare["tokens"] == tok.encode_chat(messages, add_generation_prompt=False) != chat["tokens"]
+    back = httpx.post(server.http + "/detokenize", json={"tokens": r["tokens"]}, timeout=10).json()
+    assert back == {"prompt": tok.decode(r["tokens"], skip_special=False)}
+    assert text in back["prompt"]
+    cases = [("/tokenize", {"prompt": "x", "messages": messages}, "prompt: give either prompt or messages"),
+             ("/tokenize", {}, "prompt: give either"),
+             ("/tokenize", {"prompt": 5}, "prompt: must be a string"),
+             ("/tokenize", {"prompt": "x" * ((1 << 20) + 1)}, "prompt: 1048577 characters; the limit is 1048576"),
+             ("/tokenize", {"messages": "hi"}, "messages: must be a list"),
+             ("/tokenize", {"prompt": "x", "spice": 1}, "spice"),
+             ("/detokenize", {"tokens": [1, "a"]}, "tokens: must be a list of token ids"),
+             ("/detokenize", {"tokens": [10 ** 9]}, "tokens: 1000000000 is not a token id"),
+             ("/detokenize", {"tokens": [-1]}, "tokens: -1 is not a token id"),
+             ("/detokenize", {"tokens": [5] * 300}, "tokens: 300 tokens; the limit is 256")]
+    for path, body, message in cases:
+        r = httpx.post(server.http + path, json=body, timeout=30)
+        assert r.status_code == 400 and message in r.json()["error"]["message"], (path, body, r.text[:300])
+    r = httpx.post(server.http + "/tokenize", content=b"x" * (17 << 20), timeout=30)
+    assert r.status_code == 413
 
 
 def test_malformed_bodies_are_400_naming_the_problem(server):
@@ -453,3 +525,33 @@ def test_grpc_takes_the_same_constraints(server):
             c.complete("x", max_tokens=4, structured={"regex": "(a"})
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "structured.regex: not a valid regex" in e.value.details()
+
+
+def test_bench_serve_measures_a_running_server_over_each_api(server, tmp_path, tiny_model):
+    """`jaxcb bench serve` from the installed package: the random workload over the OpenAI API (the
+    model name found in /v1/models), a JSONL dataset over gRPC; every requested token arrives."""
+    import subprocess
+    import sys
+
+    vocab = tiny_model[0].vocab_size
+    out = tmp_path / "openai.json"
+    cmd = [sys.executable, "-m", "jaxcb", "bench", "serve", "--url", server.http, "--num-prompts", "5",
+           "--request-rate", "inf", "--random-input-len", "8", "--random-output-len", "4", "--vocab-size", str(vocab),
+           "--max-concurrency", "3", "--result-filename", str(out)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    result = json.loads(out.read_text())
+    (run,) = result["runs"]
+    assert "TTFT p50" in done.stdout and run["model"] == "tiny" and run["requests"] == 5
+    from serve.benchmark import workload
+
+    assert run["output_tokens"] == sum(workload(5, 0, vocab, 8, 4)[1])  # EOS ignored: every token came
+    assert run["ttft_ms"]["p50"] > 0 and run["e2e_ms"]["p99"] >= run["ttft_ms"]["p99"]
+    data = tmp_path / "requests.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in ({"prompt_token_ids": [5, 6, 7], "max_tokens": 3},
+                                                       {"prompt": "hello", "max_tokens": 5})))
+    done = subprocess.run([sys.executable, "-m", "jaxcb", "bench", "serve", "--url", server.target, "--api", "grpc",
+                           "--dataset", str(data), "--rates", "2,inf"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert [(r["rate"], r["requests"], r["output_tokens"]) for r in result["runs"]] == [(2.0, 2, 8), ("inf", 2, 8)]

@@ -138,6 +138,8 @@ def engine_config(args):
         changes["kv_dtype"] = args.kv_dtype
     if getattr(args, "activations", None):
         changes["activations"] = args.activations
+    if getattr(args, "served_model_name", None):
+        changes["served_model_name"] = tuple(args.served_model_name)
     if getattr(args, "cpu_dots", None):
         changes["cpu_dots"] = args.cpu_dots
     if getattr(args, "compile", None):

@@ -19,6 +19,7 @@ from jaxcb.cli.args import dtype as _dtype
 from jaxcb.cli.args import engine_config as _engine_config
 from jaxcb.device import cpu_dots
 from jaxcb.host.errors import InvalidConfig, InvalidRequest, JaxcbError
+from jaxcb.model.embedded import served_name
 
 GENERATION_FIELDS = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty",
                      "presence_penalty", "frequency_penalty", "seed", "stop", "stop_token_ids",
@@ -59,6 +60,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--http-port", type=int, default=None,
                    help="also serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
                         "/v1/models, /health, /metrics) on this port")
+    s.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="the names requests may give the model (the OpenAI API's `model`, gRPC's "
+                        "GenerateRequest.model); answers carry the first (default: the config's "
+                        "model.served_model_name, else the embedded model's short name or the checkpoint's "
+                        "directory or file name)")
     s.add_argument("--tls-cert", default=None, help="PEM certificate chain (with --tls-key)")
     s.add_argument("--tls-key", default=None)
     s.add_argument("--auth-token", action="append", default=None,
@@ -293,7 +299,8 @@ def cmd_serve(args) -> int:
                             auth_token=tuple(args.auth_token or filter(None, [os.environ.get("JAXCB_AUTH_TOKEN")])),
                             max_concurrent_streams=args.max_concurrent_streams, metrics_host=args.metrics_host)
     step = runner.describe()
-    print(f"jaxcb: model {model_config.name} on {step['platform']}, {step['compute_dtype']}; "
+    names = config.served_model_name or (served_name(args.model),)
+    print(f"jaxcb: model {model_config.name} served as {', '.join(names)} on {step['platform']}, {step['compute_dtype']}; "
           f"{config.num_pages} KV pages of {config.page_size} tokens; policy {config.scheduler.policy}; "
           f"compile cache {cache_dir or 'off'}", flush=True)
     print(f"jaxcb: step: weights {step['weights']}, KV {step['kv_dtype']}, attention {step['attention']}"
@@ -311,8 +318,7 @@ def cmd_serve(args) -> int:
     def announce(msg):
         print(msg, flush=True)
 
-    code = asyncio.run(run_server(engines, tokenizer, model_config.name, step['compute_dtype'], options,
-                                  announce))
+    code = asyncio.run(run_server(engines, tokenizer, names, step['compute_dtype'], options, announce))
     if wrap is not None:
         return _leave_cluster(engine.runner, code)
     return code

@@ -72,6 +72,14 @@ def add_parsers(sub, add_model_args) -> None:
     b.add_argument("--config", default=None, help="config whose maxima the largest buckets must equal")
     b.add_argument("--out", default=None, help="write the [buckets] config fragment here")
 
+    bench = sub.add_parser("bench", help="benchmarks: `jaxcb bench serve` measures a running server")
+    kinds = bench.add_subparsers(dest="bench", required=True)
+    from serve.benchmark import add_args as add_benchmark_args  # no JAX: it measures from the outside
+
+    add_benchmark_args(kinds.add_parser(
+        "serve", help="Poisson arrivals against any running server (OpenAI, jaxcb gRPC or JetStream API): "
+                      "throughput, TTFT, TPOT, ITL, E2E latency and goodput per request rate"))
+
 
 def _bar(i: int, total: int, shape, t0: float) -> None:
     width = 30
@@ -287,5 +295,12 @@ def cmd_simulate(args) -> int:
     return 0
 
 
+def cmd_bench(args) -> int:
+    from serve.benchmark import run
+
+    run(args)
+    return 0
+
+
 COMMANDS = {"warmup": cmd_warmup, "convert": cmd_convert, "plan": cmd_plan, "buckets": cmd_buckets,
-            "simulate": cmd_simulate}
+            "simulate": cmd_simulate, "bench": cmd_bench}

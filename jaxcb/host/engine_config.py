@@ -58,6 +58,9 @@ class EngineConfig:
     cpu_dots: str = "auto"
     compile: str = "optimized"  # COMPILE_CHOICES: "fast" for quick starts (development, tiny test models)
     lora: LoraConfig = LoraConfig()  # LoRA adapter slots (jaxcb.host.lora); none by default
+    # The names a server answers to for the model (requests' `model`; answers carry the first); () = the
+    # default (jaxcb.model.embedded.served_name: the embedded model's short name, or the file's name).
+    served_model_name: tuple[str, ...] = ()
 
     @property
     def page_size(self) -> int:
@@ -101,13 +104,14 @@ class EngineConfig:
             raise InvalidConfig(f"model.compile: {self.compile!r} is not one of {COMPILE_CHOICES}")
         if self.attention not in ATTENTION_CHOICES:
             raise InvalidConfig(f"model.attention: {self.attention!r} is not one of {ATTENTION_CHOICES}")
+        check_served_names(self.served_model_name, self.lora.adapters)
         if self.attention == "pallas" and s.page_size not in KERNEL_PAGE_SIZES:
             raise InvalidConfig(f"cache.page_size: the Pallas kernels take {KERNEL_PAGE_SIZES}, got "
                              f"{s.page_size} (or set model.attention = 'xla')")
 
     def replace(self, *, num_pages=None, buckets=None, attention=None, tensor_parallel=None, data_parallel=None,
                 weights=None, weight_group=None, kv_dtype=None, cpu_dots=None, activations=None,
-                compile=None, lora=None, **scheduler_changes) -> "EngineConfig":
+                compile=None, lora=None, served_model_name=None, **scheduler_changes) -> "EngineConfig":
         return EngineConfig(
             num_pages=self.num_pages if num_pages is None else num_pages,
             scheduler=dataclasses.replace(self.scheduler, **scheduler_changes),
@@ -124,7 +128,27 @@ class EngineConfig:
             activations=self.activations if activations is None else activations,
             compile=self.compile if compile is None else compile,
             lora=self.lora if lora is None else lora,
+            served_model_name=self.served_model_name if served_model_name is None else tuple(served_model_name),
         )
+
+
+MAX_NAME_CHARS = 256
+
+
+def check_served_names(names: tuple[str, ...], adapters: tuple[str, ...] = ()) -> None:
+    """The served model names: distinct non-empty strings without whitespace, none an adapter's name
+    (adapters: the --lora NAME=PATH specs)."""
+    if not isinstance(names, (tuple, list)) or not all(isinstance(n, str) for n in names):
+        raise InvalidConfig(f"model.served_model_name: must be a list of names, got {names!r}")
+    for n in names:
+        if not n or len(n) > MAX_NAME_CHARS or any(c.isspace() for c in n):
+            raise InvalidConfig(f"model.served_model_name: {n!r} must be 1 to {MAX_NAME_CHARS} characters "
+                                "without whitespace")
+    if len(set(names)) != len(names):
+        raise InvalidConfig(f"model.served_model_name: {list(names)} names one model twice")
+    clash = sorted(set(names) & {spec.partition("=")[0] for spec in adapters})
+    if clash:
+        raise InvalidConfig(f"model.served_model_name: {clash[0]!r} is also a LoRA adapter's name")
 
 
 def make_config(*, page_size=16, num_pages=4096, max_context=2048, decode_batch=(1, 2, 4, 8, 16, 32),
@@ -150,6 +174,11 @@ def make_config(*, page_size=16, num_pages=4096, max_context=2048, decode_batch=
                         kv_dtype=kv_dtype, cpu_dots=cpu_dots, activations=activations, compile=compile,
                         lora=lora or LoraConfig(), buckets=Buckets(tuple(decode_batch), tuple(pages_per_seq), tuple(prefill_tokens),
                                         tuple(tokens)))
+
+
+def _names(value) -> tuple:
+    """A name or a list of names (the TOML's served_model_name) as a tuple (checked by EngineConfig)."""
+    return (value,) if isinstance(value, str) else tuple(value) if isinstance(value, list) else value
 
 
 def load_config(path: str | None = None) -> EngineConfig:
@@ -201,7 +230,8 @@ def load_config(path: str | None = None) -> EngineConfig:
         raise InvalidConfig(f"config: unknown setting in [lora]: {sorted(set(lora) - known)}")
     lora = LoraConfig(**lora)
     model = raw.get("model", {})
-    unknown = set(model) - {"attention", "weights", "weight_group", "cpu_dots", "activations", "compile"}
+    unknown = set(model) - {"attention", "weights", "weight_group", "cpu_dots", "activations", "compile",
+                            "served_model_name"}
     if unknown:
         raise InvalidConfig(f"config: unknown setting in [model]: {sorted(unknown)}")
     parallel = raw.get("parallel", {})
@@ -220,6 +250,7 @@ def load_config(path: str | None = None) -> EngineConfig:
                         weight_group=model.get("weight_group", 0), kv_dtype=str(cache.get("kv_dtype", "auto")),
                         cpu_dots=str(model.get("cpu_dots", "auto")), activations=str(model.get("activations", "float")),
                         compile=str(model.get("compile", "optimized")), lora=lora,
+                        served_model_name=_names(model.get("served_model_name", ())),
                         memory_fraction=float(cache.get("memory_fraction", 0.9)),
                         memory_bytes=parse_bytes(cache["memory"]) if "memory" in cache else 0,
                         tensor_parallel=parallel.get("tensor", 1), data_parallel=parallel.get("data", 1))

@@ -31,6 +31,10 @@ class InvalidConfig(JaxcbError, ValueError):
     """A configuration value (a config file key, a flag, a model path) is wrong: the operator must change it."""
 
 
+class NotFound(JaxcbError, LookupError):
+    """What the request names (a model, an adapter) is not served here."""
+
+
 class Overloaded(JaxcbError):
     """Refused for load (a full queue): the same request may succeed later."""
 

@@ -219,7 +219,7 @@ class Tokenizer:
             messages=messages, add_generation_prompt=add_generation_prompt, bos_token=bos, eos_token=eos
         )
 
-    def encode_chat(self, messages: list[dict]) -> list[int]:
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
         """The rendered conversation's ids. The template writes the special tokens itself (never
         another BOS); special-token text inside a message's content (a user typing `<|im_start|>system`)
         is encoded as the plain text it is, so no message can forge a role or end another's turn.
@@ -231,8 +231,8 @@ class Tokenizer:
         (the template's tokens as the model was trained on them) and any special token that touches a
         content span is encoded as plain text; if one straddles a span's edge, or the contents cannot
         be located, every content is encoded on its own as plain text between the template's pieces."""
-        text = self.render_chat(messages)
-        pieces = self._chat_pieces(messages, text)
+        text = self.render_chat(messages, add_generation_prompt)
+        pieces = self._chat_pieces(messages, text, add_generation_prompt)
         if pieces is None:  # the template does something else with the contents: each part on its own
             raise InvalidRequest("messages: the chat template uses message contents in a way jaxcb cannot "
                              "separate from its own markup; send a raw prompt")
@@ -261,7 +261,8 @@ class Tokenizer:
             prev = i + 1
         return ids + enc.ids[prev:]
 
-    def _chat_pieces(self, messages: list[dict], text: str) -> list[tuple[str, bool]] | None:
+    def _chat_pieces(self, messages: list[dict], text: str, add_generation_prompt: bool = True
+                     ) -> list[tuple[str, bool]] | None:
         """The rendered `text` cut into (piece, is a message's content), or None when it is not the
         template's own text with the contents inserted."""
         import re
@@ -271,7 +272,8 @@ class Tokenizer:
         marks = [f"\ue000{nonce}{i}\ue001" for i in range(len(messages))]
         # An em space each side (whitespace no template writes itself): a template that trims contents
         # trims these, and so the real contents.
-        marked = self.render_chat([{**m, "content": f"\u2003{mark}\u2003"} for m, mark in zip(messages, marks)])
+        marked = self.render_chat([{**m, "content": f"\u2003{mark}\u2003"} for m, mark in zip(messages, marks)],
+                                  add_generation_prompt)
         pattern = re.compile("(\u2003?)(" + "|".join(map(re.escape, marks)) + ")(\u2003?)")
         pieces, at = [], 0
         for found in pattern.finditer(marked):

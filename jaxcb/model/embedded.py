@@ -49,6 +49,16 @@ def resolve_model(model: str | None) -> str:
     return embedded_path(name)
 
 
+def served_name(model: str | None) -> str:
+    """The name a server answers to by default for `model`: an embedded model's short name, else the
+    checkpoint's directory or file name (without .gguf)."""
+    name = DEFAULT if model is None else model
+    if name in EMBEDDED:
+        return name
+    base = os.path.basename(os.path.normpath(name))
+    return base[:-5] if base.lower().endswith(".gguf") and len(base) > 5 else base
+
+
 def _package_dirs(package: str, name: str, install: str) -> list[str]:
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:

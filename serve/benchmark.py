@@ -1,0 +1,336 @@
+"""The serving benchmark (`jaxcb bench serve`): Poisson arrivals against any running server, over the
+OpenAI API (`/v1/completions`, streaming), jaxcb's gRPC API or JetStream's.
+
+    jaxcb bench serve --url http://127.0.0.1:8000 --rates 1,2,inf --requests 64
+    jaxcb bench serve --url 127.0.0.1:50051 --api grpc --max-concurrency 8
+    jaxcb bench serve --url http://127.0.0.1:8000 --also vllm=http://127.0.0.1:8001  # two servers, interleaved
+
+For each rate (requests/s; inf = all at once) it sends the same workload, with an optional cap on
+requests in flight, and reports request and output-token throughput, TTFT, TPOT (excluding the first
+token), inter-token latency and end-to-end latency (mean, p50, p90, p99) and goodput (requests/s that met
+both SLOs), as a table and a JSON line (and a file with --json). The workload is random token ids with
+log-normal prompt and output lengths around --input-len and --output-len (EOS ignored, greedy), or a jaxcb
+JSONL of requests (--dataset: `prompt_token_ids` or `prompt`, and `max_tokens` per line). With --also the
+other endpoints (OpenAI-compatible) run rate by rate with the main one, so a noisy machine treats them
+alike. Nothing here needs JAX: it measures a server from the outside.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import platform
+import time
+
+import numpy as np
+
+APIS = ("openai", "grpc", "jetstream")
+
+
+def workload(n: int, seed: int, vocab: int, input_len: float = 75, output_len: float = 45,
+             max_input: int = 384, max_output: int = 192):
+    """n random prompts (token ids in [100, vocab - 100)) and output lengths, log-normal (sigma 0.8)
+    around the given medians, clipped to [8, max_input] and [4, max_output]."""
+    rng = np.random.default_rng(seed)
+    prompt_lens = np.clip(np.round(np.exp(rng.normal(np.log(input_len), 0.8, n))), 8, max_input).astype(int)
+    output_lens = np.clip(np.round(np.exp(rng.normal(np.log(output_len), 0.8, n))), 4, max_output).astype(int)
+    prompts = [rng.integers(100, vocab - 100, size=p).tolist() for p in prompt_lens]
+    return prompts, output_lens.tolist()
+
+
+def read_dataset(path: str, n: int | None = None):
+    """A jaxcb JSONL of requests: each line's `prompt_token_ids` (or `prompt` text) and `max_tokens`."""
+    prompts, outputs = [], []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            obj = json.loads(line)
+            prompt = obj.get("prompt_token_ids", obj.get("prompt"))
+            if prompt is None or "max_tokens" not in obj:
+                raise ValueError(f"{path}:{lineno}: needs prompt_token_ids (or prompt) and max_tokens")
+            prompts.append(prompt)
+            outputs.append(int(obj["max_tokens"]))
+            if n is not None and len(prompts) == n:
+                break
+    if not prompts:
+        raise ValueError(f"{path}: no requests")
+    return prompts, outputs
+
+
+def openai_base(url: str) -> str:
+    """An OpenAI API's base URL: `http://host:port` or `.../v1` -> `.../v1`."""
+    url = url.rstrip("/")
+    if "://" not in url:
+        url = "http://" + url
+    return url if url.endswith("/v1") else url + "/v1"
+
+
+def grpc_target(url: str) -> str:
+    return url.split("://", 1)[-1].rstrip("/")
+
+
+async def one_request(stub, api, prompt, max_tokens, start_at, t0, sem, model=None, metadata=()):
+    from serve.proto import jaxcb_pb2, jetstream_pb2
+
+    await asyncio.sleep(max(0.0, start_at - (time.perf_counter() - t0)))
+    async with sem:
+        sent = time.perf_counter()
+        arrivals = []
+        if api == "openai":  # stub: (httpx.AsyncClient, base URL)
+            client, base = stub
+            body = {"prompt": prompt, "max_tokens": max_tokens, "stream": True, "ignore_eos": True,
+                    "temperature": 0.0, "stream_options": {"include_usage": True}}
+            if model:
+                body["model"] = model
+            tokens = None
+            async with client.stream("POST", base + "/completions", json=body) as r:
+                r.raise_for_status()
+                async for line in r.aiter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    chunk = json.loads(line[6:])
+                    if chunk.get("usage"):
+                        tokens = chunk["usage"]["completion_tokens"]
+                    if chunk.get("choices") and chunk["choices"][0].get("text"):
+                        arrivals.append(time.perf_counter())
+            if tokens and len(arrivals) > 1 and tokens != len(arrivals):  # chunks held several tokens
+                first, last = arrivals[0], arrivals[-1]
+                arrivals = [first] + list(np.linspace(first, last, tokens)[1:])
+        elif api == "grpc":
+            req = jaxcb_pb2.GenerateRequest(max_tokens=max_tokens, ignore_eos=True, model=model or "")
+            if isinstance(prompt, str):
+                req.text = prompt
+            else:
+                req.tokens.token_ids.extend(prompt)
+            async for resp in stub.Generate(req, metadata=metadata):
+                if resp.HasField("chunk") and resp.chunk.token_ids:
+                    arrivals.extend([time.perf_counter()] * len(resp.chunk.token_ids))
+        else:
+            req = jetstream_pb2.DecodeRequest(max_tokens=max_tokens)
+            if isinstance(prompt, str):
+                req.text_content.text = prompt
+            else:
+                req.token_content.token_ids.extend(prompt)
+            async for resp in stub.Decode(req, metadata=metadata):
+                n = sum(len(s.token_ids) for s in resp.stream_content.samples)
+                arrivals.extend([time.perf_counter()] * n)
+        end = time.perf_counter()
+    return {"sent": sent - t0, "ttft": arrivals[0] - sent if arrivals else math.nan, "e2e": end - sent,
+            "n": len(arrivals), "itl": list(np.diff(arrivals)) if len(arrivals) > 1 else [],
+            "tpot": (arrivals[-1] - arrivals[0]) / (len(arrivals) - 1) if len(arrivals) > 1 else math.nan}
+
+
+def summarize(values):
+    v = np.asarray([x for x in values if not math.isnan(x)], float) * 1000
+    if v.size == 0:
+        return {}
+    return {"mean": round(float(v.mean()), 1), "p50": round(float(np.percentile(v, 50)), 1),
+            "p90": round(float(np.percentile(v, 90)), 1), "p99": round(float(np.percentile(v, 99)), 1)}
+
+
+async def run_rate(target, api, prompts, outputs, rate, concurrency, seed, slo_ttft, slo_tpot, model=None,
+                   auth_token=None):
+    """One rate against one endpoint: the figures of the whole workload."""
+    import grpc
+
+    from serve.proto import jaxcb_pb2_grpc, jetstream_pb2_grpc
+
+    rng = np.random.default_rng(seed)
+    gaps = rng.exponential(1.0 / rate, len(prompts)) if math.isfinite(rate) else np.zeros(len(prompts))
+    starts = np.cumsum(gaps) - gaps[0]
+    sem = asyncio.Semaphore(concurrency or len(prompts))
+    if api == "openai":
+        import httpx
+
+        limits = httpx.Limits(max_connections=len(prompts) + 8, max_keepalive_connections=len(prompts) + 8)
+        headers = {"Authorization": f"Bearer {auth_token}"} if auth_token else {}
+        async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits, headers=headers) as client:
+            t0 = time.perf_counter()
+            results = await asyncio.gather(*(one_request((client, target), api, p, int(n), s, t0, sem, model)
+                                             for p, n, s in zip(prompts, outputs, starts)))
+            wall = time.perf_counter() - t0
+    else:
+        metadata = (("authorization", f"Bearer {auth_token}"),) if auth_token else ()
+        async with grpc.aio.insecure_channel(target) as ch:
+            stub = jaxcb_pb2_grpc.JaxcbStub(ch) if api == "grpc" else jetstream_pb2_grpc.OrchestratorStub(ch)
+            t0 = time.perf_counter()
+            results = await asyncio.gather(*(one_request(stub, api, p, int(n), s, t0, sem, model, metadata)
+                                             for p, n, s in zip(prompts, outputs, starts)))
+            wall = time.perf_counter() - t0
+    good = sum(1 for r in results if r["ttft"] * 1000 <= slo_ttft and (math.isnan(r["tpot"]) or r["tpot"] * 1000 <= slo_tpot))
+    out_tokens = sum(r["n"] for r in results)
+    return {
+        "rate": rate if math.isfinite(rate) else "inf", "requests": len(results), "wall_s": round(wall, 2),
+        "request_throughput": round(len(results) / wall, 3), "output_tokens_per_s": round(out_tokens / wall, 1),
+        "output_tokens": out_tokens,
+        "ttft_ms": summarize(r["ttft"] for r in results), "tpot_ms": summarize(r["tpot"] for r in results),
+        "itl_ms": summarize(x for r in results for x in r["itl"]), "e2e_ms": summarize(r["e2e"] for r in results),
+        "goodput_rps": round(good / wall, 3), "slo": {"ttft_ms": slo_ttft, "tpot_ms": slo_tpot},
+    }
+
+
+def served_model(base: str, auth_token=None) -> str | None:
+    """The first model an OpenAI API lists (what its requests name), or None if it lists none."""
+    import httpx
+
+    headers = {"Authorization": f"Bearer {auth_token}"} if auth_token else {}
+    try:
+        r = httpx.get(base + "/models", headers=headers, timeout=30.0)
+        r.raise_for_status()
+        data = r.json().get("data") or []
+        return data[0]["id"] if data else None
+    except (httpx.HTTPError, ValueError, KeyError, TypeError):
+        return None
+
+
+def table(runs, slo_ttft, slo_tpot) -> str:
+    head = (f"{'server':<12}{'rate':>6}{'req/s':>8}{'tok/s':>8}{'TTFT p50':>10}{'TTFT p99':>10}{'TPOT p50':>10}"
+            f"{'TPOT p99':>10}{'ITL p50':>9}{'E2E p50':>9}{'goodput':>9}")
+    lines = [f"SLO: TTFT <= {slo_ttft:.0f} ms and TPOT <= {slo_tpot:.0f} ms (goodput: requests/s meeting both)", head]
+    for r in runs:
+        lines.append(f"{r.get('name', ''):<12}{str(r['rate']):>6}{r['request_throughput']:>8.2f}"
+                     f"{r['output_tokens_per_s']:>8.1f}{r['ttft_ms'].get('p50', math.nan):>10.0f}"
+                     f"{r['ttft_ms'].get('p99', math.nan):>10.0f}{r['tpot_ms'].get('p50', math.nan):>10.0f}"
+                     f"{r['tpot_ms'].get('p99', math.nan):>10.0f}{r['itl_ms'].get('p50', math.nan):>9.0f}"
+                     f"{r['e2e_ms'].get('p50', math.nan):>9.0f}{r['goodput_rps']:>9.2f}")
+    return "\n".join(lines)
+
+
+def client_machine() -> str:
+    """The machine the benchmark ran from (the client; the server may be elsewhere)."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return f"client: {os.cpu_count()} cores, {cpu}"
+
+
+def add_args(ap: argparse.ArgumentParser, *, url_required: bool = True) -> None:
+    """The benchmark's options (vLLM's `bench serve` names are accepted as aliases)."""
+    ap.add_argument("--url", "--base-url", required=url_required, default=None,
+                    help="the server: an OpenAI API's base URL (http://HOST:PORT[/v1]) or a gRPC HOST:PORT")
+    ap.add_argument("--api", choices=APIS, default="openai",
+                    help="openai (/v1/completions, streamed), grpc (jaxcb's Generate) or jetstream (Decode)")
+    ap.add_argument("--model", default=None,
+                    help="the model name requests carry (default: the first /v1/models lists; none over gRPC)")
+    ap.add_argument("--name", default=None, help="the main target's name in the table (default: its API)")
+    ap.add_argument("--also", action="append", default=[], metavar="NAME=URL",
+                    help="another OpenAI-compatible endpoint measured in the same run, interleaved rate by rate")
+    ap.add_argument("--rates", "--request-rate", default="1,2,4,inf",
+                    help="requests/s, comma-separated (inf: all at once)")
+    ap.add_argument("--requests", "--num-prompts", type=int, default=None,
+                    help="requests per rate (default: 32, or every line of --dataset)")
+    ap.add_argument("--concurrency", "--max-concurrency", type=int, default=0,
+                    help="cap on requests in flight (0 = none)")
+    ap.add_argument("--input-len", "--random-input-len", type=float, default=75,
+                    help="median prompt tokens of the random workload (log-normal)")
+    ap.add_argument("--output-len", "--random-output-len", type=float, default=45,
+                    help="median output tokens of the random workload (log-normal)")
+    ap.add_argument("--vocab-size", type=int, default=None,
+                    help="the random prompts' token ids lie in [100, VOCAB - 100) (default: the server's, over "
+                         "jaxcb's gRPC; else 32000, in range for most models)")
+    ap.add_argument("--dataset", default=None, metavar="FILE",
+                    help="a jaxcb JSONL of requests (prompt_token_ids or prompt, max_tokens) instead of the random "
+                         "workload")
+    ap.add_argument("--slo-ttft-ms", type=float, default=2000.0)
+    ap.add_argument("--slo-tpot-ms", type=float, default=200.0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--auth-token", default=os.environ.get("JAXCB_AUTH_TOKEN"),
+                    help="bearer token (default: $JAXCB_AUTH_TOKEN)")
+    ap.add_argument("--json", "--result-filename", default=None, metavar="FILE", help="write the result here")
+    ap.add_argument("--plot", default=None, metavar="PNG", help="latency against throughput (needs matplotlib)")
+
+
+def grpc_vocab(target: str, auth_token=None) -> int | None:
+    """A jaxcb server's vocabulary size (GetModelInfo), or None."""
+    import grpc
+
+    from serve.proto import jaxcb_pb2, jaxcb_pb2_grpc
+
+    metadata = (("authorization", f"Bearer {auth_token}"),) if auth_token else ()
+    try:
+        with grpc.insecure_channel(target) as ch:
+            return jaxcb_pb2_grpc.JaxcbStub(ch).GetModelInfo(jaxcb_pb2.GetModelInfoRequest(), metadata=metadata,
+                                                             timeout=30).vocab_size
+    except grpc.RpcError:
+        return None
+
+
+def run(args, machine: str | None = None) -> dict:
+    """The benchmark of `args` (add_args's): runs every rate against every target, prints a line per run
+    and the table; returns the result (also written to args.json)."""
+    if args.api == "openai":
+        target = openai_base(args.url)
+        model = args.model or served_model(target, args.auth_token)
+    else:
+        target, model = grpc_target(args.url), args.model
+    if args.dataset:
+        prompts, outputs = read_dataset(args.dataset, args.requests)
+    else:
+        vocab = args.vocab_size or (grpc_vocab(target, args.auth_token) if args.api == "grpc" else None) or 32000
+        prompts, outputs = workload(args.requests or 32, args.seed, vocab, args.input_len, args.output_len)
+    targets = [(args.name or args.api, args.api, target, model)]
+    for spec in args.also:
+        name, sep, url = spec.partition("=")
+        if not sep or not name or not url:
+            raise ValueError(f"--also: {spec!r} is not NAME=URL")
+        base = openai_base(url)
+        targets.append((name, "openai", base, served_model(base, args.auth_token)))
+    runs = []
+    for rate in [float(r) for r in str(args.rates).split(",")]:
+        for name, api, url, name_model in targets:  # interleaved: every endpoint at this rate, then the next
+            r = asyncio.run(run_rate(url, api, prompts, outputs, rate, args.concurrency, args.seed,
+                                     args.slo_ttft_ms, args.slo_tpot_ms, name_model, args.auth_token))
+            r["name"], r["api"], r["url"], r["model"] = name, api, url, name_model
+            runs.append(r)
+            print(f"{name:>10} ({api}) rate {r['rate']:>5} req/s: {r['request_throughput']:.2f} req/s, "
+                  f"{r['output_tokens_per_s']:.1f} tok/s; "
+                  f"TTFT p50 {r['ttft_ms'].get('p50', math.nan):.0f} p99 {r['ttft_ms'].get('p99', math.nan):.0f} ms; "
+                  f"TPOT p50 {r['tpot_ms'].get('p50', math.nan):.0f} p99 {r['tpot_ms'].get('p99', math.nan):.0f} ms; "
+                  f"ITL p50 {r['itl_ms'].get('p50', math.nan):.0f} ms; E2E p50 {r['e2e_ms'].get('p50', math.nan):.0f} ms; "
+                  f"goodput {r['goodput_rps']:.2f} req/s", flush=True)
+    result = {"machine": machine or client_machine(), "api": args.api, "requests": len(prompts),
+              "dataset": args.dataset or f"random (input {args.input_len:g}, output {args.output_len:g}, seed {args.seed})",
+              "runs": runs}
+    print(table(runs, args.slo_ttft_ms, args.slo_tpot_ms))
+    print(json.dumps(result))
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    if args.plot:
+        plot(result, args.plot)
+    return result
+
+
+def plot(result: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = result["runs"]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name in dict.fromkeys(r.get("name", "jaxcb") for r in runs):
+        mine = [r for r in runs if r.get("name", "jaxcb") == name]
+        xs = [r["output_tokens_per_s"] for r in mine]
+        for key, label, style in (("ttft_ms", "TTFT p50", "o-"), ("tpot_ms", "TPOT p50", "s--")):
+            ax.plot(xs, [r[key].get("p50", math.nan) for r in mine], style, label=f"{name} {label}")
+        for x, r in zip(xs, mine):
+            ax.annotate(f"{r['rate']}/s", (x, r["ttft_ms"].get("p50", math.nan)), fontsize=7)
+    ax.set_yscale("log")
+    ax.set_xlabel("output tokens/s")
+    ax.set_ylabel("latency (ms)")
+    names = ", ".join(dict.fromkeys(r.get("name", "jaxcb") for r in runs))
+    ax.set_title(f"serving: {names}\n{result['machine']}", fontsize=9)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print("wrote", path)
