@@ -159,11 +159,27 @@ def plan(*, budget_bytes: int, fraction: float, weight_bytes: int, num_layers: i
     reserve = attention + activations + logits + dequant_bytes // tensor
     usable = int(budget_bytes * fraction) - weight_bytes - reserve
     page_bytes = kv_per_token * page_size
-    # With a sliding group, both groups are sized for the same number of max-context sequences: each
-    # full page comes with window_per_seq / pages_per_seq sliding pages.
+    # With a sliding group, both groups are sized for the same number of max-context sequences (each
+    # full page comes with window_per_seq / pages_per_seq sliding pages), and the sliding group holds at
+    # least what a full batch of sequences shorter than the window needs (each holds as many sliding
+    # pages as full ones, up to window_per_seq): for short requests the sliding group never runs out
+    # before the full pages or the batch do.
     window_token = sliding_layers * layer_token + draft_window_per_token if window else 0
     window_page_bytes = window_token * page_size
+
+    def window_pages_for(pages: int) -> int:
+        if not window:
+            return 0
+        proportional = -(-(pages - 1) * window_per_seq // pages_per_seq)
+        return max(window_per_seq, proportional, min(pages - 1, max_batch * window_per_seq)) + 1
+
     fit = max(0, int(usable // (page_bytes + window_page_bytes * window_per_seq / pages_per_seq)))
+    if window:  # the largest page count whose two groups fit (the batch floor can lower the proportional fit)
+        low, high = 0, fit
+        while low < high:
+            mid = (low + high + 1) // 2
+            low, high = (mid, high) if mid * page_bytes + window_pages_for(mid) * window_page_bytes <= usable else (low, mid - 1)
+        fit = low
     need = pages_per_seq + 1  # one request of the maximum context, and the null page
     if fit < need or (num_pages is not None and num_pages > fit):
         wanted = need if num_pages is None or num_pages < need else num_pages
@@ -175,7 +191,7 @@ def plan(*, budget_bytes: int, fraction: float, weight_bytes: int, num_layers: i
             f"{wanted} are needed ({'cache.num_pages' if num_pages else f'one request of {max_context} tokens + the null page'}); "
             f"lower the context, batch or page count, or give more memory")
     pages = fit if num_pages is None else num_pages
-    window_pages = max(window_per_seq + 1, -(-(pages - 1) * window_per_seq // pages_per_seq) + 1) if window else 0
+    window_pages = window_pages_for(pages)
     return MemoryPlan(budget_bytes, weight_bytes, reserve, kv_per_token, page_size, pages, tensor, replication,
                       window, window_token, window_pages,
                       num_layers * layer_token + draft_kv_per_token + draft_window_per_token, draft_weight_bytes,
