@@ -81,6 +81,12 @@ class Metrics:
                                   ["lora_name"], registry=r)
         self.lora_swaps = Gauge("jaxcb:lora_slot_loads", "Adapters put into a device slot since start (cumulative).",
                                 registry=r)
+        # The KV cache's layout, as vLLM's cache_config_info (the endpoint picker's --cache-info-metric reads
+        # block_size and num_gpu_blocks: its prefix scorer hashes prompts in blocks of that size).
+        self.cache_info = Gauge("jaxcb:cache_config_info", "The KV cache: tokens per page (block_size), pages "
+                                "(num_gpu_blocks, every replica's), their dtype and whether prefixes are cached; "
+                                "the value is 1.", ["block_size", "num_gpu_blocks", "cache_dtype", "enable_prefix_caching"],
+                                registry=r)
         self._lora_key = None
         self._lock = threading.Lock()  # replicas refresh from their own threads
         self._latest = [None] * replicas  # each replica's last stats (the counters grow from them)
@@ -115,6 +121,10 @@ class Metrics:
             self.measured_tpot.set(max(s.measured_p99_tpot_ms for s in latest) / 1000)
             self.measured_ttft.set(max(s.measured_p99_ttft_ms for s in latest) / 1000)
 
+
+    def set_cache_info(self, page_size: int, num_pages: int, kv_dtype: str, prefix_caching: bool) -> None:
+        self.cache_info.clear()
+        self.cache_info.labels(str(page_size), str(num_pages), kv_dtype, str(prefix_caching).lower()).set(1)
 
     def refresh_lora(self, info: dict | None) -> None:
         """The adapters' gauges from jaxcb.host.replicas.Replicas.lora_info()."""

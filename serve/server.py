@@ -54,6 +54,11 @@ async def run_server(engine: Engine | list[Engine], tokenizer, served_names: str
             metrics.refresh_lora(replicas.lora_info())
 
     replicas = Replicas(engines, on_death=on_death, on_step=on_step)
+    first = engines[0]
+    metrics.set_cache_info(first.config.page_size, sum(e.stats().pages_total for e in engines),
+                           first.runner.describe()["kv_dtype"], first.config.scheduler.prefix_caching)
+    if first.adapters is not None:  # the adapters' gauges from the start, not from the first step
+        metrics.refresh_lora(replicas.lora_info())
     state = State(replicas, tokenizer, served_names, dtype, options, metrics)
     state.loop, state.died, state.thread = loop, died, replicas
 

@@ -5,6 +5,7 @@ KV heads replicated where the devices outnumber them, data-parallel replicas, bo
 import json
 import os
 import sys
+import time
 
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 
@@ -51,6 +52,7 @@ def main(workdir: str) -> None:
             write_tiny_gguf(path, model)
         loaded = {}
         for _, name, tp, dp, attention, weights in (r for r in RUNS if r[0] == key):
+            t0 = time.perf_counter()
             if weights not in loaded:  # quantized as the engine loads them (jaxcb.model.quant)
                 loaded[weights] = load_model(path, weights=weights)
             cfg, params, tok, eos = loaded[weights]
@@ -71,6 +73,7 @@ def main(workdir: str) -> None:
                     write_adapter(os.path.join(workdir, f"{key}-{a}"), cfg, rank=4, seed=seed)
                     (llm.replicas or llm.engine).load_lora(a, os.path.join(workdir, f"{key}-{a}"))
             llm.warmup()
+            t1 = time.perf_counter()
             engines = llm.replicas.engines if llm.replicas else [llm.engine]
             before = engines[0].stats().compilations
             params = [SamplingParams(max_tokens=24, ignore_eos=True, lora=adapters[i % len(adapters)])
@@ -94,6 +97,8 @@ def main(workdir: str) -> None:
                                      .addressable_shards] if "lora" in name else None,
                 "load_left": llm.replicas.load if llm.replicas else None,
             }
+            print(f"{key}-{name}: build and warm-up {t1 - t0:.1f} s, generate {time.perf_counter() - t1:.1f} s",
+                  file=sys.stderr, flush=True)
     print(json.dumps(out))
 
 
