@@ -188,11 +188,12 @@ def served_model(base: str, auth_token=None) -> str | None:
 
 
 def table(runs, slo_ttft, slo_tpot) -> str:
-    head = (f"{'server':<12}{'rate':>6}{'req/s':>8}{'tok/s':>8}{'TTFT p50':>10}{'TTFT p99':>10}{'TPOT p50':>10}"
+    w = max([12] + [len(str(r.get("name", ""))) + 2 for r in runs])
+    head = (f"{'server':<{w}}{'rate':>6}{'req/s':>8}{'tok/s':>8}{'TTFT p50':>10}{'TTFT p99':>10}{'TPOT p50':>10}"
             f"{'TPOT p99':>10}{'ITL p50':>9}{'E2E p50':>9}{'goodput':>9}")
     lines = [f"SLO: TTFT <= {slo_ttft:.0f} ms and TPOT <= {slo_tpot:.0f} ms (goodput: requests/s meeting both)", head]
     for r in runs:
-        lines.append(f"{r.get('name', ''):<12}{str(r['rate']):>6}{r['request_throughput']:>8.2f}"
+        lines.append(f"{r.get('name', ''):<{w}}{str(r['rate']):>6}{r['request_throughput']:>8.2f}"
                      f"{r['output_tokens_per_s']:>8.1f}{r['ttft_ms'].get('p50', math.nan):>10.0f}"
                      f"{r['ttft_ms'].get('p99', math.nan):>10.0f}{r['tpot_ms'].get('p50', math.nan):>10.0f}"
                      f"{r['tpot_ms'].get('p99', math.nan):>10.0f}{r['itl_ms'].get('p50', math.nan):>9.0f}"
