@@ -39,6 +39,8 @@ class ServerOptions:
     max_waiting: int = 1024  # requests accepted and not yet running, before RESOURCE_EXHAUSTED
     max_concurrent_streams: int = 4096  # calls in progress at once (gRPC's maximum_concurrent_rpcs)
     metrics_host: str = "127.0.0.1"  # the metrics port is unauthenticated: loopback unless asked
+    kv_events: str | None = None  # publish KV-cache events (jaxcb.host.kv_events) on this ZMQ endpoint
+    kv_events_topic: str | None = None  # their topic; None: kv@HOSTNAME@MODEL, as the llm-d indexer reads it
 
     @property
     def tokens(self) -> tuple[str, ...]:

@@ -61,6 +61,7 @@ async def run_server(engine: Engine | list[Engine], tokenizer, served_names: str
         metrics.refresh_lora(replicas.lora_info())
     state = State(replicas, tokenizer, served_names, dtype, options, metrics)
     state.loop, state.died, state.thread = loop, died, replicas
+    publishers = _kv_event_publishers(engines, options, state.model_name, announce)
 
     server, set_health = make_grpc_server(state, options)
     await set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
@@ -168,4 +169,29 @@ async def run_server(engine: Engine | list[Engine], tokenizer, served_names: str
             log.warning("the HTTP server did not close its connections in time; leaving them")
     await server.stop(1.0)
     state.thread.stop()
+    for p in publishers:
+        p.close()
     return code
+
+
+def _kv_event_publishers(engines, options: ServerOptions, model_name: str, announce) -> list:
+    """With --kv-events: a ZMQ publisher (and its replay socket) per replica, each engine's prefix cache
+    reporting to its own (jaxcb.host.kv_events)."""
+    if not options.kv_events:
+        return []
+    import socket
+
+    from jaxcb.host.kv_events import ZmqPublisher, endpoints
+
+    topic = options.kv_events_topic
+    if topic is None:
+        topic = f"kv@{socket.gethostname()}@{model_name}"
+    publishers = []
+    for i, engine in enumerate(engines):
+        pub, replay = endpoints(options.kv_events, i)
+        publisher = ZmqPublisher(pub, replay, topic)
+        engine.publish_kv_events(publisher.publish, rank=i if len(engines) > 1 else None)
+        publishers.append(publisher)
+        announce(f"jaxcb: KV-cache events of replica {i} on {publisher.endpoint} (replay on "
+                 f"{publisher.replay_endpoint}), topic {topic!r}")
+    return publishers

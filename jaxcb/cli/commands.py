@@ -65,6 +65,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "GenerateRequest.model); answers carry the first (default: the config's "
                         "model.served_model_name, else the embedded model's short name or the checkpoint's "
                         "directory or file name)")
+    s.add_argument("--kv-events", default=None, metavar="tcp://HOST:PORT",
+                   help="publish every page registered in or evicted from the prefix cache as vLLM's KV-cache "
+                        "events (msgpack over ZMQ PUB; replays for late subscribers on PORT+1; replica i of "
+                        "--data-parallel on PORT+2i), for prefix-aware routers such as llm-d's KV-cache indexer")
+    s.add_argument("--kv-events-topic", default=None, metavar="TOPIC",
+                   help="the events' ZMQ topic (default: kv@HOSTNAME@MODEL, the first served name)")
     s.add_argument("--tls-cert", default=None, help="PEM certificate chain (with --tls-key)")
     s.add_argument("--tls-key", default=None)
     s.add_argument("--auth-token", action="append", default=None,
@@ -269,6 +275,10 @@ def cmd_serve(args) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if bool(args.tls_cert) != bool(args.tls_key):
         raise InvalidConfig("--tls-cert and --tls-key go together")
+    if args.kv_events:
+        from jaxcb.host.kv_events import endpoints
+
+        endpoints(args.kv_events, 0)  # a malformed endpoint is refused before the weights are read
     from jaxcb.device import compile_cache
 
     config = _engine_config(args)
@@ -297,7 +307,8 @@ def cmd_serve(args) -> int:
                             tls_cert=args.tls_cert,
                             tls_key=args.tls_key, grace_s=args.grace_period, max_waiting=args.max_waiting,
                             auth_token=tuple(args.auth_token or filter(None, [os.environ.get("JAXCB_AUTH_TOKEN")])),
-                            max_concurrent_streams=args.max_concurrent_streams, metrics_host=args.metrics_host)
+                            max_concurrent_streams=args.max_concurrent_streams, metrics_host=args.metrics_host,
+                            kv_events=args.kv_events, kv_events_topic=args.kv_events_topic)
     step = runner.describe()
     names = config.served_model_name or (served_name(args.model),)
     print(f"jaxcb: model {model_config.name} served as {', '.join(names)} on {step['platform']}, {step['compute_dtype']}; "

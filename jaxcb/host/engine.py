@@ -35,6 +35,7 @@ from jaxcb.host.engine_stats import Counters, EngineStats, StepRecord
 from jaxcb.host.lora import Adapters
 from jaxcb.host.errors import InvalidConfig, InvalidRequest, StepFailed
 from jaxcb.host.output import EventCallback, Outputs
+from jaxcb.host.kv_events import KVEvents
 from jaxcb.host.page_pool import PagePool
 from jaxcb.host.request import (FinishReason, Request, SamplingParams, Status, TokenEvent, check_priority,
                                 check_tokens)
@@ -305,6 +306,12 @@ class Engine:
                 for r in list(self._requests[item.request_id]):
                     self._finish(r, FinishReason.ABORT, events)
 
+    def publish_kv_events(self, sink, rank: int | None = None) -> KVEvents:
+        """From now on, every page registered in or evicted from the prefix cache goes to `sink` as
+        vLLM-shaped event batches, one per step (jaxcb.host.kv_events; e.g. a ZmqPublisher's publish)."""
+        self.pool.events = KVEvents(self.config.page_size, sink, rank)
+        return self.pool.events
+
     def step(self) -> list[TokenEvent]:
         """Run one engine step; returns the events it produced (also sent to callbacks).
 
@@ -317,6 +324,8 @@ class Engine:
             return self._step()
         finally:
             self.outputs.deliver()  # after the step's retirements: a final event means the pages are back
+            if self.pool.events is not None:
+                self.pool.events.flush()  # the step's prefix-cache changes, one batch (jaxcb.host.kv_events)
 
     def _step(self) -> list[TokenEvent]:
         events: list[TokenEvent] = []

@@ -38,6 +38,7 @@ class PagePool:
         self._hash_of: dict[int, bytes] = {}  # registered page -> hash
         self._cached_free: collections.OrderedDict[int, None] = collections.OrderedDict()  # LRU first
         self.num_evictions = 0
+        self.events = None  # jaxcb.host.kv_events.KVEvents: told of each eviction and clearing
 
     @property
     def num_usable(self) -> int:
@@ -74,8 +75,11 @@ class PagePool:
                 pages.append(self._free.pop())
             else:
                 page, _ = self._cached_free.popitem(last=False)
-                del self._page_of[self._hash_of.pop(page)]
+                page_hash = self._hash_of.pop(page)
+                del self._page_of[page_hash]
                 self.num_evictions += 1
+                if self.events is not None:
+                    self.events.removed(page_hash)
                 pages.append(page)
         self.ref_counts[pages] = 1
         return pages
@@ -131,6 +135,8 @@ class PagePool:
 
     def forget_cached(self) -> None:
         """Drop every registration (the device's pages were lost): cached free pages become plain free."""
+        if self.events is not None and self._hash_of:
+            self.events.cleared()
         self._free.extend(self._cached_free)
         self._cached_free.clear()
         self._page_of.clear()

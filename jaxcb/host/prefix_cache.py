@@ -104,9 +104,14 @@ class PrefixCache:
         full = min(upto // self.page_size, len(r.page_ids))
         if full <= r.num_registered:
             return
-        hashes = self._hashes(r, full)[r.num_registered:]
-        for page, page_hash in zip(r.page_ids[r.num_registered:full], hashes):
-            self.pool.register(page, page_hash)
+        chain = self._hashes(r, full)
+        hashes = chain[r.num_registered:]
+        events, s = self.pool.events, self.page_size
+        ids = r.all_ids if events is not None else None
+        for k, page, page_hash in zip(range(r.num_registered, full), r.page_ids[r.num_registered:full], hashes):
+            if self.pool.register(page, page_hash) and events is not None:  # newly cached: tell the routers
+                events.stored(page_hash, chain[k - 1] if k else None, ids[k * s:(k + 1) * s],
+                              r.lora.name if r.lora is not None else None)
         if self.window is not None:
             self.window.register(r, r.num_registered, hashes)
         r.num_registered = full
