@@ -58,7 +58,7 @@ def main(workdir: str) -> None:
             cfg, params, tok, eos = loaded[weights]
             rng = np.random.default_rng(0)
             prompts = [rng.integers(3, cfg.vocab_size, n).tolist() for n in (5, 40, 17, 90, 33, 1)]
-            config = make_config(num_pages=16, max_context=256, decode_batch=(8,), prefill_tokens=(64,),
+            config = make_config(num_pages=16, max_context=256, decode_batch=(8,), prefill_tokens=(64,), tokens=(72,),
                                  tensor_parallel=tp, data_parallel=dp, attention=attention, weights=weights,
                                  kv_dtype="int8" if weights == "int8" else "auto",  # int8 runs: int8 KV too
                                  compile="fast",  # tiny models: server_util.compile_mode
