@@ -3,7 +3,8 @@
 (LeaderWorkerSet, InferencePool, HTTPRoute) against the required structure of their published CRDs with
 their pod templates as Kubernetes PodTemplates, and every jaxcb command in them parses with jaxcb's own
 CLI and plans (`jaxcb plan`) on the device memory the manifest names. The endpoint picker's metric flags
-name metrics a real server exports with the types the model-server protocol asks for."""
+name metrics a real server exports with the types the model-server protocol asks for (check_epp_metrics,
+run on tests/test_routing.py's servers)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,6 @@ import re
 import subprocess
 import sys
 
-import httpx
 import jsonschema
 import pytest
 import yaml
@@ -187,23 +187,15 @@ def _epp_metric_flags() -> dict[str, str]:
     raise AssertionError("no endpoint picker in deploy/")
 
 
-def test_the_endpoint_pickers_metrics_are_served(tiny_gguf_path, config_path):
-    """A real server's /metrics (on its HTTP port, where the picker scrapes) holds each metric the
-    picker's flags name, as a gauge with the protocol's meaning."""
+def check_epp_metrics(text: str) -> None:
+    """A server's /metrics (its HTTP port, where the picker scrapes) holds each metric the picker's flags
+    name, as a gauge with the protocol's meaning (tests/test_routing.py checks its servers with it; they
+    run with --max-loras 1)."""
     from prometheus_client.parser import text_string_to_metric_families
-
-    from tests.server_util import ServerProcess, free_port
 
     flags = _epp_metric_flags()
     assert set(flags) == {"total-queued-requests-metric", "total-running-requests-metric",
                           "kv-cache-usage-percentage-metric", "lora-info-metric", "cache-info-metric"}
-    http = free_port()
-    s = ServerProcess(tiny_gguf_path, config_path, "--http-port", str(http), "--max-loras", "1")
-    try:
-        s.wait_serving()
-        text = httpx.get(f"http://127.0.0.1:{http}/metrics", timeout=10).text
-    finally:
-        assert s.stop() == 0, s.output()
     families = {f.name: f for f in text_string_to_metric_families(text)}
     for flag, metric in flags.items():
         assert metric in families, (flag, metric)

@@ -14,6 +14,7 @@ from serve.openai_fields import http_error
 # What each kind must mean on the wire: the same answer on both APIs.
 WIRE = {
     errors.InvalidRequest: (grpc.StatusCode.INVALID_ARGUMENT, 400),
+    errors.NotFound: (grpc.StatusCode.NOT_FOUND, 404),
     errors.Overloaded: (grpc.StatusCode.RESOURCE_EXHAUSTED, 429),
     errors.Unavailable: (grpc.StatusCode.UNAVAILABLE, 503),
     errors.Unauthenticated: (grpc.StatusCode.UNAUTHENTICATED, 401),

@@ -1,8 +1,8 @@
 """KV-cache events (jaxcb.host.kv_events, `jaxcb serve --kv-events`): a subscriber that knows only the
 wire format (vLLM's: ZMQ frames topic / 8-byte sequence / msgpack batch of tagged arrays), decoding with
 msgpack alone, rebuilds the prefix cache's exact contents from the events, under load with evictions;
-a late subscriber gets the same from the replay socket; a real server publishes the same hashes for the
-same prefix as another engine does."""
+a late subscriber gets the same from the replay socket. (tests/test_routing.py: servers publish the
+hashes another engine gives the same prefix, and routing by them.)"""
 
 from __future__ import annotations
 
@@ -122,46 +122,6 @@ def test_a_subscriber_rebuilds_the_prefix_cache_from_the_events_alone(make_llm):
         publisher.close()
         sub.close(0)
         ctx.term()
-
-
-def test_a_server_publishes_the_same_hashes_for_the_same_prefix(tiny_gguf_path, config_path, make_llm):
-    """`jaxcb serve --kv-events`: the default topic names the host and the model; a prompt's pages
-    carry the hashes another engine (here one in this process) gives the same tokens."""
-    import socket
-
-    from serve.client import Client
-    from tests.server_util import ServerProcess, free_port
-
-    port = free_port()
-    s = ServerProcess(tiny_gguf_path, config_path, "--kv-events", f"tcp://127.0.0.1:{port}")
-    ctx = zmq.Context()
-    sub = ctx.socket(zmq.SUB)
-    sub.setsockopt(zmq.SUBSCRIBE, b"")
-    sub.connect(f"tcp://127.0.0.1:{port}")
-    try:
-        s.wait_serving()
-        assert f"KV-cache events of replica 0 on tcp://127.0.0.1:{port}" in s.output()
-        prompt = list(range(5, 5 + 3 * PAGE + 3))
-        time.sleep(0.3)
-        with Client(s.target) as c:
-            c.complete(token_ids=prompt, max_tokens=4, ignore_eos=True)
-        stored, deadline = [], time.monotonic() + 20
-        while len(stored) < 3 and time.monotonic() < deadline:
-            if sub.poll(200):
-                topic, _, payload = sub.recv_multipart()
-                assert topic == f"kv@{socket.gethostname()}@tiny".encode()
-                stored += [e for e in msgpack.unpackb(payload)[1] if e[0] == "BlockStored"]
-    finally:
-        assert s.stop() == 0, s.output()
-        sub.close(0)
-        ctx.term()
-    llm = make_llm()
-    seen = []
-    llm.engine.publish_kv_events(lambda batch: seen.extend(e for e in batch[1] if e[0] == "BlockStored"))
-    llm.generate([prompt], SamplingParams(max_tokens=4, ignore_eos=True))
-    assert [e[1:4] for e in stored[:3]] == [e[1:4] for e in seen[:3]]  # hashes, parents, tokens
-    assert [e[3] for e in stored[:3]] == [prompt[i * PAGE:(i + 1) * PAGE] for i in range(3)]
-    assert stored[0][2] is None and stored[1][2] == stored[0][1][0]
 
 
 def test_a_malformed_endpoint_is_refused_before_loading(tiny_gguf_path):

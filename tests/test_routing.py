@@ -31,6 +31,7 @@ class Index(threading.Thread):
         self.sub.setsockopt(zmq.SUBSCRIBE, b"kv@")
         self.sub.connect(endpoint)
         self.key_of: dict[int, bytes] = {}
+        self.stored: list = []  # every BlockStored event, as it came
         self.keys: set[bytes] = set()
         self.batches = 0
         self.stopped = False
@@ -43,6 +44,7 @@ class Index(threading.Thread):
             self.batches += 1
             for e in msgpack.unpackb(payload)[1]:
                 if e[0] == "BlockStored":
+                    self.stored.append(e)
                     parent = self.key_of.get(e[2], b"") if e[2] is not None else b""
                     key = prefix_key(parent, e[3])
                     self.key_of[e[1][0]] = key
@@ -97,6 +99,11 @@ async def _post(client, http: str, prompt: list[int]):
     r.raise_for_status()
 
 
+async def _post_once(http: str, prompt: list[int]):
+    async with httpx.AsyncClient() as client:
+        await _post(client, http, prompt)
+
+
 def run_phase(servers, indexes, waves, choose) -> dict:
     """Send the waves (each wave's requests at once), routing each request with choose(n, prompt,
     outstanding): outstanding[i] is how many of the router's requests server i has not answered."""
@@ -131,19 +138,25 @@ def run_phase(servers, indexes, waves, choose) -> dict:
             "routing_s": routing[0], "sent": sent, "output_tokens": 8 * sum(len(w) for w in waves)}
 
 
-def test_routing_by_kv_events_keeps_the_single_server_hit_rate(tiny_gguf_path, config_path):
+def test_routing_by_kv_events_keeps_the_single_server_hit_rate(tiny_gguf_path, config_path, make_llm):
+    """Also, on the same servers: the endpoint picker's metric flags (deploy/inferencepool.yaml) name
+    metrics they export, and a server's events carry the hashes another engine gives the same prompt."""
+    from jaxcb.host.request import SamplingParams
     from tests.server_util import ServerProcess, free_port
+    from tests.test_deploy import check_epp_metrics
 
     servers, ctx = [], zmq.Context()
     try:
         for _ in range(2):
             events, http = free_port(), free_port()
             s = ServerProcess(tiny_gguf_path, config_path, "--http-port", str(http), "--kv-events",
-                              f"tcp://127.0.0.1:{events}")
+                              f"tcp://127.0.0.1:{events}", "--max-loras", "1")
             s.http, s.events = f"http://127.0.0.1:{http}", f"tcp://127.0.0.1:{events}"
             servers.append(s)
         for s in servers:
             s.wait_serving()
+        check_epp_metrics(httpx.get(servers[0].http + "/metrics", timeout=10).text)  # idle: before any request
+        assert f"KV-cache events of replica 0 on {servers[0].events}" in servers[0].output()
         indexes = [Index(ctx, s.events) for s in servers]
         for ix in indexes:
             ix.start()
@@ -173,6 +186,22 @@ def test_routing_by_kv_events_keeps_the_single_server_hit_rate(tiny_gguf_path, c
         assert routed["hit_rate"] >= single["hit_rate"] > round_robin["hit_rate"]
         assert routed["prompt_tokens_computed"] < round_robin["prompt_tokens_computed"]
         assert min(routed["sent"]) > 0  # both servers serve: the groups spread by load, then stick by prefix
+
+        # The same prefix, the same hashes: a new prompt's pages on server 0 and on an engine here.
+        prompt = list(range(5, 5 + 3 * PAGE + 3))
+        before = len(indexes[0].stored)
+        asyncio.run(_post_once(servers[0].http, prompt))
+        deadline = time.monotonic() + 20
+        while len(indexes[0].stored) < before + 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        served = indexes[0].stored[before:before + 3]
+        mine = []
+        llm = make_llm()
+        llm.engine.publish_kv_events(lambda batch: mine.extend(e for e in batch[1] if e[0] == "BlockStored"))
+        llm.generate([prompt], SamplingParams(max_tokens=8, ignore_eos=True, temperature=0))
+        assert [e[1:4] for e in served] == [e[1:4] for e in mine[:3]]  # hashes, parents, tokens
+        assert [e[3] for e in served] == [prompt[i * PAGE:(i + 1) * PAGE] for i in range(3)]
+        assert served[0][2] is None and served[1][2] == served[0][1][0]
     finally:
         for s in servers:
             assert s.stop() == 0, s.output()
