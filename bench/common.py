@@ -5,21 +5,16 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import time
 
 
 def machine() -> str:
     import jax
 
+    from serve.benchmark import cpu_name
+
     dev = jax.devices()[0]
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(l.split(":", 1)[1].strip() for l in f if l.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    kind = dev.device_kind if dev.platform != "cpu" else f"CPU ({os.cpu_count()} cores: {cpu})"
+    kind = dev.device_kind if dev.platform != "cpu" else f"CPU ({os.cpu_count()} cores: {cpu_name()})"
     return f"{kind}, jax {jax.__version__}"
 
 

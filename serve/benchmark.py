@@ -201,15 +201,20 @@ def table(runs, slo_ttft, slo_tpot) -> str:
     return "\n".join(lines)
 
 
-def client_machine() -> str:
-    """The machine the benchmark ran from (the client; the server may be elsewhere)."""
+def cpu_name() -> str:
+    """This machine's CPU model (/proc/cpuinfo's model name, else what platform knows)."""
     cpu = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as f:
             cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
-    return f"client: {os.cpu_count()} cores, {cpu}"
+    return cpu
+
+
+def client_machine() -> str:
+    """The machine the benchmark ran from (the client; the server may be elsewhere)."""
+    return f"client: {os.cpu_count()} cores, {cpu_name()}"
 
 
 def add_args(ap: argparse.ArgumentParser, *, url_required: bool = True) -> None:

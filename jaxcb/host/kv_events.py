@@ -28,6 +28,7 @@ import collections
 import queue
 import threading
 import time
+import zlib
 
 MEDIUM = "GPU"  # vLLM's name for the engine's own KV pages (device memory; host memory on the CPU backend)
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
@@ -77,8 +78,6 @@ def _lora_id(name: str | None) -> int | None:
     """A LoRA adapter's id in the events: a stable 31-bit number from its name (None: the base model)."""
     if not name:
         return None
-    import zlib
-
     return zlib.crc32(name.encode()) & 0x7FFFFFFF
 
 
