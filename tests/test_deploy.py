@@ -1,7 +1,8 @@
 """The manifests in deploy/: every document validates against the Kubernetes schema of its kind
 (kubernetes-validate's bundled OpenAPI schemas, strict: unknown fields fail), the custom resources
-(LeaderWorkerSet, InferencePool, HTTPRoute) against the required structure of their published CRDs with
-their pod templates as Kubernetes PodTemplates, and every jaxcb command in them parses with jaxcb's own
+(LeaderWorkerSet, InferencePool, HTTPRoute) against their published CRDs' schemas (tests/data/crds, from
+the projects' release tags by tools/crd_schemas.py: strict structure, and their CEL rules where cel-python
+can judge them) with their pod templates also as Kubernetes PodTemplates, and every jaxcb command in them parses with jaxcb's own
 CLI and plans (`jaxcb plan`) on the device memory the manifest names. The endpoint picker's metric flags
 name metrics a real server exports with the types the model-server protocol asks for (check_epp_metrics,
 run on tests/test_routing.py's servers)."""
@@ -26,50 +27,116 @@ IMAGE = "ghcr.io/jaxcb/jaxcb"
 ENV = {"LWS_LEADER_ADDRESS": "jaxcb-multihost-0.jaxcb-multihost.default", "LWS_GROUP_SIZE": "2",
        "LWS_WORKER_INDEX": "1", "NAMESPACE": "default"}
 
-_NAME = {"type": "string", "minLength": 1, "maxLength": 253}
-_PORT = {"type": "object", "required": ["number"], "additionalProperties": False,
-         "properties": {"number": {"type": "integer", "minimum": 1, "maximum": 65535}}}
-# The required structure of the custom resources' published schemas (v1 of each), written out here.
-CRD_SCHEMAS = {
-    ("inference.networking.k8s.io/v1", "InferencePool"): {
-        "type": "object", "required": ["spec"], "properties": {"spec": {
-            "type": "object", "required": ["selector", "targetPorts", "endpointPickerRef"], "additionalProperties": False,
-            "properties": {
-                "selector": {"type": "object", "required": ["matchLabels"], "additionalProperties": False,
-                             "properties": {"matchLabels": {"type": "object", "minProperties": 1,
-                                                            "additionalProperties": {"type": "string", "maxLength": 63}}}},
-                "targetPorts": {"type": "array", "minItems": 1, "maxItems": 8, "items": _PORT},
-                "endpointPickerRef": {"type": "object", "required": ["name"], "additionalProperties": False,
-                                      "properties": {"name": _NAME, "group": {"type": "string"},
-                                                     "kind": {"type": "string"}, "port": _PORT,
-                                                     "failureMode": {"enum": ["FailOpen", "FailClose"]}}}}}}},
-    ("gateway.networking.k8s.io/v1", "HTTPRoute"): {
-        "type": "object", "required": ["spec"], "properties": {"spec": {
-            "type": "object", "additionalProperties": False,
-            "properties": {
-                "parentRefs": {"type": "array", "items": {"type": "object", "required": ["name"]}},
-                "hostnames": {"type": "array", "items": {"type": "string"}},
-                "rules": {"type": "array", "maxItems": 16, "items": {
-                    "type": "object", "properties": {
-                        "matches": {"type": "array"},
-                        "backendRefs": {"type": "array", "items": {
-                            "type": "object", "required": ["name"],
-                            "properties": {"name": _NAME, "group": {"type": "string"}, "kind": {"type": "string"},
-                                           "port": {"type": "integer"}, "weight": {"type": "integer"}}}}}}}}}}},
-    ("leaderworkerset.x-k8s.io/v1", "LeaderWorkerSet"): {
-        "type": "object", "required": ["spec"], "properties": {"spec": {
-            "type": "object", "required": ["leaderWorkerTemplate"], "additionalProperties": False,
-            "properties": {
-                "replicas": {"type": "integer", "minimum": 0},
-                "startupPolicy": {"enum": ["LeaderCreated", "LeaderReady"]},
-                "rolloutStrategy": {"type": "object"}, "networkConfig": {"type": "object"},
-                "leaderWorkerTemplate": {
-                    "type": "object", "required": ["workerTemplate"], "additionalProperties": False,
-                    "properties": {"size": {"type": "integer", "minimum": 1},
-                                   "restartPolicy": {"enum": ["RecreateGroupOnPodRestart", "None"]},
-                                   "leaderTemplate": {"type": "object"}, "workerTemplate": {"type": "object"},
-                                   "subGroupPolicy": {"type": "object"}}}}}}},
-}
+CRDS = os.path.join(ROOT, "tests", "data", "crds")
+
+
+def _strict(node: dict, in_branch: bool = False) -> dict:
+    """A CRD's structural schema as JSON Schema, as the API server applies it with strict field validation
+    (`kubectl apply`'s default): an object's unknown fields fail unless it preserves them, int-or-string
+    takes either, nullable takes null. Inside anyOf/allOf/oneOf/not (value checks, which repeat fields
+    the structure declares) no unknown-field rule is added."""
+    out = dict(node)
+    for key in ("anyOf", "allOf", "oneOf"):
+        if key in node:
+            out[key] = [_strict(n, True) for n in node[key]]
+    if "not" in node:
+        out["not"] = _strict(node["not"], True)
+    if "properties" in node:
+        out["properties"] = {k: _strict(v, in_branch) for k, v in node["properties"].items()}
+    if isinstance(node.get("items"), dict):
+        out["items"] = _strict(node["items"], in_branch)
+    if isinstance(node.get("additionalProperties"), dict):
+        out["additionalProperties"] = _strict(node["additionalProperties"], in_branch)
+    if node.get("x-kubernetes-int-or-string"):
+        out.pop("type", None)
+        out["anyOf"] = [*out.get("anyOf", []), {"type": "integer"}, {"type": "string"}]
+    if node.get("nullable") and "type" in out:
+        out["type"] = [out["type"], "null"]
+    if (not in_branch and node.get("type") == "object" and "properties" in node
+            and "additionalProperties" not in node and not node.get("x-kubernetes-preserve-unknown-fields")):
+        out["additionalProperties"] = False
+    return out
+
+
+def _load_crds() -> dict:
+    """(apiVersion, kind) -> the published CRD version's record (tools/crd_schemas.py made the files)."""
+    import gzip
+    import json
+
+    crds = {}
+    for path in sorted(glob.glob(os.path.join(CRDS, "*.json.gz"))):
+        with gzip.open(path) as f:
+            record = json.load(f)
+        crds[(f"{record['group']}/{record['version']}", record["kind"])] = record
+    return crds
+
+
+CRD_RECORDS = _load_crds()
+
+
+def _cel_rules(value, schema: dict, path: str):
+    """(path, rule, value) for every x-kubernetes-validations rule that applies to a value in `value`."""
+    for rule in schema.get("x-kubernetes-validations", ()):
+        yield path, rule, value
+    if isinstance(value, dict):
+        for key, sub in value.items():
+            child = schema.get("properties", {}).get(key)
+            if child is None and isinstance(schema.get("additionalProperties"), dict):
+                child = schema["additionalProperties"]
+            if child is not None:
+                yield from _cel_rules(sub, child, f"{path}.{key}")
+    elif isinstance(value, list) and isinstance(schema.get("items"), dict):
+        for i, sub in enumerate(value):
+            yield from _cel_rules(sub, schema["items"], f"{path}[{i}]")
+
+
+def _with_defaults(value, schema: dict):
+    """`value` with the schema's defaults filled in, as the API server does before it validates."""
+    if isinstance(value, dict):
+        props = schema.get("properties", {})
+        out = {k: v for k, v in value.items()}
+        for key, child in props.items():
+            if key not in out and "default" in child:
+                out[key] = child["default"]
+        for key, sub in out.items():
+            child = props.get(key)
+            if child is None and isinstance(schema.get("additionalProperties"), dict):
+                child = schema["additionalProperties"]
+            if child is not None:
+                out[key] = _with_defaults(sub, child)
+        return out
+    if isinstance(value, list) and isinstance(schema.get("items"), dict):
+        return [_with_defaults(v, schema["items"]) for v in value]
+    return value
+
+
+def _validate_crd(doc: dict, record: dict) -> tuple[int, int]:
+    """Validate a custom resource against its published schema: the structure strictly (jsonschema), then
+    each CEL rule on the values it applies to (cel-python), after filling in the schema's defaults as the
+    API server does. A rule that uses a Kubernetes-only CEL function, or a transition rule on oldSelf,
+    cannot be judged offline and is counted, not passed. Returns (rules evaluated, rules not evaluable);
+    a rule that evaluates false raises."""
+    import celpy
+
+    doc = _with_defaults(doc, record["schema"])
+    jsonschema.validate(doc, _strict(record["schema"]))
+    env, done, skipped = celpy.Environment(), 0, 0
+    for path, rule, value in _cel_rules(doc, record["schema"], doc["kind"]):
+        if "oldSelf" in rule["rule"]:
+            skipped += 1
+            continue
+        try:
+            result = env.program(env.compile(rule["rule"])).evaluate({"self": celpy.json_to_cel(value)})
+        except Exception:  # noqa: BLE001 - a function celpy lacks (isURL, quantity, ...): not judged here
+            skipped += 1
+            continue
+        if not isinstance(result, celpy.celtypes.BoolType):
+            skipped += 1
+            continue
+        if not result:
+            raise jsonschema.ValidationError(f"{path}: {rule.get('message', rule['rule'])} ({rule['rule']})")
+        done += 1
+    return done, skipped
 
 
 def _documents():
@@ -99,19 +166,23 @@ def _pod_templates(doc: dict):
 
 
 def test_every_manifest_validates_against_its_kinds_schema():
-    kinds, count = set(), 0
+    kinds, count, rules = set(), 0, [0, 0]
     for name, doc in _documents():
         count += 1
         kinds.add(doc["kind"])
-        schema = CRD_SCHEMAS.get((doc["apiVersion"], doc["kind"]))
-        if schema is None:
+        record = CRD_RECORDS.get((doc["apiVersion"], doc["kind"]))
+        if record is None:
             _validate_builtin(doc)
             continue
-        jsonschema.validate(doc, schema)
+        done, skipped = _validate_crd(doc, record)
+        rules[0] += done
+        rules[1] += skipped
         for template, where in _pod_templates(doc):  # the pods a custom resource makes: Kubernetes' own schema
             _validate_builtin({"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": "t"},
                                "template": template})
-    print(f"\n{count} manifests validated, kinds: {sorted(kinds)}")
+    print(f"\n{count} manifests validated, kinds: {sorted(kinds)}; CRD rules evaluated {rules[0]}, "
+          f"not evaluable offline {rules[1]}")
+    assert rules[0] > 0
     assert {"Deployment", "Service", "LeaderWorkerSet", "InferencePool", "HTTPRoute", "ConfigMap"} <= kinds
     # strict validation is strict: a misspelt field fails
     import kubernetes_validate
@@ -120,6 +191,49 @@ def test_every_manifest_validates_against_its_kinds_schema():
     bad = {**bad, "spec": {**bad["spec"], "replica": 2}}
     with pytest.raises(kubernetes_validate.ValidationError):
         _validate_builtin(bad)
+
+
+def _first(kind: str) -> dict:
+    import copy
+
+    return copy.deepcopy(next(doc for _, doc in _documents() if doc["kind"] == kind))
+
+
+def test_the_published_crd_schemas_catch_mistakes():
+    """The CRD files are the real schemas, applied strictly: a misspelt field, a wrong type or enum, and a
+    broken CEL rule each fail, in each custom kind."""
+    assert {k for _, k in CRD_RECORDS} >= {"LeaderWorkerSet", "InferencePool", "HTTPRoute"}
+    cases = []
+    lws = _first("LeaderWorkerSet")
+    lws["spec"]["leaderWorkerTemplate"]["sise"] = 2
+    cases.append(("LeaderWorkerSet", lws))
+    lws = _first("LeaderWorkerSet")
+    lws["spec"]["leaderWorkerTemplate"]["restartPolicy"] = "Sometimes"
+    cases.append(("LeaderWorkerSet", lws))
+    lws = _first("LeaderWorkerSet")
+    lws["spec"]["leaderWorkerTemplate"]["workerTemplate"]["spec"]["containers"][0]["imagee"] = "x"
+    cases.append(("LeaderWorkerSet", lws))
+    pool = _first("InferencePool")
+    pool["spec"]["targetPorts"] = [{"number": 8000}, {"number": 8000}]  # CEL: port numbers unique
+    cases.append(("InferencePool", pool))
+    pool = _first("InferencePool")
+    pool["spec"]["endpointPickerRef"].pop("port")  # CEL: a Service needs a port
+    cases.append(("InferencePool", pool))
+    pool = _first("InferencePool")
+    pool["spec"]["targetPorts"] = [{"number": "8000"}]
+    cases.append(("InferencePool", pool))
+    route = _first("HTTPRoute")
+    route["spec"]["rules"][0]["backendRefs"][0]["weight"] = -1
+    cases.append(("HTTPRoute", route))
+    route = _first("HTTPRoute")
+    route["spec"]["rule"] = route["spec"].pop("rules")
+    cases.append(("HTTPRoute", route))
+    for kind, doc in cases:
+        with pytest.raises(jsonschema.ValidationError):
+            _validate_crd(doc, CRD_RECORDS[(doc["apiVersion"], kind)])
+    for kind in ("LeaderWorkerSet", "InferencePool", "HTTPRoute"):  # and the untouched documents pass
+        doc = _first(kind)
+        _validate_crd(doc, CRD_RECORDS[(doc["apiVersion"], kind)])
 
 
 def _expand(arg: str) -> str:
