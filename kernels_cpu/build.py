@@ -98,14 +98,33 @@ def build() -> Path:
             return path
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
         os.close(fd)
-        cmd = compile_command(tmp)
-        log.info("building the CPU kernels: %s", " ".join(cmd))
-        result = subprocess.run(cmd, capture_output=True, text=True)
-        if result.returncode != 0:
+        try:
+            _compile(tmp)
+        except Exception:
             os.unlink(tmp)
-            raise RuntimeError(f"building the CPU kernels failed:\n{result.stderr[-4000:]}")
+            raise
         os.replace(tmp, path)
     return path
+
+
+def _compile(output: str) -> None:
+    """compile_command, with each source compiled to an object file in its own process at once (the
+    sources take 9-31 s each on a 2-core machine), then linked."""
+    cmd = compile_command(output)
+    sources = [str(s) for s in SOURCES]
+    flags = [a for a in cmd[1:cmd.index(sources[0])] if a != "-shared"]
+    log.info("building the CPU kernels: %s", " ".join(cmd))
+    with tempfile.TemporaryDirectory() as objects:
+        outs = [os.path.join(objects, f"{i}.o") for i in range(len(sources))]
+        jobs = [subprocess.Popen([cmd[0], *flags, "-c", src, "-o", out], stdout=subprocess.DEVNULL,
+                                 stderr=subprocess.PIPE, text=True) for src, out in zip(sources, outs)]
+        errors = [job.communicate()[1] for job in jobs]
+        failed = [err for job, err in zip(jobs, errors) if job.returncode != 0]
+        if not failed:
+            link = subprocess.run([cmd[0], "-shared", "-fPIC", *outs, "-o", output], capture_output=True, text=True)
+            failed = [link.stderr] if link.returncode != 0 else []
+        if failed:
+            raise RuntimeError(f"building the CPU kernels failed:\n{failed[0][-4000:]}")
 
 
 if __name__ == "__main__":

@@ -148,3 +148,35 @@ LONGEST_FIRST = ("test_parallel.py", "test_kernels.py", "test_stress.py", "test_
 def pytest_collection_modifyitems(config, items):
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(os.path.basename(str(item.fspath)), len(rank)))
+
+
+# Where a test's time goes: with JAXCB_TEST_TIMES=FILE, each test appends one JSON line to FILE with its
+# wall time and the seconds JAX spent tracing, lowering and compiling (or loading from the compile cache)
+# in this process (servers and CLIs a test starts are not counted). For finding what to cut.
+_TIMES = os.environ.get("JAXCB_TEST_TIMES")
+_JAX_SECONDS: dict[str, float] = {}
+
+
+@pytest.fixture(autouse=True)
+def _time_jax_work(request):
+    if not _TIMES:
+        yield
+        return
+    import time
+
+    import jax
+
+    if not _JAX_SECONDS:
+        _JAX_SECONDS["installed"] = 0.0
+
+        def listen(event, seconds, **kwargs):
+            _JAX_SECONDS[event] = _JAX_SECONDS.get(event, 0.0) + seconds
+
+        jax.monitoring.register_event_duration_secs_listener(listen)
+    before, start = dict(_JAX_SECONDS), time.perf_counter()
+    yield
+    wall = time.perf_counter() - start
+    spent = {k.rsplit("/", 1)[-1]: round(v - before.get(k, 0.0), 2) for k, v in _JAX_SECONDS.items()
+             if k != "installed" and v - before.get(k, 0.0) > 0.05}
+    with open(_TIMES, "a") as f:
+        f.write(json.dumps({"test": request.node.nodeid, "wall": round(wall, 2), **spent}) + "\n")

@@ -57,21 +57,27 @@ def make_pool(rng, kv_lens, page_size, head_dim, dtype, extra_pages=7):
     return jnp.asarray(k, dtype), jnp.asarray(v, dtype), jnp.asarray(table)
 
 
+_reference = jax.jit(paged_attention_reference)
+
+
 def reference(q, k, v, table, kv_lens, q_lens):
-    """Per sequence: q [n, H, D] at the last n positions. Computed in float32."""
-    outs = []
+    """Per sequence: q [n, H, D] at the last n positions. Computed in float32, all sequences in one
+    jitted call (queries right-padded, padding rows repeating the last position and dropped)."""
+    b, m = len(q_lens), max(q_lens)
+    heads, dim = q[0].shape[-2:]
+    qs = np.zeros((b, m, heads, dim), np.float32)
+    pos = np.zeros((b, m), np.int32)
     for i, (n, q_i) in enumerate(zip(q_lens, q)):
-        pos = np.arange(kv_lens[i] - n, kv_lens[i], dtype=np.int32)[None]
-        out = paged_attention_reference(q_i[None].astype(jnp.float32), k.astype(jnp.float32),
-                                        v.astype(jnp.float32), table[i : i + 1],
-                                        jnp.array([kv_lens[i]], jnp.int32), pos)
-        outs.append(np.asarray(out[0]))
-    return outs
+        qs[i, :n] = np.asarray(q_i).astype(np.float32)
+        pos[i] = np.arange(kv_lens[i] - n, kv_lens[i] - n + m).clip(max=kv_lens[i] - 1)
+    out = np.asarray(_reference(jnp.asarray(qs), k.astype(jnp.float32), v.astype(jnp.float32), table[:b],
+                                jnp.asarray(kv_lens[:b], jnp.int32), jnp.asarray(pos)))
+    return [out[i, :n] for i, n in enumerate(q_lens)]
 
 
 def decode_reference(q, k, v, table, lengths):
     """reference() for one query per sequence: q [B, H, D] -> [B, H, D]."""
-    return np.stack([r[0] for r in reference(q[:, None], k, v, table, lengths, [1] * len(lengths))])
+    return np.stack([r[0] for r in reference(np.asarray(q)[:, None], k, v, table, lengths, [1] * len(lengths))])
 
 
 def assert_close(out, ref, dtype):
@@ -131,7 +137,8 @@ def test_ragged_kernel_matches_reference(backend, page_size, head_dim, group, dt
     out = interpreted(ragged_paged_attention, q, k, v, jnp.array(kv_lens, jnp.int32), table, jnp.asarray(cu),
                                  jnp.array([len(seqs)], jnp.int32), backend=backend)
     assert out.shape == q.shape and out.dtype == q.dtype
-    ref = reference([q[cu[i] : cu[i + 1]] for i in range(len(seqs))], k, v, table, kv_lens, q_lens)
+    qn = np.asarray(q)
+    ref = reference([qn[cu[i] : cu[i + 1]] for i in range(len(seqs))], k, v, table, kv_lens, q_lens)
     assert_close(out[:live_tokens], np.concatenate(ref), dtype)
     assert np.isfinite(np.asarray(out[live_tokens:], np.float32)).all()
 
@@ -148,13 +155,14 @@ def test_engine_layout_reads_only_its_layer(backend):
     q = jnp.asarray(rng.standard_normal((3, 6, 4, 64)), jnp.float32)  # T = 6, right-padded
     out = interpreted(engine_attention, q, cache, jnp.int32(1), jnp.array(lengths, jnp.int32), jnp.asarray(q_lens),
                            table, backend=backend, tokens_per_block=4)
-    ref = reference([q[i, :n] for i, n in enumerate(q_lens)], k, v, table, lengths, q_lens)
+    qn = np.asarray(q)
+    ref = reference([qn[i, :n] for i, n in enumerate(q_lens)], k, v, table, lengths, q_lens)
     for i, n in enumerate(q_lens[:2]):
         assert_close(out[i, :n], ref[i], jnp.float32)
     assert np.isfinite(np.asarray(out)).all()
     decode = interpreted(engine_attention, q[:, :1], cache, jnp.int32(1), jnp.array(lengths, jnp.int32),
                               jnp.ones(3, jnp.int32), table, backend=backend)
-    ref = reference([q[i, :1] for i in range(3)], k, v, table, lengths, [1, 1, 1])
+    ref = reference([qn[i, :1] for i in range(3)], k, v, table, lengths, [1, 1, 1])
     assert_close(decode[:2, 0], np.stack([r[0] for r in ref[:2]]), jnp.float32)
 
 
