@@ -73,8 +73,8 @@ def test_greedy_48_tokens_match_up_to_the_first_near_tie(gemma3_model, golden):
     config, params, tok, eos = gemma3_model
     records, _ = golden
     llm = LLM.from_params(config, params, tok, eos_ids=eos, config=make_config(
-        num_pages=200, page_size=16, max_context=2048, decode_batch=(32,), prefill_tokens=(256,),
-        max_prefill_tokens=256))  # two buckets: two compilations
+        num_pages=200, page_size=16, max_context=2048, decode_batch=(len(records),), prefill_tokens=(256,),
+        max_prefill_tokens=256))  # two buckets (two compilations), decode rows for exactly the 20 prompts
     outs = llm.generate([r["prompt_ids"] for r in records], SamplingParams(max_tokens=48, ignore_eos=True))
     agree = []
     for r, out in zip(records, outs):
