@@ -15,15 +15,17 @@ def main(golden_path: str, library: str) -> None:
     from jaxcb.host.request import SamplingParams
     from jaxcb.llm import LLM
 
-    config = make_config(num_pages=512, max_context=256, decode_batch=(16,), prefill_tokens=(64,), cpu_dots=library)
+    with open(golden_path) as f:
+        records = json.load(f)["records"][::2]
+    # One decode bucket of exactly these prompts (no padded rows), one prefill bucket.
+    config = make_config(num_pages=512, max_context=256, decode_batch=(len(records),), prefill_tokens=(64,),
+                         cpu_dots=library)
     llm = LLM(config=config)
 
     import jax
     import jax.numpy as jnp
 
     hlo = jax.jit(lambda x, w: jax.nn.silu(x @ w)).lower(jnp.ones((32, 576)), jnp.ones((576, 1536))).compile().as_text()
-    with open(golden_path) as f:
-        records = json.load(f)["records"][::2]
     outs = llm.generate([r["prompt_ids"] for r in records], SamplingParams(max_tokens=STEPS, ignore_eos=True))
     llm.engine.pool.check_all_free()
     print(json.dumps({"library": cpu_dots.current().library,

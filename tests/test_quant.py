@@ -240,7 +240,7 @@ def test_smollm2_perplexity_of_each_mode_against_float32():
 
     cfg, params, tok, eos = load_model()  # the embedded SmolLM2, float32; each mode quantizes these weights
     floats = {k: np.asarray(v) for k, v in params_to_weights(params).items()}
-    ids = tok.encode(open(HELDOUT, encoding="utf-8").read())[:1024]
+    ids = tok.encode(open(HELDOUT, encoding="utf-8").read())[:768]  # three chunks of 256 a mode
     figures = {}
     for mode, group, kv in (("float32", 0, "auto"), ("int8", 0, "auto"), ("int8", 32, "auto"), ("int4", 0, "auto"),
                             ("float32", 0, "int8"), ("w8a8", 0, "auto")):
@@ -257,8 +257,8 @@ def test_smollm2_perplexity_of_each_mode_against_float32():
     # int4's groups and the int8 embedding's give back the GGUF's own Q4_1 and Q8_0 blocks: the same model.
     assert abs(ratios["int4", 0, "auto"]) < 1e-4  # target 5%
     assert abs(ratios["float32", 0, "int8"]) < 0.01
-    assert -0.03 < ratios["int8", 32, "auto"] < 0.01  # on this excerpt a little below float32
-    # Per output column: +0.9% on the whole text (README), +1.5% on this excerpt.
+    assert -0.03 < ratios["int8", 32, "auto"] < 0.01  # on this excerpt a little below float32 (-1.7%)
+    # Per output column: +0.9% on the whole text (README), +1.7% on this excerpt (its first 768 tokens).
     assert 0 < ratios["int8", 0, "auto"] < 0.02
-    # int8 activations too (rows quantized per 32 values): about +0.8% more on this excerpt.
+    # int8 activations too (rows quantized per 32 values): about +1.5% more on this excerpt (+3.2% in all).
     assert ratios["int8", 0, "auto"] < ratios["w8a8", 0, "auto"] < 0.035
