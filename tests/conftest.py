@@ -151,8 +151,8 @@ def pytest_collection_modifyitems(config, items):
 
 
 # Where a test's time goes: with JAXCB_TEST_TIMES=FILE, each test appends one JSON line to FILE with its
-# wall time and the seconds JAX spent tracing, lowering and compiling (or loading from the compile cache)
-# in this process (servers and CLIs a test starts are not counted). For finding what to cut.
+# wall time, the seconds JAX spent tracing, lowering and compiling (or loading from the compile cache)
+# and the number of programs compiled in this process (servers and CLIs a test starts are not counted). For finding what to cut.
 _TIMES = os.environ.get("JAXCB_TEST_TIMES")
 _JAX_SECONDS: dict[str, float] = {}
 
@@ -171,12 +171,14 @@ def _time_jax_work(request):
 
         def listen(event, seconds, **kwargs):
             _JAX_SECONDS[event] = _JAX_SECONDS.get(event, 0.0) + seconds
+            if event.endswith("backend_compile_duration"):
+                _JAX_SECONDS["compiles"] = _JAX_SECONDS.get("compiles", 0.0) + 1
 
         jax.monitoring.register_event_duration_secs_listener(listen)
     before, start = dict(_JAX_SECONDS), time.perf_counter()
     yield
     wall = time.perf_counter() - start
     spent = {k.rsplit("/", 1)[-1]: round(v - before.get(k, 0.0), 2) for k, v in _JAX_SECONDS.items()
-             if k != "installed" and v - before.get(k, 0.0) > 0.05}
+             if k != "installed" and v - before.get(k, 0.0) > 0.05}  # and "compiles": how many programs
     with open(_TIMES, "a") as f:
         f.write(json.dumps({"test": request.node.nodeid, "wall": round(wall, 2), **spent}) + "\n")

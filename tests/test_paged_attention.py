@@ -171,14 +171,16 @@ def test_int8_pages_hold_values_and_scales_and_attention_reads_them(native):
     kv = jnp.full((layers, 2, kv_heads, num_pages, s, d + 4), -1, jnp.int8)  # scale bytes 0xFFFFFFFF: NaN
     perm = iter(rng.permutation(np.arange(1, num_pages)))
     specs, qs, want = [], [], []
+    write = jax.jit(write_kv)  # one program per sequence length, not one per operation
+    round_trip = jax.jit(lambda a: dequantize_kv(quantize_kv(a)))
     for ctx, n in seqs:
         total = ctx + n
         pages = [int(next(perm)) for _ in range(-(-total // s))]
         k = rng.standard_normal((total, kv_heads, d)).astype(np.float32)
         v = rng.standard_normal((total, kv_heads, d)).astype(np.float32)
         slots = jnp.asarray([pages[p // s] * s + p % s for p in range(total)], jnp.int32)
-        kv = write_kv(kv, jnp.int32(layer), jnp.asarray(k), jnp.asarray(v), slots)
-        deq = lambda a: np.asarray(dequantize_kv(quantize_kv(jnp.asarray(a))))  # noqa: E731
+        kv = write(kv, jnp.int32(layer), jnp.asarray(k), jnp.asarray(v), slots)
+        deq = lambda a: np.asarray(round_trip(jnp.asarray(a)))  # noqa: E731
         q = rng.standard_normal((n, heads, d)).astype(np.float32)
         specs.append(SeqSpec([0] * n, ctx, pages))
         qs.append(q)
