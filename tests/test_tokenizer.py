@@ -123,3 +123,50 @@ def test_a_character_cut_off_at_the_end_is_flushed_not_dropped(tok):
     assert d.add(ids[:1]) == ""  # held back: an unfinished character
     assert d.flush() == "\ufffd"
     assert d.flush() == ""
+
+
+def _sentencepiece_spec(**changes):
+    """A small SentencePiece vocabulary (tokenizer.ggml.model = llama, Gemma's merge order): control
+    tokens, a user-defined one, "▁"-spelt pieces, byte fallback for everything else."""
+    import dataclasses
+
+    from jaxcb.host.tokenizer import TokenizerSpec
+
+    pieces = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "\n\n", "▁", "a", "b", "c", "ab", "▁a",
+              "▁ab", "bc", "▁abc", *[f"<0x{i:02X}>" for i in range(256)]]
+    types = [3, 3, 3, 2, 3, 4] + [1] * 9 + [6] * 256
+    spec = TokenizerSpec(model="llama", pre="default", tokens=tuple(pieces), merges=(), token_types=tuple(types),
+                         bos_id=2, eos_id=1, add_bos=True, chat_template=None, scores=tuple(0.0 for _ in pieces),
+                         add_space_prefix=False, arch="gemma3")
+    return dataclasses.replace(spec, **changes)
+
+
+def test_a_sentencepiece_tokenizer_is_built_once_and_then_read_from_its_cache(tmp_path, monkeypatch):
+    """The rebuilt merges of a SentencePiece vocabulary are kept as JSON: the second tokenizer for the
+    same vocabulary is read back (nothing rebuilt) and encodes and decodes as the first; another
+    vocabulary gets its own entry; a damaged entry is rebuilt, not trusted."""
+    from jaxcb.host import tokenizer as tokenizer_module
+
+    monkeypatch.setenv("JAXCB_TOKENIZER_CACHE", str(tmp_path))
+    spec = _sentencepiece_spec()
+    texts = ["abc ab a", "cab\n\nba é", "<start_of_turn>abc", ""]
+    first = tokenizer_module.Tokenizer(spec)
+    (entry,) = tmp_path.iterdir()
+    built = []
+    real = tokenizer_module._sentencepiece_bpe
+    monkeypatch.setattr(tokenizer_module, "_sentencepiece_bpe", lambda s: built.append(s) or real(s))
+    second = tokenizer_module.Tokenizer(spec)
+    assert built == []  # read from the cache
+    for text in texts:
+        ids = first.encode(text)
+        assert second.encode(text) == ids and second.decode(ids) == first.decode(ids)
+        assert first.decode(ids) == text.replace("<start_of_turn>", "")  # control tokens are not text
+    assert first.encode(" abc") == [2, spec.tokens.index("▁abc")]  # BOS, then the merges reach the whole piece
+    assert second.special_ids == first.special_ids and second.vocab_size == first.vocab_size
+    other = _sentencepiece_spec(scores=tuple(float(i) for i in range(len(spec.tokens))), arch="llama")
+    tokenizer_module.Tokenizer(other)
+    assert len(built) == 1 and len(list(tmp_path.iterdir())) == 2  # its own entry
+    entry.write_text(entry.read_text()[:100])  # damaged: rebuilt and rewritten
+    again = tokenizer_module.Tokenizer(spec)
+    assert len(built) == 2 and [again.encode(t) for t in texts] == [first.encode(t) for t in texts]
+    assert tokenizer_module._cached(spec) is not None
