@@ -137,12 +137,13 @@ def golden():
 
 
 # The longest test files first (measured: `make test` prints the slowest tests): xdist's --dist loadfile
-# hands files to its two workers in collection order, so a long file collected last would leave one worker
-# running alone at the end. (With the real-model files first instead, pytest took 927 s on the Zen 1 CPU
-# against 910 s with this order in the next run: no difference beyond the machine's own drift.)
-LONGEST_FIRST = ("test_parallel.py", "test_kernels.py", "test_stress.py", "test_engine.py", "test_quant.py",
-                 "test_server.py", "test_multihost.py", "test_cpu_dots.py", "test_paged_attention.py",
-                 "test_gemma3.py", "test_families.py", "test_native_matmul.py")
+# hands files to its two workers in collection order (the Makefile turns off xdist's own reordering by
+# test count, which put the one-test stress and mesh files last, each running alone at the end while the
+# other worker waited), so a long file collected last would leave one worker running alone at the end.
+LONGEST_FIRST = ("test_stress.py", "test_quant.py", "test_parallel.py", "test_gemma3.py", "test_cpu_dots.py",
+                 "test_model_parity.py", "test_speculative.py", "test_kernels.py", "test_engine.py",
+                 "test_server.py", "test_export.py", "test_multihost.py", "test_paged_attention.py",
+                 "test_native_matmul.py", "test_families.py", "test_cli.py")
 
 
 def pytest_collection_modifyitems(config, items):
