@@ -103,8 +103,10 @@ def test_a_library_that_dies_here_is_refused_naming_why(clean, monkeypatch):
         cpu_dots.choose("onednn", info=cpu_dots.cpu_info(AMD))
 
 
-def test_amx_listed_but_not_granted_caps_the_isa(clean):
+def test_amx_listed_but_not_granted_caps_the_isa(clean, monkeypatch):
+    monkeypatch.setattr(cpu_dots, "_amx_granted", lambda: False)  # as on a VM that lists AMX only
     listed = cpu_dots.cpu_info(INTEL)
+    assert not listed.amx_usable
     choice = cpu_dots.choose("default", info=listed)
     assert choice.isa == "AVX512_BF16" and "--xla_cpu_max_isa=AVX512_BF16" in choice.xla_flags()
     granted = cpu_dots.CpuInfo(listed.vendor, listed.model, listed.flags, amx_usable=True)

@@ -74,15 +74,21 @@ def _load_crds() -> dict:
 CRD_RECORDS = _load_crds()
 
 
+def _child_schema(schema: dict, key: str) -> dict | None:
+    """The schema of field `key` of an object: its own property, else the additionalProperties schema."""
+    child = schema.get("properties", {}).get(key)
+    if child is None and isinstance(schema.get("additionalProperties"), dict):
+        child = schema["additionalProperties"]
+    return child
+
+
 def _cel_rules(value, schema: dict, path: str):
     """(path, rule, value) for every x-kubernetes-validations rule that applies to a value in `value`."""
     for rule in schema.get("x-kubernetes-validations", ()):
         yield path, rule, value
     if isinstance(value, dict):
         for key, sub in value.items():
-            child = schema.get("properties", {}).get(key)
-            if child is None and isinstance(schema.get("additionalProperties"), dict):
-                child = schema["additionalProperties"]
+            child = _child_schema(schema, key)
             if child is not None:
                 yield from _cel_rules(sub, child, f"{path}.{key}")
     elif isinstance(value, list) and isinstance(schema.get("items"), dict):
@@ -99,9 +105,7 @@ def _with_defaults(value, schema: dict):
             if key not in out and "default" in child:
                 out[key] = child["default"]
         for key, sub in out.items():
-            child = props.get(key)
-            if child is None and isinstance(schema.get("additionalProperties"), dict):
-                child = schema["additionalProperties"]
+            child = _child_schema(schema, key)
             if child is not None:
                 out[key] = _with_defaults(sub, child)
         return out
