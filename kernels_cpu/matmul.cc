@@ -77,6 +77,11 @@ struct Q4 {
   int64_t n, group;
 };
 
+#ifndef JAXCB_PREFETCH_ROWS
+#define JAXCB_PREFETCH_ROWS 64
+#endif
+constexpr int64_t kPrefetchRows = JAXCB_PREFETCH_ROWS;
+
 // c[0:R, 0:kNB] (+)= a[0:R, 0:kn] @ b[0:kn, 0:kNB]; `first`: c starts at zero.
 template <int R>
 inline void micro(const float* a, int64_t lda, const float* b, int64_t ldb, float* c, int64_t ldc, int64_t kn,
@@ -84,7 +89,13 @@ inline void micro(const float* a, int64_t lda, const float* b, int64_t ldb, floa
   vf acc[R][kNV];
   for (int r = 0; r < R; ++r)
     for (int i = 0; i < kNV; ++i) acc[r][i] = first ? vf{} : vload(c + r * ldc + i * kLanes);
+  const bool strided = ldb != kNB;  // reading w in place, a row of the block per 4 KB page
   for (int64_t k = 0; k < kn; ++k) {
+    if (strided) {
+      const int64_t ahead = k + kPrefetchRows;
+      const float* p = ahead < kn ? b + ahead * ldb : b + (ahead - kn) * ldb + kNB;
+      for (int i = 0; i < kNB; i += 16) __builtin_prefetch(p + i);  // a 64-byte line per 16 floats
+    }
     vf bv[kNV];
     for (int i = 0; i < kNV; ++i) bv[i] = vload(b + k * ldb + i * kLanes);
     for (int r = 0; r < R; ++r) {
@@ -119,11 +130,24 @@ inline void widen(const Q4& w, int64_t e, int64_t j, vf (&out)[2][kNV]) {
 template <class W> constexpr int kStep = 1;
 template <> constexpr int kStep<Q4> = 2;
 
+// Asks early for the quantized values kPrefetchRows rows past row k of the block (slab rows k0..k0+kn-1,
+// columns j..j+kNB-1), past its end the first rows of the next block: each row of a block lies in a
+// page of its own, where the hardware prefetchers do not follow.
+inline void prefetch_at(const Q8& w, int64_t e, int64_t j) { __builtin_prefetch(w.q + e * w.n + j); }
+inline void prefetch_at(const Q4& w, int64_t e, int64_t j) { __builtin_prefetch(w.q + (e / 2) * w.n + j); }
+template <class W>
+inline void prefetch(const W& w, int64_t k0, int64_t kn, int64_t k, int64_t j) {
+  const int64_t ahead = k + kPrefetchRows;
+  if (ahead < kn) prefetch_at(w, k0 + ahead, j);
+  else prefetch_at(w, k0 + ahead - kn, j + kNB);
+}
+
 // The float weights w[k0:k0+kn, j:j+kNB] of a quantized block into buf [kn, kNB] (L1): with more than
 // kDirect rows of x, each value is widened once per block, however many row blocks then pass over it.
 template <class W>
 inline void dequantize(const W& w, int64_t k0, int64_t kn, int64_t j, float* buf) {
   for (int64_t e = 0; e < kn; e += kStep<W>) {
+    prefetch(w, k0, kn, e, j);
     vf rows[kStep<W>][kNV];
     widen(w, k0 + e, j, rows);
     for (int t = 0; t < kStep<W>; ++t)
@@ -142,6 +166,7 @@ inline void micro_direct(const float* a, int64_t lda, const W& w, float* c, int6
   for (int r = 0; r < R; ++r)
     for (int i = 0; i < kNV; ++i) acc[r][i] = first ? vf{} : vload(c + r * ldc + i * kLanes);
   for (int64_t k = 0; k < kn; k += kStep<W>) {
+    prefetch(w, k0, kn, k, j);
     vf bv[kStep<W>][kNV];
     widen(w, k0 + k, j, bv);
     for (int r = 0; r < R; ++r)
