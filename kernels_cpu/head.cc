@@ -32,11 +32,7 @@ constexpr int kVB = 4;      // vocabulary rows per block
 constexpr int kMB = 4;      // rows of x per block
 constexpr int64_t kItem = 256;  // vocabulary rows per work item
 
-inline float hsum(vf v) {
-  float s = 0.0f;
-  for (int i = 0; i < kLanes; ++i) s += v[i];
-  return s;
-}
+using jaxcb::hsum;
 
 // A vocabulary row's 16 values at e as floats: float32 rows as they are, int8 rows times their scale
 // (the 16 values lie in one group: the caller checks that groups are whole vectors).
@@ -44,6 +40,7 @@ struct F32Rows {
   const float* w;
   int64_t e;
   inline vf at(int64_t v, int64_t i) const { return vload(w + v * e + i); }
+  inline const void* ptr(int64_t v, int64_t i) const { return w + v * e + i; }
   inline float scalar(int64_t v, int64_t i) const { return w[v * e + i]; }
 };
 struct Q8Rows {
@@ -51,14 +48,18 @@ struct Q8Rows {
   const float* scale;  // [V, G]
   int64_t e, groups, group;
   inline vf at(int64_t v, int64_t i) const { return jaxcb::load_i8(q + v * e + i) * scale[v * groups + i / group]; }
+  inline const void* ptr(int64_t v, int64_t i) const { return q + v * e + i; }
   inline float scalar(int64_t v, int64_t i) const { return q[v * e + i] * scale[v * groups + i / group]; }
 };
 
 // out[m0:m0+MB, v0:v0+VB] for whole blocks; e16 = the vectorised part of each row, the rest scalar.
+// The next block's rows are asked for as this one's are read (a row is a short run the hardware
+// prefetchers barely start on before it ends).
 template <int VB, int MB, class R>
 inline void block(const float* x, const R& w, float* out, int64_t nv, int64_t e, int64_t e16, int64_t m0, int64_t v0) {
   vf acc[MB][VB] = {};
   for (int64_t i = 0; i < e16; i += kLanes) {
+    for (int b = 0; b < VB; ++b) __builtin_prefetch(w.ptr(v0 + VB + b, i));
     vf wv[VB];
     for (int b = 0; b < VB; ++b) wv[b] = w.at(v0 + b, i);
     for (int a = 0; a < MB; ++a) {
@@ -75,7 +76,7 @@ inline void block(const float* x, const R& w, float* out, int64_t nv, int64_t e,
 }
 
 // Vocabulary rows [v0, v1) for every row of x: blocks of kVB rows, then single rows; for each, the
-// rows of x in blocks of kMB, then the rest one at a time.
+// rows of x in blocks of kMB, then the rest together.
 template <class R>
 void vocab_range(const float* x, const R& w, float* out, int64_t m, int64_t nv, int64_t e, int64_t e16, int64_t v0,
                  int64_t v1) {
@@ -84,7 +85,12 @@ void vocab_range(const float* x, const R& w, float* out, int64_t m, int64_t nv, 
     constexpr int VB = decltype(vb)::value;
     int64_t a = 0;
     for (; a + kMB <= m; a += kMB) block<VB, kMB>(x, w, out, nv, e, e16, a, at);
-    for (; a < m; ++a) block<VB, 1>(x, w, out, nv, e, e16, a, at);
+    switch (m - a) {  // the rest in one pass over the block
+      case 1: block<VB, 1>(x, w, out, nv, e, e16, a, at); break;
+      case 2: block<VB, 2>(x, w, out, nv, e, e16, a, at); break;
+      case 3: block<VB, 3>(x, w, out, nv, e, e16, a, at); break;
+      default: break;
+    }
   };
   for (; v + kVB <= v1; v += kVB) each_m(std::integral_constant<int, kVB>{}, v);
   for (; v < v1; ++v) each_m(std::integral_constant<int, 1>{}, v);

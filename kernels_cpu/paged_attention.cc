@@ -103,14 +103,7 @@ using jaxcb::kLanes;
 using jaxcb::vf;
 using jaxcb::vload;
 using jaxcb::vstore;
-inline float hsum(vf v) {  // a tree of halves: 4 dependent adds instead of 16
-  typedef float v8 __attribute__((vector_size(32)));
-  typedef float v4 __attribute__((vector_size(16)));
-  const v8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
-               __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-  const v4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
-  return (b[0] + b[2]) + (b[1] + b[3]);
-}
+using jaxcb::hsum;
 
 // scores[j * S + t] = q_j . k_t * scales[t] for the G query heads, slots [s0, s1).
 template <int G>
