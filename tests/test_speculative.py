@@ -223,6 +223,52 @@ def test_speculation_backs_off_where_it_does_not_pay(make_llm):
     assert spec.engine.stats().speculative_steps > 0
 
 
+def test_the_host_wait_a_speculating_step_costs_counts_against_it():
+    """A speculating step needs the step before it finished, so the host's work before its dispatch is
+    no longer overlapped: with that wait measured, proposals that would have paid in the step alone are
+    dropped, and kept again once the wait is short."""
+    from types import SimpleNamespace
+
+    from jaxcb.host.speculative import Proposer
+
+    proposer = Proposer(SpeculativeConfig("ngram", num_tokens=3), buckets=(1, 2, 4, 8))
+    proposer.bucket_s.update({1: 0.030, 4: 0.036, 8: 0.050})
+    r = SimpleNamespace(spec=None)
+    proposer.state(r).rate = 0.6
+    assert proposer.keep([(r, 3)], 1, 1) == [3]  # 1 + .6 + .36 + .22 tokens in 36 ms beat 1 in 30 ms
+    for _ in range(20):
+        proposer.observe_sync(0.030)
+    assert abs(proposer.sync_s - 0.030) < 1e-3
+    assert proposer.keep([(r, 3)], 1, 1) == [0]  # 2.2 tokens in 66 ms do not
+    for _ in range(20):
+        proposer.observe_sync(0.001)
+    assert proposer.keep([(r, 3)], 1, 1) == [3]
+
+
+def test_the_draft_learns_a_tokens_cost_from_proposing_not_from_catching_up(make_llm):
+    """The first fill for a request runs the draft over its whole prompt: that is not what each later
+    proposed token costs, and counting it so would stop the draft after its first step."""
+    spec = make_llm(speculative=SpeculativeConfig("draft", num_tokens=3, draft_layers=1, adaptive=False))
+    proposer = spec.engine.scheduler.proposer
+    prompts = repetitive_prompts(spec.model_config.vocab_size, (60,), seed=3)
+    spec.generate(prompts, SamplingParams(max_tokens=1, ignore_eos=True))  # warm: every shape compiled
+    fills = []
+    real_fill = proposer._fill
+
+    def timed(chunks):
+        before = proposer.token_s
+        real_fill(chunks)
+        fills.append((proposer.last_fill_s, before, proposer.token_s))
+
+    proposer._fill = timed
+    proposer.token_s = None
+    spec.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True))
+    assert len(fills) >= 2
+    first_s, before, after = fills[0]
+    assert before is None and after is None  # the catch-up over the prompt taught nothing
+    assert any(after is not None for _, _, after in fills[1:])
+
+
 def test_rejected_tokens_give_their_pages_back(make_llm):
     """Rolled back: a request's pages never outgrow its tokens after a step, and all come back."""
     spec = make_llm(speculative=NGRAM, page_size=4, num_pages=200)

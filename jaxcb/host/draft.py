@@ -58,6 +58,7 @@ class DraftProposer(Proposer):
         self.window = window  # > 0: the model has sliding layers (the request's second page group)
         self.vocab_size = runner.model_config.vocab_size
         self.token_s: float | None = None  # moving average of one proposed token's draft time
+        self.last_fill_s = 0.0  # the draft's time in the latest step's proposals
         self.num_draft_steps = 0
         self.draft_s = 0.0
         self.generation = 0  # bumped when a draft step fails: every request's draft KV counts as lost
@@ -79,6 +80,9 @@ class DraftProposer(Proposer):
 
     def proposal_cost(self, depth: int) -> float:
         return depth * self.token_s if self.token_s is not None else 0.0
+
+    def observe_sync(self, seconds: float) -> None:
+        super().observe_sync(max(0.0, seconds - self.last_fill_s))  # the draft's own steps count in proposal_cost
 
     def valid(self, r) -> int:
         s = self.state(r)
@@ -140,6 +144,7 @@ class DraftProposer(Proposer):
             final.append((c, last))
             if last > begin:
                 todo.append([r, begin, last])
+        long_catch_up = bool(todo)  # some row's catch-up takes steps of its own
         while todo:  # long catch-ups: steps of the largest bucket, one piece per row each
             specs, budget = [], largest
             for item in todo:
@@ -175,5 +180,9 @@ class DraftProposer(Proposer):
                 c.draft = tuple(draft)
         seconds = time.perf_counter() - t0
         self.draft_s += seconds
-        per_token = seconds / max(len(c.draft) for c in chunks)
-        self.token_s = per_token if self.token_s is None else self.token_s + self.AVG_WEIGHT * (per_token - self.token_s)
+        self.last_fill_s = seconds
+        # What a proposed token costs, learnt from fills that were all proposing: a row catching up on a
+        # prompt (once per request, or after a preemption) would make every later proposal look dear.
+        if all(c.start + 1 - last <= 2 for c, last in final) and not long_catch_up:
+            per_token = seconds / max(len(c.draft) for c in chunks)
+            self.token_s = per_token if self.token_s is None else self.token_s + self.AVG_WEIGHT * (per_token - self.token_s)

@@ -425,6 +425,8 @@ class Engine:
             cnt.mask_wait_s += dispatch_end - self._last_fetch_end
         if waited and self._last_fetch_end is not None:  # the device idled since the last fetch
             cnt.host_s += dispatch_end - self._last_fetch_end
+            if extra:
+                self.scheduler.proposer.observe_sync(dispatch_end - self._last_fetch_end)
         self._step_id += 1
         self.scheduler.on_launched(chunks, self._step_id)
         return _InFlight(chunks, epochs, result, shape.tokens, started if pipelined else packing)

@@ -23,7 +23,8 @@ fewer layers or in int4, or any model jaxcb loads) decodes k tokens greedily on 
 Backing off: each request keeps a moving average of the share of its proposed tokens accepted,
 starting from the server's (a slower moving average over every request); the step keeps a proposal's
 tokens only while they are expected to raise the step's output tokens per second, by the step times
-measured per token bucket and what proposing costs (a draft model's steps; Proposer.keep). A request
+measured per token bucket, what proposing costs (a draft model's steps) and the host's work that a
+speculating step no longer overlaps (it needs the step before it finished; Proposer.keep). A request
 whose proposals are rarely accepted only probes: after `probe_every` steps, then twice as long after
 each probe that found nothing. Speculation runs only while at most `max_batch` requests are running.
 
@@ -49,7 +50,7 @@ class SpeculativeConfig:
 
     method: str = ""  # "" = off; "ngram" or "draft"
     num_tokens: int = 4  # k: tokens proposed per speculating step, at most
-    min_n: int = 2  # n-gram: the shortest suffix looked up
+    min_n: int = 1  # n-gram: the shortest suffix looked up
     max_n: int = 4  # n-gram: the longest
     max_batch: int = 8  # speculate only while at most this many requests run
     probe_every: int = 8  # a request whose proposals are rarely accepted tries again every this many steps
@@ -121,9 +122,11 @@ class Proposer:
     """Proposals for the scheduler, which of them a step keeps, and the record that backs them off.
 
     Which proposals pay: a step's time depends on its token bucket, measured as the engine runs
-    (`observe_step`, a moving average per bucket). A proposal of k tokens by a request accepting a share
-    p of its proposals is expected to add p + p^2 + ... + p^k tokens; `keep` takes the proposals' tokens
-    in order of that gain as long as the step's expected tokens per second grow, so on a device where a
+    (`observe_step`, a moving average per bucket), and a speculating step also costs the host's work
+    between the step before it and its dispatch, which async scheduling would have overlapped
+    (`observe_sync`). A proposal of k tokens by a request accepting a share p of its proposals is
+    expected to add p + p^2 + ... + p^k tokens; `keep` takes the proposals' tokens in order of that
+    gain as long as the step's expected tokens per second grow, so on a device where a
     bigger bucket costs nearly nothing (a memory-bound step) it keeps them all, and where the step is
     compute-bound (many rows, a slow CPU) it keeps fewer or none."""
 
@@ -137,6 +140,9 @@ class Proposer:
         self.config = config
         self.buckets = tuple(buckets)  # the token buckets (jaxcb.host.buckets); () = cost not considered
         self.bucket_s: dict[int, float] = {}  # moving average of a step's seconds, per token bucket
+        # moving average of the host's time from a step's tokens to a speculating step's dispatch: the
+        # device idles through it, where without proposals the next step would have been queued already
+        self.sync_s = 0.0
         self.global_rate = self.PRIOR_RATE  # moving average of every request's acceptance
         self.num_rows = 0  # speculating rows
         self.num_proposed = 0
@@ -205,6 +211,10 @@ class Proposer:
         old = self.bucket_s.get(padded_tokens)
         self.bucket_s[padded_tokens] = seconds if old is None else old + self.AVG_WEIGHT * (seconds - old)
 
+    def observe_sync(self, seconds: float) -> None:
+        """A speculating step's wait: from the tokens of the step before it to its own dispatch."""
+        self.sync_s += self.AVG_WEIGHT * (seconds - self.sync_s)
+
     def _step_s(self, tokens: int) -> float | None:
         """The measured time of the bucket `tokens` falls in; a bucket not yet measured costs what the
         largest measured one below it does (so speculation tries it, and then knows); with none measured
@@ -234,7 +244,7 @@ class Proposer:
             seconds = self._step_s(base_tokens + n)
             if seconds is None:
                 break
-            seconds += self.proposal_cost(depth)
+            seconds += self.proposal_cost(depth) + self.sync_s
             if best_rate is None or expected / seconds > best_rate:
                 best_n, best_rate = n, expected / seconds
         if best_rate is None:  # nothing measured yet: try them all
