@@ -169,4 +169,4 @@ def test_a_sentencepiece_tokenizer_is_built_once_and_then_read_from_its_cache(tm
     entry.write_text(entry.read_text()[:100])  # damaged: rebuilt and rewritten
     again = tokenizer_module.Tokenizer(spec)
     assert len(built) == 2 and [again.encode(t) for t in texts] == [first.encode(t) for t in texts]
-    assert tokenizer_module._cached(spec) is not None
+    assert tokenizer_module._cached(tokenizer_module._cache_path(spec)) is not None

@@ -137,14 +137,15 @@ class DraftProposer(Proposer):
         share = max(1, largest // len(chunks))
         todo = []  # [request, next position, end] of each row's earlier part
         final = []  # (chunk, start of its last piece)
+        catch_up = 0  # the most tokens any row feeds the draft before its first proposal
         for c in chunks:
             r, end = c.request, c.start + 1
             begin = min(max(self.valid(r), self._earliest(r)), c.start)
+            catch_up = max(catch_up, end - begin)
             last = max(begin, end - share)
             final.append((c, last))
             if last > begin:
                 todo.append([r, begin, last])
-        long_catch_up = bool(todo)  # some row's catch-up takes steps of its own
         while todo:  # long catch-ups: steps of the largest bucket, one piece per row each
             specs, budget = [], largest
             for item in todo:
@@ -181,8 +182,9 @@ class DraftProposer(Proposer):
         seconds = time.perf_counter() - t0
         self.draft_s += seconds
         self.last_fill_s = seconds
-        # What a proposed token costs, learnt from fills that were all proposing: a row catching up on a
-        # prompt (once per request, or after a preemption) would make every later proposal look dear.
-        if all(c.start + 1 - last <= 2 for c, last in final) and not long_catch_up:
+        # What a proposed token costs, learnt from fills that were all proposing (at most the newest token
+        # and an accepted proposal to feed): a row catching up on a prompt (once per request, or after a
+        # preemption) would make every later proposal look dear.
+        if catch_up <= 2:
             per_token = seconds / max(len(c.draft) for c in chunks)
             self.token_s = per_token if self.token_s is None else self.token_s + self.AVG_WEIGHT * (per_token - self.token_s)

@@ -91,21 +91,20 @@ def _cache_path(spec: TokenizerSpec) -> str:
     return os.path.join(root, key.hexdigest()[:32] + ".json")
 
 
-def _cached(spec: TokenizerSpec) -> tuple[HFTokenizer, str] | None:
-    """The tokenizer built before for this vocabulary, and its JSON; None if there is none, or it does
-    not parse (a truncated or foreign file is rebuilt, not trusted)."""
+def _cached(path: str) -> tuple[HFTokenizer, str] | None:
+    """The tokenizer built before for this vocabulary (its _cache_path), and its JSON; None if there is
+    none, or it does not parse (a truncated or foreign file is rebuilt, not trusted)."""
     try:
-        with open(_cache_path(spec), encoding="utf-8") as f:
+        with open(path, encoding="utf-8") as f:
             text = f.read()
         return HFTokenizer.from_str(text), text
     except Exception:  # noqa: BLE001 - any failure: build it again
         return None
 
 
-def _store(spec: TokenizerSpec, text: str) -> None:
-    """Keep the built tokenizer (atomically: a reader never sees half a file); a cache that cannot be
-    written is no error."""
-    path = _cache_path(spec)
+def _store(path: str, text: str) -> None:
+    """Keep the built tokenizer at `path` (atomically: a reader never sees half a file); a cache that
+    cannot be written is no error."""
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=".json", dir=os.path.dirname(path))
@@ -145,7 +144,8 @@ def _sentencepiece_bpe(spec: TokenizerSpec) -> HFTokenizer:
 class Tokenizer:
     def __init__(self, spec: TokenizerSpec):
         if spec.model == "llama":
-            cached = _cached(spec)
+            path = _cache_path(spec)  # hashes the whole vocabulary: once
+            cached = _cached(path)
             if cached is None:
                 tok = _sentencepiece_bpe(spec)
                 # User-defined tokens are matched whole, except the whitespace runs, which the vocabulary
@@ -157,7 +157,7 @@ class Tokenizer:
                 tok.add_special_tokens([t for t in special if t.special])
                 tok.add_tokens([t for t in special if not t.special])
                 text = tok.to_str()
-                _store(spec, text)
+                _store(path, text)
             else:
                 tok, text = cached
             self._setup(tok, spec.bos_id, spec.eos_id, spec.add_bos, spec.chat_template, text)
