@@ -142,13 +142,13 @@ def test_routing_by_kv_events_keeps_the_single_server_hit_rate(tiny_gguf_path, c
     """Also, on the same servers: the endpoint picker's metric flags (deploy/inferencepool.yaml) name
     metrics they export, and a server's events carry the hashes another engine gives the same prompt."""
     from jaxcb.host.request import SamplingParams
-    from tests.server_util import ServerProcess, free_port
+    from tests.server_util import ServerProcess, free_port, free_port_pair
     from tests.test_deploy import check_epp_metrics
 
     servers, ctx = [], zmq.Context()
     try:
         for _ in range(2):
-            events, http = free_port(), free_port()
+            events, http = free_port_pair(), free_port()
             s = ServerProcess(tiny_gguf_path, config_path, "--http-port", str(http), "--kv-events",
                               f"tcp://127.0.0.1:{events}", "--max-loras", "1")
             s.http, s.events = f"http://127.0.0.1:{http}", f"tcp://127.0.0.1:{events}"
