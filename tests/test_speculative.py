@@ -264,8 +264,54 @@ def test_the_draft_learns_a_tokens_cost_from_proposing_not_from_catching_up(make
     proposer.token_s = None
     spec.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True))
     assert len(fills) >= 2
-    assert fills[0] == (None, None)  # the catch-up over the prompt taught nothing
+    assert fills[0] == (None, None)  # the catch-up over the prompt taught nothing about a proposal ...
+    assert proposer.catch_up_s is not None and proposer.catch_up_s > 0  # ... but what a catch-up costs
     assert any(after is not None for _, after in fills[1:])
+
+
+def test_a_draft_catches_up_only_for_a_request_with_enough_tokens_left_to_win_it_back():
+    """A request's first proposal makes the draft run over its prompt and output: worth it for a
+    request with many tokens to go, not for one about to end (by its max_tokens, or when it does not
+    ignore end-of-sequence, by how far the finished requests that outlived it went). A request whose
+    draft is up to date pays no catch-up."""
+    from types import SimpleNamespace
+
+    from jaxcb.host.draft import DraftProposer
+
+    runner = SimpleNamespace(model_config=SimpleNamespace(vocab_size=100))
+    proposer = DraftProposer(SpeculativeConfig("draft", num_tokens=3), runner, None, page_size=16, max_context=4096)
+    proposer.buckets = (1, 2, 4, 8)
+    proposer.bucket_s.update({1: 0.030, 4: 0.034, 8: 0.050})
+    proposer.token_s, proposer.catch_up_s = 0.002, 0.001  # a 200-token catch-up: 0.2 s
+
+    def request(max_tokens, ignore_eos=True, done=100):
+        r = SimpleNamespace(spec=None, num_computed=200, num_preemptions=0, output_ids=[7] * done,
+                            params=SimpleNamespace(max_tokens=max_tokens, ignore_eos=ignore_eos), window_page_ids=[])
+        proposer.state(r).rate = 0.9
+        return r
+
+    # Per step 0.9 + 0.81 + 0.73 = 2.44 tokens at 30 ms each for 10 ms more: 63 ms won per step, in
+    # about remaining / 3.44 steps.
+    assert proposer.keep([(request(max_tokens=105), 3)], 1, 1) == [0]  # 5 tokens to go: 92 ms < 0.2 s
+    assert proposer.keep([(request(max_tokens=300), 3)], 1, 1) == [3]  # 200 to go: 3.7 s
+    # Four such requests share the draft's steps: each one's share of what the step saves pays its
+    # catch-up (per step 4 x 2.44 tokens for 32 ms more: 51 ms saved, 13 ms each), though one alone
+    # would not be worth a bigger bucket (16 - 4 tokens) and three draft steps.
+    proposer.buckets = (1, 2, 4, 8, 16)
+    proposer.bucket_s[16] = 0.060
+    assert proposer.keep([(request(max_tokens=300), 3) for _ in range(4)], 4, 4) == [3] * 4
+    assert proposer.keep([(request(max_tokens=300), 3) for _ in range(4)] + [(request(max_tokens=105), 3)], 5, 5)[4] == 0
+    caught_up = request(max_tokens=105)
+    caught_up.spec.draft_valid, caught_up.spec.draft_epoch = 200, (0, proposer.generation)
+    assert proposer.keep([(caught_up, 3)], 1, 1) == [3]
+    # Ending by end-of-sequence: what the finished requests that went past 100 tokens produced beyond it.
+    for n in [50] * 40 + [106] * 10:
+        proposer.observe_finish(SimpleNamespace(output_ids=[7] * n))
+    assert proposer.remaining(request(max_tokens=1000, ignore_eos=False)) == 6
+    assert proposer.keep([(request(max_tokens=1000, ignore_eos=False), 3)], 1, 1) == [0]
+    for n in [400] * 40:
+        proposer.observe_finish(SimpleNamespace(output_ids=[7] * n))
+    assert proposer.keep([(request(max_tokens=1000, ignore_eos=False), 3)], 1, 1) == [3]
 
 
 def test_rejected_tokens_give_their_pages_back(make_llm):

@@ -365,7 +365,8 @@ def _channel(runner, config):
     from jaxcb.device import multihost
 
     c = runner.model_config
-    shapes = config.buckets.shapes(config.page_size, config.max_context_for(c), config.scheduler.speculative.extra_rows)
+    spec = config.scheduler.speculative
+    shapes = config.buckets.shapes(config.page_size, config.max_context_for(c), spec.extra_rows, spec.verify_tokens)
     return multihost.Channel(shapes, config.page_size,
                              c.vocab_size, c.sliding_window if c.windowed else 0)
 

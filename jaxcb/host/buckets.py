@@ -82,9 +82,21 @@ class Buckets:
         return StepShape(tokens=t, seqs=min(t, self.max_batch), pages_per_seq=-(-max_context // page_size),
                          history=max_context, extra_rows=min(t - 1, extra_rows))
 
-    def shapes(self, page_size: int, max_context: int, extra_rows: int = 0) -> list[StepShape]:
-        """Every shape a step can take: what warm-up compiles (one program per token bucket)."""
-        return [self.step_shape(t, page_size, max_context, extra_rows) for t in self.tokens]
+    def shapes(self, page_size: int, max_context: int, extra_rows: int = 0, verify_tokens: int = 0) -> list[StepShape]:
+        """Every shape a step can take: what warm-up compiles (one program per token bucket). With
+        speculative decoding (`extra_rows` > 0), also a verifying program, sampling at the proposals'
+        positions too, for each bucket up to the one that holds `verify_tokens` (a step in which every
+        speculating request brings its proposals): a step without proposals keeps the plain program,
+        which pays nothing for them."""
+        shapes = [self.step_shape(t, page_size, max_context) for t in self.tokens]
+        if extra_rows and verify_tokens:
+            top = self.verify_limit(verify_tokens)
+            shapes += [self.step_shape(t, page_size, max_context, extra_rows) for t in self.tokens if 1 < t <= top]
+        return shapes
+
+    def verify_limit(self, verify_tokens: int) -> int:
+        """The largest bucket a verifying step may take: the one that holds `verify_tokens`."""
+        return bucket_for(self.tokens, min(max(1, verify_tokens), self.max_tokens), "verify tokens")
 
 
 def bucket_for(buckets: tuple[int, ...], value: int, field: str) -> int:

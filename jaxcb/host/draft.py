@@ -58,6 +58,7 @@ class DraftProposer(Proposer):
         self.window = window  # > 0: the model has sliding layers (the request's second page group)
         self.vocab_size = runner.model_config.vocab_size
         self.token_s: float | None = None  # moving average of one proposed token's draft time
+        self.catch_up_s: float | None = None  # moving average of the draft's time per token it catches up on
         self.last_fill_s = 0.0  # the draft's time in the latest step's proposals
         self.num_draft_steps = 0
         self.draft_s = 0.0
@@ -80,6 +81,18 @@ class DraftProposer(Proposer):
 
     def proposal_cost(self, depth: int) -> float:
         return depth * self.token_s if self.token_s is not None else 0.0
+
+    def _behind(self, r) -> int:
+        """Tokens the draft would be fed for r before its first proposal: from what it holds of r to
+        r's newest token."""
+        return r.num_computed + 1 - min(max(self.valid(r), self._earliest(r)), r.num_computed)
+
+    def entry_cost(self, r) -> float:
+        """A catch-up on r's prompt and output (its first proposal, or after a preemption or a spell
+        without proposals) at the measured time per token; the newest token and an accepted proposal
+        are part of every proposal's cost."""
+        behind = self._behind(r)
+        return behind * self.catch_up_s if behind > 2 and self.catch_up_s is not None else 0.0
 
     def observe_sync(self, seconds: float) -> None:
         super().observe_sync(max(0.0, seconds - self.last_fill_s))  # the draft's own steps count in proposal_cost
@@ -137,11 +150,11 @@ class DraftProposer(Proposer):
         share = max(1, largest // len(chunks))
         todo = []  # [request, next position, end] of each row's earlier part
         final = []  # (chunk, start of its last piece)
-        catch_up = 0  # the most tokens any row feeds the draft before its first proposal
+        catch_up = []  # the tokens each row feeds the draft before its first proposal
         for c in chunks:
             r, end = c.request, c.start + 1
             begin = min(max(self.valid(r), self._earliest(r)), c.start)
-            catch_up = max(catch_up, end - begin)
+            catch_up.append(end - begin)
             last = max(begin, end - share)
             final.append((c, last))
             if last > begin:
@@ -184,7 +197,14 @@ class DraftProposer(Proposer):
         self.last_fill_s = seconds
         # What a proposed token costs, learnt from fills that were all proposing (at most the newest token
         # and an accepted proposal to feed): a row catching up on a prompt (once per request, or after a
-        # preemption) would make every later proposal look dear.
-        if catch_up <= 2:
-            per_token = seconds / max(len(c.draft) for c in chunks)
-            self.token_s = per_token if self.token_s is None else self.token_s + self.AVG_WEIGHT * (per_token - self.token_s)
+        # preemption) would make every later proposal look dear. What a catch-up costs per token, from
+        # fills with one, less their proposals' part.
+        depth = max(len(c.draft) for c in chunks)
+        if max(catch_up) <= 2:
+            self.token_s = self._average(self.token_s, seconds / depth)
+        else:
+            self.catch_up_s = self._average(self.catch_up_s, max(0.0, seconds - depth * (self.token_s or 0.0))
+                                            / sum(n for n in catch_up if n > 2))
+
+    def _average(self, old: float | None, new: float) -> float:
+        return new if old is None else old + self.AVG_WEIGHT * (new - old)

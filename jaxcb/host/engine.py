@@ -116,6 +116,8 @@ class Engine:
                                             runner.step_config.sliding_window)
         self.max_context = config.max_context_for(self.model_config)
         self._extra_rows = config.scheduler.speculative.extra_rows  # sample rows for proposals, per step
+        self._shapes = config.buckets.shapes(config.page_size, self.max_context, self._extra_rows,
+                                             config.scheduler.speculative.verify_tokens)
         # LoRA adapters (jaxcb.host.lora): the registry, its slots filled by the runner
         self.adapters = None
         if config.lora.enabled:
@@ -123,9 +125,11 @@ class Engine:
         self.scheduler = Scheduler(dataclasses.replace(config.scheduler, max_context=self.max_context), self.pool,
                                    eos_ids, window=self.window_group, proposer=self._draft_proposer(config),
                                    adapters=self.adapters)
-        if self.scheduler.proposer is not None and config.scheduler.speculative.adaptive:
-            # speculation weighs its tokens by the buckets' step times
-            self.scheduler.proposer.buckets = config.buckets.tokens
+        if self.scheduler.proposer is not None:
+            spec = config.scheduler.speculative
+            self.scheduler.proposer.max_step_tokens = config.buckets.verify_limit(spec.verify_tokens)
+            if spec.adaptive:  # speculation weighs its tokens by the buckets' step times
+                self.scheduler.proposer.buckets = config.buckets.tokens
         self.outputs = Outputs(tokenizer, clock)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._requests: dict[str, list[Request]] = {}  # request id -> its live samples
@@ -372,7 +376,9 @@ class Engine:
         s = self.config.page_size
         live = sum(c.num_tokens for c in chunks)
         # Static batching pays for the batch's finished rows too: they stay padded in.
-        shape = self.config.buckets.step_shape(max(live, num_static_rows), s, self.max_context, self._extra_rows)
+        # A step with proposals takes the bucket's verifying program (jaxcb.host.buckets)
+        extra_rows = self._extra_rows if any(c.draft for c in chunks) else 0
+        shape = self.config.buckets.step_shape(max(live, num_static_rows), s, self.max_context, extra_rows)
         specs, rows, extra = [], [], []
         for c in chunks:  # decode sequences first: the packed layout (jaxcb.host.batch)
             r = c.request
@@ -537,8 +543,9 @@ class Engine:
 
     # ---- warm-up ----
     def warmup(self, progress: Callable[[int, int, object], None] | None = None) -> int:
-        """Compile every step shape ahead of time (nothing is run): one program per token bucket."""
-        shapes = self.config.buckets.shapes(self.config.page_size, self.max_context, self._extra_rows)
+        """Compile every step shape ahead of time (nothing is run): one program per token bucket, and with
+        speculative decoding a verifying one per bucket a step with proposals may take."""
+        shapes = self._shapes
         if getattr(self.runner, "lora", None) is not None:
             self.runner.lora.warmup()  # the slot filler's program
         programs = [(self.runner, shape) for shape in shapes]

@@ -190,6 +190,8 @@ class Scheduler:
         self.remove(request)
         request.status = Status.FINISHED
         request.finish_reason = reason
+        if self.proposer is not None and reason in (FinishReason.STOP, FinishReason.LENGTH):
+            self.proposer.observe_finish(request)
 
     # ---- a step's life: launched, then its tokens back ----
     def on_launched(self, chunks: list[Chunk], step_id: int) -> None:

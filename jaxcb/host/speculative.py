@@ -24,9 +24,14 @@ Backing off: each request keeps a moving average of the share of its proposed to
 starting from the server's (a slower moving average over every request); the step keeps a proposal's
 tokens only while they are expected to raise the step's output tokens per second, by the step times
 measured per token bucket, what proposing costs (a draft model's steps) and the host's work that a
-speculating step no longer overlaps (it needs the step before it finished; Proposer.keep). A request
+speculating step no longer overlaps (it needs the step before it finished; Proposer.keep). Proposing
+may have an entry cost (a draft model catching up on the request's prompt and output): a request pays
+it only if its share of what the steps save, over the tokens it is expected to have left (by its
+max_tokens, or by how far the finished requests that outlived it went), wins it back. A request
 whose proposals are rarely accepted only probes: after `probe_every` steps, then twice as long after
-each probe that found nothing. Speculation runs only while at most `max_batch` requests are running.
+each probe that found nothing. Speculation runs only while at most `max_batch` requests are running,
+and a step with proposals takes a verifying program of its bucket (jaxcb.host.buckets), compiled up to
+the bucket of `max_batch` requests each bringing k: a step with more tokens keeps none.
 
 Plain Python and numpy, no JAX.
 """
@@ -34,6 +39,7 @@ Plain Python and numpy, no JAX.
 from __future__ import annotations
 
 import bisect
+import collections
 import dataclasses
 
 import numpy as np
@@ -89,6 +95,13 @@ class SpeculativeConfig:
         """Sample positions a step may need beyond one per sequence: k for each speculating row."""
         return self.num_tokens * self.max_batch if self.enabled else 0
 
+    @property
+    def verify_tokens(self) -> int:
+        """The tokens of a step in which every request that may speculate brings k proposals: the
+        verifying programs cover the buckets up to the one that holds it (jaxcb.host.buckets), and a
+        step with more tokens (prompt chunks beside them) keeps no proposals."""
+        return (self.num_tokens + 1) * self.max_batch if self.enabled else 0
+
 
 def propose_ngram(tokens: np.ndarray, k: int, min_n: int, max_n: int) -> np.ndarray:
     """Up to k tokens that followed the latest earlier occurrence of the longest suffix of `tokens`
@@ -135,15 +148,18 @@ class Proposer:
     PRIOR_RATE = 0.7  # the expected acceptance before anything was proposed (and a probe's)
     BACKED_OFF = 0.1  # below this acceptance a request only probes
     GLOBAL_WEIGHT = 0.05  # weight of a speculating row in the server's acceptance, a new request's start
+    LENGTHS = 256  # finished requests' output lengths kept to estimate how long a running one goes on
 
     def __init__(self, config: SpeculativeConfig, buckets: tuple[int, ...] = ()):
         self.config = config
         self.buckets = tuple(buckets)  # the token buckets (jaxcb.host.buckets); () = cost not considered
+        self.max_step_tokens = 0  # the largest step a verifying program exists for (0: no limit)
         self.bucket_s: dict[int, float] = {}  # moving average of a step's seconds, per token bucket
         # moving average of the host's time from a step's tokens to a speculating step's dispatch: the
         # device idles through it, where without proposals the next step would have been queued already
         self.sync_s = 0.0
         self.global_rate = self.PRIOR_RATE  # moving average of every request's acceptance
+        self.lengths = collections.deque(maxlen=self.LENGTHS)  # output lengths of the latest finished requests
         self.num_rows = 0  # speculating rows
         self.num_proposed = 0
         self.num_accepted = 0
@@ -193,6 +209,25 @@ class Proposer:
         k = min(limit, self.config.num_tokens)
         return self._lookup(r, k).tolist() if k > 0 else []
 
+    def observe_finish(self, r) -> None:
+        """r ended by itself (a stop or its length): its output length, for `remaining`."""
+        self.lengths.append(len(r.output_ids))
+
+    def remaining(self, r) -> float:
+        """Tokens r is expected to produce still: what max_tokens leaves when it ignores end-of-sequence
+        or no finished request went further than it has; otherwise the mean, over the latest finished
+        requests that outlived its output so far, of what they produced beyond it (within its limit)."""
+        done = len(r.output_ids)
+        limit = max(0, r.params.max_tokens - done)
+        if r.params.ignore_eos:
+            return float(limit)
+        beyond = [min(n - done, limit) for n in self.lengths if n > done]
+        return sum(beyond) / len(beyond) if beyond else float(limit)
+
+    def entry_cost(self, r) -> float:
+        """Seconds of one-off work before r's proposals can start (a draft model's catch-up on r's tokens)."""
+        return 0.0
+
     def fill(self, chunks) -> None:
         """Put the proposals into the kept speculating chunks (a deferred proposer); the n-gram
         proposals are there already."""
@@ -231,11 +266,30 @@ class Proposer:
     def keep(self, proposals: list[tuple[object, int]], base_tokens: int, base_outputs: int) -> list[int]:
         """How many tokens of each proposal (request, k) to keep in a step that has `base_tokens`
         tokens and samples `base_outputs` tokens without them: the prefix of all proposals' tokens, in
-        order of expected gain, that maximises expected output tokens per second of step."""
-        gains = sorted(((self.estimate(r) ** j, -j, i) for i, (r, k) in enumerate(proposals)
-                        for j in range(1, k + 1)), reverse=True)
-        best_n, best_rate, expected, depth = 0, None, float(base_outputs), 0
+        order of expected gain, that maximises expected output tokens per second of step, without the
+        requests whose share of what that saves would not win back their entry cost (`entry_cost`)
+        in the steps they have left."""
         base = self._step_s(base_tokens)
+        left = set(range(len(proposals)))
+        while True:
+            gains = sorted(((self.estimate(r) ** j, -j, i) for i, (r, k) in enumerate(proposals) if i in left
+                            for j in range(1, k + 1)), reverse=True)
+            if self.max_step_tokens:  # no more than a verifying program holds
+                gains = gains[:max(0, self.max_step_tokens - base_tokens)]
+            n, seconds = self._best(gains, base_tokens, base_outputs, base)
+            late = self._entry_unpaid(proposals, gains[:n], base, base_outputs, seconds)
+            if late is None:
+                break
+            left.discard(late)
+        counts = [0] * len(proposals)
+        for _, _, i in gains[:n]:
+            counts[i] += 1
+        return counts
+
+    def _best(self, gains, base_tokens: int, base_outputs: int, base: float | None) -> tuple[int, float | None]:
+        """The number of `gains`' tokens that maximises the step's expected output tokens per second,
+        and that step's expected seconds (None: not measured, and then all are kept, to find out)."""
+        best_n, best_rate, best_s, expected, depth = 0, None, base, float(base_outputs), 0
         if base is not None:
             best_rate = expected / base
         for n, (gain, minus_j, _) in enumerate(gains, start=1):
@@ -246,13 +300,32 @@ class Proposer:
                 break
             seconds += self.proposal_cost(depth) + self.sync_s
             if best_rate is None or expected / seconds > best_rate:
-                best_n, best_rate = n, expected / seconds
+                best_n, best_rate, best_s = n, expected / seconds, seconds
         if best_rate is None:  # nothing measured yet: try them all
-            best_n = len(gains)
-        counts = [0] * len(proposals)
-        for _, _, i in gains[:best_n]:
-            counts[i] += 1
-        return counts
+            return len(gains), None
+        return best_n, best_s
+
+    def _entry_unpaid(self, proposals, kept, base: float | None, base_outputs: int, seconds: float | None) -> int | None:
+        """The kept proposal whose request's entry cost is furthest from being won back, if any is not:
+        a step saves the time its extra tokens would take at the rate without proposals, less its own
+        extra time; each request is credited with its tokens' share of that, for every step it is
+        expected to have left (its remaining tokens over 1 + its tokens per step)."""
+        if not kept or base is None or seconds is None or base_outputs <= 0:
+            return None
+        per_row: dict[int, float] = {}
+        for gain, _, i in kept:
+            per_row[i] = per_row.get(i, 0.0) + gain
+        total = sum(per_row.values())
+        saved = (base_outputs + total) * base / base_outputs - seconds
+        worst, worst_margin = None, 0.0
+        for i, g in per_row.items():
+            r = proposals[i][0]
+            cost = self.entry_cost(r)
+            if cost > 0:
+                margin = saved * g / total * self.remaining(r) / (1 + g) - cost
+                if margin < worst_margin:
+                    worst, worst_margin = i, margin
+        return worst
 
     def record(self, r, proposed: int, accepted: int) -> None:
         """A speculating step's outcome for r (its num_computed already counts the accepted tokens)."""
