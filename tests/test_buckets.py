@@ -98,6 +98,16 @@ def test_shapes_are_the_token_buckets():
         buckets.step_shape(69, 16, 256)
 
 
+def test_speculation_adds_a_verifying_program_per_bucket_up_to_the_one_its_steps_need():
+    """A step with proposals samples at their positions too (a program of its own); steps of up to 10
+    tokens may bring them here, so the buckets up to 20 get one, and the one-token bucket cannot."""
+    buckets = Buckets((1, 2, 4), (16,), (16, 64))
+    shapes = buckets.shapes(page_size=16, max_context=256, extra_rows=8, verify_tokens=10)
+    assert [(s.tokens, s.extra_rows) for s in shapes] == [(1, 0), (2, 0), (4, 0), (20, 0), (68, 0), (2, 1), (4, 3),
+                                                           (20, 8)]
+    assert buckets.verify_limit(10) == 20 and buckets.verify_limit(500) == 68
+
+
 def test_token_buckets_must_hold_a_full_step():
     with pytest.raises(ValueError, match="buckets.tokens: the largest bucket is 40, but a step can hold 72"):
         make_config(decode_batch=(1, 8), prefill_tokens=(64,), tokens=(1, 8, 40))

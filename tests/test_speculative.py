@@ -243,6 +243,9 @@ def test_the_host_wait_a_speculating_step_costs_counts_against_it():
     for _ in range(20):
         proposer.observe_sync(0.001)
     assert proposer.keep([(r, 3)], 1, 1) == [3]
+    proposer.max_step_tokens = 3  # the largest verifying program: no more proposals than it holds
+    assert proposer.keep([(r, 3)], 1, 1) == [2]
+    assert proposer.keep([(r, 3)], 3, 3) == [0]
 
 
 def test_the_draft_learns_a_tokens_cost_from_proposing_not_from_catching_up(make_llm):
