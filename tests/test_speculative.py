@@ -304,6 +304,10 @@ def test_a_draft_catches_up_only_for_a_request_with_enough_tokens_left_to_win_it
     proposer.bucket_s[16] = 0.060
     assert proposer.keep([(request(max_tokens=300), 3) for _ in range(4)], 4, 4) == [3] * 4
     assert proposer.keep([(request(max_tokens=300), 3) for _ in range(4)] + [(request(max_tokens=105), 3)], 5, 5)[4] == 0
+    # Before a catch-up was measured, a draft token costs what one costs the target in its largest step.
+    proposer.catch_up_s = None
+    assert proposer.entry_cost(request(max_tokens=300)) == pytest.approx(201 * 0.060 / 16)
+    proposer.catch_up_s = 0.001
     caught_up = request(max_tokens=105)
     caught_up.spec.draft_valid, caught_up.spec.draft_epoch = 200, (0, proposer.generation)
     assert proposer.keep([(caught_up, 3)], 1, 1) == [3]

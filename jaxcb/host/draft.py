@@ -90,9 +90,14 @@ class DraftProposer(Proposer):
     def entry_cost(self, r) -> float:
         """A catch-up on r's prompt and output (its first proposal, or after a preemption or a spell
         without proposals) at the measured time per token; the newest token and an accepted proposal
-        are part of every proposal's cost."""
+        are part of every proposal's cost. Before any catch-up was measured, a token costs what one
+        costs the target in its largest step measured so far (a draft is no dearer than its target)."""
         behind = self._behind(r)
-        return behind * self.catch_up_s if behind > 2 and self.catch_up_s is not None else 0.0
+        per_token = self.catch_up_s
+        if per_token is None and self.bucket_s:
+            largest = max(self.bucket_s)
+            per_token = self.bucket_s[largest] / largest
+        return behind * per_token if behind > 2 and per_token is not None else 0.0
 
     def observe_sync(self, seconds: float) -> None:
         super().observe_sync(max(0.0, seconds - self.last_fill_s))  # the draft's own steps count in proposal_cost
