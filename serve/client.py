@@ -42,17 +42,20 @@ SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty
 def build_request(prompt=None, *, messages=None, token_ids=None, chat: bool = False, max_tokens: int = 64,
                   stop=(), stop_token_ids=(), ignore_eos=False, priority=0, request_id="", logprobs=0, n=1,
                   cache_salt="", structured: dict | None = None, lora: str = "", model: str = "",
-                  **sampling) -> jaxcb_pb2.GenerateRequest:
+                  speculative: bool | None = None, **sampling) -> jaxcb_pb2.GenerateRequest:
     """prompt: text (with chat=True it becomes one user message); or messages; or token_ids.
     structured: one constraint on the output, as {"json_schema": "<schema JSON>"}, {"json_object": True},
     {"regex": "..."}, {"choice": ["a", "b"]} or {"grammar": "..."}. lora: a loaded LoRA adapter's name;
-    model: a name the model is served as, or an adapter's ("": the base model)."""
+    model: a name the model is served as, or an adapter's ("": the base model). speculative: False opts
+    the request out of the server's speculative decoding (None: as the server does)."""
     unknown = set(sampling) - set(SAMPLING_FIELDS)
     if unknown:
         raise TypeError(f"unknown sampling settings: {', '.join(sorted(unknown))}")
     req = jaxcb_pb2.GenerateRequest(max_tokens=max_tokens, stop=list(stop), stop_token_ids=list(stop_token_ids),
                                     ignore_eos=ignore_eos, priority=priority, request_id=request_id,
                                     logprobs=logprobs, n=n, cache_salt=cache_salt, lora=lora, model=model)
+    if speculative is not None:
+        req.speculative = speculative
     for kind, value in (structured or {}).items():
         if kind == "choice":
             req.structured.choice.values.extend(value)

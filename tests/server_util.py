@@ -28,6 +28,18 @@ SMALL_CONFIG = (  # for the tiny test models (compile = "fast": compile_mode)
 )
 
 
+def wait_pool_whole(client, timeout=10.0):
+    """The server's GetServerInfo once nothing runs or waits and every page is free (via a
+    serve.client.Client); fails after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        info = client.server_info()
+        if info.pages_free == info.pages_total and info.running == 0 and info.waiting == 0:
+            return info
+        assert time.monotonic() < deadline, f"pool not whole: {info}"
+        time.sleep(0.05)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

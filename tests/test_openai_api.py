@@ -18,7 +18,7 @@ from jaxcb.host.engine_config import load_config
 from jaxcb.host.request import SamplingParams
 from jaxcb.llm import LLM
 from serve.client import Client
-from tests.server_util import ServerProcess, free_port
+from tests.server_util import ServerProcess, free_port, wait_pool_whole
 
 
 def _http_server(model: str, config: str):
@@ -49,14 +49,8 @@ def model_name(oai):
 
 
 def _pool_whole(server, timeout=10.0):
-    deadline = time.monotonic() + timeout
     with Client(server.target) as c:
-        while True:
-            info = c.server_info()
-            if (info.pages_free == info.pages_total and not info.running and not info.waiting) or \
-                    time.monotonic() > deadline:
-                return info
-            time.sleep(0.05)
+        return wait_pool_whole(c, timeout)
 
 
 def test_completions_equal_grpc_and_the_offline_engine(server, oai, model_name, tiny_model, config_path):

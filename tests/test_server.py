@@ -21,7 +21,7 @@ from jaxcb.host.request import FinishReason, SamplingParams
 from jaxcb.llm import LLM
 from serve.client import AsyncClient, Client, build_request
 from serve.proto import jaxcb_pb2, jaxcb_pb2_grpc, jetstream_pb2, jetstream_pb2_grpc
-from tests.server_util import ServerProcess, free_port
+from tests.server_util import ServerProcess, free_port, wait_pool_whole
 
 
 @pytest.fixture(scope="module")
@@ -45,16 +45,6 @@ def offline(tiny_model, config_path):
 def client(server):
     with Client(server.target) as c:
         yield c
-
-
-def wait_pool_whole(client, timeout=10.0):
-    deadline = time.monotonic() + timeout
-    while True:
-        info = client.server_info()
-        if info.pages_free == info.pages_total and info.running == 0 and info.waiting == 0:
-            return info
-        assert time.monotonic() < deadline, f"pool not whole: {info}"
-        time.sleep(0.05)
 
 
 def test_streamed_tokens_equal_the_offline_engine(client, offline):

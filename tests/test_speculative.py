@@ -102,6 +102,21 @@ def test_greedy_outputs_are_those_of_decoding_without_it(make_llm, async_schedul
         assert spec.engine.stats().compilations == compiled  # no new shapes after warm-up
 
 
+def test_every_policy_gives_the_tokens_of_decoding_without_it(make_llm):
+    """Each scheduling policy orders and admits differently (round-robin also makes running requests
+    yield): with proposals in its steps, every request still gets the non-speculative tokens."""
+    from jaxcb.host.policies import POLICIES
+
+    base = make_llm()
+    prompts = repetitive_prompts(base.model_config.vocab_size, (5, 20, 33, 8, 50, 12, 27, 40, 9, 16), seed=4)
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    want = [o.token_ids for o in base.generate(prompts, params)]
+    for policy in POLICIES:
+        spec = make_llm(speculative=NGRAM, policy=policy, quantum_tokens=8)
+        assert [o.token_ids for o in spec.generate(prompts, params)] == want, policy
+        check_speculated(spec)
+
+
 CASES = ["preemption", "prefix_cache", "n", "stop", "penalties", "logprobs", "eos"]
 
 
@@ -319,6 +334,55 @@ def test_a_draft_catches_up_only_for_a_request_with_enough_tokens_left_to_win_it
     for n in [400] * 40:
         proposer.observe_finish(SimpleNamespace(output_ids=[7] * n))
     assert proposer.keep([(request(max_tokens=1000, ignore_eos=False), 3)], 1, 1) == [3]
+
+
+def test_both_apis_serve_it_exactly_and_report_it(tiny_gguf_path, config_path, tiny_model, tmp_path):
+    """`jaxcb serve` with n-gram speculation: the OpenAI API (plain and streamed) and gRPC give the tokens
+    of the engine without it, greedy and seeded, for a request that opts out too; GetServerInfo and the
+    metrics show the method and what was accepted; the pool is whole after."""
+    import json as json_
+
+    import httpx
+
+    from jaxcb.host.engine_config import load_config
+    from jaxcb.llm import LLM
+    from serve.client import Client
+    from tests.server_util import SMALL_CONFIG, ServerProcess, free_port, wait_pool_whole
+
+    path = tmp_path / "spec.toml"
+    path.write_text(SMALL_CONFIG + '[speculative]\nmethod = "ngram"\nnum_tokens = 3\nadaptive = false\n')
+    cfg, params, tok, eos = tiny_model
+    offline = LLM.from_params(cfg, params, tok, config=load_config(config_path), eos_ids=eos)
+    prompt = repetitive_prompts(cfg.vocab_size, (24,), seed=9)[0]
+    http_port = free_port()
+    s = ServerProcess(tiny_gguf_path, str(path), "--http-port", str(http_port))
+    url = f"http://127.0.0.1:{http_port}/v1/completions"
+    try:
+        s.wait_serving()
+        name = httpx.get(f"http://127.0.0.1:{http_port}/v1/models", timeout=30).json()["data"][0]["id"]
+        for sampling in (dict(temperature=0.0), dict(temperature=0.9, seed=11)):
+            want = offline.generate([prompt], SamplingParams(max_tokens=24, ignore_eos=True, **sampling))[0].text
+            body = dict(model=name, prompt=prompt, max_tokens=24, ignore_eos=True, **sampling)
+            for opt_out in (False, True):
+                extra = {"speculative": False} if opt_out else {}
+                plain = httpx.post(url, json=body | extra, timeout=60).json()["choices"][0]["text"]
+                with httpx.stream("POST", url, json=body | extra | {"stream": True}, timeout=60) as resp:
+                    events = [line[6:] for line in resp.iter_lines() if line.startswith("data: ")]
+                streamed = "".join(json_.loads(e)["choices"][0]["text"] for e in events if e != "[DONE]")
+                with Client(s.target) as c:
+                    grpc_text = c.complete(token_ids=prompt, max_tokens=24, ignore_eos=True,
+                                           speculative=False if opt_out else None, **sampling).text
+                assert plain == streamed == grpc_text == want, (sampling, opt_out)
+        with Client(s.target) as c:
+            info = wait_pool_whole(c)
+        assert info.speculative_method == "ngram" and info.num_speculative_tokens == 3
+        assert 0 < info.speculative_acceptance_rate <= 1 and info.speculative_mean_accepted_length > 1
+        metrics = httpx.get(f"http://127.0.0.1:{s.metrics_port}/metrics", timeout=10).text
+        accepted = [float(line.split()[-1]) for line in metrics.splitlines()
+                    if line.startswith("jaxcb:spec_decode_num_accepted_tokens_total")]
+        assert accepted and accepted[0] > 0, metrics
+    finally:
+        assert s.stop() == 0, s.output()
 
 
 def test_rejected_tokens_give_their_pages_back(make_llm):
