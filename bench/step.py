@@ -1,6 +1,6 @@
 """Time one engine step, shape by shape, on the engine's own runner: where a decode step's time goes.
 
-    .venv/bin/python -m bench.step [--rows 1 32] [--contexts 128 512 2048] [--repeats 10] [--attention xla native]
+    .venv/bin/python -m bench.step [--rows 1 32] [--contexts 128 512 2048] [--repeats 10] [--attention xla native] [--page-size N]
 
 For each (rows, context): a packed decode step of `rows` sequences, each `context` tokens long (the
 newest token included), pages scattered over the pool, float32, the default model. Prints the median
@@ -36,6 +36,7 @@ def main():
     ap.add_argument("--contexts", type=int, nargs="+", default=[128, 512, 2048])
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--attention", nargs="+", default=["xla", "native"], choices=["xla", "native"])
+    ap.add_argument("--page-size", type=int, default=0, help="tokens per KV page (default: the config's)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
 
@@ -56,7 +57,7 @@ def main():
 
         params = with_int8_activations(params)
     config = load_config()
-    s = config.page_size
+    s = args.page_size or config.page_size
     max_context = min(config.scheduler.max_context, model_config.max_context)
     need = max(args.rows) * -(-max(args.contexts) // s) + 1
     runner = ModelRunner(model_config, params, need + 8, s, attention="xla")
