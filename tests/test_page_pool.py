@@ -84,3 +84,24 @@ def test_shared_cached_page_is_freed_only_by_its_last_holder():
     pool.free([p])
     assert pool.num_free == 3 and pool.lookup([b"h"]) == [p]
     pool.check_all_free()
+
+
+def test_pages_come_in_ascending_runs_from_the_free_list_and_from_eviction():
+    """A sequence's pages in ascending order lie in runs through memory (the attention's prefetchers
+    stream them): fresh, freed and reused, and evicted from the cache (least recent first, a
+    sequence's tail before its head)."""
+    pool = PagePool(17, 4)
+    a = pool.allocate(8)
+    assert a == sorted(a) and a == list(range(a[0], a[0] + 8))
+    pool.free(a)
+    again = pool.allocate(8)
+    assert again == a
+    for i, p in enumerate(again):
+        pool.register(p, bytes([i]))
+    b = pool.allocate(8)  # the other eight plain free pages
+    pool.free(again)  # cached, their tail first on the LRU list
+    c = pool.allocate(6)  # evicts a's last six pages
+    assert pool.num_evictions == 6 and c == a[2:]
+    pool.free(b + c)
+    pool.forget_cached()
+    pool.check_all_free()

@@ -66,7 +66,11 @@ class PagePool:
 
     def allocate(self, n: int) -> list[int] | None:
         """n fresh pages with one reference each, or None (nothing taken) when too few are free.
-        Plain free pages go first; then the least recently used cached ones are evicted."""
+        Plain free pages go first; then the least recently used cached ones are evicted. They come in
+        ascending order: a sequence's pages then lie in runs through memory, which the CPU's prefetchers
+        stream (the native attention read K/V 5-11% faster from ascending runs than from the descending
+        ones that evicting a sequence's cached pages tail first gives, and 22-39% faster than from
+        scattered pages; README)."""
         if n > self.num_free:
             return None
         pages = []
@@ -81,6 +85,7 @@ class PagePool:
                 if self.events is not None:
                     self.events.removed(page_hash)
                 pages.append(page)
+        pages.sort()
         self.ref_counts[pages] = 1
         return pages
 
