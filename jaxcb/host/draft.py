@@ -85,7 +85,11 @@ class DraftProposer(Proposer):
     def _behind(self, r) -> int:
         """Tokens the draft would be fed for r before its first proposal: from what it holds of r to
         r's newest token."""
-        return r.num_computed + 1 - min(max(self.valid(r), self._earliest(r)), r.num_computed)
+        return r.num_computed + 1 - self._begin(r, r.num_computed)
+
+    def _begin(self, r, newest: int) -> int:
+        """The first position the draft is fed for r when r's newest token is at `newest`."""
+        return min(max(self.valid(r), self._earliest(r)), newest)
 
     def entry_cost(self, r) -> float:
         """A catch-up on r's prompt and output (its first proposal, or after a preemption or a spell
@@ -158,7 +162,7 @@ class DraftProposer(Proposer):
         catch_up = []  # the tokens each row feeds the draft before its first proposal
         for c in chunks:
             r, end = c.request, c.start + 1
-            begin = min(max(self.valid(r), self._earliest(r)), c.start)
+            begin = self._begin(r, c.start)
             catch_up.append(end - begin)
             last = max(begin, end - share)
             final.append((c, last))
@@ -206,10 +210,7 @@ class DraftProposer(Proposer):
         # fills with one, less their proposals' part.
         depth = max(len(c.draft) for c in chunks)
         if max(catch_up) <= 2:
-            self.token_s = self._average(self.token_s, seconds / depth)
+            self.token_s = self.average(self.token_s, seconds / depth)
         else:
-            self.catch_up_s = self._average(self.catch_up_s, max(0.0, seconds - depth * (self.token_s or 0.0))
-                                            / sum(n for n in catch_up if n > 2))
-
-    def _average(self, old: float | None, new: float) -> float:
-        return new if old is None else old + self.AVG_WEIGHT * (new - old)
+            self.catch_up_s = self.average(self.catch_up_s, max(0.0, seconds - depth * (self.token_s or 0.0))
+                                           / sum(n for n in catch_up if n > 2))

@@ -243,12 +243,16 @@ class Proposer:
 
     def observe_step(self, padded_tokens: int, seconds: float) -> None:
         """A completed step's time, for its token bucket."""
-        old = self.bucket_s.get(padded_tokens)
-        self.bucket_s[padded_tokens] = seconds if old is None else old + self.AVG_WEIGHT * (seconds - old)
+        self.bucket_s[padded_tokens] = self.average(self.bucket_s.get(padded_tokens), seconds)
 
     def observe_sync(self, seconds: float) -> None:
         """A speculating step's wait: from the tokens of the step before it to its own dispatch."""
-        self.sync_s += self.AVG_WEIGHT * (seconds - self.sync_s)
+        self.sync_s = self.average(self.sync_s, seconds)
+
+    @classmethod
+    def average(cls, old: float | None, new: float) -> float:
+        """The moving average every measured cost here keeps: `new` alone when nothing came before."""
+        return new if old is None else old + cls.AVG_WEIGHT * (new - old)
 
     def _step_s(self, tokens: int) -> float | None:
         """The measured time of the bucket `tokens` falls in; a bucket not yet measured costs what the
