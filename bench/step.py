@@ -1,9 +1,13 @@
 """Time one engine step, shape by shape, on the engine's own runner: where a decode step's time goes.
 
-    .venv/bin/python -m bench.step [--rows 1 32] [--contexts 128 512 2048] [--repeats 10] [--attention xla native] [--page-size N]
+    .venv/bin/python -m bench.step [--rows 1 32] [--contexts 128 512 2048] [--repeats 10] [--attention xla native]
+                                   [--page-size N] [--layout pool|shuffled]
 
 For each (rows, context): a packed decode step of `rows` sequences, each `context` tokens long (the
-newest token included), pages scattered over the pool, float32, the default model. Prints the median
+newest token included), float32, the default model. Their pages lie where the engine's page pool puts
+them (`--layout pool`: the configured pool, the sequences' prompts, a quarter of the context each,
+admitted together, then grown a token at a time in turn) or scattered at random over the pool
+(`--layout shuffled`: the worst case, a pool churned long enough). Prints the median
 step time (dispatch + the one device-to-host copy) and splits it:
   - no attention: the same program with attention skipped (its output is the queries): matmuls,
     embeddings, norms, rotary, the KV write, sampling;
@@ -37,6 +41,8 @@ def main():
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--attention", nargs="+", default=["xla", "native"], choices=["xla", "native"])
     ap.add_argument("--page-size", type=int, default=0, help="tokens per KV page (default: the config's)")
+    ap.add_argument("--layout", default="pool", choices=["pool", "shuffled"],
+                    help="where the sequences' pages lie: as the engine's page pool puts them, or at random")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
 
@@ -60,19 +66,24 @@ def main():
     s = args.page_size or config.page_size
     max_context = min(config.scheduler.max_context, model_config.max_context)
     need = max(args.rows) * -(-max(args.contexts) // s) + 1
-    runner = ModelRunner(model_config, params, need + 8, s, attention="xla")
+    num_pages = max(need + 8, config.num_pages) if args.layout == "pool" else need + 8
+    runner = ModelRunner(model_config, params, num_pages, s, attention="xla")
     rng = np.random.default_rng(0)
     kv_bytes_per_token = runner.kv_bytes_per_token
     rows_out = []
     copy_gb_s = copy_rate()
-    print(f"machine: {machine()}; model {model_config.name}, {args.weights} weights, page size {s}; "
+    print(f"machine: {machine()}; model {model_config.name}, {args.weights} weights, page size {s}, "
+          f"{args.layout} layout over {num_pages} pages; "
           f"copy rate {copy_gb_s:.1f} GB/s read (+ as much written)")
     step_with = jax.jit(step, static_argnames=("config", "attention"), donate_argnums=(1,))
     for rows in args.rows:
         for ctx in args.contexts:
             n_pages = -(-ctx // s)
-            perm = rng.permutation(np.arange(1, need))[: rows * n_pages].reshape(rows, n_pages)
-            seqs = [SeqSpec([int(rng.integers(100, 1000))], ctx - 1, perm[i].tolist()) for i in range(rows)]
+            if args.layout == "pool":
+                tables = pool_layout(rows, ctx, ctx // 4, num_pages, s)
+            else:
+                tables = rng.permutation(np.arange(1, need))[: rows * n_pages].reshape(rows, n_pages).tolist()
+            seqs = [SeqSpec([int(rng.integers(100, 1000))], ctx - 1, tables[i]) for i in range(rows)]
             shape = config.buckets.step_shape(rows, s, max_context)
             t0 = time.perf_counter()
             for _ in range(args.repeats):
@@ -103,12 +114,16 @@ def main():
             kv_gb = rows * ctx * kv_bytes_per_token / 1e9
             for choice in args.attention:
                 attention = resolve_attention(choice)
-                # The same step without attention (its matmuls as this choice runs them).
-                none_ms = timed(run_with(Attention("none", native_matmul=attention.native_matmul)))
-                full_ms = timed(run_with(attention))
-                attn_ms = max(full_ms - none_ms, 1e-9)
+                # The same step without attention (its matmuls as this choice runs them), run in turn with
+                # the full one: the attention is the median of the pairs' differences (at one row it is a
+                # few percent of the step, below the drift between two separate series).
+                none_ms, full_ms, attn_ms = timed_pairs(
+                    run_with(Attention("none", native_matmul=attention.native_matmul)), run_with(attention),
+                    args.repeats)
+                attn_ms = max(attn_ms, 1e-9)
                 rate = kv_gb / (attn_ms / 1000)
-                row = {"attention": choice, "rows": rows, "context": ctx, "tokens_bucket": shape.tokens,
+                row = {"attention": choice, "layout": args.layout, "rows": rows, "context": ctx,
+                       "page_runs_per_seq": round(sum(runs(t) for t in tables) / rows, 1), "tokens_bucket": shape.tokens,
                        "step_ms": round(full_ms, 1), "no_attention_ms": round(none_ms, 1),
                        "attention_ms": round(attn_ms, 1), "attention_share": round(attn_ms / full_ms, 3),
                        "kv_read_gb_per_s": round(rate, 2), "kv_read_of_copy_rate": round(rate / copy_gb_s, 3),
@@ -120,6 +135,42 @@ def main():
                       f"sampling {sample_ms:5.2f} ms | host pack {host_ms:.3f} ms", flush=True)
     result = {"machine": machine(), "weights": args.weights, "copy_gb_per_s": round(copy_gb_s, 2), "steps": rows_out}
     write_result(result, args.json)
+
+
+def timed_pairs(base, full, repeats: int) -> tuple[float, float, float]:
+    """Medians (ms) of `base`, of `full`, and of full minus base, each pair run back to back."""
+    base()
+    full()
+    pairs = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        base()
+        t1 = time.perf_counter()
+        full()
+        t2 = time.perf_counter()
+        pairs.append((t1 - t0, t2 - t1))
+    ms = lambda xs: statistics.median(xs) * 1000  # noqa: E731
+    return ms([a for a, _ in pairs]), ms([b for _, b in pairs]), ms([b - a for a, b in pairs])
+
+
+def pool_layout(rows: int, context: int, prompt: int, num_pages: int, page_size: int) -> list[list[int]]:
+    """The page tables the engine's pool gives `rows` sequences admitted together with `prompt`-token
+    prompts and then grown, a token each in turn, to `context` tokens (what the scheduler asks of it)."""
+    from jaxcb.host.page_pool import PagePool
+
+    pool = PagePool(num_pages, page_size)
+    tables = [pool.allocate(pool.pages_for(max(prompt, 1))) for _ in range(rows)]
+    for length in range(max(prompt, 1) + 1, context + 1):
+        for t in tables:
+            need = pool.pages_for(length) - len(t)
+            if need > 0:
+                t.extend(pool.allocate(need, after=t[-1]))
+    return tables
+
+
+def runs(pages: list[int]) -> int:
+    """Stretches of consecutive page ids in a page table."""
+    return 1 + sum(b != a + 1 for a, b in zip(pages, pages[1:]))
 
 
 def copy_rate(gib: float = 1.0, repeats: int = 5) -> float:

@@ -105,3 +105,73 @@ def test_pages_come_in_ascending_runs_from_the_free_list_and_from_eviction():
     pool.free(b + c)
     pool.forget_cached()
     pool.check_all_free()
+
+
+def runs(pages: list[int]) -> int:
+    """Stretches of consecutive page ids in a sequence's page list."""
+    return 1 + sum(b != a + 1 for a, b in zip(pages, pages[1:]))
+
+
+def test_sequences_that_arrive_together_and_grow_in_turn_each_keep_one_run():
+    """Four prompts of two pages each, then decode growth a page at a time in turn until the pool is
+    full: each new prompt goes to the middle of the largest room, and growth continues a sequence's
+    run, so every sequence ends as one stretch of memory (handing out the lowest free page would
+    interleave them: a run of one page each)."""
+    pool = PagePool(65, 16)
+    seqs = [pool.allocate(2) for _ in range(4)]
+    while pool.num_free:
+        for pages in seqs:
+            pages.extend(pool.allocate(1, after=pages[-1]))
+    assert [runs(p) for p in seqs] == [1, 1, 1, 1] and sorted(len(p) for p in seqs) == [16] * 4
+    pool.check()
+    for pages in seqs:
+        pool.free(pages)
+    pool.check_all_free()
+
+
+def test_growth_past_a_taken_page_goes_to_the_largest_room_and_a_full_pool_still_gives_every_page():
+    pool = PagePool(33, 16)
+    a = pool.allocate(4)
+    b = pool.allocate(4)  # the middle of the room after a
+    assert a == [1, 2, 3, 4] and b[0] == 5 + (28 - 4) // 2
+    grown = pool.allocate(2, after=b[-1])
+    assert grown == [b[-1] + 1, b[-1] + 2]
+    c = pool.allocate(3, after=a[-1])  # a continues into its half of the room
+    assert c == [5, 6, 7]
+    # Fragmented: fewer free pages in one run than asked for; the longest runs are taken whole.
+    rest = pool.allocate(pool.num_free)
+    assert sorted(rest) == rest and len(set(rest) | set(a + b + grown + c)) == 32
+    assert pool.allocate(1, after=rest[-1]) is None
+    pool.check()
+    pool.free(a + b + grown + c + rest)
+    pool.check_all_free()
+
+
+def test_random_traffic_keeps_the_invariants():
+    import random
+
+    rng = random.Random(0)
+    pool = PagePool(200, 4)
+    held: list[list[int]] = []
+    for step in range(3000):
+        op = rng.random()
+        if op < 0.45:
+            pages = pool.allocate(rng.randint(1, 6))
+            if pages is not None:
+                held.append(pages)
+        elif op < 0.75 and held:
+            seq = rng.choice(held)
+            more = pool.allocate(rng.randint(1, 2), after=seq[-1])
+            if more is not None:
+                seq.extend(more)
+        elif held:
+            seq = held.pop(rng.randrange(len(held)))
+            if rng.random() < 0.5:
+                pool.register(seq[0], step.to_bytes(4, "little"))
+            pool.free(seq)
+        if step % 100 == 0:
+            pool.check()
+            assert pool.num_in_use == sum(len(s) for s in held)
+    for seq in held:
+        pool.free(seq)
+    pool.check_all_free()

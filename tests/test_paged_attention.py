@@ -239,3 +239,39 @@ def test_native_attention_matches_the_plain_jax_path_with_window_and_softcap(dty
         want, got = run(False), run(True)
         np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5, err_msg=f"window {window} softcap {softcap}")
         np.testing.assert_array_equal(got[live:], 0)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "int8"])
+def test_native_attention_splits_few_long_decode_rows_and_merges_them_exactly(dtype):
+    """One or two long decode rows read enough K/V for the pool's threads to join, but hold fewer blocks
+    (a row per KV head) than threads x items: the kernel splits each along its pages into parts with
+    their own softmax state and merges them. Against the plain-JAX path, with a window that leaves the
+    first parts without keys, soft-capping, and pages in runs and scattered."""
+    import functools
+
+    import jax
+
+    import kernels_cpu
+    from jaxcb.host.batch import SeqSpec, StepShape, pack
+    from jaxcb.model.paged_attention import quantize_kv, ragged_attention
+
+    assert kernels_cpu.available(), kernels_cpu.unavailable_reason()
+    rng = np.random.default_rng(5)
+    s, heads, kv_heads, d, layers = 16, 9, 3, 64, 2
+    for lens in ([2000], [2003, 700]):
+        n_max = -(-max(lens) // s)
+        num_pages = 1 + sum(-(-n // s) for n in lens) + 5
+        kv = jnp.asarray(rng.standard_normal((layers, 2, kv_heads, num_pages, s, d)), jnp.float32)
+        kv = quantize_kv(kv) if dtype == "int8" else kv
+        ids = np.arange(1, num_pages) if len(lens) == 1 else rng.permutation(np.arange(1, num_pages))
+        it = iter(ids.tolist())
+        specs = [SeqSpec([0], n - 1, [next(it) for _ in range(-(-n // s))]) for n in lens]
+        batch = pack(specs, StepShape(tokens=4, seqs=4, pages_per_seq=n_max, history=n_max * s), s)
+        batch = jax.tree_util.tree_map(jnp.asarray, batch)
+        q = jnp.asarray(rng.standard_normal((4, heads, d)), jnp.float32)
+        for window, softcap in [(0, 0.0), (1500, 0.0), (100, 20.0)]:
+            run = lambda native: np.asarray(jax.jit(functools.partial(  # noqa: E731
+                ragged_attention, native=native, window=window, softcap=softcap))(q, kv, jnp.int32(1), batch))
+            want, got = run(False), run(True)
+            np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5, err_msg=f"lens {lens} window {window}")
+            np.testing.assert_array_equal(got[len(lens):], 0)

@@ -115,7 +115,8 @@ def test_a_prefix_whose_window_pages_were_evicted_is_shortened_to_what_is_cached
     for p in (group.pool.lookup(hashes[4:5]) + group.pool.lookup(hashes[5:6])):
         del group.pool._page_of[group.pool._hash_of.pop(p)]
         group.pool._cached_free.pop(p)
-        group.pool._free.append(p)
+        group.pool._is_free[p] = True
+        group.pool._num_plain_free += 1
     group.pool.check()
     # A 10-page prefix needs sliding pages first_needed(80) = 7 .. 9: all cached.
     k, pages = group.usable_prefix(hashes, 10)

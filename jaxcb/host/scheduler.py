@@ -320,7 +320,7 @@ class Scheduler:
         need = self.pool.pages_for(num_tokens) - len(r.page_ids)
         pages = []
         if need > 0:
-            pages = self.pool.allocate(need)
+            pages = self.pool.allocate(need, after=r.page_ids[-1] if r.page_ids else None)
             if pages is None:
                 return False
             r.page_ids.extend(pages)

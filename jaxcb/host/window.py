@@ -55,7 +55,7 @@ class WindowGroup:
         missing = need - max(len(ids), lo)
         if missing <= 0:
             return True
-        pages = self.pool.allocate(missing)
+        pages = self.pool.allocate(missing, after=ids[-1] if ids and ids[-1] != NULL_PAGE else None)
         if pages is None:
             return False
         ids.extend([NULL_PAGE] * (max(len(ids), lo) - len(ids)) + pages)
