@@ -233,6 +233,44 @@ inline void prefetch_page(const uint8_t* page, size_t bytes) {
   for (size_t off = 0; off < bytes; off += 64) __builtin_prefetch(page + off, 0, PREFETCH_LEVEL);
 }
 
+// Where a block's keys and values are: its KV head's K and V planes of the layer, its sequence's page
+// table, and the logical pages [first, last] that hold keys its queries see.
+struct Span {
+  const uint8_t* k_pool;
+  const uint8_t* v_pool;
+  const int32_t* table;
+  int64_t first, last, lo, first_pos, last_pos;
+  size_t page_bytes;
+};
+
+template <typename Page>
+Span block_span(const Problem& p, const Block& b) {
+  Span sp;
+  const int64_t len = p.kv_lens[b.i], q_len = p.cu_q_lens[b.i + 1] - p.cu_q_lens[b.i];
+  sp.first_pos = len - q_len + b.j0;
+  sp.last_pos = sp.first_pos + b.nq - 1;
+  sp.lo = p.window > 0 ? std::max<int64_t>(0, sp.first_pos - p.window + 1) : 0;  // first key any query sees
+  sp.page_bytes = static_cast<size_t>(p.s * p.w) * Page::kBytes;
+  sp.k_pool = p.pages + static_cast<size_t>((p.layer * 2 + 0) * p.nk + b.k) * p.np * sp.page_bytes;
+  sp.v_pool = p.pages + static_cast<size_t>((p.layer * 2 + 1) * p.nk + b.k) * p.np * sp.page_bytes;
+  sp.table = p.page_table + static_cast<int64_t>(b.i) * p.n;
+  sp.first = std::max<int64_t>(sp.lo / p.s, b.p0);
+  sp.last = std::min<int64_t>(sp.last_pos / p.s, b.p1 - 1);
+  return sp;
+}
+
+// The first pages of a block about to be taken (by this thread or another: the last-level cache is
+// shared), so that it does not start on a cold page.
+template <typename Page>
+void prefetch_start(const Problem& p, const Block& b) {
+  if (p.kv_lens[b.i] <= 0) return;
+  const Span sp = block_span<Page>(p, b);
+  for (int64_t n = sp.first; n <= std::min(sp.last, sp.first + kPrefetchPages - 1); ++n) {
+    prefetch_page(sp.k_pool + sp.table[n] * sp.page_bytes, sp.page_bytes);
+    prefetch_page(sp.v_pool + sp.table[n] * sp.page_bytes, sp.page_bytes);
+  }
+}
+
 // The block's queries (each with the G query heads of KV head k) over the pages their keys are on,
 // page by page with an online softmax per query head. Query j of a sequence with kv_len keys and q_len
 // new tokens sits at position kv_len - q_len + j and sees the keys at positions up to its own (and,
@@ -240,7 +278,7 @@ inline void prefetch_page(const uint8_t* page, size_t bytes) {
 template <typename Page, int G>
 void attend_block(const Problem& p, const Block& b) {
   const int64_t g = G, d = p.d, s = p.s, h = p.nk * G;
-  const int64_t len = p.kv_lens[b.i], q_len = p.cu_q_lens[b.i + 1] - p.cu_q_lens[b.i];
+  const int64_t len = p.kv_lens[b.i];
   const int64_t row0 = p.cu_q_lens[b.i] + b.j0;  // token row of the block's first query
   const int64_t nq = b.nq;
   if (len <= 0 && b.part < 0) {  // nothing to attend to (an inactive page group): zeros
@@ -258,15 +296,14 @@ void attend_block(const Problem& p, const Block& b) {
   std::fill_n(mx, nq * G, kMasked);
   std::fill_n(den, nq * G, 0.0f);
   std::fill_n(acc, nq * G * d, 0.0f);
-  const int64_t first_pos = len - q_len + b.j0, last_pos = first_pos + nq - 1;
-  const int64_t lo = p.window > 0 ? std::max<int64_t>(0, first_pos - p.window + 1) : 0;  // first key any query sees
-  const size_t page_bytes = static_cast<size_t>(s * p.w) * Page::kBytes;
-  const uint8_t* k_pool = p.pages + static_cast<size_t>((p.layer * 2 + 0) * p.nk + b.k) * p.np * page_bytes;
-  const uint8_t* v_pool = p.pages + static_cast<size_t>((p.layer * 2 + 1) * p.nk + b.k) * p.np * page_bytes;
-  const int32_t* table = p.page_table + static_cast<int64_t>(b.i) * p.n;
-  const int64_t first = std::max<int64_t>(lo / s, b.p0), last = std::min<int64_t>(last_pos / s, b.p1 - 1);
-  // Pages sit anywhere in the pool, so the hardware prefetcher cannot run ahead across them: the
-  // pages kPrefetchPages ahead are requested while this one is computed.
+  const Span sp = block_span<Page>(p, b);
+  const int64_t first_pos = sp.first_pos, last_pos = sp.last_pos, lo = sp.lo, first = sp.first, last = sp.last;
+  const size_t page_bytes = sp.page_bytes;
+  const uint8_t *k_pool = sp.k_pool, *v_pool = sp.v_pool;
+  const int32_t* table = sp.table;
+  // The hardware prefetcher stops at the end of a 4 KiB memory page (and pages may lie anywhere in the
+  // pool): the pages kPrefetchPages ahead are requested while this one is computed (the first ones
+  // were, by whoever took the block before, prefetch_start).
   for (int64_t n = first; n <= std::min(last, first + kPrefetchPages - 1); ++n) {
     prefetch_page(k_pool + table[n] * page_bytes, page_bytes);
     prefetch_page(v_pool + table[n] * page_bytes, page_bytes);
@@ -367,8 +404,12 @@ void merge_parts(const Problem& p, const std::vector<Split>& splits) {
 template <typename Page, int G>
 void run_group(ffi::ThreadPool& pool, const Problem& p, const std::vector<Block>& blocks, bool helpers_pay) {
   const Block* items = blocks.data();
-  jaxcb::parallel_for(pool, static_cast<int64_t>(blocks.size()), helpers_pay,
-                      [p, items](int64_t item) { attend_block<Page, G>(p, items[item]); });
+  const int64_t total = static_cast<int64_t>(blocks.size());
+  const int64_t ahead = helpers_pay ? std::max<int64_t>(pool.num_threads(), 1) : 1;  // the next block a thread takes
+  jaxcb::parallel_for(pool, total, helpers_pay, [p, items, total, ahead](int64_t item) {
+    if (item + ahead < total) prefetch_start<Page>(p, items[item + ahead]);
+    attend_block<Page, G>(p, items[item]);
+  });
 }
 
 // Query heads per KV head as a compile-time constant, so each head's accumulators stay in registers.
