@@ -227,7 +227,10 @@ struct Block {
   int32_t i, k, j0, nq;
   int32_t p0 = 0, p1 = INT32_MAX, part = -1;
 };
-constexpr int64_t kQueriesPerBlock = 8;
+#ifndef QUERIES_PER_BLOCK
+#define QUERIES_PER_BLOCK 8
+#endif
+constexpr int64_t kQueriesPerBlock = QUERIES_PER_BLOCK;
 
 inline void prefetch_page(const uint8_t* page, size_t bytes) {
   for (size_t off = 0; off < bytes; off += 64) __builtin_prefetch(page + off, 0, PREFETCH_LEVEL);
@@ -271,6 +274,177 @@ void prefetch_start(const Problem& p, const Block& b) {
   }
 }
 
+#if defined(__AVX512F__)
+// exp_nonpos on 16 lanes (GCC leaves the scalar one unvectorised inside a conditional).
+inline vf exp_nonpos16(vf x) {
+  typedef int32_t vi __attribute__((vector_size(64)));
+  x = x > -87.0f ? x : vf{} - 87.0f;
+  const vf t = x * 1.44269504088896341f + 0.5f;
+  const vf n = reinterpret_cast<vf>(_mm512_roundscale_ps(reinterpret_cast<__m512>(t), _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC));
+  const vf r = x - n * 0.693145751953125f - n * 1.428606765330187045e-06f;
+  vf p = r * 1.9875691500e-4f + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const vi bits = (__builtin_convertvector(n, vi) + 127) << 23;
+  return p * reinterpret_cast<const vf&>(bits);
+}
+
+// Scores of 4 slots for one or two vectors of 16 query rows: st[t][r] = qt[:, r] . k_t * scales[t],
+// with each key value broadcast against the rows (the rows' queries transposed, qt [D][RV]).
+template <bool kTwo>
+inline void score_tile(const float* qt, int64_t rv, int64_t v, const float* k, int64_t d, const float* scales,
+                       float* st) {
+  vf a0[4] = {}, a1[4] = {};
+  for (int64_t c = 0; c < d; ++c) {
+    const vf q0 = vload(qt + c * rv + v * kLanes);
+    vf q1 = {};
+    if (kTwo) q1 = vload(qt + c * rv + (v + 1) * kLanes);
+    for (int i = 0; i < 4; ++i) {
+      const float kv = k[i * d + c];
+      a0[i] += q0 * kv;
+      if (kTwo) a1[i] += q1 * kv;
+    }
+  }
+  for (int i = 0; i < 4; ++i) {
+    vstore(st + i * rv + v * kLanes, a0[i] * scales[i]);
+    if (kTwo) vstore(st + i * rv + (v + 1) * kLanes, a1[i] * scales[i]);
+  }
+}
+
+// A prefill block (several queries) as small matrix products: its R = nq x G query rows in the lanes,
+// 16 slots of a page at a time. Scores come from each key value broadcast against 16 rows' queries (no
+// sums across lanes), the online softmax runs down the rows' lanes, and the weighted sum of values keeps
+// 6 rows x 64 columns of sums in registers while each value row is read once. Pages of a multiple of
+// 16 slots, head dims of a multiple of 64; attend_block does the rest.
+template <typename Page, int G>
+void attend_block_tiled(const Problem& p, const Block& b) {
+  constexpr int64_t kRowTile = 6;
+  const int64_t d = p.d, s = p.s, h = p.nk * G, nq = b.nq, rows = nq * G;
+  const int64_t rv = (rows + kLanes - 1) / kLanes * kLanes;  // rows padded to whole vectors
+  const int64_t row0 = p.cu_q_lens[b.i] + b.j0;
+  const Span sp = block_span<Page>(p, b);
+  thread_local std::vector<float> buffers;  // qt [D, RV], st [16, RV], acc [rows + 6, D], K and V widened [2, S, D]
+  buffers.resize(static_cast<size_t>(d * rv + kLanes * rv + (rows + kRowTile) * d + 2 * s * d));
+  float* qt = buffers.data();
+  float* st = qt + d * rv;
+  float* acc = st + kLanes * rv;
+  float* k_scratch = acc + (rows + kRowTile) * d;
+  float* v_scratch = k_scratch + s * d;
+  alignas(64) float mx[kQueriesPerBlock * 16 + kLanes], den[kQueriesPerBlock * 16 + kLanes],
+      keep[kQueriesPerBlock * 16 + kLanes], page_max[kQueriesPerBlock * 16 + kLanes];
+  alignas(64) int32_t pos[kQueriesPerBlock * 16 + kLanes], from[kQueriesPerBlock * 16 + kLanes];
+  float kscale[256] = {}, vscale[256] = {};
+  for (int64_t r = 0; r < rv; ++r) {
+    const bool live = r < rows;
+    pos[r] = live ? static_cast<int32_t>(sp.first_pos + r / G) : -1;  // padding rows see no key
+    from[r] = live && p.window > 0 ? pos[r] - p.window + 1 : 0;
+    mx[r] = kMasked;
+    den[r] = 0.0f;
+    for (int64_t c = 0; c < d; ++c)
+      qt[c * rv + r] = live ? p.q[((row0 + r / G) * h + b.k * G + r % G) * d + c] : 0.0f;
+  }
+  std::fill_n(acc, (rows + kRowTile) * d, 0.0f);
+  for (int64_t n = sp.first; n <= std::min(sp.last, sp.first + kPrefetchPages - 1); ++n) {
+    prefetch_page(sp.k_pool + sp.table[n] * sp.page_bytes, sp.page_bytes);
+    prefetch_page(sp.v_pool + sp.table[n] * sp.page_bytes, sp.page_bytes);
+  }
+  for (int64_t n = sp.first; n <= sp.last; ++n) {
+    if (n + kPrefetchPages <= sp.last) {
+      prefetch_page(sp.k_pool + sp.table[n + kPrefetchPages] * sp.page_bytes, sp.page_bytes);
+      prefetch_page(sp.v_pool + sp.table[n + kPrefetchPages] * sp.page_bytes, sp.page_bytes);
+    }
+    const int64_t page = sp.table[n], base = n * s;
+    const int64_t s0 = std::max<int64_t>(sp.lo - base, 0), s1 = std::min<int64_t>(sp.last_pos + 1 - base, s);
+    const float* keys = Page::rows(sp.k_pool + page * sp.page_bytes, s0, s1, p.w, k_scratch, kscale);
+    const float* values = Page::rows(sp.v_pool + page * sp.page_bytes, s0, s1, p.w, v_scratch, vscale);
+    for (int64_t t16 = s0 / kLanes * kLanes; t16 < s1; t16 += kLanes) {
+      // Scores of the 16 slots (slots outside [s0, s1) were not widened: their lanes are masked below).
+      for (int64_t v = 0; v < rv / kLanes; v += 2)
+        for (int64_t t = 0; t < kLanes; t += 4) {
+          if (v + 1 < rv / kLanes)
+            score_tile<true>(qt, rv, v, keys + (t16 + t) * d, d, kscale + t16 + t, st + t * rv);
+          else
+            score_tile<false>(qt, rv, v, keys + (t16 + t) * d, d, kscale + t16 + t, st + t * rv);
+        }
+      // Each row sees the keys from its window's start to its own position.
+      for (int64_t t = 0; t < kLanes; ++t) {
+        const int32_t kp = static_cast<int32_t>(base + t16 + t);
+        float* row = st + t * rv;
+#pragma omp simd
+        for (int64_t r = 0; r < rv; ++r) row[r] = (kp <= pos[r] && kp >= from[r]) ? row[r] : kMasked;
+        if (p.softcap > 0.0f)
+          for (int64_t r = 0; r < rv; ++r)
+            if (row[r] > kMasked) row[r] = p.softcap * std::tanh(row[r] / p.softcap);
+      }
+#pragma omp simd
+      for (int64_t r = 0; r < rv; ++r) page_max[r] = kMasked;
+      for (int64_t t = 0; t < kLanes; ++t) {
+        const float* row = st + t * rv;
+#pragma omp simd
+        for (int64_t r = 0; r < rv; ++r) page_max[r] = std::max(page_max[r], row[r]);
+      }
+#pragma omp simd
+      for (int64_t r = 0; r < rv; ++r) {
+        const float new_mx = std::max(mx[r], page_max[r]);
+        keep[r] = exp_nonpos(mx[r] - new_mx);
+        mx[r] = new_mx;
+        den[r] *= keep[r];
+      }
+      for (int64_t v = 0; v < rv; v += kLanes) {
+        const vf m = vload(mx + v);
+        vf sum = vload(den + v);
+        for (int64_t t = 0; t < kLanes; ++t) {
+          const vf x = vload(st + t * rv + v);
+          const vf e = x > 0.5f * kMasked ? exp_nonpos16(x - m) : vf{};
+          vstore(st + t * rv + v, e);
+          sum += e;
+        }
+        vstore(den + v, sum);
+      }
+      for (int64_t r = 0; r < rows; ++r)
+        if (keep[r] != 1.0f) {
+          float* a = acc + r * d;
+#pragma omp simd
+          for (int64_t e = 0; e < d; ++e) a[e] *= keep[r];
+        }
+      // acc[r] += sum over the widened slots of weight[t][r] * scale[t] * v_t, 6 rows x 64 columns at a time.
+      const int64_t tv0 = std::max(s0, t16), tv1 = std::min(s1, t16 + kLanes);
+      for (int64_t r0 = 0; r0 < rows; r0 += kRowTile)
+        for (int64_t cg = 0; cg < d; cg += 4 * kLanes) {
+          vf o[kRowTile][4];
+          for (int i = 0; i < kRowTile; ++i)
+            for (int u = 0; u < 4; ++u) o[i][u] = vload(acc + (r0 + i) * d + cg + u * kLanes);
+          for (int64_t t = tv0; t < tv1; ++t) {
+            const float* vr = values + t * d + cg;
+            const float sc = vscale[t];
+            const vf v0 = vload(vr) * sc, v1 = vload(vr + kLanes) * sc, v2 = vload(vr + 2 * kLanes) * sc,
+                     v3 = vload(vr + 3 * kLanes) * sc;
+            const float* w = st + (t - t16) * rv + r0;
+            for (int i = 0; i < kRowTile; ++i) {
+              const float wi = w[i];
+              o[i][0] += wi * v0;
+              o[i][1] += wi * v1;
+              o[i][2] += wi * v2;
+              o[i][3] += wi * v3;
+            }
+          }
+          for (int i = 0; i < kRowTile; ++i)
+            for (int u = 0; u < 4; ++u) vstore(acc + (r0 + i) * d + cg + u * kLanes, o[i][u]);
+        }
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    float* out = p.out + ((row0 + r / G) * h + b.k * G + r % G) * d;
+    const float inv = den[r] > 0.0f ? 1.0f / den[r] : 0.0f;
+    const float* a = acc + r * d;
+    for (int64_t e = 0; e < d; ++e) out[e] = a[e] * inv;
+  }
+}
+#endif
+
 // The block's queries (each with the G query heads of KV head k) over the pages their keys are on,
 // page by page with an online softmax per query head. Query j of a sequence with kv_len keys and q_len
 // new tokens sits at position kv_len - q_len + j and sees the keys at positions up to its own (and,
@@ -279,6 +453,12 @@ template <typename Page, int G>
 void attend_block(const Problem& p, const Block& b) {
   const int64_t g = G, d = p.d, s = p.s, h = p.nk * G;
   const int64_t len = p.kv_lens[b.i];
+#if defined(__AVX512F__)
+  if (b.nq > 1 && b.part < 0 && len > 0 && s % kLanes == 0 && d % (4 * kLanes) == 0) {
+    attend_block_tiled<Page, G>(p, b);
+    return;
+  }
+#endif
   const int64_t row0 = p.cu_q_lens[b.i] + b.j0;  // token row of the block's first query
   const int64_t nq = b.nq;
   if (len <= 0 && b.part < 0) {  // nothing to attend to (an inactive page group): zeros

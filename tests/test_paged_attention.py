@@ -275,3 +275,44 @@ def test_native_attention_splits_few_long_decode_rows_and_merges_them_exactly(dt
             want, got = run(False), run(True)
             np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5, err_msg=f"lens {lens} window {window}")
             np.testing.assert_array_equal(got[len(lens):], 0)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8"])
+@pytest.mark.parametrize("page_size,heads,kv_heads,d", [(16, 9, 3, 64), (32, 32, 2, 128), (16, 4, 4, 64)])
+def test_native_prefill_blocks_as_small_matrix_products_match_the_plain_jax_path(dtype, page_size, heads, kv_heads, d):
+    """Prefill chunks (blocks of several queries) go through the tiled path when the head dim is a
+    multiple of 64 and the page size of 16 (AVX-512): query rows in the lanes, 16 slots at a time. Chunks
+    of 2, 3, 8, 19 and 40 tokens (whole and partial blocks, rows not filling a vector), starting on and
+    off page boundaries, next to decode rows; with a window cutting through pages and soft-capping."""
+    import functools
+
+    import jax
+
+    import kernels_cpu
+    from jaxcb.host.batch import SeqSpec, StepShape, pack
+    from jaxcb.model.paged_attention import quantize_kv, ragged_attention
+
+    assert kernels_cpu.available(), kernels_cpu.unavailable_reason()
+    rng = np.random.default_rng(11)
+    s, layers = page_size, 2
+    decodes = [5, 70]
+    chunks = [(0, 19), (37, 40), (64, 8), (3, 3), (100, 2)]  # (start, tokens)
+    totals = decodes + [a + b for a, b in chunks]
+    n_max = max(-(-n // s) for n in totals)
+    num_pages = 1 + sum(-(-n // s) for n in totals) + 2
+    kv = jnp.asarray(rng.standard_normal((layers, 2, kv_heads, num_pages, s, d)), jnp.float32)
+    kv = quantize_kv(kv) if dtype == "int8" else kv.astype(dtype)
+    it = iter(rng.permutation(np.arange(1, num_pages)).tolist())
+    pages = [[next(it) for _ in range(-(-n // s))] for n in totals]
+    specs = [SeqSpec([0], n - 1, pages[i]) for i, n in enumerate(decodes)]
+    specs += [SeqSpec([0] * b, a, pages[len(decodes) + i]) for i, (a, b) in enumerate(chunks)]
+    live = len(decodes) + sum(b for _, b in chunks)
+    batch = pack(specs, StepShape(tokens=live + 5, seqs=len(specs) + 1, pages_per_seq=n_max, history=n_max * s), s)
+    batch = jax.tree_util.tree_map(jnp.asarray, batch)
+    q = jnp.asarray(rng.standard_normal((live + 5, heads, d)), jnp.float32)
+    for window, softcap in [(0, 0.0), (37, 0.0), (50, 5.0)]:
+        run = lambda native: np.asarray(jax.jit(functools.partial(  # noqa: E731
+            ragged_attention, native=native, window=window, softcap=softcap))(q, kv, jnp.int32(1), batch))
+        want, got = run(False), run(True)
+        np.testing.assert_allclose(got, want, rtol=3e-5, atol=3e-5, err_msg=f"window {window} softcap {softcap}")
+        np.testing.assert_array_equal(got[live:], 0)
