@@ -260,5 +260,8 @@ def test_smollm2_perplexity_of_each_mode_against_float32():
     assert -0.03 < ratios["int8", 32, "auto"] < 0.01  # on this excerpt a little below float32 (-1.7%)
     # Per output column: +0.9% on the whole text (README), +1.7% on this excerpt (its first 768 tokens).
     assert 0 < ratios["int8", 0, "auto"] < 0.02
-    # int8 activations too (rows quantized per 32 values): about +1.5% more on this excerpt (+3.2% in all).
-    assert ratios["int8", 0, "auto"] < ratios["w8a8", 0, "auto"] < 0.035
+    # int8 activations too (rows quantized per 32 values): about +1.5-2% more on this excerpt. Rounding each
+    # activation to int8 turns differences in the last bits of the attention into different roundings:
+    # the plain-JAX attention gives +3.36%, the native kernel +3.13% (one summation order) and +3.70%
+    # (another), with float32 perplexity equal to 1e-6 between all three.
+    assert ratios["int8", 0, "auto"] < ratios["w8a8", 0, "auto"] < 0.04
