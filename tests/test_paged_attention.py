@@ -269,7 +269,7 @@ def test_native_attention_splits_few_long_decode_rows_and_merges_them_exactly(dt
         batch = pack(specs, StepShape(tokens=4, seqs=4, pages_per_seq=n_max, history=n_max * s), s)
         batch = jax.tree_util.tree_map(jnp.asarray, batch)
         q = jnp.asarray(rng.standard_normal((4, heads, d)), jnp.float32)
-        for window, softcap in [(0, 0.0), (1500, 0.0), (100, 20.0)]:
+        for window, softcap in [(0, 0.0), (100, 20.0)]:
             run = lambda native: np.asarray(jax.jit(functools.partial(  # noqa: E731
                 ragged_attention, native=native, window=window, softcap=softcap))(q, kv, jnp.int32(1), batch))
             want, got = run(False), run(True)
@@ -277,9 +277,9 @@ def test_native_attention_splits_few_long_decode_rows_and_merges_them_exactly(dt
             np.testing.assert_array_equal(got[len(lens):], 0)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8"])
-@pytest.mark.parametrize("page_size,heads,kv_heads,d", [(16, 9, 3, 64), (32, 32, 2, 128), (16, 4, 4, 64)])
-def test_native_prefill_blocks_as_small_matrix_products_match_the_plain_jax_path(dtype, page_size, heads, kv_heads, d):
+@pytest.mark.parametrize("page_size,heads,kv_heads,d,dtype", [
+    (16, 9, 3, 64, "float32"), (16, 9, 3, 64, "int8"), (32, 32, 2, 128, "bfloat16"), (16, 4, 4, 64, "float32")])
+def test_native_prefill_blocks_as_small_matrix_products_match_the_plain_jax_path(page_size, heads, kv_heads, d, dtype):
     """Prefill chunks (blocks of several queries) go through the tiled path when the head dim is a
     multiple of 64 and the page size of 16 (AVX-512): query rows in the lanes, 16 slots at a time. Chunks
     of 2, 3, 8, 19 and 40 tokens (whole and partial blocks, rows not filling a vector), starting on and
