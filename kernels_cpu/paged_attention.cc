@@ -244,16 +244,24 @@ struct Span {
   const int32_t* table;
   int64_t first, last, lo, first_pos, last_pos;
   size_t page_bytes;
+
+  // Pages n .. n + count - 1 of the span (those that exist) requested into L2.
+  __attribute__((always_inline)) void prefetch(int64_t n, int64_t count) const {
+    for (int64_t m = n; m <= std::min(last, n + count - 1); ++m) {
+      prefetch_page(k_pool + table[m] * page_bytes, page_bytes);
+      prefetch_page(v_pool + table[m] * page_bytes, page_bytes);
+    }
+  }
 };
 
-template <typename Page>
-Span block_span(const Problem& p, const Block& b) {
+// `elem`: bytes per page element (Page::kBytes).
+inline Span block_span(const Problem& p, const Block& b, size_t elem) {
   Span sp;
   const int64_t len = p.kv_lens[b.i], q_len = p.cu_q_lens[b.i + 1] - p.cu_q_lens[b.i];
   sp.first_pos = len - q_len + b.j0;
   sp.last_pos = sp.first_pos + b.nq - 1;
   sp.lo = p.window > 0 ? std::max<int64_t>(0, sp.first_pos - p.window + 1) : 0;  // first key any query sees
-  sp.page_bytes = static_cast<size_t>(p.s * p.w) * Page::kBytes;
+  sp.page_bytes = static_cast<size_t>(p.s * p.w) * elem;
   sp.k_pool = p.pages + static_cast<size_t>((p.layer * 2 + 0) * p.nk + b.k) * p.np * sp.page_bytes;
   sp.v_pool = p.pages + static_cast<size_t>((p.layer * 2 + 1) * p.nk + b.k) * p.np * sp.page_bytes;
   sp.table = p.page_table + static_cast<int64_t>(b.i) * p.n;
@@ -267,11 +275,8 @@ Span block_span(const Problem& p, const Block& b) {
 template <typename Page>
 void prefetch_start(const Problem& p, const Block& b) {
   if (p.kv_lens[b.i] <= 0) return;
-  const Span sp = block_span<Page>(p, b);
-  for (int64_t n = sp.first; n <= std::min(sp.last, sp.first + kPrefetchPages - 1); ++n) {
-    prefetch_page(sp.k_pool + sp.table[n] * sp.page_bytes, sp.page_bytes);
-    prefetch_page(sp.v_pool + sp.table[n] * sp.page_bytes, sp.page_bytes);
-  }
+  const Span sp = block_span(p, b, Page::kBytes);
+  sp.prefetch(sp.first, kPrefetchPages);
 }
 
 #if defined(__AVX512F__)
@@ -325,7 +330,7 @@ void attend_block_tiled(const Problem& p, const Block& b) {
   const int64_t d = p.d, s = p.s, h = p.nk * G, nq = b.nq, rows = nq * G;
   const int64_t rv = (rows + kLanes - 1) / kLanes * kLanes;  // rows padded to whole vectors
   const int64_t row0 = p.cu_q_lens[b.i] + b.j0;
-  const Span sp = block_span<Page>(p, b);
+  const Span sp = block_span(p, b, Page::kBytes);
   thread_local std::vector<float> buffers;  // qt [D, RV], st [16, RV], acc [rows + 6, D], K and V widened [2, S, D]
   buffers.resize(static_cast<size_t>(d * rv + kLanes * rv + (rows + kRowTile) * d + 2 * s * d));
   float* qt = buffers.data();
@@ -347,15 +352,9 @@ void attend_block_tiled(const Problem& p, const Block& b) {
       qt[c * rv + r] = live ? p.q[((row0 + r / G) * h + b.k * G + r % G) * d + c] : 0.0f;
   }
   std::fill_n(acc, (rows + kRowTile) * d, 0.0f);
-  for (int64_t n = sp.first; n <= std::min(sp.last, sp.first + kPrefetchPages - 1); ++n) {
-    prefetch_page(sp.k_pool + sp.table[n] * sp.page_bytes, sp.page_bytes);
-    prefetch_page(sp.v_pool + sp.table[n] * sp.page_bytes, sp.page_bytes);
-  }
+  sp.prefetch(sp.first, kPrefetchPages);
   for (int64_t n = sp.first; n <= sp.last; ++n) {
-    if (n + kPrefetchPages <= sp.last) {
-      prefetch_page(sp.k_pool + sp.table[n + kPrefetchPages] * sp.page_bytes, sp.page_bytes);
-      prefetch_page(sp.v_pool + sp.table[n + kPrefetchPages] * sp.page_bytes, sp.page_bytes);
-    }
+    sp.prefetch(n + kPrefetchPages, 1);
     const int64_t page = sp.table[n], base = n * s;
     const int64_t s0 = std::max<int64_t>(sp.lo - base, 0), s1 = std::min<int64_t>(sp.last_pos + 1 - base, s);
     const float* keys = Page::rows(sp.k_pool + page * sp.page_bytes, s0, s1, p.w, k_scratch, kscale);
@@ -476,7 +475,7 @@ void attend_block(const Problem& p, const Block& b) {
   std::fill_n(mx, nq * G, kMasked);
   std::fill_n(den, nq * G, 0.0f);
   std::fill_n(acc, nq * G * d, 0.0f);
-  const Span sp = block_span<Page>(p, b);
+  const Span sp = block_span(p, b, Page::kBytes);
   const int64_t first_pos = sp.first_pos, last_pos = sp.last_pos, lo = sp.lo, first = sp.first, last = sp.last;
   const size_t page_bytes = sp.page_bytes;
   const uint8_t *k_pool = sp.k_pool, *v_pool = sp.v_pool;
@@ -484,15 +483,9 @@ void attend_block(const Problem& p, const Block& b) {
   // The hardware prefetcher stops at the end of a 4 KiB memory page (and pages may lie anywhere in the
   // pool): the pages kPrefetchPages ahead are requested while this one is computed (the first ones
   // were, by whoever took the block before, prefetch_start).
-  for (int64_t n = first; n <= std::min(last, first + kPrefetchPages - 1); ++n) {
-    prefetch_page(k_pool + table[n] * page_bytes, page_bytes);
-    prefetch_page(v_pool + table[n] * page_bytes, page_bytes);
-  }
+  sp.prefetch(first, kPrefetchPages);
   for (int64_t n = first; n <= last; ++n) {
-    if (n + kPrefetchPages <= last) {
-      prefetch_page(k_pool + table[n + kPrefetchPages] * page_bytes, page_bytes);
-      prefetch_page(v_pool + table[n + kPrefetchPages] * page_bytes, page_bytes);
-    }
+    sp.prefetch(n + kPrefetchPages, 1);
     const int64_t page = table[n], base = n * s;
     const int64_t s0 = std::max<int64_t>(lo - base, 0), s1 = std::min<int64_t>(last_pos + 1 - base, s);
     const float* keys = Page::rows(k_pool + page * page_bytes, s0, s1, p.w, k_scratch, kscale);
@@ -678,12 +671,10 @@ ffi::Error RaggedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ff
     std::vector<Block> split_blocks;
     int32_t parts_total = 0;
     for (const Block& b : blocks) {
-      const int64_t len = p.kv_lens[b.i];
-      const int64_t q_len = p.cu_q_lens[b.i + 1] - p.cu_q_lens[b.i];
-      const int64_t lo = p.window > 0 ? std::max<int64_t>(0, len - 1 - p.window + 1) : 0;
-      const int64_t first = lo / p.s, pages = len > 0 ? (len - 1) / p.s - first + 1 : 0;
+      const Span sp = block_span(p, b, elem);
+      const int64_t first = sp.first, pages = p.kv_lens[b.i] > 0 ? sp.last - sp.first + 1 : 0;
       const int64_t parts = std::min(per, pages / min_pages);
-      if (b.nq != 1 || q_len != 1 || parts < 2) {
+      if (b.nq != 1 || p.cu_q_lens[b.i + 1] - p.cu_q_lens[b.i] != 1 || parts < 2) {
         split_blocks.push_back(b);
         continue;
       }

@@ -196,6 +196,21 @@ def test_int8_pages_hold_values_and_scales_and_attention_reads_them(native):
     np.testing.assert_allclose(got[:live], np.concatenate(want), rtol=1e-5, atol=1e-5)
 
 
+def plain_and_native(q, kv, layer, batch, **options):
+    """The plain-JAX ragged attention and the native kernel's on the same step, as numpy arrays."""
+    import functools
+
+    import jax
+
+    from jaxcb.model.paged_attention import ragged_attention
+
+    def run(native):
+        attention = jax.jit(functools.partial(ragged_attention, native=native, **options))
+        return np.asarray(attention(q, kv, jnp.int32(layer), batch))
+
+    return run(False), run(True)
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8"])
 def test_native_attention_matches_the_plain_jax_path_with_window_and_softcap(dtype):
     """The native kernel against the plain-JAX loops it replaces, on what the unit tests above do not
@@ -203,13 +218,10 @@ def test_native_attention_matches_the_plain_jax_path_with_window_and_softcap(dty
     longer than a query block and crossing the window's edge, score soft-capping, a custom score scale,
     bfloat16 and int8 pages, 16 query heads per KV head, page size 256 with lengths 1, 255, 256, 257
     and one near the maximum, and padding rows."""
-    import functools
-
     import jax
 
     import kernels_cpu
     from jaxcb.host.batch import SeqSpec, StepShape, pack
-    from jaxcb.model.paged_attention import ragged_attention
 
     assert kernels_cpu.available(), kernels_cpu.unavailable_reason()
     rng = np.random.default_rng(3)
@@ -234,9 +246,7 @@ def test_native_attention_matches_the_plain_jax_path_with_window_and_softcap(dty
     batch = jax.tree_util.tree_map(jnp.asarray, batch)
     q = jnp.asarray(rng.standard_normal((live + 3, heads, d)), jnp.float32)
     for window, softcap, scale in [(0, 0.0, None), (300, 0.0, 0.1), (37, 5.0, None)]:
-        run = lambda native: np.asarray(jax.jit(functools.partial(  # noqa: E731
-            ragged_attention, native=native, window=window, softcap=softcap, scale=scale))(q, kv, jnp.int32(layer), batch))
-        want, got = run(False), run(True)
+        want, got = plain_and_native(q, kv, layer, batch, window=window, softcap=softcap, scale=scale)
         np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5, err_msg=f"window {window} softcap {softcap}")
         np.testing.assert_array_equal(got[live:], 0)
 
@@ -247,13 +257,11 @@ def test_native_attention_splits_few_long_decode_rows_and_merges_them_exactly(dt
     (a row per KV head) than threads x items: the kernel splits each along its pages into parts with
     their own softmax state and merges them. Against the plain-JAX path, with a window that leaves the
     first parts without keys, soft-capping, and pages in runs and scattered."""
-    import functools
-
     import jax
 
     import kernels_cpu
     from jaxcb.host.batch import SeqSpec, StepShape, pack
-    from jaxcb.model.paged_attention import quantize_kv, ragged_attention
+    from jaxcb.model.paged_attention import quantize_kv
 
     assert kernels_cpu.available(), kernels_cpu.unavailable_reason()
     rng = np.random.default_rng(5)
@@ -270,9 +278,7 @@ def test_native_attention_splits_few_long_decode_rows_and_merges_them_exactly(dt
         batch = jax.tree_util.tree_map(jnp.asarray, batch)
         q = jnp.asarray(rng.standard_normal((4, heads, d)), jnp.float32)
         for window, softcap in [(0, 0.0), (100, 20.0)]:
-            run = lambda native: np.asarray(jax.jit(functools.partial(  # noqa: E731
-                ragged_attention, native=native, window=window, softcap=softcap))(q, kv, jnp.int32(1), batch))
-            want, got = run(False), run(True)
+            want, got = plain_and_native(q, kv, 1, batch, window=window, softcap=softcap)
             np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5, err_msg=f"lens {lens} window {window}")
             np.testing.assert_array_equal(got[len(lens):], 0)
 
@@ -284,13 +290,11 @@ def test_native_prefill_blocks_as_small_matrix_products_match_the_plain_jax_path
     multiple of 64 and the page size of 16 (AVX-512): query rows in the lanes, 16 slots at a time. Chunks
     of 2, 3, 8, 19 and 40 tokens (whole and partial blocks, rows not filling a vector), starting on and
     off page boundaries, next to decode rows; with a window cutting through pages and soft-capping."""
-    import functools
-
     import jax
 
     import kernels_cpu
     from jaxcb.host.batch import SeqSpec, StepShape, pack
-    from jaxcb.model.paged_attention import quantize_kv, ragged_attention
+    from jaxcb.model.paged_attention import quantize_kv
 
     assert kernels_cpu.available(), kernels_cpu.unavailable_reason()
     rng = np.random.default_rng(11)
@@ -311,8 +315,6 @@ def test_native_prefill_blocks_as_small_matrix_products_match_the_plain_jax_path
     batch = jax.tree_util.tree_map(jnp.asarray, batch)
     q = jnp.asarray(rng.standard_normal((live + 5, heads, d)), jnp.float32)
     for window, softcap in [(0, 0.0), (37, 0.0), (50, 5.0)]:
-        run = lambda native: np.asarray(jax.jit(functools.partial(  # noqa: E731
-            ragged_attention, native=native, window=window, softcap=softcap))(q, kv, jnp.int32(1), batch))
-        want, got = run(False), run(True)
+        want, got = plain_and_native(q, kv, 1, batch, window=window, softcap=softcap)
         np.testing.assert_allclose(got, want, rtol=3e-5, atol=3e-5, err_msg=f"window {window} softcap {softcap}")
         np.testing.assert_array_equal(got[live:], 0)
