@@ -70,7 +70,7 @@ class PagePool:
 
         Where they lie matters to the attention, which streams each sequence's pages in order: pages
         whose ids run on are one stretch of memory, which the CPU's prefetchers follow (the native
-        attention read K/V from runs of consecutive pages 1.2-1.5x faster than from scattered ones;
+        attention read K/V from runs of consecutive pages 1.2-1.4x faster than from scattered ones;
         README). So:
         - `after` (the sequence's last page): a growing sequence continues its run, taking the plain
           free pages right after it first.
