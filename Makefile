@@ -8,7 +8,7 @@ PORT ?= 50051
 HTTP_PORT ?= 8000
 SERVE_ARGS ?=
 
-.PHONY: setup test stress serve bench clean
+.PHONY: setup bytecode test stress serve bench clean
 
 # uv (from PyPI) installs the dependencies in seconds where pip takes minutes (measured on the 2-core
 # machine: 6.5 s against about 100 s, caches empty); where uv cannot be had, pip does it.
@@ -24,24 +24,32 @@ $(STAMP): pyproject.toml
 	# The native CPU attention kernel (kernels_cpu), built with this machine's compiler; where it cannot
 	# be built the engine keeps the plain-JAX attention, so this step never fails the setup.
 	$(PY) -m kernels_cpu.build
+	# Bytecode for everything installed (uv does not write it, and where PYTHONDONTWRITEBYTECODE is set
+	# nothing would): without it every Python process compiles jax & co. from source, about 2 s a start
+	# on the 2-core machine, and the test suite starts some hundred of them (servers, CLIs, meshes).
+	$(PY) -m compileall -q -j 0 $(VENV)/lib > /dev/null || true
 	touch $(STAMP)
 
 setup: $(STAMP)
 
+# jaxcb's own modules as bytecode (only those changed since the last time are compiled again).
+bytecode: $(STAMP)
+	$(PY) -m compileall -q -j 0 jaxcb serve kernels_pallas kernels_cpu tests tools bench > /dev/null || true
+
 # Two worker processes (one per core of the CI machine), a test file each at a time: half the wall
 # time of one process, and neither accumulates the whole session's compiled programs. Files go out in
 # the order tests/conftest.py gives them (longest first), not xdist's order by number of tests.
-test: $(STAMP)
+test: $(STAMP) bytecode
 	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=12 tests
 
 # The full stress suite (tools/stress.py): 500 streams with cancels, 10,000 fuzzed requests, slow and
 # giant clients, injected faults, SIGTERM under load, RSS over 10,000 requests; prints its table.
-stress: $(STAMP)
+stress: $(STAMP) bytecode
 	$(PY) -m tools.stress --scale full
 
 # Serves the embedded SmolLM2 model over gRPC on $(HOST):$(PORT) and the OpenAI-compatible HTTP API on
 # $(HOST):$(HTTP_PORT), metrics on port 9090.
-serve: $(STAMP)
+serve: $(STAMP) bytecode
 	$(VENV)/bin/jaxcb serve --host $(HOST) --port $(PORT) --http-port $(HTTP_PORT) --metrics-port 9090 $(SERVE_ARGS)
 
 clean:
