@@ -37,6 +37,27 @@ def pytest_unconfigure(config):
 # engine and might pick another library). tests/test_cpu_dots.py covers auto and forces each library.
 os.environ.setdefault("JAXCB_CPU_DOTS", "default")
 
+# The tests' own programs (references, eager ops, the engine's small helper programs) compile as the
+# engine's "fast" mode does, in this process only: most of them run once, and compiling was most of the
+# in-process test time (the two native-kernel test files: 55 s -> 29 s). Engine steps still compile as
+# their config says (jaxcb.device.runner.COMPILER_OPTIONS spells "optimized" out, so the real models'
+# steps are those users get). XLA reads XLA_FLAGS when its backend starts: the dot choice's flags go in
+# first (as the engine's start does), the backend starts, and the environment that servers and CLIs
+# the tests start inherit is put back as it was.
+import jax  # noqa: E402
+
+from jaxcb.device import cpu_dots  # noqa: E402
+
+jax.config.update("jax_disable_most_optimizations", True)
+cpu_dots.setup()
+_flags = os.environ.get("XLA_FLAGS")
+os.environ["XLA_FLAGS"] = f"{_flags or ''} --xla_cpu_use_fusion_emitters=false"
+jax.devices()
+if _flags is None:
+    del os.environ["XLA_FLAGS"]
+else:
+    os.environ["XLA_FLAGS"] = _flags
+
 
 # One persistent compile cache for the whole test session: made by the first pytest process (the xdist
 # controller, or a lone pytest), inherited by its workers and by every server and CLI they start, so that

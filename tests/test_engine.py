@@ -204,7 +204,7 @@ def test_fast_compile_gives_the_optimized_compiles_tokens(make_llm, tmp_path):
     from jaxcb.host.engine_config import DEFAULT_CONFIG, load_config, make_config
 
     optimized, fast = make_llm(compile="optimized"), make_llm(compile="fast")
-    assert optimized.engine.runner.compiler_options is None
+    assert optimized.engine.runner.compiler_options == COMPILER_OPTIONS["optimized"]
     assert fast.engine.runner.compiler_options == COMPILER_OPTIONS["fast"]
     prompts = [[5, 6, 7, 8], list(range(3, 60)), [9] * 20]
     for params in (SamplingParams(max_tokens=16, ignore_eos=True),

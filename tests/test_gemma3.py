@@ -7,10 +7,12 @@ sliding window)."""
 import json
 import os
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxcb.device.runner import COMPILER_OPTIONS
 from jaxcb.host.batch import SeqSpec, StepShape, pack
 from jaxcb.host.engine_config import make_config
 from jaxcb.host.request import SamplingParams
@@ -59,7 +61,8 @@ def test_prefill_logits_within_1e4(gemma3_model, golden):
     total = sum(len(r["prompt_ids"]) for r in records)
     step = pack(specs, StepShape(-(-total // 256) * 256, len(records), 96, 64), s, config.sliding_window)
     pool = lambda layers: allocate_kv_pages(layers, 1, next_page, s, 256, jnp.float32)  # noqa: E731
-    _, logits = forward(params, (pool(config.num_full_layers), pool(config.num_sliding_layers)), step, config)
+    run = jax.jit(forward, static_argnames=("config",), compiler_options=COMPILER_OPTIONS["optimized"])
+    _, logits = run(params, (pool(config.num_full_layers), pool(config.num_sliding_layers)), step, config=config)
     logits = np.asarray(logits)
     worst = max(np.abs(logits[i][sample["ids"][i]] - sample["logits"][i]).max() / sample["max_abs"][i]
                 for i in range(len(records)))

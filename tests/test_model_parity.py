@@ -7,10 +7,13 @@ import pytest
 from jaxcb.host.batch import SeqSpec, StepShape, pack
 from jaxcb.host.engine_config import make_config
 from jaxcb.host.request import SamplingParams
+from jaxcb.device.runner import COMPILER_OPTIONS
 from jaxcb.llm import LLM
 from jaxcb.model.llama import forward
 from jaxcb.model.paged_attention import allocate_kv_pages
 from tests.parity import check_against_golden
+
+OPTIMIZED = COMPILER_OPTIONS["optimized"]  # the real model as served (tests/conftest.py turns the rest down)
 
 
 def test_prefill_logits_match_reference(smollm2_model, golden):
@@ -19,7 +22,7 @@ def test_prefill_logits_match_reference(smollm2_model, golden):
     cfg, params, _, _ = smollm2_model
     page_size = 16
     kv = allocate_kv_pages(cfg.num_layers, cfg.num_kv_heads, 8, page_size, cfg.head_dim, jnp.float32)
-    step = jax.jit(forward, static_argnames=("config",), donate_argnums=(1,))
+    step = jax.jit(forward, static_argnames=("config",), donate_argnums=(1,), compiler_options=OPTIMIZED)
     worst = 0.0
     for rec, ref in zip(golden["records"], golden["prefill_logits"]):
         ids = rec["prompt_ids"]

@@ -23,12 +23,18 @@ from jaxcb.host.batch import SeqSpec, StepShape, pack
 from jaxcb.model.llama import forward
 
 
-@functools.partial(jax.jit, static_argnames=("config", "attention"), donate_argnums=(1,))
 def _chunk_nll(params, kv_pages, batch, targets, config, attention):
     kv_pages, logits = forward(params, kv_pages, batch, config, attention)
     logp = jax.nn.log_softmax(logits, axis=-1)
     picked = jnp.take_along_axis(logp, jnp.maximum(targets, 0)[:, None], axis=-1)[:, 0]
     return kv_pages, jnp.where(targets >= 0, -picked, 0.0)
+
+
+@functools.cache
+def _chunk_nll_program(options: tuple):
+    """_chunk_nll jitted with the runner's XLA options (EngineConfig.compile): the engine's own numerics."""
+    return jax.jit(_chunk_nll, static_argnames=("config", "attention"), donate_argnums=(1,),
+                   compiler_options=dict(options) or None)
 
 
 def perplexity(runner, token_ids: list[int], chunk: int = 256) -> dict:
@@ -42,6 +48,7 @@ def perplexity(runner, token_ids: list[int], chunk: int = 256) -> dict:
     page_ids = list(range(1, pages + 1))
     shape = StepShape(tokens=chunk, seqs=chunk, pages_per_seq=pages, history=1)
     window = runner.step_config.sliding_window if runner.step_config.windowed else 0
+    chunk_nll = _chunk_nll_program(tuple(sorted((runner.compiler_options or {}).items())))
     total, count = 0.0, 0
     for start in range(0, n - 1, chunk):
         part = ids[start:start + chunk]
@@ -51,7 +58,7 @@ def perplexity(runner, token_ids: list[int], chunk: int = 256) -> dict:
         targets = np.full(chunk, -1, np.int32)
         nxt = ids[start + 1:start + 1 + len(part)]
         targets[:len(nxt)] = nxt
-        runner.kv_pages, nll = _chunk_nll(runner.params, runner.kv_pages, batch, targets,
+        runner.kv_pages, nll = chunk_nll(runner.params, runner.kv_pages, batch, targets,
                                           config=runner.step_config, attention=runner.attention)
         total += float(np.asarray(nll, np.float64).sum())
         count += len(nxt)

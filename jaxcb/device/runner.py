@@ -38,7 +38,11 @@ _compile_serial = threading.Lock()
 # "fast": no LLVM optimisation and XLA:CPU's older loop emitters instead of its MLIR fusion emitters; on
 # the 2-core CPU a tiny model's step compiles 2.6x faster (5.5 s -> 2.1 s for three shapes), while a real
 # model's steps run about 3x slower (SmolLM2: 5.2 s -> 17 s of generation), with the same tokens.
-COMPILER_OPTIONS = {"optimized": None,
+# On the CPU "optimized" spells out XLA's defaults, so that it holds in a process that turned optimisation
+# down for everything else (JAX_DISABLE_MOST_OPTIMIZATIONS, XLA_FLAGS; the test suite does, for its own
+# small programs).
+COMPILER_OPTIONS = {"optimized": {"xla_backend_optimization_level": 3, "xla_llvm_disable_expensive_passes": False,
+                                  "xla_cpu_use_fusion_emitters": True},
                     "fast": {"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": False}}
 
 
@@ -259,6 +263,8 @@ class ModelRunner:
         self.attention = resolve_attention(attention, mesh)
         self._compiled: dict[StepShape, object] = {}  # step shape -> the compiled step
         self.compiler_options = COMPILER_OPTIONS[compile]
+        if compile == "optimized" and jax.default_backend() != "cpu":
+            self.compiler_options = None  # XLA's defaults as they are: the options above are XLA:CPU's
         self.model_config = config  # the model as loaded
         self.kv_replication = 1
         if mesh is not None:
