@@ -161,10 +161,11 @@ def golden():
 # hands files to its two workers in collection order (the Makefile turns off xdist's own reordering by
 # test count, which put the one-test stress and mesh files last, each running alone at the end while the
 # other worker waited), so a long file collected last would leave one worker running alone at the end.
-LONGEST_FIRST = ("test_stress.py", "test_quant.py", "test_parallel.py", "test_gemma3.py", "test_cpu_dots.py",
-                 "test_model_parity.py", "test_speculative.py", "test_kernels.py", "test_engine.py",
-                 "test_server.py", "test_export.py", "test_multihost.py", "test_paged_attention.py",
-                 "test_native_matmul.py", "test_families.py", "test_cli.py")
+LONGEST_FIRST = ("test_cpu_dots.py", "test_speculative.py", "test_stress.py", "test_kernels.py", "test_quant.py",
+                 "test_parallel.py", "test_multihost.py", "test_model_parity.py", "test_server.py", "test_gemma3.py",
+                 "test_engine.py", "test_paged_attention.py", "test_openai_api.py", "test_export.py", "test_lora.py",
+                 "test_cli.py", "test_families.py", "test_native_matmul.py", "test_parallel_golden.py",
+                 "test_routing.py")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -7,7 +7,8 @@ long run; prints one table of figures (and JSON with --json).
 requests); tests/test_stress.py runs the small one and asserts its targets. The model defaults to a
 tiny random-weight one (tests/tiny_gguf.py): the suite is about the server, not the model.
 
-Scenarios (each against a fresh `jaxcb serve` process unless said otherwise):
+Scenarios (streams, fuzz, slow and memory in turn against one `jaxcb serve` process, which must exit 0
+after them; sigterm and http each against a fresh one; faults in-process):
   streams   N concurrent streams of mixed lengths, half cancelled at random moments (before the first
             token, mid-prefill, mid-decode): every stream ends with one final message or a status, the
             pool is whole afterwards, nothing compiles.
@@ -121,22 +122,16 @@ async def _streams(target, n, seed):
     return results
 
 
-def scenario_streams(model, config, n):
-    s = ServerProcess(model, config)
-    try:
-        s.wait_serving()
-        with Client(s.target) as c:
-            before = c.server_info().compilations
-            t0 = time.perf_counter()
-            r = asyncio.run(_streams(s.target, n, seed=1))
-            r["seconds"] = round(time.perf_counter() - t0, 1)
-            info = _pool_whole(c)
-            r["pages_leaked"] = info.pages_total - info.pages_free
-            r["compilations_after_warmup"] = info.compilations - before
-        r["exit_code"] = s.stop()
-        return r
-    finally:
-        s.stop()
+def scenario_streams(s, n):
+    with Client(s.target) as c:
+        before = c.server_info().compilations
+        t0 = time.perf_counter()
+        r = asyncio.run(_streams(s.target, n, seed=1))
+        r["seconds"] = round(time.perf_counter() - t0, 1)
+        info = _pool_whole(c)
+        r["pages_leaked"] = info.pages_total - info.pages_free
+        r["compilations_after_warmup"] = info.compilations - before
+    return r
 
 
 # ---- fuzzing ----
@@ -192,88 +187,82 @@ def _healthy_loop(target, stop, expected, out):
                 out["healthy_mismatches"] += r.token_ids != tokens
 
 
-def scenario_fuzz(model, config, n, raw):
+def scenario_fuzz(s, n, raw):
     from hypothesis import HealthCheck, given, settings
 
-    s = ServerProcess(model, config)
     out = {"fuzzed": 0, "ok": 0, "invalid": 0, "exhausted": 0, "unnamed_errors": 0, "other_status": 0, "raw": 0,
            "raw_statuses": {}, "healthy_runs": 0, "healthy_mismatches": 0}
-    try:
-        s.wait_serving()
-        rng = np.random.default_rng(3)
-        with Client(s.target) as c:
-            expected = [(p, c.complete(token_ids=p, max_tokens=12, ignore_eos=True).token_ids)
-                        for p in (_prompt(rng, 7), _prompt(rng, 40))]
-        stop = threading.Event()
-        healthy = threading.Thread(target=_healthy_loop, args=(s.target, stop, expected, out), daemon=True)
-        healthy.start()
-        request_st, jetstream_st = _strategies()
-        with grpc.insecure_channel(s.target) as ch:
-            stub, js = jaxcb_pb2_grpc.JaxcbStub(ch), jetstream_pb2_grpc.OrchestratorStub(ch)
+    rng = np.random.default_rng(3)
+    with Client(s.target) as c:
+        expected = [(p, c.complete(token_ids=p, max_tokens=12, ignore_eos=True).token_ids)
+                    for p in (_prompt(rng, 7), _prompt(rng, 40))]
+    stop = threading.Event()
+    healthy = threading.Thread(target=_healthy_loop, args=(s.target, stop, expected, out), daemon=True)
+    healthy.start()
+    request_st, jetstream_st = _strategies()
+    with grpc.insecure_channel(s.target) as ch:
+        stub, js = jaxcb_pb2_grpc.JaxcbStub(ch), jetstream_pb2_grpc.OrchestratorStub(ch)
 
-            def judge(call):
-                try:
-                    for _ in call:
-                        pass
-                    out["ok"] += 1
-                except grpc.RpcError as e:
-                    if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
-                        out["invalid"] += 1
-                    elif e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
-                        out["exhausted"] += 1
-                    else:
-                        out["other_status"] += 1
-                        out.setdefault("other_examples", []).append(f"{e.code().name}: {e.details()[:120]}")
-                        return
-                    if not FIELD_MESSAGE.match(e.details() or ""):
-                        out["unnamed_errors"] += 1
-                        out.setdefault("unnamed_examples", []).append(e.details()[:120])
-                out["fuzzed"] += 1
-
-            @settings(max_examples=n * 9 // 10, deadline=None, database=None,
-                      suppress_health_check=list(HealthCheck))
-            @given(request_st)
-            def fuzz_generate(d):
-                judge(stub.Generate(_to_proto(d), timeout=60))
-
-            @settings(max_examples=max(1, n // 10), deadline=None, database=None,
-                      suppress_health_check=list(HealthCheck))
-            @given(jetstream_st)
-            def fuzz_decode(d):
-                req = jetstream_pb2.DecodeRequest(max_tokens=d["max_tokens"], num_samples=d["num_samples"],
-                                                  priority=d["priority"])
-                if d["text"] is not None:
-                    req.text_content.text = d["text"]
+        def judge(call):
+            try:
+                for _ in call:
+                    pass
+                out["ok"] += 1
+            except grpc.RpcError as e:
+                if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                    out["invalid"] += 1
+                elif e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    out["exhausted"] += 1
                 else:
-                    req.token_content.token_ids.extend(d["tokens"])
-                judge(js.Decode(req, timeout=60))
+                    out["other_status"] += 1
+                    out.setdefault("other_examples", []).append(f"{e.code().name}: {e.details()[:120]}")
+                    return
+                if not FIELD_MESSAGE.match(e.details() or ""):
+                    out["unnamed_errors"] += 1
+                    out.setdefault("unnamed_examples", []).append(e.details()[:120])
+            out["fuzzed"] += 1
 
-            fuzz_generate()
-            fuzz_decode()
-            raw_call = ch.unary_stream("/jaxcb.v1.Jaxcb/Generate")  # bytes as they are, no protobuf
-            byte_rng = random.Random(5)
-            for _ in range(raw):
-                data = bytes(byte_rng.randrange(256) for _ in range(byte_rng.randrange(0, 200)))
-                try:
-                    for _ in raw_call(data, timeout=30):
-                        pass
-                    code = "OK"
-                except grpc.RpcError as e:
-                    code = e.code().name
-                out["raw_statuses"][code] = out["raw_statuses"].get(code, 0) + 1
-                out["raw"] += 1
-                out["raw_other"] = out.get("raw_other", 0) + (code not in ("OK", "INVALID_ARGUMENT",
-                                                                             "RESOURCE_EXHAUSTED"))
-        stop.set()
-        healthy.join(120)
-        with Client(s.target) as c:
-            info = _pool_whole(c)
-            out["pages_leaked"] = info.pages_total - info.pages_free
-        out["crashed"] = s.proc.poll() is not None
-        out["exit_code"] = s.stop()
-        return out
-    finally:
-        s.stop()
+        @settings(max_examples=n * 9 // 10, deadline=None, database=None,
+                  suppress_health_check=list(HealthCheck))
+        @given(request_st)
+        def fuzz_generate(d):
+            judge(stub.Generate(_to_proto(d), timeout=60))
+
+        @settings(max_examples=max(1, n // 10), deadline=None, database=None,
+                  suppress_health_check=list(HealthCheck))
+        @given(jetstream_st)
+        def fuzz_decode(d):
+            req = jetstream_pb2.DecodeRequest(max_tokens=d["max_tokens"], num_samples=d["num_samples"],
+                                              priority=d["priority"])
+            if d["text"] is not None:
+                req.text_content.text = d["text"]
+            else:
+                req.token_content.token_ids.extend(d["tokens"])
+            judge(js.Decode(req, timeout=60))
+
+        fuzz_generate()
+        fuzz_decode()
+        raw_call = ch.unary_stream("/jaxcb.v1.Jaxcb/Generate")  # bytes as they are, no protobuf
+        byte_rng = random.Random(5)
+        for _ in range(raw):
+            data = bytes(byte_rng.randrange(256) for _ in range(byte_rng.randrange(0, 200)))
+            try:
+                for _ in raw_call(data, timeout=30):
+                    pass
+                code = "OK"
+            except grpc.RpcError as e:
+                code = e.code().name
+            out["raw_statuses"][code] = out["raw_statuses"].get(code, 0) + 1
+            out["raw"] += 1
+            out["raw_other"] = out.get("raw_other", 0) + (code not in ("OK", "INVALID_ARGUMENT",
+                                                                         "RESOURCE_EXHAUSTED"))
+    stop.set()
+    healthy.join(120)
+    with Client(s.target) as c:
+        info = _pool_whole(c)
+        out["pages_leaked"] = info.pages_total - info.pages_free
+    out["crashed"] = s.proc.poll() is not None
+    return out
 
 
 # ---- slow client and giant request ----
@@ -286,36 +275,30 @@ def _itl_p99(target, prompt, n):
     return float(np.percentile(gaps, 99)) if len(gaps) else 0.0
 
 
-def scenario_slow(model, config, max_context):
-    s = ServerProcess(model, config)
-    try:
-        s.wait_serving()
-        rng = np.random.default_rng(4)
-        healthy = _prompt(rng, 10)
-        _itl_p99(s.target, healthy, 20)  # warm the path
-        baseline = float(np.median([_itl_p99(s.target, healthy, 80) for _ in range(3)]))
-        ch = grpc.insecure_channel(s.target)
-        stub = jaxcb_pb2_grpc.JaxcbStub(ch)
-        slow = stub.Generate(build_request(token_ids=_prompt(rng, 30), max_tokens=max_context // 2,
-                                           ignore_eos=True))  # never read
-        giant_tokens = 16
-        giant_call = stub.Generate(build_request(token_ids=_prompt(rng, max_context - giant_tokens),
-                                                 max_tokens=giant_tokens, ignore_eos=True))
-        drain = threading.Thread(target=lambda: list(giant_call), daemon=True)
-        drain.start()
-        attacked = float(np.median([_itl_p99(s.target, healthy, 80) for _ in range(3)]))
-        slow.cancel()
-        drain.join(120)
-        ch.close()
-        with Client(s.target) as c:
-            info = _pool_whole(c)
-        out = {"itl_p99_baseline_ms": round(baseline * 1e3, 2), "itl_p99_attacked_ms": round(attacked * 1e3, 2),
-               "itl_ratio": round(attacked / baseline, 2) if baseline else None,
-               "pages_leaked": info.pages_total - info.pages_free}
-        out["exit_code"] = s.stop()
-        return out
-    finally:
-        s.stop()
+def scenario_slow(s, max_context):
+    rng = np.random.default_rng(4)
+    healthy = _prompt(rng, 10)
+    _itl_p99(s.target, healthy, 20)  # warm the path
+    baseline = float(np.median([_itl_p99(s.target, healthy, 80) for _ in range(3)]))
+    ch = grpc.insecure_channel(s.target)
+    stub = jaxcb_pb2_grpc.JaxcbStub(ch)
+    slow = stub.Generate(build_request(token_ids=_prompt(rng, 30), max_tokens=max_context // 2,
+                                       ignore_eos=True))  # never read
+    giant_tokens = 16
+    giant_call = stub.Generate(build_request(token_ids=_prompt(rng, max_context - giant_tokens),
+                                             max_tokens=giant_tokens, ignore_eos=True))
+    drain = threading.Thread(target=lambda: list(giant_call), daemon=True)
+    drain.start()
+    attacked = float(np.median([_itl_p99(s.target, healthy, 80) for _ in range(3)]))
+    slow.cancel()
+    drain.join(120)
+    ch.close()
+    with Client(s.target) as c:
+        info = _pool_whole(c)
+    out = {"itl_p99_baseline_ms": round(baseline * 1e3, 2), "itl_p99_attacked_ms": round(attacked * 1e3, 2),
+           "itl_ratio": round(attacked / baseline, 2) if baseline else None,
+           "pages_leaked": info.pages_total - info.pages_free}
+    return out
 
 
 # ---- injected faults (in-process) ----
@@ -432,36 +415,30 @@ def _rss_bytes(pid):
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
 
 
-def scenario_memory(model, config, first, total):
-    s = ServerProcess(model, config)
-    try:
-        s.wait_serving()
-        rng = random.Random(9)
+def scenario_memory(s, first, total):
+    rng = random.Random(9)
 
-        async def batch(count):
-            async with grpc.aio.insecure_channel(s.target) as ch:
-                stub = jaxcb_pb2_grpc.JaxcbStub(ch)
-                sem = asyncio.Semaphore(32)
+    async def batch(count):
+        async with grpc.aio.insecure_channel(s.target) as ch:
+            stub = jaxcb_pb2_grpc.JaxcbStub(ch)
+            sem = asyncio.Semaphore(32)
 
-                async def one():
-                    async with sem:
-                        req = build_request(token_ids=[rng.randrange(3, 128) for _ in range(rng.randrange(1, 60))],
-                                            max_tokens=rng.randrange(1, 6), ignore_eos=True,
-                                            request_id=f"m{rng.random()}", cache_salt=str(rng.randrange(4)))
-                        async for _ in stub.Generate(req, timeout=120):
-                            pass
+            async def one():
+                async with sem:
+                    req = build_request(token_ids=[rng.randrange(3, 128) for _ in range(rng.randrange(1, 60))],
+                                        max_tokens=rng.randrange(1, 6), ignore_eos=True,
+                                        request_id=f"m{rng.random()}", cache_salt=str(rng.randrange(4)))
+                    async for _ in stub.Generate(req, timeout=120):
+                        pass
 
-                await asyncio.gather(*(one() for _ in range(count)))
+            await asyncio.gather(*(one() for _ in range(count)))
 
-        asyncio.run(batch(first))
-        rss_first = _rss_bytes(s.proc.pid)
-        asyncio.run(batch(total - first))
-        rss_total = _rss_bytes(s.proc.pid)
-        return {"requests_first": first, "rss_first_mib": round(rss_first / 2**20, 1), "requests_total": total,
-                "rss_total_mib": round(rss_total / 2**20, 1), "rss_growth": round(rss_total / rss_first - 1, 4),
-                "exit_code": s.stop()}
-    finally:
-        s.stop()
+    asyncio.run(batch(first))
+    rss_first = _rss_bytes(s.proc.pid)
+    asyncio.run(batch(total - first))
+    rss_total = _rss_bytes(s.proc.pid)
+    return {"requests_first": first, "rss_first_mib": round(rss_first / 2**20, 1), "requests_total": total,
+            "rss_total_mib": round(rss_total / 2**20, 1), "rss_growth": round(rss_total / rss_first - 1, 4)}
 
 
 # ---- the same attacks over the OpenAI HTTP API ----
@@ -701,18 +678,30 @@ def run(scale: str, model: str | None) -> dict:
         write_tiny_gguf(model)
     os.environ.setdefault("JAXCB_COMPILE_CACHE", os.path.join(workdir, "xla"))
     out = {"scale": scale}
-    for name, fn in (("streams", lambda: scenario_streams(model, config, sizes["streams"])),
-                     ("fuzz", lambda: scenario_fuzz(model, config, sizes["fuzz"], sizes["raw"])),
-                     ("slow", lambda: scenario_slow(model, config, 256)),
-                     ("faults", lambda: scenario_faults(model, sizes["streams"])),
-                     ("sigterm", lambda: scenario_sigterm(model, config, sizes["sigterm_streams"])),
-                     ("memory", lambda: scenario_memory(model, config, sizes["rss_first"], sizes["rss_total"])),
-                     ("http", lambda: scenario_http(model, config, sizes["streams"], sizes["fuzz"],
-                                                    sizes["rss_total"] // 2))):
+
+    def scenario(name, fn):
         t0 = time.perf_counter()
         out[name] = fn()
         out[name]["scenario_s"] = round(time.perf_counter() - t0, 1)
         print(f"{name}: {json.dumps(out[name])}", file=sys.stderr, flush=True)
+
+    # streams, fuzz, slow and memory one after another on one server (each ends with the pool whole,
+    # checked before the next starts); it must exit 0 after all four.
+    shared = ServerProcess(model, config)
+    try:
+        shared.wait_serving()
+        scenario("streams", lambda: scenario_streams(shared, sizes["streams"]))
+        scenario("fuzz", lambda: scenario_fuzz(shared, sizes["fuzz"], sizes["raw"]))
+        scenario("slow", lambda: scenario_slow(shared, 256))
+        scenario("memory", lambda: scenario_memory(shared, sizes["rss_first"], sizes["rss_total"]))
+        code = shared.stop()
+    finally:
+        shared.stop()
+    for name in ("streams", "fuzz", "slow", "memory"):
+        out[name]["exit_code"] = code
+    scenario("faults", lambda: scenario_faults(model, sizes["streams"]))
+    scenario("sigterm", lambda: scenario_sigterm(model, config, sizes["sigterm_streams"]))
+    scenario("http", lambda: scenario_http(model, config, sizes["streams"], sizes["fuzz"], sizes["rss_total"] // 2))
     return out
 
 
