@@ -68,6 +68,7 @@ def main():
     need = max(args.rows) * -(-max(args.contexts) // s) + 1
     num_pages = max(need + 8, config.num_pages) if args.layout == "pool" else need + 8
     runner = ModelRunner(model_config, params, num_pages, s, attention="xla")
+    window = model_config.sliding_window if model_config.windowed else 0
     rng = np.random.default_rng(0)
     kv_bytes_per_token = runner.kv_bytes_per_token
     rows_out = []
@@ -83,11 +84,13 @@ def main():
                 tables = pool_layout(rows, ctx, ctx // 4, num_pages, s)
             else:
                 tables = rng.permutation(np.arange(1, need))[: rows * n_pages].reshape(rows, n_pages).tolist()
-            seqs = [SeqSpec([int(rng.integers(100, 1000))], ctx - 1, tables[i]) for i in range(rows)]
+            # A model with sliding-window layers (Gemma 3): its window group's pages at the same ids of its own pool.
+            seqs = [SeqSpec([int(rng.integers(100, 1000))], ctx - 1, tables[i],
+                            window_page_ids=tables[i] if window else None) for i in range(rows)]
             shape = config.buckets.step_shape(rows, s, max_context)
             t0 = time.perf_counter()
             for _ in range(args.repeats):
-                batch = pack(seqs, shape, s)
+                batch = pack(seqs, shape, s, window)
                 sampling = pack_sampling([SamplingRow(SamplingParams(), 0, [], [])] * rows, shape, model_config.vocab_size)
             host_ms = (time.perf_counter() - t0) / args.repeats * 1000
 
@@ -103,7 +106,7 @@ def main():
             def run_with(attention):
                 def go():
                     runner.kv_pages, out, runner.last_tokens = step_with(
-                        runner.params, runner.kv_pages, runner.last_tokens, batch, sampling, config=model_config,
+                        runner.params, runner.kv_pages, runner.last_tokens, batch, sampling, config=runner.step_config,
                         attention=attention)
                     jax.device_get(out)
                 return go

@@ -96,3 +96,69 @@ def test_the_allowed_mask_limits_greedy_and_random_rows_and_leaves_free_rows_alo
         assert out[0] == max(allowed_ids[0], key=lambda t: raw[0, t])  # greedy: the best allowed token
         assert out[1] in allowed_ids[1]
         assert out[2] == raw[2].argmax()  # a free row in the same batch: untouched
+
+
+def test_top_k_over_the_best_blocks_is_lax_top_k():
+    """jaxcb's top-k (sorting only the blocks with the largest maxima) gives lax.top_k's values and ids,
+    ties included (lower index first), with -inf entries and a vocabulary no block size divides."""
+    from jaxcb.device.sampling import top_k
+
+    rng = np.random.default_rng(2)
+    cases = [(3, 5000, 20, rng.standard_normal), (2, 50_001, 5, rng.standard_normal),
+             (4, 9973, 20, lambda shape: rng.integers(0, 4, shape).astype(np.float32)),  # ties everywhere
+             (2, 8192, 7, lambda shape: np.where(rng.random(shape) < 0.999, -np.inf, rng.standard_normal(shape)))]
+    for rows, v, k, make in cases:
+        x = jnp.asarray(make((rows, v)), jnp.float32)
+        want_values, want_ids = jax.lax.top_k(x, k)
+        got_values, got_ids = jax.jit(top_k, static_argnums=1)(x, k)
+        np.testing.assert_array_equal(np.asarray(got_values), np.asarray(want_values))
+        np.testing.assert_array_equal(np.asarray(got_ids), np.asarray(want_ids))
+
+
+def test_the_inverse_cdf_draw_gives_each_token_its_share_and_never_an_impossible_one():
+    """N evenly spaced uniform numbers must land on each token about N x its probability times (within
+    one either side: each token owns an interval of the cumulative distribution); the ends of [0, 1)
+    give the first and the last possible token, never one masked to -inf."""
+    from jaxcb.device.sampling import inverse_cdf_draw
+
+    rng = np.random.default_rng(3)
+    v, n = 3001, 20_000
+    logits = rng.standard_normal(v).astype(np.float32) * 2
+    logits[rng.random(v) < 0.3] = -np.inf
+    logits[:5] = logits[-7:] = -np.inf  # impossible tokens at both ends of the vocabulary
+    u = (np.arange(n, dtype=np.float64) + 0.5) / n
+    drawn = np.asarray(jax.jit(inverse_cdf_draw)(jnp.asarray(u, jnp.float32),
+                                                jnp.asarray(np.tile(logits, (n, 1)))))
+    p = np.exp(logits.astype(np.float64) - logits.max())
+    p /= p.sum()
+    counts = np.bincount(drawn, minlength=v)
+    assert counts[~np.isfinite(logits)].sum() == 0
+    assert np.abs(counts - n * p).max() <= 1.5
+    possible = np.flatnonzero(np.isfinite(logits))
+    # u = 1 stands for a product u x total that rounded up onto the total: still the last possible token.
+    ends = np.asarray(inverse_cdf_draw(jnp.asarray([0.0, np.nextafter(np.float32(1), np.float32(0)), 1.0], jnp.float32),
+                                       jnp.asarray(np.tile(logits, (3, 1)))))
+    assert list(ends) == [possible[0], possible[-1], possible[-1]]
+    one = np.full((1, v), -np.inf, np.float32)
+    one[0, 1234] = 0.0
+    assert int(inverse_cdf_draw(jnp.asarray([0.999], jnp.float32), jnp.asarray(one))[0]) == 1234
+
+
+def test_logprobs_and_filters_on_a_real_sized_vocabulary():
+    """The sampler's own top-k and sort on a vocabulary of SmolLM2's size: the top logprobs are those of
+    a full sort, and top-k = 1 at any temperature is the greedy token."""
+    rng = np.random.default_rng(4)
+    v = 49_152
+    logits = jnp.asarray(rng.standard_normal((3, v)).astype(np.float32) * 3)
+    out = sample_jit(logits, inputs([SamplingParams(logprobs=20), SamplingParams(temperature=2.0, top_k=1, seed=1),
+                                     SamplingParams(temperature=1.0, top_p=0.5, seed=2)], vocab=v))
+    lp = np.asarray(jax.nn.log_softmax(logits, axis=-1))
+    order = np.argsort(-lp[0], kind="stable")[:20]
+    np.testing.assert_array_equal(np.asarray(out.top_ids[0]), order)
+    np.testing.assert_allclose(np.asarray(out.top_logprobs[0]), lp[0, order], rtol=1e-6)
+    assert int(out.token_ids[1]) == int(np.argmax(lp[1]))
+    # top_p 0.5: the drawn token lies in the smallest set of best tokens holding half the mass
+    probs = np.exp(lp[2].astype(np.float64))
+    ranked = np.argsort(-probs)
+    nucleus = ranked[:np.searchsorted(np.cumsum(probs[ranked]), 0.5) + 1]
+    assert int(out.token_ids[2]) in set(nucleus.tolist())

@@ -2,9 +2,9 @@
 
 Every setting is a per-row array, so no value ever triggers a compile. The order follows common
 engines: penalties on the raw logits, then temperature, then the top-k / top-p / min-p filters, then
-a categorical draw from a key derived from the request's seed and its output position alone (so a
-seeded request gives the same tokens whatever else shares its batch). Rows with temperature 0 take
-the argmax of the penalised logits. Logprobs are those of the model's own distribution.
+a draw from the filtered distribution at one uniform number whose key derives from the request's seed
+and its output position alone (so a seeded request gives the same tokens whatever else shares its
+batch). Rows with temperature 0 take the argmax of the penalised logits. Logprobs are those of the model's own distribution.
 """
 
 from __future__ import annotations
@@ -41,10 +41,78 @@ def _apply_penalties(logits, s: SamplingInput):
     return logits - s.presence_penalty[:, None] * (out_counts > 0)
 
 
+# XLA:CPU sorts (and its TopK, a sort) through a comparator call per comparison: a float sort of 32 x 49,152
+# logits took 260 ms on the 2-core Xeon, longer than the whole step it samples for. Sorting the floats'
+# order-preserving int32 keys runs XLA's plain integer comparison (60 ms); top-k over the vocabulary
+# sorts only the best blocks (top_k); the random draw takes one uniform number a row, not one a token.
+
+
+def _sortable(x):
+    """float32 -> int32 with the same order (-0.0 just below +0.0); its own inverse back to the bits."""
+    i = jax.lax.bitcast_convert_type(x, jnp.int32)
+    return jnp.where(i < 0, i ^ jnp.int32(0x7FFFFFFF), i)
+
+
+def _sort_descending(x):
+    keys = jnp.flip(jnp.sort(_sortable(x), axis=-1), axis=-1)
+    return jax.lax.bitcast_convert_type(_sortable(keys), jnp.float32)
+
+
+def _blocks(x, block: int, fill):
+    """[B, V] -> [B, ceil(V / block), block], the tail filled with `fill`."""
+    b, v = x.shape
+    n = -(-v // block)
+    return jnp.pad(x, ((0, 0), (0, n * block - v)), constant_values=fill).reshape(b, n, block)
+
+
+def top_k(x, k: int):
+    """jax.lax.top_k over the last axis of [B, V] (values descending, ties lower index first), sorting
+    only the k blocks with the largest maxima, which hold every one of the k largest values: the blocks
+    ahead of an element's own block each hold an element ahead of it, so fewer than k are."""
+    b, v = x.shape
+    block = max(8, int((v / k) ** 0.5))
+    if v <= 4096 or k * block * 4 > v:
+        return jax.lax.top_k(x, k)
+    xb = _blocks(x, block, -jnp.inf)  # the tail comes after every real value, ties included
+    _, best = jax.lax.top_k(jnp.max(xb, axis=-1), k)
+    best = jnp.sort(best, axis=-1)  # blocks in vocabulary order: ties keep the lower index first
+    candidates = jnp.take_along_axis(xb, best[:, :, None], axis=1).reshape(b, k * block)
+    values, at = jax.lax.top_k(candidates, k)
+    ids = jnp.take_along_axis(best, at // block, axis=-1) * block + at % block
+    return values, ids
+
+
+def inverse_cdf_draw(u, logits):
+    """One token a row from softmax(logits) (-inf: never), by inverting the row's cumulative distribution
+    at its uniform number u [B] in [0, 1): the block whose running sum first passes u, then the token
+    inside that block. Never a token of probability zero, whatever the rounding."""
+    b, v = logits.shape
+    block = max(8, int(v ** 0.5))
+    p = jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True))
+    pb = _blocks(p, block, 0.0)  # [B, N, block]
+    sums = jnp.sum(pb, axis=-1)
+    ends = jnp.cumsum(sums, axis=-1)
+    target = u * ends[:, -1]
+
+    def first_past(running, weights, limit):
+        """The first position whose running sum passes `limit` and whose weight is not zero; else the
+        last position of non-zero weight (the limit rounded onto the total)."""
+        n = running.shape[-1]
+        pos = jnp.arange(n, dtype=jnp.int32)[None, :]
+        past = jnp.min(jnp.where((running > limit[:, None]) & (weights > 0), pos, n), axis=-1)
+        last = jnp.max(jnp.where(weights > 0, pos, -1), axis=-1)
+        return jnp.where(past < n, past, last)
+
+    at = first_past(ends, sums, target)
+    inside = jnp.take_along_axis(pb, at[:, None, None], axis=1)[:, 0]  # [B, block]
+    before = jnp.take_along_axis(ends, at[:, None], axis=1)[:, 0] - jnp.take_along_axis(sums, at[:, None], axis=1)[:, 0]
+    return at * block + first_past(before[:, None] + jnp.cumsum(inside, axis=-1), inside, target)
+
+
 def _filter(logits, s: SamplingInput):
     """Mask (to -inf) what top-k, top-p and min-p exclude. logits are temperature-scaled."""
     v = logits.shape[-1]
-    sorted_logits = jnp.flip(jnp.sort(logits, axis=-1), axis=-1)  # descending
+    sorted_logits = _sort_descending(logits)
     probs = jax.nn.softmax(sorted_logits, axis=-1)
     rank = jnp.arange(v)[None, :]
     k = jnp.where(s.top_k > 0, s.top_k, v)[:, None]
@@ -95,8 +163,8 @@ def sample(logits: jax.Array, s: SamplingInput) -> SampleOutput:
         scaled = jax.lax.cond(jnp.any(needs_filter),
                               lambda y: jnp.where(needs_filter[:, None], _filter(y, s), y),
                               lambda y: y, scaled)
-        keys = jax.vmap(_row_key)(s.seed, s.counter)
-        drawn = jax.vmap(lambda k, l: jax.random.categorical(k, l))(keys, scaled).astype(jnp.int32)
+        u = jax.vmap(lambda k: jax.random.uniform(k, ()))(jax.vmap(_row_key)(s.seed, s.counter))
+        drawn = inverse_cdf_draw(u, scaled).astype(jnp.int32)
         return jnp.where(sampling, drawn, greedy)
 
     tokens = jax.lax.cond(jnp.any(sampling), draw, lambda x: greedy, logits)
@@ -105,7 +173,7 @@ def sample(logits: jax.Array, s: SamplingInput) -> SampleOutput:
 
     def logprobs(raw):
         lp = jax.nn.log_softmax(raw, axis=-1)
-        top_lp, top_ids = jax.lax.top_k(lp, n)
+        top_lp, top_ids = top_k(lp, n)
         return jnp.take_along_axis(lp, tokens[:, None], axis=-1)[:, 0], top_ids.astype(jnp.int32), top_lp
 
     def no_logprobs(raw):
