@@ -98,23 +98,6 @@ def test_the_allowed_mask_limits_greedy_and_random_rows_and_leaves_free_rows_alo
         assert out[2] == raw[2].argmax()  # a free row in the same batch: untouched
 
 
-def test_top_k_over_the_best_blocks_is_lax_top_k():
-    """jaxcb's top-k (sorting only the blocks with the largest maxima) gives lax.top_k's values and ids,
-    ties included (lower index first), with -inf entries and a vocabulary no block size divides."""
-    from jaxcb.device.sampling import top_k
-
-    rng = np.random.default_rng(2)
-    cases = [(3, 5000, 20, rng.standard_normal), (2, 50_001, 5, rng.standard_normal),
-             (4, 9973, 20, lambda shape: rng.integers(0, 4, shape).astype(np.float32)),  # ties everywhere
-             (2, 8192, 7, lambda shape: np.where(rng.random(shape) < 0.999, -np.inf, rng.standard_normal(shape)))]
-    for rows, v, k, make in cases:
-        x = jnp.asarray(make((rows, v)), jnp.float32)
-        want_values, want_ids = jax.lax.top_k(x, k)
-        got_values, got_ids = jax.jit(top_k, static_argnums=1)(x, k)
-        np.testing.assert_array_equal(np.asarray(got_values), np.asarray(want_values))
-        np.testing.assert_array_equal(np.asarray(got_ids), np.asarray(want_ids))
-
-
 def test_the_inverse_cdf_draw_gives_each_token_its_share_and_never_an_impossible_one():
     """N evenly spaced uniform numbers must land on each token about N x its probability times (within
     one either side: each token owns an interval of the cumulative distribution); the ends of [0, 1)
@@ -162,3 +145,40 @@ def test_logprobs_and_filters_on_a_real_sized_vocabulary():
     ranked = np.argsort(-probs)
     nucleus = ranked[:np.searchsorted(np.cumsum(probs[ranked]), 0.5) + 1]
     assert int(out.token_ids[2]) in set(nucleus.tolist())
+
+
+def _filter_reference(row, top_k, top_p, min_p):
+    """top-k, then top-p over what top-k kept, then min-p, on one row in numpy float64: the kept tokens."""
+    order = np.argsort(-row, kind="stable")
+    p = np.exp(row[order] - row.max())
+    p /= p.sum()
+    keep = np.arange(len(row)) < (top_k or len(row))
+    kept = np.where(keep, p, 0) / p[keep].sum()
+    keep &= np.cumsum(kept) - kept < top_p
+    keep &= kept >= min_p * kept[0]
+    keep[0] = True
+    return set(np.flatnonzero(row >= row[order][keep].min()).tolist())
+
+
+def test_the_filters_cut_within_the_best_tokens_or_over_the_whole_vocabulary_alike():
+    """Rows whose cut lies among their best FILTER_CANDIDATES tokens (peaked) and rows whose cut lies
+    further down (flat, or a top-k past the candidates) keep exactly the tokens of the filters' definition,
+    alone or in one batch."""
+    from jaxcb.device.sampling import FILTER_CANDIDATES, _filter
+
+    rng = np.random.default_rng(5)
+    v = 5000
+    peaked = rng.standard_normal(v) * 4
+    flat = rng.standard_normal(v) * 0.1
+    rows = [(peaked, 0, 0.9, 0.0), (peaked, 40, 1.0, 0.0), (peaked, 0, 1.0, 0.05), (flat, 0, 0.9, 0.0),
+            (flat, FILTER_CANDIDATES + 100, 1.0, 0.0), (peaked, 0, 0.99, 0.0), (flat, 0, 1.0, 0.5)]
+    for batch in ([r] for r in rows), [rows[:3]], [rows]:
+        for group in batch:
+            logits = np.stack([r[0] for r in group]).astype(np.float32)
+            params = [SamplingParams(temperature=1.0, top_k=k, top_p=p, min_p=m) for _, k, p, m in group]
+            s = inputs(params, vocab=v)
+            needs = jnp.ones(len(group), bool)
+            out = np.asarray(jax.jit(_filter)(jnp.asarray(logits), s, needs))
+            for i, (row, k, p, m) in enumerate(group):
+                assert set(np.flatnonzero(np.isfinite(out[i])).tolist()) == _filter_reference(
+                    row.astype(np.float32).astype(np.float64), k, p, m), (i, k, p, m)

@@ -41,10 +41,12 @@ def _apply_penalties(logits, s: SamplingInput):
     return logits - s.presence_penalty[:, None] * (out_counts > 0)
 
 
-# XLA:CPU sorts (and its TopK, a sort) through a comparator call per comparison: a float sort of 32 x 49,152
-# logits took 260 ms on the 2-core Xeon, longer than the whole step it samples for. Sorting the floats'
-# order-preserving int32 keys runs XLA's plain integer comparison (60 ms); top-k over the vocabulary
-# sorts only the best blocks (top_k); the random draw takes one uniform number a row, not one a token.
+# XLA:CPU sorts through a comparator call per comparison: a float sort of 32 x 49,152 logits took 260 ms on
+# the 2-core Xeon, longer than the whole step it samples for, while its top-k of a few hundred takes 5 ms.
+# The filters cut within the best FILTER_CANDIDATES tokens of each row wherever that gives the cut of the
+# whole vocabulary, and sort the floats' order-preserving int32 keys (XLA's plain integer comparison,
+# 60 ms) only when a row's cut lies further down; the draw takes one uniform number a row, not one a token.
+FILTER_CANDIDATES = 256
 
 
 def _sortable(x):
@@ -63,23 +65,6 @@ def _blocks(x, block: int, fill):
     b, v = x.shape
     n = -(-v // block)
     return jnp.pad(x, ((0, 0), (0, n * block - v)), constant_values=fill).reshape(b, n, block)
-
-
-def top_k(x, k: int):
-    """jax.lax.top_k over the last axis of [B, V] (values descending, ties lower index first), sorting
-    only the k blocks with the largest maxima, which hold every one of the k largest values: the blocks
-    ahead of an element's own block each hold an element ahead of it, so fewer than k are."""
-    b, v = x.shape
-    block = max(8, int((v / k) ** 0.5))
-    if v <= 4096 or k * block * 4 > v:
-        return jax.lax.top_k(x, k)
-    xb = _blocks(x, block, -jnp.inf)  # the tail comes after every real value, ties included
-    _, best = jax.lax.top_k(jnp.max(xb, axis=-1), k)
-    best = jnp.sort(best, axis=-1)  # blocks in vocabulary order: ties keep the lower index first
-    candidates = jnp.take_along_axis(xb, best[:, :, None], axis=1).reshape(b, k * block)
-    values, at = jax.lax.top_k(candidates, k)
-    ids = jnp.take_along_axis(best, at // block, axis=-1) * block + at % block
-    return values, ids
 
 
 def inverse_cdf_draw(u, logits):
@@ -109,22 +94,38 @@ def inverse_cdf_draw(u, logits):
     return at * block + first_past(before[:, None] + jnp.cumsum(inside, axis=-1), inside, target)
 
 
-def _filter(logits, s: SamplingInput):
-    """Mask (to -inf) what top-k, top-p and min-p exclude. logits are temperature-scaled."""
-    v = logits.shape[-1]
-    sorted_logits = _sort_descending(logits)
-    probs = jax.nn.softmax(sorted_logits, axis=-1)
-    rank = jnp.arange(v)[None, :]
+def _cut(ranked, log_total, s: SamplingInput, v: int):
+    """The logit threshold of top-k, top-p and min-p from a row's best logits `ranked` [B, n] (descending;
+    n <= v) and the log of its softmax denominator over the whole vocabulary; and whether the cut is that
+    of the whole vocabulary (it is when the token after the n-th is excluded whatever it is)."""
+    n = ranked.shape[-1]
+    probs = jnp.exp(ranked - log_total)
+    rank = jnp.arange(n)[None, :]
     k = jnp.where(s.top_k > 0, s.top_k, v)[:, None]
     keep = rank < k
     # top-p over what top-k kept: keep a token while the mass before it is below p.
     kept_probs = jnp.where(keep, probs, 0.0)
-    kept_probs = kept_probs / jnp.sum(kept_probs, axis=-1, keepdims=True)
+    kept_total = jnp.where(k <= n, jnp.sum(kept_probs, axis=-1, keepdims=True), 1.0)  # k >= v: all of it
+    kept_probs = kept_probs / kept_total
     mass_before = jnp.cumsum(kept_probs, axis=-1) - kept_probs
     keep &= mass_before < s.top_p[:, None]
     keep &= kept_probs >= s.min_p[:, None] * kept_probs[:, :1]
     keep = keep.at[:, 0].set(True)
-    threshold = jnp.min(jnp.where(keep, sorted_logits, jnp.inf), axis=-1, keepdims=True)
+    threshold = jnp.min(jnp.where(keep, ranked, jnp.inf), axis=-1, keepdims=True)
+    known_total = (k[:, 0] <= n) | (k[:, 0] >= v)
+    past = ((k[:, 0] <= n) | (jnp.sum(kept_probs, axis=-1) >= s.top_p)
+            | (kept_probs[:, -1] < s.min_p * kept_probs[:, 0]))
+    return threshold, (n == v) | (known_total & past)
+
+
+def _filter(logits, s: SamplingInput, needs_filter):
+    """Mask (to -inf) what top-k, top-p and min-p exclude. logits are temperature-scaled."""
+    v = logits.shape[-1]
+    log_total = jax.nn.logsumexp(logits, axis=-1, keepdims=True)
+    best, _ = jax.lax.top_k(logits, min(v, FILTER_CANDIDATES))
+    threshold, exact = _cut(best, log_total, s, v)
+    threshold = jax.lax.cond(jnp.all(exact | ~needs_filter), lambda: threshold,
+                             lambda: _cut(_sort_descending(logits), log_total, s, v)[0])
     return jnp.where(logits >= threshold, logits, -jnp.inf)
 
 
@@ -161,7 +162,7 @@ def sample(logits: jax.Array, s: SamplingInput) -> SampleOutput:
     def draw(x):
         scaled = x / jnp.maximum(s.temperature, 1e-6)[:, None]
         scaled = jax.lax.cond(jnp.any(needs_filter),
-                              lambda y: jnp.where(needs_filter[:, None], _filter(y, s), y),
+                              lambda y: jnp.where(needs_filter[:, None], _filter(y, s, needs_filter), y),
                               lambda y: y, scaled)
         u = jax.vmap(lambda k: jax.random.uniform(k, ()))(jax.vmap(_row_key)(s.seed, s.counter))
         drawn = inverse_cdf_draw(u, scaled).astype(jnp.int32)
@@ -173,7 +174,7 @@ def sample(logits: jax.Array, s: SamplingInput) -> SampleOutput:
 
     def logprobs(raw):
         lp = jax.nn.log_softmax(raw, axis=-1)
-        top_lp, top_ids = top_k(lp, n)
+        top_lp, top_ids = jax.lax.top_k(lp, n)
         return jnp.take_along_axis(lp, tokens[:, None], axis=-1)[:, 0], top_ids.astype(jnp.int32), top_lp
 
     def no_logprobs(raw):
