@@ -182,3 +182,20 @@ def test_the_filters_cut_within_the_best_tokens_or_over_the_whole_vocabulary_ali
             for i, (row, k, p, m) in enumerate(group):
                 assert set(np.flatnonzero(np.isfinite(out[i])).tolist()) == _filter_reference(
                     row.astype(np.float32).astype(np.float64), k, p, m), (i, k, p, m)
+
+
+def test_the_blocked_argmax_is_jnp_argmax():
+    """The greedy token by blocks: the first of equal maxima, NaN above everything, a row of -inf, a
+    vocabulary no block size divides."""
+    from jaxcb.device.sampling import argmax
+
+    rng = np.random.default_rng(6)
+    v = 5003
+    x = rng.integers(0, 3, (6, v)).astype(np.float32)  # ties everywhere
+    x[1] = rng.standard_normal(v)
+    x[2] = -np.inf
+    x[3, [17, 4000]] = np.nan
+    x[4, -1] = 9.0  # the maximum in the last, partial block
+    x[5, [1100, 3000]] = 7.0  # equal maxima in two blocks
+    np.testing.assert_array_equal(np.asarray(jax.jit(argmax)(jnp.asarray(x))), np.asarray(jnp.argmax(jnp.asarray(x), axis=-1)))
+    assert list(np.asarray(argmax(jnp.asarray(x)))[2:]) == [0, 17, v - 1, 1100]

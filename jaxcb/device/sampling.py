@@ -67,6 +67,19 @@ def _blocks(x, block: int, fill):
     return jnp.pad(x, ((0, 0), (0, n * block - v)), constant_values=fill).reshape(b, n, block)
 
 
+def argmax(x):
+    """jnp.argmax over the last axis of [B, V] (the first of equal maxima, NaN the largest), as the maxima
+    of blocks of 1,024, then the first block holding the row's maximum, then inside that block: XLA:CPU's
+    argmax is one scalar pass (2.4 ms for 32 x 49,152 logits on the 2-core Xeon, against 0.5 ms)."""
+    b, v = x.shape
+    block = 1024
+    if v <= 2 * block:
+        return jnp.argmax(x, axis=-1)
+    xb = _blocks(x, block, -jnp.inf)  # the tail after every real value, so never first among equals
+    at = jnp.argmax(jnp.max(xb, axis=-1), axis=-1)
+    return at * block + jnp.argmax(jnp.take_along_axis(xb, at[:, None, None], axis=1)[:, 0], axis=-1)
+
+
 def inverse_cdf_draw(u, logits):
     """One token a row from softmax(logits) (-inf: never), by inverting the row's cumulative distribution
     at its uniform number u [B] in [0, 1): the block whose running sum first passes u, then the token
@@ -154,7 +167,7 @@ def sample(logits: jax.Array, s: SamplingInput) -> SampleOutput:
     logits = jax.lax.cond(jnp.any(uses_penalty), _apply_penalties, lambda x, _: x, logits, s)
     # Structured output: only what the row's grammar allows, greedy and random alike.
     logits = jax.lax.cond(jnp.any(s.allowed != -1), _allowed_only, lambda x, _: x, logits, s.allowed)
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    greedy = argmax(logits).astype(jnp.int32)
 
     sampling = s.temperature > 0
     needs_filter = sampling & ((s.top_k > 0) | (s.top_p < 1.0) | (s.min_p > 0.0))
