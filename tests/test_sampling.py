@@ -125,6 +125,8 @@ def test_the_inverse_cdf_draw_gives_each_token_its_share_and_never_an_impossible
     one = np.full((1, v), -np.inf, np.float32)
     one[0, 1234] = 0.0
     assert int(inverse_cdf_draw(jnp.asarray([0.999], jnp.float32), jnp.asarray(one))[0]) == 1234
+    nothing = np.stack([np.full(v, -np.inf, np.float32), np.full(v, np.nan, np.float32)])  # no possible token
+    assert list(np.asarray(inverse_cdf_draw(jnp.asarray([0.5, 0.5], jnp.float32), jnp.asarray(nothing)))) == [0, 0]
 
 
 def test_logprobs_and_filters_on_a_real_sized_vocabulary():

@@ -4,7 +4,8 @@ Every setting is a per-row array, so no value ever triggers a compile. The order
 engines: penalties on the raw logits, then temperature, then the top-k / top-p / min-p filters, then
 a draw from the filtered distribution at one uniform number whose key derives from the request's seed
 and its output position alone (so a seeded request gives the same tokens whatever else shares its
-batch). Rows with temperature 0 take the argmax of the penalised logits. Logprobs are those of the model's own distribution.
+batch). Rows with temperature 0 take the argmax of the penalised logits. Logprobs are those of the
+model's own distribution.
 """
 
 from __future__ import annotations
@@ -94,11 +95,12 @@ def inverse_cdf_draw(u, logits):
 
     def first_past(running, weights, limit):
         """The first position whose running sum passes `limit` and whose weight is not zero; else the
-        last position of non-zero weight (the limit rounded onto the total)."""
+        last position of non-zero weight (the limit rounded onto the total); position 0 in a row with
+        no weight at all (all -inf or NaN logits: token 0, as a categorical draw gave)."""
         n = running.shape[-1]
         pos = jnp.arange(n, dtype=jnp.int32)[None, :]
         past = jnp.min(jnp.where((running > limit[:, None]) & (weights > 0), pos, n), axis=-1)
-        last = jnp.max(jnp.where(weights > 0, pos, -1), axis=-1)
+        last = jnp.max(jnp.where(weights > 0, pos, 0), axis=-1)
         return jnp.where(past < n, past, last)
 
     at = first_past(ends, sums, target)
