@@ -173,7 +173,8 @@ def test_the_filters_cut_within_the_best_tokens_or_over_the_whole_vocabulary_ali
     peaked = rng.standard_normal(v) * 4
     flat = rng.standard_normal(v) * 0.1
     rows = [(peaked, 0, 0.9, 0.0), (peaked, 40, 1.0, 0.0), (peaked, 0, 1.0, 0.05), (flat, 0, 0.9, 0.0),
-            (flat, FILTER_CANDIDATES + 100, 1.0, 0.0), (peaked, 0, 0.99, 0.0), (flat, 0, 1.0, 0.5)]
+            (flat, FILTER_CANDIDATES + 100, 1.0, 0.0), (peaked, 0, 0.99, 0.0), (flat, 0, 1.0, 0.5),
+            (flat, FILTER_CANDIDATES + 44, 0.05, 0.0)]  # top-p over a top-k past the candidates
     for batch in ([r] for r in rows), [rows[:3]], [rows]:
         for group in batch:
             logits = np.stack([r[0] for r in group]).astype(np.float32)

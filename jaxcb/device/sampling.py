@@ -127,10 +127,11 @@ def _cut(ranked, log_total, s: SamplingInput, v: int):
     keep &= kept_probs >= s.min_p[:, None] * kept_probs[:, :1]
     keep = keep.at[:, 0].set(True)
     threshold = jnp.min(jnp.where(keep, ranked, jnp.inf), axis=-1, keepdims=True)
-    known_total = (k[:, 0] <= n) | (k[:, 0] >= v)
-    past = ((k[:, 0] <= n) | (jnp.sum(kept_probs, axis=-1) >= s.top_p)
-            | (kept_probs[:, -1] < s.min_p * kept_probs[:, 0]))
-    return threshold, (n == v) | (known_total & past)
+    # Whole-vocabulary cut: top-k stops within the n, or top-k keeps everything and top-p's mass or min-p's
+    # floor is passed within them.
+    k = k[:, 0]
+    passed = (jnp.sum(kept_probs, axis=-1) >= s.top_p) | (kept_probs[:, -1] < s.min_p * kept_probs[:, 0])
+    return threshold, (n == v) | (k <= n) | ((k >= v) & passed)
 
 
 def _filter(logits, s: SamplingInput, needs_filter):
