@@ -1,10 +1,14 @@
-"""The device side of a step: params and KV pages on the accelerator, one jitted program per token bucket.
+"""The device side of a step: params and KV pages on the accelerator, two jitted programs a step.
 
-    kv_pages, sampled, last_tokens = step(params, kv_pages, last_tokens, batch, sampling)
+    kv_pages, logits, newest = forward_step(params, kv_pages, last_tokens, batch)   # one per step shape
+    sampled, last_tokens = sample_step(logits, newest, last_tokens, sampling)      # one per row count
 
-`step` is pure; the KV pages are donated so the cache is updated in place. `ModelRunner` owns the
-device state, turns padded numpy batches into device arrays, dispatches asynchronously and counts
-XLA compilations (which must stay flat after warm-up).
+The forward pass is compiled for each step shape; the sampler only for each number of sampled rows
+(and history length), shared by the step shapes that have them: compiled into every step program it
+was most of the compile time of a small model's warm-up. `step` is the two as one program (export,
+bench/step.py). All are pure; the KV pages are donated so the cache is updated in place. `ModelRunner`
+owns the device state, turns padded numpy batches into device arrays, dispatches asynchronously and
+counts XLA compilations (which must stay flat after warm-up).
 """
 
 from __future__ import annotations
@@ -72,23 +76,18 @@ def compilation_count() -> int:
     return _compilations
 
 
-@functools.partial(jax.jit, static_argnames=("config", "attention"), donate_argnums=(1,))
-def step(params: Params, kv_pages: jax.Array, last_tokens: jax.Array, batch: StepInput, sampling: SamplingInput,
-         lora=None, *, config: ModelConfig, attention: Attention = Attention()):
-    """One engine step. `last_tokens` [L] are the previous step's sampled tokens: a decode token the
-    host has not fetched yet (async scheduling) is taken from there (batch.src_rows), and so is its
-    place in the penalties' history. `lora`: the LoRA adapter slots (jaxcb.device.lora), or None.
-    Returns the new KV pages, the sampled tokens and the new last_tokens."""
+def _forward(params: Params, kv_pages, last_tokens: jax.Array, batch: StepInput, lora=None, *,
+             config: ModelConfig, attention: Attention = Attention()):
+    """The model's part of a step. `last_tokens` [L] are the previous step's sampled tokens: a decode
+    token the host has not fetched yet (async scheduling) is taken from there (batch.src_rows).
+    `lora`: the LoRA adapter slots (jaxcb.device.lora), or None. Returns the new KV pages, the logits
+    of the sampled rows [M + E, V] and each row's newest input token [M + E] (its place in the
+    penalties' history when the host has not seen it)."""
     from_prev = batch.src_rows >= 0
     token_ids = jnp.where(from_prev, last_tokens[jnp.maximum(batch.src_rows, 0)], batch.token_ids)
     batch = dataclasses.replace(batch, token_ids=token_ids)
     m, e = batch.last_token.shape[0], batch.extra_rows.shape[0]
-    rows = jnp.arange(m + e)
-    col = jnp.maximum(sampling.pending_col, 0)
     newest = jnp.pad(token_ids[batch.last_token], (0, e))  # extra rows never wait for a token
-    history = sampling.history_ids.at[rows, col].set(
-        jnp.where(sampling.pending_col >= 0, newest, sampling.history_ids[rows, col]))
-    sampling = dataclasses.replace(sampling, history_ids=history)
     kv_pages, h = forward_hidden(params, kv_pages, batch, config, attention, lora)
     t = batch.token_ids.shape[0]
 
@@ -104,9 +103,38 @@ def step(params: Params, kv_pages: jax.Array, last_tokens: jax.Array, batch: Ste
     else:
         logits = logits_at(params, h, jnp.concatenate([batch.last_token, jnp.maximum(batch.extra_rows, 0)]),
                            config, attention)
-    out = sample(logits, sampling)
-    last_tokens = jax.lax.dynamic_update_slice(jnp.zeros_like(last_tokens), out.token_ids[:m], (0,))
+    return kv_pages, logits, newest
+
+
+def _sample(logits, newest, last_tokens: jax.Array, sampling: SamplingInput, *, seqs: int):
+    """The sampler's part of a step: the newest tokens into the penalties' history, one token for each
+    of the logits' rows, and the new last_tokens (the first `seqs` rows' tokens, zeros after)."""
+    rows = jnp.arange(logits.shape[0])
+    col = jnp.maximum(sampling.pending_col, 0)
+    history = sampling.history_ids.at[rows, col].set(
+        jnp.where(sampling.pending_col >= 0, newest, sampling.history_ids[rows, col]))
+    out = sample(logits, dataclasses.replace(sampling, history_ids=history))
+    last_tokens = jax.lax.dynamic_update_slice(jnp.zeros_like(last_tokens), out.token_ids[:seqs], (0,))
+    return out, last_tokens
+
+
+forward_step = jax.jit(_forward, static_argnames=("config", "attention"), donate_argnums=(1,))
+sample_step = jax.jit(_sample, static_argnames=("seqs",))
+
+
+@functools.partial(jax.jit, static_argnames=("config", "attention"), donate_argnums=(1,))
+def step(params: Params, kv_pages, last_tokens: jax.Array, batch: StepInput, sampling: SamplingInput,
+         lora=None, *, config: ModelConfig, attention: Attention = Attention()):
+    """One engine step as one program (what the runner runs as two): returns the new KV pages, the
+    sampled tokens and the new last_tokens."""
+    kv_pages, logits, newest = _forward(params, kv_pages, last_tokens, batch, lora, config=config, attention=attention)
+    out, last_tokens = _sample(logits, newest, last_tokens, sampling, seqs=batch.last_token.shape[0])
     return kv_pages, out, last_tokens
+
+
+def _sampler_key(shape: StepShape) -> tuple[int, int, int]:
+    """What the sampler's program depends on: the rows it samples and the history the penalties see."""
+    return shape.seqs, shape.extra_rows, shape.history
 
 
 def keep_freed_memory_on_cpu() -> bool:
@@ -261,7 +289,8 @@ class ModelRunner:
             keep_freed_memory_on_cpu()
         self.mesh = mesh  # tensor parallelism (jaxcb.device.parallel); None = the default device
         self.attention = resolve_attention(attention, mesh)
-        self._compiled: dict[StepShape, object] = {}  # step shape -> the compiled step
+        self._compiled: dict[StepShape, object] = {}  # step shape -> its compiled forward pass
+        self._samplers: dict[tuple, object] = {}  # (seqs, extra rows, history) -> the compiled sampler
         self.compiler_options = COMPILER_OPTIONS[compile]
         if compile == "optimized" and jax.default_backend() != "cpu":
             self.compiler_options = None  # XLA's defaults as they are: the options above are XLA:CPU's
@@ -385,20 +414,31 @@ class ModelRunner:
         if shape.seqs > self.last_tokens.shape[0]:
             raise ValueError(f"a step of {shape.seqs} sequences does not fit this runner's "
                              f"{self.last_tokens.shape[0]} rows (max_seqs)")
-        if shape not in self._compiled:
-            window = self.step_config.sliding_window if self.step_config.windowed else 0
-            batch, sampling = pack([], shape, self.page_size, window), pack_sampling([], shape, self.model_config.vocab_size)
-            with _compile_serial:
-                self._compiled[shape] = step.lower(
-                    self.params, self.kv_pages, self.last_tokens, batch, sampling, self._lora_arrays(),
-                    config=self.step_config, attention=self.attention).compile(self.compiler_options)
+        if shape in self._compiled:
+            return
+        window = self.step_config.sliding_window if self.step_config.windowed else 0
+        with _compile_serial:
+            lowered = forward_step.lower(
+                self.params, self.kv_pages, self.last_tokens, pack([], shape, self.page_size, window),
+                self._lora_arrays(), config=self.step_config, attention=self.attention)
+            forward = lowered.compile(self.compiler_options)
+            key = _sampler_key(shape)
+            if key not in self._samplers:  # taking the logits as the forward pass leaves them
+                _, logits, newest = jax.tree.map(
+                    lambda info, sharding: jax.ShapeDtypeStruct(info.shape, info.dtype, sharding=sharding),
+                    lowered.out_info, forward.output_shardings)
+                self._samplers[key] = sample_step.lower(
+                    logits, newest, self.last_tokens, pack_sampling([], shape, self.model_config.vocab_size),
+                    seqs=shape.seqs).compile(self.compiler_options)
+        self._compiled[shape] = forward
 
     def run(self, batch: StepInput, sampling: SamplingInput, shape: StepShape) -> SampleOutput:
-        """Dispatch one step; returns device arrays without waiting for them."""
+        """Dispatch one step (its two programs); returns device arrays without waiting for them."""
         if shape not in self._compiled:  # a shape warm-up did not cover: compiled now (and counted)
             self.compile(shape)
-        self.kv_pages, out, self.last_tokens = self._compiled[shape](
-            self.params, self.kv_pages, self.last_tokens, batch, sampling, self._lora_arrays())
+        self.kv_pages, logits, newest = self._compiled[shape](
+            self.params, self.kv_pages, self.last_tokens, batch, self._lora_arrays())
+        out, self.last_tokens = self._samplers[_sampler_key(shape)](logits, newest, self.last_tokens, sampling)
         return out
 
     def _lora_arrays(self):
