@@ -1,9 +1,11 @@
-"""The whole engine step lowers for GPU and TPU without a device (jaxcb.device.export).
+"""The whole engine step (its forward pass and its sampler) lowers for GPU and TPU without a device
+(jaxcb.device.export).
 
 Every warm-up shape of the default configuration (the token buckets of configs/default.toml, the
 default SmolLM2 model's shapes), single device and tensor-parallel over an abstract mesh, exported with
-jax.export for `cuda` and `tpu`: each program must hold the platform's Pallas kernel and nothing but it
-and the partitioner's markers as custom calls (no host callback, no CPU kernel).
+jax.export for `cuda` and `tpu`: each forward pass must hold the platform's Pallas kernel and nothing but
+it and the partitioner's markers as custom calls (no host callback, no CPU kernel); each sampler (one
+per row count) none but the partitioner's, taking the logits as the forward pass leaves them.
 """
 
 import pytest
@@ -16,13 +18,13 @@ from jaxcb.llm import read_model_config
 def test_every_warmup_shape_of_the_step_exports_for_gpu_and_tpu(platform):
     import jax.numpy as jnp
 
-    from jaxcb.device.export import KERNEL_CALLS, custom_calls, export_step, unexpected_calls
+    from jaxcb.device.export import KERNEL_CALLS, custom_calls, export_sampler, export_step, unexpected_calls
 
     model = read_model_config(None)
     config = load_config()
     shapes = config.buckets.shapes(config.page_size, min(config.scheduler.max_context, model.max_context))
     assert len(shapes) == len(config.buckets.tokens) > 10
-    exported = 0
+    exported, samplers = 0, set()
     # Single device over every shape; tensor-parallel over 3 devices (SmolLM2's 3 KV heads) on the
     # smallest (decode only), a middle and the largest shape (the same program at other sizes), with int8
     # KV pages on the mesh to cover the kernels' int8 path.
@@ -36,4 +38,12 @@ def test_every_warmup_shape_of_the_step_exports_for_gpu_and_tpu(platform):
             assert "jaxcb_ragged_attention" not in e.mlir_module()
             assert e.nr_devices == tensor and e.platforms == (platform,)
             exported += 1
-    assert exported == len(shapes) + len(on_mesh)
+            key = (tensor, shape.seqs, shape.extra_rows, shape.history)
+            if key not in samplers:  # the sampler: one program per row count, as the runner compiles it
+                samplers.add(key)
+                s = export_sampler(e, model, shape)
+                assert not unexpected_calls(s, platform) and not KERNEL_CALLS[platform] & custom_calls(s), (key, s)
+                assert s.nr_devices == tensor and s.platforms == (platform,)
+                # it takes the logits as the forward pass leaves them (split over the vocabulary on a mesh)
+                assert s.in_shardings_hlo[0] == e.out_shardings_hlo[-2], (key, s.in_shardings_hlo[0])
+    assert exported == len(shapes) + len(on_mesh) and len(samplers) >= 2

@@ -1,9 +1,11 @@
 """The whole engine step exported for GPU and TPU on a machine that has neither.
 
-    exported = export_step(model_config, shape, "cuda", tensor=2)
+    forward = export_step(model_config, shape, "cuda", tensor=2)
+    sampler = export_sampler(forward, model_config, shape)
 
-`jax.export` traces and lowers the jitted step (`jaxcb.device.runner.step`, with the platform's Pallas kernels
-in place of the CPU attention) for a platform without its device, so a program that would not lower
+`jax.export` traces and lowers the step's two programs as the runner compiles them (`jaxcb.device.runner`:
+the forward pass with the platform's Pallas kernels in place of the CPU attention, and the sampler) for
+a platform without its device, so a program that would not lower
 there (a CPU-only custom call, a host callback, a kernel that Triton or Mosaic refuses) is found on the
 CPU. Weights and pages are abstract (jax.ShapeDtypeStruct); tensor parallelism shards them over an
 abstract mesh of `tensor` devices in jaxcb.device.parallel's layout.
@@ -39,9 +41,10 @@ HOST_CALLBACK = re.compile(r"callback|py_func", re.IGNORECASE)
 def export_step(config: ModelConfig, shape: StepShape, platform: str, *, page_size: int = 16,
                 num_pages: int = 1024, dtype=jnp.bfloat16, kv_dtype=None, max_seqs: int = 256,
                 tensor: int = 1) -> export.Exported:
-    """The engine step of `shape` (`config`'s model, float weights in `dtype`, pages in `kv_dtype`)
-    exported for `platform` ("cuda" or "tpu") with its Pallas kernels, on `tensor` devices."""
-    from jaxcb.device.runner import PALLAS_KERNEL, step
+    """The forward pass of the engine step of `shape` (`config`'s model, float weights in `dtype`, pages
+    in `kv_dtype`) exported for `platform` ("cuda" or "tpu") with its Pallas kernels, on `tensor` devices:
+    what the runner compiles for each step shape (its sampler: `export_sampler`)."""
+    from jaxcb.device.runner import PALLAS_KERNEL, _forward
 
     kv_dtype = jnp.dtype(kv_dtype or dtype)
     mesh = AbstractMesh((tensor,), (parallel.AXIS,)) if tensor > 1 else None
@@ -60,15 +63,33 @@ def export_step(config: ModelConfig, shape: StepShape, platform: str, *, page_si
     window = config.sliding_window if config.windowed else 0
     host = lambda tree: jax.tree.map(  # noqa: E731 - the host's numpy batch, as abstract replicated arrays
         lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype, sharding=sharded(P())), tree)
-    args = (params, tuple(kv) if config.windowed else kv[0],
-            jax.ShapeDtypeStruct((max_seqs,), jnp.int32, sharding=sharded(P())),
-            host(pack([], shape, page_size, window)), host(pack_sampling([], shape, config.vocab_size)))
+    last_tokens = jax.ShapeDtypeStruct((max_seqs,), jnp.int32, sharding=sharded(P()))
+    args = (params, tuple(kv) if config.windowed else kv[0], last_tokens, host(pack([], shape, page_size, window)))
     attention = Attention(PALLAS_KERNEL[platform], mesh=mesh)
-    fn = jax.jit(step, static_argnames=("config", "attention"), donate_argnums=(1,))
+    forward_fn = jax.jit(_forward, static_argnames=("config", "attention"), donate_argnums=(1,))
     checks = [export.DisabledSafetyCheck.custom_call(name) for name in KERNEL_CALLS[platform]]
     with jax.sharding.use_abstract_mesh(mesh) if mesh is not None else contextlib.nullcontext():
-        return export.export(fn, platforms=[platform], disabled_checks=checks)(*args, config=config,
-                                                                               attention=attention)
+        return export.export(forward_fn, platforms=[platform], disabled_checks=checks)(
+            *args, config=config, attention=attention)
+
+
+def export_sampler(forward: export.Exported, config: ModelConfig, shape: StepShape, *,
+                   max_seqs: int = 256) -> export.Exported:
+    """The sampler of `shape`'s rows (the runner compiles one per row count), exported for the platform
+    and devices of `forward` (export_step's), its logits and newest tokens as `forward` leaves them."""
+    from jaxcb.device.runner import _sample
+
+    mesh = AbstractMesh((forward.nr_devices,), (parallel.AXIS,)) if forward.nr_devices > 1 else None
+    shardings = forward.out_shardings_jax(mesh) if mesh is not None else [None] * len(forward.out_avals)
+    _, logits, newest = jax.tree.unflatten(forward.out_tree, [
+        jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s) for a, s in zip(forward.out_avals, shardings)])
+    replicated = NamedSharding(mesh, P()) if mesh is not None else None
+    host = lambda tree: jax.tree.map(  # noqa: E731
+        lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype, sharding=replicated), tree)
+    last_tokens = jax.ShapeDtypeStruct((max_seqs,), jnp.int32, sharding=replicated)
+    with jax.sharding.use_abstract_mesh(mesh) if mesh is not None else contextlib.nullcontext():
+        return export.export(jax.jit(_sample, static_argnames=("seqs",)), platforms=list(forward.platforms))(
+            logits, newest, last_tokens, host(pack_sampling([], shape, config.vocab_size)), seqs=shape.seqs)
 
 
 def custom_calls(exported: export.Exported) -> set[str]:
@@ -80,6 +101,6 @@ def custom_calls(exported: export.Exported) -> set[str]:
 
 def unexpected_calls(exported: export.Exported, platform: str) -> set[str]:
     """Custom calls other than the platform's kernels and the partitioner's markers (host callbacks,
-    the CPU kernel, anything else): what a step exported for `platform` must not hold."""
+    the CPU kernel, anything else): what a step's program exported for `platform` must not hold."""
     calls = custom_calls(exported)
     return {c for c in calls if c not in KERNEL_CALLS[platform] | PARTITIONER_CALLS or HOST_CALLBACK.search(c)}
