@@ -49,7 +49,7 @@ def main():
     import jax
     import jax.numpy as jnp
 
-    from jaxcb.device.runner import ModelRunner, resolve_attention, step
+    from jaxcb.device.runner import ModelRunner, forward_step, resolve_attention, sample_step
     from jaxcb.device.sampling import sample
     from jaxcb.host.batch import SamplingRow, SeqSpec, pack, pack_sampling
     from jaxcb.host.engine_config import load_config
@@ -76,7 +76,6 @@ def main():
     print(f"machine: {machine()}; model {model_config.name}, {args.weights} weights, page size {s}, "
           f"{args.layout} layout over {num_pages} pages; "
           f"copy rate {copy_gb_s:.1f} GB/s read (+ as much written)")
-    step_with = jax.jit(step, static_argnames=("config", "attention"), donate_argnums=(1,))
     for rows in args.rows:
         for ctx in args.contexts:
             n_pages = -(-ctx // s)
@@ -104,10 +103,11 @@ def main():
                 return statistics.median(times) * 1000
 
             def run_with(attention):
-                def go():
-                    runner.kv_pages, out, runner.last_tokens = step_with(
-                        runner.params, runner.kv_pages, runner.last_tokens, batch, sampling, config=runner.step_config,
+                def go():  # the step's two programs, as the runner dispatches them
+                    runner.kv_pages, logits, newest = forward_step(
+                        runner.params, runner.kv_pages, runner.last_tokens, batch, config=runner.step_config,
                         attention=attention)
+                    out, runner.last_tokens = sample_step(logits, newest, runner.last_tokens, sampling, seqs=shape.seqs)
                     jax.device_get(out)
                 return go
 

@@ -5,16 +5,15 @@
 
 The forward pass is compiled for each step shape; the sampler only for each number of sampled rows
 (and history length), shared by the step shapes that have them: compiled into every step program it
-was most of the compile time of a small model's warm-up. `step` is the two as one program (export,
-bench/step.py). All are pure; the KV pages are donated so the cache is updated in place. `ModelRunner`
-owns the device state, turns padded numpy batches into device arrays, dispatches asynchronously and
-counts XLA compilations (which must stay flat after warm-up).
+was most of the compile time of a small model's warm-up (jaxcb.device.export exports both). Both are
+pure; the KV pages are donated so the cache is updated in place. `ModelRunner` owns the device state,
+turns padded numpy batches into device arrays, dispatches asynchronously and counts XLA compilations
+(which must stay flat after warm-up).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import threading
 
@@ -120,16 +119,6 @@ def _sample(logits, newest, last_tokens: jax.Array, sampling: SamplingInput, *, 
 
 forward_step = jax.jit(_forward, static_argnames=("config", "attention"), donate_argnums=(1,))
 sample_step = jax.jit(_sample, static_argnames=("seqs",))
-
-
-@functools.partial(jax.jit, static_argnames=("config", "attention"), donate_argnums=(1,))
-def step(params: Params, kv_pages, last_tokens: jax.Array, batch: StepInput, sampling: SamplingInput,
-         lora=None, *, config: ModelConfig, attention: Attention = Attention()):
-    """One engine step as one program (what the runner runs as two): returns the new KV pages, the
-    sampled tokens and the new last_tokens."""
-    kv_pages, logits, newest = _forward(params, kv_pages, last_tokens, batch, lora, config=config, attention=attention)
-    out, last_tokens = _sample(logits, newest, last_tokens, sampling, seqs=batch.last_token.shape[0])
-    return kv_pages, out, last_tokens
 
 
 def _sampler_key(shape: StepShape) -> tuple[int, int, int]:
