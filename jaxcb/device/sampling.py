@@ -158,7 +158,11 @@ def _cut_by_search(logits, log_total, s: SamplingInput, v: int):
     k_logit = jax.lax.bitcast_convert_type(_sortable(k_key), jnp.float32)
     at_k = k - jnp.sum(above(k_key), axis=-1)  # ties at the k-th logit that top-k keeps
     kept_total = jnp.sum(jnp.where(above(k_key), probs, 0.0), axis=-1) + at_k * jnp.exp(k_logit - log_total[:, 0])
-    p_key = _search(lambda y: jnp.sum(jnp.where(above(y), probs, 0.0), axis=-1) < s.top_p * kept_total, lo, hi)
+    # (top_p 1 keeps every token top-k kept: no search, and none of its rounding)
+    nucleus = s.top_p < 1.0
+    p_key = jax.lax.cond(jnp.any(nucleus), lambda: _search(
+        lambda y: jnp.sum(jnp.where(above(y), probs, 0.0), axis=-1) < s.top_p * kept_total, lo, hi), lambda: lo)
+    p_key = jnp.where(nucleus, p_key, lo)
     floor = s.min_p[:, None] * (jnp.exp(jnp.max(logits, axis=-1, keepdims=True) - log_total) / kept_total[:, None])
     m_key = jnp.min(jnp.where(probs / kept_total[:, None] >= floor, keys, hi[:, None]), axis=-1)
     key = jnp.minimum(jnp.maximum(jnp.maximum(k_key, p_key), m_key), hi)  # the best token always stays

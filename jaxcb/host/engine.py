@@ -543,8 +543,9 @@ class Engine:
 
     # ---- warm-up ----
     def warmup(self, progress: Callable[[int, int, object], None] | None = None) -> int:
-        """Compile every step shape ahead of time (nothing is run): one program per token bucket, and with
-        speculative decoding a verifying one per bucket a step with proposals may take."""
+        """Compile every step shape ahead of time (nothing is run): the forward pass of each token bucket
+        (with speculative decoding also a verifying one per bucket a step with proposals may take) and the
+        sampler of each row count (jaxcb.device.runner). Returns the number of step shapes."""
         shapes = self._shapes
         if getattr(self.runner, "lora", None) is not None:
             self.runner.lora.warmup()  # the slot filler's program
