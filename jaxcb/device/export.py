@@ -61,10 +61,8 @@ def export_step(config: ModelConfig, shape: StepShape, platform: str, *, page_si
                                 kv_slot_width(config.head_dim, kv_dtype)), kv_dtype, sharding=sharded(parallel.KV_SPEC))
           for layers, pages in groups]
     window = config.sliding_window if config.windowed else 0
-    host = lambda tree: jax.tree.map(  # noqa: E731 - the host's numpy batch, as abstract replicated arrays
-        lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype, sharding=sharded(P())), tree)
     last_tokens = jax.ShapeDtypeStruct((max_seqs,), jnp.int32, sharding=sharded(P()))
-    args = (params, tuple(kv) if config.windowed else kv[0], last_tokens, host(pack([], shape, page_size, window)))
+    args = (params, tuple(kv) if config.windowed else kv[0], last_tokens, _host_arrays(pack([], shape, page_size, window), sharded(P())))
     attention = Attention(PALLAS_KERNEL[platform], mesh=mesh)
     forward_fn = jax.jit(_forward, static_argnames=("config", "attention"), donate_argnums=(1,))
     checks = [export.DisabledSafetyCheck.custom_call(name) for name in KERNEL_CALLS[platform]]
@@ -90,12 +88,15 @@ def export_sampler(forward: export.Exported, config: ModelConfig, shape: StepSha
                                  forward.out_shardings_jax(mesh) if mesh else forward.out_avals)
     (_, _, last_tokens, _), _ = abstract(forward.in_tree, forward.in_avals,
                                          forward.in_shardings_jax(mesh) if mesh else forward.in_avals)
-    replicated = NamedSharding(mesh, P()) if mesh is not None else None
-    host = lambda tree: jax.tree.map(  # noqa: E731
-        lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype, sharding=replicated), tree)
     with jax.sharding.use_abstract_mesh(mesh) if mesh is not None else contextlib.nullcontext():
         return export.export(jax.jit(_sample, static_argnames=("seqs",)), platforms=list(forward.platforms))(
-            logits, newest, last_tokens, host(pack_sampling([], shape, config.vocab_size)), seqs=shape.seqs)
+            logits, newest, last_tokens, _host_arrays(pack_sampling([], shape, config.vocab_size), NamedSharding(mesh, P()) if mesh else None),
+            seqs=shape.seqs)
+
+
+def _host_arrays(tree, sharding):
+    """The host's numpy batch as abstract arrays, replicated (`sharding`) on a mesh."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype, sharding=sharding), tree)
 
 
 def custom_calls(exported: export.Exported) -> set[str]:
