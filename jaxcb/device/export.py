@@ -62,7 +62,8 @@ def export_step(config: ModelConfig, shape: StepShape, platform: str, *, page_si
           for layers, pages in groups]
     window = config.sliding_window if config.windowed else 0
     last_tokens = jax.ShapeDtypeStruct((max_seqs,), jnp.int32, sharding=sharded(P()))
-    args = (params, tuple(kv) if config.windowed else kv[0], last_tokens, _host_arrays(pack([], shape, page_size, window), sharded(P())))
+    batch = _host_arrays(pack([], shape, page_size, window), sharded(P()))
+    args = (params, tuple(kv) if config.windowed else kv[0], last_tokens, batch)
     attention = Attention(PALLAS_KERNEL[platform], mesh=mesh)
     forward_fn = jax.jit(_forward, static_argnames=("config", "attention"), donate_argnums=(1,))
     checks = [export.DisabledSafetyCheck.custom_call(name) for name in KERNEL_CALLS[platform]]
@@ -88,10 +89,10 @@ def export_sampler(forward: export.Exported, config: ModelConfig, shape: StepSha
                                  forward.out_shardings_jax(mesh) if mesh else forward.out_avals)
     (_, _, last_tokens, _), _ = abstract(forward.in_tree, forward.in_avals,
                                          forward.in_shardings_jax(mesh) if mesh else forward.in_avals)
+    sampling = _host_arrays(pack_sampling([], shape, config.vocab_size), NamedSharding(mesh, P()) if mesh else None)
     with jax.sharding.use_abstract_mesh(mesh) if mesh is not None else contextlib.nullcontext():
         return export.export(jax.jit(_sample, static_argnames=("seqs",)), platforms=list(forward.platforms))(
-            logits, newest, last_tokens, _host_arrays(pack_sampling([], shape, config.vocab_size), NamedSharding(mesh, P()) if mesh else None),
-            seqs=shape.seqs)
+            logits, newest, last_tokens, sampling, seqs=shape.seqs)
 
 
 def _host_arrays(tree, sharding):
