@@ -52,6 +52,10 @@ def test_no_compilation_after_warmup_for_200_random_requests(make_llm):
     n = llm.warmup(progress=lambda i, total, shape: seen.append((i, total)))
     assert seen[-1] == (n, n)
     engine = llm.engine
+    # One forward pass per step shape; one sampler per row count, shared by the shapes with those rows.
+    compiled = engine.runner._compiled
+    rows = {(shape.seqs, shape.extra_rows, shape.history) for shape in compiled}
+    assert len(compiled) == n and len({id(sampler) for _, sampler in compiled.values()}) == len(rows) < n
     before = engine.stats().compilations
     rng = np.random.default_rng(3)
     submitted = 0
