@@ -82,10 +82,10 @@ class State:
     def check_open(self) -> None:
         if self.draining:
             raise Unavailable("the server is shutting down")
+        if not self.ready:  # (the engine thread starts once warm-up is done)
+            raise Unavailable("the server is warming up; retry when health is SERVING")
         if self.thread is None or not self.thread.alive:
             raise Unavailable("the engine is not running")
-        if not self.ready:
-            raise Unavailable("the server is warming up; retry when health is SERVING")
 
     def adapter_for(self, model: str | None) -> str:
         """The LoRA adapter a request's `model` names: "" for the base model (any of its served names,

@@ -20,11 +20,15 @@ from tests.server_util import free_port
 
 
 class InProcessServer:
-    def __init__(self, tiny_model, http_port: int | None = None):
+    def __init__(self, tiny_model, http_port: int | None = None, warmup_gate: threading.Event | None = None):
         cfg, params, tok, eos = tiny_model
         config = make_config(num_pages=64, max_context=128, decode_batch=(1, 4), pages_per_seq=(8,),
                              prefill_tokens=(32,))
         self.engine = Engine(ModelRunner(cfg, params, config.num_pages, config.page_size), tok, config, eos_ids=eos)
+        self.announced: list[str] = []
+        if warmup_gate is not None:  # warm-up waits until the test opens the gate
+            warmup = self.engine.warmup
+            self.engine.warmup = lambda progress=None: warmup(progress) if warmup_gate.wait(120) else 0
         self.port = free_port()
         self.target = f"127.0.0.1:{self.port}"
         self.code = None
@@ -35,6 +39,7 @@ class InProcessServer:
 
     def _run(self):
         def announce(msg):
+            self.announced.append(msg)
             if "SERVING" in msg:
                 self.ready.set()
 
@@ -83,6 +88,37 @@ def test_failed_step_fails_its_requests_with_internal_and_serving_goes_on(tiny_m
 
 def _raise():
     raise MemoryError("engine broken beyond one step")
+
+
+def test_a_request_during_warm_up_is_told_to_retry_on_both_apis(tiny_model):
+    """Until warm-up is done (the engine thread starts after it), gRPC answers UNAVAILABLE and HTTP 503,
+    both saying the server is warming up (not that the engine is not running); then both serve."""
+    import httpx
+
+    gate = threading.Event()
+    s = InProcessServer(tiny_model, http_port=free_port(), warmup_gate=gate)
+    deadline = time.monotonic() + 60
+    while not any("warming up" in m for m in s.announced) or not any("HTTP" in m for m in s.announced):
+        assert time.monotonic() < deadline, s.announced
+        time.sleep(0.02)
+    body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 3}
+    with Client(s.target) as c:
+        with pytest.raises(grpc.RpcError) as e:
+            c.complete(token_ids=[5, 6, 7], max_tokens=3, timeout=30)
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "warming up" in e.value.details()
+        r = httpx.post(f"http://127.0.0.1:{s.http_port}/v1/completions", json=body, timeout=30)
+        assert r.status_code == 503 and "warming up" in r.json()["error"]["message"], r.text
+        gate.set()
+        assert s.ready.wait(120)
+        assert c.complete(token_ids=[5, 6, 7], max_tokens=3, ignore_eos=True, timeout=30).completion_tokens == 3
+        r = httpx.post(f"http://127.0.0.1:{s.http_port}/v1/completions", json=body, timeout=30)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3, r.text
+    s.engine.step = _raise  # the server's way out (run_server stops on SIGTERM, main thread only): a
+    with Client(s.target) as c:  # request meets the broken engine, whose death ends the server
+        with pytest.raises(grpc.RpcError):
+            c.complete(token_ids=[5, 6], max_tokens=3, timeout=30)
+    s.thread.join(60)
+    assert s.code == 1
 
 
 def test_a_failed_warm_up_ends_the_server_with_its_error(tiny_model):
