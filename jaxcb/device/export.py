@@ -81,14 +81,13 @@ def export_sampler(forward: export.Exported, config: ModelConfig, shape: StepSha
 
     mesh = AbstractMesh((forward.nr_devices,), (parallel.AXIS,)) if forward.nr_devices > 1 else None
 
-    def abstract(tree, avals, shardings):
-        return jax.tree.unflatten(tree, [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s if mesh else None)
-                                         for a, s in zip(avals, shardings)])
+    def abstract(tree, avals, shardings):  # shardings: a function of the mesh
+        placed = shardings(mesh) if mesh else [None] * len(avals)
+        return jax.tree.unflatten(tree, [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)
+                                         for a, s in zip(avals, placed)])
 
-    _, logits, newest = abstract(forward.out_tree, forward.out_avals,
-                                 forward.out_shardings_jax(mesh) if mesh else forward.out_avals)
-    (_, _, last_tokens, _), _ = abstract(forward.in_tree, forward.in_avals,
-                                         forward.in_shardings_jax(mesh) if mesh else forward.in_avals)
+    _, logits, newest = abstract(forward.out_tree, forward.out_avals, forward.out_shardings_jax)
+    (_, _, last_tokens, _), _ = abstract(forward.in_tree, forward.in_avals, forward.in_shardings_jax)
     sampling = _host_arrays(pack_sampling([], shape, config.vocab_size), NamedSharding(mesh, P()) if mesh else None)
     with jax.sharding.use_abstract_mesh(mesh) if mesh is not None else contextlib.nullcontext():
         return export.export(jax.jit(_sample, static_argnames=("seqs",)), platforms=list(forward.platforms))(

@@ -57,6 +57,11 @@ def _sortable(x):
     return jnp.where(i < 0, i ^ jnp.int32(0x7FFFFFFF), i)
 
 
+def _logit(key):
+    """The float32 logit of an order-preserving key (`_sortable` back)."""
+    return jax.lax.bitcast_convert_type(_sortable(key), jnp.float32)
+
+
 def _blocks(x, block: int, fill):
     """[B, V] -> [B, ceil(V / block), block], the tail filled with `fill`."""
     b, v = x.shape
@@ -155,7 +160,7 @@ def _cut_by_search(logits, log_total, s: SamplingInput, v: int):
     # (without a top-k in any row, the k-th largest is the smallest: no search)
     k_key = jax.lax.cond(jnp.any(k < v), lambda: _search(lambda y: jnp.sum(above(y), axis=-1) < k, lo, hi),
                          lambda: lo)
-    k_logit = jax.lax.bitcast_convert_type(_sortable(k_key), jnp.float32)
+    k_logit = _logit(k_key)
     at_k = k - jnp.sum(above(k_key), axis=-1)  # ties at the k-th logit that top-k keeps
     kept_total = jnp.sum(jnp.where(above(k_key), probs, 0.0), axis=-1) + at_k * jnp.exp(k_logit - log_total[:, 0])
     # (top_p 1 keeps every token top-k kept: no search, and none of its rounding)
@@ -166,7 +171,7 @@ def _cut_by_search(logits, log_total, s: SamplingInput, v: int):
     floor = s.min_p[:, None] * (jnp.exp(jnp.max(logits, axis=-1, keepdims=True) - log_total) / kept_total[:, None])
     m_key = jnp.min(jnp.where(probs / kept_total[:, None] >= floor, keys, hi[:, None]), axis=-1)
     key = jnp.minimum(jnp.maximum(jnp.maximum(k_key, p_key), m_key), hi)  # the best token always stays
-    return jax.lax.bitcast_convert_type(_sortable(key), jnp.float32)[:, None]
+    return _logit(key)[:, None]
 
 
 def _filter(logits, s: SamplingInput, needs_filter):
