@@ -34,6 +34,7 @@ def run(engine, prompts, output_lens):
     from jaxcb.host.request import SamplingParams
 
     engine.reset_counters()
+    engine.step_log = []  # every step's tokens, rows and context: the roofline below
     compiled = engine.stats().compilations
     t0 = time.perf_counter()
     for p, n in zip(prompts, output_lens):
@@ -51,7 +52,30 @@ def run(engine, prompts, output_lens):
         "compilations_after_warmup": st.compilations - compiled,
         "padding_fraction": round(st.padding_fraction, 4), "page_utilization": round(st.page_utilization, 4),
         "host_wait_fraction": round(st.host_wait_fraction, 4), "preemptions": st.preemptions, "steps": st.steps,
+        "step_log": engine.step_log,
     }
+
+
+def roofline_s(runner, step_log, flops_per_s: float, bytes_per_s: float) -> float:
+    """The least time these steps could take on this machine: each step at least its FLOPs at the
+    matmul rate and at least its bytes (every matmul weight once, plus the live K/V its attention reads)
+    at the copy rate, whichever is longer. A workload whose steps mostly have few rows is bound by the
+    weights' bytes, not by the matmul rate: this is the share of the compute limit that a perfect engine
+    would reach on it."""
+    import jax
+
+    cfg, params = runner.model_config, runner.params
+    weight_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(params))
+    if params.lm_head is not None:  # the embedding is only gathered from, a row a token
+        weight_bytes -= params.embed.nbytes
+    kv_bytes_per_token = sum(x.nbytes for x in jax.tree_util.tree_leaves(runner.kv_pages)) / (
+        runner.num_pages * runner.page_size)
+    total = 0.0
+    for rec in step_log:
+        flops = rec.tokens * cfg.flops_per_token(0) + 4 * cfg.num_heads * cfg.head_dim * cfg.num_layers * rec.attention_pairs
+        moved = weight_bytes + kv_bytes_per_token * rec.context
+        total += max(flops / flops_per_s, moved / bytes_per_s)
+    return total
 
 
 PEER_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared", "peers",
@@ -147,6 +171,13 @@ def main():
     median = lambda runs: sorted(runs, key=lambda r: r["wall_s"])[len(runs) // 2]  # noqa: E731
     cont, stat = median(trials["continuous"]), median(trials["static"])
     rate = matmul_flops_per_s()
+    from bench.step import copy_rate
+
+    copy_bytes_per_s = copy_rate() * 1e9
+    bound_s = roofline_s(first.runner, cont["step_log"], rate, copy_bytes_per_s)
+    for runs in trials.values():
+        for r in runs:
+            r.pop("step_log", None)
     tokens = sum(map(len, prompts)) + sum(output_lens)
     mean_context = np.mean([len(p) + n / 2 for p, n in zip(prompts, output_lens)])
     limit_tokens_per_s = rate / model_config.flops_per_token(int(mean_context))
@@ -161,6 +192,9 @@ def main():
         "matmul_gflops_f32": round(rate / 1e9, 1),
         "compute_limit_tokens_per_s": round(limit_tokens_per_s, 1),
         "fraction_of_compute_limit": round(tokens / cont["wall_s"] / limit_tokens_per_s, 3),
+        "copy_gb_per_s": round(copy_bytes_per_s / 1e9, 2), "roofline_s": round(bound_s, 2),
+        "roofline_fraction_of_compute_limit": round(tokens / bound_s / limit_tokens_per_s, 3),
+        "fraction_of_roofline": round(bound_s / cont["wall_s"], 3),
     }
     print(f"machine: {result['machine']}; model {model_config.name}; warm-up {shapes} shapes in {warmup_s:.0f} s")
     print(f"workload: {args.requests} requests, {result['prompt_tokens']} prompt + {result['output_tokens']} output tokens")
@@ -188,6 +222,10 @@ def main():
     print(f"compute limit: {rate / 1e9:.0f} GFLOP/s / {model_config.flops_per_token(int(mean_context)) / 1e9:.3f} GFLOP per "
           f"token = {limit_tokens_per_s:.0f} tokens/s; continuous ran (prompt + output) tokens at "
           f"{result['fraction_of_compute_limit']:.1%} of it")
+    print(f"roofline (each step at least its FLOPs at {rate / 1e9:.0f} GFLOP/s and its weights + live K/V at the copy "
+          f"rate {copy_bytes_per_s / 1e9:.1f} GB/s): {bound_s:.2f} s for the continuous run's {cont['steps']} "
+          f"steps, i.e. at most {result['roofline_fraction_of_compute_limit']:.1%} of the compute limit on this workload; "
+          f"continuous ran at {result['fraction_of_roofline']:.1%} of the roofline")
 
     if args.sweep:
         sweep = []

@@ -122,7 +122,7 @@ def test_the_native_step_gives_the_plain_step_logits():
     from jaxcb.model.llama import Attention, forward, params_from_numpy, random_weights
     from jaxcb.model.paged_attention import allocate_kv_pages
 
-    config = tiny_config()
+    config = dataclasses.replace(tiny_config(), tie_embeddings=True)  # as SmolLM2's and Gemma 3's
     params = params_from_numpy(random_weights(config, seed=1))
     native = resolve_attention("native")
     assert native.native_matmul and native.kernel == "cpu"
@@ -139,6 +139,11 @@ def test_the_native_step_gives_the_plain_step_logits():
     # The native step really calls the kernels; the plain one calls neither.
     text = step.lower(params, kv, batch, config=config, attention=native).as_text()
     assert "jaxcb_layer_matmul" in text and "jaxcb_ragged_attention" in text
+    # The tied float32 head of a few sampled rows is read in place (quant.NATIVE_F32_HEAD_ROWS); more
+    # rows take XLA's dot.
+    assert "jaxcb_rows_matmul" in text
+    wide = jax.tree.map(jnp.asarray, pack(specs, StepShape(tokens=32, seqs=16, pages_per_seq=4, history=32), s))
+    assert "jaxcb_rows_matmul" not in step.lower(params, kv, wide, config=config, attention=native).as_text()
     plain = step.lower(params, kv, batch, config=config, attention=dataclasses.replace(native, kernel="xla",
                                                                                       native_matmul=False)).as_text()
     assert "jaxcb_" not in plain
