@@ -103,6 +103,28 @@ def system_text(tools: Tools) -> str:
             + " (one block per call) and nothing else.")
 
 
+def content_text(content, where: str) -> str | None:
+    """A message's content as text: a string as it is, or OpenAI's list of content parts, whose text
+    parts (and an assistant's refusal parts) are joined by newlines, as vLLM joins them; None (an
+    assistant message of tool calls only) stays None. A part of another kind (an image, audio, a file)
+    is refused naming it: the models served here read text only."""
+    if content is None or isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise InvalidRequest(f"{where}: must be a string or a list of content parts")
+    texts = []
+    for k, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if not isinstance(kind, str):
+            raise InvalidRequest(f"{where}[{k}]: must be a content part, an object with a type")
+        if kind not in ("text", "refusal"):
+            raise InvalidRequest(f"{where}[{k}].type: {kind[:40]!r} is not supported; the model takes text parts only")
+        if not isinstance(part.get(kind), str):
+            raise InvalidRequest(f"{where}[{k}].{kind}: must be a string")
+        texts.append(part[kind])
+    return "\n".join(texts)
+
+
 def render_messages(messages: list, tools: Tools | None) -> list[dict]:
     """The chat's messages as the template takes them ({role, content} with string content): the tools'
     system text first (merged into the conversation's own system message), assistant tool calls and tool
@@ -111,9 +133,7 @@ def render_messages(messages: list, tools: Tools | None) -> list[dict]:
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise InvalidRequest(f"messages[{i}]: must be an object with a role")
-        role, content = m["role"], m.get("content")
-        if content is not None and not isinstance(content, str):
-            raise InvalidRequest(f"messages[{i}].content: must be a string")
+        role, content = m["role"], content_text(m.get("content"), f"messages[{i}].content")
         content = content or ""
         calls = m.get("tool_calls")
         if calls is not None:
@@ -129,7 +149,7 @@ def render_messages(messages: list, tools: Tools | None) -> list[dict]:
                     raise InvalidRequest(f"messages[{i}].tool_calls[{k}].function.arguments: not valid JSON") from None
                 content += OPEN + json.dumps({"name": f["name"], "arguments": arguments}) + CLOSE
         elif m.get("content") is None:
-            raise InvalidRequest(f"messages[{i}].content: must be a string")
+            raise InvalidRequest(f"messages[{i}].content: must be a string or a list of content parts")
         if role == "tool":
             role, content = "user", f"<tool_response>{content}</tool_response>"
         out.append({"role": role, "content": content})

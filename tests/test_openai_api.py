@@ -224,6 +224,31 @@ def test_tokenize_and_detokenize_take_vllms_shapes(server, tiny_model):
     assert r.status_code == 413
 
 
+def test_content_parts_are_their_text_joined_and_other_parts_are_refused(server, oai, model_name):
+    """OpenAI's list of content parts (what newer clients send even for plain text): the text parts
+    joined by newlines, as vLLM does, on /tokenize and in a chat; an image part or a malformed one is a
+    400 naming the part."""
+    joined = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello\nthere"}]
+    parts = [{"role": "system", "content": [{"type": "text", "text": "Be brief."}]},
+             {"role": "user", "content": [{"type": "text", "text": "Hello"}, {"type": "text", "text": "there"}]}]
+    tokens = [httpx.post(server.http + "/tokenize", json={"messages": m}, timeout=10).json()["tokens"]
+              for m in (joined, parts)]
+    assert tokens[0] == tokens[1]
+    answers = [oai.chat.completions.create(model=model_name, messages=m, max_tokens=6, temperature=0)
+               for m in (joined, parts)]
+    assert answers[0].choices[0].message.content == answers[1].choices[0].message.content
+    assert answers[0].usage.prompt_tokens == answers[1].usage.prompt_tokens == len(tokens[0])
+    cases = [([{"type": "image_url", "image_url": {"url": "http://x/y.png"}}],
+              "messages[0].content[0].type: 'image_url' is not supported"),
+             ([{"type": "text", "text": 5}], "messages[0].content[0].text: must be a string"),
+             (["hi"], "messages[0].content[0]: must be a content part"),
+             ({"type": "text", "text": "hi"}, "messages[0].content: must be a string or a list of content parts")]
+    for content, message in cases:
+        for path in ("/tokenize", "/v1/chat/completions"):
+            r = httpx.post(server.http + path, json={"messages": [{"role": "user", "content": content}]}, timeout=10)
+            assert r.status_code == 400 and r.json()["error"]["message"].startswith(message), (path, r.text[:300])
+
+
 def test_malformed_bodies_are_400_naming_the_problem(server):
     """Every malformed body is a 400 (never a 500), and a field out of range is refused before a
     streaming 200 begins."""
