@@ -36,7 +36,7 @@ class Result:
 
 
 SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
-                   "frequency_penalty", "seed")
+                   "frequency_penalty", "seed", "logit_bias")
 
 
 def build_request(prompt=None, *, messages=None, token_ids=None, chat: bool = False, max_tokens: int = 64,
@@ -62,7 +62,9 @@ def build_request(prompt=None, *, messages=None, token_ids=None, chat: bool = Fa
         else:
             setattr(req.structured, kind, value)
     for k, v in sampling.items():
-        if v is not None:
+        if k == "logit_bias":  # {token id: bias}
+            req.sampling.logit_bias.update({int(t): float(b) for t, b in (v or {}).items()})
+        elif v is not None:
             setattr(req.sampling, k, v)
     if token_ids is not None:
         req.tokens.token_ids.extend(token_ids)

@@ -22,7 +22,7 @@ from grpc_reflection.v1alpha import reflection
 
 from jaxcb.device import cpu_dots
 from jaxcb.host.errors import InvalidConfig, InvalidRequest, JaxcbError, NotFound, Overloaded, StepFailed, Unauthenticated, Unavailable
-from jaxcb.host.request import SamplingParams, TokenEvent, check_stop_counts
+from jaxcb.host.request import SamplingParams, TokenEvent, check_logit_bias_count, check_stop_counts
 from jaxcb.host.structured import MAX_CHOICES, Constraint
 from serve.frontend import (MAX_REQUEST_BYTES, ServerOptions, State, check_constraint, check_ids, check_messages, check_text,
                             check_token_count, tenant, token_index)
@@ -51,6 +51,7 @@ def tenant_of(state: State, context) -> str:
 def _sampling(req) -> SamplingParams:
     s = req.sampling
     check_stop_counts(len(req.stop), len(req.stop_token_ids))  # before the lists are copied
+    check_logit_bias_count(len(s.logit_bias))
     return SamplingParams(
         max_tokens=req.max_tokens, temperature=s.temperature, top_k=s.top_k,
         top_p=s.top_p if s.HasField("top_p") else 1.0, min_p=s.min_p,
@@ -60,6 +61,7 @@ def _sampling(req) -> SamplingParams:
         stop_token_ids=tuple(req.stop_token_ids), ignore_eos=req.ignore_eos, logprobs=req.logprobs,
         n=req.n or 1, structured=_structured(req),
         speculative=req.speculative if req.HasField("speculative") else True, lora=req.lora,
+        logit_bias=dict(s.logit_bias),
     )
 
 

@@ -12,7 +12,7 @@ import re
 from fastapi.responses import JSONResponse
 
 from jaxcb.host.errors import InvalidRequest, JaxcbError, NotFound, Overloaded, StepFailed, Unauthenticated, Unavailable
-from jaxcb.host.request import SamplingParams, check_priority, check_stop_counts
+from jaxcb.host.request import SamplingParams, check_priority, check_stop_counts, logit_bias_from_json
 from jaxcb.host.structured import Constraint, from_response_format, from_structured_outputs
 from serve import frontend
 
@@ -97,7 +97,8 @@ def sampling_params(body: dict, *, max_tokens: int, logprobs: int) -> SamplingPa
         presence_penalty=number_field(body, "presence_penalty", 0.0),
         frequency_penalty=number_field(body, "frequency_penalty", 0.0), seed=int_field(body, "seed"),
         stop=stop or (), ignore_eos=ignore_eos, logprobs=logprobs, n=int_field(body, "n", 1),
-        structured=constraint_of(body), speculative=bool_field(body, "speculative", True))
+        structured=constraint_of(body), speculative=bool_field(body, "speculative", True),
+        logit_bias=logit_bias_from_json(body.get("logit_bias")))
 
 
 def constraint_of(body: dict) -> Constraint | None:
@@ -151,11 +152,6 @@ def common_fields(body: dict) -> RequestOptions:
     priority = int_field(body, "priority", 0)
     salt, request_id = str_field(body, "cache_salt", ""), str_field(body, "request_id", "")
     str_field(body, "user", "")
-    bias = body.get("logit_bias")
-    if bias is not None and not isinstance(bias, dict):
-        raise bad_request(f"logit_bias: must be an object, got {bias!r}")
-    if bias:  # refused rather than ignored: a token the caller banned must not come out
-        raise bad_request("logit_bias: not supported")
     check_priority(priority)
     frontend.check_ids(request_id, salt)
     return RequestOptions(stream, include_usage, priority, salt, request_id)

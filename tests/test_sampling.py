@@ -77,6 +77,45 @@ def test_penalties():
     assert int(out.token_ids[0]) == 1  # 2.0 - 2 * 0.06 = 1.88 < 1.9
 
 
+def test_logit_bias_moves_the_logits_it_names_in_its_own_row_only():
+    """OpenAI's logit_bias: each bias is added to its token's logit before anything else (greedy and
+    random rows alike, neighbours untouched), -100 bans a token, +100 all but forces it, and the
+    logprobs stay the model's own."""
+    logits = jnp.asarray([[2.0, 1.9, -1.0, 0.0]] * 4)
+    params = [SamplingParams(logit_bias={0: -0.2}, logprobs=2),  # 2.0 - 0.2 = 1.8 < 1.9: token 1
+              SamplingParams(logit_bias={0: -0.05}),  # 1.95 > 1.9: still token 0
+              SamplingParams(),  # a neighbour without a bias
+              SamplingParams(logit_bias=((2, 100.0), (0, -100.0)))]
+    out = sample_jit(logits, inputs(params))
+    assert list(np.asarray(out.token_ids)) == [1, 0, 0, 2]
+    np.testing.assert_allclose(float(out.logprobs[0]), np.asarray(jax.nn.log_softmax(logits[0]))[1], rtol=1e-6)
+    # Random rows: the distribution is that of the biased logits (here ln 3 on token 0 of uniform ones).
+    freq = draw(np.zeros(4), SamplingParams(temperature=1.0, logit_bias={0: float(np.log(3.0))}))
+    np.testing.assert_allclose(freq, [0.5, 1 / 6, 1 / 6, 1 / 6], atol=0.03)
+    assert draw(np.zeros(4), SamplingParams(temperature=1.0, logit_bias={1: -100, 3: -100}))[[1, 3]].sum() == 0
+    # A structured row's mask still holds: a bias cannot bring back a token its grammar forbids.
+    biased = inputs([SamplingParams(logit_bias={1: 100})], vocab=4)
+    biased.allowed[0, 0] = 0b1101  # token 1 not allowed
+    assert int(sample_jit(logits[:1], biased).token_ids[0]) == 0
+
+
+def test_logit_bias_is_checked():
+    import pytest
+
+    from jaxcb.host.errors import InvalidRequest
+    from jaxcb.host.request import check_tokens
+
+    assert SamplingParams(logit_bias={9: 1, 3: -2.5}).logit_bias == ((3, -2.5), (9, 1.0))
+    for bias, message in (({5: 100.5}, "logit_bias[5]: must be <= 100.0"), ({5: float("nan")}, "logit_bias[5]: must be a finite"),
+                          ({-1: 1}, "logit_bias: -1 is not a token id"), ({"5": 1}, "logit_bias: '5' is not a token id"),
+                          ({i: 1 for i in range(301)}, "logit_bias: at most 300 token ids, got 301"),
+                          ([(5, 1), (5, 2)], "logit_bias: token id 5 is given twice"), (5, "logit_bias: must map")):
+        with pytest.raises(InvalidRequest, match=message.replace("[", r"\[").replace("(", r"\(")):
+            SamplingParams(logit_bias=bias)
+    with pytest.raises(InvalidRequest, match=r"logit_bias: token id 50 is outside the vocabulary \[0, 50\)"):
+        check_tokens([1, 2], SamplingParams(logit_bias={50: 1}), 64, 50)
+
+
 def test_the_allowed_mask_limits_greedy_and_random_rows_and_leaves_free_rows_alone():
     rng = np.random.default_rng(1)
     v = 70  # not a multiple of 32: the last word is partly past the vocabulary

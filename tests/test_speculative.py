@@ -137,8 +137,10 @@ def test_exact_in_every_situation(make_llm, case, method):
     elif case == "n":
         params = SamplingParams(max_tokens=24, ignore_eos=True, n=3, temperature=0.2, seed=7)
     elif case == "penalties":
-        # mild: stronger penalties stop the tiny model from ever repeating itself (nothing to propose)
-        params = SamplingParams(max_tokens=24, ignore_eos=True, repetition_penalty=1.05, frequency_penalty=0.05)
+        # mild: stronger penalties stop the tiny model from ever repeating itself (nothing to propose);
+        # a logit_bias too (every verifying row must carry its request's bias)
+        params = SamplingParams(max_tokens=24, ignore_eos=True, repetition_penalty=1.05, frequency_penalty=0.05,
+                                logit_bias={3: 1.5, 5: -1.0, vocab - 1: 0.5})
     elif case == "logprobs":
         params = SamplingParams(max_tokens=20, ignore_eos=True, logprobs=3)
     elif case == "eos":

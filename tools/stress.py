@@ -145,7 +145,8 @@ def _strategies():
     roles = st.one_of(st.sampled_from(["system", "user", "assistant"]), st.text(max_size=12))
     sampling = st.fixed_dictionaries({}, optional={
         "temperature": floats, "top_k": i32, "top_p": floats, "min_p": floats, "repetition_penalty": floats,
-        "presence_penalty": floats, "frequency_penalty": floats, "seed": st.integers(0, 2**64 - 1)})
+        "presence_penalty": floats, "frequency_penalty": floats, "seed": st.integers(0, 2**64 - 1),
+        "logit_bias": st.dictionaries(st.one_of(st.integers(0, 300), i32), floats, max_size=5)})
     request = st.fixed_dictionaries({
         "input": st.one_of(
             st.tuples(st.just("text"), text),
@@ -167,7 +168,10 @@ def _to_proto(d):
                                     ignore_eos=d["ignore_eos"], priority=d["priority"], request_id=d["request_id"],
                                     logprobs=d["logprobs"], n=d["n"], cache_salt=d["cache_salt"])
     for k, v in d["sampling"].items():
-        setattr(req.sampling, k, v)
+        if k == "logit_bias":
+            req.sampling.logit_bias.update(v)
+        else:
+            setattr(req.sampling, k, v)
     if kind == "text":
         req.text = value
     elif kind == "messages":
@@ -513,7 +517,9 @@ def _http_bodies(n, seed):
         "logprobs": st.integers(-1, 25), "priority": st.integers(-2**32, 2**32), "ignore_eos": st.booleans(),
         "request_id": st.text(max_size=20), "cache_salt": st.text(max_size=10), "user": st.text(max_size=10),
         "stream_options": st.fixed_dictionaries({}, optional={"include_usage": st.booleans()}),
-        "best_of": st.integers(0, 2), "echo": st.booleans(), "logit_bias": st.just({})}
+        "best_of": st.integers(0, 2), "echo": st.booleans(),
+        "logit_bias": st.dictionaries(st.one_of(st.integers(0, 130).map(str), st.text(max_size=6)),
+                                      st.one_of(st.floats(-150, 150), st.integers(-101, 101)), max_size=4)}
 
     def field(value):
         return st.integers(0, 4).flatmap(lambda k: json_value if k == 0 else value)

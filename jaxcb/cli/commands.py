@@ -25,7 +25,7 @@ GENERATION_FIELDS = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "re
                      "presence_penalty", "frequency_penalty", "seed", "stop", "stop_token_ids",
                      "ignore_eos", "logprobs", "n", "speculative")
 LINE_FIELDS = {"prompt", "prompt_token_ids", "messages", "chat", "priority", "id", "response_format",
-               "structured_outputs", *GENERATION_FIELDS}
+               "structured_outputs", "logit_bias", *GENERATION_FIELDS}
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
@@ -127,6 +127,7 @@ def _params_from_args(args, overrides: dict | None = None):
 def _parse_line(llm, args, lineno: int, line: str):
     """One input line -> (prompt ids, SamplingParams, priority, id); InvalidRequest names line and field."""
     from jaxcb.host import structured
+    from jaxcb.host.request import logit_bias_from_json
     try:
         obj = json.loads(line)
     except json.JSONDecodeError as e:
@@ -153,6 +154,7 @@ def _parse_line(llm, args, lineno: int, line: str):
         else:
             raise InvalidRequest("one of prompt, prompt_token_ids or messages is required")
         overrides = {k: obj[k] for k in GENERATION_FIELDS if k in obj}
+        overrides["logit_bias"] = logit_bias_from_json(obj.get("logit_bias"))
         if "response_format" in obj and "structured_outputs" in obj:
             raise InvalidRequest("structured_outputs: give either response_format or structured_outputs, not both")
         overrides["structured"] = (structured.from_response_format(obj.get("response_format"))

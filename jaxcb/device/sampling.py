@@ -187,6 +187,13 @@ def _filter(logits, s: SamplingInput, needs_filter):
     return jnp.where(logits >= threshold, logits, -jnp.inf)
 
 
+def _biased(logits, s: SamplingInput):
+    """Each row's logit_bias added to its tokens' logits (unused slots, id -1, are dropped)."""
+    b, v = logits.shape
+    ids = jnp.where(s.bias_ids >= 0, s.bias_ids, v)
+    return logits.at[jnp.arange(b)[:, None], ids].add(s.bias, mode="drop")
+
+
 def _allowed_only(logits, allowed):
     """-inf for every token a row's mask (bit t of word t // 32) does not allow."""
     b, v = logits.shape
@@ -210,6 +217,7 @@ def sample(logits: jax.Array, s: SamplingInput) -> SampleOutput:
     """
     b, v = logits.shape
     raw = logits = logits.astype(jnp.float32)
+    logits = jax.lax.cond(jnp.any(s.bias_ids >= 0), _biased, lambda x, _: x, logits, s)
     uses_penalty = (s.repetition_penalty != 1.0) | (s.presence_penalty != 0.0) | (s.frequency_penalty != 0.0)
     logits = jax.lax.cond(jnp.any(uses_penalty), _apply_penalties, lambda x, _: x, logits, s)
     # Structured output: only what the row's grammar allows, greedy and random alike.
@@ -240,6 +248,6 @@ def sample(logits: jax.Array, s: SamplingInput) -> SampleOutput:
     def no_logprobs(raw):
         return jnp.zeros((b,), jnp.float32), jnp.zeros((b, n), jnp.int32), jnp.zeros((b, n), jnp.float32)
 
-    # Logprobs describe the model's own distribution, before penalties and filters.
+    # Logprobs describe the model's own distribution, before logit_bias, penalties and filters.
     chosen, top_ids, top_lp = jax.lax.cond(jnp.any(s.logprobs > 0), logprobs, no_logprobs, raw)
     return SampleOutput(tokens, chosen, top_ids, top_lp)

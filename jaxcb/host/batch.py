@@ -29,7 +29,7 @@ import dataclasses
 import numpy as np
 
 from jaxcb.host.page_pool import NULL_PAGE
-from jaxcb.host.request import SamplingParams
+from jaxcb.host.request import MAX_LOGIT_BIAS, SamplingParams
 
 
 @dataclasses.dataclass
@@ -99,6 +99,8 @@ class SamplingInput:
     #                          not know it yet (it comes from the previous step on the device); -1 none
     allowed: np.ndarray  # i32 [M, ceil(V/32)], bit t of word t // 32: token t may be sampled (structured
     #                      output, jaxcb.host.structured); all ones (-1) for a row without a constraint
+    bias_ids: np.ndarray  # i32 [M, MAX_LOGIT_BIAS], the tokens whose logits the row's logit_bias moves; -1 none
+    bias: np.ndarray  # f32 [M, MAX_LOGIT_BIAS], what it adds to each
 
 
 @dataclasses.dataclass(frozen=True)
@@ -263,6 +265,7 @@ def pack_sampling(rows: list[SamplingRow], shape: StepShape, vocab_size: int,
         history_ids=np.full((m, c), -1, np.int32), history_is_output=np.zeros((m, c), bool),
         logprobs=np.zeros(m, np.int32), pending_col=np.full(m, -1, np.int32),
         allowed=np.full((m, (vocab_size + 31) // 32), -1, np.int32),
+        bias_ids=np.full((m, MAX_LOGIT_BIAS), -1, np.int32), bias=np.zeros((m, MAX_LOGIT_BIAS), np.float32),
     )
     _fill(out, 0, rows, c)
     _fill(out, shape.seqs, list(extra), c)
@@ -283,6 +286,8 @@ def _fill(out: SamplingInput, first: int, rows: list[SamplingRow], c: int) -> No
     out.seed[first:first + n, 1] = (seeds & np.uint64(0xFFFFFFFF)).astype(np.uint32)
     out.counter[first:first + n] = [len(r.output_ids) + r.pending for r in rows]
     for i, (row, p) in enumerate(zip(rows, params), start=first):
+        if p.logit_bias:
+            out.bias_ids[i, :len(p.logit_bias)], out.bias[i, :len(p.logit_bias)] = zip(*p.logit_bias)
         if row.samples and (p.repetition_penalty, p.presence_penalty, p.frequency_penalty) != _PENALTY_FREE:
             n_prompt, n_out = len(row.prompt_ids), len(row.output_ids)
             assert n_prompt + n_out + row.pending <= c, "the token history does not fit the step's window"

@@ -9,6 +9,7 @@ import dataclasses
 import enum
 import itertools
 import math
+import re
 import time
 
 import numpy as np
@@ -21,6 +22,8 @@ MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
 MAX_LOGPROBS = 20
 MAX_SAMPLES = 16
+MAX_LOGIT_BIAS = 300  # token ids a request may bias (OpenAI's limit); the sampler's static width
+LOGIT_BIAS_RANGE = 100.0  # |bias| at most (OpenAI's range: -100 bans a token, +100 all but forces it)
 
 
 class FinishReason(str, enum.Enum):
@@ -57,6 +60,7 @@ class SamplingParams:
     structured: Constraint | None = None  # what the output must match (jaxcb.host.structured)
     speculative: bool = True  # False: never speculate for this request (when the server does)
     lora: str = ""  # the LoRA adapter to generate with (jaxcb.host.lora); "" = the base model
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) added to the logits; a dict is taken too
 
     def __post_init__(self):
         stop = self.stop or ()
@@ -88,6 +92,7 @@ class SamplingParams:
             raise InvalidRequest(f"speculative: must be true or false, got {self.speculative!r}")
         if not isinstance(self.lora, str) or len(self.lora) > 256:
             raise InvalidRequest("lora: must be an adapter name of at most 256 characters")
+        object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
         if self.structured is not None and not isinstance(self.structured, Constraint):
             raise InvalidRequest(f"structured: must be a Constraint, got {type(self.structured).__name__}")
 
@@ -105,6 +110,51 @@ def check_stop_counts(stop: int, stop_token_ids: int) -> None:
         raise InvalidRequest(f"stop: at most {MAX_STOP_STRINGS} stop strings, got {stop}")
     if stop_token_ids > MAX_STOP_TOKEN_IDS:
         raise InvalidRequest(f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS}, got {stop_token_ids}")
+
+
+def check_logit_bias_count(entries: int) -> None:
+    if entries > MAX_LOGIT_BIAS:
+        raise InvalidRequest(f"logit_bias: at most {MAX_LOGIT_BIAS} token ids, got {entries}")
+
+
+def logit_bias_from_json(bias) -> list[tuple[int, object]]:
+    """OpenAI's logit_bias as JSON has it, {"token id": bias}, as (id, bias) pairs for SamplingParams
+    (which checks the values); the HTTP API and `jaxcb generate --input` lines take it so."""
+    if bias is None:
+        return []
+    if not isinstance(bias, dict):
+        raise InvalidRequest("logit_bias: must be an object mapping token ids to numbers")
+    check_logit_bias_count(len(bias))
+    pairs = []
+    for key, value in bias.items():
+        if not isinstance(key, str) or not re.fullmatch(r"[0-9]{1,10}", key):
+            raise InvalidRequest(f"logit_bias: {str(key)[:32]!r} is not a token id")
+        pairs.append((int(key), value))
+    return pairs
+
+
+def _logit_bias(bias) -> tuple[tuple[int, float], ...]:
+    """(token id, bias) pairs, sorted by id, from pairs or a {token id: bias} dict: each id once, each
+    bias a finite number in [-100, 100] (ids against the vocabulary: check_tokens)."""
+    if isinstance(bias, dict):
+        bias = bias.items()
+    try:
+        pairs = list(bias or ())
+    except TypeError:
+        raise InvalidRequest(f"logit_bias: must map token ids to numbers, got {type(bias).__name__}") from None
+    check_logit_bias_count(len(pairs))
+    out = {}
+    for pair in pairs:
+        if not isinstance(pair, tuple) or len(pair) != 2:
+            raise InvalidRequest("logit_bias: must map token ids to numbers")
+        token, value = pair
+        if isinstance(token, bool) or not isinstance(token, (int, np.integer)) or not 0 <= token < 2**31:
+            raise InvalidRequest(f"logit_bias: {token!r} is not a token id")
+        if int(token) in out:
+            raise InvalidRequest(f"logit_bias: token id {int(token)} is given twice")
+        _check_finite(f"logit_bias[{int(token)}]", value, low=-LOGIT_BIAS_RANGE, high=LOGIT_BIAS_RANGE)
+        out[int(token)] = float(value)
+    return tuple(sorted(out.items()))
 
 
 def check_priority(priority) -> None:
@@ -137,6 +187,9 @@ def check_tokens(prompt_ids, params: SamplingParams, max_context: int, vocab_siz
     bad = next((t for t in params.stop_token_ids if not 0 <= t < v), None)
     if bad is not None:
         raise InvalidRequest(f"stop_token_ids: token id {bad} is outside the vocabulary [0, {v})")
+    bad = next((t for t, _ in params.logit_bias if t >= v), None)
+    if bad is not None:
+        raise InvalidRequest(f"logit_bias: token id {bad} is outside the vocabulary [0, {v})")
 
 
 def _check_int(name, value, low=None, high=None):

@@ -24,13 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0bjaxcb.proto\x12\x08jaxcb.v1\">\n\x16LoadLoraAdapterRequest\x12\x11\n\tlora_name\x18\x01 \x01(\t\x12\x11\n\tlora_path\x18\x02 \x01(\t\"-\n\x18UnloadLoraAdapterRequest\x12\x11\n\tlora_name\x18\x01 \x01(\t\"4\n\x13LoraAdapterResponse\x12\x0f\n\x07message\x18\x01 \x01(\t\x12\x0c\n\x04\x64one\x18\x02 \x01(\x08\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"4\n\tChatInput\x12\'\n\x08messages\x18\x01 \x03(\x0b\x32\x15.jaxcb.v1.ChatMessage\"\x1f\n\nTokenInput\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"\xee\x01\n\x12SamplingParameters\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x00\x88\x01\x01\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x05 \x01(\x02H\x01\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x02\x12\x11\n\x04seed\x18\x08 \x01(\x04H\x02\x88\x01\x01\x42\x08\n\x06_top_pB\x15\n\x13_repetition_penaltyB\x07\n\x05_seed\"\xc3\x03\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12#\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x13.jaxcb.v1.ChatInputH\x00\x12&\n\x06tokens\x18\x03 \x01(\x0b\x32\x14.jaxcb.v1.TokenInputH\x00\x12.\n\x08sampling\x18\x04 \x01(\x0b\x32\x1c.jaxcb.v1.SamplingParameters\x12\x12\n\nmax_tokens\x18\x05 \x01(\x05\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x10\n\x08priority\x18\t \x01(\x05\x12\x12\n\nrequest_id\x18\n \x01(\t\x12\x10\n\x08logprobs\x18\x0b \x01(\x05\x12\t\n\x01n\x18\x0c \x01(\x05\x12\x12\n\ncache_salt\x18\r \x01(\t\x12.\n\nstructured\x18\x0e \x01(\x0b\x32\x1a.jaxcb.v1.StructuredOutput\x12\x18\n\x0bspeculative\x18\x0f \x01(\x08H\x01\x88\x01\x01\x12\x0c\n\x04lora\x18\x10 \x01(\t\x12\r\n\x05model\x18\x11 \x01(\tB\x07\n\x05inputB\x0e\n\x0c_speculative\"\x97\x01\n\x10StructuredOutput\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12#\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x11.jaxcb.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x42\x0c\n\nconstraint\"\x19\n\x07\x43hoices\x12\x0e\n\x06values\x18\x01 \x03(\t\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"U\n\rTokenLogprobs\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12!\n\x03top\x18\x03 \x03(\x0b\x32\x14.jaxcb.v1.TopLogprob\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\x05\"[\n\rGenerateChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12)\n\x08logprobs\x18\x03 \x03(\x0b\x32\x17.jaxcb.v1.TokenLogprobs\"F\n\rGenerateFinal\x12\x15\n\rfinish_reason\x18\x01 \x01(\t\x12\x1e\n\x05usage\x18\x02 \x01(\x0b\x32\x0f.jaxcb.v1.Usage\"\x94\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12(\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x17.jaxcb.v1.GenerateChunkH\x00\x12(\n\x05\x66inal\x18\x03 \x01(\x0b\x32\x17.jaxcb.v1.GenerateFinalH\x00\x12\r\n\x05index\x18\x04 \x01(\x05\x42\t\n\x07\x63ontent\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x15\n\x13GetModelInfoRequest\"\xf3\x01\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\x05\x12\x16\n\x0e\x63ontext_length\x18\x03 \x01(\x05\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x12\n\nnum_layers\x18\x05 \x01(\x05\x12\x12\n\nnum_params\x18\x06 \x01(\x03\x12\x0e\n\x06\x66\x61mily\x18\x07 \x01(\t\x12\x16\n\x0esliding_window\x18\x08 \x01(\x05\x12\x1a\n\x12num_sliding_layers\x18\t \x01(\x05\x12\x15\n\rlora_adapters\x18\n \x03(\t\x12\x1a\n\x12served_model_names\x18\x0b \x03(\t\"\x16\n\x14GetServerInfoRequest\"\x99\x05\n\nServerInfo\x12\x1c\n\x14\x64\x65\x63ode_batch_buckets\x18\x01 \x03(\x05\x12\x1d\n\x15pages_per_seq_buckets\x18\x02 \x03(\x05\x12\x1d\n\x15prefill_token_buckets\x18\x03 \x03(\x05\x12\x11\n\tpage_size\x18\x04 \x01(\x05\x12\x13\n\x0bpages_total\x18\x05 \x01(\x05\x12\x12\n\npages_free\x18\x06 \x01(\x05\x12\x0e\n\x06policy\x18\x07 \x01(\t\x12\x14\n\x0c\x63ompilations\x18\x08 \x01(\x03\x12\x0f\n\x07running\x18\t \x01(\x05\x12\x0f\n\x07waiting\x18\n \x01(\x05\x12\x13\n\x0bpreemptions\x18\x0b \x01(\x03\x12\x17\n\x0ftensor_parallel\x18\x0c \x01(\x05\x12\x15\n\rdata_parallel\x18\r \x01(\x05\x12\'\n\x08replicas\x18\x0e \x03(\x0b\x32\x15.jaxcb.v1.ReplicaInfo\x12\x10\n\x08platform\x18\x0f \x01(\t\x12\x15\n\rcompute_dtype\x18\x10 \x01(\t\x12\x0f\n\x07weights\x18\x11 \x01(\t\x12\x10\n\x08kv_dtype\x18\x12 \x01(\t\x12\x11\n\tattention\x18\x13 \x01(\t\x12\x10\n\x08\x63pu_dots\x18\x14 \x01(\t\x12\x13\n\x0b\x63pu_max_isa\x18\x15 \x01(\t\x12\x17\n\x0f\x63pu_dots_reason\x18\x16 \x01(\t\x12\x1a\n\x12speculative_method\x18\x17 \x01(\t\x12\x1e\n\x16num_speculative_tokens\x18\x18 \x01(\x05\x12#\n\x1bspeculative_acceptance_rate\x18\x19 \x01(\x01\x12(\n speculative_mean_accepted_length\x18\x1a \x01(\x01\x12\x13\n\x0bspeculative\x18\x1b \x01(\t\"\xc3\x01\n\x0bReplicaInfo\x12\x0f\n\x07replica\x18\x01 \x01(\x05\x12\x12\n\ndevice_ids\x18\x02 \x03(\x05\x12\x13\n\x0bpages_total\x18\x03 \x01(\x05\x12\x12\n\npages_free\x18\x04 \x01(\x05\x12\x0f\n\x07running\x18\x05 \x01(\x05\x12\x0f\n\x07waiting\x18\x06 \x01(\x05\x12\x13\n\x0bpreemptions\x18\x07 \x01(\x03\x12\x16\n\x0epending_tokens\x18\x08 \x01(\x03\x12\x17\n\x0frequests_routed\x18\t \x01(\x03\x32\xc9\x03\n\x05Jaxcb\x12\x45\n\x08Generate\x12\x19.jaxcb.v1.GenerateRequest\x1a\x1a.jaxcb.v1.GenerateResponse\"\x00\x30\x01\x12:\n\x05\x41\x62ort\x12\x16.jaxcb.v1.AbortRequest\x1a\x17.jaxcb.v1.AbortResponse\"\x00\x12\x44\n\x0cGetModelInfo\x12\x1d.jaxcb.v1.GetModelInfoRequest\x1a\x13.jaxcb.v1.ModelInfo\"\x00\x12G\n\rGetServerInfo\x12\x1e.jaxcb.v1.GetServerInfoRequest\x1a\x14.jaxcb.v1.ServerInfo\"\x00\x12T\n\x0fLoadLoraAdapter\x12 .jaxcb.v1.LoadLoraAdapterRequest\x1a\x1d.jaxcb.v1.LoraAdapterResponse\"\x00\x12X\n\x11UnloadLoraAdapter\x12\".jaxcb.v1.UnloadLoraAdapterRequest\x1a\x1d.jaxcb.v1.LoraAdapterResponse\"\x00\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0bjaxcb.proto\x12\x08jaxcb.v1\">\n\x16LoadLoraAdapterRequest\x12\x11\n\tlora_name\x18\x01 \x01(\t\x12\x11\n\tlora_path\x18\x02 \x01(\t\"-\n\x18UnloadLoraAdapterRequest\x12\x11\n\tlora_name\x18\x01 \x01(\t\"4\n\x13LoraAdapterResponse\x12\x0f\n\x07message\x18\x01 \x01(\t\x12\x0c\n\x04\x64one\x18\x02 \x01(\x08\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"4\n\tChatInput\x12\'\n\x08messages\x18\x01 \x03(\x0b\x32\x15.jaxcb.v1.ChatMessage\"\x1f\n\nTokenInput\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"\xe1\x02\n\x12SamplingParameters\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x00\x88\x01\x01\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x05 \x01(\x02H\x01\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x02\x12\x11\n\x04seed\x18\x08 \x01(\x04H\x02\x88\x01\x01\x12?\n\nlogit_bias\x18\t \x03(\x0b\x32+.jaxcb.v1.SamplingParameters.LogitBiasEntry\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x08\n\x06_top_pB\x15\n\x13_repetition_penaltyB\x07\n\x05_seed\"\xc3\x03\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12#\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x13.jaxcb.v1.ChatInputH\x00\x12&\n\x06tokens\x18\x03 \x01(\x0b\x32\x14.jaxcb.v1.TokenInputH\x00\x12.\n\x08sampling\x18\x04 \x01(\x0b\x32\x1c.jaxcb.v1.SamplingParameters\x12\x12\n\nmax_tokens\x18\x05 \x01(\x05\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x10\n\x08priority\x18\t \x01(\x05\x12\x12\n\nrequest_id\x18\n \x01(\t\x12\x10\n\x08logprobs\x18\x0b \x01(\x05\x12\t\n\x01n\x18\x0c \x01(\x05\x12\x12\n\ncache_salt\x18\r \x01(\t\x12.\n\nstructured\x18\x0e \x01(\x0b\x32\x1a.jaxcb.v1.StructuredOutput\x12\x18\n\x0bspeculative\x18\x0f \x01(\x08H\x01\x88\x01\x01\x12\x0c\n\x04lora\x18\x10 \x01(\t\x12\r\n\x05model\x18\x11 \x01(\tB\x07\n\x05inputB\x0e\n\x0c_speculative\"\x97\x01\n\x10StructuredOutput\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12#\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x11.jaxcb.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x42\x0c\n\nconstraint\"\x19\n\x07\x43hoices\x12\x0e\n\x06values\x18\x01 \x03(\t\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"U\n\rTokenLogprobs\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12!\n\x03top\x18\x03 \x03(\x0b\x32\x14.jaxcb.v1.TopLogprob\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\x05\"[\n\rGenerateChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12)\n\x08logprobs\x18\x03 \x03(\x0b\x32\x17.jaxcb.v1.TokenLogprobs\"F\n\rGenerateFinal\x12\x15\n\rfinish_reason\x18\x01 \x01(\t\x12\x1e\n\x05usage\x18\x02 \x01(\x0b\x32\x0f.jaxcb.v1.Usage\"\x94\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12(\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x17.jaxcb.v1.GenerateChunkH\x00\x12(\n\x05\x66inal\x18\x03 \x01(\x0b\x32\x17.jaxcb.v1.GenerateFinalH\x00\x12\r\n\x05index\x18\x04 \x01(\x05\x42\t\n\x07\x63ontent\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x15\n\x13GetModelInfoRequest\"\xf3\x01\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\x05\x12\x16\n\x0e\x63ontext_length\x18\x03 \x01(\x05\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x12\n\nnum_layers\x18\x05 \x01(\x05\x12\x12\n\nnum_params\x18\x06 \x01(\x03\x12\x0e\n\x06\x66\x61mily\x18\x07 \x01(\t\x12\x16\n\x0esliding_window\x18\x08 \x01(\x05\x12\x1a\n\x12num_sliding_layers\x18\t \x01(\x05\x12\x15\n\rlora_adapters\x18\n \x03(\t\x12\x1a\n\x12served_model_names\x18\x0b \x03(\t\"\x16\n\x14GetServerInfoRequest\"\x99\x05\n\nServerInfo\x12\x1c\n\x14\x64\x65\x63ode_batch_buckets\x18\x01 \x03(\x05\x12\x1d\n\x15pages_per_seq_buckets\x18\x02 \x03(\x05\x12\x1d\n\x15prefill_token_buckets\x18\x03 \x03(\x05\x12\x11\n\tpage_size\x18\x04 \x01(\x05\x12\x13\n\x0bpages_total\x18\x05 \x01(\x05\x12\x12\n\npages_free\x18\x06 \x01(\x05\x12\x0e\n\x06policy\x18\x07 \x01(\t\x12\x14\n\x0c\x63ompilations\x18\x08 \x01(\x03\x12\x0f\n\x07running\x18\t \x01(\x05\x12\x0f\n\x07waiting\x18\n \x01(\x05\x12\x13\n\x0bpreemptions\x18\x0b \x01(\x03\x12\x17\n\x0ftensor_parallel\x18\x0c \x01(\x05\x12\x15\n\rdata_parallel\x18\r \x01(\x05\x12\'\n\x08replicas\x18\x0e \x03(\x0b\x32\x15.jaxcb.v1.ReplicaInfo\x12\x10\n\x08platform\x18\x0f \x01(\t\x12\x15\n\rcompute_dtype\x18\x10 \x01(\t\x12\x0f\n\x07weights\x18\x11 \x01(\t\x12\x10\n\x08kv_dtype\x18\x12 \x01(\t\x12\x11\n\tattention\x18\x13 \x01(\t\x12\x10\n\x08\x63pu_dots\x18\x14 \x01(\t\x12\x13\n\x0b\x63pu_max_isa\x18\x15 \x01(\t\x12\x17\n\x0f\x63pu_dots_reason\x18\x16 \x01(\t\x12\x1a\n\x12speculative_method\x18\x17 \x01(\t\x12\x1e\n\x16num_speculative_tokens\x18\x18 \x01(\x05\x12#\n\x1bspeculative_acceptance_rate\x18\x19 \x01(\x01\x12(\n speculative_mean_accepted_length\x18\x1a \x01(\x01\x12\x13\n\x0bspeculative\x18\x1b \x01(\t\"\xc3\x01\n\x0bReplicaInfo\x12\x0f\n\x07replica\x18\x01 \x01(\x05\x12\x12\n\ndevice_ids\x18\x02 \x03(\x05\x12\x13\n\x0bpages_total\x18\x03 \x01(\x05\x12\x12\n\npages_free\x18\x04 \x01(\x05\x12\x0f\n\x07running\x18\x05 \x01(\x05\x12\x0f\n\x07waiting\x18\x06 \x01(\x05\x12\x13\n\x0bpreemptions\x18\x07 \x01(\x03\x12\x16\n\x0epending_tokens\x18\x08 \x01(\x03\x12\x17\n\x0frequests_routed\x18\t \x01(\x03\x32\xc9\x03\n\x05Jaxcb\x12\x45\n\x08Generate\x12\x19.jaxcb.v1.GenerateRequest\x1a\x1a.jaxcb.v1.GenerateResponse\"\x00\x30\x01\x12:\n\x05\x41\x62ort\x12\x16.jaxcb.v1.AbortRequest\x1a\x17.jaxcb.v1.AbortResponse\"\x00\x12\x44\n\x0cGetModelInfo\x12\x1d.jaxcb.v1.GetModelInfoRequest\x1a\x13.jaxcb.v1.ModelInfo\"\x00\x12G\n\rGetServerInfo\x12\x1e.jaxcb.v1.GetServerInfoRequest\x1a\x14.jaxcb.v1.ServerInfo\"\x00\x12T\n\x0fLoadLoraAdapter\x12 .jaxcb.v1.LoadLoraAdapterRequest\x1a\x1d.jaxcb.v1.LoraAdapterResponse\"\x00\x12X\n\x11UnloadLoraAdapter\x12\".jaxcb.v1.UnloadLoraAdapterRequest\x1a\x1d.jaxcb.v1.LoraAdapterResponse\"\x00\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'jaxcb_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_SAMPLINGPARAMETERS_LOGITBIASENTRY']._loaded_options = None
+  _globals['_SAMPLINGPARAMETERS_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_LOADLORAADAPTERREQUEST']._serialized_start=25
   _globals['_LOADLORAADAPTERREQUEST']._serialized_end=87
   _globals['_UNLOADLORAADAPTERREQUEST']._serialized_start=89
@@ -44,39 +46,41 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENINPUT']._serialized_start=290
   _globals['_TOKENINPUT']._serialized_end=321
   _globals['_SAMPLINGPARAMETERS']._serialized_start=324
-  _globals['_SAMPLINGPARAMETERS']._serialized_end=562
-  _globals['_GENERATEREQUEST']._serialized_start=565
-  _globals['_GENERATEREQUEST']._serialized_end=1016
-  _globals['_STRUCTUREDOUTPUT']._serialized_start=1019
-  _globals['_STRUCTUREDOUTPUT']._serialized_end=1170
-  _globals['_CHOICES']._serialized_start=1172
-  _globals['_CHOICES']._serialized_end=1197
-  _globals['_TOPLOGPROB']._serialized_start=1199
-  _globals['_TOPLOGPROB']._serialized_end=1246
-  _globals['_TOKENLOGPROBS']._serialized_start=1248
-  _globals['_TOKENLOGPROBS']._serialized_end=1333
-  _globals['_USAGE']._serialized_start=1335
-  _globals['_USAGE']._serialized_end=1422
-  _globals['_GENERATECHUNK']._serialized_start=1424
-  _globals['_GENERATECHUNK']._serialized_end=1515
-  _globals['_GENERATEFINAL']._serialized_start=1517
-  _globals['_GENERATEFINAL']._serialized_end=1587
-  _globals['_GENERATERESPONSE']._serialized_start=1590
-  _globals['_GENERATERESPONSE']._serialized_end=1738
-  _globals['_ABORTREQUEST']._serialized_start=1740
-  _globals['_ABORTREQUEST']._serialized_end=1774
-  _globals['_ABORTRESPONSE']._serialized_start=1776
-  _globals['_ABORTRESPONSE']._serialized_end=1806
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1808
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1829
-  _globals['_MODELINFO']._serialized_start=1832
-  _globals['_MODELINFO']._serialized_end=2075
-  _globals['_GETSERVERINFOREQUEST']._serialized_start=2077
-  _globals['_GETSERVERINFOREQUEST']._serialized_end=2099
-  _globals['_SERVERINFO']._serialized_start=2102
-  _globals['_SERVERINFO']._serialized_end=2767
-  _globals['_REPLICAINFO']._serialized_start=2770
-  _globals['_REPLICAINFO']._serialized_end=2965
-  _globals['_JAXCB']._serialized_start=2968
-  _globals['_JAXCB']._serialized_end=3425
+  _globals['_SAMPLINGPARAMETERS']._serialized_end=677
+  _globals['_SAMPLINGPARAMETERS_LOGITBIASENTRY']._serialized_start=587
+  _globals['_SAMPLINGPARAMETERS_LOGITBIASENTRY']._serialized_end=635
+  _globals['_GENERATEREQUEST']._serialized_start=680
+  _globals['_GENERATEREQUEST']._serialized_end=1131
+  _globals['_STRUCTUREDOUTPUT']._serialized_start=1134
+  _globals['_STRUCTUREDOUTPUT']._serialized_end=1285
+  _globals['_CHOICES']._serialized_start=1287
+  _globals['_CHOICES']._serialized_end=1312
+  _globals['_TOPLOGPROB']._serialized_start=1314
+  _globals['_TOPLOGPROB']._serialized_end=1361
+  _globals['_TOKENLOGPROBS']._serialized_start=1363
+  _globals['_TOKENLOGPROBS']._serialized_end=1448
+  _globals['_USAGE']._serialized_start=1450
+  _globals['_USAGE']._serialized_end=1537
+  _globals['_GENERATECHUNK']._serialized_start=1539
+  _globals['_GENERATECHUNK']._serialized_end=1630
+  _globals['_GENERATEFINAL']._serialized_start=1632
+  _globals['_GENERATEFINAL']._serialized_end=1702
+  _globals['_GENERATERESPONSE']._serialized_start=1705
+  _globals['_GENERATERESPONSE']._serialized_end=1853
+  _globals['_ABORTREQUEST']._serialized_start=1855
+  _globals['_ABORTREQUEST']._serialized_end=1889
+  _globals['_ABORTRESPONSE']._serialized_start=1891
+  _globals['_ABORTRESPONSE']._serialized_end=1921
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1923
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1944
+  _globals['_MODELINFO']._serialized_start=1947
+  _globals['_MODELINFO']._serialized_end=2190
+  _globals['_GETSERVERINFOREQUEST']._serialized_start=2192
+  _globals['_GETSERVERINFOREQUEST']._serialized_end=2214
+  _globals['_SERVERINFO']._serialized_start=2217
+  _globals['_SERVERINFO']._serialized_end=2882
+  _globals['_REPLICAINFO']._serialized_start=2885
+  _globals['_REPLICAINFO']._serialized_end=3080
+  _globals['_JAXCB']._serialized_start=3083
+  _globals['_JAXCB']._serialized_end=3540
 # @@protoc_insertion_point(module_scope)
