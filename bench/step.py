@@ -193,5 +193,22 @@ def copy_rate(gib: float = 1.0, repeats: int = 5) -> float:
     return x.nbytes / best / 1e9
 
 
+def read_rate(gib: float = 1.0, repeats: int = 5) -> float:
+    """GB/s read by a jitted sum of a `gib` GiB float32 array: the rate at which a kernel that only reads
+    (weights streamed once a step) can hope to take its bytes in (above the copy rate, which writes too)."""
+    import jax
+    import jax.numpy as jnp
+
+    x = jnp.ones((int(gib * 2**30) // 4,), jnp.float32)
+    f = jax.jit(jnp.sum)
+    f(x).block_until_ready()
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        f(x).block_until_ready()
+        best = min(best, time.perf_counter() - t)
+    return x.nbytes / best / 1e9
+
+
 if __name__ == "__main__":
     main()

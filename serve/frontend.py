@@ -14,7 +14,7 @@ import uuid
 
 from jaxcb.host.errors import InvalidRequest, NotFound, Overloaded, StepFailed, Unavailable
 from jaxcb.host.replicas import Replicas
-from jaxcb.host.request import FinishReason, SamplingParams, TokenEvent, check_prompt_length
+from jaxcb.host.request import FinishReason, SamplingParams, TokenEvent, check_param_ids, check_prompt_length
 from serve.metrics import Metrics, RequestTimer
 
 MAX_TEXT_CHARS = 1 << 20  # prompt text, and all of a chat's messages together
@@ -191,6 +191,13 @@ def tenant(state: State, authorization: str, peer: str) -> str:
 
 
 _DIED = object()  # put on every open stream's queue when the engine dies
+
+
+async def check_settings(state: State, params: SamplingParams) -> None:
+    """A request's settings against the model, before it is tokenized or queued: the token ids they name
+    (stop_token_ids, logit_bias) against the vocabulary, then its structured-output constraint compiled."""
+    check_param_ids(params, state.engine.model_config.vocab_size)
+    await check_constraint(state, params.structured)
 
 
 async def check_constraint(state: State, constraint) -> None:

@@ -24,8 +24,8 @@ from jaxcb.device import cpu_dots
 from jaxcb.host.errors import InvalidConfig, InvalidRequest, JaxcbError, NotFound, Overloaded, StepFailed, Unauthenticated, Unavailable
 from jaxcb.host.request import SamplingParams, TokenEvent, check_logit_bias_count, check_stop_counts
 from jaxcb.host.structured import MAX_CHOICES, Constraint
-from serve.frontend import (MAX_REQUEST_BYTES, ServerOptions, State, check_constraint, check_ids, check_messages, check_text,
-                            check_token_count, tenant, token_index)
+from serve.frontend import (MAX_REQUEST_BYTES, ServerOptions, State, check_ids, check_messages, check_settings,
+                            check_text, check_token_count, tenant, token_index)
 from serve.proto import jaxcb_pb2, jaxcb_pb2_grpc, jetstream_pb2, jetstream_pb2_grpc
 
 log = logging.getLogger("jaxcb.serve")
@@ -127,7 +127,7 @@ class JaxcbService(jaxcb_pb2_grpc.JaxcbServicer):
                                          f"({request.model!r})")
                 params = dataclasses.replace(params, lora=adapter)
             self.state.admit(params.n)  # before any tokenizing
-            await check_constraint(self.state, params.structured)
+            await check_settings(self.state, params)
             ids = await _prompt_ids(self.state, request)
             tenant = tenant_of(self.state, context)
             # aclosing: a call that ends inside the loop (an error, a cancel) closes the stream at once,

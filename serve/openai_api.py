@@ -252,7 +252,7 @@ def make_app(state) -> FastAPI:
         params = dataclasses.replace(params, lora=adapter_of(body))
         given = prompt_list(body.get("prompt"))
         state.admit(len(given) * params.n)
-        await frontend.check_constraint(state, params.structured)
+        await frontend.check_settings(state, params)
         prompts = await _completion_prompts(given)
         return await _run(request, options, tenant, prompts, params, chat=False)
 
@@ -286,7 +286,7 @@ def make_app(state) -> FastAPI:
                                   "or structured_outputs")
             params = dataclasses.replace(params, structured=forced)
         state.admit(params.n)
-        await frontend.check_constraint(state, params.structured)
+        await frontend.check_settings(state, params)
         ids = await asyncio.to_thread(state.tokenizer.encode_chat,
                                       [{"role": m["role"], "content": m["content"]} for m in messages])
         if limit is None:  # the default needs the prompt's length (validated again by replace)

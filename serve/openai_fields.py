@@ -70,7 +70,12 @@ def int_field(body: dict, name: str, default=None):
 
 def number_field(body: dict, name: str, default):
     v = _typed(body, name, None, lambda v: isinstance(v, (int, float)) and not isinstance(v, bool), "a number")
-    return default if v is None else float(v)
+    if v is None:
+        return default
+    try:
+        return float(v)
+    except OverflowError:  # an integer of hundreds of digits
+        raise bad_request(f"{name}: must be a finite number, got an integer too large") from None
 
 
 def bool_field(body: dict, name: str, default: bool) -> bool:

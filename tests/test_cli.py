@@ -38,6 +38,10 @@ def test_generate_file_keeps_order_and_reports_bad_lines(tiny_gguf_path, small_c
             "name": "x", "schema": {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
                                     "additionalProperties": False}}}},
         {"prompt": "bad", "max_tokens": 4, "structured_outputs": {"regex": "[a-"}},
+        {"messages": [1], "max_tokens": 2},  # once crashed the whole run
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": "is it"}]}], "max_tokens": 3,
+         "ignore_eos": True, "logit_bias": {"7": 100}},
+        {"prompt": "is it", "max_tokens": 2, "logit_bias": {"seven": 1}},
     ]
     inp = tmp_path / "in.jsonl"
     inp.write_text("\n".join(l if isinstance(l, str) else json.dumps(l) for l in lines) + "\n")
@@ -48,9 +52,12 @@ def test_generate_file_keeps_order_and_reports_bad_lines(tiny_gguf_path, small_c
     assert "line 4: prompt_token_ids: token id 100000 is outside the vocabulary [0, 284)" in r.stderr
     assert "line 5: max_tokens: must be >= 1, got 0" in r.stderr
     assert "line 9: structured_outputs.regex: not a valid regex" in r.stderr
+    assert "line 10: messages: must be a list of {role, content} objects" in r.stderr
+    assert "line 12: logit_bias: 'seven' is not a token id" in r.stderr
     results = [json.loads(l) for l in out.read_text().splitlines()]
-    assert len(results) == 9
-    assert [r.get("line") for r in results] == [None, None, 3, 4, 5, None, None, None, 9]
+    assert len(results) == 12
+    assert [r.get("line") for r in results] == [None, None, 3, 4, 5, None, None, None, 9, 10, None, 12]
+    assert results[10]["token_ids"] == [7, 7, 7]  # content parts; a bias of 100 all but forces token 7
     assert re.fullmatch(r"[A-Z]{2}-[0-9]{3}", results[6]["text"]), results[6]
     assert json.loads(results[7]["text"]) in ({"ok": True}, {"ok": False})
     assert len(results[0]["token_ids"]) == 5 and results[0]["finish_reason"] == "length"

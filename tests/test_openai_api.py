@@ -290,6 +290,8 @@ def test_malformed_bodies_are_400_naming_the_problem(server):
     cases = [
         (b"[" * 100000 + b"]" * 100000, "body: JSON nested too deeply"),
         (b'{"prompt": [5], "max_tokens": ' + b"9" * 5000 + b"}", "body: not valid JSON"),
+        (b'{"prompt": [5], "temperature": 1' + b"0" * 400 + b"}", "temperature: must be a finite number"),
+        (b'{"prompt": [5], "logit_bias": {"5": 1' + b"0" * 400 + b"}}", "logit_bias[5]: must be a finite number"),
         (b"\xff\xfe garbage", "body: not valid JSON"),
         (json.dumps({"prompt": [5], "best_of": "x"}).encode(), "best_of: must be an integer"),
         (json.dumps({"prompt": [5], "stream": True, "priority": 2**40}).encode(), "priority: must be an integer"),

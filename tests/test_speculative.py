@@ -146,6 +146,9 @@ def test_exact_in_every_situation(make_llm, case, method):
     elif case == "eos":
         params = SamplingParams(max_tokens=24, stop_token_ids=(7, 11, 13, 29, 31, 57))
     want = base.generate(prompts, params)
+    if case == "penalties":  # the bias moves the tokens (else the check below could not see it dropped)
+        unbiased = base.generate(prompts, dataclasses.replace(params, logit_bias=()))
+        assert [o.token_ids for o in want] != [o.token_ids for o in unbiased]
     if case == "stop":  # stop at the text of a token the plain run produces, mid-way
         texts = [o.text for o in want]
         stop = next(t[len(t) // 2: len(t) // 2 + 2] for t in texts if len(t) > 8)

@@ -286,7 +286,7 @@ def _fill(out: SamplingInput, first: int, rows: list[SamplingRow], c: int) -> No
     out.seed[first:first + n, 1] = (seeds & np.uint64(0xFFFFFFFF)).astype(np.uint32)
     out.counter[first:first + n] = [len(r.output_ids) + r.pending for r in rows]
     for i, (row, p) in enumerate(zip(rows, params), start=first):
-        if p.logit_bias:
+        if row.samples and p.logit_bias:
             out.bias_ids[i, :len(p.logit_bias)], out.bias[i, :len(p.logit_bias)] = zip(*p.logit_bias)
         if row.samples and (p.repetition_penalty, p.presence_penalty, p.frequency_penalty) != _PENALTY_FREE:
             n_prompt, n_out = len(row.prompt_ids), len(row.output_ids)

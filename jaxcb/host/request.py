@@ -184,12 +184,17 @@ def check_tokens(prompt_ids, params: SamplingParams, max_context: int, vocab_siz
                 or not 0 <= int(t) < v), None)
     if bad is not None:
         raise InvalidRequest(f"prompt_token_ids: token id {bad!r} is outside the vocabulary [0, {v})")
-    bad = next((t for t in params.stop_token_ids if not 0 <= t < v), None)
+    check_param_ids(params, v)
+
+
+def check_param_ids(params: SamplingParams, vocab_size: int) -> None:
+    """The token ids a request's settings name (stop_token_ids, logit_bias) against the vocabulary."""
+    bad = next((t for t in params.stop_token_ids if not 0 <= t < vocab_size), None)
     if bad is not None:
-        raise InvalidRequest(f"stop_token_ids: token id {bad} is outside the vocabulary [0, {v})")
-    bad = next((t for t, _ in params.logit_bias if t >= v), None)
+        raise InvalidRequest(f"stop_token_ids: token id {bad} is outside the vocabulary [0, {vocab_size})")
+    bad = next((t for t, _ in params.logit_bias if t >= vocab_size), None)
     if bad is not None:
-        raise InvalidRequest(f"logit_bias: token id {bad} is outside the vocabulary [0, {v})")
+        raise InvalidRequest(f"logit_bias: token id {bad} is outside the vocabulary [0, {vocab_size})")
 
 
 def _check_int(name, value, low=None, high=None):
@@ -202,6 +207,8 @@ def _check_int(name, value, low=None, high=None):
 
 
 def _check_finite(name, value, low=None, high=None):
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) > 2**1000:  # math.isfinite overflows
+        raise InvalidRequest(f"{name}: must be a finite number, got an integer too large")
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise InvalidRequest(f"{name}: must be a finite number, got {value!r}")
     if low is not None and value < low:

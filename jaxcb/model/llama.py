@@ -46,8 +46,8 @@ class Attention:
     interpret: bool = False  # run the Pallas kernel in interpret mode (the CPU)
     mesh: object = None  # a jax.sharding.Mesh with a "model" axis: attention runs per device (jaxcb.device.parallel)
     # The layers' matrices (float32, int8, int4) through the native CPU matmul, read in place from their
-    # stacks (kernels_cpu.layer_matmul), and an int8 tied head (kernels_cpu.rows_matmul); single device
-    # only (XLA cannot partition the custom calls).
+    # stacks (kernels_cpu.layer_matmul), and a tied head (kernels_cpu.rows_matmul: int8, or float32 up to
+    # jaxcb.model.quant.NATIVE_F32_HEAD_ROWS rows); single device only (XLA cannot partition the custom calls).
     native_matmul: bool = False
 
 
