@@ -146,7 +146,8 @@ def _strategies():
     sampling = st.fixed_dictionaries({}, optional={
         "temperature": floats, "top_k": i32, "top_p": floats, "min_p": floats, "repetition_penalty": floats,
         "presence_penalty": floats, "frequency_penalty": floats, "seed": st.integers(0, 2**64 - 1),
-        "logit_bias": st.dictionaries(st.one_of(st.integers(0, 300), i32), floats, max_size=5)})
+        "logit_bias": st.one_of(st.dictionaries(st.integers(0, 100), st.floats(-5, 5), max_size=5),  # mostly valid
+                                st.dictionaries(i32, floats, max_size=3))})
     request = st.fixed_dictionaries({
         "input": st.one_of(
             st.tuples(st.just("text"), text),
