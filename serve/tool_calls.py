@@ -182,7 +182,9 @@ def new_call_id() -> str:
 
 def parse(text: str, tools: Tools) -> tuple[str, list[dict]]:
     """(the text outside tool-call blocks, the calls) from a whole answer; a block that does not parse
-    as a call of one of the tools stays in the text."""
+    as a call of one of the tools stays in the text. A block cut off at the end of the answer (max_tokens)
+    that has named one of the tools is that call with the arguments written so far, as a stream of the
+    same answer gives it (its finish_reason says "length")."""
     calls, content, pos = [], [], 0
     for match in re.finditer(re.escape(OPEN) + r"(.*?)" + re.escape(CLOSE), text, re.S):
         call = _call(match.group(1), tools)
@@ -192,7 +194,14 @@ def parse(text: str, tools: Tools) -> tuple[str, list[dict]]:
         pos = match.end()
         calls.append({"id": new_call_id(), "type": "function",
                       "function": {"name": call[0], "arguments": _arguments_text(match.group(1), call[1])}})
-    content.append(text[pos:])
+    rest = text[pos:]
+    cut = rest.rfind(OPEN)
+    head = _HEAD.match(rest, cut + len(OPEN)) if cut >= 0 and CLOSE not in rest[cut:] else None
+    if head is not None and json.loads(f'"{head.group(1)}"') in tools.functions:
+        calls.append({"id": new_call_id(), "type": "function", "function": {
+            "name": json.loads(f'"{head.group(1)}"'), "arguments": _json_prefix(rest[head.end():]) or ""}})
+        rest = rest[:cut]
+    content.append(rest)
     return "".join(content).strip(), calls
 
 
@@ -256,8 +265,8 @@ class CallStream:
             body = self.buffer if end < 0 else self.buffer[:end]
             deltas += self._stream_args(body, whole=end >= 0)
             if end < 0:
-                if final:  # an unfinished block at the end: it was text after all
-                    content += OPEN + self.buffer
+                if final:  # an unfinished block at the end: a call cut short if it named one, else text
+                    content += "" if self.block_called else OPEN + self.buffer
                     self.buffer = ""
                 return content, deltas
             if not self.block_called:  # a whole block that is no call of the tools: it was text

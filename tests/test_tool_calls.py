@@ -59,6 +59,33 @@ def test_answers_parse_whole_and_streamed_in_any_pieces(text, content, calls):
             assert streamed.strip() == content
 
 
+@pytest.mark.parametrize("text, content, calls", [
+    ('Ok.<tool_call>{"name":"get_time","arguments":{}}</tool_call><tool_call>{"name": "get_weather", "arguments": '
+     '{"city": "Os', "Ok.", [("get_time", "{}"), ("get_weather", '{"city": "Os')]),
+    ('<tool_call>{"name": "get_weather", "argu', '<tool_call>{"name": "get_weather", "argu', []),  # no call named yet
+    ('<tool_call>{"name": "unknown", "arguments": {"a', '<tool_call>{"name": "unknown", "arguments": {"a', []),
+])
+def test_a_call_cut_off_by_max_tokens_is_the_same_whole_and_streamed(text, content, calls):
+    """An answer that ends inside a call block (max_tokens): once the block has named one of the tools it
+    is that call with the arguments written so far, whole and streamed alike (the stream once sent the
+    call's deltas and then its block again as text); before that, or for an unknown name, it is text."""
+    tools = _tools("required")
+    got_content, got_calls = tool_calls.parse(text, tools)
+    assert (got_content, [(c["function"]["name"], c["function"]["arguments"]) for c in got_calls]) == (content, calls)
+    for step in (1, 3, 7, len(text)):
+        stream = tool_calls.CallStream(tools)
+        pieces = [text[i:i + step] for i in range(0, len(text), step)]
+        streamed, merged = "", {}
+        for i, piece in enumerate(pieces):
+            c, deltas = stream.feed(piece, final=i == len(pieces) - 1)
+            streamed += c
+            for d in deltas:
+                call = merged.setdefault(d["index"], {"name": None, "arguments": ""})
+                call["name"] = d["function"].get("name") or call["name"]
+                call["arguments"] += d["function"]["arguments"]
+        assert (streamed.strip(), [(c["name"], c["arguments"]) for c in merged.values()]) == (content, calls), step
+
+
 def test_tools_and_messages_render_for_the_chat_template():
     tools = _tools("required")
     messages = tool_calls.render_messages([
