@@ -2,6 +2,7 @@
 
     GET  /v1/models              the model under each name it is served as (--served-model-name) and its LoRA
                                  adapters; a request's `model` selects one (answers carry the first name)
+    GET  /v1/models/{name}       one of them (OpenAI's retrieve-model call); 404 for another name
     POST /v1/load_lora_adapter   {"lora_name", "lora_path"}: register a PEFT adapter while serving (vLLM's)
     POST /v1/unload_lora_adapter {"lora_name"}: unregister it (when its requests have ended)
     POST /v1/completions         prompt: text, list of texts, token ids or lists of them
@@ -131,14 +132,27 @@ def make_app(state) -> FastAPI:
 
         return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models")
-    async def models(request: Request):
-        authorize(request)
+    def model_entries() -> list[dict]:
+        """/v1/models' entries: each served name, then each loaded LoRA adapter."""
         entry = {"object": "model", "created": state.started, "owned_by": "jaxcb", "parent": None,
                  "max_model_len": state.engine.max_context, "permission": []}
         served = [dict(entry, id=name, root=name) for name in state.served_names]
         adapters = [dict(entry, id=name, root=name, parent=state.model_name) for name in state.engine.lora_names()]
-        return {"object": "list", "data": [*served, *adapters]}
+        return [*served, *adapters]
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        authorize(request)
+        return {"object": "list", "data": model_entries()}
+
+    @app.get("/v1/models/{model:path}")
+    async def model(request: Request, model: str):
+        """OpenAI's retrieve-model call (`client.models.retrieve(name)`): the entry /v1/models lists."""
+        authorize(request)
+        found = next((e for e in model_entries() if e["id"] == model), None)
+        if found is None:
+            adapter_of({"model": model})  # the same 404 as a request naming it
+        return found
 
     @app.get("/version")
     async def version():

@@ -211,6 +211,10 @@ def test_served_name_model_list_and_unknown_models(server, oai, model_name, tiny
     assert entry["object"] == "model" and entry["max_model_len"] == 256 and entry["created"] > 0
     answer = oai.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
     assert answer.model == "tiny"
+    assert oai.models.retrieve("tiny").model_dump(exclude_unset=True) == entry  # OpenAI's retrieve-model call
+    with pytest.raises(openai.NotFoundError) as e:
+        oai.models.retrieve("org/other-model")
+    assert e.value.body["code"] == "model_not_found" and "served as 'tiny'" in e.value.body["message"]
     with pytest.raises(openai.NotFoundError) as e:
         oai.chat.completions.create(model="smollm2-135m", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
     assert e.value.body["code"] == "model_not_found" and "served as 'tiny'" in e.value.body["message"]
