@@ -72,9 +72,9 @@ def roofline_s(runner, step_log, flops_per_s: float, bytes_per_s: float) -> floa
         weight_bytes -= params.embed.nbytes
     kv_bytes_per_token = sum(x.nbytes for x in jax.tree_util.tree_leaves(runner.kv_pages)) / (
         runner.num_pages * runner.page_size)
+    head = 2 * cfg.hidden_size * cfg.vocab_size
     total = 0.0
     for rec in step_log:
-        head = 2 * cfg.hidden_size * cfg.vocab_size
         flops = (rec.tokens * (cfg.flops_per_token(0) - head) + rec.rows * head
                  + 4 * cfg.num_heads * cfg.head_dim * cfg.num_layers * rec.attention_pairs)
         moved = weight_bytes + kv_bytes_per_token * rec.context

@@ -180,17 +180,9 @@ def copy_rate(gib: float = 1.0, repeats: int = 5) -> float:
     """GB/s read by a jitted streaming copy (x * 2) of a `gib` GiB float32 array: the memory rate a
     kernel that reads each byte once can hope for."""
     import jax
-    import jax.numpy as jnp
 
-    x = jnp.ones((int(gib * 2**30) // 4,), jnp.float32)
-    f = jax.jit(lambda a: a * 2, donate_argnums=0)  # in place: no fresh output pages to fault in
-    x = f(x).block_until_ready()
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        x = f(x).block_until_ready()
-        best = min(best, time.perf_counter() - t)
-    return x.nbytes / best / 1e9
+    # in place (donated, each run's output the next one's input): no fresh output pages to fault in
+    return _gb_read_per_s(jax.jit(lambda a: a * 2, donate_argnums=0), gib, repeats, chain=True)
 
 
 def read_rate(gib: float = 1.0, repeats: int = 5) -> float:
@@ -199,15 +191,25 @@ def read_rate(gib: float = 1.0, repeats: int = 5) -> float:
     import jax
     import jax.numpy as jnp
 
+    return _gb_read_per_s(jax.jit(jnp.sum), gib, repeats, chain=False)
+
+
+def _gb_read_per_s(f, gib: float, repeats: int, chain: bool) -> float:
+    """A `gib` GiB float32 array's bytes over the best of `repeats` timed runs of `f` on it (after one
+    untimed run); `chain`: each run's output is the next run's input."""
+    import jax.numpy as jnp
+
     x = jnp.ones((int(gib * 2**30) // 4,), jnp.float32)
-    f = jax.jit(jnp.sum)
-    f(x).block_until_ready()
+    nbytes = x.nbytes
     best = float("inf")
-    for _ in range(repeats):
+    for i in range(repeats + 1):
         t = time.perf_counter()
-        f(x).block_until_ready()
-        best = min(best, time.perf_counter() - t)
-    return x.nbytes / best / 1e9
+        out = f(x).block_until_ready()
+        if i:
+            best = min(best, time.perf_counter() - t)
+        if chain:
+            x = out
+    return nbytes / best / 1e9
 
 
 if __name__ == "__main__":

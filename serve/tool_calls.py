@@ -197,9 +197,10 @@ def parse(text: str, tools: Tools) -> tuple[str, list[dict]]:
     rest = text[pos:]
     cut = rest.rfind(OPEN)
     head = _HEAD.match(rest, cut + len(OPEN)) if cut >= 0 and CLOSE not in rest[cut:] else None
-    if head is not None and json.loads(f'"{head.group(1)}"') in tools.functions:
-        calls.append({"id": new_call_id(), "type": "function", "function": {
-            "name": json.loads(f'"{head.group(1)}"'), "arguments": _json_prefix(rest[head.end():]) or ""}})
+    name = json.loads(f'"{head.group(1)}"') if head is not None else None
+    if name in tools.functions:
+        calls.append({"id": new_call_id(), "type": "function",
+                      "function": {"name": name, "arguments": _json_prefix(rest[head.end():]) or ""}})
         rest = rest[:cut]
     content.append(rest)
     return "".join(content).strip(), calls
