@@ -20,7 +20,7 @@ shape naming the field (the fields' checks are serve.openai_fields; the limits a
 front end's, serve.frontend, shared with gRPC), a missing token 401, an unknown model 404, a body over
 the limit 413, a full queue or too many calls in progress 429, a draining or warming server 503. A
 client that disconnects has its request aborted (its pages are freed at the next step), streaming or
-not.
+not. This module parses and checks each call; serve.openai_answer runs its requests and shapes the answer.
 
 The app runs under uvicorn on the gRPC server's event loop (serve.server.run_server starts it).
 """
@@ -30,20 +30,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import json
-import time
-import uuid
 
 from fastapi import FastAPI, Request
+from fastapi.responses import PlainTextResponse, Response
 
 import jaxcb
-from fastapi.responses import PlainTextResponse, Response, StreamingResponse
-
 from jaxcb.host.errors import InvalidConfig, InvalidRequest, JaxcbError, NotFound, Unauthenticated
-from jaxcb.host.request import FinishReason
 from serve import frontend, tool_calls
-from serve.openai_fields import (CHAT_FIELDS, COMPLETION_FIELDS, DETOKENIZE_FIELDS, TOKENIZE_FIELDS, ERROR_TYPE, MAX_TOP_LOGPROBS, HTTPError,
-                                 RequestOptions, bad_request, bool_field, check_fields, common_fields, http_error,
+from serve.openai_answer import answer
+from serve.openai_fields import (CHAT_FIELDS, COMPLETION_FIELDS, DETOKENIZE_FIELDS, TOKENIZE_FIELDS, MAX_TOP_LOGPROBS,
+                                 HTTPError, bad_request, bool_field, check_fields, common_fields, http_error,
                                  int_field, parse_json, prompt_list, sampling_params, str_field)
 
 
@@ -268,7 +264,7 @@ def make_app(state) -> FastAPI:
         state.admit(len(given) * params.n)
         await frontend.check_settings(state, params)
         prompts = await _completion_prompts(given)
-        return await _run(request, options, tenant, prompts, params, chat=False)
+        return await answer(state, request, options, tenant, prompts, params, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -305,8 +301,8 @@ def make_app(state) -> FastAPI:
                                       [{"role": m["role"], "content": m["content"]} for m in messages])
         if limit is None:  # the default needs the prompt's length (validated again by replace)
             params = dataclasses.replace(params, max_tokens=max(1, state.engine.max_context - len(ids)))
-        return await _run(request, options, tenant, [ids], params, chat=True, top_logprobs=top,
-                          tools=tools if tools is not None and tools.active else None)
+        return await answer(state, request, options, tenant, [ids], params, chat=True, top_logprobs=top,
+                            tools=tools if tools is not None and tools.active else None)
 
     async def _completion_prompts(prompts: list) -> list[list[int]]:
         """The prompts (prompt_list's) as token ids; every size (total characters, token counts) is
@@ -324,193 +320,7 @@ def make_app(state) -> FastAPI:
             out.append(await asyncio.to_thread(state.tokenizer.encode, p) if isinstance(p, str) else list(p))
         return out
 
-    async def _run(request: Request, options: "RequestOptions", tenant: str, prompts, params, *, chat: bool,
-                   top_logprobs=0, tools=None):
-        for p in prompts:  # every prompt checked before any is submitted
-            state.engine.validate(p, params)
-        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-        created = int(time.time())
-        model_name = params.lora or state.model_name  # an adapter's answers carry its name
-        events: asyncio.Queue = asyncio.Queue()
-        n = params.n
-        request_id = options.request_id
-
-        async def pump(i, ids):
-            try:
-                async with contextlib.aclosing(state.stream(ids, params, options.priority,
-                                                            f"{request_id}/{i}" if request_id else "", tenant,
-                                                            options.cache_salt)) as stream:
-                    async for _, ev in stream:
-                        await events.put((i, ev))
-            except JaxcbError as e:
-                await events.put((i, http_error(e)))
-
-        # The requests start only where something is there to stop them: inside the stream's generator
-        # (a client gone before the first byte never starts one) or the try below.
-        tasks: list[asyncio.Future] = []
-
-        def start():
-            tasks.extend(asyncio.ensure_future(pump(i, ids)) for i, ids in enumerate(prompts))
-
-        left = len(prompts) * n
-        usage = {"prompt_tokens": 0, "completion_tokens": 0, "cached": 0}
-
-        def shape(i, ev):
-            index = i * n + ev.index
-            logprobs = _logprobs(state.tokenizer, ev, chat, top_logprobs) if ev.logprobs else None
-            finish = (ev.finish_reason.value if isinstance(ev.finish_reason, FinishReason) else ev.finish_reason)
-            if ev.finished:
-                usage["completion_tokens"] += ev.num_output_tokens
-                if ev.index == 0:
-                    usage["prompt_tokens"] += ev.num_prompt_tokens
-                    usage["cached"] += ev.num_cached_tokens
-            return index, ev.text, logprobs, finish if ev.finished else None
-
-        def usage_json():
-            return {"prompt_tokens": usage["prompt_tokens"], "completion_tokens": usage["completion_tokens"],
-                    "total_tokens": usage["prompt_tokens"] + usage["completion_tokens"],
-                    "prompt_tokens_details": {"cached_tokens": usage["cached"]}}
-
-        async def next_event():
-            i, ev = await events.get()
-            if isinstance(ev, HTTPError):
-                raise ev
-            return i, ev
-
-        if options.stream:
-            include_usage = options.include_usage
-            obj = "chat.completion.chunk" if chat else "text_completion"
-
-            streams: dict[int, tool_calls.CallStream] = {}  # per choice, with tools
-
-            async def sse():
-                nonlocal left
-                try:
-                    start()
-                    if chat:
-                        for k in range(len(prompts) * n):
-                            yield _sse({"id": rid, "object": obj, "created": created, "model": model_name,
-                                        "choices": [{"index": k, "delta": {"role": "assistant", "content": ""},
-                                                     "logprobs": None, "finish_reason": None}]})
-                    while left:
-                        try:
-                            i, ev = await next_event()
-                        except HTTPError as e:  # mid-stream: an error event, then the end
-                            yield _sse({"error": {"message": e.message, "type": ERROR_TYPE.get(e.status, "error"),
-                                                  "param": e.param, "code": e.code}})
-                            break
-                        left -= ev.finished
-                        index, text, logprobs, finish = shape(i, ev)
-                        delta = {"content": text} if text else {}
-                        if tools is not None:  # text in, content and tool-call deltas out
-                            calls = streams.setdefault(index, tool_calls.CallStream(tools))
-                            content, pieces = calls.feed(text, final=bool(finish))
-                            delta = {"content": content} if content else {}
-                            if pieces:
-                                delta["tool_calls"] = pieces
-                            if finish == "stop" and calls.calls:
-                                finish = "tool_calls"
-                        if not (delta or finish or logprobs):
-                            continue
-                        choice = {"index": index, "logprobs": logprobs, "finish_reason": finish}
-                        choice.update({"delta": delta} if chat else {"text": text})
-                        yield _sse({"id": rid, "object": obj, "created": created, "model": model_name,
-                                    "choices": [choice]})
-                    if include_usage and not left:
-                        yield _sse({"id": rid, "object": obj, "created": created, "model": model_name,
-                                    "choices": [], "usage": usage_json()})
-                    yield "data: [DONE]\n\n"
-                finally:  # the client went away (or we are done): what still runs is aborted
-                    for t in tasks:
-                        t.cancel()
-
-            return StreamingResponse(sse(), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-
-        texts = [""] * (len(prompts) * n)
-        logs: list = [None] * len(texts)
-        finishes = [None] * len(texts)
-
-        async def collect():
-            nonlocal left
-            while left:
-                i, ev = await next_event()
-                left -= ev.finished
-                index, text, logprobs, finish = shape(i, ev)
-                texts[index] += text
-                if logprobs:
-                    logs[index] = _merge(logs[index], logprobs, chat)
-                if finish:
-                    finishes[index] = finish
-
-        async def watch():  # a client that hangs up while we work: abort, the moment the server hears of it
-            while (await request.receive())["type"] != "http.disconnect":  # the body was read: only this comes
-                pass
-
-        work = gone = None
-        try:
-            start()
-            work, gone = asyncio.ensure_future(collect()), asyncio.ensure_future(watch())
-            await asyncio.wait([work, gone], return_when=asyncio.FIRST_COMPLETED)
-            if not work.done():
-                return Response(status_code=499)
-            work.result()
-        finally:
-            for t in (*tasks, work, gone):
-                if t is not None:
-                    t.cancel()
-        if chat:
-            choices = [{"index": k, "message": {"role": "assistant", "content": texts[k]}, "logprobs": logs[k],
-                        "finish_reason": finishes[k]} for k in range(len(texts))]
-            for choice in choices if tools is not None else ():  # the calls the answers make
-                content, calls = tool_calls.parse(choice["message"]["content"], tools)
-                if calls:
-                    choice["message"] = {"role": "assistant", "content": content or None, "tool_calls": calls}
-                    if choice["finish_reason"] == "stop":
-                        choice["finish_reason"] = "tool_calls"
-            return {"id": rid, "object": "chat.completion", "created": created, "model": model_name,
-                    "choices": choices, "usage": usage_json()}
-        choices = [{"index": k, "text": texts[k], "logprobs": logs[k], "finish_reason": finishes[k]}
-                   for k in range(len(texts))]
-        return {"id": rid, "object": "text_completion", "created": created, "model": model_name,
-                "choices": choices, "usage": usage_json()}
-
     return app
-
-
-def _sse(obj) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
-
-
-def _token_text(tokenizer, token: int) -> str:
-    return tokenizer.decode([token], skip_special=False) if tokenizer is not None else str(token)
-
-
-def _logprobs(tokenizer, ev, chat: bool, top: int):
-    """One event's logprobs in OpenAI's shape: chat `{content: [...]}`, completions the four lists."""
-    if chat:
-        content = []
-        for token, (lp, alts) in zip(ev.token_ids, ev.logprobs):
-            text = _token_text(tokenizer, token)
-            content.append({"token": text, "logprob": lp, "bytes": list(text.encode()),
-                            "top_logprobs": [{"token": _token_text(tokenizer, t), "logprob": l,
-                                              "bytes": list(_token_text(tokenizer, t).encode())}
-                                             for t, l in alts[:top]]})
-        return {"content": content}
-    tokens, token_logprobs, tops = [], [], []
-    for token, (lp, alts) in zip(ev.token_ids, ev.logprobs):
-        tokens.append(_token_text(tokenizer, token))
-        token_logprobs.append(lp)
-        tops.append({_token_text(tokenizer, t): l for t, l in alts})
-    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": []}
-
-
-def _merge(old, new, chat: bool):
-    if old is None:
-        return new
-    if chat:
-        return {"content": old["content"] + new["content"]}
-    return {k: old[k] + new[k] for k in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
 
 
 async def serve_http(app: FastAPI, host: str, port: int, tls_cert: str | None = None, tls_key: str | None = None,
@@ -519,8 +329,6 @@ async def serve_http(app: FastAPI, host: str, port: int, tls_cert: str | None = 
     server's certificate), leaving signals to the gRPC server. Returns (task, stop): await stop() to
     end it; connections still open `close_s` seconds after stop() (a client that stopped reading) are
     cut."""
-    import contextlib
-
     import uvicorn
 
     class _Server(uvicorn.Server):
