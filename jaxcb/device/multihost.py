@@ -30,6 +30,7 @@ import numpy as np
 from jaxcb.device import cpu_dots
 from jaxcb.host.batch import StepShape, pack, pack_sampling
 from jaxcb.host.errors import InvalidConfig
+from jaxcb.host.runner_protocol import Runner
 
 log = logging.getLogger("jaxcb.device.multihost")
 
@@ -177,9 +178,9 @@ class Channel:
         return op, self.shapes[index], batch, sampling
 
 
-class LeaderRunner:
-    """The leader's ModelRunner: every compile and step is first sent to the followers. Implements the
-    engine's Runner protocol (jaxcb.host.engine.Runner); what it does not send on is the wrapped runner's."""
+class LeaderRunner(Runner):
+    """The leader's ModelRunner: every compile and step is first sent to the followers. What it does not
+    send on is the wrapped runner's."""
 
     def __init__(self, runner, channel: Channel):
         self.runner = runner

@@ -25,6 +25,7 @@ import numpy as np
 from jaxcb.device.sampling import SampleOutput, sample
 from jaxcb.host.batch import SamplingInput, StepInput, StepShape, pack, pack_sampling
 from jaxcb.host.errors import InvalidConfig
+from jaxcb.host.runner_protocol import Runner
 from jaxcb.model.config import ModelConfig
 from jaxcb.model.llama import Attention, Params, forward_hidden, logits_at
 from jaxcb.model.paged_attention import allocate_kv_pages
@@ -270,7 +271,7 @@ def resolve_attention(choice: str, mesh=None) -> Attention:
     raise InvalidConfig(f"attention: {choice!r} is not one of 'xla', 'native', 'pallas', 'auto'")
 
 
-class ModelRunner:
+class ModelRunner(Runner):
     def __init__(self, config: ModelConfig, params: Params, num_pages: int, page_size: int, dtype=None,
                  attention: str = "auto", max_seqs: int = 256, mesh=None, num_window_pages: int | None = None,
                  kv_dtype=None, compile: str = "optimized", lora=None):

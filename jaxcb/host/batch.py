@@ -272,6 +272,36 @@ def pack_sampling(rows: list[SamplingRow], shape: StepShape, vocab_size: int,
     return out
 
 
+def pack_chunks(chunks, shape: StepShape, page_size: int, window: int, vocab_size: int, seed_of,
+                step_id: int) -> tuple[StepInput, SamplingInput, list[SamplingRow]]:
+    """One step of the scheduler's chunks (jaxcb.host.scheduler.Chunk, decode rows first) packed: its
+    StepInput, its SamplingInput and each chunk's SamplingRow. A decode token still on the device (the
+    step `step_id` in flight samples it) is read from that step's output; a chunk with proposals gets
+    a sample row at each proposal's position (its `extra_row`, the first of them). seed_of(request):
+    the request's sampling seed."""
+    specs, rows, extra = [], [], []
+    for c in chunks:
+        r = c.request
+        end = c.start + c.num_tokens - len(c.draft)
+        pending = end > r.num_known
+        seed = seed_of(r)
+        if pending:
+            assert c.num_tokens == 1 and r.pending_src is not None and r.pending_src[0] == step_id, (
+                f"{r.key}: its input token is not in the previous step's output")
+            specs.append(SeqSpec([0], c.start, r.page_ids, src_row=r.pending_src[1],
+                                 window_page_ids=r.window_page_ids, lora_slot=r.lora_slot))
+        else:
+            specs.append(SeqSpec(r.token_slice(c.start, end) + list(c.draft), c.start, r.page_ids,
+                                 window_page_ids=r.window_page_ids, num_draft=len(c.draft), lora_slot=r.lora_slot))
+        if c.draft:  # a sample at each proposal's position, as if the proposals before it were output
+            c.extra_row = shape.seqs + len(extra)
+            extra.extend(SamplingRow(r.params, seed, r.prompt_ids, r.output_ids + list(c.draft[:j]))
+                         for j in range(len(c.draft)))
+        outputs = r.output_ids + list(c.draft) if c.draft else r.output_ids  # no copy for a plain row
+        rows.append(SamplingRow(r.params, seed, r.prompt_ids, outputs, c.samples, pending=pending))
+    return pack(specs, shape, page_size, window), pack_sampling(rows, shape, vocab_size, extra), rows
+
+
 def _fill(out: SamplingInput, first: int, rows: list[SamplingRow], c: int) -> None:
     """Rows first .. first + len(rows) of `out` from `rows`."""
     n = len(rows)

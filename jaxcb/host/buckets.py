@@ -14,9 +14,12 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import logging
 
 from jaxcb.host.batch import StepShape
 from jaxcb.host.errors import InvalidConfig
+
+log = logging.getLogger("jaxcb.host.buckets")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,3 +109,20 @@ def bucket_for(buckets: tuple[int, ...], value: int, field: str) -> int:
     return buckets[i]
 
 
+class LengthLog:
+    """Traffic's lengths for `jaxcb buckets` to choose buckets from (`--record-lengths PATH`): one JSON
+    line {"prompt": tokens, "context": tokens} per finished request, appended to `path`. A write that
+    fails (a full disk) stops the recording, said once: it never ends a request."""
+
+    def __init__(self, path: str):
+        self.file = open(path, "a", encoding="utf-8")
+
+    def record(self, prompt_tokens: int, context_tokens: int) -> None:
+        if self.file is None:
+            return
+        try:
+            self.file.write(f'{{"prompt": {prompt_tokens}, "context": {context_tokens}}}\n')
+            self.file.flush()
+        except OSError as e:
+            log.warning("--record-lengths: %s; no longer recording", e)
+            self.file = None

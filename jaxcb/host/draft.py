@@ -27,7 +27,7 @@ approximate (a shared prefix page rewritten by another request's draft, a slidin
 pages were released before a long catch-up): that changes only what is proposed, never what is
 emitted.
 
-Plain Python and numpy, no JAX: the draft runner is a jaxcb.host.engine.Runner.
+Plain Python and numpy, no JAX: the draft runner is a jaxcb.host.runner_protocol.Runner.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from __future__ import annotations
 import time
 
 from jaxcb.host.batch import SamplingRow, SeqSpec, pack, pack_sampling
+from jaxcb.host.errors import InvalidConfig
 from jaxcb.host.page_pool import NULL_PAGE
 from jaxcb.host.request import SamplingParams
 from jaxcb.host.speculative import Proposer, SpeculativeConfig
@@ -214,3 +215,41 @@ class DraftProposer(Proposer):
         else:
             self.catch_up_s = self.average(self.catch_up_s, max(0.0, seconds - depth * (self.token_s or 0.0))
                                            / sum(n for n in catch_up if n > 2))
+
+
+def draft_proposer(config, target, draft, max_context: int) -> DraftProposer | None:
+    """speculative.method "draft": the draft model's proposer for an engine (config: its EngineConfig),
+    the draft's runner checked against the target's (the same vocabulary, and page layout: it writes the
+    request's own page ids); else None."""
+    spec = config.scheduler.speculative
+    if spec.method != "draft":
+        return None
+    d, t = draft, target
+    if d is None:
+        raise InvalidConfig("speculative.method: 'draft' needs a draft model (built by jaxcb.llm.build_engines "
+                            "from speculative.draft_model)")
+    if d.model_config.vocab_size != t.model_config.vocab_size:
+        raise InvalidConfig(f"speculative.draft_model: its vocabulary ({d.model_config.vocab_size} tokens) is not "
+                            f"the target's ({t.model_config.vocab_size}); a draft must share the tokenizer")
+    if (d.step_config.windowed, d.step_config.sliding_window) != (t.step_config.windowed, t.step_config.sliding_window):
+        raise InvalidConfig("speculative.draft_model: its sliding window "
+                            f"({d.step_config.sliding_window if d.step_config.windowed else 'none'}) is not the "
+                            f"target's ({t.step_config.sliding_window if t.step_config.windowed else 'none'}): a "
+                            "draft shares the request's page groups")
+    if (d.num_pages, d.page_size, d.num_window_pages) != (t.num_pages, t.page_size, t.num_window_pages):
+        raise InvalidConfig(f"speculative.draft_model: its runner has {d.num_pages} pages of {d.page_size} tokens "
+                            f"({d.num_window_pages} sliding), the target's {t.num_pages} of {t.page_size} "
+                            f"({t.num_window_pages}): a draft mirrors the target's pages")
+    window = t.step_config.sliding_window if t.step_config.windowed else 0
+    return DraftProposer(spec, d, config.buckets, config.page_size, max_context, window)
+
+
+def describe_speculation(spec: SpeculativeConfig, draft=None) -> str:
+    """Speculative decoding as configured ("" off), with the draft model's runner if it has one."""
+    if not spec.enabled:
+        return ""
+    what = spec.method
+    if draft is not None:
+        what += (f" (draft model {spec.draft_model or draft.model_config.name}: {draft.model_config.num_layers} "
+                 f"layers, weights {draft.describe()['weights']})")
+    return f"{what}, up to {spec.num_tokens} tokens per step"

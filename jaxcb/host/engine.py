@@ -25,18 +25,21 @@ import random
 import secrets
 import threading
 import time
-from typing import Callable, Protocol
+from typing import Callable
 
 import numpy as np
 
-from jaxcb.host.batch import SamplingRow, SeqSpec, pack, pack_sampling
+from jaxcb.host.batch import pack_chunks
+from jaxcb.host.buckets import LengthLog
+from jaxcb.host.draft import describe_speculation, draft_proposer
 from jaxcb.host.engine_config import EngineConfig
 from jaxcb.host.engine_stats import Counters, EngineStats, StepRecord
 from jaxcb.host.lora import Adapters
-from jaxcb.host.errors import InvalidConfig, InvalidRequest, StepFailed
+from jaxcb.host.errors import InvalidRequest, StepFailed
 from jaxcb.host.output import EventCallback, Outputs
 from jaxcb.host.kv_events import KVEvents
 from jaxcb.host.page_pool import PagePool
+from jaxcb.host.runner_protocol import Runner
 from jaxcb.host.request import (FinishReason, Request, SamplingParams, Status, TokenEvent, check_priority,
                                 check_tokens)
 from jaxcb.host.scheduler import Chunk, Scheduler
@@ -75,25 +78,6 @@ class _InFlight:
     started: float | None = None  # when the device could start it: its dispatch when nothing ran before it
 
 
-class Runner(Protocol):
-    """What the engine (and the server) needs of the device side: jaxcb.device.runner.ModelRunner on one
-    process, jaxcb.device.multihost.LeaderRunner across hosts (the same calls, each first sent to the
-    followers), a simulated runner in tests."""
-
-    model_config: object  # the model as loaded (jaxcb.model.config.ModelConfig)
-    step_config: object  # the layout the step runs (KV heads replicated onto a mesh if needed)
-    num_window_pages: int  # the sliding-window layers' pages (0: none)
-    device_ids: list[int]
-
-    def compile(self, shape) -> None: ...  # compile the step for a StepShape ahead of time
-    def run(self, batch, sampling, shape): ...  # launch one step (asynchronously); its result handle
-    def fetch(self, outputs): ...  # the host copy of a step's result (waits for it)
-    def idle(self) -> None: ...  # nothing to run this time round (the leader pings its followers)
-    def reset_kv_if_lost(self) -> bool: ...  # after a failed step: fresh pages if the old were consumed
-    def describe(self) -> dict[str, str]: ...  # how the step computes (banner, GetServerInfo)
-    def compilations(self) -> int: ...  # XLA compilations in this process so far
-
-
 class Engine:
     MAX_FAILED_STEPS_IN_A_ROW = 8  # then the engine counts as broken (the server exits non-zero)
 
@@ -123,7 +107,8 @@ class Engine:
         if config.lora.enabled:
             self.adapters = Adapters(config.lora, fill=runner.fill_lora_slot)
         self.scheduler = Scheduler(dataclasses.replace(config.scheduler, max_context=self.max_context), self.pool,
-                                   eos_ids, window=self.window_group, proposer=self._draft_proposer(config),
+                                   eos_ids, window=self.window_group, proposer=draft_proposer(
+                                       config, runner, draft_runner, self.max_context),
                                    adapters=self.adapters)
         if self.scheduler.proposer is not None:
             spec = config.scheduler.speculative
@@ -151,50 +136,14 @@ class Engine:
         self._length_log = None  # record_lengths(): one JSON line per finished request
         self.step_log: list[StepRecord] | None = None  # set to a list to record every step
 
-    def _draft_proposer(self, config: EngineConfig):
-        """speculative.method "draft": the draft model's proposer, its runner checked against the target's
-        (the same vocabulary, and page layout: it writes the request's own page ids); else None."""
-        spec = config.scheduler.speculative
-        if spec.method != "draft":
-            return None
-        d = self.draft_runner
-        if d is None:
-            raise InvalidConfig("speculative.method: 'draft' needs a draft model (built by jaxcb.llm.build_engines "
-                                "from speculative.draft_model)")
-        t = self.runner
-        if d.model_config.vocab_size != t.model_config.vocab_size:
-            raise InvalidConfig(f"speculative.draft_model: its vocabulary ({d.model_config.vocab_size} tokens) is not "
-                                f"the target's ({t.model_config.vocab_size}); a draft must share the tokenizer")
-        if (d.step_config.windowed, d.step_config.sliding_window) != (t.step_config.windowed, t.step_config.sliding_window):
-            raise InvalidConfig("speculative.draft_model: its sliding window "
-                                f"({d.step_config.sliding_window if d.step_config.windowed else 'none'}) is not the "
-                                f"target's ({t.step_config.sliding_window if t.step_config.windowed else 'none'}): a "
-                                "draft shares the request's page groups")
-        if (d.num_pages, d.page_size, d.num_window_pages) != (t.num_pages, t.page_size, t.num_window_pages):
-            raise InvalidConfig(f"speculative.draft_model: its runner has {d.num_pages} pages of {d.page_size} tokens "
-                                f"({d.num_window_pages} sliding), the target's {t.num_pages} of {t.page_size} "
-                                f"({t.num_window_pages}): a draft mirrors the target's pages")
-        from jaxcb.host.draft import DraftProposer
-
-        window = t.step_config.sliding_window if t.step_config.windowed else 0
-        return DraftProposer(spec, d, config.buckets, config.page_size, self.max_context, window)
-
     def describe_speculation(self) -> str:
         """Speculative decoding as configured ("" off): the start banner and GetServerInfo."""
-        spec = self.config.scheduler.speculative
-        if not spec.enabled:
-            return ""
-        what = spec.method
-        if self.draft_runner is not None:
-            d = self.draft_runner
-            what += (f" (draft model {spec.draft_model or d.model_config.name}: {d.model_config.num_layers} layers, "
-                     f"weights {d.describe()['weights']})")
-        return f"{what}, up to {spec.num_tokens} tokens per step"
+        return describe_speculation(self.config.scheduler.speculative, self.draft_runner)
 
     def record_lengths(self, path: str) -> None:
         """Append {"prompt": tokens, "context": tokens} for every request that finishes, for
         `jaxcb buckets` to choose buckets from real traffic."""
-        self._length_log = open(path, "a", encoding="utf-8")
+        self._length_log = LengthLog(path)
 
     # ---- the API (thread-safe) ----
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
@@ -379,29 +328,8 @@ class Engine:
         # A step with proposals takes the bucket's verifying program (jaxcb.host.buckets)
         extra_rows = self._extra_rows if any(c.draft for c in chunks) else 0
         shape = self.config.buckets.step_shape(max(live, num_static_rows), s, self.max_context, extra_rows)
-        specs, rows, extra = [], [], []
-        for c in chunks:  # decode sequences first: the packed layout (jaxcb.host.batch)
-            r = c.request
-            end = c.start + c.num_tokens - len(c.draft)
-            pending = end > r.num_known
-            seed = self.outputs.seed(r)
-            if pending:
-                assert c.num_tokens == 1 and r.pending_src is not None and r.pending_src[0] == self._step_id, (
-                    f"{r.key}: its input token is not in the previous step's output")
-                specs.append(SeqSpec([0], c.start, r.page_ids, src_row=r.pending_src[1],
-                                     window_page_ids=r.window_page_ids, lora_slot=r.lora_slot))
-            else:
-                specs.append(SeqSpec(r.token_slice(c.start, end) + list(c.draft), c.start, r.page_ids,
-                                     window_page_ids=r.window_page_ids, num_draft=len(c.draft), lora_slot=r.lora_slot))
-            if c.draft:  # a sample at each proposal's position, as if the proposals before it were output
-                c.extra_row = shape.seqs + len(extra)
-                extra.extend(SamplingRow(r.params, seed, r.prompt_ids, r.output_ids + list(c.draft[:j]))
-                             for j in range(len(c.draft)))
-            outputs = r.output_ids + list(c.draft) if c.draft else r.output_ids  # no copy for a plain row
-            rows.append(SamplingRow(r.params, seed, r.prompt_ids, outputs, c.samples,
-                                    pending=pending))
-        batch = pack(specs, shape, s, self.window_group.window if self.window_group else 0)
-        sampling = pack_sampling(rows, shape, self.model_config.vocab_size, extra)
+        batch, sampling, rows = pack_chunks(chunks, shape, s, self.window_group.window if self.window_group else 0,
+                                            self.model_config.vocab_size, self.outputs.seed, self._step_id)
         constrained = [i for i, c in enumerate(chunks) if c.samples and c.request.matcher is not None]
         refs = self.pool.ref_counts
         for c in chunks:
@@ -412,7 +340,7 @@ class Engine:
                 f"{r.key} would write into a page another request holds")
         cnt = self._counters
         cnt.add_step(chunks, shape.tokens, live, s)
-        if extra:
+        if extra_rows:
             cnt.speculative_steps += 1
         waited = not pipelined
         early = False
@@ -431,7 +359,7 @@ class Engine:
             cnt.mask_wait_s += dispatch_end - self._last_fetch_end
         if waited and self._last_fetch_end is not None:  # the device idled since the last fetch
             cnt.host_s += dispatch_end - self._last_fetch_end
-            if extra:
+            if extra_rows:
                 self.scheduler.proposer.observe_sync(dispatch_end - self._last_fetch_end)
         self._step_id += 1
         self.scheduler.on_launched(chunks, self._step_id)
@@ -534,12 +462,7 @@ class Engine:
             with self._seed_lock:
                 self._live_ids.discard(r.request_id)
         if self._length_log is not None:
-            try:
-                self._length_log.write(f'{{"prompt": {len(r.prompt_ids)}, "context": {r.num_known}}}\n')
-                self._length_log.flush()
-            except OSError as e:  # a full disk must not end requests: stop recording, say so once
-                log.warning("--record-lengths: %s; no longer recording", e)
-                self._length_log = None
+            self._length_log.record(len(r.prompt_ids), r.num_known)
 
     # ---- warm-up ----
     def warmup(self, progress: Callable[[int, int, object], None] | None = None) -> int:

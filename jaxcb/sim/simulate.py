@@ -34,6 +34,7 @@ import numpy as np
 
 from jaxcb.host.engine import Engine
 from jaxcb.host.request import SamplingParams
+from jaxcb.host.runner_protocol import Runner
 from jaxcb.sim.trace import RequestRecord, TraceRequest, prompt_ids, summarize
 
 BUILTIN_STEP_MODEL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "step_models",
@@ -260,9 +261,9 @@ class _SimOutput:
     ready_at: float  # when the simulated device finishes the step
 
 
-class SimRunner:
-    """The engine's runner on a simulated device (jaxcb.host.engine.Runner): a step computes nothing and
-    takes the time `step_model` gives for its packed batch; one step runs at a time, so a step dispatched
+class SimRunner(Runner):
+    """The engine's runner on a simulated device: a step computes nothing and takes
+    the time `step_model` gives for its packed batch; one step runs at a time, so a step dispatched
     while another runs starts when that one ends; fetching a step's result moves `clock` to its end (a
     SimClock jumps; bench/host.py's wall clock sleeps). Every sampled token is a placeholder, 0 or, with
     `rng`, a random id away from the vocabulary's ends (text for the detokenizer); requests run to their
