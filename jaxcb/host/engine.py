@@ -42,7 +42,8 @@ from jaxcb.host.page_pool import PagePool
 from jaxcb.host.runner_protocol import Runner
 from jaxcb.host.request import (FinishReason, Request, SamplingParams, Status, TokenEvent, check_priority,
                                 check_tokens)
-from jaxcb.host.scheduler import Chunk, Scheduler
+from jaxcb.host.scheduler import Scheduler
+from jaxcb.host.step_plan import Chunk
 from jaxcb.host.structured import grammars_for
 from jaxcb.host.window import WindowGroup
 
