@@ -409,15 +409,19 @@ void column_range_vnni(const XQuant& x, const Q8& w, float* c, int64_t m, int64_
 #endif
 
 // range(n0, n1) over the whole kNB-column blocks of an [m, k] @ [k, n] product, shared with the pool in
-// work items of `wide` columns, a multiple of kNB between kNB and 256, about a quarter of the whole
-// blocks so that both threads get work. Returns where the whole blocks end: the caller does the rest.
+// work items of whole blocks, their count a multiple of the threads (at least three per thread, at most
+// 256 columns each unless there are fewer blocks) and their sizes within a block of each other, so that
+// no thread is left with a last item alone (576 columns in items of 128 left one thread 64 columns
+// idle). Returns where the whole blocks end: the caller does the rest.
 template <class F>
 int64_t whole_columns(ffi::ThreadPool& pool, int64_t m, int64_t k, int64_t n, F range) {
   const int64_t whole = n / kNB * kNB;
-  const int64_t wide = std::max<int64_t>(kNB, std::min<int64_t>(256, whole / 4 / kNB * kNB));
-  const int64_t items = (whole + wide - 1) / wide;
+  const int64_t blocks = whole / kNB;
+  const int64_t workers = std::max<int64_t>(1, pool.num_threads());
+  int64_t items = std::max<int64_t>(3 * workers, (whole + 255) / 256);
+  items = std::min(blocks, (items + workers - 1) / workers * workers);
   jaxcb::parallel_for(pool, items, m * k * n >= (1 << 16),
-                      [=](int64_t i) { range(i * wide, std::min(whole, (i + 1) * wide)); });
+                      [=](int64_t i) { range(i * blocks / items * kNB, (i + 1) * blocks / items * kNB); });
   return whole;
 }
 

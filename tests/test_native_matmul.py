@@ -6,11 +6,12 @@ import pytest
 
 
 @pytest.mark.parametrize("m,k,n", [(1, 5, 31), (1, 300, 1000), (1, 64, 48), (7, 130, 32), (9, 576, 70), (33, 257, 192),
-                                   (544, 64, 96)])
+                                   (544, 64, 96), (5, 64, 1000)])
 def test_layer_matmul_matches_numpy_on_awkward_shapes(m, k, n):
     """Rows below and above the micro-kernel's 8, reductions across the 128-row slabs, column counts
-    below, at and past the 32-column blocks (the tail loop), each layer of the stack read in place; one
-    row (its own path: items of up to 16 vectors, a short last item, the columns past the last vector)."""
+    below, at and past the 32-column blocks (the tail loop), 31 whole blocks in work items of 5 and 6, each
+    layer of the stack read in place; one row (its own path: items of up to 16 vectors, a short last
+    item, the columns past the last vector)."""
     import jax
     import jax.numpy as jnp
 
