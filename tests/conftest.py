@@ -37,6 +37,10 @@ def pytest_unconfigure(config):
 # engine and might pick another library). tests/test_cpu_dots.py covers auto and forces each library.
 os.environ.setdefault("JAXCB_CPU_DOTS", "default")
 
+# The weights' huge pages (jaxcb.device.huge_pages): a second of collapsing per real model, on a thread
+# beside the tests of a 2-core machine; tests/test_huge_pages.py turns them on.
+os.environ.setdefault("JAXCB_HUGE_PAGES", "0")
+
 # The tests' own programs (references, eager ops, the engine's small helper programs) compile as the
 # engine's "fast" mode does, in this process only: most of them run once, and compiling was most of the
 # in-process test time (the two native-kernel test files: 55 s -> 29 s). Engine steps still compile as

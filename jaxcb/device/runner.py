@@ -322,6 +322,10 @@ class ModelRunner(Runner):
         devices = self.kv_arrays[0].devices()
         self.device_ids = sorted(d.id for d in devices)
         self.platform = next(iter(devices)).platform
+        if self.platform == "cpu":  # the weights in 2 MiB pages, while the server starts (jaxcb.device.huge_pages)
+            from jaxcb.device import huge_pages
+
+            huge_pages.collapse_in_background(self.params, "weights")
 
     def _zero_last_tokens(self, max_seqs: int) -> jax.Array:
         zeros = np.zeros(max_seqs, np.int32)

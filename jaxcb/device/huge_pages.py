@@ -1,0 +1,77 @@
+"""The weights on the CPU in 2 MiB pages (Linux transparent huge pages), collapsed in the background.
+
+A decode step reads every weight matrix; with 4 KiB pages each row of a block of a layer matrix lies on
+a page of its own, and the TLB misses cost a few percent of the step (SmolLM2 float32 on a 2-core Xeon:
+1-row step 25.9 -> 25.0 ms, 32-row step 71.4 -> 69.2 ms, interleaved runs). Where the kernel leaves
+huge pages to madvise (the usual default), XLA's buffers never get them: this asks for them on the
+weights' buffers (MADV_HUGEPAGE) and has the kernel collapse them now (MADV_COLLAPSE, Linux 6.1+) on a
+thread of its own, about a second for SmolLM2's 0.5 GB while serving goes on (the kernel swaps the
+pages under a running step safely). Anything that refuses (another OS, an older kernel, huge pages
+off) leaves the memory as it was. JAXCB_HUGE_PAGES=0 turns it off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import sys
+import threading
+import time
+
+import jax
+
+log = logging.getLogger("jaxcb.device.huge_pages")
+
+HUGE = 2 << 20
+MADV_HUGEPAGE, MADV_COLLAPSE = 14, 25
+
+
+def enabled() -> bool:
+    return sys.platform.startswith("linux") and os.environ.get("JAXCB_HUGE_PAGES", "1") != "0"
+
+
+def collapse(tree) -> int:
+    """Ask for huge pages on every whole 2 MiB range of the tree's CPU buffers and collapse them now;
+    returns the bytes the kernel collapsed (0 where it cannot)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    except OSError:
+        return 0
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    done = 0
+    for leaf in jax.tree.leaves(tree):
+        if not isinstance(leaf, jax.Array):
+            continue
+        for shard in leaf.addressable_shards:
+            if shard.device.platform != "cpu":
+                continue
+            data = shard.data
+            start = (data.unsafe_buffer_pointer() + HUGE - 1) // HUGE * HUGE
+            end = (data.unsafe_buffer_pointer() + data.nbytes) // HUGE * HUGE
+            if end <= start:
+                continue
+            if libc.madvise(start, end - start, MADV_HUGEPAGE) != 0:
+                return done  # not on this kernel: none will take
+            if libc.madvise(start, end - start, MADV_COLLAPSE) == 0:
+                done += end - start
+    return done
+
+
+def collapse_in_background(tree, what: str) -> threading.Thread | None:
+    """collapse(tree) on a daemon thread (None where turned off); logs what it did."""
+    if not enabled():
+        return None
+
+    def run():
+        t = time.perf_counter()
+        try:
+            n = collapse(tree)
+        except Exception:  # noqa: BLE001 - an optimisation: the memory stays as it was
+            log.exception("huge pages for the %s failed", what)
+            return
+        log.info("huge pages: %d MB of the %s in 2 MiB pages (%.1f s)", n >> 20, what, time.perf_counter() - t)
+
+    thread = threading.Thread(target=run, name="jaxcb-huge-pages", daemon=True)
+    thread.start()
+    return thread
