@@ -24,6 +24,7 @@ import uuid
 
 from jaxcb.host.errors import InvalidRequest
 from jaxcb.host.structured import Constraint
+from jaxcb.host.tokenizer import ROLE_AS
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 MAX_TOOLS = 128
@@ -152,7 +153,7 @@ def render_messages(messages: list, tools: Tools | None) -> list[dict]:
             raise InvalidRequest(f"messages[{i}].content: must be a string or a list of content parts")
         if role == "tool":
             role, content = "user", f"<tool_response>{content}</tool_response>"
-        out.append({"role": role, "content": content})
+        out.append({"role": ROLE_AS.get(role, role), "content": content})  # "developer" is the system's
     if tools is not None and tools.active:
         text = system_text(tools)
         if out and out[0]["role"] == "system":

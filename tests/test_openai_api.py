@@ -17,6 +17,7 @@ import jaxcb
 from jaxcb.host.engine_config import load_config
 from jaxcb.host.request import SamplingParams
 from jaxcb.llm import LLM
+from serve import tool_calls
 from serve.client import Client
 from tests.server_util import ServerProcess, free_port, wait_pool_whole
 
@@ -285,6 +286,31 @@ def test_content_parts_are_their_text_joined_and_other_parts_are_refused(server,
         for path in ("/tokenize", "/v1/chat/completions"):
             r = httpx.post(server.http + path, json={"messages": [{"role": "user", "content": content}]}, timeout=10)
             assert r.status_code == 400 and r.json()["error"]["message"].startswith(message), (path, r.text[:300])
+
+
+def test_a_developer_message_is_a_system_message(server, oai, model_name, tiny_model):
+    """OpenAI's "developer" role (its newer name for the application's instructions) renders as the
+    system message chat templates know, alone and with tools (whose text joins it); gRPC's chat and the
+    Python tokenizer read it the same way; a role no API knows is a 400 naming the roles."""
+    _, _, tok, _ = tiny_model
+    chat = [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "Hello"}]
+    system = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"}]
+    tokens = [httpx.post(server.http + "/tokenize", json={"messages": m}, timeout=10).json()["tokens"]
+              for m in (chat, system)]
+    assert tokens[0] == tokens[1] == tok.encode_chat(chat) == tok.encode_chat(system)
+    answers = [oai.chat.completions.create(model=model_name, messages=m, max_tokens=4, temperature=0)
+               for m in (chat, system)]
+    assert answers[0].usage.prompt_tokens == answers[1].usage.prompt_tokens == len(tokens[0])
+    assert answers[0].choices[0].message.content == answers[1].choices[0].message.content
+    tools = tool_calls.parse_tools({"tools": [{"type": "function", "function": {"name": "f"}}]})
+    rendered = [tool_calls.render_messages(m, tools) for m in (chat, system)]
+    assert rendered[0] == rendered[1] and [m["role"] for m in rendered[0]] == ["system", "user"]
+    assert rendered[0][0]["content"].startswith("Be brief.\n\n")  # the tools' text joins it
+    r = httpx.post(server.http + "/v1/chat/completions",
+                   json={"messages": [{"role": "robot", "content": "hi"}], "max_tokens": 2}, timeout=10)
+    assert r.status_code == 400
+    assert r.json()["error"]["message"] == ("messages[0].role: 'robot' is not one of system, developer, user, "
+                                            "assistant, tool")
 
 
 def test_malformed_bodies_are_400_naming_the_problem(server):

@@ -43,7 +43,15 @@ _LLAMA3_PATTERN = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
     r"|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
-ROLES = ("system", "user", "assistant", "tool")
+ROLES = ("system", "developer", "user", "assistant", "tool")
+# OpenAI's "developer" messages (its newer name for instructions from the application) are the
+# system messages chat templates know.
+ROLE_AS = {"developer": "system"}
+
+
+def template_roles(messages: list[dict]) -> list[dict]:
+    """The messages with each role as chat templates name it (ROLE_AS)."""
+    return [dict(m, role=ROLE_AS[m["role"]]) if m.get("role") in ROLE_AS else m for m in messages]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -270,7 +278,7 @@ class Tokenizer:
         bos = self.id_to_token(self.bos_id) if self.bos_id is not None else ""
         eos = self.id_to_token(self.eos_id) if self.eos_id is not None else ""
         return self._template.render(
-            messages=messages, add_generation_prompt=add_generation_prompt, bos_token=bos, eos_token=eos
+            messages=template_roles(messages), add_generation_prompt=add_generation_prompt, bos_token=bos, eos_token=eos
         )
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
