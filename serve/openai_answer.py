@@ -21,9 +21,10 @@ from serve.openai_fields import ERROR_TYPE, HTTPError, RequestOptions, http_erro
 
 
 async def answer(state, request: Request, options: RequestOptions, tenant: str, prompts: list[list[int]], params, *,
-                 chat: bool, top_logprobs: int = 0, tools=None):
+                 chat: bool, top_logprobs: int = 0, tools=None, echo: list[str] | None = None):
     """Run the prompts (each params.n samples) and answer as OpenAI does: server-sent chunks with
-    `stream`, else one JSON body once all are done; a client that hangs up has its requests aborted."""
+    `stream`, else one JSON body once all are done; a client that hangs up has its requests aborted.
+    `echo` (completions): each prompt's text, which its choices' texts start with."""
     for p in prompts:  # every prompt checked before any is submitted
         state.engine.validate(p, params)
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
@@ -90,6 +91,10 @@ async def answer(state, request: Request, options: RequestOptions, tenant: str, 
                         yield _sse({"id": rid, "object": obj, "created": created, "model": model_name,
                                     "choices": [{"index": k, "delta": {"role": "assistant", "content": ""},
                                                  "logprobs": None, "finish_reason": None}]})
+                for k in range(len(prompts) * n) if echo is not None else ():
+                    yield _sse({"id": rid, "object": obj, "created": created, "model": model_name,
+                                "choices": [{"index": k, "text": echo[k // n], "logprobs": None,
+                                             "finish_reason": None}]})
                 while left:
                     try:
                         i, ev = await next_event()
@@ -125,7 +130,7 @@ async def answer(state, request: Request, options: RequestOptions, tenant: str, 
         return StreamingResponse(sse(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
-    texts = [""] * (len(prompts) * n)
+    texts = [echo[k // n] if echo is not None else "" for k in range(len(prompts) * n)]
     logs: list = [None] * len(texts)
     finishes = [None] * len(texts)
 

@@ -250,21 +250,26 @@ def make_app(state) -> FastAPI:
         tenant = authorize(request)
         body = await body_of(request)
         check_fields(body, COMPLETION_FIELDS)
-        if bool_field(body, "echo", False):
-            raise bad_request("echo: not supported")
+        echo = bool_field(body, "echo", False)
         if str_field(body, "suffix", ""):
             raise bad_request("suffix: not supported")
         if int_field(body, "best_of", 1) != 1:
             raise bad_request("best_of: only 1 is supported")
         options = common_fields(body)
         logprobs = int_field(body, "logprobs", 0) or 0
+        if echo and logprobs:  # the prompt's own logprobs: the engine computes logits at sampled rows only
+            raise bad_request("echo: with logprobs (the prompt tokens' logprobs) is not supported")
         params = sampling_params(body, max_tokens=int_field(body, "max_tokens", 16), logprobs=logprobs)
         params = dataclasses.replace(params, lora=adapter_of(body))
         given = prompt_list(body.get("prompt"))
         state.admit(len(given) * params.n)
         await frontend.check_settings(state, params)
         prompts = await _completion_prompts(given)
-        return await answer(state, request, options, tenant, prompts, params, chat=False)
+        echoed = None
+        if echo:  # each choice's text starts with its prompt's (token ids decoded)
+            echoed = [p if isinstance(p, str) else await asyncio.to_thread(_tokenizer().decode, p)
+                      for p in given]
+        return await answer(state, request, options, tenant, prompts, params, chat=False, echo=echoed)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):

@@ -119,6 +119,27 @@ def test_chat_streaming_with_usage(oai, model_name):
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
 
 
+def test_echo_starts_each_choice_with_its_prompt(server, oai, model_name, tiny_model):
+    """`echo: true` (completions): each choice's text is its prompt's (token ids decoded) and then the
+    completion, whole and streamed (the prompt as each choice's first chunk), the same completion as
+    without echo; with logprobs (the prompt tokens' own, which the engine does not compute) a 400."""
+    _, _, tok, _ = tiny_model
+    prompts = ["Hello there", [5, 6, 7]]
+    args = dict(model=model_name, prompt=prompts, max_tokens=5, n=2, temperature=0, extra_body={"ignore_eos": True})
+    plain = oai.completions.create(**args)
+    echoed = oai.completions.create(echo=True, **args)
+    heads = ["Hello there", tok.decode([5, 6, 7])]
+    assert [c.text for c in echoed.choices] == [heads[k // 2] + plain.choices[k].text for k in range(4)]
+    assert echoed.usage.completion_tokens == plain.usage.completion_tokens == 20
+    texts = [""] * 4
+    for chunk in oai.completions.create(echo=True, stream=True, **args):
+        for c in chunk.choices:
+            texts[c.index] += c.text
+    assert texts == [c.text for c in echoed.choices]
+    r = httpx.post(server.http + "/v1/completions", json={"prompt": "hi", "echo": True, "logprobs": 1}, timeout=10)
+    assert r.status_code == 400 and r.json()["error"]["message"].startswith("echo: with logprobs")
+
+
 def test_n_logprobs_and_stop(oai, model_name):
     out = oai.completions.create(model=model_name, prompt=[[5, 6], [7, 8, 9]], max_tokens=6, n=2, temperature=1.0,
                                  seed=3, logprobs=2, extra_body={"ignore_eos": True})
