@@ -64,6 +64,7 @@ inline float half(uint16_t bits) {
 struct F32 {
   const float* w;
   int64_t n;
+  bool blocked = false;  // [N / kNB, K, kNB]: each block of columns one contiguous run (kernels_cpu.block_stack)
 };
 struct Q8 {
   const int8_t* q;
@@ -83,15 +84,20 @@ struct Q4 {
 constexpr int64_t kPrefetchRows = JAXCB_PREFETCH_ROWS;
 
 // c[0:R, 0:kNB] (+)= a[0:R, 0:kn] @ b[0:kn, 0:kNB]; `first`: c starts at zero.
+// `linear`: b is a blocked matrix's block read in place (its rows, the next slab's and the next block's
+// follow on): ask kPrefetchRows rows ahead along it.
 template <int R>
 inline void micro(const float* a, int64_t lda, const float* b, int64_t ldb, float* c, int64_t ldc, int64_t kn,
-                  bool first) {
+                  bool first, bool linear = false) {
   vf acc[R][kNV];
   for (int r = 0; r < R; ++r)
     for (int i = 0; i < kNV; ++i) acc[r][i] = first ? vf{} : vload(c + r * ldc + i * kLanes);
   const bool strided = ldb != kNB;  // reading w in place, a row of the block per 4 KB page
   for (int64_t k = 0; k < kn; ++k) {
-    if (strided) {
+    if (linear) {
+      const float* p = b + (k + kPrefetchRows) * kNB;
+      for (int i = 0; i < kNB; i += 16) __builtin_prefetch(p + i);
+    } else if (strided) {
       const int64_t ahead = k + kPrefetchRows;
       const float* p = ahead < kn ? b + ahead * ldb : b + (ahead - kn) * ldb + kNB;
       for (int i = 0; i < kNB; i += 16) __builtin_prefetch(p + i);  // a 64-byte line per 16 floats
@@ -188,8 +194,10 @@ inline void rows(const float* a, const W& w, float* c, int64_t m, int64_t k, int
   int64_t ldb;
   alignas(64) float buf[kKB * kNB];
   const bool first = k0 == 0;
+  bool linear = false;
   if constexpr (std::is_same_v<W, F32>) {
-    b = w.w + k0 * n + j, ldb = n;
+    if (w.blocked) b = w.w + (j / kNB) * (k * kNB) + k0 * kNB, ldb = kNB, linear = true;
+    else b = w.w + k0 * n + j, ldb = n;
   } else {
     if (m <= kDirect) {
       const float* am = a + k0;
@@ -206,17 +214,17 @@ inline void rows(const float* a, const W& w, float* c, int64_t m, int64_t k, int
     b = buf, ldb = kNB;
   }
   int64_t m0 = 0;
-  for (; m0 + kMR <= m; m0 += kMR) micro<kMR>(a + m0 * k + k0, k, b, ldb, c + m0 * n + j, n, kn, first);
+  for (; m0 + kMR <= m; m0 += kMR) micro<kMR>(a + m0 * k + k0, k, b, ldb, c + m0 * n + j, n, kn, first, linear);
   const float* am = a + m0 * k + k0;
   float* cm = c + m0 * n + j;
   switch (m - m0) {
-    case 1: micro<1>(am, k, b, ldb, cm, n, kn, first); break;
-    case 2: micro<2>(am, k, b, ldb, cm, n, kn, first); break;
-    case 3: micro<3>(am, k, b, ldb, cm, n, kn, first); break;
-    case 4: micro<4>(am, k, b, ldb, cm, n, kn, first); break;
-    case 5: micro<5>(am, k, b, ldb, cm, n, kn, first); break;
-    case 6: micro<6>(am, k, b, ldb, cm, n, kn, first); break;
-    case 7: micro<7>(am, k, b, ldb, cm, n, kn, first); break;
+    case 1: micro<1>(am, k, b, ldb, cm, n, kn, first, linear); break;
+    case 2: micro<2>(am, k, b, ldb, cm, n, kn, first, linear); break;
+    case 3: micro<3>(am, k, b, ldb, cm, n, kn, first, linear); break;
+    case 4: micro<4>(am, k, b, ldb, cm, n, kn, first, linear); break;
+    case 5: micro<5>(am, k, b, ldb, cm, n, kn, first, linear); break;
+    case 6: micro<6>(am, k, b, ldb, cm, n, kn, first, linear); break;
+    case 7: micro<7>(am, k, b, ldb, cm, n, kn, first, linear); break;
     default: break;
   }
 }
@@ -225,6 +233,13 @@ inline void rows(const float* a, const W& w, float* c, int64_t m, int64_t k, int
 // as one contiguous run of the range's columns rather than a block at a time.
 template <class W>
 void column_range(const float* a, const W& w, float* c, int64_t m, int64_t k, int64_t n, int64_t n0, int64_t n1) {
+  if constexpr (std::is_same_v<W, F32>) {
+    if (w.blocked) {  // block by block, each read front to back as one run
+      for (int64_t j = n0; j < n1; j += kNB)
+        for (int64_t k0 = 0; k0 < k; k0 += kKB) rows(a, w, c, m, k, n, k0, std::min(kKB, k - k0), j);
+      return;
+    }
+  }
   for (int64_t k0 = 0; k0 < k; k0 += kKB) {
     const int64_t kn = std::min(kKB, k - k0);
     for (int64_t j = n0; j < n1; j += kNB) rows(a, w, c, m, k, n, k0, kn, j);
@@ -454,6 +469,14 @@ void run_w8a8(ffi::ThreadPool& pool, const float* a, const Q8& w, float* c, int6
 // Checks x [M, K], the stack's [L, rows, N] (rows = K / per_byte_row) and the layer; sets m, k, n, l.
 ffi::Error shapes(ffi::Span<const int64_t> xd, ffi::Span<const int64_t> wd, int64_t per_byte_row, int32_t layer,
                   int64_t& m, int64_t& k, int64_t& n, int64_t& l) {
+  if (per_byte_row == 1 && xd.size() == 2 && wd.size() == 4) {  // float32 blocked: [L, N / kNB, K, kNB]
+    if (wd[3] != kNB || xd[1] != wd[2])
+      return ffi::Error::InvalidArgument("layer_matmul: x [M, K] and a blocked w [L, N / B, K, B] with B = "
+                                         "kernels_cpu.block_columns()");
+    m = xd[0], k = xd[1], n = wd[1] * kNB, l = layer;
+    if (l < 0 || l >= wd[0]) return ffi::Error::InvalidArgument("layer_matmul: layer out of range");
+    return ffi::Error::Success();
+  }
   if (xd.size() != 2 || wd.size() != 3 || xd[1] != wd[1] * per_byte_row)
     return ffi::Error::InvalidArgument("layer_matmul: x [M, K] and w [L, K, N]");
   m = xd[0], k = xd[1], n = wd[2], l = layer;
@@ -500,8 +523,8 @@ ffi::Error F32Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ff
                    ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> out) {
   int64_t m, k, n, l;
   if (auto e = shapes(x.dimensions(), w.dimensions(), 1, layer.typed_data()[0], m, k, n, l); e.failure()) return e;
-  const F32 view{w.typed_data() + static_cast<size_t>(l) * k * n, n};
-  if (m == 1) {
+  const F32 view{w.typed_data() + static_cast<size_t>(l) * k * n, n, w.dimensions().size() == 4};
+  if (m == 1 && !view.blocked) {  // a blocked matrix's blocks are runs already: the tile reads them at speed
     run_one_row(pool, x.typed_data(), view, out->typed_data(), k, n);
     return ffi::Error::Success();
   }
@@ -550,9 +573,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcbLayerMatmul, F32Impl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()   // x [M, K]
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // w [L, K, N]
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // w [L, K, N], or blocked [L, N / kNB, K, kNB]
                                   .Arg<ffi::Buffer<ffi::S32>>()   // layer []
                                   .Ret<ffi::Buffer<ffi::F32>>());  // out [M, N]
+
+// The column block of the float32 matmul, the width of a blocked matrix's blocks.
+extern "C" int64_t JaxcbMatmulBlockColumns() { return kNB; }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcbLayerMatmulInt8, Q8Impl,
                               ffi::Ffi::Bind()

@@ -27,6 +27,35 @@ def test_layer_matmul_matches_numpy_on_awkward_shapes(m, k, n):
         np.testing.assert_allclose(got, x @ w[layer], rtol=1e-4, atol=1e-4 * np.sqrt(k))
 
 
+@pytest.mark.parametrize("m,k,n", [(1, 130, 64), (2, 5, 32), (8, 576, 192), (9, 257, 96), (33, 300, 64),
+                                   (544, 64, 96)])
+def test_blocked_float32_stacks_give_the_matrix_product(m, k, n):
+    """A float32 stack blocked for the kernel (kernels_cpu.block_stack: [L, N / B, K, B]) gives x @ w on
+    every layer: one row (the tile, not the in-place one-row path), rows around the micro-kernel's 8,
+    reductions across slabs; and XLA's product on a blocked matrix (jaxcb.model.quant.dense, what a
+    non-native step reads) is the same."""
+    import jax
+    import jax.numpy as jnp
+
+    import kernels_cpu
+    from jaxcb.model.quant import dense
+
+    b = kernels_cpu.block_columns()
+    assert b in (16, 32)  # two vectors of float32 lanes (AVX2 / AVX-512)
+    rng = np.random.default_rng(m + k + n)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    w = rng.standard_normal((3, k, n)).astype(np.float32)
+    blocked = jax.jit(kernels_cpu.block_stack)(jnp.asarray(w))
+    assert blocked.shape == (3, n // b, k, b)
+    f = jax.jit(kernels_cpu.layer_matmul)
+    for layer in range(3):
+        want = x @ w[layer]
+        got = np.asarray(f(jnp.asarray(x), blocked, jnp.int32(layer)))
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.sqrt(k))
+        np.testing.assert_allclose(np.asarray(dense(jnp.asarray(x), blocked[layer])), want, rtol=1e-4,
+                                   atol=1e-4 * np.sqrt(k))
+
+
 @pytest.mark.parametrize("bits,group", [(8, 0), (8, 32), (8, 96), (8, 192), (4, 32), (4, 64), (4, 96), (4, 384)])
 @pytest.mark.parametrize("m,n", [(1, 31), (4, 40), (9, 70), (33, 192)])
 def test_quantized_layer_matmul_matches_the_dequantized_matrix(bits, group, m, n):
@@ -125,6 +154,9 @@ def test_the_native_step_gives_the_plain_step_logits(tied):
     from jaxcb.model.config import tiny_config
     from jaxcb.model.llama import Attention, forward, params_from_numpy, random_weights
     from jaxcb.model.paged_attention import allocate_kv_pages
+    from jaxcb.model.quant import blocked_layers
+
+    import kernels_cpu
 
     config = dataclasses.replace(tiny_config(), tie_embeddings=tied)  # tied as SmolLM2's and Gemma 3's
     params = params_from_numpy(random_weights(config, seed=1))
@@ -140,6 +172,13 @@ def test_the_native_step_gives_the_plain_step_logits(tied):
     kv_native, logits_native = step(params, kv, batch, config=config, attention=native)
     np.testing.assert_allclose(np.asarray(logits_native), np.asarray(logits_plain), rtol=2e-4, atol=2e-4)
     np.testing.assert_allclose(np.asarray(kv_native), np.asarray(kv_plain), rtol=2e-4, atol=2e-4)
+    # As a native runner holds them: the float32 stacks blocked (quant.blocked_layers), both steps alike.
+    blocked = blocked_layers(params)
+    assert blocked.layers.w_up.ndim == 4 and blocked.layers.w_up.shape[-1] == kernels_cpu.block_columns()
+    for attention in (native, Attention("xla")):
+        kv_b, logits_b = step(blocked, kv, batch, config=config, attention=attention)
+        np.testing.assert_allclose(np.asarray(logits_b), np.asarray(logits_plain), rtol=2e-4, atol=2e-4)
+        np.testing.assert_allclose(np.asarray(kv_b), np.asarray(kv_plain), rtol=2e-4, atol=2e-4)
     # The native step really calls the kernels; the plain one calls neither.
     text = step.lower(params, kv, batch, config=config, attention=native).as_text()
     assert "jaxcb_layer_matmul" in text and "jaxcb_ragged_attention" in text

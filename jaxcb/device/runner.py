@@ -308,6 +308,10 @@ class ModelRunner(Runner):
             from jaxcb.device import parallel
 
             params = parallel.shard_params(params, mesh)
+        if self.attention.native_matmul:  # float32 stacks in the native matmul's blocks (kernels_cpu.block_stack)
+            from jaxcb.model.quant import blocked_layers
+
+            params = blocked_layers(params)
         self.params = params
         # LoRA adapter slots (jaxcb.device.lora), `lora` = (targets, slots, max rank); None: no adapters
         self.lora = None

@@ -224,6 +224,21 @@ def native_stack(w) -> bool:
     return isinstance(w, jax.Array) and w.dtype == jnp.float32
 
 
+def blocked_layers(params):
+    """params with each float32 layer stack [L, K, N] blocked for the native matmul ([L, N / B, K, B],
+    kernels_cpu.block_stack) where B divides N (the others stay as they are), one stack at a time. A
+    step reads a blocked matrix natively or through XLA (dense)."""
+    import kernels_cpu
+
+    b = kernels_cpu.block_columns()
+    layers = params.layers
+    for name in MATRICES:
+        w = getattr(layers, name)
+        if isinstance(w, jax.Array) and w.dtype == jnp.float32 and w.ndim == 3 and w.shape[2] % b == 0:
+            layers = dataclasses.replace(layers, **{name: jax.jit(kernels_cpu.block_stack)(w)})
+    return dataclasses.replace(params, layers=layers)
+
+
 def dense(x: jax.Array, w) -> jax.Array:
     """x @ w for a float matrix, a QuantWeight or a StackedMatrix, in x's dtype."""
     if isinstance(w, StackedMatrix):
@@ -234,6 +249,8 @@ def dense(x: jax.Array, w) -> jax.Array:
             return kernels_cpu.layer_matmul(x, q.q, w.layer, q.scale, q.offset, act_block=q.act_block).astype(x.dtype)
         return kernels_cpu.layer_matmul(x, w.stack, w.layer).astype(x.dtype)
     if not isinstance(w, QuantWeight):
+        if w.ndim == 3:  # a blocked float32 matrix [N / B, K, B] (kernels_cpu.block_stack), read by XLA
+            return jnp.einsum("...k,nkb->...nb", x, w).reshape(*x.shape[:-1], w.shape[0] * w.shape[2])
         return x @ w
     if w.act_block:
         x = quantize_activations(x, w.act_block)
