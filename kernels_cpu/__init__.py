@@ -65,10 +65,9 @@ def matmul_pays() -> bool:
     return "avx512f" in build.cpu_flags()
 
 
+@functools.cache
 def block_columns() -> int:
     """The float32 layer matmul's column block: the width of a blocked matrix's blocks (block_stack)."""
-    import ctypes
-
     from kernels_cpu import build
 
     assert available(), unavailable_reason()

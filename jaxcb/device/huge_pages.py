@@ -1,8 +1,8 @@
 """The weights on the CPU in 2 MiB pages (Linux transparent huge pages), collapsed in the background.
 
-A decode step reads every weight matrix; with 4 KiB pages each row of a block of a layer matrix lies on
-a page of its own, and the TLB misses cost a few percent of the step (SmolLM2 float32 on a 2-core Xeon:
-1-row step 25.9 -> 25.0 ms, 32-row step 71.4 -> 69.2 ms, interleaved runs). Where the kernel leaves
+A decode step reads every weight matrix; with 4 KiB pages its TLB misses cost a few percent of the step
+(SmolLM2 float32 on a 2-core Xeon, measured while the layer matrices were still read in place, a row of a
+block per page: 1-row step 25.9 -> 25.0 ms, 32-row step 71.4 -> 69.2 ms, interleaved runs). Where the kernel leaves
 huge pages to madvise (the usual default), XLA's buffers never get them: this asks for them on the
 weights' buffers (MADV_HUGEPAGE) and has the kernel collapse them now (MADV_COLLAPSE, Linux 6.1+) on a
 thread of its own, about a second for SmolLM2's 0.5 GB while serving goes on (the kernel swaps the

@@ -231,11 +231,12 @@ def blocked_layers(params):
     import kernels_cpu
 
     b = kernels_cpu.block_columns()
+    block = jax.jit(kernels_cpu.block_stack)
     layers = params.layers
     for name in MATRICES:
         w = getattr(layers, name)
         if isinstance(w, jax.Array) and w.dtype == jnp.float32 and w.ndim == 3 and w.shape[2] % b == 0:
-            layers = dataclasses.replace(layers, **{name: jax.jit(kernels_cpu.block_stack)(w)})
+            layers = dataclasses.replace(layers, **{name: block(w)})
     return dataclasses.replace(params, layers=layers)
 
 
