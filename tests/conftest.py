@@ -6,6 +6,7 @@ again (nothing in use, free + in use == total)."""
 from __future__ import annotations
 
 import faulthandler
+import importlib.util
 import json
 import os
 import shutil
@@ -15,8 +16,6 @@ import tempfile
 import numpy as np
 import pytest
 
-from tests.server_util import compile_mode
-from tests.tiny_gguf import write_tiny_gguf
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "golden", "smollm2")
 
@@ -55,10 +54,13 @@ from jaxcb.device import cpu_dots  # noqa: E402
 jax.config.update("jax_disable_most_optimizations", True)
 cpu_dots.setup()
 _flags = os.environ.get("XLA_FLAGS")
-os.environ["XLA_FLAGS"] = f"{_flags or ''} --xla_cpu_use_fusion_emitters=false"
+# (XLA:CPU's flag only where JAX runs on the CPU: on a GPU or TPU VM the tests run on the accelerator.)
+_ACCELERATOR = any(importlib.util.find_spec(p) for p in ("jax_cuda12_plugin", "jax_cuda13_plugin", "libtpu"))
+if not _ACCELERATOR or os.environ.get("JAX_PLATFORMS") == "cpu":
+    os.environ["XLA_FLAGS"] = f"{_flags or ''} --xla_cpu_use_fusion_emitters=false"
 jax.devices()
 if _flags is None:
-    del os.environ["XLA_FLAGS"]
+    os.environ.pop("XLA_FLAGS", None)
 else:
     os.environ["XLA_FLAGS"] = _flags
 
@@ -89,6 +91,8 @@ def compile_cache_dir():
 
 @pytest.fixture(scope="session")
 def tiny_gguf_path(tmp_path_factory):
+    from tests.tiny_gguf import write_tiny_gguf  # (the gguf package's writer: only where a GGUF is written)
+
     path = str(tmp_path_factory.mktemp("models") / "tiny.gguf")
     write_tiny_gguf(path)
     return path
@@ -124,6 +128,8 @@ def make_llm(tiny_model):
         config.setdefault("max_context", 256)
         config.setdefault("decode_batch", (1, 2, 4, 8))
         config.setdefault("prefill_tokens", (16, 32, 64))
+        from tests.server_util import compile_mode  # (server_util imports gRPC: only where servers are tested)
+
         cfg, params, tok, eos = model or tiny_model
         config.setdefault("compile", compile_mode(cfg))
         config_obj = make_config(**config)
@@ -148,9 +154,11 @@ def gemma3_model():
 
 @pytest.fixture(scope="session")
 def smollm2_model():
+    import jax.numpy as jnp
+
     from jaxcb.llm import load_model
 
-    return load_model()
+    return load_model(dtype=jnp.float32)  # (float32 on an accelerator too, where the default is bfloat16)
 
 
 @pytest.fixture(scope="session")

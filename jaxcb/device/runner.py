@@ -282,7 +282,7 @@ class ModelRunner(Runner):
         self._compiled: dict[StepShape, tuple] = {}  # step shape -> its compiled (forward pass, sampler)
         self._samplers: dict[tuple, object] = {}  # (seqs, extra rows, history, logits' and newest's shardings) -> sampler
         self.compiler_options = COMPILER_OPTIONS[compile]
-        if compile == "optimized" and jax.default_backend() != "cpu":
+        if jax.default_backend() != "cpu":
             self.compiler_options = None  # XLA's defaults as they are: the options above are XLA:CPU's
         self.model_config = config  # the model as loaded
         self.kv_replication = 1

@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# What a machine with an NVIDIA GPU checks and measures, in one command from the repository root:
+#
+#     tools/gpu_check.sh [kernels|engine|all] [OUTDIR]
+#
+# kernels: the Pallas GPU kernels compiled by Triton (not interpreted) against the plain-JAX reference,
+#          every case of tests/test_kernels.py.
+# engine:  the engine on the GPU against Hugging Face's greedy tokens and prefill logits
+#          (tests/test_model_parity.py, float32 with the Pallas kernels), then bench/device.py (kernel
+#          bandwidth, the engine benchmark with SmolLM2 and an 8B-shaped model, MBU and MFU).
+# Runs with the python3 on the PATH (a GPU VM's own JAX with its CUDA plugin); jaxcb from this tree.
+# Each part has its own time limit so that one that hangs or fails leaves the others' figures; logs and
+# device.json go to OUTDIR (default /tmp/jaxcb-gpu).
+set -u
+stage=${1:-all}
+out=${2:-/tmp/jaxcb-gpu}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+# float32 references at float32 (XLA's GPU dots may otherwise round float32 operands to TF32).
+export JAX_DEFAULT_MATMUL_PRECISION=highest
+py=${PYTHON:-python3}
+start=$(date +%s)
+elapsed() { echo "[$(( $(date +%s) - start )) s] $*"; }
+
+{
+  nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv 2>&1
+  "$py" -c "import jax, jaxlib, sys; print('python', sys.version.split()[0], 'jax', jax.__version__, 'jaxlib', jaxlib.__version__, jax.devices())" 2>&1
+} | tee "$out/env.txt"
+
+if [ "$stage" = kernels ] || [ "$stage" = all ]; then
+  elapsed "kernels"
+  timeout 240 "$py" -m pytest -q -p no:cacheprovider --timeout 200 -k "gpu and not lower" tests/test_kernels.py \
+    2>&1 | tee "$out/kernels.log" | tail -25
+fi
+
+if [ "$stage" = engine ] || [ "$stage" = all ]; then
+  elapsed "parity"
+  timeout 150 "$py" -m pytest -q -p no:cacheprovider --timeout 140 -s tests/test_model_parity.py \
+    2>&1 | tee "$out/parity.log" | grep -E "passed|failed|error|Error|worst|identical|assert" | tail -25
+  elapsed "bench.device"
+  timeout 420 "$py" -m bench.device --json "$out/device.json" 2>&1 | tee "$out/device.log" | tail -30
+fi
+elapsed "done"
