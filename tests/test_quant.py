@@ -264,5 +264,6 @@ def test_smollm2_perplexity_of_each_mode_against_float32():
     # int8 activations too (rows quantized per 32 values): about +1.5-2% more on this excerpt. Rounding each
     # activation to int8 turns differences in the last bits of the attention into different roundings:
     # the plain-JAX attention gives +3.36%, the native kernel +3.13% (one summation order) and +3.70%
-    # (another), with float32 perplexity equal to 1e-6 between all three.
-    assert ratios["int8", 0, "auto"] < ratios["w8a8", 0, "auto"] < 0.04
+    # (another), with float32 perplexity equal to 1e-6 between all three; +4.02% on a 2-core AMD EPYC (AVX2,
+    # plain-JAX attention and XLA's integer dots).
+    assert ratios["int8", 0, "auto"] < ratios["w8a8", 0, "auto"] < 0.05
