@@ -7,7 +7,8 @@
 #          every case of tests/test_kernels.py.
 # engine:  the engine on the GPU against Hugging Face's greedy tokens and prefill logits
 #          (tests/test_model_parity.py, float32 with the Pallas kernels), then bench/device.py (kernel
-#          bandwidth, the engine benchmark with SmolLM2 and an 8B-shaped model, MBU and MFU).
+#          bandwidth, the engine benchmark with SmolLM2 and an 8B-shaped model, MBU and MFU), then
+#          bench/step_profile.py (the 8B-shaped decode step's device time by op).
 # Runs with the python3 on the PATH (a GPU VM's own JAX with its CUDA plugin); jaxcb from this tree.
 # Each part has its own time limit so that one that hangs or fails leaves the others' figures; logs and
 # device.json go to OUTDIR (default /tmp/jaxcb-gpu).
@@ -39,5 +40,7 @@ if [ "$stage" = engine ] || [ "$stage" = all ]; then
     2>&1 | tee "$out/parity.log" | grep -E "passed|failed|error|Error|worst|identical|assert" | tail -25
   elapsed "bench.device"
   timeout 420 "$py" -m bench.device --json "$out/device.json" 2>&1 | tee "$out/device.log" | tail -30
+  elapsed "bench.step_profile"
+  timeout 120 "$py" -m bench.step_profile 2>&1 | tee "$out/profile.log" | grep -v Warning | tail -22
 fi
 elapsed "done"
