@@ -42,5 +42,14 @@ if [ "$stage" = engine ] || [ "$stage" = all ]; then
   timeout 420 "$py" -m bench.device --json "$out/device.json" 2>&1 | tee "$out/device.log" | tail -30
   elapsed "bench.step_profile"
   timeout 120 "$py" -m bench.step_profile 2>&1 | tee "$out/profile.log" | grep -v Warning | tail -22
+  # The open problem of the first H200 run: XLA:GPU copied each layer's slice of the stacked weights
+  # before its Triton dot (6.5 of 13.7 ms at 1 row). Candidates that need only flags: cuBLAS dots, which
+  # the dynamic-slice fusion lets read the stack at the layer's offset.
+  for flags in "--xla_gpu_enable_triton_gemm=false" \
+               "--xla_gpu_enable_triton_gemm=false --xla_gpu_enable_dynamic_slice_fusion=true"; do
+    elapsed "bench.step_profile with $flags"
+    XLA_FLAGS="${XLA_FLAGS:-} $flags" timeout 90 "$py" -m bench.step_profile --rows 1 32 --top 5 2>&1 \
+      | tee -a "$out/profile_flags.log" | grep -v Warning | tail -14
+  done
 fi
 elapsed "done"
