@@ -187,15 +187,20 @@ def _token_text(tokenizer, token: int) -> str:
     return tokenizer.decode([token], skip_special=False) if tokenizer is not None else str(token)
 
 
+def _token_bytes(tokenizer, token: int) -> list[int]:
+    """The token's own bytes (a piece of a character is its piece, not U+FFFD's three bytes)."""
+    return list(tokenizer.token_bytes(token) if tokenizer is not None else str(token).encode())
+
+
 def _logprobs(tokenizer, ev, chat: bool, top: int):
     """One event's logprobs in OpenAI's shape: chat `{content: [...]}`, completions the four lists."""
     if chat:
         content = []
         for token, (lp, alts) in zip(ev.token_ids, ev.logprobs):
             text = _token_text(tokenizer, token)
-            content.append({"token": text, "logprob": lp, "bytes": list(text.encode()),
+            content.append({"token": text, "logprob": lp, "bytes": _token_bytes(tokenizer, token),
                             "top_logprobs": [{"token": _token_text(tokenizer, t), "logprob": l,
-                                              "bytes": list(_token_text(tokenizer, t).encode())}
+                                              "bytes": _token_bytes(tokenizer, t)}
                                              for t, l in alts[:top]]})
         return {"content": content}
     tokens, token_logprobs, tops = [], [], []

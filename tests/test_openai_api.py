@@ -140,6 +140,26 @@ def test_echo_starts_each_choice_with_its_prompt(server, oai, model_name, tiny_m
     assert r.status_code == 400 and r.json()["error"]["message"].startswith("echo: with logprobs")
 
 
+def test_logprobs_bytes_are_each_tokens_own(oai, model_name):
+    """logprobs' `bytes`: a token that is a piece of a multi-byte character carries that piece (it carried
+    U+FFFD's three bytes), so that a client joining the bytes gets the text: chosen tokens and alternatives."""
+    lead = 3 + 0xF0  # the tiny vocabulary's token of the byte 0xF0 (tests/tiny_gguf.py: 3 specials, then bytes)
+    chat = oai.chat.completions.create(model=model_name, messages=[{"role": "user", "content": "hi"}], max_tokens=3,
+                                       temperature=0, logprobs=True, top_logprobs=5, logit_bias={str(lead): 100},
+                                       extra_body={"ignore_eos": True})
+    content = chat.choices[0].logprobs.content
+    assert [t.bytes for t in content] == [[0xF0]] * 3
+    for t in content:
+        assert len(t.top_logprobs) == 5
+        for alt in t.top_logprobs:
+            assert bytes(alt.bytes).decode("utf-8", "replace") == alt.token
+    for seed in range(3):  # free runs: the joined bytes are the text
+        out = oai.chat.completions.create(model=model_name, messages=[{"role": "user", "content": "hi"}], max_tokens=12,
+                                          temperature=1.5, seed=seed, logprobs=True, extra_body={"ignore_eos": True})
+        joined = b"".join(bytes(t.bytes) for t in out.choices[0].logprobs.content)
+        assert joined.decode("utf-8", "replace") == out.choices[0].message.content
+
+
 def test_n_logprobs_and_stop(oai, model_name):
     out = oai.completions.create(model=model_name, prompt=[[5, 6], [7, 8, 9]], max_tokens=6, n=2, temperature=1.0,
                                  seed=3, logprobs=2, extra_body={"ignore_eos": True})

@@ -34,6 +34,21 @@ def test_digits_are_split_and_round_trip(tok):
         assert tok.decode(tok.encode(text)) == text
 
 
+@settings(max_examples=25, deadline=None)
+@given(st.one_of(st.sampled_from(["héllo 👦 世界", "🦙🦙 naïve café", "\u00ad\u200b x"]), st.text(max_size=40)))
+def test_token_bytes_join_to_the_text(tok, text):
+    """token_bytes: each token's own bytes (pieces of a character too), which joined are the text."""
+    ids = tok.encode(text, add_bos=False)
+    joined = b"".join(tok.token_bytes(i) for i in ids)
+    assert joined.decode("utf-8", "replace") == tok.decode(ids, skip_special=False)
+    if tok.decode(ids) == text:  # (SmolLM2's vocabulary lacks a few bytes, e.g. 0xF1: encode drops them)
+        assert joined == text.encode()
+    pieces = [tok.token_bytes(i) for i in tok.encode("👦", add_bos=False)]
+    assert len(pieces) > 1 and b"\xef\xbf\xbd" not in b"".join(pieces)  # pieces of a character, not U+FFFD's bytes
+    assert tok.token_bytes(tok.eos_id) == tok.decode([tok.eos_id], skip_special=False).encode()
+    assert tok.token_bytes(tok.vocab_size) == b"" and tok.token_bytes(-1) == b""
+
+
 def test_special_tokens_are_matched_whole(tok):
     ids = tok.encode("<|im_start|>user\nhi<|im_end|>")
     assert ids[0] == tok.bos_id and ids[-1] == tok.eos_id

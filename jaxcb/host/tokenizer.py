@@ -27,6 +27,7 @@ import dataclasses
 import hashlib
 import os
 import tempfile
+import threading
 
 import jinja2
 import jinja2.sandbox
@@ -200,6 +201,9 @@ class Tokenizer:
         # A copy that reads special-token text as plain text: for what users wrote (encode_chat).
         self._plain = HFTokenizer.from_str(text or tok.to_str())
         self._plain.encode_special_tokens = True
+        self._bytes: dict[int, bytes] = {}
+        self._byte_decoder = None
+        self._byte_lock = threading.Lock()
         self._template = None
         if chat_template:
             env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
@@ -266,6 +270,24 @@ class Tokenizer:
 
     def id_to_token(self, i: int) -> str | None:
         return self._tok.id_to_token(i)
+
+    def token_bytes(self, token: int) -> bytes:
+        """One token's own bytes: a piece of a multi-byte character is that piece (where decode() gives
+        U+FFFD), a special token its text, an id past the vocabulary b"". What OpenAI's logprobs `bytes`
+        carry, so that clients can join the pieces of a character. Read by llguidance's tokenizer (the
+        structured-output library's, byte-exact for byte-level BPE and SentencePiece's byte tokens alike),
+        built on first use (a fraction of a second) and each token's bytes kept."""
+        if not 0 <= token < self.vocab_size:
+            return b""
+        got = self._bytes.get(token)
+        if got is None:
+            with self._byte_lock:
+                if self._byte_decoder is None:
+                    import llguidance
+
+                    self._byte_decoder = llguidance.LLTokenizer(self.to_str(), n_vocab=self.vocab_size)
+            got = self._bytes[token] = bytes(self._byte_decoder.decode_bytes([token]))
+        return got
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         if self._template is None:
