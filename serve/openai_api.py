@@ -7,6 +7,7 @@
     POST /v1/unload_lora_adapter {"lora_name"}: unregister it (when its requests have ended)
     POST /v1/completions         prompt: text, list of texts, token ids or lists of them
     POST /v1/chat/completions    messages through the model's chat template
+    POST /v1/responses           OpenAI's Responses API (text in, one message out), over the chat machinery
     POST /tokenize               vLLM's: {prompt} or {messages} -> {count, max_model_len, tokens, token_strs}
     POST /detokenize             vLLM's: {tokens} -> {prompt}
     GET  /version                {version}: jaxcb's (no auth)
@@ -36,7 +37,7 @@ from fastapi.responses import PlainTextResponse, Response
 
 import jaxcb
 from jaxcb.host.errors import InvalidConfig, InvalidRequest, JaxcbError, NotFound, Unauthenticated
-from serve import frontend, tool_calls
+from serve import frontend, openai_responses, tool_calls
 from serve.openai_answer import answer
 from serve.openai_fields import (CHAT_FIELDS, COMPLETION_FIELDS, DETOKENIZE_FIELDS, TOKENIZE_FIELDS, MAX_TOP_LOGPROBS,
                                  HTTPError, bad_request, bool_field, check_fields, common_fields, http_error,
@@ -276,6 +277,17 @@ def make_app(state) -> FastAPI:
         tenant = authorize(request)
         body = await body_of(request)
         check_fields(body, CHAT_FIELDS)
+        return await run_chat(request, tenant, body)
+
+    @app.post("/v1/responses")
+    async def responses(request: Request):
+        """OpenAI's Responses API, answered by the chat machinery (serve.openai_responses)."""
+        tenant = authorize(request)
+        body = await body_of(request)
+        chat = openai_responses.chat_body(body)
+        return openai_responses.reshape(await run_chat(request, tenant, chat), body)
+
+    async def run_chat(request: Request, tenant: str, body: dict):
         options = common_fields(body)
         tools = tool_calls.parse_tools(body)
         messages = body.get("messages")

@@ -684,3 +684,68 @@ def test_bench_serve_measures_a_running_server_over_each_api(server, tmp_path, t
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert [(r["rate"], r["requests"], r["output_tokens"]) for r in result["runs"]] == [(2.0, 2, 8), ("inf", 2, 8)]
+
+
+def test_responses_api_answers_as_the_chat_api_does(oai, model_name):
+    """POST /v1/responses (OpenAI's newer API) through the openai client: instructions and input items as
+    chat messages, max_output_tokens as the limit, text.format as response_format; whole and streamed,
+    each the chat answer's text and usage."""
+    messages = [{"role": "system", "content": "be brief"},
+                {"role": "user", "content": [{"type": "text", "text": "hi"}, {"type": "text", "text": "there"}]}]
+    chat = oai.chat.completions.create(model=model_name, messages=messages, max_tokens=7, temperature=0,
+                                       extra_body={"ignore_eos": True})
+    r = oai.responses.create(model=model_name, instructions="be brief",
+                             input=[{"role": "user", "content": [{"type": "input_text", "text": "hi"},
+                                                                 {"type": "input_text", "text": "there"}]}],
+                             max_output_tokens=7, temperature=0, extra_body={"ignore_eos": True})
+    assert r.object == "response" and r.id.startswith("resp_") and r.model == model_name
+    assert r.output_text == chat.choices[0].message.content
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"  # cut at the limit
+    assert (r.usage.input_tokens, r.usage.output_tokens) == (chat.usage.prompt_tokens, 7)
+    events = list(oai.responses.create(model=model_name, instructions="be brief", input="hi\nthere", max_output_tokens=7,
+                                       temperature=0, stream=True, extra_body={"ignore_eos": True}))
+    kinds = [e.type for e in events]
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                          "response.incomplete"]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert deltas == events[-1].response.output_text == r.output_text
+    assert events[-1].response.usage.output_tokens == 7
+    schema = {"type": "object", "properties": {"a": {"type": "boolean"}}, "required": ["a"], "additionalProperties": False}
+    want = oai.chat.completions.create(model=model_name, messages=[{"role": "user", "content": "x"}], max_tokens=12,
+                                       temperature=0, response_format={"type": "json_schema",
+                                                                       "json_schema": {"name": "s", "schema": schema}})
+    got = oai.responses.create(model=model_name, input="x", max_output_tokens=12, temperature=0,
+                               text={"format": {"type": "json_schema", "name": "s", "schema": schema}})
+    assert got.output_text == want.choices[0].message.content
+
+
+def test_responses_stream_client_gone_frees_its_request(server):
+    with httpx.stream("POST", server.http + "/v1/responses", timeout=60,
+                      json={"input": "hi", "max_output_tokens": 240, "stream": True, "ignore_eos": True}) as r:
+        for line in r.iter_lines():
+            if line.startswith("event: response.output_text.delta"):
+                break
+    info = _pool_whole(server)
+    assert info.pages_free == info.pages_total and info.running == 0
+
+
+@pytest.mark.parametrize("body,message", [
+    ({"input": [{"type": "function_call_output", "call_id": "c", "output": "1"}]},
+     "input[0].type: 'function_call_output' is not supported"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]},
+     "input[0].content[0].type: 'input_image' is not supported"),
+    ({"input": [{"role": "robot", "content": "x"}]}, "input[0].role: must be one of"),
+    ({"input": []}, "input: must be a string or a non-empty list"),
+    ({"input": "x", "tools": []}, "tools: not a field"),
+    ({"input": "x", "previous_response_id": "resp_1"}, "previous_response_id: not a field"),
+    ({"input": "x", "text": {"format": {"type": "yaml"}}}, "text.format.type: must be text, json_object or json_schema"),
+    ({"input": "x", "max_output_tokens": 0}, "max_output_tokens: must be at least 1"),
+    ({"input": "x", "max_output_tokens": "9"}, "max_output_tokens: must be an integer"),
+])
+def test_responses_api_refuses_what_it_does_not_do_by_name(server, body, message):
+    r = httpx.post(server.http + "/v1/responses", json=body, timeout=30)
+    assert r.status_code == 400, r.text
+    assert message in r.json()["error"]["message"]
