@@ -2,9 +2,11 @@
 `instructions` and `input` become chat messages, `text.format` the response_format, `max_output_tokens`
 the token limit; the chat answer (one JSON body, or its server-sent chunks) is reshaped into a response
 object and the Responses stream's events (response.created ... response.output_text.delta ...
-response.completed). Text in, text out: one output message a call. Not kept: `store` is accepted but no
-response is stored, so `previous_response_id` and the retrieval routes are not served; tools, images
-and reasoning items are refused by name, as every unknown field is.
+response.completed). Text and function tools: the output is the message's text and the calls it makes
+(function_call items, whole or as argument deltas); earlier calls and their outputs come back as
+function_call and function_call_output input items. Not kept: `store` is accepted but no response is
+stored, so `previous_response_id` and the retrieval routes are not served; built-in tools, images and
+reasoning items are refused by name, as every unknown field is.
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ from serve.openai_fields import bad_request, check_fields, int_field
 
 RESPONSES_FIELDS = {"model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "stream",
                     "text", "user", "store", "metadata", "seed", "top_k", "min_p", "repetition_penalty",
-                    "presence_penalty", "frequency_penalty", "ignore_eos", "priority", "cache_salt", "request_id"}
+                    "presence_penalty", "frequency_penalty", "ignore_eos", "priority", "cache_salt", "request_id",
+                    "tools", "tool_choice", "parallel_tool_calls"}
 PASSED_ON = {"model", "temperature", "top_p", "stream", "user", "seed", "top_k", "min_p", "repetition_penalty",
              "presence_penalty", "frequency_penalty", "ignore_eos", "priority", "cache_salt", "request_id"}
 ROLES = ("user", "system", "developer", "assistant")
@@ -59,17 +62,78 @@ def _messages(body: dict) -> list[dict]:
     for i, item in enumerate(given):
         where = f"input[{i}]"
         if not isinstance(item, dict):
-            raise bad_request(f"{where}: must be a message item object")
+            raise bad_request(f"{where}: must be an input item object")
         kind = item.get("type", "message")
+        if kind in ITEM_FIELDS and kind != "message":
+            _tool_item(where, kind, item, messages)
+            continue
         if kind != "message":
-            raise bad_request(f"{where}.type: {kind!r} is not supported; message items only")
-        unknown = sorted(set(item) - {"type", "role", "content", "id", "status"})
+            raise bad_request(f"{where}.type: {kind!r} is not supported; message, function_call and "
+                              "function_call_output items only")
+        unknown = sorted(set(item) - ITEM_FIELDS["message"])
         if unknown:
             raise bad_request(f"{where}.{unknown[0]}: not a field of a message item")
         if item.get("role") not in ROLES:
             raise bad_request(f"{where}.role: must be one of {', '.join(ROLES)}, got {item.get('role')!r}")
         messages.append({"role": item["role"], "content": _content(where, item.get("content"))})
     return messages
+
+
+ITEM_FIELDS = {"message": {"type", "role", "content", "id", "status"},
+               "function_call": {"type", "call_id", "name", "arguments", "id", "status"},
+               "function_call_output": {"type", "call_id", "output", "id", "status"}}
+
+
+def _tool_item(where: str, kind: str, item: dict, messages: list[dict]) -> None:
+    """An earlier function call (joined to the assistant message of the calls just before it) or a
+    call's output (a tool message), as the chat's messages have them."""
+    unknown = sorted(set(item) - ITEM_FIELDS[kind])
+    if unknown:
+        raise bad_request(f"{where}.{unknown[0]}: not a field of a {kind} item")
+    if not isinstance(item.get("call_id"), str):
+        raise bad_request(f"{where}.call_id: must be a string")
+    if kind == "function_call_output":
+        if not isinstance(item.get("output"), str):
+            raise bad_request(f"{where}.output: must be a string")
+        messages.append({"role": "tool", "tool_call_id": item["call_id"], "content": item["output"]})
+        return
+    for field in ("name", "arguments"):
+        if not isinstance(item.get(field), str):
+            raise bad_request(f"{where}.{field}: must be a string")
+    call = {"id": item["call_id"], "type": "function",
+            "function": {"name": item["name"], "arguments": item["arguments"]}}
+    last = messages[-1] if messages else None
+    if last is not None and last["role"] == "assistant" and "tool_calls" in last:
+        last["tool_calls"].append(call)
+    else:
+        messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+
+
+def _tools(body: dict, chat: dict) -> None:
+    """Responses' function tools ({type, name, parameters, ...}) and tool_choice as the chat's."""
+    tools = body.get("tools")
+    if tools is not None:
+        if not isinstance(tools, list):
+            raise bad_request("tools: must be a list of function tools")
+        out = []
+        for i, t in enumerate(tools):
+            kind = t.get("type") if isinstance(t, dict) else None
+            if kind != "function":
+                raise bad_request(f"tools[{i}].type: {kind!r} is not supported; function tools only")
+            unknown = sorted(set(t) - {"type", "name", "description", "parameters", "strict"})
+            if unknown:
+                raise bad_request(f"tools[{i}].{unknown[0]}: not a field of a function tool")
+            out.append({"type": "function", "function": {k: v for k, v in t.items() if k != "type"}})
+        chat["tools"] = out
+    choice = body.get("tool_choice")
+    if isinstance(choice, dict):
+        if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
+            raise bad_request("tool_choice: must be none, auto, required or {type: function, name}")
+        choice = {"type": "function", "function": {"name": choice["name"]}}
+    if choice is not None:
+        chat["tool_choice"] = choice
+    if "parallel_tool_calls" in body:
+        chat["parallel_tool_calls"] = body["parallel_tool_calls"]
 
 
 def _response_format(body: dict):
@@ -110,6 +174,7 @@ def chat_body(body: dict) -> dict:
         if limit < 1:
             raise bad_request(f"max_output_tokens: must be at least 1, got {limit}")
         chat["max_completion_tokens"] = limit
+    _tools(body, chat)
     response_format = _response_format(body)
     if response_format is not None:
         chat["response_format"] = response_format
@@ -119,12 +184,15 @@ def chat_body(body: dict) -> dict:
 
 
 class _Shape:
-    """One response object as it grows: its text, finish and usage."""
+    """One response object as it grows: its output items in order (the message's text, function calls),
+    finish and usage."""
 
     def __init__(self, body: dict, model: str):
         self.id, self.message_id = "resp_" + uuid.uuid4().hex, "msg_" + uuid.uuid4().hex
         self.created, self.body, self.model = int(time.time()), body, model
         self.text, self.finish, self.usage = "", None, None
+        self.order: list = []  # "message" and the indexes of self.calls, as they came
+        self.calls: list[dict] = []  # {id, call_id, name, arguments}
 
     def usage_json(self):
         u = self.usage or {}
@@ -133,24 +201,38 @@ class _Shape:
                 "input_tokens_details": {"cached_tokens": (u.get("prompt_tokens_details") or {}).get("cached_tokens", 0)},
                 "output_tokens_details": {"reasoning_tokens": 0}}
 
+    def add_call(self, call_id: str, name: str, arguments: str = "") -> int:
+        self.calls.append({"id": "fc_" + uuid.uuid4().hex, "call_id": call_id, "name": name, "arguments": arguments})
+        self.order.append(len(self.calls) - 1)
+        return len(self.order) - 1
+
     def part(self):
         return {"type": "output_text", "text": self.text, "annotations": []}
 
-    def item(self, status: str):
-        return {"type": "message", "id": self.message_id, "status": status, "role": "assistant",
-                "content": [self.part()] if status != "in_progress" else []}
+    def item(self, which, status: str):
+        if which == "message":
+            return {"type": "message", "id": self.message_id, "status": status, "role": "assistant",
+                    "content": [self.part()] if status != "in_progress" else []}
+        c = self.calls[which]
+        return {"type": "function_call", "id": c["id"], "call_id": c["call_id"], "name": c["name"],
+                "arguments": c["arguments"] if status != "in_progress" else "", "status": status}
+
+    def status(self) -> str:
+        return "incomplete" if self.finish == "length" else "completed"
 
     def response(self, status: str | None = None):
-        status = status or ("incomplete" if self.finish == "length" else "completed")
+        status = status or self.status()
         b = self.body
+        order = self.order or ["message"]  # an answer with no text and no call: one empty message
+        output = [] if status == "in_progress" else [self.item(w, status) for w in order]
         return {"id": self.id, "object": "response", "created_at": self.created, "status": status,
                 "error": None, "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
                 "instructions": b.get("instructions"), "max_output_tokens": b.get("max_output_tokens"),
-                "model": self.model, "output": [] if status == "in_progress" else [self.item(status)],
-                "parallel_tool_calls": False, "temperature": b.get("temperature"), "top_p": b.get("top_p"),
-                "tool_choice": "auto", "tools": [], "text": b.get("text") or {"format": {"type": "text"}},
-                "store": False, "metadata": b.get("metadata") or {},
-                "usage": self.usage_json() if status != "in_progress" else None}
+                "model": self.model, "output": output, "parallel_tool_calls": b.get("parallel_tool_calls", True),
+                "temperature": b.get("temperature"), "top_p": b.get("top_p"),
+                "tool_choice": b.get("tool_choice", "auto"), "tools": b.get("tools") or [],
+                "text": b.get("text") or {"format": {"type": "text"}}, "store": False,
+                "metadata": b.get("metadata") or {}, "usage": self.usage_json() if status != "in_progress" else None}
 
 
 def reshape(answer, body: dict):
@@ -163,7 +245,12 @@ def reshape(answer, body: dict):
         return answer
     shape = _Shape(body, answer["model"])
     choice = answer["choices"][0]
-    shape.text, shape.finish, shape.usage = choice["message"]["content"] or "", choice["finish_reason"], answer["usage"]
+    message = choice["message"]
+    shape.text, shape.finish, shape.usage = message.get("content") or "", choice["finish_reason"], answer["usage"]
+    if shape.text or not message.get("tool_calls"):
+        shape.order.append("message")
+    for call in message.get("tool_calls") or ():
+        shape.add_call(call["id"], call["function"]["name"], call["function"]["arguments"])
     return shape.response()
 
 
@@ -176,15 +263,29 @@ async def _events(chunks, body: dict):
         seq += 1
         return f"event: {kind}\ndata: {json.dumps({'type': kind, 'sequence_number': seq - 1, **fields}, ensure_ascii=False)}\n\n"
 
-    where = {"output_index": 0, "content_index": 0}
     # A client gone: both generators close at once, the chat stream's requests aborted.
-    async with contextlib.aclosing(chunks), contextlib.aclosing(_translate(chunks, body, event, where)) as events:
+    async with contextlib.aclosing(chunks), contextlib.aclosing(_translate(chunks, body, event)) as events:
         async for text in events:
             yield text
 
 
-async def _translate(chunks, body: dict, event, where):
+async def _translate(chunks, body: dict, event):
     shape = None
+    at: dict[int, int] = {}  # the chat's tool-call index -> its output index
+    text_at = {"content_index": 0}
+
+    def close(index: int, which):
+        status = shape.status()
+        if which == "message":
+            where = {"output_index": index, **text_at}
+            yield event("response.output_text.done", item_id=shape.message_id, **where, text=shape.text, logprobs=[])
+            yield event("response.content_part.done", item_id=shape.message_id, **where, part=shape.part())
+        else:
+            c = shape.calls[which]
+            yield event("response.function_call_arguments.done", item_id=c["id"], output_index=index,
+                        arguments=c["arguments"])
+        yield event("response.output_item.done", output_index=index, item=shape.item(which, status))
+
     async for raw in chunks:
         for line in (raw.decode() if isinstance(raw, bytes) else raw).splitlines():
             if not line.startswith("data: ") or line == "data: [DONE]":
@@ -198,22 +299,42 @@ async def _translate(chunks, body: dict, event, where):
                 shape = _Shape(body, chunk["model"])
                 yield event("response.created", response=shape.response("in_progress"))
                 yield event("response.in_progress", response=shape.response("in_progress"))
-                yield event("response.output_item.added", output_index=0, item=shape.item("in_progress"))
-                yield event("response.content_part.added", item_id=shape.message_id, **where, part=shape.part())
             if chunk.get("usage"):
                 shape.usage = chunk["usage"]
             for choice in chunk.get("choices", ()):
-                delta = (choice.get("delta") or {}).get("content")
-                if delta:
-                    shape.text += delta
-                    yield event("response.output_text.delta", item_id=shape.message_id, **where, delta=delta,
-                                logprobs=[])
+                delta = choice.get("delta") or {}
+                if delta.get("content"):
+                    if "message" not in shape.order:
+                        shape.order.append("message")
+                        index = len(shape.order) - 1
+                        yield event("response.output_item.added", output_index=index, item=shape.item("message", "in_progress"))
+                        yield event("response.content_part.added", item_id=shape.message_id, output_index=index,
+                                    **text_at, part=shape.part())
+                    shape.text += delta["content"]
+                    yield event("response.output_text.delta", item_id=shape.message_id,
+                                output_index=shape.order.index("message"), **text_at, delta=delta["content"], logprobs=[])
+                for piece in delta.get("tool_calls") or ():
+                    f = piece.get("function") or {}
+                    if piece.get("id"):  # a call's head: a new output item
+                        at[piece["index"]] = shape.add_call(piece["id"], f.get("name", ""))
+                        index = at[piece["index"]]
+                        yield event("response.output_item.added", output_index=index,
+                                    item=shape.item(shape.order[index], "in_progress"))
+                    if f.get("arguments") and piece.get("index") in at:
+                        index = at[piece["index"]]
+                        call = shape.calls[shape.order[index]]
+                        call["arguments"] += f["arguments"]
+                        yield event("response.function_call_arguments.delta", item_id=call["id"], output_index=index,
+                                    delta=f["arguments"])
                 if choice.get("finish_reason"):
                     shape.finish = choice["finish_reason"]
     if shape is None:
         return
-    status = "incomplete" if shape.finish == "length" else "completed"
-    yield event("response.output_text.done", item_id=shape.message_id, **where, text=shape.text, logprobs=[])
-    yield event("response.content_part.done", item_id=shape.message_id, **where, part=shape.part())
-    yield event("response.output_item.done", output_index=0, item=shape.item(status))
-    yield event(f"response.{status}", response=shape.response(status))
+    if not shape.order:  # no text and no call: one empty message, opened and closed
+        shape.order.append("message")
+        yield event("response.output_item.added", output_index=0, item=shape.item("message", "in_progress"))
+        yield event("response.content_part.added", item_id=shape.message_id, output_index=0, **text_at, part=shape.part())
+    for index, which in enumerate(shape.order):
+        for text in close(index, which):
+            yield text
+    yield event(f"response.{shape.status()}", response=shape.response())

@@ -642,6 +642,47 @@ def test_required_tool_calls_parse_and_validate_streamed_and_not(long_server):
     assert follow.choices[0].finish_reason in ("stop", "length", "tool_calls")
 
 
+def test_responses_api_function_calls_as_the_chat_api_makes_them(long_server):
+    """Function tools on /v1/responses: the chat's calls as function_call output items (whole, and
+    streamed as output_item / function_call_arguments events), and a conversation that carries a call and
+    its output back as input items answered as the chat answers the same messages."""
+    oai = openai.OpenAI(base_url=long_server.http + "/v1", api_key="unused", max_retries=0)
+    model_name = oai.models.list().data[0].id
+    tools = [{"type": "function", **WEATHER["function"]}, {"type": "function", **CLOCK["function"]}]
+    messages = [{"role": "user", "content": "weather in Paris and the time?"}]
+    chat = oai.chat.completions.create(model=model_name, messages=messages, tools=[WEATHER, CLOCK],
+                                       tool_choice="required", max_tokens=200, temperature=1.0, seed=1,
+                                       parallel_tool_calls=False)
+    want = [(c.function.name, c.function.arguments) for c in chat.choices[0].message.tool_calls]
+    r = oai.responses.create(model=model_name, input="weather in Paris and the time?", tools=tools,
+                             tool_choice="required", max_output_tokens=200, temperature=1.0, extra_body={"seed": 1},
+                             parallel_tool_calls=False)
+    assert r.status == "completed" and [o.type for o in r.output] == ["function_call"] * len(want)
+    assert [(o.name, o.arguments) for o in r.output] == want and all(o.call_id.startswith("call_") for o in r.output)
+    events = list(oai.responses.create(model=model_name, input="weather in Paris and the time?", tools=tools,
+                                       tool_choice="required", max_output_tokens=200, temperature=1.0, extra_body={"seed": 1},
+                                       parallel_tool_calls=False, stream=True))
+    added = [e.item for e in events if e.type == "response.output_item.added"]
+    assert [(a.type, a.name) for a in added] == [("function_call", name) for name, _ in want]
+    deltas = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+    assert deltas == "".join(arguments for _, arguments in want)
+    assert [e.arguments for e in events if e.type == "response.function_call_arguments.done"] == [a for _, a in want]
+    assert events[-1].type == "response.completed" and [(o.name, o.arguments) for o in events[-1].response.output] == want
+    # The call and its output back: the same answer as the chat's over the same conversation.
+    call = r.output[0]
+    follow_chat = oai.chat.completions.create(model=model_name, max_tokens=6, temperature=0, tools=[WEATHER, CLOCK],
+                                              messages=messages + [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": call.call_id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}]},
+        {"role": "tool", "tool_call_id": call.call_id, "content": "12:00"}])
+    follow = oai.responses.create(model=model_name, max_output_tokens=6, temperature=0, tools=tools, input=[
+        {"role": "user", "content": "weather in Paris and the time?"},
+        {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
+        {"type": "function_call_output", "call_id": call.call_id, "output": "12:00"}])
+    assert follow.usage.input_tokens == follow_chat.usage.prompt_tokens
+    assert follow.output_text == (follow_chat.choices[0].message.content or "")
+
+
 def test_grpc_takes_the_same_constraints(server):
     import re
 
@@ -733,13 +774,16 @@ def test_responses_stream_client_gone_frees_its_request(server):
 
 
 @pytest.mark.parametrize("body,message", [
-    ({"input": [{"type": "function_call_output", "call_id": "c", "output": "1"}]},
-     "input[0].type: 'function_call_output' is not supported"),
+    ({"input": [{"type": "reasoning", "summary": []}]}, "input[0].type: 'reasoning' is not supported"),
+    ({"input": [{"type": "function_call_output", "call_id": "c", "output": 1}]}, "input[0].output: must be a string"),
+    ({"input": [{"type": "function_call", "call_id": "c", "name": "f"}]}, "input[0].arguments: must be a string"),
+    ({"input": "x", "tools": [{"type": "web_search"}]}, "tools[0].type: 'web_search' is not supported"),
+    ({"input": "x", "tools": [{"type": "function", "name": "f"}], "tool_choice": {"type": "mcp"}},
+     "tool_choice: must be none, auto, required or {type: function, name}"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]},
      "input[0].content[0].type: 'input_image' is not supported"),
     ({"input": [{"role": "robot", "content": "x"}]}, "input[0].role: must be one of"),
     ({"input": []}, "input: must be a string or a non-empty list"),
-    ({"input": "x", "tools": []}, "tools: not a field"),
     ({"input": "x", "previous_response_id": "resp_1"}, "previous_response_id: not a field"),
     ({"input": "x", "text": {"format": {"type": "yaml"}}}, "text.format.type: must be text, json_object or json_schema"),
     ({"input": "x", "max_output_tokens": 0}, "max_output_tokens: must be at least 1"),
