@@ -118,9 +118,13 @@ def constraint_of(body: dict) -> Constraint | None:
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit on top_logprobs
 
 
+def _not_a_number(name: str):
+    raise ValueError(f"{name} is not a JSON number")  # Python's json takes NaN and Infinity; JSON does not
+
+
 def parse_json(raw: bytes) -> dict:
     try:
-        body = json.loads(raw)
+        body = json.loads(raw, parse_constant=_not_a_number)
     except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError, an integer past Python's digit limit
         raise HTTPError(400, f"body: not valid JSON ({e})", param="body") from None
     except RecursionError:

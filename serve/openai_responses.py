@@ -64,6 +64,8 @@ def _messages(body: dict) -> list[dict]:
         if not isinstance(item, dict):
             raise bad_request(f"{where}: must be an input item object")
         kind = item.get("type", "message")
+        if not isinstance(kind, str):
+            raise bad_request(f"{where}.type: must be a string")
         if kind in ITEM_FIELDS and kind != "message":
             _tool_item(where, kind, item, messages)
             continue
@@ -165,8 +167,12 @@ def chat_body(body: dict) -> dict:
     if store is not None and not isinstance(store, bool):
         raise bad_request("store: must be a boolean")
     metadata = body.get("metadata")
-    if metadata is not None and not isinstance(metadata, dict):
-        raise bad_request("metadata: must be an object")
+    if metadata is not None:  # OpenAI's limits: 16 pairs, keys of 64 characters, string values of 512
+        if not isinstance(metadata, dict) or len(metadata) > 16:
+            raise bad_request("metadata: must be an object of at most 16 pairs")
+        for k, v in metadata.items():
+            if len(k) > 64 or not isinstance(v, str) or len(v) > 512:
+                raise bad_request(f"metadata.{k[:64]}: keys of at most 64 characters, string values of at most 512")
     chat = {k: body[k] for k in PASSED_ON if k in body}
     chat["messages"] = _messages(body)
     limit = int_field(body, "max_output_tokens")
@@ -224,7 +230,7 @@ class _Shape:
         status = status or self.status()
         b = self.body
         order = self.order or ["message"]  # an answer with no text and no call: one empty message
-        output = [] if status == "in_progress" else [self.item(w, status) for w in order]
+        output = [] if status in ("in_progress", "failed") else [self.item(w, status) for w in order]
         return {"id": self.id, "object": "response", "created_at": self.created, "status": status,
                 "error": None, "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
                 "instructions": b.get("instructions"), "max_output_tokens": b.get("max_output_tokens"),
@@ -232,7 +238,8 @@ class _Shape:
                 "temperature": b.get("temperature"), "top_p": b.get("top_p"),
                 "tool_choice": b.get("tool_choice", "auto"), "tools": b.get("tools") or [],
                 "text": b.get("text") or {"format": {"type": "text"}}, "store": False,
-                "metadata": b.get("metadata") or {}, "usage": self.usage_json() if status != "in_progress" else None}
+                "metadata": b.get("metadata") or {},
+                "usage": self.usage_json() if status not in ("in_progress", "failed") else None}
 
 
 def reshape(answer, body: dict):
@@ -287,13 +294,18 @@ async def _translate(chunks, body: dict, event):
         yield event("response.output_item.done", output_index=index, item=shape.item(which, status))
 
     async for raw in chunks:
-        for line in (raw.decode() if isinstance(raw, bytes) else raw).splitlines():
+        # (split on newlines only: the chunks' JSON leaves U+2028 and its kind unescaped, which splitlines cuts)
+        for line in (raw.decode() if isinstance(raw, bytes) else raw).split("\n"):
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[6:])
-            if "error" in chunk:  # mid-stream: the error event ends it
+            if "error" in chunk:  # mid-stream: the error event, then the response failed
                 e = chunk["error"]
                 yield event("error", code=e.get("code"), message=e.get("message"), param=e.get("param"))
+                if shape is not None:
+                    failed = shape.response("failed")
+                    failed["error"] = {"code": e.get("code") or "server_error", "message": e.get("message")}
+                    yield event("response.failed", response=failed)
                 return
             if shape is None:
                 shape = _Shape(body, chunk["model"])

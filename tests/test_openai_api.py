@@ -763,6 +763,42 @@ def test_responses_api_answers_as_the_chat_api_does(oai, model_name):
     assert got.output_text == want.choices[0].message.content
 
 
+def test_non_finite_numbers_are_not_json(server):
+    for path in ("/v1/responses", "/v1/chat/completions"):
+        r = httpx.post(server.http + path, content=b'{"input": "x", "messages": [], "temperature": NaN}',
+                       headers={"content-type": "application/json"}, timeout=30)
+        assert r.status_code == 400 and "NaN is not a JSON number" in r.json()["error"]["message"]
+
+
+def test_responses_stream_events_from_chat_chunks():
+    """The stream's translation on its own: text holding U+2028 (which str.splitlines would cut inside
+    the chunk's JSON) and a mid-stream error, which ends with response.failed."""
+    import asyncio
+
+    from serve.openai_responses import _events
+
+    def chunk(**fields):
+        return f"data: {json.dumps({'model': 'm', 'choices': [], **fields}, ensure_ascii=False)}\n\n"
+
+    async def chat(*chunks):
+        for c in chunks:
+            yield c
+
+    async def events(*chunks):
+        return [json.loads(e.split("\ndata: ", 1)[1]) async for e in _events(chat(*chunks), {"input": "x"})]
+
+    got = asyncio.run(events(chunk(choices=[{"index": 0, "delta": {"content": "a\u2028b\u0085c"}, "finish_reason": None}]),
+                             chunk(choices=[{"index": 0, "delta": {}, "finish_reason": "stop"}]),
+                             chunk(usage={"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}),
+                             "data: [DONE]\n\n"))
+    assert got[-1]["type"] == "response.completed" and got[-1]["response"]["output"][0]["content"][0]["text"] == "a\u2028b\u0085c"
+    assert got[-1]["response"]["usage"]["input_tokens"] == 3
+    got = asyncio.run(events(chunk(choices=[{"index": 0, "delta": {"content": "a"}, "finish_reason": None}]),
+                             f"data: {json.dumps({'error': {'message': 'step failed', 'code': None}})}\n\n"))
+    assert [e["type"] for e in got[-2:]] == ["error", "response.failed"]
+    assert got[-1]["response"]["status"] == "failed" and got[-1]["response"]["error"]["message"] == "step failed"
+
+
 def test_responses_stream_client_gone_frees_its_request(server):
     with httpx.stream("POST", server.http + "/v1/responses", timeout=60,
                       json={"input": "hi", "max_output_tokens": 240, "stream": True, "ignore_eos": True}) as r:
@@ -775,6 +811,9 @@ def test_responses_stream_client_gone_frees_its_request(server):
 
 @pytest.mark.parametrize("body,message", [
     ({"input": [{"type": "reasoning", "summary": []}]}, "input[0].type: 'reasoning' is not supported"),
+    ({"input": [{"type": []}]}, "input[0].type: must be a string"),
+    ({"input": "x", "metadata": {"k": 1}}, "metadata.k: keys of at most 64 characters, string values"),
+    ({"input": "x", "metadata": {str(i): "v" for i in range(17)}}, "metadata: must be an object of at most 16"),
     ({"input": [{"type": "function_call_output", "call_id": "c", "output": 1}]}, "input[0].output: must be a string"),
     ({"input": [{"type": "function_call", "call_id": "c", "name": "f"}]}, "input[0].arguments: must be a string"),
     ({"input": "x", "tools": [{"type": "web_search"}]}, "tools[0].type: 'web_search' is not supported"),

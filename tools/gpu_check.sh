@@ -17,8 +17,6 @@ stage=${1:-all}
 out=${2:-/tmp/jaxcb-gpu}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-# float32 references at float32 (XLA's GPU dots may otherwise round float32 operands to TF32).
-export JAX_DEFAULT_MATMUL_PRECISION=highest
 py=${PYTHON:-python3}
 start=$(date +%s)
 elapsed() { echo "[$(( $(date +%s) - start )) s] $*"; }
@@ -30,13 +28,14 @@ elapsed() { echo "[$(( $(date +%s) - start )) s] $*"; }
 
 if [ "$stage" = kernels ] || [ "$stage" = all ]; then
   elapsed "kernels"
-  timeout 240 "$py" -m pytest -q -p no:cacheprovider --timeout 200 -k "gpu and not lower" tests/test_kernels.py \
+  # float32 references at float32 (XLA's GPU dots may otherwise round float32 operands to TF32).
+  JAX_DEFAULT_MATMUL_PRECISION=highest timeout 240 "$py" -m pytest -q -p no:cacheprovider --timeout 200 -k "gpu and not lower" tests/test_kernels.py \
     2>&1 | tee "$out/kernels.log" | tail -25
 fi
 
 if [ "$stage" = engine ] || [ "$stage" = all ]; then
   elapsed "parity"
-  timeout 150 "$py" -m pytest -q -p no:cacheprovider --timeout 140 -s tests/test_model_parity.py \
+  JAX_DEFAULT_MATMUL_PRECISION=highest timeout 150 "$py" -m pytest -q -p no:cacheprovider --timeout 140 -s tests/test_model_parity.py \
     2>&1 | tee "$out/parity.log" | grep -E "passed|failed|error|Error|worst|identical|assert" | tail -25
   elapsed "bench.device"
   timeout 420 "$py" -m bench.device --json "$out/device.json" 2>&1 | tee "$out/device.log" | tail -30

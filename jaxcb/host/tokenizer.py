@@ -283,10 +283,17 @@ class Tokenizer:
         if got is None:
             with self._byte_lock:
                 if self._byte_decoder is None:
-                    import llguidance
+                    try:
+                        import llguidance
 
-                    self._byte_decoder = llguidance.LLTokenizer(self.to_str(), n_vocab=self.vocab_size)
-            got = self._bytes[token] = bytes(self._byte_decoder.decode_bytes([token]))
+                        self._byte_decoder = llguidance.LLTokenizer(self.to_str(), n_vocab=self.vocab_size)
+                    except Exception:  # a tokenizer llguidance cannot read: the decoded text's bytes
+                        self._byte_decoder = False
+            if self._byte_decoder is False:
+                got = self.decode([token], skip_special=False).encode()
+            else:
+                got = bytes(self._byte_decoder.decode_bytes([token]))
+            self._bytes[token] = got
         return got
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
