@@ -318,6 +318,8 @@ def make_app(state) -> FastAPI:
                                       [{"role": m["role"], "content": m["content"]} for m in messages])
         if limit is None:  # the default needs the prompt's length (validated again by replace)
             params = dataclasses.replace(params, max_tokens=max(1, state.engine.max_context - len(ids)))
+        if want:  # the tokens' bytes are read by a tokenizer built on first use: not on the event loop
+            await asyncio.to_thread(state.tokenizer.token_bytes, 0)
         return await answer(state, request, options, tenant, [ids], params, chat=True, top_logprobs=top,
                             tools=tools if tools is not None and tools.active else None)
 
