@@ -26,15 +26,20 @@ def device_ops(trace_dir: str, steps: int) -> tuple[bool, float, list[tuple[str,
     """(whether the trace has device lanes, their ms per step, [(op, ms per step, calls per step)]) from a
     perfetto trace; the device lanes are the processes named /device:..., or every lane where there is
     none (the CPU: host spans, nested and overlapping, so their sum is no time)."""
-    path = glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"), recursive=True)[0]
-    with gzip.open(path) as f:
+    paths = glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"), recursive=True)
+    if not paths:  # the profiler wrote nothing (a backend without one)
+        return False, 0.0, []
+    with gzip.open(paths[0]) as f:
         events = json.load(f)["traceEvents"]
     names = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
+    # A device's summary lanes (TPU's and newer profilers' "XLA Modules", "Steps") span its ops: not summed.
+    summary = {(e["pid"], e.get("tid")) for e in events if e.get("ph") == "M" and e.get("name") == "thread_name"
+               and e["args"]["name"] in ("XLA Modules", "Steps", "XLA TraceMe")}
     device = {pid for pid, n in names.items() if n.startswith("/device:")}
     lanes = device or set(names)
     total, calls = collections.Counter(), collections.Counter()
     for e in events:
-        if e.get("ph") == "X" and e["pid"] in lanes:
+        if e.get("ph") == "X" and e["pid"] in lanes and (e["pid"], e.get("tid")) not in summary:
             total[e["name"]] += e.get("dur", 0)
             calls[e["name"]] += 1
     ops = [(n, us / steps / 1e3, calls[n] / steps) for n, us in total.most_common()]
