@@ -12,6 +12,8 @@ import grpc
 import httpx
 import openai
 import pytest
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
 
 import jaxcb
 from jaxcb.host.engine_config import load_config
@@ -832,3 +834,44 @@ def test_responses_api_refuses_what_it_does_not_do_by_name(server, body, message
     r = httpx.post(server.http + "/v1/responses", json=body, timeout=30)
     assert r.status_code == 400, r.text
     assert message in r.json()["error"]["message"]
+
+
+_JSON = st.recursive(st.none() | st.booleans() | st.integers(-3, 40) | st.floats(-3, 3) | st.text(max_size=8),
+                     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
+                     max_leaves=8)
+_ITEM = st.dictionaries(st.sampled_from(["type", "role", "content", "call_id", "name", "arguments", "output", "id"]),
+                        st.sampled_from(["message", "function_call", "function_call_output", "user", "assistant",
+                                         "input_text", "{}", "f"]) | _JSON, max_size=5)
+_RESPONSES_BODY = st.fixed_dictionaries(
+    {"input": st.text(max_size=12) | st.lists(_ITEM, max_size=3) | _JSON},
+    optional={"instructions": st.text(max_size=8) | _JSON, "max_output_tokens": st.integers(-1, 6) | _JSON,
+              "temperature": st.floats(0, 2) | _JSON, "stream": st.booleans(),
+              "text": st.fixed_dictionaries({"format": st.dictionaries(
+                  st.sampled_from(["type", "name", "schema", "strict"]),
+                  st.sampled_from(["json_schema", "json_object", "text"]) | _JSON, max_size=3)}) | _JSON,
+              "tools": st.lists(st.dictionaries(st.sampled_from(["type", "name", "parameters"]),
+                                                st.sampled_from(["function", "f"]) | _JSON, max_size=3), max_size=2) | _JSON,
+              "tool_choice": st.sampled_from(["auto", "none", "required"]) | _JSON,
+              "metadata": _JSON, "store": _JSON, "bogus": _JSON})
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(body=_RESPONSES_BODY)
+def test_responses_api_fuzzed_bodies_are_answered_or_refused_by_name(server, body):
+    """Random bodies on /v1/responses: an answer (whole or streamed to its end) or a 4xx naming the field,
+    never a 5xx."""
+    from tools.stress import FIELD_MESSAGE
+
+    if isinstance(body.get("max_output_tokens"), int) and body["max_output_tokens"] > 6:
+        body["max_output_tokens"] = 6
+    body.setdefault("max_output_tokens", 4)
+    with httpx.stream("POST", server.http + "/v1/responses", json=body, timeout=60) as r:
+        text = r.read().decode()
+    event(f"status {r.status_code}")
+    assert r.status_code < 500, text
+    if r.status_code >= 400:
+        assert FIELD_MESSAGE.match(json.loads(text)["error"]["message"]), text
+    elif body.get("stream") is True:
+        assert "event: response.completed" in text or "event: response.incomplete" in text, text[-300:]
+    else:
+        assert json.loads(text)["object"] == "response"
