@@ -814,7 +814,10 @@ def test_responses_stream_client_gone_frees_its_request(server):
 @pytest.mark.parametrize("body,message", [
     ({"input": [{"type": "reasoning", "summary": []}]}, "input[0].type: 'reasoning' is not supported"),
     ({"input": [{"type": []}]}, "input[0].type: must be a string"),
-    ({"input": "x", "metadata": {"k": 1}}, "metadata.k: keys of at most 64 characters, string values"),
+    ({"input": [{"role": "user", "content": "x", "a b": 1}]}, "input[0]: 'a b' is not a field of a message item"),
+    ({"input": [{"role": "user", "content": "x", "colour": 1}]}, "input[0].colour: not a field of a message item"),
+    ({"input": "x", "metadata": {"k": 1}}, "metadata: 'k': keys of at most 64 characters, string values"),
+    ({"input": "x", "metadata": {";": None}}, "metadata: ';': keys of at most 64 characters"),
     ({"input": "x", "metadata": {str(i): "v" for i in range(17)}}, "metadata: must be an object of at most 16"),
     ({"input": [{"type": "function_call_output", "call_id": "c", "output": 1}]}, "input[0].output: must be a string"),
     ({"input": [{"type": "function_call", "call_id": "c", "name": "f"}]}, "input[0].arguments: must be a string"),
