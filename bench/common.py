@@ -18,6 +18,23 @@ def machine() -> str:
     return f"{kind}, jax {jax.__version__}"
 
 
+def decode_inputs(engine, rows: int, context: int):
+    """A decode step of `rows` sequences at `context` tokens each (pages 1, 2, ... in order) for the
+    engine's runner: (batch, sampling, shape), or None where its pool has too few pages."""
+    from jaxcb.host.batch import SamplingRow, SeqSpec, pack, pack_sampling
+    from jaxcb.host.request import SamplingParams
+
+    config, model = engine.config, engine.model_config
+    s = config.page_size
+    n = -(-context // s)
+    if rows * n + 1 > engine.runner.num_pages:
+        return None
+    seqs = [SeqSpec([1], context - 1, list(range(1 + i * n, 1 + (i + 1) * n))) for i in range(rows)]
+    shape = config.buckets.step_shape(rows, s, config.max_context_for(model))
+    sampling = pack_sampling([SamplingRow(SamplingParams(), 0, [], [])] * rows, shape, model.vocab_size)
+    return pack(seqs, shape, s), sampling, shape
+
+
 def matmul_flops_per_s(n: int = 1024, dtype="float32", repeats: int = 10) -> float:
     """Measured rate of a square matmul under jit: the compute ceiling the figures are read against."""
     import jax

@@ -22,7 +22,7 @@ import os
 import statistics
 import time
 
-from bench.common import machine, matmul_flops_per_s, write_result
+from bench.common import decode_inputs, machine, matmul_flops_per_s, write_result
 
 # Dense bfloat16 matrix rate by the vendors' datasheets (FLOP/s), for MFU.
 # Memory bandwidth by the datasheets (bytes/s), for MBU.
@@ -140,22 +140,15 @@ def decode_steps(engine, model_config, params, quick) -> dict:
     """MBU at batch 1 and MFU at the largest decode batch, from timed decode steps at context 1024."""
     import jax
 
-    from jaxcb.host.batch import SamplingRow, SeqSpec, pack, pack_sampling
-    from jaxcb.host.request import SamplingParams
-
     runner, config = engine.runner, engine.config
-    s = config.page_size
     ctx = 128 if quick else 1024
     weight_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
     out = {}
     for rows in (1, config.buckets.max_batch):
-        n = -(-ctx // s)
-        if rows * n + 1 > runner.num_pages:
+        inputs = decode_inputs(engine, rows, ctx)
+        if inputs is None:
             continue
-        seqs = [SeqSpec([1], ctx - 1, list(range(1 + i * n, 1 + (i + 1) * n))) for i in range(rows)]
-        shape = config.buckets.step_shape(rows, s, config.max_context_for(model_config))
-        batch = pack(seqs, shape, s)
-        sampling = pack_sampling([SamplingRow(SamplingParams(), 0, [], [])] * rows, shape, model_config.vocab_size)
+        batch, sampling, shape = inputs
         seconds = timed(lambda: jax.device_get(runner.run(batch, sampling, shape)))
         kv_bytes = rows * ctx * runner.kv_bytes_per_token
         flops = rows * model_config.flops_per_token(ctx)

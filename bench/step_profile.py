@@ -19,7 +19,7 @@ import json
 import os
 import tempfile
 
-from bench.common import machine
+from bench.common import decode_inputs, machine
 
 
 def device_ops(trace_dir: str, steps: int) -> tuple[bool, float, list[tuple[str, float, float]]]:
@@ -60,9 +60,7 @@ def main():
     import jax.numpy as jnp
 
     from bench.device import random_params, timed
-    from jaxcb.host.batch import SamplingRow, SeqSpec, pack, pack_sampling
     from jaxcb.host.engine_config import load_config
-    from jaxcb.host.request import SamplingParams
     from jaxcb.llm import build_engine, read_model_config
 
     here = os.path.dirname(os.path.abspath(__file__))
@@ -74,19 +72,15 @@ def main():
     weight_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
     config = load_config().replace(attention=args.attention, num_pages=512 if args.quick else 4096)
     engine = build_engine(config=config, loaded=(model, params, None, ()))
-    runner, cfg = engine.runner, engine.config
-    s = cfg.page_size
+    runner = engine.runner
     print(f"machine: {machine()}; 8B-shaped{' (cut down)' if args.quick else ''}, bfloat16, attention "
           f"{runner.attention.kernel}, context {args.context}")
     for rows in args.rows:
-        n = -(-args.context // s)
-        if rows * n + 1 > runner.num_pages:
+        inputs = decode_inputs(engine, rows, args.context)
+        if inputs is None:
             print(f"rows {rows}: more pages than the pool holds, skipped")
             continue
-        seqs = [SeqSpec([1], args.context - 1, list(range(1 + i * n, 1 + (i + 1) * n))) for i in range(rows)]
-        shape = cfg.buckets.step_shape(rows, s, cfg.max_context_for(model))
-        batch = pack(seqs, shape, s)
-        sampling = pack_sampling([SamplingRow(SamplingParams(), 0, [], [])] * rows, shape, model.vocab_size)
+        batch, sampling, shape = inputs
         seconds = timed(lambda: jax.device_get(runner.run(batch, sampling, shape)), 10)
         moved = weight_bytes + rows * args.context * runner.kv_bytes_per_token
         with tempfile.TemporaryDirectory() as trace:

@@ -7,7 +7,7 @@
     POST /v1/unload_lora_adapter {"lora_name"}: unregister it (when its requests have ended)
     POST /v1/completions         prompt: text, list of texts, token ids or lists of them
     POST /v1/chat/completions    messages through the model's chat template
-    POST /v1/responses           OpenAI's Responses API (text in, one message out), over the chat machinery
+    POST /v1/responses           OpenAI's Responses API (text and function tools), over the chat machinery
     POST /tokenize               vLLM's: {prompt} or {messages} -> {count, max_model_len, tokens, token_strs}
     POST /detokenize             vLLM's: {tokens} -> {prompt}
     GET  /version                {version}: jaxcb's (no auth)

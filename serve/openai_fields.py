@@ -185,11 +185,12 @@ def prompt_list(prompt) -> list:
     return prompt
 
 
-def unknown_field(where: str, name: str) -> HTTPError:
-    """An unknown field, named as the field when it is a plain name, else inside `where`'s message."""
+def unknown_field(where: str, name: str, of: str = "this endpoint takes") -> HTTPError:
+    """An unknown field, named as the field when it is a plain name, else inside `where`'s message
+    (`of`: what it is no field of, e.g. "of a message item")."""
     if re.fullmatch(r"[a-z_][a-z0-9_]*", name):
-        return bad_request(f"{where + '.' if where != 'body' else ''}{name}: not a field this endpoint takes")
-    return bad_request(f"{where}: {name[:64]!r} is not a field this endpoint takes")
+        return bad_request(f"{where + '.' if where != 'body' else ''}{name}: not a field {of}")
+    return bad_request(f"{where}: {name[:64]!r} is not a field {of}")
 
 
 def check_fields(body: dict, allowed: set[str]) -> None:

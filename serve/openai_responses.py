@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import contextlib
 import json
-import re
 import time
 import uuid
 
 from fastapi.responses import Response, StreamingResponse
 
-from serve.openai_fields import bad_request, check_fields, int_field
+from serve.openai_fields import bad_request, check_fields, int_field, unknown_field
 
 RESPONSES_FIELDS = {"model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "stream",
                     "text", "user", "store", "metadata", "seed", "top_k", "min_p", "repetition_penalty",
@@ -29,13 +28,6 @@ PASSED_ON = {"model", "temperature", "top_p", "stream", "user", "seed", "top_k",
              "presence_penalty", "frequency_penalty", "ignore_eos", "priority", "cache_salt", "request_id"}
 ROLES = ("user", "system", "developer", "assistant")
 TEXT_PARTS = ("input_text", "output_text")
-
-
-def _not_a_field(where: str, name: str, what: str):
-    """An unknown key, named as a field when it is a plain name, else quoted inside `where`'s message."""
-    if re.fullmatch(r"[a-z_][a-z0-9_]*", name):
-        return bad_request(f"{where}.{name}: not a field of {what}")
-    return bad_request(f"{where}: {name[:64]!r} is not a field of {what}")
 
 
 def _content(where: str, content):
@@ -82,7 +74,7 @@ def _messages(body: dict) -> list[dict]:
                               "function_call_output items only")
         unknown = sorted(set(item) - ITEM_FIELDS["message"])
         if unknown:
-            raise _not_a_field(where, unknown[0], "a message item")
+            raise unknown_field(where, unknown[0], "of a message item")
         if item.get("role") not in ROLES:
             raise bad_request(f"{where}.role: must be one of {', '.join(ROLES)}, got {item.get('role')!r}")
         messages.append({"role": item["role"], "content": _content(where, item.get("content"))})
@@ -99,7 +91,7 @@ def _tool_item(where: str, kind: str, item: dict, messages: list[dict]) -> None:
     call's output (a tool message), as the chat's messages have them."""
     unknown = sorted(set(item) - ITEM_FIELDS[kind])
     if unknown:
-        raise _not_a_field(where, unknown[0], f"a {kind} item")
+        raise unknown_field(where, unknown[0], f"of a {kind} item")
     if not isinstance(item.get("call_id"), str):
         raise bad_request(f"{where}.call_id: must be a string")
     if kind == "function_call_output":
@@ -132,7 +124,7 @@ def _tools(body: dict, chat: dict) -> None:
                 raise bad_request(f"tools[{i}].type: {kind!r} is not supported; function tools only")
             unknown = sorted(set(t) - {"type", "name", "description", "parameters", "strict"})
             if unknown:
-                raise _not_a_field(f"tools[{i}]", unknown[0], "a function tool")
+                raise unknown_field(f"tools[{i}]", unknown[0], "of a function tool")
             out.append({"type": "function", "function": {k: v for k, v in t.items() if k != "type"}})
         chat["tools"] = out
     choice = body.get("tool_choice")
@@ -163,7 +155,7 @@ def _response_format(body: dict):
     if kind == "json_schema":
         unknown = sorted(set(fmt) - {"type", "name", "schema", "strict", "description"})
         if unknown:
-            raise _not_a_field("text.format", unknown[0], "a json_schema format")
+            raise unknown_field("text.format", unknown[0], "of a json_schema format")
         return {"type": "json_schema", "json_schema": {k: v for k, v in fmt.items() if k != "type"}}
     raise bad_request(f"text.format.type: must be text, json_object or json_schema, got {kind!r}")
 
