@@ -37,9 +37,10 @@ def main():
     kinds = {"float32": scan(lambda h, i: kernels_cpu.layer_matmul(h, wf, i)),
              "int8": scan(lambda h, i: kernels_cpu.layer_matmul(h, q8.q, i, q8.scale)),
              "int4": scan(lambda h, i: kernels_cpu.layer_matmul(h, q4.q, i, q4.scale, q4.offset)),
-             "w8a8": scan(lambda h, i: kernels_cpu.layer_matmul(h, q8.q, i, q8.scale, act_block=ACT_BLOCK))}
+             "w8a8": scan(lambda h, i: kernels_cpu.layer_matmul(h, q8.q, i, q8.scale, act_block=ACT_BLOCK)),
+             "w4a8": scan(lambda h, i: kernels_cpu.layer_matmul(h, q4.q, i, q4.scale, q4.offset, act_block=ACT_BLOCK))}
     print(f"machine: {machine()}; {layers} layers of {k} x {n}, best of 5")
-    for m in (1, 8, 32):
+    for m in (1, 2, 4, 8, 32, 128):
         x = jnp.asarray(rng.standard_normal((m, k)).astype(np.float32))
         line = []
         for name, f in kinds.items():

@@ -34,8 +34,9 @@ from bench.common import machine, write_result
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default=None)
-    ap.add_argument("--weights", default="float32", choices=["float32", "int8", "int4", "w8a8"],
-                    help="the layer matrices' storage (jaxcb.model.quant); w8a8: int8 with int8 activations")
+    ap.add_argument("--weights", default="float32", choices=["float32", "int8", "int4", "w8a8", "w4a8"],
+                    help="the layer matrices' storage (jaxcb.model.quant); w8a8 / w4a8: int8 / int4 with int8 "
+                         "activations")
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 32])
     ap.add_argument("--contexts", type=int, nargs="+", default=[128, 512, 2048])
     ap.add_argument("--repeats", type=int, default=10)
@@ -57,8 +58,9 @@ def main():
     from jaxcb.llm import load_model
     from jaxcb.model.llama import Attention
 
-    model_config, params, _, _ = load_model(args.model, weights="int8" if args.weights == "w8a8" else args.weights)
-    if args.weights == "w8a8":
+    stored = {"w8a8": "int8", "w4a8": "int4"}.get(args.weights, args.weights)
+    model_config, params, _, _ = load_model(args.model, weights=stored)
+    if stored != args.weights:
         from jaxcb.model.quant import with_int8_activations
 
         params = with_int8_activations(params)

@@ -109,9 +109,9 @@ def layer_matmul(x, w, layer, scale=None, offset=None, act_block=0):
     """x [..., K] float32 @ w[layer] -> [..., N] float32 (layer a scalar, may be traced), reading the
     layer's matrix in place. w: float32 [L, K, N] or blocked [L, N / B, K, B] (block_stack); int8 [L, K, N] with `scale` float32 [L, G, N] (a
     scale per K/G input rows of each column); or uint8 [L, K/2, N] (int4: input rows 2i and 2i+1 in
-    the low and high nibble of byte row i) with `scale` and `offset` float16 [L, G, N]. int8 only:
-    `act_block` > 0 (dividing 128) quantizes each row of x per that many input rows first (w8a8,
-    jaxcb.model.quant)."""
+    the low and high nibble of byte row i) with `scale` and `offset` float16 [L, G, N]. Quantized w:
+    `act_block` > 0 (dividing 128, and int4's group) quantizes each row of x per that many input rows
+    first (w8a8, w4a8: jaxcb.model.quant)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -123,7 +123,7 @@ def layer_matmul(x, w, layer, scale=None, offset=None, act_block=0):
     operands = {"float32": (w,), "int8": (w, scale), "uint8": (w, scale, offset)}[jnp.dtype(w.dtype).name]
     n = w.shape[1] * w.shape[3] if w.ndim == 4 else w.shape[2]  # blocked float32 (block_stack), or in place
     call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((x2.shape[0], n), jnp.float32))
-    attrs = {"act_block": np.int64(act_block)} if jnp.dtype(w.dtype) == jnp.int8 else {}
+    attrs = {"act_block": np.int64(act_block)} if jnp.dtype(w.dtype) != jnp.float32 else {}
     return call(x2, *operands, jnp.asarray(layer, jnp.int32), **attrs).reshape(*lead, n)
 
 

@@ -106,12 +106,12 @@ def test_rows_matmul_matches_numpy(m, v, e, group):
 
 
 @pytest.mark.parametrize("weights,tied", [("int8", True), ("int8", False), ("int4", True), ("w8a8", True),
-                                          ("w8a8", False)])
+                                          ("w8a8", False), ("w4a8", True)])
 def test_the_native_step_with_quantized_weights_gives_the_plain_step_logits(weights, tied):
     """A step of a tiny random model with int8 / int4 layer matrices and an int8 head (the tied
     embedding, or an untied matrix): the native kernels (reading the quantized arrays in place) against
-    the plain step that dequantizes them. w8a8: int8 weights with int8 activations, integer sums in the
-    kernel against the plain step's quantize_activations."""
+    the plain step that dequantizes them. w8a8 / w4a8: int8 / int4 weights with int8 activations, integer
+    sums in the kernel against the plain step's quantize_activations."""
     import dataclasses
 
     import jax
@@ -124,8 +124,9 @@ def test_the_native_step_with_quantized_weights_gives_the_plain_step_logits(weig
     from jaxcb.model.quant import quantize_weights, with_int8_activations
 
     config = dataclasses.replace(tiny_config(), tie_embeddings=tied)
-    params = params_from_numpy(quantize_weights(random_weights(config, seed=2), "int8" if weights == "w8a8" else weights))
-    if weights == "w8a8":
+    stored = {"w8a8": "int8", "w4a8": "int4"}.get(weights, weights)
+    params = params_from_numpy(quantize_weights(random_weights(config, seed=2), stored))
+    if stored != weights:
         params = with_int8_activations(params)
     s = 8
     kv = allocate_kv_pages(config.num_layers, config.num_kv_heads, 40, s, config.head_dim, jnp.float32)
@@ -135,7 +136,16 @@ def test_the_native_step_with_quantized_weights_gives_the_plain_step_logits(weig
     _, logits_plain = step(params, kv, batch, config=config, attention=Attention("xla"))
     native = Attention("xla", native_matmul=True)
     _, logits_native = step(params, kv, batch, config=config, attention=native)
-    np.testing.assert_allclose(np.asarray(logits_native), np.asarray(logits_plain), rtol=2e-4, atol=2e-4)
+    got, want = np.asarray(logits_native), np.asarray(logits_plain)
+    if stored == weights:
+        np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-4)
+    else:
+        # Activations rounded to int8 levels: where the two summation orders (equal to the last bits: the
+        # kernel tests below) leave an activation on either side of a rounding boundary, its sequence's
+        # logits move by a level (w4a8 here: one row by 0.029); the other rows agree as closely as above.
+        # A step that left the activations unrounded on one side would move every row (by 0.07).
+        close = np.all(np.abs(got - want) <= 2e-4 + 2e-4 * np.abs(want), axis=-1)
+        assert close.sum() >= len(close) - 1 and np.abs(got - want).max() < 0.05, np.abs(got - want).max(-1)
     text = step.lower(params, kv, batch, config=config, attention=native).as_text()
     assert "jaxcb_layer_matmul_int" in text and (not tied or "jaxcb_rows_matmul_int8" in text)
 
@@ -192,17 +202,17 @@ def test_the_native_step_gives_the_plain_step_logits(tied):
     assert "jaxcb_" not in plain
 
 
-def _w8a8_reference(x, q, scale, block):
-    """x @ (q * scale) with x's rows rounded to int8 per `block` values (scale max|x| / 127, half to
-    even): integer sums in int64, scaled per row block and column."""
-    y = np.zeros((x.shape[0], q.shape[1]), np.float64)
+def _a8_reference(x, w, block):
+    """x @ w (w the dequantized weights) with x's rows rounded to int8 per `block` values (scale max|x| /
+    127, half to even): each block's sums in float64, scaled by the row's block scale."""
+    y = np.zeros((x.shape[0], w.shape[1]), np.float64)
     for b0 in range(0, x.shape[1], block):
         xs = x[:, b0:b0 + block]
         amax = np.abs(xs).max(1).astype(np.float32)
         inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
-        qx = np.rint(xs * inv[:, None]).astype(np.int64)
-        y += (amax / np.float32(127)).astype(np.float64)[:, None] * (qx @ q[b0:b0 + block].astype(np.int64))
-    return y * scale[0]
+        qx = np.rint(xs * inv[:, None]).astype(np.float64)
+        y += (amax / np.float32(127)).astype(np.float64)[:, None] * (qx @ w[b0:b0 + block].astype(np.float64))
+    return y
 
 
 @pytest.mark.parametrize("m,k,n,block", [(1, 576, 1536, 32), (4, 64, 33, 32), (9, 576, 40, 64), (33, 200, 96, 32),
@@ -224,7 +234,7 @@ def test_int8_activations_sum_integers_as_the_reference_does(m, k, n, block):
     x[:, 5] *= 30  # an outlier channel: only its own block loses resolution
     if m > 2:
         x[1] = 0.0
-    want = _w8a8_reference(x, np.asarray(qw.q[1]), np.asarray(qw.scale[1]), block)
+    want = _a8_reference(x, np.asarray(qw.q[1], np.float64) * np.asarray(qw.scale[1], np.float64), block)
     tol = dict(rtol=1e-5, atol=1e-5 * np.abs(want).max())
     got = kernels_cpu.layer_matmul(jnp.asarray(x), jnp.asarray(qw.q), 1, jnp.asarray(qw.scale), act_block=block)
     np.testing.assert_allclose(np.asarray(got), want, **tol)
@@ -235,3 +245,34 @@ def test_int8_activations_sum_integers_as_the_reference_does(m, k, n, block):
     np.testing.assert_allclose(levels, np.round(levels), atol=1e-3)  # whole int8 levels of the block's scale
     if m > 2:
         assert not deq[1].any()
+
+
+@pytest.mark.parametrize("m,k,n,group,block", [(1, 576, 1536, 32, 32), (4, 64, 33, 64, 32), (9, 576, 40, 64, 64),
+                                               (33, 256, 96, 128, 32), (32, 1536, 64, 128, 128), (5, 96, 32, 32, 32)])
+def test_int4_weights_with_int8_activations_sum_as_the_reference_does(m, k, n, group, block):
+    """w4a8: the native kernel (VNNI's integer sums of x's int8 levels and the unsigned nibbles, each
+    block's sum scaled by its group's scale plus the block's sum of levels times the group's offset) and
+    the plain-JAX path both give x's quantized rows times the dequantized int4 weights: groups of 32-128
+    with blocks of x of 32-128 inside them, K not a multiple of 128, an outlier input channel, a zero
+    row, columns past the last 32-block."""
+    import jax.numpy as jnp
+
+    import kernels_cpu
+    from jaxcb.model.quant import dense, dequantize, quantize_int4
+
+    rng = np.random.default_rng(m * 1000 + k + n + group)
+    w = rng.standard_normal((2, k, n)).astype(np.float32)
+    qw = quantize_int4(w, group)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    x[:, 5] *= 30
+    if m > 2:
+        x[1] = 0.0
+    one = qw.replace(q=jnp.asarray(qw.q[1]), scale=jnp.asarray(qw.scale[1]), offset=jnp.asarray(qw.offset[1]))
+    want = _a8_reference(x, np.asarray(dequantize(one)), block)
+    tol = dict(rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    got = kernels_cpu.layer_matmul(jnp.asarray(x), jnp.asarray(qw.q), 1, jnp.asarray(qw.scale), jnp.asarray(qw.offset),
+                                   act_block=block)
+    np.testing.assert_allclose(np.asarray(got), want, **tol)
+    np.testing.assert_allclose(np.asarray(dense(jnp.asarray(x), one.replace(act_block=block))), want, **tol)
+    if m > 2:
+        assert not np.asarray(got)[1].any()

@@ -22,7 +22,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "groups of 32, dequantized inside the step (default: the config's model.weights, auto)")
     p.add_argument("--activations", choices=ACTIVATION_CHOICES, default=None,
                    help="int8: quantize each row entering a layer matrix to int8 per 32 values and sum integer "
-                        "products (w8a8; with --weights int8; the config's model.activations by default, float)")
+                        "products (w8a8 with --weights int8, w4a8 with --weights int4; the config's model.activations "
+                        "by default, float)")
     p.add_argument("--kv-dtype", choices=KV_CHOICES[1:], default=None,
                    help="KV pages: a float dtype, or int8 with a scale per token and head (default: the config's "
                         "cache.kv_dtype, auto = the compute dtype)")

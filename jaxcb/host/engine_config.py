@@ -25,6 +25,7 @@ CPU_DOTS_CHOICES = ("auto", "default", "ynn", "xnn", "onednn", "eigen")
 # "fast" (its backend's optimisations off: a fraction of the compile time, slower steps on real models).
 COMPILE_CHOICES = ("optimized", "fast")
 ACTIVATION_CHOICES = ("float", "int8")  # model.activations (jaxcb.model.quant.quantize_activations)
+ACTIVATION_BLOCK = 32  # int8 activations: input values per scale (jaxcb.model.quant takes it from here)
 AUTO_PAGES = 0  # num_pages = "auto": as many as the memory plan fits (jaxcb.host.memory_plan)
 KERNEL_PAGE_SIZES = (8, 16, 32, 64, 128, 256)  # = kernels_pallas.PAGE_SIZES (this module imports no JAX)
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the source tree
@@ -92,9 +93,12 @@ class EngineConfig:
             raise InvalidConfig(f"model.weight_group: must be 0 or an even number of input rows, got {self.weight_group!r}")
         if self.activations not in ACTIVATION_CHOICES:
             raise InvalidConfig(f"model.activations: {self.activations!r} is not one of {ACTIVATION_CHOICES}")
-        if self.activations == "int8" and (self.weights not in ("int8", "auto") or self.weight_group):
+        if self.activations == "int8" and not (
+                (self.weights in ("int8", "auto") and not self.weight_group)
+                or (self.weights == "int4" and self.weight_group % ACTIVATION_BLOCK == 0)):
             raise InvalidConfig(f"model.activations: int8 activations need int8 weights with one scale per column "
-                             f"(model.weights = \"int8\", weight_group = 0), got {self.weights!r}"
+                             f"(model.weights = \"int8\", weight_group = 0) or int4 weights in groups of a "
+                             f"multiple of {ACTIVATION_BLOCK} (model.weights = \"int4\"), got {self.weights!r}"
                              + (f" in groups of {self.weight_group}" if self.weight_group else ""))
         if self.kv_dtype not in KV_CHOICES:
             raise InvalidConfig(f"cache.kv_dtype: {self.kv_dtype!r} is not one of {KV_CHOICES}")

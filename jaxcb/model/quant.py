@@ -22,10 +22,12 @@ up and one output column of the head, and the head stays at 8 bits as llama.cpp 
 
 Quantization happens once, on the host in numpy, from the float weights the loaders give (at load,
 or by `jaxcb convert --weights`). The activations, the KV cache and the logits keep the compute dtype,
-unless `[model] activations = "int8"` (--activations int8, with int8 weights per column): then each row
-of x entering a layer matrix is rounded to int8 per 32 consecutive values (scale max |x| / 127, half to
-even) and the dot sums integer products (VNNI's vpdpbusd in the native CPU kernel; plain JAX computes the
-same values in floats), scaled by the row's block scale and the column's scale ("w8a8").
+unless `[model] activations = "int8"` (--activations int8, with int8 weights per column or int4 weights):
+then each row of x entering a layer matrix is rounded to int8 per 32 consecutive values (scale max |x| /
+127, half to even) and the dot sums integer products (VNNI's vpdpbusd in the native CPU kernel; plain JAX
+computes the same values in floats), scaled by the row's block scale and the column's scale ("w8a8"), or,
+for int4, by the group's scale with the group's offset times the block's sum ("w4a8", as llama.cpp's
+Q4_1 x Q8_1 dot).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxcb.host.engine_config import ACTIVATION_BLOCK
 from jaxcb.host.engine_config import WEIGHT_CHOICES as WEIGHT_MODES  # the one list of model.weights
 from jaxcb.host.errors import InvalidConfig
 from jaxcb.host.memory_plan import INT4_GROUP as GROUP  # int4's default input rows per scale
@@ -53,8 +56,9 @@ class QuantWeight:
     scale: jax.Array  # [..., in/g, out] (int8 per column: g = in)
     offset: jax.Array | None = None  # int4: [..., in/g, out]
     bits: int = flax.struct.field(pytree_node=False, default=8)
-    # int8 per column only: 0 = float activations; ACT_BLOCK = each row of x quantized to int8 per
-    # ACT_BLOCK input values before the dot (model.activations = "int8", quantize_activations).
+    # int8 per column or int4 in groups of a multiple of ACT_BLOCK: 0 = float activations; ACT_BLOCK =
+    # each row of x quantized to int8 per ACT_BLOCK input values before the dot (model.activations =
+    # "int8", quantize_activations).
     act_block: int = flax.struct.field(pytree_node=False, default=0)
 
     @property
@@ -169,8 +173,9 @@ def dequantize(w: QuantWeight, dtype=jnp.float32) -> jax.Array:
     return (vals * w.scale.astype(dtype)[..., :, None, :]).reshape(*lead, rows, cols)
 
 
-ACT_BLOCK = 32  # input values per activation scale (32: perplexity +0.8% over int8 weights alone on
-#                 the held-out excerpt, 128: +2.1%, at about the same speed; a divisor of the kernel's 128-row slabs)
+# Input values per activation scale (32: perplexity +0.8% over int8 weights alone on the held-out excerpt,
+# 128: +2.1%, at about the same speed; a divisor of the kernel's 128-row slabs and of int4's groups).
+ACT_BLOCK = ACTIVATION_BLOCK
 
 
 def quantize_activations(x: jax.Array, block: int = ACT_BLOCK) -> jax.Array:
@@ -189,16 +194,19 @@ def quantize_activations(x: jax.Array, block: int = ACT_BLOCK) -> jax.Array:
 
 def with_int8_activations(params, block: int = ACT_BLOCK):
     """The params with every layer matrix set to quantize its input rows (model.activations = "int8");
-    refuses weights that are not int8 with one scale per column, naming the matrix."""
+    refuses weights that are neither int8 with one scale per column nor int4 in groups of a multiple of
+    `block`, naming the matrix."""
     layers = params.layers
     changes = {}
     for name in MATRICES:
         w = getattr(layers, name, None)
         if w is None:
             continue
-        if not (isinstance(w, QuantWeight) and w.bits == 8 and w.scale.shape[-2] == 1):
+        if not (isinstance(w, QuantWeight) and (w.scale.shape[-2] == 1 if w.bits == 8
+                                                 else w.shape[-2] // w.scale.shape[-2] % block == 0)):
             raise InvalidConfig(f"model.activations: int8 activations need int8 weights with one scale per column "
-                             f"(--weights int8, weight_group 0); {name} is "
+                             f"(--weights int8, weight_group 0) or int4 weights in groups of a multiple of {block} "
+                             f"(--weights int4); {name} is "
                              f"{'int%d in groups' % w.bits if isinstance(w, QuantWeight) else jnp.dtype(w.dtype).name}")
         changes[name] = w.replace(act_block=block)
     return params.replace(layers=layers.replace(**changes))
