@@ -1,7 +1,7 @@
 """The native layer matmul (kernels_cpu.layer_matmul) per weight format: a 30-layer scan of SmolLM2's
-MLP up-projection shape (576 x 1536, random weights) at 1, 8 and 32 rows, float32 / int8 (per column) /
+MLP up-projection shape (576 x 1536, random weights) at 1, 2, 4, 8, 32 and 128 rows, float32 / int8 (per column) /
 int4 (groups of 32) / w8a8 (int8 weights per column, rows of x quantized per 32 values, VNNI's integer
-sums where the build has them), best of 5, in one process.
+sums where the build has them) / w4a8 (int4 weights, the same rows of x), best of 5, in one process.
 
     .venv/bin/python -m bench.layer_matmul
 """

@@ -4,7 +4,7 @@
         [--skip-quality] [--skip-speed] [--json bench/results/quant.json]
 
 A mode is WEIGHTS[-gGROUP][+a8][+kv-KV]: "int8" (per output column), "int8-g32" (a scale per 32 input
-rows), "int4" (groups of 32), "int8+a8" (int8 activations too: w8a8), "float32+kv-int8" (float weights,
+rows), "int4" (groups of 32), "int8+a8" / "int4+a8" (int8 activations too: w8a8 / w4a8), "float32+kv-int8" (float weights,
 int8 KV pages). On the embedded SmolLM2, in one
 process, float32 compute:
   quality  perplexity on tests/data/heldout_prose.txt (the whole text as one sequence, chunked prefill
