@@ -187,8 +187,6 @@ def build_engines(model: str | None = None, config: EngineConfig | str | None = 
     groups = split_devices(jax.devices(), config.tensor_parallel, count) if count > 1 else [None]
     spec = config.scheduler.speculative
     drafting = spec.method == "draft"
-    if config.lora.enabled and wrap_runner is not None:
-        raise InvalidConfig("lora.max_loras: LoRA adapters are not served multi-host yet")
     if drafting and (config.tensor_parallel > 1 or wrap_runner is not None):
         raise InvalidConfig("speculative.method: 'draft' runs on one device (no tensor parallelism or multi-host "
                             "yet); 'ngram' works there")

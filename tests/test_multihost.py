@@ -46,25 +46,46 @@ class Cluster:
                 p.proc.wait()
 
 
-def test_two_processes_give_the_single_device_tokens_and_stop_together(tiny_gguf_path, tiny_model, config_path,
-                                                                       tmp_path):
-    cluster = Cluster(tiny_gguf_path, config_path)
+def test_two_processes_give_the_single_device_tokens_with_lora_adapters_and_stop_together(
+        tiny_gguf_path, tiny_model, config_path, tmp_path):
+    """The base model and LoRA adapters in one batch: one given to the leader at start (the follower is
+    not given its files), one loaded while serving, two slots for three models (swaps): every request's
+    tokens are the one-process engine's, and nothing compiles after warm-up."""
+    import dataclasses
+
+    from jaxcb.host.lora import LoraConfig
+    from serve.proto import jaxcb_pb2
+    from tests.lora_util import write_adapter
+
+    cfg, params, tok, eos = tiny_model
+    paths = {"all4": str(tmp_path / "all4"), "mlp": str(tmp_path / "mlp")}
+    write_adapter(paths["all4"], cfg, rank=4, seed=1)
+    write_adapter(paths["mlp"], cfg, rank=8, targets=("w_gate", "w_up", "w_down"), seed=3)
+    slots = ("--max-loras", "2", "--max-lora-rank", "8")
+    cluster = Cluster(tiny_gguf_path, config_path, ("--lora", f"all4={paths['all4']}", *slots), slots)
     try:
         cluster.leader.wait_serving()
         rng = np.random.default_rng(7)
-        prompts = [rng.integers(3, 128, int(n)).tolist() for n in rng.integers(2, 60, 8)]
+        prompts = [rng.integers(3, 128, int(n)).tolist() for n in rng.integers(2, 60, 9)]
+        names = ["", "all4", "mlp"] * 3
         with Client(cluster.leader.target) as c:
             warm = c.server_info().compilations
-            with concurrent.futures.ThreadPoolExecutor(8) as pool:
-                results = list(pool.map(
-                    lambda p: c.complete(token_ids=p, max_tokens=12, ignore_eos=True, timeout=120), prompts))
+            c.stub.LoadLoraAdapter(jaxcb_pb2.LoadLoraAdapterRequest(lora_name="mlp", lora_path=paths["mlp"]))
+            with concurrent.futures.ThreadPoolExecutor(9) as pool:
+                results = list(pool.map(lambda p, name: c.complete(token_ids=p, max_tokens=12, ignore_eos=True,
+                                                                   lora=name, timeout=120), prompts, names))
             info = c.server_info()
-        assert info.compilations == warm  # nothing compiled after warm-up, broadcasts included
+        assert info.compilations == warm  # nothing compiled after warm-up, broadcasts and slot fills included
         assert info.tensor_parallel == 4 and info.pages_free == info.pages_total
-        cfg, params, tok, eos = tiny_model
-        offline = LLM.from_params(cfg, params, tok, config=load_config(config_path), eos_ids=eos)
-        expected = offline.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True))
+        offline = LLM.from_params(cfg, params, tok, eos_ids=eos, config=load_config(config_path).replace(
+            lora=LoraConfig(max_loras=2, max_rank=8)))
+        for name, path in paths.items():
+            offline.engine.load_lora(name, path)
+        greedy = SamplingParams(max_tokens=12, ignore_eos=True)
+        expected = [offline.generate([p], dataclasses.replace(greedy, lora=name))[0] for p, name in zip(prompts, names)]
         assert [r.token_ids for r in results] == [o.token_ids for o in expected]
+        base = offline.generate(prompts[1:3], greedy)  # (the adapters change the tokens)
+        assert all(r.token_ids != o.token_ids for r, o in zip(results[1:3], base))
         assert cluster.leader.stop() == 0, cluster.leader.output()
         assert cluster.follower.proc.wait(60) == 0, cluster.follower.output()
         assert "stopped by the leader" in cluster.follower.output()

@@ -24,9 +24,10 @@ RUNS = [
     ("b", "tp4-pallas-int8", 4, 1, "pallas", "int8"),
     ("g", "tp1", 1, 1, "xla", "auto"), ("g", "tp2", 2, 1, "xla", "auto"), ("g", "dp2", 1, 2, "xla", "auto"),
     ("a", "tp1-lora", 1, 1, "xla", "auto"), ("a", "tp2-lora", 2, 1, "xla", "auto"),
-    ("a", "tp2-dp2-lora", 2, 2, "xla", "auto"),
+    ("a", "tp2-dp2-lora", 2, 2, "xla", "auto"), ("a", "tp4-lora", 4, 1, "xla", "auto"),
 ]
-# A "lora" run serves two LoRA adapters (all projections) beside the base model, rows of all three mixed.
+# A "lora" run serves two LoRA adapters (all projections) beside the base model, rows of all three mixed
+# (at TP 4 over model a's 2 KV heads the adapters' k/v columns are replicated with the heads).
 # Model "g": the tiny Gemma 3 checkpoint (sliding window 8: its second page group is sharded too).
 GEMMA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "golden", "tiny_hf", "gemma3")
 

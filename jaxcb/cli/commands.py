@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -374,8 +375,8 @@ def _channel(runner, config):
     c = runner.model_config
     spec = config.scheduler.speculative
     shapes = config.buckets.shapes(config.page_size, config.max_context_for(c), spec.extra_rows, spec.verify_tokens)
-    return multihost.Channel(shapes, config.page_size,
-                             c.vocab_size, c.sliding_window if c.windowed else 0)
+    lora = runner.lora.padded(None) if runner.lora is not None else None  # an empty slot's arrays
+    return multihost.Channel(shapes, config.page_size, c.vocab_size, c.sliding_window if c.windowed else 0, lora)
 
 
 def _follow(args, config) -> int:
@@ -386,6 +387,8 @@ def _follow(args, config) -> int:
     from jaxcb.device import multihost
     from jaxcb.llm import build_engines
 
+    # The leader registers the adapters and sends each one it puts into a slot: none is read here.
+    config = config.replace(lora=dataclasses.replace(config.lora, adapters=()))
     engine = build_engines(args.model, config, _dtype(args), agree_plan=multihost.agree_plan)[0]
     runner = engine.runner
     multihost.check_same_engine(runner, engine.config)

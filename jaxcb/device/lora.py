@@ -13,7 +13,9 @@ multiplies by B: one shape for any mix of adapters in a batch, so filling a slot
 
 Filling a slot is one jitted program (compiled at warm-up) that writes the adapter's columns into
 the donated stacks. Under tensor parallelism the stacks are split with their targets: B by output
-columns for q/k/v/gate/up, A by input rows for o/down (XLA adds the sums).
+columns for q/k/v/gate/up, A by input rows for o/down (XLA adds the sums). Across processes
+(jaxcb.device.multihost) the leader pads an adapter once and broadcasts the padded arrays; every
+process runs the same fill with them.
 """
 
 from __future__ import annotations
@@ -65,7 +67,9 @@ def _fill(lora: dict, slot, a: dict, b: dict) -> dict:
 
 
 def padded(adapter, config: ModelConfig, targets, rank: int, dtype) -> tuple[dict, dict]:
-    """An adapter's (A, B) per configured target at the slots' rank (zeros where it has none); host arrays."""
+    """An adapter's (A, B) per configured target at the slots' rank (zeros where it has none); host arrays.
+    `config` is the step's: where tensor parallelism replicates the KV heads, B of k and v repeats each
+    head's columns as the weights do."""
     shapes = config.weight_shapes()
     a, b = {}, {}
     for t in targets:
@@ -74,6 +78,10 @@ def padded(adapter, config: ModelConfig, targets, rank: int, dtype) -> tuple[dic
         pb = np.zeros((config.num_layers, rank, n_out), np.float32)
         if adapter is not None and t in adapter.weights:
             wa, wb = adapter.weights[t]
+            if wb.shape[-1] != n_out:  # k/v of KV heads replicated onto a mesh (parallel.replicate_kv_heads)
+                heads = wb.shape[-1] // config.head_dim
+                wb = np.repeat(wb.reshape(*wb.shape[:-1], heads, config.head_dim), n_out // wb.shape[-1], axis=-2)
+                wb = wb.reshape(*wb.shape[:-2], n_out)
             pa[:, :, :wa.shape[-1]] = wa
             pb[:, :wb.shape[1], :] = wb
         a[t], b[t] = pa.astype(dtype), pb.astype(dtype)
@@ -91,9 +99,16 @@ class LoraSlots:
             lora = jax.device_put(lora, slot_shardings(lora, mesh))
         self.arrays = lora
 
+    def padded(self, adapter) -> tuple[dict, dict]:
+        """`adapter`'s (A, B) host arrays as a slot holds them (None: zeros)."""
+        return padded(adapter, self.config, self.targets, self.rank, self.dtype)
+
     def fill(self, slot: int, adapter) -> None:
         """Put `adapter` (jaxcb.model.lora.Adapter; None: zeros) into slot `slot`."""
-        a, b = padded(adapter, self.config, self.targets, self.rank, self.dtype)
+        self.fill_padded(slot, *self.padded(adapter))
+
+    def fill_padded(self, slot: int, a: dict, b: dict) -> None:
+        """Put padded arrays (`padded`) into slot `slot`."""
         self.arrays = _fill(self.arrays, jnp.int32(slot), a, b)
 
     def warmup(self) -> None:

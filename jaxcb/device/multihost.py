@@ -8,19 +8,25 @@ KV pages and run whatever step the leader runs, in the same order:
 
     leader, every step:  broadcast header [op, bucket, step no.]  then the step's padded input as
                          one byte buffer (its size follows from the bucket), then run the step
+    leader, a LoRA slot: broadcast header [LORA, slot, step no.]  then the adapter's A and B padded
+                         to the slots' rank as one byte buffer (its size follows from the config),
+                         then fill the slot
     follower, forever:   receive the header; RUN: receive the input, run the same compiled step;
-                         COMPILE: compile that bucket (warm-up); PING: nothing; STOP: return
+                         COMPILE: compile that bucket (warm-up); LORA: receive the adapter, fill the
+                         same slot; PING: nothing; STOP: return
 
 Both broadcasts are `multihost_utils.broadcast_one_to_all` (a psum in which only the leader
 contributes). Warm-up sends COMPILE for every bucket with a zero input, so the broadcast of every
 size is compiled too and nothing compiles after it. While the leader is idle it sends PING every
 second: a follower never waits long in a collective, and a dead process is found within a second
 (the collective fails: the leader's engine thread dies and the server exits non-zero; a follower
-whose leader is gone exits non-zero). SIGTERM on the leader drains the server, then sends STOP.
+whose leader is gone exits non-zero). SIGTERM on the leader drains the server, then sends STOP. Adapters are registered on the leader alone
+(`--lora`, the load endpoints): a follower needs none of their files.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
@@ -34,7 +40,7 @@ from jaxcb.host.runner_protocol import Runner
 
 log = logging.getLogger("jaxcb.device.multihost")
 
-OP_RUN, OP_COMPILE, OP_PING, OP_STOP = 1, 2, 3, 4
+OP_RUN, OP_COMPILE, OP_PING, OP_STOP, OP_LORA = 1, 2, 3, 4, 5
 HEADER_WORDS = 4  # op, bucket index, step number, reserved
 PING_EVERY_S = 1.0
 
@@ -63,7 +69,6 @@ def _allgather(x: np.ndarray) -> np.ndarray:
 def agree_plan(plan):
     """The memory plan every process uses: each plans from its own free memory, and the cluster takes
     the smallest page counts, so page ids mean the same pages everywhere (build_engines' agree_plan)."""
-    import dataclasses
 
     counts = _allgather(np.array([plan.num_pages, plan.num_window_pages], np.int64))
     agreed = dataclasses.replace(plan, num_pages=int(counts[:, 0].min()), num_window_pages=int(counts[:, 1].min()))
@@ -96,6 +101,8 @@ def fingerprint(runner, config) -> dict[str, str]:
         "buckets": repr(config.buckets),
         "pages": f"{config.num_pages} of {config.page_size} tokens",
         "tensor parallel": str(config.tensor_parallel),
+        "lora": (f"{config.lora.max_loras} slots of rank {config.lora.max_rank} on {', '.join(config.lora.targets)}"
+                 if config.lora.enabled else "none"),
         "attention": str(runner.attention.kernel),
         # XLA:CPU's dot library changes float rounding (jaxcb.device.cpu_dots); a measured choice may differ by host
         "cpu dots": cpu_dots.current().library if runner.describe()["platform"] == "cpu" else "-",
@@ -122,10 +129,37 @@ def check_same_engine(runner, config, size: int = 8192) -> None:
                          "same model, config and flags: " + "; ".join(diffs))
 
 
-class Channel:
-    """The per-step broadcast from the leader; one instance per process, the same bucket list."""
+@dataclasses.dataclass
+class Message:
+    """One broadcast as a follower receives it: the op and what comes with it."""
 
-    def __init__(self, shapes: list[StepShape], page_size: int, vocab_size: int, window: int = 0):
+    op: int
+    shape: StepShape | None = None  # RUN, COMPILE: the bucket
+    batch: object = None  # RUN, COMPILE: the step's packed input (jaxcb.host.batch.StepInput)
+    sampling: object = None  # ... and its sampling rows
+    slot: int = -1  # LORA: the device slot
+    lora: tuple[dict, dict] | None = None  # LORA: the adapter's padded (A, B) per target
+
+
+def _concat(leaves) -> np.ndarray:
+    return np.concatenate([np.ascontiguousarray(x).view(np.uint8).ravel() for x in leaves])
+
+
+def _split(buf: np.ndarray, leaves) -> list[np.ndarray]:
+    """`buf` cut into arrays of the shapes and dtypes of `leaves` (the inverse of _concat)."""
+    out, at = [], 0
+    for x in leaves:
+        out.append(buf[at:at + x.nbytes].view(x.dtype).reshape(x.shape))
+        at += x.nbytes
+    return out
+
+
+class Channel:
+    """The per-step broadcast from the leader; one instance per process, the same bucket list.
+    `lora`: the padded (A, B) of an empty slot (jaxcb.device.lora.LoraSlots.padded(None)), whose shapes
+    an adapter's broadcast takes; None where the engine has no LoRA slots."""
+
+    def __init__(self, shapes: list[StepShape], page_size: int, vocab_size: int, window: int = 0, lora=None):
         import jaxcb.device.runner  # noqa: F401 - registers the step input types as pytrees
 
         self.shapes = list(shapes)
@@ -134,6 +168,7 @@ class Channel:
         # The step inputs as the engine packs them (a model with sliding layers adds its window pages).
         self._templates = [jax.tree.flatten((pack([], s, page_size, window), pack_sampling([], s, vocab_size)))
                            for s in self.shapes]
+        self._lora = None if lora is None else jax.tree.flatten(lora)
         self.steps = 0
         self.bytes_sent = 0
         self.last_send = time.monotonic()
@@ -154,28 +189,38 @@ class Channel:
         self._broadcast(header)
         if op in (OP_RUN, OP_COMPILE):
             leaves = jax.tree.leaves((batch, sampling)) if batch is not None else self._templates[index][0]
-            buf = np.concatenate([np.ascontiguousarray(x).view(np.uint8).ravel() for x in leaves])
+            buf = _concat(leaves)
             self._broadcast(buf)
             self.bytes_sent += buf.nbytes
         self.bytes_sent += header.nbytes
         self.steps += op == OP_RUN
         self.last_send = time.monotonic()
 
+    def send_lora(self, slot: int, a: dict, b: dict) -> None:
+        """An adapter's padded arrays for `slot` (every process then fills that slot with them)."""
+        self._broadcast(np.array([OP_LORA, slot, self.steps, 0], np.int32))
+        buf = _concat(jax.tree.leaves((a, b)))
+        self._broadcast(buf)
+        self.bytes_sent += buf.nbytes + HEADER_WORDS * 4
+        self.last_send = time.monotonic()
+
     # ---- follower ----
-    def receive(self):
-        """(op, shape, batch, sampling) from the leader's next send."""
+    def receive(self) -> Message:
+        """The leader's next send."""
         header = self._broadcast(np.zeros(HEADER_WORDS, np.int32))
         op, index = int(header[0]), int(header[1])
+        if op == OP_LORA:
+            if self._lora is None:
+                raise RuntimeError("multi-host: the leader filled a LoRA slot and this process has none")
+            leaves, treedef = self._lora
+            buf = self._broadcast(np.zeros(sum(x.nbytes for x in leaves), np.uint8))
+            return Message(op, slot=index, lora=jax.tree.unflatten(treedef, _split(buf, leaves)))
         if op not in (OP_RUN, OP_COMPILE):
-            return op, None, None, None
+            return Message(op)
         leaves, treedef = self._templates[index]
         buf = self._broadcast(np.zeros(sum(x.nbytes for x in leaves), np.uint8))
-        out, at = [], 0
-        for x in leaves:
-            out.append(buf[at:at + x.nbytes].view(x.dtype).reshape(x.shape))
-            at += x.nbytes
-        batch, sampling = jax.tree.unflatten(treedef, out)
-        return op, self.shapes[index], batch, sampling
+        batch, sampling = jax.tree.unflatten(treedef, _split(buf, leaves))
+        return Message(op, self.shapes[index], batch, sampling)
 
 
 class LeaderRunner(Runner):
@@ -207,6 +252,19 @@ class LeaderRunner(Runner):
         self.channel.send(OP_RUN, shape, batch, sampling)
         return self.runner.run(batch, sampling, shape)
 
+    def fill_lora_slot(self, slot: int, adapter) -> None:
+        """The adapter padded here, sent, and put into the same slot on every process."""
+        a, b = self.runner.lora.padded(adapter)
+        self.channel.send_lora(slot, a, b)
+        self.runner.lora.fill_padded(slot, a, b)
+
+    def warmup_lora(self) -> None:
+        """The slot filler compiled on every process (and the broadcast of its size): slot 0 filled with
+        zeros, as the slots start."""
+        if self.runner.lora is not None:
+            self.fill_lora_slot(0, None)
+            jax.block_until_ready(self.runner.lora.arrays)
+
     def reset_kv_if_lost(self) -> bool:
         """After a failed step: fresh pages would be allocated by this process alone, which the
         followers cannot mirror; a lost cache (consumed, or holding an error as the single-process
@@ -234,12 +292,14 @@ def follow(runner, channel: Channel) -> int:
     """A follower's whole life after loading: mirror the leader until STOP (returns the steps run)."""
     runs = 0
     while True:
-        op, shape, batch, sampling = channel.receive()
-        if op == OP_STOP:
+        m = channel.receive()
+        if m.op == OP_STOP:
             log.info("follower %d: STOP after %d steps", jax.process_index(), runs)
             return runs
-        if op == OP_COMPILE:
-            runner.compile(shape)
-        elif op == OP_RUN:
-            runner.run(batch, sampling, shape)
+        if m.op == OP_COMPILE:
+            runner.compile(m.shape)
+        elif m.op == OP_RUN:
+            runner.run(m.batch, m.sampling, m.shape)
             runs += 1
+        elif m.op == OP_LORA:
+            runner.lora.fill_padded(m.slot, *m.lora)

@@ -455,6 +455,10 @@ class ModelRunner(Runner):
         already dispatched, before the next)."""
         self.lora.fill(slot, adapter)
 
+    def warmup_lora(self) -> None:
+        if self.lora is not None:
+            self.lora.warmup()
+
     @staticmethod
     def fetch(outputs: SampleOutput) -> SampleOutput:
         """The one device-to-host copy of a step. Across processes (multi-host) the outputs are

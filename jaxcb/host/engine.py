@@ -471,8 +471,8 @@ class Engine:
         (with speculative decoding also a verifying one per bucket a step with proposals may take) and the
         sampler of each row count (jaxcb.device.runner). Returns the number of step shapes."""
         shapes = self._shapes
-        if getattr(self.runner, "lora", None) is not None:
-            self.runner.lora.warmup()  # the slot filler's program
+        if self.adapters is not None:
+            self.runner.warmup_lora()  # the slot filler's program
         programs = [(self.runner, shape) for shape in shapes]
         if self.draft_runner is not None:  # the draft model's steps: the same buckets, one sample per row
             programs += [(self.draft_runner, shape) for shape in self.scheduler.proposer.shapes()]

@@ -26,3 +26,5 @@ class Runner(Protocol):
     def reset_kv_if_lost(self) -> bool: ...  # after a failed step: fresh pages if the old were consumed
     def describe(self) -> dict[str, str]: ...  # how the step computes (banner, GetServerInfo)
     def compilations(self) -> int: ...  # XLA compilations in this process so far
+    def fill_lora_slot(self, slot: int, adapter) -> None: ...  # a LoRA adapter into a device slot (None: zeros)
+    def warmup_lora(self) -> None: ...  # compile the slot filler (nothing where the runner has no slots)
