@@ -23,7 +23,8 @@ def test_meshes_give_the_single_device_tokens(tmp_path):
     quantized weights split with their scales (int4 at TP 2; model b with int8 weights and int8 KV pages
     throughout, KV heads replicated at TP 8, the Pallas kernels at TP 4); a tiny Gemma 3 (two page groups) at TP 2
     and DP 2; n-gram speculation at TP 2 x DP 2; and two LoRA adapters beside the base model at TP 2,
-    TP 2 x DP 2 and TP 4 (KV heads, and the adapters' k/v columns, replicated)."""
+    TP 2 x DP 2 and TP 4 (KV heads, and the adapters' k/v columns, replicated); speculative decoding with a
+    draft model split over the mesh at TP 2."""
     proc = subprocess.run([sys.executable, "-m", "tests.tp_check", str(tmp_path)], capture_output=True, text=True,
                           timeout=1500, cwd=os.path.dirname(HERE))
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -47,6 +48,9 @@ def test_meshes_give_the_single_device_tokens(tmp_path):
     # LoRA slots split with their targets: wq's B [L, S*R, out] by columns at TP 2.
     assert out["a-tp2-lora"]["lora_b_wq_shards"] == [[2, 8, 32]] * 2
     assert out["a-tp1-lora"]["tokens"] != out["a-tp1"]["tokens"]  # the adapters change the tokens
+    # A draft model (the target's first layer) split over the target's mesh: wq [1, in, out] by columns.
+    assert out["a-tp2-draft"]["draft_wq_shards"] == [[1, 64, 32]] * 2
+    assert out["a-tp2-draft"]["speculative_accepted"] > 0
     for name, run in out.items():
         weights = name.split("-")[-1] if name.endswith(("-int4", "-int8", "-lora")) else None
         reference = out[name[0] + "-tp1" + (f"-{weights}" if weights else "")]["tokens"]

@@ -25,9 +25,11 @@ RUNS = [
     ("g", "tp1", 1, 1, "xla", "auto"), ("g", "tp2", 2, 1, "xla", "auto"), ("g", "dp2", 1, 2, "xla", "auto"),
     ("a", "tp1-lora", 1, 1, "xla", "auto"), ("a", "tp2-lora", 2, 1, "xla", "auto"),
     ("a", "tp2-dp2-lora", 2, 2, "xla", "auto"), ("a", "tp4-lora", 4, 1, "xla", "auto"),
+    ("a", "tp2-draft", 2, 1, "xla", "auto"),
 ]
 # A "lora" run serves two LoRA adapters (all projections) beside the base model, rows of all three mixed
-# (at TP 4 over model a's 2 KV heads the adapters' k/v columns are replicated with the heads).
+# (at TP 4 over model a's 2 KV heads the adapters' k/v columns are replicated with the heads). A "draft"
+# run speculates with a draft model (the target's first layer), split over the mesh as the target is.
 # Model "g": the tiny Gemma 3 checkpoint (sliding window 8: its second page group is sharded too).
 GEMMA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "golden", "tiny_hf", "gemma3")
 
@@ -64,7 +66,8 @@ def main(workdir: str) -> None:
                                  kv_dtype="int8" if weights == "int8" else "auto",  # int8 runs: int8 KV too
                                  compile="fast",  # tiny models: server_util.compile_mode
                                  speculative=SpeculativeConfig("ngram", adaptive=False) if "spec" in name
-                                 else SpeculativeConfig(),
+                                 else SpeculativeConfig("draft", num_tokens=3, draft_layers=1, adaptive=False)
+                                 if "draft" in name else SpeculativeConfig(),
                                  lora=LoraConfig(max_loras=2, max_rank=4) if "lora" in name else None)
             llm = LLM.from_params(cfg, params, tok, config=config, eos_ids=eos)
             adapters = ("",)
@@ -97,6 +100,8 @@ def main(workdir: str) -> None:
                 "lora_b_wq_shards": [list(x.data.shape) for x in engines[0].runner.lora.arrays["b"]["wq"]
                                      .addressable_shards] if "lora" in name else None,
                 "load_left": llm.replicas.load if llm.replicas else None,
+                "draft_wq_shards": [list(x.data.shape) for x in engines[0].draft_runner.params.layers.wq
+                                    .addressable_shards] if "draft" in name else None,
             }
             print(f"{key}-{name}: build and warm-up {t1 - t0:.1f} s, generate {time.perf_counter() - t1:.1f} s",
                   file=sys.stderr, flush=True)

@@ -228,14 +228,18 @@ def make_runner(model_config: ModelConfig, params: Params, config, dtype=None, p
 
 
 def make_draft_runner(target: "ModelRunner", model_config: ModelConfig, params: Params, config, devices=None):
-    """Speculative decoding's draft model on the target's device, its KV pages laid out as the
-    target's (the same page count, size and sliding group: it writes each request's own page ids,
+    """Speculative decoding's draft model on the target's devices (under tensor parallelism split over
+    the target's mesh as the target is: its heads, KV pages and vocabulary), its KV pages laid out as
+    the target's (the same page count, size and sliding group: it writes each request's own page ids,
     jaxcb.host.draft)."""
-    mesh = None
-    if devices is not None:
+    mesh = target.mesh
+    if mesh is not None and config.tensor_parallel > 1:
         from jaxcb.device import parallel
 
-        mesh = parallel.make_mesh(1, devices)
+        spec = config.scheduler.speculative
+        weights = config.weights if spec.draft_weights == "auto" else spec.draft_weights
+        parallel.check_tensor_parallel(model_config, config.tensor_parallel, weights,
+                                       config.weight_group if spec.draft_weights == "auto" else 0)
     return ModelRunner(model_config, params, target.num_pages, target.page_size, attention=config.attention,
                        max_seqs=config.buckets.max_batch, mesh=mesh, num_window_pages=target.num_window_pages or None,
                        kv_dtype=None if config.kv_dtype == "auto" else config.kv_dtype, compile=config.compile)

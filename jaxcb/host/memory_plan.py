@@ -234,14 +234,16 @@ def weight_bytes(c, mode: str, dtype_bytes: int, group: int = 0) -> int:
     return int(matrices + embed + head + rest * dtype_bytes)
 
 
-def draft_bytes(draft, model, config, mode: str, dtype_bytes: int) -> tuple[int, int, int]:
-    """(weight bytes, KV bytes per token in the full pages, in the sliding pages) of speculative
-    decoding's draft model `draft` (a ModelConfig) for target `model`. A draft made of the target's own
-    weights (no draft_model, draft_weights "auto") shares the embedding and head, and with every layer
-    all of it."""
+def draft_bytes(draft, model, config, mode: str, dtype_bytes: int, tensor: int = 1) -> tuple[int, int, int]:
+    """(weight bytes, KV bytes per token per device in the full pages, in the sliding pages) of
+    speculative decoding's draft model `draft` (a ModelConfig) for target `model`, split over `tensor`
+    devices as the target is (its KV heads replicated where the devices outnumber them). A draft made
+    of the target's own weights (no draft_model, draft_weights "auto") shares the embedding and head,
+    and with every layer all of it."""
     spec = config.scheduler.speculative
     kv_dtype = getattr(config, "kv_dtype", "auto")
-    token = 2 * draft.num_kv_heads * kv_slot_bytes(draft.head_dim, kv_dtype, dtype_bytes)
+    kv_heads = draft.num_kv_heads * max(1, tensor // draft.num_kv_heads) // tensor
+    token = 2 * kv_heads * kv_slot_bytes(draft.head_dim, kv_dtype, dtype_bytes)
     if not spec.draft_model and spec.draft_weights == "auto":
         layers = model.num_layers - draft.num_layers  # weight bytes are affine in the layer count
         full = weight_bytes(model, mode, dtype_bytes, config.weight_group)
@@ -270,7 +272,9 @@ def plan_for_model(model, config, *, budget_bytes: int, dtype_bytes: int, max_co
     KV are counted too."""
     s, c = config.scheduler, model
     mode = config.weights if weights is None else weights
-    d_weights, d_kv, d_window = draft_bytes(draft, model, config, mode, dtype_bytes) if draft is not None else (0, 0, 0)
+    tensor = config.tensor_parallel if tensor is None else tensor
+    d_weights, d_kv, d_window = (draft_bytes(draft, model, config, mode, dtype_bytes, tensor) if draft is not None
+                                 else (0, 0, 0))
     lora = lora_slot_bytes(model, config.lora, dtype_bytes) if hasattr(config, "lora") else 0
     result = plan(
         draft_weight_bytes=d_weights, draft_kv_per_token=d_kv, draft_window_per_token=d_window,
@@ -280,8 +284,7 @@ def plan_for_model(model, config, *, budget_bytes: int, dtype_bytes: int, max_co
         intermediate_size=c.intermediate_size, vocab_size=c.vocab_size, dtype_bytes=dtype_bytes,
         page_size=s.page_size, max_context=max_context or config.max_context_for(c),
         max_batch=config.buckets.max_batch, max_prefill_tokens=s.max_prefill_tokens,
-        num_pages=config.num_pages or None, num_heads=c.num_heads,
-        tensor=config.tensor_parallel if tensor is None else tensor,
+        num_pages=config.num_pages or None, num_heads=c.num_heads, tensor=tensor,
         sliding_layers=c.num_sliding_layers, window=c.sliding_window, kv_dtype=getattr(config, "kv_dtype", "auto"),
         dequant_bytes=2 * c.hidden_size * max(c.intermediate_size, c.num_heads * c.head_dim) * dtype_bytes
         if mode in ("int8", "int4") else 0, extra_rows=s.speculative.extra_rows)
