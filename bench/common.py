@@ -1,5 +1,5 @@
-"""Helpers shared by the benchmark scripts: the machine's description, its measured matmul rate, and
-writing a result."""
+"""Helpers shared by the benchmark scripts: the machine's description, its measured matmul and memory
+rates, and writing a result."""
 
 from __future__ import annotations
 
@@ -50,6 +50,41 @@ def matmul_flops_per_s(n: int = 1024, dtype="float32", repeats: int = 10) -> flo
         f(a, b).block_until_ready()
         best = min(best, time.perf_counter() - t)
     return 2 * n**3 / best
+
+
+def copy_rate(nbytes: int = 1 << 30, dtype="float32", repeats: int = 5) -> float:
+    """Bytes per second read by a jitted streaming copy (x * 2) of an `nbytes` array (as many are
+    written): the memory rate a kernel that reads each byte once can hope for. In place (donated, each
+    run's output the next one's input): no fresh output pages to fault in."""
+    import jax
+
+    return _bytes_per_s(jax.jit(lambda a: a * 2, donate_argnums=0), nbytes, dtype, repeats, chain=True)
+
+
+def read_rate(nbytes: int = 1 << 30, repeats: int = 5) -> float:
+    """Bytes per second read by a jitted sum of an `nbytes` float32 array: the rate at which a kernel that
+    only reads (weights streamed once a step) can hope to take its bytes in (above the copy rate)."""
+    import jax
+    import jax.numpy as jnp
+
+    return _bytes_per_s(jax.jit(jnp.sum), nbytes, "float32", repeats, chain=False)
+
+
+def _bytes_per_s(f, nbytes: int, dtype, repeats: int, chain: bool) -> float:
+    """An array's bytes over the best of `repeats` timed runs of `f` on it (after one untimed run);
+    `chain`: each run's output is the next run's input."""
+    import jax.numpy as jnp
+
+    x = jnp.ones((nbytes // jnp.dtype(dtype).itemsize,), dtype)
+    best = float("inf")
+    for i in range(repeats + 1):
+        t = time.perf_counter()
+        out = f(x).block_until_ready()
+        if i:
+            best = min(best, time.perf_counter() - t)
+        if chain:
+            x = out
+    return x.nbytes / best
 
 
 def write_result(result: dict, path: str | None, echo: bool = True) -> None:

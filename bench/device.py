@@ -22,7 +22,7 @@ import os
 import statistics
 import time
 
-from bench.common import decode_inputs, machine, matmul_flops_per_s, write_result
+from bench.common import copy_rate, decode_inputs, machine, matmul_flops_per_s, write_result
 
 # Dense bfloat16 matrix rate by the vendors' datasheets (FLOP/s), for MFU.
 # Memory bandwidth by the datasheets (bytes/s), for MBU.
@@ -41,21 +41,6 @@ def timed(fn, repeats=5):
         fn()
         times.append(time.perf_counter() - t)
     return statistics.median(times)
-
-
-def copy_rate(nbytes: int) -> float:
-    import jax
-    import jax.numpy as jnp
-
-    x = jnp.ones((nbytes // 2,), jnp.bfloat16)
-    f = jax.jit(lambda a: a * 2, donate_argnums=0)
-    state = {"x": f(x)}
-
-    def go():
-        state["x"] = f(state["x"])
-        state["x"].block_until_ready()
-
-    return nbytes / timed(go)
 
 
 def kernel_bandwidth(quick: bool) -> dict:
@@ -88,7 +73,7 @@ def kernel_bandwidth(quick: bool) -> dict:
         fn = jax.jit(lambda q, kv, *a: ragged_attention(q, kv, jnp.int32(0), b, native=attention.kernel == "cpu"))
     seconds = timed(lambda: fn(q, kv, *args).block_until_ready(), repeats=10)
     live = rows * ctx * k * d * 2 * 2  # keys and values, bfloat16
-    copy = copy_rate(live)
+    copy = copy_rate(live, "bfloat16", repeats=10)
     return {"kernel": attention.kernel, "rows": rows, "context": ctx, "kv_heads": k, "heads": h, "head_dim": d,
             "ms": round(seconds * 1e3, 3), "live_kv_gb_per_s": round(live / seconds / 1e9, 1),
             "copy_gb_per_s": round(copy / 1e9, 1), "fraction_of_copy": round(live / seconds / copy, 3)}
@@ -177,7 +162,7 @@ def main():
     result["kernel"] = kernel_bandwidth(args.quick)
     print("kernel:", result["kernel"], flush=True)
     # The memory's measured rate: a jitted copy of 4 GiB, bytes read plus bytes written per second.
-    rate_memory = 2 * copy_rate((64 << 20) if args.quick else (4 << 30))
+    rate_memory = 2 * copy_rate((64 << 20) if args.quick else (4 << 30), "bfloat16")
     result["copy_read_plus_write_gb_per_s"] = round(rate_memory / 1e9, 1)
     peak_memory = PEAK_HBM.get(dev.device_kind)
     peak = PEAK_BF16.get(dev.device_kind) or matmul_flops_per_s(4096 if not args.quick else 256, "bfloat16")

@@ -26,7 +26,7 @@ import time
 
 import numpy as np
 
-from bench.common import machine, matmul_flops_per_s, write_result
+from bench.common import machine, matmul_flops_per_s, read_rate, write_result
 from serve.benchmark import workload  # the workload of every benchmark here (and of `jaxcb bench serve`)
 
 
@@ -175,9 +175,7 @@ def main():
     median = lambda runs: sorted(runs, key=lambda r: r["wall_s"])[len(runs) // 2]  # noqa: E731
     cont, stat = median(trials["continuous"]), median(trials["static"])
     rate = matmul_flops_per_s()
-    from bench.step import read_rate
-
-    read_bytes_per_s = read_rate() * 1e9
+    read_bytes_per_s = read_rate()
     bound_s = roofline_s(first.runner, cont["step_log"], rate, read_bytes_per_s)
     for runs in trials.values():
         for r in runs:

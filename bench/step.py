@@ -28,7 +28,7 @@ import time
 
 import numpy as np
 
-from bench.common import machine, write_result
+from bench.common import copy_rate, machine, write_result
 
 
 def main():
@@ -74,7 +74,7 @@ def main():
     rng = np.random.default_rng(0)
     kv_bytes_per_token = runner.kv_bytes_per_token
     rows_out = []
-    copy_gb_s = copy_rate()
+    copy_gb_s = copy_rate() / 1e9
     print(f"machine: {machine()}; model {model_config.name}, {args.weights} weights, page size {s}, "
           f"{args.layout} layout over {num_pages} pages; "
           f"copy rate {copy_gb_s:.1f} GB/s read (+ as much written)")
@@ -178,40 +178,6 @@ def runs(pages: list[int]) -> int:
     return 1 + sum(b != a + 1 for a, b in zip(pages, pages[1:]))
 
 
-def copy_rate(gib: float = 1.0, repeats: int = 5) -> float:
-    """GB/s read by a jitted streaming copy (x * 2) of a `gib` GiB float32 array: the memory rate a
-    kernel that reads each byte once can hope for."""
-    import jax
-
-    # in place (donated, each run's output the next one's input): no fresh output pages to fault in
-    return _gb_read_per_s(jax.jit(lambda a: a * 2, donate_argnums=0), gib, repeats, chain=True)
-
-
-def read_rate(gib: float = 1.0, repeats: int = 5) -> float:
-    """GB/s read by a jitted sum of a `gib` GiB float32 array: the rate at which a kernel that only reads
-    (weights streamed once a step) can hope to take its bytes in (above the copy rate, which writes too)."""
-    import jax
-    import jax.numpy as jnp
-
-    return _gb_read_per_s(jax.jit(jnp.sum), gib, repeats, chain=False)
-
-
-def _gb_read_per_s(f, gib: float, repeats: int, chain: bool) -> float:
-    """A `gib` GiB float32 array's bytes over the best of `repeats` timed runs of `f` on it (after one
-    untimed run); `chain`: each run's output is the next run's input."""
-    import jax.numpy as jnp
-
-    x = jnp.ones((int(gib * 2**30) // 4,), jnp.float32)
-    nbytes = x.nbytes
-    best = float("inf")
-    for i in range(repeats + 1):
-        t = time.perf_counter()
-        out = f(x).block_until_ready()
-        if i:
-            best = min(best, time.perf_counter() - t)
-        if chain:
-            x = out
-    return nbytes / best / 1e9
 
 
 if __name__ == "__main__":

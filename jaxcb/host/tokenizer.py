@@ -202,8 +202,9 @@ class Tokenizer:
         self._plain = HFTokenizer.from_str(text or tok.to_str())
         self._plain.encode_special_tokens = True
         self._bytes: dict[int, bytes] = {}
-        self._byte_decoder = None
-        self._byte_lock = threading.Lock()
+        self._llg: dict[tuple, object] = {}  # llguidance's tokenizers of this one, by (n_vocab, eos ids)
+        self._llg_lock = threading.Lock()
+        self._bytes_from_text = False  # token_bytes: llguidance could not read this tokenizer
         self._template = None
         if chat_template:
             env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
@@ -271,28 +272,42 @@ class Tokenizer:
     def id_to_token(self, i: int) -> str | None:
         return self._tok.id_to_token(i)
 
+    def llguidance(self, n_vocab: int | None = None, eos_ids=()):
+        """llguidance's tokenizer of this one (the structured-output library's: jaxcb.host.structured),
+        `n_vocab` ids wide (default this vocabulary) with these end tokens; built once per width and end
+        tokens (a fraction of a second) and shared. Raises what llguidance raises for a tokenizer it
+        cannot read."""
+        key = (n_vocab or self.vocab_size, tuple(eos_ids))
+        with self._llg_lock:
+            got = self._llg.get(key)
+            if got is None:
+                import llguidance
+
+                got = self._llg[key] = llguidance.LLTokenizer(self.to_str(), n_vocab=key[0],
+                                                              eos_token=list(key[1]) or None)
+            return got
+
     def token_bytes(self, token: int) -> bytes:
         """One token's own bytes: a piece of a multi-byte character is that piece (where decode() gives
         U+FFFD), a special token its text, an id past the vocabulary b"". What OpenAI's logprobs `bytes`
-        carry, so that clients can join the pieces of a character. Read by llguidance's tokenizer (the
-        structured-output library's, byte-exact for byte-level BPE and SentencePiece's byte tokens alike),
-        built on first use (a fraction of a second) and each token's bytes kept."""
+        carry, so that clients can join the pieces of a character. Read by llguidance's tokenizer
+        (byte-exact for byte-level BPE and SentencePiece's byte tokens alike: the one structured output
+        built, if any, else one of its own) and each token's bytes kept."""
         if not 0 <= token < self.vocab_size:
             return b""
         got = self._bytes.get(token)
         if got is None:
-            with self._byte_lock:
-                if self._byte_decoder is None:
-                    try:
-                        import llguidance
-
-                        self._byte_decoder = llguidance.LLTokenizer(self.to_str(), n_vocab=self.vocab_size)
-                    except Exception:  # a tokenizer llguidance cannot read: the decoded text's bytes
-                        self._byte_decoder = False
-            if self._byte_decoder is False:
+            with self._llg_lock:
+                llg = next(iter(self._llg.values()), None)
+            if llg is None and self._bytes_from_text is False:
+                try:
+                    llg = self.llguidance()
+                except Exception:  # noqa: BLE001 - a tokenizer llguidance cannot read: the decoded text's bytes
+                    self._bytes_from_text = True
+            if llg is None:
                 got = self.decode([token], skip_special=False).encode()
             else:
-                got = bytes(self._byte_decoder.decode_bytes([token]))
+                got = bytes(llg.decode_bytes([token]))
             self._bytes[token] = got
         return got
 
