@@ -18,7 +18,9 @@ import uuid
 
 from fastapi.responses import Response, StreamingResponse
 
-from serve.openai_fields import bad_request, check_fields, int_field, unknown_field
+from jaxcb.host.errors import InvalidRequest
+from serve.openai_fields import bad_request, check_fields, http_error, int_field, unknown_field
+from serve.tool_calls import content_text
 
 RESPONSES_FIELDS = {"model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "stream",
                     "text", "user", "store", "metadata", "seed", "top_k", "min_p", "repetition_penalty",
@@ -27,26 +29,17 @@ RESPONSES_FIELDS = {"model", "input", "instructions", "max_output_tokens", "temp
 PASSED_ON = {"model", "temperature", "top_p", "stream", "user", "seed", "top_k", "min_p", "repetition_penalty",
              "presence_penalty", "frequency_penalty", "ignore_eos", "priority", "cache_salt", "request_id"}
 ROLES = ("user", "system", "developer", "assistant")
-TEXT_PARTS = ("input_text", "output_text")
+TEXT_PARTS = {"input_text": "text", "output_text": "text"}  # a message item's part type -> the key of its text
 
 
-def _content(where: str, content):
-    """A message item's content: a string, or its text parts as chat's content parts (which the chat
-    path joins as it joins its own)."""
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
+def _content(where: str, content) -> str:
+    """A message item's content as text: a string, or its text parts joined as chat joins its own."""
+    if content is None:
         raise bad_request(f"{where}.content: must be a string or a list of content parts")
-    texts = []
-    for j, part in enumerate(content):
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind not in TEXT_PARTS:
-            raise bad_request(f"{where}.content[{j}].type: {kind!r} is not supported; the model takes "
-                              f"{' and '.join(TEXT_PARTS)} parts only")
-        if not isinstance(part.get("text"), str):
-            raise bad_request(f"{where}.content[{j}].text: must be a string")
-        texts.append({"type": "text", "text": part["text"]})
-    return texts
+    try:
+        return content_text(content, f"{where}.content", TEXT_PARTS)
+    except InvalidRequest as e:
+        raise http_error(e) from None
 
 
 def _messages(body: dict) -> list[dict]:

@@ -104,11 +104,15 @@ def system_text(tools: Tools) -> str:
             + " (one block per call) and nothing else.")
 
 
-def content_text(content, where: str) -> str | None:
+CHAT_PARTS = {"text": "text", "refusal": "refusal"}  # a chat content part's type -> the key of its text
+
+
+def content_text(content, where: str, parts: dict[str, str] = CHAT_PARTS) -> str | None:
     """A message's content as text: a string as it is, or OpenAI's list of content parts, whose text
-    parts (and an assistant's refusal parts) are joined by newlines, as vLLM joins them; None (an
-    assistant message of tool calls only) stays None. A part of another kind (an image, audio, a file)
-    is refused naming it: the models served here read text only."""
+    parts (chat's text and an assistant's refusal parts, or the `parts` given: the Responses API's
+    input_text and output_text) are joined by newlines, as vLLM joins them; None (an assistant message
+    of tool calls only) stays None. A part of another kind (an image, audio, a file) is refused naming
+    it: the models served here read text only."""
     if content is None or isinstance(content, str):
         return content
     if not isinstance(content, list):
@@ -118,11 +122,12 @@ def content_text(content, where: str) -> str | None:
         kind = part.get("type") if isinstance(part, dict) else None
         if not isinstance(kind, str):
             raise InvalidRequest(f"{where}[{k}]: must be a content part, an object with a type")
-        if kind not in ("text", "refusal"):
-            raise InvalidRequest(f"{where}[{k}].type: {kind[:40]!r} is not supported; the model takes text parts only")
-        if not isinstance(part.get(kind), str):
-            raise InvalidRequest(f"{where}[{k}].{kind}: must be a string")
-        texts.append(part[kind])
+        if kind not in parts:
+            raise InvalidRequest(f"{where}[{k}].type: {kind[:40]!r} is not supported; the model takes "
+                                 f"{' and '.join(parts)} parts only")
+        if not isinstance(part.get(parts[kind]), str):
+            raise InvalidRequest(f"{where}[{k}].{parts[kind]}: must be a string")
+        texts.append(part[parts[kind]])
     return "\n".join(texts)
 
 
