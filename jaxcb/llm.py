@@ -167,8 +167,9 @@ def build_engines(model: str | None = None, config: EngineConfig | str | None = 
                   loaded=None, replicas: int | None = None, wrap_runner=None, agree_plan=None) -> list[Engine]:
     """config.data_parallel engines (or `replicas`), each on its own `tensor_parallel` devices
     (jaxcb.host.replicas), from one read of the weights and one memory plan (per device, the same for
-    every replica). `wrap_runner(runner, config)`: what the engine steps instead of the runner
-    (the multi-host leader's, jaxcb.device.multihost). `agree_plan(plan)`: the plan to use instead (every
+    every replica). `wrap_runner(runner, config, draft=False)`: what the engine steps instead of the
+    runner, and of the draft model's runner with draft=True (the multi-host leader's,
+    jaxcb.device.multihost). `agree_plan(plan)`: the plan to use instead (every
     process of a multi-host cluster takes the same page counts, jaxcb.device.multihost.agree_plan)."""
     import dataclasses
 
@@ -187,8 +188,6 @@ def build_engines(model: str | None = None, config: EngineConfig | str | None = 
     groups = split_devices(jax.devices(), config.tensor_parallel, count) if count > 1 else [None]
     spec = config.scheduler.speculative
     drafting = spec.method == "draft"
-    if drafting and wrap_runner is not None:
-        raise InvalidConfig("speculative.method: 'draft' does not run multi-host yet; 'ngram' works there")
 
     def draft_of(c):
         return draft_model_config(spec, c) if drafting else None
@@ -214,6 +213,8 @@ def build_engines(model: str | None = None, config: EngineConfig | str | None = 
         draft_runner = make_draft_runner(runner, *draft, resolved, devices) if draft else None
         if wrap_runner is not None:
             runner = wrap_runner(runner, resolved)
+            if draft_runner is not None:
+                draft_runner = wrap_runner(draft_runner, resolved, draft=True)
         # Each replica draws the seeds of unseeded requests from its own generator.
         seed = None if config.seed is None else config.seed + i
         engine = Engine(runner, tokenizer, dataclasses.replace(resolved, seed=seed), eos_ids=eos,

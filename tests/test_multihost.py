@@ -120,20 +120,25 @@ def _windowed_model_dir(path, tokenizer) -> str:
 
 
 @pytest.mark.parametrize("kind", ["int8", "windowed"])
-def test_two_processes_run_the_single_process_engine_with_int8_weights_and_windows(kind, tiny_gguf_path, tiny_model,
-                                                                                   config_path, tmp_path):
+def test_two_processes_run_the_single_process_engine_with_int8_weights_windows_and_a_draft(
+        kind, tiny_gguf_path, tiny_model, config_path, tmp_path):
     """Followers build the leader's engine: with --weights int8 (quantized shards everywhere) and with a
-    sliding-window model (the broadcast carries the window pages), the tokens are the one-process
-    engine's."""
+    sliding-window model (the broadcast carries the window pages), both speculating with a draft model
+    (the model's first layer, or for the windowed one all of them: its steps go out too, marked for the
+    draft), the tokens are those of the one-process engine without speculation, and proposals were
+    accepted."""
     cfg, params, tok, eos = tiny_model
     config = load_config(config_path)
+    drafting = tmp_path / "draft.toml"  # (the windowed model's first layer is a sliding one: all its layers)
+    drafting.write_text(open(config_path).read() + "[speculative]\nmethod = \"draft\"\ndraft_layers = "
+                        f"{1 if kind == 'int8' else 0}\nnum_tokens = 3\nadaptive = false\n")
     if kind == "int8":
         model, extra = tiny_gguf_path, ("--weights", "int8")
         offline = LLM(tiny_gguf_path, config=config.replace(weights="int8"))
     else:
         model, extra = _windowed_model_dir(tmp_path / "windowed", tok), ()
         offline = LLM(model, config=config)
-    cluster = Cluster(model, config_path, extra, extra)
+    cluster = Cluster(model, str(drafting), extra, extra)
     try:
         cluster.leader.wait_serving()
         rng = np.random.default_rng(8)
@@ -142,6 +147,8 @@ def test_two_processes_run_the_single_process_engine_with_int8_weights_and_windo
             with concurrent.futures.ThreadPoolExecutor(6) as pool:
                 results = list(pool.map(
                     lambda p: c.complete(token_ids=p, max_tokens=30, ignore_eos=True, timeout=120), prompts))
+            info = c.server_info()
+        assert info.speculative_method.startswith("draft") and info.speculative_acceptance_rate > 0
         expected = offline.generate(prompts, SamplingParams(max_tokens=30, ignore_eos=True))
         assert [r.token_ids for r in results] == [o.token_ids for o in expected]
         assert cluster.leader.stop() == 0, cluster.leader.output()

@@ -436,19 +436,13 @@ def test_the_draft_flags_and_what_a_draft_must_share(make_llm, tiny_model):
     assert draft_model_config(spec, cfg).num_layers == 1
     with pytest.raises(InvalidConfig, match="speculative.draft_layers: 3 is more than .* 2 layers"):
         draft_model_config(dataclasses.replace(spec, draft_layers=3), cfg)
-    # A draft must share the vocabulary (checked before anything runs), and does not run multi-host (a
-    # mesh of one process is tested in test_parallel).
+    # A draft must share the vocabulary (checked before anything runs).
     llm = make_llm()
     wrong = types.SimpleNamespace(model_config=dataclasses.replace(cfg, vocab_size=cfg.vocab_size + 1))
     with pytest.raises(InvalidConfig, match="speculative.draft_model: its vocabulary"):
         Engine(llm.engine.runner, None, llm.engine.config.replace(speculative=DRAFT), draft_runner=wrong)
     with pytest.raises(InvalidConfig, match="speculative.method: 'draft' needs a draft model"):
         Engine(llm.engine.runner, None, llm.engine.config.replace(speculative=DRAFT))
-    from jaxcb.llm import build_engines
-
-    with pytest.raises(InvalidConfig, match="speculative.method: 'draft' does not run multi-host yet"):
-        build_engines(None, llm.engine.config.replace(speculative=DRAFT), loaded=tiny_model,
-                      wrap_runner=lambda runner, config: runner)
 
 
 def test_the_memory_plan_counts_the_drafts_weights_and_kv(tiny_gguf_path, capsys):

@@ -363,8 +363,12 @@ def _join_cluster(args, config):
     print(f"jaxcb: process {jax.process_index()} of {jax.process_count()}; tensor parallel {n} over "
           f"{jax.local_device_count()} local devices each", flush=True)
 
-    def wrap(runner, resolved):
-        return multihost.LeaderRunner(runner, _channel(runner, resolved))
+    channels = []  # one for the model's runner and its draft model's: their steps go out in one order
+
+    def wrap(runner, resolved, draft=False):
+        if not channels:
+            channels.append(_channel(runner, resolved))  # (the model's runner comes first)
+        return multihost.LeaderRunner(runner, channels[0], multihost.DRAFT if draft else multihost.TARGET)
 
     return config, wrap
 
@@ -375,6 +379,8 @@ def _channel(runner, config):
     c = runner.model_config
     spec = config.scheduler.speculative
     shapes = config.buckets.shapes(config.page_size, config.max_context_for(c), spec.extra_rows, spec.verify_tokens)
+    if spec.method == "draft":  # the draft model's steps (jaxcb.host.draft.DraftProposer.shapes)
+        shapes += [s for s in config.buckets.shapes(config.page_size, config.max_context_for(c)) if s not in shapes]
     lora = runner.lora.padded(None) if runner.lora is not None else None  # an empty slot's arrays
     return multihost.Channel(shapes, config.page_size, c.vocab_size, c.sliding_window if c.windowed else 0, lora)
 
@@ -394,7 +400,7 @@ def _follow(args, config) -> int:
     multihost.check_same_engine(runner, engine.config)
     print(f"jaxcb: process {jax.process_index()} follows process 0", flush=True)
     try:
-        steps = multihost.follow(runner, _channel(runner, engine.config))
+        steps = multihost.follow(runner, _channel(runner, engine.config), engine.draft_runner)
     except Exception as e:  # noqa: BLE001 - the leader is gone or the cluster broke: exit non-zero at once
         print(f"jaxcb: follower {jax.process_index()}: the cluster failed ({e!r}); exiting", flush=True)
         os._exit(1)

@@ -6,14 +6,15 @@ every process, split by tensor parallelism (jaxcb.device.parallel). Process 0, t
 server, the scheduler and the page pool; the others, followers, hold their shards of the weights and
 KV pages and run whatever step the leader runs, in the same order:
 
-    leader, every step:  broadcast header [op, bucket, step no.]  then the step's padded input as
-                         one byte buffer (its size follows from the bucket), then run the step
+    leader, every step:  broadcast header [op, bucket, step no., runner]  then the step's padded input
+                         as one byte buffer (its size follows from the bucket), then run the step
+                         (runner 0: the model's; 1: speculative decoding's draft model's)
     leader, a LoRA slot: broadcast header [LORA, slot, step no.]  then the adapter's A and B padded
                          to the slots' rank as one byte buffer (its size follows from the config),
                          then fill the slot
-    follower, forever:   receive the header; RUN: receive the input, run the same compiled step;
-                         COMPILE: compile that bucket (warm-up); LORA: receive the adapter, fill the
-                         same slot; PING: nothing; STOP: return
+    follower, forever:   receive the header; RUN: receive the input, run the same compiled step on the
+                         same runner; COMPILE: compile that bucket (warm-up); LORA: receive the
+                         adapter, fill the same slot; PING: nothing; STOP: return
 
 Both broadcasts are `multihost_utils.broadcast_one_to_all` (a psum in which only the leader
 contributes). Warm-up sends COMPILE for every bucket with a zero input, so the broadcast of every
@@ -41,7 +42,8 @@ from jaxcb.host.runner_protocol import Runner
 log = logging.getLogger("jaxcb.device.multihost")
 
 OP_RUN, OP_COMPILE, OP_PING, OP_STOP, OP_LORA = 1, 2, 3, 4, 5
-HEADER_WORDS = 4  # op, bucket index, step number, reserved
+HEADER_WORDS = 4  # op, bucket index (LORA: the slot), step number, runner (0 the model, 1 the draft)
+TARGET, DRAFT = 0, 1  # the runners a step may run on
 PING_EVERY_S = 1.0
 
 
@@ -104,6 +106,7 @@ def fingerprint(runner, config) -> dict[str, str]:
         "lora": (f"{config.lora.max_loras} slots of rank {config.lora.max_rank} on {', '.join(config.lora.targets)}"
                  if config.lora.enabled else "none"),
         "attention": str(runner.attention.kernel),
+        "speculative": repr(config.scheduler.speculative),
         # XLA:CPU's dot library changes float rounding (jaxcb.device.cpu_dots); a measured choice may differ by host
         "cpu dots": cpu_dots.current().library if runner.describe()["platform"] == "cpu" else "-",
     }
@@ -139,6 +142,7 @@ class Message:
     sampling: object = None  # ... and its sampling rows
     slot: int = -1  # LORA: the device slot
     lora: tuple[dict, dict] | None = None  # LORA: the adapter's padded (A, B) per target
+    runner: int = TARGET  # RUN, COMPILE: TARGET or DRAFT
 
 
 def _concat(leaves) -> np.ndarray:
@@ -155,9 +159,10 @@ def _split(buf: np.ndarray, leaves) -> list[np.ndarray]:
 
 
 class Channel:
-    """The per-step broadcast from the leader; one instance per process, the same bucket list.
-    `lora`: the padded (A, B) of an empty slot (jaxcb.device.lora.LoraSlots.padded(None)), whose shapes
-    an adapter's broadcast takes; None where the engine has no LoRA slots."""
+    """The per-step broadcast from the leader; one instance per process, the same bucket list (the
+    model's step shapes and its draft model's). `lora`: the padded (A, B) of an empty slot
+    (jaxcb.device.lora.LoraSlots.padded(None)), whose shapes an adapter's broadcast takes; None where
+    the engine has no LoRA slots."""
 
     def __init__(self, shapes: list[StepShape], page_size: int, vocab_size: int, window: int = 0, lora=None):
         import jaxcb.device.runner  # noqa: F401 - registers the step input types as pytrees
@@ -183,9 +188,9 @@ class Channel:
         return np.asarray(multihost_utils.broadcast_one_to_all(x))
 
     # ---- leader ----
-    def send(self, op: int, shape: StepShape | None = None, batch=None, sampling=None) -> None:
+    def send(self, op: int, shape: StepShape | None = None, batch=None, sampling=None, runner: int = TARGET) -> None:
         index = -1 if shape is None else self._index[shape]
-        header = np.array([op, index, self.steps, 0], np.int32)
+        header = np.array([op, index, self.steps, runner], np.int32)
         self._broadcast(header)
         if op in (OP_RUN, OP_COMPILE):
             leaves = jax.tree.leaves((batch, sampling)) if batch is not None else self._templates[index][0]
@@ -208,7 +213,7 @@ class Channel:
     def receive(self) -> Message:
         """The leader's next send."""
         header = self._broadcast(np.zeros(HEADER_WORDS, np.int32))
-        op, index = int(header[0]), int(header[1])
+        op, index, runner = int(header[0]), int(header[1]), int(header[3])
         if op == OP_LORA:
             if self._lora is None:
                 raise RuntimeError("multi-host: the leader filled a LoRA slot and this process has none")
@@ -220,18 +225,20 @@ class Channel:
         leaves, treedef = self._templates[index]
         buf = self._broadcast(np.zeros(sum(x.nbytes for x in leaves), np.uint8))
         batch, sampling = jax.tree.unflatten(treedef, _split(buf, leaves))
-        return Message(op, self.shapes[index], batch, sampling)
+        return Message(op, self.shapes[index], batch, sampling, runner=runner)
 
 
 class LeaderRunner(Runner):
-    """The leader's ModelRunner: every compile and step is first sent to the followers. What it does not
-    send on is the wrapped runner's."""
+    """The leader's ModelRunner (`which`: TARGET, or DRAFT for speculative decoding's draft model): every
+    compile and step is first sent to the followers. What it does not send on is the wrapped runner's."""
 
-    def __init__(self, runner, channel: Channel):
+    def __init__(self, runner, channel: Channel, which: int = TARGET):
         self.runner = runner
         self.channel = channel
+        self.which = which
         self.model_config = runner.model_config
         self.step_config = runner.step_config
+        self.num_pages, self.page_size = runner.num_pages, runner.page_size
         self.num_window_pages = runner.num_window_pages
         self.device_ids = runner.device_ids
 
@@ -245,11 +252,11 @@ class LeaderRunner(Runner):
         return self.runner.compilations()
 
     def compile(self, shape: StepShape) -> None:
-        self.channel.send(OP_COMPILE, shape)
+        self.channel.send(OP_COMPILE, shape, runner=self.which)
         self.runner.compile(shape)
 
     def run(self, batch, sampling, shape: StepShape):
-        self.channel.send(OP_RUN, shape, batch, sampling)
+        self.channel.send(OP_RUN, shape, batch, sampling, runner=self.which)
         return self.runner.run(batch, sampling, shape)
 
     def fill_lora_slot(self, slot: int, adapter) -> None:
@@ -288,18 +295,24 @@ class LeaderRunner(Runner):
         self.channel.send(OP_STOP)
 
 
-def follow(runner, channel: Channel) -> int:
-    """A follower's whole life after loading: mirror the leader until STOP (returns the steps run)."""
+def follow(runner, channel: Channel, draft=None) -> int:
+    """A follower's whole life after loading: mirror the leader until STOP (returns the steps run), on
+    `runner` and on `draft`, the draft model's runner where the engine speculates with one."""
     runs = 0
     while True:
         m = channel.receive()
         if m.op == OP_STOP:
             log.info("follower %d: STOP after %d steps", jax.process_index(), runs)
             return runs
+        on = runner
+        if m.runner == DRAFT:
+            if draft is None:
+                raise RuntimeError("multi-host: the leader ran a draft model's step and this process has none")
+            on = draft
         if m.op == OP_COMPILE:
-            runner.compile(m.shape)
+            on.compile(m.shape)
         elif m.op == OP_RUN:
-            runner.run(m.batch, m.sampling, m.shape)
+            on.run(m.batch, m.sampling, m.shape)
             runs += 1
         elif m.op == OP_LORA:
             runner.lora.fill_padded(m.slot, *m.lora)
