@@ -4,6 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import jaxcb.model.llama  # noqa: F401 - registers the packed step's types (StepInput) as pytrees
 from jaxcb.model.paged_attention import paged_attention_reference, write_kv
 
 
