@@ -210,7 +210,7 @@ def build_engines(model: str | None = None, config: EngineConfig | str | None = 
     engines = []
     for i, devices in enumerate(groups):
         runner, resolved = make_runner(model_config, params, config, plan=plan, devices=devices)
-        draft_runner = make_draft_runner(runner, *draft, resolved, devices) if draft else None
+        draft_runner = make_draft_runner(runner, *draft, resolved) if draft else None
         if wrap_runner is not None:
             runner = wrap_runner(runner, resolved)
             if draft_runner is not None:

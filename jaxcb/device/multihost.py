@@ -21,8 +21,9 @@ contributes). Warm-up sends COMPILE for every bucket with a zero input, so the b
 size is compiled too and nothing compiles after it. While the leader is idle it sends PING every
 second: a follower never waits long in a collective, and a dead process is found within a second
 (the collective fails: the leader's engine thread dies and the server exits non-zero; a follower
-whose leader is gone exits non-zero). SIGTERM on the leader drains the server, then sends STOP. Adapters are registered on the leader alone
-(`--lora`, the load endpoints): a follower needs none of their files.
+whose leader is gone exits non-zero). SIGTERM on the leader drains the server, then sends STOP.
+Adapters are registered on the leader alone (`--lora`, the load endpoints): a follower needs none of
+their files.
 """
 
 from __future__ import annotations
@@ -188,26 +189,25 @@ class Channel:
         return np.asarray(multihost_utils.broadcast_one_to_all(x))
 
     # ---- leader ----
+    def _send(self, header: list[int], leaves=None) -> None:
+        """The header, then (if any) the arrays as one byte buffer."""
+        for x in (np.array(header, np.int32), None if leaves is None else _concat(leaves)):
+            if x is not None:
+                self._broadcast(x)
+                self.bytes_sent += x.nbytes
+        self.last_send = time.monotonic()
+
     def send(self, op: int, shape: StepShape | None = None, batch=None, sampling=None, runner: int = TARGET) -> None:
         index = -1 if shape is None else self._index[shape]
-        header = np.array([op, index, self.steps, runner], np.int32)
-        self._broadcast(header)
+        leaves = None
         if op in (OP_RUN, OP_COMPILE):
             leaves = jax.tree.leaves((batch, sampling)) if batch is not None else self._templates[index][0]
-            buf = _concat(leaves)
-            self._broadcast(buf)
-            self.bytes_sent += buf.nbytes
-        self.bytes_sent += header.nbytes
+        self._send([op, index, self.steps, runner], leaves)
         self.steps += op == OP_RUN
-        self.last_send = time.monotonic()
 
     def send_lora(self, slot: int, a: dict, b: dict) -> None:
         """An adapter's padded arrays for `slot` (every process then fills that slot with them)."""
-        self._broadcast(np.array([OP_LORA, slot, self.steps, 0], np.int32))
-        buf = _concat(jax.tree.leaves((a, b)))
-        self._broadcast(buf)
-        self.bytes_sent += buf.nbytes + HEADER_WORDS * 4
-        self.last_send = time.monotonic()
+        self._send([OP_LORA, slot, self.steps, TARGET], jax.tree.leaves((a, b)))
 
     # ---- follower ----
     def receive(self) -> Message:
@@ -217,15 +217,16 @@ class Channel:
         if op == OP_LORA:
             if self._lora is None:
                 raise RuntimeError("multi-host: the leader filled a LoRA slot and this process has none")
-            leaves, treedef = self._lora
-            buf = self._broadcast(np.zeros(sum(x.nbytes for x in leaves), np.uint8))
-            return Message(op, slot=index, lora=jax.tree.unflatten(treedef, _split(buf, leaves)))
+            return Message(op, slot=index, lora=self._receive(*self._lora))
         if op not in (OP_RUN, OP_COMPILE):
             return Message(op)
-        leaves, treedef = self._templates[index]
-        buf = self._broadcast(np.zeros(sum(x.nbytes for x in leaves), np.uint8))
-        batch, sampling = jax.tree.unflatten(treedef, _split(buf, leaves))
+        batch, sampling = self._receive(*self._templates[index])
         return Message(op, self.shapes[index], batch, sampling, runner=runner)
+
+    def _receive(self, leaves, treedef):
+        """The arrays the leader sent as one buffer, in the structure of `leaves` / `treedef`."""
+        buf = self._broadcast(np.zeros(sum(x.nbytes for x in leaves), np.uint8))
+        return jax.tree.unflatten(treedef, _split(buf, leaves))
 
 
 class LeaderRunner(Runner):

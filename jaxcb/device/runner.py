@@ -227,7 +227,7 @@ def make_runner(model_config: ModelConfig, params: Params, config, dtype=None, p
     return runner, config
 
 
-def make_draft_runner(target: "ModelRunner", model_config: ModelConfig, params: Params, config, devices=None):
+def make_draft_runner(target: "ModelRunner", model_config: ModelConfig, params: Params, config):
     """Speculative decoding's draft model on the target's devices (under tensor parallelism split over
     the target's mesh as the target is: its heads, KV pages and vocabulary), its KV pages laid out as
     the target's (the same page count, size and sliding group: it writes each request's own page ids,

@@ -188,8 +188,7 @@ class Grammars:
         # llguidance's vocabulary covers the tokenizer's too (a model may have fewer logits than the
         # tokenizer has tokens): its masks are that wide, the step's `allowed` the model's width.
         n_vocab = max(vocab_size, getattr(tokenizer, "vocab_size", 0) or 0)
-        self.tokenizer = (tokenizer.llguidance(n_vocab, eos) if hasattr(tokenizer, "llguidance")  # (shared)
-                          else llguidance.LLTokenizer(tokenizer.to_str(), n_vocab=n_vocab, eos_token=eos or None))
+        self.tokenizer = tokenizer.llguidance(n_vocab, eos)  # (built once per tokenizer, shared)
         self.vocab_size = vocab_size
         self.words = (vocab_size + 31) // 32
         self._llg_words = (n_vocab + 31) // 32
