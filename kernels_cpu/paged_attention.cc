@@ -37,7 +37,7 @@ constexpr float kMasked = -1e30f;
 #define PREFETCH_LEVEL 2  // into L2 (prefetcht1): measured 1.7x the rate of prefetching into L1 here
 #endif
 #ifndef PREFETCH_PAGES
-#define PREFETCH_PAGES 1
+#define PREFETCH_PAGES 2
 #endif
 constexpr int64_t kPrefetchPages = PREFETCH_PAGES;
 #ifndef HELPERS_BYTES
@@ -188,6 +188,29 @@ inline void page_scores(const float* q, const float* k, int64_t d, int64_t s, in
 template <int G>
 inline void page_values(const float* weights, const float* v, int64_t d, int64_t s, int64_t s0, int64_t s1,
                         const float* scales, float* acc) {
+#if defined(__AVX512F__)
+  if (d % (4 * kLanes) == 0 && G <= 6) {  // G x 64 columns of sums in registers, each value row read once
+    for (int64_t c = 0; c < d; c += 4 * kLanes) {
+      vf o[G][4];
+      for (int j = 0; j < G; ++j)
+        for (int u = 0; u < 4; ++u) o[j][u] = vload(acc + j * d + c + u * kLanes);
+      for (int64_t t = s0; t < s1; ++t) {
+        const float* vr = v + t * d + c;
+        const vf v0 = vload(vr), v1 = vload(vr + kLanes), v2 = vload(vr + 2 * kLanes), v3 = vload(vr + 3 * kLanes);
+        for (int j = 0; j < G; ++j) {
+          const float w = weights[j * s + t] * scales[t];
+          o[j][0] += w * v0;
+          o[j][1] += w * v1;
+          o[j][2] += w * v2;
+          o[j][3] += w * v3;
+        }
+      }
+      for (int j = 0; j < G; ++j)
+        for (int u = 0; u < 4; ++u) vstore(acc + j * d + c + u * kLanes, o[j][u]);
+    }
+    return;
+  }
+#endif
   if (d % kLanes == 0) {
     for (int64_t c = 0; c < d; c += kLanes) {
       vf o[G];
@@ -444,6 +467,53 @@ void attend_block_tiled(const Problem& p, const Block& b) {
 }
 #endif
 
+#if defined(__AVX512F__)
+// Lanes [t0, t1) of the 16 slots from t16.
+inline __mmask16 slot_mask(int64_t t16, int64_t t0, int64_t t1) {
+  const uint32_t below = static_cast<uint32_t>(std::clamp<int64_t>(t0 - t16, 0, kLanes));
+  const uint32_t upto = static_cast<uint32_t>(std::clamp<int64_t>(t1 - t16, 0, kLanes));
+  return static_cast<__mmask16>(((1u << upto) - 1) & ~((1u << below) - 1));
+}
+#endif
+
+// One query head's online softmax over a page: the scores of slots [t0, t1) become exp(score - max),
+// with `mx` the running max and `den` the running denominator brought up to date; returns the factor
+// that scales the sums made before this page. Pages of a multiple of 16 slots go 16 slots at a time
+// (the other slots of those groups are set to 0: never read).
+inline float page_softmax(float* sj, int64_t s, int64_t t0, int64_t t1, float& mx, float& den) {
+#if defined(__AVX512F__)
+  if (s % kLanes == 0) {
+    __m512 top = _mm512_set1_ps(mx);
+    for (int64_t t16 = t0 / kLanes * kLanes; t16 < t1; t16 += kLanes)
+      top = _mm512_mask_max_ps(top, slot_mask(t16, t0, t1), top, _mm512_loadu_ps(sj + t16));
+    const float new_mx = _mm512_reduce_max_ps(top), keep = exp_nonpos(mx - new_mx);
+    const vf m = vf{} + new_mx;
+    vf sum = {};
+    for (int64_t t16 = t0 / kLanes * kLanes; t16 < t1; t16 += kLanes) {
+      const vf e = reinterpret_cast<vf>(
+          _mm512_maskz_mov_ps(slot_mask(t16, t0, t1), reinterpret_cast<__m512>(exp_nonpos16(vload(sj + t16) - m))));
+      vstore(sj + t16, e);
+      sum += e;
+    }
+    mx = new_mx;
+    den = den * keep + hsum(sum);
+    return keep;
+  }
+#endif
+  float new_mx = mx;
+  for (int64_t t = t0; t < t1; ++t) new_mx = std::max(new_mx, sj[t]);
+  const float keep = exp_nonpos(mx - new_mx);
+  float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t t = t0; t < t1; ++t) {
+    sj[t] = exp_nonpos(sj[t] - new_mx);
+    sum += sj[t];
+  }
+  mx = new_mx;
+  den = den * keep + sum;
+  return keep;
+}
+
 // The block's queries (each with the G query heads of KV head k) over the pages their keys are on,
 // page by page with an online softmax per query head. Query j of a sequence with kv_len keys and q_len
 // new tokens sits at position kv_len - q_len + j and sees the keys at positions up to its own (and,
@@ -485,7 +555,9 @@ void attend_block(const Problem& p, const Block& b) {
   // were, by whoever took the block before, prefetch_start).
   sp.prefetch(first, kPrefetchPages);
   for (int64_t n = first; n <= last; ++n) {
-    sp.prefetch(n + kPrefetchPages, 1);
+    // The keys kPrefetchPages ahead are requested here, their values before this page's values are
+    // summed: two half bursts, each while the core has work (one burst of both stalled it at the top).
+    if (n + kPrefetchPages <= last) prefetch_page(k_pool + table[n + kPrefetchPages] * page_bytes, page_bytes);
     const int64_t page = table[n], base = n * s;
     const int64_t s0 = std::max<int64_t>(lo - base, 0), s1 = std::min<int64_t>(last_pos + 1 - base, s);
     const float* keys = Page::rows(k_pool + page * page_bytes, s0, s1, p.w, k_scratch, kscale);
@@ -504,24 +576,14 @@ void attend_block(const Problem& p, const Block& b) {
         const int64_t r = jq * G + j;
         if (p.softcap > 0.0f)
           for (int64_t t = t0; t < t1; ++t) sj[t] = p.softcap * std::tanh(sj[t] / p.softcap);
-        float page_max = kMasked;
-        for (int64_t t = t0; t < t1; ++t) page_max = std::max(page_max, sj[t]);
-        const float new_mx = std::max(mx[r], page_max);
-        const float keep = exp_nonpos(mx[r] - new_mx);
-        mx[r] = new_mx;
-        float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t t = t0; t < t1; ++t) {
-          sj[t] = exp_nonpos(sj[t] - new_mx);
-          sum += sj[t];
-        }
-        den[r] = den[r] * keep + sum;
+        const float keep = page_softmax(sj, s, t0, t1, mx[r], den[r]);
         if (keep != 1.0f) {
           float* aj = a + j * d;
 #pragma omp simd
           for (int64_t e = 0; e < d; ++e) aj[e] *= keep;
         }
       }
+      if (jq == 0 && n + kPrefetchPages <= last) prefetch_page(v_pool + table[n + kPrefetchPages] * page_bytes, page_bytes);
       page_values<G>(sc, values, d, s, t0, t1, vscale, a);
     }
   }
