@@ -79,6 +79,23 @@ inline float exp_nonpos(float x) {
   return p * scale;
 }
 
+// exp_nonpos on every lane of V (16 or 8 floats; VI: as many int32), `floor_lanes` the ISA's rounding
+// down (GCC leaves the scalar one unvectorised inside a conditional).
+template <class V, class VI, class Floor>
+inline V exp_nonpos_lanes(V x, Floor floor_lanes) {
+  x = x > -87.0f ? x : V{} - 87.0f;
+  const V n = floor_lanes(x * 1.44269504088896341f + 0.5f);
+  const V r = x - n * 0.693145751953125f - n * 1.428606765330187045e-06f;
+  V p = r * 1.9875691500e-4f + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const VI bits = (__builtin_convertvector(n, VI) + 127) << 23;
+  return p * reinterpret_cast<const V&>(bits);
+}
+
 // A page's slots as float32 rows: float pages are read in place; bfloat16 and int8 pages are widened
 // into `scratch` ([S, D] floats) first, with each int8 slot's scale in `scales`.
 struct F32Page {
@@ -169,20 +186,8 @@ inline v8 lane_sums8(const v8* x) {
          __builtin_shufflevector(b[0], b[1], 1, 3, 5, 7, 9, 11, 13, 15);
 }
 
-// exp_nonpos on 8 lanes.
 inline v8 exp_nonpos8(v8 x) {
-  x = x > -87.0f ? x : v8{} - 87.0f;
-  const v8 t = x * 1.44269504088896341f + 0.5f;
-  const v8 n = reinterpret_cast<v8>(_mm256_floor_ps(reinterpret_cast<__m256>(t)));
-  const v8 r = x - n * 0.693145751953125f - n * 1.428606765330187045e-06f;
-  v8 p = r * 1.9875691500e-4f + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  const i8v bits = (__builtin_convertvector(n, i8v) + 127) << 23;
-  return p * reinterpret_cast<const v8&>(bits);
+  return exp_nonpos_lanes<v8, i8v>(x, [](v8 t) { return reinterpret_cast<v8>(_mm256_floor_ps(reinterpret_cast<__m256>(t))); });
 }
 
 // Lanes [t0, t1) of the 8 slots from t8, as all-ones lanes.
@@ -385,21 +390,11 @@ void prefetch_start(const Problem& p, const Block& b) {
 }
 
 #if defined(__AVX512F__)
-// exp_nonpos on 16 lanes (GCC leaves the scalar one unvectorised inside a conditional).
+typedef int32_t vi16 __attribute__((vector_size(64)));
 inline vf exp_nonpos16(vf x) {
-  typedef int32_t vi __attribute__((vector_size(64)));
-  x = x > -87.0f ? x : vf{} - 87.0f;
-  const vf t = x * 1.44269504088896341f + 0.5f;
-  const vf n = reinterpret_cast<vf>(_mm512_roundscale_ps(reinterpret_cast<__m512>(t), _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC));
-  const vf r = x - n * 0.693145751953125f - n * 1.428606765330187045e-06f;
-  vf p = r * 1.9875691500e-4f + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  const vi bits = (__builtin_convertvector(n, vi) + 127) << 23;
-  return p * reinterpret_cast<const vf&>(bits);
+  return exp_nonpos_lanes<vf, vi16>(x, [](vf t) {
+    return reinterpret_cast<vf>(_mm512_roundscale_ps(reinterpret_cast<__m512>(t), _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC));
+  });
 }
 
 // Scores of 4 slots for one or two vectors of 16 query rows: st[t][r] = qt[:, r] . k_t * scales[t],
