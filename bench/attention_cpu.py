@@ -10,8 +10,9 @@ Here one jitted program runs the attention of all 30 layers (a scan, each layer'
 pages, as the step does) and nothing else; the figure is the best of --repeats runs (more for a point
 whose runs take under MIN_SECONDS in all: a 0.3 ms point's best of 20 moved 2x between processes), and
 the live K/V read rate (each sequence's keys and values once per layer) is set against the copy rate of
-the same process (bench.common.copy_rate), measured before and after the rows and averaged. Each sequence's pages
-are consecutive in the pool, or with --scatter lie anywhere in it (as in a pool after hours of serving).
+the same process (bench.common.copy_rate), measured before and after the rows and averaged. Each
+sequence's pages are consecutive in the pool, or with --scatter lie anywhere in it (as in a pool after
+hours of serving).
 """
 
 from __future__ import annotations
@@ -84,8 +85,9 @@ def main():
                 results.append({"attention": attention, "rows": rows, "context": context,
                                 "ms": round(seconds * 1e3, 3), "live_kv_gb_per_s": round(live / seconds / 1e9, 2)})
     copy = (before + copy_rate()) / 2
+    layout = "scattered" if args.scatter else "consecutive"
     print(f"machine: {machine()}; SmolLM2-shaped decode attention, {LAYERS} layers, float32 pages of {PAGE}; "
-          f"{'scattered' if args.scatter else 'consecutive'} pages; copy rate {copy / 1e9:.1f} GB/s read (+ as much written), mean of before and after")
+          f"{layout} pages; copy rate {copy / 1e9:.1f} GB/s read (+ as much written), mean of before and after")
     for r in results:
         r["of_copy"] = round(r["live_kv_gb_per_s"] * 1e9 / copy, 3)
         print(f"{r['attention']:6s} rows {r['rows']:3d} context {r['context']:5d}: {r['ms']:8.3f} ms, "

@@ -72,10 +72,9 @@ def main():
     # A runner per choice, as the engine builds it: "native" also reads its float32 matrices natively, in
     # the kernel's column blocks (kernels_cpu.block_stack), which "xla" leaves as they are.
     runners = {choice: ModelRunner(model_config, params, num_pages, s, attention=choice) for choice in args.attention}
-    runner = runners[args.attention[0]]
     window = model_config.sliding_window if model_config.windowed else 0
     rng = np.random.default_rng(0)
-    kv_bytes_per_token = runner.kv_bytes_per_token
+    kv_bytes_per_token = runners[args.attention[0]].kv_bytes_per_token
     rows_out = []
     copy_gb_s = copy_rate() / 1e9
     print(f"machine: {machine()}; model {model_config.name}, {args.weights} weights, page size {s}, "
@@ -127,20 +126,22 @@ def main():
                 # the full one: the attention is the median of the pairs' differences (at one row it is a
                 # few percent of the step, below the drift between two separate series).
                 none_ms, full_ms, attn_ms = timed_pairs(
-                    run_with(runner, Attention("none", native_matmul=attention.native_matmul)), run_with(runner, attention),
-                    args.repeats)
+                    run_with(runner, Attention("none", native_matmul=attention.native_matmul)),
+                    run_with(runner, attention), args.repeats)
                 attn_ms = max(attn_ms, 0.0)
                 rate = kv_gb / (attn_ms / 1000) if attn_ms >= 0.05 else None  # None: within the pairs' noise
                 row = {"attention": choice, "layout": args.layout, "rows": rows, "context": ctx,
                        "page_runs_per_seq": round(sum(runs(t) for t in tables) / rows, 1), "tokens_bucket": shape.tokens,
                        "step_ms": round(full_ms, 1), "no_attention_ms": round(none_ms, 1),
                        "attention_ms": round(attn_ms, 1), "attention_share": round(attn_ms / full_ms, 3),
-                       "kv_read_gb_per_s": rate and round(rate, 2), "kv_read_of_copy_rate": rate and round(rate / copy_gb_s, 3),
+                       "kv_read_gb_per_s": rate and round(rate, 2),
+                       "kv_read_of_copy_rate": rate and round(rate / copy_gb_s, 3),
                        "sampling_ms": round(sample_ms, 2), "host_pack_ms": round(host_ms, 3)}
                 rows_out.append(row)
+                read = (f"{rate:.1f} GB/s of live K/V, {100 * rate / copy_gb_s:.0f}% of copy" if rate
+                        else "within the noise")
                 print(f"{choice:6s} rows {rows:3d} context {ctx:5d}: step {full_ms:7.1f} ms | without attention "
-                      f"{none_ms:6.1f} ms | attention {attn_ms:6.1f} ms ({100 * attn_ms / full_ms:.0f}%; "
-                      f"{f'{rate:.1f} GB/s of live K/V, {100 * rate / copy_gb_s:.0f}% of copy' if rate else 'within the noise'}) | "
+                      f"{none_ms:6.1f} ms | attention {attn_ms:6.1f} ms ({100 * attn_ms / full_ms:.0f}%; {read}) | "
                       f"sampling {sample_ms:5.2f} ms | host pack {host_ms:.3f} ms", flush=True)
     result = {"machine": machine(), "weights": args.weights, "copy_gb_per_s": round(copy_gb_s, 2), "steps": rows_out}
     write_result(result, args.json)
@@ -180,8 +181,6 @@ def pool_layout(rows: int, context: int, prompt: int, num_pages: int, page_size:
 def runs(pages: list[int]) -> int:
     """Stretches of consecutive page ids in a page table."""
     return 1 + sum(b != a + 1 for a, b in zip(pages, pages[1:]))
-
-
 
 
 if __name__ == "__main__":
