@@ -58,7 +58,7 @@ def isa_flags(flags: set[str] | None = None) -> list[str]:
     return out
 
 
-def compile_command(output: str) -> list[str]:
+def compile_command(output: str, sources: list[Path] | None = None) -> list[str]:
     import jax
 
     cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
@@ -66,7 +66,7 @@ def compile_command(output: str) -> list[str]:
         raise RuntimeError("no C++ compiler (g++, c++ or clang++) on PATH")
     return [cxx, "-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp-simd", "-fno-math-errno",
             *isa_flags(), *os.environ.get("JAXCB_KERNEL_FLAGS", "").split(), "-I", jax.ffi.include_dir(),
-            *map(str, SOURCES), "-o", output]
+            *map(str, SOURCES if sources is None else sources), "-o", output]
 
 
 def cache_dir() -> Path:
@@ -99,7 +99,7 @@ def build() -> Path:
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
         os.close(fd)
         try:
-            _compile(tmp)
+            compile_library(tmp)
         except Exception:
             os.unlink(tmp)
             raise
@@ -107,11 +107,12 @@ def build() -> Path:
     return path
 
 
-def _compile(output: str) -> None:
-    """compile_command, with each source compiled to an object file in its own process at once (the
-    sources take 9-31 s each on a 2-core machine), then linked."""
-    cmd = compile_command(output)
-    sources = [str(s) for s in SOURCES]
+def compile_library(output: str, folder: Path = HERE) -> None:
+    """compile_command for the sources in `folder` (this one; bench.attention_cpu --compare builds another
+    revision's copy), with each source compiled to an object file in its own process at once (the sources
+    take 9-31 s each on a 2-core machine), then linked."""
+    sources = [str(folder / s.name) for s in SOURCES]
+    cmd = compile_command(output, sources)
     flags = [a for a in cmd[1:cmd.index(sources[0])] if a != "-shared"]
     log.info("building the CPU kernels: %s", " ".join(cmd))
     with tempfile.TemporaryDirectory() as objects:
