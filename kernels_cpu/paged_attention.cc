@@ -144,11 +144,35 @@ using jaxcb::vload;
 using jaxcb::vstore;
 using jaxcb::hsum;
 
+// The slot and column loops below go kW lanes at a time in single registers: 16 with AVX-512; 8 with
+// AVX2 alone, where vf's 16 lanes are two registers and 16-lane tiles need twice the registers there are
+// (measured: 6-7 GB/s of live K/V, a quarter of the copy rate, spilling throughout).
 #if defined(__AVX512F__)
+constexpr int kW = 16;
+typedef float vw __attribute__((vector_size(64)));
+typedef int32_t iw __attribute__((vector_size(64)));
+inline vw floor_w(vw t) {
+  return reinterpret_cast<vw>(_mm512_roundscale_ps(reinterpret_cast<__m512>(t), _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC));
+}
+inline float max_of(vw v) { return _mm512_reduce_max_ps(reinterpret_cast<__m512>(v)); }
+inline float sum_of(vw v) { return hsum(v); }
+// Lanes [t0, t1) of the 16 slots from tw, and the masked max and zeroing the softmax takes with them.
+typedef __mmask16 mw;
+inline mw slot_mask(int64_t tw, int64_t t0, int64_t t1) {
+  const uint32_t below = static_cast<uint32_t>(std::clamp<int64_t>(t0 - tw, 0, kW));
+  const uint32_t upto = static_cast<uint32_t>(std::clamp<int64_t>(t1 - tw, 0, kW));
+  return static_cast<mw>(((1u << upto) - 1) & ~((1u << below) - 1));
+}
+inline vw max_where(mw m, vw a, vw b) {
+  return reinterpret_cast<vw>(_mm512_mask_max_ps(reinterpret_cast<__m512>(a), m, reinterpret_cast<__m512>(a),
+                                                 reinterpret_cast<__m512>(b)));
+}
+inline vw zero_outside(mw m, vw x) { return reinterpret_cast<vw>(_mm512_maskz_mov_ps(m, reinterpret_cast<__m512>(x))); }
+
 // The lane sums of 16 vectors, r[t] = sum of x[t]'s lanes, as a tree of pairwise shuffles and adds
 // (15 adds and 30 shuffles against 16 separate horizontal sums of 4 dependent steps each).
-inline vf lane_sums16(const vf* x) {
-  vf a[8], b[4], c[2];
+inline vw lane_sums(const vw* x) {
+  vw a[8], b[4], c[2];
   for (int i = 0; i < 8; ++i)
     a[i] = __builtin_shufflevector(x[2 * i], x[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
            __builtin_shufflevector(x[2 * i], x[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
@@ -161,21 +185,33 @@ inline vf lane_sums16(const vf* x) {
   return __builtin_shufflevector(c[0], c[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
          __builtin_shufflevector(c[0], c[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
 }
-#endif
+#elif defined(__AVX2__)
+constexpr int kW = 8;
+typedef float vw __attribute__((vector_size(32)));
+typedef int32_t iw __attribute__((vector_size(32)));
+inline vw floor_w(vw t) { return reinterpret_cast<vw>(_mm256_floor_ps(reinterpret_cast<__m256>(t))); }
+inline float max_of(vw v) {
+  float m = v[0];
+  for (int i = 1; i < kW; ++i) m = std::max(m, v[i]);
+  return m;
+}
+inline float sum_of(vw v) {
+  float total = 0.0f;
+  for (int i = 0; i < kW; ++i) total += v[i];
+  return total;
+}
+// Lanes [t0, t1) of the 8 slots from tw as all-ones lanes, and the masked max and zeroing with them.
+typedef iw mw;
+inline mw slot_mask(int64_t tw, int64_t t0, int64_t t1) {
+  const iw lane = {0, 1, 2, 3, 4, 5, 6, 7};
+  return (lane >= static_cast<int32_t>(t0 - tw)) & (lane < static_cast<int32_t>(t1 - tw));
+}
+inline vw max_where(mw m, vw a, vw b) { return m != 0 && b > a ? b : a; }
+inline vw zero_outside(mw m, vw x) { return m != 0 ? x : vw{}; }
 
-#if defined(__AVX2__) && !defined(__AVX512F__)
-// Without AVX-512, vf's 16 lanes are two AVX2 registers, and the 16-slot paths below would need twice the
-// registers there are (measured: 6-7 GB/s of live K/V, a quarter of the copy rate, spilling throughout).
-// These take 8 slots or columns at a time in single registers.
-typedef float v8 __attribute__((vector_size(32)));
-typedef float v8u __attribute__((vector_size(32), aligned(4)));
-typedef int32_t i8v __attribute__((vector_size(32)));
-inline v8 load8(const float* p) { return *reinterpret_cast<const v8u*>(p); }
-inline void store8(float* p, v8 v) { *reinterpret_cast<v8u*>(p) = v; }
-
-// r[t] = the sum of x[t]'s 8 lanes, as a tree of pairwise shuffles and adds (lane_sums16's pattern).
-inline v8 lane_sums8(const v8* x) {
-  v8 a[4], b[2];
+// r[t] = the sum of x[t]'s 8 lanes, as a tree of pairwise shuffles and adds (the 16-lane pattern).
+inline vw lane_sums(const vw* x) {
+  vw a[4], b[2];
   for (int i = 0; i < 4; ++i)
     a[i] = __builtin_shufflevector(x[2 * i], x[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11) +
            __builtin_shufflevector(x[2 * i], x[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15);
@@ -185,48 +221,34 @@ inline v8 lane_sums8(const v8* x) {
   return __builtin_shufflevector(b[0], b[1], 0, 2, 4, 6, 8, 10, 12, 14) +
          __builtin_shufflevector(b[0], b[1], 1, 3, 5, 7, 9, 11, 13, 15);
 }
-
-inline v8 exp_nonpos8(v8 x) {
-  return exp_nonpos_lanes<v8, i8v>(x, [](v8 t) { return reinterpret_cast<v8>(_mm256_floor_ps(reinterpret_cast<__m256>(t))); });
-}
-
-// Lanes [t0, t1) of the 8 slots from t8, as all-ones lanes.
-inline i8v slot_mask8(int64_t t8, int64_t t0, int64_t t1) {
-  const i8v lane = {0, 1, 2, 3, 4, 5, 6, 7};
-  return (lane >= static_cast<int32_t>(t0 - t8)) & (lane < static_cast<int32_t>(t1 - t8));
-}
 #endif
 
-// scores[j * S + t] = q_j . k_t * scales[t] for the G query heads, slots [s0, s1) (with AVX-512, whole
-// groups of 16 slots around them: every slot of a page is memory the page owns, and the extra scores are
-// never read).
+#if defined(__AVX2__)
+typedef float vwu __attribute__((vector_size(sizeof(vw)), aligned(4)));
+inline vw loadw(const float* p) { return *reinterpret_cast<const vwu*>(p); }
+inline void storew(float* p, vw v) { *reinterpret_cast<vwu*>(p) = v; }
+inline vw exp_w(vw x) { return exp_nonpos_lanes<vw, iw>(x, floor_w); }
+// The weighted sum of values keeps G x kValueVectors vectors of column sums in registers (G <= 6): 24 of
+// AVX-512's 32 registers, 12 of AVX2's 16.
+constexpr int kValueVectors = kW == 16 ? 4 : 2;
+#endif
+
+// scores[j * S + t] = q_j . k_t * scales[t] for the G query heads, slots [s0, s1) (with AVX2 or AVX-512,
+// whole groups of kW slots around them: every slot of a page is memory the page owns, and the extra
+// scores are never read).
 template <int G>
 inline void page_scores(const float* q, const float* k, int64_t d, int64_t s, int64_t s0, int64_t s1,
                         const float* scales, float* scores) {
-#if defined(__AVX512F__)
-  if (d % kLanes == 0 && s % kLanes == 0) {  // 16 slots' dot products at once, summed across lanes together
-    for (int64_t t16 = s0 / kLanes * kLanes; t16 < s1; t16 += kLanes)
+#if defined(__AVX2__)
+  if (d % kW == 0 && s % kW == 0) {  // kW slots' dot products at once, summed across lanes together
+    for (int64_t tw = s0 / kW * kW; tw < s1; tw += kW)
       for (int j = 0; j < G; ++j) {
-        vf acc[kLanes] = {};
-        for (int64_t c = 0; c < d; c += kLanes) {
-          const vf qv = vload(q + j * d + c);
-          for (int t = 0; t < kLanes; ++t) acc[t] += qv * vload(k + (t16 + t) * d + c);
+        vw acc[kW] = {};
+        for (int64_t c = 0; c < d; c += kW) {
+          const vw qv = loadw(q + j * d + c);
+          for (int t = 0; t < kW; ++t) acc[t] += qv * loadw(k + (tw + t) * d + c);
         }
-        vstore(scores + j * s + t16, lane_sums16(acc) * vload(scales + t16));
-      }
-    return;
-  }
-#endif
-#if defined(__AVX2__) && !defined(__AVX512F__)
-  if (d % 8 == 0 && s % 8 == 0) {  // 8 slots' dot products at once, summed across lanes together
-    for (int64_t t8 = s0 / 8 * 8; t8 < s1; t8 += 8)
-      for (int j = 0; j < G; ++j) {
-        v8 acc[8] = {};
-        for (int64_t c = 0; c < d; c += 8) {
-          const v8 qv = load8(q + j * d + c);
-          for (int t = 0; t < 8; ++t) acc[t] += qv * load8(k + (t8 + t) * d + c);
-        }
-        store8(scores + j * s + t8, lane_sums8(acc) * load8(scales + t8));
+        storew(scores + j * s + tw, lane_sums(acc) * loadw(scales + tw));
       }
     return;
   }
@@ -255,45 +277,23 @@ inline void page_scores(const float* q, const float* k, int64_t d, int64_t s, in
 template <int G>
 inline void page_values(const float* weights, const float* v, int64_t d, int64_t s, int64_t s0, int64_t s1,
                         const float* scales, float* acc) {
-#if defined(__AVX512F__)
-  if (d % (4 * kLanes) == 0 && G <= 6) {  // G x 64 columns of sums in registers, each value row read once
-    for (int64_t c = 0; c < d; c += 4 * kLanes) {
-      vf o[G][4];
+#if defined(__AVX2__)
+  constexpr int64_t kCols = kValueVectors * kW;
+  if (d % kCols == 0 && G <= 6) {  // G x kCols columns of sums in registers, each value row read once
+    for (int64_t c = 0; c < d; c += kCols) {
+      vw o[G][kValueVectors];
       for (int j = 0; j < G; ++j)
-        for (int u = 0; u < 4; ++u) o[j][u] = vload(acc + j * d + c + u * kLanes);
+        for (int u = 0; u < kValueVectors; ++u) o[j][u] = loadw(acc + j * d + c + u * kW);
       for (int64_t t = s0; t < s1; ++t) {
-        const float* vr = v + t * d + c;
-        const vf v0 = vload(vr), v1 = vload(vr + kLanes), v2 = vload(vr + 2 * kLanes), v3 = vload(vr + 3 * kLanes);
+        vw row[kValueVectors];
+        for (int u = 0; u < kValueVectors; ++u) row[u] = loadw(v + t * d + c + u * kW);
         for (int j = 0; j < G; ++j) {
           const float w = weights[j * s + t] * scales[t];
-          o[j][0] += w * v0;
-          o[j][1] += w * v1;
-          o[j][2] += w * v2;
-          o[j][3] += w * v3;
+          for (int u = 0; u < kValueVectors; ++u) o[j][u] += w * row[u];
         }
       }
       for (int j = 0; j < G; ++j)
-        for (int u = 0; u < 4; ++u) vstore(acc + j * d + c + u * kLanes, o[j][u]);
-    }
-    return;
-  }
-#endif
-#if defined(__AVX2__) && !defined(__AVX512F__)
-  if (d % 16 == 0 && G <= 6) {  // G x 16 columns of sums in registers
-    for (int64_t c = 0; c < d; c += 16) {
-      v8 o[G][2];
-      for (int j = 0; j < G; ++j)
-        for (int u = 0; u < 2; ++u) o[j][u] = load8(acc + j * d + c + u * 8);
-      for (int64_t t = s0; t < s1; ++t) {
-        const v8 v0 = load8(v + t * d + c), v1 = load8(v + t * d + c + 8);
-        for (int j = 0; j < G; ++j) {
-          const float w = weights[j * s + t] * scales[t];
-          o[j][0] += w * v0;
-          o[j][1] += w * v1;
-        }
-      }
-      for (int j = 0; j < G; ++j)
-        for (int u = 0; u < 2; ++u) store8(acc + j * d + c + u * 8, o[j][u]);
+        for (int u = 0; u < kValueVectors; ++u) storew(acc + j * d + c + u * kW, o[j][u]);
     }
     return;
   }
@@ -390,13 +390,6 @@ void prefetch_start(const Problem& p, const Block& b) {
 }
 
 #if defined(__AVX512F__)
-typedef int32_t vi16 __attribute__((vector_size(64)));
-inline vf exp_nonpos16(vf x) {
-  return exp_nonpos_lanes<vf, vi16>(x, [](vf t) {
-    return reinterpret_cast<vf>(_mm512_roundscale_ps(reinterpret_cast<__m512>(t), _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC));
-  });
-}
-
 // Scores of 4 slots for one or two vectors of 16 query rows: st[t][r] = qt[:, r] . k_t * scales[t],
 // with each key value broadcast against the rows (the rows' queries transposed, qt [D][RV]).
 template <bool kTwo>
@@ -497,7 +490,7 @@ void attend_block_tiled(const Problem& p, const Block& b) {
         vf sum = vload(den + v);
         for (int64_t t = 0; t < kLanes; ++t) {
           const vf x = vload(st + t * rv + v);
-          const vf e = x > 0.5f * kMasked ? exp_nonpos16(x - m) : vf{};
+          const vf e = x > 0.5f * kMasked ? exp_w(x - m) : vf{};
           vstore(st + t * rv + v, e);
           sum += e;
         }
@@ -544,60 +537,29 @@ void attend_block_tiled(const Problem& p, const Block& b) {
 }
 #endif
 
-#if defined(__AVX512F__)
-// Lanes [t0, t1) of the 16 slots from t16.
-inline __mmask16 slot_mask(int64_t t16, int64_t t0, int64_t t1) {
-  const uint32_t below = static_cast<uint32_t>(std::clamp<int64_t>(t0 - t16, 0, kLanes));
-  const uint32_t upto = static_cast<uint32_t>(std::clamp<int64_t>(t1 - t16, 0, kLanes));
-  return static_cast<__mmask16>(((1u << upto) - 1) & ~((1u << below) - 1));
-}
-#endif
-
 // One query head's online softmax over a page: the scores of slots [t0, t1) become exp(score - max),
 // with `mx` the running max and `den` the running denominator brought up to date; returns the factor
-// that scales the sums made before this page. Pages of a multiple of 16 slots go 16 slots at a time
+// that scales the sums made before this page. Pages of a multiple of kW slots go kW slots at a time
 // (the other slots of those groups are set to 0: never read).
-inline float page_softmax(float* sj, int64_t s, int64_t t0, int64_t t1, float& mx, float& den) {
-#if defined(__AVX512F__)
-  if (s % kLanes == 0) {
-    __m512 top = _mm512_set1_ps(mx);
-    for (int64_t t16 = t0 / kLanes * kLanes; t16 < t1; t16 += kLanes)
-      top = _mm512_mask_max_ps(top, slot_mask(t16, t0, t1), top, _mm512_loadu_ps(sj + t16));
-    const float new_mx = _mm512_reduce_max_ps(top), keep = exp_nonpos(mx - new_mx);
-    const vf m = vf{} + new_mx;
-    vf sum = {};
-    for (int64_t t16 = t0 / kLanes * kLanes; t16 < t1; t16 += kLanes) {
-      const vf e = reinterpret_cast<vf>(
-          _mm512_maskz_mov_ps(slot_mask(t16, t0, t1), reinterpret_cast<__m512>(exp_nonpos16(vload(sj + t16) - m))));
-      vstore(sj + t16, e);
+__attribute__((always_inline)) inline float page_softmax(float* sj, int64_t s, int64_t t0, int64_t t1, float& mx,
+                                                         float& den) {
+#if defined(__AVX2__)
+  if (s % kW == 0) {
+    vw top = vw{} + mx;
+    for (int64_t tw = t0 / kW * kW; tw < t1; tw += kW) {
+      const vw x = loadw(sj + tw);
+      top = max_where(slot_mask(tw, t0, t1), top, x);
+    }
+    const float new_mx = max_of(top), keep = exp_nonpos(mx - new_mx);
+    const vw m = vw{} + new_mx;
+    vw sum = {};
+    for (int64_t tw = t0 / kW * kW; tw < t1; tw += kW) {
+      const vw e = zero_outside(slot_mask(tw, t0, t1), exp_w(loadw(sj + tw) - m));
+      storew(sj + tw, e);
       sum += e;
     }
     mx = new_mx;
-    den = den * keep + hsum(sum);
-    return keep;
-  }
-#endif
-#if defined(__AVX2__) && !defined(__AVX512F__)
-  if (s % 8 == 0) {
-    v8 top = v8{} + mx;
-    for (int64_t t8 = t0 / 8 * 8; t8 < t1; t8 += 8) {
-      const v8 x = load8(sj + t8);
-      top = slot_mask8(t8, t0, t1) != 0 && x > top ? x : top;
-    }
-    float new_mx = top[0];
-    for (int i = 1; i < 8; ++i) new_mx = std::max(new_mx, top[i]);
-    const float keep = exp_nonpos(mx - new_mx);
-    const v8 m = v8{} + new_mx;
-    v8 sum = {};
-    for (int64_t t8 = t0 / 8 * 8; t8 < t1; t8 += 8) {
-      const v8 e = slot_mask8(t8, t0, t1) != 0 ? exp_nonpos8(load8(sj + t8) - m) : v8{};
-      store8(sj + t8, e);
-      sum += e;
-    }
-    float total = 0.0f;
-    for (int i = 0; i < 8; ++i) total += sum[i];
-    mx = new_mx;
-    den = den * keep + total;
+    den = den * keep + sum_of(sum);
     return keep;
   }
 #endif
