@@ -47,6 +47,7 @@ def point_seconds(rows: int, context: int, kernels: list, repeats: int, scatter:
 
     import jaxcb.model.llama  # noqa: F401 - registers the packed step's types as pytrees
     import kernels_cpu
+    from jaxcb.device import huge_pages
     from jaxcb.host.batch import SeqSpec, StepShape, pack
     from jaxcb.model.paged_attention import ragged_attention
 
@@ -54,6 +55,8 @@ def point_seconds(rows: int, context: int, kernels: list, repeats: int, scatter:
     per_seq = -(-context // PAGE)
     pages = rows * per_seq + 1
     kv = jnp.asarray(rng.standard_normal((LAYERS, 2, KV_HEADS, pages, PAGE, HEAD_DIM), np.float32))
+    if huge_pages.enabled():  # in 2 MiB pages, as the engine's runner has its pages (JAXCB_HUGE_PAGES=0: not)
+        huge_pages.collapse(kv)
     ids = np.arange(1, pages)
     if scatter:
         rng.shuffle(ids)

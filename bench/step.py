@@ -72,6 +72,9 @@ def main():
     # A runner per choice, as the engine builds it: "native" also reads its float32 matrices natively, in
     # the kernel's column blocks (kernels_cpu.block_stack), which "xla" leaves as they are.
     runners = {choice: ModelRunner(model_config, params, num_pages, s, attention=choice) for choice in args.attention}
+    for runner in runners.values():  # timed once the weights and pages are in huge pages, as a started server's are
+        if runner.huge_pages is not None:
+            runner.huge_pages.join()
     window = model_config.sliding_window if model_config.windowed else 0
     rng = np.random.default_rng(0)
     kv_bytes_per_token = runners[args.attention[0]].kv_bytes_per_token

@@ -53,3 +53,33 @@ def test_turned_off_it_starts_nothing(monkeypatch):
 
     monkeypatch.setenv("JAXCB_HUGE_PAGES", "0")
     assert huge_pages.collapse_in_background({"w": jnp.ones((1024, 1024))}, "weights") is None
+
+
+def test_a_runner_collapses_its_weights_and_kv_pages_while_it_serves_the_same_tokens(make_llm, monkeypatch):
+    """A runner on the CPU puts its weights and its KV pool in huge pages on a thread of its own: steps run
+    while the pages are collapsed under them and give the tokens of a runner that never collapses."""
+    from jaxcb.device import huge_pages
+    from jaxcb.host.request import SamplingParams
+
+    prompts = ["the quick brown fox", "a b c d e f g", "hello"]
+    greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    monkeypatch.setenv("JAXCB_HUGE_PAGES", "0")
+    plain = make_llm(num_pages=4096)
+    assert plain.engine.runner.huge_pages is None
+    want = [o.token_ids for o in plain.generate(prompts, greedy)]
+
+    monkeypatch.setenv("JAXCB_HUGE_PAGES", "1")
+    llm = make_llm(num_pages=4096)
+    runner = llm.engine.runner
+    kv = runner.kv_arrays[0]
+    start, nbytes = kv.unsafe_buffer_pointer(), kv.nbytes
+    assert nbytes >= 8 * huge_pages.HUGE  # whole 2 MiB ranges inside the pool
+    assert runner.huge_pages is not None
+    during = [o.token_ids for o in llm.generate(prompts, greedy)]  # as the thread collapses (or has collapsed)
+    runner.huge_pages.join(timeout=120)
+    after = [o.token_ids for o in llm.generate(prompts, greedy)]
+    assert during == want and after == want
+    assert runner.kv_arrays[0].unsafe_buffer_pointer() == start  # the steps write the pool in place
+    kernel = tuple(int(x) for x in re.match(r"(\d+)\.(\d+)", os.uname().release).groups())
+    if _thp_mode() in ("madvise", "always") and kernel >= (6, 1):
+        assert _huge_bytes(start + nbytes // 2) >= huge_pages.HUGE

@@ -330,10 +330,16 @@ class ModelRunner(Runner):
         devices = self.kv_arrays[0].devices()
         self.device_ids = sorted(d.id for d in devices)
         self.platform = next(iter(devices)).platform
-        if self.platform == "cpu":  # the weights in 2 MiB pages, while the server starts (jaxcb.device.huge_pages)
-            from jaxcb.device import huge_pages
+        # The weights and the KV pages in 2 MiB pages, collapsed while the server starts (jaxcb.device.huge_pages;
+        # benchmarks join the thread before timing).
+        self.huge_pages = self._collapse((self.params, self.kv_pages), "weights and KV pages")
 
-            huge_pages.collapse_in_background(self.params, "weights")
+    def _collapse(self, tree, what: str):
+        if self.platform != "cpu":
+            return None
+        from jaxcb.device import huge_pages
+
+        return huge_pages.collapse_in_background(tree, what)
 
     def _zero_last_tokens(self, max_seqs: int) -> jax.Array:
         zeros = np.zeros(max_seqs, np.int32)
@@ -385,6 +391,7 @@ class ModelRunner(Runner):
         if not lost:
             return False
         self.kv_pages = self._allocate_kv()
+        self._collapse(self.kv_pages, "new KV pages")
         self.last_tokens = self._zero_last_tokens(self.last_tokens.shape[0])
         return True
 
