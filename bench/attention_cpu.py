@@ -9,10 +9,12 @@ and short contexts that is a difference of two ~30 ms figures that move by a few
 Here one jitted program runs the attention of all 30 layers (a scan, each layer's call reading its own
 pages, as the step does) and nothing else; the figure is the best of --repeats runs (more for a point
 whose runs take under MIN_SECONDS in all: a 0.3 ms point's best of 20 moved 2x between processes), and
-the live K/V read rate (each sequence's keys and values once per layer) is set against the copy rate of
-the same process (bench.common.copy_rate), measured before and after the rows and averaged. Each
-sequence's pages are consecutive in the pool, or with --scatter lie anywhere in it (as in a pool after
-hours of serving).
+the live K/V read rate (each sequence's keys and values once per layer) is set against the copy rate
+measured among the point's own runs (bench.common.copy_rate's program, a donated jitted copy of 1 GiB, run
+between the point's rounds, best of about --repeats): this machine's memory rate moves by up to 2x within
+one process (43.5 GB/s at its start, 27.2 at its end in one run), so a copy measured minutes away says
+little about a point. Each sequence's pages are consecutive in the pool, or with --scatter lie anywhere
+in it (as in a pool after hours of serving); the pool is in 2 MiB pages, as the engine's runner has it.
 
 --compare times the native kernel of this tree against other builds of it in the same process, runs
 interleaved: each REV_OR_LIB is a git revision (its kernels_cpu sources are built into a temporary
@@ -33,15 +35,18 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.common import copy_rate, machine, write_result
+from bench.common import machine, write_result
 
 LAYERS, HEADS, KV_HEADS, HEAD_DIM, PAGE = 30, 9, 3, 64, 16  # SmolLM2-135M
 MIN_SECONDS = 0.5  # each point runs at least --repeats times and at least this long
+COPY_BYTES = 1 << 30  # the copy measured among each point's runs, as bench.common.copy_rate's
 
 
-def point_seconds(rows: int, context: int, kernels: list, repeats: int, scatter: bool = False) -> list[float]:
-    """The best time of each kernel on one point's arrays, runs interleaved: a kernel is True (this
-    build's native kernel), False (plain JAX) or the name of a registered FFI target (--compare)."""
+def point_seconds(rows: int, context: int, kernels: list, repeats: int,
+                  scatter: bool = False) -> tuple[list[float], float]:
+    """The best time of each kernel on one point's arrays, runs interleaved, and the copy rate measured
+    between them (bytes read per second): a kernel is True (this build's native kernel), False (plain
+    JAX) or the name of a registered FFI target (--compare)."""
     import jax
     import jax.numpy as jnp
 
@@ -84,8 +89,15 @@ def point_seconds(rows: int, context: int, kernels: list, repeats: int, scatter:
         return every_layer
 
     programs = [program(k) for k in kernels]
-    best, spent, runs = [float("inf")] * len(kernels), 0.0, 0
+    copy = jax.jit(lambda a: a * 2, donate_argnums=0)
+    block = copy(jnp.ones((COPY_BYTES // 4,), jnp.float32)).block_until_ready()
+    best, spent, runs, best_copy, copies = [float("inf")] * len(kernels), 0.0, 0, float("inf"), 0
     while runs < repeats or spent < MIN_SECONDS:  # short points run more often: their best is noisier
+        if copies < 1 + repeats * min(1.0, spent / MIN_SECONDS):  # about `repeats` copies, spread over the point
+            t = time.perf_counter()
+            block = copy(block).block_until_ready()
+            best_copy = min(best_copy, time.perf_counter() - t)
+            copies += 1
         for i in (range(len(programs)) if runs % 2 == 0 else reversed(range(len(programs)))):  # no one always first
             every_layer = programs[i]
             t = time.perf_counter()
@@ -93,7 +105,7 @@ def point_seconds(rows: int, context: int, kernels: list, repeats: int, scatter:
             best[i] = min(best[i], time.perf_counter() - t)
             spent += (time.perf_counter() - t) / len(programs)
         runs += 1
-    return best
+    return best, COPY_BYTES / best_copy
 
 
 def register_build(spec: str, index: int, flags: str) -> str:
@@ -147,28 +159,26 @@ def main():
         for i, spec in enumerate(args.compare):
             kernels.append(register_build(spec, i, os.environ.get("JAXCB_KERNEL_FLAGS", "")))
             names.append(spec)
-    before = copy_rate()
     results = []
     for rows in args.rows:
         for context in args.contexts:
-            times = point_seconds(rows, context, kernels, args.repeats, args.scatter)
+            times, copy = point_seconds(rows, context, kernels, args.repeats, args.scatter)
             live = LAYERS * rows * context * KV_HEADS * HEAD_DIM * 4 * 2
             for name, seconds in zip(names, times):
                 results.append({"attention": name, "rows": rows, "context": context, "ms": round(seconds * 1e3, 3),
                                 "live_kv_gb_per_s": round(live / seconds / 1e9, 2),
+                                "copy_gb_per_s": round(copy / 1e9, 2), "of_copy": round(live / seconds / copy, 3),
                                 "of_first": round(times[0] / seconds, 3)})
-    copy = (before + copy_rate()) / 2
     layout = "scattered" if args.scatter else "consecutive"
     print(f"machine: {machine()}; SmolLM2-shaped decode attention, {LAYERS} layers, float32 pages of {PAGE}; "
-          f"{layout} pages; copy rate {copy / 1e9:.1f} GB/s read (+ as much written), mean of before and after")
+          f"{layout} pages; each point against the copy rate (bytes read; as many written) measured among its runs")
     width = max(map(len, names))
     for r in results:
-        r["of_copy"] = round(r["live_kv_gb_per_s"] * 1e9 / copy, 3)
         against = f", {r['of_first']:.2f}x the speed of {names[0]}" if len(names) > 1 else ""
         print(f"{r['attention']:{width}s} rows {r['rows']:3d} context {r['context']:5d}: {r['ms']:8.3f} ms, "
-              f"{r['live_kv_gb_per_s']:6.2f} GB/s of live K/V, {100 * r['of_copy']:.0f}% of copy{against}")
-    write_result({"machine": machine(), "copy_gb_per_s": round(copy / 1e9, 2), "scatter": args.scatter,
-                  "results": results}, args.json)
+              f"{r['live_kv_gb_per_s']:6.2f} GB/s of live K/V, {100 * r['of_copy']:3.0f}% of copy "
+              f"({r['copy_gb_per_s']:.1f} GB/s){against}")
+    write_result({"machine": machine(), "scatter": args.scatter, "results": results}, args.json)
 
 
 if __name__ == "__main__":
