@@ -44,7 +44,7 @@ constexpr int64_t kPrefetchPages = PREFETCH_PAGES;
 #define HELPERS_BYTES (128 << 10)
 #endif
 #ifndef ITEMS_PER_THREAD
-#define ITEMS_PER_THREAD 4
+#define ITEMS_PER_THREAD 3
 #endif
 #ifndef KEYS_PER_PART
 #define KEYS_PER_PART 32
@@ -53,9 +53,10 @@ constexpr int64_t kPrefetchPages = PREFETCH_PAGES;
 // microseconds; one decode row of SmolLM2 at context 128 reads 192 KiB a layer, and ran 1.7-2.9x faster
 // with both threads and split blocks than alone on the 2-core Xeon, bench.step).
 constexpr int64_t kHelpersBytes = HELPERS_BYTES;
-// Decode blocks are split until there are about this many work items per thread (4: each part starts
-// its prefetching anew, and with 8 the short parts of one row at contexts 128-512 read 5-20% slower than
-// with 4, one process, 2-core Zen 4) ...
+// Decode blocks are split until there are about this many work items per thread (3: each part starts
+// its prefetching anew; one and two rows of SmolLM2 (3 KV heads) at contexts 128-2,048 read 2-15% faster
+// with 2 or 3 than with 4, and 4 was 5-20% faster than 8 at one row; bench.attention_cpu --compare,
+// 2-core Zen 4) ...
 constexpr int64_t kItemsPerThread = ITEMS_PER_THREAD;
 // ... but no part holds fewer keys than this.
 constexpr int64_t kKeysPerPart = KEYS_PER_PART;
