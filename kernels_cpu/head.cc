@@ -6,15 +6,16 @@
 // (at SmolLM2's 49,152 x 576, 28 M values written and read again: a third of a 32-row step's matmul
 // time); here each row is widened in registers as it is used and the table streams from memory once.
 // With few rows of x (decode of a few sequences, bound by reading the table) the reduction runs along a
-// row (contiguous): blocks of kVB vocabulary rows x up to kMB rows of x, kVB x kMB accumulators of 16
-// lanes, summed across lanes once at the end of the row. With kTiled rows or more, that widened each
-// int8 row once per block of x rows; instead each block of kTR vocabulary rows is widened once into an
-// L1 buffer and multiplied by x transposed ([E, M], made once a call, M padded to whole vectors), kTR
-// x 32 accumulators, the tile then stored transposed. Ranges of vocabulary rows are the work items
+// row (contiguous): blocks of kVB vocabulary rows (one row for float32 up to kNarrow rows of x) x up to
+// kMB rows of x, kVB x kMB accumulators of 16 lanes, summed across lanes once at the end of the row. With
+// kTiled rows or more, that widened each int8 row once per block of x rows; instead each block of kTR
+// vocabulary rows is widened once into an L1 buffer and multiplied by x transposed ([E, M], made once a
+// call, M padded to whole vectors), kTR x 32 accumulators, the tile then stored transposed. Ranges of vocabulary rows are the work items
 // (shared with XLA's intra-op pool).
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #include "parallel.h"
@@ -28,7 +29,19 @@ namespace {
 using jaxcb::kLanes;
 using jaxcb::vf;
 using jaxcb::vload;
-constexpr int kVB = 4;      // vocabulary rows per block
+#ifndef HEAD_NARROW
+#define HEAD_NARROW 6
+#endif
+#ifndef HEAD_VB
+#define HEAD_VB 4
+#endif
+// Float32 tables with up to kNarrow rows of x go one vocabulary row at a time: the table streams in
+// order. Blocks of 4 rows read 4 interleaved runs 2,304 bytes apart, which the prefetchers follow worse:
+// SmolLM2's head at 1 / 2 / 3 / 4 / 6 rows took 3.48 / 4.15 / 4.12 / 4.36 / 4.77 ms with them, 2.77 / 2.81 /
+// 3.38 / 4.23 / 4.18 ms one row at a time (XLA's dot: 2.73 / 5.93 / 6.51 / 6.76 / 7.26; 2-core Zen 4), 3%
+// slower at 8. An int8 row is a quarter as long and widened as it is read: its blocks stay.
+constexpr int64_t kNarrow = HEAD_NARROW;
+constexpr int kVB = HEAD_VB;  // vocabulary rows per block with more rows of x
 constexpr int kMB = 4;      // rows of x per block
 constexpr int64_t kItem = 256;  // vocabulary rows per work item
 
@@ -77,9 +90,10 @@ inline void block(const float* x, const R& w, float* out, int64_t nv, int64_t e,
 
 // Vocabulary rows [v0, v1) for every row of x: blocks of kVB rows, then single rows; for each, the
 // rows of x in blocks of kMB, then the rest together.
-template <class R>
+template <int VBlock, class R>
 void vocab_range(const float* x, const R& w, float* out, int64_t m, int64_t nv, int64_t e, int64_t e16, int64_t v0,
                  int64_t v1) {
+  constexpr int kVB = VBlock;
   int64_t v = v0;
   auto each_m = [&](auto vb, int64_t at) {
     constexpr int VB = decltype(vb)::value;
@@ -162,7 +176,10 @@ void run(ffi::ThreadPool& pool, const float* x, const R& w, float* out, int64_t 
     return;
   }
   jaxcb::parallel_for(pool, items, m * nv * e >= (1 << 16), [=, &w](int64_t i) {
-    vocab_range(x, w, out, m, nv, e, e16, i * kItem, std::min(nv, (i + 1) * kItem));
+    if (std::is_same_v<R, F32Rows> && m <= kNarrow)
+      vocab_range<1>(x, w, out, m, nv, e, e16, i * kItem, std::min(nv, (i + 1) * kItem));
+    else
+      vocab_range<kVB>(x, w, out, m, nv, e, e16, i * kItem, std::min(nv, (i + 1) * kItem));
   });
 }
 

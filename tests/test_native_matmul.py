@@ -82,12 +82,13 @@ def test_quantized_layer_matmul_matches_the_dequantized_matrix(bits, group, m, n
 
 
 @pytest.mark.parametrize("m,v,e,group", [(1, 37, 576, 32), (5, 64, 40, 40), (33, 9, 96, 32), (4, 130, 24, 8),
-                                         (16, 300, 576, 32), (40, 19, 40, 40)])
+                                         (9, 70, 48, 16), (16, 300, 576, 32), (40, 19, 40, 40)])
 def test_rows_matmul_matches_numpy(m, v, e, group):
     """The tied head over an int8 embedding (a scale per group of each row, groups that are whole
     vectors, a whole row, or smaller than a vector) and a float32 one: x @ rows.T, with rows past the
-    4-row blocks and rows of x past the 4-row blocks; from 16 rows of x the tiled path (rows of x padded
-    to whole vectors, vocabulary rows past the 8-row tiles and past a 256-row work item)."""
+    4-row blocks and rows of x past the 4-row blocks (a float32 table one row at a time up to 6 rows of
+    x); from 16 rows of x the tiled path (rows of x padded to whole vectors, vocabulary rows past the 8-row
+    tiles and past a 256-row work item)."""
     import jax
     import jax.numpy as jnp
 
@@ -164,7 +165,7 @@ def test_the_native_step_gives_the_plain_step_logits(tied):
     from jaxcb.model.config import tiny_config
     from jaxcb.model.llama import Attention, forward, params_from_numpy, random_weights
     from jaxcb.model.paged_attention import allocate_kv_pages
-    from jaxcb.model.quant import blocked_layers
+    from jaxcb.model.quant import NATIVE_F32_HEAD_ROWS, blocked_layers
 
     import kernels_cpu
 
@@ -192,10 +193,11 @@ def test_the_native_step_gives_the_plain_step_logits(tied):
     # The native step really calls the kernels; the plain one calls neither.
     text = step.lower(params, kv, batch, config=config, attention=native).as_text()
     assert "jaxcb_layer_matmul" in text and "jaxcb_ragged_attention" in text
-    # The tied float32 head of a few sampled rows is read in place (quant.NATIVE_F32_HEAD_ROWS); more
-    # rows, or an untied head, take XLA's dot.
+    # The tied float32 head of up to quant.NATIVE_F32_HEAD_ROWS sampled rows is read in place; more rows,
+    # or an untied head, take XLA's dot.
     assert ("jaxcb_rows_matmul" in text) == tied
-    wide = jax.tree.map(jnp.asarray, pack(specs, StepShape(tokens=32, seqs=16, pages_per_seq=4, history=32), s))
+    many = NATIVE_F32_HEAD_ROWS + 1
+    wide = jax.tree.map(jnp.asarray, pack(specs, StepShape(tokens=many, seqs=many, pages_per_seq=4, history=32), s))
     assert "jaxcb_rows_matmul" not in step.lower(params, kv, wide, config=config, attention=native).as_text()
     plain = step.lower(params, kv, batch, config=config, attention=dataclasses.replace(native, kernel="xla",
                                                                                       native_matmul=False)).as_text()

@@ -278,10 +278,13 @@ def embed_rows(embed, ids: jax.Array, dtype) -> jax.Array:
     return embed[ids]
 
 
-# A float32 tied head goes through the native kernel up to this many rows: SmolLM2's decode step (float32,
-# native attention, context 128, 2-core Xeon) took 29.9 -> 27.1 ms at 1 row, 33.7 -> 31.4 at 4, 42.4 -> 38.9
-# at 8 with it (XLA's dot against the embedding's transpose before), the same at 12 and 1% more at 16 and 32.
-NATIVE_F32_HEAD_ROWS = 8
+# A float32 tied head goes through the native kernel up to this many rows (XLA's dot against the
+# embedding's transpose beyond): SmolLM2's head alone, 2-core Zen 4, kernels_cpu.rows_matmul against XLA's
+# dot at 1 / 2 / 8 / 16 / 32 / 64 / 128 / 256 rows: 2.77 / 2.81 / 5.09 / 8.20 / 12.89 / 21.55 / 38.47 / 93.91 ms
+# against 2.73 / 5.93 / 7.82 / 10.30 / 15.10 / 22.80 / 39.87 / 89.79. On the 2-core Xeon the decode step
+# took 29.9 -> 27.1 ms at 1 row, 33.7 -> 31.4 at 4, 42.4 -> 38.9 at 8 with it, the same at 12 and 1% more at
+# 16 and 32 (when this limit was 8).
+NATIVE_F32_HEAD_ROWS = 128
 
 
 def head_logits(last: jax.Array, embed, lm_head, native: bool = False) -> jax.Array:
@@ -289,7 +292,7 @@ def head_logits(last: jax.Array, embed, lm_head, native: bool = False) -> jax.Ar
     transpose. `native`: an int8 head through the native CPU kernels, which widen each value as they
     read it (kernels_cpu.rows_matmul for the tied embedding, layer_matmul for an untied head as a
     one-layer stack) where XLA dequantizes the whole table first; a float32 tied embedding of a few rows
-    (NATIVE_F32_HEAD_ROWS) read row by row in place of XLA's dot against its transpose."""
+    (up to NATIVE_F32_HEAD_ROWS) read in place of XLA's dot against its transpose."""
     if native and lm_head is None and isinstance(embed, QuantRows) and embed.scale.dtype == jnp.float32:
         import kernels_cpu
 
