@@ -58,7 +58,7 @@ def isa_flags(flags: set[str] | None = None) -> list[str]:
     return out
 
 
-def compile_command(output: str, sources: list[Path] | None = None) -> list[str]:
+def compile_command(output: str, sources: list[str] | None = None) -> list[str]:
     import jax
 
     cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")

@@ -10,8 +10,8 @@
 // kMB rows of x, kVB x kMB accumulators of 16 lanes, summed across lanes once at the end of the row. With
 // kTiled rows or more, that widened each int8 row once per block of x rows; instead each block of kTR
 // vocabulary rows is widened once into an L1 buffer and multiplied by x transposed ([E, M], made once a
-// call, M padded to whole vectors), kTR x 32 accumulators, the tile then stored transposed. Ranges of vocabulary rows are the work items
-// (shared with XLA's intra-op pool).
+// call, M padded to whole vectors), kTR x 32 accumulators, the tile then stored transposed. Ranges of
+// vocabulary rows are the work items (shared with XLA's intra-op pool).
 
 #include <algorithm>
 #include <cstdint>

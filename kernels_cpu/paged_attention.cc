@@ -153,7 +153,8 @@ constexpr int kW = 16;
 typedef float vw __attribute__((vector_size(64)));
 typedef int32_t iw __attribute__((vector_size(64)));
 inline vw floor_w(vw t) {
-  return reinterpret_cast<vw>(_mm512_roundscale_ps(reinterpret_cast<__m512>(t), _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC));
+  return reinterpret_cast<vw>(
+      _mm512_roundscale_ps(reinterpret_cast<__m512>(t), _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC));
 }
 inline float max_of(vw v) { return _mm512_reduce_max_ps(reinterpret_cast<__m512>(v)); }
 inline float sum_of(vw v) { return hsum(v); }
@@ -168,7 +169,9 @@ inline vw max_where(mw m, vw a, vw b) {
   return reinterpret_cast<vw>(_mm512_mask_max_ps(reinterpret_cast<__m512>(a), m, reinterpret_cast<__m512>(a),
                                                  reinterpret_cast<__m512>(b)));
 }
-inline vw zero_outside(mw m, vw x) { return reinterpret_cast<vw>(_mm512_maskz_mov_ps(m, reinterpret_cast<__m512>(x))); }
+inline vw zero_outside(mw m, vw x) {
+  return reinterpret_cast<vw>(_mm512_maskz_mov_ps(m, reinterpret_cast<__m512>(x)));
+}
 
 // The lane sums of 16 vectors, r[t] = sum of x[t]'s lanes, as a tree of pairwise shuffles and adds
 // (15 adds and 30 shuffles against 16 separate horizontal sums of 4 dependent steps each).

@@ -291,8 +291,8 @@ def head_logits(last: jax.Array, embed, lm_head, native: bool = False) -> jax.Ar
     """Logits [M, V] in float32 from the final hidden states: the untied head, else the embedding's
     transpose. `native`: an int8 head through the native CPU kernels, which widen each value as they
     read it (kernels_cpu.rows_matmul for the tied embedding, layer_matmul for an untied head as a
-    one-layer stack) where XLA dequantizes the whole table first; a float32 tied embedding of a few rows
-    (up to NATIVE_F32_HEAD_ROWS) read in place of XLA's dot against its transpose."""
+    one-layer stack) where XLA dequantizes the whole table first; a float32 tied embedding for up to
+    NATIVE_F32_HEAD_ROWS rows, read in place of XLA's dot against its transpose."""
     if native and lm_head is None and isinstance(embed, QuantRows) and embed.scale.dtype == jnp.float32:
         import kernels_cpu
 
