@@ -9,8 +9,10 @@
 // row (contiguous): blocks of kVB vocabulary rows (one row for float32 up to kNarrow rows of x) x up to
 // kMB rows of x, kVB x kMB accumulators of 16 lanes, summed across lanes once at the end of the row. With
 // kTiled rows or more, that widened each int8 row once per block of x rows; instead each block of kTR
-// vocabulary rows is widened once into an L1 buffer and multiplied by x transposed ([E, M], made once a
-// call, M padded to whole vectors), kTR x 32 accumulators, the tile then stored transposed. Ranges of
+// vocabulary rows (int8 rows widened once into an L1 buffer, float32 rows where they are: copying them
+// there too made SmolLM2's head at 16 / 32 / 64 rows 8.09 / 12.88 / 20.33 ms against 6.05 / 9.98 / 18.31,
+// 2-core Zen 4) is multiplied by x transposed ([E, M], made once a call, M padded to whole vectors), kTR x
+// 32 accumulators, the tile then stored transposed (tiles of 12 or 14 rows: 1.4x slower). Ranges of
 // vocabulary rows are the work items (shared with XLA's intra-op pool).
 
 #include <algorithm>
@@ -111,9 +113,12 @@ void vocab_range(const float* x, const R& w, float* out, int64_t m, int64_t nv, 
 }
 
 constexpr int64_t kTiled = 16;  // rows of x from which the tiled path runs
-constexpr int kTR = 8;           // vocabulary rows per tile
+#ifndef HEAD_TR
+#define HEAD_TR 8
+#endif
+constexpr int kTR = HEAD_TR;     // vocabulary rows per tile
 
-// tile[r][0:NV*16] = sum_e rows[r][e] * xt[e][m0 : m0 + NV*16] for the kTR widened rows in `a`.
+// tile[r][0:NV*16] = sum_e rows[r][e] * xt[e][m0 : m0 + NV*16] for the kTR float rows at `a`.
 template <int NV>
 inline void tile(const float* a, int64_t e, const float* xt, int64_t mp, int64_t m0, vf (&acc)[kTR][2]) {
   for (int r = 0; r < kTR; ++r)
@@ -134,17 +139,22 @@ void vocab_range_tiled(const float* xt, const R& w, float* out, int64_t m, int64
   std::vector<float> a(kTR * e);
   int64_t v = v0;
   for (; v + kTR <= v1; v += kTR) {
-    for (int r = 0; r < kTR; ++r) {  // the block's rows widened once
-      for (int64_t i = 0; i < e16; i += kLanes) jaxcb::vstore(a.data() + r * e + i, w.at(v + r, i));
-      for (int64_t i = e16; i < e; ++i) a[r * e + i] = w.scalar(v + r, i);
+    const float* rows = a.data();
+    if constexpr (std::is_same_v<R, F32Rows>) {
+      rows = w.w + v * e;  // float32 rows are read where they are
+    } else {
+      for (int r = 0; r < kTR; ++r) {  // the block's rows widened once
+        for (int64_t i = 0; i < e16; i += kLanes) jaxcb::vstore(a.data() + r * e + i, w.at(v + r, i));
+        for (int64_t i = e16; i < e; ++i) a[r * e + i] = w.scalar(v + r, i);
+      }
     }
     for (int64_t m0 = 0; m0 < mp; m0 += 2 * kLanes) {
       vf acc[kTR][2];
       const int nvec = mp - m0 >= 2 * kLanes ? 2 : 1;
       if (nvec == 2)
-        tile<2>(a.data(), e, xt, mp, m0, acc);
+        tile<2>(rows, e, xt, mp, m0, acc);
       else
-        tile<1>(a.data(), e, xt, mp, m0, acc);
+        tile<1>(rows, e, xt, mp, m0, acc);
       for (int i = 0; i < nvec; ++i)
         for (int j = 0; j < kLanes; ++j) {
           const int64_t row = m0 + i * kLanes + j;
