@@ -281,7 +281,8 @@ def embed_rows(embed, ids: jax.Array, dtype) -> jax.Array:
 # A float32 tied head goes through the native kernel up to this many rows (XLA's dot against the
 # embedding's transpose beyond): SmolLM2's head alone, 2-core Zen 4, kernels_cpu.rows_matmul against XLA's
 # dot at 1 / 2 / 8 / 16 / 32 / 64 / 128 / 256 rows: 2.77 / 2.81 / 5.09 / 8.20 / 12.89 / 21.55 / 38.47 / 93.91 ms
-# against 2.73 / 5.93 / 7.82 / 10.30 / 15.10 / 22.80 / 39.87 / 89.79. On the 2-core Xeon the decode step
+# against 2.73 / 5.93 / 7.82 / 10.30 / 15.10 / 22.80 / 39.87 / 89.79 (since then the kernel's 16 / 32 / 64 /
+# 128 rows: 6.05 / 9.98 / 18.31 / 34.79 ms, head.cc). On the 2-core Xeon the decode step
 # took 29.9 -> 27.1 ms at 1 row, 33.7 -> 31.4 at 4, 42.4 -> 38.9 at 8 with it, the same at 12 and 1% more at
 # 16 and 32 (when this limit was 8).
 NATIVE_F32_HEAD_ROWS = 128
