@@ -73,6 +73,7 @@ def main():
     # the kernel's column blocks (kernels_cpu.block_stack), which "xla" leaves as they are.
     runners = {choice: ModelRunner(model_config, params, num_pages, s, attention=choice) for choice in args.attention}
     for runner in runners.values():  # timed once the weights and pages are in huge pages, as a started server's are
+        runner.warmed_up()
         if runner.huge_pages is not None:
             runner.huge_pages.join()
     window = model_config.sliding_window if model_config.windowed else 0

@@ -56,8 +56,9 @@ def test_turned_off_it_starts_nothing(monkeypatch):
 
 
 def test_a_runner_collapses_its_weights_and_kv_pages_while_it_serves_the_same_tokens(make_llm, monkeypatch):
-    """A runner on the CPU puts its weights and its KV pool in huge pages on a thread of its own: steps run
-    while the pages are collapsed under them and give the tokens of a runner that never collapses."""
+    """A runner on the CPU puts its weights (from its start) and its KV pool (once the engine has warmed up)
+    in huge pages on a thread of its own: steps run while the pages are collapsed under them and give the
+    tokens of a runner that never collapses."""
     from jaxcb.device import huge_pages
     from jaxcb.host.request import SamplingParams
 
@@ -74,7 +75,8 @@ def test_a_runner_collapses_its_weights_and_kv_pages_while_it_serves_the_same_to
     kv = runner.kv_arrays[0]
     start, nbytes = kv.unsafe_buffer_pointer(), kv.nbytes
     assert nbytes >= 8 * huge_pages.HUGE  # whole 2 MiB ranges inside the pool
-    assert runner.huge_pages is not None
+    runner.huge_pages.join(timeout=120)  # the weights'
+    llm.engine.warmup()  # then the pool's, once every shape is compiled
     during = [o.token_ids for o in llm.generate(prompts, greedy)]  # as the thread collapses (or has collapsed)
     runner.huge_pages.join(timeout=120)
     after = [o.token_ids for o in llm.generate(prompts, greedy)]

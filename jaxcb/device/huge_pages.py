@@ -11,7 +11,8 @@ shuffled`, processes alternating). Where the kernel leaves huge pages to madvise
 buffers never get them: this asks for them on the buffers (MADV_HUGEPAGE) and has the kernel collapse them
 now (MADV_COLLAPSE, Linux 6.1+) on a thread of its own, while serving goes on (the kernel swaps the pages
 under a running step safely; the KV pages are donated to each step, which writes them in place, so their
-addresses hold): about a second for SmolLM2's 0.5 GB of weights, 7 s for its default 2.9 GB pool. Anything
+addresses hold): about a second for SmolLM2's 0.5 GB of weights, 7 s for its default 2.9 GB pool, which the
+runner starts once the warm-up is done (beside the compiles it held them back: 15 -> 22 s). Anything
 that refuses (another OS, an older kernel, huge pages off) leaves the memory as it was. JAXCB_HUGE_PAGES=0
 turns it off.
 """

@@ -252,6 +252,9 @@ class LeaderRunner(Runner):
     def compilations(self) -> int:
         return self.runner.compilations()
 
+    def warmed_up(self) -> None:
+        self.runner.warmed_up()
+
     def compile(self, shape: StepShape) -> None:
         self.channel.send(OP_COMPILE, shape, runner=self.which)
         self.runner.compile(shape)

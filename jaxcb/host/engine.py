@@ -480,6 +480,9 @@ class Engine:
             runner.compile(shape)
             if progress is not None:
                 progress(i + 1, len(programs), shape)
+        for runner in (self.runner, self.draft_runner):  # background work may start now (the runners' own)
+            if runner is not None:
+                runner.warmed_up()
         return len(programs)
 
     def run_until_done(self, max_steps: int | None = None) -> list[TokenEvent]:

@@ -28,3 +28,4 @@ class Runner(Protocol):
     def compilations(self) -> int: ...  # XLA compilations in this process so far
     def fill_lora_slot(self, slot: int, adapter) -> None: ...  # a LoRA adapter into a device slot (None: zeros)
     def warmup_lora(self) -> None: ...  # compile the slot filler (nothing where the runner has no slots)
+    def warmed_up(self) -> None: ...  # every shape compiled: background work may start (CPU: KV pages in huge pages)

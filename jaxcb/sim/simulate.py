@@ -302,6 +302,9 @@ class SimRunner(Runner):
     def idle(self) -> None:
         pass
 
+    def warmed_up(self) -> None:
+        pass
+
     def reset_kv_if_lost(self) -> bool:
         return False
 
