@@ -145,8 +145,7 @@ def main():
     t0 = time.perf_counter()
     shapes = engine().warmup()
     warmup_s = time.perf_counter() - t0
-    if first.runner.huge_pages is not None:  # timed once the weights and pages are in huge pages, as a server's are
-        first.runner.huge_pages.join()
+    first.runner.wait_for_huge_pages()  # timed once the weights and pages are in huge pages, as a server's are
     baseline = None
     if args.baseline_attention:
         from jaxcb.device.runner import ModelRunner

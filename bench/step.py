@@ -74,8 +74,7 @@ def main():
     runners = {choice: ModelRunner(model_config, params, num_pages, s, attention=choice) for choice in args.attention}
     for runner in runners.values():  # timed once the weights and pages are in huge pages, as a started server's are
         runner.warmed_up()
-        if runner.huge_pages is not None:
-            runner.huge_pages.join()
+        runner.wait_for_huge_pages()
     window = model_config.sliding_window if model_config.windowed else 0
     rng = np.random.default_rng(0)
     kv_bytes_per_token = runners[args.attention[0]].kv_bytes_per_token

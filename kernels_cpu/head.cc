@@ -136,7 +136,7 @@ inline void tile(const float* a, int64_t e, const float* xt, int64_t mp, int64_t
 template <class R>
 void vocab_range_tiled(const float* xt, const R& w, float* out, int64_t m, int64_t mp, int64_t nv, int64_t e,
                        int64_t e16, int64_t v0, int64_t v1) {
-  std::vector<float> a(kTR * e);
+  std::vector<float> a(std::is_same_v<R, F32Rows> ? 0 : kTR * e);  // int8 rows widened here
   int64_t v = v0;
   for (; v + kTR <= v1; v += kTR) {
     const float* rows = a.data();

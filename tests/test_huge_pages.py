@@ -66,7 +66,7 @@ def test_a_runner_collapses_its_weights_and_kv_pages_while_it_serves_the_same_to
     greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     monkeypatch.setenv("JAXCB_HUGE_PAGES", "0")
     plain = make_llm(num_pages=4096)
-    assert plain.engine.runner.huge_pages is None
+    assert plain.engine.runner.huge_pages == []
     want = [o.token_ids for o in plain.generate(prompts, greedy)]
 
     monkeypatch.setenv("JAXCB_HUGE_PAGES", "1")
@@ -75,10 +75,12 @@ def test_a_runner_collapses_its_weights_and_kv_pages_while_it_serves_the_same_to
     kv = runner.kv_arrays[0]
     start, nbytes = kv.unsafe_buffer_pointer(), kv.nbytes
     assert nbytes >= 8 * huge_pages.HUGE  # whole 2 MiB ranges inside the pool
-    runner.huge_pages.join(timeout=120)  # the weights'
+    assert len(runner.huge_pages) == 1  # the weights'
+    runner.wait_for_huge_pages(timeout=120)
     llm.engine.warmup()  # then the pool's, once every shape is compiled
+    assert len(runner.huge_pages) == 2
     during = [o.token_ids for o in llm.generate(prompts, greedy)]  # as the thread collapses (or has collapsed)
-    runner.huge_pages.join(timeout=120)
+    runner.wait_for_huge_pages(timeout=120)
     after = [o.token_ids for o in llm.generate(prompts, greedy)]
     assert during == want and after == want
     assert runner.kv_arrays[0].unsafe_buffer_pointer() == start  # the steps write the pool in place

@@ -331,23 +331,31 @@ class ModelRunner(Runner):
         self.device_ids = sorted(d.id for d in devices)
         self.platform = next(iter(devices)).platform
         # The weights in 2 MiB pages, collapsed while the server starts (jaxcb.device.huge_pages; the KV pages
-        # once the warm-up is done, warmed_up; benchmarks join the latest thread before timing).
-        self.huge_pages = self._collapse(self.params, "weights")
+        # once the warm-up is done, warmed_up). The threads started, for wait_for_huge_pages.
+        self.huge_pages: list = []
         self._kv_collapsed = False
+        self._collapse(self.params, "weights")
 
     def warmed_up(self) -> None:
         """The KV pages into huge pages, now that the engine's shapes are compiled: collapsing SmolLM2's
         2.9 GB pool beside the compiles held the warm-up back (17 shapes in 15 s -> 22 s, 2-core Zen 4)."""
         if not self._kv_collapsed:
             self._kv_collapsed = True
-            self.huge_pages = self._collapse(self.kv_pages, "KV pages") or self.huge_pages
+            self._collapse(self.kv_pages, "KV pages")
 
-    def _collapse(self, tree, what: str):
+    def wait_for_huge_pages(self, timeout: float | None = None) -> None:
+        """Until every collapse started so far is done (benchmarks time the memory a running server has)."""
+        for thread in self.huge_pages:
+            thread.join(timeout)
+
+    def _collapse(self, tree, what: str) -> None:
         if self.platform != "cpu":
-            return None
+            return
         from jaxcb.device import huge_pages
 
-        return huge_pages.collapse_in_background(tree, what)
+        thread = huge_pages.collapse_in_background(tree, what)
+        if thread is not None:
+            self.huge_pages.append(thread)
 
     def _zero_last_tokens(self, max_seqs: int) -> jax.Array:
         zeros = np.zeros(max_seqs, np.int32)
