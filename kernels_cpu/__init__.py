@@ -22,6 +22,7 @@ log = logging.getLogger("jaxcb.kernels_cpu")
 
 TARGET = "jaxcb_ragged_attention"
 MATMUL_TARGETS = {"float32": ("jaxcb_layer_matmul", "JaxcbLayerMatmul"),
+                  "bfloat16": ("jaxcb_layer_matmul_bf16", "JaxcbLayerMatmulBF16"),
                   "int8": ("jaxcb_layer_matmul_int8", "JaxcbLayerMatmulInt8"),
                   "uint8": ("jaxcb_layer_matmul_int4", "JaxcbLayerMatmulInt4")}  # by the stack's dtype
 ROWS_TARGETS = {"float32": ("jaxcb_rows_matmul", "JaxcbRowsMatmul"),
@@ -77,7 +78,7 @@ def block_columns() -> int:
 
 
 def block_stack(w):
-    """A float32 layer stack [L, K, N] blocked for layer_matmul: [L, N / B, K, B] (B = block_columns(),
+    """A float32 or bfloat16 layer stack [L, K, N] blocked for layer_matmul: [L, N / B, K, B] (B = block_columns(),
     dividing N), each block of B columns one contiguous run of its K rows. The kernel's tile reads a
     block down its rows; in place that is B values a row, one row per page of a wide matrix, where the
     hardware prefetchers do not follow; blocked it is one stream (SmolLM2's up projection, 200 layers
@@ -109,7 +110,8 @@ def ragged_attention(q, kv_pages, layer, kv_lens, page_table, cu_q_lens, num_seq
 
 def layer_matmul(x, w, layer, scale=None, offset=None, act_block=0):
     """x [..., K] float32 @ w[layer] -> [..., N] float32 (layer a scalar, may be traced), reading the
-    layer's matrix in place. w: float32 [L, K, N] or blocked [L, N / B, K, B] (block_stack); int8 [L, K, N] with `scale` float32 [L, G, N] (a
+    layer's matrix in place. w: float32 or bfloat16 (each value widened exactly, float32 sums) [L, K, N]
+    or blocked [L, N / B, K, B] (block_stack); int8 [L, K, N] with `scale` float32 [L, G, N] (a
     scale per K/G input rows of each column); or uint8 [L, K/2, N] (int4: input rows 2i and 2i+1 in
     the low and high nibble of byte row i) with `scale` and `offset` float16 [L, G, N]. Quantized w:
     `act_block` > 0 (dividing 128, and int4's group) quantizes each row of x per that many input rows
@@ -122,10 +124,11 @@ def layer_matmul(x, w, layer, scale=None, offset=None, act_block=0):
     target, _ = MATMUL_TARGETS[jnp.dtype(w.dtype).name]
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
-    operands = {"float32": (w,), "int8": (w, scale), "uint8": (w, scale, offset)}[jnp.dtype(w.dtype).name]
+    operands = {"float32": (w,), "bfloat16": (w,), "int8": (w, scale),
+                "uint8": (w, scale, offset)}[jnp.dtype(w.dtype).name]
     n = w.shape[1] * w.shape[3] if w.ndim == 4 else w.shape[2]  # blocked float32 (block_stack), or in place
     call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((x2.shape[0], n), jnp.float32))
-    attrs = {"act_block": np.int64(act_block)} if jnp.dtype(w.dtype) != jnp.float32 else {}
+    attrs = {"act_block": np.int64(act_block)} if jnp.dtype(w.dtype) in (jnp.int8, jnp.uint8) else {}
     return call(x2, *operands, jnp.asarray(layer, jnp.int32), **attrs).reshape(*lead, n)
 
 

@@ -90,12 +90,11 @@ inline void block(const float* x, const R& w, float* out, int64_t nv, int64_t e,
     }
 }
 
-// Vocabulary rows [v0, v1) for every row of x: blocks of kVB rows, then single rows; for each, the
+// Vocabulary rows [v0, v1) for every row of x: blocks of VBlock rows, then single rows; for each, the
 // rows of x in blocks of kMB, then the rest together.
 template <int VBlock, class R>
 void vocab_range(const float* x, const R& w, float* out, int64_t m, int64_t nv, int64_t e, int64_t e16, int64_t v0,
                  int64_t v1) {
-  constexpr int kVB = VBlock;
   int64_t v = v0;
   auto each_m = [&](auto vb, int64_t at) {
     constexpr int VB = decltype(vb)::value;
@@ -108,7 +107,7 @@ void vocab_range(const float* x, const R& w, float* out, int64_t m, int64_t nv, 
       default: break;
     }
   };
-  for (; v + kVB <= v1; v += kVB) each_m(std::integral_constant<int, kVB>{}, v);
+  for (; v + VBlock <= v1; v += VBlock) each_m(std::integral_constant<int, VBlock>{}, v);
   for (; v < v1; ++v) each_m(std::integral_constant<int, 1>{}, v);
 }
 

@@ -8,8 +8,9 @@
 // the stack, with the layer as an operand, so the weights stream from memory once a step at their
 // stored width, and quantized values become floats only in registers.
 //
-// Three weight formats (jaxcb.model.quant), out [M, N] = x [M, K] @ w[layer]:
+// Four weight formats (jaxcb.model.quant), out [M, N] = x [M, K] @ w[layer]:
 //   float32  w [L, K, N].
+//   bfloat16 w [L, K, N]: each value widened exactly (its bits are a float32's top half).
 //   int8     q [L, K, N] int8, scale [L, G, N] float32: w = q * scale of its group of K/G input rows
 //            (G = 1: one scale per column).
 //   int4     q [L, K/2, N] uint8 (input rows 2i and 2i+1 in the low and high nibble of byte row i),
@@ -61,12 +62,22 @@ inline float half(uint16_t bits) {
   return static_cast<float>(h);
 }
 
-// One layer's matrix in one of the three formats (n columns; `group` input rows per scale).
-struct F32 {
-  const float* w;
+// One layer's matrix in one of the four formats (n columns; `group` input rows per scale).
+// float32 (T float) or bfloat16 (T uint16_t: the bits), read in place.
+template <class T>
+struct Plain {
+  const T* w;
   int64_t n;
   bool blocked = false;  // [N / kNB, K, kNB]: each block of columns one contiguous run (kernels_cpu.block_stack)
 };
+using F32 = Plain<float>;
+using BF16 = Plain<uint16_t>;
+template <class W> constexpr bool kPlain = false;
+template <class T> constexpr bool kPlain<Plain<T>> = true;
+
+// 16 values of a plain matrix as floats (bfloat16: its bits are a float32's top half, widened exactly).
+inline vf load_row(const float* p) { return vload(p); }
+inline vf load_row(const uint16_t* p) { return jaxcb::load_bf16(p); }
 struct Q8 {
   const int8_t* q;
   const float* scale;  // [G, N]
@@ -87,24 +98,25 @@ constexpr int64_t kPrefetchRows = JAXCB_PREFETCH_ROWS;
 // c[0:R, 0:kNB] (+)= a[0:R, 0:kn] @ b[0:kn, 0:kNB]; `first`: c starts at zero.
 // `linear`: b is a blocked matrix's block read in place (its rows, the next slab's and the next block's
 // follow on): ask kPrefetchRows rows ahead along it.
-template <int R>
-inline void micro(const float* a, int64_t lda, const float* b, int64_t ldb, float* c, int64_t ldc, int64_t kn,
+template <int R, class T>
+inline void micro(const float* a, int64_t lda, const T* b, int64_t ldb, float* c, int64_t ldc, int64_t kn,
                   bool first, bool linear = false) {
+  constexpr int kPerLine = 64 / sizeof(T);
   vf acc[R][kNV];
   for (int r = 0; r < R; ++r)
     for (int i = 0; i < kNV; ++i) acc[r][i] = first ? vf{} : vload(c + r * ldc + i * kLanes);
   const bool strided = ldb != kNB;  // reading w in place, a row of the block per 4 KB page
   for (int64_t k = 0; k < kn; ++k) {
     if (linear) {
-      const float* p = b + (k + kPrefetchRows) * kNB;
-      for (int i = 0; i < kNB; i += 16) __builtin_prefetch(p + i);
+      const T* p = b + (k + kPrefetchRows) * kNB;
+      for (int i = 0; i < kNB; i += kPerLine) __builtin_prefetch(p + i);
     } else if (strided) {
       const int64_t ahead = k + kPrefetchRows;
-      const float* p = ahead < kn ? b + ahead * ldb : b + (ahead - kn) * ldb + kNB;
-      for (int i = 0; i < kNB; i += 16) __builtin_prefetch(p + i);  // a 64-byte line per 16 floats
+      const T* p = ahead < kn ? b + ahead * ldb : b + (ahead - kn) * ldb + kNB;
+      for (int i = 0; i < kNB; i += kPerLine) __builtin_prefetch(p + i);  // a 64-byte line each
     }
     vf bv[kNV];
-    for (int i = 0; i < kNV; ++i) bv[i] = vload(b + k * ldb + i * kLanes);
+    for (int i = 0; i < kNV; ++i) bv[i] = load_row(b + k * ldb + i * kLanes);
     for (int r = 0; r < R; ++r) {
       const float x = a[r * lda + k];
       for (int i = 0; i < kNV; ++i) acc[r][i] += x * bv[i];
@@ -186,34 +198,12 @@ inline void micro_direct(const float* a, int64_t lda, const W& w, float* c, int6
     for (int i = 0; i < kNV; ++i) vstore(c + r * ldc + i * kLanes, acc[r][i]);
 }
 
-// c[:, j:j+kNB] for one slab of w (rows k0:k0+kn): whole 8-row blocks, then the remaining rows with a
-// micro-kernel of their own count (a row at a time would re-read the slab once per row).
-template <class W>
-inline void rows(const float* a, const W& w, float* c, int64_t m, int64_t k, int64_t n, int64_t k0, int64_t kn,
-                 int64_t j) {
-  const float* b;
-  int64_t ldb;
-  alignas(64) float buf[kKB * kNB];
-  const bool first = k0 == 0;
-  bool linear = false;
-  if constexpr (std::is_same_v<W, F32>) {
-    if (w.blocked) b = w.w + (j / kNB) * (k * kNB) + k0 * kNB, ldb = kNB, linear = true;
-    else b = w.w + k0 * n + j, ldb = n;
-  } else {
-    if (m <= kDirect) {
-      const float* am = a + k0;
-      float* cm = c + j;
-      switch (m) {
-        case 1: return micro_direct<1>(am, k, w, cm, n, k0, kn, j, first);
-        case 2: return micro_direct<2>(am, k, w, cm, n, k0, kn, j, first);
-        case 3: return micro_direct<3>(am, k, w, cm, n, k0, kn, j, first);
-        case 4: return micro_direct<4>(am, k, w, cm, n, k0, kn, j, first);
-        default: return;
-      }
-    }
-    dequantize(w, k0, kn, j, buf);
-    b = buf, ldb = kNB;
-  }
+// c[:, j:j+kNB] (+)= a[:, k0:k0+kn] @ b, b the slab's block (kn rows of kNB values, ldb apart): whole
+// 8-row blocks of a, then the remaining rows with a micro-kernel of their own count (a row at a time would
+// re-read the block once per row).
+template <class T>
+inline void tiles(const float* a, const T* b, int64_t ldb, float* c, int64_t m, int64_t k, int64_t n, int64_t k0,
+                  int64_t kn, int64_t j, bool first, bool linear) {
   int64_t m0 = 0;
   for (; m0 + kMR <= m; m0 += kMR) micro<kMR>(a + m0 * k + k0, k, b, ldb, c + m0 * n + j, n, kn, first, linear);
   const float* am = a + m0 * k + k0;
@@ -230,11 +220,39 @@ inline void rows(const float* a, const W& w, float* c, int64_t m, int64_t k, int
   }
 }
 
+// c[:, j:j+kNB] for one slab of w (rows k0:k0+kn). A plain matrix is read in place (bfloat16 widened as
+// it is used); a quantized block is widened in registers with at most kDirect rows of x, else once into
+// an L1 buffer.
+template <class W>
+inline void rows(const float* a, const W& w, float* c, int64_t m, int64_t k, int64_t n, int64_t k0, int64_t kn,
+                 int64_t j) {
+  const bool first = k0 == 0;
+  if constexpr (kPlain<W>) {
+    if (w.blocked) tiles(a, w.w + (j / kNB) * (k * kNB) + k0 * kNB, kNB, c, m, k, n, k0, kn, j, first, true);
+    else tiles(a, w.w + k0 * n + j, n, c, m, k, n, k0, kn, j, first, false);
+  } else {
+    if (m <= kDirect) {
+      const float* am = a + k0;
+      float* cm = c + j;
+      switch (m) {
+        case 1: return micro_direct<1>(am, k, w, cm, n, k0, kn, j, first);
+        case 2: return micro_direct<2>(am, k, w, cm, n, k0, kn, j, first);
+        case 3: return micro_direct<3>(am, k, w, cm, n, k0, kn, j, first);
+        case 4: return micro_direct<4>(am, k, w, cm, n, k0, kn, j, first);
+        default: return;
+      }
+    }
+    alignas(64) float buf[kKB * kNB];
+    dequantize(w, k0, kn, j, buf);
+    tiles(a, static_cast<const float*>(buf), kNB, c, m, k, n, k0, kn, j, first, false);
+  }
+}
+
 // Columns [n0, n1) of the output (whole kNB blocks): slab by slab, so that each row of a slab is read
 // as one contiguous run of the range's columns rather than a block at a time.
 template <class W>
 void column_range(const float* a, const W& w, float* c, int64_t m, int64_t k, int64_t n, int64_t n0, int64_t n1) {
-  if constexpr (std::is_same_v<W, F32>) {
+  if constexpr (kPlain<W>) {
     if (w.blocked) {  // block by block, each read front to back as one run
       for (int64_t j = n0; j < n1; j += kNB)
         for (int64_t k0 = 0; k0 < k; k0 += kKB) rows(a, w, c, m, k, n, k0, std::min(kKB, k - k0), j);
@@ -248,6 +266,12 @@ void column_range(const float* a, const W& w, float* c, int64_t m, int64_t k, in
 }
 
 inline float weight(const F32& w, int64_t e, int64_t j) { return w.w[e * w.n + j]; }
+inline float weight(const BF16& w, int64_t e, int64_t j) {
+  const uint32_t bits = static_cast<uint32_t>(w.w[e * w.n + j]) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
 inline float weight(const Q8& w, int64_t e, int64_t j) { return w.q[e * w.n + j] * w.scale[(e / w.group) * w.n + j]; }
 inline float weight(const Q4& w, int64_t e, int64_t j) {
   const uint8_t byte = w.q[(e / 2) * w.n + j];
@@ -578,6 +602,17 @@ ffi::Error F32Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ff
   return ffi::Error::Success();
 }
 
+// bfloat16 weights (the float32 path's sums, each weight widened exactly: half the bytes to read).
+ffi::Error BF16Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::BF16> w,
+                    ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> out) {
+  int64_t m, k, n, l;
+  if (auto e = shapes(x.dimensions(), w.dimensions(), 1, layer.typed_data()[0], m, k, n, l); e.failure()) return e;
+  const BF16 view{reinterpret_cast<const uint16_t*>(w.untyped_data()) + static_cast<size_t>(l) * k * n, n,
+                  w.dimensions().size() == 4};
+  run(pool, x.typed_data(), view, out->typed_data(), m, k, n);
+  return ffi::Error::Success();
+}
+
 ffi::Error Q8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> q, ffi::Buffer<ffi::F32> scale,
                   ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> out, int64_t act_block) {
   int64_t m, k, n, l;
@@ -632,6 +667,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcbLayerMatmul, F32Impl,
 
 // The column block of the float32 matmul, the width of a blocked matrix's blocks.
 extern "C" int64_t JaxcbMatmulBlockColumns() { return kNB; }
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcbLayerMatmulBF16, BF16Impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // x [M, K]
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // w [L, K, N], or blocked [L, N / kNB, K, kNB]
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // layer []
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // out [M, N]
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcbLayerMatmulInt8, Q8Impl,
                               ffi::Ffi::Bind()

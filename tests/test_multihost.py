@@ -34,7 +34,8 @@ class Cluster:
 
     def __init__(self, model: str, config: str, leader_args=(), follower_args=()):
         port, coordinator = free_port(), free_port()
-        env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+        env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+               "JAXCB_HUGE_PAGES": "1"}  # (a tiny model's pool: milliseconds) to see the followers' taken
         args = ("--coordinator", f"127.0.0.1:{coordinator}", "--num-processes", "2", "--compile-cache", "off")
         self.follower = ServerProcess(model, config, *args, "--process-id", "1", *follower_args, env=env, port=port)
         self.leader = ServerProcess(model, config, *args, "--process-id", "0", *leader_args, env=env, port=port)
@@ -89,6 +90,7 @@ def test_two_processes_give_the_single_device_tokens_with_lora_adapters_and_stop
         assert cluster.leader.stop() == 0, cluster.leader.output()
         assert cluster.follower.proc.wait(60) == 0, cluster.follower.output()
         assert "stopped by the leader" in cluster.follower.output()
+        assert "of the KV pages in 2 MiB pages" in cluster.follower.output()  # the leader's warm-up passed on
     finally:
         cluster.stop()
 

@@ -56,6 +56,31 @@ def test_blocked_float32_stacks_give_the_matrix_product(m, k, n):
                                    atol=1e-4 * np.sqrt(k))
 
 
+@pytest.mark.parametrize("m,k,n", [(1, 130, 64), (3, 5, 31), (4, 576, 192), (8, 257, 96), (33, 300, 70),
+                                   (544, 64, 96)])
+def test_bfloat16_stacks_give_the_product_of_their_values(m, k, n):
+    """bfloat16 layer matrices, in place and blocked (where the block divides N), widened exactly as
+    the kernel reads them: x @ w in float32 to its summation order, on every layer; one row, rows around
+    the micro-kernel's 8, reductions across slabs, columns past the last block (the tail loop)."""
+    import jax
+    import jax.numpy as jnp
+
+    import kernels_cpu
+
+    assert kernels_cpu.available(), kernels_cpu.unavailable_reason()
+    rng = np.random.default_rng(m + k + n)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    w = jnp.asarray(rng.standard_normal((3, k, n)).astype(np.float32)).astype(jnp.bfloat16)
+    stacks = [w] + ([jax.jit(kernels_cpu.block_stack)(w)] if n % kernels_cpu.block_columns() == 0 else [])
+    f = jax.jit(kernels_cpu.layer_matmul)
+    for stack in stacks:
+        assert stack.dtype == jnp.bfloat16
+        for layer in range(3):
+            want = x @ np.asarray(w[layer].astype(jnp.float32))
+            got = np.asarray(f(jnp.asarray(x), stack, jnp.int32(layer)))
+            np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.sqrt(k))
+
+
 @pytest.mark.parametrize("bits,group", [(8, 0), (8, 32), (8, 96), (8, 192), (4, 32), (4, 64), (4, 96), (4, 384)])
 @pytest.mark.parametrize("m,n", [(1, 31), (4, 40), (9, 70), (33, 192)])
 def test_quantized_layer_matmul_matches_the_dequantized_matrix(bits, group, m, n):
@@ -107,12 +132,13 @@ def test_rows_matmul_matches_numpy(m, v, e, group):
 
 
 @pytest.mark.parametrize("weights,tied", [("int8", True), ("int8", False), ("int4", True), ("w8a8", True),
-                                          ("w8a8", False), ("w4a8", True)])
+                                          ("w8a8", False), ("w4a8", True), ("bfloat16", True)])
 def test_the_native_step_with_quantized_weights_gives_the_plain_step_logits(weights, tied):
     """A step of a tiny random model with int8 / int4 layer matrices and an int8 head (the tied
     embedding, or an untied matrix): the native kernels (reading the quantized arrays in place) against
     the plain step that dequantizes them. w8a8 / w4a8: int8 / int4 weights with int8 activations, integer
-    sums in the kernel against the plain step's quantize_activations."""
+    sums in the kernel against the plain step's quantize_activations. bfloat16: the layer matrices stored
+    so under float32 activations (the CPU's bfloat16 mode), widened by the kernel and by XLA."""
     import dataclasses
 
     import jax
@@ -126,7 +152,7 @@ def test_the_native_step_with_quantized_weights_gives_the_plain_step_logits(weig
 
     config = dataclasses.replace(tiny_config(), tie_embeddings=tied)
     stored = {"w8a8": "int8", "w4a8": "int4"}.get(weights, weights)
-    params = params_from_numpy(quantize_weights(random_weights(config, seed=2), stored))
+    params = params_from_numpy(quantize_weights(random_weights(config, seed=2), stored), mode=stored)
     if stored != weights:
         params = with_int8_activations(params)
     s = 8
@@ -148,7 +174,11 @@ def test_the_native_step_with_quantized_weights_gives_the_plain_step_logits(weig
         close = np.all(np.abs(got - want) <= 2e-4 + 2e-4 * np.abs(want), axis=-1)
         assert close.sum() >= len(close) - 1 and np.abs(got - want).max() < 0.05, np.abs(got - want).max(-1)
     text = step.lower(params, kv, batch, config=config, attention=native).as_text()
-    assert "jaxcb_layer_matmul_int" in text and (not tied or "jaxcb_rows_matmul_int8" in text)
+    if weights == "bfloat16":
+        assert params.layers.w_up.dtype == jnp.bfloat16 and params.embed.dtype == jnp.float32
+        assert "@jaxcb_layer_matmul_bf16(" in text and "@jaxcb_layer_matmul(" not in text
+    else:
+        assert "jaxcb_layer_matmul_int" in text and (not tied or "jaxcb_rows_matmul_int8" in text)
 
 
 @pytest.mark.parametrize("tied", [True, False])

@@ -241,7 +241,7 @@ def test_smollm2_perplexity_of_each_mode_against_float32():
     """The real model on held-out prose (tests/data): int4 (groups of 32, asymmetric) gives back the
     GGUF's own Q4_1 matrices and the int8 embedding its Q8_0 rows, so int4 is the float32 model; int8
     in groups of 32 is close; int8 per output column rounds the Q4_1 groups onto one grid per column;
-    int8 activations (w8a8, w4a8) add their own rounding."""
+    int8 activations (w8a8, w4a8) add their own rounding; bfloat16 rounds each matrix value."""
     from jaxcb.device.evaluate import perplexity
 
     cfg, params, tok, eos = load_model()  # the embedded SmolLM2, float32; each mode quantizes these weights
@@ -249,7 +249,7 @@ def test_smollm2_perplexity_of_each_mode_against_float32():
     ids = tok.encode(open(HELDOUT, encoding="utf-8").read())[:768]  # three chunks of 256 a mode
     figures = {}
     for mode, group, kv in (("float32", 0, "auto"), ("int8", 0, "auto"), ("int8", 32, "auto"), ("int4", 0, "auto"),
-                            ("float32", 0, "int8"), ("w8a8", 0, "auto"), ("w4a8", 0, "auto")):
+                            ("float32", 0, "int8"), ("w8a8", 0, "auto"), ("w4a8", 0, "auto"), ("bfloat16", 0, "auto")):
         weights, activations = {"w8a8": ("int8", "int8"), "w4a8": ("int4", "int8")}.get(mode, (mode, "float"))
         config = make_config(num_pages=80, max_context=2048, weights=weights, weight_group=group, kv_dtype=kv,
                              activations=activations)
@@ -276,3 +276,32 @@ def test_smollm2_perplexity_of_each_mode_against_float32():
     # +1.73% on this excerpt under two summation orders of the kernel's block sums (2-core AMD EPYC Zen 4,
     # VNNI's integer sums).
     assert -0.01 < ratios["w4a8", 0, "auto"] < 0.03
+    # bfloat16 matrices (the CPU keeps float32 activations): each Q4_1 value rounded to 8 significant bits.
+    assert abs(ratios["bfloat16", 0, "auto"]) < 0.005
+
+
+def test_bfloat16_weights_compute_in_float32_on_the_cpu(tiny_gguf_path):
+    """--weights bfloat16 on the CPU: the layer matrices are stored in bfloat16 (half the bytes to
+    stream), everything else and the compute in float32; the memory plan counts what is stored, and the
+    runner keeps the stacks in bfloat16 (in the native matmul's blocks, where it reads them)."""
+    from jaxcb.device.runner import compute_dtype
+    from jaxcb.host.memory_plan import weight_bytes
+    from jaxcb.model.quant import MATRICES
+
+    config = make_config(num_pages=64, max_context=256, weights="bfloat16")
+    dtype = compute_dtype(config)
+    assert dtype == jnp.float32
+    cfg, params, tok, eos = load_model(tiny_gguf_path, dtype, weights="bfloat16")
+    for name in MATRICES:
+        assert getattr(params.layers, name).dtype == jnp.bfloat16, name
+    assert params.embed.dtype == params.final_norm.dtype == params.layers.attn_norm.dtype == jnp.float32
+    assert weight_bytes(cfg, "bfloat16", 4) == sum(x.nbytes for x in jax.tree.leaves(params))
+    llm = LLM.from_params(cfg, params, tok, config=config, eos_ids=eos)
+    info = llm.engine.runner.describe()
+    assert (info["compute_dtype"], info["weights"], info["kv_dtype"]) == ("float32", "bfloat16", "float32")
+    runner = llm.engine.runner
+    assert runner.params.layers.w_up.dtype == jnp.bfloat16
+    assert runner.params.layers.w_up.ndim == (4 if runner.attention.native_matmul else 3)
+    out = llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=8, ignore_eos=True))[0]
+    assert len(out.token_ids) == 8
+    llm.close()

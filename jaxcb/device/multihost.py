@@ -42,7 +42,7 @@ from jaxcb.host.runner_protocol import Runner
 
 log = logging.getLogger("jaxcb.device.multihost")
 
-OP_RUN, OP_COMPILE, OP_PING, OP_STOP, OP_LORA = 1, 2, 3, 4, 5
+OP_RUN, OP_COMPILE, OP_PING, OP_STOP, OP_LORA, OP_WARMED = 1, 2, 3, 4, 5, 6
 HEADER_WORDS = 4  # op, bucket index (LORA: the slot), step number, runner (0 the model, 1 the draft)
 TARGET, DRAFT = 0, 1  # the runners a step may run on
 PING_EVERY_S = 1.0
@@ -143,7 +143,7 @@ class Message:
     sampling: object = None  # ... and its sampling rows
     slot: int = -1  # LORA: the device slot
     lora: tuple[dict, dict] | None = None  # LORA: the adapter's padded (A, B) per target
-    runner: int = TARGET  # RUN, COMPILE: TARGET or DRAFT
+    runner: int = TARGET  # RUN, COMPILE, WARMED: TARGET or DRAFT
 
 
 def _concat(leaves) -> np.ndarray:
@@ -219,7 +219,7 @@ class Channel:
                 raise RuntimeError("multi-host: the leader filled a LoRA slot and this process has none")
             return Message(op, slot=index, lora=self._receive(*self._lora))
         if op not in (OP_RUN, OP_COMPILE):
-            return Message(op)
+            return Message(op, runner=runner)
         batch, sampling = self._receive(*self._templates[index])
         return Message(op, self.shapes[index], batch, sampling, runner=runner)
 
@@ -253,6 +253,7 @@ class LeaderRunner(Runner):
         return self.runner.compilations()
 
     def warmed_up(self) -> None:
+        self.channel.send(OP_WARMED, runner=self.which)  # the followers' pools into huge pages too
         self.runner.warmed_up()
 
     def compile(self, shape: StepShape) -> None:
@@ -318,5 +319,7 @@ def follow(runner, channel: Channel, draft=None) -> int:
         elif m.op == OP_RUN:
             on.run(m.batch, m.sampling, m.shape)
             runs += 1
+        elif m.op == OP_WARMED:
+            on.warmed_up()
         elif m.op == OP_LORA:
             runner.lora.fill_padded(m.slot, *m.lora)

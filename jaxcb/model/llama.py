@@ -94,8 +94,9 @@ register_pytree(WindowPages)
 def params_from_numpy(weights: dict[str, np.ndarray], dtype=jnp.float32, mode: str = "auto", group: int = 0) -> Params:
     """Params on the default device from the loader's weights: float arrays in `dtype` (the compute
     dtype), the matrices quantized first when `mode` is "int8" or "int4" (jaxcb.model.quant, `group`
-    input rows per scale; int8 scales in `dtype`, int4's float16). Weights that are already quantized
-    (a converted checkpoint) stay as they are."""
+    input rows per scale; int8 scales in `dtype`, int4's float16), or stored in bfloat16 when `mode` is
+    "bfloat16" (under a float32 compute dtype: the CPU's, jaxcb.device.runner.compute_dtype). Weights
+    that are already quantized (a converted checkpoint) stay as they are."""
     weights = quantize_weights(weights, mode, group)
 
     def as_array(name):
@@ -106,6 +107,8 @@ def params_from_numpy(weights: dict[str, np.ndarray], dtype=jnp.float32, mode: s
             if w.bits == 4:
                 return w.replace(q=jnp.asarray(w.q), scale=jnp.asarray(w.scale), offset=jnp.asarray(w.offset))
             return w.replace(q=jnp.asarray(w.q), scale=jnp.asarray(w.scale, dtype=dtype))
+        if mode == "bfloat16" and name in MATRICES:
+            return jnp.asarray(w, dtype=jnp.bfloat16)
         return jnp.asarray(w, dtype=dtype)
 
     layers = LayerParams(**{name: as_array(name) for name in LayerParams.__dataclass_fields__ if name in weights})

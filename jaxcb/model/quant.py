@@ -223,17 +223,17 @@ class StackedMatrix:
 
 
 def native_stack(w) -> bool:
-    """Whether the native CPU matmul reads this layer stack in place: float32 matrices, int8 with float32
-    scales, int4 with float16 scales and offsets (the formats this module writes)."""
+    """Whether the native CPU matmul reads this layer stack in place: float32 or bfloat16 matrices, int8
+    with float32 scales, int4 with float16 scales and offsets (the formats this module writes)."""
     if isinstance(w, QuantWeight):
         if w.bits == 8:
             return w.q.dtype == jnp.int8 and w.scale.dtype == jnp.float32
         return w.q.dtype == jnp.uint8 and w.scale.dtype == jnp.float16 and w.offset.dtype == jnp.float16
-    return isinstance(w, jax.Array) and w.dtype == jnp.float32
+    return isinstance(w, jax.Array) and w.dtype in (jnp.float32, jnp.bfloat16)
 
 
 def blocked_layers(params):
-    """params with each float32 layer stack [L, K, N] blocked for the native matmul ([L, N / B, K, B],
+    """params with each float32 or bfloat16 layer stack [L, K, N] blocked for the native matmul ([L, N / B, K, B],
     kernels_cpu.block_stack) where B divides N (the others stay as they are), one stack at a time. A
     step reads a blocked matrix natively or through XLA (dense)."""
     import kernels_cpu
@@ -243,7 +243,7 @@ def blocked_layers(params):
     layers = params.layers
     for name in MATRICES:
         w = getattr(layers, name)
-        if isinstance(w, jax.Array) and w.dtype == jnp.float32 and w.ndim == 3 and w.shape[2] % b == 0:
+        if isinstance(w, jax.Array) and native_stack(w) and w.ndim == 3 and w.shape[2] % b == 0:
             layers = dataclasses.replace(layers, **{name: block(w)})
     return dataclasses.replace(params, layers=layers)
 
