@@ -78,7 +78,7 @@ def block_columns() -> int:
 
 
 def block_stack(w):
-    """A float32 or bfloat16 layer stack [L, K, N] blocked for layer_matmul: [L, N / B, K, B] (B = block_columns(),
+    """A float32 layer stack [L, K, N] blocked for layer_matmul: [L, N / B, K, B] (B = block_columns(),
     dividing N), each block of B columns one contiguous run of its K rows. The kernel's tile reads a
     block down its rows; in place that is B values a row, one row per page of a wide matrix, where the
     hardware prefetchers do not follow; blocked it is one stream (SmolLM2's up projection, 200 layers
@@ -86,6 +86,21 @@ def block_stack(w):
     b = block_columns()
     layers, k, n = w.shape
     return w.reshape(layers, k, n // b, b).transpose(0, 2, 1, 3)
+
+
+def pair_block(w):
+    """A bfloat16 layer stack [L, K, N] (K even, B = block_columns() dividing N) as layer_matmul reads it:
+    [L, N / B, K / 2, 2 B], each block of B columns one run of pair rows, a pair row holding input rows 2p
+    and 2p + 1 of each column side by side (the 32-bit lanes AVX512_BF16's vdpbf16ps multiplies)."""
+    b = block_columns()
+    layers, k, n = w.shape
+    return w.reshape(layers, k // 2, 2, n // b, b).transpose(0, 3, 1, 4, 2).reshape(layers, n // b, k // 2, 2 * b)
+
+
+def pair_unblock(w):
+    """pair_block's inverse on one layer's block [N / B, K / 2, 2 B] -> [K, N] (XLA's reading of it)."""
+    nb, pairs, b2 = w.shape
+    return w.reshape(nb, pairs, b2 // 2, 2).transpose(1, 3, 0, 2).reshape(2 * pairs, nb * b2 // 2)
 
 
 def ragged_attention(q, kv_pages, layer, kv_lens, page_table, cu_q_lens, num_seqs, window=0, softcap=0.0,
@@ -110,8 +125,8 @@ def ragged_attention(q, kv_pages, layer, kv_lens, page_table, cu_q_lens, num_seq
 
 def layer_matmul(x, w, layer, scale=None, offset=None, act_block=0):
     """x [..., K] float32 @ w[layer] -> [..., N] float32 (layer a scalar, may be traced), reading the
-    layer's matrix in place. w: float32 or bfloat16 (each value widened exactly, float32 sums) [L, K, N]
-    or blocked [L, N / B, K, B] (block_stack); int8 [L, K, N] with `scale` float32 [L, G, N] (a
+    layer's matrix in place. w: float32 [L, K, N] or blocked [L, N / B, K, B] (block_stack); bfloat16 in
+    pair-row blocks [L, N / B, K / 2, 2 B] (pair_block: x rounded to bfloat16, float32 sums); int8 [L, K, N] with `scale` float32 [L, G, N] (a
     scale per K/G input rows of each column); or uint8 [L, K/2, N] (int4: input rows 2i and 2i+1 in
     the low and high nibble of byte row i) with `scale` and `offset` float16 [L, G, N]. Quantized w:
     `act_block` > 0 (dividing 128, and int4's group) quantizes each row of x per that many input rows
@@ -126,7 +141,9 @@ def layer_matmul(x, w, layer, scale=None, offset=None, act_block=0):
     x2 = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
     operands = {"float32": (w,), "bfloat16": (w,), "int8": (w, scale),
                 "uint8": (w, scale, offset)}[jnp.dtype(w.dtype).name]
-    n = w.shape[1] * w.shape[3] if w.ndim == 4 else w.shape[2]  # blocked float32 (block_stack), or in place
+    n = w.shape[1] * w.shape[3] if w.ndim == 4 else w.shape[2]  # blocked (block_stack, pair_block), or in place
+    if w.dtype == jnp.bfloat16:
+        n //= 2
     call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((x2.shape[0], n), jnp.float32))
     attrs = {"act_block": np.int64(act_block)} if jnp.dtype(w.dtype) in (jnp.int8, jnp.uint8) else {}
     return call(x2, *operands, jnp.asarray(layer, jnp.int32), **attrs).reshape(*lead, n)

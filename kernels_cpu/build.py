@@ -55,6 +55,8 @@ def isa_flags(flags: set[str] | None = None) -> list[str]:
         out += ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"]
         if "avx512_vnni" in flags:
             out += ["-mavx512vnni"]
+        if "avx512_bf16" in flags:
+            out += ["-mavx512bf16"]
     return out
 
 

@@ -10,7 +10,9 @@
 //
 // Four weight formats (jaxcb.model.quant), out [M, N] = x [M, K] @ w[layer]:
 //   float32  w [L, K, N].
-//   bfloat16 w [L, K, N]: each value widened exactly (its bits are a float32's top half).
+//   bfloat16 w [L, N / kNB, K / 2, 2 kNB]: blocks of kNB columns, each in pairs of input rows, a 32-bit
+//            lane holding rows 2p (low half) and 2p + 1 (high half) of one column (kernels_cpu.pair_block);
+//            x is rounded to bfloat16 as it comes in (see the bfloat16 section below).
 //   int8     q [L, K, N] int8, scale [L, G, N] float32: w = q * scale of its group of K/G input rows
 //            (G = 1: one scale per column).
 //   int4     q [L, K/2, N] uint8 (input rows 2i and 2i+1 in the low and high nibble of byte row i),
@@ -62,22 +64,12 @@ inline float half(uint16_t bits) {
   return static_cast<float>(h);
 }
 
-// One layer's matrix in one of the four formats (n columns; `group` input rows per scale).
-// float32 (T float) or bfloat16 (T uint16_t: the bits), read in place.
-template <class T>
-struct Plain {
-  const T* w;
+// One layer's matrix in one of the three formats (n columns; `group` input rows per scale).
+struct F32 {
+  const float* w;
   int64_t n;
   bool blocked = false;  // [N / kNB, K, kNB]: each block of columns one contiguous run (kernels_cpu.block_stack)
 };
-using F32 = Plain<float>;
-using BF16 = Plain<uint16_t>;
-template <class W> constexpr bool kPlain = false;
-template <class T> constexpr bool kPlain<Plain<T>> = true;
-
-// 16 values of a plain matrix as floats (bfloat16: its bits are a float32's top half, widened exactly).
-inline vf load_row(const float* p) { return vload(p); }
-inline vf load_row(const uint16_t* p) { return jaxcb::load_bf16(p); }
 struct Q8 {
   const int8_t* q;
   const float* scale;  // [G, N]
@@ -98,25 +90,24 @@ constexpr int64_t kPrefetchRows = JAXCB_PREFETCH_ROWS;
 // c[0:R, 0:kNB] (+)= a[0:R, 0:kn] @ b[0:kn, 0:kNB]; `first`: c starts at zero.
 // `linear`: b is a blocked matrix's block read in place (its rows, the next slab's and the next block's
 // follow on): ask kPrefetchRows rows ahead along it.
-template <int R, class T>
-inline void micro(const float* a, int64_t lda, const T* b, int64_t ldb, float* c, int64_t ldc, int64_t kn,
+template <int R>
+inline void micro(const float* a, int64_t lda, const float* b, int64_t ldb, float* c, int64_t ldc, int64_t kn,
                   bool first, bool linear = false) {
-  constexpr int kPerLine = 64 / sizeof(T);
   vf acc[R][kNV];
   for (int r = 0; r < R; ++r)
     for (int i = 0; i < kNV; ++i) acc[r][i] = first ? vf{} : vload(c + r * ldc + i * kLanes);
   const bool strided = ldb != kNB;  // reading w in place, a row of the block per 4 KB page
   for (int64_t k = 0; k < kn; ++k) {
     if (linear) {
-      const T* p = b + (k + kPrefetchRows) * kNB;
-      for (int i = 0; i < kNB; i += kPerLine) __builtin_prefetch(p + i);
+      const float* p = b + (k + kPrefetchRows) * kNB;
+      for (int i = 0; i < kNB; i += 16) __builtin_prefetch(p + i);
     } else if (strided) {
       const int64_t ahead = k + kPrefetchRows;
-      const T* p = ahead < kn ? b + ahead * ldb : b + (ahead - kn) * ldb + kNB;
-      for (int i = 0; i < kNB; i += kPerLine) __builtin_prefetch(p + i);  // a 64-byte line each
+      const float* p = ahead < kn ? b + ahead * ldb : b + (ahead - kn) * ldb + kNB;
+      for (int i = 0; i < kNB; i += 16) __builtin_prefetch(p + i);  // a 64-byte line per 16 floats
     }
     vf bv[kNV];
-    for (int i = 0; i < kNV; ++i) bv[i] = load_row(b + k * ldb + i * kLanes);
+    for (int i = 0; i < kNV; ++i) bv[i] = vload(b + k * ldb + i * kLanes);
     for (int r = 0; r < R; ++r) {
       const float x = a[r * lda + k];
       for (int i = 0; i < kNV; ++i) acc[r][i] += x * bv[i];
@@ -198,12 +189,34 @@ inline void micro_direct(const float* a, int64_t lda, const W& w, float* c, int6
     for (int i = 0; i < kNV; ++i) vstore(c + r * ldc + i * kLanes, acc[r][i]);
 }
 
-// c[:, j:j+kNB] (+)= a[:, k0:k0+kn] @ b, b the slab's block (kn rows of kNB values, ldb apart): whole
-// 8-row blocks of a, then the remaining rows with a micro-kernel of their own count (a row at a time would
-// re-read the block once per row).
-template <class T>
-inline void tiles(const float* a, const T* b, int64_t ldb, float* c, int64_t m, int64_t k, int64_t n, int64_t k0,
-                  int64_t kn, int64_t j, bool first, bool linear) {
+// c[:, j:j+kNB] for one slab of w (rows k0:k0+kn): whole 8-row blocks, then the remaining rows with a
+// micro-kernel of their own count (a row at a time would re-read the slab once per row).
+template <class W>
+inline void rows(const float* a, const W& w, float* c, int64_t m, int64_t k, int64_t n, int64_t k0, int64_t kn,
+                 int64_t j) {
+  const float* b;
+  int64_t ldb;
+  alignas(64) float buf[kKB * kNB];
+  const bool first = k0 == 0;
+  bool linear = false;
+  if constexpr (std::is_same_v<W, F32>) {
+    if (w.blocked) b = w.w + (j / kNB) * (k * kNB) + k0 * kNB, ldb = kNB, linear = true;
+    else b = w.w + k0 * n + j, ldb = n;
+  } else {
+    if (m <= kDirect) {
+      const float* am = a + k0;
+      float* cm = c + j;
+      switch (m) {
+        case 1: return micro_direct<1>(am, k, w, cm, n, k0, kn, j, first);
+        case 2: return micro_direct<2>(am, k, w, cm, n, k0, kn, j, first);
+        case 3: return micro_direct<3>(am, k, w, cm, n, k0, kn, j, first);
+        case 4: return micro_direct<4>(am, k, w, cm, n, k0, kn, j, first);
+        default: return;
+      }
+    }
+    dequantize(w, k0, kn, j, buf);
+    b = buf, ldb = kNB;
+  }
   int64_t m0 = 0;
   for (; m0 + kMR <= m; m0 += kMR) micro<kMR>(a + m0 * k + k0, k, b, ldb, c + m0 * n + j, n, kn, first, linear);
   const float* am = a + m0 * k + k0;
@@ -220,39 +233,11 @@ inline void tiles(const float* a, const T* b, int64_t ldb, float* c, int64_t m, 
   }
 }
 
-// c[:, j:j+kNB] for one slab of w (rows k0:k0+kn). A plain matrix is read in place (bfloat16 widened as
-// it is used); a quantized block is widened in registers with at most kDirect rows of x, else once into
-// an L1 buffer.
-template <class W>
-inline void rows(const float* a, const W& w, float* c, int64_t m, int64_t k, int64_t n, int64_t k0, int64_t kn,
-                 int64_t j) {
-  const bool first = k0 == 0;
-  if constexpr (kPlain<W>) {
-    if (w.blocked) tiles(a, w.w + (j / kNB) * (k * kNB) + k0 * kNB, kNB, c, m, k, n, k0, kn, j, first, true);
-    else tiles(a, w.w + k0 * n + j, n, c, m, k, n, k0, kn, j, first, false);
-  } else {
-    if (m <= kDirect) {
-      const float* am = a + k0;
-      float* cm = c + j;
-      switch (m) {
-        case 1: return micro_direct<1>(am, k, w, cm, n, k0, kn, j, first);
-        case 2: return micro_direct<2>(am, k, w, cm, n, k0, kn, j, first);
-        case 3: return micro_direct<3>(am, k, w, cm, n, k0, kn, j, first);
-        case 4: return micro_direct<4>(am, k, w, cm, n, k0, kn, j, first);
-        default: return;
-      }
-    }
-    alignas(64) float buf[kKB * kNB];
-    dequantize(w, k0, kn, j, buf);
-    tiles(a, static_cast<const float*>(buf), kNB, c, m, k, n, k0, kn, j, first, false);
-  }
-}
-
 // Columns [n0, n1) of the output (whole kNB blocks): slab by slab, so that each row of a slab is read
 // as one contiguous run of the range's columns rather than a block at a time.
 template <class W>
 void column_range(const float* a, const W& w, float* c, int64_t m, int64_t k, int64_t n, int64_t n0, int64_t n1) {
-  if constexpr (kPlain<W>) {
+  if constexpr (std::is_same_v<W, F32>) {
     if (w.blocked) {  // block by block, each read front to back as one run
       for (int64_t j = n0; j < n1; j += kNB)
         for (int64_t k0 = 0; k0 < k; k0 += kKB) rows(a, w, c, m, k, n, k0, std::min(kKB, k - k0), j);
@@ -266,12 +251,6 @@ void column_range(const float* a, const W& w, float* c, int64_t m, int64_t k, in
 }
 
 inline float weight(const F32& w, int64_t e, int64_t j) { return w.w[e * w.n + j]; }
-inline float weight(const BF16& w, int64_t e, int64_t j) {
-  const uint32_t bits = static_cast<uint32_t>(w.w[e * w.n + j]) << 16;
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
 inline float weight(const Q8& w, int64_t e, int64_t j) { return w.q[e * w.n + j] * w.scale[(e / w.group) * w.n + j]; }
 inline float weight(const Q4& w, int64_t e, int64_t j) {
   const uint8_t byte = w.q[(e / 2) * w.n + j];
@@ -484,6 +463,150 @@ void column_range_vnni(const XQuant& x, const W& w, float* c, int64_t m, int64_t
 }
 #endif
 
+
+// --- bfloat16 weights ---
+// Every path multiplies x rounded to bfloat16 (to nearest even) by the bfloat16 weights: the products are
+// exact in float32 and are summed in float32, as a bfloat16 matmul on an accelerator does. With AVX512_BF16
+// and more than kPairsWiden rows, vdpbf16ps sums a lane's two products at once (twice the float32 FMA's
+// work per instruction); otherwise each pair lane is widened to two float32 vectors (the low half shifted
+// up, the high half masked: both exact) and multiplied by x's rounded values.
+
+// The weights' pair rows of one layer: block jb, pair row p at w + (jb * k / 2 + p) * kNB lanes.
+struct BF16 {
+  const uint32_t* w;
+  int64_t k, n;
+};
+
+inline uint32_t bits_of(float x) {
+  uint32_t b;
+  std::memcpy(&b, &x, 4);
+  return b;
+}
+inline float round_bf16(float x) {  // to the nearest bfloat16, ties to even (finite values)
+  uint32_t b = bits_of(x);
+  b = (b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000u;
+  float r;
+  std::memcpy(&r, &b, 4);
+  return r;
+}
+
+// x [m, k] rounded: as floats (the widening path) and as pairs of bfloat16 in 32-bit lanes [m, k / 2].
+struct XPairs {
+  std::vector<float> rounded;
+  std::vector<uint32_t> pairs;
+};
+inline XPairs round_rows(const float* a, int64_t m, int64_t k) {
+  XPairs x;
+  x.rounded.resize(m * k);
+  x.pairs.resize(m * k / 2);
+  for (int64_t i = 0; i < m * k; ++i) x.rounded[i] = round_bf16(a[i]);
+  for (int64_t i = 0; i < m * k / 2; ++i)
+    x.pairs[i] = (bits_of(x.rounded[2 * i]) >> 16) | (bits_of(x.rounded[2 * i + 1]) & 0xFFFF0000u);
+  return x;
+}
+
+typedef uint32_t vu __attribute__((vector_size(64), aligned(4)));  // 16 pair lanes
+
+// c[0:R, 0:kNB] (+)= x[0:R, 2 p0 : 2 (p0 + pn)] @ the block's pair rows b[0:pn], each widened in registers.
+template <int R>
+inline void micro_pairs(const float* a, int64_t lda, const uint32_t* b, int64_t pn, float* c, int64_t ldc, bool first) {
+  vf acc[R][kNV];
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < kNV; ++i) acc[r][i] = first ? vf{} : vload(c + r * ldc + i * kLanes);
+  for (int64_t p = 0; p < pn; ++p) {
+    const uint32_t* ahead = b + (p + kPrefetchRows / 2) * kNB;  // the stream of blocks: 2 lines a pair row
+    __builtin_prefetch(ahead);
+    __builtin_prefetch(ahead + 16);
+    vf even[kNV], odd[kNV];
+    for (int i = 0; i < kNV; ++i) {
+      const vu v = *reinterpret_cast<const vu*>(b + p * kNB + i * kLanes);
+      even[i] = reinterpret_cast<vf>(v << 16);
+      odd[i] = reinterpret_cast<vf>(v & 0xFFFF0000u);
+    }
+    for (int r = 0; r < R; ++r) {
+      const float x0 = a[r * lda + 2 * p], x1 = a[r * lda + 2 * p + 1];
+      for (int i = 0; i < kNV; ++i) acc[r][i] += x0 * even[i] + x1 * odd[i];
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < kNV; ++i) vstore(c + r * ldc + i * kLanes, acc[r][i]);
+}
+
+#if defined(__AVX512BF16__)
+#define JAXCB_DPBF16 1
+// The same sums by vdpbf16ps: x's pairs broadcast against the block's pair rows.
+template <int R>
+inline void micro_dpbf16(const uint32_t* xp, int64_t ldp, const uint32_t* b, int64_t pn, float* c, int64_t ldc,
+                         bool first) {
+  static_assert(kNB == 32, "two 16-lane vectors of columns");
+  __m512 acc[R][2];
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < 2; ++i) acc[r][i] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(c + r * ldc + i * 16);
+  for (int64_t p = 0; p < pn; ++p) {
+    const uint32_t* ahead = b + (p + kPrefetchRows / 2) * kNB;
+    __builtin_prefetch(ahead);
+    __builtin_prefetch(ahead + 16);
+    const __m512bh w0 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(b + p * kNB));
+    const __m512bh w1 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(b + p * kNB + 16));
+    for (int r = 0; r < R; ++r) {
+      const __m512bh xb = reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(xp[r * ldp + p])));
+      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], xb, w0);
+      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], xb, w1);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < 2; ++i) _mm512_storeu_ps(c + r * ldc + i * 16, acc[r][i]);
+}
+#endif
+
+// Up to this many rows of x the widening path runs where vdpbf16ps is there too (as fast, where reading
+// the weights bounds the product; a build's tests then run both).
+#ifndef JAXCB_PAIRS_WIDEN
+#define JAXCB_PAIRS_WIDEN 4
+#endif
+constexpr int64_t kPairsWiden = JAXCB_PAIRS_WIDEN;
+
+template <int R>
+inline void pairs_rows(const XPairs& x, const BF16& w, float* c, int64_t row0, int64_t p0, int64_t pn, int64_t j,
+                       const uint32_t* b, bool dp, bool first) {
+  float* cr = c + row0 * w.n + j;
+#ifdef JAXCB_DPBF16
+  if (dp) return micro_dpbf16<R>(x.pairs.data() + row0 * (w.k / 2) + p0, w.k / 2, b, pn, cr, w.n, first);
+#endif
+  micro_pairs<R>(x.rounded.data() + row0 * w.k + 2 * p0, w.k, b, pn, cr, w.n, first);
+}
+
+// Columns [n0, n1) (whole kNB blocks), block by block, each read front to back in slabs of kKB input rows.
+// Without vdpbf16ps every row block widens the slab in registers (widened once into an L1 buffer instead,
+// 8 / 16 / 32 / 64 rows ran at 0.74 / 0.78 / 0.91 / 0.93x float32 against 1.11 / 0.94 / 0.88 / 0.87x, 2-core Zen 4
+// built without it).
+void column_range_bf16(const XPairs& x, const BF16& w, float* c, int64_t m, int64_t n0, int64_t n1) {
+  const int64_t pairs = w.k / 2;
+#ifdef JAXCB_DPBF16
+  const bool dp = m > kPairsWiden;
+#else
+  const bool dp = false;
+#endif
+  for (int64_t j = n0; j < n1; j += kNB)
+    for (int64_t p0 = 0; p0 < pairs; p0 += kKB / 2) {
+      const int64_t pn = std::min(kKB / 2, pairs - p0);
+      const uint32_t* b = w.w + ((j / kNB) * pairs + p0) * kNB;
+      const bool first = p0 == 0;
+      int64_t m0 = 0;
+      for (; m0 + kMR <= m; m0 += kMR) pairs_rows<kMR>(x, w, c, m0, p0, pn, j, b, dp, first);
+      switch (m - m0) {
+        case 1: pairs_rows<1>(x, w, c, m0, p0, pn, j, b, dp, first); break;
+        case 2: pairs_rows<2>(x, w, c, m0, p0, pn, j, b, dp, first); break;
+        case 3: pairs_rows<3>(x, w, c, m0, p0, pn, j, b, dp, first); break;
+        case 4: pairs_rows<4>(x, w, c, m0, p0, pn, j, b, dp, first); break;
+        case 5: pairs_rows<5>(x, w, c, m0, p0, pn, j, b, dp, first); break;
+        case 6: pairs_rows<6>(x, w, c, m0, p0, pn, j, b, dp, first); break;
+        case 7: pairs_rows<7>(x, w, c, m0, p0, pn, j, b, dp, first); break;
+        default: break;
+      }
+    }
+}
+
 // range(n0, n1) over the whole kNB-column blocks of an [m, k] @ [k, n] product, shared with the pool in
 // work items of whole blocks, their count a multiple of the threads (at least three per thread, at most
 // 256 columns each unless there are fewer blocks) and their sizes within a block of each other, so that
@@ -602,14 +725,19 @@ ffi::Error F32Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ff
   return ffi::Error::Success();
 }
 
-// bfloat16 weights (the float32 path's sums, each weight widened exactly: half the bytes to read).
+// bfloat16 weights in pair-row blocks [L, N / kNB, K / 2, 2 kNB] (N a multiple of kNB, K even).
 ffi::Error BF16Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::BF16> w,
                     ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> out) {
-  int64_t m, k, n, l;
-  if (auto e = shapes(x.dimensions(), w.dimensions(), 1, layer.typed_data()[0], m, k, n, l); e.failure()) return e;
-  const BF16 view{reinterpret_cast<const uint16_t*>(w.untyped_data()) + static_cast<size_t>(l) * k * n, n,
-                  w.dimensions().size() == 4};
-  run(pool, x.typed_data(), view, out->typed_data(), m, k, n);
+  auto xd = x.dimensions(), wd = w.dimensions();
+  if (xd.size() != 2 || wd.size() != 4 || wd[3] != 2 * kNB || xd[1] != 2 * wd[2])
+    return ffi::Error::InvalidArgument("layer_matmul: x [M, K] and a bfloat16 w [L, N / B, K / 2, 2 B] with B = "
+                                       "kernels_cpu.block_columns()");
+  const int64_t m = xd[0], k = xd[1], n = wd[1] * kNB, l = layer.typed_data()[0];
+  if (l < 0 || l >= wd[0]) return ffi::Error::InvalidArgument("layer_matmul: layer out of range");
+  const BF16 view{reinterpret_cast<const uint32_t*>(w.untyped_data()) + static_cast<size_t>(l) * (k / 2) * n, k, n};
+  const XPairs xr = round_rows(x.typed_data(), m, k);
+  float* c = out->typed_data();
+  whole_columns(pool, m, k, n, [&](int64_t n0, int64_t n1) { column_range_bf16(xr, view, c, m, n0, n1); });
   return ffi::Error::Success();
 }
 
@@ -672,7 +800,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcbLayerMatmulBF16, BF16Impl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()   // x [M, K]
-                                  .Arg<ffi::Buffer<ffi::BF16>>()  // w [L, K, N], or blocked [L, N / kNB, K, kNB]
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // w [L, N / kNB, K / 2, 2 kNB]
                                   .Arg<ffi::Buffer<ffi::S32>>()   // layer []
                                   .Ret<ffi::Buffer<ffi::F32>>());  // out [M, N]
 

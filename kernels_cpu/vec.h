@@ -1,6 +1,6 @@
 // Shared by the native CPU kernels: 16-float vectors through GCC's vector extensions (AVX-512 registers
 // where the build has them, two AVX2 or four SSE registers elsewhere), loaded and stored unaligned, and
-// the widening loads of the narrow formats (16 int8, 16 unsigned 4-bit values, 16 float16 or bfloat16) written
+// the widening loads of the quantized formats (16 int8, 16 unsigned 4-bit values, 16 float16) written
 // with the ISA's conversion instructions: GCC 12 turns __builtin_convertvector on bytes into one scalar
 // conversion per lane.
 #pragma once
@@ -36,10 +36,6 @@ inline vf from_u8(__m128i b) { return reinterpret_cast<vf>(_mm512_cvtepi32_ps(_m
 inline vf from_f16(const uint16_t* p) {
   return reinterpret_cast<vf>(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))));
 }
-inline vf from_bf16(const uint16_t* p) {  // a bfloat16 is a float32's top half
-  return reinterpret_cast<vf>(
-      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
-}
 #elif defined(__AVX2__) && defined(__F16C__)
 inline vf join(__m256 lo, __m256 hi) {
   vf r;
@@ -56,12 +52,6 @@ inline vf from_u8(__m128i b) {
 inline vf from_f16(const uint16_t* p) {
   return join(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
               _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8))));
-}
-inline vf from_bf16(const uint16_t* p) {
-  const auto eight = [](const uint16_t* q) {
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q))), 16));
-  };
-  return join(eight(p), eight(p + 8));
 }
 #else
 #define JAXCB_SCALAR_CONVERSIONS 1
@@ -85,16 +75,6 @@ inline vf load_f16(const uint16_t* p) {
   }
   return r;
 }
-inline vf load_bf16(const uint16_t* p) {
-  vf r;
-  for (int i = 0; i < kLanes; ++i) {
-    const uint32_t bits = static_cast<uint32_t>(p[i]) << 16;
-    float f;
-    std::memcpy(&f, &bits, 4);
-    r[i] = f;
-  }
-  return r;
-}
 #else
 // 16 int8 values as floats.
 inline vf load_i8(const int8_t* p) { return from_i8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
@@ -107,8 +87,6 @@ inline void load_u4(const uint8_t* p, vf& lo, vf& hi) {
 }
 // 16 float16 values as floats.
 inline vf load_f16(const uint16_t* p) { return from_f16(p); }
-// 16 bfloat16 values as floats.
-inline vf load_bf16(const uint16_t* p) { return from_bf16(p); }
 #endif
 
 }  // namespace jaxcb

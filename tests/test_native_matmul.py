@@ -56,29 +56,37 @@ def test_blocked_float32_stacks_give_the_matrix_product(m, k, n):
                                    atol=1e-4 * np.sqrt(k))
 
 
-@pytest.mark.parametrize("m,k,n", [(1, 130, 64), (3, 5, 31), (4, 576, 192), (8, 257, 96), (33, 300, 70),
-                                   (544, 64, 96)])
-def test_bfloat16_stacks_give_the_product_of_their_values(m, k, n):
-    """bfloat16 layer matrices, in place and blocked (where the block divides N), widened exactly as
-    the kernel reads them: x @ w in float32 to its summation order, on every layer; one row, rows around
-    the micro-kernel's 8, reductions across slabs, columns past the last block (the tail loop)."""
+@pytest.mark.parametrize("m,k,n", [(1, 130, 64), (3, 6, 32), (4, 576, 192), (5, 258, 96), (8, 576, 64),
+                                   (33, 300, 96), (544, 64, 96)])
+def test_bfloat16_pair_blocks_give_the_product_of_the_rounded_rows(m, k, n):
+    """bfloat16 layer matrices in pair blocks (kernels_cpu.pair_block) on every layer: x rounded to
+    bfloat16 times the weights, summed in float32. Up to 4 rows the pair lanes are widened in registers,
+    from 5 rows (where the CPU has AVX512_BF16) vdpbf16ps sums them; rows around the micro-kernel's 8,
+    reductions across the 128-row slabs, a last slab of a few pairs; and XLA's reading of one layer's
+    pair blocks (jaxcb.model.quant.dense, pair_unblock) gives the same."""
     import jax
     import jax.numpy as jnp
 
     import kernels_cpu
+    from jaxcb.model.quant import dense
 
     assert kernels_cpu.available(), kernels_cpu.unavailable_reason()
     rng = np.random.default_rng(m + k + n)
     x = rng.standard_normal((m, k)).astype(np.float32)
     w = jnp.asarray(rng.standard_normal((3, k, n)).astype(np.float32)).astype(jnp.bfloat16)
-    stacks = [w] + ([jax.jit(kernels_cpu.block_stack)(w)] if n % kernels_cpu.block_columns() == 0 else [])
+    blocks = jax.jit(kernels_cpu.pair_block)(w)
+    b = kernels_cpu.block_columns()
+    assert blocks.shape == (3, n // b, k // 2, 2 * b) and blocks.dtype == jnp.bfloat16
+    rounded = np.asarray(jnp.asarray(x).astype(jnp.bfloat16).astype(jnp.float32))
+    assert not np.array_equal(rounded, x)  # (the rounding is what the reference below takes)
     f = jax.jit(kernels_cpu.layer_matmul)
-    for stack in stacks:
-        assert stack.dtype == jnp.bfloat16
-        for layer in range(3):
-            want = x @ np.asarray(w[layer].astype(jnp.float32))
-            got = np.asarray(f(jnp.asarray(x), stack, jnp.int32(layer)))
-            np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.sqrt(k))
+    for layer in range(3):
+        want = rounded @ np.asarray(w[layer].astype(jnp.float32))
+        got = np.asarray(f(jnp.asarray(x), blocks, jnp.int32(layer)))
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.sqrt(k))
+        np.testing.assert_allclose(np.asarray(dense(jnp.asarray(x), blocks[layer])), want, rtol=1e-5,
+                                   atol=1e-5 * np.sqrt(k))
+        np.testing.assert_allclose(np.asarray(dense(jnp.asarray(x), w[layer])), want, rtol=1e-5, atol=1e-5 * np.sqrt(k))
 
 
 @pytest.mark.parametrize("bits,group", [(8, 0), (8, 32), (8, 96), (8, 192), (4, 32), (4, 64), (4, 96), (4, 384)])
@@ -148,13 +156,15 @@ def test_the_native_step_with_quantized_weights_gives_the_plain_step_logits(weig
     from jaxcb.model.config import tiny_config
     from jaxcb.model.llama import Attention, forward, params_from_numpy, random_weights
     from jaxcb.model.paged_attention import allocate_kv_pages
-    from jaxcb.model.quant import quantize_weights, with_int8_activations
+    from jaxcb.model.quant import blocked_layers, quantize_weights, with_int8_activations
 
     config = dataclasses.replace(tiny_config(), tie_embeddings=tied)
     stored = {"w8a8": "int8", "w4a8": "int4"}.get(weights, weights)
     params = params_from_numpy(quantize_weights(random_weights(config, seed=2), stored), mode=stored)
     if stored != weights:
         params = with_int8_activations(params)
+    if weights == "bfloat16":  # in pair blocks, as the runner has them where the native matmul reads them
+        params = blocked_layers(params)
     s = 8
     kv = allocate_kv_pages(config.num_layers, config.num_kv_heads, 40, s, config.head_dim, jnp.float32)
     specs = [SeqSpec([5], 12, list(range(4, 6))), SeqSpec(list(range(3, 3 + 19)), 0, list(range(1, 4)))]
@@ -175,7 +185,8 @@ def test_the_native_step_with_quantized_weights_gives_the_plain_step_logits(weig
         assert close.sum() >= len(close) - 1 and np.abs(got - want).max() < 0.05, np.abs(got - want).max(-1)
     text = step.lower(params, kv, batch, config=config, attention=native).as_text()
     if weights == "bfloat16":
-        assert params.layers.w_up.dtype == jnp.bfloat16 and params.embed.dtype == jnp.float32
+        assert params.layers.w_up.dtype == jnp.bfloat16 and params.layers.w_up.ndim == 4
+        assert params.embed.dtype == jnp.float32
         assert "@jaxcb_layer_matmul_bf16(" in text and "@jaxcb_layer_matmul(" not in text
     else:
         assert "jaxcb_layer_matmul_int" in text and (not tied or "jaxcb_rows_matmul_int8" in text)

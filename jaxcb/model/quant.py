@@ -223,28 +223,36 @@ class StackedMatrix:
 
 
 def native_stack(w) -> bool:
-    """Whether the native CPU matmul reads this layer stack in place: float32 or bfloat16 matrices, int8
-    with float32 scales, int4 with float16 scales and offsets (the formats this module writes)."""
+    """Whether the native CPU matmul reads this layer stack in place: float32 matrices, bfloat16 in pair
+    blocks (blocked_layers), int8 with float32 scales, int4 with float16 scales and offsets (the formats
+    this module writes)."""
     if isinstance(w, QuantWeight):
         if w.bits == 8:
             return w.q.dtype == jnp.int8 and w.scale.dtype == jnp.float32
         return w.q.dtype == jnp.uint8 and w.scale.dtype == jnp.float16 and w.offset.dtype == jnp.float16
-    return isinstance(w, jax.Array) and w.dtype in (jnp.float32, jnp.bfloat16)
+    if isinstance(w, jax.Array) and w.dtype == jnp.bfloat16:
+        return w.ndim == 4
+    return isinstance(w, jax.Array) and w.dtype == jnp.float32
 
 
 def blocked_layers(params):
-    """params with each float32 or bfloat16 layer stack [L, K, N] blocked for the native matmul ([L, N / B, K, B],
-    kernels_cpu.block_stack) where B divides N (the others stay as they are), one stack at a time. A
+    """params with each float32 layer stack [L, K, N] blocked for the native matmul ([L, N / B, K, B],
+    kernels_cpu.block_stack) where B divides N, each bfloat16 one in pair blocks ([L, N / B, K / 2, 2 B],
+    kernels_cpu.pair_block) where also K is even (the others stay as they are), one stack at a time. A
     step reads a blocked matrix natively or through XLA (dense)."""
     import kernels_cpu
 
     b = kernels_cpu.block_columns()
-    block = jax.jit(kernels_cpu.block_stack)
+    block, pairs = jax.jit(kernels_cpu.block_stack), jax.jit(kernels_cpu.pair_block)
     layers = params.layers
     for name in MATRICES:
         w = getattr(layers, name)
-        if isinstance(w, jax.Array) and native_stack(w) and w.ndim == 3 and w.shape[2] % b == 0:
+        if not (isinstance(w, jax.Array) and w.ndim == 3 and w.shape[2] % b == 0):
+            continue
+        if w.dtype == jnp.float32:
             layers = dataclasses.replace(layers, **{name: block(w)})
+        elif w.dtype == jnp.bfloat16 and w.shape[1] % 2 == 0:
+            layers = dataclasses.replace(layers, **{name: pairs(w)})
     return dataclasses.replace(params, layers=layers)
 
 
@@ -258,6 +266,11 @@ def dense(x: jax.Array, w) -> jax.Array:
             return kernels_cpu.layer_matmul(x, q.q, w.layer, q.scale, q.offset, act_block=q.act_block).astype(x.dtype)
         return kernels_cpu.layer_matmul(x, w.stack, w.layer).astype(x.dtype)
     if not isinstance(w, QuantWeight):
+        if w.dtype == jnp.bfloat16 and x.dtype != jnp.bfloat16:  # as the native kernel: x rounded, float sums
+            import kernels_cpu
+
+            w = kernels_cpu.pair_unblock(w) if w.ndim == 3 else w
+            return x.astype(jnp.bfloat16).astype(x.dtype) @ w.astype(x.dtype)
         if w.ndim == 3:  # a blocked float32 matrix [N / B, K, B] (kernels_cpu.block_stack), read by XLA
             return jnp.einsum("...k,nkb->...nb", x, w).reshape(*x.shape[:-1], w.shape[0] * w.shape[2])
         return x @ w
