@@ -34,7 +34,7 @@ from bench.common import copy_rate, machine, write_result
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default=None)
-    ap.add_argument("--weights", default="float32", choices=["float32", "int8", "int4", "w8a8", "w4a8"],
+    ap.add_argument("--weights", default="float32", choices=["float32", "bfloat16", "int8", "int4", "w8a8", "w4a8"],
                     help="the layer matrices' storage (jaxcb.model.quant); w8a8 / w4a8: int8 / int4 with int8 "
                          "activations")
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 32])

@@ -3,8 +3,8 @@
 `ragged_attention(...)` is `jaxcb.model.paged_attention.ragged_attention` (its oracle) for a packed step:
 every sequence's new tokens (decode rows and prefill chunks) over its own paged keys and values, causal,
 in one pass over each page per block of queries (paged_attention.cc).
-`layer_matmul(x, w, layer, scale, offset)` is x @ w[layer] for weights stacked over layers (float32, or
-int8 / int4 with their scales as jaxcb.model.quant stores them), read in place inside the layer scan
+`layer_matmul(x, w, layer, scale, offset)` is x @ w[layer] for weights stacked over layers (float32,
+bfloat16 in pair blocks, or int8 / int4 with their scales as jaxcb.model.quant stores them), read in place inside the layer scan
 (matmul.cc), where XLA would copy (and dequantize) the layer's matrix out of the stack first.
 `rows_matmul(x, rows, scale)` is x @ rows.T for the tied output head (the embedding table, float32 or int8
 with a scale per group of each row), without the dequantized copy of the table XLA makes (head.cc).
