@@ -117,7 +117,7 @@ def engine_run(name, model_config, params, tokenizer, eos, requests, quick) -> d
     result.pop("step_log")  # per-step records: the roofline's input, not a figure
     step = decode_steps(engine, model_config, params, quick)
     del engine
-    return {"model": name, "dtype": str(jnp.dtype(params.embed.dtype)), "warmup_shapes": shapes,
+    return {"model": name, "dtype": str(jnp.dtype(params.compute_dtype)), "warmup_shapes": shapes,
             "warmup_s": round(warmup_s, 1), "requests": requests, **result, **step}
 
 

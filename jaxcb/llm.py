@@ -117,8 +117,8 @@ def load_draft(spec, target_config, target_params, dtype=None):
     if mode in ("float32", "bfloat16"):
         dtype = jnp.dtype(mode)
     if spec.draft_model:
-        params = load_model(spec.draft_model, dtype or target_params.embed.dtype, weights=mode)[1]
-    elif mode == "auto" or (mode in ("float32", "bfloat16") and jnp.dtype(mode) == target_params.embed.dtype
+        params = load_model(spec.draft_model, dtype or target_params.compute_dtype, weights=mode)[1]
+    elif mode == "auto" or (mode in ("float32", "bfloat16") and jnp.dtype(mode) == target_params.compute_dtype
                             and not is_quantized(target_params.layers.wq)):
         params = target_params
     elif is_quantized(target_params.layers.wq):
@@ -128,7 +128,7 @@ def load_draft(spec, target_config, target_params, dtype=None):
         layer_names = LayerParams.__dataclass_fields__
         weights = {name: np.asarray(a[:n] if name in layer_names else a)
                    for name, a in params_to_weights(target_params).items()}
-        return config, params_from_numpy(weights, dtype or target_params.embed.dtype, mode)
+        return config, params_from_numpy(weights, dtype or target_params.compute_dtype, mode)
     if n < jax.tree.leaves(params.layers)[0].shape[0]:
         params = params.replace(layers=jax.tree.map(lambda a: a[:n], params.layers))
     return config, params
@@ -201,10 +201,10 @@ def build_engines(model: str | None = None, config: EngineConfig | str | None = 
     draft = load_draft(spec, model_config, params, compute_dtype(config, dtype)) if drafting else None
     load_seconds = time.perf_counter() - t0
     # The plan stands if the weights came in the dtype it assumed (a checkpoint may bring its own).
-    if plans and jnp.dtype(params.embed.dtype) == compute_dtype(config, dtype):
+    if plans and jnp.dtype(params.compute_dtype) == compute_dtype(config, dtype):
         plan = plans[0]
     else:
-        plan = plan_memory(model_config, config, params.embed.dtype, draft=draft and draft[0])
+        plan = plan_memory(model_config, config, params.compute_dtype, draft=draft and draft[0])
     if agree_plan is not None:
         plan = agree_plan(plan)
     engines = []

@@ -6,8 +6,8 @@ in one pass over each page per block of queries (paged_attention.cc).
 `layer_matmul(x, w, layer, scale, offset)` is x @ w[layer] for weights stacked over layers (float32,
 bfloat16 in pair blocks, or int8 / int4 with their scales as jaxcb.model.quant stores them), read in place inside the layer scan
 (matmul.cc), where XLA would copy (and dequantize) the layer's matrix out of the stack first.
-`rows_matmul(x, rows, scale)` is x @ rows.T for the tied output head (the embedding table, float32 or int8
-with a scale per group of each row), without the dequantized copy of the table XLA makes (head.cc).
+`rows_matmul(x, rows, scale)` is x @ rows.T for the tied output head (the embedding table, float32,
+bfloat16 or int8 with a scale per group of each row), without the dequantized copy of the table XLA makes (head.cc).
 `available()` builds the library on first use (kernels_cpu.build) and registers it with XLA; where it
 cannot be built it is False and the engine keeps the plain-JAX attention, which is also the oracle.
 """
@@ -26,6 +26,7 @@ MATMUL_TARGETS = {"float32": ("jaxcb_layer_matmul", "JaxcbLayerMatmul"),
                   "int8": ("jaxcb_layer_matmul_int8", "JaxcbLayerMatmulInt8"),
                   "uint8": ("jaxcb_layer_matmul_int4", "JaxcbLayerMatmulInt4")}  # by the stack's dtype
 ROWS_TARGETS = {"float32": ("jaxcb_rows_matmul", "JaxcbRowsMatmul"),
+                "bfloat16": ("jaxcb_rows_matmul_bf16", "JaxcbRowsMatmulBF16"),
                 "int8": ("jaxcb_rows_matmul_int8", "JaxcbRowsMatmulInt8")}  # by the rows' dtype
 
 
@@ -150,8 +151,8 @@ def layer_matmul(x, w, layer, scale=None, offset=None, act_block=0):
 
 
 def rows_matmul(x, rows, scale=None):
-    """x [M, E] float32 @ rows [V, E]^T -> [M, V] float32: rows float32, or int8 with `scale` float32
-    [V, G] (a scale per E/G values of each row)."""
+    """x [M, E] float32 @ rows [V, E]^T -> [M, V] float32: rows float32, bfloat16 (each value widened
+    exactly, float32 sums), or int8 with `scale` float32 [V, G] (a scale per E/G values of each row)."""
     import jax
     import jax.numpy as jnp
 

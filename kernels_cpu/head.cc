@@ -1,6 +1,6 @@
-// The output head as the tied embedding stores it: out [M, V] = x [M, E] @ rows [V, E]^T, the rows float32
-// or int8 with a scale per E/G values of each row (jaxcb.model.quant.QuantRows), called from the step
-// through XLA's FFI.
+// The output head as the tied embedding stores it: out [M, V] = x [M, E] @ rows [V, E]^T, the rows float32,
+// bfloat16 or int8 with a scale per E/G values of each row (jaxcb.model.quant.QuantRows), called from the
+// step through XLA's FFI.
 //
 // Why: for int8 rows XLA:CPU dequantizes the whole [V, E] table to float32 every step before its dot
 // (at SmolLM2's 49,152 x 576, 28 M values written and read again: a third of a 32-row step's matmul
@@ -17,6 +17,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
 #include <vector>
 
@@ -41,7 +42,8 @@ using jaxcb::vload;
 // order. Blocks of 4 rows read 4 interleaved runs 2,304 bytes apart, which the prefetchers follow worse:
 // SmolLM2's head at 1 / 2 / 3 / 4 / 6 rows took 3.48 / 4.15 / 4.12 / 4.36 / 4.77 ms with them, 2.77 / 2.81 /
 // 3.38 / 4.23 / 4.18 ms one row at a time (XLA's dot: 2.73 / 5.93 / 6.51 / 6.76 / 7.26; 2-core Zen 4), 3%
-// slower at 8. An int8 row is a quarter as long and widened as it is read: its blocks stay.
+// slower at 8. An int8 row is a quarter as long and widened as it is read: its blocks stay. A bfloat16
+// row goes one at a time too (1 / 4 rows of x: 3.03 / 3.38 ms in blocks, 1.66 / 2.39 one at a time).
 constexpr int64_t kNarrow = HEAD_NARROW;
 constexpr int kVB = HEAD_VB;  // vocabulary rows per block with more rows of x
 constexpr int kMB = 4;      // rows of x per block
@@ -49,14 +51,26 @@ constexpr int64_t kItem = 256;  // vocabulary rows per work item
 
 using jaxcb::hsum;
 
-// A vocabulary row's 16 values at e as floats: float32 rows as they are, int8 rows times their scale
-// (the 16 values lie in one group: the caller checks that groups are whole vectors).
+// A vocabulary row's 16 values at e as floats: float32 rows as they are, bfloat16 rows widened, int8 rows
+// times their scale (the 16 values lie in one group: the caller checks that groups are whole vectors).
 struct F32Rows {
   const float* w;
   int64_t e;
   inline vf at(int64_t v, int64_t i) const { return vload(w + v * e + i); }
   inline const void* ptr(int64_t v, int64_t i) const { return w + v * e + i; }
   inline float scalar(int64_t v, int64_t i) const { return w[v * e + i]; }
+};
+struct BF16Rows {  // bfloat16 bits, widened exactly
+  const uint16_t* w;
+  int64_t e;
+  inline vf at(int64_t v, int64_t i) const { return jaxcb::load_bf16(w + v * e + i); }
+  inline const void* ptr(int64_t v, int64_t i) const { return w + v * e + i; }
+  inline float scalar(int64_t v, int64_t i) const {
+    const uint32_t bits = static_cast<uint32_t>(w[v * e + i]) << 16;
+    float f;
+    std::memcpy(&f, &bits, 4);
+    return f;
+  }
 };
 struct Q8Rows {
   const int8_t* q;
@@ -185,7 +199,7 @@ void run(ffi::ThreadPool& pool, const float* x, const R& w, float* out, int64_t 
     return;
   }
   jaxcb::parallel_for(pool, items, m * nv * e >= (1 << 16), [=, &w](int64_t i) {
-    if (std::is_same_v<R, F32Rows> && m <= kNarrow)
+    if (!std::is_same_v<R, Q8Rows> && m <= kNarrow)
       vocab_range<1>(x, w, out, m, nv, e, e16, i * kItem, std::min(nv, (i + 1) * kItem));
     else
       vocab_range<kVB>(x, w, out, m, nv, e, e16, i * kItem, std::min(nv, (i + 1) * kItem));
@@ -203,6 +217,15 @@ ffi::Error F32Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ff
   if (auto err = check(x.dimensions(), rows.dimensions()); err.failure()) return err;
   const int64_t m = x.dimensions()[0], e = x.dimensions()[1], nv = rows.dimensions()[0];
   run(pool, x.typed_data(), F32Rows{rows.typed_data(), e}, out->typed_data(), m, nv, e, e / kLanes * kLanes);
+  return ffi::Error::Success();
+}
+
+ffi::Error BF16Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::BF16> rows,
+                    ffi::ResultBuffer<ffi::F32> out) {
+  if (auto err = check(x.dimensions(), rows.dimensions()); err.failure()) return err;
+  const int64_t m = x.dimensions()[0], e = x.dimensions()[1], nv = rows.dimensions()[0];
+  run(pool, x.typed_data(), BF16Rows{reinterpret_cast<const uint16_t*>(rows.untyped_data()), e}, out->typed_data(), m,
+      nv, e, e / kLanes * kLanes);
   return ffi::Error::Success();
 }
 
@@ -228,6 +251,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcbRowsMatmul, F32Impl,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()   // x [M, E]
                                   .Arg<ffi::Buffer<ffi::F32>>()   // rows [V, E]
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // out [M, V]
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcbRowsMatmulBF16, BF16Impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // x [M, E]
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // rows [V, E]
                                   .Ret<ffi::Buffer<ffi::F32>>());  // out [M, V]
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcbRowsMatmulInt8, Q8Impl,

@@ -1,6 +1,6 @@
 // Shared by the native CPU kernels: 16-float vectors through GCC's vector extensions (AVX-512 registers
 // where the build has them, two AVX2 or four SSE registers elsewhere), loaded and stored unaligned, and
-// the widening loads of the quantized formats (16 int8, 16 unsigned 4-bit values, 16 float16) written
+// the widening loads of the narrow formats (16 int8, 16 unsigned 4-bit values, 16 float16 or bfloat16) written
 // with the ISA's conversion instructions: GCC 12 turns __builtin_convertvector on bytes into one scalar
 // conversion per lane.
 #pragma once
@@ -88,5 +88,13 @@ inline void load_u4(const uint8_t* p, vf& lo, vf& hi) {
 // 16 float16 values as floats.
 inline vf load_f16(const uint16_t* p) { return from_f16(p); }
 #endif
+
+// 16 bfloat16 values as floats (a bfloat16 is a float32's top half: exact).
+inline vf load_bf16(const uint16_t* p) {
+  typedef uint16_t v16 __attribute__((vector_size(32), aligned(2)));
+  typedef uint32_t v32 __attribute__((vector_size(64)));
+  const v32 wide = __builtin_convertvector(*reinterpret_cast<const v16*>(p), v32) << 16;
+  return reinterpret_cast<vf>(wide);
+}
 
 }  // namespace jaxcb

@@ -118,7 +118,7 @@ def test_quantized_layer_matmul_matches_the_dequantized_matrix(bits, group, m, n
                                          (9, 70, 48, 16), (16, 300, 576, 32), (40, 19, 40, 40)])
 def test_rows_matmul_matches_numpy(m, v, e, group):
     """The tied head over an int8 embedding (a scale per group of each row, groups that are whole
-    vectors, a whole row, or smaller than a vector) and a float32 one: x @ rows.T, with rows past the
+    vectors, a whole row, or smaller than a vector), a float32 one and a bfloat16 one: x @ rows.T, with rows past the
     4-row blocks and rows of x past the 4-row blocks (a float32 table one row at a time up to 6 rows of
     x); from 16 rows of x the tiled path (rows of x padded to whole vectors, vocabulary rows past the 8-row
     tiles and past a 256-row work item)."""
@@ -137,6 +137,9 @@ def test_rows_matmul_matches_numpy(m, v, e, group):
     np.testing.assert_allclose(got, x @ dense.T, rtol=1e-4, atol=1e-4 * np.sqrt(e))
     got = np.asarray(jax.jit(kernels_cpu.rows_matmul)(jnp.asarray(x), jnp.asarray(w)))
     np.testing.assert_allclose(got, x @ w.T, rtol=1e-4, atol=1e-4 * np.sqrt(e))
+    narrow = jnp.asarray(w).astype(jnp.bfloat16)  # widened exactly: the product of its values
+    got = np.asarray(jax.jit(kernels_cpu.rows_matmul)(jnp.asarray(x), narrow))
+    np.testing.assert_allclose(got, x @ np.asarray(narrow.astype(jnp.float32)).T, rtol=1e-4, atol=1e-4 * np.sqrt(e))
 
 
 @pytest.mark.parametrize("weights,tied", [("int8", True), ("int8", False), ("int4", True), ("w8a8", True),
@@ -186,8 +189,9 @@ def test_the_native_step_with_quantized_weights_gives_the_plain_step_logits(weig
     text = step.lower(params, kv, batch, config=config, attention=native).as_text()
     if weights == "bfloat16":
         assert params.layers.w_up.dtype == jnp.bfloat16 and params.layers.w_up.ndim == 4
-        assert params.embed.dtype == jnp.float32
+        assert params.embed.dtype == jnp.bfloat16 and params.compute_dtype == jnp.float32
         assert "@jaxcb_layer_matmul_bf16(" in text and "@jaxcb_layer_matmul(" not in text
+        assert "@jaxcb_rows_matmul_bf16(" in text
     else:
         assert "jaxcb_layer_matmul_int" in text and (not tied or "jaxcb_rows_matmul_int8" in text)
 

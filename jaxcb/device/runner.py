@@ -212,7 +212,7 @@ def make_runner(model_config: ModelConfig, params: Params, config, dtype=None, p
     """(ModelRunner, config with num_pages resolved): the memory plan (`plan`, if already made for
     these weights' dtype), then the KV pages. `devices`: where this runner lives (a data-parallel
     replica's share); default the first `tensor_parallel` devices, or the default device."""
-    plan = plan or plan_memory(model_config, config, dtype or params.embed.dtype)
+    plan = plan or plan_memory(model_config, config, dtype or params.compute_dtype)
     if plan.num_pages != config.num_pages:
         config = config.replace(num_pages=plan.num_pages)
     mesh = None
@@ -305,7 +305,7 @@ class ModelRunner(Runner):
                          "device", tensor, config.num_kv_heads, self.kv_replication)
             config, params = parallel.replicate_kv_heads(config, params, tensor)
         self.step_config = config  # the layout the step runs (KV heads replicated onto the mesh if needed)
-        self.dtype = dtype or params.embed.dtype
+        self.dtype = dtype or params.compute_dtype
         # The KV pages' dtype: the compute dtype, or cache.kv_dtype (int8: values and a scale per
         # token and head, jaxcb.model.paged_attention.quantize_kv).
         self.kv_dtype = jnp.dtype(kv_dtype or self.dtype)

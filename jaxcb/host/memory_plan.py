@@ -212,8 +212,8 @@ def kv_slot_bytes(head_dim: int, kv_dtype: str, dtype_bytes: int) -> int:
 
 def weight_bytes(c, mode: str, dtype_bytes: int, group: int = 0) -> int:
     """Bytes of a model's (a ModelConfig's) weights stored in `mode` (jaxcb.model.quant): "auto"
-    `dtype_bytes` a value, float32 four bytes; bfloat16 two bytes a value of the layers' matrices, the
-    rest `dtype_bytes`; int8 one byte a value of every matrix and the
+    `dtype_bytes` a value, float32 four bytes; bfloat16 two bytes a value of the layers' matrices and
+    the embedding, the rest `dtype_bytes`; int8 one byte a value of every matrix and the
     embedding, plus a scale (`dtype_bytes`) per output column or per `group` values of one, and per
     32 values of an embedding row; int4 half a byte a value of the layers' matrices plus a float16 scale and offset per
     `group` (default 32) values, the embedding and head as in int8. Norms and biases in `dtype_bytes`."""
@@ -221,8 +221,9 @@ def weight_bytes(c, mode: str, dtype_bytes: int, group: int = 0) -> int:
     # the layers' matrices [in, out] (= jaxcb.model.quant.MATRICES; this module imports no JAX)
     shapes = [c.weight_shapes()[n][1:] for n in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")]
     values = layers * sum(i * o for i, o in shapes)
-    if mode == "bfloat16":  # the matrices; the rest in the compute dtype (float32 on the CPU)
-        return int(values * 2 + (c.num_params - values) * dtype_bytes)
+    if mode == "bfloat16":  # the matrices and the embedding; the rest in the compute dtype (float32 on the CPU)
+        embed = c.vocab_size * e
+        return int((values + embed) * 2 + (c.num_params - values - embed) * dtype_bytes)
     if mode not in ("int8", "int4"):
         return c.num_params * {"float32": 4}.get(mode, dtype_bytes)
     if mode == "int8":

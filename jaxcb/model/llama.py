@@ -80,6 +80,12 @@ class Params:
     lm_head: jax.Array | None  # [E, V], None when tied to the embedding
     layers: LayerParams
 
+    @property
+    def compute_dtype(self):
+        """The dtype the weights were made to compute in: their norms' (the matrices and the embedding may
+        be stored narrower: quantized, or bfloat16 under float32 on the CPU)."""
+        return self.final_norm.dtype
+
 
 def register_pytree(cls):
     """Make a host-side batch type (a plain dataclass, no JAX) a pytree of arrays; once per type."""
@@ -94,8 +100,9 @@ register_pytree(WindowPages)
 def params_from_numpy(weights: dict[str, np.ndarray], dtype=jnp.float32, mode: str = "auto", group: int = 0) -> Params:
     """Params on the default device from the loader's weights: float arrays in `dtype` (the compute
     dtype), the matrices quantized first when `mode` is "int8" or "int4" (jaxcb.model.quant, `group`
-    input rows per scale; int8 scales in `dtype`, int4's float16), or stored in bfloat16 when `mode` is
-    "bfloat16" (under a float32 compute dtype: the CPU's, jaxcb.device.runner.compute_dtype). Weights
+    input rows per scale; int8 scales in `dtype`, int4's float16), or, with the embedding, stored in
+    bfloat16 when `mode` is "bfloat16" (under a float32 compute dtype: the CPU's,
+    jaxcb.device.runner.compute_dtype). Weights
     that are already quantized (a converted checkpoint) stay as they are."""
     weights = quantize_weights(weights, mode, group)
 
@@ -107,7 +114,7 @@ def params_from_numpy(weights: dict[str, np.ndarray], dtype=jnp.float32, mode: s
             if w.bits == 4:
                 return w.replace(q=jnp.asarray(w.q), scale=jnp.asarray(w.scale), offset=jnp.asarray(w.offset))
             return w.replace(q=jnp.asarray(w.q), scale=jnp.asarray(w.scale, dtype=dtype))
-        if mode == "bfloat16" and name in MATRICES:
+        if mode == "bfloat16" and (name in MATRICES or name == "embed"):
             return jnp.asarray(w, dtype=jnp.bfloat16)
         return jnp.asarray(w, dtype=dtype)
 

@@ -288,7 +288,7 @@ def embed_rows(embed, ids: jax.Array, dtype) -> jax.Array:
     """The embedding rows of `ids` [T] -> [T, E] in `dtype`."""
     if isinstance(embed, QuantRows):
         return _rows(embed, embed.q[ids], embed.scale[ids], dtype)
-    return embed[ids]
+    return embed[ids].astype(dtype)
 
 
 # A float32 tied head goes through the native kernel up to this many rows (XLA's dot against the
@@ -305,14 +305,15 @@ def head_logits(last: jax.Array, embed, lm_head, native: bool = False) -> jax.Ar
     """Logits [M, V] in float32 from the final hidden states: the untied head, else the embedding's
     transpose. `native`: an int8 head through the native CPU kernels, which widen each value as they
     read it (kernels_cpu.rows_matmul for the tied embedding, layer_matmul for an untied head as a
-    one-layer stack) where XLA dequantizes the whole table first; a float32 tied embedding for up to
-    NATIVE_F32_HEAD_ROWS rows, read in place of XLA's dot against its transpose."""
+    one-layer stack) where XLA dequantizes the whole table first; a bfloat16 tied embedding (widened as
+    it is read, as XLA would widen the whole table), and a float32 one for up to NATIVE_F32_HEAD_ROWS
+    rows, read in place of XLA's dot against its transpose."""
     if native and lm_head is None and isinstance(embed, QuantRows) and embed.scale.dtype == jnp.float32:
         import kernels_cpu
 
         return kernels_cpu.rows_matmul(last, embed.q, embed.scale)
-    if (native and lm_head is None and not isinstance(embed, QuantRows) and embed.dtype == jnp.float32
-            and last.shape[0] <= NATIVE_F32_HEAD_ROWS):
+    if (native and lm_head is None and not isinstance(embed, QuantRows)
+            and (embed.dtype == jnp.bfloat16 or embed.dtype == jnp.float32 and last.shape[0] <= NATIVE_F32_HEAD_ROWS)):
         import kernels_cpu
 
         return kernels_cpu.rows_matmul(last, embed)
