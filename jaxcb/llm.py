@@ -115,11 +115,13 @@ def load_draft(spec, target_config, target_params, dtype=None):
     n = config.num_layers
     mode = spec.draft_weights
     if mode in ("float32", "bfloat16"):
-        dtype = jnp.dtype(mode)
+        from jaxcb.device.runner import float_weights_dtype
+
+        dtype = float_weights_dtype(mode)
     if spec.draft_model:
         params = load_model(spec.draft_model, dtype or target_params.compute_dtype, weights=mode)[1]
-    elif mode == "auto" or (mode in ("float32", "bfloat16") and jnp.dtype(mode) == target_params.compute_dtype
-                            and not is_quantized(target_params.layers.wq)):
+    elif mode == "auto" or (mode in ("float32", "bfloat16") and not is_quantized(target_params.layers.wq)
+                            and target_params.layers.wq.dtype == jnp.dtype(mode)):  # stored as the draft would be
         params = target_params
     elif is_quantized(target_params.layers.wq):
         raise InvalidConfig(f"speculative.draft_weights: {mode!r} needs the target's weights in float, and they are "

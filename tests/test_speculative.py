@@ -476,18 +476,20 @@ def test_the_memory_plan_counts_the_drafts_weights_and_kv(tiny_gguf_path, capsys
     assert "draft model" in out and "1 of its layers" in out and "of which the draft model's" in out
 
 
-@pytest.mark.parametrize("draft_weights", ["int8", "int4"])
+@pytest.mark.parametrize("draft_weights", ["int8", "int4", "bfloat16"])
 def test_a_quantized_draft_of_the_target_proposes_well(make_llm, draft_weights):
-    """The target's own layers in int8 (or int4) as its draft: most greedy proposals hold."""
+    """The target's own layers in int8, int4 or bfloat16 as its draft: most greedy proposals hold (a
+    bfloat16 draft computes in float32 on the CPU, as a bfloat16 target does)."""
     spec_config = SpeculativeConfig("draft", num_tokens=4, adaptive=False, draft_weights=draft_weights)
     base, spec = both(make_llm, spec_config)
     prompts = repetitive_prompts(base.model_config.vocab_size, (7, 25, 40), seed=11)
     params = SamplingParams(max_tokens=30, ignore_eos=True)
     assert [o.token_ids for o in spec.generate(prompts, params)] == [o.token_ids for o in base.generate(prompts, params)]
     assert spec.engine.draft_runner.describe()["weights"] == draft_weights
+    assert spec.engine.draft_runner.describe()["compute_dtype"] == "float32"
     # the tiny random model's near-ties make its int4 copy a weaker draft than real models' (0.96 for
     # SmolLM2 in int8); the first layer alone is accepted a few percent of the time
-    assert spec.engine.stats().acceptance_rate > {"int8": 0.7, "int4": 0.3}[draft_weights]
+    assert spec.engine.stats().acceptance_rate > {"int8": 0.7, "int4": 0.3, "bfloat16": 0.7}[draft_weights]
     assert draft_weights in spec.engine.describe_speculation()
 
 

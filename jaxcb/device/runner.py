@@ -181,11 +181,16 @@ def compute_dtype(config, dtype=None):
     if dtype is not None:
         return jnp.dtype(dtype)
     weights = getattr(config, "weights", "auto")
+    if weights in ("float32", "bfloat16"):
+        return float_weights_dtype(weights)
+    return jnp.dtype(default_dtype())
+
+
+def float_weights_dtype(weights: str):
+    """The compute dtype of a float weights mode: its own, but float32 for bfloat16 on the CPU."""
     if weights == "bfloat16" and default_dtype() == jnp.float32:
         return jnp.dtype(jnp.float32)
-    if weights in ("float32", "bfloat16"):
-        return jnp.dtype(weights)
-    return jnp.dtype(default_dtype())
+    return jnp.dtype(weights)
 
 
 def plan_memory(model_config: ModelConfig, config, dtype=None, budget_bytes: int | None = None, draft=None):
