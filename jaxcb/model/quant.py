@@ -1,5 +1,7 @@
 """Quantized weights: int8 per output channel (or in groups) and int4 in groups, dequantized inside
-the step.
+the step. (bfloat16 weights on the CPU, under float32 compute: jaxcb.model.llama.params_from_numpy stores
+the matrices and the embedding so, blocked_layers lays the matrices out for the native matmul, dense and
+head_logits read them.)
 
     [model] weights = "float32" | "bfloat16" | "int8" | "int4"      (--weights)
     [model] weight_group = 0                                         (input rows per scale; 0 = the default)
