@@ -176,8 +176,8 @@ def device_memory_bytes() -> int:
 def compute_dtype(config, dtype=None):
     """The dtype of activations and KV pages: `dtype` (--dtype) if given, else the float mode of
     model.weights, else the backend's default. On the CPU bfloat16 weights compute in float32 (XLA:CPU's
-    bfloat16 dots ran 2.7-3.4x slower than float32; the matrices stay bfloat16, which the native matmul
-    widens as it reads them: half the bytes of float32 to stream, jaxcb.model.llama.params_from_numpy)."""
+    bfloat16 dots ran 2.7-3.4x slower than float32; the matrices and the embedding stay bfloat16, which
+    the native kernels read as they are: half the bytes of float32 to stream, jaxcb.model.llama.params_from_numpy)."""
     if dtype is not None:
         return jnp.dtype(dtype)
     weights = getattr(config, "weights", "auto")
