@@ -490,18 +490,22 @@ inline float round_bf16(float x) {  // to the nearest bfloat16, ties to even (fi
   return r;
 }
 
-// x [m, k] rounded: as floats (the widening path) and as pairs of bfloat16 in 32-bit lanes [m, k / 2].
+// x [m, k] rounded, in the form the call's path reads: as floats (the widening path), or as pairs of
+// bfloat16 in 32-bit lanes [m, k / 2] (vdpbf16ps: `as_pairs`).
 struct XPairs {
   std::vector<float> rounded;
   std::vector<uint32_t> pairs;
 };
-inline XPairs round_rows(const float* a, int64_t m, int64_t k) {
+inline XPairs round_rows(const float* a, int64_t m, int64_t k, bool as_pairs) {
   XPairs x;
-  x.rounded.resize(m * k);
+  if (!as_pairs) {
+    x.rounded.resize(m * k);
+    for (int64_t i = 0; i < m * k; ++i) x.rounded[i] = round_bf16(a[i]);
+    return x;
+  }
   x.pairs.resize(m * k / 2);
-  for (int64_t i = 0; i < m * k; ++i) x.rounded[i] = round_bf16(a[i]);
   for (int64_t i = 0; i < m * k / 2; ++i)
-    x.pairs[i] = (bits_of(x.rounded[2 * i]) >> 16) | (bits_of(x.rounded[2 * i + 1]) & 0xFFFF0000u);
+    x.pairs[i] = (bits_of(round_bf16(a[2 * i])) >> 16) | (bits_of(round_bf16(a[2 * i + 1])) & 0xFFFF0000u);
   return x;
 }
 
@@ -566,6 +570,16 @@ inline void micro_dpbf16(const uint32_t* xp, int64_t ldp, const uint32_t* b, int
 #endif
 constexpr int64_t kPairsWiden = JAXCB_PAIRS_WIDEN;
 
+// Whether vdpbf16ps sums a call's products: the build has it and x has more than kPairsWiden rows.
+inline bool dpbf16_for(int64_t m) {
+#ifdef JAXCB_DPBF16
+  return m > kPairsWiden;
+#else
+  (void)m;
+  return false;
+#endif
+}
+
 template <int R>
 inline void pairs_rows(const XPairs& x, const BF16& w, float* c, int64_t row0, int64_t p0, int64_t pn, int64_t j,
                        const uint32_t* b, bool dp, bool first) {
@@ -582,11 +596,7 @@ inline void pairs_rows(const XPairs& x, const BF16& w, float* c, int64_t row0, i
 // built without it).
 void column_range_bf16(const XPairs& x, const BF16& w, float* c, int64_t m, int64_t n0, int64_t n1) {
   const int64_t pairs = w.k / 2;
-#ifdef JAXCB_DPBF16
-  const bool dp = m > kPairsWiden;
-#else
-  const bool dp = false;
-#endif
+  const bool dp = dpbf16_for(m);
   for (int64_t j = n0; j < n1; j += kNB)
     for (int64_t p0 = 0; p0 < pairs; p0 += kKB / 2) {
       const int64_t pn = std::min(kKB / 2, pairs - p0);
@@ -735,7 +745,7 @@ ffi::Error BF16Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<f
   const int64_t m = xd[0], k = xd[1], n = wd[1] * kNB, l = layer.typed_data()[0];
   if (l < 0 || l >= wd[0]) return ffi::Error::InvalidArgument("layer_matmul: layer out of range");
   const BF16 view{reinterpret_cast<const uint32_t*>(w.untyped_data()) + static_cast<size_t>(l) * (k / 2) * n, k, n};
-  const XPairs xr = round_rows(x.typed_data(), m, k);
+  const XPairs xr = round_rows(x.typed_data(), m, k, dpbf16_for(m));
   float* c = out->typed_data();
   whole_columns(pool, m, k, n, [&](int64_t n0, int64_t n1) { column_range_bf16(xr, view, c, m, n0, n1); });
   return ffi::Error::Success();
