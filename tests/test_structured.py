@@ -210,3 +210,61 @@ def test_a_constraint_that_compiles_too_long_is_refused_with_the_limit(monkeypat
     with pytest.raises(InvalidRequest, match=r"structured_outputs: compiling the regex took longer than the limit of 0.2 s"):
         asyncio.run(frontend.check_constraint(types.SimpleNamespace(engine=slow), Constraint("regex", "a+")))
     assert time.monotonic() - t0 < 5
+
+
+def test_objects_that_list_their_properties_get_no_others_unless_the_schema_allows_them():
+    """A schema's objects are closed to keys they do not list (as vLLM's and SGLang's default backend
+    reads them; a small model otherwise adds keys until its tokens run out), except where the schema
+    allows others or closing could refuse what it allows (intersections, keys required or counted
+    beyond the listed ones). Whatever comes out still validates against the schema as given."""
+    from jaxcb.host.structured import Grammars, closed_objects
+    from jaxcb.host.tokenizer import Tokenizer
+    from jaxcb.model import gguf_loader
+    from jaxcb.model.embedded import resolve_model
+
+    point = {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}
+    schema = {"$defs": {"pt": point, "base": {"properties": {"a": {"type": "integer"}}}},
+              "type": "object", "properties": {
+                  "p": {"$ref": "#/$defs/pt"},
+                  "both": {"allOf": [{"$ref": "#/$defs/base"}, {"properties": {"b": {"type": "integer"}}}]},
+                  "list": {"type": "array", "items": point},
+                  "more": {"properties": {"z": {}}, "required": ["y"]},
+                  "open": {"properties": {"z": {}}, "additionalProperties": True},
+                  "maybe": {"anyOf": [point, {"type": "null"}]}}}
+    closed = closed_objects(schema)
+    assert schema["$defs"]["pt"] == point and "additionalProperties" not in point  # the input is not changed
+    assert closed["additionalProperties"] is False
+    assert closed["$defs"]["pt"]["additionalProperties"] is False  # used by $ref alone: closed
+    assert "additionalProperties" not in closed["$defs"]["base"]  # intersected through allOf: open
+    assert all("additionalProperties" not in s for s in closed["properties"]["both"]["allOf"])
+    assert closed["properties"]["list"]["items"]["additionalProperties"] is False
+    assert "additionalProperties" not in closed["properties"]["more"]  # requires y, which it does not list
+    assert closed["properties"]["open"]["additionalProperties"] is True
+    assert closed["properties"]["maybe"]["anyOf"][0]["additionalProperties"] is False
+    assert closed_objects({"type": "object"}) == {"type": "object"}  # any object stays any object
+    assert closed_objects(True) is True
+
+    reader = gguf_loader.open_reader(resolve_model("smollm2-135m"))  # the tokenizer alone, no weights
+    cfg, tok = gguf_loader.read_config(reader), Tokenizer(gguf_loader.read_tokenizer(reader))
+    g = Grammars(tok, cfg.vocab_size, [tok.eos_id])
+
+    def accepts(s, text: str) -> bool:
+        m = g.matcher(s if isinstance(s, Constraint) else Constraint.json_schema(s))
+        ids = tok.encode(text)
+        if ids and ids[0] == tok.bos_id:
+            ids = ids[1:]
+        return m.try_consume_tokens(ids) == len(ids) and m.is_accepting()
+
+    assert accepts(schema, '{"p":{"x":1},"both":{"a":1,"b":2,"c":3},"more":{"y":1},"open":{"w":1},"maybe":null}')
+    assert not accepts(schema, '{"p":{"x":1},"q":2}')  # a key the top level does not list
+    assert not accepts(schema, '{"p":{"x":1,"y":2}}')  # nor its $ref'd object
+    assert not accepts(schema, '{"list":[{"x":1,"w":2}]}')
+    assert accepts({"type": "object"}, '{"anything":[1]}')
+    # A tool's parameters, in the tool-call grammar of tool_choice "required", likewise.
+    from serve import tool_calls
+
+    tools = tool_calls.parse_tools({"tools": [{"type": "function", "function": {"name": "f", "parameters": point}}],
+                                    "tool_choice": "required"})
+    call = tool_calls.OPEN + '{"name":"f","arguments":%s}' + tool_calls.CLOSE
+    assert accepts(tool_calls.constraint(tools), call % '{"x":1}')
+    assert not accepts(tool_calls.constraint(tools), call % '{"x":1,"y":2}')

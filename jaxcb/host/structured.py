@@ -94,7 +94,7 @@ class Constraint:
                 if not isinstance(schema, (dict, bool)):
                     raise ValueError("a JSON schema is an object")
                 return llguidance.LLMatcher.grammar_from_json_schema(
-                    schema, defaults={"whitespace_flexible": False})
+                    closed_objects(schema), defaults={"whitespace_flexible": False})
             if self.kind == "regex":  # \d, \w as ASCII classes (as JSON schema patterns read them)
                 return llguidance.LLMatcher.grammar_from_lark(
                     f"start: /{llguidance.regex_to_lark(self.spec, ASCII_CLASSES)}/")
@@ -103,6 +103,88 @@ class Constraint:
             return llguidance.grammar_from("grammar", self.spec)
         except (ValueError, TypeError, RecursionError) as e:
             raise InvalidRequest(f"{self.field}: not a valid {self.kind} ({_first_line(e)})") from None
+
+
+# Keywords whose values are schemas (one, a map of them, a list of them), as closed_objects walks them.
+_ONE_SCHEMA = ("additionalProperties", "items", "additionalItems", "contains", "not", "if", "then", "else",
+               "propertyNames", "unevaluatedProperties", "unevaluatedItems")
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems", "items")
+# Keywords that say nothing about an instance: a schema with only these beside a combinator is the combinator.
+_ANNOTATIONS = {"title", "description", "$comment", "$schema", "$id", "$anchor", "examples", "default",
+                "deprecated", "readOnly", "writeOnly", "$defs", "definitions", "x-guidance"}
+
+
+def closed_objects(schema):
+    """`schema` with every object that lists its properties and says nothing of others closed to them
+    (additionalProperties: false), as vLLM's and SGLang's default grammar backend (xgrammar's strict
+    mode) and OpenAI's strict schemas read them: a small model asked for {name, age} otherwise goes on
+    with keys of its own until its tokens run out. An object stays as JSON Schema reads it where closing
+    it could refuse what the schema allows: it says additionalProperties, patternProperties or
+    unevaluatedProperties itself, requires or counts keys beyond its properties, or is intersected with
+    another schema (allOf's members, a $ref or a combinator with sibling keywords, if/then/else,
+    dependentSchemas), as is a $defs entry that some $ref intersects. Returns a new schema."""
+    if not isinstance(schema, dict):
+        return schema
+    intersected: set[str] = set()  # the $ref targets that are intersected somewhere
+
+    def find(node, inside: bool) -> None:
+        if isinstance(node, list):
+            for x in node:
+                find(x, inside)
+            return
+        if not isinstance(node, dict):
+            return
+        ref = node.get("$ref")
+        if isinstance(ref, str) and (inside or set(node) - _ANNOTATIONS - {"$ref"}):
+            intersected.add(ref)
+        for key, value in node.items():
+            if key in ("allOf", "if", "then", "else"):
+                find(value, True)
+            elif key in ("anyOf", "oneOf"):
+                find(value, bool(set(node) - _ANNOTATIONS - {key}))
+            elif key in _SCHEMA_MAPS and isinstance(value, dict):
+                find(list(value.values()), key == "dependentSchemas")
+            elif key in _ONE_SCHEMA or key in _SCHEMA_LISTS:
+                find(value, False)
+
+    def close(node, pointer: str, inside: bool):
+        if isinstance(node, list):
+            return [close(x, f"{pointer}/{i}", inside) for i, x in enumerate(node)]
+        if not isinstance(node, dict):
+            return node
+        out = {}
+        combined = set(node) - _ANNOTATIONS
+        for key, value in node.items():
+            if key in ("allOf", "if", "then", "else"):
+                out[key] = close(value, f"{pointer}/{key}", True)
+            elif key in ("anyOf", "oneOf"):
+                out[key] = close(value, f"{pointer}/{key}", bool(combined - {key}))
+            elif key in _SCHEMA_MAPS and isinstance(value, dict):
+                out[key] = {k: close(v, f"{pointer}/{key}/{_escape(k)}", key == "dependentSchemas")
+                            for k, v in value.items()}
+            elif key in _ONE_SCHEMA or key in _SCHEMA_LISTS:
+                out[key] = close(value, f"{pointer}/{key}", False)
+            else:
+                out[key] = value
+        props = node.get("properties")
+        required = node.get("required", [])
+        if (isinstance(props, dict) and not inside and pointer not in intersected
+                and not combined & {"additionalProperties", "patternProperties", "unevaluatedProperties",
+                                    "allOf", "anyOf", "oneOf", "$ref", "if", "then", "else", "not",
+                                    "dependentSchemas", "dependentRequired", "propertyNames"}
+                and isinstance(required, list) and all(name in props for name in required)
+                and not (isinstance(node.get("minProperties"), int) and node["minProperties"] > len(props))):
+            out["additionalProperties"] = False
+        return out
+
+    find(schema, False)
+    return close(schema, "#", False)
+
+
+def _escape(key: str) -> str:
+    """A key as a JSON pointer spells it."""
+    return key.replace("~", "~0").replace("/", "~1")
 
 
 # The JSON shapes clients send (the OpenAI HTTP API, `jaxcb generate --input` lines): vLLM's
