@@ -40,8 +40,8 @@ SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty
 
 
 def build_request(prompt=None, *, messages=None, token_ids=None, chat: bool = False, max_tokens: int = 64,
-                  stop=(), stop_token_ids=(), ignore_eos=False, priority=0, request_id="", logprobs=0, n=1,
-                  cache_salt="", structured: dict | None = None, lora: str = "", model: str = "",
+                  stop=(), stop_token_ids=(), ignore_eos=False, min_tokens=0, priority=0, request_id="", logprobs=0,
+                  n=1, cache_salt="", structured: dict | None = None, lora: str = "", model: str = "",
                   speculative: bool | None = None, **sampling) -> jaxcb_pb2.GenerateRequest:
     """prompt: text (with chat=True it becomes one user message); or messages; or token_ids.
     structured: one constraint on the output, as {"json_schema": "<schema JSON>"}, {"json_object": True},
@@ -52,8 +52,9 @@ def build_request(prompt=None, *, messages=None, token_ids=None, chat: bool = Fa
     if unknown:
         raise TypeError(f"unknown sampling settings: {', '.join(sorted(unknown))}")
     req = jaxcb_pb2.GenerateRequest(max_tokens=max_tokens, stop=list(stop), stop_token_ids=list(stop_token_ids),
-                                    ignore_eos=ignore_eos, priority=priority, request_id=request_id,
-                                    logprobs=logprobs, n=n, cache_salt=cache_salt, lora=lora, model=model)
+                                    ignore_eos=ignore_eos, min_tokens=min_tokens, priority=priority,
+                                    request_id=request_id, logprobs=logprobs, n=n, cache_salt=cache_salt, lora=lora,
+                                    model=model)
     if speculative is not None:
         req.speculative = speculative
     for kind, value in (structured or {}).items():

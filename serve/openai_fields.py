@@ -19,8 +19,8 @@ from serve import frontend
 HTTP_STATUS = {InvalidRequest: 400, NotFound: 404, Overloaded: 429, Unavailable: 503, Unauthenticated: 401, StepFailed: 500}
 ERROR_TYPE = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error", 413: "invalid_request_error",
          429: "rate_limit_error", 500: "internal_error", 503: "service_unavailable"}
-EXTRAS = {"top_k", "min_p", "repetition_penalty", "ignore_eos", "priority", "cache_salt", "request_id",
-          "structured_outputs", "speculative"}
+EXTRAS = {"top_k", "min_p", "repetition_penalty", "ignore_eos", "min_tokens", "stop_token_ids", "priority",
+          "cache_salt", "request_id", "structured_outputs", "speculative"}
 COMMON_FIELDS = {"model", "stream", "stream_options", "n", "max_tokens", "temperature", "top_p", "presence_penalty",
            "frequency_penalty", "seed", "stop", "user", "logit_bias"}
 COMPLETION_FIELDS = COMMON_FIELDS | EXTRAS | {"prompt", "logprobs", "echo", "suffix", "best_of", "response_format"}
@@ -94,6 +94,12 @@ def sampling_params(body: dict, *, max_tokens: int, logprobs: int) -> SamplingPa
         check_stop_counts(len(stop), 0)
     if isinstance(stop, list) and not all(isinstance(x, str) for x in stop):
         raise bad_request("stop: must be a string or a list of strings")
+    stop_token_ids = body.get("stop_token_ids")
+    if stop_token_ids is not None and not isinstance(stop_token_ids, list):
+        raise bad_request("stop_token_ids: must be a list of token ids")
+    check_stop_counts(0, len(stop_token_ids or ()))
+    if stop_token_ids and not is_token_ids(stop_token_ids):
+        raise bad_request("stop_token_ids: must be a list of token ids")
     ignore_eos = bool_field(body, "ignore_eos", False)
     return SamplingParams(
         max_tokens=max_tokens, temperature=number_field(body, "temperature", 1.0), top_p=number_field(body, "top_p", 1.0),
@@ -101,7 +107,8 @@ def sampling_params(body: dict, *, max_tokens: int, logprobs: int) -> SamplingPa
         repetition_penalty=number_field(body, "repetition_penalty", 1.0),
         presence_penalty=number_field(body, "presence_penalty", 0.0),
         frequency_penalty=number_field(body, "frequency_penalty", 0.0), seed=int_field(body, "seed"),
-        stop=stop or (), ignore_eos=ignore_eos, logprobs=logprobs, n=int_field(body, "n", 1),
+        stop=stop or (), stop_token_ids=stop_token_ids or (), ignore_eos=ignore_eos,
+        min_tokens=int_field(body, "min_tokens", 0), logprobs=logprobs, n=int_field(body, "n", 1),
         structured=constraint_of(body), speculative=bool_field(body, "speculative", True),
         logit_bias=logit_bias_from_json(body.get("logit_bias")))
 

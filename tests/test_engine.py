@@ -3,7 +3,9 @@
 import numpy as np
 import pytest
 
+from jaxcb.host.errors import InvalidRequest
 from jaxcb.host.request import FinishReason, SamplingParams
+from jaxcb.host.structured import Constraint
 
 
 def random_prompts(llm, lengths, seed=0):
@@ -109,6 +111,53 @@ def test_stop_strings_cut_the_text_and_never_stream_it(make_llm):
     assert text == free[:cut]
     assert streamed[-1].finished and streamed[-1].finish_reason == FinishReason.STOP
     assert all(stop not in e.text for e in streamed)
+
+
+def test_min_tokens_holds_back_stop_tokens_and_stop_strings_until_then(make_llm):
+    """vLLM's min_tokens: before a sample has that many tokens it cannot sample a stop (or end-of-sequence)
+    token, and a stop string does not end it; from then on they end it as before. A row beside it in the
+    same steps keeps its tokens; a grammar that can only end still ends its request."""
+    llm = make_llm()
+    prompts = random_prompts(llm, (7, 5))
+    free = llm.generate(prompts, SamplingParams(max_tokens=24, ignore_eos=True))
+    ids = free[0].token_ids
+    stop_id = ids[2]
+    k = ids.index(stop_id)
+    stopped = llm.generate([prompts[0]], SamplingParams(max_tokens=24, ignore_eos=True, stop_token_ids=(stop_id,)))[0]
+    assert stopped.token_ids == ids[:k + 1] and stopped.finish_reason == FinishReason.STOP
+    held, beside = llm.generate(prompts, [
+        SamplingParams(max_tokens=24, ignore_eos=True, stop_token_ids=(stop_id,), min_tokens=k + 4),
+        SamplingParams(max_tokens=24, ignore_eos=True)])
+    assert held.token_ids[:k] == ids[:k] and held.token_ids[k] != stop_id  # held back where it came
+    assert stop_id not in held.token_ids[:k + 4] and len(held.token_ids) >= k + 4
+    assert (held.finish_reason == FinishReason.STOP) == (held.token_ids[-1] == stop_id)
+    assert beside.token_ids == free[1].token_ids
+    # A stop string before min_tokens goes by: with min_tokens = max_tokens the free text comes out whole.
+    text = free[0].text
+    stop = next(text[i:i + 2] for i in range(len(text) - 2) if text[i:i + 2].strip() and "\ufffd" not in text[i:i + 2])
+    assert llm.generate([prompts[0]], SamplingParams(max_tokens=24, ignore_eos=True, stop=(stop,)))[0].text != text
+    whole = llm.generate([prompts[0]], SamplingParams(max_tokens=24, ignore_eos=True, stop=(stop,), min_tokens=24))[0]
+    assert whole.text == text and whole.finish_reason == FinishReason.LENGTH
+    # End-of-sequence tokens: held back unless ignore_eos (then they do not end anything).
+    p = SamplingParams(max_tokens=8, min_tokens=3, stop_token_ids=(5,))
+    assert p.held_ends((2,), 0) == p.held_ends((2,), 2) == (5, 2) and p.held_ends((2,), 3) == ()
+    assert SamplingParams(max_tokens=8, min_tokens=3, ignore_eos=True).held_ends((2,), 0) == ()
+    # In the step's mask (bit t of word t // 32); one that would allow nothing is left as it was.
+    from jaxcb.host.batch import SamplingRow, hold_back_ends
+
+    allowed = np.full((2, 2), -1, np.int32)
+    allowed[1] = [1 << 2, 0]  # a grammar that allows only the end-of-sequence token 2
+    row = SamplingRow(SamplingParams(max_tokens=8, min_tokens=3, stop_token_ids=(31, 33)), 0, [1], [7])
+    for i in (0, 1):
+        hold_back_ends(allowed, i, row, (2,))
+    assert allowed.view(np.uint32).tolist() == [[0xFFFFFFFF & ~(1 << 31) & ~(1 << 2), 0xFFFFFFFF & ~(1 << 1)],
+                                                [1 << 2, 0]]
+    with pytest.raises(InvalidRequest, match="min_tokens: must be <= 8, got 9"):
+        SamplingParams(max_tokens=8, min_tokens=9)
+    # A grammar that can only end ends the request, min_tokens or not.
+    choice = llm.generate([prompts[1]], SamplingParams(max_tokens=20, min_tokens=20,
+                                                       structured=Constraint.choice(["ab", "cd"])))[0]
+    assert choice.text in ("ab", "cd") and choice.finish_reason == FinishReason.STOP
 
 
 def test_logprobs_and_stats(make_llm):

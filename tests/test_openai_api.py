@@ -107,6 +107,40 @@ def test_logit_bias_gives_the_same_tokens_over_both_apis_and_the_offline_engine(
             assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and e.value.details().startswith(message)
 
 
+def test_min_tokens_and_stop_token_ids_over_both_apis_as_offline(server, oai, model_name, tiny_model, config_path):
+    """vLLM's min_tokens and stop_token_ids over HTTP, the same over gRPC and SamplingParams offline: the
+    same tokens (a stop token ends the text; before min_tokens it is never sampled); bad values named."""
+    prompt = [5, 6, 7, 8, 9]
+    cfg, params, tok, eos = tiny_model
+    offline = LLM.from_params(cfg, params, tok, config=load_config(config_path), eos_ids=eos)
+    free = offline.generate([prompt], SamplingParams(max_tokens=10, ignore_eos=True))[0].token_ids
+    stop = free[1]
+    for min_tokens in (0, 4):
+        expected = offline.generate([prompt], SamplingParams(max_tokens=10, ignore_eos=True, stop_token_ids=(stop,),
+                                                             min_tokens=min_tokens))[0]
+        http = oai.completions.create(model=model_name, prompt=prompt, max_tokens=10, temperature=0.0, extra_body={
+            "ignore_eos": True, "stop_token_ids": [stop], "min_tokens": min_tokens})
+        with Client(server.target) as c:
+            grpc_out = c.complete(token_ids=prompt, max_tokens=10, ignore_eos=True, stop_token_ids=[stop],
+                                  min_tokens=min_tokens)
+        assert http.choices[0].text == grpc_out.text == expected.text, min_tokens
+        assert http.choices[0].finish_reason == expected.finish_reason
+        assert http.usage.completion_tokens == len(expected.token_ids)
+    assert len(expected.token_ids) >= 4 and stop not in expected.token_ids[:4]
+    for body, message in (({"min_tokens": 11}, "min_tokens: must be <= 10, got 11"),
+                          ({"min_tokens": -1}, "min_tokens: must be >= 0"),
+                          ({"min_tokens": "3"}, "min_tokens: must be an integer"),
+                          ({"stop_token_ids": 5}, "stop_token_ids: must be a list of token ids"),
+                          ({"stop_token_ids": ["a"]}, "stop_token_ids: must be a list of token ids"),
+                          ({"stop_token_ids": [100000]}, "stop_token_ids: token id 100000 is outside the vocabulary"),
+                          ({"stop_token_ids": list(range(65))}, "stop_token_ids: at most 64")):
+        r = httpx.post(server.http + "/v1/completions", json={"prompt": prompt, "max_tokens": 10, **body}, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["message"].startswith(message), (body, r.text[:300])
+    with Client(server.target) as c, pytest.raises(grpc.RpcError) as e:
+        c.complete(token_ids=prompt, max_tokens=2, min_tokens=3)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and e.value.details() == "min_tokens: must be <= 2, got 3"
+
+
 def test_chat_streaming_with_usage(oai, model_name):
     messages = [{"role": "user", "content": "Hello there"}]
     full = oai.chat.completions.create(model=model_name, messages=messages, max_tokens=10, temperature=0,

@@ -250,10 +250,11 @@ _PENALTY_FREE = (1.0, 0.0, 0.0)
 
 
 def pack_sampling(rows: list[SamplingRow], shape: StepShape, vocab_size: int,
-                  extra: list[SamplingRow] = ()) -> SamplingInput:
+                  extra: list[SamplingRow] = (), eos_ids=()) -> SamplingInput:
     """Sampling settings for the step's sequences (row i = sequence i) and its extra sample positions
     (`extra`, rows M ..: speculation). The token history that the penalties need is filled only for
-    rows that use a penalty; it always fits (C = the context limit). `allowed` is all ones: the engine
+    rows that use a penalty; it always fits (C = the context limit). `allowed` is all ones but for the
+    ends a row may not sample yet (min_tokens; `eos_ids`: the model's end-of-sequence tokens): the engine
     writes the constrained rows' masks into it."""
     m, c = shape.rows, shape.history
     assert len(rows) <= shape.seqs and len(extra) <= shape.extra_rows
@@ -267,18 +268,33 @@ def pack_sampling(rows: list[SamplingRow], shape: StepShape, vocab_size: int,
         allowed=np.full((m, (vocab_size + 31) // 32), -1, np.int32),
         bias_ids=np.full((m, MAX_LOGIT_BIAS), -1, np.int32), bias=np.zeros((m, MAX_LOGIT_BIAS), np.float32),
     )
-    _fill(out, 0, rows, c)
-    _fill(out, shape.seqs, list(extra), c)
+    _fill(out, 0, rows, c, eos_ids)
+    _fill(out, shape.seqs, list(extra), c, eos_ids)
     return out
 
 
+def hold_back_ends(allowed: np.ndarray, i: int, row: SamplingRow, eos_ids) -> None:
+    """Clear from row i of `allowed` the tokens that `row` may not sample yet (SamplingParams.held_ends:
+    its stop and end-of-sequence tokens before min_tokens). A mask that would then allow nothing (a
+    grammar that can only end) is left as it was: the grammar's end ends the request."""
+    ends = row.params.held_ends(eos_ids, len(row.output_ids) + row.pending) if row.samples else ()
+    if not ends:
+        return
+    words = allowed[i].view(np.uint32)
+    kept = words.copy()
+    for t in ends:
+        words[t >> 5] &= np.uint32(~(1 << (t & 31)) & 0xFFFFFFFF)
+    if not words.any():
+        words[:] = kept
+
+
 def pack_chunks(chunks, shape: StepShape, page_size: int, window: int, vocab_size: int, seed_of,
-                step_id: int) -> tuple[StepInput, SamplingInput, list[SamplingRow]]:
+                step_id: int, eos_ids=()) -> tuple[StepInput, SamplingInput, list[SamplingRow]]:
     """One step of the scheduler's chunks (jaxcb.host.scheduler.Chunk, decode rows first) packed: its
     StepInput, its SamplingInput and each chunk's SamplingRow. A decode token still on the device (the
     step `step_id` in flight samples it) is read from that step's output; a chunk with proposals gets
     a sample row at each proposal's position (its `extra_row`, the first of them). seed_of(request):
-    the request's sampling seed."""
+    the request's sampling seed; eos_ids: the model's end-of-sequence tokens (min_tokens holds them back)."""
     specs, rows, extra = [], [], []
     for c in chunks:
         r = c.request
@@ -299,10 +315,10 @@ def pack_chunks(chunks, shape: StepShape, page_size: int, window: int, vocab_siz
                          for j in range(len(c.draft)))
         outputs = r.output_ids + list(c.draft) if c.draft else r.output_ids  # no copy for a plain row
         rows.append(SamplingRow(r.params, seed, r.prompt_ids, outputs, c.samples, pending=pending))
-    return pack(specs, shape, page_size, window), pack_sampling(rows, shape, vocab_size, extra), rows
+    return pack(specs, shape, page_size, window), pack_sampling(rows, shape, vocab_size, extra, eos_ids), rows
 
 
-def _fill(out: SamplingInput, first: int, rows: list[SamplingRow], c: int) -> None:
+def _fill(out: SamplingInput, first: int, rows: list[SamplingRow], c: int, eos_ids) -> None:
     """Rows first .. first + len(rows) of `out` from `rows`."""
     n = len(rows)
     if not n:
@@ -316,6 +332,8 @@ def _fill(out: SamplingInput, first: int, rows: list[SamplingRow], c: int) -> No
     out.seed[first:first + n, 1] = (seeds & np.uint64(0xFFFFFFFF)).astype(np.uint32)
     out.counter[first:first + n] = [len(r.output_ids) + r.pending for r in rows]
     for i, (row, p) in enumerate(zip(rows, params), start=first):
+        if p.min_tokens:
+            hold_back_ends(out.allowed, i, row, eos_ids)
         if row.samples and p.logit_bias:
             out.bias_ids[i, :len(p.logit_bias)], out.bias[i, :len(p.logit_bias)] = zip(*p.logit_bias)
         if row.samples and (p.repetition_penalty, p.presence_penalty, p.frequency_penalty) != _PENALTY_FREE:

@@ -29,7 +29,7 @@ from typing import Callable
 
 import numpy as np
 
-from jaxcb.host.batch import pack_chunks
+from jaxcb.host.batch import hold_back_ends, pack_chunks
 from jaxcb.host.buckets import LengthLog
 from jaxcb.host.draft import describe_speculation, draft_proposer
 from jaxcb.host.engine_config import EngineConfig
@@ -330,7 +330,8 @@ class Engine:
         extra_rows = self._extra_rows if any(c.draft for c in chunks) else 0
         shape = self.config.buckets.step_shape(max(live, num_static_rows), s, self.max_context, extra_rows)
         batch, sampling, rows = pack_chunks(chunks, shape, s, self.window_group.window if self.window_group else 0,
-                                            self.model_config.vocab_size, self.outputs.seed, self._step_id)
+                                            self.model_config.vocab_size, self.outputs.seed, self._step_id,
+                                            self.scheduler.eos_ids)
         constrained = [i for i, c in enumerate(chunks) if c.samples and c.request.matcher is not None]
         refs = self.pool.ref_counts
         for c in chunks:
@@ -351,6 +352,8 @@ class Engine:
                 waited = early = True
             t0 = time.perf_counter()
             n = self.grammars.fill_rows([chunks[i].request for i in constrained], constrained, sampling.allowed)
+            for i in constrained:  # a grammar's mask replaced the row's: its held-back ends again
+                hold_back_ends(sampling.allowed, i, rows[i], self.scheduler.eos_ids)
             cnt.add_masks(n, time.perf_counter() - t0)
         started = self._clock() if early else None  # queued behind nothing: it starts at its dispatch
         result = self.runner.run(batch, sampling, shape)

@@ -83,7 +83,7 @@ class Outputs:
         stops = StopStrings.of(p.stop) if p.stop else None
         if stops is not None and piece:
             stream.stop_state, cut = stops.feed(stream.stop_state, piece, len(stream.text) - len(piece))
-        if cut is not None:
+        if cut is not None and len(r.output_ids) >= p.min_tokens:  # (before min_tokens a stop string goes by)
             stream.text = stream.text[:cut]
             reason = FinishReason.STOP
         queue_s = None

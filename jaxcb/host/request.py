@@ -44,6 +44,7 @@ class SamplingParams:
     """Per-request generation settings. Every value becomes an array in the jitted step."""
 
     max_tokens: int = 16
+    min_tokens: int = 0  # tokens before an end-of-sequence or stop token may be sampled and a stop string ends it
     temperature: float = 0.0  # 0 = greedy
     top_k: int = 0  # 0 = off
     top_p: float = 1.0  # in (0, 1]
@@ -67,6 +68,7 @@ class SamplingParams:
         object.__setattr__(self, "stop", (stop,) if isinstance(stop, str) else tuple(stop))  # "END": one stop
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in (self.stop_token_ids or ())))
         _check_int("max_tokens", self.max_tokens, low=1)
+        _check_int("min_tokens", self.min_tokens, low=0, high=self.max_tokens)
         _check_finite("temperature", self.temperature, low=0.0)
         _check_int("top_k", self.top_k, low=0, high=2**31 - 1)
         _check_finite("top_p", self.top_p)
@@ -99,6 +101,13 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    def held_ends(self, eos_ids, num_output: int) -> tuple[int, ...]:
+        """The tokens a sample with `num_output` tokens so far must not sample next: its stop tokens and
+        the model's end-of-sequence tokens (unless ignore_eos) while it has fewer than min_tokens."""
+        if num_output >= self.min_tokens:
+            return ()
+        return self.stop_token_ids + (() if self.ignore_eos else tuple(eos_ids))
 
 
 # The request limits that every API checks before it copies or tokenizes anything (the engine checks
