@@ -477,18 +477,8 @@ struct BF16 {
   int64_t k, n;
 };
 
-inline uint32_t bits_of(float x) {
-  uint32_t b;
-  std::memcpy(&b, &x, 4);
-  return b;
-}
-inline float round_bf16(float x) {  // to the nearest bfloat16, ties to even (finite values)
-  uint32_t b = bits_of(x);
-  b = (b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000u;
-  float r;
-  std::memcpy(&r, &b, 4);
-  return r;
-}
+using jaxcb::bits_of;
+using jaxcb::round_bf16;
 
 // x [m, k] rounded, in the form the call's path reads: as floats (the widening path), or as pairs of
 // bfloat16 in 32-bit lanes [m, k / 2] (vdpbf16ps: `as_pairs`).
@@ -504,8 +494,7 @@ inline XPairs round_rows(const float* a, int64_t m, int64_t k, bool as_pairs) {
     return x;
   }
   x.pairs.resize(m * k / 2);
-  for (int64_t i = 0; i < m * k / 2; ++i)
-    x.pairs[i] = (bits_of(round_bf16(a[2 * i])) >> 16) | (bits_of(round_bf16(a[2 * i + 1])) & 0xFFFF0000u);
+  for (int64_t i = 0; i < m * k / 2; ++i) x.pairs[i] = jaxcb::bf16_pair(a[2 * i], a[2 * i + 1]);
   return x;
 }
 

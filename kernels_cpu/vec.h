@@ -89,6 +89,24 @@ inline void load_u4(const uint8_t* p, vf& lo, vf& hi) {
 inline vf load_f16(const uint16_t* p) { return from_f16(p); }
 #endif
 
+inline uint32_t bits_of(float x) {
+  uint32_t b;
+  std::memcpy(&b, &x, 4);
+  return b;
+}
+// x rounded to the nearest bfloat16, ties to even (finite values), as a float.
+inline float round_bf16(float x) {
+  uint32_t b = bits_of(x);
+  b = (b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000u;
+  float r;
+  std::memcpy(&r, &b, 4);
+  return r;
+}
+// a and b rounded to bfloat16 in one 32-bit lane (a in the low half), as vdpbf16ps reads a pair.
+inline uint32_t bf16_pair(float a, float b) {
+  return (bits_of(round_bf16(a)) >> 16) | (bits_of(round_bf16(b)) & 0xFFFF0000u);
+}
+
 // 16 bfloat16 values as floats (a bfloat16 is a float32's top half: exact).
 inline vf load_bf16(const uint16_t* p) {
   typedef uint16_t v16 __attribute__((vector_size(32), aligned(2)));

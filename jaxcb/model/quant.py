@@ -307,9 +307,10 @@ def head_logits(last: jax.Array, embed, lm_head, native: bool = False) -> jax.Ar
     """Logits [M, V] in float32 from the final hidden states: the untied head, else the embedding's
     transpose. `native`: an int8 head through the native CPU kernels, which widen each value as they
     read it (kernels_cpu.rows_matmul for the tied embedding, layer_matmul for an untied head as a
-    one-layer stack) where XLA dequantizes the whole table first; a bfloat16 tied embedding (widened as
-    it is read, as XLA would widen the whole table), and a float32 one for up to NATIVE_F32_HEAD_ROWS
-    rows, read in place of XLA's dot against its transpose."""
+    one-layer stack) where XLA dequantizes the whole table first; a bfloat16 tied embedding (x rounded to
+    bfloat16 on every path, XLA's too, as the layers' bfloat16 matmuls round theirs; the rows read as
+    they are), and a float32 one for up to NATIVE_F32_HEAD_ROWS rows, read in place of XLA's dot against
+    its transpose."""
     if native and lm_head is None and isinstance(embed, QuantRows) and embed.scale.dtype == jnp.float32:
         import kernels_cpu
 
@@ -334,6 +335,8 @@ def head_logits(last: jax.Array, embed, lm_head, native: bool = False) -> jax.Ar
             return (jnp.dot(last, embed.q.T.astype(last.dtype), preferred_element_type=jnp.float32)
                     * embed.scale[:, 0].astype(jnp.float32))
         return jnp.dot(last, _rows(embed, embed.q, embed.scale, last.dtype).T, preferred_element_type=jnp.float32)
+    if embed.dtype == jnp.bfloat16 and last.dtype != jnp.bfloat16:  # as the native kernel: x rounded, float sums
+        last = last.astype(jnp.bfloat16).astype(last.dtype)
     return jnp.dot(last, embed.T, preferred_element_type=jnp.float32)
 
 
