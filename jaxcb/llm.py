@@ -269,12 +269,16 @@ class LLM:
         ids = [self.encode(p, chat) for p in prompts]
         return self._run(ids, params, priorities)
 
-    def chat(self, conversations: list[list[dict]], params: SamplingParams | list[SamplingParams] | None = None):
+    def chat(self, conversations: list[list[dict]], params: SamplingParams | list[SamplingParams] | None = None, *,
+             chat_template_kwargs: dict | None = None):
+        """Each conversation ([{role, content}, ...]) through the model's chat template, with
+        `chat_template_kwargs` as more template variables (e.g. {"enable_thinking": False})."""
         if self.tokenizer is None:
             raise InvalidRequest("messages: this model has no tokenizer")
         if params is None or isinstance(params, SamplingParams):
             params = [params or SamplingParams()] * len(conversations)
-        return self._run([self.tokenizer.encode_chat(m) for m in conversations], params, None)
+        return self._run([self.tokenizer.encode_chat(m, True, chat_template_kwargs) for m in conversations], params,
+                         None)
 
     def _run(self, ids: list[list[int]], params: list[SamplingParams], priorities) -> list[Completion]:
         for i, (p, sp) in enumerate(zip(ids, params)):

@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import grpc
 
@@ -42,12 +43,14 @@ SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty
 def build_request(prompt=None, *, messages=None, token_ids=None, chat: bool = False, max_tokens: int = 64,
                   stop=(), stop_token_ids=(), ignore_eos=False, min_tokens=0, priority=0, request_id="", logprobs=0,
                   n=1, cache_salt="", structured: dict | None = None, lora: str = "", model: str = "",
-                  speculative: bool | None = None, **sampling) -> jaxcb_pb2.GenerateRequest:
+                  speculative: bool | None = None, chat_template_kwargs: dict | None = None,
+                  **sampling) -> jaxcb_pb2.GenerateRequest:
     """prompt: text (with chat=True it becomes one user message); or messages; or token_ids.
     structured: one constraint on the output, as {"json_schema": "<schema JSON>"}, {"json_object": True},
     {"regex": "..."}, {"choice": ["a", "b"]} or {"grammar": "..."}. lora: a loaded LoRA adapter's name;
     model: a name the model is served as, or an adapter's ("": the base model). speculative: False opts
-    the request out of the server's speculative decoding (None: as the server does)."""
+    the request out of the server's speculative decoding (None: as the server does). chat_template_kwargs:
+    more variables for the chat template of a chat prompt, e.g. {"enable_thinking": False}."""
     unknown = set(sampling) - set(SAMPLING_FIELDS)
     if unknown:
         raise TypeError(f"unknown sampling settings: {', '.join(sorted(unknown))}")
@@ -72,6 +75,8 @@ def build_request(prompt=None, *, messages=None, token_ids=None, chat: bool = Fa
     elif messages is not None or chat:
         msgs = messages if messages is not None else [{"role": "user", "content": prompt}]
         req.chat.messages.extend(jaxcb_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in msgs)
+        if chat_template_kwargs:
+            req.chat.template_kwargs = json.dumps(chat_template_kwargs)
     else:
         req.text = prompt
     return req

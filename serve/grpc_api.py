@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import json
 import logging
 
 import grpc
@@ -24,6 +25,7 @@ from jaxcb.device import cpu_dots
 from jaxcb.host.errors import InvalidConfig, InvalidRequest, JaxcbError, NotFound, Overloaded, StepFailed, Unauthenticated, Unavailable
 from jaxcb.host.request import SamplingParams, TokenEvent, check_logit_bias_count, check_stop_counts
 from jaxcb.host.structured import MAX_CHOICES, Constraint
+from jaxcb.host.tokenizer import check_template_kwargs
 from serve.frontend import (MAX_REQUEST_BYTES, ServerOptions, State, check_ids, check_messages, check_settings,
                             check_text, check_token_count, tenant, token_index)
 from serve.proto import jaxcb_pb2, jaxcb_pb2_grpc, jetstream_pb2, jetstream_pb2_grpc
@@ -66,6 +68,18 @@ def _sampling(req) -> SamplingParams:
     )
 
 
+def _template_kwargs(text: str) -> dict:
+    """ChatInput.template_kwargs: a JSON object of chat template variables ("" none)."""
+    if not text:
+        return {}
+    check_text("chat.template_kwargs", text)
+    try:
+        kwargs = json.loads(text)
+    except ValueError:
+        raise InvalidRequest("chat.template_kwargs: not valid JSON") from None
+    return check_template_kwargs(kwargs, "chat.template_kwargs")
+
+
 def _structured(req) -> Constraint | None:
     if not req.HasField("structured"):
         return None
@@ -97,7 +111,8 @@ async def _prompt_ids(state: State, req) -> list[int]:
     if kind == "chat":
         check_messages("chat.messages", [(m.role, m.content) for m in req.chat.messages])
         messages = [{"role": m.role, "content": m.content} for m in req.chat.messages]
-        return await asyncio.to_thread(state.tokenizer.encode_chat, messages)
+        return await asyncio.to_thread(state.tokenizer.encode_chat, messages, True,
+                                       _template_kwargs(req.chat.template_kwargs))
     if kind == "tokens":
         check_token_count(state, "tokens.token_ids", len(req.tokens.token_ids))
         return list(req.tokens.token_ids)

@@ -37,6 +37,7 @@ from fastapi.responses import PlainTextResponse, Response
 
 import jaxcb
 from jaxcb.host.errors import InvalidConfig, InvalidRequest, JaxcbError, NotFound, Unauthenticated
+from jaxcb.host.tokenizer import check_template_kwargs
 from serve import frontend, openai_responses, tool_calls
 from serve.openai_answer import answer
 from serve.openai_fields import (CHAT_FIELDS, COMPLETION_FIELDS, DETOKENIZE_FIELDS, TOKENIZE_FIELDS, MAX_TOP_LOGPROBS,
@@ -183,9 +184,10 @@ def make_app(state) -> FastAPI:
             generation = bool_field(body, "add_generation_prompt", True)
             if bool_field(body, "continue_final_message", False):
                 raise bad_request("continue_final_message: not supported")
+            template_kwargs = check_template_kwargs(body.get("chat_template_kwargs"))
             try:
                 ids = await asyncio.to_thread(tokenizer.encode_chat, [{"role": m["role"], "content": m["content"]}
-                                                                      for m in messages], generation)
+                                                                      for m in messages], generation, template_kwargs)
             except ValueError as e:  # no chat template, or the template refused the messages
                 raise bad_request(f"messages: {e}") from None
             # The template writes its own special tokens; add_special_tokens (default false) adds the
@@ -294,6 +296,7 @@ def make_app(state) -> FastAPI:
         if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
             raise bad_request("messages: must be a list of {role, content} objects")
         messages = tool_calls.render_messages(messages, tools)  # checks each message's fields
+        template_kwargs = check_template_kwargs(body.get("chat_template_kwargs"))
         top = int_field(body, "top_logprobs", 0) or 0
         if not 0 <= top <= MAX_TOP_LOGPROBS:
             raise bad_request(f"top_logprobs: must be between 0 and {MAX_TOP_LOGPROBS}, got {top}")
@@ -315,7 +318,8 @@ def make_app(state) -> FastAPI:
         state.admit(params.n)
         await frontend.check_settings(state, params)
         ids = await asyncio.to_thread(state.tokenizer.encode_chat,
-                                      [{"role": m["role"], "content": m["content"]} for m in messages])
+                                      [{"role": m["role"], "content": m["content"]} for m in messages], True,
+                                      template_kwargs)
         if limit is None:  # the default needs the prompt's length (validated again by replace)
             params = dataclasses.replace(params, max_tokens=max(1, state.engine.max_context - len(ids)))
         if want:  # the tokens' bytes are read by a tokenizer built on first use: not on the event loop

@@ -20,7 +20,7 @@ from jaxcb.host.engine_config import load_config
 from jaxcb.host.request import SamplingParams
 from jaxcb.llm import LLM
 from serve import tool_calls
-from serve.client import Client
+from serve.client import Client, build_request
 from tests.server_util import ServerProcess, free_port, wait_pool_whole
 
 
@@ -153,6 +153,33 @@ def test_chat_streaming_with_usage(oai, model_name):
     assert chunks[0].choices[0].delta.role == "assistant"
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 10
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+
+
+def test_chat_template_kwargs_over_both_apis(server, oai, model_name):
+    """chat_template_kwargs (vLLM's; gRPC's ChatInput.template_kwargs as JSON): the tiny model's template
+    uses none, so the tokens are those without; bad ones are refused naming the field, on both APIs and
+    on /tokenize."""
+    messages = [{"role": "user", "content": "Hello there"}]
+    args = dict(model=model_name, messages=messages, max_tokens=6, temperature=0)
+    plain = oai.chat.completions.create(**args, extra_body={"ignore_eos": True})
+    given = oai.chat.completions.create(**args, extra_body={"ignore_eos": True,
+                                                             "chat_template_kwargs": {"enable_thinking": False}})
+    assert given.choices[0].message.content == plain.choices[0].message.content
+    assert given.usage.prompt_tokens == plain.usage.prompt_tokens
+    with Client(server.target) as c:
+        got = c.complete(messages=messages, max_tokens=6, ignore_eos=True, chat_template_kwargs={"enable_thinking": False})
+        assert got.text == plain.choices[0].message.content
+        for text, message in (("{", "chat.template_kwargs: not valid JSON"),
+                              ('{"eos_token": "x"}', "chat.template_kwargs.eos_token: set by jaxcb")):
+            req = build_request(messages=messages, max_tokens=2)
+            req.chat.template_kwargs = text
+            with pytest.raises(grpc.RpcError) as e:
+                list(c.stream(req))
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and e.value.details().startswith(message)
+    for path, body in (("/v1/chat/completions", {"messages": messages, "chat_template_kwargs": "yes"}),
+                       ("/tokenize", {"messages": messages, "chat_template_kwargs": {"bos_token": 1}})):
+        r = httpx.post(server.http + path, json=body, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["message"].startswith("chat_template_kwargs"), r.text[:300]
 
 
 def test_echo_starts_each_choice_with_its_prompt(server, oai, model_name, tiny_model):

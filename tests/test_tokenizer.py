@@ -1,3 +1,5 @@
+import re
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -185,3 +187,31 @@ def test_a_sentencepiece_tokenizer_is_built_once_and_then_read_from_its_cache(tm
     again = tokenizer_module.Tokenizer(spec)
     assert len(built) == 2 and [again.encode(t) for t in texts] == [first.encode(t) for t in texts]
     assert tokenizer_module._cached(tokenizer_module._cache_path(spec)) is not None
+
+
+def test_chat_template_kwargs_reach_the_template_and_bad_ones_are_named(tmp_path, monkeypatch):
+    """vLLM's chat_template_kwargs: more variables for the template (Qwen3's enable_thinking, here in a
+    template of the same shape); a template that does not use one ignores it; names jaxcb sets itself,
+    non-objects and values the template cannot use are refused naming the field."""
+    from jaxcb.host import tokenizer as tokenizer_module
+    from jaxcb.host.errors import InvalidRequest
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    template = ("{% for m in messages %}<start_of_turn>{{ m['content'] }}\n\n{% endfor %}"
+                "{% if add_generation_prompt %}<start_of_turn>{% if enable_thinking is defined and "
+                "not enable_thinking %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
+                "{% if repeat is defined %}{{ 'a' * repeat }}{% endif %}")
+    tok = tokenizer_module.Tokenizer(_sentencepiece_spec(chat_template=template))
+    chat = [{"role": "user", "content": "ab"}]
+    plain = tok.render_chat(chat)
+    assert tok.render_chat(chat, True, {"enable_thinking": True}) == plain
+    assert tok.render_chat(chat, True, {"enable_thinking": False}) == plain + "<think>\n\n</think>\n\n"
+    assert tok.encode_chat(chat, True, {"enable_thinking": False}) != tok.encode_chat(chat)
+    assert tok.encode_chat(chat, True, {"unused": [1, {"x": None}]}) == tok.encode_chat(chat)
+    for kwargs, message in (([1], "chat_template_kwargs: must be an object"),
+                            ({"messages": []}, "chat_template_kwargs.messages: set by jaxcb"),
+                            ({"a b": 1}, "chat_template_kwargs: 'a b' is not a variable name"),
+                            ({f"v{i}": 1 for i in range(33)}, "chat_template_kwargs: 33 variables; the limit is 32"),
+                            ({"repeat": "x"}, "chat template: could not render the request (TypeError")):
+        with pytest.raises(InvalidRequest, match=re.escape(message)):
+            tok.encode_chat(chat, True, kwargs)

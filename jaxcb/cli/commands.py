@@ -26,7 +26,7 @@ GENERATION_FIELDS = ("max_tokens", "min_tokens", "temperature", "top_k", "top_p"
                      "presence_penalty", "frequency_penalty", "seed", "stop", "stop_token_ids",
                      "ignore_eos", "logprobs", "n", "speculative")
 LINE_FIELDS = {"prompt", "prompt_token_ids", "messages", "chat", "priority", "id", "response_format",
-               "structured_outputs", "logit_bias", *GENERATION_FIELDS}
+               "structured_outputs", "logit_bias", "chat_template_kwargs", *GENERATION_FIELDS}
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
@@ -152,7 +152,7 @@ def _parse_line(llm, args, lineno: int, line: str):
             if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
                 raise InvalidRequest("messages: must be a list of {role, content} objects")
             # as the HTTP API takes them: content parts, an assistant's tool calls, tool results
-            ids = llm.tokenizer.encode_chat(render_messages(messages, None))
+            ids = llm.tokenizer.encode_chat(render_messages(messages, None), True, obj.get("chat_template_kwargs"))
         elif "prompt" in obj:
             if not isinstance(obj["prompt"], str):
                 raise InvalidRequest("prompt: must be a string")

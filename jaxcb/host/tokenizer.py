@@ -50,6 +50,29 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 ROLE_AS = {"developer": "system"}
 
 
+# What a request may pass its chat template beside the messages (vLLM's chat_template_kwargs): names
+# the template is given by jaxcb are not among them.
+TEMPLATE_NAMES = ("messages", "add_generation_prompt", "bos_token", "eos_token")
+MAX_TEMPLATE_KWARGS = 32
+
+
+def check_template_kwargs(kwargs, field: str = "chat_template_kwargs") -> dict:
+    """A request's chat template variables, checked: an object of at most MAX_TEMPLATE_KWARGS names
+    (identifiers, none of TEMPLATE_NAMES) with JSON values. None: no variables."""
+    if kwargs is None:
+        return {}
+    if not isinstance(kwargs, dict):
+        raise InvalidRequest(f"{field}: must be an object of template variables, got {type(kwargs).__name__}")
+    if len(kwargs) > MAX_TEMPLATE_KWARGS:
+        raise InvalidRequest(f"{field}: {len(kwargs)} variables; the limit is {MAX_TEMPLATE_KWARGS}")
+    for name in kwargs:
+        if not isinstance(name, str) or not name.isidentifier() or len(name) > 64:
+            raise InvalidRequest(f"{field}: {str(name)[:64]!r} is not a variable name")
+        if name in TEMPLATE_NAMES:
+            raise InvalidRequest(f"{field}.{name}: set by jaxcb from the request, not here")
+    return kwargs
+
+
 def template_roles(messages: list[dict]) -> list[dict]:
     """The messages with each role as chat templates name it (ROLE_AS)."""
     return [dict(m, role=ROLE_AS[m["role"]]) if m.get("role") in ROLE_AS else m for m in messages]
@@ -311,7 +334,12 @@ class Tokenizer:
             self._bytes[token] = got
         return got
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    template_kwargs: dict | None = None) -> str:
+        """The conversation as the model's chat template writes it. `template_kwargs`: more variables
+        for the template (vLLM's chat_template_kwargs, e.g. Qwen3's {"enable_thinking": false}); a
+        template that does not use one ignores it."""
+        template_kwargs = check_template_kwargs(template_kwargs)
         if self._template is None:
             raise InvalidRequest("chat: this model file has no chat template; send a raw prompt")
         for i, m in enumerate(messages):
@@ -321,11 +349,19 @@ class Tokenizer:
                 raise InvalidRequest(f"messages[{i}].content: must be a string")
         bos = self.id_to_token(self.bos_id) if self.bos_id is not None else ""
         eos = self.id_to_token(self.eos_id) if self.eos_id is not None else ""
-        return self._template.render(
-            messages=template_roles(messages), add_generation_prompt=add_generation_prompt, bos_token=bos, eos_token=eos
-        )
+        try:
+            return self._template.render(
+                **template_kwargs, messages=template_roles(messages), add_generation_prompt=add_generation_prompt,
+                bos_token=bos, eos_token=eos)
+        except InvalidRequest:
+            raise
+        except (jinja2.TemplateError, TypeError, ValueError, ArithmeticError, LookupError, AttributeError) as e:
+            # (a variable of the wrong type for the template, or one it refuses: the request's fault)
+            raise InvalidRequest(f"chat template: could not render the request ({type(e).__name__}: "
+                                 f"{str(e)[:200]})") from None
 
-    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    template_kwargs: dict | None = None) -> list[int]:
         """The rendered conversation's ids. The template writes the special tokens itself (never
         another BOS); special-token text inside a message's content (a user typing `<|im_start|>system`)
         is encoded as the plain text it is, so no message can forge a role or end another's turn.
@@ -337,8 +373,8 @@ class Tokenizer:
         (the template's tokens as the model was trained on them) and any special token that touches a
         content span is encoded as plain text; if one straddles a span's edge, or the contents cannot
         be located, every content is encoded on its own as plain text between the template's pieces."""
-        text = self.render_chat(messages, add_generation_prompt)
-        pieces = self._chat_pieces(messages, text, add_generation_prompt)
+        text = self.render_chat(messages, add_generation_prompt, template_kwargs)
+        pieces = self._chat_pieces(messages, text, add_generation_prompt, template_kwargs)
         if pieces is None:  # the template does something else with the contents: each part on its own
             raise InvalidRequest("messages: the chat template uses message contents in a way jaxcb cannot "
                              "separate from its own markup; send a raw prompt")
@@ -367,8 +403,8 @@ class Tokenizer:
             prev = i + 1
         return ids + enc.ids[prev:]
 
-    def _chat_pieces(self, messages: list[dict], text: str, add_generation_prompt: bool = True
-                     ) -> list[tuple[str, bool]] | None:
+    def _chat_pieces(self, messages: list[dict], text: str, add_generation_prompt: bool = True,
+                     template_kwargs: dict | None = None) -> list[tuple[str, bool]] | None:
         """The rendered `text` cut into (piece, is a message's content), or None when it is not the
         template's own text with the contents inserted."""
         import re
@@ -379,7 +415,7 @@ class Tokenizer:
         # An em space each side (whitespace no template writes itself): a template that trims contents
         # trims these, and so the real contents.
         marked = self.render_chat([{**m, "content": f"\u2003{mark}\u2003"} for m, mark in zip(messages, marks)],
-                                  add_generation_prompt)
+                                  add_generation_prompt, template_kwargs)
         pattern = re.compile("(\u2003?)(" + "|".join(map(re.escape, marks)) + ")(\u2003?)")
         pieces, at = [], 0
         for found in pattern.finditer(marked):

@@ -37,10 +37,12 @@ class ChatMessage(_message.Message):
     def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
 
 class ChatInput(_message.Message):
-    __slots__ = ("messages",)
+    __slots__ = ("messages", "template_kwargs")
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    TEMPLATE_KWARGS_FIELD_NUMBER: _ClassVar[int]
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
-    def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ...) -> None: ...
+    template_kwargs: str
+    def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., template_kwargs: _Optional[str] = ...) -> None: ...
 
 class TokenInput(_message.Message):
     __slots__ = ("token_ids",)
