@@ -44,7 +44,7 @@ def build_request(prompt=None, *, messages=None, token_ids=None, chat: bool = Fa
                   stop=(), stop_token_ids=(), ignore_eos=False, min_tokens=0, priority=0, request_id="", logprobs=0,
                   n=1, cache_salt="", structured: dict | None = None, lora: str = "", model: str = "",
                   speculative: bool | None = None, chat_template_kwargs: dict | None = None,
-                  **sampling) -> jaxcb_pb2.GenerateRequest:
+                  include_stop_str_in_output: bool = False, **sampling) -> jaxcb_pb2.GenerateRequest:
     """prompt: text (with chat=True it becomes one user message); or messages; or token_ids.
     structured: one constraint on the output, as {"json_schema": "<schema JSON>"}, {"json_object": True},
     {"regex": "..."}, {"choice": ["a", "b"]} or {"grammar": "..."}. lora: a loaded LoRA adapter's name;
@@ -57,7 +57,7 @@ def build_request(prompt=None, *, messages=None, token_ids=None, chat: bool = Fa
     req = jaxcb_pb2.GenerateRequest(max_tokens=max_tokens, stop=list(stop), stop_token_ids=list(stop_token_ids),
                                     ignore_eos=ignore_eos, min_tokens=min_tokens, priority=priority,
                                     request_id=request_id, logprobs=logprobs, n=n, cache_salt=cache_salt, lora=lora,
-                                    model=model)
+                                    model=model, include_stop_str_in_output=include_stop_str_in_output)
     if speculative is not None:
         req.speculative = speculative
     for kind, value in (structured or {}).items():

@@ -19,8 +19,8 @@ from serve import frontend
 HTTP_STATUS = {InvalidRequest: 400, NotFound: 404, Overloaded: 429, Unavailable: 503, Unauthenticated: 401, StepFailed: 500}
 ERROR_TYPE = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error", 413: "invalid_request_error",
          429: "rate_limit_error", 500: "internal_error", 503: "service_unavailable"}
-EXTRAS = {"top_k", "min_p", "repetition_penalty", "ignore_eos", "min_tokens", "stop_token_ids", "priority",
-          "cache_salt", "request_id", "structured_outputs", "speculative"}
+EXTRAS = {"top_k", "min_p", "repetition_penalty", "ignore_eos", "min_tokens", "stop_token_ids",
+          "include_stop_str_in_output", "priority", "cache_salt", "request_id", "structured_outputs", "speculative"}
 COMMON_FIELDS = {"model", "stream", "stream_options", "n", "max_tokens", "temperature", "top_p", "presence_penalty",
            "frequency_penalty", "seed", "stop", "user", "logit_bias"}
 COMPLETION_FIELDS = COMMON_FIELDS | EXTRAS | {"prompt", "logprobs", "echo", "suffix", "best_of", "response_format"}
@@ -109,6 +109,7 @@ def sampling_params(body: dict, *, max_tokens: int, logprobs: int) -> SamplingPa
         presence_penalty=number_field(body, "presence_penalty", 0.0),
         frequency_penalty=number_field(body, "frequency_penalty", 0.0), seed=int_field(body, "seed"),
         stop=stop or (), stop_token_ids=stop_token_ids or (), ignore_eos=ignore_eos,
+        include_stop_str_in_output=bool_field(body, "include_stop_str_in_output", False),
         min_tokens=int_field(body, "min_tokens", 0), logprobs=logprobs, n=int_field(body, "n", 1),
         structured=constraint_of(body), speculative=bool_field(body, "speculative", True),
         logit_bias=logit_bias_from_json(body.get("logit_bias")))

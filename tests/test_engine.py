@@ -111,6 +111,11 @@ def test_stop_strings_cut_the_text_and_never_stream_it(make_llm):
     assert text == free[:cut]
     assert streamed[-1].finished and streamed[-1].finish_reason == FinishReason.STOP
     assert all(stop not in e.text for e in streamed)
+    # include_stop_str_in_output (vLLM's): the same end, the stop string kept (the shorter of two that match).
+    kept = llm.generate([prompt], SamplingParams(max_tokens=40, ignore_eos=True, stop=(stop + "\u0001", stop, stop[0]),
+                                                 include_stop_str_in_output=True))[0]
+    first = min(free.index(stop), free.index(stop[0]))
+    assert kept.text == free[:first + 1] and kept.finish_reason == FinishReason.STOP
 
 
 def test_min_tokens_holds_back_stop_tokens_and_stop_strings_until_then(make_llm):

@@ -108,8 +108,9 @@ def test_logit_bias_gives_the_same_tokens_over_both_apis_and_the_offline_engine(
 
 
 def test_min_tokens_and_stop_token_ids_over_both_apis_as_offline(server, oai, model_name, tiny_model, config_path):
-    """vLLM's min_tokens and stop_token_ids over HTTP, the same over gRPC and SamplingParams offline: the
-    same tokens (a stop token ends the text; before min_tokens it is never sampled); bad values named."""
+    """vLLM's min_tokens, stop_token_ids and include_stop_str_in_output over HTTP, the same over gRPC and
+    SamplingParams offline: the same tokens (a stop token ends the text; before min_tokens it is never
+    sampled) and text; bad values named."""
     prompt = [5, 6, 7, 8, 9]
     cfg, params, tok, eos = tiny_model
     offline = LLM.from_params(cfg, params, tok, config=load_config(config_path), eos_ids=eos)
@@ -127,6 +128,17 @@ def test_min_tokens_and_stop_token_ids_over_both_apis_as_offline(server, oai, mo
         assert http.choices[0].finish_reason == expected.finish_reason
         assert http.usage.completion_tokens == len(expected.token_ids)
     assert len(expected.token_ids) >= 4 and stop not in expected.token_ids[:4]
+    text = offline.generate([prompt], SamplingParams(max_tokens=10, ignore_eos=True))[0].text
+    char = next(c for c in text[1:] if c.strip() and c != "\ufffd")
+    kept = offline.generate([prompt], SamplingParams(max_tokens=10, ignore_eos=True, stop=(char,),
+                                                     include_stop_str_in_output=True))[0].text
+    assert kept == text[:text.index(char) + 1]  # the text up to the stop string, the stop string kept
+    http = oai.completions.create(model=model_name, prompt=prompt, max_tokens=10, temperature=0.0, stop=[char],
+                                  extra_body={"ignore_eos": True, "include_stop_str_in_output": True})
+    with Client(server.target) as c:
+        grpc_out = c.complete(token_ids=prompt, max_tokens=10, ignore_eos=True, stop=[char],
+                              include_stop_str_in_output=True)
+    assert http.choices[0].text == grpc_out.text == kept
     for body, message in (({"min_tokens": 11}, "min_tokens: must be <= 10, got 11"),
                           ({"min_tokens": -1}, "min_tokens: must be >= 0"),
                           ({"min_tokens": "3"}, "min_tokens: must be an integer"),

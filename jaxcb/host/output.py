@@ -84,6 +84,8 @@ class Outputs:
         if stops is not None and piece:
             stream.stop_state, cut = stops.feed(stream.stop_state, piece, len(stream.text) - len(piece))
         if cut is not None and len(r.output_ids) >= p.min_tokens:  # (before min_tokens a stop string goes by)
+            if p.include_stop_str_in_output:  # the stop string that starts there (the shortest, if several)
+                cut += min(len(s) for s in p.stop if stream.text.startswith(s, cut))
             stream.text = stream.text[:cut]
             reason = FinishReason.STOP
         queue_s = None

@@ -54,6 +54,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    include_stop_str_in_output: bool = False  # the stop string that ends the text ends it included
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int = 0  # top-n logprobs per generated token; 0 = none
@@ -90,6 +91,9 @@ class SamplingParams:
                 raise InvalidRequest(f"stop: each stop string must be 1..{MAX_STOP_STRING_CHARS} characters")
         _check_int("logprobs", self.logprobs, low=0, high=MAX_LOGPROBS)
         _check_int("n", self.n, low=1, high=MAX_SAMPLES)
+        if not isinstance(self.include_stop_str_in_output, bool):
+            raise InvalidRequest("include_stop_str_in_output: must be true or false, got "
+                                 f"{self.include_stop_str_in_output!r}")
         if not isinstance(self.speculative, bool):
             raise InvalidRequest(f"speculative: must be true or false, got {self.speculative!r}")
         if not isinstance(self.lora, str) or len(self.lora) > 256:
