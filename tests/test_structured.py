@@ -260,6 +260,9 @@ def test_objects_that_list_their_properties_get_no_others_unless_the_schema_allo
     assert not accepts(schema, '{"p":{"x":1,"y":2}}')  # nor its $ref'd object
     assert not accepts(schema, '{"list":[{"x":1,"w":2}]}')
     assert accepts({"type": "object"}, '{"anything":[1]}')
+    # oneOf whose branches llguidance cannot prove disjoint: read as anyOf (as xgrammar does), not refused.
+    union = {"type": "object", "properties": {"v": {"oneOf": [{"type": "integer"}, {"type": "number"}]}}}
+    assert accepts(union, '{"v":1.5}') and not accepts(union, '{"v":"1"}')
     # A tool's parameters, in the tool-call grammar of tool_choice "required", likewise.
     from serve import tool_calls
 

@@ -93,8 +93,10 @@ class Constraint:
                 schema = json.loads(self.spec)
                 if not isinstance(schema, (dict, bool)):
                     raise ValueError("a JSON schema is an object")
+                # oneOf as anyOf where llguidance cannot prove the branches disjoint (as xgrammar reads
+                # it): a typical tagged union's branches cannot both match, and it is refused otherwise.
                 return llguidance.LLMatcher.grammar_from_json_schema(
-                    closed_objects(schema), defaults={"whitespace_flexible": False})
+                    closed_objects(schema), defaults={"whitespace_flexible": False, "coerce_one_of": True})
             if self.kind == "regex":  # \d, \w as ASCII classes (as JSON schema patterns read them)
                 return llguidance.LLMatcher.grammar_from_lark(
                     f"start: /{llguidance.regex_to_lark(self.spec, ASCII_CLASSES)}/")
