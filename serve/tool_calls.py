@@ -23,7 +23,7 @@ import re
 import uuid
 
 from jaxcb.host.errors import InvalidRequest
-from jaxcb.host.structured import Constraint, closed_objects
+from jaxcb.host.structured import Constraint, grammar_schema
 from jaxcb.host.tokenizer import ROLE_AS
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -178,7 +178,7 @@ def constraint(tools: Tools) -> Constraint | None:
               "anyOf": [{"type": "object", "properties": {"name": {"const": n}, "arguments": tools.functions[n]},
                          "required": ["name", "arguments"], "additionalProperties": False} for n in names]}
     repeat = "+" if tools.parallel and tools.choice == "required" else ""
-    body = json.dumps(closed_objects(schema))  # the arguments' objects closed as a json_schema's are
+    body = json.dumps(grammar_schema(schema))  # the arguments read as a json_schema's schema is
     grammar = f"start: call{repeat}\ncall: {json.dumps(OPEN)} %json {body} {json.dumps(CLOSE)}"
     return Constraint("grammar", grammar, "tools")
 

@@ -217,7 +217,7 @@ def test_objects_that_list_their_properties_get_no_others_unless_the_schema_allo
     reads them; a small model otherwise adds keys until its tokens run out), except where the schema
     allows others or closing could refuse what it allows (intersections, keys required or counted
     beyond the listed ones). Whatever comes out still validates against the schema as given."""
-    from jaxcb.host.structured import Grammars, closed_objects
+    from jaxcb.host.structured import Grammars, grammar_schema
     from jaxcb.host.tokenizer import Tokenizer
     from jaxcb.model import gguf_loader
     from jaxcb.model.embedded import resolve_model
@@ -231,7 +231,7 @@ def test_objects_that_list_their_properties_get_no_others_unless_the_schema_allo
                   "more": {"properties": {"z": {}}, "required": ["y"]},
                   "open": {"properties": {"z": {}}, "additionalProperties": True},
                   "maybe": {"anyOf": [point, {"type": "null"}]}}}
-    closed = closed_objects(schema)
+    closed = grammar_schema(schema)
     assert schema["$defs"]["pt"] == point and "additionalProperties" not in point  # the input is not changed
     assert closed["additionalProperties"] is False
     assert closed["$defs"]["pt"]["additionalProperties"] is False  # used by $ref alone: closed
@@ -241,8 +241,8 @@ def test_objects_that_list_their_properties_get_no_others_unless_the_schema_allo
     assert "additionalProperties" not in closed["properties"]["more"]  # requires y, which it does not list
     assert closed["properties"]["open"]["additionalProperties"] is True
     assert closed["properties"]["maybe"]["anyOf"][0]["additionalProperties"] is False
-    assert closed_objects({"type": "object"}) == {"type": "object"}  # any object stays any object
-    assert closed_objects(True) is True
+    assert grammar_schema({"type": "object"}) == {"type": "object"}  # any object stays any object
+    assert grammar_schema(True) is True
 
     reader = gguf_loader.open_reader(resolve_model("smollm2-135m"))  # the tokenizer alone, no weights
     cfg, tok = gguf_loader.read_config(reader), Tokenizer(gguf_loader.read_tokenizer(reader))
@@ -261,6 +261,10 @@ def test_objects_that_list_their_properties_get_no_others_unless_the_schema_allo
     assert not accepts(schema, '{"list":[{"x":1,"w":2}]}')
     assert accepts({"type": "object"}, '{"anything":[1]}')
     # oneOf whose branches llguidance cannot prove disjoint: read as anyOf (as xgrammar does), not refused.
+    # Formats llguidance does not know are annotations (pydantic's "password"); those it knows hold.
+    formats = {"type": "object", "properties": {"p": {"type": "string", "format": "password"},
+                                                "d": {"type": "string", "format": "date"}}}
+    assert accepts(formats, '{"p":"x","d":"2026-12-05"}') and not accepts(formats, '{"p":"x","d":"soon"}')
     union = {"type": "object", "properties": {"v": {"oneOf": [{"type": "integer"}, {"type": "number"}]}}}
     assert accepts(union, '{"v":1.5}') and not accepts(union, '{"v":"1"}')
     # A tool's parameters, in the tool-call grammar of tool_choice "required", likewise.

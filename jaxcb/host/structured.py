@@ -96,7 +96,7 @@ class Constraint:
                 # oneOf as anyOf where llguidance cannot prove the branches disjoint (as xgrammar reads
                 # it): a typical tagged union's branches cannot both match, and it is refused otherwise.
                 return llguidance.LLMatcher.grammar_from_json_schema(
-                    closed_objects(schema), defaults={"whitespace_flexible": False, "coerce_one_of": True})
+                    grammar_schema(schema), defaults={"whitespace_flexible": False, "coerce_one_of": True})
             if self.kind == "regex":  # \d, \w as ASCII classes (as JSON schema patterns read them)
                 return llguidance.LLMatcher.grammar_from_lark(
                     f"start: /{llguidance.regex_to_lark(self.spec, ASCII_CLASSES)}/")
@@ -107,7 +107,7 @@ class Constraint:
             raise InvalidRequest(f"{self.field}: not a valid {self.kind} ({_first_line(e)})") from None
 
 
-# Keywords whose values are schemas (one, a map of them, a list of them), as closed_objects walks them.
+# Keywords whose values are schemas (one, a map of them, a list of them), as grammar_schema walks them.
 _ONE_SCHEMA = ("additionalProperties", "items", "additionalItems", "contains", "not", "if", "then", "else",
                "propertyNames", "unevaluatedProperties", "unevaluatedItems")
 _SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
@@ -117,8 +117,14 @@ _ANNOTATIONS = {"title", "description", "$comment", "$schema", "$id", "$anchor",
                 "deprecated", "readOnly", "writeOnly", "$defs", "definitions", "x-guidance"}
 
 
-def closed_objects(schema):
-    """`schema` with every object that lists its properties and says nothing of others closed to them
+# The string formats llguidance enforces; others are dropped (JSON Schema reads an unknown format as an
+# annotation, and pydantic and OpenAPI write some, e.g. "password", "binary", "uri-reference").
+FORMATS = {"date-time", "time", "date", "duration", "email", "hostname", "ipv4", "ipv6", "uuid", "uri"}
+
+
+def grammar_schema(schema):
+    """`schema` as jaxcb hands it to llguidance: string formats it does not know dropped (FORMATS), and
+    every object that lists its properties and says nothing of others closed to them
     (additionalProperties: false), as vLLM's and SGLang's default grammar backend (xgrammar's strict
     mode) and OpenAI's strict schemas read them: a small model asked for {name, age} otherwise goes on
     with keys of its own until its tokens run out. An object stays as JSON Schema reads it where closing
@@ -167,6 +173,8 @@ def closed_objects(schema):
                             for k, v in value.items()}
             elif key in _ONE_SCHEMA or key in _SCHEMA_LISTS:
                 out[key] = close(value, f"{pointer}/{key}", False)
+            elif key == "format" and value not in FORMATS:
+                continue
             else:
                 out[key] = value
         props = node.get("properties")
