@@ -44,7 +44,6 @@ class SamplingParams:
     """Per-request generation settings. Every value becomes an array in the jitted step."""
 
     max_tokens: int = 16
-    min_tokens: int = 0  # tokens before an end-of-sequence or stop token may be sampled and a stop string ends it
     temperature: float = 0.0  # 0 = greedy
     top_k: int = 0  # 0 = off
     top_p: float = 1.0  # in (0, 1]
@@ -54,7 +53,6 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     seed: int | None = None
     stop: tuple[str, ...] = ()
-    include_stop_str_in_output: bool = False  # the stop string that ends the text ends it included
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int = 0  # top-n logprobs per generated token; 0 = none
@@ -63,6 +61,8 @@ class SamplingParams:
     speculative: bool = True  # False: never speculate for this request (when the server does)
     lora: str = ""  # the LoRA adapter to generate with (jaxcb.host.lora); "" = the base model
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) added to the logits; a dict is taken too
+    min_tokens: int = 0  # tokens before an end-of-sequence or stop token may be sampled and a stop string ends it
+    include_stop_str_in_output: bool = False  # the stop string that ends the text ends it included
 
     def __post_init__(self):
         stop = self.stop or ()
