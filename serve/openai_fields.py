@@ -21,8 +21,12 @@ ERROR_TYPE = {400: "invalid_request_error", 401: "authentication_error", 404: "n
          429: "rate_limit_error", 500: "internal_error", 503: "service_unavailable"}
 EXTRAS = {"top_k", "min_p", "repetition_penalty", "ignore_eos", "min_tokens", "stop_token_ids",
           "include_stop_str_in_output", "priority", "cache_salt", "request_id", "structured_outputs", "speculative"}
+# OpenAI's fields about its own service that say nothing about the output (storing completions, billing
+# tier, cache routing, abuse tracking): SDKs and frameworks send them, a self-hosted server has nothing to
+# do with them. Their types are checked; anything else unknown is a 400 naming it.
+SERVICE_FIELDS = {"store": bool, "metadata": dict, "service_tier": str, "prompt_cache_key": str, "safety_identifier": str}
 COMMON_FIELDS = {"model", "stream", "stream_options", "n", "max_tokens", "temperature", "top_p", "presence_penalty",
-           "frequency_penalty", "seed", "stop", "user", "logit_bias"}
+           "frequency_penalty", "seed", "stop", "user", "logit_bias", *SERVICE_FIELDS}
 COMPLETION_FIELDS = COMMON_FIELDS | EXTRAS | {"prompt", "logprobs", "echo", "suffix", "best_of", "response_format"}
 CHAT_FIELDS = COMMON_FIELDS | EXTRAS | {"messages", "logprobs", "top_logprobs", "max_completion_tokens",
                                     "response_format", "tools", "tool_choice", "parallel_tool_calls",
@@ -170,6 +174,9 @@ def common_fields(body: dict) -> RequestOptions:
     priority = int_field(body, "priority", 0)
     salt, request_id = str_field(body, "cache_salt", ""), str_field(body, "request_id", "")
     str_field(body, "user", "")
+    for name, kind in SERVICE_FIELDS.items():
+        _typed(body, name, None, lambda v, kind=kind: isinstance(v, kind),
+               {bool: "true or false", dict: "an object", str: "a string"}[kind])
     check_priority(priority)
     frontend.check_ids(request_id, salt)
     return RequestOptions(stream, include_usage, priority, salt, request_id)

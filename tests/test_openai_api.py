@@ -194,6 +194,21 @@ def test_chat_template_kwargs_over_both_apis(server, oai, model_name):
         assert r.status_code == 400 and r.json()["error"]["message"].startswith("chat_template_kwargs"), r.text[:300]
 
 
+def test_openai_service_fields_are_taken_and_change_nothing(server, oai, model_name):
+    """store, metadata, service_tier, prompt_cache_key, safety_identifier (OpenAI's, about its own service):
+    the answer is the one without them; a wrong type is named; other unknown fields stay refused."""
+    args = dict(model=model_name, messages=[{"role": "user", "content": "Hi"}], max_tokens=5, temperature=0)
+    plain = oai.chat.completions.create(**args)
+    given = oai.chat.completions.create(**args, store=False, metadata={"team": "a"}, service_tier="auto",
+                                        extra_body={"prompt_cache_key": "k", "safety_identifier": "u1"})
+    assert given.choices[0].message.content == plain.choices[0].message.content
+    for body, message in (({"store": "no"}, "store: must be true or false"),
+                          ({"metadata": [1]}, "metadata: must be an object"),
+                          ({"audio": {}}, "audio: not a field this endpoint takes")):
+        r = httpx.post(server.http + "/v1/chat/completions", json={"messages": args["messages"], **body}, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["message"].startswith(message), r.text[:300]
+
+
 def test_echo_starts_each_choice_with_its_prompt(server, oai, model_name, tiny_model):
     """`echo: true` (completions): each choice's text is its prompt's (token ids decoded) and then the
     completion, whole and streamed (the prompt as each choice's first chunk), the same completion as
