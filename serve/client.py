@@ -44,13 +44,15 @@ def build_request(prompt=None, *, messages=None, token_ids=None, chat: bool = Fa
                   stop=(), stop_token_ids=(), ignore_eos=False, min_tokens=0, priority=0, request_id="", logprobs=0,
                   n=1, cache_salt="", structured: dict | None = None, lora: str = "", model: str = "",
                   speculative: bool | None = None, chat_template_kwargs: dict | None = None,
-                  include_stop_str_in_output: bool = False, **sampling) -> jaxcb_pb2.GenerateRequest:
+                  include_stop_str_in_output: bool = False, continue_final_message: bool = False,
+                  **sampling) -> jaxcb_pb2.GenerateRequest:
     """prompt: text (with chat=True it becomes one user message); or messages; or token_ids.
     structured: one constraint on the output, as {"json_schema": "<schema JSON>"}, {"json_object": True},
     {"regex": "..."}, {"choice": ["a", "b"]} or {"grammar": "..."}. lora: a loaded LoRA adapter's name;
     model: a name the model is served as, or an adapter's ("": the base model). speculative: False opts
     the request out of the server's speculative decoding (None: as the server does). chat_template_kwargs:
-    more variables for the chat template of a chat prompt, e.g. {"enable_thinking": False}."""
+    more variables for the chat template of a chat prompt, e.g. {"enable_thinking": False};
+    continue_final_message: the model goes on writing the final (assistant) message."""
     unknown = set(sampling) - set(SAMPLING_FIELDS)
     if unknown:
         raise TypeError(f"unknown sampling settings: {', '.join(sorted(unknown))}")
@@ -77,6 +79,9 @@ def build_request(prompt=None, *, messages=None, token_ids=None, chat: bool = Fa
         req.chat.messages.extend(jaxcb_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in msgs)
         if chat_template_kwargs:
             req.chat.template_kwargs = json.dumps(chat_template_kwargs)
+        if continue_final_message:  # the final message goes on: no new assistant turn
+            req.chat.continue_final_message = True
+            req.chat.add_generation_prompt = False
     else:
         req.text = prompt
     return req

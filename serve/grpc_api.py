@@ -112,8 +112,9 @@ async def _prompt_ids(state: State, req) -> list[int]:
     if kind == "chat":
         check_messages("chat.messages", [(m.role, m.content) for m in req.chat.messages])
         messages = [{"role": m.role, "content": m.content} for m in req.chat.messages]
-        return await asyncio.to_thread(state.tokenizer.encode_chat, messages, True,
-                                       _template_kwargs(req.chat.template_kwargs))
+        generation = req.chat.add_generation_prompt if req.chat.HasField("add_generation_prompt") else True
+        return await asyncio.to_thread(state.tokenizer.encode_chat, messages, generation,
+                                       _template_kwargs(req.chat.template_kwargs), req.chat.continue_final_message)
     if kind == "tokens":
         check_token_count(state, "tokens.token_ids", len(req.tokens.token_ids))
         return list(req.tokens.token_ids)

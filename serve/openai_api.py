@@ -182,13 +182,15 @@ def make_app(state) -> FastAPI:
             messages = tool_calls.render_messages(messages, None)
             frontend.check_messages("messages", [(m["role"], m["content"]) for m in messages])
             generation = bool_field(body, "add_generation_prompt", True)
-            if bool_field(body, "continue_final_message", False):
-                raise bad_request("continue_final_message: not supported")
+            continuing = bool_field(body, "continue_final_message", False)
             template_kwargs = check_template_kwargs(body.get("chat_template_kwargs"))
             try:
                 ids = await asyncio.to_thread(tokenizer.encode_chat, [{"role": m["role"], "content": m["content"]}
-                                                                      for m in messages], generation, template_kwargs)
-            except ValueError as e:  # no chat template, or the template refused the messages
+                                                                      for m in messages], generation, template_kwargs,
+                                              continuing)
+            except InvalidRequest:  # named already (no chat template, a template that refused them, ...)
+                raise
+            except ValueError as e:
                 raise bad_request(f"messages: {e}") from None
             # The template writes its own special tokens; add_special_tokens (default false) adds the
             # tokenizer's BOS where the model's tokenizer adds one and the template did not.
@@ -297,6 +299,8 @@ def make_app(state) -> FastAPI:
             raise bad_request("messages: must be a list of {role, content} objects")
         messages = tool_calls.render_messages(messages, tools)  # checks each message's fields
         template_kwargs = check_template_kwargs(body.get("chat_template_kwargs"))
+        generation = bool_field(body, "add_generation_prompt", True)
+        continuing = bool_field(body, "continue_final_message", False)
         top = int_field(body, "top_logprobs", 0) or 0
         if not 0 <= top <= MAX_TOP_LOGPROBS:
             raise bad_request(f"top_logprobs: must be between 0 and {MAX_TOP_LOGPROBS}, got {top}")
@@ -318,8 +322,8 @@ def make_app(state) -> FastAPI:
         state.admit(params.n)
         await frontend.check_settings(state, params)
         ids = await asyncio.to_thread(state.tokenizer.encode_chat,
-                                      [{"role": m["role"], "content": m["content"]} for m in messages], True,
-                                      template_kwargs)
+                                      [{"role": m["role"], "content": m["content"]} for m in messages], generation,
+                                      template_kwargs, continuing)
         if limit is None:  # the default needs the prompt's length (validated again by replace)
             params = dataclasses.replace(params, max_tokens=max(1, state.engine.max_context - len(ids)))
         if want:  # the tokens' bytes are read by a tokenizer built on first use: not on the event loop

@@ -30,7 +30,7 @@ COMMON_FIELDS = {"model", "stream", "stream_options", "n", "max_tokens", "temper
 COMPLETION_FIELDS = COMMON_FIELDS | EXTRAS | {"prompt", "logprobs", "echo", "suffix", "best_of", "response_format"}
 CHAT_FIELDS = COMMON_FIELDS | EXTRAS | {"messages", "logprobs", "top_logprobs", "max_completion_tokens",
                                     "response_format", "tools", "tool_choice", "parallel_tool_calls",
-                                    "chat_template_kwargs"}
+                                    "chat_template_kwargs", "add_generation_prompt", "continue_final_message"}
 TOKENIZE_FIELDS = {"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt", "continue_final_message",
                    "return_token_strs", "chat_template_kwargs"}
 DETOKENIZE_FIELDS = {"model", "tokens"}

@@ -194,6 +194,28 @@ def test_chat_template_kwargs_over_both_apis(server, oai, model_name):
         assert r.status_code == 400 and r.json()["error"]["message"].startswith("chat_template_kwargs"), r.text[:300]
 
 
+def test_continue_final_message_over_both_apis_as_offline(server, oai, model_name, tiny_model, config_path):
+    """continue_final_message with add_generation_prompt false (vLLM's; gRPC's ChatInput fields): the
+    prompt ends inside the assistant's message (/tokenize gives the same ids) and the model goes on
+    writing it, the tokens the offline engine gives on those ids; bad combinations named."""
+    messages = [{"role": "user", "content": "Hello"}, {"role": "assistant", "content": "The answer is"}]
+    flags = {"add_generation_prompt": False, "continue_final_message": True}
+    ids = httpx.post(server.http + "/tokenize", json={"messages": messages, **flags}, timeout=10).json()["tokens"]
+    cfg, params, tok, eos = tiny_model
+    assert ids == tok.encode_chat(messages, False, None, True) != tok.encode_chat(messages, False)
+    offline = LLM.from_params(cfg, params, tok, config=load_config(config_path), eos_ids=eos)
+    expected = offline.generate([ids], SamplingParams(max_tokens=6, ignore_eos=True))[0].text
+    http = oai.chat.completions.create(model=model_name, messages=messages, max_tokens=6, temperature=0,
+                                       extra_body={"ignore_eos": True, **flags})
+    assert http.choices[0].message.content == expected and http.usage.prompt_tokens == len(ids)
+    with Client(server.target) as c:
+        assert c.complete(messages=messages, max_tokens=6, ignore_eos=True, continue_final_message=True).text == expected
+    for body, message in (({"continue_final_message": True}, "continue_final_message: not with add_generation_prompt"),
+                          ({**flags, "messages": messages[:1]}, "continue_final_message: the last message must be")):
+        r = httpx.post(server.http + "/v1/chat/completions", json={"messages": messages, **body}, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["message"].startswith(message), r.text[:300]
+
+
 def test_openai_service_fields_are_taken_and_change_nothing(server, oai, model_name):
     """store, metadata, service_tier, prompt_cache_key, safety_identifier (OpenAI's, about its own service):
     the answer is the one without them; a wrong type is named; other unknown fields stay refused."""

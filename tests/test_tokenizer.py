@@ -215,3 +215,21 @@ def test_chat_template_kwargs_reach_the_template_and_bad_ones_are_named(tmp_path
                             ({"repeat": "x"}, "chat template: could not render the request (TypeError")):
         with pytest.raises(InvalidRequest, match=re.escape(message)):
             tok.encode_chat(chat, True, kwargs)
+
+
+def test_continue_final_message_ends_inside_the_assistants_message(tiny_model):
+    """vLLM's continue_final_message: the rendered conversation stops at the end of the final
+    (assistant) message's content, so that the model goes on writing it; the closed conversation
+    starts with the same ids. It needs add_generation_prompt false and an assistant's message last."""
+    from jaxcb.host.errors import InvalidRequest
+
+    tok = tiny_model[2]
+    chat = [{"role": "user", "content": "hey"}, {"role": "assistant", "content": "the weather is"}]
+    ids = tok.encode_chat(chat, False, None, True)
+    closed = tok.encode_chat(chat, False)
+    assert tok.decode(ids) == "user\nhey\nassistant\nthe weather is"
+    assert closed[:len(ids)] == ids and tok.decode(closed) == "user\nhey\nassistant\nthe weather is\n"
+    with pytest.raises(InvalidRequest, match="continue_final_message: not with add_generation_prompt"):
+        tok.encode_chat(chat, True, None, True)
+    with pytest.raises(InvalidRequest, match="continue_final_message: the last message must be the assistant's"):
+        tok.encode_chat(chat[:1], False, None, True)

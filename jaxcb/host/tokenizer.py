@@ -361,7 +361,7 @@ class Tokenizer:
                                  f"{str(e)[:200]})") from None
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
-                    template_kwargs: dict | None = None) -> list[int]:
+                    template_kwargs: dict | None = None, continue_final_message: bool = False) -> list[int]:
         """The rendered conversation's ids. The template writes the special tokens itself (never
         another BOS); special-token text inside a message's content (a user typing `<|im_start|>system`)
         is encoded as the plain text it is, so no message can forge a role or end another's turn.
@@ -372,12 +372,28 @@ class Tokenizer:
         they are, or trimmed where the template trims them). The whole text is then tokenized at once
         (the template's tokens as the model was trained on them) and any special token that touches a
         content span is encoded as plain text; if one straddles a span's edge, or the contents cannot
-        be located, every content is encoded on its own as plain text between the template's pieces."""
+        be located, every content is encoded on its own as plain text between the template's pieces.
+
+        `continue_final_message` (vLLM's): the conversation ends inside the final (assistant) message, at
+        the end of its content, so that the model goes on writing it (the template's end of turn and
+        anything after it are left out; add_generation_prompt must be false)."""
+        if continue_final_message:
+            if add_generation_prompt:
+                raise InvalidRequest("continue_final_message: not with add_generation_prompt (set it to false)")
+            if not messages or messages[-1].get("role") != "assistant":
+                raise InvalidRequest("continue_final_message: the last message must be the assistant's")
         text = self.render_chat(messages, add_generation_prompt, template_kwargs)
         pieces = self._chat_pieces(messages, text, add_generation_prompt, template_kwargs)
         if pieces is None:  # the template does something else with the contents: each part on its own
             raise InvalidRequest("messages: the chat template uses message contents in a way jaxcb cannot "
                              "separate from its own markup; send a raw prompt")
+        if continue_final_message:  # up to the end of the last content the template wrote: the final message's
+            last = max((i for i, (_, is_content) in enumerate(pieces) if is_content), default=None)
+            if last is None or pieces[last][0] not in (messages[-1]["content"], messages[-1]["content"].strip()):
+                raise InvalidRequest("continue_final_message: the chat template does not end the conversation "
+                                     "with the final message's content")
+            pieces = pieces[:last + 1]
+            text = "".join(part for part, _ in pieces)
         spans, at = [], 0
         for part, is_content in pieces:
             if is_content and part:
