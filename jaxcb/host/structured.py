@@ -173,7 +173,7 @@ def grammar_schema(schema):
                             for k, v in value.items()}
             elif key in _ONE_SCHEMA or key in _SCHEMA_LISTS:
                 out[key] = close(value, f"{pointer}/{key}", False)
-            elif key == "format" and value not in FORMATS:
+            elif key == "format" and isinstance(value, str) and value not in FORMATS:
                 continue
             else:
                 out[key] = value
