@@ -44,7 +44,7 @@ def build_request(prompt=None, *, messages=None, token_ids=None, chat: bool = Fa
                   stop=(), stop_token_ids=(), ignore_eos=False, min_tokens=0, priority=0, request_id="", logprobs=0,
                   n=1, cache_salt="", structured: dict | None = None, lora: str = "", model: str = "",
                   speculative: bool | None = None, chat_template_kwargs: dict | None = None,
-                  include_stop_str_in_output: bool = False, continue_final_message: bool = False,
+                  include_stop_str_in_output: bool = False, continue_final_message: bool = False, allowed_token_ids=(),
                   **sampling) -> jaxcb_pb2.GenerateRequest:
     """prompt: text (with chat=True it becomes one user message); or messages; or token_ids.
     structured: one constraint on the output, as {"json_schema": "<schema JSON>"}, {"json_object": True},
@@ -59,7 +59,8 @@ def build_request(prompt=None, *, messages=None, token_ids=None, chat: bool = Fa
     req = jaxcb_pb2.GenerateRequest(max_tokens=max_tokens, stop=list(stop), stop_token_ids=list(stop_token_ids),
                                     ignore_eos=ignore_eos, min_tokens=min_tokens, priority=priority,
                                     request_id=request_id, logprobs=logprobs, n=n, cache_salt=cache_salt, lora=lora,
-                                    model=model, include_stop_str_in_output=include_stop_str_in_output)
+                                    model=model, include_stop_str_in_output=include_stop_str_in_output,
+                                    allowed_token_ids=list(allowed_token_ids))
     if speculative is not None:
         req.speculative = speculative
     for kind, value in (structured or {}).items():

@@ -23,7 +23,8 @@ from grpc_reflection.v1alpha import reflection
 
 from jaxcb.device import cpu_dots
 from jaxcb.host.errors import InvalidConfig, InvalidRequest, JaxcbError, NotFound, Overloaded, StepFailed, Unauthenticated, Unavailable
-from jaxcb.host.request import SamplingParams, TokenEvent, check_logit_bias_count, check_stop_counts
+from jaxcb.host.request import (SamplingParams, TokenEvent, check_allowed_count, check_logit_bias_count,
+                                check_stop_counts)
 from jaxcb.host.structured import MAX_CHOICES, Constraint
 from jaxcb.host.tokenizer import check_template_kwargs
 from serve.frontend import (MAX_REQUEST_BYTES, ServerOptions, State, check_ids, check_messages, check_settings,
@@ -53,6 +54,7 @@ def tenant_of(state: State, context) -> str:
 def _sampling(req) -> SamplingParams:
     s = req.sampling
     check_stop_counts(len(req.stop), len(req.stop_token_ids))  # before the lists are copied
+    check_allowed_count(len(req.allowed_token_ids))
     check_logit_bias_count(len(s.logit_bias))
     return SamplingParams(
         max_tokens=req.max_tokens, temperature=s.temperature, top_k=s.top_k,
@@ -61,7 +63,7 @@ def _sampling(req) -> SamplingParams:
         presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
         seed=s.seed if s.HasField("seed") else None, stop=tuple(req.stop),
         stop_token_ids=tuple(req.stop_token_ids), ignore_eos=req.ignore_eos, min_tokens=req.min_tokens,
-        include_stop_str_in_output=req.include_stop_str_in_output,
+        include_stop_str_in_output=req.include_stop_str_in_output, allowed_token_ids=tuple(req.allowed_token_ids),
         logprobs=req.logprobs,
         n=req.n or 1, structured=_structured(req),
         speculative=req.speculative if req.HasField("speculative") else True, lora=req.lora,

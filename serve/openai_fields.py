@@ -12,7 +12,8 @@ import re
 from fastapi.responses import JSONResponse
 
 from jaxcb.host.errors import InvalidRequest, JaxcbError, NotFound, Overloaded, StepFailed, Unauthenticated, Unavailable
-from jaxcb.host.request import SamplingParams, check_priority, check_stop_counts, logit_bias_from_json
+from jaxcb.host.request import (SamplingParams, check_allowed_count, check_priority, check_stop_counts,
+                                logit_bias_from_json)
 from jaxcb.host.structured import Constraint, from_response_format, from_structured_outputs
 from serve import frontend
 
@@ -20,7 +21,7 @@ HTTP_STATUS = {InvalidRequest: 400, NotFound: 404, Overloaded: 429, Unavailable:
 ERROR_TYPE = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error", 413: "invalid_request_error",
          429: "rate_limit_error", 500: "internal_error", 503: "service_unavailable"}
 EXTRAS = {"top_k", "min_p", "repetition_penalty", "ignore_eos", "min_tokens", "stop_token_ids",
-          "include_stop_str_in_output", "priority", "cache_salt", "request_id", "structured_outputs", "speculative"}
+          "include_stop_str_in_output", "allowed_token_ids", "priority", "cache_salt", "request_id", "structured_outputs", "speculative"}
 # OpenAI's fields about its own service that say nothing about the output (storing completions, billing
 # tier, cache routing, abuse tracking): SDKs and frameworks send them, a self-hosted server has nothing to
 # do with them. Their types are checked; anything else unknown is a 400 naming it.
@@ -105,6 +106,12 @@ def sampling_params(body: dict, *, max_tokens: int, logprobs: int) -> SamplingPa
     check_stop_counts(0, len(stop_token_ids or ()))
     if stop_token_ids and not is_token_ids(stop_token_ids):
         raise bad_request("stop_token_ids: must be a list of token ids")
+    allowed = body.get("allowed_token_ids")
+    if allowed is not None and not isinstance(allowed, list):
+        raise bad_request("allowed_token_ids: must be a list of token ids")
+    check_allowed_count(len(allowed or ()))
+    if allowed and not is_token_ids(allowed):
+        raise bad_request("allowed_token_ids: must be a list of token ids")
     ignore_eos = bool_field(body, "ignore_eos", False)
     return SamplingParams(
         max_tokens=max_tokens, temperature=number_field(body, "temperature", 1.0), top_p=number_field(body, "top_p", 1.0),
@@ -114,6 +121,7 @@ def sampling_params(body: dict, *, max_tokens: int, logprobs: int) -> SamplingPa
         frequency_penalty=number_field(body, "frequency_penalty", 0.0), seed=int_field(body, "seed"),
         stop=stop or (), stop_token_ids=stop_token_ids or (), ignore_eos=ignore_eos,
         include_stop_str_in_output=bool_field(body, "include_stop_str_in_output", False),
+        allowed_token_ids=allowed or (),
         min_tokens=int_field(body, "min_tokens", 0), logprobs=logprobs, n=int_field(body, "n", 1),
         structured=constraint_of(body), speculative=bool_field(body, "speculative", True),
         logit_bias=logit_bias_from_json(body.get("logit_bias")))

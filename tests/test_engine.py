@@ -148,13 +148,13 @@ def test_min_tokens_holds_back_stop_tokens_and_stop_strings_until_then(make_llm)
     assert p.held_ends((2,), 0) == p.held_ends((2,), 2) == (5, 2) and p.held_ends((2,), 3) == ()
     assert SamplingParams(max_tokens=8, min_tokens=3, ignore_eos=True).held_ends((2,), 0) == ()
     # In the step's mask (bit t of word t // 32); one that would allow nothing is left as it was.
-    from jaxcb.host.batch import SamplingRow, hold_back_ends
+    from jaxcb.host.batch import SamplingRow, narrow_row
 
     allowed = np.full((2, 2), -1, np.int32)
     allowed[1] = [1 << 2, 0]  # a grammar that allows only the end-of-sequence token 2
     row = SamplingRow(SamplingParams(max_tokens=8, min_tokens=3, stop_token_ids=(31, 33)), 0, [1], [7])
     for i in (0, 1):
-        hold_back_ends(allowed, i, row, (2,))
+        narrow_row(allowed, i, row, (2,))
     assert allowed.view(np.uint32).tolist() == [[0xFFFFFFFF & ~(1 << 31) & ~(1 << 2), 0xFFFFFFFF & ~(1 << 1)],
                                                 [1 << 2, 0]]
     with pytest.raises(InvalidRequest, match="min_tokens: must be <= 8, got 9"):
@@ -163,6 +163,29 @@ def test_min_tokens_holds_back_stop_tokens_and_stop_strings_until_then(make_llm)
     choice = llm.generate([prompts[1]], SamplingParams(max_tokens=20, min_tokens=20,
                                                        structured=Constraint.choice(["ab", "cd"])))[0]
     assert choice.text in ("ab", "cd") and choice.finish_reason == FinishReason.STOP
+
+
+def test_allowed_token_ids_are_the_only_tokens_sampled(make_llm):
+    """vLLM's allowed_token_ids: greedy and random samples come from the list only (greedy: the best of
+    them); a row beside it keeps its tokens; with a grammar that allows none of them, the grammar decides."""
+    llm = make_llm()
+    prompts = random_prompts(llm, (6, 5))
+    free = llm.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True))
+    pool = sorted(set(free[0].token_ids[1:4]) | {3, 17})
+    logits_order = llm.generate([prompts[0]], SamplingParams(max_tokens=1, ignore_eos=True, logprobs=20))[0]
+    greedy, beside = llm.generate(prompts, [SamplingParams(max_tokens=12, ignore_eos=True, allowed_token_ids=pool),
+                                            SamplingParams(max_tokens=12, ignore_eos=True)])
+    assert set(greedy.token_ids) <= set(pool) and beside.token_ids == free[1].token_ids
+    ranked = [t for t, _ in logits_order.logprobs[0][1] if t in pool]  # the first token: the best allowed one
+    assert not ranked or greedy.token_ids[0] == ranked[0]
+    drawn = llm.generate([prompts[0]] * 2, [SamplingParams(max_tokens=20, ignore_eos=True, temperature=1.0, seed=s,
+                                                           allowed_token_ids=pool) for s in (1, 2)])
+    assert all(set(o.token_ids) <= set(pool) for o in drawn) and len({t for o in drawn for t in o.token_ids}) > 1
+    choice = llm.generate([prompts[1]], SamplingParams(max_tokens=20, allowed_token_ids=(3,),
+                                                       structured=Constraint.choice(["ab", "cd"])))[0]
+    assert choice.text in ("ab", "cd") and choice.finish_reason == FinishReason.STOP
+    with pytest.raises(InvalidRequest, match=r"allowed_token_ids: token id 100000 is outside the vocabulary"):
+        llm.generate([prompts[0]], SamplingParams(max_tokens=2, allowed_token_ids=(5, 100000)))
 
 
 def test_logprobs_and_stats(make_llm):

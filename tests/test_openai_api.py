@@ -108,7 +108,7 @@ def test_logit_bias_gives_the_same_tokens_over_both_apis_and_the_offline_engine(
 
 
 def test_min_tokens_and_stop_token_ids_over_both_apis_as_offline(server, oai, model_name, tiny_model, config_path):
-    """vLLM's min_tokens, stop_token_ids and include_stop_str_in_output over HTTP, the same over gRPC and
+    """vLLM's min_tokens, stop_token_ids, include_stop_str_in_output and allowed_token_ids over HTTP, the same over gRPC and
     SamplingParams offline: the same tokens (a stop token ends the text; before min_tokens it is never
     sampled) and text; bad values named."""
     prompt = [5, 6, 7, 8, 9]
@@ -151,6 +151,20 @@ def test_min_tokens_and_stop_token_ids_over_both_apis_as_offline(server, oai, mo
     with Client(server.target) as c, pytest.raises(grpc.RpcError) as e:
         c.complete(token_ids=prompt, max_tokens=2, min_tokens=3)
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and e.value.details() == "min_tokens: must be <= 2, got 3"
+    # allowed_token_ids (vLLM's): the only tokens sampled, the same over both APIs as offline.
+    allowed = sorted(set(free[2:6]) | {7})
+    expected = offline.generate([prompt], SamplingParams(max_tokens=8, ignore_eos=True, allowed_token_ids=allowed))[0]
+    assert set(expected.token_ids) <= set(allowed)
+    http = oai.completions.create(model=model_name, prompt=prompt, max_tokens=8, temperature=0.0,
+                                  extra_body={"ignore_eos": True, "allowed_token_ids": allowed})
+    with Client(server.target) as c:
+        grpc_out = c.complete(token_ids=prompt, max_tokens=8, ignore_eos=True, allowed_token_ids=allowed)
+    assert http.choices[0].text == grpc_out.text == expected.text
+    for body, message in (({"allowed_token_ids": 5}, "allowed_token_ids: must be a list of token ids"),
+                          ({"allowed_token_ids": [-1]}, "allowed_token_ids: token id -1 is outside the vocabulary"),
+                          ({"allowed_token_ids": [0] * ((1 << 18) + 1)}, "allowed_token_ids: at most 262144")):
+        r = httpx.post(server.http + "/v1/completions", json={"prompt": prompt, "max_tokens": 10, **body}, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["message"].startswith(message), (body, r.text[:300])
 
 
 def test_chat_streaming_with_usage(oai, model_name):

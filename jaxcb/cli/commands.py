@@ -24,7 +24,7 @@ from jaxcb.model.embedded import served_name
 
 GENERATION_FIELDS = ("max_tokens", "min_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty",
                      "presence_penalty", "frequency_penalty", "seed", "stop", "include_stop_str_in_output",
-                     "stop_token_ids", "ignore_eos", "logprobs", "n", "speculative")
+                     "stop_token_ids", "allowed_token_ids", "ignore_eos", "logprobs", "n", "speculative")
 LINE_FIELDS = {"prompt", "prompt_token_ids", "messages", "chat", "priority", "id", "response_format",
                "structured_outputs", "logit_bias", "chat_template_kwargs", *GENERATION_FIELDS}
 

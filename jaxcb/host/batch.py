@@ -24,6 +24,7 @@ Packing is vectorised: no Python loop runs per token.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 
 import numpy as np
@@ -253,9 +254,9 @@ def pack_sampling(rows: list[SamplingRow], shape: StepShape, vocab_size: int,
                   extra: list[SamplingRow] = (), eos_ids=()) -> SamplingInput:
     """Sampling settings for the step's sequences (row i = sequence i) and its extra sample positions
     (`extra`, rows M ..: speculation). The token history that the penalties need is filled only for
-    rows that use a penalty; it always fits (C = the context limit). `allowed` is all ones but for the
-    ends a row may not sample yet (min_tokens; `eos_ids`: the model's end-of-sequence tokens): the engine
-    writes the constrained rows' masks into it."""
+    rows that use a penalty; it always fits (C = the context limit). `allowed` is all ones but where a
+    row's request narrows it (narrow_row: allowed_token_ids, and min_tokens' held-back ends; `eos_ids`: the
+    model's end-of-sequence tokens): the engine writes the constrained rows' masks into it."""
     m, c = shape.rows, shape.history
     assert len(rows) <= shape.seqs and len(extra) <= shape.extra_rows
     out = SamplingInput(
@@ -273,19 +274,45 @@ def pack_sampling(rows: list[SamplingRow], shape: StepShape, vocab_size: int,
     return out
 
 
-def hold_back_ends(allowed: np.ndarray, i: int, row: SamplingRow, eos_ids) -> None:
-    """Clear from row i of `allowed` the tokens that `row` may not sample yet (SamplingParams.held_ends:
-    its stop and end-of-sequence tokens before min_tokens). A mask that would then allow nothing (a
-    grammar that can only end) is left as it was: the grammar's end ends the request."""
-    ends = row.params.held_ends(eos_ids, len(row.output_ids) + row.pending) if row.samples else ()
-    if not ends:
+def narrow_row(allowed: np.ndarray, i: int, row: SamplingRow, eos_ids) -> None:
+    """Row i of `allowed` narrowed to what `row`'s request allows besides any grammar: only its
+    allowed_token_ids, and not yet its stop and end-of-sequence tokens (SamplingParams.held_ends, before
+    min_tokens). Each narrowing that would leave nothing (a grammar that can only end, or allows none of
+    the allowed ids) is not made: the grammar decides."""
+    if not row.samples:
         return
+    p = row.params
     words = allowed[i].view(np.uint32)
-    kept = words.copy()
-    for t in ends:
-        words[t >> 5] &= np.uint32(~(1 << (t & 31)) & 0xFFFFFFFF)
-    if not words.any():
-        words[:] = kept
+    if p.allowed_token_ids:
+        only = words & _id_mask(p.allowed_token_ids, len(words))
+        if only.any():
+            words[:] = only
+    ends = p.held_ends(eos_ids, len(row.output_ids) + row.pending)
+    if ends:
+        kept = words.copy()
+        for t in ends:
+            words[t >> 5] &= np.uint32(~(1 << (t & 31)) & 0xFFFFFFFF)
+        if not words.any():
+            words[:] = kept
+
+
+_ID_MASKS: collections.OrderedDict[int, tuple[tuple, np.ndarray]] = collections.OrderedDict()
+
+
+def _id_mask(ids: tuple[int, ...], words: int) -> np.ndarray:
+    """The bitmask (uint32 words) of `ids`, made once per request's tuple (kept for the last 64 tuples:
+    a step would otherwise hash or scan each long list again)."""
+    hit = _ID_MASKS.get(id(ids))
+    if hit is not None and hit[0] is ids and len(hit[1]) == words:
+        _ID_MASKS.move_to_end(id(ids))
+        return hit[1]
+    a = np.asarray(ids, np.int64)
+    mask = np.zeros(words, np.uint32)
+    np.bitwise_or.at(mask, a >> 5, np.left_shift(np.uint32(1), (a & 31).astype(np.uint32)))
+    _ID_MASKS[id(ids)] = (ids, mask)
+    while len(_ID_MASKS) > 64:
+        _ID_MASKS.popitem(last=False)
+    return mask
 
 
 def pack_chunks(chunks, shape: StepShape, page_size: int, window: int, vocab_size: int, seed_of,
@@ -332,8 +359,8 @@ def _fill(out: SamplingInput, first: int, rows: list[SamplingRow], c: int, eos_i
     out.seed[first:first + n, 1] = (seeds & np.uint64(0xFFFFFFFF)).astype(np.uint32)
     out.counter[first:first + n] = [len(r.output_ids) + r.pending for r in rows]
     for i, (row, p) in enumerate(zip(rows, params), start=first):
-        if p.min_tokens:
-            hold_back_ends(out.allowed, i, row, eos_ids)
+        if p.min_tokens or p.allowed_token_ids:
+            narrow_row(out.allowed, i, row, eos_ids)
         if row.samples and p.logit_bias:
             out.bias_ids[i, :len(p.logit_bias)], out.bias[i, :len(p.logit_bias)] = zip(*p.logit_bias)
         if row.samples and (p.repetition_penalty, p.presence_penalty, p.frequency_penalty) != _PENALTY_FREE:

@@ -29,7 +29,7 @@ from typing import Callable
 
 import numpy as np
 
-from jaxcb.host.batch import hold_back_ends, pack_chunks
+from jaxcb.host.batch import narrow_row, pack_chunks
 from jaxcb.host.buckets import LengthLog
 from jaxcb.host.draft import describe_speculation, draft_proposer
 from jaxcb.host.engine_config import EngineConfig
@@ -352,8 +352,8 @@ class Engine:
                 waited = early = True
             t0 = time.perf_counter()
             n = self.grammars.fill_rows([chunks[i].request for i in constrained], constrained, sampling.allowed)
-            for i in constrained:  # a grammar's mask replaced the row's: its held-back ends again
-                hold_back_ends(sampling.allowed, i, rows[i], self.scheduler.eos_ids)
+            for i in constrained:  # a grammar's mask replaced the row's: the request's own narrowing again
+                narrow_row(sampling.allowed, i, rows[i], self.scheduler.eos_ids)
             cnt.add_masks(n, time.perf_counter() - t0)
         started = self._clock() if early else None  # queued behind nothing: it starts at its dispatch
         result = self.runner.run(batch, sampling, shape)

@@ -20,6 +20,7 @@ from jaxcb.host.structured import Constraint
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
+MAX_ALLOWED_TOKEN_IDS = 1 << 18  # allowed_token_ids: a vocabulary's worth (Gemma 3's is 262,144)
 MAX_LOGPROBS = 20
 MAX_SAMPLES = 16
 MAX_LOGIT_BIAS = 300  # token ids a request may bias (OpenAI's limit); the sampler's static width
@@ -63,11 +64,14 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) added to the logits; a dict is taken too
     min_tokens: int = 0  # tokens before an end-of-sequence or stop token may be sampled and a stop string ends it
     include_stop_str_in_output: bool = False  # the stop string that ends the text ends it included
+    allowed_token_ids: tuple[int, ...] = ()  # the only tokens a sample may be (vLLM's); () = any
 
     def __post_init__(self):
         stop = self.stop or ()
         object.__setattr__(self, "stop", (stop,) if isinstance(stop, str) else tuple(stop))  # "END": one stop
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in (self.stop_token_ids or ())))
+        check_allowed_count(len(self.allowed_token_ids or ()))
+        object.__setattr__(self, "allowed_token_ids", tuple(int(t) for t in (self.allowed_token_ids or ())))
         _check_int("max_tokens", self.max_tokens, low=1)
         _check_int("min_tokens", self.min_tokens, low=0, high=self.max_tokens)
         _check_finite("temperature", self.temperature, low=0.0)
@@ -200,11 +204,19 @@ def check_tokens(prompt_ids, params: SamplingParams, max_context: int, vocab_siz
     check_param_ids(params, v)
 
 
+def check_allowed_count(n: int) -> None:
+    """The number of allowed_token_ids."""
+    if n > MAX_ALLOWED_TOKEN_IDS:
+        raise InvalidRequest(f"allowed_token_ids: at most {MAX_ALLOWED_TOKEN_IDS}, got {n}")
+
+
 def check_param_ids(params: SamplingParams, vocab_size: int) -> None:
-    """The token ids a request's settings name (stop_token_ids, logit_bias) against the vocabulary."""
-    bad = next((t for t in params.stop_token_ids if not 0 <= t < vocab_size), None)
-    if bad is not None:
-        raise InvalidRequest(f"stop_token_ids: token id {bad} is outside the vocabulary [0, {vocab_size})")
+    """The token ids a request's settings name (stop_token_ids, allowed_token_ids, logit_bias) against
+    the vocabulary."""
+    for name in ("stop_token_ids", "allowed_token_ids"):
+        bad = next((t for t in getattr(params, name) if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise InvalidRequest(f"{name}: token id {bad} is outside the vocabulary [0, {vocab_size})")
     bad = next((t for t, _ in params.logit_bias if t >= vocab_size), None)
     if bad is not None:
         raise InvalidRequest(f"logit_bias: token id {bad} is outside the vocabulary [0, {vocab_size})")
