@@ -300,17 +300,17 @@ _ID_MASKS: collections.OrderedDict[int, tuple[tuple, np.ndarray]] = collections.
 
 
 def _id_mask(ids: tuple[int, ...], words: int) -> np.ndarray:
-    """The bitmask (uint32 words) of `ids`, made once per request's tuple (kept for the last 64 tuples:
-    a step would otherwise hash or scan each long list again)."""
+    """The bitmask (uint32 words) of `ids`, made once per request's tuple (the last 1,024 kept, more than
+    a step's rows: a step would otherwise scan each long list again)."""
     hit = _ID_MASKS.get(id(ids))
     if hit is not None and hit[0] is ids and len(hit[1]) == words:
         _ID_MASKS.move_to_end(id(ids))
         return hit[1]
-    a = np.asarray(ids, np.int64)
-    mask = np.zeros(words, np.uint32)
-    np.bitwise_or.at(mask, a >> 5, np.left_shift(np.uint32(1), (a & 31).astype(np.uint32)))
+    bits = np.zeros(words * 32, bool)
+    bits[np.asarray(ids, np.int64)] = True
+    mask = np.packbits(bits, bitorder="little").view("<u4")  # bit t of word t // 32
     _ID_MASKS[id(ids)] = (ids, mask)
-    while len(_ID_MASKS) > 64:
+    while len(_ID_MASKS) > 1024:
         _ID_MASKS.popitem(last=False)
     return mask
 
