@@ -21,7 +21,8 @@ HTTP_STATUS = {InvalidRequest: 400, NotFound: 404, Overloaded: 429, Unavailable:
 ERROR_TYPE = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error", 413: "invalid_request_error",
          429: "rate_limit_error", 500: "internal_error", 503: "service_unavailable"}
 EXTRAS = {"top_k", "min_p", "repetition_penalty", "ignore_eos", "min_tokens", "stop_token_ids",
-          "include_stop_str_in_output", "allowed_token_ids", "priority", "cache_salt", "request_id", "structured_outputs", "speculative"}
+          "include_stop_str_in_output", "allowed_token_ids", "priority", "cache_salt", "request_id",
+          "structured_outputs", "speculative"}
 # OpenAI's fields about its own service that say nothing about the output (storing completions, billing
 # tier, cache routing, abuse tracking): SDKs and frameworks send them, a self-hosted server has nothing to
 # do with them. Their types are checked; anything else unknown is a 400 naming it.
@@ -92,6 +93,19 @@ def str_field(body: dict, name: str, default: str) -> str:
     return _typed(body, name, default, lambda v: isinstance(v, str), "a string")
 
 
+def _ids_field(body: dict, name: str, check_count) -> list[int]:
+    """body[name] as a list of token ids (absent or null: none), its length checked before it is read."""
+    ids = body.get(name)
+    if ids is None:
+        return []
+    if not isinstance(ids, list):
+        raise bad_request(f"{name}: must be a list of token ids")
+    check_count(len(ids))
+    if not is_token_ids(ids):
+        raise bad_request(f"{name}: must be a list of token ids")
+    return ids
+
+
 def sampling_params(body: dict, *, max_tokens: int, logprobs: int) -> SamplingParams:
     stop = body.get("stop")
     if stop is not None and not isinstance(stop, (str, list)):
@@ -100,18 +114,8 @@ def sampling_params(body: dict, *, max_tokens: int, logprobs: int) -> SamplingPa
         check_stop_counts(len(stop), 0)
     if isinstance(stop, list) and not all(isinstance(x, str) for x in stop):
         raise bad_request("stop: must be a string or a list of strings")
-    stop_token_ids = body.get("stop_token_ids")
-    if stop_token_ids is not None and not isinstance(stop_token_ids, list):
-        raise bad_request("stop_token_ids: must be a list of token ids")
-    check_stop_counts(0, len(stop_token_ids or ()))
-    if stop_token_ids and not is_token_ids(stop_token_ids):
-        raise bad_request("stop_token_ids: must be a list of token ids")
-    allowed = body.get("allowed_token_ids")
-    if allowed is not None and not isinstance(allowed, list):
-        raise bad_request("allowed_token_ids: must be a list of token ids")
-    check_allowed_count(len(allowed or ()))
-    if allowed and not is_token_ids(allowed):
-        raise bad_request("allowed_token_ids: must be a list of token ids")
+    stop_token_ids = _ids_field(body, "stop_token_ids", lambda n: check_stop_counts(0, n))
+    allowed = _ids_field(body, "allowed_token_ids", check_allowed_count)
     ignore_eos = bool_field(body, "ignore_eos", False)
     return SamplingParams(
         max_tokens=max_tokens, temperature=number_field(body, "temperature", 1.0), top_p=number_field(body, "top_p", 1.0),
@@ -119,9 +123,9 @@ def sampling_params(body: dict, *, max_tokens: int, logprobs: int) -> SamplingPa
         repetition_penalty=number_field(body, "repetition_penalty", 1.0),
         presence_penalty=number_field(body, "presence_penalty", 0.0),
         frequency_penalty=number_field(body, "frequency_penalty", 0.0), seed=int_field(body, "seed"),
-        stop=stop or (), stop_token_ids=stop_token_ids or (), ignore_eos=ignore_eos,
+        stop=stop or (), stop_token_ids=stop_token_ids, ignore_eos=ignore_eos,
         include_stop_str_in_output=bool_field(body, "include_stop_str_in_output", False),
-        allowed_token_ids=allowed or (),
+        allowed_token_ids=allowed,
         min_tokens=int_field(body, "min_tokens", 0), logprobs=logprobs, n=int_field(body, "n", 1),
         structured=constraint_of(body), speculative=bool_field(body, "speculative", True),
         logit_bias=logit_bias_from_json(body.get("logit_bias")))
