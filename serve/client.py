@@ -45,6 +45,7 @@ def build_request(prompt=None, *, messages=None, token_ids=None, chat: bool = Fa
                   n=1, cache_salt="", structured: dict | None = None, lora: str = "", model: str = "",
                   speculative: bool | None = None, chat_template_kwargs: dict | None = None,
                   include_stop_str_in_output: bool = False, continue_final_message: bool = False, allowed_token_ids=(),
+                  truncate_prompt_tokens: int | None = None,
                   **sampling) -> jaxcb_pb2.GenerateRequest:
     """prompt: text (with chat=True it becomes one user message); or messages; or token_ids.
     structured: one constraint on the output, as {"json_schema": "<schema JSON>"}, {"json_object": True},
@@ -63,6 +64,8 @@ def build_request(prompt=None, *, messages=None, token_ids=None, chat: bool = Fa
                                     allowed_token_ids=list(allowed_token_ids))
     if speculative is not None:
         req.speculative = speculative
+    if truncate_prompt_tokens is not None:
+        req.truncate_prompt_tokens = truncate_prompt_tokens
     for kind, value in (structured or {}).items():
         if kind == "choice":
             req.structured.choice.values.extend(value)

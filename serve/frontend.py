@@ -243,3 +243,19 @@ def check_ids(request_id: str, cache_salt: str) -> None:
 
 def check_token_count(state: State, field: str, n: int) -> None:
     check_prompt_length(field, n, state.engine.max_context)
+
+
+def prompt_keep(state: State, value) -> int | None:
+    """truncate_prompt_tokens (vLLM's), checked: how many of a prompt's last tokens to keep (-1: as many as
+    the context holds with one left to generate), or None to keep it whole."""
+    if value is None:
+        return None
+    limit = state.engine.max_context - 1
+    if isinstance(value, bool) or not isinstance(value, int) or not (value == -1 or 1 <= value <= limit):
+        raise InvalidRequest(f"truncate_prompt_tokens: must be -1 or between 1 and {limit}, got {value!r}")
+    return limit if value == -1 else value
+
+
+def truncated(ids: list[int], keep: int | None) -> list[int]:
+    """A prompt's ids cut to its last `keep` (prompt_keep) from the left, as vLLM cuts them."""
+    return ids if keep is None or len(ids) <= keep else ids[-keep:]

@@ -28,7 +28,7 @@ from jaxcb.host.request import (SamplingParams, TokenEvent, check_allowed_count,
 from jaxcb.host.structured import MAX_CHOICES, Constraint
 from jaxcb.host.tokenizer import check_template_kwargs
 from serve.frontend import (MAX_REQUEST_BYTES, ServerOptions, State, check_ids, check_messages, check_settings,
-                            check_text, check_token_count, tenant, token_index)
+                            check_text, check_token_count, prompt_keep, tenant, token_index, truncated)
 from serve.proto import jaxcb_pb2, jaxcb_pb2_grpc, jetstream_pb2, jetstream_pb2_grpc
 
 log = logging.getLogger("jaxcb.serve")
@@ -105,8 +105,13 @@ def _structured(req) -> Constraint | None:
 
 
 async def _prompt_ids(state: State, req) -> list[int]:
-    """The request's prompt as token ids. Sizes are checked first (nothing is copied, scanned or
-    tokenized past a limit), and tokenization runs off the event loop."""
+    """The request's prompt as token ids, cut to its last truncate_prompt_tokens if set. Sizes are checked
+    first (nothing is copied, scanned or tokenized past a limit), and tokenization runs off the event loop."""
+    keep = prompt_keep(state, req.truncate_prompt_tokens if req.HasField("truncate_prompt_tokens") else None)
+    return truncated(await _whole_prompt_ids(state, req, keep is None), keep)
+
+
+async def _whole_prompt_ids(state: State, req, check_length: bool) -> list[int]:
     kind = req.WhichOneof("input")
     if kind == "text":
         check_text("text", req.text)
@@ -118,7 +123,8 @@ async def _prompt_ids(state: State, req) -> list[int]:
         return await asyncio.to_thread(state.tokenizer.encode_chat, messages, generation,
                                        _template_kwargs(req.chat.template_kwargs), req.chat.continue_final_message)
     if kind == "tokens":
-        check_token_count(state, "tokens.token_ids", len(req.tokens.token_ids))
+        if check_length:
+            check_token_count(state, "tokens.token_ids", len(req.tokens.token_ids))
         return list(req.tokens.token_ids)
     raise InvalidRequest("input: one of text, chat or tokens is required")
 

@@ -267,13 +267,14 @@ def make_app(state) -> FastAPI:
         params = sampling_params(body, max_tokens=int_field(body, "max_tokens", 16), logprobs=logprobs)
         params = dataclasses.replace(params, lora=adapter_of(body))
         given = prompt_list(body.get("prompt"))
+        keep = frontend.prompt_keep(state, body.get("truncate_prompt_tokens"))
         state.admit(len(given) * params.n)
         await frontend.check_settings(state, params)
-        prompts = await _completion_prompts(given)
+        prompts = await _completion_prompts(given, keep)
         echoed = None
-        if echo:  # each choice's text starts with its prompt's (token ids decoded)
-            echoed = [p if isinstance(p, str) else await asyncio.to_thread(_tokenizer().decode, p)
-                      for p in given]
+        if echo:  # each choice's text starts with its prompt's (token ids decoded; what is kept of it, if cut)
+            echoed = [p if isinstance(p, str) and keep is None else await asyncio.to_thread(_tokenizer().decode, ids)
+                      for p, ids in zip(given, prompts)]
         return await answer(state, request, options, tenant, prompts, params, chat=False, echo=echoed)
 
     @app.post("/v1/chat/completions")
@@ -299,6 +300,7 @@ def make_app(state) -> FastAPI:
             raise bad_request("messages: must be a list of {role, content} objects")
         messages = tool_calls.render_messages(messages, tools)  # checks each message's fields
         template_kwargs = check_template_kwargs(body.get("chat_template_kwargs"))
+        keep = frontend.prompt_keep(state, body.get("truncate_prompt_tokens"))
         generation = bool_field(body, "add_generation_prompt", True)
         continuing = bool_field(body, "continue_final_message", False)
         top = int_field(body, "top_logprobs", 0) or 0
@@ -324,6 +326,7 @@ def make_app(state) -> FastAPI:
         ids = await asyncio.to_thread(state.tokenizer.encode_chat,
                                       [{"role": m["role"], "content": m["content"]} for m in messages], generation,
                                       template_kwargs, continuing)
+        ids = frontend.truncated(ids, keep)
         if limit is None:  # the default needs the prompt's length (validated again by replace)
             params = dataclasses.replace(params, max_tokens=max(1, state.engine.max_context - len(ids)))
         if want:  # the tokens' bytes are read by a tokenizer built on first use: not on the event loop
@@ -331,20 +334,21 @@ def make_app(state) -> FastAPI:
         return await answer(state, request, options, tenant, [ids], params, chat=True, top_logprobs=top,
                             tools=tools if tools is not None and tools.active else None)
 
-    async def _completion_prompts(prompts: list) -> list[list[int]]:
-        """The prompts (prompt_list's) as token ids; every size (total characters, token counts) is
-        checked before any is tokenized."""
+    async def _completion_prompts(prompts: list, keep: int | None) -> list[list[int]]:
+        """The prompts (prompt_list's) as token ids, each cut to its last `keep` (truncate_prompt_tokens);
+        every size (total characters, token counts) is checked before any is tokenized."""
         total = sum(len(p) for p in prompts if isinstance(p, str))
         if total > frontend.MAX_TEXT_CHARS:
             raise InvalidRequest(f"prompt: {total} characters in all; the limit is {frontend.MAX_TEXT_CHARS}")
         for p in prompts:
             if isinstance(p, str):
                 frontend.check_text("prompt", p)
-            else:
+            elif keep is None:
                 frontend.check_token_count(state, "prompt", len(p))
         out = []
         for p in prompts:
-            out.append(await asyncio.to_thread(state.tokenizer.encode, p) if isinstance(p, str) else list(p))
+            ids = await asyncio.to_thread(state.tokenizer.encode, p) if isinstance(p, str) else p
+            out.append(list(frontend.truncated(ids, keep)))
         return out
 
     return app

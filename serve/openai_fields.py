@@ -21,7 +21,8 @@ HTTP_STATUS = {InvalidRequest: 400, NotFound: 404, Overloaded: 429, Unavailable:
 ERROR_TYPE = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error", 413: "invalid_request_error",
          429: "rate_limit_error", 500: "internal_error", 503: "service_unavailable"}
 EXTRAS = {"top_k", "min_p", "repetition_penalty", "ignore_eos", "min_tokens", "stop_token_ids",
-          "include_stop_str_in_output", "allowed_token_ids", "priority", "cache_salt", "request_id",
+          "include_stop_str_in_output", "allowed_token_ids", "truncate_prompt_tokens", "priority", "cache_salt",
+          "request_id",
           "structured_outputs", "speculative"}
 # OpenAI's fields about its own service that say nothing about the output (storing completions, billing
 # tier, cache routing, abuse tracking): SDKs and frameworks send them, a self-hosted server has nothing to

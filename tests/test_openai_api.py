@@ -230,6 +230,36 @@ def test_continue_final_message_over_both_apis_as_offline(server, oai, model_nam
         assert r.status_code == 400 and r.json()["error"]["message"].startswith(message), r.text[:300]
 
 
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens_over_both_apis(server, oai, model_name, tiny_model,
+                                                                             config_path):
+    """vLLM's truncate_prompt_tokens: a prompt longer than the context is cut from the left to its last N
+    tokens (-1: as many as fit with one to generate) and answered as those tokens are offline; a token
+    prompt that long is refused without it; bad values named."""
+    cfg, params, tok, eos = tiny_model
+    offline = LLM.from_params(cfg, params, tok, config=load_config(config_path), eos_ids=eos)
+    prompt = [5 + i % 200 for i in range(300)]  # past the context of 256
+    expected = offline.generate([prompt[-8:]], SamplingParams(max_tokens=4, ignore_eos=True))[0]
+    http = oai.completions.create(model=model_name, prompt=prompt, max_tokens=4, temperature=0,
+                                  extra_body={"ignore_eos": True, "truncate_prompt_tokens": 8})
+    assert http.choices[0].text == expected.text and http.usage.prompt_tokens == 8
+    with Client(server.target) as c:
+        assert c.complete(token_ids=prompt, max_tokens=4, ignore_eos=True, truncate_prompt_tokens=8).text == expected.text
+        whole = c.complete(token_ids=prompt, max_tokens=1, ignore_eos=True, truncate_prompt_tokens=-1)
+        assert whole.prompt_tokens == 255
+    most = oai.completions.create(model=model_name, prompt=prompt, max_tokens=1, temperature=0,
+                                  extra_body={"ignore_eos": True, "truncate_prompt_tokens": -1})
+    assert most.usage.prompt_tokens == 255
+    chat = oai.chat.completions.create(model=model_name, messages=[{"role": "user", "content": "Hello there"}],
+                                       max_tokens=2, temperature=0, extra_body={"truncate_prompt_tokens": 3})
+    assert chat.usage.prompt_tokens == 3
+    for body, message in (({}, "prompt: 300 tokens; the limit is 255"),
+                          ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens: must be -1 or between 1 and 255"),
+                          ({"truncate_prompt_tokens": 256}, "truncate_prompt_tokens: must be -1 or between 1 and 255"),
+                          ({"truncate_prompt_tokens": "8"}, "truncate_prompt_tokens: must be -1 or between 1")):
+        r = httpx.post(server.http + "/v1/completions", json={"prompt": prompt, "max_tokens": 1, **body}, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["message"].startswith(message), (body, r.text[:300])
+
+
 def test_openai_service_fields_are_taken_and_change_nothing(server, oai, model_name):
     """store, metadata, service_tier, prompt_cache_key, safety_identifier (OpenAI's, about its own service):
     the answer is the one without them; a wrong type is named; other unknown fields stay refused."""
