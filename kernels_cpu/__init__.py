@@ -151,8 +151,9 @@ def layer_matmul(x, w, layer, scale=None, offset=None, act_block=0):
 
 
 def rows_matmul(x, rows, scale=None):
-    """x [M, E] float32 @ rows [V, E]^T -> [M, V] float32: rows float32, bfloat16 (each value widened
-    exactly, float32 sums), or int8 with `scale` float32 [V, G] (a scale per E/G values of each row)."""
+    """x [M, E] float32 @ rows [V, E]^T -> [M, V] float32: rows float32, bfloat16 (x rounded to bfloat16,
+    the exact products summed in float32), or int8 with `scale` float32 [V, G] (a scale per E/G values of
+    each row)."""
     import jax
     import jax.numpy as jnp
 

@@ -37,12 +37,11 @@ from fastapi.responses import PlainTextResponse, Response
 
 import jaxcb
 from jaxcb.host.errors import InvalidConfig, InvalidRequest, JaxcbError, NotFound, Unauthenticated
-from jaxcb.host.tokenizer import check_template_kwargs
 from serve import frontend, openai_responses, tool_calls
 from serve.openai_answer import answer
 from serve.openai_fields import (CHAT_FIELDS, COMPLETION_FIELDS, DETOKENIZE_FIELDS, TOKENIZE_FIELDS, MAX_TOP_LOGPROBS,
                                  HTTPError, bad_request, bool_field, check_fields, common_fields, http_error,
-                                 int_field, parse_json, prompt_list, sampling_params, str_field)
+                                 int_field, parse_json, prompt_list, sampling_params, str_field, template_fields)
 
 
 LIMITED = ("/v1/", "/tokenize", "/detokenize")  # the paths of API calls (what the concurrency limit counts)
@@ -181,13 +180,9 @@ def make_app(state) -> FastAPI:
                 raise bad_request("messages: must be a list of {role, content} objects")
             messages = tool_calls.render_messages(messages, None)
             frontend.check_messages("messages", [(m["role"], m["content"]) for m in messages])
-            generation = bool_field(body, "add_generation_prompt", True)
-            continuing = bool_field(body, "continue_final_message", False)
-            template_kwargs = check_template_kwargs(body.get("chat_template_kwargs"))
             try:
                 ids = await asyncio.to_thread(tokenizer.encode_chat, [{"role": m["role"], "content": m["content"]}
-                                                                      for m in messages], generation, template_kwargs,
-                                              continuing)
+                                                                      for m in messages], *template_fields(body))
             except InvalidRequest:  # named already (no chat template, a template that refused them, ...)
                 raise
             except ValueError as e:
@@ -299,10 +294,8 @@ def make_app(state) -> FastAPI:
         if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
             raise bad_request("messages: must be a list of {role, content} objects")
         messages = tool_calls.render_messages(messages, tools)  # checks each message's fields
-        template_kwargs = check_template_kwargs(body.get("chat_template_kwargs"))
+        template = template_fields(body)
         keep = frontend.prompt_keep(state, body.get("truncate_prompt_tokens"))
-        generation = bool_field(body, "add_generation_prompt", True)
-        continuing = bool_field(body, "continue_final_message", False)
         top = int_field(body, "top_logprobs", 0) or 0
         if not 0 <= top <= MAX_TOP_LOGPROBS:
             raise bad_request(f"top_logprobs: must be between 0 and {MAX_TOP_LOGPROBS}, got {top}")
@@ -324,8 +317,7 @@ def make_app(state) -> FastAPI:
         state.admit(params.n)
         await frontend.check_settings(state, params)
         ids = await asyncio.to_thread(state.tokenizer.encode_chat,
-                                      [{"role": m["role"], "content": m["content"]} for m in messages], generation,
-                                      template_kwargs, continuing)
+                                      [{"role": m["role"], "content": m["content"]} for m in messages], *template)
         ids = frontend.truncated(ids, keep)
         if limit is None:  # the default needs the prompt's length (validated again by replace)
             params = dataclasses.replace(params, max_tokens=max(1, state.engine.max_context - len(ids)))

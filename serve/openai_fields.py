@@ -15,6 +15,7 @@ from jaxcb.host.errors import InvalidRequest, JaxcbError, NotFound, Overloaded, 
 from jaxcb.host.request import (SamplingParams, check_allowed_count, check_priority, check_stop_counts,
                                 logit_bias_from_json)
 from jaxcb.host.structured import Constraint, from_response_format, from_structured_outputs
+from jaxcb.host.tokenizer import check_template_kwargs
 from serve import frontend
 
 HTTP_STATUS = {InvalidRequest: 400, NotFound: 404, Overloaded: 429, Unavailable: 503, Unauthenticated: 401, StepFailed: 500}
@@ -105,6 +106,13 @@ def _ids_field(body: dict, name: str, check_count) -> list[int]:
     if not is_token_ids(ids):
         raise bad_request(f"{name}: must be a list of token ids")
     return ids
+
+
+def template_fields(body: dict) -> tuple[bool, dict, bool]:
+    """The chat template's fields of a chat or /tokenize body, checked, in Tokenizer.encode_chat's order:
+    add_generation_prompt, chat_template_kwargs, continue_final_message."""
+    return (bool_field(body, "add_generation_prompt", True), check_template_kwargs(body.get("chat_template_kwargs")),
+            bool_field(body, "continue_final_message", False))
 
 
 def sampling_params(body: dict, *, max_tokens: int, logprobs: int) -> SamplingParams:
