@@ -33,6 +33,9 @@ class Completion:
     error: str | None = None
     index: int = 0  # which sample of the prompt (SamplingParams.n)
     num_cached_tokens: int = 0  # prompt tokens taken from the prefix cache instead of computed
+    # SamplingParams.prompt_logprobs: None, then per prompt token after the first (logprob, rank,
+    # ((token_id, logprob), ...top-n)) given the tokens before it
+    prompt_logprobs: list | None = None
 
 
 def read_model_config(path: str | None = None):
@@ -335,6 +338,8 @@ def _apply(out: Completion, ev: TokenEvent) -> None:
     out.num_cached_tokens = ev.num_cached_tokens
     if ev.logprobs and out.logprobs is not None:
         out.logprobs.extend(ev.logprobs)
+    if ev.prompt_logprobs is not None:
+        out.prompt_logprobs = [None, *ev.prompt_logprobs]
     if ev.finished:
         out.finish_reason = ev.finish_reason.value if isinstance(ev.finish_reason, FinishReason) else ev.finish_reason
         out.error = ev.error

@@ -22,6 +22,7 @@ class Chunk:
     token_ids: list[int]
     text: str
     logprobs: list | None = None
+    prompt_logprobs: list | None = None  # (token_id, logprob, rank, [(id, logprob), ...]) per prompt token after the first
 
 
 @dataclasses.dataclass
@@ -34,6 +35,7 @@ class Result:
     completion_tokens: int
     cached_prompt_tokens: int = 0
     index: int = 0  # which sample (GenerateRequest.n)
+    prompt_logprobs: list | None = None  # prompt_logprobs: as Chunk's
 
 
 SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
@@ -45,7 +47,7 @@ def build_request(prompt=None, *, messages=None, token_ids=None, chat: bool = Fa
                   n=1, cache_salt="", structured: dict | None = None, lora: str = "", model: str = "",
                   speculative: bool | None = None, chat_template_kwargs: dict | None = None,
                   include_stop_str_in_output: bool = False, continue_final_message: bool = False, allowed_token_ids=(),
-                  truncate_prompt_tokens: int | None = None,
+                  truncate_prompt_tokens: int | None = None, prompt_logprobs: int | None = None,
                   **sampling) -> jaxcb_pb2.GenerateRequest:
     """prompt: text (with chat=True it becomes one user message); or messages; or token_ids.
     structured: one constraint on the output, as {"json_schema": "<schema JSON>"}, {"json_object": True},
@@ -66,6 +68,8 @@ def build_request(prompt=None, *, messages=None, token_ids=None, chat: bool = Fa
         req.speculative = speculative
     if truncate_prompt_tokens is not None:
         req.truncate_prompt_tokens = truncate_prompt_tokens
+    if prompt_logprobs is not None:
+        req.prompt_logprobs = prompt_logprobs
     for kind, value in (structured or {}).items():
         if kind == "choice":
             req.structured.choice.values.extend(value)
@@ -110,17 +114,22 @@ class _Collector:
     def __init__(self):
         self.ids: list[int] = []
         self.text: list[str] = []
+        self.prompt_logprobs: list | None = None
 
     def add(self, resp) -> Chunk | Result:
         if resp.HasField("chunk"):
             lps = [(lp.token_id, lp.logprob, [(t.token_id, t.logprob) for t in lp.top]) for lp in resp.chunk.logprobs]
-            chunk = Chunk(list(resp.chunk.token_ids), resp.chunk.text, lps or None)
+            prompt = [(lp.token_id, lp.logprob, lp.rank, [(t.token_id, t.logprob) for t in lp.top])
+                      for lp in resp.chunk.prompt_logprobs]
+            chunk = Chunk(list(resp.chunk.token_ids), resp.chunk.text, lps or None, prompt or None)
+            if prompt:
+                self.prompt_logprobs = prompt
             self.ids.extend(chunk.token_ids)
             self.text.append(chunk.text)
             return chunk
         u = resp.final.usage
         return Result(resp.request_id, self.ids, "".join(self.text), resp.final.finish_reason, u.prompt_tokens,
-                      u.completion_tokens, u.cached_prompt_tokens, resp.index)
+                      u.completion_tokens, u.cached_prompt_tokens, resp.index, self.prompt_logprobs)
 
 
 def _result(responses) -> Result:

@@ -64,7 +64,7 @@ def _sampling(req) -> SamplingParams:
         seed=s.seed if s.HasField("seed") else None, stop=tuple(req.stop),
         stop_token_ids=tuple(req.stop_token_ids), ignore_eos=req.ignore_eos, min_tokens=req.min_tokens,
         include_stop_str_in_output=req.include_stop_str_in_output, allowed_token_ids=tuple(req.allowed_token_ids),
-        logprobs=req.logprobs,
+        logprobs=req.logprobs, prompt_logprobs=req.prompt_logprobs if req.HasField("prompt_logprobs") else None,
         n=req.n or 1, structured=_structured(req),
         speculative=req.speculative if req.HasField("speculative") else True, lora=req.lora,
         logit_bias=dict(s.logit_bias),
@@ -138,6 +138,13 @@ def _logprobs_pb(ev: TokenEvent):
     return out
 
 
+def _prompt_logprobs_pb(prompt: list[int], ev: TokenEvent):
+    """The prompt's logprobs (a sample's first event), one per prompt token after the first."""
+    return [jaxcb_pb2.TokenLogprobs(token_id=token, logprob=lp, rank=rank,
+                                    top=[jaxcb_pb2.TopLogprob(token_id=t, logprob=l) for t, l in top])
+            for token, (lp, rank, top) in zip(prompt[1:], ev.prompt_logprobs or ())]
+
+
 class JaxcbService(jaxcb_pb2_grpc.JaxcbServicer):
     def __init__(self, state: State):
         self.state = state
@@ -161,9 +168,10 @@ class JaxcbService(jaxcb_pb2_grpc.JaxcbServicer):
             async with contextlib.aclosing(self.state.stream(ids, params, request.priority, request.request_id,
                                                              tenant, request.cache_salt)) as events:
                 async for rid, ev in events:
-                    if ev.token_ids or ev.text:
+                    if ev.token_ids or ev.text or ev.prompt_logprobs is not None:
                         yield jaxcb_pb2.GenerateResponse(request_id=rid, index=ev.index, chunk=jaxcb_pb2.GenerateChunk(
-                            token_ids=list(ev.token_ids), text=ev.text, logprobs=_logprobs_pb(ev)))
+                            token_ids=list(ev.token_ids), text=ev.text, logprobs=_logprobs_pb(ev),
+                            prompt_logprobs=_prompt_logprobs_pb(ids, ev)))
                     if ev.finished:
                         usage = jaxcb_pb2.Usage(prompt_tokens=ev.num_prompt_tokens, completion_tokens=ev.num_output_tokens,
                                                 cached_prompt_tokens=ev.num_cached_tokens)

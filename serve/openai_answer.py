@@ -21,10 +21,13 @@ from serve.openai_fields import ERROR_TYPE, HTTPError, RequestOptions, http_erro
 
 
 async def answer(state, request: Request, options: RequestOptions, tenant: str, prompts: list[list[int]], params, *,
-                 chat: bool, top_logprobs: int = 0, tools=None, echo: list[str] | None = None):
+                 chat: bool, top_logprobs: int = 0, tools=None, echo: list[str] | None = None,
+                 prompt_field: bool = False):
     """Run the prompts (each params.n samples) and answer as OpenAI does: server-sent chunks with
     `stream`, else one JSON body once all are done; a client that hangs up has its requests aborted.
-    `echo` (completions): each prompt's text, which its choices' texts start with."""
+    `echo` (completions): each prompt's text, which its choices' texts start with, and with logprobs its
+    tokens' logprobs those of the choice's (the first None). `prompt_field`: each choice carries vLLM's
+    `prompt_logprobs` list."""
     for p in prompts:  # every prompt checked before any is submitted
         state.engine.validate(p, params)
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
@@ -57,13 +60,20 @@ async def answer(state, request: Request, options: RequestOptions, tenant: str, 
     def shape(i, ev):
         index = i * n + ev.index
         logprobs = _logprobs(state.tokenizer, ev, chat, top_logprobs) if ev.logprobs else None
+        prompt = None
+        if ev.prompt_logprobs is not None:  # a sample's first event
+            if echo is not None and params.logprobs:
+                logprobs = _merge(_echo_logprobs(state.tokenizer, prompts[i], ev.prompt_logprobs), logprobs, chat)
+            if prompt_field:
+                prompt = _vllm_prompt_logprobs(state.tokenizer, prompts[i], ev.prompt_logprobs,
+                                               params.prompt_logprobs)
         finish = (ev.finish_reason.value if isinstance(ev.finish_reason, FinishReason) else ev.finish_reason)
         if ev.finished:
             usage["completion_tokens"] += ev.num_output_tokens
             if ev.index == 0:
                 usage["prompt_tokens"] += ev.num_prompt_tokens
                 usage["cached"] += ev.num_cached_tokens
-        return index, ev.text, logprobs, finish if ev.finished else None
+        return index, ev.text, logprobs, finish if ev.finished else None, prompt
 
     def usage_json():
         return {"prompt_tokens": usage["prompt_tokens"], "completion_tokens": usage["completion_tokens"],
@@ -103,7 +113,7 @@ async def answer(state, request: Request, options: RequestOptions, tenant: str, 
                                               "param": e.param, "code": e.code}})
                         break
                     left -= ev.finished
-                    index, text, logprobs, finish = shape(i, ev)
+                    index, text, logprobs, finish, prompt = shape(i, ev)
                     delta = {"content": text} if text else {}
                     if tools is not None:  # text in, content and tool-call deltas out
                         calls = streams.setdefault(index, tool_calls.CallStream(tools))
@@ -113,9 +123,11 @@ async def answer(state, request: Request, options: RequestOptions, tenant: str, 
                             delta["tool_calls"] = pieces
                         if finish == "stop" and calls.calls:
                             finish = "tool_calls"
-                    if not (delta or finish or logprobs):
+                    if not (delta or finish or logprobs or prompt):
                         continue
                     choice = {"index": index, "logprobs": logprobs, "finish_reason": finish}
+                    if prompt is not None:
+                        choice["prompt_logprobs"] = prompt
                     choice.update({"delta": delta} if chat else {"text": text})
                     yield _sse({"id": rid, "object": obj, "created": created, "model": model_name,
                                 "choices": [choice]})
@@ -133,16 +145,19 @@ async def answer(state, request: Request, options: RequestOptions, tenant: str, 
     texts = [echo[k // n] if echo is not None else "" for k in range(len(prompts) * n)]
     logs: list = [None] * len(texts)
     finishes = [None] * len(texts)
+    prompt_lists: list = [None] * len(texts)
 
     async def collect():
         nonlocal left
         while left:
             i, ev = await next_event()
             left -= ev.finished
-            index, text, logprobs, finish = shape(i, ev)
+            index, text, logprobs, finish, prompt = shape(i, ev)
             texts[index] += text
             if logprobs:
                 logs[index] = _merge(logs[index], logprobs, chat)
+            if prompt is not None:
+                prompt_lists[index] = prompt
             if finish:
                 finishes[index] = finish
 
@@ -171,10 +186,16 @@ async def answer(state, request: Request, options: RequestOptions, tenant: str, 
                 choice["message"] = {"role": "assistant", "content": content or None, "tool_calls": calls}
                 if choice["finish_reason"] == "stop":
                     choice["finish_reason"] = "tool_calls"
+        if prompt_field:
+            for k, choice in enumerate(choices):
+                choice["prompt_logprobs"] = prompt_lists[k]
         return {"id": rid, "object": "chat.completion", "created": created, "model": model_name,
                 "choices": choices, "usage": usage_json()}
-    choices = [{"index": k, "text": texts[k], "logprobs": logs[k], "finish_reason": finishes[k]}
+    choices = [{"index": k, "text": texts[k], "logprobs": _with_offsets(logs[k]), "finish_reason": finishes[k]}
                for k in range(len(texts))]
+    if prompt_field:
+        for k, choice in enumerate(choices):
+            choice["prompt_logprobs"] = prompt_lists[k]
     return {"id": rid, "object": "text_completion", "created": created, "model": model_name,
             "choices": choices, "usage": usage_json()}
 
@@ -211,9 +232,41 @@ def _logprobs(tokenizer, ev, chat: bool, top: int):
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": []}
 
 
+def _echo_logprobs(tokenizer, prompt: list[int], entries) -> dict:
+    """A prompt's tokens in completions' logprobs shape: the first token has no logprob (nothing comes
+    before it), each other its logprob and the best alternatives given the tokens before it."""
+    tokens = [_token_text(tokenizer, t) for t in prompt]
+    return {"tokens": tokens, "token_logprobs": [None] + [lp for lp, _, _ in entries],
+            "top_logprobs": [None] + [{_token_text(tokenizer, t): l for t, l in top} for _, _, top in entries],
+            "text_offset": []}
+
+
+def _vllm_prompt_logprobs(tokenizer, prompt: list[int], entries, n: int) -> list:
+    """vLLM's prompt_logprobs: None for the first token, then for each token {token id: {logprob, rank,
+    decoded_token}} of itself and the n best alternatives."""
+    out = [None]
+    for token, (lp, rank, top) in zip(prompt[1:], entries):
+        d = {str(t): {"logprob": l, "rank": k, "decoded_token": _token_text(tokenizer, t)}
+             for k, (t, l) in enumerate(top[:n], start=1)}
+        d[str(token)] = {"logprob": lp, "rank": rank, "decoded_token": _token_text(tokenizer, token)}
+        out.append(d)
+    return out
+
+
+def _with_offsets(logprobs):
+    """Completions' logprobs with each token's character offset in the choice's text."""
+    if logprobs is None:
+        return None
+    offsets, at = [], 0
+    for token in logprobs["tokens"]:
+        offsets.append(at)
+        at += len(token)
+    return {**logprobs, "text_offset": offsets}
+
+
 def _merge(old, new, chat: bool):
-    if old is None:
-        return new
+    if old is None or new is None:
+        return new if old is None else old
     if chat:
         return {"content": old["content"] + new["content"]}
     return {k: old[k] + new[k] for k in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}

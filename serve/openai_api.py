@@ -257,9 +257,11 @@ def make_app(state) -> FastAPI:
             raise bad_request("best_of: only 1 is supported")
         options = common_fields(body)
         logprobs = int_field(body, "logprobs", 0) or 0
-        if echo and logprobs:  # the prompt's own logprobs: the engine computes logits at sampled rows only
-            raise bad_request("echo: with logprobs (the prompt tokens' logprobs) is not supported")
-        params = sampling_params(body, max_tokens=int_field(body, "max_tokens", 16), logprobs=logprobs)
+        max_tokens = int_field(body, "max_tokens", 16)
+        # echo with logprobs: the prompt's tokens' logprobs lead the choice's (lm-eval's loglikelihood);
+        # echo with max_tokens 0: the prompt alone, scored (OpenAI's legacy scoring call)
+        scored = logprobs if echo and (logprobs or max_tokens == 0) else None
+        params = sampling_params(body, max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=scored)
         params = dataclasses.replace(params, lora=adapter_of(body))
         given = prompt_list(body.get("prompt"))
         keep = frontend.prompt_keep(state, body.get("truncate_prompt_tokens"))
@@ -270,7 +272,8 @@ def make_app(state) -> FastAPI:
         if echo:  # each choice's text starts with its prompt's (token ids decoded; what is kept of it, if cut)
             echoed = [p if isinstance(p, str) and keep is None else await asyncio.to_thread(_tokenizer().decode, ids)
                       for p, ids in zip(given, prompts)]
-        return await answer(state, request, options, tenant, prompts, params, chat=False, echo=echoed)
+        return await answer(state, request, options, tenant, prompts, params, chat=False, echo=echoed,
+                            prompt_field="prompt_logprobs" in body)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -324,7 +327,8 @@ def make_app(state) -> FastAPI:
         if want:  # the tokens' bytes are read by a tokenizer built on first use: not on the event loop
             await asyncio.to_thread(state.tokenizer.token_bytes, 0)
         return await answer(state, request, options, tenant, [ids], params, chat=True, top_logprobs=top,
-                            tools=tools if tools is not None and tools.active else None)
+                            tools=tools if tools is not None and tools.active else None,
+                            prompt_field="prompt_logprobs" in body)
 
     async def _completion_prompts(prompts: list, keep: int | None) -> list[list[int]]:
         """The prompts (prompt_list's) as token ids, each cut to its last `keep` (truncate_prompt_tokens);

@@ -23,7 +23,7 @@ ERROR_TYPE = {400: "invalid_request_error", 401: "authentication_error", 404: "n
          429: "rate_limit_error", 500: "internal_error", 503: "service_unavailable"}
 EXTRAS = {"top_k", "min_p", "repetition_penalty", "ignore_eos", "min_tokens", "stop_token_ids",
           "include_stop_str_in_output", "allowed_token_ids", "truncate_prompt_tokens", "priority", "cache_salt",
-          "request_id",
+          "request_id", "prompt_logprobs",
           "structured_outputs", "speculative"}
 # OpenAI's fields about its own service that say nothing about the output (storing completions, billing
 # tier, cache routing, abuse tracking): SDKs and frameworks send them, a self-hosted server has nothing to
@@ -115,7 +115,9 @@ def template_fields(body: dict) -> tuple[bool, dict, bool]:
             bool_field(body, "continue_final_message", False))
 
 
-def sampling_params(body: dict, *, max_tokens: int, logprobs: int) -> SamplingParams:
+def sampling_params(body: dict, *, max_tokens: int, logprobs: int, prompt_logprobs: int | None = None) -> SamplingParams:
+    """The request's SamplingParams. `prompt_logprobs`: at least this many alternatives for each prompt
+    token (completions' echo with logprobs), besides what vLLM's prompt_logprobs field asks for."""
     stop = body.get("stop")
     if stop is not None and not isinstance(stop, (str, list)):
         raise bad_request("stop: must be a string or a list of strings")
@@ -126,7 +128,10 @@ def sampling_params(body: dict, *, max_tokens: int, logprobs: int) -> SamplingPa
     stop_token_ids = _ids_field(body, "stop_token_ids", lambda n: check_stop_counts(0, n))
     allowed = _ids_field(body, "allowed_token_ids", check_allowed_count)
     ignore_eos = bool_field(body, "ignore_eos", False)
-    return SamplingParams(
+    asked = int_field(body, "prompt_logprobs")
+    if prompt_logprobs is not None:
+        asked = prompt_logprobs if asked is None else max(asked, prompt_logprobs)
+    return SamplingParams(prompt_logprobs=asked,
         max_tokens=max_tokens, temperature=number_field(body, "temperature", 1.0), top_p=number_field(body, "top_p", 1.0),
         top_k=int_field(body, "top_k", 0), min_p=number_field(body, "min_p", 0.0),
         repetition_penalty=number_field(body, "repetition_penalty", 1.0),

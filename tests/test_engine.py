@@ -70,7 +70,8 @@ def test_no_compilation_after_warmup_for_200_random_requests(make_llm):
                     max_tokens=int(rng.integers(1, 256 - plen)) if rng.random() < 0.1 else int(rng.integers(1, 40)),
                     temperature=float(rng.choice([0.0, 0.7, 1.3])), top_k=int(rng.choice([0, 5])),
                     top_p=float(rng.choice([1.0, 0.8])), repetition_penalty=float(rng.choice([1.0, 1.2])),
-                    ignore_eos=bool(rng.random() < 0.5), logprobs=int(rng.choice([0, 3])))
+                    ignore_eos=bool(rng.random() < 0.5), logprobs=int(rng.choice([0, 3])),
+                    prompt_logprobs=[None, None, None, 0, 2][int(rng.integers(0, 5))])
                 engine.add_request(rng.integers(3, 280, size=plen).tolist(), params)
                 submitted += 1
         finished += sum(ev.finished for ev in engine.step())

@@ -10,6 +10,7 @@ import time
 
 import grpc
 import httpx
+import numpy as np
 import openai
 import pytest
 from hypothesis import HealthCheck, event, given, settings
@@ -278,7 +279,7 @@ def test_openai_service_fields_are_taken_and_change_nothing(server, oai, model_n
 def test_echo_starts_each_choice_with_its_prompt(server, oai, model_name, tiny_model):
     """`echo: true` (completions): each choice's text is its prompt's (token ids decoded) and then the
     completion, whole and streamed (the prompt as each choice's first chunk), the same completion as
-    without echo; with logprobs (the prompt tokens' own, which the engine does not compute) a 400."""
+    without echo."""
     _, _, tok, _ = tiny_model
     prompts = ["Hello there", [5, 6, 7]]
     args = dict(model=model_name, prompt=prompts, max_tokens=5, n=2, temperature=0, extra_body={"ignore_eos": True})
@@ -292,8 +293,62 @@ def test_echo_starts_each_choice_with_its_prompt(server, oai, model_name, tiny_m
         for c in chunk.choices:
             texts[c.index] += c.text
     assert texts == [c.text for c in echoed.choices]
-    r = httpx.post(server.http + "/v1/completions", json={"prompt": "hi", "echo": True, "logprobs": 1}, timeout=10)
-    assert r.status_code == 400 and r.json()["error"]["message"].startswith("echo: with logprobs")
+
+
+def test_echo_with_logprobs_scores_the_prompt_as_the_offline_engine(server, oai, model_name, tiny_model, config_path):
+    """lm-eval's loglikelihood call (token ids, echo, logprobs 1, max_tokens 1) and OpenAI's legacy
+    scoring call (max_tokens 0): each prompt token's logprob given the tokens before it (the first None),
+    then the completion's, as the offline engine's prompt_logprobs; vLLM's prompt_logprobs field over
+    completions and chat, with each token's rank; the streamed logprobs are the whole answer's."""
+    cfg, params, tok, eos = tiny_model
+    offline = LLM.from_params(cfg, params, tok, config=load_config(config_path), eos_ids=eos)
+    prompt = [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21]
+    want = offline.generate([prompt], SamplingParams(max_tokens=1, logprobs=1, prompt_logprobs=2))[0]
+    r = oai.completions.create(model=model_name, prompt=prompt, max_tokens=1, logprobs=1, echo=True, temperature=0)
+    lp = r.choices[0].logprobs
+    assert len(lp.token_logprobs) == len(prompt) + 1 and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.token_logprobs[1:-1] == pytest.approx([e[0] for e in want.prompt_logprobs[1:]], abs=1e-5)
+    assert lp.token_logprobs[-1] == pytest.approx(want.logprobs[0][0], abs=1e-5)
+    assert lp.tokens == [tok.decode([t], skip_special=False) for t in prompt + want.token_ids]
+    assert lp.text_offset == list(np.cumsum([0] + [len(t) for t in lp.tokens[:-1]]))
+    for top, entry in zip(lp.top_logprobs[1:-1], want.prompt_logprobs[1:]):
+        best, value = entry[2][0]
+        assert top == {tok.decode([best], skip_special=False): pytest.approx(value, abs=1e-5)}
+    assert r.choices[0].text == tok.decode(prompt) + want.text
+    streamed = []
+    for chunk in oai.completions.create(model=model_name, prompt=prompt, max_tokens=1, logprobs=1, echo=True,
+                                        temperature=0, stream=True):
+        for c in chunk.choices:
+            streamed += (c.logprobs.token_logprobs if c.logprobs else [])
+    assert streamed == lp.token_logprobs
+    only = oai.completions.create(model=model_name, prompt=prompt, max_tokens=0, logprobs=0, echo=True,
+                                  extra_body={"prompt_logprobs": 2})
+    assert only.choices[0].text == tok.decode(prompt) and only.usage.completion_tokens == 0
+    assert only.choices[0].finish_reason == "length"
+    plp = only.choices[0].model_extra["prompt_logprobs"]
+    assert plp[0] is None and len(plp) == len(prompt)
+    for token, got, (value, rank, top) in zip(prompt[1:], plp[1:], want.prompt_logprobs[1:]):
+        assert got[str(token)]["logprob"] == pytest.approx(value, abs=1e-5) and got[str(token)]["rank"] == rank
+        assert {int(k) for k in got} == {token} | {t for t, _ in top}
+        assert got[str(top[0][0])]["rank"] == 1
+    chat = httpx.post(server.http + "/v1/chat/completions", timeout=30, json={
+        "model": model_name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "prompt_logprobs": 0})
+    chat_lp = chat.json()["choices"][0]["prompt_logprobs"]
+    assert chat.status_code == 200 and chat_lp[0] is None and all(len(d) == 1 for d in chat_lp[1:])
+    with Client(server.target) as c:  # gRPC: GenerateRequest.prompt_logprobs, in the first chunk
+        scored = c.complete(token_ids=prompt, max_tokens=0, prompt_logprobs=2)
+        assert scored.token_ids == [] and scored.finish_reason == "length"
+        assert [(t, rank, [i for i, _ in top]) for t, _, rank, top in scored.prompt_logprobs] == [
+            (t, rank, [i for i, _ in top]) for t, (_, rank, top) in zip(prompt[1:], want.prompt_logprobs[1:])]
+        assert [lp for _, lp, _, _ in scored.prompt_logprobs] == pytest.approx(
+            [e[0] for e in want.prompt_logprobs[1:]], abs=1e-5)
+        with pytest.raises(grpc.RpcError) as e:
+            c.complete(token_ids=prompt, max_tokens=0)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "max_tokens: must be >= 1" in e.value.details()
+    r = httpx.post(server.http + "/v1/completions", json={"prompt": "hi", "max_tokens": 0}, timeout=10)
+    assert r.status_code == 400 and r.json()["error"]["message"].startswith("max_tokens: must be >= 1")
+    r = httpx.post(server.http + "/v1/completions", json={"prompt": "hi", "prompt_logprobs": 21}, timeout=10)
+    assert r.status_code == 400 and r.json()["error"]["message"].startswith("prompt_logprobs: must be <= 20")
 
 
 def test_logprobs_bytes_are_each_tokens_own(oai, model_name):

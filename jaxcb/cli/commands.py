@@ -24,7 +24,8 @@ from jaxcb.model.embedded import served_name
 
 GENERATION_FIELDS = ("max_tokens", "min_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty",
                      "presence_penalty", "frequency_penalty", "seed", "stop", "include_stop_str_in_output",
-                     "stop_token_ids", "allowed_token_ids", "ignore_eos", "logprobs", "n", "speculative")
+                     "stop_token_ids", "allowed_token_ids", "ignore_eos", "logprobs", "prompt_logprobs", "n",
+                     "speculative")
 LINE_FIELDS = {"prompt", "prompt_token_ids", "messages", "chat", "priority", "id", "response_format",
                "structured_outputs", "logit_bias", "chat_template_kwargs", *GENERATION_FIELDS}
 
@@ -186,6 +187,8 @@ def _sample(out) -> dict:
 def _result(outs, rid=None) -> dict:
     """One output line: the sample's fields, or with n > 1 a list of `samples`."""
     d = {"prompt_token_ids": outs[0].prompt_token_ids}
+    if outs[0].prompt_logprobs is not None:  # the same for every sample
+        d["prompt_logprobs"] = outs[0].prompt_logprobs
     if len(outs) == 1:
         d.update(_sample(outs[0]))
     else:

@@ -27,6 +27,7 @@ class SampleOutput:
     logprobs: jax.Array  # f32 [B], logprob of the chosen token
     top_ids: jax.Array  # i32 [B, NUM_TOP_LOGPROBS]
     top_logprobs: jax.Array  # f32 [B, NUM_TOP_LOGPROBS]
+    ranks: jax.Array  # i32 [B], the chosen token's rank in the model's distribution (1: the most likely)
 
 
 def _apply_penalties(logits, s: SamplingInput):
@@ -243,11 +244,14 @@ def sample(logits: jax.Array, s: SamplingInput) -> SampleOutput:
     def logprobs(raw):
         lp = jax.nn.log_softmax(raw, axis=-1)
         top_lp, top_ids = jax.lax.top_k(lp, n)
-        return jnp.take_along_axis(lp, tokens[:, None], axis=-1)[:, 0], top_ids.astype(jnp.int32), top_lp
+        chosen = jnp.take_along_axis(lp, tokens[:, None], axis=-1)[:, 0]
+        rank = 1 + jnp.sum(lp > chosen[:, None], axis=-1, dtype=jnp.int32)
+        return chosen, top_ids.astype(jnp.int32), top_lp, rank
 
     def no_logprobs(raw):
-        return jnp.zeros((b,), jnp.float32), jnp.zeros((b, n), jnp.int32), jnp.zeros((b, n), jnp.float32)
+        return (jnp.zeros((b,), jnp.float32), jnp.zeros((b, n), jnp.int32), jnp.zeros((b, n), jnp.float32),
+                jnp.zeros((b,), jnp.int32))
 
     # Logprobs describe the model's own distribution, before logit_bias, penalties and filters.
-    chosen, top_ids, top_lp = jax.lax.cond(jnp.any(s.logprobs > 0), logprobs, no_logprobs, raw)
-    return SampleOutput(tokens, chosen, top_ids, top_lp)
+    chosen, top_ids, top_lp, rank = jax.lax.cond(jnp.any(s.logprobs > 0), logprobs, no_logprobs, raw)
+    return SampleOutput(tokens, chosen, top_ids, top_lp, rank)

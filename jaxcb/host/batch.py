@@ -14,6 +14,11 @@ Speculative decoding (jaxcb.host.speculative): a decoding sequence may bring its
 proposed ones as one chunk; the step samples at each of its positions, the first k at `extra_rows`
 (sample rows M .. M+E of the step's output, sequence by sequence) and the last at `last_token` as usual.
 
+Prompt logprobs (SamplingParams.prompt_logprobs): a prompt chunk's positions before its last are sampled
+in the step's spare sequence rows (m .. M of `last_token`, which a step of m sequences leaves unused), each
+row forced to the prompt's next token (an `allowed` mask of that token alone), so that the sampler gives
+that token's logprob and the best alternatives: no program of its own, at most M - m positions a step.
+
 With async scheduling a decode token may not be on the host yet (the step in flight samples it): its
 slot holds a placeholder and `src_rows` names the row of the previous step's output that the jitted
 step reads it from; `SamplingInput.pending_col` likewise fills its place in the penalties' history.
@@ -134,6 +139,7 @@ class SeqSpec:
     window_page_ids: list[int] | None = None  # the sliding layers' pages (null before the window)
     num_draft: int = 0  # speculation: the last num_draft tokens are proposals, each position sampled
     lora_slot: int = -1  # the device slot of the sequence's LoRA adapter (jaxcb.host.lora); -1 the base model
+    num_scored: int = 0  # prompt logprobs: the num_scored positions before the last are sampled too (spare rows)
 
 
 @dataclasses.dataclass(slots=True)
@@ -144,6 +150,7 @@ class SamplingRow:
     output_ids: list[int]
     samples: bool = True  # False for a prefill chunk that ends before the newest token
     pending: bool = False  # the newest token (this row's input) is still on the device
+    forced: int = -1  # >= 0: a prompt position scored: the row takes this token (the prompt's next), greedily
 
 
 def _items(page_table, live, q_lens, m, shape: StepShape, page_size: int):
@@ -211,6 +218,15 @@ def pack(seqs: list[SeqSpec], shape: StepShape, page_size: int, window: int = 0)
     dense[:total] = (q_lens > 1)[seq_of_token]
     last_token = np.zeros(m_max, np.int32)
     last_token[:m] = cu[1:m + 1] - 1
+    # Scored prompt positions: the spare sequence rows m .. (prompt logprobs), sequence by sequence.
+    scored = np.fromiter((s.num_scored for s in seqs), np.int32, m)
+    num_scored = int(scored.sum())
+    if num_scored:
+        assert m + num_scored <= m_max, f"{m} sequences and {num_scored} scored positions do not fit {m_max} rows"
+        assert (scored < q_lens).all(), "a scored position lies before its sequence's last token"
+        owner = np.repeat(np.arange(m, dtype=np.int32), scored)
+        first = np.cumsum(scored) - scored
+        last_token[m:m + num_scored] = (cu[owner + 1] - 1 - scored[owner]) + np.arange(num_scored) - first[owner]
     # Speculating sequences: each position but the last is sampled too, at rows M + j of the output.
     drafts = np.fromiter((s.num_draft for s in seqs), np.int32, m)
     assert (drafts < q_lens).all(), "a speculating sequence brings its newest token before its proposals"
@@ -251,14 +267,14 @@ _PENALTY_FREE = (1.0, 0.0, 0.0)
 
 
 def pack_sampling(rows: list[SamplingRow], shape: StepShape, vocab_size: int,
-                  extra: list[SamplingRow] = (), eos_ids=()) -> SamplingInput:
-    """Sampling settings for the step's sequences (row i = sequence i) and its extra sample positions
-    (`extra`, rows M ..: speculation). The token history that the penalties need is filled only for
+                  extra: list[SamplingRow] = (), eos_ids=(), scored: list[SamplingRow] = ()) -> SamplingInput:
+    """Sampling settings for the step's sequences (row i = sequence i), its scored prompt positions
+    (`scored`, the rows after the sequences') and its extra sample positions (`extra`, rows M ..: speculation). The token history that the penalties need is filled only for
     rows that use a penalty; it always fits (C = the context limit). `allowed` is all ones but where a
     row's request narrows it (narrow_row: allowed_token_ids, and min_tokens' held-back ends; `eos_ids`: the
     model's end-of-sequence tokens): the engine writes the constrained rows' masks into it."""
     m, c = shape.rows, shape.history
-    assert len(rows) <= shape.seqs and len(extra) <= shape.extra_rows
+    assert len(rows) + len(scored) <= shape.seqs and len(extra) <= shape.extra_rows
     out = SamplingInput(
         temperature=np.zeros(m, np.float32), top_k=np.zeros(m, np.int32), top_p=np.ones(m, np.float32),
         min_p=np.zeros(m, np.float32), repetition_penalty=np.ones(m, np.float32),
@@ -270,6 +286,7 @@ def pack_sampling(rows: list[SamplingRow], shape: StepShape, vocab_size: int,
         bias_ids=np.full((m, MAX_LOGIT_BIAS), -1, np.int32), bias=np.zeros((m, MAX_LOGIT_BIAS), np.float32),
     )
     _fill(out, 0, rows, c, eos_ids)
+    _fill(out, len(rows), list(scored), c, eos_ids)
     _fill(out, shape.seqs, list(extra), c, eos_ids)
     return out
 
@@ -320,9 +337,11 @@ def pack_chunks(chunks, shape: StepShape, page_size: int, window: int, vocab_siz
     """One step of the scheduler's chunks (jaxcb.host.scheduler.Chunk, decode rows first) packed: its
     StepInput, its SamplingInput and each chunk's SamplingRow. A decode token still on the device (the
     step `step_id` in flight samples it) is read from that step's output; a chunk with proposals gets
-    a sample row at each proposal's position (its `extra_row`, the first of them). seed_of(request):
+    a sample row at each proposal's position (its `extra_row`, the first of them); a chunk of a prompt
+    whose logprobs are wanted, a row forced to the next prompt token at each position it scores (its
+    `score_rows`: spare rows, and its own row if its last position is one of them). seed_of(request):
     the request's sampling seed; eos_ids: the model's end-of-sequence tokens (min_tokens holds them back)."""
-    specs, rows, extra = [], [], []
+    specs, rows, extra, scored = [], [], [], []
     for c in chunks:
         r = c.request
         end = c.start + c.num_tokens - len(c.draft)
@@ -336,13 +355,26 @@ def pack_chunks(chunks, shape: StepShape, page_size: int, window: int, vocab_siz
         else:
             specs.append(SeqSpec(r.token_slice(c.start, end) + list(c.draft), c.start, r.page_ids,
                                  window_page_ids=r.window_page_ids, num_draft=len(c.draft), lora_slot=r.lora_slot))
+        forced = -1
+        positions = r.positions_to_score(c.start, end)
+        if positions:
+            spare = range(positions.start, min(positions.stop, end - 1))  # the last position has the chunk's row
+            c.score_first = positions.start
+            c.score_rows = tuple(range(len(chunks) + len(scored), len(chunks) + len(scored) + len(spare)))
+            scored.extend(SamplingRow(r.params, seed, r.prompt_ids, [], samples=False, forced=r.prompt_ids[p + 1])
+                          for p in spare)
+            specs[-1].num_scored = len(spare)
+            if end - 1 in positions:
+                forced = r.prompt_ids[end]
+                c.score_rows += (len(rows),)
         if c.draft:  # a sample at each proposal's position, as if the proposals before it were output
             c.extra_row = shape.seqs + len(extra)
             extra.extend(SamplingRow(r.params, seed, r.prompt_ids, r.output_ids + list(c.draft[:j]))
                          for j in range(len(c.draft)))
         outputs = r.output_ids + list(c.draft) if c.draft else r.output_ids  # no copy for a plain row
-        rows.append(SamplingRow(r.params, seed, r.prompt_ids, outputs, c.samples, pending=pending))
-    return pack(specs, shape, page_size, window), pack_sampling(rows, shape, vocab_size, extra, eos_ids), rows
+        rows.append(SamplingRow(r.params, seed, r.prompt_ids, outputs, c.samples, pending=pending, forced=forced))
+    return (pack(specs, shape, page_size, window), pack_sampling(rows, shape, vocab_size, extra, eos_ids, scored),
+            rows)
 
 
 def _fill(out: SamplingInput, first: int, rows: list[SamplingRow], c: int, eos_ids) -> None:
@@ -359,6 +391,13 @@ def _fill(out: SamplingInput, first: int, rows: list[SamplingRow], c: int, eos_i
     out.seed[first:first + n, 1] = (seeds & np.uint64(0xFFFFFFFF)).astype(np.uint32)
     out.counter[first:first + n] = [len(r.output_ids) + r.pending for r in rows]
     for i, (row, p) in enumerate(zip(rows, params), start=first):
+        if row.forced >= 0:  # a scored prompt position: its next token's logprob, the alternatives' too
+            out.temperature[i] = 0.0
+            out.logprobs[i] = max(1, p.prompt_logprobs or 0)
+            words = out.allowed[i].view(np.uint32)
+            words[:] = 0
+            words[row.forced >> 5] = np.uint32(1 << (row.forced & 31))
+            continue
         if p.min_tokens or p.allowed_token_ids:
             narrow_row(out.allowed, i, row, eos_ids)
         if row.samples and p.logit_bias:

@@ -425,12 +425,25 @@ class Engine:
             raise StepFailed(f"{self.failed_in_a_row} steps in a row failed (last: {message}); the engine is broken")
 
     def _postprocess(self, step: _InFlight, result, events: list[TokenEvent], seconds: float | None) -> None:
+        for c, epoch in zip(step.chunks, step.epochs):  # prompt logprobs, before the tokens that carry them
+            r = c.request
+            if c.score_rows and r.status is Status.RUNNING and r.num_preemptions == epoch:
+                n = r.params.prompt_logprobs
+                for p, row in enumerate(c.score_rows, start=c.score_first):
+                    if p == len(r.prompt_logprobs):  # (a position scored before a preemption is kept)
+                        top = tuple(zip(result.top_ids[row, :n].tolist(), result.top_logprobs[row, :n].tolist()))
+                        r.prompt_logprobs.append((float(result.logprobs[row]), int(result.ranks[row]), top))
         sampled = self.scheduler.on_step_done(step.chunks, step.epochs, result.token_ids)
         self._counters.output_tokens += len(sampled)
         observed = []
         for row, r, token, reason in sampled:  # Sampled
             if r.status is Status.FINISHED:  # a speculating request ended at an earlier token of this step
                 r.output_ids.pop()  # ... this one (always its newest) is not part of its output
+                continue
+            if token < 0:  # max_tokens 0: the prompt scored, nothing generated
+                self._counters.output_tokens -= 1
+                self._finish(r, reason, events)
+                observed.append((r, True))
                 continue
             logprobs = None
             if r.params.logprobs:

@@ -32,6 +32,7 @@ class OutputStream:
     text: str = ""
     emitted: int = 0  # chars of `text` already sent
     stop_state: int = 0  # where `text` has taken the request's StopStrings automaton
+    started: bool = False  # an event was sent (the first carries the prompt's logprobs)
 
 
 class Outputs:
@@ -64,6 +65,13 @@ class Outputs:
 
     def seed(self, r: Request) -> int:
         return self.streams[r.key].seed
+
+    @staticmethod
+    def _prompt_logprobs(r: Request, stream: OutputStream) -> tuple | None:
+        """What the request's next event carries of its prompt's logprobs: all of them on its first
+        event (entry p: prompt token p + 1's), when they were asked for; else None."""
+        first, stream.started = not stream.started, True
+        return tuple(r.prompt_logprobs) if first and r.params.prompt_logprobs is not None else None
 
     def on_token(self, r: Request, token: int, logprobs, reason: FinishReason | None,
                  events: list[TokenEvent], stop_token: bool | None = None) -> FinishReason | None:
@@ -100,7 +108,8 @@ class Outputs:
         delta, stream.emitted = stream.text[stream.emitted:safe], max(stream.emitted, safe)
         _emit(TokenEvent(r.request_id, (token,), delta, False, None, logprobs, len(r.prompt_ids),
                          len(r.output_ids), queue_s=queue_s, num_cached_tokens=r.num_cached_tokens,
-                         index=r.sample_index), stream, events, self._undelivered)
+                         index=r.sample_index, prompt_logprobs=self._prompt_logprobs(r, stream)),
+              stream, events, self._undelivered)
         return None
 
     def close(self, r: Request, reason: FinishReason, events: list[TokenEvent], new_tokens=(), logprobs=None,
@@ -112,7 +121,8 @@ class Outputs:
             stream.text += stream.detok.flush()  # a character cut off by the end is not dropped
         _emit(TokenEvent(r.request_id, tuple(new_tokens), stream.text[stream.emitted:], True, reason, logprobs,
                          len(r.prompt_ids), len(r.output_ids), error, queue_s,
-                         num_cached_tokens=r.num_cached_tokens, index=r.sample_index), stream, events, self._undelivered)
+                         num_cached_tokens=r.num_cached_tokens, index=r.sample_index,
+                         prompt_logprobs=self._prompt_logprobs(r, stream)), stream, events, self._undelivered)
 
 
 def _emit(event: TokenEvent, stream: OutputStream, events: list[TokenEvent], undelivered: list) -> None:

@@ -65,6 +65,10 @@ class SamplingParams:
     min_tokens: int = 0  # tokens before an end-of-sequence or stop token may be sampled and a stop string ends it
     include_stop_str_in_output: bool = False  # the stop string that ends the text ends it included
     allowed_token_ids: tuple[int, ...] = ()  # the only tokens a sample may be (vLLM's); () = any
+    # The prompt's own logprobs (vLLM's prompt_logprobs): each prompt token's logprob given the tokens
+    # before it, with this many of the best alternatives (0: the token's alone); None = not computed.
+    # max_tokens may then be 0: the prompt is scored and nothing is generated.
+    prompt_logprobs: int | None = None
 
     def __post_init__(self):
         stop = self.stop or ()
@@ -72,7 +76,9 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in (self.stop_token_ids or ())))
         check_allowed_count(len(self.allowed_token_ids or ()))
         object.__setattr__(self, "allowed_token_ids", tuple(int(t) for t in (self.allowed_token_ids or ())))
-        _check_int("max_tokens", self.max_tokens, low=1)
+        if self.prompt_logprobs is not None:
+            _check_int("prompt_logprobs", self.prompt_logprobs, low=0, high=MAX_LOGPROBS)
+        _check_int("max_tokens", self.max_tokens, low=0 if self.prompt_logprobs is not None else 1)
         _check_int("min_tokens", self.min_tokens, low=0, high=self.max_tokens)
         _check_finite("temperature", self.temperature, low=0.0)
         _check_int("top_k", self.top_k, low=0, high=2**31 - 1)
@@ -281,6 +287,9 @@ class Request:
     spec: object = None  # speculative decoding: its acceptance record (jaxcb.host.speculative.SpecState)
     lora: object = None  # its LoRA adapter's registry entry (jaxcb.host.lora.Entry), None the base model
     lora_slot: int = -1  # the device slot its adapter sits in while it runs
+    # params.prompt_logprobs: entry p is prompt token p + 1's (logprob, rank, ((id, logprob), ...top-n)),
+    # from the logits at position p (a prompt position is scored once, whatever recomputes it)
+    prompt_logprobs: list = dataclasses.field(default_factory=list)
 
     def __post_init__(self):
         if not self.request_id:
@@ -319,6 +328,19 @@ class Request:
         """Its final token (max_tokens) is being sampled by a step in flight: nothing left to run."""
         return self.num_pending > 0 and self.num_tokens >= self.max_total_tokens
 
+    def positions_to_score(self, start: int, end: int) -> range:
+        """The positions in [start, end) whose logits give a prompt token's logprob this request still
+        needs (params.prompt_logprobs): position p scores prompt token p + 1."""
+        if self.params.prompt_logprobs is None:
+            return range(0)
+        return range(max(start, len(self.prompt_logprobs)), min(end, len(self.prompt_ids) - 1))
+
+    @property
+    def scoring(self) -> bool:
+        """It still needs logprobs of its prompt: every prompt position must be computed, none taken
+        from the prefix cache."""
+        return self.params.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_ids) - 1
+
     @property
     def max_total_tokens(self) -> int:
         return len(self.prompt_ids) + self.params.max_tokens
@@ -340,3 +362,6 @@ class TokenEvent:
     queue_s: float | None = None  # on the first event: seconds from arrival to first scheduling
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (not computed)
     index: int = 0  # which sample of an n > 1 request
+    # on the first event of a request with params.prompt_logprobs: per prompt token after the first,
+    # (logprob, rank, ((token_id, logprob), ...top-n)) given the tokens before it
+    prompt_logprobs: tuple | None = None

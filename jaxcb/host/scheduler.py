@@ -174,8 +174,10 @@ class Scheduler:
 
     def _append(self, r: Request, row: int, token: int) -> Sampled:
         """Append a sampled token to r: its Sampled, with how r ends with it."""
-        r.output_ids.append(token)
         p, reason = r.params, None
+        if p.max_tokens == 0:  # the prompt was only scored (prompt_logprobs): nothing is generated
+            return Sampled(row, r, -1, FinishReason.LENGTH)
+        r.output_ids.append(token)
         if token in p.stop_token_ids or (token in self.eos_ids and not p.ignore_eos):
             reason = FinishReason.STOP
         elif len(r.output_ids) >= p.max_tokens or r.num_known >= self.config.max_context:
@@ -281,7 +283,30 @@ class Scheduler:
         pending = r.num_tokens - r.num_computed
         if pending == 1:
             return 1
-        return min(pending, budget, self.config.max_chunk)
+        n = min(pending, budget, self.config.max_chunk)
+        if r.scoring:  # its positions take the step's spare rows: about as many as the running requests leave
+            free = max(0, len(r.prompt_logprobs) - r.num_computed)  # positions already scored need no row
+            n = min(n, free + max(0, self.config.max_running - len(self.running) - 1) + 1)
+        return n
+
+    def _fit_scores(self, out: SchedulerOutput) -> None:
+        """The prompt positions a step scores besides its chunks' last ones take its spare sequence rows
+        (jaxcb.host.batch): max_running less one per chunk. A prompt chunk that would score more is cut
+        to what fits (its last position, which has the chunk's own row, always does)."""
+        spare = self.config.max_running - len(out.decode) - len(out.speculative) - len(out.prefill)
+        for i, c in enumerate(out.prefill):
+            r = c.request
+            positions = r.positions_to_score(c.start, c.start + c.num_tokens - 1)
+            if len(positions) <= spare:
+                spare -= len(positions)
+                continue
+            n = positions.start + spare - c.start + 1
+            spare = 0
+            self._trim_pages(r, c.start + n)
+            out.prefill[i] = Chunk(r, c.start, n)
+        if any(c.num_tokens == 1 for c in out.prefill):  # cut to one token: a single token goes first
+            out.decode += [c for c in out.prefill if c.num_tokens == 1]
+            out.prefill = [c for c in out.prefill if c.num_tokens > 1]
 
     def admission_wait_s(self, now: float | None = None) -> float:
         """Seconds until a closed batching window (max_wait_ms) opens for the oldest waiting request;
@@ -379,7 +404,8 @@ class Scheduler:
             for r in order:
                 if room <= 0 or budget <= 0:
                     break
-                if self.cache is not None:
+                attached = self.cache is not None and not r.scoring  # a scored prompt is computed whole
+                if attached:
                     self.cache.attach(r)
                     if self.cache.next_hash(r) in pending:
                         self.cache.detach(r)  # wait for those pages rather than compute them twice
@@ -387,17 +413,17 @@ class Scheduler:
                 n = self._chunk(r, budget)
                 if (self.controller is not None and self.pool.num_free
                         < self.pool.pages_for(r.num_computed + n) - len(r.page_ids) + len(self.running)):
-                    if self.cache is not None:  # keep a page of headroom per running request: growth
+                    if attached:  # keep a page of headroom per running request: growth
                         self.cache.detach(r)    # must not preempt under a latency target
                     break
                 if r.lora is not None and r.lora_slot < 0:
                     r.lora_slot = self.adapters.acquire(r.lora, now)
                     if r.lora_slot < 0:  # every LoRA slot is held by running requests: it waits for one
-                        if self.cache is not None:
+                        if attached:
                             self.cache.detach(r)
                         continue
                 if not self._grow(r, r.num_computed + n):
-                    if self.cache is not None:
+                    if attached:
                         self.cache.detach(r)
                     self._release_slot(r)
                     break  # out of pages: wait for running requests to finish
@@ -409,6 +435,8 @@ class Scheduler:
                     budget -= n
                 room -= 1
         out.num_static_rows = self._static_rows if c.static else 0
+        if any(r.scoring for r in self.running):
+            self._fit_scores(out)
         if out.speculative:
             self._keep_proposals(out)
             try:

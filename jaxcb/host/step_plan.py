@@ -14,7 +14,8 @@ from jaxcb.host.request import FinishReason, Request
 
 class Sampled(NamedTuple):
     """A token a step sampled for a request (Scheduler.on_step_done): its row in the step's output, the
-    request it was appended to, the token, and how the request ends with it (None: it goes on)."""
+    request it was appended to, the token (-1: none, a prompt only scored: max_tokens 0), and how the
+    request ends with it (None: it goes on)."""
 
     row: int
     request: Request
@@ -33,6 +34,9 @@ class Chunk:
     draft: tuple[int, ...] = ()
     samples: bool = dataclasses.field(init=False)  # it reaches the newest token: it yields the next one
     extra_row: int = -1  # speculating: the step's output row of the first proposal's position
+    # prompt logprobs: the step's output rows of the positions it scores, from position score_first on
+    score_rows: tuple[int, ...] = ()
+    score_first: int = 0
 
     def __post_init__(self):
         # Fixed when scheduled: by the time the step's tokens come back the request may have grown.

@@ -258,6 +258,7 @@ class _SimOutput:
     logprobs: np.ndarray
     top_ids: np.ndarray
     top_logprobs: np.ndarray
+    ranks: np.ndarray
     ready_at: float  # when the simulated device finishes the step
 
 
@@ -290,7 +291,7 @@ class SimRunner(Runner):
         tokens = (np.zeros(n, np.int32) if self.rng is None
                   else self.rng.integers(100, self.model_config.vocab_size - 100, n).astype(np.int32))
         return _SimOutput(tokens, np.zeros(n, np.float32), np.zeros((n, 1), np.int32),
-                          np.zeros((n, 1), np.float32), self.busy_until)
+                          np.zeros((n, 1), np.float32), np.ones(n, np.int32), self.busy_until)
 
     def fetch(self, out: _SimOutput) -> _SimOutput:
         self.clock.advance_to(out.ready_at)
