@@ -26,8 +26,8 @@ async def answer(state, request: Request, options: RequestOptions, tenant: str, 
     """Run the prompts (each params.n samples) and answer as OpenAI does: server-sent chunks with
     `stream`, else one JSON body once all are done; a client that hangs up has its requests aborted.
     `echo` (completions): each prompt's text, which its choices' texts start with, and with logprobs its
-    tokens' logprobs those of the choice's (the first None). `prompt_field`: each choice carries vLLM's
-    `prompt_logprobs` list."""
+    tokens' logprobs those of the choice's (the first None). `prompt_field`: vLLM's `prompt_logprobs` list,
+    in each completions choice, in a chat answer beside its choices (its one prompt's), as vLLM places it."""
     for p in prompts:  # every prompt checked before any is submitted
         state.engine.validate(p, params)
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
@@ -126,11 +126,11 @@ async def answer(state, request: Request, options: RequestOptions, tenant: str, 
                     if not (delta or finish or logprobs or prompt):
                         continue
                     choice = {"index": index, "logprobs": logprobs, "finish_reason": finish}
-                    if prompt is not None:
+                    if prompt is not None and not chat:
                         choice["prompt_logprobs"] = prompt
                     choice.update({"delta": delta} if chat else {"text": text})
                     yield _sse({"id": rid, "object": obj, "created": created, "model": model_name,
-                                "choices": [choice]})
+                                "choices": [choice], **({"prompt_logprobs": prompt} if prompt and chat else {})})
                 if include_usage and not left:
                     yield _sse({"id": rid, "object": obj, "created": created, "model": model_name,
                                 "choices": [], "usage": usage_json()})
@@ -186,11 +186,8 @@ async def answer(state, request: Request, options: RequestOptions, tenant: str, 
                 choice["message"] = {"role": "assistant", "content": content or None, "tool_calls": calls}
                 if choice["finish_reason"] == "stop":
                     choice["finish_reason"] = "tool_calls"
-        if prompt_field:
-            for k, choice in enumerate(choices):
-                choice["prompt_logprobs"] = prompt_lists[k]
         return {"id": rid, "object": "chat.completion", "created": created, "model": model_name,
-                "choices": choices, "usage": usage_json()}
+                "choices": choices, "usage": usage_json(), **({"prompt_logprobs": prompt_lists[0]} if prompt_field else {})}
     choices = [{"index": k, "text": texts[k], "logprobs": _with_offsets(logs[k]), "finish_reason": finishes[k]}
                for k in range(len(texts))]
     if prompt_field:

@@ -333,7 +333,7 @@ def test_echo_with_logprobs_scores_the_prompt_as_the_offline_engine(server, oai,
         assert got[str(top[0][0])]["rank"] == 1
     chat = httpx.post(server.http + "/v1/chat/completions", timeout=30, json={
         "model": model_name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "prompt_logprobs": 0})
-    chat_lp = chat.json()["choices"][0]["prompt_logprobs"]
+    chat_lp = chat.json()["prompt_logprobs"]  # vLLM's place: beside the choices
     assert chat.status_code == 200 and chat_lp[0] is None and all(len(d) == 1 for d in chat_lp[1:])
     with Client(server.target) as c:  # gRPC: GenerateRequest.prompt_logprobs, in the first chunk
         scored = c.complete(token_ids=prompt, max_tokens=0, prompt_logprobs=2)
