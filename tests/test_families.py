@@ -121,3 +121,22 @@ def test_server_serves_a_gemma_model_and_names_its_family(config_path, tiny_mode
         assert list(out.token_ids)[:min(n, 8)] == record["greedy_ids"][:min(n, 8)]
     finally:
         assert server.stop() == 0, server.output()[-2000:]
+
+
+def test_prompt_logprobs_on_a_sliding_window_model_are_what_decoding_gave():
+    """Gemma 3 (sliding window 8): a prompt and its greedy continuation scored as one prompt, far past
+    the window, in 4 sample rows a step: the continuation's logprobs are those decoding gave."""
+    config, params, tok, _ = load_model(os.path.join(GOLDEN, "gemma3"), jnp.float32)
+    llm = LLM.from_params(config, params, tok, config=make_config(
+        num_pages=64, page_size=16, max_context=128, decode_batch=(4,), prefill_tokens=(16,), max_prefill_tokens=16,
+        compile=compile_mode(config)))
+    prompt = golden("gemma3")[0]["prompt_ids"]
+    gen = llm.generate([prompt], SamplingParams(max_tokens=24, logprobs=2, ignore_eos=True))[0]
+    scored = llm.generate([prompt + gen.token_ids], SamplingParams(max_tokens=0, prompt_logprobs=2))[0]
+    got = scored.prompt_logprobs[len(prompt):]
+    assert len(got) == len(gen.token_ids) and len(prompt) + len(got) > 3 * config.sliding_window
+    for (lp, rank, top), (want, want_top) in zip(got, gen.logprobs):
+        assert lp == pytest.approx(want, abs=1e-4) and rank == 1
+        assert [t for t, _ in top] == [t for t, _ in want_top]
+    llm.engine.pool.check_all_free()
+    llm.engine.window_group.pool.check_all_free()

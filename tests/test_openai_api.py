@@ -315,6 +315,15 @@ def test_echo_with_logprobs_scores_the_prompt_as_the_offline_engine(server, oai,
         best, value = entry[2][0]
         assert top == {tok.decode([best], skip_special=False): pytest.approx(value, abs=1e-5)}
     assert r.choices[0].text == tok.decode(prompt) + want.text
+    # lm-eval's is_greedy: a continuation the model decodes greedily has each logprob equal to the best
+    # of its top_logprobs, exactly (and a forced other token's is lower)
+    cont = offline.generate([prompt], SamplingParams(max_tokens=8, ignore_eos=True))[0].token_ids
+    batch = oai.completions.create(model=model_name, prompt=[prompt + cont, prompt + cont[::-1]], max_tokens=1,
+                                   logprobs=1, echo=True, temperature=0)
+    greedy, other = (sorted(batch.choices, key=lambda c: c.index)[k].logprobs for k in (0, 1))
+    n = len(prompt)
+    assert all(lp == max(top.values()) for lp, top in zip(greedy.token_logprobs[n:-1], greedy.top_logprobs[n:-1]))
+    assert any(lp < max(top.values()) for lp, top in zip(other.token_logprobs[n:-1], other.top_logprobs[n:-1]))
     streamed = []
     for chunk in oai.completions.create(model=model_name, prompt=prompt, max_tokens=1, logprobs=1, echo=True,
                                         temperature=0, stream=True):
