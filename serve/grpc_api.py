@@ -168,10 +168,13 @@ class JaxcbService(jaxcb_pb2_grpc.JaxcbServicer):
             async with contextlib.aclosing(self.state.stream(ids, params, request.priority, request.request_id,
                                                              tenant, request.cache_salt)) as events:
                 async for rid, ev in events:
+                    prompt = None
+                    if ev.prompt_logprobs:  # a prompt's worth of messages: built off the event loop
+                        prompt = await asyncio.to_thread(_prompt_logprobs_pb, ids, ev)
                     if ev.token_ids or ev.text or ev.prompt_logprobs is not None:
                         yield jaxcb_pb2.GenerateResponse(request_id=rid, index=ev.index, chunk=jaxcb_pb2.GenerateChunk(
                             token_ids=list(ev.token_ids), text=ev.text, logprobs=_logprobs_pb(ev),
-                            prompt_logprobs=_prompt_logprobs_pb(ids, ev)))
+                            prompt_logprobs=prompt))
                     if ev.finished:
                         usage = jaxcb_pb2.Usage(prompt_tokens=ev.num_prompt_tokens, completion_tokens=ev.num_output_tokens,
                                                 cached_prompt_tokens=ev.num_cached_tokens)

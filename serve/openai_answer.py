@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import time
 import uuid
@@ -57,16 +58,15 @@ async def answer(state, request: Request, options: RequestOptions, tenant: str, 
     left = len(prompts) * n
     usage = {"prompt_tokens": 0, "completion_tokens": 0, "cached": 0}
 
-    def shape(i, ev):
+    async def shape(i, ev):
         index = i * n + ev.index
         logprobs = _logprobs(state.tokenizer, ev, chat, top_logprobs) if ev.logprobs else None
         prompt = None
-        if ev.prompt_logprobs is not None:  # a sample's first event
-            if echo is not None and params.logprobs:
-                logprobs = _merge(_echo_logprobs(state.tokenizer, prompts[i], ev.prompt_logprobs), logprobs, chat)
-            if prompt_field:
-                prompt = _vllm_prompt_logprobs(state.tokenizer, prompts[i], ev.prompt_logprobs,
-                                               params.prompt_logprobs)
+        if ev.prompt_logprobs is not None:  # a sample's first event: a prompt's worth, shaped off the event loop
+            echoed, prompt = await asyncio.to_thread(
+                _prompt_parts, state.tokenizer, prompts[i], ev.prompt_logprobs,
+                echo is not None and params.logprobs > 0, params.prompt_logprobs if prompt_field else None)
+            logprobs = _merge(echoed, logprobs, chat)
         finish = (ev.finish_reason.value if isinstance(ev.finish_reason, FinishReason) else ev.finish_reason)
         if ev.finished:
             usage["completion_tokens"] += ev.num_output_tokens
@@ -113,7 +113,7 @@ async def answer(state, request: Request, options: RequestOptions, tenant: str, 
                                               "param": e.param, "code": e.code}})
                         break
                     left -= ev.finished
-                    index, text, logprobs, finish, prompt = shape(i, ev)
+                    index, text, logprobs, finish, prompt = await shape(i, ev)
                     delta = {"content": text} if text else {}
                     if tools is not None:  # text in, content and tool-call deltas out
                         calls = streams.setdefault(index, tool_calls.CallStream(tools))
@@ -152,7 +152,7 @@ async def answer(state, request: Request, options: RequestOptions, tenant: str, 
         while left:
             i, ev = await next_event()
             left -= ev.finished
-            index, text, logprobs, finish, prompt = shape(i, ev)
+            index, text, logprobs, finish, prompt = await shape(i, ev)
             texts[index] += text
             if logprobs:
                 logs[index] = _merge(logs[index], logprobs, chat)
@@ -229,25 +229,24 @@ def _logprobs(tokenizer, ev, chat: bool, top: int):
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": []}
 
 
-def _echo_logprobs(tokenizer, prompt: list[int], entries) -> dict:
-    """A prompt's tokens in completions' logprobs shape: the first token has no logprob (nothing comes
-    before it), each other its logprob and the best alternatives given the tokens before it."""
-    tokens = [_token_text(tokenizer, t) for t in prompt]
-    return {"tokens": tokens, "token_logprobs": [None] + [lp for lp, _, _ in entries],
-            "top_logprobs": [None] + [{_token_text(tokenizer, t): l for t, l in top} for _, _, top in entries],
-            "text_offset": []}
-
-
-def _vllm_prompt_logprobs(tokenizer, prompt: list[int], entries, n: int) -> list:
-    """vLLM's prompt_logprobs: None for the first token, then for each token {token id: {logprob, rank,
-    decoded_token}} of itself and the n best alternatives."""
-    out = [None]
-    for token, (lp, rank, top) in zip(prompt[1:], entries):
-        d = {str(t): {"logprob": l, "rank": k, "decoded_token": _token_text(tokenizer, t)}
-             for k, (t, l) in enumerate(top[:n], start=1)}
-        d[str(token)] = {"logprob": lp, "rank": rank, "decoded_token": _token_text(tokenizer, token)}
-        out.append(d)
-    return out
+def _prompt_parts(tokenizer, prompt: list[int], entries, echo: bool, n: int | None):
+    """A prompt's logprobs (a sample's first event's `prompt_logprobs`) as the answer shows them: with
+    `echo`, completions' four lists, the first token without a logprob (nothing comes before it); with `n`
+    (not None), vLLM's prompt_logprobs: None for the first token, then {token id: {logprob, rank,
+    decoded_token}} of each token and its n best alternatives. Each token's text is decoded once."""
+    text = functools.lru_cache(maxsize=None)(lambda t: _token_text(tokenizer, t))
+    echoed = None
+    if echo:
+        echoed = {"tokens": [text(t) for t in prompt], "token_logprobs": [None] + [lp for lp, _, _ in entries],
+                  "top_logprobs": [None] + [{text(t): l for t, l in top} for _, _, top in entries], "text_offset": []}
+    listed = None
+    if n is not None:
+        listed = [None]
+        for token, (lp, rank, top) in zip(prompt[1:], entries):
+            d = {str(t): {"logprob": l, "rank": k, "decoded_token": text(t)} for k, (t, l) in enumerate(top[:n], start=1)}
+            d[str(token)] = {"logprob": lp, "rank": rank, "decoded_token": text(token)}
+            listed.append(d)
+    return echoed, listed
 
 
 def _with_offsets(logprobs):
