@@ -36,6 +36,7 @@ class Completion:
     # SamplingParams.prompt_logprobs: None, then per prompt token after the first (logprob, rank,
     # ((token_id, logprob), ...top-n)) given the tokens before it
     prompt_logprobs: list | None = None
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it (vLLM's); None otherwise
 
 
 def read_model_config(path: str | None = None):
@@ -343,3 +344,4 @@ def _apply(out: Completion, ev: TokenEvent) -> None:
     if ev.finished:
         out.finish_reason = ev.finish_reason.value if isinstance(ev.finish_reason, FinishReason) else ev.finish_reason
         out.error = ev.error
+        out.stop_reason = ev.stop_reason

@@ -36,6 +36,7 @@ class Result:
     cached_prompt_tokens: int = 0
     index: int = 0  # which sample (GenerateRequest.n)
     prompt_logprobs: list | None = None  # prompt_logprobs: as Chunk's
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
 
 
 SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
@@ -127,9 +128,10 @@ class _Collector:
             self.ids.extend(chunk.token_ids)
             self.text.append(chunk.text)
             return chunk
-        u = resp.final.usage
+        u, which = resp.final.usage, resp.final.WhichOneof("stop_reason")
         return Result(resp.request_id, self.ids, "".join(self.text), resp.final.finish_reason, u.prompt_tokens,
-                      u.completion_tokens, u.cached_prompt_tokens, resp.index, self.prompt_logprobs)
+                      u.completion_tokens, u.cached_prompt_tokens, resp.index, self.prompt_logprobs,
+                      getattr(resp.final, which) if which else None)
 
 
 def _result(responses) -> Result:

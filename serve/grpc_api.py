@@ -178,8 +178,12 @@ class JaxcbService(jaxcb_pb2_grpc.JaxcbServicer):
                     if ev.finished:
                         usage = jaxcb_pb2.Usage(prompt_tokens=ev.num_prompt_tokens, completion_tokens=ev.num_output_tokens,
                                                 cached_prompt_tokens=ev.num_cached_tokens)
-                        yield jaxcb_pb2.GenerateResponse(request_id=rid, index=ev.index, final=jaxcb_pb2.GenerateFinal(
-                            finish_reason=ev.finish_reason.value, usage=usage))
+                        final = jaxcb_pb2.GenerateFinal(finish_reason=ev.finish_reason.value, usage=usage)
+                        if isinstance(ev.stop_reason, str):
+                            final.stop_string = ev.stop_reason
+                        elif ev.stop_reason is not None:
+                            final.stop_token_id = ev.stop_reason
+                        yield jaxcb_pb2.GenerateResponse(request_id=rid, index=ev.index, final=final)
         except JaxcbError as e:
             await context.abort(grpc_code(e), str(e))
 

@@ -73,7 +73,7 @@ async def answer(state, request: Request, options: RequestOptions, tenant: str, 
             if ev.index == 0:
                 usage["prompt_tokens"] += ev.num_prompt_tokens
                 usage["cached"] += ev.num_cached_tokens
-        return index, ev.text, logprobs, finish if ev.finished else None, prompt
+        return index, ev.text, logprobs, finish if ev.finished else None, prompt, ev.stop_reason
 
     def usage_json():
         return {"prompt_tokens": usage["prompt_tokens"], "completion_tokens": usage["completion_tokens"],
@@ -113,7 +113,7 @@ async def answer(state, request: Request, options: RequestOptions, tenant: str, 
                                               "param": e.param, "code": e.code}})
                         break
                     left -= ev.finished
-                    index, text, logprobs, finish, prompt = await shape(i, ev)
+                    index, text, logprobs, finish, prompt, stop_reason = await shape(i, ev)
                     delta = {"content": text} if text else {}
                     if tools is not None:  # text in, content and tool-call deltas out
                         calls = streams.setdefault(index, tool_calls.CallStream(tools))
@@ -126,6 +126,8 @@ async def answer(state, request: Request, options: RequestOptions, tenant: str, 
                     if not (delta or finish or logprobs or prompt):
                         continue
                     choice = {"index": index, "logprobs": logprobs, "finish_reason": finish}
+                    if finish:
+                        choice["stop_reason"] = stop_reason
                     if prompt is not None and not chat:
                         choice["prompt_logprobs"] = prompt
                     choice.update({"delta": delta} if chat else {"text": text})
@@ -146,14 +148,16 @@ async def answer(state, request: Request, options: RequestOptions, tenant: str, 
     logs: list = [None] * len(texts)
     finishes = [None] * len(texts)
     prompt_lists: list = [None] * len(texts)
+    stop_reasons: list = [None] * len(texts)
 
     async def collect():
         nonlocal left
         while left:
             i, ev = await next_event()
             left -= ev.finished
-            index, text, logprobs, finish, prompt = await shape(i, ev)
+            index, text, logprobs, finish, prompt, stop_reason = await shape(i, ev)
             texts[index] += text
+            stop_reasons[index] = stop_reason
             if logprobs:
                 logs[index] = _merge(logs[index], logprobs, chat)
             if prompt is not None:
@@ -179,7 +183,7 @@ async def answer(state, request: Request, options: RequestOptions, tenant: str, 
                 t.cancel()
     if chat:
         choices = [{"index": k, "message": {"role": "assistant", "content": texts[k]}, "logprobs": logs[k],
-                    "finish_reason": finishes[k]} for k in range(len(texts))]
+                    "finish_reason": finishes[k], "stop_reason": stop_reasons[k]} for k in range(len(texts))]
         for choice in choices if tools is not None else ():  # the calls the answers make
             content, calls = tool_calls.parse(choice["message"]["content"], tools)
             if calls:
@@ -188,8 +192,8 @@ async def answer(state, request: Request, options: RequestOptions, tenant: str, 
                     choice["finish_reason"] = "tool_calls"
         return {"id": rid, "object": "chat.completion", "created": created, "model": model_name,
                 "choices": choices, "usage": usage_json(), **({"prompt_logprobs": prompt_lists[0]} if prompt_field else {})}
-    choices = [{"index": k, "text": texts[k], "logprobs": _with_offsets(logs[k]), "finish_reason": finishes[k]}
-               for k in range(len(texts))]
+    choices = [{"index": k, "text": texts[k], "logprobs": _with_offsets(logs[k]), "finish_reason": finishes[k],
+                "stop_reason": stop_reasons[k]} for k in range(len(texts))]
     if prompt_field:
         for k, choice in enumerate(choices):
             choice["prompt_logprobs"] = prompt_lists[k]

@@ -127,6 +127,10 @@ def test_min_tokens_and_stop_token_ids_over_both_apis_as_offline(server, oai, mo
                                   min_tokens=min_tokens)
         assert http.choices[0].text == grpc_out.text == expected.text, min_tokens
         assert http.choices[0].finish_reason == expected.finish_reason
+        # vLLM's stop_reason: the stop token that ended it, on every API (None when max_tokens did)
+        assert http.choices[0].model_extra["stop_reason"] == grpc_out.stop_reason == expected.stop_reason == (
+            stop if expected.finish_reason == "stop" else None)
+        assert min_tokens or expected.finish_reason == "stop"
         assert http.usage.completion_tokens == len(expected.token_ids)
     assert len(expected.token_ids) >= 4 and stop not in expected.token_ids[:4]
     text = offline.generate([prompt], SamplingParams(max_tokens=10, ignore_eos=True))[0].text
@@ -140,6 +144,13 @@ def test_min_tokens_and_stop_token_ids_over_both_apis_as_offline(server, oai, mo
         grpc_out = c.complete(token_ids=prompt, max_tokens=10, ignore_eos=True, stop=[char],
                               include_stop_str_in_output=True)
     assert http.choices[0].text == grpc_out.text == kept
+    assert http.choices[0].model_extra["stop_reason"] == grpc_out.stop_reason == char  # ... or the stop string
+    streamed = [c.choices[0].model_extra.get("stop_reason") for c in oai.completions.create(
+        model=model_name, prompt=prompt, max_tokens=10, temperature=0.0, stop=[char], stream=True,
+        extra_body={"ignore_eos": True}) if c.choices and c.choices[0].finish_reason]
+    assert streamed == [char]
+    ran_out = oai.completions.create(model=model_name, prompt=prompt, max_tokens=3, extra_body={"ignore_eos": True})
+    assert ran_out.choices[0].finish_reason == "length" and ran_out.choices[0].model_extra["stop_reason"] is None
     for body, message in (({"min_tokens": 11}, "min_tokens: must be <= 10, got 11"),
                           ({"min_tokens": -1}, "min_tokens: must be >= 0"),
                           ({"min_tokens": "3"}, "min_tokens: must be an integer"),

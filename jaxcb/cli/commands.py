@@ -181,6 +181,8 @@ def _sample(out) -> dict:
          "cached_prompt_tokens": out.num_cached_tokens}
     if out.logprobs is not None:
         d["logprobs"] = out.logprobs
+    if out.stop_reason is not None:
+        d["stop_reason"] = out.stop_reason
     return d
 
 

@@ -91,9 +91,13 @@ class Outputs:
         stops = StopStrings.of(p.stop) if p.stop else None
         if stops is not None and piece:
             stream.stop_state, cut = stops.feed(stream.stop_state, piece, len(stream.text) - len(piece))
+        # What ended it (vLLM's stop_reason): a stop token id, or a stop string; None for the others.
+        stop_reason = token if reason is FinishReason.STOP and token in p.stop_token_ids else None
         if cut is not None and len(r.output_ids) >= p.min_tokens:  # (before min_tokens a stop string goes by)
-            if p.include_stop_str_in_output:  # the stop string that starts there (the shortest, if several)
-                cut += min(len(s) for s in p.stop if stream.text.startswith(s, cut))
+            # the stop string that starts there (the shortest, if several: it was complete first)
+            stop_reason = min((s for s in p.stop if stream.text.startswith(s, cut)), key=len)
+            if p.include_stop_str_in_output:
+                cut += len(stop_reason)
             stream.text = stream.text[:cut]
             reason = FinishReason.STOP
         queue_s = None
@@ -102,7 +106,7 @@ class Outputs:
             queue_s = (r.first_scheduled_time or r.first_token_time) - r.arrival_time
         if reason is not None:
             self.close(r, reason, events, new_tokens=(token,), logprobs=logprobs, queue_s=queue_s,
-                       flush=not hide and cut is None)
+                       flush=not hide and cut is None, stop_reason=stop_reason)
             return reason
         safe = len(stream.text) - (stops.held(stream.stop_state) if stops is not None else 0)
         delta, stream.emitted = stream.text[stream.emitted:safe], max(stream.emitted, safe)
@@ -113,16 +117,19 @@ class Outputs:
         return None
 
     def close(self, r: Request, reason: FinishReason, events: list[TokenEvent], new_tokens=(), logprobs=None,
-              error: str | None = None, queue_s: float | None = None, flush: bool | None = None) -> None:
+              error: str | None = None, queue_s: float | None = None, flush: bool | None = None,
+              stop_reason: int | str | None = None) -> None:
         """r's final event: the text still held back (up to any stop string) and the finish reason.
-        `flush`: add what the detokenizer still holds (default: unless the request stopped)."""
+        `flush`: add what the detokenizer still holds (default: unless the request stopped); `stop_reason`:
+        the stop token id or stop string that ended it."""
         stream = self.streams.pop(r.key)
         if stream.detok is not None and (reason is not FinishReason.STOP if flush is None else flush):
             stream.text += stream.detok.flush()  # a character cut off by the end is not dropped
         _emit(TokenEvent(r.request_id, tuple(new_tokens), stream.text[stream.emitted:], True, reason, logprobs,
                          len(r.prompt_ids), len(r.output_ids), error, queue_s,
                          num_cached_tokens=r.num_cached_tokens, index=r.sample_index,
-                         prompt_logprobs=self._prompt_logprobs(r, stream)), stream, events, self._undelivered)
+                         prompt_logprobs=self._prompt_logprobs(r, stream), stop_reason=stop_reason),
+              stream, events, self._undelivered)
 
 
 def _emit(event: TokenEvent, stream: OutputStream, events: list[TokenEvent], undelivered: list) -> None:

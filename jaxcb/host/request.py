@@ -365,3 +365,4 @@ class TokenEvent:
     # on the first event of a request with params.prompt_logprobs: per prompt token after the first,
     # (logprob, rank, ((token_id, logprob), ...top-n)) given the tokens before it
     prompt_logprobs: tuple | None = None
+    stop_reason: int | str | None = None  # on a final event: the stop token id or stop string that ended it
