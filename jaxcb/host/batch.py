@@ -269,10 +269,11 @@ _PENALTY_FREE = (1.0, 0.0, 0.0)
 def pack_sampling(rows: list[SamplingRow], shape: StepShape, vocab_size: int,
                   extra: list[SamplingRow] = (), eos_ids=(), scored: list[SamplingRow] = ()) -> SamplingInput:
     """Sampling settings for the step's sequences (row i = sequence i), its scored prompt positions
-    (`scored`, the rows after the sequences') and its extra sample positions (`extra`, rows M ..: speculation). The token history that the penalties need is filled only for
-    rows that use a penalty; it always fits (C = the context limit). `allowed` is all ones but where a
-    row's request narrows it (narrow_row: allowed_token_ids, and min_tokens' held-back ends; `eos_ids`: the
-    model's end-of-sequence tokens): the engine writes the constrained rows' masks into it."""
+    (`scored`, the rows after the sequences') and its extra sample positions (`extra`, rows M ..:
+    speculation). The token history that the penalties need is filled only for rows that use a penalty;
+    it always fits (C = the context limit). `allowed` is all ones but where a row's request narrows it
+    (narrow_row: allowed_token_ids, and min_tokens' held-back ends; `eos_ids`: the model's end-of-sequence
+    tokens) or a scored position forces its token: the engine writes the constrained rows' masks into it."""
     m, c = shape.rows, shape.history
     assert len(rows) + len(scored) <= shape.seqs and len(extra) <= shape.extra_rows
     out = SamplingInput(
