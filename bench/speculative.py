@@ -141,7 +141,8 @@ def main():
     args = ap.parse_args()
 
     from bench.engine import workload
-    from jaxcb.device.runner import ModelRunner, make_draft_runner
+    from jaxcb.device.factory import make_draft_runner
+    from jaxcb.device.runner import ModelRunner
     from jaxcb.host.engine import Engine
     from jaxcb.host.speculative import SpeculativeConfig
     from jaxcb.llm import build_engine, load_draft

@@ -62,7 +62,7 @@ def load_model(path: str | None = None, dtype=None, check_config=None, weights: 
     if given, runs once the config is read and before any weight is (the memory plan's refusal).
     `weights`: "int8" / "int4" quantize the matrices as they load (jaxcb.model.quant; `group` input
     rows per scale, 0 = the mode's default)."""
-    from jaxcb.device.runner import default_dtype
+    from jaxcb.device.factory import default_dtype
     from jaxcb.host.tokenizer import Tokenizer
     from jaxcb.model import checkpoint, gguf_loader, hf_loader
     from jaxcb.model.embedded import resolve_model
@@ -119,7 +119,7 @@ def load_draft(spec, target_config, target_params, dtype=None):
     n = config.num_layers
     mode = spec.draft_weights
     if mode in ("float32", "bfloat16"):
-        from jaxcb.device.runner import float_weights_dtype
+        from jaxcb.device.factory import float_weights_dtype
 
         dtype = float_weights_dtype(mode)
     if spec.draft_model:
@@ -182,10 +182,10 @@ def build_engines(model: str | None = None, config: EngineConfig | str | None = 
     import jax
     import jax.numpy as jnp
 
-    from jaxcb.device.runner import compute_dtype, make_runner, plan_memory
+    from jaxcb.device.factory import compute_dtype, make_runner, plan_memory
     from jaxcb.host.replicas import split_devices
 
-    from jaxcb.device.runner import make_draft_runner
+    from jaxcb.device.factory import make_draft_runner
 
     if not isinstance(config, EngineConfig):
         config = load_config(config)

@@ -287,7 +287,7 @@ def test_bfloat16_weights_compute_in_float32_on_the_cpu(tiny_gguf_path):
     """--weights bfloat16 on the CPU: the layer matrices and the embedding are stored in bfloat16 (half
     the bytes to stream), the norms and the compute in float32; the memory plan counts what is stored, and the
     runner keeps the stacks in bfloat16 (in the native matmul's blocks, where it reads them)."""
-    from jaxcb.device.runner import compute_dtype
+    from jaxcb.device.factory import compute_dtype
     from jaxcb.host.memory_plan import weight_bytes
     from jaxcb.model.quant import MATRICES
 

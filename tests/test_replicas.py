@@ -8,7 +8,7 @@ import threading
 import numpy as np
 import pytest
 
-from jaxcb.device.runner import make_runner
+from jaxcb.device.factory import make_runner
 from jaxcb.host.engine import Engine
 from jaxcb.host.engine_config import make_config
 from jaxcb.host.replicas import Replicas, split_devices

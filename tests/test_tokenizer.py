@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaxcb.host.tokenizer import IncrementalDetokenizer
+from jaxcb.host.detokenizer import IncrementalDetokenizer
 
 STREAM_TEXTS = [
     "plain ascii text, with punctuation!",

@@ -176,7 +176,7 @@ def cmd_convert(args) -> int:
     import numpy as np
 
     from jaxcb.cli.args import dtype as _dtype
-    from jaxcb.device.runner import default_dtype
+    from jaxcb.device.factory import default_dtype
     from jaxcb.llm import load_model
     from jaxcb.model import checkpoint
     from jaxcb.model.llama import params_to_weights

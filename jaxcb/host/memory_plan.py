@@ -271,7 +271,7 @@ def lora_slot_bytes(model, lora, dtype_bytes: int) -> int:
 def plan_for_model(model, config, *, budget_bytes: int, dtype_bytes: int, max_context: int | None = None,
                    tensor: int | None = None, weights: str | None = None, draft=None) -> MemoryPlan:
     """The plan for a model (a ModelConfig) under an EngineConfig: what the engine sizes its cache with
-    (jaxcb.device.runner.plan_memory) and what `jaxcb plan` prints. `max_context` / `tensor` / `weights`
+    (jaxcb.device.factory.plan_memory) and what `jaxcb plan` prints. `max_context` / `tensor` / `weights`
     override the config's; `draft`: speculative decoding's draft model (a ModelConfig), whose weights and
     KV are counted too."""
     s, c = config.scheduler, model

@@ -18,7 +18,7 @@ import time
 from typing import Callable
 
 from jaxcb.host.request import FinishReason, Request, TokenEvent
-from jaxcb.host.tokenizer import IncrementalDetokenizer
+from jaxcb.host.detokenizer import IncrementalDetokenizer
 
 EventCallback = Callable[[TokenEvent], None]
 log = logging.getLogger("jaxcb.host.output")

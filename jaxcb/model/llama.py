@@ -102,7 +102,7 @@ def params_from_numpy(weights: dict[str, np.ndarray], dtype=jnp.float32, mode: s
     dtype), the matrices quantized first when `mode` is "int8" or "int4" (jaxcb.model.quant, `group`
     input rows per scale; int8 scales in `dtype`, int4's float16), or, with the embedding, stored in
     bfloat16 when `mode` is "bfloat16" (under a float32 compute dtype: the CPU's,
-    jaxcb.device.runner.compute_dtype). Weights that are already quantized (a converted checkpoint) stay
+    jaxcb.device.factory.compute_dtype). Weights that are already quantized (a converted checkpoint) stay
     as they are."""
     weights = quantize_weights(weights, mode, group)
 
