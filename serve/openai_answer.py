@@ -57,6 +57,7 @@ async def answer(state, request: Request, options: RequestOptions, tenant: str, 
 
     left = len(prompts) * n
     usage = {"prompt_tokens": 0, "completion_tokens": 0, "cached": 0}
+    sample_usage: dict[int, dict] = {}  # each choice's tokens so far (stream_options.continuous_usage_stats)
 
     async def shape(i, ev):
         index = i * n + ev.index
@@ -68,6 +69,8 @@ async def answer(state, request: Request, options: RequestOptions, tenant: str, 
                 echo is not None and params.logprobs > 0, params.prompt_logprobs if prompt_field else None)
             logprobs = _merge(echoed, logprobs, chat)
         finish = (ev.finish_reason.value if isinstance(ev.finish_reason, FinishReason) else ev.finish_reason)
+        sample_usage[index] = {"prompt_tokens": ev.num_prompt_tokens, "completion_tokens": ev.num_output_tokens,
+                               "total_tokens": ev.num_prompt_tokens + ev.num_output_tokens}
         if ev.finished:
             usage["completion_tokens"] += ev.num_output_tokens
             if ev.index == 0:
@@ -96,15 +99,20 @@ async def answer(state, request: Request, options: RequestOptions, tenant: str, 
             nonlocal left
             try:
                 start()
+                def before(k):  # a choice's usage before its first token (continuous_usage_stats)
+                    p = len(prompts[k // n])
+                    return {"usage": {"prompt_tokens": p, "completion_tokens": 0, "total_tokens": p}
+                            } if options.continuous_usage else {}
+
                 if chat:
                     for k in range(len(prompts) * n):
                         yield _sse({"id": rid, "object": obj, "created": created, "model": model_name,
                                     "choices": [{"index": k, "delta": {"role": "assistant", "content": ""},
-                                                 "logprobs": None, "finish_reason": None}]})
+                                                 "logprobs": None, "finish_reason": None}], **before(k)})
                 for k in range(len(prompts) * n) if echo is not None else ():
                     yield _sse({"id": rid, "object": obj, "created": created, "model": model_name,
                                 "choices": [{"index": k, "text": echo[k // n], "logprobs": None,
-                                             "finish_reason": None}]})
+                                             "finish_reason": None}], **before(k)})
                 while left:
                     try:
                         i, ev = await next_event()
@@ -132,7 +140,8 @@ async def answer(state, request: Request, options: RequestOptions, tenant: str, 
                         choice["prompt_logprobs"] = prompt
                     choice.update({"delta": delta} if chat else {"text": text})
                     yield _sse({"id": rid, "object": obj, "created": created, "model": model_name,
-                                "choices": [choice], **({"prompt_logprobs": prompt} if prompt and chat else {})})
+                                "choices": [choice], **({"prompt_logprobs": prompt} if prompt and chat else {}),
+                                **({"usage": sample_usage[index]} if options.continuous_usage else {})})
                 if include_usage and not left:
                     yield _sse({"id": rid, "object": obj, "created": created, "model": model_name,
                                 "choices": [], "usage": usage_json()})

@@ -182,6 +182,7 @@ class RequestOptions:
     priority: int
     cache_salt: str
     request_id: str
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats (vLLM's): usage in every chunk
 
 
 def common_fields(body: dict) -> RequestOptions:
@@ -195,6 +196,7 @@ def common_fields(body: dict) -> RequestOptions:
     if unknown:
         raise unknown_field("stream_options", unknown[0])
     include_usage = bool_field(stream_options, "include_usage", False)
+    continuous = bool_field(stream_options, "continuous_usage_stats", False)
     if stream_options and not stream:
         raise bad_request("stream_options: only with stream: true")
     priority = int_field(body, "priority", 0)
@@ -205,7 +207,7 @@ def common_fields(body: dict) -> RequestOptions:
                {bool: "true or false", dict: "an object", str: "a string"}[kind])
     check_priority(priority)
     frontend.check_ids(request_id, salt)
-    return RequestOptions(stream, include_usage, priority, salt, request_id)
+    return RequestOptions(stream, include_usage, priority, salt, request_id, include_usage and continuous)
 
 
 def is_token_ids(p) -> bool:

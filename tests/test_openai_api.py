@@ -191,6 +191,14 @@ def test_chat_streaming_with_usage(oai, model_name):
     assert chunks[0].choices[0].delta.role == "assistant"
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 10
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    # vLLM's continuous_usage_stats: every chunk's usage, the tokens so far
+    counted = list(oai.chat.completions.create(
+        model=model_name, messages=messages, max_tokens=10, temperature=0, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True}, extra_body={"ignore_eos": True}))
+    assert all(c.usage is not None and c.usage.prompt_tokens == full.usage.prompt_tokens for c in counted)
+    so_far = [c.usage.completion_tokens for c in counted if c.choices]
+    assert so_far[0] == 0 and so_far == sorted(so_far) and so_far[-1] == counted[-1].usage.completion_tokens == 10
+    assert "".join(c.choices[0].delta.content or "" for c in counted if c.choices) == text
 
 
 def test_chat_template_kwargs_over_both_apis(server, oai, model_name):
