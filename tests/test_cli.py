@@ -42,6 +42,9 @@ def test_generate_file_keeps_order_and_reports_bad_lines(tiny_gguf_path, small_c
         {"messages": [{"role": "user", "content": [{"type": "text", "text": "is it"}]}], "max_tokens": 3,
          "ignore_eos": True, "logit_bias": {"7": 100}},
         {"prompt": "is it", "max_tokens": 2, "logit_bias": {"seven": 1}},
+        {"prompt_token_ids": [5, 6, 7, 8], "max_tokens": 0, "prompt_logprobs": 1},
+        {"prompt_token_ids": [5, 6, 7], "max_tokens": 8, "ignore_eos": True, "stop_token_ids": [7],
+         "allowed_token_ids": [7]},
     ]
     inp = tmp_path / "in.jsonl"
     inp.write_text("\n".join(l if isinstance(l, str) else json.dumps(l) for l in lines) + "\n")
@@ -55,8 +58,12 @@ def test_generate_file_keeps_order_and_reports_bad_lines(tiny_gguf_path, small_c
     assert "line 10: messages: must be a list of {role, content} objects" in r.stderr
     assert "line 12: logit_bias: 'seven' is not a token id" in r.stderr
     results = [json.loads(l) for l in out.read_text().splitlines()]
-    assert len(results) == 12
-    assert [r.get("line") for r in results] == [None, None, 3, 4, 5, None, None, None, 9, 10, None, 12]
+    assert len(results) == 14
+    assert [r.get("line") for r in results] == [None, None, 3, 4, 5, None, None, None, 9, 10, None, 12, None, None]
+    scored = results[12]  # the prompt's logprobs: none for its first token, then each with its rank and top 1
+    assert scored["token_ids"] == [] and scored["prompt_logprobs"][0] is None and len(scored["prompt_logprobs"]) == 4
+    assert all(len(e) == 3 and e[1] >= 1 and len(e[2]) == 1 for e in scored["prompt_logprobs"][1:])
+    assert results[13]["token_ids"] == [7] and results[13]["stop_reason"] == 7  # the stop token that ended it
     assert results[10]["token_ids"] == [7, 7, 7]  # content parts; a bias of 100 all but forces token 7
     assert re.fullmatch(r"[A-Z]{2}-[0-9]{3}", results[6]["text"]), results[6]
     assert json.loads(results[7]["text"]) in ({"ok": True}, {"ok": False})
