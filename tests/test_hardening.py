@@ -101,7 +101,7 @@ def test_unseeded_requests_draw_from_os_entropy(make_llm):
     prompt = _prompts(1, 10)
     a, b = make_llm().generate(prompt, params), make_llm().generate(prompt, params)
     assert a[0].token_ids != b[0].token_ids
-    assert isinstance(make_llm().engine._rng, random.SystemRandom)
+    assert isinstance(make_llm().engine.inbox.rng, random.SystemRandom)
 
 
 def test_a_length_log_that_cannot_be_written_does_not_hang_requests(make_llm, tmp_path):

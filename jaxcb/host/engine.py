@@ -20,10 +20,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
-import queue
-import random
-import secrets
-import threading
 import time
 from typing import Callable
 
@@ -34,6 +30,7 @@ from jaxcb.host.buckets import LengthLog
 from jaxcb.host.draft import describe_speculation, draft_proposer
 from jaxcb.host.engine_config import EngineConfig
 from jaxcb.host.engine_stats import Counters, EngineStats, StepRecord
+from jaxcb.host.inbox import Add, Inbox
 from jaxcb.host.lora import Adapters
 from jaxcb.host.errors import InvalidRequest, StepFailed
 from jaxcb.host.output import EventCallback, Outputs
@@ -49,22 +46,6 @@ from jaxcb.host.window import WindowGroup
 
 __all__ = ["Engine", "EventCallback", "Runner"]
 log = logging.getLogger("jaxcb.host.engine")
-
-
-@dataclasses.dataclass(frozen=True)
-class _Add:
-    """Inbox item (Engine.add_request, any thread): a request's samples and their output streams, which
-    join the scheduler together at the next step."""
-
-    samples: list[Request]
-    streams: list
-
-
-@dataclasses.dataclass(frozen=True)
-class _Abort:
-    """Inbox item (Engine.abort, any thread): every sample of the request ends at the next step."""
-
-    request_id: str
 
 
 @dataclasses.dataclass
@@ -117,13 +98,8 @@ class Engine:
             if spec.adaptive:  # speculation weighs its tokens by the buckets' step times
                 self.scheduler.proposer.buckets = config.buckets.tokens
         self.outputs = Outputs(tokenizer, clock)
-        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.inbox = Inbox(config.seed)  # requests and aborts from other threads (jaxcb.host.inbox)
         self._requests: dict[str, list[Request]] = {}  # request id -> its live samples
-        # Seeds for requests that bring none: OS entropy (unpredictable, also across restarts), unless
-        # the config fixes a seed for reproducible runs.
-        self._rng = secrets.SystemRandom() if config.seed is None else random.Random(config.seed)
-        self._seed_lock = threading.Lock()  # guards the seed generator and _live_ids
-        self._live_ids: set[str] = set()
         self._counters = Counters()
         self._last_fetch_end: float | None = None
         self._in_flight: collections.deque[_InFlight] = collections.deque()  # launched, not yet fetched
@@ -208,29 +184,19 @@ class Engine:
         arrival = self._clock() if arrival_time is None else arrival_time
         for r in samples:
             r.arrival_time = arrival
-        with self._seed_lock:
-            if rid in self._live_ids:
-                raise InvalidRequest(f"request_id: {rid!r} is already in use by a running request")
-            self._live_ids.add(rid)
-            # Sample 0 keeps the given seed; the others draw theirs from it (not seed + i, which would
-            # repeat another request's sample 0 that asked for seed + 1).
-            seeds = [self._rng.getrandbits(63) if params.seed is None
-                     else params.seed if i == 0 else random.Random(f"{params.seed}/{i}").getrandbits(63)
-                     for i in range(params.n)]
-        streams = [self.outputs.new_stream(seed, callback) for seed in seeds]
-        self._inbox.put(_Add(samples, streams))  # all samples in one item: they arrive together
+        seeds = self.inbox.reserve(rid, params.seed, params.n)
+        self.inbox.add(samples, [self.outputs.new_stream(seed, callback) for seed in seeds])
         return rid
 
     def abort(self, request_id: str) -> None:
         """The request ends with finish reason `abort` and its pages are freed at the next step."""
-        self._inbox.put(_Abort(request_id))
+        self.inbox.abort(request_id)
 
     def is_live(self, request_id: str) -> bool:
-        with self._seed_lock:
-            return request_id in self._live_ids
+        return self.inbox.is_live(request_id)
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work or not self._inbox.empty() or bool(self._in_flight)
+        return self.scheduler.has_work or not self.inbox.empty() or bool(self._in_flight)
 
     def stats(self) -> EngineStats:
         return EngineStats.of(self._counters, self.scheduler, self.pool, self.window_group,
@@ -246,17 +212,13 @@ class Engine:
 
     # ---- the loop ----
     def _drain_inbox(self, events: list[TokenEvent]) -> None:
-        while True:
-            try:
-                item = self._inbox.get_nowait()
-            except queue.Empty:
-                return
-            if isinstance(item, _Add):
+        for item in self.inbox.drain():
+            if isinstance(item, Add):
                 for r, st in zip(item.samples, item.streams):
                     self._requests.setdefault(r.request_id, []).append(r)
                     self.outputs.open(r, st)
                     self.scheduler.add(r)
-            elif item.request_id in self._requests:  # an _Abort
+            elif item.request_id in self._requests:  # an Abort
                 for r in list(self._requests[item.request_id]):
                     self._finish(r, FinishReason.ABORT, events)
 
@@ -476,8 +438,7 @@ class Engine:
             samples.remove(r)
         if not samples:  # the last sample of the request: its id is free again
             self._requests.pop(r.request_id, None)
-            with self._seed_lock:
-                self._live_ids.discard(r.request_id)
+            self.inbox.release(r.request_id)
         if self._length_log is not None:
             self._length_log.record(len(r.prompt_ids), r.num_known)
 
