@@ -14,7 +14,8 @@ from fastapi.responses import JSONResponse
 from jaxcb.host.errors import InvalidRequest, JaxcbError, NotFound, Overloaded, StepFailed, Unauthenticated, Unavailable
 from jaxcb.host.request import (SamplingParams, check_allowed_count, check_priority, check_stop_counts,
                                 logit_bias_from_json)
-from jaxcb.host.structured import Constraint, from_response_format, from_structured_outputs
+from jaxcb.host.structured import (GUIDED_EXTRAS, GUIDED_FIELDS, Constraint, from_guided, from_response_format,
+                                   from_structured_outputs)
 from jaxcb.host.tokenizer import check_template_kwargs
 from serve import frontend
 
@@ -23,7 +24,7 @@ ERROR_TYPE = {400: "invalid_request_error", 401: "authentication_error", 404: "n
          429: "rate_limit_error", 500: "internal_error", 503: "service_unavailable"}
 EXTRAS = {"top_k", "min_p", "repetition_penalty", "ignore_eos", "min_tokens", "stop_token_ids",
           "include_stop_str_in_output", "allowed_token_ids", "truncate_prompt_tokens", "priority", "cache_salt",
-          "request_id", "prompt_logprobs",
+          "request_id", "prompt_logprobs", *GUIDED_FIELDS, *GUIDED_EXTRAS,
           "structured_outputs", "speculative"}
 # OpenAI's fields about its own service that say nothing about the output (storing completions, billing
 # tier, cache routing, abuse tracking): SDKs and frameworks send them, a self-hosted server has nothing to
@@ -146,12 +147,15 @@ def sampling_params(body: dict, *, max_tokens: int, logprobs: int, prompt_logpro
 
 
 def constraint_of(body: dict) -> Constraint | None:
-    """The request's structured output: OpenAI's response_format or vLLM's structured_outputs (one)."""
-    from_format = from_response_format(body.get("response_format"))
-    from_vllm = from_structured_outputs(body.get("structured_outputs"))
-    if from_format is not None and from_vllm is not None:
-        raise InvalidRequest("structured_outputs: give either response_format or structured_outputs, not both")
-    return from_format or from_vllm
+    """The request's structured output: OpenAI's response_format, vLLM's structured_outputs or its older
+    guided_* fields (one of them)."""
+    given = [(name, c) for name, c in (("response_format", from_response_format(body.get("response_format"))),
+                                       ("structured_outputs", from_structured_outputs(body.get("structured_outputs"))),
+                                       ("guided_*", from_guided(body))) if c is not None]
+    if len(given) > 1:
+        raise InvalidRequest(f"structured_outputs: give one of response_format, structured_outputs and vLLM's "
+                             f"guided_* fields, not both {given[0][0]} and {given[1][0]}")
+    return given[0][1] if given else None
 
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit on top_logprobs

@@ -788,6 +788,15 @@ def test_response_format_and_structured_outputs_hold_on_both_endpoints(server, o
     r = oai.chat.completions.create(model=model_name, messages=[{"role": "user", "content": "sum"}], max_tokens=60,
                                     extra_body={"structured_outputs": {"grammar": 'start: NUM "+" NUM\nNUM: /[0-9]{1,3}/'}})
     assert re.fullmatch(r"[0-9]{1,3}\+[0-9]{1,3}", r.choices[0].message.content)
+    # vLLM's older guided_* fields: the same constraints, the same tokens as structured_outputs
+    for guided, current in (({"guided_regex": r"\d{4}-\d{2}"}, {"regex": r"\d{4}-\d{2}"}),
+                            ({"guided_choice": ["yes", "no"], "guided_decoding_backend": "xgrammar"},
+                             {"choice": ["yes", "no"]}),
+                            ({"guided_json": json.dumps(PERSON)}, {"json": PERSON})):
+        old, new = (oai.completions.create(model=model_name, prompt="x:", max_tokens=60, temperature=1.0, seed=3,
+                                           extra_body=body).choices[0].text
+                    for body in (guided, {"structured_outputs": current}))
+        assert old == new, guided
 
 
 @pytest.mark.parametrize("body, param, message", [
@@ -797,6 +806,11 @@ def test_response_format_and_structured_outputs_hold_on_both_endpoints(server, o
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objec"}}}},
      "response_format.json_schema.schema", "not a valid json"),
     ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs", "give exactly one of"),
+    ({"guided_regex": "[a-"}, "guided_regex", "not a valid regex"),
+    ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_choice", "give one of guided_json"),
+    ({"guided_regex": "a", "structured_outputs": {"regex": "b"}}, "structured_outputs", "not both structured_outputs"),
+    ({"guided_choice": "yes"}, "guided_choice", "must be a non-empty list"),
+    ({"guided_whitespace_pattern": " "}, "guided_whitespace_pattern", "not supported"),
     ({"tools": [{"type": "function", "function": {"name": "bad name"}}]}, "tools[0].function.name", "must be 1-64"),
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
      "tool_choice.function.name", "is not one of the tools"),

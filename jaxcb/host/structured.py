@@ -231,6 +231,36 @@ def from_structured_outputs(obj, field: str = "structured_outputs") -> Constrain
     return Constraint(kind, value, where)
 
 
+# vLLM's older top-level fields for the same constraints (removed in vLLM 0.12 for structured_outputs; many
+# clients still send them). guided_decoding_backend names a grammar engine: jaxcb's is llguidance whatever it
+# says (the output matches the constraint either way).
+GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+GUIDED_EXTRAS = ("guided_decoding_backend", "guided_whitespace_pattern")
+
+
+def from_guided(body: dict) -> Constraint | None:
+    """vLLM's guided_json / guided_regex / guided_choice / guided_grammar (at most one)."""
+    backend = body.get("guided_decoding_backend")
+    if backend is not None and not isinstance(backend, str):
+        raise InvalidRequest(f"guided_decoding_backend: must be a string, got {backend!r}")
+    if body.get("guided_whitespace_pattern") is not None:
+        raise InvalidRequest("guided_whitespace_pattern: not supported (JSON output takes the grammar's own whitespace)")
+    given = [name for name in GUIDED_FIELDS if body.get(name) is not None]
+    if not given:
+        return None
+    if len(given) > 1:
+        raise InvalidRequest(f"{given[1]}: give one of {', '.join(GUIDED_FIELDS)}, not both {given[0]} and {given[1]}")
+    name = given[0]
+    kind, value = GUIDED_FIELDS[name], body[name]
+    if kind == "json":
+        return Constraint.json_schema(value, name)
+    if kind == "choice":
+        return Constraint.choice(value, name)
+    if not isinstance(value, str):
+        raise InvalidRequest(f"{name}: must be a string")
+    return Constraint(kind, value, name)
+
+
 def from_response_format(obj, field: str = "response_format") -> Constraint | None:
     """OpenAI's `response_format`: {"type": "text"} (none), {"type": "json_object"} or {"type":
     "json_schema", "json_schema": {"name", "schema", "strict", "description"}}."""
