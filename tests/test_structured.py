@@ -10,7 +10,7 @@ import pytest
 
 from jaxcb.host.errors import InvalidRequest
 from jaxcb.host.request import SamplingParams
-from jaxcb.host.structured import Constraint, from_response_format, from_structured_outputs
+from jaxcb.host.structured import Constraint, from_guided, from_response_format, from_structured_outputs
 
 SCHEMA = {
     "type": "object",
@@ -129,6 +129,11 @@ def test_the_request_shapes_of_both_apis():
     assert from_structured_outputs({"choice": ["x", "y"]}).kind == "choice"
     assert from_structured_outputs({"json": SCHEMA}).kind == "json"
     assert from_structured_outputs({"grammar": GRAMMAR}).kind == "grammar"
+    assert from_structured_outputs({"json": SCHEMA, "disable_any_whitespace": True, "disable_fallback": False}) == (
+        from_structured_outputs({"json": SCHEMA}))  # vLLM's options: what jaxcb's grammars do anyway
+    assert from_guided({"guided_regex": "a+", "guided_decoding_backend": "xgrammar"}) == Constraint(
+        "regex", "a+", "guided_regex")
+    assert from_guided({"max_tokens": 3}) is None
     for bad, message in [
         ({"type": "xml"}, "response_format.type: 'xml' is not one of"),
         ({"type": "json_schema"}, "response_format.json_schema: must be an object"),
@@ -142,6 +147,8 @@ def test_the_request_shapes_of_both_apis():
         ({"structural_tag": "x"}, "structured_outputs.structural_tag: not supported"),
         ({"json_object": False}, "give exactly one of"),
         ({"regex": 5}, "structured_outputs.regex: must be a string"),
+        ({"regex": "a", "disable_fallback": "yes"}, "structured_outputs.disable_fallback: must be true or false"),
+        ({"regex": "a", "whitespace_pattern": " "}, "structured_outputs.whitespace_pattern: not supported"),
     ]:
         with pytest.raises(InvalidRequest, match=re.escape(message)):
             from_structured_outputs(bad)

@@ -200,6 +200,10 @@ def _escape(key: str) -> str:
 # The JSON shapes clients send (the OpenAI HTTP API, `jaxcb generate --input` lines): vLLM's
 # structured_outputs object and OpenAI's response_format.
 STRUCTURED_OUTPUTS_KEYS = ("json", "json_object", "regex", "choice", "grammar")
+# vLLM's options beside the constraint, which jaxcb's grammars hold whatever they say: JSON output is
+# compact and its objects closed unless the schema opens them (grammar_schema), and there is no other
+# backend to fall back to.
+STRUCTURED_OUTPUTS_OPTIONS = ("disable_any_whitespace", "disable_additional_properties", "disable_fallback")
 
 
 def from_structured_outputs(obj, field: str = "structured_outputs") -> Constraint | None:
@@ -209,6 +213,10 @@ def from_structured_outputs(obj, field: str = "structured_outputs") -> Constrain
         return None
     if not isinstance(obj, dict):
         raise InvalidRequest(f"{field}: must be an object with one of {', '.join(STRUCTURED_OUTPUTS_KEYS)}")
+    for option in STRUCTURED_OUTPUTS_OPTIONS:
+        if not isinstance(obj.get(option, False), bool):
+            raise InvalidRequest(f"{field}.{option}: must be true or false, got {obj[option]!r}")
+    obj = {k: v for k, v in obj.items() if k not in STRUCTURED_OUTPUTS_OPTIONS}
     unknown = sorted(k for k in obj if k not in STRUCTURED_OUTPUTS_KEYS)
     if unknown:
         raise InvalidRequest(f"{field}.{unknown[0]}: not supported; give one of {', '.join(STRUCTURED_OUTPUTS_KEYS)}")
