@@ -57,17 +57,26 @@ def test_generation_goes_on_after_the_scored_prompt(make_llm):
     assert plain.prompt_logprobs is None
 
 
-def test_a_scored_prompt_is_computed_whole_and_kept_through_preemption(make_llm):
-    """A cached prefix is not taken (its positions must be scored); a tiny pool preempts the scoring
-    requests mid-prompt: the logprobs are those of an ample pool."""
+def test_a_scored_prompt_takes_cached_pages_only_with_their_scores_and_keeps_them_through_preemption(make_llm):
+    """A cached prefix is taken only as far as its pages keep their tokens' logprobs (a scoring request
+    registered them, with as many alternatives), less its last page (the next page's first token's logprob
+    needs that page's last position); a tiny pool preempts the scoring requests mid-prompt: the logprobs
+    are those of an ample pool."""
     ample = make_llm(num_pages=256)
     tiny = make_llm(num_pages=14)
     prompts = random_prompts(ample, (60, 33, 45, 20, 52, 9), seed=4)
     params = [SamplingParams(max_tokens=20, ignore_eos=True, prompt_logprobs=2 if i % 2 == 0 else None)
               for i in range(len(prompts))]
+    ample.generate(prompts[1:2], SamplingParams(max_tokens=1))  # caches prompts[1]'s pages, without scores
+    scored = ample.generate(prompts[1:2], SamplingParams(max_tokens=1, prompt_logprobs=2))[0]
+    assert scored.num_cached_tokens == 0 and len(scored.prompt_logprobs) == len(prompts[1])
     want = ample.generate(prompts, params)
-    again = ample.generate(prompts[:1], params[:1])[0]  # its pages are cached now
-    assert again.num_cached_tokens == 0 and len(again.prompt_logprobs) == len(prompts[0])
+    again = ample.generate(prompts[:1], params[:1])[0]  # its pages are cached now, with their scores
+    assert again.num_cached_tokens == 32 and len(again.prompt_logprobs) == len(prompts[0])
+    wider = ample.generate(prompts[:1], SamplingParams(max_tokens=1, prompt_logprobs=3))[0]
+    assert wider.num_cached_tokens == 0  # three alternatives asked, two kept
+    assert [e[0] for e in wider.prompt_logprobs[1:]] == pytest.approx([e[0] for e in again.prompt_logprobs[1:]],
+                                                                      abs=2e-4)
     got = tiny.generate(prompts, params)
     assert tiny.engine.stats().preemptions > 0
     for a, b, p in zip(got, want, params):
@@ -87,3 +96,25 @@ def test_prompt_logprobs_limits():
     with pytest.raises(InvalidRequest, match="max_tokens"):
         SamplingParams(max_tokens=0)
     SamplingParams(max_tokens=0, prompt_logprobs=0)
+
+
+def test_continuations_of_one_context_score_it_once(make_llm):
+    """lm-eval's multiple choice: one context, several continuations, each scored. With prefix caching the
+    later ones take the context's pages with their scores (all but the last full page's K/V) and give the
+    logprobs of the engine without the cache."""
+    rng = np.random.default_rng(9)
+    context = rng.integers(3, 250, size=70).tolist()  # four full pages and a part
+    prompts = [context + rng.integers(3, 250, size=int(k)).tolist() for k in (5, 9, 3, 12)]
+    params = SamplingParams(max_tokens=1, prompt_logprobs=1)
+    outs = {}
+    for on in (True, False):
+        llm = make_llm(prefix_caching=on)
+        outs[on] = llm.generate(prompts[:1], params) + llm.generate(prompts[1:], params)
+        computed = llm.engine.stats().prompt_tokens_computed
+        outs[on, "computed"] = computed
+    assert [o.num_cached_tokens for o in outs[True]] == [0, 48, 48, 48]
+    assert outs[False, "computed"] - outs[True, "computed"] == 3 * 48
+    for a, b in zip(outs[True], outs[False]):
+        assert len(a.prompt_logprobs) == len(b.prompt_logprobs) == len(a.prompt_token_ids)
+        assert [e[0] for e in a.prompt_logprobs[1:]] == pytest.approx([e[0] for e in b.prompt_logprobs[1:]], abs=2e-4)
+        assert [e[1] for e in a.prompt_logprobs[1:]] == [e[1] for e in b.prompt_logprobs[1:]]

@@ -40,6 +40,9 @@ class PagePool:
         self._cached_free: collections.OrderedDict[int, None] = collections.OrderedDict()  # LRU first
         self.num_evictions = 0
         self.events = None  # jaxcb.host.kv_events.KVEvents: told of each eviction and clearing
+        # What a registered page knows beyond its K/V: its tokens' prompt logprobs, when a request that
+        # asked for them computed it (jaxcb.host.prefix_cache.PageScores), kept as long as the hash is.
+        self.scores: dict[bytes, object] = {}
 
     @property
     def num_usable(self) -> int:
@@ -99,6 +102,7 @@ class PagePool:
             page, _ = self._cached_free.popitem(last=False)
             page_hash = self._hash_of.pop(page)
             del self._page_of[page_hash]
+            self.scores.pop(page_hash, None)
             self.num_evictions += 1
             if self.events is not None:
                 self.events.removed(page_hash)
@@ -190,6 +194,7 @@ class PagePool:
         self._cached_free.clear()
         self._page_of.clear()
         self._hash_of.clear()
+        self.scores.clear()
 
     def check(self) -> None:
         """Invariants: free + cached free + in use == usable; free pages hold no reference; no page

@@ -10,10 +10,18 @@ step must produce the logits of the last one.
 
 The pool keeps registered pages that nobody holds in an LRU list (jaxcb.host.page_pool), so a prefix
 outlives its requests until the memory is needed.
+
+A request that wants its prompt's logprobs (SamplingParams.prompt_logprobs) must have every prompt
+position's logits, which a cached page's K/V do not give. So a page registered by such a request also
+keeps its tokens' logprobs (PageScores: each token's, given the tokens before it, which the page's hash
+fixes), and such a request takes a cached prefix only as far as its pages keep at least the alternatives
+it asks for: scoring the same context under several continuations (lm-eval's multiple choice) computes
+the context once.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 
 import numpy as np
@@ -33,6 +41,39 @@ def chain_hash(previous: bytes, tokens: list[int]) -> bytes:
     h = hashlib.blake2b(previous, digest_size=16)
     h.update(np.asarray(tokens, np.int64).tobytes())
     return h.digest()
+
+
+@dataclasses.dataclass(frozen=True)
+class PageScores:
+    """A page's tokens' prompt logprobs, compactly: token j's logprob given the tokens before it, its rank
+    and its n best alternatives (all S entries; the first token of a sequence has none: rank 0)."""
+
+    logprobs: np.ndarray  # f32 [S]
+    ranks: np.ndarray  # i32 [S]
+    top_ids: np.ndarray  # i32 [S, n]
+    top_logprobs: np.ndarray  # f32 [S, n]
+
+    @property
+    def n(self) -> int:
+        return self.top_ids.shape[1]
+
+    @classmethod
+    def of(cls, entries: list, n: int) -> "PageScores":
+        """From Request.prompt_logprobs' entries (lp, rank, ((id, lp), ...)); None for a first token."""
+        s = len(entries)
+        out = cls(np.zeros(s, np.float32), np.zeros(s, np.int32), np.zeros((s, n), np.int32),
+                  np.zeros((s, n), np.float32))
+        for j, e in enumerate(entries):
+            if e is not None:
+                out.logprobs[j], out.ranks[j] = e[0], e[1]
+                if n:
+                    out.top_ids[j], out.top_logprobs[j] = zip(*e[2][:n])
+        return out
+
+    def entry(self, j: int, n: int) -> tuple:
+        """Token j's entry as Request.prompt_logprobs holds it, with its n best alternatives."""
+        return (float(self.logprobs[j]), int(self.ranks[j]),
+                tuple(zip(self.top_ids[j, :n].tolist(), self.top_logprobs[j, :n].tolist())))
 
 
 class PrefixCache:
@@ -72,6 +113,14 @@ class PrefixCache:
         """At admission of a request that holds no pages: take its cached prefix. Returns the tokens."""
         assert not r.page_ids and r.num_computed == 0, "attach needs a request with no pages"
         pages = self.cached_pages(r)
+        n, scored = r.params.prompt_logprobs, 0
+        if r.scoring:  # only as far as the pages keep their tokens' logprobs (and enough alternatives) ...
+            scores = self.pool.scores
+            scored = next((k for k, h in enumerate(r.page_hashes[:len(pages)]) if h not in scores or scores[h].n < n),
+                          len(pages))
+            # ... and the K/V of all but the last of those: the logits of its last position (the next
+            # page's first token's logprob, which no record of these pages holds) are computed with it
+            pages = pages[:max(0, scored - 1)]
         if self.window is not None:  # only as far as the sliding layers' window is cached too
             k, window_pages = self.window.usable_prefix(r.page_hashes, len(pages))
             pages = pages[:k]
@@ -80,6 +129,9 @@ class PrefixCache:
         r.page_ids = list(pages)
         r.num_computed = len(pages) * self.page_size
         r.num_registered = len(pages)
+        s = self.page_size  # the cached pages' prompt logprobs: entry t - 1 is token t's
+        for t in range(max(1, len(r.prompt_logprobs) + 1), min(scored * s, len(r.prompt_ids))):
+            r.prompt_logprobs.append(self.pool.scores[r.page_hashes[t // s]].entry(t % s, n))
         if r.num_preemptions == 0:  # usage and counters: the prompt, at its first admission
             r.num_cached_tokens = min(r.num_computed, len(r.prompt_ids))
             self.num_queried_tokens += len(r.prompt_ids)
@@ -114,4 +166,13 @@ class PrefixCache:
                               r.lora.name if r.lora is not None else None)
         if self.window is not None:
             self.window.register(r, r.num_registered, hashes)
+        n = r.params.prompt_logprobs
+        if n is not None:  # each page whose tokens' logprobs are all known keeps them (PageScores)
+            for k, page_hash in zip(range(r.num_registered, full), hashes):
+                if len(r.prompt_logprobs) < (k + 1) * s - 1 or (k + 1) * s > len(r.prompt_ids):
+                    break
+                held = self.pool.scores.get(page_hash)
+                if held is None or held.n < n:
+                    self.pool.scores[page_hash] = PageScores.of(
+                        [r.prompt_logprobs[t - 1] if t else None for t in range(k * s, (k + 1) * s)], n)
         r.num_registered = full

@@ -404,7 +404,7 @@ class Scheduler:
             for r in order:
                 if room <= 0 or budget <= 0:
                     break
-                attached = self.cache is not None and not r.scoring  # a scored prompt is computed whole
+                attached = self.cache is not None
                 if attached:
                     self.cache.attach(r)
                     if self.cache.next_hash(r) in pending:
