@@ -96,3 +96,14 @@ def write_result(result: dict, path: str | None, echo: bool = True) -> None:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         with open(path, "w") as f:
             json.dump(result, f, indent=1)
+
+
+def warmed_engine(model: str | None, config: str | None):
+    """The engine of a model and config file (jaxcb.llm.build_engine), warmed up: (engine, the step shapes
+    compiled, the warm-up's seconds). Benchmarks that compare modes build further engines on its runner."""
+    from jaxcb.llm import build_engine
+
+    engine = build_engine(model, config)
+    t0 = time.perf_counter()
+    shapes = engine.warmup()
+    return engine, shapes, time.perf_counter() - t0

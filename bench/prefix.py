@@ -16,7 +16,7 @@ import time
 
 import numpy as np
 
-from bench.common import machine, write_result
+from bench.common import machine, warmed_engine, write_result
 
 
 def workload(n: int, system_len: int, seed: int, vocab: int):
@@ -70,14 +70,10 @@ def main():
     args = ap.parse_args()
 
     from jaxcb.host.engine import Engine
-    from jaxcb.llm import build_engine
 
-    first = build_engine(args.model, args.config)
+    first, shapes, warmup_s = warmed_engine(args.model, args.config)
     model_config, config, runner, tokenizer = first.model_config, first.config, first.runner, first.tokenizer
     eos = first.scheduler.eos_ids
-    t0 = time.perf_counter()
-    shapes = first.warmup()
-    warmup_s = time.perf_counter() - t0
     prompts = workload(args.requests, args.system, args.seed, model_config.vocab_size)
     system_pages = args.system // config.page_size
 

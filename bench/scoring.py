@@ -20,7 +20,7 @@ import time
 
 import numpy as np
 
-from bench.common import machine, write_result
+from bench.common import machine, warmed_engine, write_result
 
 PROSE = os.path.join(os.path.dirname(__file__), "..", "tests", "data", "heldout_prose.txt")
 
@@ -71,12 +71,10 @@ def main():
 
     from jaxcb.device.evaluate import perplexity
     from jaxcb.host.engine import Engine
-    from jaxcb.llm import build_engine
 
-    first = build_engine(args.model, args.config)
+    first, shapes, _ = warmed_engine(args.model, args.config)
     model_config, config, runner, tokenizer = first.model_config, first.config, first.runner, first.tokenizer
     eos = first.scheduler.eos_ids
-    shapes = first.warmup()
     prompts = workload(tokenizer, args.requests, args.min_len, args.max_len, args.seed)
     trials, scores = {"plain": [], "scored": []}, None
     for _ in range(args.trials):

@@ -337,8 +337,8 @@ class Request:
 
     @property
     def scoring(self) -> bool:
-        """It still needs logprobs of its prompt: every prompt position must be computed, none taken
-        from the prefix cache."""
+        """It still needs logprobs of its prompt: a position is computed with its logits, or its entry
+        taken from a cached page that kept it (jaxcb.host.prefix_cache.PageScores)."""
         return self.params.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_ids) - 1
 
     @property
