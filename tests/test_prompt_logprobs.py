@@ -114,6 +114,11 @@ def test_continuations_of_one_context_score_it_once(make_llm):
         outs[on, "computed"] = computed
     assert [o.num_cached_tokens for o in outs[True]] == [0, 48, 48, 48]
     assert outs[False, "computed"] - outs[True, "computed"] == 3 * 48
+    together = make_llm(prefix_caching=True)  # all at once: the others wait for the first's context pages
+    at_once = together.generate(prompts, params)
+    assert sorted(o.num_cached_tokens for o in at_once) == [0, 48, 48, 48]
+    for a, b in zip(at_once, outs[False]):
+        assert [e[0] for e in a.prompt_logprobs[1:]] == pytest.approx([e[0] for e in b.prompt_logprobs[1:]], abs=2e-4)
     for a, b in zip(outs[True], outs[False]):
         assert len(a.prompt_logprobs) == len(b.prompt_logprobs) == len(a.prompt_token_ids)
         assert [e[0] for e in a.prompt_logprobs[1:]] == pytest.approx([e[0] for e in b.prompt_logprobs[1:]], abs=2e-4)

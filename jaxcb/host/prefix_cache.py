@@ -105,9 +105,19 @@ class PrefixCache:
         return self._hashes(r, full)[r.num_registered:] if full > r.num_registered else []
 
     def next_hash(self, r: Request) -> bytes | None:
-        """After attach: the hash of the first full page r would compute itself, if any."""
+        """After attach: the hash of the first full page r would compute itself, if any (for a scoring
+        request, the first whose tokens' logprobs it would compute: it recomputes the K/V of the page
+        before, whose logprobs it has)."""
         k = len(r.page_ids)
+        if r.scoring:
+            k = self._scored(r, (r.num_tokens - 1) // self.page_size)
         return self._hashes(r, k + 1)[k] if k < (r.num_tokens - 1) // self.page_size else None
+
+    def _scored(self, r: Request, num_pages: int) -> int:
+        """How many of r's first num_pages pages keep their tokens' logprobs with the alternatives it wants."""
+        scores, n = self.pool.scores, r.params.prompt_logprobs
+        return next((k for k, h in enumerate(self._hashes(r, num_pages)) if h not in scores or scores[h].n < n),
+                    num_pages)
 
     def attach(self, r: Request) -> int:
         """At admission of a request that holds no pages: take its cached prefix. Returns the tokens."""
@@ -115,9 +125,7 @@ class PrefixCache:
         pages = self.cached_pages(r)
         n, scored = r.params.prompt_logprobs, 0
         if r.scoring:  # only as far as the pages keep their tokens' logprobs (and enough alternatives) ...
-            scores = self.pool.scores
-            scored = next((k for k, h in enumerate(r.page_hashes[:len(pages)]) if h not in scores or scores[h].n < n),
-                          len(pages))
+            scored = self._scored(r, len(pages))
             # ... and the K/V of all but the last of those: the logits of its last position (the next
             # page's first token's logprob, which no record of these pages holds) are computed with it
             pages = pages[:max(0, scored - 1)]

@@ -397,17 +397,20 @@ class Scheduler:
                     self._static_rows = len(self._static_batch)
                 members = {id(r) for r in self._static_batch}
                 order = [r for r in order if id(r) in members]
-            pending = set()  # pages running prefills are computing now
+            # Pages running prefills are computing now: hash -> whether one of them keeps its tokens'
+            # logprobs (a scoring request's does; only such a page saves a scoring request its work).
+            pending: dict[bytes, bool] = {}
             if self.cache is not None:
                 for r in self.running:
-                    pending.update(self.cache.upcoming(r))
+                    self._computing(r, pending)
             for r in order:
                 if room <= 0 or budget <= 0:
                     break
                 attached = self.cache is not None
                 if attached:
                     self.cache.attach(r)
-                    if self.cache.next_hash(r) in pending:
+                    upcoming = self.cache.next_hash(r)
+                    if upcoming in pending and (pending[upcoming] or not r.scoring):
                         self.cache.detach(r)  # wait for those pages rather than compute them twice
                         continue
                 n = self._chunk(r, budget)
@@ -429,7 +432,7 @@ class Scheduler:
                     break  # out of pages: wait for running requests to finish
                 self._admitted(r, now)
                 if self.cache is not None:
-                    pending.update(self.cache.upcoming(r))
+                    self._computing(r, pending)
                 self._emit(out, Chunk(r, r.num_computed, n))
                 if n > 1 or r.num_tokens - r.num_computed > 1:
                     budget -= n
@@ -448,6 +451,11 @@ class Scheduler:
                     out.decode.append(Chunk(c.request, c.start, 1))
                 out.speculative = []
         return out
+
+    def _computing(self, r: Request, pending: dict[bytes, bool]) -> None:
+        """The pages r is yet to compute, into `pending` (with whether r keeps their tokens' logprobs)."""
+        for page_hash in self.cache.upcoming(r):
+            pending[page_hash] = pending.get(page_hash, False) or r.scoring
 
     def _propose(self, r: Request, budget: int, speculate: bool) -> list[int]:
         """Proposals for r's next decode step, its pages already grown to hold them; [] to decode one
