@@ -66,7 +66,8 @@ async def answer(state, request: Request, options: RequestOptions, tenant: str, 
         if ev.prompt_logprobs is not None:  # a sample's first event: a prompt's worth, shaped off the event loop
             echoed, prompt = await asyncio.to_thread(
                 _prompt_parts, state.tokenizer, prompts[i], ev.prompt_logprobs,
-                echo is not None and params.logprobs > 0, params.prompt_logprobs if prompt_field else None)
+                top_logprobs if echo is not None and params.logprobs > 0 else None,
+                params.prompt_logprobs if prompt_field else None)
             logprobs = _merge(echoed, logprobs, chat)
         finish = (ev.finish_reason.value if isinstance(ev.finish_reason, FinishReason) else ev.finish_reason)
         sample_usage[index] = {"prompt_tokens": ev.num_prompt_tokens, "completion_tokens": ev.num_output_tokens,
@@ -238,20 +239,31 @@ def _logprobs(tokenizer, ev, chat: bool, top: int):
     for token, (lp, alts) in zip(ev.token_ids, ev.logprobs):
         tokens.append(_token_text(tokenizer, token))
         token_logprobs.append(lp)
-        tops.append({_token_text(tokenizer, t): l for t, l in alts})
+        tops.append(_top(tokens[-1], lp, ((_token_text(tokenizer, t), l) for t, l in alts[:top])))
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": []}
 
 
-def _prompt_parts(tokenizer, prompt: list[int], entries, echo: bool, n: int | None):
+def _top(token: str, logprob: float, alternatives) -> dict:
+    """Completions' top_logprobs of a token: its alternatives and always the token itself (as OpenAI's legacy
+    API and vLLM give it: up to N + 1 entries)."""
+    top = dict(alternatives)
+    top.setdefault(token, logprob)
+    return top
+
+
+def _prompt_parts(tokenizer, prompt: list[int], entries, echo: int | None, n: int | None):
     """A prompt's logprobs (a sample's first event's `prompt_logprobs`) as the answer shows them: with
-    `echo`, completions' four lists, the first token without a logprob (nothing comes before it); with `n`
-    (not None), vLLM's prompt_logprobs: None for the first token, then {token id: {logprob, rank,
-    decoded_token}} of each token and its n best alternatives. Each token's text is decoded once."""
+    `echo` (not None), completions' four lists with `echo` alternatives a token, the first token without a
+    logprob (nothing comes before it); with `n` (not None), vLLM's prompt_logprobs: None for the first token,
+    then {token id: {logprob, rank, decoded_token}} of each token and its n best alternatives. Each token's
+    text is decoded once."""
     text = functools.lru_cache(maxsize=None)(lambda t: _token_text(tokenizer, t))
     echoed = None
-    if echo:
+    if echo is not None:
         echoed = {"tokens": [text(t) for t in prompt], "token_logprobs": [None] + [lp for lp, _, _ in entries],
-                  "top_logprobs": [None] + [{text(t): l for t, l in top} for _, _, top in entries], "text_offset": []}
+                  "top_logprobs": [None] + [_top(text(token), lp, ((text(t), l) for t, l in top[:echo]))
+                                            for token, (lp, _, top) in zip(prompt[1:], entries)],
+                  "text_offset": []}
     listed = None
     if n is not None:
         listed = [None]

@@ -256,12 +256,17 @@ def make_app(state) -> FastAPI:
         if int_field(body, "best_of", 1) != 1:
             raise bad_request("best_of: only 1 is supported")
         options = common_fields(body)
-        logprobs = int_field(body, "logprobs", 0) or 0
+        # OpenAI's logprobs N: each token's own logprob and its N most likely alternatives (0: none of
+        # them); unset: no logprobs
+        shown = int_field(body, "logprobs")
+        if shown is not None and shown < 0:
+            raise bad_request(f"logprobs: must be >= 0, got {shown}")
         max_tokens = int_field(body, "max_tokens", 16)
         # echo with logprobs: the prompt's tokens' logprobs lead the choice's (lm-eval's loglikelihood);
         # echo with max_tokens 0: the prompt alone, scored (OpenAI's legacy scoring call)
-        scored = logprobs if echo and (logprobs or max_tokens == 0) else None
-        params = sampling_params(body, max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=scored)
+        scored = (shown or 0) if echo and (shown is not None or max_tokens == 0) else None
+        params = sampling_params(body, max_tokens=max_tokens, logprobs=0 if shown is None else max(shown, 1),
+                                 prompt_logprobs=scored)
         params = dataclasses.replace(params, lora=adapter_of(body))
         given = prompt_list(body.get("prompt"))
         keep = frontend.prompt_keep(state, body.get("truncate_prompt_tokens"))
@@ -273,7 +278,7 @@ def make_app(state) -> FastAPI:
             echoed = [p if isinstance(p, str) and keep is None else await asyncio.to_thread(_tokenizer().decode, ids)
                       for p, ids in zip(given, prompts)]
         return await answer(state, request, options, tenant, prompts, params, chat=False, echo=echoed,
-                            prompt_field="prompt_logprobs" in body)
+                            top_logprobs=shown or 0, prompt_field="prompt_logprobs" in body)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):

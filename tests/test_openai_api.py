@@ -330,9 +330,16 @@ def test_echo_with_logprobs_scores_the_prompt_as_the_offline_engine(server, oai,
     assert lp.token_logprobs[-1] == pytest.approx(want.logprobs[0][0], abs=1e-5)
     assert lp.tokens == [tok.decode([t], skip_special=False) for t in prompt + want.token_ids]
     assert lp.text_offset == list(np.cumsum([0] + [len(t) for t in lp.tokens[:-1]]))
-    for top, entry in zip(lp.top_logprobs[1:-1], want.prompt_logprobs[1:]):
-        best, value = entry[2][0]
-        assert top == {tok.decode([best], skip_special=False): pytest.approx(value, abs=1e-5)}
+    for top, entry, token in zip(lp.top_logprobs[1:-1], want.prompt_logprobs[1:], lp.tokens[1:-1]):
+        best, value = entry[2][0]  # the best alternative, and always the token itself (OpenAI's up to N + 1)
+        assert top == {tok.decode([best], skip_special=False): pytest.approx(value, abs=1e-5),
+                       token: pytest.approx(entry[0], abs=1e-5)}
+    # logprobs 0: each token's own logprob and no alternative; unset: none
+    zero = oai.completions.create(model=model_name, prompt=prompt, max_tokens=3, logprobs=0, echo=True,
+                                  temperature=0, extra_body={"ignore_eos": True}).choices[0].logprobs
+    assert zero.token_logprobs[1:] == pytest.approx(lp.token_logprobs[1:-1] + zero.token_logprobs[-3:], abs=1e-5)
+    assert all(top == {t: v} for top, t, v in zip(zero.top_logprobs[1:], zero.tokens[1:], zero.token_logprobs[1:]))
+    assert oai.completions.create(model=model_name, prompt=prompt, max_tokens=2).choices[0].logprobs is None
     assert r.choices[0].text == tok.decode(prompt) + want.text
     # lm-eval's is_greedy: a continuation the model decodes greedily has each logprob equal to the best
     # of its top_logprobs, exactly (and a forced other token's is lower)
@@ -404,8 +411,10 @@ def test_n_logprobs_and_stop(oai, model_name):
                                  seed=3, logprobs=2, extra_body={"ignore_eos": True})
     assert [c.index for c in out.choices] == [0, 1, 2, 3]
     for c in out.choices:
-        # top_logprobs is keyed by token text (as OpenAI has it): byte tokens that decode alike share a key
-        assert len(c.logprobs.tokens) == 6 and all(1 <= len(t) <= 2 for t in c.logprobs.top_logprobs)
+        # top_logprobs is keyed by token text (as OpenAI has it): byte tokens that decode alike share a key;
+        # the 2 best and the sampled token itself (sampled at temperature 1, maybe not among them)
+        assert len(c.logprobs.tokens) == 6 and all(1 <= len(t) <= 3 for t in c.logprobs.top_logprobs)
+        assert all(t in top for t, top in zip(c.logprobs.tokens, c.logprobs.top_logprobs))
         assert all(lp <= 0 for lp in c.logprobs.token_logprobs)
     chat = oai.chat.completions.create(model=model_name, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
                                        temperature=0, logprobs=True, top_logprobs=3, extra_body={"ignore_eos": True})
