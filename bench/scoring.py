@@ -1,7 +1,7 @@
 """Scoring prompts (prompt logprobs, lm-eval's loglikelihood calls) against plain prefill, SmolLM2 on this
 machine.
 
-    .venv/bin/python -m bench.scoring [--requests 48] [--min-len 64] [--max-len 384] [--trials 2]
+    .venv/bin/python -m bench.scoring [--requests 48] [--min-len 64] [--max-len 384] [--trials 2] [--choices K]
 
 Workload: `--requests` prompts cut from the held-out prose (tests/data/heldout_prose.txt) at lengths
 spread over [--min-len, --max-len], all submitted at once, one output token each. Modes, interleaved on
@@ -10,6 +10,11 @@ budget), `scored` (SamplingParams(prompt_logprobs=1): every position but the las
 the step's sequences leave spare, so at most max_running positions a step). Prints prompt tokens/s and
 steps per mode, and checks the scores against jaxcb.device.evaluate.perplexity (a program that takes
 every row's logits of one sequence, chunk by chunk): the largest difference of a prompt's mean NLL.
+
+--choices K: lm-eval's multiple choice instead: each prompt is a context of --min-len..--max-len tokens and
+one of K continuations of 8..24 tokens (--requests prompts in all), and a third mode, `scored, no cache`,
+runs the scored prompts with prefix caching off (a scored page keeps its tokens' logprobs in the cache, so
+with it each context is computed once).
 """
 
 from __future__ import annotations
@@ -35,6 +40,13 @@ def workload(tokenizer, n: int, low: int, high: int, seed: int) -> list[list[int
     return out
 
 
+def choices_workload(tokenizer, n: int, k: int, low: int, high: int, seed: int) -> list[list[int]]:
+    """n prompts: n // k contexts, each followed by k continuations from elsewhere in the text."""
+    contexts = workload(tokenizer, max(1, n // k), low, high, seed)
+    tails = workload(tokenizer, len(contexts) * k, 8, 24, seed + 1)
+    return [c + tails[i * k + j] for i, c in enumerate(contexts) for j in range(k)]
+
+
 def run(engine, prompts, scored: bool):
     from jaxcb.host.request import SamplingParams
 
@@ -54,7 +66,8 @@ def run(engine, prompts, scored: bool):
     engine.pool.check_all_free()
     tokens = sum(map(len, prompts))
     return {"wall_s": round(wall, 2), "prompt_tokens_per_s": round(tokens / wall, 1), "steps": steps,
-            "compilations_after_warmup": st.compilations - compiled}, [scores.get(i) for i in ids]
+            "computed": st.prompt_tokens_computed, "compilations_after_warmup": st.compilations - compiled
+            }, [scores.get(i) for i in ids]
 
 
 def main():
@@ -66,6 +79,7 @@ def main():
     ap.add_argument("--max-len", type=int, default=384)
     ap.add_argument("--trials", type=int, default=2, help="runs per mode, interleaved; the fastest is shown")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--choices", type=int, default=0, help="lm-eval's multiple choice: K continuations a context")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
 
@@ -75,12 +89,17 @@ def main():
     first, shapes, _ = warmed_engine(args.model, args.config)
     model_config, config, runner, tokenizer = first.model_config, first.config, first.runner, first.tokenizer
     eos = first.scheduler.eos_ids
-    prompts = workload(tokenizer, args.requests, args.min_len, args.max_len, args.seed)
-    trials, scores = {"plain": [], "scored": []}, None
+    if args.choices:
+        prompts = choices_workload(tokenizer, args.requests, args.choices, args.min_len, args.max_len, args.seed)
+    else:
+        prompts = workload(tokenizer, args.requests, args.min_len, args.max_len, args.seed)
+    modes = ("plain", "scored") + (("scored, no cache",) if args.choices else ())
+    trials, scores = {mode: [] for mode in modes}, None
     for _ in range(args.trials):
-        for mode in ("plain", "scored"):
-            engine = Engine(runner, tokenizer, config, eos_ids=eos)
-            figures, got = run(engine, prompts, mode == "scored")
+        for mode in modes:
+            cfg = config.replace(prefix_caching=False) if mode.endswith("no cache") else config
+            engine = Engine(runner, tokenizer, cfg, eos_ids=eos)
+            figures, got = run(engine, prompts, mode != "plain")
             trials[mode].append(figures)
             scores = got if mode == "scored" else scores
     best = {mode: min(runs, key=lambda r: r["wall_s"]) for mode, runs in trials.items()}
@@ -98,14 +117,21 @@ def main():
     print(f"machine: {result['machine']}; model {model_config.name}; {args.requests} prompts of "
           f"{args.min_len}..{args.max_len} tokens ({result['prompt_tokens']} in all), one output token each, "
           f"max_running {result['max_running']}, prefill budget {result['max_prefill_tokens']}")
-    print("| mode | prompt tokens/s | steps | wall s | compilations after warm-up |")
-    print("|---|---|---|---|---|")
-    for mode in ("plain", "scored"):
+    if args.choices:
+        print(f"multiple choice: {len(prompts) // args.choices} contexts x {args.choices} continuations of 8..24 tokens")
+    print("| mode | prompt tokens/s | prompt tokens computed | steps | wall s | compilations after warm-up |")
+    print("|---|---|---|---|---|---|")
+    for mode in modes:
         r = best[mode]
-        print(f"| {mode} | {r['prompt_tokens_per_s']:.1f} | {r['steps']} | {r['wall_s']:.2f} | "
+        print(f"| {mode} | {r['prompt_tokens_per_s']:.1f} | {r['computed']} | {r['steps']} | {r['wall_s']:.2f} | "
               f"{r['compilations_after_warmup']} |")
     print(f"scored / plain prompt tokens/s: {result['scored_over_plain']:.2f}x; largest difference of a prompt's "
           f"mean NLL from evaluate.perplexity's: {result['max_mean_nll_difference']:.2e} nats")
+    if args.choices:
+        cached, uncached = best["scored"], best["scored, no cache"]
+        result["scored_cache_speedup"] = round(cached["prompt_tokens_per_s"] / uncached["prompt_tokens_per_s"], 2)
+        print(f"scored with the prefix cache / without: {result['scored_cache_speedup']:.2f}x prompt tokens/s, "
+              f"{uncached['computed'] / cached['computed']:.2f}x fewer prompt tokens computed")
     write_result(result, args.json, echo=False)
 
 
