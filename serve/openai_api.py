@@ -38,7 +38,7 @@ from fastapi.responses import PlainTextResponse, Response
 import jaxcb
 from jaxcb.host.errors import InvalidConfig, InvalidRequest, JaxcbError, NotFound, Unauthenticated
 from serve import frontend, openai_responses, tool_calls
-from serve.openai_answer import answer
+from serve.openai_answer import answer, json_response
 from serve.openai_fields import (CHAT_FIELDS, COMPLETION_FIELDS, DETOKENIZE_FIELDS, TOKENIZE_FIELDS, MAX_TOP_LOGPROBS,
                                  HTTPError, bad_request, bool_field, check_fields, common_fields, http_error,
                                  int_field, parse_json, prompt_list, sampling_params, str_field, template_fields)
@@ -277,15 +277,16 @@ def make_app(state) -> FastAPI:
         if echo:  # each choice's text starts with its prompt's (token ids decoded; what is kept of it, if cut)
             echoed = [p if isinstance(p, str) and keep is None else await asyncio.to_thread(_tokenizer().decode, ids)
                       for p, ids in zip(given, prompts)]
-        return await answer(state, request, options, tenant, prompts, params, chat=False, echo=echoed,
-                            top_logprobs=shown or 0, prompt_field="prompt_logprobs" in body)
+        return await json_response(await answer(state, request, options, tenant, prompts, params, chat=False,
+                                                echo=echoed, top_logprobs=shown or 0,
+                                                prompt_field="prompt_logprobs" in body))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         tenant = authorize(request)
         body = await body_of(request)
         check_fields(body, CHAT_FIELDS)
-        return await run_chat(request, tenant, body)
+        return await json_response(await run_chat(request, tenant, body))
 
     @app.post("/v1/responses")
     async def responses(request: Request):
@@ -293,7 +294,7 @@ def make_app(state) -> FastAPI:
         tenant = authorize(request)
         body = await body_of(request)
         chat = openai_responses.chat_body(body)
-        return openai_responses.reshape(await run_chat(request, tenant, chat), body)
+        return await json_response(openai_responses.reshape(await run_chat(request, tenant, chat), body))
 
     async def run_chat(request: Request, tenant: str, body: dict):
         options = common_fields(body)
