@@ -1138,3 +1138,16 @@ def test_responses_api_fuzzed_bodies_are_answered_or_refused_by_name(server, bod
         assert "event: response.completed" in text or "event: response.incomplete" in text, text[-300:]
     else:
         assert json.loads(text)["object"] == "response"
+
+
+def test_an_answer_written_in_pieces_is_the_json_of_the_whole():
+    """serve.openai_answer writes a large answer in pieces (so the event loop runs between them): the bytes
+    are those json.dumps gives the whole, long lists and nested ones included."""
+    from serve.openai_answer import _dumps
+
+    entry = {"5": {"logprob": -1.5, "rank": 2, "decoded_token": "é\"x"}, "7": {"logprob": -0.25, "rank": 1}}
+    body = {"id": "x", "choices": [{"index": i, "text": "t", "prompt_logprobs": [None] + [entry] * (300 + i),
+                                    "logprobs": {"tokens": ["a"] * 700, "top_logprobs": [None, {"a": -1.0}] * 260,
+                                                 "nested": [[[1, [2]]], {}, []]}} for i in range(3)],
+            "usage": {"prompt_tokens": 3}, "empty": [], "none": None}
+    assert _dumps(body) == json.dumps(body, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
