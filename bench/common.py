@@ -7,6 +7,10 @@ import json
 import os
 import time
 
+# The held-out prose (not in any golden file): perplexity, scoring workloads, the offline lm-eval task.
+HELDOUT_PROSE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "data",
+                             "heldout_prose.txt")
+
 
 def machine() -> str:
     import jax

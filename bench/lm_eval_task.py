@@ -22,7 +22,8 @@ import os
 import random
 import re
 
-PROSE = os.path.join(os.path.dirname(__file__), "..", "tests", "data", "heldout_prose.txt")
+from bench.common import HELDOUT_PROSE
+
 TASK = """task: jaxcb_prose_mc
 dataset_path: json
 dataset_kwargs:
@@ -41,7 +42,7 @@ metric_list:
 
 
 def write(folder: str, docs: int, seed: int) -> None:
-    text = open(PROSE, encoding="utf-8").read()
+    text = open(HELDOUT_PROSE, encoding="utf-8").read()
     sentences = [s.strip() for s in re.split(r"(?<=[.!?])\s+", text) if len(s.split()) >= 6]
     rng = random.Random(seed)
     os.makedirs(folder, exist_ok=True)

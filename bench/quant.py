@@ -32,10 +32,9 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
-from bench.common import machine, write_result
+from bench.common import HELDOUT_PROSE, machine, write_result
 from bench.engine import PEER_SCRIPT, run, run_peer, workload
 
-HELDOUT = os.path.join(ROOT, "tests", "data", "heldout_prose.txt")
 GOLDEN = os.path.join(ROOT, "tests", "golden", "smollm2.json")
 LLAMA8B = os.path.join(ROOT, "configs", "models", "llama-3-8b")
 
@@ -161,7 +160,7 @@ def main():
         from jaxcb.llm import LLM  # noqa: F401 - the tokenizer of the embedded model
 
         golden = json.load(open(GOLDEN))["records"]
-        text = open(HELDOUT, encoding="utf-8").read()
+        text = open(HELDOUT_PROSE, encoding="utf-8").read()
         ids = None
         for m in modes:
             if ids is None:

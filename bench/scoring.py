@@ -20,18 +20,15 @@ with it each context is computed once).
 from __future__ import annotations
 
 import argparse
-import os
 import time
 
 import numpy as np
 
-from bench.common import machine, warmed_engine, write_result
-
-PROSE = os.path.join(os.path.dirname(__file__), "..", "tests", "data", "heldout_prose.txt")
+from bench.common import HELDOUT_PROSE, machine, warmed_engine, write_result
 
 
 def workload(tokenizer, n: int, low: int, high: int, seed: int) -> list[list[int]]:
-    ids = tokenizer.encode(open(PROSE, encoding="utf-8").read())
+    ids = tokenizer.encode(open(HELDOUT_PROSE, encoding="utf-8").read())
     rng = np.random.default_rng(seed)
     out = []
     for length in np.linspace(low, high, n).astype(int):
