@@ -288,17 +288,17 @@ def test_a_completed_step_feeds_the_controller_one_way_for_the_engine_and_the_si
         c.request.num_computed = c.start + c.num_tokens
         c.request.output_ids.append(7)
         c.request.first_token_time = 2.5
-    sched.observe_step_done(chunks, 0.5, [(a, False), (b, False)], now=2.5)
+    ctl.observe_step_done(chunks, 0.5, [(a, False), (b, False)], now=2.5)
     assert sorted(ctl._ttft) == [500.0, 1500.0]  # first tokens: their waits since arrival
     assert not ctl._steps  # a prefill-only step says nothing about time per token
     decode = sched.schedule(now=2.5)
     for r in (a, b):
         r.output_ids += [7, 7]
-    sched.observe_step_done(decode.decode, 0.25, [(a, True), (b, False)], now=3.5)
+    ctl.observe_step_done(decode.decode, 0.25, [(a, True), (b, False)], now=3.5)
     assert list(ctl._steps) == [250.0]
     assert list(ctl._tpot) == [500.0]  # a: two tokens after its first, 1 s later; b has not finished
     assert sorted(ctl._ttft) == [500.0, 1500.0]  # no request's first token twice
-    sched.observe_step_done(decode.decode, None, [], now=4.0)  # after an idle spell: no step time
+    ctl.observe_step_done(decode.decode, None, [], now=4.0)  # after an idle spell: no step time
     assert list(ctl._steps) == [250.0]
 
 

@@ -217,6 +217,20 @@ class DraftProposer(Proposer):
                                            / sum(n for n in catch_up if n > 2))
 
 
+def proposer_for(config, target, draft, max_context: int) -> Proposer | None:
+    """An engine's speculative proposer (config: its EngineConfig): the draft model's or the n-gram one,
+    sized to the buckets' verifying steps (and, when adaptive, weighing its tokens by the buckets' step
+    times); None when speculative decoding is off."""
+    spec = config.scheduler.speculative
+    if not spec.enabled:
+        return None
+    proposer = draft_proposer(config, target, draft, max_context) or Proposer(spec)
+    proposer.max_step_tokens = config.buckets.verify_limit(spec.verify_tokens)
+    if spec.adaptive:
+        proposer.buckets = config.buckets.tokens
+    return proposer
+
+
 def draft_proposer(config, target, draft, max_context: int) -> DraftProposer | None:
     """speculative.method "draft": the draft model's proposer for an engine (config: its EngineConfig),
     the draft's runner checked against the target's (the same vocabulary, and page layout: it writes the

@@ -27,13 +27,13 @@ import numpy as np
 
 from jaxcb.host.batch import narrow_row, pack_chunks
 from jaxcb.host.buckets import LengthLog
-from jaxcb.host.draft import describe_speculation, draft_proposer
+from jaxcb.host.draft import describe_speculation, proposer_for
 from jaxcb.host.engine_config import EngineConfig
 from jaxcb.host.engine_stats import Counters, EngineStats, StepRecord
 from jaxcb.host.inbox import Add, Inbox
 from jaxcb.host.lora import Adapters
 from jaxcb.host.errors import InvalidRequest, StepFailed
-from jaxcb.host.output import EventCallback, Outputs
+from jaxcb.host.output import EventCallback, Outputs, take_prompt_logprobs, token_logprobs
 from jaxcb.host.kv_events import KVEvents
 from jaxcb.host.page_pool import PagePool
 from jaxcb.host.runner_protocol import Runner
@@ -89,14 +89,9 @@ class Engine:
         if config.lora.enabled:
             self.adapters = Adapters(config.lora, fill=runner.fill_lora_slot)
         self.scheduler = Scheduler(dataclasses.replace(config.scheduler, max_context=self.max_context), self.pool,
-                                   eos_ids, window=self.window_group, proposer=draft_proposer(
+                                   eos_ids, window=self.window_group, proposer=proposer_for(
                                        config, runner, draft_runner, self.max_context),
                                    adapters=self.adapters)
-        if self.scheduler.proposer is not None:
-            spec = config.scheduler.speculative
-            self.scheduler.proposer.max_step_tokens = config.buckets.verify_limit(spec.verify_tokens)
-            if spec.adaptive:  # speculation weighs its tokens by the buckets' step times
-                self.scheduler.proposer.buckets = config.buckets.tokens
         self.outputs = Outputs(tokenizer, clock)
         self.inbox = Inbox(config.seed)  # requests and aborts from other threads (jaxcb.host.inbox)
         self._requests: dict[str, list[Request]] = {}  # request id -> its live samples
@@ -388,13 +383,8 @@ class Engine:
 
     def _postprocess(self, step: _InFlight, result, events: list[TokenEvent], seconds: float | None) -> None:
         for c, epoch in zip(step.chunks, step.epochs):  # prompt logprobs, before the tokens that carry them
-            r = c.request
-            if c.score_rows and r.status is Status.RUNNING and r.num_preemptions == epoch:
-                n = r.params.prompt_logprobs
-                for p, row in enumerate(c.score_rows, start=c.score_first):
-                    if p == len(r.prompt_logprobs):  # (a position scored before a preemption is kept)
-                        top = tuple(zip(result.top_ids[row, :n].tolist(), result.top_logprobs[row, :n].tolist()))
-                        r.prompt_logprobs.append((float(result.logprobs[row]), int(result.ranks[row]), top))
+            if c.score_rows and c.request.status is Status.RUNNING and c.request.num_preemptions == epoch:
+                take_prompt_logprobs(c, result)
         sampled = self.scheduler.on_step_done(step.chunks, step.epochs, result.token_ids)
         self._counters.output_tokens += len(sampled)
         observed = []
@@ -407,11 +397,7 @@ class Engine:
                 self._finish(r, reason, events)
                 observed.append((r, True))
                 continue
-            logprobs = None
-            if r.params.logprobs:
-                n = r.params.logprobs
-                top = tuple(zip(result.top_ids[row, :n].tolist(), result.top_logprobs[row, :n].tolist()))
-                logprobs = ((float(result.logprobs[row]), top),)
+            logprobs = token_logprobs(result, row, r.params.logprobs) if r.params.logprobs else None
             stop_token = None
             if r.matcher is not None:  # the grammar takes the token; a finished grammar ends the request
                 if not r.matcher.consume_token(token):
@@ -424,7 +410,8 @@ class Engine:
             observed.append((r, reason is not None))
             if reason is not None:
                 self._retire(r, reason)
-        self.scheduler.observe_step_done(step.chunks, seconds, observed, self._clock())
+        if self.scheduler.controller is not None:  # the latency target's controller (jaxcb.host.latency)
+            self.scheduler.controller.observe_step_done(step.chunks, seconds, observed, self._clock())
 
     def _finish(self, r: Request, reason: FinishReason, events: list[TokenEvent], error: str | None = None) -> None:
         """End a request from outside its tokens (abort, error): its final event, then retire it."""

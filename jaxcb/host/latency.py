@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from jaxcb.host.policies import SchedulerConfig
+    from jaxcb.host.request import Request
+    from jaxcb.host.step_plan import Chunk
 
 
 def quantile(values: list[float], q: float) -> float:
@@ -57,6 +59,21 @@ class LatencyController:
         self._extra = 0.0  # TTFT: the share of the room between the budget's step and the target to use
         self.signal_ms = 0.0  # the last signal: the largest mean of `span` consecutive decode steps
         self.num_adjustments = 0
+
+    def observe_step_done(self, chunks: list[Chunk], seconds: float | None,
+                          sampled: list[tuple[Request, bool]], now: float) -> None:
+        """Take a completed step: its time when it had decode rows (`seconds`: None when it followed an
+        idle spell), the wait for each first token, each finished request's mean time per token.
+        `sampled`: (request, finished) for each token the step appended, with `first_token_time` set."""
+        if seconds is not None:
+            decode = sum(1 for c in chunks if c.is_decode)  # each waited this long for its token
+            self.observe_step(seconds, decode, sum(c.num_tokens for c in chunks if not c.is_decode))
+        for r, finished in sampled:
+            n = len(r.output_ids)
+            if n == 1:
+                self.observe_first_token(r.first_token_time - r.arrival_time)
+            if finished and n > 1:
+                self.observe_finished((now - r.first_token_time) / (n - 1))
 
     def observe_step(self, seconds: float, decode_rows: int = 1, prompt_tokens: int = 0) -> None:
         """A completed step took `seconds`: `decode_rows` rows waited for their next token in it beside

@@ -132,6 +132,26 @@ class Outputs:
               stream, events, self._undelivered)
 
 
+def _top(result, row: int, n: int) -> tuple:
+    """Sampled row `row`'s n best tokens, from the sampler's output: ((token id, logprob), ...)."""
+    return tuple(zip(result.top_ids[row, :n].tolist(), result.top_logprobs[row, :n].tolist()))
+
+
+def token_logprobs(result, row: int, n: int) -> tuple:
+    """What a sampled token's event carries of logprobs: ((its logprob, its row's n best),)."""
+    return ((float(result.logprobs[row]), _top(result, row, n)),)
+
+
+def take_prompt_logprobs(chunk, result) -> None:
+    """A scoring chunk's prompt positions, each scored by a sample row of the step (`chunk.score_rows`,
+    jaxcb.host.batch), onto its request's prompt_logprobs: (logprob, rank, n best) per position; a
+    position scored before a preemption is kept."""
+    r, n = chunk.request, chunk.request.params.prompt_logprobs
+    for p, row in enumerate(chunk.score_rows, start=chunk.score_first):
+        if p == len(r.prompt_logprobs):
+            r.prompt_logprobs.append((float(result.logprobs[row]), int(result.ranks[row]), _top(result, row, n)))
+
+
 def _emit(event: TokenEvent, stream: OutputStream, events: list[TokenEvent], undelivered: list) -> None:
     events.append(event)
     if stream.callback is not None:

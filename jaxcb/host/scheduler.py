@@ -33,7 +33,7 @@ from __future__ import annotations
 import logging
 import time
 
-from jaxcb.host.errors import InvalidRequest
+from jaxcb.host.allotment import Allotment
 from jaxcb.host.latency import LatencyController
 from jaxcb.host.page_pool import PagePool
 from jaxcb.host.policies import SchedulerConfig, admission_order, order_key
@@ -55,6 +55,7 @@ class Scheduler:
         self.pool = pool
         self.window = window  # jaxcb.host.window.WindowGroup: the sliding layers' pages (Gemma), else None
         self.eos_ids = frozenset(eos_ids)
+        self.allot = Allotment(pool, window, adapters)  # pages and adapter slots (jaxcb.host.allotment)
         self.cache = PrefixCache(pool, window) if config.prefix_caching else None
         # speculative decoding: the n-gram proposer, or the one given (a draft model's, jaxcb.host.draft)
         self.proposer = proposer or (Proposer(config.speculative) if config.speculative.enabled else None)
@@ -72,21 +73,9 @@ class Scheduler:
 
     # ---- queue ----
     def check_fits(self, request: Request) -> None:
-        """Reject at once what could never run, instead of queueing it forever: a request whose whole
-        context needs more pages than the cache holds. (The context limit is checked with the other
-        fields by Engine.validate.)"""
-        pages = self.pool.pages_for(request.max_total_tokens)
-        if pages > self.pool.num_usable:
-            raise InvalidRequest(
-                f"max_tokens: prompt + max_tokens needs {pages} KV pages but the cache holds only "
-                f"{self.pool.num_usable}"
-            )
-        if self.window is not None:
-            chunk = min(self.config.max_chunk, self.config.max_prefill_tokens, request.max_total_tokens)
-            pages = min(self.window.pages_per_chunk(chunk), self.pool.pages_for(request.max_total_tokens))
-            if pages > self.window.pool.num_usable:
-                raise InvalidRequest(f"max_tokens: the sliding-window layers need {pages} KV pages for this request "
-                                 f"but their cache holds only {self.window.pool.num_usable}")
+        """Reject at once a request whose whole context could never have its pages (jaxcb.host.allotment);
+        the context limit is checked with the other fields by Engine.validate."""
+        self.allot.check_fits(request, min(self.config.max_chunk, self.config.max_prefill_tokens))
 
     @property
     def running_limit(self) -> int:
@@ -113,21 +102,10 @@ class Scheduler:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
-        if request.page_ids:
-            self.pool.free(request.page_ids)
-            request.page_ids = []
-        if self.window is not None:
-            self.window.release(request)
-        request.num_registered = 0
-        self._release_slot(request)
+        self.allot.release(request)
         if request.lora is not None:  # it no longer uses its adapter (an unloaded one may go now)
             self.adapters.unref(request.lora)
             request.lora = None
-
-    def _release_slot(self, r: Request) -> None:
-        if r.lora_slot >= 0:
-            self.adapters.release(r.lora)
-            r.lora_slot = -1
 
     def finish(self, request: Request, reason: FinishReason) -> None:
         """The request ends (its last token, a stop string, an abort or an error): its pages go back."""
@@ -205,34 +183,14 @@ class Scheduler:
                 break
         r.num_computed = c.start + 1 + accepted
         self.proposer.record(r, k, accepted)
-        self._trim_pages(r, r.num_tokens)
+        self.allot.trim(r, r.num_tokens)
         if self.cache is not None:
             self.cache.register(r, r.num_computed)
-
-    def observe_step_done(self, chunks: list[Chunk], seconds: float | None,
-                          sampled: list[tuple[Request, bool]], now: float) -> None:
-        """Feed the latency controller from a completed step, by the one rule the engine and the
-        simulator share: the step's time when it had decode rows (`seconds`: None when it followed an
-        idle spell), the wait for each first token, each finished request's mean time per token.
-        `sampled`: (request, finished) for each token the step appended, with `first_token_time` set."""
-        ctl = self.controller
-        if ctl is None:
-            return
-        if seconds is not None:
-            decode = sum(1 for c in chunks if c.is_decode)  # each waited this long for its token
-            ctl.observe_step(seconds, decode, sum(c.num_tokens for c in chunks if not c.is_decode))
-        for r, finished in sampled:
-            n = len(r.output_ids)
-            if n == 1:
-                ctl.observe_first_token(r.first_token_time - r.arrival_time)
-            if finished and n > 1:
-                ctl.observe_finished((now - r.first_token_time) / (n - 1))
 
     @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    # ---- policy ----
     # ---- the step ----
     def preempt(self, victim: Request, out: SchedulerOutput | None = None, *, switch: bool = False,
                 now: float | None = None) -> None:
@@ -243,12 +201,8 @@ class Scheduler:
         self.running.remove(victim)
         victim.lost_tokens = max(victim.lost_tokens, victim.num_computed)
         victim.lost_by_switch = switch
-        self.pool.free(victim.page_ids)
-        victim.page_ids = []
-        if self.window is not None:
-            self.window.release(victim)
-        self._release_slot(victim)
-        victim.num_computed = victim.num_registered = 0
+        self.allot.release(victim)
+        victim.num_computed = 0
         victim.num_pending, victim.pending_src = 0, None  # a token in flight is dropped and recomputed
         victim.status = Status.WAITING
         victim.num_preemptions += 1  # the epoch: its chunks in flight are void
@@ -260,22 +214,6 @@ class Scheduler:
         self.waiting.append(victim)
         if out is not None:
             out.preempted.append(victim)
-
-    def _grow(self, r: Request, num_tokens: int) -> bool:
-        """Give `r` the pages to hold its first num_tokens tokens; False when the pool is short."""
-        need = self.pool.pages_for(num_tokens) - len(r.page_ids)
-        pages = []
-        if need > 0:
-            pages = self.pool.allocate(need, after=r.page_ids[-1] if r.page_ids else None)
-            if pages is None:
-                return False
-            r.page_ids.extend(pages)
-        if self.window is None or self.window.grow(r, r.num_computed, num_tokens):
-            return True
-        if pages:  # the sliding layers are short: give back what was just taken, not hold it while waiting
-            del r.page_ids[-len(pages):]
-            self.pool.free(pages)
-        return False
 
     def _chunk(self, r: Request, budget: int) -> int:
         if r.last_in_flight:
@@ -302,7 +240,7 @@ class Scheduler:
                 continue
             n = positions.start + spare - c.start + 1
             spare = 0
-            self._trim_pages(r, c.start + n)
+            self.allot.trim(r, c.start + n)
             out.prefill[i] = Chunk(r, c.start, n)
         if any(c.num_tokens == 1 for c in out.prefill):  # cut to one token: a single token goes first
             out.decode += [c for c in out.prefill if c.num_tokens == 1]
@@ -372,7 +310,7 @@ class Scheduler:
                     budget -= len(draft)  # proposals are tokens of the step like a prompt's
                     i += 1
                     continue
-            while not self._grow(r, r.num_computed + n):
+            while not self.allot.grow(r, r.num_computed + n):
                 victim = next((v for v in reversed(self.running) if id(v) not in scheduled), None)
                 self.preempt(victim, out)
                 if victim is r:
@@ -425,10 +363,10 @@ class Scheduler:
                         if attached:
                             self.cache.detach(r)
                         continue
-                if not self._grow(r, r.num_computed + n):
+                if not self.allot.grow(r, r.num_computed + n):
                     if attached:
                         self.cache.detach(r)
-                    self._release_slot(r)
+                    self.allot.release_slot(r)
                     break  # out of pages: wait for running requests to finish
                 self._admitted(r, now)
                 if self.cache is not None:
@@ -447,7 +385,7 @@ class Scheduler:
             except Exception:  # noqa: BLE001 - a failed draft step: these rows decode one token instead
                 log.exception("speculative decoding: the draft model's step failed; decoding without proposals")
                 for c in out.speculative:
-                    self._trim_pages(c.request, c.start + 1)
+                    self.allot.trim(c.request, c.start + 1)
                     out.decode.append(Chunk(c.request, c.start, 1))
                 out.speculative = []
         return out
@@ -466,19 +404,9 @@ class Scheduler:
         # Room for the proposals and the token after them, within max_tokens and the context limit.
         limit = min(budget, r.params.max_tokens - len(r.output_ids) - 1, self.config.max_context - r.num_known - 1)
         draft = self.proposer.propose(r, limit) if limit > 0 else []
-        if draft and not self._grow(r, r.num_computed + 1 + len(draft)):
+        if draft and not self.allot.grow(r, r.num_computed + 1 + len(draft)):
             return []
         return draft
-
-    def _trim_pages(self, r: Request, num_tokens: int) -> None:
-        """r's pages (both groups) past those its first num_tokens tokens need go back: proposals
-        dropped or rejected."""
-        keep = self.pool.pages_for(num_tokens)
-        if len(r.page_ids) > keep:
-            self.pool.free(r.page_ids[keep:])
-            del r.page_ids[keep:]
-        if self.window is not None:
-            self.window.trim(r, keep)
 
     def _keep_proposals(self, out: SchedulerOutput) -> None:
         """Drop the proposals' tokens that do not pay in this step (Proposer.keep); their pages go back."""
@@ -488,7 +416,7 @@ class Scheduler:
         kept = []
         for c, n in zip(out.speculative, counts):
             if n < len(c.draft):
-                self._trim_pages(c.request, c.start + 1 + n)
+                self.allot.trim(c.request, c.start + 1 + n)
                 c = Chunk(c.request, c.start, 1 + n, c.draft[:n])
             (kept if n else out.decode).append(c)
         out.speculative = kept
