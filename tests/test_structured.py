@@ -109,6 +109,9 @@ def test_async_scheduling_gives_the_synchronous_tokens_with_constraints_in_the_b
     (lambda: Constraint.json_schema('{"type": "objec"}'), "structured_outputs.json: not a valid json"),
     (lambda: Constraint.json_schema("[1, 2"), "structured_outputs.json: not a valid json"),
     (lambda: Constraint.choice([]), "structured_outputs.choice: must be a non-empty list"),
+    (lambda: Constraint.json_schema(False), "structured_outputs.json: not a valid json (the schema false admits no value)"),
+    (lambda: Constraint.json_schema({"type": "array", "uniqueItems": True, "items": {"not": {"type": "null"}}}),
+     "structured_outputs.json: the schema uses keywords that cannot be enforced while generating: "),
     (lambda: Constraint("regex", "a" * 70_000), "the regex has 70000 characters; the limit is 65536"),
     (lambda: Constraint("sql", "x"), "the kind 'sql' is not one of"),
     (lambda: Constraint("regex", "(" * 2000 + "a" + ")" * 2000), "structured_outputs: not a valid regex"),
@@ -117,6 +120,25 @@ def test_a_bad_constraint_is_refused_by_name_before_it_runs(make_llm, constraint
     llm = make_llm()
     with pytest.raises(InvalidRequest, match=re.escape(message)):
         llm.generate([[5, 6]], SamplingParams(max_tokens=4, structured=constraint()))
+    assert not llm.engine.has_work()
+
+
+def test_schema_true_is_any_json_and_lenient_schemas_generate_without_the_keywords_they_cannot_enforce(make_llm):
+    """`true` admits any JSON value (as {} does); a schema with keywords llguidance cannot enforce
+    (uniqueItems) is refused naming them, and generates under the rest when it asks for lenient mode."""
+    llm = make_llm()
+    unique = {"type": "array", "items": {"type": "integer"}, "minItems": 2, "maxItems": 4, "uniqueItems": True}
+    with pytest.raises(InvalidRequest, match=re.escape('keywords that cannot be enforced while generating: ["uniqueItems"]')):
+        llm.generate([[5, 6]], SamplingParams(max_tokens=4, structured=Constraint.json_schema(unique)))
+    lenient = dict(unique, **{"x-guidance": {"lenient": True}})
+    outs = llm.generate([[5, 6, 7], [8, 9]], [
+        SamplingParams(max_tokens=60, temperature=1.0, seed=1, structured=Constraint.json_schema(lenient)),
+        SamplingParams(max_tokens=60, temperature=1.0, seed=2, structured=Constraint.json_schema(True))])
+    assert outs[0].finish_reason == "stop", outs[0].text
+    value = json.loads(outs[0].text)  # the rest of the schema holds
+    assert isinstance(value, list) and 2 <= len(value) <= 4 and all(isinstance(v, int) for v in value), value
+    if outs[1].finish_reason == "stop":
+        json.loads(outs[1].text)  # any JSON value
     assert not llm.engine.has_work()
 
 

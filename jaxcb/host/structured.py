@@ -93,6 +93,10 @@ class Constraint:
                 schema = json.loads(self.spec)
                 if not isinstance(schema, (dict, bool)):
                     raise ValueError("a JSON schema is an object")
+                if schema is False:
+                    raise ValueError("the schema false admits no value")
+                if schema is True:  # any JSON value, as JSON Schema reads it (and {} says)
+                    schema = {}
                 # oneOf as anyOf where llguidance cannot prove the branches disjoint (as xgrammar reads
                 # it): a typical tagged union's branches cannot both match, and it is refused otherwise.
                 return llguidance.LLMatcher.grammar_from_json_schema(
@@ -304,6 +308,18 @@ def _first_line(e) -> str:
     return " ".join(text.split())[:300]
 
 
+def _explain(kind: str, error) -> str:
+    """What a grammar llguidance refused is said to be. A schema that uses keywords it cannot enforce
+    while generating (uniqueItems, not, if/then/else, ...) is valid JSON Schema: say which, and how to
+    generate without them (llguidance's lenient mode, asked for in the schema itself)."""
+    line = _first_line(error)
+    if kind == "json" and "Unimplemented keys" in line:
+        keys = line.split("Unimplemented keys:", 1)[1].strip()
+        return (f"the schema uses keywords that cannot be enforced while generating: {keys}; add "
+                '"x-guidance": {"lenient": true} to the schema to generate without them')
+    return f"not a valid {kind} ({line})"
+
+
 class Grammars:
     """One tokenizer's grammar machinery (see the module's docstring). Thread-safe: the server checks
     constraints on worker threads while the engine thread makes matchers and masks."""
@@ -338,7 +354,7 @@ class Grammars:
                 return m
         m = self._llg.LLMatcher(self.tokenizer, c.grammar(), limits=self.limits, log_level=0)
         if m.is_error():
-            raise InvalidRequest(f"{c.field}: not a valid {c.kind} ({_first_line(m.get_error())})")
+            raise InvalidRequest(f"{c.field}: {_explain(c.kind, m.get_error())}")
         with self._lock:
             self._cache[c] = m
             while len(self._cache) > self._cache_size:
