@@ -180,7 +180,9 @@ def constraint(tools: Tools) -> Constraint | None:
     repeat = "+" if tools.parallel and tools.choice == "required" else ""
     body = json.dumps(grammar_schema(schema))  # the arguments read as a json_schema's schema is
     grammar = f"start: call{repeat}\ncall: {json.dumps(OPEN)} %json {body} {json.dumps(CLOSE)}"
-    return Constraint("grammar", grammar, "tools")
+    order = list(tools.functions)  # each schema's own field, for an error (Grammars.compile)
+    parts = tuple((f"tools[{order.index(n)}].function.parameters", json.dumps(tools.functions[n])) for n in names)
+    return Constraint("grammar", grammar, "tools", parts)
 
 
 def new_call_id() -> str:

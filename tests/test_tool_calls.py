@@ -4,6 +4,8 @@ parsed back, whole and as streamed deltas, whatever way the answer's text is cut
 import json
 import random
 
+import re
+
 import pytest
 
 from jaxcb.host.errors import InvalidRequest
@@ -117,3 +119,21 @@ def test_tools_and_messages_render_for_the_chat_template():
 def test_bad_tools_are_refused_by_name(body, message):
     with pytest.raises(InvalidRequest, match=message.replace("[", r"\[").replace("]", r"\]")):
         tool_calls.parse_tools(body)
+
+
+@pytest.mark.parametrize("parameters, message", [
+    ({"type": "objec"}, "tools[1].function.parameters: not a valid json (Invalid type: objec)"),
+    ({"type": "object", "properties": {"xs": {"type": "array", "uniqueItems": True}}},
+     'tools[1].function.parameters: the schema uses keywords that cannot be enforced while generating: ["uniqueItems"]'),
+])
+def test_a_tool_schema_that_cannot_constrain_is_refused_naming_the_tool(make_llm, parameters, message):
+    """tool_choice required (or a named tool) constrains the answer by the tools' schemas: one that
+    llguidance cannot compile is named by its place in `tools`, not as the grammar built from them."""
+    grammars = make_llm().engine.grammars
+    bad = {"type": "function", "function": {"name": "bad", "parameters": parameters}}
+    for choice in ("required", {"type": "function", "function": {"name": "bad"}}):
+        tools = tool_calls.parse_tools({"tools": [WEATHER, bad], "tool_choice": choice})
+        with pytest.raises(InvalidRequest, match=re.escape(message)):
+            grammars.compile(tool_calls.constraint(tools))
+    grammars.compile(tool_calls.constraint(tool_calls.parse_tools({"tools": [WEATHER, bad], "tool_choice": {
+        "type": "function", "function": {"name": "get_weather"}}})))  # only the named tool's schema is used

@@ -45,11 +45,14 @@ class Constraint:
     """kind: "json" (spec: a JSON schema's text; '{"type": "object"}' for any object), "regex" (spec:
     the pattern; the whole output must match), "choice" (spec: a JSON list of strings), "grammar"
     (spec: a Lark grammar, or GBNF as llama.cpp writes it). `field` names the request field the
-    constraint came from, for errors."""
+    constraint came from, for errors. `parts`: the JSON schemas a grammar embeds, each with its own
+    request field ((field, schema text), ...: a tool's parameters), so that a schema llguidance refuses
+    is named by its field, not as the grammar."""
 
     kind: str
     spec: str
     field: str = "structured_outputs"
+    parts: tuple[tuple[str, str], ...] = dataclasses.field(default=(), compare=False)
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -354,6 +357,11 @@ class Grammars:
                 return m
         m = self._llg.LLMatcher(self.tokenizer, c.grammar(), limits=self.limits, log_level=0)
         if m.is_error():
+            for field, schema in c.parts:  # the embedded schema that fails, by its own field
+                part = Constraint("json", schema, field)
+                error = self._llg.LLMatcher.validate_grammar(part.grammar(), None)
+                if error:
+                    raise InvalidRequest(f"{field}: {_explain('json', error)}")
             raise InvalidRequest(f"{c.field}: {_explain(c.kind, m.get_error())}")
         with self._lock:
             self._cache[c] = m
