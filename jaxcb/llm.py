@@ -10,11 +10,13 @@ SamplingParams(n=k) giving k consecutive completions per prompt (`index` 0..k-1)
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import os
 import time
 
 from jaxcb.device import cpu_dots
+from jaxcb.host.chat_template import read_template
 from jaxcb.host.engine import Engine
 from jaxcb.host.engine_config import EngineConfig, load_config
 from jaxcb.host.errors import InvalidConfig, InvalidRequest, Unavailable
@@ -205,6 +207,11 @@ def build_engines(model: str | None = None, config: EngineConfig | str | None = 
         check_config=lambda c: plans.append(plan_memory(c, config, dtype, draft=draft_of(c))),
         weights=config.weights, group=config.weight_group)
     draft = load_draft(spec, model_config, params, compute_dtype(config, dtype)) if drafting else None
+    if config.chat_template:  # the server's template in place of the model file's
+        if tokenizer is None:
+            raise InvalidConfig("model.chat_template: this model has no tokenizer to write a chat with")
+        tokenizer = copy.copy(tokenizer)  # (not the caller's: from_params may share one)
+        tokenizer.set_chat_template(read_template(config.chat_template))
     load_seconds = time.perf_counter() - t0
     # The plan stands if the weights came in the dtype it assumed (a checkpoint may bring its own).
     if plans and jnp.dtype(params.compute_dtype) == compute_dtype(config, dtype):
@@ -274,14 +281,16 @@ class LLM:
         return self._run(ids, params, priorities)
 
     def chat(self, conversations: list[list[dict]], params: SamplingParams | list[SamplingParams] | None = None, *,
-             chat_template_kwargs: dict | None = None):
-        """Each conversation ([{role, content}, ...]) through the model's chat template, with
-        `chat_template_kwargs` as more template variables (e.g. {"enable_thinking": False})."""
+             chat_template_kwargs: dict | None = None, chat_template: str | None = None):
+        """Each conversation ([{role, content}, ...]) through the model's chat template (or `chat_template`,
+        a Jinja template of this call's own), with `chat_template_kwargs` as more template variables (e.g.
+        {"enable_thinking": False})."""
         if self.tokenizer is None:
             raise InvalidRequest("messages: this model has no tokenizer")
         if params is None or isinstance(params, SamplingParams):
             params = [params or SamplingParams()] * len(conversations)
-        return self._run([self.tokenizer.encode_chat(m, True, chat_template_kwargs) for m in conversations], params,
+        return self._run([self.tokenizer.encode_chat(m, True, chat_template_kwargs, False, chat_template)
+                          for m in conversations], params,
                          None)
 
     def _run(self, ids: list[list[int]], params: list[SamplingParams], priorities) -> list[Completion]:

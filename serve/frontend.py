@@ -41,6 +41,9 @@ class ServerOptions:
     metrics_host: str = "127.0.0.1"  # the metrics port is unauthenticated: loopback unless asked
     kv_events: str | None = None  # publish KV-cache events (jaxcb.host.kv_events) on this ZMQ endpoint
     kv_events_topic: str | None = None  # their topic; None: kv@HOSTNAME@MODEL, as the llm-d indexer reads it
+    # A request may bring its own chat template (vLLM's `chat_template`): rendered in the sandbox, but a
+    # template is a program a client runs on the server, so only where the operator trusts the clients.
+    trust_request_chat_template: bool = False
 
     @property
     def tokens(self) -> tuple[str, ...]:

@@ -26,7 +26,7 @@ from jaxcb.host.errors import InvalidConfig, InvalidRequest, JaxcbError, NotFoun
 from jaxcb.host.request import (SamplingParams, TokenEvent, check_allowed_count, check_logit_bias_count,
                                 check_stop_counts)
 from jaxcb.host.structured import MAX_CHOICES, Constraint
-from jaxcb.host.tokenizer import check_template_kwargs
+from jaxcb.host.chat_template import check_template_kwargs
 from serve.frontend import (MAX_REQUEST_BYTES, ServerOptions, State, check_ids, check_messages, check_settings,
                             check_text, check_token_count, prompt_keep, tenant, token_index, truncated)
 from serve.proto import jaxcb_pb2, jaxcb_pb2_grpc, jetstream_pb2, jetstream_pb2_grpc

@@ -182,7 +182,7 @@ def make_app(state) -> FastAPI:
             frontend.check_messages("messages", [(m["role"], m["content"]) for m in messages])
             try:
                 ids = await asyncio.to_thread(tokenizer.encode_chat, [{"role": m["role"], "content": m["content"]}
-                                                                      for m in messages], *template_fields(body))
+                                                                      for m in messages], *template_fields(body, state.options.trust_request_chat_template))
             except InvalidRequest:  # named already (no chat template, a template that refused them, ...)
                 raise
             except ValueError as e:
@@ -303,7 +303,7 @@ def make_app(state) -> FastAPI:
         if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
             raise bad_request("messages: must be a list of {role, content} objects")
         messages = tool_calls.render_messages(messages, tools)  # checks each message's fields
-        template = template_fields(body)
+        template = template_fields(body, state.options.trust_request_chat_template)
         keep = frontend.prompt_keep(state, body.get("truncate_prompt_tokens"))
         top = int_field(body, "top_logprobs", 0) or 0
         if not 0 <= top <= MAX_TOP_LOGPROBS:

@@ -16,7 +16,7 @@ from jaxcb.host.request import (SamplingParams, check_allowed_count, check_prior
                                 logit_bias_from_json)
 from jaxcb.host.structured import (GUIDED_EXTRAS, GUIDED_FIELDS, Constraint, from_guided, from_response_format,
                                    from_structured_outputs)
-from jaxcb.host.tokenizer import check_template_kwargs
+from jaxcb.host.chat_template import check_template_kwargs
 from serve import frontend
 
 HTTP_STATUS = {InvalidRequest: 400, NotFound: 404, Overloaded: 429, Unavailable: 503, Unauthenticated: 401, StepFailed: 500}
@@ -35,9 +35,10 @@ COMMON_FIELDS = {"model", "stream", "stream_options", "n", "max_tokens", "temper
 COMPLETION_FIELDS = COMMON_FIELDS | EXTRAS | {"prompt", "logprobs", "echo", "suffix", "best_of", "response_format"}
 CHAT_FIELDS = COMMON_FIELDS | EXTRAS | {"messages", "logprobs", "top_logprobs", "max_completion_tokens",
                                     "response_format", "tools", "tool_choice", "parallel_tool_calls",
-                                    "chat_template_kwargs", "add_generation_prompt", "continue_final_message"}
+                                    "chat_template_kwargs", "add_generation_prompt", "continue_final_message",
+                                    "chat_template"}
 TOKENIZE_FIELDS = {"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt", "continue_final_message",
-                   "return_token_strs", "chat_template_kwargs"}
+                   "return_token_strs", "chat_template_kwargs", "chat_template"}
 DETOKENIZE_FIELDS = {"model", "tokens"}
 
 
@@ -109,11 +110,19 @@ def _ids_field(body: dict, name: str, check_count) -> list[int]:
     return ids
 
 
-def template_fields(body: dict) -> tuple[bool, dict, bool]:
+def template_fields(body: dict, trusted: bool) -> tuple[bool, dict, bool, str | None]:
     """The chat template's fields of a chat or /tokenize body, checked, in Tokenizer.encode_chat's order:
-    add_generation_prompt, chat_template_kwargs, continue_final_message."""
+    add_generation_prompt, chat_template_kwargs, continue_final_message, chat_template (the request's own
+    template, vLLM's field: taken only from a server that trusts its clients' templates, `trusted`)."""
+    template = body.get("chat_template")
+    if template is not None:
+        if not trusted:
+            raise bad_request("chat_template: this server does not take a request's chat template (start it with "
+                              "--trust-request-chat-template)")
+        if not isinstance(template, str) or not template:
+            raise bad_request("chat_template: must be a non-empty string (a Jinja chat template)")
     return (bool_field(body, "add_generation_prompt", True), check_template_kwargs(body.get("chat_template_kwargs")),
-            bool_field(body, "continue_final_message", False))
+            bool_field(body, "continue_final_message", False), template)
 
 
 def sampling_params(body: dict, *, max_tokens: int, logprobs: int, prompt_logprobs: int | None = None) -> SamplingParams:

@@ -24,7 +24,7 @@ import uuid
 
 from jaxcb.host.errors import InvalidRequest
 from jaxcb.host.structured import Constraint, grammar_schema
-from jaxcb.host.tokenizer import ROLE_AS
+from jaxcb.host.chat_template import ROLE_AS
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 MAX_TOOLS = 128

@@ -25,10 +25,10 @@ from serve.client import Client, build_request
 from tests.server_util import ServerProcess, free_port, wait_pool_whole
 
 
-def _http_server(model: str, config: str):
+def _http_server(model: str, config: str, *args: str):
     """A `jaxcb serve` with the HTTP API (its URL as .http), stopped cleanly at the end."""
     http = free_port()
-    s = ServerProcess(model, config, "--http-port", str(http))
+    s = ServerProcess(model, config, "--http-port", str(http), *args)
     s.http = f"http://127.0.0.1:{http}"
     try:
         s.wait_serving()
@@ -846,7 +846,29 @@ def long_server(tmp_path_factory):
     write_tiny_gguf(model, tiny_model_config(max_context=2048))
     path.write_text("[cache]\npage_size = 16\nnum_pages = 256\n[scheduler]\nmax_context = 2048\n"
                     "max_prefill_tokens = 256\n[buckets]\ndecode_batch = [1, 4]\nprefill_tokens = [256]\n")
-    yield from _http_server(model, str(path))
+    yield from _http_server(model, str(path), "--trust-request-chat-template")
+
+
+def test_a_requests_chat_template_only_where_the_server_trusts_it(server, long_server, model_name):
+    """vLLM's `chat_template` request field: refused naming the field by a server not started with
+    --trust-request-chat-template; taken by one that is (chat and /tokenize write the same ids), a
+    template that does not compile refused naming it."""
+    messages = [{"role": "user", "content": "Hello there"}]
+    mine = "{% for m in messages %}## {{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}>>{% endif %}"
+    r = httpx.post(server.http + "/v1/chat/completions", timeout=30, json={
+        "model": model_name, "messages": messages, "max_tokens": 2, "chat_template": mine})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template", r.text[:300]
+    assert "--trust-request-chat-template" in r.json()["error"]["message"]
+    own = httpx.post(long_server.http + "/tokenize", json={"messages": messages, "chat_template": mine}, timeout=30).json()
+    model = httpx.post(long_server.http + "/tokenize", json={"messages": messages}, timeout=30).json()
+    assert own["tokens"] != model["tokens"]
+    name = httpx.get(long_server.http + "/v1/models", timeout=30).json()["data"][0]["id"]
+    chat = httpx.post(long_server.http + "/v1/chat/completions", timeout=60, json={
+        "model": name, "messages": messages, "max_tokens": 2, "chat_template": mine}).json()
+    assert chat["usage"]["prompt_tokens"] == own["count"], chat
+    r = httpx.post(long_server.http + "/v1/chat/completions", timeout=30, json={
+        "model": name, "messages": messages, "max_tokens": 2, "chat_template": "{% for m in messages %}"})
+    assert r.status_code == 400 and r.json()["error"]["message"].startswith("chat_template: not a valid Jinja"), r.text
 
 
 def test_required_tool_calls_parse_and_validate_streamed_and_not(long_server):

@@ -233,3 +233,62 @@ def test_continue_final_message_ends_inside_the_assistants_message(tiny_model):
         tok.encode_chat(chat, True, None, True)
     with pytest.raises(InvalidRequest, match="continue_final_message: the last message must be the assistant's"):
         tok.encode_chat(chat[:1], False, None, True)
+
+
+def test_a_chat_template_of_the_servers_or_the_requests_own_replaces_the_models(tmp_path, monkeypatch):
+    """A model file without a chat template (a base model's) refuses a chat; the request's own template
+    (vLLM's chat_template) or the server's (--chat-template: a file, or the template itself) writes it.
+    Templates that do not compile are refused naming the field, before anything runs."""
+    from jaxcb.host import tokenizer as tokenizer_module
+    from jaxcb.host.chat_template import read_template
+    from jaxcb.host.errors import InvalidConfig, InvalidRequest
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    tok = tokenizer_module.Tokenizer(_sentencepiece_spec(chat_template=None))
+    chat = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "ab"}]
+    with pytest.raises(InvalidRequest, match="this model file has no chat template"):
+        tok.encode_chat(chat)
+    mine = ("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+            "{% if add_generation_prompt %}[assistant]{% endif %}")
+    assert tok.render_chat(chat, True, None, mine) == "[system] be brief\n[user] ab\n[assistant]"
+    ids = tok.encode_chat(chat, True, None, False, mine)
+    assert tok.decode(ids) == "[system] be brief\n[user] ab\n[assistant]"
+    assert tok.encode_chat(chat, False, None, False, mine) != ids
+    for bad, message in (("{% for m in messages %}", "chat_template: not a valid Jinja template (line 1"),
+                         ("", "chat_template: must be a non-empty string")):
+        with pytest.raises(InvalidRequest, match=re.escape(message)):
+            tok.encode_chat(chat, True, None, False, bad)
+    path = tmp_path / "chat.jinja"
+    path.write_text(mine)
+    assert read_template(str(path)) == mine == read_template(mine)
+    for bad, message in (("no-such-file.jinja", "model.chat_template: 'no-such-file.jinja' is not a file"),
+                         ("{% if %}", "model.chat_template: not a valid Jinja template")):
+        with pytest.raises(InvalidConfig, match=re.escape(message)):
+            read_template(bad)
+    tok.set_chat_template(read_template(str(path)))  # the server's, in place of the model's
+    assert tok.encode_chat(chat) == ids
+
+
+def test_the_servers_chat_template_reaches_the_engines_tokenizer_not_the_callers(tiny_model, tmp_path):
+    """model.chat_template (--chat-template) is the template LLM.chat writes with; the tokenizer the
+    caller passed keeps the model's; a call's own template goes before both."""
+    from jaxcb.host.engine_config import make_config
+    from jaxcb.host.errors import InvalidConfig
+    from jaxcb.host.request import SamplingParams
+    from jaxcb.llm import LLM
+
+    cfg, params, tok, eos = tiny_model
+    mine = "{% for m in messages %}<<{{ m['content'] }}>>{% endfor %}{% if add_generation_prompt %}=>{% endif %}"
+    path = tmp_path / "t.jinja"
+    path.write_text(mine)
+    config = make_config(num_pages=64, max_context=128, decode_batch=(1, 2), prefill_tokens=(16, 32), compile="fast")
+    llm = LLM.from_params(cfg, params, tok, config=config.replace(chat_template=str(path)), eos_ids=eos)
+    chat = [{"role": "user", "content": "hi there"}]
+    sp = SamplingParams(max_tokens=2)
+    out = llm.chat([chat], sp)[0]
+    assert out.prompt_token_ids == tok.encode_chat(chat, True, None, False, mine) != tok.encode_chat(chat)
+    assert tok.chat_template != mine  # the caller's tokenizer is untouched
+    other = "{% for m in messages %}{{ m['content'] }}|{% endfor %}"
+    assert llm.chat([chat], sp, chat_template=other)[0].prompt_token_ids == tok.encode_chat(chat, True, None, False, other)
+    with pytest.raises(InvalidConfig, match="model.chat_template: 'nope' is not a file"):
+        LLM.from_params(cfg, params, tok, config=config.replace(chat_template="nope"), eos_ids=eos)

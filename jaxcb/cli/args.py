@@ -34,6 +34,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compile", choices=COMPILE_CHOICES, default=None,
                    help="how XLA compiles each step: optimized, or fast (a fraction of the compile time, slower "
                         "steps: for development) (default: the config's model.compile, optimized)")
+    p.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
+                   help="the Jinja chat template to write conversations with instead of the model file's (a "
+                        "base model's file may have none): a file, or the template itself (default: the config's "
+                        "model.chat_template, else the model's)")
     p.add_argument("--policy", default=None, help=f"scheduling policy: {', '.join(POLICIES)}")
     p.add_argument("--compile-cache", default=None, metavar="DIR",
                    help="persistent XLA compilation cache (default: $JAXCB_COMPILE_CACHE or ~/.cache/jaxcb/xla; "
@@ -141,6 +145,8 @@ def engine_config(args):
         changes["activations"] = args.activations
     if getattr(args, "served_model_name", None):
         changes["served_model_name"] = tuple(args.served_model_name)
+    if getattr(args, "chat_template", None):
+        changes["chat_template"] = args.chat_template
     if getattr(args, "cpu_dots", None):
         changes["cpu_dots"] = args.cpu_dots
     if getattr(args, "compile", None):

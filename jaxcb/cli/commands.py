@@ -71,6 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--auth-token", action="append", default=None,
                    help="require 'authorization: Bearer TOKEN' on every call but health checks; repeat for several "
                         "tenants (each token sees and aborts only its own requests); default: $JAXCB_AUTH_TOKEN")
+    s.add_argument("--trust-request-chat-template", action="store_true",
+                   help="let chat requests bring their own chat template (the `chat_template` field, as vLLM's flag "
+                        "of this name allows): a template is a program run on the server, in a sandbox")
     s.add_argument("--grace-period", type=float, default=10.0, help="seconds in-flight streams get at shutdown")
     s.add_argument("--max-waiting", type=int, default=1024,
                    help="requests accepted and not yet running before RESOURCE_EXHAUSTED")
@@ -140,7 +143,8 @@ def cmd_serve(args) -> int:
                             tls_key=args.tls_key, grace_s=args.grace_period, max_waiting=args.max_waiting,
                             auth_token=tuple(args.auth_token or filter(None, [os.environ.get("JAXCB_AUTH_TOKEN")])),
                             max_concurrent_streams=args.max_concurrent_streams, metrics_host=args.metrics_host,
-                            kv_events=args.kv_events, kv_events_topic=args.kv_events_topic)
+                            kv_events=args.kv_events, kv_events_topic=args.kv_events_topic,
+                            trust_request_chat_template=args.trust_request_chat_template)
     step = runner.describe()
     names = config.served_model_name or (served_name(args.model),)
     print(f"jaxcb: model {model_config.name} served as {', '.join(names)} on {step['platform']}, {step['compute_dtype']}; "
@@ -150,6 +154,9 @@ def cmd_serve(args) -> int:
           + (f"; XLA:CPU dots: {dots.describe()}" if step["platform"] == "cpu" else "")
           + ("; compile fast (XLA's backend optimisations off: slower steps)" if config.compile == "fast" else ""),
           flush=True)
+    if config.chat_template:
+        shown = config.chat_template if os.path.isfile(config.chat_template) else "given inline"
+        print(f"jaxcb: chat template: {shown} (in place of the model file's)", flush=True)
     if engines[0].describe_speculation():
         print(f"jaxcb: speculative decoding: {engines[0].describe_speculation()}", flush=True)
     if len(engines) > 1 or config.tensor_parallel > 1:

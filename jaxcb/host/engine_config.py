@@ -62,6 +62,9 @@ class EngineConfig:
     # The names a server answers to for the model (requests' `model`; answers carry the first); () = the
     # default (jaxcb.model.embedded.served_name: the embedded model's short name, or the file's name).
     served_model_name: tuple[str, ...] = ()
+    # The chat template in place of the model file's: a file's path, or the template itself ("" = the
+    # model's; jaxcb.host.chat_template.read_template reads it when the engine is built).
+    chat_template: str = ""
 
     @property
     def page_size(self) -> int:
@@ -109,13 +112,16 @@ class EngineConfig:
         if self.attention not in ATTENTION_CHOICES:
             raise InvalidConfig(f"model.attention: {self.attention!r} is not one of {ATTENTION_CHOICES}")
         check_served_names(self.served_model_name, self.lora.adapters)
+        if not isinstance(self.chat_template, str):
+            raise InvalidConfig(f"model.chat_template: must be a file's path or a template, got {self.chat_template!r}")
         if self.attention == "pallas" and s.page_size not in KERNEL_PAGE_SIZES:
             raise InvalidConfig(f"cache.page_size: the Pallas kernels take {KERNEL_PAGE_SIZES}, got "
                              f"{s.page_size} (or set model.attention = 'xla')")
 
     def replace(self, *, num_pages=None, buckets=None, attention=None, tensor_parallel=None, data_parallel=None,
                 weights=None, weight_group=None, kv_dtype=None, cpu_dots=None, activations=None,
-                compile=None, lora=None, served_model_name=None, **scheduler_changes) -> "EngineConfig":
+                compile=None, lora=None, served_model_name=None, chat_template=None,
+                **scheduler_changes) -> "EngineConfig":
         return EngineConfig(
             num_pages=self.num_pages if num_pages is None else num_pages,
             scheduler=dataclasses.replace(self.scheduler, **scheduler_changes),
@@ -133,6 +139,7 @@ class EngineConfig:
             compile=self.compile if compile is None else compile,
             lora=self.lora if lora is None else lora,
             served_model_name=self.served_model_name if served_model_name is None else tuple(served_model_name),
+            chat_template=self.chat_template if chat_template is None else chat_template,
         )
 
 
@@ -235,7 +242,7 @@ def load_config(path: str | None = None) -> EngineConfig:
     lora = LoraConfig(**lora)
     model = raw.get("model", {})
     unknown = set(model) - {"attention", "weights", "weight_group", "cpu_dots", "activations", "compile",
-                            "served_model_name"}
+                            "served_model_name", "chat_template"}
     if unknown:
         raise InvalidConfig(f"config: unknown setting in [model]: {sorted(unknown)}")
     parallel = raw.get("parallel", {})
@@ -255,6 +262,7 @@ def load_config(path: str | None = None) -> EngineConfig:
                         cpu_dots=str(model.get("cpu_dots", "auto")), activations=str(model.get("activations", "float")),
                         compile=str(model.get("compile", "optimized")), lora=lora,
                         served_model_name=_names(model.get("served_model_name", ())),
+                        chat_template=model.get("chat_template", ""),
                         memory_fraction=float(cache.get("memory_fraction", 0.9)),
                         memory_bytes=parse_bytes(cache["memory"]) if "memory" in cache else 0,
                         tensor_parallel=parallel.get("tensor", 1), data_parallel=parallel.get("data", 1))

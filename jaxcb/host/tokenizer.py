@@ -14,7 +14,8 @@ whole but decoded as text. Rebuilding the merges of a large vocabulary takes sec
 tokens: about 6 s on a 2-core CPU), so the finished tokenizer is kept as JSON in
 ~/.cache/jaxcb/tokenizers/ (JAXCB_TOKENIZER_CACHE overrides the folder), keyed by the vocabulary, its
 scores and types, the options, this module's source and the tokenizers library's version.
-The chat template stored in the file is rendered with jinja2 in a sandbox.
+The chat template stored in the file (or the server's, or a request's) is rendered with jinja2 in a sandbox
+(jaxcb.host.chat_template).
 """
 
 from __future__ import annotations
@@ -27,11 +28,11 @@ import tempfile
 import threading
 
 import jinja2
-import jinja2.sandbox
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import __version__ as _TOKENIZERS_VERSION
 
+from jaxcb.host.chat_template import ROLES, check_template_kwargs, compile_template, template_roles
 from jaxcb.host.errors import InvalidConfig, InvalidRequest
 
 _CONTROL, _USER_DEFINED = 3, 4
@@ -41,38 +42,6 @@ _LLAMA3_PATTERN = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
     r"|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
-ROLES = ("system", "developer", "user", "assistant", "tool")
-# OpenAI's "developer" messages (its newer name for instructions from the application) are the
-# system messages chat templates know.
-ROLE_AS = {"developer": "system"}
-
-
-# What a request may pass its chat template beside the messages (vLLM's chat_template_kwargs): names
-# the template is given by jaxcb are not among them.
-TEMPLATE_NAMES = ("messages", "add_generation_prompt", "bos_token", "eos_token")
-MAX_TEMPLATE_KWARGS = 32
-
-
-def check_template_kwargs(kwargs, field: str = "chat_template_kwargs") -> dict:
-    """A request's chat template variables, checked: an object of at most MAX_TEMPLATE_KWARGS names
-    (identifiers, none of TEMPLATE_NAMES) with JSON values. None: no variables."""
-    if kwargs is None:
-        return {}
-    if not isinstance(kwargs, dict):
-        raise InvalidRequest(f"{field}: must be an object of template variables, got {type(kwargs).__name__}")
-    if len(kwargs) > MAX_TEMPLATE_KWARGS:
-        raise InvalidRequest(f"{field}: {len(kwargs)} variables; the limit is {MAX_TEMPLATE_KWARGS}")
-    for name in kwargs:
-        if not isinstance(name, str) or not name.isidentifier() or len(name) > 64:
-            raise InvalidRequest(f"{field}: {str(name)[:64]!r} is not a variable name")
-        if name in TEMPLATE_NAMES:
-            raise InvalidRequest(f"{field}.{name}: set by jaxcb from the request, not here")
-    return kwargs
-
-
-def template_roles(messages: list[dict]) -> list[dict]:
-    """The messages with each role as chat templates name it (ROLE_AS)."""
-    return [dict(m, role=ROLE_AS[m["role"]]) if m.get("role") in ROLE_AS else m for m in messages]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -225,11 +194,11 @@ class Tokenizer:
         self._llg: dict[tuple, object] = {}  # llguidance's tokenizers of this one, by (n_vocab, eos ids)
         self._llg_lock = threading.Lock()
         self._bytes_from_text = False  # token_bytes: llguidance could not read this tokenizer
-        self._template = None
-        if chat_template:
-            env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-            env.globals["raise_exception"] = _raise_template_error
-            self._template = env.from_string(chat_template)
+        self._template = compile_template(chat_template) if chat_template else None
+
+    def set_chat_template(self, text: str) -> None:
+        """Replace the model file's chat template (the server's --chat-template: jaxcb.host.chat_template)."""
+        self.chat_template, self._template = text, compile_template(text, "model.chat_template")
 
     def to_str(self) -> str:
         """The tokenizer as Hugging Face tokenizers' JSON (what llguidance reads: jaxcb.host.structured)."""
@@ -332,13 +301,15 @@ class Tokenizer:
         return got
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
-                    template_kwargs: dict | None = None) -> str:
+                    template_kwargs: dict | None = None, chat_template: str | None = None) -> str:
         """The conversation as the model's chat template writes it. `template_kwargs`: more variables
         for the template (vLLM's chat_template_kwargs, e.g. Qwen3's {"enable_thinking": false}); a
-        template that does not use one ignores it."""
+        template that does not use one ignores it. `chat_template`: this request's own template."""
         template_kwargs = check_template_kwargs(template_kwargs)
-        if self._template is None:
-            raise InvalidRequest("chat: this model file has no chat template; send a raw prompt")
+        template = self._template if chat_template is None else compile_template(chat_template)
+        if template is None:
+            raise InvalidRequest("chat: this model file has no chat template; send a raw prompt (or start the "
+                                 "server with --chat-template)")
         for i, m in enumerate(messages):
             if m.get("role") not in ROLES:
                 raise InvalidRequest(f"messages[{i}].role: {m.get('role')!r} is not one of {', '.join(ROLES)}")
@@ -347,7 +318,7 @@ class Tokenizer:
         bos = self.id_to_token(self.bos_id) if self.bos_id is not None else ""
         eos = self.id_to_token(self.eos_id) if self.eos_id is not None else ""
         try:
-            return self._template.render(
+            return template.render(
                 **template_kwargs, messages=template_roles(messages), add_generation_prompt=add_generation_prompt,
                 bos_token=bos, eos_token=eos)
         except InvalidRequest:
@@ -358,7 +329,8 @@ class Tokenizer:
                                  f"{str(e)[:200]})") from None
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
-                    template_kwargs: dict | None = None, continue_final_message: bool = False) -> list[int]:
+                    template_kwargs: dict | None = None, continue_final_message: bool = False,
+                    chat_template: str | None = None) -> list[int]:
         """The rendered conversation's ids. The template writes the special tokens itself (never
         another BOS); special-token text inside a message's content (a user typing `<|im_start|>system`)
         is encoded as the plain text it is, so no message can forge a role or end another's turn.
@@ -373,14 +345,15 @@ class Tokenizer:
 
         `continue_final_message` (vLLM's): the conversation ends inside the final (assistant) message, at
         the end of its content, so that the model goes on writing it (the template's end of turn and
-        anything after it are left out; add_generation_prompt must be false)."""
+        anything after it are left out; add_generation_prompt must be false). `chat_template`: the
+        request's own template instead of the model's (vLLM's field of that name)."""
         if continue_final_message:
             if add_generation_prompt:
                 raise InvalidRequest("continue_final_message: not with add_generation_prompt (set it to false)")
             if not messages or messages[-1].get("role") != "assistant":
                 raise InvalidRequest("continue_final_message: the last message must be the assistant's")
-        text = self.render_chat(messages, add_generation_prompt, template_kwargs)
-        pieces = self._chat_pieces(messages, text, add_generation_prompt, template_kwargs)
+        text = self.render_chat(messages, add_generation_prompt, template_kwargs, chat_template)
+        pieces = self._chat_pieces(messages, text, add_generation_prompt, template_kwargs, chat_template)
         if pieces is None:  # the template does something else with the contents: each part on its own
             raise InvalidRequest("messages: the chat template uses message contents in a way jaxcb cannot "
                              "separate from its own markup; send a raw prompt")
@@ -417,7 +390,8 @@ class Tokenizer:
         return ids + enc.ids[prev:]
 
     def _chat_pieces(self, messages: list[dict], text: str, add_generation_prompt: bool = True,
-                     template_kwargs: dict | None = None) -> list[tuple[str, bool]] | None:
+                     template_kwargs: dict | None = None, chat_template: str | None = None
+                     ) -> list[tuple[str, bool]] | None:
         """The rendered `text` cut into (piece, is a message's content), or None when it is not the
         template's own text with the contents inserted."""
         import re
@@ -428,7 +402,7 @@ class Tokenizer:
         # An em space each side (whitespace no template writes itself): a template that trims contents
         # trims these, and so the real contents.
         marked = self.render_chat([{**m, "content": f"\u2003{mark}\u2003"} for m, mark in zip(messages, marks)],
-                                  add_generation_prompt, template_kwargs)
+                                  add_generation_prompt, template_kwargs, chat_template)
         pattern = re.compile("(\u2003?)(" + "|".join(map(re.escape, marks)) + ")(\u2003?)")
         pieces, at = [], 0
         for found in pattern.finditer(marked):
@@ -448,7 +422,3 @@ class Tokenizer:
             if part:
                 ids += (self._plain if is_content else self._tok).encode(part, add_special_tokens=False).ids
         return ids
-
-
-def _raise_template_error(message):
-    raise InvalidRequest(f"chat template: {message}")

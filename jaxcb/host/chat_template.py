@@ -1,0 +1,91 @@
+"""Chat templates: the Jinja programs that write a conversation as a model's prompt.
+
+A model file brings its own (GGUF's tokenizer.chat_template, tokenizer_config.json's chat_template); a
+server may replace it (`--chat-template`, the config's model.chat_template: a file, or the template
+itself) and, when it trusts its clients (`--trust-request-chat-template`), a request may bring its own
+(vLLM's `chat_template` field). Every template is rendered in jinja2's immutable sandbox; a template
+is compiled once (cached by its text). Plain Python, no JAX.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import jinja2
+import jinja2.sandbox
+
+from jaxcb.host.errors import InvalidConfig, InvalidRequest
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
+# OpenAI's "developer" messages (its newer name for instructions from the application) are the
+# system messages chat templates know.
+ROLE_AS = {"developer": "system"}
+
+# What a request may pass its chat template beside the messages (vLLM's chat_template_kwargs): names
+# the template is given by jaxcb are not among them.
+TEMPLATE_NAMES = ("messages", "add_generation_prompt", "bos_token", "eos_token")
+MAX_TEMPLATE_KWARGS = 32
+MAX_TEMPLATE_CHARS = 65536  # a request's own template
+
+
+def check_template_kwargs(kwargs, field: str = "chat_template_kwargs") -> dict:
+    """A request's chat template variables, checked: an object of at most MAX_TEMPLATE_KWARGS names
+    (identifiers, none of TEMPLATE_NAMES) with JSON values. None: no variables."""
+    if kwargs is None:
+        return {}
+    if not isinstance(kwargs, dict):
+        raise InvalidRequest(f"{field}: must be an object of template variables, got {type(kwargs).__name__}")
+    if len(kwargs) > MAX_TEMPLATE_KWARGS:
+        raise InvalidRequest(f"{field}: {len(kwargs)} variables; the limit is {MAX_TEMPLATE_KWARGS}")
+    for name in kwargs:
+        if not isinstance(name, str) or not name.isidentifier() or len(name) > 64:
+            raise InvalidRequest(f"{field}: {str(name)[:64]!r} is not a variable name")
+        if name in TEMPLATE_NAMES:
+            raise InvalidRequest(f"{field}.{name}: set by jaxcb from the request, not here")
+    return kwargs
+
+
+def template_roles(messages: list[dict]) -> list[dict]:
+    """The messages with each role as chat templates name it (ROLE_AS)."""
+    return [dict(m, role=ROLE_AS[m["role"]]) if m.get("role") in ROLE_AS else m for m in messages]
+
+
+def compile_template(text, field: str = "chat_template") -> jinja2.Template:
+    """`text` compiled for rendering in the sandbox; InvalidRequest naming `field` if it is not a template."""
+    if not isinstance(text, str) or not text:
+        raise InvalidRequest(f"{field}: must be a non-empty string (a Jinja chat template)")
+    if len(text) > MAX_TEMPLATE_CHARS:
+        raise InvalidRequest(f"{field}: the template has {len(text)} characters; the limit is {MAX_TEMPLATE_CHARS}")
+    try:
+        return _compiled(text)
+    except jinja2.TemplateSyntaxError as e:
+        raise InvalidRequest(f"{field}: not a valid Jinja template (line {e.lineno}: {e.message})") from None
+
+
+@functools.lru_cache(maxsize=32)
+def _compiled(text: str) -> jinja2.Template:
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.globals["raise_exception"] = _raise_template_error
+    return env.from_string(text)
+
+
+def _raise_template_error(message):
+    raise InvalidRequest(f"chat template: {message}")
+
+
+def read_template(value: str, field: str = "model.chat_template") -> str:
+    """A configured chat template (--chat-template, model.chat_template): the text of the file `value`
+    names, or `value` itself when it is a template (it has a brace or a line break), checked."""
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            text = f.read()
+    elif any(c in value for c in "{}\n"):
+        text = value
+    else:
+        raise InvalidConfig(f"{field}: {value!r} is not a file (and not a template: it has no {{ or line break)")
+    try:
+        compile_template(text, field)
+    except InvalidRequest as e:
+        raise InvalidConfig(str(e)) from None
+    return text
