@@ -1,7 +1,8 @@
 """Qwen3, Gemma 2 and Gemma 3 against transformers' own modules: tiny random checkpoints in the Hugging
 Face layout (tools/make_tiny_hf.py wrote them and their golden outputs with transformers), loaded
 through jaxcb's Hugging Face loader and run by the engine (sliding window 8, so prompts and decode run
-far past it, and the sliding layers' pages are freed as they go)."""
+far past it, and the sliding layers' pages are freed as they go). Also Llama with Llama 3's RoPE scaling
+and Gemma 3 with linear scaling of its global layers (both from 32 positions: the prompts run past it)."""
 
 import json
 import os
@@ -19,7 +20,8 @@ from jaxcb.model.paged_attention import allocate_kv_pages
 from tests.server_util import compile_mode
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "golden", "tiny_hf")
-FAMILIES = ("qwen3", "gemma2", "gemma3")
+FAMILIES = ("qwen3", "gemma2", "gemma3", "llama3-rope", "gemma3-linear")
+FAMILY_OF = {"llama3-rope": "llama", "gemma3-linear": "gemma3"}  # checkpoints of a family with RoPE scaling
 
 
 def golden(family):
@@ -44,8 +46,8 @@ def prefill_logits(config, params, ids, page_size=16):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_prefill_logits_match_transformers(family):
     config, params, _, _ = load_model(os.path.join(GOLDEN, family), jnp.float32)
-    assert config.family == family
-    assert config.qk_norm == (family != "gemma2")
+    assert config.family == FAMILY_OF.get(family, family)
+    assert config.qk_norm == (config.family in ("qwen3", "gemma3"))
     assert config.windowed == family.startswith("gemma")
     for record in golden(family):
         ours = prefill_logits(config, params, record["prompt_ids"])
@@ -83,16 +85,40 @@ def test_gemma_norms_are_one_plus_w():
                   np.asarray(record["prefill_logits"])).max() > 1e-2
 
 
-def test_convert_round_trip_keeps_the_family(tmp_path):
+@pytest.mark.parametrize("family, plain", [("llama3-rope", {"rope_freq_factors": ()}),
+                                           ("gemma3-linear", {"rope_linear_factor": 1.0})])
+def test_rope_scaling_is_read_and_matters(family, plain):
+    """Llama 3's per-frequency factors (1 for short wavelengths, 8 for long ones, a blend between) and
+    Gemma 3's linear factor of its global layers come from config.json; without them the logits are
+    not the reference's."""
+    import dataclasses
+
+    config, params, _, _ = load_model(os.path.join(GOLDEN, family), jnp.float32)
+    if family == "llama3-rope":
+        f = config.rope_freq_factors
+        assert f[0] == 1.0 and f[-1] == 8.0 and any(1.0 < x < 8.0 for x in f), f
+    else:
+        assert config.rope_linear_factor == 8.0 and not config.rope_freq_factors
+        freqs = config.rope_frequencies()  # the sliding layers' RoPE is plain
+        sliding = np.array(config.sliding_layers)
+        assert np.allclose(freqs[sliding][0] * 1e4 ** (np.arange(0, 16, 2) / 16), 1.0, rtol=1e-6)
+    record = golden(family)[2]
+    ref = np.asarray(record["prefill_logits"], np.float32)
+    unscaled = prefill_logits(dataclasses.replace(config, **plain), params, record["prompt_ids"])
+    assert np.abs(unscaled - ref).max() > 1e-3 * np.abs(ref).max()
+
+
+@pytest.mark.parametrize("family", ["gemma3", "llama3-rope"])
+def test_convert_round_trip_keeps_the_family(tmp_path, family):
     from jaxcb.cli import main as cli
 
-    src = os.path.join(GOLDEN, "gemma3")
+    src = os.path.join(GOLDEN, family)
     out = str(tmp_path / "converted")
     assert cli(["convert", src, out, "--dtype", "float32"]) == 0
     config, params, _, _ = load_model(out)
     original, _, _, _ = load_model(src, jnp.float32)
-    assert config == original and config.windowed
-    record = golden("gemma3")[1]
+    assert config == original and config.windowed == (family == "gemma3")
+    record = golden(family)[1]
     ref = np.asarray(record["prefill_logits"], np.float32)
     assert np.abs(prefill_logits(config, params, record["prompt_ids"]) - ref).max() <= 1e-5 * np.abs(ref).max()
 

@@ -66,3 +66,37 @@ def test_unsupported_tensor_type_names_the_tensor(tmp_path):
     write_tiny_gguf(path, broken_type=True)
     with pytest.raises(ValueError, match=r"tensor blk.0.attn_v.weight: type Q8_1 cannot be dequantized"):
         load_gguf(path)
+
+
+def test_rope_scaling_of_a_gguf_is_read_or_refused_by_name(tmp_path):
+    """llama.cpp's RoPE scaling: the rope_freqs tensor (Llama 3.1+: the frequencies' divisors, as the Hugging
+    Face loader computes them from rope_scaling llama3), linear scaling by rope.scaling.type and .factor;
+    YaRN is refused by name instead of being run as plain RoPE."""
+    from jaxcb.host.errors import InvalidConfig
+    from jaxcb.model.hf_loader import _rope_scaling
+
+    spec = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 32}
+    config = tiny_model_config()
+    factors = _rope_scaling(spec, config.rope_theta, config.head_dim)["rope_freq_factors"]
+    path = str(tmp_path / "llama3.gguf")
+    write_tiny_gguf(path, config, rope_freqs=factors)
+    loaded = load_gguf(path).config
+    assert loaded.rope_freq_factors == tuple(float(np.float32(f)) for f in factors)
+    assert loaded.rope_freq_factors[0] == 1.0 and loaded.rope_freq_factors[-1] == 8.0
+    plain = config.rope_frequencies()[0]
+    assert np.allclose(loaded.rope_frequencies()[0], plain / np.asarray(factors, np.float32), rtol=1e-6)
+    path = str(tmp_path / "linear.gguf")
+    write_tiny_gguf(path, config, rope_scaling=("linear", 4.0))
+    assert load_gguf(path).config.rope_linear_factor == 4.0
+    path = str(tmp_path / "yarn.gguf")
+    write_tiny_gguf(path, config, rope_scaling=("yarn", 4.0))
+    with pytest.raises(InvalidConfig, match="llama.rope.scaling.type: 'yarn' is not supported"):
+        load_gguf(path)
+    path = str(tmp_path / "short.gguf")
+    write_tiny_gguf(path, config, rope_freqs=factors[:-1])
+    with pytest.raises(InvalidConfig, match="rope_freqs.weight"):
+        load_gguf(path)
+    for bad in ({"rope_type": "yarn", "factor": 4.0}, {"rope_type": "llama3", "factor": 8.0}):
+        with pytest.raises(InvalidConfig, match="rope_scaling"):
+            _rope_scaling(bad, 10000.0, 16)

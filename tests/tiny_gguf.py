@@ -52,9 +52,11 @@ def permute_rotary(w: np.ndarray, num_heads: int) -> np.ndarray:
 
 
 def write_tiny_gguf(path: str, config: ModelConfig | None = None, seed: int = 0, *, arch: str = "llama",
-                    quant: str = "f32", broken_type: bool = False) -> dict[str, np.ndarray]:
+                    quant: str = "f32", broken_type: bool = False, rope_freqs=None,
+                    rope_scaling: tuple[str, float] | None = None) -> dict[str, np.ndarray]:
     """Write a GGUF file; returns the weights in the project's layout (what loading must give back,
-    exactly for f32, up to quantization error otherwise)."""
+    exactly for f32, up to quantization error otherwise). `rope_freqs`: llama.cpp's per-frequency RoPE
+    factors tensor (Llama 3.1+); `rope_scaling`: (rope.scaling.type, rope.scaling.factor)."""
     config = config or tiny_model_config()
     w = random_weights(config, seed)
     tokens, merges, types = tiny_vocab()
@@ -67,6 +69,9 @@ def write_tiny_gguf(path: str, config: ModelConfig | None = None, seed: int = 0,
     writer.add_head_count(config.num_heads)
     writer.add_head_count_kv(config.num_kv_heads)
     writer.add_rope_freq_base(config.rope_theta)
+    if rope_scaling is not None:
+        writer.add_string(f"{arch}.rope.scaling.type", rope_scaling[0])
+        writer.add_float32(f"{arch}.rope.scaling.factor", rope_scaling[1])
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_vocab_size(config.vocab_size)
     writer.add_tokenizer_model("gpt2")
@@ -96,6 +101,8 @@ def write_tiny_gguf(path: str, config: ModelConfig | None = None, seed: int = 0,
             writer.add_tensor(name, array)
 
     put("token_embd.weight", w["embed"], True)
+    if rope_freqs is not None:
+        writer.add_tensor("rope_freqs.weight", np.asarray(rope_freqs, np.float32))
     put("output_norm.weight", w["final_norm"], False)
     if not config.tie_embeddings:
         put("output.weight", w["lm_head"].T, True)

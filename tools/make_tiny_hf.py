@@ -1,8 +1,10 @@
 """Write tiny random-weight Hugging Face checkpoints of Qwen3, Gemma 2 and Gemma 3 with transformers'
-own modules, and their golden outputs, for tests/test_families.py.
+own modules, and their golden outputs, for tests/test_families.py; and of Llama with Llama 3's RoPE
+scaling and Gemma 3 with linear scaling of its global layers (RoPE scaled from 32 positions, so that
+the prompts run far past it).
 
 Run with the `tools` environment (see tools/make_golden.py):
-    .venv-tools/bin/python -m tools.make_tiny_hf
+    .venv-tools/bin/python -m tools.make_tiny_hf [NAME ...]      # default: every one
 
 For each family: tests/golden/tiny_hf/<family>/ holds config.json and model.safetensors as
 `save_pretrained` writes them, and golden.json: per prompt (token ids), the float32 logits of the
@@ -26,7 +28,7 @@ COMMON = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_
 
 
 def configs():
-    from transformers import Gemma2Config, Gemma3TextConfig, Qwen3Config
+    from transformers import Gemma2Config, Gemma3TextConfig, LlamaConfig, Qwen3Config
 
     types = ["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"]
     return {
@@ -38,15 +40,27 @@ def configs():
                                    hidden_activation="gelu_pytorch_tanh",
                                    rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e6},
                                                     "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}),
+        "llama3-rope": LlamaConfig(**COMMON, tie_word_embeddings=False, rope_parameters={
+            "rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 32}),
+        "gemma3-linear": Gemma3TextConfig(**COMMON, sliding_window=8, query_pre_attn_scalar=16, layer_types=types,
+                                          hidden_activation="gelu_pytorch_tanh", rope_parameters={
+                                              "full_attention": {"rope_type": "linear", "rope_theta": 1e6, "factor": 8.0},
+                                              "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}),
     }
 
 
 def main():
+    import sys
+
     import torch
     from transformers import AutoModelForCausalLM
 
     torch.set_grad_enabled(False)
+    wanted = sys.argv[1:]
     for family, config in configs().items():
+        if wanted and family not in wanted:
+            continue
         torch.manual_seed(0)
         config._attn_implementation = "eager"
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()

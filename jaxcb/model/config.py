@@ -36,12 +36,38 @@ class ModelConfig:
     sliding_window: int = 0  # keys a sliding layer's query sees, itself included (0: no sliding layers)
     sliding_layers: tuple[bool, ...] = ()  # per layer: True = sliding window, False = full attention
     local_rope_theta: float = 0.0  # sliding layers' RoPE base (Gemma 3: 10,000); 0: rope_theta
+    # RoPE scaling of the full-attention layers (a sliding layer's RoPE is plain): each frequency divided by
+    # its factor (Llama 3.1+'s "llama3" scaling; GGUF's rope_freqs tensor), () for none; and every
+    # position divided by `rope_linear_factor` (linear scaling: Gemma 3 4B+'s global layers), 1 for none.
+    rope_freq_factors: tuple[float, ...] = ()
+    rope_linear_factor: float = 1.0
     attn_softcap: float = 0.0  # scores -> cap * tanh(scores / cap) (Gemma 2); 0: off
     final_softcap: float = 0.0  # the same on the logits (Gemma 2); 0: off
 
     def __post_init__(self):
         assert self.num_heads % self.num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads"
         assert not self.sliding_layers or len(self.sliding_layers) == self.num_layers, "one flag per layer"
+        assert not self.rope_freq_factors or len(self.rope_freq_factors) == self.head_dim // 2, "one factor per frequency"
+
+    def rope_frequencies(self):
+        """numpy float32 [L, D/2]: each layer's RoPE frequencies (radians per position) as transformers computes
+        them: base^(-2i/D) of its layer's base, divided by the scaling of the full-attention layers."""
+        import numpy as np
+
+        d = self.head_dim
+        exponents = np.arange(0, d, 2, dtype=np.float32) / np.float32(d)
+        flags = self.sliding_layers if self.windowed else (False,) * self.num_layers
+        out = []
+        for sliding in flags:
+            base = np.float32(self.local_rope_theta or self.rope_theta) if sliding else np.float32(self.rope_theta)
+            freq = np.float32(1.0) / (base ** exponents)
+            if not sliding:
+                if self.rope_freq_factors:
+                    freq = freq / np.asarray(self.rope_freq_factors, np.float32)
+                if self.rope_linear_factor != 1.0:
+                    freq = freq / np.float32(self.rope_linear_factor)
+            out.append(freq.astype(np.float32))
+        return np.stack(out)
 
     @property
     def windowed(self) -> bool:

@@ -115,18 +115,15 @@ def read_config(reader) -> ModelConfig:
         vocab = len(reader.metadata["tokenizer.ggml.tokens"])
     layers = int(need("block_count"))
     theta = float(_field(reader, f"{arch}.rope.freq_base", 10000.0))
-    family = {}
+    family = dict(_rope_scaling(reader, arch, head_dim))
     if arch == "qwen3":
-        family = dict(family="qwen3", qk_norm=True)
+        family.update(family="qwen3", qk_norm=True)
     elif arch in ("gemma2", "gemma3"):
-        scaling = _field(reader, f"{arch}.rope.scaling.factor")
-        if scaling not in (None, 1.0):
-            raise InvalidConfig(f"{arch}.rope.scaling.factor: {scaling} is not supported (plain RoPE only)")
         window = int(_field(reader, f"{arch}.attention.sliding_window", 0) or 0)
         # llama.cpp's layer patterns: Gemma 2 alternates sliding and full from layer 0; Gemma 3 has
         # five sliding layers, then a full one.
         period = 2 if arch == "gemma2" else 6
-        family = dict(family=arch, norm_plus_one=True, post_norms=True, activation="gelu_tanh", embed_scale=True,
+        family.update(family=arch, norm_plus_one=True, post_norms=True, activation="gelu_tanh", embed_scale=True,
                       qk_norm=arch == "gemma3", sliding_window=window,
                       sliding_layers=tuple((i + 1) % period != 0 for i in range(layers)) if window else (),
                       local_rope_theta=10000.0 if arch == "gemma3" else 0.0,
@@ -181,6 +178,31 @@ def read_tokenizer(reader) -> TokenizerSpec | None:
         add_space_prefix=bool(_field(reader, "tokenizer.ggml.add_space_prefix", True)),
         arch=arch,
     )
+
+
+def _rope_scaling(reader, arch: str, head_dim: int) -> dict:
+    """The RoPE scaling a GGUF describes, as ModelConfig fields: linear (`rope.scaling.type` linear and its
+    `factor`: llama.cpp's Gemma 3 4B+ and linear Llamas) and per-frequency factors (the `rope_freqs`
+    tensor: Llama 3.1+); other kinds (YaRN, ...) are refused by name rather than run as plain RoPE."""
+    kind = _field(reader, f"{arch}.rope.scaling.type")
+    factor = _field(reader, f"{arch}.rope.scaling.factor")
+    out = {}
+    if kind not in (None, "none", "linear"):
+        raise InvalidConfig(f"{arch}.rope.scaling.type: {kind!r} is not supported (linear and Llama 3's "
+                            "per-frequency factors are)")
+    if factor not in (None, 1.0, 0.0):
+        if kind is None and arch != "gemma3":  # a factor without its kind: llama.cpp reads none
+            raise InvalidConfig(f"{arch}.rope.scaling.factor: {factor} without rope.scaling.type")
+        if arch == "gemma2":
+            raise InvalidConfig(f"{arch}.rope.scaling.factor: {factor} is not supported (Gemma 2 has plain RoPE)")
+        out["rope_linear_factor"] = float(factor)
+    if "rope_freqs.weight" in reader.tensors:
+        factors = _dequantize(reader.tensors["rope_freqs.weight"]).reshape(-1)
+        if factors.shape != (head_dim // 2,):
+            raise InvalidConfig(f"tensor rope_freqs.weight: {factors.size} factors for head size {head_dim} "
+                                f"(one per frequency: {head_dim // 2})")
+        out["rope_freq_factors"] = tuple(float(f) for f in factors)
+    return out
 
 
 def open_reader(path: str) -> GGUFFile:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import glob
 import json
+import math
 import os
 
 import numpy as np
@@ -63,6 +64,39 @@ def _plain_rope(scaling) -> None:
         raise InvalidConfig(f"config.json: rope_scaling {scaling!r} is not supported (plain RoPE only)")
 
 
+def _rope_scaling(scaling, theta: float, head_dim: int) -> dict:
+    """A full-attention layer's rope_scaling as ModelConfig fields: linear (`factor`) and Llama 3's
+    per-frequency factors ("llama3": frequencies whose wavelength exceeds original_max_position_embeddings /
+    low_freq_factor divided by `factor`, those under it / high_freq_factor kept, a smooth blend between), as
+    transformers computes them; other kinds are refused by name."""
+    kind = scaling.get("rope_type", scaling.get("type")) if scaling else None
+    if kind in (None, "default"):
+        return {}
+    try:
+        factor = float(scaling["factor"])
+        if kind == "linear":
+            return {"rope_linear_factor": factor} if factor != 1.0 else {}
+        if kind == "llama3":
+            low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+            old = float(scaling["original_max_position_embeddings"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise InvalidConfig(f"config.json: rope_scaling {scaling!r} lacks a number it needs ({e})") from None
+    if kind != "llama3":
+        raise InvalidConfig(f"config.json: rope_scaling {scaling!r} is not supported (default, linear and llama3 are)")
+    exponents = np.arange(0, head_dim, 2, dtype=np.float32) / np.float32(head_dim)
+    wavelengths = 2 * math.pi / (1.0 / (np.float32(theta) ** exponents)).astype(np.float64)
+    factors = []
+    for wavelength in wavelengths:
+        if wavelength < old / high:
+            factors.append(1.0)
+        elif wavelength > old / low:
+            factors.append(factor)
+        else:
+            smooth = (old / wavelength - low) / (high - low)
+            factors.append(1.0 / ((1 - smooth) / factor + smooth))
+    return {"rope_freq_factors": tuple(factors)}
+
+
 def read_config(path: str) -> ModelConfig:
     try:
         with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
@@ -76,15 +110,16 @@ def read_config(path: str) -> ModelConfig:
     family = ARCHITECTURES[arch]
     gemma = family.startswith("gemma")
     theta, scaling = _rope(raw, "full_attention")
-    _plain_rope(scaling)
     try:
         heads = int(raw["num_attention_heads"])
         hidden = int(raw["hidden_size"])
         layers = int(raw["num_hidden_layers"])
         head_dim = int(raw.get("head_dim") or hidden // heads)
-        extra = {}
+        extra = _rope_scaling(scaling, theta or 10000.0, head_dim)
+        if family == "gemma2" and extra:
+            raise InvalidConfig(f"config.json: rope_scaling {scaling!r}: Gemma 2 has plain RoPE")
         if family == "qwen3":
-            extra = dict(qk_norm=True)
+            extra.update(qk_norm=True)
         if gemma:
             window = int(raw.get("sliding_window") or 0)
             types = raw.get("layer_types")
@@ -94,7 +129,7 @@ def read_config(path: str) -> ModelConfig:
             local_theta, local_scaling = _rope(raw, "sliding_attention")
             local_theta = float(raw.get("rope_local_base_freq", local_theta or 0.0))
             _plain_rope(local_scaling)
-            extra = dict(
+            extra.update(
                 norm_plus_one=True, post_norms=True, embed_scale=True, qk_norm=family == "gemma3",
                 activation="gelu_tanh",
                 query_scale=float(raw.get("query_pre_attn_scalar", head_dim)) ** -0.5,

@@ -172,10 +172,10 @@ def rms_norm(x, weight, eps, plus_one: bool = False):
     return ((1.0 + scale if plus_one else scale) * x32).astype(x.dtype)
 
 
-def rotary(x, positions, theta):
-    """Rotate-half rotary embedding. x [..., heads, D]; positions int32 [...]; theta may be traced."""
+def rotary(x, positions, inv_freq):
+    """Rotate-half rotary embedding. x [..., heads, D]; positions int32 [...]; inv_freq f32 [D/2] (the
+    layer's frequencies, ModelConfig.rope_frequencies; may be traced)."""
     d = x.shape[-1]
-    inv_freq = 1.0 / (theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
     angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [..., D/2]
     angles = jnp.concatenate([angles, angles], axis=-1)[..., None, :]
     cos, sin = jnp.cos(angles), jnp.sin(angles)
@@ -186,20 +186,18 @@ def rotary(x, positions, theta):
 
 
 def layer_kinds(config: ModelConfig):
-    """Per-layer arrays scanned with the weights: (sliding: bool, RoPE base: f32, index of the layer in
-    its KV page group: i32)."""
+    """Per-layer arrays scanned with the weights: (sliding: bool, RoPE frequencies: f32 [D/2], index of
+    the layer in its KV page group: i32)."""
     flags = np.array(config.sliding_layers if config.windowed else [False] * config.num_layers)
-    local = config.local_rope_theta or config.rope_theta
-    theta = np.where(flags, local, config.rope_theta).astype(np.float32)
     group_index = np.where(flags, np.cumsum(flags) - 1, np.cumsum(~flags) - 1).astype(np.int32)
-    return jnp.asarray(flags), jnp.asarray(theta), jnp.asarray(group_index)
+    return jnp.asarray(flags), jnp.asarray(config.rope_frequencies()), jnp.asarray(group_index)
 
 
 def _layer(config: ModelConfig, attention: Attention, batch: StepInput, h, kv_pages, kind, w: LayerParams,
            lora=None, lora_mask=None):
     t, _ = h.shape
     nh, nk, d = config.num_heads, config.num_kv_heads, config.head_dim
-    sliding, theta, group_index = kind
+    sliding, inv_freq, group_index = kind
     norm = functools.partial(rms_norm, eps=config.rms_norm_eps, plus_one=config.norm_plus_one)
 
     def proj(x, name):
@@ -217,8 +215,8 @@ def _layer(config: ModelConfig, attention: Attention, batch: StepInput, h, kv_pa
     q, k, v = q.reshape(t, nh, d), k.reshape(t, nk, d), v.reshape(t, nk, d)
     if w.q_norm is not None:
         q, k = norm(q, w.q_norm), norm(k, w.k_norm)
-    q = rotary(q, batch.positions, theta)
-    k = rotary(k, batch.positions, theta)
+    q = rotary(q, batch.positions, inv_freq)
+    k = rotary(k, batch.positions, inv_freq)
 
     attend = functools.partial(_attend, attention, config)
     if attention.mesh is None:
