@@ -19,6 +19,20 @@ def test_f32_round_trip_undoes_the_rotary_permutation(tmp_path):
         np.testing.assert_array_equal(got.weights[k], want[k], err_msg=k)
 
 
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_q_k_v_biases_and_qwen2s_unpermuted_rows_round_trip(tmp_path, arch):
+    """Qwen2 GGUFs (llama.cpp's "qwen2": Q/K rows as the checkpoint has them, q/k/v biases) load as the
+    Llama decoder with biases; a "llama" file with biases has its Q/K biases permuted like their rows."""
+    config = tiny_model_config(attention_bias=True)
+    path = str(tmp_path / "m.gguf")
+    want = write_tiny_gguf(path, config, arch=arch)
+    got = load_gguf(path)
+    assert got.config.attention_bias and got.config.family == "llama"
+    assert set(got.weights) == set(want) >= {"bq", "bk", "bv"}
+    for k in want:
+        np.testing.assert_array_equal(got.weights[k], want[k], err_msg=k)
+
+
 @pytest.mark.parametrize("quant,tol", [("q8_0", 0.02), ("f16", 2e-3)])
 def test_quantized_tensors_dequantize(tmp_path, quant, tol):
     path = str(tmp_path / "m.gguf")
@@ -57,7 +71,7 @@ def test_unsupported_architecture_names_the_supported_ones(tmp_path):
     path = str(tmp_path / "m.gguf")
     write_tiny_gguf(path, arch="phi3")
     with pytest.raises(ValueError, match=r"general.architecture: 'phi3' is not supported; supported architectures: "
-                                         r"llama, qwen3, gemma2, gemma3"):
+                                         r"llama, qwen2, qwen3, gemma2, gemma3"):
         load_gguf(path)
 
 

@@ -292,3 +292,21 @@ def test_the_servers_chat_template_reaches_the_engines_tokenizer_not_the_callers
     assert llm.chat([chat], sp, chat_template=other)[0].prompt_token_ids == tok.encode_chat(chat, True, None, False, other)
     with pytest.raises(InvalidConfig, match="model.chat_template: 'nope' is not a file"):
         LLM.from_params(cfg, params, tok, config=config.replace(chat_template="nope"), eos_ids=eos)
+
+
+def test_gguf_pre_tokenizers_split_as_their_models_do_and_unknown_ones_are_refused():
+    """llama.cpp's tokenizer.ggml.pre names the split before BPE: Qwen2's (Qwen2.5, Qwen3) puts every digit
+    in a piece of its own and normalizes to NFC, Llama 3's groups digits by three, GPT-2's keeps runs; a
+    name jaxcb does not know is refused (another split gives other tokens) rather than read as GPT-2's."""
+    from jaxcb.host import tokenizer as tokenizer_module
+    from jaxcb.host.errors import InvalidConfig
+
+    def pieces(pre, text):
+        return [p for p, _ in tokenizer_module._pre_tokenizer(pre).pre_tokenize_str(text)]
+
+    text = "Year 12345, it's DON'T"
+    assert pieces("qwen2", text) == ["Year", "Ġ", "1", "2", "3", "4", "5", ",", "Ġit", "'s", "ĠDON", "'T"]
+    assert pieces("llama-bpe", text) == ["Year", "Ġ", "123", "45", ",", "Ġit", "'s", "ĠDON", "'T"]
+    assert pieces("default", text)[:3] == ["Year", "Ġ12345", ","]
+    with pytest.raises(InvalidConfig, match="tokenizer.ggml.pre: 'tekken' is not a pre-tokenizer jaxcb knows"):
+        tokenizer_module._pre_tokenizer("tekken")

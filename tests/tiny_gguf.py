@@ -108,17 +108,19 @@ def write_tiny_gguf(path: str, config: ModelConfig | None = None, seed: int = 0,
         put("output.weight", w["lm_head"].T, True)
     names = {"attn_norm": "attn_norm", "wq": "attn_q", "wk": "attn_k", "wv": "attn_v", "wo": "attn_output",
              "mlp_norm": "ffn_norm", "w_gate": "ffn_gate", "w_up": "ffn_up", "w_down": "ffn_down"}
+    if config.attention_bias:  # Qwen2's q/k/v biases
+        names.update(bq="attn_q.bias", bk="attn_k.bias", bv="attn_v.bias")
     for i in range(config.num_layers):
         for key, gname in names.items():
             a = w[key][i]
             linear = a.ndim == 2
             if linear:
                 a = a.T  # to [out, in]
-                if key == "wq":
-                    a = permute_rotary(a, config.num_heads)
-                elif key == "wk":
-                    a = permute_rotary(a, config.num_kv_heads)
-            put(f"blk.{i}.{gname}.weight", a, linear)
+            if arch == "llama" and key in ("wq", "bq"):  # llama.cpp permutes Q and K for "llama" only
+                a = permute_rotary(a, config.num_heads)
+            elif arch == "llama" and key in ("wk", "bk"):
+                a = permute_rotary(a, config.num_kv_heads)
+            put(f"blk.{i}.{gname}" + ("" if gname.endswith(".bias") else ".weight"), a, linear)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

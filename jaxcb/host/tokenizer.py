@@ -38,6 +38,11 @@ from jaxcb.host.errors import InvalidConfig, InvalidRequest
 _CONTROL, _USER_DEFINED = 3, 4
 # GPT-2's split pattern, used by most byte-level BPE vocabularies.
 _GPT2_PATTERN = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+# Qwen2's (and Qwen2.5's, Qwen3's): Llama 3's with every digit a piece of its own.
+_QWEN2_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 _LLAMA3_PATTERN = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
     r"|\s*[\r\n]+|\s+(?!\S)|\s+"
@@ -62,17 +67,26 @@ class TokenizerSpec:
     arch: str = "llama"  # general.architecture (Gemma's merge order is its token order, not its scores)
 
 
+PRE_TOKENIZERS = ("default", "gpt-2", "smollm", "starcoder", "refact", "codeshell", "llama-bpe", "llama3",
+                  "smaug-bpe", "qwen2")
+
+
 def _pre_tokenizer(pre: str):
+    """llama.cpp's pre-tokenizer `pre` (tokenizer.ggml.pre) as the `tokenizers` library's. One that is not
+    known here is refused: splitting text another way than the model was trained on gives other tokens."""
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if pre in ("default", "gpt-2"):
+        return byte_level
     if pre in ("smollm", "starcoder", "refact", "codeshell"):
         # llama.cpp: "\p{N}" first (every digit its own piece), then the GPT-2 pattern.
         return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
-    if pre in ("llama-bpe", "llama3", "smaug-bpe"):
+    if pre in ("llama-bpe", "llama3", "smaug-bpe", "qwen2"):
         return pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(_LLAMA3_PATTERN), behavior="isolated"),
+            pre_tokenizers.Split(Regex(_QWEN2_PATTERN if pre == "qwen2" else _LLAMA3_PATTERN), behavior="isolated"),
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
         ])
-    return byte_level
+    raise InvalidConfig(f"tokenizer.ggml.pre: {pre!r} is not a pre-tokenizer jaxcb knows ({', '.join(PRE_TOKENIZERS)}); "
+                        "serve the model's Hugging Face directory (its tokenizer.json) instead")
 
 
 def _cache_path(spec: TokenizerSpec) -> str:
@@ -169,6 +183,8 @@ class Tokenizer:
         merges = [tuple(m.split(" ", 1)) for m in spec.merges]
         tok = HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, ignore_merges=False))
         tok.pre_tokenizer = _pre_tokenizer(spec.pre)
+        if spec.pre == "qwen2":  # (Qwen's tokenizer.json normalizes to NFC first)
+            tok.normalizer = normalizers.NFC()
         tok.decoder = decoders.ByteLevel()
         special = [
             AddedToken(t, special=True, normalized=False)

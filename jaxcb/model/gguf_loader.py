@@ -27,7 +27,7 @@ from jaxcb.host.tokenizer import TokenizerSpec
 from jaxcb.model.config import ModelConfig
 from jaxcb.model.gguf_file import GGUFFile
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen3", "gemma2", "gemma3")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3")
 
 # Project name -> (GGUF name pattern, transpose to [in, out]).
 _LAYER_TENSORS = {
@@ -41,6 +41,8 @@ _LAYER_TENSORS = {
     "w_up": ("blk.{i}.ffn_up.weight", True),
     "w_down": ("blk.{i}.ffn_down.weight", True),
 }
+# q/k/v biases (Qwen2; any file that has them).
+_BIAS_TENSORS = {"bq": "blk.{i}.attn_q.bias", "bk": "blk.{i}.attn_k.bias", "bv": "blk.{i}.attn_v.bias"}
 # What the other architectures add to the table above.
 _EXTRA_TENSORS = {
     "qwen3": {"q_norm": "blk.{i}.attn_q_norm.weight", "k_norm": "blk.{i}.attn_k_norm.weight"},
@@ -141,6 +143,7 @@ def read_config(reader) -> ModelConfig:
         rope_theta=theta,
         rms_norm_eps=float(need("attention.layer_norm_rms_epsilon")),
         tie_embeddings="output.weight" not in names,
+        attention_bias="blk.0.attn_q.bias" in names,
         name=str(_field(reader, "general.name", arch)),
         **family,
     )
@@ -221,14 +224,17 @@ def load_gguf(path: str, check_config=None) -> LoadedModel:
     if check_config is not None:
         check_config(config)
     tensors = reader.tensors
+    # llama.cpp's converter permutes the rows of Q and K (and their biases) for its "llama" architecture
+    # only (its other architectures keep the rotate-half layout jaxcb uses).
+    permuted = _field(reader, "general.architecture") == "llama"
 
     def get(name: str, transpose: bool) -> np.ndarray:
         if name not in tensors:
             raise InvalidConfig(f"model file: missing tensor {name}")
         w = _dequantize(tensors[name])
-        if config.family == "llama" and name.endswith("attn_q.weight"):
+        if permuted and name.endswith(("attn_q.weight", "attn_q.bias")):
             w = _unpermute_rotary(w, config.num_heads)
-        elif config.family == "llama" and name.endswith("attn_k.weight"):
+        elif permuted and name.endswith(("attn_k.weight", "attn_k.bias")):
             w = _unpermute_rotary(w, config.num_kv_heads)
         elif config.norm_plus_one and name.endswith("norm.weight"):
             w = w - 1.0  # the file's norms hold 1 + w (see the module's note)
@@ -241,6 +247,8 @@ def load_gguf(path: str, check_config=None) -> LoadedModel:
     if not config.tie_embeddings:
         weights["lm_head"] = get("output.weight", True)
     table = {**_LAYER_TENSORS, **{k: (v, False) for k, v in _EXTRA_TENSORS.get(config.family, {}).items()}}
+    if config.attention_bias:
+        table.update({k: (v, False) for k, v in _BIAS_TENSORS.items()})
     for key, (pattern, transpose) in table.items():
         weights[key] = np.stack([get(pattern.format(i=i), transpose) for i in range(config.num_layers)])
     config.check_weight_shapes(weights, "model file")
