@@ -114,3 +114,19 @@ def test_rope_scaling_of_a_gguf_is_read_or_refused_by_name(tmp_path):
     for bad in ({"rope_type": "yarn", "factor": 4.0}, {"rope_type": "llama3", "factor": 8.0}):
         with pytest.raises(InvalidConfig, match="rope_scaling"):
             _rope_scaling(bad, 10000.0, 16)
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("llama.expert_count", 8, "llama.expert_count: 8: mixture-of-experts models are not supported"),
+    ("llama.rope.dimension_count", 4, "llama.rope.dimension_count: 4 of 16 dimensions rotated"),
+    ("llama.attention.value_length", 8, "llama.attention.value_length: 8 differs from key_length 16"),
+])
+def test_what_the_decoder_does_not_do_is_refused_by_name(tmp_path, key, value, message):
+    """A Mixtral (a "llama" file with experts), partial RoPE or value heads of another size would load
+    and run wrong, or fail on a missing tensor: each is refused naming the metadata."""
+    from jaxcb.host.errors import InvalidConfig
+
+    path = str(tmp_path / "m.gguf")
+    write_tiny_gguf(path, extra_uint32={key: value})
+    with pytest.raises(InvalidConfig, match=message):
+        load_gguf(path)

@@ -1,3 +1,4 @@
+import dataclasses
 import re
 
 import pytest
@@ -310,3 +311,15 @@ def test_gguf_pre_tokenizers_split_as_their_models_do_and_unknown_ones_are_refus
     assert pieces("default", text)[:3] == ["Year", "Ġ12345", ","]
     with pytest.raises(InvalidConfig, match="tokenizer.ggml.pre: 'tekken' is not a pre-tokenizer jaxcb knows"):
         tokenizer_module._pre_tokenizer("tekken")
+
+
+def test_llama3s_byte_level_bpe_takes_a_whole_token_before_the_merges():
+    """Llama 3's tokenizer (tokenizer.json's ignore_merges, and llama.cpp for llama-bpe) emits a piece that
+    is a token whole even where the merges would not reach it; other vocabularies go by the merges."""
+    from jaxcb.host.tokenizer import Tokenizer, TokenizerSpec
+
+    tokens = ("a", "b", "c", "bc", "abc")
+    spec = TokenizerSpec(model="gpt2", pre="llama-bpe", tokens=tokens, merges=("b c",), token_types=(1,) * 5,
+                         bos_id=None, eos_id=None, add_bos=False, chat_template=None)
+    assert Tokenizer(spec).encode("abc") == [4]
+    assert Tokenizer(dataclasses.replace(spec, pre="default")).encode("abc") == [0, 3]

@@ -53,7 +53,8 @@ def permute_rotary(w: np.ndarray, num_heads: int) -> np.ndarray:
 
 def write_tiny_gguf(path: str, config: ModelConfig | None = None, seed: int = 0, *, arch: str = "llama",
                     quant: str = "f32", broken_type: bool = False, rope_freqs=None,
-                    rope_scaling: tuple[str, float] | None = None) -> dict[str, np.ndarray]:
+                    rope_scaling: tuple[str, float] | None = None, extra_uint32: dict | None = None
+                    ) -> dict[str, np.ndarray]:
     """Write a GGUF file; returns the weights in the project's layout (what loading must give back,
     exactly for f32, up to quantization error otherwise). `rope_freqs`: llama.cpp's per-frequency RoPE
     factors tensor (Llama 3.1+); `rope_scaling`: (rope.scaling.type, rope.scaling.factor)."""
@@ -69,6 +70,8 @@ def write_tiny_gguf(path: str, config: ModelConfig | None = None, seed: int = 0,
     writer.add_head_count(config.num_heads)
     writer.add_head_count_kv(config.num_kv_heads)
     writer.add_rope_freq_base(config.rope_theta)
+    for key, value in (extra_uint32 or {}).items():  # more metadata (what the loader must refuse)
+        writer.add_uint32(key, value)
     if rope_scaling is not None:
         writer.add_string(f"{arch}.rope.scaling.type", rope_scaling[0])
         writer.add_float32(f"{arch}.rope.scaling.factor", rope_scaling[1])

@@ -181,7 +181,9 @@ class Tokenizer:
             )
         vocab = {tok: i for i, tok in enumerate(spec.tokens)}
         merges = [tuple(m.split(" ", 1)) for m in spec.merges]
-        tok = HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, ignore_merges=False))
+        # Llama 3's tokenizer (and llama.cpp for it) takes a piece that is a token whole, merges aside.
+        tok = HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False,
+                                     ignore_merges=spec.pre in ("llama-bpe", "llama3")))
         tok.pre_tokenizer = _pre_tokenizer(spec.pre)
         if spec.pre == "qwen2":  # (Qwen's tokenizer.json normalizes to NFC first)
             tok.normalizer = normalizers.NFC()

@@ -111,6 +111,18 @@ def read_config(reader) -> ModelConfig:
     heads = int(need("attention.head_count"))
     kv_heads = int(_field(reader, f"{arch}.attention.head_count_kv", heads))
     head_dim = int(_field(reader, f"{arch}.attention.key_length", hidden // heads))
+    # What this decoder does not do is refused by name, never run approximately.
+    experts = int(_field(reader, f"{arch}.expert_count", 0) or 0)
+    if experts:
+        raise InvalidConfig(f"{arch}.expert_count: {experts}: mixture-of-experts models are not supported")
+    value_dim = int(_field(reader, f"{arch}.attention.value_length", head_dim))
+    if value_dim != head_dim:
+        raise InvalidConfig(f"{arch}.attention.value_length: {value_dim} differs from key_length {head_dim} "
+                            "(not supported)")
+    rotary_dim = int(_field(reader, f"{arch}.rope.dimension_count", head_dim))
+    if rotary_dim != head_dim:
+        raise InvalidConfig(f"{arch}.rope.dimension_count: {rotary_dim} of {head_dim} dimensions rotated "
+                            "(partial RoPE is not supported)")
     names = set(reader.tensors)
     vocab = _field(reader, f"{arch}.vocab_size")
     if vocab is None:
