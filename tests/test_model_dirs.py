@@ -138,3 +138,28 @@ def test_convert_round_trip_and_bad_checkpoints(tmp_path, tiny_gguf_path, tiny_m
     os.remove(os.path.join(other, "jaxcb_model.json"))
     with pytest.raises(ValueError, match="neither a converted checkpoint"):
         load_model(other)
+
+
+def test_sliding_windows_of_llama_shaped_checkpoints(tmp_path, tiny_model):
+    """Mistral 7B v0.1's sliding_window (every layer sees its last W tokens) is full attention up to W:
+    its context is served up to there; Qwen2's use_sliding_window layers are refused by name."""
+    from jaxcb.host.errors import InvalidConfig
+    from jaxcb.model.hf_loader import read_config
+
+    config = tiny_model_config()
+    weights = random_weights(config, seed=3)
+    for arch, extra, want in (("MistralForCausalLM", {"sliding_window": 64}, 64),
+                              ("MistralForCausalLM", {"sliding_window": None}, config.max_context),
+                              ("Qwen2ForCausalLM", {"sliding_window": 64, "use_sliding_window": False}, config.max_context),
+                              ("Qwen2ForCausalLM", {"sliding_window": 64, "use_sliding_window": True}, None)):
+        path = str(tmp_path / f"{arch}-{len(extra)}-{extra.get('sliding_window')}-{extra.get('use_sliding_window')}")
+        write_hf_dir(path, config, weights, tiny_model[2], arch)
+        with open(os.path.join(path, "config.json")) as f:
+            raw = json.load(f)
+        with open(os.path.join(path, "config.json"), "w") as f:
+            json.dump({**raw, **extra}, f)
+        if want is None:
+            with pytest.raises(InvalidConfig, match="use_sliding_window"):
+                read_config(path)
+        else:
+            assert read_config(path).max_context == want

@@ -116,6 +116,13 @@ def read_config(path: str) -> ModelConfig:
         layers = int(raw["num_hidden_layers"])
         head_dim = int(raw.get("head_dim") or hidden // heads)
         extra = _rope_scaling(scaling, theta or 10000.0, head_dim)
+        max_context = int(raw.get("max_position_embeddings", 2048))
+        if family == "qwen2" and raw.get("use_sliding_window"):
+            raise InvalidConfig("config.json: use_sliding_window (Qwen2's sliding layers) is not supported")
+        if arch == "MistralForCausalLM" and raw.get("sliding_window"):
+            # Mistral 7B v0.1 attends to its last `sliding_window` tokens in every layer: exactly full
+            # attention up to there, which is as far as jaxcb serves it.
+            max_context = min(max_context, int(raw["sliding_window"]))
         if family == "gemma2" and extra:
             raise InvalidConfig(f"config.json: rope_scaling {scaling!r}: Gemma 2 has plain RoPE")
         if family == "qwen3":
@@ -146,7 +153,7 @@ def read_config(path: str) -> ModelConfig:
             num_layers=layers, num_heads=heads,
             num_kv_heads=int(raw.get("num_key_value_heads") or heads),
             head_dim=head_dim,
-            max_context=int(raw.get("max_position_embeddings", 2048)),
+            max_context=max_context,
             rope_theta=theta or 10000.0, rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             tie_embeddings=bool(raw.get("tie_word_embeddings", gemma)),
             name=os.path.basename(os.path.normpath(path)),
