@@ -163,3 +163,23 @@ def test_sliding_windows_of_llama_shaped_checkpoints(tmp_path, tiny_model):
                 read_config(path)
         else:
             assert read_config(path).max_context == want
+
+
+def test_a_tensor_the_decoder_would_not_use_refuses_the_model(tmp_path, tiny_model):
+    """A checkpoint with parts jaxcb does not run (Llama's o_proj bias with attention_bias, an MLP bias)
+    is refused naming them, not served without them; RoPE's stored inverse frequencies are derived data."""
+    from jaxcb.host.errors import InvalidConfig
+
+    config = tiny_model_config()
+    weights = random_weights(config, seed=3)
+    for extra, refused in (({"model.layers.0.self_attn.o_proj.bias": np.zeros(64, np.float32)}, True),
+                           ({"model.layers.1.mlp.down_proj.bias": np.zeros(64, np.float32)}, True),
+                           ({"model.layers.0.self_attn.rotary_emb.inv_freq": np.ones(8, np.float32)}, False)):
+        path = str(tmp_path / next(iter(extra)))
+        write_hf_dir(path, config, weights, tiny_model[2])
+        save_file(extra, os.path.join(path, "extra.safetensors"))
+        if refused:
+            with pytest.raises(InvalidConfig, match=f"tensors jaxcb's decoder does not use \\(1: {next(iter(extra))}\\)"):
+                load_model(path, jnp.float32)
+        else:
+            load_model(path, jnp.float32)

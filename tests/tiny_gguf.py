@@ -53,8 +53,8 @@ def permute_rotary(w: np.ndarray, num_heads: int) -> np.ndarray:
 
 def write_tiny_gguf(path: str, config: ModelConfig | None = None, seed: int = 0, *, arch: str = "llama",
                     quant: str = "f32", broken_type: bool = False, rope_freqs=None,
-                    rope_scaling: tuple[str, float] | None = None, extra_uint32: dict | None = None
-                    ) -> dict[str, np.ndarray]:
+                    rope_scaling: tuple[str, float] | None = None, extra_uint32: dict | None = None,
+                    extra_tensors: dict | None = None) -> dict[str, np.ndarray]:
     """Write a GGUF file; returns the weights in the project's layout (what loading must give back,
     exactly for f32, up to quantization error otherwise). `rope_freqs`: llama.cpp's per-frequency RoPE
     factors tensor (Llama 3.1+); `rope_scaling`: (rope.scaling.type, rope.scaling.factor)."""
@@ -106,6 +106,8 @@ def write_tiny_gguf(path: str, config: ModelConfig | None = None, seed: int = 0,
     put("token_embd.weight", w["embed"], True)
     if rope_freqs is not None:
         writer.add_tensor("rope_freqs.weight", np.asarray(rope_freqs, np.float32))
+    for name, array in (extra_tensors or {}).items():
+        writer.add_tensor(name, np.asarray(array, np.float32))
     put("output_norm.weight", w["final_norm"], False)
     if not config.tie_embeddings:
         put("output.weight", w["lm_head"].T, True)

@@ -146,3 +146,17 @@ def tiny_config(**overrides) -> ModelConfig:
     )
     values.update(overrides)
     return ModelConfig(**values)
+
+
+# Tensors a checkpoint may hold that the decoder computes itself.
+_DERIVED = ("rotary_emb.inv_freq", "attn_rot_embd")
+
+
+def check_all_used(unused: set[str], where: str) -> None:
+    """A tensor the loader did not take is a part of the model jaxcb would not run (an o_proj or MLP bias,
+    experts, a vision tower): refuse the model by its name rather than serve it without."""
+    unused = sorted(n for n in unused if not any(d in n for d in _DERIVED))
+    if unused:
+        raise InvalidConfig(f"model: {where} holds tensors jaxcb's decoder does not use ({len(unused)}: "
+                            f"{', '.join(unused[:4])}{', ...' if len(unused) > 4 else ''}): its architecture has parts "
+                            "jaxcb does not run")

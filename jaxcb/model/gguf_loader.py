@@ -24,7 +24,7 @@ import numpy as np
 
 from jaxcb.host.errors import InvalidConfig
 from jaxcb.host.tokenizer import TokenizerSpec
-from jaxcb.model.config import ModelConfig
+from jaxcb.model.config import ModelConfig, check_all_used
 from jaxcb.model.gguf_file import GGUFFile
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3")
@@ -240,9 +240,12 @@ def load_gguf(path: str, check_config=None) -> LoadedModel:
     # only (its other architectures keep the rotate-half layout jaxcb uses).
     permuted = _field(reader, "general.architecture") == "llama"
 
+    used = {"rope_freqs.weight"}  # (read with the config)
+
     def get(name: str, transpose: bool) -> np.ndarray:
         if name not in tensors:
             raise InvalidConfig(f"model file: missing tensor {name}")
+        used.add(name)
         w = _dequantize(tensors[name])
         if permuted and name.endswith(("attn_q.weight", "attn_q.bias")):
             w = _unpermute_rotary(w, config.num_heads)
@@ -263,5 +266,6 @@ def load_gguf(path: str, check_config=None) -> LoadedModel:
         table.update({k: (v, False) for k, v in _BIAS_TENSORS.items()})
     for key, (pattern, transpose) in table.items():
         weights[key] = np.stack([get(pattern.format(i=i), transpose) for i in range(config.num_layers)])
+    check_all_used(set(tensors) - used, path)
     config.check_weight_shapes(weights, "model file")
     return LoadedModel(config=config, weights=weights, tokenizer=read_tokenizer(reader), path=path)

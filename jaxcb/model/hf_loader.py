@@ -18,7 +18,7 @@ import os
 import numpy as np
 
 from jaxcb.host.errors import InvalidConfig
-from jaxcb.model.config import ModelConfig
+from jaxcb.model.config import ModelConfig, check_all_used
 
 # architecture -> family
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
@@ -178,9 +178,12 @@ def load_weights(path: str, config: ModelConfig) -> dict[str, np.ndarray]:
         except Exception as e:  # noqa: BLE001 - the library raises its own error types
             raise InvalidConfig(f"model: {f} is not a readable safetensors file ({e})") from None
 
+    used = set()
+
     def get(name: str, transpose: bool = False) -> np.ndarray:
         if name not in tensors:
             raise InvalidConfig(f"model: tensor {name} is missing from {path}")
+        used.add(name)
         w = np.asarray(tensors[name], dtype=np.float32)
         return np.ascontiguousarray(w.T) if transpose else w
 
@@ -197,5 +200,7 @@ def load_weights(path: str, config: ModelConfig) -> dict[str, np.ndarray]:
         weights[key] = np.stack([get(layer.format(i=i) + name, transpose) for i in range(config.num_layers)])
     if not config.tie_embeddings:
         weights["lm_head"] = get("lm_head.weight", transpose=True)
+    check_all_used(set(tensors) - used - {"lm_head.weight"}, path)  # (a tied head may be stored too)
     config.check_weight_shapes(weights, "model (config.json)")
     return weights
+
