@@ -1,4 +1,5 @@
 import dataclasses
+import json
 import re
 
 import pytest
@@ -323,3 +324,21 @@ def test_llama3s_byte_level_bpe_takes_a_whole_token_before_the_merges():
                          bos_id=None, eos_id=None, add_bos=False, chat_template=None)
     assert Tokenizer(spec).encode("abc") == [4]
     assert Tokenizer(dataclasses.replace(spec, pre="default")).encode("abc") == [0, 3]
+
+
+def test_templates_render_in_transformers_environment():
+    """A model's template writes what it writes under transformers: {% break %}, the {% generation %}
+    block, tojson as json.dumps (no HTML escaping of a tool schema's < & '), strftime_now (Llama 3.2's
+    date line)."""
+    import datetime
+
+    from jaxcb.host.chat_template import compile_template
+
+    template = compile_template(
+        "{% for m in messages %}{% if loop.index > 2 %}{% break %}{% endif %}"
+        "{% generation %}[{{ m.content }}]{% endgeneration %}{% endfor %}"
+        "|{{ tools | tojson }}|{{ tools | tojson(indent=1) }}|{{ strftime_now('%Y') }}")
+    tools = [{"d": "x<y & 'z' é"}]
+    out = template.render(messages=[{"content": "a"}, {"content": "b<&>"}, {"content": "c"}], tools=tools)
+    assert out == ("[a][b<&>]|" + json.dumps(tools, ensure_ascii=False) + "|" + json.dumps(tools, ensure_ascii=False, indent=1)
+                   + "|" + str(datetime.datetime.now().year))

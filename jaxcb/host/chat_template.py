@@ -9,10 +9,14 @@ is compiled once (cached by its text). Plain Python, no JAX.
 
 from __future__ import annotations
 
+import datetime
 import functools
+import json
 import os
 
 import jinja2
+import jinja2.ext
+import jinja2.nodes
 import jinja2.sandbox
 
 from jaxcb.host.errors import InvalidConfig, InvalidRequest
@@ -65,9 +69,34 @@ def compile_template(text, field: str = "chat_template") -> jinja2.Template:
 
 @functools.lru_cache(maxsize=32)
 def _compiled(text: str) -> jinja2.Template:
-    env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    # The environment transformers renders chat templates in, so that a model's template writes here what
+    # it writes there: loop controls ({% break %}), the {% generation %} block (its body as is), tojson as
+    # json.dumps (not Jinja's HTML-escaping one: tool schemas hold < > & '), strftime_now (Llama 3's date).
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                       extensions=[jinja2.ext.loopcontrols, _Generation])
     env.globals["raise_exception"] = _raise_template_error
+    env.globals["strftime_now"] = _strftime_now
+    env.filters["tojson"] = _tojson
     return env.from_string(text)
+
+
+class _Generation(jinja2.ext.Extension):
+    """{% generation %}...{% endgeneration %} (transformers marks the assistant's tokens with it): its body."""
+
+    tags = {"generation"}
+
+    def parse(self, parser):
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.Scope(body, lineno=lineno)
+
+
+def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(format: str) -> str:
+    return datetime.datetime.now().strftime(format)
 
 
 def _raise_template_error(message):
