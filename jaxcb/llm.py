@@ -16,6 +16,7 @@ import os
 import time
 
 from jaxcb.device import cpu_dots
+from jaxcb.host.beam_search import BeamSearch
 from jaxcb.host.chat_template import read_template
 from jaxcb.host.engine import Engine
 from jaxcb.host.engine_config import EngineConfig, load_config
@@ -39,6 +40,7 @@ class Completion:
     # ((token_id, logprob), ...top-n)) given the tokens before it
     prompt_logprobs: list | None = None
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it (vLLM's); None otherwise
+    cumulative_logprob: float | None = None  # beam search: the sum of the beam's tokens' logprobs
 
 
 def read_model_config(path: str | None = None):
@@ -292,6 +294,40 @@ class LLM:
         return self._run([self.tokenizer.encode_chat(m, True, chat_template_kwargs, False, chat_template)
                           for m in conversations], params,
                          None)
+
+    def beam_search(self, prompts, width: int = 4, max_tokens: int = 16, *, length_penalty: float = 1.0,
+                    ignore_eos: bool = False, stop_token_ids=(), include_stop: bool = False, chat: bool = False,
+                    lora: str = "") -> list[list[Completion]]:
+        """For each prompt, the `width` best continuations by beam search (jaxcb.host.beam_search), best
+        first, each with its `cumulative_logprob`; every round is one batch of one-token requests."""
+        prompts = list(prompts)
+        searches = [BeamSearch(self.encode(p, chat), width, max_tokens, self.engine.eos_ids, ignore_eos=ignore_eos,
+                               stop_token_ids=tuple(stop_token_ids), length_penalty=length_penalty,
+                               include_stop=include_stop, max_context=self.engine.max_context) for p in prompts]
+        step = SamplingParams(max_tokens=1, logprobs=2 * width, ignore_eos=True, lora=lora)
+        for i, s in enumerate(searches):  # each prompt checked before anything runs
+            try:
+                self.engine.validate(s.prompt, dataclasses.replace(step, max_tokens=max(1, max_tokens)))
+            except InvalidRequest as e:
+                raise InvalidRequest(f"request {i}: {e}") from None
+        while not all(s.done for s in searches):
+            live = [s for s in searches if not s.done]
+            outs = iter(self.generate([p for s in live for p in s.prompts()], step))
+            for s in live:
+                s.advance([list(next(outs).logprobs[0][1]) for _ in s.live])
+        results = []
+        for s in searches:
+            beams = s.best()
+            results.append([Completion(f"beam-{i}", s.prompt, b.tokens, self._beam_text(b, include_stop), b.finish_reason,
+                                       index=k, stop_reason=b.stop_token, cumulative_logprob=b.logprob)
+                            for k, b in enumerate(beams)])
+        return results
+
+    def _beam_text(self, beam, include_stop: bool) -> str:
+        if self.tokenizer is None:
+            return ""
+        ids = beam.tokens[:-1] if beam.ended_by_token and include_stop else beam.tokens
+        return self.tokenizer.decode(ids)
 
     def _run(self, ids: list[list[int]], params: list[SamplingParams], priorities) -> list[Completion]:
         for i, (p, sp) in enumerate(zip(ids, params)):

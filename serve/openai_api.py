@@ -39,9 +39,11 @@ import jaxcb
 from jaxcb.host.errors import InvalidConfig, InvalidRequest, JaxcbError, NotFound, Unauthenticated
 from serve import frontend, openai_responses, tool_calls
 from serve.openai_answer import answer, json_response
+from serve.openai_beam import beam_answer, check_beam_request
 from serve.openai_fields import (CHAT_FIELDS, COMPLETION_FIELDS, DETOKENIZE_FIELDS, TOKENIZE_FIELDS, MAX_TOP_LOGPROBS,
                                  HTTPError, bad_request, bool_field, check_fields, common_fields, http_error,
-                                 int_field, parse_json, prompt_list, sampling_params, str_field, template_fields)
+                                 int_field, parse_json, prompt_list, sampling_params, str_field, template_fields,
+                                 beam_fields)
 
 
 LIMITED = ("/v1/", "/tokenize", "/detokenize")  # the paths of API calls (what the concurrency limit counts)
@@ -270,9 +272,15 @@ def make_app(state) -> FastAPI:
         params = dataclasses.replace(params, lora=adapter_of(body))
         given = prompt_list(body.get("prompt"))
         keep = frontend.prompt_keep(state, body.get("truncate_prompt_tokens"))
+        penalty = beam_fields(body)
+        if penalty is not None:
+            check_beam_request(params, options, logprobs=shown is not None, echo=echo)
         state.admit(len(given) * params.n)
         await frontend.check_settings(state, params)
         prompts = await _completion_prompts(given, keep)
+        if penalty is not None:
+            return await json_response(await beam_answer(state, request, options, tenant, prompts, params, penalty,
+                                                         chat=False))
         echoed = None
         if echo:  # each choice's text starts with its prompt's (token ids decoded; what is kept of it, if cut)
             echoed = [p if isinstance(p, str) and keep is None else await asyncio.to_thread(_tokenizer().decode, ids)
@@ -323,6 +331,11 @@ def make_app(state) -> FastAPI:
                 raise bad_request("tool_choice: a required tool call cannot be combined with response_format "
                                   "or structured_outputs")
             params = dataclasses.replace(params, structured=forced)
+        penalty = beam_fields(body)
+        if penalty is not None:
+            check_beam_request(params, options, logprobs=want)
+            if tools is not None and tools.active:
+                raise bad_request("tools: not supported with use_beam_search")
         state.admit(params.n)
         await frontend.check_settings(state, params)
         ids = await asyncio.to_thread(state.tokenizer.encode_chat,
@@ -330,6 +343,8 @@ def make_app(state) -> FastAPI:
         ids = frontend.truncated(ids, keep)
         if limit is None:  # the default needs the prompt's length (validated again by replace)
             params = dataclasses.replace(params, max_tokens=max(1, state.engine.max_context - len(ids)))
+        if penalty is not None:
+            return await beam_answer(state, request, options, tenant, [ids], params, penalty, chat=True)
         if want:  # the tokens' bytes are read by a tokenizer built on first use: not on the event loop
             await asyncio.to_thread(state.tokenizer.token_bytes, 0)
         return await answer(state, request, options, tenant, [ids], params, chat=True, top_logprobs=top,

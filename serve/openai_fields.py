@@ -25,7 +25,7 @@ ERROR_TYPE = {400: "invalid_request_error", 401: "authentication_error", 404: "n
 EXTRAS = {"top_k", "min_p", "repetition_penalty", "ignore_eos", "min_tokens", "stop_token_ids",
           "include_stop_str_in_output", "allowed_token_ids", "truncate_prompt_tokens", "priority", "cache_salt",
           "request_id", "prompt_logprobs", *GUIDED_FIELDS, *GUIDED_EXTRAS,
-          "structured_outputs", "speculative"}
+          "structured_outputs", "speculative", "use_beam_search", "length_penalty"}
 # OpenAI's fields about its own service that say nothing about the output (storing completions, billing
 # tier, cache routing, abuse tracking): SDKs and frameworks send them, a self-hosted server has nothing to
 # do with them. Their types are checked; anything else unknown is a 400 naming it.
@@ -254,3 +254,12 @@ def check_fields(body: dict, allowed: set[str]) -> None:
     unknown = sorted(set(body) - allowed)
     if unknown:
         raise unknown_field("body", unknown[0])
+
+
+def beam_fields(body: dict) -> float | None:
+    """vLLM's use_beam_search and length_penalty: the length penalty when the call asks for beam search,
+    else None (a length_penalty without it is refused: it would change nothing)."""
+    beam = bool_field(body, "use_beam_search", False)
+    if not beam and "length_penalty" in body:
+        raise bad_request("length_penalty: only with use_beam_search")
+    return number_field(body, "length_penalty", 1.0) if beam else None

@@ -1173,3 +1173,27 @@ def test_an_answer_written_in_pieces_is_the_json_of_the_whole():
                                                  "nested": [[[1, [2]]], {}, []]}} for i in range(3)],
             "usage": {"prompt_tokens": 3}, "empty": [], "none": None}
     assert _dumps(body) == json.dumps(body, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
+
+
+def test_beam_search_over_completions_and_chat(server, model_name, make_llm):
+    """vLLM's use_beam_search (n beams, length_penalty): the offline engine's beams, best first, on both
+    endpoints; what it does not combine with is refused naming the field; the pool is whole after."""
+    prompt = [5, 6, 7, 8, 9]
+    body = {"model": model_name, "prompt": prompt, "max_tokens": 5, "n": 3, "use_beam_search": True,
+            "ignore_eos": True, "length_penalty": 0.5}
+    r = httpx.post(server.http + "/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    got = r.json()
+    offline = make_llm().beam_search([prompt], width=3, max_tokens=5, ignore_eos=True, length_penalty=0.5)[0]
+    assert [c["text"] for c in got["choices"]] == [b.text for b in offline]
+    assert [c["index"] for c in got["choices"]] == [0, 1, 2] and {c["finish_reason"] for c in got["choices"]} == {"length"}
+    assert got["usage"] == {"prompt_tokens": 5, "completion_tokens": 15, "total_tokens": 20}
+    chat = httpx.post(server.http + "/v1/chat/completions", timeout=60, json={
+        "model": model_name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "n": 2,
+        "use_beam_search": True, "ignore_eos": True}).json()
+    assert len(chat["choices"]) == 2 and chat["choices"][0]["message"]["role"] == "assistant"
+    for extra, param in (({"stream": True}, "stream"), ({"logprobs": 2}, "logprobs"), ({"stop": ["x"]}, "stop"),
+                         ({"n": 11}, "n"), ({"use_beam_search": False}, "length_penalty")):
+        r = httpx.post(server.http + "/v1/completions", json={**body, **extra}, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    _pool_whole(server)
