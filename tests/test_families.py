@@ -2,7 +2,9 @@
 Face layout (tools/make_tiny_hf.py wrote them and their golden outputs with transformers), loaded
 through jaxcb's Hugging Face loader and run by the engine (sliding window 8, so prompts and decode run
 far past it, and the sliding layers' pages are freed as they go). Also Llama with Llama 3's RoPE scaling
-and Gemma 3 with linear scaling of its global layers (both from 32 positions: the prompts run past it)."""
+and Gemma 3 with linear scaling of its global layers (both from 32 positions: the prompts run past it),
+and Gemma 3 as its multimodal checkpoints come (the language model's tensors under language_model.),
+run on text."""
 
 import json
 import os
@@ -20,8 +22,9 @@ from jaxcb.model.paged_attention import allocate_kv_pages
 from tests.server_util import compile_mode
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "golden", "tiny_hf")
-FAMILIES = ("qwen3", "gemma2", "gemma3", "llama3-rope", "gemma3-linear")
-FAMILY_OF = {"llama3-rope": "llama", "gemma3-linear": "gemma3"}  # checkpoints of a family with RoPE scaling
+FAMILIES = ("qwen3", "gemma2", "gemma3", "llama3-rope", "gemma3-linear", "gemma3-mm")
+# checkpoints of a family with RoPE scaling, or with a vision tower beside it (served on text)
+FAMILY_OF = {"llama3-rope": "llama", "gemma3-linear": "gemma3", "gemma3-mm": "gemma3"}
 
 
 def golden(family):

@@ -1,7 +1,8 @@
 """Write tiny random-weight Hugging Face checkpoints of Qwen3, Gemma 2 and Gemma 3 with transformers'
 own modules, and their golden outputs, for tests/test_families.py; and of Llama with Llama 3's RoPE
 scaling and Gemma 3 with linear scaling of its global layers (RoPE scaled from 32 positions, so that
-the prompts run far past it).
+the prompts run far past it); and Gemma 3 as its multimodal checkpoints come (Gemma3ForConditionalGeneration:
+the language model beside a vision tower), run on text.
 
 Run with the `tools` environment (see tools/make_golden.py):
     .venv-tools/bin/python -m tools.make_tiny_hf [NAME ...]      # default: every one
@@ -28,7 +29,7 @@ COMMON = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_
 
 
 def configs():
-    from transformers import Gemma2Config, Gemma3TextConfig, LlamaConfig, Qwen3Config
+    from transformers import Gemma2Config, Gemma3Config, Gemma3TextConfig, LlamaConfig, Qwen3Config, SiglipVisionConfig
 
     types = ["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"]
     return {
@@ -47,6 +48,13 @@ def configs():
                                           hidden_activation="gelu_pytorch_tanh", rope_parameters={
                                               "full_attention": {"rope_type": "linear", "rope_theta": 1e6, "factor": 8.0},
                                               "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}),
+        # Gemma 3 4B+ as released: the language model beside a (here tiny) vision tower and projector.
+        "gemma3-mm": Gemma3Config(
+            text_config=Gemma3TextConfig(**COMMON, sliding_window=8, query_pre_attn_scalar=16, layer_types=types,
+                                         hidden_activation="gelu_pytorch_tanh").to_dict(),
+            vision_config=SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                             num_attention_heads=2, image_size=28, patch_size=14).to_dict(),
+            mm_tokens_per_image=4, boi_token_index=253, eoi_token_index=254, image_token_index=255),
     }
 
 

@@ -15,14 +15,24 @@ import json
 import math
 import os
 
+import logging
+
 import numpy as np
 
 from jaxcb.host.errors import InvalidConfig
 from jaxcb.model.config import ModelConfig, check_all_used
 
+log = logging.getLogger("jaxcb.model.hf_loader")
+
 # architecture -> family
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
-                 "Qwen3ForCausalLM": "qwen3", "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3"}
+                 "Qwen3ForCausalLM": "qwen3", "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3",
+                 # Gemma 3 4B+ as released (a vision tower beside the language model): served on text
+                 "Gemma3ForConditionalGeneration": "gemma3"}
+# Where a checkpoint keeps the language model's tensors: a causal LM's "model.", a multimodal one's
+# (transformers' two layouts of it); and the parts of a multimodal one that text does not use.
+_PREFIXES = ("model.", "language_model.model.", "model.language_model.")
+_VISION_PARTS = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
 
 _LAYER = {  # our name -> (HF name in layer i, transpose)
     "attn_norm": ("input_layernorm.weight", False),
@@ -187,8 +197,12 @@ def load_weights(path: str, config: ModelConfig) -> dict[str, np.ndarray]:
         w = np.asarray(tensors[name], dtype=np.float32)
         return np.ascontiguousarray(w.T) if transpose else w
 
-    layer = "model.layers.{i}."
-    weights = {"embed": get("model.embed_tokens.weight"), "final_norm": get("model.norm.weight")}
+    prefix = next((p for p in _PREFIXES if p + "embed_tokens.weight" in tensors), "model.")
+    vision = [n for n in tensors if n.startswith(_VISION_PARTS)]
+    if vision:  # (a multimodal checkpoint: jaxcb serves its language model, on text)
+        log.info("%s: the language model only; the vision tower's %d tensors are not loaded", path, len(vision))
+    layer = prefix + "layers.{i}."
+    weights = {"embed": get(prefix + "embed_tokens.weight"), "final_norm": get(prefix + "norm.weight")}
     names = dict(_LAYER)
     if config.attention_bias:
         names.update({k: (v, False) for k, v in _BIASES.items()})
@@ -198,9 +212,10 @@ def load_weights(path: str, config: ModelConfig) -> dict[str, np.ndarray]:
         names.update({k: (v, False) for k, v in _GEMMA_NORMS.items()})
     for key, (name, transpose) in names.items():
         weights[key] = np.stack([get(layer.format(i=i) + name, transpose) for i in range(config.num_layers)])
+    head = "language_model.lm_head.weight" if "language_model.lm_head.weight" in tensors else "lm_head.weight"
     if not config.tie_embeddings:
-        weights["lm_head"] = get("lm_head.weight", transpose=True)
-    check_all_used(set(tensors) - used - {"lm_head.weight"}, path)  # (a tied head may be stored too)
+        weights["lm_head"] = get(head, transpose=True)
+    check_all_used(set(tensors) - used - {head} - set(vision), path)  # (a tied head may be stored too)
     config.check_weight_shapes(weights, "model (config.json)")
     return weights
 
