@@ -49,25 +49,16 @@ class ModelConfig:
         assert not self.sliding_layers or len(self.sliding_layers) == self.num_layers, "one flag per layer"
         assert not self.rope_freq_factors or len(self.rope_freq_factors) == self.head_dim // 2, "one factor per frequency"
 
-    def rope_frequencies(self):
-        """numpy float32 [L, D/2]: each layer's RoPE frequencies (radians per position) as transformers computes
-        them: base^(-2i/D) of its layer's base, divided by the scaling of the full-attention layers."""
+    def rope_divisors(self):
+        """numpy float32 [D/2]: what each RoPE frequency of a full-attention layer is divided by (Llama 3's
+        per-frequency factors times the linear factor), or None for plain RoPE. A constant of the program:
+        the step computes the frequencies themselves from each layer's base, as transformers does."""
         import numpy as np
 
-        d = self.head_dim
-        exponents = np.arange(0, d, 2, dtype=np.float32) / np.float32(d)
-        flags = self.sliding_layers if self.windowed else (False,) * self.num_layers
-        out = []
-        for sliding in flags:
-            base = np.float32(self.local_rope_theta or self.rope_theta) if sliding else np.float32(self.rope_theta)
-            freq = np.float32(1.0) / (base ** exponents)
-            if not sliding:
-                if self.rope_freq_factors:
-                    freq = freq / np.asarray(self.rope_freq_factors, np.float32)
-                if self.rope_linear_factor != 1.0:
-                    freq = freq / np.float32(self.rope_linear_factor)
-            out.append(freq.astype(np.float32))
-        return np.stack(out)
+        if not self.rope_freq_factors and self.rope_linear_factor == 1.0:
+            return None
+        factors = np.asarray(self.rope_freq_factors or (1.0,) * (self.head_dim // 2), np.float32)
+        return factors * np.float32(self.rope_linear_factor)
 
     @property
     def windowed(self) -> bool:

@@ -172,9 +172,19 @@ def rms_norm(x, weight, eps, plus_one: bool = False):
     return ((1.0 + scale if plus_one else scale) * x32).astype(x.dtype)
 
 
+def rope_frequencies(config: ModelConfig, theta, sliding):
+    """A layer's RoPE frequencies f32 [D/2] from its base (traced: the layer's kind), divided by the
+    scaling of full-attention layers (ModelConfig.rope_divisors, a constant) where it has one."""
+    d = config.head_dim
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
+    divisors = config.rope_divisors()
+    if divisors is not None:
+        inv_freq = inv_freq / jnp.where(sliding, jnp.float32(1.0), jnp.asarray(divisors))
+    return inv_freq
+
+
 def rotary(x, positions, inv_freq):
-    """Rotate-half rotary embedding. x [..., heads, D]; positions int32 [...]; inv_freq f32 [D/2] (the
-    layer's frequencies, ModelConfig.rope_frequencies; may be traced)."""
+    """Rotate-half rotary embedding. x [..., heads, D]; positions int32 [...]; inv_freq f32 [D/2]."""
     d = x.shape[-1]
     angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [..., D/2]
     angles = jnp.concatenate([angles, angles], axis=-1)[..., None, :]
@@ -186,18 +196,20 @@ def rotary(x, positions, inv_freq):
 
 
 def layer_kinds(config: ModelConfig):
-    """Per-layer arrays scanned with the weights: (sliding: bool, RoPE frequencies: f32 [D/2], index of
-    the layer in its KV page group: i32)."""
+    """Per-layer arrays scanned with the weights: (sliding: bool, RoPE base: f32, index of the layer in
+    its KV page group: i32)."""
     flags = np.array(config.sliding_layers if config.windowed else [False] * config.num_layers)
+    local = config.local_rope_theta or config.rope_theta
+    theta = np.where(flags, local, config.rope_theta).astype(np.float32)
     group_index = np.where(flags, np.cumsum(flags) - 1, np.cumsum(~flags) - 1).astype(np.int32)
-    return jnp.asarray(flags), jnp.asarray(config.rope_frequencies()), jnp.asarray(group_index)
+    return jnp.asarray(flags), jnp.asarray(theta), jnp.asarray(group_index)
 
 
 def _layer(config: ModelConfig, attention: Attention, batch: StepInput, h, kv_pages, kind, w: LayerParams,
            lora=None, lora_mask=None):
     t, _ = h.shape
     nh, nk, d = config.num_heads, config.num_kv_heads, config.head_dim
-    sliding, inv_freq, group_index = kind
+    sliding, theta, group_index = kind
     norm = functools.partial(rms_norm, eps=config.rms_norm_eps, plus_one=config.norm_plus_one)
 
     def proj(x, name):
@@ -215,6 +227,7 @@ def _layer(config: ModelConfig, attention: Attention, batch: StepInput, h, kv_pa
     q, k, v = q.reshape(t, nh, d), k.reshape(t, nk, d), v.reshape(t, nk, d)
     if w.q_norm is not None:
         q, k = norm(q, w.q_norm), norm(k, w.k_norm)
+    inv_freq = rope_frequencies(config, theta, sliding)
     q = rotary(q, batch.positions, inv_freq)
     k = rotary(k, batch.positions, inv_freq)
 
