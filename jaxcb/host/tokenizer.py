@@ -358,8 +358,11 @@ class Tokenizer:
         text between contents; the real rendering must be that text with the contents put back (as
         they are, or trimmed where the template trims them). The whole text is then tokenized at once
         (the template's tokens as the model was trained on them) and any special token that touches a
-        content span is encoded as plain text; if one straddles a span's edge, or the contents cannot
-        be located, every content is encoded on its own as plain text between the template's pieces.
+        content span is encoded as plain text; if one straddles a span's edge, every content is encoded
+        on its own as plain text between the template's pieces. A template that rewrites contents
+        (Qwen3's drops an earlier answer's <think> part) cannot be followed so: its text is tokenized
+        whole when its special tokens are exactly the template's own (those of the rendering with
+        markers), and refused when a content would add one.
 
         `continue_final_message` (vLLM's): the conversation ends inside the final (assistant) message, at
         the end of its content, so that the model goes on writing it (the template's end of turn and
@@ -371,10 +374,15 @@ class Tokenizer:
             if not messages or messages[-1].get("role") != "assistant":
                 raise InvalidRequest("continue_final_message: the last message must be the assistant's")
         text = self.render_chat(messages, add_generation_prompt, template_kwargs, chat_template)
-        pieces = self._chat_pieces(messages, text, add_generation_prompt, template_kwargs, chat_template)
-        if pieces is None:  # the template does something else with the contents: each part on its own
-            raise InvalidRequest("messages: the chat template uses message contents in a way jaxcb cannot "
-                             "separate from its own markup; send a raw prompt")
+        pieces, marked = self._chat_pieces(messages, text, add_generation_prompt, template_kwargs, chat_template)
+        if pieces is None and not continue_final_message:  # the template rewrites contents
+            enc = self._tok.encode(text, add_special_tokens=False)
+            own = [t for t in self._tok.encode(marked, add_special_tokens=False).ids if t in self.special_ids]
+            if [t for t in enc.ids if t in self.special_ids] == own:  # no content brought a special token
+                return enc.ids
+        if pieces is None:
+            raise InvalidRequest("messages: the chat template rewrites message contents, and a content holds "
+                                 "a special token's text; send a raw prompt")
         if continue_final_message:  # up to the end of the last content the template wrote: the final message's
             last = max((i for i, (_, is_content) in enumerate(pieces) if is_content), default=None)
             if last is None or pieces[last][0] not in (messages[-1]["content"], messages[-1]["content"].strip()):
@@ -409,9 +417,9 @@ class Tokenizer:
 
     def _chat_pieces(self, messages: list[dict], text: str, add_generation_prompt: bool = True,
                      template_kwargs: dict | None = None, chat_template: str | None = None
-                     ) -> list[tuple[str, bool]] | None:
+                     ) -> tuple[list[tuple[str, bool]] | None, str]:
         """The rendered `text` cut into (piece, is a message's content), or None when it is not the
-        template's own text with the contents inserted."""
+        template's own text with the contents inserted; and the rendering with markers for contents."""
         import re
         import uuid
 
@@ -427,12 +435,12 @@ class Tokenizer:
             content = messages[marks.index(found.group(2))]["content"]
             trimmed = not found.group(1) and not found.group(3)
             if found.group(1) != found.group(3):
-                return None  # trimmed on one side only: not a transformation this can follow
+                return None, marked  # trimmed on one side only: not a transformation this can follow
             pieces.append((marked[at:found.start()], False))
             pieces.append((content.strip() if trimmed else content, True))
             at = found.end()
         pieces.append((marked[at:], False))
-        return pieces if "".join(p for p, _ in pieces) == text else None
+        return (pieces if "".join(p for p, _ in pieces) == text else None), marked
 
     def _encode_pieces(self, pieces: list[tuple[str, bool]]) -> list[int]:
         ids = []
