@@ -44,6 +44,7 @@ class ServerOptions:
     # A request may bring its own chat template (vLLM's `chat_template`): rendered in the sandbox, but a
     # template is a program a client runs on the server, so only where the operator trusts the clients.
     trust_request_chat_template: bool = False
+    reasoning_parser: str | None = None  # chat answers' <think> part as `reasoning` (serve.reasoning.PARSERS)
 
     @property
     def tokens(self) -> tuple[str, ...]:

@@ -17,7 +17,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from jaxcb.host.errors import JaxcbError
 from jaxcb.host.request import FinishReason
-from serve import tool_calls
+from serve import reasoning, tool_calls
 from serve.openai_fields import ERROR_TYPE, HTTPError, RequestOptions, http_error
 
 
@@ -32,6 +32,7 @@ async def answer(state, request: Request, options: RequestOptions, tenant: str, 
     for p in prompts:  # every prompt checked before any is submitted
         state.engine.validate(p, params)
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+    reasoning_parser = state.options.reasoning_parser if chat else None
     created = int(time.time())
     model_name = params.lora or state.model_name  # an adapter's answers carry its name
     events: asyncio.Queue = asyncio.Queue()
@@ -95,6 +96,7 @@ async def answer(state, request: Request, options: RequestOptions, tenant: str, 
         obj = "chat.completion.chunk" if chat else "text_completion"
 
         streams: dict[int, tool_calls.CallStream] = {}  # per choice, with tools
+        thoughts: dict[int, reasoning.ReasoningStream] = {}  # per choice, with a reasoning parser
 
         async def sse():
             nonlocal left
@@ -123,6 +125,10 @@ async def answer(state, request: Request, options: RequestOptions, tenant: str, 
                         break
                     left -= ev.finished
                     index, text, logprobs, finish, prompt, stop_reason = await shape(i, ev)
+                    thought = ""
+                    if reasoning_parser is not None:  # the thinking first (serve.reasoning), the answer after
+                        thinking = thoughts.setdefault(index, reasoning.ReasoningStream(reasoning_parser))
+                        thought, text = thinking.feed(text, final=bool(finish))
                     delta = {"content": text} if text else {}
                     if tools is not None:  # text in, content and tool-call deltas out
                         calls = streams.setdefault(index, tool_calls.CallStream(tools))
@@ -132,6 +138,8 @@ async def answer(state, request: Request, options: RequestOptions, tenant: str, 
                             delta["tool_calls"] = pieces
                         if finish == "stop" and calls.calls:
                             finish = "tool_calls"
+                    if thought:
+                        delta.update(reasoning=thought, reasoning_content=thought)
                     if not (delta or finish or logprobs or prompt):
                         continue
                     choice = {"index": index, "logprobs": logprobs, "finish_reason": finish}
@@ -198,10 +206,13 @@ async def answer(state, request: Request, options: RequestOptions, tenant: str, 
     if chat:
         choices = [{"index": k, "message": {"role": "assistant", "content": texts[k]}, "logprobs": logs[k],
                     "finish_reason": finishes[k], "stop_reason": stop_reasons[k]} for k in range(len(texts))]
+        for choice in choices if reasoning_parser is not None else ():  # the thinking apart (serve.reasoning)
+            thought, content = reasoning.split(choice["message"]["content"], reasoning_parser)
+            choice["message"].update(content=content, reasoning=thought, reasoning_content=thought)
         for choice in choices if tools is not None else ():  # the calls the answers make
-            content, calls = tool_calls.parse(choice["message"]["content"], tools)
+            content, calls = tool_calls.parse(choice["message"]["content"] or "", tools)
             if calls:
-                choice["message"] = {"role": "assistant", "content": content or None, "tool_calls": calls}
+                choice["message"].update(content=content or None, tool_calls=calls)
                 if choice["finish_reason"] == "stop":
                     choice["finish_reason"] = "tool_calls"
         return {"id": rid, "object": "chat.completion", "created": created, "model": model_name,

@@ -846,7 +846,7 @@ def long_server(tmp_path_factory):
     write_tiny_gguf(model, tiny_model_config(max_context=2048))
     path.write_text("[cache]\npage_size = 16\nnum_pages = 256\n[scheduler]\nmax_context = 2048\n"
                     "max_prefill_tokens = 256\n[buckets]\ndecode_batch = [1, 4]\nprefill_tokens = [256]\n")
-    yield from _http_server(model, str(path), "--trust-request-chat-template")
+    yield from _http_server(model, str(path), "--trust-request-chat-template", "--reasoning-parser", "qwen3")
 
 
 def test_a_requests_chat_template_only_where_the_server_trusts_it(server, long_server, model_name):
@@ -1197,3 +1197,25 @@ def test_beam_search_over_completions_and_chat(server, model_name, make_llm):
         r = httpx.post(server.http + "/v1/completions", json={**body, **extra}, timeout=30)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
     _pool_whole(server)
+
+
+def test_reasoning_parser_puts_the_thinking_apart_whole_and_streamed(long_server):
+    """--reasoning-parser qwen3: an answer that starts with <think> has its thinking as `reasoning` (and
+    `reasoning_content`) and the rest as `content`, in the whole answer and in the stream's deltas alike;
+    one that does not is all content. (The answers are forced by a regex: the tiny model thinks nothing.)"""
+    name = httpx.get(long_server.http + "/v1/models", timeout=30).json()["data"][0]["id"]
+    for regex, reasoning, content in (("<think>[a-z]{4}</think>[a-z]{3}", 4, 3), ("[a-z]{5}", None, 5)):
+        body = {"model": name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 40, "temperature": 0,
+                "structured_outputs": {"regex": regex}}
+        message = httpx.post(long_server.http + "/v1/chat/completions", json=body, timeout=60).json()["choices"][0]["message"]
+        assert message["reasoning"] == message["reasoning_content"]
+        assert (len(message["reasoning"]) if reasoning else message["reasoning"]) == reasoning, message
+        assert len(message["content"]) == content, message
+        streamed = {"reasoning": "", "content": ""}
+        with httpx.stream("POST", long_server.http + "/v1/chat/completions", json={**body, "stream": True}, timeout=60) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    delta = json.loads(line[6:])["choices"][0]["delta"]
+                    for key in streamed:
+                        streamed[key] += delta.get(key) or ""
+        assert streamed == {"reasoning": message["reasoning"] or "", "content": message["content"]}

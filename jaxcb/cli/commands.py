@@ -74,6 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--trust-request-chat-template", action="store_true",
                    help="let chat requests bring their own chat template (the `chat_template` field, as vLLM's flag "
                         "of this name allows): a template is a program run on the server, in a sandbox")
+    s.add_argument("--reasoning-parser", choices=("deepseek_r1", "qwen3"), default=None,
+                   help="chat answers' thinking (<think>...</think>) as `reasoning` / `reasoning_content` beside "
+                        "the content, whole or streamed, as vLLM's flag of this name gives it")
     s.add_argument("--grace-period", type=float, default=10.0, help="seconds in-flight streams get at shutdown")
     s.add_argument("--max-waiting", type=int, default=1024,
                    help="requests accepted and not yet running before RESOURCE_EXHAUSTED")
@@ -144,7 +147,8 @@ def cmd_serve(args) -> int:
                             auth_token=tuple(args.auth_token or filter(None, [os.environ.get("JAXCB_AUTH_TOKEN")])),
                             max_concurrent_streams=args.max_concurrent_streams, metrics_host=args.metrics_host,
                             kv_events=args.kv_events, kv_events_topic=args.kv_events_topic,
-                            trust_request_chat_template=args.trust_request_chat_template)
+                            trust_request_chat_template=args.trust_request_chat_template,
+                            reasoning_parser=args.reasoning_parser)
     step = runner.describe()
     names = config.served_model_name or (served_name(args.model),)
     print(f"jaxcb: model {model_config.name} served as {', '.join(names)} on {step['platform']}, {step['compute_dtype']}; "

@@ -1,0 +1,70 @@
+"""Reasoning content (vLLM's --reasoning-parser): a model that thinks before it answers (DeepSeek-R1 and its
+distills, QwQ, Qwen3) writes `<think>...</think>` and then its answer. With a parser, a chat answer carries
+the thinking as `reasoning` (and `reasoning_content`, its older name) and the rest as `content`, whole
+or streamed; tool calls are read from the content only.
+
+- `deepseek_r1`: the text is thinking up to `</think>` (a leading `<think>` dropped: the chat template may
+  have written it); no `</think>` by the end (cut off) is thinking only.
+- `qwen3`: the same when the text starts with `<think>` (as Qwen3 writes it when thinking); otherwise
+  (thinking switched off, `enable_thinking: false`) it is all answer.
+"""
+
+from __future__ import annotations
+
+START, END = "<think>", "</think>"
+PARSERS = ("deepseek_r1", "qwen3")
+
+
+def split(text: str, parser: str) -> tuple[str | None, str | None]:
+    """(reasoning, content) of a whole answer; None for a part it does not have."""
+    body = text.lstrip()
+    opened = body.startswith(START)
+    if parser == "qwen3" and not opened:
+        return None, text
+    if opened:
+        text = body[len(START):]
+    reasoning, ended, content = text.partition(END)
+    if not ended:
+        return reasoning or None, None
+    return reasoning, content or None
+
+
+class ReasoningStream:
+    """The same split of a streamed answer: feed() takes each text delta and returns (reasoning, content)
+    deltas. Text that may be the start of a tag is held back until it is known."""
+
+    def __init__(self, parser: str):
+        self.parser = parser
+        self.buffer = ""
+        self.state = "start"  # "start": before the first non-space text; "thinking"; "answer"
+
+    def feed(self, text: str, final: bool = False) -> tuple[str, str]:
+        self.buffer += text
+        reasoning = content = ""
+        if self.state == "start":
+            body = self.buffer.lstrip()
+            if not final and (not body or START.startswith(body)):
+                return "", ""  # only whitespace, or a prefix of <think>, so far
+            if body.startswith(START):
+                self.buffer, self.state = body[len(START):], "thinking"
+            elif self.parser == "qwen3":
+                self.state = "answer"
+            else:
+                self.state = "thinking"
+        if self.state == "thinking":
+            at = self.buffer.find(END)
+            if at < 0:
+                keep = 0 if final else _partial_suffix(self.buffer, END)
+                reasoning, self.buffer = self.buffer[:len(self.buffer) - keep], self.buffer[len(self.buffer) - keep:]
+                return reasoning, ""
+            reasoning, self.buffer, self.state = self.buffer[:at], self.buffer[at + len(END):], "answer"
+        content, self.buffer = self.buffer, ""
+        return reasoning, content
+
+
+def _partial_suffix(text: str, tag: str) -> int:
+    """The length of the longest end of `text` that begins `tag`."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-n:]):
+            return n
+    return 0
