@@ -23,12 +23,13 @@ from serve.openai_fields import ERROR_TYPE, HTTPError, RequestOptions, http_erro
 
 async def answer(state, request: Request, options: RequestOptions, tenant: str, prompts: list[list[int]], params, *,
                  chat: bool, top_logprobs: int = 0, tools=None, echo: list[str] | None = None,
-                 prompt_field: bool = False):
+                 prompt_field: bool = False, include_reasoning: bool = True):
     """Run the prompts (each params.n samples) and answer as OpenAI does: server-sent chunks with
     `stream`, else one JSON body once all are done; a client that hangs up has its requests aborted.
     `echo` (completions): each prompt's text, which its choices' texts start with, and with logprobs its
     tokens' logprobs those of the choice's (the first None). `prompt_field`: vLLM's `prompt_logprobs` list,
-    in each completions choice, in a chat answer beside its choices (its one prompt's), as vLLM places it."""
+    in each completions choice, in a chat answer beside its choices (its one prompt's), as vLLM places it.
+    `include_reasoning` (vLLM's; with the server's reasoning parser): false leaves the thinking out."""
     for p in prompts:  # every prompt checked before any is submitted
         state.engine.validate(p, params)
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
@@ -138,7 +139,7 @@ async def answer(state, request: Request, options: RequestOptions, tenant: str, 
                             delta["tool_calls"] = pieces
                         if finish == "stop" and calls.calls:
                             finish = "tool_calls"
-                    if thought:
+                    if thought and include_reasoning:
                         delta.update(reasoning=thought, reasoning_content=thought)
                     if not (delta or finish or logprobs or prompt):
                         continue
@@ -208,7 +209,9 @@ async def answer(state, request: Request, options: RequestOptions, tenant: str, 
                     "finish_reason": finishes[k], "stop_reason": stop_reasons[k]} for k in range(len(texts))]
         for choice in choices if reasoning_parser is not None else ():  # the thinking apart (serve.reasoning)
             thought, content = reasoning.split(choice["message"]["content"], reasoning_parser)
-            choice["message"].update(content=content, reasoning=thought, reasoning_content=thought)
+            choice["message"]["content"] = content
+            if include_reasoning:
+                choice["message"].update(reasoning=thought, reasoning_content=thought)
         for choice in choices if tools is not None else ():  # the calls the answers make
             content, calls = tool_calls.parse(choice["message"]["content"] or "", tools)
             if calls:

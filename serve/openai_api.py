@@ -317,6 +317,7 @@ def make_app(state) -> FastAPI:
         if not 0 <= top <= MAX_TOP_LOGPROBS:
             raise bad_request(f"top_logprobs: must be between 0 and {MAX_TOP_LOGPROBS}, got {top}")
         want = bool_field(body, "logprobs", False)
+        include_reasoning = bool_field(body, "include_reasoning", True)
         if top and not want:
             raise bad_request("top_logprobs: needs logprobs: true")
         limit = int_field(body, "max_completion_tokens", int_field(body, "max_tokens"))
@@ -349,7 +350,8 @@ def make_app(state) -> FastAPI:
             await asyncio.to_thread(state.tokenizer.token_bytes, 0)
         return await answer(state, request, options, tenant, [ids], params, chat=True, top_logprobs=top,
                             tools=tools if tools is not None and tools.active else None,
-                            prompt_field="prompt_logprobs" in body)
+                            prompt_field="prompt_logprobs" in body,
+                            include_reasoning=include_reasoning)
 
     async def _completion_prompts(prompts: list, keep: int | None) -> list[list[int]]:
         """The prompts (prompt_list's) as token ids, each cut to its last `keep` (truncate_prompt_tokens);

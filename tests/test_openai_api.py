@@ -1219,3 +1219,6 @@ def test_reasoning_parser_puts_the_thinking_apart_whole_and_streamed(long_server
                     for key in streamed:
                         streamed[key] += delta.get(key) or ""
         assert streamed == {"reasoning": message["reasoning"] or "", "content": message["content"]}
+        left_out = httpx.post(long_server.http + "/v1/chat/completions", json={**body, "include_reasoning": False},
+                              timeout=60).json()["choices"][0]["message"]
+        assert "reasoning" not in left_out and left_out["content"] == message["content"]

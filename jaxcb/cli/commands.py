@@ -161,6 +161,8 @@ def cmd_serve(args) -> int:
     if config.chat_template:
         shown = config.chat_template if os.path.isfile(config.chat_template) else "given inline"
         print(f"jaxcb: chat template: {shown} (in place of the model file's)", flush=True)
+    if args.reasoning_parser:
+        print(f"jaxcb: reasoning parser: {args.reasoning_parser} (chat answers' <think> part as `reasoning`)", flush=True)
     if engines[0].describe_speculation():
         print(f"jaxcb: speculative decoding: {engines[0].describe_speculation()}", flush=True)
     if len(engines) > 1 or config.tensor_parallel > 1:
