@@ -48,6 +48,7 @@ def build_request(prompt=None, *, messages=None, token_ids=None, chat: bool = Fa
                   n=1, cache_salt="", structured: dict | None = None, lora: str = "", model: str = "",
                   speculative: bool | None = None, chat_template_kwargs: dict | None = None,
                   include_stop_str_in_output: bool = False, continue_final_message: bool = False, allowed_token_ids=(),
+                  chat_template: str = "",
                   truncate_prompt_tokens: int | None = None, prompt_logprobs: int | None = None,
                   **sampling) -> jaxcb_pb2.GenerateRequest:
     """prompt: text (with chat=True it becomes one user message); or messages; or token_ids.
@@ -56,7 +57,8 @@ def build_request(prompt=None, *, messages=None, token_ids=None, chat: bool = Fa
     model: a name the model is served as, or an adapter's ("": the base model). speculative: False opts
     the request out of the server's speculative decoding (None: as the server does). chat_template_kwargs:
     more variables for the chat template of a chat prompt, e.g. {"enable_thinking": False};
-    continue_final_message: the model goes on writing the final (assistant) message."""
+    continue_final_message: the model goes on writing the final (assistant) message. chat_template: the
+    request's own Jinja template (a server started with --trust-request-chat-template takes it)."""
     unknown = set(sampling) - set(SAMPLING_FIELDS)
     if unknown:
         raise TypeError(f"unknown sampling settings: {', '.join(sorted(unknown))}")
@@ -91,6 +93,8 @@ def build_request(prompt=None, *, messages=None, token_ids=None, chat: bool = Fa
         if continue_final_message:  # the final message goes on: no new assistant turn
             req.chat.continue_final_message = True
             req.chat.add_generation_prompt = False
+        if chat_template:
+            req.chat.chat_template = chat_template
     else:
         req.text = prompt
     return req

@@ -120,8 +120,13 @@ async def _whole_prompt_ids(state: State, req, check_length: bool) -> list[int]:
         check_messages("chat.messages", [(m.role, m.content) for m in req.chat.messages])
         messages = [{"role": m.role, "content": m.content} for m in req.chat.messages]
         generation = req.chat.add_generation_prompt if req.chat.HasField("add_generation_prompt") else True
+        template = req.chat.chat_template or None
+        if template is not None and not state.options.trust_request_chat_template:
+            raise InvalidRequest("chat.chat_template: this server does not take a request's chat template (start "
+                                 "it with --trust-request-chat-template)")
         return await asyncio.to_thread(state.tokenizer.encode_chat, messages, generation,
-                                       _template_kwargs(req.chat.template_kwargs), req.chat.continue_final_message)
+                                       _template_kwargs(req.chat.template_kwargs), req.chat.continue_final_message,
+                                       template)
     if kind == "tokens":
         if check_length:
             check_token_count(state, "tokens.token_ids", len(req.tokens.token_ids))

@@ -850,9 +850,9 @@ def long_server(tmp_path_factory):
 
 
 def test_a_requests_chat_template_only_where_the_server_trusts_it(server, long_server, model_name):
-    """vLLM's `chat_template` request field: refused naming the field by a server not started with
-    --trust-request-chat-template; taken by one that is (chat and /tokenize write the same ids), a
-    template that does not compile refused naming it."""
+    """vLLM's `chat_template` request field (gRPC's ChatInput.chat_template): refused naming the field by a
+    server not started with --trust-request-chat-template; taken by one that is (chat, /tokenize and gRPC
+    write the same ids), a template that does not compile refused naming it."""
     messages = [{"role": "user", "content": "Hello there"}]
     mine = "{% for m in messages %}## {{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}>>{% endif %}"
     r = httpx.post(server.http + "/v1/chat/completions", timeout=30, json={
@@ -869,6 +869,17 @@ def test_a_requests_chat_template_only_where_the_server_trusts_it(server, long_s
     r = httpx.post(long_server.http + "/v1/chat/completions", timeout=30, json={
         "model": name, "messages": messages, "max_tokens": 2, "chat_template": "{% for m in messages %}"})
     assert r.status_code == 400 and r.json()["error"]["message"].startswith("chat_template: not a valid Jinja"), r.text
+    # gRPC's ChatInput.chat_template, the same way
+    for target, trusted in ((server.target, False), (long_server.target, True)):
+        with Client(target) as c:
+            req = build_request(messages=messages, max_tokens=2, chat_template=mine)
+            if trusted:
+                assert c.complete(messages=messages, max_tokens=2, chat_template=mine).prompt_tokens == own["count"]
+            else:
+                with pytest.raises(grpc.RpcError) as e:
+                    list(c.stream(req))
+                assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                assert e.value.details().startswith("chat.chat_template: this server does not take")
 
 
 def test_required_tool_calls_parse_and_validate_streamed_and_not(long_server):

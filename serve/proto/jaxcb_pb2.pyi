@@ -37,16 +37,18 @@ class ChatMessage(_message.Message):
     def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
 
 class ChatInput(_message.Message):
-    __slots__ = ("messages", "template_kwargs", "add_generation_prompt", "continue_final_message")
+    __slots__ = ("messages", "template_kwargs", "add_generation_prompt", "continue_final_message", "chat_template")
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     TEMPLATE_KWARGS_FIELD_NUMBER: _ClassVar[int]
     ADD_GENERATION_PROMPT_FIELD_NUMBER: _ClassVar[int]
     CONTINUE_FINAL_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
     template_kwargs: str
     add_generation_prompt: bool
     continue_final_message: bool
-    def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., template_kwargs: _Optional[str] = ..., add_generation_prompt: _Optional[bool] = ..., continue_final_message: _Optional[bool] = ...) -> None: ...
+    chat_template: str
+    def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., template_kwargs: _Optional[str] = ..., add_generation_prompt: _Optional[bool] = ..., continue_final_message: _Optional[bool] = ..., chat_template: _Optional[str] = ...) -> None: ...
 
 class TokenInput(_message.Message):
     __slots__ = ("token_ids",)
