@@ -37,7 +37,7 @@ from fastapi.responses import PlainTextResponse, Response
 
 import jaxcb
 from jaxcb.host.errors import InvalidConfig, InvalidRequest, JaxcbError, NotFound, Unauthenticated
-from serve import frontend, openai_responses, tool_calls
+from serve import frontend, openai_responses, reasoning, tool_calls
 from serve.openai_answer import answer, json_response
 from serve.openai_beam import beam_answer, check_beam_request
 from serve.openai_fields import (CHAT_FIELDS, COMPLETION_FIELDS, DETOKENIZE_FIELDS, TOKENIZE_FIELDS, MAX_TOP_LOGPROBS,
@@ -346,6 +346,8 @@ def make_app(state) -> FastAPI:
             params = dataclasses.replace(params, max_tokens=max(1, state.engine.max_context - len(ids)))
         if penalty is not None:
             return await beam_answer(state, request, options, tenant, [ids], params, penalty, chat=True)
+        if state.options.reasoning_parser and params.structured is not None:  # the grammar after the thinking
+            params = dataclasses.replace(params, structured_after=reasoning.grammar_start(state.tokenizer, ids))
         if want:  # the tokens' bytes are read by a tokenizer built on first use: not on the event loop
             await asyncio.to_thread(state.tokenizer.token_bytes, 0)
         return await answer(state, request, options, tenant, [ids], params, chat=True, top_logprobs=top,

@@ -1,7 +1,8 @@
 """Reasoning content (vLLM's --reasoning-parser): a model that thinks before it answers (DeepSeek-R1 and its
 distills, QwQ, Qwen3) writes `<think>...</think>` and then its answer. With a parser, a chat answer carries
 the thinking as `reasoning` (and `reasoning_content`, its older name) and the rest as `content`, whole
-or streamed; tool calls are read from the content only.
+or streamed; tool calls are read from the content only. A structured output (a JSON schema, a regex,
+...) holds from the end of the thinking on: the model thinks freely, then answers under the grammar.
 
 - `deepseek_r1`: the text is thinking up to `</think>` (a leading `<think>` dropped: the chat template may
   have written it); no `</think>` by the end (cut off) is thinking only.
@@ -68,3 +69,16 @@ def _partial_suffix(text: str, tag: str) -> int:
         if tag.startswith(text[-n:]):
             return n
     return 0
+
+
+def grammar_start(tokenizer, prompt_ids: list[int]) -> int | None:
+    """The token a chat answer's grammar waits for under a reasoning parser (structured outputs hold after
+    the thinking, as vLLM's do): `</think>` when the model spells it as one token and the prompt has not
+    already closed its thinking (a template that switches thinking off writes `<think></think>` itself);
+    None: the grammar holds from the first token."""
+    end, start = tokenizer.token_id(END), tokenizer.token_id(START)
+    if end is None:
+        return None
+    last_end = max((i for i, t in enumerate(prompt_ids) if t == end), default=-1)
+    last_start = max((i for i, t in enumerate(prompt_ids) if t == start), default=-1) if start is not None else -1
+    return None if last_end > last_start else end

@@ -27,3 +27,21 @@ def test_whole_and_streamed_answers_split_alike(text, r1, qwen3):
             got = [stream.feed(p, final=i == len(parts) - 1) for i, p in enumerate(parts)]
             reasoning, content = "".join(r for r, _ in got), "".join(c for _, c in got)
             assert (reasoning or None, content or None) == (want[0] or None, want[1] or None), (parser, size)
+
+
+def test_the_grammar_waits_for_the_end_of_the_thinking_unless_the_prompt_closed_it():
+    from serve.reasoning import grammar_start
+
+    class Tok:
+        ids = {"<think>": 7, "</think>": 8}
+
+        def token_id(self, text):
+            return self.ids.get(text)
+
+    tok = Tok()
+    assert grammar_start(tok, [1, 2, 3]) == 8  # thinking ahead: the grammar after </think>
+    assert grammar_start(tok, [1, 7, 3]) == 8  # the template opened it
+    assert grammar_start(tok, [1, 7, 8, 3]) is None  # the template closed it (thinking off): from the start
+    assert grammar_start(tok, [8, 1, 7]) == 8  # an earlier turn's closed, this one open
+    tok.ids = {}
+    assert grammar_start(tok, [1, 2]) is None  # no </think> token: the grammar from the start

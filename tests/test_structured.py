@@ -304,3 +304,24 @@ def test_objects_that_list_their_properties_get_no_others_unless_the_schema_allo
     call = tool_calls.OPEN + '{"name":"f","arguments":%s}' + tool_calls.CLOSE
     assert accepts(tool_calls.constraint(tools), call % '{"x":1}')
     assert not accepts(tool_calls.constraint(tools), call % '{"x":1,"y":2}')
+
+
+def test_a_grammar_after_a_token_leaves_the_text_before_it_free(make_llm):
+    """structured_after (a reasoning part's end, as the server sets it under a reasoning parser): the
+    tokens up to and including that token are free, the rest hold to the grammar; a request whose token
+    never comes is never constrained. (The first token is forced by a logit bias: the tiny model thinks
+    nothing.)"""
+    llm = make_llm()
+    tok = llm.tokenizer
+    end, other = tok.encode("#")[-1], tok.encode("%")[-1]
+    regex = Constraint("regex", "[a-z]{3}")
+    bias = {end: 100.0}
+    after, never, plain = llm.generate([[5, 6, 7]] * 3, [
+        SamplingParams(max_tokens=12, structured=regex, structured_after=end, logit_bias=bias),
+        SamplingParams(max_tokens=12, structured=regex, structured_after=other, logit_bias=bias),
+        SamplingParams(max_tokens=12, structured=regex, logit_bias=bias)])
+    assert after.token_ids[0] == end and after.finish_reason == "stop"
+    assert re.fullmatch(r"[a-z]{3}", tok.decode(after.token_ids[1:])), after.text
+    assert never.token_ids == [end] * 12 and never.finish_reason == "length"  # free all along
+    assert re.fullmatch(r"[a-z]{3}", plain.text) and end not in plain.token_ids  # the grammar from the start
+    assert not llm.engine.has_work()

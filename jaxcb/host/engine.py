@@ -175,6 +175,7 @@ class Engine:
         if params.structured is not None:
             for r in samples:  # each sample its own grammar state
                 r.matcher = self.grammars.matcher(params.structured)
+                r.grammar_after = params.structured_after
         rid = samples[0].request_id
         arrival = self._clock() if arrival_time is None else arrival_time
         for r in samples:
@@ -289,7 +290,9 @@ class Engine:
         batch, sampling, rows = pack_chunks(chunks, shape, s, self.window_group.window if self.window_group else 0,
                                             self.model_config.vocab_size, self.outputs.seed, self._step_id,
                                             self.scheduler.eos_ids)
-        constrained = [i for i, c in enumerate(chunks) if c.samples and c.request.matcher is not None]
+        # Rows with a grammar; one that waits for the end of a reasoning part (structured_after) is free
+        # until its input token is known to be that end.
+        grammar = [i for i, c in enumerate(chunks) if c.samples and c.request.matcher is not None]
         refs = self.pool.ref_counts
         for c in chunks:
             r = c.request
@@ -303,10 +306,11 @@ class Engine:
             cnt.speculative_steps += 1
         waited = not pipelined
         early = False
+        if grammar and self._in_flight and any(rows[i].pending for i in grammar):
+            self._complete(self._in_flight.popleft(), events)  # their input tokens, to the matchers
+            waited = early = True
+        constrained = [i for i in grammar if chunks[i].request.grammar_after is None]
         if constrained:
-            if self._in_flight and any(rows[i].pending for i in constrained):
-                self._complete(self._in_flight.popleft(), events)  # their input tokens, to the matchers
-                waited = early = True
             t0 = time.perf_counter()
             n = self.grammars.fill_rows([chunks[i].request for i in constrained], constrained, sampling.allowed)
             for i in constrained:  # a grammar's mask replaced the row's: the request's own narrowing again
@@ -399,7 +403,10 @@ class Engine:
                 continue
             logprobs = token_logprobs(result, row, r.params.logprobs) if r.params.logprobs else None
             stop_token = None
-            if r.matcher is not None:  # the grammar takes the token; a finished grammar ends the request
+            if r.matcher is not None and r.grammar_after is not None:  # still before the grammar's start
+                if token == r.grammar_after:
+                    r.grammar_after = None  # from the next token on, the grammar holds
+            elif r.matcher is not None:  # the grammar takes the token; a finished grammar ends the request
                 if not r.matcher.consume_token(token):
                     self._finish(r, FinishReason.ERROR, events, error=f"structured output: {r.matcher.get_error()}")
                     observed.append((r, True))

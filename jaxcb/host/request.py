@@ -69,6 +69,9 @@ class SamplingParams:
     # before it, with this many of the best alternatives (0: the token's alone); None = not computed.
     # max_tokens may then be 0: the prompt is scored and nothing is generated.
     prompt_logprobs: int | None = None
+    # `structured` applies only after this token (a reasoning part's end, e.g. </think>: the model thinks
+    # freely, then answers under the grammar, as vLLM does with a reasoning parser); None: from the start.
+    structured_after: int | None = None
 
     def __post_init__(self):
         stop = self.stop or ()
@@ -78,6 +81,8 @@ class SamplingParams:
         object.__setattr__(self, "allowed_token_ids", tuple(int(t) for t in (self.allowed_token_ids or ())))
         if self.prompt_logprobs is not None:
             _check_int("prompt_logprobs", self.prompt_logprobs, low=0, high=MAX_LOGPROBS)
+        if self.structured_after is not None:
+            _check_int("structured_after", self.structured_after, low=0)
         _check_int("max_tokens", self.max_tokens, low=0 if self.prompt_logprobs is not None else 1)
         _check_int("min_tokens", self.min_tokens, low=0, high=self.max_tokens)
         _check_finite("temperature", self.temperature, low=0.0)
@@ -217,8 +222,11 @@ def check_allowed_count(n: int) -> None:
 
 
 def check_param_ids(params: SamplingParams, vocab_size: int) -> None:
-    """The token ids a request's settings name (stop_token_ids, allowed_token_ids, logit_bias) against
-    the vocabulary."""
+    """The token ids a request's settings name (stop_token_ids, allowed_token_ids, logit_bias,
+    structured_after) against the vocabulary."""
+    if params.structured_after is not None and params.structured_after >= vocab_size:
+        raise InvalidRequest(f"structured_after: token id {params.structured_after} is outside the vocabulary "
+                             f"[0, {vocab_size})")
     for name in ("stop_token_ids", "allowed_token_ids"):
         bad = next((t for t in getattr(params, name) if not 0 <= t < vocab_size), None)
         if bad is not None:
@@ -284,6 +292,7 @@ class Request:
     first_scheduled_time: float | None = None  # when it first got a batch slot (queue time ends)
     error: str | None = None
     matcher: object = None  # structured output: this sample's grammar state (jaxcb.host.structured)
+    grammar_after: int | None = None  # the matcher waits for this token (params.structured_after) to start
     spec: object = None  # speculative decoding: its acceptance record (jaxcb.host.speculative.SpecState)
     lora: object = None  # its LoRA adapter's registry entry (jaxcb.host.lora.Entry), None the base model
     lora_slot: int = -1  # the device slot its adapter sits in while it runs

@@ -276,6 +276,10 @@ class Tokenizer:
     def decode(self, ids, skip_special: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special)
 
+    def token_id(self, text: str) -> int | None:
+        """The id of the token spelt `text` (a special token's, e.g. "</think>"), None if no token is."""
+        return self._tok.token_to_id(text)
+
     def id_to_token(self, i: int) -> str | None:
         return self._tok.id_to_token(i)
 
