@@ -67,7 +67,7 @@ class TokenizerSpec:
     arch: str = "llama"  # general.architecture (Gemma's merge order is its token order, not its scores)
 
 
-PRE_TOKENIZERS = ("default", "gpt-2", "smollm", "starcoder", "refact", "codeshell", "llama-bpe", "llama3",
+PRE_TOKENIZERS = ("default", "gpt-2", "gpt2", "smollm", "starcoder", "refact", "codeshell", "llama-bpe", "llama3",
                   "smaug-bpe", "qwen2")
 
 
@@ -75,7 +75,7 @@ def _pre_tokenizer(pre: str):
     """llama.cpp's pre-tokenizer `pre` (tokenizer.ggml.pre) as the `tokenizers` library's. One that is not
     known here is refused: splitting text another way than the model was trained on gives other tokens."""
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    if pre in ("default", "gpt-2"):
+    if pre in ("default", "gpt-2", "gpt2"):
         return byte_level
     if pre in ("smollm", "starcoder", "refact", "codeshell"):
         # llama.cpp: "\p{N}" first (every digit its own piece), then the GPT-2 pattern.
