@@ -283,15 +283,18 @@ class LLM:
         return self._run(ids, params, priorities)
 
     def chat(self, conversations: list[list[dict]], params: SamplingParams | list[SamplingParams] | None = None, *,
-             chat_template_kwargs: dict | None = None, chat_template: str | None = None):
+             chat_template_kwargs: dict | None = None, chat_template: str | None = None,
+             add_generation_prompt: bool = True, continue_final_message: bool = False):
         """Each conversation ([{role, content}, ...]) through the model's chat template (or `chat_template`,
         a Jinja template of this call's own), with `chat_template_kwargs` as more template variables (e.g.
-        {"enable_thinking": False})."""
+        {"enable_thinking": False}); `continue_final_message` (with add_generation_prompt False): the model
+        goes on writing the final assistant message, as vLLM's LLM.chat takes them."""
         if self.tokenizer is None:
             raise InvalidRequest("messages: this model has no tokenizer")
         if params is None or isinstance(params, SamplingParams):
             params = [params or SamplingParams()] * len(conversations)
-        return self._run([self.tokenizer.encode_chat(m, True, chat_template_kwargs, False, chat_template)
+        return self._run([self.tokenizer.encode_chat(m, add_generation_prompt, chat_template_kwargs,
+                                                     continue_final_message, chat_template)
                           for m in conversations], params,
                          None)
 

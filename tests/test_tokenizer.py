@@ -290,6 +290,9 @@ def test_the_servers_chat_template_reaches_the_engines_tokenizer_not_the_callers
     out = llm.chat([chat], sp)[0]
     assert out.prompt_token_ids == tok.encode_chat(chat, True, None, False, mine) != tok.encode_chat(chat)
     assert tok.chat_template != mine  # the caller's tokenizer is untouched
+    prefilled = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "the answer is"}]
+    assert llm.chat([prefilled], sp, add_generation_prompt=False, continue_final_message=True)[0].prompt_token_ids \
+        == tok.encode_chat(prefilled, False, None, True, mine)  # (the server's template, ended inside the answer)
     other = "{% for m in messages %}{{ m['content'] }}|{% endfor %}"
     assert llm.chat([chat], sp, chat_template=other)[0].prompt_token_ids == tok.encode_chat(chat, True, None, False, other)
     with pytest.raises(InvalidConfig, match="model.chat_template: 'nope' is not a file"):
