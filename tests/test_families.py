@@ -109,6 +109,34 @@ def test_rope_scaling_is_read_and_matters(family, plain):
     assert np.abs(unscaled - ref).max() > 1e-3 * np.abs(ref).max()
 
 
+@pytest.mark.parametrize("family", ["gemma3-linear", "llama3-rope"])
+def test_transformers_4_layout_of_the_rope_settings_reads_the_same(tmp_path, family):
+    """The same checkpoints with their RoPE settings as transformers 4 writes them (and the Hub's Llama 3.x
+    and Gemma 3 4B+ configs are): `rope_theta` and `rope_scaling` (the global layers'), Gemma 3's local base
+    in `rope_local_base_freq`; the same config and the reference's logits."""
+    import json
+    import shutil
+
+    src = os.path.join(GOLDEN, family)
+    old = str(tmp_path / family)
+    shutil.copytree(src, old)
+    with open(os.path.join(old, "config.json")) as f:
+        raw = json.load(f)
+    params = raw.pop("rope_parameters")
+    full = params.get("full_attention", params)
+    raw["rope_theta"] = full.pop("rope_theta")
+    raw["rope_scaling"] = full
+    if "sliding_attention" in params:
+        raw["rope_local_base_freq"] = params["sliding_attention"]["rope_theta"]
+    with open(os.path.join(old, "config.json"), "w") as f:
+        json.dump(raw, f)
+    config, params_old, _, _ = load_model(old, jnp.float32)
+    assert config == load_model(src, jnp.float32)[0]
+    record = golden(family)[2]
+    ref = np.asarray(record["prefill_logits"], np.float32)
+    assert np.abs(prefill_logits(config, params_old, record["prompt_ids"]) - ref).max() <= 1e-5 * np.abs(ref).max()
+
+
 @pytest.mark.parametrize("family", ["gemma3", "llama3-rope"])
 def test_convert_round_trip_keeps_the_family(tmp_path, family):
     from jaxcb.cli import main as cli

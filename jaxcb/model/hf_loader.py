@@ -64,7 +64,10 @@ def _rope(raw: dict, kind: str | None = None) -> tuple[float | None, dict | None
         params = params[kind]
     if isinstance(params, dict) and "rope_theta" in params:
         return float(params["rope_theta"]), params
-    return (float(raw["rope_theta"]) if "rope_theta" in raw else None), raw.get("rope_scaling")
+    # transformers 4's layout: `rope_scaling` is the global layers'; Gemma 3's sliding layers run plain RoPE
+    # at rope_local_base_freq (read by the caller)
+    return ((float(raw["rope_theta"]) if "rope_theta" in raw else None),
+            None if kind == "sliding_attention" else raw.get("rope_scaling"))
 
 
 def _plain_rope(scaling) -> None:
