@@ -23,6 +23,7 @@ MAX_REQUEST_ID_CHARS = 128
 MAX_CACHE_SALT_CHARS = 256
 MAX_REQUEST_BYTES = 16 << 20  # one request's message (gRPC) or body (HTTP): room for MAX_TEXT_CHARS escaped
 MAX_PROMPTS = 64  # prompts in one completions request (gRPC takes one)
+MAX_TEMPLATE_CHARS = 65536  # a request's own chat template
 MAX_COMPILE_S = 10.0  # compiling one structured-output constraint (llguidance's own limits bound it too)
 
 
@@ -222,6 +223,22 @@ def check_text(field: str, text: str) -> None:
         raise InvalidRequest(f"{field}: the prompt must not be empty")
     if len(text) > MAX_TEXT_CHARS:
         raise InvalidRequest(f"{field}: {len(text)} characters; the limit is {MAX_TEXT_CHARS}")
+
+
+def check_request_template(field: str, template, trusted: bool) -> str | None:
+    """A request's own chat template (HTTP's chat_template, gRPC's ChatInput.chat_template; None for
+    none): taken only by a server that trusts its clients' templates (--trust-request-chat-template),
+    a non-empty string within MAX_TEMPLATE_CHARS, before any work. Returns it (None for none)."""
+    if template is None:
+        return None
+    if not trusted:
+        raise InvalidRequest(f"{field}: this server does not take a request's chat template (start it with "
+                             "--trust-request-chat-template)")
+    if not isinstance(template, str) or not template:
+        raise InvalidRequest(f"{field}: must be a non-empty string (a Jinja chat template)")
+    if len(template) > MAX_TEMPLATE_CHARS:
+        raise InvalidRequest(f"{field}: the template has {len(template)} characters; the limit is {MAX_TEMPLATE_CHARS}")
+    return template
 
 
 def check_messages(field: str, messages: list[tuple[str, str]]) -> None:

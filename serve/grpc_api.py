@@ -27,8 +27,9 @@ from jaxcb.host.request import (SamplingParams, TokenEvent, check_allowed_count,
                                 check_stop_counts)
 from jaxcb.host.structured import MAX_CHOICES, Constraint
 from jaxcb.host.chat_template import check_template_kwargs
-from serve.frontend import (MAX_REQUEST_BYTES, ServerOptions, State, check_ids, check_messages, check_settings,
-                            check_text, check_token_count, prompt_keep, tenant, token_index, truncated)
+from serve.frontend import (MAX_REQUEST_BYTES, ServerOptions, State, check_ids, check_messages,
+                            check_request_template, check_settings, check_text, check_token_count, prompt_keep,
+                            tenant, token_index, truncated)
 from serve.proto import jaxcb_pb2, jaxcb_pb2_grpc, jetstream_pb2, jetstream_pb2_grpc
 
 log = logging.getLogger("jaxcb.serve")
@@ -120,10 +121,8 @@ async def _whole_prompt_ids(state: State, req, check_length: bool) -> list[int]:
         check_messages("chat.messages", [(m.role, m.content) for m in req.chat.messages])
         messages = [{"role": m.role, "content": m.content} for m in req.chat.messages]
         generation = req.chat.add_generation_prompt if req.chat.HasField("add_generation_prompt") else True
-        template = req.chat.chat_template or None
-        if template is not None and not state.options.trust_request_chat_template:
-            raise InvalidRequest("chat.chat_template: this server does not take a request's chat template (start "
-                                 "it with --trust-request-chat-template)")
+        template = check_request_template("chat.chat_template", req.chat.chat_template or None,
+                                          state.options.trust_request_chat_template)
         return await asyncio.to_thread(state.tokenizer.encode_chat, messages, generation,
                                        _template_kwargs(req.chat.template_kwargs), req.chat.continue_final_message,
                                        template)

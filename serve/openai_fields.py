@@ -114,13 +114,7 @@ def template_fields(body: dict, trusted: bool) -> tuple[bool, dict, bool, str | 
     """The chat template's fields of a chat or /tokenize body, checked, in Tokenizer.encode_chat's order:
     add_generation_prompt, chat_template_kwargs, continue_final_message, chat_template (the request's own
     template, vLLM's field: taken only from a server that trusts its clients' templates, `trusted`)."""
-    template = body.get("chat_template")
-    if template is not None:
-        if not trusted:
-            raise bad_request("chat_template: this server does not take a request's chat template (start it with "
-                              "--trust-request-chat-template)")
-        if not isinstance(template, str) or not template:
-            raise bad_request("chat_template: must be a non-empty string (a Jinja chat template)")
+    template = frontend.check_request_template("chat_template", body.get("chat_template"), trusted)
     return (bool_field(body, "add_generation_prompt", True), check_template_kwargs(body.get("chat_template_kwargs")),
             bool_field(body, "continue_final_message", False), template)
 

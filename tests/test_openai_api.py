@@ -869,6 +869,8 @@ def test_a_requests_chat_template_only_where_the_server_trusts_it(server, long_s
     r = httpx.post(long_server.http + "/v1/chat/completions", timeout=30, json={
         "model": name, "messages": messages, "max_tokens": 2, "chat_template": "{% for m in messages %}"})
     assert r.status_code == 400 and r.json()["error"]["message"].startswith("chat_template: not a valid Jinja"), r.text
+    r = httpx.post(long_server.http + "/tokenize", timeout=30, json={"messages": messages, "chat_template": "x" * 65537})
+    assert r.status_code == 400 and "the limit is 65536" in r.json()["error"]["message"], r.text[:300]
     # gRPC's ChatInput.chat_template, the same way
     for target, trusted in ((server.target, False), (long_server.target, True)):
         with Client(target) as c:

@@ -30,7 +30,6 @@ ROLE_AS = {"developer": "system"}
 # the template is given by jaxcb are not among them.
 TEMPLATE_NAMES = ("messages", "add_generation_prompt", "bos_token", "eos_token")
 MAX_TEMPLATE_KWARGS = 32
-MAX_TEMPLATE_CHARS = 65536  # a request's own template
 
 
 def check_template_kwargs(kwargs, field: str = "chat_template_kwargs") -> dict:
@@ -56,11 +55,10 @@ def template_roles(messages: list[dict]) -> list[dict]:
 
 
 def compile_template(text, field: str = "chat_template") -> jinja2.Template:
-    """`text` compiled for rendering in the sandbox; InvalidRequest naming `field` if it is not a template."""
+    """`text` compiled for rendering in the sandbox; InvalidRequest naming `field` if it is not a template.
+    (A request's template is checked for size by the server first: serve.frontend.check_request_template.)"""
     if not isinstance(text, str) or not text:
         raise InvalidRequest(f"{field}: must be a non-empty string (a Jinja chat template)")
-    if len(text) > MAX_TEMPLATE_CHARS:
-        raise InvalidRequest(f"{field}: the template has {len(text)} characters; the limit is {MAX_TEMPLATE_CHARS}")
     try:
         return _compiled(text)
     except jinja2.TemplateSyntaxError as e:
