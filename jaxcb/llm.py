@@ -307,7 +307,7 @@ class LLM:
         searches = [BeamSearch(self.encode(p, chat), width, max_tokens, self.engine.eos_ids, ignore_eos=ignore_eos,
                                stop_token_ids=tuple(stop_token_ids), length_penalty=length_penalty,
                                include_stop=include_stop, max_context=self.engine.max_context) for p in prompts]
-        step = SamplingParams(max_tokens=1, logprobs=2 * width, ignore_eos=True, lora=lora)
+        step = searches[0].round_params(lora) if searches else None
         for i, s in enumerate(searches):  # each prompt checked before anything runs
             try:
                 self.engine.validate(s.prompt, dataclasses.replace(step, max_tokens=max(1, max_tokens)))
@@ -318,19 +318,10 @@ class LLM:
             outs = iter(self.generate([p for s in live for p in s.prompts()], step))
             for s in live:
                 s.advance([list(next(outs).logprobs[0][1]) for _ in s.live])
-        results = []
-        for s in searches:
-            beams = s.best()
-            results.append([Completion(f"beam-{i}", s.prompt, b.tokens, self._beam_text(b, include_stop), b.finish_reason,
-                                       index=k, stop_reason=b.stop_token, cumulative_logprob=b.logprob)
-                            for k, b in enumerate(beams)])
-        return results
-
-    def _beam_text(self, beam, include_stop: bool) -> str:
-        if self.tokenizer is None:
-            return ""
-        ids = beam.tokens[:-1] if beam.ended_by_token and include_stop else beam.tokens
-        return self.tokenizer.decode(ids)
+        decode = self.tokenizer.decode if self.tokenizer is not None else (lambda ids: "")
+        return [[Completion(f"beam-{i}", s.prompt, b.tokens, decode(s.shown(b)), b.finish_reason, index=k,
+                            stop_reason=b.stop_token, cumulative_logprob=b.logprob) for k, b in enumerate(s.best())]
+                for i, s in enumerate(searches)]
 
     def _run(self, ids: list[list[int]], params: list[SamplingParams], priorities) -> list[Completion]:
         for i, (p, sp) in enumerate(zip(ids, params)):

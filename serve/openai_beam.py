@@ -39,7 +39,7 @@ async def beam_answer(state, request: Request, options: RequestOptions, tenant: 
                            stop_token_ids=params.stop_token_ids, length_penalty=length_penalty,
                            include_stop=params.include_stop_str_in_output, max_context=engine.max_context)
                 for p in prompts]
-    step = SamplingParams(max_tokens=1, logprobs=2 * params.n, ignore_eos=True, lora=params.lora)
+    step = searches[0].round_params(params.lora)
     for s in searches:  # every prompt checked before anything is submitted
         engine.validate(s.prompt, step)
 
@@ -81,8 +81,7 @@ def _shape(state, searches: list[BeamSearch], params: SamplingParams, chat: bool
     for i, s in enumerate(searches):
         prompt_tokens += len(s.prompt)
         for k, beam in enumerate(s.best()):
-            ids = beam.tokens[:-1] if beam.ended_by_token and params.include_stop_str_in_output else beam.tokens
-            text = state.tokenizer.decode(ids)
+            text = state.tokenizer.decode(s.shown(beam))
             completion_tokens += len(beam.tokens)
             choice = {"index": i * params.n + k, "logprobs": None, "finish_reason": beam.finish_reason,
                       "stop_reason": beam.stop_token}

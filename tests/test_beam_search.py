@@ -64,6 +64,7 @@ def test_llm_beam_search_is_greedy_at_width_one_and_its_sums_are_the_models(make
     one = llm.beam_search(prompts, width=1, max_tokens=6, ignore_eos=True)
     assert [r[0].token_ids for r in one] == [g.token_ids for g in greedy]
     results = llm.beam_search(prompts, width=3, max_tokens=6, ignore_eos=True, length_penalty=0.0)
+    assert [{b.request_id for b in r} for r in results] == [{"beam-0"}, {"beam-1"}]  # each prompt its own id
     for prompt, beams in zip(prompts, results):
         assert len(beams) == 3 and len({tuple(b.token_ids) for b in beams}) == 3
         sums = [b.cumulative_logprob for b in beams]

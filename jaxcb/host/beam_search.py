@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 
 from jaxcb.host.errors import InvalidRequest
+from jaxcb.host.request import SamplingParams
 
 MAX_WIDTH = 10  # 2W candidates a beam: the most logprobs a request may ask for (20)
 
@@ -52,6 +53,14 @@ class BeamSearch:
     @property
     def candidates_per_beam(self) -> int:
         return 2 * self.width
+
+    def round_params(self, lora: str = "") -> SamplingParams:
+        """Each round's request for a live beam: one token, with its 2W most likely next tokens."""
+        return SamplingParams(max_tokens=1, logprobs=self.candidates_per_beam, ignore_eos=True, lora=lora)
+
+    def shown(self, beam: Beam) -> list[int]:
+        """The tokens of a beam's text: its end token left out even where include_stop keeps it in its ids."""
+        return beam.tokens[:-1] if beam.ended_by_token and self.include_stop else beam.tokens
 
     @property
     def done(self) -> bool:
