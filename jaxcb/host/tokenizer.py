@@ -67,22 +67,26 @@ class TokenizerSpec:
     arch: str = "llama"  # general.architecture (Gemma's merge order is its token order, not its scores)
 
 
-PRE_TOKENIZERS = ("default", "gpt-2", "gpt2", "smollm", "starcoder", "refact", "codeshell", "llama-bpe", "llama3",
-                  "smaug-bpe", "qwen2")
+# llama.cpp's pre-tokenizer names (tokenizer.ggml.pre) by the split they make: GPT-2's pattern; every digit
+# its own piece ("\p{N}" first), then GPT-2's; Llama 3's pattern; Qwen2's.
+_PRE_SPLITS = {"default": "gpt2", "gpt-2": "gpt2", "gpt2": "gpt2", "smollm": "digits", "starcoder": "digits",
+               "refact": "digits", "codeshell": "digits", "llama-bpe": "llama3", "llama3": "llama3",
+               "smaug-bpe": "llama3", "qwen2": "qwen2"}
+PRE_TOKENIZERS = tuple(_PRE_SPLITS)
 
 
 def _pre_tokenizer(pre: str):
     """llama.cpp's pre-tokenizer `pre` (tokenizer.ggml.pre) as the `tokenizers` library's. One that is not
     known here is refused: splitting text another way than the model was trained on gives other tokens."""
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    if pre in ("default", "gpt-2", "gpt2"):
+    split = _PRE_SPLITS.get(pre)
+    if split == "gpt2":
         return byte_level
-    if pre in ("smollm", "starcoder", "refact", "codeshell"):
-        # llama.cpp: "\p{N}" first (every digit its own piece), then the GPT-2 pattern.
+    if split == "digits":
         return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
-    if pre in ("llama-bpe", "llama3", "smaug-bpe", "qwen2"):
+    if split in ("llama3", "qwen2"):
         return pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(_QWEN2_PATTERN if pre == "qwen2" else _LLAMA3_PATTERN), behavior="isolated"),
+            pre_tokenizers.Split(Regex(_QWEN2_PATTERN if split == "qwen2" else _LLAMA3_PATTERN), behavior="isolated"),
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
         ])
     raise InvalidConfig(f"tokenizer.ggml.pre: {pre!r} is not a pre-tokenizer jaxcb knows ({', '.join(PRE_TOKENIZERS)}); "
