@@ -17,7 +17,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from jaxcb.host.errors import JaxcbError
 from jaxcb.host.request import FinishReason
-from serve import reasoning, tool_calls
+from serve import reasoning, tool_parse
 from serve.openai_fields import ERROR_TYPE, HTTPError, RequestOptions, http_error
 
 
@@ -96,7 +96,7 @@ async def answer(state, request: Request, options: RequestOptions, tenant: str, 
         include_usage = options.include_usage
         obj = "chat.completion.chunk" if chat else "text_completion"
 
-        streams: dict[int, tool_calls.CallStream] = {}  # per choice, with tools
+        streams: dict[int, tool_parse.CallStream] = {}  # per choice, with tools
         thoughts: dict[int, reasoning.ReasoningStream] = {}  # per choice, with a reasoning parser
 
         async def sse():
@@ -132,7 +132,7 @@ async def answer(state, request: Request, options: RequestOptions, tenant: str, 
                         thought, text = thinking.feed(text, final=bool(finish))
                     delta = {"content": text} if text else {}
                     if tools is not None:  # text in, content and tool-call deltas out
-                        calls = streams.setdefault(index, tool_calls.CallStream(tools))
+                        calls = streams.setdefault(index, tool_parse.CallStream(tools))
                         content, pieces = calls.feed(text, final=bool(finish))
                         delta = {"content": content} if content else {}
                         if pieces:
@@ -213,7 +213,7 @@ async def answer(state, request: Request, options: RequestOptions, tenant: str, 
             if include_reasoning:
                 choice["message"].update(reasoning=thought, reasoning_content=thought)
         for choice in choices if tools is not None else ():  # the calls the answers make
-            content, calls = tool_calls.parse(choice["message"]["content"] or "", tools)
+            content, calls = tool_parse.parse(choice["message"]["content"] or "", tools)
             if calls:
                 choice["message"].update(content=content or None, tool_calls=calls)
                 if choice["finish_reason"] == "stop":

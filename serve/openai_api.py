@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 
 from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse, Response
@@ -180,11 +181,12 @@ def make_app(state) -> FastAPI:
             messages = body["messages"]
             if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
                 raise bad_request("messages: must be a list of {role, content} objects")
-            messages = tool_calls.render_messages(messages, None)
+            template = template_fields(body, state.options.trust_request_chat_template)
+            tools, messages = chat_tools(body, messages, template[3])
             frontend.check_messages("messages", [(m["role"], m["content"]) for m in messages])
             try:
-                ids = await asyncio.to_thread(tokenizer.encode_chat, [{"role": m["role"], "content": m["content"]}
-                                                                      for m in messages], *template_fields(body, state.options.trust_request_chat_template))
+                ids = await asyncio.to_thread(functools.partial(tokenizer.encode_chat, messages, *template,
+                                                                tools=tools.template_tools() if tools else None))
             except InvalidRequest:  # named already (no chat template, a template that refused them, ...)
                 raise
             except ValueError as e:
@@ -304,14 +306,24 @@ def make_app(state) -> FastAPI:
         chat = openai_responses.chat_body(body)
         return await json_response(openai_responses.reshape(await run_chat(request, tenant, chat), body))
 
+    def chat_tools(body: dict, messages: list, template: str | None):
+        """The request's tools (None without), in the format of the chat template that renders the chat
+        (the request's own, else the model's; serve.tool_calls.choose_format), and the messages rendered
+        for it (each message's fields checked)."""
+        fmt, native = tool_calls.choose_format(template or state.tokenizer.chat_template,
+                                               state.options.tool_call_parser)
+        tools = tool_calls.parse_tools(body)
+        if tools is not None:
+            tools = dataclasses.replace(tools, fmt=fmt, native=native)
+        return tools, tool_calls.render_messages(messages, tools, fmt, native)
+
     async def run_chat(request: Request, tenant: str, body: dict):
         options = common_fields(body)
-        tools = tool_calls.parse_tools(body)
         messages = body.get("messages")
         if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
             raise bad_request("messages: must be a list of {role, content} objects")
-        messages = tool_calls.render_messages(messages, tools)  # checks each message's fields
         template = template_fields(body, state.options.trust_request_chat_template)
+        tools, messages = chat_tools(body, messages, template[3])
         keep = frontend.prompt_keep(state, body.get("truncate_prompt_tokens"))
         top = int_field(body, "top_logprobs", 0) or 0
         if not 0 <= top <= MAX_TOP_LOGPROBS:
@@ -339,8 +351,8 @@ def make_app(state) -> FastAPI:
                 raise bad_request("tools: not supported with use_beam_search")
         state.admit(params.n)
         await frontend.check_settings(state, params)
-        ids = await asyncio.to_thread(state.tokenizer.encode_chat,
-                                      [{"role": m["role"], "content": m["content"]} for m in messages], *template)
+        ids = await asyncio.to_thread(functools.partial(state.tokenizer.encode_chat, messages, *template,
+                                                        tools=tools.template_tools() if tools else None))
         ids = frontend.truncated(ids, keep)
         if limit is None:  # the default needs the prompt's length (validated again by replace)
             params = dataclasses.replace(params, max_tokens=max(1, state.engine.max_context - len(ids)))

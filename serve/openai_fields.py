@@ -38,7 +38,8 @@ CHAT_FIELDS = COMMON_FIELDS | EXTRAS | {"messages", "logprobs", "top_logprobs", 
                                     "chat_template_kwargs", "add_generation_prompt", "continue_final_message",
                                     "chat_template", "include_reasoning"}
 TOKENIZE_FIELDS = {"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt", "continue_final_message",
-                   "return_token_strs", "chat_template_kwargs", "chat_template"}
+                   "return_token_strs", "chat_template_kwargs", "chat_template", "tools", "tool_choice",
+                   "parallel_tool_calls"}
 DETOKENIZE_FIELDS = {"model", "tokens"}
 
 

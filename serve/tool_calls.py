@@ -1,18 +1,25 @@
-"""Tool calling for the OpenAI chat API: the request's `tools` and `tool_choice` checked, rendered into
-the prompt, enforced with a grammar when a call is required, and the model's calls parsed back (whole,
-or as OpenAI's streamed deltas).
+"""Tool calling for the OpenAI chat API, the request's side: `tools` and `tool_choice` checked, the tools
+and the conversation's calls rendered into the prompt, and a grammar when a call is required. The
+model's calls are parsed back by serve.tool_parse.
 
-Neither embedded model's chat template has a tool format, so jaxcb uses one documented format (the
-Hermes / Qwen style that many open models are trained on): a system message lists the functions as JSON
-schemas between <tools> and </tools>, and the model calls one by answering
+A model writes its calls in the format it was trained on (a `Format`; vLLM's --tool-call-parser names):
 
-    <tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>
+    hermes       <tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>
+                 one block per call (Hermes, Qwen 2.5 and 3, SmolLM3)
+    llama3_json  {"name": "get_weather", "parameters": {"city": "Paris"}}
+                 the whole answer, one call (Llama 3.1-3.3)
 
-one block per call. Earlier calls in the conversation are rendered the same way, and a `tool` message's
-result as <tool_response>...</tool_response> in a user turn. With tool_choice "required" or a named
-function the output is constrained by a grammar (jaxcb.host.structured) to such blocks with arguments
-valid against the function's `parameters`, so they always parse and validate; with "auto" the model
-may answer in text or call, and what it wrote is parsed; with "none" the tools are not shown.
+A chat template that reads `tools` renders the tools, the earlier calls (`tool_calls`, arguments as
+objects) and the `tool` results itself, as the model was trained on them; its format is recognised from
+what it writes (`choose_format`), or named by the server (--tool-call-parser). A template without tools
+(neither embedded model's has them) gets jaxcb's rendering: a system message lists the functions as JSON
+schemas between <tools> and </tools> and asks for calls in the format; earlier calls are written in the
+format in the assistant's content, a result as <tool_response>...</tool_response> in a user turn.
+
+With tool_choice "required" or a named function the output is constrained by a grammar
+(jaxcb.host.structured) to calls in the format with arguments valid against the function's `parameters`,
+so they always parse and validate; with "auto" the model may answer in text or call, and what it wrote
+is parsed; with "none" the tools are not shown.
 """
 
 from __future__ import annotations
@@ -22,14 +29,49 @@ import json
 import re
 import uuid
 
+from jaxcb.host.chat_template import ROLE_AS, template_reads
 from jaxcb.host.errors import InvalidRequest
 from jaxcb.host.structured import Constraint, grammar_schema
-from jaxcb.host.chat_template import ROLE_AS
 
-OPEN, CLOSE = "<tool_call>", "</tool_call>"
 MAX_TOOLS = 128
 NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 CHOICES = ("none", "auto", "required")
+
+
+@dataclasses.dataclass(frozen=True)
+class Format:
+    """How a model writes a tool call: `open`, a JSON object {"name": ..., keys[0]: {arguments}}, `close`.
+    An empty `open` and `close`: the answer is one call when it begins with such an object (what follows
+    the object is text). A call read back may name its arguments by any of `keys`."""
+    name: str
+    open: str
+    close: str
+    keys: tuple[str, ...]
+
+    def write(self, name: str, arguments) -> str:
+        return self.open + json.dumps({"name": name, self.keys[0]: arguments}) + self.close
+
+
+HERMES = Format("hermes", "<tool_call>", "</tool_call>", ("arguments",))
+LLAMA3_JSON = Format("llama3_json", "", "", ("parameters", "arguments"))
+FORMATS = {f.name: f for f in (HERMES, LLAMA3_JSON)}
+PARSERS = ("auto", *FORMATS)  # --tool-call-parser
+
+
+def choose_format(template: str | None, parser: str = "auto") -> tuple[Format, bool]:
+    """(the format calls are written and read in, whether the chat template `template` renders the tools
+    and calls itself: it reads `tools`). "auto": the template's own format where it is recognised from what
+    the template writes (a <tool_call> block: hermes; a "parameters" object: llama3_json), else hermes in
+    jaxcb's rendering; a parser named by the server: its format, rendered by the template if it reads
+    `tools` (the server says it is the template's), else by jaxcb."""
+    reads = bool(template) and template_reads(template, "tools")
+    if parser != "auto":
+        return FORMATS[parser], reads
+    if reads and HERMES.open in template:
+        return HERMES, True
+    if reads and '"parameters"' in template:
+        return LLAMA3_JSON, True
+    return HERMES, False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,10 +81,20 @@ class Tools:
     choice: str  # "none" | "auto" | "required" | "function" (one named function)
     named: str | None = None
     parallel: bool = True
+    fmt: Format = HERMES  # how calls are written (choose_format)
+    native: bool = False  # the chat template renders the tools (template_tools)
 
     @property
     def active(self) -> bool:
         return self.choice != "none"
+
+    def template_tools(self) -> list[dict] | None:
+        """The tools as a template that renders them reads `tools` (OpenAI's function tools); None when jaxcb
+        renders them or none are shown."""
+        if not (self.native and self.active):
+            return None
+        return [{"type": "function", "function": {"name": n, "description": self.descriptions[n], "parameters": p}}
+                for n, p in self.functions.items()]
 
 
 def parse_tools(body: dict) -> Tools | None:
@@ -96,12 +148,14 @@ def parse_tools(body: dict) -> Tools | None:
 
 
 def system_text(tools: Tools) -> str:
+    """jaxcb's rendering of the tools, for a chat template that does not render them: a system message."""
     lines = [json.dumps({"type": "function", "function": {"name": n, "description": tools.descriptions[n],
                                                           "parameters": p}}) for n, p in tools.functions.items()]
+    fmt = tools.fmt
+    call = fmt.open + '{"name": <function name>, "%s": <arguments as a JSON object>}' % fmt.keys[0] + fmt.close
     return ("You may call functions to help with the user's request. The functions, as JSON schemas:\n<tools>\n"
-            + "\n".join(lines) + "\n</tools>\nTo call a function, answer with " + OPEN
-            + '{"name": <function name>, "arguments": <arguments as a JSON object>}' + CLOSE
-            + " (one block per call) and nothing else.")
+            + "\n".join(lines) + "\n</tools>\nTo call a function, answer with " + call
+            + (" (one block per call) and nothing else." if fmt.open else " and nothing else (one call)."))
 
 
 CHAT_PARTS = {"text": "text", "refusal": "refusal"}  # a chat content part's type -> the key of its text
@@ -131,17 +185,20 @@ def content_text(content, where: str, parts: dict[str, str] = CHAT_PARTS) -> str
     return "\n".join(texts)
 
 
-def render_messages(messages: list, tools: Tools | None) -> list[dict]:
-    """The chat's messages as the template takes them ({role, content} with string content): the tools'
-    system text first (merged into the conversation's own system message), assistant tool calls and tool
-    results in the format above. Checks the tool-related fields of each message."""
-    out = []
+def render_messages(messages: list, tools: Tools | None, fmt: Format = HERMES, native: bool = False) -> list[dict]:
+    """The chat's messages as the template takes them ({role, content} with string content). For a template
+    that renders tools (`native`): an assistant's `tool_calls` with their arguments as objects, a `tool`
+    message's `tool_call_id` and the called function's `name` (given, or that of the call it answers:
+    Hermes' template needs it). Else as jaxcb renders them: the tools' system text first
+    (merged into the conversation's own system message), assistant tool calls written in `fmt` in its
+    content, tool results in user turns. Checks the tool-related fields of each message."""
+    out, called = [], {}  # call id -> function name
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise InvalidRequest(f"messages[{i}]: must be an object with a role")
         role, content = m["role"], content_text(m.get("content"), f"messages[{i}].content")
         content = content or ""
-        calls = m.get("tool_calls")
+        calls, rendered = m.get("tool_calls"), []
         if calls is not None:
             if role != "assistant" or not isinstance(calls, list):
                 raise InvalidRequest(f"messages[{i}].tool_calls: only an assistant message has a list of tool calls")
@@ -153,13 +210,28 @@ def render_messages(messages: list, tools: Tools | None) -> list[dict]:
                     arguments = json.loads(f["arguments"])
                 except ValueError:
                     raise InvalidRequest(f"messages[{i}].tool_calls[{k}].function.arguments: not valid JSON") from None
-                content += OPEN + json.dumps({"name": f["name"], "arguments": arguments}) + CLOSE
+                if native:
+                    call_id = c.get("id") if isinstance(c.get("id"), str) else new_call_id()
+                    called[call_id] = f["name"]
+                    rendered.append({"id": call_id, "type": "function",
+                                     "function": {"name": f["name"], "arguments": arguments}})
+                else:
+                    content += fmt.write(f["name"], arguments)
         elif m.get("content") is None:
             raise InvalidRequest(f"messages[{i}].content: must be a string or a list of content parts")
-        if role == "tool":
-            role, content = "user", f"<tool_response>{content}</tool_response>"
-        out.append({"role": ROLE_AS.get(role, role), "content": content})  # "developer" is the system's
-    if tools is not None and tools.active:
+        message = {"role": ROLE_AS.get(role, role), "content": content}  # "developer" is the system's
+        if rendered:
+            message["tool_calls"] = rendered
+        if role == "tool" and native:
+            if isinstance(m.get("tool_call_id"), str):
+                message["tool_call_id"] = m["tool_call_id"]
+            name = m.get("name") if isinstance(m.get("name"), str) else called.get(m.get("tool_call_id"))
+            if name is not None:
+                message["name"] = name
+        elif role == "tool":
+            message = {"role": "user", "content": f"<tool_response>{content}</tool_response>"}
+        out.append(message)
+    if tools is not None and tools.active and not native:
         text = system_text(tools)
         if out and out[0]["role"] == "system":
             out[0] = {"role": "system", "content": out[0]["content"] + "\n\n" + text}
@@ -169,17 +241,24 @@ def render_messages(messages: list, tools: Tools | None) -> list[dict]:
 
 
 def constraint(tools: Tools) -> Constraint | None:
-    """The grammar for "required" or a named function: tool-call blocks only, each with a function's
-    name and arguments valid against its parameters; None when the model may answer in text."""
+    """The grammar for "required" or a named function: calls in the format only (blocks, a newline each
+    side of the object and between blocks allowed, as templates write them; or the answer one object),
+    each with a function's name and arguments valid against its parameters; None when the model may
+    answer in text."""
     if tools.choice not in ("required", "function"):
         return None
     names = [tools.named] if tools.choice == "function" else list(tools.functions)
+    key = tools.fmt.keys[0]
     schema = {"x-guidance": {"whitespace_flexible": False},
-              "anyOf": [{"type": "object", "properties": {"name": {"const": n}, "arguments": tools.functions[n]},
-                         "required": ["name", "arguments"], "additionalProperties": False} for n in names]}
-    repeat = "+" if tools.parallel and tools.choice == "required" else ""
+              "anyOf": [{"type": "object", "properties": {"name": {"const": n}, key: tools.functions[n]},
+                         "required": ["name", key], "additionalProperties": False} for n in names]}
     body = json.dumps(grammar_schema(schema))  # the arguments read as a json_schema's schema is
-    grammar = f"start: call{repeat}\ncall: {json.dumps(OPEN)} %json {body} {json.dumps(CLOSE)}"
+    if not tools.fmt.open:
+        grammar = f"start: %json {body}"
+    else:
+        more = ' ("\\n"? call)*' if tools.parallel and tools.choice == "required" else ""
+        grammar = (f"start: call{more}\ncall: {json.dumps(tools.fmt.open)} \"\\n\"? %json {body} \"\\n\"? "
+                   f"{json.dumps(tools.fmt.close)}")
     order = list(tools.functions)  # each schema's own field, for an error (Grammars.compile)
     parts = tuple((f"tools[{order.index(n)}].function.parameters", json.dumps(tools.functions[n])) for n in names)
     return Constraint("grammar", grammar, "tools", parts)
@@ -187,166 +266,3 @@ def constraint(tools: Tools) -> Constraint | None:
 
 def new_call_id() -> str:
     return "call_" + uuid.uuid4().hex[:24]
-
-
-def parse(text: str, tools: Tools) -> tuple[str, list[dict]]:
-    """(the text outside tool-call blocks, the calls) from a whole answer; a block that does not parse
-    as a call of one of the tools stays in the text. A block cut off at the end of the answer (max_tokens)
-    that has named one of the tools is that call with the arguments written so far, as a stream of the
-    same answer gives it (its finish_reason says "length")."""
-    calls, content, pos = [], [], 0
-    for match in re.finditer(re.escape(OPEN) + r"(.*?)" + re.escape(CLOSE), text, re.S):
-        call = _call(match.group(1), tools)
-        if call is None:
-            continue
-        content.append(text[pos:match.start()])
-        pos = match.end()
-        calls.append({"id": new_call_id(), "type": "function",
-                      "function": {"name": call[0], "arguments": _arguments_text(match.group(1), call[1])}})
-    rest = text[pos:]
-    cut = rest.rfind(OPEN)
-    head = _HEAD.match(rest, cut + len(OPEN)) if cut >= 0 and CLOSE not in rest[cut:] else None
-    name = json.loads(f'"{head.group(1)}"') if head is not None else None
-    if name in tools.functions:
-        calls.append({"id": new_call_id(), "type": "function",
-                      "function": {"name": name, "arguments": _json_prefix(rest[head.end():]) or ""}})
-        rest = rest[:cut]
-    content.append(rest)
-    return "".join(content).strip(), calls
-
-
-def _call(body: str, tools: Tools):
-    try:
-        obj = json.loads(body)
-    except ValueError:
-        return None
-    if not isinstance(obj, dict) or obj.get("name") not in tools.functions or not isinstance(obj.get("arguments"), dict):
-        return None
-    return obj["name"], obj["arguments"]
-
-
-def _arguments_text(body: str, arguments: dict) -> str:
-    """The arguments as the model wrote them (when they come after the name), else re-serialized."""
-    head = _HEAD.match(body)
-    raw = _json_prefix(body[head.end():]) if head else None
-    try:
-        if raw is not None and json.loads(raw) == arguments:
-            return raw
-    except ValueError:
-        pass
-    return json.dumps(arguments)
-
-
-_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*')
-
-
-class CallStream:
-    """OpenAI's streamed tool calls from an answer's text deltas: feed() returns the content to send and
-    the tool-call deltas ({index, id, type, function: {name, arguments}} first, then {index, function:
-    {arguments}} pieces). Text that may begin a tool-call block is held back until it is known; a call's
-    arguments stream as the model writes them when it writes the name first (the grammar's order),
-    else the call comes whole when its block ends."""
-
-    def __init__(self, tools: Tools):
-        self.tools = tools
-        self.buffer = ""  # text not yet sent: a possible OPEN, or the inside of a block
-        self.in_block = False
-        self.calls = 0
-        self.sent_args = None  # the current call's arguments sent so far (None: its head not yet sent)
-        self.block_called = False  # the current block's call has been sent (its head at least)
-        self.args_start = 0  # where the current call's arguments begin in its block
-        self.ids: list[str] = []
-
-    def feed(self, text: str, final: bool = False) -> tuple[str, list[dict]]:
-        self.buffer += text
-        content, deltas = "", []
-        while True:
-            if not self.in_block:
-                at = self.buffer.find(OPEN)
-                if at < 0:
-                    keep = 0 if final else _partial_suffix(self.buffer, OPEN)
-                    content += self.buffer[:len(self.buffer) - keep]
-                    self.buffer = self.buffer[len(self.buffer) - keep:]
-                    return content, deltas
-                content += self.buffer[:at]
-                self.buffer = self.buffer[at + len(OPEN):]
-                self.in_block, self.sent_args, self.block_called = True, None, False
-            end = self.buffer.find(CLOSE)
-            body = self.buffer if end < 0 else self.buffer[:end]
-            deltas += self._stream_args(body, whole=end >= 0)
-            if end < 0:
-                if final:  # an unfinished block at the end: a call cut short if it named one, else text
-                    content += "" if self.block_called else OPEN + self.buffer
-                    self.buffer = ""
-                return content, deltas
-            if not self.block_called:  # a whole block that is no call of the tools: it was text
-                content += OPEN + body + CLOSE
-            self.buffer = self.buffer[end + len(CLOSE):]
-            self.in_block = False
-
-    def _stream_args(self, body: str, whole: bool) -> list[dict]:
-        out = []
-        if self.sent_args is None:
-            head = _HEAD.match(body)
-            if head is None or head.group(1) not in self.tools.functions:
-                if not whole:
-                    return out
-                call = _call(body, self.tools)
-                if call is None:
-                    return out
-                return [self._head(call[0]), self._args(json.dumps(call[1]))]
-            out.append(self._head(json.loads(f'"{head.group(1)}"')))
-            self.sent_args, self.args_start = "", head.end()
-        args = _json_prefix(body[self.args_start:])
-        if whole:
-            call = _call(body, self.tools)
-            if call is not None and args is not None and not json.loads(args) == call[1]:
-                args = None
-        if args is not None and args.startswith(self.sent_args) and len(args) > len(self.sent_args):
-            out.append(self._args(args[len(self.sent_args):]))
-            self.sent_args = args
-        return out
-
-    def _head(self, name: str) -> dict:
-        self.block_called = True
-        self.ids.append(new_call_id())
-        self.calls += 1
-        return {"index": self.calls - 1, "id": self.ids[-1], "type": "function",
-                "function": {"name": name, "arguments": ""}}
-
-    def _args(self, piece: str) -> dict:
-        return {"index": self.calls - 1, "function": {"arguments": piece}}
-
-
-def _partial_suffix(text: str, token: str) -> int:
-    """The length of the longest end of `text` that begins `token`."""
-    for n in range(min(len(token) - 1, len(text)), 0, -1):
-        if text.endswith(token[:n]):
-            return n
-    return 0
-
-
-def _json_prefix(text: str) -> str | None:
-    """The arguments object's text written so far (up to its closing brace, once written), or None if
-    the text does not start an object."""
-    text = text.lstrip()
-    if not text.startswith("{"):
-        return None
-    depth, in_string, escaped = 0, False, False
-    for i, ch in enumerate(text):
-        if in_string:
-            if escaped:
-                escaped = False
-            elif ch == "\\":
-                escaped = True
-            elif ch == '"':
-                in_string = False
-        elif ch == '"':
-            in_string = True
-        elif ch in "{[":
-            depth += 1
-        elif ch in "}]":
-            depth -= 1
-            if depth == 0:
-                return text[:i + 1]
-    return text

@@ -939,6 +939,52 @@ def test_required_tool_calls_parse_and_validate_streamed_and_not(long_server):
     assert follow.choices[0].finish_reason in ("stop", "length", "tool_calls")
 
 
+def test_tool_calls_in_the_chat_templates_own_format(long_server):
+    """A chat template that renders tools (here the request's own, on a server that trusts them): the
+    prompt is the template's rendering of the tools (/tokenize counts the chat's prompt), tool_choice
+    required holds the answer to the template's format, and the calls come back the same whole and
+    streamed; an earlier call and its result are given back to the template as objects."""
+    import jsonschema
+
+    from tests.test_tool_calls import BLOCK_TEMPLATE, OBJECT_TEMPLATE
+
+    oai = openai.OpenAI(base_url=long_server.http + "/v1", api_key="unused", max_retries=0)
+    model_name = oai.models.list().data[0].id
+    messages = [{"role": "user", "content": "weather in Paris?"}]
+    schema = WEATHER["function"]["parameters"]
+    for template in (BLOCK_TEMPLATE, OBJECT_TEMPLATE):
+        extra = {"chat_template": template}
+        tokenized = httpx.post(long_server.http + "/tokenize", timeout=30, json={
+            "messages": messages, "tools": [WEATHER, CLOCK], "chat_template": template}).json()
+        plain = httpx.post(long_server.http + "/tokenize", timeout=30, json={
+            "messages": messages, "chat_template": template}).json()
+        assert tokenized["count"] > plain["count"]  # the template wrote the tools
+        r = oai.chat.completions.create(model=model_name, messages=messages, tools=[WEATHER, CLOCK], max_tokens=120,
+                                        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+                                        temperature=1.0, seed=3, extra_body=extra)
+        assert r.usage.prompt_tokens == tokenized["count"]
+        choice = r.choices[0]
+        assert choice.finish_reason == "tool_calls" and not choice.message.content, choice
+        [call] = choice.message.tool_calls
+        assert call.function.name == "get_weather"
+        jsonschema.validate(json.loads(call.function.arguments), schema)
+        stream = oai.chat.completions.create(model=model_name, messages=messages, tools=[WEATHER, CLOCK],
+                                             max_tokens=120, temperature=1.0, seed=3, extra_body=extra, stream=True,
+                                             tool_choice={"type": "function", "function": {"name": "get_weather"}})
+        name, arguments = None, ""
+        for chunk in stream:
+            for delta in chunk.choices[0].delta.tool_calls or ():
+                name = delta.function.name or name
+                arguments += delta.function.arguments or ""
+        assert (name, json.loads(arguments)) == ("get_weather", json.loads(call.function.arguments))
+        follow = httpx.post(long_server.http + "/tokenize", timeout=30, json={
+            "chat_template": template, "tools": [WEATHER, CLOCK], "messages": messages + [
+                {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+                {"role": "tool", "tool_call_id": call.id, "content": "sunny"}]}).json()
+        text = httpx.post(long_server.http + "/detokenize", timeout=30, json={"tokens": follow["tokens"]}).json()
+        assert json.dumps(json.loads(call.function.arguments), ensure_ascii=False) in text["prompt"] and "sunny" in text["prompt"]
+
+
 def test_responses_api_function_calls_as_the_chat_api_makes_them(long_server):
     """Function tools on /v1/responses: the chat's calls as function_call output items (whole, and
     streamed as output_item / function_call_arguments events), and a conversation that carries a call and

@@ -301,7 +301,7 @@ def test_objects_that_list_their_properties_get_no_others_unless_the_schema_allo
 
     tools = tool_calls.parse_tools({"tools": [{"type": "function", "function": {"name": "f", "parameters": point}}],
                                     "tool_choice": "required"})
-    call = tool_calls.OPEN + '{"name":"f","arguments":%s}' + tool_calls.CLOSE
+    call = tool_calls.HERMES.open + '{"name":"f","arguments":%s}' + tool_calls.HERMES.close
     assert accepts(tool_calls.constraint(tools), call % '{"x":1}')
     assert not accepts(tool_calls.constraint(tools), call % '{"x":1,"y":2}')
 

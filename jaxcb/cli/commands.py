@@ -21,6 +21,8 @@ from jaxcb.cli.generate import cmd_generate
 from jaxcb.device import cpu_dots
 from jaxcb.host.errors import InvalidConfig, JaxcbError
 from jaxcb.model.embedded import served_name
+from serve.tool_calls import PARSERS as TOOL_CALL_PARSERS
+from serve.tool_calls import choose_format as choose_tool_format
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
@@ -77,6 +79,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--reasoning-parser", choices=("deepseek_r1", "qwen3"), default=None,
                    help="chat answers' thinking (<think>...</think>) as `reasoning` / `reasoning_content` beside "
                         "the content, whole or streamed, as vLLM's flag of this name gives it")
+    s.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default="auto",
+                   help="the format the model writes tool calls in (vLLM's flag of this name): auto (default) takes "
+                        "the chat template's own where it renders tools (a <tool_call> block: hermes; a \"parameters\" "
+                        "object: llama3_json), else jaxcb renders the tools and asks for hermes")
     s.add_argument("--grace-period", type=float, default=10.0, help="seconds in-flight streams get at shutdown")
     s.add_argument("--max-waiting", type=int, default=1024,
                    help="requests accepted and not yet running before RESOURCE_EXHAUSTED")
@@ -148,7 +154,7 @@ def cmd_serve(args) -> int:
                             max_concurrent_streams=args.max_concurrent_streams, metrics_host=args.metrics_host,
                             kv_events=args.kv_events, kv_events_topic=args.kv_events_topic,
                             trust_request_chat_template=args.trust_request_chat_template,
-                            reasoning_parser=args.reasoning_parser)
+                            reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser)
     step = runner.describe()
     names = config.served_model_name or (served_name(args.model),)
     print(f"jaxcb: model {model_config.name} served as {', '.join(names)} on {step['platform']}, {step['compute_dtype']}; "
@@ -161,6 +167,9 @@ def cmd_serve(args) -> int:
     if config.chat_template:
         shown = config.chat_template if os.path.isfile(config.chat_template) else "given inline"
         print(f"jaxcb: chat template: {shown} (in place of the model file's)", flush=True)
+    fmt, native = choose_tool_format(tokenizer.chat_template, args.tool_call_parser)
+    print(f"jaxcb: tool calls: {fmt.name}, " + ("rendered by the chat template" if native else
+                                                "jaxcb's rendering (the chat template does not render tools)"), flush=True)
     if args.reasoning_parser:
         print(f"jaxcb: reasoning parser: {args.reasoning_parser} (chat answers' <think> part as `reasoning`)", flush=True)
     if engines[0].describe_speculation():

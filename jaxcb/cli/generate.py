@@ -46,7 +46,7 @@ def _parse_line(llm, args, lineno: int, line: str):
     """One input line -> (prompt ids, SamplingParams, priority, id); InvalidRequest names line and field."""
     from jaxcb.host import structured
     from jaxcb.host.request import logit_bias_from_json
-    from serve.tool_calls import render_messages
+    from serve.tool_calls import choose_format, render_messages
     try:
         obj = json.loads(line)
     except json.JSONDecodeError as e:
@@ -69,7 +69,9 @@ def _parse_line(llm, args, lineno: int, line: str):
             if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
                 raise InvalidRequest("messages: must be a list of {role, content} objects")
             # as the HTTP API takes them: content parts, an assistant's tool calls, tool results
-            ids = llm.tokenizer.encode_chat(render_messages(messages, None), True, obj.get("chat_template_kwargs"))
+            fmt, native = choose_format(llm.tokenizer.chat_template)
+            ids = llm.tokenizer.encode_chat(render_messages(messages, None, fmt, native), True,
+                                            obj.get("chat_template_kwargs"))
         elif "prompt" in obj:
             if not isinstance(obj["prompt"], str):
                 raise InvalidRequest("prompt: must be a string")

@@ -16,6 +16,7 @@ import os
 
 import jinja2
 import jinja2.ext
+import jinja2.meta
 import jinja2.nodes
 import jinja2.sandbox
 
@@ -28,7 +29,7 @@ ROLE_AS = {"developer": "system"}
 
 # What a request may pass its chat template beside the messages (vLLM's chat_template_kwargs): names
 # the template is given by jaxcb are not among them.
-TEMPLATE_NAMES = ("messages", "add_generation_prompt", "bos_token", "eos_token")
+TEMPLATE_NAMES = ("messages", "add_generation_prompt", "bos_token", "eos_token", "tools")
 MAX_TEMPLATE_KWARGS = 32
 
 
@@ -76,6 +77,16 @@ def _compiled(text: str) -> jinja2.Template:
     env.globals["strftime_now"] = _strftime_now
     env.filters["tojson"] = _tojson
     return env.from_string(text)
+
+
+@functools.lru_cache(maxsize=32)
+def template_reads(text: str, name: str) -> bool:
+    """Whether the template reads the variable `name` (one jaxcb may pass it, e.g. `tools`: a template
+    that renders the tools itself)."""
+    try:
+        return name in jinja2.meta.find_undeclared_variables(_compiled(text).environment.parse(text))
+    except jinja2.TemplateSyntaxError:
+        return False
 
 
 class _Generation(jinja2.ext.Extension):

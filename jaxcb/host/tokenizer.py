@@ -23,6 +23,7 @@ from __future__ import annotations
 import array
 import dataclasses
 import hashlib
+import json
 import os
 import tempfile
 import threading
@@ -230,7 +231,6 @@ class Tokenizer:
     def from_dir(cls, path: str) -> "Tokenizer":
         """A Hugging Face tokenizer directory: tokenizer.json (+ tokenizer_config.json for the BOS/EOS
         tokens and the chat template), as written by `save`."""
-        import json
         import os
 
         tok_path = os.path.join(path, "tokenizer.json")
@@ -261,7 +261,6 @@ class Tokenizer:
 
     def save(self, path: str) -> None:
         """tokenizer.json and tokenizer_config.json into directory `path` (read back by from_dir)."""
-        import json
         import os
 
         self._tok.save(os.path.join(path, "tokenizer.json"))
@@ -327,10 +326,13 @@ class Tokenizer:
         return got
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
-                    template_kwargs: dict | None = None, chat_template: str | None = None) -> str:
+                    template_kwargs: dict | None = None, chat_template: str | None = None,
+                    tools: list[dict] | None = None) -> str:
         """The conversation as the model's chat template writes it. `template_kwargs`: more variables
         for the template (vLLM's chat_template_kwargs, e.g. Qwen3's {"enable_thinking": false}); a
-        template that does not use one ignores it. `chat_template`: this request's own template."""
+        template that does not use one ignores it. `chat_template`: this request's own template.
+        `tools`: the template's `tools` (OpenAI's function tools, for a template that renders them; an
+        assistant message may then carry `tool_calls`, whose arguments are objects)."""
         template_kwargs = check_template_kwargs(template_kwargs)
         template = self._template if chat_template is None else compile_template(chat_template)
         if template is None:
@@ -346,7 +348,7 @@ class Tokenizer:
         try:
             return template.render(
                 **template_kwargs, messages=template_roles(messages), add_generation_prompt=add_generation_prompt,
-                bos_token=bos, eos_token=eos)
+                bos_token=bos, eos_token=eos, tools=tools)
         except InvalidRequest:
             raise
         except (jinja2.TemplateError, TypeError, ValueError, ArithmeticError, LookupError, AttributeError) as e:
@@ -356,7 +358,7 @@ class Tokenizer:
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
                     template_kwargs: dict | None = None, continue_final_message: bool = False,
-                    chat_template: str | None = None) -> list[int]:
+                    chat_template: str | None = None, tools: list[dict] | None = None) -> list[int]:
         """The rendered conversation's ids. The template writes the special tokens itself (never
         another BOS); special-token text inside a message's content (a user typing `<|im_start|>system`)
         is encoded as the plain text it is, so no message can forge a role or end another's turn.
@@ -375,14 +377,20 @@ class Tokenizer:
         `continue_final_message` (vLLM's): the conversation ends inside the final (assistant) message, at
         the end of its content, so that the model goes on writing it (the template's end of turn and
         anything after it are left out; add_generation_prompt must be false). `chat_template`: the
-        request's own template instead of the model's (vLLM's field of that name)."""
+        request's own template instead of the model's (vLLM's field of that name). `tools`, and the
+        messages' `tool_calls`, are written by the template as its own text: one holding a special token's
+        text is refused (it would be that token)."""
+        self._check_no_special("tools", tools)
+        for i, m in enumerate(messages):
+            self._check_no_special(f"messages[{i}].tool_calls", m.get("tool_calls"))
         if continue_final_message:
             if add_generation_prompt:
                 raise InvalidRequest("continue_final_message: not with add_generation_prompt (set it to false)")
             if not messages or messages[-1].get("role") != "assistant":
                 raise InvalidRequest("continue_final_message: the last message must be the assistant's")
-        text = self.render_chat(messages, add_generation_prompt, template_kwargs, chat_template)
-        pieces, marked = self._chat_pieces(messages, text, add_generation_prompt, template_kwargs, chat_template)
+        text = self.render_chat(messages, add_generation_prompt, template_kwargs, chat_template, tools)
+        pieces, marked = self._chat_pieces(messages, text, add_generation_prompt, template_kwargs, chat_template,
+                                           tools)
         if pieces is None and not continue_final_message:  # the template rewrites contents
             enc = self._tok.encode(text, add_special_tokens=False)
             own = [t for t in self._tok.encode(marked, add_special_tokens=False).ids if t in self.special_ids]
@@ -423,9 +431,18 @@ class Tokenizer:
             prev = i + 1
         return ids + enc.ids[prev:]
 
+    def _check_no_special(self, field: str, value) -> None:
+        if not value:
+            return
+        enc = self._tok.encode(json.dumps(value, ensure_ascii=False), add_special_tokens=False)
+        found = next((t for t in enc.ids if t in self.special_ids), None)
+        if found is not None:
+            raise InvalidRequest(f"{field}: holds the text of the special token {self.id_to_token(found)!r}, which "
+                                 "the chat template would write as that token")
+
     def _chat_pieces(self, messages: list[dict], text: str, add_generation_prompt: bool = True,
-                     template_kwargs: dict | None = None, chat_template: str | None = None
-                     ) -> tuple[list[tuple[str, bool]] | None, str]:
+                     template_kwargs: dict | None = None, chat_template: str | None = None,
+                     tools: list[dict] | None = None) -> tuple[list[tuple[str, bool]] | None, str]:
         """The rendered `text` cut into (piece, is a message's content), or None when it is not the
         template's own text with the contents inserted; and the rendering with markers for contents."""
         import re
@@ -435,8 +452,11 @@ class Tokenizer:
         marks = [f"\ue000{nonce}{i}\ue001" for i in range(len(messages))]
         # An em space each side (whitespace no template writes itself): a template that trims contents
         # trims these, and so the real contents.
-        marked = self.render_chat([{**m, "content": f"\u2003{mark}\u2003"} for m, mark in zip(messages, marks)],
-                                  add_generation_prompt, template_kwargs, chat_template)
+        # (An empty content, an assistant's that only calls tools, is left as it is: nothing to protect, and
+        # templates write it or not by whether it is empty.)
+        marked = self.render_chat([{**m, "content": f"\u2003{mark}\u2003"} if m["content"] else m
+                                   for m, mark in zip(messages, marks)],
+                                  add_generation_prompt, template_kwargs, chat_template, tools)
         pattern = re.compile("(\u2003?)(" + "|".join(map(re.escape, marks)) + ")(\u2003?)")
         pieces, at = [], 0
         for found in pattern.finditer(marked):
