@@ -4,9 +4,13 @@ the token limit; the chat answer (one JSON body, or its server-sent chunks) is r
 object and the Responses stream's events (response.created ... response.output_text.delta ...
 response.completed). Text and function tools: the output is the message's text and the calls it makes
 (function_call items, whole or as argument deltas); earlier calls and their outputs come back as
-function_call and function_call_output input items. Not kept: `store` is accepted but no response is
-stored, so `previous_response_id` and the retrieval routes are not served; built-in tools, images and
-reasoning items are refused by name, as every unknown field is.
+function_call and function_call_output input items. On a server with a reasoning parser the thinking is
+a reasoning item before them (its text a reasoning_text part, streamed as response.reasoning_text.delta
+events); a reasoning item given back in the input is taken and left out of the prompt (the chat
+templates of thinking models drop earlier thinking too), and the `reasoning` field (effort, summary) is
+checked and has no effect. Not kept: `store` is accepted but no response is stored, so
+`previous_response_id` and the retrieval routes are not served; built-in tools and images are refused by
+name, as every unknown field is.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from serve.tool_calls import content_text
 RESPONSES_FIELDS = {"model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "stream",
                     "text", "user", "store", "metadata", "seed", "top_k", "min_p", "repetition_penalty",
                     "presence_penalty", "frequency_penalty", "ignore_eos", "priority", "cache_salt", "request_id",
-                    "tools", "tool_choice", "parallel_tool_calls"}
+                    "tools", "tool_choice", "parallel_tool_calls", "reasoning"}
 PASSED_ON = {"model", "temperature", "top_p", "stream", "user", "seed", "top_k", "min_p", "repetition_penalty",
              "presence_penalty", "frequency_penalty", "ignore_eos", "priority", "cache_salt", "request_id"}
 ROLES = ("user", "system", "developer", "assistant")
@@ -59,12 +63,17 @@ def _messages(body: dict) -> list[dict]:
         kind = item.get("type", "message")
         if not isinstance(kind, str):
             raise bad_request(f"{where}.type: must be a string")
+        if kind == "reasoning":  # earlier thinking: checked, not part of the prompt
+            unknown = sorted(set(item) - ITEM_FIELDS["reasoning"])
+            if unknown:
+                raise unknown_field(where, unknown[0], "of a reasoning item")
+            continue
         if kind in ITEM_FIELDS and kind != "message":
             _tool_item(where, kind, item, messages)
             continue
         if kind != "message":
-            raise bad_request(f"{where}.type: {kind!r} is not supported; message, function_call and "
-                              "function_call_output items only")
+            raise bad_request(f"{where}.type: {kind!r} is not supported; message, function_call, "
+                              "function_call_output and reasoning items only")
         unknown = sorted(set(item) - ITEM_FIELDS["message"])
         if unknown:
             raise unknown_field(where, unknown[0], "of a message item")
@@ -76,7 +85,27 @@ def _messages(body: dict) -> list[dict]:
 
 ITEM_FIELDS = {"message": {"type", "role", "content", "id", "status"},
                "function_call": {"type", "call_id", "name", "arguments", "id", "status"},
-               "function_call_output": {"type", "call_id", "output", "id", "status"}}
+               "function_call_output": {"type", "call_id", "output", "id", "status"},
+               "reasoning": {"type", "id", "summary", "content", "encrypted_content", "status"}}
+EFFORTS = ("none", "minimal", "low", "medium", "high")
+SUMMARIES = ("auto", "concise", "detailed")
+
+
+def _check_reasoning(value) -> None:
+    """The `reasoning` field ({effort, summary}): checked; the models served here think or not by their
+    template (chat_template_kwargs), so it changes nothing."""
+    if value is None:
+        return
+    if not isinstance(value, dict):
+        raise bad_request("reasoning: must be an object {effort, summary}")
+    unknown = sorted(set(value) - {"effort", "summary", "generate_summary"})
+    if unknown:
+        raise unknown_field("reasoning", unknown[0], "of reasoning")
+    if value.get("effort") not in (None, *EFFORTS):
+        raise bad_request(f"reasoning.effort: must be one of {', '.join(EFFORTS)}, got {value.get('effort')!r}")
+    for key in ("summary", "generate_summary"):
+        if value.get(key) not in (None, *SUMMARIES):
+            raise bad_request(f"reasoning.{key}: must be one of {', '.join(SUMMARIES)}, got {value.get(key)!r}")
 
 
 def _tool_item(where: str, kind: str, item: dict, messages: list[dict]) -> None:
@@ -156,6 +185,7 @@ def _response_format(body: dict):
 def chat_body(body: dict) -> dict:
     """The chat completions body that answers this Responses call (every field checked by name first)."""
     check_fields(body, RESPONSES_FIELDS)
+    _check_reasoning(body.get("reasoning"))
     store = body.get("store")
     if store is not None and not isinstance(store, bool):
         raise bad_request("store: must be a boolean")
@@ -183,14 +213,15 @@ def chat_body(body: dict) -> dict:
 
 
 class _Shape:
-    """One response object as it grows: its output items in order (the message's text, function calls),
-    finish and usage."""
+    """One response object as it grows: its output items in order (the thinking, the message's text,
+    function calls), finish and usage."""
 
     def __init__(self, body: dict, model: str):
         self.id, self.message_id = "resp_" + uuid.uuid4().hex, "msg_" + uuid.uuid4().hex
+        self.reasoning_id = "rs_" + uuid.uuid4().hex
         self.created, self.body, self.model = int(time.time()), body, model
-        self.text, self.finish, self.usage = "", None, None
-        self.order: list = []  # "message" and the indexes of self.calls, as they came
+        self.text, self.thought, self.finish, self.usage = "", "", None, None
+        self.order: list = []  # "reasoning", "message" and the indexes of self.calls, as they came
         self.calls: list[dict] = []  # {id, call_id, name, arguments}
 
     def usage_json(self):
@@ -209,6 +240,9 @@ class _Shape:
         return {"type": "output_text", "text": self.text, "annotations": []}
 
     def item(self, which, status: str):
+        if which == "reasoning":
+            return {"type": "reasoning", "id": self.reasoning_id, "summary": [], "status": status,
+                    "content": [{"type": "reasoning_text", "text": self.thought}] if status != "in_progress" else []}
         if which == "message":
             return {"type": "message", "id": self.message_id, "status": status, "role": "assistant",
                     "content": [self.part()] if status != "in_progress" else []}
@@ -247,6 +281,9 @@ def reshape(answer, body: dict):
     choice = answer["choices"][0]
     message = choice["message"]
     shape.text, shape.finish, shape.usage = message.get("content") or "", choice["finish_reason"], answer["usage"]
+    shape.thought = message.get("reasoning_content") or ""
+    if shape.thought:
+        shape.order.append("reasoning")
     if shape.text or not message.get("tool_calls"):
         shape.order.append("message")
     for call in message.get("tool_calls") or ():
@@ -276,7 +313,10 @@ async def _translate(chunks, body: dict, event):
 
     def close(index: int, which):
         status = shape.status()
-        if which == "message":
+        if which == "reasoning":
+            yield event("response.reasoning_text.done", item_id=shape.reasoning_id, output_index=index,
+                        content_index=0, text=shape.thought)
+        elif which == "message":
             where = {"output_index": index, **text_at}
             yield event("response.output_text.done", item_id=shape.message_id, **where, text=shape.text, logprobs=[])
             yield event("response.content_part.done", item_id=shape.message_id, **where, part=shape.part())
@@ -308,6 +348,15 @@ async def _translate(chunks, body: dict, event):
                 shape.usage = chunk["usage"]
             for choice in chunk.get("choices", ()):
                 delta = choice.get("delta") or {}
+                if delta.get("reasoning_content"):
+                    if "reasoning" not in shape.order:
+                        shape.order.append("reasoning")
+                        yield event("response.output_item.added", output_index=len(shape.order) - 1,
+                                    item=shape.item("reasoning", "in_progress"))
+                    shape.thought += delta["reasoning_content"]
+                    yield event("response.reasoning_text.delta", item_id=shape.reasoning_id,
+                                output_index=shape.order.index("reasoning"), content_index=0,
+                                delta=delta["reasoning_content"])
                 if delta.get("content"):
                     if "message" not in shape.order:
                         shape.order.append("message")
@@ -335,10 +384,12 @@ async def _translate(chunks, body: dict, event):
                     shape.finish = choice["finish_reason"]
     if shape is None:
         return
-    if not shape.order:  # no text and no call: one empty message, opened and closed
+    if not [w for w in shape.order if w != "reasoning"]:  # no text and no call: one empty message, opened and closed
         shape.order.append("message")
-        yield event("response.output_item.added", output_index=0, item=shape.item("message", "in_progress"))
-        yield event("response.content_part.added", item_id=shape.message_id, output_index=0, **text_at, part=shape.part())
+        index = len(shape.order) - 1
+        yield event("response.output_item.added", output_index=index, item=shape.item("message", "in_progress"))
+        yield event("response.content_part.added", item_id=shape.message_id, output_index=index, **text_at,
+                    part=shape.part())
     for index, which in enumerate(shape.order):
         for text in close(index, which):
             yield text

@@ -1153,7 +1153,10 @@ def test_responses_stream_client_gone_frees_its_request(server):
 
 
 @pytest.mark.parametrize("body,message", [
-    ({"input": [{"type": "reasoning", "summary": []}]}, "input[0].type: 'reasoning' is not supported"),
+    ({"input": [{"type": "image", "url": "x"}]}, "input[0].type: 'image' is not supported"),
+    ({"input": [{"type": "reasoning", "summary": [], "colour": 1}]}, "input[0].colour: not a field of a reasoning item"),
+    ({"input": "x", "reasoning": {"effort": "max"}}, "reasoning.effort: must be one of none, minimal, low"),
+    ({"input": "x", "reasoning": "high"}, "reasoning: must be an object"),
     ({"input": [{"type": []}]}, "input[0].type: must be a string"),
     ({"input": [{"role": "user", "content": "x", "a b": 1}]}, "input[0]: 'a b' is not a field of a message item"),
     ({"input": [{"role": "user", "content": "x", "colour": 1}]}, "input[0].colour: not a field of a message item"),

@@ -45,3 +45,51 @@ def test_the_grammar_waits_for_the_end_of_the_thinking_unless_the_prompt_closed_
     assert grammar_start(tok, [8, 1, 7]) == 8  # an earlier turn's closed, this one open
     tok.ids = {}
     assert grammar_start(tok, [1, 2]) is None  # no </think> token: the grammar from the start
+
+
+def test_the_responses_api_gives_the_thinking_as_a_reasoning_item_whole_and_streamed():
+    """/v1/responses over a chat answer with reasoning_content: a reasoning item (its text a reasoning_text
+    part) before the message, whole; streamed, its item opens first and its text comes as
+    response.reasoning_text.delta events, the same text as the whole answer's."""
+    import asyncio
+    import json
+
+    from serve import openai_responses
+
+    body = {"model": "m", "input": "hi"}
+    answer = {"model": "m", "usage": {"prompt_tokens": 3, "completion_tokens": 5, "total_tokens": 8},
+              "choices": [{"finish_reason": "stop", "message": {"role": "assistant", "content": "yes",
+                                                                "reasoning_content": "plan a"}}]}
+    whole = openai_responses.reshape(answer, body)
+    assert [item["type"] for item in whole["output"]] == ["reasoning", "message"]
+    assert whole["output"][0]["content"] == [{"type": "reasoning_text", "text": "plan a"}]
+    assert whole["output"][1]["content"][0]["text"] == "yes"
+
+    deltas = [{"reasoning_content": "plan"}, {"reasoning_content": " a"}, {"content": "ye"}, {"content": "s"}]
+    chunks = [f"data: {json.dumps({'model': 'm', 'choices': [{'index': 0, 'delta': d, 'finish_reason': None}]})}\n\n"
+              for d in deltas]
+    chunks.append(f"data: {json.dumps({'model': 'm', 'choices': [{'index': 0, 'delta': {}, 'finish_reason': 'stop'}]})}\n\n")
+
+    async def events():
+        async def source():
+            for c in chunks:
+                yield c
+        out = []
+        async for text in openai_responses._events(source(), body):
+            out.append(json.loads(text.split("data: ", 1)[1]))
+        return out
+
+    got = asyncio.run(events())
+    kinds = [e["type"] for e in got]
+    assert kinds.index("response.reasoning_text.delta") < kinds.index("response.output_text.delta")
+    assert "".join(e["delta"] for e in got if e["type"] == "response.reasoning_text.delta") == "plan a"
+    done = got[-1]["response"]
+    assert done["status"] == "completed" and [i["type"] for i in done["output"]] == ["reasoning", "message"]
+    assert done["output"] == [{**item, "id": d["id"]} for item, d in zip(whole["output"], done["output"])]
+    added = [e["item"]["type"] for e in got if e["type"] == "response.output_item.added"]
+    assert added == ["reasoning", "message"]
+    # a reasoning item given back in the input is taken (not part of the prompt); the reasoning field checked
+    chat = openai_responses.chat_body({"model": "m", "reasoning": {"effort": "low"}, "input": [
+        {"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text", "text": "x"}]},
+        {"role": "user", "content": "hi"}]})
+    assert chat["messages"] == [{"role": "user", "content": "hi"}]
