@@ -329,6 +329,22 @@ def test_llama3s_byte_level_bpe_takes_a_whole_token_before_the_merges():
     assert Tokenizer(dataclasses.replace(spec, pre="default")).encode("abc") == [0, 3]
 
 
+def test_user_defined_tokens_are_text_and_control_tokens_special():
+    """A byte-level GGUF vocabulary's user-defined tokens (Qwen's <tool_call>, <think>: what llama.cpp's
+    converter marks so) are matched whole and decoded as text, as the model's tokenizer.json and llama.cpp
+    give them (tool calls and reasoning are read from that text); control tokens are special and left out
+    of decoded text."""
+    from jaxcb.host.tokenizer import Tokenizer, TokenizerSpec
+
+    tokens = ("a", "b", "<", ">", "<|im_end|>", "<tool_call>")
+    spec = TokenizerSpec(model="gpt2", pre="default", tokens=tokens, merges=(), token_types=(1, 1, 1, 1, 3, 4),
+                         bos_id=None, eos_id=4, add_bos=False, chat_template=None)
+    tok = Tokenizer(spec)
+    assert tok.encode("a<tool_call>b") == [0, 5, 1]
+    assert tok.decode([0, 5, 1, 4]) == "a<tool_call>b"
+    assert tok.special_ids == {4}
+
+
 def test_templates_render_in_transformers_environment():
     """A model's template writes what it writes under transformers: {% break %}, the {% generation %}
     block, tojson as json.dumps (no HTML escaping of a tool schema's < & '), strftime_now (Llama 3.2's

@@ -1,8 +1,9 @@
 """Tokenizer and chat template, built from the model file's metadata.
 
 The byte-level BPE model is built with the `tokenizers` library from the GGUF vocabulary and merges;
-the pre-tokenizer follows llama.cpp's name for it (`tokenizer.ggml.pre`). Control and user-defined
-tokens (`<|im_start|>`...) are added as special tokens so that they are matched whole in text.
+the pre-tokenizer follows llama.cpp's name for it (`tokenizer.ggml.pre`). Control tokens
+(`<|im_start|>`...) are added as special tokens, user-defined ones (Qwen's `<tool_call>`) as tokens that
+are matched whole in text and decoded as text.
 
 A SentencePiece vocabulary (`tokenizer.ggml.model = llama`: Llama 2, Gemma) becomes a BPE model with
 byte fallback over "▁"-for-space text. Such files carry no merges: they are rebuilt from the
@@ -193,12 +194,13 @@ class Tokenizer:
         if spec.pre == "qwen2":  # (Qwen's tokenizer.json normalizes to NFC first)
             tok.normalizer = normalizers.NFC()
         tok.decoder = decoders.ByteLevel()
-        special = [
-            AddedToken(t, special=True, normalized=False)
-            for t, kind in zip(spec.tokens, spec.token_types)
-            if kind in (_CONTROL, _USER_DEFINED)
-        ]
-        tok.add_special_tokens(special)
+        # Control tokens are special (left out of decoded text); user-defined ones (Qwen's <tool_call> and
+        # <think>, which llama.cpp's converter marks so) are matched whole and are text, as in the model's
+        # tokenizer.json and llama.cpp's detokenizer.
+        added = [AddedToken(t, special=kind == _CONTROL, normalized=False)
+                 for t, kind in zip(spec.tokens, spec.token_types) if kind in (_CONTROL, _USER_DEFINED)]
+        tok.add_special_tokens([t for t in added if t.special])
+        tok.add_tokens([t for t in added if not t.special])
         self._setup(tok, spec.bos_id, spec.eos_id, spec.add_bos, spec.chat_template)
 
     def _setup(self, tok: HFTokenizer, bos_id, eos_id, add_bos: bool, chat_template: str | None,
