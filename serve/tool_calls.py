@@ -8,6 +8,9 @@ A model writes its calls in the format it was trained on (a `Format`; vLLM's --t
                  one block per call (Hermes, Qwen 2.5 and 3, SmolLM3)
     llama3_json  {"name": "get_weather", "parameters": {"city": "Paris"}}
                  the whole answer, one call (Llama 3.1-3.3)
+    mistral      [TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}, ...]
+                 the whole answer, a list of calls (Mistral 7B v0.3, Mistral Nemo; [TOOL_CALLS] is a
+                 control token, not in the answer's text; call ids of 9 letters and digits)
 
 A chat template that reads `tools` renders the tools, the earlier calls (`tool_calls`, arguments as
 objects) and the `tool` results itself, as the model was trained on them; its format is recognised from
@@ -25,8 +28,11 @@ is parsed; with "none" the tools are not shown.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import re
+import secrets
+import string
 import uuid
 
 from jaxcb.host.chat_template import ROLE_AS, template_reads
@@ -40,28 +46,39 @@ CHOICES = ("none", "auto", "required")
 
 @dataclasses.dataclass(frozen=True)
 class Format:
-    """How a model writes a tool call: `open`, a JSON object {"name": ..., keys[0]: {arguments}}, `close`.
-    An empty `open` and `close`: the answer is one call when it begins with such an object (what follows
-    the object is text). A call read back may name its arguments by any of `keys`."""
+    """How a model writes its tool calls, each a JSON object {"name": ..., keys[0]: {arguments}}: in
+    blocks, `open` call `close`, anywhere in the answer ("blocks"); or as the answer itself when it begins
+    with one ("object": one call) or with a list of them ("list"), after `open` if that is in the text
+    (what follows is text). A call read back may name its arguments by any of `keys`."""
     name: str
+    shape: str  # "blocks" | "object" | "list"
     open: str
     close: str
     keys: tuple[str, ...]
+    id_length: int = 0  # call ids the model's template takes: this many letters and digits (0: any id)
 
     def write(self, name: str, arguments) -> str:
-        return self.open + json.dumps({"name": name, self.keys[0]: arguments}) + self.close
+        call = json.dumps({"name": name, self.keys[0]: arguments})
+        return self.open + (f"[{call}]" if self.shape == "list" else call) + self.close
+
+    def new_call_id(self) -> str:
+        if self.id_length:
+            return "".join(secrets.choice(string.ascii_letters + string.digits) for _ in range(self.id_length))
+        return new_call_id()
 
 
-HERMES = Format("hermes", "<tool_call>", "</tool_call>", ("arguments",))
-LLAMA3_JSON = Format("llama3_json", "", "", ("parameters", "arguments"))
-FORMATS = {f.name: f for f in (HERMES, LLAMA3_JSON)}
+HERMES = Format("hermes", "blocks", "<tool_call>", "</tool_call>", ("arguments",))
+LLAMA3_JSON = Format("llama3_json", "object", "", "", ("parameters", "arguments"))
+MISTRAL = Format("mistral", "list", "[TOOL_CALLS]", "", ("arguments",), id_length=9)
+FORMATS = {f.name: f for f in (HERMES, LLAMA3_JSON, MISTRAL)}
 PARSERS = ("auto", *FORMATS)  # --tool-call-parser
 
 
 def choose_format(template: str | None, parser: str = "auto") -> tuple[Format, bool]:
     """(the format calls are written and read in, whether the chat template `template` renders the tools
     and calls itself: it reads `tools`). "auto": the template's own format where it is recognised from what
-    the template writes (a <tool_call> block: hermes; a "parameters" object: llama3_json), else hermes in
+    the template writes (a <tool_call> block: hermes; [TOOL_CALLS]: mistral; a "parameters" object:
+    llama3_json), else hermes in
     jaxcb's rendering; a parser named by the server: its format, rendered by the template if it reads
     `tools` (the server says it is the template's), else by jaxcb."""
     reads = bool(template) and template_reads(template, "tools")
@@ -69,6 +86,8 @@ def choose_format(template: str | None, parser: str = "auto") -> tuple[Format, b
         return FORMATS[parser], reads
     if reads and HERMES.open in template:
         return HERMES, True
+    if reads and MISTRAL.open in template:
+        return MISTRAL, True
     if reads and '"parameters"' in template:
         return LLAMA3_JSON, True
     return HERMES, False
@@ -152,10 +171,11 @@ def system_text(tools: Tools) -> str:
     lines = [json.dumps({"type": "function", "function": {"name": n, "description": tools.descriptions[n],
                                                           "parameters": p}}) for n, p in tools.functions.items()]
     fmt = tools.fmt
-    call = fmt.open + '{"name": <function name>, "%s": <arguments as a JSON object>}' % fmt.keys[0] + fmt.close
+    call = '{"name": <function name>, "%s": <arguments as a JSON object>}' % fmt.keys[0]
+    how = {"blocks": f"{fmt.open}{call}{fmt.close} (one block per call)", "object": f"{call} (one call)",
+           "list": f"[{call}, ...] (a list of calls)"}[fmt.shape]
     return ("You may call functions to help with the user's request. The functions, as JSON schemas:\n<tools>\n"
-            + "\n".join(lines) + "\n</tools>\nTo call a function, answer with " + call
-            + (" (one block per call) and nothing else." if fmt.open else " and nothing else (one call)."))
+            + "\n".join(lines) + "\n</tools>\nTo call a function, answer with " + how + " and nothing else.")
 
 
 CHAT_PARTS = {"text": "text", "refusal": "refusal"}  # a chat content part's type -> the key of its text
@@ -211,7 +231,7 @@ def render_messages(messages: list, tools: Tools | None, fmt: Format = HERMES, n
                 except ValueError:
                     raise InvalidRequest(f"messages[{i}].tool_calls[{k}].function.arguments: not valid JSON") from None
                 if native:
-                    call_id = c.get("id") if isinstance(c.get("id"), str) else new_call_id()
+                    call_id = _call_id(c.get("id"), fmt)
                     called[call_id] = f["name"]
                     rendered.append({"id": call_id, "type": "function",
                                      "function": {"name": f["name"], "arguments": arguments}})
@@ -224,8 +244,8 @@ def render_messages(messages: list, tools: Tools | None, fmt: Format = HERMES, n
             message["tool_calls"] = rendered
         if role == "tool" and native:
             if isinstance(m.get("tool_call_id"), str):
-                message["tool_call_id"] = m["tool_call_id"]
-            name = m.get("name") if isinstance(m.get("name"), str) else called.get(m.get("tool_call_id"))
+                message["tool_call_id"] = _call_id(m["tool_call_id"], fmt)
+            name = m.get("name") if isinstance(m.get("name"), str) else called.get(message.get("tool_call_id"))
             if name is not None:
                 message["name"] = name
         elif role == "tool":
@@ -238,6 +258,19 @@ def render_messages(messages: list, tools: Tools | None, fmt: Format = HERMES, n
         else:
             out.insert(0, {"role": "system", "content": text})
     return out
+
+
+def _call_id(given, fmt: Format) -> str:
+    """An earlier call's id as the template takes it: the client's, or where the format has ids of
+    `id_length` letters and digits (Mistral's template refuses others) its last so many of them, or for a
+    shorter id as many hex digits of its hash (the same for the call and its result); a new one where
+    there is none."""
+    if not isinstance(given, str):
+        return fmt.new_call_id()
+    if fmt.id_length:
+        kept = "".join(ch for ch in given if ch.isascii() and ch.isalnum())[-fmt.id_length:]
+        return kept if len(kept) == fmt.id_length else hashlib.sha256(given.encode()).hexdigest()[:fmt.id_length]
+    return given
 
 
 def constraint(tools: Tools) -> Constraint | None:
@@ -253,8 +286,11 @@ def constraint(tools: Tools) -> Constraint | None:
               "anyOf": [{"type": "object", "properties": {"name": {"const": n}, key: tools.functions[n]},
                          "required": ["name", key], "additionalProperties": False} for n in names]}
     body = json.dumps(grammar_schema(schema))  # the arguments read as a json_schema's schema is
-    if not tools.fmt.open:
+    if tools.fmt.shape == "object":
         grammar = f"start: %json {body}"
+    elif tools.fmt.shape == "list":
+        more = ' ("," " "? call)*' if tools.parallel and tools.choice == "required" else ""
+        grammar = f'start: "[" call{more} "]"\ncall: %json {body}'
     else:
         more = ' ("\\n"? call)*' if tools.parallel and tools.choice == "required" else ""
         grammar = (f"start: call{more}\ncall: {json.dumps(tools.fmt.open)} \"\\n\"? %json {body} \"\\n\"? "

@@ -1,6 +1,11 @@
 """Tool calls read back from the model's answer (the answer's side of serve.tool_calls): whole (`parse`),
 or as OpenAI's streamed deltas (`CallStream`), in the request's format (`Tools.fmt`), the same calls
-either way however the answer's text is cut into pieces."""
+either way however the answer's text is cut into pieces.
+
+Formats of the "blocks" shape (hermes) hold calls anywhere in the answer; those of the "object" and
+"list" shapes (llama3_json, mistral) are calls when the answer begins with them, and what follows is
+text. A call cut off at the end of the answer (max_tokens) that has named one of the tools is that call
+with the arguments written so far (its finish_reason says "length")."""
 
 from __future__ import annotations
 
@@ -8,7 +13,7 @@ import functools
 import json
 import re
 
-from serve.tool_calls import Format, Tools, new_call_id
+from serve.tool_calls import Format, Tools
 
 
 @functools.lru_cache(maxsize=None)
@@ -29,28 +34,16 @@ def _name(quoted: str) -> str | None:
         return None
 
 
-def _cut_call(body: str, tools: Tools) -> tuple[str, str] | None:
-    """A call cut off at the end of the answer (max_tokens): (its name, its arguments written so far)
-    once its name is written whole and is one of the tools' (the grammar's order: the name first)."""
-    named = _NAME.match(body)
-    if named is None or _name(named.group(1)) not in tools.functions:
-        return None
-    head = _head(tools.fmt).match(body)
-    return _name(named.group(1)), (_json_prefix(body[head.end():]) or "") if head else ""
-
-
-def _made(name: str, arguments: str) -> dict:
-    return {"id": new_call_id(), "type": "function", "function": {"name": name, "arguments": arguments}}
+def _made(fmt: Format, name: str, arguments: str) -> dict:
+    return {"id": fmt.new_call_id(), "type": "function", "function": {"name": name, "arguments": arguments}}
 
 
 def parse(text: str, tools: Tools) -> tuple[str, list[dict]]:
-    """(the text outside the calls, the calls) from a whole answer; a block (or object) that does not
-    parse as a call of one of the tools stays in the text. A call cut off at the end of the answer
-    (max_tokens) that has named one of the tools is that call with the arguments written so far
-    (`_cut_call`), as a stream of the same answer gives it (its finish_reason says "length")."""
+    """(the text outside the calls, the calls) from a whole answer; a block (or answer) that does not
+    parse as calls of the tools stays text."""
     fmt = tools.fmt
-    if not fmt.open:
-        return _parse_object_answer(text, tools)
+    if fmt.shape != "blocks":
+        return _parse_answer(text, tools)
     calls, content, pos = [], [], 0
     for match in re.finditer(re.escape(fmt.open) + r"(.*?)" + re.escape(fmt.close), text, re.S):
         call = _call(match.group(1), tools)
@@ -58,30 +51,61 @@ def parse(text: str, tools: Tools) -> tuple[str, list[dict]]:
             continue
         content.append(text[pos:match.start()])
         pos = match.end()
-        calls.append(_made(call[0], _arguments_text(match.group(1), call[1], fmt)))
+        calls.append(_made(fmt, call[0], _arguments_text(match.group(1), call[1], fmt)))
     rest = text[pos:]
     at = rest.rfind(fmt.open)
     cut = _cut_call(rest[at + len(fmt.open):], tools) if at >= 0 and fmt.close not in rest[at:] else None
     if cut is not None:
-        calls.append(_made(*cut))
+        calls.append(_made(fmt, *cut))
         rest = rest[:at]
     content.append(rest)
     return "".join(content).strip(), calls
 
 
-def _parse_object_answer(text: str, tools: Tools) -> tuple[str, list[dict]]:
-    """An answer that is a call when it begins with one (llama3_json): the call, then the text after it."""
-    body = text.lstrip()
-    if not body.startswith("{"):
+def _parse_answer(text: str, tools: Tools) -> tuple[str, list[dict]]:
+    body = _answer_body(text.lstrip(), tools.fmt)
+    if body is None:
         return text.strip(), []
-    end = _object_end(body)
-    if end is not None:
-        call = _call(body[:end], tools)
+    end = _scan(body)
+    calls = _answer_calls(body if end is None else body[:end], tools, whole=end is not None)
+    if calls is None:
+        return text.strip(), []
+    return ("" if end is None else body[end:].strip()), [_made(tools.fmt, *c) for c in calls]
+
+
+def _answer_body(text: str, fmt: Format) -> str | None:
+    """(object and list shapes) The answer from its first object or list on (after `open`, where that is
+    in the text), or None when it does not begin with one."""
+    if fmt.open and text.startswith(fmt.open):
+        text = text[len(fmt.open):].lstrip()
+    return text if text.startswith("[" if fmt.shape == "list" else "{") else None
+
+
+def _answer_calls(body: str, tools: Tools, whole: bool) -> list[tuple[str, str]] | None:
+    """The calls (name, arguments text) of an answer's object or list, `whole` or cut off at the end; None
+    when it is not calls of the tools."""
+    if tools.fmt.shape == "object":
+        if not whole:
+            cut = _cut_call(body, tools)
+            return [cut] if cut is not None else None
+        call = _call(body, tools)
+        return [(call[0], _arguments_text(body, call[1], tools.fmt))] if call is not None else None
+    calls, pos = [], 1  # a list: its objects one by one
+    while True:
+        pos += len(body[pos:]) - len(body[pos:].lstrip(" \n\t,"))
+        if pos >= len(body) or body[pos] == "]":
+            return calls or None
+        if body[pos] != "{":
+            return None
+        end = _scan(body[pos:])
+        if end is None:  # the last one, cut off
+            cut = _cut_call(body[pos:], tools)
+            return calls + [cut] if cut is not None else (calls or None)
+        call = _call(body[pos:pos + end], tools)
         if call is None:
-            return text.strip(), []
-        return body[end:].strip(), [_made(call[0], _arguments_text(body[:end], call[1], tools.fmt))]
-    cut = _cut_call(body, tools)
-    return ("", [_made(*cut)]) if cut is not None else (text.strip(), [])
+            return None
+        calls.append((call[0], _arguments_text(body[pos:pos + end], call[1], tools.fmt)))
+        pos += end
 
 
 def _call(body: str, tools: Tools):
@@ -95,6 +119,16 @@ def _call(body: str, tools: Tools):
     if not isinstance(arguments, dict):
         return None
     return obj["name"], arguments
+
+
+def _cut_call(body: str, tools: Tools) -> tuple[str, str] | None:
+    """A call cut off at the end of the answer: (its name, its arguments written so far) once its name is
+    written whole and is one of the tools' (the grammar's order: the name first)."""
+    named = _NAME.match(body)
+    if named is None or _name(named.group(1)) not in tools.functions:
+        return None
+    head = _head(tools.fmt).match(body)
+    return _name(named.group(1)), (_json_prefix(body[head.end():]) or "") if head else ""
 
 
 def _arguments_text(body: str, arguments: dict, fmt: Format) -> str:
@@ -112,67 +146,52 @@ def _arguments_text(body: str, arguments: dict, fmt: Format) -> str:
 class CallStream:
     """OpenAI's streamed tool calls from an answer's text deltas: feed() returns the content to send and
     the tool-call deltas ({index, id, type, function: {name, arguments}} first, then {index, function:
-    {arguments}} pieces). Text that may begin a call is held back until it is known; a call's arguments
-    stream as the model writes them when it writes the name first (the grammar's order), else the call
-    comes whole when it ends. In a format without blocks (llama3_json) the answer's first character
-    decides: an object may be a call, held back until its head is known, and what follows it is text."""
+    {arguments}} pieces). Text that may begin a call is held back until it is known. In blocks and in an
+    answer that is one object, a call's arguments stream as the model writes them when it writes the name
+    first (the grammar's order), else the call comes whole when it ends; an answer that is a list of calls
+    is held back until the list ends, then its calls come whole."""
 
     def __init__(self, tools: Tools):
         self.tools = tools
         self.fmt = tools.fmt
         self.buffer = ""  # text not yet sent: a possible opening, or the inside of a call
         self.in_block = False
-        self.text_only = False  # (no blocks) the answer did not begin with an object, or its call ended
+        self.text_only = False  # (object, list) the answer did not begin with calls, or they ended
         self.calls = 0
         self.sent_args = None  # the current call's arguments sent so far (None: its head not yet sent)
         self.block_called = False  # the current block's call has been sent (its head at least)
         self.args_start = 0  # where the current call's arguments begin in its block
+        self.head_text = ""  # (object, list) the text before the calls: sent only if they are no calls
         self.ids: list[str] = []
 
     def feed(self, text: str, final: bool = False) -> tuple[str, list[dict]]:
         self.buffer += text
+        if self.fmt.shape == "blocks":
+            return self._feed_blocks(final)
+        return self._feed_answer(final)
+
+    def _feed_blocks(self, final: bool) -> tuple[str, list[dict]]:
         content, deltas = "", []
         open_, close = self.fmt.open, self.fmt.close
         while True:
             if not self.in_block:
-                if not open_:
-                    if not self.text_only:
-                        stripped = self.buffer.lstrip()
-                        if not stripped and not final:
-                            return content, deltas  # the answer has not begun yet
-                        self.text_only = not stripped.startswith("{")
-                        if not self.text_only:
-                            content += self.buffer[:len(self.buffer) - len(stripped)]
-                            self.buffer = stripped
-                            self.in_block, self.sent_args, self.block_called = True, None, False
-                    if self.text_only:
-                        content += self.buffer
-                        self.buffer = ""
-                        return content, deltas
-                else:
-                    at = self.buffer.find(open_)
-                    if at < 0:
-                        keep = 0 if final else _partial_suffix(self.buffer, open_)
-                        content += self.buffer[:len(self.buffer) - keep]
-                        self.buffer = self.buffer[len(self.buffer) - keep:]
-                        return content, deltas
-                    content += self.buffer[:at]
-                    self.buffer = self.buffer[at + len(open_):]
-                    self.in_block, self.sent_args, self.block_called = True, None, False
-            if close:
-                end = self.buffer.find(close)
-                body = self.buffer if end < 0 else self.buffer[:end]
-            else:
-                end = _object_end(self.buffer)
-                end = -1 if end is None else end
-                body = self.buffer if end < 0 else self.buffer[:end]
+                at = self.buffer.find(open_)
+                if at < 0:
+                    keep = 0 if final else _partial_suffix(self.buffer, open_)
+                    content += self.buffer[:len(self.buffer) - keep]
+                    self.buffer = self.buffer[len(self.buffer) - keep:]
+                    return content, deltas
+                content += self.buffer[:at]
+                self.buffer = self.buffer[at + len(open_):]
+                self.in_block, self.sent_args, self.block_called = True, None, False
+            end = self.buffer.find(close)
+            body = self.buffer if end < 0 else self.buffer[:end]
             deltas += self._stream_args(body, whole=end >= 0)
             if end < 0:
                 if final:  # unfinished at the end: a call cut short if it named one, else text
                     cut = None if self.block_called else _cut_call(body, self.tools)
                     if cut is not None:
-                        deltas.append(self._head(cut[0]))
-                        deltas += [self._args(cut[1])] if cut[1] else []
+                        deltas += self._whole(*cut)
                     elif not self.block_called:
                         content += open_ + self.buffer
                     self.buffer = ""
@@ -181,7 +200,46 @@ class CallStream:
                 content += open_ + body + close
             self.buffer = self.buffer[end + len(close):]
             self.in_block = False
-            self.text_only = not open_  # (no blocks) one call an answer: the rest is text
+
+    def _feed_answer(self, final: bool) -> tuple[str, list[dict]]:
+        content, deltas = "", []
+        if not self.in_block and not self.text_only:  # the answer's beginning decides
+            stripped = self.buffer.lstrip()
+            opening = self.fmt.open and self.fmt.open.startswith(stripped[:len(self.fmt.open)])
+            if not final and (not stripped or (opening and len(stripped) <= len(self.fmt.open))):
+                return content, deltas  # not known yet
+            body = _answer_body(stripped, self.fmt)
+            if body is None:
+                self.text_only = True
+            else:
+                self.head_text = self.buffer[:len(self.buffer) - len(body)]  # text if no calls come
+                self.buffer, self.in_block = body, True
+                self.sent_args, self.block_called = None, False
+        if self.text_only:
+            content, self.buffer = self.buffer, ""
+            return content, deltas
+        end = _scan(self.buffer)
+        if end is None and self.fmt.shape == "object":
+            deltas += self._stream_args(self.buffer, whole=False)
+        if end is None and not final:
+            return content, deltas
+        body = self.buffer if end is None else self.buffer[:end]
+        if self.fmt.shape == "object" and end is not None:
+            deltas += self._stream_args(body, whole=True)
+            calls = [] if self.block_called else None
+        elif self.fmt.shape == "object" and self.block_called:
+            calls = []  # cut off, its head (and arguments so far) sent already
+        else:
+            calls = _answer_calls(body, self.tools, whole=end is not None)
+        if calls is None:
+            content += self.head_text + body
+        for name, arguments in calls or ():
+            deltas += self._whole(name, arguments)
+        self.buffer = "" if end is None else self.buffer[end:]
+        self.in_block, self.text_only = False, True
+        content += self.buffer
+        self.buffer = ""
+        return content, deltas
 
     def _stream_args(self, body: str, whole: bool) -> list[dict]:
         out = []
@@ -193,7 +251,7 @@ class CallStream:
                 call = _call(body, self.tools)
                 if call is None:
                     return out
-                return [self._head(call[0]), self._args(json.dumps(call[1]))]
+                return self._whole(call[0], json.dumps(call[1]))
             out.append(self._head(_name(head.group(1))))
             self.sent_args, self.args_start = "", head.end()
         args = _json_prefix(body[self.args_start:])
@@ -206,9 +264,12 @@ class CallStream:
             self.sent_args = args
         return out
 
+    def _whole(self, name: str, arguments: str) -> list[dict]:
+        return [self._head(name)] + ([self._args(arguments)] if arguments else [])
+
     def _head(self, name: str) -> dict:
         self.block_called = True
-        self.ids.append(new_call_id())
+        self.ids.append(self.fmt.new_call_id())
         self.calls += 1
         return {"index": self.calls - 1, "id": self.ids[-1], "type": "function",
                 "function": {"name": name, "arguments": ""}}
@@ -225,16 +286,6 @@ def _partial_suffix(text: str, token: str) -> int:
     return 0
 
 
-def _object_end(text: str) -> int | None:
-    """Where the JSON object that `text` begins with (after any space) ends, just past its closing brace;
-    None while it is unfinished or when the text does not begin with one."""
-    lead = len(text) - len(text.lstrip())
-    if not text.startswith("{", lead):
-        return None
-    end = _scan(text[lead:])
-    return None if end is None else lead + end
-
-
 def _json_prefix(text: str) -> str | None:
     """The arguments object's text written so far (up to its closing brace, once written), or None if
     the text does not start an object."""
@@ -246,7 +297,7 @@ def _json_prefix(text: str) -> str | None:
 
 
 def _scan(text: str) -> int | None:
-    """Just past the closing brace of the object `text` begins with; None while it is unfinished."""
+    """Just past the closing bracket of the object or list `text` begins with; None while it is unfinished."""
     depth, in_string, escaped = 0, False, False
     for i, ch in enumerate(text):
         if in_string:

@@ -946,13 +946,13 @@ def test_tool_calls_in_the_chat_templates_own_format(long_server):
     streamed; an earlier call and its result are given back to the template as objects."""
     import jsonschema
 
-    from tests.test_tool_calls import BLOCK_TEMPLATE, OBJECT_TEMPLATE
+    from tests.test_tool_calls import BLOCK_TEMPLATE, LIST_TEMPLATE, OBJECT_TEMPLATE
 
     oai = openai.OpenAI(base_url=long_server.http + "/v1", api_key="unused", max_retries=0)
     model_name = oai.models.list().data[0].id
     messages = [{"role": "user", "content": "weather in Paris?"}]
     schema = WEATHER["function"]["parameters"]
-    for template in (BLOCK_TEMPLATE, OBJECT_TEMPLATE):
+    for template in (BLOCK_TEMPLATE, OBJECT_TEMPLATE, LIST_TEMPLATE):
         extra = {"chat_template": template}
         tokenized = httpx.post(long_server.http + "/tokenize", timeout=30, json={
             "messages": messages, "tools": [WEATHER, CLOCK], "chat_template": template}).json()

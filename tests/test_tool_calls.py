@@ -162,12 +162,19 @@ OBJECT_TEMPLATE = (
     "{% if m.tool_calls %}{\"name\": \"{{ m.tool_calls[0].function.name }}\", \"parameters\": "
     "{{ m.tool_calls[0].function.arguments | tojson }}}{% else %}{{ m.content }}{% endif %}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+LIST_TEMPLATE = (
+    "{% for m in messages %}{% if loop.last and tools %}[AVAILABLE_TOOLS]{{ tools | tojson }}[/AVAILABLE_TOOLS]"
+    "{% endif %}{% if m.tool_calls %}[TOOL_CALLS]{{ m.tool_calls | map(attribute='function') | list | tojson }}"
+    "{% for c in m.tool_calls %}{% if c.id | length != 9 %}{{ raise_exception('ids of 9') }}{% endif %}"
+    "{% endfor %}</s>{% elif m.role == 'tool' %}[TOOL_RESULTS]{{ m.tool_call_id }}: {{ m.content }}[/TOOL_RESULTS]"
+    "{% else %}[INST]{{ m.content }}[/INST]{% endif %}{% endfor %}")
 PLAIN_TEMPLATE = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
 
 
 def test_the_format_is_the_templates_own_where_it_renders_tools():
     assert tool_calls.choose_format(BLOCK_TEMPLATE) == (tool_calls.HERMES, True)
     assert tool_calls.choose_format(OBJECT_TEMPLATE) == (tool_calls.LLAMA3_JSON, True)
+    assert tool_calls.choose_format(LIST_TEMPLATE) == (tool_calls.MISTRAL, True)
     assert tool_calls.choose_format(PLAIN_TEMPLATE) == (tool_calls.HERMES, False)  # jaxcb renders them
     assert tool_calls.choose_format(None) == (tool_calls.HERMES, False)
     # a template that reads tools in a format not recognised: jaxcb's rendering, not the template's
@@ -178,8 +185,8 @@ def test_the_format_is_the_templates_own_where_it_renders_tools():
     assert tool_calls.choose_format(PLAIN_TEMPLATE, "llama3_json") == (tool_calls.LLAMA3_JSON, False)
 
 
-def _object_tools(choice="auto"):
-    return dataclasses.replace(_tools(choice), fmt=tool_calls.LLAMA3_JSON, native=True)
+def _object_tools(choice="auto", fmt=tool_calls.LLAMA3_JSON):
+    return dataclasses.replace(_tools(choice), fmt=fmt, native=True)
 
 
 OBJECT_ANSWERS = [
@@ -192,11 +199,24 @@ OBJECT_ANSWERS = [
 ]
 
 
-@pytest.mark.parametrize("text, content, calls", OBJECT_ANSWERS)
-def test_an_answer_that_is_a_call_object_parses_whole_and_streamed(text, content, calls):
-    """llama3_json: the answer is a call when it begins with one (what follows is text), the same whole
-    and however the stream cuts it."""
-    tools = _object_tools()
+LIST_ANSWERS = [  # mistral: [TOOL_CALLS] is a control token, so the answer's text begins with the list
+    (' [{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name":"get_time","arguments":{}}]',
+     "", [("get_weather", {"city": "Paris"}), ("get_time", {})]),
+    ('[TOOL_CALLS][{"name": "get_time", "arguments": {}}] ok', "ok", [("get_time", {})]),  # the token as text
+    ("[link](x) is text", "[link](x) is text", []),
+    ("[]", "[]", []),
+    ('[{"name": "get_time", "arguments": {}}, {"name": "nope", "arguments": {}}]',
+     '[{"name": "get_time", "arguments": {}}, {"name": "nope", "arguments": {}}]', []),  # not all calls: text
+    ("[TOOL_CALLS] plain", "[TOOL_CALLS] plain", []),
+]
+
+
+@pytest.mark.parametrize("fmt, text, content, calls", [(tool_calls.LLAMA3_JSON, *a) for a in OBJECT_ANSWERS]
+                         + [(tool_calls.MISTRAL, *a) for a in LIST_ANSWERS])
+def test_an_answer_that_is_calls_parses_whole_and_streamed(fmt, text, content, calls):
+    """llama3_json and mistral: the answer is its call (or list of calls) when it begins with it (what
+    follows is text), the same whole and however the stream cuts it."""
+    tools = _object_tools(fmt=fmt)
     got_content, got_calls = tool_parse.parse(text, tools)
     assert (got_content, [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in got_calls]) == (
         content, calls)
@@ -216,9 +236,20 @@ def test_an_answer_that_is_a_call_object_parses_whole_and_streamed(text, content
         assert [(c["name"], json.loads(c["arguments"])) for c in merged.values()] == calls
         assert streamed.strip() == content
     # cut off by max_tokens after the name: that call with its arguments so far, whole and streamed
-    cut = '{"name": "get_weather", "parameters": {"city": "Os'
-    assert [(c["function"]["name"], c["function"]["arguments"]) for c in tool_parse.parse(cut, tools)[1]] == [
-        ("get_weather", '{"city": "Os')]
+    last = '{"name": "get_weather", "%s": {"city": "Os' % fmt.keys[0]
+    cut = '[{"name": "get_time", "arguments": {}}, ' + last if fmt.shape == "list" else last
+    want = ([("get_time", "{}")] if fmt.shape == "list" else []) + [("get_weather", '{"city": "Os')]
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in tool_parse.parse(cut, tools)[1]] == want
+    for step in (1, 4, len(cut)):
+        stream, merged = tool_parse.CallStream(tools), {}
+        pieces = [cut[i:i + step] for i in range(0, len(cut), step)]
+        for i, piece in enumerate(pieces):
+            for d in stream.feed(piece, final=i == len(pieces) - 1)[1]:
+                call = merged.setdefault(d["index"], {"name": None, "arguments": ""})
+                call["name"] = d["function"].get("name") or call["name"]
+                call["arguments"] += d["function"]["arguments"]
+        assert [(c["name"], c["arguments"]) for c in merged.values()] == want, step
+    assert all(len(c["id"]) == 9 and c["id"].isalnum() for c in tool_parse.parse(cut, tools)[1]) == bool(fmt.id_length)
 
 
 def test_a_template_that_renders_tools_gets_them_and_the_calls_as_objects(smollm2_model):
@@ -232,18 +263,22 @@ def test_a_template_that_renders_tools_gets_them_and_the_calls_as_objects(smollm
             {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": "rain <|im_end|>"},
     ]
-    for template, fmt in ((BLOCK_TEMPLATE, tool_calls.HERMES), (OBJECT_TEMPLATE, tool_calls.LLAMA3_JSON)):
+    for template, fmt in ((BLOCK_TEMPLATE, tool_calls.HERMES), (OBJECT_TEMPLATE, tool_calls.LLAMA3_JSON),
+                          (LIST_TEMPLATE, tool_calls.MISTRAL)):
         tools = dataclasses.replace(_tools("required"), fmt=fmt, native=True)
         messages = tool_calls.render_messages(conversation, tools, fmt, native=True)
         assert [m["role"] for m in messages] == ["user", "assistant", "tool"]
         assert messages[1]["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": {"city": "Oslo"}}
-        assert messages[2]["tool_call_id"] == "call_1" and messages[2]["name"] == "get_weather"  # the call it answers
+        call_id = "call_1" if not fmt.id_length else None
+        assert messages[2]["tool_call_id"] == messages[1]["tool_calls"][0]["id"]  # (Mistral's: 9 letters and digits)
+        assert call_id is None or messages[2]["tool_call_id"] == call_id
+        assert messages[2]["name"] == "get_weather"  # the call it answers
         ids = tok.encode_chat(messages, chat_template=template, tools=tools.template_tools())
         text = tok.decode(ids, skip_special=False)
-        shown = json.dumps(tools.template_tools()[0]) if fmt.open else "get_weather, get_time"
+        shown = "get_weather, get_time" if fmt.shape == "object" else json.dumps(tools.template_tools()[0])
         assert shown in text  # the tools, in the template's words
-        assert fmt.write("get_weather", {"city": "Oslo"}).replace("<tool_call>", "<tool_call>\n").replace(
-            "</tool_call>", "\n</tool_call>") in text
+        written = fmt.write("get_weather", {"city": "Oslo"})  # as these templates write a call (the hermes one
+        assert written.replace("<tool_call>", "<tool_call>\n").replace("</tool_call>", "\n</tool_call>") in text  # with newlines)
         assert "rain <|im_end|>" in text  # a content's special-token text stays text
         im_end = tok._tok.token_to_id("<|im_end|>")
         assert ids.count(im_end) == text.count("<|im_end|>") - 1
@@ -273,6 +308,9 @@ def test_the_grammar_writes_calls_in_the_format(make_llm):
                                  '\n<tool_call>{"name":"get_weather","arguments":{"city":"x"}}</tool_call>',
              '{"name":"get_time","arguments":{}}'),
             (_object_tools("required"), '{"name":"get_weather","parameters":{"city":"x"}}',
-             '<tool_call>{"name":"get_time","parameters":{}}</tool_call>')):
+             '<tool_call>{"name":"get_time","parameters":{}}</tool_call>'),
+            (_object_tools("required", tool_calls.MISTRAL),
+             '[{"name":"get_time","arguments":{}}, {"name":"get_weather","arguments":{"city":"x"}}]',
+             '{"name":"get_time","arguments":{}}')):
         assert accepts(tools, good) and not accepts(tools, bad)
         assert len(tool_parse.parse(good, tools)[1]) == good.count('"name"')
