@@ -88,7 +88,7 @@ def load_model(path: str | None = None, dtype=None, check_config=None, weights: 
         config, loaded_weights = loaded.config, loaded.weights
         tokenizer = Tokenizer(loaded.tokenizer) if loaded.tokenizer is not None else None
     params = params_from_numpy(loaded_weights, dtype or default_dtype(), weights, group)
-    eos = (tokenizer.eos_id,) if tokenizer is not None and tokenizer.eos_id is not None else ()
+    eos = tokenizer.end_ids if tokenizer is not None else ()
     return config, params, tokenizer, eos
 
 

@@ -345,6 +345,29 @@ def test_user_defined_tokens_are_text_and_control_tokens_special():
     assert tok.special_ids == {4}
 
 
+def test_every_end_of_generation_token_ends_a_generation(tmp_path):
+    """The tokens that end a generation: a GGUF's EOS, its end-of-turn and end-of-message ids, and its
+    control tokens spelt as llama.cpp's end-of-generation texts (Llama 3's <|eot_id|> where the EOS is
+    <|end_of_text|>, <|eom_id|> after a tool call); a Hugging Face directory's generation_config.json
+    list; kept by save. A user-defined token of such a text is not one."""
+    from jaxcb.host.errors import InvalidConfig
+    from jaxcb.host.tokenizer import Tokenizer, TokenizerSpec
+
+    tokens = ("a", "b", "<|end_of_text|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<stop>")
+    spec = TokenizerSpec(model="gpt2", pre="default", tokens=tokens, merges=(), token_types=(1, 1, 3, 3, 3, 4, 3),
+                         bos_id=None, eos_id=2, add_bos=False, chat_template=None, end_ids=(6,))
+    tok = Tokenizer(spec)
+    assert tok.eos_id == 2 and tok.end_ids == (2, 3, 4, 6)
+    tok.save(str(tmp_path))
+    again = Tokenizer.from_dir(str(tmp_path))
+    assert (again.eos_id, again.end_ids) == (2, (2, 3, 4, 6))
+    (tmp_path / "generation_config.json").write_text('{"eos_token_id": 3}')
+    assert Tokenizer.from_dir(str(tmp_path)).end_ids == (2, 3)
+    (tmp_path / "generation_config.json").write_text('{"eos_token_id": [3, 99]}')
+    with pytest.raises(InvalidConfig, match="generation_config.json: eos_token_id must be a token id"):
+        Tokenizer.from_dir(str(tmp_path))
+
+
 def test_templates_render_in_transformers_environment():
     """A model's template writes what it writes under transformers: {% break %}, the {% generation %}
     block, tojson as json.dumps (no HTML escaping of a tool schema's < & '), strftime_now (Llama 3.2's

@@ -67,6 +67,19 @@ class TokenizerSpec:
     scores: tuple[float, ...] = ()  # SentencePiece: each token's score (its merge priority)
     add_space_prefix: bool = True  # SentencePiece: a space before the text (Llama 2 yes, Gemma no)
     arch: str = "llama"  # general.architecture (Gemma's merge order is its token order, not its scores)
+    end_ids: tuple[int, ...] = ()  # more tokens that end a generation (GGUF's end-of-turn and end-of-message)
+
+
+# Control tokens that end a generation besides the file's EOS, by their text (llama.cpp's rule for GGUF
+# files): an instruct model's end of turn where the EOS is its end of text, or the reverse (Llama 3's
+# <|eot_id|> and, after a tool call, <|eom_id|>; Gemma's <end_of_turn>; ChatML's <|im_end|>).
+END_TEXTS = frozenset(("<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>",
+                       "<EOT>"))
+
+
+def _end_ids(spec: TokenizerSpec) -> tuple[int, ...]:
+    return tuple(spec.end_ids) + tuple(i for i, (t, kind) in enumerate(zip(spec.tokens, spec.token_types))
+                                       if kind == _CONTROL and t in END_TEXTS)
 
 
 # llama.cpp's pre-tokenizer names (tokenizer.ggml.pre) by the split they make: GPT-2's pattern; every digit
@@ -178,7 +191,7 @@ class Tokenizer:
                 _store(path, text)
             else:
                 tok, text = cached
-            self._setup(tok, spec.bos_id, spec.eos_id, spec.add_bos, spec.chat_template, text)
+            self._setup(tok, spec.bos_id, spec.eos_id, spec.add_bos, spec.chat_template, text, _end_ids(spec))
             return
         if spec.model != "gpt2":
             raise InvalidConfig(
@@ -201,14 +214,17 @@ class Tokenizer:
                  for t, kind in zip(spec.tokens, spec.token_types) if kind in (_CONTROL, _USER_DEFINED)]
         tok.add_special_tokens([t for t in added if t.special])
         tok.add_tokens([t for t in added if not t.special])
-        self._setup(tok, spec.bos_id, spec.eos_id, spec.add_bos, spec.chat_template)
+        self._setup(tok, spec.bos_id, spec.eos_id, spec.add_bos, spec.chat_template, None, _end_ids(spec))
 
     def _setup(self, tok: HFTokenizer, bos_id, eos_id, add_bos: bool, chat_template: str | None,
-               text: str | None = None) -> None:
+               text: str | None = None, end_ids=()) -> None:
         self._tok = tok
         self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
         self.bos_id = bos_id
         self.eos_id = eos_id
+        # Every token that ends a generation: the EOS and the file's others (a GGUF's end of turn, a
+        # Hugging Face generation_config.json's eos_token_id list).
+        self.end_ids = tuple(sorted({eos_id, *end_ids} - {None}))
         self.add_bos = add_bos
         self.chat_template = chat_template
         self.special_ids = frozenset(i for i, t in tok.get_added_tokens_decoder().items() if t.special)
@@ -232,7 +248,8 @@ class Tokenizer:
     @classmethod
     def from_dir(cls, path: str) -> "Tokenizer":
         """A Hugging Face tokenizer directory: tokenizer.json (+ tokenizer_config.json for the BOS/EOS
-        tokens and the chat template), as written by `save`."""
+        tokens and the chat template, generation_config.json for the tokens that end a generation), as
+        written by `save`."""
         import os
 
         tok_path = os.path.join(path, "tokenizer.json")
@@ -257,12 +274,21 @@ class Tokenizer:
         template = cfg.get("chat_template")
         if isinstance(template, list):  # named templates: take the default one
             template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        ends = []
+        gen_path = os.path.join(path, "generation_config.json")
+        if os.path.isfile(gen_path):
+            with open(gen_path, encoding="utf-8") as f:
+                ends = json.load(f).get("eos_token_id") or []
+            ends = [ends] if isinstance(ends, int) else ends
+            if not isinstance(ends, list) or not all(isinstance(i, int) and 0 <= i < tok.get_vocab_size() for i in ends):
+                raise InvalidConfig(f"model: {gen_path}: eos_token_id must be a token id or a list of them")
         self._setup(tok, token_id("bos_token"), token_id("eos_token"), bool(cfg.get("add_bos_token", False)),
-                    template)
+                    template, None, ends)
         return self
 
     def save(self, path: str) -> None:
-        """tokenizer.json and tokenizer_config.json into directory `path` (read back by from_dir)."""
+        """tokenizer.json, tokenizer_config.json and generation_config.json's eos_token_id into directory
+        `path` (read back by from_dir)."""
         import os
 
         self._tok.save(os.path.join(path, "tokenizer.json"))
@@ -270,6 +296,8 @@ class Tokenizer:
         with open(os.path.join(path, "tokenizer_config.json"), "w", encoding="utf-8") as f:
             json.dump({"bos_token": name(self.bos_id), "eos_token": name(self.eos_id), "add_bos_token": self.add_bos,
                        "chat_template": self.chat_template}, f, indent=1)
+        with open(os.path.join(path, "generation_config.json"), "w", encoding="utf-8") as f:
+            json.dump({"eos_token_id": list(self.end_ids)}, f, indent=1)
 
     def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
         ids = self._tok.encode(text, add_special_tokens=False).ids

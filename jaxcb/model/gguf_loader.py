@@ -192,6 +192,8 @@ def read_tokenizer(reader) -> TokenizerSpec | None:
         scores=tuple(_numbers(reader, "tokenizer.ggml.scores")) if model == "llama" and not arch.startswith("gemma") else (),
         add_space_prefix=bool(_field(reader, "tokenizer.ggml.add_space_prefix", True)),
         arch=arch,
+        end_ids=tuple(int(i) for i in (_field(reader, "tokenizer.ggml.eot_token_id"),
+                                        _field(reader, "tokenizer.ggml.eom_token_id")) if i is not None),
     )
 
 
