@@ -301,7 +301,8 @@ def test_the_servers_chat_template_reaches_the_engines_tokenizer_not_the_callers
 
 def test_gguf_pre_tokenizers_split_as_their_models_do_and_unknown_ones_are_refused():
     """llama.cpp's tokenizer.ggml.pre names the split before BPE: Qwen2's (Qwen2.5, Qwen3) puts every digit
-    in a piece of its own and normalizes to NFC, Llama 3's groups digits by three, GPT-2's keeps runs; a
+    in a piece of its own and normalizes to NFC, Llama 3's groups digits by three, GPT-2's keeps runs,
+    Tekken's splits words at case changes; a
     name jaxcb does not know is refused (another split gives other tokens) rather than read as GPT-2's."""
     from jaxcb.host import tokenizer as tokenizer_module
     from jaxcb.host.errors import InvalidConfig
@@ -313,8 +314,11 @@ def test_gguf_pre_tokenizers_split_as_their_models_do_and_unknown_ones_are_refus
     assert pieces("qwen2", text) == ["Year", "Ġ", "1", "2", "3", "4", "5", ",", "Ġit", "'s", "ĠDON", "'T"]
     assert pieces("llama-bpe", text) == ["Year", "Ġ", "123", "45", ",", "Ġit", "'s", "ĠDON", "'T"]
     assert pieces("default", text)[:3] == ["Year", "Ġ12345", ","]
-    with pytest.raises(InvalidConfig, match="tokenizer.ggml.pre: 'tekken' is not a pre-tokenizer jaxcb knows"):
-        tokenizer_module._pre_tokenizer("tekken")
+    # Tekken's (Mistral Nemo): a word ends where lower case turns upper, digits one by one, no contractions
+    assert pieces("tekken", text) == ["Year", "Ġ", "1", "2", "3", "4", "5", ",", "Ġit", "'s", "ĠDON", "'T"]
+    assert pieces("tekken", "HelloWorld foo/bar\n\nx") == ["Hello", "World", "Ġfoo", "/bar", "ĊĊ", "x"]
+    with pytest.raises(InvalidConfig, match="tokenizer.ggml.pre: 'jais' is not a pre-tokenizer jaxcb knows"):
+        tokenizer_module._pre_tokenizer("jais")
 
 
 def test_llama3s_byte_level_bpe_takes_a_whole_token_before_the_merges():

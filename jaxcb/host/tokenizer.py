@@ -49,6 +49,13 @@ _LLAMA3_PATTERN = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
     r"|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+# Mistral's Tekken (Mistral Nemo, Pixtral): words split at a lower-to-upper case change, every digit its own
+# piece, no contractions (its tokenizer.json's pattern).
+_TEKKEN_PATTERN = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+    r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,10 +90,14 @@ def _end_ids(spec: TokenizerSpec) -> tuple[int, ...]:
 
 
 # llama.cpp's pre-tokenizer names (tokenizer.ggml.pre) by the split they make: GPT-2's pattern; every digit
-# its own piece ("\p{N}" first), then GPT-2's; Llama 3's pattern; Qwen2's.
+# its own piece ("\p{N}" first), then GPT-2's; Llama 3's pattern; Qwen2's; Tekken's.
 _PRE_SPLITS = {"default": "gpt2", "gpt-2": "gpt2", "gpt2": "gpt2", "smollm": "digits", "starcoder": "digits",
                "refact": "digits", "codeshell": "digits", "llama-bpe": "llama3", "llama3": "llama3",
-               "smaug-bpe": "llama3", "qwen2": "qwen2"}
+               "smaug-bpe": "llama3", "qwen2": "qwen2", "tekken": "tekken"}
+_PATTERNS = {"llama3": _LLAMA3_PATTERN, "qwen2": _QWEN2_PATTERN, "tekken": _TEKKEN_PATTERN}
+# Whose BPE takes a piece that is a token whole before any merge (tokenizer.json's ignore_merges; llama.cpp's
+# for these names).
+_IGNORE_MERGES = ("llama-bpe", "llama3", "tekken")
 PRE_TOKENIZERS = tuple(_PRE_SPLITS)
 
 
@@ -99,9 +110,9 @@ def _pre_tokenizer(pre: str):
         return byte_level
     if split == "digits":
         return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
-    if split in ("llama3", "qwen2"):
+    if split in _PATTERNS:
         return pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(_QWEN2_PATTERN if split == "qwen2" else _LLAMA3_PATTERN), behavior="isolated"),
+            pre_tokenizers.Split(Regex(_PATTERNS[split]), behavior="isolated"),
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
         ])
     raise InvalidConfig(f"tokenizer.ggml.pre: {pre!r} is not a pre-tokenizer jaxcb knows ({', '.join(PRE_TOKENIZERS)}); "
@@ -202,7 +213,7 @@ class Tokenizer:
         merges = [tuple(m.split(" ", 1)) for m in spec.merges]
         # Llama 3's tokenizer (and llama.cpp for it) takes a piece that is a token whole, merges aside.
         tok = HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False,
-                                     ignore_merges=spec.pre in ("llama-bpe", "llama3")))
+                                     ignore_merges=spec.pre in _IGNORE_MERGES))
         tok.pre_tokenizer = _pre_tokenizer(spec.pre)
         if spec.pre == "qwen2":  # (Qwen's tokenizer.json normalizes to NFC first)
             tok.normalizer = normalizers.NFC()
