@@ -21,6 +21,24 @@ def _tools(choice="auto"):
     return tool_calls.parse_tools({"tools": [WEATHER, CLOCK], "tool_choice": choice})
 
 
+def _streamed(tools, pieces: list[str]) -> tuple[str, list[tuple[str, str]]]:
+    """The content and the calls (name, arguments text) a stream of `pieces` gives, deltas merged."""
+    stream, content, merged = tool_parse.CallStream(tools), "", {}
+    for i, piece in enumerate(pieces):
+        c, deltas = stream.feed(piece, final=i == len(pieces) - 1)
+        content += c
+        for d in deltas:
+            call = merged.setdefault(d["index"], {"name": None, "arguments": ""})
+            call["name"] = d["function"].get("name") or call["name"]
+            call["arguments"] += d["function"]["arguments"]
+    return content, [(c["name"], c["arguments"]) for c in merged.values()]
+
+
+def _random_pieces(text: str, rng: random.Random) -> list[str]:
+    cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randint(1, 12))))
+    return [text[a:b] for a, b in zip([0] + cuts, cuts + [len(text)])]
+
+
 ANSWERS = [
     ("Sure.\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris \\\"}{\"}}\n</tool_call>",
      "Sure.", [("get_weather", {"city": "Paris \"}{"})]),
@@ -42,20 +60,8 @@ def test_answers_parse_whole_and_streamed_in_any_pieces(text, content, calls):
     assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in got_calls] == calls
     rng = random.Random(0)
     for _ in range(30):
-        cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randint(1, 12))))
-        pieces = [text[a:b] for a, b in zip([0] + cuts, cuts + [len(text)])]
-        stream = tool_parse.CallStream(tools)
-        streamed, deltas = "", []
-        for i, piece in enumerate(pieces):
-            c, d = stream.feed(piece, final=i == len(pieces) - 1)
-            streamed += c
-            deltas += d
-        merged = {}
-        for d in deltas:
-            call = merged.setdefault(d["index"], {"name": None, "arguments": ""})
-            call["name"] = d["function"].get("name") or call["name"]
-            call["arguments"] += d["function"]["arguments"]
-        assert [(c["name"], json.loads(c["arguments"])) for c in merged.values()] == calls
+        streamed, merged = _streamed(tools, _random_pieces(text, rng))
+        assert [(name, json.loads(arguments)) for name, arguments in merged] == calls
         if not calls:
             assert streamed == text
         else:
@@ -79,17 +85,8 @@ def test_a_call_cut_off_by_max_tokens_is_the_same_whole_and_streamed(text, conte
     got_content, got_calls = tool_parse.parse(text, tools)
     assert (got_content, [(c["function"]["name"], c["function"]["arguments"]) for c in got_calls]) == (content, calls)
     for step in (1, 3, 7, len(text)):
-        stream = tool_parse.CallStream(tools)
-        pieces = [text[i:i + step] for i in range(0, len(text), step)]
-        streamed, merged = "", {}
-        for i, piece in enumerate(pieces):
-            c, deltas = stream.feed(piece, final=i == len(pieces) - 1)
-            streamed += c
-            for d in deltas:
-                call = merged.setdefault(d["index"], {"name": None, "arguments": ""})
-                call["name"] = d["function"].get("name") or call["name"]
-                call["arguments"] += d["function"]["arguments"]
-        assert (streamed.strip(), [(c["name"], c["arguments"]) for c in merged.values()]) == (content, calls), step
+        streamed, merged = _streamed(tools, [text[i:i + step] for i in range(0, len(text), step)])
+        assert (streamed.strip(), merged) == (content, calls), step
 
 
 def test_tools_and_messages_render_for_the_chat_template():
@@ -222,18 +219,8 @@ def test_an_answer_that_is_calls_parses_whole_and_streamed(fmt, text, content, c
         content, calls)
     rng = random.Random(1)
     for _ in range(30):
-        cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randint(1, 12))))
-        pieces = [text[a:b] for a, b in zip([0] + cuts, cuts + [len(text)])]
-        stream = tool_parse.CallStream(tools)
-        streamed, merged = "", {}
-        for i, piece in enumerate(pieces):
-            c, deltas = stream.feed(piece, final=i == len(pieces) - 1)
-            streamed += c
-            for d in deltas:
-                call = merged.setdefault(d["index"], {"name": None, "arguments": ""})
-                call["name"] = d["function"].get("name") or call["name"]
-                call["arguments"] += d["function"]["arguments"]
-        assert [(c["name"], json.loads(c["arguments"])) for c in merged.values()] == calls
+        streamed, merged = _streamed(tools, _random_pieces(text, rng))
+        assert [(name, json.loads(arguments)) for name, arguments in merged] == calls
         assert streamed.strip() == content
     # cut off by max_tokens after the name: that call with its arguments so far, whole and streamed
     last = '{"name": "get_weather", "%s": {"city": "Os' % fmt.keys[0]
@@ -241,14 +228,7 @@ def test_an_answer_that_is_calls_parses_whole_and_streamed(fmt, text, content, c
     want = ([("get_time", "{}")] if fmt.shape == "list" else []) + [("get_weather", '{"city": "Os')]
     assert [(c["function"]["name"], c["function"]["arguments"]) for c in tool_parse.parse(cut, tools)[1]] == want
     for step in (1, 4, len(cut)):
-        stream, merged = tool_parse.CallStream(tools), {}
-        pieces = [cut[i:i + step] for i in range(0, len(cut), step)]
-        for i, piece in enumerate(pieces):
-            for d in stream.feed(piece, final=i == len(pieces) - 1)[1]:
-                call = merged.setdefault(d["index"], {"name": None, "arguments": ""})
-                call["name"] = d["function"].get("name") or call["name"]
-                call["arguments"] += d["function"]["arguments"]
-        assert [(c["name"], c["arguments"]) for c in merged.values()] == want, step
+        assert _streamed(tools, [cut[i:i + step] for i in range(0, len(cut), step)])[1] == want, step
     assert all(len(c["id"]) == 9 and c["id"].isalnum() for c in tool_parse.parse(cut, tools)[1]) == bool(fmt.id_length)
 
 
