@@ -78,9 +78,8 @@ def choose_format(template: str | None, parser: str = "auto") -> tuple[Format, b
     """(the format calls are written and read in, whether the chat template `template` renders the tools
     and calls itself: it reads `tools`). "auto": the template's own format where it is recognised from what
     the template writes (a <tool_call> block: hermes; [TOOL_CALLS]: mistral; a "parameters" object:
-    llama3_json), else hermes in
-    jaxcb's rendering; a parser named by the server: its format, rendered by the template if it reads
-    `tools` (the server says it is the template's), else by jaxcb."""
+    llama3_json), else hermes in jaxcb's rendering; a parser named by the server: its format, rendered by
+    the template if it reads `tools` (the server says it is the template's), else by jaxcb."""
     reads = bool(template) and template_reads(template, "tools")
     if parser != "auto":
         return FORMATS[parser], reads
