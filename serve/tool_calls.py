@@ -106,13 +106,14 @@ class Tools:
     def active(self) -> bool:
         return self.choice != "none"
 
-    def template_tools(self) -> list[dict] | None:
-        """The tools as a template that renders them reads `tools` (OpenAI's function tools); None when jaxcb
-        renders them or none are shown."""
-        if not (self.native and self.active):
-            return None
+    def listed(self) -> list[dict]:
+        """The tools as OpenAI's function tools, each {type: function, function: {name, description, parameters}}."""
         return [{"type": "function", "function": {"name": n, "description": self.descriptions[n], "parameters": p}}
                 for n, p in self.functions.items()]
+
+    def template_tools(self) -> list[dict] | None:
+        """The template's `tools` where it renders them; None when jaxcb renders them or none are shown."""
+        return self.listed() if self.native and self.active else None
 
 
 def parse_tools(body: dict) -> Tools | None:
@@ -167,8 +168,7 @@ def parse_tools(body: dict) -> Tools | None:
 
 def system_text(tools: Tools) -> str:
     """jaxcb's rendering of the tools, for a chat template that does not render them: a system message."""
-    lines = [json.dumps({"type": "function", "function": {"name": n, "description": tools.descriptions[n],
-                                                          "parameters": p}}) for n, p in tools.functions.items()]
+    lines = [json.dumps(t) for t in tools.listed()]
     fmt = tools.fmt
     call = '{"name": <function name>, "%s": <arguments as a JSON object>}' % fmt.keys[0]
     how = {"blocks": f"{fmt.open}{call}{fmt.close} (one block per call)", "object": f"{call} (one call)",
