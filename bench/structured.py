@@ -1,4 +1,4 @@
-"""Structured output and tool calls (jaxcb.host.structured, serve/tool_calls.py): validity, what it
+"""Structured output and tool calls (jaxcb.host.structured, jaxcb/host/tool_calls.py): validity, what it
 costs the rows that use it and the rows that do not, and tool calls through the OpenAI API.
 
     python -m bench.structured [--schemas 200] [--quick] [--out bench/results/structured.json]

@@ -16,6 +16,7 @@ import os
 import time
 
 from jaxcb.device import cpu_dots
+from jaxcb.host import tool_calls
 from jaxcb.host.beam_search import BeamSearch
 from jaxcb.host.chat_template import read_template
 from jaxcb.host.engine import Engine
@@ -284,17 +285,26 @@ class LLM:
 
     def chat(self, conversations: list[list[dict]], params: SamplingParams | list[SamplingParams] | None = None, *,
              chat_template_kwargs: dict | None = None, chat_template: str | None = None,
-             add_generation_prompt: bool = True, continue_final_message: bool = False):
-        """Each conversation ([{role, content}, ...]) through the model's chat template (or `chat_template`,
-        a Jinja template of this call's own), with `chat_template_kwargs` as more template variables (e.g.
+             add_generation_prompt: bool = True, continue_final_message: bool = False, tools: list[dict] | None = None):
+        """Each conversation ([{role, content}, ...], as the OpenAI chat API takes messages: content parts,
+        an assistant's tool_calls, tool results) through the model's chat template (or `chat_template`, a
+        Jinja template of this call's own), with `chat_template_kwargs` as more template variables (e.g.
         {"enable_thinking": False}); `continue_final_message` (with add_generation_prompt False): the model
-        goes on writing the final assistant message, as vLLM's LLM.chat takes them."""
+        goes on writing the final assistant message; `tools` (OpenAI's function tools) shown to the model as
+        the chat API shows them (jaxcb.host.tool_calls; read the calls back from an answer's text with
+        jaxcb.host.tool_parse.parse), as vLLM's LLM.chat takes them."""
         if self.tokenizer is None:
             raise InvalidRequest("messages: this model has no tokenizer")
         if params is None or isinstance(params, SamplingParams):
             params = [params or SamplingParams()] * len(conversations)
-        return self._run([self.tokenizer.encode_chat(m, add_generation_prompt, chat_template_kwargs,
-                                                     continue_final_message, chat_template)
+        fmt, native = tool_calls.choose_format(chat_template or self.tokenizer.chat_template)
+        shown = tool_calls.parse_tools({"tools": tools}) if tools is not None else None
+        if shown is not None:
+            shown = dataclasses.replace(shown, fmt=fmt, native=native)
+        return self._run([self.tokenizer.encode_chat(tool_calls.render_messages(m, shown, fmt, native),
+                                                     add_generation_prompt, chat_template_kwargs,
+                                                     continue_final_message, chat_template,
+                                                     tools=shown.template_tools() if shown else None)
                           for m in conversations], params,
                          None)
 

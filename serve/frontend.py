@@ -46,7 +46,7 @@ class ServerOptions:
     # template is a program a client runs on the server, so only where the operator trusts the clients.
     trust_request_chat_template: bool = False
     reasoning_parser: str | None = None  # chat answers' <think> part as `reasoning` (serve.reasoning.PARSERS)
-    tool_call_parser: str = "auto"  # the format of tool calls (serve.tool_calls.choose_format)
+    tool_call_parser: str = "auto"  # the format of tool calls (jaxcb.host.tool_calls.choose_format)
 
     @property
     def tokens(self) -> tuple[str, ...]:

@@ -15,9 +15,10 @@ import uuid
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
+from jaxcb.host import tool_parse
 from jaxcb.host.errors import JaxcbError
 from jaxcb.host.request import FinishReason
-from serve import reasoning, tool_parse
+from serve import reasoning
 from serve.openai_fields import ERROR_TYPE, HTTPError, RequestOptions, http_error
 
 

@@ -37,8 +37,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse, Response
 
 import jaxcb
+from jaxcb.host import tool_calls
 from jaxcb.host.errors import InvalidConfig, InvalidRequest, JaxcbError, NotFound, Unauthenticated
-from serve import frontend, openai_responses, reasoning, tool_calls
+from serve import frontend, openai_responses, reasoning
 from serve.openai_answer import answer, json_response
 from serve.openai_beam import beam_answer, check_beam_request
 from serve.openai_fields import (CHAT_FIELDS, COMPLETION_FIELDS, DETOKENIZE_FIELDS, TOKENIZE_FIELDS, MAX_TOP_LOGPROBS,
@@ -308,7 +309,7 @@ def make_app(state) -> FastAPI:
 
     def chat_tools(body: dict, messages: list, template: str | None):
         """The request's tools (None without), in the format of the chat template that renders the chat
-        (the request's own, else the model's; serve.tool_calls.choose_format), and the messages rendered
+        (the request's own, else the model's; jaxcb.host.tool_calls.choose_format), and the messages rendered
         for it (each message's fields checked)."""
         fmt, native = tool_calls.choose_format(template or state.tokenizer.chat_template,
                                                state.options.tool_call_parser)

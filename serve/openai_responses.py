@@ -24,7 +24,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from jaxcb.host.errors import InvalidRequest
 from serve.openai_fields import bad_request, check_fields, http_error, int_field, unknown_field
-from serve.tool_calls import content_text
+from jaxcb.host.tool_calls import content_text
 
 RESPONSES_FIELDS = {"model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "stream",
                     "text", "user", "store", "metadata", "seed", "top_k", "min_p", "repetition_penalty",

@@ -20,7 +20,7 @@ import jaxcb
 from jaxcb.host.engine_config import load_config
 from jaxcb.host.request import SamplingParams
 from jaxcb.llm import LLM
-from serve import tool_calls
+from jaxcb.host import tool_calls
 from serve.client import Client, build_request
 from tests.server_util import ServerProcess, free_port, wait_pool_whole
 
@@ -758,7 +758,7 @@ def test_sigterm_ends_the_server_with_a_reader_that_stopped_reading(tiny_gguf_pa
         s.stop()
 
 
-# ---- structured output and tool calls (jaxcb.host.structured, serve/tool_calls.py) ----
+# ---- structured output and tool calls (jaxcb.host.structured, jaxcb/host/tool_calls.py) ----
 
 PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
                                            "age": {"type": "integer", "minimum": 0, "maximum": 99}},

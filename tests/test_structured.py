@@ -297,7 +297,7 @@ def test_objects_that_list_their_properties_get_no_others_unless_the_schema_allo
     union = {"type": "object", "properties": {"v": {"oneOf": [{"type": "integer"}, {"type": "number"}]}}}
     assert accepts(union, '{"v":1.5}') and not accepts(union, '{"v":"1"}')
     # A tool's parameters, in the tool-call grammar of tool_choice "required", likewise.
-    from serve import tool_calls
+    from jaxcb.host import tool_calls
 
     tools = tool_calls.parse_tools({"tools": [{"type": "function", "function": {"name": "f", "parameters": point}}],
                                     "tool_choice": "required"})

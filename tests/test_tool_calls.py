@@ -1,4 +1,4 @@
-"""Tool calls in the OpenAI chat API (serve/tool_calls.py): the request's tools checked, rendered and
+"""Tool calls in the OpenAI chat API (jaxcb/host/tool_calls.py): the request's tools checked, rendered and
 parsed back, whole and as streamed deltas, whatever way the answer's text is cut into pieces."""
 
 import dataclasses
@@ -10,7 +10,7 @@ import re
 import pytest
 
 from jaxcb.host.errors import InvalidRequest
-from serve import tool_calls, tool_parse
+from jaxcb.host import tool_calls, tool_parse
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
@@ -140,7 +140,7 @@ def test_a_tool_schema_that_cannot_constrain_is_refused_naming_the_tool(make_llm
         "type": "function", "function": {"name": "get_weather"}}})))  # only the named tool's schema is used
 
 
-# ---- a chat template's own tool format (serve.tool_calls.choose_format) ----
+# ---- a chat template's own tool format (jaxcb.host.tool_calls.choose_format) ----
 # Templates written for these tests, in the two styles models are trained on: one that lists the tools
 # and writes calls as <tool_call> blocks (Hermes, Qwen), one that asks for a {"name", "parameters"}
 # object (Llama 3.1-3.3).
@@ -294,3 +294,28 @@ def test_the_grammar_writes_calls_in_the_format(make_llm):
              '{"name":"get_time","arguments":{}}')):
         assert accepts(tools, good) and not accepts(tools, bad)
         assert len(tool_parse.parse(good, tools)[1]) == good.count('"name"')
+
+
+def test_llm_chat_shows_tools_as_the_chat_api_does(make_llm):
+    """LLM.chat(tools=...) writes the prompt the chat API writes for the same messages and tools: jaxcb's
+    system text for a template without tools, the template's own rendering for one with them; an earlier
+    call and its result are taken in the chat API's form. (The prompts are read where they would run.)"""
+    llm = make_llm()
+    prompts = []
+    llm._run = lambda ids, params, _: prompts.extend(ids)  # the prompts, not the generation
+    conversation = [{"role": "user", "content": [{"type": "text", "text": "weather?"}]},
+                    {"role": "assistant", "content": None, "tool_calls": [
+                        {"id": "call_1", "type": "function", "function": {"name": "get_time", "arguments": "{}"}}]},
+                    {"role": "tool", "tool_call_id": "call_1", "content": "noon"}]
+    for template in (None, BLOCK_TEMPLATE):
+        fmt, native = tool_calls.choose_format(template or llm.tokenizer.chat_template)
+        tools = dataclasses.replace(tool_calls.parse_tools({"tools": [WEATHER, CLOCK]}), fmt=fmt, native=native)
+        llm.chat([conversation], tools=[WEATHER, CLOCK], chat_template=template)
+        want = llm.tokenizer.encode_chat(tool_calls.render_messages(conversation, tools, fmt, native), True, None,
+                                         False, template, tools=tools.template_tools())
+        assert prompts.pop() == want
+        text = llm.tokenizer.decode(want, skip_special=False)
+        assert native == (template is not None)
+        assert (tool_calls.system_text(tools) in text) != native  # jaxcb's rendering, or the template's
+        assert json.dumps(tools.listed()[0]) in text
+        assert "<tool_response>noon</tool_response>" in text

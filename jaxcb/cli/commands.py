@@ -21,8 +21,8 @@ from jaxcb.cli.generate import cmd_generate
 from jaxcb.device import cpu_dots
 from jaxcb.host.errors import InvalidConfig, JaxcbError
 from jaxcb.model.embedded import served_name
-from serve.tool_calls import PARSERS as TOOL_CALL_PARSERS
-from serve.tool_calls import choose_format as choose_tool_format
+from jaxcb.host.tool_calls import PARSERS as TOOL_CALL_PARSERS
+from jaxcb.host.tool_calls import choose_format as choose_tool_format
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:

@@ -46,7 +46,7 @@ def _parse_line(llm, args, lineno: int, line: str):
     """One input line -> (prompt ids, SamplingParams, priority, id); InvalidRequest names line and field."""
     from jaxcb.host import structured
     from jaxcb.host.request import logit_bias_from_json
-    from serve.tool_calls import choose_format, render_messages
+    from jaxcb.host.tool_calls import choose_format, render_messages
     try:
         obj = json.loads(line)
     except json.JSONDecodeError as e:

@@ -1,6 +1,6 @@
-"""Tool calling for the OpenAI chat API, the request's side: `tools` and `tool_choice` checked, the tools
-and the conversation's calls rendered into the prompt, and a grammar when a call is required. The
-model's calls are parsed back by serve.tool_parse.
+"""Tool calling (the OpenAI chat and Responses APIs, LLM.chat), the request's side: `tools` and
+`tool_choice` checked, the tools and the conversation's calls rendered into the prompt, and a grammar
+when a call is required. The model's calls are parsed back by jaxcb.host.tool_parse. Plain Python, no JAX.
 
 A model writes its calls in the format it was trained on (a `Format`; vLLM's --tool-call-parser names):
 

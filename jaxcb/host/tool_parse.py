@@ -1,4 +1,4 @@
-"""Tool calls read back from the model's answer (the answer's side of serve.tool_calls): whole (`parse`),
+"""Tool calls read back from the model's answer (the answer's side of jaxcb.host.tool_calls): whole (`parse`),
 or as OpenAI's streamed deltas (`CallStream`), in the request's format (`Tools.fmt`), the same calls
 either way however the answer's text is cut into pieces.
 
@@ -13,7 +13,7 @@ import functools
 import json
 import re
 
-from serve.tool_calls import Format, Tools
+from jaxcb.host.tool_calls import Format, Tools
 
 
 @functools.lru_cache(maxsize=None)
