@@ -297,16 +297,14 @@ class LLM:
             raise InvalidRequest("messages: this model has no tokenizer")
         if params is None or isinstance(params, SamplingParams):
             params = [params or SamplingParams()] * len(conversations)
-        fmt, native = tool_calls.choose_format(chat_template or self.tokenizer.chat_template)
-        shown = tool_calls.parse_tools({"tools": tools}) if tools is not None else None
-        if shown is not None:
-            shown = dataclasses.replace(shown, fmt=fmt, native=native)
-        return self._run([self.tokenizer.encode_chat(tool_calls.render_messages(m, shown, fmt, native),
-                                                     add_generation_prompt, chat_template_kwargs,
-                                                     continue_final_message, chat_template,
-                                                     tools=shown.template_tools() if shown else None)
-                          for m in conversations], params,
-                         None)
+        template = chat_template or self.tokenizer.chat_template
+        prompts = []
+        for m in conversations:
+            shown, messages = tool_calls.prepare({} if tools is None else {"tools": tools}, m, template)
+            prompts.append(self.tokenizer.encode_chat(messages, add_generation_prompt, chat_template_kwargs,
+                                                      continue_final_message, chat_template,
+                                                      tools=shown.template_tools() if shown else None))
+        return self._run(prompts, params, None)
 
     def beam_search(self, prompts, width: int = 4, max_tokens: int = 16, *, length_penalty: float = 1.0,
                     ignore_eos: bool = False, stop_token_ids=(), include_stop: bool = False, chat: bool = False,

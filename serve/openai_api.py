@@ -308,15 +308,10 @@ def make_app(state) -> FastAPI:
         return await json_response(openai_responses.reshape(await run_chat(request, tenant, chat), body))
 
     def chat_tools(body: dict, messages: list, template: str | None):
-        """The request's tools (None without), in the format of the chat template that renders the chat
-        (the request's own, else the model's; jaxcb.host.tool_calls.choose_format), and the messages rendered
-        for it (each message's fields checked)."""
-        fmt, native = tool_calls.choose_format(template or state.tokenizer.chat_template,
-                                               state.options.tool_call_parser)
-        tools = tool_calls.parse_tools(body)
-        if tools is not None:
-            tools = dataclasses.replace(tools, fmt=fmt, native=native)
-        return tools, tool_calls.render_messages(messages, tools, fmt, native)
+        """The request's tools and messages for the chat template that writes the chat: the request's own,
+        else the model's (jaxcb.host.tool_calls.prepare)."""
+        return tool_calls.prepare(body, messages, template or state.tokenizer.chat_template,
+                                  state.options.tool_call_parser)
 
     async def run_chat(request: Request, tenant: str, body: dict):
         options = common_fields(body)

@@ -308,13 +308,12 @@ def test_llm_chat_shows_tools_as_the_chat_api_does(make_llm):
                         {"id": "call_1", "type": "function", "function": {"name": "get_time", "arguments": "{}"}}]},
                     {"role": "tool", "tool_call_id": "call_1", "content": "noon"}]
     for template in (None, BLOCK_TEMPLATE):
-        fmt, native = tool_calls.choose_format(template or llm.tokenizer.chat_template)
-        tools = dataclasses.replace(tool_calls.parse_tools({"tools": [WEATHER, CLOCK]}), fmt=fmt, native=native)
+        tools, messages = tool_calls.prepare({"tools": [WEATHER, CLOCK]}, conversation,
+                                             template or llm.tokenizer.chat_template)
         llm.chat([conversation], tools=[WEATHER, CLOCK], chat_template=template)
-        want = llm.tokenizer.encode_chat(tool_calls.render_messages(conversation, tools, fmt, native), True, None,
-                                         False, template, tools=tools.template_tools())
+        want = llm.tokenizer.encode_chat(messages, True, None, False, template, tools=tools.template_tools())
         assert prompts.pop() == want
-        text = llm.tokenizer.decode(want, skip_special=False)
+        text, native = llm.tokenizer.decode(want, skip_special=False), tools.native
         assert native == (template is not None)
         assert (tool_calls.system_text(tools) in text) != native  # jaxcb's rendering, or the template's
         assert json.dumps(tools.listed()[0]) in text

@@ -204,6 +204,17 @@ def content_text(content, where: str, parts: dict[str, str] = CHAT_PARTS) -> str
     return "\n".join(texts)
 
 
+def prepare(body: dict, messages: list, template: str | None, parser: str = "auto") -> tuple[Tools | None, list[dict]]:
+    """A chat's tools (`body`'s tools, tool_choice, parallel_tool_calls; None without tools) in the format
+    of the chat template `template` that writes the chat (choose_format), and its messages rendered for
+    that template (render_messages: each message's fields checked)."""
+    fmt, native = choose_format(template, parser)
+    tools = parse_tools(body)
+    if tools is not None:
+        tools = dataclasses.replace(tools, fmt=fmt, native=native)
+    return tools, render_messages(messages, tools, fmt, native)
+
+
 def render_messages(messages: list, tools: Tools | None, fmt: Format = HERMES, native: bool = False) -> list[dict]:
     """The chat's messages as the template takes them ({role, content} with string content). For a template
     that renders tools (`native`): an assistant's `tool_calls` with their arguments as objects, a `tool`
