@@ -50,7 +50,7 @@ def build_request(prompt=None, *, messages=None, token_ids=None, chat: bool = Fa
                   include_stop_str_in_output: bool = False, continue_final_message: bool = False, allowed_token_ids=(),
                   chat_template: str = "",
                   truncate_prompt_tokens: int | None = None, prompt_logprobs: int | None = None,
-                  **sampling) -> jaxcb_pb2.GenerateRequest:
+                  skip_special_tokens: bool | None = None, **sampling) -> jaxcb_pb2.GenerateRequest:
     """prompt: text (with chat=True it becomes one user message); or messages; or token_ids.
     structured: one constraint on the output, as {"json_schema": "<schema JSON>"}, {"json_object": True},
     {"regex": "..."}, {"choice": ["a", "b"]} or {"grammar": "..."}. lora: a loaded LoRA adapter's name;
@@ -73,6 +73,8 @@ def build_request(prompt=None, *, messages=None, token_ids=None, chat: bool = Fa
         req.truncate_prompt_tokens = truncate_prompt_tokens
     if prompt_logprobs is not None:
         req.prompt_logprobs = prompt_logprobs
+    if skip_special_tokens is not None:
+        req.skip_special_tokens = skip_special_tokens
     for kind, value in (structured or {}).items():
         if kind == "choice":
             req.structured.choice.values.extend(value)

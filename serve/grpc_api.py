@@ -68,6 +68,7 @@ def _sampling(req) -> SamplingParams:
         logprobs=req.logprobs, prompt_logprobs=req.prompt_logprobs if req.HasField("prompt_logprobs") else None,
         n=req.n or 1, structured=_structured(req),
         speculative=req.speculative if req.HasField("speculative") else True, lora=req.lora,
+        skip_special_tokens=req.skip_special_tokens if req.HasField("skip_special_tokens") else True,
         logit_bias=dict(s.logit_bias),
     )
 

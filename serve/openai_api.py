@@ -340,6 +340,8 @@ def make_app(state) -> FastAPI:
                 raise bad_request("tool_choice: a required tool call cannot be combined with response_format "
                                   "or structured_outputs")
             params = dataclasses.replace(params, structured=forced)
+        if tools is not None and tools.active and tool_calls.marked_by_special_tokens(tools.fmt, state.tokenizer):
+            params = dataclasses.replace(params, skip_special_tokens=False)  # the calls' markers in the text
         penalty = beam_fields(body)
         if penalty is not None:
             check_beam_request(params, options, logprobs=want)

@@ -23,8 +23,8 @@ HTTP_STATUS = {InvalidRequest: 400, NotFound: 404, Overloaded: 429, Unavailable:
 ERROR_TYPE = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error", 413: "invalid_request_error",
          429: "rate_limit_error", 500: "internal_error", 503: "service_unavailable"}
 EXTRAS = {"top_k", "min_p", "repetition_penalty", "ignore_eos", "min_tokens", "stop_token_ids",
-          "include_stop_str_in_output", "allowed_token_ids", "truncate_prompt_tokens", "priority", "cache_salt",
-          "request_id", "prompt_logprobs", *GUIDED_FIELDS, *GUIDED_EXTRAS,
+          "include_stop_str_in_output", "skip_special_tokens", "allowed_token_ids", "truncate_prompt_tokens",
+          "priority", "cache_salt", "request_id", "prompt_logprobs", *GUIDED_FIELDS, *GUIDED_EXTRAS,
           "structured_outputs", "speculative", "use_beam_search", "length_penalty"}
 # OpenAI's fields about its own service that say nothing about the output (storing completions, billing
 # tier, cache routing, abuse tracking): SDKs and frameworks send them, a self-hosted server has nothing to
@@ -144,6 +144,7 @@ def sampling_params(body: dict, *, max_tokens: int, logprobs: int, prompt_logpro
         frequency_penalty=number_field(body, "frequency_penalty", 0.0), seed=int_field(body, "seed"),
         stop=stop or (), stop_token_ids=stop_token_ids, ignore_eos=ignore_eos,
         include_stop_str_in_output=bool_field(body, "include_stop_str_in_output", False),
+        skip_special_tokens=bool_field(body, "skip_special_tokens", True),
         allowed_token_ids=allowed,
         min_tokens=int_field(body, "min_tokens", 0), logprobs=logprobs, n=int_field(body, "n", 1),
         structured=constraint_of(body), speculative=bool_field(body, "speculative", True),

@@ -108,6 +108,25 @@ def test_logit_bias_gives_the_same_tokens_over_both_apis_and_the_offline_engine(
             assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and e.value.details().startswith(message)
 
 
+def test_skip_special_tokens_over_both_apis_as_offline(server, oai, model_name, tiny_model, config_path):
+    """vLLM's skip_special_tokens: false keeps a special token's text in the output text (HTTP, gRPC and
+    SamplingParams alike); by default it is left out; a value that is not a boolean is named."""
+    cfg, params, tok, eos = tiny_model
+    offline = LLM.from_params(cfg, params, tok, config=load_config(config_path), eos_ids=eos)
+    start = tok.token_id("<|im_start|>")  # a special token that ends nothing
+    prompt, bias = [5, 6, 7], {start: 100.0}
+    kept = offline.generate([prompt], SamplingParams(max_tokens=3, logit_bias=bias, skip_special_tokens=False))[0]
+    assert kept.token_ids == [start] * 3 and kept.text == "<|im_start|>" * 3
+    assert offline.generate([prompt], SamplingParams(max_tokens=3, logit_bias=bias))[0].text == ""
+    http = oai.completions.create(model=model_name, prompt=prompt, max_tokens=3, logit_bias={str(start): 100},
+                                  extra_body={"skip_special_tokens": False})
+    with Client(server.target) as c:
+        grpc_out = c.complete(token_ids=prompt, max_tokens=3, logit_bias=bias, skip_special_tokens=False)
+    assert http.choices[0].text == grpc_out.text == kept.text
+    r = httpx.post(server.http + "/v1/completions", json={"prompt": prompt, "skip_special_tokens": "no"}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["message"].startswith("skip_special_tokens: must be"), r.text
+
+
 def test_min_tokens_and_stop_token_ids_over_both_apis_as_offline(server, oai, model_name, tiny_model, config_path):
     """vLLM's min_tokens, stop_token_ids, include_stop_str_in_output and allowed_token_ids over HTTP, the same over gRPC and
     SamplingParams offline: the same tokens (a stop token ends the text; before min_tokens it is never

@@ -318,3 +318,15 @@ def test_llm_chat_shows_tools_as_the_chat_api_does(make_llm):
         assert (tool_calls.system_text(tools) in text) != native  # jaxcb's rendering, or the template's
         assert json.dumps(tools.listed()[0]) in text
         assert "<tool_response>noon</tool_response>" in text
+
+
+def test_calls_marked_by_special_tokens_are_read_with_special_tokens_kept():
+    """Where the format's markers are special tokens of the vocabulary (a <tool_call> marked special,
+    Mistral's [TOOL_CALLS]) the answer is decoded with special tokens kept, so that its calls can be read."""
+    from jaxcb.host.tokenizer import Tokenizer, TokenizerSpec
+
+    tokens = ("a", "<tool_call>", "</tool_call>", "[TOOL_CALLS]")
+    for types, marked in (((1, 3, 3, 3), {"hermes", "mistral"}), ((1, 4, 4, 1), set())):
+        tok = Tokenizer(TokenizerSpec(model="gpt2", pre="default", tokens=tokens, merges=(), token_types=types,
+                                      bos_id=None, eos_id=None, add_bos=False, chat_template=None))
+        assert {f.name for f in tool_calls.FORMATS.values() if tool_calls.marked_by_special_tokens(f, tok)} == marked

@@ -14,6 +14,7 @@ from jaxcb.host.errors import InvalidRequest
 
 GENERATION_FIELDS = ("max_tokens", "min_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty",
                      "presence_penalty", "frequency_penalty", "seed", "stop", "include_stop_str_in_output",
+                     "skip_special_tokens",
                      "stop_token_ids", "allowed_token_ids", "ignore_eos", "logprobs", "prompt_logprobs", "n",
                      "speculative")
 LINE_FIELDS = {"prompt", "prompt_token_ids", "messages", "chat", "priority", "id", "response_format",

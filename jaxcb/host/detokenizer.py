@@ -20,8 +20,9 @@ class IncrementalDetokenizer:
     the text ends in U+FFFD, a character split across tokens, nothing is emitted yet.
     """
 
-    def __init__(self, tokenizer: Tokenizer):
+    def __init__(self, tokenizer: Tokenizer, skip_special: bool = True):
         self.tok = tokenizer
+        self.skip_special = skip_special  # special tokens left out of the text (else their text is shown)
         self.ids: list[int] = []
         self.prefix_offset = 0  # start of the decoding window
         self.read_offset = 0  # ids before this have been emitted as text
@@ -31,16 +32,16 @@ class IncrementalDetokenizer:
         """At the end of the stream: the text still held back (an unfinished character comes out as
         U+FFFD rather than being dropped)."""
         decode = self.tok._tok.decode
-        before = decode(self.ids[self.prefix_offset:self.read_offset], skip_special_tokens=True)
-        after = decode(self.ids[self.prefix_offset:], skip_special_tokens=True)
+        before = decode(self.ids[self.prefix_offset:self.read_offset], skip_special_tokens=self.skip_special)
+        after = decode(self.ids[self.prefix_offset:], skip_special_tokens=self.skip_special)
         self.prefix_offset = self.read_offset = len(self.ids)
         return after[len(before):] if len(after) > len(before) else ""
 
     def add(self, new_ids) -> str:
         self.ids.extend(map(int, new_ids))
         decode = self.tok._tok.decode  # the tokenizers library's own: this runs once per generated token
-        before = decode(self.ids[self.prefix_offset:self.read_offset], skip_special_tokens=True)
-        after = decode(self.ids[self.prefix_offset:], skip_special_tokens=True)
+        before = decode(self.ids[self.prefix_offset:self.read_offset], skip_special_tokens=self.skip_special)
+        after = decode(self.ids[self.prefix_offset:], skip_special_tokens=self.skip_special)
         if len(after) <= len(before) or after.endswith("\ufffd"):
             return ""
         delta = after[len(before):]

@@ -181,7 +181,8 @@ class Engine:
         for r in samples:
             r.arrival_time = arrival
         seeds = self.inbox.reserve(rid, params.seed, params.n)
-        self.inbox.add(samples, [self.outputs.new_stream(seed, callback) for seed in seeds])
+        streams = [self.outputs.new_stream(seed, callback, params.skip_special_tokens) for seed in seeds]
+        self.inbox.add(samples, streams)
         return rid
 
     def abort(self, request_id: str) -> None:

@@ -53,8 +53,8 @@ class Outputs:
             except Exception:  # noqa: BLE001 - a broken listener must not fail the step for others
                 log.exception("event callback for %s failed", event.request_id)
 
-    def new_stream(self, seed: int, callback: EventCallback | None) -> OutputStream:
-        detok = IncrementalDetokenizer(self.tokenizer) if self.tokenizer is not None else None
+    def new_stream(self, seed: int, callback: EventCallback | None, skip_special: bool = True) -> OutputStream:
+        detok = IncrementalDetokenizer(self.tokenizer, skip_special) if self.tokenizer is not None else None
         return OutputStream(detok, seed, callback)
 
     def open(self, r: Request, stream: OutputStream) -> None:

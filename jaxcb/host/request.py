@@ -64,6 +64,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) added to the logits; a dict is taken too
     min_tokens: int = 0  # tokens before an end-of-sequence or stop token may be sampled and a stop string ends it
     include_stop_str_in_output: bool = False  # the stop string that ends the text ends it included
+    skip_special_tokens: bool = True  # special tokens left out of the text (vLLM's); False: their text shown
     allowed_token_ids: tuple[int, ...] = ()  # the only tokens a sample may be (vLLM's); () = any
     # The prompt's own logprobs (vLLM's prompt_logprobs): each prompt token's logprob given the tokens
     # before it, with this many of the best alternatives (0: the token's alone); None = not computed.
@@ -109,6 +110,8 @@ class SamplingParams:
         if not isinstance(self.include_stop_str_in_output, bool):
             raise InvalidRequest("include_stop_str_in_output: must be true or false, got "
                                  f"{self.include_stop_str_in_output!r}")
+        if not isinstance(self.skip_special_tokens, bool):
+            raise InvalidRequest(f"skip_special_tokens: must be true or false, got {self.skip_special_tokens!r}")
         if not isinstance(self.speculative, bool):
             raise InvalidRequest(f"speculative: must be true or false, got {self.speculative!r}")
         if not isinstance(self.lora, str) or len(self.lora) > 256:

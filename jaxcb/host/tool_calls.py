@@ -74,6 +74,14 @@ FORMATS = {f.name: f for f in (HERMES, LLAMA3_JSON, MISTRAL)}
 PARSERS = ("auto", *FORMATS)  # --tool-call-parser
 
 
+def marked_by_special_tokens(fmt: Format, tokenizer) -> bool:
+    """Whether the format's markers are special tokens of `tokenizer` (a <tool_call> some vocabularies mark
+    special, Mistral's [TOOL_CALLS]): an answer's calls are then read from its text with special tokens kept
+    (SamplingParams.skip_special_tokens False), as vLLM's parsers ask."""
+    ids = [tokenizer.token_id(m) for m in (fmt.open, fmt.close) if m]
+    return any(i is not None and i in tokenizer.special_ids for i in ids)
+
+
 def choose_format(template: str | None, parser: str = "auto") -> tuple[Format, bool]:
     """(the format calls are written and read in, whether the chat template `template` renders the tools
     and calls itself: it reads `tools`). "auto": the template's own format where it is recognised from what
