@@ -102,7 +102,8 @@ def draft_model_config(spec, target):
         return config
     if n > config.num_layers:
         raise InvalidConfig(f"speculative.draft_layers: {n} is more than the draft model's {config.num_layers} layers")
-    first = dataclasses.replace(config, num_layers=n, sliding_layers=config.sliding_layers[:n])
+    first = dataclasses.replace(config, num_layers=n, sliding_layers=config.sliding_layers[:n],
+                                nope_layers=config.nope_layers[:n])
     if config.windowed and not first.num_full_layers:
         raise InvalidConfig(f"speculative.draft_layers: the first {n} layers of {config.name} are all sliding-window "
                             "layers; a draft keeps at least one full-attention layer")

@@ -1,4 +1,4 @@
-"""Qwen3, Gemma 2 and Gemma 3 against transformers' own modules: tiny random checkpoints in the Hugging
+"""Qwen3, SmolLM3 (no RoPE in some layers), Gemma 2 and Gemma 3 against transformers' own modules: tiny random checkpoints in the Hugging
 Face layout (tools/make_tiny_hf.py wrote them and their golden outputs with transformers), loaded
 through jaxcb's Hugging Face loader and run by the engine (sliding window 8, so prompts and decode run
 far past it, and the sliding layers' pages are freed as they go). Also Llama with Llama 3's RoPE scaling
@@ -22,9 +22,10 @@ from jaxcb.model.paged_attention import allocate_kv_pages
 from tests.server_util import compile_mode
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "golden", "tiny_hf")
-FAMILIES = ("qwen3", "gemma2", "gemma3", "llama3-rope", "gemma3-linear", "gemma3-mm")
-# checkpoints of a family with RoPE scaling, or with a vision tower beside it (served on text)
-FAMILY_OF = {"llama3-rope": "llama", "gemma3-linear": "gemma3", "gemma3-mm": "gemma3"}
+FAMILIES = ("qwen3", "smollm3", "gemma2", "gemma3", "llama3-rope", "gemma3-linear", "gemma3-mm")
+# checkpoints of a family with RoPE scaling, or with a vision tower beside it (served on text), or a
+# Llama with layers without RoPE
+FAMILY_OF = {"llama3-rope": "llama", "gemma3-linear": "gemma3", "gemma3-mm": "gemma3", "smollm3": "llama"}
 
 
 def golden(family):
@@ -109,6 +110,29 @@ def test_rope_scaling_is_read_and_matters(family, plain):
     assert np.abs(unscaled - ref).max() > 1e-3 * np.abs(ref).max()
 
 
+def test_smollm3s_layers_without_rope_are_read_and_matter(tmp_path):
+    """SmolLM3's no_rope_layers (here every other layer) from config.json, and every fourth layer in a
+    smollm3 GGUF (llama.cpp's rule, its Q/K rows permuted as a Llama's); RoPE in every layer instead gives
+    other logits than the reference's."""
+    import dataclasses
+
+    from jaxcb.model.gguf_loader import load_gguf
+    from tests.tiny_gguf import tiny_model_config, write_tiny_gguf
+
+    config, params, _, _ = load_model(os.path.join(GOLDEN, "smollm3"), jnp.float32)
+    assert config.nope_layers == (False, True, False, True) and config.family == "llama"
+    record = golden("smollm3")[2]
+    ref = np.asarray(record["prefill_logits"], np.float32)
+    roped = prefill_logits(dataclasses.replace(config, nope_layers=()), params, record["prompt_ids"])
+    assert np.abs(roped - ref).max() > 1e-3 * np.abs(ref).max()
+    path = str(tmp_path / "m.gguf")
+    want = write_tiny_gguf(path, tiny_model_config(num_layers=8), arch="smollm3")
+    got = load_gguf(path)
+    assert got.config.nope_layers == (False, False, False, True) * 2
+    for k in want:
+        np.testing.assert_array_equal(got.weights[k], want[k], err_msg=k)
+
+
 @pytest.mark.parametrize("family", ["gemma3-linear", "llama3-rope"])
 def test_transformers_4_layout_of_the_rope_settings_reads_the_same(tmp_path, family):
     """The same checkpoints with their RoPE settings as transformers 4 writes them (and the Hub's Llama 3.x
@@ -137,7 +161,7 @@ def test_transformers_4_layout_of_the_rope_settings_reads_the_same(tmp_path, fam
     assert np.abs(prefill_logits(config, params_old, record["prompt_ids"]) - ref).max() <= 1e-5 * np.abs(ref).max()
 
 
-@pytest.mark.parametrize("family", ["gemma3", "llama3-rope"])
+@pytest.mark.parametrize("family", ["gemma3", "llama3-rope", "smollm3"])
 def test_convert_round_trip_keeps_the_family(tmp_path, family):
     from jaxcb.cli import main as cli
 

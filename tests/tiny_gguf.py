@@ -121,9 +121,10 @@ def write_tiny_gguf(path: str, config: ModelConfig | None = None, seed: int = 0,
             linear = a.ndim == 2
             if linear:
                 a = a.T  # to [out, in]
-            if arch == "llama" and key in ("wq", "bq"):  # llama.cpp permutes Q and K for "llama" only
+            permuted = arch in ("llama", "smollm3")  # llama.cpp permutes Q and K for these only
+            if permuted and key in ("wq", "bq"):
                 a = permute_rotary(a, config.num_heads)
-            elif arch == "llama" and key in ("wk", "bk"):
+            elif permuted and key in ("wk", "bk"):
                 a = permute_rotary(a, config.num_kv_heads)
             put(f"blk.{i}.{gname}" + ("" if gname.endswith(".bias") else ".weight"), a, linear)
     writer.write_header_to_file()

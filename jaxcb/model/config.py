@@ -43,10 +43,12 @@ class ModelConfig:
     rope_linear_factor: float = 1.0
     attn_softcap: float = 0.0  # scores -> cap * tanh(scores / cap) (Gemma 2); 0: off
     final_softcap: float = 0.0  # the same on the logits (Gemma 2); 0: off
+    nope_layers: tuple[bool, ...] = ()  # per layer: True = no RoPE (SmolLM3's every fourth layer); () for none
 
     def __post_init__(self):
         assert self.num_heads % self.num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads"
         assert not self.sliding_layers or len(self.sliding_layers) == self.num_layers, "one flag per layer"
+        assert not self.nope_layers or len(self.nope_layers) == self.num_layers, "one flag per layer"
         assert not self.rope_freq_factors or len(self.rope_freq_factors) == self.head_dim // 2, "one factor per frequency"
 
     def rope_divisors(self):

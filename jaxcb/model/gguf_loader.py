@@ -1,5 +1,5 @@
-"""Read a GGUF file of the Llama, Qwen3, Gemma 2 or Gemma 3 architecture: config, dequantized
-weights and tokenizer metadata.
+"""Read a GGUF file of the Llama, Qwen2, Qwen3, SmolLM3, Gemma 2 or Gemma 3 architecture: config,
+dequantized weights and tokenizer metadata.
 
 The `gguf` library parses the file and dequantizes every tensor type it knows. Weights come back
 as numpy arrays in this project's layout (see `WEIGHT_NAMES`): linear weights as [in, out] so the
@@ -27,7 +27,7 @@ from jaxcb.host.tokenizer import TokenizerSpec
 from jaxcb.model.config import ModelConfig, check_all_used
 from jaxcb.model.gguf_file import GGUFFile
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "smollm3")
 
 # Project name -> (GGUF name pattern, transpose to [in, out]).
 _LAYER_TENSORS = {
@@ -132,6 +132,8 @@ def read_config(reader) -> ModelConfig:
     family = dict(_rope_scaling(reader, arch, head_dim))
     if arch == "qwen3":
         family.update(family="qwen3", qk_norm=True)
+    elif arch == "smollm3":  # Llama without RoPE in every fourth layer (llama.cpp's n_no_rope_layer_step)
+        family.update(nope_layers=tuple((i + 1) % 4 == 0 for i in range(layers)))
     elif arch in ("gemma2", "gemma3"):
         window = int(_field(reader, f"{arch}.attention.sliding_window", 0) or 0)
         # llama.cpp's layer patterns: Gemma 2 alternates sliding and full from layer 0; Gemma 3 has
@@ -239,8 +241,8 @@ def load_gguf(path: str, check_config=None) -> LoadedModel:
         check_config(config)
     tensors = reader.tensors
     # llama.cpp's converter permutes the rows of Q and K (and their biases) for its "llama" architecture
-    # only (its other architectures keep the rotate-half layout jaxcb uses).
-    permuted = _field(reader, "general.architecture") == "llama"
+    # and SmolLM3 (a Llama to its converter) only; its others keep the rotate-half layout jaxcb uses.
+    permuted = _field(reader, "general.architecture") in ("llama", "smollm3")
 
     used = {"rope_freqs.weight"}  # (read with the config)
 

@@ -26,7 +26,7 @@ log = logging.getLogger("jaxcb.model.hf_loader")
 
 # architecture -> family
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
-                 "Qwen3ForCausalLM": "qwen3", "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3",
+                 "SmolLM3ForCausalLM": "smollm3", "Qwen3ForCausalLM": "qwen3", "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3",
                  # Gemma 3 4B+ as released (a vision tower beside the language model): served on text
                  "Gemma3ForConditionalGeneration": "gemma3"}
 # Where a checkpoint keeps the language model's tensors: a causal LM's "model.", a multimodal one's
@@ -136,6 +136,14 @@ def read_config(path: str) -> ModelConfig:
             # Mistral 7B v0.1 attends to its last `sliding_window` tokens in every layer: exactly full
             # attention up to there, which is as far as jaxcb serves it.
             max_context = min(max_context, int(raw["sliding_window"]))
+        if family == "smollm3":  # Llama with no RoPE in some layers (no_rope_layers: 0 = none; every fourth)
+            if raw.get("use_sliding_window"):
+                raise InvalidConfig("config.json: use_sliding_window (SmolLM3's sliding layers) is not supported")
+            interval = int(raw.get("no_rope_layer_interval", 4))
+            uses = raw.get("no_rope_layers") or [int((i + 1) % interval != 0) for i in range(layers)]
+            if len(uses) != layers:
+                raise InvalidConfig(f"config.json: no_rope_layers has {len(uses)} entries for {layers} layers")
+            extra.update(nope_layers=tuple(not u for u in uses))
         if family == "gemma2" and extra:
             raise InvalidConfig(f"config.json: rope_scaling {scaling!r}: Gemma 2 has plain RoPE")
         if family == "qwen3":
@@ -171,7 +179,7 @@ def read_config(path: str) -> ModelConfig:
             tie_embeddings=bool(raw.get("tie_word_embeddings", gemma)),
             name=os.path.basename(os.path.normpath(path)),
             attention_bias=family == "qwen2" or bool(raw.get("attention_bias", False)),
-            family="llama" if family == "qwen2" else family, **extra,
+            family="llama" if family in ("qwen2", "smollm3") else family, **extra,
         )
     except KeyError as e:
         raise InvalidConfig(f"config.json: {e.args[0]} is missing") from None

@@ -197,19 +197,20 @@ def rotary(x, positions, inv_freq):
 
 def layer_kinds(config: ModelConfig):
     """Per-layer arrays scanned with the weights: (sliding: bool, RoPE base: f32, index of the layer in
-    its KV page group: i32)."""
+    its KV page group: i32, RoPE on: f32 1, or 0 for a layer without RoPE)."""
     flags = np.array(config.sliding_layers if config.windowed else [False] * config.num_layers)
     local = config.local_rope_theta or config.rope_theta
     theta = np.where(flags, local, config.rope_theta).astype(np.float32)
     group_index = np.where(flags, np.cumsum(flags) - 1, np.cumsum(~flags) - 1).astype(np.int32)
-    return jnp.asarray(flags), jnp.asarray(theta), jnp.asarray(group_index)
+    rope = 1.0 - np.array(config.nope_layers or [False] * config.num_layers, np.float32)
+    return jnp.asarray(flags), jnp.asarray(theta), jnp.asarray(group_index), jnp.asarray(rope)
 
 
 def _layer(config: ModelConfig, attention: Attention, batch: StepInput, h, kv_pages, kind, w: LayerParams,
            lora=None, lora_mask=None):
     t, _ = h.shape
     nh, nk, d = config.num_heads, config.num_kv_heads, config.head_dim
-    sliding, theta, group_index = kind
+    sliding, theta, group_index, rope = kind
     norm = functools.partial(rms_norm, eps=config.rms_norm_eps, plus_one=config.norm_plus_one)
 
     def proj(x, name):
@@ -228,6 +229,8 @@ def _layer(config: ModelConfig, attention: Attention, batch: StepInput, h, kv_pa
     if w.q_norm is not None:
         q, k = norm(q, w.q_norm), norm(k, w.k_norm)
     inv_freq = rope_frequencies(config, theta, sliding)
+    if config.nope_layers:  # a layer without RoPE: every angle 0, its q and k as they are
+        inv_freq = inv_freq * rope
     q = rotary(q, batch.positions, inv_freq)
     k = rotary(k, batch.positions, inv_freq)
 
