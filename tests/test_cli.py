@@ -111,3 +111,18 @@ def test_cli_errors_are_clear(tiny_gguf_path, tmp_path):
     assert r.returncode == 2 and "supported architectures: llama" in r.stderr
     r = run_cli("generate", "--model", tiny_gguf_path, "--max-tokens", "0", "hello")
     assert r.returncode == 2 and "max_tokens: must be >= 1" in r.stderr
+
+
+def test_vllms_flag_names_are_taken():
+    """A `vllm serve` command line's flags for what jaxcb also does mean the same here: the parallel sizes,
+    the API key, TLS files, auto tool choice (always on) and the tool-call parser."""
+    from jaxcb.cli.commands import build_parser
+
+    vllm = build_parser().parse_args([
+        "serve", "--tensor-parallel-size", "2", "--data-parallel-size", "3", "--api-key", "k1", "--api-key", "k2",
+        "--ssl-certfile", "c.pem", "--ssl-keyfile", "k.pem", "--enable-auto-tool-choice",
+        "--tool-call-parser", "hermes"])
+    ours = build_parser().parse_args([
+        "serve", "--tensor-parallel", "2", "--data-parallel", "3", "--auth-token", "k1", "--auth-token", "k2",
+        "--tls-cert", "c.pem", "--tls-key", "k.pem", "--tool-call-parser", "hermes"])
+    assert {**vars(vllm), "enable_auto_tool_choice": False} == vars(ours)

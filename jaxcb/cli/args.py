@@ -54,9 +54,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lora", action="append", default=None, metavar="NAME=PATH",
                    help="serve the PEFT LoRA adapter in directory PATH as model NAME (repeatable; implies "
                         "--max-loras 1 if the config has no slots); more are loaded while serving")
-    p.add_argument("--tensor-parallel", type=int, default=None, metavar="N",
+    p.add_argument("--tensor-parallel", "--tensor-parallel-size", type=int, default=None, metavar="N",
                    help="split each step over N devices by attention heads (default: the config's parallel.tensor, 1)")
-    p.add_argument("--data-parallel", type=int, default=None, metavar="M",
+    p.add_argument("--data-parallel", "--data-parallel-size", type=int, default=None, metavar="M",
                    help="M engine replicas on disjoint devices behind one router (default: the config's "
                         "parallel.data, 1); each replica takes --tensor-parallel devices")
 

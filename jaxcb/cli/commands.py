@@ -68,9 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "--data-parallel on PORT+2i), for prefix-aware routers such as llm-d's KV-cache indexer")
     s.add_argument("--kv-events-topic", default=None, metavar="TOPIC",
                    help="the events' ZMQ topic (default: kv@HOSTNAME@MODEL, the first served name)")
-    s.add_argument("--tls-cert", default=None, help="PEM certificate chain (with --tls-key)")
-    s.add_argument("--tls-key", default=None)
-    s.add_argument("--auth-token", action="append", default=None,
+    s.add_argument("--tls-cert", "--ssl-certfile", default=None, help="PEM certificate chain (with --tls-key)")
+    s.add_argument("--tls-key", "--ssl-keyfile", default=None)
+    s.add_argument("--auth-token", "--api-key", action="append", default=None,
                    help="require 'authorization: Bearer TOKEN' on every call but health checks; repeat for several "
                         "tenants (each token sees and aborts only its own requests); default: $JAXCB_AUTH_TOKEN")
     s.add_argument("--trust-request-chat-template", action="store_true",
@@ -79,6 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--reasoning-parser", choices=("deepseek_r1", "qwen3"), default=None,
                    help="chat answers' thinking (<think>...</think>) as `reasoning` / `reasoning_content` beside "
                         "the content, whole or streamed, as vLLM's flag of this name gives it")
+    s.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="taken for vLLM's command lines: tool_choice auto is always served")
     s.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default="auto",
                    help="the format the model writes tool calls in (vLLM's flag of this name): auto (default) takes "
                         "the chat template's own where it renders tools (a <tool_call> block: hermes; [TOOL_CALLS]: "
