@@ -1,4 +1,5 @@
-"""Qwen3, SmolLM3 (no RoPE in some layers), Gemma 2 and Gemma 3 against transformers' own modules: tiny random checkpoints in the Hugging
+"""Qwen3, SmolLM3 (no RoPE in some layers), Granite (scalars on the embeddings, residual branches, scores
+and logits), Gemma 2 and Gemma 3 against transformers' own modules: tiny random checkpoints in the Hugging
 Face layout (tools/make_tiny_hf.py wrote them and their golden outputs with transformers), loaded
 through jaxcb's Hugging Face loader and run by the engine (sliding window 8, so prompts and decode run
 far past it, and the sliding layers' pages are freed as they go). Also Llama with Llama 3's RoPE scaling
@@ -22,10 +23,11 @@ from jaxcb.model.paged_attention import allocate_kv_pages
 from tests.server_util import compile_mode
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "golden", "tiny_hf")
-FAMILIES = ("qwen3", "smollm3", "gemma2", "gemma3", "llama3-rope", "gemma3-linear", "gemma3-mm")
+FAMILIES = ("qwen3", "smollm3", "granite", "gemma2", "gemma3", "llama3-rope", "gemma3-linear", "gemma3-mm")
 # checkpoints of a family with RoPE scaling, or with a vision tower beside it (served on text), or a
-# Llama with layers without RoPE
-FAMILY_OF = {"llama3-rope": "llama", "gemma3-linear": "gemma3", "gemma3-mm": "gemma3", "smollm3": "llama"}
+# Llama with layers without RoPE or with Granite's scalars
+FAMILY_OF = {"llama3-rope": "llama", "gemma3-linear": "gemma3", "gemma3-mm": "gemma3", "smollm3": "llama",
+             "granite": "llama"}
 
 
 def golden(family):
@@ -129,6 +131,34 @@ def test_smollm3s_layers_without_rope_are_read_and_matter(tmp_path):
     want = write_tiny_gguf(path, tiny_model_config(num_layers=8), arch="smollm3")
     got = load_gguf(path)
     assert got.config.nope_layers == (False, False, False, True) * 2
+    for k in want:
+        np.testing.assert_array_equal(got.weights[k], want[k], err_msg=k)
+
+
+def test_granites_scalars_are_read_and_each_matters(tmp_path):
+    """Granite's embedding, residual and attention multipliers and its logits scaling, from config.json and
+    from a granite GGUF's metadata (llama.cpp's keys; Q/K permuted as a Llama's); leaving any one out gives
+    other logits than the reference's."""
+    import dataclasses
+
+    from jaxcb.model.gguf_loader import load_gguf
+    from tests.tiny_gguf import tiny_model_config, write_tiny_gguf
+
+    config, params, _, _ = load_model(os.path.join(GOLDEN, "granite"), jnp.float32)
+    scalars = dict(embed_multiplier=6.0, residual_multiplier=0.3, query_scale=0.1, logit_scale=4.0)
+    assert {k: getattr(config, k) for k in scalars} == pytest.approx(scalars)
+    record = golden("granite")[2]
+    ref = np.asarray(record["prefill_logits"], np.float32)
+    for name, plain in (("embed_multiplier", 1.0), ("residual_multiplier", 1.0), ("query_scale", 0.0),
+                        ("logit_scale", 1.0)):
+        without = prefill_logits(dataclasses.replace(config, **{name: plain}), params, record["prompt_ids"])
+        assert np.abs(without - ref).max() > 1e-4 * np.abs(ref).max(), name  # (10x the match's tolerance)
+    path = str(tmp_path / "m.gguf")
+    keys = {"granite.embedding_scale": 6.0, "granite.residual_scale": 0.3, "granite.attention.scale": 0.1,
+            "granite.logit_scale": 4.0}
+    want = write_tiny_gguf(path, tiny_model_config(), arch="granite", extra_float32=keys)
+    got = load_gguf(path)
+    assert {k: getattr(got.config, k) for k in scalars} == pytest.approx(scalars)
     for k in want:
         np.testing.assert_array_equal(got.weights[k], want[k], err_msg=k)
 

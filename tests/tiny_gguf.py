@@ -54,6 +54,7 @@ def permute_rotary(w: np.ndarray, num_heads: int) -> np.ndarray:
 def write_tiny_gguf(path: str, config: ModelConfig | None = None, seed: int = 0, *, arch: str = "llama",
                     quant: str = "f32", broken_type: bool = False, rope_freqs=None,
                     rope_scaling: tuple[str, float] | None = None, extra_uint32: dict | None = None,
+                    extra_float32: dict | None = None,
                     extra_tensors: dict | None = None) -> dict[str, np.ndarray]:
     """Write a GGUF file; returns the weights in the project's layout (what loading must give back,
     exactly for f32, up to quantization error otherwise). `rope_freqs`: llama.cpp's per-frequency RoPE
@@ -72,6 +73,8 @@ def write_tiny_gguf(path: str, config: ModelConfig | None = None, seed: int = 0,
     writer.add_rope_freq_base(config.rope_theta)
     for key, value in (extra_uint32 or {}).items():  # more metadata (what the loader must refuse)
         writer.add_uint32(key, value)
+    for key, value in (extra_float32 or {}).items():
+        writer.add_float32(key, value)
     if rope_scaling is not None:
         writer.add_string(f"{arch}.rope.scaling.type", rope_scaling[0])
         writer.add_float32(f"{arch}.rope.scaling.factor", rope_scaling[1])
@@ -121,7 +124,7 @@ def write_tiny_gguf(path: str, config: ModelConfig | None = None, seed: int = 0,
             linear = a.ndim == 2
             if linear:
                 a = a.T  # to [out, in]
-            permuted = arch in ("llama", "smollm3")  # llama.cpp permutes Q and K for these only
+            permuted = arch in ("llama", "smollm3", "granite")  # llama.cpp permutes Q and K for these only
             if permuted and key in ("wq", "bq"):
                 a = permute_rotary(a, config.num_heads)
             elif permuted and key in ("wk", "bk"):

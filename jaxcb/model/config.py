@@ -26,7 +26,7 @@ class ModelConfig:
     name: str = "llama"
     attention_bias: bool = False  # biases on the q, k, v projections (Qwen2)
     # ---- variations of other families (defaults: Llama) ----
-    family: str = "llama"  # "llama" (Llama, Mistral, Qwen2), "qwen3", "gemma2", "gemma3"
+    family: str = "llama"  # "llama" (Llama, Mistral, Qwen2, SmolLM3, Granite), "qwen3", "gemma2", "gemma3"
     qk_norm: bool = False  # RMSNorm over each head of q and k before RoPE (Qwen3, Gemma 3)
     norm_plus_one: bool = False  # RMSNorm scales by (1 + w) (Gemma)
     post_norms: bool = False  # a norm after attention and after the MLP too: four per layer (Gemma 2/3)
@@ -44,6 +44,11 @@ class ModelConfig:
     attn_softcap: float = 0.0  # scores -> cap * tanh(scores / cap) (Gemma 2); 0: off
     final_softcap: float = 0.0  # the same on the logits (Gemma 2); 0: off
     nope_layers: tuple[bool, ...] = ()  # per layer: True = no RoPE (SmolLM3's every fourth layer); () for none
+    # Granite's scalars: the embeddings times `embed_multiplier`, each attention and MLP output times
+    # `residual_multiplier` before it joins the residual, the logits divided by `logit_scale` (1: none).
+    embed_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    logit_scale: float = 1.0
 
     def __post_init__(self):
         assert self.num_heads % self.num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads"

@@ -1,4 +1,4 @@
-"""Read a GGUF file of the Llama, Qwen2, Qwen3, SmolLM3, Gemma 2 or Gemma 3 architecture: config,
+"""Read a GGUF file of the Llama, Qwen2, Qwen3, SmolLM3, Granite, Gemma 2 or Gemma 3 architecture: config,
 dequantized weights and tokenizer metadata.
 
 The `gguf` library parses the file and dequantizes every tensor type it knows. Weights come back
@@ -27,7 +27,7 @@ from jaxcb.host.tokenizer import TokenizerSpec
 from jaxcb.model.config import ModelConfig, check_all_used
 from jaxcb.model.gguf_file import GGUFFile
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "smollm3")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "smollm3", "granite")
 
 # Project name -> (GGUF name pattern, transpose to [in, out]).
 _LAYER_TENSORS = {
@@ -134,6 +134,11 @@ def read_config(reader) -> ModelConfig:
         family.update(family="qwen3", qk_norm=True)
     elif arch == "smollm3":  # Llama without RoPE in every fourth layer (llama.cpp's n_no_rope_layer_step)
         family.update(nope_layers=tuple((i + 1) % 4 == 0 for i in range(layers)))
+    elif arch == "granite":  # Llama with scalars on the embeddings, residual branches, scores and logits
+        family.update(embed_multiplier=float(_field(reader, "granite.embedding_scale", 1.0)),
+                      residual_multiplier=float(_field(reader, "granite.residual_scale", 1.0)),
+                      query_scale=float(_field(reader, "granite.attention.scale", 0.0) or 0.0),
+                      logit_scale=float(_field(reader, "granite.logit_scale", 1.0)))
     elif arch in ("gemma2", "gemma3"):
         window = int(_field(reader, f"{arch}.attention.sliding_window", 0) or 0)
         # llama.cpp's layer patterns: Gemma 2 alternates sliding and full from layer 0; Gemma 3 has
@@ -241,8 +246,8 @@ def load_gguf(path: str, check_config=None) -> LoadedModel:
         check_config(config)
     tensors = reader.tensors
     # llama.cpp's converter permutes the rows of Q and K (and their biases) for its "llama" architecture
-    # and SmolLM3 (a Llama to its converter) only; its others keep the rotate-half layout jaxcb uses.
-    permuted = _field(reader, "general.architecture") in ("llama", "smollm3")
+    # and SmolLM3 and Granite (Llamas to its converter) only; its others keep the rotate-half layout jaxcb uses.
+    permuted = _field(reader, "general.architecture") in ("llama", "smollm3", "granite")
 
     used = {"rope_freqs.weight"}  # (read with the config)
 

@@ -26,7 +26,7 @@ log = logging.getLogger("jaxcb.model.hf_loader")
 
 # architecture -> family
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
-                 "SmolLM3ForCausalLM": "smollm3", "Qwen3ForCausalLM": "qwen3", "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3",
+                 "SmolLM3ForCausalLM": "smollm3", "GraniteForCausalLM": "granite", "Qwen3ForCausalLM": "qwen3", "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3",
                  # Gemma 3 4B+ as released (a vision tower beside the language model): served on text
                  "Gemma3ForConditionalGeneration": "gemma3"}
 # Where a checkpoint keeps the language model's tensors: a causal LM's "model.", a multimodal one's
@@ -144,6 +144,11 @@ def read_config(path: str) -> ModelConfig:
             if len(uses) != layers:
                 raise InvalidConfig(f"config.json: no_rope_layers has {len(uses)} entries for {layers} layers")
             extra.update(nope_layers=tuple(not u for u in uses))
+        if family == "granite":  # Llama with scalars on the embeddings, residual branches, scores and logits
+            extra.update(embed_multiplier=float(raw.get("embedding_multiplier", 1.0)),
+                         residual_multiplier=float(raw.get("residual_multiplier", 1.0)),
+                         query_scale=float(raw.get("attention_multiplier", 1.0)),
+                         logit_scale=float(raw.get("logits_scaling", 1.0)))
         if family == "gemma2" and extra:
             raise InvalidConfig(f"config.json: rope_scaling {scaling!r}: Gemma 2 has plain RoPE")
         if family == "qwen3":
@@ -179,7 +184,7 @@ def read_config(path: str) -> ModelConfig:
             tie_embeddings=bool(raw.get("tie_word_embeddings", gemma)),
             name=os.path.basename(os.path.normpath(path)),
             attention_bias=family == "qwen2" or bool(raw.get("attention_bias", False)),
-            family="llama" if family in ("qwen2", "smollm3") else family, **extra,
+            family="llama" if family in ("qwen2", "smollm3", "granite") else family, **extra,
         )
     except KeyError as e:
         raise InvalidConfig(f"config.json: {e.args[0]} is missing") from None

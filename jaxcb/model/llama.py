@@ -247,6 +247,8 @@ def _layer(config: ModelConfig, attention: Attention, batch: StepInput, h, kv_pa
     out = proj(attn.reshape(t, nh * d), "wo")
     if w.post_attn_norm is not None:
         out = norm(out, w.post_attn_norm)
+    if config.residual_multiplier != 1.0:
+        out = out * jnp.asarray(config.residual_multiplier, out.dtype)
     h = h + out
 
     x = norm(h, w.mlp_norm)
@@ -254,6 +256,8 @@ def _layer(config: ModelConfig, attention: Attention, batch: StepInput, h, kv_pa
     out = proj(act(proj(x, "w_gate")) * proj(x, "w_up"), "w_down")
     if w.post_mlp_norm is not None:
         out = norm(out, w.post_mlp_norm)
+    if config.residual_multiplier != 1.0:
+        out = out * jnp.asarray(config.residual_multiplier, out.dtype)
     return h + out, kv_pages
 
 
@@ -327,6 +331,8 @@ def forward_hidden(params: Params, kv_pages, batch: StepInput, config: ModelConf
         lora_mask = (batch.lora_slots[:, None] == lora["col_slot"][None, :]).astype(h.dtype)
     if config.embed_scale:
         h = h * jnp.asarray(config.hidden_size**0.5, h.dtype)
+    if config.embed_multiplier != 1.0:
+        h = h * jnp.asarray(config.embed_multiplier, h.dtype)
 
     layers, stacks = params.layers, {}
     if attention.native_matmul:  # matrices stay out of the scanned xs: the body reads them from the stack
@@ -350,6 +356,8 @@ def logits_at(params: Params, h, rows, config: ModelConfig, attention: Attention
     """float32 logits [R, V] of the token rows `rows` [R] of the last layer's output h [T, E]."""
     last = rms_norm(h[rows], params.final_norm, config.rms_norm_eps, config.norm_plus_one)  # [R, E]
     logits = head_logits(last, params.embed, params.lm_head, native=attention.native_matmul)
+    if config.logit_scale != 1.0:
+        logits = logits / config.logit_scale
     if config.final_softcap:
         logits = config.final_softcap * jnp.tanh(logits / config.final_softcap)
     return logits
