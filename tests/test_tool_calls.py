@@ -172,6 +172,8 @@ def test_the_format_is_the_templates_own_where_it_renders_tools():
     assert tool_calls.choose_format(BLOCK_TEMPLATE) == (tool_calls.HERMES, True)
     assert tool_calls.choose_format(OBJECT_TEMPLATE) == (tool_calls.LLAMA3_JSON, True)
     assert tool_calls.choose_format(LIST_TEMPLATE) == (tool_calls.MISTRAL, True)
+    granite = LIST_TEMPLATE.replace("[TOOL_CALLS]", "<|tool_call|>")
+    assert tool_calls.choose_format(granite) == (tool_calls.GRANITE, True)
     assert tool_calls.choose_format(PLAIN_TEMPLATE) == (tool_calls.HERMES, False)  # jaxcb renders them
     assert tool_calls.choose_format(None) == (tool_calls.HERMES, False)
     # a template that reads tools in a format not recognised: jaxcb's rendering, not the template's
@@ -209,10 +211,13 @@ LIST_ANSWERS = [  # mistral: [TOOL_CALLS] is a control token, so the answer's te
 
 
 @pytest.mark.parametrize("fmt, text, content, calls", [(tool_calls.LLAMA3_JSON, *a) for a in OBJECT_ANSWERS]
-                         + [(tool_calls.MISTRAL, *a) for a in LIST_ANSWERS])
+                         + [(tool_calls.MISTRAL, *a) for a in LIST_ANSWERS]
+                         + [(tool_calls.GRANITE, *(x.replace("[TOOL_CALLS]", "<|tool_call|>") if isinstance(x, str)
+                                                   else x for x in a)) for a in LIST_ANSWERS])
 def test_an_answer_that_is_calls_parses_whole_and_streamed(fmt, text, content, calls):
-    """llama3_json and mistral: the answer is its call (or list of calls) when it begins with it (what
-    follows is text), the same whole and however the stream cuts it."""
+    """llama3_json, mistral and granite: the answer is its call (or list of calls) when it begins with it
+    (after the format's marker, where that is in the text; what follows is text), the same whole and
+    however the stream cuts it."""
     tools = _object_tools(fmt=fmt)
     got_content, got_calls = tool_parse.parse(text, tools)
     assert (got_content, [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in got_calls]) == (

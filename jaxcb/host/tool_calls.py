@@ -11,6 +11,8 @@ A model writes its calls in the format it was trained on (a `Format`; vLLM's --t
     mistral      [TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}, ...]
                  the whole answer, a list of calls (Mistral 7B v0.3, Mistral Nemo; [TOOL_CALLS] is a
                  control token, not in the answer's text; call ids of 9 letters and digits)
+    granite      <|tool_call|>[{"name": "get_weather", "arguments": {"city": "Paris"}}, ...]
+                 the same after its own marker (Granite 3)
 
 A chat template that reads `tools` renders the tools, the earlier calls (`tool_calls`, arguments as
 objects) and the `tool` results itself, as the model was trained on them; its format is recognised from
@@ -70,7 +72,8 @@ class Format:
 HERMES = Format("hermes", "blocks", "<tool_call>", "</tool_call>", ("arguments",))
 LLAMA3_JSON = Format("llama3_json", "object", "", "", ("parameters", "arguments"))
 MISTRAL = Format("mistral", "list", "[TOOL_CALLS]", "", ("arguments",), id_length=9)
-FORMATS = {f.name: f for f in (HERMES, LLAMA3_JSON, MISTRAL)}
+GRANITE = Format("granite", "list", "<|tool_call|>", "", ("arguments",))
+FORMATS = {f.name: f for f in (HERMES, LLAMA3_JSON, MISTRAL, GRANITE)}
 PARSERS = ("auto", *FORMATS)  # --tool-call-parser
 
 
@@ -85,12 +88,14 @@ def marked_by_special_tokens(fmt: Format, tokenizer) -> bool:
 def choose_format(template: str | None, parser: str = "auto") -> tuple[Format, bool]:
     """(the format calls are written and read in, whether the chat template `template` renders the tools
     and calls itself: it reads `tools`). "auto": the template's own format where it is recognised from what
-    the template writes (a <tool_call> block: hermes; [TOOL_CALLS]: mistral; a "parameters" object:
-    llama3_json), else hermes in jaxcb's rendering; a parser named by the server: its format, rendered by
+    the template writes (<|tool_call|>: granite; a <tool_call> block: hermes; [TOOL_CALLS]: mistral; a
+    "parameters" object: llama3_json), else hermes in jaxcb's rendering; a parser named by the server: its format, rendered by
     the template if it reads `tools` (the server says it is the template's), else by jaxcb."""
     reads = bool(template) and template_reads(template, "tools")
     if parser != "auto":
         return FORMATS[parser], reads
+    if reads and GRANITE.open in template:
+        return GRANITE, True
     if reads and HERMES.open in template:
         return HERMES, True
     if reads and MISTRAL.open in template:
