@@ -319,7 +319,7 @@ class LLM:
         step = searches[0].round_params(lora) if searches else None
         for i, s in enumerate(searches):  # each prompt checked before anything runs
             try:
-                self.engine.validate(s.prompt, dataclasses.replace(step, max_tokens=max(1, max_tokens)))
+                self.engine.validate(s.prompt, s.checked_as(lora))
             except InvalidRequest as e:
                 raise InvalidRequest(f"request {i}: {e}") from None
         while not all(s.done for s in searches):

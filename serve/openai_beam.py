@@ -41,7 +41,7 @@ async def beam_answer(state, request: Request, options: RequestOptions, tenant: 
                 for p in prompts]
     step = searches[0].round_params(params.lora)
     for s in searches:  # every prompt checked before anything is submitted
-        engine.validate(s.prompt, step)
+        engine.validate(s.prompt, s.checked_as(params.lora))
 
     async def score(ids: list[int]) -> list:
         async with contextlib.aclosing(state.stream(ids, step, options.priority, "", tenant, options.cache_salt)) as st:

@@ -1273,10 +1273,15 @@ def test_beam_search_over_completions_and_chat(server, model_name, make_llm):
         "model": model_name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "n": 2,
         "use_beam_search": True, "ignore_eos": True}).json()
     assert len(chat["choices"]) == 2 and chat["choices"][0]["message"]["role"] == "assistant"
+    context = httpx.get(server.http + "/v1/models", timeout=30).json()["data"][0]["max_model_len"]
     for extra, param in (({"stream": True}, "stream"), ({"logprobs": 2}, "logprobs"), ({"stop": ["x"]}, "stop"),
-                         ({"n": 11}, "n"), ({"use_beam_search": False}, "length_penalty")):
+                         ({"n": 11}, "n"), ({"use_beam_search": False}, "length_penalty"),
+                         ({"max_tokens": context - 2}, "max_tokens")):  # prompt + max_tokens past the context
         r = httpx.post(server.http + "/v1/completions", json={**body, **extra}, timeout=30)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    llm = make_llm()
+    with pytest.raises(ValueError, match=r"request 0: max_tokens: prompt \(5\) \+ max_tokens"):  # offline alike
+        llm.beam_search([prompt], width=3, max_tokens=llm.engine.max_context - 2)
     _pool_whole(server)
 
 

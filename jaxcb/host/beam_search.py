@@ -58,6 +58,11 @@ class BeamSearch:
         """Each round's request for a live beam: one token, with its 2W most likely next tokens."""
         return SamplingParams(max_tokens=1, logprobs=self.candidates_per_beam, ignore_eos=True, lora=lora)
 
+    def checked_as(self, lora: str = "") -> SamplingParams:
+        """The request the whole search is checked as before anything runs (Engine.validate): its prompt
+        and max_tokens against the context, as any request's; each round's request is one token."""
+        return dataclasses.replace(self.round_params(lora), max_tokens=max(1, self.max_tokens))
+
     def shown(self, beam: Beam) -> list[int]:
         """The tokens of a beam's text: its end token left out even where include_stop keeps it in its ids."""
         return beam.tokens[:-1] if beam.ended_by_token and self.include_stop else beam.tokens
