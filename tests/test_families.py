@@ -1,5 +1,6 @@
 """Qwen3, SmolLM3 (no RoPE in some layers), Granite (scalars on the embeddings, residual branches, scores
-and logits), Gemma 2 and Gemma 3 against transformers' own modules: tiny random checkpoints in the Hugging
+and logits), Phi-3 (fused projections; Phi-4-mini's partial rotary and LongRoPE), Gemma 2 and Gemma 3
+against transformers' own modules: tiny random checkpoints in the Hugging
 Face layout (tools/make_tiny_hf.py wrote them and their golden outputs with transformers), loaded
 through jaxcb's Hugging Face loader and run by the engine (sliding window 8, so prompts and decode run
 far past it, and the sliding layers' pages are freed as they go). Also Llama with Llama 3's RoPE scaling
@@ -7,6 +8,7 @@ and Gemma 3 with linear scaling of its global layers (both from 32 positions: th
 and Gemma 3 as its multimodal checkpoints come (the language model's tensors under language_model.),
 run on text."""
 
+import dataclasses
 import json
 import os
 
@@ -23,11 +25,11 @@ from jaxcb.model.paged_attention import allocate_kv_pages
 from tests.server_util import compile_mode
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "golden", "tiny_hf")
-FAMILIES = ("qwen3", "smollm3", "granite", "gemma2", "gemma3", "llama3-rope", "gemma3-linear", "gemma3-mm")
+FAMILIES = ("qwen3", "smollm3", "granite", "phi3", "phi3-longrope", "gemma2", "gemma3", "llama3-rope", "gemma3-linear", "gemma3-mm")
 # checkpoints of a family with RoPE scaling, or with a vision tower beside it (served on text), or a
-# Llama with layers without RoPE or with Granite's scalars
+# Llama with layers without RoPE, Granite's scalars or Phi-3's fused projections
 FAMILY_OF = {"llama3-rope": "llama", "gemma3-linear": "gemma3", "gemma3-mm": "gemma3", "smollm3": "llama",
-             "granite": "llama"}
+             "granite": "llama", "phi3": "llama", "phi3-longrope": "llama"}
 
 
 def golden(family):
@@ -133,6 +135,58 @@ def test_smollm3s_layers_without_rope_are_read_and_matter(tmp_path):
     assert got.config.nope_layers == (False, False, False, True) * 2
     for k in want:
         np.testing.assert_array_equal(got.weights[k], want[k], err_msg=k)
+
+
+def test_phi4_minis_partial_rotary_and_longrope_are_read_and_matter():
+    """Phi-4-mini's kind of checkpoint: 3/4 of each head rotated, LongRoPE's short factors and attention
+    factor (transformers' default, sqrt(1 + ln(256/64) / ln 64)), the served context capped at the original
+    64 positions (past them the long factors would apply); without any one of them the logits are not the
+    reference's."""
+    import dataclasses
+    import math
+
+    config, params, _, _ = load_model(os.path.join(GOLDEN, "phi3-longrope"), jnp.float32)
+    assert config.rotary_dim == 12 and config.rope_freq_factors == (1.0, 1.3, 1.9, 2.6, 3.4, 4.0)
+    assert config.rope_attention_factor == pytest.approx(math.sqrt(1 + math.log(4) / math.log(64)))
+    assert config.max_context == 64
+    record = golden("phi3-longrope")[2]
+    ref = np.asarray(record["prefill_logits"], np.float32)
+    for plain in ({"rotary_dim": 0, "rope_freq_factors": ()}, {"rope_freq_factors": ()}, {"rope_attention_factor": 1.0}):
+        without = prefill_logits(dataclasses.replace(config, **plain), params, record["prompt_ids"])
+        assert np.abs(without - ref).max() > 1e-4 * np.abs(ref).max(), plain
+
+
+def test_a_phi3_gguf_gives_transformers_logits(tmp_path):
+    """The Phi-4-mini-like checkpoint's weights in a phi3 GGUF as llama.cpp's converter lays it out (Q/K/V and
+    gate/up fused, rotate-half rows kept, rope.dimension_count, rope_factors_short/long, rope.scaling.attn_factor
+    and original_context_length): the same config and transformers' own logits."""
+    import math
+
+    from jaxcb.model.gguf_loader import load_gguf
+    from jaxcb.model.hf_loader import load_weights
+    from tests.tiny_gguf import write_tiny_gguf
+
+    src = os.path.join(GOLDEN, "phi3-longrope")
+    config, _, _, _ = load_model(src, jnp.float32)
+    weights = load_weights(src, config)
+    path = str(tmp_path / "phi3.gguf")
+    write_tiny_gguf(path, dataclasses.replace(config, max_context=256), arch="phi3", weights=weights,
+                    extra_uint32={"phi3.rope.dimension_count": 12, "phi3.rope.scaling.original_context_length": 64},
+                    extra_float32={"phi3.rope.scaling.attn_factor": math.sqrt(1 + math.log(4) / math.log(64))},
+                    extra_tensors={"rope_factors_short.weight": config.rope_freq_factors,
+                                   "rope_factors_long.weight": [1.0, 2.0, 4.0, 8.0, 16.0, 32.0]})
+    got = load_gguf(path)
+    fields = ("rotary_dim", "max_context", "num_layers", "head_dim", "tie_embeddings")
+    assert {f: getattr(got.config, f) for f in fields} == {f: getattr(config, f) for f in fields}
+    assert got.config.rope_attention_factor == pytest.approx(config.rope_attention_factor)
+    assert got.config.rope_freq_factors == pytest.approx(config.rope_freq_factors)  # (float32 in the file)
+    from jaxcb.model.llama import params_from_numpy
+
+    params = params_from_numpy(got.weights, jnp.float32)
+    for record in golden("phi3-longrope"):
+        ref = np.asarray(record["prefill_logits"], np.float32)
+        ours = prefill_logits(got.config, params, record["prompt_ids"])
+        assert np.abs(ours - ref).max() <= 1e-5 * np.abs(ref).max()
 
 
 def test_granites_scalars_are_read_and_each_matters(tmp_path):

@@ -55,12 +55,13 @@ def write_tiny_gguf(path: str, config: ModelConfig | None = None, seed: int = 0,
                     quant: str = "f32", broken_type: bool = False, rope_freqs=None,
                     rope_scaling: tuple[str, float] | None = None, extra_uint32: dict | None = None,
                     extra_float32: dict | None = None,
-                    extra_tensors: dict | None = None) -> dict[str, np.ndarray]:
+                    extra_tensors: dict | None = None, weights: dict | None = None) -> dict[str, np.ndarray]:
     """Write a GGUF file; returns the weights in the project's layout (what loading must give back,
     exactly for f32, up to quantization error otherwise). `rope_freqs`: llama.cpp's per-frequency RoPE
-    factors tensor (Llama 3.1+); `rope_scaling`: (rope.scaling.type, rope.scaling.factor)."""
+    factors tensor (Llama 3.1+); `rope_scaling`: (rope.scaling.type, rope.scaling.factor); `weights`: these
+    (the loaders' layout) instead of random ones. Arch "phi3" fuses Q/K/V and gate/up as its converter does."""
     config = config or tiny_model_config()
-    w = random_weights(config, seed)
+    w = weights if weights is not None else random_weights(config, seed)
     tokens, merges, types = tiny_vocab()
     writer = gguf.GGUFWriter(path, arch)
     writer.add_name("tiny-random")
@@ -118,6 +119,11 @@ def write_tiny_gguf(path: str, config: ModelConfig | None = None, seed: int = 0,
              "mlp_norm": "ffn_norm", "w_gate": "ffn_gate", "w_up": "ffn_up", "w_down": "ffn_down"}
     if config.attention_bias:  # Qwen2's q/k/v biases
         names.update(bq="attn_q.bias", bk="attn_k.bias", bv="attn_v.bias")
+    if arch == "phi3":  # fused: attn_qkv = [q; k; v] rows, ffn_up = [gate; up] rows
+        for i in range(config.num_layers):
+            put(f"blk.{i}.attn_qkv.weight", np.concatenate([w["wq"][i].T, w["wk"][i].T, w["wv"][i].T]), True)
+            put(f"blk.{i}.ffn_up.weight", np.concatenate([w["w_gate"][i].T, w["w_up"][i].T]), True)
+        names = {k: v for k, v in names.items() if k not in ("wq", "wk", "wv", "w_gate", "w_up")}
     for i in range(config.num_layers):
         for key, gname in names.items():
             a = w[key][i]

@@ -1,5 +1,6 @@
 """Write tiny random-weight Hugging Face checkpoints of Qwen3, SmolLM3 (no RoPE in every other layer
-here), Granite (its four scalars), Gemma 2 and Gemma 3 with transformers' own modules, and their golden outputs, for
+here), Granite (its four scalars), Phi-3 (fused projections; and Phi-4-mini's partial rotary and LongRoPE),
+Gemma 2 and Gemma 3 with transformers' own modules, and their golden outputs, for
 tests/test_families.py; and of Llama with Llama 3's RoPE
 scaling and Gemma 3 with linear scaling of its global layers (RoPE scaled from 32 positions, so that
 the prompts run far past it); and Gemma 3 as its multimodal checkpoints come (Gemma3ForConditionalGeneration:
@@ -30,14 +31,23 @@ COMMON = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_
 
 
 def configs():
-    from transformers import (Gemma2Config, Gemma3Config, Gemma3TextConfig, GraniteConfig, LlamaConfig, Qwen3Config,
-                              SiglipVisionConfig, SmolLM3Config)
+    from transformers import (Gemma2Config, Gemma3Config, Gemma3TextConfig, GraniteConfig, LlamaConfig, Phi3Config,
+                              Qwen3Config, SiglipVisionConfig, SmolLM3Config)
 
     types = ["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"]
     return {
         "qwen3": Qwen3Config(**COMMON, tie_word_embeddings=False, rope_theta=10000.0),
         "smollm3": SmolLM3Config(**COMMON, tie_word_embeddings=True, no_rope_layer_interval=2, pad_token_id=None,
                                  bos_token_id=1, eos_token_id=2),
+        "phi3": Phi3Config(**COMMON, tie_word_embeddings=False, pad_token_id=None, bos_token_id=1, eos_token_id=2),
+        # Phi-4-mini's kind: 3/4 of each head rotated, LongRoPE (its short factors up to the original 64 positions)
+        "phi3-longrope": Phi3Config(**{**COMMON, "max_position_embeddings": 256}, tie_word_embeddings=False,
+                                    pad_token_id=None, bos_token_id=1, eos_token_id=2,
+                                    original_max_position_embeddings=64, rope_parameters={
+                                        "rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+                                        "short_factor": [1.0, 1.3, 1.9, 2.6, 3.4, 4.0],
+                                        "long_factor": [1.0, 2.0, 4.0, 8.0, 16.0, 32.0],
+                                        "original_max_position_embeddings": 64}),
         "granite": GraniteConfig(**COMMON, tie_word_embeddings=True, embedding_multiplier=6.0, residual_multiplier=0.3,
                                  attention_multiplier=0.1, logits_scaling=4.0, pad_token_id=None),
         "gemma2": Gemma2Config(**COMMON, sliding_window=8, query_pre_attn_scalar=24, attn_logit_softcapping=5.0,

@@ -41,6 +41,8 @@ class ModelConfig:
     # position divided by `rope_linear_factor` (linear scaling: Gemma 3 4B+'s global layers), 1 for none.
     rope_freq_factors: tuple[float, ...] = ()
     rope_linear_factor: float = 1.0
+    rope_attention_factor: float = 1.0  # cos and sin scaled by it (LongRoPE's attention factor, Phi-3.5/4); 1: none
+    rotary_dim: int = 0  # each head's first dimensions RoPE rotates (Phi-4-mini: 3/4 of them); 0: all
     attn_softcap: float = 0.0  # scores -> cap * tanh(scores / cap) (Gemma 2); 0: off
     final_softcap: float = 0.0  # the same on the logits (Gemma 2); 0: off
     nope_layers: tuple[bool, ...] = ()  # per layer: True = no RoPE (SmolLM3's every fourth layer); () for none
@@ -54,18 +56,24 @@ class ModelConfig:
         assert self.num_heads % self.num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads"
         assert not self.sliding_layers or len(self.sliding_layers) == self.num_layers, "one flag per layer"
         assert not self.nope_layers or len(self.nope_layers) == self.num_layers, "one flag per layer"
-        assert not self.rope_freq_factors or len(self.rope_freq_factors) == self.head_dim // 2, "one factor per frequency"
+        assert not self.rope_freq_factors or len(self.rope_freq_factors) == self.rope_dim // 2, "one factor per frequency"
+        assert self.rope_dim % 2 == 0 and self.rope_dim <= self.head_dim, "an even rotary part of the head"
 
     def rope_divisors(self):
-        """numpy float32 [D/2]: what each RoPE frequency of a full-attention layer is divided by (Llama 3's
+        """numpy float32 [rope_dim/2]: what each RoPE frequency of a full-attention layer is divided by (Llama 3's
         per-frequency factors times the linear factor), or None for plain RoPE. A constant of the program:
         the step computes the frequencies themselves from each layer's base, as transformers does."""
         import numpy as np
 
         if not self.rope_freq_factors and self.rope_linear_factor == 1.0:
             return None
-        factors = np.asarray(self.rope_freq_factors or (1.0,) * (self.head_dim // 2), np.float32)
+        factors = np.asarray(self.rope_freq_factors or (1.0,) * (self.rope_dim // 2), np.float32)
         return factors * np.float32(self.rope_linear_factor)
+
+    @property
+    def rope_dim(self) -> int:
+        """The dimensions of each head RoPE rotates (the first ones)."""
+        return self.rotary_dim or self.head_dim
 
     @property
     def windowed(self) -> bool:

@@ -27,7 +27,7 @@ from jaxcb.host.tokenizer import TokenizerSpec
 from jaxcb.model.config import ModelConfig, check_all_used
 from jaxcb.model.gguf_file import GGUFFile
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "smollm3", "granite")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "smollm3", "granite", "phi3")
 
 # Project name -> (GGUF name pattern, transpose to [in, out]).
 _LAYER_TENSORS = {
@@ -42,6 +42,9 @@ _LAYER_TENSORS = {
     "w_down": ("blk.{i}.ffn_down.weight", True),
 }
 # q/k/v biases (Qwen2; any file that has them).
+# Fused projections (Phi-3): a tensor split by rows into the table's (its parts' rows: sizes from the config),
+# where the first part has no tensor of its own.
+_FUSED_TENSORS = {"blk.{i}.attn_qkv.weight": ("wq", "wk", "wv"), "blk.{i}.ffn_up.weight": ("w_gate", "w_up")}
 _BIAS_TENSORS = {"bq": "blk.{i}.attn_q.bias", "bk": "blk.{i}.attn_k.bias", "bv": "blk.{i}.attn_v.bias"}
 # What the other architectures add to the table above.
 _EXTRA_TENSORS = {
@@ -120,20 +123,24 @@ def read_config(reader) -> ModelConfig:
         raise InvalidConfig(f"{arch}.attention.value_length: {value_dim} differs from key_length {head_dim} "
                             "(not supported)")
     rotary_dim = int(_field(reader, f"{arch}.rope.dimension_count", head_dim))
-    if rotary_dim != head_dim:
+    if rotary_dim != head_dim and arch != "phi3":  # (phi3's rotate-half form rotates the first ones)
         raise InvalidConfig(f"{arch}.rope.dimension_count: {rotary_dim} of {head_dim} dimensions rotated "
-                            "(partial RoPE is not supported)")
+                            "(partial RoPE is supported for phi3 only)")
     names = set(reader.tensors)
     vocab = _field(reader, f"{arch}.vocab_size")
     if vocab is None:
         vocab = len(reader.metadata["tokenizer.ggml.tokens"])
     layers = int(need("block_count"))
     theta = float(_field(reader, f"{arch}.rope.freq_base", 10000.0))
+    context = int(need("context_length"))
     family = dict(_rope_scaling(reader, arch, head_dim))
     if arch == "qwen3":
         family.update(family="qwen3", qk_norm=True)
     elif arch == "smollm3":  # Llama without RoPE in every fourth layer (llama.cpp's n_no_rope_layer_step)
         family.update(nope_layers=tuple((i + 1) % 4 == 0 for i in range(layers)))
+    elif arch == "phi3":
+        family.update(_phi3(reader, head_dim, rotary_dim, context))
+        context = family.pop("max_context")
     elif arch == "granite":  # Llama with scalars on the embeddings, residual branches, scores and logits
         family.update(embed_multiplier=float(_field(reader, "granite.embedding_scale", 1.0)),
                       residual_multiplier=float(_field(reader, "granite.residual_scale", 1.0)),
@@ -158,7 +165,7 @@ def read_config(reader) -> ModelConfig:
         num_heads=heads,
         num_kv_heads=kv_heads,
         head_dim=head_dim,
-        max_context=int(need("context_length")),
+        max_context=context,
         rope_theta=theta,
         rms_norm_eps=float(need("attention.layer_norm_rms_epsilon")),
         tie_embeddings="output.weight" not in names,
@@ -202,6 +209,25 @@ def read_tokenizer(reader) -> TokenizerSpec | None:
         end_ids=tuple(int(i) for i in (_field(reader, "tokenizer.ggml.eot_token_id"),
                                         _field(reader, "tokenizer.ggml.eom_token_id")) if i is not None),
     )
+
+
+def _phi3(reader, head_dim: int, rotary_dim: int, context: int) -> dict:
+    """Phi-3's config fields: the rotated part of each head (Phi-4-mini: 3/4); LongRoPE (Phi-3.5, Phi-4-mini:
+    the rope_factors_short tensor and rope.scaling.attn_factor) up to its original context, where the
+    served context is capped (past it llama.cpp would take the long factors: not served); and every layer's
+    sliding window, up to which attention is exactly full (the context capped there too)."""
+    out = {"rotary_dim": rotary_dim} if rotary_dim != head_dim else {}
+    if "rope_factors_short.weight" in reader.tensors:
+        factors = _dequantize(reader.tensors["rope_factors_short.weight"]).reshape(-1)
+        if factors.shape != (rotary_dim // 2,):
+            raise InvalidConfig(f"tensor rope_factors_short.weight: {factors.size} factors for {rotary_dim} rotated "
+                                f"dimensions (one per frequency: {rotary_dim // 2})")
+        out.update(rope_freq_factors=tuple(float(f) for f in factors),
+                   rope_attention_factor=float(_field(reader, "phi3.rope.scaling.attn_factor", 1.0) or 1.0))
+        context = min(context, int(_field(reader, "phi3.rope.scaling.original_context_length", context) or context))
+    window = int(_field(reader, "phi3.attention.sliding_window", 0) or 0)
+    out["max_context"] = min(context, window) if window else context
+    return out
 
 
 def _rope_scaling(reader, arch: str, head_dim: int) -> dict:
@@ -249,7 +275,7 @@ def load_gguf(path: str, check_config=None) -> LoadedModel:
     # and SmolLM3 and Granite (Llamas to its converter) only; its others keep the rotate-half layout jaxcb uses.
     permuted = _field(reader, "general.architecture") in ("llama", "smollm3", "granite")
 
-    used = {"rope_freqs.weight"}  # (read with the config)
+    used = {"rope_freqs.weight", "rope_factors_short.weight", "rope_factors_long.weight"}  # (read with the config)
 
     def get(name: str, transpose: bool) -> np.ndarray:
         if name not in tensors:
@@ -273,6 +299,16 @@ def load_gguf(path: str, check_config=None) -> LoadedModel:
     table = {**_LAYER_TENSORS, **{k: (v, False) for k, v in _EXTRA_TENSORS.get(config.family, {}).items()}}
     if config.attention_bias:
         table.update({k: (v, False) for k, v in _BIAS_TENSORS.items()})
+    for pattern, parts in _FUSED_TENSORS.items():  # (Phi-3) fused projections: each part's rows, as [in, out]
+        if pattern.format(i=0) not in tensors or _LAYER_TENSORS[parts[0]][0].format(i=0) in tensors:
+            continue  # (not fused: ffn_up is the up projection alone where an ffn_gate is beside it)
+        sizes = [config.weight_shapes()[p][-1] for p in parts]  # (each part's outputs: its rows in the file)
+        pieces = [np.split(get(pattern.format(i=i), False), np.cumsum(sizes)[:-1]) for i in range(config.num_layers)]
+        if any(sum(p.shape[0] for p in layer) != sum(sizes) for layer in pieces):
+            raise InvalidConfig(f"tensor {pattern.format(i=0)}: its rows are not {' + '.join(map(str, sizes))}")
+        for k, key in enumerate(parts):
+            weights[key] = np.stack([np.ascontiguousarray(layer[k].T) for layer in pieces])
+            table.pop(key)
     for key, (pattern, transpose) in table.items():
         weights[key] = np.stack([get(pattern.format(i=i), transpose) for i in range(config.num_layers)])
     check_all_used(set(tensors) - used, path)

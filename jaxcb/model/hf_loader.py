@@ -26,7 +26,8 @@ log = logging.getLogger("jaxcb.model.hf_loader")
 
 # architecture -> family
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
-                 "SmolLM3ForCausalLM": "smollm3", "GraniteForCausalLM": "granite", "Qwen3ForCausalLM": "qwen3", "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3",
+                 "SmolLM3ForCausalLM": "smollm3", "GraniteForCausalLM": "granite", "Phi3ForCausalLM": "phi3",
+                 "Qwen3ForCausalLM": "qwen3", "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3",
                  # Gemma 3 4B+ as released (a vision tower beside the language model): served on text
                  "Gemma3ForConditionalGeneration": "gemma3"}
 # Where a checkpoint keeps the language model's tensors: a causal LM's "model.", a multimodal one's
@@ -45,6 +46,8 @@ _LAYER = {  # our name -> (HF name in layer i, transpose)
     "w_up": ("mlp.up_proj.weight", True),
     "w_down": ("mlp.down_proj.weight", True),
 }
+# Fused projections (Phi-3): split into the table's own (by our names), in their order of rows.
+_FUSED = {"self_attn.qkv_proj.weight": ("wq", "wk", "wv"), "mlp.gate_up_proj.weight": ("w_gate", "w_up")}
 _BIASES = {"bq": "self_attn.q_proj.bias", "bk": "self_attn.k_proj.bias", "bv": "self_attn.v_proj.bias"}
 _QK_NORMS = {"q_norm": "self_attn.q_norm.weight", "k_norm": "self_attn.k_norm.weight"}
 # Gemma names its norms by place: post_attention_layernorm is the attention output's, not the MLP input's.
@@ -77,13 +80,33 @@ def _plain_rope(scaling) -> None:
         raise InvalidConfig(f"config.json: rope_scaling {scaling!r} is not supported (plain RoPE only)")
 
 
+def _longrope(scaling: dict, raw: dict, rotary_dim: int, max_context: int) -> dict:
+    """LongRoPE (Phi-3.5, Phi-4-mini) up to its original context: each frequency divided by its short factor,
+    cos and sin scaled by the attention factor (transformers' default from the ratio of the contexts), and the
+    served context capped there (past it the long factors would apply: not served)."""
+    try:
+        original = int(scaling.get("original_max_position_embeddings") or raw["original_max_position_embeddings"])
+        short = [float(f) for f in scaling["short_factor"]]
+        factor = float(scaling.get("factor") or max_context / original)
+    except (KeyError, TypeError, ValueError) as e:
+        raise InvalidConfig(f"config.json: rope_scaling (longrope) lacks what it needs ({e})") from None
+    if len(short) != rotary_dim // 2:
+        raise InvalidConfig(f"config.json: rope_scaling.short_factor has {len(short)} factors for {rotary_dim} "
+                            f"rotated dimensions (one per frequency: {rotary_dim // 2})")
+    attention = scaling.get("attention_factor")
+    if attention is None:
+        attention = math.sqrt(1 + math.log(factor) / math.log(original)) if factor > 1.0 else 1.0
+    return {"rope_freq_factors": tuple(short), "rope_attention_factor": float(attention),
+            "max_context": min(max_context, original)}
+
+
 def _rope_scaling(scaling, theta: float, head_dim: int) -> dict:
     """A full-attention layer's rope_scaling as ModelConfig fields: linear (`factor`) and Llama 3's
     per-frequency factors ("llama3": frequencies whose wavelength exceeds original_max_position_embeddings /
     low_freq_factor divided by `factor`, those under it / high_freq_factor kept, a smooth blend between), as
-    transformers computes them; other kinds are refused by name."""
+    transformers computes them; LongRoPE is read by the caller (_longrope); other kinds are refused by name."""
     kind = scaling.get("rope_type", scaling.get("type")) if scaling else None
-    if kind in (None, "default"):
+    if kind in (None, "default", "longrope"):
         return {}
     try:
         factor = float(scaling["factor"])
@@ -130,6 +153,16 @@ def read_config(path: str) -> ModelConfig:
         head_dim = int(raw.get("head_dim") or hidden // heads)
         extra = _rope_scaling(scaling, theta or 10000.0, head_dim)
         max_context = int(raw.get("max_position_embeddings", 2048))
+        partial = float((scaling or {}).get("partial_rotary_factor") or raw.get("partial_rotary_factor") or 1.0)
+        if partial != 1.0:  # only each head's first dimensions rotate (Phi-4-mini)
+            extra["rotary_dim"] = int(head_dim * partial)
+        if scaling and scaling.get("rope_type", scaling.get("type")) == "longrope":
+            extra.update(_longrope(scaling, raw, extra.get("rotary_dim", head_dim), max_context))
+            max_context = extra.pop("max_context")
+        if family == "phi3" and raw.get("sliding_window") and int(raw["sliding_window"]) < max_context:
+            # every layer attends to its last `sliding_window` tokens: exactly full attention up to there,
+            # which is as far as jaxcb serves it (Mistral v0.1's rule below)
+            max_context = int(raw["sliding_window"])
         if family == "qwen2" and raw.get("use_sliding_window"):
             raise InvalidConfig("config.json: use_sliding_window (Qwen2's sliding layers) is not supported")
         if arch == "MistralForCausalLM" and raw.get("sliding_window"):
@@ -184,7 +217,7 @@ def read_config(path: str) -> ModelConfig:
             tie_embeddings=bool(raw.get("tie_word_embeddings", gemma)),
             name=os.path.basename(os.path.normpath(path)),
             attention_bias=family == "qwen2" or bool(raw.get("attention_bias", False)),
-            family="llama" if family in ("qwen2", "smollm3", "granite") else family, **extra,
+            family="llama" if family in ("qwen2", "smollm3", "granite", "phi3") else family, **extra,
         )
     except KeyError as e:
         raise InvalidConfig(f"config.json: {e.args[0]} is missing") from None
@@ -218,6 +251,16 @@ def load_weights(path: str, config: ModelConfig) -> dict[str, np.ndarray]:
     if vision:  # (a multimodal checkpoint: jaxcb serves its language model, on text)
         log.info("%s: the language model only; the vision tower's %d tensors are not loaded", path, len(vision))
     layer = prefix + "layers.{i}."
+    for i in range(config.num_layers):  # fused projections (Phi-3) split into the unfused ones' names
+        for fused, parts in _FUSED.items():
+            name = layer.format(i=i) + fused
+            if name in tensors:
+                rows = [config.weight_shapes()[p][-1] for p in parts]  # (each part's outputs)
+                if tensors[name].shape[0] != sum(rows):
+                    raise InvalidConfig(f"model: tensor {name} has {tensors[name].shape[0]} rows, not {sum(rows)}")
+                for part, piece in zip(parts, np.split(np.asarray(tensors[name]), np.cumsum(rows)[:-1])):
+                    tensors[layer.format(i=i) + _LAYER[part][0]] = piece
+                used.add(name)
     weights = {"embed": get(prefix + "embed_tokens.weight"), "final_norm": get(prefix + "norm.weight")}
     names = dict(_LAYER)
     if config.attention_bias:

@@ -173,9 +173,10 @@ def rms_norm(x, weight, eps, plus_one: bool = False):
 
 
 def rope_frequencies(config: ModelConfig, theta, sliding):
-    """A layer's RoPE frequencies f32 [D/2] from its base (traced: the layer's kind), divided by the
-    scaling of full-attention layers (ModelConfig.rope_divisors, a constant) where it has one."""
-    d = config.head_dim
+    """A layer's RoPE frequencies f32 [R/2] (R: the rotated dimensions, ModelConfig.rope_dim) from its base
+    (traced: the layer's kind), divided by the scaling of full-attention layers (ModelConfig.rope_divisors,
+    a constant) where it has one."""
+    d = config.rope_dim
     inv_freq = 1.0 / (theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
     divisors = config.rope_divisors()
     if divisors is not None:
@@ -183,16 +184,24 @@ def rope_frequencies(config: ModelConfig, theta, sliding):
     return inv_freq
 
 
-def rotary(x, positions, inv_freq):
-    """Rotate-half rotary embedding. x [..., heads, D]; positions int32 [...]; inv_freq f32 [D/2]."""
-    d = x.shape[-1]
-    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [..., D/2]
+def rotary(x, positions, inv_freq, scale: float = 1.0):
+    """Rotate-half rotary embedding of each head's first R = 2 * len(inv_freq) dimensions (the others pass
+    as they are). x [..., heads, D]; positions int32 [...]; inv_freq f32 [R/2]; `scale`: cos and sin times
+    it (LongRoPE's attention factor)."""
+    d = 2 * inv_freq.shape[-1]
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [..., R/2]
     angles = jnp.concatenate([angles, angles], axis=-1)[..., None, :]
     cos, sin = jnp.cos(angles), jnp.sin(angles)
+    if scale != 1.0:
+        cos, sin = cos * scale, sin * scale
     x32 = x.astype(jnp.float32)
+    part = x32[..., :d] if d < x.shape[-1] else x32
     half = d // 2
-    rotated = jnp.concatenate([-x32[..., half:], x32[..., :half]], axis=-1)
-    return (x32 * cos + rotated * sin).astype(x.dtype)
+    rotated = jnp.concatenate([-part[..., half:], part[..., :half]], axis=-1)
+    out = part * cos + rotated * sin
+    if d < x.shape[-1]:
+        out = jnp.concatenate([out, x32[..., d:]], axis=-1)
+    return out.astype(x.dtype)
 
 
 def layer_kinds(config: ModelConfig):
@@ -231,8 +240,8 @@ def _layer(config: ModelConfig, attention: Attention, batch: StepInput, h, kv_pa
     inv_freq = rope_frequencies(config, theta, sliding)
     if config.nope_layers:  # a layer without RoPE: every angle 0, its q and k as they are
         inv_freq = inv_freq * rope
-    q = rotary(q, batch.positions, inv_freq)
-    k = rotary(k, batch.positions, inv_freq)
+    q = rotary(q, batch.positions, inv_freq, config.rope_attention_factor)
+    k = rotary(k, batch.positions, inv_freq, config.rope_attention_factor)
 
     attend = functools.partial(_attend, attention, config)
     if attention.mesh is None:
