@@ -317,6 +317,8 @@ def test_gguf_pre_tokenizers_split_as_their_models_do_and_unknown_ones_are_refus
     # Tekken's (Mistral Nemo): a word ends where lower case turns upper, digits one by one, no contractions
     assert pieces("tekken", text) == ["Year", "Ġ", "1", "2", "3", "4", "5", ",", "Ġit", "'s", "ĠDON", "'T"]
     assert pieces("tekken", "HelloWorld foo/bar\n\nx") == ["Hello", "World", "Ġfoo", "/bar", "ĊĊ", "x"]
+    # GPT-4o's (o200k, Phi-4-mini): Tekken's words keeping their contractions, digits by three
+    assert pieces("gpt-4o", text) == ["Year", "Ġ", "123", "45", ",", "Ġit's", "ĠDON'T"]
     with pytest.raises(InvalidConfig, match="tokenizer.ggml.pre: 'jais' is not a pre-tokenizer jaxcb knows"):
         tokenizer_module._pre_tokenizer("jais")
 

@@ -56,6 +56,12 @@ _TEKKEN_PATTERN = (
     r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
     r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+# GPT-4o's (o200k: Phi-4-mini): Tekken's words with their contractions, digits by three.
+_GPT4O_PATTERN = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,11 +96,11 @@ def _end_ids(spec: TokenizerSpec) -> tuple[int, ...]:
 
 
 # llama.cpp's pre-tokenizer names (tokenizer.ggml.pre) by the split they make: GPT-2's pattern; every digit
-# its own piece ("\p{N}" first), then GPT-2's; Llama 3's pattern; Qwen2's; Tekken's.
+# its own piece ("\p{N}" first), then GPT-2's; Llama 3's pattern; Qwen2's; Tekken's; GPT-4o's.
 _PRE_SPLITS = {"default": "gpt2", "gpt-2": "gpt2", "gpt2": "gpt2", "smollm": "digits", "starcoder": "digits",
                "refact": "digits", "codeshell": "digits", "llama-bpe": "llama3", "llama3": "llama3",
-               "smaug-bpe": "llama3", "qwen2": "qwen2", "tekken": "tekken"}
-_PATTERNS = {"llama3": _LLAMA3_PATTERN, "qwen2": _QWEN2_PATTERN, "tekken": _TEKKEN_PATTERN}
+               "smaug-bpe": "llama3", "qwen2": "qwen2", "tekken": "tekken", "gpt-4o": "gpt4o"}
+_PATTERNS = {"llama3": _LLAMA3_PATTERN, "qwen2": _QWEN2_PATTERN, "tekken": _TEKKEN_PATTERN, "gpt4o": _GPT4O_PATTERN}
 # Whose BPE takes a piece that is a token whole before any merge (tokenizer.json's ignore_merges; llama.cpp's
 # for these names).
 _IGNORE_MERGES = ("llama-bpe", "llama3", "tekken")
