@@ -106,7 +106,7 @@ def _rope_scaling(scaling, theta: float, head_dim: int) -> dict:
     low_freq_factor divided by `factor`, those under it / high_freq_factor kept, a smooth blend between), as
     transformers computes them; LongRoPE is read by the caller (_longrope); other kinds are refused by name."""
     kind = scaling.get("rope_type", scaling.get("type")) if scaling else None
-    if kind in (None, "default", "longrope"):
+    if kind in (None, "default", "longrope", "su"):  # ("su": LongRoPE's first name, in Phi-3's first configs)
         return {}
     try:
         factor = float(scaling["factor"])
@@ -156,7 +156,7 @@ def read_config(path: str) -> ModelConfig:
         partial = float((scaling or {}).get("partial_rotary_factor") or raw.get("partial_rotary_factor") or 1.0)
         if partial != 1.0:  # only each head's first dimensions rotate (Phi-4-mini)
             extra["rotary_dim"] = int(head_dim * partial)
-        if scaling and scaling.get("rope_type", scaling.get("type")) == "longrope":
+        if scaling and scaling.get("rope_type", scaling.get("type")) in ("longrope", "su"):
             extra.update(_longrope(scaling, raw, extra.get("rotary_dim", head_dim), max_context))
             max_context = extra.pop("max_context")
         if family == "phi3" and raw.get("sliding_window") and int(raw["sliding_window"]) < max_context:
