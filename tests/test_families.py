@@ -217,11 +217,12 @@ def test_granites_scalars_are_read_and_each_matters(tmp_path):
         np.testing.assert_array_equal(got.weights[k], want[k], err_msg=k)
 
 
-@pytest.mark.parametrize("family", ["gemma3-linear", "llama3-rope"])
+@pytest.mark.parametrize("family", ["gemma3-linear", "llama3-rope", "phi3-longrope"])
 def test_transformers_4_layout_of_the_rope_settings_reads_the_same(tmp_path, family):
-    """The same checkpoints with their RoPE settings as transformers 4 writes them (and the Hub's Llama 3.x
-    and Gemma 3 4B+ configs are): `rope_theta` and `rope_scaling` (the global layers'), Gemma 3's local base
-    in `rope_local_base_freq`; the same config and the reference's logits."""
+    """The same checkpoints with their RoPE settings as transformers 4 writes them (and the Hub's Llama 3.x,
+    Gemma 3 4B+ and Phi-4-mini configs are): `rope_theta` and `rope_scaling` (the global layers'), Gemma 3's
+    local base in `rope_local_base_freq`, Phi-3's `partial_rotary_factor` and `original_max_position_embeddings`
+    beside them and LongRoPE by its first name, "su"; the same config and the reference's logits."""
     import json
     import shutil
 
@@ -236,6 +237,10 @@ def test_transformers_4_layout_of_the_rope_settings_reads_the_same(tmp_path, fam
     raw["rope_scaling"] = full
     if "sliding_attention" in params:
         raw["rope_local_base_freq"] = params["sliding_attention"]["rope_theta"]
+    if family.startswith("phi3"):
+        raw["partial_rotary_factor"] = full.pop("partial_rotary_factor")
+        raw["original_max_position_embeddings"] = full.pop("original_max_position_embeddings")
+        full["type"] = {"longrope": "su"}[full.pop("rope_type")]
     with open(os.path.join(old, "config.json"), "w") as f:
         json.dump(raw, f)
     config, params_old, _, _ = load_model(old, jnp.float32)
