@@ -106,7 +106,7 @@ def test_cli_errors_are_clear(tiny_gguf_path, tmp_path):
     r = run_cli("generate", "--model", str(tmp_path / "missing.gguf"), "hello")
     assert r.returncode == 2 and "model: file not found" in r.stderr
     bad = tmp_path / "qwen.gguf"
-    write_tiny_gguf(str(bad), arch="phi3")
+    write_tiny_gguf(str(bad), arch="phi2")
     r = run_cli("generate", "--model", str(bad), "hello")
     assert r.returncode == 2 and "supported architectures: llama" in r.stderr
     r = run_cli("generate", "--model", tiny_gguf_path, "--max-tokens", "0", "hello")
