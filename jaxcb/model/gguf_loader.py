@@ -1,5 +1,5 @@
-"""Read a GGUF file of the Llama, Qwen2, Qwen3, SmolLM3, Granite, Gemma 2 or Gemma 3 architecture: config,
-dequantized weights and tokenizer metadata.
+"""Read a GGUF file of the Llama, Qwen2, Qwen3, SmolLM3, Granite, Phi-3, Gemma 2 or Gemma 3 architecture:
+config, dequantized weights and tokenizer metadata.
 
 The `gguf` library parses the file and dequantizes every tensor type it knows. Weights come back
 as numpy arrays in this project's layout (see `WEIGHT_NAMES`): linear weights as [in, out] so the
@@ -8,7 +8,7 @@ model can run its layers under `jax.lax.scan`.
 
 llama.cpp's converter permutes the rows of the Q and K projections so that its interleaved
 ("GPT-J") rotary form reproduces the Hugging Face "rotate_half" form. We undo that permutation and
-use rotate_half, which the parity test against transformers confirms. (Qwen and Gemma files are not
+use rotate_half, which the parity test against transformers confirms. (Qwen, Phi-3 and Gemma files are not
 permuted: llama.cpp runs them with the rotate-half ("NeoX") form itself.)
 
 Gemma files store every norm weight plus one (llama.cpp's norms multiply by w, Gemma's by 1 + w): the

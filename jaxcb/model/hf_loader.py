@@ -159,15 +159,11 @@ def read_config(path: str) -> ModelConfig:
         if scaling and scaling.get("rope_type", scaling.get("type")) in ("longrope", "su"):
             extra.update(_longrope(scaling, raw, extra.get("rotary_dim", head_dim), max_context))
             max_context = extra.pop("max_context")
-        if family == "phi3" and raw.get("sliding_window") and int(raw["sliding_window"]) < max_context:
-            # every layer attends to its last `sliding_window` tokens: exactly full attention up to there,
-            # which is as far as jaxcb serves it (Mistral v0.1's rule below)
-            max_context = int(raw["sliding_window"])
         if family == "qwen2" and raw.get("use_sliding_window"):
             raise InvalidConfig("config.json: use_sliding_window (Qwen2's sliding layers) is not supported")
-        if arch == "MistralForCausalLM" and raw.get("sliding_window"):
-            # Mistral 7B v0.1 attends to its last `sliding_window` tokens in every layer: exactly full
-            # attention up to there, which is as far as jaxcb serves it.
+        if (arch == "MistralForCausalLM" or family == "phi3") and raw.get("sliding_window"):
+            # Mistral 7B v0.1 and Phi-3 attend to their last `sliding_window` tokens in every layer: exactly
+            # full attention up to there, which is as far as jaxcb serves them.
             max_context = min(max_context, int(raw["sliding_window"]))
         if family == "smollm3":  # Llama with no RoPE in some layers (no_rope_layers: 0 = none; every fourth)
             if raw.get("use_sliding_window"):
