@@ -335,3 +335,23 @@ def test_calls_marked_by_special_tokens_are_read_with_special_tokens_kept():
         tok = Tokenizer(TokenizerSpec(model="gpt2", pre="default", tokens=tokens, merges=(), token_types=types,
                                       bos_id=None, eos_id=None, add_bos=False, chat_template=None))
         assert {f.name for f in tool_calls.FORMATS.values() if tool_calls.marked_by_special_tokens(f, tok)} == marked
+
+
+@pytest.mark.parametrize("fmt, text", [
+    (tool_calls.HERMES, 'A<tool_call>{"name": "get_time", "arguments": {}}</tool_call>B<tool_call>{"name": '
+                        '"get_weather", "arguments": {"city": "Oslo"}}</tool_call>'),
+    (tool_calls.MISTRAL, '[{"name": "get_time", "arguments": {}}, {"name": "get_weather", "arguments": {"city": "Oslo"}}]'),
+])
+def test_without_parallel_tool_calls_only_the_first_call_is_given(fmt, text):
+    """parallel_tool_calls false (OpenAI's: at most one call): an answer that makes two gives the first,
+    whole and streamed alike; the second's text is not shown either."""
+    tools = dataclasses.replace(tool_calls.parse_tools({"tools": [WEATHER, CLOCK], "parallel_tool_calls": False}),
+                                fmt=fmt, native=True)
+    content, calls = tool_parse.parse(text, tools)
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == [("get_time", "{}")]
+    assert "get_weather" not in content
+    for step in (1, 5, len(text)):
+        streamed, merged = _streamed(tools, [text[i:i + step] for i in range(0, len(text), step)])
+        assert (streamed.strip(), merged) == (content, [("get_time", "{}")]), step
+    both = dataclasses.replace(tools, parallel=True)
+    assert len(tool_parse.parse(text, both)[1]) == 2

@@ -40,10 +40,14 @@ def _made(fmt: Format, name: str, arguments: str) -> dict:
 
 def parse(text: str, tools: Tools) -> tuple[str, list[dict]]:
     """(the text outside the calls, the calls) from a whole answer; a block (or answer) that does not
-    parse as calls of the tools stays text."""
+    parse as calls of the tools stays text. With parallel_tool_calls false, the first call only (OpenAI's:
+    at most one; the others' text is not shown either)."""
+    content, calls = _parse_blocks(text, tools) if tools.fmt.shape == "blocks" else _parse_answer(text, tools)
+    return content, calls if tools.parallel else calls[:1]
+
+
+def _parse_blocks(text: str, tools: Tools) -> tuple[str, list[dict]]:
     fmt = tools.fmt
-    if fmt.shape != "blocks":
-        return _parse_answer(text, tools)
     calls, content, pos = [], [], 0
     for match in re.finditer(re.escape(fmt.open) + r"(.*?)" + re.escape(fmt.close), text, re.S):
         call = _call(match.group(1), tools)
@@ -166,9 +170,10 @@ class CallStream:
 
     def feed(self, text: str, final: bool = False) -> tuple[str, list[dict]]:
         self.buffer += text
-        if self.fmt.shape == "blocks":
-            return self._feed_blocks(final)
-        return self._feed_answer(final)
+        content, deltas = self._feed_blocks(final) if self.fmt.shape == "blocks" else self._feed_answer(final)
+        if not self.tools.parallel:  # the first call only, as parse() gives it
+            deltas = [d for d in deltas if d["index"] == 0]
+        return content, deltas
 
     def _feed_blocks(self, final: bool) -> tuple[str, list[dict]]:
         content, deltas = "", []
