@@ -301,10 +301,9 @@ class LLM:
         template = chat_template or self.tokenizer.chat_template
         prompts = []
         for m in conversations:
-            shown, messages = tool_calls.prepare({} if tools is None else {"tools": tools}, m, template)
+            _, messages, shown = tool_calls.prepare({} if tools is None else {"tools": tools}, m, template)
             prompts.append(self.tokenizer.encode_chat(messages, add_generation_prompt, chat_template_kwargs,
-                                                      continue_final_message, chat_template,
-                                                      tools=shown.template_tools() if shown else None))
+                                                      continue_final_message, chat_template, tools=shown))
         return self._run(prompts, params, None)
 
     def beam_search(self, prompts, width: int = 4, max_tokens: int = 16, *, length_penalty: float = 1.0,

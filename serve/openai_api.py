@@ -183,11 +183,11 @@ def make_app(state) -> FastAPI:
             if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
                 raise bad_request("messages: must be a list of {role, content} objects")
             template = template_fields(body, state.options.trust_request_chat_template)
-            tools, messages = chat_tools(body, messages, template[3])
+            _, messages, shown = chat_tools(body, messages, template[3])
             frontend.check_messages("messages", [(m["role"], m["content"]) for m in messages])
             try:
                 ids = await asyncio.to_thread(functools.partial(tokenizer.encode_chat, messages, *template,
-                                                                tools=tools.template_tools() if tools else None))
+                                                                tools=shown))
             except InvalidRequest:  # named already (no chat template, a template that refused them, ...)
                 raise
             except ValueError as e:
@@ -319,7 +319,7 @@ def make_app(state) -> FastAPI:
         if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
             raise bad_request("messages: must be a list of {role, content} objects")
         template = template_fields(body, state.options.trust_request_chat_template)
-        tools, messages = chat_tools(body, messages, template[3])
+        tools, messages, shown = chat_tools(body, messages, template[3])
         keep = frontend.prompt_keep(state, body.get("truncate_prompt_tokens"))
         top = int_field(body, "top_logprobs", 0) or 0
         if not 0 <= top <= MAX_TOP_LOGPROBS:
@@ -349,8 +349,7 @@ def make_app(state) -> FastAPI:
                 raise bad_request("tools: not supported with use_beam_search")
         state.admit(params.n)
         await frontend.check_settings(state, params)
-        ids = await asyncio.to_thread(functools.partial(state.tokenizer.encode_chat, messages, *template,
-                                                        tools=tools.template_tools() if tools else None))
+        ids = await asyncio.to_thread(functools.partial(state.tokenizer.encode_chat, messages, *template, tools=shown))
         ids = frontend.truncated(ids, keep)
         if limit is None:  # the default needs the prompt's length (validated again by replace)
             params = dataclasses.replace(params, max_tokens=max(1, state.engine.max_context - len(ids)))

@@ -313,10 +313,11 @@ def test_llm_chat_shows_tools_as_the_chat_api_does(make_llm):
                         {"id": "call_1", "type": "function", "function": {"name": "get_time", "arguments": "{}"}}]},
                     {"role": "tool", "tool_call_id": "call_1", "content": "noon"}]
     for template in (None, BLOCK_TEMPLATE):
-        tools, messages = tool_calls.prepare({"tools": [WEATHER, CLOCK]}, conversation,
-                                             template or llm.tokenizer.chat_template)
+        tools, messages, shown = tool_calls.prepare({"tools": [WEATHER, CLOCK]}, conversation,
+                                                    template or llm.tokenizer.chat_template)
+        assert shown == tools.template_tools()
         llm.chat([conversation], tools=[WEATHER, CLOCK], chat_template=template)
-        want = llm.tokenizer.encode_chat(messages, True, None, False, template, tools=tools.template_tools())
+        want = llm.tokenizer.encode_chat(messages, True, None, False, template, tools=shown)
         assert prompts.pop() == want
         text, native = llm.tokenizer.decode(want, skip_special=False), tools.native
         assert native == (template is not None)

@@ -89,8 +89,8 @@ def choose_format(template: str | None, parser: str = "auto") -> tuple[Format, b
     """(the format calls are written and read in, whether the chat template `template` renders the tools
     and calls itself: it reads `tools`). "auto": the template's own format where it is recognised from what
     the template writes (<|tool_call|>: granite; a <tool_call> block: hermes; [TOOL_CALLS]: mistral; a
-    "parameters" object: llama3_json), else hermes in jaxcb's rendering; a parser named by the server: its format, rendered by
-    the template if it reads `tools` (the server says it is the template's), else by jaxcb."""
+    "parameters" object: llama3_json), else hermes in jaxcb's rendering; a parser named by the server: its
+    format, rendered by the template if it reads `tools` (the server says it is the template's), else by jaxcb."""
     reads = bool(template) and template_reads(template, "tools")
     if parser != "auto":
         return FORMATS[parser], reads
@@ -217,15 +217,17 @@ def content_text(content, where: str, parts: dict[str, str] = CHAT_PARTS) -> str
     return "\n".join(texts)
 
 
-def prepare(body: dict, messages: list, template: str | None, parser: str = "auto") -> tuple[Tools | None, list[dict]]:
+def prepare(body: dict, messages: list, template: str | None,
+            parser: str = "auto") -> tuple[Tools | None, list[dict], list[dict] | None]:
     """A chat's tools (`body`'s tools, tool_choice, parallel_tool_calls; None without tools) in the format
-    of the chat template `template` that writes the chat (choose_format), and its messages rendered for
-    that template (render_messages: each message's fields checked)."""
+    of the chat template `template` that writes the chat (choose_format), its messages rendered for that
+    template (render_messages: each message's fields checked), and the template's `tools`
+    (Tools.template_tools; None where jaxcb renders them or there are none)."""
     fmt, native = choose_format(template, parser)
     tools = parse_tools(body)
     if tools is not None:
         tools = dataclasses.replace(tools, fmt=fmt, native=native)
-    return tools, render_messages(messages, tools, fmt, native)
+    return tools, render_messages(messages, tools, fmt, native), tools.template_tools() if tools else None
 
 
 def render_messages(messages: list, tools: Tools | None, fmt: Format = HERMES, native: bool = False) -> list[dict]:

@@ -3,7 +3,7 @@ or as OpenAI's streamed deltas (`CallStream`), in the request's format (`Tools.f
 either way however the answer's text is cut into pieces.
 
 Formats of the "blocks" shape (hermes) hold calls anywhere in the answer; those of the "object" and
-"list" shapes (llama3_json, mistral) are calls when the answer begins with them, and what follows is
+"list" shapes (llama3_json; mistral, granite) are calls when the answer begins with them, and what follows is
 text. A call cut off at the end of the answer (max_tokens) that has named one of the tools is that call
 with the arguments written so far (its finish_reason says "length")."""
 
@@ -16,14 +16,14 @@ import re
 from jaxcb.host.tool_calls import Format, Tools
 
 
+_NAME = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"')  # a call's object up to its name
+
+
 @functools.lru_cache(maxsize=None)
 def _head(fmt: Format) -> re.Pattern:
     """A call's object up to its arguments: {"name": "...", "<key>": (the name first, the grammar's order)."""
     keys = "|".join(map(re.escape, fmt.keys))
-    return re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:' + keys + r')"\s*:\s*')
-
-
-_NAME = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"')
+    return re.compile(_NAME.pattern + r'\s*,\s*"(?:' + keys + r')"\s*:\s*')
 
 
 def _name(quoted: str) -> str | None:

@@ -26,7 +26,7 @@ class ModelConfig:
     name: str = "llama"
     attention_bias: bool = False  # biases on the q, k, v projections (Qwen2)
     # ---- variations of other families (defaults: Llama) ----
-    family: str = "llama"  # "llama" (Llama, Mistral, Qwen2, SmolLM3, Granite), "qwen3", "gemma2", "gemma3"
+    family: str = "llama"  # "llama" (Llama, Mistral, Qwen2, SmolLM3, Granite, Phi-3), "qwen3", "gemma2", "gemma3"
     qk_norm: bool = False  # RMSNorm over each head of q and k before RoPE (Qwen3, Gemma 3)
     norm_plus_one: bool = False  # RMSNorm scales by (1 + w) (Gemma)
     post_norms: bool = False  # a norm after attention and after the MLP too: four per layer (Gemma 2/3)

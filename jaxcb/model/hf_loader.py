@@ -73,8 +73,13 @@ def _rope(raw: dict, kind: str | None = None) -> tuple[float | None, dict | None
             None if kind == "sliding_attention" else raw.get("rope_scaling"))
 
 
+def _kind(scaling) -> str | None:
+    """A rope scaling's kind (transformers 5's rope_type, 4's type)."""
+    return scaling.get("rope_type", scaling.get("type")) if scaling else None
+
+
 def _plain_rope(scaling) -> None:
-    kind = scaling.get("rope_type", scaling.get("type")) if scaling else None
+    kind = _kind(scaling)
     factor = scaling.get("factor", 1.0) if scaling else 1.0
     if kind not in (None, "default") and not (kind == "linear" and factor == 1.0):
         raise InvalidConfig(f"config.json: rope_scaling {scaling!r} is not supported (plain RoPE only)")
@@ -105,7 +110,7 @@ def _rope_scaling(scaling, theta: float, head_dim: int) -> dict:
     per-frequency factors ("llama3": frequencies whose wavelength exceeds original_max_position_embeddings /
     low_freq_factor divided by `factor`, those under it / high_freq_factor kept, a smooth blend between), as
     transformers computes them; LongRoPE is read by the caller (_longrope); other kinds are refused by name."""
-    kind = scaling.get("rope_type", scaling.get("type")) if scaling else None
+    kind = _kind(scaling)
     if kind in (None, "default", "longrope", "su"):  # ("su": LongRoPE's first name, in Phi-3's first configs)
         return {}
     try:
@@ -156,7 +161,7 @@ def read_config(path: str) -> ModelConfig:
         partial = float((scaling or {}).get("partial_rotary_factor") or raw.get("partial_rotary_factor") or 1.0)
         if partial != 1.0:  # only each head's first dimensions rotate (Phi-4-mini)
             extra["rotary_dim"] = int(head_dim * partial)
-        if scaling and scaling.get("rope_type", scaling.get("type")) in ("longrope", "su"):
+        if _kind(scaling) in ("longrope", "su"):
             extra.update(_longrope(scaling, raw, extra.get("rotary_dim", head_dim), max_context))
             max_context = extra.pop("max_context")
         if family == "qwen2" and raw.get("use_sliding_window"):
