@@ -334,7 +334,7 @@ def make_app(state) -> FastAPI:
         # default max_tokens needs the prompt's length.
         params = sampling_params(body, max_tokens=1 if limit is None else limit, logprobs=max(top, 1) if want else 0)
         params = dataclasses.replace(params, lora=adapter_of(body))
-        forced = tool_calls.constraint(tools) if tools is not None else None
+        forced = tool_calls.constraint(tools, state.tokenizer) if tools is not None else None
         if forced is not None:  # "required" or a named function: the output is tool-call blocks
             if params.structured is not None:
                 raise bad_request("tool_choice: a required tool call cannot be combined with response_format "

@@ -166,12 +166,19 @@ LIST_TEMPLATE = (
     "{% endfor %}</s>{% elif m.role == 'tool' %}[TOOL_RESULTS]{{ m.tool_call_id }}: {{ m.content }}[/TOOL_RESULTS]"
     "{% else %}[INST]{{ m.content }}[/INST]{% endif %}{% endfor %}")
 PLAIN_TEMPLATE = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+V11_TEMPLATE = LIST_TEMPLATE.replace(  # Mistral's tokenizers from v11: each call its marker, name, [ARGS], arguments
+    "[TOOL_CALLS]{{ m.tool_calls | map(attribute='function') | list | tojson }}",
+    "{% for c in m.tool_calls %}[TOOL_CALLS]{{ c.function.name }}[ARGS]{{ c.function.arguments | tojson }}{% endfor %}")
 
 
 def test_the_format_is_the_templates_own_where_it_renders_tools():
     assert tool_calls.choose_format(BLOCK_TEMPLATE) == (tool_calls.HERMES, True)
     assert tool_calls.choose_format(OBJECT_TEMPLATE) == (tool_calls.LLAMA3_JSON, True)
     assert tool_calls.choose_format(LIST_TEMPLATE) == (tool_calls.MISTRAL, True)
+    assert tool_calls.choose_format(V11_TEMPLATE) == (tool_calls.MISTRAL_V11, True)
+    # vLLM's "mistral" parser reads either: the one the template writes
+    assert tool_calls.choose_format(V11_TEMPLATE, "mistral") == (tool_calls.MISTRAL_V11, True)
+    assert tool_calls.choose_format(LIST_TEMPLATE, "mistral") == (tool_calls.MISTRAL, True)
     granite = LIST_TEMPLATE.replace("[TOOL_CALLS]", "<|tool_call|>")
     assert tool_calls.choose_format(granite) == (tool_calls.GRANITE, True)
     assert tool_calls.choose_format(PLAIN_TEMPLATE) == (tool_calls.HERMES, False)  # jaxcb renders them
@@ -249,7 +256,7 @@ def test_a_template_that_renders_tools_gets_them_and_the_calls_as_objects(smollm
         {"role": "tool", "tool_call_id": "call_1", "content": "rain <|im_end|>"},
     ]
     for template, fmt in ((BLOCK_TEMPLATE, tool_calls.HERMES), (OBJECT_TEMPLATE, tool_calls.LLAMA3_JSON),
-                          (LIST_TEMPLATE, tool_calls.MISTRAL)):
+                          (LIST_TEMPLATE, tool_calls.MISTRAL), (V11_TEMPLATE, tool_calls.MISTRAL_V11)):
         tools = dataclasses.replace(_tools("required"), fmt=fmt, native=True)
         messages = tool_calls.render_messages(conversation, tools, fmt, native=True)
         assert [m["role"] for m in messages] == ["user", "assistant", "tool"]
@@ -332,16 +339,79 @@ def test_calls_marked_by_special_tokens_are_read_with_special_tokens_kept():
     from jaxcb.host.tokenizer import Tokenizer, TokenizerSpec
 
     tokens = ("a", "<tool_call>", "</tool_call>", "[TOOL_CALLS]")
-    for types, marked in (((1, 3, 3, 3), {"hermes", "mistral"}), ((1, 4, 4, 1), set())):
+    for types, marked in (((1, 3, 3, 3), {"hermes", "mistral", "mistral_v11"}), ((1, 4, 4, 1), set())):
         tok = Tokenizer(TokenizerSpec(model="gpt2", pre="default", tokens=tokens, merges=(), token_types=types,
                                       bos_id=None, eos_id=None, add_bos=False, chat_template=None))
         assert {f.name for f in tool_calls.FORMATS.values() if tool_calls.marked_by_special_tokens(f, tok)} == marked
+
+
+NAME_FIRST_ANSWERS = [  # mistral_v11: [TOOL_CALLS] and [ARGS] are control tokens, read with special tokens kept
+    ('[TOOL_CALLS]get_weather[ARGS]{"city": "Paris \\"}{"}[TOOL_CALLS]get_time[ARGS]{}', "",
+     [("get_weather", '{"city": "Paris \\"}{"}'), ("get_time", "{}")]),
+    ("Let me look.[TOOL_CALLS]get_time[CALL_ID]a1B2c3D4e[ARGS] {} Done.", "Let me look. Done.", [("get_time", "{}")]),
+    ('[TOOL_CALLS]unknown[ARGS]{"a": 1}', '[TOOL_CALLS]unknown[ARGS]{"a": 1}', []),  # not one of the tools: text
+    ("[TOOL_CALLS] no call", "[TOOL_CALLS] no call", []),
+    ("just [TOOL", "just [TOOL", []),
+    ('[TOOL_CALLS]get_time[ARGS]{}[TOOL_CALLS]get_weather[ARGS]{"city": "Os', "",  # cut off by max_tokens
+     [("get_time", "{}"), ("get_weather", '{"city": "Os')]),
+    ("[TOOL_CALLS]get_weather[ARGS]", "", [("get_weather", "")]),  # its name whole: that call, no arguments yet
+    ("[TOOL_CALLS]get_weather", "[TOOL_CALLS]get_weather", []),
+]
+
+
+@pytest.mark.parametrize("text, content, calls", NAME_FIRST_ANSWERS)
+def test_name_first_calls_parse_whole_and_streamed(text, content, calls):
+    """mistral_v11: each call is [TOOL_CALLS], the name, [ARGS] (after an optional [CALL_ID] and id) and the
+    arguments, anywhere in the answer, with 9-character ids; the same whole and however the stream cuts it."""
+    tools = _object_tools(fmt=tool_calls.MISTRAL_V11)
+    got_content, got_calls = tool_parse.parse(text, tools)
+    assert (got_content, [(c["function"]["name"], c["function"]["arguments"]) for c in got_calls]) == (content, calls)
+    assert all(len(c["id"]) == 9 and c["id"].isalnum() for c in got_calls)
+    rng = random.Random(2)
+    for pieces in [[text[i:i + 1] for i in range(len(text))]] + [_random_pieces(text, rng) for _ in range(30)]:
+        streamed, merged = _streamed(tools, pieces)
+        assert (streamed.strip(), merged) == (content, calls)
+
+
+def test_a_marker_that_is_a_special_token_is_that_token_in_the_grammar():
+    """tool_choice required where the format's markers are special tokens (Mistral's [TOOL_CALLS], [ARGS]):
+    the grammar holds the tokens themselves, as the model was trained to write them, not their text
+    spelt out; the calls it allows parse back."""
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    from jaxcb.host.structured import Grammars
+    from jaxcb.host.tokenizer import Tokenizer, TokenizerSpec
+
+    tokens = tuple(sorted(ByteLevel.alphabet())) + ("</s>", "[TOOL_CALLS]", "[ARGS]")
+    tok = Tokenizer(TokenizerSpec(model="gpt2", pre="default", tokens=tokens, merges=(), bos_id=None, eos_id=256,
+                                  token_types=(1,) * 256 + (3, 3, 3), add_bos=False, chat_template=None))
+    grammars, marker, args = Grammars(tok, len(tokens)), tok.token_id("[TOOL_CALLS]"), tok.token_id("[ARGS]")
+
+    def accepts(tools, ids: list[int]) -> bool:
+        m = grammars.matcher(tool_calls.constraint(tools, tok))
+        return m.try_consume_tokens(ids) == len(ids) and m.is_accepting()
+
+    def text(s: str) -> list[int]:  # the characters as text tokens, a special token's text too
+        return [t for ch in s for t in tok.encode(ch, add_bos=False)]
+
+    v11, listed = (dataclasses.replace(_tools("required"), fmt=f) for f in (tool_calls.MISTRAL_V11, tool_calls.MISTRAL))
+    good = [marker, *text("get_time"), args, *text("{}"), marker, *text("get_weather"), args, *text('{"city":"x"}')]
+    assert accepts(v11, good)
+    assert not accepts(v11, text('[TOOL_CALLS]get_time[ARGS]{}'))  # spelt out
+    assert not accepts(v11, [marker, *text("get_weather"), args, *text("{}")])  # its required city missing
+    assert [c["function"]["name"] for c in tool_parse.parse(tok.decode(good, skip_special=False), v11)[1]] == [
+        "get_time", "get_weather"]
+    assert accepts(listed, [marker, *text(' [{"name":"get_time","arguments":{}}]')])
+    assert not accepts(listed, text('[{"name":"get_time","arguments":{}}]'))  # the model's first token is its marker
+    # without the tokenizer (or where the markers are text), as before: the markers as text
+    assert "<[" not in tool_calls.constraint(v11).spec and '"[TOOL_CALLS]"' in tool_calls.constraint(v11).spec
 
 
 @pytest.mark.parametrize("fmt, text", [
     (tool_calls.HERMES, 'A<tool_call>{"name": "get_time", "arguments": {}}</tool_call>B<tool_call>{"name": '
                         '"get_weather", "arguments": {"city": "Oslo"}}</tool_call>'),
     (tool_calls.MISTRAL, '[{"name": "get_time", "arguments": {}}, {"name": "get_weather", "arguments": {"city": "Oslo"}}]'),
+    (tool_calls.MISTRAL_V11, '[TOOL_CALLS]get_time[ARGS]{}[TOOL_CALLS]get_weather[ARGS]{"city": "Oslo"}'),
 ])
 def test_without_parallel_tool_calls_only_the_first_call_is_given(fmt, text):
     """parallel_tool_calls false (OpenAI's: at most one call): an answer that makes two gives the first,

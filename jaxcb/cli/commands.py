@@ -84,7 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default="auto",
                    help="the format the model writes tool calls in (vLLM's flag of this name): auto (default) takes "
                         "the chat template's own where it renders tools (<|tool_call|>: granite; a <tool_call> block: "
-                        "hermes; [TOOL_CALLS]: mistral; a \"parameters\" object: llama3_json), else jaxcb renders "
+                        "hermes; [TOOL_CALLS]: mistral, or mistral_v11 with [ARGS]; a \"parameters\" object: "
+                        "llama3_json), else jaxcb renders "
                         "the tools and asks for hermes")
     s.add_argument("--grace-period", type=float, default=10.0, help="seconds in-flight streams get at shutdown")
     s.add_argument("--max-waiting", type=int, default=1024,

@@ -13,6 +13,9 @@ A model writes its calls in the format it was trained on (a `Format`; vLLM's --t
                  control token, not in the answer's text; call ids of 9 letters and digits)
     granite      <|tool_call|>[{"name": "get_weather", "arguments": {"city": "Paris"}}, ...]
                  the same after its own marker (Granite 3)
+    mistral_v11  [TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]...
+                 each call its marker, name, [ARGS] and arguments (the tokenizers of Mistral Small 3.1-3.2,
+                 Magistral, Devstral: mistral-common's v11 and later; vLLM's "mistral" parser reads both)
 
 A chat template that reads `tools` renders the tools, the earlier calls (`tool_calls`, arguments as
 objects) and the `tool` results itself, as the model was trained on them; its format is recognised from
@@ -51,15 +54,20 @@ class Format:
     """How a model writes its tool calls, each a JSON object {"name": ..., keys[0]: {arguments}}: in
     blocks, `open` call `close`, anywhere in the answer ("blocks"); or as the answer itself when it begins
     with one ("object": one call) or with a list of them ("list"), after `open` if that is in the text
-    (what follows is text). A call read back may name its arguments by any of `keys`."""
+    (what follows is text). A call read back may name its arguments by any of `keys`. With `args` a
+    call is no object but its name, `args` and the arguments object (a block without `close`: it ends
+    with the arguments)."""
     name: str
     shape: str  # "blocks" | "object" | "list"
     open: str
     close: str
     keys: tuple[str, ...]
     id_length: int = 0  # call ids the model's template takes: this many letters and digits (0: any id)
+    args: str = ""  # between a call's name and its arguments, where calls are written name-first, no object
 
     def write(self, name: str, arguments) -> str:
+        if self.args:
+            return self.open + name + self.args + json.dumps(arguments)
         call = json.dumps({"name": name, self.keys[0]: arguments})
         return self.open + (f"[{call}]" if self.shape == "list" else call) + self.close
 
@@ -73,25 +81,31 @@ HERMES = Format("hermes", "blocks", "<tool_call>", "</tool_call>", ("arguments",
 LLAMA3_JSON = Format("llama3_json", "object", "", "", ("parameters", "arguments"))
 MISTRAL = Format("mistral", "list", "[TOOL_CALLS]", "", ("arguments",), id_length=9)
 GRANITE = Format("granite", "list", "<|tool_call|>", "", ("arguments",))
-FORMATS = {f.name: f for f in (HERMES, LLAMA3_JSON, MISTRAL, GRANITE)}
-PARSERS = ("auto", *FORMATS)  # --tool-call-parser
+MISTRAL_V11 = Format("mistral_v11", "blocks", "[TOOL_CALLS]", "", ("arguments",), id_length=9, args="[ARGS]")
+FORMATS = {f.name: f for f in (HERMES, LLAMA3_JSON, MISTRAL, GRANITE, MISTRAL_V11)}
+PARSERS = ("auto", *FORMATS)  # --tool-call-parser ("mistral": mistral_v11 where the template writes [ARGS])
 
 
 def marked_by_special_tokens(fmt: Format, tokenizer) -> bool:
     """Whether the format's markers are special tokens of `tokenizer` (a <tool_call> some vocabularies mark
     special, Mistral's [TOOL_CALLS]): an answer's calls are then read from its text with special tokens kept
     (SamplingParams.skip_special_tokens False), as vLLM's parsers ask."""
-    ids = [tokenizer.token_id(m) for m in (fmt.open, fmt.close) if m]
+    ids = [tokenizer.token_id(m) for m in (fmt.open, fmt.close, fmt.args) if m]
     return any(i is not None and i in tokenizer.special_ids for i in ids)
 
 
 def choose_format(template: str | None, parser: str = "auto") -> tuple[Format, bool]:
     """(the format calls are written and read in, whether the chat template `template` renders the tools
     and calls itself: it reads `tools`). "auto": the template's own format where it is recognised from what
-    the template writes (<|tool_call|>: granite; a <tool_call> block: hermes; [TOOL_CALLS]: mistral; a
-    "parameters" object: llama3_json), else hermes in jaxcb's rendering; a parser named by the server: its
-    format, rendered by the template if it reads `tools` (the server says it is the template's), else by jaxcb."""
+    the template writes (<|tool_call|>: granite; a <tool_call> block: hermes; [TOOL_CALLS] with [ARGS]:
+    mistral_v11, without: mistral; a "parameters" object: llama3_json), else hermes in jaxcb's rendering; a
+    parser named by the server: its format (mistral's by what the template writes, as vLLM's parser reads
+    either by the tokenizer's version), rendered by the template if it reads `tools` (the server says it is
+    the template's), else by jaxcb."""
     reads = bool(template) and template_reads(template, "tools")
+    v11 = bool(template) and MISTRAL_V11.args in template
+    if parser == "mistral" and v11:
+        return MISTRAL_V11, reads
     if parser != "auto":
         return FORMATS[parser], reads
     if reads and GRANITE.open in template:
@@ -99,7 +113,7 @@ def choose_format(template: str | None, parser: str = "auto") -> tuple[Format, b
     if reads and HERMES.open in template:
         return HERMES, True
     if reads and MISTRAL.open in template:
-        return MISTRAL, True
+        return (MISTRAL_V11 if v11 else MISTRAL), True
     if reads and '"parameters"' in template:
         return LLAMA3_JSON, True
     return HERMES, False
@@ -184,6 +198,8 @@ def system_text(tools: Tools) -> str:
     lines = [json.dumps(t) for t in tools.listed()]
     fmt = tools.fmt
     call = '{"name": <function name>, "%s": <arguments as a JSON object>}' % fmt.keys[0]
+    if fmt.args:
+        call = f"<function name>{fmt.args}<arguments as a JSON object>"
     how = {"blocks": f"{fmt.open}{call}{fmt.close} (one block per call)", "object": f"{call} (one call)",
            "list": f"[{call}, ...] (a list of calls)"}[fmt.shape]
     return ("You may call functions to help with the user's request. The functions, as JSON schemas:\n<tools>\n"
@@ -298,31 +314,57 @@ def _call_id(given, fmt: Format) -> str:
     return given
 
 
-def constraint(tools: Tools) -> Constraint | None:
+def constraint(tools: Tools, tokenizer=None) -> Constraint | None:
     """The grammar for "required" or a named function: calls in the format only (blocks, a newline each
     side of the object and between blocks allowed, as templates write them; or the answer one object),
     each with a function's name and arguments valid against its parameters; None when the model may
-    answer in text."""
+    answer in text. A marker that is a special token of `tokenizer` is that token in the grammar (the
+    model writes it as it was trained to, not spelt out in text)."""
     if tools.choice not in ("required", "function"):
         return None
     names = [tools.named] if tools.choice == "function" else list(tools.functions)
+    order = list(tools.functions)  # each schema's own field, for an error (Grammars.compile)
+    parts = tuple((f"tools[{order.index(n)}].function.parameters", json.dumps(tools.functions[n])) for n in names)
+    more = tools.parallel and tools.choice == "required"
+    if tools.fmt.args:  # name-first calls: one rule per function, its name then its arguments
+        calls = "\n".join(f"call_{k}: {_marker(tools.fmt.open, tokenizer)} {json.dumps(n)} "
+                          f"{_marker(tools.fmt.args, tokenizer)} %json {json.dumps(_strict(tools.functions[n]))}"
+                          for k, n in enumerate(names))
+        alternatives = " | ".join(f"call_{k}" for k in range(len(names)))
+        return Constraint("grammar", f"start: call{'+' if more else ''}\ncall: {alternatives}\n{calls}",
+                          "tools", parts)
     key = tools.fmt.keys[0]
-    schema = {"x-guidance": {"whitespace_flexible": False},
-              "anyOf": [{"type": "object", "properties": {"name": {"const": n}, key: tools.functions[n]},
-                         "required": ["name", key], "additionalProperties": False} for n in names]}
-    body = json.dumps(grammar_schema(schema))  # the arguments read as a json_schema's schema is
+    body = json.dumps(_strict({"anyOf": [{"type": "object", "properties": {"name": {"const": n}, key: tools.functions[n]},
+                                          "required": ["name", key], "additionalProperties": False} for n in names]}))
     if tools.fmt.shape == "object":
         grammar = f"start: %json {body}"
     elif tools.fmt.shape == "list":
-        more = ' ("," " "? call)*' if tools.parallel and tools.choice == "required" else ""
-        grammar = f'start: "[" call{more} "]"\ncall: %json {body}'
+        opening = _marker(tools.fmt.open, tokenizer) + ' " "? ' if _special(tools.fmt.open, tokenizer) else ""
+        rest = ' ("," " "? call)*' if more else ""
+        grammar = f'start: {opening}"[" call{rest} "]"\ncall: %json {body}'
     else:
-        more = ' ("\\n"? call)*' if tools.parallel and tools.choice == "required" else ""
-        grammar = (f"start: call{more}\ncall: {json.dumps(tools.fmt.open)} \"\\n\"? %json {body} \"\\n\"? "
-                   f"{json.dumps(tools.fmt.close)}")
-    order = list(tools.functions)  # each schema's own field, for an error (Grammars.compile)
-    parts = tuple((f"tools[{order.index(n)}].function.parameters", json.dumps(tools.functions[n])) for n in names)
+        newline = '"\\n"?'
+        rest = f" ({newline} call)*" if more else ""
+        grammar = (f"start: call{rest}\ncall: {_marker(tools.fmt.open, tokenizer)} "
+                   f"{newline} %json {body} {newline} {_marker(tools.fmt.close, tokenizer)}")
     return Constraint("grammar", grammar, "tools", parts)
+
+
+def _strict(schema: dict) -> dict:
+    """A call's schema as the grammar holds it: no free whitespace, read as a json_schema's schema is."""
+    return grammar_schema({"x-guidance": {"whitespace_flexible": False}, **schema})
+
+
+def _special(text: str, tokenizer) -> int | None:
+    """The id of `text` where it is one special token of `tokenizer`'s vocabulary."""
+    i = tokenizer.token_id(text) if tokenizer is not None and text else None
+    return i if i is not None and i in tokenizer.special_ids else None
+
+
+def _marker(text: str, tokenizer) -> str:
+    """A marker in a Lark grammar: the special token (llguidance's <[id]>) where it is one, else its text."""
+    i = _special(text, tokenizer)
+    return json.dumps(text) if i is None else f"<[{i}]>"
 
 
 def new_call_id() -> str:

@@ -2,9 +2,9 @@
 or as OpenAI's streamed deltas (`CallStream`), in the request's format (`Tools.fmt`), the same calls
 either way however the answer's text is cut into pieces.
 
-Formats of the "blocks" shape (hermes) hold calls anywhere in the answer; those of the "object" and
-"list" shapes (llama3_json; mistral, granite) are calls when the answer begins with them, and what follows is
-text. A call cut off at the end of the answer (max_tokens) that has named one of the tools is that call
+Formats of the "blocks" shape (hermes; mistral_v11, whose blocks end with their arguments) hold calls
+anywhere in the answer; those of the "object" and "list" shapes (llama3_json; mistral, granite) are calls
+when the answer begins with them, and what follows is text. A call cut off at the end of the answer (max_tokens) that has named one of the tools is that call
 with the arguments written so far (its finish_reason says "length")."""
 
 from __future__ import annotations
@@ -21,7 +21,11 @@ _NAME = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"')  # a call's obje
 
 @functools.lru_cache(maxsize=None)
 def _head(fmt: Format) -> re.Pattern:
-    """A call's object up to its arguments: {"name": "...", "<key>": (the name first, the grammar's order)."""
+    """A call's object up to its arguments: {"name": "...", "<key>": (the name first, the grammar's order);
+    or, where calls are name-first (fmt.args), the name and the marker (with a [CALL_ID] and id between,
+    as some of Mistral's templates write)."""
+    if fmt.args:
+        return re.compile(r"\s*([A-Za-z0-9_-]{1,64})(?:\[CALL_ID\][A-Za-z0-9]{1,64})?" + re.escape(fmt.args) + r"\s*")
     keys = "|".join(map(re.escape, fmt.keys))
     return re.compile(_NAME.pattern + r'\s*,\s*"(?:' + keys + r')"\s*:\s*')
 
@@ -48,17 +52,22 @@ def parse(text: str, tools: Tools) -> tuple[str, list[dict]]:
 
 def _parse_blocks(text: str, tools: Tools) -> tuple[str, list[dict]]:
     fmt = tools.fmt
-    calls, content, pos = [], [], 0
-    for match in re.finditer(re.escape(fmt.open) + r"(.*?)" + re.escape(fmt.close), text, re.S):
-        call = _call(match.group(1), tools)
-        if call is None:
-            continue
-        content.append(text[pos:match.start()])
-        pos = match.end()
-        calls.append(_made(fmt, call[0], _arguments_text(match.group(1), call[1], fmt)))
+    calls, content, pos, at = [], [], 0, text.find(fmt.open)
+    while at >= 0:
+        start = at + len(fmt.open)
+        end = _block_end(text[start:], fmt)
+        if end is None:
+            break
+        body, after = text[start:start + end], start + end + len(fmt.close)
+        call = _call(body, tools)
+        if call is not None:
+            content.append(text[pos:at])
+            pos = after
+            calls.append(_made(fmt, call[0], _arguments_text(body, call[1], fmt)))
+        at = text.find(fmt.open, after)
     rest = text[pos:]
     at = rest.rfind(fmt.open)
-    cut = _cut_call(rest[at + len(fmt.open):], tools) if at >= 0 and fmt.close not in rest[at:] else None
+    cut = _cut_call(rest[at + len(fmt.open):], tools) if at >= 0 and _block_end(rest[at + len(fmt.open):], fmt) is None else None
     if cut is not None:
         calls.append(_made(fmt, *cut))
         rest = rest[:at]
@@ -112,7 +121,27 @@ def _answer_calls(body: str, tools: Tools, whole: bool) -> list[tuple[str, str]]
         pos += end
 
 
+def _block_end(body: str, fmt: Format) -> int | None:
+    """Where a block's body ends (its `close`), None while unfinished; where a block has no `close` (name-first
+    calls), just past its arguments object."""
+    if fmt.close:
+        end = body.find(fmt.close)
+        return None if end < 0 else end
+    head = _head(fmt).match(body)  # (up to the arguments' first character)
+    end = _scan(body[head.end():]) if head is not None and body[head.end():].startswith("{") else None
+    return None if end is None else head.end() + end
+
+
 def _call(body: str, tools: Tools):
+    if tools.fmt.args:  # name-first: the name, then the arguments object
+        head = _head(tools.fmt).match(body)
+        if head is None or head.group(1) not in tools.functions:
+            return None
+        try:
+            arguments = json.loads(body[head.end():])
+        except ValueError:
+            return None
+        return (head.group(1), arguments) if isinstance(arguments, dict) else None
     try:
         obj = json.loads(body)
     except ValueError:
@@ -128,7 +157,7 @@ def _call(body: str, tools: Tools):
 def _cut_call(body: str, tools: Tools) -> tuple[str, str] | None:
     """A call cut off at the end of the answer: (its name, its arguments written so far) once its name is
     written whole and is one of the tools' (the grammar's order: the name first)."""
-    named = _NAME.match(body)
+    named = (_head(tools.fmt) if tools.fmt.args else _NAME).match(body)
     if named is None or _name(named.group(1)) not in tools.functions:
         return None
     head = _head(tools.fmt).match(body)
@@ -189,10 +218,10 @@ class CallStream:
                 content += self.buffer[:at]
                 self.buffer = self.buffer[at + len(open_):]
                 self.in_block, self.sent_args, self.block_called = True, None, False
-            end = self.buffer.find(close)
-            body = self.buffer if end < 0 else self.buffer[:end]
-            deltas += self._stream_args(body, whole=end >= 0)
-            if end < 0:
+            end = _block_end(self.buffer, self.fmt)
+            body = self.buffer if end is None else self.buffer[:end]
+            deltas += self._stream_args(body, whole=end is not None)
+            if end is None:
                 if final:  # unfinished at the end: a call cut short if it named one, else text
                     cut = None if self.block_called else _cut_call(body, self.tools)
                     if cut is not None:
