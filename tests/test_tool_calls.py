@@ -211,10 +211,27 @@ LIST_ANSWERS = [  # mistral: [TOOL_CALLS] is a control token, so the answer's te
     ('[TOOL_CALLS][{"name": "get_time", "arguments": {}}] ok', "ok", [("get_time", {})]),  # the token as text
     ("[link](x) is text", "[link](x) is text", []),
     ("[]", "[]", []),
-    ('[{"name": "get_time", "arguments": {}}, {"name": "nope", "arguments": {}}]',
-     '[{"name": "get_time", "arguments": {}}, {"name": "nope", "arguments": {}}]', []),  # not all calls: text
+    ('[{"name": "get_time", "arguments": {}}, {"name": "nope", "arguments": {}}, 7] and',
+     "7] and", [("get_time", {})]),  # the first object a call: a later one that is none is left out, and
+    # what is no object ends the calls
+    ('[{"name": "nope", "arguments": {}}, {"name": "get_time", "arguments": {}}]',
+     '[{"name": "nope", "arguments": {}}, {"name": "get_time", "arguments": {}}]', []),  # the first none: text
     ("[TOOL_CALLS] plain", "[TOOL_CALLS] plain", []),
 ]
+
+
+def test_a_list_of_calls_streams_each_call_as_it_is_written():
+    """mistral and granite: each call of the list is sent as soon as its name is written and its arguments
+    as they come, not when the list ends (the list shape was held back whole until then)."""
+    tools = _object_tools(fmt=tool_calls.MISTRAL)
+    stream = tool_parse.CallStream(tools)
+    sent = [stream.feed(piece)[1] for piece in ('[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Pa',
+                                                'ris"}}, {"name": "get_time", ', '"arguments": {')]
+    assert [[(d["index"], d["function"]) for d in deltas] for deltas in sent] == [
+        [(0, {"name": "get_weather", "arguments": ""}), (0, {"arguments": '{"city": "Pa'})],
+        [(0, {"arguments": 'ris"}'})],
+        [(1, {"name": "get_time", "arguments": ""}), (1, {"arguments": "{"})]]
+    assert stream.feed("}]")[1] == [{"index": 1, "function": {"arguments": "}"}}]
 
 
 @pytest.mark.parametrize("fmt, text, content, calls", [(tool_calls.LLAMA3_JSON, *a) for a in OBJECT_ANSWERS]

@@ -1,11 +1,12 @@
-"""Tool calls read back from the model's answer (the answer's side of jaxcb.host.tool_calls): whole (`parse`),
-or as OpenAI's streamed deltas (`CallStream`), in the request's format (`Tools.fmt`), the same calls
-either way however the answer's text is cut into pieces.
+"""Tool calls read back from the model's answer (the answer's side of jaxcb.host.tool_calls): as OpenAI's
+streamed deltas (`CallStream`), or whole (`parse`: the stream of the whole answer, so the same calls
+either way however the answer's text is cut into pieces), in the request's format (`Tools.fmt`).
 
 Formats of the "blocks" shape (hermes; mistral_v11, whose blocks end with their arguments) hold calls
 anywhere in the answer; those of the "object" and "list" shapes (llama3_json; mistral, granite) are calls
-when the answer begins with them, and what follows is text. A call cut off at the end of the answer (max_tokens) that has named one of the tools is that call
-with the arguments written so far (its finish_reason says "length")."""
+when the answer begins with them (a list: its first object), and what follows is text. A call cut off at
+the end of the answer (max_tokens) that has named one of the tools is that call with the arguments
+written so far (its finish_reason says "length")."""
 
 from __future__ import annotations
 
@@ -38,52 +39,18 @@ def _name(quoted: str) -> str | None:
         return None
 
 
-def _made(fmt: Format, name: str, arguments: str) -> dict:
-    return {"id": fmt.new_call_id(), "type": "function", "function": {"name": name, "arguments": arguments}}
-
-
 def parse(text: str, tools: Tools) -> tuple[str, list[dict]]:
-    """(the text outside the calls, the calls) from a whole answer; a block (or answer) that does not
-    parse as calls of the tools stays text. With parallel_tool_calls false, the first call only (OpenAI's:
-    at most one; the others' text is not shown either)."""
-    content, calls = _parse_blocks(text, tools) if tools.fmt.shape == "blocks" else _parse_answer(text, tools)
-    return content, calls if tools.parallel else calls[:1]
-
-
-def _parse_blocks(text: str, tools: Tools) -> tuple[str, list[dict]]:
-    fmt = tools.fmt
-    calls, content, pos, at = [], [], 0, text.find(fmt.open)
-    while at >= 0:
-        start = at + len(fmt.open)
-        end = _block_end(text[start:], fmt)
-        if end is None:
-            break
-        body, after = text[start:start + end], start + end + len(fmt.close)
-        call = _call(body, tools)
-        if call is not None:
-            content.append(text[pos:at])
-            pos = after
-            calls.append(_made(fmt, call[0], _arguments_text(body, call[1], fmt)))
-        at = text.find(fmt.open, after)
-    rest = text[pos:]
-    at = rest.rfind(fmt.open)
-    cut = _cut_call(rest[at + len(fmt.open):], tools) if at >= 0 and _block_end(rest[at + len(fmt.open):], fmt) is None else None
-    if cut is not None:
-        calls.append(_made(fmt, *cut))
-        rest = rest[:at]
-    content.append(rest)
-    return "".join(content).strip(), calls
-
-
-def _parse_answer(text: str, tools: Tools) -> tuple[str, list[dict]]:
-    body = _answer_body(text.lstrip(), tools.fmt)
-    if body is None:
-        return text.strip(), []
-    end = _scan(body)
-    calls = _answer_calls(body if end is None else body[:end], tools, whole=end is not None)
-    if calls is None:
-        return text.strip(), []
-    return ("" if end is None else body[end:].strip()), [_made(tools.fmt, *c) for c in calls]
+    """(the text outside the calls, the calls) from a whole answer: what a stream of it gives (CallStream),
+    its deltas merged. A block (or answer) that does not parse as calls of the tools stays text. With
+    parallel_tool_calls false, the first call only (OpenAI's: at most one; the others' text is not shown
+    either)."""
+    content, deltas = CallStream(tools).feed(text, final=True)
+    calls: dict[int, dict] = {}
+    for d in deltas:
+        call = calls.setdefault(d["index"], {"id": d.get("id"), "type": "function",
+                                             "function": {"name": d["function"].get("name"), "arguments": ""}})
+        call["function"]["arguments"] += d["function"]["arguments"]
+    return content.strip(), list(calls.values())
 
 
 def _answer_body(text: str, fmt: Format) -> str | None:
@@ -92,33 +59,6 @@ def _answer_body(text: str, fmt: Format) -> str | None:
     if fmt.open and text.startswith(fmt.open):
         text = text[len(fmt.open):].lstrip()
     return text if text.startswith("[" if fmt.shape == "list" else "{") else None
-
-
-def _answer_calls(body: str, tools: Tools, whole: bool) -> list[tuple[str, str]] | None:
-    """The calls (name, arguments text) of an answer's object or list, `whole` or cut off at the end; None
-    when it is not calls of the tools."""
-    if tools.fmt.shape == "object":
-        if not whole:
-            cut = _cut_call(body, tools)
-            return [cut] if cut is not None else None
-        call = _call(body, tools)
-        return [(call[0], _arguments_text(body, call[1], tools.fmt))] if call is not None else None
-    calls, pos = [], 1  # a list: its objects one by one
-    while True:
-        pos += len(body[pos:]) - len(body[pos:].lstrip(" \n\t,"))
-        if pos >= len(body) or body[pos] == "]":
-            return calls or None
-        if body[pos] != "{":
-            return None
-        end = _scan(body[pos:])
-        if end is None:  # the last one, cut off
-            cut = _cut_call(body[pos:], tools)
-            return calls + [cut] if cut is not None else (calls or None)
-        call = _call(body[pos:pos + end], tools)
-        if call is None:
-            return None
-        calls.append((call[0], _arguments_text(body[pos:pos + end], call[1], tools.fmt)))
-        pos += end
 
 
 def _block_end(body: str, fmt: Format) -> int | None:
@@ -164,25 +104,13 @@ def _cut_call(body: str, tools: Tools) -> tuple[str, str] | None:
     return _name(named.group(1)), (_json_prefix(body[head.end():]) or "") if head else ""
 
 
-def _arguments_text(body: str, arguments: dict, fmt: Format) -> str:
-    """The arguments as the model wrote them (when they come after the name), else re-serialized."""
-    head = _head(fmt).match(body)
-    raw = _json_prefix(body[head.end():]) if head else None
-    try:
-        if raw is not None and json.loads(raw) == arguments:
-            return raw
-    except ValueError:
-        pass
-    return json.dumps(arguments)
-
-
 class CallStream:
     """OpenAI's streamed tool calls from an answer's text deltas: feed() returns the content to send and
     the tool-call deltas ({index, id, type, function: {name, arguments}} first, then {index, function:
-    {arguments}} pieces). Text that may begin a call is held back until it is known. In blocks and in an
-    answer that is one object, a call's arguments stream as the model writes them when it writes the name
-    first (the grammar's order), else the call comes whole when it ends; an answer that is a list of calls
-    is held back until the list ends, then its calls come whole."""
+    {arguments}} pieces). Text that may begin a call is held back until it is known. A call's arguments
+    stream as the model writes them when it writes the name first (the grammar's order), else the call
+    comes whole when its object ends. An answer that is a list is calls when its first object is one; a
+    later object that is no call of the tools is left out."""
 
     def __init__(self, tools: Tools):
         self.tools = tools
@@ -195,6 +123,7 @@ class CallStream:
         self.block_called = False  # the current block's call has been sent (its head at least)
         self.args_start = 0  # where the current call's arguments begin in its block
         self.head_text = ""  # (object, list) the text before the calls: sent only if they are no calls
+        self.at = 0  # (object, list) where the current object begins in the buffer
         self.ids: list[str] = []
 
     def feed(self, text: str, final: bool = False) -> tuple[str, list[dict]]:
@@ -248,31 +177,38 @@ class CallStream:
             else:
                 self.head_text = self.buffer[:len(self.buffer) - len(body)]  # text if no calls come
                 self.buffer, self.in_block = body, True
+                self.at = 1 if self.fmt.shape == "list" else 0  # where the next object begins
                 self.sent_args, self.block_called = None, False
         if self.text_only:
             content, self.buffer = self.buffer, ""
             return content, deltas
-        end = _scan(self.buffer)
-        if end is None and self.fmt.shape == "object":
-            deltas += self._stream_args(self.buffer, whole=False)
-        if end is None and not final:
-            return content, deltas
-        body = self.buffer if end is None else self.buffer[:end]
-        if self.fmt.shape == "object" and end is not None:
-            deltas += self._stream_args(body, whole=True)
-            calls = [] if self.block_called else None
-        elif self.fmt.shape == "object" and self.block_called:
-            calls = []  # cut off, its head (and arguments so far) sent already
-        else:
-            calls = _answer_calls(body, self.tools, whole=end is not None)
-        if calls is None:
-            content += self.head_text + body
-        for name, arguments in calls or ():
-            deltas += self._whole(name, arguments)
-        self.buffer = "" if end is None else self.buffer[end:]
-        self.in_block, self.text_only = False, True
-        content += self.buffer
-        self.buffer = ""
+        while True:
+            if self.fmt.shape == "list":  # the next object, past commas and spaces; else the list's end
+                rest = self.buffer[self.at:]
+                self.at += len(rest) - len(rest.lstrip(" \n\t,"))
+                if self.at >= len(self.buffer) and not final:
+                    return content, deltas
+                if self.at >= len(self.buffer) or self.buffer[self.at] != "{":
+                    return self._answer_ended(content, deltas, self.at + self.buffer.startswith("]", self.at))
+            item = self.buffer[self.at:]
+            end = _scan(item)
+            deltas += self._stream_args(item if end is None else item[:end], whole=end is not None)
+            if end is None:
+                if not final:
+                    return content, deltas
+                cut = None if self.block_called else _cut_call(item, self.tools)
+                if cut is not None:  # cut off once it named one of the tools
+                    deltas += self._whole(*cut)
+                return self._answer_ended(content, deltas, len(self.buffer))
+            if self.fmt.shape == "object" or not self.calls:  # one call; or a list whose first object is none
+                return self._answer_ended(content, deltas, self.at + end)
+            self.at += end  # (a later object of the list that is no call of the tools is left out)
+            self.sent_args, self.block_called = None, False
+
+    def _answer_ended(self, content: str, deltas: list[dict], end: int) -> tuple[str, list[dict]]:
+        """The answer's calls ended at `end` of the buffer: what follows is text; all of it where no call came."""
+        content += (self.head_text + self.buffer) if not self.calls else self.buffer[end:]
+        self.buffer, self.in_block, self.text_only = "", False, True
         return content, deltas
 
     def _stream_args(self, body: str, whole: bool) -> list[dict]:
@@ -289,10 +225,10 @@ class CallStream:
             out.append(self._head(_name(head.group(1))))
             self.sent_args, self.args_start = "", head.end()
         args = _json_prefix(body[self.args_start:])
-        if whole:
+        if whole:  # the arguments as written, unless they are not what the call holds (a key given twice)
             call = _call(body, self.tools)
             if call is not None and args is not None and not json.loads(args) == call[1]:
-                args = None
+                args = None if self.sent_args else json.dumps(call[1])
         if args is not None and args.startswith(self.sent_args) and len(args) > len(self.sent_args):
             out.append(self._args(args[len(self.sent_args):]))
             self.sent_args = args
