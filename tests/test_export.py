@@ -46,3 +46,19 @@ def test_every_warmup_shape_of_the_step_exports_for_gpu_and_tpu(platform):
             # (How the two programs hand over logits, newest and last tokens on a mesh is XLA's choice at
             # compile time, unrecorded here: the runner checks it as it compiles, tests/tp_check.py's meshes.)
     assert exported == len(shapes) + len(on_mesh) and len(samplers) >= 2
+
+
+@pytest.mark.parametrize("platform", ["cuda", "tpu"])
+def test_a_mixture_of_experts_step_exports_with_its_experts_grouped(platform):
+    """A Mixtral-shaped step (tiny) lowers for GPU and TPU, single device and tensor-parallel: its experts
+    through jax.lax.ragged_dot (the token-expert pairs grouped by expert, which those compilers lower as a
+    grouped matmul; XLA:CPU would run every expert over every row), beside the Pallas attention."""
+    from jaxcb.device.export import KERNEL_CALLS, custom_calls, export_step, unexpected_calls
+    from jaxcb.host.batch import StepShape
+    from jaxcb.model.config import tiny_config
+
+    model = tiny_config(num_experts=8, experts_per_token=2, intermediate_size=32)
+    for tensor, shape in ((1, StepShape(8, 8, 4, 8)), (1, StepShape(64, 1, 4, 64)), (2, StepShape(64, 2, 4, 64))):
+        e = export_step(model, shape, platform, tensor=tensor)
+        assert KERNEL_CALLS[platform] <= custom_calls(e) and not unexpected_calls(e, platform), (shape, tensor)
+        assert "ragged_dot" in e.mlir_module() and e.nr_devices == tensor

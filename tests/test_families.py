@@ -1,4 +1,4 @@
-"""Qwen3, SmolLM3 (no RoPE in some layers), Granite (scalars on the embeddings, residual branches, scores
+"""Qwen3, Mixtral and Qwen3-MoE (mixtures of experts), SmolLM3 (no RoPE in some layers), Granite (scalars on the embeddings, residual branches, scores
 and logits), Phi-3 (fused projections; Phi-4-mini's partial rotary and LongRoPE), Gemma 2 and Gemma 3
 against transformers' own modules: tiny random checkpoints in the Hugging
 Face layout (tools/make_tiny_hf.py wrote them and their golden outputs with transformers), loaded
@@ -25,11 +25,11 @@ from jaxcb.model.paged_attention import allocate_kv_pages
 from tests.server_util import compile_mode
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "golden", "tiny_hf")
-FAMILIES = ("qwen3", "smollm3", "granite", "phi3", "phi3-longrope", "gemma2", "gemma3", "llama3-rope", "gemma3-linear", "gemma3-mm")
+FAMILIES = ("qwen3", "mixtral", "qwen3moe", "smollm3", "granite", "phi3", "phi3-longrope", "gemma2", "gemma3", "llama3-rope", "gemma3-linear", "gemma3-mm")
 # checkpoints of a family with RoPE scaling, or with a vision tower beside it (served on text), or a
 # Llama with layers without RoPE, Granite's scalars or Phi-3's fused projections
 FAMILY_OF = {"llama3-rope": "llama", "gemma3-linear": "gemma3", "gemma3-mm": "gemma3", "smollm3": "llama",
-             "granite": "llama", "phi3": "llama", "phi3-longrope": "llama"}
+             "granite": "llama", "phi3": "llama", "phi3-longrope": "llama", "mixtral": "llama", "qwen3moe": "qwen3"}
 
 
 def golden(family):
@@ -308,3 +308,86 @@ def test_prompt_logprobs_on_a_sliding_window_model_are_what_decoding_gave():
         assert [t for t, _ in top] == [t for t, _ in want_top]
     llm.engine.pool.check_all_free()
     llm.engine.window_group.pool.check_all_free()
+
+
+def test_mixture_of_experts_gguf_files_load_as_llama_cpp_writes_them(tmp_path):
+    """Mixtral as a "llama" GGUF with expert_count (Q/K rows permuted) and Qwen3-MoE as a "qwen3moe" one
+    (expert_feed_forward_length), each layer's router in ffn_gate_inp and its experts stacked in
+    ffn_{gate,up,down}_exps as llama.cpp's converter writes them: the Hugging Face loader's weights exactly,
+    and Mixtral's gives transformers' logits (llama.cpp renormalizes the chosen experts' weights for both,
+    as Mixtral does; the tiny Qwen3-MoE does not, norm_topk_prob false)."""
+    from jaxcb.model.gguf_loader import load_gguf
+    from jaxcb.model.hf_loader import load_weights
+    from jaxcb.model.llama import params_from_numpy
+    from tests.tiny_gguf import write_tiny_gguf
+
+    for family, arch in (("mixtral", "llama"), ("qwen3moe", "qwen3moe")):
+        src = os.path.join(GOLDEN, family)
+        config, _, _, _ = load_model(src, jnp.float32)
+        weights = load_weights(src, config)
+        path = str(tmp_path / f"{family}.gguf")
+        write_tiny_gguf(path, config, arch=arch, weights=weights)
+        got = load_gguf(path)
+        fields = ("num_experts", "experts_per_token", "intermediate_size", "qk_norm", "family", "num_layers")
+        assert {f: getattr(got.config, f) for f in fields} == {f: getattr(config, f) for f in fields}
+        assert got.config.norm_topk
+        assert sorted(got.weights) == sorted(weights)
+        for key, w in weights.items():
+            np.testing.assert_array_equal(got.weights[key], w, err_msg=f"{family} {key}")
+    params = params_from_numpy(load_gguf(str(tmp_path / "mixtral.gguf")).weights, jnp.float32)
+    for record in golden("mixtral"):
+        ref = np.asarray(record["prefill_logits"], np.float32)
+        ours = prefill_logits(load_gguf(str(tmp_path / "mixtral.gguf")).config, params, record["prompt_ids"])
+        assert np.abs(ours - ref).max() <= 1e-5 * np.abs(ref).max()
+
+
+def test_each_way_of_running_the_experts_gives_the_same_output():
+    """The mixture of experts three ways (each token-expert pair reading its own expert: few tokens; a loop
+    over the experts: many; the pairs grouped by expert through jax.lax.ragged_dot: GPU and TPU) against a
+    float64 loop over tokens, with and without renormalizing the chosen experts' weights."""
+    import jax
+
+    from jaxcb.model.config import tiny_config
+    from jaxcb.model.llama import experts, random_weights
+
+    rng = np.random.default_rng(3)
+    for norm_topk in (True, False):
+        config = tiny_config(num_experts=8, experts_per_token=3, intermediate_size=24, norm_topk=norm_topk)
+        w = random_weights(config, seed=4)
+        from jaxcb.model.llama import params_from_numpy
+
+        layer = jax.tree.map(lambda a: a[1], params_from_numpy(w).layers)
+        for t in (1, 2, 5, 23):  # pairs: 3, 6 (<= 8: each its own expert), 15, 69 (a loop)
+            x = rng.standard_normal((t, config.hidden_size)).astype(np.float32)
+            logits = x.astype(np.float64) @ w["router"][1]
+            probs = np.exp(logits - logits.max(-1, keepdims=True))
+            probs /= probs.sum(-1, keepdims=True)
+            want = np.zeros((t, config.hidden_size))
+            for i in range(t):
+                chosen = np.argsort(-probs[i])[:3]
+                weights = probs[i, chosen] / (probs[i, chosen].sum() if norm_topk else 1.0)
+                for e, p in zip(chosen, weights):
+                    g, u = x[i] @ w["experts_gate"][1][e], x[i] @ w["experts_up"][1][e]
+                    want[i] += p * ((g / (1 + np.exp(-g))) * u) @ w["experts_down"][1][e]
+            for grouped in (False, True):
+                got = jax.jit(lambda x, g=grouped: experts(config, x, layer, jax.nn.silu, grouped=g))(x)
+                assert np.abs(np.asarray(got) - want).max() <= 1e-5 * np.abs(want).max(), (norm_topk, t, grouped)
+
+
+def test_the_experts_settings_are_read_and_matter():
+    """Renormalizing the chosen experts' weights (Mixtral's always, Qwen3-MoE's norm_topk_prob) and the
+    number each token takes each move the logits far past the tolerance; int8 and int4 weights are refused
+    for a mixture of experts by the field."""
+    from jaxcb.host.errors import InvalidConfig
+    from jaxcb.model.hf_loader import load_weights
+    from jaxcb.model.quant import quantize_weights
+
+    for family in ("mixtral", "qwen3moe"):
+        config, params, _, _ = load_model(os.path.join(GOLDEN, family), jnp.float32)
+        ids = golden(family)[1]["prompt_ids"]
+        ref = prefill_logits(config, params, ids)
+        for change in ({"norm_topk": not config.norm_topk}, {"experts_per_token": 1}):
+            moved = np.abs(prefill_logits(dataclasses.replace(config, **change), params, ids) - ref).max()
+            assert moved > 1e-4 * np.abs(ref).max(), (family, change, moved)
+        with pytest.raises(InvalidConfig, match="^model.weights: int8 is not supported for a mixture of experts"):
+            quantize_weights(load_weights(os.path.join(GOLDEN, family), config), "int8")

@@ -72,6 +72,11 @@ def write_tiny_gguf(path: str, config: ModelConfig | None = None, seed: int = 0,
     writer.add_head_count(config.num_heads)
     writer.add_head_count_kv(config.num_kv_heads)
     writer.add_rope_freq_base(config.rope_theta)
+    if config.num_experts:  # (Mixtral: arch llama; Qwen3-MoE's own keys name the experts' width too)
+        writer.add_uint32(f"{arch}.expert_count", config.num_experts)
+        writer.add_uint32(f"{arch}.expert_used_count", config.experts_per_token)
+        if arch == "qwen3moe":
+            writer.add_uint32(f"{arch}.expert_feed_forward_length", config.intermediate_size)
     for key, value in (extra_uint32 or {}).items():  # more metadata (what the loader must refuse)
         writer.add_uint32(key, value)
     for key, value in (extra_float32 or {}).items():
@@ -119,6 +124,13 @@ def write_tiny_gguf(path: str, config: ModelConfig | None = None, seed: int = 0,
              "mlp_norm": "ffn_norm", "w_gate": "ffn_gate", "w_up": "ffn_up", "w_down": "ffn_down"}
     if config.attention_bias:  # Qwen2's q/k/v biases
         names.update(bq="attn_q.bias", bk="attn_k.bias", bv="attn_v.bias")
+    if config.qk_norm:
+        names.update(q_norm="attn_q_norm", k_norm="attn_k_norm")
+    if config.num_experts:  # the router and each layer's experts in one tensor each, [X, out, in]
+        for key in ("w_gate", "w_up", "w_down"):
+            del names[key]
+        names.update(router="ffn_gate_inp", experts_gate="ffn_gate_exps", experts_up="ffn_up_exps",
+                     experts_down="ffn_down_exps")
     if arch == "phi3":  # fused: attn_qkv = [q; k; v] rows, ffn_up = [gate; up] rows
         for i in range(config.num_layers):
             put(f"blk.{i}.attn_qkv.weight", np.concatenate([w["wq"][i].T, w["wk"][i].T, w["wv"][i].T]), True)
@@ -127,9 +139,9 @@ def write_tiny_gguf(path: str, config: ModelConfig | None = None, seed: int = 0,
     for i in range(config.num_layers):
         for key, gname in names.items():
             a = w[key][i]
-            linear = a.ndim == 2
+            linear = a.ndim >= 2
             if linear:
-                a = a.T  # to [out, in]
+                a = np.swapaxes(a, -1, -2)  # to [out, in] (each expert's)
             permuted = arch in ("llama", "smollm3", "granite")  # llama.cpp permutes Q and K for these only
             if permuted and key in ("wq", "bq"):
                 a = permute_rotary(a, config.num_heads)

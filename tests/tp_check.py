@@ -26,12 +26,14 @@ RUNS = [
     ("a", "tp1-lora", 1, 1, "xla", "auto"), ("a", "tp2-lora", 2, 1, "xla", "auto"),
     ("a", "tp2-dp2-lora", 2, 2, "xla", "auto"), ("a", "tp4-lora", 4, 1, "xla", "auto"),
     ("a", "tp2-draft", 2, 1, "xla", "auto"),
+    ("m", "tp1", 1, 1, "xla", "auto"), ("m", "tp2", 2, 1, "xla", "auto"),
 ]
 # A "lora" run serves two LoRA adapters (all projections) beside the base model, rows of all three mixed
 # (at TP 4 over model a's 2 KV heads the adapters' k/v columns are replicated with the heads). A "draft"
 # run speculates with a draft model (the target's first layer), split over the mesh as the target is.
-# Model "g": the tiny Gemma 3 checkpoint (sliding window 8: its second page group is sharded too).
-GEMMA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "golden", "tiny_hf", "gemma3")
+# Model "g": the tiny Gemma 3 checkpoint (sliding window 8: its second page group is sharded too); "m": the
+# tiny Mixtral (a mixture of experts: each expert's columns split as a dense MLP's).
+TINY_HF = os.path.join(os.path.dirname(os.path.abspath(__file__)), "golden", "tiny_hf")
 
 
 def main(workdir: str) -> None:
@@ -46,11 +48,12 @@ def main(workdir: str) -> None:
     from jaxcb.llm import LLM, load_model
     from jaxcb.model.config import tiny_config
 
-    models = {"a": tiny_config(), "b": tiny_config(num_heads=8, hidden_size=128), "g": None}
+    models = {"a": tiny_config(), "b": tiny_config(num_heads=8, hidden_size=128),
+              "g": os.path.join(TINY_HF, "gemma3"), "m": os.path.join(TINY_HF, "mixtral")}
     out = {}
     for key, model in models.items():
-        path = GEMMA
-        if model is not None:
+        path = model
+        if not isinstance(model, str):
             path = os.path.join(workdir, f"tiny-{key}.gguf")
             write_tiny_gguf(path, model)
         loaded = {}

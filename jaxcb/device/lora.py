@@ -26,11 +26,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxcb.host.lora import check_targets
 from jaxcb.model.config import ModelConfig
 
 
 def zero_slots(config: ModelConfig, targets, slots: int, rank: int, dtype) -> dict:
     shapes = config.weight_shapes()
+    check_targets(targets, shapes)
     a = {t: jnp.zeros((config.num_layers, shapes[t][1], slots * rank), dtype) for t in targets}
     b = {t: jnp.zeros((config.num_layers, slots * rank, shapes[t][2]), dtype) for t in targets}
     return {"a": a, "b": b, "col_slot": jnp.asarray(np.repeat(np.arange(slots, dtype=np.int32), rank))}

@@ -30,6 +30,9 @@ _LAYER_SPECS = {
     "bq": P(None, AXIS), "bk": P(None, AXIS), "bv": P(None, AXIS),
     "wo": P(None, AXIS, None),
     "w_gate": P(None, None, AXIS), "w_up": P(None, None, AXIS), "w_down": P(None, AXIS, None),
+    # a mixture of experts: the router replicated, each expert split as the dense MLP is (its columns)
+    "router": P(), "experts_gate": P(None, None, None, AXIS), "experts_up": P(None, None, None, AXIS),
+    "experts_down": P(None, None, AXIS, None),
 }
 
 

@@ -28,6 +28,15 @@ from jaxcb.host.errors import InvalidConfig, InvalidRequest
 TARGETS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 
 
+def check_targets(targets, shapes: dict) -> None:
+    """The adapters' targets are matrices of the model whose weight shapes are `shapes`
+    (ModelConfig.weight_shapes): a mixture of experts has no dense MLP to adapt."""
+    missing = [t for t in targets if t not in shapes]
+    if missing:
+        raise InvalidConfig(f"lora.targets: {missing} are not matrices of this model (a mixture of experts has no "
+                            f"dense MLP: adapt {[t for t in targets if t in shapes]})")
+
+
 @dataclasses.dataclass(frozen=True)
 class LoraConfig:
     """`[lora]` in the engine config (flags --lora, --max-loras, --max-lora-rank)."""

@@ -20,6 +20,7 @@ import dataclasses
 import re
 
 from jaxcb.host.errors import InvalidConfig
+from jaxcb.host.lora import check_targets
 from jaxcb.host.window import sliding_pages_per_chunk
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -218,8 +219,10 @@ def weight_bytes(c, mode: str, dtype_bytes: int, group: int = 0) -> int:
     32 values of an embedding row; int4 half a byte a value of the layers' matrices plus a float16 scale and offset per
     `group` (default 32) values, the embedding and head as in int8. Norms and biases in `dtype_bytes`."""
     e, layers = c.hidden_size, c.num_layers
-    # the layers' matrices [in, out] (= jaxcb.model.quant.MATRICES; this module imports no JAX)
-    shapes = [c.weight_shapes()[n][1:] for n in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")]
+    # the layers' matrices [in, out] (= jaxcb.model.quant.MATRICES; this module imports no JAX; a mixture of
+    # experts has no dense MLP: its experts and router are the rest, as their weights stay in the compute dtype)
+    all_shapes = c.weight_shapes()
+    shapes = [all_shapes[n][1:] for n in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down") if n in all_shapes]
     values = layers * sum(i * o for i, o in shapes)
     if mode == "bfloat16":  # the matrices and the embedding; the rest in the compute dtype (float32 on the CPU)
         embed = c.vocab_size * e
@@ -264,6 +267,7 @@ def lora_slot_bytes(model, lora, dtype_bytes: int) -> int:
     if not lora.enabled:
         return 0
     shapes = model.weight_shapes()
+    check_targets(lora.targets, shapes)
     per_slot = sum((shapes[t][1] + shapes[t][2]) * lora.max_rank for t in lora.targets) * model.num_layers
     return lora.max_loras * per_slot * dtype_bytes
 

@@ -26,7 +26,8 @@ class ModelConfig:
     name: str = "llama"
     attention_bias: bool = False  # biases on the q, k, v projections (Qwen2)
     # ---- variations of other families (defaults: Llama) ----
-    family: str = "llama"  # "llama" (Llama, Mistral, Qwen2, SmolLM3, Granite, Phi-3), "qwen3", "gemma2", "gemma3"
+    family: str = "llama"  # "llama" (Llama, Mistral, Mixtral, Qwen2, SmolLM3, Granite, Phi-3), "qwen3" (and MoE),
+    #                        "gemma2", "gemma3"
     qk_norm: bool = False  # RMSNorm over each head of q and k before RoPE (Qwen3, Gemma 3)
     norm_plus_one: bool = False  # RMSNorm scales by (1 + w) (Gemma)
     post_norms: bool = False  # a norm after attention and after the MLP too: four per layer (Gemma 2/3)
@@ -51,6 +52,12 @@ class ModelConfig:
     embed_multiplier: float = 1.0
     residual_multiplier: float = 1.0
     logit_scale: float = 1.0
+    # A mixture of experts in place of the MLP (Mixtral, Qwen3-MoE): a router picks each token's
+    # `experts_per_token` of `num_experts` gated MLPs (each `intermediate_size` wide) and weighs their outputs
+    # by its softmax probabilities, renormalized over the chosen ones when `norm_topk`; 0 experts: a dense MLP.
+    num_experts: int = 0
+    experts_per_token: int = 0
+    norm_topk: bool = True
 
     def __post_init__(self):
         assert self.num_heads % self.num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads"
@@ -58,6 +65,7 @@ class ModelConfig:
         assert not self.nope_layers or len(self.nope_layers) == self.num_layers, "one flag per layer"
         assert not self.rope_freq_factors or len(self.rope_freq_factors) == self.rope_dim // 2, "one factor per frequency"
         assert self.rope_dim % 2 == 0 and self.rope_dim <= self.head_dim, "an even rotary part of the head"
+        assert not self.num_experts or 0 < self.experts_per_token <= self.num_experts, "1 to num_experts a token"
 
     def rope_divisors(self):
         """numpy float32 [rope_dim/2]: what each RoPE frequency of a full-attention layer is divided by (Llama 3's
@@ -99,10 +107,12 @@ class ModelConfig:
         from it, num_params sums it)."""
         e, f, l = self.hidden_size, self.intermediate_size, self.num_layers
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        x = self.num_experts
+        mlp = ({"router": (l, e, x), "experts_gate": (l, x, e, f), "experts_up": (l, x, e, f),
+                "experts_down": (l, x, f, e)} if x else {"w_gate": (l, e, f), "w_up": (l, e, f), "w_down": (l, f, e)})
         shapes = {  # in this order: jaxcb.model.llama.random_weights draws them so
             "embed": (self.vocab_size, e), "wq": (l, e, q), "wk": (l, e, kv), "wv": (l, e, kv),
-            "wo": (l, q, e), "w_gate": (l, e, f), "w_up": (l, e, f), "w_down": (l, f, e),
-            "attn_norm": (l, e), "mlp_norm": (l, e), "final_norm": (e,),
+            "wo": (l, q, e), **mlp, "attn_norm": (l, e), "mlp_norm": (l, e), "final_norm": (e,),
         }
         if self.attention_bias:
             shapes.update(bq=(l, q), bk=(l, kv), bv=(l, kv))
@@ -132,12 +142,14 @@ class ModelConfig:
         return total
 
     def flops_per_token(self, context: int = 0) -> int:
-        """Forward FLOPs for one token: 2 per weight of every matmul (embedding lookup excluded,
-        the output head included) plus attention over `context` earlier tokens."""
+        """Forward FLOPs for one token: 2 per weight of every matmul it runs (embedding lookup excluded,
+        the output head included; of a mixture of experts, the router and the token's own experts) plus
+        attention over `context` earlier tokens."""
         e, f, v = self.hidden_size, self.intermediate_size, self.vocab_size
         q = self.num_heads * self.head_dim
         kv = self.num_kv_heads * self.head_dim
-        matmul = self.num_layers * (e * q + 2 * e * kv + q * e + 3 * e * f) + e * v
+        mlp = 3 * e * f * self.experts_per_token + e * self.num_experts if self.num_experts else 3 * e * f
+        matmul = self.num_layers * (e * q + 2 * e * kv + q * e + mlp) + e * v
         seen = self.num_full_layers * context + self.num_sliding_layers * min(context, self.sliding_window)
         attention = seen * 2 * 2 * self.num_heads * self.head_dim
         return 2 * matmul + attention

@@ -1,5 +1,5 @@
-"""Read a GGUF file of the Llama, Qwen2, Qwen3, SmolLM3, Granite, Phi-3, Gemma 2 or Gemma 3 architecture:
-config, dequantized weights and tokenizer metadata.
+"""Read a GGUF file of the Llama (and Mixtral: llama with experts), Qwen2, Qwen3, Qwen3-MoE, SmolLM3, Granite,
+Phi-3, Gemma 2 or Gemma 3 architecture: config, dequantized weights and tokenizer metadata.
 
 The `gguf` library parses the file and dequantizes every tensor type it knows. Weights come back
 as numpy arrays in this project's layout (see `WEIGHT_NAMES`): linear weights as [in, out] so the
@@ -27,7 +27,8 @@ from jaxcb.host.tokenizer import TokenizerSpec
 from jaxcb.model.config import ModelConfig, check_all_used
 from jaxcb.model.gguf_file import GGUFFile
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "smollm3", "granite", "phi3")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "gemma2", "gemma3", "smollm3", "granite", "phi3")
+MOE_ARCHITECTURES = ("llama", "qwen3moe")  # a mixture of experts read (Mixtral is "llama" with expert_count)
 
 # Project name -> (GGUF name pattern, transpose to [in, out]).
 _LAYER_TENSORS = {
@@ -116,8 +117,15 @@ def read_config(reader) -> ModelConfig:
     head_dim = int(_field(reader, f"{arch}.attention.key_length", hidden // heads))
     # What this decoder does not do is refused by name, never run approximately.
     experts = int(_field(reader, f"{arch}.expert_count", 0) or 0)
-    if experts:
-        raise InvalidConfig(f"{arch}.expert_count: {experts}: mixture-of-experts models are not supported")
+    family = {}
+    if experts:  # softmax routing over the experts, the chosen ones' weights renormalized (llama.cpp's for these)
+        if arch not in MOE_ARCHITECTURES:
+            raise InvalidConfig(f"{arch}.expert_count: {experts}: a mixture of experts is supported for "
+                                f"{' and '.join(MOE_ARCHITECTURES)} only")
+        shared = int(_field(reader, f"{arch}.expert_shared_count", 0) or 0)
+        if shared:
+            raise InvalidConfig(f"{arch}.expert_shared_count: {shared}: shared experts are not supported")
+        family.update(num_experts=experts, experts_per_token=int(need("expert_used_count")), norm_topk=True)
     value_dim = int(_field(reader, f"{arch}.attention.value_length", head_dim))
     if value_dim != head_dim:
         raise InvalidConfig(f"{arch}.attention.value_length: {value_dim} differs from key_length {head_dim} "
@@ -133,8 +141,9 @@ def read_config(reader) -> ModelConfig:
     layers = int(need("block_count"))
     theta = float(_field(reader, f"{arch}.rope.freq_base", 10000.0))
     context = int(need("context_length"))
-    family = dict(_rope_scaling(reader, arch, head_dim))
-    if arch == "qwen3":
+    family.update(_rope_scaling(reader, arch, head_dim))
+    ffn = int(_field(reader, f"{arch}.expert_feed_forward_length", 0) or need("feed_forward_length"))
+    if arch in ("qwen3", "qwen3moe"):
         family.update(family="qwen3", qk_norm=True)
     elif arch == "smollm3":  # Llama without RoPE in every fourth layer (llama.cpp's n_no_rope_layer_step)
         family.update(nope_layers=tuple((i + 1) % 4 == 0 for i in range(layers)))
@@ -160,7 +169,7 @@ def read_config(reader) -> ModelConfig:
     return ModelConfig(
         vocab_size=int(vocab),
         hidden_size=hidden,
-        intermediate_size=int(need("feed_forward_length")),
+        intermediate_size=ffn,
         num_layers=layers,
         num_heads=heads,
         num_kv_heads=kv_heads,
@@ -288,7 +297,7 @@ def load_gguf(path: str, check_config=None) -> LoadedModel:
             w = _unpermute_rotary(w, config.num_kv_heads)
         elif config.norm_plus_one and name.endswith("norm.weight"):
             w = w - 1.0  # the file's norms hold 1 + w (see the module's note)
-        return np.ascontiguousarray(w.T) if transpose else w
+        return np.ascontiguousarray(np.swapaxes(w, -1, -2)) if transpose else w  # (an experts' stack: each)
 
     weights = {
         "embed": get("token_embd.weight", False),
@@ -309,6 +318,15 @@ def load_gguf(path: str, check_config=None) -> LoadedModel:
         for k, key in enumerate(parts):
             weights[key] = np.stack([np.ascontiguousarray(layer[k].T) for layer in pieces])
             table.pop(key)
+    if config.num_experts:  # the router, and the experts' matrices stacked per layer [X, out, in] (older
+        table.pop("w_gate"), table.pop("w_up"), table.pop("w_down")  # files: a tensor per expert)
+        table["router"] = ("blk.{i}.ffn_gate_inp.weight", True)
+        for key, part in (("experts_gate", "ffn_gate"), ("experts_up", "ffn_up"), ("experts_down", "ffn_down")):
+            if f"blk.0.{part}_exps.weight" in tensors:
+                table[key] = (f"blk.{{i}}.{part}_exps.weight", True)
+            else:
+                weights[key] = np.stack([np.stack([get(f"blk.{i}.{part}.{j}.weight", True)
+                                                   for j in range(config.num_experts)]) for i in range(config.num_layers)])
     for key, (pattern, transpose) in table.items():
         weights[key] = np.stack([get(pattern.format(i=i), transpose) for i in range(config.num_layers)])
     check_all_used(set(tensors) - used, path)

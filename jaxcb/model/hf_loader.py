@@ -3,8 +3,9 @@
 Llama-family architectures load into the one model with its named variations (jaxcb.model.config):
 Llama and Mistral as they are, Qwen2 with its q/k/v biases, Qwen3 with its per-head q/k norms and
 explicit head_dim, Gemma 2 (four norms a layer, soft-capping, sliding layers alternating with full
-ones) and Gemma 3 (text: q/k norms, five sliding layers to a full one, a local RoPE base); a separate
-output head when the embeddings are not tied. Weights are read with `safetensors` (no framework) and
+ones) and Gemma 3 (text: q/k norms, five sliding layers to a full one, a local RoPE base), Mixtral and
+Qwen3-MoE (a mixture of experts in place of the MLP); a separate output head when the embeddings are not
+tied. Weights are read with `safetensors` (no framework) and
 transposed from torch's [out, in] to this project's [in, out].
 """
 
@@ -28,6 +29,7 @@ log = logging.getLogger("jaxcb.model.hf_loader")
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
                  "SmolLM3ForCausalLM": "smollm3", "GraniteForCausalLM": "granite", "Phi3ForCausalLM": "phi3",
                  "Qwen3ForCausalLM": "qwen3", "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3",
+                 "MixtralForCausalLM": "mixtral", "Qwen3MoeForCausalLM": "qwen3moe",
                  # Gemma 3 4B+ as released (a vision tower beside the language model): served on text
                  "Gemma3ForConditionalGeneration": "gemma3"}
 # Where a checkpoint keeps the language model's tensors: a causal LM's "model.", a multimodal one's
@@ -48,6 +50,9 @@ _LAYER = {  # our name -> (HF name in layer i, transpose)
 }
 # Fused projections (Phi-3): split into the table's own (by our names), in their order of rows.
 _FUSED = {"self_attn.qkv_proj.weight": ("wq", "wk", "wv"), "mlp.gate_up_proj.weight": ("w_gate", "w_up")}
+# A mixture of experts (Mixtral's names, Qwen3-MoE's): the router, and each expert's gate, up and down projections.
+_MOE = {"mixtral": ("block_sparse_moe.gate.weight", "block_sparse_moe.experts.{j}.", ("w1", "w3", "w2")),
+        "qwen3moe": ("mlp.gate.weight", "mlp.experts.{j}.", ("gate_proj", "up_proj", "down_proj"))}
 _BIASES = {"bq": "self_attn.q_proj.bias", "bk": "self_attn.k_proj.bias", "bv": "self_attn.v_proj.bias"}
 _QK_NORMS = {"q_norm": "self_attn.q_norm.weight", "k_norm": "self_attn.k_norm.weight"}
 # Gemma names its norms by place: post_attention_layernorm is the attention output's, not the MLP input's.
@@ -185,8 +190,17 @@ def read_config(path: str) -> ModelConfig:
                          logit_scale=float(raw.get("logits_scaling", 1.0)))
         if family == "gemma2" and extra:
             raise InvalidConfig(f"config.json: rope_scaling {scaling!r}: Gemma 2 has plain RoPE")
-        if family == "qwen3":
+        if family in ("qwen3", "qwen3moe"):
             extra.update(qk_norm=True)
+        # (Mixtral's experts are intermediate_size wide, Qwen3-MoE's moe_intermediate_size)
+        intermediate = int(raw["moe_intermediate_size"] if family == "qwen3moe" else raw["intermediate_size"])
+        if family in _MOE:
+            if raw.get("mlp_only_layers") or int(raw.get("decoder_sparse_step", 1)) != 1:
+                raise InvalidConfig("config.json: mlp_only_layers / decoder_sparse_step (dense layers among the "
+                                    "experts) are not supported: every layer a mixture of experts")
+            extra.update(num_experts=int(raw.get("num_experts") or raw["num_local_experts"]),
+                         experts_per_token=int(raw["num_experts_per_tok"]),
+                         norm_topk=bool(raw.get("norm_topk_prob", True)))
         if gemma:
             window = int(raw.get("sliding_window") or 0)
             types = raw.get("layer_types")
@@ -209,7 +223,7 @@ def read_config(path: str) -> ModelConfig:
             if act not in (None, "gelu_pytorch_tanh", "gelu_tanh"):
                 raise InvalidConfig(f"config.json: hidden_activation {act!r} is not supported (gelu_pytorch_tanh)")
         return ModelConfig(
-            vocab_size=int(raw["vocab_size"]), hidden_size=hidden, intermediate_size=int(raw["intermediate_size"]),
+            vocab_size=int(raw["vocab_size"]), hidden_size=hidden, intermediate_size=intermediate,
             num_layers=layers, num_heads=heads,
             num_kv_heads=int(raw.get("num_key_value_heads") or heads),
             head_dim=head_dim,
@@ -218,7 +232,8 @@ def read_config(path: str) -> ModelConfig:
             tie_embeddings=bool(raw.get("tie_word_embeddings", gemma)),
             name=os.path.basename(os.path.normpath(path)),
             attention_bias=family == "qwen2" or bool(raw.get("attention_bias", False)),
-            family="llama" if family in ("qwen2", "smollm3", "granite", "phi3") else family, **extra,
+            family={"qwen2": "llama", "smollm3": "llama", "granite": "llama", "phi3": "llama", "mixtral": "llama",
+                    "qwen3moe": "qwen3"}.get(family, family), **extra,
         )
     except KeyError as e:
         raise InvalidConfig(f"config.json: {e.args[0]} is missing") from None
@@ -264,6 +279,15 @@ def load_weights(path: str, config: ModelConfig) -> dict[str, np.ndarray]:
                 used.add(name)
     weights = {"embed": get(prefix + "embed_tokens.weight"), "final_norm": get(prefix + "norm.weight")}
     names = dict(_LAYER)
+    if config.num_experts:  # the router [L, E, X] and each expert's matrices stacked [L, X, in, out]
+        for key in ("w_gate", "w_up", "w_down"):
+            del names[key]
+        arch = "mixtral" if layer.format(i=0) + _MOE["mixtral"][0] in tensors else "qwen3moe"
+        router, expert, parts = _MOE[arch]
+        weights["router"] = np.stack([get(layer.format(i=i) + router, True) for i in range(config.num_layers)])
+        for key, part in zip(("experts_gate", "experts_up", "experts_down"), parts):
+            weights[key] = np.stack([np.stack([get(layer.format(i=i) + expert.format(j=j) + part + ".weight", True)
+                                               for j in range(config.num_experts)]) for i in range(config.num_layers)])
     if config.attention_bias:
         names.update({k: (v, False) for k, v in _BIASES.items()})
     if config.qk_norm:

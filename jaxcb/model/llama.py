@@ -61,9 +61,9 @@ class LayerParams:
     wv: jax.Array  # [L, E, K*D]
     wo: jax.Array  # [L, H*D, E]
     mlp_norm: jax.Array  # [L, E]
-    w_gate: jax.Array  # [L, E, F]
-    w_up: jax.Array  # [L, E, F]
-    w_down: jax.Array  # [L, F, E]
+    w_gate: jax.Array | None = None  # [L, E, F] the dense MLP (None in a mixture of experts)
+    w_up: jax.Array | None = None  # [L, E, F]
+    w_down: jax.Array | None = None  # [L, F, E]
     bq: jax.Array | None = None  # [L, H*D] attention biases (Qwen2); None in Llama
     bk: jax.Array | None = None  # [L, K*D]
     bv: jax.Array | None = None  # [L, K*D]
@@ -71,6 +71,10 @@ class LayerParams:
     k_norm: jax.Array | None = None  # [L, D]
     post_attn_norm: jax.Array | None = None  # [L, E] on the attention's output (Gemma 2/3)
     post_mlp_norm: jax.Array | None = None  # [L, E] on the MLP's output (Gemma 2/3)
+    router: jax.Array | None = None  # [L, E, X] a mixture of X experts in place of the MLP (Mixtral, Qwen3-MoE)
+    experts_gate: jax.Array | None = None  # [L, X, E, F]
+    experts_up: jax.Array | None = None  # [L, X, E, F]
+    experts_down: jax.Array | None = None  # [L, X, F, E]
 
 
 @flax.struct.dataclass
@@ -262,12 +266,50 @@ def _layer(config: ModelConfig, attention: Attention, batch: StepInput, h, kv_pa
 
     x = norm(h, w.mlp_norm)
     act = jax.nn.silu if config.activation == "silu" else functools.partial(jax.nn.gelu, approximate=True)
-    out = proj(act(proj(x, "w_gate")) * proj(x, "w_up"), "w_down")
+    if w.router is not None:
+        out = experts(config, x, w, act, grouped=attention.kernel in ("gpu", "tpu"))
+    else:
+        out = proj(act(proj(x, "w_gate")) * proj(x, "w_up"), "w_down")
     if w.post_mlp_norm is not None:
         out = norm(out, w.post_mlp_norm)
     if config.residual_multiplier != 1.0:
         out = out * jnp.asarray(config.residual_multiplier, out.dtype)
     return h + out, kv_pages
+
+
+def experts(config: ModelConfig, x, w: LayerParams, act, grouped: bool):
+    """A mixture of experts over x [T, E]: each token's router probabilities (softmax, float32), its
+    `experts_per_token` most probable experts (their probabilities renormalized over them when
+    config.norm_topk), and the sum of those experts' gated MLPs weighted by them, [T, E]. `grouped` (GPU,
+    TPU): the token-expert pairs sorted by expert and each expert's rows multiplied at once
+    (jax.lax.ragged_dot). Else (XLA:CPU, where ragged_dot is every expert over every row): with no more
+    pairs than experts, each pair reads its own expert's matrices; with more, a loop over the experts runs
+    each over every token, weighted by its probability for the token (0 where it was not chosen)."""
+    t, k, n = x.shape[0], config.experts_per_token, config.num_experts
+    probs = jax.nn.softmax(jnp.dot(x, w.router, preferred_element_type=jnp.float32), axis=-1)  # [T, X]
+    top, chosen = jax.lax.top_k(probs, k)  # [T, k]
+    if config.norm_topk:
+        top = top / jnp.sum(top, axis=-1, keepdims=True)
+    top = top.astype(x.dtype)
+    if grouped:
+        flat = chosen.reshape(-1)
+        order = jnp.argsort(flat, stable=True)  # pairs by expert
+        sizes = jnp.bincount(flat, length=n).astype(jnp.int32)
+        rows = x[order // k]
+        hidden = act(jax.lax.ragged_dot(rows, w.experts_gate, sizes)) * jax.lax.ragged_dot(rows, w.experts_up, sizes)
+        out = jnp.zeros((t * k, x.shape[1]), x.dtype).at[order].set(jax.lax.ragged_dot(hidden, w.experts_down, sizes))
+        return jnp.einsum("tk,tke->te", top, out.reshape(t, k, -1))
+    if t * k <= n:
+        hidden = (act(jnp.einsum("te,tkef->tkf", x, w.experts_gate[chosen]))
+                  * jnp.einsum("te,tkef->tkf", x, w.experts_up[chosen]))
+        return jnp.einsum("tk,tkf,tkfe->te", top, hidden, w.experts_down[chosen])
+    weight = jnp.zeros((t, n), x.dtype).at[jnp.arange(t)[:, None], chosen].set(top)  # [T, X]
+
+    def one(e, out):
+        hidden = act(x @ w.experts_gate[e]) * (x @ w.experts_up[e])
+        return out + weight[:, e, None] * (hidden @ w.experts_down[e])
+
+    return jax.lax.fori_loop(0, n, one, jnp.zeros_like(x))
 
 
 def _attend_group(attention: Attention, config: ModelConfig, q, k, v, pages, layer_index, batch: StepInput,

@@ -352,6 +352,8 @@ def quantize_weights(weights: dict[str, np.ndarray], mode: str, group: int = 0) 
     them unchanged. Already quantized entries (a converted checkpoint) stay as they are."""
     if check_mode(mode) not in ("int8", "int4"):
         return weights
+    if "router" in weights:
+        raise InvalidConfig(f"model.weights: {mode} is not supported for a mixture of experts (float32 or bfloat16)")
     out = dict(weights)
     for name in MATRICES:
         if name in out and not is_quantized(out[name]):
