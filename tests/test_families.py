@@ -376,9 +376,11 @@ def test_each_way_of_running_the_experts_gives_the_same_output():
 
 def test_the_experts_settings_are_read_and_matter():
     """Renormalizing the chosen experts' weights (Mixtral's always, Qwen3-MoE's norm_topk_prob) and the
-    number each token takes each move the logits far past the tolerance; int8 and int4 weights are refused
-    for a mixture of experts by the field."""
+    number each token takes each move the logits far past the tolerance; int8 and int4 weights, and LoRA
+    slots on the MLP's matrices, are refused for a mixture of experts by the field."""
+    from jaxcb.device.lora import zero_slots
     from jaxcb.host.errors import InvalidConfig
+    from jaxcb.host.lora import TARGETS
     from jaxcb.model.hf_loader import load_weights
     from jaxcb.model.quant import quantize_weights
 
@@ -391,3 +393,6 @@ def test_the_experts_settings_are_read_and_matter():
             assert moved > 1e-4 * np.abs(ref).max(), (family, change, moved)
         with pytest.raises(InvalidConfig, match="^model.weights: int8 is not supported for a mixture of experts"):
             quantize_weights(load_weights(os.path.join(GOLDEN, family), config), "int8")
+        with pytest.raises(InvalidConfig, match=r"^lora.targets: \['w_gate', 'w_up', 'w_down'\] are not matrices"):
+            zero_slots(config, TARGETS, 2, 4, jnp.float32)
+        assert set(zero_slots(config, ("wq", "wo"), 2, 4, jnp.float32)["a"]) == {"wq", "wo"}
