@@ -71,7 +71,7 @@ def test_unsupported_architecture_names_the_supported_ones(tmp_path):
     path = str(tmp_path / "m.gguf")
     write_tiny_gguf(path, arch="phi2")
     with pytest.raises(ValueError, match=r"general.architecture: 'phi2' is not supported; supported architectures: "
-                                         r"llama, qwen2, qwen3, gemma2, gemma3, smollm3, granite, phi3"):
+                                         r"llama, qwen2, qwen3, qwen3moe, gemma2, gemma3, smollm3, granite, phi3"):
         load_gguf(path)
 
 
@@ -116,13 +116,14 @@ def test_rope_scaling_of_a_gguf_is_read_or_refused_by_name(tmp_path):
 
 
 @pytest.mark.parametrize("key, value, message", [
-    ("llama.expert_count", 8, "llama.expert_count: 8: mixture-of-experts models are not supported"),
+    ("llama.expert_count", 8, "missing metadata llama.expert_used_count"),  # experts, but how many a token?
     ("llama.rope.dimension_count", 4, "llama.rope.dimension_count: 4 of 16 dimensions rotated"),
     ("llama.attention.value_length", 8, "llama.attention.value_length: 8 differs from key_length 16"),
 ])
 def test_what_the_decoder_does_not_do_is_refused_by_name(tmp_path, key, value, message):
-    """A Mixtral (a "llama" file with experts), partial RoPE or value heads of another size would load
-    and run wrong, or fail on a missing tensor: each is refused naming the metadata."""
+    """A Mixtral (a "llama" file with experts) without the number each token takes, partial RoPE or value
+    heads of another size would load and run wrong, or fail on a missing tensor: each is refused naming
+    the metadata."""
     from jaxcb.host.errors import InvalidConfig
 
     path = str(tmp_path / "m.gguf")
