@@ -155,6 +155,8 @@ class State:
                 ev = await queue.get()
                 if ev is _DIED:
                     raise Unavailable("the engine stopped; the request was not finished")
+                if ev.finish_reason is FinishReason.ERROR and ev.request_error:  # (its constraint failed)
+                    raise InvalidRequest(ev.error)
                 if ev.finish_reason is FinishReason.ERROR:
                     raise StepFailed(f"the step running this request failed: {ev.error}")
                 samples_left -= ev.finished

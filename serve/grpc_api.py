@@ -23,7 +23,7 @@ from grpc_reflection.v1alpha import reflection
 
 from jaxcb.device import cpu_dots
 from jaxcb.host.errors import InvalidConfig, InvalidRequest, JaxcbError, NotFound, Overloaded, StepFailed, Unauthenticated, Unavailable
-from jaxcb.host.request import (SamplingParams, TokenEvent, check_allowed_count, check_logit_bias_count,
+from jaxcb.host.request import (SamplingParams, TokenEvent, check_allowed_count, check_logit_bias_count, check_unicode,
                                 check_stop_counts)
 from jaxcb.host.structured import MAX_CHOICES, Constraint
 from jaxcb.host.chat_template import check_template_kwargs
@@ -82,6 +82,7 @@ def _template_kwargs(text: str) -> dict:
         kwargs = json.loads(text)
     except ValueError:
         raise InvalidRequest("chat.template_kwargs: not valid JSON") from None
+    check_unicode(kwargs, "chat.template_kwargs")
     return check_template_kwargs(kwargs, "chat.template_kwargs")
 
 

@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse
 
 from jaxcb.host.errors import InvalidRequest, JaxcbError, NotFound, Overloaded, StepFailed, Unauthenticated, Unavailable
 from jaxcb.host.request import (SamplingParams, check_allowed_count, check_priority, check_stop_counts,
-                                logit_bias_from_json)
+                                check_unicode, logit_bias_from_json)
 from jaxcb.host.structured import (GUIDED_EXTRAS, GUIDED_FIELDS, Constraint, from_guided, from_response_format,
                                    from_structured_outputs)
 from jaxcb.host.chat_template import check_template_kwargs
@@ -179,6 +179,8 @@ def parse_json(raw: bytes) -> dict:
         raise HTTPError(400, "body: JSON nested too deeply", param="body") from None
     if not isinstance(body, dict):
         raise HTTPError(400, "body: must be a JSON object", param="body")
+    if re.search(rb"\\u[dD][89a-fA-F]", raw):  # (an escaped surrogate: paired, or not)
+        check_unicode(body)
     return body
 
 

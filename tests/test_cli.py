@@ -45,6 +45,7 @@ def test_generate_file_keeps_order_and_reports_bad_lines(tiny_gguf_path, small_c
         {"prompt_token_ids": [5, 6, 7, 8], "max_tokens": 0, "prompt_logprobs": 1},
         {"prompt_token_ids": [5, 6, 7], "max_tokens": 8, "ignore_eos": True, "stop_token_ids": [7],
          "allowed_token_ids": [7]},
+        {"prompt": "lone \ud800", "max_tokens": 2},  # (json.dumps escapes it: no text to tokenize)
     ]
     inp = tmp_path / "in.jsonl"
     inp.write_text("\n".join(l if isinstance(l, str) else json.dumps(l) for l in lines) + "\n")
@@ -57,9 +58,10 @@ def test_generate_file_keeps_order_and_reports_bad_lines(tiny_gguf_path, small_c
     assert "line 9: structured_outputs.regex: not a valid regex" in r.stderr
     assert "line 10: messages: must be a list of {role, content} objects" in r.stderr
     assert "line 12: logit_bias: 'seven' is not a token id" in r.stderr
+    assert "line 15: prompt: holds a lone surrogate" in r.stderr
     results = [json.loads(l) for l in out.read_text().splitlines()]
-    assert len(results) == 14
-    assert [r.get("line") for r in results] == [None, None, 3, 4, 5, None, None, None, 9, 10, None, 12, None, None]
+    assert len(results) == 15
+    assert [r.get("line") for r in results] == [None, None, 3, 4, 5, None, None, None, 9, 10, None, 12, None, None, 15]
     scored = results[12]  # the prompt's logprobs: none for its first token, then each with its rank and top 1
     assert scored["token_ids"] == [] and scored["prompt_logprobs"][0] is None and len(scored["prompt_logprobs"]) == 4
     assert all(len(e) == 3 and e[1] >= 1 and len(e[2]) == 1 for e in scored["prompt_logprobs"][1:])

@@ -832,9 +832,21 @@ def test_response_format_and_structured_outputs_hold_on_both_endpoints(server, o
     ({"structured_outputs": {"grammar": "start: x"}}, "structured_outputs.grammar", "not a valid grammar"),
     ({"response_format": {"type": "xml"}}, "response_format.type", "is not one of text, json_object, json_schema"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objec"}}}},
-     "response_format.json_schema.schema", "not a valid json"),
+     "response_format.json_schema.schema", "not a JSON schema that can be enforced"),
     ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs", "give exactly one of"),
     ({"guided_regex": "[a-"}, "guided_regex", "not a valid regex"),
+    # a schema no output matches, refused at once; one that fails only once the output has begun (a required
+    # property that must hold itself: nothing can follow {"x":), a 400 when it does; one too large to enforce
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#"}}}},
+     "response_format.json_schema.schema", "no output matches it"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "properties": {"x": {"$ref": "#/properties/x"}}, "required": ["x"]}}}, "max_tokens": 64},
+     "response_format.json_schema.schema", "nothing can follow the output's first"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(600)}}}}},
+     "response_format.json_schema.schema", "too large to enforce while generating"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "integer"}}}]},
+     "tools[0].function.parameters", "must be an object schema"),
     ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_choice", "give one of guided_json"),
     ({"guided_regex": "a", "structured_outputs": {"regex": "b"}}, "structured_outputs", "not both structured_outputs"),
     ({"guided_choice": "yes"}, "guided_choice", "must be a non-empty list"),
@@ -1308,3 +1320,22 @@ def test_reasoning_parser_puts_the_thinking_apart_whole_and_streamed(long_server
         left_out = httpx.post(long_server.http + "/v1/chat/completions", json={**body, "include_reasoning": False},
                               timeout=60).json()["choices"][0]["message"]
         assert "reasoning" not in left_out and left_out["content"] == message["content"]
+
+
+def test_a_lone_surrogate_is_a_400_naming_its_field_on_every_route(server, model_name):
+    """JSON's \\ud800-\\udfff escapes unpaired are no text (no tokenizer takes them: a 500 until now):
+    refused naming the field, on each route, before any work; a paired one is the character it encodes."""
+    for route, body, param in (("/v1/completions", {"prompt": "\ud800 lone"}, "prompt"),
+                               ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a\udfff"}]},
+                                "messages[0].content"),
+                               ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
+                                   {"type": "text", "text": "\udc00"}]}]}, "messages[0].content[0].text"),
+                               ("/v1/responses", {"input": "x\ud800"}, "input"),
+                               ("/tokenize", {"prompt": "\ud800"}, "prompt")):
+        r = httpx.post(server.http + route, timeout=30, headers={"content-type": "application/json"},
+                       content=json.dumps({"model": model_name, **body}))  # (escaped: ensure_ascii)
+        assert r.status_code == 400, (route, r.text)
+        assert r.json()["error"]["param"] == param and "lone surrogate" in r.json()["error"]["message"], r.text
+    r = httpx.post(server.http + "/v1/completions", timeout=30, headers={"content-type": "application/json"},
+                   content=json.dumps({"model": model_name, "prompt": "\U0001F600", "max_tokens": 2}))
+    assert r.status_code == 200 and "\\ud83d\\ude00" in r.request.content.decode(), r.text

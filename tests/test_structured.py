@@ -106,7 +106,7 @@ def test_async_scheduling_gives_the_synchronous_tokens_with_constraints_in_the_b
 @pytest.mark.parametrize("constraint, message", [
     (lambda: Constraint("regex", "[a-"), "structured_outputs: not a valid regex"),
     (lambda: Constraint("grammar", "start: foo\nfoo: 'a' bar"), "structured_outputs: not a valid grammar"),
-    (lambda: Constraint.json_schema('{"type": "objec"}'), "structured_outputs.json: not a valid json"),
+    (lambda: Constraint.json_schema('{"type": "objec"}'), "structured_outputs.json: not a JSON schema that can be"),
     (lambda: Constraint.json_schema("[1, 2"), "structured_outputs.json: not a valid json"),
     (lambda: Constraint.choice([]), "structured_outputs.choice: must be a non-empty list"),
     (lambda: Constraint.json_schema(False), "structured_outputs.json: not a valid json (the schema false admits no value)"),
@@ -114,6 +114,7 @@ def test_async_scheduling_gives_the_synchronous_tokens_with_constraints_in_the_b
      "structured_outputs.json: the schema uses keywords that cannot be enforced while generating: "),
     (lambda: Constraint("regex", "a" * 70_000), "the regex has 70000 characters; the limit is 65536"),
     (lambda: Constraint("sql", "x"), "the kind 'sql' is not one of"),
+    (lambda: Constraint.json_schema({"$ref": "#"}), "structured_outputs.json: no output matches it"),
     (lambda: Constraint("regex", "(" * 2000 + "a" + ")" * 2000), "structured_outputs: not a valid regex"),
 ])
 def test_a_bad_constraint_is_refused_by_name_before_it_runs(make_llm, constraint, message):
@@ -325,3 +326,24 @@ def test_a_grammar_after_a_token_leaves_the_text_before_it_free(make_llm):
     assert never.token_ids == [end] * 12 and never.finish_reason == "length"  # free all along
     assert re.fullmatch(r"[a-z]{3}", plain.text) and end not in plain.token_ids  # the grammar from the start
     assert not llm.engine.has_work()
+
+
+def test_a_constraint_that_fails_while_generating_ends_its_request_with_an_error_naming_the_field(make_llm):
+    """A schema whose required property must hold itself: the output begins ({"x":) and then nothing can
+    follow; one whose optional properties are too many for llguidance's limits once an object has begun
+    (its first token's mask is within them: checked when the constraint compiles). Each request ends as an
+    error naming its field (the first ended as a "stop" with that fragment for its text, the second as a
+    failed step); the request beside them runs on, and every page comes back."""
+    llm = make_llm()
+    looping = Constraint.json_schema({"type": "object", "properties": {"x": {"$ref": "#/properties/x"}},
+                                      "required": ["x"]})
+    large = Constraint.json_schema({"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(600)}})
+    bad, big, good = llm.generate([[5, 6], [9, 10], [7, 8]], [
+        SamplingParams(max_tokens=64, structured=looping), SamplingParams(max_tokens=64, structured=large, seed=1),
+        SamplingParams(max_tokens=8, ignore_eos=True)])
+    assert bad.finish_reason == "error", (bad.finish_reason, bad.text)
+    assert bad.error.startswith("structured_outputs.json: nothing can follow the output's first "), bad.error
+    assert big.finish_reason == "error", (big.finish_reason, big.text)
+    assert big.error.startswith("structured_outputs.json: too large to enforce while generating (after "), big.error
+    assert len(good.token_ids) == 8 and good.finish_reason == "length"
+    llm.engine.pool.check_all_free()

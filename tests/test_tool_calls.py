@@ -68,6 +68,18 @@ def test_answers_parse_whole_and_streamed_in_any_pieces(text, content, calls):
             assert streamed.strip() == content
 
 
+def test_a_required_call_has_no_content_beside_it():
+    """tool_choice required or a named function: the answer is the grammar's calls; what is between them
+    (a newline, or the next call's marker cut off by max_tokens) is not sent as content, whole or streamed."""
+    text = '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>\n<tool_ca'
+    for choice in ("required", {"type": "function", "function": {"name": "get_time"}}):
+        tools = _tools(choice)
+        content, calls = tool_parse.parse(text, tools)
+        assert (content, [c["function"]["name"] for c in calls]) == ("", ["get_time"])
+        assert _streamed(tools, [text[i:i + 5] for i in range(0, len(text), 5)]) == ("", [("get_time", "{}")])
+    assert tool_parse.parse(text, _tools("auto"))[0] == "<tool_ca"  # (in auto mode it may be text)
+
+
 @pytest.mark.parametrize("text, content, calls", [
     ('Ok.<tool_call>{"name":"get_time","arguments":{}}</tool_call><tool_call>{"name": "get_weather", "arguments": '
      '{"city": "Os', "Ok.", [("get_time", "{}"), ("get_weather", '{"city": "Os')]),
@@ -81,7 +93,7 @@ def test_a_call_cut_off_by_max_tokens_is_the_same_whole_and_streamed(text, conte
     is that call with the arguments written so far (none yet once the name is whole), whole and streamed
     alike (the stream once sent the call's deltas and then its block again as text); before that, or for
     an unknown name (or no JSON string), it is text."""
-    tools = _tools("required")
+    tools = _tools("auto")
     got_content, got_calls = tool_parse.parse(text, tools)
     assert (got_content, [(c["function"]["name"], c["function"]["arguments"]) for c in got_calls]) == (content, calls)
     for step in (1, 3, 7, len(text)):
@@ -115,6 +127,8 @@ def test_tools_and_messages_render_for_the_chat_template():
     ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice: 'sometimes' is not one of"),
     ({"tool_choice": "required"}, "tool_choice: needs tools"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": [1]}}]}, "tools[0].function.parameters"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]},
+     "tools[0].function.parameters: must be an object schema"),
     ({"tools": [WEATHER], "parallel_tool_calls": "yes"}, "parallel_tool_calls: must be true or false"),
 ])
 def test_bad_tools_are_refused_by_name(body, message):
@@ -123,7 +137,8 @@ def test_bad_tools_are_refused_by_name(body, message):
 
 
 @pytest.mark.parametrize("parameters, message", [
-    ({"type": "objec"}, "tools[1].function.parameters: not a valid json (Invalid type: objec)"),
+    ({"type": "object", "properties": {"a": {"type": "strin"}}},
+     "tools[1].function.parameters: not a JSON schema that can be enforced (Invalid type: strin)"),
     ({"type": "object", "properties": {"xs": {"type": "array", "uniqueItems": True}}},
      'tools[1].function.parameters: the schema uses keywords that cannot be enforced while generating: ["uniqueItems"]'),
 ])

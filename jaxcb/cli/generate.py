@@ -46,7 +46,7 @@ def _params_from_args(args, overrides: dict | None = None):
 def _parse_line(llm, args, lineno: int, line: str):
     """One input line -> (prompt ids, SamplingParams, priority, id); InvalidRequest names line and field."""
     from jaxcb.host import structured
-    from jaxcb.host.request import logit_bias_from_json
+    from jaxcb.host.request import check_unicode, logit_bias_from_json
     from jaxcb.host.tool_calls import choose_format, render_messages
     try:
         obj = json.loads(line)
@@ -54,6 +54,10 @@ def _parse_line(llm, args, lineno: int, line: str):
         raise InvalidRequest(f"line {lineno}: not valid JSON ({e.msg})") from None
     if not isinstance(obj, dict):
         raise InvalidRequest(f"line {lineno}: must be a JSON object")
+    try:
+        check_unicode(obj)
+    except InvalidRequest as e:
+        raise InvalidRequest(f"line {lineno}: {e}") from None
     unknown = set(obj) - LINE_FIELDS
     if unknown:
         raise InvalidRequest(f"line {lineno}: unknown field(s) {', '.join(sorted(unknown))}")

@@ -41,7 +41,7 @@ from jaxcb.host.request import (FinishReason, Request, SamplingParams, Status, T
                                 check_tokens)
 from jaxcb.host.scheduler import Scheduler
 from jaxcb.host.step_plan import Chunk
-from jaxcb.host.structured import grammars_for
+from jaxcb.host.structured import grammars_for, structured_failure
 from jaxcb.host.window import WindowGroup
 
 __all__ = ["Engine", "EventCallback", "Runner"]
@@ -408,8 +408,9 @@ class Engine:
                 if token == r.grammar_after:
                     r.grammar_after = None  # from the next token on, the grammar holds
             elif r.matcher is not None:  # the grammar takes the token; a finished grammar ends the request
-                if not r.matcher.consume_token(token):
-                    self._finish(r, FinishReason.ERROR, events, error=f"structured output: {r.matcher.get_error()}")
+                if r.matcher.is_error() or not r.matcher.consume_token(token):  # (an error: at its mask)
+                    self._finish(r, FinishReason.ERROR, events, request_error=True,
+                                 error=structured_failure(r.params.structured, r.matcher, len(r.output_ids) - 1))
                     observed.append((r, True))
                     continue
                 if reason is None and r.matcher.is_stopped():  # its last token is text, not a stop token
@@ -421,9 +422,11 @@ class Engine:
         if self.scheduler.controller is not None:  # the latency target's controller (jaxcb.host.latency)
             self.scheduler.controller.observe_step_done(step.chunks, seconds, observed, self._clock())
 
-    def _finish(self, r: Request, reason: FinishReason, events: list[TokenEvent], error: str | None = None) -> None:
-        """End a request from outside its tokens (abort, error): its final event, then retire it."""
-        self.outputs.close(r, reason, events, error=error)
+    def _finish(self, r: Request, reason: FinishReason, events: list[TokenEvent], error: str | None = None,
+                request_error: bool = False) -> None:
+        """End a request from outside its tokens (abort, error: the request's own where `request_error`):
+        its final event, then retire it."""
+        self.outputs.close(r, reason, events, error=error, request_error=request_error)
         self._retire(r, reason)
 
     def _retire(self, r: Request, reason: FinishReason) -> None:

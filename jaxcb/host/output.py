@@ -118,7 +118,7 @@ class Outputs:
 
     def close(self, r: Request, reason: FinishReason, events: list[TokenEvent], new_tokens=(), logprobs=None,
               error: str | None = None, queue_s: float | None = None, flush: bool | None = None,
-              stop_reason: int | str | None = None) -> None:
+              stop_reason: int | str | None = None, request_error: bool = False) -> None:
         """r's final event: the text still held back (up to any stop string) and the finish reason.
         `flush`: add what the detokenizer still holds (default: unless the request stopped); `stop_reason`:
         the stop token id or stop string that ended it."""
@@ -128,7 +128,8 @@ class Outputs:
         _emit(TokenEvent(r.request_id, tuple(new_tokens), stream.text[stream.emitted:], True, reason, logprobs,
                          len(r.prompt_ids), len(r.output_ids), error, queue_s,
                          num_cached_tokens=r.num_cached_tokens, index=r.sample_index,
-                         prompt_logprobs=self._prompt_logprobs(r, stream), stop_reason=stop_reason),
+                         prompt_logprobs=self._prompt_logprobs(r, stream), stop_reason=stop_reason,
+                         request_error=request_error),
               stream, events, self._undelivered)
 
 

@@ -135,6 +135,33 @@ class SamplingParams:
 # The request limits that every API checks before it copies or tokenizes anything (the engine checks
 # them again): one function each, so the limit and its message are written once.
 
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def check_unicode(obj, path: str = "") -> None:
+    """Every string of a request parsed from JSON (keys too) is text: JSON's \\ud800-\\udfff escapes
+    unpaired give Python strings that no tokenizer (nor UTF-8) takes. Raises InvalidRequest naming the
+    first field that holds one."""
+    found = _lone_surrogate(obj, path)
+    if found is not None:
+        raise InvalidRequest(f"{found}: holds a lone surrogate (a \\ud800-\\udfff escape without its pair): "
+                             "not text")
+
+
+def _lone_surrogate(obj, path: str) -> str | None:
+    if isinstance(obj, str):
+        return path if _SURROGATE.search(obj) else None
+    items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, list) else ()
+    for key, value in items:
+        where = f"{path}[{key}]" if isinstance(key, int) else f"{path}.{key}" if path else key
+        if isinstance(key, str) and _SURROGATE.search(key):
+            return where.encode("ascii", "backslashreplace").decode()
+        found = _lone_surrogate(value, where)
+        if found is not None:
+            return found
+    return None
+
+
 def check_stop_counts(stop: int, stop_token_ids: int) -> None:
     """The number of stop strings and stop token ids."""
     if stop > MAX_STOP_STRINGS:
@@ -378,3 +405,4 @@ class TokenEvent:
     # (logprob, rank, ((token_id, logprob), ...top-n)) given the tokens before it
     prompt_logprobs: tuple | None = None
     stop_reason: int | str | None = None  # on a final event: the stop token id or stop string that ended it
+    request_error: bool = False  # an ERROR that is the request's own (its constraint failed), not the step's

@@ -306,6 +306,19 @@ def from_response_format(obj, field: str = "response_format") -> Constraint | No
     return Constraint.json_schema(spec["schema"], f"{field}.json_schema.schema")
 
 
+def structured_failure(c: Constraint, matcher, produced: int) -> str:
+    """Why a constrained sample ended in error after `produced` tokens (llguidance's matcher failed): a
+    constraint that allows no further token where its output is not complete (a schema no finite JSON
+    satisfies: a property that must hold itself), or one of llguidance's limits met while generating."""
+    error = _first_line(matcher.get_error() or "the token was not allowed").replace(" <non-verbose/>", "")
+    if error == "NoExtensionBias":  # (as _explain says it before any output)
+        return (f"{c.field}: nothing can follow the output's first {produced} tokens, which do not complete it: "
+                f"no finite output matches (e.g. a schema whose $ref requires itself)")
+    if "max is" in error:  # one of llguidance's limits (LIMITS), met past the first token
+        return f"{c.field}: too large to enforce while generating (after {produced} output tokens: {error})"
+    return f"{c.field}: the constraint failed after {produced} output tokens: {error}"
+
+
 def _first_line(e) -> str:
     text = str(e).strip() or type(e).__name__
     return " ".join(text.split())[:300]
@@ -315,12 +328,16 @@ def _explain(kind: str, error) -> str:
     """What a grammar llguidance refused is said to be. A schema that uses keywords it cannot enforce
     while generating (uniqueItems, not, if/then/else, ...) is valid JSON Schema: say which, and how to
     generate without them (llguidance's lenient mode, asked for in the schema itself)."""
-    line = _first_line(error)
+    line = _first_line(error).replace(" <non-verbose/>", "")
     if kind == "json" and "Unimplemented keys" in line:
         keys = line.split("Unimplemented keys:", 1)[1].strip()
         return (f"the schema uses keywords that cannot be enforced while generating: {keys}; add "
                 '"x-guidance": {"lenient": true} to the schema to generate without them')
-    return f"not a valid {kind} ({line})"
+    if line == "NoExtensionBias":
+        return "no output matches it (e.g. a schema whose $ref requires itself)"
+    if "max is" in line:  # one of llguidance's limits (LIMITS): too large to enforce
+        return f"too large to enforce while generating ({line})"
+    return f"not a JSON schema that can be enforced ({line})" if kind == "json" else f"not a valid {kind} ({line})"
 
 
 class Grammars:
@@ -356,6 +373,12 @@ class Grammars:
                 self._cache.move_to_end(c)
                 return m
         m = self._llg.LLMatcher(self.tokenizer, c.grammar(), limits=self.limits, log_level=0)
+        if not m.is_error():  # its first mask, on a copy: a limit met there (a large schema) is refused here,
+            first = m.deep_copy()  # not when the request is running
+            scratch = np.empty(self._llg_words, np.int32)
+            first.unsafe_compute_mask_ptr(scratch.ctypes.data, self._llg_words * 4)
+            if first.is_error():
+                m = first
         if m.is_error():
             for field, schema in c.parts:  # the embedded schema that fails, by its own field
                 part = Constraint("json", schema, field)

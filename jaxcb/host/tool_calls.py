@@ -172,8 +172,9 @@ def parse_tools(body: dict) -> Tools | None:
         if name in functions:
             raise InvalidRequest(f"{where}.function.name: {name!r} is given twice")
         params = f.get("parameters", {"type": "object", "properties": {}})
-        if not isinstance(params, dict):
-            raise InvalidRequest(f"{where}.function.parameters: must be a JSON schema object")
+        if not isinstance(params, dict) or params.get("type", "object") != "object":  # (the arguments: an object)
+            raise InvalidRequest(f"{where}.function.parameters: must be an object schema (a JSON schema of "
+                                 f"type object), got {json.dumps(params)[:80]}")
         description = f.get("description", "")
         if not isinstance(description, str):
             raise InvalidRequest(f"{where}.function.description: must be a string")

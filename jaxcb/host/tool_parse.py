@@ -131,6 +131,8 @@ class CallStream:
         content, deltas = self._feed_blocks(final) if self.fmt.shape == "blocks" else self._feed_answer(final)
         if not self.tools.parallel:  # the first call only, as parse() gives it
             deltas = [d for d in deltas if d["index"] == 0]
+        if self.tools.choice in ("required", "function"):  # the grammar's calls only: what is between them (a
+            content = ""  # newline, a marker cut off by max_tokens) is no answer
         return content, deltas
 
     def _feed_blocks(self, final: bool) -> tuple[str, list[dict]]:
