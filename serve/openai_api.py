@@ -304,8 +304,13 @@ def make_app(state) -> FastAPI:
         """OpenAI's Responses API, answered by the chat machinery (serve.openai_responses)."""
         tenant = authorize(request)
         body = await body_of(request)
-        chat = openai_responses.chat_body(body)
-        return await json_response(openai_responses.reshape(await run_chat(request, tenant, chat), body))
+        origins = []
+        try:
+            chat = openai_responses.chat_body(body, origins)
+            answer = await run_chat(request, tenant, chat)
+        except (HTTPError, JaxcbError) as e:  # named by this API's fields, not the chat's
+            raise openai_responses.renamed(e if isinstance(e, HTTPError) else http_error(e), origins) from None
+        return await json_response(openai_responses.reshape(answer, body))
 
     def chat_tools(body: dict, messages: list, template: str | None):
         """The request's tools and messages for the chat template that writes the chat: the request's own,

@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import time
 import uuid
 
 from fastapi.responses import Response, StreamingResponse
 
 from jaxcb.host.errors import InvalidRequest
-from serve.openai_fields import bad_request, check_fields, http_error, int_field, unknown_field
+from serve.openai_fields import HTTPError, bad_request, check_fields, http_error, int_field, unknown_field
 from jaxcb.host.tool_calls import content_text
 
 RESPONSES_FIELDS = {"model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "stream",
@@ -46,13 +47,17 @@ def _content(where: str, content) -> str:
         raise http_error(e) from None
 
 
-def _messages(body: dict) -> list[dict]:
+def _messages(body: dict, origins: list) -> list[dict]:
+    """The chat's messages; `origins` gets, per message, (the field it came from, the fields of its tool
+    calls, whether the message's own fields are the item's: own_field)."""
     instructions = body.get("instructions")
     if instructions is not None and not isinstance(instructions, str):
         raise bad_request("instructions: must be a string")
     messages = [{"role": "system", "content": instructions}] if instructions else []
+    origins += [("instructions", [], False)] if instructions else []
     given = body.get("input")
     if isinstance(given, str):
+        origins.append(("input", [], False))
         return messages + [{"role": "user", "content": given}]
     if not isinstance(given, list) or not given:
         raise bad_request("input: must be a string or a non-empty list of message items")
@@ -69,7 +74,7 @@ def _messages(body: dict) -> list[dict]:
                 raise unknown_field(where, unknown[0], "of a reasoning item")
             continue
         if kind in ITEM_FIELDS and kind != "message":
-            _tool_item(where, kind, item, messages)
+            _tool_item(where, kind, item, messages, origins)
             continue
         if kind != "message":
             raise bad_request(f"{where}.type: {kind!r} is not supported; message, function_call, "
@@ -80,6 +85,7 @@ def _messages(body: dict) -> list[dict]:
         if item.get("role") not in ROLES:
             raise bad_request(f"{where}.role: must be one of {', '.join(ROLES)}, got {item.get('role')!r}")
         messages.append({"role": item["role"], "content": _content(where, item.get("content"))})
+        origins.append((where, [], True))
     return messages
 
 
@@ -108,7 +114,7 @@ def _check_reasoning(value) -> None:
             raise bad_request(f"reasoning.{key}: must be one of {', '.join(SUMMARIES)}, got {value.get(key)!r}")
 
 
-def _tool_item(where: str, kind: str, item: dict, messages: list[dict]) -> None:
+def _tool_item(where: str, kind: str, item: dict, messages: list[dict], origins: list) -> None:
     """An earlier function call (joined to the assistant message of the calls just before it) or a
     call's output (a tool message), as the chat's messages have them."""
     unknown = sorted(set(item) - ITEM_FIELDS[kind])
@@ -120,6 +126,7 @@ def _tool_item(where: str, kind: str, item: dict, messages: list[dict]) -> None:
         if not isinstance(item.get("output"), str):
             raise bad_request(f"{where}.output: must be a string")
         messages.append({"role": "tool", "tool_call_id": item["call_id"], "content": item["output"]})
+        origins.append((where, [], False))
         return
     for field in ("name", "arguments"):
         if not isinstance(item.get(field), str):
@@ -129,8 +136,47 @@ def _tool_item(where: str, kind: str, item: dict, messages: list[dict]) -> None:
     last = messages[-1] if messages else None
     if last is not None and last["role"] == "assistant" and "tool_calls" in last:
         last["tool_calls"].append(call)
+        origins[-1][1].append(where)
     else:
         messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        origins.append((where, [where], False))
+
+
+# A chat field an error names -> this API's (the longest first).
+_RENAMED = (("response_format.json_schema.schema", "text.format.schema"), ("response_format.json_schema", "text.format"),
+            ("response_format", "text.format"), ("max_completion_tokens", "max_output_tokens"),
+            ("max_tokens", "max_output_tokens"), ("tool_choice.function", "tool_choice"),
+            ("prompt", "input"))  # (the rendered chat's length)
+
+
+def own_field(field: str, origins: list) -> str:
+    """The field of a Responses call that a chat field named by an error came from (chat_body's `origins`):
+    a message's (or one of its tool calls') input item, instructions, the tools' flat fields, text.format,
+    max_output_tokens; others are the same in both."""
+    m = re.fullmatch(r"messages\[(\d+)\](?:\.tool_calls\[(\d+)\](?:\.function)?)?(.*)", field)
+    if m and int(m.group(1)) < len(origins):
+        where, calls, own = origins[int(m.group(1))]
+        if m.group(2) is not None and int(m.group(2)) < len(calls):
+            return calls[int(m.group(2))] + m.group(3)
+        return where + (m.group(3) if own and m.group(2) is None else "")
+    if field == "messages":
+        return "input"
+    m = re.fullmatch(r"tools\[(\d+)\]\.function(.*)", field)
+    if m:
+        return f"tools[{m.group(1)}]{m.group(2)}"
+    for old, new in _RENAMED:
+        if field == old or field.startswith((old + ".", old + "[")):
+            return new + field[len(old):]
+    return field
+
+
+def renamed(e: HTTPError, origins: list) -> HTTPError:
+    """A chat answer's 400 naming this call's own field (param and the message's lead)."""
+    if e.status != 400 or not e.param:
+        return e
+    field = own_field(e.param, origins)
+    message = field + e.message[len(e.param):] if e.message.startswith(e.param) else e.message
+    return HTTPError(400, message, param=field, code=e.code)
 
 
 def _tools(body: dict, chat: dict) -> None:
@@ -182,8 +228,9 @@ def _response_format(body: dict):
     raise bad_request(f"text.format.type: must be text, json_object or json_schema, got {kind!r}")
 
 
-def chat_body(body: dict) -> dict:
-    """The chat completions body that answers this Responses call (every field checked by name first)."""
+def chat_body(body: dict, origins: list) -> dict:
+    """The chat completions body that answers this Responses call (every field checked by name first);
+    `origins` gets where each of its messages came from (own_field)."""
     check_fields(body, RESPONSES_FIELDS)
     _check_reasoning(body.get("reasoning"))
     store = body.get("store")
@@ -197,7 +244,7 @@ def chat_body(body: dict) -> dict:
             if len(k) > 64 or not isinstance(v, str) or len(v) > 512:
                 raise bad_request(f"metadata: {k[:64]!r}: keys of at most 64 characters, string values of at most 512")
     chat = {k: body[k] for k in PASSED_ON if k in body}
-    chat["messages"] = _messages(body)
+    chat["messages"] = _messages(body, origins)
     limit = int_field(body, "max_output_tokens")
     if limit is not None:
         if limit < 1:

@@ -1214,6 +1214,28 @@ def test_responses_api_refuses_what_it_does_not_do_by_name(server, body, message
     assert message in r.json()["error"]["message"]
 
 
+@pytest.mark.parametrize("body, param, message", [
+    ({"input": [{"role": "user", "content": "x"}, {"type": "function_call", "call_id": "c", "name": "f",
+                                                   "arguments": "{"}]}, "input[1].arguments", "not valid JSON"),
+    ({"input": "x", "max_output_tokens": 10**9}, "max_output_tokens", "max_output_tokens: prompt"),
+    ({"input": "x", "text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "objec"}}}},
+     "text.format.schema", "not a JSON schema that can be enforced"),
+    ({"input": "x", "tools": [{"type": "function", "name": "a b"}]}, "tools[0].name", "must be 1-64"),
+    ({"input": "x", "tools": [{"type": "function", "name": "f"}], "tool_choice": {"type": "function", "name": "g"}},
+     "tool_choice.name", "is not one of the tools"),
+    ({"instructions": "Be brief.", "input": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "a"},
+                                             {"type": "function_call_output", "call_id": "c", "output": "x" * 70_000}]},
+     "input", "tokens; the limit is"),
+])
+def test_responses_api_errors_name_its_own_fields(server, body, param, message):
+    """Errors found by the chat machinery that answers a Responses call name the call's own fields: the
+    input item a message or tool call came from, the flat tools, text.format, max_output_tokens."""
+    r = httpx.post(server.http + "/v1/responses", json=body, timeout=30)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and error["message"].startswith(param) and message in error["message"], error
+
+
 _JSON = st.recursive(st.none() | st.booleans() | st.integers(-3, 40) | st.floats(-3, 3) | st.text(max_size=8),
                      lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
                      max_leaves=8)
