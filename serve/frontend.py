@@ -102,7 +102,8 @@ class State:
         if model in adapters:
             return model
         names = ", ".join(repr(n) for n in self.served_names)
-        raise NotFound(f"model: {model!r} is not served here; the model is served as {names}"
+        shown = repr(model) if len(model) <= 200 else repr(model[:200]) + f"... ({len(model)} characters)"
+        raise NotFound(f"model: {shown} is not served here; the model is served as {names}"
                        + (f", the LoRA adapters as {adapters}" if adapters else ""))
 
     def check_adapter_name(self, name: str) -> None:

@@ -32,9 +32,11 @@ import asyncio
 import contextlib
 import dataclasses
 import functools
+import logging
 
 from fastapi import FastAPI, Request
-from fastapi.responses import PlainTextResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from starlette.exceptions import HTTPException as RouteError
 
 import jaxcb
 from jaxcb.host import tool_calls
@@ -48,6 +50,7 @@ from serve.openai_fields import (CHAT_FIELDS, COMPLETION_FIELDS, DETOKENIZE_FIEL
                                  beam_fields)
 
 
+log = logging.getLogger("jaxcb.serve.openai_api")
 LIMITED = ("/v1/", "/tokenize", "/detokenize")  # the paths of API calls (what the concurrency limit counts)
 
 
@@ -111,13 +114,24 @@ def make_app(state) -> FastAPI:
         except NotFound as e:
             raise HTTPError(404, str(e), param="model", code="model_not_found") from None
 
+    def logged(request, exc: HTTPError):
+        if exc.status >= 500:  # the server's fault: in its log too
+            log.error("%s %s: %d %s", request.method, request.url.path[:200], exc.status, exc.message)
+        return exc.response()
+
     @app.exception_handler(HTTPError)
     async def _http_error(request, exc: HTTPError):
-        return exc.response()
+        return logged(request, exc)
 
     @app.exception_handler(JaxcbError)  # a refusal from the front end or the engine, before any answer
     async def _jaxcb_error(request, exc: JaxcbError):
-        return http_error(exc).response()
+        return logged(request, http_error(exc))
+
+    @app.exception_handler(RouteError)  # no such route, or not with this method: OpenAI's error shape too
+    async def _route_error(request, exc: RouteError):
+        message = f"{request.method} {request.url.path[:200]}: {exc.detail}"
+        return JSONResponse({"error": {"message": message, "type": "invalid_request_error", "param": None,
+                                       "code": None}}, status_code=exc.status_code, headers=exc.headers)
 
     app.add_middleware(_ConcurrencyLimit, limit=state.options.max_concurrent_streams)
 

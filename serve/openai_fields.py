@@ -132,6 +132,8 @@ def sampling_params(body: dict, *, max_tokens: int, logprobs: int, prompt_logpro
         raise bad_request("stop: must be a string or a list of strings")
     stop_token_ids = _ids_field(body, "stop_token_ids", lambda n: check_stop_counts(0, n))
     allowed = _ids_field(body, "allowed_token_ids", check_allowed_count)
+    if body.get("allowed_token_ids") == []:  # (vLLM's: an empty list would allow no token)
+        raise bad_request("allowed_token_ids: must not be empty (leave it out to allow every token)")
     ignore_eos = bool_field(body, "ignore_eos", False)
     asked = int_field(body, "prompt_logprobs")
     if prompt_logprobs is not None:
@@ -206,8 +208,9 @@ def common_fields(body: dict) -> RequestOptions:
     unknown = sorted(set(stream_options) - {"include_usage", "continuous_usage_stats"})
     if unknown:
         raise unknown_field("stream_options", unknown[0])
-    include_usage = bool_field(stream_options, "include_usage", False)
-    continuous = bool_field(stream_options, "continuous_usage_stats", False)
+    named = {f"stream_options.{k}": v for k, v in stream_options.items()}  # (errors name the whole field)
+    include_usage = bool_field(named, "stream_options.include_usage", False)
+    continuous = bool_field(named, "stream_options.continuous_usage_stats", False)
     if stream_options and not stream:
         raise bad_request("stream_options: only with stream: true")
     priority = int_field(body, "priority", 0)

@@ -1361,3 +1361,21 @@ def test_a_lone_surrogate_is_a_400_naming_its_field_on_every_route(server, model
     r = httpx.post(server.http + "/v1/completions", timeout=30, headers={"content-type": "application/json"},
                    content=json.dumps({"model": model_name, "prompt": "\U0001F600", "max_tokens": 2}))
     assert r.status_code == 200 and "\\ud83d\\ude00" in r.request.content.decode(), r.text
+
+
+def test_small_refusals_name_their_fields_and_routes_answer_in_openais_shape(server, model_name):
+    """An empty allowed_token_ids (vLLM's refusal: it would allow no token), stream_options' fields by their
+    whole name, a long unknown model name shown cut, and no such route or method: each an OpenAI error."""
+    def post(body, route="/v1/completions"):
+        return httpx.post(server.http + route, timeout=30, json={"model": model_name, "prompt": "hi", **body})
+
+    r = post({"allowed_token_ids": []})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "allowed_token_ids", r.text
+    r = post({"stream": True, "stream_options": {"include_usage": "yes"}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stream_options.include_usage", r.text
+    r = post({"model": "m" * 100_000})
+    assert r.status_code == 404 and len(r.content) < 2_000 and "(100000 characters)" in r.json()["error"]["message"]
+    for method, route, status in (("POST", "/v1/nothing", 404), ("GET", "/v1/completions", 405)):
+        r = httpx.request(method, server.http + route, timeout=30)
+        assert r.status_code == status and r.json()["error"]["message"].startswith(f"{method} {route}: "), r.text
+    assert post({"max_tokens": 1}).status_code == 200
