@@ -12,7 +12,7 @@ import hmac
 import time
 import uuid
 
-from jaxcb.host.errors import InvalidRequest, NotFound, Overloaded, StepFailed, Unavailable
+from jaxcb.host.errors import InvalidConfig, InvalidRequest, NotFound, Overloaded, StepFailed, Unavailable
 from jaxcb.host.replicas import Replicas
 from jaxcb.host.request import FinishReason, SamplingParams, TokenEvent, check_param_ids, check_prompt_length
 from serve.metrics import Metrics, RequestTimer
@@ -47,6 +47,12 @@ class ServerOptions:
     trust_request_chat_template: bool = False
     reasoning_parser: str | None = None  # chat answers' <think> part as `reasoning` (serve.reasoning.PARSERS)
     tool_call_parser: str = "auto"  # the format of tool calls (jaxcb.host.tool_calls.choose_format)
+    http_header_timeout_s: float = 30.0  # an HTTP connection's request line and headers must come within this
+
+    def __post_init__(self):
+        if not self.http_header_timeout_s > 0:
+            raise InvalidConfig(f"--http-header-timeout: must be a positive number of seconds, got "
+                                f"{self.http_header_timeout_s}")
 
     @property
     def tokens(self) -> tuple[str, ...]:

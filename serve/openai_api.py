@@ -403,12 +403,48 @@ def make_app(state) -> FastAPI:
     return app
 
 
+def _header_deadline(seconds: float):
+    """uvicorn's h11 protocol with a deadline on each request's line and headers: a connection that has not
+    sent them whole `seconds` after it opened, or after its last answer, is closed. A client trickling a
+    request's first bytes (slowloris) or holding idle sockets cannot keep them (uvicorn's own keep-alive
+    timer stops at the first byte, and does not run before a first request)."""
+    import h11
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class Protocol(H11Protocol):
+        _deadline = None
+
+        def connection_made(self, transport):
+            super().connection_made(transport)
+            self._arm()
+
+        def on_response_complete(self):
+            super().on_response_complete()
+            self._arm()
+
+        def connection_lost(self, exc):
+            if self._deadline is not None:
+                self._deadline.cancel()
+            super().connection_lost(exc)
+
+        def _arm(self):
+            if self._deadline is not None:
+                self._deadline.cancel()
+            self._deadline = self.loop.call_later(seconds, self._expire)
+
+        def _expire(self):
+            if self.conn.their_state is h11.IDLE and not self.transport.is_closing():  # (no whole request yet)
+                self.transport.close()
+
+    return Protocol
+
+
 async def serve_http(app: FastAPI, host: str, port: int, tls_cert: str | None = None, tls_key: str | None = None,
-                     close_s: float = 2.0):
+                     close_s: float = 2.0, header_timeout_s: float = 30.0):
     """A uvicorn server for `app` on the running loop (HTTPS with `tls_cert`/`tls_key`, the gRPC
     server's certificate), leaving signals to the gRPC server. Returns (task, stop): await stop() to
     end it; connections still open `close_s` seconds after stop() (a client that stopped reading) are
-    cut."""
+    cut; one that has not sent a request's line and headers within `header_timeout_s` is closed."""
     import uvicorn
 
     class _Server(uvicorn.Server):
@@ -421,7 +457,7 @@ async def serve_http(app: FastAPI, host: str, port: int, tls_cert: str | None = 
 
     server = _Server(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off",
                                     access_log=False, ssl_certfile=tls_cert, ssl_keyfile=tls_key,
-                                    timeout_graceful_shutdown=close_s))
+                                    timeout_graceful_shutdown=close_s, http=_header_deadline(header_timeout_s)))
     task = asyncio.ensure_future(server.serve())
     while not server.started:
         if task.done():

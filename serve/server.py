@@ -86,7 +86,8 @@ async def run_server(engine: Engine | list[Engine], tokenizer, served_names: str
 
         try:
             _, http_stop = await serve_http(make_app(state), options.host, options.http_port, tls_cert=options.tls_cert,
-                                            tls_key=options.tls_key, close_s=HTTP_CLOSE_S)
+                                            tls_key=options.tls_key, close_s=HTTP_CLOSE_S,
+                                            header_timeout_s=options.http_header_timeout_s)
         except BaseException:
             await server.stop(0)  # e.g. the HTTP port is taken: an unstopped aio server blocks exit
             raise

@@ -1379,3 +1379,27 @@ def test_small_refusals_name_their_fields_and_routes_answer_in_openais_shape(ser
         r = httpx.request(method, server.http + route, timeout=30)
         assert r.status_code == status and r.json()["error"]["message"].startswith(f"{method} {route}: "), r.text
     assert post({"max_tokens": 1}).status_code == 200
+
+
+def test_slow_and_idle_connections_are_closed_at_the_header_deadline(tiny_gguf_path, config_path):
+    """--http-header-timeout: a connection that has not sent a whole request line and headers in time (one
+    trickling them, slowloris; one idle from its opening, or after its answer) is closed, while a client
+    that sends its request in time is answered; a request still being answered is not cut."""
+    import socket
+
+    for s in _http_server(tiny_gguf_path, config_path, "--http-header-timeout", "1.5"):
+        host, port = s.http.split("//")[1].split(":")
+        idle, slow, used = (socket.create_connection((host, int(port)), timeout=10) for _ in range(3))
+        slow.sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n")  # never the blank line
+        used.sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n")  # answered, then idle (keep-alive)
+        with httpx.stream("POST", s.http + "/v1/completions", timeout=60, json={
+                "prompt": "hi", "max_tokens": 64, "ignore_eos": True, "stream": True}) as long:
+            chunks = long.iter_text()
+            first = next(chunks)
+            time.sleep(2.5)  # read on past the deadline: its request came whole, it is not cut
+            assert (first + "".join(chunks)).rstrip().endswith("data: [DONE]")
+        for sock in (idle, slow):
+            assert sock.recv(1) == b"", "still open"  # closed by the server
+        answer = b"".join(iter(lambda: used.recv(65536), b""))  # its answer, then closed
+        assert answer.startswith(b"HTTP/1.1 200"), answer[:100]
+        assert httpx.get(s.http + "/v1/models", timeout=10).status_code == 200

@@ -88,6 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "llama3_json), else jaxcb renders "
                         "the tools and asks for hermes")
     s.add_argument("--grace-period", type=float, default=10.0, help="seconds in-flight streams get at shutdown")
+    s.add_argument("--http-header-timeout", type=float, default=30.0,
+                   help="seconds an HTTP connection has to send a request's line and headers, from its opening "
+                        "or its last answer, before it is closed (slow or idle clients)")
     s.add_argument("--max-waiting", type=int, default=1024,
                    help="requests accepted and not yet running before RESOURCE_EXHAUSTED")
     s.add_argument("--max-concurrent-streams", type=int, default=4096, help="calls in progress at once")
@@ -158,7 +161,8 @@ def cmd_serve(args) -> int:
                             max_concurrent_streams=args.max_concurrent_streams, metrics_host=args.metrics_host,
                             kv_events=args.kv_events, kv_events_topic=args.kv_events_topic,
                             trust_request_chat_template=args.trust_request_chat_template,
-                            reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser)
+                            reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser,
+                            http_header_timeout_s=args.http_header_timeout)
     step = runner.describe()
     names = config.served_model_name or (served_name(args.model),)
     print(f"jaxcb: model {model_config.name} served as {', '.join(names)} on {step['platform']}, {step['compute_dtype']}; "
