@@ -198,6 +198,18 @@ class RequestOptions:
     continuous_usage: bool = False  # stream_options.continuous_usage_stats (vLLM's): usage in every chunk
 
 
+def check_metadata(metadata) -> None:
+    """OpenAI's `metadata` (chat and Responses alike): at most 16 pairs, keys of at most 64 characters,
+    string values of at most 512 (absent or null: none)."""
+    if metadata is None:
+        return
+    if not isinstance(metadata, dict) or len(metadata) > 16:
+        raise bad_request("metadata: must be an object of at most 16 pairs")
+    for k, v in metadata.items():
+        if len(k) > 64 or not isinstance(v, str) or len(v) > 512:
+            raise bad_request(f"metadata: {k[:64]!r}: keys of at most 64 characters, string values of at most 512")
+
+
 def common_fields(body: dict) -> RequestOptions:
     """Checks every field both endpoints share that SamplingParams does not (types and ranges)."""
     stream = bool_field(body, "stream", False)
@@ -219,6 +231,7 @@ def common_fields(body: dict) -> RequestOptions:
     for name, kind in SERVICE_FIELDS.items():
         _typed(body, name, None, lambda v, kind=kind: isinstance(v, kind),
                {bool: "true or false", dict: "an object", str: "a string"}[kind])
+    check_metadata(body.get("metadata"))
     check_priority(priority)
     frontend.check_ids(request_id, salt)
     return RequestOptions(stream, include_usage, priority, salt, request_id, include_usage and continuous)

@@ -24,7 +24,8 @@ import uuid
 from fastapi.responses import Response, StreamingResponse
 
 from jaxcb.host.errors import InvalidRequest
-from serve.openai_fields import HTTPError, bad_request, check_fields, http_error, int_field, unknown_field
+from serve.openai_fields import (HTTPError, bad_request, check_fields, check_metadata, http_error, int_field,
+                                 unknown_field)
 from jaxcb.host.tool_calls import content_text
 
 RESPONSES_FIELDS = {"model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "stream",
@@ -236,13 +237,7 @@ def chat_body(body: dict, origins: list) -> dict:
     store = body.get("store")
     if store is not None and not isinstance(store, bool):
         raise bad_request("store: must be a boolean")
-    metadata = body.get("metadata")
-    if metadata is not None:  # OpenAI's limits: 16 pairs, keys of 64 characters, string values of 512
-        if not isinstance(metadata, dict) or len(metadata) > 16:
-            raise bad_request("metadata: must be an object of at most 16 pairs")
-        for k, v in metadata.items():
-            if len(k) > 64 or not isinstance(v, str) or len(v) > 512:
-                raise bad_request(f"metadata: {k[:64]!r}: keys of at most 64 characters, string values of at most 512")
+    check_metadata(body.get("metadata"))
     chat = {k: body[k] for k in PASSED_ON if k in body}
     chat["messages"] = _messages(body, origins)
     limit = int_field(body, "max_output_tokens")

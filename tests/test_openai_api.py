@@ -309,6 +309,7 @@ def test_openai_service_fields_are_taken_and_change_nothing(server, oai, model_n
     assert given.choices[0].message.content == plain.choices[0].message.content
     for body, message in (({"store": "no"}, "store: must be true or false"),
                           ({"metadata": [1]}, "metadata: must be an object"),
+                          ({"metadata": {"a": 1}}, "metadata: 'a': keys of at most 64 characters, string values"),
                           ({"audio": {}}, "audio: not a field this endpoint takes")):
         r = httpx.post(server.http + "/v1/chat/completions", json={"messages": args["messages"], **body}, timeout=30)
         assert r.status_code == 400 and r.json()["error"]["message"].startswith(message), r.text[:300]
