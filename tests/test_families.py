@@ -1,4 +1,4 @@
-"""Qwen3, Mixtral and Qwen3-MoE (mixtures of experts), SmolLM3 (no RoPE in some layers), Granite (scalars on the embeddings, residual branches, scores
+"""Qwen3, Mixtral, Qwen3-MoE and Granite MoE (mixtures of experts), SmolLM3 (no RoPE in some layers), Granite (scalars on the embeddings, residual branches, scores
 and logits), Phi-3 (fused projections; Phi-4-mini's partial rotary and LongRoPE), Gemma 2 and Gemma 3
 against transformers' own modules: tiny random checkpoints in the Hugging
 Face layout (tools/make_tiny_hf.py wrote them and their golden outputs with transformers), loaded
@@ -25,11 +25,12 @@ from jaxcb.model.paged_attention import allocate_kv_pages
 from tests.server_util import compile_mode
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "golden", "tiny_hf")
-FAMILIES = ("qwen3", "mixtral", "qwen3moe", "smollm3", "granite", "phi3", "phi3-longrope", "gemma2", "gemma3", "llama3-rope", "gemma3-linear", "gemma3-mm")
+FAMILIES = ("qwen3", "mixtral", "qwen3moe", "granitemoe", "smollm3", "granite", "phi3", "phi3-longrope", "gemma2", "gemma3", "llama3-rope", "gemma3-linear", "gemma3-mm")
 # checkpoints of a family with RoPE scaling, or with a vision tower beside it (served on text), or a
 # Llama with layers without RoPE, Granite's scalars or Phi-3's fused projections
 FAMILY_OF = {"llama3-rope": "llama", "gemma3-linear": "gemma3", "gemma3-mm": "gemma3", "smollm3": "llama",
-             "granite": "llama", "phi3": "llama", "phi3-longrope": "llama", "mixtral": "llama", "qwen3moe": "qwen3"}
+             "granite": "llama", "phi3": "llama", "phi3-longrope": "llama", "mixtral": "llama", "qwen3moe": "qwen3",
+             "granitemoe": "llama"}
 
 
 def golden(family):
@@ -311,34 +312,40 @@ def test_prompt_logprobs_on_a_sliding_window_model_are_what_decoding_gave():
 
 
 def test_mixture_of_experts_gguf_files_load_as_llama_cpp_writes_them(tmp_path):
-    """Mixtral as a "llama" GGUF with expert_count (Q/K rows permuted) and Qwen3-MoE as a "qwen3moe" one
-    (expert_feed_forward_length), each layer's router in ffn_gate_inp and its experts stacked in
-    ffn_{gate,up,down}_exps as llama.cpp's converter writes them: the Hugging Face loader's weights exactly,
-    and Mixtral's gives transformers' logits (llama.cpp renormalizes the chosen experts' weights for both,
-    as Mixtral does; the tiny Qwen3-MoE does not, norm_topk_prob false)."""
+    """Mixtral as a "llama" GGUF with expert_count (Q/K rows permuted), Qwen3-MoE as a "qwen3moe" one
+    (expert_feed_forward_length) and Granite MoE as a "granitemoe" one (its scalars; gate and up apart), each
+    layer's router in ffn_gate_inp and its experts stacked in ffn_{gate,up,down}_exps as llama.cpp's converter
+    writes them: the Hugging Face loader's weights exactly, and Mixtral's and Granite MoE's give transformers'
+    logits (llama.cpp renormalizes the chosen experts' weights for all three, as those two do; the tiny
+    Qwen3-MoE does not, norm_topk_prob false)."""
     from jaxcb.model.gguf_loader import load_gguf
     from jaxcb.model.hf_loader import load_weights
     from jaxcb.model.llama import params_from_numpy
     from tests.tiny_gguf import write_tiny_gguf
 
-    for family, arch in (("mixtral", "llama"), ("qwen3moe", "qwen3moe")):
+    granite = {"granitemoe.embedding_scale": 6.0, "granitemoe.residual_scale": 0.3, "granitemoe.attention.scale": 0.1,
+               "granitemoe.logit_scale": 4.0}
+    for family, arch in (("mixtral", "llama"), ("qwen3moe", "qwen3moe"), ("granitemoe", "granitemoe")):
         src = os.path.join(GOLDEN, family)
         config, _, _, _ = load_model(src, jnp.float32)
         weights = load_weights(src, config)
         path = str(tmp_path / f"{family}.gguf")
-        write_tiny_gguf(path, config, arch=arch, weights=weights)
+        write_tiny_gguf(path, config, arch=arch, weights=weights, extra_float32=granite if arch == "granitemoe" else None)
         got = load_gguf(path)
-        fields = ("num_experts", "experts_per_token", "intermediate_size", "qk_norm", "family", "num_layers")
-        assert {f: getattr(got.config, f) for f in fields} == {f: getattr(config, f) for f in fields}
+        fields = ("num_experts", "experts_per_token", "intermediate_size", "qk_norm", "family", "num_layers",
+                  "embed_multiplier", "residual_multiplier", "logit_scale", "tie_embeddings")
+        assert {f: getattr(got.config, f) for f in fields} == pytest.approx({f: getattr(config, f) for f in fields})
         assert got.config.norm_topk
         assert sorted(got.weights) == sorted(weights)
         for key, w in weights.items():
             np.testing.assert_array_equal(got.weights[key], w, err_msg=f"{family} {key}")
-    params = params_from_numpy(load_gguf(str(tmp_path / "mixtral.gguf")).weights, jnp.float32)
-    for record in golden("mixtral"):
-        ref = np.asarray(record["prefill_logits"], np.float32)
-        ours = prefill_logits(load_gguf(str(tmp_path / "mixtral.gguf")).config, params, record["prompt_ids"])
-        assert np.abs(ours - ref).max() <= 1e-5 * np.abs(ref).max()
+        if family == "qwen3moe":
+            continue
+        params = params_from_numpy(got.weights, jnp.float32)
+        for record in golden(family):
+            ref = np.asarray(record["prefill_logits"], np.float32)
+            ours = prefill_logits(got.config, params, record["prompt_ids"])
+            assert np.abs(ours - ref).max() <= 1e-5 * np.abs(ref).max(), family
 
 
 def test_each_way_of_running_the_experts_gives_the_same_output():

@@ -142,7 +142,7 @@ def write_tiny_gguf(path: str, config: ModelConfig | None = None, seed: int = 0,
             linear = a.ndim >= 2
             if linear:
                 a = np.swapaxes(a, -1, -2)  # to [out, in] (each expert's)
-            permuted = arch in ("llama", "smollm3", "granite")  # llama.cpp permutes Q and K for these only
+            permuted = arch in ("llama", "smollm3", "granite", "granitemoe")  # llama.cpp permutes Q and K for these only
             if permuted and key in ("wq", "bq"):
                 a = permute_rotary(a, config.num_heads)
             elif permuted and key in ("wk", "bk"):

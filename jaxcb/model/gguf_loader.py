@@ -1,5 +1,5 @@
 """Read a GGUF file of the Llama (and Mixtral: llama with experts), Qwen2, Qwen3, Qwen3-MoE, SmolLM3, Granite,
-Phi-3, Gemma 2 or Gemma 3 architecture: config, dequantized weights and tokenizer metadata.
+Granite MoE, Phi-3, Gemma 2 or Gemma 3 architecture: config, dequantized weights and tokenizer metadata.
 
 The `gguf` library parses the file and dequantizes every tensor type it knows. Weights come back
 as numpy arrays in this project's layout (see `WEIGHT_NAMES`): linear weights as [in, out] so the
@@ -27,8 +27,9 @@ from jaxcb.host.tokenizer import TokenizerSpec
 from jaxcb.model.config import ModelConfig, check_all_used
 from jaxcb.model.gguf_file import GGUFFile
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "gemma2", "gemma3", "smollm3", "granite", "phi3")
-MOE_ARCHITECTURES = ("llama", "qwen3moe")  # a mixture of experts read (Mixtral is "llama" with expert_count)
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "gemma2", "gemma3", "smollm3", "granite",
+                           "granitemoe", "phi3")
+MOE_ARCHITECTURES = ("llama", "qwen3moe", "granitemoe")  # a mixture of experts read (Mixtral: "llama" with experts)
 
 # Project name -> (GGUF name pattern, transpose to [in, out]).
 _LAYER_TENSORS = {
@@ -122,9 +123,9 @@ def read_config(reader) -> ModelConfig:
         if arch not in MOE_ARCHITECTURES:
             raise InvalidConfig(f"{arch}.expert_count: {experts}: a mixture of experts is supported for "
                                 f"{' and '.join(MOE_ARCHITECTURES)} only")
-        shared = int(_field(reader, f"{arch}.expert_shared_count", 0) or 0)
-        if shared:
-            raise InvalidConfig(f"{arch}.expert_shared_count: {shared}: shared experts are not supported")
+        for key in ("expert_shared_count", "expert_shared_feed_forward_length"):  # (Granite MoE Shared's)
+            if _field(reader, f"{arch}.{key}"):
+                raise InvalidConfig(f"{arch}.{key}: {_field(reader, f'{arch}.{key}')}: shared experts are not supported")
         family.update(num_experts=experts, experts_per_token=int(need("expert_used_count")), norm_topk=True)
     value_dim = int(_field(reader, f"{arch}.attention.value_length", head_dim))
     if value_dim != head_dim:
@@ -150,11 +151,11 @@ def read_config(reader) -> ModelConfig:
     elif arch == "phi3":
         family.update(_phi3(reader, head_dim, rotary_dim, context))
         context = family.pop("max_context")
-    elif arch == "granite":  # Llama with scalars on the embeddings, residual branches, scores and logits
-        family.update(embed_multiplier=float(_field(reader, "granite.embedding_scale", 1.0)),
-                      residual_multiplier=float(_field(reader, "granite.residual_scale", 1.0)),
-                      query_scale=float(_field(reader, "granite.attention.scale", 0.0) or 0.0),
-                      logit_scale=float(_field(reader, "granite.logit_scale", 1.0)))
+    elif arch in ("granite", "granitemoe"):  # Llama with scalars on the embeddings, residual branches, scores, logits
+        family.update(embed_multiplier=float(_field(reader, f"{arch}.embedding_scale", 1.0)),
+                      residual_multiplier=float(_field(reader, f"{arch}.residual_scale", 1.0)),
+                      query_scale=float(_field(reader, f"{arch}.attention.scale", 0.0) or 0.0),
+                      logit_scale=float(_field(reader, f"{arch}.logit_scale", 1.0)))
     elif arch in ("gemma2", "gemma3"):
         window = int(_field(reader, f"{arch}.attention.sliding_window", 0) or 0)
         # llama.cpp's layer patterns: Gemma 2 alternates sliding and full from layer 0; Gemma 3 has
@@ -281,8 +282,8 @@ def load_gguf(path: str, check_config=None) -> LoadedModel:
         check_config(config)
     tensors = reader.tensors
     # llama.cpp's converter permutes the rows of Q and K (and their biases) for its "llama" architecture
-    # and SmolLM3 and Granite (Llamas to its converter) only; its others keep the rotate-half layout jaxcb uses.
-    permuted = _field(reader, "general.architecture") in ("llama", "smollm3", "granite")
+    # and SmolLM3, Granite and Granite MoE (Llamas to its converter) only; its others keep the rotate-half layout.
+    permuted = _field(reader, "general.architecture") in ("llama", "smollm3", "granite", "granitemoe")
 
     used = {"rope_freqs.weight", "rope_factors_short.weight", "rope_factors_long.weight"}  # (read with the config)
 

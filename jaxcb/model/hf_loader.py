@@ -29,7 +29,7 @@ log = logging.getLogger("jaxcb.model.hf_loader")
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
                  "SmolLM3ForCausalLM": "smollm3", "GraniteForCausalLM": "granite", "Phi3ForCausalLM": "phi3",
                  "Qwen3ForCausalLM": "qwen3", "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3",
-                 "MixtralForCausalLM": "mixtral", "Qwen3MoeForCausalLM": "qwen3moe",
+                 "MixtralForCausalLM": "mixtral", "Qwen3MoeForCausalLM": "qwen3moe", "GraniteMoeForCausalLM": "granitemoe",
                  # Gemma 3 4B+ as released (a vision tower beside the language model): served on text
                  "Gemma3ForConditionalGeneration": "gemma3"}
 # Where a checkpoint keeps the language model's tensors: a causal LM's "model.", a multimodal one's
@@ -50,9 +50,13 @@ _LAYER = {  # our name -> (HF name in layer i, transpose)
 }
 # Fused projections (Phi-3): split into the table's own (by our names), in their order of rows.
 _FUSED = {"self_attn.qkv_proj.weight": ("wq", "wk", "wv"), "mlp.gate_up_proj.weight": ("w_gate", "w_up")}
-# A mixture of experts (Mixtral's names, Qwen3-MoE's): the router, and each expert's gate, up and down projections.
+# A mixture of experts (Mixtral's names, Qwen3-MoE's): the router, and each expert's gate, up and down projections;
+# Granite MoE's: the router, every expert's gate and up projections in one tensor [X, 2F, E] (gate first), and
+# their down projections [X, E, F].
 _MOE = {"mixtral": ("block_sparse_moe.gate.weight", "block_sparse_moe.experts.{j}.", ("w1", "w3", "w2")),
-        "qwen3moe": ("mlp.gate.weight", "mlp.experts.{j}.", ("gate_proj", "up_proj", "down_proj"))}
+        "qwen3moe": ("mlp.gate.weight", "mlp.experts.{j}.", ("gate_proj", "up_proj", "down_proj")),
+        "granitemoe": ("block_sparse_moe.router.layer.weight", "block_sparse_moe.",
+                       ("input_linear", "input_linear", "output_linear"))}
 _BIASES = {"bq": "self_attn.q_proj.bias", "bk": "self_attn.k_proj.bias", "bv": "self_attn.v_proj.bias"}
 _QK_NORMS = {"q_norm": "self_attn.q_norm.weight", "k_norm": "self_attn.k_norm.weight"}
 # Gemma names its norms by place: post_attention_layernorm is the attention output's, not the MLP input's.
@@ -183,7 +187,7 @@ def read_config(path: str) -> ModelConfig:
             if len(uses) != layers:
                 raise InvalidConfig(f"config.json: no_rope_layers has {len(uses)} entries for {layers} layers")
             extra.update(nope_layers=tuple(not u for u in uses))
-        if family == "granite":  # Llama with scalars on the embeddings, residual branches, scores and logits
+        if family in ("granite", "granitemoe"):  # Llama with scalars on the embeddings, residual branches, scores, logits
             extra.update(embed_multiplier=float(raw.get("embedding_multiplier", 1.0)),
                          residual_multiplier=float(raw.get("residual_multiplier", 1.0)),
                          query_scale=float(raw.get("attention_multiplier", 1.0)),
@@ -233,6 +237,7 @@ def read_config(path: str) -> ModelConfig:
             name=os.path.basename(os.path.normpath(path)),
             attention_bias=family == "qwen2" or bool(raw.get("attention_bias", False)),
             family={"qwen2": "llama", "smollm3": "llama", "granite": "llama", "phi3": "llama", "mixtral": "llama",
+                    "granitemoe": "llama",
                     "qwen3moe": "qwen3"}.get(family, family), **extra,
         )
     except KeyError as e:
@@ -282,10 +287,17 @@ def load_weights(path: str, config: ModelConfig) -> dict[str, np.ndarray]:
     if config.num_experts:  # the router [L, E, X] and each expert's matrices stacked [L, X, in, out]
         for key in ("w_gate", "w_up", "w_down"):
             del names[key]
-        arch = "mixtral" if layer.format(i=0) + _MOE["mixtral"][0] in tensors else "qwen3moe"
+        arch = next(a for a, names in _MOE.items() if layer.format(i=0) + names[0] in tensors)
         router, expert, parts = _MOE[arch]
         weights["router"] = np.stack([get(layer.format(i=i) + router, True) for i in range(config.num_layers)])
         for key, part in zip(("experts_gate", "experts_up", "experts_down"), parts):
+            if arch == "granitemoe":  # every expert's at once, [X, out, in]; gate and up halves of one
+                stacked = [get(layer.format(i=i) + expert + part + ".weight") for i in range(config.num_layers)]
+                if key != "experts_down":
+                    half = slice(0, config.intermediate_size) if key == "experts_gate" else slice(config.intermediate_size, None)
+                    stacked = [w[:, half] for w in stacked]
+                weights[key] = np.ascontiguousarray(np.swapaxes(np.stack(stacked), -1, -2))
+                continue
             weights[key] = np.stack([np.stack([get(layer.format(i=i) + expert.format(j=j) + part + ".weight", True)
                                                for j in range(config.num_experts)]) for i in range(config.num_layers)])
     if config.attention_bias:
