@@ -12,7 +12,7 @@ import hmac
 import time
 import uuid
 
-from jaxcb.host.errors import InvalidConfig, InvalidRequest, NotFound, Overloaded, StepFailed, Unavailable
+from jaxcb.host.errors import InvalidConfig, InvalidRequest, NotFound, Overloaded, StepFailed, Unavailable, shown
 from jaxcb.host.replicas import Replicas
 from jaxcb.host.request import FinishReason, SamplingParams, TokenEvent, check_param_ids, check_prompt_length
 from serve.metrics import Metrics, RequestTimer
@@ -108,8 +108,7 @@ class State:
         if model in adapters:
             return model
         names = ", ".join(repr(n) for n in self.served_names)
-        shown = repr(model) if len(model) <= 200 else repr(model[:200]) + f"... ({len(model)} characters)"
-        raise NotFound(f"model: {shown} is not served here; the model is served as {names}"
+        raise NotFound(f"model: {shown(model)} is not served here; the model is served as {names}"
                        + (f", the LoRA adapters as {adapters}" if adapters else ""))
 
     def check_adapter_name(self, name: str) -> None:

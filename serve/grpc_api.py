@@ -16,6 +16,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import re
 
 import grpc
 from grpc_health.v1 import health, health_pb2_grpc
@@ -24,6 +25,7 @@ from grpc_reflection.v1alpha import reflection
 from jaxcb.device import cpu_dots
 from jaxcb.host.errors import InvalidConfig, InvalidRequest, JaxcbError, NotFound, Overloaded, StepFailed, Unauthenticated, Unavailable
 from jaxcb.host.request import (SamplingParams, TokenEvent, check_allowed_count, check_logit_bias_count, check_unicode,
+                                not_a_number,
                                 check_stop_counts)
 from jaxcb.host.structured import MAX_CHOICES, Constraint
 from jaxcb.host.chat_template import check_template_kwargs
@@ -45,6 +47,25 @@ GRPC_CODE = {InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT, NotFound: grpc.St
 def grpc_code(e: JaxcbError) -> grpc.StatusCode:
     """The status for one of jaxcb's errors (its nearest kind in GRPC_CODE; INTERNAL if none)."""
     return next((GRPC_CODE[kind] for kind in type(e).__mro__ if kind in GRPC_CODE), grpc.StatusCode.INTERNAL)
+
+
+MAX_DETAILS = 2000  # characters of an error's details: they travel in trailers, which clients cap (16 KiB)
+# The field a shared check names (the HTTP API's) -> GenerateRequest's; "prompt" by the request's input.
+_GRPC_FIELDS = {"prompt_token_ids": "tokens.token_ids", "messages": "chat.messages",
+                "chat_template_kwargs": "chat.template_kwargs"}
+_PROMPT_OF = {"text": "text", "chat": "chat.messages", "tokens": "tokens.token_ids"}
+
+
+def details(e: JaxcbError, request=None) -> str:
+    """An error's message as a gRPC call's details: the field named as the request's message names it
+    (for a GenerateRequest `request`), cut to MAX_DETAILS characters."""
+    message, field = str(e), e.field
+    if request is not None and field:
+        root = re.match(r"[A-Za-z_]+", field).group(0)
+        named = _PROMPT_OF.get(request.WhichOneof("input")) if root == "prompt" else _GRPC_FIELDS.get(root)
+        if named:
+            message = named + message[len(root):]
+    return message if len(message) <= MAX_DETAILS else message[:MAX_DETAILS] + f"... ({len(message)} characters)"
 
 
 def tenant_of(state: State, context) -> str:
@@ -74,14 +95,17 @@ def _sampling(req) -> SamplingParams:
 
 
 def _template_kwargs(text: str) -> dict:
-    """ChatInput.template_kwargs: a JSON object of chat template variables ("" none)."""
+    """ChatInput.template_kwargs: a JSON object of chat template variables ("" none), read as the HTTP API
+    reads a body (no NaN or Infinity, nesting within Python's recursion limit)."""
     if not text:
         return {}
     check_text("chat.template_kwargs", text)
     try:
-        kwargs = json.loads(text)
-    except ValueError:
-        raise InvalidRequest("chat.template_kwargs: not valid JSON") from None
+        kwargs = json.loads(text, parse_constant=not_a_number)
+    except (ValueError, RecursionError) as e:  # (JSONDecodeError, NaN, an integer past Python's digit limit)
+        raise InvalidRequest(f"chat.template_kwargs: not valid JSON ({str(e)[:200]})") from None
+    if not isinstance(kwargs, dict):
+        raise InvalidRequest("chat.template_kwargs: must be a JSON object")
     check_unicode(kwargs, "chat.template_kwargs")
     return check_template_kwargs(kwargs, "chat.template_kwargs")
 
@@ -191,7 +215,7 @@ class JaxcbService(jaxcb_pb2_grpc.JaxcbServicer):
                             final.stop_token_id = ev.stop_reason
                         yield jaxcb_pb2.GenerateResponse(request_id=rid, index=ev.index, final=final)
         except JaxcbError as e:
-            await context.abort(grpc_code(e), str(e))
+            await context.abort(grpc_code(e), details(e, request))
 
     async def Abort(self, request, context):
         """Only the caller's own requests (same token, or same connection without auth) are found."""
@@ -215,14 +239,14 @@ class JaxcbService(jaxcb_pb2_grpc.JaxcbServicer):
             except InvalidConfig as e:  # what the adapter directory holds: the client's to fix
                 raise InvalidRequest(f"lora_path: {e}") from None
         except JaxcbError as e:
-            await context.abort(grpc_code(e), str(e))
+            await context.abort(grpc_code(e), details(e))
         return jaxcb_pb2.LoraAdapterResponse(message=f"LoRA adapter {request.lora_name!r} loaded", done=True)
 
     async def UnloadLoraAdapter(self, request, context):
         try:
             done = self.state.engine.unload_lora(request.lora_name)
         except JaxcbError as e:
-            await context.abort(grpc_code(e), str(e))
+            await context.abort(grpc_code(e), details(e))
         return jaxcb_pb2.LoraAdapterResponse(
             message=f"LoRA adapter {request.lora_name!r} " + ("unloaded" if done else "unloads when its requests end"),
             done=done)
@@ -277,8 +301,8 @@ class OrchestratorService(jetstream_pb2_grpc.OrchestratorServicer):
                 ids = list(request.token_content.token_ids)
             else:
                 raise InvalidRequest("content: text_content or token_content is required")
-            if request.num_samples > 1:
-                raise InvalidRequest("num_samples: only 1 is supported")
+            if not 0 <= request.num_samples <= 1:
+                raise InvalidRequest(f"num_samples: only 1 is supported (0: 1), got {request.num_samples}")
             params = SamplingParams(max_tokens=request.max_tokens)
             async with contextlib.aclosing(self.state.stream(ids, params, request.priority, "",
                                                              tenant_of(self.state, context))) as events:
@@ -288,7 +312,7 @@ class OrchestratorService(jetstream_pb2_grpc.OrchestratorServicer):
                         yield jetstream_pb2.DecodeResponse(
                             stream_content=jetstream_pb2.DecodeResponse.StreamContent(samples=[sample]))
         except JaxcbError as e:
-            await context.abort(grpc_code(e), str(e))
+            await context.abort(grpc_code(e), details(e))
 
     async def HealthCheck(self, request, context):
         s = self.state

@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse
 
 from jaxcb.host.errors import InvalidRequest, JaxcbError, NotFound, Overloaded, StepFailed, Unauthenticated, Unavailable
 from jaxcb.host.request import (SamplingParams, check_allowed_count, check_priority, check_stop_counts,
-                                check_unicode, logit_bias_from_json)
+                                check_unicode, logit_bias_from_json, not_a_number)
 from jaxcb.host.structured import (GUIDED_EXTRAS, GUIDED_FIELDS, Constraint, from_guided, from_response_format,
                                    from_structured_outputs)
 from jaxcb.host.chat_template import check_template_kwargs
@@ -168,13 +168,9 @@ def constraint_of(body: dict) -> Constraint | None:
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit on top_logprobs
 
 
-def _not_a_number(name: str):
-    raise ValueError(f"{name} is not a JSON number")  # Python's json takes NaN and Infinity; JSON does not
-
-
 def parse_json(raw: bytes) -> dict:
     try:
-        body = json.loads(raw, parse_constant=_not_a_number)
+        body = json.loads(raw, parse_constant=not_a_number)
     except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError, an integer past Python's digit limit
         raise HTTPError(400, f"body: not valid JSON ({e})", param="body") from None
     except RecursionError:

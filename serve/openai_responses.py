@@ -23,7 +23,7 @@ import uuid
 
 from fastapi.responses import Response, StreamingResponse
 
-from jaxcb.host.errors import InvalidRequest
+from jaxcb.host.errors import InvalidRequest, shown
 from serve.openai_fields import (HTTPError, bad_request, check_fields, check_metadata, http_error, int_field,
                                  unknown_field)
 from jaxcb.host.tool_calls import content_text
@@ -84,7 +84,7 @@ def _messages(body: dict, origins: list) -> list[dict]:
         if unknown:
             raise unknown_field(where, unknown[0], "of a message item")
         if item.get("role") not in ROLES:
-            raise bad_request(f"{where}.role: must be one of {', '.join(ROLES)}, got {item.get('role')!r}")
+            raise bad_request(f"{where}.role: must be one of {', '.join(ROLES)}, got {shown(item.get('role'))}")
         messages.append({"role": item["role"], "content": _content(where, item.get("content"))})
         origins.append((where, [], True))
     return messages
@@ -229,9 +229,10 @@ def _response_format(body: dict):
     raise bad_request(f"text.format.type: must be text, json_object or json_schema, got {kind!r}")
 
 
-def chat_body(body: dict, origins: list) -> dict:
+def chat_body(body: dict, origins: list | None = None) -> dict:
     """The chat completions body that answers this Responses call (every field checked by name first);
-    `origins` gets where each of its messages came from (own_field)."""
+    `origins`, where given, gets where each of its messages came from (own_field)."""
+    origins = [] if origins is None else origins
     check_fields(body, RESPONSES_FIELDS)
     _check_reasoning(body.get("reasoning"))
     store = body.get("store")

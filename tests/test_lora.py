@@ -8,7 +8,7 @@ import os
 import numpy as np
 import pytest
 
-from jaxcb.host.errors import InvalidConfig, InvalidRequest
+from jaxcb.host.errors import InvalidConfig, InvalidRequest, NotFound
 from jaxcb.host.lora import LoraConfig
 from jaxcb.host.request import SamplingParams
 from tests.lora_util import merged_weights, write_adapter
@@ -116,14 +116,14 @@ def test_unloading_waits_for_the_adapters_requests(make_llm, adapters):
     e.add_request([5, 6, 7, 8], dataclasses.replace(GREEDY, lora="all4"))
     e.step()
     assert e.unload_lora("all4") is False  # in use: it goes when the request ends
-    with pytest.raises(InvalidRequest, match="no LoRA adapter named 'all4'"):
+    with pytest.raises(NotFound, match="^lora: no LoRA adapter named 'all4'"):
         e.add_request([5, 6], dataclasses.replace(GREEDY, lora="all4"))
     e.run_until_done()
     assert e.adapters.names() == [] and e.adapters.slots == [None]
-    with pytest.raises(InvalidRequest, match=r"model: no LoRA adapter named 'nope' is loaded \(loaded: none\)"):
+    with pytest.raises(NotFound, match=r"^lora: no LoRA adapter named 'nope' is loaded \(loaded: none\)"):
         llm.generate([[5, 6]], dataclasses.replace(GREEDY, lora="nope"))
     plain = make_llm()
-    with pytest.raises(InvalidRequest, match="serves none"):
+    with pytest.raises(NotFound, match="^lora: .* serves none"):
         plain.generate([[5, 6]], dataclasses.replace(GREEDY, lora="all4"))
     with pytest.raises(InvalidRequest, match="lora_name: this server has no LoRA slots"):
         plain.engine.load_lora("all4", paths["all4"])

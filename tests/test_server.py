@@ -88,6 +88,12 @@ def test_jetstream_decode_returns_the_same_tokens(server, client):
         with pytest.raises(grpc.RpcError) as e:
             list(stub.Decode(jetstream_pb2.DecodeRequest(max_tokens=0, token_content=jetstream_pb2.DecodeRequest.TokenContent(token_ids=[5])), timeout=10))
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        for samples in (-1, 2):  # one sample (0: one); -1 generated one until now
+            with pytest.raises(grpc.RpcError) as e:
+                list(stub.Decode(jetstream_pb2.DecodeRequest(max_tokens=2, num_samples=samples, token_content=
+                                                             jetstream_pb2.DecodeRequest.TokenContent(token_ids=[5])),
+                                 timeout=10))
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "num_samples" in e.value.details()
 
 
 def test_health_and_reflection(server):
@@ -128,9 +134,12 @@ BAD = [
     (dict(token_ids=[5], top_p=0.0), "top_p: must be in (0, 1]"),
     (dict(token_ids=[5], top_p=1.5), "top_p: must be in (0, 1]"),
     (dict(token_ids=[5], top_k=-2), "top_k: must be >= 0"),
-    (dict(token_ids=[5, 284]), "prompt_token_ids: token id 284 is outside the vocabulary [0, 284)"),
+    (dict(token_ids=[5, 284]), "tokens.token_ids: token id 284 is outside the vocabulary [0, 284)"),
     (dict(token_ids=[-1]), "token id -1 is outside the vocabulary"),
-    (dict(messages=[{"role": "wizard", "content": "x"}]), "messages[0].role: 'wizard' is not one of"),
+    (dict(messages=[{"role": "wizard", "content": "x"}]), "chat.messages[0].role: 'wizard' is not one of"),
+    (dict(messages=[{"role": "w" * 500_000, "content": "x"}]), "chat.messages[0].role: 'wwww"),  # (cut: below)
+    (dict(prompt="word " * 300), "text: 901 tokens; the limit is 255"),  # (the tiny vocabulary: 3 a word)
+    (dict(token_ids=[5], lora="nope"), "lora: no LoRA adapter named 'nope'"),
     (dict(token_ids=[5], stop=[f"s{i}" for i in range(17)]), "stop: at most 16 stop strings, got 17"),
     (dict(prompt="x" * ((1 << 20) + 1)), "text: 1048577 characters; the limit is 1048576"),
     (dict(token_ids=[5], logprobs=21), "logprobs: must be <= 20"),
@@ -147,8 +156,28 @@ def test_bad_input_is_invalid_argument(client, kwargs, message):
     kwargs.setdefault("max_tokens", 4)
     with pytest.raises(grpc.RpcError) as e:
         client.complete(timeout=30, **kwargs)
-    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value.details()
-    assert message in e.value.details()
+    code = grpc.StatusCode.NOT_FOUND if "lora" in kwargs else grpc.StatusCode.INVALID_ARGUMENT
+    assert e.value.code() == code, e.value.details()
+    assert message in e.value.details() and len(e.value.details()) < 2100  # (a value echoed back is cut)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ("null", "chat.template_kwargs: must be a JSON object"),
+    ('{"a": NaN}', "chat.template_kwargs: not valid JSON (NaN is not a JSON number)"),
+    ('{"a": ' + "[" * 5000 + "]" * 5000 + "}", "chat.template_kwargs: not valid JSON"),
+    ('{"k' + "x" * 100_000 + '\\ud800": 1}', "chat.template_kwargs.kxxx"),
+])
+def test_template_kwargs_are_read_as_an_http_body_is(client, kwargs, message):
+    """ChatInput.template_kwargs: a JSON object (no NaN, nesting within the limit, text only), refused by
+    the field otherwise with INVALID_ARGUMENT (a deep one was UNKNOWN and a traceback), details cut short."""
+    from serve.client import build_request
+
+    request = build_request(messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    request.chat.template_kwargs = kwargs
+    with pytest.raises(grpc.RpcError) as e:
+        list(client.stub.Generate(request, timeout=30))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and e.value.details().startswith(message), e.value.details()
+    assert len(e.value.details()) < 2100
 
 
 def test_bad_input_leaves_the_server_serving(client):

@@ -115,6 +115,14 @@ def test_async_scheduling_gives_the_synchronous_tokens_with_constraints_in_the_b
     (lambda: Constraint("regex", "a" * 70_000), "the regex has 70000 characters; the limit is 65536"),
     (lambda: Constraint("sql", "x"), "the kind 'sql' is not one of"),
     (lambda: Constraint.json_schema({"$ref": "#"}), "structured_outputs.json: no output matches it"),
+    # failing a few tokens in (Grammars._probe): a required property that holds itself, past its forced {"x":;
+    # too many optional properties, once an object begins; arrays that must hold arrays without end
+    (lambda: Constraint.json_schema({"type": "object", "properties": {"x": {"$ref": "#/properties/x"}},
+                                     "required": ["x"]}), "structured_outputs.json: no output matches it"),
+    (lambda: Constraint.json_schema({"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(600)}}),
+     "structured_outputs.json: too large to enforce while generating (Parser Error: Current row has"),
+    (lambda: Constraint.json_schema({"type": "array", "items": {"$ref": "#"}, "minItems": 1}),
+     "structured_outputs.json: too large to enforce while generating"),
     (lambda: Constraint("regex", "(" * 2000 + "a" + ")" * 2000), "structured_outputs: not a valid regex"),
 ])
 def test_a_bad_constraint_is_refused_by_name_before_it_runs(make_llm, constraint, message):
@@ -329,21 +337,20 @@ def test_a_grammar_after_a_token_leaves_the_text_before_it_free(make_llm):
 
 
 def test_a_constraint_that_fails_while_generating_ends_its_request_with_an_error_naming_the_field(make_llm):
-    """A schema whose required property must hold itself: the output begins ({"x":) and then nothing can
-    follow; one whose optional properties are too many for llguidance's limits once an object has begun
-    (its first token's mask is within them: checked when the constraint compiles). Each request ends as an
-    error naming its field (the first ended as a "stop" with that fragment for its text, the second as a
-    failed step); the request beside them runs on, and every page comes back."""
+    """A schema whose required property must hold itself, behind a key of more tokens than the check at
+    compile time tries (Grammars._probe): the output begins ({"<key>":) and then nothing can follow. The
+    request ends as an error naming its field (it ended as a "stop" with that fragment for its text);
+    the request beside it runs on, and every page comes back."""
+    from jaxcb.host.structured import PROBE_DEPTH
+
     llm = make_llm()
-    looping = Constraint.json_schema({"type": "object", "properties": {"x": {"$ref": "#/properties/x"}},
-                                      "required": ["x"]})
-    large = Constraint.json_schema({"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(600)}})
-    bad, big, good = llm.generate([[5, 6], [9, 10], [7, 8]], [
-        SamplingParams(max_tokens=64, structured=looping), SamplingParams(max_tokens=64, structured=large, seed=1),
-        SamplingParams(max_tokens=8, ignore_eos=True)])
+    key = "abcdefghijklmnopqrstuvwxyz0123456789abcdefghijklmnopqrstuvwxyz"
+    assert len(llm.tokenizer.encode(f'{{"{key}":', add_bos=False)) > PROBE_DEPTH
+    looping = Constraint.json_schema({"type": "object", "properties": {key: {"$ref": f"#/properties/{key}"}},
+                                      "required": [key]})
+    bad, good = llm.generate([[5, 6], [7, 8]], [SamplingParams(max_tokens=200, structured=looping),
+                                                SamplingParams(max_tokens=8, ignore_eos=True)])
     assert bad.finish_reason == "error", (bad.finish_reason, bad.text)
     assert bad.error.startswith("structured_outputs.json: nothing can follow the output's first "), bad.error
-    assert big.finish_reason == "error", (big.finish_reason, big.text)
-    assert big.error.startswith("structured_outputs.json: too large to enforce while generating (after "), big.error
     assert len(good.token_ids) == 8 and good.finish_reason == "length"
     llm.engine.pool.check_all_free()

@@ -32,7 +32,7 @@ from jaxcb.host.engine_config import EngineConfig
 from jaxcb.host.engine_stats import Counters, EngineStats, StepRecord
 from jaxcb.host.inbox import Add, Inbox
 from jaxcb.host.lora import Adapters
-from jaxcb.host.errors import InvalidRequest, StepFailed
+from jaxcb.host.errors import InvalidRequest, NotFound, StepFailed, shown
 from jaxcb.host.output import EventCallback, Outputs, take_prompt_logprobs, token_logprobs
 from jaxcb.host.kv_events import KVEvents
 from jaxcb.host.page_pool import PagePool
@@ -129,7 +129,7 @@ class Engine:
 
     def _adapters_for(self, name: str) -> Adapters:
         if self.adapters is None:
-            raise InvalidRequest(f"model: no LoRA adapter named {name!r}: this server serves none (lora.max_loras = 0)")
+            raise NotFound(f"lora: no LoRA adapter named {shown(name)}: this server serves none (lora.max_loras = 0)")
         return self.adapters
 
     # ---- LoRA adapters (any thread) ----
@@ -143,7 +143,7 @@ class Engine:
     def unload_lora(self, name: str) -> bool:
         """Unregister `name`: at once if no request uses it (True), else when the last one ends."""
         if self.adapters is None:
-            raise InvalidRequest(f"lora_name: no adapter named {name!r} is loaded (this server has no LoRA slots)")
+            raise InvalidRequest(f"lora_name: no adapter named {shown(name)} is loaded (this server has no LoRA slots)")
         return self.adapters.remove(name)
 
     @property

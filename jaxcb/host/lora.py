@@ -22,7 +22,7 @@ import threading
 import time
 from typing import Callable
 
-from jaxcb.host.errors import InvalidConfig, InvalidRequest
+from jaxcb.host.errors import InvalidConfig, InvalidRequest, NotFound, shown
 
 # The projections an adapter may adapt, by this project's matrix names (jaxcb.model.lora maps PEFT's).
 TARGETS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
@@ -120,7 +120,7 @@ class Adapters:
 
     def _check_name(self, name: str) -> None:
         if not isinstance(name, str) or not name or len(name) > 256:
-            raise InvalidRequest(f"lora_name: must be a non-empty string of at most 256 characters, got {name!r}")
+            raise InvalidRequest(f"lora_name: must be a non-empty string of at most 256 characters, got {shown(name)}")
 
     def _check_free(self, name: str) -> None:
         if not self.config.enabled:
@@ -137,7 +137,7 @@ class Adapters:
         with self._lock:
             entry = self.entries.get(name)
             if entry is None or entry.unloading:
-                raise InvalidRequest(f"lora_name: no adapter named {name!r} is loaded")
+                raise InvalidRequest(f"lora_name: no adapter named {shown(name)} is loaded")
             if entry.refs:
                 entry.unloading = True
                 return False
@@ -160,7 +160,7 @@ class Adapters:
             entry = self.entries.get(name)
             if entry is None or entry.unloading:
                 loaded = sorted(n for n, e in self.entries.items() if not e.unloading)
-                raise InvalidRequest(f"model: no LoRA adapter named {name!r} is loaded (loaded: {loaded or 'none'})")
+                raise NotFound(f"lora: no LoRA adapter named {shown(name)} is loaded (loaded: {loaded or 'none'})")
             entry.refs += count
             return entry
 

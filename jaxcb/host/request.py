@@ -135,6 +135,11 @@ class SamplingParams:
 # The request limits that every API checks before it copies or tokenizes anything (the engine checks
 # them again): one function each, so the limit and its message are written once.
 
+def not_a_number(name: str):
+    """json.loads' parse_constant: Python's json takes NaN and Infinity; JSON does not."""
+    raise ValueError(f"{name} is not a JSON number")
+
+
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 

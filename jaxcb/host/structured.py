@@ -33,6 +33,9 @@ MAX_SPEC_CHARS = 1 << 16  # a schema, regex or grammar's text
 MAX_CHOICES = 256
 ASCII_CLASSES = "dw"  # in a regex constraint, \d is [0-9] and \w is [0-9a-zA-Z_], not any Unicode digit or letter
 CACHE_SIZE = 256  # compiled constraints kept per tokenizer
+# A compiled constraint is tried on its first PROBE_DEPTH tokens along every way of going on while there are at
+# most PROBE_WAYS (Grammars._probe): one that fails there is refused before the request runs.
+PROBE_DEPTH, PROBE_WAYS = 8, 4
 # llguidance's resource limits (its LLParserLimits): they bound the work of compiling a constraint and
 # of each step's mask, so a hostile grammar is refused with the limit it hit instead of stalling.
 LIMITS = dict(max_items_in_row=2000, initial_lexer_fuel=1_000_000, step_lexer_fuel=200_000,
@@ -314,7 +317,7 @@ def structured_failure(c: Constraint, matcher, produced: int) -> str:
     if error == "NoExtensionBias":  # (as _explain says it before any output)
         return (f"{c.field}: nothing can follow the output's first {produced} tokens, which do not complete it: "
                 f"no finite output matches (e.g. a schema whose $ref requires itself)")
-    if "max is" in error:  # one of llguidance's limits (LIMITS), met past the first token
+    if "max is" in error or "(limit " in error:  # one of llguidance's limits (LIMITS), met while generating
         return f"{c.field}: too large to enforce while generating (after {produced} output tokens: {error})"
     return f"{c.field}: the constraint failed after {produced} output tokens: {error}"
 
@@ -335,7 +338,7 @@ def _explain(kind: str, error) -> str:
                 '"x-guidance": {"lenient": true} to the schema to generate without them')
     if line == "NoExtensionBias":
         return "no output matches it (e.g. a schema whose $ref requires itself)"
-    if "max is" in line:  # one of llguidance's limits (LIMITS): too large to enforce
+    if "max is" in line or "(limit " in line:  # one of llguidance's limits (LIMITS): too large to enforce
         return f"too large to enforce while generating ({line})"
     return f"not a JSON schema that can be enforced ({line})" if kind == "json" else f"not a valid {kind} ({line})"
 
@@ -355,6 +358,7 @@ class Grammars:
         # tokenizer has tokens): its masks are that wide, the step's `allowed` the model's width.
         n_vocab = max(vocab_size, getattr(tokenizer, "vocab_size", 0) or 0)
         self.tokenizer = tokenizer.llguidance(n_vocab, eos)  # (built once per tokenizer, shared)
+        self._eos = np.asarray(eos, np.int64)
         self.vocab_size = vocab_size
         self.words = (vocab_size + 31) // 32
         self._llg_words = (n_vocab + 31) // 32
@@ -373,12 +377,8 @@ class Grammars:
                 self._cache.move_to_end(c)
                 return m
         m = self._llg.LLMatcher(self.tokenizer, c.grammar(), limits=self.limits, log_level=0)
-        if not m.is_error():  # its first mask, on a copy: a limit met there (a large schema) is refused here,
-            first = m.deep_copy()  # not when the request is running
-            scratch = np.empty(self._llg_words, np.int32)
-            first.unsafe_compute_mask_ptr(scratch.ctypes.data, self._llg_words * 4)
-            if first.is_error():
-                m = first
+        if not m.is_error():  # its first few masks, on copies: a failure there is refused here, not mid-output
+            m = self._probe(m)
         if m.is_error():
             for field, schema in c.parts:  # the embedded schema that fails, by its own field
                 part = Constraint("json", schema, field)
@@ -390,6 +390,34 @@ class Grammars:
             self._cache[c] = m
             while len(self._cache) > self._cache_size:
                 self._cache.popitem(last=False)
+        return m
+
+    def _probe(self, m):
+        """`m`, or a copy of it that failed within the first PROBE_DEPTH tokens of some output: each mask is
+        computed from the start along every way of going on while there are at most PROBE_WAYS (a schema
+        whose required property holds itself fails after its forced {"x":, a large object's limit past
+        its first {"). Checked on copies; the cost is a few masks, once per compiled constraint."""
+        scratch = np.empty(self._llg_words, np.int32)
+        level = [m.deep_copy()]
+        for _ in range(PROBE_DEPTH):
+            following = []
+            for probe in level:
+                probe.unsafe_compute_mask_ptr(scratch.ctypes.data, self._llg_words * 4)
+                if probe.is_error():
+                    return probe
+                allowed = np.flatnonzero(np.unpackbits(scratch.view(np.uint8), bitorder="little"))
+                allowed = allowed[~np.isin(allowed, self._eos)]  # (an end token ends the output: nothing follows)
+                if len(allowed) > PROBE_WAYS:
+                    continue
+                for token in allowed:
+                    step = probe.deep_copy()
+                    if step.consume_token(int(token)):
+                        following.append(step)
+                    elif step.is_error():  # (a limit can be met taking a token, not only making a mask)
+                        return step
+            level = following[:PROBE_WAYS]
+            if not level:
+                break
         return m
 
     def matcher(self, c: Constraint):

@@ -35,7 +35,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import __version__ as _TOKENIZERS_VERSION
 
 from jaxcb.host.chat_template import ROLES, check_template_kwargs, compile_template, template_roles
-from jaxcb.host.errors import InvalidConfig, InvalidRequest
+from jaxcb.host.errors import InvalidConfig, InvalidRequest, shown
 
 _CONTROL, _USER_DEFINED = 3, 4
 # GPT-2's split pattern, used by most byte-level BPE vocabularies.
@@ -387,7 +387,7 @@ class Tokenizer:
                                  "server with --chat-template)")
         for i, m in enumerate(messages):
             if m.get("role") not in ROLES:
-                raise InvalidRequest(f"messages[{i}].role: {m.get('role')!r} is not one of {', '.join(ROLES)}")
+                raise InvalidRequest(f"messages[{i}].role: {shown(m.get('role'))} is not one of {', '.join(ROLES)}")
             if not isinstance(m.get("content"), str):
                 raise InvalidRequest(f"messages[{i}].content: must be a string")
         bos = self.id_to_token(self.bos_id) if self.bos_id is not None else ""
