@@ -275,6 +275,17 @@ def check_token_count(state: State, field: str, n: int) -> None:
     check_prompt_length(field, n, state.engine.max_context)
 
 
+def check_text_fits(state: State, field: str, text: str, keep: int | None) -> None:
+    """A text prompt kept whole (`keep` None: no truncate_prompt_tokens) that is longer than the context's
+    prompt tokens of the vocabulary's longest token could hold is refused without tokenizing it (a
+    megabyte of text costs a second or more of a core to tokenize)."""
+    limit, widest = state.engine.max_context - 1, state.tokenizer.max_token_chars
+    if keep is None and len(text) > limit * widest:
+        raise InvalidRequest(f"{field}: {len(text)} characters are more than {limit} tokens (the context of "
+                             f"{state.engine.max_context}, one left to generate) can hold: a token is at most "
+                             f"{widest} characters")
+
+
 def prompt_keep(state: State, value) -> int | None:
     """truncate_prompt_tokens (vLLM's), checked: how many of a prompt's last tokens to keep (-1: as many as
     the context holds with one left to generate), or None to keep it whole."""

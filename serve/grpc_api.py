@@ -30,7 +30,7 @@ from jaxcb.host.request import (SamplingParams, TokenEvent, check_allowed_count,
 from jaxcb.host.structured import MAX_CHOICES, Constraint
 from jaxcb.host.chat_template import check_template_kwargs
 from serve.frontend import (MAX_REQUEST_BYTES, ServerOptions, State, check_ids, check_messages,
-                            check_request_template, check_settings, check_text, check_token_count, prompt_keep,
+                            check_request_template, check_settings, check_text, check_text_fits, check_token_count, prompt_keep,
                             tenant, token_index, truncated)
 from serve.proto import jaxcb_pb2, jaxcb_pb2_grpc, jetstream_pb2, jetstream_pb2_grpc
 
@@ -142,6 +142,7 @@ async def _whole_prompt_ids(state: State, req, check_length: bool) -> list[int]:
     kind = req.WhichOneof("input")
     if kind == "text":
         check_text("text", req.text)
+        check_text_fits(state, "text", req.text, None if check_length else 0)
         return await asyncio.to_thread(state.tokenizer.encode, req.text)
     if kind == "chat":
         check_messages("chat.messages", [(m.role, m.content) for m in req.chat.messages])
@@ -294,6 +295,7 @@ class OrchestratorService(jetstream_pb2_grpc.OrchestratorServicer):
             kind = request.WhichOneof("content")
             if kind == "text_content":
                 check_text("text_content.text", request.text_content.text)
+                check_text_fits(self.state, "text_content.text", request.text_content.text, None)
                 self.state.admit()
                 ids = await asyncio.to_thread(self.state.tokenizer.encode, request.text_content.text)
             elif kind == "token_content":

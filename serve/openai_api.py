@@ -392,6 +392,7 @@ def make_app(state) -> FastAPI:
         for p in prompts:
             if isinstance(p, str):
                 frontend.check_text("prompt", p)
+                frontend.check_text_fits(state, "prompt", p, keep)
             elif keep is None:
                 frontend.check_token_count(state, "prompt", len(p))
         out = []

@@ -1365,11 +1365,17 @@ def test_a_lone_surrogate_is_a_400_naming_its_field_on_every_route(server, model
 
 
 def test_small_refusals_name_their_fields_and_routes_answer_in_openais_shape(server, model_name):
-    """An empty allowed_token_ids (vLLM's refusal: it would allow no token), stream_options' fields by their
-    whole name, a long unknown model name shown cut, and no such route or method: each an OpenAI error."""
+    """A text longer than the context's tokens could hold, refused untokenized (kept whole: with
+    truncate_prompt_tokens it is cut), an empty allowed_token_ids (vLLM's refusal: it would allow no token),
+    stream_options' fields by their whole name, a long unknown model name shown cut, and no such route or
+    method: each an OpenAI error."""
     def post(body, route="/v1/completions"):
         return httpx.post(server.http + route, timeout=30, json={"model": model_name, "prompt": "hi", **body})
 
+    r = post({"prompt": "ab" * 5_000})  # more than 255 tokens of the tiny vocabulary's longest (13) hold
+    assert r.status_code == 400 and "10000 characters are more than 255 tokens" in r.json()["error"]["message"]
+    r = post({"prompt": "ab" * 5_000, "truncate_prompt_tokens": 8, "max_tokens": 2})  # (cut: tokenized, its end kept)
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 8, r.text
     r = post({"allowed_token_ids": []})
     assert r.status_code == 400 and r.json()["error"]["param"] == "allowed_token_ids", r.text
     r = post({"stream": True, "stream_options": {"include_usage": "yes"}})

@@ -139,6 +139,8 @@ BAD = [
     (dict(messages=[{"role": "wizard", "content": "x"}]), "chat.messages[0].role: 'wizard' is not one of"),
     (dict(messages=[{"role": "w" * 500_000, "content": "x"}]), "chat.messages[0].role: 'wwww"),  # (cut: below)
     (dict(prompt="word " * 300), "text: 901 tokens; the limit is 255"),  # (the tiny vocabulary: 3 a word)
+    # more characters than 255 tokens of at most 13 (the tiny vocabulary's longest) hold: refused untokenized
+    (dict(prompt="x" * 1_000_000), "text: 1000000 characters are more than 255 tokens (the context of 256"),
     (dict(token_ids=[5], lora="nope"), "lora: no LoRA adapter named 'nope'"),
     (dict(token_ids=[5], stop=[f"s{i}" for i in range(17)]), "stop: at most 16 stop strings, got 17"),
     (dict(prompt="x" * ((1 << 20) + 1)), "text: 1048577 characters; the limit is 1048576"),

@@ -17,7 +17,8 @@ def shown(value, limit: int = 200) -> str:
     """A value a caller sent, as an error message shows it: its repr, cut to `limit` characters (a message
     must not echo a megabyte back: gRPC carries it in trailers that clients cap at 16 KiB)."""
     text = repr(value)
-    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+    size = len(value) if isinstance(value, str) else len(text)
+    return text if len(text) <= limit else f"{text[:limit]}... ({size} characters)"
 
 
 class JaxcbError(Exception):

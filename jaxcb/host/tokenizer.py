@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import array
 import dataclasses
+import functools
 import hashlib
 import json
 import os
@@ -332,6 +333,13 @@ class Tokenizer:
 
     def id_to_token(self, i: int) -> str | None:
         return self._tok.id_to_token(i)
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The most characters of text one token covers: its vocabulary entry's length (one character per
+        byte in a byte-level vocabulary, per character in SentencePiece's), an upper bound. A text longer
+        than n tokens of it is more than n tokens."""
+        return max(map(len, self._tok.get_vocab(with_added_tokens=True)), default=1)
 
     def llguidance(self, n_vocab: int | None = None, eos_ids=()):
         """llguidance's tokenizer of this one (the structured-output library's: jaxcb.host.structured),
