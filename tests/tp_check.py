@@ -27,6 +27,7 @@ RUNS = [
     ("a", "tp2-dp2-lora", 2, 2, "xla", "auto"), ("a", "tp4-lora", 4, 1, "xla", "auto"),
     ("a", "tp2-draft", 2, 1, "xla", "auto"),
     ("m", "tp1", 1, 1, "xla", "auto"), ("m", "tp2", 2, 1, "xla", "auto"),
+    ("m", "tp1-int8", 1, 1, "xla", "int8"), ("m", "tp2-int8", 2, 1, "xla", "int8"),
 ]
 # A "lora" run serves two LoRA adapters (all projections) beside the base model, rows of all three mixed
 # (at TP 4 over model a's 2 KV heads the adapters' k/v columns are replicated with the heads). A "draft"

@@ -218,27 +218,28 @@ def weight_bytes(c, mode: str, dtype_bytes: int, group: int = 0) -> int:
     embedding, plus a scale (`dtype_bytes`) per output column or per `group` values of one, and per
     32 values of an embedding row; int4 half a byte a value of the layers' matrices plus a float16 scale and offset per
     `group` (default 32) values, the embedding and head as in int8. Norms and biases in `dtype_bytes`."""
-    e, layers = c.hidden_size, c.num_layers
-    # the layers' matrices [in, out] (= jaxcb.model.quant.MATRICES; this module imports no JAX; a mixture of
-    # experts has no dense MLP: its experts and router are the rest, as their weights stay in the compute dtype)
-    all_shapes = c.weight_shapes()
-    shapes = [all_shapes[n][1:] for n in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down") if n in all_shapes]
-    values = layers * sum(i * o for i, o in shapes)
+    e = c.hidden_size
+    # (how many, in, out) of each of the layers' matrices: one a layer, an expert's one an expert a layer
+    # (= jaxcb.model.quant.MATRICES and EXPERTS; this module imports no JAX); the router is of the rest
+    shapes = c.weight_shapes()
+    matrices = [(shape[0] * (shape[1] if len(shape) == 4 else 1), *shape[-2:]) for n, shape in shapes.items()
+                if n in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "experts_gate", "experts_up", "experts_down")]
+    values = sum(n * i * o for n, i, o in matrices)
     if mode == "bfloat16":  # the matrices and the embedding; the rest in the compute dtype (float32 on the CPU)
         embed = c.vocab_size * e
         return int((values + embed) * 2 + (c.num_params - values - embed) * dtype_bytes)
     if mode not in ("int8", "int4"):
         return c.num_params * {"float32": 4}.get(mode, dtype_bytes)
     if mode == "int8":
-        scales = layers * sum((i // group if group else 1) * o for i, o in shapes)
-        matrices = values + scales * dtype_bytes
+        scales = sum(n * (i // group if group else 1) * o for n, i, o in matrices)
+        stored = values + scales * dtype_bytes
     else:
-        matrices = values // 2 + layers * sum(i // (group or INT4_GROUP) * o for i, o in shapes) * 2 * 2
+        stored = values // 2 + sum(n * (i // (group or INT4_GROUP)) * o for n, i, o in matrices) * 2 * 2
     row_scales = e // ROW_GROUP if e % ROW_GROUP == 0 else 1
     embed = c.vocab_size * (e + row_scales * dtype_bytes)  # int8, a scale per 32 values of a row
     head = 0 if c.tie_embeddings else c.vocab_size * (e + dtype_bytes)  # an untied head: int8 per column
     rest = c.num_params - values - c.vocab_size * e * (1 if c.tie_embeddings else 2)
-    return int(matrices + embed + head + rest * dtype_bytes)
+    return int(stored + embed + head + rest * dtype_bytes)
 
 
 def draft_bytes(draft, model, config, mode: str, dtype_bytes: int, tensor: int = 1) -> tuple[int, int, int]:

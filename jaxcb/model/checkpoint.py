@@ -31,11 +31,11 @@ def is_checkpoint_dir(path: str) -> bool:
 def _stored(config: ModelConfig, mode: str, dtype, group: int = 0) -> dict[str, jax.ShapeDtypeStruct]:
     """What the checkpoint holds, flat: a float array per weight, or for a quantized weight "NAME__q",
     "NAME__scale" (and int4's "NAME__offset") in jaxcb.model.quant's layout."""
-    from jaxcb.model.quant import GROUP, MATRICES
+    from jaxcb.model.quant import EXPERTS, GROUP, MATRICES
 
     out = {}
     for name, shape in config.weight_shapes().items():
-        if mode in ("int8", "int4") and (name in MATRICES or name == "lm_head"):
+        if mode in ("int8", "int4") and (name in MATRICES + EXPERTS or name == "lm_head"):
             *lead, rows, cols = shape
             if mode == "int4" and name != "lm_head":
                 g = group or GROUP

@@ -32,7 +32,8 @@ from jaxcb.host.batch import StepInput, WindowPages
 from jaxcb.model.config import ModelConfig
 from jaxcb.model.mesh_axes import AXIS, KV_SPEC
 from jaxcb.model.paged_attention import ragged_attention, write_kv
-from jaxcb.model.quant import (MATRICES, QuantRows, QuantWeight, StackedMatrix, dense, embed_rows, head_logits,
+from jaxcb.model.quant import (EXPERTS, MATRICES, QuantRows, QuantWeight, StackedMatrix, dense, dequantize, embed_rows,
+                               head_logits,
                                native_stack, quantize_weights)
 from kernels_pallas import engine_ragged_attention
 
@@ -118,7 +119,7 @@ def params_from_numpy(weights: dict[str, np.ndarray], dtype=jnp.float32, mode: s
             if w.bits == 4:
                 return w.replace(q=jnp.asarray(w.q), scale=jnp.asarray(w.scale), offset=jnp.asarray(w.offset))
             return w.replace(q=jnp.asarray(w.q), scale=jnp.asarray(w.scale, dtype=dtype))
-        if mode == "bfloat16" and (name in MATRICES or name == "embed"):
+        if mode == "bfloat16" and (name in MATRICES + EXPERTS or name == "embed"):
             return jnp.asarray(w, dtype=jnp.bfloat16)
         return jnp.asarray(w, dtype=dtype)
 
@@ -284,30 +285,37 @@ def experts(config: ModelConfig, x, w: LayerParams, act, grouped: bool):
     TPU): the token-expert pairs sorted by expert and each expert's rows multiplied at once
     (jax.lax.ragged_dot). Else (XLA:CPU, where ragged_dot is every expert over every row): with no more
     pairs than experts, each pair reads its own expert's matrices; with more, a loop over the experts runs
-    each over every token, weighted by its probability for the token (0 where it was not chosen)."""
+    each over every token, weighted by its probability for the token (0 where it was not chosen). Quantized
+    (and bfloat16) experts are made x's dtype as they are read."""
     t, k, n = x.shape[0], config.experts_per_token, config.num_experts
     probs = jax.nn.softmax(jnp.dot(x, w.router, preferred_element_type=jnp.float32), axis=-1)  # [T, X]
     top, chosen = jax.lax.top_k(probs, k)  # [T, k]
     if config.norm_topk:
         top = top / jnp.sum(top, axis=-1, keepdims=True)
     top = top.astype(x.dtype)
+    def take(stack, index):  # the experts `index` picks from a layer's stack, as x's dtype (dequantized)
+        if isinstance(stack, QuantWeight):
+            return dequantize(jax.tree.map(lambda a: a[index], stack), x.dtype)
+        return stack[index].astype(x.dtype)
+
     if grouped:
         flat = chosen.reshape(-1)
         order = jnp.argsort(flat, stable=True)  # pairs by expert
         sizes = jnp.bincount(flat, length=n).astype(jnp.int32)
         rows = x[order // k]
-        hidden = act(jax.lax.ragged_dot(rows, w.experts_gate, sizes)) * jax.lax.ragged_dot(rows, w.experts_up, sizes)
-        out = jnp.zeros((t * k, x.shape[1]), x.dtype).at[order].set(jax.lax.ragged_dot(hidden, w.experts_down, sizes))
+        gate, up, down = (take(s, slice(None)) for s in (w.experts_gate, w.experts_up, w.experts_down))
+        hidden = act(jax.lax.ragged_dot(rows, gate, sizes)) * jax.lax.ragged_dot(rows, up, sizes)
+        out = jnp.zeros((t * k, x.shape[1]), x.dtype).at[order].set(jax.lax.ragged_dot(hidden, down, sizes))
         return jnp.einsum("tk,tke->te", top, out.reshape(t, k, -1))
     if t * k <= n:
-        hidden = (act(jnp.einsum("te,tkef->tkf", x, w.experts_gate[chosen]))
-                  * jnp.einsum("te,tkef->tkf", x, w.experts_up[chosen]))
-        return jnp.einsum("tk,tkf,tkfe->te", top, hidden, w.experts_down[chosen])
+        hidden = (act(jnp.einsum("te,tkef->tkf", x, take(w.experts_gate, chosen)))
+                  * jnp.einsum("te,tkef->tkf", x, take(w.experts_up, chosen)))
+        return jnp.einsum("tk,tkf,tkfe->te", top, hidden, take(w.experts_down, chosen))
     weight = jnp.zeros((t, n), x.dtype).at[jnp.arange(t)[:, None], chosen].set(top)  # [T, X]
 
     def one(e, out):
-        hidden = act(x @ w.experts_gate[e]) * (x @ w.experts_up[e])
-        return out + weight[:, e, None] * (hidden @ w.experts_down[e])
+        hidden = act(x @ take(w.experts_gate, e)) * (x @ take(w.experts_up, e))
+        return out + weight[:, e, None] * (hidden @ take(w.experts_down, e))
 
     return jax.lax.fori_loop(0, n, one, jnp.zeros_like(x))
 

@@ -48,6 +48,9 @@ from jaxcb.host.memory_plan import INT4_GROUP as GROUP  # int4's default input r
 from jaxcb.host.memory_plan import ROW_GROUP  # the int8 embedding's values per scale: a GGUF's Q8_0 blocks
 
 MATRICES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+# A mixture of experts' matrices [L, X, in, out] (jaxcb.model.llama.experts): stored as the layers' matrices
+# are (int8, int4, bfloat16), read through XLA (neither the native matmul nor int8 activations take them).
+EXPERTS = ("experts_gate", "experts_up", "experts_down")
 
 
 @flax.struct.dataclass
@@ -352,10 +355,8 @@ def quantize_weights(weights: dict[str, np.ndarray], mode: str, group: int = 0) 
     them unchanged. Already quantized entries (a converted checkpoint) stay as they are."""
     if check_mode(mode) not in ("int8", "int4"):
         return weights
-    if "router" in weights:
-        raise InvalidConfig(f"model.weights: {mode} is not supported for a mixture of experts (float32 or bfloat16)")
     out = dict(weights)
-    for name in MATRICES:
+    for name in MATRICES + EXPERTS:
         if name in out and not is_quantized(out[name]):
             w = out[name]
             out[name] = quantize_int8(w, group, name) if mode == "int8" else quantize_int4(w, group or GROUP, name)
