@@ -275,13 +275,13 @@ def check_token_count(state: State, field: str, n: int) -> None:
     check_prompt_length(field, n, state.engine.max_context)
 
 
-def check_text_fits(state: State, field: str, text: str, keep: int | None) -> None:
-    """A text prompt kept whole (`keep` None: no truncate_prompt_tokens) that is longer than the context's
-    prompt tokens of the vocabulary's longest token could hold is refused without tokenizing it (a
-    megabyte of text costs a second or more of a core to tokenize)."""
+def check_text_fits(state: State, field: str, chars: int, keep: int | None) -> None:
+    """A text prompt (or a chat's contents) of `chars` characters kept whole (`keep` None: no
+    truncate_prompt_tokens) that is longer than the context's prompt tokens of the vocabulary's longest token
+    could hold is refused without tokenizing it (a megabyte of text costs a second or more of a core)."""
     limit, widest = state.engine.max_context - 1, state.tokenizer.max_token_chars
-    if keep is None and len(text) > limit * widest:
-        raise InvalidRequest(f"{field}: {len(text)} characters are more than {limit} tokens (the context of "
+    if keep is None and chars > limit * widest:
+        raise InvalidRequest(f"{field}: {chars} characters are more than {limit} tokens (the context of "
                              f"{state.engine.max_context}, one left to generate) can hold: a token is at most "
                              f"{widest} characters")
 

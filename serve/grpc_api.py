@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import json
 import logging
 import re
 
@@ -24,8 +23,7 @@ from grpc_reflection.v1alpha import reflection
 
 from jaxcb.device import cpu_dots
 from jaxcb.host.errors import InvalidConfig, InvalidRequest, JaxcbError, NotFound, Overloaded, StepFailed, Unauthenticated, Unavailable
-from jaxcb.host.request import (SamplingParams, TokenEvent, check_allowed_count, check_logit_bias_count, check_unicode,
-                                not_a_number,
+from jaxcb.host.request import (SamplingParams, TokenEvent, check_allowed_count, check_logit_bias_count, read_json,
                                 check_stop_counts)
 from jaxcb.host.structured import MAX_CHOICES, Constraint
 from jaxcb.host.chat_template import check_template_kwargs
@@ -100,13 +98,9 @@ def _template_kwargs(text: str) -> dict:
     if not text:
         return {}
     check_text("chat.template_kwargs", text)
-    try:
-        kwargs = json.loads(text, parse_constant=not_a_number)
-    except (ValueError, RecursionError) as e:  # (JSONDecodeError, NaN, an integer past Python's digit limit)
-        raise InvalidRequest(f"chat.template_kwargs: not valid JSON ({str(e)[:200]})") from None
+    kwargs = read_json(text, "chat.template_kwargs", "chat.template_kwargs")
     if not isinstance(kwargs, dict):
         raise InvalidRequest("chat.template_kwargs: must be a JSON object")
-    check_unicode(kwargs, "chat.template_kwargs")
     return check_template_kwargs(kwargs, "chat.template_kwargs")
 
 
@@ -142,10 +136,11 @@ async def _whole_prompt_ids(state: State, req, check_length: bool) -> list[int]:
     kind = req.WhichOneof("input")
     if kind == "text":
         check_text("text", req.text)
-        check_text_fits(state, "text", req.text, None if check_length else 0)
+        check_text_fits(state, "text", len(req.text), None if check_length else 0)
         return await asyncio.to_thread(state.tokenizer.encode, req.text)
     if kind == "chat":
         check_messages("chat.messages", [(m.role, m.content) for m in req.chat.messages])
+        check_text_fits(state, "chat.messages", sum(len(m.content) for m in req.chat.messages), None if check_length else 0)
         messages = [{"role": m.role, "content": m.content} for m in req.chat.messages]
         generation = req.chat.add_generation_prompt if req.chat.HasField("add_generation_prompt") else True
         template = check_request_template("chat.chat_template", req.chat.chat_template or None,
@@ -295,7 +290,7 @@ class OrchestratorService(jetstream_pb2_grpc.OrchestratorServicer):
             kind = request.WhichOneof("content")
             if kind == "text_content":
                 check_text("text_content.text", request.text_content.text)
-                check_text_fits(self.state, "text_content.text", request.text_content.text, None)
+                check_text_fits(self.state, "text_content.text", len(request.text_content.text), None)
                 self.state.admit()
                 ids = await asyncio.to_thread(self.state.tokenizer.encode, request.text_content.text)
             elif kind == "token_content":

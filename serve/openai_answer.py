@@ -219,6 +219,8 @@ async def answer(state, request: Request, options: RequestOptions, tenant: str, 
                 choice["message"].update(content=content or None, tool_calls=calls)
                 if choice["finish_reason"] == "stop":
                     choice["finish_reason"] = "tool_calls"
+            elif tools.choice in ("required", "function"):  # no call came whole (cut off): no content either,
+                choice["message"]["content"] = content or None  # as streamed (tool_parse.CallStream)
         return {"id": rid, "object": "chat.completion", "created": created, "model": model_name,
                 "choices": choices, "usage": usage_json(), **({"prompt_logprobs": prompt_lists[0]} if prompt_field else {})}
     choices = [{"index": k, "text": texts[k], "logprobs": _with_offsets(logs[k]), "finish_reason": finishes[k],

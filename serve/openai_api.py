@@ -45,7 +45,7 @@ from serve import frontend, openai_responses, reasoning
 from serve.openai_answer import answer, json_response
 from serve.openai_beam import beam_answer, check_beam_request
 from serve.openai_fields import (CHAT_FIELDS, COMPLETION_FIELDS, DETOKENIZE_FIELDS, TOKENIZE_FIELDS, MAX_TOP_LOGPROBS,
-                                 HTTPError, bad_request, bool_field, check_fields, common_fields, http_error,
+                                 ERROR_TYPE, HTTPError, bad_request, bool_field, check_fields, common_fields, http_error,
                                  int_field, parse_json, prompt_list, sampling_params, str_field, template_fields,
                                  beam_fields)
 
@@ -130,8 +130,8 @@ def make_app(state) -> FastAPI:
     @app.exception_handler(RouteError)  # no such route, or not with this method: OpenAI's error shape too
     async def _route_error(request, exc: RouteError):
         message = f"{request.method} {request.url.path[:200]}: {exc.detail}"
-        return JSONResponse({"error": {"message": message, "type": "invalid_request_error", "param": None,
-                                       "code": None}}, status_code=exc.status_code, headers=exc.headers)
+        return JSONResponse({"error": {"message": message, "type": ERROR_TYPE.get(exc.status_code, "invalid_request_error"),
+                                       "param": None, "code": None}}, status_code=exc.status_code, headers=exc.headers)
 
     app.add_middleware(_ConcurrencyLimit, limit=state.options.max_concurrent_streams)
 
@@ -324,7 +324,7 @@ def make_app(state) -> FastAPI:
             answer = await run_chat(request, tenant, chat)
         except (HTTPError, JaxcbError) as e:  # named by this API's fields, not the chat's
             raise openai_responses.renamed(e if isinstance(e, HTTPError) else http_error(e), origins) from None
-        return await json_response(openai_responses.reshape(answer, body))
+        return await json_response(openai_responses.reshape(answer, body, origins))
 
     def chat_tools(body: dict, messages: list, template: str | None):
         """The request's tools and messages for the chat template that writes the chat: the request's own,
@@ -349,6 +349,7 @@ def make_app(state) -> FastAPI:
             raise bad_request("top_logprobs: needs logprobs: true")
         limit = int_field(body, "max_completion_tokens", int_field(body, "max_tokens"))
         frontend.check_messages("messages", [(m["role"], m["content"]) for m in messages])  # the rendered chat
+        frontend.check_text_fits(state, "messages", sum(len(m["content"]) for m in messages), keep)
         # Validated with a placeholder length first (every field before any tokenizing); the real
         # default max_tokens needs the prompt's length.
         params = sampling_params(body, max_tokens=1 if limit is None else limit, logprobs=max(top, 1) if want else 0)
@@ -392,7 +393,7 @@ def make_app(state) -> FastAPI:
         for p in prompts:
             if isinstance(p, str):
                 frontend.check_text("prompt", p)
-                frontend.check_text_fits(state, "prompt", p, keep)
+                frontend.check_text_fits(state, "prompt", len(p), keep)
             elif keep is None:
                 frontend.check_token_count(state, "prompt", len(p))
         out = []

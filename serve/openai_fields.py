@@ -6,14 +6,13 @@ one of jaxcb's error kinds that the app's handler answers with http_error()."""
 from __future__ import annotations
 
 import dataclasses
-import json
 import re
 
 from fastapi.responses import JSONResponse
 
 from jaxcb.host.errors import InvalidRequest, JaxcbError, NotFound, Overloaded, StepFailed, Unauthenticated, Unavailable
 from jaxcb.host.request import (SamplingParams, check_allowed_count, check_priority, check_stop_counts,
-                                check_unicode, logit_bias_from_json, not_a_number)
+                                logit_bias_from_json, read_json)
 from jaxcb.host.structured import (GUIDED_EXTRAS, GUIDED_FIELDS, Constraint, from_guided, from_response_format,
                                    from_structured_outputs)
 from jaxcb.host.chat_template import check_template_kwargs
@@ -169,16 +168,9 @@ MAX_TOP_LOGPROBS = 20  # OpenAI's limit on top_logprobs
 
 
 def parse_json(raw: bytes) -> dict:
-    try:
-        body = json.loads(raw, parse_constant=not_a_number)
-    except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError, an integer past Python's digit limit
-        raise HTTPError(400, f"body: not valid JSON ({e})", param="body") from None
-    except RecursionError:
-        raise HTTPError(400, "body: JSON nested too deeply", param="body") from None
+    body = read_json(raw, "body")
     if not isinstance(body, dict):
         raise HTTPError(400, "body: must be a JSON object", param="body")
-    if re.search(rb"\\u[dD][89a-fA-F]", raw):  # (an escaped surrogate: paired, or not)
-        check_unicode(body)
     return body
 
 

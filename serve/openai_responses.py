@@ -171,12 +171,19 @@ def own_field(field: str, origins: list) -> str:
     return field
 
 
+def _own(message: str, param: str | None, origins: list) -> tuple[str, str | None]:
+    """An error's (message, param) naming this call's own field (the param and the message's lead)."""
+    if not param:
+        return message, param
+    field = own_field(param, origins)
+    return (field + message[len(param):] if message.startswith(param) else message), field
+
+
 def renamed(e: HTTPError, origins: list) -> HTTPError:
-    """A chat answer's 400 naming this call's own field (param and the message's lead)."""
-    if e.status != 400 or not e.param:
+    """A chat answer's 400 naming this call's own field."""
+    if e.status != 400:
         return e
-    field = own_field(e.param, origins)
-    message = field + e.message[len(e.param):] if e.message.startswith(e.param) else e.message
+    message, field = _own(e.message, e.param, origins)
     return HTTPError(400, message, param=field, code=e.code)
 
 
@@ -312,11 +319,11 @@ class _Shape:
                 "usage": self.usage_json() if status not in ("in_progress", "failed") else None}
 
 
-def reshape(answer, body: dict):
+def reshape(answer, body: dict, origins: list | None = None):
     """The chat answer (a JSON body, a stream of chunks, or another response such as a 499) as the
-    Responses API gives it."""
+    Responses API gives it (a streamed error naming the call's own fields: chat_body's `origins`)."""
     if isinstance(answer, StreamingResponse):
-        return StreamingResponse(_events(answer.body_iterator, body), media_type="text/event-stream",
+        return StreamingResponse(_events(answer.body_iterator, body, origins or []), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     if isinstance(answer, Response):
         return answer
@@ -334,7 +341,7 @@ def reshape(answer, body: dict):
     return shape.response()
 
 
-async def _events(chunks, body: dict):
+async def _events(chunks, body: dict, origins: list = ()):
     """Chat completion chunks in, the Responses stream's events out."""
     seq = 0
 
@@ -344,12 +351,12 @@ async def _events(chunks, body: dict):
         return f"event: {kind}\ndata: {json.dumps({'type': kind, 'sequence_number': seq - 1, **fields}, ensure_ascii=False)}\n\n"
 
     # A client gone: both generators close at once, the chat stream's requests aborted.
-    async with contextlib.aclosing(chunks), contextlib.aclosing(_translate(chunks, body, event)) as events:
+    async with contextlib.aclosing(chunks), contextlib.aclosing(_translate(chunks, body, event, origins)) as events:
         async for text in events:
             yield text
 
 
-async def _translate(chunks, body: dict, event):
+async def _translate(chunks, body: dict, event, origins):
     shape = None
     at: dict[int, int] = {}  # the chat's tool-call index -> its output index
     text_at = {"content_index": 0}
@@ -377,10 +384,11 @@ async def _translate(chunks, body: dict, event):
             chunk = json.loads(line[6:])
             if "error" in chunk:  # mid-stream: the error event, then the response failed
                 e = chunk["error"]
-                yield event("error", code=e.get("code"), message=e.get("message"), param=e.get("param"))
+                message, param = _own(e.get("message") or "", e.get("param"), list(origins))
+                yield event("error", code=e.get("code"), message=message, param=param)
                 if shape is not None:
                     failed = shape.response("failed")
-                    failed["error"] = {"code": e.get("code") or "server_error", "message": e.get("message")}
+                    failed["error"] = {"code": e.get("code") or "server_error", "message": message}
                     yield event("response.failed", response=failed)
                 return
             if shape is None:

@@ -388,6 +388,12 @@ NAME_FIRST_ANSWERS = [  # mistral_v11: [TOOL_CALLS] and [ARGS] are control token
      [("get_time", "{}"), ("get_weather", '{"city": "Os')]),
     ("[TOOL_CALLS]get_weather[ARGS]", "", [("get_weather", "")]),  # its name whole: that call, no arguments yet
     ("[TOOL_CALLS]get_weather", "[TOOL_CALLS]get_weather", []),
+    # what stops being a call's beginning is text, and what follows it the answer's again
+    ("[TOOL_CALLS]get_time[ARGS]none at all", "[TOOL_CALLS]get_time[ARGS]none at all", []),
+    ("[TOOL_CALLS] hi there [TOOL_CALLS]get_time[ARGS]{}", "[TOOL_CALLS] hi there", [("get_time", "{}")]),
+    ("[TOOL_CALLS][ARGS]{}", "[TOOL_CALLS][ARGS]{}", []),
+    ("[TOOL_CALLS]get_time[CALL_ID]ab!", "[TOOL_CALLS]get_time[CALL_ID]ab!", []),
+    ("[TOOL_CALLS]" + "a" * 70 + " b", "[TOOL_CALLS]" + "a" * 70 + " b", []),
 ]
 
 

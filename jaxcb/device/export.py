@@ -64,7 +64,7 @@ def export_step(config: ModelConfig, shape: StepShape, platform: str, *, page_si
     last_tokens = jax.ShapeDtypeStruct((max_seqs,), jnp.int32, sharding=sharded(P()))
     batch = _host_arrays(pack([], shape, page_size, window), sharded(P()))
     args = (params, tuple(kv) if config.windowed else kv[0], last_tokens, batch)
-    attention = Attention(PALLAS_KERNEL[platform], mesh=mesh)
+    attention = Attention(PALLAS_KERNEL[platform], mesh=mesh, grouped_experts=True)
     forward_fn = jax.jit(_forward, static_argnames=("config", "attention"), donate_argnums=(1,))
     checks = [export.DisabledSafetyCheck.custom_call(name) for name in KERNEL_CALLS[platform]]
     with jax.sharding.use_abstract_mesh(mesh) if mesh is not None else contextlib.nullcontext():

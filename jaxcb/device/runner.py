@@ -164,6 +164,12 @@ def resolve_attention(choice: str, mesh=None) -> Attention:
     """
     platform = jax.default_backend()
     kernel = PALLAS_KERNEL.get(platform)
+    if kernel is not None:  # a GPU or TPU: its experts grouped (llama.experts), whichever attention runs
+        return dataclasses.replace(_resolve_attention(choice, mesh, platform, kernel), grouped_experts=True)
+    return _resolve_attention(choice, mesh, platform, kernel)
+
+
+def _resolve_attention(choice: str, mesh, platform: str, kernel: str | None) -> Attention:
     if choice == "native" or (choice == "auto" and kernel is None):
         import kernels_cpu
 

@@ -34,7 +34,7 @@ def check_targets(targets, shapes: dict) -> None:
     missing = [t for t in targets if t not in shapes]
     if missing:
         raise InvalidConfig(f"lora.targets: {missing} are not matrices of this model (a mixture of experts has no "
-                            f"dense MLP: adapt {[t for t in targets if t in shapes]})")
+                            f"dense MLP; its matrices: {[t for t in TARGETS if t in shapes]})")
 
 
 @dataclasses.dataclass(frozen=True)

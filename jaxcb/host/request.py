@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import itertools
+import json
 import math
 import re
 import time
@@ -140,6 +141,25 @@ def not_a_number(name: str):
     raise ValueError(f"{name} is not a JSON number")
 
 
+def read_json(text: str | bytes, field: str, path: str = ""):
+    """The value of JSON text a request carries (an HTTP body, gRPC's template kwargs), read as JSON reads:
+    UTF-8 strictly (json.loads would pass a lone surrogate's bytes), no NaN or Infinity, nesting within
+    Python's recursion limit, every string text (check_unicode, its fields named from `path`). Raises
+    InvalidRequest naming `field`."""
+    try:
+        if isinstance(text, bytes):
+            text = text.decode("utf-8")
+        value = json.loads(text, parse_constant=not_a_number)
+    except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError, NaN, an integer past Python's digit limit
+        raise InvalidRequest(f"{field}: not valid JSON ({str(e)[:200]})") from None
+    except RecursionError:
+        raise InvalidRequest(f"{field}: JSON nested too deeply") from None
+    if "\\u" in text and _ESCAPED_SURROGATE.search(text):  # (an escaped surrogate: paired, or not)
+        check_unicode(value, path)
+    return value
+
+
+_ESCAPED_SURROGATE = re.compile(r"\\u[dD][89a-fA-F]")
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 

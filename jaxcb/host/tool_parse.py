@@ -63,13 +63,39 @@ def _answer_body(text: str, fmt: Format) -> str | None:
 
 def _block_end(body: str, fmt: Format) -> int | None:
     """Where a block's body ends (its `close`), None while unfinished; where a block has no `close` (name-first
-    calls), just past its arguments object."""
+    calls), just past its arguments object, or where it stops being a call's beginning (a block of text:
+    what follows is the answer's again)."""
     if fmt.close:
         end = body.find(fmt.close)
         return None if end < 0 else end
     head = _head(fmt).match(body)  # (up to the arguments' first character)
-    end = _scan(body[head.end():]) if head is not None and body[head.end():].startswith("{") else None
+    if head is None:
+        return _not_a_head(body, fmt)
+    rest = body[head.end():]
+    if rest and not rest.startswith("{"):
+        return head.end()  # no arguments object
+    end = _scan(rest) if rest else None
     return None if end is None else head.end() + end
+
+
+_NAME_CHARS = re.compile(r"\s*[A-Za-z0-9_-]*")
+_CALL_ID = "[CALL_ID]"
+
+
+def _not_a_head(body: str, fmt: Format) -> int | None:
+    """(name-first calls) Where `body` stops being a call's beginning, a name (1 to 64 characters) then
+    `fmt.args` (a [CALL_ID] and id between allowed); None while it may still be one."""
+    lead = len(body) - len(body.lstrip())
+    at = _NAME_CHARS.match(body).end()
+    if at - lead > 64:
+        return lead + 64
+    rest = body[at:]
+    if rest and at == lead:  # no name
+        return at
+    if rest.startswith(_CALL_ID):
+        at += len(_CALL_ID) + re.match(r"[A-Za-z0-9]*", rest[len(_CALL_ID):]).end()
+        return None if fmt.args.startswith(body[at:]) else at
+    return None if any(marker.startswith(rest) for marker in (fmt.args, _CALL_ID)) else at
 
 
 def _call(body: str, tools: Tools):
@@ -217,6 +243,8 @@ class CallStream:
         out = []
         if self.sent_args is None:
             head = _head(self.fmt).match(body)
+            if head is not None and self.fmt.args and not body[head.end():].startswith("{"):
+                head = None  # (a name-first call is one once its arguments begin)
             if head is None or _name(head.group(1)) not in self.tools.functions:
                 if not whole:
                     return out

@@ -52,7 +52,7 @@ class ModelConfig:
     embed_multiplier: float = 1.0
     residual_multiplier: float = 1.0
     logit_scale: float = 1.0
-    # A mixture of experts in place of the MLP (Mixtral, Qwen3-MoE): a router picks each token's
+    # A mixture of experts in place of the MLP (Mixtral, Qwen3-MoE, Granite MoE): a router picks each token's
     # `experts_per_token` of `num_experts` gated MLPs (each `intermediate_size` wide) and weighs their outputs
     # by its softmax probabilities, renormalized over the chosen ones when `norm_topk`; 0 experts: a dense MLP.
     num_experts: int = 0

@@ -122,11 +122,14 @@ def read_config(reader) -> ModelConfig:
     if experts:  # softmax routing over the experts, the chosen ones' weights renormalized (llama.cpp's for these)
         if arch not in MOE_ARCHITECTURES:
             raise InvalidConfig(f"{arch}.expert_count: {experts}: a mixture of experts is supported for "
-                                f"{' and '.join(MOE_ARCHITECTURES)} only")
+                                f"{', '.join(MOE_ARCHITECTURES)} only")
         for key in ("expert_shared_count", "expert_shared_feed_forward_length"):  # (Granite MoE Shared's)
             if _field(reader, f"{arch}.{key}"):
                 raise InvalidConfig(f"{arch}.{key}: {_field(reader, f'{arch}.{key}')}: shared experts are not supported")
-        family.update(num_experts=experts, experts_per_token=int(need("expert_used_count")), norm_topk=True)
+        used = int(need("expert_used_count"))
+        if not 0 < used <= experts:
+            raise InvalidConfig(f"{arch}.expert_used_count: {used} is not between 1 and the {experts} experts")
+        family.update(num_experts=experts, experts_per_token=used, norm_topk=True)
     value_dim = int(_field(reader, f"{arch}.attention.value_length", head_dim))
     if value_dim != head_dim:
         raise InvalidConfig(f"{arch}.attention.value_length: {value_dim} differs from key_length {head_dim} "

@@ -202,9 +202,12 @@ def read_config(path: str) -> ModelConfig:
             if raw.get("mlp_only_layers") or int(raw.get("decoder_sparse_step", 1)) != 1:
                 raise InvalidConfig("config.json: mlp_only_layers / decoder_sparse_step (dense layers among the "
                                     "experts) are not supported: every layer a mixture of experts")
-            extra.update(num_experts=int(raw.get("num_experts") or raw["num_local_experts"]),
-                         experts_per_token=int(raw["num_experts_per_tok"]),
-                         norm_topk=bool(raw.get("norm_topk_prob", True)))
+            experts, used = int(raw.get("num_experts") or raw["num_local_experts"]), int(raw["num_experts_per_tok"])
+            if not 0 < used <= experts:
+                raise InvalidConfig(f"config.json: num_experts_per_tok {used} is not between 1 and the {experts} experts")
+            # (renormalized: Mixtral's and Granite MoE's always; Qwen3-MoE's as norm_topk_prob, transformers' default off)
+            extra.update(num_experts=experts, experts_per_token=used,
+                         norm_topk=bool(raw.get("norm_topk_prob", family != "qwen3moe")))
         if gemma:
             window = int(raw.get("sliding_window") or 0)
             types = raw.get("layer_types")
@@ -287,7 +290,10 @@ def load_weights(path: str, config: ModelConfig) -> dict[str, np.ndarray]:
     if config.num_experts:  # the router [L, E, X] and each expert's matrices stacked [L, X, in, out]
         for key in ("w_gate", "w_up", "w_down"):
             del names[key]
-        arch = next(a for a, names in _MOE.items() if layer.format(i=0) + names[0] in tensors)
+        arch = next((a for a, moe in _MOE.items() if layer.format(i=0) + moe[0] in tensors), None)
+        if arch is None:
+            raise InvalidConfig(f"model: {path} has no router tensor (one of "
+                                f"{', '.join(layer.format(i=0) + moe[0] for moe in _MOE.values())})")
         router, expert, parts = _MOE[arch]
         weights["router"] = np.stack([get(layer.format(i=i) + router, True) for i in range(config.num_layers)])
         for key, part in zip(("experts_gate", "experts_up", "experts_down"), parts):

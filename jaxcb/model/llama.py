@@ -50,6 +50,9 @@ class Attention:
     # stacks (kernels_cpu.layer_matmul), and a tied head (kernels_cpu.rows_matmul: int8, or float32 up to
     # jaxcb.model.quant.NATIVE_F32_HEAD_ROWS rows); single device only (XLA cannot partition the custom calls).
     native_matmul: bool = False
+    # A mixture of experts' pairs grouped by expert through jax.lax.ragged_dot (GPU and TPU, which lower it as a
+    # grouped matmul, whatever the attention); else the CPU's ways (experts()).
+    grouped_experts: bool = False
 
 
 @flax.struct.dataclass
@@ -72,7 +75,7 @@ class LayerParams:
     k_norm: jax.Array | None = None  # [L, D]
     post_attn_norm: jax.Array | None = None  # [L, E] on the attention's output (Gemma 2/3)
     post_mlp_norm: jax.Array | None = None  # [L, E] on the MLP's output (Gemma 2/3)
-    router: jax.Array | None = None  # [L, E, X] a mixture of X experts in place of the MLP (Mixtral, Qwen3-MoE)
+    router: jax.Array | None = None  # [L, E, X] X experts in place of the MLP (Mixtral, Qwen3-MoE, Granite MoE)
     experts_gate: jax.Array | None = None  # [L, X, E, F]
     experts_up: jax.Array | None = None  # [L, X, E, F]
     experts_down: jax.Array | None = None  # [L, X, F, E]
@@ -268,7 +271,7 @@ def _layer(config: ModelConfig, attention: Attention, batch: StepInput, h, kv_pa
     x = norm(h, w.mlp_norm)
     act = jax.nn.silu if config.activation == "silu" else functools.partial(jax.nn.gelu, approximate=True)
     if w.router is not None:
-        out = experts(config, x, w, act, grouped=attention.kernel in ("gpu", "tpu"))
+        out = experts(config, x, w, act, grouped=attention.grouped_experts)
     else:
         out = proj(act(proj(x, "w_gate")) * proj(x, "w_up"), "w_down")
     if w.post_mlp_norm is not None:
