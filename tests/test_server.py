@@ -166,7 +166,7 @@ def test_bad_input_is_invalid_argument(client, kwargs, message):
 @pytest.mark.parametrize("kwargs, message", [
     ("null", "chat.template_kwargs: must be a JSON object"),
     ('{"a": NaN}', "chat.template_kwargs: not valid JSON (NaN is not a JSON number)"),
-    ('{"a": ' + "[" * 5000 + "]" * 5000 + "}", "chat.template_kwargs: not valid JSON"),
+    ('{"a": ' + "[" * 5000 + "]" * 5000 + "}", "chat.template_kwargs: JSON nested too deeply"),
     ('{"k' + "x" * 100_000 + '\\ud800": 1}', "chat.template_kwargs.kxxx"),
 ])
 def test_template_kwargs_are_read_as_an_http_body_is(client, kwargs, message):
