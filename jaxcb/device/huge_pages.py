@@ -32,6 +32,10 @@ log = logging.getLogger("jaxcb.device.huge_pages")
 
 HUGE = 2 << 20
 MADV_HUGEPAGE, MADV_COLLAPSE = 14, 25
+# Collapsed this much at a time: the kernel holds the process's memory map while it collapses a range, and
+# every other thread that maps memory waits for it (one call over the 2.9 GB pool held a server's first
+# request, building its grammar, for 10-15 s after SERVING: a 400 at the compile time limit).
+CHUNK = 32 << 20
 
 
 def enabled() -> bool:
@@ -73,8 +77,9 @@ def collapse_ranges(spans: list[tuple[int, int]]) -> int:
     for start, end in spans:
         if libc.madvise(start, end - start, MADV_HUGEPAGE) != 0:
             return done  # not on this kernel (or the buffer is gone): none will take
-        if libc.madvise(start, end - start, MADV_COLLAPSE) == 0:
-            done += end - start
+        for at in range(start, end, CHUNK):  # (a piece at a time: see CHUNK)
+            if libc.madvise(at, min(CHUNK, end - at), MADV_COLLAPSE) == 0:
+                done += min(CHUNK, end - at)
     return done
 
 
