@@ -46,18 +46,15 @@ def _params_from_args(args, overrides: dict | None = None):
 def _parse_line(llm, args, lineno: int, line: str):
     """One input line -> (prompt ids, SamplingParams, priority, id); InvalidRequest names line and field."""
     from jaxcb.host import structured
-    from jaxcb.host.request import check_unicode, logit_bias_from_json
+    from jaxcb.host.request import logit_bias_from_json, read_json
     from jaxcb.host.tool_calls import choose_format, render_messages
-    try:
-        obj = json.loads(line)
-    except json.JSONDecodeError as e:
-        raise InvalidRequest(f"line {lineno}: not valid JSON ({e.msg})") from None
+    where = f"line {lineno}"
+    try:  # (as an HTTP body is read: no NaN, text only)
+        obj = read_json(line, where)
+    except InvalidRequest as e:  # (a field's own error is named after the line)
+        raise InvalidRequest(str(e) if str(e).startswith(where + ":") else f"{where}: {e}") from None
     if not isinstance(obj, dict):
         raise InvalidRequest(f"line {lineno}: must be a JSON object")
-    try:
-        check_unicode(obj)
-    except InvalidRequest as e:
-        raise InvalidRequest(f"line {lineno}: {e}") from None
     unknown = set(obj) - LINE_FIELDS
     if unknown:
         raise InvalidRequest(f"line {lineno}: unknown field(s) {', '.join(sorted(unknown))}")
