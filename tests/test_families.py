@@ -1,4 +1,4 @@
-"""Qwen3, Mixtral, Qwen3-MoE and Granite MoE (mixtures of experts), SmolLM3 (no RoPE in some layers), Granite (scalars on the embeddings, residual branches, scores
+"""Qwen3, Mixtral, Qwen2-MoE, Qwen3-MoE and Granite MoE (mixtures of experts), SmolLM3 (no RoPE in some layers), Granite (scalars on the embeddings, residual branches, scores
 and logits), Phi-3 (fused projections; Phi-4-mini's partial rotary and LongRoPE), Gemma 2 and Gemma 3
 against transformers' own modules: tiny random checkpoints in the Hugging
 Face layout (tools/make_tiny_hf.py wrote them and their golden outputs with transformers), loaded
@@ -25,12 +25,12 @@ from jaxcb.model.paged_attention import allocate_kv_pages
 from tests.server_util import compile_mode
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "golden", "tiny_hf")
-FAMILIES = ("qwen3", "mixtral", "qwen3moe", "granitemoe", "smollm3", "granite", "phi3", "phi3-longrope", "gemma2", "gemma3", "llama3-rope", "gemma3-linear", "gemma3-mm")
+FAMILIES = ("qwen3", "mixtral", "qwen2moe", "qwen3moe", "granitemoe", "smollm3", "granite", "phi3", "phi3-longrope", "gemma2", "gemma3", "llama3-rope", "gemma3-linear", "gemma3-mm")
 # checkpoints of a family with RoPE scaling, or with a vision tower beside it (served on text), or a
 # Llama with layers without RoPE, Granite's scalars or Phi-3's fused projections
 FAMILY_OF = {"llama3-rope": "llama", "gemma3-linear": "gemma3", "gemma3-mm": "gemma3", "smollm3": "llama",
              "granite": "llama", "phi3": "llama", "phi3-longrope": "llama", "mixtral": "llama", "qwen3moe": "qwen3",
-             "granitemoe": "llama"}
+             "granitemoe": "llama", "qwen2moe": "llama"}
 
 
 def golden(family):
@@ -313,7 +313,8 @@ def test_prompt_logprobs_on_a_sliding_window_model_are_what_decoding_gave():
 
 def test_mixture_of_experts_gguf_files_load_as_llama_cpp_writes_them(tmp_path):
     """Mixtral as a "llama" GGUF with expert_count (Q/K rows permuted), Qwen3-MoE as a "qwen3moe" one
-    (expert_feed_forward_length) and Granite MoE as a "granitemoe" one (its scalars; gate and up apart), each
+    (expert_feed_forward_length), Qwen2-MoE as a "qwen2moe" one (its shared expert, *_shexp, and the shared
+    expert's gate) and Granite MoE as a "granitemoe" one (its scalars; gate and up apart), each
     layer's router in ffn_gate_inp and its experts stacked in ffn_{gate,up,down}_exps as llama.cpp's converter
     writes them: the Hugging Face loader's weights exactly, and Mixtral's and Granite MoE's give transformers'
     logits (llama.cpp renormalizes the chosen experts' weights for all three, as those two do; the tiny
@@ -325,7 +326,8 @@ def test_mixture_of_experts_gguf_files_load_as_llama_cpp_writes_them(tmp_path):
 
     granite = {"granitemoe.embedding_scale": 6.0, "granitemoe.residual_scale": 0.3, "granitemoe.attention.scale": 0.1,
                "granitemoe.logit_scale": 4.0}
-    for family, arch in (("mixtral", "llama"), ("qwen3moe", "qwen3moe"), ("granitemoe", "granitemoe")):
+    for family, arch in (("mixtral", "llama"), ("qwen3moe", "qwen3moe"), ("granitemoe", "granitemoe"),
+                         ("qwen2moe", "qwen2moe")):
         src = os.path.join(GOLDEN, family)
         config, _, _, _ = load_model(src, jnp.float32)
         weights = load_weights(src, config)
@@ -333,9 +335,10 @@ def test_mixture_of_experts_gguf_files_load_as_llama_cpp_writes_them(tmp_path):
         write_tiny_gguf(path, config, arch=arch, weights=weights, extra_float32=granite if arch == "granitemoe" else None)
         got = load_gguf(path)
         fields = ("num_experts", "experts_per_token", "intermediate_size", "qk_norm", "family", "num_layers",
-                  "embed_multiplier", "residual_multiplier", "logit_scale", "tie_embeddings")
+                  "embed_multiplier", "residual_multiplier", "logit_scale", "tie_embeddings", "shared_expert_size",
+                  "attention_bias")
         assert {f: getattr(got.config, f) for f in fields} == pytest.approx({f: getattr(config, f) for f in fields})
-        assert got.config.norm_topk
+        assert got.config.norm_topk == (arch != "qwen2moe")  # (llama.cpp's rule: Qwen2-MoE's not renormalized)
         assert sorted(got.weights) == sorted(weights)
         for key, w in weights.items():
             np.testing.assert_array_equal(got.weights[key], w, err_msg=f"{family} {key}")
@@ -387,7 +390,7 @@ def test_each_way_of_running_the_experts_gives_the_same_output():
             assert np.abs(ways[0] - want).max() <= 0.05 * np.abs(want).max(), (norm_topk, t)
 
 
-@pytest.mark.parametrize("family", ["mixtral", "qwen3moe", "granitemoe"])
+@pytest.mark.parametrize("family", ["mixtral", "qwen2moe", "qwen3moe", "granitemoe"])
 def test_experts_are_stored_as_the_layers_matrices_are(family):
     """--weights bfloat16, int8 and int4 store the experts as they store the layers' matrices (the router
     stays in the compute dtype): the bytes the memory plan counts, logits near the float ones (the tiny
@@ -425,6 +428,11 @@ def test_the_experts_settings_are_read_and_matter():
     from jaxcb.host.errors import InvalidConfig
     from jaxcb.host.lora import TARGETS
 
+    config, params, _, _ = load_model(os.path.join(GOLDEN, "qwen2moe"), jnp.float32)  # its shared expert's gate
+    ids = golden("qwen2moe")[1]["prompt_ids"]
+    shut = params.replace(layers=params.layers.replace(shared_gate=jnp.full_like(params.layers.shared_gate, -30.0)))
+    ref = prefill_logits(config, params, ids)
+    assert np.abs(prefill_logits(config, shut, ids) - ref).max() > 1e-3 * np.abs(ref).max()
     for family in ("mixtral", "qwen3moe"):
         config, params, _, _ = load_model(os.path.join(GOLDEN, family), jnp.float32)
         ids = golden(family)[1]["prompt_ids"]

@@ -75,8 +75,10 @@ def write_tiny_gguf(path: str, config: ModelConfig | None = None, seed: int = 0,
     if config.num_experts:  # (Mixtral: arch llama; Qwen3-MoE's own keys name the experts' width too)
         writer.add_uint32(f"{arch}.expert_count", config.num_experts)
         writer.add_uint32(f"{arch}.expert_used_count", config.experts_per_token)
-        if arch == "qwen3moe":
+        if arch in ("qwen3moe", "qwen2moe"):
             writer.add_uint32(f"{arch}.expert_feed_forward_length", config.intermediate_size)
+        if config.shared_expert_size:
+            writer.add_uint32(f"{arch}.expert_shared_feed_forward_length", config.shared_expert_size)
     for key, value in (extra_uint32 or {}).items():  # more metadata (what the loader must refuse)
         writer.add_uint32(key, value)
     for key, value in (extra_float32 or {}).items():
@@ -131,6 +133,9 @@ def write_tiny_gguf(path: str, config: ModelConfig | None = None, seed: int = 0,
             del names[key]
         names.update(router="ffn_gate_inp", experts_gate="ffn_gate_exps", experts_up="ffn_up_exps",
                      experts_down="ffn_down_exps")
+        if config.shared_expert_size:  # Qwen2-MoE's shared expert and its gate ([1, E], as its converter writes it)
+            names.update(w_gate="ffn_gate_shexp", w_up="ffn_up_shexp", w_down="ffn_down_shexp",
+                         shared_gate="ffn_gate_inp_shexp")
     if arch == "phi3":  # fused: attn_qkv = [q; k; v] rows, ffn_up = [gate; up] rows
         for i in range(config.num_layers):
             put(f"blk.{i}.attn_qkv.weight", np.concatenate([w["wq"][i].T, w["wk"][i].T, w["wv"][i].T]), True)

@@ -33,7 +33,7 @@ RUNS = [
 # (at TP 4 over model a's 2 KV heads the adapters' k/v columns are replicated with the heads). A "draft"
 # run speculates with a draft model (the target's first layer), split over the mesh as the target is.
 # Model "g": the tiny Gemma 3 checkpoint (sliding window 8: its second page group is sharded too); "m": the
-# tiny Mixtral (a mixture of experts: each expert's columns split as a dense MLP's).
+# tiny Qwen2-MoE (a mixture of experts: each expert's columns split as a dense MLP's, and its shared expert's).
 TINY_HF = os.path.join(os.path.dirname(os.path.abspath(__file__)), "golden", "tiny_hf")
 
 
@@ -50,7 +50,7 @@ def main(workdir: str) -> None:
     from jaxcb.model.config import tiny_config
 
     models = {"a": tiny_config(), "b": tiny_config(num_heads=8, hidden_size=128),
-              "g": os.path.join(TINY_HF, "gemma3"), "m": os.path.join(TINY_HF, "mixtral")}
+              "g": os.path.join(TINY_HF, "gemma3"), "m": os.path.join(TINY_HF, "qwen2moe")}
     out = {}
     for key, model in models.items():
         path = model

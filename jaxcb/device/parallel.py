@@ -31,7 +31,7 @@ _LAYER_SPECS = {
     "wo": P(None, AXIS, None),
     "w_gate": P(None, None, AXIS), "w_up": P(None, None, AXIS), "w_down": P(None, AXIS, None),
     # a mixture of experts: the router replicated, each expert split as the dense MLP is (its columns)
-    "router": P(), "experts_gate": P(None, None, None, AXIS), "experts_up": P(None, None, None, AXIS),
+    "router": P(), "shared_gate": P(), "experts_gate": P(None, None, None, AXIS), "experts_up": P(None, None, None, AXIS),
     "experts_down": P(None, None, AXIS, None),
 }
 
@@ -48,7 +48,8 @@ def check_tensor_parallel(config: ModelConfig, tensor: int, weights: str = "auto
     `weights` with `group` input rows per scale: a group must not straddle two devices)."""
     if tensor < 1:
         raise InvalidConfig(f"parallel.tensor: must be >= 1, got {tensor}")
-    for what, n in (("query heads", config.num_heads), ("intermediate columns", config.intermediate_size)):
+    for what, n in (("query heads", config.num_heads), ("intermediate columns", config.intermediate_size),
+                    ("shared expert's columns", config.shared_expert_size or tensor)):
         if n % tensor:
             raise InvalidConfig(f"parallel.tensor: {tensor} devices do not divide the model's {n} {what}")
     k = config.num_kv_heads

@@ -58,6 +58,9 @@ class ModelConfig:
     num_experts: int = 0
     experts_per_token: int = 0
     norm_topk: bool = True
+    # Beside the experts, a shared expert every token runs (Qwen2-MoE): a gated MLP this wide (the dense MLP's
+    # matrices w_gate, w_up, w_down), its output times sigmoid(x @ shared_gate); 0: none.
+    shared_expert_size: int = 0
 
     def __post_init__(self):
         assert self.num_heads % self.num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads"
@@ -108,8 +111,12 @@ class ModelConfig:
         e, f, l = self.hidden_size, self.intermediate_size, self.num_layers
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         x = self.num_experts
+        s = self.shared_expert_size or f  # (the dense MLP's width, or the shared expert's)
+        dense = {"w_gate": (l, e, s), "w_up": (l, e, s), "w_down": (l, s, e)}
         mlp = ({"router": (l, e, x), "experts_gate": (l, x, e, f), "experts_up": (l, x, e, f),
-                "experts_down": (l, x, f, e)} if x else {"w_gate": (l, e, f), "w_up": (l, e, f), "w_down": (l, f, e)})
+                "experts_down": (l, x, f, e)} if x else dense)
+        if x and self.shared_expert_size:
+            mlp.update(dense, shared_gate=(l, e, 1))
         shapes = {  # in this order: jaxcb.model.llama.random_weights draws them so
             "embed": (self.vocab_size, e), "wq": (l, e, q), "wk": (l, e, kv), "wv": (l, e, kv),
             "wo": (l, q, e), **mlp, "attn_norm": (l, e), "mlp_norm": (l, e), "final_norm": (e,),
@@ -149,6 +156,7 @@ class ModelConfig:
         q = self.num_heads * self.head_dim
         kv = self.num_kv_heads * self.head_dim
         mlp = 3 * e * f * self.experts_per_token + e * self.num_experts if self.num_experts else 3 * e * f
+        mlp += (3 * e * self.shared_expert_size + e) if self.num_experts and self.shared_expert_size else 0
         matmul = self.num_layers * (e * q + 2 * e * kv + q * e + mlp) + e * v
         seen = self.num_full_layers * context + self.num_sliding_layers * min(context, self.sliding_window)
         attention = seen * 2 * 2 * self.num_heads * self.head_dim

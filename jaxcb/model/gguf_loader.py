@@ -1,4 +1,4 @@
-"""Read a GGUF file of the Llama (and Mixtral: llama with experts), Qwen2, Qwen3, Qwen3-MoE, SmolLM3, Granite,
+"""Read a GGUF file of the Llama (and Mixtral: llama with experts), Qwen2, Qwen2-MoE, Qwen3, Qwen3-MoE, SmolLM3, Granite,
 Granite MoE, Phi-3, Gemma 2 or Gemma 3 architecture: config, dequantized weights and tokenizer metadata.
 
 The `gguf` library parses the file and dequantizes every tensor type it knows. Weights come back
@@ -27,9 +27,9 @@ from jaxcb.host.tokenizer import TokenizerSpec
 from jaxcb.model.config import ModelConfig, check_all_used
 from jaxcb.model.gguf_file import GGUFFile
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "gemma2", "gemma3", "smollm3", "granite",
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen2moe", "qwen3", "qwen3moe", "gemma2", "gemma3", "smollm3", "granite",
                            "granitemoe", "phi3")
-MOE_ARCHITECTURES = ("llama", "qwen3moe", "granitemoe")  # a mixture of experts read (Mixtral: "llama" with experts)
+MOE_ARCHITECTURES = ("llama", "qwen2moe", "qwen3moe", "granitemoe")  # a mixture of experts (Mixtral: "llama" + experts)
 
 # Project name -> (GGUF name pattern, transpose to [in, out]).
 _LAYER_TENSORS = {
@@ -123,13 +123,16 @@ def read_config(reader) -> ModelConfig:
         if arch not in MOE_ARCHITECTURES:
             raise InvalidConfig(f"{arch}.expert_count: {experts}: a mixture of experts is supported for "
                                 f"{', '.join(MOE_ARCHITECTURES)} only")
-        for key in ("expert_shared_count", "expert_shared_feed_forward_length"):  # (Granite MoE Shared's)
-            if _field(reader, f"{arch}.{key}"):
-                raise InvalidConfig(f"{arch}.{key}: {_field(reader, f'{arch}.{key}')}: shared experts are not supported")
+        shared = int(_field(reader, f"{arch}.expert_shared_feed_forward_length", 0) or 0)
+        if shared and arch != "qwen2moe" or _field(reader, f"{arch}.expert_shared_count"):  # (Granite MoE Shared's)
+            raise InvalidConfig(f"{arch}.expert_shared_feed_forward_length: {shared}: shared experts are supported "
+                                "for qwen2moe only (its one, gated)")
         used = int(need("expert_used_count"))
         if not 0 < used <= experts:
             raise InvalidConfig(f"{arch}.expert_used_count: {used} is not between 1 and the {experts} experts")
-        family.update(num_experts=experts, experts_per_token=used, norm_topk=True)
+        # the chosen experts' weights renormalized: llama.cpp's rule for these, but for Qwen2-MoE
+        family.update(num_experts=experts, experts_per_token=used, norm_topk=arch != "qwen2moe",
+                      shared_expert_size=shared)
     value_dim = int(_field(reader, f"{arch}.attention.value_length", head_dim))
     if value_dim != head_dim:
         raise InvalidConfig(f"{arch}.attention.value_length: {value_dim} differs from key_length {head_dim} "
@@ -325,6 +328,10 @@ def load_gguf(path: str, check_config=None) -> LoadedModel:
     if config.num_experts:  # the router, and the experts' matrices stacked per layer [X, out, in] (older
         table.pop("w_gate"), table.pop("w_up"), table.pop("w_down")  # files: a tensor per expert)
         table["router"] = ("blk.{i}.ffn_gate_inp.weight", True)
+        if config.shared_expert_size:  # Qwen2-MoE's shared expert, as the dense MLP, and its gate
+            table.update(w_gate=("blk.{i}.ffn_gate_shexp.weight", True), w_up=("blk.{i}.ffn_up_shexp.weight", True),
+                         w_down=("blk.{i}.ffn_down_shexp.weight", True),
+                         shared_gate=("blk.{i}.ffn_gate_inp_shexp.weight", False))  # ([1, E] or [E]: below)
         for key, part in (("experts_gate", "ffn_gate"), ("experts_up", "ffn_up"), ("experts_down", "ffn_down")):
             if f"blk.0.{part}_exps.weight" in tensors:
                 table[key] = (f"blk.{{i}}.{part}_exps.weight", True)
@@ -333,6 +340,8 @@ def load_gguf(path: str, check_config=None) -> LoadedModel:
                                                    for j in range(config.num_experts)]) for i in range(config.num_layers)])
     for key, (pattern, transpose) in table.items():
         weights[key] = np.stack([get(pattern.format(i=i), transpose) for i in range(config.num_layers)])
+    if "shared_gate" in weights:  # one output column
+        weights["shared_gate"] = weights["shared_gate"].reshape(config.num_layers, config.hidden_size, 1)
     check_all_used(set(tensors) - used, path)
     config.check_weight_shapes(weights, "model file")
     return LoadedModel(config=config, weights=weights, tokenizer=read_tokenizer(reader), path=path)

@@ -30,6 +30,7 @@ ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qw
                  "SmolLM3ForCausalLM": "smollm3", "GraniteForCausalLM": "granite", "Phi3ForCausalLM": "phi3",
                  "Qwen3ForCausalLM": "qwen3", "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3",
                  "MixtralForCausalLM": "mixtral", "Qwen3MoeForCausalLM": "qwen3moe", "GraniteMoeForCausalLM": "granitemoe",
+                 "Qwen2MoeForCausalLM": "qwen2moe",
                  # Gemma 3 4B+ as released (a vision tower beside the language model): served on text
                  "Gemma3ForConditionalGeneration": "gemma3"}
 # Where a checkpoint keeps the language model's tensors: a causal LM's "model.", a multimodal one's
@@ -55,6 +56,7 @@ _FUSED = {"self_attn.qkv_proj.weight": ("wq", "wk", "wv"), "mlp.gate_up_proj.wei
 # their down projections [X, E, F].
 _MOE = {"mixtral": ("block_sparse_moe.gate.weight", "block_sparse_moe.experts.{j}.", ("w1", "w3", "w2")),
         "qwen3moe": ("mlp.gate.weight", "mlp.experts.{j}.", ("gate_proj", "up_proj", "down_proj")),
+        "qwen2moe": ("mlp.gate.weight", "mlp.experts.{j}.", ("gate_proj", "up_proj", "down_proj")),
         "granitemoe": ("block_sparse_moe.router.layer.weight", "block_sparse_moe.",
                        ("input_linear", "input_linear", "output_linear"))}
 _BIASES = {"bq": "self_attn.q_proj.bias", "bk": "self_attn.k_proj.bias", "bv": "self_attn.v_proj.bias"}
@@ -173,7 +175,7 @@ def read_config(path: str) -> ModelConfig:
         if _kind(scaling) in ("longrope", "su"):
             extra.update(_longrope(scaling, raw, extra.get("rotary_dim", head_dim), max_context))
             max_context = extra.pop("max_context")
-        if family == "qwen2" and raw.get("use_sliding_window"):
+        if family in ("qwen2", "qwen2moe") and raw.get("use_sliding_window"):
             raise InvalidConfig("config.json: use_sliding_window (Qwen2's sliding layers) is not supported")
         if (arch == "MistralForCausalLM" or family == "phi3") and raw.get("sliding_window"):
             # Mistral 7B v0.1 and Phi-3 attend to their last `sliding_window` tokens in every layer: exactly
@@ -196,8 +198,9 @@ def read_config(path: str) -> ModelConfig:
             raise InvalidConfig(f"config.json: rope_scaling {scaling!r}: Gemma 2 has plain RoPE")
         if family in ("qwen3", "qwen3moe"):
             extra.update(qk_norm=True)
-        # (Mixtral's experts are intermediate_size wide, Qwen3-MoE's moe_intermediate_size)
-        intermediate = int(raw["moe_intermediate_size"] if family == "qwen3moe" else raw["intermediate_size"])
+        # (Mixtral's and Granite MoE's experts are intermediate_size wide, Qwen's moe_intermediate_size)
+        moe_width = family in ("qwen3moe", "qwen2moe")
+        intermediate = int(raw["moe_intermediate_size"] if moe_width else raw["intermediate_size"])
         if family in _MOE:
             if raw.get("mlp_only_layers") or int(raw.get("decoder_sparse_step", 1)) != 1:
                 raise InvalidConfig("config.json: mlp_only_layers / decoder_sparse_step (dense layers among the "
@@ -207,7 +210,8 @@ def read_config(path: str) -> ModelConfig:
                 raise InvalidConfig(f"config.json: num_experts_per_tok {used} is not between 1 and the {experts} experts")
             # (renormalized: Mixtral's and Granite MoE's always; Qwen3-MoE's as norm_topk_prob, transformers' default off)
             extra.update(num_experts=experts, experts_per_token=used,
-                         norm_topk=bool(raw.get("norm_topk_prob", family != "qwen3moe")))
+                         norm_topk=bool(raw.get("norm_topk_prob", family not in ("qwen3moe", "qwen2moe"))),
+                         shared_expert_size=int(raw.get("shared_expert_intermediate_size") or 0))
         if gemma:
             window = int(raw.get("sliding_window") or 0)
             types = raw.get("layer_types")
@@ -238,9 +242,9 @@ def read_config(path: str) -> ModelConfig:
             rope_theta=theta or 10000.0, rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             tie_embeddings=bool(raw.get("tie_word_embeddings", gemma)),
             name=os.path.basename(os.path.normpath(path)),
-            attention_bias=family == "qwen2" or bool(raw.get("attention_bias", False)),
+            attention_bias=family in ("qwen2", "qwen2moe") or bool(raw.get("attention_bias", False)),
             family={"qwen2": "llama", "smollm3": "llama", "granite": "llama", "phi3": "llama", "mixtral": "llama",
-                    "granitemoe": "llama",
+                    "granitemoe": "llama", "qwen2moe": "llama",
                     "qwen3moe": "qwen3"}.get(family, family), **extra,
         )
     except KeyError as e:
@@ -288,8 +292,13 @@ def load_weights(path: str, config: ModelConfig) -> dict[str, np.ndarray]:
     weights = {"embed": get(prefix + "embed_tokens.weight"), "final_norm": get(prefix + "norm.weight")}
     names = dict(_LAYER)
     if config.num_experts:  # the router [L, E, X] and each expert's matrices stacked [L, X, in, out]
-        for key in ("w_gate", "w_up", "w_down"):
-            del names[key]
+        for key, shared in (("w_gate", "gate_proj"), ("w_up", "up_proj"), ("w_down", "down_proj")):
+            if config.shared_expert_size:  # (Qwen2-MoE's shared expert: the dense MLP's names, and its gate)
+                names[key] = (f"mlp.shared_expert.{shared}.weight", True)
+            else:
+                del names[key]
+        if config.shared_expert_size:
+            names["shared_gate"] = ("mlp.shared_expert_gate.weight", True)
         arch = next((a for a, moe in _MOE.items() if layer.format(i=0) + moe[0] in tensors), None)
         if arch is None:
             raise InvalidConfig(f"model: {path} has no router tensor (one of "

@@ -79,6 +79,7 @@ class LayerParams:
     experts_gate: jax.Array | None = None  # [L, X, E, F]
     experts_up: jax.Array | None = None  # [L, X, E, F]
     experts_down: jax.Array | None = None  # [L, X, F, E]
+    shared_gate: jax.Array | None = None  # [L, E, 1] beside the experts, the shared expert's (w_gate, w_up, w_down) gate
 
 
 @flax.struct.dataclass
@@ -270,10 +271,12 @@ def _layer(config: ModelConfig, attention: Attention, batch: StepInput, h, kv_pa
 
     x = norm(h, w.mlp_norm)
     act = jax.nn.silu if config.activation == "silu" else functools.partial(jax.nn.gelu, approximate=True)
-    if w.router is not None:
-        out = experts(config, x, w, act, grouped=attention.grouped_experts)
-    else:
-        out = proj(act(proj(x, "w_gate")) * proj(x, "w_up"), "w_down")
+    out = experts(config, x, w, act, grouped=attention.grouped_experts) if w.router is not None else None
+    if w.w_gate is not None:  # the dense MLP, or a mixture's shared expert (weighed by its gate)
+        mlp = proj(act(proj(x, "w_gate")) * proj(x, "w_up"), "w_down")
+        if w.shared_gate is not None:
+            mlp = mlp * jax.nn.sigmoid(jnp.dot(x, w.shared_gate, preferred_element_type=jnp.float32)).astype(x.dtype)
+        out = mlp if out is None else out + mlp
     if w.post_mlp_norm is not None:
         out = norm(out, w.post_mlp_norm)
     if config.residual_multiplier != 1.0:
