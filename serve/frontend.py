@@ -47,7 +47,7 @@ class ServerOptions:
     trust_request_chat_template: bool = False
     reasoning_parser: str | None = None  # chat answers' <think> part as `reasoning` (serve.reasoning.PARSERS)
     tool_call_parser: str = "auto"  # the format of tool calls (jaxcb.host.tool_calls.choose_format)
-    http_header_timeout_s: float = 30.0  # an HTTP connection's request line and headers must come within this
+    http_header_timeout_s: float = 30.0  # an HTTP request's line and headers must come within this, then its body
 
     def __post_init__(self):
         if not self.http_header_timeout_s > 0:

@@ -89,18 +89,25 @@ def make_app(state) -> FastAPI:
 
     async def body_of(request: Request) -> dict:
         """The JSON object of the body: at most MAX_REQUEST_BYTES (checked from Content-Length before
-        reading, and while reading), parsed off the event loop when large; anything that is not a
-        JSON object (bad bytes, nesting too deep, an integer of thousands of digits) is a 400."""
-        limit = frontend.MAX_REQUEST_BYTES
+        reading, and while reading), whole within --http-header-timeout (a 408: a client that declares a
+        body and trickles it, or never sends it, does not hold its call), parsed off the event loop when
+        large; anything that is not a JSON object (bad bytes, nesting too deep, an integer of thousands of
+        digits) is a 400."""
+        limit, seconds = frontend.MAX_REQUEST_BYTES, state.options.http_header_timeout_s
         declared = request.headers.get("content-length")
         if declared is not None and (not declared.isdigit() or int(declared) > limit):
             raise HTTPError(413, f"body: {declared} bytes; the limit is {limit}", param="body")
         chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise HTTPError(413, f"body: more than {limit} bytes; the limit is {limit}", param="body")
-            chunks.append(chunk)
+        try:
+            async with asyncio.timeout(seconds):
+                async for chunk in request.stream():
+                    size += len(chunk)
+                    if size > limit:
+                        raise HTTPError(413, f"body: more than {limit} bytes; the limit is {limit}", param="body")
+                    chunks.append(chunk)
+        except TimeoutError:
+            raise HTTPError(408, f"body: not received whole within {seconds:g} s ({size} bytes came)",
+                            param="body") from None
         raw = b"".join(chunks)
         body = await asyncio.to_thread(parse_json, raw) if size > 1 << 16 else parse_json(raw)
         adapter_of(body)  # the model it names is served (404 before any other work)

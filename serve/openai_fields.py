@@ -19,8 +19,9 @@ from jaxcb.host.chat_template import check_template_kwargs
 from serve import frontend
 
 HTTP_STATUS = {InvalidRequest: 400, NotFound: 404, Overloaded: 429, Unavailable: 503, Unauthenticated: 401, StepFailed: 500}
-ERROR_TYPE = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error", 413: "invalid_request_error",
-         429: "rate_limit_error", 500: "internal_error", 503: "service_unavailable"}
+ERROR_TYPE = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+              408: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error", 500: "internal_error",
+              503: "service_unavailable"}
 EXTRAS = {"top_k", "min_p", "repetition_penalty", "ignore_eos", "min_tokens", "stop_token_ids",
           "include_stop_str_in_output", "skip_special_tokens", "allowed_token_ids", "truncate_prompt_tokens",
           "priority", "cache_salt", "request_id", "prompt_logprobs", *GUIDED_FIELDS, *GUIDED_EXTRAS,

@@ -1393,14 +1393,17 @@ def test_small_refusals_name_their_fields_and_routes_answer_in_openais_shape(ser
 
 def test_slow_and_idle_connections_are_closed_at_the_header_deadline(tiny_gguf_path, config_path):
     """--http-header-timeout: a connection that has not sent a whole request line and headers in time (one
-    trickling them, slowloris; one idle from its opening, or after its answer) is closed, while a client
-    that sends its request in time is answered; a request still being answered is not cut."""
+    trickling them, slowloris; one idle from its opening, or after its answer) is closed, and a body not
+    whole in that time is a 408, while a client that sends its request in time is answered; a request still
+    being answered is not cut."""
     import socket
 
     for s in _http_server(tiny_gguf_path, config_path, "--http-header-timeout", "1.5"):
         host, port = s.http.split("//")[1].split(":")
-        idle, slow, used = (socket.create_connection((host, int(port)), timeout=10) for _ in range(3))
+        idle, slow, used, body = (socket.create_connection((host, int(port)), timeout=10) for _ in range(4))
         slow.sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n")  # never the blank line
+        body.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 100\r\n\r\n{\"prompt\": ")  # the body never whole: a 408
         used.sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n")  # answered, then a next request begun:
         time.sleep(0.5)
         used.sendall(b"G")  # (its first byte stops uvicorn's own keep-alive timer: only the deadline closes it)
@@ -1414,4 +1417,6 @@ def test_slow_and_idle_connections_are_closed_at_the_header_deadline(tiny_gguf_p
             assert sock.recv(1) == b"", "still open"  # closed by the server
         answer = b"".join(iter(lambda: used.recv(65536), b""))  # its answer, then closed
         assert answer.startswith(b"HTTP/1.1 200"), answer[:100]
+        answer = body.recv(65536)
+        assert answer.startswith(b"HTTP/1.1 408") and b"body: not received whole within 1.5 s" in answer, answer
         assert httpx.get(s.http + "/v1/models", timeout=10).status_code == 200

@@ -90,7 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--grace-period", type=float, default=10.0, help="seconds in-flight streams get at shutdown")
     s.add_argument("--http-header-timeout", type=float, default=30.0,
                    help="seconds an HTTP connection has to send a request's line and headers, from its opening "
-                        "or its last answer, before it is closed (slow or idle clients)")
+                        "or its last answer, before it is closed (slow or idle clients), and then its body (a 408)")
     s.add_argument("--max-waiting", type=int, default=1024,
                    help="requests accepted and not yet running before RESOURCE_EXHAUSTED")
     s.add_argument("--max-concurrent-streams", type=int, default=4096, help="calls in progress at once")
