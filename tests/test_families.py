@@ -1,4 +1,5 @@
-"""Qwen3, Mixtral, Qwen2-MoE, Qwen3-MoE and Granite MoE (mixtures of experts), SmolLM3 (no RoPE in some layers), Granite (scalars on the embeddings, residual branches, scores
+"""Qwen3, Mixtral, Qwen2-MoE, Qwen3-MoE and Granite MoE (mixtures of experts), OLMo 2 (norms after attention and
+the MLP only, q and k normed whole), SmolLM3 (no RoPE in some layers), Granite (scalars on the embeddings, residual branches, scores
 and logits), Phi-3 (fused projections; Phi-4-mini's partial rotary and LongRoPE), Gemma 2 and Gemma 3
 against transformers' own modules: tiny random checkpoints in the Hugging
 Face layout (tools/make_tiny_hf.py wrote them and their golden outputs with transformers), loaded
@@ -25,7 +26,7 @@ from jaxcb.model.paged_attention import allocate_kv_pages
 from tests.server_util import compile_mode
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "golden", "tiny_hf")
-FAMILIES = ("qwen3", "mixtral", "qwen2moe", "qwen3moe", "granitemoe", "smollm3", "granite", "phi3", "phi3-longrope", "gemma2", "gemma3", "llama3-rope", "gemma3-linear", "gemma3-mm")
+FAMILIES = ("qwen3", "mixtral", "qwen2moe", "qwen3moe", "granitemoe", "olmo2", "smollm3", "granite", "phi3", "phi3-longrope", "gemma2", "gemma3", "llama3-rope", "gemma3-linear", "gemma3-mm")
 # checkpoints of a family with RoPE scaling, or with a vision tower beside it (served on text), or a
 # Llama with layers without RoPE, Granite's scalars or Phi-3's fused projections
 FAMILY_OF = {"llama3-rope": "llama", "gemma3-linear": "gemma3", "gemma3-mm": "gemma3", "smollm3": "llama",
@@ -56,7 +57,7 @@ def prefill_logits(config, params, ids, page_size=16):
 def test_prefill_logits_match_transformers(family):
     config, params, _, _ = load_model(os.path.join(GOLDEN, family), jnp.float32)
     assert config.family == FAMILY_OF.get(family, family)
-    assert config.qk_norm == (config.family in ("qwen3", "gemma3"))
+    assert config.qk_norm == (config.family in ("qwen3", "gemma3", "olmo2"))
     assert config.windowed == family.startswith("gemma")
     for record in golden(family):
         ours = prefill_logits(config, params, record["prompt_ids"])
@@ -349,6 +350,32 @@ def test_mixture_of_experts_gguf_files_load_as_llama_cpp_writes_them(tmp_path):
             ref = np.asarray(record["prefill_logits"], np.float32)
             ours = prefill_logits(got.config, params, record["prompt_ids"])
             assert np.abs(ours - ref).max() <= 1e-5 * np.abs(ref).max(), family
+
+
+def test_an_olmo2_gguf_gives_transformers_logits(tmp_path):
+    """OLMo 2 as llama.cpp's converter writes it (arch olmo2: its norms after attention and the MLP as
+    post_attention_norm and post_ffw_norm, q and k norms over whole projections, Q/K not permuted): the Hugging
+    Face loader's weights exactly and transformers' logits."""
+    from jaxcb.model.gguf_loader import load_gguf
+    from jaxcb.model.hf_loader import load_weights
+    from jaxcb.model.llama import params_from_numpy
+    from tests.tiny_gguf import write_tiny_gguf
+
+    src = os.path.join(GOLDEN, "olmo2")
+    config, _, _, _ = load_model(src, jnp.float32)
+    weights = load_weights(src, config)
+    path = str(tmp_path / "olmo2.gguf")
+    write_tiny_gguf(path, config, arch="olmo2", weights=weights)
+    got = load_gguf(path)
+    fields = ("family", "qk_norm", "qk_norm_whole", "pre_norms", "post_norms", "num_layers", "head_dim")
+    assert {f: getattr(got.config, f) for f in fields} == {f: getattr(config, f) for f in fields}
+    assert sorted(got.weights) == sorted(weights) and "attn_norm" not in weights
+    for key, w in weights.items():
+        np.testing.assert_array_equal(got.weights[key], w, err_msg=key)
+    params = params_from_numpy(got.weights, jnp.float32)
+    for record in golden("olmo2"):
+        ref = np.asarray(record["prefill_logits"], np.float32)
+        assert np.abs(prefill_logits(got.config, params, record["prompt_ids"]) - ref).max() <= 1e-5 * np.abs(ref).max()
 
 
 def test_each_way_of_running_the_experts_gives_the_same_output():

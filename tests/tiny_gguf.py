@@ -128,6 +128,9 @@ def write_tiny_gguf(path: str, config: ModelConfig | None = None, seed: int = 0,
         names.update(bq="attn_q.bias", bk="attn_k.bias", bv="attn_v.bias")
     if config.qk_norm:
         names.update(q_norm="attn_q_norm", k_norm="attn_k_norm")
+    if not config.pre_norms:  # OLMo 2: norms after attention and the MLP only
+        del names["attn_norm"], names["mlp_norm"]
+        names.update(post_attn_norm="post_attention_norm", post_mlp_norm="post_ffw_norm")
     if config.num_experts:  # the router and each layer's experts in one tensor each, [X, out, in]
         for key in ("w_gate", "w_up", "w_down"):
             del names[key]

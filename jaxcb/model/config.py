@@ -29,6 +29,8 @@ class ModelConfig:
     family: str = "llama"  # "llama" (Llama, Mistral, Mixtral, Qwen2, SmolLM3, Granite, Phi-3), "qwen3" (and MoE),
     #                        "gemma2", "gemma3"
     qk_norm: bool = False  # RMSNorm over each head of q and k before RoPE (Qwen3, Gemma 3)
+    qk_norm_whole: bool = False  # ... over the whole q and k projections instead, all heads at once (OLMo 2)
+    pre_norms: bool = True  # a norm before attention and before the MLP (False: OLMo 2's, with post_norms only)
     norm_plus_one: bool = False  # RMSNorm scales by (1 + w) (Gemma)
     post_norms: bool = False  # a norm after attention and after the MLP too: four per layer (Gemma 2/3)
     activation: str = "silu"  # the gated MLP's: "silu" (SwiGLU) or "gelu_tanh" (GeGLU, Gemma)
@@ -121,9 +123,13 @@ class ModelConfig:
             "embed": (self.vocab_size, e), "wq": (l, e, q), "wk": (l, e, kv), "wv": (l, e, kv),
             "wo": (l, q, e), **mlp, "attn_norm": (l, e), "mlp_norm": (l, e), "final_norm": (e,),
         }
+        if not self.pre_norms:
+            del shapes["attn_norm"], shapes["mlp_norm"]
         if self.attention_bias:
             shapes.update(bq=(l, q), bk=(l, kv), bv=(l, kv))
-        if self.qk_norm:
+        if self.qk_norm and self.qk_norm_whole:
+            shapes.update(q_norm=(l, q), k_norm=(l, kv))
+        elif self.qk_norm:
             shapes.update(q_norm=(l, self.head_dim), k_norm=(l, self.head_dim))
         if self.post_norms:
             shapes.update(post_attn_norm=(l, e), post_mlp_norm=(l, e))

@@ -1,5 +1,5 @@
 """Read a GGUF file of the Llama (and Mixtral: llama with experts), Qwen2, Qwen2-MoE, Qwen3, Qwen3-MoE, SmolLM3, Granite,
-Granite MoE, Phi-3, Gemma 2 or Gemma 3 architecture: config, dequantized weights and tokenizer metadata.
+Granite MoE, Phi-3, Gemma 2, Gemma 3 or OLMo 2 architecture: config, dequantized weights and tokenizer metadata.
 
 The `gguf` library parses the file and dequantizes every tensor type it knows. Weights come back
 as numpy arrays in this project's layout (see `WEIGHT_NAMES`): linear weights as [in, out] so the
@@ -28,7 +28,7 @@ from jaxcb.model.config import ModelConfig, check_all_used
 from jaxcb.model.gguf_file import GGUFFile
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen2moe", "qwen3", "qwen3moe", "gemma2", "gemma3", "smollm3", "granite",
-                           "granitemoe", "phi3")
+                           "granitemoe", "phi3", "olmo2")
 MOE_ARCHITECTURES = ("llama", "qwen2moe", "qwen3moe", "granitemoe")  # a mixture of experts (Mixtral: "llama" + experts)
 
 # Project name -> (GGUF name pattern, transpose to [in, out]).
@@ -52,6 +52,8 @@ _BIAS_TENSORS = {"bq": "blk.{i}.attn_q.bias", "bk": "blk.{i}.attn_k.bias", "bv":
 _EXTRA_TENSORS = {
     "qwen3": {"q_norm": "blk.{i}.attn_q_norm.weight", "k_norm": "blk.{i}.attn_k_norm.weight"},
     "gemma2": {"post_attn_norm": "blk.{i}.post_attention_norm.weight", "post_mlp_norm": "blk.{i}.post_ffw_norm.weight"},
+    "olmo2": {"q_norm": "blk.{i}.attn_q_norm.weight", "k_norm": "blk.{i}.attn_k_norm.weight",
+              "post_attn_norm": "blk.{i}.post_attention_norm.weight", "post_mlp_norm": "blk.{i}.post_ffw_norm.weight"},
     "gemma3": {"q_norm": "blk.{i}.attn_q_norm.weight", "k_norm": "blk.{i}.attn_k_norm.weight",
                "post_attn_norm": "blk.{i}.post_attention_norm.weight", "post_mlp_norm": "blk.{i}.post_ffw_norm.weight"},
 }
@@ -150,6 +152,8 @@ def read_config(reader) -> ModelConfig:
     context = int(need("context_length"))
     family.update(_rope_scaling(reader, arch, head_dim))
     ffn = int(_field(reader, f"{arch}.expert_feed_forward_length", 0) or need("feed_forward_length"))
+    if arch == "olmo2":  # norms after attention and the MLP only; q and k normed whole (its rotate-half RoPE)
+        family.update(family="olmo2", qk_norm=True, qk_norm_whole=True, post_norms=True, pre_norms=False)
     if arch in ("qwen3", "qwen3moe"):
         family.update(family="qwen3", qk_norm=True)
     elif arch == "smollm3":  # Llama without RoPE in every fourth layer (llama.cpp's n_no_rope_layer_step)
@@ -315,6 +319,8 @@ def load_gguf(path: str, check_config=None) -> LoadedModel:
     table = {**_LAYER_TENSORS, **{k: (v, False) for k, v in _EXTRA_TENSORS.get(config.family, {}).items()}}
     if config.attention_bias:
         table.update({k: (v, False) for k, v in _BIAS_TENSORS.items()})
+    if not config.pre_norms:  # (OLMo 2)
+        del table["attn_norm"], table["mlp_norm"]
     for pattern, parts in _FUSED_TENSORS.items():  # (Phi-3) fused projections: each part's rows, as [in, out]
         if pattern.format(i=0) not in tensors or _LAYER_TENSORS[parts[0]][0].format(i=0) in tensors:
             continue  # (not fused: ffn_up is the up projection alone where an ffn_gate is beside it)

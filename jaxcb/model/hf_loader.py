@@ -4,8 +4,8 @@ Llama-family architectures load into the one model with its named variations (ja
 Llama and Mistral as they are, Qwen2 with its q/k/v biases, Qwen3 with its per-head q/k norms and
 explicit head_dim, Gemma 2 (four norms a layer, soft-capping, sliding layers alternating with full
 ones) and Gemma 3 (text: q/k norms, five sliding layers to a full one, a local RoPE base), Mixtral and
-Qwen3-MoE (a mixture of experts in place of the MLP); a separate output head when the embeddings are not
-tied. Weights are read with `safetensors` (no framework) and
+Qwen3-MoE (a mixture of experts in place of the MLP), OLMo 2 (norms after attention and the MLP only; q and
+k normed whole); a separate output head when the embeddings are not tied. Weights are read with `safetensors` (no framework) and
 transposed from torch's [out, in] to this project's [in, out].
 """
 
@@ -30,7 +30,7 @@ ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qw
                  "SmolLM3ForCausalLM": "smollm3", "GraniteForCausalLM": "granite", "Phi3ForCausalLM": "phi3",
                  "Qwen3ForCausalLM": "qwen3", "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3",
                  "MixtralForCausalLM": "mixtral", "Qwen3MoeForCausalLM": "qwen3moe", "GraniteMoeForCausalLM": "granitemoe",
-                 "Qwen2MoeForCausalLM": "qwen2moe",
+                 "Qwen2MoeForCausalLM": "qwen2moe", "Olmo2ForCausalLM": "olmo2",
                  # Gemma 3 4B+ as released (a vision tower beside the language model): served on text
                  "Gemma3ForConditionalGeneration": "gemma3"}
 # Where a checkpoint keeps the language model's tensors: a causal LM's "model.", a multimodal one's
@@ -198,6 +198,8 @@ def read_config(path: str) -> ModelConfig:
             raise InvalidConfig(f"config.json: rope_scaling {scaling!r}: Gemma 2 has plain RoPE")
         if family in ("qwen3", "qwen3moe"):
             extra.update(qk_norm=True)
+        if family == "olmo2":  # norms after attention and the MLP only; q and k normed whole, before RoPE
+            extra.update(qk_norm=True, qk_norm_whole=True, post_norms=True, pre_norms=False)
         # (Mixtral's and Granite MoE's experts are intermediate_size wide, Qwen's moe_intermediate_size)
         moe_width = family in ("qwen3moe", "qwen2moe")
         intermediate = int(raw["moe_intermediate_size"] if moe_width else raw["intermediate_size"])
@@ -321,6 +323,8 @@ def load_weights(path: str, config: ModelConfig) -> dict[str, np.ndarray]:
         names.update({k: (v, False) for k, v in _QK_NORMS.items()})
     if config.post_norms:
         names.update({k: (v, False) for k, v in _GEMMA_NORMS.items()})
+    if not config.pre_norms:  # (OLMo 2: its post_attention_layernorm is the attention output's, as Gemma's)
+        del names["attn_norm"], names["mlp_norm"]
     for key, (name, transpose) in names.items():
         weights[key] = np.stack([get(layer.format(i=i) + name, transpose) for i in range(config.num_layers)])
     head = "language_model.lm_head.weight" if "language_model.lm_head.weight" in tensors else "lm_head.weight"

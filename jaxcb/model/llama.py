@@ -57,22 +57,22 @@ class Attention:
 
 @flax.struct.dataclass
 class LayerParams:
-    """Stacked over layers: every array has a leading L axis."""
+    """Stacked over layers: every array has a leading L axis (None: a part the model does not have)."""
 
-    attn_norm: jax.Array  # [L, E]
-    wq: jax.Array  # [L, E, H*D]
-    wk: jax.Array  # [L, E, K*D]
-    wv: jax.Array  # [L, E, K*D]
-    wo: jax.Array  # [L, H*D, E]
-    mlp_norm: jax.Array  # [L, E]
+    attn_norm: jax.Array | None = None  # [L, E] before attention (None: OLMo 2's layers norm only after)
+    wq: jax.Array = None  # [L, E, H*D]
+    wk: jax.Array = None  # [L, E, K*D]
+    wv: jax.Array = None  # [L, E, K*D]
+    wo: jax.Array = None  # [L, H*D, E]
+    mlp_norm: jax.Array | None = None  # [L, E] before the MLP
     w_gate: jax.Array | None = None  # [L, E, F] the dense MLP (None in a mixture of experts)
     w_up: jax.Array | None = None  # [L, E, F]
     w_down: jax.Array | None = None  # [L, F, E]
     bq: jax.Array | None = None  # [L, H*D] attention biases (Qwen2); None in Llama
     bk: jax.Array | None = None  # [L, K*D]
     bv: jax.Array | None = None  # [L, K*D]
-    q_norm: jax.Array | None = None  # [L, D] per-head norms of q and k (Qwen3, Gemma 3)
-    k_norm: jax.Array | None = None  # [L, D]
+    q_norm: jax.Array | None = None  # [L, D] per-head norms of q and k (Qwen3, Gemma 3); [L, H*D] whole (OLMo 2)
+    k_norm: jax.Array | None = None  # [L, D]; [L, K*D]
     post_attn_norm: jax.Array | None = None  # [L, E] on the attention's output (Gemma 2/3)
     post_mlp_norm: jax.Array | None = None  # [L, E] on the MLP's output (Gemma 2/3)
     router: jax.Array | None = None  # [L, E, X] X experts in place of the MLP (Mixtral, Qwen3-MoE, Granite MoE)
@@ -239,12 +239,14 @@ def _layer(config: ModelConfig, attention: Attention, batch: StepInput, h, kv_pa
             y = y + ((x @ lora["a"][name]) * lora_mask) @ lora["b"][name]
         return y
 
-    x = norm(h, w.attn_norm)
+    x = norm(h, w.attn_norm) if w.attn_norm is not None else h
     q, k, v = proj(x, "wq"), proj(x, "wk"), proj(x, "wv")
     if w.bq is not None:
         q, k, v = q + w.bq, k + w.bk, v + w.bv
+    if config.qk_norm_whole:  # over all of q's and k's heads at once (OLMo 2)
+        q, k = norm(q, w.q_norm), norm(k, w.k_norm)
     q, k, v = q.reshape(t, nh, d), k.reshape(t, nk, d), v.reshape(t, nk, d)
-    if w.q_norm is not None:
+    if w.q_norm is not None and not config.qk_norm_whole:
         q, k = norm(q, w.q_norm), norm(k, w.k_norm)
     inv_freq = rope_frequencies(config, theta, sliding)
     if config.nope_layers:  # a layer without RoPE: every angle 0, its q and k as they are
@@ -269,7 +271,7 @@ def _layer(config: ModelConfig, attention: Attention, batch: StepInput, h, kv_pa
         out = out * jnp.asarray(config.residual_multiplier, out.dtype)
     h = h + out
 
-    x = norm(h, w.mlp_norm)
+    x = norm(h, w.mlp_norm) if w.mlp_norm is not None else h
     act = jax.nn.silu if config.activation == "silu" else functools.partial(jax.nn.gelu, approximate=True)
     out = experts(config, x, w, act, grouped=attention.grouped_experts) if w.router is not None else None
     if w.w_gate is not None:  # the dense MLP, or a mixture's shared expert (weighed by its gate)
