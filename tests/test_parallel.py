@@ -17,12 +17,27 @@ from jaxcb.model.config import tiny_config
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
+def test_experts_split_over_devices_are_partitioned_without_gathering_them():
+    """A mixture of experts' layer with each expert's columns on 2 devices: both ways of running it (the GPU's
+    and TPU's, grouped through ragged_dot; the CPU's loop) give the single-device output, and XLA's SPMD
+    partitioner joins the devices' parts with one all-reduce (the down projection's sums), gathering no
+    expert's matrices (tests/moe_tp_check.py, in a subprocess: forced host devices)."""
+    proc = subprocess.run([sys.executable, "-m", "tests.moe_tp_check"], capture_output=True, text=True, timeout=600,
+                          cwd=os.path.dirname(HERE))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    for way, run in out.items():
+        assert run["max_diff"] <= 1e-5 * run["scale"], (way, run)
+        assert run["collectives"] == ["all-reduce"], (way, run["collectives"])
+
+
 def test_meshes_give_the_single_device_tokens(tmp_path):
     """Tiny models over 8 forced host devices: TP 2/4/8 (KV heads replicated at TP 4 of model a and
     TP 4/8 of model b), the Pallas kernels in interpret mode under shard_map, TP 2 x DP 2;
     quantized weights split with their scales (int4 at TP 2; model b with int8 weights and int8 KV pages
     throughout, KV heads replicated at TP 8, the Pallas kernels at TP 4); a tiny Gemma 3 (two page groups) at TP 2
-    and DP 2; a tiny Qwen2-MoE (a mixture of experts and a shared expert; float and int8) at TP 2; n-gram speculation at TP 2 x DP 2; and two LoRA adapters beside the base model at TP 2,
+    and DP 2; a tiny Qwen2-MoE (a mixture of experts and a shared expert; float and int8) and a tiny OLMo 2 (q and k normed over
+    heads split over the devices) at TP 2; n-gram speculation at TP 2 x DP 2; and two LoRA adapters beside the base model at TP 2,
     TP 2 x DP 2 and TP 4 (KV heads, and the adapters' k/v columns, replicated); speculative decoding with a
     draft model split over the mesh at TP 2."""
     proc = subprocess.run([sys.executable, "-m", "tests.tp_check", str(tmp_path)], capture_output=True, text=True,
