@@ -313,32 +313,40 @@ def structured_failure(c: Constraint, matcher, produced: int) -> str:
     """Why a constrained sample ended in error after `produced` tokens (llguidance's matcher failed): a
     constraint that allows no further token where its output is not complete (a schema no finite JSON
     satisfies: a property that must hold itself), or one of llguidance's limits met while generating."""
-    error = _first_line(matcher.get_error() or "the token was not allowed").replace(" <non-verbose/>", "")
-    if error == "NoExtensionBias":  # (as _explain says it before any output)
+    error = _first_line(matcher.get_error() or "the token was not allowed")
+    if error == NO_CONTINUATION:  # (as _explain says it before any output)
         return (f"{c.field}: nothing can follow the output's first {produced} tokens, which do not complete it: "
                 f"no finite output matches (e.g. a schema whose $ref requires itself)")
-    if "max is" in error or "(limit " in error:  # one of llguidance's limits (LIMITS), met while generating
+    if _limit_met(error):
         return f"{c.field}: too large to enforce while generating (after {produced} output tokens: {error})"
     return f"{c.field}: the constraint failed after {produced} output tokens: {error}"
 
 
+NO_CONTINUATION = "NoExtensionBias"  # llguidance's error where nothing may follow what is written
+
+
 def _first_line(e) -> str:
-    text = str(e).strip() or type(e).__name__
+    text = (str(e).strip() or type(e).__name__).replace("<non-verbose/>", "")  # (llguidance's marker, no detail)
     return " ".join(text.split())[:300]
+
+
+def _limit_met(line: str) -> bool:
+    """Whether llguidance's error is one of its limits (LIMITS) met: too large to enforce."""
+    return "max is" in line or "(limit " in line
 
 
 def _explain(kind: str, error) -> str:
     """What a grammar llguidance refused is said to be. A schema that uses keywords it cannot enforce
     while generating (uniqueItems, not, if/then/else, ...) is valid JSON Schema: say which, and how to
     generate without them (llguidance's lenient mode, asked for in the schema itself)."""
-    line = _first_line(error).replace(" <non-verbose/>", "")
+    line = _first_line(error)
     if kind == "json" and "Unimplemented keys" in line:
         keys = line.split("Unimplemented keys:", 1)[1].strip()
         return (f"the schema uses keywords that cannot be enforced while generating: {keys}; add "
                 '"x-guidance": {"lenient": true} to the schema to generate without them')
-    if line == "NoExtensionBias":
+    if line == NO_CONTINUATION:
         return "no output matches it (e.g. a schema whose $ref requires itself)"
-    if "max is" in line or "(limit " in line:  # one of llguidance's limits (LIMITS): too large to enforce
+    if _limit_met(line):
         return f"too large to enforce while generating ({line})"
     return f"not a JSON schema that can be enforced ({line})" if kind == "json" else f"not a valid {kind} ({line})"
 

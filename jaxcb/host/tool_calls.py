@@ -90,8 +90,7 @@ def marked_by_special_tokens(fmt: Format, tokenizer) -> bool:
     """Whether the format's markers are special tokens of `tokenizer` (a <tool_call> some vocabularies mark
     special, Mistral's [TOOL_CALLS]): an answer's calls are then read from its text with special tokens kept
     (SamplingParams.skip_special_tokens False), as vLLM's parsers ask."""
-    ids = [tokenizer.token_id(m) for m in (fmt.open, fmt.close, fmt.args) if m]
-    return any(i is not None and i in tokenizer.special_ids for i in ids)
+    return any(_special(m, tokenizer) is not None for m in (fmt.open, fmt.close, fmt.args))
 
 
 def choose_format(template: str | None, parser: str = "auto") -> tuple[Format, bool]:

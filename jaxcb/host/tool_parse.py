@@ -14,10 +14,11 @@ import functools
 import json
 import re
 
-from jaxcb.host.tool_calls import Format, Tools
+from jaxcb.host.tool_calls import NAME, Format, Tools
 
 
 _NAME = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"')  # a call's object up to its name
+_CALL_ID = "[CALL_ID]"  # (name-first calls: between a name and its arguments' marker, with an id, in some templates)
 
 
 @functools.lru_cache(maxsize=None)
@@ -26,7 +27,7 @@ def _head(fmt: Format) -> re.Pattern:
     or, where calls are name-first (fmt.args), the name and the marker (with a [CALL_ID] and id between,
     as some of Mistral's templates write)."""
     if fmt.args:
-        return re.compile(r"\s*([A-Za-z0-9_-]{1,64})(?:\[CALL_ID\][A-Za-z0-9]{1,64})?" + re.escape(fmt.args) + r"\s*")
+        return re.compile(rf"\s*({NAME.pattern})(?:{re.escape(_CALL_ID)}[A-Za-z0-9]{{1,64}})?{re.escape(fmt.args)}\s*")
     keys = "|".join(map(re.escape, fmt.keys))
     return re.compile(_NAME.pattern + r'\s*,\s*"(?:' + keys + r')"\s*:\s*')
 
@@ -78,8 +79,7 @@ def _block_end(body: str, fmt: Format) -> int | None:
     return None if end is None else head.end() + end
 
 
-_NAME_CHARS = re.compile(r"\s*[A-Za-z0-9_-]*")
-_CALL_ID = "[CALL_ID]"
+_NAME_CHARS = re.compile(r"\s*[A-Za-z0-9_-]*")  # (a name's characters: tool_calls.NAME's, of any number)
 
 
 def _not_a_head(body: str, fmt: Format) -> int | None:
@@ -123,10 +123,10 @@ def _call(body: str, tools: Tools):
 def _cut_call(body: str, tools: Tools) -> tuple[str, str] | None:
     """A call cut off at the end of the answer: (its name, its arguments written so far) once its name is
     written whole and is one of the tools' (the grammar's order: the name first)."""
-    named = (_head(tools.fmt) if tools.fmt.args else _NAME).match(body)
+    head = _head(tools.fmt).match(body)
+    named = head if tools.fmt.args else _NAME.match(body)
     if named is None or _name(named.group(1)) not in tools.functions:
         return None
-    head = _head(tools.fmt).match(body)
     return _name(named.group(1)), (_json_prefix(body[head.end():]) or "") if head else ""
 
 
