@@ -44,36 +44,42 @@ class Completion:
     cumulative_logprob: float | None = None  # beam search: the sum of the beam's tokens' logprobs
 
 
-def read_model_config(path: str | None = None):
+def read_model_config(path: str | None = None, rope_scaling: str = ""):
     """The ModelConfig of a model (GGUF file, converted checkpoint or Hugging Face directory) without
-    loading its weights."""
+    loading its weights; `rope_scaling`: EngineConfig.rope_scaling's override."""
     from jaxcb.model import checkpoint, gguf_loader, hf_loader
     from jaxcb.model.embedded import resolve_model
+    from jaxcb.model.rope_scaling import override
 
     path = resolve_model(path)
     if checkpoint.is_checkpoint_dir(path):
-        return checkpoint.read_config(path)[0]
+        return override(checkpoint.read_config(path)[0], rope_scaling)
     if hf_loader.is_hf_dir(path):
-        return hf_loader.read_config(path)
+        return override(hf_loader.read_config(path), rope_scaling)
     if os.path.isdir(path):
         raise InvalidConfig(f"model: {path} is neither a converted checkpoint ({checkpoint.MANIFEST}) nor a Hugging "
                          "Face directory (config.json)")
-    return gguf_loader.read_config(gguf_loader.open_reader(path))
+    return override(gguf_loader.read_config(gguf_loader.open_reader(path)), rope_scaling)
 
 
-def load_model(path: str | None = None, dtype=None, check_config=None, weights: str = "auto", group: int = 0):
+def load_model(path: str | None = None, dtype=None, check_config=None, weights: str = "auto", group: int = 0,
+               rope_scaling: str = ""):
     """(ModelConfig, Params, Tokenizer, eos ids) from a GGUF file (default: the embedded SmolLM2), a
     directory written by `jaxcb convert`, or a Hugging Face checkpoint directory. `check_config(config)`,
     if given, runs once the config is read and before any weight is (the memory plan's refusal).
     `weights`: "int8" / "int4" quantize the matrices as they load (jaxcb.model.quant; `group` input
-    rows per scale, 0 = the mode's default)."""
+    rows per scale, 0 = the mode's default). `rope_scaling`: EngineConfig.rope_scaling's override of the
+    model's RoPE scaling."""
     from jaxcb.device.factory import default_dtype
     from jaxcb.host.tokenizer import Tokenizer
     from jaxcb.model import checkpoint, gguf_loader, hf_loader
     from jaxcb.model.embedded import resolve_model
     from jaxcb.model.llama import params_from_numpy
 
-    check_config = check_config or (lambda config: None)
+    from jaxcb.model.rope_scaling import override
+
+    checked = check_config or (lambda config: None)
+    check_config = lambda config: checked(override(config, rope_scaling))  # noqa: E731
     path = resolve_model(path)
     if os.path.isdir(path):
         check_config(read_model_config(path))  # raises the explanation for a directory of neither kind
@@ -88,6 +94,7 @@ def load_model(path: str | None = None, dtype=None, check_config=None, weights: 
         loaded = gguf_loader.load_gguf(path, check_config)
         config, loaded_weights = loaded.config, loaded.weights
         tokenizer = Tokenizer(loaded.tokenizer) if loaded.tokenizer is not None else None
+    config = override(config, rope_scaling)
     params = params_from_numpy(loaded_weights, dtype or default_dtype(), weights, group)
     eos = tokenizer.end_ids if tokenizer is not None else ()
     return config, params, tokenizer, eos
@@ -209,7 +216,7 @@ def build_engines(model: str | None = None, config: EngineConfig | str | None = 
     model_config, params, tokenizer, eos = loaded or load_model(
         model, compute_dtype(config, dtype),
         check_config=lambda c: plans.append(plan_memory(c, config, dtype, draft=draft_of(c))),
-        weights=config.weights, group=config.weight_group)
+        weights=config.weights, group=config.weight_group, rope_scaling=config.rope_scaling)
     draft = load_draft(spec, model_config, params, compute_dtype(config, dtype)) if drafting else None
     if config.chat_template:  # the server's template in place of the model file's
         if tokenizer is None:

@@ -5,7 +5,8 @@ against transformers' own modules: tiny random checkpoints in the Hugging
 Face layout (tools/make_tiny_hf.py wrote them and their golden outputs with transformers), loaded
 through jaxcb's Hugging Face loader and run by the engine (sliding window 8, so prompts and decode run
 far past it, and the sliding layers' pages are freed as they go). Also Llama with Llama 3's RoPE scaling
-and Gemma 3 with linear scaling of its global layers (both from 32 positions: the prompts run past it),
+Qwen3 and Llama with YaRN, and Gemma 3 with linear scaling of its global layers (all from 32 positions: the
+prompts run past it),
 and Gemma 3 as its multimodal checkpoints come (the language model's tensors under language_model.),
 run on text."""
 
@@ -26,10 +27,10 @@ from jaxcb.model.paged_attention import allocate_kv_pages
 from tests.server_util import compile_mode
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "golden", "tiny_hf")
-FAMILIES = ("qwen3", "mixtral", "qwen2moe", "qwen3moe", "granitemoe", "olmo2", "smollm3", "granite", "phi3", "phi3-longrope", "gemma2", "gemma3", "llama3-rope", "gemma3-linear", "gemma3-mm")
+FAMILIES = ("qwen3", "mixtral", "qwen2moe", "qwen3moe", "granitemoe", "olmo2", "smollm3", "granite", "phi3", "phi3-longrope", "gemma2", "gemma3", "llama3-rope", "qwen3-yarn", "llama-yarn", "gemma3-linear", "gemma3-mm")
 # checkpoints of a family with RoPE scaling, or with a vision tower beside it (served on text), or a
 # Llama with layers without RoPE, Granite's scalars or Phi-3's fused projections
-FAMILY_OF = {"llama3-rope": "llama", "gemma3-linear": "gemma3", "gemma3-mm": "gemma3", "smollm3": "llama",
+FAMILY_OF = {"llama3-rope": "llama", "qwen3-yarn": "qwen3", "llama-yarn": "llama", "gemma3-linear": "gemma3", "gemma3-mm": "gemma3", "smollm3": "llama",
              "granite": "llama", "phi3": "llama", "phi3-longrope": "llama", "mixtral": "llama", "qwen3moe": "qwen3",
              "granitemoe": "llama", "qwen2moe": "llama"}
 
@@ -96,17 +97,29 @@ def test_gemma_norms_are_one_plus_w():
 
 
 @pytest.mark.parametrize("family, plain", [("llama3-rope", {"rope_freq_factors": ()}),
-                                           ("gemma3-linear", {"rope_linear_factor": 1.0})])
+                                           ("gemma3-linear", {"rope_linear_factor": 1.0}),
+                                           ("qwen3-yarn", {"rope_freq_factors": ()}),
+                                           ("qwen3-yarn", {"rope_attention_factor": 1.0}),
+                                           ("llama-yarn", {"rope_freq_factors": ()}),
+                                           ("llama-yarn", {"rope_attention_factor": 1.0})])
 def test_rope_scaling_is_read_and_matters(family, plain):
-    """Llama 3's per-frequency factors (1 for short wavelengths, 8 for long ones, a blend between) and
-    Gemma 3's linear factor of its global layers come from config.json; without them the logits are
-    not the reference's."""
+    """Llama 3's per-frequency factors (1 for short wavelengths, 8 for long ones, a blend between),
+    Gemma 3's linear factor of its global layers and YaRN's factors and attention factor come from
+    config.json; without each the logits are not the reference's."""
     import dataclasses
+    import math
 
     config, params, _, _ = load_model(os.path.join(GOLDEN, family), jnp.float32)
     if family == "llama3-rope":
         f = config.rope_freq_factors
         assert f[0] == 1.0 and f[-1] == 8.0 and any(1.0 < x < 8.0 for x in f), f
+    elif family.endswith("yarn"):  # the highest frequencies kept, the lowest divided by the factor, a ramp between
+        factor = 4.0 if family == "qwen3-yarn" else 8.0
+        f = config.rope_freq_factors
+        assert f[0] == 1.0 and f[-1] == pytest.approx(factor) and any(1.0 < x < factor for x in f), f
+        assert config.max_context == max(256, 32 * factor)  # the original context stretched, or the model's if longer
+        attention = 1 + 0.1 * math.log(4.0) if family == "qwen3-yarn" else (1 + 0.1 * math.log(8)) / (1 + 0.05 * math.log(8))
+        assert config.rope_attention_factor == pytest.approx(attention)
     else:
         assert config.rope_linear_factor == 8.0 and not config.rope_freq_factors
         assert np.all(config.rope_divisors() == 8.0)  # (the global layers': the logits say the sliding ones are plain)
@@ -219,7 +232,7 @@ def test_granites_scalars_are_read_and_each_matters(tmp_path):
         np.testing.assert_array_equal(got.weights[k], want[k], err_msg=k)
 
 
-@pytest.mark.parametrize("family", ["gemma3-linear", "llama3-rope", "phi3-longrope"])
+@pytest.mark.parametrize("family", ["gemma3-linear", "llama3-rope", "phi3-longrope", "qwen3-yarn"])
 def test_transformers_4_layout_of_the_rope_settings_reads_the_same(tmp_path, family):
     """The same checkpoints with their RoPE settings as transformers 4 writes them (and the Hub's Llama 3.x,
     Gemma 3 4B+ and Phi-4-mini configs are): `rope_theta` and `rope_scaling` (the global layers'), Gemma 3's
@@ -350,6 +363,85 @@ def test_mixture_of_experts_gguf_files_load_as_llama_cpp_writes_them(tmp_path):
             ref = np.asarray(record["prefill_logits"], np.float32)
             ours = prefill_logits(got.config, params, record["prompt_ids"])
             assert np.abs(ours - ref).max() <= 1e-5 * np.abs(ref).max(), family
+
+
+@pytest.mark.parametrize("src, wanted", [("qwen3", "qwen3-yarn"), ("llama3-rope", "llama-yarn"), ("qwen3-yarn", "qwen3")])
+def test_rope_scaling_set_by_the_server_gives_that_checkpoints_logits(src, wanted):
+    """`--rope-scaling` / model.rope_scaling (transformers' dict as JSON) replaces the model file's scaling: the
+    tiny checkpoints share their weights (the same seed and shapes), so Qwen3 with the YaRN of qwen3-yarn's
+    config gives its logits, Llama 3's scaling replaced by llama-yarn's gives those, and {"rope_type": "default"}
+    takes qwen3-yarn's away; bad settings are refused naming the field before any model is read."""
+    from jaxcb.host.engine_config import load_config
+    from jaxcb.host.errors import InvalidConfig
+
+    with open(os.path.join(GOLDEN, wanted, "config.json")) as f:
+        scaling = json.load(f).get("rope_parameters") if wanted != "qwen3" else {"rope_type": "default"}
+    config, params, _, _ = load_model(os.path.join(GOLDEN, src), jnp.float32, rope_scaling=json.dumps(scaling))
+    assert config.max_context == load_model(os.path.join(GOLDEN, wanted), jnp.float32)[0].max_context
+    stretched = json.dumps({**scaling, "factor": 16.0}) if wanted != "qwen3" else None
+    if stretched:  # (the golden checkpoints' context is longer than 32 x their factor; 32 x 16 is not)
+        assert load_model(os.path.join(GOLDEN, src), jnp.float32, rope_scaling=stretched)[0].max_context == 512
+    for record in golden(wanted):
+        ref = np.asarray(record["prefill_logits"], np.float32)
+        assert np.abs(prefill_logits(config, params, record["prompt_ids"]) - ref).max() <= 1e-5 * np.abs(ref).max()
+    import argparse
+
+    from jaxcb.cli.args import add_model_args, engine_config
+
+    p = argparse.ArgumentParser()
+    add_model_args(p)
+    assert engine_config(p.parse_args(["--rope-scaling", json.dumps(scaling)])).rope_scaling == json.dumps(scaling)
+    for bad, message in (("{", "not JSON"), ('{"rope_type": "dynamic", "factor": 2}', "must be an object with rope_type default, linear"),
+                         ('[1]', "must be an object")):
+        with pytest.raises(InvalidConfig, match=f"model.rope_scaling: {message}"):
+            load_config(None).replace(rope_scaling=bad)
+    with pytest.raises(InvalidConfig, match="model.rope_scaling: rope_scaling .* lacks a number"):
+        load_model(os.path.join(GOLDEN, src), jnp.float32, rope_scaling='{"rope_type": "yarn"}')
+
+
+def test_rope_scaling_in_the_config_file_is_a_table(tmp_path):
+    """model.rope_scaling in the engine's TOML is an inline table, kept as the JSON the loaders read."""
+    from jaxcb.host.engine_config import DEFAULT_CONFIG, load_config
+    from jaxcb.host.errors import InvalidConfig
+
+    path = tmp_path / "c.toml"
+    table = '{rope_type = "yarn", factor = 4.0, original_max_position_embeddings = 32768}'
+    path.write_text(open(DEFAULT_CONFIG).read().replace("[model]\n", f"[model]\nrope_scaling = {table}\n"))
+    assert json.loads(load_config(str(path)).rope_scaling) == {"rope_type": "yarn", "factor": 4.0,
+                                                               "original_max_position_embeddings": 32768}
+    path.write_text(open(DEFAULT_CONFIG).read().replace("[model]\n", '[model]\nrope_scaling = {type = "ntk"}\n'))
+    with pytest.raises(InvalidConfig, match="model.rope_scaling: must be an object with rope_type"):
+        load_config(str(path))
+
+
+def test_a_yarn_gguf_gives_transformers_logits(tmp_path):
+    """Qwen3 converted by llama.cpp with YaRN on (rope.scaling.type yarn, its factor and original context): the
+    Hugging Face config's RoPE and context, and transformers' logits; YaRN's llama.cpp-only knobs are refused by
+    name rather than run approximately."""
+    from jaxcb.host.errors import InvalidConfig
+    from jaxcb.model.gguf_loader import load_gguf
+    from jaxcb.model.hf_loader import load_weights
+    from jaxcb.model.llama import params_from_numpy
+    from tests.tiny_gguf import write_tiny_gguf
+
+    src = os.path.join(GOLDEN, "qwen3-yarn")
+    config, _, _, _ = load_model(src, jnp.float32)
+    weights = load_weights(src, config)
+    path = str(tmp_path / "yarn.gguf")
+    write_tiny_gguf(path, dataclasses.replace(config, max_context=64), arch="qwen3", weights=weights,
+                    rope_scaling=("yarn", 4.0), extra_uint32={"qwen3.rope.scaling.original_context_length": 32})
+    got = load_gguf(path)
+    assert got.config.max_context == 128  # (the file's 64 stretched from the original 32)
+    assert got.config.rope_freq_factors == pytest.approx(config.rope_freq_factors)
+    assert got.config.rope_attention_factor == pytest.approx(config.rope_attention_factor)
+    params = params_from_numpy(got.weights, jnp.float32)
+    for record in golden("qwen3-yarn"):
+        ref = np.asarray(record["prefill_logits"], np.float32)
+        assert np.abs(prefill_logits(got.config, params, record["prompt_ids"]) - ref).max() <= 1e-5 * np.abs(ref).max()
+    write_tiny_gguf(path, config, arch="qwen3", weights=weights, rope_scaling=("yarn", 4.0),
+                    extra_float32={"qwen3.rope.scaling.yarn_log_multiplier": 0.1})
+    with pytest.raises(InvalidConfig, match="qwen3.rope.scaling.yarn_log_multiplier: 0.1"):
+        load_gguf(path)
 
 
 def test_an_olmo2_gguf_gives_transformers_logits(tmp_path):

@@ -84,15 +84,16 @@ def test_unsupported_tensor_type_names_the_tensor(tmp_path):
 
 def test_rope_scaling_of_a_gguf_is_read_or_refused_by_name(tmp_path):
     """llama.cpp's RoPE scaling: the rope_freqs tensor (Llama 3.1+: the frequencies' divisors, as the Hugging
-    Face loader computes them from rope_scaling llama3), linear scaling by rope.scaling.type and .factor;
-    YaRN is refused by name instead of being run as plain RoPE."""
+    Face loader computes them from rope_scaling llama3), linear scaling by rope.scaling.type and .factor, YaRN
+    (tests/test_families.py: against transformers); LongRoPE on a llama file is refused by name instead of
+    being run as plain RoPE."""
     from jaxcb.host.errors import InvalidConfig
-    from jaxcb.model.hf_loader import _rope_scaling
+    from jaxcb.model.rope_scaling import from_dict
 
     spec = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
             "original_max_position_embeddings": 32}
     config = tiny_model_config()
-    factors = _rope_scaling(spec, config.rope_theta, config.head_dim)["rope_freq_factors"]
+    factors = from_dict(spec, config.rope_theta, config.head_dim, 64)["rope_freq_factors"]
     path = str(tmp_path / "llama3.gguf")
     write_tiny_gguf(path, config, rope_freqs=factors)
     loaded = load_gguf(path).config
@@ -102,17 +103,18 @@ def test_rope_scaling_of_a_gguf_is_read_or_refused_by_name(tmp_path):
     path = str(tmp_path / "linear.gguf")
     write_tiny_gguf(path, config, rope_scaling=("linear", 4.0))
     assert load_gguf(path).config.rope_linear_factor == 4.0
-    path = str(tmp_path / "yarn.gguf")
-    write_tiny_gguf(path, config, rope_scaling=("yarn", 4.0))
-    with pytest.raises(InvalidConfig, match="llama.rope.scaling.type: 'yarn' is not supported"):
+    path = str(tmp_path / "longrope.gguf")
+    write_tiny_gguf(path, config, rope_scaling=("longrope", 4.0))
+    with pytest.raises(InvalidConfig, match="llama.rope.scaling.type: 'longrope' is not supported"):
         load_gguf(path)
     path = str(tmp_path / "short.gguf")
     write_tiny_gguf(path, config, rope_freqs=factors[:-1])
     with pytest.raises(InvalidConfig, match="rope_freqs.weight"):
         load_gguf(path)
-    for bad in ({"rope_type": "yarn", "factor": 4.0}, {"rope_type": "llama3", "factor": 8.0}):
+    for bad in ({"rope_type": "yarn"}, {"rope_type": "llama3", "factor": 8.0}, {"rope_type": "dynamic", "factor": 2.0},
+                {"rope_type": "yarn", "factor": "x"}, {"rope_type": "linear", "factor": 0.5}):
         with pytest.raises(InvalidConfig, match="rope_scaling"):
-            _rope_scaling(bad, 10000.0, 16)
+            from_dict(bad, 10000.0, 16, 64)
 
 
 @pytest.mark.parametrize("key, value, message", [

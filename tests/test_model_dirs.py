@@ -100,7 +100,7 @@ def test_hf_bad_directories(tmp_path, tiny_model):
     (tmp_path / "config.json").write_text(json.dumps(dict(raw, architectures=["GPT2LMHeadModel"])))
     with pytest.raises(ValueError, match="architecture 'GPT2LMHeadModel' is not supported"):
         load_model(str(tmp_path))
-    (tmp_path / "config.json").write_text(json.dumps(dict(raw, rope_scaling={"rope_type": "yarn", "factor": 4})))
+    (tmp_path / "config.json").write_text(json.dumps(dict(raw, rope_scaling={"rope_type": "dynamic", "factor": 4})))
     with pytest.raises(ValueError, match="rope_scaling"):
         load_model(str(tmp_path))
     (tmp_path / "config.json").write_text(json.dumps(raw))

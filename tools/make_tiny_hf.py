@@ -3,7 +3,7 @@ SmolLM3 (no RoPE in every other layer
 here), Granite (its four scalars), Phi-3 (fused projections; and Phi-4-mini's partial rotary and LongRoPE),
 Gemma 2 and Gemma 3 with transformers' own modules, and their golden outputs, for
 tests/test_families.py; and of Llama with Llama 3's RoPE
-scaling and Gemma 3 with linear scaling of its global layers (RoPE scaled from 32 positions, so that
+scaling, Qwen3 and Llama with YaRN and Gemma 3 with linear scaling of its global layers (RoPE scaled from 32 positions, so that
 the prompts run far past it); and Gemma 3 as its multimodal checkpoints come (Gemma3ForConditionalGeneration:
 the language model beside a vision tower), run on text.
 
@@ -80,6 +80,13 @@ def configs():
         "llama3-rope": LlamaConfig(**COMMON, tie_word_embeddings=False, rope_parameters={
             "rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
             "high_freq_factor": 4.0, "original_max_position_embeddings": 32}),
+        # YaRN from 32 positions (Qwen2.5/Qwen3 past 32K): transformers' defaults; and its knobs (as gpt-oss and
+        # DeepSeek set them: no truncation of the ramp, other betas, an attention factor from two mscales)
+        "qwen3-yarn": Qwen3Config(**COMMON, tie_word_embeddings=False, rope_parameters={
+            "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32}),
+        "llama-yarn": LlamaConfig(**COMMON, tie_word_embeddings=False, rope_parameters={
+            "rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0, "original_max_position_embeddings": 32,
+            "truncate": False, "beta_fast": 4.0, "beta_slow": 0.25, "mscale": 1.0, "mscale_all_dim": 0.5}),
         "gemma3-linear": Gemma3TextConfig(**COMMON, sliding_window=8, query_pre_attn_scalar=16, layer_types=types,
                                           hidden_activation="gelu_pytorch_tanh", rope_parameters={
                                               "full_attention": {"rope_type": "linear", "rope_theta": 1e6, "factor": 8.0},

@@ -38,6 +38,11 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="the Jinja chat template to write conversations with instead of the model file's (a "
                         "base model's file may have none): a file, or the template itself (default: the config's "
                         "model.chat_template, else the model's)")
+    p.add_argument("--rope-scaling", default=None, metavar="JSON",
+                   help="RoPE scaling in place of the model file's, as transformers' rope_scaling (vLLM's flag), e.g. "
+                        "'{\"rope_type\":\"yarn\",\"factor\":4.0,\"original_max_position_embeddings\":32768}' "
+                        "to serve Qwen3 past 32K; {\"rope_type\":\"default\"} for none (default: the config's "
+                        "model.rope_scaling, else the model's)")
     p.add_argument("--policy", default=None, help=f"scheduling policy: {', '.join(POLICIES)}")
     p.add_argument("--compile-cache", default=None, metavar="DIR",
                    help="persistent XLA compilation cache (default: $JAXCB_COMPILE_CACHE or ~/.cache/jaxcb/xla; "
@@ -147,6 +152,8 @@ def engine_config(args):
         changes["served_model_name"] = tuple(args.served_model_name)
     if getattr(args, "chat_template", None):
         changes["chat_template"] = args.chat_template
+    if getattr(args, "rope_scaling", None):
+        changes["rope_scaling"] = args.rope_scaling
     if getattr(args, "cpu_dots", None):
         changes["cpu_dots"] = args.cpu_dots
     if getattr(args, "compile", None):

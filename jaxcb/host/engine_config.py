@@ -65,6 +65,9 @@ class EngineConfig:
     # The chat template in place of the model file's: a file's path, or the template itself ("" = the
     # model's; jaxcb.host.chat_template.read_template reads it when the engine is built).
     chat_template: str = ""
+    # The full-attention layers' RoPE scaling in place of the model file's: transformers' rope_scaling as JSON
+    # text (jaxcb.model.rope_scaling: e.g. YaRN past Qwen3's 32K); "" = the model's own.
+    rope_scaling: str = ""
 
     @property
     def page_size(self) -> int:
@@ -114,13 +117,17 @@ class EngineConfig:
         check_served_names(self.served_model_name, self.lora.adapters)
         if not isinstance(self.chat_template, str):
             raise InvalidConfig(f"model.chat_template: must be a file's path or a template, got {self.chat_template!r}")
+        if self.rope_scaling:
+            from jaxcb.model.rope_scaling import parse
+
+            parse(self.rope_scaling)
         if self.attention == "pallas" and s.page_size not in KERNEL_PAGE_SIZES:
             raise InvalidConfig(f"cache.page_size: the Pallas kernels take {KERNEL_PAGE_SIZES}, got "
                              f"{s.page_size} (or set model.attention = 'xla')")
 
     def replace(self, *, num_pages=None, buckets=None, attention=None, tensor_parallel=None, data_parallel=None,
                 weights=None, weight_group=None, kv_dtype=None, cpu_dots=None, activations=None,
-                compile=None, lora=None, served_model_name=None, chat_template=None,
+                compile=None, lora=None, served_model_name=None, chat_template=None, rope_scaling=None,
                 **scheduler_changes) -> "EngineConfig":
         return EngineConfig(
             num_pages=self.num_pages if num_pages is None else num_pages,
@@ -140,10 +147,18 @@ class EngineConfig:
             lora=self.lora if lora is None else lora,
             served_model_name=self.served_model_name if served_model_name is None else tuple(served_model_name),
             chat_template=self.chat_template if chat_template is None else chat_template,
+            rope_scaling=self.rope_scaling if rope_scaling is None else rope_scaling,
         )
 
 
 MAX_NAME_CHARS = 256
+
+
+def _rope_scaling_text(value) -> str:
+    """model.rope_scaling as EngineConfig keeps it: JSON text (a TOML table is written out as JSON)."""
+    import json
+
+    return json.dumps(value, sort_keys=True) if isinstance(value, dict) else str(value)
 
 
 def check_served_names(names: tuple[str, ...], adapters: tuple[str, ...] = ()) -> None:
@@ -242,7 +257,7 @@ def load_config(path: str | None = None) -> EngineConfig:
     lora = LoraConfig(**lora)
     model = raw.get("model", {})
     unknown = set(model) - {"attention", "weights", "weight_group", "cpu_dots", "activations", "compile",
-                            "served_model_name", "chat_template"}
+                            "served_model_name", "chat_template", "rope_scaling"}
     if unknown:
         raise InvalidConfig(f"config: unknown setting in [model]: {sorted(unknown)}")
     parallel = raw.get("parallel", {})
@@ -263,6 +278,7 @@ def load_config(path: str | None = None) -> EngineConfig:
                         compile=str(model.get("compile", "optimized")), lora=lora,
                         served_model_name=_names(model.get("served_model_name", ())),
                         chat_template=model.get("chat_template", ""),
+                        rope_scaling=_rope_scaling_text(model.get("rope_scaling", "")),
                         memory_fraction=float(cache.get("memory_fraction", 0.9)),
                         memory_bytes=parse_bytes(cache["memory"]) if "memory" in cache else 0,
                         tensor_parallel=parallel.get("tensor", 1), data_parallel=parallel.get("data", 1))

@@ -24,6 +24,7 @@ import numpy as np
 
 from jaxcb.host.errors import InvalidConfig
 from jaxcb.host.tokenizer import TokenizerSpec
+from jaxcb.model import rope_scaling
 from jaxcb.model.config import ModelConfig, check_all_used
 from jaxcb.model.gguf_file import GGUFFile
 
@@ -150,7 +151,8 @@ def read_config(reader) -> ModelConfig:
     layers = int(need("block_count"))
     theta = float(_field(reader, f"{arch}.rope.freq_base", 10000.0))
     context = int(need("context_length"))
-    family.update(_rope_scaling(reader, arch, head_dim))
+    family.update(_rope_scaling(reader, arch, head_dim, rotary_dim, theta, context))
+    context = family.pop("max_context", context)
     ffn = int(_field(reader, f"{arch}.expert_feed_forward_length", 0) or need("feed_forward_length"))
     if arch == "olmo2":  # norms after attention and the MLP only; q and k normed whole (its rotate-half RoPE)
         family.update(family="olmo2", qk_norm=True, qk_norm_whole=True, post_norms=True, pre_norms=False)
@@ -250,15 +252,31 @@ def _phi3(reader, head_dim: int, rotary_dim: int, context: int) -> dict:
     return out
 
 
-def _rope_scaling(reader, arch: str, head_dim: int) -> dict:
+def _rope_scaling(reader, arch: str, head_dim: int, rotary_dim: int, theta: float, context: int) -> dict:
     """The RoPE scaling a GGUF describes, as ModelConfig fields: linear (`rope.scaling.type` linear and its
-    `factor`: llama.cpp's Gemma 3 4B+ and linear Llamas) and per-frequency factors (the `rope_freqs`
-    tensor: Llama 3.1+); other kinds (YaRN, ...) are refused by name rather than run as plain RoPE."""
+    `factor`: llama.cpp's Gemma 3 4B+ and linear Llamas), per-frequency factors (the `rope_freqs` tensor:
+    Llama 3.1+) and YaRN (`yarn`, its factor, original context and betas: Qwen2.5/Qwen3 converted with YaRN on,
+    serving original context x factor where the file's context is shorter); other kinds, and YaRN's
+    llama.cpp-only knobs, are refused by name rather than run approximately."""
     kind = _field(reader, f"{arch}.rope.scaling.type")
     factor = _field(reader, f"{arch}.rope.scaling.factor")
     out = {}
+    if kind == "yarn":
+        for knob, plain in (("yarn_ext_factor", 1.0), ("yarn_attn_factor", 1.0), ("yarn_log_multiplier", 0.0),
+                            ("attn_factor", 1.0)):
+            value = _field(reader, f"{arch}.rope.scaling.{knob}")
+            if value is not None and float(value) != plain:
+                raise InvalidConfig(f"{arch}.rope.scaling.{knob}: {value} is not supported with YaRN (only {plain})")
+        if not factor or float(factor) < 1.0:
+            raise InvalidConfig(f"{arch}.rope.scaling.factor: {factor!r}: YaRN needs a factor of at least 1")
+        original = int(_field(reader, f"{arch}.rope.scaling.original_context_length", 0) or context)
+        out.update(rope_scaling.yarn(theta, rotary_dim, float(factor), original,
+                                     float(_field(reader, f"{arch}.rope.scaling.yarn_beta_fast", 32.0) or 32.0),
+                                     float(_field(reader, f"{arch}.rope.scaling.yarn_beta_slow", 1.0) or 1.0)),
+                   max_context=max(context, int(original * float(factor))))
+        return out
     if kind not in (None, "none", "linear"):
-        raise InvalidConfig(f"{arch}.rope.scaling.type: {kind!r} is not supported (linear and Llama 3's "
+        raise InvalidConfig(f"{arch}.rope.scaling.type: {kind!r} is not supported (linear, yarn and Llama 3's "
                             "per-frequency factors are)")
     if factor not in (None, 1.0, 0.0):
         if kind is None and arch != "gemma3":  # a factor without its kind: llama.cpp reads none

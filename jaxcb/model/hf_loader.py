@@ -21,6 +21,7 @@ import logging
 import numpy as np
 
 from jaxcb.host.errors import InvalidConfig
+from jaxcb.model import rope_scaling
 from jaxcb.model.config import ModelConfig, check_all_used
 
 log = logging.getLogger("jaxcb.model.hf_loader")
@@ -84,13 +85,8 @@ def _rope(raw: dict, kind: str | None = None) -> tuple[float | None, dict | None
             None if kind == "sliding_attention" else raw.get("rope_scaling"))
 
 
-def _kind(scaling) -> str | None:
-    """A rope scaling's kind (transformers 5's rope_type, 4's type)."""
-    return scaling.get("rope_type", scaling.get("type")) if scaling else None
-
-
 def _plain_rope(scaling) -> None:
-    kind = _kind(scaling)
+    kind = rope_scaling.kind(scaling)
     factor = scaling.get("factor", 1.0) if scaling else 1.0
     if kind not in (None, "default") and not (kind == "linear" and factor == 1.0):
         raise InvalidConfig(f"config.json: rope_scaling {scaling!r} is not supported (plain RoPE only)")
@@ -116,39 +112,6 @@ def _longrope(scaling: dict, raw: dict, rotary_dim: int, max_context: int) -> di
             "max_context": min(max_context, original)}
 
 
-def _rope_scaling(scaling, theta: float, head_dim: int) -> dict:
-    """A full-attention layer's rope_scaling as ModelConfig fields: linear (`factor`) and Llama 3's
-    per-frequency factors ("llama3": frequencies whose wavelength exceeds original_max_position_embeddings /
-    low_freq_factor divided by `factor`, those under it / high_freq_factor kept, a smooth blend between), as
-    transformers computes them; LongRoPE is read by the caller (_longrope); other kinds are refused by name."""
-    kind = _kind(scaling)
-    if kind in (None, "default", "longrope", "su"):  # ("su": LongRoPE's first name, in Phi-3's first configs)
-        return {}
-    try:
-        factor = float(scaling["factor"])
-        if kind == "linear":
-            return {"rope_linear_factor": factor} if factor != 1.0 else {}
-        if kind == "llama3":
-            low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
-            old = float(scaling["original_max_position_embeddings"])
-    except (KeyError, TypeError, ValueError) as e:
-        raise InvalidConfig(f"config.json: rope_scaling {scaling!r} lacks a number it needs ({e})") from None
-    if kind != "llama3":
-        raise InvalidConfig(f"config.json: rope_scaling {scaling!r} is not supported (default, linear and llama3 are)")
-    exponents = np.arange(0, head_dim, 2, dtype=np.float32) / np.float32(head_dim)
-    wavelengths = 2 * math.pi / (1.0 / (np.float32(theta) ** exponents)).astype(np.float64)
-    factors = []
-    for wavelength in wavelengths:
-        if wavelength < old / high:
-            factors.append(1.0)
-        elif wavelength > old / low:
-            factors.append(factor)
-        else:
-            smooth = (old / wavelength - low) / (high - low)
-            factors.append(1.0 / ((1 - smooth) / factor + smooth))
-    return {"rope_freq_factors": tuple(factors)}
-
-
 def read_config(path: str) -> ModelConfig:
     try:
         with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
@@ -167,12 +130,14 @@ def read_config(path: str) -> ModelConfig:
         hidden = int(raw["hidden_size"])
         layers = int(raw["num_hidden_layers"])
         head_dim = int(raw.get("head_dim") or hidden // heads)
-        extra = _rope_scaling(scaling, theta or 10000.0, head_dim)
         max_context = int(raw.get("max_position_embeddings", 2048))
         partial = float((scaling or {}).get("partial_rotary_factor") or raw.get("partial_rotary_factor") or 1.0)
-        if partial != 1.0:  # only each head's first dimensions rotate (Phi-4-mini)
-            extra["rotary_dim"] = int(head_dim * partial)
-        if _kind(scaling) in ("longrope", "su"):
+        rotary_dim = int(head_dim * partial)  # (Phi-4-mini: only each head's first dimensions rotate)
+        extra = rope_scaling.from_dict(scaling, theta or 10000.0, rotary_dim, max_context)
+        max_context = extra.pop("max_context", max_context)
+        if partial != 1.0:
+            extra["rotary_dim"] = rotary_dim
+        if rope_scaling.kind(scaling) in ("longrope", "su"):
             extra.update(_longrope(scaling, raw, extra.get("rotary_dim", head_dim), max_context))
             max_context = extra.pop("max_context")
         if family in ("qwen2", "qwen2moe") and raw.get("use_sliding_window"):
