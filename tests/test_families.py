@@ -27,7 +27,7 @@ from jaxcb.model.paged_attention import allocate_kv_pages
 from tests.server_util import compile_mode
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "golden", "tiny_hf")
-FAMILIES = ("qwen3", "mixtral", "qwen2moe", "qwen3moe", "granitemoe", "olmo2", "smollm3", "granite", "phi3", "phi3-longrope", "gemma2", "gemma3", "llama3-rope", "qwen3-yarn", "llama-yarn", "gemma3-linear", "gemma3-mm")
+FAMILIES = ("qwen3", "mixtral", "qwen2moe", "qwen3moe", "granitemoe", "olmoe", "olmo2", "smollm3", "granite", "phi3", "phi3-longrope", "gemma2", "gemma3", "llama3-rope", "qwen3-yarn", "llama-yarn", "gemma3-linear", "gemma3-mm")
 # checkpoints of a family with RoPE scaling, or with a vision tower beside it (served on text), or a
 # Llama with layers without RoPE, Granite's scalars or Phi-3's fused projections
 FAMILY_OF = {"llama3-rope": "llama", "qwen3-yarn": "qwen3", "llama-yarn": "llama", "gemma3-linear": "gemma3", "gemma3-mm": "gemma3", "smollm3": "llama",
@@ -58,7 +58,7 @@ def prefill_logits(config, params, ids, page_size=16):
 def test_prefill_logits_match_transformers(family):
     config, params, _, _ = load_model(os.path.join(GOLDEN, family), jnp.float32)
     assert config.family == FAMILY_OF.get(family, family)
-    assert config.qk_norm == (config.family in ("qwen3", "gemma3", "olmo2"))
+    assert config.qk_norm == (config.family in ("qwen3", "gemma3", "olmo2", "olmoe"))
     assert config.windowed == family.startswith("gemma")
     for record in golden(family):
         ours = prefill_logits(config, params, record["prompt_ids"])
@@ -328,7 +328,8 @@ def test_prompt_logprobs_on_a_sliding_window_model_are_what_decoding_gave():
 def test_mixture_of_experts_gguf_files_load_as_llama_cpp_writes_them(tmp_path):
     """Mixtral as a "llama" GGUF with expert_count (Q/K rows permuted), Qwen3-MoE as a "qwen3moe" one
     (expert_feed_forward_length), Qwen2-MoE as a "qwen2moe" one (its shared expert, *_shexp, and the shared
-    expert's gate) and Granite MoE as a "granitemoe" one (its scalars; gate and up apart), each
+    expert's gate), Granite MoE as a "granitemoe" one (its scalars; gate and up apart) and OLMoE as an "olmoe" one
+    (q and k norms over the whole projections; not renormalized), each
     layer's router in ffn_gate_inp and its experts stacked in ffn_{gate,up,down}_exps as llama.cpp's converter
     writes them: the Hugging Face loader's weights exactly, and Mixtral's and Granite MoE's give transformers'
     logits (llama.cpp renormalizes the chosen experts' weights for all three, as those two do; the tiny
@@ -341,7 +342,7 @@ def test_mixture_of_experts_gguf_files_load_as_llama_cpp_writes_them(tmp_path):
     granite = {"granitemoe.embedding_scale": 6.0, "granitemoe.residual_scale": 0.3, "granitemoe.attention.scale": 0.1,
                "granitemoe.logit_scale": 4.0}
     for family, arch in (("mixtral", "llama"), ("qwen3moe", "qwen3moe"), ("granitemoe", "granitemoe"),
-                         ("qwen2moe", "qwen2moe")):
+                         ("qwen2moe", "qwen2moe"), ("olmoe", "olmoe")):
         src = os.path.join(GOLDEN, family)
         config, _, _, _ = load_model(src, jnp.float32)
         weights = load_weights(src, config)
@@ -352,7 +353,8 @@ def test_mixture_of_experts_gguf_files_load_as_llama_cpp_writes_them(tmp_path):
                   "embed_multiplier", "residual_multiplier", "logit_scale", "tie_embeddings", "shared_expert_size",
                   "attention_bias")
         assert {f: getattr(got.config, f) for f in fields} == pytest.approx({f: getattr(config, f) for f in fields})
-        assert got.config.norm_topk == (arch != "qwen2moe")  # (llama.cpp's rule: Qwen2-MoE's not renormalized)
+        assert got.config.norm_topk == (arch not in ("qwen2moe", "olmoe"))  # (llama.cpp's rule for each)
+        assert got.config.qk_norm_whole == (arch == "olmoe")
         assert sorted(got.weights) == sorted(weights)
         for key, w in weights.items():
             np.testing.assert_array_equal(got.weights[key], w, err_msg=f"{family} {key}")

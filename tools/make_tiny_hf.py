@@ -1,4 +1,4 @@
-"""Write tiny random-weight Hugging Face checkpoints of Qwen3, Mixtral, Qwen2-MoE, Qwen3-MoE and Granite MoE, OLMo 2,
+"""Write tiny random-weight Hugging Face checkpoints of Qwen3, Mixtral, Qwen2-MoE, Qwen3-MoE, Granite MoE, OLMoE, OLMo 2,
 SmolLM3 (no RoPE in every other layer
 here), Granite (its four scalars), Phi-3 (fused projections; and Phi-4-mini's partial rotary and LongRoPE),
 Gemma 2 and Gemma 3 with transformers' own modules, and their golden outputs, for
@@ -33,7 +33,7 @@ COMMON = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_
 
 def configs():
     from transformers import (Gemma2Config, Gemma3Config, Gemma3TextConfig, GraniteConfig, GraniteMoeConfig, LlamaConfig,
-                              MixtralConfig, Olmo2Config, Phi3Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig,
+                              MixtralConfig, Olmo2Config, OlmoeConfig, Phi3Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig,
                               SiglipVisionConfig, SmolLM3Config)
 
     types = ["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"]
@@ -51,6 +51,11 @@ def configs():
                                    num_experts_per_tok=2, norm_topk_prob=False),
         # OLMo 2 (AllenAI's): norms after attention and after the MLP only, q and k normed over all their heads
         "olmo2": Olmo2Config(**{k: v for k, v in COMMON.items() if k != "head_dim"}, tie_word_embeddings=False,
+                             bos_token_id=1, eos_token_id=2, pad_token_id=None),
+        # OLMoE (AllenAI's 1B-7B): Llama's norms, q and k normed whole (k over its 2 kv heads), 8 experts, 2 a token,
+        # not renormalized
+        "olmoe": OlmoeConfig(**{**{k: v for k, v in COMMON.items() if k != "head_dim"}, "intermediate_size": 32},
+                             tie_word_embeddings=False, num_experts=8, num_experts_per_tok=2, norm_topk_prob=False,
                              bos_token_id=1, eos_token_id=2, pad_token_id=None),
         # Granite MoE (IBM's 1B/3B): Granite's scalars, and each expert's gate and up projections in one tensor
         "granitemoe": GraniteMoeConfig(**{**COMMON, "intermediate_size": 32}, tie_word_embeddings=True,

@@ -27,7 +27,7 @@ class ModelConfig:
     attention_bias: bool = False  # biases on the q, k, v projections (Qwen2)
     # ---- variations of other families (defaults: Llama) ----
     family: str = "llama"  # "llama" (Llama, Mistral, Mixtral, Qwen2 and its MoE, SmolLM3, Granite and its MoE,
-    #                        Phi-3), "qwen3" (and its MoE), "gemma2", "gemma3", "olmo2"
+    #                        Phi-3), "qwen3" (and its MoE), "gemma2", "gemma3", "olmo2", "olmoe"
     qk_norm: bool = False  # RMSNorm over each head of q and k before RoPE (Qwen3, Gemma 3)
     qk_norm_whole: bool = False  # ... over the whole q and k projections instead, all heads at once (OLMo 2)
     pre_norms: bool = True  # a norm before attention and before the MLP (False: OLMo 2's, with post_norms only)

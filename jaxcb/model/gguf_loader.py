@@ -1,5 +1,5 @@
 """Read a GGUF file of the Llama (and Mixtral: llama with experts), Qwen2, Qwen2-MoE, Qwen3, Qwen3-MoE, SmolLM3, Granite,
-Granite MoE, Phi-3, Gemma 2, Gemma 3 or OLMo 2 architecture: config, dequantized weights and tokenizer metadata.
+Granite MoE, Phi-3, Gemma 2, Gemma 3, OLMo 2 or OLMoE architecture: config, dequantized weights and tokenizer metadata.
 
 The `gguf` library parses the file and dequantizes every tensor type it knows. Weights come back
 as numpy arrays in this project's layout (see `WEIGHT_NAMES`): linear weights as [in, out] so the
@@ -29,8 +29,8 @@ from jaxcb.model.config import ModelConfig, check_all_used
 from jaxcb.model.gguf_file import GGUFFile
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen2moe", "qwen3", "qwen3moe", "gemma2", "gemma3", "smollm3", "granite",
-                           "granitemoe", "phi3", "olmo2")
-MOE_ARCHITECTURES = ("llama", "qwen2moe", "qwen3moe", "granitemoe")  # a mixture of experts (Mixtral: "llama" + experts)
+                           "granitemoe", "phi3", "olmo2", "olmoe")
+MOE_ARCHITECTURES = ("llama", "qwen2moe", "qwen3moe", "granitemoe", "olmoe")  # a mixture of experts (Mixtral: "llama" + experts)
 
 # Project name -> (GGUF name pattern, transpose to [in, out]).
 _LAYER_TENSORS = {
@@ -53,6 +53,7 @@ _BIAS_TENSORS = {"bq": "blk.{i}.attn_q.bias", "bk": "blk.{i}.attn_k.bias", "bv":
 _EXTRA_TENSORS = {
     "qwen3": {"q_norm": "blk.{i}.attn_q_norm.weight", "k_norm": "blk.{i}.attn_k_norm.weight"},
     "gemma2": {"post_attn_norm": "blk.{i}.post_attention_norm.weight", "post_mlp_norm": "blk.{i}.post_ffw_norm.weight"},
+    "olmoe": {"q_norm": "blk.{i}.attn_q_norm.weight", "k_norm": "blk.{i}.attn_k_norm.weight"},
     "olmo2": {"q_norm": "blk.{i}.attn_q_norm.weight", "k_norm": "blk.{i}.attn_k_norm.weight",
               "post_attn_norm": "blk.{i}.post_attention_norm.weight", "post_mlp_norm": "blk.{i}.post_ffw_norm.weight"},
     "gemma3": {"q_norm": "blk.{i}.attn_q_norm.weight", "k_norm": "blk.{i}.attn_k_norm.weight",
@@ -133,8 +134,8 @@ def read_config(reader) -> ModelConfig:
         used = int(need("expert_used_count"))
         if not 0 < used <= experts:
             raise InvalidConfig(f"{arch}.expert_used_count: {used} is not between 1 and the {experts} experts")
-        # the chosen experts' weights renormalized: llama.cpp's rule for these, but for Qwen2-MoE
-        family.update(num_experts=experts, experts_per_token=used, norm_topk=arch != "qwen2moe",
+        # the chosen experts' weights renormalized: llama.cpp's rule for these, but for Qwen2-MoE and OLMoE
+        family.update(num_experts=experts, experts_per_token=used, norm_topk=arch not in ("qwen2moe", "olmoe"),
                       shared_expert_size=shared)
     value_dim = int(_field(reader, f"{arch}.attention.value_length", head_dim))
     if value_dim != head_dim:
@@ -156,6 +157,8 @@ def read_config(reader) -> ModelConfig:
     ffn = int(_field(reader, f"{arch}.expert_feed_forward_length", 0) or need("feed_forward_length"))
     if arch == "olmo2":  # norms after attention and the MLP only; q and k normed whole (its rotate-half RoPE)
         family.update(family="olmo2", qk_norm=True, qk_norm_whole=True, post_norms=True, pre_norms=False)
+    if arch == "olmoe":  # Llama's norms, q and k normed whole, experts
+        family.update(family="olmoe", qk_norm=True, qk_norm_whole=True)
     if arch in ("qwen3", "qwen3moe"):
         family.update(family="qwen3", qk_norm=True)
     elif arch == "smollm3":  # Llama without RoPE in every fourth layer (llama.cpp's n_no_rope_layer_step)

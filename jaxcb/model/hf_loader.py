@@ -4,7 +4,7 @@ Llama-family architectures load into the one model with its named variations (ja
 Llama and Mistral as they are, Qwen2 with its q/k/v biases, Qwen3 with its per-head q/k norms and
 explicit head_dim, Gemma 2 (four norms a layer, soft-capping, sliding layers alternating with full
 ones) and Gemma 3 (text: q/k norms, five sliding layers to a full one, a local RoPE base), Mixtral and
-Qwen3-MoE (a mixture of experts in place of the MLP), OLMo 2 (norms after attention and the MLP only; q and
+Qwen3-MoE and OLMoE (a mixture of experts in place of the MLP; OLMoE's q and k normed whole), OLMo 2 (norms after attention and the MLP only; q and
 k normed whole); a separate output head when the embeddings are not tied. Weights are read with `safetensors` (no framework) and
 transposed from torch's [out, in] to this project's [in, out].
 """
@@ -31,7 +31,7 @@ ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qw
                  "SmolLM3ForCausalLM": "smollm3", "GraniteForCausalLM": "granite", "Phi3ForCausalLM": "phi3",
                  "Qwen3ForCausalLM": "qwen3", "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3",
                  "MixtralForCausalLM": "mixtral", "Qwen3MoeForCausalLM": "qwen3moe", "GraniteMoeForCausalLM": "granitemoe",
-                 "Qwen2MoeForCausalLM": "qwen2moe", "Olmo2ForCausalLM": "olmo2",
+                 "Qwen2MoeForCausalLM": "qwen2moe", "Olmo2ForCausalLM": "olmo2", "OlmoeForCausalLM": "olmoe",
                  # Gemma 3 4B+ as released (a vision tower beside the language model): served on text
                  "Gemma3ForConditionalGeneration": "gemma3"}
 # Where a checkpoint keeps the language model's tensors: a causal LM's "model.", a multimodal one's
@@ -58,6 +58,7 @@ _FUSED = {"self_attn.qkv_proj.weight": ("wq", "wk", "wv"), "mlp.gate_up_proj.wei
 _MOE = {"mixtral": ("block_sparse_moe.gate.weight", "block_sparse_moe.experts.{j}.", ("w1", "w3", "w2")),
         "qwen3moe": ("mlp.gate.weight", "mlp.experts.{j}.", ("gate_proj", "up_proj", "down_proj")),
         "qwen2moe": ("mlp.gate.weight", "mlp.experts.{j}.", ("gate_proj", "up_proj", "down_proj")),
+        "olmoe": ("mlp.gate.weight", "mlp.experts.{j}.", ("gate_proj", "up_proj", "down_proj")),
         "granitemoe": ("block_sparse_moe.router.layer.weight", "block_sparse_moe.",
                        ("input_linear", "input_linear", "output_linear"))}
 _BIASES = {"bq": "self_attn.q_proj.bias", "bk": "self_attn.k_proj.bias", "bv": "self_attn.v_proj.bias"}
@@ -165,6 +166,10 @@ def read_config(path: str) -> ModelConfig:
             extra.update(qk_norm=True)
         if family == "olmo2":  # norms after attention and the MLP only; q and k normed whole, before RoPE
             extra.update(qk_norm=True, qk_norm_whole=True, post_norms=True, pre_norms=False)
+        if family == "olmoe":  # Llama's norms, q and k normed whole before RoPE, experts
+            extra.update(qk_norm=True, qk_norm_whole=True)
+        if raw.get("clip_qkv") is not None:  # (OLMo's: q, k and v clamped)
+            raise InvalidConfig(f"config.json: clip_qkv {raw['clip_qkv']!r} is not supported")
         # (Mixtral's and Granite MoE's experts are intermediate_size wide, Qwen's moe_intermediate_size)
         moe_width = family in ("qwen3moe", "qwen2moe")
         intermediate = int(raw["moe_intermediate_size"] if moe_width else raw["intermediate_size"])
@@ -175,9 +180,10 @@ def read_config(path: str) -> ModelConfig:
             experts, used = int(raw.get("num_experts") or raw["num_local_experts"]), int(raw["num_experts_per_tok"])
             if not 0 < used <= experts:
                 raise InvalidConfig(f"config.json: num_experts_per_tok {used} is not between 1 and the {experts} experts")
-            # (renormalized: Mixtral's and Granite MoE's always; Qwen3-MoE's as norm_topk_prob, transformers' default off)
+            # (renormalized: Mixtral's and Granite MoE's always; Qwen's and OLMoE's as norm_topk_prob, transformers'
+            # default off)
             extra.update(num_experts=experts, experts_per_token=used,
-                         norm_topk=bool(raw.get("norm_topk_prob", family not in ("qwen3moe", "qwen2moe"))),
+                         norm_topk=bool(raw.get("norm_topk_prob", family not in ("qwen3moe", "qwen2moe", "olmoe"))),
                          shared_expert_size=int(raw.get("shared_expert_intermediate_size") or 0))
         if gemma:
             window = int(raw.get("sliding_window") or 0)
