@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import json
 import time
@@ -24,15 +25,19 @@ from serve.openai_fields import ERROR_TYPE, HTTPError, RequestOptions, http_erro
 
 async def answer(state, request: Request, options: RequestOptions, tenant: str, prompts: list[list[int]], params, *,
                  chat: bool, top_logprobs: int = 0, tools=None, echo: list[str] | None = None,
-                 prompt_field: bool = False, include_reasoning: bool = True):
+                 prompt_field: bool = False, include_reasoning: bool = True, to_context: bool = False):
     """Run the prompts (each params.n samples) and answer as OpenAI does: server-sent chunks with
     `stream`, else one JSON body once all are done; a client that hangs up has its requests aborted.
     `echo` (completions): each prompt's text, which its choices' texts start with, and with logprobs its
     tokens' logprobs those of the choice's (the first None). `prompt_field`: vLLM's `prompt_logprobs` list,
     in each completions choice, in a chat answer beside its choices (its one prompt's), as vLLM places it.
-    `include_reasoning` (vLLM's; with the server's reasoning parser): false leaves the thinking out."""
+    `include_reasoning` (vLLM's; with the server's reasoning parser): false leaves the thinking out.
+    `to_context`: each prompt's samples run up to the context (max_tokens: what is left of it after the prompt)."""
+    def params_of(ids):
+        return dataclasses.replace(params, max_tokens=max(1, state.engine.max_context - len(ids))) if to_context else params
+
     for p in prompts:  # every prompt checked before any is submitted
-        state.engine.validate(p, params)
+        state.engine.validate(p, params_of(p))
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
     reasoning_parser = state.options.reasoning_parser if chat else None
     created = int(time.time())
@@ -43,7 +48,7 @@ async def answer(state, request: Request, options: RequestOptions, tenant: str, 
 
     async def pump(i, ids):
         try:
-            async with contextlib.aclosing(state.stream(ids, params, options.priority,
+            async with contextlib.aclosing(state.stream(ids, params_of(ids), options.priority,
                                                         f"{request_id}/{i}" if request_id else "", tenant,
                                                         options.cache_salt)) as stream:
                 async for _, ev in stream:
@@ -114,10 +119,10 @@ async def answer(state, request: Request, options: RequestOptions, tenant: str, 
                         yield _sse({"id": rid, "object": obj, "created": created, "model": model_name,
                                     "choices": [{"index": k, "delta": {"role": "assistant", "content": ""},
                                                  "logprobs": None, "finish_reason": None}], **before(k)})
-                for k in range(len(prompts) * n) if echo is not None else ():
-                    yield _sse({"id": rid, "object": obj, "created": created, "model": model_name,
-                                "choices": [{"index": k, "text": echo[k // n], "logprobs": None,
-                                             "finish_reason": None}], **before(k)})
+                # completions: echo leads each choice's first chunk (with the prompt's logprobs, when asked, as
+                # that chunk's first), and each chunk's text_offset goes on from the choice's text so far
+                echo_due = set(range(len(prompts) * n)) if echo is not None else set()
+                offsets: dict[int, int] = {}
                 while left:
                     try:
                         i, ev = await next_event()
@@ -127,6 +132,12 @@ async def answer(state, request: Request, options: RequestOptions, tenant: str, 
                         break
                     left -= ev.finished
                     index, text, logprobs, finish, prompt, stop_reason = await shape(i, ev)
+                    if index in echo_due:
+                        echo_due.discard(index)
+                        text = echo[index // n] + text
+                    if logprobs and not chat:
+                        logprobs = _with_offsets(logprobs, offsets.get(index, 0))
+                        offsets[index] = offsets.get(index, 0) + sum(len(t) for t in logprobs["tokens"])
                     thought = ""
                     if reasoning_parser is not None:  # the thinking first (serve.reasoning), the answer after
                         thinking = thoughts.setdefault(index, reasoning.ReasoningStream(reasoning_parser))
@@ -138,8 +149,8 @@ async def answer(state, request: Request, options: RequestOptions, tenant: str, 
                         delta = {"content": content} if content else {}
                         if pieces:
                             delta["tool_calls"] = pieces
-                        if finish == "stop" and calls.calls:
-                            finish = "tool_calls"
+                        if finish == "stop" and calls.calls and tools.choice != "function":
+                            finish = "tool_calls"  # (a named function's call ends as "stop": OpenAI's, vLLM's)
                     if thought and include_reasoning:
                         delta.update(reasoning=thought, reasoning_content=thought)
                     if not (delta or finish or logprobs or prompt):
@@ -217,7 +228,7 @@ async def answer(state, request: Request, options: RequestOptions, tenant: str, 
             content, calls = tool_parse.parse(choice["message"]["content"] or "", tools)
             if calls:
                 choice["message"].update(content=content or None, tool_calls=calls)
-                if choice["finish_reason"] == "stop":
+                if choice["finish_reason"] == "stop" and tools.choice != "function":
                     choice["finish_reason"] = "tool_calls"
             elif tools.choice in ("required", "function"):  # no call came whole (cut off): no content either,
                 choice["message"]["content"] = content or None  # as streamed (tool_parse.CallStream)
@@ -339,11 +350,11 @@ def _prompt_parts(tokenizer, prompt: list[int], entries, echo: int | None, n: in
     return echoed, listed
 
 
-def _with_offsets(logprobs):
-    """Completions' logprobs with each token's character offset in the choice's text."""
+def _with_offsets(logprobs, at: int = 0):
+    """Completions' logprobs with each token's character offset in the choice's text (the first at `at`)."""
     if logprobs is None:
         return None
-    offsets, at = [], 0
+    offsets = []
     for token in logprobs["tokens"]:
         offsets.append(at)
         at += len(token)

@@ -45,7 +45,8 @@ from serve import frontend, openai_responses, reasoning
 from serve.openai_answer import answer, json_response
 from serve.openai_beam import beam_answer, check_beam_request
 from serve.openai_fields import (CHAT_FIELDS, COMPLETION_FIELDS, DETOKENIZE_FIELDS, TOKENIZE_FIELDS, MAX_TOP_LOGPROBS,
-                                 ERROR_TYPE, HTTPError, bad_request, bool_field, check_fields, common_fields, http_error,
+                                 ERROR_TYPE, HTTPError, bad_request, bool_field, check_chat_spec_fields, check_fields,
+                                 common_fields, http_error,
                                  int_field, parse_json, prompt_list, sampling_params, str_field, template_fields,
                                  beam_fields)
 
@@ -87,12 +88,13 @@ def make_app(state) -> FastAPI:
         client = request.client
         return frontend.tenant(state, given, f"http:{client.host}:{client.port}" if client else "http")
 
-    async def body_of(request: Request) -> dict:
+    async def body_of(request: Request, keep_null: tuple[str, ...] = ()) -> dict:
         """The JSON object of the body: at most MAX_REQUEST_BYTES (checked from Content-Length before
         reading, and while reading), whole within --http-header-timeout (a 408: a client that declares a
         body and trickles it, or never sends it, does not hold its call), parsed off the event loop when
         large; anything that is not a JSON object (bad bytes, nesting too deep, an integer of thousands of
-        digits) is a 400."""
+        digits) is a 400. A top-level field that is null is not given (OpenAI's optional fields are
+        nullable, and SDKs and serializers send null for what is unset), but for those in `keep_null`."""
         limit, seconds = frontend.MAX_REQUEST_BYTES, state.options.http_header_timeout_s
         declared = request.headers.get("content-length")
         if declared is not None and (not declared.isdigit() or int(declared) > limit):
@@ -110,6 +112,7 @@ def make_app(state) -> FastAPI:
                             param="body") from None
         raw = b"".join(chunks)
         body = await asyncio.to_thread(parse_json, raw) if size > 1 << 16 else parse_json(raw)
+        body = {k: v for k, v in body.items() if v is not None or k in keep_null}
         adapter_of(body)  # the model it names is served (404 before any other work)
         return body
 
@@ -274,7 +277,7 @@ def make_app(state) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(request: Request):
         tenant = authorize(request)
-        body = await body_of(request)
+        body = await body_of(request, keep_null=("max_tokens",))
         check_fields(body, COMPLETION_FIELDS)
         echo = bool_field(body, "echo", False)
         if str_field(body, "suffix", ""):
@@ -287,7 +290,9 @@ def make_app(state) -> FastAPI:
         shown = int_field(body, "logprobs")
         if shown is not None and shown < 0:
             raise bad_request(f"logprobs: must be >= 0, got {shown}")
-        max_tokens = int_field(body, "max_tokens", 16)
+        # max_tokens: 16 unless given; null: up to the context, each prompt's own (vLLM's)
+        to_context = "max_tokens" in body and body["max_tokens"] is None
+        max_tokens = 1 if to_context else int_field(body, "max_tokens", 16)
         # echo with logprobs: the prompt's tokens' logprobs lead the choice's (lm-eval's loglikelihood);
         # echo with max_tokens 0: the prompt alone, scored (OpenAI's legacy scoring call)
         scored = (shown or 0) if echo and (shown is not None or max_tokens == 0) else None
@@ -303,15 +308,22 @@ def make_app(state) -> FastAPI:
         await frontend.check_settings(state, params)
         prompts = await _completion_prompts(given, keep)
         if penalty is not None:
+            if to_context:  # (beams share one limit: the longest prompt's room)
+                params = dataclasses.replace(params, max_tokens=max(1, state.engine.max_context - max(map(len, prompts))))
             return await json_response(await beam_answer(state, request, options, tenant, prompts, params, penalty,
                                                          chat=False))
         echoed = None
         if echo:  # each choice's text starts with its prompt's (token ids decoded; what is kept of it, if cut)
             echoed = [p if isinstance(p, str) and keep is None else await asyncio.to_thread(_tokenizer().decode, ids)
                       for p, ids in zip(given, prompts)]
-        return await json_response(await answer(state, request, options, tenant, prompts, params, chat=False,
-                                                echo=echoed, top_logprobs=shown or 0,
-                                                prompt_field="prompt_logprobs" in body))
+        try:
+            return await json_response(await answer(state, request, options, tenant, prompts, params, chat=False,
+                                                    echo=echoed, top_logprobs=shown or 0,
+                                                    prompt_field="prompt_logprobs" in body, to_context=to_context))
+        except InvalidRequest as e:  # (the engine names a prompt's ids by its own field)
+            if e.field == "prompt_token_ids":
+                raise bad_request("prompt" + str(e)[len("prompt_token_ids"):]) from None
+            raise
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -340,6 +352,7 @@ def make_app(state) -> FastAPI:
                                   state.options.tool_call_parser)
 
     async def run_chat(request: Request, tenant: str, body: dict):
+        check_chat_spec_fields(body)
         options = common_fields(body)
         messages = body.get("messages")
         if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):

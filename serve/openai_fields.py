@@ -10,7 +10,8 @@ import re
 
 from fastapi.responses import JSONResponse
 
-from jaxcb.host.errors import InvalidRequest, JaxcbError, NotFound, Overloaded, StepFailed, Unauthenticated, Unavailable
+from jaxcb.host.errors import (InvalidRequest, JaxcbError, NotFound, Overloaded, StepFailed, Unauthenticated, Unavailable,
+                               shown)
 from jaxcb.host.request import (SamplingParams, check_allowed_count, check_priority, check_stop_counts,
                                 logit_bias_from_json, read_json)
 from jaxcb.host.structured import (GUIDED_EXTRAS, GUIDED_FIELDS, Constraint, from_guided, from_response_format,
@@ -29,17 +30,25 @@ EXTRAS = {"top_k", "min_p", "repetition_penalty", "ignore_eos", "min_tokens", "s
 # OpenAI's fields about its own service that say nothing about the output (storing completions, billing
 # tier, cache routing, abuse tracking): SDKs and frameworks send them, a self-hosted server has nothing to
 # do with them. Their types are checked; anything else unknown is a 400 naming it.
-SERVICE_FIELDS = {"store": bool, "metadata": dict, "service_tier": str, "prompt_cache_key": str, "safety_identifier": str}
+SERVICE_FIELDS = {"store": bool, "metadata": dict, "service_tier": str, "prompt_cache_key": str, "safety_identifier": str,
+                  "prompt_cache_retention": str}
+# OpenAI's chat fields for what this server has not (audio out, built-in web search, the functions that tools
+# replaced) are refused by name; hints that leave the output as it is (a predicted output, verbosity) are
+# checked and change nothing; reasoning_effort goes to the chat template (reasoning models' templates read it).
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
+VERBOSITIES = ("low", "medium", "high")
+CHAT_SPEC_FIELDS = {"reasoning_effort", "functions", "function_call", "modalities", "audio", "prediction", "verbosity",
+                    "web_search_options"}
 COMMON_FIELDS = {"model", "stream", "stream_options", "n", "max_tokens", "temperature", "top_p", "presence_penalty",
            "frequency_penalty", "seed", "stop", "user", "logit_bias", *SERVICE_FIELDS}
 COMPLETION_FIELDS = COMMON_FIELDS | EXTRAS | {"prompt", "logprobs", "echo", "suffix", "best_of", "response_format"}
 CHAT_FIELDS = COMMON_FIELDS | EXTRAS | {"messages", "logprobs", "top_logprobs", "max_completion_tokens",
                                     "response_format", "tools", "tool_choice", "parallel_tool_calls",
                                     "chat_template_kwargs", "add_generation_prompt", "continue_final_message",
-                                    "chat_template", "include_reasoning"}
+                                    "chat_template", "include_reasoning", *CHAT_SPEC_FIELDS}
 TOKENIZE_FIELDS = {"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt", "continue_final_message",
                    "return_token_strs", "chat_template_kwargs", "chat_template", "tools", "tool_choice",
-                   "parallel_tool_calls"}
+                   "parallel_tool_calls", "reasoning_effort"}
 DETOKENIZE_FIELDS = {"model", "tokens"}
 
 
@@ -72,7 +81,7 @@ def _typed(body: dict, name: str, default, ok, what: str):
     if v is None:
         return default
     if not ok(v):
-        raise bad_request(f"{name}: must be {what}, got {v!r}")
+        raise bad_request(f"{name}: must be {what}, got {shown(v)}")
     return v
 
 
@@ -116,8 +125,28 @@ def template_fields(body: dict, trusted: bool) -> tuple[bool, dict, bool, str | 
     add_generation_prompt, chat_template_kwargs, continue_final_message, chat_template (the request's own
     template, vLLM's field: taken only from a server that trusts its clients' templates, `trusted`)."""
     template = frontend.check_request_template("chat_template", body.get("chat_template"), trusted)
-    return (bool_field(body, "add_generation_prompt", True), check_template_kwargs(body.get("chat_template_kwargs")),
-            bool_field(body, "continue_final_message", False), template)
+    kwargs = check_template_kwargs(body.get("chat_template_kwargs"))
+    effort = _typed(body, "reasoning_effort", None, lambda v: v in REASONING_EFFORTS, f"one of {REASONING_EFFORTS}")
+    if effort is not None and "reasoning_effort" not in kwargs:  # (vLLM's: the template reads it)
+        kwargs = {**kwargs, "reasoning_effort": effort}
+    return (bool_field(body, "add_generation_prompt", True), kwargs, bool_field(body, "continue_final_message", False),
+            template)
+
+
+def check_chat_spec_fields(body: dict) -> None:
+    """OpenAI's chat fields of CHAT_SPEC_FIELDS but reasoning_effort (template_fields'): refused by name where
+    this server has not what they ask for, else checked."""
+    for name, why in (("functions", "OpenAI's deprecated form of tools: send tools"),
+                      ("function_call", "OpenAI's deprecated form of tool_choice: send tool_choice"),
+                      ("audio", "audio output is not served"),
+                      ("web_search_options", "built-in web search is not served")):
+        if name in body:
+            raise bad_request(f"{name}: {why}")
+    modalities = body.get("modalities")
+    if modalities is not None and modalities != ["text"]:
+        raise bad_request(f"modalities: only [\"text\"] is served, got {shown(modalities)}")
+    _typed(body, "prediction", None, lambda v: isinstance(v, dict), "an object")
+    _typed(body, "verbosity", None, lambda v: v in VERBOSITIES, f"one of {VERBOSITIES}")
 
 
 def sampling_params(body: dict, *, max_tokens: int, logprobs: int, prompt_logprobs: int | None = None) -> SamplingParams:

@@ -24,16 +24,31 @@ import uuid
 from fastapi.responses import Response, StreamingResponse
 
 from jaxcb.host.errors import InvalidRequest, shown
-from serve.openai_fields import (HTTPError, bad_request, check_fields, check_metadata, http_error, int_field,
-                                 unknown_field)
+from serve.openai_fields import (SERVICE_FIELDS, VERBOSITIES, HTTPError, bad_request, bool_field, check_fields,
+                                 check_metadata, http_error, int_field, unknown_field)
 from jaxcb.host.tool_calls import content_text
 
 RESPONSES_FIELDS = {"model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "stream",
                     "text", "user", "store", "metadata", "seed", "top_k", "min_p", "repetition_penalty",
                     "presence_penalty", "frequency_penalty", "ignore_eos", "priority", "cache_salt", "request_id",
-                    "tools", "tool_choice", "parallel_tool_calls", "reasoning"}
+                    "tools", "tool_choice", "parallel_tool_calls", "reasoning", "include", "top_logprobs",
+                    "truncation", "stream_options", "background", "max_tool_calls", "previous_response_id",
+                    "conversation", "prompt", *SERVICE_FIELDS}
 PASSED_ON = {"model", "temperature", "top_p", "stream", "user", "seed", "top_k", "min_p", "repetition_penalty",
-             "presence_penalty", "frequency_penalty", "ignore_eos", "priority", "cache_salt", "request_id"}
+             "presence_penalty", "frequency_penalty", "ignore_eos", "priority", "cache_salt", "request_id",
+             *SERVICE_FIELDS}
+# `include`'s values: the output text's logprobs are given; the others are parts of items this server never
+# makes (built-in tools' results, images, encrypted reasoning for stateless turns), so they add nothing.
+LOGPROBS = "message.output_text.logprobs"
+INCLUDABLE = (LOGPROBS, "reasoning.encrypted_content", "file_search_call.results", "web_search_call.results",
+              "web_search_call.action.sources", "message.input_image.image_url", "computer_call_output.output.image_url",
+              "code_interpreter_call.outputs")
+# Fields for what is not kept or not served here, each refused by name (absent or null they are not given).
+NOT_SERVED = {"previous_response_id": "responses are not stored (store is taken, nothing is kept): send the whole "
+                                      "conversation in input",
+              "conversation": "conversations are not stored: send the whole conversation in input",
+              "prompt": "stored prompt templates are not served",
+              "background": "background responses are not served (nothing is stored to poll)"}
 ROLES = ("user", "system", "developer", "assistant")
 TEXT_PARTS = {"input_text": "text", "output_text": "text"}  # a message item's part type -> the key of its text
 
@@ -218,8 +233,10 @@ def _response_format(body: dict):
     text = body.get("text")
     if text is None:
         return None
-    if not isinstance(text, dict) or set(text) - {"format"}:
-        raise bad_request("text: must be an object with at most `format`")
+    if not isinstance(text, dict) or set(text) - {"format", "verbosity"}:
+        raise bad_request("text: must be an object with at most `format` and `verbosity`")
+    if text.get("verbosity") not in (None, *VERBOSITIES):  # (a hint: checked, changes nothing)
+        raise bad_request(f"text.verbosity: must be one of {', '.join(VERBOSITIES)}, got {shown(text['verbosity'])}")
     fmt = text.get("format")
     if fmt is None:
         return None
@@ -241,12 +258,35 @@ def chat_body(body: dict, origins: list | None = None) -> dict:
     `origins`, where given, gets where each of its messages came from (own_field)."""
     origins = [] if origins is None else origins
     check_fields(body, RESPONSES_FIELDS)
+    for name, why in NOT_SERVED.items():
+        if name in body and not (name == "background" and body[name] is False):
+            raise bad_request(f"{name}: {why}")
     _check_reasoning(body.get("reasoning"))
-    store = body.get("store")
-    if store is not None and not isinstance(store, bool):
-        raise bad_request("store: must be a boolean")
     check_metadata(body.get("metadata"))
     chat = {k: body[k] for k in PASSED_ON if k in body}
+    include = body.get("include", [])
+    if not isinstance(include, list) or not all(isinstance(v, str) for v in include):
+        raise bad_request("include: must be a list of strings")
+    for i, value in enumerate(include):
+        if value not in INCLUDABLE:
+            raise bad_request(f"include[{i}]: {shown(value)} is not one of {', '.join(INCLUDABLE)}")
+    top = int_field(body, "top_logprobs", 0)
+    if LOGPROBS in include or top:  # (the chat checks top_logprobs' range)
+        chat.update(logprobs=True, top_logprobs=top)
+    if body.get("truncation", "disabled") != "disabled":
+        raise bad_request(f"truncation: only 'disabled' is served (an input that does not fit is refused, not cut), "
+                          f"got {shown(body['truncation'])}")
+    options = body.get("stream_options")
+    if options is not None:
+        if not isinstance(options, dict) or set(options) - {"include_obfuscation"}:
+            raise bad_request("stream_options: must be an object with at most include_obfuscation")
+        bool_field({"stream_options.include_obfuscation": options.get("include_obfuscation")},
+                   "stream_options.include_obfuscation", False)  # (no padding is sent: nothing to obfuscate)
+        if not body.get("stream"):
+            raise bad_request("stream_options: only with stream: true")
+    limit = int_field(body, "max_tool_calls")  # (the built-in tools' limit: none are served)
+    if limit is not None and limit < 1:
+        raise bad_request(f"max_tool_calls: must be at least 1, got {limit}")
     chat["messages"] = _messages(body, origins)
     limit = int_field(body, "max_output_tokens")
     if limit is not None:
@@ -273,6 +313,9 @@ class _Shape:
         self.text, self.thought, self.finish, self.usage = "", "", None, None
         self.order: list = []  # "reasoning", "message" and the indexes of self.calls, as they came
         self.calls: list[dict] = []  # {id, call_id, name, arguments}
+        # the answer's tokens' logprobs (the chat's entries: token, logprob, bytes, top_logprobs), where asked;
+        # the text's part carries those of every token the answer wrote (its calls' and thinking's too)
+        self.logprobs: list = []
 
     def usage_json(self):
         u = self.usage or {}
@@ -287,7 +330,7 @@ class _Shape:
         return len(self.order) - 1
 
     def part(self):
-        return {"type": "output_text", "text": self.text, "annotations": []}
+        return {"type": "output_text", "text": self.text, "annotations": [], "logprobs": self.logprobs}
 
     def item(self, which, status: str):
         if which == "reasoning":
@@ -331,6 +374,7 @@ def reshape(answer, body: dict, origins: list | None = None):
     choice = answer["choices"][0]
     message = choice["message"]
     shape.text, shape.finish, shape.usage = message.get("content") or "", choice["finish_reason"], answer["usage"]
+    shape.logprobs = (choice.get("logprobs") or {}).get("content") or []
     shape.thought = message.get("reasoning_content") or ""
     if shape.thought:
         shape.order.append("reasoning")
@@ -359,6 +403,7 @@ async def _events(chunks, body: dict, origins: list = ()):
 async def _translate(chunks, body: dict, event, origins):
     shape = None
     at: dict[int, int] = {}  # the chat's tool-call index -> its output index
+    pending: list = []  # logprobs of tokens not yet in a text delta
     text_at = {"content_index": 0}
 
     def close(index: int, which):
@@ -368,7 +413,8 @@ async def _translate(chunks, body: dict, event, origins):
                         content_index=0, text=shape.thought)
         elif which == "message":
             where = {"output_index": index, **text_at}
-            yield event("response.output_text.done", item_id=shape.message_id, **where, text=shape.text, logprobs=[])
+            yield event("response.output_text.done", item_id=shape.message_id, **where, text=shape.text,
+                        logprobs=shape.logprobs)
             yield event("response.content_part.done", item_id=shape.message_id, **where, part=shape.part())
         else:
             c = shape.calls[which]
@@ -399,6 +445,9 @@ async def _translate(chunks, body: dict, event, origins):
                 shape.usage = chunk["usage"]
             for choice in chunk.get("choices", ()):
                 delta = choice.get("delta") or {}
+                logprobs = (choice.get("logprobs") or {}).get("content") or []
+                shape.logprobs += logprobs
+                pending += logprobs
                 if delta.get("reasoning_content"):
                     if "reasoning" not in shape.order:
                         shape.order.append("reasoning")
@@ -417,7 +466,9 @@ async def _translate(chunks, body: dict, event, origins):
                                     **text_at, part=shape.part())
                     shape.text += delta["content"]
                     yield event("response.output_text.delta", item_id=shape.message_id,
-                                output_index=shape.order.index("message"), **text_at, delta=delta["content"], logprobs=[])
+                                output_index=shape.order.index("message"), **text_at, delta=delta["content"],
+                                logprobs=pending)
+                    pending = []
                 for piece in delta.get("tool_calls") or ():
                     f = piece.get("function") or {}
                     if piece.get("id"):  # a call's head: a new output item

@@ -310,14 +310,14 @@ def test_openai_service_fields_are_taken_and_change_nothing(server, oai, model_n
     for body, message in (({"store": "no"}, "store: must be true or false"),
                           ({"metadata": [1]}, "metadata: must be an object"),
                           ({"metadata": {"a": 1}}, "metadata: 'a': keys of at most 64 characters, string values"),
-                          ({"audio": {}}, "audio: not a field this endpoint takes")):
+                          ({"colour": {}}, "colour: not a field this endpoint takes")):
         r = httpx.post(server.http + "/v1/chat/completions", json={"messages": args["messages"], **body}, timeout=30)
         assert r.status_code == 400 and r.json()["error"]["message"].startswith(message), r.text[:300]
 
 
 def test_echo_starts_each_choice_with_its_prompt(server, oai, model_name, tiny_model):
     """`echo: true` (completions): each choice's text is its prompt's (token ids decoded) and then the
-    completion, whole and streamed (the prompt as each choice's first chunk), the same completion as
+    completion, whole and streamed (the prompt leading each choice's first chunk), the same completion as
     without echo."""
     _, _, tok, _ = tiny_model
     prompts = ["Hello there", [5, 6, 7]]
@@ -996,19 +996,26 @@ def test_tool_calls_in_the_chat_templates_own_format(long_server):
                                         temperature=1.0, seed=3, extra_body=extra)
         assert r.usage.prompt_tokens == tokenized["count"]
         choice = r.choices[0]
-        assert choice.finish_reason == "tool_calls" and not choice.message.content, choice
+        # (a named function's call ends as "stop", as OpenAI's and vLLM's do; required and auto: "tool_calls")
+        assert choice.finish_reason == "stop" and not choice.message.content, choice
         [call] = choice.message.tool_calls
         assert call.function.name == "get_weather"
         jsonschema.validate(json.loads(call.function.arguments), schema)
         stream = oai.chat.completions.create(model=model_name, messages=messages, tools=[WEATHER, CLOCK],
                                              max_tokens=120, temperature=1.0, seed=3, extra_body=extra, stream=True,
                                              tool_choice={"type": "function", "function": {"name": "get_weather"}})
-        name, arguments = None, ""
+        name, arguments, finish = None, "", None
         for chunk in stream:
             for delta in chunk.choices[0].delta.tool_calls or ():
                 name = delta.function.name or name
                 arguments += delta.function.arguments or ""
+            finish = chunk.choices[0].finish_reason or finish
         assert (name, json.loads(arguments)) == ("get_weather", json.loads(call.function.arguments))
+        assert finish == "stop"
+        # tool_choice none: the template still writes the tools (the model sees them: OpenAI's, vLLM's)
+        none = httpx.post(long_server.http + "/tokenize", timeout=30, json={
+            "messages": messages, "tools": [WEATHER, CLOCK], "tool_choice": "none", "chat_template": template}).json()
+        assert none["count"] == tokenized["count"]
         follow = httpx.post(long_server.http + "/tokenize", timeout=30, json={
             "chat_template": template, "tools": [WEATHER, CLOCK], "messages": messages + [
                 {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
@@ -1138,6 +1145,108 @@ def test_responses_api_answers_as_the_chat_api_does(oai, model_name):
     assert got.output_text == want.choices[0].message.content
 
 
+def test_responses_api_takes_what_sdks_send_and_gives_logprobs(oai, model_name):
+    """The fields OpenAI's Agents SDK and others send (include, truncation, service fields, stream_options,
+    nulls for what is unset) are taken; include message.output_text.logprobs with top_logprobs gives the
+    output text's logprobs as the chat gives them, whole and streamed alike."""
+    messages = [{"role": "user", "content": "hi"}]
+    chat = oai.chat.completions.create(model=model_name, messages=messages, max_tokens=6, temperature=0, logprobs=True,
+                                       top_logprobs=2, extra_body={"ignore_eos": True})
+    extra = {"ignore_eos": True, "previous_response_id": None, "conversation": None, "prompt": None, "background": False,
+             "service_tier": "auto", "safety_identifier": "u1", "prompt_cache_key": "k", "max_tool_calls": 3}
+    r = oai.responses.create(model=model_name, input="hi", max_output_tokens=6, temperature=0, include=[
+        "message.output_text.logprobs", "reasoning.encrypted_content"], top_logprobs=2, truncation="disabled",
+        text={"verbosity": "low"}, extra_body=extra)
+    [part] = r.output[0].content
+    want = [(c.token, c.logprob, [t.token for t in c.top_logprobs]) for c in chat.choices[0].logprobs.content]
+    assert r.output_text == chat.choices[0].message.content and len(want) == 6
+    assert [(c.token, c.logprob, [t.token for t in c.top_logprobs]) for c in part.logprobs] == want
+    events = list(oai.responses.create(model=model_name, input="hi", max_output_tokens=6, temperature=0, stream=True,
+                                       include=["message.output_text.logprobs"], top_logprobs=2, extra_body=extra,
+                                       stream_options={"include_obfuscation": False}))
+    streamed = [lp for e in events if e.type == "response.output_text.delta" for lp in e.logprobs]
+    done = next(e for e in events if e.type == "response.output_text.done")
+    for got in (streamed, done.logprobs):
+        assert [(c.token, c.logprob) for c in got] == [w[:2] for w in want]
+    plain = oai.responses.create(model=model_name, input="hi", max_output_tokens=6, temperature=0, include=[],
+                                 extra_body={"ignore_eos": True})
+    assert plain.output_text == r.output_text and not plain.output[0].content[0].logprobs
+
+
+def test_null_fields_are_not_given_and_openais_other_chat_fields(server):
+    """A top-level null is a field not given (serializers send null for what is unset): the same answer as
+    without it. OpenAI's chat fields beyond jaxcb's: hints checked and changing nothing, reasoning_effort
+    handed to the chat template, what is not served (audio, web search, the deprecated functions) refused by
+    name."""
+    from serve.openai_fields import template_fields
+
+    base = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "temperature": 0}
+    want = httpx.post(server.http + "/v1/chat/completions", json=base, timeout=30).json()["choices"][0]["message"]
+    nulls = {k: None for k in ("parallel_tool_calls", "functions", "function_call", "audio", "tool_choice", "tools",
+                               "response_format", "stop", "seed", "n", "logit_bias", "web_search_options", "user",
+                               "metadata", "stream_options", "reasoning_effort", "prediction", "modalities")}
+    hints = {"modalities": ["text"], "prediction": {"type": "content", "content": "hello"}, "verbosity": "low",
+             "reasoning_effort": "low", "prompt_cache_retention": "24h"}
+    for extra in (nulls, hints):
+        r = httpx.post(server.http + "/v1/chat/completions", json={**base, **extra}, timeout=30)
+        assert r.status_code == 200 and r.json()["choices"][0]["message"] == want, r.text
+    for extra, message in (({"functions": [{"name": "f"}]}, "functions: OpenAI's deprecated form of tools"),
+                           ({"function_call": "auto"}, "function_call: OpenAI's deprecated form of tool_choice"),
+                           ({"audio": {"voice": "x"}}, "audio: audio output is not served"),
+                           ({"web_search_options": {}}, "web_search_options: built-in web search is not served"),
+                           ({"modalities": ["text", "audio"]}, "modalities: only [\"text\"] is served"),
+                           ({"verbosity": "loud"}, "verbosity: must be one of"),
+                           ({"reasoning_effort": "max"}, "reasoning_effort: must be one of")):
+        r = httpx.post(server.http + "/v1/chat/completions", json={**base, **extra}, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["message"].startswith(message), r.text
+    assert template_fields({"reasoning_effort": "high"}, False)[1] == {"reasoning_effort": "high"}
+    assert template_fields({"reasoning_effort": "high", "chat_template_kwargs": {"reasoning_effort": "low"}},
+                           False)[1] == {"reasoning_effort": "low"}  # (the template's own kwargs win)
+
+
+def test_completions_max_tokens_null_runs_to_the_context(server):
+    """max_tokens null on completions: each prompt's samples up to the context (vLLM's; absent: 16)."""
+    body = {"prompt": [[5, 6], [5, 6, 7, 8]], "ignore_eos": True, "temperature": 0}
+    r = httpx.post(server.http + "/v1/completions", json={**body, "max_tokens": None}, timeout=120).json()
+    assert [c["finish_reason"] for c in r["choices"]] == ["length", "length"]
+    assert r["usage"]["completion_tokens"] == (256 - 2) + (256 - 4)  # (the test server's context: 256)
+    r = httpx.post(server.http + "/v1/completions", json=body, timeout=60).json()
+    assert r["usage"]["completion_tokens"] == 2 * 16
+    r = httpx.post(server.http + "/v1/completions", json={"prompt": [5, 10**6]}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+
+
+def test_streamed_completions_logprobs_are_the_whole_answers(server):
+    """Streamed completions with logprobs: each chunk's text_offset goes on from the choice's text so far, and
+    with echo the prompt leads the choice's first chunk with its logprobs: the chunks add up to the answer
+    given whole (texts, tokens, offsets), with max_tokens 0 too."""
+    for extra in ({"max_tokens": 5}, {"max_tokens": 5, "echo": True}, {"max_tokens": 0, "echo": True}):
+        body = {"prompt": ["hello there", "abc"], "temperature": 0, "logprobs": 1, "ignore_eos": True, **extra}
+        whole = httpx.post(server.http + "/v1/completions", json=body, timeout=60).json()["choices"]
+        got = {}
+        with httpx.stream("POST", server.http + "/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+            for line in r.iter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                for c in json.loads(line[6:])["choices"]:
+                    g = got.setdefault(c["index"], {"text": "", "tokens": [], "text_offset": [], "token_logprobs": []})
+                    if not g["text"] and extra.get("echo"):  # echo leads the first chunk, with its logprobs
+                        prompt = body["prompt"][c["index"]]
+                        assert c["text"].startswith(prompt) and c["logprobs"]["token_logprobs"][0] is None
+                    g["text"] += c["text"]
+                    lp = c["logprobs"] or {}
+                    assert len(lp.get("tokens", [])) == len(lp.get("text_offset", []))
+                    for key in ("tokens", "text_offset", "token_logprobs"):
+                        g[key] += lp.get(key, [])
+        for c in whole:  # (logprobs within float noise: the two ran in other batches)
+            g = got[c["index"]]
+            assert (g["text"], g["tokens"], g["text_offset"]) == (c["text"], c["logprobs"]["tokens"],
+                                                                  c["logprobs"]["text_offset"]), extra
+            assert [x is None for x in g["token_logprobs"]] == [x is None for x in c["logprobs"]["token_logprobs"]]
+            np.testing.assert_allclose([x or 0 for x in g["token_logprobs"]],
+                                       [x or 0 for x in c["logprobs"]["token_logprobs"]], atol=1e-5)
+
+
 def test_non_finite_numbers_are_not_json(server):
     for path in ("/v1/responses", "/v1/chat/completions"):
         r = httpx.post(server.http + path, content=b'{"input": "x", "messages": [], "temperature": NaN}',
@@ -1204,7 +1313,16 @@ def test_responses_stream_client_gone_frees_its_request(server):
      "input[0].content[0].type: 'input_image' is not supported"),
     ({"input": [{"role": "robot", "content": "x"}]}, "input[0].role: must be one of"),
     ({"input": []}, "input: must be a string or a non-empty list"),
-    ({"input": "x", "previous_response_id": "resp_1"}, "previous_response_id: not a field"),
+    ({"input": "x", "previous_response_id": "resp_1"}, "previous_response_id: responses are not stored"),
+    ({"input": "x", "conversation": "conv_1"}, "conversation: conversations are not stored"),
+    ({"input": "x", "background": True}, "background: background responses are not served"),
+    ({"input": "x", "truncation": "auto"}, "truncation: only 'disabled' is served"),
+    ({"input": "x", "include": ["message.output_text.colour"]}, "include[0]: 'message.output_text.colour' is not one of"),
+    ({"input": "x", "include": "reasoning.encrypted_content"}, "include: must be a list of strings"),
+    ({"input": "x", "top_logprobs": 21}, "top_logprobs: must be between 0 and 20"),
+    ({"input": "x", "stream_options": {"include_obfuscation": False}}, "stream_options: only with stream: true"),
+    ({"input": "x", "text": {"verbosity": "loud"}}, "text.verbosity: must be one of low, medium, high"),
+    ({"input": "x", "service_tier": 1}, "service_tier: must be a string"),
     ({"input": "x", "text": {"format": {"type": "yaml"}}}, "text.format.type: must be text, json_object or json_schema"),
     ({"input": "x", "max_output_tokens": 0}, "max_output_tokens: must be at least 1"),
     ({"input": "x", "max_output_tokens": "9"}, "max_output_tokens: must be an integer"),

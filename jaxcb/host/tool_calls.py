@@ -138,8 +138,10 @@ class Tools:
                 for n, p in self.functions.items()]
 
     def template_tools(self) -> list[dict] | None:
-        """The template's `tools` where it renders them; None when jaxcb renders them or none are shown."""
-        return self.listed() if self.native and self.active else None
+        """The template's `tools` where it renders them (with tool_choice none too: the model sees them, as
+        OpenAI's and vLLM's do, and its answer is read as text); None when jaxcb renders them (jaxcb's text
+        asks for calls: not written for none)."""
+        return self.listed() if self.native else None
 
 
 def parse_tools(body: dict) -> Tools | None:
