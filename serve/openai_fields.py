@@ -86,7 +86,11 @@ def _typed(body: dict, name: str, default, ok, what: str):
 
 
 def int_field(body: dict, name: str, default=None):
-    return _typed(body, name, default, lambda v: isinstance(v, int) and not isinstance(v, bool), "an integer")
+    """An integer field; a float that is a whole number is taken as that integer (Python clients write 2.0
+    where they computed it; vLLM's pydantic takes it too), a fraction is refused."""
+    v = _typed(body, name, default, lambda v: (isinstance(v, int) and not isinstance(v, bool))
+               or (isinstance(v, float) and v.is_integer()), "an integer")
+    return int(v) if isinstance(v, float) else v
 
 
 def number_field(body: dict, name: str, default):

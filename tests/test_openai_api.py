@@ -1204,6 +1204,19 @@ def test_null_fields_are_not_given_and_openais_other_chat_fields(server):
                            False)[1] == {"reasoning_effort": "low"}  # (the template's own kwargs win)
 
 
+def test_whole_number_floats_are_integers(server):
+    """An integer field written as a whole float (2.0: what Python clients send where they computed it) is that
+    integer; a fraction is refused naming the field."""
+    base = {"prompt": [5, 6], "temperature": 1.0, "ignore_eos": True}
+    want = httpx.post(server.http + "/v1/completions", json={**base, "max_tokens": 3, "n": 2, "seed": 7, "logprobs": 1},
+                      timeout=30).json()
+    got = httpx.post(server.http + "/v1/completions", json={**base, "max_tokens": 3.0, "n": 2.0, "seed": 7.0,
+                                                            "logprobs": 1.0}, timeout=30).json()
+    assert [c["text"] for c in got["choices"]] == [c["text"] for c in want["choices"]] and len(want["choices"]) == 2
+    r = httpx.post(server.http + "/v1/completions", json={**base, "max_tokens": 2.5}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["message"] == "max_tokens: must be an integer, got 2.5"
+
+
 def test_completions_max_tokens_null_runs_to_the_context(server):
     """max_tokens null on completions: each prompt's samples up to the context (vLLM's; absent: 16)."""
     body = {"prompt": [[5, 6], [5, 6, 7, 8]], "ignore_eos": True, "temperature": 0}
