@@ -27,10 +27,10 @@ from jaxcb.model.paged_attention import allocate_kv_pages
 from tests.server_util import compile_mode
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "golden", "tiny_hf")
-FAMILIES = ("qwen3", "mixtral", "qwen2moe", "qwen3moe", "granitemoe", "olmoe", "olmo2", "smollm3", "granite", "phi3", "phi3-longrope", "gemma2", "gemma3", "llama3-rope", "qwen3-yarn", "llama-yarn", "gemma3-linear", "gemma3-mm")
+FAMILIES = ("qwen3", "mixtral", "qwen2moe", "qwen3moe", "granitemoe", "olmoe", "olmo2", "smollm3", "granite", "phi3", "phi3-longrope", "gemma2", "gemma3", "llama3-rope", "qwen3-yarn", "llama-yarn", "gemma3-linear", "gemma3-mm", "mistral3-mm", "llava", "qwen2.5-vl", "qwen3-vl")
 # checkpoints of a family with RoPE scaling, or with a vision tower beside it (served on text), or a
 # Llama with layers without RoPE, Granite's scalars or Phi-3's fused projections
-FAMILY_OF = {"llama3-rope": "llama", "qwen3-yarn": "qwen3", "llama-yarn": "llama", "gemma3-linear": "gemma3", "gemma3-mm": "gemma3", "smollm3": "llama",
+FAMILY_OF = {"mistral3-mm": "llama", "llava": "llama", "qwen2.5-vl": "llama", "qwen3-vl": "qwen3", "llama3-rope": "llama", "qwen3-yarn": "qwen3", "llama-yarn": "llama", "gemma3-linear": "gemma3", "gemma3-mm": "gemma3", "smollm3": "llama",
              "granite": "llama", "phi3": "llama", "phi3-longrope": "llama", "mixtral": "llama", "qwen3moe": "qwen3",
              "granitemoe": "llama", "qwen2moe": "llama"}
 
@@ -444,6 +444,65 @@ def test_a_yarn_gguf_gives_transformers_logits(tmp_path):
                     extra_float32={"qwen3.rope.scaling.yarn_log_multiplier": 0.1})
     with pytest.raises(InvalidConfig, match="qwen3.rope.scaling.yarn_log_multiplier: 0.1"):
         load_gguf(path)
+
+
+@pytest.mark.parametrize("family, arch", [("qwen2.5-vl", "qwen2vl"), ("qwen3-vl", "qwen3vl")])
+def test_a_vision_language_models_text_gguf_gives_transformers_logits(tmp_path, family, arch):
+    """The language model of Qwen2.5-VL and Qwen3-VL as llama.cpp's converter writes it (archs qwen2vl and qwen3vl,
+    the vision tower in a file of its own): the Hugging Face loader's config and weights, and transformers' logits
+    on text."""
+    from jaxcb.model.gguf_loader import load_gguf
+    from jaxcb.model.hf_loader import load_weights
+    from jaxcb.model.llama import params_from_numpy
+    from tests.tiny_gguf import write_tiny_gguf
+
+    src = os.path.join(GOLDEN, family)
+    config, _, _, _ = load_model(src, jnp.float32)
+    weights = load_weights(src, config)
+    path = str(tmp_path / f"{arch}.gguf")
+    write_tiny_gguf(path, config, arch=arch, weights=weights)
+    got = load_gguf(path)
+    fields = ("family", "qk_norm", "attention_bias", "num_layers", "head_dim", "tie_embeddings", "rope_theta")
+    assert {f: getattr(got.config, f) for f in fields} == {f: getattr(config, f) for f in fields}
+    params = params_from_numpy(got.weights, jnp.float32)
+    for record in golden(family):
+        ref = np.asarray(record["prefill_logits"], np.float32)
+        assert np.abs(prefill_logits(got.config, params, record["prompt_ids"]) - ref).max() <= 1e-5 * np.abs(ref).max()
+
+
+def test_hub_layout_of_vision_language_configs_reads_the_same(tmp_path):
+    """Qwen2.5-VL's config as the Hub has it (every text setting at the top, rope_scaling of type "mrope" with its
+    sections) reads as the tiny checkpoint's text_config does; a Llava or Mistral3 whose language model is of a
+    type not served is refused naming text_config.model_type."""
+    import shutil
+
+    from jaxcb.host.errors import InvalidConfig
+
+    src = os.path.join(GOLDEN, "qwen2.5-vl")
+    hub = str(tmp_path / "qwen2.5-vl")
+    shutil.copytree(src, hub)
+    with open(os.path.join(hub, "config.json")) as f:
+        raw = json.load(f)
+    text = raw.pop("text_config")
+    params = text.pop("rope_parameters")
+    raw.update(text, rope_theta=params["rope_theta"], rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]},
+               model_type="qwen2_5_vl")
+    with open(os.path.join(hub, "config.json"), "w") as f:
+        json.dump(raw, f)
+    config, params_hub, _, _ = load_model(hub, jnp.float32)
+    assert config == load_model(src, jnp.float32)[0]
+    record = golden("qwen2.5-vl")[1]
+    ref = np.asarray(record["prefill_logits"], np.float32)
+    assert np.abs(prefill_logits(config, params_hub, record["prompt_ids"]) - ref).max() <= 1e-5 * np.abs(ref).max()
+    other = str(tmp_path / "llava")
+    shutil.copytree(os.path.join(GOLDEN, "llava"), other)
+    with open(os.path.join(other, "config.json")) as f:
+        raw = json.load(f)
+    raw["text_config"]["model_type"] = "phi"
+    with open(os.path.join(other, "config.json"), "w") as f:
+        json.dump(raw, f)
+    with pytest.raises(InvalidConfig, match="text_config.model_type 'phi': LlavaForConditionalGeneration is served"):
+        load_model(other, jnp.float32)
 
 
 def test_an_olmo2_gguf_gives_transformers_logits(tmp_path):

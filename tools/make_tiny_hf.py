@@ -32,8 +32,10 @@ COMMON = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_
 
 
 def configs():
-    from transformers import (Gemma2Config, Gemma3Config, Gemma3TextConfig, GraniteConfig, GraniteMoeConfig, LlamaConfig,
-                              MixtralConfig, Olmo2Config, OlmoeConfig, Phi3Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig,
+    from transformers import (CLIPVisionConfig, Gemma2Config, Gemma3Config, Gemma3TextConfig, GraniteConfig,
+                              GraniteMoeConfig, LlamaConfig, LlavaConfig, Mistral3Config, MistralConfig,
+                              MixtralConfig, Olmo2Config, OlmoeConfig, PixtralVisionConfig, Qwen2_5_VLConfig,
+                              Qwen3VLConfig, Phi3Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig,
                               SiglipVisionConfig, SmolLM3Config)
 
     types = ["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"]
@@ -103,6 +105,29 @@ def configs():
             vision_config=SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                              num_attention_heads=2, image_size=28, patch_size=14).to_dict(),
             mm_tokens_per_image=4, boi_token_index=253, eoi_token_index=254, image_token_index=255),
+        # Vision-language checkpoints, run on text (their language models' tensors beside tiny vision towers, in
+        # the layouts the Hub's come in): Mistral Small 3.1+ (Mistral3: a Mistral beside Pixtral), Llava (a Llama),
+        # Qwen2.5-VL (a Qwen2; M-RoPE sections, which on text all take the same position) and Qwen3-VL (a Qwen3)
+        "mistral3-mm": Mistral3Config(
+            text_config=MistralConfig(**COMMON).to_dict(), image_token_index=255, spatial_merge_size=2,
+            vision_config=PixtralVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                              num_attention_heads=2, image_size=28, patch_size=14, head_dim=16).to_dict()),
+        "llava": LlavaConfig(
+            text_config=LlamaConfig(**COMMON).to_dict(), image_token_index=255,
+            vision_config=CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                           image_size=28, patch_size=14, projection_dim=32).to_dict()),
+        "qwen2.5-vl": Qwen2_5_VLConfig(
+            text_config={**{k: v for k, v in COMMON.items() if k != "head_dim"}, "bos_token_id": 1, "eos_token_id": 2,
+                         "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]}},
+            vision_config={"depth": 1, "hidden_size": 32, "out_hidden_size": 64, "num_heads": 2, "intermediate_size": 64,
+                           "fullatt_block_indexes": [0]},
+            image_token_id=255, video_token_id=254, vision_start_token_id=253, vision_end_token_id=252),
+        "qwen3-vl": Qwen3VLConfig(
+            text_config={**COMMON, "bos_token_id": 1, "eos_token_id": 2,
+                         "rope_scaling": {"rope_type": "default", "mrope_section": [3, 3, 2], "mrope_interleaved": True}},
+            vision_config={"depth": 1, "hidden_size": 32, "out_hidden_size": 64, "num_heads": 2, "intermediate_size": 64,
+                           "deepstack_visual_indexes": [0]},
+            image_token_id=255, video_token_id=254, vision_start_token_id=253, vision_end_token_id=252),
     }
 
 
@@ -110,7 +135,7 @@ def main():
     import sys
 
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     torch.set_grad_enabled(False)
     wanted = sys.argv[1:]
@@ -119,7 +144,10 @@ def main():
             continue
         torch.manual_seed(0)
         config._attn_implementation = "eager"
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+        try:
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+        except ValueError:  # (a vision-language model that is not a causal LM class: Mistral3, Llava, Qwen-VL)
+            model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32).eval()
         with torch.no_grad():  # norms away from their init, so a (1 + w) vs w mix-up shows
             for name, p in model.named_parameters():
                 if "norm" in name:

@@ -29,7 +29,7 @@ from jaxcb.model.config import ModelConfig, check_all_used
 from jaxcb.model.gguf_file import GGUFFile
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen2moe", "qwen3", "qwen3moe", "gemma2", "gemma3", "smollm3", "granite",
-                           "granitemoe", "phi3", "olmo2", "olmoe")
+                           "granitemoe", "phi3", "olmo2", "olmoe", "qwen2vl", "qwen3vl")
 MOE_ARCHITECTURES = ("llama", "qwen2moe", "qwen3moe", "granitemoe", "olmoe")  # a mixture of experts (Mixtral: "llama" + experts)
 
 # Project name -> (GGUF name pattern, transpose to [in, out]).
@@ -159,8 +159,8 @@ def read_config(reader) -> ModelConfig:
         family.update(family="olmo2", qk_norm=True, qk_norm_whole=True, post_norms=True, pre_norms=False)
     if arch == "olmoe":  # Llama's norms, q and k normed whole, experts
         family.update(family="olmoe", qk_norm=True, qk_norm_whole=True)
-    if arch in ("qwen3", "qwen3moe"):
-        family.update(family="qwen3", qk_norm=True)
+    if arch in ("qwen3", "qwen3moe", "qwen3vl"):  # (qwen2vl, qwen3vl: Qwen2.5-VL's and Qwen3-VL's language models,
+        family.update(family="qwen3", qk_norm=True)  # served on text: their M-RoPE sections take one position)
     elif arch == "smollm3":  # Llama without RoPE in every fourth layer (llama.cpp's n_no_rope_layer_step)
         family.update(nope_layers=tuple((i + 1) % 4 == 0 for i in range(layers)))
     elif arch == "phi3":

@@ -32,12 +32,19 @@ ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qw
                  "Qwen3ForCausalLM": "qwen3", "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3",
                  "MixtralForCausalLM": "mixtral", "Qwen3MoeForCausalLM": "qwen3moe", "GraniteMoeForCausalLM": "granitemoe",
                  "Qwen2MoeForCausalLM": "qwen2moe", "Olmo2ForCausalLM": "olmo2", "OlmoeForCausalLM": "olmoe",
-                 # Gemma 3 4B+ as released (a vision tower beside the language model): served on text
-                 "Gemma3ForConditionalGeneration": "gemma3"}
+                 # Vision-language checkpoints as released (a vision tower beside the language model): served on
+                 # text. Gemma 3 4B+; Qwen2-VL, Qwen2.5-VL (a Qwen2) and Qwen3-VL (a Qwen3), whose M-RoPE gives
+                 # every section a text token's one position: plain RoPE; Mistral Small 3.1+ (Mistral3) and
+                 # Llava, whose language model is named by text_config.model_type (_TEXT_MODELS)
+                 "Gemma3ForConditionalGeneration": "gemma3", "Qwen2VLForConditionalGeneration": "qwen2",
+                 "Qwen2_5_VLForConditionalGeneration": "qwen2", "Qwen3VLForConditionalGeneration": "qwen3",
+                 "Mistral3ForConditionalGeneration": "text_config", "LlavaForConditionalGeneration": "text_config"}
+_TEXT_MODELS = {"llama": "llama", "mistral": "llama"}  # text_config.model_type -> family (Mistral3's, Llava's)
 # Where a checkpoint keeps the language model's tensors: a causal LM's "model.", a multimodal one's
 # (transformers' two layouts of it); and the parts of a multimodal one that text does not use.
 _PREFIXES = ("model.", "language_model.model.", "model.language_model.")
-_VISION_PARTS = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+_VISION_PARTS = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.",
+                 "visual.", "model.visual.")
 
 _LAYER = {  # our name -> (HF name in layer i, transpose)
     "attn_norm": ("input_layernorm.weight", False),
@@ -119,11 +126,17 @@ def read_config(path: str) -> ModelConfig:
             raw = json.load(f)
     except (OSError, json.JSONDecodeError) as e:
         raise InvalidConfig(f"model: {path}/config.json is not readable JSON ({e})") from None
-    raw = {**raw, **(raw.get("text_config") or {})}
     arch = (raw.get("architectures") or ["?"])[0]
+    text = raw.get("text_config") or {}
+    raw = {**raw, **text}
     if arch not in ARCHITECTURES:
         raise InvalidConfig(f"config.json: architecture {arch!r} is not supported; supported: {', '.join(ARCHITECTURES)}")
     family = ARCHITECTURES[arch]
+    if family == "text_config":
+        family = _TEXT_MODELS.get(text.get("model_type"))
+        if family is None:
+            raise InvalidConfig(f"config.json: text_config.model_type {text.get('model_type')!r}: {arch} is served "
+                                f"(on text) with a language model of type {' or '.join(_TEXT_MODELS)}")
     gemma = family.startswith("gemma")
     theta, scaling = _rope(raw, "full_attention")
     try:
@@ -143,7 +156,7 @@ def read_config(path: str) -> ModelConfig:
             max_context = extra.pop("max_context")
         if family in ("qwen2", "qwen2moe") and raw.get("use_sliding_window"):
             raise InvalidConfig("config.json: use_sliding_window (Qwen2's sliding layers) is not supported")
-        if (arch == "MistralForCausalLM" or family == "phi3") and raw.get("sliding_window"):
+        if (arch == "MistralForCausalLM" or raw.get("model_type") == "mistral" or family == "phi3") and raw.get("sliding_window"):
             # Mistral 7B v0.1 and Phi-3 attend to their last `sliding_window` tokens in every layer: exactly
             # full attention up to there, which is as far as jaxcb serves them.
             max_context = min(max_context, int(raw["sliding_window"]))
@@ -213,7 +226,8 @@ def read_config(path: str) -> ModelConfig:
             head_dim=head_dim,
             max_context=max_context,
             rope_theta=theta or 10000.0, rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-            tie_embeddings=bool(raw.get("tie_word_embeddings", gemma)),
+            tie_embeddings=(not _has_head(path) if arch.endswith("ForConditionalGeneration")
+                            else bool(raw.get("tie_word_embeddings", gemma))),
             name=os.path.basename(os.path.normpath(path)),
             attention_bias=family in ("qwen2", "qwen2moe") or bool(raw.get("attention_bias", False)),
             family={"qwen2": "llama", "smollm3": "llama", "granite": "llama", "phi3": "llama", "mixtral": "llama",
@@ -222,6 +236,25 @@ def read_config(path: str) -> ModelConfig:
         )
     except KeyError as e:
         raise InvalidConfig(f"config.json: {e.args[0]} is missing") from None
+
+
+def _has_head(path: str) -> bool:
+    """Whether the checkpoint stores an output head (a vision-language config's tie_word_embeddings may sit in
+    either of its two configs, and transformers versions read different ones: the tensors decide). Read from
+    the shards' index, or the files' headers."""
+    from safetensors import safe_open
+
+    index = os.path.join(path, "model.safetensors.index.json")
+    try:
+        if os.path.isfile(index):
+            with open(index, encoding="utf-8") as f:
+                names = list(json.load(f)["weight_map"])
+        else:
+            names = [n for file in sorted(glob.glob(os.path.join(path, "*.safetensors")))
+                     for n in safe_open(file, "np").keys()]
+    except Exception as e:  # noqa: BLE001 - json's and the library's own error types
+        raise InvalidConfig(f"model: the tensor names of {path} are not readable ({e})") from None
+    return any(n == "lm_head.weight" or n.endswith(".lm_head.weight") for n in names)
 
 
 def load_weights(path: str, config: ModelConfig) -> dict[str, np.ndarray]:

@@ -76,7 +76,9 @@ def from_dict(scaling, theta: float, rotary_dim: int, max_position: int, where: 
     (hf_loader._longrope); other kinds are refused by name. `max_position`: the model's
     max_position_embeddings (YaRN's original context when the dict lacks one)."""
     name = kind(scaling)
-    if name in (None, "default", "longrope", "su"):  # ("su": LongRoPE's first name, in Phi-3's first configs)
+    # ("su": LongRoPE's first name, in Phi-3's first configs; "mrope": Qwen2-VL's multimodal RoPE, whose sections
+    # all take a text token's one position: plain RoPE on text)
+    if name in (None, "default", "longrope", "su", "mrope"):
         return {}
     if name not in ("linear", "llama3", "yarn"):
         raise InvalidConfig(f"{where}: rope_scaling {scaling!r} is not supported (default, linear, llama3 and yarn are)")
