@@ -118,9 +118,7 @@ class EngineConfig:
         if not isinstance(self.chat_template, str):
             raise InvalidConfig(f"model.chat_template: must be a file's path or a template, got {self.chat_template!r}")
         if self.rope_scaling:
-            from jaxcb.model.rope_scaling import parse
-
-            parse(self.rope_scaling)
+            parse_rope_scaling(self.rope_scaling)
         if self.attention == "pallas" and s.page_size not in KERNEL_PAGE_SIZES:
             raise InvalidConfig(f"cache.page_size: the Pallas kernels take {KERNEL_PAGE_SIZES}, got "
                              f"{s.page_size} (or set model.attention = 'xla')")
@@ -152,6 +150,22 @@ class EngineConfig:
 
 
 MAX_NAME_CHARS = 256
+
+
+def parse_rope_scaling(text: str, where: str = "model.rope_scaling") -> dict:
+    """`--rope-scaling` / model.rope_scaling: transformers' rope_scaling dict as JSON text, its kind one that
+    jaxcb.model.rope_scaling runs (checked when the config is read, before any model is)."""
+    import json
+
+    try:
+        scaling = json.loads(text)
+    except (TypeError, ValueError) as e:
+        raise InvalidConfig(f"{where}: not JSON ({e})") from None
+    kinds = ("default", "linear", "llama3", "yarn")
+    if not isinstance(scaling, dict) or scaling.get("rope_type", scaling.get("type")) not in kinds:
+        raise InvalidConfig(f"{where}: must be an object with rope_type default, linear, llama3 or yarn "
+                            f"(transformers' rope_scaling), got {text[:200]!r}")
+    return scaling
 
 
 def _rope_scaling_text(value) -> str:

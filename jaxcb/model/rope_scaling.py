@@ -12,6 +12,7 @@ import math
 
 import numpy as np
 
+from jaxcb.host.engine_config import parse_rope_scaling
 from jaxcb.host.errors import InvalidConfig
 
 
@@ -104,30 +105,16 @@ def from_dict(scaling, theta: float, rotary_dim: int, max_position: int, where: 
     return {**fields, "max_context": max(max_position, int(original * factor))}
 
 
-def parse(text: str, where: str = "model.rope_scaling") -> dict:
-    """`--rope-scaling` / model.rope_scaling: transformers' rope_scaling dict as JSON text, its kind one this
-    module runs (checked when the config is read, before any model is)."""
-    import json
-
-    try:
-        scaling = json.loads(text)
-    except (TypeError, ValueError) as e:
-        raise InvalidConfig(f"{where}: not JSON ({e})") from None
-    if not isinstance(scaling, dict) or kind(scaling) not in ("default", "linear", "llama3", "yarn"):
-        raise InvalidConfig(f"{where}: must be an object with rope_type default, linear, llama3 or yarn "
-                            f"(transformers' rope_scaling), got {text[:200]!r}")
-    return scaling
-
-
 def override(config, text: str, where: str = "model.rope_scaling"):
-    """`config` (a ModelConfig) with its full-attention layers' RoPE scaling replaced by `text` (parse's):
-    "default" for none, or linear / llama3 / yarn from the base and context the model file gives (YaRN's
-    original context, if the dict names none: the model's context as read). "" leaves it as it is."""
+    """`config` (a ModelConfig) with its full-attention layers' RoPE scaling replaced by `text` (EngineConfig's,
+    read by jaxcb.host.engine_config.parse_rope_scaling): "default" for none, or linear / llama3 / yarn from the
+    base and context the model file gives (YaRN's original context, if the dict names none: the model's context
+    as read). "" leaves it as it is."""
     import dataclasses
 
     if not text:
         return config
-    fields = from_dict(parse(text, where), config.rope_theta, config.rope_dim, config.max_context, where)
+    fields = from_dict(parse_rope_scaling(text, where), config.rope_theta, config.rope_dim, config.max_context, where)
     plain = {"rope_freq_factors": (), "rope_linear_factor": 1.0, "rope_attention_factor": 1.0,
              "max_context": config.max_context}
     return dataclasses.replace(config, **{**plain, **fields})
