@@ -978,20 +978,21 @@ def test_tool_calls_in_the_chat_templates_own_format(long_server):
     streamed; an earlier call and its result are given back to the template as objects."""
     import jsonschema
 
-    from tests.test_tool_calls import BLOCK_TEMPLATE, LIST_TEMPLATE, OBJECT_TEMPLATE
+    from tests.test_tool_calls import BLOCK_TEMPLATE, LIST_TEMPLATE, OBJECT_TEMPLATE, XML_TEMPLATE
 
     oai = openai.OpenAI(base_url=long_server.http + "/v1", api_key="unused", max_retries=0)
     model_name = oai.models.list().data[0].id
     messages = [{"role": "user", "content": "weather in Paris?"}]
     schema = WEATHER["function"]["parameters"]
-    for template in (BLOCK_TEMPLATE, OBJECT_TEMPLATE, LIST_TEMPLATE):
+    for template in (BLOCK_TEMPLATE, OBJECT_TEMPLATE, LIST_TEMPLATE, XML_TEMPLATE):
         extra = {"chat_template": template}
         tokenized = httpx.post(long_server.http + "/tokenize", timeout=30, json={
             "messages": messages, "tools": [WEATHER, CLOCK], "chat_template": template}).json()
         plain = httpx.post(long_server.http + "/tokenize", timeout=30, json={
             "messages": messages, "chat_template": template}).json()
         assert tokenized["count"] > plain["count"]  # the template wrote the tools
-        r = oai.chat.completions.create(model=model_name, messages=messages, tools=[WEATHER, CLOCK], max_tokens=120,
+        tools = [WEATHER, CLOCK]  # (the city's maxLength ends a string element of the random model's too)
+        r = oai.chat.completions.create(model=model_name, messages=messages, tools=tools, max_tokens=120,
                                         tool_choice={"type": "function", "function": {"name": "get_weather"}},
                                         temperature=1.0, seed=3, extra_body=extra)
         assert r.usage.prompt_tokens == tokenized["count"]
@@ -1001,7 +1002,7 @@ def test_tool_calls_in_the_chat_templates_own_format(long_server):
         [call] = choice.message.tool_calls
         assert call.function.name == "get_weather"
         jsonschema.validate(json.loads(call.function.arguments), schema)
-        stream = oai.chat.completions.create(model=model_name, messages=messages, tools=[WEATHER, CLOCK],
+        stream = oai.chat.completions.create(model=model_name, messages=messages, tools=tools,
                                              max_tokens=120, temperature=1.0, seed=3, extra_body=extra, stream=True,
                                              tool_choice={"type": "function", "function": {"name": "get_weather"}})
         name, arguments, finish = None, "", None
@@ -1014,14 +1015,19 @@ def test_tool_calls_in_the_chat_templates_own_format(long_server):
         assert finish == "stop"
         # tool_choice none: the template still writes the tools (the model sees them: OpenAI's, vLLM's)
         none = httpx.post(long_server.http + "/tokenize", timeout=30, json={
-            "messages": messages, "tools": [WEATHER, CLOCK], "tool_choice": "none", "chat_template": template}).json()
+            "messages": messages, "tools": tools, "tool_choice": "none", "chat_template": template}).json()
         assert none["count"] == tokenized["count"]
         follow = httpx.post(long_server.http + "/tokenize", timeout=30, json={
             "chat_template": template, "tools": [WEATHER, CLOCK], "messages": messages + [
                 {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
                 {"role": "tool", "tool_call_id": call.id, "content": "sunny"}]}).json()
         text = httpx.post(long_server.http + "/detokenize", timeout=30, json={"tokens": follow["tokens"]}).json()
-        assert json.dumps(json.loads(call.function.arguments), ensure_ascii=False) in text["prompt"] and "sunny" in text["prompt"]
+        written = json.loads(call.function.arguments)
+        if template == XML_TEMPLATE:  # (the template writes each argument as an element)
+            assert f"<parameter=city>\n{written['city']}\n</parameter>" in text["prompt"]
+        else:
+            assert json.dumps(written, ensure_ascii=False) in text["prompt"]
+        assert "sunny" in text["prompt"]
 
 
 def test_responses_api_function_calls_as_the_chat_api_makes_them(long_server):

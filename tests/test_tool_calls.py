@@ -181,6 +181,16 @@ LIST_TEMPLATE = (
     "{% endfor %}</s>{% elif m.role == 'tool' %}[TOOL_RESULTS]{{ m.tool_call_id }}: {{ m.content }}[/TOOL_RESULTS]"
     "{% else %}[INST]{{ m.content }}[/INST]{% endif %}{% endfor %}")
 PLAIN_TEMPLATE = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+XML_TEMPLATE = (  # Qwen3-Coder's way: a call's arguments as <parameter=...> elements (a string as it is)
+    "{% if tools %}<|im_start|>system\n<tools>{% for t in tools %}\n<function>\n<name>{{ t.function.name }}</name>"
+    "</function>{% endfor %}\n</tools>\nCall as <tool_call>\n<function=NAME>\n<parameter=KEY>\nVALUE\n</parameter>\n"
+    "</function>\n</tool_call><|im_end|>\n{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ 'user' if m.role == 'tool' else m.role }}\n{{ m.content }}"
+    "{% for c in m.tool_calls %}\n<tool_call>\n<function={{ c.function.name }}>\n"
+    "{% for k, v in c.function.arguments | items %}<parameter={{ k }}>\n"
+    "{{ v | tojson if v is mapping or (v is sequence and v is not string) else v | string }}\n</parameter>\n"
+    "{% endfor %}</function>\n</tool_call>{% endfor %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 V11_TEMPLATE = LIST_TEMPLATE.replace(  # Mistral's tokenizers from v11: each call its marker, name, [ARGS], arguments
     "[TOOL_CALLS]{{ m.tool_calls | map(attribute='function') | list | tojson }}",
     "{% for c in m.tool_calls %}[TOOL_CALLS]{{ c.function.name }}[ARGS]{{ c.function.arguments | tojson }}{% endfor %}")
@@ -191,6 +201,7 @@ def test_the_format_is_the_templates_own_where_it_renders_tools():
     assert tool_calls.choose_format(OBJECT_TEMPLATE) == (tool_calls.LLAMA3_JSON, True)
     assert tool_calls.choose_format(LIST_TEMPLATE) == (tool_calls.MISTRAL, True)
     assert tool_calls.choose_format(V11_TEMPLATE) == (tool_calls.MISTRAL_V11, True)
+    assert tool_calls.choose_format(XML_TEMPLATE) == (tool_calls.QWEN3_CODER, True)  # (its <tool_call>: not hermes)
     # vLLM's "mistral" parser reads either: the one the template writes
     assert tool_calls.choose_format(V11_TEMPLATE, "mistral") == (tool_calls.MISTRAL_V11, True)
     assert tool_calls.choose_format(LIST_TEMPLATE, "mistral") == (tool_calls.MISTRAL, True)
@@ -335,9 +346,21 @@ def test_the_grammar_writes_calls_in_the_format(make_llm):
              '<tool_call>{"name":"get_time","parameters":{}}</tool_call>'),
             (_object_tools("required", tool_calls.MISTRAL),
              '[{"name":"get_time","arguments":{}}, {"name":"get_weather","arguments":{"city":"x"}}]',
-             '{"name":"get_time","arguments":{}}')):
+             '{"name":"get_time","arguments":{}}'),
+            (dataclasses.replace(_tools("required"), fmt=tool_calls.QWEN3_CODER),
+             "<tool_call>\n<function=get_time>\n</function>\n</tool_call>\n<tool_call>\n<function=get_weather>\n"
+             "<parameter=city>\nSan <b>Jo</b>\nsé\n</parameter>\n</function>\n</tool_call>",
+             "<tool_call>\n<function=get_weather>\n</function>\n</tool_call>")):  # (city is required)
         assert accepts(tools, good) and not accepts(tools, bad)
-        assert len(tool_parse.parse(good, tools)[1]) == good.count('"name"')
+        assert len(tool_parse.parse(good, tools)[1]) == good.count('"name"') + good.count("<function=")
+    typed = dataclasses.replace(tool_calls.parse_tools({"tools": [TYPED], "tool_choice": "required"}),
+                                fmt=tool_calls.QWEN3_CODER)
+    for text, ok in ((tool_calls.QWEN3_CODER.write("plan", {"title": "t", "days": 2, "solo": True, "stops": ["a"],
+                                                            "pace": "slow"}), True),
+                     (tool_calls.QWEN3_CODER.write("plan", {"title": "t", "days": 2.5}), False),  # not an integer
+                     (tool_calls.QWEN3_CODER.write("plan", {"title": "t", "pace": "medium"}), False),  # not in the enum
+                     (tool_calls.QWEN3_CODER.write("plan", {"days": 2}), False)):  # title is required
+        assert accepts(typed, text) == ok, text
 
 
 def test_llm_chat_shows_tools_as_the_chat_api_does(make_llm):
@@ -371,7 +394,7 @@ def test_calls_marked_by_special_tokens_are_read_with_special_tokens_kept():
     from jaxcb.host.tokenizer import Tokenizer, TokenizerSpec
 
     tokens = ("a", "<tool_call>", "</tool_call>", "[TOOL_CALLS]")
-    for types, marked in (((1, 3, 3, 3), {"hermes", "mistral", "mistral_v11"}), ((1, 4, 4, 1), set())):
+    for types, marked in (((1, 3, 3, 3), {"hermes", "qwen3_coder", "mistral", "mistral_v11"}), ((1, 4, 4, 1), set())):
         tok = Tokenizer(TokenizerSpec(model="gpt2", pre="default", tokens=tokens, merges=(), token_types=types,
                                       bos_id=None, eos_id=None, add_bos=False, chat_template=None))
         assert {f.name for f in tool_calls.FORMATS.values() if tool_calls.marked_by_special_tokens(f, tok)} == marked
@@ -395,6 +418,56 @@ NAME_FIRST_ANSWERS = [  # mistral_v11: [TOOL_CALLS] and [ARGS] are control token
     ("[TOOL_CALLS]get_time[CALL_ID]ab!", "[TOOL_CALLS]get_time[CALL_ID]ab!", []),
     ("[TOOL_CALLS]" + "a" * 70 + " b", "[TOOL_CALLS]" + "a" * 70 + " b", []),
 ]
+
+
+TYPED = {"type": "function", "function": {"name": "plan", "parameters": {"type": "object", "properties": {
+    "title": {"type": "string"}, "days": {"type": "integer"}, "budget": {"type": "number"}, "solo": {"type": "boolean"},
+    "stops": {"type": "array", "items": {"type": "string"}}, "pace": {"enum": ["slow", "fast"]},
+    "notes": {"type": ["string", "null"]}}, "required": ["title"]}}}
+
+XML_ANSWERS = [  # qwen3_coder: each call a <function=...> element with an element per argument
+    ("Sure.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis </x>\n</parameter>\n</function>\n"
+     "</tool_call>", "Sure.", [("get_weather", {"city": "Paris </x>"})]),
+    ("<tool_call>\n<function=get_time>\n</function>\n</tool_call>\n<tool_call>\n<function=plan>\n<parameter=title>\n"
+     "Two\nlines\n</parameter>\n<parameter=days>\n3\n</parameter>\n<parameter=budget>\n2.5\n</parameter>\n"
+     "<parameter=solo>\nTrue\n</parameter>\n<parameter=stops>\n[\"a\", \"b\"]\n</parameter>\n<parameter=pace>\n"
+     "slow\n</parameter>\n<parameter=notes>\nnull\n</parameter>\n</function>\n</tool_call> done", "done",
+     [("get_time", {}), ("plan", {"title": "Two\nlines", "days": 3, "budget": 2.5, "solo": True, "stops": ["a", "b"],
+                                  "pace": "slow", "notes": None})]),
+    # a value that does not read as its type stays text
+    ("<tool_call>\n<function=plan>\n<parameter=title>\nx\n</parameter>\n<parameter=days>\nthree\n</parameter>\n"
+     "</function>\n</tool_call>", "", [("plan", {"title": "x", "days": "three"})]),
+    ("<tool_call>\n<function=unknown>\n</function>\n</tool_call>", "<tool_call>\n<function=unknown>\n</function>\n"
+     "</tool_call>", []),  # not one of the tools: text
+    ("<tool_call>\n<function=plan>\n<parameter=title>\nTr", "", [("plan", {})]),  # cut off: the elements so far
+    ("a <tool_call> b </tool_call>", "a <tool_call> b </tool_call>", []),
+]
+
+
+@pytest.mark.parametrize("text, content, calls", XML_ANSWERS)
+def test_element_calls_parse_whole_and_streamed(text, content, calls):
+    """qwen3_coder: each argument's element read by its schema's type (a string as it is, newlines inside
+    kept; integers, numbers, booleans, JSON; null); the arguments stream element by element as JSON text that
+    goes on from what was sent, the same whole and however the stream cuts it."""
+    tools = dataclasses.replace(tool_calls.parse_tools({"tools": [WEATHER, CLOCK, TYPED]}), fmt=tool_calls.QWEN3_CODER)
+    got_content, got_calls = tool_parse.parse(text, tools)
+    whole = [(c["function"]["name"], c["function"]["arguments"]) for c in got_calls]
+    cut = text.endswith("Tr")  # (an unfinished call's arguments so far: "{")
+    assert got_content == content
+    assert [(n, json.loads(a + "}" if cut else a)) for n, a in whole] == calls
+    rng = random.Random(3)
+    for pieces in [[text[i:i + 1] for i in range(len(text))]] + [_random_pieces(text, rng) for _ in range(30)]:
+        streamed, merged = _streamed(tools, pieces)
+        assert (streamed.strip(), merged) == (content, whole)
+
+
+def test_element_calls_write_and_read_back():
+    """A call as jaxcb writes it in the qwen3_coder format (an earlier call in jaxcb's rendering) reads back as
+    the same arguments."""
+    tools = dataclasses.replace(tool_calls.parse_tools({"tools": [TYPED]}), fmt=tool_calls.QWEN3_CODER)
+    arguments = {"title": "a\nb", "days": 2, "budget": 1.5, "solo": False, "stops": ["x"], "pace": "fast", "notes": None}
+    content, calls = tool_parse.parse(tool_calls.QWEN3_CODER.write("plan", arguments), tools)
+    assert content == "" and json.loads(calls[0]["function"]["arguments"]) == arguments
 
 
 @pytest.mark.parametrize("text, content, calls", NAME_FIRST_ANSWERS)
@@ -443,6 +516,15 @@ def test_a_marker_that_is_a_special_token_is_that_token_in_the_grammar():
     assert not accepts(listed, text('[{"name":"get_time","arguments":{}}]'))  # the model's first token is its marker
     # without the tokenizer (or where the markers are text), as before: the markers as text
     assert "<[" not in tool_calls.constraint(v11).spec and '"[TOOL_CALLS]"' in tool_calls.constraint(v11).spec
+    # qwen3_coder where <tool_call> and </tool_call> are special tokens: those tokens around each call
+    tokens = tuple(sorted(ByteLevel.alphabet())) + ("</s>", "<tool_call>", "</tool_call>")
+    tok = Tokenizer(TokenizerSpec(model="gpt2", pre="default", tokens=tokens, merges=(), bos_id=None, eos_id=256,
+                                  token_types=(1,) * 256 + (3, 3, 3), add_bos=False, chat_template=None))
+    grammars, opening, closing = Grammars(tok, len(tokens)), tok.token_id("<tool_call>"), tok.token_id("</tool_call>")
+    xml = dataclasses.replace(_tools("required"), fmt=tool_calls.QWEN3_CODER)
+    call = text("\n<function=get_weather>\n<parameter=city>\nx\n</parameter>\n</function>\n")
+    assert accepts(xml, [opening, *call, closing])
+    assert not accepts(xml, text("<tool_call>") + call + text("</tool_call>"))  # spelt out
 
 
 @pytest.mark.parametrize("fmt, text", [

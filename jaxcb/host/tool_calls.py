@@ -16,6 +16,9 @@ A model writes its calls in the format it was trained on (a `Format`; vLLM's --t
     mistral_v11  [TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]...
                  each call its marker, name, [ARGS] and arguments (the tokenizers of Mistral Small 3.1-3.2,
                  Magistral, Devstral: mistral-common's v11 and later; vLLM's "mistral" parser reads both)
+    qwen3_coder  <tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call>
+                 one block per call, each argument an element whose text is its value: a string as it is,
+                 another type as JSON, read by the function's schema (Qwen3-Coder)
 
 A chat template that reads `tools` renders the tools, the earlier calls (`tool_calls`, arguments as
 objects) and the `tool` results itself, as the model was trained on them; its format is recognised from
@@ -56,7 +59,8 @@ class Format:
     with one ("object": one call) or with a list of them ("list"), after `open` if that is in the text
     (what follows is text). A call read back may name its arguments by any of `keys`. With `args` a
     call is no object but its name, `args` and the arguments object (a block without `close`: it ends
-    with the arguments)."""
+    with the arguments). With `xml` a call is `<function=name>` and an element `<parameter=key>` per
+    argument (tool_parse reads each value by the function's schema), then `</function>`."""
     name: str
     shape: str  # "blocks" | "object" | "list"
     open: str
@@ -64,8 +68,13 @@ class Format:
     keys: tuple[str, ...]
     id_length: int = 0  # call ids the model's template takes: this many letters and digits (0: any id)
     args: str = ""  # between a call's name and its arguments, where calls are written name-first, no object
+    xml: bool = False  # calls as Qwen3-Coder's elements, not JSON
 
     def write(self, name: str, arguments) -> str:
+        if self.xml:  # (as Qwen3-Coder's template writes them: a string as it is, anything else as JSON)
+            params = "".join(f"<parameter={k}>\n{v if isinstance(v, str) else json.dumps(v)}\n</parameter>\n"
+                             for k, v in arguments.items())
+            return f"{self.open}\n<function={name}>\n{params}</function>\n{self.close}"
         if self.args:
             return self.open + name + self.args + json.dumps(arguments)
         call = json.dumps({"name": name, self.keys[0]: arguments})
@@ -82,7 +91,8 @@ LLAMA3_JSON = Format("llama3_json", "object", "", "", ("parameters", "arguments"
 MISTRAL = Format("mistral", "list", "[TOOL_CALLS]", "", ("arguments",), id_length=9)
 GRANITE = Format("granite", "list", "<|tool_call|>", "", ("arguments",))
 MISTRAL_V11 = Format("mistral_v11", "blocks", "[TOOL_CALLS]", "", ("arguments",), id_length=9, args="[ARGS]")
-FORMATS = {f.name: f for f in (HERMES, LLAMA3_JSON, MISTRAL, GRANITE, MISTRAL_V11)}
+QWEN3_CODER = Format("qwen3_coder", "blocks", "<tool_call>", "</tool_call>", ("arguments",), xml=True)
+FORMATS = {f.name: f for f in (HERMES, LLAMA3_JSON, MISTRAL, GRANITE, MISTRAL_V11, QWEN3_CODER)}
 PARSERS = ("auto", *FORMATS)  # --tool-call-parser ("mistral": mistral_v11 where the template writes [ARGS])
 
 
@@ -96,7 +106,8 @@ def marked_by_special_tokens(fmt: Format, tokenizer) -> bool:
 def choose_format(template: str | None, parser: str = "auto") -> tuple[Format, bool]:
     """(the format calls are written and read in, whether the chat template `template` renders the tools
     and calls itself: it reads `tools`). "auto": the template's own format where it is recognised from what
-    the template writes (<|tool_call|>: granite; a <tool_call> block: hermes; [TOOL_CALLS] with [ARGS]:
+    the template writes (<|tool_call|>: granite; <function=...> and <parameter=...> elements: qwen3_coder;
+    a <tool_call> block: hermes; [TOOL_CALLS] with [ARGS]:
     mistral_v11, without: mistral; a "parameters" object: llama3_json), else hermes in jaxcb's rendering; a
     parser named by the server: its format (mistral's by what the template writes, as vLLM's parser reads
     either by the tokenizer's version), rendered by the template if it reads `tools` (the server says it is
@@ -109,6 +120,8 @@ def choose_format(template: str | None, parser: str = "auto") -> tuple[Format, b
         return FORMATS[parser], reads
     if reads and GRANITE.open in template:
         return GRANITE, True
+    if reads and "<function=" in template and "<parameter=" in template:
+        return QWEN3_CODER, True
     if reads and HERMES.open in template:
         return HERMES, True
     if reads and MISTRAL.open in template:
@@ -202,6 +215,9 @@ def system_text(tools: Tools) -> str:
     call = '{"name": <function name>, "%s": <arguments as a JSON object>}' % fmt.keys[0]
     if fmt.args:
         call = f"<function name>{fmt.args}<arguments as a JSON object>"
+    if fmt.xml:
+        call = ("\n<function=<function name>>\n<parameter=<argument name>>\n<its value: a string as it is, "
+                "anything else as JSON>\n</parameter>\n(one parameter element per argument)</function>\n")
     how = {"blocks": f"{fmt.open}{call}{fmt.close} (one block per call)", "object": f"{call} (one call)",
            "list": f"[{call}, ...] (a list of calls)"}[fmt.shape]
     return ("You may call functions to help with the user's request. The functions, as JSON schemas:\n<tools>\n"
@@ -328,6 +344,8 @@ def constraint(tools: Tools, tokenizer=None) -> Constraint | None:
     order = list(tools.functions)  # each schema's own field, for an error (Grammars.compile)
     parts = tuple((f"tools[{order.index(n)}].function.parameters", json.dumps(tools.functions[n])) for n in names)
     more = tools.parallel and tools.choice == "required"
+    if tools.fmt.xml:
+        return Constraint("grammar", _xml_grammar(tools, names, more, tokenizer), "tools", parts)
     if tools.fmt.args:  # name-first calls: one rule per function, its name then its arguments
         calls = "\n".join(f"call_{k}: {_marker(tools.fmt.open, tokenizer)} {json.dumps(n)} "
                           f"{_marker(tools.fmt.args, tokenizer)} %json {json.dumps(_strict(tools.functions[n]))}"
@@ -350,6 +368,49 @@ def constraint(tools: Tools, tokenizer=None) -> Constraint | None:
         grammar = (f"start: call{rest}\ncall: {_marker(tools.fmt.open, tokenizer)} "
                    f"{newline} %json {body} {newline} {_marker(tools.fmt.close, tokenizer)}")
     return Constraint("grammar", grammar, "tools", parts)
+
+
+def _xml_grammar(tools: Tools, names: list[str], more: bool, tokenizer=None) -> str:
+    """qwen3_coder's calls as a Lark grammar: per function its name and an element per property of its
+    parameters, in their order (the required ones always, the others optional; no others); a value by its
+    schema's type: a string any text up to its closing tag (a lazy lexeme; of its minLength to maxLength
+    characters), an integer, number or boolean
+    as JSON writes it, an enum of strings one of them, anything else JSON valid against the schema."""
+    rules, calls = [], []
+    for k, name in enumerate(names):
+        schema = tools.functions[name]
+        required = set(schema.get("required") or ())
+        params = []
+        for j, (key, prop) in enumerate((schema.get("properties") or {}).items()):
+            value = f"v_{k}_{j}"
+            rules.append(f"p_{k}_{j}: {json.dumps(f'<parameter={key}>' + chr(10))} {value} \"\\n\"")
+            kind = prop.get("type") if isinstance(prop, dict) else None
+            enum = prop.get("enum") if isinstance(prop, dict) else None
+            if isinstance(enum, list) and enum and all(isinstance(e, str) for e in enum):
+                body = "(" + " | ".join(json.dumps(e) for e in enum) + ') "\\n</parameter>"'
+            elif kind == "string" or kind is None and not enum:
+                low, high = (prop.get(b) if isinstance(prop, dict) else None for b in ("minLength", "maxLength"))
+                span = "*" if low is None and high is None else f"{{{int(low or 0)},{'' if high is None else int(high)}}}"
+                rules.append(f"t_{k}_{j}[lazy]: /(?s:.{span})\\n<\\/parameter>/")
+                body = f"t_{k}_{j}"
+            elif kind == "integer":
+                body = '/-?(0|[1-9][0-9]*)/ "\\n</parameter>"'
+            elif kind == "number":
+                body = '/-?(0|[1-9][0-9]*)(\\.[0-9]+)?([eE][+-]?[0-9]+)?/ "\\n</parameter>"'
+            elif kind == "boolean":
+                body = '("true" | "false") "\\n</parameter>"'
+            else:
+                body = f'%json {json.dumps(_strict(prop))} "\\n</parameter>"'
+            rules.append(f"{value}: {body}")
+            params.append(f"p_{k}_{j}" + ("" if key in required else "?"))
+        head = json.dumps(f"<function={name}>\n")
+        rules.append(f"call_{k}: {head} {' '.join(params)} \"</function>\"")
+        calls.append(f"call_{k}")
+    newline = '"\\n"?'
+    rest = f" ({newline} call)*" if more else ""
+    return "\n".join([f"start: call{rest}",
+                      f'call: {_marker(tools.fmt.open, tokenizer)} "\\n" ({" | ".join(calls)}) "\\n" '
+                      f'{_marker(tools.fmt.close, tokenizer)}', *rules])
 
 
 def _strict(schema: dict) -> dict:

@@ -2,7 +2,8 @@
 streamed deltas (`CallStream`), or whole (`parse`: the stream of the whole answer, so the same calls
 either way however the answer's text is cut into pieces), in the request's format (`Tools.fmt`).
 
-Formats of the "blocks" shape (hermes; mistral_v11, whose blocks end with their arguments) hold calls
+Formats of the "blocks" shape (hermes; qwen3_coder, whose calls are elements; mistral_v11, whose blocks end
+with their arguments) hold calls
 anywhere in the answer; those of the "object" and "list" shapes (llama3_json; mistral, granite) are calls
 when the answer begins with them (a list: its first object), and what follows is text. A call cut off at
 the end of the answer (max_tokens) that has named one of the tools is that call with the arguments
@@ -25,7 +26,9 @@ _CALL_ID = "[CALL_ID]"  # (name-first calls: between a name and its arguments' m
 def _head(fmt: Format) -> re.Pattern:
     """A call's object up to its arguments: {"name": "...", "<key>": (the name first, the grammar's order);
     or, where calls are name-first (fmt.args), the name and the marker (with a [CALL_ID] and id between,
-    as some of Mistral's templates write)."""
+    as some of Mistral's templates write); or (fmt.xml) the <function=name> element's opening."""
+    if fmt.xml:
+        return re.compile(rf"\s*<function=({NAME.pattern})>\n?")
     if fmt.args:
         return re.compile(rf"\s*({NAME.pattern})(?:{re.escape(_CALL_ID)}[A-Za-z0-9]{{1,64}})?{re.escape(fmt.args)}\s*")
     keys = "|".join(map(re.escape, fmt.keys))
@@ -98,7 +101,50 @@ def _not_a_head(body: str, fmt: Format) -> int | None:
     return None if any(marker.startswith(rest) for marker in (fmt.args, _CALL_ID)) else at
 
 
+_PARAM = re.compile(r"<parameter=([^>\n]{1,256})>\n?(.*?)\n?</parameter>", re.S)
+
+
+def _xml_value(text: str, schema) -> object:
+    """An argument's element text as its value, read by its schema's type (vLLM's qwen3_coder rules): a
+    string as it is (an untyped or unknown argument too), null for "null", an integer, number or boolean
+    as written (True and False too, as Python writes them), anything else as JSON; text that does not read
+    as its type stays text."""
+    kind = schema.get("type") if isinstance(schema, dict) else None
+    if isinstance(kind, list):  # (["integer", "null"]: its type beside null)
+        kind = next((k for k in kind if k != "null"), None)
+    word = text.strip()
+    if word.lower() == "null":
+        return None
+    if kind in (None, "string"):
+        return text
+    try:
+        if kind == "integer":
+            return int(word)
+        if kind == "number":
+            value = float(word)
+            return int(value) if value.is_integer() and not any(c in word for c in ".eE") else value
+        if kind == "boolean":
+            return {"true": True, "false": False}[word.lower()]
+        return json.loads(word)
+    except (ValueError, KeyError, OverflowError):
+        return text
+
+
+def _xml_args(text: str, schema: dict, closed: bool) -> str:
+    """The arguments of an element call as the JSON text written so far: "{", then each parameter element
+    once its closing tag is written, then "}" once the function's element is closed (`closed`), so each
+    piece goes on from the last, and a whole call's text is json.dumps of its arguments."""
+    properties = schema.get("properties") or {}
+    items = [f"{json.dumps(k)}: {json.dumps(_xml_value(v, properties.get(k)))}" for k, v in _PARAM.findall(text)]
+    return "{" + ", ".join(items) + ("}" if closed else "")
+
+
 def _call(body: str, tools: Tools):
+    if tools.fmt.xml:  # <function=name> and its parameter elements (a whole block: its function's too)
+        head = _head(tools.fmt).match(body)
+        if head is None or head.group(1) not in tools.functions:
+            return None
+        return head.group(1), json.loads(_xml_args(body[head.end():], tools.functions[head.group(1)], True))
     if tools.fmt.args:  # name-first: the name, then the arguments object
         head = _head(tools.fmt).match(body)
         if head is None or head.group(1) not in tools.functions:
@@ -124,10 +170,13 @@ def _cut_call(body: str, tools: Tools) -> tuple[str, str] | None:
     """A call cut off at the end of the answer: (its name, its arguments written so far) once its name is
     written whole and is one of the tools' (the grammar's order: the name first)."""
     head = _head(tools.fmt).match(body)
-    named = head if tools.fmt.args else _NAME.match(body)
+    named = head if tools.fmt.args or tools.fmt.xml else _NAME.match(body)
     if named is None or _name(named.group(1)) not in tools.functions:
         return None
-    return _name(named.group(1)), (_json_prefix(body[head.end():]) or "") if head else ""
+    name = _name(named.group(1))
+    if tools.fmt.xml:  # (its whole parameter elements so far)
+        return name, _xml_args(body[head.end():], tools.functions[name], False)
+    return name, (_json_prefix(body[head.end():]) or "") if head else ""
 
 
 class CallStream:
@@ -148,6 +197,7 @@ class CallStream:
         self.sent_args = None  # the current call's arguments sent so far (None: its head not yet sent)
         self.block_called = False  # the current block's call has been sent (its head at least)
         self.args_start = 0  # where the current call's arguments begin in its block
+        self.function = ""  # the current call's function
         self.head_text = ""  # (object, list) the text before the calls: sent only if they are no calls
         self.at = 0  # (object, list) where the current object begins in the buffer
         self.ids: list[str] = []
@@ -253,8 +303,12 @@ class CallStream:
                     return out
                 return self._whole(call[0], json.dumps(call[1]))
             out.append(self._head(_name(head.group(1))))
-            self.sent_args, self.args_start = "", head.end()
-        args = _json_prefix(body[self.args_start:])
+            self.sent_args, self.args_start, self.function = "", head.end(), _name(head.group(1))
+        if self.fmt.xml:
+            rest = body[self.args_start:]
+            args = _xml_args(rest, self.tools.functions[self.function], whole or "</function>" in rest)
+        else:
+            args = _json_prefix(body[self.args_start:])
         if whole:  # the arguments as written, unless they are not what the call holds (a key given twice)
             call = _call(body, self.tools)
             if call is not None and args is not None and not json.loads(args) == call[1]:
