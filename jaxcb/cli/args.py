@@ -12,7 +12,8 @@ from jaxcb.host.policies import POLICIES
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="a GGUF file (Llama, Qwen3, Gemma 2/3), a Hugging Face or converted directory, or an embedded model: smollm2-135m (the default), gemma3-270m")
+    p.add_argument("--model", default=None, help="a GGUF file or a Hugging Face or converted directory of a supported family (README: "
+                        "Model families), or an embedded model: smollm2-135m (the default), gemma3-270m")
     p.add_argument("--config", default=None, help="engine config TOML (default: configs/default.toml)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
                    help="compute (activations and KV) dtype, and the weights' unless --weights says otherwise "
@@ -81,7 +82,8 @@ def add_speculative_args(p: argparse.ArgumentParser) -> None:
                    help="the draft keeps the first N layers of its model (implies --speculative draft; default: "
                         "the config's speculative.draft_layers, 0 = all)")
     p.add_argument("--draft-weights", choices=("auto", "float32", "bfloat16", "int8", "int4"), default=None,
-                   help="the draft's weight format (default: the config's speculative.draft_weights, auto)")
+                   help="the draft's weight format (implies --speculative draft; default: the config's "
+                        "speculative.draft_weights, auto)")
     p.add_argument("--num-speculative-tokens", type=int, default=None, metavar="K",
                    help="tokens proposed per speculating step, at most (default: the config's "
                         "speculative.num_tokens, 4)")

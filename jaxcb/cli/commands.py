@@ -26,13 +26,14 @@ from jaxcb.host.tool_calls import choose_format as choose_tool_format
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--min-p", type=float, default=0.0)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--max-tokens", type=int, default=128, help="tokens to generate at most (default 128)")
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
+    p.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (default 0: all)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling's probability mass (default 1: all)")
+    p.add_argument("--min-p", type=float, default=0.0,
+                   help="drop tokens less likely than this times the most likely one (default 0: none)")
+    p.add_argument("--seed", type=int, default=None, help="the sampling seed (default: a random one)")
+    p.add_argument("--ignore-eos", action="store_true", help="go on past the end-of-sequence token")
     p.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
 
 
@@ -49,14 +50,15 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(g)
     _sampling_args(g)
 
-    s = sub.add_parser("serve", help="serve the model over gRPC")
+    s = sub.add_parser("serve", help="serve the model over gRPC and, with --http-port, the OpenAI HTTP API")
     _add_model_args(s)
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     s.add_argument("--port", type=int, default=50051)
     s.add_argument("--metrics-port", type=int, default=None, help="Prometheus metrics over HTTP on this port")
     s.add_argument("--http-port", type=int, default=None,
-                   help="also serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
-                        "/v1/models, /health, /metrics) on this port")
+                   help="also serve the OpenAI-compatible HTTP API on this port (/v1/completions, "
+                        "/v1/chat/completions, /v1/responses, /v1/models, /tokenize, /detokenize, /version, "
+                        "/v1/load_lora_adapter, /v1/unload_lora_adapter, /health, /metrics)")
     s.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                    help="the names requests may give the model (the OpenAI API's `model`, gRPC's "
                         "GenerateRequest.model); answers carry the first (default: the config's "
@@ -83,16 +85,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="taken for vLLM's command lines: tool_choice auto is always served")
     s.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default="auto",
                    help="the format the model writes tool calls in (vLLM's flag of this name): auto (default) takes "
-                        "the chat template's own where it renders tools (<|tool_call|>: granite; a <tool_call> block: "
-                        "hermes; [TOOL_CALLS]: mistral, or mistral_v11 with [ARGS]; a \"parameters\" object: "
-                        "llama3_json), else jaxcb renders "
-                        "the tools and asks for hermes")
+                        "the chat template's own where it renders tools (<|tool_call|>: granite; <function=...> "
+                        "and <parameter=...> elements: qwen3_coder; a <tool_call> block: hermes; [TOOL_CALLS]: mistral, "
+                        "or mistral_v11 with [ARGS]; a \"parameters\" object: llama3_json), else jaxcb renders the "
+                        "tools and asks for hermes")
     s.add_argument("--grace-period", type=float, default=10.0, help="seconds in-flight streams get at shutdown")
     s.add_argument("--http-header-timeout", type=float, default=30.0,
                    help="seconds an HTTP connection has to send a request's line and headers, from its opening "
                         "or its last answer, before it is closed (slow or idle clients), and then its body (a 408)")
     s.add_argument("--max-waiting", type=int, default=1024,
-                   help="requests accepted and not yet running before RESOURCE_EXHAUSTED")
+                   help="samples accepted and not yet running (each of a request's n counted) before "
+                        "RESOURCE_EXHAUSTED / 429")
     s.add_argument("--max-concurrent-streams", type=int, default=4096, help="calls in progress at once")
     s.add_argument("--metrics-host", default="127.0.0.1",
                    help="address of the (unauthenticated) metrics port (default: loopback only)")
@@ -105,12 +108,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     c = sub.add_parser("client", help="stream a completion from a running server")
     c.add_argument("prompt")
-    c.add_argument("--target", default="127.0.0.1:50051")
+    c.add_argument("--target", default="127.0.0.1:50051", help="the server's gRPC address (default 127.0.0.1:50051)")
     c.add_argument("--raw", action="store_true", help="send the text as is (no chat template)")
     c.add_argument("--json", action="store_true", help="print one JSON object per response message")
-    c.add_argument("--auth-token", default=os.environ.get("JAXCB_AUTH_TOKEN"))
-    c.add_argument("--tls-root-cert", default=None)
-    c.add_argument("--timeout", type=float, default=None)
+    c.add_argument("--auth-token", default=os.environ.get("JAXCB_AUTH_TOKEN"),
+                   help="the bearer token of a server started with --auth-token (default: $JAXCB_AUTH_TOKEN)")
+    c.add_argument("--tls-root-cert", default=None,
+                   help="PEM root certificate to trust, for a server started with --tls-cert (connects over TLS)")
+    c.add_argument("--timeout", type=float, default=None, help="seconds the call may take (default: none)")
     _sampling_args(c)
     cli_tools.add_parsers(sub, _add_model_args)
     return parser

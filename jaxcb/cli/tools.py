@@ -34,7 +34,8 @@ def add_parsers(sub, add_model_args) -> None:
                    help="merge this PEFT LoRA adapter into the weights (repeatable: merged in order)")
 
     p = sub.add_parser("plan", help="what fits in a memory budget: weights, KV pages, batch per context")
-    p.add_argument("--model", default=None, help="GGUF file, model directory, or an embedded model: smollm2-135m (default), gemma3-270m")
+    p.add_argument("--model", default=None, help="a GGUF file or a Hugging Face or converted directory, or an embedded "
+                   "model: smollm2-135m (default), gemma3-270m")
     p.add_argument("--memory", required=True, help="the device memory, e.g. 80GiB")
     p.add_argument("--config", default=None)
     p.add_argument("--max-context", type=int, default=None, help="tokens per request (default: the config's)")

@@ -391,8 +391,8 @@ class Tokenizer:
         template_kwargs = check_template_kwargs(template_kwargs)
         template = self._template if chat_template is None else compile_template(chat_template)
         if template is None:
-            raise InvalidRequest("chat: this model file has no chat template; send a raw prompt (or start the "
-                                 "server with --chat-template)")
+            raise InvalidRequest("chat: this model file has no chat template; send a raw prompt (or give one: "
+                                 "--chat-template on the command line, LLM.chat's chat_template)")
         for i, m in enumerate(messages):
             if m.get("role") not in ROLES:
                 raise InvalidRequest(f"messages[{i}].role: {shown(m.get('role'))} is not one of {', '.join(ROLES)}")
