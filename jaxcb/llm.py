@@ -213,6 +213,10 @@ def build_engines(model: str | None = None, config: EngineConfig | str | None = 
 
     plans = []
     t0 = time.perf_counter()
+    if loaded is not None:  # (LLM.from_params: the config's RoPE scaling on the model given)
+        from jaxcb.model.rope_scaling import override
+
+        loaded = (override(loaded[0], config.rope_scaling), *loaded[1:])
     model_config, params, tokenizer, eos = loaded or load_model(
         model, compute_dtype(config, dtype),
         check_config=lambda c: plans.append(plan_memory(c, config, dtype, draft=draft_of(c))),

@@ -46,9 +46,8 @@ from serve.openai_answer import answer, json_response
 from serve.openai_beam import beam_answer, check_beam_request
 from serve.openai_fields import (CHAT_FIELDS, COMPLETION_FIELDS, DETOKENIZE_FIELDS, TOKENIZE_FIELDS, MAX_TOP_LOGPROBS,
                                  ERROR_TYPE, HTTPError, bad_request, bool_field, check_chat_spec_fields, check_fields,
-                                 common_fields, http_error,
-                                 int_field, parse_json, prompt_list, sampling_params, str_field, template_fields,
-                                 beam_fields)
+                                 common_fields, http_error, int_field, parse_json, placeholder_max_tokens, prompt_list,
+                                 sampling_params, str_field, template_fields, beam_fields)
 
 
 log = logging.getLogger("jaxcb.serve.openai_api")
@@ -292,7 +291,7 @@ def make_app(state) -> FastAPI:
             raise bad_request(f"logprobs: must be >= 0, got {shown}")
         # max_tokens: 16 unless given; null: up to the context, each prompt's own (vLLM's)
         to_context = "max_tokens" in body and body["max_tokens"] is None
-        max_tokens = 1 if to_context else int_field(body, "max_tokens", 16)
+        max_tokens = placeholder_max_tokens(body) if to_context else int_field(body, "max_tokens", 16)
         # echo with logprobs: the prompt's tokens' logprobs lead the choice's (lm-eval's loglikelihood);
         # echo with max_tokens 0: the prompt alone, scored (OpenAI's legacy scoring call)
         scored = (shown or 0) if echo and (shown is not None or max_tokens == 0) else None
@@ -372,7 +371,8 @@ def make_app(state) -> FastAPI:
         frontend.check_text_fits(state, "messages", sum(len(m["content"]) for m in messages), keep)
         # Validated with a placeholder length first (every field before any tokenizing); the real
         # default max_tokens needs the prompt's length.
-        params = sampling_params(body, max_tokens=1 if limit is None else limit, logprobs=max(top, 1) if want else 0)
+        params = sampling_params(body, max_tokens=placeholder_max_tokens(body) if limit is None else limit,
+                                 logprobs=max(top, 1) if want else 0)
         params = dataclasses.replace(params, lora=adapter_of(body))
         forced = tool_calls.constraint(tools, state.tokenizer) if tools is not None else None
         if forced is not None:  # "required" or a named function: the output is tool-call blocks

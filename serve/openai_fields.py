@@ -89,7 +89,7 @@ def int_field(body: dict, name: str, default=None):
     """An integer field; a float that is a whole number is taken as that integer (Python clients write 2.0
     where they computed it; vLLM's pydantic takes it too), a fraction is refused."""
     v = _typed(body, name, default, lambda v: (isinstance(v, int) and not isinstance(v, bool))
-               or (isinstance(v, float) and v.is_integer()), "an integer")
+               or (isinstance(v, float) and v.is_integer() and abs(v) < 2**63), "an integer")
     return int(v) if isinstance(v, float) else v
 
 
@@ -151,6 +151,12 @@ def check_chat_spec_fields(body: dict) -> None:
         raise bad_request(f"modalities: only [\"text\"] is served, got {shown(modalities)}")
     _typed(body, "prediction", None, lambda v: isinstance(v, dict), "an object")
     _typed(body, "verbosity", None, lambda v: v in VERBOSITIES, f"one of {VERBOSITIES}")
+
+
+def placeholder_max_tokens(body: dict) -> int:
+    """max_tokens to check the other fields with where the real one needs the prompt's length (a limit up to the
+    context): at least min_tokens, which must fit under it."""
+    return max(1, int_field(body, "min_tokens", 0) or 0)
 
 
 def sampling_params(body: dict, *, max_tokens: int, logprobs: int, prompt_logprobs: int | None = None) -> SamplingParams:

@@ -8,7 +8,7 @@ function_call and function_call_output input items. On a server with a reasoning
 a reasoning item before them (its text a reasoning_text part, streamed as response.reasoning_text.delta
 events); a reasoning item given back in the input is taken and left out of the prompt (the chat
 templates of thinking models drop earlier thinking too), and the `reasoning` field (effort, summary) is
-checked and has no effect. Not kept: `store` is accepted but no response is stored, so
+checked, its effort handed to the chat template as the chat's reasoning_effort. Not kept: `store` is accepted but no response is stored, so
 `previous_response_id` and the retrieval routes are not served; built-in tools and images are refused by
 name, as every unknown field is.
 """
@@ -24,7 +24,7 @@ import uuid
 from fastapi.responses import Response, StreamingResponse
 
 from jaxcb.host.errors import InvalidRequest, shown
-from serve.openai_fields import (SERVICE_FIELDS, VERBOSITIES, HTTPError, bad_request, bool_field, check_fields,
+from serve.openai_fields import (REASONING_EFFORTS, SERVICE_FIELDS, VERBOSITIES, HTTPError, bad_request, bool_field, check_fields,
                                  check_metadata, http_error, int_field, unknown_field)
 from jaxcb.host.tool_calls import content_text
 
@@ -109,13 +109,12 @@ ITEM_FIELDS = {"message": {"type", "role", "content", "id", "status"},
                "function_call": {"type", "call_id", "name", "arguments", "id", "status"},
                "function_call_output": {"type", "call_id", "output", "id", "status"},
                "reasoning": {"type", "id", "summary", "content", "encrypted_content", "status"}}
-EFFORTS = ("none", "minimal", "low", "medium", "high")
 SUMMARIES = ("auto", "concise", "detailed")
 
 
 def _check_reasoning(value) -> None:
-    """The `reasoning` field ({effort, summary}): checked; the models served here think or not by their
-    template (chat_template_kwargs), so it changes nothing."""
+    """The `reasoning` field ({effort, summary}): checked (its effort goes to the chat template as the chat's
+    reasoning_effort: chat_body; a summary is not written)."""
     if value is None:
         return
     if not isinstance(value, dict):
@@ -123,8 +122,9 @@ def _check_reasoning(value) -> None:
     unknown = sorted(set(value) - {"effort", "summary", "generate_summary"})
     if unknown:
         raise unknown_field("reasoning", unknown[0], "of reasoning")
-    if value.get("effort") not in (None, *EFFORTS):
-        raise bad_request(f"reasoning.effort: must be one of {', '.join(EFFORTS)}, got {value.get('effort')!r}")
+    if value.get("effort") not in (None, *REASONING_EFFORTS):
+        raise bad_request(f"reasoning.effort: must be one of {', '.join(REASONING_EFFORTS)}, got "
+                          f"{shown(value.get('effort'))}")
     for key in ("summary", "generate_summary"):
         if value.get(key) not in (None, *SUMMARIES):
             raise bad_request(f"reasoning.{key}: must be one of {', '.join(SUMMARIES)}, got {value.get(key)!r}")
@@ -264,6 +264,8 @@ def chat_body(body: dict, origins: list | None = None) -> dict:
     _check_reasoning(body.get("reasoning"))
     check_metadata(body.get("metadata"))
     chat = {k: body[k] for k in PASSED_ON if k in body}
+    if (body.get("reasoning") or {}).get("effort") is not None:  # (to the chat template, as the chat's own field)
+        chat["reasoning_effort"] = body["reasoning"]["effort"]
     include = body.get("include", [])
     if not isinstance(include, list) or not all(isinstance(v, str) for v in include):
         raise bad_request("include: must be a list of strings")
@@ -329,8 +331,10 @@ class _Shape:
         self.order.append(len(self.calls) - 1)
         return len(self.order) - 1
 
-    def part(self):
-        return {"type": "output_text", "text": self.text, "annotations": [], "logprobs": self.logprobs}
+    def part(self, opened: bool = False):
+        """The message's text part: as it is now, or (`opened`) as it begins, empty."""
+        return {"type": "output_text", "text": "" if opened else self.text, "annotations": [],
+                "logprobs": [] if opened else self.logprobs}
 
     def item(self, which, status: str):
         if which == "reasoning":
@@ -463,7 +467,7 @@ async def _translate(chunks, body: dict, event, origins):
                         index = len(shape.order) - 1
                         yield event("response.output_item.added", output_index=index, item=shape.item("message", "in_progress"))
                         yield event("response.content_part.added", item_id=shape.message_id, output_index=index,
-                                    **text_at, part=shape.part())
+                                    **text_at, part=shape.part(opened=True))
                     shape.text += delta["content"]
                     yield event("response.output_text.delta", item_id=shape.message_id,
                                 output_index=shape.order.index("message"), **text_at, delta=delta["content"],
@@ -491,7 +495,10 @@ async def _translate(chunks, body: dict, event, origins):
         index = len(shape.order) - 1
         yield event("response.output_item.added", output_index=index, item=shape.item("message", "in_progress"))
         yield event("response.content_part.added", item_id=shape.message_id, output_index=index, **text_at,
-                    part=shape.part())
+                    part=shape.part(opened=True))
+    if pending and "message" in shape.order:  # logprobs of tokens after the last text (calls, thinking): an empty
+        yield event("response.output_text.delta", item_id=shape.message_id,  # delta, so the deltas' add up
+                    output_index=shape.order.index("message"), **text_at, delta="", logprobs=pending)
     for index, which in enumerate(shape.order):
         for text in close(index, which):
             yield text

@@ -399,6 +399,14 @@ def test_rope_scaling_set_by_the_server_gives_that_checkpoints_logits(src, wante
             load_config(None).replace(rope_scaling=bad)
     with pytest.raises(InvalidConfig, match="model.rope_scaling: rope_scaling .* lacks a number"):
         load_model(os.path.join(GOLDEN, src), jnp.float32, rope_scaling='{"rope_type": "yarn"}')
+    with pytest.raises(InvalidConfig, match="not between 1 and a million"):
+        load_model(os.path.join(GOLDEN, src), jnp.float32, rope_scaling='{"rope_type": "yarn", "factor": 1e308}')
+    # LLM.from_params takes the engine config's setting too
+    base, base_params, tok, _ = load_model(os.path.join(GOLDEN, src), jnp.float32)
+    llm = LLM.from_params(base, base_params, tok, config=make_config(num_pages=16, max_context=64, decode_batch=(1,),
+                                                                     prefill_tokens=(16,), compile="fast").replace(
+        rope_scaling=json.dumps(scaling)))
+    assert llm.engine.model_config == config
 
 
 def test_rope_scaling_in_the_config_file_is_a_table(tmp_path):

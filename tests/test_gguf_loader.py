@@ -112,9 +112,15 @@ def test_rope_scaling_of_a_gguf_is_read_or_refused_by_name(tmp_path):
     with pytest.raises(InvalidConfig, match="rope_freqs.weight"):
         load_gguf(path)
     for bad in ({"rope_type": "yarn"}, {"rope_type": "llama3", "factor": 8.0}, {"rope_type": "dynamic", "factor": 2.0},
-                {"rope_type": "yarn", "factor": "x"}, {"rope_type": "linear", "factor": 0.5}):
+                {"rope_type": "yarn", "factor": "x"}, {"rope_type": "linear", "factor": 0.5},
+                {"rope_type": "yarn", "factor": float("inf")}):
         with pytest.raises(InvalidConfig, match="rope_scaling"):
             from_dict(bad, 10000.0, 16, 64)
+    # a given attention_factor wins over DeepSeek's mscale pair (transformers' order)
+    pair = {"rope_type": "yarn", "factor": 8.0, "mscale": 1.0, "mscale_all_dim": 0.5}
+    assert from_dict({**pair, "attention_factor": 1.5}, 10000.0, 16, 64)["rope_attention_factor"] == 1.5
+    assert from_dict(pair, 10000.0, 16, 64)["rope_attention_factor"] == pytest.approx(
+        (1 + 0.1 * np.log(8)) / (1 + 0.05 * np.log(8)))
 
 
 @pytest.mark.parametrize("key, value, message", [

@@ -1175,8 +1175,10 @@ def test_responses_api_takes_what_sdks_send_and_gives_logprobs(oai, model_name):
     for got in (streamed, done.logprobs):
         assert [(c.token, c.logprob) for c in got] == [w[:2] for w in want]
     plain = oai.responses.create(model=model_name, input="hi", max_output_tokens=6, temperature=0, include=[],
-                                 extra_body={"ignore_eos": True})
+                                 extra_body={"ignore_eos": True}, reasoning={"effort": "xhigh"})
     assert plain.output_text == r.output_text and not plain.output[0].content[0].logprobs
+    added = next(e for e in events if e.type == "response.content_part.added")
+    assert added.part.text == "" and not added.part.logprobs  # (the part as it begins)
 
 
 def test_null_fields_are_not_given_and_openais_other_chat_fields(server):
@@ -1219,8 +1221,9 @@ def test_whole_number_floats_are_integers(server):
     got = httpx.post(server.http + "/v1/completions", json={**base, "max_tokens": 3.0, "n": 2.0, "seed": 7.0,
                                                             "logprobs": 1.0}, timeout=30).json()
     assert [c["text"] for c in got["choices"]] == [c["text"] for c in want["choices"]] and len(want["choices"]) == 2
-    r = httpx.post(server.http + "/v1/completions", json={**base, "max_tokens": 2.5}, timeout=30)
-    assert r.status_code == 400 and r.json()["error"]["message"] == "max_tokens: must be an integer, got 2.5"
+    for bad in (2.5, 1e300):  # (a fraction, or a float past any integer field's range)
+        r = httpx.post(server.http + "/v1/completions", json={**base, "max_tokens": bad}, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["message"] == f"max_tokens: must be an integer, got {bad!r}"
 
 
 def test_completions_max_tokens_null_runs_to_the_context(server):
@@ -1231,6 +1234,12 @@ def test_completions_max_tokens_null_runs_to_the_context(server):
     assert r["usage"]["completion_tokens"] == (256 - 2) + (256 - 4)  # (the test server's context: 256)
     r = httpx.post(server.http + "/v1/completions", json=body, timeout=60).json()
     assert r["usage"]["completion_tokens"] == 2 * 16
+    # with min_tokens (checked against the limit the prompt leaves, not a placeholder of 1), and chat likewise
+    r = httpx.post(server.http + "/v1/completions", json={**body, "max_tokens": None, "min_tokens": 5}, timeout=120)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == (256 - 2) + (256 - 4), r.text
+    r = httpx.post(server.http + "/v1/chat/completions", timeout=120, json={
+        "messages": [{"role": "user", "content": "hi"}], "min_tokens": 5, "temperature": 0})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 5, r.text
     r = httpx.post(server.http + "/v1/completions", json={"prompt": [5, 10**6]}, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
 
@@ -1300,6 +1309,18 @@ def test_responses_stream_events_from_chat_chunks():
                              f"data: {json.dumps({'error': {'message': 'step failed', 'code': None}})}\n\n"))
     assert [e["type"] for e in got[-2:]] == ["error", "response.failed"]
     assert got[-1]["response"]["status"] == "failed" and got[-1]["response"]["error"]["message"] == "step failed"
+    # logprobs (include: message.output_text.logprobs): the deltas' add up to the text's, those of tokens after
+    # the last text (a call's) in a last empty delta
+    lp = [{"token": t, "logprob": -1.0, "bytes": [], "top_logprobs": []} for t in "abc"]
+    got = asyncio.run(events(
+        chunk(choices=[{"index": 0, "delta": {"content": "a"}, "logprobs": {"content": lp[:1]}, "finish_reason": None}]),
+        chunk(choices=[{"index": 0, "delta": {"tool_calls": [{"index": 0, "id": "c1", "type": "function", "function": {
+            "name": "f", "arguments": "{}"}}]}, "logprobs": {"content": lp[1:]}, "finish_reason": "tool_calls"}]),
+        "data: [DONE]\n\n"))
+    deltas = [e for e in got if e["type"] == "response.output_text.delta"]
+    done = next(e for e in got if e["type"] == "response.output_text.done")
+    assert [d["delta"] for d in deltas] == ["a", ""]
+    assert [x for d in deltas for x in d["logprobs"]] == done["logprobs"] == lp
 
 
 def test_responses_stream_client_gone_frees_its_request(server):

@@ -61,6 +61,11 @@ def test_plan_command(tiny_gguf_path, capsys):
     assert "KV pages" in out and "largest batch at context 256" in out
     assert cli(["plan", "--model", tiny_gguf_path, "--memory", "1KiB"]) == 2
     assert "memory: 1.0 KiB" in capsys.readouterr().err
+    # --rope-scaling: the model planned with it (a bad one refused naming the setting)
+    yarn = '{"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}'
+    assert cli(["plan", "--model", tiny_gguf_path, "--memory", "1GiB", "--rope-scaling", yarn]) == 0
+    assert cli(["plan", "--model", tiny_gguf_path, "--memory", "1GiB", "--rope-scaling", "{"]) == 2
+    assert "model.rope_scaling: not JSON" in capsys.readouterr().err
 
 
 def test_compile_cache_dir_not_writable_warns_and_runs_without(tmp_path, capsys):

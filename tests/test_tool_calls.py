@@ -130,6 +130,10 @@ def test_tools_and_messages_render_for_the_chat_template():
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]},
      "tools[0].function.parameters: must be an object schema"),
     ({"tools": [WEATHER], "parallel_tool_calls": "yes"}, "parallel_tool_calls: must be true or false"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"properties": [1]}}}]},
+     "tools[0].function.parameters.properties: must be an object of schemas"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"required": [["a"]]}}}]},
+     "tools[0].function.parameters.required: must be a list of names"),
 ])
 def test_bad_tools_are_refused_by_name(body, message):
     with pytest.raises(InvalidRequest, match=message.replace("[", r"\[").replace("]", r"\]")):
@@ -359,7 +363,9 @@ def test_the_grammar_writes_calls_in_the_format(make_llm):
                                                             "pace": "slow"}), True),
                      (tool_calls.QWEN3_CODER.write("plan", {"title": "t", "days": 2.5}), False),  # not an integer
                      (tool_calls.QWEN3_CODER.write("plan", {"title": "t", "pace": "medium"}), False),  # not in the enum
-                     (tool_calls.QWEN3_CODER.write("plan", {"days": 2}), False)):  # title is required
+                     (tool_calls.QWEN3_CODER.write("plan", {"days": 2}), False),  # title is required
+                     (tool_calls.QWEN3_CODER.write("plan", {"title": "t", "notes": "raw text", "size": 2}), True),
+                     (tool_calls.QWEN3_CODER.write("plan", {"title": "t", "size": 3}), False)):  # not in the enum
         assert accepts(typed, text) == ok, text
 
 
@@ -423,7 +429,8 @@ NAME_FIRST_ANSWERS = [  # mistral_v11: [TOOL_CALLS] and [ARGS] are control token
 TYPED = {"type": "function", "function": {"name": "plan", "parameters": {"type": "object", "properties": {
     "title": {"type": "string"}, "days": {"type": "integer"}, "budget": {"type": "number"}, "solo": {"type": "boolean"},
     "stops": {"type": "array", "items": {"type": "string"}}, "pace": {"enum": ["slow", "fast"]},
-    "notes": {"type": ["string", "null"]}}, "required": ["title"]}}}
+    "notes": {"type": ["string", "null"]}, "size": {"enum": [1, 2]}, "code": {"type": "string"}},
+    "required": ["title"]}}}
 
 XML_ANSWERS = [  # qwen3_coder: each call a <function=...> element with an element per argument
     ("Sure.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis </x>\n</parameter>\n</function>\n"
@@ -441,6 +448,15 @@ XML_ANSWERS = [  # qwen3_coder: each call a <function=...> element with an eleme
      "</tool_call>", []),  # not one of the tools: text
     ("<tool_call>\n<function=plan>\n<parameter=title>\nTr", "", [("plan", {})]),  # cut off: the elements so far
     ("a <tool_call> b </tool_call>", "a <tool_call> b </tool_call>", []),
+    # a string that may be null (OpenAI's strict optional field) as it is written; an enum of numbers; a name given
+    # twice (its first); </function> inside a value (not the call's end); what follows </function> is not read;
+    # numbers that are no finite JSON number, and digits Python reads but JSON does not, stay text
+    ("<tool_call>\n<function=plan>\n<parameter=title>\nA\n</parameter>\n<parameter=notes>\nhello\n</parameter>\n"
+     "<parameter=size>\n2\n</parameter>\n<parameter=title>\nB\n</parameter>\n<parameter=code>\nprint('</function>')\n"
+     "</parameter>\n<parameter=budget>\ninf\n</parameter>\n<parameter=days>\n1_000\n</parameter>\n</function>\n"
+     "<function=get_time>\n</function>\n</tool_call>", "",
+     [("plan", {"title": "A", "notes": "hello", "size": 2, "code": "print('</function>')", "budget": "inf",
+                "days": "1_000"})]),
 ]
 
 
@@ -461,11 +477,33 @@ def test_element_calls_parse_whole_and_streamed(text, content, calls):
         assert (streamed.strip(), merged) == (content, whole)
 
 
+def test_element_calls_refuse_what_elements_cannot_hold():
+    """qwen3_coder: a parameter name an element cannot hold, or a maxLength that is no length, is refused naming the
+    tool's field when a grammar is built; an earlier call's arguments that are no object cannot be written as
+    elements."""
+    def tools(properties, choice="required"):
+        return dataclasses.replace(tool_calls.parse_tools({"tools": [CLOCK, {"type": "function", "function": {
+            "name": "f", "parameters": {"type": "object", "properties": properties}}}], "tool_choice": choice}),
+            fmt=tool_calls.QWEN3_CODER)
+
+    for properties, message in (({"a>b": {"type": "string"}}, "tools[1].function.parameters.properties: 'a>b' cannot"),
+                                ({"a": {"type": "string", "maxLength": "x"}},
+                                 "tools[1].function.parameters.properties.a.maxLength: must be a length"),
+                                ({"a": {"type": "string", "maxLength": 10**9}}, "properties.a.maxLength")):
+        with pytest.raises(InvalidRequest, match=re.escape(message)):
+            tool_calls.constraint(tools(properties))
+    history = [{"role": "user", "content": "x"}, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "[1]"}}]}]
+    with pytest.raises(InvalidRequest, match=re.escape("messages[1].tool_calls[0].function.arguments: must be a JSON object")):
+        tool_calls.render_messages(history, tools({}, "auto"), tool_calls.QWEN3_CODER)
+
+
 def test_element_calls_write_and_read_back():
     """A call as jaxcb writes it in the qwen3_coder format (an earlier call in jaxcb's rendering) reads back as
     the same arguments."""
     tools = dataclasses.replace(tool_calls.parse_tools({"tools": [TYPED]}), fmt=tool_calls.QWEN3_CODER)
-    arguments = {"title": "a\nb", "days": 2, "budget": 1.5, "solo": False, "stops": ["x"], "pace": "fast", "notes": None}
+    arguments = {"title": "a\nb", "days": 2, "budget": 1.5, "solo": False, "stops": ["x"], "pace": "fast", "notes": None,
+                 "size": 1}
     content, calls = tool_parse.parse(tool_calls.QWEN3_CODER.write("plan", arguments), tools)
     assert content == "" and json.loads(calls[0]["function"]["arguments"]) == arguments
 

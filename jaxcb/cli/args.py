@@ -39,11 +39,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="the Jinja chat template to write conversations with instead of the model file's (a "
                         "base model's file may have none): a file, or the template itself (default: the config's "
                         "model.chat_template, else the model's)")
-    p.add_argument("--rope-scaling", default=None, metavar="JSON",
-                   help="RoPE scaling in place of the model file's, as transformers' rope_scaling (vLLM's flag), e.g. "
-                        "'{\"rope_type\":\"yarn\",\"factor\":4.0,\"original_max_position_embeddings\":32768}' "
-                        "to serve Qwen3 past 32K; {\"rope_type\":\"default\"} for none (default: the config's "
-                        "model.rope_scaling, else the model's)")
+    add_rope_scaling_arg(p)
     p.add_argument("--policy", default=None, help=f"scheduling policy: {', '.join(POLICIES)}")
     p.add_argument("--compile-cache", default=None, metavar="DIR",
                    help="persistent XLA compilation cache (default: $JAXCB_COMPILE_CACHE or ~/.cache/jaxcb/xla; "
@@ -125,6 +121,14 @@ def speculative_config(args, spec):
             draft["method"] = "draft"  # naming a draft asks for it
         spec = dataclasses.replace(spec, **draft)
     return spec
+
+
+def add_rope_scaling_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--rope-scaling", default=None, metavar="JSON",
+                   help="RoPE scaling in place of the model file's, as transformers' rope_scaling (vLLM's flag), e.g. "
+                        "'{\"rope_type\":\"yarn\",\"factor\":4.0,\"original_max_position_embeddings\":32768}' "
+                        "to serve Qwen3 past 32K; {\"rope_type\":\"default\"} for none (default: the config's "
+                        "model.rope_scaling, else the model's)")
 
 
 def engine_config(args):

@@ -16,7 +16,7 @@ import time
 
 
 def add_parsers(sub, add_model_args) -> None:
-    from jaxcb.cli.args import add_lora_args, add_speculative_args
+    from jaxcb.cli.args import add_lora_args, add_rope_scaling_arg, add_speculative_args
 
     w = sub.add_parser("warmup", help="compile every configured bucket into the persistent compile cache")
     add_model_args(w)
@@ -46,6 +46,7 @@ def add_parsers(sub, add_model_args) -> None:
                    help="KV pages (default: the config's cache.kv_dtype; auto = --dtype)")
     p.add_argument("--tensor-parallel", type=int, default=None, metavar="N",
                    help="split the model over N devices of --memory each (default: the config's parallel.tensor)")
+    add_rope_scaling_arg(p)  # (YaRN's context)
     add_speculative_args(p)  # a draft model's weights and KV count too
     add_lora_args(p)  # and LoRA adapter slots
 
@@ -214,8 +215,9 @@ def cmd_plan(args) -> int:
 
     config = load_config(args.config)
     spec = speculative_config(args, config.scheduler.speculative)
-    config = config.replace(speculative=spec, lora=lora_config(args, config.lora))
-    model = read_model_config(args.model)
+    config = config.replace(speculative=spec, lora=lora_config(args, config.lora),
+                            rope_scaling=args.rope_scaling or config.rope_scaling)
+    model = read_model_config(args.model, config.rope_scaling)
     draft = draft_model_config(spec, model) if spec.method == "draft" else None
     max_context = args.max_context or config.max_context_for(model)
     if max_context < 1:

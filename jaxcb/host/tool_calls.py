@@ -189,6 +189,11 @@ def parse_tools(body: dict) -> Tools | None:
         if not isinstance(params, dict) or params.get("type", "object") != "object":  # (the arguments: an object)
             raise InvalidRequest(f"{where}.function.parameters: must be an object schema (a JSON schema of "
                                  f"type object), got {json.dumps(params)[:80]}")
+        if not isinstance(params.get("properties", {}), dict):
+            raise InvalidRequest(f"{where}.function.parameters.properties: must be an object of schemas")
+        required = params.get("required", [])
+        if not isinstance(required, list) or not all(isinstance(r, str) for r in required):
+            raise InvalidRequest(f"{where}.function.parameters.required: must be a list of names")
         description = f.get("description", "")
         if not isinstance(description, str):
             raise InvalidRequest(f"{where}.function.description: must be a string")
@@ -295,6 +300,9 @@ def render_messages(messages: list, tools: Tools | None, fmt: Format = HERMES, n
                     rendered.append({"id": call_id, "type": "function",
                                      "function": {"name": f["name"], "arguments": arguments}})
                 else:
+                    if fmt.xml and not isinstance(arguments, dict):  # (an element per argument: an object's)
+                        raise InvalidRequest(f"messages[{i}].tool_calls[{k}].function.arguments: must be a JSON "
+                                             "object")
                     content += fmt.write(f["name"], arguments)
         elif m.get("content") is None:
             raise InvalidRequest(f"messages[{i}].content: must be a string or a list of content parts")
@@ -370,41 +378,64 @@ def constraint(tools: Tools, tokenizer=None) -> Constraint | None:
     return Constraint("grammar", grammar, "tools", parts)
 
 
+def xml_type(prop) -> tuple[str | None, bool]:
+    """(the type an argument's element is read as, whether null is allowed) from its schema, for qwen3_coder's
+    grammar and its reading back (tool_parse) alike: the schema's `type`, the one beside "null" in a list
+    ("json" where several are: the value as JSON); None where it has none (read as a string)."""
+    kind = prop.get("type") if isinstance(prop, dict) else None
+    if not isinstance(kind, list):
+        return (kind if isinstance(kind, str) else None), kind == "null"
+    rest = [k for k in kind if k != "null"]
+    return (rest[0] if len(rest) == 1 and isinstance(rest[0], str) else "json" if rest else None), "null" in kind
+
+
+XML_KEY = re.compile(r"[^>\n]{1,256}")  # a parameter's name that an element can hold (tool_parse reads these)
+MAX_STRING_CHARS = 1 << 20  # (a string argument's maxLength, at most: the grammar's bound)
+
+
 def _xml_grammar(tools: Tools, names: list[str], more: bool, tokenizer=None) -> str:
     """qwen3_coder's calls as a Lark grammar: per function its name and an element per property of its
     parameters, in their order (the required ones always, the others optional; no others); a value by its
-    schema's type: a string any text up to its closing tag (a lazy lexeme; of its minLength to maxLength
-    characters), an integer, number or boolean
-    as JSON writes it, an enum of strings one of them, anything else JSON valid against the schema."""
-    rules, calls = [], []
+    schema (xml_type): an enum one of its values, a string any text up to its closing tag (a lazy lexeme, of
+    at most maxLength characters), an integer, number or boolean as JSON writes it ("null" too where its type
+    allows), anything else JSON valid against the schema. A name an element cannot hold, or a maxLength that is
+    no length, is refused naming the tool's field (minLength, pattern and format are not held)."""
+    rules, calls, order = [], [], list(tools.functions)
+    end = '"\\n</parameter>"'
     for k, name in enumerate(names):
-        schema = tools.functions[name]
+        schema, where = tools.functions[name], f"tools[{order.index(name)}].function.parameters"
         required = set(schema.get("required") or ())
         params = []
         for j, (key, prop) in enumerate((schema.get("properties") or {}).items()):
-            value = f"v_{k}_{j}"
-            rules.append(f"p_{k}_{j}: {json.dumps(f'<parameter={key}>' + chr(10))} {value} \"\\n\"")
-            kind = prop.get("type") if isinstance(prop, dict) else None
+            if not XML_KEY.fullmatch(key):
+                raise InvalidRequest(f"{where}.properties: {key[:64]!r} cannot be an element's name in the "
+                                     "qwen3_coder format (1-256 characters, no '>' or newline)")
+            kind, nullable = xml_type(prop)
             enum = prop.get("enum") if isinstance(prop, dict) else None
-            if isinstance(enum, list) and enum and all(isinstance(e, str) for e in enum):
-                body = "(" + " | ".join(json.dumps(e) for e in enum) + ') "\\n</parameter>"'
-            elif kind == "string" or kind is None and not enum:
-                low, high = (prop.get(b) if isinstance(prop, dict) else None for b in ("minLength", "maxLength"))
-                span = "*" if low is None and high is None else f"{{{int(low or 0)},{'' if high is None else int(high)}}}"
-                rules.append(f"t_{k}_{j}[lazy]: /(?s:.{span})\\n<\\/parameter>/")
+            null = ' | "null"' if nullable else ""
+            if isinstance(enum, list) and enum and all(e is None or isinstance(e, (str, int, float, bool)) for e in enum):
+                body = ("(" + " | ".join(json.dumps(e if isinstance(e, str) else json.dumps(e)) for e in enum)
+                        + f") {end}")
+            elif kind in (None, "string"):
+                high = prop.get("maxLength") if isinstance(prop, dict) else None
+                if high is not None and (not isinstance(high, int) or isinstance(high, bool)
+                                         or not 0 <= high <= MAX_STRING_CHARS):
+                    raise InvalidRequest(f"{where}.properties.{key}.maxLength: must be a length up to "
+                                         f"{MAX_STRING_CHARS}, got {json.dumps(high)[:40]}")
+                rules.append(f"t_{k}_{j}[lazy]: /(?s:.{'*' if high is None else '{0,%d}' % high})\\n<\\/parameter>/")
                 body = f"t_{k}_{j}"
             elif kind == "integer":
-                body = '/-?(0|[1-9][0-9]*)/ "\\n</parameter>"'
+                body = f'(/-?(0|[1-9][0-9]*)/{null}) {end}'
             elif kind == "number":
-                body = '/-?(0|[1-9][0-9]*)(\\.[0-9]+)?([eE][+-]?[0-9]+)?/ "\\n</parameter>"'
+                body = f'(/-?(0|[1-9][0-9]*)(\\.[0-9]+)?([eE][+-]?[0-9]+)?/{null}) {end}'
             elif kind == "boolean":
-                body = '("true" | "false") "\\n</parameter>"'
+                body = f'("true" | "false"{null}) {end}'
             else:
-                body = f'%json {json.dumps(_strict(prop))} "\\n</parameter>"'
-            rules.append(f"{value}: {body}")
+                body = f"%json {json.dumps(_strict(prop if isinstance(prop, dict) else {}))} {end}"
+            rules.append(f"v_{k}_{j}: {body}")
+            rules.append(f"p_{k}_{j}: {json.dumps(f'<parameter={key}>' + chr(10))} v_{k}_{j} \"\\n\"")
             params.append(f"p_{k}_{j}" + ("" if key in required else "?"))
-        head = json.dumps(f"<function={name}>\n")
-        rules.append(f"call_{k}: {head} {' '.join(params)} \"</function>\"")
+        rules.append(f"call_{k}: {json.dumps(f'<function={name}>' + chr(10))} {' '.join(params)} \"</function>\"")
         calls.append(f"call_{k}")
     newline = '"\\n"?'
     rest = f" ({newline} call)*" if more else ""

@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import re
 
-from jaxcb.host.tool_calls import NAME, Format, Tools
+from jaxcb.host.tool_calls import NAME, Format, Tools, xml_type
 
 
 _NAME = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"')  # a call's object up to its name
@@ -102,40 +103,63 @@ def _not_a_head(body: str, fmt: Format) -> int | None:
 
 
 _PARAM = re.compile(r"<parameter=([^>\n]{1,256})>\n?(.*?)\n?</parameter>", re.S)
+_INTEGER = re.compile(r"-?[0-9]+")
 
 
 def _xml_value(text: str, schema) -> object:
-    """An argument's element text as its value, read by its schema's type (vLLM's qwen3_coder rules): a
-    string as it is (an untyped or unknown argument too), null for "null", an integer, number or boolean
-    as written (True and False too, as Python writes them), anything else as JSON; text that does not read
-    as its type stays text."""
-    kind = schema.get("type") if isinstance(schema, dict) else None
-    if isinstance(kind, list):  # (["integer", "null"]: its type beside null)
-        kind = next((k for k in kind if k != "null"), None)
+    """An argument's element text as its value, read by its schema (tool_calls.xml_type; vLLM's qwen3_coder
+    rules): a string as it is (an untyped or unknown argument too), null for "null" where it may be, an
+    enum's value as written, an integer, number or boolean as written (True and False too, as Python writes
+    them), anything else as JSON; text that does not read as its type (or as a finite number) stays text."""
+    kind, nullable = xml_type(schema)
     word = text.strip()
-    if word.lower() == "null":
+    if word.lower() == "null" and (nullable or kind not in (None, "string")):
         return None
+    enum = schema.get("enum") if isinstance(schema, dict) else None
+    for value in enum if isinstance(enum, list) else ():
+        if value == text if isinstance(value, str) else json.dumps(value) == word:
+            return value
     if kind in (None, "string"):
         return text
+    if kind in ("integer", "number") and _INTEGER.fullmatch(word):
+        return int(word)
     try:
-        if kind == "integer":
-            return int(word)
         if kind == "number":
             value = float(word)
-            return int(value) if value.is_integer() and not any(c in word for c in ".eE") else value
+            return value if math.isfinite(value) else text
         if kind == "boolean":
             return {"true": True, "false": False}[word.lower()]
-        return json.loads(word)
-    except (ValueError, KeyError, OverflowError):
+        return json.loads(word, parse_constant=_not_json)
+    except (ValueError, KeyError):
         return text
 
 
-def _xml_args(text: str, schema: dict, closed: bool) -> str:
+def _not_json(name: str):
+    raise ValueError(f"{name} is no JSON number")
+
+
+def _xml_args(text: str, schema: dict, whole: bool) -> str:
     """The arguments of an element call as the JSON text written so far: "{", then each parameter element
-    once its closing tag is written, then "}" once the function's element is closed (`closed`), so each
-    piece goes on from the last, and a whole call's text is json.dumps of its arguments."""
-    properties = schema.get("properties") or {}
-    items = [f"{json.dumps(k)}: {json.dumps(_xml_value(v, properties.get(k)))}" for k, v in _PARAM.findall(text)]
+    once its closing tag is written (a name given twice: its first), then "}" once the function's element is
+    closed (its </function> outside any element; or `whole`: the block ended), so each piece goes on from the
+    last, and a whole call's text is json.dumps of its arguments. Nothing after its </function> is read."""
+    properties = schema.get("properties") if isinstance(schema, dict) else None
+    properties = properties if isinstance(properties, dict) else {}
+    items, seen, at, closed = [], set(), 0, whole
+    while True:
+        element = _PARAM.search(text, at)
+        end = text.find("</function>", at)
+        opening = text.find("<parameter=", at)
+        if end >= 0 and (element is None or end < element.start()) and not 0 <= opening < end:
+            closed = True
+            break
+        if element is None:
+            break
+        key = element.group(1)
+        if key not in seen:
+            seen.add(key)
+            items.append(f"{json.dumps(key)}: {json.dumps(_xml_value(element.group(2), properties.get(key)))}")
+        at = element.end()
     return "{" + ", ".join(items) + ("}" if closed else "")
 
 
@@ -306,7 +330,7 @@ class CallStream:
             self.sent_args, self.args_start, self.function = "", head.end(), _name(head.group(1))
         if self.fmt.xml:
             rest = body[self.args_start:]
-            args = _xml_args(rest, self.tools.functions[self.function], whole or "</function>" in rest)
+            args = _xml_args(rest, self.tools.functions[self.function], whole)
         else:
             args = _json_prefix(body[self.args_start:])
         if whole:  # the arguments as written, unless they are not what the call holds (a key given twice)

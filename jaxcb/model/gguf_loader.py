@@ -270,8 +270,8 @@ def _rope_scaling(reader, arch: str, head_dim: int, rotary_dim: int, theta: floa
             value = _field(reader, f"{arch}.rope.scaling.{knob}")
             if value is not None and float(value) != plain:
                 raise InvalidConfig(f"{arch}.rope.scaling.{knob}: {value} is not supported with YaRN (only {plain})")
-        if not factor or float(factor) < 1.0:
-            raise InvalidConfig(f"{arch}.rope.scaling.factor: {factor!r}: YaRN needs a factor of at least 1")
+        if not factor or not 1.0 <= float(factor) < 1e6:
+            raise InvalidConfig(f"{arch}.rope.scaling.factor: {factor!r}: YaRN needs a factor between 1 and a million")
         original = int(_field(reader, f"{arch}.rope.scaling.original_context_length", 0) or context)
         out.update(rope_scaling.yarn(theta, rotary_dim, float(factor), original,
                                      float(_field(reader, f"{arch}.rope.scaling.yarn_beta_fast", 32.0) or 32.0),

@@ -85,18 +85,17 @@ def from_dict(scaling, theta: float, rotary_dim: int, max_position: int, where: 
         raise InvalidConfig(f"{where}: rope_scaling {scaling!r} is not supported (default, linear, llama3 and yarn are)")
     try:
         factor = float(scaling["factor"])
-        if not factor >= 1.0:
-            raise ValueError(f"factor {factor} is below 1")
+        if not 1.0 <= factor < 1e6:
+            raise ValueError(f"factor {factor} is not between 1 and a million")
         if name == "linear":
             return {"rope_linear_factor": factor} if factor != 1.0 else {}
         original = int(scaling.get("original_max_position_embeddings") or max_position)
         if name == "llama3":
             return llama3(theta, rotary_dim, factor, float(scaling["low_freq_factor"]),
                           float(scaling["high_freq_factor"]), float(original))
-        if scaling.get("mscale") and scaling.get("mscale_all_dim"):
+        attention = scaling.get("attention_factor")  # (given, it wins over DeepSeek's pair: transformers' order)
+        if attention is None and scaling.get("mscale") and scaling.get("mscale_all_dim"):
             attention = mscale(factor, float(scaling["mscale"])) / mscale(factor, float(scaling["mscale_all_dim"]))
-        else:
-            attention = scaling.get("attention_factor")
         fields = yarn(theta, rotary_dim, factor, original, float(scaling.get("beta_fast") or 32.0),
                       float(scaling.get("beta_slow") or 1.0), bool(scaling.get("truncate", True)),
                       None if attention is None else float(attention))
