@@ -27,7 +27,7 @@ from jaxcb.model.paged_attention import allocate_kv_pages
 from tests.server_util import compile_mode
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "golden", "tiny_hf")
-FAMILIES = ("qwen3", "mixtral", "qwen2moe", "qwen3moe", "granitemoe", "olmoe", "olmo2", "smollm3", "granite", "phi3", "phi3-longrope", "gemma2", "gemma3", "llama3-rope", "qwen3-yarn", "llama-yarn", "gemma3-linear", "gemma3-mm", "mistral3-mm", "llava", "qwen2.5-vl", "qwen3-vl")
+FAMILIES = ("qwen3", "mixtral", "qwen2moe", "qwen3moe", "granitemoe", "olmoe", "olmo2", "smollm3", "granite", "phi3", "phi3-longrope", "gemma", "gemma2", "gemma3", "llama3-rope", "qwen3-yarn", "llama-yarn", "gemma3-linear", "gemma3-mm", "mistral3-mm", "llava", "qwen2.5-vl", "qwen3-vl")
 # checkpoints of a family with RoPE scaling, or with a vision tower beside it (served on text), or a
 # Llama with layers without RoPE, Granite's scalars or Phi-3's fused projections
 FAMILY_OF = {"mistral3-mm": "llama", "llava": "llama", "qwen2.5-vl": "llama", "qwen3-vl": "qwen3", "llama3-rope": "llama", "qwen3-yarn": "qwen3", "llama-yarn": "llama", "gemma3-linear": "gemma3", "gemma3-mm": "gemma3", "smollm3": "llama",
@@ -59,7 +59,7 @@ def test_prefill_logits_match_transformers(family):
     config, params, _, _ = load_model(os.path.join(GOLDEN, family), jnp.float32)
     assert config.family == FAMILY_OF.get(family, family)
     assert config.qk_norm == (config.family in ("qwen3", "gemma3", "olmo2", "olmoe"))
-    assert config.windowed == family.startswith("gemma")
+    assert config.windowed == (family.startswith("gemma") and family != "gemma")
     for record in golden(family):
         ours = prefill_logits(config, params, record["prompt_ids"])
         ref = np.asarray(record["prefill_logits"], np.float32)
@@ -422,6 +422,39 @@ def test_rope_scaling_in_the_config_file_is_a_table(tmp_path):
     path.write_text(open(DEFAULT_CONFIG).read().replace("[model]\n", '[model]\nrope_scaling = {type = "ntk"}\n'))
     with pytest.raises(InvalidConfig, match="model.rope_scaling: must be an object with rope_type"):
         load_config(str(path))
+
+
+def test_gemma_1_reads_its_legacy_activation_and_loads_as_a_gguf(tmp_path):
+    """Gemma 1 (CodeGemma too): its released configs' hidden_act "gelu" is the tanh approximation (as transformers
+    reads it); as llama.cpp's "gemma" GGUF (norms stored as 1 + w) the same config, weights and logits."""
+    import shutil
+
+    from jaxcb.model.gguf_loader import load_gguf
+    from jaxcb.model.hf_loader import load_weights
+    from jaxcb.model.llama import params_from_numpy
+    from tests.tiny_gguf import write_tiny_gguf
+
+    src = os.path.join(GOLDEN, "gemma")
+    config, _, _, _ = load_model(src, jnp.float32)
+    assert (config.norm_plus_one, config.post_norms, config.embed_scale, config.activation) == (
+        True, False, True, "gelu_tanh")
+    legacy = str(tmp_path / "gemma")
+    shutil.copytree(src, legacy)
+    with open(os.path.join(legacy, "config.json")) as f:
+        raw = json.load(f)
+    with open(os.path.join(legacy, "config.json"), "w") as f:
+        json.dump({**raw, "hidden_act": "gelu"}, f)
+    assert load_model(legacy, jnp.float32)[0] == config
+    weights = load_weights(src, config)
+    path = str(tmp_path / "gemma.gguf")
+    write_tiny_gguf(path, config, arch="gemma", weights=weights)
+    got = load_gguf(path)
+    fields = ("family", "norm_plus_one", "post_norms", "embed_scale", "activation", "head_dim", "tie_embeddings")
+    assert {f: getattr(got.config, f) for f in fields} == {f: getattr(config, f) for f in fields}
+    params = params_from_numpy(got.weights, jnp.float32)
+    for record in golden("gemma"):
+        ref = np.asarray(record["prefill_logits"], np.float32)
+        assert np.abs(prefill_logits(got.config, params, record["prompt_ids"]) - ref).max() <= 1e-5 * np.abs(ref).max()
 
 
 def test_a_yarn_gguf_gives_transformers_logits(tmp_path):

@@ -100,6 +100,8 @@ def write_tiny_gguf(path: str, config: ModelConfig | None = None, seed: int = 0,
 
     def put(name: str, array: np.ndarray, linear: bool):
         array = np.ascontiguousarray(array, dtype=np.float32)
+        if config.norm_plus_one and name.endswith("norm.weight"):  # (Gemma's: llama.cpp's converter stores 1 + w)
+            array = array + 1.0
         if broken_type and name == "blk.0.attn_v.weight":
             qtype = gguf.GGMLQuantizationType.Q8_1  # the gguf library cannot dequantize this one
             block, size = gguf.GGML_QUANT_SIZES[qtype]

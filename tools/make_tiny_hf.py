@@ -32,7 +32,7 @@ COMMON = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_
 
 
 def configs():
-    from transformers import (CLIPVisionConfig, Gemma2Config, Gemma3Config, Gemma3TextConfig, GraniteConfig,
+    from transformers import (CLIPVisionConfig, Gemma2Config, GemmaConfig, Gemma3Config, Gemma3TextConfig, GraniteConfig,
                               GraniteMoeConfig, LlamaConfig, LlavaConfig, Mistral3Config, MistralConfig,
                               MixtralConfig, Olmo2Config, OlmoeConfig, PixtralVisionConfig, Qwen2_5_VLConfig,
                               Qwen3VLConfig, Phi3Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig,
@@ -77,6 +77,9 @@ def configs():
                                         "original_max_position_embeddings": 64}),
         "granite": GraniteConfig(**COMMON, tie_word_embeddings=True, embedding_multiplier=6.0, residual_multiplier=0.3,
                                  attention_multiplier=0.1, logits_scaling=4.0, pad_token_id=None),
+        # Gemma 1 (and CodeGemma): Gemma's (1 + w) norms, GeGLU, scaled embeddings; hidden_act "gelu" as its released
+        # configs say it (transformers runs the tanh approximation)
+        "gemma": GemmaConfig(**COMMON, hidden_act="gelu"),
         "gemma2": Gemma2Config(**COMMON, sliding_window=8, query_pre_attn_scalar=24, attn_logit_softcapping=5.0,
                                final_logit_softcapping=3.0, hidden_activation="gelu_pytorch_tanh",
                                layer_types=["sliding_attention", "full_attention"] * 2),

@@ -1,5 +1,5 @@
 """Read a GGUF file of the Llama (and Mixtral: llama with experts), Qwen2, Qwen2-MoE, Qwen3, Qwen3-MoE, SmolLM3, Granite,
-Granite MoE, Phi-3, Gemma 2, Gemma 3, OLMo 2 or OLMoE architecture: config, dequantized weights and tokenizer metadata.
+Granite MoE, Phi-3, Gemma 1-3, OLMo 2, OLMoE, or Qwen2.5-VL's and Qwen3-VL's language models: config, dequantized weights and tokenizer metadata.
 
 The `gguf` library parses the file and dequantizes every tensor type it knows. Weights come back
 as numpy arrays in this project's layout (see `WEIGHT_NAMES`): linear weights as [in, out] so the
@@ -28,7 +28,7 @@ from jaxcb.model import rope_scaling
 from jaxcb.model.config import ModelConfig, check_all_used
 from jaxcb.model.gguf_file import GGUFFile
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen2moe", "qwen3", "qwen3moe", "gemma2", "gemma3", "smollm3", "granite",
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen2moe", "qwen3", "qwen3moe", "gemma", "gemma2", "gemma3", "smollm3", "granite",
                            "granitemoe", "phi3", "olmo2", "olmoe", "qwen2vl", "qwen3vl")
 MOE_ARCHITECTURES = ("llama", "qwen2moe", "qwen3moe", "granitemoe", "olmoe")  # a mixture of experts (Mixtral: "llama" + experts)
 
@@ -171,6 +171,8 @@ def read_config(reader) -> ModelConfig:
                       residual_multiplier=float(_field(reader, f"{arch}.residual_scale", 1.0)),
                       query_scale=float(_field(reader, f"{arch}.attention.scale", 0.0) or 0.0),
                       logit_scale=float(_field(reader, f"{arch}.logit_scale", 1.0)))
+    elif arch == "gemma":  # Gemma 1 (and CodeGemma): Gemma's (1 + w) norms, GeGLU and scaled embeddings, nothing more
+        family.update(family=arch, norm_plus_one=True, activation="gelu_tanh", embed_scale=True)
     elif arch in ("gemma2", "gemma3"):
         window = int(_field(reader, f"{arch}.attention.sliding_window", 0) or 0)
         # llama.cpp's layer patterns: Gemma 2 alternates sliding and full from layer 0; Gemma 3 has

@@ -29,7 +29,8 @@ log = logging.getLogger("jaxcb.model.hf_loader")
 # architecture -> family
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
                  "SmolLM3ForCausalLM": "smollm3", "GraniteForCausalLM": "granite", "Phi3ForCausalLM": "phi3",
-                 "Qwen3ForCausalLM": "qwen3", "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3",
+                 "Qwen3ForCausalLM": "qwen3", "GemmaForCausalLM": "gemma", "Gemma2ForCausalLM": "gemma2",
+                 "Gemma3ForCausalLM": "gemma3",
                  "MixtralForCausalLM": "mixtral", "Qwen3MoeForCausalLM": "qwen3moe", "GraniteMoeForCausalLM": "granitemoe",
                  "Qwen2MoeForCausalLM": "qwen2moe", "Olmo2ForCausalLM": "olmo2", "OlmoeForCausalLM": "olmoe",
                  # Vision-language checkpoints as released (a vision tower beside the language model): served on
@@ -208,7 +209,7 @@ def read_config(path: str) -> ModelConfig:
             local_theta = float(raw.get("rope_local_base_freq", local_theta or 0.0))
             _plain_rope(local_scaling)
             extra.update(
-                norm_plus_one=True, post_norms=True, embed_scale=True, qk_norm=family == "gemma3",
+                norm_plus_one=True, post_norms=family != "gemma", embed_scale=True, qk_norm=family == "gemma3",
                 activation="gelu_tanh",
                 query_scale=float(raw.get("query_pre_attn_scalar", head_dim)) ** -0.5,
                 sliding_window=window,
@@ -217,6 +218,8 @@ def read_config(path: str) -> ModelConfig:
                 attn_softcap=float(raw.get("attn_logit_softcapping") or 0.0),
                 final_softcap=float(raw.get("final_logit_softcapping") or 0.0))
             act = raw.get("hidden_activation") or raw.get("hidden_act")
+            if family == "gemma" and act == "gelu":  # (Gemma 1's released configs: transformers runs it as the
+                act = None  # tanh approximation it was trained with)
             if act not in (None, "gelu_pytorch_tanh", "gelu_tanh"):
                 raise InvalidConfig(f"config.json: hidden_activation {act!r} is not supported (gelu_pytorch_tanh)")
         return ModelConfig(
