@@ -12,7 +12,8 @@ import hmac
 import time
 import uuid
 
-from jaxcb.host.errors import InvalidConfig, InvalidRequest, NotFound, Overloaded, StepFailed, Unavailable, shown
+from jaxcb.host.errors import (ContextTooLong, InvalidConfig, InvalidRequest, NotFound, Overloaded, StepFailed,
+                               Unavailable, shown)
 from jaxcb.host.replicas import Replicas
 from jaxcb.host.request import FinishReason, SamplingParams, TokenEvent, check_param_ids, check_prompt_length
 from serve.metrics import Metrics, RequestTimer
@@ -281,7 +282,7 @@ def check_text_fits(state: State, field: str, chars: int, keep: int | None) -> N
     could hold is refused without tokenizing it (a megabyte of text costs a second or more of a core)."""
     limit, widest = state.engine.max_context - 1, state.tokenizer.max_token_chars
     if keep is None and chars > limit * widest:
-        raise InvalidRequest(f"{field}: {chars} characters are more than {limit} tokens (the context of "
+        raise ContextTooLong(f"{field}: {chars} characters are more than {limit} tokens (the context of "
                              f"{state.engine.max_context}, one left to generate) can hold: a token is at most "
                              f"{widest} characters")
 

@@ -375,11 +375,8 @@ def make_app(state) -> FastAPI:
                                  logprobs=max(top, 1) if want else 0)
         params = dataclasses.replace(params, lora=adapter_of(body))
         forced = tool_calls.constraint(tools, state.tokenizer) if tools is not None else None
-        if forced is not None:  # "required" or a named function: the output is tool-call blocks
-            if params.structured is not None:
-                raise bad_request("tool_choice: a required tool call cannot be combined with response_format "
-                                  "or structured_outputs")
-            params = dataclasses.replace(params, structured=forced)
+        if forced is not None:  # "required" or a named function: the output is tool-call blocks (in place of a
+            params = dataclasses.replace(params, structured=forced)  # response_format: the answer is no text)
         if tools is not None and tools.active and tool_calls.marked_by_special_tokens(tools.fmt, state.tokenizer):
             params = dataclasses.replace(params, skip_special_tokens=False)  # the calls' markers in the text
         penalty = beam_fields(body)

@@ -10,7 +10,7 @@ import re
 
 from fastapi.responses import JSONResponse
 
-from jaxcb.host.errors import (InvalidRequest, JaxcbError, NotFound, Overloaded, StepFailed, Unauthenticated, Unavailable,
+from jaxcb.host.errors import (ContextTooLong, InvalidRequest, JaxcbError, NotFound, Overloaded, StepFailed, Unauthenticated, Unavailable,
                                shown)
 from jaxcb.host.request import (SamplingParams, check_allowed_count, check_priority, check_stop_counts,
                                 logit_bias_from_json, read_json)
@@ -72,7 +72,8 @@ def http_error(e: JaxcbError) -> HTTPError:
     """One of jaxcb's errors as its HTTP status (its nearest kind in HTTP_STATUS; 500 if none), naming
     the field it names."""
     status = next((HTTP_STATUS[kind] for kind in type(e).__mro__ if kind in HTTP_STATUS), 500)
-    return HTTPError(status, str(e), param=e.field if status == 400 else None)
+    return HTTPError(status, str(e), param=e.field if status == 400 else None,
+                     code="context_length_exceeded" if isinstance(e, ContextTooLong) else None)
 
 
 def _typed(body: dict, name: str, default, ok, what: str):

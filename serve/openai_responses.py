@@ -191,6 +191,8 @@ def _own(message: str, param: str | None, origins: list) -> tuple[str, str | Non
     if not param:
         return message, param
     field = own_field(param, origins)
+    if field == "max_output_tokens":  # (the engine's sum names the limit by the chat's name)
+        message = message.replace("+ max_tokens (", "+ max_output_tokens (")
     return (field + message[len(param):] if message.startswith(param) else message), field
 
 
@@ -344,6 +346,8 @@ class _Shape:
             return {"type": "message", "id": self.message_id, "status": status, "role": "assistant",
                     "content": [self.part()] if status != "in_progress" else []}
         c = self.calls[which]
+        if status == "incomplete" and which != self.order[-1]:  # (only the last item can be the one cut off)
+            status = "completed"
         return {"type": "function_call", "id": c["id"], "call_id": c["call_id"], "name": c["name"],
                 "arguments": c["arguments"] if status != "in_progress" else "", "status": status}
 

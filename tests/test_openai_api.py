@@ -1162,7 +1162,7 @@ def test_responses_api_takes_what_sdks_send_and_gives_logprobs(oai, model_name):
              "service_tier": "auto", "safety_identifier": "u1", "prompt_cache_key": "k", "max_tool_calls": 3}
     r = oai.responses.create(model=model_name, input="hi", max_output_tokens=6, temperature=0, include=[
         "message.output_text.logprobs", "reasoning.encrypted_content"], top_logprobs=2, truncation="disabled",
-        text={"verbosity": "low"}, extra_body=extra)
+        text={"verbosity": "low"}, extra_body=extra, tools=[])  # (an empty tools list: no tools, as the SDK sends it)
     [part] = r.output[0].content
     want = [(c.token, c.logprob, [t.token for t in c.top_logprobs]) for c in chat.choices[0].logprobs.content]
     assert r.output_text == chat.choices[0].message.content and len(want) == 6
@@ -1224,6 +1224,31 @@ def test_whole_number_floats_are_integers(server):
     for bad in (2.5, 1e300):  # (a fraction, or a float past any integer field's range)
         r = httpx.post(server.http + "/v1/completions", json={**base, "max_tokens": bad}, timeout=30)
         assert r.status_code == 400 and r.json()["error"]["message"] == f"max_tokens: must be an integer, got {bad!r}"
+
+
+def test_what_frameworks_send_with_tools(server, long_server):
+    """An empty tools list is no tools (OpenAI's Agents SDK sends one with every tool-less agent; vLLM takes it), on
+    both APIs; a forced call beside a response_format / text.format (instructor's RESPONSES_TOOLS) is the call (the
+    format has no text to hold); an answer past the context is a 400 with OpenAI's context_length_exceeded code."""
+    tool = {"name": "person", "parameters": {"type": "object", "properties": {"age": {"type": "integer"}},
+                                             "required": ["age"]}}
+    schema = {"type": "json_schema", "json_schema": {"name": "p", "schema": tool["parameters"]}}
+    r = httpx.post(server.http + "/v1/responses", timeout=60, json={"input": "hi", "tools": [], "max_output_tokens": 4})
+    assert r.status_code == 200, r.text
+    r = httpx.post(server.http + "/v1/chat/completions", timeout=60, json={
+        "messages": [{"role": "user", "content": "hi"}], "tools": [], "tool_choice": "auto", "max_tokens": 4})
+    assert r.status_code == 200, r.text
+    r = httpx.post(long_server.http + "/v1/chat/completions", timeout=60, json={
+        "messages": [{"role": "user", "content": "John is 42."}], "max_tokens": 40, "response_format": schema,
+        "tools": [{"type": "function", "function": tool}], "tool_choice": {"type": "function", "function": {"name": "person"}}})
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["tool_calls"][0]["function"]["name"] == "person", r.text
+    r = httpx.post(long_server.http + "/v1/responses", timeout=60, json={
+        "input": "John is 42.", "max_output_tokens": 40, "text": {"format": {"type": "json_schema", "name": "p",
+                                                                             "schema": tool["parameters"]}},
+        "tools": [{"type": "function", **tool}], "tool_choice": {"type": "function", "name": "person"}})
+    assert r.status_code == 200 and r.json()["output"][0]["type"] == "function_call", r.text
+    r = httpx.post(server.http + "/v1/completions", timeout=60, json={"prompt": [5] * 300})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
 
 
 def test_completions_max_tokens_null_runs_to_the_context(server):
@@ -1376,7 +1401,7 @@ def test_responses_api_refuses_what_it_does_not_do_by_name(server, body, message
 @pytest.mark.parametrize("body, param, message", [
     ({"input": [{"role": "user", "content": "x"}, {"type": "function_call", "call_id": "c", "name": "f",
                                                    "arguments": "{"}]}, "input[1].arguments", "not valid JSON"),
-    ({"input": "x", "max_output_tokens": 10**9}, "max_output_tokens", "max_output_tokens: prompt"),
+    ({"input": "x", "max_output_tokens": 10**9}, "max_output_tokens", "+ max_output_tokens (1000000000) exceeds"),
     ({"input": "x", "text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "objec"}}}},
      "text.format.schema", "not a JSON schema that can be enforced"),
     ({"input": "x", "tools": [{"type": "function", "name": "a b"}]}, "tools[0].name", "must be 1-64"),
@@ -1393,6 +1418,8 @@ def test_responses_api_errors_name_its_own_fields(server, body, param, message):
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert error["param"] == param and error["message"].startswith(param) and message in error["message"], error
+    # a conversation longer than the context carries OpenAI's code for it (clients shorten and retry on it)
+    assert (error["code"] == "context_length_exceeded") == ("exceeds" in message or "more than 255" in message), error
 
 
 _JSON = st.recursive(st.none() | st.booleans() | st.integers(-3, 40) | st.floats(-3, 3) | st.text(max_size=8),

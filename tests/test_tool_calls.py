@@ -121,7 +121,8 @@ def test_tools_and_messages_render_for_the_chat_template():
 
 
 @pytest.mark.parametrize("body, message", [
-    ({"tools": []}, "tools: must be a non-empty list"),
+    ({"tools": [], "tool_choice": "required"}, "tool_choice: needs tools"),
+    ({"tools": {"f": 1}}, "tools: must be a list"),
     ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools[0].function.name"),
     ({"tools": [WEATHER, WEATHER]}, "tools[1].function.name: 'get_weather' is given twice"),
     ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice: 'sometimes' is not one of"),

@@ -35,6 +35,11 @@ class InvalidRequest(JaxcbError, ValueError):
     """A field of a request is malformed, out of range or past a limit: the caller must change it."""
 
 
+class ContextTooLong(InvalidRequest):
+    """A prompt, or a prompt and the tokens asked for, longer than the context (OpenAI's context_length_exceeded,
+    the code clients read to shorten the conversation and retry)."""
+
+
 class InvalidConfig(JaxcbError, ValueError):
     """A configuration value (a config file key, a flag, a model path) is wrong: the operator must change it."""
 

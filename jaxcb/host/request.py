@@ -15,7 +15,7 @@ import time
 
 import numpy as np
 
-from jaxcb.host.errors import InvalidRequest
+from jaxcb.host.errors import ContextTooLong, InvalidRequest
 from jaxcb.host.structured import Constraint
 
 MAX_STOP_STRINGS = 16
@@ -251,7 +251,7 @@ def check_prompt_length(field: str, tokens: int, max_context: int) -> None:
     if not tokens:
         raise InvalidRequest(f"{field}: must not be empty")
     if tokens >= max_context:
-        raise InvalidRequest(f"{field}: {tokens} tokens; the limit is {max_context - 1} "
+        raise ContextTooLong(f"{field}: {tokens} tokens; the limit is {max_context - 1} "
                              f"(context {max_context} tokens, at least one generated)")
 
 
@@ -260,7 +260,7 @@ def check_tokens(prompt_ids, params: SamplingParams, max_context: int, vocab_siz
     past a limit), then every id."""
     check_prompt_length("prompt", len(prompt_ids), max_context)
     if len(prompt_ids) + params.max_tokens > max_context:
-        raise InvalidRequest(f"max_tokens: prompt ({len(prompt_ids)}) + max_tokens ({params.max_tokens}) exceeds the "
+        raise ContextTooLong(f"max_tokens: prompt ({len(prompt_ids)}) + max_tokens ({params.max_tokens}) exceeds the "
                              f"context limit of {max_context} tokens")
     v = vocab_size
     bad = next((t for t in prompt_ids if isinstance(t, bool) or not isinstance(t, (int, np.integer))

@@ -163,12 +163,12 @@ def parse_tools(body: dict) -> Tools | None:
     parallel = body.get("parallel_tool_calls", True)
     if not isinstance(parallel, bool):
         raise InvalidRequest(f"parallel_tool_calls: must be true or false, got {parallel!r}")
-    if tools is None:
-        if choice not in (None, "none"):
+    if tools is None or tools == []:  # (an empty list is no tools: OpenAI's Agents SDK sends one; vLLM takes it)
+        if choice not in (None, "none", "auto"):
             raise InvalidRequest("tool_choice: needs tools")
         return None
-    if not isinstance(tools, list) or not tools:
-        raise InvalidRequest("tools: must be a non-empty list of {type: function, function: {...}}")
+    if not isinstance(tools, list):
+        raise InvalidRequest("tools: must be a list of {type: function, function: {...}}")
     if len(tools) > MAX_TOOLS:
         raise InvalidRequest(f"tools: {len(tools)} tools; the limit is {MAX_TOOLS}")
     functions, descriptions = {}, {}
