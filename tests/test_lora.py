@@ -3,6 +3,7 @@ served in one batch with the base model, against models with the adapters merged
 (computed here, from the PEFT tensors)."""
 
 import dataclasses
+import json
 import os
 
 import numpy as np
@@ -118,7 +119,11 @@ def test_unloading_waits_for_the_adapters_requests(make_llm, adapters):
     assert e.unload_lora("all4") is False  # in use: it goes when the request ends
     with pytest.raises(NotFound, match="^lora: no LoRA adapter named 'all4'"):
         e.add_request([5, 6], dataclasses.replace(GREEDY, lora="all4"))
+    with pytest.raises(InvalidRequest, match="is being unloaded: its running requests finish first"):
+        e.load_lora("all4", paths["all4"])  # (not "already loaded": it is served no more)
     e.run_until_done()
+    e.load_lora("all4", paths["all4"])  # once they have
+    assert e.unload_lora("all4") is True
     assert e.adapters.names() == [] and e.adapters.slots == [None]
     with pytest.raises(NotFound, match=r"^lora: no LoRA adapter named 'nope' is loaded \(loaded: none\)"):
         llm.generate([[5, 6]], dataclasses.replace(GREEDY, lora="nope"))
@@ -139,6 +144,24 @@ def test_bad_adapters_are_refused_naming_the_key(make_llm, tiny_model, tmp_path)
     write_adapter(str(tmp_path / "dora"), cfg, extra_config={"use_dora": True})
     with pytest.raises(InvalidConfig, match="use_dora"):
         read_adapter(str(tmp_path / "dora"), cfg)
+    # PEFT settings that compute something else than plain LoRA, and patterns of the wrong shape (a 500 before):
+    # refused naming the key
+    for extra, message in (({"alora_invocation_tokens": [5, 6]}, "alora_invocation_tokens"),
+                           ({"layer_replication": [[0, 1], [0, 1]]}, "layer_replication"),
+                           ({"use_bdlora": True}, "use_bdlora"), ({"lora_bias": True}, "lora_bias"),
+                           ({"trainable_token_indices": [3]}, "trainable_token_indices"),
+                           ({"init_lora_weights": "pissa_niter_4"}, "init_lora_weights = 'pissa_niter_4'"),
+                           ({"init_lora_weights": "olora"}, "path_initial_model_for_weight_conversion"),
+                           ({"alpha_pattern": ["q_proj"]}, "alpha_pattern must be an object"),
+                           ({"alpha_pattern": {"q_proj(": 3}}, "alpha_pattern: 'q_proj\\(' is not a regular expression"),
+                           ({"alpha_pattern": {"q_proj": "big"}}, "alpha_pattern must be an object"),
+                           ({"rank_pattern": {"q_proj": None}}, "rank_pattern must be an object")):
+        write_adapter(str(tmp_path / "odd"), cfg, extra_config=extra)
+        with pytest.raises(InvalidConfig, match=message):
+            read_adapter(str(tmp_path / "odd"), cfg)
+    for plain in ({"init_lora_weights": True}, {"init_lora_weights": "gaussian"}, {"alora_invocation_tokens": None}):
+        write_adapter(str(tmp_path / "odd"), cfg, extra_config=plain)
+        read_adapter(str(tmp_path / "odd"), cfg)
     with pytest.raises(InvalidConfig, match="adapter_config.json"):
         read_adapter(str(tmp_path), cfg)
     from safetensors.numpy import save_file
@@ -156,6 +179,48 @@ def test_bad_adapters_are_refused_naming_the_key(make_llm, tiny_model, tmp_path)
     write_adapter(str(tmp_path / "v"), cfg, targets=("wv",))
     with pytest.raises(InvalidConfig, match="lora.targets"):
         llm.engine.load_lora("v", str(tmp_path / "v"))
+
+
+def test_an_alpha_pattern_key_is_a_regex_taken_whole(tiny_model, tmp_path):
+    """PEFT groups a pattern key (get_pattern_key: (.*\\.)?(key)$), so an alternation matches either module."""
+    from jaxcb.model.lora import read_adapter
+
+    cfg = tiny_model[0]
+    scales = {}
+    for name, pattern in (("alternation", {"q_proj|v_proj": 40.0}), ("spelt", {"q_proj": 40.0, "v_proj": 40.0})):
+        write_adapter(str(tmp_path / name), cfg, targets=("wq", "wk", "wv"), alpha=8.0, extra_config={"alpha_pattern": pattern})
+        adapter = read_adapter(str(tmp_path / name), cfg)
+        scales[name] = {t: b for t, (_, b) in adapter.weights.items()}  # (B holds the scale)
+    for t in ("wq", "wk", "wv"):
+        np.testing.assert_array_equal(scales["alternation"][t], scales["spelt"][t])
+    plain = read_adapter(str(tmp_path / "spelt"), cfg)  # (and the pattern matters: k keeps lora_alpha 8)
+    write_adapter(str(tmp_path / "none"), cfg, targets=("wq", "wk", "wv"), alpha=8.0)
+    base = read_adapter(str(tmp_path / "none"), cfg)
+    np.testing.assert_allclose(plain.weights["wq"][1], base.weights["wq"][1] * 5.0, rtol=1e-6)
+    np.testing.assert_array_equal(plain.weights["wk"][1], base.weights["wk"][1])
+
+
+def test_generate_runs_with_the_adapter_it_is_given(tiny_gguf_path, config_path, tiny_model, adapters, tmp_path, capsys):
+    """jaxcb generate --lora NAME=PATH runs with it (it read the adapter and ran the base model); --adapter picks one
+    of several, "" the base; an input line's own "lora" wins."""
+    from jaxcb.cli import main as cli
+
+    paths, _ = adapters
+    args = ["generate", "--model", tiny_gguf_path, "--config", config_path, "--raw", "--max-tokens", "6", "--dtype",
+            "float32"]
+    lora = ["--lora", f"a={paths['all4']}"]
+    texts = {}
+    for key, extra in (("base", []), ("one", lora), ("picked", lora + ["--lora", f"b={paths['qvd8']}", "--adapter", "a"]),
+                       ("plain", lora + ["--adapter", ""])):
+        assert cli([*args, *extra, "hello there"]) == 0
+        texts[key] = capsys.readouterr().out
+    assert texts["one"] == texts["picked"] != texts["base"] == texts["plain"]
+    lines = tmp_path / "in.jsonl"
+    lines.write_text(json.dumps({"prompt": "hello there", "chat": False}) + "\n"
+                     + json.dumps({"prompt": "hello there", "chat": False, "lora": ""}) + "\n")
+    assert cli([*args, *lora, "--input", str(lines)]) == 0
+    got = [json.loads(line)["text"] for line in capsys.readouterr().out.splitlines()]
+    assert got == [texts["one"].rstrip("\n"), texts["base"].rstrip("\n")]
 
 
 def test_merge_and_the_memory_plan(tiny_model, adapters):

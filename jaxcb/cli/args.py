@@ -55,7 +55,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     add_lora_args(p)
     p.add_argument("--lora", action="append", default=None, metavar="NAME=PATH",
                    help="serve the PEFT LoRA adapter in directory PATH as model NAME (repeatable; implies "
-                        "--max-loras 1 if the config has no slots); more are loaded while serving")
+                        "--max-loras 1 if the config has no slots); more are loaded while serving; generate runs "
+                        "with the one given alone, or as --adapter and the lines' \"lora\" say")
     p.add_argument("--tensor-parallel", "--tensor-parallel-size", type=int, default=None, metavar="N",
                    help="split each step over N devices by attention heads (default: the config's parallel.tensor, 1)")
     p.add_argument("--data-parallel", "--data-parallel-size", type=int, default=None, metavar="M",

@@ -47,6 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--output", help="JSONL file for the results (default: stdout)")
     g.add_argument("--stats", action="store_true", help="warm up first, then print one final JSON line of figures")
     g.add_argument("--static", action="store_true", help="static batching (admit a batch only when the last is done)")
+    g.add_argument("--adapter", default=None, metavar="NAME",
+                   help="the LoRA adapter (a --lora NAME=PATH) the prompt, and input lines without their own \"lora\", "
+                        "run with (default: the one --lora given alone, else the base model; \"\" for the base)")
     _add_model_args(g)
     _sampling_args(g)
 

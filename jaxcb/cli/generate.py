@@ -18,7 +18,18 @@ GENERATION_FIELDS = ("max_tokens", "min_tokens", "temperature", "top_k", "top_p"
                      "stop_token_ids", "allowed_token_ids", "ignore_eos", "logprobs", "prompt_logprobs", "n",
                      "speculative")
 LINE_FIELDS = {"prompt", "prompt_token_ids", "messages", "chat", "priority", "id", "response_format",
-               "structured_outputs", "logit_bias", "chat_template_kwargs", *GENERATION_FIELDS}
+               "structured_outputs", "logit_bias", "chat_template_kwargs", "lora", *GENERATION_FIELDS}
+
+
+def _adapter(args) -> str:
+    """The LoRA adapter the prompt and lines without their own `lora` run with: --adapter, else the one --lora
+    given alone; "" (the base model) otherwise."""
+    from jaxcb.model.lora import parse_spec
+
+    if getattr(args, "adapter", None) is not None:
+        return args.adapter
+    given = getattr(args, "lora", None) or []
+    return parse_spec(given[0])[0] if len(given) == 1 else ""
 
 
 def _make_llm(args):
@@ -36,7 +47,8 @@ def _params_from_args(args, overrides: dict | None = None):
     from jaxcb.host.request import SamplingParams
 
     values = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                  min_p=args.min_p, seed=args.seed, ignore_eos=args.ignore_eos, stop=tuple(args.stop))
+                  min_p=args.min_p, seed=args.seed, ignore_eos=args.ignore_eos, stop=tuple(args.stop),
+                  lora=_adapter(args))
     values.update(overrides or {})
     if isinstance(values.get("stop"), str):
         values["stop"] = (values["stop"],)
@@ -80,7 +92,7 @@ def _parse_line(llm, args, lineno: int, line: str):
             ids = llm.encode(obj["prompt"], chat=bool(chat))
         else:
             raise InvalidRequest("one of prompt, prompt_token_ids or messages is required")
-        overrides = {k: obj[k] for k in GENERATION_FIELDS if k in obj}
+        overrides = {k: obj[k] for k in (*GENERATION_FIELDS, "lora") if k in obj}
         overrides["logit_bias"] = logit_bias_from_json(obj.get("logit_bias"))
         if "response_format" in obj and "structured_outputs" in obj:
             raise InvalidRequest("structured_outputs: give either response_format or structured_outputs, not both")

@@ -125,8 +125,11 @@ class Adapters:
     def _check_free(self, name: str) -> None:
         if not self.config.enabled:
             raise InvalidRequest("lora_name: this server has no LoRA slots (lora.max_loras = 0)")
+        if name in self.entries and self.entries[name].unloading:
+            raise InvalidRequest(f"lora_name: the adapter named {shown(name)} is being unloaded: its running requests "
+                                 "finish first; load it again once they have")
         if name in self.entries:
-            raise InvalidRequest(f"lora_name: an adapter named {name!r} is already loaded")
+            raise InvalidRequest(f"lora_name: an adapter named {shown(name)} is already loaded")
         limit = self.config.max_cpu_loras
         if limit and len(self.entries) >= limit:
             raise InvalidRequest(f"lora_name: {len(self.entries)} adapters are loaded, the limit lora.max_cpu_loras is "

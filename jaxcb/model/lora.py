@@ -54,11 +54,45 @@ class Adapter:
 
 def _pattern_value(patterns: dict, module: str, default):
     """PEFT's rank_pattern / alpha_pattern: the value of the first key that matches the module's
-    full name at its end (keys are module names or regular expressions)."""
+    full name at its end (keys are module names or regular expressions, an alternation as a whole: PEFT's
+    get_pattern_key groups the key)."""
     for key, value in (patterns or {}).items():
-        if re.match(rf"(.*\.)?{key}$", module):
+        if re.match(rf"(.*\.)?({key})$", module):
             return value
     return default
+
+
+# PEFT settings that change what an adapter computes in ways jaxcb does not run: refused by name rather than
+# applied as plain LoRA (an adapter saved with one of these gives other tokens than PEFT's).
+_NOT_RUN = {"alora_invocation_tokens": "activated LoRA (from its invocation tokens on)",
+            "layer_replication": "layer replication (the base's layers stacked again)",
+            "use_bdlora": "block-diagonal LoRA", "lora_bias": "a bias on lora_B",
+            "trainable_token_indices": "trained token embeddings"}
+# init_lora_weights that also rewrite the base weights where an adapter is loaded unconverted (saved without
+# path_initial_model_for_weight_conversion: PEFT recomputes the base's residual on load)
+_BASE_REWRITING = ("pissa", "olora", "corda", "loftq", "lora_ga")
+
+
+def _check_settings(name: str, config: dict) -> None:
+    """What the adapter's config asks for that jaxcb does not run, refused naming the key; rank_pattern and
+    alpha_pattern of the right shape (module patterns that compile, numbers)."""
+    for key, what in _NOT_RUN.items():
+        if config.get(key) not in (None, False, [], {}):
+            raise InvalidConfig(f"lora {name}: {key} = {json.dumps(config[key])[:60]} ({what}) is not supported")
+    init = config.get("init_lora_weights")
+    if isinstance(init, str) and init.lower().startswith(_BASE_REWRITING):
+        raise InvalidConfig(f"lora {name}: init_lora_weights = {init!r}: an adapter saved unconverted changes the "
+                            "base weights on load; save it with path_initial_model_for_weight_conversion (plain LoRA)")
+    for key in ("rank_pattern", "alpha_pattern"):
+        patterns = config.get(key) or {}
+        if not isinstance(patterns, dict) or not all(
+                isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool) for k, v in patterns.items()):
+            raise InvalidConfig(f"lora {name}: {key} must be an object of module patterns to numbers")
+        for k in patterns:
+            try:
+                re.compile(k)
+            except re.error as e:
+                raise InvalidConfig(f"lora {name}: {key}: {k[:60]!r} is not a regular expression ({e})") from None
 
 
 def read_adapter(path: str, model, name: str | None = None, max_rank: int | None = None) -> Adapter:
@@ -93,6 +127,7 @@ def read_adapter(path: str, model, name: str | None = None, max_rank: int | None
     except (KeyError, TypeError, ValueError):
         raise InvalidConfig(f"lora {name}: {CONFIG_FILE} needs an integer r (and a number lora_alpha)") from None
     rslora = bool(config.get("use_rslora", False))
+    _check_settings(name, config)
     try:
         tensors = load_file(weights_path)
     except Exception as e:  # noqa: BLE001 - the library raises its own error types
