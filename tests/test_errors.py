@@ -14,6 +14,7 @@ from serve.openai_fields import http_error
 # What each kind must mean on the wire: the same answer on both APIs.
 WIRE = {
     errors.InvalidRequest: (grpc.StatusCode.INVALID_ARGUMENT, 400),
+    errors.ContextTooLong: (grpc.StatusCode.INVALID_ARGUMENT, 400),  # (a kind of InvalidRequest: OpenAI's code beside)
     errors.NotFound: (grpc.StatusCode.NOT_FOUND, 404),
     errors.Overloaded: (grpc.StatusCode.RESOURCE_EXHAUSTED, 429),
     errors.Unavailable: (grpc.StatusCode.UNAVAILABLE, 503),
@@ -34,6 +35,7 @@ def test_every_request_time_kind_has_one_answer_on_each_transport():
         assert grpc_code(e) == code, kind
         assert http_error(e).status == status, kind
         assert http_error(e).message == str(e)
+        assert http_error(e).code == ("context_length_exceeded" if kind is errors.ContextTooLong else None)
 
 
 def test_a_subclass_takes_its_nearest_kinds_answer_and_an_unknown_kind_is_internal():
