@@ -44,16 +44,23 @@ def workload(n: int, seed: int, vocab: int, input_len: float = 75, output_len: f
 def read_dataset(path: str, n: int | None = None):
     """A jaxcb JSONL of requests: each line's `prompt_token_ids` (or `prompt` text) and `max_tokens`."""
     prompts, outputs = [], []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            obj = json.loads(line)
-            prompt = obj.get("prompt_token_ids", obj.get("prompt"))
-            if prompt is None or "max_tokens" not in obj:
-                raise ValueError(f"{path}:{lineno}: needs prompt_token_ids (or prompt) and max_tokens")
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
+                if not line.strip():
+                    continue
+                obj = json.loads(line)
+            except ValueError as e:  # (bad bytes, or not JSON)
+                raise ValueError(f"{path}:{lineno}: {e}") from None
+            prompt = obj.get("prompt_token_ids", obj.get("prompt")) if isinstance(obj, dict) else None
+            tokens = obj.get("max_tokens") if isinstance(obj, dict) else None
+            if (not isinstance(prompt, (str, list)) or isinstance(tokens, bool) or not isinstance(tokens, int)
+                    or tokens < 0):
+                raise ValueError(f"{path}:{lineno}: needs prompt_token_ids (or prompt text) and max_tokens, an "
+                                 "integer >= 0")
             prompts.append(prompt)
-            outputs.append(int(obj["max_tokens"]))
+            outputs.append(tokens)
             if n is not None and len(prompts) == n:
                 break
     if not prompts:
@@ -74,6 +81,8 @@ def grpc_target(url: str) -> str:
 
 
 async def one_request(stub, api, prompt, max_tokens, start_at, t0, sem, model=None, metadata=()):
+    import grpc
+
     from serve.proto import jaxcb_pb2, jetstream_pb2
 
     await asyncio.sleep(max(0.0, start_at - (time.perf_counter() - t0)))
@@ -88,7 +97,9 @@ async def one_request(stub, api, prompt, max_tokens, start_at, t0, sem, model=No
                 body["model"] = model
             tokens = None
             async with client.stream("POST", base + "/completions", json=body) as r:
-                r.raise_for_status()
+                if r.status_code >= 400:  # (the request's failure, counted: the others' figures stand)
+                    text = (await r.aread()).decode(errors="replace")
+                    return _failed(sent - t0, f"HTTP {r.status_code}: {text[:300]}")
                 async for line in r.aiter_lines():
                     if not line.startswith("data: ") or line == "data: [DONE]":
                         continue
@@ -97,7 +108,7 @@ async def one_request(stub, api, prompt, max_tokens, start_at, t0, sem, model=No
                         tokens = chunk["usage"]["completion_tokens"]
                     if chunk.get("choices") and chunk["choices"][0].get("text"):
                         arrivals.append(time.perf_counter())
-            if tokens and len(arrivals) > 1 and tokens != len(arrivals):  # chunks held several tokens
+            if tokens and arrivals and tokens != len(arrivals):  # chunks held several tokens (or none: special ones)
                 first, last = arrivals[0], arrivals[-1]
                 arrivals = [first] + list(np.linspace(first, last, tokens)[1:])
         elif api == "grpc":
@@ -106,22 +117,33 @@ async def one_request(stub, api, prompt, max_tokens, start_at, t0, sem, model=No
                 req.text = prompt
             else:
                 req.tokens.token_ids.extend(prompt)
-            async for resp in stub.Generate(req, metadata=metadata):
-                if resp.HasField("chunk") and resp.chunk.token_ids:
-                    arrivals.extend([time.perf_counter()] * len(resp.chunk.token_ids))
+            try:
+                async for resp in stub.Generate(req, metadata=metadata):
+                    if resp.HasField("chunk") and resp.chunk.token_ids:
+                        arrivals.extend([time.perf_counter()] * len(resp.chunk.token_ids))
+            except grpc.aio.AioRpcError as e:
+                return _failed(sent - t0, f"{e.code().name}: {e.details()}")
         else:
             req = jetstream_pb2.DecodeRequest(max_tokens=max_tokens)
             if isinstance(prompt, str):
                 req.text_content.text = prompt
             else:
                 req.token_content.token_ids.extend(prompt)
-            async for resp in stub.Decode(req, metadata=metadata):
-                n = sum(len(s.token_ids) for s in resp.stream_content.samples)
-                arrivals.extend([time.perf_counter()] * n)
+            try:
+                async for resp in stub.Decode(req, metadata=metadata):
+                    n = sum(len(s.token_ids) for s in resp.stream_content.samples)
+                    arrivals.extend([time.perf_counter()] * n)
+            except grpc.aio.AioRpcError as e:
+                return _failed(sent - t0, f"{e.code().name}: {e.details()}")
         end = time.perf_counter()
     return {"sent": sent - t0, "ttft": arrivals[0] - sent if arrivals else math.nan, "e2e": end - sent,
             "n": len(arrivals), "itl": list(np.diff(arrivals)) if len(arrivals) > 1 else [],
             "tpot": (arrivals[-1] - arrivals[0]) / (len(arrivals) - 1) if len(arrivals) > 1 else math.nan}
+
+
+def _failed(sent: float, error: str) -> dict:
+    """A request the server refused or failed: counted apart, none of its times in the figures."""
+    return {"sent": sent, "ttft": math.nan, "e2e": math.nan, "n": 0, "itl": [], "tpot": math.nan, "error": error}
 
 
 def summarize(values):
@@ -163,9 +185,12 @@ async def run_rate(target, api, prompts, outputs, rate, concurrency, seed, slo_t
             wall = time.perf_counter() - t0
     good = sum(1 for r in results if r["ttft"] * 1000 <= slo_ttft and (math.isnan(r["tpot"]) or r["tpot"] * 1000 <= slo_tpot))
     out_tokens = sum(r["n"] for r in results)
+    failed = [r["error"] for r in results if "error" in r]
     return {
-        "rate": rate if math.isfinite(rate) else "inf", "requests": len(results), "wall_s": round(wall, 2),
-        "request_throughput": round(len(results) / wall, 3), "output_tokens_per_s": round(out_tokens / wall, 1),
+        "rate": rate if math.isfinite(rate) else "inf", "requests": len(results) - len(failed), "wall_s": round(wall, 2),
+        **({"failed": len(failed), "first_error": failed[0]} if failed else {}),
+        "request_throughput": round((len(results) - len(failed)) / wall, 3),
+        "output_tokens_per_s": round(out_tokens / wall, 1),
         "output_tokens": out_tokens,
         "ttft_ms": summarize(r["ttft"] for r in results), "tpot_ms": summarize(r["tpot"] for r in results),
         "itl_ms": summarize(x for r in results for x in r["itl"]), "e2e_ms": summarize(r["e2e"] for r in results),
@@ -268,9 +293,28 @@ def grpc_vocab(target: str, auth_token=None) -> int | None:
         return None
 
 
+def rates(text) -> list[float]:
+    """--rates: requests/s, each above 0 and finite, or inf (all at once)."""
+    out = []
+    for part in str(text).split(","):
+        try:
+            rate = float(part)
+        except ValueError:
+            rate = math.nan
+        if not rate > 0:  # (0, negative, nan)
+            raise ValueError(f"--rates: {part.strip()!r} is not a rate: requests/s above 0, or inf")
+        out.append(rate)
+    return out
+
+
 def run(args, machine: str | None = None) -> dict:
     """The benchmark of `args` (add_args's): runs every rate against every target, prints a line per run
     and the table; returns the result (also written to args.json)."""
+    if args.requests is not None and args.requests < 1:
+        raise ValueError(f"--requests: must be at least 1, got {args.requests}")
+    if args.concurrency < 0:
+        raise ValueError(f"--concurrency: must be 0 (no cap) or more, got {args.concurrency}")
+    rates(args.rates)  # (checked before any request)
     if args.api == "openai":
         target = openai_base(args.url)
         model = args.model or served_model(target, args.auth_token)
@@ -289,7 +333,7 @@ def run(args, machine: str | None = None) -> dict:
         base = openai_base(url)
         targets.append((name, "openai", base, served_model(base, args.auth_token)))
     runs = []
-    for rate in [float(r) for r in str(args.rates).split(",")]:
+    for rate in rates(args.rates):
         for name, api, url, name_model in targets:  # interleaved: every endpoint at this rate, then the next
             r = asyncio.run(run_rate(url, api, prompts, outputs, rate, args.concurrency, args.seed,
                                      args.slo_ttft_ms, args.slo_tpot_ms, name_model, args.auth_token))
@@ -300,7 +344,8 @@ def run(args, machine: str | None = None) -> dict:
                   f"TTFT p50 {r['ttft_ms'].get('p50', math.nan):.0f} p99 {r['ttft_ms'].get('p99', math.nan):.0f} ms; "
                   f"TPOT p50 {r['tpot_ms'].get('p50', math.nan):.0f} p99 {r['tpot_ms'].get('p99', math.nan):.0f} ms; "
                   f"ITL p50 {r['itl_ms'].get('p50', math.nan):.0f} ms; E2E p50 {r['e2e_ms'].get('p50', math.nan):.0f} ms; "
-                  f"goodput {r['goodput_rps']:.2f} req/s", flush=True)
+                  f"goodput {r['goodput_rps']:.2f} req/s"
+                  + (f"; {r['failed']} failed, the first: {r['first_error']}" if r.get("failed") else ""), flush=True)
     result = {"machine": machine or client_machine(), "api": args.api, "requests": len(prompts),
               "dataset": args.dataset or f"random (input {args.input_len:g}, output {args.output_len:g}, seed {args.seed})",
               "runs": runs}

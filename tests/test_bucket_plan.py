@@ -47,3 +47,5 @@ def test_bad_input_and_chunks():
         plan([], 2)
     assert prefill_chunks([5, 512, 1100], 512) == [5, 512, 512, 512, 76]
     assert powers_of_two(100, 16) == [16, 32, 64, 100]
+    # more buckets than distinct lengths: as many as there are lengths (10**12 asked for a table of that size)
+    assert plan([3, 7, 7, 9], 10**12) == [3, 7, 9] == plan([3, 7, 7, 9], 3)

@@ -75,6 +75,21 @@ def test_generate_file_keeps_order_and_reports_bad_lines(tiny_gguf_path, small_c
     assert results[0]["prompt_token_ids"][0] == 1  # chat template applied by default
 
 
+def test_generate_reads_lines_as_json_lines_are_written(tiny_gguf_path, small_config, tmp_path):
+    """--input's lines end at newlines only (a JSON string may hold U+2028, which splitlines cut: every later line
+    number was off by one), a byte-order mark is allowed, and a line that is not UTF-8 is that line's error."""
+    inp = tmp_path / "odd.jsonl"
+    inp.write_bytes(b"\xef\xbb\xbf" + json.dumps({"prompt_token_ids": [5, 6], "max_tokens": 2}).encode() + b"\r\n"
+                    + json.dumps({"prompt": "a\u2028b", "max_tokens": 2, "chat": False}, ensure_ascii=False).encode()
+                    + b"\n{\"prompt\": \"caf\xe9\", \"max_tokens\": 2}\n"
+                    + json.dumps({"prompt_token_ids": [7], "max_tokens": 0}).encode() + b"\n")
+    out = tmp_path / "out.jsonl"
+    r = run_cli("generate", "--model", tiny_gguf_path, "--config", small_config, "--input", str(inp), "--output", str(out))
+    assert r.returncode == 1 and "line 3: not UTF-8" in r.stderr and "line 4: max_tokens" in r.stderr, r.stderr
+    results = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r.get("line") for r in results] == [None, None, 3, 4] and len(results[1]["token_ids"]) == 2
+
+
 def test_generate_prompt_and_stats(tiny_gguf_path, small_config, tmp_path):
     inp = tmp_path / "in.jsonl"
     inp.write_text("".join(json.dumps({"prompt_token_ids": [5] * n, "max_tokens": 6, "ignore_eos": True}) + "\n"

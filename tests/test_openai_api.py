@@ -1113,6 +1113,22 @@ def test_bench_serve_measures_a_running_server_over_each_api(server, tmp_path, t
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert [(r["rate"], r["requests"], r["output_tokens"]) for r in result["runs"]] == [(2.0, 2, 8), ("inf", 2, 8)]
+    # a request the server refuses is counted apart with its reason, over each API; the others' figures stand
+    data.write_text("\n".join(json.dumps(r) for r in ({"prompt_token_ids": [5, 6, 7], "max_tokens": 3},
+                                                       {"prompt_token_ids": [5, 10**6], "max_tokens": 3})))
+    for url, api in ((server.http, "openai"), (server.target, "grpc")):
+        done = subprocess.run([sys.executable, "-m", "jaxcb", "bench", "serve", "--url", url, "--api", api,
+                               "--dataset", str(data), "--rates", "inf"], capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr
+        (run,) = json.loads(done.stdout.strip().splitlines()[-1])["runs"]
+        assert (run["requests"], run["failed"], run["output_tokens"]) == (1, 1, 3), run
+        assert "outside the vocabulary" in run["first_error"]
+    for bad, message in ((["--rates", "0"], "--rates: '0' is not a rate"), (["--rates", "nan"], "is not a rate"),
+                         (["--num-prompts", "0"], "--requests: must be at least 1"),
+                         (["--max-concurrency", "-1"], "--concurrency: must be 0")):
+        done = subprocess.run([sys.executable, "-m", "jaxcb", "bench", "serve", "--url", server.http, *bad],
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode != 0 and message in done.stderr, done.stderr
 
 
 def test_responses_api_answers_as_the_chat_api_does(oai, model_name):

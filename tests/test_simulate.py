@@ -1,6 +1,7 @@
 """Traces and the simulator: the real scheduler on a simulated clock (no JAX)."""
 
 import json
+import re
 import subprocess
 import sys
 
@@ -32,11 +33,46 @@ def test_trace_files_round_trip_and_bad_lines_name_line_and_field(tmp_path):
     assert [r.arrival_s for r in back] == [0.1, 0.5]  # sorted by arrival
     assert back[1] == trace[0]
     path.write_text('{"arrival_s": 0, "prompt_tokens": 4, "output_tokens": 2}\n{"arrival_s": 1, "output_tokens": 2}\n')
-    with pytest.raises(ValueError, match=r"t.jsonl:2: KeyError: 'prompt_tokens'"):
+    with pytest.raises(ValueError, match=r"t.jsonl:2: prompt_tokens: must be an integer from 1"):
         read_trace(str(path))
-    path.write_text('{"arrival_s": -1, "prompt_tokens": 4, "output_tokens": 2}\n')
-    with pytest.raises(ValueError, match="t.jsonl:1: arrival_s must be >= 0"):
+    ok = '"prompt_tokens": 4, "output_tokens": 2'
+    for line, message in (('{"arrival_s": -1, %s}' % ok, "arrival_s: must be a finite number of seconds >= 0"),
+                          ('{"arrival_s": NaN, %s}' % ok, "arrival_s: must be a finite number"),  # (a hang before)
+                          ('{"arrival_s": Infinity, %s}' % ok, "arrival_s: must be a finite number"),
+                          ('{"arrival_s": "1", %s}' % ok, "arrival_s: must be a finite number"),
+                          ('{"arrival_s": 0, "prompt_tokens": 4.5, "output_tokens": 2}', "prompt_tokens: must be an integer"),
+                          ('{"arrival_s": 0, "prompt_tokens": 99999999, "output_tokens": 2}', "prompt_tokens: must be an integer from 1 to"),
+                          ('{"arrival_s": 0, %s, "priority": 2.7}' % ok, "priority: must be an integer"),
+                          ('{"arrival_s": 0, %s, "prioirty": 1}' % ok, "prioirty: not a field of a trace line"),
+                          ('{"arrival_s": 0, %s, "prefix_id": {}}' % ok, "prefix_id: must be an integer or a string"),
+                          ('{"arrival_s": 0, "prompt_token_ids": "123", "output_tokens": 2}', "prompt_token_ids: must be a list"),
+                          ("[1, 2, 3]", "must be a JSON object")):
+        path.write_text(line + "\n")
+        with pytest.raises(ValueError, match="t.jsonl:1: " + re.escape(message)):
+            read_trace(str(path))
+    path.write_bytes(b'\xef\xbb\xbf{"arrival_s": 0, "prompt_tokens": 4, "output_tokens": 2, "prefix_id": "a\xe2\x80\xa8b"}\n')
+    assert len(read_trace(str(path))) == 1  # (a byte-order mark; U+2028 inside a string is no line's end)
+    path.write_bytes(b'{"arrival_s": 0, "prompt_tokens": 4, "output_tokens": 2}\n{"arrival_s": 0\xe9}\n')
+    with pytest.raises(ValueError, match="t.jsonl:2: 'utf-8' codec"):
         read_trace(str(path))
+    with pytest.raises(ValueError, match="No such file"):
+        read_trace(str(tmp_path / "missing.jsonl"))
+
+
+def test_a_trace_whose_requests_cannot_run_is_refused_as_the_engine_refuses_them():
+    """simulate takes each request as a served engine would: one longer than the context (or the pool) is refused
+    and counted, with the first refusals' reasons, not cut to fit; a trace whose last requests are refused ends
+    (it raised an IndexError)."""
+    from jaxcb.sim.simulate import load_step_model, simulate
+
+    config = make_config(num_pages=64, max_context=256, decode_batch=(1, 2), prefill_tokens=(32,), max_prefill_tokens=32)
+    trace = [TraceRequest(0.0, 20, 4), TraceRequest(0.1, 5000, 4), TraceRequest(0.2, 200, 100)]
+    out = simulate(trace, config, load_step_model())
+    assert out["requests"] == 1 and out["rejected"] == 2, out
+    assert "prompt" in out["rejected_first"][0] and "max_tokens" in out["rejected_first"][1]
+    for bad in ({"32": -1.0}, {"32": float("nan")}, {}):  # (a step model of impossible times: every latency 0 before)
+        with pytest.raises(ValueError, match="intercepts_s"):
+            FittedStepModel.from_json({"intercepts_s": bad, "per_context_token_s": 0.0})
 
 
 def test_requests_with_one_prefix_id_share_their_prefix_tokens():

@@ -146,19 +146,26 @@ def cmd_generate(args) -> int:
         print(outs[0].text)
         return 0
 
-    try:
-        with open(args.input, encoding="utf-8") as f:
-            lines = f.read().splitlines()
+    try:  # (lines end at newlines only: a JSON string may hold U+2028; each line decoded apart, a BOM allowed)
+        with open(args.input, "rb") as f:
+            lines = f.read().split(b"\n")
     except OSError as e:
         print(f"jaxcb generate: --input: {e}", file=sys.stderr)
         return 2
     slots: list[dict | None] = []
     jobs = []  # (slot index, ids, params, priority, id)
     failed = 0
-    for lineno, line in enumerate(lines, start=1):
-        if not line.strip():
+    for lineno, raw in enumerate(lines, start=1):
+        try:
+            line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
+        except UnicodeDecodeError as e:
+            line = None
+            error = InvalidRequest(f"line {lineno}: not UTF-8 ({e.reason} at byte {e.start})")
+        if line is not None and not line.strip():
             continue
         try:
+            if line is None:
+                raise error
             ids, params, priority, rid = _parse_line(llm, args, lineno, line)
         except InvalidRequest as e:
             print(f"jaxcb generate: {args.input}: {e}", file=sys.stderr)

@@ -46,6 +46,7 @@ def plan(lengths: Sequence[int], max_buckets: int, top: int | None = None) -> li
     if values[-1] < top:  # the forced largest bucket, holding no length of its own
         values, counts = np.append(values, top), np.append(counts, 0)
     n = values.size
+    max_buckets = min(max_buckets, n)  # (more buckets than distinct lengths pad nothing less: 1e12 ran out of memory)
     count = np.concatenate([[0], np.cumsum(counts)])  # count[j + 1] = lengths <= values[j]
     total = np.concatenate([[0], np.cumsum(counts * values)])
 

@@ -130,8 +130,14 @@ class FittedStepModel:
 
     @classmethod
     def from_json(cls, d: dict) -> "FittedStepModel":
-        return cls({int(k): v for k, v in d["intercepts_s"].items()}, d["per_context_token_s"], d.get("info"),
-                   d.get("per_extra_pair_s", 0.0))
+        """A model written by to_json: every time a finite number, the intercepts positive (a step takes time)."""
+        intercepts = {int(k): float(v) for k, v in d["intercepts_s"].items()}
+        slopes = (float(d["per_context_token_s"]), float(d.get("per_extra_pair_s", 0.0)))
+        if not intercepts or not all(0 < v < math.inf for v in intercepts.values()):
+            raise ValueError("intercepts_s: must give each token bucket a positive, finite time")
+        if not all(0 <= v < math.inf for v in slopes):
+            raise ValueError("per_context_token_s and per_extra_pair_s: must be finite and >= 0")
+        return cls(intercepts, slopes[0], d.get("info"), slopes[1])
 
     def to_json(self) -> dict:
         return {"kind": "fitted", "intercepts_s": {str(b): round(v, 7) for b, v in zip(self.buckets, self.intercepts)},
@@ -330,10 +336,9 @@ def simulate(trace: list[TraceRequest], config, step_model, *, vocab: int = 3200
     sched = engine.scheduler
     if max_running is not None:
         sched.running_limit = max_running
-    max_context = sched.config.max_context
-    ids = prompt_ids(trace, vocab, seed)
+    ids = prompt_ids(trace, vocab, seed, limit=sched.config.max_context)
     records: list[RequestRecord] = []
-    rejected = 0
+    rejected, reasons = 0, []  # (the first few refusals' reasons, in the result)
     i, n, steps = 0, len(trace), 0
     wall0 = time.perf_counter()
 
@@ -351,19 +356,21 @@ def simulate(trace: list[TraceRequest], config, step_model, *, vocab: int = 3200
     while i < n or engine.has_work():
         while i < n and trace[i].arrival_s <= clock.now():
             t = trace[i]
-            prompt = ids[i][: max(1, max_context - 1)]
-            params = SamplingParams(max_tokens=max(1, min(t.output_tokens, max_context - len(prompt))),
-                                    ignore_eos=True)
             rec = RequestRecord(t.arrival_s)
             i += 1
-            try:
-                engine.add_request(prompt, params, request_id=str(i - 1), priority=t.priority,
-                                   arrival_time=t.arrival_s, callback=on_event(rec))
-            except ValueError:
+            try:  # (as the engine takes it served: one that does not fit the context is refused, not cut)
+                engine.add_request(ids[i - 1], SamplingParams(max_tokens=t.output_tokens, ignore_eos=True),
+                                   request_id=str(i - 1), priority=t.priority, arrival_time=t.arrival_s,
+                                   callback=on_event(rec))
+            except ValueError as e:
                 rejected += 1
+                if len(reasons) < 5:
+                    reasons.append(f"request {i - 1} (arrival {t.arrival_s:g} s): {e}")
                 continue
             records.append(rec)
         if not engine.has_work():
+            if i >= n:  # (the last requests were refused)
+                break
             clock.advance_to(trace[i].arrival_s)
             continue
         engine.step()
@@ -381,6 +388,7 @@ def simulate(trace: list[TraceRequest], config, step_model, *, vocab: int = 3200
     return summarize(records, preemptions=sched.num_preemptions, switches=sched.num_switches,
                      recomputed_tokens=sched.num_recomputed_tokens,
                      padding_fraction=round(st.padding_fraction, 4), steps=st.steps, rejected=rejected,
+                     **({"rejected_first": reasons} if reasons else {}),
                      simulated_s=round(clock.now(), 3),
                      **({"final_running_limit": sched.running_limit,
                          "final_prefill_budget": sched.controller.prefill_budget} if sched.controller else {}),

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import random
 
 from jaxcb.host.latency import quantile
@@ -39,27 +40,66 @@ class TraceRequest:
         return json.dumps(d)
 
 
+TRACE_FIELDS = {"arrival_s", "prompt_tokens", "prompt_token_ids", "output_tokens", "priority", "prefix_id",
+                "prefix_tokens"}
+MAX_TRACE_TOKENS = 1 << 24  # a request's prompt or output tokens, at most (a trace's ids are made in memory)
+
+
+def _integer(d: dict, key: str, low: int, default=None) -> int:
+    v = d.get(key, default)
+    if isinstance(v, bool) or not isinstance(v, int) or not low <= v <= MAX_TRACE_TOKENS:
+        raise ValueError(f"{key}: must be an integer from {low} to {MAX_TRACE_TOKENS}, got {json.dumps(v)[:40]}")
+    return v
+
+
 def read_trace(path: str) -> list[TraceRequest]:
-    """A trace file, sorted by arrival; a bad line is an error naming the line and the field."""
+    """A trace file (UTF-8, a byte-order mark allowed; lines end at newlines only), sorted by arrival; a bad
+    line is an error naming the line and the field: every field known, each of its type (no float where an
+    integer is meant), times finite."""
     out = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
+    try:
+        f = open(path, "rb")
+    except OSError as e:
+        raise ValueError(f"{path}: {e.strerror or e}") from None
+    with f:
+        for n, raw in enumerate(f, 1):
             try:
+                line = raw.decode("utf-8-sig" if n == 1 else "utf-8")
+                if not line.strip():
+                    continue
                 d = json.loads(line)
+                if not isinstance(d, dict):
+                    raise ValueError("must be a JSON object")
+                unknown = sorted(set(d) - TRACE_FIELDS)
+                if unknown:
+                    raise ValueError(f"{unknown[0]}: not a field of a trace line ({', '.join(sorted(TRACE_FIELDS))})")
+                arrival = d.get("arrival_s")
+                if isinstance(arrival, bool) or not isinstance(arrival, (int, float)) or not 0 <= arrival < math.inf:
+                    raise ValueError(f"arrival_s: must be a finite number of seconds >= 0, got {json.dumps(arrival)}")
                 ids = d.get("prompt_token_ids")
-                prompt = len(ids) if ids is not None else int(d["prompt_tokens"])
-                r = TraceRequest(float(d["arrival_s"]), prompt, int(d["output_tokens"]), int(d.get("priority", 0)),
-                                 d.get("prefix_id"), int(d.get("prefix_tokens", 0)),
-                                 [int(t) for t in ids] if ids is not None else None)
-            except (ValueError, KeyError, TypeError) as e:
-                raise ValueError(f"{path}:{n}: {type(e).__name__}: {e}") from None
-            if r.arrival_s < 0 or r.prompt_tokens < 1 or r.output_tokens < 1 or r.prefix_tokens < 0:
-                raise ValueError(f"{path}:{n}: arrival_s must be >= 0, prompt_tokens and output_tokens >= 1")
+                if ids is not None and (not isinstance(ids, list) or len(ids) > MAX_TRACE_TOKENS or not all(
+                        isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids)):
+                    raise ValueError("prompt_token_ids: must be a list of token ids")
+                prefix_id = d.get("prefix_id")
+                if prefix_id is not None and (isinstance(prefix_id, bool) or not isinstance(prefix_id, (int, str))):
+                    raise ValueError(f"prefix_id: must be an integer or a string, got {json.dumps(prefix_id)[:40]}")
+                r = TraceRequest(float(arrival), len(ids) if ids is not None else _integer(d, "prompt_tokens", 1),
+                                 _integer(d, "output_tokens", 1), _priority(d), prefix_id,
+                                 _integer(d, "prefix_tokens", 0, 0), ids)
+                if not r.prompt_tokens:
+                    raise ValueError("prompt_token_ids: must not be empty")
+            except (ValueError, UnicodeDecodeError) as e:
+                raise ValueError(f"{path}:{n}: {e}") from None
             out.append(r)
     out.sort(key=lambda r: r.arrival_s)
     return out
+
+
+def _priority(d: dict) -> int:
+    v = d.get("priority", 0)
+    if isinstance(v, bool) or not isinstance(v, int) or abs(v) > 1 << 31:
+        raise ValueError(f"priority: must be an integer, got {json.dumps(v)[:40]}")
+    return v
 
 
 def write_trace(path: str, requests: list[TraceRequest]) -> None:
@@ -68,9 +108,11 @@ def write_trace(path: str, requests: list[TraceRequest]) -> None:
             f.write(r.to_json() + "\n")
 
 
-def prompt_ids(trace: list[TraceRequest], vocab: int, seed: int = 0, low: int = 100) -> list[list[int]]:
+def prompt_ids(trace: list[TraceRequest], vocab: int, seed: int = 0, low: int = 100,
+               limit: int | None = None) -> list[list[int]]:
     """Token ids for every request: its own, or random ones (the same for the same seed) whose first
-    `prefix_tokens` are shared with every request of the same `prefix_id`."""
+    `prefix_tokens` are shared with every request of the same `prefix_id`. `limit`: no more than this many
+    made for a request (one that long is refused by an engine of that context anyway)."""
     rng = random.Random(seed)
     prefixes: dict[int, list[int]] = {}
     out = []
@@ -84,7 +126,8 @@ def prompt_ids(trace: list[TraceRequest], vocab: int, seed: int = 0, low: int = 
             while len(p) < r.prefix_tokens:
                 p.append(rng.randrange(low, vocab))
             shared = p[:min(r.prefix_tokens, r.prompt_tokens)]
-        out.append(shared + [rng.randrange(low, vocab) for _ in range(r.prompt_tokens - len(shared))])
+        size = r.prompt_tokens if limit is None else min(r.prompt_tokens, limit)
+        out.append(shared[:size] + [rng.randrange(low, vocab) for _ in range(size - len(shared[:size]))])
     return out
 
 
