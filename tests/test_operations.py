@@ -97,7 +97,7 @@ def test_recorded_lengths_plan_buckets(make_llm, tmp_path, capsys):
     assert cli(["buckets", "--lengths", str(log), "--max-buckets", "3", "--config", str(config),
                 "--out", str(fragment)]) == 0
     out = capsys.readouterr().out
-    assert "expected padding" in out and "powers of two" in out
+    assert "expected chunk padding" in out and "the config's [64]" in out and "powers of two" in out
     text = config.read_text().split("[buckets]")[0] + fragment.read_text()
     config.write_text(text)
     planned = load_config(str(config)).buckets

@@ -148,23 +148,22 @@ def cmd_buckets(args) -> int:
     too_long = max(contexts)
     if too_long > s.max_context:
         raise ValueError(f"--lengths: a context of {too_long} tokens exceeds the config's max_context {s.max_context}")
+    # Only the prefill chunk sizes shape the step (each is a token bucket of max_running + it); a sequence's
+    # page table is as long as the context whatever pages_per_seq lists below its largest, so that is not chosen.
     chunks = bucket_plan.prefill_chunks(prompts, s.max_chunk)
-    pages = [-(-c // s.page_size) for c in contexts]
     top_pages = s.max_context // s.page_size
-    lists = {"prefill_tokens": (chunks, s.max_chunk, 16), "pages_per_seq": (pages, top_pages, 1)}
-    chosen = {}
-    print(f"{len(prompts)} requests; largest buckets from the config: prefill {s.max_chunk} tokens, "
-          f"{top_pages} pages of {s.page_size}")
-    for name, (lengths, top, smallest) in lists.items():
-        ours = bucket_plan.plan(lengths, args.max_buckets, top)
-        pow2 = bucket_plan.powers_of_two(top, smallest)
-        chosen[name] = ours
-        print(f"{name}: {ours}  expected padding {bucket_plan.padding_fraction(lengths, ours):.1%}; "
-              f"powers of two {pow2} ({len(pow2)} buckets): {bucket_plan.padding_fraction(lengths, pow2):.1%}")
+    print(f"{len(prompts)} requests; the largest prefill chunk from the config: {s.max_chunk} tokens")
+    ours = bucket_plan.plan(chunks, args.max_buckets, s.max_chunk)
+    current = list(config.buckets.prefill_tokens)
+    pow2 = bucket_plan.powers_of_two(s.max_chunk, 16)
+    print(f"prefill_tokens: {ours}  expected chunk padding {bucket_plan.padding_fraction(chunks, ours):.1%}; "
+          f"the config's {current}: {bucket_plan.padding_fraction(chunks, current):.1%}; powers of two {pow2} "
+          f"({len(pow2)} buckets): {bucket_plan.padding_fraction(chunks, pow2):.1%} (the chunks' own padding: a step "
+          "also holds decode rows, whose padding `jaxcb simulate` measures)")
     fragment = ("[buckets]\n"
                 f"decode_batch = {list(config.buckets.decode_batch)}\n"
-                f"pages_per_seq = {chosen['pages_per_seq']}\n"
-                f"prefill_tokens = {chosen['prefill_tokens']}\n")
+                f"pages_per_seq = [{top_pages}]\n"
+                f"prefill_tokens = {ours}\n")
     if args.out:
         with open(args.out, "w", encoding="utf-8") as f:
             f.write(fragment)
