@@ -225,7 +225,19 @@ def test_opting_out_and_constraints_do_not_speculate(make_llm):
     assert spec.engine.stats().speculative_steps > 0
 
 
-def test_speculation_backs_off_where_it_does_not_pay(make_llm):
+def test_a_request_scoring_its_prompt_does_not_speculate_and_keeps_the_plain_tokens(make_llm):
+    """prompt_logprobs beside speculation, with few batch slots (a helper's probe: SmolLM2, 4 slots, ngram and draft;
+    its first tokens were the prompt's and its prompt_logprobs cut short): such a request decodes a token a step,
+    with the plain engine's tokens and every prompt position scored; the others speculate."""
+    base, spec = make_llm(decode_batch=(1, 2, 4)), make_llm(decode_batch=(1, 2, 4), speculative=NGRAM)
+    prompts = repetitive_prompts(spec.model_config.vocab_size, (20, 30, 25, 40), seed=5)
+    scoring = SamplingParams(max_tokens=12, ignore_eos=True, prompt_logprobs=2)
+    plain = SamplingParams(max_tokens=12, ignore_eos=True)
+    params = [scoring, plain, scoring, plain]
+    want, got = base.generate(prompts, params), spec.generate(prompts, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert [len(o.prompt_logprobs or ()) for o in got] == [len(prompts[0]), 0, len(prompts[2]), 0]
+    assert spec.engine.stats().speculative_steps > 0  # (the plain ones still speculate)
     """With the step times known, a proposal is kept only while it raises the expected tokens per
     second: where a bigger bucket costs far more than a proposal can win, none is kept."""
     spec = make_llm(speculative=dataclasses.replace(NGRAM, adaptive=True))
