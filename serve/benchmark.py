@@ -43,26 +43,20 @@ def workload(n: int, seed: int, vocab: int, input_len: float = 75, output_len: f
 
 def read_dataset(path: str, n: int | None = None):
     """A jaxcb JSONL of requests: each line's `prompt_token_ids` (or `prompt` text) and `max_tokens`."""
+    from jaxcb.host.request import jsonl_lines
+
     prompts, outputs = [], []
-    with open(path, "rb") as f:
-        for lineno, raw in enumerate(f, 1):
-            try:
-                line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
-                if not line.strip():
-                    continue
-                obj = json.loads(line)
-            except ValueError as e:  # (bad bytes, or not JSON)
-                raise ValueError(f"{path}:{lineno}: {e}") from None
-            prompt = obj.get("prompt_token_ids", obj.get("prompt")) if isinstance(obj, dict) else None
-            tokens = obj.get("max_tokens") if isinstance(obj, dict) else None
-            if (not isinstance(prompt, (str, list)) or isinstance(tokens, bool) or not isinstance(tokens, int)
-                    or tokens < 0):
-                raise ValueError(f"{path}:{lineno}: needs prompt_token_ids (or prompt text) and max_tokens, an "
-                                 "integer >= 0")
-            prompts.append(prompt)
-            outputs.append(tokens)
-            if n is not None and len(prompts) == n:
-                break
+    for lineno, obj in jsonl_lines(path):
+        prompt = obj.get("prompt_token_ids", obj.get("prompt")) if isinstance(obj, dict) else None
+        tokens = obj.get("max_tokens") if isinstance(obj, dict) else None
+        if (not isinstance(prompt, (str, list)) or isinstance(tokens, bool) or not isinstance(tokens, int)
+                or tokens < 0):
+            raise ValueError(f"{path}:{lineno}: needs prompt_token_ids (or prompt text) and max_tokens, an "
+                             "integer >= 0")
+        prompts.append(prompt)
+        outputs.append(tokens)
+        if n is not None and len(prompts) == n:
+            break
     if not prompts:
         raise ValueError(f"{path}: no requests")
     return prompts, outputs

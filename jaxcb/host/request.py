@@ -141,6 +141,24 @@ def _not_a_number(name: str):
     raise ValueError(f"{name} is not a JSON number")
 
 
+def jsonl_lines(path: str):
+    """(line number, the line's JSON value) of each non-blank line of a JSONL file: lines end at newlines only (a
+    JSON string may hold U+2028), a byte-order mark is allowed, each line is decoded apart; a line of bad bytes or
+    bad JSON is a ValueError naming `path:line`, as is a file that cannot be opened."""
+    try:
+        f = open(path, "rb")
+    except OSError as e:
+        raise ValueError(f"{path}: {e.strerror or e}") from None
+    with f:
+        for lineno, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
+                if line.strip():
+                    yield lineno, json.loads(line)
+            except ValueError as e:  # (UnicodeDecodeError and json's errors are ValueErrors)
+                raise ValueError(f"{path}:{lineno}: {e}") from None
+
+
 def read_json(text: str | bytes, field: str, path: str = ""):
     """The value of JSON text a request carries (an HTTP body, gRPC's template kwargs), read as JSON reads:
     UTF-8 strictly (json.loads would pass a lone surrogate's bytes), no NaN or Infinity, nesting within

@@ -56,41 +56,34 @@ def read_trace(path: str) -> list[TraceRequest]:
     """A trace file (UTF-8, a byte-order mark allowed; lines end at newlines only), sorted by arrival; a bad
     line is an error naming the line and the field: every field known, each of its type (no float where an
     integer is meant), times finite."""
+    from jaxcb.host.request import jsonl_lines
+
     out = []
-    try:
-        f = open(path, "rb")
-    except OSError as e:
-        raise ValueError(f"{path}: {e.strerror or e}") from None
-    with f:
-        for n, raw in enumerate(f, 1):
-            try:
-                line = raw.decode("utf-8-sig" if n == 1 else "utf-8")
-                if not line.strip():
-                    continue
-                d = json.loads(line)
-                if not isinstance(d, dict):
-                    raise ValueError("must be a JSON object")
-                unknown = sorted(set(d) - TRACE_FIELDS)
-                if unknown:
-                    raise ValueError(f"{unknown[0]}: not a field of a trace line ({', '.join(sorted(TRACE_FIELDS))})")
-                arrival = d.get("arrival_s")
-                if isinstance(arrival, bool) or not isinstance(arrival, (int, float)) or not 0 <= arrival < math.inf:
-                    raise ValueError(f"arrival_s: must be a finite number of seconds >= 0, got {json.dumps(arrival)}")
-                ids = d.get("prompt_token_ids")
-                if ids is not None and (not isinstance(ids, list) or len(ids) > MAX_TRACE_TOKENS or not all(
-                        isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids)):
-                    raise ValueError("prompt_token_ids: must be a list of token ids")
-                prefix_id = d.get("prefix_id")
-                if prefix_id is not None and (isinstance(prefix_id, bool) or not isinstance(prefix_id, (int, str))):
-                    raise ValueError(f"prefix_id: must be an integer or a string, got {json.dumps(prefix_id)[:40]}")
-                r = TraceRequest(float(arrival), len(ids) if ids is not None else _integer(d, "prompt_tokens", 1),
-                                 _integer(d, "output_tokens", 1), _priority(d), prefix_id,
-                                 _integer(d, "prefix_tokens", 0, 0), ids)
-                if not r.prompt_tokens:
-                    raise ValueError("prompt_token_ids: must not be empty")
-            except (ValueError, UnicodeDecodeError) as e:
-                raise ValueError(f"{path}:{n}: {e}") from None
-            out.append(r)
+    for n, d in jsonl_lines(path):
+        try:
+            if not isinstance(d, dict):
+                raise ValueError("must be a JSON object")
+            unknown = sorted(set(d) - TRACE_FIELDS)
+            if unknown:
+                raise ValueError(f"{unknown[0]}: not a field of a trace line ({', '.join(sorted(TRACE_FIELDS))})")
+            arrival = d.get("arrival_s")
+            if isinstance(arrival, bool) or not isinstance(arrival, (int, float)) or not 0 <= arrival < math.inf:
+                raise ValueError(f"arrival_s: must be a finite number of seconds >= 0, got {json.dumps(arrival)}")
+            ids = d.get("prompt_token_ids")
+            if ids is not None and (not isinstance(ids, list) or len(ids) > MAX_TRACE_TOKENS or not all(
+                    isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids)):
+                raise ValueError("prompt_token_ids: must be a list of token ids")
+            prefix_id = d.get("prefix_id")
+            if prefix_id is not None and (isinstance(prefix_id, bool) or not isinstance(prefix_id, (int, str))):
+                raise ValueError(f"prefix_id: must be an integer or a string, got {json.dumps(prefix_id)[:40]}")
+            r = TraceRequest(float(arrival), len(ids) if ids is not None else _integer(d, "prompt_tokens", 1),
+                             _integer(d, "output_tokens", 1), _priority(d), prefix_id,
+                             _integer(d, "prefix_tokens", 0, 0), ids)
+            if not r.prompt_tokens:
+                raise ValueError("prompt_token_ids: must not be empty")
+        except ValueError as e:
+            raise ValueError(f"{path}:{n}: {e}") from None
+        out.append(r)
     out.sort(key=lambda r: r.arrival_s)
     return out
 
