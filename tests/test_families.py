@@ -54,6 +54,19 @@ def prefill_logits(config, params, ids, page_size=16):
     return np.asarray(logits[0])
 
 
+def assert_references_logits(config, params, family, context=""):
+    """The prefill logits of `config` with `params` (Params, or the loaders' numpy weights) within 1e-5 of their
+    scale of transformers' on each of `family`'s golden prompts."""
+    from jaxcb.model.llama import params_from_numpy
+
+    if isinstance(params, dict):
+        params = params_from_numpy(params, jnp.float32)
+    for record in golden(family):
+        ref = np.asarray(record["prefill_logits"], np.float32)
+        ours = prefill_logits(config, params, record["prompt_ids"])
+        assert np.abs(ours - ref).max() <= 1e-5 * np.abs(ref).max(), (context or family, len(record["prompt_ids"]))
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_prefill_logits_match_transformers(family):
     config, params, _, _ = load_model(os.path.join(GOLDEN, family), jnp.float32)
@@ -195,13 +208,8 @@ def test_a_phi3_gguf_gives_transformers_logits(tmp_path):
     assert {f: getattr(got.config, f) for f in fields} == {f: getattr(config, f) for f in fields}
     assert got.config.rope_attention_factor == pytest.approx(config.rope_attention_factor)
     assert got.config.rope_freq_factors == pytest.approx(config.rope_freq_factors)  # (float32 in the file)
-    from jaxcb.model.llama import params_from_numpy
 
-    params = params_from_numpy(got.weights, jnp.float32)
-    for record in golden("phi3-longrope"):
-        ref = np.asarray(record["prefill_logits"], np.float32)
-        ours = prefill_logits(got.config, params, record["prompt_ids"])
-        assert np.abs(ours - ref).max() <= 1e-5 * np.abs(ref).max()
+    assert_references_logits(got.config, got.weights, "phi3-longrope")
 
 
 def test_granites_scalars_are_read_and_each_matters(tmp_path):
@@ -336,7 +344,6 @@ def test_mixture_of_experts_gguf_files_load_as_llama_cpp_writes_them(tmp_path):
     Qwen3-MoE does not, norm_topk_prob false)."""
     from jaxcb.model.gguf_loader import load_gguf
     from jaxcb.model.hf_loader import load_weights
-    from jaxcb.model.llama import params_from_numpy
     from tests.tiny_gguf import write_tiny_gguf
 
     granite = {"granitemoe.embedding_scale": 6.0, "granitemoe.residual_scale": 0.3, "granitemoe.attention.scale": 0.1,
@@ -360,11 +367,7 @@ def test_mixture_of_experts_gguf_files_load_as_llama_cpp_writes_them(tmp_path):
             np.testing.assert_array_equal(got.weights[key], w, err_msg=f"{family} {key}")
         if family == "qwen3moe":
             continue
-        params = params_from_numpy(got.weights, jnp.float32)
-        for record in golden(family):
-            ref = np.asarray(record["prefill_logits"], np.float32)
-            ours = prefill_logits(got.config, params, record["prompt_ids"])
-            assert np.abs(ours - ref).max() <= 1e-5 * np.abs(ref).max(), family
+        assert_references_logits(got.config, got.weights, family)
 
 
 @pytest.mark.parametrize("src, wanted", [("qwen3", "qwen3-yarn"), ("llama3-rope", "llama-yarn"), ("qwen3-yarn", "qwen3")])
@@ -383,9 +386,7 @@ def test_rope_scaling_set_by_the_server_gives_that_checkpoints_logits(src, wante
     stretched = json.dumps({**scaling, "factor": 16.0}) if wanted != "qwen3" else None
     if stretched:  # (the golden checkpoints' context is longer than 32 x their factor; 32 x 16 is not)
         assert load_model(os.path.join(GOLDEN, src), jnp.float32, rope_scaling=stretched)[0].max_context == 512
-    for record in golden(wanted):
-        ref = np.asarray(record["prefill_logits"], np.float32)
-        assert np.abs(prefill_logits(config, params, record["prompt_ids"]) - ref).max() <= 1e-5 * np.abs(ref).max()
+    assert_references_logits(config, params, wanted)
     import argparse
 
     from jaxcb.cli.args import add_model_args, engine_config
@@ -431,7 +432,6 @@ def test_gemma_1_reads_its_legacy_activation_and_loads_as_a_gguf(tmp_path):
 
     from jaxcb.model.gguf_loader import load_gguf
     from jaxcb.model.hf_loader import load_weights
-    from jaxcb.model.llama import params_from_numpy
     from tests.tiny_gguf import write_tiny_gguf
 
     src = os.path.join(GOLDEN, "gemma")
@@ -451,10 +451,7 @@ def test_gemma_1_reads_its_legacy_activation_and_loads_as_a_gguf(tmp_path):
     got = load_gguf(path)
     fields = ("family", "norm_plus_one", "post_norms", "embed_scale", "activation", "head_dim", "tie_embeddings")
     assert {f: getattr(got.config, f) for f in fields} == {f: getattr(config, f) for f in fields}
-    params = params_from_numpy(got.weights, jnp.float32)
-    for record in golden("gemma"):
-        ref = np.asarray(record["prefill_logits"], np.float32)
-        assert np.abs(prefill_logits(got.config, params, record["prompt_ids"]) - ref).max() <= 1e-5 * np.abs(ref).max()
+    assert_references_logits(got.config, got.weights, "gemma")
 
 
 def test_a_yarn_gguf_gives_transformers_logits(tmp_path):
@@ -464,7 +461,6 @@ def test_a_yarn_gguf_gives_transformers_logits(tmp_path):
     from jaxcb.host.errors import InvalidConfig
     from jaxcb.model.gguf_loader import load_gguf
     from jaxcb.model.hf_loader import load_weights
-    from jaxcb.model.llama import params_from_numpy
     from tests.tiny_gguf import write_tiny_gguf
 
     src = os.path.join(GOLDEN, "qwen3-yarn")
@@ -477,10 +473,7 @@ def test_a_yarn_gguf_gives_transformers_logits(tmp_path):
     assert got.config.max_context == 128  # (the file's 64 stretched from the original 32)
     assert got.config.rope_freq_factors == pytest.approx(config.rope_freq_factors)
     assert got.config.rope_attention_factor == pytest.approx(config.rope_attention_factor)
-    params = params_from_numpy(got.weights, jnp.float32)
-    for record in golden("qwen3-yarn"):
-        ref = np.asarray(record["prefill_logits"], np.float32)
-        assert np.abs(prefill_logits(got.config, params, record["prompt_ids"]) - ref).max() <= 1e-5 * np.abs(ref).max()
+    assert_references_logits(got.config, got.weights, "qwen3-yarn")
     write_tiny_gguf(path, config, arch="qwen3", weights=weights, rope_scaling=("yarn", 4.0),
                     extra_float32={"qwen3.rope.scaling.yarn_log_multiplier": 0.1})
     with pytest.raises(InvalidConfig, match="qwen3.rope.scaling.yarn_log_multiplier: 0.1"):
@@ -494,7 +487,6 @@ def test_a_vision_language_models_text_gguf_gives_transformers_logits(tmp_path, 
     on text."""
     from jaxcb.model.gguf_loader import load_gguf
     from jaxcb.model.hf_loader import load_weights
-    from jaxcb.model.llama import params_from_numpy
     from tests.tiny_gguf import write_tiny_gguf
 
     src = os.path.join(GOLDEN, family)
@@ -505,10 +497,7 @@ def test_a_vision_language_models_text_gguf_gives_transformers_logits(tmp_path, 
     got = load_gguf(path)
     fields = ("family", "qk_norm", "attention_bias", "num_layers", "head_dim", "tie_embeddings", "rope_theta")
     assert {f: getattr(got.config, f) for f in fields} == {f: getattr(config, f) for f in fields}
-    params = params_from_numpy(got.weights, jnp.float32)
-    for record in golden(family):
-        ref = np.asarray(record["prefill_logits"], np.float32)
-        assert np.abs(prefill_logits(got.config, params, record["prompt_ids"]) - ref).max() <= 1e-5 * np.abs(ref).max()
+    assert_references_logits(got.config, got.weights, family)
 
 
 def test_hub_layout_of_vision_language_configs_reads_the_same(tmp_path):
@@ -552,7 +541,6 @@ def test_an_olmo2_gguf_gives_transformers_logits(tmp_path):
     Face loader's weights exactly and transformers' logits."""
     from jaxcb.model.gguf_loader import load_gguf
     from jaxcb.model.hf_loader import load_weights
-    from jaxcb.model.llama import params_from_numpy
     from tests.tiny_gguf import write_tiny_gguf
 
     src = os.path.join(GOLDEN, "olmo2")
@@ -566,10 +554,7 @@ def test_an_olmo2_gguf_gives_transformers_logits(tmp_path):
     assert sorted(got.weights) == sorted(weights) and "attn_norm" not in weights
     for key, w in weights.items():
         np.testing.assert_array_equal(got.weights[key], w, err_msg=key)
-    params = params_from_numpy(got.weights, jnp.float32)
-    for record in golden("olmo2"):
-        ref = np.asarray(record["prefill_logits"], np.float32)
-        assert np.abs(prefill_logits(got.config, params, record["prompt_ids"]) - ref).max() <= 1e-5 * np.abs(ref).max()
+    assert_references_logits(got.config, got.weights, "olmo2")
 
 
 def test_each_way_of_running_the_experts_gives_the_same_output():

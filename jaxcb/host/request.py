@@ -136,7 +136,7 @@ class SamplingParams:
 # The request limits that every API checks before it copies or tokenizes anything (the engine checks
 # them again): one function each, so the limit and its message are written once.
 
-def _not_a_number(name: str):
+def not_a_number(name: str):
     """json.loads' parse_constant: Python's json takes NaN and Infinity; JSON does not."""
     raise ValueError(f"{name} is not a JSON number")
 
@@ -167,7 +167,7 @@ def read_json(text: str | bytes, field: str, path: str = ""):
     try:
         if isinstance(text, bytes):
             text = text.decode("utf-8")
-        value = json.loads(text, parse_constant=_not_a_number)
+        value = json.loads(text, parse_constant=not_a_number)
     except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError, NaN, an integer past Python's digit limit
         raise InvalidRequest(f"{field}: not valid JSON ({str(e)[:200]})") from None
     except RecursionError:

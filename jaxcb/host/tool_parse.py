@@ -16,6 +16,7 @@ import json
 import math
 import re
 
+from jaxcb.host.request import not_a_number
 from jaxcb.host.tool_calls import NAME, Format, Tools, xml_type
 
 
@@ -129,13 +130,9 @@ def _xml_value(text: str, schema) -> object:
             return value if math.isfinite(value) else text
         if kind == "boolean":
             return {"true": True, "false": False}[word.lower()]
-        return json.loads(word, parse_constant=_not_json)
+        return json.loads(word, parse_constant=not_a_number)
     except (ValueError, KeyError):
         return text
-
-
-def _not_json(name: str):
-    raise ValueError(f"{name} is no JSON number")
 
 
 def _xml_args(text: str, schema: dict, whole: bool) -> str:

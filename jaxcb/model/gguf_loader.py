@@ -272,14 +272,11 @@ def _rope_scaling(reader, arch: str, head_dim: int, rotary_dim: int, theta: floa
             value = _field(reader, f"{arch}.rope.scaling.{knob}")
             if value is not None and float(value) != plain:
                 raise InvalidConfig(f"{arch}.rope.scaling.{knob}: {value} is not supported with YaRN (only {plain})")
-        if not factor or not 1.0 <= float(factor) < 1e6:
-            raise InvalidConfig(f"{arch}.rope.scaling.factor: {factor!r}: YaRN needs a factor between 1 and a million")
-        original = int(_field(reader, f"{arch}.rope.scaling.original_context_length", 0) or context)
-        out.update(rope_scaling.yarn(theta, rotary_dim, float(factor), original,
-                                     float(_field(reader, f"{arch}.rope.scaling.yarn_beta_fast", 32.0) or 32.0),
-                                     float(_field(reader, f"{arch}.rope.scaling.yarn_beta_slow", 1.0) or 1.0)),
-                   max_context=max(context, int(original * float(factor))))
-        return out
+        scaling = {"rope_type": "yarn", "factor": factor,  # (as transformers writes it: one reading of YaRN)
+                   "original_max_position_embeddings": _field(reader, f"{arch}.rope.scaling.original_context_length"),
+                   "beta_fast": _field(reader, f"{arch}.rope.scaling.yarn_beta_fast"),
+                   "beta_slow": _field(reader, f"{arch}.rope.scaling.yarn_beta_slow")}
+        return rope_scaling.from_dict(scaling, theta, rotary_dim, context, where=f"{arch}.rope.scaling")
     if kind not in (None, "none", "linear"):
         raise InvalidConfig(f"{arch}.rope.scaling.type: {kind!r} is not supported (linear, yarn and Llama 3's "
                             "per-frequency factors are)")

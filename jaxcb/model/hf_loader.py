@@ -60,13 +60,13 @@ _LAYER = {  # our name -> (HF name in layer i, transpose)
 }
 # Fused projections (Phi-3): split into the table's own (by our names), in their order of rows.
 _FUSED = {"self_attn.qkv_proj.weight": ("wq", "wk", "wv"), "mlp.gate_up_proj.weight": ("w_gate", "w_up")}
-# A mixture of experts (Mixtral's names, Qwen3-MoE's): the router, and each expert's gate, up and down projections;
-# Granite MoE's: the router, every expert's gate and up projections in one tensor [X, 2F, E] (gate first), and
-# their down projections [X, E, F].
+# The families whose MLP is a mixture of experts, and the layouts their checkpoints keep experts in (told apart
+# by the router's name): Mixtral's names; Qwen2-MoE's, Qwen3-MoE's and OLMoE's ("mlp"): the router, and each
+# expert's gate, up and down projections; Granite MoE's: the router, every expert's gate and up projections in
+# one tensor [X, 2F, E] (gate first), and their down projections [X, E, F].
+_MOE_FAMILIES = ("mixtral", "qwen2moe", "qwen3moe", "olmoe", "granitemoe")
 _MOE = {"mixtral": ("block_sparse_moe.gate.weight", "block_sparse_moe.experts.{j}.", ("w1", "w3", "w2")),
-        "qwen3moe": ("mlp.gate.weight", "mlp.experts.{j}.", ("gate_proj", "up_proj", "down_proj")),
-        "qwen2moe": ("mlp.gate.weight", "mlp.experts.{j}.", ("gate_proj", "up_proj", "down_proj")),
-        "olmoe": ("mlp.gate.weight", "mlp.experts.{j}.", ("gate_proj", "up_proj", "down_proj")),
+        "mlp": ("mlp.gate.weight", "mlp.experts.{j}.", ("gate_proj", "up_proj", "down_proj")),
         "granitemoe": ("block_sparse_moe.router.layer.weight", "block_sparse_moe.",
                        ("input_linear", "input_linear", "output_linear"))}
 _BIASES = {"bq": "self_attn.q_proj.bias", "bk": "self_attn.k_proj.bias", "bv": "self_attn.v_proj.bias"}
@@ -153,7 +153,7 @@ def read_config(path: str) -> ModelConfig:
         if partial != 1.0:
             extra["rotary_dim"] = rotary_dim
         if rope_scaling.kind(scaling) in ("longrope", "su"):
-            extra.update(_longrope(scaling, raw, extra.get("rotary_dim", head_dim), max_context))
+            extra.update(_longrope(scaling, raw, rotary_dim, max_context))
             max_context = extra.pop("max_context")
         if family in ("qwen2", "qwen2moe") and raw.get("use_sliding_window"):
             raise InvalidConfig("config.json: use_sliding_window (Qwen2's sliding layers) is not supported")
@@ -187,7 +187,7 @@ def read_config(path: str) -> ModelConfig:
         # (Mixtral's and Granite MoE's experts are intermediate_size wide, Qwen's moe_intermediate_size)
         moe_width = family in ("qwen3moe", "qwen2moe")
         intermediate = int(raw["moe_intermediate_size"] if moe_width else raw["intermediate_size"])
-        if family in _MOE:
+        if family in _MOE_FAMILIES:
             if raw.get("mlp_only_layers") or int(raw.get("decoder_sparse_step", 1)) != 1:
                 raise InvalidConfig("config.json: mlp_only_layers / decoder_sparse_step (dense layers among the "
                                     "experts) are not supported: every layer a mixture of experts")
@@ -308,14 +308,14 @@ def load_weights(path: str, config: ModelConfig) -> dict[str, np.ndarray]:
                 del names[key]
         if config.shared_expert_size:
             names["shared_gate"] = ("mlp.shared_expert_gate.weight", True)
-        arch = next((a for a, moe in _MOE.items() if layer.format(i=0) + moe[0] in tensors), None)
-        if arch is None:
+        layout = next((a for a, moe in _MOE.items() if layer.format(i=0) + moe[0] in tensors), None)
+        if layout is None:
             raise InvalidConfig(f"model: {path} has no router tensor (one of "
                                 f"{', '.join(layer.format(i=0) + moe[0] for moe in _MOE.values())})")
-        router, expert, parts = _MOE[arch]
+        router, expert, parts = _MOE[layout]
         weights["router"] = np.stack([get(layer.format(i=i) + router, True) for i in range(config.num_layers)])
         for key, part in zip(("experts_gate", "experts_up", "experts_down"), parts):
-            if arch == "granitemoe":  # every expert's at once, [X, out, in]; gate and up halves of one
+            if layout == "granitemoe":  # every expert's at once, [X, out, in]; gate and up halves of one
                 stacked = [get(layer.format(i=i) + expert + part + ".weight") for i in range(config.num_layers)]
                 if key != "experts_down":
                     half = slice(0, config.intermediate_size) if key == "experts_gate" else slice(config.intermediate_size, None)
