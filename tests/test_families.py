@@ -54,6 +54,26 @@ def prefill_logits(config, params, ids, page_size=16):
     return np.asarray(logits[0])
 
 
+def as_gguf(tmp_path, family, arch, **write):
+    """The tiny `family` checkpoint as llama.cpp's converter writes it (arch `arch`; `write`: more of
+    tests.tiny_gguf.write_tiny_gguf's arguments): (the checkpoint's config, its weights as the Hugging Face loader
+    reads them, the GGUF as jaxcb loads it back)."""
+    from jaxcb.model.gguf_loader import load_gguf
+    from jaxcb.model.hf_loader import load_weights
+    from tests.tiny_gguf import write_tiny_gguf
+
+    src = os.path.join(GOLDEN, family)
+    config = load_model(src, jnp.float32)[0]
+    weights = load_weights(src, config)
+    path = str(tmp_path / f"{family}.gguf")
+    write_tiny_gguf(path, config, arch=arch, weights=weights, **write)
+    return config, weights, load_gguf(path)
+
+
+def assert_same_fields(got, want, fields) -> None:
+    assert {f: getattr(got, f) for f in fields} == {f: getattr(want, f) for f in fields}
+
+
 def assert_references_logits(config, params, family, context=""):
     """The prefill logits of `config` with `params` (Params, or the loaders' numpy weights) within 1e-5 of their
     scale of transformers' on each of `family`'s golden prompts."""
@@ -342,20 +362,11 @@ def test_mixture_of_experts_gguf_files_load_as_llama_cpp_writes_them(tmp_path):
     writes them: the Hugging Face loader's weights exactly, and Mixtral's and Granite MoE's give transformers'
     logits (llama.cpp renormalizes the chosen experts' weights for all three, as those two do; the tiny
     Qwen3-MoE does not, norm_topk_prob false)."""
-    from jaxcb.model.gguf_loader import load_gguf
-    from jaxcb.model.hf_loader import load_weights
-    from tests.tiny_gguf import write_tiny_gguf
-
     granite = {"granitemoe.embedding_scale": 6.0, "granitemoe.residual_scale": 0.3, "granitemoe.attention.scale": 0.1,
                "granitemoe.logit_scale": 4.0}
     for family, arch in (("mixtral", "llama"), ("qwen3moe", "qwen3moe"), ("granitemoe", "granitemoe"),
                          ("qwen2moe", "qwen2moe"), ("olmoe", "olmoe")):
-        src = os.path.join(GOLDEN, family)
-        config, _, _, _ = load_model(src, jnp.float32)
-        weights = load_weights(src, config)
-        path = str(tmp_path / f"{family}.gguf")
-        write_tiny_gguf(path, config, arch=arch, weights=weights, extra_float32=granite if arch == "granitemoe" else None)
-        got = load_gguf(path)
+        config, weights, got = as_gguf(tmp_path, family, arch, extra_float32=granite if arch == "granitemoe" else None)
         fields = ("num_experts", "experts_per_token", "intermediate_size", "qk_norm", "family", "num_layers",
                   "embed_multiplier", "residual_multiplier", "logit_scale", "tie_embeddings", "shared_expert_size",
                   "attention_bias")
@@ -430,10 +441,6 @@ def test_gemma_1_reads_its_legacy_activation_and_loads_as_a_gguf(tmp_path):
     reads it); as llama.cpp's "gemma" GGUF (norms stored as 1 + w) the same config, weights and logits."""
     import shutil
 
-    from jaxcb.model.gguf_loader import load_gguf
-    from jaxcb.model.hf_loader import load_weights
-    from tests.tiny_gguf import write_tiny_gguf
-
     src = os.path.join(GOLDEN, "gemma")
     config, _, _, _ = load_model(src, jnp.float32)
     assert (config.norm_plus_one, config.post_norms, config.embed_scale, config.activation) == (
@@ -445,12 +452,9 @@ def test_gemma_1_reads_its_legacy_activation_and_loads_as_a_gguf(tmp_path):
     with open(os.path.join(legacy, "config.json"), "w") as f:
         json.dump({**raw, "hidden_act": "gelu"}, f)
     assert load_model(legacy, jnp.float32)[0] == config
-    weights = load_weights(src, config)
-    path = str(tmp_path / "gemma.gguf")
-    write_tiny_gguf(path, config, arch="gemma", weights=weights)
-    got = load_gguf(path)
-    fields = ("family", "norm_plus_one", "post_norms", "embed_scale", "activation", "head_dim", "tie_embeddings")
-    assert {f: getattr(got.config, f) for f in fields} == {f: getattr(config, f) for f in fields}
+    _, _, got = as_gguf(tmp_path, "gemma", "gemma")
+    assert_same_fields(got.config, config, ("family", "norm_plus_one", "post_norms", "embed_scale", "activation",
+                                            "head_dim", "tie_embeddings"))
     assert_references_logits(got.config, got.weights, "gemma")
 
 
@@ -485,18 +489,9 @@ def test_a_vision_language_models_text_gguf_gives_transformers_logits(tmp_path, 
     """The language model of Qwen2.5-VL and Qwen3-VL as llama.cpp's converter writes it (archs qwen2vl and qwen3vl,
     the vision tower in a file of its own): the Hugging Face loader's config and weights, and transformers' logits
     on text."""
-    from jaxcb.model.gguf_loader import load_gguf
-    from jaxcb.model.hf_loader import load_weights
-    from tests.tiny_gguf import write_tiny_gguf
-
-    src = os.path.join(GOLDEN, family)
-    config, _, _, _ = load_model(src, jnp.float32)
-    weights = load_weights(src, config)
-    path = str(tmp_path / f"{arch}.gguf")
-    write_tiny_gguf(path, config, arch=arch, weights=weights)
-    got = load_gguf(path)
-    fields = ("family", "qk_norm", "attention_bias", "num_layers", "head_dim", "tie_embeddings", "rope_theta")
-    assert {f: getattr(got.config, f) for f in fields} == {f: getattr(config, f) for f in fields}
+    config, _, got = as_gguf(tmp_path, family, arch)
+    assert_same_fields(got.config, config, ("family", "qk_norm", "attention_bias", "num_layers", "head_dim",
+                                            "tie_embeddings", "rope_theta"))
     assert_references_logits(got.config, got.weights, family)
 
 
@@ -539,18 +534,9 @@ def test_an_olmo2_gguf_gives_transformers_logits(tmp_path):
     """OLMo 2 as llama.cpp's converter writes it (arch olmo2: its norms after attention and the MLP as
     post_attention_norm and post_ffw_norm, q and k norms over whole projections, Q/K not permuted): the Hugging
     Face loader's weights exactly and transformers' logits."""
-    from jaxcb.model.gguf_loader import load_gguf
-    from jaxcb.model.hf_loader import load_weights
-    from tests.tiny_gguf import write_tiny_gguf
-
-    src = os.path.join(GOLDEN, "olmo2")
-    config, _, _, _ = load_model(src, jnp.float32)
-    weights = load_weights(src, config)
-    path = str(tmp_path / "olmo2.gguf")
-    write_tiny_gguf(path, config, arch="olmo2", weights=weights)
-    got = load_gguf(path)
-    fields = ("family", "qk_norm", "qk_norm_whole", "pre_norms", "post_norms", "num_layers", "head_dim")
-    assert {f: getattr(got.config, f) for f in fields} == {f: getattr(config, f) for f in fields}
+    config, weights, got = as_gguf(tmp_path, "olmo2", "olmo2")
+    assert_same_fields(got.config, config, ("family", "qk_norm", "qk_norm_whole", "pre_norms", "post_norms",
+                                            "num_layers", "head_dim"))
     assert sorted(got.weights) == sorted(weights) and "attn_norm" not in weights
     for key, w in weights.items():
         np.testing.assert_array_equal(got.weights[key], w, err_msg=key)
