@@ -6,6 +6,7 @@ from jaxcb.host.page_pool import PagePool
 from jaxcb.host.policies import SchedulerConfig
 from jaxcb.host.request import Request, SamplingParams, Status
 from jaxcb.host.scheduler import Scheduler
+from jaxcb.host.speculative import SpeculativeConfig
 
 
 def req(prompt_len, max_tokens=4, priority=0, t=0.0):
@@ -60,6 +61,28 @@ def test_chunked_prefill_keeps_decoders_going():
     assert long.output_ids == [7]  # sampled at the end of its last chunk
     run_all(sched)
     pool.check_all_free()
+
+
+def test_a_prompt_chunk_cut_to_one_token_brings_no_proposals():
+    """A prompt chunk cut to one token (the step's prefill budget spent but one token; or the rows a
+    scoring prompt's positions take) is no decode step: proposals there stood for the prompt's next
+    tokens and what was sampled at them became output (beside prompt_logprobs with 4 slots, its first
+    tokens were the prompt's). Only a request whose newest token is its only one to compute proposes."""
+    sched, pool = make(max_prefill_tokens=9, max_chunk=8, max_context=256,
+                       speculative=SpeculativeConfig("ngram", adaptive=False))
+    loop = [4, 5, 6, 7] * 8  # every suffix matched before (fake_step samples 7): the n-gram proposer always proposes
+    first, cut = (Request(loop[:n], SamplingParams(max_tokens=8, ignore_eos=True)) for n in (32, 32))
+    sched.add(first)
+    sched.add(cut)
+    fake_step(sched, sched.schedule(now=0))  # first: 8 tokens, the budget's last token: cut's first
+    assert (first.num_computed, cut.num_computed) == (8, 1)
+    out = sched.schedule(now=0, speculate=True)
+    assert [(c.request is cut, c.start, c.num_tokens, c.draft) for c in out.chunks] == [(True, 1, 1, ()), (False, 8, 8, ())]
+    while cut.num_tokens - cut.num_computed > 1:
+        fake_step(sched, out)
+        out = sched.schedule(now=0)
+    out = sched.schedule(now=0, speculate=True)  # decoding: it proposes
+    assert [bool(c.draft) for c in out.chunks if c.request is cut] == [True]
 
 
 def test_pages_grow_one_page_at_a_time_and_return_at_the_end():

@@ -225,10 +225,11 @@ def test_opting_out_and_constraints_do_not_speculate(make_llm):
     assert spec.engine.stats().speculative_steps > 0
 
 
-def test_a_request_scoring_its_prompt_does_not_speculate_and_keeps_the_plain_tokens(make_llm):
+def test_a_request_scoring_its_prompt_keeps_the_plain_tokens_and_logprobs(make_llm):
     """prompt_logprobs beside speculation, with few batch slots (a helper's probe: SmolLM2, 4 slots, ngram and draft;
-    its first tokens were the prompt's and its prompt_logprobs cut short): such a request decodes a token a step,
-    with the plain engine's tokens and every prompt position scored; the others speculate."""
+    its first tokens were the prompt's and its prompt_logprobs cut short: a prompt chunk cut to one token by the
+    rows its scored positions take brought proposals, tests/test_scheduler.py): the plain engine's tokens and
+    every prompt position scored as it scores them."""
     base, spec = make_llm(decode_batch=(1, 2, 4)), make_llm(decode_batch=(1, 2, 4), speculative=NGRAM)
     prompts = repetitive_prompts(spec.model_config.vocab_size, (20, 30, 25, 40), seed=5)
     scoring = SamplingParams(max_tokens=12, ignore_eos=True, prompt_logprobs=2)
@@ -237,7 +238,13 @@ def test_a_request_scoring_its_prompt_does_not_speculate_and_keeps_the_plain_tok
     want, got = base.generate(prompts, params), spec.generate(prompts, params)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     assert [len(o.prompt_logprobs or ()) for o in got] == [len(prompts[0]), 0, len(prompts[2]), 0]
-    assert spec.engine.stats().speculative_steps > 0  # (the plain ones still speculate)
+    for g, w in zip(got[::2], want[::2]):
+        assert g.prompt_logprobs[0] is None
+        np.testing.assert_allclose([lp for lp, _, _ in g.prompt_logprobs[1:]], [lp for lp, _, _ in w.prompt_logprobs[1:]], atol=1e-4)
+    assert spec.engine.stats().speculative_steps > 0
+
+
+def test_speculation_backs_off_where_it_does_not_pay(make_llm):
     """With the step times known, a proposal is kept only while it raises the expected tokens per
     second: where a bigger bucket costs far more than a proposal can win, none is kept."""
     spec = make_llm(speculative=dataclasses.replace(NGRAM, adaptive=True))

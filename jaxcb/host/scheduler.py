@@ -302,7 +302,8 @@ class Scheduler:
             if n == 0:
                 i += 1
                 continue
-            if n == 1 and self.proposer is not None:
+            if n == 1 and r.num_tokens - r.num_computed == 1 and self.proposer is not None:  # decoding, not a
+                # prompt chunk cut to one token (by the budget, or by the rows a scoring prompt's positions take)
                 draft = self._propose(r, budget, speculate)
                 if draft:
                     scheduled.add(id(r))

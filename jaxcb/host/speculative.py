@@ -177,11 +177,9 @@ class Proposer:
         return r.spec
 
     def eligible(self, r) -> bool:
-        """Whether decoding request `r` may propose now: it did not opt out, has no grammar to follow, does not
-        score its prompt (prompt_logprobs: with few batch slots its scored positions and its proposals mixed
-        rows, its tokens then not the plain engine's; it decodes a token a step instead), and is not backed
-        off (or is due to probe)."""
-        if not r.params.speculative or r.matcher is not None or r.params.prompt_logprobs is not None:
+        """Whether decoding request `r` may propose now: it did not opt out, has no grammar to follow,
+        and is not backed off (or is due to probe)."""
+        if not r.params.speculative or r.matcher is not None:
             return False
         s = self.state(r)
         return s.rate >= self.BACKED_OFF or s.steps_since >= self.config.probe_every << min(s.misses, 6)
