@@ -51,7 +51,7 @@ def main():
         chosen = len(np.unique(np.argsort(-logits, axis=-1)[:, :args.per_token]))  # (the softmax keeps the order)
         times = {}
         for way, grouped in ((own, False), ("grouped", True)):
-            f = jax.jit(lambda x, g=grouped: experts(config, x, layer, jax.nn.silu, grouped=g))
+            f = jax.jit(lambda x, g=grouped: experts(config, x, layer, grouped=g))
             f(x).block_until_ready()
             best = float("inf")
             for _ in range(args.repeats):

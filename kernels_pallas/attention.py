@@ -47,9 +47,10 @@ def _check(num_heads, num_kv_heads, page_size, head_dim):
 
 
 def _attend(qb: qblocks.QueryBlocks, k_pool, v_pool, kv_index, kv_lens, page_indices, *, scale,
-            backend, interpret, pages_per_tile, num_splits, decode, softcap=0.0):
+            backend, interpret, pages_per_tile, num_splits, decode, softcap=0.0, with_lse=False):
+    """Runs the kernel over query blocks and merges splits: returns [K, NB, R, D] in q's dtype (`with_lse`:
+    and each row's log-sum-exp of its scaled scores [K, NB, R, 1], float32; MASKED where it saw no key)."""
     kv_int8 = k_pool.dtype == jnp.int8  # slots of D values and 4 scale bytes (jaxcb.model.paged_attention)
-    """Runs the kernel over query blocks and merges splits: returns [K, NB, R, D] in q's dtype."""
     nk, nb, _, d = qb.q.shape
     page_size = k_pool.shape[3]
     _check(nk * qb.group_pad, nk, page_size, d)
@@ -74,8 +75,12 @@ def _attend(qb: qblocks.QueryBlocks, k_pool, v_pool, kv_index, kv_lens, page_ind
                       num_splits=num_splits, out_dtype=qb.q.dtype if num_splits == 1 else jnp.float32,
                       interpret=interpret, softcap=softcap, kv_int8=kv_int8)
     if num_splits == 1:
-        return out[:, :, 0]
-    return qblocks.combine_splits(out, lse).astype(qb.q.dtype)
+        return (out[:, :, 0], lse[:, :, 0]) if with_lse else out[:, :, 0]
+    merged = qblocks.combine_splits(out, lse).astype(qb.q.dtype)
+    if not with_lse:
+        return merged
+    top = jnp.max(lse, axis=2)
+    return merged, top + jnp.log(jnp.sum(jnp.exp(lse - top[:, :, None]), axis=2))
 
 
 _STATIC = ("scale", "interpret", "backend", "pages_per_tile", "num_splits")
@@ -142,14 +147,16 @@ def engine_attention(q, kv_pages, layer, kv_lens, q_lens, page_table, *, backend
 
 
 def engine_ragged_attention(q, kv_pages, layer, kv_lens, page_table, cu_q_lens, num_seqs, *, backend=None,
-                            interpret=False, tokens_per_block=16, scale=None, window=0, softcap=0.0):
+                            interpret=False, tokens_per_block=16, scale=None, window=0, softcap=0.0, sinks=None):
     """The engine's packed step (jaxcb.host.batch) over its whole cache, without slicing a layer out.
 
     q [T, H, D], sequence i's tokens at rows cu_q_lens[i]:cu_q_lens[i+1] (cu_q_lens [M+1], num_seqs
     [1]); kv_pages [L, 2, K, P, S, D] (int8 pages: D + 4, values then scale, dequantized as read);
     layer a scalar; kv_lens [M] (new tokens included); page_table [M, N]. `scale` of the scores (default 1/sqrt(D)); `window` (may be traced; 0 = none): a query at
     t sees keys after t - window only, and pages wholly before its block's window are never read;
-    `softcap` (static; 0 = off). Returns [T, H, D] (rows past the live sequences: zeros).
+    `softcap` (static; 0 = off); `sinks` [H] (None: none): each head's sink logit joins its softmax's
+    denominator (gpt-oss), applied to the kernel's output from its log-sum-exp: out * sigmoid(lse - sink).
+    Returns [T, H, D] (rows past the live sequences: zeros).
     """
     t, h, d = q.shape
     nl, _, nk, p, s, width = kv_pages.shape  # width: D, or D + 4 for int8 pages
@@ -159,5 +166,11 @@ def engine_ragged_attention(q, kv_pages, layer, kv_lens, page_table, cu_q_lens, 
     qb, where = qblocks.ragged_blocks(q, kv_lens, cu_q_lens.astype(jnp.int32), num_seqs.astype(jnp.int32), nk,
                                       tokens_per_block)
     out = _attend(qb, pool, pool, kv_index, kv_lens, page_table, scale=scale, backend=backend,
-                  interpret=interpret, pages_per_tile=None, num_splits=None, decode=False, softcap=softcap)
-    return qblocks.ragged_unblock(out, where, h, qb.group_pad)
+                  interpret=interpret, pages_per_tile=None, num_splits=None, decode=False, softcap=softcap,
+                  with_lse=sinks is not None)
+    if sinks is None:
+        return qblocks.ragged_unblock(out, where, h, qb.group_pad)
+    out, lse = out
+    out, lse = qblocks.ragged_unblock(out, where, h, qb.group_pad), qblocks.ragged_unblock(lse, where, h, qb.group_pad)
+    kept = jax.nn.sigmoid(lse - sinks.astype(jnp.float32)[None, :, None])  # [T, H, 1]: 0 where no key was seen
+    return (out.astype(jnp.float32) * kept).astype(out.dtype)

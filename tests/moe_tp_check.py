@@ -21,21 +21,25 @@ def main() -> None:
     from jaxcb.model.config import tiny_config
     from jaxcb.model.llama import experts, params_from_numpy, random_weights
 
-    config = tiny_config(hidden_size=256, intermediate_size=512, num_layers=1, num_heads=8, num_kv_heads=8,
-                         head_dim=32, num_experts=8, experts_per_token=2)
-    layer = jax.tree.map(lambda a: a[0], params_from_numpy(random_weights(config)).layers)
     mesh = make_mesh(2)
-    split = layer.replace(**{name: jax.device_put(getattr(layer, name), NamedSharding(mesh, P(*param_spec(name)[1:])))
-                             for name in ("router", "experts_gate", "experts_up", "experts_down")})
     x = jnp.asarray(np.random.default_rng(0).standard_normal((64, 256)).astype(np.float32))
-    reference = np.asarray(experts(config, x, layer, jax.nn.silu, grouped=False))
     out = {}
-    for way, grouped in (("grouped", True), ("loop", False)):
-        f = jax.jit(lambda x, w, g=grouped: experts(config, x, w, jax.nn.silu, grouped=g))
-        hlo = f.lower(x, split).compile().as_text()
-        out[way] = {"max_diff": float(np.abs(np.asarray(f(x, split)) - reference).max()),
-                    "scale": float(np.abs(reference).max()),
-                    "collectives": re.findall(r"= \S+ (all-gather|all-reduce|reduce-scatter|all-to-all)\(", hlo)}
+    # Mixtral's experts, and gpt-oss's (biases on the router and each expert's three projections, clamped SwiGLU)
+    for kind, extra in (("", {}), ("gpt-oss-", {"expert_bias": True, "activation": "swiglu_oai"})):
+        config = tiny_config(hidden_size=256, intermediate_size=512, num_layers=1, num_heads=8, num_kv_heads=8,
+                             head_dim=32, num_experts=8, experts_per_token=2, **extra)
+        layer = jax.tree.map(lambda a: a[0], params_from_numpy(random_weights(config)).layers)
+        split = layer.replace(**{name: jax.device_put(getattr(layer, name), NamedSharding(mesh, P(*param_spec(name)[1:])))
+                                 for name in ("router", "experts_gate", "experts_up", "experts_down", "router_bias",
+                                              "experts_gate_bias", "experts_up_bias", "experts_down_bias")
+                                 if getattr(layer, name) is not None})
+        reference = np.asarray(experts(config, x, layer, grouped=False))
+        for way, grouped in (("grouped", True), ("loop", False)):
+            f = jax.jit(lambda x, w, g=grouped, c=config: experts(c, x, w, grouped=g))
+            hlo = f.lower(x, split).compile().as_text()
+            out[kind + way] = {"max_diff": float(np.abs(np.asarray(f(x, split)) - reference).max()),
+                               "scale": float(np.abs(reference).max()),
+                               "collectives": re.findall(r"= \S+ (all-gather|all-reduce|reduce-scatter|all-to-all)\(", hlo)}
     print(json.dumps(out))
 
 

@@ -27,10 +27,10 @@ from jaxcb.model.paged_attention import allocate_kv_pages
 from tests.server_util import compile_mode
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "golden", "tiny_hf")
-FAMILIES = ("qwen3", "mixtral", "qwen2moe", "qwen3moe", "granitemoe", "olmoe", "olmo2", "smollm3", "granite", "phi3", "phi3-longrope", "gemma", "gemma2", "gemma3", "llama3-rope", "qwen3-yarn", "llama-yarn", "gemma3-linear", "gemma3-mm", "mistral3-mm", "llava", "qwen2.5-vl", "qwen3-vl")
+FAMILIES = ("qwen3", "gpt-oss", "llama-bias", "mixtral", "qwen2moe", "qwen3moe", "granitemoe", "olmoe", "olmo2", "smollm3", "granite", "phi3", "phi3-longrope", "gemma", "gemma2", "gemma3", "llama3-rope", "qwen3-yarn", "llama-yarn", "gemma3-linear", "gemma3-mm", "mistral3-mm", "llava", "qwen2.5-vl", "qwen3-vl")
 # checkpoints of a family with RoPE scaling, or with a vision tower beside it (served on text), or a
 # Llama with layers without RoPE, Granite's scalars or Phi-3's fused projections
-FAMILY_OF = {"mistral3-mm": "llama", "llava": "llama", "qwen2.5-vl": "llama", "qwen3-vl": "qwen3", "llama3-rope": "llama", "qwen3-yarn": "qwen3", "llama-yarn": "llama", "gemma3-linear": "gemma3", "gemma3-mm": "gemma3", "smollm3": "llama",
+FAMILY_OF = {"llama-bias": "llama", "mistral3-mm": "llama", "llava": "llama", "qwen2.5-vl": "llama", "qwen3-vl": "qwen3", "llama3-rope": "llama", "qwen3-yarn": "qwen3", "llama-yarn": "llama", "gemma3-linear": "gemma3", "gemma3-mm": "gemma3", "smollm3": "llama",
              "granite": "llama", "phi3": "llama", "phi3-longrope": "llama", "mixtral": "llama", "qwen3moe": "qwen3",
              "granitemoe": "llama", "qwen2moe": "llama"}
 
@@ -92,7 +92,7 @@ def test_prefill_logits_match_transformers(family):
     config, params, _, _ = load_model(os.path.join(GOLDEN, family), jnp.float32)
     assert config.family == FAMILY_OF.get(family, family)
     assert config.qk_norm == (config.family in ("qwen3", "gemma3", "olmo2", "olmoe"))
-    assert config.windowed == (family.startswith("gemma") and family != "gemma")
+    assert config.windowed == (family.startswith("gemma") and family != "gemma" or family == "gpt-oss")
     for record in golden(family):
         ours = prefill_logits(config, params, record["prompt_ids"])
         ref = np.asarray(record["prefill_logits"], np.float32)
@@ -160,6 +160,108 @@ def test_rope_scaling_is_read_and_matters(family, plain):
     ref = np.asarray(record["prefill_logits"], np.float32)
     unscaled = prefill_logits(dataclasses.replace(config, **plain), params, record["prompt_ids"])
     assert np.abs(unscaled - ref).max() > 1e-3 * np.abs(ref).max()
+
+
+@pytest.mark.parametrize("change", ["sinks", "clamp", "yarn_on_sliding", "expert_bias", "out_bias", "interleave"])
+def test_gpt_oss_parts_are_read_and_matter(change):
+    """gpt-oss's parts, each as transformers runs it (test_prefill_logits_match_transformers): without its
+    attention sinks, its SwiGLU's clamps, YaRN on the sliding layers too, the experts' and router's biases, the
+    attention output's bias, or with gate and up read as halves instead of interleaved columns, the logits are
+    not the reference's."""
+    from jaxcb.model.hf_loader import load_weights
+    from jaxcb.model.llama import params_from_numpy
+
+    src = os.path.join(GOLDEN, "gpt-oss")
+    config = load_model(src, jnp.float32)[0]
+    assert (config.family, config.attn_sinks, config.expert_bias, config.out_bias, config.activation) == (
+        "gpt-oss", True, True, True, "swiglu_oai")
+    assert config.sliding_layers == (True, False) * 2 and config.rope_scaled_sliding and config.swiglu_limit == 1.0
+    weights = load_weights(src, config)
+    if change == "sinks":  # a sink of -inf takes nothing from the softmax
+        weights["sinks"] = np.full_like(weights["sinks"], -1e30)
+    elif change == "clamp":
+        config = dataclasses.replace(config, swiglu_limit=1e9)
+    elif change == "yarn_on_sliding":
+        config = dataclasses.replace(config, rope_scaled_sliding=False)
+    elif change == "expert_bias":
+        weights.update({k: np.zeros_like(weights[k]) for k in weights if k.endswith("_bias")})
+    elif change == "out_bias":
+        weights["bo"] = np.zeros_like(weights["bo"])
+    else:
+        gate, up = weights["experts_gate"], weights["experts_up"]
+        both = np.stack([gate, up], axis=-1).reshape(*gate.shape[:-1], -1)  # the stored interleaved order
+        weights["experts_gate"], weights["experts_up"] = np.split(both, 2, axis=-1)
+    record = golden("gpt-oss")[2]
+    ref = np.asarray(record["prefill_logits"], np.float32)
+    got = prefill_logits(config, params_from_numpy(weights, jnp.float32), record["prompt_ids"])
+    assert np.abs(got - ref).max() > 1e-3 * np.abs(ref).max()
+
+
+def test_a_gpt_oss_gguf_gives_transformers_logits(tmp_path):
+    """gpt-oss as llama.cpp's converter writes it ("gpt-oss": attn_sinks, biases on the output projection, the
+    router and ffn_{gate,up,down}_exps, the MLP's norm as post_attention_norm, the sliding window and its
+    period of 2, YaRN): the Hugging Face loader's weights exactly and transformers' logits (llama.cpp's SwiGLU
+    limit is its constant 7, the tiny checkpoint's 1: set back for the logits)."""
+    fields = ("num_experts", "experts_per_token", "intermediate_size", "family", "attn_sinks", "expert_bias",
+              "out_bias", "attention_bias", "activation", "sliding_window", "sliding_layers", "rope_scaled_sliding",
+              "rope_freq_factors", "rope_attention_factor", "max_context", "norm_topk", "tie_embeddings")
+    config, weights, got = as_gguf(tmp_path, "gpt-oss", "gpt-oss", rope_scaling=("yarn", 8.0), extra_uint32={
+        "gpt-oss.attention.sliding_window": 8, "gpt-oss.rope.scaling.original_context_length": 32})
+    assert_same_fields(got.config, config, fields)
+    assert got.config.swiglu_limit == 7.0
+    assert sorted(got.weights) == sorted(weights)
+    for key, w in weights.items():
+        np.testing.assert_array_equal(got.weights[key], w, err_msg=key)
+    assert_references_logits(dataclasses.replace(got.config, swiglu_limit=config.swiglu_limit), got.weights, "gpt-oss")
+
+
+def test_gpt_oss_mxfp4_experts_are_read_as_released(tmp_path):
+    """gpt-oss's released checkpoints keep the experts in MXFP4: `<name>_blocks` uint8 [X, out, in/32, 16] (two
+    FP4 E2M1 values a byte, the low nibble first) and `<name>_scales` uint8 [X, out, in/32] (a power of two,
+    exponent + 127). The tiny checkpoint's experts so encoded load as each value decodes (written out here one
+    value at a time), and serve transformers' logits up to that rounding."""
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    from jaxcb.model.hf_loader import load_weights
+
+    fp4 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
+    src = os.path.join(GOLDEN, "gpt-oss")
+    folder = tmp_path / "gpt-oss-mxfp4"
+    shutil.copytree(src, folder)
+    tensors = load_file(str(folder / "model.safetensors"))
+    decoded = {}
+    for name in [n for n in tensors if n.endswith(("gate_up_proj", "down_proj"))]:
+        w = np.swapaxes(tensors.pop(name), -1, -2)  # [X, out, in]
+        x, rows, cols = w.shape
+        blocks = np.zeros((x, rows, cols // 32, 16), np.uint8)
+        scales = np.zeros((x, rows, cols // 32), np.uint8)
+        want = np.zeros_like(w)
+        for e, r, b in np.ndindex(x, rows, cols // 32):
+            part = w[e, r, 32 * b:32 * b + 32]
+            exp = int(np.ceil(np.log2(max(np.abs(part).max(), 1e-30) / 6.0)))  # the largest value within 6 x 2^exp
+            scales[e, r, b] = exp + 127
+            for j, v in enumerate(part):
+                code = int(np.argmin([abs(abs(v) / 2.0**exp - f) for f in fp4])) | (8 if v < 0 else 0)
+                blocks[e, r, b, j // 2] |= code << (4 * (j % 2))
+                want[e, r, 32 * b + j] = (-1 if code & 8 else 1) * fp4[code & 7] * 2.0**exp
+        tensors[name + "_blocks"], tensors[name + "_scales"] = blocks, scales
+        decoded[name] = np.swapaxes(want, -1, -2)  # [X, in, out]
+    save_file(tensors, str(folder / "model.safetensors"))
+    config = load_model(str(folder), jnp.float32)[0]
+    weights = load_weights(str(folder), config)
+    for i in range(config.num_layers):
+        gate_up = decoded[f"model.layers.{i}.mlp.experts.gate_up_proj"]
+        np.testing.assert_array_equal(weights["experts_gate"][i], gate_up[..., 0::2])
+        np.testing.assert_array_equal(weights["experts_up"][i], gate_up[..., 1::2])
+        np.testing.assert_array_equal(weights["experts_down"][i], decoded[f"model.layers.{i}.mlp.experts.down_proj"])
+    record = golden("gpt-oss")[2]
+    from jaxcb.model.llama import params_from_numpy
+
+    got = prefill_logits(config, params_from_numpy(weights, jnp.float32), record["prompt_ids"])
+    ref = np.asarray(record["prefill_logits"], np.float32)
+    assert np.abs(got - ref).max() <= 0.1 * np.abs(ref).max()
 
 
 def test_smollm3s_layers_without_rope_are_read_and_matter(tmp_path):
@@ -546,23 +648,27 @@ def test_an_olmo2_gguf_gives_transformers_logits(tmp_path):
 def test_each_way_of_running_the_experts_gives_the_same_output():
     """The mixture of experts both ways (a loop over the experts some token chose: the CPU; the pairs grouped
     by expert through jax.lax.ragged_dot: GPU and TPU) against a
-    float64 loop over tokens, with and without renormalizing the chosen experts' weights."""
+    float64 loop over tokens, with and without renormalizing the chosen experts' weights; and gpt-oss's (biases on
+    the router's logits and each expert's projections, the clamped SwiGLU, here with a limit the values pass)."""
     import jax
 
     from jaxcb.model.config import tiny_config
     from jaxcb.model.llama import experts, random_weights
 
     rng = np.random.default_rng(3)
-    for norm_topk in (True, False):
-        config = tiny_config(num_experts=8, experts_per_token=3, intermediate_size=24, norm_topk=norm_topk)
+    for norm_topk, oss in ((True, False), (False, False), (True, True)):
+        config = tiny_config(num_experts=8, experts_per_token=3, intermediate_size=24, norm_topk=norm_topk,
+                             **(dict(expert_bias=True, activation="swiglu_oai", swiglu_limit=0.3) if oss else {}))
         w = random_weights(config, seed=4)
+        bias = {k: w[k][1].astype(np.float64) if oss else 0.0 for k in ("router_bias", "experts_gate_bias",
+                                                                        "experts_up_bias", "experts_down_bias")}
         from jaxcb.model.llama import params_from_numpy
 
         layer = jax.tree.map(lambda a: a[1], params_from_numpy(w).layers)
         quantized = jax.tree.map(lambda a: a[1], params_from_numpy(w, mode="int8").layers)
         for t in (1, 2, 5, 23):  # pairs: 3 and 6 (most experts chosen by none), 15, 69
             x = rng.standard_normal((t, config.hidden_size)).astype(np.float32)
-            logits = x.astype(np.float64) @ w["router"][1]
+            logits = x.astype(np.float64) @ w["router"][1] + bias["router_bias"]
             probs = np.exp(logits - logits.max(-1, keepdims=True))
             probs /= probs.sum(-1, keepdims=True)
             want = np.zeros((t, config.hidden_size))
@@ -571,15 +677,21 @@ def test_each_way_of_running_the_experts_gives_the_same_output():
                 weights = probs[i, chosen] / (probs[i, chosen].sum() if norm_topk else 1.0)
                 for e, p in zip(chosen, weights):
                     g, u = x[i] @ w["experts_gate"][1][e], x[i] @ w["experts_up"][1][e]
-                    want[i] += p * ((g / (1 + np.exp(-g))) * u) @ w["experts_down"][1][e]
+                    if oss:
+                        g = np.minimum(g + bias["experts_gate_bias"][e], 0.3)
+                        u = np.clip(u + bias["experts_up_bias"][e], -0.3, 0.3)
+                        hidden = g / (1 + np.exp(-1.702 * g)) * (u + 1)
+                        want[i] += p * (hidden @ w["experts_down"][1][e] + bias["experts_down_bias"][e])
+                    else:
+                        want[i] += p * ((g / (1 + np.exp(-g))) * u) @ w["experts_down"][1][e]
             for grouped in (False, True):
-                got = jax.jit(lambda x, g=grouped: experts(config, x, layer, jax.nn.silu, grouped=g))(x)
+                got = jax.jit(lambda x, g=grouped: experts(config, x, layer, grouped=g))(x)
                 assert np.abs(np.asarray(got) - want).max() <= 1e-5 * np.abs(want).max(), (norm_topk, t, grouped)
             # int8 experts: each way the same (the same dequantized matrices), near the float output
-            ways = [np.asarray(jax.jit(lambda x, g=g: experts(config, x, quantized, jax.nn.silu, grouped=g))(x))
+            ways = [np.asarray(jax.jit(lambda x, g=g: experts(config, x, quantized, grouped=g))(x))
                     for g in (False, True)]
             assert np.abs(ways[0] - ways[1]).max() <= 1e-5 * np.abs(want).max(), (norm_topk, t)
-            assert np.abs(ways[0] - want).max() <= 0.05 * np.abs(want).max(), (norm_topk, t)
+            assert np.abs(ways[0] - want).max() <= 0.05 * np.abs(want).max(), (norm_topk, t, oss)
 
 
 @pytest.mark.parametrize("family", ["mixtral", "qwen2moe", "qwen3moe", "granitemoe"])

@@ -141,10 +141,10 @@ def test_what_the_decoder_does_not_do_is_refused_by_name(tmp_path, key, value, m
 
 
 def test_a_tensor_the_decoder_would_not_use_refuses_the_file(tmp_path):
-    """Experts, an output bias, anything the loader does not take: refused naming it."""
+    """Experts, a norm's bias (a LayerNorm), anything the loader does not take: refused naming it."""
     from jaxcb.host.errors import InvalidConfig
 
     path = str(tmp_path / "m.gguf")
-    write_tiny_gguf(path, extra_tensors={"blk.0.attn_output.bias": np.zeros(64)})
-    with pytest.raises(InvalidConfig, match=r"tensors jaxcb's decoder does not use \(1: blk.0.attn_output.bias\)"):
+    write_tiny_gguf(path, extra_tensors={"blk.0.attn_norm.bias": np.zeros(64)})
+    with pytest.raises(InvalidConfig, match=r"tensors jaxcb's decoder does not use \(1: blk.0.attn_norm.bias\)"):
         load_gguf(path)

@@ -209,6 +209,15 @@ def test_engine_ragged_kernel_with_a_sliding_window_and_softcap(backend):
     plain = ragged_attention(q, kv.at[:, :, :, 0].set(0.0), jnp.int32(0), jax.tree.map(jnp.asarray, batch),
                              scale=0.2, softcap=3.0)  # no window (null pages as zeros): a different answer
     assert np.abs(np.asarray(plain[:live]) - np.asarray(ref[:live])).max() > 1e-3
+    # gpt-oss's sinks: each head's logit in its softmax's denominator, applied from the kernel's log-sum-exp
+    sinks = jnp.asarray(rng.standard_normal(h) * 2, jnp.float32)
+    ref = ragged_attention(q, kv, jnp.int32(0), jax.tree.map(jnp.asarray, batch), scale=0.2, window=window,
+                           softcap=3.0, sinks=sinks)
+    out = interpreted(engine_ragged_attention, q, kv, jnp.int32(0), jnp.asarray(batch.kv_lens),
+                      jnp.asarray(batch.page_table), jnp.asarray(batch.cu_q_lens), jnp.asarray(batch.num_seqs),
+                      backend=backend, scale=0.2, window=window, softcap=3.0, sinks=sinks)
+    assert_close(out[:live], np.asarray(ref[:live]), jnp.float32)
+    assert np.isfinite(np.asarray(out)).all()
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

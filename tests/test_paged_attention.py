@@ -8,8 +8,9 @@ import jaxcb.model.llama  # noqa: F401 - registers the packed step's types (Step
 from jaxcb.model.paged_attention import paged_attention_reference, write_kv
 
 
-def dense_attention(q, k, v, q_positions, kv_len):
-    """q [T, H, D]; k, v [kv_len, K, D] -> [T, H, D], causal by position."""
+def dense_attention(q, k, v, q_positions, kv_len, sinks=None):
+    """q [T, H, D]; k, v [kv_len, K, D] -> [T, H, D], causal by position; `sinks` [H]: each head's sink logit
+    as one more softmax term (with no value)."""
     t, h, d = q.shape
     g = h // k.shape[1]
     out = np.zeros_like(q)
@@ -20,8 +21,9 @@ def dense_attention(q, k, v, q_positions, kv_len):
         for head in range(h):
             kh = k[:n, head // g]
             s = kh @ q[i, head] / np.sqrt(d)
-            p = np.exp(s - s.max())
-            p /= p.sum()
+            top = s.max() if sinks is None else max(s.max(), sinks[head])
+            p = np.exp(s - top)
+            p /= p.sum() + (0.0 if sinks is None else np.exp(sinks[head] - top))
             out[i, head] = p @ v[:n, head // g]
     return out
 
@@ -94,13 +96,15 @@ def test_donated_kv_write_updates_the_pool_in_place(tokens):
     assert memory.temp_size_in_bytes < pool_bytes // 100
 
 
-@pytest.mark.parametrize("native", [False, True], ids=["xla", "native"])
+@pytest.mark.parametrize("native,sinks", [(False, False), (True, False), (False, True)],
+                         ids=["xla", "native", "xla-sinks"])
 @pytest.mark.parametrize("page_size,heads,kv_heads", [(4, 4, 4), (16, 6, 2), (8, 8, 1)])
-def test_ragged_attention_matches_dense_on_a_mixed_step(page_size, heads, kv_heads, native):
+def test_ragged_attention_matches_dense_on_a_mixed_step(page_size, heads, kv_heads, native, sinks):
     """The engine's CPU attention over a packed step: decode rows at awkward lengths and prefill chunks
     (a whole prompt, one starting mid-page, one starting on a page boundary), padding tokens, pages in
     random order, NaN in every slot nobody wrote; against dense causal attention. `native`: decode
-    rows through the C++ kernel (kernels_cpu), which must build on every CPU machine the tests run on."""
+    rows through the C++ kernel (kernels_cpu), which must build on every CPU machine the tests run on.
+    `sinks`: each head's sink logit in its softmax's denominator (gpt-oss)."""
     import functools
 
     import jax
@@ -110,6 +114,7 @@ def test_ragged_attention_matches_dense_on_a_mixed_step(page_size, heads, kv_hea
 
     rng = np.random.default_rng(page_size + heads)
     d, n_max, layers, layer = 8, 7, 2, 1
+    head_sinks = rng.standard_normal(heads).astype(np.float32) * 2 if sinks else None
     s = page_size
     # (context before this step, new tokens): decode rows first, then prefill chunks.
     seqs = [(0, 1), (s - 2, 1), (s - 1, 1), (s, 1), (n_max * s - 1, 1), (0, 2 * s + 3), (s + 3, s), (2 * s, 5)]
@@ -128,7 +133,7 @@ def test_ragged_attention_matches_dense_on_a_mixed_step(page_size, heads, kv_hea
         q = rng.standard_normal((n, heads, d)).astype(np.float32)
         specs.append(SeqSpec([0] * n, ctx, pages))
         qs.append(q)
-        want.append(dense_attention(q, k, v, np.arange(ctx, total), total))
+        want.append(dense_attention(q, k, v, np.arange(ctx, total), total, head_sinks))
     live = sum(n for _, n in seqs)
     batch = pack(specs, StepShape(tokens=live + 5, seqs=len(seqs) + 2, pages_per_seq=n_max, history=n_max * s), s)
     q = np.zeros((live + 5, heads, d), np.float32)
@@ -139,7 +144,8 @@ def test_ragged_attention_matches_dense_on_a_mixed_step(page_size, heads, kv_hea
 
         assert kernels_cpu.available(), kernels_cpu.unavailable_reason()
     attention = jax.jit(functools.partial(ragged_attention, native=native))
-    got = np.asarray(attention(jnp.asarray(q), jnp.asarray(kv), jnp.int32(layer), batch))
+    got = np.asarray(attention(jnp.asarray(q), jnp.asarray(kv), jnp.int32(layer), batch,
+                               sinks=None if head_sinks is None else jnp.asarray(head_sinks)))
     assert np.isfinite(got).all(), "NaN from unwritten slots reached the output"
     np.testing.assert_allclose(got[:live], np.concatenate(want), rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(got[live:], 0)

@@ -75,7 +75,7 @@ def write_tiny_gguf(path: str, config: ModelConfig | None = None, seed: int = 0,
     if config.num_experts:  # (Mixtral: arch llama; Qwen3-MoE's own keys name the experts' width too)
         writer.add_uint32(f"{arch}.expert_count", config.num_experts)
         writer.add_uint32(f"{arch}.expert_used_count", config.experts_per_token)
-        if arch in ("qwen3moe", "qwen2moe"):
+        if arch in ("qwen3moe", "qwen2moe", "gpt-oss"):
             writer.add_uint32(f"{arch}.expert_feed_forward_length", config.intermediate_size)
         if config.shared_expert_size:
             writer.add_uint32(f"{arch}.expert_shared_feed_forward_length", config.shared_expert_size)
@@ -128,6 +128,8 @@ def write_tiny_gguf(path: str, config: ModelConfig | None = None, seed: int = 0,
              "mlp_norm": "ffn_norm", "w_gate": "ffn_gate", "w_up": "ffn_up", "w_down": "ffn_down"}
     if config.attention_bias:  # Qwen2's q/k/v biases
         names.update(bq="attn_q.bias", bk="attn_k.bias", bv="attn_v.bias")
+    if config.out_bias:
+        names.update(bo="attn_output.bias")
     if config.qk_norm:
         names.update(q_norm="attn_q_norm", k_norm="attn_k_norm")
     if not config.pre_norms:  # OLMo 2: norms after attention and the MLP only
@@ -141,6 +143,10 @@ def write_tiny_gguf(path: str, config: ModelConfig | None = None, seed: int = 0,
         if config.shared_expert_size:  # Qwen2-MoE's shared expert and its gate ([1, E], as its converter writes it)
             names.update(w_gate="ffn_gate_shexp", w_up="ffn_up_shexp", w_down="ffn_down_shexp",
                          shared_gate="ffn_gate_inp_shexp")
+    if arch == "gpt-oss":  # its MLP's norm named by place, sinks, the router's and experts' biases
+        names.update(mlp_norm="post_attention_norm", sinks="attn_sinks", router_bias="ffn_gate_inp.bias",
+                     experts_gate_bias="ffn_gate_exps.bias", experts_up_bias="ffn_up_exps.bias",
+                     experts_down_bias="ffn_down_exps.bias")
     if arch == "phi3":  # fused: attn_qkv = [q; k; v] rows, ffn_up = [gate; up] rows
         for i in range(config.num_layers):
             put(f"blk.{i}.attn_qkv.weight", np.concatenate([w["wq"][i].T, w["wk"][i].T, w["wv"][i].T]), True)
@@ -149,7 +155,7 @@ def write_tiny_gguf(path: str, config: ModelConfig | None = None, seed: int = 0,
     for i in range(config.num_layers):
         for key, gname in names.items():
             a = w[key][i]
-            linear = a.ndim >= 2
+            linear = a.ndim >= 2 and not gname.endswith(".bias")
             if linear:
                 a = np.swapaxes(a, -1, -2)  # to [out, in] (each expert's)
             permuted = arch in ("llama", "smollm3", "granite", "granitemoe")  # llama.cpp permutes Q and K for these only

@@ -32,7 +32,7 @@ COMMON = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_
 
 
 def configs():
-    from transformers import (CLIPVisionConfig, Gemma2Config, GemmaConfig, Gemma3Config, Gemma3TextConfig, GraniteConfig,
+    from transformers import (CLIPVisionConfig, Gemma2Config, GptOssConfig, GemmaConfig, Gemma3Config, Gemma3TextConfig, GraniteConfig,
                               GraniteMoeConfig, LlamaConfig, LlavaConfig, Mistral3Config, MistralConfig,
                               MixtralConfig, Olmo2Config, OlmoeConfig, PixtralVisionConfig, Qwen2_5_VLConfig,
                               Qwen3VLConfig, Phi3Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig,
@@ -64,6 +64,17 @@ def configs():
                                        num_local_experts=4, num_experts_per_tok=2, embedding_multiplier=6.0,
                                        residual_multiplier=0.3, attention_multiplier=0.1, logits_scaling=4.0,
                                        pad_token_id=None),
+        # gpt-oss: attention sinks, biases on every projection and the router, 4 experts (2 a token) of a clamped
+        # SwiGLU (a limit of 1, so that the clamps bite on these weights), sliding layers alternating with full
+        # ones, YaRN on every layer (from 32 positions, untruncated: as released)
+        "gpt-oss": GptOssConfig(**{**COMMON, "intermediate_size": 32}, num_local_experts=4, num_experts_per_tok=2,
+                                sliding_window=8, layer_types=["sliding_attention", "full_attention"] * 2,
+                                swiglu_limit=1.0, pad_token_id=None, bos_token_id=1, eos_token_id=2,
+                                rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0,
+                                                 "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                                                 "original_max_position_embeddings": 32}),
+        # Llama with attention_bias (as transformers builds it: q, k, v and the output projection biased)
+        "llama-bias": LlamaConfig(**COMMON, tie_word_embeddings=False, attention_bias=True),
         "smollm3": SmolLM3Config(**COMMON, tie_word_embeddings=True, no_rope_layer_interval=2, pad_token_id=None,
                                  bos_token_id=1, eos_token_id=2),
         "phi3": Phi3Config(**COMMON, tie_word_embeddings=False, pad_token_id=None, bos_token_id=1, eos_token_id=2),
@@ -157,6 +168,13 @@ def main():
                     p.add_(torch.randn_like(p) * 0.3)
                 elif p.dim() == 2:
                     p.mul_(4.0 if "embed" in name else 2.0)
+                if family == "llama-bias" and "bias" in name:  # (zero at the start)
+                    p.copy_(torch.randn_like(p) * 0.5)
+                if family == "gpt-oss":  # (its biases start at zero, its sinks and experts small: all made to matter)
+                    if "bias" in name or "sinks" in name:
+                        p.copy_(torch.randn_like(p) * (1.0 if "sinks" in name else 0.1))
+                    elif "experts" in name:
+                        p.mul_(2.0)
         folder = os.path.join(OUT, family)
         model.save_pretrained(folder, safe_serialization=True)
         records = []

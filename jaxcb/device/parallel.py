@@ -33,6 +33,10 @@ _LAYER_SPECS = {
     # a mixture of experts: the router replicated, each expert split as the dense MLP is (its columns)
     "router": P(), "shared_gate": P(), "experts_gate": P(None, None, None, AXIS), "experts_up": P(None, None, None, AXIS),
     "experts_down": P(None, None, AXIS, None),
+    # gpt-oss: the output's bias added after the all-reduce; each query head's sink with its head; the router's
+    # bias replicated, the experts' gate and up biases split as their columns, the down's (added whole) replicated
+    "bo": P(), "sinks": P(None, AXIS), "router_bias": P(), "experts_gate_bias": P(None, None, AXIS),
+    "experts_up_bias": P(None, None, AXIS), "experts_down_bias": P(),
 }
 
 

@@ -7,6 +7,9 @@ import dataclasses
 from jaxcb.host.errors import InvalidConfig
 
 
+ACTIVATIONS = ("silu", "gelu_tanh", "swiglu_oai")
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """A decoder of the Llama family or one of its named variations (Qwen3, Gemma 2, Gemma 3: see the
@@ -25,25 +28,33 @@ class ModelConfig:
     tie_embeddings: bool = True
     name: str = "llama"
     attention_bias: bool = False  # biases on the q, k, v projections (Qwen2)
+    out_bias: bool = False  # a bias on the attention's output projection too (Llama's attention_bias, gpt-oss)
     # ---- variations of other families (defaults: Llama) ----
     family: str = "llama"  # "llama" (Llama, Mistral, Mixtral, Qwen2 and its MoE, SmolLM3, Granite and its MoE,
-    #                        Phi-3), "qwen3" (and its MoE), "gemma2", "gemma3", "olmo2", "olmoe"
+    #                        Phi-3), "qwen3" (and its MoE), "gemma2", "gemma3", "olmo2", "olmoe", "gpt-oss"
     qk_norm: bool = False  # RMSNorm over each head of q and k before RoPE (Qwen3, Gemma 3)
     qk_norm_whole: bool = False  # ... over the whole q and k projections instead, all heads at once (OLMo 2)
     pre_norms: bool = True  # a norm before attention and before the MLP (False: OLMo 2's, with post_norms only)
     norm_plus_one: bool = False  # RMSNorm scales by (1 + w) (Gemma)
     post_norms: bool = False  # a norm after attention and after the MLP too: four per layer (Gemma 2/3)
-    activation: str = "silu"  # the gated MLP's: "silu" (SwiGLU) or "gelu_tanh" (GeGLU, Gemma)
+    activation: str = "silu"  # the gated MLP's: "silu" (SwiGLU), "gelu_tanh" (GeGLU, Gemma) or "swiglu_oai"
+    #                           (gpt-oss: gate clamped above at swiglu_limit, up to +-swiglu_limit,
+    #                           gate * sigmoid(swiglu_alpha * gate) * (up + 1))
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
     embed_scale: bool = False  # embeddings times sqrt(hidden), in the model dtype (Gemma)
     query_scale: float = 0.0  # attention scores' scale; 0: 1/sqrt(head_dim) (Gemma: query_pre_attn_scalar^-0.5)
     sliding_window: int = 0  # keys a sliding layer's query sees, itself included (0: no sliding layers)
     sliding_layers: tuple[bool, ...] = ()  # per layer: True = sliding window, False = full attention
     local_rope_theta: float = 0.0  # sliding layers' RoPE base (Gemma 3: 10,000); 0: rope_theta
-    # RoPE scaling of the full-attention layers (a sliding layer's RoPE is plain): each frequency divided by
+    attn_sinks: bool = False  # a learned logit per query head in each softmax's denominator (gpt-oss's sinks)
+    # RoPE scaling of the full-attention layers (a sliding layer's RoPE is plain unless `rope_scaled_sliding`,
+    # gpt-oss's YaRN on every layer): each frequency divided by
     # its factor (Llama 3.1+'s "llama3" scaling; GGUF's rope_freqs tensor), () for none; and every
     # position divided by `rope_linear_factor` (linear scaling: Gemma 3 4B+'s global layers), 1 for none.
     rope_freq_factors: tuple[float, ...] = ()
     rope_linear_factor: float = 1.0
+    rope_scaled_sliding: bool = False
     rope_attention_factor: float = 1.0  # cos and sin scaled by it (LongRoPE's attention factor, Phi-3.5/4); 1: none
     rotary_dim: int = 0  # each head's first dimensions RoPE rotates (Phi-4-mini: 3/4 of them); 0: all
     attn_softcap: float = 0.0  # scores -> cap * tanh(scores / cap) (Gemma 2); 0: off
@@ -60,6 +71,7 @@ class ModelConfig:
     num_experts: int = 0
     experts_per_token: int = 0
     norm_topk: bool = True
+    expert_bias: bool = False  # a bias on the router's logits and on each expert's gate, up and down (gpt-oss)
     # Beside the experts, a shared expert every token runs (Qwen2-MoE): a gated MLP this wide (the dense MLP's
     # matrices w_gate, w_up, w_down), its output times sigmoid(x @ shared_gate); 0: none.
     shared_expert_size: int = 0
@@ -71,6 +83,8 @@ class ModelConfig:
         assert not self.rope_freq_factors or len(self.rope_freq_factors) == self.rope_dim // 2, "one factor per frequency"
         assert self.rope_dim % 2 == 0 and self.rope_dim <= self.head_dim, "an even rotary part of the head"
         assert not self.num_experts or 0 < self.experts_per_token <= self.num_experts, "1 to num_experts a token"
+        assert self.activation in ACTIVATIONS, f"activation {self.activation!r}: one of {ACTIVATIONS}"
+        assert not self.expert_bias or self.num_experts, "expert biases without experts"
 
     def rope_divisors(self):
         """numpy float32 [rope_dim/2]: what each RoPE frequency of a full-attention layer is divided by (Llama 3's
@@ -119,6 +133,9 @@ class ModelConfig:
                 "experts_down": (l, x, f, e)} if x else dense)
         if x and self.shared_expert_size:
             mlp.update(dense, shared_gate=(l, e, 1))
+        if x and self.expert_bias:
+            mlp.update(router_bias=(l, x), experts_gate_bias=(l, x, f), experts_up_bias=(l, x, f),
+                       experts_down_bias=(l, x, e))
         shapes = {  # in this order: jaxcb.model.llama.random_weights draws them so
             "embed": (self.vocab_size, e), "wq": (l, e, q), "wk": (l, e, kv), "wv": (l, e, kv),
             "wo": (l, q, e), **mlp, "attn_norm": (l, e), "mlp_norm": (l, e), "final_norm": (e,),
@@ -127,6 +144,10 @@ class ModelConfig:
             del shapes["attn_norm"], shapes["mlp_norm"]
         if self.attention_bias:
             shapes.update(bq=(l, q), bk=(l, kv), bv=(l, kv))
+        if self.out_bias:
+            shapes.update(bo=(l, e))
+        if self.attn_sinks:
+            shapes.update(sinks=(l, self.num_heads))
         if self.qk_norm and self.qk_norm_whole:
             shapes.update(q_norm=(l, q), k_norm=(l, kv))
         elif self.qk_norm:

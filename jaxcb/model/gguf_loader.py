@@ -1,5 +1,6 @@
 """Read a GGUF file of the Llama (and Mixtral: llama with experts), Qwen2, Qwen2-MoE, Qwen3, Qwen3-MoE, SmolLM3, Granite,
-Granite MoE, Phi-3, Gemma 1-3, OLMo 2, OLMoE, or Qwen2.5-VL's and Qwen3-VL's language models: config, dequantized weights and tokenizer metadata.
+Granite MoE, Phi-3, Gemma 1-3, OLMo 2, OLMoE, gpt-oss, or Qwen2.5-VL's and Qwen3-VL's language models: config,
+dequantized weights (gpt-oss's MXFP4 experts too) and tokenizer metadata.
 
 The `gguf` library parses the file and dequantizes every tensor type it knows. Weights come back
 as numpy arrays in this project's layout (see `WEIGHT_NAMES`): linear weights as [in, out] so the
@@ -29,8 +30,8 @@ from jaxcb.model.config import ModelConfig, check_all_used
 from jaxcb.model.gguf_file import GGUFFile
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen2moe", "qwen3", "qwen3moe", "gemma", "gemma2", "gemma3", "smollm3", "granite",
-                           "granitemoe", "phi3", "olmo2", "olmoe", "qwen2vl", "qwen3vl")
-MOE_ARCHITECTURES = ("llama", "qwen2moe", "qwen3moe", "granitemoe", "olmoe")  # a mixture of experts (Mixtral: "llama" + experts)
+                           "granitemoe", "phi3", "olmo2", "olmoe", "qwen2vl", "qwen3vl", "gpt-oss")
+MOE_ARCHITECTURES = ("llama", "qwen2moe", "qwen3moe", "granitemoe", "olmoe", "gpt-oss")  # a mixture of experts (Mixtral: "llama" + experts)
 
 # Project name -> (GGUF name pattern, transpose to [in, out]).
 _LAYER_TENSORS = {
@@ -58,6 +59,10 @@ _EXTRA_TENSORS = {
               "post_attn_norm": "blk.{i}.post_attention_norm.weight", "post_mlp_norm": "blk.{i}.post_ffw_norm.weight"},
     "gemma3": {"q_norm": "blk.{i}.attn_q_norm.weight", "k_norm": "blk.{i}.attn_k_norm.weight",
                "post_attn_norm": "blk.{i}.post_attention_norm.weight", "post_mlp_norm": "blk.{i}.post_ffw_norm.weight"},
+    # gpt-oss: its MLP's norm named by place (after attention), the heads' sinks, the router's and experts' biases
+    "gpt-oss": {"mlp_norm": "blk.{i}.post_attention_norm.weight", "sinks": "blk.{i}.attn_sinks.weight",
+                "router_bias": "blk.{i}.ffn_gate_inp.bias", "experts_gate_bias": "blk.{i}.ffn_gate_exps.bias",
+                "experts_up_bias": "blk.{i}.ffn_up_exps.bias", "experts_down_bias": "blk.{i}.ffn_down_exps.bias"},
 }
 WEIGHT_NAMES = ("embed", "final_norm", "lm_head", *_LAYER_TENSORS, "q_norm", "k_norm", "post_attn_norm",
                 "post_mlp_norm")
@@ -153,6 +158,8 @@ def read_config(reader) -> ModelConfig:
     theta = float(_field(reader, f"{arch}.rope.freq_base", 10000.0))
     context = int(need("context_length"))
     family.update(_rope_scaling(reader, arch, head_dim, rotary_dim, theta, context))
+    if arch == "gpt-oss" and "rope_freq_factors" in family:  # (YaRN as gpt-oss was trained and transformers runs
+        family.update(_rope_scaling(reader, arch, head_dim, rotary_dim, theta, context, truncate=False))  # it)
     context = family.pop("max_context", context)
     ffn = int(_field(reader, f"{arch}.expert_feed_forward_length", 0) or need("feed_forward_length"))
     if arch == "olmo2":  # norms after attention and the MLP only; q and k normed whole (its rotate-half RoPE)
@@ -171,6 +178,19 @@ def read_config(reader) -> ModelConfig:
                       residual_multiplier=float(_field(reader, f"{arch}.residual_scale", 1.0)),
                       query_scale=float(_field(reader, f"{arch}.attention.scale", 0.0) or 0.0),
                       logit_scale=float(_field(reader, f"{arch}.logit_scale", 1.0)))
+    elif arch == "gpt-oss":  # sinks, biases, clamped SwiGLU experts (llama.cpp's constants), sliding layers
+        window = int(need("attention.sliding_window"))
+        pattern = _field(reader, f"{arch}.attention.sliding_window_pattern", 2)
+        if isinstance(pattern, (list, np.ndarray)):  # llama.cpp: a flag per layer (true: sliding), or a period
+            sliding = tuple(bool(p) for p in pattern)
+            if len(sliding) != layers:
+                raise InvalidConfig(f"{arch}.attention.sliding_window_pattern: {len(sliding)} flags for {layers} layers")
+        else:
+            sliding = tuple(i % int(pattern) < int(pattern) - 1 for i in range(layers))
+        local = float(_field(reader, f"{arch}.rope.freq_base_swa", theta))
+        family.update(family=arch, attn_sinks=True, expert_bias=True, activation="swiglu_oai", swiglu_alpha=1.702,
+                      swiglu_limit=7.0, sliding_window=window, sliding_layers=sliding, rope_scaled_sliding=True,
+                      local_rope_theta=local if local != theta else 0.0)
     elif arch == "gemma":  # Gemma 1 (and CodeGemma): Gemma's (1 + w) norms, GeGLU and scaled embeddings, nothing more
         family.update(family=arch, norm_plus_one=True, activation="gelu_tanh", embed_scale=True)
     elif arch in ("gemma2", "gemma3"):
@@ -197,6 +217,7 @@ def read_config(reader) -> ModelConfig:
         rms_norm_eps=float(need("attention.layer_norm_rms_epsilon")),
         tie_embeddings="output.weight" not in names,
         attention_bias="blk.0.attn_q.bias" in names,
+        out_bias="blk.0.attn_output.bias" in names,
         name=str(_field(reader, "general.name", arch)),
         **family,
     )
@@ -257,12 +278,14 @@ def _phi3(reader, head_dim: int, rotary_dim: int, context: int) -> dict:
     return out
 
 
-def _rope_scaling(reader, arch: str, head_dim: int, rotary_dim: int, theta: float, context: int) -> dict:
+def _rope_scaling(reader, arch: str, head_dim: int, rotary_dim: int, theta: float, context: int,
+                  truncate: bool = True) -> dict:
     """The RoPE scaling a GGUF describes, as ModelConfig fields: linear (`rope.scaling.type` linear and its
     `factor`: llama.cpp's Gemma 3 4B+ and linear Llamas), per-frequency factors (the `rope_freqs` tensor:
     Llama 3.1+) and YaRN (`yarn`, its factor, original context and betas: Qwen2.5/Qwen3 converted with YaRN on,
     serving original context x factor where the file's context is shorter); other kinds, and YaRN's
-    llama.cpp-only knobs, are refused by name rather than run approximately."""
+    llama.cpp-only knobs, are refused by name rather than run approximately. `truncate` False: YaRN's ramp between
+    its exact (not rounded) dimensions, as gpt-oss was trained (llama.cpp rounds them)."""
     kind = _field(reader, f"{arch}.rope.scaling.type")
     factor = _field(reader, f"{arch}.rope.scaling.factor")
     out = {}
@@ -275,7 +298,7 @@ def _rope_scaling(reader, arch: str, head_dim: int, rotary_dim: int, theta: floa
         scaling = {"rope_type": "yarn", "factor": factor,  # (as transformers writes it: one reading of YaRN)
                    "original_max_position_embeddings": _field(reader, f"{arch}.rope.scaling.original_context_length"),
                    "beta_fast": _field(reader, f"{arch}.rope.scaling.yarn_beta_fast"),
-                   "beta_slow": _field(reader, f"{arch}.rope.scaling.yarn_beta_slow")}
+                   "beta_slow": _field(reader, f"{arch}.rope.scaling.yarn_beta_slow"), "truncate": truncate}
         return rope_scaling.from_dict(scaling, theta, rotary_dim, context, where=f"{arch}.rope.scaling")
     if kind not in (None, "none", "linear"):
         raise InvalidConfig(f"{arch}.rope.scaling.type: {kind!r} is not supported (linear, yarn and Llama 3's "
@@ -339,6 +362,8 @@ def load_gguf(path: str, check_config=None) -> LoadedModel:
     table = {**_LAYER_TENSORS, **{k: (v, False) for k, v in _EXTRA_TENSORS.get(config.family, {}).items()}}
     if config.attention_bias:
         table.update({k: (v, False) for k, v in _BIAS_TENSORS.items()})
+    if config.out_bias:
+        table["bo"] = ("blk.{i}.attn_output.bias", False)
     if not config.pre_norms:  # (OLMo 2)
         del table["attn_norm"], table["mlp_norm"]
     for pattern, parts in _FUSED_TENSORS.items():  # (Phi-3) fused projections: each part's rows, as [in, out]

@@ -5,7 +5,8 @@ Llama and Mistral as they are, Qwen2 with its q/k/v biases, Qwen3 with its per-h
 explicit head_dim, Gemma 2 (four norms a layer, soft-capping, sliding layers alternating with full
 ones) and Gemma 3 (text: q/k norms, five sliding layers to a full one, a local RoPE base), Mixtral and
 Qwen3-MoE and OLMoE (a mixture of experts in place of the MLP; OLMoE's q and k normed whole), OLMo 2 (norms after attention and the MLP only; q and
-k normed whole); a separate output head when the embeddings are not tied. Weights are read with `safetensors` (no framework) and
+k normed whole), gpt-oss (attention sinks, biases, clamped SwiGLU experts in MXFP4 or floats, sliding layers,
+YaRN on every layer); a separate output head when the embeddings are not tied. Weights are read with `safetensors` (no framework) and
 transposed from torch's [out, in] to this project's [in, out].
 """
 
@@ -33,6 +34,7 @@ ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qw
                  "Gemma3ForCausalLM": "gemma3",
                  "MixtralForCausalLM": "mixtral", "Qwen3MoeForCausalLM": "qwen3moe", "GraniteMoeForCausalLM": "granitemoe",
                  "Qwen2MoeForCausalLM": "qwen2moe", "Olmo2ForCausalLM": "olmo2", "OlmoeForCausalLM": "olmoe",
+                 "GptOssForCausalLM": "gpt-oss",
                  # Vision-language checkpoints as released (a vision tower beside the language model): served on
                  # text. Gemma 3 4B+; Qwen2-VL, Qwen2.5-VL (a Qwen2) and Qwen3-VL (a Qwen3), whose M-RoPE gives
                  # every section a text token's one position: plain RoPE; Mistral Small 3.1+ (Mistral3) and
@@ -64,12 +66,31 @@ _FUSED = {"self_attn.qkv_proj.weight": ("wq", "wk", "wv"), "mlp.gate_up_proj.wei
 # by the router's name): Mixtral's names; Qwen2-MoE's, Qwen3-MoE's and OLMoE's ("mlp"): the router, and each
 # expert's gate, up and down projections; Granite MoE's: the router, every expert's gate and up projections in
 # one tensor [X, 2F, E] (gate first), and their down projections [X, E, F].
-_MOE_FAMILIES = ("mixtral", "qwen2moe", "qwen3moe", "olmoe", "granitemoe")
+_MOE_FAMILIES = ("mixtral", "qwen2moe", "qwen3moe", "olmoe", "granitemoe", "gpt-oss")
 _MOE = {"mixtral": ("block_sparse_moe.gate.weight", "block_sparse_moe.experts.{j}.", ("w1", "w3", "w2")),
         "mlp": ("mlp.gate.weight", "mlp.experts.{j}.", ("gate_proj", "up_proj", "down_proj")),
         "granitemoe": ("block_sparse_moe.router.layer.weight", "block_sparse_moe.",
                        ("input_linear", "input_linear", "output_linear"))}
 _BIASES = {"bq": "self_attn.q_proj.bias", "bk": "self_attn.k_proj.bias", "bv": "self_attn.v_proj.bias"}
+# gpt-oss's experts: the router (with a bias), every expert's gate and up projections in one tensor [X, E, 2F]
+# (gate and up columns interleaved, gate first) and their down projections [X, F, E], each with a bias; as
+# released, the expert matrices in MXFP4 (_mxfp4: `<name>_blocks` and `<name>_scales`)
+_GPT_OSS = {"router": "mlp.router.weight", "router_bias": "mlp.router.bias", "gate_up": "mlp.experts.gate_up_proj",
+            "down": "mlp.experts.down_proj"}
+_FP4 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], np.float32)
+
+
+def _mxfp4(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """MXFP4 (OCP microscaling: 32 FP4 E2M1 values sharing a power-of-two scale) as gpt-oss stores its experts:
+    blocks uint8 [X, out, in/32, 16] (two values a byte, the low nibble first), scales uint8 [X, out, in/32]
+    (exponent + 127). Returns float32 [X, in, out], this project's layout."""
+    blocks, scales = np.asarray(blocks, np.uint8), np.asarray(scales, np.uint8)
+    if blocks.shape[:-1] != scales.shape or blocks.shape[-1] != 16:
+        raise InvalidConfig(f"model: MXFP4 blocks {blocks.shape} and scales {scales.shape} do not match")
+    values = np.empty(blocks.shape[:-1] + (32,), np.float32)
+    values[..., 0::2], values[..., 1::2] = _FP4[blocks & 15], _FP4[blocks >> 4]
+    values = np.ldexp(values, scales.astype(np.int32)[..., None] - 127)
+    return np.ascontiguousarray(values.reshape(*blocks.shape[:-2], -1).swapaxes(-1, -2))
 _QK_NORMS = {"q_norm": "self_attn.q_norm.weight", "k_norm": "self_attn.k_norm.weight"}
 # Gemma names its norms by place: post_attention_layernorm is the attention output's, not the MLP input's.
 _GEMMA_NORMS = {"mlp_norm": "pre_feedforward_layernorm.weight", "post_attn_norm": "post_attention_layernorm.weight",
@@ -199,6 +220,16 @@ def read_config(path: str) -> ModelConfig:
             extra.update(num_experts=experts, experts_per_token=used,
                          norm_topk=bool(raw.get("norm_topk_prob", family not in ("qwen3moe", "qwen2moe", "olmoe"))),
                          shared_expert_size=int(raw.get("shared_expert_intermediate_size") or 0))
+        if family == "gpt-oss":  # sinks, biases everywhere, clamped SwiGLU experts, sliding layers, YaRN on all
+            window = int(raw.get("sliding_window") or 0)
+            types = raw.get("layer_types") or ["sliding_attention" if (i + 1) % 2 else "full_attention"
+                                               for i in range(layers)]
+            if len(types) != layers:
+                raise InvalidConfig(f"config.json: layer_types has {len(types)} entries for {layers} layers")
+            extra.update(attn_sinks=True, expert_bias=True, activation="swiglu_oai",
+                         swiglu_alpha=float(raw.get("swiglu_alpha", 1.702)), swiglu_limit=float(raw.get("swiglu_limit", 7.0)),
+                         sliding_window=window, rope_scaled_sliding=True,
+                         sliding_layers=tuple(t == "sliding_attention" for t in types) if window else ())
         if gemma:
             window = int(raw.get("sliding_window") or 0)
             types = raw.get("layer_types")
@@ -233,6 +264,8 @@ def read_config(path: str) -> ModelConfig:
                             else bool(raw.get("tie_word_embeddings", gemma))),
             name=os.path.basename(os.path.normpath(path)),
             attention_bias=family in ("qwen2", "qwen2moe") or bool(raw.get("attention_bias", False)),
+            # (transformers' attention_bias puts one on the output projection too, but for Qwen2's q/k/v biases)
+            out_bias=bool(raw.get("attention_bias", False)) and family not in ("qwen2", "qwen2moe"),
             family={"qwen2": "llama", "smollm3": "llama", "granite": "llama", "phi3": "llama", "mixtral": "llama",
                     "granitemoe": "llama", "qwen2moe": "llama",
                     "qwen3moe": "qwen3"}.get(family, family), **extra,
@@ -260,6 +293,33 @@ def _has_head(path: str) -> bool:
     return any(n == "lm_head.weight" or n.endswith(".lm_head.weight") for n in names)
 
 
+def _gpt_oss_experts(get, tensors, layer: str, config: ModelConfig) -> dict[str, np.ndarray]:
+    """gpt-oss's router and experts (_GPT_OSS), float or MXFP4, stacked over layers in this project's layout."""
+    f = config.intermediate_size
+    out = {k: [] for k in ("router", "router_bias", "experts_gate", "experts_up", "experts_down", "experts_gate_bias",
+                           "experts_up_bias", "experts_down_bias")}
+    for i in range(config.num_layers):
+        at = layer.format(i=i)
+
+        def matrix(name):  # [X, in, out]
+            if at + name + "_blocks" in tensors:
+                return _mxfp4(get(at + name + "_blocks", raw=True), get(at + name + "_scales", raw=True))
+            return get(at + name)
+
+        gate_up, gate_up_bias = matrix(_GPT_OSS["gate_up"]), get(at + _GPT_OSS["gate_up"] + "_bias")
+        if gate_up.shape[-1] != 2 * f:
+            raise InvalidConfig(f"model: {at}{_GPT_OSS['gate_up']} has {gate_up.shape[-1]} columns, not 2 x {f}")
+        out["router"].append(get(at + _GPT_OSS["router"], True))
+        out["router_bias"].append(get(at + _GPT_OSS["router_bias"]))
+        out["experts_gate"].append(np.ascontiguousarray(gate_up[..., 0::2]))
+        out["experts_up"].append(np.ascontiguousarray(gate_up[..., 1::2]))
+        out["experts_gate_bias"].append(gate_up_bias[..., 0::2])
+        out["experts_up_bias"].append(gate_up_bias[..., 1::2])
+        out["experts_down"].append(matrix(_GPT_OSS["down"]))
+        out["experts_down_bias"].append(get(at + _GPT_OSS["down"] + "_bias"))
+    return {k: np.stack(v) for k, v in out.items()}
+
+
 def load_weights(path: str, config: ModelConfig) -> dict[str, np.ndarray]:
     """The weights in the loader layout of jaxcb.model.llama (float32)."""
     from safetensors.numpy import load_file
@@ -276,10 +336,12 @@ def load_weights(path: str, config: ModelConfig) -> dict[str, np.ndarray]:
 
     used = set()
 
-    def get(name: str, transpose: bool = False) -> np.ndarray:
+    def get(name: str, transpose: bool = False, raw: bool = False) -> np.ndarray:
         if name not in tensors:
             raise InvalidConfig(f"model: tensor {name} is missing from {path}")
         used.add(name)
+        if raw:  # (packed values: as stored)
+            return tensors[name]
         w = np.asarray(tensors[name], dtype=np.float32)
         return np.ascontiguousarray(w.T) if transpose else w
 
@@ -309,11 +371,15 @@ def load_weights(path: str, config: ModelConfig) -> dict[str, np.ndarray]:
         if config.shared_expert_size:
             names["shared_gate"] = ("mlp.shared_expert_gate.weight", True)
         layout = next((a for a, moe in _MOE.items() if layer.format(i=0) + moe[0] in tensors), None)
-        if layout is None:
+        if layer.format(i=0) + _GPT_OSS["router"] in tensors:
+            layout = "gpt-oss"
+            weights.update(_gpt_oss_experts(get, tensors, layer, config))
+        elif layout is None:
             raise InvalidConfig(f"model: {path} has no router tensor (one of "
                                 f"{', '.join(layer.format(i=0) + moe[0] for moe in _MOE.values())})")
-        router, expert, parts = _MOE[layout]
-        weights["router"] = np.stack([get(layer.format(i=i) + router, True) for i in range(config.num_layers)])
+        router, expert, parts = _MOE.get(layout, (None, None, ()))
+        if router is not None:
+            weights["router"] = np.stack([get(layer.format(i=i) + router, True) for i in range(config.num_layers)])
         for key, part in zip(("experts_gate", "experts_up", "experts_down"), parts):
             if layout == "granitemoe":  # every expert's at once, [X, out, in]; gate and up halves of one
                 stacked = [get(layer.format(i=i) + expert + part + ".weight") for i in range(config.num_layers)]
@@ -326,6 +392,10 @@ def load_weights(path: str, config: ModelConfig) -> dict[str, np.ndarray]:
                                                for j in range(config.num_experts)]) for i in range(config.num_layers)])
     if config.attention_bias:
         names.update({k: (v, False) for k, v in _BIASES.items()})
+    if config.out_bias:
+        names["bo"] = ("self_attn.o_proj.bias", False)
+    if config.attn_sinks:
+        names["sinks"] = ("self_attn.sinks", False)
     if config.qk_norm:
         names.update({k: (v, False) for k, v in _QK_NORMS.items()})
     if config.post_norms:

@@ -80,6 +80,12 @@ class LayerParams:
     experts_up: jax.Array | None = None  # [L, X, E, F]
     experts_down: jax.Array | None = None  # [L, X, F, E]
     shared_gate: jax.Array | None = None  # [L, E, 1] beside the experts, the shared expert's (w_gate, w_up, w_down) gate
+    bo: jax.Array | None = None  # [L, E] the attention output's bias (Llama's attention_bias, gpt-oss)
+    sinks: jax.Array | None = None  # [L, H] each query head's sink logit (gpt-oss)
+    router_bias: jax.Array | None = None  # [L, X] the experts' biases (gpt-oss): the router's logits',
+    experts_gate_bias: jax.Array | None = None  # [L, X, F]
+    experts_up_bias: jax.Array | None = None  # [L, X, F]
+    experts_down_bias: jax.Array | None = None  # [L, X, E]
 
 
 @flax.struct.dataclass
@@ -161,7 +167,7 @@ def random_weights(config: ModelConfig, seed: int = 0, scale: float = 0.08) -> d
     for k, s in shapes.items():  # drawn in weight_shapes' order
         if k in norms:
             w[k] = (1.0 + 0.1 * rng.standard_normal(s)).astype(np.float32)
-        elif k in ("bq", "bk", "bv"):
+        elif k in ("bq", "bk", "bv", "bo", "sinks") or k.endswith("_bias"):
             w[k] = (rng.standard_normal(s) * 0.5).astype(np.float32)
         elif k == "lm_head":  # logits with a spread of a few units: sampling varies, greedy has clear winners
             w[k] = (rng.standard_normal(s) * 2.5 / np.sqrt(s[0])).astype(np.float32)
@@ -188,7 +194,9 @@ def rope_frequencies(config: ModelConfig, theta, sliding):
     d = config.rope_dim
     inv_freq = 1.0 / (theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
     divisors = config.rope_divisors()
-    if divisors is not None:
+    if divisors is not None and config.rope_scaled_sliding:
+        inv_freq = inv_freq / jnp.asarray(divisors)
+    elif divisors is not None:
         inv_freq = inv_freq / jnp.where(sliding, jnp.float32(1.0), jnp.asarray(divisors))
     return inv_freq
 
@@ -256,15 +264,17 @@ def _layer(config: ModelConfig, attention: Attention, batch: StepInput, h, kv_pa
 
     attend = functools.partial(_attend, attention, config)
     if attention.mesh is None:
-        attn, kv_pages = attend(q, k, v, kv_pages, sliding, group_index, batch)
+        attn, kv_pages = attend(q, k, v, kv_pages, sliding, group_index, batch, w.sinks)
     else:  # each device writes and reads the pages of its own KV heads: no communication
         heads = P(None, AXIS, None)
         kv_spec = jax.tree.map(lambda _: KV_SPEC, kv_pages)
         attn, kv_pages = jax.shard_map(
             attend, mesh=attention.mesh,
-            in_specs=(heads, heads, heads, kv_spec, P(), P(), P()), out_specs=(heads, kv_spec),
-            check_vma=False)(q, k, v, kv_pages, sliding, group_index, batch)
+            in_specs=(heads, heads, heads, kv_spec, P(), P(), P(), None if w.sinks is None else P(AXIS)),
+            out_specs=(heads, kv_spec), check_vma=False)(q, k, v, kv_pages, sliding, group_index, batch, w.sinks)
     out = proj(attn.reshape(t, nh * d), "wo")
+    if w.bo is not None:
+        out = out + w.bo
     if w.post_attn_norm is not None:
         out = norm(out, w.post_attn_norm)
     if config.residual_multiplier != 1.0:
@@ -272,10 +282,9 @@ def _layer(config: ModelConfig, attention: Attention, batch: StepInput, h, kv_pa
     h = h + out
 
     x = norm(h, w.mlp_norm) if w.mlp_norm is not None else h
-    act = jax.nn.silu if config.activation == "silu" else functools.partial(jax.nn.gelu, approximate=True)
-    out = experts(config, x, w, act, grouped=attention.grouped_experts) if w.router is not None else None
+    out = experts(config, x, w, grouped=attention.grouped_experts) if w.router is not None else None
     if w.w_gate is not None:  # the dense MLP, or a mixture's shared expert (weighed by its gate)
-        mlp = proj(act(proj(x, "w_gate")) * proj(x, "w_up"), "w_down")
+        mlp = proj(glu(config, proj(x, "w_gate"), proj(x, "w_up")), "w_down")
         if w.shared_gate is not None:
             mlp = mlp * jax.nn.sigmoid(jnp.dot(x, w.shared_gate, preferred_element_type=jnp.float32)).astype(x.dtype)
         out = mlp if out is None else out + mlp
@@ -286,7 +295,18 @@ def _layer(config: ModelConfig, attention: Attention, batch: StepInput, h, kv_pa
     return h + out, kv_pages
 
 
-def experts(config: ModelConfig, x, w: LayerParams, act, grouped: bool):
+def glu(config: ModelConfig, gate, up):
+    """The gated MLP's hidden values from its gate and up projections (config.activation)."""
+    if config.activation == "silu":
+        return jax.nn.silu(gate) * up
+    if config.activation == "gelu_tanh":
+        return jax.nn.gelu(gate, approximate=True) * up
+    limit = jnp.asarray(config.swiglu_limit, gate.dtype)  # "swiglu_oai": gpt-oss's clamped SwiGLU
+    gate, up = jnp.minimum(gate, limit), jnp.clip(up, -limit, limit)
+    return gate * jax.nn.sigmoid(gate * jnp.asarray(config.swiglu_alpha, gate.dtype)) * (up + 1)
+
+
+def experts(config: ModelConfig, x, w: LayerParams, grouped: bool):
     """A mixture of experts over x [T, E]: each token's router probabilities (softmax, float32), its
     `experts_per_token` most probable experts (their probabilities renormalized over them when
     config.norm_topk), and the sum of those experts' gated MLPs weighted by them, [T, E]. `grouped` (GPU,
@@ -296,13 +316,23 @@ def experts(config: ModelConfig, x, w: LayerParams, act, grouped: bool):
     it was not chosen); an expert no token chose is not read (bench.moe, a Mixtral-shaped layer on the
     2-core Zen 4, consecutive runs: one token 2.6-3.9 ms against 17.3 ms when each pair gathered its own
     expert's matrices, and 10-11 ms through ragged_dot; 256 tokens 136-140 ms against ragged_dot's
-    267-279 ms). Quantized (and bfloat16) experts are made x's dtype as they are read."""
+    267-279 ms). Quantized (and bfloat16) experts are made x's dtype as they are read. With
+    config.expert_bias (gpt-oss) the router's logits and each expert's three projections have biases."""
     t, k, n = x.shape[0], config.experts_per_token, config.num_experts
-    probs = jax.nn.softmax(jnp.dot(x, w.router, preferred_element_type=jnp.float32), axis=-1)  # [T, X]
+    logits = jnp.dot(x, w.router, preferred_element_type=jnp.float32)
+    if w.router_bias is not None:
+        logits = logits + w.router_bias.astype(jnp.float32)
+    probs = jax.nn.softmax(logits, axis=-1)  # [T, X]
     top, chosen = jax.lax.top_k(probs, k)  # [T, k]
     if config.norm_topk:
         top = top / jnp.sum(top, axis=-1, keepdims=True)
     top = top.astype(x.dtype)
+
+    def down_bias(top, chosen):  # the chosen experts' down biases, weighed: once, after the experts' (partial) sums
+        if w.experts_down_bias is None:
+            return 0.0
+        return jnp.einsum("tk,tke->te", top, w.experts_down_bias[chosen].astype(x.dtype))
+
     def take(stack, index):  # the experts `index` picks from a layer's stack, as x's dtype (dequantized)
         if isinstance(stack, QuantWeight):
             return dequantize(jax.tree.map(lambda a: a[index], stack), x.dtype)
@@ -314,25 +344,33 @@ def experts(config: ModelConfig, x, w: LayerParams, act, grouped: bool):
         sizes = jnp.bincount(flat, length=n).astype(jnp.int32)
         rows = x[order // k]
         gate, up, down = (take(s, slice(None)) for s in (w.experts_gate, w.experts_up, w.experts_down))
-        hidden = act(jax.lax.ragged_dot(rows, gate, sizes)) * jax.lax.ragged_dot(rows, up, sizes)
-        out = jnp.zeros((t * k, x.shape[1]), x.dtype).at[order].set(jax.lax.ragged_dot(hidden, down, sizes))
-        return jnp.einsum("tk,tke->te", top, out.reshape(t, k, -1))
+        g, u = jax.lax.ragged_dot(rows, gate, sizes), jax.lax.ragged_dot(rows, up, sizes)
+        if w.router_bias is not None:  # each pair's own expert's biases
+            e = flat[order]
+            g, u = g + w.experts_gate_bias[e].astype(x.dtype), u + w.experts_up_bias[e].astype(x.dtype)
+        y = jax.lax.ragged_dot(glu(config, g, u), down, sizes)
+        out = jnp.zeros((t * k, x.shape[1]), x.dtype).at[order].set(y)
+        return jnp.einsum("tk,tke->te", top, out.reshape(t, k, -1)) + down_bias(top, chosen)
     weight = jnp.zeros((t, n), x.dtype).at[jnp.arange(t)[:, None], chosen].set(top)  # [T, X]
     used = jnp.zeros((n,), bool).at[chosen.reshape(-1)].set(True)
 
     def run(e, out):
-        hidden = act(x @ take(w.experts_gate, e)) * (x @ take(w.experts_up, e))
-        return out + weight[:, e, None] * (hidden @ take(w.experts_down, e))
+        g, u = x @ take(w.experts_gate, e), x @ take(w.experts_up, e)
+        if w.router_bias is not None:
+            g, u = g + w.experts_gate_bias[e].astype(x.dtype), u + w.experts_up_bias[e].astype(x.dtype)
+        return out + weight[:, e, None] * (glu(config, g, u) @ take(w.experts_down, e))
 
     def one(e, out):  # an expert no token chose is not read
         return jax.lax.cond(used[e], run, lambda e, out: out, e, out)
 
-    return jax.lax.fori_loop(0, n, one, jnp.zeros_like(x))
+    return jax.lax.fori_loop(0, n, one, jnp.zeros_like(x)) + down_bias(top, chosen)
 
 
 def _attend_group(attention: Attention, config: ModelConfig, q, k, v, pages, layer_index, batch: StepInput,
-                  window):
-    """Write this layer's new K/V into one page group, then attend over it: (attention [T, H, D], pages)."""
+                  window, sinks=None):
+    """Write this layer's new K/V into one page group, then attend over it: (attention [T, H, D], pages).
+    `sinks` [H] (gpt-oss): each head's sink logit joins its softmax's denominator. The native CPU kernel has
+    no sinks: such a model's attention runs in plain JAX on the CPU."""
     # The K/V projections stay their own fusions: XLA:GPU fused a one-row step's (a dot it lowers as a
     # reduction) into the scatter that writes them, which then ran the reduction once per element
     # written: 8.1 of 21.3 ms of an 8B-shaped decode step on an H200 (jax 0.11.2); 23.3 -> 15.6 ms with
@@ -341,29 +379,33 @@ def _attend_group(attention: Attention, config: ModelConfig, q, k, v, pages, lay
     pages = write_kv(pages, layer_index, k, v, batch.slot_ids)
     if attention.kernel in ("xla", "cpu"):
         attn = ragged_attention(q, pages, layer_index, batch, scale=config.attention_scale, window=window,
-                                softcap=config.attn_softcap, native=attention.kernel == "cpu")
+                                softcap=config.attn_softcap, native=attention.kernel == "cpu" and sinks is None,
+                                sinks=sinks)
     elif attention.kernel == "none":  # bench/step.py: the step's cost without attention
         attn = q
     else:  # the ragged Pallas kernel over the whole cache, one call for the step's every sequence
         attn = engine_ragged_attention(q, pages, layer_index, batch.kv_lens, batch.page_table, batch.cu_q_lens,
                                        batch.num_seqs, backend=attention.kernel, interpret=attention.interpret,
-                                       scale=config.attention_scale, window=window, softcap=config.attn_softcap)
+                                       scale=config.attention_scale, window=window, softcap=config.attn_softcap,
+                                       sinks=sinks)
     return attn, pages
 
 
-def _attend(attention: Attention, config: ModelConfig, q, k, v, kv_pages, sliding, group_index, batch: StepInput):
+def _attend(attention: Attention, config: ModelConfig, q, k, v, kv_pages, sliding, group_index, batch: StepInput,
+            sinks=None):
     """Attention of one layer. A model without sliding layers has one page group (`kv_pages` an array).
     With sliding layers there are two, each with its own page table (batch.window holds the sliding
     group's): the layer writes and reads its own group, and the other group's call has nothing to do
     (its writes go to the null page, its lengths and page items are empty), so no branch is needed and
     both arrays stay in place."""
     if not config.windowed:
-        return _attend_group(attention, config, q, k, v, kv_pages, group_index, batch, 0)
+        return _attend_group(attention, config, q, k, v, kv_pages, group_index, batch, 0, sinks)
     full, swa = kv_pages
     full_batch, swa_batch = _inactive(batch, ~sliding), _inactive(batch.window.apply(batch), sliding)
-    a_full, full = _attend_group(attention, config, q, k, v, full, jnp.where(sliding, 0, group_index), full_batch, 0)
+    a_full, full = _attend_group(attention, config, q, k, v, full, jnp.where(sliding, 0, group_index), full_batch, 0,
+                                 sinks)
     a_swa, swa = _attend_group(attention, config, q, k, v, swa, jnp.where(sliding, group_index, 0), swa_batch,
-                               config.sliding_window)
+                               config.sliding_window, sinks)
     return a_full + a_swa, (full, swa)
 
 

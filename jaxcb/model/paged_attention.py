@@ -152,13 +152,23 @@ def _blocks_for(num_seqs: int) -> int:
 PREFILL_BLOCK_PAGES = 16  # pages (keys) per loop iteration of the prefill attention: a 256-key GEMM
 
 
-def ragged_attention(q, kv_pages, layer, batch, scale=None, window=0, softcap=0.0, native=False):
+def _denominator(mx, den, sinks, nk, g):
+    """The online softmax's denominator [..., K, G] from its running max and sum, with each head's sink
+    (sinks [H], or None) as one more term; 1 where no key was seen and there is no sink (the sums are 0).
+    A row with no key and a sink: exp(sink - MASKED) is inf and its zero sums stay zero."""
+    if sinks is None:
+        return jnp.where(den > 0, den, 1.0)
+    return den + jnp.exp(sinks.astype(jnp.float32).reshape(nk, g) - mx)
+
+
+def ragged_attention(q, kv_pages, layer, batch, scale=None, window=0, softcap=0.0, native=False, sinks=None):
     """Causal attention of a packed step over the paged cache, in plain JAX (the CPU path).
 
     q [T, H, D]; kv_pages [L, 2, K, P, S, D]; layer a scalar; batch a jaxcb.host.batch.StepInput. Returns
     [T, H, D] (padding tokens: zeros). `scale`: of the scores (default 1/sqrt(D)); `window` (may be
     traced; 0 = none): a query at position t sees only keys after t - window; `softcap` (static; 0 =
-    off): scores become softcap * tanh(scores / softcap).
+    off): scores become softcap * tanh(scores / softcap); `sinks` [H] (None: none): each head's sink logit,
+    in the scaled scores' units, joins the softmax's denominator (gpt-oss; no value of its own).
 
     The cost follows what the context holds, not rows x the longest row. Attention loops over the
     step's page items (one per live page of every sequence) in blocks, with a trip count read from
@@ -227,8 +237,8 @@ def ragged_attention(q, kv_pages, layer, batch, scale=None, window=0, softcap=0.
 
     init = (jnp.full((m + 1, nk, g), _MASKED, jnp.float32), jnp.zeros((m + 1, nk, g), jnp.float32),
             jnp.zeros((m + 1, nk, g, d), jnp.float32))
-    _, den, acc = jax.lax.fori_loop(0, (n_decode + wb - 1) // wb, decode_block, init)
-    decoded = acc / jnp.where(den > 0, den, 1.0)[..., None]  # [M+1, K, G, D]
+    mx, den, acc = jax.lax.fori_loop(0, (n_decode + wb - 1) // wb, decode_block, init)
+    decoded = acc / _denominator(mx, den, sinks, nk, g)[..., None]  # [M+1, K, G, D]
 
     # ---- prefill: all tokens against blocks of the prefill sequences' pages ----
 
@@ -254,8 +264,8 @@ def ragged_attention(q, kv_pages, layer, batch, scale=None, window=0, softcap=0.
 
     init = (jnp.full((t, nk, g), _MASKED, jnp.float32), jnp.zeros((t, nk, g), jnp.float32),
             jnp.zeros((t, nk, g, d), jnp.float32))
-    _, pden, pacc = jax.lax.fori_loop(0, (n_items - n_decode + pb - 1) // pb, prefill_block, init)
-    prefilled = pacc / jnp.where(pden > 0, pden, 1.0)[..., None]  # [T, K, G, D]
+    pmx, pden, pacc = jax.lax.fori_loop(0, (n_items - n_decode + pb - 1) // pb, prefill_block, init)
+    prefilled = pacc / _denominator(pmx, pden, sinks, nk, g)[..., None]  # [T, K, G, D]
 
     out = jnp.where(batch.dense[:, None, None, None], prefilled, decoded[jnp.minimum(batch.seq_ids, m)])
     return out.reshape(t, h, d).astype(q.dtype)
