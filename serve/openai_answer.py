@@ -16,6 +16,7 @@ import uuid
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
+from jaxcb.host import harmony as harmony_format
 from jaxcb.host import tool_parse
 from jaxcb.host.errors import JaxcbError
 from jaxcb.host.request import FinishReason
@@ -25,21 +26,24 @@ from serve.openai_fields import ERROR_TYPE, HTTPError, RequestOptions, http_erro
 
 async def answer(state, request: Request, options: RequestOptions, tenant: str, prompts: list[list[int]], params, *,
                  chat: bool, top_logprobs: int = 0, tools=None, echo: list[str] | None = None,
-                 prompt_field: bool = False, include_reasoning: bool = True, to_context: bool = False):
+                 prompt_field: bool = False, include_reasoning: bool = True, to_context: bool = False,
+                 harmony: bool = False):
     """Run the prompts (each params.n samples) and answer as OpenAI does: server-sent chunks with
     `stream`, else one JSON body once all are done; a client that hangs up has its requests aborted.
     `echo` (completions): each prompt's text, which its choices' texts start with, and with logprobs its
     tokens' logprobs those of the choice's (the first None). `prompt_field`: vLLM's `prompt_logprobs` list,
     in each completions choice, in a chat answer beside its choices (its one prompt's), as vLLM places it.
     `include_reasoning` (vLLM's; with the server's reasoning parser): false leaves the thinking out.
-    `to_context`: each prompt's samples run up to the context (max_tokens: what is left of it after the prompt)."""
+    `to_context`: each prompt's samples run up to the context (max_tokens: what is left of it after the prompt).
+    `harmony` (chat): the answers are in OpenAI's harmony format (gpt-oss): their reasoning, content and tool calls
+    read from its messages (jaxcb.host.harmony), whatever the reasoning parser."""
     def params_of(ids):
         return dataclasses.replace(params, max_tokens=max(1, state.engine.max_context - len(ids))) if to_context else params
 
     for p in prompts:  # every prompt checked before any is submitted
         state.engine.validate(p, params_of(p))
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-    reasoning_parser = state.options.reasoning_parser if chat else None
+    reasoning_parser = state.options.reasoning_parser if chat and not harmony else None
     created = int(time.time())
     model_name = params.lora or state.model_name  # an adapter's answers carry its name
     events: asyncio.Queue = asyncio.Queue()
@@ -104,6 +108,7 @@ async def answer(state, request: Request, options: RequestOptions, tenant: str, 
 
         streams: dict[int, tool_parse.CallStream] = {}  # per choice, with tools
         thoughts: dict[int, reasoning.ReasoningStream] = {}  # per choice, with a reasoning parser
+        messages: dict[int, harmony_format.HarmonyStream] = {}  # per choice, harmony's
 
         async def sse():
             nonlocal left
@@ -143,7 +148,15 @@ async def answer(state, request: Request, options: RequestOptions, tenant: str, 
                         thinking = thoughts.setdefault(index, reasoning.ReasoningStream(reasoning_parser))
                         thought, text = thinking.feed(text, final=bool(finish))
                     delta = {"content": text} if text else {}
-                    if tools is not None:  # text in, content and tool-call deltas out
+                    if harmony and chat:  # messages in: reasoning, content and tool-call deltas out
+                        parts = messages.setdefault(index, harmony_format.HarmonyStream(tools))
+                        thought, content, pieces = parts.feed(text, final=bool(finish))
+                        delta = {"content": content} if content else {}
+                        if pieces:
+                            delta["tool_calls"] = pieces
+                        if finish == "stop" and parts.calls and tools.choice != "function":
+                            finish = "tool_calls"
+                    elif tools is not None:  # text in, content and tool-call deltas out
                         calls = streams.setdefault(index, tool_parse.CallStream(tools))
                         content, pieces = calls.feed(text, final=bool(finish))
                         delta = {"content": content} if content else {}
@@ -216,6 +229,11 @@ async def answer(state, request: Request, options: RequestOptions, tenant: str, 
         for t in (*tasks, work, gone):
             if t is not None:
                 t.cancel()
+    if chat and harmony:
+        choices = [_harmony_choice(k, texts[k], tools, logs[k], finishes[k], stop_reasons[k], include_reasoning)
+                   for k in range(len(texts))]
+        return {"id": rid, "object": "chat.completion", "created": created, "model": model_name,
+                "choices": choices, "usage": usage_json(), **({"prompt_logprobs": prompt_lists[0]} if prompt_field else {})}
     if chat:
         choices = [{"index": k, "message": {"role": "assistant", "content": texts[k]}, "logprobs": logs[k],
                     "finish_reason": finishes[k], "stop_reason": stop_reasons[k]} for k in range(len(texts))]
@@ -241,6 +259,19 @@ async def answer(state, request: Request, options: RequestOptions, tenant: str, 
             choice["prompt_logprobs"] = prompt_lists[k]
     return {"id": rid, "object": "text_completion", "created": created, "model": model_name,
             "choices": choices, "usage": usage_json()}
+
+
+def _harmony_choice(index: int, text: str, tools, logprobs, finish, stop_reason, include_reasoning: bool) -> dict:
+    """A whole chat choice from a harmony answer (jaxcb.host.harmony): its reasoning, content and calls."""
+    thought, content, calls = harmony_format.parse(text, tools)
+    message = {"role": "assistant", "content": content}
+    if include_reasoning:
+        message.update(reasoning=thought, reasoning_content=thought)
+    if calls:
+        message["tool_calls"] = calls
+        if finish == "stop" and tools.choice != "function":
+            finish = "tool_calls"
+    return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish, "stop_reason": stop_reason}
 
 
 def _sse(obj) -> str:

@@ -39,7 +39,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as RouteError
 
 import jaxcb
-from jaxcb.host import tool_calls
+from jaxcb.host import harmony, tool_calls
 from jaxcb.host.errors import InvalidConfig, InvalidRequest, JaxcbError, NotFound, Unauthenticated
 from serve import frontend, openai_responses, reasoning
 from serve.openai_answer import answer, json_response
@@ -377,7 +377,11 @@ def make_app(state) -> FastAPI:
         forced = tool_calls.constraint(tools, state.tokenizer) if tools is not None else None
         if forced is not None:  # "required" or a named function: the output is tool-call blocks (in place of a
             params = dataclasses.replace(params, structured=forced)  # response_format: the answer is no text)
-        if tools is not None and tools.active and tool_calls.marked_by_special_tokens(tools.fmt, state.tokenizer):
+        # gpt-oss's harmony answers: their messages' markers in the text (its reasoning, content and calls)
+        harmonic = (harmony.is_harmony(template[3] or state.tokenizer.chat_template)
+                    or state.options.reasoning_parser == reasoning.HARMONY or (tools is not None and tools.fmt.harmony))
+        if harmonic or (tools is not None and tools.active
+                        and tool_calls.marked_by_special_tokens(tools.fmt, state.tokenizer)):
             params = dataclasses.replace(params, skip_special_tokens=False)  # the calls' markers in the text
         penalty = beam_fields(body)
         if penalty is not None:
@@ -392,14 +396,14 @@ def make_app(state) -> FastAPI:
             params = dataclasses.replace(params, max_tokens=max(1, state.engine.max_context - len(ids)))
         if penalty is not None:
             return await beam_answer(state, request, options, tenant, [ids], params, penalty, chat=True)
-        if state.options.reasoning_parser and params.structured is not None:  # the grammar after the thinking
+        if state.options.reasoning_parser and not harmonic and params.structured is not None:  # after the thinking
             params = dataclasses.replace(params, structured_after=reasoning.grammar_start(state.tokenizer, ids))
         if want:  # the tokens' bytes are read by a tokenizer built on first use: not on the event loop
             await asyncio.to_thread(state.tokenizer.token_bytes, 0)
         return await answer(state, request, options, tenant, [ids], params, chat=True, top_logprobs=top,
                             tools=tools if tools is not None and tools.active else None,
                             prompt_field="prompt_logprobs" in body,
-                            include_reasoning=include_reasoning)
+                            include_reasoning=include_reasoning, harmony=harmonic)
 
     async def _completion_prompts(prompts: list, keep: int | None) -> list[list[int]]:
         """The prompts (prompt_list's) as token ids, each cut to its last `keep` (truncate_prompt_tokens);

@@ -8,12 +8,15 @@ or streamed; tool calls are read from the content only. A structured output (a J
   have written it); no `</think>` by the end (cut off) is thinking only.
 - `qwen3`: the same when the text starts with `<think>` (as Qwen3 writes it when thinking); otherwise
   (thinking switched off, `enable_thinking: false`) it is all answer.
+- `openai_gptoss`: OpenAI's harmony format (gpt-oss), its `analysis` messages the reasoning
+  (jaxcb.host.harmony; taken without the flag too where the chat template writes harmony).
 """
 
 from __future__ import annotations
 
 START, END = "<think>", "</think>"
-PARSERS = ("deepseek_r1", "qwen3")
+HARMONY = "openai_gptoss"  # (vLLM's name)
+PARSERS = ("deepseek_r1", "qwen3", HARMONY)
 
 
 def split(text: str, parser: str) -> tuple[str | None, str | None]:

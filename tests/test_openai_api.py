@@ -1546,6 +1546,55 @@ def test_reasoning_parser_puts_the_thinking_apart_whole_and_streamed(long_server
         assert "reasoning" not in left_out and left_out["content"] == message["content"]
 
 
+def test_harmony_answers_give_reasoning_content_and_calls_whole_and_streamed(long_server):
+    """A chat template that writes OpenAI's harmony format (gpt-oss's; here the request's own, on a server that
+    trusts it, whose --reasoning-parser qwen3 it overrides): an answer's analysis message is `reasoning` and its
+    final message the content (forced by a regex: the tiny model writes no harmony), whole and streamed alike;
+    under tool_choice required the grammar writes a message to a function, read back as a call that validates."""
+    import jsonschema
+
+    from tests.test_harmony import HARMONY_TEMPLATE
+
+    name = httpx.get(long_server.http + "/v1/models", timeout=30).json()["data"][0]["id"]
+    regex = (r"<\|channel\|>analysis<\|message\|>[a-z]{4}<\|end\|><\|start\|>assistant<\|channel\|>final"
+             r"<\|message\|>[a-z]{3}<\|return\|>")
+    body = {"model": name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 300, "temperature": 0,
+            "structured_outputs": {"regex": regex}, "chat_template": HARMONY_TEMPLATE}
+
+    def streamed(body) -> dict:
+        got = {"reasoning": "", "content": "", "calls": {}, "finish": None}
+        with httpx.stream("POST", long_server.http + "/v1/chat/completions", json={**body, "stream": True},
+                          timeout=60) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    choice = json.loads(line[6:])["choices"][0]
+                    for key in ("reasoning", "content"):
+                        got[key] += choice["delta"].get(key) or ""
+                    for d in choice["delta"].get("tool_calls") or ():
+                        call = got["calls"].setdefault(d["index"], ["", ""])
+                        call[0] += d["function"].get("name") or ""
+                        call[1] += d["function"].get("arguments") or ""
+                    got["finish"] = choice["finish_reason"] or got["finish"]
+        return got
+
+    message = httpx.post(long_server.http + "/v1/chat/completions", json=body, timeout=60).json()["choices"][0]["message"]
+    assert len(message["reasoning"]) == 4 and message["reasoning"] == message["reasoning_content"], message
+    assert len(message["content"]) == 3 and "<|" not in message["content"], message
+    got = streamed(body)
+    assert (got["reasoning"], got["content"]) == (message["reasoning"], message["content"])
+    schema = WEATHER["function"]["parameters"]
+    calling = {"model": name, "messages": [{"role": "user", "content": "weather?"}], "max_tokens": 200,
+               "temperature": 0, "tools": [WEATHER, CLOCK], "tool_choice": "required", "chat_template": HARMONY_TEMPLATE}
+    choice = httpx.post(long_server.http + "/v1/chat/completions", json=calling, timeout=60).json()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None, choice
+    calls = [(c["function"]["name"], c["function"]["arguments"]) for c in choice["message"]["tool_calls"]]
+    assert len(calls) == 1 and calls[0][0] in ("get_weather", "get_time")
+    if calls[0][0] == "get_weather":
+        jsonschema.validate(json.loads(calls[0][1]), schema)
+    got = streamed(calling)
+    assert got["finish"] == "tool_calls" and list(got["calls"].values()) == [list(c) for c in calls]
+
+
 def test_a_lone_surrogate_is_a_400_naming_its_field_on_every_route(server, model_name):
     """JSON's \\ud800-\\udfff escapes unpaired are no text (no tokenizer takes them: a 500 until now):
     refused naming the field, on each route, before any work; a paired one is the character it encodes."""

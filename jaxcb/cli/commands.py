@@ -81,17 +81,18 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--trust-request-chat-template", action="store_true",
                    help="let chat requests bring their own chat template (the `chat_template` field, as vLLM's flag "
                         "of this name allows): a template is a program run on the server, in a sandbox")
-    s.add_argument("--reasoning-parser", choices=("deepseek_r1", "qwen3"), default=None,
-                   help="chat answers' thinking (<think>...</think>) as `reasoning` / `reasoning_content` beside "
-                        "the content, whole or streamed, as vLLM's flag of this name gives it")
+    s.add_argument("--reasoning-parser", choices=("deepseek_r1", "qwen3", "openai_gptoss"), default=None,
+                   help="chat answers' thinking (<think>...</think>; openai_gptoss: harmony's analysis messages, "
+                        "read without the flag too where the chat template writes harmony) as `reasoning` / "
+                        "`reasoning_content` beside the content, whole or streamed, as vLLM's flag of this name gives it")
     s.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="taken for vLLM's command lines: tool_choice auto is always served")
     s.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default="auto",
                    help="the format the model writes tool calls in (vLLM's flag of this name): auto (default) takes "
                         "the chat template's own where it renders tools (<|tool_call|>: granite; <function=...> "
                         "and <parameter=...> elements: qwen3_coder; a <tool_call> block: hermes; [TOOL_CALLS]: mistral, "
-                        "or mistral_v11 with [ARGS]; a \"parameters\" object: llama3_json), else jaxcb renders the "
-                        "tools and asks for hermes")
+                        "or mistral_v11 with [ARGS]; a \"parameters\" object: llama3_json; gpt-oss's harmony "
+                        "messages: harmony, vLLM's openai), else jaxcb renders the tools and asks for hermes")
     s.add_argument("--grace-period", type=float, default=10.0, help="seconds in-flight streams get at shutdown")
     s.add_argument("--http-header-timeout", type=float, default=30.0,
                    help="seconds an HTTP connection has to send a request's line and headers, from its opening "
@@ -186,7 +187,10 @@ def cmd_serve(args) -> int:
     fmt, native = choose_tool_format(tokenizer.chat_template, args.tool_call_parser)
     print(f"jaxcb: tool calls: {fmt.name}, " + ("rendered by the chat template" if native else
                                                 "jaxcb's rendering (the chat template does not render tools)"), flush=True)
-    if args.reasoning_parser:
+    if fmt.harmony or args.reasoning_parser == "openai_gptoss":
+        print("jaxcb: chat answers in OpenAI's harmony format: analysis messages as `reasoning`, final ones as the "
+              "content, messages to functions as tool calls", flush=True)
+    elif args.reasoning_parser:
         print(f"jaxcb: reasoning parser: {args.reasoning_parser} (chat answers' <think> part as `reasoning`)", flush=True)
     if engines[0].describe_speculation():
         print(f"jaxcb: speculative decoding: {engines[0].describe_speculation()}", flush=True)

@@ -19,6 +19,9 @@ A model writes its calls in the format it was trained on (a `Format`; vLLM's --t
     qwen3_coder  <tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call>
                  one block per call, each argument an element whose text is its value: a string as it is,
                  another type as JSON, read by the function's schema (Qwen3-Coder)
+    harmony      <|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}<|call|>
+                 a message to the function (gpt-oss; vLLM's parser "openai"), among the answer's reasoning
+                 and final messages: read by jaxcb.host.harmony, the answer's reasoning and content with them
 
 A chat template that reads `tools` renders the tools, the earlier calls (`tool_calls`, arguments as
 objects) and the `tool` results itself, as the model was trained on them; its format is recognised from
@@ -36,6 +39,7 @@ is parsed; with "none" the tools are not shown.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import re
@@ -69,12 +73,15 @@ class Format:
     id_length: int = 0  # call ids the model's template takes: this many letters and digits (0: any id)
     args: str = ""  # between a call's name and its arguments, where calls are written name-first, no object
     xml: bool = False  # calls as Qwen3-Coder's elements, not JSON
+    harmony: bool = False  # calls as messages of OpenAI's harmony format (jaxcb.host.harmony)
 
     def write(self, name: str, arguments) -> str:
         if self.xml:  # (as Qwen3-Coder's template writes them: a string as it is, anything else as JSON)
             params = "".join(f"<parameter={k}>\n{v if isinstance(v, str) else json.dumps(v)}\n</parameter>\n"
                              for k, v in arguments.items())
             return f"{self.open}\n<function={name}>\n{params}</function>\n{self.close}"
+        if self.harmony:
+            return f"{self.open}commentary to=functions.{name} <|constrain|>json<|message|>{json.dumps(arguments)}{self.close}"
         if self.args:
             return self.open + name + self.args + json.dumps(arguments)
         call = json.dumps({"name": name, self.keys[0]: arguments})
@@ -92,8 +99,11 @@ MISTRAL = Format("mistral", "list", "[TOOL_CALLS]", "", ("arguments",), id_lengt
 GRANITE = Format("granite", "list", "<|tool_call|>", "", ("arguments",))
 MISTRAL_V11 = Format("mistral_v11", "blocks", "[TOOL_CALLS]", "", ("arguments",), id_length=9, args="[ARGS]")
 QWEN3_CODER = Format("qwen3_coder", "blocks", "<tool_call>", "</tool_call>", ("arguments",), xml=True)
-FORMATS = {f.name: f for f in (HERMES, LLAMA3_JSON, MISTRAL, GRANITE, MISTRAL_V11, QWEN3_CODER)}
-PARSERS = ("auto", *FORMATS)  # --tool-call-parser ("mistral": mistral_v11 where the template writes [ARGS])
+HARMONY = Format("harmony", "blocks", "<|channel|>", "<|call|>", ("arguments",), harmony=True)
+FORMATS = {f.name: f for f in (HERMES, LLAMA3_JSON, MISTRAL, GRANITE, MISTRAL_V11, QWEN3_CODER, HARMONY)}
+ALIASES = {"openai": "harmony"}  # vLLM's names for these formats
+# --tool-call-parser ("mistral": mistral_v11 where the template writes [ARGS])
+PARSERS = ("auto", *FORMATS, *ALIASES)
 
 
 def marked_by_special_tokens(fmt: Format, tokenizer) -> bool:
@@ -111,13 +121,19 @@ def choose_format(template: str | None, parser: str = "auto") -> tuple[Format, b
     mistral_v11, without: mistral; a "parameters" object: llama3_json), else hermes in jaxcb's rendering; a
     parser named by the server: its format (mistral's by what the template writes, as vLLM's parser reads
     either by the tokenizer's version), rendered by the template if it reads `tools` (the server says it is
-    the template's), else by jaxcb."""
+    the template's), else by jaxcb. A harmony template (gpt-oss's: channels and message markers) is harmony's.
+    """
+    from jaxcb.host.harmony import is_harmony
+
+    parser = ALIASES.get(parser, parser)
     reads = bool(template) and template_reads(template, "tools")
     v11 = bool(template) and MISTRAL_V11.args in template
     if parser == "mistral" and v11:
         return MISTRAL_V11, reads
     if parser != "auto":
         return FORMATS[parser], reads
+    if is_harmony(template):
+        return HARMONY, reads
     if reads and GRANITE.open in template:
         return GRANITE, True
     if reads and "<function=" in template and "<parameter=" in template:
@@ -354,6 +370,8 @@ def constraint(tools: Tools, tokenizer=None) -> Constraint | None:
     more = tools.parallel and tools.choice == "required"
     if tools.fmt.xml:
         return Constraint("grammar", _xml_grammar(tools, names, more, tokenizer), "tools", parts)
+    if tools.fmt.harmony:
+        return Constraint("grammar", _harmony_grammar(tools, names, tokenizer), "tools", parts)
     if tools.fmt.args:  # name-first calls: one rule per function, its name then its arguments
         calls = "\n".join(f"call_{k}: {_marker(tools.fmt.open, tokenizer)} {json.dumps(n)} "
                           f"{_marker(tools.fmt.args, tokenizer)} %json {json.dumps(_strict(tools.functions[n]))}"
@@ -442,6 +460,23 @@ def _xml_grammar(tools: Tools, names: list[str], more: bool, tokenizer=None) -> 
     return "\n".join([f"start: call{rest}",
                       f'call: {_marker(tools.fmt.open, tokenizer)} "\\n" ({" | ".join(calls)}) "\\n" '
                       f'{_marker(tools.fmt.close, tokenizer)}', *rules])
+
+
+def _harmony_grammar(tools: Tools, names: list[str], tokenizer=None) -> str:
+    """Harmony's calls as a Lark grammar: reasoning messages first if the model writes any (free text up to
+    <|end|>), then a message to one of the functions, its arguments JSON valid against its parameters, ended by
+    <|call|> (which ends the generation: one call an answer, as gpt-oss makes them)."""
+    m = functools.partial(_marker, tokenizer=tokenizer)
+    calls = "\n".join(f"call_{k}: {m('<|channel|>')} \"commentary to=functions.{n} \" {m('<|constrain|>')} \"json\" "
+                      f"{m('<|message|>')} %json {json.dumps(_strict(tools.functions[n]))} {m('<|call|>')}"
+                      for k, n in enumerate(names))
+    if _special("<|end|>", tokenizer) is not None:  # free text (no special token is part of it) up to <|end|>
+        body, thought = f"thought {m('<|end|>')}", "thought: /(?s:.*)/"
+    else:  # (the markers spelt out: a lazy lexeme up to the first <|end|>)
+        body, thought = "thought", "thought[lazy]: /(?s:.*)<\\|end\\|>/"
+    return "\n".join([f"start: analysis* ({' | '.join(f'call_{k}' for k in range(len(names)))})",
+                      f"analysis: {m('<|channel|>')} \"analysis\" {m('<|message|>')} {body} {m('<|start|>')} \"assistant\"",
+                      thought, calls])
 
 
 def _strict(schema: dict) -> dict:
