@@ -172,6 +172,47 @@ def test_exact_in_every_situation(make_llm, case, method):
         assert spec.engine.stats().acceptance_rate == 1.0
 
 
+def test_a_stop_string_before_min_tokens_goes_by_and_counts_are_the_tokens_given(make_llm):
+    """A speculating step appends several tokens at once. A stop string in an earlier one was weighed against
+    the later ones' count, so it ended the request before its min_tokens; and a request a stop string ended
+    at an earlier one reported the dropped ones in its final count (the API's usage) (a helper's fuzzing).
+    Each request: the character an early token of its plain answer writes as the stop string, min_tokens just
+    past that token: the plain engine's tokens, text and finish, and every final event's count the tokens it
+    gave."""
+    base, spec = both(make_llm)
+    tok = base.tokenizer
+    rng = np.random.default_rng(0)  # short cycles: the tiny model soon repeats itself, and proposals hold
+    prompts = [(rng.integers(3, base.model_config.vocab_size, size=int(rng.integers(2, 8))).tolist() * 20)[:60]
+               for _ in range(8)]
+    params = []
+    for o in base.generate(prompts, SamplingParams(max_tokens=40, ignore_eos=True)):
+        # the first token (from the second on) that writes one printable character: that character the stop
+        # string, and min_tokens just past that token, so that the plain engine goes on to a later one
+        j = next((j for j in range(1, 30) if len(c := tok.decode(o.token_ids[j:j + 1])) == 1 and c.isprintable()
+                  and c.strip()), 1)
+        params.append(SamplingParams(max_tokens=40, ignore_eos=True, stop=(tok.decode(o.token_ids[j:j + 1]) or "x",),
+                                     min_tokens=j + 2))
+
+    def run(llm):
+        ids = [llm.engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+        tokens, text, final = {i: [] for i in ids}, {i: "" for i in ids}, {}
+        while llm.engine.has_work():
+            for ev in llm.engine.step():
+                tokens[ev.request_id] += ev.token_ids
+                text[ev.request_id] += ev.text
+                if ev.finished:
+                    final[ev.request_id] = (ev.finish_reason, ev.num_output_tokens)
+        for i in ids:
+            assert final[i][1] == len(tokens[i]), (i, final[i], len(tokens[i]))
+        return [(tokens[i], text[i], final[i][0]) for i in ids]
+
+    want, got = run(base), run(spec)
+    assert got == want
+    assert sum(reason is FinishReason.STOP for _, _, reason in want) >= 3  # (stop strings past min_tokens)
+    assert all(len(t) >= p.min_tokens for (t, _, _), p in zip(want, params))
+    check_speculated(spec)
+
+
 @pytest.mark.parametrize("method", ["ngram", "draft"])
 def test_seeded_sampling_gives_the_same_tokens_and_the_same_distribution(make_llm, method):
     """A proposal is accepted when the token sampled at its position (the request's key for that output

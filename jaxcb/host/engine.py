@@ -392,11 +392,24 @@ class Engine:
                 take_prompt_logprobs(c, result)
         sampled = self.scheduler.on_step_done(step.chunks, step.epochs, result.token_ids)
         self._counters.output_tokens += len(sampled)
+        # A speculating request's tokens of this step are all in its output already: each is taken back and
+        # appended again as its turn comes, so that the output is what has been processed (min_tokens against
+        # a stop string, the counts its events report); one that ends at an earlier token drops the rest.
+        later = collections.Counter(id(s.request) for s in sampled)
+        for s in sampled:
+            n = later[id(s.request)]
+            if n > 1:
+                del s.request.output_ids[len(s.request.output_ids) - n + 1:]
+                later[id(s.request)] = 1
+        first = set()
         observed = []
         for row, r, token, reason in sampled:  # Sampled
-            if r.status is Status.FINISHED:  # a speculating request ended at an earlier token of this step
-                r.output_ids.pop()  # ... this one (always its newest) is not part of its output
-                continue
+            if id(r) in first:  # a speculating request's later token
+                if r.status is Status.FINISHED:  # it ended at an earlier token of this step: this is no output
+                    self._counters.output_tokens -= 1
+                    continue
+                r.output_ids.append(token)
+            first.add(id(r))
             if token < 0:  # max_tokens 0: the prompt scored, nothing generated
                 self._counters.output_tokens -= 1
                 self._finish(r, reason, events)
