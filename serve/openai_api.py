@@ -383,6 +383,8 @@ def make_app(state) -> FastAPI:
         if harmonic or (tools is not None and tools.active
                         and tool_calls.marked_by_special_tokens(tools.fmt, state.tokenizer)):
             params = dataclasses.replace(params, skip_special_tokens=False)  # the calls' markers in the text
+        if harmonic and forced is None and params.structured is not None:  # the answer's final message holds it
+            params = dataclasses.replace(params, structured=harmony.framed(params.structured, state.tokenizer))
         penalty = beam_fields(body)
         if penalty is not None:
             check_beam_request(params, options, logprobs=want)

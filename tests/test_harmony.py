@@ -86,31 +86,40 @@ def test_the_format_is_recognised_from_the_template_or_named():
     assert tool_calls.HARMONY.write("get_time", {}) == CALL.format("get_time", "{}")[len("<|start|>assistant"):]
 
 
+MARKERS = ("<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>", "<|return|>", "<|call|>")
+
+
+def _vocabulary(special: bool):
+    """(tokenizer, its grammars, ids(text)): byte tokens, and harmony's markers as special tokens if `special`;
+    ids() gives each marker its token where it is one, other text character by character."""
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    from jaxcb.host.structured import Grammars
+    from jaxcb.host.tokenizer import Tokenizer, TokenizerSpec
+
+    specials = ("</s>",) + (MARKERS if special else ())
+    tokens = tuple(sorted(ByteLevel.alphabet())) + specials
+    tok = Tokenizer(TokenizerSpec(model="gpt2", pre="default", tokens=tokens, merges=(), bos_id=None, eos_id=256,
+                                  token_types=(1,) * 256 + (3,) * len(specials), add_bos=False, chat_template=None))
+
+    def ids(text: str) -> list[int]:
+        out, rest = [], text
+        while rest:
+            marker = next((m for m in MARKERS if special and rest.startswith(m)), None)
+            out += [tok.token_id(marker)] if marker else tok.encode(rest[0], add_bos=False)
+            rest = rest[len(marker) if marker else 1:]
+        return out
+
+    return tok, Grammars(tok, len(tokens)), ids
+
+
 @pytest.mark.parametrize("special", [True, False], ids=["special-tokens", "spelt-out"])
 def test_required_calls_grammar(special):
     """tool_choice required: reasoning messages if the model writes them (any text up to <|end|>, which may
     hold a '<'), then a message to one of the functions with arguments valid against its parameters, ended by
     <|call|>; the markers the vocabulary's special tokens where they are (then their text spelt out is no
     marker), else their text. What the grammar allows reads back as those calls."""
-    from tokenizers.pre_tokenizers import ByteLevel
-
-    from jaxcb.host.structured import Grammars
-    from jaxcb.host.tokenizer import Tokenizer, TokenizerSpec
-
-    markers = ("<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>", "<|return|>", "<|call|>")
-    specials = ("</s>",) + (markers if special else ())
-    tokens = tuple(sorted(ByteLevel.alphabet())) + specials
-    tok = Tokenizer(TokenizerSpec(model="gpt2", pre="default", tokens=tokens, merges=(), bos_id=None, eos_id=256,
-                                  token_types=(1,) * 256 + (3,) * len(specials), add_bos=False, chat_template=None))
-    grammars = Grammars(tok, len(tokens))
-
-    def ids(text: str) -> list[int]:  # each marker its token where it is one; other text character by character
-        out, rest = [], text
-        while rest:
-            marker = next((m for m in markers if special and rest.startswith(m)), None)
-            out += [tok.token_id(marker)] if marker else tok.encode(rest[0], add_bos=False)
-            rest = rest[len(marker) if marker else 1:]
-        return out
+    tok, grammars, ids = _vocabulary(special)
 
     def accepts(tools, text: str) -> bool:
         m = grammars.matcher(tool_calls.constraint(tools, tok))
@@ -133,6 +142,31 @@ def test_required_calls_grammar(special):
     if special:  # the markers spelt out in text are not the model's markers
         m = grammars.matcher(tool_calls.constraint(required, tok))
         assert m.try_consume_tokens(tok.encode("<|channel|>", add_bos=False)) < len("<|channel|>")
+
+
+@pytest.mark.parametrize("special", [True, False], ids=["special-tokens", "spelt-out"])
+def test_a_structured_output_holds_the_final_message(special):
+    """A JSON schema, a regex or a choice holds a harmony answer's final message, the reasoning before it free
+    (as vLLM holds a structured output after the thinking); the reply reads back as the content. A Lark
+    grammar of the request's own holds from the first token, as it is."""
+    from jaxcb.host.structured import Constraint
+
+    tok, grammars, ids = _vocabulary(special)
+    thought = "<|channel|>analysis<|message|>hmm<|end|><|start|>assistant"
+    for c, good, bad in ((Constraint.json_schema({"type": "object", "properties": {"a": {"type": "integer"}},
+                                                  "required": ["a"]}), '{"a":1}', '{"a":"x"}'),
+                         (Constraint("regex", r"\d{3}"), "123", "12a"), (Constraint("choice", '["yes", "no"]'), "no", "n")):
+        framed = harmony.framed(c, tok)
+        assert framed.field == c.field
+        for text, ok in ((good, True), (bad, False)):
+            for before in ("", thought):
+                answer = before + f"<|channel|>final<|message|>{text}<|return|>"
+                m = grammars.matcher(framed)
+                x = ids(answer)
+                assert (m.try_consume_tokens(x) == len(x) and m.is_accepting()) == ok, (c.kind, answer)
+                assert harmony.parse(answer)[1] == text
+    lark = Constraint("grammar", 'start: "x"')
+    assert harmony.framed(lark, tok) is lark
 
 
 def test_served_requests_keep_the_markers_and_take_the_vllm_names():

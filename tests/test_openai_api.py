@@ -1556,10 +1556,10 @@ def test_harmony_answers_give_reasoning_content_and_calls_whole_and_streamed(lon
     from tests.test_harmony import HARMONY_TEMPLATE
 
     name = httpx.get(long_server.http + "/v1/models", timeout=30).json()["data"][0]["id"]
-    regex = (r"<\|channel\|>analysis<\|message\|>[a-z]{4}<\|end\|><\|start\|>assistant<\|channel\|>final"
-             r"<\|message\|>[a-z]{3}<\|return\|>")
+    lark = ('start: "<|channel|>analysis<|message|>" /[a-z]{4}/ "<|end|><|start|>assistant<|channel|>final<|message|>" '
+            '/[a-z]{3}/ "<|return|>"')  # (a grammar of the request's own holds from the first token)
     body = {"model": name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 300, "temperature": 0,
-            "structured_outputs": {"regex": regex}, "chat_template": HARMONY_TEMPLATE}
+            "structured_outputs": {"grammar": lark}, "chat_template": HARMONY_TEMPLATE}
 
     def streamed(body) -> dict:
         got = {"reasoning": "", "content": "", "calls": {}, "finish": None}
@@ -1582,7 +1582,14 @@ def test_harmony_answers_give_reasoning_content_and_calls_whole_and_streamed(lon
     assert len(message["content"]) == 3 and "<|" not in message["content"], message
     got = streamed(body)
     assert (got["reasoning"], got["content"]) == (message["reasoning"], message["content"])
+    # A JSON schema holds the final message: the model may reason before it
     schema = WEATHER["function"]["parameters"]
+    framed = {**{k: v for k, v in body.items() if k != "structured_outputs"}, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "w", "schema": schema}}}
+    message = httpx.post(long_server.http + "/v1/chat/completions", json=framed, timeout=60).json()["choices"][0]["message"]
+    jsonschema.validate(json.loads(message["content"]), schema)
+    got = streamed(framed)
+    assert (got["reasoning"] or None, got["content"]) == (message["reasoning"], message["content"])
     calling = {"model": name, "messages": [{"role": "user", "content": "weather?"}], "max_tokens": 200,
                "temperature": 0, "tools": [WEATHER, CLOCK], "tool_choice": "required", "chat_template": HARMONY_TEMPLATE}
     choice = httpx.post(long_server.http + "/v1/chat/completions", json=calling, timeout=60).json()["choices"][0]

@@ -19,9 +19,12 @@ however the text is cut; `parse` the same of a whole answer. Plain Python, no JA
 
 from __future__ import annotations
 
+import functools
+import json
 import re
 
-from jaxcb.host.tool_calls import Tools
+from jaxcb.host.structured import ASCII_CLASSES, Constraint
+from jaxcb.host.tool_calls import Tools, marker, special
 
 MESSAGE = "<|message|>"
 ENDS = ("<|end|>", "<|call|>", "<|return|>")
@@ -75,14 +78,14 @@ class HarmonyStream:
                 self._open(self.buffer[:at], deltas)
                 self.buffer, self.header = self.buffer[at + len(MESSAGE):], None
             else:
-                end, marker = _first_end(self.buffer)
+                end, closing = _first_end(self.buffer)
                 if end < 0:
                     keep = 0 if final else _partial_marker(self.buffer)
                     body, self.buffer = self.buffer[:len(self.buffer) - keep], self.buffer[len(self.buffer) - keep:]
                     self._body(body, reasoning, content, deltas)
                     break
                 self._body(self.buffer[:end], reasoning, content, deltas)
-                self.buffer, self.header = self.buffer[end + len(marker):], ""
+                self.buffer, self.header = self.buffer[end + len(closing):], ""
         if self.tools is not None and self.tools.choice in ("required", "function"):
             content = []  # (the grammar's calls only)
         return "".join(reasoning), "".join(content), deltas
@@ -127,10 +130,10 @@ def _first_end(text: str) -> tuple[int, str]:
     """Where the first marker that ends a body is in `text`, and which (-1, "" for none). A header's
     opening (<|start|>, <|channel|>) ends a body the model did not close, too."""
     best, which = -1, ""
-    for marker in (*ENDS, "<|start|>", "<|channel|>", "<|endoftext|>"):
-        at = text.find(marker)
+    for m in (*ENDS, "<|start|>", "<|channel|>", "<|endoftext|>"):
+        at = text.find(m)
         if at >= 0 and (best < 0 or at < best):
-            best, which = at, marker
+            best, which = at, m
     if which in ("<|start|>", "<|channel|>"):
         return best, ""  # (the header begins there: not consumed)
     return best, which
@@ -157,3 +160,42 @@ def parse(text: str, tools: Tools | None = None) -> tuple[str | None, str | None
                                              "function": {"name": d["function"].get("name"), "arguments": ""}})
         call["function"]["arguments"] += d["function"]["arguments"]
     return reasoning or None, content or None, list(calls.values())
+
+
+def grammar(answer: str, rules: list[str], tokenizer=None) -> str:
+    """A Lark grammar of a harmony answer: reasoning messages first if the model writes any (free text up to
+    <|end|>), then `answer` (a rule's body, `rules` its rules). The markers are the special tokens of
+    `tokenizer` where they are (no text is ever one: free text ends at the token), else their text (a lazy
+    lexeme up to the first <|end|>)."""
+    m = functools.partial(marker, tokenizer=tokenizer)
+    if special("<|end|>", tokenizer) is not None:
+        body, thought = f"thought {m('<|end|>')}", "thought: /(?s:.*)/"
+    else:
+        body, thought = "thought", "thought[lazy]: /(?s:.*)<\\|end\\|>/"
+    return "\n".join([f"start: analysis* ({answer})",
+                      f"analysis: {m('<|channel|>')} \"analysis\" {m('<|message|>')} {body} {m('<|start|>')} \"assistant\"",
+                      thought, *rules])
+
+
+def framed(c: Constraint, tokenizer=None) -> Constraint:
+    """A structured output (a JSON schema, a regex, a choice) as the final message of a harmony answer, the
+    model's reasoning free before it (vLLM's reasoning parsers hold it after the thinking likewise); a Lark
+    grammar of the request's own is left as it is (it holds from the first token)."""
+    import llguidance
+
+    m = functools.partial(marker, tokenizer=tokenizer)
+    if c.kind == "json":
+        schema = json.loads(c.spec)
+        schema = {} if schema is True else schema
+        if not isinstance(schema, dict):
+            return c  # (refused by its own check, naming its field)
+        body = f"%json {json.dumps({'x-guidance': {'whitespace_flexible': False, 'coerce_one_of': True}, **schema})}"
+    elif c.kind == "regex":
+        body = f"/{llguidance.regex_to_lark(c.spec, ASCII_CLASSES)}/"
+    elif c.kind == "choice":
+        body = "(" + " | ".join(json.dumps(x) for x in json.loads(c.spec)) + ")"
+    else:
+        return c
+    answer = f"{m('<|channel|>')} \"final\" {m('<|message|>')} reply {m('<|return|>')}"
+    return Constraint("grammar", grammar(answer, [f"reply: {body}"], tokenizer), c.field,
+                      ((c.field, c.spec),) if c.kind == "json" else ())

@@ -110,7 +110,7 @@ def marked_by_special_tokens(fmt: Format, tokenizer) -> bool:
     """Whether the format's markers are special tokens of `tokenizer` (a <tool_call> some vocabularies mark
     special, Mistral's [TOOL_CALLS]): an answer's calls are then read from its text with special tokens kept
     (SamplingParams.skip_special_tokens False), as vLLM's parsers ask."""
-    return any(_special(m, tokenizer) is not None for m in (fmt.open, fmt.close, fmt.args))
+    return any(special(m, tokenizer) is not None for m in (fmt.open, fmt.close, fmt.args))
 
 
 def choose_format(template: str | None, parser: str = "auto") -> tuple[Format, bool]:
@@ -373,8 +373,8 @@ def constraint(tools: Tools, tokenizer=None) -> Constraint | None:
     if tools.fmt.harmony:
         return Constraint("grammar", _harmony_grammar(tools, names, tokenizer), "tools", parts)
     if tools.fmt.args:  # name-first calls: one rule per function, its name then its arguments
-        calls = "\n".join(f"call_{k}: {_marker(tools.fmt.open, tokenizer)} {json.dumps(n)} "
-                          f"{_marker(tools.fmt.args, tokenizer)} %json {json.dumps(_strict(tools.functions[n]))}"
+        calls = "\n".join(f"call_{k}: {marker(tools.fmt.open, tokenizer)} {json.dumps(n)} "
+                          f"{marker(tools.fmt.args, tokenizer)} %json {json.dumps(_strict(tools.functions[n]))}"
                           for k, n in enumerate(names))
         alternatives = " | ".join(f"call_{k}" for k in range(len(names)))
         return Constraint("grammar", f"start: call{'+' if more else ''}\ncall: {alternatives}\n{calls}",
@@ -385,14 +385,14 @@ def constraint(tools: Tools, tokenizer=None) -> Constraint | None:
     if tools.fmt.shape == "object":
         grammar = f"start: %json {body}"
     elif tools.fmt.shape == "list":
-        opening = _marker(tools.fmt.open, tokenizer) + ' " "? ' if _special(tools.fmt.open, tokenizer) else ""
+        opening = marker(tools.fmt.open, tokenizer) + ' " "? ' if special(tools.fmt.open, tokenizer) else ""
         rest = ' ("," " "? call)*' if more else ""
         grammar = f'start: {opening}"[" call{rest} "]"\ncall: %json {body}'
     else:
         newline = '"\\n"?'
         rest = f" ({newline} call)*" if more else ""
-        grammar = (f"start: call{rest}\ncall: {_marker(tools.fmt.open, tokenizer)} "
-                   f"{newline} %json {body} {newline} {_marker(tools.fmt.close, tokenizer)}")
+        grammar = (f"start: call{rest}\ncall: {marker(tools.fmt.open, tokenizer)} "
+                   f"{newline} %json {body} {newline} {marker(tools.fmt.close, tokenizer)}")
     return Constraint("grammar", grammar, "tools", parts)
 
 
@@ -458,25 +458,21 @@ def _xml_grammar(tools: Tools, names: list[str], more: bool, tokenizer=None) -> 
     newline = '"\\n"?'
     rest = f" ({newline} call)*" if more else ""
     return "\n".join([f"start: call{rest}",
-                      f'call: {_marker(tools.fmt.open, tokenizer)} "\\n" ({" | ".join(calls)}) "\\n" '
-                      f'{_marker(tools.fmt.close, tokenizer)}', *rules])
+                      f'call: {marker(tools.fmt.open, tokenizer)} "\\n" ({" | ".join(calls)}) "\\n" '
+                      f'{marker(tools.fmt.close, tokenizer)}', *rules])
 
 
 def _harmony_grammar(tools: Tools, names: list[str], tokenizer=None) -> str:
-    """Harmony's calls as a Lark grammar: reasoning messages first if the model writes any (free text up to
-    <|end|>), then a message to one of the functions, its arguments JSON valid against its parameters, ended by
-    <|call|> (which ends the generation: one call an answer, as gpt-oss makes them)."""
-    m = functools.partial(_marker, tokenizer=tokenizer)
-    calls = "\n".join(f"call_{k}: {m('<|channel|>')} \"commentary to=functions.{n} \" {m('<|constrain|>')} \"json\" "
-                      f"{m('<|message|>')} %json {json.dumps(_strict(tools.functions[n]))} {m('<|call|>')}"
-                      for k, n in enumerate(names))
-    if _special("<|end|>", tokenizer) is not None:  # free text (no special token is part of it) up to <|end|>
-        body, thought = f"thought {m('<|end|>')}", "thought: /(?s:.*)/"
-    else:  # (the markers spelt out: a lazy lexeme up to the first <|end|>)
-        body, thought = "thought", "thought[lazy]: /(?s:.*)<\\|end\\|>/"
-    return "\n".join([f"start: analysis* ({' | '.join(f'call_{k}' for k in range(len(names)))})",
-                      f"analysis: {m('<|channel|>')} \"analysis\" {m('<|message|>')} {body} {m('<|start|>')} \"assistant\"",
-                      thought, calls])
+    """Harmony's calls as a Lark grammar (jaxcb.host.harmony.grammar: reasoning first if the model writes it):
+    a message to one of the functions, its arguments JSON valid against its parameters, ended by <|call|>
+    (which ends the generation: one call an answer, as gpt-oss makes them)."""
+    from jaxcb.host import harmony
+
+    m = functools.partial(marker, tokenizer=tokenizer)
+    calls = [f"call_{k}: {m('<|channel|>')} \"commentary to=functions.{n} \" {m('<|constrain|>')} \"json\" "
+             f"{m('<|message|>')} %json {json.dumps(_strict(tools.functions[n]))} {m('<|call|>')}"
+             for k, n in enumerate(names)]
+    return harmony.grammar(" | ".join(f"call_{k}" for k in range(len(names))), calls, tokenizer)
 
 
 def _strict(schema: dict) -> dict:
@@ -484,15 +480,15 @@ def _strict(schema: dict) -> dict:
     return grammar_schema({"x-guidance": {"whitespace_flexible": False}, **schema})
 
 
-def _special(text: str, tokenizer) -> int | None:
+def special(text: str, tokenizer) -> int | None:
     """The id of `text` where it is one special token of `tokenizer`'s vocabulary."""
     i = tokenizer.token_id(text) if tokenizer is not None and text else None
     return i if i is not None and i in tokenizer.special_ids else None
 
 
-def _marker(text: str, tokenizer) -> str:
+def marker(text: str, tokenizer) -> str:
     """A marker in a Lark grammar: the special token (llguidance's <[id]>) where it is one, else its text."""
-    i = _special(text, tokenizer)
+    i = special(text, tokenizer)
     return json.dumps(text) if i is None else f"<[{i}]>"
 
 
