@@ -374,6 +374,31 @@ def test_every_end_of_generation_token_ends_a_generation(tmp_path):
         Tokenizer.from_dir(str(tmp_path))
 
 
+def test_a_harmony_vocabulary_ends_at_return_and_call_not_at_end(tmp_path):
+    """gpt-oss's vocabulary (OpenAI's harmony): an answer ends at <|return|> or at a tool call's <|call|>; its
+    <|end|> ends one message (the reasoning) and the answer goes on, so it ends nothing even where the file
+    names it its end of turn (llama.cpp's rule). A vocabulary with <|end|> but not both of those (Phi-3's)
+    ends at it. And a Hugging Face directory's template saved beside its config (chat_template.jinja,
+    transformers 4.50+) is its chat template."""
+    from jaxcb.host.tokenizer import Tokenizer, TokenizerSpec
+
+    def ends(tokens, end_ids=()):
+        return Tokenizer(TokenizerSpec(model="gpt2", pre="default", tokens=tokens, merges=(), bos_id=None, eos_id=None,
+                                       token_types=(1,) + (3,) * (len(tokens) - 1), add_bos=False, chat_template=None,
+                                       end_ids=end_ids)).end_ids
+
+    harmony = ("a", "<|endoftext|>", "<|return|>", "<|end|>", "<|call|>", "<|message|>")
+    assert ends(harmony) == (1, 2, 4) and ends(harmony, end_ids=(3,)) == (1, 2, 4)
+    assert ends(("a", "<|end|>", "<|endoftext|>")) == (1, 2)
+    assert ends(("a", "<|end|>", "<|return|>")) == (1, 2)
+    tok = Tokenizer(TokenizerSpec(model="gpt2", pre="default", tokens=harmony, merges=(), bos_id=None, eos_id=2,
+                                  token_types=(1, 3, 3, 3, 3, 3), add_bos=False, chat_template=None))
+    tok.save(str(tmp_path))
+    (tmp_path / "chat_template.jinja").write_text("{{ messages[0].content }}<|message|>")
+    again = Tokenizer.from_dir(str(tmp_path))
+    assert again.chat_template == "{{ messages[0].content }}<|message|>" and again.end_ids == (1, 2, 4)
+
+
 def test_templates_render_in_transformers_environment():
     """A model's template writes what it writes under transformers: {% break %}, the {% generation %}
     block, tojson as json.dumps (no HTML escaping of a tool schema's < & '), strftime_now (Llama 3.2's

@@ -88,12 +88,19 @@ class TokenizerSpec:
 # files): an instruct model's end of turn where the EOS is its end of text, or the reverse (Llama 3's
 # <|eot_id|> and, after a tool call, <|eom_id|>; Gemma's <end_of_turn>; ChatML's <|im_end|>).
 END_TEXTS = frozenset(("<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>",
-                       "<EOT>"))
+                       "<EOT>", "<|return|>", "<|call|>"))
+# OpenAI's harmony vocabulary (gpt-oss): an answer ends at <|return|> or at a tool call's <|call|>; its <|end|>
+# ends one message (the reasoning) and the answer goes on. Where a vocabulary has both, <|end|> ends nothing
+# (llama.cpp's rule).
+HARMONY_ENDS = ("<|return|>", "<|call|>")
 
 
 def _end_ids(spec: TokenizerSpec) -> tuple[int, ...]:
-    return tuple(spec.end_ids) + tuple(i for i, (t, kind) in enumerate(zip(spec.tokens, spec.token_types))
-                                       if kind == _CONTROL and t in END_TEXTS)
+    control = {t: i for i, (t, kind) in enumerate(zip(spec.tokens, spec.token_types)) if kind == _CONTROL}
+    ids = tuple(spec.end_ids) + tuple(i for t, i in control.items() if t in END_TEXTS)
+    if all(t in control for t in HARMONY_ENDS) and "<|end|>" in control:
+        ids = tuple(i for i in ids if i != control["<|end|>"])
+    return ids
 
 
 # llama.cpp's pre-tokenizer names (tokenizer.ggml.pre) by the split they make: GPT-2's pattern; every digit
@@ -292,6 +299,13 @@ class Tokenizer:
         template = cfg.get("chat_template")
         if isinstance(template, list):  # named templates: take the default one
             template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        jinja = os.path.join(path, "chat_template.jinja")
+        if template is None and os.path.isfile(jinja):  # (transformers 4.50+ saves the template beside the config)
+            try:
+                with open(jinja, encoding="utf-8") as f:
+                    template = f.read()
+            except (OSError, UnicodeDecodeError) as e:
+                raise InvalidConfig(f"model: {jinja} is not readable text ({e})") from None
         ends = []
         gen_path = os.path.join(path, "generation_config.json")
         if os.path.isfile(gen_path):
