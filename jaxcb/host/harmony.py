@@ -23,8 +23,7 @@ import functools
 import json
 import re
 
-from jaxcb.host.structured import ASCII_CLASSES, Constraint
-from jaxcb.host.tool_calls import Tools, marker, special
+from jaxcb.host.structured import ASCII_CLASSES, Constraint, marker, special
 
 MESSAGE = "<|message|>"
 ENDS = ("<|end|>", "<|call|>", "<|return|>")
@@ -48,7 +47,7 @@ class HarmonyStream:
     the first when parallel_tool_calls is false; under tool_choice required or a named function the
     content is the calls' only. Text that may be the start of a marker is held back until it is known."""
 
-    def __init__(self, tools: Tools | None = None):
+    def __init__(self, tools=None):  # (jaxcb.host.tool_calls.Tools)
         self.tools = tools
         self.buffer = ""
         self.header: str | None = ""  # the header being read; None inside a body
@@ -150,7 +149,7 @@ def _partial_marker(text: str) -> int:
     return 0
 
 
-def parse(text: str, tools: Tools | None = None) -> tuple[str | None, str | None, list[dict]]:
+def parse(text: str, tools=None) -> tuple[str | None, str | None, list[dict]]:
     """(reasoning, content, calls) of a whole answer: what a stream of it gives, the call deltas merged into
     OpenAI's tool calls; None for a part it does not have."""
     reasoning, content, deltas = HarmonyStream(tools).feed(text, final=True)

@@ -471,3 +471,15 @@ def grammars_for(tokenizer, vocab_size: int, eos_ids=()) -> Grammars:
         if g is None:
             g = per[key] = Grammars(tokenizer, vocab_size, eos_ids)
         return g
+
+
+def special(text: str, tokenizer) -> int | None:
+    """The id of `text` where it is one special token of `tokenizer`'s vocabulary."""
+    i = tokenizer.token_id(text) if tokenizer is not None and text else None
+    return i if i is not None and i in tokenizer.special_ids else None
+
+
+def marker(text: str, tokenizer) -> str:
+    """A marker in a Lark grammar: the special token (llguidance's <[id]>) where it is one, else its text."""
+    i = special(text, tokenizer)
+    return json.dumps(text) if i is None else f"<[{i}]>"

@@ -49,7 +49,8 @@ import uuid
 
 from jaxcb.host.chat_template import ROLE_AS, template_reads
 from jaxcb.host.errors import InvalidRequest
-from jaxcb.host.structured import Constraint, grammar_schema
+from jaxcb.host import harmony
+from jaxcb.host.structured import Constraint, grammar_schema, marker, special
 
 MAX_TOOLS = 128
 NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
@@ -123,8 +124,6 @@ def choose_format(template: str | None, parser: str = "auto") -> tuple[Format, b
     either by the tokenizer's version), rendered by the template if it reads `tools` (the server says it is
     the template's), else by jaxcb. A harmony template (gpt-oss's: channels and message markers) is harmony's.
     """
-    from jaxcb.host.harmony import is_harmony
-
     parser = ALIASES.get(parser, parser)
     reads = bool(template) and template_reads(template, "tools")
     v11 = bool(template) and MISTRAL_V11.args in template
@@ -132,7 +131,7 @@ def choose_format(template: str | None, parser: str = "auto") -> tuple[Format, b
         return MISTRAL_V11, reads
     if parser != "auto":
         return FORMATS[parser], reads
-    if is_harmony(template):
+    if harmony.is_harmony(template):
         return HARMONY, reads
     if reads and GRANITE.open in template:
         return GRANITE, True
@@ -466,8 +465,6 @@ def _harmony_grammar(tools: Tools, names: list[str], tokenizer=None) -> str:
     """Harmony's calls as a Lark grammar (jaxcb.host.harmony.grammar: reasoning first if the model writes it):
     a message to one of the functions, its arguments JSON valid against its parameters, ended by <|call|>
     (which ends the generation: one call an answer, as gpt-oss makes them)."""
-    from jaxcb.host import harmony
-
     m = functools.partial(marker, tokenizer=tokenizer)
     calls = [f"call_{k}: {m('<|channel|>')} \"commentary to=functions.{n} \" {m('<|constrain|>')} \"json\" "
              f"{m('<|message|>')} %json {json.dumps(_strict(tools.functions[n]))} {m('<|call|>')}"
@@ -478,18 +475,6 @@ def _harmony_grammar(tools: Tools, names: list[str], tokenizer=None) -> str:
 def _strict(schema: dict) -> dict:
     """A call's schema as the grammar holds it: no free whitespace, read as a json_schema's schema is."""
     return grammar_schema({"x-guidance": {"whitespace_flexible": False}, **schema})
-
-
-def special(text: str, tokenizer) -> int | None:
-    """The id of `text` where it is one special token of `tokenizer`'s vocabulary."""
-    i = tokenizer.token_id(text) if tokenizer is not None and text else None
-    return i if i is not None and i in tokenizer.special_ids else None
-
-
-def marker(text: str, tokenizer) -> str:
-    """A marker in a Lark grammar: the special token (llguidance's <[id]>) where it is one, else its text."""
-    i = special(text, tokenizer)
-    return json.dumps(text) if i is None else f"<[{i}]>"
 
 
 def new_call_id() -> str:
