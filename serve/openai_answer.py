@@ -148,22 +148,17 @@ async def answer(state, request: Request, options: RequestOptions, tenant: str, 
                         thinking = thoughts.setdefault(index, reasoning.ReasoningStream(reasoning_parser))
                         thought, text = thinking.feed(text, final=bool(finish))
                     delta = {"content": text} if text else {}
-                    if harmony and chat:  # messages in: reasoning, content and tool-call deltas out
-                        parts = messages.setdefault(index, harmony_format.HarmonyStream(tools))
-                        thought, content, pieces = parts.feed(text, final=bool(finish))
+                    if harmony and chat or tools is not None:  # text in; content (and reasoning), call deltas out
+                        if harmony:
+                            reader = messages.setdefault(index, harmony_format.HarmonyStream(tools))
+                            thought, content, pieces = reader.feed(text, final=bool(finish))
+                        else:
+                            reader = streams.setdefault(index, tool_parse.CallStream(tools))
+                            content, pieces = reader.feed(text, final=bool(finish))
                         delta = {"content": content} if content else {}
                         if pieces:
                             delta["tool_calls"] = pieces
-                        if finish == "stop" and parts.calls and tools.choice != "function":
-                            finish = "tool_calls"
-                    elif tools is not None:  # text in, content and tool-call deltas out
-                        calls = streams.setdefault(index, tool_parse.CallStream(tools))
-                        content, pieces = calls.feed(text, final=bool(finish))
-                        delta = {"content": content} if content else {}
-                        if pieces:
-                            delta["tool_calls"] = pieces
-                        if finish == "stop" and calls.calls and tools.choice != "function":
-                            finish = "tool_calls"  # (a named function's call ends as "stop": OpenAI's, vLLM's)
+                        finish = _call_finish(finish, reader.calls, tools)
                     if thought and include_reasoning:
                         delta.update(reasoning=thought, reasoning_content=thought)
                     if not (delta or finish or logprobs or prompt):
@@ -246,8 +241,7 @@ async def answer(state, request: Request, options: RequestOptions, tenant: str, 
             content, calls = tool_parse.parse(choice["message"]["content"] or "", tools)
             if calls:
                 choice["message"].update(content=content or None, tool_calls=calls)
-                if choice["finish_reason"] == "stop" and tools.choice != "function":
-                    choice["finish_reason"] = "tool_calls"
+                choice["finish_reason"] = _call_finish(choice["finish_reason"], len(calls), tools)
             elif tools.choice in ("required", "function"):  # no call came whole (cut off): no content either,
                 choice["message"]["content"] = content or None  # as streamed (tool_parse.CallStream)
         return {"id": rid, "object": "chat.completion", "created": created, "model": model_name,
@@ -261,6 +255,12 @@ async def answer(state, request: Request, options: RequestOptions, tenant: str, 
             "choices": choices, "usage": usage_json()}
 
 
+def _call_finish(finish, calls: int, tools):
+    """A choice's finish_reason once its answer made `calls` calls: "tool_calls" for a stop, but for a named
+    function's call (OpenAI's, vLLM's: "stop")."""
+    return "tool_calls" if finish == "stop" and calls and tools.choice != "function" else finish
+
+
 def _harmony_choice(index: int, text: str, tools, logprobs, finish, stop_reason, include_reasoning: bool) -> dict:
     """A whole chat choice from a harmony answer (jaxcb.host.harmony): its reasoning, content and calls."""
     thought, content, calls = harmony_format.parse(text, tools)
@@ -269,8 +269,7 @@ def _harmony_choice(index: int, text: str, tools, logprobs, finish, stop_reason,
         message.update(reasoning=thought, reasoning_content=thought)
     if calls:
         message["tool_calls"] = calls
-        if finish == "stop" and tools.choice != "function":
-            finish = "tool_calls"
+        finish = _call_finish(finish, len(calls), tools)
     return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish, "stop_reason": stop_reason}
 
 

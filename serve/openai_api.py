@@ -390,6 +390,8 @@ def make_app(state) -> FastAPI:
             check_beam_request(params, options, logprobs=want)
             if tools is not None and tools.active:
                 raise bad_request("tools: not supported with use_beam_search")
+            if harmonic:
+                raise bad_request("use_beam_search: not supported where answers are in the harmony format (gpt-oss)")
         state.admit(params.n)
         await frontend.check_settings(state, params)
         ids = await asyncio.to_thread(functools.partial(state.tokenizer.encode_chat, messages, *template, tools=shown))

@@ -213,6 +213,32 @@ def test_a_gpt_oss_gguf_gives_transformers_logits(tmp_path):
     for key, w in weights.items():
         np.testing.assert_array_equal(got.weights[key], w, err_msg=key)
     assert_references_logits(dataclasses.replace(got.config, swiglu_limit=config.swiglu_limit), got.weights, "gpt-oss")
+    # llama.cpp's sliding_window_pattern of 0: every layer sliding
+    from jaxcb.model.gguf_loader import open_reader, read_config
+    from tests.tiny_gguf import write_tiny_gguf
+
+    path = str(tmp_path / "every-layer-sliding.gguf")
+    write_tiny_gguf(path, config, arch="gpt-oss", weights=weights, extra_uint32={
+        "gpt-oss.attention.sliding_window": 8, "gpt-oss.attention.sliding_window_pattern": 0})
+    assert read_config(open_reader(path)).sliding_layers == (True,) * config.num_layers
+
+
+def test_a_gpt_oss_config_reads_transformers_defaults_for_what_it_leaves_out(tmp_path):
+    """A gpt-oss config.json without rope_scaling, attention_bias or rms_norm_eps means transformers'
+    GptOssConfig defaults (YaRN from 4,096 positions x 32, untruncated; biases; 1e-5), not plain RoPE."""
+    import shutil
+
+    from jaxcb.model.hf_loader import read_config
+
+    folder = tmp_path / "gpt-oss"
+    shutil.copytree(os.path.join(GOLDEN, "gpt-oss"), folder)
+    raw = json.loads((folder / "config.json").read_text())
+    for key in ("rope_parameters", "rope_scaling", "attention_bias", "rms_norm_eps", "rope_theta"):
+        raw.pop(key, None)
+    (folder / "config.json").write_text(json.dumps(raw))
+    config = read_config(str(folder))
+    assert (config.attention_bias, config.out_bias, config.rms_norm_eps, config.rope_theta) == (True, True, 1e-5, 150000.0)
+    assert config.rope_freq_factors[-1] == pytest.approx(32.0) and config.max_context == 4096 * 32
 
 
 def test_gpt_oss_mxfp4_experts_are_read_as_released(tmp_path):

@@ -32,6 +32,15 @@ ANSWERS = [  # text, reasoning, content, calls [(name, arguments)]
     ("<|channel|>analysis<|message|>x<|end|>" + CALL.format("nope", "{}").replace("functions.nope", "browser.search"),
      "x", None, []),
     (CALL.format("nope", "{}")[len("<|start|>assistant"):], None, None, []),
+    # the first message's header without <|start|>: the recipient before the channel (as gpt-oss's own template
+    # writes past calls), or the role; a stray `<|channel|>commentary to=assistant` first (gpt-oss-20b's): the
+    # header's last channel, and `assistant` no recipient; text between messages is content
+    (' to=functions.get_weather<|channel|>commentary json<|message|>{"city":"Paris"}<|call|>', None, None,
+     [("get_weather", '{"city":"Paris"}')]),
+    ("assistant<|channel|>final<|message|>Hi<|return|>", None, "Hi", []),
+    ("<|channel|>commentary to=assistant<|channel|>final<|message|>The answer.<|return|>", None, "The answer.", []),
+    ("<|channel|>analysis<|message|>x<|end|>\nHello<|start|>assistant<|channel|>final<|message|>y<|return|>", "x",
+     "\nHelloy", []),
     # a body the model did not close before its next header; a call cut off by max_tokens
     ("<|channel|>analysis<|message|>a<|channel|>final<|message|>b<|return|>", "a", "b", []),
     (CALL.format("get_weather", '{"city": "Os')[len("<|start|>assistant"):-len("<|call|>")], None, None,
@@ -155,7 +164,12 @@ def test_a_structured_output_holds_the_final_message(special):
     thought = "<|channel|>analysis<|message|>hmm<|end|><|start|>assistant"
     for c, good, bad in ((Constraint.json_schema({"type": "object", "properties": {"a": {"type": "integer"}},
                                                   "required": ["a"]}), '{"a":1}', '{"a":"x"}'),
-                         (Constraint("regex", r"\d{3}"), "123", "12a"), (Constraint("choice", '["yes", "no"]'), "no", "n")):
+                         (Constraint("regex", r"\d{3}"), "123", "12a"), (Constraint("choice", '["yes", "no"]'), "no", "n"),
+                         # as a json_schema holds it anywhere: objects closed, formats it does not know dropped
+                         (Constraint.json_schema({"type": "object", "properties": {"a": {"type": "integer"}}}),
+                          '{"a":1}', '{"a":1,"b":2}'),
+                         (Constraint.json_schema({"type": "object", "properties": {"p": {
+                             "type": "string", "format": "password"}}, "required": ["p"]}), '{"p":"x"}', '{}')):
         framed = harmony.framed(c, tok)
         assert framed.field == c.field
         for text, ok in ((good, True), (bad, False)):

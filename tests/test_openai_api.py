@@ -1600,6 +1600,9 @@ def test_harmony_answers_give_reasoning_content_and_calls_whole_and_streamed(lon
         jsonschema.validate(json.loads(calls[0][1]), schema)
     got = streamed(calling)
     assert got["finish"] == "tool_calls" and list(got["calls"].values()) == [list(c) for c in calls]
+    beams = httpx.post(long_server.http + "/v1/chat/completions", timeout=60, json={
+        **{k: v for k, v in body.items() if k != "structured_outputs"}, "use_beam_search": True, "n": 2})
+    assert beams.status_code == 400 and beams.json()["error"]["param"] == "use_beam_search"
 
 
 def test_a_lone_surrogate_is_a_400_naming_its_field_on_every_route(server, model_name):

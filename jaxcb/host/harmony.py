@@ -23,14 +23,19 @@ import functools
 import json
 import re
 
-from jaxcb.host.structured import ASCII_CLASSES, Constraint, marker, special
+from jaxcb.host.structured import ASCII_CLASSES, Constraint, lark_schema, marker, special
 
 MESSAGE = "<|message|>"
-ENDS = ("<|end|>", "<|call|>", "<|return|>")
-HEADERS = ("<|start|>", "<|channel|>")  # what a message's header begins with
-MARKERS = ("<|start|>", "<|channel|>", "<|constrain|>", MESSAGE, *ENDS, "<|endoftext|>")
+ENDS = ("<|end|>", "<|call|>", "<|return|>", "<|endoftext|>")  # a body's ends (the last three: the answer's)
+HEADERS = ("<|start|>", "<|channel|>")  # what a message's header begins with (a body the model left open ends there)
+MARKERS = (*HEADERS, "<|constrain|>", MESSAGE, *ENDS)
+_BODY_END = re.compile("|".join(re.escape(m) for m in (*ENDS, *HEADERS)))
 _RECIPIENT = re.compile(r"to=([^\s<]+)")
+_SPACE = re.compile(r"\s*")
 _CHANNEL = re.compile(r"<\|channel\|>\s*([A-Za-z_]+)")
+# The first header may open without <|start|> and a channel (the template wrote `<|start|>assistant`): with the
+# recipient (`to=functions.x<|channel|>...`, as gpt-oss's own template writes past calls) or the role.
+_FIRST = (*HEADERS, "to=", "assistant")
 MAX_HEADER_CHARS = 512  # a header longer than this without <|message|> is no header: the answer is plain text
 
 
@@ -39,66 +44,105 @@ def is_harmony(template: str | None) -> bool:
     return bool(template) and "<|channel|>" in template and MESSAGE in template
 
 
+def _opens(head: str, openings) -> bool:
+    """Whether `head` begins with one of `openings`, or may yet (it is the start of one)."""
+    return any(head.startswith(m) or m.startswith(head) for m in openings)
+
+
 class HarmonyStream:
     """feed(text delta, final) -> (reasoning, content, tool-call deltas): the deltas OpenAI's chat API
     streams, tool calls as tool_parse.CallStream gives them ({index, id, type, function: {name, arguments:
-    ""}} first, then {index, function: {arguments}} pieces). `tools`: the request's (None: no tools, so
-    no message is a call); a call to a function it does not list is left out, as is every call after
-    the first when parallel_tool_calls is false; under tool_choice required or a named function the
-    content is the calls' only. Text that may be the start of a marker is held back until it is known."""
+    ""}} first, then {index, function: {arguments}} pieces). `tools` (jaxcb.host.tool_calls.Tools): the
+    request's (None: no tools, so no message is a call); a call to a function it does not list is left out,
+    as is every call after the first when parallel_tool_calls is false; under tool_choice required or a
+    named function the content is the calls' only. An answer that does not open with a header is plain
+    text; text between messages is content. Text that may be the start of a marker is held back until it
+    is known. Linear in the text however it is cut."""
 
-    def __init__(self, tools=None):  # (jaxcb.host.tool_calls.Tools)
+    def __init__(self, tools=None):
         self.tools = tools
         self.buffer = ""
-        self.header: str | None = ""  # the header being read; None inside a body
+        self.in_header = True  # reading a header (else a body)
         self.route = "content"  # where the current body goes: "reasoning", "content", "call" or "drop"
         self.plain = False  # no harmony header at all: every word is content
+        self.opened = False  # some message's header has been read
         self.calls = 0
         self.started = False  # the current call's arguments have begun (their leading spaces dropped)
 
     def feed(self, text: str, final: bool = False) -> tuple[str, str, list[dict]]:
-        self.buffer += text
+        buf = self.buffer + text
+        at = 0  # what of buf has been read
         reasoning, content, deltas = [], [], []
-        while self.buffer:
+        while at < len(buf):
             if self.plain:
-                content.append(self.buffer)
-                self.buffer = ""
-            elif self.header is not None:
-                at = self.buffer.find(MESSAGE)
-                head = self.buffer.lstrip()
-                opening = any(head.startswith(m) or m.startswith(head) for m in HEADERS)
-                if not opening or (at < 0 and len(self.buffer) > MAX_HEADER_CHARS):
-                    self.plain = True  # no header: plain text from here on
+                content.append(buf[at:])
+                at = len(buf)
+            elif self.in_header:
+                first = _SPACE.match(buf, at).end()  # (a header's leading whitespace)
+                head = buf[first:first + MAX_HEADER_CHARS + len(MESSAGE)]
+                if not head:
+                    if final:
+                        at = len(buf)
+                    break
+                if not _opens(head, HEADERS if self.opened else _FIRST):
+                    if not self.opened:  # the answer is no harmony: plain text from here on
+                        self.plain = True
+                        continue
+                    # text between messages: content, up to the next marker
+                    m = _BODY_END.search(buf, at)
+                    stop = len(buf) if m is None else m.start()
+                    if m is None and not final:
+                        stop -= _partial_marker(buf[at:])
+                    self.route = "content"
+                    self._body(buf[at:stop], reasoning, content, deltas)
+                    at = stop
+                    if m is not None and m.group() in ENDS:
+                        at += len(m.group())
+                    if m is None:
+                        break
                     continue
-                if at < 0:
-                    if final:  # an unfinished header at the end: nothing of it is shown
-                        self.buffer = ""
-                    break
-                self._open(self.buffer[:at], deltas)
-                self.buffer, self.header = self.buffer[at + len(MESSAGE):], None
-            else:
-                end, closing = _first_end(self.buffer)
+                end = buf.find(MESSAGE, first, first + len(head))
                 if end < 0:
-                    keep = 0 if final else _partial_marker(self.buffer)
-                    body, self.buffer = self.buffer[:len(self.buffer) - keep], self.buffer[len(self.buffer) - keep:]
-                    self._body(body, reasoning, content, deltas)
+                    if len(head) > MAX_HEADER_CHARS:  # no header after all: plain text, or stray text shown
+                        self.plain = not self.opened
+                        if self.opened:
+                            self.route = "content"
+                            self._body(buf[at:first + MAX_HEADER_CHARS], reasoning, content, deltas)
+                            at = first + MAX_HEADER_CHARS
+                        continue
+                    if final:  # an unfinished header at the end: nothing of it is shown, unless it is none
+                        self.plain = not self.opened and not any(m in head for m in (*HEADERS, "to="))
+                        if self.plain:
+                            continue
+                        at = len(buf)
                     break
-                self._body(self.buffer[:end], reasoning, content, deltas)
-                self.buffer, self.header = self.buffer[end + len(closing):], ""
+                self._open(buf[first:end], deltas)
+                at, self.in_header, self.opened = end + len(MESSAGE), False, True
+            else:
+                m = _BODY_END.search(buf, at)
+                if m is None:
+                    keep = 0 if final else _partial_marker(buf[max(at, len(buf) - 16):])
+                    self._body(buf[at:len(buf) - keep], reasoning, content, deltas)
+                    at = len(buf) - keep
+                    break
+                self._body(buf[at:m.start()], reasoning, content, deltas)
+                at, self.in_header = (m.end() if m.group() in ENDS else m.start()), True
+        self.buffer = buf[at:]
         if self.tools is not None and self.tools.choice in ("required", "function"):
             content = []  # (the grammar's calls only)
         return "".join(reasoning), "".join(content), deltas
 
     def _open(self, header: str, deltas: list[dict]) -> None:
-        """A message's header read: route its body, and a call's head delta."""
-        recipient = _RECIPIENT.search(header)
-        channel = _CHANNEL.search(header)
+        """A message's header read: route its body, and a call's head delta. The channel is the header's last
+        (gpt-oss may write a stray `<|channel|>commentary to=assistant` first); a recipient of `assistant` is
+        none."""
+        recipient = next((r for r in _RECIPIENT.findall(header) if r != "assistant"), None)
+        channels = _CHANNEL.findall(header)
         self.started = False
         if recipient is None:
-            self.route = "reasoning" if channel is not None and channel.group(1) == "analysis" else "content"
+            self.route = "reasoning" if channels and channels[-1] == "analysis" else "content"
             return
-        name = recipient.group(1)
-        name = name[len("functions."):] if name.startswith("functions.") else None
+        name = recipient[len("functions."):] if recipient.startswith("functions.") else None
         tools = self.tools
         if (name is None or tools is None or not tools.active or name not in tools.functions
                 or (not tools.parallel and self.calls)):
@@ -125,27 +169,11 @@ class HarmonyStream:
             deltas.append({"index": self.calls - 1, "function": {"arguments": text}})
 
 
-def _first_end(text: str) -> tuple[int, str]:
-    """Where the first marker that ends a body is in `text`, and which (-1, "" for none). A header's
-    opening (<|start|>, <|channel|>) ends a body the model did not close, too."""
-    best, which = -1, ""
-    for m in (*ENDS, "<|start|>", "<|channel|>", "<|endoftext|>"):
-        at = text.find(m)
-        if at >= 0 and (best < 0 or at < best):
-            best, which = at, m
-    if which in ("<|start|>", "<|channel|>"):
-        return best, ""  # (the header begins there: not consumed)
-    return best, which
-
-
 def _partial_marker(text: str) -> int:
     """The length of the longest end of `text` that begins one of the markers."""
-    at = text.rfind("<", max(0, len(text) - max(len(m) for m in MARKERS)))
-    while at >= 0:
-        tail = text[at:]
-        if any(m.startswith(tail) for m in MARKERS):
-            return len(tail)
-        at = text.rfind("<", max(0, len(text) - max(len(m) for m in MARKERS)), at)
+    for n in range(min(len(text), max(len(m) for m in MARKERS) - 1), 0, -1):
+        if any(m.startswith(text[-n:]) for m in MARKERS):
+            return n
     return 0
 
 
@@ -185,10 +213,9 @@ def framed(c: Constraint, tokenizer=None) -> Constraint:
     m = functools.partial(marker, tokenizer=tokenizer)
     if c.kind == "json":
         schema = json.loads(c.spec)
-        schema = {} if schema is True else schema
-        if not isinstance(schema, dict):
+        if not isinstance(schema, (dict, bool)) or schema is False:
             return c  # (refused by its own check, naming its field)
-        body = f"%json {json.dumps({'x-guidance': {'whitespace_flexible': False, 'coerce_one_of': True}, **schema})}"
+        body = f"%json {json.dumps(lark_schema(schema))}"
     elif c.kind == "regex":
         body = f"/{llguidance.regex_to_lark(c.spec, ASCII_CLASSES)}/"
     elif c.kind == "choice":

@@ -105,8 +105,7 @@ class Constraint:
                     schema = {}
                 # oneOf as anyOf where llguidance cannot prove the branches disjoint (as xgrammar reads
                 # it): a typical tagged union's branches cannot both match, and it is refused otherwise.
-                return llguidance.LLMatcher.grammar_from_json_schema(
-                    grammar_schema(schema), defaults={"whitespace_flexible": False, "coerce_one_of": True})
+                return llguidance.LLMatcher.grammar_from_json_schema(grammar_schema(schema), defaults=JSON_DEFAULTS)
             if self.kind == "regex":  # \d, \w as ASCII classes (as JSON schema patterns read them)
                 return llguidance.LLMatcher.grammar_from_lark(
                     f"start: /{llguidance.regex_to_lark(self.spec, ASCII_CLASSES)}/")
@@ -130,6 +129,22 @@ _ANNOTATIONS = {"title", "description", "$comment", "$schema", "$id", "$anchor",
 # The string formats llguidance enforces; others are dropped (JSON Schema reads an unknown format as an
 # annotation, and pydantic and OpenAPI write some, e.g. "password", "binary", "uri-reference").
 FORMATS = {"date-time", "time", "date", "duration", "email", "hostname", "ipv4", "ipv6", "uuid", "uri"}
+
+
+# How a JSON schema is held (a schema's own x-guidance over these): no free whitespace; oneOf as anyOf where
+# llguidance cannot prove the branches disjoint (as xgrammar reads it: a tagged union's cannot both match)
+JSON_DEFAULTS = {"whitespace_flexible": False, "coerce_one_of": True}
+
+
+def lark_schema(schema):
+    """`schema` as a Lark grammar's `%json` holds it, the same as a json constraint (grammar_schema, and
+    JSON_DEFAULTS under the schema's own x-guidance): a tool's arguments, a harmony answer's reply."""
+    if schema is True:
+        schema = {}
+    if not isinstance(schema, dict):
+        return schema
+    own = schema.get("x-guidance")
+    return grammar_schema({**schema, "x-guidance": {**JSON_DEFAULTS, **(own if isinstance(own, dict) else {})}})
 
 
 def grammar_schema(schema):

@@ -50,7 +50,7 @@ import uuid
 from jaxcb.host.chat_template import ROLE_AS, template_reads
 from jaxcb.host.errors import InvalidRequest
 from jaxcb.host import harmony
-from jaxcb.host.structured import Constraint, grammar_schema, marker, special
+from jaxcb.host.structured import Constraint, lark_schema, marker, special
 
 MAX_TOOLS = 128
 NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
@@ -122,17 +122,17 @@ def choose_format(template: str | None, parser: str = "auto") -> tuple[Format, b
     mistral_v11, without: mistral; a "parameters" object: llama3_json), else hermes in jaxcb's rendering; a
     parser named by the server: its format (mistral's by what the template writes, as vLLM's parser reads
     either by the tokenizer's version), rendered by the template if it reads `tools` (the server says it is
-    the template's), else by jaxcb. A harmony template (gpt-oss's: channels and message markers) is harmony's.
-    """
+    the template's), else by jaxcb. A harmony template (gpt-oss's: channels and message markers) is harmony's,
+    whatever the parser: its answers are read as harmony's messages (jaxcb.host.harmony)."""
     parser = ALIASES.get(parser, parser)
     reads = bool(template) and template_reads(template, "tools")
     v11 = bool(template) and MISTRAL_V11.args in template
+    if harmony.is_harmony(template):  # (whatever the parser: the model answers in harmony's messages)
+        return HARMONY, reads
     if parser == "mistral" and v11:
         return MISTRAL_V11, reads
     if parser != "auto":
         return FORMATS[parser], reads
-    if harmony.is_harmony(template):
-        return HARMONY, reads
     if reads and GRANITE.open in template:
         return GRANITE, True
     if reads and "<function=" in template and "<parameter=" in template:
@@ -473,8 +473,8 @@ def _harmony_grammar(tools: Tools, names: list[str], tokenizer=None) -> str:
 
 
 def _strict(schema: dict) -> dict:
-    """A call's schema as the grammar holds it: no free whitespace, read as a json_schema's schema is."""
-    return grammar_schema({"x-guidance": {"whitespace_flexible": False}, **schema})
+    """A call's schema as the grammar holds it: as a json_schema's schema is (structured.lark_schema)."""
+    return lark_schema(schema)
 
 
 def new_call_id() -> str:

@@ -157,9 +157,8 @@ def read_config(reader) -> ModelConfig:
     layers = int(need("block_count"))
     theta = float(_field(reader, f"{arch}.rope.freq_base", 10000.0))
     context = int(need("context_length"))
-    family.update(_rope_scaling(reader, arch, head_dim, rotary_dim, theta, context))
-    if arch == "gpt-oss" and "rope_freq_factors" in family:  # (YaRN as gpt-oss was trained and transformers runs
-        family.update(_rope_scaling(reader, arch, head_dim, rotary_dim, theta, context, truncate=False))  # it)
+    # (gpt-oss: YaRN untruncated, as it was trained and transformers runs it)
+    family.update(_rope_scaling(reader, arch, head_dim, rotary_dim, theta, context, truncate=arch != "gpt-oss"))
     context = family.pop("max_context", context)
     ffn = int(_field(reader, f"{arch}.expert_feed_forward_length", 0) or need("feed_forward_length"))
     if arch == "olmo2":  # norms after attention and the MLP only; q and k normed whole (its rotate-half RoPE)
@@ -185,6 +184,8 @@ def read_config(reader) -> ModelConfig:
             sliding = tuple(bool(p) for p in pattern)
             if len(sliding) != layers:
                 raise InvalidConfig(f"{arch}.attention.sliding_window_pattern: {len(sliding)} flags for {layers} layers")
+        elif int(pattern) <= 0:  # (llama.cpp's 0: every layer sliding)
+            sliding = (True,) * layers
         else:
             sliding = tuple(i % int(pattern) < int(pattern) - 1 for i in range(layers))
         local = float(_field(reader, f"{arch}.rope.freq_base_swa", theta))

@@ -160,6 +160,11 @@ def read_config(path: str) -> ModelConfig:
             raise InvalidConfig(f"config.json: text_config.model_type {text.get('model_type')!r}: {arch} is served "
                                 f"(on text) with a language model of type {' or '.join(_TEXT_MODELS)}")
     gemma = family.startswith("gemma")
+    if family == "gpt-oss":  # transformers' GptOssConfig defaults, for what a config leaves out
+        raw = {"attention_bias": True, "rms_norm_eps": 1e-5, "rope_theta": 150000.0, "head_dim": 64, **raw}
+        if not raw.get("rope_scaling") and not isinstance(raw.get("rope_parameters"), dict):
+            raw["rope_scaling"] = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                   "truncate": False, "original_max_position_embeddings": 4096}
     theta, scaling = _rope(raw, "full_attention")
     try:
         heads = int(raw["num_attention_heads"])
@@ -296,8 +301,10 @@ def _has_head(path: str) -> bool:
 def _gpt_oss_experts(get, tensors, layer: str, config: ModelConfig) -> dict[str, np.ndarray]:
     """gpt-oss's router and experts (_GPT_OSS), float or MXFP4, stacked over layers in this project's layout."""
     f = config.intermediate_size
-    out = {k: [] for k in ("router", "router_bias", "experts_gate", "experts_up", "experts_down", "experts_gate_bias",
-                           "experts_up_bias", "experts_down_bias")}
+    shapes = config.weight_shapes()  # (filled layer by layer: a released checkpoint's experts are most of it)
+    out = {k: np.empty(shapes[k], np.float32) for k in ("router", "router_bias", "experts_gate", "experts_up",
+                                                         "experts_down", "experts_gate_bias", "experts_up_bias",
+                                                         "experts_down_bias")}
     for i in range(config.num_layers):
         at = layer.format(i=i)
 
@@ -309,15 +316,15 @@ def _gpt_oss_experts(get, tensors, layer: str, config: ModelConfig) -> dict[str,
         gate_up, gate_up_bias = matrix(_GPT_OSS["gate_up"]), get(at + _GPT_OSS["gate_up"] + "_bias")
         if gate_up.shape[-1] != 2 * f:
             raise InvalidConfig(f"model: {at}{_GPT_OSS['gate_up']} has {gate_up.shape[-1]} columns, not 2 x {f}")
-        out["router"].append(get(at + _GPT_OSS["router"], True))
-        out["router_bias"].append(get(at + _GPT_OSS["router_bias"]))
-        out["experts_gate"].append(np.ascontiguousarray(gate_up[..., 0::2]))
-        out["experts_up"].append(np.ascontiguousarray(gate_up[..., 1::2]))
-        out["experts_gate_bias"].append(gate_up_bias[..., 0::2])
-        out["experts_up_bias"].append(gate_up_bias[..., 1::2])
-        out["experts_down"].append(matrix(_GPT_OSS["down"]))
-        out["experts_down_bias"].append(get(at + _GPT_OSS["down"] + "_bias"))
-    return {k: np.stack(v) for k, v in out.items()}
+        parts = {"router": get(at + _GPT_OSS["router"], True), "router_bias": get(at + _GPT_OSS["router_bias"]),
+                 "experts_gate": gate_up[..., 0::2], "experts_up": gate_up[..., 1::2],
+                 "experts_gate_bias": gate_up_bias[..., 0::2], "experts_up_bias": gate_up_bias[..., 1::2],
+                 "experts_down": matrix(_GPT_OSS["down"]), "experts_down_bias": get(at + _GPT_OSS["down"] + "_bias")}
+        for key, value in parts.items():
+            if value.shape != out[key].shape[1:]:
+                raise InvalidConfig(f"model: {at}: {key} has shape {value.shape}, expected {out[key].shape[1:]}")
+            out[key][i] = value
+    return out
 
 
 def load_weights(path: str, config: ModelConfig) -> dict[str, np.ndarray]:
