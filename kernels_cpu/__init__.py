@@ -105,14 +105,15 @@ def pair_unblock(w):
 
 
 def ragged_attention(q, kv_pages, layer, kv_lens, page_table, cu_q_lens, num_seqs, window=0, softcap=0.0,
-                     target=TARGET):
+                     sinks=None, target=TARGET):
     """q [T, H, D] float32, already multiplied by the score scale; kv_pages [L, 2, K, P, S, W] float32,
     bfloat16 or int8 (W = D + 4); layer, window scalars; kv_lens [M]; page_table [M, N]; cu_q_lens
     [M + 1]; num_seqs [1]. Returns [T, H, D] float32: sequence i's tokens cu_q_lens[i]:cu_q_lens[i+1]
     are the last of its kv_lens[i] keys, each attends causally to the keys up to its own position
     (only the last `window` when window > 0); padding rows and sequences without keys give zeros.
-    `softcap` (static): scores become softcap * tanh(scores / softcap). `target`: another build's
-    registered handler (bench.attention_cpu --compare)."""
+    `softcap` (static): scores become softcap * tanh(scores / softcap). `sinks` [H] (None: none): each head's
+    sink logit, in the scaled scores' units, joins its softmax's denominator (gpt-oss). `target`: another
+    build's registered handler (bench.attention_cpu --compare)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -120,8 +121,9 @@ def ragged_attention(q, kv_pages, layer, kv_lens, page_table, cu_q_lens, num_seq
     assert available(), unavailable_reason()
     i32 = lambda x: jnp.asarray(x, jnp.int32)  # noqa: E731
     call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(q.shape, jnp.float32))
+    sinks = jnp.zeros((0,), jnp.float32) if sinks is None else jnp.asarray(sinks, jnp.float32)
     return call(q.astype(jnp.float32), kv_pages, i32(layer), i32(kv_lens), i32(page_table), i32(cu_q_lens),
-                i32(num_seqs).reshape(1), i32(window), softcap=np.float32(softcap))
+                i32(num_seqs).reshape(1), i32(window), sinks, softcap=np.float32(softcap))
 
 
 def layer_matmul(x, w, layer, scale=None, offset=None, act_block=0):

@@ -331,9 +331,18 @@ struct Problem {
   const int32_t* cu_q_lens;   // [M + 1]
   int32_t window;
   float softcap;
+  const float* sinks;  // [H] each head's sink logit in its softmax's denominator (gpt-oss), or nullptr
   float* out;  // [T, H, D]
   float* partials;  // [parts, G, D + 2]: a part's unnormalised sums, then its running max and denominator
 };
+
+// 1 / a softmax's denominator: the sum `den` of its keys' exp(score - mx), plus the head's sink where the model
+// has them (its exp(sink - mx): with no key seen, mx is kMasked and that is inf, so the output is 0); 0 where
+// nothing was seen.
+inline float inverse_denominator(const Problem& p, int64_t head, float mx, float den) {
+  if (p.sinks != nullptr) den += std::exp(p.sinks[head] - mx);
+  return den > 0.0f ? 1.0f / den : 0.0f;
+}
 
 // A work item: queries j0 .. j0 + nq - 1 of sequence i, against KV head k, over the keys on its
 // logical pages [p0, p1); `part` >= 0: a part of a split decode block, written to p.partials.
@@ -525,7 +534,7 @@ void attend_block_tiled(const Problem& p, const Block& b) {
   }
   for (int64_t r = 0; r < rows; ++r) {
     float* out = p.out + ((row0 + r / G) * h + b.k * G + r % G) * d;
-    const float inv = den[r] > 0.0f ? 1.0f / den[r] : 0.0f;
+    const float inv = inverse_denominator(p, b.k * G + r % G, mx[r], den[r]);
     const float* a = acc + r * d;
     for (int64_t e = 0; e < d; ++e) out[e] = a[e] * inv;
   }
@@ -680,8 +689,7 @@ void attend_block(const Problem& p, const Block& b, const Block* next) {
   for (int64_t jq = 0; jq < nq; ++jq) {
     float* out = p.out + ((row0 + jq) * h + b.k * g) * d;
     for (int j = 0; j < G; ++j) {
-      const float dn = den[jq * G + j];
-      const float inv = dn > 0.0f ? 1.0f / dn : 0.0f;
+      const float inv = inverse_denominator(p, b.k * g + j, mx[jq * G + j], den[jq * G + j]);
       const float* a = acc + (jq * G + j) * d;
       for (int64_t e = 0; e < d; ++e) out[j * d + e] = a[e] * inv;
     }
@@ -711,7 +719,7 @@ void merge_parts(const Problem& p, const std::vector<Split>& splits) {
         den += part[d + 1] * w;
         for (int64_t e = 0; e < d; ++e) o[e] += part[e] * w;
       }
-      const float inv = den > 0.0f ? 1.0f / den : 0.0f;
+      const float inv = inverse_denominator(p, sp.k * g + j, m, den);
       for (int64_t e = 0; e < d; ++e) o[e] *= inv;
     }
   }
@@ -748,8 +756,8 @@ bool run(ffi::ThreadPool& pool, const Problem& p, const std::vector<Block>& bloc
 ffi::Error RaggedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer kv_pages,
                                ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> kv_lens,
                                ffi::Buffer<ffi::S32> page_table, ffi::Buffer<ffi::S32> cu_q_lens,
-                               ffi::Buffer<ffi::S32> num_seqs, ffi::Buffer<ffi::S32> window, float softcap,
-                               ffi::ResultBuffer<ffi::F32> out) {
+                               ffi::Buffer<ffi::S32> num_seqs, ffi::Buffer<ffi::S32> window,
+                               ffi::Buffer<ffi::F32> sinks, float softcap, ffi::ResultBuffer<ffi::F32> out) {
   auto qd = q.dimensions();
   auto kd = kv_pages.dimensions();
   if (qd.size() != 3 || kd.size() != 6)
@@ -771,6 +779,9 @@ ffi::Error RaggedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ff
   p.cu_q_lens = cu_q_lens.typed_data();
   p.window = window.typed_data()[0];
   p.softcap = softcap;
+  p.sinks = sinks.dimensions()[0] > 0 ? sinks.typed_data() : nullptr;
+  if (p.sinks != nullptr && sinks.dimensions()[0] != qd[1])
+    return ffi::Error::InvalidArgument("ragged_attention: one sink per query head");
   p.out = out->typed_data();
   const int64_t m = kv_lens.dimensions()[0];
   const int64_t seqs = std::min<int64_t>(num_seqs.typed_data()[0], m);
@@ -854,5 +865,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcbRaggedAttention, RaggedAttentionImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()   // cu_q_lens [M + 1]
                                   .Arg<ffi::Buffer<ffi::S32>>()   // num_seqs [1]
                                   .Arg<ffi::Buffer<ffi::S32>>()   // window []
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // sinks [H] (gpt-oss), or [0]: none
                                   .Attr<float>("softcap")
                                   .Ret<ffi::Buffer<ffi::F32>>());  // out [T, H, D]

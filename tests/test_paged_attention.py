@@ -96,8 +96,8 @@ def test_donated_kv_write_updates_the_pool_in_place(tokens):
     assert memory.temp_size_in_bytes < pool_bytes // 100
 
 
-@pytest.mark.parametrize("native,sinks", [(False, False), (True, False), (False, True)],
-                         ids=["xla", "native", "xla-sinks"])
+@pytest.mark.parametrize("native,sinks", [(False, False), (True, False), (False, True), (True, True)],
+                         ids=["xla", "native", "xla-sinks", "native-sinks"])
 @pytest.mark.parametrize("page_size,heads,kv_heads", [(4, 4, 4), (16, 6, 2), (8, 8, 1)])
 def test_ragged_attention_matches_dense_on_a_mixed_step(page_size, heads, kv_heads, native, sinks):
     """The engine's CPU attention over a packed step: decode rows at awkward lengths and prefill chunks
@@ -224,7 +224,7 @@ def test_native_attention_matches_the_plain_jax_path_with_window_and_softcap(dty
     cover: a sliding window (keys before t - window skipped) for decode rows and for prefill chunks
     longer than a query block and crossing the window's edge, score soft-capping, a custom score scale,
     bfloat16 and int8 pages, 16 query heads per KV head, page size 256 with lengths 1, 255, 256, 257
-    and one near the maximum, and padding rows."""
+    and one near the maximum, and padding rows; and each head's sink logit in its softmax (gpt-oss)."""
     import jax
 
     import kernels_cpu
@@ -252,8 +252,10 @@ def test_native_attention_matches_the_plain_jax_path_with_window_and_softcap(dty
     batch = pack(specs, StepShape(tokens=live + 3, seqs=len(specs) + 2, pages_per_seq=n_max, history=n_max * s), s)
     batch = jax.tree_util.tree_map(jnp.asarray, batch)
     q = jnp.asarray(rng.standard_normal((live + 3, heads, d)), jnp.float32)
-    for window, softcap, scale in [(0, 0.0, None), (300, 0.0, 0.1), (37, 5.0, None)]:
-        want, got = plain_and_native(q, kv, layer, batch, window=window, softcap=softcap, scale=scale)
+    sinks = jnp.asarray(rng.standard_normal(heads) * 2, jnp.float32)
+    for window, softcap, scale, sink in [(0, 0.0, None, None), (300, 0.0, 0.1, None), (37, 5.0, None, None),
+                                         (37, 0.0, None, sinks), (0, 0.0, 0.1, sinks)]:
+        want, got = plain_and_native(q, kv, layer, batch, window=window, softcap=softcap, scale=scale, sinks=sink)
         np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5, err_msg=f"window {window} softcap {softcap}")
         np.testing.assert_array_equal(got[live:], 0)
 
@@ -263,7 +265,7 @@ def test_native_attention_splits_few_long_decode_rows_and_merges_them_exactly(dt
     """One or two long decode rows read enough K/V for the pool's threads to join, but hold fewer blocks
     (a row per KV head) than threads x items: the kernel splits each along its pages into parts with
     their own softmax state and merges them. Against the plain-JAX path, with a window that leaves the
-    first parts without keys, soft-capping, and pages in runs and scattered."""
+    first parts without keys, soft-capping, each head's sink logit, and pages in runs and scattered."""
     import jax
 
     import kernels_cpu
@@ -284,8 +286,9 @@ def test_native_attention_splits_few_long_decode_rows_and_merges_them_exactly(dt
         batch = pack(specs, StepShape(tokens=4, seqs=4, pages_per_seq=n_max, history=n_max * s), s)
         batch = jax.tree_util.tree_map(jnp.asarray, batch)
         q = jnp.asarray(rng.standard_normal((4, heads, d)), jnp.float32)
-        for window, softcap in [(0, 0.0), (100, 20.0)]:
-            want, got = plain_and_native(q, kv, 1, batch, window=window, softcap=softcap)
+        sinks = jnp.asarray(rng.standard_normal(heads) * 2, jnp.float32)
+        for window, softcap, sink in [(0, 0.0, None), (100, 20.0, None), (100, 0.0, sinks)]:
+            want, got = plain_and_native(q, kv, 1, batch, window=window, softcap=softcap, sinks=sink)
             np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5, err_msg=f"lens {lens} window {window}")
             np.testing.assert_array_equal(got[len(lens):], 0)
 
@@ -296,7 +299,7 @@ def test_native_prefill_blocks_as_small_matrix_products_match_the_plain_jax_path
     """Prefill chunks (blocks of several queries) go through the tiled path when the head dim is a
     multiple of 64 and the page size of 16 (AVX-512): query rows in the lanes, 16 slots at a time. Chunks
     of 2, 3, 8, 19 and 40 tokens (whole and partial blocks, rows not filling a vector), starting on and
-    off page boundaries, next to decode rows; with a window cutting through pages and soft-capping."""
+    off page boundaries, next to decode rows; with a window cutting through pages, soft-capping, sinks."""
     import jax
 
     import kernels_cpu
@@ -321,8 +324,9 @@ def test_native_prefill_blocks_as_small_matrix_products_match_the_plain_jax_path
     batch = pack(specs, StepShape(tokens=live + 5, seqs=len(specs) + 1, pages_per_seq=n_max, history=n_max * s), s)
     batch = jax.tree_util.tree_map(jnp.asarray, batch)
     q = jnp.asarray(rng.standard_normal((live + 5, heads, d)), jnp.float32)
-    for window, softcap in [(0, 0.0), (37, 0.0), (50, 5.0)]:
-        want, got = plain_and_native(q, kv, 1, batch, window=window, softcap=softcap)
+    sinks = jnp.asarray(rng.standard_normal(heads) * 2, jnp.float32)
+    for window, softcap, sink in [(0, 0.0, None), (37, 0.0, None), (50, 5.0, None), (37, 0.0, sinks)]:
+        want, got = plain_and_native(q, kv, 1, batch, window=window, softcap=softcap, sinks=sink)
         np.testing.assert_allclose(got, want, rtol=3e-5, atol=3e-5, err_msg=f"window {window} softcap {softcap}")
         np.testing.assert_array_equal(got[live:], 0)
 

@@ -369,8 +369,7 @@ def experts(config: ModelConfig, x, w: LayerParams, grouped: bool):
 def _attend_group(attention: Attention, config: ModelConfig, q, k, v, pages, layer_index, batch: StepInput,
                   window, sinks=None):
     """Write this layer's new K/V into one page group, then attend over it: (attention [T, H, D], pages).
-    `sinks` [H] (gpt-oss): each head's sink logit joins its softmax's denominator. The native CPU kernel has
-    no sinks: such a model's attention runs in plain JAX on the CPU."""
+    `sinks` [H] (gpt-oss): each head's sink logit joins its softmax's denominator."""
     # The K/V projections stay their own fusions: XLA:GPU fused a one-row step's (a dot it lowers as a
     # reduction) into the scatter that writes them, which then ran the reduction once per element
     # written: 8.1 of 21.3 ms of an 8B-shaped decode step on an H200 (jax 0.11.2); 23.3 -> 15.6 ms with
@@ -379,8 +378,7 @@ def _attend_group(attention: Attention, config: ModelConfig, q, k, v, pages, lay
     pages = write_kv(pages, layer_index, k, v, batch.slot_ids)
     if attention.kernel in ("xla", "cpu"):
         attn = ragged_attention(q, pages, layer_index, batch, scale=config.attention_scale, window=window,
-                                softcap=config.attn_softcap, native=attention.kernel == "cpu" and sinks is None,
-                                sinks=sinks)
+                                softcap=config.attn_softcap, native=attention.kernel == "cpu", sinks=sinks)
     elif attention.kernel == "none":  # bench/step.py: the step's cost without attention
         attn = q
     else:  # the ragged Pallas kernel over the whole cache, one call for the step's every sequence

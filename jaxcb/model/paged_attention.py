@@ -192,7 +192,7 @@ def ragged_attention(q, kv_pages, layer, batch, scale=None, window=0, softcap=0.
         import kernels_cpu
 
         return kernels_cpu.ragged_attention(qg.reshape(t, h, d), kv_pages, layer, batch.kv_lens, batch.page_table,
-                                            batch.cu_q_lens, batch.num_seqs, window, softcap).astype(q.dtype)
+                                            batch.cu_q_lens, batch.num_seqs, window, softcap, sinks).astype(q.dtype)
     cap = (lambda x: softcap * jnp.tanh(x / softcap)) if softcap else (lambda x: x)  # noqa: E731
     window = jnp.asarray(window, jnp.int32)
     reach = jnp.where(window > 0, window, jnp.iinfo(jnp.int32).max // 2)  # keys at t - reach and before: out
