@@ -25,7 +25,8 @@ def main() -> None:
     x = jnp.asarray(np.random.default_rng(0).standard_normal((64, 256)).astype(np.float32))
     out = {}
     # Mixtral's experts, and gpt-oss's (biases on the router and each expert's three projections, clamped SwiGLU)
-    for kind, extra in (("", {}), ("gpt-oss-", {"expert_bias": True, "activation": "swiglu_oai"})):
+    for kind, extra in (("", {}), ("gpt-oss-", {"expert_bias": True, "activation": "swiglu_oai"}),
+                        ("llama4-", {"moe_input_scale": True})):
         config = tiny_config(hidden_size=256, intermediate_size=512, num_layers=1, num_heads=8, num_kv_heads=8,
                              head_dim=32, num_experts=8, experts_per_token=2, **extra)
         layer = jax.tree.map(lambda a: a[0], params_from_numpy(random_weights(config)).layers)

@@ -48,22 +48,26 @@ def test_every_warmup_shape_of_the_step_exports_for_gpu_and_tpu(platform):
     assert exported == len(shapes) + len(on_mesh) and len(samplers) >= 2
 
 
-GPT_OSS = dict(attention_bias=True, out_bias=True, attn_sinks=True, expert_bias=True, activation="swiglu_oai",
-               sliding_window=8, sliding_layers=(True, False), rope_scaled_sliding=True)
+KINDS = {"mixtral": {},
+         "gpt-oss": dict(attention_bias=True, out_bias=True, attn_sinks=True, expert_bias=True, activation="swiglu_oai",
+                         sliding_window=8, sliding_layers=(True, False), rope_scaled_sliding=True),
+         "llama4": dict(moe_input_scale=True, shared_expert_size=32, shared_expert_gated=False, nope_layers=(False, True),
+                        qk_rms_rope=True, nope_temperature=8192)}
 
 
 @pytest.mark.parametrize("platform", ["cuda", "tpu"])
-@pytest.mark.parametrize("kind", ["mixtral", "gpt-oss"])
+@pytest.mark.parametrize("kind", list(KINDS))
 def test_a_mixture_of_experts_step_exports_with_its_experts_grouped(platform, kind):
     """A Mixtral-shaped step (tiny) lowers for GPU and TPU, single device and tensor-parallel: its experts
     through jax.lax.ragged_dot (the token-expert pairs grouped by expert, which those compilers lower as a
     grouped matmul; XLA:CPU would run every expert over every row), beside the Pallas attention. And a
-    gpt-oss-shaped one: its experts' biases, attention sinks (from the kernel's log-sum-exp) and sliding layers."""
+    gpt-oss-shaped one: its experts' biases, attention sinks (from the kernel's log-sum-exp) and sliding layers; a
+    Llama 4-shaped one: experts scaled at their inputs beside an ungated shared expert, NoPE layers' temperature."""
     from jaxcb.device.export import KERNEL_CALLS, custom_calls, export_step, unexpected_calls
     from jaxcb.host.batch import StepShape
     from jaxcb.model.config import tiny_config
 
-    model = tiny_config(num_experts=8, experts_per_token=2, intermediate_size=32, **(GPT_OSS if kind == "gpt-oss" else {}))
+    model = tiny_config(num_experts=8, experts_per_token=2, intermediate_size=32, **KINDS[kind])
     for tensor, shape in ((1, StepShape(8, 8, 4, 8)), (1, StepShape(64, 1, 4, 64)), (2, StepShape(64, 2, 4, 64))):
         e = export_step(model, shape, platform, tensor=tensor)
         assert KERNEL_CALLS[platform] <= custom_calls(e) and not unexpected_calls(e, platform), (shape, tensor)

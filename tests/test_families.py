@@ -27,7 +27,7 @@ from jaxcb.model.paged_attention import allocate_kv_pages
 from tests.server_util import compile_mode
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "golden", "tiny_hf")
-FAMILIES = ("qwen3", "gpt-oss", "llama-bias", "mixtral", "qwen2moe", "qwen3moe", "granitemoe", "olmoe", "olmo2", "smollm3", "granite", "phi3", "phi3-longrope", "gemma", "gemma2", "gemma3", "llama3-rope", "qwen3-yarn", "llama-yarn", "gemma3-linear", "gemma3-mm", "mistral3-mm", "llava", "qwen2.5-vl", "qwen3-vl")
+FAMILIES = ("qwen3", "gpt-oss", "llama4", "llama-bias", "mixtral", "qwen2moe", "qwen3moe", "granitemoe", "olmoe", "olmo2", "smollm3", "granite", "phi3", "phi3-longrope", "gemma", "gemma2", "gemma3", "llama3-rope", "qwen3-yarn", "llama-yarn", "gemma3-linear", "gemma3-mm", "mistral3-mm", "llava", "qwen2.5-vl", "qwen3-vl")
 # checkpoints of a family with RoPE scaling, or with a vision tower beside it (served on text), or a
 # Llama with layers without RoPE, Granite's scalars or Phi-3's fused projections
 FAMILY_OF = {"llama-bias": "llama", "mistral3-mm": "llama", "llava": "llama", "qwen2.5-vl": "llama", "qwen3-vl": "qwen3", "llama3-rope": "llama", "qwen3-yarn": "qwen3", "llama-yarn": "llama", "gemma3-linear": "gemma3", "gemma3-mm": "gemma3", "smollm3": "llama",
@@ -195,6 +195,55 @@ def test_gpt_oss_parts_are_read_and_matter(change):
     ref = np.asarray(record["prefill_logits"], np.float32)
     got = prefill_logits(config, params_from_numpy(weights, jnp.float32), record["prompt_ids"])
     assert np.abs(got - ref).max() > 1e-3 * np.abs(ref).max()
+
+
+@pytest.mark.parametrize("change", ["rotary_pairs", "qk_rms", "temperature", "input_scale", "nope"])
+def test_llama4_parts_are_read_and_matter(change):
+    """Llama 4's parts, each as transformers runs it (test_prefill_logits_match_transformers): without its RoPE
+    read as complex pairs (q/k columns reordered to rotate-half's), the RoPE layers' weightless q/k norms, the
+    NoPE layers' temperature tuning, the experts' input scaling by the sigmoid of their logit, or the NoPE layers,
+    the logits are not the reference's."""
+    from jaxcb.model.hf_loader import load_weights
+    from jaxcb.model.llama import params_from_numpy
+
+    src = os.path.join(GOLDEN, "llama4")
+    config = load_model(src, jnp.float32)[0]
+    assert (config.family, config.nope_layers, config.qk_rms_rope, config.nope_temperature, config.moe_input_scale,
+            config.shared_expert_size, config.shared_expert_gated) == ("llama4", (False, True) * 2, True, 4, True, 32, False)
+    weights = load_weights(src, config)
+    if change == "rotary_pairs":  # the checkpoint's column order, as a rotate-half model would read it
+        d = config.head_dim
+        back = np.argsort(np.concatenate([np.arange(0, d, 2), np.arange(1, d, 2)]))
+        for key, heads in (("wq", config.num_heads), ("wk", config.num_kv_heads)):
+            w = weights[key]
+            weights[key] = w.reshape(*w.shape[:-1], heads, d)[..., back].reshape(w.shape)
+    else:
+        config = dataclasses.replace(config, **{"qk_rms": {"qk_rms_rope": False}, "temperature": {"nope_temperature": 0},
+                                                "input_scale": {"moe_input_scale": False},
+                                                "nope": {"nope_layers": ()}}[change])
+    record = golden("llama4")[2]
+    ref = np.asarray(record["prefill_logits"], np.float32)
+    got = prefill_logits(config, params_from_numpy(weights, jnp.float32), record["prompt_ids"])
+    assert np.abs(got - ref).max() > 1e-3 * np.abs(ref).max()
+
+
+def test_llama4_serves_up_to_its_attention_chunk_and_refuses_dense_layers(tmp_path):
+    """Llama 4's RoPE layers attend within chunks of attention_chunk_size: exactly full attention up to one
+    chunk, where the served context is capped; Maverick's dense layers between the experts' are refused by
+    name, not run as experts."""
+    import shutil
+
+    from jaxcb.host.errors import InvalidConfig
+    from jaxcb.model.hf_loader import read_config
+
+    folder = tmp_path / "llama4"
+    shutil.copytree(os.path.join(GOLDEN, "llama4"), folder)
+    raw = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**raw, "attention_chunk_size": 64}))
+    assert read_config(str(folder)).max_context == 64
+    (folder / "config.json").write_text(json.dumps({**raw, "interleave_moe_layer_step": 2, "moe_layers": [1, 3]}))
+    with pytest.raises(InvalidConfig, match="interleave_moe_layer_step"):
+        read_config(str(folder))
 
 
 def test_a_gpt_oss_gguf_gives_transformers_logits(tmp_path):
@@ -674,16 +723,19 @@ def test_an_olmo2_gguf_gives_transformers_logits(tmp_path):
 def test_each_way_of_running_the_experts_gives_the_same_output():
     """The mixture of experts both ways (a loop over the experts some token chose: the CPU; the pairs grouped
     by expert through jax.lax.ragged_dot: GPU and TPU) against a
-    float64 loop over tokens, with and without renormalizing the chosen experts' weights; and gpt-oss's (biases on
-    the router's logits and each expert's projections, the clamped SwiGLU, here with a limit the values pass)."""
+    float64 loop over tokens, with and without renormalizing the chosen experts' weights; gpt-oss's (biases on
+    the router's logits and each expert's projections, the clamped SwiGLU, here with a limit the values pass);
+    and Llama 4's (the chosen experts' sigmoid scores scale their inputs, their outputs summed)."""
     import jax
 
     from jaxcb.model.config import tiny_config
     from jaxcb.model.llama import experts, random_weights
 
     rng = np.random.default_rng(3)
-    for norm_topk, oss in ((True, False), (False, False), (True, True)):
+    for norm_topk, oss, llama4 in ((True, False, False), (False, False, False), (True, True, False),
+                                   (False, False, True)):
         config = tiny_config(num_experts=8, experts_per_token=3, intermediate_size=24, norm_topk=norm_topk,
+                             moe_input_scale=llama4,
                              **(dict(expert_bias=True, activation="swiglu_oai", swiglu_limit=0.3) if oss else {}))
         w = random_weights(config, seed=4)
         bias = {k: w[k][1].astype(np.float64) if oss else 0.0 for k in ("router_bias", "experts_gate_bias",
@@ -701,6 +753,12 @@ def test_each_way_of_running_the_experts_gives_the_same_output():
             for i in range(t):
                 chosen = np.argsort(-probs[i])[:3]
                 weights = probs[i, chosen] / (probs[i, chosen].sum() if norm_topk else 1.0)
+                if llama4:
+                    for e in chosen:  # its sigmoid score scales its input
+                        xe = x[i] / (1 + np.exp(-logits[i, e]))
+                        g, u = xe @ w["experts_gate"][1][e], xe @ w["experts_up"][1][e]
+                        want[i] += ((g / (1 + np.exp(-g))) * u) @ w["experts_down"][1][e]
+                    continue
                 for e, p in zip(chosen, weights):
                     g, u = x[i] @ w["experts_gate"][1][e], x[i] @ w["experts_up"][1][e]
                     if oss:
@@ -717,7 +775,7 @@ def test_each_way_of_running_the_experts_gives_the_same_output():
             ways = [np.asarray(jax.jit(lambda x, g=g: experts(config, x, quantized, grouped=g))(x))
                     for g in (False, True)]
             assert np.abs(ways[0] - ways[1]).max() <= 1e-5 * np.abs(want).max(), (norm_topk, t)
-            assert np.abs(ways[0] - want).max() <= 0.05 * np.abs(want).max(), (norm_topk, t, oss)
+            assert np.abs(ways[0] - want).max() <= 0.05 * np.abs(want).max(), (norm_topk, t, oss, llama4)
 
 
 @pytest.mark.parametrize("family", ["mixtral", "qwen2moe", "qwen3moe", "granitemoe"])

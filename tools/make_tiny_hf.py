@@ -32,7 +32,7 @@ COMMON = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_
 
 
 def configs():
-    from transformers import (CLIPVisionConfig, Gemma2Config, GptOssConfig, GemmaConfig, Gemma3Config, Gemma3TextConfig, GraniteConfig,
+    from transformers import (CLIPVisionConfig, Gemma2Config, GptOssConfig, Llama4TextConfig, GemmaConfig, Gemma3Config, Gemma3TextConfig, GraniteConfig,
                               GraniteMoeConfig, LlamaConfig, LlavaConfig, Mistral3Config, MistralConfig,
                               MixtralConfig, Olmo2Config, OlmoeConfig, PixtralVisionConfig, Qwen2_5_VLConfig,
                               Qwen3VLConfig, Phi3Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig,
@@ -73,6 +73,17 @@ def configs():
                                 rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0,
                                                  "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
                                                  "original_max_position_embeddings": 32}),
+        # Llama 4 (text): every layer 4 experts (1 a token: its sigmoid score scales the expert's input) beside a
+        # shared expert; RoPE as complex pairs (interleaved) with Llama 3's scaling, every other layer without
+        # it (NoPE), where queries are scaled by position (temperature tuning: floor_scale 4 so it bites at
+        # these lengths), and the RoPE layers' q and k RMS-normed without weights; chunked attention past 256
+        "llama4": Llama4TextConfig(**{**COMMON, "intermediate_size": 32}, intermediate_size_mlp=128, num_local_experts=4,
+                                   num_experts_per_tok=1, no_rope_layer_interval=2, floor_scale=4, attn_scale=0.1,
+                                   attention_chunk_size=256, tie_word_embeddings=False, pad_token_id=None,
+                                   bos_token_id=1, eos_token_id=2, rope_parameters={
+                                       "rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
+                                       "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                       "original_max_position_embeddings": 32}),
         # Llama with attention_bias (as transformers builds it: q, k, v and the output projection biased)
         "llama-bias": LlamaConfig(**COMMON, tie_word_embeddings=False, attention_bias=True),
         "smollm3": SmolLM3Config(**COMMON, tie_word_embeddings=True, no_rope_layer_interval=2, pad_token_id=None,
@@ -168,6 +179,8 @@ def main():
                     p.add_(torch.randn_like(p) * 0.3)
                 elif p.dim() == 2:
                     p.mul_(4.0 if "embed" in name else 2.0)
+                if family == "llama4" and "experts" in name:  # (small at the start: made to matter)
+                    p.mul_(8.0)
                 if family == "llama-bias" and "bias" in name:  # (zero at the start)
                     p.copy_(torch.randn_like(p) * 0.5)
                 if family == "gpt-oss":  # (its biases start at zero, its sinks and experts small: all made to matter)

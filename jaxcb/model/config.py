@@ -31,7 +31,7 @@ class ModelConfig:
     out_bias: bool = False  # a bias on the attention's output projection too (Llama's attention_bias, gpt-oss)
     # ---- variations of other families (defaults: Llama) ----
     family: str = "llama"  # "llama" (Llama, Mistral, Mixtral, Qwen2 and its MoE, SmolLM3, Granite and its MoE,
-    #                        Phi-3), "qwen3" (and its MoE), "gemma2", "gemma3", "olmo2", "olmoe", "gpt-oss"
+    #                        Phi-3), "qwen3" (and its MoE), "gemma2", "gemma3", "olmo2", "olmoe", "gpt-oss", "llama4"
     qk_norm: bool = False  # RMSNorm over each head of q and k before RoPE (Qwen3, Gemma 3)
     qk_norm_whole: bool = False  # ... over the whole q and k projections instead, all heads at once (OLMo 2)
     pre_norms: bool = True  # a norm before attention and before the MLP (False: OLMo 2's, with post_norms only)
@@ -60,6 +60,12 @@ class ModelConfig:
     attn_softcap: float = 0.0  # scores -> cap * tanh(scores / cap) (Gemma 2); 0: off
     final_softcap: float = 0.0  # the same on the logits (Gemma 2); 0: off
     nope_layers: tuple[bool, ...] = ()  # per layer: True = no RoPE (SmolLM3's every fourth layer); () for none
+    # Llama 4: the RoPE layers' q and k RMS-normed per head without a weight (after RoPE: a rotation keeps
+    # their norms, so the order is the reference's either way); the NoPE layers' queries scaled by their
+    # position, log(1 + floor((p + 1) / nope_temperature)) * nope_temperature_scale + 1 (0: off)
+    qk_rms_rope: bool = False
+    nope_temperature: int = 0
+    nope_temperature_scale: float = 0.1
     # Granite's scalars: the embeddings times `embed_multiplier`, each attention and MLP output times
     # `residual_multiplier` before it joins the residual, the logits divided by `logit_scale` (1: none).
     embed_multiplier: float = 1.0
@@ -71,10 +77,12 @@ class ModelConfig:
     num_experts: int = 0
     experts_per_token: int = 0
     norm_topk: bool = True
+    moe_input_scale: bool = False  # Llama 4: each chosen expert's sigmoid score scales its input, not its output
     expert_bias: bool = False  # a bias on the router's logits and on each expert's gate, up and down (gpt-oss)
     # Beside the experts, a shared expert every token runs (Qwen2-MoE): a gated MLP this wide (the dense MLP's
     # matrices w_gate, w_up, w_down), its output times sigmoid(x @ shared_gate); 0: none.
     shared_expert_size: int = 0
+    shared_expert_gated: bool = True  # the shared expert weighed by its sigmoid gate (Qwen2-MoE); False: whole (Llama 4)
 
     def __post_init__(self):
         assert self.num_heads % self.num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads"
@@ -132,7 +140,7 @@ class ModelConfig:
         mlp = ({"router": (l, e, x), "experts_gate": (l, x, e, f), "experts_up": (l, x, e, f),
                 "experts_down": (l, x, f, e)} if x else dense)
         if x and self.shared_expert_size:
-            mlp.update(dense, shared_gate=(l, e, 1))
+            mlp.update(dense, **({"shared_gate": (l, e, 1)} if self.shared_expert_gated else {}))
         if x and self.expert_bias:
             mlp.update(router_bias=(l, x), experts_gate_bias=(l, x, f), experts_up_bias=(l, x, f),
                        experts_down_bias=(l, x, e))

@@ -6,7 +6,9 @@ explicit head_dim, Gemma 2 (four norms a layer, soft-capping, sliding layers alt
 ones) and Gemma 3 (text: q/k norms, five sliding layers to a full one, a local RoPE base), Mixtral and
 Qwen3-MoE and OLMoE (a mixture of experts in place of the MLP; OLMoE's q and k normed whole), OLMo 2 (norms after attention and the MLP only; q and
 k normed whole), gpt-oss (attention sinks, biases, clamped SwiGLU experts in MXFP4 or floats, sliding layers,
-YaRN on every layer); a separate output head when the embeddings are not tied. Weights are read with `safetensors` (no framework) and
+YaRN on every layer), Llama 4 Scout (experts scaled at their inputs beside a shared one, NoPE layers with
+temperature tuning, weightless q/k norms, RoPE on complex pairs read as rotate-half; served up to one attention
+chunk); a separate output head when the embeddings are not tied. Weights are read with `safetensors` (no framework) and
 transposed from torch's [out, in] to this project's [in, out].
 """
 
@@ -34,7 +36,8 @@ ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qw
                  "Gemma3ForCausalLM": "gemma3",
                  "MixtralForCausalLM": "mixtral", "Qwen3MoeForCausalLM": "qwen3moe", "GraniteMoeForCausalLM": "granitemoe",
                  "Qwen2MoeForCausalLM": "qwen2moe", "Olmo2ForCausalLM": "olmo2", "OlmoeForCausalLM": "olmoe",
-                 "GptOssForCausalLM": "gpt-oss",
+                 "GptOssForCausalLM": "gpt-oss", "Llama4ForCausalLM": "llama4",
+                 "Llama4ForConditionalGeneration": "llama4",
                  # Vision-language checkpoints as released (a vision tower beside the language model): served on
                  # text. Gemma 3 4B+; Qwen2-VL, Qwen2.5-VL (a Qwen2) and Qwen3-VL (a Qwen3), whose M-RoPE gives
                  # every section a text token's one position: plain RoPE; Mistral Small 3.1+ (Mistral3) and
@@ -66,7 +69,7 @@ _FUSED = {"self_attn.qkv_proj.weight": ("wq", "wk", "wv"), "mlp.gate_up_proj.wei
 # by the router's name): Mixtral's names; Qwen2-MoE's, Qwen3-MoE's and OLMoE's ("mlp"): the router, and each
 # expert's gate, up and down projections; Granite MoE's: the router, every expert's gate and up projections in
 # one tensor [X, 2F, E] (gate first), and their down projections [X, E, F].
-_MOE_FAMILIES = ("mixtral", "qwen2moe", "qwen3moe", "olmoe", "granitemoe", "gpt-oss")
+_MOE_FAMILIES = ("mixtral", "qwen2moe", "qwen3moe", "olmoe", "granitemoe", "gpt-oss", "llama4")
 _MOE = {"mixtral": ("block_sparse_moe.gate.weight", "block_sparse_moe.experts.{j}.", ("w1", "w3", "w2")),
         "mlp": ("mlp.gate.weight", "mlp.experts.{j}.", ("gate_proj", "up_proj", "down_proj")),
         "granitemoe": ("block_sparse_moe.router.layer.weight", "block_sparse_moe.",
@@ -213,6 +216,22 @@ def read_config(path: str) -> ModelConfig:
         # (Mixtral's and Granite MoE's experts are intermediate_size wide, Qwen's moe_intermediate_size)
         moe_width = family in ("qwen3moe", "qwen2moe")
         intermediate = int(raw["moe_intermediate_size"] if moe_width else raw["intermediate_size"])
+        if family == "llama4":  # (Maverick's dense layers between the experts' are not run)
+            moe = raw.get("moe_layers")
+            if int(raw.get("interleave_moe_layer_step", 1)) != 1 or (moe is not None and list(moe) != list(range(layers))):
+                raise InvalidConfig("config.json: interleave_moe_layer_step / moe_layers (dense layers among the "
+                                    "experts, Llama 4 Maverick's) are not supported: every layer a mixture of experts")
+            interval = int(raw.get("no_rope_layer_interval", 4))
+            uses = raw.get("no_rope_layers") or [int((i + 1) % interval != 0) for i in range(layers)]
+            if len(uses) != layers:
+                raise InvalidConfig(f"config.json: no_rope_layers has {len(uses)} entries for {layers} layers")
+            chunk = raw.get("attention_chunk_size")
+            if chunk:  # the RoPE layers attend within chunks: exactly full attention up to one chunk, as far as served
+                max_context = min(max_context, int(chunk))
+            extra.update(nope_layers=tuple(not u for u in uses), qk_rms_rope=bool(raw.get("use_qk_norm", True)),
+                         nope_temperature=int(raw.get("floor_scale", 8192)) if raw.get("attn_temperature_tuning", True)
+                         else 0, nope_temperature_scale=float(raw.get("attn_scale", 0.1)), moe_input_scale=True,
+                         shared_expert_size=int(raw["intermediate_size"]), shared_expert_gated=False)
         if family in _MOE_FAMILIES:
             if raw.get("mlp_only_layers") or int(raw.get("decoder_sparse_step", 1)) != 1:
                 raise InvalidConfig("config.json: mlp_only_layers / decoder_sparse_step (dense layers among the "
@@ -223,8 +242,8 @@ def read_config(path: str) -> ModelConfig:
             # (renormalized: Mixtral's and Granite MoE's always; Qwen's and OLMoE's as norm_topk_prob, transformers'
             # default off)
             extra.update(num_experts=experts, experts_per_token=used,
-                         norm_topk=bool(raw.get("norm_topk_prob", family not in ("qwen3moe", "qwen2moe", "olmoe"))),
-                         shared_expert_size=int(raw.get("shared_expert_intermediate_size") or 0))
+                         norm_topk=bool(raw.get("norm_topk_prob", family not in ("qwen3moe", "qwen2moe", "olmoe"))))
+            extra.setdefault("shared_expert_size", int(raw.get("shared_expert_intermediate_size") or 0))
         if family == "gpt-oss":  # sinks, biases everywhere, clamped SwiGLU experts, sliding layers, YaRN on all
             window = int(raw.get("sliding_window") or 0)
             types = raw.get("layer_types") or ["sliding_attention" if (i + 1) % 2 else "full_attention"
@@ -296,6 +315,28 @@ def _has_head(path: str) -> bool:
     except Exception as e:  # noqa: BLE001 - json's and the library's own error types
         raise InvalidConfig(f"model: the tensor names of {path} are not readable ({e})") from None
     return any(n == "lm_head.weight" or n.endswith(".lm_head.weight") for n in names)
+
+
+# Llama 4's experts: the router, every expert's gate and up projections in one tensor [X, E, 2F] (gate first),
+# their down projections [X, F, E]
+_LLAMA4 = {"router": "feed_forward.router.weight", "gate_up": "feed_forward.experts.gate_up_proj",
+           "down": "feed_forward.experts.down_proj"}
+
+
+def _llama4_experts(get, layer: str, config: ModelConfig) -> dict[str, np.ndarray]:
+    """Llama 4's router and experts, stacked over layers in this project's layout."""
+    f, shapes = config.intermediate_size, config.weight_shapes()
+    out = {k: np.empty(shapes[k], np.float32) for k in ("router", "experts_gate", "experts_up", "experts_down")}
+    for i in range(config.num_layers):
+        at = layer.format(i=i)
+        gate_up = get(at + _LLAMA4["gate_up"])
+        parts = {"router": get(at + _LLAMA4["router"], True), "experts_gate": gate_up[..., :f],
+                 "experts_up": gate_up[..., f:], "experts_down": get(at + _LLAMA4["down"])}
+        for key, value in parts.items():
+            if value.shape != out[key].shape[1:]:
+                raise InvalidConfig(f"model: {at}: {key} has shape {value.shape}, expected {out[key].shape[1:]}")
+            out[key][i] = value
+    return out
 
 
 def _gpt_oss_experts(get, tensors, layer: str, config: ModelConfig) -> dict[str, np.ndarray]:
@@ -370,17 +411,22 @@ def load_weights(path: str, config: ModelConfig) -> dict[str, np.ndarray]:
     weights = {"embed": get(prefix + "embed_tokens.weight"), "final_norm": get(prefix + "norm.weight")}
     names = dict(_LAYER)
     if config.num_experts:  # the router [L, E, X] and each expert's matrices stacked [L, X, in, out]
+        llama4 = layer.format(i=0) + _LLAMA4["router"] in tensors
+        ffn = "feed_forward" if llama4 else "mlp"  # (where a shared expert sits)
         for key, shared in (("w_gate", "gate_proj"), ("w_up", "up_proj"), ("w_down", "down_proj")):
             if config.shared_expert_size:  # (Qwen2-MoE's shared expert: the dense MLP's names, and its gate)
-                names[key] = (f"mlp.shared_expert.{shared}.weight", True)
+                names[key] = (f"{ffn}.shared_expert.{shared}.weight", True)
             else:
                 del names[key]
-        if config.shared_expert_size:
+        if config.shared_expert_size and config.shared_expert_gated:
             names["shared_gate"] = ("mlp.shared_expert_gate.weight", True)
         layout = next((a for a, moe in _MOE.items() if layer.format(i=0) + moe[0] in tensors), None)
         if layer.format(i=0) + _GPT_OSS["router"] in tensors:
             layout = "gpt-oss"
             weights.update(_gpt_oss_experts(get, tensors, layer, config))
+        elif llama4:
+            layout = "llama4"
+            weights.update(_llama4_experts(get, layer, config))
         elif layout is None:
             raise InvalidConfig(f"model: {path} has no router tensor (one of "
                                 f"{', '.join(layer.format(i=0) + moe[0] for moe in _MOE.values())})")
@@ -411,6 +457,12 @@ def load_weights(path: str, config: ModelConfig) -> dict[str, np.ndarray]:
         del names["attn_norm"], names["mlp_norm"]
     for key, (name, transpose) in names.items():
         weights[key] = np.stack([get(layer.format(i=i) + name, transpose) for i in range(config.num_layers)])
+    if config.family == "llama4":  # RoPE on complex pairs (2i, 2i + 1): each head's q/k columns reordered to
+        d = config.head_dim        # rotate-half's pairs (i, i + D/2), the same order for q and k (NoPE layers too)
+        order = np.concatenate([np.arange(0, d, 2), np.arange(1, d, 2)])
+        for key, heads in (("wq", config.num_heads), ("wk", config.num_kv_heads)):
+            w = weights[key]
+            weights[key] = np.ascontiguousarray(w.reshape(*w.shape[:-1], heads, d)[..., order].reshape(w.shape))
     head = "language_model.lm_head.weight" if "language_model.lm_head.weight" in tensors else "lm_head.weight"
     if not config.tie_embeddings:
         weights["lm_head"] = get(head, transpose=True)

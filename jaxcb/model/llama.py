@@ -187,6 +187,12 @@ def rms_norm(x, weight, eps, plus_one: bool = False):
     return ((1.0 + scale if plus_one else scale) * x32).astype(x.dtype)
 
 
+def _rms(x, eps):
+    """x RMS-normed over its last axis, without a weight (computed in float32)."""
+    x32 = x.astype(jnp.float32)
+    return (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)).astype(x.dtype)
+
+
 def rope_frequencies(config: ModelConfig, theta, sliding):
     """A layer's RoPE frequencies f32 [R/2] (R: the rotated dimensions, ModelConfig.rope_dim) from its base
     (traced: the layer's kind), divided by the scaling of full-attention layers (ModelConfig.rope_divisors,
@@ -261,6 +267,13 @@ def _layer(config: ModelConfig, attention: Attention, batch: StepInput, h, kv_pa
         inv_freq = inv_freq * rope
     q = rotary(q, batch.positions, inv_freq, config.rope_attention_factor)
     k = rotary(k, batch.positions, inv_freq, config.rope_attention_factor)
+    if config.qk_rms_rope:  # (Llama 4) the RoPE layers' q and k RMS-normed per head, without a weight
+        on = rope > 0
+        q, k = jnp.where(on, _rms(q, config.rms_norm_eps), q), jnp.where(on, _rms(k, config.rms_norm_eps), k)
+    if config.nope_temperature:  # (Llama 4) the NoPE layers' queries scaled by their position
+        pos = batch.positions.astype(jnp.float32)
+        scale = jnp.log1p(jnp.floor((pos + 1.0) / config.nope_temperature)) * config.nope_temperature_scale + 1.0
+        q = jnp.where(rope > 0, q, (q.astype(jnp.float32) * scale[:, None, None]).astype(q.dtype))
 
     attend = functools.partial(_attend, attention, config)
     if attention.mesh is None:
@@ -317,16 +330,23 @@ def experts(config: ModelConfig, x, w: LayerParams, grouped: bool):
     2-core Zen 4, consecutive runs: one token 2.6-3.9 ms against 17.3 ms when each pair gathered its own
     expert's matrices, and 10-11 ms through ragged_dot; 256 tokens 136-140 ms against ragged_dot's
     267-279 ms). Quantized (and bfloat16) experts are made x's dtype as they are read. With
-    config.expert_bias (gpt-oss) the router's logits and each expert's three projections have biases."""
+    config.expert_bias (gpt-oss) the router's logits and each expert's three projections have biases; with
+    config.moe_input_scale (Llama 4) each chosen expert's score is the sigmoid of its logit and scales its
+    input, the outputs summed."""
     t, k, n = x.shape[0], config.experts_per_token, config.num_experts
     logits = jnp.dot(x, w.router, preferred_element_type=jnp.float32)
     if w.router_bias is not None:
         logits = logits + w.router_bias.astype(jnp.float32)
-    probs = jax.nn.softmax(logits, axis=-1)  # [T, X]
-    top, chosen = jax.lax.top_k(probs, k)  # [T, k]
-    if config.norm_topk:
-        top = top / jnp.sum(top, axis=-1, keepdims=True)
+    if config.moe_input_scale:  # (Llama 4) the chosen ones' sigmoid scores, which scale the experts' inputs
+        top, chosen = jax.lax.top_k(logits, k)
+        top = jax.nn.sigmoid(top)
+    else:
+        probs = jax.nn.softmax(logits, axis=-1)  # [T, X]
+        top, chosen = jax.lax.top_k(probs, k)  # [T, k]
+        if config.norm_topk:
+            top = top / jnp.sum(top, axis=-1, keepdims=True)
     top = top.astype(x.dtype)
+    scale_in = config.moe_input_scale
 
     def down_bias(top, chosen):  # the chosen experts' down biases, weighed: once, after the experts' (partial) sums
         if w.experts_down_bias is None:
@@ -343,18 +363,23 @@ def experts(config: ModelConfig, x, w: LayerParams, grouped: bool):
         order = jnp.argsort(flat, stable=True)  # pairs by expert
         sizes = jnp.bincount(flat, length=n).astype(jnp.int32)
         rows = x[order // k]
+        if scale_in:
+            rows = rows * top.reshape(-1)[order][:, None]
         gate, up, down = (take(s, slice(None)) for s in (w.experts_gate, w.experts_up, w.experts_down))
         g, u = jax.lax.ragged_dot(rows, gate, sizes), jax.lax.ragged_dot(rows, up, sizes)
         if w.router_bias is not None:  # each pair's own expert's biases
             e = flat[order]
             g, u = g + w.experts_gate_bias[e].astype(x.dtype), u + w.experts_up_bias[e].astype(x.dtype)
         y = jax.lax.ragged_dot(glu(config, g, u), down, sizes)
-        out = jnp.zeros((t * k, x.shape[1]), x.dtype).at[order].set(y)
-        return jnp.einsum("tk,tke->te", top, out.reshape(t, k, -1)) + down_bias(top, chosen)
+        out = jnp.zeros((t * k, x.shape[1]), x.dtype).at[order].set(y).reshape(t, k, -1)
+        return (out.sum(1) if scale_in else jnp.einsum("tk,tke->te", top, out)) + down_bias(top, chosen)
     weight = jnp.zeros((t, n), x.dtype).at[jnp.arange(t)[:, None], chosen].set(top)  # [T, X]
     used = jnp.zeros((n,), bool).at[chosen.reshape(-1)].set(True)
 
     def run(e, out):
+        if scale_in:  # (its input scaled: 0 for a token that did not choose it, whose output is then 0)
+            xe = x * weight[:, e, None]
+            return out + glu(config, xe @ take(w.experts_gate, e), xe @ take(w.experts_up, e)) @ take(w.experts_down, e)
         g, u = x @ take(w.experts_gate, e), x @ take(w.experts_up, e)
         if w.router_bias is not None:
             g, u = g + w.experts_gate_bias[e].astype(x.dtype), u + w.experts_up_bias[e].astype(x.dtype)
