@@ -227,6 +227,39 @@ def test_llama4_parts_are_read_and_matter(change):
     assert np.abs(got - ref).max() > 1e-3 * np.abs(ref).max()
 
 
+def test_a_llama4_lora_adapter_is_read_in_the_reordered_columns(tmp_path):
+    """A PEFT adapter of Llama 4's attention (its q and k B columns in the checkpoint's complex-pair order) read
+    in the order the loader gives the base's columns: merged into the base as jaxcb holds it, the logits of the
+    checkpoint with the adapter merged in as PEFT merges it (W + scale B A)."""
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    from jaxcb.model.hf_loader import load_weights
+    from jaxcb.model.llama import params_from_numpy
+    from jaxcb.model.lora import merge, read_adapter
+    from tests.lora_util import write_adapter
+
+    src = os.path.join(GOLDEN, "llama4")
+    config = load_model(src, jnp.float32)[0]
+    raw = write_adapter(str(tmp_path / "adapter"), config, rank=4, targets=("wq", "wk", "wv", "wo"), scale=1.0)
+    folder = tmp_path / "merged"
+    shutil.copytree(src, folder)
+    tensors = load_file(str(folder / "model.safetensors"))
+    names = {"wq": "q_proj", "wk": "k_proj", "wv": "v_proj", "wo": "o_proj"}
+    for (target, i), (a, b, scale) in raw.items():
+        key = f"model.layers.{i}.self_attn.{names[target]}.weight"
+        tensors[key] = tensors[key] + scale * (b @ a)
+    save_file(tensors, str(folder / "model.safetensors"))
+    record = golden("llama4")[2]
+    want = prefill_logits(config, params_from_numpy(load_weights(str(folder), config)), record["prompt_ids"])
+    adapter = read_adapter(str(tmp_path / "adapter"), config)
+    got = prefill_logits(config, params_from_numpy(merge(load_weights(src, config), adapter)), record["prompt_ids"])
+    np.testing.assert_allclose(got, want, atol=1e-4 * np.abs(want).max())
+    base = prefill_logits(config, params_from_numpy(load_weights(src, config)), record["prompt_ids"])
+    assert np.abs(base - want).max() > 1e-2 * np.abs(want).max()  # (the adapter matters)
+
+
 def test_llama4_serves_up_to_its_attention_chunk_and_refuses_dense_layers(tmp_path):
     """Llama 4's RoPE layers attend within chunks of attention_chunk_size: exactly full attention up to one
     chunk, where the served context is capped; Maverick's dense layers between the experts' are refused by

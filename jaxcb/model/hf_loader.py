@@ -368,6 +368,15 @@ def _gpt_oss_experts(get, tensors, layer: str, config: ModelConfig) -> dict[str,
     return out
 
 
+def halves_from_pairs(w: np.ndarray, config: ModelConfig) -> np.ndarray:
+    """A q or k projection's output columns [..., heads x D] of a model whose RoPE rotates complex pairs (2i,
+    2i + 1) (Llama 4) reordered, each head's, to rotate-half's pairs (i, i + D/2): the same rotation. q and k
+    alike, so their products stay the same in layers without RoPE too; a LoRA adapter's B columns likewise."""
+    d = config.head_dim
+    order = np.concatenate([np.arange(0, d, 2), np.arange(1, d, 2)])
+    return np.ascontiguousarray(w.reshape(*w.shape[:-1], -1, d)[..., order].reshape(w.shape))
+
+
 def load_weights(path: str, config: ModelConfig) -> dict[str, np.ndarray]:
     """The weights in the loader layout of jaxcb.model.llama (float32)."""
     from safetensors.numpy import load_file
@@ -457,12 +466,9 @@ def load_weights(path: str, config: ModelConfig) -> dict[str, np.ndarray]:
         del names["attn_norm"], names["mlp_norm"]
     for key, (name, transpose) in names.items():
         weights[key] = np.stack([get(layer.format(i=i) + name, transpose) for i in range(config.num_layers)])
-    if config.family == "llama4":  # RoPE on complex pairs (2i, 2i + 1): each head's q/k columns reordered to
-        d = config.head_dim        # rotate-half's pairs (i, i + D/2), the same order for q and k (NoPE layers too)
-        order = np.concatenate([np.arange(0, d, 2), np.arange(1, d, 2)])
-        for key, heads in (("wq", config.num_heads), ("wk", config.num_kv_heads)):
-            w = weights[key]
-            weights[key] = np.ascontiguousarray(w.reshape(*w.shape[:-1], heads, d)[..., order].reshape(w.shape))
+    if config.family == "llama4":
+        for key in ("wq", "wk"):
+            weights[key] = halves_from_pairs(weights[key], config)
     head = "language_model.lm_head.weight" if "language_model.lm_head.weight" in tensors else "lm_head.weight"
     if not config.tie_embeddings:
         weights["lm_head"] = get(head, transpose=True)

@@ -178,6 +178,10 @@ def read_adapter(path: str, model, name: str | None = None, max_rank: int | None
             scale = alpha_i / (math.sqrt(r_i) if rslora else r_i)
             stack_a[i, :, :r_i] = a.T
             stack_b[i, :r_i, :] = b.T * scale
+        if model.family == "llama4" and target in ("wq", "wk"):  # (the base's columns are reordered so)
+            from jaxcb.model.hf_loader import halves_from_pairs
+
+            stack_b = halves_from_pairs(stack_b, model)
         weights[target] = (stack_a, stack_b)
         rank = max(rank, r_max)
     del r
