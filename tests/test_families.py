@@ -260,6 +260,29 @@ def test_a_llama4_lora_adapter_is_read_in_the_reordered_columns(tmp_path):
     assert np.abs(base - want).max() > 1e-2 * np.abs(want).max()  # (the adapter matters)
 
 
+def test_a_llama4_gguf_gives_transformers_logits(tmp_path):
+    """Llama 4 as llama.cpp's converter writes it ("llama4": q and k in the checkpoint's complex-pair order, the
+    router, experts and ungated shared expert in ffn_*, Llama 3's factors in rope_freqs): the Hugging Face
+    loader's weights exactly and transformers' logits. llama.cpp's constants for what the file does not say (NoPE
+    every fourth layer, temperature floor 8,192, chunks of 8,192) stand where the tiny checkpoint's differ (every
+    other layer, floor 4): set back for the logits; the served context is capped at one chunk."""
+    config, weights, got = as_gguf(tmp_path, "llama4", "llama4", rope_freqs=config_factors("llama4"))
+    fields = ("num_experts", "experts_per_token", "intermediate_size", "family", "moe_input_scale", "qk_rms_rope",
+              "shared_expert_size", "shared_expert_gated", "tie_embeddings", "nope_temperature_scale")
+    assert_same_fields(got.config, config, fields)
+    assert got.config.rope_freq_factors == pytest.approx(config.rope_freq_factors)  # (float32 in the file)
+    assert (got.config.nope_layers, got.config.nope_temperature) == ((False, False, False, True), 8192)
+    assert sorted(got.weights) == sorted(weights)
+    for key, w in weights.items():
+        np.testing.assert_array_equal(got.weights[key], w, err_msg=key)
+    assert_references_logits(dataclasses.replace(got.config, nope_layers=config.nope_layers, nope_temperature=4),
+                             got.weights, "llama4")
+
+
+def config_factors(family):
+    return load_model(os.path.join(GOLDEN, family), jnp.float32)[0].rope_freq_factors
+
+
 def test_llama4_serves_up_to_its_attention_chunk_and_refuses_dense_layers(tmp_path):
     """Llama 4's RoPE layers attend within chunks of attention_chunk_size: exactly full attention up to one
     chunk, where the served context is capped; Maverick's dense layers between the experts' are refused by

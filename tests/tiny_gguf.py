@@ -75,9 +75,11 @@ def write_tiny_gguf(path: str, config: ModelConfig | None = None, seed: int = 0,
     if config.num_experts:  # (Mixtral: arch llama; Qwen3-MoE's own keys name the experts' width too)
         writer.add_uint32(f"{arch}.expert_count", config.num_experts)
         writer.add_uint32(f"{arch}.expert_used_count", config.experts_per_token)
-        if arch in ("qwen3moe", "qwen2moe", "gpt-oss"):
+        if arch in ("qwen3moe", "qwen2moe", "gpt-oss", "llama4"):
             writer.add_uint32(f"{arch}.expert_feed_forward_length", config.intermediate_size)
-        if config.shared_expert_size:
+        if arch == "llama4":
+            writer.add_uint32(f"{arch}.interleave_moe_layer_step", 1)
+        elif config.shared_expert_size:
             writer.add_uint32(f"{arch}.expert_shared_feed_forward_length", config.shared_expert_size)
     for key, value in (extra_uint32 or {}).items():  # more metadata (what the loader must refuse)
         writer.add_uint32(key, value)
@@ -141,8 +143,9 @@ def write_tiny_gguf(path: str, config: ModelConfig | None = None, seed: int = 0,
         names.update(router="ffn_gate_inp", experts_gate="ffn_gate_exps", experts_up="ffn_up_exps",
                      experts_down="ffn_down_exps")
         if config.shared_expert_size:  # Qwen2-MoE's shared expert and its gate ([1, E], as its converter writes it)
-            names.update(w_gate="ffn_gate_shexp", w_up="ffn_up_shexp", w_down="ffn_down_shexp",
-                         shared_gate="ffn_gate_inp_shexp")
+            names.update(w_gate="ffn_gate_shexp", w_up="ffn_up_shexp", w_down="ffn_down_shexp")
+            if config.shared_expert_gated:
+                names.update(shared_gate="ffn_gate_inp_shexp")
     if arch == "gpt-oss":  # its MLP's norm named by place, sinks, the router's and experts' biases
         names.update(mlp_norm="post_attention_norm", sinks="attn_sinks", router_bias="ffn_gate_inp.bias",
                      experts_gate_bias="ffn_gate_exps.bias", experts_up_bias="ffn_up_exps.bias",
@@ -163,6 +166,10 @@ def write_tiny_gguf(path: str, config: ModelConfig | None = None, seed: int = 0,
                 a = permute_rotary(a, config.num_heads)
             elif permuted and key in ("wk", "bk"):
                 a = permute_rotary(a, config.num_kv_heads)
+            elif arch == "llama4" and key in ("wq", "wk"):  # (the checkpoint's complex-pair order: [out, in] rows)
+                d = config.head_dim
+                back = np.argsort(np.concatenate([np.arange(0, d, 2), np.arange(1, d, 2)]))
+                a = a.reshape(-1, d, a.shape[-1])[:, back].reshape(a.shape)
             put(f"blk.{i}.{gname}" + ("" if gname.endswith(".bias") else ".weight"), a, linear)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

@@ -1,5 +1,5 @@
 """Read a GGUF file of the Llama (and Mixtral: llama with experts), Qwen2, Qwen2-MoE, Qwen3, Qwen3-MoE, SmolLM3, Granite,
-Granite MoE, Phi-3, Gemma 1-3, OLMo 2, OLMoE, gpt-oss, or Qwen2.5-VL's and Qwen3-VL's language models: config,
+Granite MoE, Phi-3, Gemma 1-3, OLMo 2, OLMoE, gpt-oss, Llama 4 (Scout), or Qwen2.5-VL's and Qwen3-VL's language models: config,
 dequantized weights (gpt-oss's MXFP4 experts too) and tokenizer metadata.
 
 The `gguf` library parses the file and dequantizes every tensor type it knows. Weights come back
@@ -30,8 +30,8 @@ from jaxcb.model.config import ModelConfig, check_all_used
 from jaxcb.model.gguf_file import GGUFFile
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen2moe", "qwen3", "qwen3moe", "gemma", "gemma2", "gemma3", "smollm3", "granite",
-                           "granitemoe", "phi3", "olmo2", "olmoe", "qwen2vl", "qwen3vl", "gpt-oss")
-MOE_ARCHITECTURES = ("llama", "qwen2moe", "qwen3moe", "granitemoe", "olmoe", "gpt-oss")  # a mixture of experts (Mixtral: "llama" + experts)
+                           "granitemoe", "phi3", "olmo2", "olmoe", "qwen2vl", "qwen3vl", "gpt-oss", "llama4")
+MOE_ARCHITECTURES = ("llama", "qwen2moe", "qwen3moe", "granitemoe", "olmoe", "gpt-oss", "llama4")  # a mixture of experts (Mixtral: "llama" + experts)
 
 # Project name -> (GGUF name pattern, transpose to [in, out]).
 _LAYER_TENSORS = {
@@ -133,7 +133,9 @@ def read_config(reader) -> ModelConfig:
             raise InvalidConfig(f"{arch}.expert_count: {experts}: a mixture of experts is supported for "
                                 f"{', '.join(MOE_ARCHITECTURES)} only")
         shared = int(_field(reader, f"{arch}.expert_shared_feed_forward_length", 0) or 0)
-        if shared and arch != "qwen2moe" or _field(reader, f"{arch}.expert_shared_count"):  # (Granite MoE Shared's)
+        if arch == "llama4":  # (its shared expert as wide as the others, always run, ungated)
+            shared = int(need("expert_feed_forward_length"))
+        elif shared and arch != "qwen2moe" or _field(reader, f"{arch}.expert_shared_count"):  # (Granite MoE Shared's)
             raise InvalidConfig(f"{arch}.expert_shared_feed_forward_length: {shared}: shared experts are supported "
                                 "for qwen2moe only (its one, gated)")
         used = int(need("expert_used_count"))
@@ -192,6 +194,18 @@ def read_config(reader) -> ModelConfig:
         family.update(family=arch, attn_sinks=True, expert_bias=True, activation="swiglu_oai", swiglu_alpha=1.702,
                       swiglu_limit=7.0, sliding_window=window, sliding_layers=sliding, rope_scaled_sliding=True,
                       local_rope_theta=local if local != theta else 0.0)
+    elif arch == "llama4":  # llama.cpp's constants for it: NoPE every fourth layer with temperature tuning,
+        # chunks of 8,192 (served up to one: exactly full attention there), q/k norms but for the 128-expert one
+        if int(_field(reader, f"{arch}.interleave_moe_layer_step", 1) or 1) != 1:
+            raise InvalidConfig(f"{arch}.interleave_moe_layer_step: dense layers among the experts (Maverick's) are "
+                                "not supported: every layer a mixture of experts")
+        chunked = int(_field(reader, f"{arch}.attention.sliding_window", 8192) or 0) != 0
+        step = 4 if chunked else layers
+        family.update(family=arch, moe_input_scale=True, shared_expert_gated=False,
+                      nope_layers=tuple((i + 1) % step == 0 for i in range(layers)), qk_rms_rope=experts != 128,
+                      nope_temperature=8192 if chunked else 0, nope_temperature_scale=0.1)
+        if chunked:
+            context = min(context, 8192)
     elif arch == "gemma":  # Gemma 1 (and CodeGemma): Gemma's (1 + w) norms, GeGLU and scaled embeddings, nothing more
         family.update(family=arch, norm_plus_one=True, activation="gelu_tanh", embed_scale=True)
     elif arch in ("gemma2", "gemma3"):
@@ -380,10 +394,11 @@ def load_gguf(path: str, check_config=None) -> LoadedModel:
     if config.num_experts:  # the router, and the experts' matrices stacked per layer [X, out, in] (older
         table.pop("w_gate"), table.pop("w_up"), table.pop("w_down")  # files: a tensor per expert)
         table["router"] = ("blk.{i}.ffn_gate_inp.weight", True)
-        if config.shared_expert_size:  # Qwen2-MoE's shared expert, as the dense MLP, and its gate
+        if config.shared_expert_size:  # Qwen2-MoE's shared expert, as the dense MLP, and its gate (Llama 4's: none)
             table.update(w_gate=("blk.{i}.ffn_gate_shexp.weight", True), w_up=("blk.{i}.ffn_up_shexp.weight", True),
-                         w_down=("blk.{i}.ffn_down_shexp.weight", True),
-                         shared_gate=("blk.{i}.ffn_gate_inp_shexp.weight", False))  # ([1, E] or [E]: below)
+                         w_down=("blk.{i}.ffn_down_shexp.weight", True))
+            if config.shared_expert_gated:
+                table["shared_gate"] = ("blk.{i}.ffn_gate_inp_shexp.weight", False)  # ([1, E] or [E]: below)
         for key, part in (("experts_gate", "ffn_gate"), ("experts_up", "ffn_up"), ("experts_down", "ffn_down")):
             if f"blk.0.{part}_exps.weight" in tensors:
                 table[key] = (f"blk.{{i}}.{part}_exps.weight", True)
@@ -392,6 +407,10 @@ def load_gguf(path: str, check_config=None) -> LoadedModel:
                                                    for j in range(config.num_experts)]) for i in range(config.num_layers)])
     for key, (pattern, transpose) in table.items():
         weights[key] = np.stack([get(pattern.format(i=i), transpose) for i in range(config.num_layers)])
+    if config.family == "llama4":  # (its converter keeps the checkpoint's complex-pair order of q and k)
+        from jaxcb.model.hf_loader import halves_from_pairs
+
+        weights["wq"], weights["wk"] = halves_from_pairs(weights["wq"], config), halves_from_pairs(weights["wk"], config)
     if "shared_gate" in weights:  # one output column
         weights["shared_gate"] = weights["shared_gate"].reshape(config.num_layers, config.hidden_size, 1)
     check_all_used(set(tensors) - used, path)
