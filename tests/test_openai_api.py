@@ -1605,6 +1605,33 @@ def test_harmony_answers_give_reasoning_content_and_calls_whole_and_streamed(lon
     assert beams.status_code == 400 and beams.json()["error"]["param"] == "use_beam_search"
 
 
+def test_pythonic_calls_are_read_whole_and_streamed(long_server):
+    """A chat template that asks for pythonic calls (Llama 3.2's and 4's instructions; here the request's own):
+    under tool_choice required the grammar writes a Python list of calls, read back as calls that validate,
+    whole and streamed alike."""
+    import jsonschema
+
+    template = ("{% if tools %}Call as [func_name1(params_name1=params_value1)]: {{ tools | tojson }}{% endif %}"
+                "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}assistant: ")
+    oai = openai.OpenAI(base_url=long_server.http + "/v1", api_key="unused", max_retries=0)
+    name = oai.models.list().data[0].id
+    body = dict(model=name, messages=[{"role": "user", "content": "weather?"}], tools=[WEATHER, CLOCK],
+                tool_choice="required", max_tokens=200, temperature=0, extra_body={"chat_template": template})
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, CLOCK)}
+    r = oai.chat.completions.create(**body)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.tool_calls and not choice.message.content, choice
+    for call in choice.message.tool_calls:
+        jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+    calls = {}
+    for chunk in oai.chat.completions.create(**body, stream=True):
+        for d in chunk.choices[0].delta.tool_calls or ():
+            c = calls.setdefault(d.index, ["", ""])
+            c[0] += d.function.name or ""
+            c[1] += d.function.arguments or ""
+    assert list(calls.values()) == [[c.function.name, c.function.arguments] for c in choice.message.tool_calls]
+
+
 def test_a_lone_surrogate_is_a_400_naming_its_field_on_every_route(server, model_name):
     """JSON's \\ud800-\\udfff escapes unpaired are no text (no tokenizer takes them: a 500 until now):
     refused naming the field, on each route, before any work; a paired one is the character it encodes."""

@@ -91,8 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the format the model writes tool calls in (vLLM's flag of this name): auto (default) takes "
                         "the chat template's own where it renders tools (<|tool_call|>: granite; <function=...> "
                         "and <parameter=...> elements: qwen3_coder; a <tool_call> block: hermes; [TOOL_CALLS]: mistral, "
-                        "or mistral_v11 with [ARGS]; a \"parameters\" object: llama3_json; gpt-oss's harmony "
-                        "messages: harmony, vLLM's openai), else jaxcb renders the tools and asks for hermes")
+                        "or mistral_v11 with [ARGS]; a \"parameters\" object: llama3_json; func_name1( or "
+                        "<|python_start|>: pythonic, vLLM's llama4_pythonic; gpt-oss's harmony messages: harmony, "
+                        "vLLM's openai), else jaxcb renders the tools and asks for hermes")
     s.add_argument("--grace-period", type=float, default=10.0, help="seconds in-flight streams get at shutdown")
     s.add_argument("--http-header-timeout", type=float, default=30.0,
                    help="seconds an HTTP connection has to send a request's line and headers, from its opening "

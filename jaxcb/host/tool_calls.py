@@ -19,6 +19,9 @@ A model writes its calls in the format it was trained on (a `Format`; vLLM's --t
     qwen3_coder  <tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call>
                  one block per call, each argument an element whose text is its value: a string as it is,
                  another type as JSON, read by the function's schema (Qwen3-Coder)
+    pythonic     [get_weather(city="Paris"), get_time()]
+                 the answer a Python list of calls with keyword arguments (Llama 3.2's and Llama 4's templates
+                 ask for it; vLLM's pythonic and llama4_pythonic), read by jaxcb.host.pythonic
     harmony      <|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}<|call|>
                  a message to the function (gpt-oss; vLLM's parser "openai"), among the answer's reasoning
                  and final messages: read by jaxcb.host.harmony, the answer's reasoning and content with them
@@ -49,7 +52,7 @@ import uuid
 
 from jaxcb.host.chat_template import ROLE_AS, template_reads
 from jaxcb.host.errors import InvalidRequest
-from jaxcb.host import harmony
+from jaxcb.host import harmony, pythonic
 from jaxcb.host.structured import Constraint, lark_schema, marker, special
 
 MAX_TOOLS = 128
@@ -75,6 +78,7 @@ class Format:
     args: str = ""  # between a call's name and its arguments, where calls are written name-first, no object
     xml: bool = False  # calls as Qwen3-Coder's elements, not JSON
     harmony: bool = False  # calls as messages of OpenAI's harmony format (jaxcb.host.harmony)
+    pythonic: bool = False  # the answer a Python list of calls (jaxcb.host.pythonic)
 
     def write(self, name: str, arguments) -> str:
         if self.xml:  # (as Qwen3-Coder's template writes them: a string as it is, anything else as JSON)
@@ -83,6 +87,8 @@ class Format:
             return f"{self.open}\n<function={name}>\n{params}</function>\n{self.close}"
         if self.harmony:
             return f"{self.open}commentary to=functions.{name} <|constrain|>json<|message|>{json.dumps(arguments)}{self.close}"
+        if self.pythonic:
+            return pythonic.write(name, arguments)
         if self.args:
             return self.open + name + self.args + json.dumps(arguments)
         call = json.dumps({"name": name, self.keys[0]: arguments})
@@ -101,8 +107,9 @@ GRANITE = Format("granite", "list", "<|tool_call|>", "", ("arguments",))
 MISTRAL_V11 = Format("mistral_v11", "blocks", "[TOOL_CALLS]", "", ("arguments",), id_length=9, args="[ARGS]")
 QWEN3_CODER = Format("qwen3_coder", "blocks", "<tool_call>", "</tool_call>", ("arguments",), xml=True)
 HARMONY = Format("harmony", "blocks", "<|channel|>", "<|call|>", ("arguments",), harmony=True)
-FORMATS = {f.name: f for f in (HERMES, LLAMA3_JSON, MISTRAL, GRANITE, MISTRAL_V11, QWEN3_CODER, HARMONY)}
-ALIASES = {"openai": "harmony"}  # vLLM's names for these formats
+PYTHONIC = Format("pythonic", "list", "", "", ("arguments",), pythonic=True)
+FORMATS = {f.name: f for f in (HERMES, LLAMA3_JSON, MISTRAL, GRANITE, MISTRAL_V11, QWEN3_CODER, HARMONY, PYTHONIC)}
+ALIASES = {"openai": "harmony", "llama4_pythonic": "pythonic"}  # vLLM's names for these formats
 # --tool-call-parser ("mistral": mistral_v11 where the template writes [ARGS])
 PARSERS = ("auto", *FORMATS, *ALIASES)
 
@@ -135,6 +142,8 @@ def choose_format(template: str | None, parser: str = "auto") -> tuple[Format, b
         return FORMATS[parser], reads
     if reads and GRANITE.open in template:
         return GRANITE, True
+    if reads and (pythonic.START in template or "func_name1(" in template):  # (its instructions' example)
+        return PYTHONIC, True
     if reads and "<function=" in template and "<parameter=" in template:
         return QWEN3_CODER, True
     if reads and HERMES.open in template:
@@ -371,6 +380,8 @@ def constraint(tools: Tools, tokenizer=None) -> Constraint | None:
         return Constraint("grammar", _xml_grammar(tools, names, more, tokenizer), "tools", parts)
     if tools.fmt.harmony:
         return Constraint("grammar", _harmony_grammar(tools, names, tokenizer), "tools", parts)
+    if tools.fmt.pythonic:
+        return Constraint("grammar", _pythonic_grammar(tools, names, more), "tools", parts)
     if tools.fmt.args:  # name-first calls: one rule per function, its name then its arguments
         calls = "\n".join(f"call_{k}: {marker(tools.fmt.open, tokenizer)} {json.dumps(n)} "
                           f"{marker(tools.fmt.args, tokenizer)} %json {json.dumps(_strict(tools.functions[n]))}"
@@ -459,6 +470,59 @@ def _xml_grammar(tools: Tools, names: list[str], more: bool, tokenizer=None) -> 
     return "\n".join([f"start: call{rest}",
                       f'call: {marker(tools.fmt.open, tokenizer)} "\\n" ({" | ".join(calls)}) "\\n" '
                       f'{marker(tools.fmt.close, tokenizer)}', *rules])
+
+
+def _pythonic_grammar(tools: Tools, names: list[str], more: bool) -> str:
+    """Pythonic calls as a Lark grammar: `[name(key=value, ...), ...]`, per function its parameters in their
+    order as keyword arguments (the required ones always, the others optional), each value a Python literal by
+    its schema: an enum one of its values, a boolean True/False, null None, a string, number or integer (and any
+    other schema) as JSON writes it, valid against the schema (jaxcb.host.pythonic reads JSON's true/false/null
+    inside lists and dicts too). A name a keyword cannot be is refused naming the tool's field."""
+    rules, calls, order = [], [], list(tools.functions)
+    for k, name in enumerate(names):
+        schema, where = tools.functions[name], f"tools[{order.index(name)}].function.parameters"
+        if not name.isidentifier():
+            raise InvalidRequest(f"tools[{order.index(name)}].function.name: {name!r} cannot be called in the pythonic "
+                                 "format (a Python identifier)")
+        required = set(schema.get("required") or ())
+        props = list((schema.get("properties") or {}).items())
+        for j, (key, prop) in enumerate(props):
+            if not key.isidentifier():
+                raise InvalidRequest(f"{where}.properties: {key[:64]!r} cannot be a keyword argument in the "
+                                     "pythonic format (a Python identifier)")
+            kind, nullable = xml_type(prop)
+            enum = prop.get("enum") if isinstance(prop, dict) else None
+            if isinstance(enum, list) and enum and all(e is None or isinstance(e, (str, int, float, bool)) for e in enum):
+                value = "(" + " | ".join(json.dumps(pythonic.literal(e)) for e in enum) + ")"
+            elif kind == "boolean":
+                value = '("True" | "False"' + (' | "None")' if nullable else ")")
+            elif kind == "null":
+                value = '"None"'
+            else:
+                body = _strict(prop if isinstance(prop, dict) else {})
+                if nullable and isinstance(body, dict):  # (None, not JSON's null)
+                    body = {**body, "type": [t for t in body["type"] if t != "null"]} if isinstance(body.get("type"), list) else body
+                value = f"%json {json.dumps(body)}" + (' | "None"' if nullable else "")
+                value = f"({value})"
+            rules.append(f"v_{k}_{j}: {value}")
+        # the arguments from parameter j on: r_k_j after one was written (a comma first), s_k_j before any
+        for j in range(len(props) - 1, -1, -1):
+            key = props[j][0]
+            tail_r = f" r_{k}_{j + 1}" if j + 1 < len(props) else ""
+            item_r = f'", {key}=" v_{k}_{j}'
+            rules.append(f"r_{k}_{j}: {item_r}{tail_r}" if key in required else f"r_{k}_{j}: ({item_r})?{tail_r}")
+            first = f'"{key}=" v_{k}_{j}{tail_r}'
+            if key in required:
+                rules.append(f"s_{k}_{j}: {first}")
+            elif j + 1 < len(props):
+                rules.append(f"s_{k}_{j}: ({first} | s_{k}_{j + 1})?")
+            else:
+                rules.append(f"s_{k}_{j}: ({first})?")
+        args = f" s_{k}_0" if props else ""
+        rules.append(f'call_{k}: "{name}("{args} ")"')
+        calls.append(f"call_{k}")
+    rest = ' ("," " "? call)*' if more else ""
+    return "\n".join([f'start: "[" call{rest} "]"', f"call: {' | '.join(calls)}", *rules])
 
 
 def _harmony_grammar(tools: Tools, names: list[str], tokenizer=None) -> str:

@@ -16,6 +16,7 @@ import json
 import math
 import re
 
+from jaxcb.host import pythonic
 from jaxcb.host.request import not_a_number
 from jaxcb.host.tool_calls import NAME, Format, Tools, xml_type
 
@@ -222,8 +223,17 @@ class CallStream:
         self.head_text = ""  # (object, list) the text before the calls: sent only if they are no calls
         self.at = 0  # (object, list) where the current object begins in the buffer
         self.ids: list[str] = []
+        self.pythonic = None  # (pythonic calls: jaxcb.host.pythonic's reader)
 
     def feed(self, text: str, final: bool = False) -> tuple[str, list[dict]]:
+        if self.fmt.pythonic:  # (a Python list of calls: its own reader)
+            if self.pythonic is None:
+                self.pythonic = pythonic.PythonicStream(self.tools)
+            content, deltas = self.pythonic.feed(text, final)
+            self.calls = self.pythonic.calls
+            if self.tools.choice in ("required", "function"):
+                content = ""
+            return content, deltas
         self.buffer += text
         content, deltas = self._feed_blocks(final) if self.fmt.shape == "blocks" else self._feed_answer(final)
         if not self.tools.parallel:  # the first call only, as parse() gives it
