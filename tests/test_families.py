@@ -283,6 +283,27 @@ def config_factors(family):
     return load_model(os.path.join(GOLDEN, family), jnp.float32)[0].rope_freq_factors
 
 
+def test_llama4_as_released_with_its_vision_tower_loads_on_text(tmp_path):
+    """Llama4ForConditionalGeneration as released keeps its vision tower under vision_model.: left aside, the
+    language model served on text; and its GGUFs' tokenizer.ggml.pre "llama4" is GPT-4o's split (llama.cpp's)."""
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    from jaxcb.host.tokenizer import PRE_TOKENIZERS
+
+    folder = tmp_path / "llama4-cg"
+    shutil.copytree(os.path.join(GOLDEN, "llama4"), folder)
+    raw = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**raw, "architectures": ["Llama4ForConditionalGeneration"]}))
+    tensors = load_file(str(folder / "model.safetensors"))
+    tensors["vision_model.patch_embedding.linear.weight"] = np.zeros((4, 4), np.float32)
+    save_file(tensors, str(folder / "model.safetensors"))
+    config, params, _, _ = load_model(str(folder), jnp.float32)
+    assert_references_logits(config, params, "llama4")
+    assert "llama4" in PRE_TOKENIZERS
+
+
 def test_llama4_serves_up_to_its_attention_chunk_and_refuses_dense_layers(tmp_path):
     """Llama 4's RoPE layers attend within chunks of attention_chunk_size: exactly full attention up to one
     chunk, where the served context is capped; Maverick's dense layers between the experts' are refused by

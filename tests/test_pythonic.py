@@ -29,6 +29,15 @@ ANSWERS = [  # text, content, calls [(name, arguments)]
     ('[get_weather(city=__import__("os"))]', '[get_weather(city=__import__("os"))]', []),  # no literal: nothing run
     ('[get_weather(city="x"), other(), get_time()]', "", [("get_weather", {"city": "x"}), ("get_time", {})]),
     ('[get_time(), get_weather(city="Oslo", unit="c', "", [("get_time", {}), ("get_weather", {"city": "Oslo"})]),
+    # (a helper's review) a call closed but the list not: once; a first element that is no call: text
+    ('[get_weather(city="Paris") ', "", [("get_weather", {"city": "Paris"})]),
+    ('<|python_start|>[get_weather(city="Paris")<|python_end|>', "", [("get_weather", {"city": "Paris"})]),
+    ("[Note, get_time() is handy]", "[Note, get_time() is handy]", []),
+    # values JSON cannot carry are no call: infinities, lone surrogates, integers past Python's text; pairs join
+    ("[get_weather(city=1e999)]", "[get_weather(city=1e999)]", []),
+    ('[get_weather(city="\\ud800")]', '[get_weather(city="\\ud800")]', []),
+    ("[get_weather(city=0x" + "f" * 4000 + ")]", "[get_weather(city=0x" + "f" * 4000 + ")]", []),
+    ('[get_weather(city="\\ud83d\\ude00")]', "", [("get_weather", {"city": "\U0001F600"})]),
 ]
 
 
@@ -55,6 +64,13 @@ def test_calls_written_for_earlier_turns_read_back_and_the_template_names_the_fo
     template = "{% if tools %}[func_name1(params_name1=params_value1)]{{ tools }}{% endif %}{{ messages }}"
     assert tool_calls.choose_format(template) == (tool_calls.PYTHONIC, True)
     assert tool_calls.choose_format(None, "llama4_pythonic")[0] is tool_calls.PYTHONIC
+    # Llama 4's own template wraps earlier turns in <|python_start|> but asks for JSON calls: not pythonic
+    official = ('{% if tools %}Respond with {"name": function name, "parameters": dictionary of argument name and its '
+                "value}}{{ tools }}{% endif %}{% for m in messages %}<|python_start|>{{ m.content }}<|python_end|>{% endfor %}")
+    assert tool_calls.choose_format(official) == (tool_calls.LLAMA3_JSON, True)
+    # jaxcb's own rendering asks for pythonic calls in their own words
+    text = tool_calls.system_text(dataclasses.replace(tool_calls.parse_tools({"tools": [CLOCK]}), fmt=tool_calls.PYTHONIC))
+    assert "[<function name>(<argument name>=<its value as a Python literal>, ...), ...]" in text
 
 
 def test_required_calls_grammar():
@@ -89,7 +105,12 @@ def test_required_calls_grammar():
         assert not accepts(bad), bad
     one = dataclasses.replace(tools, parallel=False)
     assert accepts("[get_time()]", one) and not accepts("[get_time(), get_time()]", one)
-    odd = tool_calls.parse_tools({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
-        "type": "object", "properties": {"not-an-identifier": {"type": "string"}}}}}], "tool_choice": "required"})
-    with pytest.raises(InvalidRequest, match=r"tools\[0\].function.parameters.properties"):
-        tool_calls.constraint(dataclasses.replace(odd, fmt=tool_calls.PYTHONIC), tok)
+    later = dataclasses.replace(tool_calls.parse_tools({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["b"]}}}],
+        "tool_choice": "required"}), fmt=tool_calls.PYTHONIC)
+    assert accepts("[f(b=1)]", later) and accepts("[f(a=1, b=2)]", later) and not accepts("[f()]", later)
+    for key in ("not-an-identifier", "from"):  # (a reserved word cannot be a keyword argument either)
+        odd = tool_calls.parse_tools({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+            "type": "object", "properties": {key: {"type": "string"}}}}}], "tool_choice": "required"})
+        with pytest.raises(InvalidRequest, match=r"tools\[0\].function.parameters.properties"):
+            tool_calls.constraint(dataclasses.replace(odd, fmt=tool_calls.PYTHONIC), tok)

@@ -5,25 +5,35 @@ ask for it, Llama 4 sometimes between <|python_start|> and <|python_end|>):
 
 An answer that begins with `[` is a list of calls when its first element reads as one: a function of the
 request's tools called with keyword arguments whose values are literals (strings, numbers, True/False/None,
-lists, dicts; JSON's true/false/null too, as a grammar's JSON values write them). Each call is sent whole as
-its parenthesis closes; a later element that is no call of the tools is left out; what follows the list is
-text. Read by walking the text once (strings, brackets), each call parsed with Python's `ast` (literals only:
-nothing is evaluated). Plain Python, no JAX."""
+lists, dicts; JSON's true/false/null too, as a grammar's JSON values write them; a number that is not finite, a
+string with a lone surrogate or an integer JSON cannot write is none). Each call is sent whole as its
+parenthesis closes; a later element that is no call of the tools is left out; what follows the list is text;
+a first element that is no call makes the whole answer text. Read by walking the text once (strings,
+brackets), each element parsed at most once with Python's `ast` (literals only: nothing is evaluated). Plain
+Python, no JAX."""
 
 from __future__ import annotations
 
 import ast
 import json
+import math
 import re
 
 START, END = "<|python_start|>", "<|python_end|>"
-_HEAD = re.compile(r"\s*([A-Za-z_][A-Za-z0-9_]*)\(")
+_HEAD = re.compile(r"\s*([^\W\d]\w*)\(")
 _NAMES = {"true": True, "false": False, "null": None, "True": True, "False": False, "None": None}
 
 
 def _value(node):
     """A literal's value (ValueError for anything else: names, calls, operators but a sign)."""
-    if isinstance(node, ast.Constant) and isinstance(node.value, (str, int, float, bool, type(None))):
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):  # (surrogate pairs joined, as JSON reads them)
+        try:
+            return node.value.encode("utf-16", "surrogatepass").decode("utf-16")
+        except UnicodeDecodeError:
+            raise ValueError("a lone surrogate") from None
+    if isinstance(node, ast.Constant) and isinstance(node.value, float) and not math.isfinite(node.value):
+        raise ValueError("not a finite number")
+    if isinstance(node, ast.Constant) and isinstance(node.value, (int, float, bool, type(None))):
         return node.value
     if isinstance(node, ast.Name) and node.id in _NAMES:
         return _NAMES[node.id]
@@ -108,6 +118,8 @@ class PythonicStream:
         self.depth = 0  # brackets open ([ ( {) in the list, its own included
         self.quote = ""  # the string the scan is inside ("" none; ', ", ''' or \"\"\")
         self.call_start = 0  # where the current element begins in the buffer
+        self.done = False  # the current element has been read (at its closing parenthesis): the rest is not
+        self.elements = 0  # elements read
         self.calls = 0
         self.head = ""  # the text before the list (<|python_start|>, spaces): shown only if no call comes
 
@@ -160,17 +172,24 @@ class PythonicStream:
                 self.depth += 1
             elif c in ")]}":
                 self.depth -= 1
-                if self.depth == 1 and c == ")":  # an element closed: a call, if it reads as one
+                if self.depth == 1 and c == ")" and not self.done:  # an element closed: a call, if it reads as one
                     deltas += self._element(buf[self.call_start:i + 1])
+                    if self.state == "text":  # (its first element was none: the answer is text)
+                        return self._ended(deltas, final)
                 elif self.depth == 0:  # the list's end: what follows is text
                     self.at = i + 1
                     return self._ended(deltas, final)
             elif c == "," and self.depth == 1:
-                self.call_start = i + 1
+                if not self.done:  # an element that never closed a call: no call (the first: no list of calls)
+                    self.elements += 1
+                    if self.elements == 1 and not self.calls:
+                        self.state = "text"
+                        return self._ended(deltas, final)
+                self.call_start, self.done = i + 1, False
             i += 1
         self.at = i
         if final:  # cut off inside the list (max_tokens): the calls so far, and one cut short that named a tool
-            if not self.calls or self.tools.parallel:  # with the keyword arguments it wrote whole
+            if not self.done and (not self.calls or self.tools.parallel):  # with the arguments it wrote whole
                 deltas += self._cut(buf[self.call_start:])
             return self._ended(deltas, final)
         return "", deltas
@@ -181,23 +200,34 @@ class PythonicStream:
         head = _HEAD.match(text)
         if head is None or head.group(1) not in self.tools.functions:
             return []
-        for end in reversed([head.end(), *_argument_ends(text, head.end())]):
-            deltas = self._element(text[:end].rstrip().rstrip(",") + ")")
+        for end in [*_argument_ends(text, head.end())[-1:], head.end()]:  # (its last whole argument, or none)
+            deltas = self._element(text[:end].rstrip().rstrip(",") + ")", cut=True)
             if deltas:
                 return deltas
         return []
 
-    def _element(self, text: str) -> list[dict]:
+    def _element(self, text: str, cut: bool = False) -> list[dict]:
+        """An element read (once): a call of the tools, sent; else left out, and for the first, no calls at all."""
+        first, self.done = not self.elements, True
+        self.elements += 1
         call = read_call(text, self.tools.functions)
-        if call is None or (self.calls and not self.tools.parallel):
+        try:
+            arguments = json.dumps(call[1], ensure_ascii=False, allow_nan=False) if call else None
+        except (ValueError, TypeError):  # (an integer past what Python writes as text)
+            arguments = None
+        if arguments is None:
+            if first and not cut:
+                self.state = "text"
+            return []
+        if self.calls and not self.tools.parallel:
             return []
         self.calls += 1
         return [{"index": self.calls - 1, "id": self.tools.fmt.new_call_id(), "type": "function",
-                 "function": {"name": call[0], "arguments": json.dumps(call[1], ensure_ascii=False)}}]
+                 "function": {"name": call[0], "arguments": arguments}}]
 
     def _ended(self, deltas: list[dict], final: bool) -> tuple[str, list[dict]]:
-        """The list ended at self.at (or the answer did): the text after it is content; with no call at all
-        the whole answer was text."""
+        """The list ended at self.at (or the answer did, or its first element is no call): the text after it is
+        content; with no call at all the whole answer was text."""
         if not self.calls:
             content, self.buffer, self.state = self.head + self.buffer, "", "text"
             return content, deltas

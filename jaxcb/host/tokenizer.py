@@ -107,7 +107,8 @@ def _end_ids(spec: TokenizerSpec) -> tuple[int, ...]:
 # its own piece ("\p{N}" first), then GPT-2's; Llama 3's pattern; Qwen2's; Tekken's; GPT-4o's.
 _PRE_SPLITS = {"default": "gpt2", "gpt-2": "gpt2", "gpt2": "gpt2", "smollm": "digits", "starcoder": "digits",
                "refact": "digits", "codeshell": "digits", "llama-bpe": "llama3", "llama3": "llama3",
-               "smaug-bpe": "llama3", "qwen2": "qwen2", "tekken": "tekken", "gpt-4o": "gpt4o"}
+               "smaug-bpe": "llama3", "qwen2": "qwen2", "tekken": "tekken", "gpt-4o": "gpt4o",
+               "llama4": "gpt4o"}
 _PATTERNS = {"llama3": _LLAMA3_PATTERN, "qwen2": _QWEN2_PATTERN, "tekken": _TEKKEN_PATTERN, "gpt4o": _GPT4O_PATTERN}
 # Whose BPE takes a piece that is a token whole before any merge (tokenizer.json's ignore_merges; llama.cpp's
 # for these names).

@@ -44,6 +44,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+import keyword
 import json
 import re
 import secrets
@@ -142,7 +143,7 @@ def choose_format(template: str | None, parser: str = "auto") -> tuple[Format, b
         return FORMATS[parser], reads
     if reads and GRANITE.open in template:
         return GRANITE, True
-    if reads and (pythonic.START in template or "func_name1(" in template):  # (its instructions' example)
+    if reads and "func_name1(" in template:  # (its instructions' example; Llama 4's own template asks for JSON)
         return PYTHONIC, True
     if reads and "<function=" in template and "<parameter=" in template:
         return QWEN3_CODER, True
@@ -247,6 +248,8 @@ def system_text(tools: Tools) -> str:
     if fmt.xml:
         call = ("\n<function=<function name>>\n<parameter=<argument name>>\n<its value: a string as it is, "
                 "anything else as JSON>\n</parameter>\n(one parameter element per argument)</function>\n")
+    if fmt.pythonic:
+        call = "<function name>(<argument name>=<its value as a Python literal>, ...)"
     how = {"blocks": f"{fmt.open}{call}{fmt.close} (one block per call)", "object": f"{call} (one call)",
            "list": f"[{call}, ...] (a list of calls)"}[fmt.shape]
     return ("You may call functions to help with the user's request. The functions, as JSON schemas:\n<tools>\n"
@@ -481,13 +484,13 @@ def _pythonic_grammar(tools: Tools, names: list[str], more: bool) -> str:
     rules, calls, order = [], [], list(tools.functions)
     for k, name in enumerate(names):
         schema, where = tools.functions[name], f"tools[{order.index(name)}].function.parameters"
-        if not name.isidentifier():
+        if not _keyword(name):
             raise InvalidRequest(f"tools[{order.index(name)}].function.name: {name!r} cannot be called in the pythonic "
                                  "format (a Python identifier)")
         required = set(schema.get("required") or ())
         props = list((schema.get("properties") or {}).items())
         for j, (key, prop) in enumerate(props):
-            if not key.isidentifier():
+            if not _keyword(key):
                 raise InvalidRequest(f"{where}.properties: {key[:64]!r} cannot be a keyword argument in the "
                                      "pythonic format (a Python identifier)")
             kind, nullable = xml_type(prop)
@@ -506,6 +509,7 @@ def _pythonic_grammar(tools: Tools, names: list[str], more: bool) -> str:
                 value = f"({value})"
             rules.append(f"v_{k}_{j}: {value}")
         # the arguments from parameter j on: r_k_j after one was written (a comma first), s_k_j before any
+        later_required = [any(p in required for p, _ in props[j + 1:]) for j in range(len(props))]
         for j in range(len(props) - 1, -1, -1):
             key = props[j][0]
             tail_r = f" r_{k}_{j + 1}" if j + 1 < len(props) else ""
@@ -514,6 +518,8 @@ def _pythonic_grammar(tools: Tools, names: list[str], more: bool) -> str:
             first = f'"{key}=" v_{k}_{j}{tail_r}'
             if key in required:
                 rules.append(f"s_{k}_{j}: {first}")
+            elif later_required[j]:  # (something must still be written)
+                rules.append(f"s_{k}_{j}: ({first} | s_{k}_{j + 1})")
             elif j + 1 < len(props):
                 rules.append(f"s_{k}_{j}: ({first} | s_{k}_{j + 1})?")
             else:
@@ -523,6 +529,11 @@ def _pythonic_grammar(tools: Tools, names: list[str], more: bool) -> str:
         calls.append(f"call_{k}")
     rest = ' ("," " "? call)*' if more else ""
     return "\n".join([f'start: "[" call{rest} "]"', f"call: {' | '.join(calls)}", *rules])
+
+
+def _keyword(name: str) -> bool:
+    """Whether `name` can be a pythonic call's function or keyword argument: an identifier, no reserved word."""
+    return name.isidentifier() and not keyword.iskeyword(name)
 
 
 def _harmony_grammar(tools: Tools, names: list[str], tokenizer=None) -> str:

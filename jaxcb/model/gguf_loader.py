@@ -410,7 +410,9 @@ def load_gguf(path: str, check_config=None) -> LoadedModel:
     if config.family == "llama4":  # (its converter keeps the checkpoint's complex-pair order of q and k)
         from jaxcb.model.hf_loader import halves_from_pairs
 
-        weights["wq"], weights["wk"] = halves_from_pairs(weights["wq"], config), halves_from_pairs(weights["wk"], config)
+        for key in ("wq", "wk", "bq", "bk"):
+            if key in weights:
+                weights[key] = halves_from_pairs(weights[key], config)
     if "shared_gate" in weights:  # one output column
         weights["shared_gate"] = weights["shared_gate"].reshape(config.num_layers, config.hidden_size, 1)
     check_all_used(set(tensors) - used, path)

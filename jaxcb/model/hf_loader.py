@@ -50,7 +50,7 @@ _TEXT_MODELS = {"llama": "llama", "mistral": "llama"}  # text_config.model_type 
 # (transformers' two layouts of it); and the parts of a multimodal one that text does not use.
 _PREFIXES = ("model.", "language_model.model.", "model.language_model.")
 _VISION_PARTS = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.",
-                 "visual.", "model.visual.")
+                 "visual.", "model.visual.", "vision_model.", "model.vision_model.")
 
 _LAYER = {  # our name -> (HF name in layer i, transpose)
     "attn_norm": ("input_layernorm.weight", False),
@@ -225,7 +225,7 @@ def read_config(path: str) -> ModelConfig:
             uses = raw.get("no_rope_layers") or [int((i + 1) % interval != 0) for i in range(layers)]
             if len(uses) != layers:
                 raise InvalidConfig(f"config.json: no_rope_layers has {len(uses)} entries for {layers} layers")
-            chunk = raw.get("attention_chunk_size")
+            chunk = raw.get("attention_chunk_size", 8192)  # (transformers' default; null: none)
             if chunk:  # the RoPE layers attend within chunks: exactly full attention up to one chunk, as far as served
                 max_context = min(max_context, int(chunk))
             extra.update(nope_layers=tuple(not u for u in uses), qk_rms_rope=bool(raw.get("use_qk_norm", True)),
@@ -467,8 +467,9 @@ def load_weights(path: str, config: ModelConfig) -> dict[str, np.ndarray]:
     for key, (name, transpose) in names.items():
         weights[key] = np.stack([get(layer.format(i=i) + name, transpose) for i in range(config.num_layers)])
     if config.family == "llama4":
-        for key in ("wq", "wk"):
-            weights[key] = halves_from_pairs(weights[key], config)
+        for key in ("wq", "wk", "bq", "bk"):
+            if key in weights:
+                weights[key] = halves_from_pairs(weights[key], config)
     head = "language_model.lm_head.weight" if "language_model.lm_head.weight" in tensors else "lm_head.weight"
     if not config.tie_embeddings:
         weights["lm_head"] = get(head, transpose=True)
