@@ -16,7 +16,7 @@ import os
 import time
 
 from jaxcb.device import cpu_dots
-from jaxcb.host import tool_calls
+from jaxcb.host import harmony, tool_calls
 from jaxcb.host.beam_search import BeamSearch
 from jaxcb.host.chat_template import read_template
 from jaxcb.host.engine import Engine
@@ -304,12 +304,16 @@ class LLM:
         {"enable_thinking": False}); `continue_final_message` (with add_generation_prompt False): the model
         goes on writing the final assistant message; `tools` (OpenAI's function tools) shown to the model as
         the chat API shows them (jaxcb.host.tool_calls; read the calls back from an answer's text with
-        jaxcb.host.tool_parse.parse), as vLLM's LLM.chat takes them."""
+        jaxcb.host.tool_parse.parse), as vLLM's LLM.chat takes them. Where the template writes OpenAI's harmony
+        format (gpt-oss) the answers keep its markers (skip_special_tokens false): read their reasoning, content
+        and calls with jaxcb.host.harmony.parse."""
         if self.tokenizer is None:
             raise InvalidRequest("messages: this model has no tokenizer")
         if params is None or isinstance(params, SamplingParams):
             params = [params or SamplingParams()] * len(conversations)
         template = chat_template or self.tokenizer.chat_template
+        if harmony.is_harmony(template):  # (its messages' markers, for harmony.parse)
+            params = [dataclasses.replace(p, skip_special_tokens=False) for p in params]
         prompts = []
         for m in conversations:
             _, messages, shown = tool_calls.prepare({} if tools is None else {"tools": tools}, m, template)

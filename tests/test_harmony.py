@@ -191,3 +191,17 @@ def test_served_requests_keep_the_markers_and_take_the_vllm_names():
     args = build_parser().parse_args(["serve", "--reasoning-parser", "openai_gptoss", "--tool-call-parser", "openai"])
     assert args.reasoning_parser == reasoning.HARMONY and tool_calls.choose_format(None, args.tool_call_parser)[0].harmony
     assert json.dumps(tool_calls.HARMONY.name) == '"harmony"'
+
+
+def test_llm_chat_keeps_the_markers_of_a_harmony_template(make_llm):
+    """LLM.chat with a harmony template: the answers keep its markers (skip_special_tokens false), so that
+    harmony.parse reads them; other templates as the caller's params say."""
+    from jaxcb.host.request import SamplingParams
+
+    llm = make_llm()
+    seen = []
+    llm._run = lambda ids, params, _: seen.extend(params)  # the params the requests would run with
+    params = SamplingParams(max_tokens=4)
+    llm.chat([[{"role": "user", "content": "hi"}]], params, chat_template=HARMONY_TEMPLATE)
+    llm.chat([[{"role": "user", "content": "hi"}]], params)
+    assert [p.skip_special_tokens for p in seen] == [False, True]
