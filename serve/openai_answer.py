@@ -106,9 +106,8 @@ async def answer(state, request: Request, options: RequestOptions, tenant: str, 
         include_usage = options.include_usage
         obj = "chat.completion.chunk" if chat else "text_completion"
 
-        streams: dict[int, tool_parse.CallStream] = {}  # per choice, with tools
+        readers: dict = {}  # per choice, with tools or harmony: its tool_parse.CallStream or harmony.HarmonyStream
         thoughts: dict[int, reasoning.ReasoningStream] = {}  # per choice, with a reasoning parser
-        messages: dict[int, harmony_format.HarmonyStream] = {}  # per choice, harmony's
 
         async def sse():
             nonlocal left
@@ -148,12 +147,13 @@ async def answer(state, request: Request, options: RequestOptions, tenant: str, 
                         thinking = thoughts.setdefault(index, reasoning.ReasoningStream(reasoning_parser))
                         thought, text = thinking.feed(text, final=bool(finish))
                     delta = {"content": text} if text else {}
-                    if harmony and chat or tools is not None:  # text in; content (and reasoning), call deltas out
+                    if harmony or tools is not None:  # text in; content (and harmony's reasoning), call deltas out
+                        if index not in readers:
+                            readers[index] = harmony_format.HarmonyStream(tools) if harmony else tool_parse.CallStream(tools)
+                        reader = readers[index]
                         if harmony:
-                            reader = messages.setdefault(index, harmony_format.HarmonyStream(tools))
                             thought, content, pieces = reader.feed(text, final=bool(finish))
                         else:
-                            reader = streams.setdefault(index, tool_parse.CallStream(tools))
                             content, pieces = reader.feed(text, final=bool(finish))
                         delta = {"content": content} if content else {}
                         if pieces:

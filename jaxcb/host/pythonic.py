@@ -65,29 +65,31 @@ def read_call(text: str, functions) -> tuple[str, dict] | None:
         return None
 
 
+def _step(text: str, i: int, quote: str) -> tuple[int, str, str]:
+    """One step of reading Python source at `i`, inside the string `quote` opened ("" none): (where the next
+    step starts, the string open after this one, the character read outside any string: "" for a string's)."""
+    if quote:
+        if text[i] == "\\":  # (an escape: the next character is the string's)
+            return i + 2, quote, ""
+        return (i + len(quote), "", "") if text.startswith(quote, i) else (i + 1, quote, "")
+    if text[i] in "'\"":
+        opened = text[i] * 3 if text.startswith(text[i] * 3, i) else text[i]
+        return i + len(opened), opened, ""
+    return i + 1, "", text[i]
+
+
 def _argument_ends(text: str, start: int) -> list[int]:
     """Where a call's keyword arguments end in `text` (its commas at the call's own level), from `start`."""
     ends, depth, quote, i = [], 0, "", start
     while i < len(text):
-        if quote:
-            if text[i] == "\\":
-                i += 2
-                continue
-            if text.startswith(quote, i):
-                i += len(quote)
-                quote = ""
-                continue
-        elif text[i] in "'\"":
-            quote = text[i] * 3 if text.startswith(text[i] * 3, i) else text[i]
-            i += len(quote)
-            continue
-        elif text[i] in "([{":
+        at = i
+        i, quote, c = _step(text, i, quote)
+        if c in ("(", "[", "{"):
             depth += 1
-        elif text[i] in ")]}":
+        elif c in (")", "]", "}"):
             depth -= 1
-        elif text[i] == "," and depth == 0:
-            ends.append(i)
-        i += 1
+        elif c == "," and depth == 0:
+            ends.append(at)
     return ends
 
 
@@ -153,31 +155,17 @@ class PythonicStream:
         while i < len(buf):
             if buf[i] in "'\"" and len(buf) - i < 3 and not final:
                 break  # a quote: whether it is one of three is not known yet
-            if self.quote:  # inside a string: to its closing quote (escapes skipped)
-                if buf[i] == "\\":
-                    i += 2
-                    continue
-                if buf.startswith(self.quote, i):
-                    i += len(self.quote)
-                    self.quote = ""
-                    continue
-                i += 1
-                continue
-            c = buf[i]
-            if c in "'\"":
-                self.quote = c * 3 if buf.startswith(c * 3, i) else c
-                i += len(self.quote)
-                continue
-            if c in "([{":
+            i, self.quote, c = _step(buf, i, self.quote)
+            if c in ("(", "[", "{"):
                 self.depth += 1
-            elif c in ")]}":
+            elif c in (")", "]", "}"):
                 self.depth -= 1
                 if self.depth == 1 and c == ")" and not self.done:  # an element closed: a call, if it reads as one
-                    deltas += self._element(buf[self.call_start:i + 1])
+                    deltas += self._element(buf[self.call_start:i])
                     if self.state == "text":  # (its first element was none: the answer is text)
                         return self._ended(deltas, final)
                 elif self.depth == 0:  # the list's end: what follows is text
-                    self.at = i + 1
+                    self.at = i
                     return self._ended(deltas, final)
             elif c == "," and self.depth == 1:
                 if not self.done:  # an element that never closed a call: no call (the first: no list of calls)
@@ -185,9 +173,8 @@ class PythonicStream:
                     if self.elements == 1 and not self.calls:
                         self.state = "text"
                         return self._ended(deltas, final)
-                self.call_start, self.done = i + 1, False
-            i += 1
-        self.at = i
+                self.call_start, self.done = i, False
+        self.at = i  # (past the end after an escape: the escaped character is skipped as it comes)
         if final:  # cut off inside the list (max_tokens): the calls so far, and one cut short that named a tool
             if not self.done and (not self.calls or self.tools.parallel):  # with the arguments it wrote whole
                 deltas += self._cut(buf[self.call_start:])

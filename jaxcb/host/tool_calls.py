@@ -387,13 +387,13 @@ def constraint(tools: Tools, tokenizer=None) -> Constraint | None:
         return Constraint("grammar", _pythonic_grammar(tools, names, more), "tools", parts)
     if tools.fmt.args:  # name-first calls: one rule per function, its name then its arguments
         calls = "\n".join(f"call_{k}: {marker(tools.fmt.open, tokenizer)} {json.dumps(n)} "
-                          f"{marker(tools.fmt.args, tokenizer)} %json {json.dumps(_strict(tools.functions[n]))}"
+                          f"{marker(tools.fmt.args, tokenizer)} %json {json.dumps(lark_schema(tools.functions[n]))}"
                           for k, n in enumerate(names))
         alternatives = " | ".join(f"call_{k}" for k in range(len(names)))
         return Constraint("grammar", f"start: call{'+' if more else ''}\ncall: {alternatives}\n{calls}",
                           "tools", parts)
     key = tools.fmt.keys[0]
-    body = json.dumps(_strict({"anyOf": [{"type": "object", "properties": {"name": {"const": n}, key: tools.functions[n]},
+    body = json.dumps(lark_schema({"anyOf": [{"type": "object", "properties": {"name": {"const": n}, key: tools.functions[n]},
                                           "required": ["name", key], "additionalProperties": False} for n in names]}))
     if tools.fmt.shape == "object":
         grammar = f"start: %json {body}"
@@ -420,6 +420,13 @@ def xml_type(prop) -> tuple[str | None, bool]:
     return (rest[0] if len(rest) == 1 and isinstance(rest[0], str) else "json" if rest else None), "null" in kind
 
 
+def _literal_enum(prop) -> list | None:
+    """A property's enum where it lists scalars only (a grammar writes each as one of its values), else None."""
+    enum = prop.get("enum") if isinstance(prop, dict) else None
+    ok = isinstance(enum, list) and enum and all(e is None or isinstance(e, (str, int, float, bool)) for e in enum)
+    return enum if ok else None
+
+
 XML_KEY = re.compile(r"[^>\n]{1,256}")  # a parameter's name that an element can hold (tool_parse reads these)
 MAX_STRING_CHARS = 1 << 20  # (a string argument's maxLength, at most: the grammar's bound)
 
@@ -442,9 +449,9 @@ def _xml_grammar(tools: Tools, names: list[str], more: bool, tokenizer=None) -> 
                 raise InvalidRequest(f"{where}.properties: {key[:64]!r} cannot be an element's name in the "
                                      "qwen3_coder format (1-256 characters, no '>' or newline)")
             kind, nullable = xml_type(prop)
-            enum = prop.get("enum") if isinstance(prop, dict) else None
+            enum = _literal_enum(prop)
             null = ' | "null"' if nullable else ""
-            if isinstance(enum, list) and enum and all(e is None or isinstance(e, (str, int, float, bool)) for e in enum):
+            if enum:
                 body = ("(" + " | ".join(json.dumps(e if isinstance(e, str) else json.dumps(e)) for e in enum)
                         + f") {end}")
             elif kind in (None, "string"):
@@ -462,7 +469,7 @@ def _xml_grammar(tools: Tools, names: list[str], more: bool, tokenizer=None) -> 
             elif kind == "boolean":
                 body = f'("true" | "false"{null}) {end}'
             else:
-                body = f"%json {json.dumps(_strict(prop if isinstance(prop, dict) else {}))} {end}"
+                body = f"%json {json.dumps(lark_schema(prop if isinstance(prop, dict) else {}))} {end}"
             rules.append(f"v_{k}_{j}: {body}")
             rules.append(f"p_{k}_{j}: {json.dumps(f'<parameter={key}>' + chr(10))} v_{k}_{j} \"\\n\"")
             params.append(f"p_{k}_{j}" + ("" if key in required else "?"))
@@ -494,15 +501,15 @@ def _pythonic_grammar(tools: Tools, names: list[str], more: bool) -> str:
                 raise InvalidRequest(f"{where}.properties: {key[:64]!r} cannot be a keyword argument in the "
                                      "pythonic format (a Python identifier)")
             kind, nullable = xml_type(prop)
-            enum = prop.get("enum") if isinstance(prop, dict) else None
-            if isinstance(enum, list) and enum and all(e is None or isinstance(e, (str, int, float, bool)) for e in enum):
+            enum = _literal_enum(prop)
+            if enum:
                 value = "(" + " | ".join(json.dumps(pythonic.literal(e)) for e in enum) + ")"
             elif kind == "boolean":
                 value = '("True" | "False"' + (' | "None")' if nullable else ")")
             elif kind == "null":
                 value = '"None"'
             else:
-                body = _strict(prop if isinstance(prop, dict) else {})
+                body = lark_schema(prop if isinstance(prop, dict) else {})
                 if nullable and isinstance(body, dict):  # (None, not JSON's null)
                     body = {**body, "type": [t for t in body["type"] if t != "null"]} if isinstance(body.get("type"), list) else body
                 value = f"%json {json.dumps(body)}" + (' | "None"' if nullable else "")
@@ -542,14 +549,9 @@ def _harmony_grammar(tools: Tools, names: list[str], tokenizer=None) -> str:
     (which ends the generation: one call an answer, as gpt-oss makes them)."""
     m = functools.partial(marker, tokenizer=tokenizer)
     calls = [f"call_{k}: {m('<|channel|>')} \"commentary to=functions.{n} \" {m('<|constrain|>')} \"json\" "
-             f"{m('<|message|>')} %json {json.dumps(_strict(tools.functions[n]))} {m('<|call|>')}"
+             f"{m('<|message|>')} %json {json.dumps(lark_schema(tools.functions[n]))} {m('<|call|>')}"
              for k, n in enumerate(names)]
     return harmony.grammar(" | ".join(f"call_{k}" for k in range(len(names))), calls, tokenizer)
-
-
-def _strict(schema: dict) -> dict:
-    """A call's schema as the grammar holds it: as a json_schema's schema is (structured.lark_schema)."""
-    return lark_schema(schema)
 
 
 def new_call_id() -> str:

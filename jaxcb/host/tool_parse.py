@@ -223,19 +223,15 @@ class CallStream:
         self.head_text = ""  # (object, list) the text before the calls: sent only if they are no calls
         self.at = 0  # (object, list) where the current object begins in the buffer
         self.ids: list[str] = []
-        self.pythonic = None  # (pythonic calls: jaxcb.host.pythonic's reader)
+        self.pythonic = pythonic.PythonicStream(tools) if self.fmt.pythonic else None  # (a Python list of calls)
 
     def feed(self, text: str, final: bool = False) -> tuple[str, list[dict]]:
-        if self.fmt.pythonic:  # (a Python list of calls: its own reader)
-            if self.pythonic is None:
-                self.pythonic = pythonic.PythonicStream(self.tools)
+        if self.pythonic is not None:  # (its own reader)
             content, deltas = self.pythonic.feed(text, final)
             self.calls = self.pythonic.calls
-            if self.tools.choice in ("required", "function"):
-                content = ""
-            return content, deltas
-        self.buffer += text
-        content, deltas = self._feed_blocks(final) if self.fmt.shape == "blocks" else self._feed_answer(final)
+        else:
+            self.buffer += text
+            content, deltas = self._feed_blocks(final) if self.fmt.shape == "blocks" else self._feed_answer(final)
         if not self.tools.parallel:  # the first call only, as parse() gives it
             deltas = [d for d in deltas if d["index"] == 0]
         if self.tools.choice in ("required", "function"):  # the grammar's calls only: what is between them (a

@@ -407,12 +407,9 @@ def load_gguf(path: str, check_config=None) -> LoadedModel:
                                                    for j in range(config.num_experts)]) for i in range(config.num_layers)])
     for key, (pattern, transpose) in table.items():
         weights[key] = np.stack([get(pattern.format(i=i), transpose) for i in range(config.num_layers)])
-    if config.family == "llama4":  # (its converter keeps the checkpoint's complex-pair order of q and k)
-        from jaxcb.model.hf_loader import halves_from_pairs
+    from jaxcb.model.hf_loader import reorder_pairs  # (Llama 4's: its converter keeps the checkpoint's q/k order)
 
-        for key in ("wq", "wk", "bq", "bk"):
-            if key in weights:
-                weights[key] = halves_from_pairs(weights[key], config)
+    reorder_pairs(weights, config)
     if "shared_gate" in weights:  # one output column
         weights["shared_gate"] = weights["shared_gate"].reshape(config.num_layers, config.hidden_size, 1)
     check_all_used(set(tensors) - used, path)

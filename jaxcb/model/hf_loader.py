@@ -82,18 +82,6 @@ _GPT_OSS = {"router": "mlp.router.weight", "router_bias": "mlp.router.bias", "ga
             "down": "mlp.experts.down_proj"}
 _FP4 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], np.float32)
 
-
-def _mxfp4(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
-    """MXFP4 (OCP microscaling: 32 FP4 E2M1 values sharing a power-of-two scale) as gpt-oss stores its experts:
-    blocks uint8 [X, out, in/32, 16] (two values a byte, the low nibble first), scales uint8 [X, out, in/32]
-    (exponent + 127). Returns float32 [X, in, out], this project's layout."""
-    blocks, scales = np.asarray(blocks, np.uint8), np.asarray(scales, np.uint8)
-    if blocks.shape[:-1] != scales.shape or blocks.shape[-1] != 16:
-        raise InvalidConfig(f"model: MXFP4 blocks {blocks.shape} and scales {scales.shape} do not match")
-    values = np.empty(blocks.shape[:-1] + (32,), np.float32)
-    values[..., 0::2], values[..., 1::2] = _FP4[blocks & 15], _FP4[blocks >> 4]
-    values = np.ldexp(values, scales.astype(np.int32)[..., None] - 127)
-    return np.ascontiguousarray(values.reshape(*blocks.shape[:-2], -1).swapaxes(-1, -2))
 _QK_NORMS = {"q_norm": "self_attn.q_norm.weight", "k_norm": "self_attn.k_norm.weight"}
 # Gemma names its norms by place: post_attention_layernorm is the attention output's, not the MLP input's.
 _GEMMA_NORMS = {"mlp_norm": "pre_feedforward_layernorm.weight", "post_attn_norm": "post_attention_layernorm.weight",
@@ -323,32 +311,39 @@ _LLAMA4 = {"router": "feed_forward.router.weight", "gate_up": "feed_forward.expe
            "down": "feed_forward.experts.down_proj"}
 
 
-def _llama4_experts(get, layer: str, config: ModelConfig) -> dict[str, np.ndarray]:
-    """Llama 4's router and experts, stacked over layers in this project's layout."""
-    f, shapes = config.intermediate_size, config.weight_shapes()
-    out = {k: np.empty(shapes[k], np.float32) for k in ("router", "experts_gate", "experts_up", "experts_down")}
+def _stacked(config: ModelConfig, layer: str, read) -> dict[str, np.ndarray]:
+    """Weights stacked over layers, filled a layer at a time (a released checkpoint's experts are most of it:
+    no second copy): read(at) gives a layer's {name: array} (`at` its tensors' prefix), each checked against
+    its shape in config.weight_shapes()."""
+    shapes, out = config.weight_shapes(), {}
     for i in range(config.num_layers):
         at = layer.format(i=i)
-        gate_up = get(at + _LLAMA4["gate_up"])
-        parts = {"router": get(at + _LLAMA4["router"], True), "experts_gate": gate_up[..., :f],
-                 "experts_up": gate_up[..., f:], "experts_down": get(at + _LLAMA4["down"])}
-        for key, value in parts.items():
+        for key, value in read(at).items():
+            if key not in out:
+                out[key] = np.empty(shapes[key], np.float32)
             if value.shape != out[key].shape[1:]:
                 raise InvalidConfig(f"model: {at}: {key} has shape {value.shape}, expected {out[key].shape[1:]}")
             out[key][i] = value
     return out
 
 
+def _llama4_experts(get, layer: str, config: ModelConfig) -> dict[str, np.ndarray]:
+    """Llama 4's router and experts, stacked over layers in this project's layout."""
+    f = config.intermediate_size
+
+    def read(at):
+        gate_up = get(at + _LLAMA4["gate_up"])
+        return {"router": get(at + _LLAMA4["router"], True), "experts_gate": gate_up[..., :f],
+                "experts_up": gate_up[..., f:], "experts_down": get(at + _LLAMA4["down"])}
+
+    return _stacked(config, layer, read)
+
+
 def _gpt_oss_experts(get, tensors, layer: str, config: ModelConfig) -> dict[str, np.ndarray]:
     """gpt-oss's router and experts (_GPT_OSS), float or MXFP4, stacked over layers in this project's layout."""
     f = config.intermediate_size
-    shapes = config.weight_shapes()  # (filled layer by layer: a released checkpoint's experts are most of it)
-    out = {k: np.empty(shapes[k], np.float32) for k in ("router", "router_bias", "experts_gate", "experts_up",
-                                                         "experts_down", "experts_gate_bias", "experts_up_bias",
-                                                         "experts_down_bias")}
-    for i in range(config.num_layers):
-        at = layer.format(i=i)
 
+    def read(at):
         def matrix(name):  # [X, in, out]
             if at + name + "_blocks" in tensors:
                 return _mxfp4(get(at + name + "_blocks", raw=True), get(at + name + "_scales", raw=True))
@@ -357,15 +352,25 @@ def _gpt_oss_experts(get, tensors, layer: str, config: ModelConfig) -> dict[str,
         gate_up, gate_up_bias = matrix(_GPT_OSS["gate_up"]), get(at + _GPT_OSS["gate_up"] + "_bias")
         if gate_up.shape[-1] != 2 * f:
             raise InvalidConfig(f"model: {at}{_GPT_OSS['gate_up']} has {gate_up.shape[-1]} columns, not 2 x {f}")
-        parts = {"router": get(at + _GPT_OSS["router"], True), "router_bias": get(at + _GPT_OSS["router_bias"]),
-                 "experts_gate": gate_up[..., 0::2], "experts_up": gate_up[..., 1::2],
-                 "experts_gate_bias": gate_up_bias[..., 0::2], "experts_up_bias": gate_up_bias[..., 1::2],
-                 "experts_down": matrix(_GPT_OSS["down"]), "experts_down_bias": get(at + _GPT_OSS["down"] + "_bias")}
-        for key, value in parts.items():
-            if value.shape != out[key].shape[1:]:
-                raise InvalidConfig(f"model: {at}: {key} has shape {value.shape}, expected {out[key].shape[1:]}")
-            out[key][i] = value
-    return out
+        return {"router": get(at + _GPT_OSS["router"], True), "router_bias": get(at + _GPT_OSS["router_bias"]),
+                "experts_gate": gate_up[..., 0::2], "experts_up": gate_up[..., 1::2],
+                "experts_gate_bias": gate_up_bias[..., 0::2], "experts_up_bias": gate_up_bias[..., 1::2],
+                "experts_down": matrix(_GPT_OSS["down"]), "experts_down_bias": get(at + _GPT_OSS["down"] + "_bias")}
+
+    return _stacked(config, layer, read)
+
+
+def _mxfp4(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """MXFP4 (OCP microscaling: 32 FP4 E2M1 values sharing a power-of-two scale) as gpt-oss stores its experts:
+    blocks uint8 [X, out, in/32, 16] (two values a byte, the low nibble first), scales uint8 [X, out, in/32]
+    (exponent + 127). Returns float32 [X, in, out], this project's layout."""
+    blocks, scales = np.asarray(blocks, np.uint8), np.asarray(scales, np.uint8)
+    if blocks.shape[:-1] != scales.shape or blocks.shape[-1] != 16:
+        raise InvalidConfig(f"model: MXFP4 blocks {blocks.shape} and scales {scales.shape} do not match")
+    values = np.empty(blocks.shape[:-1] + (32,), np.float32)
+    values[..., 0::2], values[..., 1::2] = _FP4[blocks & 15], _FP4[blocks >> 4]
+    values = np.ldexp(values, scales.astype(np.int32)[..., None] - 127)
+    return np.ascontiguousarray(values.reshape(*blocks.shape[:-2], -1).swapaxes(-1, -2))
 
 
 def halves_from_pairs(w: np.ndarray, config: ModelConfig) -> np.ndarray:
@@ -375,6 +380,15 @@ def halves_from_pairs(w: np.ndarray, config: ModelConfig) -> np.ndarray:
     d = config.head_dim
     order = np.concatenate([np.arange(0, d, 2), np.arange(1, d, 2)])
     return np.ascontiguousarray(w.reshape(*w.shape[:-1], -1, d)[..., order].reshape(w.shape))
+
+
+def reorder_pairs(weights: dict, config: ModelConfig) -> None:
+    """A Llama 4 checkpoint's q and k (and their biases), in place, as halves_from_pairs reads them (both
+    loaders: its GGUF keeps the checkpoint's order too)."""
+    if config.family == "llama4":
+        for key in ("wq", "wk", "bq", "bk"):
+            if key in weights:
+                weights[key] = halves_from_pairs(weights[key], config)
 
 
 def load_weights(path: str, config: ModelConfig) -> dict[str, np.ndarray]:
@@ -466,10 +480,7 @@ def load_weights(path: str, config: ModelConfig) -> dict[str, np.ndarray]:
         del names["attn_norm"], names["mlp_norm"]
     for key, (name, transpose) in names.items():
         weights[key] = np.stack([get(layer.format(i=i) + name, transpose) for i in range(config.num_layers)])
-    if config.family == "llama4":
-        for key in ("wq", "wk", "bq", "bk"):
-            if key in weights:
-                weights[key] = halves_from_pairs(weights[key], config)
+    reorder_pairs(weights, config)
     head = "language_model.lm_head.weight" if "language_model.lm_head.weight" in tensors else "lm_head.weight"
     if not config.tie_embeddings:
         weights["lm_head"] = get(head, transpose=True)

@@ -181,16 +181,14 @@ def random_weights(config: ModelConfig, seed: int = 0, scale: float = 0.08) -> d
 
 
 def rms_norm(x, weight, eps, plus_one: bool = False):
+    """x RMS-normed over its last axis (in float32), scaled by `weight` (1 + weight with `plus_one`; None:
+    no weight, Llama 4's q/k norm)."""
     x32 = x.astype(jnp.float32)
     x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    if weight is None:
+        return x32.astype(x.dtype)
     scale = weight.astype(jnp.float32)
     return ((1.0 + scale if plus_one else scale) * x32).astype(x.dtype)
-
-
-def _rms(x, eps):
-    """x RMS-normed over its last axis, without a weight (computed in float32)."""
-    x32 = x.astype(jnp.float32)
-    return (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)).astype(x.dtype)
 
 
 def rope_frequencies(config: ModelConfig, theta, sliding):
@@ -269,7 +267,7 @@ def _layer(config: ModelConfig, attention: Attention, batch: StepInput, h, kv_pa
     k = rotary(k, batch.positions, inv_freq, config.rope_attention_factor)
     if config.qk_rms_rope:  # (Llama 4) the RoPE layers' q and k RMS-normed per head, without a weight
         on = rope > 0
-        q, k = jnp.where(on, _rms(q, config.rms_norm_eps), q), jnp.where(on, _rms(k, config.rms_norm_eps), k)
+        q, k = (jnp.where(on, rms_norm(a, None, config.rms_norm_eps), a) for a in (q, k))
     if config.nope_temperature:  # (Llama 4) the NoPE layers' queries scaled by their position
         pos = batch.positions.astype(jnp.float32)
         scale = jnp.log1p(jnp.floor((pos + 1.0) / config.nope_temperature)) * config.nope_temperature_scale + 1.0
