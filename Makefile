@@ -39,8 +39,10 @@ bytecode: $(STAMP)
 # Two worker processes (one per core of the CI machine), a test file each at a time: half the wall
 # time of one process, and neither accumulates the whole session's compiled programs. Files go out in
 # the order tests/conftest.py gives them (longest first), not xdist's order by number of tests.
+# A worker that crashes is not replaced: pytest-xdist 3.8's loadfile scheduler can wait forever for a
+# replacement's work (CI once sat out its 90 minutes so); the crashed test fails, naming itself.
 test: $(STAMP) bytecode
-	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=12 tests
+	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --max-worker-restart=0 --durations=12 tests
 
 # The full stress suite (tools/stress.py): 500 streams with cancels, 10,000 fuzzed requests, slow and
 # giant clients, injected faults, SIGTERM under load, RSS over 10,000 requests; prints its table.

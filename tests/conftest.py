@@ -49,7 +49,7 @@ os.environ.setdefault("JAXCB_HUGE_PAGES", "0")
 # the tests start inherit is put back as it was.
 import jax  # noqa: E402
 
-from jaxcb.device import cpu_dots  # noqa: E402
+from jaxcb.device import compile_cache, cpu_dots  # noqa: E402
 
 jax.config.update("jax_disable_most_optimizations", True)
 cpu_dots.setup()
@@ -79,11 +79,24 @@ os.environ["JAXCB_COMPILE_CACHE"] = os.environ["JAXCB_TEST_XLA_CACHE"]
 os.environ["JAXCB_CPU_DOTS_CACHE"] = os.path.join(os.environ["JAXCB_TEST_XLA_CACHE"], "cpu-dots.json")
 
 
+# The session's compile cache is read in the test processes (engines built in-process load what servers, CLIs
+# and the other worker wrote) but never written from them: jaxlib 0.10.2's executable serializer
+# (compilation_cache.put_executable_and_time -> executable.serialize()) segfaults now and then in a test
+# worker, after hundreds of programs (CI lost a run to it, the crash then hanging pytest-xdist; here three
+# times in three full runs with the explicit YNNPACK dot flag, never in a server's or a CLI's process). The
+# CLI commands a test runs in this process enable the cache again: they get the read-only one too.
+def _enable_read_only(path=None, _enable=compile_cache.enable):
+    out = _enable(path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", float("inf"))  # nothing is slow enough to write
+    return out
+
+
+compile_cache.enable = _enable_read_only
+
+
 @pytest.fixture(scope="session", autouse=True)
 def compile_cache_dir():
-    """The session's compile cache, in use in this process too (engines built in-process by the tests)."""
-    from jaxcb.device import compile_cache
-
+    """The session's compile cache, read (not written) in this process too."""
     path = compile_cache.enable(os.environ["JAXCB_TEST_XLA_CACHE"])
     assert path is not None
     return path
