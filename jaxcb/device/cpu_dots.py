@@ -46,11 +46,6 @@ DOT_FLAG_PREFIXES = ("--xla_cpu_experimental_onednn_fusion_type", "--xla_cpu_exp
                      "--xla_cpu_use_xnnpack")
 AMX_CAP = "AVX512_BF16"  # the ISA ceiling where the CPU lists AMX but the kernel does not grant it
 MARGIN = 1.10  # a library other than XLA's default must measure at least this much faster to be chosen
-# What auto may choose. Not "ynn" (YNNPACK with only dots fused): jaxlib 0.10.2's executable serializer (the
-# compile cache's writes) segfaulted under it in each of three full test runs on a 2-core Zen 4 (once per
-# run, in a process that had compiled hundreds of programs), and the plain step's bfloat16-weight dots moved
-# past the native kernel's by 0.024 at logits near 12 (test_native_matmul); named, it still runs.
-AUTO_LIBRARIES = tuple(lib for lib in LIBRARIES if lib != "ynn")
 ENV = "JAXCB_CPU_DOTS"
 
 
@@ -193,13 +188,13 @@ def choose(setting: str | None = None, *, info: CpuInfo | None = None, measure: 
 
 
 def pick(rates: dict) -> str:
-    """The library of AUTO_LIBRARIES with the best float32 rates (geometric mean over the measured row
-    counts), if it beats XLA's default by MARGIN; else the default."""
+    """The library with the best float32 rates (geometric mean over the measured row counts), if it beats
+    XLA's default by MARGIN; else the default."""
     def score(lib):
         vals = [v for k, v in rates.get(lib, {}).items() if k.startswith("float32")]
         return math.prod(vals) ** (1 / len(vals)) if vals else 0.0
 
-    best = max(AUTO_LIBRARIES, key=score)
+    best = max(LIBRARIES, key=score)
     return best if score(best) >= MARGIN * score("default") else "default"
 
 
