@@ -49,7 +49,7 @@ os.environ.setdefault("JAXCB_HUGE_PAGES", "0")
 # the tests start inherit is put back as it was.
 import jax  # noqa: E402
 
-from jaxcb.device import compile_cache, cpu_dots  # noqa: E402
+from jaxcb.device import cpu_dots  # noqa: E402
 
 jax.config.update("jax_disable_most_optimizations", True)
 cpu_dots.setup()
@@ -79,27 +79,55 @@ os.environ["JAXCB_COMPILE_CACHE"] = os.environ["JAXCB_TEST_XLA_CACHE"]
 os.environ["JAXCB_CPU_DOTS_CACHE"] = os.path.join(os.environ["JAXCB_TEST_XLA_CACHE"], "cpu-dots.json")
 
 
-# The session's compile cache is read in the test processes (engines built in-process load what servers, CLIs
-# and the other worker wrote) but never written from them: jaxlib 0.10.2's executable serializer
-# (compilation_cache.put_executable_and_time -> executable.serialize()) segfaults now and then in a test
-# worker, after hundreds of programs (CI lost a run to it, the crash then hanging pytest-xdist; here three
-# times in three full runs with the explicit YNNPACK dot flag, never in a server's or a CLI's process). The
-# CLI commands a test runs in this process enable the cache again: they get the read-only one too.
-def _enable_read_only(path=None, _enable=compile_cache.enable):
-    out = _enable(path)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", float("inf"))  # nothing is slow enough to write
-    return out
-
-
-compile_cache.enable = _enable_read_only
-
-
 @pytest.fixture(scope="session", autouse=True)
 def compile_cache_dir():
-    """The session's compile cache, read (not written) in this process too."""
+    """The session's compile cache, in use in this process too (engines built in-process by the tests)."""
+    from jaxcb.device import compile_cache
+
     path = compile_cache.enable(os.environ["JAXCB_TEST_XLA_CACHE"])
     assert path is not None
     return path
+
+
+# Every compiled program XLA:CPU keeps holds about 27 memory maps of JIT code and data (measured: 300 small
+# programs kept, 8,613 maps; dropped, 538), and jit caches keep every program a test file made. Past Linux's
+# vm.max_map_count (65,530 by default) the next mmap fails and XLA segfaults compiling or serializing: a test
+# worker got there after some 800 tests (stop 60's CI lost its run to it, pytest-xdist then hanging). So each
+# test file's programs are let go when it ends, and within a file once they hold a third of the limit
+# (test_families.py alone reached 32,624 maps); a test after which they cannot be let go fails, naming itself.
+def _maps() -> tuple[int, int]:
+    """This process's memory maps and the most it may hold (0, 1 where /proc does not say)."""
+    try:
+        with open("/proc/self/maps") as f:
+            maps = sum(1 for _ in f)
+        with open("/proc/sys/vm/max_map_count") as f:
+            return maps, int(f.read())
+    except (OSError, ValueError):
+        return 0, 1
+
+
+def _let_go_of_compiled_programs() -> None:
+    import gc
+
+    jax.clear_caches()
+    gc.collect()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _programs_of_each_file():
+    yield
+    _let_go_of_compiled_programs()
+
+
+@pytest.fixture(autouse=True)
+def _programs_within_the_map_limit(request):
+    yield
+    maps, limit = _maps()
+    if maps > limit / 3:
+        _let_go_of_compiled_programs()
+        maps, limit = _maps()
+        assert maps < limit / 2, (f"{request.node.nodeid} left this process holding {maps} memory maps of the "
+                                  f"{limit} vm.max_map_count allows: compiled programs kept alive past it")
 
 
 @pytest.fixture(scope="session")
