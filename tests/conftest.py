@@ -95,15 +95,21 @@ def compile_cache_dir():
 # worker got there after some 800 tests (stop 60's CI lost its run to it, pytest-xdist then hanging). So each
 # test file's programs are let go when it ends, and within a file once they hold a third of the limit
 # (test_families.py alone reached 32,624 maps); a test after which they cannot be let go fails, naming itself.
-def _maps() -> tuple[int, int]:
-    """This process's memory maps and the most it may hold (0, 1 where /proc does not say)."""
+def _read_int(path: str) -> int | None:
     try:
-        with open("/proc/self/maps") as f:
-            maps = sum(1 for _ in f)
-        with open("/proc/sys/vm/max_map_count") as f:
-            return maps, int(f.read())
+        with open(path) as f:
+            return int(f.read())
     except (OSError, ValueError):
-        return 0, 1
+        return None
+
+
+MAX_MAPS = _read_int("/proc/sys/vm/max_map_count")  # (None where /proc does not say: nothing is checked)
+
+
+def _maps() -> int:
+    """This process's memory maps."""
+    with open("/proc/self/maps") as f:
+        return sum(1 for _ in f)
 
 
 def _let_go_of_compiled_programs() -> None:
@@ -122,12 +128,11 @@ def _programs_of_each_file():
 @pytest.fixture(autouse=True)
 def _programs_within_the_map_limit(request):
     yield
-    maps, limit = _maps()
-    if maps > limit / 3:
+    if MAX_MAPS is not None and _maps() > MAX_MAPS / 3:
         _let_go_of_compiled_programs()
-        maps, limit = _maps()
-        assert maps < limit / 2, (f"{request.node.nodeid} left this process holding {maps} memory maps of the "
-                                  f"{limit} vm.max_map_count allows: compiled programs kept alive past it")
+        maps = _maps()
+        assert maps < MAX_MAPS / 2, (f"{request.node.nodeid} left this process holding {maps} memory maps of the "
+                                     f"{MAX_MAPS} vm.max_map_count allows: compiled programs kept alive past it")
 
 
 @pytest.fixture(scope="session")
