@@ -50,13 +50,15 @@ def main():
     import jax
     import jax.numpy as jnp
 
-    from jaxcb.device.runner import ModelRunner, forward_step, sample_step
+    from jaxcb.device.runner import ModelRunner, step_functions
     from jaxcb.device.sampling import sample
     from jaxcb.host.batch import SamplingRow, SeqSpec, pack, pack_sampling
     from jaxcb.host.engine_config import load_config
     from jaxcb.host.request import SamplingParams
     from jaxcb.llm import load_model
     from jaxcb.model.llama import Attention
+
+    forward_step, sample_step = step_functions()
 
     stored = {"w8a8": "int8", "w4a8": "int4"}.get(args.weights, args.weights)
     model_config, params, _, _ = load_model(args.model, weights=stored)

@@ -14,6 +14,7 @@ turns padded numpy batches into device arrays, dispatches asynchronously and cou
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import threading
 
@@ -118,8 +119,14 @@ def _sample(logits, newest, last_tokens: jax.Array, sampling: SamplingInput, *, 
     return out, last_tokens
 
 
-forward_step = jax.jit(_forward, static_argnames=("config", "attention"), donate_argnums=(1,))
-sample_step = jax.jit(_sample, static_argnames=("seqs",))
+def step_functions():
+    """The step's two jitted functions, made afresh for each runner: jax keeps the traces, lowerings and
+    executables of a jitted function in caches keyed weakly on the Python function, so a runner's programs
+    go when the runner does (module-level functions kept every program of every engine a process ever
+    built: ~740 memory maps each, see tests/conftest.py)."""
+    forward_step = jax.jit(functools.partial(_forward), static_argnames=("config", "attention"), donate_argnums=(1,))
+    sample_step = jax.jit(functools.partial(_sample), static_argnames=("seqs",))
+    return forward_step, sample_step
 
 
 def _sampler_key(shape: StepShape) -> tuple[int, int, int]:
@@ -197,6 +204,7 @@ class ModelRunner(Runner):
         self.attention = resolve_attention(attention, mesh)
         self._compiled: dict[StepShape, tuple] = {}  # step shape -> its compiled (forward pass, sampler)
         self._samplers: dict[tuple, object] = {}  # (seqs, extra rows, history, logits' and newest's shardings) -> sampler
+        self._forward_step, self._sample_step = step_functions()
         self.compiler_options = COMPILER_OPTIONS[compile]
         if jax.default_backend() != "cpu":
             self.compiler_options = None  # XLA's defaults as they are: the options above are XLA:CPU's
@@ -355,7 +363,7 @@ class ModelRunner(Runner):
             return
         window = self.step_config.sliding_window if self.step_config.windowed else 0
         with _compile_serial:
-            lowered = forward_step.lower(
+            lowered = self._forward_step.lower(
                 self.params, self.kv_pages, self.last_tokens, pack([], shape, self.page_size, window),
                 self._lora_arrays(), config=self.step_config, attention=self.attention)
             forward = lowered.compile(self.compiler_options)
@@ -366,7 +374,7 @@ class ModelRunner(Runner):
                 lowered.out_info, forward.output_shardings)
             key = (*_sampler_key(shape), logits.sharding, newest.sharding)
             if key not in self._samplers:
-                self._samplers[key] = sample_step.lower(
+                self._samplers[key] = self._sample_step.lower(
                     logits, newest, self.last_tokens, pack_sampling([], shape, self.model_config.vocab_size),
                     seqs=shape.seqs).compile(self.compiler_options)
             sampler = self._samplers[key]
