@@ -370,6 +370,54 @@ def test_the_grammar_writes_calls_in_the_format(make_llm):
         assert accepts(typed, text) == ok, text
 
 
+def test_qwen3_coder_strings_hold_their_length_pattern_and_format(make_llm):
+    """qwen3_coder's string arguments are raw text (not JSON): the grammar holds a string's minLength and
+    maxLength (characters), its pattern as JSON Schema reads one (found anywhere unless anchored, alternatives
+    anchored apart) and its format, each alone and together; a keyword that cannot be held is refused naming
+    its field, before any generation."""
+    llm = make_llm()
+    grammars, tok = llm.engine.grammars, llm.tokenizer
+
+    def tools_for(prop):
+        tool = {"type": "function", "function": {"name": "f", "parameters": {
+            "type": "object", "properties": {"s": prop}, "required": ["s"]}}}
+        return dataclasses.replace(tool_calls.parse_tools({"tools": [tool], "tool_choice": "required"}),
+                                   fmt=tool_calls.QWEN3_CODER)
+
+    def accepts(prop, value: str) -> bool:
+        m = grammars.matcher(tool_calls.constraint(tools_for(prop)))
+        ids = tok.encode(tool_calls.QWEN3_CODER.write("f", {"s": value}), add_bos=False)
+        return m.try_consume_tokens(ids) == len(ids) and m.is_accepting()
+
+    texts = ["", "a", "ab", "abcd", "xxaayy", "a1", "9x", "abc\ndef", "a/b", "ü€漢字", "2024-01-05", "2024-13-05",
+             "12:30:00Z", "2024-01-05T12:30:00.5+01:00", "2024-01-05 12:30", "me@example.com", "@example.com",
+             "10.0.0.255", "256.1.1.1", "123e4567-e89b-12d3-a456-426614174000", "123e4567-e89b", "host.name",
+             "-host"]
+    for pattern in ("a+", "^a", "b$", "^[a-z]|[0-9]$", "^ab$", "[$^]", r"\d", r"^\w+$", "a|", "(x|y)?z*", "a/b",
+                    r"\$|\^"):
+        assert [t for t in texts if accepts({"type": "string", "pattern": pattern}, t)] == \
+            [t for t in texts if re.search(pattern, t)], pattern
+    for fmt, want in (("date", ["2024-01-05"]), ("time", ["12:30:00Z"]), ("date-time", ["2024-01-05T12:30:00.5+01:00"]),
+                      ("email", ["me@example.com"]), ("ipv4", ["10.0.0.255"]),
+                      ("uuid", ["123e4567-e89b-12d3-a456-426614174000"])):
+        assert [t for t in texts if accepts({"type": "string", "format": fmt}, t)] == want, fmt
+    assert accepts({"format": "hostname"}, "host.name") and not accepts({"format": "hostname"}, "-host")
+    assert accepts({"format": "no-such-format"}, "anything at all")  # (a format not held: free text)
+    assert [t for t in texts if accepts({"minLength": 2, "maxLength": 4}, t)] == \
+        [t for t in texts if 2 <= len(t) <= 4]  # characters, not bytes or tokens (ü€漢字 is 4)
+    both = {"minLength": 3, "pattern": "^[a-z]+$", "maxLength": 5}
+    assert [t for t in texts if accepts(both, t)] == ["abcd"]
+    field = r"^tools\[0\]\.function\.parameters\.properties\.s\."
+    for prop, error in (({"pattern": "(?=a)b"}, "pattern: '\\(\\?=a\\)b' cannot be held: look-around"),
+                        ({"pattern": "a^b"}, "pattern: 'a\\^b': an anchor"),
+                        ({"pattern": 7}, "pattern: must be a regular expression"),
+                        ({"minLength": 4, "maxLength": 3}, "minLength: 4 is over its maxLength"),
+                        ({"minLength": -1}, "minLength: must be a length up to"),
+                        ({"maxLength": True}, "maxLength: must be a length up to")):
+        with pytest.raises(InvalidRequest, match=field + error):
+            tool_calls.constraint(tools_for({"type": "string", **prop}))
+
+
 def test_llm_chat_shows_tools_as_the_chat_api_does(make_llm):
     """LLM.chat(tools=...) writes the prompt the chat API writes for the same messages and tools: jaxcb's
     system text for a template without tools, the template's own rendering for one with them; an earlier
@@ -450,14 +498,22 @@ XML_ANSWERS = [  # qwen3_coder: each call a <function=...> element with an eleme
     ("<tool_call>\n<function=plan>\n<parameter=title>\nTr", "", [("plan", {})]),  # cut off: the elements so far
     ("a <tool_call> b </tool_call>", "a <tool_call> b </tool_call>", []),
     # a string that may be null (OpenAI's strict optional field) as it is written; an enum of numbers; a name given
-    # twice (its first); </function> inside a value (not the call's end); what follows </function> is not read;
-    # numbers that are no finite JSON number, and digits Python reads but JSON does not, stay text
+    # twice (its first); </function> inside a value (not the call's end); a second element in the block is a
+    # second call (vLLM's reading); numbers that are no finite JSON number, and digits Python reads but JSON
+    # does not, stay text
     ("<tool_call>\n<function=plan>\n<parameter=title>\nA\n</parameter>\n<parameter=notes>\nhello\n</parameter>\n"
      "<parameter=size>\n2\n</parameter>\n<parameter=title>\nB\n</parameter>\n<parameter=code>\nprint('</function>')\n"
      "</parameter>\n<parameter=budget>\ninf\n</parameter>\n<parameter=days>\n1_000\n</parameter>\n</function>\n"
      "<function=get_time>\n</function>\n</tool_call>", "",
      [("plan", {"title": "A", "notes": "hello", "size": 2, "code": "print('</function>')", "budget": "inf",
-                "days": "1_000"})]),
+                "days": "1_000"}), ("get_time", {})]),
+    # elements after the first in a block: calls of the tools are calls, what is between them is not read,
+    # an element of no tool is left out, one cut off is the call so far
+    ("<tool_call>\n<function=get_time>\n</function>\nthen\n<function=unknown>\n</function>\n<function=get_weather>\n"
+     "<parameter=city>\nOslo\n</parameter>\n</function>\n</tool_call>", "",
+     [("get_time", {}), ("get_weather", {"city": "Oslo"})]),
+    ("<tool_call>\n<function=get_time>\n</function>\n<function=plan>\n<parameter=title>\nTr", "",
+     [("get_time", {}), ("plan", {})]),
 ]
 
 
@@ -471,7 +527,7 @@ def test_element_calls_parse_whole_and_streamed(text, content, calls):
     whole = [(c["function"]["name"], c["function"]["arguments"]) for c in got_calls]
     cut = text.endswith("Tr")  # (an unfinished call's arguments so far: "{")
     assert got_content == content
-    assert [(n, json.loads(a + "}" if cut else a)) for n, a in whole] == calls
+    assert [(n, json.loads(a + "}" if cut and not a.endswith("}") else a)) for n, a in whole] == calls
     rng = random.Random(3)
     for pieces in [[text[i:i + 1] for i in range(len(text))]] + [_random_pieces(text, rng) for _ in range(30)]:
         streamed, merged = _streamed(tools, pieces)

@@ -53,7 +53,7 @@ import uuid
 
 from jaxcb.host.chat_template import ROLE_AS, template_reads
 from jaxcb.host.errors import InvalidRequest
-from jaxcb.host import harmony, pythonic
+from jaxcb.host import harmony, pythonic, raw_strings
 from jaxcb.host.structured import Constraint, lark_schema, marker, special
 
 MAX_TOOLS = 128
@@ -428,16 +428,15 @@ def _literal_enum(prop) -> list | None:
 
 
 XML_KEY = re.compile(r"[^>\n]{1,256}")  # a parameter's name that an element can hold (tool_parse reads these)
-MAX_STRING_CHARS = 1 << 20  # (a string argument's maxLength, at most: the grammar's bound)
 
 
 def _xml_grammar(tools: Tools, names: list[str], more: bool, tokenizer=None) -> str:
     """qwen3_coder's calls as a Lark grammar: per function its name and an element per property of its
     parameters, in their order (the required ones always, the others optional; no others); a value by its
-    schema (xml_type): an enum one of its values, a string any text up to its closing tag (a lazy lexeme, of
-    at most maxLength characters), an integer, number or boolean as JSON writes it ("null" too where its type
-    allows), anything else JSON valid against the schema. A name an element cannot hold, or a maxLength that is
-    no length, is refused naming the tool's field (minLength, pattern and format are not held)."""
+    schema (xml_type): an enum one of its values, a string the text up to its closing tag (a lazy lexeme) as
+    its minLength, maxLength, pattern and format allow (jaxcb.host.raw_strings), an integer, number or boolean
+    as JSON writes it ("null" too where its type allows), anything else JSON valid against the schema. A name
+    an element cannot hold, or a string keyword that cannot be held, is refused naming the tool's field."""
     rules, calls, order = [], [], list(tools.functions)
     end = '"\\n</parameter>"'
     for k, name in enumerate(names):
@@ -455,12 +454,8 @@ def _xml_grammar(tools: Tools, names: list[str], more: bool, tokenizer=None) -> 
                 body = ("(" + " | ".join(json.dumps(e if isinstance(e, str) else json.dumps(e)) for e in enum)
                         + f") {end}")
             elif kind in (None, "string"):
-                high = prop.get("maxLength") if isinstance(prop, dict) else None
-                if high is not None and (not isinstance(high, int) or isinstance(high, bool)
-                                         or not 0 <= high <= MAX_STRING_CHARS):
-                    raise InvalidRequest(f"{where}.properties.{key}.maxLength: must be a length up to "
-                                         f"{MAX_STRING_CHARS}, got {json.dumps(high)[:40]}")
-                rules.append(f"t_{k}_{j}[lazy]: /(?s:.{'*' if high is None else '{0,%d}' % high})\\n<\\/parameter>/")
+                text = raw_strings.lexeme(prop, f"{where}.properties.{key}")
+                rules.append(f"t_{k}_{j}[lazy]: {text} {end}")
                 body = f"t_{k}_{j}"
             elif kind == "integer":
                 body = f'(/-?(0|[1-9][0-9]*)/{null}) {end}'

@@ -141,15 +141,20 @@ def _xml_args(text: str, schema: dict, whole: bool) -> str:
     once its closing tag is written (a name given twice: its first), then "}" once the function's element is
     closed (its </function> outside any element; or `whole`: the block ended), so each piece goes on from the
     last, and a whole call's text is json.dumps of its arguments. Nothing after its </function> is read."""
+    return _xml_read(text, schema, whole)[0]
+
+
+def _xml_read(text: str, schema: dict, whole: bool) -> tuple[str, int | None]:
+    """(_xml_args's text, where the function's element ends: just past its </function>, None while open)."""
     properties = schema.get("properties") if isinstance(schema, dict) else None
     properties = properties if isinstance(properties, dict) else {}
-    items, seen, at, closed = [], set(), 0, whole
+    items, seen, at, closed, closed_at = [], set(), 0, whole, None
     while True:
         element = _PARAM.search(text, at)
         end = text.find("</function>", at)
         opening = text.find("<parameter=", at)
         if end >= 0 and (element is None or end < element.start()) and not 0 <= opening < end:
-            closed = True
+            closed, closed_at = True, end + len("</function>")
             break
         if element is None:
             break
@@ -158,7 +163,7 @@ def _xml_args(text: str, schema: dict, whole: bool) -> str:
             seen.add(key)
             items.append(f"{json.dumps(key)}: {json.dumps(_xml_value(element.group(2), properties.get(key)))}")
         at = element.end()
-    return "{" + ", ".join(items) + ("}" if closed else "")
+    return "{" + ", ".join(items) + ("}" if closed else ""), closed_at
 
 
 def _call(body: str, tools: Tools):
@@ -255,6 +260,8 @@ class CallStream:
             end = _block_end(self.buffer, self.fmt)
             body = self.buffer if end is None else self.buffer[:end]
             deltas += self._stream_args(body, whole=end is not None)
+            if self.fmt.xml and self._next_element(body):
+                continue
             if end is None:
                 if final:  # unfinished at the end: a call cut short if it named one, else text
                     cut = None if self.block_called else _cut_call(body, self.tools)
@@ -268,6 +275,18 @@ class CallStream:
                 content += open_ + body + close
             self.buffer = self.buffer[end + len(close):]
             self.in_block = False
+
+    def _next_element(self, body: str) -> bool:
+        """(qwen3_coder) Whether another <function=...> element begins after the current one, closed, in a
+        block that holds a call: then the block goes on from it, each element a call of the tools (as vLLM's
+        parser reads them); text between elements, and an element of no tool, are not read."""
+        head = _head(self.fmt).match(body) if self.block_called else None
+        done = None if head is None else _xml_read(body[head.end():], {}, False)[1]
+        after = -1 if done is None else body.find("<function=", head.end() + done)
+        if after < 0:
+            return False
+        self.buffer, self.sent_args = self.buffer[after:], None
+        return True
 
     def _feed_answer(self, final: bool) -> tuple[str, list[dict]]:
         content, deltas = "", []
