@@ -35,8 +35,8 @@ FAMILY_OF = {"llama-bias": "llama", "mistral3-mm": "llama", "llava": "llama", "q
              "granitemoe": "llama", "qwen2moe": "llama"}
 
 
-def golden(family):
-    with open(os.path.join(GOLDEN, family, "golden.json")) as f:
+def golden(family, name="golden"):
+    with open(os.path.join(GOLDEN, family, f"{name}.json")) as f:
         return json.load(f)["records"]
 
 
@@ -44,11 +44,11 @@ def prefill_logits(config, params, ids, page_size=16):
     """The last position's logits of one sequence, from one packed step (pages for every group)."""
     n = -(-len(ids) // page_size)
     pages = list(range(1, n + 1))
-    shape = StepShape(64, 1, 4, 64)
+    shape = StepShape(max(64, -(-len(ids) // 64) * 64), 1, max(4, n), max(64, n * page_size))
     window = config.sliding_window if config.windowed else 0
     step = pack([SeqSpec(list(ids), 0, pages, window_page_ids=pages if window else None)], shape, page_size, window)
-    alloc = lambda layers: allocate_kv_pages(layers, config.num_kv_heads, 8, page_size, config.head_dim,  # noqa: E731
-                                             jnp.float32)
+    alloc = lambda layers: allocate_kv_pages(layers, config.num_kv_heads, max(8, n + 1), page_size,  # noqa: E731
+                                             config.head_dim, jnp.float32)
     kv = (alloc(config.num_full_layers), alloc(config.num_sliding_layers)) if config.windowed else alloc(config.num_layers)
     _, logits = forward(params, kv, step, config)
     return np.asarray(logits[0])
@@ -103,11 +103,12 @@ def test_prefill_logits_match_transformers(family):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_engine_greedy_matches_transformers_up_to_a_near_tie(family):
     """Continuous batching of all prompts at once, chunked prefill (16-token buckets), decode past the
-    window: the greedy ids are the reference's up to its first near tie (margin < 1e-3)."""
+    window: the greedy ids are the reference's up to its first near tie (margin < 1e-3). (LongRoPE: served up
+    to its original context, where its short factors apply, as they did in the reference's short prompts.)"""
     config, params, tok, _ = load_model(os.path.join(GOLDEN, family), jnp.float32)
     llm = LLM.from_params(config, params, tok, config=make_config(
-        num_pages=64, page_size=16, max_context=128, decode_batch=(4,), prefill_tokens=(16,), max_prefill_tokens=16,
-        compile=compile_mode(config)))
+        num_pages=64, page_size=16, max_context=config.rope_original_context or 128, decode_batch=(4,),
+        prefill_tokens=(16,), max_prefill_tokens=16, compile=compile_mode(config)))
     records = golden(family)
     outs = llm.generate([r["prompt_ids"] for r in records], SamplingParams(max_tokens=16, ignore_eos=True))
     for record, out in zip(records, outs):
@@ -441,21 +442,52 @@ def test_smollm3s_layers_without_rope_are_read_and_matter(tmp_path):
 
 def test_phi4_minis_partial_rotary_and_longrope_are_read_and_matter():
     """Phi-4-mini's kind of checkpoint: 3/4 of each head rotated, LongRoPE's short factors and attention
-    factor (transformers' default, sqrt(1 + ln(256/64) / ln 64)), the served context capped at the original
-    64 positions (past them the long factors would apply); without any one of them the logits are not the
-    reference's."""
+    factor (transformers' default, sqrt(1 + ln(256/64) / ln 64)), its long factors for a served context past the
+    original 64 positions (ModelConfig.at_context); without any one of them, or with the long factors on these
+    short prompts, the logits are not the reference's."""
     import dataclasses
     import math
 
     config, params, _, _ = load_model(os.path.join(GOLDEN, "phi3-longrope"), jnp.float32)
     assert config.rotary_dim == 12 and config.rope_freq_factors == (1.0, 1.3, 1.9, 2.6, 3.4, 4.0)
     assert config.rope_attention_factor == pytest.approx(math.sqrt(1 + math.log(4) / math.log(64)))
-    assert config.max_context == 64
+    assert config.max_context == 256 and config.rope_original_context == 64
+    assert config.rope_long_factors == (1.0, 2.0, 4.0, 8.0, 16.0, 32.0)
+    assert config.at_context(64) is config and config.at_context(65).rope_freq_factors == config.rope_long_factors
     record = golden("phi3-longrope")[2]
     ref = np.asarray(record["prefill_logits"], np.float32)
-    for plain in ({"rotary_dim": 0, "rope_freq_factors": ()}, {"rope_freq_factors": ()}, {"rope_attention_factor": 1.0}):
+    for plain in ({"rotary_dim": 0, "rope_freq_factors": (), "rope_long_factors": ()}, {"rope_freq_factors": ()},
+                  {"rope_attention_factor": 1.0}, {"rope_freq_factors": config.rope_long_factors}):
         without = prefill_logits(dataclasses.replace(config, **plain), params, record["prompt_ids"])
         assert np.abs(without - ref).max() > 1e-4 * np.abs(ref).max(), plain
+
+
+def test_longrope_past_its_original_context_gives_transformers_long_factor_outputs():
+    """An engine serving the LongRoPE checkpoint past its original 64 positions (max_context 256) takes the long
+    factors for every position (ModelConfig.at_context, llama.cpp's rule): on prompts of 90 and 151 tokens, which
+    transformers runs with its long factors, the prefill logits are within 1e-5 of its scale of transformers'
+    and the greedy ids (batched, chunked prefill) are its own up to a near tie; the short factors are not."""
+    import dataclasses
+
+    config, params, tok, _ = load_model(os.path.join(GOLDEN, "phi3-longrope"), jnp.float32)
+    records = golden("phi3-longrope", "golden_long")
+    assert all(len(r["prompt_ids"]) > config.rope_original_context for r in records)
+    long = config.at_context(256)
+    for record in records:
+        ref = np.asarray(record["prefill_logits"], np.float32)
+        assert np.abs(prefill_logits(long, params, record["prompt_ids"]) - ref).max() <= 1e-5 * np.abs(ref).max()
+        short = prefill_logits(dataclasses.replace(long, rope_freq_factors=config.rope_freq_factors), params,
+                               record["prompt_ids"])
+        assert np.abs(short - ref).max() > 1e-3 * np.abs(ref).max()
+    llm = LLM.from_params(config, params, tok, config=make_config(
+        num_pages=64, page_size=16, max_context=256, decode_batch=(2,), prefill_tokens=(32,), max_prefill_tokens=32,
+        compile=compile_mode(config)))
+    assert llm.engine.model_config.rope_freq_factors == config.rope_long_factors
+    outs = llm.generate([r["prompt_ids"] for r in records], SamplingParams(max_tokens=16, ignore_eos=True))
+    for record, out in zip(records, outs):
+        n = next((i for i, m in enumerate(record["margins"]) if m < 1e-3), len(record["margins"]))
+        assert n >= 8 and out.token_ids[:n] == record["greedy_ids"][:n], len(record["prompt_ids"])
+    llm.engine.pool.check_all_free()
 
 
 def test_a_phi3_gguf_gives_transformers_logits(tmp_path):
@@ -482,6 +514,8 @@ def test_a_phi3_gguf_gives_transformers_logits(tmp_path):
     assert {f: getattr(got.config, f) for f in fields} == {f: getattr(config, f) for f in fields}
     assert got.config.rope_attention_factor == pytest.approx(config.rope_attention_factor)
     assert got.config.rope_freq_factors == pytest.approx(config.rope_freq_factors)  # (float32 in the file)
+    assert got.config.rope_long_factors == pytest.approx(config.rope_long_factors)
+    assert got.config.rope_original_context == 64
 
     assert_references_logits(got.config, got.weights, "phi3-longrope")
 
@@ -547,7 +581,7 @@ def test_transformers_4_layout_of_the_rope_settings_reads_the_same(tmp_path, fam
     assert np.abs(prefill_logits(config, params_old, record["prompt_ids"]) - ref).max() <= 1e-5 * np.abs(ref).max()
 
 
-@pytest.mark.parametrize("family", ["gemma3", "llama3-rope", "smollm3"])
+@pytest.mark.parametrize("family", ["gemma3", "llama3-rope", "smollm3", "phi3-longrope"])
 def test_convert_round_trip_keeps_the_family(tmp_path, family):
     from jaxcb.cli import main as cli
 

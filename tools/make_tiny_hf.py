@@ -15,6 +15,12 @@ For each family: tests/golden/tiny_hf/<family>/ holds config.json and model.safe
 last prompt position and greedy ids for 16 tokens from a plain loop over the model's forward pass
 with its KV cache (eager attention, so the sliding window is the reference's own mask). The sliding
 window is 8 tokens so that the prompts (up to 40 tokens) and their decode run well past it.
+
+    .venv-tools/bin/python -m tools.make_tiny_hf --long phi3-longrope
+
+adds golden_long.json to a family already written (its saved checkpoint, weights unchanged): the same records
+for prompts past its original context (LONG_PROMPTS: LongRoPE's long factors, which transformers takes for a
+sequence longer than original_max_position_embeddings).
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import numpy as np
 
 OUT = "tests/golden/tiny_hf"
 PROMPTS = [[2, 17, 99, 4, 31], [2] + [(7 * i + 3) % 250 + 3 for i in range(22)], [2] + [(11 * i + 5) % 250 + 3 for i in range(39)]]
+LONG_PROMPTS = [[2] + [(17 * i + 11) % 250 + 3 for i in range(89)], [2] + [(5 * i + 1) % 250 + 3 for i in range(150)]]
 STEPS = 16
 COMMON = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
               num_key_value_heads=2, head_dim=16, max_position_embeddings=256, rms_norm_eps=1e-6)
@@ -156,6 +163,27 @@ def configs():
     }
 
 
+def records_of(model, prompts) -> list[dict]:
+    """Per prompt: its ids, the last prompt position's float32 logits, greedy ids for STEPS tokens from a plain
+    loop over the forward pass with its KV cache, and each step's top-2 margin."""
+    import torch
+
+    records = []
+    for ids in prompts:
+        out = model(torch.tensor([ids]), use_cache=True)
+        past, logits = out.past_key_values, out.logits[0, -1]
+        prefill = logits.numpy().astype(np.float32).tolist()
+        greedy, margins = [], []
+        for _ in range(STEPS):
+            top2 = torch.topk(logits, 2).values
+            margins.append(float(top2[0] - top2[1]))
+            greedy.append(int(torch.argmax(logits)))
+            out = model(torch.tensor([[greedy[-1]]]), past_key_values=past, use_cache=True)
+            past, logits = out.past_key_values, out.logits[0, -1]
+        records.append({"prompt_ids": ids, "prefill_logits": prefill, "greedy_ids": greedy, "margins": margins})
+    return records
+
+
 def main():
     import sys
 
@@ -164,6 +192,16 @@ def main():
 
     torch.set_grad_enabled(False)
     wanted = sys.argv[1:]
+    if wanted[:1] == ["--long"]:
+        for family in wanted[1:]:
+            folder = os.path.join(OUT, family)
+            model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager").eval()
+            records = records_of(model, LONG_PROMPTS)
+            with open(os.path.join(folder, "golden_long.json"), "w") as f:
+                json.dump({"family": family, "steps": STEPS, "records": records}, f)
+            print(family, "long", [r["greedy_ids"][:6] for r in records], "min margin",
+                  min(min(r["margins"]) for r in records))
+        return
     for family, config in configs().items():
         if wanted and family not in wanted:
             continue
@@ -190,19 +228,7 @@ def main():
                         p.mul_(2.0)
         folder = os.path.join(OUT, family)
         model.save_pretrained(folder, safe_serialization=True)
-        records = []
-        for ids in PROMPTS:
-            out = model(torch.tensor([ids]), use_cache=True)
-            past, logits = out.past_key_values, out.logits[0, -1]
-            prefill = logits.numpy().astype(np.float32).tolist()
-            greedy, margins = [], []
-            for _ in range(STEPS):
-                top2 = torch.topk(logits, 2).values
-                margins.append(float(top2[0] - top2[1]))
-                greedy.append(int(torch.argmax(logits)))
-                out = model(torch.tensor([[greedy[-1]]]), past_key_values=past, use_cache=True)
-                past, logits = out.past_key_values, out.logits[0, -1]
-            records.append({"prompt_ids": ids, "prefill_logits": prefill, "greedy_ids": greedy, "margins": margins})
+        records = records_of(model, PROMPTS)
         with open(os.path.join(folder, "golden.json"), "w") as f:
             json.dump({"family": family, "steps": STEPS, "records": records}, f)
         print(family, [r["greedy_ids"][:6] for r in records], "min margin", min(min(r["margins"]) for r in records))

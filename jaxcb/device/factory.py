@@ -79,6 +79,7 @@ def make_runner(model_config: ModelConfig, params: Params, config, dtype=None, p
     these weights' dtype), then the KV pages. `devices`: where this runner lives (a data-parallel
     replica's share); default the first `tensor_parallel` devices, or the default device."""
     plan = plan or plan_memory(model_config, config, dtype or params.compute_dtype)
+    model_config = model_config.at_context(config.max_context_for(model_config))
     if plan.num_pages != config.num_pages:
         config = config.replace(num_pages=plan.num_pages)
     mesh = None
@@ -104,6 +105,7 @@ def make_draft_runner(target: "ModelRunner", model_config: ModelConfig, params: 
     the target's (the same page count, size and sliding group: it writes each request's own page ids,
     jaxcb.host.draft)."""
     mesh = target.mesh
+    model_config = model_config.at_context(config.max_context_for(target.model_config))
     if mesh is not None and config.tensor_parallel > 1:
         from jaxcb.device import parallel
 

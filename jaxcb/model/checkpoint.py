@@ -136,7 +136,7 @@ def read_config(path: str) -> tuple[ModelConfig, str]:
         raise InvalidConfig(f"model: {path} is format {manifest.get('format')!r}; this jaxcb reads {FORMAT!r}")
     try:
         raw = dict(manifest["config"])
-        for key in ("sliding_layers", "rope_freq_factors", "nope_layers"):  # JSON has lists; the config is hashable
+        for key in ("sliding_layers", "rope_freq_factors", "rope_long_factors", "nope_layers"):  # JSON has lists; the config is hashable
             raw[key] = tuple(raw.get(key, ()))
         return ModelConfig(**raw), manifest["dtype"]
     except (KeyError, TypeError) as e:

@@ -56,6 +56,10 @@ class ModelConfig:
     rope_linear_factor: float = 1.0
     rope_scaled_sliding: bool = False
     rope_attention_factor: float = 1.0  # cos and sin scaled by it (LongRoPE's attention factor, Phi-3.5/4); 1: none
+    # LongRoPE's long factors (Phi-3.5, Phi-4-mini) and the original context past which they apply; rope_freq_factors
+    # holds its short ones. One set serves every position, chosen by the context served (at_context); () / 0: none.
+    rope_long_factors: tuple[float, ...] = ()
+    rope_original_context: int = 0
     rotary_dim: int = 0  # each head's first dimensions RoPE rotates (Phi-4-mini: 3/4 of them); 0: all
     attn_softcap: float = 0.0  # scores -> cap * tanh(scores / cap) (Gemma 2); 0: off
     final_softcap: float = 0.0  # the same on the logits (Gemma 2); 0: off
@@ -89,10 +93,20 @@ class ModelConfig:
         assert not self.sliding_layers or len(self.sliding_layers) == self.num_layers, "one flag per layer"
         assert not self.nope_layers or len(self.nope_layers) == self.num_layers, "one flag per layer"
         assert not self.rope_freq_factors or len(self.rope_freq_factors) == self.rope_dim // 2, "one factor per frequency"
+        assert not self.rope_long_factors or len(self.rope_long_factors) == self.rope_dim // 2, "one factor per frequency"
         assert self.rope_dim % 2 == 0 and self.rope_dim <= self.head_dim, "an even rotary part of the head"
         assert not self.num_experts or 0 < self.experts_per_token <= self.num_experts, "1 to num_experts a token"
         assert self.activation in ACTIVATIONS, f"activation {self.activation!r}: one of {ACTIVATIONS}"
         assert not self.expert_bias or self.num_experts, "expert biases without experts"
+
+    def at_context(self, context: int) -> "ModelConfig":
+        """This config as it serves contexts of up to `context` tokens: with LongRoPE's long factors in place of
+        its short ones where `context` is past its original context, for every position (llama.cpp's rule: one
+        set, chosen by the context served; transformers picks per forward pass by the longest sequence, vLLM per
+        batch, so a sequence's early keys and later ones can differ there). Itself otherwise."""
+        if not self.rope_long_factors or context <= self.rope_original_context:
+            return self
+        return dataclasses.replace(self, rope_freq_factors=self.rope_long_factors)
 
     def rope_divisors(self):
         """numpy float32 [rope_dim/2]: what each RoPE frequency of a full-attention layer is divided by (Llama 3's

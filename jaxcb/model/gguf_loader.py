@@ -276,18 +276,27 @@ def read_tokenizer(reader) -> TokenizerSpec | None:
 
 def _phi3(reader, head_dim: int, rotary_dim: int, context: int) -> dict:
     """Phi-3's config fields: the rotated part of each head (Phi-4-mini: 3/4); LongRoPE (Phi-3.5, Phi-4-mini:
-    the rope_factors_short tensor and rope.scaling.attn_factor) up to its original context, where the
-    served context is capped (past it llama.cpp would take the long factors: not served); and every layer's
-    sliding window, up to which attention is exactly full (the context capped there too)."""
+    the rope_factors_short and rope_factors_long tensors, rope.scaling.attn_factor and original_context_length;
+    ModelConfig.at_context takes the long ones past the original context, as llama.cpp does; without them the
+    served context is capped there); and every layer's sliding window, up to which attention is exactly full
+    (the context capped there too)."""
     out = {"rotary_dim": rotary_dim} if rotary_dim != head_dim else {}
     if "rope_factors_short.weight" in reader.tensors:
         factors = _dequantize(reader.tensors["rope_factors_short.weight"]).reshape(-1)
         if factors.shape != (rotary_dim // 2,):
             raise InvalidConfig(f"tensor rope_factors_short.weight: {factors.size} factors for {rotary_dim} rotated "
                                 f"dimensions (one per frequency: {rotary_dim // 2})")
+        original = int(_field(reader, "phi3.rope.scaling.original_context_length", context) or context)
         out.update(rope_freq_factors=tuple(float(f) for f in factors),
                    rope_attention_factor=float(_field(reader, "phi3.rope.scaling.attn_factor", 1.0) or 1.0))
-        context = min(context, int(_field(reader, "phi3.rope.scaling.original_context_length", context) or context))
+        if "rope_factors_long.weight" in reader.tensors:
+            long = _dequantize(reader.tensors["rope_factors_long.weight"]).reshape(-1)
+            if long.shape != (rotary_dim // 2,):
+                raise InvalidConfig(f"tensor rope_factors_long.weight: {long.size} factors for {rotary_dim} rotated "
+                                    f"dimensions (one per frequency: {rotary_dim // 2})")
+            out.update(rope_long_factors=tuple(float(f) for f in long), rope_original_context=original)
+        else:
+            context = min(context, original)
     window = int(_field(reader, "phi3.attention.sliding_window", 0) or 0)
     out["max_context"] = min(context, window) if window else context
     return out

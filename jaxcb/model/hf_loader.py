@@ -114,23 +114,30 @@ def _plain_rope(scaling) -> None:
 
 
 def _longrope(scaling: dict, raw: dict, rotary_dim: int, max_context: int) -> dict:
-    """LongRoPE (Phi-3.5, Phi-4-mini) up to its original context: each frequency divided by its short factor,
-    cos and sin scaled by the attention factor (transformers' default from the ratio of the contexts), and the
-    served context capped there (past it the long factors would apply: not served)."""
+    """LongRoPE (Phi-3.5, Phi-4-mini): each frequency divided by its short factor up to the original context,
+    by its long factor past it (ModelConfig.at_context), cos and sin scaled by the attention factor
+    (transformers' default from the ratio of the contexts). Without long factors the served context is capped
+    at the original one."""
     try:
         original = int(scaling.get("original_max_position_embeddings") or raw["original_max_position_embeddings"])
         short = [float(f) for f in scaling["short_factor"]]
         factor = float(scaling.get("factor") or max_context / original)
     except (KeyError, TypeError, ValueError) as e:
         raise InvalidConfig(f"config.json: rope_scaling (longrope) lacks what it needs ({e})") from None
-    if len(short) != rotary_dim // 2:
-        raise InvalidConfig(f"config.json: rope_scaling.short_factor has {len(short)} factors for {rotary_dim} "
-                            f"rotated dimensions (one per frequency: {rotary_dim // 2})")
+    try:
+        long = [float(f) for f in scaling.get("long_factor") or ()]
+    except (TypeError, ValueError) as e:
+        raise InvalidConfig(f"config.json: rope_scaling.long_factor is not a list of numbers ({e})") from None
+    for name, factors in (("short_factor", short), ("long_factor", long)):
+        if factors and len(factors) != rotary_dim // 2 or name == "short_factor" and not factors:
+            raise InvalidConfig(f"config.json: rope_scaling.{name} has {len(factors)} factors for {rotary_dim} "
+                                f"rotated dimensions (one per frequency: {rotary_dim // 2})")
     attention = scaling.get("attention_factor")
     if attention is None:
         attention = math.sqrt(1 + math.log(factor) / math.log(original)) if factor > 1.0 else 1.0
     return {"rope_freq_factors": tuple(short), "rope_attention_factor": float(attention),
-            "max_context": min(max_context, original)}
+            "rope_long_factors": tuple(long), "rope_original_context": original,
+            "max_context": max_context if long else min(max_context, original)}
 
 
 def read_config(path: str) -> ModelConfig:
