@@ -110,7 +110,8 @@ def ragged_attention(q, kv_pages, layer, kv_lens, page_table, cu_q_lens, num_seq
     bfloat16 or int8 (W = D + 4); layer, window scalars; kv_lens [M]; page_table [M, N]; cu_q_lens
     [M + 1]; num_seqs [1]. Returns [T, H, D] float32: sequence i's tokens cu_q_lens[i]:cu_q_lens[i+1]
     are the last of its kv_lens[i] keys, each attends causally to the keys up to its own position
-    (only the last `window` when window > 0); padding rows and sequences without keys give zeros.
+    (only the last `window` when window > 0; those of its own chunk of -window keys when window < 0, Llama 4's
+    chunked attention); padding rows and sequences without keys give zeros.
     `softcap` (static): scores become softcap * tanh(scores / softcap). `sinks` [H] (None: none): each head's
     sink logit, in the scaled scores' units, joins its softmax's denominator (gpt-oss). `target`: another
     build's registered handler (bench.attention_cpu --compare)."""

@@ -329,7 +329,7 @@ struct Problem {
   const int32_t* kv_lens;  // [M]
   const int32_t* page_table;  // [M, N]
   const int32_t* cu_q_lens;   // [M + 1]
-  int32_t window;
+  int32_t window;  // > 0: a sliding window of that many keys; < 0: chunks of -window keys (Llama 4); 0: none
   float softcap;
   const float* sinks;  // [H] each head's sink logit in its softmax's denominator (gpt-oss), or nullptr
   float* out;  // [T, H, D]
@@ -377,13 +377,22 @@ struct Span {
   }
 };
 
+// The first key a query at `pos` sees: after pos - window with a sliding window (window > 0), its chunk's first
+// with chunks of -window keys (window < 0, Llama 4's chunked attention), else the first. Never decreases with pos.
+inline int64_t first_seen(int64_t pos, int32_t window) {
+  if (pos < 0) return 0;
+  if (window > 0) return std::max<int64_t>(0, pos - window + 1);
+  if (window < 0) return pos - pos % (-static_cast<int64_t>(window));
+  return 0;
+}
+
 // `elem`: bytes per page element (Page::kBytes).
 inline Span block_span(const Problem& p, const Block& b, size_t elem) {
   Span sp;
   const int64_t len = p.kv_lens[b.i], q_len = p.cu_q_lens[b.i + 1] - p.cu_q_lens[b.i];
   sp.first_pos = len - q_len + b.j0;
   sp.last_pos = sp.first_pos + b.nq - 1;
-  sp.lo = p.window > 0 ? std::max<int64_t>(0, sp.first_pos - p.window + 1) : 0;  // first key any query sees
+  sp.lo = first_seen(sp.first_pos, p.window);  // the first key any query sees
   sp.page_bytes = static_cast<size_t>(p.s * p.w) * elem;
   sp.k_pool = p.pages + static_cast<size_t>((p.layer * 2 + 0) * p.nk + b.k) * p.np * sp.page_bytes;
   sp.v_pool = p.pages + static_cast<size_t>((p.layer * 2 + 1) * p.nk + b.k) * p.np * sp.page_bytes;
@@ -442,7 +451,7 @@ void attend_block_tiled(const Problem& p, const Block& b) {
   for (int64_t r = 0; r < rv; ++r) {
     const bool live = r < rows;
     pos[r] = live ? static_cast<int32_t>(sp.first_pos + r / G) : -1;  // padding rows see no key
-    from[r] = live && p.window > 0 ? pos[r] - p.window + 1 : 0;
+    from[r] = live ? static_cast<int32_t>(first_seen(pos[r], p.window)) : 0;
     mx[r] = kMasked;
     den[r] = 0.0f;
     for (int64_t c = 0; c < d; ++c)
@@ -652,7 +661,7 @@ void attend_block(const Problem& p, const Block& b, const Block* next) {
     const float* values = Page::rows(v_pool + page * page_bytes, s0, s1, p.w, v_scratch, vscale);
     for (int64_t jq = 0; jq < nq; ++jq) {
       const int64_t pos = first_pos + jq;
-      const int64_t from = p.window > 0 ? pos - p.window + 1 : 0;
+      const int64_t from = first_seen(pos, p.window);
       const int64_t t0 = std::max(s0, from - base), t1 = std::min(s1, pos + 1 - base);
       if (t0 >= t1) continue;
       const float* q = p.q + ((row0 + jq) * h + b.k * g) * d;

@@ -24,16 +24,25 @@ def page_range(pos, rows, kv_len, split, page_size, pages_per_split, pages_per_t
 
     The block's queries see keys below key_end (its last query's position + 1, at most kv_len; 0 for
     a padding block); its split covers table entries [first_page, end_page), walked in num_tiles tiles.
-    With a sliding `window` (> 0), pages wholly before the window of the block's first query are
-    skipped: never read (a sliding layer's table holds the null page there).
+    With a sliding `window` (> 0) or chunks (< 0), pages wholly before the first key the block's first query
+    sees (first_seen) are skipped: never read (a sliding layer's table holds the null page there).
     """
     key_end = jnp.where(rows > 0, jnp.minimum(kv_len, pos + rows), 0)
     split_start = split * pages_per_split
-    seen_from = jnp.where(window > 0, lax.div(jnp.maximum(pos - window + 1, 0), page_size), 0)
+    seen_from = lax.div(first_seen(pos, window), page_size)
     first_page = jnp.maximum(split_start, seen_from)
     end_page = jnp.minimum(split_start + pages_per_split, cdiv(key_end, page_size))
     num_tiles = cdiv(jnp.maximum(end_page - first_page, 0), pages_per_tile)
     return key_end, first_page, end_page, num_tiles
+
+
+def first_seen(pos, window):
+    """The first key a query at `pos` sees: after pos - window with a sliding window (window > 0), the first of
+    its chunk with chunks of -window keys (window < 0: Llama 4's chunked attention), else 0. Never decreases
+    with pos (a block's first query sees from the earliest)."""
+    chunk = jnp.maximum(-window, 1)
+    return jnp.where(window > 0, jnp.maximum(pos - window + 1, 0),
+                     jnp.where(window < 0, pos - lax.rem(jnp.maximum(pos, 0), chunk), 0))
 
 
 def init(rows: int, head_dim: int):
@@ -45,7 +54,7 @@ def tile_update(carry, q, k, v, first_key, row_pos, key_end, scale, window=0, so
     """One tile: q [R, D]; k, v [BK, D] for keys at first_key...; row_pos int32 [R, 1]; key_end scalar.
 
     A key is seen by a row when its position is at most the row's and below key_end (and, with a
-    sliding `window` > 0, after row - window). `softcap` (static, 0 = off): scores become
+    sliding `window` > 0 or chunks, window < 0, from first_seen of the row on). `softcap` (static, 0 = off): scores become
     softcap * tanh(scores / softcap). Keys at or past
     key_end may be pages the sequence never wrote (zeros, or NaN in uninitialised memory): their
     scores are replaced, not multiplied by zero, and their values are zeroed before the product.
@@ -59,7 +68,7 @@ def tile_update(carry, q, k, v, first_key, row_pos, key_end, scale, window=0, so
     bk = k.shape[0]
     key_pos = first_key + lax.broadcasted_iota(jnp.int32, (1, bk), 1)
     seen = (key_pos < key_end) & (key_pos <= row_pos)  # [R, BK]
-    seen &= key_pos > jnp.where(window > 0, row_pos - window, -1)
+    seen &= key_pos >= first_seen(row_pos, window)
     s = jnp.where(seen, s, MASKED)
     m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
     alpha = jnp.exp(m - m_new)

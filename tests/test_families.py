@@ -27,12 +27,12 @@ from jaxcb.model.paged_attention import allocate_kv_pages
 from tests.server_util import compile_mode
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "golden", "tiny_hf")
-FAMILIES = ("qwen3", "gpt-oss", "llama4", "llama-bias", "mixtral", "qwen2moe", "qwen3moe", "granitemoe", "olmoe", "olmo2", "smollm3", "granite", "phi3", "phi3-longrope", "gemma", "gemma2", "gemma3", "llama3-rope", "qwen3-yarn", "llama-yarn", "gemma3-linear", "gemma3-mm", "mistral3-mm", "llava", "qwen2.5-vl", "qwen3-vl")
+FAMILIES = ("qwen3", "gpt-oss", "llama4", "llama4-chunked", "llama-bias", "mixtral", "qwen2moe", "qwen3moe", "granitemoe", "olmoe", "olmo2", "smollm3", "granite", "phi3", "phi3-longrope", "gemma", "gemma2", "gemma3", "llama3-rope", "qwen3-yarn", "llama-yarn", "gemma3-linear", "gemma3-mm", "mistral3-mm", "llava", "qwen2.5-vl", "qwen3-vl")
 # checkpoints of a family with RoPE scaling, or with a vision tower beside it (served on text), or a
 # Llama with layers without RoPE, Granite's scalars or Phi-3's fused projections
 FAMILY_OF = {"llama-bias": "llama", "mistral3-mm": "llama", "llava": "llama", "qwen2.5-vl": "llama", "qwen3-vl": "qwen3", "llama3-rope": "llama", "qwen3-yarn": "qwen3", "llama-yarn": "llama", "gemma3-linear": "gemma3", "gemma3-mm": "gemma3", "smollm3": "llama",
              "granite": "llama", "phi3": "llama", "phi3-longrope": "llama", "mixtral": "llama", "qwen3moe": "qwen3",
-             "granitemoe": "llama", "qwen2moe": "llama"}
+             "granitemoe": "llama", "qwen2moe": "llama", "llama4-chunked": "llama4"}
 
 
 def golden(family, name="golden"):
@@ -92,7 +92,8 @@ def test_prefill_logits_match_transformers(family):
     config, params, _, _ = load_model(os.path.join(GOLDEN, family), jnp.float32)
     assert config.family == FAMILY_OF.get(family, family)
     assert config.qk_norm == (config.family in ("qwen3", "gemma3", "olmo2", "olmoe"))
-    assert config.windowed == (family.startswith("gemma") and family != "gemma" or family == "gpt-oss")
+    assert config.windowed == (family.startswith("gemma") and family != "gemma" or family in ("gpt-oss", "llama4",
+                                                                                              "llama4-chunked"))
     for record in golden(family):
         ours = prefill_logits(config, params, record["prompt_ids"])
         ref = np.asarray(record["prefill_logits"], np.float32)
@@ -265,18 +266,21 @@ def test_a_llama4_gguf_gives_transformers_logits(tmp_path):
     """Llama 4 as llama.cpp's converter writes it ("llama4": q and k in the checkpoint's complex-pair order, the
     router, experts and ungated shared expert in ffn_*, Llama 3's factors in rope_freqs): the Hugging Face
     loader's weights exactly and transformers' logits. llama.cpp's constants for what the file does not say (NoPE
-    every fourth layer, temperature floor 8,192, chunks of 8,192) stand where the tiny checkpoint's differ (every
-    other layer, floor 4): set back for the logits; the served context is capped at one chunk."""
+    every fourth layer, temperature floor 8,192, chunks of 8,192 in the other layers) stand where the tiny
+    checkpoint's differ (every other layer, floor 4, chunks of 256): set back for the logits."""
     config, weights, got = as_gguf(tmp_path, "llama4", "llama4", rope_freqs=config_factors("llama4"))
     fields = ("num_experts", "experts_per_token", "intermediate_size", "family", "moe_input_scale", "qk_rms_rope",
               "shared_expert_size", "shared_expert_gated", "tie_embeddings", "nope_temperature_scale")
     assert_same_fields(got.config, config, fields)
     assert got.config.rope_freq_factors == pytest.approx(config.rope_freq_factors)  # (float32 in the file)
     assert (got.config.nope_layers, got.config.nope_temperature) == ((False, False, False, True), 8192)
+    assert (got.config.sliding_layers, got.config.sliding_window, got.config.attention_chunked) == (
+        (True, True, True, False), 8192, True)
     assert sorted(got.weights) == sorted(weights)
     for key, w in weights.items():
         np.testing.assert_array_equal(got.weights[key], w, err_msg=key)
-    assert_references_logits(dataclasses.replace(got.config, nope_layers=config.nope_layers, nope_temperature=4),
+    assert_references_logits(dataclasses.replace(got.config, nope_layers=config.nope_layers, nope_temperature=4,
+                                                 sliding_layers=config.sliding_layers, sliding_window=256),
                              got.weights, "llama4")
 
 
@@ -305,20 +309,32 @@ def test_llama4_as_released_with_its_vision_tower_loads_on_text(tmp_path):
     assert "llama4" in PRE_TOKENIZERS
 
 
-def test_llama4_serves_up_to_its_attention_chunk_and_refuses_dense_layers(tmp_path):
-    """Llama 4's RoPE layers attend within chunks of attention_chunk_size: exactly full attention up to one
-    chunk, where the served context is capped; Maverick's dense layers between the experts' are refused by
-    name, not run as experts."""
+def test_llama4s_chunked_attention_is_read_and_matters_and_dense_layers_are_refused(tmp_path):
+    """Llama 4's RoPE layers attend within chunks of attention_chunk_size (a query at t sees keys from
+    t - t % chunk on), its NoPE layers to every key, the context served past a chunk: on the checkpoint with
+    chunks of 16 (whose prompts and decode cross several, test_engine_greedy_matches_transformers_up_to_a_near_tie)
+    a sliding window of 16 in its place, or full attention, gives other logits than the reference's; no
+    chunk size (null) is full attention. Maverick's dense layers between the experts' are refused by name, not
+    run as experts."""
     import shutil
 
     from jaxcb.host.errors import InvalidConfig
     from jaxcb.model.hf_loader import read_config
 
+    config, params, _, _ = load_model(os.path.join(GOLDEN, "llama4-chunked"), jnp.float32)
+    assert (config.sliding_layers, config.sliding_window, config.attention_chunked, config.max_context) == (
+        (True, False) * 2, 16, True, 256)
+    assert config.attention_window == -16
+    record = golden("llama4-chunked")[2]
+    ref = np.asarray(record["prefill_logits"], np.float32)
+    for other in ({"attention_chunked": False}, {"sliding_layers": (), "sliding_window": 0, "attention_chunked": False}):
+        got = prefill_logits(dataclasses.replace(config, **other), params, record["prompt_ids"])
+        assert np.abs(got - ref).max() > 1e-3 * np.abs(ref).max(), other
     folder = tmp_path / "llama4"
     shutil.copytree(os.path.join(GOLDEN, "llama4"), folder)
     raw = json.loads((folder / "config.json").read_text())
-    (folder / "config.json").write_text(json.dumps({**raw, "attention_chunk_size": 64}))
-    assert read_config(str(folder)).max_context == 64
+    (folder / "config.json").write_text(json.dumps({**raw, "attention_chunk_size": None}))
+    assert not read_config(str(folder)).windowed
     (folder / "config.json").write_text(json.dumps({**raw, "interleave_moe_layer_step": 2, "moe_layers": [1, 3]}))
     with pytest.raises(InvalidConfig, match="interleave_moe_layer_step"):
         read_config(str(folder))

@@ -169,11 +169,13 @@ def test_engine_layout_reads_only_its_layer(backend):
     assert_close(decode[:2, 0], np.stack([r[0] for r in ref[:2]]), jnp.float32)
 
 
+@pytest.mark.parametrize("chunked", [False, True], ids=["sliding", "chunked"])
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_engine_ragged_kernel_with_a_sliding_window_and_softcap(backend):
+def test_engine_ragged_kernel_with_a_sliding_window_and_softcap(backend, chunked):
     """The engine's packed step of a sliding layer (Gemma): keys before each query's window masked,
     soft-capped scores, a custom scale; its pages before the window are the null page, filled with NaN
-    here, which must never be read. Against the plain-JAX path the CPU runs."""
+    here, which must never be read. Chunked: the layer attends within chunks of the window's length instead
+    (Llama 4; its pages kept as the window's). Against the plain-JAX path the CPU runs."""
     from jaxcb.host.batch import SeqSpec, StepShape, pack
     from jaxcb.model.paged_attention import ragged_attention
     from kernels_pallas import engine_ragged_attention
@@ -196,6 +198,7 @@ def test_engine_ragged_kernel_with_a_sliding_window_and_softcap(backend):
     specs.sort(key=lambda sp: len(sp.token_ids) > 1)  # decode first
     step = pack(specs, StepShape(64, 8, 8, 256), s, window)
     batch = step.window.apply(step)
+    window = -window if chunked else window  # (the kernels' window: < 0 for chunks)
     q = jnp.asarray(rng.standard_normal((64, h, d)), jnp.float32)
     kv = jnp.asarray(cache)
     ref = ragged_attention(q, kv, jnp.int32(0), jax.tree.map(jnp.asarray, batch), scale=0.2, window=window,

@@ -8,23 +8,25 @@ import jaxcb.model.llama  # noqa: F401 - registers the packed step's types (Step
 from jaxcb.model.paged_attention import paged_attention_reference, write_kv
 
 
-def dense_attention(q, k, v, q_positions, kv_len, sinks=None):
+def dense_attention(q, k, v, q_positions, kv_len, sinks=None, window=0):
     """q [T, H, D]; k, v [kv_len, K, D] -> [T, H, D], causal by position; `sinks` [H]: each head's sink logit
-    as one more softmax term (with no value)."""
+    as one more softmax term (with no value); `window` > 0: a query at t sees the keys from t - window + 1 on,
+    < 0: those of its chunk of -window positions (from the last multiple of -window at or before t)."""
     t, h, d = q.shape
     g = h // k.shape[1]
     out = np.zeros_like(q)
     for i in range(t):
         n = min(q_positions[i] + 1, kv_len)
-        if n <= 0:
+        lo = max(0, q_positions[i] - window + 1) if window > 0 else (q_positions[i] // -window) * -window if window else 0
+        if n <= lo:
             continue
         for head in range(h):
-            kh = k[:n, head // g]
+            kh = k[lo:n, head // g]
             s = kh @ q[i, head] / np.sqrt(d)
             top = s.max() if sinks is None else max(s.max(), sinks[head])
             p = np.exp(s - top)
             p /= p.sum() + (0.0 if sinks is None else np.exp(sinks[head] - top))
-            out[i, head] = p @ v[:n, head // g]
+            out[i, head] = p @ v[lo:n, head // g]
     return out
 
 
@@ -104,7 +106,8 @@ def test_ragged_attention_matches_dense_on_a_mixed_step(page_size, heads, kv_hea
     (a whole prompt, one starting mid-page, one starting on a page boundary), padding tokens, pages in
     random order, NaN in every slot nobody wrote; against dense causal attention. `native`: decode
     rows through the C++ kernel (kernels_cpu), which must build on every CPU machine the tests run on.
-    `sinks`: each head's sink logit in its softmax's denominator (gpt-oss)."""
+    `sinks`: each head's sink logit in its softmax's denominator (gpt-oss). Each with no window, a sliding
+    window and chunks (Llama 4), both cutting through pages and the prefill chunks."""
     import functools
 
     import jax
@@ -121,7 +124,7 @@ def test_ragged_attention_matches_dense_on_a_mixed_step(page_size, heads, kv_hea
     num_pages = 1 + sum(-(-(c + n) // s) for c, n in seqs) + 4
     kv = np.full((layers, 2, kv_heads, num_pages, s, d), np.nan, np.float32)
     perm = iter(rng.permutation(np.arange(1, num_pages)))
-    specs, qs, want = [], [], []
+    specs, qs, seq_kv = [], [], []
     for ctx, n in seqs:
         total = ctx + n
         pages = [int(next(perm)) for _ in range(-(-total // s))]
@@ -133,7 +136,7 @@ def test_ragged_attention_matches_dense_on_a_mixed_step(page_size, heads, kv_hea
         q = rng.standard_normal((n, heads, d)).astype(np.float32)
         specs.append(SeqSpec([0] * n, ctx, pages))
         qs.append(q)
-        want.append(dense_attention(q, k, v, np.arange(ctx, total), total, head_sinks))
+        seq_kv.append((k, v, np.arange(ctx, total), total))
     live = sum(n for _, n in seqs)
     batch = pack(specs, StepShape(tokens=live + 5, seqs=len(seqs) + 2, pages_per_seq=n_max, history=n_max * s), s)
     q = np.zeros((live + 5, heads, d), np.float32)
@@ -144,11 +147,14 @@ def test_ragged_attention_matches_dense_on_a_mixed_step(page_size, heads, kv_hea
 
         assert kernels_cpu.available(), kernels_cpu.unavailable_reason()
     attention = jax.jit(functools.partial(ragged_attention, native=native))
-    got = np.asarray(attention(jnp.asarray(q), jnp.asarray(kv), jnp.int32(layer), batch,
-                               sinks=None if head_sinks is None else jnp.asarray(head_sinks)))
-    assert np.isfinite(got).all(), "NaN from unwritten slots reached the output"
-    np.testing.assert_allclose(got[:live], np.concatenate(want), rtol=1e-5, atol=1e-5)
-    np.testing.assert_array_equal(got[live:], 0)
+    for window in (0, s + 3, -(s + 1)):
+        want = [dense_attention(sq, k, v, positions, total, head_sinks, window)
+                for sq, (k, v, positions, total) in zip(qs, seq_kv)]
+        got = np.asarray(attention(jnp.asarray(q), jnp.asarray(kv), jnp.int32(layer), batch, window=window,
+                                   sinks=None if head_sinks is None else jnp.asarray(head_sinks)))
+        assert np.isfinite(got).all(), "NaN from unwritten slots reached the output"
+        np.testing.assert_allclose(got[:live], np.concatenate(want), rtol=1e-5, atol=1e-5, err_msg=f"window {window}")
+        np.testing.assert_array_equal(got[live:], 0)
 
 
 @pytest.mark.parametrize("native", [False, True], ids=["xla", "native"])
@@ -221,8 +227,9 @@ def plain_and_native(q, kv, layer, batch, **options):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8"])
 def test_native_attention_matches_the_plain_jax_path_with_window_and_softcap(dtype):
     """The native kernel against the plain-JAX loops it replaces, on what the unit tests above do not
-    cover: a sliding window (keys before t - window skipped) for decode rows and for prefill chunks
-    longer than a query block and crossing the window's edge, score soft-capping, a custom score scale,
+    cover: a sliding window (keys before t - window skipped) and chunks (Llama 4's: keys before t's chunk
+    skipped) for decode rows and for prefill chunks longer than a query block and crossing the window's
+    edge, score soft-capping, a custom score scale,
     bfloat16 and int8 pages, 16 query heads per KV head, page size 256 with lengths 1, 255, 256, 257
     and one near the maximum, and padding rows; and each head's sink logit in its softmax (gpt-oss)."""
     import jax
@@ -254,7 +261,8 @@ def test_native_attention_matches_the_plain_jax_path_with_window_and_softcap(dty
     q = jnp.asarray(rng.standard_normal((live + 3, heads, d)), jnp.float32)
     sinks = jnp.asarray(rng.standard_normal(heads) * 2, jnp.float32)
     for window, softcap, scale, sink in [(0, 0.0, None, None), (300, 0.0, 0.1, None), (37, 5.0, None, None),
-                                         (37, 0.0, None, sinks), (0, 0.0, 0.1, sinks)]:
+                                         (37, 0.0, None, sinks), (0, 0.0, 0.1, sinks), (-300, 0.0, None, None),
+                                         (-37, 5.0, 0.1, sinks)]:
         want, got = plain_and_native(q, kv, layer, batch, window=window, softcap=softcap, scale=scale, sinks=sink)
         np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5, err_msg=f"window {window} softcap {softcap}")
         np.testing.assert_array_equal(got[live:], 0)
@@ -287,7 +295,7 @@ def test_native_attention_splits_few_long_decode_rows_and_merges_them_exactly(dt
         batch = jax.tree_util.tree_map(jnp.asarray, batch)
         q = jnp.asarray(rng.standard_normal((4, heads, d)), jnp.float32)
         sinks = jnp.asarray(rng.standard_normal(heads) * 2, jnp.float32)
-        for window, softcap, sink in [(0, 0.0, None), (100, 20.0, None), (100, 0.0, sinks)]:
+        for window, softcap, sink in [(0, 0.0, None), (100, 20.0, None), (100, 0.0, sinks), (-100, 0.0, None)]:
             want, got = plain_and_native(q, kv, 1, batch, window=window, softcap=softcap, sinks=sink)
             np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5, err_msg=f"lens {lens} window {window}")
             np.testing.assert_array_equal(got[len(lens):], 0)
@@ -325,7 +333,8 @@ def test_native_prefill_blocks_as_small_matrix_products_match_the_plain_jax_path
     batch = jax.tree_util.tree_map(jnp.asarray, batch)
     q = jnp.asarray(rng.standard_normal((live + 5, heads, d)), jnp.float32)
     sinks = jnp.asarray(rng.standard_normal(heads) * 2, jnp.float32)
-    for window, softcap, sink in [(0, 0.0, None), (37, 0.0, None), (50, 5.0, None), (37, 0.0, sinks)]:
+    for window, softcap, sink in [(0, 0.0, None), (37, 0.0, None), (50, 5.0, None), (37, 0.0, sinks), (-37, 0.0, None),
+                                  (-50, 5.0, sinks)]:
         want, got = plain_and_native(q, kv, 1, batch, window=window, softcap=softcap, sinks=sink)
         np.testing.assert_allclose(got, want, rtol=3e-5, atol=3e-5, err_msg=f"window {window} softcap {softcap}")
         np.testing.assert_array_equal(got[live:], 0)

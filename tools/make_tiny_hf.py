@@ -91,6 +91,12 @@ def configs():
                                        "rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
                                        "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                        "original_max_position_embeddings": 32}),
+        # Llama 4 whose RoPE layers attend within chunks of 16 positions: the prompts and their decode cross several
+        "llama4-chunked": Llama4TextConfig(**{**COMMON, "intermediate_size": 32}, intermediate_size_mlp=128,
+                                           num_local_experts=4, num_experts_per_tok=1, no_rope_layer_interval=2,
+                                           floor_scale=4, attn_scale=0.1, attention_chunk_size=16,
+                                           tie_word_embeddings=False, pad_token_id=None, bos_token_id=1,
+                                           eos_token_id=2, rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
         # Llama with attention_bias (as transformers builds it: q, k, v and the output projection biased)
         "llama-bias": LlamaConfig(**COMMON, tie_word_embeddings=False, attention_bias=True),
         "smollm3": SmolLM3Config(**COMMON, tie_word_embeddings=True, no_rope_layer_interval=2, pad_token_id=None,
@@ -217,7 +223,7 @@ def main():
                     p.add_(torch.randn_like(p) * 0.3)
                 elif p.dim() == 2:
                     p.mul_(4.0 if "embed" in name else 2.0)
-                if family == "llama4" and "experts" in name:  # (small at the start: made to matter)
+                if family.startswith("llama4") and "experts" in name:  # (small at the start: made to matter)
                     p.mul_(8.0)
                 if family == "llama-bias" and "bias" in name:  # (zero at the start)
                     p.copy_(torch.randn_like(p) * 0.5)

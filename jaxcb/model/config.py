@@ -45,6 +45,9 @@ class ModelConfig:
     embed_scale: bool = False  # embeddings times sqrt(hidden), in the model dtype (Gemma)
     query_scale: float = 0.0  # attention scores' scale; 0: 1/sqrt(head_dim) (Gemma: query_pre_attn_scalar^-0.5)
     sliding_window: int = 0  # keys a sliding layer's query sees, itself included (0: no sliding layers)
+    # The sliding layers attend within chunks of sliding_window positions instead (Llama 4's chunked attention:
+    # a query at t sees the keys from t - t % sliding_window on); their pages are kept as a window's.
+    attention_chunked: bool = False
     sliding_layers: tuple[bool, ...] = ()  # per layer: True = sliding window, False = full attention
     local_rope_theta: float = 0.0  # sliding layers' RoPE base (Gemma 3: 10,000); 0: rope_theta
     attn_sinks: bool = False  # a learned logit per query head in each softmax's denominator (gpt-oss's sinks)
@@ -123,6 +126,11 @@ class ModelConfig:
     def rope_dim(self) -> int:
         """The dimensions of each head RoPE rotates (the first ones)."""
         return self.rotary_dim or self.head_dim
+
+    @property
+    def attention_window(self) -> int:
+        """The sliding layers' `window` as the attention kernels take it: > 0 a sliding window, < 0 chunks."""
+        return -self.sliding_window if self.attention_chunked else self.sliding_window
 
     @property
     def windowed(self) -> bool:

@@ -195,17 +195,19 @@ def read_config(reader) -> ModelConfig:
                       swiglu_limit=7.0, sliding_window=window, sliding_layers=sliding, rope_scaled_sliding=True,
                       local_rope_theta=local if local != theta else 0.0)
     elif arch == "llama4":  # llama.cpp's constants for it: NoPE every fourth layer with temperature tuning,
-        # chunks of 8,192 (served up to one: exactly full attention there), q/k norms but for the 128-expert one
+        # the other layers attending within chunks of 8,192, q/k norms but for the 128-expert one
         if int(_field(reader, f"{arch}.interleave_moe_layer_step", 1) or 1) != 1:
             raise InvalidConfig(f"{arch}.interleave_moe_layer_step: dense layers among the experts (Maverick's) are "
                                 "not supported: every layer a mixture of experts")
-        chunked = int(_field(reader, f"{arch}.attention.sliding_window", 8192) or 0) != 0
-        step = 4 if chunked else layers
+        chunk = int(_field(reader, f"{arch}.attention.sliding_window", 8192) or 0)
+        step = 4 if chunk else layers
+        nope = tuple((i + 1) % step == 0 for i in range(layers))
         family.update(family=arch, moe_input_scale=True, shared_expert_gated=False,
-                      nope_layers=tuple((i + 1) % step == 0 for i in range(layers)), qk_rms_rope=experts != 128,
-                      nope_temperature=8192 if chunked else 0, nope_temperature_scale=0.1)
-        if chunked:
-            context = min(context, 8192)
+                      nope_layers=nope, qk_rms_rope=experts != 128,
+                      nope_temperature=8192 if chunk else 0, nope_temperature_scale=0.1)
+        if chunk:
+            family.update(sliding_window=chunk, sliding_layers=tuple(not n for n in nope), attention_chunked=True,
+                          rope_scaled_sliding=True)  # (one RoPE, scaled, for every layer that has one)
     elif arch == "gemma":  # Gemma 1 (and CodeGemma): Gemma's (1 + w) norms, GeGLU and scaled embeddings, nothing more
         family.update(family=arch, norm_plus_one=True, activation="gelu_tanh", embed_scale=True)
     elif arch in ("gemma2", "gemma3"):

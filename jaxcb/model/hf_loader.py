@@ -221,8 +221,9 @@ def read_config(path: str) -> ModelConfig:
             if len(uses) != layers:
                 raise InvalidConfig(f"config.json: no_rope_layers has {len(uses)} entries for {layers} layers")
             chunk = raw.get("attention_chunk_size", 8192)  # (transformers' default; null: none)
-            if chunk:  # the RoPE layers attend within chunks: exactly full attention up to one chunk, as far as served
-                max_context = min(max_context, int(chunk))
+            if chunk:  # the RoPE layers attend within chunks (their pages a group of their own), the NoPE layers to all
+                extra.update(sliding_window=int(chunk), sliding_layers=tuple(bool(u) for u in uses),
+                             attention_chunked=True, rope_scaled_sliding=True)  # (one RoPE, scaled, for all)
             extra.update(nope_layers=tuple(not u for u in uses), qk_rms_rope=bool(raw.get("use_qk_norm", True)),
                          nope_temperature=int(raw.get("floor_scale", 8192)) if raw.get("attn_temperature_tuning", True)
                          else 0, nope_temperature_scale=float(raw.get("attn_scale", 0.1)), moe_input_scale=True,

@@ -426,7 +426,7 @@ def _attend(attention: Attention, config: ModelConfig, q, k, v, kv_pages, slidin
     a_full, full = _attend_group(attention, config, q, k, v, full, jnp.where(sliding, 0, group_index), full_batch, 0,
                                  sinks)
     a_swa, swa = _attend_group(attention, config, q, k, v, swa, jnp.where(sliding, group_index, 0), swa_batch,
-                               config.sliding_window, sinks)
+                               config.attention_window, sinks)
     return a_full + a_swa, (full, swa)
 
 

@@ -21,6 +21,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from kernels_pallas.flash import first_seen  # (the mask's one definition, the kernels' too)
+
 NULL_PAGE = 0
 _MASKED = -1e30  # finite, so an all-masked padding row gives zeros instead of NaN
 
@@ -166,7 +168,8 @@ def ragged_attention(q, kv_pages, layer, batch, scale=None, window=0, softcap=0.
 
     q [T, H, D]; kv_pages [L, 2, K, P, S, D]; layer a scalar; batch a jaxcb.host.batch.StepInput. Returns
     [T, H, D] (padding tokens: zeros). `scale`: of the scores (default 1/sqrt(D)); `window` (may be
-    traced; 0 = none): a query at position t sees only keys after t - window; `softcap` (static; 0 =
+    traced; 0 = none): a query at position t sees only keys after t - window, or with window < 0 only
+    those of its own chunk of -window keys (Llama 4's chunked attention: from t - t % -window); `softcap` (static; 0 =
     off): scores become softcap * tanh(scores / softcap); `sinks` [H] (None: none): each head's sink logit,
     in the scaled scores' units, joins the softmax's denominator (gpt-oss; no value of its own).
 
@@ -195,7 +198,6 @@ def ragged_attention(q, kv_pages, layer, batch, scale=None, window=0, softcap=0.
                                             batch.cu_q_lens, batch.num_seqs, window, softcap, sinks).astype(q.dtype)
     cap = (lambda x: softcap * jnp.tanh(x / softcap)) if softcap else (lambda x: x)  # noqa: E731
     window = jnp.asarray(window, jnp.int32)
-    reach = jnp.where(window > 0, window, jnp.iinfo(jnp.int32).max // 2)  # keys at t - reach and before: out
     pool = kv_pages.reshape(nl * two * nk * p, s, width)
     heads = jnp.arange(nk, dtype=jnp.int32)[:, None] * p
     k_base, v_base = (2 * layer) * nk * p, (2 * layer + 1) * nk * p
@@ -223,7 +225,7 @@ def ragged_attention(q, kv_pages, layer, batch, scale=None, window=0, softcap=0.
         own = jnp.where(off + jnp.arange(wb) < n_decode, own, m)  # prefill items and padding: dropped
         pos = jax.lax.dynamic_slice(first, (off,), (wb,))[:, None] + jnp.arange(s)[None, :]  # [B, S]
         kv_len = kv_lens[own][:, None]
-        valid = ((pos < kv_len) & (pos > kv_len - 1 - reach))[:, None, None, :]  # [B, 1, 1, S]
+        valid = ((pos < kv_len) & (pos >= first_seen(kv_len - 1, window)))[:, None, None, :]  # [B, 1, 1, S]
         scores = cap(jnp.einsum("bksd,bkgd->bkgs", gather_pages(k_base, ids), q_last[own]))
         scores = jnp.where(valid, scores, _MASKED)
         new_mx = jnp.maximum(mx, jax.ops.segment_max(scores.max(-1), own, num_segments=m + 1))
@@ -250,7 +252,7 @@ def ragged_attention(q, kv_pages, layer, batch, scale=None, window=0, softcap=0.
         pos = jax.lax.dynamic_slice(first, (off,), (pb,))[:, None] + jnp.arange(s)[None, :]  # [B, S]
         own_c, pos_c = jnp.repeat(own, s), pos.reshape(-1)  # [C]
         valid = (own_c[None, :] == batch.seq_ids[:, None]) & (pos_c[None, :] <= batch.positions[:, None])
-        valid &= pos_c[None, :] > batch.positions[:, None] - reach
+        valid &= pos_c[None, :] >= first_seen(batch.positions, window)[:, None]
         valid = valid[:, None, None, :]  # [T, 1, 1, C]
         keys = gather(k_base, ids).reshape(nk, pb * s, d)
         scores = jnp.where(valid, cap(jnp.einsum("tkgd,kcd->tkgc", qg, keys)), _MASKED)
