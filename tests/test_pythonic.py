@@ -38,6 +38,9 @@ ANSWERS = [  # text, content, calls [(name, arguments)]
     ('[get_weather(city="\\ud800")]', '[get_weather(city="\\ud800")]', []),
     ("[get_weather(city=0x" + "f" * 4000 + ")]", "[get_weather(city=0x" + "f" * 4000 + ")]", []),
     ('[get_weather(city="\\ud83d\\ude00")]', "", [("get_weather", {"city": "\U0001F600"})]),
+    # names as written, not as Python reads them (NFKC): a fullwidth letter names no tool, and no parameter
+    ("[\uff47et_time()]", "[\uff47et_time()]", []),
+    ('[get_weather(\uff43ity="x", city="y")]', "", [("get_weather", {"\uff43ity": "x", "city": "y"})]),
 ]
 
 

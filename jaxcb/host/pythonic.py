@@ -51,16 +51,23 @@ def _value(node):
 
 
 def read_call(text: str, functions) -> tuple[str, dict] | None:
-    """(name, arguments) of one call `name(key=value, ...)` of a function in `functions`, or None."""
+    """(name, arguments) of one call `name(key=value, ...)` of a function in `functions`, or None. Names as
+    written: Python reads identifiers NFKC-normalised (a fullwidth `ｇet_time` is get_time), which would call a
+    function, or fill an argument, that the model did not name."""
     try:
-        node = ast.parse(text.strip(), mode="eval").body
+        src = text.strip()
+        node = ast.parse(src, mode="eval").body
         if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and not node.args
-                and node.func.id in functions and all(k.arg is not None for k in node.keywords)):
+                and all(k.arg is not None for k in node.keywords)):
+            return None
+        name = ast.get_source_segment(src, node.func)
+        if name not in functions:
             return None
         args = {}
         for k in node.keywords:
-            args.setdefault(k.arg, _value(k.value))  # (a name given twice: its first)
-        return node.func.id, args
+            key = ast.get_source_segment(src, k).split("=", 1)[0].strip()
+            args.setdefault(key, _value(k.value))  # (a name given twice: its first)
+        return name, args
     except (SyntaxError, ValueError, RecursionError, MemoryError):
         return None
 
