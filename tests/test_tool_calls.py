@@ -407,6 +407,9 @@ def test_qwen3_coder_strings_hold_their_length_pattern_and_format(make_llm):
         [t for t in texts if 2 <= len(t) <= 4]  # characters, not bytes or tokens (ü€漢字 is 4)
     both = {"minLength": 3, "pattern": "^[a-z]+$", "maxLength": 5}
     assert [t for t in texts if accepts(both, t)] == ["abcd"]
+    nullable = {"type": ["string", "null"], "pattern": "^[0-9]+$"}  # null as its element writes it, or the pattern's
+    assert accepts(nullable, "null") and accepts(nullable, "42") and not accepts(nullable, "x")
+    assert not accepts({"type": "string", "pattern": "^[0-9]+$"}, "null")
     field = r"^tools\[0\]\.function\.parameters\.properties\.s\."
     for prop, error in (({"pattern": "(?=a)b"}, "pattern: '\\(\\?=a\\)b' cannot be held: look-around"),
                         ({"pattern": "a^b"}, "pattern: 'a\\^b': an anchor"),

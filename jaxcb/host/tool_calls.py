@@ -455,6 +455,7 @@ def _xml_grammar(tools: Tools, names: list[str], more: bool, tokenizer=None) -> 
                         + f") {end}")
             elif kind in (None, "string"):
                 text = raw_strings.lexeme(prop, f"{where}.properties.{key}")
+                text = f'({text} | "null")' if nullable else text  # (read back as null: tool_parse)
                 rules.append(f"t_{k}_{j}[lazy]: {text} {end}")
                 body = f"t_{k}_{j}"
             elif kind == "integer":
