@@ -90,7 +90,8 @@ def compile_cache_dir():
 
 
 # Every compiled program XLA:CPU keeps holds about 27 memory maps of JIT code and data (measured: 300 small
-# programs kept, 8,613 maps; dropped, 538), and jit caches keep every program a test file made. Past Linux's
+# programs kept, 8,613 maps; dropped, 538), and jit caches keep every program a test file made (an engine's
+# steps now go with its runner, jaxcb.device.runner.step_functions; other jitted functions' stay). Past Linux's
 # vm.max_map_count (65,530 by default) the next mmap fails and XLA segfaults compiling or serializing: a test
 # worker got there after some 800 tests (stop 60's CI lost its run to it, pytest-xdist then hanging). So each
 # test file's programs are let go when it ends, and within a file once they hold a third of the limit
