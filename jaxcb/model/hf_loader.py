@@ -129,7 +129,7 @@ def _longrope(scaling: dict, raw: dict, rotary_dim: int, max_context: int) -> di
     except (TypeError, ValueError) as e:
         raise InvalidConfig(f"config.json: rope_scaling.long_factor is not a list of numbers ({e})") from None
     for name, factors in (("short_factor", short), ("long_factor", long)):
-        if factors and len(factors) != rotary_dim // 2 or name == "short_factor" and not factors:
+        if (factors or name == "short_factor") and len(factors) != rotary_dim // 2:  # (the long ones may be absent)
             raise InvalidConfig(f"config.json: rope_scaling.{name} has {len(factors)} factors for {rotary_dim} "
                                 f"rotated dimensions (one per frequency: {rotary_dim // 2})")
     attention = scaling.get("attention_factor")
