@@ -402,6 +402,13 @@ def test_qwen3_coder_strings_hold_their_length_pattern_and_format(make_llm):
                       ("uuid", ["123e4567-e89b-12d3-a456-426614174000"])):
         assert [t for t in texts if accepts({"type": "string", "format": fmt}, t)] == want, fmt
     assert accepts({"format": "hostname"}, "host.name") and not accepts({"format": "hostname"}, "-host")
+    for fmt, good, bad in (("ipv6", ["::", "::1", "2001:db8::8a2e:370:7334", "::ffff:192.168.1.1", "1:2:3:4:5:6:7::"],
+                            ["12345::", "1::2::3", "1:2:3:4:5:6:7", "1:2:3:4:5:6:7:8:9", "::1.2.3"]),
+                           ("duration", ["P1D", "P1Y2M3D", "P1Y1D", "PT36H", "P1DT2H3M4S", "P2W"],
+                            ["P", "PT", "P1DT", "P1W1D", "P1.5D", "PT1M1H"]),
+                           ("uri", ["http://example.com/a?b=c#d", "urn:isbn:0451450523", "http://[::1]:80/", "a:%2F"],
+                            ["example.com", "http://exa mple.com", "a:%zz"])):
+        assert [t for t in good + bad if accepts({"format": fmt}, t)] == good, fmt
     assert accepts({"format": "no-such-format"}, "anything at all")  # (a format not held: free text)
     assert [t for t in texts if accepts({"minLength": 2, "maxLength": 4}, t)] == \
         [t for t in texts if 2 <= len(t) <= 4]  # characters, not bytes or tokens (ü€漢字 is 4)

@@ -4,12 +4,13 @@ inside quotes, so here they become one token expression, the intersection (llgui
 
     the length:   /(?s:.{minLength,maxLength})/         characters, as JSON Schema counts them
     the pattern:  JSON Schema's search (the pattern anywhere in the text, unless anchored by ^ or $)
-    the format:   date, time, date-time, uuid, ipv4, hostname, email (RFC 3339 / 1123 / 5321 shapes)
+    the format:   date, time, date-time, duration, uuid, ipv4, ipv6, hostname, email, uri (RFC 3339 / 4291 /
+                  1123 / 5321 / 3986 shapes)
 
 A keyword that cannot be held is refused naming its field, before any work: a length that is no length, a
 minLength over the maxLength, a pattern llguidance cannot read (lookarounds, back-references) or with an anchor
-inside it. The formats duration, ipv6 and uri, and formats JSON Schema does not define, are not held (the text
-is free, as a grammar of a schema drops a format llguidance does not know)."""
+inside it. A format JSON Schema does not define is not held (the text is free, as a grammar of a schema drops a
+format llguidance does not know)."""
 
 from __future__ import annotations
 
@@ -25,14 +26,43 @@ _LABEL = r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
 _HOST = rf"{_LABEL}(\.{_LABEL})*"
 _OCTET = r"(25[0-5]|2[0-4][0-9]|1[0-9]{2}|[1-9]?[0-9])"
 _ATOM = r"[A-Za-z0-9!#$%&'*+/=?^_`{|}~-]+"
+_IPV4 = rf"({_OCTET}\.){{3}}{_OCTET}"
+
+
+def _ipv6() -> str:
+    """RFC 4291's text forms: eight groups of 1-4 hex digits, or six and an IPv4 address, each with at most one
+    run of groups written as "::" (every split of the groups around it an alternative: no lookarounds)."""
+    h = "[0-9a-fA-F]{1,4}"
+    forms = []
+    for groups, tail in ((8, ""), (6, _IPV4)):
+        forms.append(f"({h}:){{{groups - 1}}}{h}" if not tail else f"({h}:){{{groups}}}{tail}")
+        for left in range(groups):  # `left` groups before "::", up to groups - 1 - left after it
+            before = f"{h}(:{h}){{{left - 1}}}" if left else ""
+            room = groups - 1 - left
+            if tail:
+                after = f"({h}:){{0,{room}}}{tail}"
+            else:
+                after = f"({h}(:{h}){{0,{room - 1}}})?" if room else ""
+            forms.append(f"{before}::{after}")
+    return "|".join(f"({f})" for f in forms)
+
+
+_DUR_TIME = r"T([0-9]+H([0-9]+M)?([0-9]+S)?|[0-9]+M([0-9]+S)?|[0-9]+S)"
 FORMATS = {
     "date": _DATE,
     "time": _TIME,
     "date-time": rf"{_DATE}[tT]{_TIME}",
+    # ISO 8601's durations as RFC 3339's appendix A writes them (a unit may be left out between others, as ISO
+    # allows: P1Y1D): P, then years, months, days (at least one) and an optional time part (T, then hours,
+    # minutes, seconds: at least one), or a time part alone, or weeks alone
+    "duration": rf"P(([0-9]+Y([0-9]+M)?([0-9]+D)?|[0-9]+M([0-9]+D)?|[0-9]+D)({_DUR_TIME})?|{_DUR_TIME}|[0-9]+W)",
     "uuid": r"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}",
-    "ipv4": rf"({_OCTET}\.){{3}}{_OCTET}",
+    "ipv4": _IPV4,
+    "ipv6": _ipv6(),
     "hostname": _HOST,
     "email": rf"{_ATOM}(\.{_ATOM})*@{_HOST}",
+    # RFC 3986's absolute URI: a scheme, ":", then its characters (unreserved, sub-delims, :@/?#[] and %XX)
+    "uri": r"[A-Za-z][A-Za-z0-9+.-]*:([A-Za-z0-9._~!$&'()*+,;=:@/?#\[\]-]|%[0-9A-Fa-f]{2})*",
 }
 
 
