@@ -225,6 +225,7 @@ class CallStream:
         self.block_called = False  # the current block's call has been sent (its head at least)
         self.args_start = 0  # where the current call's arguments begin in its block
         self.function = ""  # the current call's function
+        self.element_end = None  # (xml) where the current call's <function> element ends in its block, once closed
         self.head_text = ""  # (object, list) the text before the calls: sent only if they are no calls
         self.at = 0  # (object, list) where the current object begins in the buffer
         self.ids: list[str] = []
@@ -280,9 +281,15 @@ class CallStream:
         """(qwen3_coder) Whether another <function=...> element begins after the current one, closed, in a
         block that holds a call: then the block goes on from it, each element a call of the tools (as vLLM's
         parser reads them); text between elements, and an element of no tool, are not read."""
-        head = _head(self.fmt).match(body) if self.block_called else None
-        done = None if head is None else _xml_read(body[head.end():], {}, False)[1]
-        after = -1 if done is None else body.find("<function=", head.end() + done)
+        if not self.block_called:
+            return False
+        if self.sent_args is not None:  # a call of the tools: _stream_args found its end
+            end = self.element_end
+        else:  # an element of no tool: read to its end
+            head = _head(self.fmt).match(body)
+            done = None if head is None else _xml_read(body[head.end():], {}, False)[1]
+            end = None if done is None else head.end() + done
+        after = -1 if end is None else body.find("<function=", end)
         if after < 0:
             return False
         self.buffer, self.sent_args = self.buffer[after:], None
@@ -352,7 +359,8 @@ class CallStream:
             self.sent_args, self.args_start, self.function = "", head.end(), _name(head.group(1))
         if self.fmt.xml:
             rest = body[self.args_start:]
-            args = _xml_args(rest, self.tools.functions[self.function], whole)
+            args, done = _xml_read(rest, self.tools.functions[self.function], whole)
+            self.element_end = None if done is None else self.args_start + done
         else:
             args = _json_prefix(body[self.args_start:])
         if whole:  # the arguments as written, unless they are not what the call holds (a key given twice)
