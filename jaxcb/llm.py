@@ -109,8 +109,13 @@ def draft_model_config(spec, target):
         return config
     if n > config.num_layers:
         raise InvalidConfig(f"speculative.draft_layers: {n} is more than the draft model's {config.num_layers} layers")
+    moe = config.moe_layers[:n] if config.mixed_mlp else ()
+    if moe and not any(moe):
+        raise InvalidConfig(f"speculative.draft_layers: the first {n} layers of {config.name} have dense MLPs only; a "
+                            "draft keeps at least one layer with experts")
     first = dataclasses.replace(config, num_layers=n, sliding_layers=config.sliding_layers[:n],
-                                nope_layers=config.nope_layers[:n])
+                                nope_layers=config.nope_layers[:n], moe_layers=() if all(moe) else moe,
+                                dense_size=config.dense_size if not all(moe) else 0)
     if config.windowed and not first.num_full_layers:
         raise InvalidConfig(f"speculative.draft_layers: the first {n} layers of {config.name} are all sliding-window "
                             "layers; a draft keeps at least one full-attention layer")
@@ -145,12 +150,25 @@ def load_draft(spec, target_config, target_params, dtype=None):
                             "quantized; leave it 'auto' or name a speculative.draft_model")
     else:  # the target's float weights, cut and stored in the draft's format
         layer_names = LayerParams.__dataclass_fields__
-        weights = {name: np.asarray(a[:n] if name in layer_names else a)
-                   for name, a in params_to_weights(target_params).items()}
+        weights = {name: np.asarray(_first_layers(name, a, config) if name in layer_names else a)
+                   for name, a in params_to_weights(target_params).items() if name in config.weight_shapes()}
         return config, params_from_numpy(weights, dtype or target_params.compute_dtype, mode)
     if n < jax.tree.leaves(params.layers)[0].shape[0]:
-        params = params.replace(layers=jax.tree.map(lambda a: a[:n], params.layers))
+        params = params.replace(layers=LayerParams(**{
+            name: _first_layers(name, getattr(params.layers, name), config) for name in LayerParams.__dataclass_fields__}))
     return config, params
+
+
+def _first_layers(name: str, stack, draft):
+    """A target's stack of the layer weight `name`, cut to what the draft `draft` (its first layers) holds: as
+    many as the draft stacks it over (ModelConfig.stacked_over: with dense layers among the experts', a part
+    of one kind stacks over the layers of its kind); None for a part the draft does not have."""
+    import jax
+
+    if stack is None or name not in draft.weight_shapes():
+        return None
+    n = len(draft.stacked_over(name))
+    return jax.tree.map(lambda a: a[:n], stack)
 
 
 def adapter_reader(model_config, lora_config):

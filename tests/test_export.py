@@ -52,7 +52,10 @@ KINDS = {"mixtral": {},
          "gpt-oss": dict(attention_bias=True, out_bias=True, attn_sinks=True, expert_bias=True, activation="swiglu_oai",
                          sliding_window=8, sliding_layers=(True, False), rope_scaled_sliding=True),
          "llama4": dict(moe_input_scale=True, shared_expert_size=32, shared_expert_gated=False, nope_layers=(False, True),
-                        qk_rms_rope=True, nope_temperature=8192)}
+                        qk_rms_rope=True, nope_temperature=8192),
+         "glm4moe": dict(moe_layers=(False, True), dense_size=48, router_sigmoid=True, router_choice_bias=True,
+                         expert_groups=2, expert_groups_used=1, routed_scale=2.5, shared_expert_size=32,
+                         shared_expert_gated=False, attention_bias=True, qk_norm=True, rotary_dim=8)}
 
 
 @pytest.mark.parametrize("platform", ["cuda", "tpu"])
@@ -62,7 +65,9 @@ def test_a_mixture_of_experts_step_exports_with_its_experts_grouped(platform, ki
     through jax.lax.ragged_dot (the token-expert pairs grouped by expert, which those compilers lower as a
     grouped matmul; XLA:CPU would run every expert over every row), beside the Pallas attention. And a
     gpt-oss-shaped one: its experts' biases, attention sinks (from the kernel's log-sum-exp) and sliding layers; a
-    Llama 4-shaped one: experts scaled at their inputs beside an ungated shared expert, NoPE layers' temperature."""
+    Llama 4-shaped one: experts scaled at their inputs beside an ungated shared expert, NoPE layers' temperature; a
+    GLM-4.5-shaped one: a dense layer before the experts' (each kind's weights stacked over its own layers, the
+    layer's kind a branch), DeepSeek-V3's grouped sigmoid router."""
     from jaxcb.device.export import KERNEL_CALLS, custom_calls, export_step, unexpected_calls
     from jaxcb.host.batch import StepShape
     from jaxcb.model.config import tiny_config

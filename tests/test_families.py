@@ -27,12 +27,13 @@ from jaxcb.model.paged_attention import allocate_kv_pages
 from tests.server_util import compile_mode
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "golden", "tiny_hf")
-FAMILIES = ("qwen3", "gpt-oss", "llama4", "llama4-chunked", "llama-bias", "mixtral", "qwen2moe", "qwen3moe", "granitemoe", "olmoe", "olmo2", "smollm3", "granite", "phi3", "phi3-longrope", "gemma", "gemma2", "gemma3", "llama3-rope", "qwen3-yarn", "llama-yarn", "gemma3-linear", "gemma3-mm", "mistral3-mm", "llava", "qwen2.5-vl", "qwen3-vl")
+FAMILIES = ("qwen3", "gpt-oss", "llama4", "llama4-chunked", "llama4-maverick", "glm4moe", "qwen3moe-dense", "llama-bias", "mixtral", "qwen2moe", "qwen3moe", "granitemoe", "olmoe", "olmo2", "smollm3", "granite", "phi3", "phi3-longrope", "gemma", "gemma2", "gemma3", "llama3-rope", "qwen3-yarn", "llama-yarn", "gemma3-linear", "gemma3-mm", "mistral3-mm", "llava", "qwen2.5-vl", "qwen3-vl")
 # checkpoints of a family with RoPE scaling, or with a vision tower beside it (served on text), or a
 # Llama with layers without RoPE, Granite's scalars or Phi-3's fused projections
 FAMILY_OF = {"llama-bias": "llama", "mistral3-mm": "llama", "llava": "llama", "qwen2.5-vl": "llama", "qwen3-vl": "qwen3", "llama3-rope": "llama", "qwen3-yarn": "qwen3", "llama-yarn": "llama", "gemma3-linear": "gemma3", "gemma3-mm": "gemma3", "smollm3": "llama",
              "granite": "llama", "phi3": "llama", "phi3-longrope": "llama", "mixtral": "llama", "qwen3moe": "qwen3",
-             "granitemoe": "llama", "qwen2moe": "llama", "llama4-chunked": "llama4"}
+             "granitemoe": "llama", "qwen2moe": "llama", "llama4-chunked": "llama4", "llama4-maverick": "llama4",
+             "qwen3moe-dense": "qwen3"}
 
 
 def golden(family, name="golden"):
@@ -97,9 +98,11 @@ def assert_references_logits(config, params, family, context=""):
 def test_prefill_logits_match_transformers(family):
     config, params, _, _ = load_model(os.path.join(GOLDEN, family), jnp.float32)
     assert config.family == FAMILY_OF.get(family, family)
-    assert config.qk_norm == (config.family in ("qwen3", "gemma3", "olmo2", "olmoe"))
+    assert config.qk_norm == (config.family in ("qwen3", "gemma3", "olmo2", "olmoe", "glm4moe"))
     assert config.windowed == (family.startswith("gemma") and family != "gemma" or family in ("gpt-oss", "llama4",
-                                                                                              "llama4-chunked"))
+                                                                                              "llama4-chunked",
+                                                                                              "llama4-maverick"))
+    assert config.mixed_mlp == (family in ("llama4-maverick", "glm4moe", "qwen3moe-dense"))
     for record in golden(family):
         ours = prefill_logits(config, params, record["prompt_ids"])
         ref = np.asarray(record["prefill_logits"], np.float32)
@@ -315,16 +318,15 @@ def test_llama4_as_released_with_its_vision_tower_loads_on_text(tmp_path):
     assert "llama4" in PRE_TOKENIZERS
 
 
-def test_llama4s_chunked_attention_is_read_and_matters_and_dense_layers_are_refused(tmp_path):
+def test_llama4s_chunked_attention_is_read_and_matters(tmp_path):
     """Llama 4's RoPE layers attend within chunks of attention_chunk_size (a query at t sees keys from
     t - t % chunk on), its NoPE layers to every key, the context served past a chunk: on the checkpoint with
     chunks of 16 (whose prompts and decode cross several, test_engine_greedy_matches_transformers_up_to_a_near_tie)
     a sliding window of 16 in its place, or full attention, gives other logits than the reference's; no
-    chunk size (null) is full attention. Maverick's dense layers between the experts' are refused by name, not
-    run as experts."""
+    chunk size (null) is full attention. (Maverick's dense layers between the experts': the llama4-maverick
+    checkpoint among FAMILIES.)"""
     import shutil
 
-    from jaxcb.host.errors import InvalidConfig
     from jaxcb.model.hf_loader import read_config
 
     config, params, _, _ = load_model(os.path.join(GOLDEN, "llama4-chunked"), jnp.float32)
@@ -341,9 +343,6 @@ def test_llama4s_chunked_attention_is_read_and_matters_and_dense_layers_are_refu
     raw = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps({**raw, "attention_chunk_size": None}))
     assert not read_config(str(folder)).windowed
-    (folder / "config.json").write_text(json.dumps({**raw, "interleave_moe_layer_step": 2, "moe_layers": [1, 3]}))
-    with pytest.raises(InvalidConfig, match="interleave_moe_layer_step"):
-        read_config(str(folder))
 
 
 def test_a_gpt_oss_gguf_gives_transformers_logits(tmp_path):
@@ -603,7 +602,7 @@ def test_transformers_4_layout_of_the_rope_settings_reads_the_same(tmp_path, fam
     assert np.abs(prefill_logits(config, params_old, record["prompt_ids"]) - ref).max() <= 1e-5 * np.abs(ref).max()
 
 
-@pytest.mark.parametrize("family", ["gemma3", "llama3-rope", "smollm3", "phi3-longrope"])
+@pytest.mark.parametrize("family", ["gemma3", "llama3-rope", "smollm3", "phi3-longrope", "glm4moe"])
 def test_convert_round_trip_keeps_the_family(tmp_path, family):
     from jaxcb.cli import main as cli
 
@@ -858,18 +857,23 @@ def test_each_way_of_running_the_experts_gives_the_same_output():
     by expert through jax.lax.ragged_dot: GPU and TPU) against a
     float64 loop over tokens, with and without renormalizing the chosen experts' weights; gpt-oss's (biases on
     the router's logits and each expert's projections, the clamped SwiGLU, here with a limit the values pass);
-    and Llama 4's (the chosen experts' sigmoid scores scale their inputs, their outputs summed)."""
+    and Llama 4's (the chosen experts' sigmoid scores scale their inputs, their outputs summed); and DeepSeek-V3's
+    (GLM-4.5's: chosen by sigmoid score plus a correction bias within the best group, weighed by their
+    renormalized scores times a scale)."""
     import jax
 
     from jaxcb.model.config import tiny_config
     from jaxcb.model.llama import experts, random_weights
 
     rng = np.random.default_rng(3)
-    for norm_topk, oss, llama4 in ((True, False, False), (False, False, False), (True, True, False),
-                                   (False, False, True)):
+    for norm_topk, oss, llama4, v3 in ((True, False, False, False), (False, False, False, False),
+                                       (True, True, False, False), (False, False, True, False),
+                                       (True, False, False, True)):
         config = tiny_config(num_experts=8, experts_per_token=3, intermediate_size=24, norm_topk=norm_topk,
                              moe_input_scale=llama4,
-                             **(dict(expert_bias=True, activation="swiglu_oai", swiglu_limit=0.3) if oss else {}))
+                             **(dict(expert_bias=True, activation="swiglu_oai", swiglu_limit=0.3) if oss else {}),
+                             **(dict(router_sigmoid=True, router_choice_bias=True, expert_groups=2,
+                                     expert_groups_used=1, routed_scale=2.5) if v3 else {}))
         w = random_weights(config, seed=4)
         bias = {k: w[k][1].astype(np.float64) if oss else 0.0 for k in ("router_bias", "experts_gate_bias",
                                                                         "experts_up_bias", "experts_down_bias")}
@@ -886,6 +890,12 @@ def test_each_way_of_running_the_experts_gives_the_same_output():
             for i in range(t):
                 chosen = np.argsort(-probs[i])[:3]
                 weights = probs[i, chosen] / (probs[i, chosen].sum() if norm_topk else 1.0)
+                if v3:  # the best group of four by its two best (score + bias), its three best; their scores
+                    scores = 1 / (1 + np.exp(-logits[i]))
+                    choice = (scores + w["router_choice_bias"][1]).reshape(2, 4)
+                    group = np.argmax(np.sort(choice, -1)[:, -2:].sum(-1))
+                    chosen = group * 4 + np.argsort(-choice[group])[:3]
+                    weights = scores[chosen] / scores[chosen].sum() * 2.5
                 if llama4:
                     for e in chosen:  # its sigmoid score scales its input
                         xe = x[i] / (1 + np.exp(-logits[i, e]))
@@ -903,7 +913,7 @@ def test_each_way_of_running_the_experts_gives_the_same_output():
                         want[i] += p * ((g / (1 + np.exp(-g))) * u) @ w["experts_down"][1][e]
             for grouped in (False, True):
                 got = jax.jit(lambda x, g=grouped: experts(config, x, layer, grouped=g))(x)
-                assert np.abs(np.asarray(got) - want).max() <= 1e-5 * np.abs(want).max(), (norm_topk, t, grouped)
+                assert np.abs(np.asarray(got) - want).max() <= 1e-5 * np.abs(want).max(), (norm_topk, v3, t, grouped)
             # int8 experts: each way the same (the same dequantized matrices), near the float output
             ways = [np.asarray(jax.jit(lambda x, g=g: experts(config, x, quantized, grouped=g))(x))
                     for g in (False, True)]
@@ -911,7 +921,7 @@ def test_each_way_of_running_the_experts_gives_the_same_output():
             assert np.abs(ways[0] - want).max() <= 0.05 * np.abs(want).max(), (norm_topk, t, oss, llama4)
 
 
-@pytest.mark.parametrize("family", ["mixtral", "qwen2moe", "qwen3moe", "granitemoe"])
+@pytest.mark.parametrize("family", ["mixtral", "qwen2moe", "qwen3moe", "granitemoe", "glm4moe", "llama4-maverick"])
 def test_experts_are_stored_as_the_layers_matrices_are(family):
     """--weights bfloat16, int8 and int4 store the experts as they store the layers' matrices (the router
     stays in the compute dtype): the bytes the memory plan counts, logits near the float ones (the tiny
@@ -964,3 +974,112 @@ def test_the_experts_settings_are_read_and_matter():
         with pytest.raises(InvalidConfig, match=r"^lora.targets: \['w_gate', 'w_up', 'w_down'\] are not matrices"):
             zero_slots(config, TARGETS, 2, 4, jnp.float32)
         assert set(zero_slots(config, ("wq", "wo"), 2, 4, jnp.float32)["a"]) == {"wq", "wo"}
+
+
+def test_glm4_moes_parts_are_read_and_matter(tmp_path):
+    """GLM-4.5's checkpoint (Glm4MoeForCausalLM): its first layer a dense MLP, the others experts chosen by
+    sigmoid score plus a correction bias within the best of two groups, weighed times routed_scaling_factor,
+    beside an always-on shared expert; half of each head rotated; q/k/v biases and per-head q/k norms. Each
+    part moves the logits past the tolerance when changed; the multi-token prediction layer a released
+    checkpoint keeps after the last one (num_nextn_predict_layers) is left unread, and refused when the config
+    does not name it."""
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    from jaxcb.host.errors import InvalidConfig
+
+    config, params, _, _ = load_model(os.path.join(GOLDEN, "glm4moe"), jnp.float32)
+    assert (config.moe_layers, config.dense_size, config.intermediate_size, config.shared_expert_size) == (
+        (False, True, True, True), 128, 32, 32)
+    assert (config.router_sigmoid, config.expert_groups, config.expert_groups_used, config.routed_scale,
+            config.rotary_dim, config.qk_norm, config.attention_bias, config.out_bias) == (
+        True, 2, 1, 2.5, 8, True, True, False)
+    assert params.layers.dense_gate.shape == (1, 64, 128) and params.layers.experts_gate.shape == (3, 8, 64, 32)
+    record = golden("glm4moe")[2]
+    ref = np.asarray(record["prefill_logits"], np.float32)
+    layers = params.layers
+    for change, p in (({"expert_groups_used": 2}, params), ({"routed_scale": 1.0}, params),
+                      ({"rotary_dim": 0}, params), ({"shared_expert_gated": True}, params.replace(
+                          layers=layers.replace(shared_gate=jnp.zeros((3, 64, 1))))),
+                      ({}, params.replace(layers=layers.replace(router_choice_bias=jnp.zeros_like(
+                          layers.router_choice_bias))))):
+        got = prefill_logits(dataclasses.replace(config, **change), p, record["prompt_ids"])
+        assert np.abs(got - ref).max() > 1e-3 * np.abs(ref).max(), change
+    folder = tmp_path / "glm"
+    shutil.copytree(os.path.join(GOLDEN, "glm4moe"), folder)
+    tensors = load_file(str(folder / "model.safetensors"))
+    mtp = {n.replace("layers.3.", "layers.4."): a for n, a in tensors.items() if ".layers.3." in n}
+    mtp["model.layers.4.eh_proj.weight"] = np.zeros((64, 128), np.float32)
+    save_file(mtp, str(folder / "mtp.safetensors"))
+    got = prefill_logits(*load_model(str(folder), jnp.float32)[:2], record["prompt_ids"])
+    assert np.abs(got - ref).max() <= 1e-5 * np.abs(ref).max()
+    raw = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**raw, "num_nextn_predict_layers": 0}))
+    with pytest.raises(InvalidConfig, match="tensors jaxcb's decoder does not use"):
+        load_model(str(folder), jnp.float32)
+
+
+def test_a_draft_of_a_model_with_dense_layers_among_the_experts_keeps_their_kinds():
+    """Speculative decoding with the first layers of a model whose layers are dense and experts' in turn
+    (the tiny Llama 4 Maverick: dense, experts, dense, experts): each part cut to the draft's layers of its
+    kind, the tokens the engine gives without it; a draft of dense layers only is refused by the field."""
+    from jaxcb.host.errors import InvalidConfig
+    from jaxcb.host.speculative import SpeculativeConfig
+    from jaxcb.llm import draft_model_config, load_draft
+
+    config, params, tok, _ = load_model(os.path.join(GOLDEN, "llama4-maverick"), jnp.float32)
+    spec = SpeculativeConfig("draft", num_tokens=3, draft_layers=2, adaptive=False)
+    draft, draft_params = load_draft(spec, config, params)
+    assert (draft.num_layers, draft.moe_layers, draft.num_expert_layers) == (2, (False, True), 1)
+    assert draft_params.layers.dense_gate.shape[0] == 1 and draft_params.layers.router.shape[0] == 1
+    assert draft_params.layers.wq.shape[0] == 2
+    with pytest.raises(InvalidConfig, match="speculative.draft_layers: the first 1 layers .* dense MLPs only"):
+        draft_model_config(dataclasses.replace(spec, draft_layers=1), config)
+    records = golden("llama4-maverick")
+    outs = {}
+    for name, speculative in (("off", SpeculativeConfig()), ("draft", spec)):
+        llm = LLM.from_params(config, params, tok, config=make_config(
+            num_pages=64, page_size=16, max_context=128, decode_batch=(4,), prefill_tokens=(16,),
+            max_prefill_tokens=16, compile=compile_mode(config), speculative=speculative))
+        outs[name] = [o.token_ids for o in llm.generate([r["prompt_ids"] for r in records],
+                                                        SamplingParams(max_tokens=12, ignore_eos=True))]
+        llm.engine.pool.check_all_free()
+        if name == "draft":
+            assert llm.engine.stats().speculative_proposed > 0
+    assert outs["draft"] == outs["off"]
+
+
+@pytest.mark.parametrize("family", ["glm4moe", "llama4-maverick"])
+def test_a_gguf_with_dense_layers_among_the_experts_gives_transformers_logits(tmp_path, family):
+    """GLM-4.5 and Llama 4 Maverick as llama.cpp's converter writes them ("glm4moe": leading_dense_block_count, the
+    sigmoid gating, expert_weights_scale/norm, exp_probs_b, shared experts, partial RoPE; "llama4":
+    interleave_moe_layer_step): the dense layers' MLP in ffn_gate/up/down beside the experts' layers, the Hugging
+    Face loader's weights exactly and transformers' logits. A GLM file's multi-token prediction block after the
+    last layer (block_count counts it, nextn_predict_layers names it) is not read."""
+    from tests.tiny_gguf import write_tiny_gguf
+
+    arch = "glm4moe" if family == "glm4moe" else "llama4"
+    config, weights, got = as_gguf(tmp_path, family, arch)
+    fields = ("num_experts", "experts_per_token", "intermediate_size", "family", "moe_layers", "dense_size",
+              "shared_expert_size", "shared_expert_gated", "router_sigmoid", "router_choice_bias", "expert_groups",
+              "expert_groups_used", "routed_scale", "norm_topk", "rotary_dim", "qk_norm", "attention_bias")
+    assert_same_fields(got.config, config, fields)
+    assert sorted(got.weights) == sorted(weights)
+    for key, w in weights.items():
+        np.testing.assert_array_equal(got.weights[key], w, err_msg=key)
+    if family == "llama4-maverick":  # (llama.cpp's constants where the tiny checkpoint's differ: set back)
+        got_config = dataclasses.replace(got.config, nope_layers=config.nope_layers, nope_temperature=4,
+                                         sliding_layers=config.sliding_layers, sliding_window=16)
+        assert_references_logits(got_config, got.weights, family)
+        return
+    assert_references_logits(got.config, got.weights, family)
+    from jaxcb.model.gguf_loader import load_gguf
+
+    path = str(tmp_path / "mtp.gguf")  # a fifth block: the multi-token prediction layer's tensors
+    extra = {"blk.4.nextn.eh_proj.weight": np.zeros((128, 64)), "blk.4.attn_norm.weight": np.ones(64)}
+    write_tiny_gguf(path, config, arch=arch, weights=weights, extra_tensors=extra, block_count=5,
+                    extra_uint32={f"{arch}.nextn_predict_layers": 1})
+    mtp = load_gguf(path)
+    assert mtp.config == got.config
+    assert_references_logits(mtp.config, mtp.weights, family)

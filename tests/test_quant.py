@@ -167,7 +167,7 @@ def test_the_step_reads_the_quantized_weights_and_gives_the_dequantized_models_t
     forward, _ = llm.engine.runner._compiled[max(llm.engine.runner._compiled, key=lambda shape: shape.tokens)]
     hlo = forward.as_text()  # the step's forward pass (the sampler never sees the weights)
     layers = cfg.num_layers
-    stacked = {f"f32[{layers},{','.join(map(str, np.shape(floats[n])[1:]))}]" for n in quant.MATRICES}
+    stacked = {f"f32[{layers},{','.join(map(str, np.shape(floats[n])[1:]))}]" for n in quant.MATRICES if n in floats}
     found = set(re.findall(r"f32\[\d+,\d+,\d+\]", hlo))
     assert not stacked & found, f"a float copy of stacked weights in the step: {stacked & found}"
 
@@ -295,8 +295,8 @@ def test_bfloat16_weights_compute_in_float32_on_the_cpu(tiny_gguf_path):
     dtype = compute_dtype(config)
     assert dtype == jnp.float32
     cfg, params, tok, eos = load_model(tiny_gguf_path, dtype, weights="bfloat16")
-    for name in MATRICES:
-        assert getattr(params.layers, name).dtype == jnp.bfloat16, name
+    for name in MATRICES:  # (dense_*: a mixture's dense layers, not in this model)
+        assert name.startswith("dense_") or getattr(params.layers, name).dtype == jnp.bfloat16, name
     assert params.embed.dtype == jnp.bfloat16
     assert params.compute_dtype == params.final_norm.dtype == params.layers.attn_norm.dtype == jnp.float32
     assert weight_bytes(cfg, "bfloat16", 4) == sum(x.nbytes for x in jax.tree.leaves(params))

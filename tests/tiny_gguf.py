@@ -55,30 +55,44 @@ def write_tiny_gguf(path: str, config: ModelConfig | None = None, seed: int = 0,
                     quant: str = "f32", broken_type: bool = False, rope_freqs=None,
                     rope_scaling: tuple[str, float] | None = None, extra_uint32: dict | None = None,
                     extra_float32: dict | None = None,
-                    extra_tensors: dict | None = None, weights: dict | None = None) -> dict[str, np.ndarray]:
+                    extra_tensors: dict | None = None, weights: dict | None = None,
+                    block_count: int | None = None) -> dict[str, np.ndarray]:
     """Write a GGUF file; returns the weights in the project's layout (what loading must give back,
     exactly for f32, up to quantization error otherwise). `rope_freqs`: llama.cpp's per-frequency RoPE
     factors tensor (Llama 3.1+); `rope_scaling`: (rope.scaling.type, rope.scaling.factor); `weights`: these
-    (the loaders' layout) instead of random ones. Arch "phi3" fuses Q/K/V and gate/up as its converter does."""
+    (the loaders' layout) instead of random ones; `block_count`: the file's, where it counts more blocks than the
+    model's layers (GLM's multi-token prediction one). Arch "phi3" fuses Q/K/V and gate/up as its converter does."""
     config = config or tiny_model_config()
     w = weights if weights is not None else random_weights(config, seed)
     tokens, merges, types = tiny_vocab()
     writer = gguf.GGUFWriter(path, arch)
     writer.add_name("tiny-random")
-    writer.add_block_count(config.num_layers)
+    writer.add_block_count(block_count or config.num_layers)
     writer.add_context_length(config.max_context)
     writer.add_embedding_length(config.hidden_size)
-    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_feed_forward_length(config.dense_size if config.mixed_mlp else config.intermediate_size)
     writer.add_head_count(config.num_heads)
     writer.add_head_count_kv(config.num_kv_heads)
     writer.add_rope_freq_base(config.rope_theta)
+    if config.rotary_dim:
+        writer.add_rope_dimension_count(config.rotary_dim)
     if config.num_experts:  # (Mixtral: arch llama; Qwen3-MoE's own keys name the experts' width too)
         writer.add_uint32(f"{arch}.expert_count", config.num_experts)
         writer.add_uint32(f"{arch}.expert_used_count", config.experts_per_token)
-        if arch in ("qwen3moe", "qwen2moe", "gpt-oss", "llama4"):
+        if arch in ("qwen3moe", "qwen2moe", "gpt-oss", "llama4", "glm4moe"):
             writer.add_uint32(f"{arch}.expert_feed_forward_length", config.intermediate_size)
-        if arch == "llama4":
-            writer.add_uint32(f"{arch}.interleave_moe_layer_step", 1)
+        first = config.moe_layers.index(True) if config.mixed_mlp else 0  # (the first layer with experts)
+        if arch == "llama4":  # (Maverick's: every second layer)
+            writer.add_uint32(f"{arch}.interleave_moe_layer_step", first + 1)
+        elif arch == "glm4moe":  # the first layers dense; DeepSeek-V3's router; shared experts as wide as one
+            writer.add_uint32(f"{arch}.leading_dense_block_count", first)
+            writer.add_uint32(f"{arch}.expert_shared_count", config.shared_expert_size // config.intermediate_size)
+            writer.add_uint32(f"{arch}.expert_gating_func", 2)
+            writer.add_float32(f"{arch}.expert_weights_scale", config.routed_scale)
+            writer.add_bool(f"{arch}.expert_weights_norm", config.norm_topk)
+            if config.expert_groups > 1:
+                writer.add_uint32(f"{arch}.expert_group_count", config.expert_groups)
+                writer.add_uint32(f"{arch}.expert_group_used_count", config.expert_groups_used)
         elif config.shared_expert_size:
             writer.add_uint32(f"{arch}.expert_shared_feed_forward_length", config.shared_expert_size)
     for key, value in (extra_uint32 or {}).items():  # more metadata (what the loader must refuse)
@@ -142,6 +156,10 @@ def write_tiny_gguf(path: str, config: ModelConfig | None = None, seed: int = 0,
             del names[key]
         names.update(router="ffn_gate_inp", experts_gate="ffn_gate_exps", experts_up="ffn_up_exps",
                      experts_down="ffn_down_exps")
+        if config.mixed_mlp:  # the dense layers' MLP, the dense names
+            names.update(dense_gate="ffn_gate", dense_up="ffn_up", dense_down="ffn_down")
+        if config.router_choice_bias:
+            names.update(router_choice_bias="exp_probs_b.bias")
         if config.shared_expert_size:  # Qwen2-MoE's shared expert and its gate ([1, E], as its converter writes it)
             names.update(w_gate="ffn_gate_shexp", w_up="ffn_up_shexp", w_down="ffn_down_shexp")
             if config.shared_expert_gated:
@@ -155,9 +173,12 @@ def write_tiny_gguf(path: str, config: ModelConfig | None = None, seed: int = 0,
             put(f"blk.{i}.attn_qkv.weight", np.concatenate([w["wq"][i].T, w["wk"][i].T, w["wv"][i].T]), True)
             put(f"blk.{i}.ffn_up.weight", np.concatenate([w["w_gate"][i].T, w["w_up"][i].T]), True)
         names = {k: v for k, v in names.items() if k not in ("wq", "wk", "wv", "w_gate", "w_up")}
+    stacked = {key: config.stacked_over(key) for key in names}  # (with dense layers among the experts': each kind's)
     for i in range(config.num_layers):
         for key, gname in names.items():
-            a = w[key][i]
+            if i not in stacked[key]:
+                continue
+            a = w[key][stacked[key].index(i)]
             linear = a.ndim >= 2 and not gname.endswith(".bias")
             if linear:
                 a = np.swapaxes(a, -1, -2)  # to [out, in] (each expert's)

@@ -30,6 +30,7 @@ RUNS = [
     ("m", "tp1-int8", 1, 1, "xla", "int8"), ("m", "tp2-int8", 2, 1, "xla", "int8"),
     ("o", "tp1", 1, 1, "xla", "auto"), ("o", "tp2", 2, 1, "xla", "auto"),
     ("s", "tp1", 1, 1, "xla", "auto"), ("s", "tp2", 2, 1, "xla", "auto"), ("s", "tp2-pallas", 2, 1, "pallas", "auto"),
+    ("z", "tp1", 1, 1, "xla", "auto"), ("z", "tp2", 2, 1, "xla", "auto"),
 ]
 # A "lora" run serves two LoRA adapters (all projections) beside the base model, rows of all three mixed
 # (at TP 4 over model a's 2 KV heads the adapters' k/v columns are replicated with the heads). A "draft"
@@ -38,7 +39,8 @@ RUNS = [
 # tiny Qwen2-MoE (a mixture of experts: each expert's columns split as a dense MLP's, and its shared expert's);
 # "o": the tiny OLMo 2 (q and k normed over all their heads, which are split over the devices); "s": the tiny
 # gpt-oss (attention sinks split with their heads, in plain JAX and from the Pallas kernels' log-sum-exps;
-# the experts' biases split with their columns).
+# the experts' biases split with their columns); "z": the tiny GLM-4.5 (a dense layer, then experts' layers: each
+# kind's matrices split by columns, stacked over its own layers).
 TINY_HF = os.path.join(os.path.dirname(os.path.abspath(__file__)), "golden", "tiny_hf")
 
 
@@ -56,7 +58,8 @@ def main(workdir: str) -> None:
 
     models = {"a": tiny_config(), "b": tiny_config(num_heads=8, hidden_size=128),
               "g": os.path.join(TINY_HF, "gemma3"), "m": os.path.join(TINY_HF, "qwen2moe"),
-              "o": os.path.join(TINY_HF, "olmo2"), "s": os.path.join(TINY_HF, "gpt-oss")}
+              "o": os.path.join(TINY_HF, "olmo2"), "s": os.path.join(TINY_HF, "gpt-oss"),
+              "z": os.path.join(TINY_HF, "glm4moe")}
     out = {}
     for key, model in models.items():
         path = model

@@ -39,7 +39,7 @@ COMMON = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_
 
 
 def configs():
-    from transformers import (CLIPVisionConfig, Gemma2Config, GptOssConfig, Llama4TextConfig, GemmaConfig, Gemma3Config, Gemma3TextConfig, GraniteConfig,
+    from transformers import (CLIPVisionConfig, Gemma2Config, Glm4MoeConfig, GptOssConfig, Llama4TextConfig, GemmaConfig, Gemma3Config, Gemma3TextConfig, GraniteConfig,
                               GraniteMoeConfig, LlamaConfig, LlavaConfig, Mistral3Config, MistralConfig,
                               MixtralConfig, Olmo2Config, OlmoeConfig, PixtralVisionConfig, Qwen2_5_VLConfig,
                               Qwen3VLConfig, Phi3Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig,
@@ -97,6 +97,27 @@ def configs():
                                            floor_scale=4, attn_scale=0.1, attention_chunk_size=16,
                                            tie_word_embeddings=False, pad_token_id=None, bos_token_id=1,
                                            eos_token_id=2, rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+        # Llama 4 Maverick's kind: dense MLPs (intermediate_size_mlp wide) in the layers between the experts' ones
+        "llama4-maverick": Llama4TextConfig(**{**COMMON, "intermediate_size": 32}, intermediate_size_mlp=96,
+                                            num_local_experts=4, num_experts_per_tok=1, no_rope_layer_interval=2,
+                                            floor_scale=4, attn_scale=0.1, attention_chunk_size=16,
+                                            interleave_moe_layer_step=2, tie_word_embeddings=False, pad_token_id=None,
+                                            bos_token_id=1, eos_token_id=2,
+                                            rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+        # Qwen3-MoE with dense layers among the experts' (decoder_sparse_step 2: experts in every second layer;
+        # mlp_only_layers takes layer 3's away too)
+        "qwen3moe-dense": Qwen3MoeConfig(**COMMON, tie_word_embeddings=False, moe_intermediate_size=32, num_experts=8,
+                                         num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=2,
+                                         mlp_only_layers=[3]),
+        # GLM-4.5's kind (Glm4MoeForCausalLM): q/k/v biases, per-head q/k norms, half of each head rotated; the first
+        # layer a dense MLP, the others 8 experts (2 a token) chosen by sigmoid scores plus a correction bias within
+        # the best of 2 groups, weighed by their renormalized scores times 2.5, beside an always-on shared expert
+        "glm4moe": Glm4MoeConfig(**COMMON, tie_word_embeddings=False, moe_intermediate_size=32, n_routed_experts=8,
+                                 num_experts_per_tok=2, n_shared_experts=1, n_group=2, topk_group=1,
+                                 first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+                                 attention_bias=True, use_qk_norm=True, pad_token_id=None, bos_token_id=1,
+                                 eos_token_id=2, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                                  "partial_rotary_factor": 0.5}),
         # Llama with attention_bias (as transformers builds it: q, k, v and the output projection biased)
         "llama-bias": LlamaConfig(**COMMON, tie_word_embeddings=False, attention_bias=True),
         "smollm3": SmolLM3Config(**COMMON, tie_word_embeddings=True, no_rope_layer_interval=2, pad_token_id=None,
@@ -225,13 +246,16 @@ def main():
                     p.mul_(4.0 if "embed" in name else 2.0)
                 if family.startswith("llama4") and "experts" in name:  # (small at the start: made to matter)
                     p.mul_(8.0)
-                if family == "llama-bias" and "bias" in name:  # (zero at the start)
+                if family in ("llama-bias", "glm4moe") and "bias" in name:  # (zero at the start)
                     p.copy_(torch.randn_like(p) * 0.5)
                 if family == "gpt-oss":  # (its biases start at zero, its sinks and experts small: all made to matter)
                     if "bias" in name or "sinks" in name:
                         p.copy_(torch.randn_like(p) * (1.0 if "sinks" in name else 0.1))
                     elif "experts" in name:
                         p.mul_(2.0)
+            for name, b in model.named_buffers():  # (GLM's correction biases: a buffer, zero at the start)
+                if "e_score_correction_bias" in name:
+                    b.copy_(torch.rand_like(b) * 0.5)
         folder = os.path.join(OUT, family)
         model.save_pretrained(folder, safe_serialization=True)
         records = records_of(model, PROMPTS)

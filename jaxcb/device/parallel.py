@@ -37,6 +37,9 @@ _LAYER_SPECS = {
     # bias replicated, the experts' gate and up biases split as their columns, the down's (added whole) replicated
     "bo": P(), "sinks": P(None, AXIS), "router_bias": P(), "experts_gate_bias": P(None, None, AXIS),
     "experts_up_bias": P(None, None, AXIS), "experts_down_bias": P(),
+    # the dense layers among a mixture's (split as the dense MLP); DeepSeek-V3's correction biases replicated
+    "dense_gate": P(None, None, AXIS), "dense_up": P(None, None, AXIS), "dense_down": P(None, AXIS, None),
+    "router_choice_bias": P(),
 }
 
 
@@ -53,7 +56,8 @@ def check_tensor_parallel(config: ModelConfig, tensor: int, weights: str = "auto
     if tensor < 1:
         raise InvalidConfig(f"parallel.tensor: must be >= 1, got {tensor}")
     for what, n in (("query heads", config.num_heads), ("intermediate columns", config.intermediate_size),
-                    ("shared expert's columns", config.shared_expert_size or tensor)):
+                    ("shared expert's columns", config.shared_expert_size or tensor),
+                    ("dense layers' columns", config.dense_size or tensor)):
         if n % tensor:
             raise InvalidConfig(f"parallel.tensor: {tensor} devices do not divide the model's {n} {what}")
     k = config.num_kv_heads
@@ -67,7 +71,7 @@ def check_tensor_parallel(config: ModelConfig, tensor: int, weights: str = "auto
 
         g = group or INT4_GROUP
         for what, rows in (("attention output rows", config.num_heads * config.head_dim),
-                           ("MLP down rows", config.intermediate_size)):
+                           ("MLP down rows", config.intermediate_size), ("dense MLP down rows", config.dense_size)):
             if (rows // g) % tensor:
                 raise InvalidConfig(f"parallel.tensor: {weights} weights: the {rows} {what} make {rows // g} groups of {g}, "
                                  f"which {tensor} devices do not divide")

@@ -223,7 +223,8 @@ def weight_bytes(c, mode: str, dtype_bytes: int, group: int = 0) -> int:
     # (= jaxcb.model.quant.MATRICES and EXPERTS; this module imports no JAX); the router is of the rest
     shapes = c.weight_shapes()
     matrices = [(shape[0] * (shape[1] if len(shape) == 4 else 1), *shape[-2:]) for n, shape in shapes.items()
-                if n in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "experts_gate", "experts_up", "experts_down")]
+                if n in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "dense_gate", "dense_up", "dense_down",
+                         "experts_gate", "experts_up", "experts_down")]
     values = sum(n * i * o for n, i, o in matrices)
     if mode == "bfloat16":  # the matrices and the embedding; the rest in the compute dtype (float32 on the CPU)
         embed = c.vocab_size * e
@@ -290,11 +291,11 @@ def plan_for_model(model, config, *, budget_bytes: int, dtype_bytes: int, max_co
         budget_bytes=budget_bytes, fraction=config.memory_fraction,
         weight_bytes=weight_bytes(c, mode, dtype_bytes, config.weight_group) + d_weights + lora,
         num_layers=c.num_layers, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, hidden_size=c.hidden_size,
-        intermediate_size=c.intermediate_size, vocab_size=c.vocab_size, dtype_bytes=dtype_bytes,
+        intermediate_size=max(c.intermediate_size, c.dense_size), vocab_size=c.vocab_size, dtype_bytes=dtype_bytes,
         page_size=s.page_size, max_context=max_context or config.max_context_for(c),
         max_batch=config.buckets.max_batch, max_prefill_tokens=s.max_prefill_tokens,
         num_pages=config.num_pages or None, num_heads=c.num_heads, tensor=tensor,
         sliding_layers=c.num_sliding_layers, window=c.sliding_window, kv_dtype=getattr(config, "kv_dtype", "auto"),
-        dequant_bytes=2 * c.hidden_size * max(c.intermediate_size, c.num_heads * c.head_dim) * dtype_bytes
+        dequant_bytes=2 * c.hidden_size * max(c.intermediate_size, c.dense_size, c.num_heads * c.head_dim) * dtype_bytes
         if mode in ("int8", "int4") else 0, extra_rows=s.speculative.extra_rows)
     return dataclasses.replace(result, lora_bytes=-(-lora // result.tensor))

@@ -136,8 +136,9 @@ def read_config(path: str) -> tuple[ModelConfig, str]:
         raise InvalidConfig(f"model: {path} is format {manifest.get('format')!r}; this jaxcb reads {FORMAT!r}")
     try:
         raw = dict(manifest["config"])
-        for key in ("sliding_layers", "rope_freq_factors", "rope_long_factors", "nope_layers"):  # JSON has lists; the config is hashable
-            raw[key] = tuple(raw.get(key, ()))
+        for key, value in raw.items():  # (JSON has lists; the config is hashable: tuples)
+            if isinstance(value, list):
+                raw[key] = tuple(value)
         return ModelConfig(**raw), manifest["dtype"]
     except (KeyError, TypeError) as e:
         raise InvalidConfig(f"model: {path}/{MANIFEST} has a bad config ({e})") from None

@@ -8,6 +8,11 @@ from jaxcb.host.errors import InvalidConfig
 
 
 ACTIVATIONS = ("silu", "gelu_tanh", "swiglu_oai")
+# The dense MLP's matrices in the layers of a mixture of experts that have one (ModelConfig.moe_layers), and the
+# parts of the layers with experts; in such a model each is stacked over its own layers (ModelConfig.stacked_over).
+DENSE_MLP = ("dense_gate", "dense_up", "dense_down")
+EXPERT_PARTS = ("router", "router_bias", "router_choice_bias", "experts_gate", "experts_up", "experts_down",
+                "experts_gate_bias", "experts_up_bias", "experts_down_bias", "w_gate", "w_up", "w_down", "shared_gate")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,6 +95,21 @@ class ModelConfig:
     # matrices w_gate, w_up, w_down), its output times sigmoid(x @ shared_gate); 0: none.
     shared_expert_size: int = 0
     shared_expert_gated: bool = True  # the shared expert weighed by its sigmoid gate (Qwen2-MoE); False: whole (Llama 4)
+    # Dense MLPs among the experts' layers (Llama 4 Maverick's every other layer, GLM-4.5's first ones, Qwen-MoE's
+    # mlp_only_layers / decoder_sparse_step): per layer True = a mixture of experts, False = a dense gated MLP
+    # `dense_size` wide (dense_gate, dense_up, dense_down); each part stacked over its own layers only
+    # (stacked_over); () = every layer a mixture of experts.
+    moe_layers: tuple[bool, ...] = ()
+    dense_size: int = 0
+    # DeepSeek-V3's router (GLM-4.5's): each expert's score is the sigmoid of its logit; the experts are chosen
+    # by score plus a per-expert correction bias (router_choice_bias) among the `expert_groups_used` best of
+    # `expert_groups` equal groups (a group's worth: the sum of its two best), and weighed by their scores,
+    # renormalized when norm_topk; every router's weights then times routed_scale.
+    router_sigmoid: bool = False
+    router_choice_bias: bool = False
+    expert_groups: int = 1
+    expert_groups_used: int = 1
+    routed_scale: float = 1.0
 
     def __post_init__(self):
         assert self.num_heads % self.num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads"
@@ -101,6 +121,10 @@ class ModelConfig:
         assert not self.num_experts or 0 < self.experts_per_token <= self.num_experts, "1 to num_experts a token"
         assert self.activation in ACTIVATIONS, f"activation {self.activation!r}: one of {ACTIVATIONS}"
         assert not self.expert_bias or self.num_experts, "expert biases without experts"
+        assert not self.moe_layers or (len(self.moe_layers) == self.num_layers and self.num_experts), "one flag per layer"
+        assert not self.mixed_mlp or self.dense_size > 0, "the dense layers' width"
+        assert self.expert_groups >= 1 and not self.num_experts % self.expert_groups, "equal groups of experts"
+        assert 1 <= self.expert_groups_used <= self.expert_groups, "1 to expert_groups groups a token"
 
     def at_context(self, context: int) -> "ModelConfig":
         """This config as it serves contexts of up to `context` tokens: with LongRoPE's long factors in place of
@@ -146,6 +170,23 @@ class ModelConfig:
         return self.num_layers - self.num_sliding_layers
 
     @property
+    def mixed_mlp(self) -> bool:
+        """Some layers of a mixture of experts have a dense MLP instead (moe_layers)."""
+        return bool(self.num_experts and self.moe_layers and not all(self.moe_layers))
+
+    @property
+    def num_expert_layers(self) -> int:
+        return (sum(self.moe_layers) if self.mixed_mlp else self.num_layers) if self.num_experts else 0
+
+    def stacked_over(self, name: str) -> list[int]:
+        """The layers whose weight `name` a stack holds, in order (its leading axis): in a model with dense
+        layers among the experts' (mixed_mlp) the dense MLP's matrices over the dense layers, the experts' parts
+        (EXPERT_PARTS: the router, the experts, a shared expert) over the others; the rest over every layer."""
+        if not self.mixed_mlp or name not in DENSE_MLP + EXPERT_PARTS:
+            return list(range(self.num_layers))
+        return [i for i, moe in enumerate(self.moe_layers) if moe == (name in EXPERT_PARTS)]
+
+    @property
     def attention_scale(self) -> float:
         return self.query_scale or 1.0 / self.head_dim**0.5
 
@@ -156,16 +197,21 @@ class ModelConfig:
         from it, num_params sums it)."""
         e, f, l = self.hidden_size, self.intermediate_size, self.num_layers
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        x = self.num_experts
+        x, m = self.num_experts, self.num_expert_layers or l  # (m: the layers with experts)
         s = self.shared_expert_size or f  # (the dense MLP's width, or the shared expert's)
-        dense = {"w_gate": (l, e, s), "w_up": (l, e, s), "w_down": (l, s, e)}
-        mlp = ({"router": (l, e, x), "experts_gate": (l, x, e, f), "experts_up": (l, x, e, f),
-                "experts_down": (l, x, f, e)} if x else dense)
+        dense = {"w_gate": (m, e, s), "w_up": (m, e, s), "w_down": (m, s, e)}
+        mlp = ({"router": (m, e, x), "experts_gate": (m, x, e, f), "experts_up": (m, x, e, f),
+                "experts_down": (m, x, f, e)} if x else dense)
         if x and self.shared_expert_size:
-            mlp.update(dense, **({"shared_gate": (l, e, 1)} if self.shared_expert_gated else {}))
+            mlp.update(dense, **({"shared_gate": (m, e, 1)} if self.shared_expert_gated else {}))
         if x and self.expert_bias:
-            mlp.update(router_bias=(l, x), experts_gate_bias=(l, x, f), experts_up_bias=(l, x, f),
-                       experts_down_bias=(l, x, e))
+            mlp.update(router_bias=(m, x), experts_gate_bias=(m, x, f), experts_up_bias=(m, x, f),
+                       experts_down_bias=(m, x, e))
+        if x and self.router_choice_bias:
+            mlp.update(router_choice_bias=(m, x))
+        if self.mixed_mlp:  # the other layers' dense MLP
+            d = self.dense_size
+            mlp.update(dense_gate=(l - m, e, d), dense_up=(l - m, e, d), dense_down=(l - m, d, e))
         shapes = {  # in this order: jaxcb.model.llama.random_weights draws them so
             "embed": (self.vocab_size, e), "wq": (l, e, q), "wk": (l, e, kv), "wv": (l, e, kv),
             "wo": (l, q, e), **mlp, "attn_norm": (l, e), "mlp_norm": (l, e), "final_norm": (e,),
@@ -214,7 +260,9 @@ class ModelConfig:
         kv = self.num_kv_heads * self.head_dim
         mlp = 3 * e * f * self.experts_per_token + e * self.num_experts if self.num_experts else 3 * e * f
         mlp += (3 * e * self.shared_expert_size + e) if self.num_experts and self.shared_expert_size else 0
-        matmul = self.num_layers * (e * q + 2 * e * kv + q * e + mlp) + e * v
+        m = self.num_expert_layers or self.num_layers  # (layers with that MLP; the others' a dense one)
+        dense = (self.num_layers - m) * 3 * e * self.dense_size
+        matmul = self.num_layers * (e * q + 2 * e * kv + q * e) + m * mlp + dense + e * v
         seen = self.num_full_layers * context + self.num_sliding_layers * min(context, self.sliding_window)
         attention = seen * 2 * 2 * self.num_heads * self.head_dim
         return 2 * matmul + attention

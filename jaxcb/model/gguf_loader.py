@@ -1,5 +1,6 @@
 """Read a GGUF file of the Llama (and Mixtral: llama with experts), Qwen2, Qwen2-MoE, Qwen3, Qwen3-MoE, SmolLM3, Granite,
-Granite MoE, Phi-3, Gemma 1-3, OLMo 2, OLMoE, gpt-oss, Llama 4 (Scout), or Qwen2.5-VL's and Qwen3-VL's language models: config,
+Granite MoE, Phi-3, Gemma 1-3, OLMo 2, OLMoE, gpt-oss, Llama 4 (Scout, Maverick), GLM-4.5 (glm4moe), or Qwen2.5-VL's and
+Qwen3-VL's language models: config,
 dequantized weights (gpt-oss's MXFP4 experts too) and tokenizer metadata.
 
 The `gguf` library parses the file and dequantizes every tensor type it knows. Weights come back
@@ -30,8 +31,8 @@ from jaxcb.model.config import ModelConfig, check_all_used
 from jaxcb.model.gguf_file import GGUFFile
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen2moe", "qwen3", "qwen3moe", "gemma", "gemma2", "gemma3", "smollm3", "granite",
-                           "granitemoe", "phi3", "olmo2", "olmoe", "qwen2vl", "qwen3vl", "gpt-oss", "llama4")
-MOE_ARCHITECTURES = ("llama", "qwen2moe", "qwen3moe", "granitemoe", "olmoe", "gpt-oss", "llama4")  # a mixture of experts (Mixtral: "llama" + experts)
+                           "granitemoe", "phi3", "olmo2", "olmoe", "qwen2vl", "qwen3vl", "gpt-oss", "llama4", "glm4moe")
+MOE_ARCHITECTURES = ("llama", "qwen2moe", "qwen3moe", "granitemoe", "olmoe", "gpt-oss", "llama4", "glm4moe")  # a mixture of experts (Mixtral: "llama" + experts)
 
 # Project name -> (GGUF name pattern, transpose to [in, out]).
 _LAYER_TENSORS = {
@@ -55,6 +56,7 @@ _EXTRA_TENSORS = {
     "qwen3": {"q_norm": "blk.{i}.attn_q_norm.weight", "k_norm": "blk.{i}.attn_k_norm.weight"},
     "gemma2": {"post_attn_norm": "blk.{i}.post_attention_norm.weight", "post_mlp_norm": "blk.{i}.post_ffw_norm.weight"},
     "olmoe": {"q_norm": "blk.{i}.attn_q_norm.weight", "k_norm": "blk.{i}.attn_k_norm.weight"},
+    "glm4moe": {"q_norm": "blk.{i}.attn_q_norm.weight", "k_norm": "blk.{i}.attn_k_norm.weight"},
     "olmo2": {"q_norm": "blk.{i}.attn_q_norm.weight", "k_norm": "blk.{i}.attn_k_norm.weight",
               "post_attn_norm": "blk.{i}.post_attention_norm.weight", "post_mlp_norm": "blk.{i}.post_ffw_norm.weight"},
     "gemma3": {"q_norm": "blk.{i}.attn_q_norm.weight", "k_norm": "blk.{i}.attn_k_norm.weight",
@@ -135,6 +137,9 @@ def read_config(reader) -> ModelConfig:
         shared = int(_field(reader, f"{arch}.expert_shared_feed_forward_length", 0) or 0)
         if arch == "llama4":  # (its shared expert as wide as the others, always run, ungated)
             shared = int(need("expert_feed_forward_length"))
+        elif arch == "glm4moe":  # (its shared experts: one MLP as wide as they are together, always run, ungated)
+            shared = int(need("expert_feed_forward_length")) * int(_field(reader, f"{arch}.expert_shared_count", 0) or 0)
+            family.update(shared_expert_gated=False, **_sigmoid_router(reader, arch, experts))
         elif shared and arch != "qwen2moe" or _field(reader, f"{arch}.expert_shared_count"):  # (Granite MoE Shared's)
             raise InvalidConfig(f"{arch}.expert_shared_feed_forward_length: {shared}: shared experts are supported "
                                 "for qwen2moe only (its one, gated)")
@@ -142,27 +147,38 @@ def read_config(reader) -> ModelConfig:
         if not 0 < used <= experts:
             raise InvalidConfig(f"{arch}.expert_used_count: {used} is not between 1 and the {experts} experts")
         # the chosen experts' weights renormalized: llama.cpp's rule for these, but for Qwen2-MoE and OLMoE
-        family.update(num_experts=experts, experts_per_token=used, norm_topk=arch not in ("qwen2moe", "olmoe"),
-                      shared_expert_size=shared)
+        family.update(num_experts=experts, experts_per_token=used, shared_expert_size=shared,
+                      norm_topk=family.get("norm_topk", arch not in ("qwen2moe", "olmoe")))
     value_dim = int(_field(reader, f"{arch}.attention.value_length", head_dim))
     if value_dim != head_dim:
         raise InvalidConfig(f"{arch}.attention.value_length: {value_dim} differs from key_length {head_dim} "
                             "(not supported)")
     rotary_dim = int(_field(reader, f"{arch}.rope.dimension_count", head_dim))
-    if rotary_dim != head_dim and arch != "phi3":  # (phi3's rotate-half form rotates the first ones)
+    if rotary_dim != head_dim and arch not in ("phi3", "glm4moe"):  # (their rotate-half form rotates the first ones)
         raise InvalidConfig(f"{arch}.rope.dimension_count: {rotary_dim} of {head_dim} dimensions rotated "
-                            "(partial RoPE is supported for phi3 only)")
+                            "(partial RoPE is supported for phi3 and glm4moe only)")
     names = set(reader.tensors)
     vocab = _field(reader, f"{arch}.vocab_size")
     if vocab is None:
         vocab = len(reader.metadata["tokenizer.ggml.tokens"])
     layers = int(need("block_count"))
+    layers -= int(_field(reader, f"{arch}.nextn_predict_layers", 0) or 0)  # (GLM-4.5's multi-token layers: not run)
+    if layers <= 0:
+        raise InvalidConfig(f"{arch}.nextn_predict_layers: as many as the {layers} blocks or more")
     theta = float(_field(reader, f"{arch}.rope.freq_base", 10000.0))
     context = int(need("context_length"))
     # (gpt-oss: YaRN untruncated, as it was trained and transformers runs it)
     family.update(_rope_scaling(reader, arch, head_dim, rotary_dim, theta, context, truncate=arch != "gpt-oss"))
     context = family.pop("max_context", context)
     ffn = int(_field(reader, f"{arch}.expert_feed_forward_length", 0) or need("feed_forward_length"))
+    if experts and arch in ("llama4", "glm4moe"):  # dense layers among the experts': llama.cpp's rules for them
+        step = int(_field(reader, f"{arch}.interleave_moe_layer_step", 1) or 1)
+        first = int(_field(reader, f"{arch}.leading_dense_block_count", 0) or 0)
+        flags = [i >= first and (i + 1) % step == 0 for i in range(layers)]
+        if not any(flags):
+            raise InvalidConfig(f"{arch}.leading_dense_block_count / interleave_moe_layer_step: no layer has experts")
+        if not all(flags):  # (their MLP feed_forward_length wide)
+            family.update(moe_layers=tuple(flags), dense_size=int(need("feed_forward_length")))
     if arch == "olmo2":  # norms after attention and the MLP only; q and k normed whole (its rotate-half RoPE)
         family.update(family="olmo2", qk_norm=True, qk_norm_whole=True, post_norms=True, pre_norms=False)
     if arch == "olmoe":  # Llama's norms, q and k normed whole, experts
@@ -194,11 +210,11 @@ def read_config(reader) -> ModelConfig:
         family.update(family=arch, attn_sinks=True, expert_bias=True, activation="swiglu_oai", swiglu_alpha=1.702,
                       swiglu_limit=7.0, sliding_window=window, sliding_layers=sliding, rope_scaled_sliding=True,
                       local_rope_theta=local if local != theta else 0.0)
+    elif arch == "glm4moe":  # (partial RoPE in the rotate-half form; q/k norms where the file has them)
+        family.update(family=arch, qk_norm="blk.0.attn_q_norm.weight" in names,
+                      **({"rotary_dim": rotary_dim} if rotary_dim != head_dim else {}))
     elif arch == "llama4":  # llama.cpp's constants for it: NoPE every fourth layer with temperature tuning,
         # the other layers attending within chunks of 8,192, q/k norms but for the 128-expert one
-        if int(_field(reader, f"{arch}.interleave_moe_layer_step", 1) or 1) != 1:
-            raise InvalidConfig(f"{arch}.interleave_moe_layer_step: dense layers among the experts (Maverick's) are "
-                                "not supported: every layer a mixture of experts")
         chunk = int(_field(reader, f"{arch}.attention.sliding_window", 8192) or 0)
         step = 4 if chunk else layers
         nope = tuple((i + 1) % step == 0 for i in range(layers))
@@ -238,6 +254,27 @@ def read_config(reader) -> ModelConfig:
         name=str(_field(reader, "general.name", arch)),
         **family,
     )
+
+
+# llama.cpp's expert_gating_func values
+_GATING = {0: "none", 1: "softmax", 2: "sigmoid", 3: "softmax_weight"}
+
+
+def _sigmoid_router(reader, arch: str, experts: int) -> dict:
+    """DeepSeek-V3's router as llama.cpp's GGUF keys give it (GLM-4.5): sigmoid gating, the chosen experts' weights
+    renormalized where expert_weights_norm says, times expert_weights_scale, groups where the file names them."""
+    gating = int(_field(reader, f"{arch}.expert_gating_func", 2) or 2)
+    if gating != 2:
+        raise InvalidConfig(f"{arch}.expert_gating_func: {gating} ({_GATING.get(gating, '?')}) is not supported for "
+                            f"{arch} (2: sigmoid)")
+    groups = int(_field(reader, f"{arch}.expert_group_count", 1) or 1)
+    used = int(_field(reader, f"{arch}.expert_group_used_count", groups) or groups)
+    if experts % groups or not 1 <= used <= groups:
+        raise InvalidConfig(f"{arch}.expert_group_count / expert_group_used_count: {groups} / {used} for {experts} "
+                            "experts (equal groups, 1 to all of them used)")
+    return {"router_sigmoid": True, "expert_groups": groups, "expert_groups_used": used,
+            "router_choice_bias": True, "routed_scale": float(_field(reader, f"{arch}.expert_weights_scale", 1.0)),
+            "norm_topk": bool(_field(reader, f"{arch}.expert_weights_norm", False))}
 
 
 def _strings(reader, key) -> list[str]:
@@ -403,26 +440,35 @@ def load_gguf(path: str, check_config=None) -> LoadedModel:
             weights[key] = np.stack([np.ascontiguousarray(layer[k].T) for layer in pieces])
             table.pop(key)
     if config.num_experts:  # the router, and the experts' matrices stacked per layer [X, out, in] (older
-        table.pop("w_gate"), table.pop("w_up"), table.pop("w_down")  # files: a tensor per expert)
+        dense = table.pop("w_gate"), table.pop("w_up"), table.pop("w_down")  # files: a tensor per expert)
+        if config.mixed_mlp:  # (the dense layers' MLP)
+            table.update(zip(("dense_gate", "dense_up", "dense_down"), dense))
         table["router"] = ("blk.{i}.ffn_gate_inp.weight", True)
+        if config.router_choice_bias:
+            table["router_choice_bias"] = ("blk.{i}.exp_probs_b.bias", False)
         if config.shared_expert_size:  # Qwen2-MoE's shared expert, as the dense MLP, and its gate (Llama 4's: none)
             table.update(w_gate=("blk.{i}.ffn_gate_shexp.weight", True), w_up=("blk.{i}.ffn_up_shexp.weight", True),
                          w_down=("blk.{i}.ffn_down_shexp.weight", True))
             if config.shared_expert_gated:
                 table["shared_gate"] = ("blk.{i}.ffn_gate_inp_shexp.weight", False)  # ([1, E] or [E]: below)
+        moe_layers = config.stacked_over("router")
         for key, part in (("experts_gate", "ffn_gate"), ("experts_up", "ffn_up"), ("experts_down", "ffn_down")):
-            if f"blk.0.{part}_exps.weight" in tensors:
+            if f"blk.{moe_layers[0]}.{part}_exps.weight" in tensors:
                 table[key] = (f"blk.{{i}}.{part}_exps.weight", True)
             else:
                 weights[key] = np.stack([np.stack([get(f"blk.{i}.{part}.{j}.weight", True)
-                                                   for j in range(config.num_experts)]) for i in range(config.num_layers)])
+                                                   for j in range(config.num_experts)]) for i in moe_layers])
     for key, (pattern, transpose) in table.items():
-        weights[key] = np.stack([get(pattern.format(i=i), transpose) for i in range(config.num_layers)])
+        weights[key] = np.stack([get(pattern.format(i=i), transpose) for i in config.stacked_over(key)])
     from jaxcb.model.hf_loader import reorder_pairs  # (Llama 4's: its converter keeps the checkpoint's q/k order)
 
     reorder_pairs(weights, config)
     if "shared_gate" in weights:  # one output column
-        weights["shared_gate"] = weights["shared_gate"].reshape(config.num_layers, config.hidden_size, 1)
+        weights["shared_gate"] = weights["shared_gate"].reshape(-1, config.hidden_size, 1)
+    blocks = int(_field(reader, f"{_field(reader, 'general.architecture')}.block_count", 0) or 0)
+    skipped = tuple(f"blk.{i}." for i in range(config.num_layers, blocks))  # (multi-token prediction layers: not run)
+    if skipped:
+        used.update(n for n in tensors if n.startswith(skipped))
     check_all_used(set(tensors) - used, path)
     config.check_weight_shapes(weights, "model file")
     return LoadedModel(config=config, weights=weights, tokenizer=read_tokenizer(reader), path=path)

@@ -6,9 +6,10 @@ explicit head_dim, Gemma 2 (four norms a layer, soft-capping, sliding layers alt
 ones) and Gemma 3 (text: q/k norms, five sliding layers to a full one, a local RoPE base), Mixtral and
 Qwen3-MoE and OLMoE (a mixture of experts in place of the MLP; OLMoE's q and k normed whole), OLMo 2 (norms after attention and the MLP only; q and
 k normed whole), gpt-oss (attention sinks, biases, clamped SwiGLU experts in MXFP4 or floats, sliding layers,
-YaRN on every layer), Llama 4 Scout (experts scaled at their inputs beside a shared one, NoPE layers with
-temperature tuning, weightless q/k norms, RoPE on complex pairs read as rotate-half; served up to one attention
-chunk); a separate output head when the embeddings are not tied. Weights are read with `safetensors` (no framework) and
+YaRN on every layer), Llama 4 Scout and Maverick (experts scaled at their inputs beside a shared one, Maverick's
+dense layers between, NoPE layers with temperature tuning, weightless q/k norms, RoPE on complex pairs read as
+rotate-half; chunked attention), GLM-4.5 (dense first layers, then DeepSeek-V3's router over experts beside
+shared ones; partial RoPE); a separate output head when the embeddings are not tied. Weights are read with `safetensors` (no framework) and
 transposed from torch's [out, in] to this project's [in, out].
 """
 
@@ -36,7 +37,7 @@ ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qw
                  "Gemma3ForCausalLM": "gemma3",
                  "MixtralForCausalLM": "mixtral", "Qwen3MoeForCausalLM": "qwen3moe", "GraniteMoeForCausalLM": "granitemoe",
                  "Qwen2MoeForCausalLM": "qwen2moe", "Olmo2ForCausalLM": "olmo2", "OlmoeForCausalLM": "olmoe",
-                 "GptOssForCausalLM": "gpt-oss", "Llama4ForCausalLM": "llama4",
+                 "GptOssForCausalLM": "gpt-oss", "Llama4ForCausalLM": "llama4", "Glm4MoeForCausalLM": "glm4moe",
                  "Llama4ForConditionalGeneration": "llama4",
                  # Vision-language checkpoints as released (a vision tower beside the language model): served on
                  # text. Gemma 3 4B+; Qwen2-VL, Qwen2.5-VL (a Qwen2) and Qwen3-VL (a Qwen3), whose M-RoPE gives
@@ -69,7 +70,7 @@ _FUSED = {"self_attn.qkv_proj.weight": ("wq", "wk", "wv"), "mlp.gate_up_proj.wei
 # by the router's name): Mixtral's names; Qwen2-MoE's, Qwen3-MoE's and OLMoE's ("mlp"): the router, and each
 # expert's gate, up and down projections; Granite MoE's: the router, every expert's gate and up projections in
 # one tensor [X, 2F, E] (gate first), and their down projections [X, E, F].
-_MOE_FAMILIES = ("mixtral", "qwen2moe", "qwen3moe", "olmoe", "granitemoe", "gpt-oss", "llama4")
+_MOE_FAMILIES = ("mixtral", "qwen2moe", "qwen3moe", "olmoe", "granitemoe", "gpt-oss", "llama4", "glm4moe")
 _MOE = {"mixtral": ("block_sparse_moe.gate.weight", "block_sparse_moe.experts.{j}.", ("w1", "w3", "w2")),
         "mlp": ("mlp.gate.weight", "mlp.experts.{j}.", ("gate_proj", "up_proj", "down_proj")),
         "granitemoe": ("block_sparse_moe.router.layer.weight", "block_sparse_moe.",
@@ -209,13 +210,14 @@ def read_config(path: str) -> ModelConfig:
         if raw.get("clip_qkv") is not None:  # (OLMo's: q, k and v clamped)
             raise InvalidConfig(f"config.json: clip_qkv {raw['clip_qkv']!r} is not supported")
         # (Mixtral's and Granite MoE's experts are intermediate_size wide, Qwen's moe_intermediate_size)
-        moe_width = family in ("qwen3moe", "qwen2moe")
+        moe_width = family in ("qwen3moe", "qwen2moe", "glm4moe")
         intermediate = int(raw["moe_intermediate_size"] if moe_width else raw["intermediate_size"])
-        if family == "llama4":  # (Maverick's dense layers between the experts' are not run)
+        if family == "llama4":  # (Maverick: dense MLPs intermediate_size_mlp wide between the experts' layers)
+            step = int(raw.get("interleave_moe_layer_step", 1))
             moe = raw.get("moe_layers")
-            if int(raw.get("interleave_moe_layer_step", 1)) != 1 or (moe is not None and list(moe) != list(range(layers))):
-                raise InvalidConfig("config.json: interleave_moe_layer_step / moe_layers (dense layers among the "
-                                    "experts, Llama 4 Maverick's) are not supported: every layer a mixture of experts")
+            moe = list(range(step - 1, layers, step)) if moe is None else moe  # (transformers' default)
+            extra.update(_moe_layers([i in moe for i in range(layers)], raw.get("intermediate_size_mlp"),
+                                     "moe_layers / interleave_moe_layer_step"))
             interval = int(raw.get("no_rope_layer_interval", 4))
             uses = raw.get("no_rope_layers") or [int((i + 1) % interval != 0) for i in range(layers)]
             if len(uses) != layers:
@@ -228,11 +230,22 @@ def read_config(path: str) -> ModelConfig:
                          nope_temperature=int(raw.get("floor_scale", 8192)) if raw.get("attn_temperature_tuning", True)
                          else 0, nope_temperature_scale=float(raw.get("attn_scale", 0.1)), moe_input_scale=True,
                          shared_expert_size=int(raw["intermediate_size"]), shared_expert_gated=False)
+        if family in ("qwen2moe", "qwen3moe"):  # dense MLPs (intermediate_size wide) in mlp_only_layers and
+            step, only = int(raw.get("decoder_sparse_step") or 1), raw.get("mlp_only_layers") or []  # between steps
+            extra.update(_moe_layers([i not in only and (i + 1) % step == 0 for i in range(layers)],
+                                     raw.get("intermediate_size"), "mlp_only_layers / decoder_sparse_step"))
+        if family == "glm4moe":  # DeepSeek-V3's router; the first layers dense; an always-on shared expert
+            first = int(raw.get("first_k_dense_replace", 0))
+            extra.update(_moe_layers([i >= first for i in range(layers)], raw.get("intermediate_size"),
+                                     "first_k_dense_replace"))
+            extra.update(router_sigmoid=True, router_choice_bias=True, expert_groups=int(raw.get("n_group") or 1),
+                         expert_groups_used=int(raw.get("topk_group") or 1),
+                         routed_scale=float(raw.get("routed_scaling_factor", 1.0)), qk_norm=bool(raw.get("use_qk_norm")),
+                         shared_expert_size=intermediate * int(raw.get("n_shared_experts") or 0),
+                         shared_expert_gated=False)
         if family in _MOE_FAMILIES:
-            if raw.get("mlp_only_layers") or int(raw.get("decoder_sparse_step", 1)) != 1:
-                raise InvalidConfig("config.json: mlp_only_layers / decoder_sparse_step (dense layers among the "
-                                    "experts) are not supported: every layer a mixture of experts")
-            experts, used = int(raw.get("num_experts") or raw["num_local_experts"]), int(raw["num_experts_per_tok"])
+            experts = int(raw.get("num_experts") or raw.get("n_routed_experts") or raw["num_local_experts"])
+            used = int(raw["num_experts_per_tok"])
             if not 0 < used <= experts:
                 raise InvalidConfig(f"config.json: num_experts_per_tok {used} is not between 1 and the {experts} experts")
             # (renormalized: Mixtral's and Granite MoE's always; Qwen's and OLMoE's as norm_topk_prob, transformers'
@@ -284,14 +297,26 @@ def read_config(path: str) -> ModelConfig:
                             else bool(raw.get("tie_word_embeddings", gemma))),
             name=os.path.basename(os.path.normpath(path)),
             attention_bias=family in ("qwen2", "qwen2moe") or bool(raw.get("attention_bias", False)),
-            # (transformers' attention_bias puts one on the output projection too, but for Qwen2's q/k/v biases)
-            out_bias=bool(raw.get("attention_bias", False)) and family not in ("qwen2", "qwen2moe"),
+            # (transformers' attention_bias puts one on the output projection too, but for Qwen2's and GLM's)
+            out_bias=bool(raw.get("attention_bias", False)) and family not in ("qwen2", "qwen2moe", "glm4moe"),
             family={"qwen2": "llama", "smollm3": "llama", "granite": "llama", "phi3": "llama", "mixtral": "llama",
                     "granitemoe": "llama", "qwen2moe": "llama",
                     "qwen3moe": "qwen3"}.get(family, family), **extra,
         )
     except KeyError as e:
         raise InvalidConfig(f"config.json: {e.args[0]} is missing") from None
+
+
+def _moe_layers(flags: list[bool], dense_size, what: str) -> dict:
+    """ModelConfig's moe_layers and dense_size from a config's per-layer kinds (True: experts), or nothing when
+    every layer has experts."""
+    if all(flags):
+        return {}
+    if not any(flags):
+        raise InvalidConfig(f"config.json: {what} leave no layer with experts")
+    if not dense_size:
+        raise InvalidConfig(f"config.json: {what} make dense layers, but their MLP's width is missing")
+    return {"moe_layers": tuple(flags), "dense_size": int(dense_size)}
 
 
 def _has_head(path: str) -> bool:
@@ -324,14 +349,14 @@ def _stacked(config: ModelConfig, layer: str, read) -> dict[str, np.ndarray]:
     no second copy): read(at) gives a layer's {name: array} (`at` its tensors' prefix), each checked against
     its shape in config.weight_shapes()."""
     shapes, out = config.weight_shapes(), {}
-    for i in range(config.num_layers):
+    for n, i in enumerate(config.stacked_over("router")):  # (the layers with experts)
         at = layer.format(i=i)
         for key, value in read(at).items():
             if key not in out:
                 out[key] = np.empty(shapes[key], np.float32)
             if value.shape != out[key].shape[1:]:
                 raise InvalidConfig(f"model: {at}: {key} has shape {value.shape}, expected {out[key].shape[1:]}")
-            out[key][i] = value
+            out[key][n] = value
     return out
 
 
@@ -399,6 +424,17 @@ def reorder_pairs(weights: dict, config: ModelConfig) -> None:
                 weights[key] = halves_from_pairs(weights[key], config)
 
 
+def _multi_token_layers(path: str, config: ModelConfig) -> int:
+    """How many multi-token prediction layers (GLM-4.5's, DeepSeek-V3's: num_nextn_predict_layers) a checkpoint
+    keeps after its last layer."""
+    try:
+        with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+            raw = json.load(f)
+        return int((raw.get("text_config") or raw).get("num_nextn_predict_layers") or 0)
+    except (OSError, ValueError, TypeError):
+        return 0
+
+
 def load_weights(path: str, config: ModelConfig) -> dict[str, np.ndarray]:
     """The weights in the loader layout of jaxcb.model.llama (float32)."""
     from safetensors.numpy import load_file
@@ -441,18 +477,29 @@ def load_weights(path: str, config: ModelConfig) -> dict[str, np.ndarray]:
                 used.add(name)
     weights = {"embed": get(prefix + "embed_tokens.weight"), "final_norm": get(prefix + "norm.weight")}
     names = dict(_LAYER)
+    mtp = _multi_token_layers(path, config)
+    if mtp:  # (GLM-4.5's multi-token prediction layers after the last one: jaxcb does not run them)
+        log.info("%s: its %d multi-token prediction layers are not loaded", path, mtp)
+        skipped = tuple(layer.format(i=config.num_layers + j) for j in range(mtp))
+        used.update(n for n in tensors if n.startswith(skipped))
     if config.num_experts:  # the router [L, E, X] and each expert's matrices stacked [L, X, in, out]
-        llama4 = layer.format(i=0) + _LLAMA4["router"] in tensors
+        first = layer.format(i=config.stacked_over("router")[0])  # (the first layer with experts)
+        llama4 = first + _LLAMA4["router"] in tensors
         ffn = "feed_forward" if llama4 else "mlp"  # (where a shared expert sits)
+        shared_at = "shared_experts" if config.router_sigmoid else "shared_expert"  # (GLM's name, DeepSeek's)
         for key, shared in (("w_gate", "gate_proj"), ("w_up", "up_proj"), ("w_down", "down_proj")):
+            if config.mixed_mlp:  # (the dense layers' MLP)
+                names["dense" + key[1:]] = (f"{ffn}.{shared}.weight", True)
             if config.shared_expert_size:  # (Qwen2-MoE's shared expert: the dense MLP's names, and its gate)
-                names[key] = (f"{ffn}.shared_expert.{shared}.weight", True)
+                names[key] = (f"{ffn}.{shared_at}.{shared}.weight", True)
             else:
                 del names[key]
         if config.shared_expert_size and config.shared_expert_gated:
             names["shared_gate"] = ("mlp.shared_expert_gate.weight", True)
-        layout = next((a for a, moe in _MOE.items() if layer.format(i=0) + moe[0] in tensors), None)
-        if layer.format(i=0) + _GPT_OSS["router"] in tensors:
+        if config.router_choice_bias:
+            names["router_choice_bias"] = ("mlp.gate.e_score_correction_bias", False)
+        layout = next((a for a, moe in _MOE.items() if first + moe[0] in tensors), None)
+        if first + _GPT_OSS["router"] in tensors:
             layout = "gpt-oss"
             weights.update(_gpt_oss_experts(get, tensors, layer, config))
         elif llama4:
@@ -460,20 +507,21 @@ def load_weights(path: str, config: ModelConfig) -> dict[str, np.ndarray]:
             weights.update(_llama4_experts(get, layer, config))
         elif layout is None:
             raise InvalidConfig(f"model: {path} has no router tensor (one of "
-                                f"{', '.join(layer.format(i=0) + moe[0] for moe in _MOE.values())})")
+                                f"{', '.join(first + moe[0] for moe in _MOE.values())})")
         router, expert, parts = _MOE.get(layout, (None, None, ()))
+        moe_layers = config.stacked_over("router")
         if router is not None:
-            weights["router"] = np.stack([get(layer.format(i=i) + router, True) for i in range(config.num_layers)])
+            weights["router"] = np.stack([get(layer.format(i=i) + router, True) for i in moe_layers])
         for key, part in zip(("experts_gate", "experts_up", "experts_down"), parts):
             if layout == "granitemoe":  # every expert's at once, [X, out, in]; gate and up halves of one
-                stacked = [get(layer.format(i=i) + expert + part + ".weight") for i in range(config.num_layers)]
+                stacked = [get(layer.format(i=i) + expert + part + ".weight") for i in moe_layers]
                 if key != "experts_down":
                     half = slice(0, config.intermediate_size) if key == "experts_gate" else slice(config.intermediate_size, None)
                     stacked = [w[:, half] for w in stacked]
                 weights[key] = np.ascontiguousarray(np.swapaxes(np.stack(stacked), -1, -2))
                 continue
             weights[key] = np.stack([np.stack([get(layer.format(i=i) + expert.format(j=j) + part + ".weight", True)
-                                               for j in range(config.num_experts)]) for i in range(config.num_layers)])
+                                               for j in range(config.num_experts)]) for i in moe_layers])
     if config.attention_bias:
         names.update({k: (v, False) for k, v in _BIASES.items()})
     if config.out_bias:
@@ -487,7 +535,7 @@ def load_weights(path: str, config: ModelConfig) -> dict[str, np.ndarray]:
     if not config.pre_norms:  # (OLMo 2: its post_attention_layernorm is the attention output's, as Gemma's)
         del names["attn_norm"], names["mlp_norm"]
     for key, (name, transpose) in names.items():
-        weights[key] = np.stack([get(layer.format(i=i) + name, transpose) for i in range(config.num_layers)])
+        weights[key] = np.stack([get(layer.format(i=i) + name, transpose) for i in config.stacked_over(key)])
     reorder_pairs(weights, config)
     head = "language_model.lm_head.weight" if "language_model.lm_head.weight" in tensors else "lm_head.weight"
     if not config.tie_embeddings:

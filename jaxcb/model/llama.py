@@ -29,7 +29,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from jaxcb.host.batch import StepInput, WindowPages
-from jaxcb.model.config import ModelConfig
+from jaxcb.model.config import DENSE_MLP, EXPERT_PARTS, ModelConfig
 from jaxcb.model.mesh_axes import AXIS, KV_SPEC
 from jaxcb.model.paged_attention import ragged_attention, write_kv
 from jaxcb.model.quant import (EXPERTS, MATRICES, QuantRows, QuantWeight, StackedMatrix, dense, dequantize, embed_rows,
@@ -86,6 +86,12 @@ class LayerParams:
     experts_gate_bias: jax.Array | None = None  # [L, X, F]
     experts_up_bias: jax.Array | None = None  # [L, X, F]
     experts_down_bias: jax.Array | None = None  # [L, X, E]
+    router_choice_bias: jax.Array | None = None  # [L, X] added to the sigmoid scores to choose experts (GLM-4.5)
+    # A mixture of experts with dense layers among its experts' ones (ModelConfig.moe_layers): the dense layers'
+    # MLP, stacked over those layers only, as the experts' parts (and a shared expert) are over theirs.
+    dense_gate: jax.Array | None = None  # [Ld, E, Fd]
+    dense_up: jax.Array | None = None  # [Ld, E, Fd]
+    dense_down: jax.Array | None = None  # [Ld, Fd, E]
 
 
 @flax.struct.dataclass
@@ -227,24 +233,31 @@ def rotary(x, positions, inv_freq, scale: float = 1.0):
 
 def layer_kinds(config: ModelConfig):
     """Per-layer arrays scanned with the weights: (sliding: bool, RoPE base: f32, index of the layer in
-    its KV page group: i32, RoPE on: f32 1, or 0 for a layer without RoPE)."""
+    its KV page group: i32, RoPE on: f32 1, or 0 for a layer without RoPE, experts: bool (a mixed_mlp model's
+    layers with experts), index of the layer in its MLP's stack: i32)."""
     flags = np.array(config.sliding_layers if config.windowed else [False] * config.num_layers)
     local = config.local_rope_theta or config.rope_theta
     theta = np.where(flags, local, config.rope_theta).astype(np.float32)
     group_index = np.where(flags, np.cumsum(flags) - 1, np.cumsum(~flags) - 1).astype(np.int32)
     rope = 1.0 - np.array(config.nope_layers or [False] * config.num_layers, np.float32)
-    return jnp.asarray(flags), jnp.asarray(theta), jnp.asarray(group_index), jnp.asarray(rope)
+    moe = np.array(config.moe_layers if config.mixed_mlp else [bool(config.num_experts)] * config.num_layers)
+    mlp_index = np.where(moe, np.cumsum(moe) - 1, np.cumsum(~moe) - 1).astype(np.int32)
+    return (jnp.asarray(flags), jnp.asarray(theta), jnp.asarray(group_index), jnp.asarray(rope), jnp.asarray(moe),
+            jnp.asarray(mlp_index))
 
 
 def _layer(config: ModelConfig, attention: Attention, batch: StepInput, h, kv_pages, kind, w: LayerParams,
-           lora=None, lora_mask=None):
+           lora=None, lora_mask=None, mlps=None):
+    """One decoder layer. `mlps` (a mixed_mlp model): (the experts' layers' parts, the dense layers' MLP, the
+    names of these the native matmul reads in place), each stacked over its own layers, not in `w`: the layer
+    runs the one of its kind, at its own index in that stack."""
     t, _ = h.shape
     nh, nk, d = config.num_heads, config.num_kv_heads, config.head_dim
-    sliding, theta, group_index, rope = kind
+    sliding, theta, group_index, rope, moe, mlp_index = kind
     norm = functools.partial(rms_norm, eps=config.rms_norm_eps, plus_one=config.norm_plus_one)
 
-    def proj(x, name):
-        """x @ the layer's matrix `name`, plus each token's own adapter's low-rank update: every slot's
+    def proj(x, name, w=w):
+        """x @ the layer's matrix `name` (of `w`), plus each token's own adapter's low-rank update: every slot's
         A at once ([in, S*R], a few columns), the columns of other slots masked to zero, then B."""
         y = dense(x, getattr(w, name))
         if lora is not None and name in lora["a"]:
@@ -293,17 +306,38 @@ def _layer(config: ModelConfig, attention: Attention, batch: StepInput, h, kv_pa
     h = h + out
 
     x = norm(h, w.mlp_norm) if w.mlp_norm is not None else h
-    out = experts(config, x, w, grouped=attention.grouped_experts) if w.router is not None else None
-    if w.w_gate is not None:  # the dense MLP, or a mixture's shared expert (weighed by its gate)
-        mlp = proj(glu(config, proj(x, "w_gate"), proj(x, "w_up")), "w_down")
-        if w.shared_gate is not None:
-            mlp = mlp * jax.nn.sigmoid(jnp.dot(x, w.shared_gate, preferred_element_type=jnp.float32)).astype(x.dtype)
-        out = mlp if out is None else out + mlp
+    if mlps is None:
+        out = _mlp(config, attention, x, w, proj)
+    else:  # the experts, or this layer's dense MLP (as w_gate, w_up, w_down)
+        parts, dense_mlp = (_stacked_at(stacks, mlp_index, mlps[2]) for stacks in mlps[:2])
+        dense_mlp = dict(zip(("w_gate", "w_up", "w_down"), (dense_mlp[n] for n in DENSE_MLP)))
+        no_experts = {n: None for n in EXPERT_PARTS}
+        out = jax.lax.cond(moe, lambda x: _mlp(config, attention, x, dataclasses.replace(w, **parts), proj),
+                           lambda x: _mlp(config, attention, x, dataclasses.replace(w, **{**no_experts, **dense_mlp}),
+                                          proj), x)
     if w.post_mlp_norm is not None:
         out = norm(out, w.post_mlp_norm)
     if config.residual_multiplier != 1.0:
         out = out * jnp.asarray(config.residual_multiplier, out.dtype)
     return h + out, kv_pages
+
+
+def _mlp(config: ModelConfig, attention: Attention, x, w: LayerParams, proj):
+    """The layer's MLP over x [T, E]: its experts (beside a shared expert, the w_* matrices), or its dense MLP."""
+    out = experts(config, x, w, grouped=attention.grouped_experts) if w.router is not None else None
+    if w.w_gate is not None:  # the dense MLP, or a mixture's shared expert (weighed by its gate)
+        mlp = proj(glu(config, proj(x, "w_gate", w), proj(x, "w_up", w)), "w_down", w)
+        if w.shared_gate is not None:
+            mlp = mlp * jax.nn.sigmoid(jnp.dot(x, w.shared_gate, preferred_element_type=jnp.float32)).astype(x.dtype)
+        out = mlp if out is None else out + mlp
+    return out
+
+
+def _stacked_at(stacks: dict, index, native) -> dict:
+    """One layer's weights from stacks over some of the layers ({name: stack}): a matrix the native CPU matmul
+    reads in place (its name in `native`) stays its stack (StackedMatrix), the rest are sliced at `index`."""
+    return {name: StackedMatrix(a, index) if name in native else jax.tree.map(lambda t: t[index], a)
+            for name, a in stacks.items()}
 
 
 def glu(config: ModelConfig, gate, up):
@@ -330,7 +364,10 @@ def experts(config: ModelConfig, x, w: LayerParams, grouped: bool):
     267-279 ms). Quantized (and bfloat16) experts are made x's dtype as they are read. With
     config.expert_bias (gpt-oss) the router's logits and each expert's three projections have biases; with
     config.moe_input_scale (Llama 4) each chosen expert's score is the sigmoid of its logit and scales its
-    input, the outputs summed."""
+    input, the outputs summed. With config.router_sigmoid (DeepSeek-V3, GLM-4.5) each expert's score is the
+    sigmoid of its logit, the experts are chosen by score plus w.router_choice_bias among the best groups
+    (config.expert_groups_used of expert_groups, a group worth its two best), and weighed by their scores
+    (renormalized when config.norm_topk); every router's weights times config.routed_scale."""
     t, k, n = x.shape[0], config.experts_per_token, config.num_experts
     logits = jnp.dot(x, w.router, preferred_element_type=jnp.float32)
     if w.router_bias is not None:
@@ -338,11 +375,26 @@ def experts(config: ModelConfig, x, w: LayerParams, grouped: bool):
     if config.moe_input_scale:  # (Llama 4) the chosen ones' sigmoid scores, which scale the experts' inputs
         top, chosen = jax.lax.top_k(logits, k)
         top = jax.nn.sigmoid(top)
+    elif config.router_sigmoid:  # (DeepSeek-V3, GLM-4.5) chosen by score + correction bias in the best groups
+        scores = jax.nn.sigmoid(logits)
+        choice = scores if w.router_choice_bias is None else scores + w.router_choice_bias.astype(jnp.float32)
+        if config.expert_groups > 1:
+            groups = choice.reshape(t, config.expert_groups, n // config.expert_groups)
+            worth = jax.lax.top_k(groups, min(2, n // config.expert_groups))[0].sum(-1)  # [T, G]
+            best = jax.lax.top_k(worth, config.expert_groups_used)[1]
+            kept = jnp.zeros(worth.shape, bool).at[jnp.arange(t)[:, None], best].set(True)
+            choice = jnp.where(kept[:, :, None], groups, -jnp.inf).reshape(t, n)
+        chosen = jax.lax.top_k(choice, k)[1]
+        top = jnp.take_along_axis(scores, chosen, axis=-1)
+        if config.norm_topk:
+            top = top / (jnp.sum(top, axis=-1, keepdims=True) + 1e-20)
     else:
         probs = jax.nn.softmax(logits, axis=-1)  # [T, X]
         top, chosen = jax.lax.top_k(probs, k)  # [T, k]
         if config.norm_topk:
             top = top / jnp.sum(top, axis=-1, keepdims=True)
+    if config.routed_scale != 1.0:
+        top = top * config.routed_scale
     top = top.astype(x.dtype)
     scale_in = config.moe_input_scale
 
@@ -466,7 +518,13 @@ def forward_hidden(params: Params, kv_pages, batch: StepInput, config: ModelConf
     if config.embed_multiplier != 1.0:
         h = h * jnp.asarray(config.embed_multiplier, h.dtype)
 
-    layers, stacks = params.layers, {}
+    layers, stacks, mlps = params.layers, {}, None
+    if config.mixed_mlp:  # the MLPs' parts stacked over their own layers: out of the scanned xs, indexed per layer
+        parts = {name: getattr(layers, name) for name in EXPERT_PARTS + DENSE_MLP if getattr(layers, name) is not None}
+        native = {name for name, a in parts.items() if attention.native_matmul and name in MATRICES and native_stack(a)}
+        mlps = ({n: a for n, a in parts.items() if n in EXPERT_PARTS}, {n: a for n, a in parts.items() if n in DENSE_MLP},
+                frozenset(native))
+        layers = dataclasses.replace(layers, **{name: None for name in parts})
     if attention.native_matmul:  # matrices stay out of the scanned xs: the body reads them from the stack
         stacks = {name: getattr(layers, name) for name in MATRICES if native_stack(getattr(layers, name))}
         layers = dataclasses.replace(layers, **{name: None for name in stacks})
@@ -475,7 +533,8 @@ def forward_hidden(params: Params, kv_pages, batch: StepInput, config: ModelConf
         h, stored = carry
         kind, index, w, lora_w = xs
         w = dataclasses.replace(w, **{name: StackedMatrix(stack, index) for name, stack in stacks.items()})
-        h, kv = _layer(config, attention, batch, h, jax.tree.map(_with_head_axis, stored), kind, w, lora_w, lora_mask)
+        h, kv = _layer(config, attention, batch, h, jax.tree.map(_with_head_axis, stored), kind, w, lora_w, lora_mask,
+                       mlps)
         return (h, jax.tree.map(lambda a, like: a.reshape(like.shape), kv, stored)), None
 
     lora_layers = None if lora is None else {"a": lora["a"], "b": lora["b"]}
