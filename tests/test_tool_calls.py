@@ -196,6 +196,13 @@ XML_TEMPLATE = (  # Qwen3-Coder's way: a call's arguments as <parameter=...> ele
     "{{ v | tojson if v is mapping or (v is sequence and v is not string) else v | string }}\n</parameter>\n"
     "{% endfor %}</function>\n</tool_call>{% endfor %}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+GLM_TEMPLATE = (  # GLM-4.5's kind: the name, then a key and a value element per argument
+    "{% if tools %}<|system|>Call functions as <tool_call>name<arg_key>k</arg_key><arg_value>v</arg_value></tool_call>"
+    "{% for t in tools %}{{ t | tojson }}{% endfor %}{% endif %}"
+    "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{% for c in m.tool_calls or [] %}\n<tool_call>"
+    "{{ c.function.name }}\n{% for k, v in c.function.arguments | items %}<arg_key>{{ k }}</arg_key>\n<arg_value>"
+    "{{ v | tojson if v is not string else v }}</arg_value>\n{% endfor %}</tool_call>{% endfor %}{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}")
 V11_TEMPLATE = LIST_TEMPLATE.replace(  # Mistral's tokenizers from v11: each call its marker, name, [ARGS], arguments
     "[TOOL_CALLS]{{ m.tool_calls | map(attribute='function') | list | tojson }}",
     "{% for c in m.tool_calls %}[TOOL_CALLS]{{ c.function.name }}[ARGS]{{ c.function.arguments | tojson }}{% endfor %}")
@@ -207,6 +214,8 @@ def test_the_format_is_the_templates_own_where_it_renders_tools():
     assert tool_calls.choose_format(LIST_TEMPLATE) == (tool_calls.MISTRAL, True)
     assert tool_calls.choose_format(V11_TEMPLATE) == (tool_calls.MISTRAL_V11, True)
     assert tool_calls.choose_format(XML_TEMPLATE) == (tool_calls.QWEN3_CODER, True)  # (its <tool_call>: not hermes)
+    assert tool_calls.choose_format(GLM_TEMPLATE) == (tool_calls.GLM45, True)
+    assert tool_calls.choose_format(PLAIN_TEMPLATE, "glm47") == (tool_calls.GLM45, False)  # (vLLM's name for 4.7's)
     # vLLM's "mistral" parser reads either: the one the template writes
     assert tool_calls.choose_format(V11_TEMPLATE, "mistral") == (tool_calls.MISTRAL_V11, True)
     assert tool_calls.choose_format(LIST_TEMPLATE, "mistral") == (tool_calls.MISTRAL, True)
@@ -355,19 +364,22 @@ def test_the_grammar_writes_calls_in_the_format(make_llm):
             (dataclasses.replace(_tools("required"), fmt=tool_calls.QWEN3_CODER),
              "<tool_call>\n<function=get_time>\n</function>\n</tool_call>\n<tool_call>\n<function=get_weather>\n"
              "<parameter=city>\nSan <b>Jo</b>\nsé\n</parameter>\n</function>\n</tool_call>",
-             "<tool_call>\n<function=get_weather>\n</function>\n</tool_call>")):  # (city is required)
+             "<tool_call>\n<function=get_weather>\n</function>\n</tool_call>"),  # (city is required)
+            (dataclasses.replace(_tools("required"), fmt=tool_calls.GLM45),
+             "<tool_call>get_time\n</tool_call>\n<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>San "
+             "<b>Jo</b>\nsé</arg_value>\n</tool_call>", "<tool_call>get_weather\n</tool_call>")):
         assert accepts(tools, good) and not accepts(tools, bad)
-        assert len(tool_parse.parse(good, tools)[1]) == good.count('"name"') + good.count("<function=")
-    typed = dataclasses.replace(tool_calls.parse_tools({"tools": [TYPED], "tool_choice": "required"}),
-                                fmt=tool_calls.QWEN3_CODER)
-    for text, ok in ((tool_calls.QWEN3_CODER.write("plan", {"title": "t", "days": 2, "solo": True, "stops": ["a"],
-                                                            "pace": "slow"}), True),
-                     (tool_calls.QWEN3_CODER.write("plan", {"title": "t", "days": 2.5}), False),  # not an integer
-                     (tool_calls.QWEN3_CODER.write("plan", {"title": "t", "pace": "medium"}), False),  # not in the enum
-                     (tool_calls.QWEN3_CODER.write("plan", {"days": 2}), False),  # title is required
-                     (tool_calls.QWEN3_CODER.write("plan", {"title": "t", "notes": "raw text", "size": 2}), True),
-                     (tool_calls.QWEN3_CODER.write("plan", {"title": "t", "size": 3}), False)):  # not in the enum
-        assert accepts(typed, text) == ok, text
+        calls = good.count('"name"') + good.count("<function=") if tools.fmt != tool_calls.GLM45 else 2
+        assert len(tool_parse.parse(good, tools)[1]) == calls
+    for fmt in (tool_calls.QWEN3_CODER, tool_calls.GLM45):
+        typed = dataclasses.replace(tool_calls.parse_tools({"tools": [TYPED], "tool_choice": "required"}), fmt=fmt)
+        for text, ok in ((fmt.write("plan", {"title": "t", "days": 2, "solo": True, "stops": ["a"], "pace": "slow"}), True),
+                         (fmt.write("plan", {"title": "t", "days": 2.5}), False),  # not an integer
+                         (fmt.write("plan", {"title": "t", "pace": "medium"}), False),  # not in the enum
+                         (fmt.write("plan", {"days": 2}), False),  # title is required
+                         (fmt.write("plan", {"title": "t", "notes": "raw text", "size": 2}), True),
+                         (fmt.write("plan", {"title": "t", "size": 3}), False)):  # not in the enum
+            assert accepts(typed, text) == ok, (fmt.name, text)
 
 
 def test_qwen3_coder_strings_hold_their_length_pattern_and_format(make_llm):
@@ -459,7 +471,8 @@ def test_calls_marked_by_special_tokens_are_read_with_special_tokens_kept():
     from jaxcb.host.tokenizer import Tokenizer, TokenizerSpec
 
     tokens = ("a", "<tool_call>", "</tool_call>", "[TOOL_CALLS]")
-    for types, marked in (((1, 3, 3, 3), {"hermes", "qwen3_coder", "mistral", "mistral_v11"}), ((1, 4, 4, 1), set())):
+    for types, marked in (((1, 3, 3, 3), {"hermes", "qwen3_coder", "glm45", "mistral", "mistral_v11"}),
+                          ((1, 4, 4, 1), set())):
         tok = Tokenizer(TokenizerSpec(model="gpt2", pre="default", tokens=tokens, merges=(), token_types=types,
                                       bos_id=None, eos_id=None, add_bos=False, chat_template=None))
         assert {f.name for f in tool_calls.FORMATS.values() if tool_calls.marked_by_special_tokens(f, tok)} == marked
@@ -573,6 +586,88 @@ def test_element_calls_write_and_read_back():
                  "size": 1}
     content, calls = tool_parse.parse(tool_calls.QWEN3_CODER.write("plan", arguments), tools)
     assert content == "" and json.loads(calls[0]["function"]["arguments"]) == arguments
+
+
+GLM_ANSWERS = [  # glm45: the name, then a key and a value element per argument
+    ("Sure.\n<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris </x></arg_value>\n</tool_call>",
+     "Sure.", [("get_weather", {"city": "Paris </x>"})]),
+    ("<tool_call>get_time\n</tool_call>\n<tool_call>plan\n<arg_key>title</arg_key>\n<arg_value>Two\nlines</arg_value>\n"
+     "<arg_key>days</arg_key>\n<arg_value>3</arg_value>\n<arg_key>budget</arg_key>\n<arg_value>2.5</arg_value>\n"
+     "<arg_key>solo</arg_key>\n<arg_value>True</arg_value>\n<arg_key>stops</arg_key>\n<arg_value>[\"a\", \"b\"]"
+     "</arg_value>\n<arg_key>pace</arg_key>\n<arg_value>slow</arg_value>\n<arg_key>notes</arg_key>\n<arg_value>null"
+     "</arg_value>\n</tool_call> done", "done",
+     [("get_time", {}), ("plan", {"title": "Two\nlines", "days": 3, "budget": 2.5, "solo": True, "stops": ["a", "b"],
+                                  "pace": "slow", "notes": None})]),
+    # GLM-4.7's way, without the newlines; a call without arguments, its name only; a string as written, its
+    # spaces kept; a key's spaces not
+    ("<tool_call>get_weather<arg_key> city </arg_key><arg_value> Oslo</arg_value></tool_call><tool_call>get_time"
+     "</tool_call>", "", [("get_weather", {"city": " Oslo"}), ("get_time", {})]),
+    # a value that does not read as its type stays text; a key given twice: its first
+    ("<tool_call>plan\n<arg_key>title</arg_key>\n<arg_value>x</arg_value>\n<arg_key>days</arg_key>\n<arg_value>three"
+     "</arg_value>\n<arg_key>title</arg_key>\n<arg_value>y</arg_value>\n</tool_call>", "",
+     [("plan", {"title": "x", "days": "three"})]),
+    ("<tool_call>unknown\n</tool_call>", "<tool_call>unknown\n</tool_call>", []),  # not one of the tools: text
+    ("<tool_call>plan\n<arg_key>title</arg_key>\n<arg_value>Tr", "", [("plan", {})]),  # cut off: the elements so far
+    ("a <tool_call> b c </tool_call>", "a <tool_call> b c </tool_call>", []),
+]
+
+
+@pytest.mark.parametrize("text, content, calls", GLM_ANSWERS)
+def test_glm45_calls_parse_whole_and_streamed(text, content, calls):
+    """glm45 (GLM-4.5's calls): the name, then each argument's key and value elements, a value read by its schema's
+    type as qwen3_coder's are; the arguments stream pair by pair as JSON text that goes on from what was sent, the
+    same whole and however the stream cuts it."""
+    tools = dataclasses.replace(tool_calls.parse_tools({"tools": [WEATHER, CLOCK, TYPED]}), fmt=tool_calls.GLM45)
+    got_content, got_calls = tool_parse.parse(text, tools)
+    whole = [(c["function"]["name"], c["function"]["arguments"]) for c in got_calls]
+    cut = text.endswith("Tr")
+    assert got_content == content
+    assert [(n, json.loads(a + "}" if cut and not a.endswith("}") else a)) for n, a in whole] == calls
+    rng = random.Random(5)
+    for pieces in [[text[i:i + 1] for i in range(len(text))]] + [_random_pieces(text, rng) for _ in range(30)]:
+        streamed, merged = _streamed(tools, pieces)
+        assert (streamed.strip(), merged) == (content, whole)
+
+
+def test_glm45_calls_write_read_back_and_refuse_what_elements_cannot_hold():
+    """A call as jaxcb writes it in the glm45 format (an earlier call in jaxcb's rendering) reads back as the same
+    arguments; a key a <arg_key> element cannot hold is refused naming the tool's field when a grammar is built."""
+    tools = dataclasses.replace(tool_calls.parse_tools({"tools": [TYPED]}), fmt=tool_calls.GLM45)
+    arguments = {"title": "a\nb", "days": 2, "budget": 1.5, "solo": False, "stops": ["x"], "pace": "fast", "notes": None,
+                 "size": 1}
+    content, calls = tool_parse.parse(tool_calls.GLM45.write("plan", arguments), tools)
+    assert content == "" and json.loads(calls[0]["function"]["arguments"]) == arguments
+    for key in ("a<b", " a", "a\nb"):
+        bad = dataclasses.replace(tool_calls.parse_tools({"tools": [{"type": "function", "function": {
+            "name": "f", "parameters": {"type": "object", "properties": {key: {"type": "string"}}}}}],
+            "tool_choice": "required"}), fmt=tool_calls.GLM45)
+        with pytest.raises(InvalidRequest, match=re.escape("tools[0].function.parameters.properties: ") + ".* glm45"):
+            tool_calls.constraint(bad)
+
+
+def test_glm45_template_renders_the_conversation_and_a_required_call_is_one(make_llm):
+    """A GLM-4.5-kind template (its own <arg_key>/<arg_value> calls) renders the tools and earlier calls itself;
+    with tool_choice required (one call: parallel_tool_calls false) the tiny model's answer, held by the grammar, is
+    one call of the tools that reads back with its arguments valid."""
+    from jaxcb.host.request import SamplingParams
+
+    llm = make_llm()
+    messages = [{"role": "user", "content": "weather?"}, {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"}, {"role": "user", "content": "and now?"}]
+    tools, rendered, listed = tool_calls.prepare({"tools": [WEATHER, CLOCK], "tool_choice": "required",
+                                                  "parallel_tool_calls": False}, messages, GLM_TEMPLATE)
+    assert tools.fmt == tool_calls.GLM45 and tools.native and [t["function"]["name"] for t in listed] == [
+        "get_weather", "get_time"]
+    assert rendered[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Oslo"}
+    grammar = tool_calls.constraint(tools, llm.tokenizer)
+    out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=48, structured=grammar))[0]
+    content, calls = tool_parse.parse(out.text, tools)
+    assert out.finish_reason == "stop" and content == "" and len(calls) == 1, out.text
+    for call in calls:
+        args = json.loads(call["function"]["arguments"])
+        assert call["function"]["name"] in ("get_weather", "get_time"), out.text
+        assert call["function"]["name"] == "get_time" or isinstance(args.get("city"), str), out.text
 
 
 @pytest.mark.parametrize("text, content, calls", NAME_FIRST_ANSWERS)

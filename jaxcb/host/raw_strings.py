@@ -1,5 +1,5 @@
 """A JSON Schema string as raw text in a Lark grammar: the text itself, not JSON-quoted, as qwen3_coder's
-`<parameter=...>` elements hold an argument. llguidance's `%json` holds a schema's string keywords only
+`<parameter=...>` elements and glm45's `<arg_value>` elements hold an argument. llguidance's `%json` holds a schema's string keywords only
 inside quotes, so here they become one token expression, the intersection (llguidance's `&`) of
 
     the length:   /(?s:.{minLength,maxLength})/         characters, as JSON Schema counts them
@@ -104,7 +104,7 @@ def _search(pattern: str, field: str) -> str:
         branch = branch[:-1] if tail == "" else branch
         if _anchor_inside(branch):
             raise InvalidRequest(f"{field}.pattern: {pattern[:80]!r}: an anchor (^ or $) inside it cannot be held "
-                                 "in the qwen3_coder format (only at the start or end of an alternative)")
+                                 "in raw text (qwen3_coder's, glm45's elements: only at the start or end of an alternative)")
         branches.append(f"{head}(?:{branch}){tail}")
     rx = _lark("|".join(f"(?:{b})" for b in branches))
     import llguidance

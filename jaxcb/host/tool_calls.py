@@ -19,6 +19,9 @@ A model writes its calls in the format it was trained on (a `Format`; vLLM's --t
     qwen3_coder  <tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call>
                  one block per call, each argument an element whose text is its value: a string as it is,
                  another type as JSON, read by the function's schema (Qwen3-Coder)
+    glm45        <tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n</tool_call>
+                 one block per call: the name, then each argument's key and value elements, the value read
+                 as qwen3_coder's are (GLM-4.5, 4.6; 4.7's, without the newlines, reads the same)
     pythonic     [get_weather(city="Paris"), get_time()]
                  the answer a Python list of calls with keyword arguments (Llama 3.2's and Llama 4's templates
                  ask for it; vLLM's pythonic and llama4_pythonic), read by jaxcb.host.pythonic
@@ -68,8 +71,9 @@ class Format:
     with one ("object": one call) or with a list of them ("list"), after `open` if that is in the text
     (what follows is text). A call read back may name its arguments by any of `keys`. With `args` a
     call is no object but its name, `args` and the arguments object (a block without `close`: it ends
-    with the arguments). With `xml` a call is `<function=name>` and an element `<parameter=key>` per
-    argument (tool_parse reads each value by the function's schema), then `</function>`."""
+    with the arguments). With `xml` "qwen3_coder" a call is `<function=name>` and an element `<parameter=key>`
+    per argument, then `</function>`; with "glm45" the name, then `<arg_key>key</arg_key>` and
+    `<arg_value>value</arg_value>` per argument (tool_parse reads each value by the function's schema)."""
     name: str
     shape: str  # "blocks" | "object" | "list"
     open: str
@@ -77,11 +81,15 @@ class Format:
     keys: tuple[str, ...]
     id_length: int = 0  # call ids the model's template takes: this many letters and digits (0: any id)
     args: str = ""  # between a call's name and its arguments, where calls are written name-first, no object
-    xml: bool = False  # calls as Qwen3-Coder's elements, not JSON
+    xml: str = ""  # calls as elements, not JSON: "qwen3_coder" (Qwen3-Coder's) or "glm45" (GLM-4.5's)
     harmony: bool = False  # calls as messages of OpenAI's harmony format (jaxcb.host.harmony)
     pythonic: bool = False  # the answer a Python list of calls (jaxcb.host.pythonic)
 
     def write(self, name: str, arguments) -> str:
+        if self.xml == "glm45":  # (as GLM-4.5's template writes them: a string as it is, anything else as JSON)
+            pairs = "".join(f"<arg_key>{k}</arg_key>\n<arg_value>{v if isinstance(v, str) else json.dumps(v)}"
+                            "</arg_value>\n" for k, v in arguments.items())
+            return f"{self.open}{name}\n{pairs}{self.close}"
         if self.xml:  # (as Qwen3-Coder's template writes them: a string as it is, anything else as JSON)
             params = "".join(f"<parameter={k}>\n{v if isinstance(v, str) else json.dumps(v)}\n</parameter>\n"
                              for k, v in arguments.items())
@@ -106,11 +114,13 @@ LLAMA3_JSON = Format("llama3_json", "object", "", "", ("parameters", "arguments"
 MISTRAL = Format("mistral", "list", "[TOOL_CALLS]", "", ("arguments",), id_length=9)
 GRANITE = Format("granite", "list", "<|tool_call|>", "", ("arguments",))
 MISTRAL_V11 = Format("mistral_v11", "blocks", "[TOOL_CALLS]", "", ("arguments",), id_length=9, args="[ARGS]")
-QWEN3_CODER = Format("qwen3_coder", "blocks", "<tool_call>", "</tool_call>", ("arguments",), xml=True)
+QWEN3_CODER = Format("qwen3_coder", "blocks", "<tool_call>", "</tool_call>", ("arguments",), xml="qwen3_coder")
+GLM45 = Format("glm45", "blocks", "<tool_call>", "</tool_call>", ("arguments",), xml="glm45")
 HARMONY = Format("harmony", "blocks", "<|channel|>", "<|call|>", ("arguments",), harmony=True)
 PYTHONIC = Format("pythonic", "list", "", "", ("arguments",), pythonic=True)
-FORMATS = {f.name: f for f in (HERMES, LLAMA3_JSON, MISTRAL, GRANITE, MISTRAL_V11, QWEN3_CODER, HARMONY, PYTHONIC)}
-ALIASES = {"openai": "harmony", "llama4_pythonic": "pythonic"}  # vLLM's names for these formats
+FORMATS = {f.name: f for f in (HERMES, LLAMA3_JSON, MISTRAL, GRANITE, MISTRAL_V11, QWEN3_CODER, GLM45, HARMONY,
+                                PYTHONIC)}
+ALIASES = {"openai": "harmony", "llama4_pythonic": "pythonic", "glm47": "glm45"}  # vLLM's names for these formats
 # --tool-call-parser ("mistral": mistral_v11 where the template writes [ARGS])
 PARSERS = ("auto", *FORMATS, *ALIASES)
 
@@ -126,6 +136,7 @@ def choose_format(template: str | None, parser: str = "auto") -> tuple[Format, b
     """(the format calls are written and read in, whether the chat template `template` renders the tools
     and calls itself: it reads `tools`). "auto": the template's own format where it is recognised from what
     the template writes (<|tool_call|>: granite; <function=...> and <parameter=...> elements: qwen3_coder;
+    <arg_key> and <arg_value> elements: glm45;
     a <tool_call> block: hermes; [TOOL_CALLS] with [ARGS]:
     mistral_v11, without: mistral; a "parameters" object: llama3_json), else hermes in jaxcb's rendering; a
     parser named by the server: its format (mistral's by what the template writes, as vLLM's parser reads
@@ -147,6 +158,8 @@ def choose_format(template: str | None, parser: str = "auto") -> tuple[Format, b
         return PYTHONIC, True
     if reads and "<function=" in template and "<parameter=" in template:
         return QWEN3_CODER, True
+    if reads and "<arg_key>" in template and "<arg_value>" in template:
+        return GLM45, True
     if reads and HERMES.open in template:
         return HERMES, True
     if reads and MISTRAL.open in template:
@@ -245,7 +258,10 @@ def system_text(tools: Tools) -> str:
     call = '{"name": <function name>, "%s": <arguments as a JSON object>}' % fmt.keys[0]
     if fmt.args:
         call = f"<function name>{fmt.args}<arguments as a JSON object>"
-    if fmt.xml:
+    if fmt.xml == "glm45":
+        call = ("<function name>\n<arg_key><argument name></arg_key>\n<arg_value><its value: a string as it is, "
+                "anything else as JSON></arg_value>\n(a key and a value element per argument)")
+    elif fmt.xml:
         call = ("\n<function=<function name>>\n<parameter=<argument name>>\n<its value: a string as it is, "
                 "anything else as JSON>\n</parameter>\n(one parameter element per argument)</function>\n")
     if fmt.pythonic:
@@ -427,26 +443,29 @@ def _literal_enum(prop) -> list | None:
     return enum if ok else None
 
 
-XML_KEY = re.compile(r"[^>\n]{1,256}")  # a parameter's name that an element can hold (tool_parse reads these)
+# A parameter's name that an element can hold (tool_parse reads these): qwen3_coder's <parameter=...>, glm45's
+# <arg_key>...</arg_key> (read stripped)
+XML_KEY = {"qwen3_coder": re.compile(r"[^>\n]{1,256}"), "glm45": re.compile(r"[^<\s](?:[^<\n]{0,254}[^<\s])?")}
 
 
 def _xml_grammar(tools: Tools, names: list[str], more: bool, tokenizer=None) -> str:
-    """qwen3_coder's calls as a Lark grammar: per function its name and an element per property of its
+    """qwen3_coder's or glm45's calls as a Lark grammar: per function its name and an element per property of its
     parameters, in their order (the required ones always, the others optional; no others); a value by its
     schema (xml_type): an enum one of its values, a string the text up to its closing tag (a lazy lexeme) as
     its minLength, maxLength, pattern and format allow (jaxcb.host.raw_strings), an integer, number or boolean
     as JSON writes it ("null" too where its type allows), anything else JSON valid against the schema. A name
     an element cannot hold, or a string keyword that cannot be held, is refused naming the tool's field."""
-    rules, calls, order = [], [], list(tools.functions)
-    end = '"\\n</parameter>"'
+    rules, calls, order, glm = [], [], list(tools.functions), tools.fmt.xml == "glm45"
+    end = '"</arg_value>"' if glm else '"\\n</parameter>"'
     for k, name in enumerate(names):
         schema, where = tools.functions[name], f"tools[{order.index(name)}].function.parameters"
         required = set(schema.get("required") or ())
         params = []
         for j, (key, prop) in enumerate((schema.get("properties") or {}).items()):
-            if not XML_KEY.fullmatch(key):
+            if not XML_KEY[tools.fmt.xml].fullmatch(key):
                 raise InvalidRequest(f"{where}.properties: {key[:64]!r} cannot be an element's name in the "
-                                     "qwen3_coder format (1-256 characters, no '>' or newline)")
+                                     f"{tools.fmt.name} format (1-256 characters, "
+                                     f"{'no < or newline, none at its ends' if glm else 'no > or newline'})")
             kind, nullable = xml_type(prop)
             enum = _literal_enum(prop)
             null = ' | "null"' if nullable else ""
@@ -467,15 +486,19 @@ def _xml_grammar(tools: Tools, names: list[str], more: bool, tokenizer=None) -> 
             else:
                 body = f"%json {json.dumps(lark_schema(prop if isinstance(prop, dict) else {}))} {end}"
             rules.append(f"v_{k}_{j}: {body}")
-            rules.append(f"p_{k}_{j}: {json.dumps(f'<parameter={key}>' + chr(10))} v_{k}_{j} \"\\n\"")
+            opening = f"<arg_key>{key}</arg_key>\n<arg_value>" if glm else f"<parameter={key}>\n"
+            rules.append(f"p_{k}_{j}: {json.dumps(opening)} v_{k}_{j} \"\\n\"")
             params.append(f"p_{k}_{j}" + ("" if key in required else "?"))
-        rules.append(f"call_{k}: {json.dumps(f'<function={name}>' + chr(10))} {' '.join(params)} \"</function>\"")
+        if glm:  # the name on its line, its elements
+            rules.append(f"call_{k}: {json.dumps(name + chr(10))} {' '.join(params)}")
+        else:
+            rules.append(f"call_{k}: {json.dumps(f'<function={name}>' + chr(10))} {' '.join(params)} \"</function>\"")
         calls.append(f"call_{k}")
     newline = '"\\n"?'
     rest = f" ({newline} call)*" if more else ""
+    inner = f'({" | ".join(calls)})' if glm else f'"\\n" ({" | ".join(calls)}) "\\n"'
     return "\n".join([f"start: call{rest}",
-                      f'call: {marker(tools.fmt.open, tokenizer)} "\\n" ({" | ".join(calls)}) "\\n" '
-                      f'{marker(tools.fmt.close, tokenizer)}', *rules])
+                      f'call: {marker(tools.fmt.open, tokenizer)} {inner} {marker(tools.fmt.close, tokenizer)}', *rules])
 
 
 def _pythonic_grammar(tools: Tools, names: list[str], more: bool) -> str:

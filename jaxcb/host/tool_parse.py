@@ -2,8 +2,8 @@
 streamed deltas (`CallStream`), or whole (`parse`: the stream of the whole answer, so the same calls
 either way however the answer's text is cut into pieces), in the request's format (`Tools.fmt`).
 
-Formats of the "blocks" shape (hermes; qwen3_coder, whose calls are elements; mistral_v11, whose blocks end
-with their arguments) hold calls
+Formats of the "blocks" shape (hermes; qwen3_coder and glm45, whose arguments are elements; mistral_v11, whose
+blocks end with their arguments) hold calls
 anywhere in the answer; those of the "object" and "list" shapes (llama3_json; mistral, granite) are calls
 when the answer begins with them (a list: its first object), and what follows is text. A call cut off at
 the end of the answer (max_tokens) that has named one of the tools is that call with the arguments
@@ -29,7 +29,10 @@ _CALL_ID = "[CALL_ID]"  # (name-first calls: between a name and its arguments' m
 def _head(fmt: Format) -> re.Pattern:
     """A call's object up to its arguments: {"name": "...", "<key>": (the name first, the grammar's order);
     or, where calls are name-first (fmt.args), the name and the marker (with a [CALL_ID] and id between,
-    as some of Mistral's templates write); or (fmt.xml) the <function=name> element's opening."""
+    as some of Mistral's templates write); or (qwen3_coder) the <function=name> element's opening; or (glm45) the
+    name, ended by its line's end or the first argument's element."""
+    if fmt.xml == "glm45":
+        return re.compile(rf"\s*({NAME.pattern})(?:[ \t]*\n|(?=\s*<arg_key>))")
     if fmt.xml:
         return re.compile(rf"\s*<function=({NAME.pattern})>\n?")
     if fmt.args:
@@ -104,7 +107,12 @@ def _not_a_head(body: str, fmt: Format) -> int | None:
     return None if any(marker.startswith(rest) for marker in (fmt.args, _CALL_ID)) else at
 
 
-_PARAM = re.compile(r"<parameter=([^>\n]{1,256})>\n?(.*?)\n?</parameter>", re.S)
+# An argument's element (its name, its text), and where a call's elements end, by format: qwen3_coder's
+# <parameter=...> elements within its <function> element; glm45's key and value elements (to the block's end)
+_ELEMENT = {"qwen3_coder": re.compile(r"<parameter=([^>\n]{1,256})>\n?(.*?)\n?</parameter>", re.S),
+            "glm45": re.compile(r"<arg_key>\s*([^<]{1,256}?)\s*</arg_key>\s*<arg_value>(.*?)</arg_value>", re.S)}
+_OPENING = {"qwen3_coder": "<parameter=", "glm45": "<arg_key>"}
+_FUNCTION_END = {"qwen3_coder": "</function>", "glm45": None}
 _INTEGER = re.compile(r"-?[0-9]+")
 
 
@@ -136,25 +144,28 @@ def _xml_value(text: str, schema) -> object:
         return text
 
 
-def _xml_args(text: str, schema: dict, whole: bool) -> str:
-    """The arguments of an element call as the JSON text written so far: "{", then each parameter element
-    once its closing tag is written (a name given twice: its first), then "}" once the function's element is
-    closed (its </function> outside any element; or `whole`: the block ended), so each piece goes on from the
-    last, and a whole call's text is json.dumps of its arguments. Nothing after its </function> is read."""
-    return _xml_read(text, schema, whole)[0]
+def _xml_args(text: str, schema: dict, whole: bool, style: str) -> str:
+    """The arguments of an element call (`style`: qwen3_coder's or glm45's elements) as the JSON text written so
+    far: "{", then each argument's element once its closing tag is written (a name given twice: its first), then
+    "}" once the call is closed (qwen3_coder: its </function> outside any element; or `whole`: the block ended),
+    so each piece goes on from the last, and a whole call's text is json.dumps of its arguments. Nothing after
+    its </function> is read."""
+    return _xml_read(text, schema, whole, style)[0]
 
 
-def _xml_read(text: str, schema: dict, whole: bool) -> tuple[str, int | None]:
-    """(_xml_args's text, where the function's element ends: just past its </function>, None while open)."""
+def _xml_read(text: str, schema: dict, whole: bool, style: str) -> tuple[str, int | None]:
+    """(_xml_args's text, where the function's element ends: just past its </function>, None while open or where
+    calls have no such element: glm45's)."""
     properties = schema.get("properties") if isinstance(schema, dict) else None
     properties = properties if isinstance(properties, dict) else {}
     items, seen, at, closed, closed_at = [], set(), 0, whole, None
+    pattern, function_end = _ELEMENT[style], _FUNCTION_END[style]
     while True:
-        element = _PARAM.search(text, at)
-        end = text.find("</function>", at)
-        opening = text.find("<parameter=", at)
+        element = pattern.search(text, at)
+        end = text.find(function_end, at) if function_end else -1
+        opening = text.find(_OPENING[style], at)
         if end >= 0 and (element is None or end < element.start()) and not 0 <= opening < end:
-            closed, closed_at = True, end + len("</function>")
+            closed, closed_at = True, end + len(function_end)
             break
         if element is None:
             break
@@ -167,11 +178,14 @@ def _xml_read(text: str, schema: dict, whole: bool) -> tuple[str, int | None]:
 
 
 def _call(body: str, tools: Tools):
-    if tools.fmt.xml:  # <function=name> and its parameter elements (a whole block: its function's too)
+    if tools.fmt.xml:  # <function=name> (or glm45's name) and its argument elements (a whole block)
         head = _head(tools.fmt).match(body)
+        if head is None and tools.fmt.xml == "glm45":  # (a call without arguments: the block its name only)
+            head = re.fullmatch(rf"\s*({NAME.pattern})\s*", body)
         if head is None or head.group(1) not in tools.functions:
             return None
-        return head.group(1), json.loads(_xml_args(body[head.end():], tools.functions[head.group(1)], True))
+        schema = tools.functions[head.group(1)]
+        return head.group(1), json.loads(_xml_args(body[head.end():], schema, True, tools.fmt.xml))
     if tools.fmt.args:  # name-first: the name, then the arguments object
         head = _head(tools.fmt).match(body)
         if head is None or head.group(1) not in tools.functions:
@@ -202,7 +216,7 @@ def _cut_call(body: str, tools: Tools) -> tuple[str, str] | None:
         return None
     name = _name(named.group(1))
     if tools.fmt.xml:  # (its whole parameter elements so far)
-        return name, _xml_args(body[head.end():], tools.functions[name], False)
+        return name, _xml_args(body[head.end():], tools.functions[name], False, tools.fmt.xml)
     return name, (_json_prefix(body[head.end():]) or "") if head else ""
 
 
@@ -261,7 +275,7 @@ class CallStream:
             end = _block_end(self.buffer, self.fmt)
             body = self.buffer if end is None else self.buffer[:end]
             deltas += self._stream_args(body, whole=end is not None)
-            if self.fmt.xml and self._next_element(body):
+            if self.fmt.xml == "qwen3_coder" and self._next_element(body):
                 continue
             if end is None:
                 if final:  # unfinished at the end: a call cut short if it named one, else text
@@ -287,7 +301,7 @@ class CallStream:
             end = self.element_end
         else:  # an element of no tool: read to its end
             head = _head(self.fmt).match(body)
-            done = None if head is None else _xml_read(body[head.end():], {}, False)[1]
+            done = None if head is None else _xml_read(body[head.end():], {}, False, self.fmt.xml)[1]
             end = None if done is None else head.end() + done
         after = -1 if end is None else body.find("<function=", end)
         if after < 0:
@@ -359,7 +373,7 @@ class CallStream:
             self.sent_args, self.args_start, self.function = "", head.end(), _name(head.group(1))
         if self.fmt.xml:
             rest = body[self.args_start:]
-            args, done = _xml_read(rest, self.tools.functions[self.function], whole)
+            args, done = _xml_read(rest, self.tools.functions[self.function], whole, self.fmt.xml)
             self.element_end = None if done is None else self.args_start + done
         else:
             args = _json_prefix(body[self.args_start:])
