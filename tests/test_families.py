@@ -27,13 +27,13 @@ from jaxcb.model.paged_attention import allocate_kv_pages
 from tests.server_util import compile_mode
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "golden", "tiny_hf")
-FAMILIES = ("qwen3", "gpt-oss", "llama4", "llama4-chunked", "llama4-maverick", "glm4moe", "qwen3moe-dense", "llama-bias", "mixtral", "qwen2moe", "qwen3moe", "granitemoe", "olmoe", "olmo2", "smollm3", "granite", "phi3", "phi3-longrope", "gemma", "gemma2", "gemma3", "llama3-rope", "qwen3-yarn", "llama-yarn", "gemma3-linear", "gemma3-mm", "mistral3-mm", "llava", "qwen2.5-vl", "qwen3-vl")
+FAMILIES = ("qwen3", "gpt-oss", "llama4", "llama4-chunked", "llama4-maverick", "glm4moe", "qwen3moe-dense", "deepseek-v3", "deepseek-v3-q", "llama-bias", "mixtral", "qwen2moe", "qwen3moe", "granitemoe", "olmoe", "olmo2", "smollm3", "granite", "phi3", "phi3-longrope", "gemma", "gemma2", "gemma3", "llama3-rope", "qwen3-yarn", "llama-yarn", "gemma3-linear", "gemma3-mm", "mistral3-mm", "llava", "qwen2.5-vl", "qwen3-vl")
 # checkpoints of a family with RoPE scaling, or with a vision tower beside it (served on text), or a
 # Llama with layers without RoPE, Granite's scalars or Phi-3's fused projections
 FAMILY_OF = {"llama-bias": "llama", "mistral3-mm": "llama", "llava": "llama", "qwen2.5-vl": "llama", "qwen3-vl": "qwen3", "llama3-rope": "llama", "qwen3-yarn": "qwen3", "llama-yarn": "llama", "gemma3-linear": "gemma3", "gemma3-mm": "gemma3", "smollm3": "llama",
              "granite": "llama", "phi3": "llama", "phi3-longrope": "llama", "mixtral": "llama", "qwen3moe": "qwen3",
              "granitemoe": "llama", "qwen2moe": "llama", "llama4-chunked": "llama4", "llama4-maverick": "llama4",
-             "qwen3moe-dense": "qwen3"}
+             "qwen3moe-dense": "qwen3", "deepseek-v3": "deepseek_v3", "deepseek-v3-q": "deepseek_v3"}
 
 
 def golden(family, name="golden"):
@@ -102,7 +102,8 @@ def test_prefill_logits_match_transformers(family):
     assert config.windowed == (family.startswith("gemma") and family != "gemma" or family in ("gpt-oss", "llama4",
                                                                                               "llama4-chunked",
                                                                                               "llama4-maverick"))
-    assert config.mixed_mlp == (family in ("llama4-maverick", "glm4moe", "qwen3moe-dense"))
+    assert config.mixed_mlp == (family in ("llama4-maverick", "glm4moe", "qwen3moe-dense", "deepseek-v3", "deepseek-v3-q"))
+    assert config.mla == family.startswith("deepseek")
     for record in golden(family):
         ours = prefill_logits(config, params, record["prompt_ids"])
         ref = np.asarray(record["prefill_logits"], np.float32)
@@ -982,11 +983,13 @@ def test_glm4_moes_parts_are_read_and_matter(tmp_path):
     beside an always-on shared expert; half of each head rotated; q/k/v biases and per-head q/k norms. Each
     part moves the logits past the tolerance when changed; the multi-token prediction layer a released
     checkpoint keeps after the last one (num_nextn_predict_layers) is left unread, and refused when the config
-    does not name it."""
+    does not name it. LoRA slots on the shared expert's matrices (stacked over the experts' layers only) are
+    refused by the field, on attention's taken."""
     import shutil
 
     from safetensors.numpy import load_file, save_file
 
+    from jaxcb.device.lora import zero_slots
     from jaxcb.host.errors import InvalidConfig
 
     config, params, _, _ = load_model(os.path.join(GOLDEN, "glm4moe"), jnp.float32)
@@ -996,6 +999,9 @@ def test_glm4_moes_parts_are_read_and_matter(tmp_path):
             config.rotary_dim, config.qk_norm, config.attention_bias, config.out_bias) == (
         True, 2, 1, 2.5, 8, True, True, False)
     assert params.layers.dense_gate.shape == (1, 64, 128) and params.layers.experts_gate.shape == (3, 8, 64, 32)
+    with pytest.raises(InvalidConfig, match=r"^lora.targets: \['w_gate'\] are not matrices"):
+        zero_slots(config, ("wq", "w_gate"), 2, 4, jnp.float32)
+    assert set(zero_slots(config, ("wq", "wo"), 2, 4, jnp.float32)["a"]) == {"wq", "wo"}
     record = golden("glm4moe")[2]
     ref = np.asarray(record["prefill_logits"], np.float32)
     layers = params.layers
@@ -1083,3 +1089,46 @@ def test_a_gguf_with_dense_layers_among_the_experts_gives_transformers_logits(tm
     mtp = load_gguf(path)
     assert mtp.config == got.config
     assert_references_logits(mtp.config, mtp.weights, family)
+
+
+def test_deepseek_v3s_latent_attention_is_read_and_matters(tmp_path):
+    """DeepSeek-V3's multi-head latent attention, served absorbed (each head's query carried into the latent; one
+    KV head of the rotated part and the latent): the config's widths, the softmax scale with YaRN's mscale squared,
+    the interleaved RoPE pairs (read as rotate-half), each moving the logits when changed; its matrices stored
+    in bfloat16 and int8 as the memory plan counts them (the up-projections, read per head, stay in the compute
+    dtype), the logits near; int4 groups that do not divide a matrix's rows are refused naming it."""
+    import shutil
+
+    import jax
+
+    from jaxcb.host.errors import InvalidConfig
+    from jaxcb.host.memory_plan import weight_bytes
+
+    config, params, _, _ = load_model(os.path.join(GOLDEN, "deepseek-v3"), jnp.float32)
+    assert (config.num_kv_heads, config.head_dim, config.rotary_dim, config.kv_lora_rank, config.q_lora_rank,
+            config.qk_nope_dim, config.v_head_dim) == (1, 40, 8, 32, 48, 16, 16)
+    mscale = 0.1 * np.log(4.0) + 1.0
+    assert config.query_scale == pytest.approx(24 ** -0.5 * mscale ** 2)
+    assert params.layers.w_uk.shape == (4, 4, 16, 32) and params.layers.w_uv.shape == (4, 4, 32, 16)
+    record = golden("deepseek-v3")[2]
+    ref = np.asarray(record["prefill_logits"], np.float32)
+    got = prefill_logits(dataclasses.replace(config, query_scale=24 ** -0.5), params, record["prompt_ids"])
+    assert np.abs(got - ref).max() > 1e-3 * np.abs(ref).max()  # (without the mscale)
+    folder = tmp_path / "ds"
+    shutil.copytree(os.path.join(GOLDEN, "deepseek-v3"), folder)
+    raw = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**raw, "rope_interleave": False}))
+    config2, params2, _, _ = load_model(str(folder), jnp.float32)
+    got = prefill_logits(config2, params2, record["prompt_ids"])
+    assert np.abs(got - ref).max() > 1e-3 * np.abs(ref).max()  # (the pairs read in the other order)
+    (folder / "config.json").write_text(json.dumps({**raw, "topk_method": "group_limited_greedy"}))
+    with pytest.raises(InvalidConfig, match="topk_method 'group_limited_greedy' is not supported"):
+        load_model(str(folder), jnp.float32)
+    for mode, bound in (("bfloat16", 0.01), ("int8", 0.03)):
+        config, params, _, _ = load_model(os.path.join(GOLDEN, "deepseek-v3"), jnp.float32, weights=mode)
+        assert sum(x.nbytes for x in jax.tree.leaves(params)) == weight_bytes(config, mode, 4)
+        assert params.layers.w_uk.dtype == jnp.float32
+        error = np.abs(prefill_logits(config, params, record["prompt_ids"]) - ref).max() / np.abs(ref).max()
+        assert error <= bound, (mode, error)
+    with pytest.raises(InvalidConfig, match="int4 groups of 32 do not divide the 48 input rows of wq_b"):
+        load_model(os.path.join(GOLDEN, "deepseek-v3"), jnp.float32, weights="int4")

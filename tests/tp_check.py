@@ -31,6 +31,7 @@ RUNS = [
     ("o", "tp1", 1, 1, "xla", "auto"), ("o", "tp2", 2, 1, "xla", "auto"),
     ("s", "tp1", 1, 1, "xla", "auto"), ("s", "tp2", 2, 1, "xla", "auto"), ("s", "tp2-pallas", 2, 1, "pallas", "auto"),
     ("z", "tp1", 1, 1, "xla", "auto"), ("z", "tp2", 2, 1, "xla", "auto"),
+    ("d", "tp1", 1, 1, "xla", "auto"), ("d", "tp2", 2, 1, "xla", "auto"),
 ]
 # A "lora" run serves two LoRA adapters (all projections) beside the base model, rows of all three mixed
 # (at TP 4 over model a's 2 KV heads the adapters' k/v columns are replicated with the heads). A "draft"
@@ -40,7 +41,8 @@ RUNS = [
 # "o": the tiny OLMo 2 (q and k normed over all their heads, which are split over the devices); "s": the tiny
 # gpt-oss (attention sinks split with their heads, in plain JAX and from the Pallas kernels' log-sum-exps;
 # the experts' biases split with their columns); "z": the tiny GLM-4.5 (a dense layer, then experts' layers: each
-# kind's matrices split by columns, stacked over its own layers).
+# kind's matrices split by columns, stacked over its own layers); "d": the tiny DeepSeek-V3 (latent attention: its
+# one KV head, the rotated part and the latent, a copy on each device; the heads' up-projections split).
 TINY_HF = os.path.join(os.path.dirname(os.path.abspath(__file__)), "golden", "tiny_hf")
 
 
@@ -59,7 +61,7 @@ def main(workdir: str) -> None:
     models = {"a": tiny_config(), "b": tiny_config(num_heads=8, hidden_size=128),
               "g": os.path.join(TINY_HF, "gemma3"), "m": os.path.join(TINY_HF, "qwen2moe"),
               "o": os.path.join(TINY_HF, "olmo2"), "s": os.path.join(TINY_HF, "gpt-oss"),
-              "z": os.path.join(TINY_HF, "glm4moe")}
+              "z": os.path.join(TINY_HF, "glm4moe"), "d": os.path.join(TINY_HF, "deepseek-v3")}
     out = {}
     for key, model in models.items():
         path = model
@@ -108,7 +110,8 @@ def main(workdir: str) -> None:
                 "devices": [sorted(d.id for d in e.runner.kv_arrays[0].devices()) for e in engines],
                 "preemptions": sum(e.stats().preemptions for e in engines),
                 "speculative_accepted": sum(e.stats().speculative_accepted for e in engines),
-                "wq_shards": [list(x.data.shape) for x in jax.tree.leaves(engines[0].runner.params.layers.wq)[0].addressable_shards],
+                "wq_shards": [list(x.data.shape) for x in jax.tree.leaves(engines[0].runner.params.layers.wq)[0]
+                              .addressable_shards] if engines[0].runner.params.layers.wq is not None else None,
                 "routed": llm.replicas.routed if llm.replicas else None,
                 "lora_b_wq_shards": [list(x.data.shape) for x in engines[0].runner.lora.arrays["b"]["wq"]
                                      .addressable_shards] if "lora" in name else None,

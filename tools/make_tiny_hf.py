@@ -39,7 +39,7 @@ COMMON = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_
 
 
 def configs():
-    from transformers import (CLIPVisionConfig, Gemma2Config, Glm4MoeConfig, GptOssConfig, Llama4TextConfig, GemmaConfig, Gemma3Config, Gemma3TextConfig, GraniteConfig,
+    from transformers import (CLIPVisionConfig, DeepseekV3Config, Gemma2Config, Glm4MoeConfig, GptOssConfig, Llama4TextConfig, GemmaConfig, Gemma3Config, Gemma3TextConfig, GraniteConfig,
                               GraniteMoeConfig, LlamaConfig, LlavaConfig, Mistral3Config, MistralConfig,
                               MixtralConfig, Olmo2Config, OlmoeConfig, PixtralVisionConfig, Qwen2_5_VLConfig,
                               Qwen3VLConfig, Phi3Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig,
@@ -55,11 +55,13 @@ def configs():
                                    num_experts_per_tok=2, norm_topk_prob=False),
         # Qwen2-MoE (Qwen1.5-MoE, Qwen2-57B-A14B): beside 8 experts a shared one every token runs, weighed by a
         # sigmoid gate of its own; q/k/v biases
-        "qwen2moe": Qwen2MoeConfig(**{k: v for k, v in COMMON.items() if k != "head_dim"}, tie_word_embeddings=False,
+        "qwen2moe": Qwen2MoeConfig(**{k: v for k, v in COMMON.items() if k not in ("head_dim", "num_key_value_heads")},
+                                        tie_word_embeddings=False,
                                    moe_intermediate_size=32, shared_expert_intermediate_size=64, num_experts=8,
                                    num_experts_per_tok=2, norm_topk_prob=False),
         # OLMo 2 (AllenAI's): norms after attention and after the MLP only, q and k normed over all their heads
-        "olmo2": Olmo2Config(**{k: v for k, v in COMMON.items() if k != "head_dim"}, tie_word_embeddings=False,
+        "olmo2": Olmo2Config(**{k: v for k, v in COMMON.items() if k not in ("head_dim", "num_key_value_heads")},
+                                        tie_word_embeddings=False,
                              bos_token_id=1, eos_token_id=2, pad_token_id=None),
         # OLMoE (AllenAI's 1B-7B): Llama's norms, q and k normed whole (k over its 2 kv heads), 8 experts, 2 a token,
         # not renormalized
@@ -118,6 +120,27 @@ def configs():
                                  attention_bias=True, use_qk_norm=True, pad_token_id=None, bos_token_id=1,
                                  eos_token_id=2, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                                                                   "partial_rotary_factor": 0.5}),
+        # DeepSeek-V3's kind: multi-head latent attention (queries through a rank-48 pair, keys and values from a
+        # rank-32 latent beside an 8-wide rotated part, interleaved pairs), YaRN with DeepSeek's mscales (the
+        # softmax scaled too); the first layer dense, then GLM-4.5's kind of experts
+        "deepseek-v3": DeepseekV3Config(**{k: v for k, v in COMMON.items() if k not in ("head_dim", "num_key_value_heads")},
+                                        tie_word_embeddings=False,
+                                        num_key_value_heads=4, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2,
+                                        n_shared_experts=1, n_group=2, topk_group=1, first_k_dense_replace=1,
+                                        routed_scaling_factor=2.5, norm_topk_prob=True, kv_lora_rank=32, q_lora_rank=48,
+                                        qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, pad_token_id=None,
+                                        bos_token_id=1, eos_token_id=2, rope_parameters={
+                                            "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                            "original_max_position_embeddings": 64, "mscale": 1.0,
+                                            "mscale_all_dim": 1.0, "beta_fast": 32.0, "beta_slow": 1.0}),
+        # ... its queries through one matrix (q_lora_rank none: DeepSeek-V2-Lite's, Moonlight's), plain RoPE
+        "deepseek-v3-q": DeepseekV3Config(**{k: v for k, v in COMMON.items() if k not in ("head_dim", "num_key_value_heads")},
+                                          tie_word_embeddings=False, num_key_value_heads=4, moe_intermediate_size=32, n_routed_experts=8,
+                                          num_experts_per_tok=2, n_shared_experts=2, n_group=1, topk_group=1,
+                                          first_k_dense_replace=2, routed_scaling_factor=1.5, norm_topk_prob=False,
+                                          kv_lora_rank=24, q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=8,
+                                          v_head_dim=12, pad_token_id=None, bos_token_id=1, eos_token_id=2,
+                                          rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
         # Llama with attention_bias (as transformers builds it: q, k, v and the output projection biased)
         "llama-bias": LlamaConfig(**COMMON, tie_word_embeddings=False, attention_bias=True),
         "smollm3": SmolLM3Config(**COMMON, tie_word_embeddings=True, no_rope_layer_interval=2, pad_token_id=None,
@@ -254,7 +277,7 @@ def main():
                     elif "experts" in name:
                         p.mul_(2.0)
             for name, b in model.named_buffers():  # (GLM's correction biases: a buffer, zero at the start)
-                if "e_score_correction_bias" in name:
+                if "e_score_correction_bias" in name:  # (DeepSeek's too)
                     b.copy_(torch.rand_like(b) * 0.5)
         folder = os.path.join(OUT, family)
         model.save_pretrained(folder, safe_serialization=True)

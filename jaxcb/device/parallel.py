@@ -40,6 +40,9 @@ _LAYER_SPECS = {
     # the dense layers among a mixture's (split as the dense MLP); DeepSeek-V3's correction biases replicated
     "dense_gate": P(None, None, AXIS), "dense_up": P(None, None, AXIS), "dense_down": P(None, AXIS, None),
     "router_choice_bias": P(),
+    # latent attention: the latent and the queries' first matrix replicated (shared by every head), the rest by heads
+    "wq_a": P(), "q_a_norm": P(), "wq_b": P(None, None, AXIS), "wkv_a": P(), "kv_a_norm": P(),
+    "w_uk": P(None, AXIS, None, None), "w_uv": P(None, AXIS, None, None),
 }
 
 

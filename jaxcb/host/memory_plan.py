@@ -20,7 +20,7 @@ import dataclasses
 import re
 
 from jaxcb.host.errors import InvalidConfig
-from jaxcb.host.lora import check_targets
+from jaxcb.host.lora import check_targets, target_shapes
 from jaxcb.host.window import sliding_pages_per_chunk
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -224,7 +224,7 @@ def weight_bytes(c, mode: str, dtype_bytes: int, group: int = 0) -> int:
     shapes = c.weight_shapes()
     matrices = [(shape[0] * (shape[1] if len(shape) == 4 else 1), *shape[-2:]) for n, shape in shapes.items()
                 if n in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "dense_gate", "dense_up", "dense_down",
-                         "experts_gate", "experts_up", "experts_down")]
+                         "wq_a", "wq_b", "wkv_a", "experts_gate", "experts_up", "experts_down")]
     values = sum(n * i * o for n, i, o in matrices)
     if mode == "bfloat16":  # the matrices and the embedding; the rest in the compute dtype (float32 on the CPU)
         embed = c.vocab_size * e
@@ -268,7 +268,7 @@ def lora_slot_bytes(model, lora, dtype_bytes: int) -> int:
     per slot and target, A [L, in, R] and B [L, R, out]."""
     if not lora.enabled:
         return 0
-    shapes = model.weight_shapes()
+    shapes = target_shapes(model)
     check_targets(lora.targets, shapes)
     per_slot = sum((shapes[t][1] + shapes[t][2]) * lora.max_rank for t in lora.targets) * model.num_layers
     return lora.max_loras * per_slot * dtype_bytes

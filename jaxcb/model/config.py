@@ -110,6 +110,17 @@ class ModelConfig:
     expert_groups: int = 1
     expert_groups_used: int = 1
     routed_scale: float = 1.0
+    # Multi-head latent attention (DeepSeek-V2/V3, Kimi K2): keys and values come from one latent a token,
+    # kv_lora_rank wide (RMS-normed), beside a rotary_dim-wide key part RoPE rotates, both shared by every head;
+    # queries through a q_lora_rank-wide pair of matrices with a norm between (0: one matrix), each head's
+    # qk_nope_dim + rotary_dim wide. Served absorbed: each head's unrotated query is carried into the latent by
+    # its key up-projection (w_uk), so the pages hold [rotated part | latent] once a token as the keys and the
+    # values alike (num_kv_heads 1, head_dim rotary_dim + kv_lora_rank), and each head's output leaves the latent
+    # through its value up-projection (w_uv, to v_head_dim) before wo. 0: ordinary attention.
+    kv_lora_rank: int = 0
+    q_lora_rank: int = 0
+    qk_nope_dim: int = 0
+    v_head_dim: int = 0
 
     def __post_init__(self):
         assert self.num_heads % self.num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads"
@@ -125,6 +136,8 @@ class ModelConfig:
         assert not self.mixed_mlp or self.dense_size > 0, "the dense layers' width"
         assert self.expert_groups >= 1 and not self.num_experts % self.expert_groups, "equal groups of experts"
         assert 1 <= self.expert_groups_used <= self.expert_groups, "1 to expert_groups groups a token"
+        assert not self.mla or (self.rotary_dim and self.head_dim == self.rotary_dim + self.kv_lora_rank
+                                and self.qk_nope_dim and self.v_head_dim), "latent attention's dimensions"
 
     def at_context(self, context: int) -> "ModelConfig":
         """This config as it serves contexts of up to `context` tokens: with LongRoPE's long factors in place of
@@ -170,6 +183,11 @@ class ModelConfig:
         return self.num_layers - self.num_sliding_layers
 
     @property
+    def mla(self) -> bool:
+        """Multi-head latent attention (kv_lora_rank)."""
+        return self.kv_lora_rank > 0
+
+    @property
     def mixed_mlp(self) -> bool:
         """Some layers of a mixture of experts have a dense MLP instead (moe_layers)."""
         return bool(self.num_experts and self.moe_layers and not all(self.moe_layers))
@@ -212,9 +230,15 @@ class ModelConfig:
         if self.mixed_mlp:  # the other layers' dense MLP
             d = self.dense_size
             mlp.update(dense_gate=(l - m, e, d), dense_up=(l - m, e, d), dense_down=(l - m, d, e))
+        attn = {"wq": (l, e, q), "wk": (l, e, kv), "wv": (l, e, kv), "wo": (l, q, e)}
+        if self.mla:  # (latent attention's matrices: see kv_lora_rank)
+            h, lat, qk = self.num_heads, self.kv_lora_rank, self.qk_nope_dim + self.rotary_dim
+            attn = ({"wq_a": (l, e, self.q_lora_rank), "q_a_norm": (l, self.q_lora_rank),
+                     "wq_b": (l, self.q_lora_rank, h * qk)} if self.q_lora_rank else {"wq": (l, e, h * qk)})
+            attn.update(wkv_a=(l, e, lat + self.rotary_dim), kv_a_norm=(l, lat), w_uk=(l, h, self.qk_nope_dim, lat),
+                        w_uv=(l, h, lat, self.v_head_dim), wo=(l, h * self.v_head_dim, e))
         shapes = {  # in this order: jaxcb.model.llama.random_weights draws them so
-            "embed": (self.vocab_size, e), "wq": (l, e, q), "wk": (l, e, kv), "wv": (l, e, kv),
-            "wo": (l, q, e), **mlp, "attn_norm": (l, e), "mlp_norm": (l, e), "final_norm": (e,),
+            "embed": (self.vocab_size, e), **attn, **mlp, "attn_norm": (l, e), "mlp_norm": (l, e), "final_norm": (e,),
         }
         if not self.pre_norms:
             del shapes["attn_norm"], shapes["mlp_norm"]
@@ -262,7 +286,13 @@ class ModelConfig:
         mlp += (3 * e * self.shared_expert_size + e) if self.num_experts and self.shared_expert_size else 0
         m = self.num_expert_layers or self.num_layers  # (layers with that MLP; the others' a dense one)
         dense = (self.num_layers - m) * 3 * e * self.dense_size
-        matmul = self.num_layers * (e * q + 2 * e * kv + q * e) + m * mlp + dense + e * v
+        attn = e * q + 2 * e * kv + q * e
+        if self.mla:  # the queries' (one matrix or two), the latent's, the absorbed up-projections, the output's
+            h, lat, qk = self.num_heads, self.kv_lora_rank, self.qk_nope_dim + self.rotary_dim
+            attn = ((e * self.q_lora_rank + self.q_lora_rank * h * qk) if self.q_lora_rank else e * h * qk)
+            attn += e * (lat + self.rotary_dim) + h * self.qk_nope_dim * lat + h * lat * self.v_head_dim
+            attn += h * self.v_head_dim * e
+        matmul = self.num_layers * attn + m * mlp + dense + e * v
         seen = self.num_full_layers * context + self.num_sliding_layers * min(context, self.sliding_window)
         attention = seen * 2 * 2 * self.num_heads * self.head_dim
         return 2 * matmul + attention

@@ -9,7 +9,9 @@ k normed whole), gpt-oss (attention sinks, biases, clamped SwiGLU experts in MXF
 YaRN on every layer), Llama 4 Scout and Maverick (experts scaled at their inputs beside a shared one, Maverick's
 dense layers between, NoPE layers with temperature tuning, weightless q/k norms, RoPE on complex pairs read as
 rotate-half; chunked attention), GLM-4.5 (dense first layers, then DeepSeek-V3's router over experts beside
-shared ones; partial RoPE); a separate output head when the embeddings are not tied. Weights are read with `safetensors` (no framework) and
+shared ones; partial RoPE), DeepSeek-V3 (GLM-4.5's kind of experts; multi-head latent attention, its kv_b_proj
+split into the absorbed up-projections, its interleaved RoPE pairs reordered); a separate output head when the
+embeddings are not tied. Weights are read with `safetensors` (no framework) and
 transposed from torch's [out, in] to this project's [in, out].
 """
 
@@ -38,6 +40,7 @@ ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qw
                  "MixtralForCausalLM": "mixtral", "Qwen3MoeForCausalLM": "qwen3moe", "GraniteMoeForCausalLM": "granitemoe",
                  "Qwen2MoeForCausalLM": "qwen2moe", "Olmo2ForCausalLM": "olmo2", "OlmoeForCausalLM": "olmoe",
                  "GptOssForCausalLM": "gpt-oss", "Llama4ForCausalLM": "llama4", "Glm4MoeForCausalLM": "glm4moe",
+                 "DeepseekV3ForCausalLM": "deepseek_v3",
                  "Llama4ForConditionalGeneration": "llama4",
                  # Vision-language checkpoints as released (a vision tower beside the language model): served on
                  # text. Gemma 3 4B+; Qwen2-VL, Qwen2.5-VL (a Qwen2) and Qwen3-VL (a Qwen3), whose M-RoPE gives
@@ -70,7 +73,7 @@ _FUSED = {"self_attn.qkv_proj.weight": ("wq", "wk", "wv"), "mlp.gate_up_proj.wei
 # by the router's name): Mixtral's names; Qwen2-MoE's, Qwen3-MoE's and OLMoE's ("mlp"): the router, and each
 # expert's gate, up and down projections; Granite MoE's: the router, every expert's gate and up projections in
 # one tensor [X, 2F, E] (gate first), and their down projections [X, E, F].
-_MOE_FAMILIES = ("mixtral", "qwen2moe", "qwen3moe", "olmoe", "granitemoe", "gpt-oss", "llama4", "glm4moe")
+_MOE_FAMILIES = ("mixtral", "qwen2moe", "qwen3moe", "olmoe", "granitemoe", "gpt-oss", "llama4", "glm4moe", "deepseek_v3")
 _MOE = {"mixtral": ("block_sparse_moe.gate.weight", "block_sparse_moe.experts.{j}.", ("w1", "w3", "w2")),
         "mlp": ("mlp.gate.weight", "mlp.experts.{j}.", ("gate_proj", "up_proj", "down_proj")),
         "granitemoe": ("block_sparse_moe.router.layer.weight", "block_sparse_moe.",
@@ -170,6 +173,9 @@ def read_config(path: str) -> ModelConfig:
         hidden = int(raw["hidden_size"])
         layers = int(raw["num_hidden_layers"])
         head_dim = int(raw.get("head_dim") or hidden // heads)
+        kv_heads = int(raw.get("num_key_value_heads") or heads)
+        if family == "deepseek_v3":  # (RoPE rotates the keys' own part: its width; the rest below)
+            head_dim = int(raw["qk_rope_head_dim"])
         max_context = int(raw.get("max_position_embeddings", 2048))
         partial = float((scaling or {}).get("partial_rotary_factor") or raw.get("partial_rotary_factor") or 1.0)
         rotary_dim = int(head_dim * partial)  # (Phi-4-mini: only each head's first dimensions rotate)
@@ -210,7 +216,7 @@ def read_config(path: str) -> ModelConfig:
         if raw.get("clip_qkv") is not None:  # (OLMo's: q, k and v clamped)
             raise InvalidConfig(f"config.json: clip_qkv {raw['clip_qkv']!r} is not supported")
         # (Mixtral's and Granite MoE's experts are intermediate_size wide, Qwen's moe_intermediate_size)
-        moe_width = family in ("qwen3moe", "qwen2moe", "glm4moe")
+        moe_width = family in ("qwen3moe", "qwen2moe", "glm4moe", "deepseek_v3")
         intermediate = int(raw["moe_intermediate_size"] if moe_width else raw["intermediate_size"])
         if family == "llama4":  # (Maverick: dense MLPs intermediate_size_mlp wide between the experts' layers)
             step = int(raw.get("interleave_moe_layer_step", 1))
@@ -234,7 +240,10 @@ def read_config(path: str) -> ModelConfig:
             step, only = int(raw.get("decoder_sparse_step") or 1), raw.get("mlp_only_layers") or []  # between steps
             extra.update(_moe_layers([i not in only and (i + 1) % step == 0 for i in range(layers)],
                                      raw.get("intermediate_size"), "mlp_only_layers / decoder_sparse_step"))
-        if family == "glm4moe":  # DeepSeek-V3's router; the first layers dense; an always-on shared expert
+        if family == "deepseek_v3":  # latent attention (ModelConfig.kv_lora_rank); its experts as GLM-4.5's below
+            extra.update(_latent_attention(raw, head_dim, scaling))
+            head_dim, kv_heads = extra.pop("head_dim"), 1
+        if family in ("glm4moe", "deepseek_v3"):  # DeepSeek-V3's router; the first layers dense; shared experts
             first = int(raw.get("first_k_dense_replace", 0))
             extra.update(_moe_layers([i >= first for i in range(layers)], raw.get("intermediate_size"),
                                      "first_k_dense_replace"))
@@ -289,7 +298,7 @@ def read_config(path: str) -> ModelConfig:
         return ModelConfig(
             vocab_size=int(raw["vocab_size"]), hidden_size=hidden, intermediate_size=intermediate,
             num_layers=layers, num_heads=heads,
-            num_kv_heads=int(raw.get("num_key_value_heads") or heads),
+            num_kv_heads=kv_heads,
             head_dim=head_dim,
             max_context=max_context,
             rope_theta=theta or 10000.0, rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
@@ -305,6 +314,23 @@ def read_config(path: str) -> ModelConfig:
         )
     except KeyError as e:
         raise InvalidConfig(f"config.json: {e.args[0]} is missing") from None
+
+
+def _latent_attention(raw: dict, rope: int, scaling) -> dict:
+    """ModelConfig's latent attention fields from a DeepSeek-V3 config.json (`rope`: qk_rope_head_dim): the cached
+    width (rotated part + latent) as head_dim, and the softmax's scale, (qk_nope + qk_rope)^-0.5, times YaRN's
+    mscale(factor, mscale_all_dim) squared where the RoPE is YaRN's (DeepSeek's rule, transformers' and vLLM's)."""
+    for key, allowed in (("scoring_func", ("sigmoid",)), ("topk_method", ("noaux_tc",))):
+        if raw.get(key, allowed[0]) not in allowed:
+            raise InvalidConfig(f"config.json: {key} {raw[key]!r} is not supported for DeepseekV3 ({allowed[0]})")
+    latent, nope = int(raw["kv_lora_rank"]), int(raw["qk_nope_head_dim"])
+    scale = (nope + rope) ** -0.5
+    if rope_scaling.kind(scaling) == "yarn" and (scaling or {}).get("mscale_all_dim"):
+        factor = float(scaling["factor"])
+        mscale = 0.1 * float(scaling["mscale_all_dim"]) * math.log(factor) + 1.0 if factor > 1 else 1.0
+        scale *= mscale * mscale
+    return {"kv_lora_rank": latent, "q_lora_rank": int(raw.get("q_lora_rank") or 0), "qk_nope_dim": nope,
+            "v_head_dim": int(raw["v_head_dim"]), "rotary_dim": rope, "head_dim": rope + latent, "query_scale": scale}
 
 
 def _moe_layers(flags: list[bool], dense_size, what: str) -> dict:
@@ -424,6 +450,38 @@ def reorder_pairs(weights: dict, config: ModelConfig) -> None:
                 weights[key] = halves_from_pairs(weights[key], config)
 
 
+def _up_projections(config: ModelConfig, kv_b: list[np.ndarray]) -> dict[str, np.ndarray]:
+    """DeepSeek's kv_b_proj (per layer [H*(N+V), C]: each head's key rows, then its value rows) as the absorbed
+    form's w_uk [L, H, N, C] and w_uv [L, H, C, V]."""
+    h, n, v, c = config.num_heads, config.qk_nope_dim, config.v_head_dim, config.kv_lora_rank
+    stacked = np.stack([np.asarray(w, np.float32) for w in kv_b])
+    if stacked.shape[1:] != (h * (n + v), c):
+        raise InvalidConfig(f"model: kv_b_proj has shape {stacked.shape[1:]}, expected {(h * (n + v), c)}")
+    per_head = stacked.reshape(-1, h, n + v, c)
+    return {"w_uk": np.ascontiguousarray(per_head[:, :, :n]),
+            "w_uv": np.ascontiguousarray(per_head[:, :, n:].transpose(0, 1, 3, 2))}
+
+
+def _rope_interleaved(path: str) -> bool:
+    """Whether a DeepSeek config.json's RoPE pairs are interleaved (its rope_interleave; transformers' default)."""
+    with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+        raw = json.load(f)
+    return bool((raw.get("text_config") or raw).get("rope_interleave", True))
+
+
+def _latent_rope_halves(weights: dict, config: ModelConfig) -> None:
+    """The rotated parts of latent attention's queries (each head's last R columns of wq / wq_b) and keys (wkv_a's
+    last R columns) reordered, in place, from interleaved pairs (2i, 2i + 1) to rotate-half's (i, i + R/2): the same
+    rotation, and the same products of queries and keys."""
+    r = config.rotary_dim
+    order = np.concatenate([np.arange(0, r, 2), np.arange(1, r, 2)])
+    name = "wq_b" if config.q_lora_rank else "wq"
+    q = weights[name].reshape(*weights[name].shape[:-1], config.num_heads, -1)
+    q[..., -r:] = q[..., -r:][..., order]
+    weights[name] = q.reshape(weights[name].shape)
+    weights["wkv_a"][..., -r:] = weights["wkv_a"][..., -r:][..., order]
+
+
 def _multi_token_layers(path: str, config: ModelConfig) -> int:
     """How many multi-token prediction layers (GLM-4.5's, DeepSeek-V3's: num_nextn_predict_layers) a checkpoint
     keeps after its last layer."""
@@ -522,6 +580,16 @@ def load_weights(path: str, config: ModelConfig) -> dict[str, np.ndarray]:
                 continue
             weights[key] = np.stack([np.stack([get(layer.format(i=i) + expert.format(j=j) + part + ".weight", True)
                                                for j in range(config.num_experts)]) for i in moe_layers])
+    if config.mla:  # latent attention: its matrices in place of q/k/v; kv_b split into the up-projections
+        del names["wk"], names["wv"]
+        if config.q_lora_rank:
+            del names["wq"]
+            names.update(wq_a=("self_attn.q_a_proj.weight", True), q_a_norm=("self_attn.q_a_layernorm.weight", False),
+                         wq_b=("self_attn.q_b_proj.weight", True))
+        names.update(wkv_a=("self_attn.kv_a_proj_with_mqa.weight", True),
+                     kv_a_norm=("self_attn.kv_a_layernorm.weight", False))
+        weights.update(_up_projections(config, [get(layer.format(i=i) + "self_attn.kv_b_proj.weight")
+                                                for i in range(config.num_layers)]))
     if config.attention_bias:
         names.update({k: (v, False) for k, v in _BIASES.items()})
     if config.out_bias:
@@ -537,6 +605,8 @@ def load_weights(path: str, config: ModelConfig) -> dict[str, np.ndarray]:
     for key, (name, transpose) in names.items():
         weights[key] = np.stack([get(layer.format(i=i) + name, transpose) for i in config.stacked_over(key)])
     reorder_pairs(weights, config)
+    if config.mla and _rope_interleaved(path):
+        _latent_rope_halves(weights, config)
     head = "language_model.lm_head.weight" if "language_model.lm_head.weight" in tensors else "lm_head.weight"
     if not config.tie_embeddings:
         weights["lm_head"] = get(head, transpose=True)

@@ -92,6 +92,14 @@ class LayerParams:
     dense_gate: jax.Array | None = None  # [Ld, E, Fd]
     dense_up: jax.Array | None = None  # [Ld, E, Fd]
     dense_down: jax.Array | None = None  # [Ld, Fd, E]
+    # Multi-head latent attention (ModelConfig.kv_lora_rank: DeepSeek): in place of wk, wv (and wq with a q_lora_rank)
+    wq_a: jax.Array | None = None  # [L, E, Q] the queries' first matrix, then q_a_norm, then wq_b
+    q_a_norm: jax.Array | None = None  # [L, Q]
+    wq_b: jax.Array | None = None  # [L, Q, H*(N+R)] each head's unrotated (N) then rotated (R) part
+    wkv_a: jax.Array | None = None  # [L, E, C+R] the latent (C), then the keys' rotated part
+    kv_a_norm: jax.Array | None = None  # [L, C]
+    w_uk: jax.Array | None = None  # [L, H, N, C] each head's key up-projection, read transposed (absorbed)
+    w_uv: jax.Array | None = None  # [L, H, C, V] each head's value up-projection
 
 
 @flax.struct.dataclass
@@ -252,7 +260,6 @@ def _layer(config: ModelConfig, attention: Attention, batch: StepInput, h, kv_pa
     names of these the native matmul reads in place), each stacked over its own layers, not in `w`: the layer
     runs the one of its kind, at its own index in that stack."""
     t, _ = h.shape
-    nh, nk, d = config.num_heads, config.num_kv_heads, config.head_dim
     sliding, theta, group_index, rope, moe, mlp_index = kind
     norm = functools.partial(rms_norm, eps=config.rms_norm_eps, plus_one=config.norm_plus_one)
 
@@ -265,14 +272,7 @@ def _layer(config: ModelConfig, attention: Attention, batch: StepInput, h, kv_pa
         return y
 
     x = norm(h, w.attn_norm) if w.attn_norm is not None else h
-    q, k, v = proj(x, "wq"), proj(x, "wk"), proj(x, "wv")
-    if w.bq is not None:
-        q, k, v = q + w.bq, k + w.bk, v + w.bv
-    if config.qk_norm_whole:  # over all of q's and k's heads at once (OLMo 2)
-        q, k = norm(q, w.q_norm), norm(k, w.k_norm)
-    q, k, v = q.reshape(t, nh, d), k.reshape(t, nk, d), v.reshape(t, nk, d)
-    if w.q_norm is not None and not config.qk_norm_whole:
-        q, k = norm(q, w.q_norm), norm(k, w.k_norm)
+    q, k, v = (_latent_qkv if config.mla else _qkv)(config, x, w, proj, norm)
     inv_freq = rope_frequencies(config, theta, sliding)
     if config.nope_layers:  # a layer without RoPE: every angle 0, its q and k as they are
         inv_freq = inv_freq * rope
@@ -296,7 +296,9 @@ def _layer(config: ModelConfig, attention: Attention, batch: StepInput, h, kv_pa
             attend, mesh=attention.mesh,
             in_specs=(heads, heads, heads, kv_spec, P(), P(), P(), None if w.sinks is None else P(AXIS)),
             out_specs=(heads, kv_spec), check_vma=False)(q, k, v, kv_pages, sliding, group_index, batch, w.sinks)
-    out = proj(attn.reshape(t, nh * d), "wo")
+    if config.mla:  # each head's output out of the latent (after the rotated part) by its value up-projection
+        attn = jnp.einsum("thc,hcv->thv", attn[..., config.rotary_dim:], w.w_uv.astype(attn.dtype))
+    out = proj(attn.reshape(t, -1), "wo")
     if w.bo is not None:
         out = out + w.bo
     if w.post_attn_norm is not None:
@@ -320,6 +322,37 @@ def _layer(config: ModelConfig, attention: Attention, batch: StepInput, h, kv_pa
     if config.residual_multiplier != 1.0:
         out = out * jnp.asarray(config.residual_multiplier, out.dtype)
     return h + out, kv_pages
+
+
+def _qkv(config: ModelConfig, x, w: LayerParams, proj, norm):
+    """A layer's q [T, H, D], k and v [T, K, D] from its input x [T, E]: the projections, their biases, the q/k
+    norms (per head, or over all heads: OLMo 2)."""
+    t, nh, nk, d = x.shape[0], config.num_heads, config.num_kv_heads, config.head_dim
+    q, k, v = proj(x, "wq"), proj(x, "wk"), proj(x, "wv")
+    if w.bq is not None:
+        q, k, v = q + w.bq, k + w.bk, v + w.bv
+    if config.qk_norm_whole:  # over all of q's and k's heads at once (OLMo 2)
+        q, k = norm(q, w.q_norm), norm(k, w.k_norm)
+    q, k, v = q.reshape(t, nh, d), k.reshape(t, nk, d), v.reshape(t, nk, d)
+    if w.q_norm is not None and not config.qk_norm_whole:
+        q, k = norm(q, w.q_norm), norm(k, w.k_norm)
+    return q, k, v
+
+
+def _latent_qkv(config: ModelConfig, x, w: LayerParams, proj, norm):
+    """Multi-head latent attention's q [T, H, R+C] and k = v [T, K, R+C], absorbed (ModelConfig.kv_lora_rank): a
+    head's query is its rotated part (R), then its unrotated part carried into the latent by the head's key
+    up-projection; the key (and value) of a token is its rotated part, then its normed latent (C), the same for
+    every head (K copies: 1, or one per device under tensor parallelism). RoPE then rotates the first R."""
+    t, nh, n, r = x.shape[0], config.num_heads, config.qk_nope_dim, config.rotary_dim
+    q = proj(norm(proj(x, "wq_a"), w.q_a_norm), "wq_b") if w.wq_a is not None else proj(x, "wq")
+    q = q.reshape(t, nh, n + r)
+    kv = proj(x, "wkv_a")
+    latent, k_rot = norm(kv[:, :config.kv_lora_rank], w.kv_a_norm), kv[:, config.kv_lora_rank:]
+    absorbed = jnp.einsum("thn,hnc->thc", q[..., :n], w.w_uk.astype(q.dtype))
+    q = jnp.concatenate([q[..., n:], absorbed], axis=-1)
+    k = jnp.broadcast_to(jnp.concatenate([k_rot, latent], axis=-1)[:, None], (t, config.num_kv_heads, config.head_dim))
+    return q, k, k
 
 
 def _mlp(config: ModelConfig, attention: Attention, x, w: LayerParams, proj):

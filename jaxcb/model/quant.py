@@ -47,7 +47,8 @@ from jaxcb.host.errors import InvalidConfig
 from jaxcb.host.memory_plan import INT4_GROUP as GROUP  # int4's default input rows per scale
 from jaxcb.host.memory_plan import ROW_GROUP  # the int8 embedding's values per scale: a GGUF's Q8_0 blocks
 
-MATRICES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "dense_gate", "dense_up", "dense_down")
+MATRICES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "dense_gate", "dense_up", "dense_down", "wq_a", "wq_b",
+            "wkv_a")
 # A mixture of experts' matrices [L, X, in, out] (jaxcb.model.llama.experts): stored as the layers' matrices
 # are (int8, int4, bfloat16), read through XLA (neither the native matmul nor int8 activations take them).
 EXPERTS = ("experts_gate", "experts_up", "experts_down")
