@@ -58,8 +58,8 @@ KINDS = {"mixtral": {},
                          shared_expert_gated=False, attention_bias=True, qk_norm=True, rotary_dim=8),
          "deepseek-v3": dict(moe_layers=(False, True), dense_size=48, router_sigmoid=True, router_choice_bias=True,
                              expert_groups=2, expert_groups_used=1, routed_scale=2.5, shared_expert_size=32,
-                             shared_expert_gated=False, kv_lora_rank=24, q_lora_rank=16, qk_nope_dim=8, v_head_dim=8,
-                             rotary_dim=8, head_dim=32, num_kv_heads=1)}
+                             shared_expert_gated=False, kv_lora_rank=512, q_lora_rank=16, qk_nope_dim=8, v_head_dim=8,
+                             rotary_dim=64, head_dim=576, num_kv_heads=1)}
 
 
 @pytest.mark.parametrize("platform", ["cuda", "tpu"])
@@ -72,7 +72,8 @@ def test_a_mixture_of_experts_step_exports_with_its_experts_grouped(platform, ki
     Llama 4-shaped one: experts scaled at their inputs beside an ungated shared expert, NoPE layers' temperature; a
     GLM-4.5-shaped one: a dense layer before the experts' (each kind's weights stacked over its own layers, the
     layer's kind a branch), DeepSeek-V3's grouped sigmoid router; a DeepSeek-V3-shaped one: latent attention (one
-    KV head of the rotated part and the latent, replicated over the devices)."""
+    KV head of the rotated part and the latent, replicated over the devices; 64 + 512 wide as DeepSeek-V3's, padded
+    to the kernels' 1,024)."""
     from jaxcb.device.export import KERNEL_CALLS, custom_calls, export_step, unexpected_calls
     from jaxcb.host.batch import StepShape
     from jaxcb.model.config import tiny_config

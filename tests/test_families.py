@@ -1132,3 +1132,23 @@ def test_deepseek_v3s_latent_attention_is_read_and_matters(tmp_path):
         assert error <= bound, (mode, error)
     with pytest.raises(InvalidConfig, match="int4 groups of 32 do not divide the 48 input rows of wq_b"):
         load_model(os.path.join(GOLDEN, "deepseek-v3"), jnp.float32, weights="int4")
+
+
+def test_latent_attention_padded_to_the_pallas_kernels_width_gives_the_reference_tokens():
+    """The Pallas kernels take head dims that are powers of two: latent attention's cached width (here 8 + 32) is
+    padded with zeros to one (64; DeepSeek-V3's 576 to 1,024) where they run (interpreted here), and the engine
+    gives transformers' greedy tokens; the native CPU kernel takes the width as it is."""
+    config, params, tok, _ = load_model(os.path.join(GOLDEN, "deepseek-v3"), jnp.float32)
+    assert dataclasses.replace(config, kv_lora_rank=512, rotary_dim=64, head_dim=576, rope_freq_factors=(),
+                               rope_linear_factor=1.0).for_kernels().head_dim == 1024
+    records = golden("deepseek-v3")
+    for attention, width in (("pallas", 64), ("native", 40)):
+        llm = LLM.from_params(config, params, tok, config=make_config(
+            num_pages=64, page_size=16, max_context=128, decode_batch=(4,), prefill_tokens=(16,), max_prefill_tokens=16,
+            compile=compile_mode(config), attention=attention))
+        assert llm.engine.runner.model_config.head_dim == width
+        outs = llm.generate([r["prompt_ids"] for r in records], SamplingParams(max_tokens=8, ignore_eos=True))
+        for record, out in zip(records, outs):
+            n = before_near_tie(record, 8)
+            assert out.token_ids[:n] == record["greedy_ids"][:n], (attention, len(record["prompt_ids"]))
+        llm.engine.pool.check_all_free()

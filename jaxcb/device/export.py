@@ -47,6 +47,7 @@ def export_step(config: ModelConfig, shape: StepShape, platform: str, *, page_si
     from jaxcb.device.runner import PALLAS_KERNEL, _forward
 
     kv_dtype = jnp.dtype(kv_dtype or dtype)
+    config = config.for_kernels()  # (latent attention's width as the kernels take it)
     mesh = AbstractMesh((tensor,), (parallel.AXIS,)) if tensor > 1 else None
     if mesh is not None:  # KV heads replicated up to the devices, as the runner does
         r = parallel.kv_replication(config, tensor)

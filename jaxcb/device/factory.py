@@ -7,7 +7,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxcb.device.runner import ModelRunner
+from jaxcb.device.runner import ModelRunner, resolve_attention
 from jaxcb.model.config import ModelConfig
 from jaxcb.model.llama import Params
 
@@ -66,6 +66,7 @@ def plan_memory(model_config: ModelConfig, config, dtype=None, budget_bytes: int
         from jaxcb.device.parallel import check_tensor_parallel
 
         check_tensor_parallel(model_config, config.tensor_parallel, config.weights, config.weight_group)
+    model_config = served(model_config, config)
     budget = budget_bytes or config.memory_bytes
     if not budget:
         budget = device_memory_bytes()
@@ -74,12 +75,22 @@ def plan_memory(model_config: ModelConfig, config, dtype=None, budget_bytes: int
     return memory_plan.plan_for_model(model_config, config, budget_bytes=budget, dtype_bytes=dtype.itemsize, draft=draft)
 
 
+def served(model_config: ModelConfig, config, target: ModelConfig | None = None) -> ModelConfig:
+    """The model as this engine runs it: LongRoPE's factors for the context served (ModelConfig.at_context; a
+    draft's by its `target`'s), and where attention runs the Pallas kernels, their head width
+    (ModelConfig.for_kernels: latent attention's padded to a power of two)."""
+    model_config = model_config.at_context(config.max_context_for(target or model_config))
+    if resolve_attention(config.attention).kernel in ("gpu", "tpu"):
+        model_config = model_config.for_kernels()
+    return model_config
+
+
 def make_runner(model_config: ModelConfig, params: Params, config, dtype=None, plan=None, devices=None):
     """(ModelRunner, config with num_pages resolved): the memory plan (`plan`, if already made for
     these weights' dtype), then the KV pages. `devices`: where this runner lives (a data-parallel
     replica's share); default the first `tensor_parallel` devices, or the default device."""
     plan = plan or plan_memory(model_config, config, dtype or params.compute_dtype)
-    model_config = model_config.at_context(config.max_context_for(model_config))
+    model_config = served(model_config, config)
     if plan.num_pages != config.num_pages:
         config = config.replace(num_pages=plan.num_pages)
     mesh = None
@@ -105,7 +116,7 @@ def make_draft_runner(target: "ModelRunner", model_config: ModelConfig, params: 
     the target's (the same page count, size and sliding group: it writes each request's own page ids,
     jaxcb.host.draft)."""
     mesh = target.mesh
-    model_config = model_config.at_context(config.max_context_for(target.model_config))
+    model_config = served(model_config, config, target.model_config)
     if mesh is not None and config.tensor_parallel > 1:
         from jaxcb.device import parallel
 

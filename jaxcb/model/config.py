@@ -116,7 +116,8 @@ class ModelConfig:
     # qk_nope_dim + rotary_dim wide. Served absorbed: each head's unrotated query is carried into the latent by
     # its key up-projection (w_uk), so the pages hold [rotated part | latent] once a token as the keys and the
     # values alike (num_kv_heads 1, head_dim rotary_dim + kv_lora_rank), and each head's output leaves the latent
-    # through its value up-projection (w_uv, to v_head_dim) before wo. 0: ordinary attention.
+    # through its value up-projection (w_uv, to v_head_dim) before wo. 0: ordinary attention. (for_kernels may pad
+    # head_dim past rotary_dim + kv_lora_rank with zeros.)
     kv_lora_rank: int = 0
     q_lora_rank: int = 0
     qk_nope_dim: int = 0
@@ -136,7 +137,7 @@ class ModelConfig:
         assert not self.mixed_mlp or self.dense_size > 0, "the dense layers' width"
         assert self.expert_groups >= 1 and not self.num_experts % self.expert_groups, "equal groups of experts"
         assert 1 <= self.expert_groups_used <= self.expert_groups, "1 to expert_groups groups a token"
-        assert not self.mla or (self.rotary_dim and self.head_dim == self.rotary_dim + self.kv_lora_rank
+        assert not self.mla or (self.rotary_dim and self.head_dim >= self.rotary_dim + self.kv_lora_rank
                                 and self.qk_nope_dim and self.v_head_dim), "latent attention's dimensions"
 
     def at_context(self, context: int) -> "ModelConfig":
@@ -147,6 +148,15 @@ class ModelConfig:
         if not self.rope_long_factors or context <= self.rope_original_context:
             return self
         return dataclasses.replace(self, rope_freq_factors=self.rope_long_factors)
+
+    def for_kernels(self) -> "ModelConfig":
+        """This config as the Pallas kernels run it (their head dims are powers of two): latent attention's cached
+        width padded up to one (1,024 for DeepSeek-V3's 576) with zeros, which add nothing to a score and whose
+        values' outputs are dropped. Itself otherwise."""
+        d = self.head_dim
+        if not self.mla or (d >= 16 and not d & (d - 1)):
+            return self
+        return dataclasses.replace(self, head_dim=max(16, 1 << (d - 1).bit_length()))
 
     def rope_divisors(self):
         """numpy float32 [rope_dim/2]: what each RoPE frequency of a full-attention layer is divided by (Llama 3's

@@ -297,7 +297,8 @@ def _layer(config: ModelConfig, attention: Attention, batch: StepInput, h, kv_pa
             in_specs=(heads, heads, heads, kv_spec, P(), P(), P(), None if w.sinks is None else P(AXIS)),
             out_specs=(heads, kv_spec), check_vma=False)(q, k, v, kv_pages, sliding, group_index, batch, w.sinks)
     if config.mla:  # each head's output out of the latent (after the rotated part) by its value up-projection
-        attn = jnp.einsum("thc,hcv->thv", attn[..., config.rotary_dim:], w.w_uv.astype(attn.dtype))
+        latent = attn[..., config.rotary_dim:config.rotary_dim + config.kv_lora_rank]
+        attn = jnp.einsum("thc,hcv->thv", latent, w.w_uv.astype(attn.dtype))
     out = proj(attn.reshape(t, -1), "wo")
     if w.bo is not None:
         out = out + w.bo
@@ -350,8 +351,10 @@ def _latent_qkv(config: ModelConfig, x, w: LayerParams, proj, norm):
     kv = proj(x, "wkv_a")
     latent, k_rot = norm(kv[:, :config.kv_lora_rank], w.kv_a_norm), kv[:, config.kv_lora_rank:]
     absorbed = jnp.einsum("thn,hnc->thc", q[..., :n], w.w_uk.astype(q.dtype))
-    q = jnp.concatenate([q[..., n:], absorbed], axis=-1)
-    k = jnp.broadcast_to(jnp.concatenate([k_rot, latent], axis=-1)[:, None], (t, config.num_kv_heads, config.head_dim))
+    pad = config.head_dim - r - config.kv_lora_rank  # (ModelConfig.for_kernels: zeros to the kernels' width)
+    q = jnp.concatenate([q[..., n:], absorbed, jnp.zeros((t, nh, pad), q.dtype)], axis=-1)
+    k = jnp.concatenate([k_rot, latent, jnp.zeros((t, pad), kv.dtype)], axis=-1)
+    k = jnp.broadcast_to(k[:, None], (t, config.num_kv_heads, config.head_dim))
     return q, k, k
 
 
