@@ -27,13 +27,14 @@ from jaxcb.model.paged_attention import allocate_kv_pages
 from tests.server_util import compile_mode
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "golden", "tiny_hf")
-FAMILIES = ("qwen3", "gpt-oss", "llama4", "llama4-chunked", "llama4-maverick", "glm4moe", "qwen3moe-dense", "deepseek-v3", "deepseek-v3-q", "llama-bias", "mixtral", "qwen2moe", "qwen3moe", "granitemoe", "olmoe", "olmo2", "smollm3", "granite", "phi3", "phi3-longrope", "gemma", "gemma2", "gemma3", "llama3-rope", "qwen3-yarn", "llama-yarn", "gemma3-linear", "gemma3-mm", "mistral3-mm", "llava", "qwen2.5-vl", "qwen3-vl")
+FAMILIES = ("qwen3", "gpt-oss", "llama4", "llama4-chunked", "llama4-maverick", "glm4moe", "qwen3moe-dense", "deepseek-v3", "deepseek-v3-q", "deepseek-v2", "llama-bias", "mixtral", "qwen2moe", "qwen3moe", "granitemoe", "olmoe", "olmo2", "smollm3", "granite", "phi3", "phi3-longrope", "gemma", "gemma2", "gemma3", "llama3-rope", "qwen3-yarn", "llama-yarn", "gemma3-linear", "gemma3-mm", "mistral3-mm", "llava", "qwen2.5-vl", "qwen3-vl")
 # checkpoints of a family with RoPE scaling, or with a vision tower beside it (served on text), or a
 # Llama with layers without RoPE, Granite's scalars or Phi-3's fused projections
 FAMILY_OF = {"llama-bias": "llama", "mistral3-mm": "llama", "llava": "llama", "qwen2.5-vl": "llama", "qwen3-vl": "qwen3", "llama3-rope": "llama", "qwen3-yarn": "qwen3", "llama-yarn": "llama", "gemma3-linear": "gemma3", "gemma3-mm": "gemma3", "smollm3": "llama",
              "granite": "llama", "phi3": "llama", "phi3-longrope": "llama", "mixtral": "llama", "qwen3moe": "qwen3",
              "granitemoe": "llama", "qwen2moe": "llama", "llama4-chunked": "llama4", "llama4-maverick": "llama4",
-             "qwen3moe-dense": "qwen3", "deepseek-v3": "deepseek_v3", "deepseek-v3-q": "deepseek_v3"}
+             "qwen3moe-dense": "qwen3", "deepseek-v3": "deepseek_v3", "deepseek-v3-q": "deepseek_v3",
+             "deepseek-v2": "deepseek_v2"}
 
 
 def golden(family, name="golden"):
@@ -102,7 +103,7 @@ def test_prefill_logits_match_transformers(family):
     assert config.windowed == (family.startswith("gemma") and family != "gemma" or family in ("gpt-oss", "llama4",
                                                                                               "llama4-chunked",
                                                                                               "llama4-maverick"))
-    assert config.mixed_mlp == (family in ("llama4-maverick", "glm4moe", "qwen3moe-dense", "deepseek-v3", "deepseek-v3-q"))
+    assert config.mixed_mlp == (family in ("llama4-maverick", "glm4moe", "qwen3moe-dense") or family.startswith("deepseek"))
     assert config.mla == family.startswith("deepseek")
     for record in golden(family):
         ours = prefill_logits(config, params, record["prompt_ids"])
@@ -860,7 +861,8 @@ def test_each_way_of_running_the_experts_gives_the_same_output():
     the router's logits and each expert's projections, the clamped SwiGLU, here with a limit the values pass);
     and Llama 4's (the chosen experts' sigmoid scores scale their inputs, their outputs summed); and DeepSeek-V3's
     (GLM-4.5's: chosen by sigmoid score plus a correction bias within the best group, weighed by their
-    renormalized scores times a scale)."""
+    renormalized scores times a scale); and DeepSeek-V2's group_limited_greedy (softmax probabilities, the experts
+    of the best groups by their best, weighed unrenormalized times a scale)."""
     import jax
 
     from jaxcb.model.config import tiny_config
@@ -869,12 +871,13 @@ def test_each_way_of_running_the_experts_gives_the_same_output():
     rng = np.random.default_rng(3)
     for norm_topk, oss, llama4, v3 in ((True, False, False, False), (False, False, False, False),
                                        (True, True, False, False), (False, False, True, False),
-                                       (True, False, False, True)):
+                                       (True, False, False, True), (False, False, False, "v2")):
         config = tiny_config(num_experts=8, experts_per_token=3, intermediate_size=24, norm_topk=norm_topk,
                              moe_input_scale=llama4,
                              **(dict(expert_bias=True, activation="swiglu_oai", swiglu_limit=0.3) if oss else {}),
                              **(dict(router_sigmoid=True, router_choice_bias=True, expert_groups=2,
-                                     expert_groups_used=1, routed_scale=2.5) if v3 else {}))
+                                     expert_groups_used=1, routed_scale=2.5) if v3 is True else {}),
+                             **(dict(expert_groups=4, expert_groups_used=2, routed_scale=2.0) if v3 == "v2" else {}))
         w = random_weights(config, seed=4)
         bias = {k: w[k][1].astype(np.float64) if oss else 0.0 for k in ("router_bias", "experts_gate_bias",
                                                                         "experts_up_bias", "experts_down_bias")}
@@ -891,7 +894,12 @@ def test_each_way_of_running_the_experts_gives_the_same_output():
             for i in range(t):
                 chosen = np.argsort(-probs[i])[:3]
                 weights = probs[i, chosen] / (probs[i, chosen].sum() if norm_topk else 1.0)
-                if v3:  # the best group of four by its two best (score + bias), its three best; their scores
+                if v3 == "v2":  # the best 2 of 4 groups by their best probability, their three best, times 2
+                    best = np.argsort(-probs[i].reshape(4, 2).max(-1))[:2]
+                    kept = np.where(np.isin(np.arange(8) // 2, best), probs[i], 0.0)
+                    chosen = np.argsort(-kept)[:3]
+                    weights = probs[i, chosen] * 2.0
+                elif v3:  # the best group of four by its two best (score + bias), its three best; their scores
                     scores = 1 / (1 + np.exp(-logits[i]))
                     choice = (scores + w["router_choice_bias"][1]).reshape(2, 4)
                     group = np.argmax(np.sort(choice, -1)[:, -2:].sum(-1))

@@ -39,7 +39,7 @@ COMMON = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_
 
 
 def configs():
-    from transformers import (CLIPVisionConfig, DeepseekV3Config, Gemma2Config, Glm4MoeConfig, GptOssConfig, Llama4TextConfig, GemmaConfig, Gemma3Config, Gemma3TextConfig, GraniteConfig,
+    from transformers import (CLIPVisionConfig, DeepseekV2Config, DeepseekV3Config, Gemma2Config, Glm4MoeConfig, GptOssConfig, Llama4TextConfig, GemmaConfig, Gemma3Config, Gemma3TextConfig, GraniteConfig,
                               GraniteMoeConfig, LlamaConfig, LlavaConfig, Mistral3Config, MistralConfig,
                               MixtralConfig, Olmo2Config, OlmoeConfig, PixtralVisionConfig, Qwen2_5_VLConfig,
                               Qwen3VLConfig, Phi3Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig,
@@ -141,6 +141,18 @@ def configs():
                                           kv_lora_rank=24, q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=8,
                                           v_head_dim=12, pad_token_id=None, bos_token_id=1, eos_token_id=2,
                                           rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+        # DeepSeek-V2's kind: latent attention with queries through one matrix (V2-Lite's), YaRN with V2's mscales;
+        # a softmax router choosing within the 2 best of 4 groups (a group worth its best), weights times 2 unrenormalized
+        "deepseek-v2": DeepseekV2Config(**{k: v for k, v in COMMON.items() if k not in ("head_dim", "num_key_value_heads")},
+                                        tie_word_embeddings=False, num_key_value_heads=4, moe_intermediate_size=32,
+                                        n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=2,
+                                        topk_method="group_limited_greedy", n_group=4, topk_group=2,
+                                        first_k_dense_replace=1, routed_scaling_factor=2.0, norm_topk_prob=False,
+                                        kv_lora_rank=32, q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=16,
+                                        v_head_dim=16, pad_token_id=None, bos_token_id=1, eos_token_id=2,
+                                        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                                         "original_max_position_embeddings": 64, "mscale": 0.707,
+                                                         "mscale_all_dim": 0.707, "beta_fast": 32.0, "beta_slow": 1.0}),
         # Llama with attention_bias (as transformers builds it: q, k, v and the output projection biased)
         "llama-bias": LlamaConfig(**COMMON, tie_word_embeddings=False, attention_bias=True),
         "smollm3": SmolLM3Config(**COMMON, tie_word_embeddings=True, no_rope_layer_interval=2, pad_token_id=None,

@@ -104,7 +104,8 @@ class ModelConfig:
     # DeepSeek-V3's router (GLM-4.5's): each expert's score is the sigmoid of its logit; the experts are chosen
     # by score plus a per-expert correction bias (router_choice_bias) among the `expert_groups_used` best of
     # `expert_groups` equal groups (a group's worth: the sum of its two best), and weighed by their scores,
-    # renormalized when norm_topk; every router's weights then times routed_scale.
+    # renormalized when norm_topk; every router's weights then times routed_scale. With a softmax router,
+    # groups are DeepSeek-V2's group_limited_greedy (a group's worth: its best probability).
     router_sigmoid: bool = False
     router_choice_bias: bool = False
     expert_groups: int = 1

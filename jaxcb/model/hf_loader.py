@@ -10,8 +10,8 @@ YaRN on every layer), Llama 4 Scout and Maverick (experts scaled at their inputs
 dense layers between, NoPE layers with temperature tuning, weightless q/k norms, RoPE on complex pairs read as
 rotate-half; chunked attention), GLM-4.5 (dense first layers, then DeepSeek-V3's router over experts beside
 shared ones; partial RoPE), DeepSeek-V3 (GLM-4.5's kind of experts; multi-head latent attention, its kv_b_proj
-split into the absorbed up-projections, its interleaved RoPE pairs reordered); a separate output head when the
-embeddings are not tied. Weights are read with `safetensors` (no framework) and
+split into the absorbed up-projections, its interleaved RoPE pairs reordered) and V2 (its softmax router, groups
+by their best); a separate output head when the embeddings are not tied. Weights are read with `safetensors` (no framework) and
 transposed from torch's [out, in] to this project's [in, out].
 """
 
@@ -40,7 +40,7 @@ ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qw
                  "MixtralForCausalLM": "mixtral", "Qwen3MoeForCausalLM": "qwen3moe", "GraniteMoeForCausalLM": "granitemoe",
                  "Qwen2MoeForCausalLM": "qwen2moe", "Olmo2ForCausalLM": "olmo2", "OlmoeForCausalLM": "olmoe",
                  "GptOssForCausalLM": "gpt-oss", "Llama4ForCausalLM": "llama4", "Glm4MoeForCausalLM": "glm4moe",
-                 "DeepseekV3ForCausalLM": "deepseek_v3",
+                 "DeepseekV3ForCausalLM": "deepseek_v3", "DeepseekV2ForCausalLM": "deepseek_v2",
                  "Llama4ForConditionalGeneration": "llama4",
                  # Vision-language checkpoints as released (a vision tower beside the language model): served on
                  # text. Gemma 3 4B+; Qwen2-VL, Qwen2.5-VL (a Qwen2) and Qwen3-VL (a Qwen3), whose M-RoPE gives
@@ -73,7 +73,8 @@ _FUSED = {"self_attn.qkv_proj.weight": ("wq", "wk", "wv"), "mlp.gate_up_proj.wei
 # by the router's name): Mixtral's names; Qwen2-MoE's, Qwen3-MoE's and OLMoE's ("mlp"): the router, and each
 # expert's gate, up and down projections; Granite MoE's: the router, every expert's gate and up projections in
 # one tensor [X, 2F, E] (gate first), and their down projections [X, E, F].
-_MOE_FAMILIES = ("mixtral", "qwen2moe", "qwen3moe", "olmoe", "granitemoe", "gpt-oss", "llama4", "glm4moe", "deepseek_v3")
+_MOE_FAMILIES = ("mixtral", "qwen2moe", "qwen3moe", "olmoe", "granitemoe", "gpt-oss", "llama4", "glm4moe", "deepseek_v3",
+                 "deepseek_v2")
 _MOE = {"mixtral": ("block_sparse_moe.gate.weight", "block_sparse_moe.experts.{j}.", ("w1", "w3", "w2")),
         "mlp": ("mlp.gate.weight", "mlp.experts.{j}.", ("gate_proj", "up_proj", "down_proj")),
         "granitemoe": ("block_sparse_moe.router.layer.weight", "block_sparse_moe.",
@@ -174,7 +175,7 @@ def read_config(path: str) -> ModelConfig:
         layers = int(raw["num_hidden_layers"])
         head_dim = int(raw.get("head_dim") or hidden // heads)
         kv_heads = int(raw.get("num_key_value_heads") or heads)
-        if family == "deepseek_v3":  # (RoPE rotates the keys' own part: its width; the rest below)
+        if family in ("deepseek_v2", "deepseek_v3"):  # (RoPE rotates the keys' own part: its width; the rest below)
             head_dim = int(raw["qk_rope_head_dim"])
         max_context = int(raw.get("max_position_embeddings", 2048))
         partial = float((scaling or {}).get("partial_rotary_factor") or raw.get("partial_rotary_factor") or 1.0)
@@ -216,7 +217,7 @@ def read_config(path: str) -> ModelConfig:
         if raw.get("clip_qkv") is not None:  # (OLMo's: q, k and v clamped)
             raise InvalidConfig(f"config.json: clip_qkv {raw['clip_qkv']!r} is not supported")
         # (Mixtral's and Granite MoE's experts are intermediate_size wide, Qwen's moe_intermediate_size)
-        moe_width = family in ("qwen3moe", "qwen2moe", "glm4moe", "deepseek_v3")
+        moe_width = family in ("qwen3moe", "qwen2moe", "glm4moe", "deepseek_v2", "deepseek_v3")
         intermediate = int(raw["moe_intermediate_size"] if moe_width else raw["intermediate_size"])
         if family == "llama4":  # (Maverick: dense MLPs intermediate_size_mlp wide between the experts' layers)
             step = int(raw.get("interleave_moe_layer_step", 1))
@@ -240,18 +241,22 @@ def read_config(path: str) -> ModelConfig:
             step, only = int(raw.get("decoder_sparse_step") or 1), raw.get("mlp_only_layers") or []  # between steps
             extra.update(_moe_layers([i not in only and (i + 1) % step == 0 for i in range(layers)],
                                      raw.get("intermediate_size"), "mlp_only_layers / decoder_sparse_step"))
-        if family == "deepseek_v3":  # latent attention (ModelConfig.kv_lora_rank); its experts as GLM-4.5's below
-            extra.update(_latent_attention(raw, head_dim, scaling))
+        if family in ("deepseek_v2", "deepseek_v3"):  # latent attention (ModelConfig.kv_lora_rank), router below
+            extra.update(_latent_attention(raw, head_dim, scaling, family))
             head_dim, kv_heads = extra.pop("head_dim"), 1
-        if family in ("glm4moe", "deepseek_v3"):  # DeepSeek-V3's router; the first layers dense; shared experts
-            first = int(raw.get("first_k_dense_replace", 0))
+        if family in ("glm4moe", "deepseek_v2", "deepseek_v3"):  # the first layers dense; shared experts always run;
+            first = int(raw.get("first_k_dense_replace", 0))  # DeepSeek-V3's router (V2's: softmax, below)
             extra.update(_moe_layers([i >= first for i in range(layers)], raw.get("intermediate_size"),
                                      "first_k_dense_replace"))
-            extra.update(router_sigmoid=True, router_choice_bias=True, expert_groups=int(raw.get("n_group") or 1),
-                         expert_groups_used=int(raw.get("topk_group") or 1),
+            grouped = family != "deepseek_v2" or raw.get("topk_method") == "group_limited_greedy"
+            extra.update(router_sigmoid=family != "deepseek_v2", router_choice_bias=family != "deepseek_v2",
+                         expert_groups=int(raw.get("n_group") or 1) if grouped else 1,
+                         expert_groups_used=int(raw.get("topk_group") or 1) if grouped else 1,
                          routed_scale=float(raw.get("routed_scaling_factor", 1.0)), qk_norm=bool(raw.get("use_qk_norm")),
                          shared_expert_size=intermediate * int(raw.get("n_shared_experts") or 0),
                          shared_expert_gated=False)
+            if family == "deepseek_v2":  # (the chosen ones' probabilities as they are, unless norm_topk_prob)
+                extra["norm_topk"] = bool(raw.get("norm_topk_prob", False))
         if family in _MOE_FAMILIES:
             experts = int(raw.get("num_experts") or raw.get("n_routed_experts") or raw["num_local_experts"])
             used = int(raw["num_experts_per_tok"])
@@ -316,13 +321,20 @@ def read_config(path: str) -> ModelConfig:
         raise InvalidConfig(f"config.json: {e.args[0]} is missing") from None
 
 
-def _latent_attention(raw: dict, rope: int, scaling) -> dict:
-    """ModelConfig's latent attention fields from a DeepSeek-V3 config.json (`rope`: qk_rope_head_dim): the cached
-    width (rotated part + latent) as head_dim, and the softmax's scale, (qk_nope + qk_rope)^-0.5, times YaRN's
-    mscale(factor, mscale_all_dim) squared where the RoPE is YaRN's (DeepSeek's rule, transformers' and vLLM's)."""
-    for key, allowed in (("scoring_func", ("sigmoid",)), ("topk_method", ("noaux_tc",))):
+# The routers DeepSeek's configs may name: scoring_func and topk_method per family (the first of each its default)
+_DEEPSEEK_ROUTERS = {"deepseek_v3": (("sigmoid",), ("noaux_tc",)),
+                     "deepseek_v2": (("softmax",), ("greedy", "group_limited_greedy"))}
+
+
+def _latent_attention(raw: dict, rope: int, scaling, family: str) -> dict:
+    """ModelConfig's latent attention fields from a DeepSeek-V2/V3 config.json (`rope`: qk_rope_head_dim): the
+    cached width (rotated part + latent) as head_dim, and the softmax's scale, (qk_nope + qk_rope)^-0.5, times
+    YaRN's mscale(factor, mscale_all_dim) squared where the RoPE is YaRN's (DeepSeek's rule, transformers' and
+    vLLM's). A router the family does not have is refused by name."""
+    for key, allowed in zip(("scoring_func", "topk_method"), _DEEPSEEK_ROUTERS[family]):
         if raw.get(key, allowed[0]) not in allowed:
-            raise InvalidConfig(f"config.json: {key} {raw[key]!r} is not supported for DeepseekV3 ({allowed[0]})")
+            raise InvalidConfig(f"config.json: {key} {raw[key]!r} is not supported for {family} "
+                                f"({' or '.join(allowed)})")
     latent, nope = int(raw["kv_lora_rank"]), int(raw["qk_nope_head_dim"])
     scale = (nope + rope) ** -0.5
     if rope_scaling.kind(scaling) == "yarn" and (scaling or {}).get("mscale_all_dim"):
@@ -544,7 +556,8 @@ def load_weights(path: str, config: ModelConfig) -> dict[str, np.ndarray]:
         first = layer.format(i=config.stacked_over("router")[0])  # (the first layer with experts)
         llama4 = first + _LLAMA4["router"] in tensors
         ffn = "feed_forward" if llama4 else "mlp"  # (where a shared expert sits)
-        shared_at = "shared_experts" if config.router_sigmoid else "shared_expert"  # (GLM's name, DeepSeek's)
+        shared_at = ("shared_experts" if first + "mlp.shared_experts.gate_proj.weight" in tensors  # (GLM's, DeepSeek's)
+                     else "shared_expert")
         for key, shared in (("w_gate", "gate_proj"), ("w_up", "up_proj"), ("w_down", "down_proj")):
             if config.mixed_mlp:  # (the dense layers' MLP)
                 names["dense" + key[1:]] = (f"{ffn}.{shared}.weight", True)

@@ -415,17 +415,15 @@ def experts(config: ModelConfig, x, w: LayerParams, grouped: bool):
         scores = jax.nn.sigmoid(logits)
         choice = scores if w.router_choice_bias is None else scores + w.router_choice_bias.astype(jnp.float32)
         if config.expert_groups > 1:
-            groups = choice.reshape(t, config.expert_groups, n // config.expert_groups)
-            worth = jax.lax.top_k(groups, min(2, n // config.expert_groups))[0].sum(-1)  # [T, G]
-            best = jax.lax.top_k(worth, config.expert_groups_used)[1]
-            kept = jnp.zeros(worth.shape, bool).at[jnp.arange(t)[:, None], best].set(True)
-            choice = jnp.where(kept[:, :, None], groups, -jnp.inf).reshape(t, n)
+            choice = jnp.where(_in_best_groups(choice, config, worth=2), choice, -jnp.inf)
         chosen = jax.lax.top_k(choice, k)[1]
         top = jnp.take_along_axis(scores, chosen, axis=-1)
         if config.norm_topk:
             top = top / (jnp.sum(top, axis=-1, keepdims=True) + 1e-20)
     else:
         probs = jax.nn.softmax(logits, axis=-1)  # [T, X]
+        if config.expert_groups > 1:  # (DeepSeek-V2's group_limited_greedy: the others' probabilities 0)
+            probs = jnp.where(_in_best_groups(probs, config, worth=1), probs, 0.0)
         top, chosen = jax.lax.top_k(probs, k)  # [T, k]
         if config.norm_topk:
             top = top / jnp.sum(top, axis=-1, keepdims=True)
@@ -475,6 +473,17 @@ def experts(config: ModelConfig, x, w: LayerParams, grouped: bool):
         return jax.lax.cond(used[e], run, lambda e, out: out, e, out)
 
     return jax.lax.fori_loop(0, n, one, jnp.zeros_like(x)) + down_bias(top, chosen)
+
+
+def _in_best_groups(scores, config: ModelConfig, worth: int):
+    """[T, X] whether each expert is in one of its token's config.expert_groups_used best groups (of
+    config.expert_groups equal ones), a group worth the sum of its `worth` best scores (DeepSeek-V3: two; V2: one)."""
+    t, n = scores.shape
+    groups = scores.reshape(t, config.expert_groups, n // config.expert_groups)
+    value = jax.lax.top_k(groups, min(worth, n // config.expert_groups))[0].sum(-1)  # [T, G]
+    best = jax.lax.top_k(value, config.expert_groups_used)[1]
+    kept = jnp.zeros(value.shape, bool).at[jnp.arange(t)[:, None], best].set(True)
+    return jnp.repeat(kept, n // config.expert_groups, axis=1)
 
 
 def _attend_group(attention: Attention, config: ModelConfig, q, k, v, pages, layer_index, batch: StepInput,
