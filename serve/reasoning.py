@@ -7,7 +7,7 @@ or streamed; tool calls are read from the content only. A structured output (a J
 - `deepseek_r1`: the text is thinking up to `</think>` (a leading `<think>` dropped: the chat template may
   have written it); no `</think>` by the end (cut off) is thinking only.
 - `qwen3`: the same when the text starts with `<think>` (as Qwen3 writes it when thinking); otherwise
-  (thinking switched off, `enable_thinking: false`) it is all answer.
+  (thinking switched off, `enable_thinking: false`) it is all answer. `glm45` (GLM-4.5's, vLLM's name) reads so.
 - `openai_gptoss`: OpenAI's harmony format (gpt-oss), its `analysis` messages the reasoning
   (jaxcb.host.harmony; taken without the flag too where the chat template writes harmony).
 """
@@ -16,14 +16,15 @@ from __future__ import annotations
 
 START, END = "<think>", "</think>"
 HARMONY = "openai_gptoss"  # (vLLM's name)
-PARSERS = ("deepseek_r1", "qwen3", HARMONY)
+PARSERS = ("deepseek_r1", "qwen3", "glm45", HARMONY)
+OPENED_ONLY = ("qwen3", "glm45")  # thinking only where the answer opens it with <think>
 
 
 def split(text: str, parser: str) -> tuple[str | None, str | None]:
     """(reasoning, content) of a whole answer; None for a part it does not have."""
     body = text.lstrip()
     opened = body.startswith(START)
-    if parser == "qwen3" and not opened:
+    if parser in OPENED_ONLY and not opened:
         return None, text
     if opened:
         text = body[len(START):]
@@ -51,7 +52,7 @@ class ReasoningStream:
                 return "", ""  # only whitespace, or a prefix of <think>, so far
             if body.startswith(START):
                 self.buffer, self.state = body[len(START):], "thinking"
-            elif self.parser == "qwen3":
+            elif self.parser in OPENED_ONLY:
                 self.state = "answer"
             else:
                 self.state = "thinking"

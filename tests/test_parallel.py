@@ -38,8 +38,8 @@ def test_meshes_give_the_single_device_tokens(tmp_path):
     throughout, KV heads replicated at TP 8, the Pallas kernels at TP 4); a tiny Gemma 3 (two page groups) at TP 2
     and DP 2; a tiny Qwen2-MoE (a mixture of experts and a shared expert; float and int8) and a tiny OLMo 2 (q and k normed over
     heads split over the devices) and a tiny gpt-oss (attention sinks split with their heads; plain JAX and the Pallas
-    kernels) and a tiny GLM-4.5 (a dense layer, then experts' layers, each kind's matrices split) and a tiny DeepSeek-V3
-    (latent attention: its one KV head copied onto each device) at TP 2; n-gram speculation at TP 2 x DP 2; and two LoRA adapters beside the base model at TP 2,
+    kernels) and a tiny DeepSeek-V3 (a dense layer, then experts' layers, each kind's matrices split; latent
+    attention: its one KV head copied onto each device) at TP 2; n-gram speculation at TP 2 x DP 2; and two LoRA adapters beside the base model at TP 2,
     TP 2 x DP 2 and TP 4 (KV heads, and the adapters' k/v columns, replicated); speculative decoding with a
     draft model split over the mesh at TP 2."""
     proc = subprocess.run([sys.executable, "-m", "tests.tp_check", str(tmp_path)], capture_output=True, text=True,

@@ -19,7 +19,7 @@ CASES = [  # text, deepseek_r1's (reasoning, content), qwen3's
 
 @pytest.mark.parametrize("text, r1, qwen3", CASES)
 def test_whole_and_streamed_answers_split_alike(text, r1, qwen3):
-    for parser, want in (("deepseek_r1", r1), ("qwen3", qwen3)):
+    for parser, want in (("deepseek_r1", r1), ("qwen3", qwen3), ("glm45", qwen3)):  # (GLM-4.5's reads as Qwen3's)
         assert split(text, parser) == want, parser
         for size in (1, 2, 3, 5, len(text)):  # every way of cutting it into deltas
             stream = ReasoningStream(parser)

@@ -30,7 +30,6 @@ RUNS = [
     ("m", "tp1-int8", 1, 1, "xla", "int8"), ("m", "tp2-int8", 2, 1, "xla", "int8"),
     ("o", "tp1", 1, 1, "xla", "auto"), ("o", "tp2", 2, 1, "xla", "auto"),
     ("s", "tp1", 1, 1, "xla", "auto"), ("s", "tp2", 2, 1, "xla", "auto"), ("s", "tp2-pallas", 2, 1, "pallas", "auto"),
-    ("z", "tp1", 1, 1, "xla", "auto"), ("z", "tp2", 2, 1, "xla", "auto"),
     ("d", "tp1", 1, 1, "xla", "auto"), ("d", "tp2", 2, 1, "xla", "auto"),
 ]
 # A "lora" run serves two LoRA adapters (all projections) beside the base model, rows of all three mixed
@@ -40,9 +39,9 @@ RUNS = [
 # tiny Qwen2-MoE (a mixture of experts: each expert's columns split as a dense MLP's, and its shared expert's);
 # "o": the tiny OLMo 2 (q and k normed over all their heads, which are split over the devices); "s": the tiny
 # gpt-oss (attention sinks split with their heads, in plain JAX and from the Pallas kernels' log-sum-exps;
-# the experts' biases split with their columns); "z": the tiny GLM-4.5 (a dense layer, then experts' layers: each
-# kind's matrices split by columns, stacked over its own layers); "d": the tiny DeepSeek-V3 (latent attention: its
-# one KV head, the rotated part and the latent, a copy on each device; the heads' up-projections split).
+# the experts' biases split with their columns); "d": the tiny DeepSeek-V3 (a dense layer, then experts' layers:
+# each kind's matrices split by columns, stacked over its own layers; latent attention: its one KV head, the
+# rotated part and the latent, a copy on each device; the heads' up-projections split).
 TINY_HF = os.path.join(os.path.dirname(os.path.abspath(__file__)), "golden", "tiny_hf")
 
 
@@ -61,7 +60,7 @@ def main(workdir: str) -> None:
     models = {"a": tiny_config(), "b": tiny_config(num_heads=8, hidden_size=128),
               "g": os.path.join(TINY_HF, "gemma3"), "m": os.path.join(TINY_HF, "qwen2moe"),
               "o": os.path.join(TINY_HF, "olmo2"), "s": os.path.join(TINY_HF, "gpt-oss"),
-              "z": os.path.join(TINY_HF, "glm4moe"), "d": os.path.join(TINY_HF, "deepseek-v3")}
+              "d": os.path.join(TINY_HF, "deepseek-v3")}
     out = {}
     for key, model in models.items():
         path = model
