@@ -203,6 +203,13 @@ GLM_TEMPLATE = (  # GLM-4.5's kind: the name, then a key and a value element per
     "{{ c.function.name }}\n{% for k, v in c.function.arguments | items %}<arg_key>{{ k }}</arg_key>\n<arg_value>"
     "{{ v | tojson if v is not string else v }}</arg_value>\n{% endfor %}</tool_call>{% endfor %}{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+DS_TEMPLATE = (  # DeepSeek-V3.1's kind: name-first calls between <｜tool▁sep｜>-marked markers
+    "{% for m in messages %}{{ m.content }}{% if m.tool_calls %}<｜tool▁calls▁begin｜>{% for c in m.tool_calls %}"
+    "<｜tool▁call▁begin｜>{{ c.function.name }}<｜tool▁sep｜>{{ c.function.arguments | tojson }}<｜tool▁call▁end｜>"
+    "{% endfor %}<｜tool▁calls▁end｜>{% endif %}{% endfor %}{% if tools %}{{ tools | tojson }}{% endif %}")
+DS_R1_TEMPLATE = DS_TEMPLATE.replace(  # DeepSeek-V3-0324's and R1's: the type first, the arguments in a fence
+    "<｜tool▁call▁begin｜>{{ c.function.name }}<｜tool▁sep｜>{{ c.function.arguments | tojson }}",
+    "<｜tool▁call▁begin｜>function<｜tool▁sep｜>{{ c.function.name }}\n```json\n{{ c.function.arguments | tojson }}\n```")
 V11_TEMPLATE = LIST_TEMPLATE.replace(  # Mistral's tokenizers from v11: each call its marker, name, [ARGS], arguments
     "[TOOL_CALLS]{{ m.tool_calls | map(attribute='function') | list | tojson }}",
     "{% for c in m.tool_calls %}[TOOL_CALLS]{{ c.function.name }}[ARGS]{{ c.function.arguments | tojson }}{% endfor %}")
@@ -215,6 +222,8 @@ def test_the_format_is_the_templates_own_where_it_renders_tools():
     assert tool_calls.choose_format(V11_TEMPLATE) == (tool_calls.MISTRAL_V11, True)
     assert tool_calls.choose_format(XML_TEMPLATE) == (tool_calls.QWEN3_CODER, True)  # (its <tool_call>: not hermes)
     assert tool_calls.choose_format(GLM_TEMPLATE) == (tool_calls.GLM45, True)
+    assert tool_calls.choose_format(DS_TEMPLATE) == (tool_calls.DEEPSEEK_V31, True)
+    assert tool_calls.choose_format(DS_R1_TEMPLATE) == (tool_calls.DEEPSEEK_V3, True)
     assert tool_calls.choose_format(PLAIN_TEMPLATE, "glm47") == (tool_calls.GLM45, False)  # (vLLM's name for 4.7's)
     # vLLM's "mistral" parser reads either: the one the template writes
     assert tool_calls.choose_format(V11_TEMPLATE, "mistral") == (tool_calls.MISTRAL_V11, True)
@@ -365,11 +374,22 @@ def test_the_grammar_writes_calls_in_the_format(make_llm):
              "<tool_call>\n<function=get_time>\n</function>\n</tool_call>\n<tool_call>\n<function=get_weather>\n"
              "<parameter=city>\nSan <b>Jo</b>\nsé\n</parameter>\n</function>\n</tool_call>",
              "<tool_call>\n<function=get_weather>\n</function>\n</tool_call>"),  # (city is required)
+            (dataclasses.replace(_tools("required"), fmt=tool_calls.DEEPSEEK_V31),
+             '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_time<｜tool▁sep｜>{}<｜tool▁call▁end｜><｜tool▁call▁begin｜>'
+             'get_weather<｜tool▁sep｜>{"city":"x"}<｜tool▁call▁end｜><｜tool▁calls▁end｜>',
+             '<｜tool▁call▁begin｜>get_time<｜tool▁sep｜>{}<｜tool▁call▁end｜>'),  # (outside the calls' markers)
+            (dataclasses.replace(_tools("required"), fmt=tool_calls.DEEPSEEK_V3),
+             '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_time\n```json\n{}\n```<｜tool▁call▁end｜>'
+             '<｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n{"city":"x"}\n```<｜tool▁call▁end｜>'
+             '<｜tool▁calls▁end｜>',
+             '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n{}\n```'
+             '<｜tool▁call▁end｜><｜tool▁calls▁end｜>'),  # (city is required)
             (dataclasses.replace(_tools("required"), fmt=tool_calls.GLM45),
              "<tool_call>get_time\n</tool_call>\n<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>San "
              "<b>Jo</b>\nsé</arg_value>\n</tool_call>", "<tool_call>get_weather\n</tool_call>")):
         assert accepts(tools, good) and not accepts(tools, bad)
-        calls = good.count('"name"') + good.count("<function=") if tools.fmt != tool_calls.GLM45 else 2
+        calls = good.count('"name"') + good.count("<function=") if tools.fmt.name in ("hermes", "llama3_json", "mistral",
+                                                                                      "qwen3_coder") else 2
         assert len(tool_parse.parse(good, tools)[1]) == calls
     for fmt in (tool_calls.QWEN3_CODER, tool_calls.GLM45):
         typed = dataclasses.replace(tool_calls.parse_tools({"tools": [TYPED], "tool_choice": "required"}), fmt=fmt)
@@ -668,6 +688,47 @@ def test_glm45_template_renders_the_conversation_and_a_required_call_is_one(make
         args = json.loads(call["function"]["arguments"])
         assert call["function"]["name"] in ("get_weather", "get_time"), out.text
         assert call["function"]["name"] == "get_time" or isinstance(args.get("city"), str), out.text
+
+
+def _deepseek(fmt, *calls, before="", after="", end=True):
+    """An answer in a DeepSeek format: `before`, the calls' markers around (name, arguments text) blocks, `after`;
+    without `end` the last block cut off after its arguments' text."""
+    blocks = [fmt.open + fmt.lead + n + fmt.args + a + fmt.tail + fmt.close for n, a in calls]
+    if not end:
+        blocks[-1] = blocks[-1][:len(blocks[-1]) - len(fmt.tail + fmt.close)]
+    return before + fmt.drop[0] + "".join(blocks) + (fmt.drop[1] if end else "") + after
+
+
+DEEPSEEK_ANSWERS = [(fmt, *case) for fmt in (tool_calls.DEEPSEEK_V31, tool_calls.DEEPSEEK_V3) for case in (
+    (_deepseek(fmt, ("get_weather", '{"city": "Paris"}'), before="Let me look. "), "Let me look.",
+     [("get_weather", '{"city": "Paris"}')]),
+    (_deepseek(fmt, ("get_time", "{}"), ("get_weather", '{"city": "Oslo \\"}"}'), after=" done"), "done",
+     [("get_time", "{}"), ("get_weather", '{"city": "Oslo \\"}"}')]),
+    (_deepseek(fmt, ("unknown", "{}")), fmt.open + fmt.lead + "unknown" + fmt.args + "{}" + fmt.tail + fmt.close, []),
+    (_deepseek(fmt, ("get_time", "{}"), ("get_weather", '{"city": "Os'), end=False), "",  # cut off by max_tokens
+     [("get_time", "{}"), ("get_weather", '{"city": "Os')]),
+    ("no calls <｜tool▁calls", "no calls <｜tool▁calls", []),
+)]
+
+
+@pytest.mark.parametrize("fmt, text, content, calls", DEEPSEEK_ANSWERS)
+def test_deepseek_calls_parse_whole_and_streamed(fmt, text, content, calls):
+    """deepseek_v31 (DeepSeek-V3.1: name, <｜tool▁sep｜>, arguments) and deepseek_v3 (V3-0324, R1: function,
+    <｜tool▁sep｜>, name, the arguments in a ```json fence) blocks inside the calls' markers, which are no
+    answer text; the same whole and however the stream cuts it; a block of no tool stays text; a block cut off
+    is the call so far."""
+    tools = dataclasses.replace(tool_calls.parse_tools({"tools": [WEATHER, CLOCK]}), fmt=fmt)
+    got_content, got_calls = tool_parse.parse(text, tools)
+    whole = [(c["function"]["name"], c["function"]["arguments"]) for c in got_calls]
+    assert (got_content, whole) == (content, calls)
+    rng = random.Random(7)
+    for pieces in [[text[i:i + 1] for i in range(len(text))]] + [_random_pieces(text, rng) for _ in range(30)]:
+        streamed, merged = _streamed(tools, pieces)
+        assert (streamed.strip(), merged) == (content, whole)
+    if calls and not text.endswith('"Os'):  # a call as jaxcb writes it (an earlier call in its rendering) reads back
+        written = "".join(fmt.write(n, json.loads(a)) for n, a in calls)
+        assert [(c["function"]["name"], json.loads(c["function"]["arguments"]))
+                for c in tool_parse.parse(written, tools)[1]] == [(n, json.loads(a)) for n, a in calls]
 
 
 @pytest.mark.parametrize("text, content, calls", NAME_FIRST_ANSWERS)

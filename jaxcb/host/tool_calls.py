@@ -19,6 +19,10 @@ A model writes its calls in the format it was trained on (a `Format`; vLLM's --t
     qwen3_coder  <tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call>
                  one block per call, each argument an element whose text is its value: a string as it is,
                  another type as JSON, read by the function's schema (Qwen3-Coder)
+    deepseek_v31 <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": "Paris"}<｜tool▁call▁end｜><｜tool▁calls▁end｜>
+                 name-first blocks inside the calls' markers (DeepSeek-V3.1)
+    deepseek_v3  <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n{"city": "Paris"}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>
+                 the same with the type first and the arguments in a code fence (DeepSeek-V3-0324, R1)
     glm45        <tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n</tool_call>
                  one block per call: the name, then each argument's key and value elements, the value read
                  as qwen3_coder's are (GLM-4.5, 4.6; 4.7's, without the newlines, reads the same)
@@ -81,6 +85,9 @@ class Format:
     keys: tuple[str, ...]
     id_length: int = 0  # call ids the model's template takes: this many letters and digits (0: any id)
     args: str = ""  # between a call's name and its arguments, where calls are written name-first, no object
+    lead: str = ""  # (name-first) before the name in each block (DeepSeek-V3's type: "function<｜tool▁sep｜>")
+    tail: str = ""  # (name-first) after the arguments, before `close` (DeepSeek-V3's closing code fence)
+    drop: tuple[str, ...] = ()  # (opening, closing) markers around a run of blocks: not the answer's text (DeepSeek's)
     xml: str = ""  # calls as elements, not JSON: "qwen3_coder" (Qwen3-Coder's) or "glm45" (GLM-4.5's)
     harmony: bool = False  # calls as messages of OpenAI's harmony format (jaxcb.host.harmony)
     pythonic: bool = False  # the answer a Python list of calls (jaxcb.host.pythonic)
@@ -99,7 +106,8 @@ class Format:
         if self.pythonic:
             return pythonic.write(name, arguments)
         if self.args:
-            return self.open + name + self.args + json.dumps(arguments)
+            call = self.open + self.lead + name + self.args + json.dumps(arguments) + self.tail + self.close
+            return self.drop[0] + call + self.drop[1] if self.drop else call
         call = json.dumps({"name": name, self.keys[0]: arguments})
         return self.open + (f"[{call}]" if self.shape == "list" else call) + self.close
 
@@ -116,10 +124,14 @@ GRANITE = Format("granite", "list", "<|tool_call|>", "", ("arguments",))
 MISTRAL_V11 = Format("mistral_v11", "blocks", "[TOOL_CALLS]", "", ("arguments",), id_length=9, args="[ARGS]")
 QWEN3_CODER = Format("qwen3_coder", "blocks", "<tool_call>", "</tool_call>", ("arguments",), xml="qwen3_coder")
 GLM45 = Format("glm45", "blocks", "<tool_call>", "</tool_call>", ("arguments",), xml="glm45")
+_DEEPSEEK = dict(args="<｜tool▁sep｜>", drop=("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"))
+DEEPSEEK_V31 = Format("deepseek_v31", "blocks", "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", ("arguments",), **_DEEPSEEK)
+DEEPSEEK_V3 = Format("deepseek_v3", "blocks", "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", ("arguments",),
+                     **{**_DEEPSEEK, "lead": "function<｜tool▁sep｜>", "args": "\n```json\n", "tail": "\n```"})
 HARMONY = Format("harmony", "blocks", "<|channel|>", "<|call|>", ("arguments",), harmony=True)
 PYTHONIC = Format("pythonic", "list", "", "", ("arguments",), pythonic=True)
-FORMATS = {f.name: f for f in (HERMES, LLAMA3_JSON, MISTRAL, GRANITE, MISTRAL_V11, QWEN3_CODER, GLM45, HARMONY,
-                                PYTHONIC)}
+FORMATS = {f.name: f for f in (HERMES, LLAMA3_JSON, MISTRAL, GRANITE, MISTRAL_V11, QWEN3_CODER, GLM45, DEEPSEEK_V31,
+                                DEEPSEEK_V3, HARMONY, PYTHONIC)}
 ALIASES = {"openai": "harmony", "llama4_pythonic": "pythonic", "glm47": "glm45"}  # vLLM's names for these formats
 # --tool-call-parser ("mistral": mistral_v11 where the template writes [ARGS])
 PARSERS = ("auto", *FORMATS, *ALIASES)
@@ -129,14 +141,15 @@ def marked_by_special_tokens(fmt: Format, tokenizer) -> bool:
     """Whether the format's markers are special tokens of `tokenizer` (a <tool_call> some vocabularies mark
     special, Mistral's [TOOL_CALLS]): an answer's calls are then read from its text with special tokens kept
     (SamplingParams.skip_special_tokens False), as vLLM's parsers ask."""
-    return any(special(m, tokenizer) is not None for m in (fmt.open, fmt.close, fmt.args))
+    return any(special(m, tokenizer) is not None for m in (fmt.open, fmt.close, fmt.args, *fmt.drop))
 
 
 def choose_format(template: str | None, parser: str = "auto") -> tuple[Format, bool]:
     """(the format calls are written and read in, whether the chat template `template` renders the tools
     and calls itself: it reads `tools`). "auto": the template's own format where it is recognised from what
     the template writes (<|tool_call|>: granite; <function=...> and <parameter=...> elements: qwen3_coder;
-    <arg_key> and <arg_value> elements: glm45;
+    <arg_key> and <arg_value> elements: glm45; <｜tool▁sep｜> between a call's name and its arguments:
+    deepseek_v31, before the name with its arguments in a ```json fence: deepseek_v3;
     a <tool_call> block: hermes; [TOOL_CALLS] with [ARGS]:
     mistral_v11, without: mistral; a "parameters" object: llama3_json), else hermes in jaxcb's rendering; a
     parser named by the server: its format (mistral's by what the template writes, as vLLM's parser reads
@@ -160,6 +173,8 @@ def choose_format(template: str | None, parser: str = "auto") -> tuple[Format, b
         return QWEN3_CODER, True
     if reads and "<arg_key>" in template and "<arg_value>" in template:
         return GLM45, True
+    if reads and DEEPSEEK_V31.open in template and "<｜tool▁sep｜>" in template:
+        return (DEEPSEEK_V3 if "```json" in template else DEEPSEEK_V31), True
     if reads and HERMES.open in template:
         return HERMES, True
     if reads and MISTRAL.open in template:
@@ -257,7 +272,7 @@ def system_text(tools: Tools) -> str:
     fmt = tools.fmt
     call = '{"name": <function name>, "%s": <arguments as a JSON object>}' % fmt.keys[0]
     if fmt.args:
-        call = f"<function name>{fmt.args}<arguments as a JSON object>"
+        call = f"{fmt.lead}<function name>{fmt.args}<arguments as a JSON object>{fmt.tail}"
     if fmt.xml == "glm45":
         call = ("<function name>\n<arg_key><argument name></arg_key>\n<arg_value><its value: a string as it is, "
                 "anything else as JSON></arg_value>\n(a key and a value element per argument)")
@@ -402,12 +417,14 @@ def constraint(tools: Tools, tokenizer=None) -> Constraint | None:
     if tools.fmt.pythonic:
         return Constraint("grammar", _pythonic_grammar(tools, names, more), "tools", parts)
     if tools.fmt.args:  # name-first calls: one rule per function, its name then its arguments
-        calls = "\n".join(f"call_{k}: {marker(tools.fmt.open, tokenizer)} {json.dumps(n)} "
-                          f"{marker(tools.fmt.args, tokenizer)} %json {json.dumps(lark_schema(tools.functions[n]))}"
+        fmt, m = tools.fmt, functools.partial(_markers, tokenizer=tokenizer)
+        calls = "\n".join(f"call_{k}: {m(fmt.open)} {m(fmt.lead)} {json.dumps(n)} {m(fmt.args)} "
+                          f"%json {json.dumps(lark_schema(tools.functions[n]))} {m(fmt.tail)} {m(fmt.close)}"
                           for k, n in enumerate(names))
         alternatives = " | ".join(f"call_{k}" for k in range(len(names)))
-        return Constraint("grammar", f"start: call{'+' if more else ''}\ncall: {alternatives}\n{calls}",
-                          "tools", parts)
+        run = f"call{'+' if more else ''}"
+        start = f"{m(fmt.drop[0])} {run} {m(fmt.drop[1])}" if fmt.drop else run
+        return Constraint("grammar", f"start: {start}\ncall: {alternatives}\n{calls}", "tools", parts)
     key = tools.fmt.keys[0]
     body = json.dumps(lark_schema({"anyOf": [{"type": "object", "properties": {"name": {"const": n}, key: tools.functions[n]},
                                           "required": ["name", key], "additionalProperties": False} for n in names]}))
@@ -423,6 +440,13 @@ def constraint(tools: Tools, tokenizer=None) -> Constraint | None:
         grammar = (f"start: call{rest}\ncall: {marker(tools.fmt.open, tokenizer)} "
                    f"{newline} %json {body} {newline} {marker(tools.fmt.close, tokenizer)}")
     return Constraint("grammar", grammar, "tools", parts)
+
+
+def _markers(text: str, tokenizer) -> str:
+    """Text in a Lark grammar, each special token of `tokenizer` in it that token (structured.marker), the rest text;
+    nothing for no text."""
+    pieces = [p for p in re.split(r"(<｜[^｜<>]{1,64}｜>)", text) if p]
+    return " ".join(marker(p, tokenizer) for p in pieces)
 
 
 def xml_type(prop) -> tuple[str | None, bool]:

@@ -36,7 +36,8 @@ def _head(fmt: Format) -> re.Pattern:
     if fmt.xml:
         return re.compile(rf"\s*<function=({NAME.pattern})>\n?")
     if fmt.args:
-        return re.compile(rf"\s*({NAME.pattern})(?:{re.escape(_CALL_ID)}[A-Za-z0-9]{{1,64}})?{re.escape(fmt.args)}\s*")
+        return re.compile(rf"\s*{re.escape(fmt.lead)}\s*({NAME.pattern})(?:{re.escape(_CALL_ID)}[A-Za-z0-9]{{1,64}})?"
+                          rf"{re.escape(fmt.args)}\s*")
     keys = "|".join(map(re.escape, fmt.keys))
     return re.compile(_NAME.pattern + r'\s*,\s*"(?:' + keys + r')"\s*:\s*')
 
@@ -186,12 +187,14 @@ def _call(body: str, tools: Tools):
             return None
         schema = tools.functions[head.group(1)]
         return head.group(1), json.loads(_xml_args(body[head.end():], schema, True, tools.fmt.xml))
-    if tools.fmt.args:  # name-first: the name, then the arguments object
+    if tools.fmt.args:  # name-first: the name, then the arguments object (then the format's tail)
         head = _head(tools.fmt).match(body)
         if head is None or head.group(1) not in tools.functions:
             return None
+        rest = body[head.end():].rstrip()
         try:
-            arguments = json.loads(body[head.end():])
+            arguments = json.loads(rest[:len(rest) - len(tools.fmt.tail.strip())] if tools.fmt.tail.strip()
+                                   and rest.endswith(tools.fmt.tail.strip()) else rest)
         except ValueError:
             return None
         return (head.group(1), arguments) if isinstance(arguments, dict) else None
@@ -265,11 +268,11 @@ class CallStream:
             if not self.in_block:
                 at = self.buffer.find(open_)
                 if at < 0:
-                    keep = 0 if final else _partial_suffix(self.buffer, open_)
-                    content += self.buffer[:len(self.buffer) - keep]
+                    keep = 0 if final else max(_partial_suffix(self.buffer, m) for m in (open_, *self.fmt.drop))
+                    content += self._text(self.buffer[:len(self.buffer) - keep])
                     self.buffer = self.buffer[len(self.buffer) - keep:]
                     return content, deltas
-                content += self.buffer[:at]
+                content += self._text(self.buffer[:at])
                 self.buffer = self.buffer[at + len(open_):]
                 self.in_block, self.sent_args, self.block_called = True, None, False
             end = _block_end(self.buffer, self.fmt)
@@ -290,6 +293,12 @@ class CallStream:
                 content += open_ + body + close
             self.buffer = self.buffer[end + len(close):]
             self.in_block = False
+
+    def _text(self, text: str) -> str:
+        """Text between blocks as the answer's: without the markers around a run of calls (Format.drop)."""
+        for m in self.fmt.drop:
+            text = text.replace(m, "")
+        return text
 
     def _next_element(self, body: str) -> bool:
         """(qwen3_coder) Whether another <function=...> element begins after the current one, closed, in a
