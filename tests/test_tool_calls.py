@@ -560,23 +560,6 @@ XML_ANSWERS = [  # qwen3_coder: each call a <function=...> element with an eleme
 ]
 
 
-@pytest.mark.parametrize("text, content, calls", XML_ANSWERS)
-def test_element_calls_parse_whole_and_streamed(text, content, calls):
-    """qwen3_coder: each argument's element read by its schema's type (a string as it is, newlines inside
-    kept; integers, numbers, booleans, JSON; null); the arguments stream element by element as JSON text that
-    goes on from what was sent, the same whole and however the stream cuts it."""
-    tools = dataclasses.replace(tool_calls.parse_tools({"tools": [WEATHER, CLOCK, TYPED]}), fmt=tool_calls.QWEN3_CODER)
-    got_content, got_calls = tool_parse.parse(text, tools)
-    whole = [(c["function"]["name"], c["function"]["arguments"]) for c in got_calls]
-    cut = text.endswith("Tr")  # (an unfinished call's arguments so far: "{")
-    assert got_content == content
-    assert [(n, json.loads(a + "}" if cut and not a.endswith("}") else a)) for n, a in whole] == calls
-    rng = random.Random(3)
-    for pieces in [[text[i:i + 1] for i in range(len(text))]] + [_random_pieces(text, rng) for _ in range(30)]:
-        streamed, merged = _streamed(tools, pieces)
-        assert (streamed.strip(), merged) == (content, whole)
-
-
 def test_element_calls_refuse_what_elements_cannot_hold():
     """qwen3_coder: a parameter name an element cannot hold, or a maxLength that is no length, is refused naming the
     tool's field when a grammar is built; an earlier call's arguments that are no object cannot be written as
@@ -632,18 +615,20 @@ GLM_ANSWERS = [  # glm45: the name, then a key and a value element per argument
 ]
 
 
-@pytest.mark.parametrize("text, content, calls", GLM_ANSWERS)
-def test_glm45_calls_parse_whole_and_streamed(text, content, calls):
-    """glm45 (GLM-4.5's calls): the name, then each argument's key and value elements, a value read by its schema's
-    type as qwen3_coder's are; the arguments stream pair by pair as JSON text that goes on from what was sent, the
-    same whole and however the stream cuts it."""
-    tools = dataclasses.replace(tool_calls.parse_tools({"tools": [WEATHER, CLOCK, TYPED]}), fmt=tool_calls.GLM45)
+@pytest.mark.parametrize("fmt, text, content, calls", [(tool_calls.QWEN3_CODER, *a) for a in XML_ANSWERS]
+                         + [(tool_calls.GLM45, *a) for a in GLM_ANSWERS])
+def test_element_calls_parse_whole_and_streamed(fmt, text, content, calls):
+    """qwen3_coder and glm45 (GLM-4.5's calls: the name, then each argument's key and value elements): each
+    argument's element read by its schema's type (a string as it is, newlines inside kept; integers, numbers,
+    booleans, JSON; null); the arguments stream element by element as JSON text that goes on from what was sent,
+    the same whole and however the stream cuts it."""
+    tools = dataclasses.replace(tool_calls.parse_tools({"tools": [WEATHER, CLOCK, TYPED]}), fmt=fmt)
     got_content, got_calls = tool_parse.parse(text, tools)
     whole = [(c["function"]["name"], c["function"]["arguments"]) for c in got_calls]
-    cut = text.endswith("Tr")
+    cut = text.endswith("Tr")  # (an unfinished call's arguments so far: "{")
     assert got_content == content
     assert [(n, json.loads(a + "}" if cut and not a.endswith("}") else a)) for n, a in whole] == calls
-    rng = random.Random(5)
+    rng = random.Random(3)
     for pieces in [[text[i:i + 1] for i in range(len(text))]] + [_random_pieces(text, rng) for _ in range(30)]:
         streamed, merged = _streamed(tools, pieces)
         assert (streamed.strip(), merged) == (content, whole)
