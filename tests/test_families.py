@@ -1160,3 +1160,67 @@ def test_latent_attention_padded_to_the_pallas_kernels_width_gives_the_reference
             n = before_near_tie(record, 8)
             assert out.token_ids[:n] == record["greedy_ids"][:n], (attention, len(record["prompt_ids"]))
         llm.engine.pool.check_all_free()
+
+
+def _fp8_checkpoint(src: str, dst, block: int) -> dict:
+    """`src`'s checkpoint with its linear layers' weights in float8 e4m3 with a scale a block of block x block, as
+    DeepSeek-V3's and Qwen3-FP8's releases store them (weight_scale_inv); returns their dequantized values."""
+    import shutil
+
+    import ml_dtypes
+    from safetensors.numpy import load_file, save_file
+
+    shutil.copytree(src, dst)
+    tensors, out, values = load_file(str(dst / "model.safetensors")), {}, {}
+    for name, w in tensors.items():
+        if w.ndim != 2 or any(p in name for p in ("norm", "embed", "lm_head", "gate.weight")):
+            out[name] = w
+            continue
+        r, c = -(-w.shape[0] // block), -(-w.shape[1] // block)
+        padded = np.zeros((r * block, c * block), np.float32)
+        padded[:w.shape[0], :w.shape[1]] = w
+        scale = np.maximum(np.abs(padded.reshape(r, block, c, block)).max((1, 3)) / 448.0, 1e-12).astype(np.float32)
+        full = np.repeat(np.repeat(scale, block, 0), block, 1)[:w.shape[0], :w.shape[1]]
+        out[name], out[name + "_scale_inv"] = (w / full).astype(ml_dtypes.float8_e4m3fn), scale
+        values[name] = out[name].astype(np.float32) * full
+    save_file(out, str(dst / "model.safetensors"))
+    raw = json.loads((dst / "config.json").read_text())
+    raw["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [block, block]}
+    (dst / "config.json").write_text(json.dumps(raw))
+    return values
+
+
+def test_float8_weights_with_block_scales_are_read_as_released(tmp_path):
+    """DeepSeek-V3's (and Qwen3-FP8's) float8 e4m3 weights with a scale a block (weight_scale_inv, blocks of
+    quantization_config.weight_block_size; here 16 x 16 over 40- and 96-row matrices, so blocks are cut at the
+    edges): each value q * its block's scale exactly, the logits within float8's error of transformers' on the
+    float weights, the greedy token the same; a float8 tensor without its scales, or another quantization
+    method, is refused by name."""
+    from jaxcb.host.errors import InvalidConfig
+    from jaxcb.model.hf_loader import load_weights, read_config
+
+    values = _fp8_checkpoint(os.path.join(GOLDEN, "deepseek-v3"), tmp_path / "fp8", 16)
+    config = read_config(str(tmp_path / "fp8"))
+    weights = load_weights(str(tmp_path / "fp8"), config)
+    latent = values["model.layers.2.self_attn.kv_a_proj_with_mqa.weight"].T[:, :32]  # (the rotated part reordered)
+    np.testing.assert_array_equal(weights["wkv_a"][2][:, :32], latent)
+    np.testing.assert_array_equal(weights["experts_down"][1, 5], values["model.layers.2.mlp.experts.5.down_proj.weight"].T)
+    params = load_model(str(tmp_path / "fp8"), jnp.float32)[1]
+    for record in golden("deepseek-v3"):
+        ref = np.asarray(record["prefill_logits"], np.float32)
+        got = prefill_logits(config, params, record["prompt_ids"])
+        assert np.abs(got - ref).max() <= 0.08 * np.abs(ref).max() and np.argmax(got) == np.argmax(ref)
+    raw = json.loads((tmp_path / "fp8" / "config.json").read_text())
+    (tmp_path / "fp8" / "config.json").write_text(json.dumps({**raw, "quantization_config": {"quant_method": "gptq"}}))
+    with pytest.raises(InvalidConfig, match="quantization_config"):
+        load_weights(str(tmp_path / "fp8"), config)
+    from safetensors.numpy import save_file
+
+    from jaxcb.model.hf_loader import _read_float8
+
+    tensors = _read_float8(str(tmp_path / "fp8" / "model.safetensors"))
+    del tensors["model.layers.1.self_attn.o_proj.weight_scale_inv"]
+    save_file({n: np.ascontiguousarray(a) for n, a in tensors.items()}, str(tmp_path / "fp8" / "model.safetensors"))
+    (tmp_path / "fp8" / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(InvalidConfig, match=r"float8 tensor model.layers.1.self_attn.o_proj.weight has no .*_scale_inv"):
+        load_weights(str(tmp_path / "fp8"), config)

@@ -494,6 +494,65 @@ def _latent_rope_halves(weights: dict, config: ModelConfig) -> None:
     weights["wkv_a"][..., -r:] = weights["wkv_a"][..., -r:][..., order]
 
 
+# safetensors' dtype names -> numpy's (float8 through ml_dtypes, which jax brings), for the files the library's numpy
+# reader cannot read: those holding float8 tensors (DeepSeek-V3's, Qwen3-FP8's releases)
+_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "I64": "int64", "I32": "int32", "I16": "int16",
+           "I8": "int8", "U8": "uint8", "BOOL": "bool", "BF16": "bfloat16", "F8_E4M3": "float8_e4m3fn",
+           "F8_E5M2": "float8_e5m2"}
+
+
+def _read_float8(file: str) -> dict[str, np.ndarray] | None:
+    """A safetensors file's tensors where it holds float8 ones (the library's numpy reader has no float8 type),
+    read from its header and memory-mapped data; None for any other file (the library reads it)."""
+    import ml_dtypes
+
+    with open(file, "rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(size))
+    header.pop("__metadata__", None)
+    if not any(str(t.get("dtype", "")).startswith("F8") for t in header.values()):
+        return None
+    data = np.memmap(file, np.uint8, mode="r", offset=8 + size)
+    out = {}
+    for name, t in header.items():
+        if t["dtype"] not in _DTYPES:
+            raise InvalidConfig(f"model: {file}: tensor {name} has dtype {t['dtype']}, which jaxcb does not read")
+        dtype = np.dtype(getattr(ml_dtypes, _DTYPES[t["dtype"]], None) or _DTYPES[t["dtype"]])
+        begin, end = t["data_offsets"]
+        out[name] = data[begin:end].view(dtype).reshape(t["shape"])
+    return out
+
+
+def _dequantize_float8(tensors: dict, path: str) -> list[str]:
+    """Float8 weights with block scales (DeepSeek-V3's and Qwen3-FP8's "fp8" quantization: `<name>` in float8 e4m3,
+    `<name>_scale_inv` one float a block of config.json's quantization_config.weight_block_size, default 128 x
+    128, of its [out, in] matrix) replaced in place by their values, w = q * scale_inv of its block, in float32.
+    Returns the scale tensors' names (read)."""
+    scaled = [n for n, a in tensors.items() if str(a.dtype).startswith("float8")]
+    if not scaled:
+        return []
+    with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+        raw = json.load(f)
+    quant = (raw.get("text_config") or raw).get("quantization_config") or raw.get("quantization_config") or {}
+    block = quant.get("weight_block_size") or [128, 128]
+    if quant.get("quant_method", "fp8") != "fp8" or len(block) != 2:
+        raise InvalidConfig(f"config.json: quantization_config {quant!r}: jaxcb reads fp8 weights with block scales")
+    read = []
+    for name in scaled:
+        scale = tensors.get(name + "_scale_inv")
+        w = tensors[name]
+        if scale is None or w.ndim != 2:
+            raise InvalidConfig(f"model: float8 tensor {name} has no {name}_scale_inv of blocks beside it")
+        rows, cols = -(-w.shape[0] // block[0]), -(-w.shape[1] // block[1])
+        if scale.shape != (rows, cols):
+            raise InvalidConfig(f"model: {name}_scale_inv has shape {scale.shape}, expected {(rows, cols)} "
+                                f"(blocks of {block[0]} x {block[1]})")
+        full = np.repeat(np.repeat(np.asarray(scale, np.float32), block[0], 0), block[1], 1)[:w.shape[0], :w.shape[1]]
+        tensors[name] = np.asarray(w, np.float32) * full
+        read.append(name + "_scale_inv")
+    return read
+
+
 def _multi_token_layers(path: str, config: ModelConfig) -> int:
     """How many multi-token prediction layers (GLM-4.5's, DeepSeek-V3's: num_nextn_predict_layers) a checkpoint
     keeps after its last layer."""
@@ -515,11 +574,11 @@ def load_weights(path: str, config: ModelConfig) -> dict[str, np.ndarray]:
     tensors: dict[str, np.ndarray] = {}
     for f in files:
         try:
-            tensors.update(load_file(f))
+            tensors.update(_read_float8(f) or load_file(f))
         except Exception as e:  # noqa: BLE001 - the library raises its own error types
             raise InvalidConfig(f"model: {f} is not a readable safetensors file ({e})") from None
 
-    used = set()
+    used = set(_dequantize_float8(tensors, path))
 
     def get(name: str, transpose: bool = False, raw: bool = False) -> np.ndarray:
         if name not in tensors:
