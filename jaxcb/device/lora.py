@@ -26,12 +26,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxcb.host.lora import check_targets, target_shapes
+from jaxcb.host.lora import check_targets
 from jaxcb.model.config import ModelConfig
 
 
 def zero_slots(config: ModelConfig, targets, slots: int, rank: int, dtype) -> dict:
-    shapes = target_shapes(config)
+    shapes = config.adapter_shapes()
     check_targets(targets, shapes)
     a = {t: jnp.zeros((config.num_layers, shapes[t][1], slots * rank), dtype) for t in targets}
     b = {t: jnp.zeros((config.num_layers, slots * rank, shapes[t][2]), dtype) for t in targets}

@@ -28,16 +28,6 @@ from jaxcb.host.errors import InvalidConfig, InvalidRequest, NotFound, shown
 TARGETS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 
 
-def target_shapes(model) -> dict:
-    """The weight shapes (ModelConfig.weight_shapes) of the matrices adapters may target: every layer's; where dense
-    layers sit among the experts' (mixed_mlp) a shared expert's matrices stack over the experts' layers only and
-    have no slot a layer."""
-    from jaxcb.model.config import EXPERT_PARTS
-
-    shapes = model.weight_shapes()
-    return {k: v for k, v in shapes.items() if k not in EXPERT_PARTS} if model.mixed_mlp else shapes
-
-
 def check_targets(targets, shapes: dict) -> None:
     """The adapters' targets are matrices of the model whose weight shapes are `shapes`
     (ModelConfig.weight_shapes): a mixture of experts has no dense MLP to adapt."""

@@ -20,7 +20,7 @@ import dataclasses
 import re
 
 from jaxcb.host.errors import InvalidConfig
-from jaxcb.host.lora import check_targets, target_shapes
+from jaxcb.host.lora import check_targets
 from jaxcb.host.window import sliding_pages_per_chunk
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -268,7 +268,7 @@ def lora_slot_bytes(model, lora, dtype_bytes: int) -> int:
     per slot and target, A [L, in, R] and B [L, R, out]."""
     if not lora.enabled:
         return 0
-    shapes = target_shapes(model)
+    shapes = model.adapter_shapes()
     check_targets(lora.targets, shapes)
     per_slot = sum((shapes[t][1] + shapes[t][2]) * lora.max_rank for t in lora.targets) * model.num_layers
     return lora.max_loras * per_slot * dtype_bytes

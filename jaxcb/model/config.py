@@ -269,6 +269,12 @@ class ModelConfig:
             shapes["lm_head"] = (e, self.vocab_size)
         return shapes
 
+    def adapter_shapes(self) -> dict[str, tuple[int, ...]]:
+        """weight_shapes of the matrices LoRA slots (a slot a layer) may target: every layer's; where dense layers
+        sit among the experts' (mixed_mlp), not a shared expert's, stacked over the experts' layers only."""
+        shapes = self.weight_shapes()
+        return {k: v for k, v in shapes.items() if k not in EXPERT_PARTS} if self.mixed_mlp else shapes
+
     def check_weight_shapes(self, weights: dict, source: str) -> None:
         """Every weight a loader found has the shape this config gives it (names it does not know are
         left to the loader): a clear error naming the tensor and `source` (the file or config.json)."""
