@@ -1,4 +1,5 @@
-"""Write tiny random-weight Hugging Face checkpoints of Qwen3, Mixtral, Qwen2-MoE, Qwen3-MoE, Granite MoE, OLMoE, OLMo 2,
+"""Write tiny random-weight Hugging Face checkpoints of Qwen3, Mixtral, Qwen2-MoE, Qwen3-MoE (and with dense layers among
+its experts'), Granite MoE, OLMoE, OLMo 2, Llama 4 (Scout's and Maverick's kinds), GLM-4.5, DeepSeek-V2 and V3,
 SmolLM3 (no RoPE in every other layer
 here), Granite (its four scalars), Phi-3 (fused projections; and Phi-4-mini's partial rotary and LongRoPE),
 Gemma 2 and Gemma 3 with transformers' own modules, and their golden outputs, for
@@ -36,6 +37,10 @@ LONG_PROMPTS = [[2] + [(17 * i + 11) % 250 + 3 for i in range(89)], [2] + [(5 * 
 STEPS = 16
 COMMON = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
               num_key_value_heads=2, head_dim=16, max_position_embeddings=256, rms_norm_eps=1e-6)
+
+
+# DeepSeek's latent attention: every head its own keys and values (expanded from the latent), no head_dim of its own
+MLA_COMMON = {**{k: v for k, v in COMMON.items() if k != "head_dim"}, "num_key_value_heads": 4}
 
 
 def configs():
@@ -123,9 +128,9 @@ def configs():
         # DeepSeek-V3's kind: multi-head latent attention (queries through a rank-48 pair, keys and values from a
         # rank-32 latent beside an 8-wide rotated part, interleaved pairs), YaRN with DeepSeek's mscales (the
         # softmax scaled too); the first layer dense, then GLM-4.5's kind of experts
-        "deepseek-v3": DeepseekV3Config(**{k: v for k, v in COMMON.items() if k not in ("head_dim", "num_key_value_heads")},
-                                        tie_word_embeddings=False,
-                                        num_key_value_heads=4, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2,
+        "deepseek-v3": DeepseekV3Config(**MLA_COMMON,
+                                        tie_word_embeddings=False, moe_intermediate_size=32, n_routed_experts=8,
+                                        num_experts_per_tok=2,
                                         n_shared_experts=1, n_group=2, topk_group=1, first_k_dense_replace=1,
                                         routed_scaling_factor=2.5, norm_topk_prob=True, kv_lora_rank=32, q_lora_rank=48,
                                         qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, pad_token_id=None,
@@ -134,8 +139,8 @@ def configs():
                                             "original_max_position_embeddings": 64, "mscale": 1.0,
                                             "mscale_all_dim": 1.0, "beta_fast": 32.0, "beta_slow": 1.0}),
         # ... its queries through one matrix (q_lora_rank none: DeepSeek-V2-Lite's, Moonlight's), plain RoPE
-        "deepseek-v3-q": DeepseekV3Config(**{k: v for k, v in COMMON.items() if k not in ("head_dim", "num_key_value_heads")},
-                                          tie_word_embeddings=False, num_key_value_heads=4, moe_intermediate_size=32, n_routed_experts=8,
+        "deepseek-v3-q": DeepseekV3Config(**MLA_COMMON,
+                                          tie_word_embeddings=False, moe_intermediate_size=32, n_routed_experts=8,
                                           num_experts_per_tok=2, n_shared_experts=2, n_group=1, topk_group=1,
                                           first_k_dense_replace=2, routed_scaling_factor=1.5, norm_topk_prob=False,
                                           kv_lora_rank=24, q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=8,
@@ -143,8 +148,8 @@ def configs():
                                           rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
         # DeepSeek-V2's kind: latent attention with queries through one matrix (V2-Lite's), YaRN with V2's mscales;
         # a softmax router choosing within the 2 best of 4 groups (a group worth its best), weights times 2 unrenormalized
-        "deepseek-v2": DeepseekV2Config(**{k: v for k, v in COMMON.items() if k not in ("head_dim", "num_key_value_heads")},
-                                        tie_word_embeddings=False, num_key_value_heads=4, moe_intermediate_size=32,
+        "deepseek-v2": DeepseekV2Config(**MLA_COMMON,
+                                        tie_word_embeddings=False, moe_intermediate_size=32,
                                         n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=2,
                                         topk_method="group_limited_greedy", n_group=4, topk_group=2,
                                         first_k_dense_replace=1, routed_scaling_factor=2.0, norm_topk_prob=False,
