@@ -27,7 +27,7 @@ from serve.openai_fields import ERROR_TYPE, HTTPError, RequestOptions, http_erro
 async def answer(state, request: Request, options: RequestOptions, tenant: str, prompts: list[list[int]], params, *,
                  chat: bool, top_logprobs: int = 0, tools=None, echo: list[str] | None = None,
                  prompt_field: bool = False, include_reasoning: bool = True, to_context: bool = False,
-                 harmony: bool = False):
+                 harmony: bool = False, thinking_closed: bool = False):
     """Run the prompts (each params.n samples) and answer as OpenAI does: server-sent chunks with
     `stream`, else one JSON body once all are done; a client that hangs up has its requests aborted.
     `echo` (completions): each prompt's text, which its choices' texts start with, and with logprobs its
@@ -36,7 +36,8 @@ async def answer(state, request: Request, options: RequestOptions, tenant: str, 
     `include_reasoning` (vLLM's; with the server's reasoning parser): false leaves the thinking out.
     `to_context`: each prompt's samples run up to the context (max_tokens: what is left of it after the prompt).
     `harmony` (chat): the answers are in OpenAI's harmony format (gpt-oss): their reasoning, content and tool calls
-    read from its messages (jaxcb.host.harmony), whatever the reasoning parser."""
+    read from its messages (jaxcb.host.harmony), whatever the reasoning parser. `thinking_closed` (chat): the prompt
+    closed the thinking (serve.reasoning.prompt_closed): the answers are all content."""
     def params_of(ids):
         return dataclasses.replace(params, max_tokens=max(1, state.engine.max_context - len(ids))) if to_context else params
 
@@ -144,7 +145,8 @@ async def answer(state, request: Request, options: RequestOptions, tenant: str, 
                         offsets[index] = offsets.get(index, 0) + sum(len(t) for t in logprobs["tokens"])
                     thought = ""
                     if reasoning_parser is not None:  # the thinking first (serve.reasoning), the answer after
-                        thinking = thoughts.setdefault(index, reasoning.ReasoningStream(reasoning_parser))
+                        thinking = thoughts.setdefault(index, reasoning.ReasoningStream(reasoning_parser,
+                                                                                         thinking_closed))
                         thought, text = thinking.feed(text, final=bool(finish))
                     delta = {"content": text} if text else {}
                     if harmony or tools is not None:  # text in; content (and harmony's reasoning), call deltas out
@@ -233,7 +235,7 @@ async def answer(state, request: Request, options: RequestOptions, tenant: str, 
         choices = [{"index": k, "message": {"role": "assistant", "content": texts[k]}, "logprobs": logs[k],
                     "finish_reason": finishes[k], "stop_reason": stop_reasons[k]} for k in range(len(texts))]
         for choice in choices if reasoning_parser is not None else ():  # the thinking apart (serve.reasoning)
-            thought, content = reasoning.split(choice["message"]["content"], reasoning_parser)
+            thought, content = reasoning.split(choice["message"]["content"], reasoning_parser, thinking_closed)
             choice["message"]["content"] = content
             if include_reasoning:
                 choice["message"].update(reasoning=thought, reasoning_content=thought)

@@ -402,12 +402,13 @@ def make_app(state) -> FastAPI:
             return await beam_answer(state, request, options, tenant, [ids], params, penalty, chat=True)
         if state.options.reasoning_parser and not harmonic and params.structured is not None:  # after the thinking
             params = dataclasses.replace(params, structured_after=reasoning.grammar_start(state.tokenizer, ids))
+        closed = bool(state.options.reasoning_parser) and not harmonic and reasoning.prompt_closed(state.tokenizer, ids)
         if want:  # the tokens' bytes are read by a tokenizer built on first use: not on the event loop
             await asyncio.to_thread(state.tokenizer.token_bytes, 0)
         return await answer(state, request, options, tenant, [ids], params, chat=True, top_logprobs=top,
                             tools=tools if tools is not None and tools.active else None,
                             prompt_field="prompt_logprobs" in body,
-                            include_reasoning=include_reasoning, harmony=harmonic)
+                            include_reasoning=include_reasoning, harmony=harmonic, thinking_closed=closed)
 
     async def _completion_prompts(prompts: list, keep: int | None) -> list[list[int]]:
         """The prompts (prompt_list's) as token ids, each cut to its last `keep` (truncate_prompt_tokens);

@@ -8,20 +8,28 @@ or streamed; tool calls are read from the content only. A structured output (a J
   have written it); no `</think>` by the end (cut off) is thinking only.
 - `qwen3`: the same when the text starts with `<think>` (as Qwen3 writes it when thinking); otherwise
   (thinking switched off, `enable_thinking: false`) it is all answer. `glm45` (GLM-4.5's, vLLM's name) reads so.
+- `deepseek_v3` (vLLM's name for DeepSeek-V3.1's): as `deepseek_r1`.
 - `openai_gptoss`: OpenAI's harmony format (gpt-oss), its `analysis` messages the reasoning
   (jaxcb.host.harmony; taken without the flag too where the chat template writes harmony).
+
+Whatever the parser, an answer to a prompt that already closed its thinking (`prompt_closed`: a template that
+switches thinking off writes `<think></think>` or `</think>` itself, as Qwen3's, GLM-4.5's and DeepSeek-V3.1's do)
+is all answer: a model switched off thinks nothing.
 """
 
 from __future__ import annotations
 
 START, END = "<think>", "</think>"
 HARMONY = "openai_gptoss"  # (vLLM's name)
-PARSERS = ("deepseek_r1", "qwen3", "glm45", HARMONY)
+PARSERS = ("deepseek_r1", "deepseek_v3", "qwen3", "glm45", HARMONY)
 OPENED_ONLY = ("qwen3", "glm45")  # thinking only where the answer opens it with <think>
 
 
-def split(text: str, parser: str) -> tuple[str | None, str | None]:
-    """(reasoning, content) of a whole answer; None for a part it does not have."""
+def split(text: str, parser: str, closed: bool = False) -> tuple[str | None, str | None]:
+    """(reasoning, content) of a whole answer; None for a part it does not have. `closed`: the prompt closed the
+    thinking (prompt_closed): all answer."""
+    if closed:
+        return None, text or None
     body = text.lstrip()
     opened = body.startswith(START)
     if parser in OPENED_ONLY and not opened:
@@ -38,10 +46,10 @@ class ReasoningStream:
     """The same split of a streamed answer: feed() takes each text delta and returns (reasoning, content)
     deltas. Text that may be the start of a tag is held back until it is known."""
 
-    def __init__(self, parser: str):
+    def __init__(self, parser: str, closed: bool = False):
         self.parser = parser
         self.buffer = ""
-        self.state = "start"  # "start": before the first non-space text; "thinking"; "answer"
+        self.state = "answer" if closed else "start"  # "start": before the first non-space text; "thinking"
 
     def feed(self, text: str, final: bool = False) -> tuple[str, str]:
         self.buffer += text
@@ -75,14 +83,26 @@ def _partial_suffix(text: str, tag: str) -> int:
     return 0
 
 
+# How near its end a prompt closes the thinking for that to be the answer's (the generation prompt's own
+# `<think></think>` or `</think>`; an earlier turn's kept thinking ends before that turn's answer and what follows)
+CLOSED_WITHIN = 8
+
+
+def prompt_closed(tokenizer, prompt_ids: list[int]) -> bool:
+    """Whether a chat prompt already closed its thinking: a `</think>` (where the vocabulary spells it as one token)
+    among its last CLOSED_WITHIN tokens, after its last `<think>` (a template that switches thinking off writes
+    `<think></think>`, or `</think>`, at the end of the generation prompt)."""
+    end, start = tokenizer.token_id(END), tokenizer.token_id(START)
+    if end is None:
+        return False
+    last_end = max((i for i, t in enumerate(prompt_ids) if t == end), default=-1)
+    last_start = max((i for i, t in enumerate(prompt_ids) if t == start), default=-1) if start is not None else -1
+    return last_end > last_start and last_end >= len(prompt_ids) - CLOSED_WITHIN
+
+
 def grammar_start(tokenizer, prompt_ids: list[int]) -> int | None:
     """The token a chat answer's grammar waits for under a reasoning parser (structured outputs hold after
     the thinking, as vLLM's do): `</think>` when the model spells it as one token and the prompt has not
-    already closed its thinking (a template that switches thinking off writes `<think></think>` itself);
-    None: the grammar holds from the first token."""
-    end, start = tokenizer.token_id(END), tokenizer.token_id(START)
-    if end is None:
-        return None
-    last_end = max((i for i, t in enumerate(prompt_ids) if t == end), default=-1)
-    last_start = max((i for i, t in enumerate(prompt_ids) if t == start), default=-1) if start is not None else -1
-    return None if last_end > last_start else end
+    already closed its thinking (prompt_closed); None: the grammar holds from the first token."""
+    end = tokenizer.token_id(END)
+    return None if end is None or prompt_closed(tokenizer, prompt_ids) else end

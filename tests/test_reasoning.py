@@ -19,7 +19,7 @@ CASES = [  # text, deepseek_r1's (reasoning, content), qwen3's
 
 @pytest.mark.parametrize("text, r1, qwen3", CASES)
 def test_whole_and_streamed_answers_split_alike(text, r1, qwen3):
-    for parser, want in (("deepseek_r1", r1), ("qwen3", qwen3), ("glm45", qwen3)):  # (GLM-4.5's reads as Qwen3's)
+    for parser, want in (("deepseek_r1", r1), ("deepseek_v3", r1), ("qwen3", qwen3), ("glm45", qwen3)):
         assert split(text, parser) == want, parser
         for size in (1, 2, 3, 5, len(text)):  # every way of cutting it into deltas
             stream = ReasoningStream(parser)
@@ -45,6 +45,29 @@ def test_the_grammar_waits_for_the_end_of_the_thinking_unless_the_prompt_closed_
     assert grammar_start(tok, [8, 1, 7]) == 8  # an earlier turn's closed, this one open
     tok.ids = {}
     assert grammar_start(tok, [1, 2]) is None  # no </think> token: the grammar from the start
+
+
+@pytest.mark.parametrize("text, r1, qwen3", CASES)
+def test_an_answer_to_a_prompt_that_closed_its_thinking_is_all_content(text, r1, qwen3):
+    """A chat template that switches thinking off closes it in the prompt (`<think></think>`: Qwen3's, GLM-4.5's;
+    `</think>`: DeepSeek-V3.1's): whatever the parser, the answer is all content, whole and streamed; the
+    prompt's </think> among its last 8 tokens, after its last <think>, says so (an earlier turn's kept thinking,
+    further back, does not)."""
+    from serve.reasoning import prompt_closed
+
+    class Tok:
+        def token_id(self, text):
+            return {"<think>": 7, "</think>": 8}.get(text)
+
+    assert prompt_closed(Tok(), [1, 7, 8, 3]) and prompt_closed(Tok(), [1, 8])
+    assert not prompt_closed(Tok(), [1, 2]) and not prompt_closed(Tok(), [8, 1, 7]) and not prompt_closed(Tok(), [1, 7])
+    assert not prompt_closed(Tok(), [1, 7, 2, 8] + [3] * 8)  # (an earlier turn's: answered, then another turn)
+    for parser in ("deepseek_r1", "deepseek_v3", "qwen3", "glm45"):
+        assert split(text, parser, closed=True) == (None, text or None)
+        stream = ReasoningStream(parser, closed=True)
+        parts = [text[i:i + 2] for i in range(0, len(text), 2)]
+        got = [stream.feed(p, final=i == len(parts) - 1) for i, p in enumerate(parts)]
+        assert "".join(r for r, _ in got) == "" and "".join(c for _, c in got) == text, parser
 
 
 def test_the_responses_api_gives_the_thinking_as_a_reasoning_item_whole_and_streamed():

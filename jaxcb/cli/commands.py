@@ -81,7 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--trust-request-chat-template", action="store_true",
                    help="let chat requests bring their own chat template (the `chat_template` field, as vLLM's flag "
                         "of this name allows): a template is a program run on the server, in a sandbox")
-    s.add_argument("--reasoning-parser", choices=("deepseek_r1", "qwen3", "glm45", "openai_gptoss"), default=None,
+    s.add_argument("--reasoning-parser", choices=("deepseek_r1", "deepseek_v3", "qwen3", "glm45", "openai_gptoss"),
+                   default=None,
                    help="chat answers' thinking (<think>...</think>; openai_gptoss: harmony's analysis messages, "
                         "read without the flag too where the chat template writes harmony) as `reasoning` / "
                         "`reasoning_content` beside the content, whole or streamed, as vLLM's flag of this name gives it")
