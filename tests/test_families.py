@@ -27,14 +27,14 @@ from jaxcb.model.paged_attention import allocate_kv_pages
 from tests.server_util import compile_mode
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "golden", "tiny_hf")
-FAMILIES = ("qwen3", "gpt-oss", "llama4", "llama4-chunked", "llama4-maverick", "glm4moe", "qwen3moe-dense", "deepseek-v3", "deepseek-v3-q", "deepseek-v2", "llama-bias", "mixtral", "qwen2moe", "qwen3moe", "granitemoe", "olmoe", "olmo2", "smollm3", "granite", "phi3", "phi3-longrope", "gemma", "gemma2", "gemma3", "llama3-rope", "qwen3-yarn", "llama-yarn", "gemma3-linear", "gemma3-mm", "mistral3-mm", "llava", "qwen2.5-vl", "qwen3-vl")
+FAMILIES = ("qwen3", "gpt-oss", "llama4", "llama4-chunked", "llama4-maverick", "glm4moe", "qwen3moe-dense", "deepseek-v3", "deepseek-v3-q", "deepseek-v2", "minimax-m2", "llama-bias", "mixtral", "qwen2moe", "qwen3moe", "granitemoe", "olmoe", "olmo2", "smollm3", "granite", "phi3", "phi3-longrope", "gemma", "gemma2", "gemma3", "llama3-rope", "qwen3-yarn", "llama-yarn", "gemma3-linear", "gemma3-mm", "mistral3-mm", "llava", "qwen2.5-vl", "qwen3-vl")
 # checkpoints of a family with RoPE scaling, or with a vision tower beside it (served on text), or a
 # Llama with layers without RoPE, Granite's scalars or Phi-3's fused projections
 FAMILY_OF = {"llama-bias": "llama", "mistral3-mm": "llama", "llava": "llama", "qwen2.5-vl": "llama", "qwen3-vl": "qwen3", "llama3-rope": "llama", "qwen3-yarn": "qwen3", "llama-yarn": "llama", "gemma3-linear": "gemma3", "gemma3-mm": "gemma3", "smollm3": "llama",
              "granite": "llama", "phi3": "llama", "phi3-longrope": "llama", "mixtral": "llama", "qwen3moe": "qwen3",
              "granitemoe": "llama", "qwen2moe": "llama", "llama4-chunked": "llama4", "llama4-maverick": "llama4",
              "qwen3moe-dense": "qwen3", "deepseek-v3": "deepseek_v3", "deepseek-v3-q": "deepseek_v3",
-             "deepseek-v2": "deepseek_v2"}
+             "deepseek-v2": "deepseek_v2", "minimax-m2": "minimax_m2"}
 
 
 def golden(family, name="golden"):
@@ -99,7 +99,7 @@ def assert_references_logits(config, params, family, context=""):
 def test_prefill_logits_match_transformers(family):
     config, params, _, _ = load_model(os.path.join(GOLDEN, family), jnp.float32)
     assert config.family == FAMILY_OF.get(family, family)
-    assert config.qk_norm == (config.family in ("qwen3", "gemma3", "olmo2", "olmoe", "glm4moe"))
+    assert config.qk_norm == (config.family in ("qwen3", "gemma3", "olmo2", "olmoe", "glm4moe", "minimax_m2"))
     assert config.windowed == (family.startswith("gemma") and family != "gemma" or family in ("gpt-oss", "llama4",
                                                                                               "llama4-chunked",
                                                                                               "llama4-maverick"))
@@ -1224,3 +1224,34 @@ def test_float8_weights_with_block_scales_are_read_as_released(tmp_path):
     (tmp_path / "fp8" / "config.json").write_text(json.dumps(raw))
     with pytest.raises(InvalidConfig, match=r"float8 tensor model.layers.1.self_attn.o_proj.weight has no .*_scale_inv"):
         load_weights(str(tmp_path / "fp8"), config)
+
+
+def test_minimax_m2s_parts_are_read_and_matter(tmp_path):
+    """MiniMax-M2 (MiniMaxM2ForCausalLM): q and k RMS-normed over all their heads, the first rotary_dim of each head
+    rotated (the released config's field), every layer's experts chosen by sigmoid score plus a correction bias
+    and renormalized; each part moves the logits past the tolerance when changed. The multi-token prediction
+    modules a release keeps after its last layer (num_mtp_modules) are left unread."""
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    config, params, _, _ = load_model(os.path.join(GOLDEN, "minimax-m2"), jnp.float32)
+    assert (config.qk_norm_whole, config.rotary_dim, config.router_sigmoid, config.norm_topk, config.num_experts,
+            config.mixed_mlp) == (True, 8, True, True, 8, False)
+    assert params.layers.q_norm.shape == (4, 64) and params.layers.router_choice_bias.shape == (4, 8)
+    record = golden("minimax-m2")[2]
+    ref = np.asarray(record["prefill_logits"], np.float32)
+    unbiased = params.replace(layers=params.layers.replace(router_choice_bias=jnp.zeros((4, 8))))
+    for change, p in (({"rotary_dim": 0}, params), ({"norm_topk": False}, params), ({"router_sigmoid": False}, params),
+                      ({}, unbiased)):
+        got = prefill_logits(dataclasses.replace(config, **change), p, record["prompt_ids"])
+        assert np.abs(got - ref).max() > 1e-3 * np.abs(ref).max(), change
+    folder = tmp_path / "m2"
+    shutil.copytree(os.path.join(GOLDEN, "minimax-m2"), folder)
+    tensors = load_file(str(folder / "model.safetensors"))
+    save_file({n.replace("layers.3.", "layers.4."): a for n, a in tensors.items() if ".layers.3." in n},
+              str(folder / "mtp.safetensors"))
+    raw = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**raw, "use_mtp": True, "num_mtp_modules": 1}))
+    got = prefill_logits(*load_model(str(folder), jnp.float32)[:2], record["prompt_ids"])
+    assert np.abs(got - ref).max() <= 1e-5 * np.abs(ref).max()

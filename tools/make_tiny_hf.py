@@ -1,5 +1,5 @@
 """Write tiny random-weight Hugging Face checkpoints of Qwen3, Mixtral, Qwen2-MoE, Qwen3-MoE (and with dense layers among
-its experts'), Granite MoE, OLMoE, OLMo 2, Llama 4 (Scout's and Maverick's kinds), GLM-4.5, DeepSeek-V2 and V3,
+its experts'), Granite MoE, OLMoE, OLMo 2, Llama 4 (Scout's and Maverick's kinds), GLM-4.5, DeepSeek-V2 and V3, MiniMax-M2,
 SmolLM3 (no RoPE in every other layer
 here), Granite (its four scalars), Phi-3 (fused projections; and Phi-4-mini's partial rotary and LongRoPE),
 Gemma 2 and Gemma 3 with transformers' own modules, and their golden outputs, for
@@ -44,7 +44,7 @@ MLA_COMMON = {**{k: v for k, v in COMMON.items() if k != "head_dim"}, "num_key_v
 
 
 def configs():
-    from transformers import (CLIPVisionConfig, DeepseekV2Config, DeepseekV3Config, Gemma2Config, Glm4MoeConfig, GptOssConfig, Llama4TextConfig, GemmaConfig, Gemma3Config, Gemma3TextConfig, GraniteConfig,
+    from transformers import (CLIPVisionConfig, DeepseekV2Config, DeepseekV3Config, MiniMaxM2Config, Gemma2Config, Glm4MoeConfig, GptOssConfig, Llama4TextConfig, GemmaConfig, Gemma3Config, Gemma3TextConfig, GraniteConfig,
                               GraniteMoeConfig, LlamaConfig, LlavaConfig, Mistral3Config, MistralConfig,
                               MixtralConfig, Olmo2Config, OlmoeConfig, PixtralVisionConfig, Qwen2_5_VLConfig,
                               Qwen3VLConfig, Phi3Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig,
@@ -158,6 +158,11 @@ def configs():
                                         rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                                                          "original_max_position_embeddings": 64, "mscale": 0.707,
                                                          "mscale_all_dim": 0.707, "beta_fast": 32.0, "beta_slow": 1.0}),
+        # MiniMax-M2's kind: q and k normed over all their heads, half of each head rotated (its config's rotary_dim, as
+        # released), every layer 8 experts (2 a token) chosen by sigmoid score plus a correction bias, renormalized
+        "minimax-m2": MiniMaxM2Config(**{**COMMON, "intermediate_size": 32}, tie_word_embeddings=False,
+                                      num_local_experts=8, num_experts_per_tok=2, rotary_dim=8, pad_token_id=None,
+                                      bos_token_id=1, eos_token_id=2),
         # Llama with attention_bias (as transformers builds it: q, k, v and the output projection biased)
         "llama-bias": LlamaConfig(**COMMON, tie_word_embeddings=False, attention_bias=True),
         "smollm3": SmolLM3Config(**COMMON, tie_word_embeddings=True, no_rope_layer_interval=2, pad_token_id=None,

@@ -11,7 +11,8 @@ dense layers between, NoPE layers with temperature tuning, weightless q/k norms,
 rotate-half; chunked attention), GLM-4.5 (dense first layers, then DeepSeek-V3's router over experts beside
 shared ones; partial RoPE), DeepSeek-V3 (GLM-4.5's kind of experts; multi-head latent attention, its kv_b_proj
 split into the absorbed up-projections, its interleaved RoPE pairs reordered) and V2 (its softmax router, groups
-by their best); a separate output head when the embeddings are not tied. Weights are read with `safetensors` (no framework) and
+by their best), MiniMax-M2 (q/k normed whole, partial RoPE, sigmoid-routed experts with correction biases); a
+separate output head when the embeddings are not tied. Weights are read with `safetensors` (no framework) and
 transposed from torch's [out, in] to this project's [in, out].
 """
 
@@ -41,6 +42,7 @@ ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qw
                  "Qwen2MoeForCausalLM": "qwen2moe", "Olmo2ForCausalLM": "olmo2", "OlmoeForCausalLM": "olmoe",
                  "GptOssForCausalLM": "gpt-oss", "Llama4ForCausalLM": "llama4", "Glm4MoeForCausalLM": "glm4moe",
                  "DeepseekV3ForCausalLM": "deepseek_v3", "DeepseekV2ForCausalLM": "deepseek_v2",
+                 "MiniMaxM2ForCausalLM": "minimax_m2",
                  "Llama4ForConditionalGeneration": "llama4",
                  # Vision-language checkpoints as released (a vision tower beside the language model): served on
                  # text. Gemma 3 4B+; Qwen2-VL, Qwen2.5-VL (a Qwen2) and Qwen3-VL (a Qwen3), whose M-RoPE gives
@@ -74,7 +76,7 @@ _FUSED = {"self_attn.qkv_proj.weight": ("wq", "wk", "wv"), "mlp.gate_up_proj.wei
 # expert's gate, up and down projections; Granite MoE's: the router, every expert's gate and up projections in
 # one tensor [X, 2F, E] (gate first), and their down projections [X, E, F].
 _MOE_FAMILIES = ("mixtral", "qwen2moe", "qwen3moe", "olmoe", "granitemoe", "gpt-oss", "llama4", "glm4moe", "deepseek_v3",
-                 "deepseek_v2")
+                 "deepseek_v2", "minimax_m2")
 _MOE = {"mixtral": ("block_sparse_moe.gate.weight", "block_sparse_moe.experts.{j}.", ("w1", "w3", "w2")),
         "mlp": ("mlp.gate.weight", "mlp.experts.{j}.", ("gate_proj", "up_proj", "down_proj")),
         "granitemoe": ("block_sparse_moe.router.layer.weight", "block_sparse_moe.",
@@ -178,7 +180,8 @@ def read_config(path: str) -> ModelConfig:
         if family in ("deepseek_v2", "deepseek_v3"):  # (RoPE rotates the keys' own part: its width; the rest below)
             head_dim = int(raw["qk_rope_head_dim"])
         max_context = int(raw.get("max_position_embeddings", 2048))
-        partial = float((scaling or {}).get("partial_rotary_factor") or raw.get("partial_rotary_factor") or 1.0)
+        partial = float((scaling or {}).get("partial_rotary_factor") or raw.get("partial_rotary_factor")
+                        or (int(raw["rotary_dim"]) / head_dim if raw.get("rotary_dim") else 1.0))  # (MiniMax-M2's)
         rotary_dim = int(head_dim * partial)  # (Phi-4-mini: only each head's first dimensions rotate)
         extra = rope_scaling.from_dict(scaling, theta or 10000.0, rotary_dim, max_context)
         max_context = extra.pop("max_context", max_context)
@@ -257,6 +260,12 @@ def read_config(path: str) -> ModelConfig:
                          shared_expert_gated=False)
             if family == "deepseek_v2":  # (the chosen ones' probabilities as they are, unless norm_topk_prob)
                 extra["norm_topk"] = bool(raw.get("norm_topk_prob", False))
+        if family == "minimax_m2":  # q and k normed over all their heads; DeepSeek-V3's router without groups
+            for key, allowed in (("scoring_func", "sigmoid"), ("qk_norm_type", "per_layer")):
+                if raw.get(key, allowed) != allowed:
+                    raise InvalidConfig(f"config.json: {key} {raw[key]!r} is not supported for MiniMax-M2 ({allowed})")
+            extra.update(qk_norm=True, qk_norm_whole=True, router_sigmoid=True,
+                         router_choice_bias=bool(raw.get("use_routing_bias", True)))
         if family in _MOE_FAMILIES:
             experts = int(raw.get("num_experts") or raw.get("n_routed_experts") or raw["num_local_experts"])
             used = int(raw["num_experts_per_tok"])
@@ -554,12 +563,13 @@ def _dequantize_float8(tensors: dict, path: str) -> list[str]:
 
 
 def _multi_token_layers(path: str, config: ModelConfig) -> int:
-    """How many multi-token prediction layers (GLM-4.5's, DeepSeek-V3's: num_nextn_predict_layers) a checkpoint
-    keeps after its last layer."""
+    """How many multi-token prediction layers (GLM-4.5's, DeepSeek-V3's: num_nextn_predict_layers; MiniMax-M2's:
+    num_mtp_modules, as vLLM drops them) a checkpoint keeps after its last layer."""
     try:
         with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
             raw = json.load(f)
-        return int((raw.get("text_config") or raw).get("num_nextn_predict_layers") or 0)
+        raw = raw.get("text_config") or raw
+        return int(raw.get("num_nextn_predict_layers") or raw.get("num_mtp_modules") or 0)
     except (OSError, ValueError, TypeError):
         return 0
 
@@ -626,8 +636,10 @@ def load_weights(path: str, config: ModelConfig) -> dict[str, np.ndarray]:
                 del names[key]
         if config.shared_expert_size and config.shared_expert_gated:
             names["shared_gate"] = ("mlp.shared_expert_gate.weight", True)
-        if config.router_choice_bias:
-            names["router_choice_bias"] = ("mlp.gate.e_score_correction_bias", False)
+        if config.router_choice_bias:  # (GLM's and DeepSeek's under the router; MiniMax-M2's beside it)
+            names["router_choice_bias"] = (("block_sparse_moe.e_score_correction_bias"
+                                            if first + "block_sparse_moe.e_score_correction_bias" in tensors
+                                            else "mlp.gate.e_score_correction_bias"), False)
         layout = next((a for a, moe in _MOE.items() if first + moe[0] in tensors), None)
         if first + _GPT_OSS["router"] in tensors:
             layout = "gpt-oss"
