@@ -210,6 +210,10 @@ DS_TEMPLATE = (  # DeepSeek-V3.1's kind: name-first calls between <｜tool▁sep
 DS_R1_TEMPLATE = DS_TEMPLATE.replace(  # DeepSeek-V3-0324's and R1's: the type first, the arguments in a fence
     "<｜tool▁call▁begin｜>{{ c.function.name }}<｜tool▁sep｜>{{ c.function.arguments | tojson }}",
     "<｜tool▁call▁begin｜>function<｜tool▁sep｜>{{ c.function.name }}\n```json\n{{ c.function.arguments | tojson }}\n```")
+MINIMAX_TEMPLATE = (  # MiniMax-M2's kind: <invoke> elements in a <minimax:tool_call> block
+    "{% for m in messages %}{{ m.content }}{% for c in m.tool_calls or [] %}<minimax:tool_call>\n<invoke name=\""
+    "{{ c.function.name }}\">\n{% for k, v in c.function.arguments | items %}<parameter name=\"{{ k }}\">{{ v }}"
+    "</parameter>\n{% endfor %}</invoke>\n</minimax:tool_call>{% endfor %}{% endfor %}{{ tools | tojson }}")
 V11_TEMPLATE = LIST_TEMPLATE.replace(  # Mistral's tokenizers from v11: each call its marker, name, [ARGS], arguments
     "[TOOL_CALLS]{{ m.tool_calls | map(attribute='function') | list | tojson }}",
     "{% for c in m.tool_calls %}[TOOL_CALLS]{{ c.function.name }}[ARGS]{{ c.function.arguments | tojson }}{% endfor %}")
@@ -222,6 +226,7 @@ def test_the_format_is_the_templates_own_where_it_renders_tools():
     assert tool_calls.choose_format(V11_TEMPLATE) == (tool_calls.MISTRAL_V11, True)
     assert tool_calls.choose_format(XML_TEMPLATE) == (tool_calls.QWEN3_CODER, True)  # (its <tool_call>: not hermes)
     assert tool_calls.choose_format(GLM_TEMPLATE) == (tool_calls.GLM45, True)
+    assert tool_calls.choose_format(MINIMAX_TEMPLATE) == (tool_calls.MINIMAX_M2, True)
     assert tool_calls.choose_format(DS_TEMPLATE) == (tool_calls.DEEPSEEK_V31, True)
     assert tool_calls.choose_format(DS_R1_TEMPLATE) == (tool_calls.DEEPSEEK_V3, True)
     assert tool_calls.choose_format(PLAIN_TEMPLATE, "glm47") == (tool_calls.GLM45, False)  # (vLLM's name for 4.7's)
@@ -384,6 +389,10 @@ def test_the_grammar_writes_calls_in_the_format(make_llm):
              '<｜tool▁calls▁end｜>',
              '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n{}\n```'
              '<｜tool▁call▁end｜><｜tool▁calls▁end｜>'),  # (city is required)
+            (dataclasses.replace(_tools("required"), fmt=tool_calls.MINIMAX_M2),
+             '<minimax:tool_call>\n<invoke name="get_time">\n</invoke>\n</minimax:tool_call>\n<minimax:tool_call>\n'
+             '<invoke name="get_weather">\n<parameter name="city">San <b>Jo</b>\nsé</parameter>\n</invoke>\n'
+             '</minimax:tool_call>', '<minimax:tool_call>\n<invoke name="get_weather">\n</invoke>\n</minimax:tool_call>'),
             (dataclasses.replace(_tools("required"), fmt=tool_calls.GLM45),
              "<tool_call>get_time\n</tool_call>\n<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>San "
              "<b>Jo</b>\nsé</arg_value>\n</tool_call>", "<tool_call>get_weather\n</tool_call>")):
@@ -391,7 +400,7 @@ def test_the_grammar_writes_calls_in_the_format(make_llm):
         calls = good.count('"name"') + good.count("<function=") if tools.fmt.name in ("hermes", "llama3_json", "mistral",
                                                                                       "qwen3_coder") else 2
         assert len(tool_parse.parse(good, tools)[1]) == calls
-    for fmt in (tool_calls.QWEN3_CODER, tool_calls.GLM45):
+    for fmt in (tool_calls.QWEN3_CODER, tool_calls.GLM45, tool_calls.MINIMAX_M2):
         typed = dataclasses.replace(tool_calls.parse_tools({"tools": [TYPED], "tool_choice": "required"}), fmt=fmt)
         for text, ok in ((fmt.write("plan", {"title": "t", "days": 2, "solo": True, "stops": ["a"], "pace": "slow"}), True),
                          (fmt.write("plan", {"title": "t", "days": 2.5}), False),  # not an integer
@@ -615,10 +624,26 @@ GLM_ANSWERS = [  # glm45: the name, then a key and a value element per argument
 ]
 
 
+MINIMAX_ANSWERS = [  # minimax_m2: <invoke> elements, each a call, in a <minimax:tool_call> block
+    ('Sure.\n<minimax:tool_call>\n<invoke name="get_weather">\n<parameter name="city"> Paris </x></parameter>\n'
+     '</invoke>\n</minimax:tool_call>', "Sure.", [("get_weather", {"city": " Paris </x>"})]),
+    ('<minimax:tool_call>\n<invoke name="get_time">\n</invoke>\n<invoke name="plan">\n<parameter name="title">Two\n'
+     'lines</parameter>\n<parameter name="days">3</parameter>\n<parameter name="solo">True</parameter>\n'
+     '<parameter name="stops">["a"]</parameter>\n<parameter name="notes">null</parameter>\n</invoke>\n'
+     '</minimax:tool_call> done', "done",
+     [("get_time", {}), ("plan", {"title": "Two\nlines", "days": 3, "solo": True, "stops": ["a"], "notes": None})]),
+    ('<minimax:tool_call>\n<invoke name="unknown">\n</invoke>\n</minimax:tool_call>',
+     '<minimax:tool_call>\n<invoke name="unknown">\n</invoke>\n</minimax:tool_call>', []),
+    ('<minimax:tool_call>\n<invoke name="plan">\n<parameter name="title">Tr', "", [("plan", {})]),  # cut off
+]
+
+
 @pytest.mark.parametrize("fmt, text, content, calls", [(tool_calls.QWEN3_CODER, *a) for a in XML_ANSWERS]
-                         + [(tool_calls.GLM45, *a) for a in GLM_ANSWERS])
+                         + [(tool_calls.GLM45, *a) for a in GLM_ANSWERS]
+                         + [(tool_calls.MINIMAX_M2, *a) for a in MINIMAX_ANSWERS])
 def test_element_calls_parse_whole_and_streamed(fmt, text, content, calls):
-    """qwen3_coder and glm45 (GLM-4.5's calls: the name, then each argument's key and value elements): each
+    """qwen3_coder, glm45 (GLM-4.5's calls: the name, then each argument's key and value elements) and minimax_m2
+    (MiniMax-M2's <invoke> elements in a block, each a call): each
     argument's element read by its schema's type (a string as it is, newlines inside kept; integers, numbers,
     booleans, JSON; null); the arguments stream element by element as JSON text that goes on from what was sent,
     the same whole and however the stream cuts it."""

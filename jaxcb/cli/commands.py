@@ -92,7 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the format the model writes tool calls in (vLLM's flag of this name): auto (default) takes "
                         "the chat template's own where it renders tools (<|tool_call|>: granite; <function=...> "
                         "and <parameter=...> elements: qwen3_coder; <arg_key> and <arg_value> elements: glm45, vLLM's "
-                        "glm47 too; <｜tool▁sep｜> blocks: deepseek_v31, or deepseek_v3 with a ```json fence; a <tool_call> "
+                        "glm47 too; <invoke name=...> in <minimax:tool_call>: minimax_m2; <｜tool▁sep｜> blocks: deepseek_v31, or deepseek_v3 with a ```json fence; a <tool_call> "
                         "block: hermes; [TOOL_CALLS]: mistral, "
                         "or mistral_v11 with [ARGS]; a \"parameters\" object: llama3_json; func_name1( or "
                         "<|python_start|>: pythonic, vLLM's llama4_pythonic; gpt-oss's harmony messages: harmony, "

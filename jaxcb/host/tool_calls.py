@@ -23,6 +23,8 @@ A model writes its calls in the format it was trained on (a `Format`; vLLM's --t
                  name-first blocks inside the calls' markers (DeepSeek-V3.1)
     deepseek_v3  <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n{"city": "Paris"}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>
                  the same with the type first and the arguments in a code fence (DeepSeek-V3-0324, R1)
+    minimax_m2   <minimax:tool_call>\n<invoke name="get_weather">\n<parameter name="city">Paris</parameter>\n</invoke>\n</minimax:tool_call>
+                 a block of <invoke> elements, each a call, its arguments elements read as qwen3_coder's (MiniMax-M2)
     glm45        <tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n</tool_call>
                  one block per call: the name, then each argument's key and value elements, the value read
                  as qwen3_coder's are (GLM-4.5, 4.6; 4.7's, without the newlines, reads the same)
@@ -88,19 +90,18 @@ class Format:
     lead: str = ""  # (name-first) before the name in each block (DeepSeek-V3's type: "function<｜tool▁sep｜>")
     tail: str = ""  # (name-first) after the arguments, before `close` (DeepSeek-V3's closing code fence)
     drop: tuple[str, ...] = ()  # (opening, closing) markers around a run of blocks: not the answer's text (DeepSeek's)
-    xml: str = ""  # calls as elements, not JSON: "qwen3_coder" (Qwen3-Coder's) or "glm45" (GLM-4.5's)
+    xml: str = ""  # calls as elements, not JSON: "qwen3_coder" (Qwen3-Coder's), "glm45" (GLM-4.5's), "minimax_m2"
     harmony: bool = False  # calls as messages of OpenAI's harmony format (jaxcb.host.harmony)
     pythonic: bool = False  # the answer a Python list of calls (jaxcb.host.pythonic)
 
     def write(self, name: str, arguments) -> str:
-        if self.xml == "glm45":  # (as GLM-4.5's template writes them: a string as it is, anything else as JSON)
-            pairs = "".join(f"<arg_key>{k}</arg_key>\n<arg_value>{v if isinstance(v, str) else json.dumps(v)}"
-                            "</arg_value>\n" for k, v in arguments.items())
-            return f"{self.open}{name}\n{pairs}{self.close}"
-        if self.xml:  # (as Qwen3-Coder's template writes them: a string as it is, anything else as JSON)
-            params = "".join(f"<parameter={k}>\n{v if isinstance(v, str) else json.dumps(v)}\n</parameter>\n"
-                             for k, v in arguments.items())
-            return f"{self.open}\n<function={name}>\n{params}</function>\n{self.close}"
+        if self.xml:  # (as the model's template writes them: a string as it is, anything else as JSON)
+            style = ELEMENTS[self.xml]
+            params = "".join(style.argument.format(k) + (v if isinstance(v, str) else json.dumps(v)) + style.value_end
+                             + "\n" for k, v in arguments.items())
+            framing = "\n" if style.framed else ""
+            return (self.open + framing + style.call.format(name) + params + style.call_end + framing
+                    + self.close)
         if self.harmony:
             return f"{self.open}commentary to=functions.{name} <|constrain|>json<|message|>{json.dumps(arguments)}{self.close}"
         if self.pythonic:
@@ -124,14 +125,16 @@ GRANITE = Format("granite", "list", "<|tool_call|>", "", ("arguments",))
 MISTRAL_V11 = Format("mistral_v11", "blocks", "[TOOL_CALLS]", "", ("arguments",), id_length=9, args="[ARGS]")
 QWEN3_CODER = Format("qwen3_coder", "blocks", "<tool_call>", "</tool_call>", ("arguments",), xml="qwen3_coder")
 GLM45 = Format("glm45", "blocks", "<tool_call>", "</tool_call>", ("arguments",), xml="glm45")
+MINIMAX_M2 = Format("minimax_m2", "blocks", "<minimax:tool_call>", "</minimax:tool_call>", ("arguments",),
+                    xml="minimax_m2")
 _DEEPSEEK = dict(args="<｜tool▁sep｜>", drop=("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"))
 DEEPSEEK_V31 = Format("deepseek_v31", "blocks", "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", ("arguments",), **_DEEPSEEK)
 DEEPSEEK_V3 = Format("deepseek_v3", "blocks", "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", ("arguments",),
                      **{**_DEEPSEEK, "lead": "function<｜tool▁sep｜>", "args": "\n```json\n", "tail": "\n```"})
 HARMONY = Format("harmony", "blocks", "<|channel|>", "<|call|>", ("arguments",), harmony=True)
 PYTHONIC = Format("pythonic", "list", "", "", ("arguments",), pythonic=True)
-FORMATS = {f.name: f for f in (HERMES, LLAMA3_JSON, MISTRAL, GRANITE, MISTRAL_V11, QWEN3_CODER, GLM45, DEEPSEEK_V31,
-                                DEEPSEEK_V3, HARMONY, PYTHONIC)}
+FORMATS = {f.name: f for f in (HERMES, LLAMA3_JSON, MISTRAL, GRANITE, MISTRAL_V11, QWEN3_CODER, GLM45, MINIMAX_M2,
+                                DEEPSEEK_V31, DEEPSEEK_V3, HARMONY, PYTHONIC)}
 ALIASES = {"openai": "harmony", "llama4_pythonic": "pythonic", "glm47": "glm45"}  # vLLM's names for these formats
 # --tool-call-parser ("mistral": mistral_v11 where the template writes [ARGS])
 PARSERS = ("auto", *FORMATS, *ALIASES)
@@ -148,7 +151,7 @@ def choose_format(template: str | None, parser: str = "auto") -> tuple[Format, b
     """(the format calls are written and read in, whether the chat template `template` renders the tools
     and calls itself: it reads `tools`). "auto": the template's own format where it is recognised from what
     the template writes (<|tool_call|>: granite; <function=...> and <parameter=...> elements: qwen3_coder;
-    <arg_key> and <arg_value> elements: glm45; <｜tool▁sep｜> between a call's name and its arguments:
+    <arg_key> and <arg_value> elements: glm45; <invoke name=...> elements in a <minimax:tool_call>: minimax_m2; <｜tool▁sep｜> between a call's name and its arguments:
     deepseek_v31, before the name with its arguments in a ```json fence: deepseek_v3;
     a <tool_call> block: hermes; [TOOL_CALLS] with [ARGS]:
     mistral_v11, without: mistral; a "parameters" object: llama3_json), else hermes in jaxcb's rendering; a
@@ -173,6 +176,8 @@ def choose_format(template: str | None, parser: str = "auto") -> tuple[Format, b
         return QWEN3_CODER, True
     if reads and "<arg_key>" in template and "<arg_value>" in template:
         return GLM45, True
+    if reads and MINIMAX_M2.open in template and "<invoke name=" in template:
+        return MINIMAX_M2, True
     if reads and DEEPSEEK_V31.open in template and "<｜tool▁sep｜>" in template:
         return (DEEPSEEK_V3 if "```json" in template else DEEPSEEK_V31), True
     if reads and HERMES.open in template:
@@ -273,12 +278,12 @@ def system_text(tools: Tools) -> str:
     call = '{"name": <function name>, "%s": <arguments as a JSON object>}' % fmt.keys[0]
     if fmt.args:
         call = f"{fmt.lead}<function name>{fmt.args}<arguments as a JSON object>{fmt.tail}"
-    if fmt.xml == "glm45":
-        call = ("<function name>\n<arg_key><argument name></arg_key>\n<arg_value><its value: a string as it is, "
-                "anything else as JSON></arg_value>\n(a key and a value element per argument)")
-    elif fmt.xml:
-        call = ("\n<function=<function name>>\n<parameter=<argument name>>\n<its value: a string as it is, "
-                "anything else as JSON>\n</parameter>\n(one parameter element per argument)</function>\n")
+    if fmt.xml:
+        style = ELEMENTS[fmt.xml]
+        framing = "\n" if style.framed else ""
+        call = (framing + style.call.format("<function name>") + style.argument.format("<argument name>")
+                + "<its value: a string as it is, anything else as JSON>" + style.value_end
+                + "\n(an element per argument)" + style.call_end + framing)
     if fmt.pythonic:
         call = "<function name>(<argument name>=<its value as a Python literal>, ...)"
     how = {"blocks": f"{fmt.open}{call}{fmt.close} (one block per call)", "object": f"{call} (one call)",
@@ -467,29 +472,48 @@ def _literal_enum(prop) -> list | None:
     return enum if ok else None
 
 
-# A parameter's name that an element can hold (tool_parse reads these): qwen3_coder's <parameter=...>, glm45's
-# <arg_key>...</arg_key> (read stripped)
-XML_KEY = {"qwen3_coder": re.compile(r"[^>\n]{1,256}"), "glm45": re.compile(r"[^<\s](?:[^<\n]{0,254}[^<\s])?")}
+@dataclasses.dataclass(frozen=True)
+class Elements:
+    """How a format of element calls (Format.xml) writes one: the call's opening (`call`, by its name) and closing,
+    each argument's opening (`argument`, by its key) and its value's closing (then a newline), whether a block
+    holds its call between newlines (`framed`); and the keys an element can hold (tool_parse reads these)."""
+    call: str
+    call_end: str
+    argument: str
+    value_end: str
+    framed: bool
+    key: re.Pattern
+    key_rule: str  # (the refusal's words for a key it cannot hold)
+
+
+ELEMENTS = {
+    "qwen3_coder": Elements("<function={}>\n", "</function>", "<parameter={}>\n", "\n</parameter>", True,
+                            re.compile(r"[^>\n]{1,256}"), "no > or newline"),
+    "glm45": Elements("{}\n", "", "<arg_key>{}</arg_key>\n<arg_value>", "</arg_value>", False,
+                      re.compile(r"[^<\s](?:[^<\n]{0,254}[^<\s])?"), "no < or newline, none at its ends"),
+    "minimax_m2": Elements('<invoke name="{}">\n', "</invoke>", '<parameter name="{}">', "</parameter>", True,
+                           re.compile(r'[^"<>\n]{1,256}'), 'no ", <, > or newline'),
+}
 
 
 def _xml_grammar(tools: Tools, names: list[str], more: bool, tokenizer=None) -> str:
-    """qwen3_coder's or glm45's calls as a Lark grammar: per function its name and an element per property of its
+    """Element calls (qwen3_coder's, glm45's, minimax_m2's: Elements) as a Lark grammar: per function its name and an
+    element per property of its
     parameters, in their order (the required ones always, the others optional; no others); a value by its
     schema (xml_type): an enum one of its values, a string the text up to its closing tag (a lazy lexeme) as
     its minLength, maxLength, pattern and format allow (jaxcb.host.raw_strings), an integer, number or boolean
     as JSON writes it ("null" too where its type allows), anything else JSON valid against the schema. A name
     an element cannot hold, or a string keyword that cannot be held, is refused naming the tool's field."""
-    rules, calls, order, glm = [], [], list(tools.functions), tools.fmt.xml == "glm45"
-    end = '"</arg_value>"' if glm else '"\\n</parameter>"'
+    rules, calls, order, style = [], [], list(tools.functions), ELEMENTS[tools.fmt.xml]
+    end = json.dumps(style.value_end)
     for k, name in enumerate(names):
         schema, where = tools.functions[name], f"tools[{order.index(name)}].function.parameters"
         required = set(schema.get("required") or ())
         params = []
         for j, (key, prop) in enumerate((schema.get("properties") or {}).items()):
-            if not XML_KEY[tools.fmt.xml].fullmatch(key):
+            if not style.key.fullmatch(key):
                 raise InvalidRequest(f"{where}.properties: {key[:64]!r} cannot be an element's name in the "
-                                     f"{tools.fmt.name} format (1-256 characters, "
-                                     f"{'no < or newline, none at its ends' if glm else 'no > or newline'})")
+                                     f"{tools.fmt.name} format (1-256 characters, {style.key_rule})")
             kind, nullable = xml_type(prop)
             enum = _literal_enum(prop)
             null = ' | "null"' if nullable else ""
@@ -510,17 +534,14 @@ def _xml_grammar(tools: Tools, names: list[str], more: bool, tokenizer=None) -> 
             else:
                 body = f"%json {json.dumps(lark_schema(prop if isinstance(prop, dict) else {}))} {end}"
             rules.append(f"v_{k}_{j}: {body}")
-            opening = f"<arg_key>{key}</arg_key>\n<arg_value>" if glm else f"<parameter={key}>\n"
-            rules.append(f"p_{k}_{j}: {json.dumps(opening)} v_{k}_{j} \"\\n\"")
+            rules.append(f"p_{k}_{j}: {json.dumps(style.argument.format(key))} v_{k}_{j} \"\\n\"")
             params.append(f"p_{k}_{j}" + ("" if key in required else "?"))
-        if glm:  # the name on its line, its elements
-            rules.append(f"call_{k}: {json.dumps(name + chr(10))} {' '.join(params)}")
-        else:
-            rules.append(f"call_{k}: {json.dumps(f'<function={name}>' + chr(10))} {' '.join(params)} \"</function>\"")
+        end_call = f" {json.dumps(style.call_end)}" if style.call_end else ""
+        rules.append(f"call_{k}: {json.dumps(style.call.format(name))} {' '.join(params)}{end_call}")
         calls.append(f"call_{k}")
     newline = '"\\n"?'
     rest = f" ({newline} call)*" if more else ""
-    inner = f'({" | ".join(calls)})' if glm else f'"\\n" ({" | ".join(calls)}) "\\n"'
+    inner = f'"\\n" ({" | ".join(calls)}) "\\n"' if style.framed else f'({" | ".join(calls)})'
     return "\n".join([f"start: call{rest}",
                       f'call: {marker(tools.fmt.open, tokenizer)} {inner} {marker(tools.fmt.close, tokenizer)}', *rules])
 

@@ -33,6 +33,8 @@ def _head(fmt: Format) -> re.Pattern:
     name, ended by its line's end or the first argument's element."""
     if fmt.xml == "glm45":
         return re.compile(rf"\s*({NAME.pattern})(?:[ \t]*\n|(?=\s*<arg_key>))")
+    if fmt.xml == "minimax_m2":
+        return re.compile(rf'\s*<invoke name="({NAME.pattern})">\n?')
     if fmt.xml:
         return re.compile(rf"\s*<function=({NAME.pattern})>\n?")
     if fmt.args:
@@ -111,9 +113,11 @@ def _not_a_head(body: str, fmt: Format) -> int | None:
 # An argument's element (its name, its text), and where a call's elements end, by format: qwen3_coder's
 # <parameter=...> elements within its <function> element; glm45's key and value elements (to the block's end)
 _ELEMENT = {"qwen3_coder": re.compile(r"<parameter=([^>\n]{1,256})>\n?(.*?)\n?</parameter>", re.S),
-            "glm45": re.compile(r"<arg_key>\s*([^<]{1,256}?)\s*</arg_key>\s*<arg_value>(.*?)</arg_value>", re.S)}
-_OPENING = {"qwen3_coder": "<parameter=", "glm45": "<arg_key>"}
-_FUNCTION_END = {"qwen3_coder": "</function>", "glm45": None}
+            "glm45": re.compile(r"<arg_key>\s*([^<]{1,256}?)\s*</arg_key>\s*<arg_value>(.*?)</arg_value>", re.S),
+            "minimax_m2": re.compile(r'<parameter name="([^"<>\n]{1,256})">(.*?)</parameter>', re.S)}
+_OPENING = {"qwen3_coder": "<parameter=", "glm45": "<arg_key>", "minimax_m2": "<parameter name="}
+_FUNCTION_END = {"qwen3_coder": "</function>", "glm45": None, "minimax_m2": "</invoke>"}
+_NEXT_CALL = {"qwen3_coder": "<function=", "minimax_m2": "<invoke name="}  # (several calls a block)
 _INTEGER = re.compile(r"-?[0-9]+")
 
 
@@ -278,7 +282,7 @@ class CallStream:
             end = _block_end(self.buffer, self.fmt)
             body = self.buffer if end is None else self.buffer[:end]
             deltas += self._stream_args(body, whole=end is not None)
-            if self.fmt.xml == "qwen3_coder" and self._next_element(body):
+            if self.fmt.xml in _NEXT_CALL and self._next_element(body):
                 continue
             if end is None:
                 if final:  # unfinished at the end: a call cut short if it named one, else text
@@ -301,7 +305,7 @@ class CallStream:
         return text
 
     def _next_element(self, body: str) -> bool:
-        """(qwen3_coder) Whether another <function=...> element begins after the current one, closed, in a
+        """(qwen3_coder, minimax_m2) Whether another <function=...> (<invoke ...>) element begins after the current one, closed, in a
         block that holds a call: then the block goes on from it, each element a call of the tools (as vLLM's
         parser reads them); text between elements, and an element of no tool, are not read."""
         if not self.block_called:
@@ -312,7 +316,7 @@ class CallStream:
             head = _head(self.fmt).match(body)
             done = None if head is None else _xml_read(body[head.end():], {}, False, self.fmt.xml)[1]
             end = None if done is None else head.end() + done
-        after = -1 if end is None else body.find("<function=", end)
+        after = -1 if end is None else body.find(_NEXT_CALL[self.fmt.xml], end)
         if after < 0:
             return False
         self.buffer, self.sent_args = self.buffer[after:], None
