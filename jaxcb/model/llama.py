@@ -4,7 +4,9 @@ packed batch of tokens.
 The variations (jaxcb.model.config.ModelConfig, each a flag): Qwen3's per-head q/k norms; Gemma's
 (1 + w) norms, four norms per layer, GeGLU, scaled embeddings and attention scale; Gemma 2's score
 and logit soft-capping; Gemma 2/3's sliding-window layers, whose KV pages are a group of their own
-(`kv_pages` is then a pair (full layers' pages, sliding layers' pages), see _attend).
+(`kv_pages` is then a pair (full layers' pages, sliding layers' pages), see _attend); mixtures of experts
+(experts()), with dense layers among the experts' ones (each kind stacked over its own layers, a layer's kind a
+branch of the scan: _layer's `mlps`); DeepSeek's multi-head latent attention, served absorbed (_latent_qkv).
 
     kv_pages, logits = forward(params, kv_pages, batch, config)
 
