@@ -147,12 +147,17 @@ def _longrope(scaling: dict, raw: dict, rotary_dim: int, max_context: int) -> di
             "max_context": max_context if long else min(max_context, original)}
 
 
-def read_config(path: str) -> ModelConfig:
+def _config_json(path: str) -> dict:
+    """A checkpoint's config.json as it is."""
     try:
         with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
-            raw = json.load(f)
+            return json.load(f)
     except (OSError, json.JSONDecodeError) as e:
         raise InvalidConfig(f"model: {path}/config.json is not readable JSON ({e})") from None
+
+
+def read_config(path: str) -> ModelConfig:
+    raw = _config_json(path)
     arch = (raw.get("architectures") or ["?"])[0]
     text = raw.get("text_config") or {}
     raw = {**raw, **text}
@@ -453,13 +458,17 @@ def _mxfp4(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(values.reshape(*blocks.shape[:-2], -1).swapaxes(-1, -2))
 
 
+def _halves_order(d: int) -> np.ndarray:
+    """The order that takes d dimensions rotated as complex pairs (2i, 2i + 1) to rotate-half's pairs (i, i + d/2)."""
+    return np.concatenate([np.arange(0, d, 2), np.arange(1, d, 2)])
+
+
 def halves_from_pairs(w: np.ndarray, config: ModelConfig) -> np.ndarray:
     """A q or k projection's output columns [..., heads x D] of a model whose RoPE rotates complex pairs (2i,
     2i + 1) (Llama 4) reordered, each head's, to rotate-half's pairs (i, i + D/2): the same rotation. q and k
     alike, so their products stay the same in layers without RoPE too; a LoRA adapter's B columns likewise."""
     d = config.head_dim
-    order = np.concatenate([np.arange(0, d, 2), np.arange(1, d, 2)])
-    return np.ascontiguousarray(w.reshape(*w.shape[:-1], -1, d)[..., order].reshape(w.shape))
+    return np.ascontiguousarray(w.reshape(*w.shape[:-1], -1, d)[..., _halves_order(d)].reshape(w.shape))
 
 
 def reorder_pairs(weights: dict, config: ModelConfig) -> None:
@@ -483,19 +492,12 @@ def _up_projections(config: ModelConfig, kv_b: list[np.ndarray]) -> dict[str, np
             "w_uv": np.ascontiguousarray(per_head[:, :, n:].transpose(0, 1, 3, 2))}
 
 
-def _rope_interleaved(path: str) -> bool:
-    """Whether a DeepSeek config.json's RoPE pairs are interleaved (its rope_interleave; transformers' default)."""
-    with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
-        raw = json.load(f)
-    return bool((raw.get("text_config") or raw).get("rope_interleave", True))
-
-
 def _latent_rope_halves(weights: dict, config: ModelConfig) -> None:
     """The rotated parts of latent attention's queries (each head's last R columns of wq / wq_b) and keys (wkv_a's
     last R columns) reordered, in place, from interleaved pairs (2i, 2i + 1) to rotate-half's (i, i + R/2): the same
     rotation, and the same products of queries and keys."""
     r = config.rotary_dim
-    order = np.concatenate([np.arange(0, r, 2), np.arange(1, r, 2)])
+    order = _halves_order(r)
     name = "wq_b" if config.q_lora_rank else "wq"
     q = weights[name].reshape(*weights[name].shape[:-1], config.num_heads, -1)
     q[..., -r:] = q[..., -r:][..., order]
@@ -532,17 +534,15 @@ def _read_float8(file: str) -> dict[str, np.ndarray] | None:
     return out
 
 
-def _dequantize_float8(tensors: dict, path: str) -> list[str]:
+def _dequantize_float8(tensors: dict, raw: dict) -> list[str]:
     """Float8 weights with block scales (DeepSeek-V3's and Qwen3-FP8's "fp8" quantization: `<name>` in float8 e4m3,
-    `<name>_scale_inv` one float a block of config.json's quantization_config.weight_block_size, default 128 x
+    `<name>_scale_inv` one float a block of config.json's (`raw`) quantization_config.weight_block_size, default 128 x
     128, of its [out, in] matrix) replaced in place by their values, w = q * scale_inv of its block, in float32.
     Returns the scale tensors' names (read)."""
     scaled = [n for n, a in tensors.items() if str(a.dtype).startswith("float8")]
     if not scaled:
         return []
-    with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
-        raw = json.load(f)
-    quant = (raw.get("text_config") or raw).get("quantization_config") or raw.get("quantization_config") or {}
+    quant = raw.get("quantization_config") or {}
     block = quant.get("weight_block_size") or [128, 128]
     if quant.get("quant_method", "fp8") != "fp8" or len(block) != 2:
         raise InvalidConfig(f"config.json: quantization_config {quant!r}: jaxcb reads fp8 weights with block scales")
@@ -562,18 +562,6 @@ def _dequantize_float8(tensors: dict, path: str) -> list[str]:
     return read
 
 
-def _multi_token_layers(path: str, config: ModelConfig) -> int:
-    """How many multi-token prediction layers (GLM-4.5's, DeepSeek-V3's: num_nextn_predict_layers; MiniMax-M2's:
-    num_mtp_modules, as vLLM drops them) a checkpoint keeps after its last layer."""
-    try:
-        with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
-            raw = json.load(f)
-        raw = raw.get("text_config") or raw
-        return int(raw.get("num_nextn_predict_layers") or raw.get("num_mtp_modules") or 0)
-    except (OSError, ValueError, TypeError):
-        return 0
-
-
 def load_weights(path: str, config: ModelConfig) -> dict[str, np.ndarray]:
     """The weights in the loader layout of jaxcb.model.llama (float32)."""
     from safetensors.numpy import load_file
@@ -588,7 +576,9 @@ def load_weights(path: str, config: ModelConfig) -> dict[str, np.ndarray]:
         except Exception as e:  # noqa: BLE001 - the library raises its own error types
             raise InvalidConfig(f"model: {f} is not a readable safetensors file ({e})") from None
 
-    used = set(_dequantize_float8(tensors, path))
+    settings = _config_json(path)
+    settings = {**settings, **(settings.get("text_config") or {})}  # (a multimodal one's language model's, as read_config)
+    used = set(_dequantize_float8(tensors, settings))
 
     def get(name: str, transpose: bool = False, raw: bool = False) -> np.ndarray:
         if name not in tensors:
@@ -616,7 +606,9 @@ def load_weights(path: str, config: ModelConfig) -> dict[str, np.ndarray]:
                 used.add(name)
     weights = {"embed": get(prefix + "embed_tokens.weight"), "final_norm": get(prefix + "norm.weight")}
     names = dict(_LAYER)
-    mtp = _multi_token_layers(path, config)
+    # (the multi-token prediction layers a checkpoint keeps after its last layer: GLM-4.5's, DeepSeek-V3's
+    # num_nextn_predict_layers; MiniMax-M2's num_mtp_modules, as vLLM drops them)
+    mtp = int(settings.get("num_nextn_predict_layers") or settings.get("num_mtp_modules") or 0)
     if mtp:  # (GLM-4.5's multi-token prediction layers after the last one: jaxcb does not run them)
         log.info("%s: its %d multi-token prediction layers are not loaded", path, mtp)
         skipped = tuple(layer.format(i=config.num_layers + j) for j in range(mtp))
@@ -689,7 +681,7 @@ def load_weights(path: str, config: ModelConfig) -> dict[str, np.ndarray]:
     for key, (name, transpose) in names.items():
         weights[key] = np.stack([get(layer.format(i=i) + name, transpose) for i in config.stacked_over(key)])
     reorder_pairs(weights, config)
-    if config.mla and _rope_interleaved(path):
+    if config.mla and settings.get("rope_interleave", True):  # (DeepSeek's RoPE pairs interleaved: transformers' default)
         _latent_rope_halves(weights, config)
     head = "language_model.lm_head.weight" if "language_model.lm_head.weight" in tensors else "lm_head.weight"
     if not config.tie_embeddings:
