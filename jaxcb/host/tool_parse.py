@@ -18,7 +18,7 @@ import re
 
 from jaxcb.host import pythonic
 from jaxcb.host.request import not_a_number
-from jaxcb.host.tool_calls import NAME, Format, Tools, xml_type
+from jaxcb.host.tool_calls import ELEMENTS, NAME, Format, Tools, xml_type
 
 
 _NAME = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"')  # a call's object up to its name
@@ -110,14 +110,11 @@ def _not_a_head(body: str, fmt: Format) -> int | None:
     return None if any(marker.startswith(rest) for marker in (fmt.args, _CALL_ID)) else at
 
 
-# An argument's element (its name, its text), and where a call's elements end, by format: qwen3_coder's
-# <parameter=...> elements within its <function> element; glm45's key and value elements (to the block's end)
+# An argument's element (its name, its text) as read back, by format, more leniently than tool_calls.ELEMENTS writes
+# it (its other markers): qwen3_coder's <parameter=...>, glm45's key and value, minimax_m2's <parameter name="...">
 _ELEMENT = {"qwen3_coder": re.compile(r"<parameter=([^>\n]{1,256})>\n?(.*?)\n?</parameter>", re.S),
             "glm45": re.compile(r"<arg_key>\s*([^<]{1,256}?)\s*</arg_key>\s*<arg_value>(.*?)</arg_value>", re.S),
             "minimax_m2": re.compile(r'<parameter name="([^"<>\n]{1,256})">(.*?)</parameter>', re.S)}
-_OPENING = {"qwen3_coder": "<parameter=", "glm45": "<arg_key>", "minimax_m2": "<parameter name="}
-_FUNCTION_END = {"qwen3_coder": "</function>", "glm45": None, "minimax_m2": "</invoke>"}
-_NEXT_CALL = {"qwen3_coder": "<function=", "minimax_m2": "<invoke name="}  # (several calls a block)
 _INTEGER = re.compile(r"-?[0-9]+")
 
 
@@ -164,11 +161,12 @@ def _xml_read(text: str, schema: dict, whole: bool, style: str) -> tuple[str, in
     properties = schema.get("properties") if isinstance(schema, dict) else None
     properties = properties if isinstance(properties, dict) else {}
     items, seen, at, closed, closed_at = [], set(), 0, whole, None
-    pattern, function_end = _ELEMENT[style], _FUNCTION_END[style]
+    # (an argument element's opening as its format writes one; a call that is an element of its own, its closing)
+    pattern, function_end, argument = _ELEMENT[style], ELEMENTS[style].call_end, ELEMENTS[style].argument.split("{}")[0]
     while True:
         element = pattern.search(text, at)
         end = text.find(function_end, at) if function_end else -1
-        opening = text.find(_OPENING[style], at)
+        opening = text.find(argument, at)
         if end >= 0 and (element is None or end < element.start()) and not 0 <= opening < end:
             closed, closed_at = True, end + len(function_end)
             break
@@ -282,7 +280,7 @@ class CallStream:
             end = _block_end(self.buffer, self.fmt)
             body = self.buffer if end is None else self.buffer[:end]
             deltas += self._stream_args(body, whole=end is not None)
-            if self.fmt.xml in _NEXT_CALL and self._next_element(body):
+            if self.fmt.xml and ELEMENTS[self.fmt.xml].call_end and self._next_element(body):  # (calls as elements)
                 continue
             if end is None:
                 if final:  # unfinished at the end: a call cut short if it named one, else text
@@ -316,7 +314,7 @@ class CallStream:
             head = _head(self.fmt).match(body)
             done = None if head is None else _xml_read(body[head.end():], {}, False, self.fmt.xml)[1]
             end = None if done is None else head.end() + done
-        after = -1 if end is None else body.find(_NEXT_CALL[self.fmt.xml], end)
+        after = -1 if end is None else body.find(ELEMENTS[self.fmt.xml].call.split("{}")[0], end)
         if after < 0:
             return False
         self.buffer, self.sent_args = self.buffer[after:], None
