@@ -161,10 +161,10 @@ def read_config(reader) -> ModelConfig:
     vocab = _field(reader, f"{arch}.vocab_size")
     if vocab is None:
         vocab = len(reader.metadata["tokenizer.ggml.tokens"])
-    layers = int(need("block_count"))
-    layers -= int(_field(reader, f"{arch}.nextn_predict_layers", 0) or 0)  # (GLM-4.5's multi-token layers: not run)
+    blocks, nextn = int(need("block_count")), int(_field(reader, f"{arch}.nextn_predict_layers", 0) or 0)
+    layers = blocks - nextn  # (GLM-4.5's multi-token prediction layers, counted in its blocks: not run)
     if layers <= 0:
-        raise InvalidConfig(f"{arch}.nextn_predict_layers: as many as the {layers} blocks or more")
+        raise InvalidConfig(f"{arch}.nextn_predict_layers: {nextn}, as many as the {blocks} blocks or more")
     theta = float(_field(reader, f"{arch}.rope.freq_base", 10000.0))
     context = int(need("context_length"))
     # (gpt-oss: YaRN untruncated, as it was trained and transformers runs it)
