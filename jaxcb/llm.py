@@ -63,13 +63,14 @@ def read_model_config(path: str | None = None, rope_scaling: str = ""):
 
 
 def load_model(path: str | None = None, dtype=None, check_config=None, weights: str = "auto", group: int = 0,
-               rope_scaling: str = ""):
+               rope_scaling: str = "", mesh=None):
     """(ModelConfig, Params, Tokenizer, eos ids) from a GGUF file (default: the embedded SmolLM2), a
     directory written by `jaxcb convert`, or a Hugging Face checkpoint directory. `check_config(config)`,
     if given, runs once the config is read and before any weight is (the memory plan's refusal).
     `weights`: "int8" / "int4" quantize the matrices as they load (jaxcb.model.quant; `group` input
     rows per scale, 0 = the mode's default). `rope_scaling`: EngineConfig.rope_scaling's override of the
-    model's RoPE scaling."""
+    model's RoPE scaling. `mesh`: where the weights go, each split over it as it is read (tensor parallelism,
+    jaxcb.device.parallel.placement; default: the default device)."""
     from jaxcb.device.factory import default_dtype
     from jaxcb.host.tokenizer import Tokenizer
     from jaxcb.model import checkpoint, gguf_loader, hf_loader
@@ -84,7 +85,12 @@ def load_model(path: str | None = None, dtype=None, check_config=None, weights: 
     if os.path.isdir(path):
         check_config(read_model_config(path))  # raises the explanation for a directory of neither kind
         if checkpoint.is_checkpoint_dir(path):
-            config, loaded_weights = checkpoint.load(path, dtype)
+            shardings = None
+            if mesh is not None:
+                from jaxcb.device.parallel import placement_shardings
+
+                shardings = placement_shardings(mesh, checkpoint.read_config(path)[0])
+            config, loaded_weights = checkpoint.load(path, dtype, shardings)
             dtype = dtype or checkpoint.compute_dtype(loaded_weights)
         else:
             config = hf_loader.read_config(path)
@@ -95,7 +101,12 @@ def load_model(path: str | None = None, dtype=None, check_config=None, weights: 
         config, loaded_weights = loaded.config, loaded.weights
         tokenizer = Tokenizer(loaded.tokenizer) if loaded.tokenizer is not None else None
     config = override(config, rope_scaling)
-    params = params_from_numpy(loaded_weights, dtype or default_dtype(), weights, group)
+    place = None
+    if mesh is not None:
+        from jaxcb.device.parallel import placement
+
+        place = placement(mesh, config)
+    params = params_from_numpy(loaded_weights, dtype or default_dtype(), weights, group, place)
     eos = tokenizer.end_ids if tokenizer is not None else ()
     return config, params, tokenizer, eos
 
@@ -235,10 +246,15 @@ def build_engines(model: str | None = None, config: EngineConfig | str | None = 
         from jaxcb.model.rope_scaling import override
 
         loaded = (override(loaded[0], config.rope_scaling), *loaded[1:])
+    mesh = None  # (the first replica's, as make_runner makes it: the weights are read onto it)
+    if loaded is None and (config.tensor_parallel > 1 or groups[0] is not None):
+        from jaxcb.device.parallel import make_mesh
+
+        mesh = make_mesh(config.tensor_parallel, groups[0])
     model_config, params, tokenizer, eos = loaded or load_model(
         model, compute_dtype(config, dtype),
         check_config=lambda c: plans.append(plan_memory(c, config, dtype, draft=draft_of(c))),
-        weights=config.weights, group=config.weight_group, rope_scaling=config.rope_scaling)
+        weights=config.weights, group=config.weight_group, rope_scaling=config.rope_scaling, mesh=mesh)
     draft = load_draft(spec, model_config, params, compute_dtype(config, dtype)) if drafting else None
     if config.chat_template:  # the server's template in place of the model file's
         if tokenizer is None:

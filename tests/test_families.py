@@ -13,6 +13,7 @@ run on text."""
 import dataclasses
 import json
 import os
+from collections.abc import Mapping
 
 import jax.numpy as jnp
 import numpy as np
@@ -87,7 +88,7 @@ def assert_references_logits(config, params, family, context=""):
     scale of transformers' on each of `family`'s golden prompts."""
     from jaxcb.model.llama import params_from_numpy
 
-    if isinstance(params, dict):
+    if isinstance(params, Mapping):  # (the loader's weights)
         params = params_from_numpy(params, jnp.float32)
     for record in golden(family):
         ref = np.asarray(record["prefill_logits"], np.float32)
@@ -1216,9 +1217,9 @@ def test_float8_weights_with_block_scales_are_read_as_released(tmp_path):
         load_weights(str(tmp_path / "fp8"), config)
     from safetensors.numpy import save_file
 
-    from jaxcb.model.hf_loader import _read_float8
+    from jaxcb.model.hf_loader import _read_safetensors
 
-    tensors = _read_float8(str(tmp_path / "fp8" / "model.safetensors"))
+    tensors = _read_safetensors(str(tmp_path / "fp8" / "model.safetensors"))
     del tensors["model.layers.1.self_attn.o_proj.weight_scale_inv"]
     save_file({n: np.ascontiguousarray(a) for n, a in tensors.items()}, str(tmp_path / "fp8" / "model.safetensors"))
     (tmp_path / "fp8" / "config.json").write_text(json.dumps(raw))

@@ -1,6 +1,7 @@
 """Model directories: Hugging Face checkpoints (Llama, Qwen2 biases, untied head) and converted orbax
 checkpoints, checked against the same weights loaded through the project's own path."""
 
+import dataclasses
 import json
 import os
 import shutil
@@ -183,3 +184,48 @@ def test_a_tensor_the_decoder_would_not_use_refuses_the_model(tmp_path, tiny_mod
                 load_model(path, jnp.float32)
         else:
             load_model(path, jnp.float32)
+
+
+@pytest.mark.parametrize("weights", ["float32", "int8"])
+def test_weights_are_read_one_at_a_time_and_checked_before_any_is_read(tmp_path, tiny_model, weights):
+    """A checkpoint's weights are built from the mapped files one at a time, each converted and placed before the
+    next is read: the host's numpy memory while loading (tracemalloc) rises above what it keeps by less than half the
+    model in float32 (a 12-layer model whose largest weight is under a fifth of it; reading all of it first, as
+    before, took more than the model), and the weights are those of the files; a
+    tensor of the wrong shape in the last layer is refused naming it before any weight is read."""
+    import tracemalloc
+
+    from jaxcb.host.errors import InvalidConfig
+    from jaxcb.model import hf_loader
+    from jaxcb.model.llama import params_to_weights
+
+    config = tiny_model_config(num_layers=12, intermediate_size=96, tie_embeddings=True)
+    want = random_weights(config, seed=4)
+    path = str(tmp_path / "hf")
+    write_hf_dir(path, config, want, tiny_model[2])
+    total = sum(w.size * 4 for w in want.values())
+    assert max(w.size * 4 for w in want.values()) < total / 5
+    load_model(path, jnp.float32, weights=weights)  # (imports and first calls outside the measurement)
+    tracemalloc.start()
+    try:
+        got = load_model(path, jnp.float32, weights=weights)[1]
+        kept, peak = tracemalloc.get_traced_memory()  # (kept: XLA:CPU may keep a numpy buffer as the device's)
+    finally:
+        tracemalloc.stop()
+    assert peak - kept < total / 2, (peak, kept, total)
+    if weights == "float32":
+        for name, w in params_to_weights(got).items():
+            np.testing.assert_array_equal(np.asarray(w), want[name], err_msg=name)
+    bad = dict(want, wk=want["wk"].copy())
+    bad["wk"] = np.concatenate([want["wk"], want["wk"][:, :, :16]], axis=2)  # (every layer's, one more head)
+    write_hf_dir(str(tmp_path / "bad"), dataclasses.replace(config), bad, tiny_model[2])
+    read = []
+    original = hf_loader.float32
+    hf_loader.float32 = lambda value: read.append(value) or original(value)
+    try:
+        with pytest.raises(InvalidConfig, match=r"model.layers.0.self_attn.k_proj.weight \(wk\) has shape \(64, 48\), "
+                                                r"expected \(64, 32\)"):
+            load_model(str(tmp_path / "bad"), jnp.float32)
+    finally:
+        hf_loader.float32 = original
+    assert read == []

@@ -41,7 +41,8 @@ def test_meshes_give_the_single_device_tokens(tmp_path):
     kernels) and a tiny DeepSeek-V3 (a dense layer, then experts' layers, each kind's matrices split; latent
     attention: its one KV head copied onto each device) at TP 2; n-gram speculation at TP 2 x DP 2; and two LoRA adapters beside the base model at TP 2,
     TP 2 x DP 2 and TP 4 (KV heads, and the adapters' k/v columns, replicated); speculative decoding with a
-    draft model split over the mesh at TP 2."""
+    draft model split over the mesh at TP 2; engines built from the file at TP 2 (int4) and TP 4, their weights
+    placed on the mesh as they are read, and checkpoints read straight onto meshes of 2 and 4."""
     proc = subprocess.run([sys.executable, "-m", "tests.tp_check", str(tmp_path)], capture_output=True, text=True,
                           timeout=1500, cwd=os.path.dirname(HERE))
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -68,6 +69,11 @@ def test_meshes_give_the_single_device_tokens(tmp_path):
     # A draft model (the target's first layer) split over the target's mesh: wq [1, in, out] by columns.
     assert out["a-tp2-draft"]["draft_wq_shards"] == [[1, 64, 32]] * 2
     assert out["a-tp2-draft"]["speculative_accepted"] > 0
+    # Read straight onto the mesh: every weight of the tiny DeepSeek-V3 (a Hugging Face checkpoint) at TP 2, and of
+    # model a converted to int8 (orbax) at TP 4 (its K and V whole on each device), in its split as load_model returns it.
+    placed, converted = out.pop("placed"), out.pop("placed_converted")
+    assert placed["count"] > 20 and placed["devices"] == [2] and placed["elsewhere"] == [], placed
+    assert converted["copied"] and converted["devices"] == [4] and converted["elsewhere"] == [], converted
     for name, run in out.items():
         weights = name.split("-")[-1] if name.endswith(("-int4", "-int8", "-lora")) else None
         reference = out[name[0] + "-tp1" + (f"-{weights}" if weights else "")]["tokens"]

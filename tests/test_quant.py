@@ -56,6 +56,22 @@ def test_int4_packs_two_values_a_byte_and_reproduces_a_q4_1_grid_exactly():
     assert (np.abs(np.asarray(quant.dequantize(on_device(q))) - g) <= step / 2 + 2e-3).all()
 
 
+@pytest.mark.parametrize("mode, group", [("int8", 0), ("int8", 32), ("int4", 32)])
+def test_a_stack_quantized_a_layer_at_a_time_is_the_stack_quantized_whole(mode, group):
+    """The loader quantizes a stack [L, in, out] (or experts' [L, X, in, out]) a layer at a time to bound its float
+    temporaries: the same values, scales and offsets as the whole stack's."""
+    rng = np.random.default_rng(5)
+    for name, shape in (("w_up", (3, 64, 48)), ("experts_down", (2, 3, 64, 16))):
+        w = rng.standard_normal(shape).astype(np.float32)
+        whole = quant.quantize_int8(w, group, name) if mode == "int8" else quant.quantize_int4(w, group, name)
+        got = quant.quantize_weight(name, w, mode, group)
+        for part in ("q", "scale", "offset"):
+            if getattr(whole, part) is None:
+                assert getattr(got, part) is None
+            else:
+                np.testing.assert_array_equal(getattr(got, part), getattr(whole, part), err_msg=f"{name} {part}")
+
+
 def test_the_int8_embedding_keeps_a_scale_per_32_values_and_gives_back_q8_0_rows_exactly():
     rng = np.random.default_rng(5)
     d = rng.uniform(0.001, 0.01, (10, 3, 1)).astype(np.float32)

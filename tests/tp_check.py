@@ -25,13 +25,16 @@ RUNS = [
     ("g", "tp1", 1, 1, "xla", "auto"), ("g", "tp2", 2, 1, "xla", "auto"), ("g", "dp2", 1, 2, "xla", "auto"),
     ("a", "tp1-lora", 1, 1, "xla", "auto"), ("a", "tp2-lora", 2, 1, "xla", "auto"),
     ("a", "tp2-dp2-lora", 2, 2, "xla", "auto"), ("a", "tp4-lora", 4, 1, "xla", "auto"),
-    ("a", "tp2-draft", 2, 1, "xla", "auto"),
+    ("a", "tp2-draft", 2, 1, "xla", "auto"), ("a", "tp2-direct-int4", 2, 1, "xla", "int4"),
+    ("a", "tp4-direct", 4, 1, "xla", "auto"),
     ("m", "tp1", 1, 1, "xla", "auto"), ("m", "tp2", 2, 1, "xla", "auto"),
     ("m", "tp1-int8", 1, 1, "xla", "int8"), ("m", "tp2-int8", 2, 1, "xla", "int8"),
     ("o", "tp1", 1, 1, "xla", "auto"), ("o", "tp2", 2, 1, "xla", "auto"),
     ("s", "tp1", 1, 1, "xla", "auto"), ("s", "tp2", 2, 1, "xla", "auto"), ("s", "tp2-pallas", 2, 1, "pallas", "auto"),
     ("d", "tp1", 1, 1, "xla", "auto"), ("d", "tp2", 2, 1, "xla", "auto"),
 ]
+# A "direct" run builds its engine from the file (LLM(path)): the weights are placed on the mesh as they are read
+# (K and V whole on every device where the KV heads are replicated, at TP 4), not loaded onto one device first.
 # A "lora" run serves two LoRA adapters (all projections) beside the base model, rows of all three mixed
 # (at TP 4 over model a's 2 KV heads the adapters' k/v columns are replicated with the heads). A "draft"
 # run speculates with a draft model (the target's first layer), split over the mesh as the target is.
@@ -83,7 +86,10 @@ def main(workdir: str) -> None:
                                  else SpeculativeConfig("draft", num_tokens=3, draft_layers=1, adaptive=False)
                                  if "draft" in name else SpeculativeConfig(),
                                  lora=LoraConfig(max_loras=2, max_rank=4) if "lora" in name else None)
-            llm = LLM.from_params(cfg, params, tok, config=config, eos_ids=eos)
+            if "direct" in name:
+                llm = LLM(path, config=config)
+            else:
+                llm = LLM.from_params(cfg, params, tok, config=config, eos_ids=eos)
             adapters = ("",)
             if "lora" in name:
                 adapters = ("", "x", "y")
@@ -120,7 +126,44 @@ def main(workdir: str) -> None:
             }
             print(f"{key}-{name}: build and warm-up {t1 - t0:.1f} s, generate {time.perf_counter() - t1:.1f} s",
                   file=sys.stderr, flush=True)
+    out["placed"] = placed_where_read(models["d"], 2)
+    converted = os.path.join(workdir, "a-int8-converted")  # (jaxcb convert's checkpoint of model a, int8)
+    from jaxcb.model import checkpoint
+    from jaxcb.model.llama import params_to_weights
+
+    cfg, params, tok, _ = load_model(os.path.join(workdir, "tiny-a.gguf"), weights="int8")
+    checkpoint.save(converted, cfg, params_to_weights(params), tok, "float32", "int8")
+    out["placed_converted"] = placed_where_read(converted, 4)
     print(json.dumps(out))
+
+
+def placed_where_read(path: str, tensor: int) -> dict:
+    """load_model onto a mesh of `tensor` devices: how many devices each weight's arrays span as they come back
+    (before any runner), and the weights not split as the tensor-parallel layout says (jaxcb.device.parallel:
+    param_spec; K and V whole on every device where the KV heads are to be replicated)."""
+    import jax
+    from jax.sharding import NamedSharding
+
+    from jaxcb.device.parallel import kv_replication, make_mesh, param_spec, replicated
+    from jaxcb.llm import load_model
+    from jaxcb.model.llama import params_to_weights
+
+    mesh = make_mesh(tensor)
+    config, params = load_model(path, mesh=mesh)[:2]
+    weights = params_to_weights(params)
+    if os.path.isdir(os.path.join(path, "params")):  # (a converted checkpoint: as orbax restores it, before any move)
+        from jaxcb.device.parallel import placement_shardings
+        from jaxcb.model import checkpoint
+
+        weights = checkpoint.load(path, None, placement_shardings(mesh, config))[1]
+    copied = kv_replication(config, tensor) > 1
+
+    def expected(name):
+        return replicated(mesh) if copied and name in ("wk", "wv", "bk", "bv") else NamedSharding(mesh, param_spec(name))
+
+    return {"count": len(weights), "copied": copied,
+            "devices": sorted({len(a.sharding.device_set) for w in weights.values() for a in jax.tree.leaves(w)}),
+            "elsewhere": [n for n, w in weights.items() if getattr(w, "q", w).sharding != expected(n)]}
 
 
 if __name__ == "__main__":

@@ -119,31 +119,66 @@ def make_mesh(tensor: int, devices=None) -> Mesh:
     return Mesh(np.array(devices[:tensor]), (AXIS,))
 
 
+def weight_shardings(name: str, x, mesh: Mesh):
+    """The shardings of weight `name` (an array, or a QuantWeight / QuantRows of them) on the mesh in the layout
+    above, as a pytree like `x`."""
+    from jaxcb.model.quant import QuantRows, QuantWeight
+
+    spec = param_spec(name)
+    if isinstance(x, QuantWeight):  # scales [.., in/g, out] split as the matrix; per column ([.., 1, out]) by columns
+        scale_spec = spec if x.scale.shape[-2] > 1 else P(*spec[:-2], None, spec[-1])
+        return x.replace(q=NamedSharding(mesh, spec), scale=NamedSharding(mesh, scale_spec),
+                         offset=None if x.offset is None else NamedSharding(mesh, scale_spec))
+    if isinstance(x, QuantRows):  # [V, E] and its [V, 1] scales, split by vocabulary rows
+        return x.replace(q=NamedSharding(mesh, spec), scale=NamedSharding(mesh, spec))
+    return NamedSharding(mesh, spec)
+
+
+def place_weight(name: str, x, mesh: Mesh):
+    """Weight `name` (host or device arrays) placed on the mesh in the layout above (a no-op where it is already)."""
+    return jax.tree.map(place, x, weight_shardings(name, x, mesh))
+
+
+def placement_shardings(mesh: Mesh, config: ModelConfig):
+    """shardings(name, value): where the loader puts each weight of `config` on the mesh (a pytree like `value`,
+    whose leaves may be jax.ShapeDtypeStruct): the layout above, but the K and V projections whole on every device
+    where the KV heads are to be replicated first (replicate_kv_heads, in the runner)."""
+    copied = kv_replication(config, mesh.devices.size) > 1
+
+    def shardings(name, x):
+        if copied and name in ("wk", "wv", "bk", "bv"):
+            return jax.tree.map(lambda _: replicated(mesh), x)
+        return weight_shardings(name, x, mesh)
+
+    return shardings
+
+
+def placement(mesh: Mesh, config: ModelConfig):
+    """place(name, value) for the loader (jaxcb.model.llama.params_from_numpy): each weight onto the mesh as it is
+    read (placement_shardings), so that no device ever holds the whole model."""
+    shardings = placement_shardings(mesh, config)
+    return lambda name, x: jax.tree.map(place, x, shardings(name, x))
+
+
 def shard_params(params, mesh: Mesh):
     """Place Params (model.llama) on the mesh in the layout above."""
     from jaxcb.model.llama import LayerParams, Params
-    from jaxcb.model.quant import QuantRows, QuantWeight
 
-    def put(x, spec):
-        if x is None:
-            return None
-        if isinstance(x, QuantWeight):  # scales [.., in/g, out] split as the matrix; per column ([.., 1, out]) by columns
-            scale_spec = spec if x.scale.shape[-2] > 1 else P(*spec[:-2], None, spec[-1])
-            return x.replace(q=put(x.q, spec), scale=put(x.scale, scale_spec), offset=put(x.offset, scale_spec))
-        if isinstance(x, QuantRows):  # [V, E] and its [V, 1] scales, split by vocabulary rows
-            return x.replace(q=put(x.q, spec), scale=put(x.scale, spec))
-        return place(x, NamedSharding(mesh, spec))
+    def put(name, x):
+        return None if x is None else place_weight(name, x, mesh)
 
-    layers = LayerParams(**{name: put(getattr(params.layers, name), spec) for name, spec in _LAYER_SPECS.items()})
-    return Params(embed=put(params.embed, param_spec("embed")), final_norm=put(params.final_norm, param_spec("final_norm")),
-                  lm_head=put(params.lm_head, param_spec("lm_head")), layers=layers)
+    layers = LayerParams(**{name: put(name, getattr(params.layers, name)) for name in _LAYER_SPECS})
+    return Params(embed=put("embed", params.embed), final_norm=put("final_norm", params.final_norm),
+                  lm_head=put("lm_head", params.lm_head), layers=layers)
 
 
 def place(x, sharding: NamedSharding):
     """device_put onto a sharding; across processes (multi-host), each process makes its own shards
     from its copy of the same host value."""
-    if jax.process_count() == 1:
-        return jax.device_put(x, sharding)
+    if isinstance(x, jax.Array) and x.sharding == sharding:  # (placed as it was read)
+        return x
+    if jax.process_count() == 1 or (isinstance(x, jax.Array) and not x.is_fully_addressable):
+        return jax.device_put(x, sharding)  # (a global array: resharded across the processes)
     host = np.asarray(x)
     return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 

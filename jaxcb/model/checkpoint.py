@@ -144,8 +144,9 @@ def read_config(path: str) -> tuple[ModelConfig, str]:
         raise InvalidConfig(f"model: {path}/{MANIFEST} has a bad config ({e})") from None
 
 
-def load(path: str, dtype=None):
-    """(ModelConfig, weights dict of device arrays) from a converted checkpoint."""
+def load(path: str, dtype=None, shardings=None):
+    """(ModelConfig, weights dict of device arrays) from a converted checkpoint, restored onto the default device, or
+    each weight straight into its shardings(name, value) (jaxcb.device.parallel.placement_shardings)."""
     import orbax.checkpoint as ocp
 
     config, stored = read_config(path)
@@ -170,6 +171,9 @@ def load(path: str, dtype=None):
             k, (got, want) = next(iter(wrong.items()))
             raise InvalidConfig(f"model: the checkpoint in {path} is from another model: {k} has shape {got}, "
                              f"its config says {want}")
+        if shardings is not None:  # (each part of a quantized weight split as its matrix)
+            placed = _flatten({name: shardings(name, value) for name, value in _unflatten(expected).items()})
+            expected = {k: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=placed[k]) for k, s in expected.items()}
         try:
             arrays = ckpt.restore(params_dir, expected)
         except Exception as e:  # noqa: BLE001

@@ -29,6 +29,7 @@ from jaxcb.host.tokenizer import TokenizerSpec
 from jaxcb.model import rope_scaling
 from jaxcb.model.config import ModelConfig, check_all_used
 from jaxcb.model.gguf_file import GGUFFile
+from jaxcb.model.lazy_weights import LazyWeights, float32
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen2moe", "qwen3", "qwen3moe", "gemma", "gemma2", "gemma3", "smollm3", "granite",
                            "granitemoe", "phi3", "olmo2", "olmoe", "qwen2vl", "qwen3vl", "gpt-oss", "llama4", "glm4moe")
@@ -73,7 +74,7 @@ WEIGHT_NAMES = ("embed", "final_norm", "lm_head", *_LAYER_TENSORS, "q_norm", "k_
 @dataclasses.dataclass
 class LoadedModel:
     config: ModelConfig
-    weights: dict[str, np.ndarray]  # see WEIGHT_NAMES; "lm_head" absent when tied
+    weights: LazyWeights  # see WEIGHT_NAMES, read as used; "lm_head" absent when tied
     tokenizer: TokenizerSpec | None
     path: str
 
@@ -96,17 +97,19 @@ def _unpermute_rotary(w: np.ndarray, num_heads: int) -> np.ndarray:
     return w.reshape(num_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _dequantize(tensor) -> np.ndarray:
+def _dequantize(tensor, first_row: bool = False) -> np.ndarray:
+    """The tensor's values in float32 (`first_row`: its first row only, to learn that the library reads its type)."""
     import gguf
 
+    data = tensor.data.reshape(-1, tensor.data.shape[-1])[:1] if first_row else tensor.data
     try:
-        data = gguf.quants.dequantize(tensor.data, tensor.qtype)
+        data = gguf.quants.dequantize(data, tensor.qtype)
     except NotImplementedError as e:
         raise InvalidConfig(
             f"tensor {tensor.name}: type {tensor.qtype.name} cannot be dequantized "
             f"by the gguf library ({e})"
         ) from None
-    return np.asarray(data, dtype=np.float32).reshape(tensor.shape)
+    return np.asarray(data, dtype=np.float32).reshape(-1 if first_row else tensor.shape)
 
 
 def read_config(reader) -> ModelConfig:
@@ -391,7 +394,9 @@ def open_reader(path: str) -> GGUFFile:
 
 
 def load_gguf(path: str, check_config=None) -> LoadedModel:
-    """The model in `path`; `check_config(config)` runs before any tensor is dequantized."""
+    """The model in `path`; `check_config(config)` runs before any tensor is dequantized. The weights are read
+    from the memory-mapped file as they are used (jaxcb.model.lazy_weights): every tensor's presence, type and
+    shape checked first."""
     reader = open_reader(path)
     config = read_config(reader)
     if check_config is not None:
@@ -402,11 +407,19 @@ def load_gguf(path: str, check_config=None) -> LoadedModel:
     permuted = _field(reader, "general.architecture") in ("llama", "smollm3", "granite", "granitemoe")
 
     used = {"rope_freqs.weight", "rope_factors_short.weight", "rope_factors_long.weight"}  # (read with the config)
+    shapes = config.weight_shapes()
+    weights = LazyWeights(shapes, "model file")
 
-    def get(name: str, transpose: bool) -> np.ndarray:
+    def need(name: str) -> str:
+        """A tensor the weights are made of: there, of a type the library reads, and counted as used."""
         if name not in tensors:
             raise InvalidConfig(f"model file: missing tensor {name}")
+        if name not in used:
+            _dequantize(tensors[name], first_row=True)
         used.add(name)
+        return name
+
+    def read(name: str, transpose: bool) -> np.ndarray:
         w = _dequantize(tensors[name])
         if permuted and name.endswith(("attn_q.weight", "attn_q.bias")):
             w = _unpermute_rotary(w, config.num_heads)
@@ -414,14 +427,29 @@ def load_gguf(path: str, check_config=None) -> LoadedModel:
             w = _unpermute_rotary(w, config.num_kv_heads)
         elif config.norm_plus_one and name.endswith("norm.weight"):
             w = w - 1.0  # the file's norms hold 1 + w (see the module's note)
-        return np.ascontiguousarray(np.swapaxes(w, -1, -2)) if transpose else w  # (an experts' stack: each)
+        return np.swapaxes(w, -1, -2) if transpose else w  # (an experts' stack: each; a view, copied into place)
 
-    weights = {
-        "embed": get("token_embd.weight", False),
-        "final_norm": get("output_norm.weight", False),
-    }
+    def one(key: str, name: str, transpose: bool) -> None:
+        name = need(name)
+        weights.put(key, lambda: float32(read(name, transpose)))
+
+    def stack(key: str, names: list, transpose: bool, each=None) -> None:
+        """`key` stacked over layers from each layer's tensor (names[n]; a list: the experts of layer n), read
+        (transposed) and through `each` if given (LazyWeights.stack)."""
+        for group in names:
+            [need(n) for n in ([group] if isinstance(group, str) else group)]
+
+        def header(name):
+            shape = tensors[name].shape
+            return (*shape[:-2], shape[-1], shape[-2]) if transpose and len(shape) >= 2 else shape
+
+        weights.stack(key, names, lambda n: read(n, transpose), each,
+                      None if each is not None or key == "shared_gate" else header)  # (shared_gate: reshaped below)
+
+    one("embed", "token_embd.weight", False)
+    one("final_norm", "output_norm.weight", False)
     if not config.tie_embeddings:
-        weights["lm_head"] = get("output.weight", True)
+        one("lm_head", "output.weight", True)
     table = {**_LAYER_TENSORS, **{k: (v, False) for k, v in _EXTRA_TENSORS.get(config.family, {}).items()}}
     if config.attention_bias:
         table.update({k: (v, False) for k, v in _BIAS_TENSORS.items()})
@@ -433,11 +461,12 @@ def load_gguf(path: str, check_config=None) -> LoadedModel:
         if pattern.format(i=0) not in tensors or _LAYER_TENSORS[parts[0]][0].format(i=0) in tensors:
             continue  # (not fused: ffn_up is the up projection alone where an ffn_gate is beside it)
         sizes = [config.weight_shapes()[p][-1] for p in parts]  # (each part's outputs: its rows in the file)
-        pieces = [np.split(get(pattern.format(i=i), False), np.cumsum(sizes)[:-1]) for i in range(config.num_layers)]
-        if any(sum(p.shape[0] for p in layer) != sum(sizes) for layer in pieces):
-            raise InvalidConfig(f"tensor {pattern.format(i=0)}: its rows are not {' + '.join(map(str, sizes))}")
+        fused = [pattern.format(i=i) for i in range(config.num_layers)]
+        for name in fused:
+            if tensors[need(name)].shape[0] != sum(sizes):
+                raise InvalidConfig(f"tensor {name}: its rows are not {' + '.join(map(str, sizes))}")
         for k, key in enumerate(parts):
-            weights[key] = np.stack([np.ascontiguousarray(layer[k].T) for layer in pieces])
+            stack(key, fused, False, each=lambda w, k=k, cut=np.cumsum(sizes)[:-1]: np.split(w, cut)[k].T)
             table.pop(key)
     if config.num_experts:  # the router, and the experts' matrices stacked per layer [X, out, in] (older
         dense = table.pop("w_gate"), table.pop("w_up"), table.pop("w_down")  # files: a tensor per expert)
@@ -456,19 +485,17 @@ def load_gguf(path: str, check_config=None) -> LoadedModel:
             if f"blk.{moe_layers[0]}.{part}_exps.weight" in tensors:
                 table[key] = (f"blk.{{i}}.{part}_exps.weight", True)
             else:
-                weights[key] = np.stack([np.stack([get(f"blk.{i}.{part}.{j}.weight", True)
-                                                   for j in range(config.num_experts)]) for i in moe_layers])
+                stack(key, [[f"blk.{i}.{part}.{j}.weight" for j in range(config.num_experts)] for i in moe_layers], True)
     for key, (pattern, transpose) in table.items():
-        weights[key] = np.stack([get(pattern.format(i=i), transpose) for i in config.stacked_over(key)])
+        stack(key, [pattern.format(i=i) for i in config.stacked_over(key)], transpose)
     from jaxcb.model.hf_loader import reorder_pairs  # (Llama 4's: its converter keeps the checkpoint's q/k order)
 
     reorder_pairs(weights, config)
     if "shared_gate" in weights:  # one output column
-        weights["shared_gate"] = weights["shared_gate"].reshape(-1, config.hidden_size, 1)
+        weights.then("shared_gate", lambda w: w.reshape(-1, config.hidden_size, 1))
     blocks = int(_field(reader, f"{_field(reader, 'general.architecture')}.block_count", 0) or 0)
     skipped = tuple(f"blk.{i}." for i in range(config.num_layers, blocks))  # (multi-token prediction layers: not run)
     if skipped:
         used.update(n for n in tensors if n.startswith(skipped))
     check_all_used(set(tensors) - used, path)
-    config.check_weight_shapes(weights, "model file")
     return LoadedModel(config=config, weights=weights, tokenizer=read_tokenizer(reader), path=path)

@@ -12,8 +12,8 @@ rotate-half; chunked attention), GLM-4.5 (dense first layers, then DeepSeek-V3's
 shared ones; partial RoPE), DeepSeek-V3 (GLM-4.5's kind of experts; multi-head latent attention, its kv_b_proj
 split into the absorbed up-projections, its interleaved RoPE pairs reordered) and V2 (its softmax router, groups
 by their best), MiniMax-M2 (q/k normed whole, partial RoPE, sigmoid-routed experts with correction biases); a
-separate output head when the embeddings are not tied. Weights are read with `safetensors` (no framework) and
-transposed from torch's [out, in] to this project's [in, out].
+separate output head when the embeddings are not tied. The safetensors files are memory-mapped and each weight read
+when it is used (jaxcb.model.lazy_weights), transposed from torch's [out, in] to this project's [in, out].
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ import numpy as np
 from jaxcb.host.errors import InvalidConfig
 from jaxcb.model import rope_scaling
 from jaxcb.model.config import ModelConfig, check_all_used
+from jaxcb.model.lazy_weights import LazyWeights, filled, float32
 
 log = logging.getLogger("jaxcb.model.hf_loader")
 
@@ -396,55 +397,6 @@ _LLAMA4 = {"router": "feed_forward.router.weight", "gate_up": "feed_forward.expe
            "down": "feed_forward.experts.down_proj"}
 
 
-def _stacked(config: ModelConfig, layer: str, read) -> dict[str, np.ndarray]:
-    """Weights stacked over layers, filled a layer at a time (a released checkpoint's experts are most of it:
-    no second copy): read(at) gives a layer's {name: array} (`at` its tensors' prefix), each checked against
-    its shape in config.weight_shapes()."""
-    shapes, out = config.weight_shapes(), {}
-    for n, i in enumerate(config.stacked_over("router")):  # (the layers with experts)
-        at = layer.format(i=i)
-        for key, value in read(at).items():
-            if key not in out:
-                out[key] = np.empty(shapes[key], np.float32)
-            if value.shape != out[key].shape[1:]:
-                raise InvalidConfig(f"model: {at}: {key} has shape {value.shape}, expected {out[key].shape[1:]}")
-            out[key][n] = value
-    return out
-
-
-def _llama4_experts(get, layer: str, config: ModelConfig) -> dict[str, np.ndarray]:
-    """Llama 4's router and experts, stacked over layers in this project's layout."""
-    f = config.intermediate_size
-
-    def read(at):
-        gate_up = get(at + _LLAMA4["gate_up"])
-        return {"router": get(at + _LLAMA4["router"], True), "experts_gate": gate_up[..., :f],
-                "experts_up": gate_up[..., f:], "experts_down": get(at + _LLAMA4["down"])}
-
-    return _stacked(config, layer, read)
-
-
-def _gpt_oss_experts(get, tensors, layer: str, config: ModelConfig) -> dict[str, np.ndarray]:
-    """gpt-oss's router and experts (_GPT_OSS), float or MXFP4, stacked over layers in this project's layout."""
-    f = config.intermediate_size
-
-    def read(at):
-        def matrix(name):  # [X, in, out]
-            if at + name + "_blocks" in tensors:
-                return _mxfp4(get(at + name + "_blocks", raw=True), get(at + name + "_scales", raw=True))
-            return get(at + name)
-
-        gate_up, gate_up_bias = matrix(_GPT_OSS["gate_up"]), get(at + _GPT_OSS["gate_up"] + "_bias")
-        if gate_up.shape[-1] != 2 * f:
-            raise InvalidConfig(f"model: {at}{_GPT_OSS['gate_up']} has {gate_up.shape[-1]} columns, not 2 x {f}")
-        return {"router": get(at + _GPT_OSS["router"], True), "router_bias": get(at + _GPT_OSS["router_bias"]),
-                "experts_gate": gate_up[..., 0::2], "experts_up": gate_up[..., 1::2],
-                "experts_gate_bias": gate_up_bias[..., 0::2], "experts_up_bias": gate_up_bias[..., 1::2],
-                "experts_down": matrix(_GPT_OSS["down"]), "experts_down_bias": get(at + _GPT_OSS["down"] + "_bias")}
-
-    return _stacked(config, layer, read)
-
-
 def _mxfp4(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
     """MXFP4 (OCP microscaling: 32 FP4 E2M1 values sharing a power-of-two scale) as gpt-oss stores its experts:
     blocks uint8 [X, out, in/32, 16] (two values a byte, the low nibble first), scales uint8 [X, out, in/32]
@@ -471,13 +423,13 @@ def halves_from_pairs(w: np.ndarray, config: ModelConfig) -> np.ndarray:
     return np.ascontiguousarray(w.reshape(*w.shape[:-1], -1, d)[..., _halves_order(d)].reshape(w.shape))
 
 
-def reorder_pairs(weights: dict, config: ModelConfig) -> None:
-    """A Llama 4 checkpoint's q and k (and their biases), in place, as halves_from_pairs reads them (both
-    loaders: its GGUF keeps the checkpoint's order too)."""
+def reorder_pairs(weights: LazyWeights, config: ModelConfig) -> None:
+    """A Llama 4 checkpoint's q and k (and their biases) read as halves_from_pairs reads them (both loaders: its
+    GGUF keeps the checkpoint's order too)."""
     if config.family == "llama4":
         for key in ("wq", "wk", "bq", "bk"):
             if key in weights:
-                weights[key] = halves_from_pairs(weights[key], config)
+                weights.then(key, lambda w: halves_from_pairs(w, config))
 
 
 def _up_projections(config: ModelConfig, kv_b: list[np.ndarray]) -> dict[str, np.ndarray]:
@@ -492,102 +444,133 @@ def _up_projections(config: ModelConfig, kv_b: list[np.ndarray]) -> dict[str, np
             "w_uv": np.ascontiguousarray(per_head[:, :, n:].transpose(0, 1, 3, 2))}
 
 
-def _latent_rope_halves(weights: dict, config: ModelConfig) -> None:
+def _latent_rope_halves(weights: LazyWeights, config: ModelConfig) -> None:
     """The rotated parts of latent attention's queries (each head's last R columns of wq / wq_b) and keys (wkv_a's
-    last R columns) reordered, in place, from interleaved pairs (2i, 2i + 1) to rotate-half's (i, i + R/2): the same
+    last R columns) read reordered from interleaved pairs (2i, 2i + 1) to rotate-half's (i, i + R/2): the same
     rotation, and the same products of queries and keys."""
     r = config.rotary_dim
     order = _halves_order(r)
-    name = "wq_b" if config.q_lora_rank else "wq"
-    q = weights[name].reshape(*weights[name].shape[:-1], config.num_heads, -1)
-    q[..., -r:] = q[..., -r:][..., order]
-    weights[name] = q.reshape(weights[name].shape)
-    weights["wkv_a"][..., -r:] = weights["wkv_a"][..., -r:][..., order]
+
+    def queries(w):
+        q = w.reshape(*w.shape[:-1], config.num_heads, -1)
+        q[..., -r:] = q[..., -r:][..., order]
+        return q.reshape(w.shape)
+
+    def keys(w):
+        w[..., -r:] = w[..., -r:][..., order]
+        return w
+
+    weights.then("wq_b" if config.q_lora_rank else "wq", queries)
+    weights.then("wkv_a", keys)
 
 
-# safetensors' dtype names -> numpy's (float8 through ml_dtypes, which jax brings), for the files the library's numpy
-# reader cannot read: those holding float8 tensors (DeepSeek-V3's, Qwen3-FP8's releases)
+# safetensors' dtype names -> numpy's (bfloat16 and float8 through ml_dtypes, which jax brings)
 _DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "I64": "int64", "I32": "int32", "I16": "int16",
            "I8": "int8", "U8": "uint8", "BOOL": "bool", "BF16": "bfloat16", "F8_E4M3": "float8_e4m3fn",
            "F8_E5M2": "float8_e5m2"}
 
 
-def _read_float8(file: str) -> dict[str, np.ndarray] | None:
-    """A safetensors file's tensors where it holds float8 ones (the library's numpy reader has no float8 type),
-    read from its header and memory-mapped data; None for any other file (the library reads it)."""
+def _read_safetensors(file: str) -> dict[str, np.ndarray]:
+    """A safetensors file's tensors, memory-mapped (read from the disk only when used), from its header: the
+    library's numpy reader reads a whole file into memory and has no float8 type (DeepSeek-V3's, Qwen3-FP8's
+    releases)."""
     import ml_dtypes
 
-    with open(file, "rb") as f:
-        size = int.from_bytes(f.read(8), "little")
-        header = json.loads(f.read(size))
-    header.pop("__metadata__", None)
-    if not any(str(t.get("dtype", "")).startswith("F8") for t in header.values()):
-        return None
-    data = np.memmap(file, np.uint8, mode="r", offset=8 + size)
-    out = {}
-    for name, t in header.items():
-        if t["dtype"] not in _DTYPES:
-            raise InvalidConfig(f"model: {file}: tensor {name} has dtype {t['dtype']}, which jaxcb does not read")
-        dtype = np.dtype(getattr(ml_dtypes, _DTYPES[t["dtype"]], None) or _DTYPES[t["dtype"]])
-        begin, end = t["data_offsets"]
-        out[name] = data[begin:end].view(dtype).reshape(t["shape"])
-    return out
+    try:
+        with open(file, "rb") as f:
+            size = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(size))
+        header.pop("__metadata__", None)
+        data = np.memmap(file, np.uint8, mode="r", offset=8 + size) if header else np.zeros(0, np.uint8)
+        out = {}
+        for name, t in header.items():
+            if t["dtype"] not in _DTYPES:
+                raise InvalidConfig(f"model: {file}: tensor {name} has dtype {t['dtype']}, which jaxcb does not read")
+            dtype = np.dtype(getattr(ml_dtypes, _DTYPES[t["dtype"]], None) or _DTYPES[t["dtype"]])
+            begin, end = t["data_offsets"]
+            out[name] = data[begin:end].view(dtype).reshape(t["shape"])
+        return out
+    except InvalidConfig:
+        raise
+    except Exception as e:  # noqa: BLE001 - a short file, a bad header: json's, numpy's and the OS's errors
+        raise InvalidConfig(f"model: {file} is not a readable safetensors file ({type(e).__name__}: {e})") from None
 
 
-def _dequantize_float8(tensors: dict, raw: dict) -> list[str]:
+def _float8_blocks(tensors: dict, raw: dict) -> dict[str, tuple[str, tuple[int, int]]]:
     """Float8 weights with block scales (DeepSeek-V3's and Qwen3-FP8's "fp8" quantization: `<name>` in float8 e4m3,
     `<name>_scale_inv` one float a block of config.json's (`raw`) quantization_config.weight_block_size, default 128 x
-    128, of its [out, in] matrix) replaced in place by their values, w = q * scale_inv of its block, in float32.
-    Returns the scale tensors' names (read)."""
+    128, of its [out, in] matrix): {name: (its scales' name, block)}, each checked against its matrix; read as
+    w = q * scale_inv of its block (_read)."""
     scaled = [n for n, a in tensors.items() if str(a.dtype).startswith("float8")]
     if not scaled:
-        return []
+        return {}
     quant = raw.get("quantization_config") or {}
     block = quant.get("weight_block_size") or [128, 128]
     if quant.get("quant_method", "fp8") != "fp8" or len(block) != 2:
         raise InvalidConfig(f"config.json: quantization_config {quant!r}: jaxcb reads fp8 weights with block scales")
-    read = []
+    out = {}
     for name in scaled:
-        scale = tensors.get(name + "_scale_inv")
-        w = tensors[name]
+        scale, w = tensors.get(name + "_scale_inv"), tensors[name]
         if scale is None or w.ndim != 2:
             raise InvalidConfig(f"model: float8 tensor {name} has no {name}_scale_inv of blocks beside it")
         rows, cols = -(-w.shape[0] // block[0]), -(-w.shape[1] // block[1])
         if scale.shape != (rows, cols):
             raise InvalidConfig(f"model: {name}_scale_inv has shape {scale.shape}, expected {(rows, cols)} "
                                 f"(blocks of {block[0]} x {block[1]})")
-        full = np.repeat(np.repeat(np.asarray(scale, np.float32), block[0], 0), block[1], 1)[:w.shape[0], :w.shape[1]]
-        tensors[name] = np.asarray(w, np.float32) * full
-        read.append(name + "_scale_inv")
-    return read
+        out[name] = (name + "_scale_inv", (block[0], block[1]))
+    return out
 
 
-def load_weights(path: str, config: ModelConfig) -> dict[str, np.ndarray]:
-    """The weights in the loader layout of jaxcb.model.llama (float32)."""
-    from safetensors.numpy import load_file
-
+def load_weights(path: str, config: ModelConfig) -> LazyWeights:
+    """The weights in the loader layout of jaxcb.model.llama (float32), each read from the memory-mapped files when
+    it is used (jaxcb.model.lazy_weights): every tensor's presence, and the plain ones' shapes, checked first."""
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not files:
         raise InvalidConfig(f"model: {path} has no *.safetensors files")
     tensors: dict[str, np.ndarray] = {}
     for f in files:
-        try:
-            tensors.update(_read_float8(f) or load_file(f))
-        except Exception as e:  # noqa: BLE001 - the library raises its own error types
-            raise InvalidConfig(f"model: {f} is not a readable safetensors file ({e})") from None
+        tensors.update(_read_safetensors(f))
 
     settings = _config_json(path)
     settings = {**settings, **(settings.get("text_config") or {})}  # (a multimodal one's language model's, as read_config)
-    used = set(_dequantize_float8(tensors, settings))
+    float8 = _float8_blocks(tensors, settings)
+    used = {scale for scale, _ in float8.values()}
+    shapes = config.weight_shapes()
+    weights = LazyWeights(shapes, "model (config.json)")
 
-    def get(name: str, transpose: bool = False, raw: bool = False) -> np.ndarray:
+    def need(name: str) -> str:
+        """A tensor the weights are made of: there, and counted as used."""
         if name not in tensors:
             raise InvalidConfig(f"model: tensor {name} is missing from {path}")
         used.add(name)
+        return name
+
+    def read(name: str, transpose: bool = False, raw: bool = False) -> np.ndarray:
+        """The tensor's values, a view where it can be (of the mapped file, transposed): cast when copied."""
+        w = tensors[name]
         if raw:  # (packed values: as stored)
-            return tensors[name]
-        w = np.asarray(tensors[name], dtype=np.float32)
-        return np.ascontiguousarray(w.T) if transpose else w
+            return np.asarray(w)
+        if name in float8:  # its values times their blocks' scales
+            scale_name, (b0, b1) = float8[name]
+            scale = np.asarray(tensors[scale_name], np.float32)
+            w = np.asarray(w, np.float32) * np.repeat(np.repeat(scale, b0, 0), b1, 1)[:w.shape[0], :w.shape[1]]
+        return np.swapaxes(w, -1, -2) if transpose else w
+
+    def one(key: str, name: str, transpose: bool = False) -> None:
+        name = need(name)
+        weights.put(key, lambda: float32(read(name, transpose)))
+
+    def stack(key: str, names: list, transpose: bool = False, each=None) -> None:
+        """`key` stacked over layers from each layer's tensor (names[n]; a list of them: the experts of layer n),
+        read (transposed) and passed through `each` if given (LazyWeights.stack)."""
+        for group in names:
+            [need(n) for n in ([group] if isinstance(group, str) else group)]
+
+        def header(name):
+            shape = tensors[name].shape
+            return (*shape[:-2], shape[-1], shape[-2]) if transpose and len(shape) >= 2 else shape
+
+        weights.stack(key, names, lambda n: read(n, transpose), each, None if each else header)
 
     prefix = next((p for p in _PREFIXES if p + "embed_tokens.weight" in tensors), "model.")
     vision = [n for n in tensors if n.startswith(_VISION_PARTS)]
@@ -601,10 +584,11 @@ def load_weights(path: str, config: ModelConfig) -> dict[str, np.ndarray]:
                 rows = [config.weight_shapes()[p][-1] for p in parts]  # (each part's outputs)
                 if tensors[name].shape[0] != sum(rows):
                     raise InvalidConfig(f"model: tensor {name} has {tensors[name].shape[0]} rows, not {sum(rows)}")
-                for part, piece in zip(parts, np.split(np.asarray(tensors[name]), np.cumsum(rows)[:-1])):
-                    tensors[layer.format(i=i) + _LAYER[part][0]] = piece
+                for part, piece in zip(parts, np.split(tensors[name], np.cumsum(rows)[:-1])):
+                    tensors[layer.format(i=i) + _LAYER[part][0]] = piece  # (views of the mapped file)
                 used.add(name)
-    weights = {"embed": get(prefix + "embed_tokens.weight"), "final_norm": get(prefix + "norm.weight")}
+    one("embed", prefix + "embed_tokens.weight")
+    one("final_norm", prefix + "norm.weight")
     names = dict(_LAYER)
     # (the multi-token prediction layers a checkpoint keeps after its last layer: GLM-4.5's, DeepSeek-V3's
     # num_nextn_predict_layers; MiniMax-M2's num_mtp_modules, as vLLM drops them)
@@ -614,7 +598,9 @@ def load_weights(path: str, config: ModelConfig) -> dict[str, np.ndarray]:
         skipped = tuple(layer.format(i=config.num_layers + j) for j in range(mtp))
         used.update(n for n in tensors if n.startswith(skipped))
     if config.num_experts:  # the router [L, E, X] and each expert's matrices stacked [L, X, in, out]
-        first = layer.format(i=config.stacked_over("router")[0])  # (the first layer with experts)
+        moe_layers = config.stacked_over("router")
+        at = [layer.format(i=i) for i in moe_layers]  # (the layers with experts)
+        first = at[0]
         llama4 = first + _LLAMA4["router"] in tensors
         ffn = "feed_forward" if llama4 else "mlp"  # (where a shared expert sits)
         shared_at = ("shared_experts" if first + "mlp.shared_experts.gate_proj.weight" in tensors  # (GLM's, DeepSeek's)
@@ -632,30 +618,48 @@ def load_weights(path: str, config: ModelConfig) -> dict[str, np.ndarray]:
             names["router_choice_bias"] = (("block_sparse_moe.e_score_correction_bias"
                                             if first + "block_sparse_moe.e_score_correction_bias" in tensors
                                             else "mlp.gate.e_score_correction_bias"), False)
+        f = config.intermediate_size
         layout = next((a for a, moe in _MOE.items() if first + moe[0] in tensors), None)
-        if first + _GPT_OSS["router"] in tensors:
+        if first + _GPT_OSS["router"] in tensors:  # gpt-oss's (_GPT_OSS): float or MXFP4 matrices [X, in, out]
             layout = "gpt-oss"
-            weights.update(_gpt_oss_experts(get, tensors, layer, config))
-        elif llama4:
+
+            def matrix(a, name):  # (names: the MXFP4 blocks and scales, or the floats)
+                return (a + name + "_blocks", a + name + "_scales") if a + name + "_blocks" in tensors else a + name
+
+            for key, part, cut in (("experts_gate", "gate_up", slice(0, None, 2)), ("experts_up", "gate_up", slice(1, None, 2)),
+                                   ("experts_down", "down", slice(None))):
+                parts = [matrix(a, _GPT_OSS[part]) for a in at]
+                if isinstance(parts[0], str):
+                    stack(key, parts, each=lambda w, cut=cut: w[..., cut])
+                else:  # MXFP4: decoded a layer at a time
+                    for blocks, scales in parts:
+                        need(blocks), need(scales)
+                    weights.put(key, lambda parts=parts, cut=cut, key=key: filled(
+                        [lambda b=b, s=s: _mxfp4(read(b, raw=True), read(s, raw=True))[..., cut] for b, s in parts], key))
+                if part == "gate_up":
+                    stack(key + "_bias", [a + _GPT_OSS["gate_up"] + "_bias" for a in at], each=lambda w, cut=cut: w[..., cut])
+            stack("router", [a + _GPT_OSS["router"] for a in at], True)
+            stack("router_bias", [a + _GPT_OSS["router_bias"] for a in at])
+            stack("experts_down_bias", [a + _GPT_OSS["down"] + "_bias" for a in at])
+        elif llama4:  # Llama 4's (_LLAMA4)
             layout = "llama4"
-            weights.update(_llama4_experts(get, layer, config))
+            stack("router", [a + _LLAMA4["router"] for a in at], True)
+            stack("experts_gate", [a + _LLAMA4["gate_up"] for a in at], each=lambda w: w[..., :f])
+            stack("experts_up", [a + _LLAMA4["gate_up"] for a in at], each=lambda w: w[..., f:])
+            stack("experts_down", [a + _LLAMA4["down"] for a in at])
         elif layout is None:
             raise InvalidConfig(f"model: {path} has no router tensor (one of "
                                 f"{', '.join(first + moe[0] for moe in _MOE.values())})")
         router, expert, parts = _MOE.get(layout, (None, None, ()))
-        moe_layers = config.stacked_over("router")
         if router is not None:
-            weights["router"] = np.stack([get(layer.format(i=i) + router, True) for i in moe_layers])
+            stack("router", [a + router for a in at], True)
         for key, part in zip(("experts_gate", "experts_up", "experts_down"), parts):
             if layout == "granitemoe":  # every expert's at once, [X, out, in]; gate and up halves of one
-                stacked = [get(layer.format(i=i) + expert + part + ".weight") for i in moe_layers]
-                if key != "experts_down":
-                    half = slice(0, config.intermediate_size) if key == "experts_gate" else slice(config.intermediate_size, None)
-                    stacked = [w[:, half] for w in stacked]
-                weights[key] = np.ascontiguousarray(np.swapaxes(np.stack(stacked), -1, -2))
+                rows = {"experts_gate": slice(0, f), "experts_up": slice(f, None)}.get(key, slice(None))
+                stack(key, [a + expert + part + ".weight" for a in at],
+                      each=lambda w, rows=rows: np.swapaxes(w[:, rows], -1, -2))
                 continue
-            weights[key] = np.stack([np.stack([get(layer.format(i=i) + expert.format(j=j) + part + ".weight", True)
-                                               for j in range(config.num_experts)]) for i in moe_layers])
+            stack(key, [[a + expert.format(j=j) + part + ".weight" for j in range(config.num_experts)] for a in at], True)
     if config.mla:  # latent attention: its matrices in place of q/k/v; kv_b split into the up-projections
         del names["wk"], names["wv"]
         if config.q_lora_rank:
@@ -664,8 +668,9 @@ def load_weights(path: str, config: ModelConfig) -> dict[str, np.ndarray]:
                          wq_b=("self_attn.q_b_proj.weight", True))
         names.update(wkv_a=("self_attn.kv_a_proj_with_mqa.weight", True),
                      kv_a_norm=("self_attn.kv_a_layernorm.weight", False))
-        weights.update(_up_projections(config, [get(layer.format(i=i) + "self_attn.kv_b_proj.weight")
-                                                for i in range(config.num_layers)]))
+        kv_b = [need(layer.format(i=i) + "self_attn.kv_b_proj.weight") for i in range(config.num_layers)]
+        for key in ("w_uk", "w_uv"):  # (each from one read of kv_b_proj)
+            weights.put(key, lambda key=key: _up_projections(config, [read(n) for n in kv_b])[key])
     if config.attention_bias:
         names.update({k: (v, False) for k, v in _BIASES.items()})
     if config.out_bias:
@@ -679,14 +684,15 @@ def load_weights(path: str, config: ModelConfig) -> dict[str, np.ndarray]:
     if not config.pre_norms:  # (OLMo 2: its post_attention_layernorm is the attention output's, as Gemma's)
         del names["attn_norm"], names["mlp_norm"]
     for key, (name, transpose) in names.items():
-        weights[key] = np.stack([get(layer.format(i=i) + name, transpose) for i in config.stacked_over(key)])
+        stack(key, [layer.format(i=i) + name for i in config.stacked_over(key)], transpose)
     reorder_pairs(weights, config)
     if config.mla and settings.get("rope_interleave", True):  # (DeepSeek's RoPE pairs interleaved: transformers' default)
         _latent_rope_halves(weights, config)
     head = "language_model.lm_head.weight" if "language_model.lm_head.weight" in tensors else "lm_head.weight"
     if not config.tie_embeddings:
-        weights["lm_head"] = get(head, transpose=True)
+        one("lm_head", head, transpose=True)
     check_all_used(set(tensors) - used - {head} - set(vision), path)  # (a tied head may be stored too)
-    config.check_weight_shapes(weights, "model (config.json)")
+    missing = sorted(set(shapes) - set(weights))
+    if missing:  # (the config's weights this loader did not find a source for)
+        raise InvalidConfig(f"model (config.json): no tensors for {', '.join(missing)}")
     return weights
-

@@ -36,7 +36,7 @@ from jaxcb.model.mesh_axes import AXIS, KV_SPEC
 from jaxcb.model.paged_attention import ragged_attention, write_kv
 from jaxcb.model.quant import (EXPERTS, MATRICES, QuantRows, QuantWeight, StackedMatrix, dense, dequantize, embed_rows,
                                head_logits,
-                               native_stack, quantize_weights)
+                               native_stack, quantize_weight)
 from kernels_pallas import engine_ragged_attention
 
 
@@ -128,26 +128,27 @@ register_pytree(StepInput)
 register_pytree(WindowPages)
 
 
-def params_from_numpy(weights: dict[str, np.ndarray], dtype=jnp.float32, mode: str = "auto", group: int = 0) -> Params:
-    """Params on the default device from the loader's weights: float arrays in `dtype` (the compute
-    dtype), the matrices quantized first when `mode` is "int8" or "int4" (jaxcb.model.quant, `group`
-    input rows per scale; int8 scales in `dtype`, int4's float16), or, with the embedding, stored in
-    bfloat16 when `mode` is "bfloat16" (under a float32 compute dtype: the CPU's,
-    jaxcb.device.factory.compute_dtype). Weights that are already quantized (a converted checkpoint) stay
-    as they are."""
-    weights = quantize_weights(weights, mode, group)
+def params_from_numpy(weights: dict[str, np.ndarray], dtype=jnp.float32, mode: str = "auto", group: int = 0,
+                      place=None) -> Params:
+    """Params from the loader's weights: float arrays in `dtype` (the compute dtype), the matrices quantized first
+    when `mode` is "int8" or "int4" (jaxcb.model.quant, `group` input rows per scale; int8 scales in `dtype`, int4's
+    float16), or, with the embedding, stored in bfloat16 when `mode` is "bfloat16" (under a float32 compute dtype:
+    the CPU's, jaxcb.device.factory.compute_dtype). Weights that are already quantized (a converted checkpoint)
+    stay as they are. One weight at a time is read (a loader's are built as they are read,
+    jaxcb.model.lazy_weights), converted on the host and put on its devices by `place(name, value)` (default:
+    the default device; jaxcb.device.parallel.placement: its slices of a mesh) before the next is read."""
+    place = place or (lambda name, value: jax.device_put(value))
+
+    def cast(a, to):  # (a converted checkpoint's arrays are on a device already: cast there)
+        return jnp.asarray(a, dtype=to) if isinstance(a, jax.Array) else np.asarray(a, dtype=to)
 
     def as_array(name):
-        w = weights[name]
-        if isinstance(w, QuantRows):
-            return w.replace(q=jnp.asarray(w.q), scale=jnp.asarray(w.scale, dtype=dtype))
-        if isinstance(w, QuantWeight):
-            if w.bits == 4:
-                return w.replace(q=jnp.asarray(w.q), scale=jnp.asarray(w.scale), offset=jnp.asarray(w.offset))
-            return w.replace(q=jnp.asarray(w.q), scale=jnp.asarray(w.scale, dtype=dtype))
-        if mode == "bfloat16" and (name in MATRICES + EXPERTS or name == "embed"):
-            return jnp.asarray(w, dtype=jnp.bfloat16)
-        return jnp.asarray(w, dtype=dtype)
+        w = quantize_weight(name, weights[name], mode, group)
+        if isinstance(w, QuantRows) or (isinstance(w, QuantWeight) and w.bits == 8):
+            w = w.replace(scale=cast(w.scale, dtype))
+        elif not isinstance(w, QuantWeight):
+            w = cast(w, jnp.bfloat16 if mode == "bfloat16" and (name in MATRICES + EXPERTS or name == "embed") else dtype)
+        return place(name, w)
 
     layers = LayerParams(**{name: as_array(name) for name in LayerParams.__dataclass_fields__ if name in weights})
     lm_head = as_array("lm_head") if "lm_head" in weights else None

@@ -356,16 +356,28 @@ def quantize_weights(weights: dict[str, np.ndarray], mode: str, group: int = 0) 
     them unchanged. Already quantized entries (a converted checkpoint) stay as they are."""
     if check_mode(mode) not in ("int8", "int4"):
         return weights
-    out = dict(weights)
-    for name in MATRICES + EXPERTS:
-        if name in out and not is_quantized(out[name]):
-            w = out[name]
-            out[name] = quantize_int8(w, group, name) if mode == "int8" else quantize_int4(w, group or GROUP, name)
-    if not is_quantized(out["embed"]):
-        out["embed"] = quantize_rows(out["embed"])
-    if "lm_head" in out and not is_quantized(out["lm_head"]):
-        out["lm_head"] = quantize_int8(out["lm_head"], 0, "lm_head")
-    return out
+    return {name: quantize_weight(name, w, mode, group) for name, w in weights.items()}
+
+
+def quantize_weight(name: str, w, mode: str, group: int = 0):
+    """Weight `name` of the loader's layout as quantize_weights stores it in `mode`; a stack of layers quantized a
+    layer at a time (the float temporaries of one layer, not of the stack)."""
+    if check_mode(mode) not in ("int8", "int4") or is_quantized(w):
+        return w
+    if name == "embed":
+        return quantize_rows(w)
+    if name == "lm_head":
+        return quantize_int8(w, 0, "lm_head")
+    if name not in MATRICES + EXPERTS:
+        return w
+
+    def one(m):
+        return quantize_int8(m, group, name) if mode == "int8" else quantize_int4(m, group or GROUP, name)
+
+    if w.ndim < 3:
+        return one(w)
+    layers = [one(w[i]) for i in range(w.shape[0])]
+    return jax.tree.map(lambda *parts: np.stack(parts), *layers)
 
 
 def is_quantized(x) -> bool:

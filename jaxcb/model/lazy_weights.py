@@ -1,0 +1,97 @@
+"""The weights a loader found, each built from the file when it is read and not kept.
+
+A loader (jaxcb.model.hf_loader, jaxcb.model.gguf_loader) declares how each weight of the loader layout is made
+from the file (memory-mapped: nothing is read until then) and checks up front what it can without reading: that the
+tensors exist and are all used, and their shapes. Its reader, jaxcb.model.llama.params_from_numpy, builds one weight
+at a time, converts it (quantized, or cast) and places it on its devices before building the next: the host holds
+one weight in float32 beside the file's pages, not the whole model, and under tensor parallelism each device
+receives only its own slice.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, MutableMapping
+
+import numpy as np
+
+from jaxcb.host.errors import InvalidConfig
+
+
+class LazyWeights(MutableMapping):
+    """{name: array} of the loader layout whose arrays are built when read, checked against `shapes` (a
+    ModelConfig's weight_shapes(); `source` names the file in the error). Reading a weight twice builds it twice."""
+
+    def __init__(self, shapes: dict[str, tuple[int, ...]], source: str):
+        self._make: dict[str, Callable[[], np.ndarray]] = {}
+        self._shapes = shapes
+        self._source = source
+
+    def put(self, name: str, make: Callable[[], np.ndarray]) -> None:
+        """How `name` is built (a function of no arguments)."""
+        self._make[name] = make
+
+    def then(self, name: str, change: Callable[[np.ndarray], np.ndarray]) -> None:
+        """`change` applied to `name` as it is built, after what was declared before."""
+        make = self._make[name]
+        self._make[name] = lambda: change(make())
+
+    def stack(self, name: str, sources: list, read: Callable[[str], np.ndarray], each=None, shape_of=None) -> None:
+        """`name` stacked over layers, built a layer at a time into one float32 array: layer n from read(sources[n])
+        (a list of sources: the experts of layer n, stacked), passed through each(array) if given. `shape_of(source)`,
+        if given, is what read() will give for it, known from the file's header: checked against the config now."""
+        if shape_of is not None:
+            want = self._shapes.get(name, ())[1 + (not isinstance(sources[0], str)):]
+            for source in (s for group in sources for s in ([group] if isinstance(group, str) else group)):
+                if want and tuple(shape_of(source)) != want:
+                    raise InvalidConfig(f"{self._source}: tensor {source} ({name}) has shape {tuple(shape_of(source))}, "
+                                        f"expected {want}")
+
+        def layer(group):
+            w = read(group) if isinstance(group, str) else np.stack([read(s) for s in group])
+            return each(w) if each is not None else w
+
+        self.put(name, lambda: filled([lambda group=group: layer(group) for group in sources], name))
+
+    def __setitem__(self, name: str, value: np.ndarray) -> None:  # (an array made already)
+        self._make[name] = lambda: value
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        value = self._make[name]()
+        if name in self._shapes and tuple(value.shape) != self._shapes[name]:
+            raise InvalidConfig(f"{self._source}: tensor {name} has shape {tuple(value.shape)}, "
+                                f"expected {self._shapes[name]}")
+        return value
+
+    def __delitem__(self, name: str) -> None:
+        del self._make[name]
+
+    def __contains__(self, name) -> bool:  # (Mapping's would build the weight)
+        return name in self._make
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._make)
+
+    def __len__(self) -> int:
+        return len(self._make)
+
+
+def float32(value: np.ndarray) -> np.ndarray:
+    """A contiguous float32 copy of `value` (a view: of a mapped file, transposed), made in one pass."""
+    out = np.empty(value.shape, np.float32)
+    out[...] = value
+    return out
+
+
+def filled(makes: list, where: str) -> np.ndarray:
+    """One weight stacked over layers (float32), filled a layer at a time: makes[n]() gives layer n's array, a view
+    (of a mapped file, transposed) cast and copied into place in one pass (a released checkpoint's experts are most
+    of it: no second copy of the stack)."""
+    out = None
+    for n, make in enumerate(makes):
+        value = make()
+        if out is None:
+            out = np.empty((len(makes), *value.shape), np.float32)
+        elif value.shape != out.shape[1:]:
+            raise InvalidConfig(f"model: {where} of layer {n} has shape {value.shape}, layer 0's {out.shape[1:]}")
+        out[n] = value
+    return out
