@@ -270,8 +270,10 @@ def build_engines(model: str | None = None, config: EngineConfig | str | None = 
     if agree_plan is not None:
         plan = agree_plan(plan)
     engines = []
+    # (weights read here for one runner alone: it may free what it rewrites, e.g. the native matmul's blocked copies)
+    release = loaded is None and len(groups) == 1 and draft is None
     for i, devices in enumerate(groups):
-        runner, resolved = make_runner(model_config, params, config, plan=plan, devices=devices)
+        runner, resolved = make_runner(model_config, params, config, plan=plan, devices=devices, release_params=release)
         draft_runner = make_draft_runner(runner, *draft, resolved) if draft else None
         if wrap_runner is not None:
             runner = wrap_runner(runner, resolved)

@@ -326,3 +326,41 @@ def test_int4_weights_with_int8_activations_sum_as_the_reference_does(m, k, n, g
     np.testing.assert_allclose(np.asarray(dense(jnp.asarray(x), one.replace(act_block=block))), want, **tol)
     if m > 2:
         assert not np.asarray(got)[1].any()
+
+
+def test_an_engine_read_from_a_file_holds_its_blocked_weights_once(tmp_path, monkeypatch):
+    """Built from a model file for one runner, the native matmul's blocked stacks replace the stacks read: those are
+    freed as each is blocked, not held beside the blocked ones while the engine is built (the model once in memory,
+    not twice); weights the caller passes in (LLM.from_params) stay the caller's, readable."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxcb.model import quant
+
+    from jaxcb.host.engine_config import make_config
+    from jaxcb.host.request import SamplingParams
+    from jaxcb.llm import LLM, load_model
+    from tests.tiny_gguf import tiny_model_config, write_tiny_gguf
+
+    config = tiny_model_config(num_layers=3, intermediate_size=96)  # (stacks of a shape no other test makes)
+    path = str(tmp_path / "m.gguf")
+    write_tiny_gguf(path, config)
+    engine_config = make_config(num_pages=16, max_context=128, decode_batch=(1,), prefill_tokens=(32,),
+                                attention="native", compile="fast")
+
+    def unblocked():
+        return [a for a in jax.live_arrays() if a.shape == (3, 64, 96) and a.dtype == jnp.float32]
+
+    seen = []  # the unblocked stacks alive as each runner's blocking ends, inside the engine's build
+    blocked_layers = quant.blocked_layers
+    monkeypatch.setattr(quant, "blocked_layers", lambda *a, **k: (blocked_layers(*a, **k), seen.append(len(unblocked())))[0])
+    llm = LLM(path, config=engine_config)
+    assert llm.engine.runner.params.layers.w_up.ndim == 4  # (blocked)
+    assert seen == [0]
+    want = llm.generate([[5, 9, 14]], SamplingParams(max_tokens=4, ignore_eos=True))[0].token_ids
+    llm.close()
+    cfg, params, tok, eos = load_model(path)
+    llm = LLM.from_params(cfg, params, tok, config=engine_config, eos_ids=eos)
+    assert seen[1:] == [2] and np.isfinite(np.asarray(params.layers.w_up)).all()  # (w_gate's, w_up's: kept)
+    assert llm.generate([[5, 9, 14]], SamplingParams(max_tokens=4, ignore_eos=True))[0].token_ids == want
+    llm.close()

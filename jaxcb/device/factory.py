@@ -86,10 +86,12 @@ def served(model_config: ModelConfig, config, target: ModelConfig | None = None)
     return model_config
 
 
-def make_runner(model_config: ModelConfig, params: Params, config, dtype=None, plan=None, devices=None):
+def make_runner(model_config: ModelConfig, params: Params, config, dtype=None, plan=None, devices=None,
+                release_params: bool = False):
     """(ModelRunner, config with num_pages resolved): the memory plan (`plan`, if already made for
     these weights' dtype), then the KV pages. `devices`: where this runner lives (a data-parallel
-    replica's share); default the first `tensor_parallel` devices, or the default device."""
+    replica's share); default the first `tensor_parallel` devices, or the default device. `release_params`:
+    the caller hands the params over (ModelRunner: what it rewrites is freed, not kept twice)."""
     plan = plan or plan_memory(model_config, config, dtype or params.compute_dtype)
     model_config = served(model_config, config)
     if plan.num_pages != config.num_pages:
@@ -107,7 +109,8 @@ def make_runner(model_config: ModelConfig, params: Params, config, dtype=None, p
     runner = ModelRunner(model_config, params, config.num_pages, config.page_size, dtype, attention=config.attention,
                          max_seqs=config.buckets.max_batch, mesh=mesh, num_window_pages=plan.num_window_pages or None,
                          kv_dtype=None if config.kv_dtype == "auto" else config.kv_dtype, compile=config.compile,
-                         lora=(config.lora.targets, config.lora.max_loras, config.lora.max_rank) if config.lora.enabled else None)
+                         lora=(config.lora.targets, config.lora.max_loras, config.lora.max_rank) if config.lora.enabled else None,
+                         release_params=release_params)
     return runner, config
 
 

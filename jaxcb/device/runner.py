@@ -197,7 +197,7 @@ def _resolve_attention(choice: str, mesh, platform: str, kernel: str | None) -> 
 class ModelRunner(Runner):
     def __init__(self, config: ModelConfig, params: Params, num_pages: int, page_size: int, dtype=None,
                  attention: str = "auto", max_seqs: int = 256, mesh=None, num_window_pages: int | None = None,
-                 kv_dtype=None, compile: str = "optimized", lora=None):
+                 kv_dtype=None, compile: str = "optimized", lora=None, release_params: bool = False):
         if jax.default_backend() == "cpu":
             keep_freed_memory_on_cpu()
         self.mesh = mesh  # tensor parallelism (jaxcb.device.parallel); None = the default device
@@ -235,7 +235,7 @@ class ModelRunner(Runner):
         if self.attention.native_matmul:  # float32 stacks in the native matmul's blocks (kernels_cpu.block_stack)
             from jaxcb.model.quant import blocked_layers
 
-            params = blocked_layers(params)
+            params = blocked_layers(params, release=release_params)  # (the unblocked stacks freed: the caller's only)
         self.params = params
         # LoRA adapter slots (jaxcb.device.lora), `lora` = (targets, slots, max rank); None: no adapters
         self.lora = None

@@ -241,11 +241,12 @@ def native_stack(w) -> bool:
     return isinstance(w, jax.Array) and w.dtype == jnp.float32
 
 
-def blocked_layers(params):
+def blocked_layers(params, release: bool = False):
     """params with each float32 layer stack [L, K, N] blocked for the native matmul ([L, N / B, K, B],
     kernels_cpu.block_stack) where B divides N, each bfloat16 one in pair blocks ([L, N / B, K / 2, 2 B],
     kernels_cpu.pair_block) where also K is even (the others stay as they are), one stack at a time. A
-    step reads a blocked matrix natively or through XLA (dense)."""
+    step reads a blocked matrix natively or through XLA (dense). `release`: each stack's buffer is freed once
+    it is blocked (nobody else reads these params: the model is held once, not twice)."""
     import kernels_cpu
 
     b = kernels_cpu.block_columns()
@@ -259,6 +260,11 @@ def blocked_layers(params):
             layers = dataclasses.replace(layers, **{name: block(w)})
         elif w.dtype == jnp.bfloat16 and w.shape[1] % 2 == 0:
             layers = dataclasses.replace(layers, **{name: pairs(w)})
+        else:
+            continue
+        if release:
+            jax.block_until_ready(getattr(layers, name))
+            w.delete()
     return dataclasses.replace(params, layers=layers)
 
 
