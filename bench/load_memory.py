@@ -2,6 +2,7 @@
 devices (under --tensor-parallel N, host devices forced: each weight's slices).
 
     .venv/bin/python -m bench.load_memory --model PATH [--weights float32 bfloat16 int8] [--tensor-parallel 1]
+        [--by-layer-above BYTES]
 
 Reports per mode the seconds, the peak of the process's anonymous memory (RssAnon, sampled every 20 ms: the copies
 the loader makes; a memory-mapped file's pages are RssFile, which the kernel can drop), the weights' bytes as
@@ -21,7 +22,7 @@ from bench.common import machine
 
 _CHILD = r"""
 import json, os, sys, threading, time
-path, mode, tensor = sys.argv[1], sys.argv[2], int(sys.argv[3])
+path, mode, tensor, by_layer = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
 peak = {"RssAnon": 0, "RssFile": 0}
 def watch():
     while True:
@@ -35,6 +36,9 @@ threading.Thread(target=watch, daemon=True).start()
 import jax
 from jaxcb.device.factory import float_weights_dtype
 from jaxcb.llm import load_model
+if by_layer != "default":
+    from jaxcb.model import llama
+    llama.LAYERWISE_BYTES = int(by_layer)
 time.sleep(0.1)
 base = dict(peak)
 t0 = time.perf_counter()
@@ -63,15 +67,20 @@ def main():
     ap.add_argument("--model", default="default")
     ap.add_argument("--weights", nargs="+", default=["float32", "bfloat16", "int8"])
     ap.add_argument("--tensor-parallel", type=int, default=1)
+    ap.add_argument("--by-layer-above", default="default",
+                    help="build stacks larger than this many bytes (float32) a layer at a time (default: "
+                         "jaxcb.model.llama.LAYERWISE_BYTES, 256 MiB)")
     args = ap.parse_args()
     env = dict(os.environ)
     if args.tensor_parallel > 1:
         env["XLA_FLAGS"] = env.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={args.tensor_parallel}"
-    print(f"# {machine()}; model {args.model}; tensor parallel {args.tensor_parallel}")
+    print(f"# {machine()}; model {args.model}; tensor parallel {args.tensor_parallel}; stacks a layer at a time above "
+          f"{args.by_layer_above} bytes")
     print("| weights | load s | peak anonymous MiB | weights placed MiB | peak / placed | file pages MiB |")
     print("| --- | --- | --- | --- | --- | --- |")
     for mode in args.weights:
-        proc = subprocess.run([sys.executable, "-c", _CHILD, args.model, mode, str(args.tensor_parallel)],
+        proc = subprocess.run([sys.executable, "-c", _CHILD, args.model, mode, str(args.tensor_parallel),
+                               args.by_layer_above],
                               capture_output=True, text=True, env=env)
         if proc.returncode:
             print(f"| {mode} | failed: {proc.stderr.strip().splitlines()[-1]} |")

@@ -70,7 +70,7 @@ def load_model(path: str | None = None, dtype=None, check_config=None, weights: 
     `weights`: "int8" / "int4" quantize the matrices as they load (jaxcb.model.quant; `group` input
     rows per scale, 0 = the mode's default). `rope_scaling`: EngineConfig.rope_scaling's override of the
     model's RoPE scaling. `mesh`: where the weights go, each split over it as it is read (tensor parallelism,
-    jaxcb.device.parallel.placement; default: the default device)."""
+    jaxcb.device.parallel.Placement; default: the default device)."""
     from jaxcb.device.factory import default_dtype
     from jaxcb.host.tokenizer import Tokenizer
     from jaxcb.model import checkpoint, gguf_loader, hf_loader
@@ -87,9 +87,9 @@ def load_model(path: str | None = None, dtype=None, check_config=None, weights: 
         if checkpoint.is_checkpoint_dir(path):
             shardings = None
             if mesh is not None:
-                from jaxcb.device.parallel import placement_shardings
+                from jaxcb.device.parallel import Placement
 
-                shardings = placement_shardings(mesh, checkpoint.read_config(path)[0])
+                shardings = Placement(mesh, checkpoint.read_config(path)[0]).shardings
             config, loaded_weights = checkpoint.load(path, dtype, shardings)
             dtype = dtype or checkpoint.compute_dtype(loaded_weights)
         else:
@@ -103,9 +103,9 @@ def load_model(path: str | None = None, dtype=None, check_config=None, weights: 
     config = override(config, rope_scaling)
     place = None
     if mesh is not None:
-        from jaxcb.device.parallel import placement
+        from jaxcb.device.parallel import Placement
 
-        place = placement(mesh, config)
+        place = Placement(mesh, config)
     params = params_from_numpy(loaded_weights, dtype or default_dtype(), weights, group, place)
     eos = tokenizer.end_ids if tokenizer is not None else ()
     return config, params, tokenizer, eos

@@ -6,6 +6,7 @@ import json
 import os
 import shutil
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -186,13 +187,15 @@ def test_a_tensor_the_decoder_would_not_use_refuses_the_model(tmp_path, tiny_mod
             load_model(path, jnp.float32)
 
 
-@pytest.mark.parametrize("weights", ["float32", "int8"])
-def test_weights_are_read_one_at_a_time_and_checked_before_any_is_read(tmp_path, tiny_model, weights):
+@pytest.mark.parametrize("weights, by_layer", [("float32", False), ("int8", False), ("bfloat16", True), ("int4", True)])
+def test_weights_are_read_one_at_a_time_and_checked_before_any_is_read(tmp_path, tiny_model, weights, by_layer,
+                                                                       monkeypatch):
     """A checkpoint's weights are built from the mapped files one at a time, each converted and placed before the
     next is read: the host's numpy memory while loading (tracemalloc) rises above what it keeps by less than half the
     model in float32 (a 12-layer model whose largest weight is under a fifth of it; reading all of it first, as
     before, took more than the model), and the weights are those of the files; a
-    tensor of the wrong shape in the last layer is refused naming it before any weight is read."""
+    tensor of the wrong shape in the last layer is refused naming it before any weight is read. Built on the device a
+    layer at a time (`by_layer`, as stacks over llama.LAYERWISE_BYTES are), the same weights, and less memory still."""
     import tracemalloc
 
     from jaxcb.host.errors import InvalidConfig
@@ -205,17 +208,25 @@ def test_weights_are_read_one_at_a_time_and_checked_before_any_is_read(tmp_path,
     write_hf_dir(path, config, want, tiny_model[2])
     total = sum(w.size * 4 for w in want.values())
     assert max(w.size * 4 for w in want.values()) < total / 5
-    load_model(path, jnp.float32, weights=weights)  # (imports and first calls outside the measurement)
+    whole = load_model(path, jnp.float32, weights=weights)[1]  # (imports and first calls outside the measurement)
+    if by_layer:
+        from jaxcb.model import llama
+
+        monkeypatch.setattr(llama, "LAYERWISE_BYTES", 0)
+        load_model(path, jnp.float32, weights=weights)
     tracemalloc.start()
     try:
         got = load_model(path, jnp.float32, weights=weights)[1]
         kept, peak = tracemalloc.get_traced_memory()  # (kept: XLA:CPU may keep a numpy buffer as the device's)
     finally:
         tracemalloc.stop()
-    assert peak - kept < total / 2, (peak, kept, total)
+    assert peak - kept < total / (4 if by_layer else 2), (peak, kept, total)
     if weights == "float32":
         for name, w in params_to_weights(got).items():
             np.testing.assert_array_equal(np.asarray(w), want[name], err_msg=name)
+    for name, w in params_to_weights(whole).items():
+        for a, b in zip(jax.tree.leaves(w), jax.tree.leaves(params_to_weights(got)[name])):
+            assert a.dtype == b.dtype and a.shape == b.shape and np.array_equal(np.asarray(a), np.asarray(b)), name
     bad = dict(want, wk=want["wk"].copy())
     bad["wk"] = np.concatenate([want["wk"], want["wk"][:, :, :16]], axis=2)  # (every layer's, one more head)
     write_hf_dir(str(tmp_path / "bad"), dataclasses.replace(config), bad, tiny_model[2])

@@ -42,7 +42,8 @@ def test_meshes_give_the_single_device_tokens(tmp_path):
     attention: its one KV head copied onto each device) at TP 2; n-gram speculation at TP 2 x DP 2; and two LoRA adapters beside the base model at TP 2,
     TP 2 x DP 2 and TP 4 (KV heads, and the adapters' k/v columns, replicated); speculative decoding with a
     draft model split over the mesh at TP 2; engines built from the file at TP 2 (int4) and TP 4, their weights
-    placed on the mesh as they are read, and checkpoints read straight onto meshes of 2 and 4."""
+    placed on the mesh as they are read (every stack a layer at a time), and checkpoints read straight onto meshes
+    of 2 and 4 (a Hugging Face one whole or a layer at a time alike)."""
     proc = subprocess.run([sys.executable, "-m", "tests.tp_check", str(tmp_path)], capture_output=True, text=True,
                           timeout=1500, cwd=os.path.dirname(HERE))
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -74,6 +75,7 @@ def test_meshes_give_the_single_device_tokens(tmp_path):
     placed, converted = out.pop("placed"), out.pop("placed_converted")
     assert placed["count"] > 20 and placed["devices"] == [2] and placed["elsewhere"] == [], placed
     assert converted["copied"] and converted["devices"] == [4] and converted["elsewhere"] == [], converted
+    assert placed["by_layer_differ"] == [] and converted["by_layer_differ"] == []  # (built a layer at a time: the same)
     for name, run in out.items():
         weights = name.split("-")[-1] if name.endswith(("-int4", "-int8", "-lora")) else None
         reference = out[name[0] + "-tp1" + (f"-{weights}" if weights else "")]["tokens"]

@@ -86,8 +86,12 @@ def main(workdir: str) -> None:
                                  else SpeculativeConfig("draft", num_tokens=3, draft_layers=1, adaptive=False)
                                  if "draft" in name else SpeculativeConfig(),
                                  lora=LoraConfig(max_loras=2, max_rank=4) if "lora" in name else None)
-            if "direct" in name:
+            if "direct" in name:  # (every stack built on the mesh a layer at a time, as a large model's are)
+                from jaxcb.model import llama
+
+                llama.LAYERWISE_BYTES, before = 0, llama.LAYERWISE_BYTES
                 llm = LLM(path, config=config)
+                llama.LAYERWISE_BYTES = before
             else:
                 llm = LLM.from_params(cfg, params, tok, config=config, eos_ids=eos)
             adapters = ("",)
@@ -140,7 +144,8 @@ def main(workdir: str) -> None:
 def placed_where_read(path: str, tensor: int) -> dict:
     """load_model onto a mesh of `tensor` devices: how many devices each weight's arrays span as they come back
     (before any runner), and the weights not split as the tensor-parallel layout says (jaxcb.device.parallel:
-    param_spec; K and V whole on every device where the KV heads are to be replicated)."""
+    param_spec; K and V whole on every device where the KV heads are to be replicated); the weights that differ,
+    in values or split, when every stack is built on the mesh a layer at a time."""
     import jax
     from jax.sharding import NamedSharding
 
@@ -148,20 +153,28 @@ def placed_where_read(path: str, tensor: int) -> dict:
     from jaxcb.llm import load_model
     from jaxcb.model.llama import params_to_weights
 
+    from jaxcb.model import llama
+
     mesh = make_mesh(tensor)
     config, params = load_model(path, mesh=mesh)[:2]
     weights = params_to_weights(params)
+    llama.LAYERWISE_BYTES, before = 0, llama.LAYERWISE_BYTES  # (and every stack built on the mesh a layer at a time)
+    by_layer = params_to_weights(load_model(path, mesh=mesh)[1])
+    llama.LAYERWISE_BYTES = before
+    differ = [n for n, w in weights.items()
+              if not all(np.array_equal(np.asarray(a), np.asarray(b)) and a.sharding == b.sharding
+                         for a, b in zip(jax.tree.leaves(w), jax.tree.leaves(by_layer[n])))]
     if os.path.isdir(os.path.join(path, "params")):  # (a converted checkpoint: as orbax restores it, before any move)
-        from jaxcb.device.parallel import placement_shardings
+        from jaxcb.device.parallel import Placement
         from jaxcb.model import checkpoint
 
-        weights = checkpoint.load(path, None, placement_shardings(mesh, config))[1]
+        weights = checkpoint.load(path, None, Placement(mesh, config).shardings)[1]
     copied = kv_replication(config, tensor) > 1
 
     def expected(name):
         return replicated(mesh) if copied and name in ("wk", "wv", "bk", "bv") else NamedSharding(mesh, param_spec(name))
 
-    return {"count": len(weights), "copied": copied,
+    return {"count": len(weights), "copied": copied, "by_layer_differ": differ,
             "devices": sorted({len(a.sharding.device_set) for w in weights.values() for a in jax.tree.leaves(w)}),
             "elsewhere": [n for n, w in weights.items() if getattr(w, "q", w).sharding != expected(n)]}
 

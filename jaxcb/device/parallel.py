@@ -139,25 +139,25 @@ def place_weight(name: str, x, mesh: Mesh):
     return jax.tree.map(place, x, weight_shardings(name, x, mesh))
 
 
-def placement_shardings(mesh: Mesh, config: ModelConfig):
-    """shardings(name, value): where the loader puts each weight of `config` on the mesh (a pytree like `value`,
-    whose leaves may be jax.ShapeDtypeStruct): the layout above, but the K and V projections whole on every device
-    where the KV heads are to be replicated first (replicate_kv_heads, in the runner)."""
-    copied = kv_replication(config, mesh.devices.size) > 1
+class Placement:
+    """Where the loader puts each weight of `config` on the mesh as it is read (jaxcb.model.llama.params_from_numpy),
+    so that no device ever holds the whole model: the layout above, but the K and V projections whole on every
+    device where the KV heads are to be replicated first (replicate_kv_heads, in the runner)."""
 
-    def shardings(name, x):
-        if copied and name in ("wk", "wv", "bk", "bv"):
-            return jax.tree.map(lambda _: replicated(mesh), x)
-        return weight_shardings(name, x, mesh)
+    def __init__(self, mesh: Mesh, config: ModelConfig):
+        self.mesh = mesh
+        self.copied = kv_replication(config, mesh.devices.size) > 1
+        # (across processes each process makes its shards of a weight from its host copy of the whole: place)
+        self.layerwise = jax.process_count() == 1
 
-    return shardings
+    def shardings(self, name: str, x):
+        """Weight `name`'s shardings, a pytree like `x` (whose leaves may be jax.ShapeDtypeStruct)."""
+        if self.copied and name in ("wk", "wv", "bk", "bv"):
+            return jax.tree.map(lambda _: replicated(self.mesh), x)
+        return weight_shardings(name, x, self.mesh)
 
-
-def placement(mesh: Mesh, config: ModelConfig):
-    """place(name, value) for the loader (jaxcb.model.llama.params_from_numpy): each weight onto the mesh as it is
-    read (placement_shardings), so that no device ever holds the whole model."""
-    shardings = placement_shardings(mesh, config)
-    return lambda name, x: jax.tree.map(place, x, shardings(name, x))
+    def __call__(self, name: str, x):
+        return jax.tree.map(place, x, self.shardings(name, x))
 
 
 def shard_params(params, mesh: Mesh):

@@ -146,7 +146,7 @@ def read_config(path: str) -> tuple[ModelConfig, str]:
 
 def load(path: str, dtype=None, shardings=None):
     """(ModelConfig, weights dict of device arrays) from a converted checkpoint, restored onto the default device, or
-    each weight straight into its shardings(name, value) (jaxcb.device.parallel.placement_shardings)."""
+    each weight straight into its shardings(name, value) (jaxcb.device.parallel.Placement.shardings)."""
     import orbax.checkpoint as ocp
 
     config, stored = read_config(path)

@@ -491,8 +491,8 @@ def load_gguf(path: str, check_config=None) -> LoadedModel:
     from jaxcb.model.hf_loader import reorder_pairs  # (Llama 4's: its converter keeps the checkpoint's q/k order)
 
     reorder_pairs(weights, config)
-    if "shared_gate" in weights:  # one output column
-        weights.then("shared_gate", lambda w: w.reshape(-1, config.hidden_size, 1))
+    if "shared_gate" in weights:  # one output column (each layer's)
+        weights.then("shared_gate", lambda w: w.reshape(config.hidden_size, 1))
     blocks = int(_field(reader, f"{_field(reader, 'general.architecture')}.block_count", 0) or 0)
     skipped = tuple(f"blk.{i}." for i in range(config.num_layers, blocks))  # (multi-token prediction layers: not run)
     if skipped:

@@ -30,7 +30,7 @@ import numpy as np
 from jaxcb.host.errors import InvalidConfig
 from jaxcb.model import rope_scaling
 from jaxcb.model.config import ModelConfig, check_all_used
-from jaxcb.model.lazy_weights import LazyWeights, filled, float32
+from jaxcb.model.lazy_weights import LazyWeights, float32
 
 log = logging.getLogger("jaxcb.model.hf_loader")
 
@@ -634,8 +634,8 @@ def load_weights(path: str, config: ModelConfig) -> LazyWeights:
                 else:  # MXFP4: decoded a layer at a time
                     for blocks, scales in parts:
                         need(blocks), need(scales)
-                    weights.put(key, lambda parts=parts, cut=cut, key=key: filled(
-                        [lambda b=b, s=s: _mxfp4(read(b, raw=True), read(s, raw=True))[..., cut] for b, s in parts], key))
+                    weights.layered(key, [lambda b=b, s=s, cut=cut: _mxfp4(read(b, raw=True), read(s, raw=True))[..., cut]
+                                          for b, s in parts])
                 if part == "gate_up":
                     stack(key + "_bias", [a + _GPT_OSS["gate_up"] + "_bias" for a in at], each=lambda w, cut=cut: w[..., cut])
             stack("router", [a + _GPT_OSS["router"] for a in at], True)
@@ -670,7 +670,7 @@ def load_weights(path: str, config: ModelConfig) -> LazyWeights:
                      kv_a_norm=("self_attn.kv_a_layernorm.weight", False))
         kv_b = [need(layer.format(i=i) + "self_attn.kv_b_proj.weight") for i in range(config.num_layers)]
         for key in ("w_uk", "w_uv"):  # (each from one read of kv_b_proj)
-            weights.put(key, lambda key=key: _up_projections(config, [read(n) for n in kv_b])[key])
+            weights.layered(key, [lambda n=n, key=key: _up_projections(config, [read(n)])[key][0] for n in kv_b])
     if config.attention_bias:
         names.update({k: (v, False) for k, v in _BIASES.items()})
     if config.out_bias:

@@ -19,26 +19,38 @@ from jaxcb.host.errors import InvalidConfig
 
 class LazyWeights(MutableMapping):
     """{name: array} of the loader layout whose arrays are built when read, checked against `shapes` (a
-    ModelConfig's weight_shapes(); `source` names the file in the error). Reading a weight twice builds it twice."""
+    ModelConfig's weight_shapes(); `source` names the file in the error). Reading a weight twice builds it twice.
+    A weight stacked over layers is also readable a layer at a time (layers(name))."""
 
     def __init__(self, shapes: dict[str, tuple[int, ...]], source: str):
         self._make: dict[str, Callable[[], np.ndarray]] = {}
+        self._layers: dict[str, list[Callable[[], np.ndarray]]] = {}  # (a stacked weight's: each layer's)
         self._shapes = shapes
         self._source = source
 
     def put(self, name: str, make: Callable[[], np.ndarray]) -> None:
         """How `name` is built (a function of no arguments)."""
         self._make[name] = make
+        self._layers.pop(name, None)
+
+    def layered(self, name: str, makes: list[Callable[[], np.ndarray]]) -> None:
+        """`name` stacked over layers: makes[n]() gives layer n's array (a view where it can be, cast when copied)."""
+        self._layers[name] = makes
+        self._make[name] = lambda: filled(self.layers(name), name)
 
     def then(self, name: str, change: Callable[[np.ndarray], np.ndarray]) -> None:
-        """`change` applied to `name` as it is built, after what was declared before."""
-        make = self._make[name]
-        self._make[name] = lambda: change(make())
+        """`change` applied to `name` as it is built, after what was declared before: to each layer's array of a
+        stacked weight (a change that treats every leading axis alike), to the whole of any other."""
+        if name in self._layers:
+            self.layered(name, [lambda make=make: change(float32(make())) for make in self._layers[name]])
+        else:
+            make = self._make[name]
+            self._make[name] = lambda: change(make())
 
     def stack(self, name: str, sources: list, read: Callable[[str], np.ndarray], each=None, shape_of=None) -> None:
-        """`name` stacked over layers, built a layer at a time into one float32 array: layer n from read(sources[n])
-        (a list of sources: the experts of layer n, stacked), passed through each(array) if given. `shape_of(source)`,
-        if given, is what read() will give for it, known from the file's header: checked against the config now."""
+        """`name` stacked over layers: layer n from read(sources[n]) (a list of sources: the experts of layer n,
+        stacked), passed through each(array) if given. `shape_of(source)`, if given, is what read() will give for
+        it, known from the file's header: checked against the config now."""
         if shape_of is not None:
             want = self._shapes.get(name, ())[1 + (not isinstance(sources[0], str)):]
             for source in (s for group in sources for s in ([group] if isinstance(group, str) else group)):
@@ -50,10 +62,30 @@ class LazyWeights(MutableMapping):
             w = read(group) if isinstance(group, str) else np.stack([read(s) for s in group])
             return each(w) if each is not None else w
 
-        self.put(name, lambda: filled([lambda group=group: layer(group) for group in sources], name))
+        self.layered(name, [lambda group=group: layer(group) for group in sources])
+
+    def layers(self, name: str) -> list[Callable[[], np.ndarray]] | None:
+        """A stacked weight's layers, each built (checked against the config's shape) when called; None for a
+        weight that is not built a layer at a time."""
+        if name not in self._layers:
+            return None
+        want = self._shapes.get(name, (None,))[1:]
+
+        def checked(n, make):
+            value = make()
+            if want and tuple(value.shape) != want:
+                raise InvalidConfig(f"{self._source}: tensor {name} of layer {n} has shape {tuple(value.shape)}, "
+                                    f"expected {want}")
+            return value
+
+        return [lambda n=n, make=make: checked(n, make) for n, make in enumerate(self._layers[name])]
+
+    def shape(self, name: str) -> tuple[int, ...] | None:
+        """The shape the config gives `name` (nothing built)."""
+        return self._shapes.get(name)
 
     def __setitem__(self, name: str, value: np.ndarray) -> None:  # (an array made already)
-        self._make[name] = lambda: value
+        self.put(name, lambda: value)
 
     def __getitem__(self, name: str) -> np.ndarray:
         value = self._make[name]()
@@ -64,6 +96,7 @@ class LazyWeights(MutableMapping):
 
     def __delitem__(self, name: str) -> None:
         del self._make[name]
+        self._layers.pop(name, None)
 
     def __contains__(self, name) -> bool:  # (Mapping's would build the weight)
         return name in self._make

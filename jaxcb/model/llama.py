@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import flax.struct
 import jax
@@ -128,6 +129,27 @@ register_pytree(StepInput)
 register_pytree(WindowPages)
 
 
+# A stacked weight larger than this in float32 is built on its devices a layer at a time (_by_layer): the host
+# then holds one layer of it, not the stack (a 70B model's MLP stacks are 75 GB each in float32). Smaller ones are
+# built whole: a layer at a time compiles a program per weight (SmolLM2's load took 0.5-1 s longer that way;
+# bench/load_memory.py), and a 1B model's 0.9 GB stacks loaded 1.5-2.2x faster a layer at a time, in less memory.
+LAYERWISE_BYTES = 256 << 20
+
+
+class DefaultDevice:
+    """Where params_from_numpy puts the weights by default: the default device (jaxcb.device.parallel.Placement:
+    a mesh)."""
+
+    layerwise = True  # (_by_layer may build stacks in place here)
+
+    def __call__(self, name: str, value):
+        return jax.device_put(value)
+
+    def shardings(self, name: str, value):
+        device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        return jax.tree.map(lambda _: device, value)
+
+
 def params_from_numpy(weights: dict[str, np.ndarray], dtype=jnp.float32, mode: str = "auto", group: int = 0,
                       place=None) -> Params:
     """Params from the loader's weights: float arrays in `dtype` (the compute dtype), the matrices quantized first
@@ -135,24 +157,54 @@ def params_from_numpy(weights: dict[str, np.ndarray], dtype=jnp.float32, mode: s
     float16), or, with the embedding, stored in bfloat16 when `mode` is "bfloat16" (under a float32 compute dtype:
     the CPU's, jaxcb.device.factory.compute_dtype). Weights that are already quantized (a converted checkpoint)
     stay as they are. One weight at a time is read (a loader's are built as they are read,
-    jaxcb.model.lazy_weights), converted on the host and put on its devices by `place(name, value)` (default:
-    the default device; jaxcb.device.parallel.placement: its slices of a mesh) before the next is read."""
-    place = place or (lambda name, value: jax.device_put(value))
+    jaxcb.model.lazy_weights), converted on the host and put on its devices by `place` (default: DefaultDevice;
+    jaxcb.device.parallel.Placement: its slices of a mesh) before the next is read; a stack over
+    LAYERWISE_BYTES a layer at a time (_by_layer)."""
+    place = place or DefaultDevice()
 
     def cast(a, to):  # (a converted checkpoint's arrays are on a device already: cast there)
         return jnp.asarray(a, dtype=to) if isinstance(a, jax.Array) else np.asarray(a, dtype=to)
 
-    def as_array(name):
-        w = quantize_weight(name, weights[name], mode, group)
+    def converted(name, w):
+        w = quantize_weight(name, w, mode, group)
         if isinstance(w, QuantRows) or (isinstance(w, QuantWeight) and w.bits == 8):
-            w = w.replace(scale=cast(w.scale, dtype))
-        elif not isinstance(w, QuantWeight):
-            w = cast(w, jnp.bfloat16 if mode == "bfloat16" and (name in MATRICES + EXPERTS or name == "embed") else dtype)
-        return place(name, w)
+            return w.replace(scale=cast(w.scale, dtype))
+        if isinstance(w, QuantWeight):
+            return w
+        return cast(w, jnp.bfloat16 if mode == "bfloat16" and (name in MATRICES + EXPERTS or name == "embed") else dtype)
+
+    def as_array(name):
+        layers = weights.layers(name) if hasattr(weights, "layers") else None
+        shape = weights.shape(name) if layers is not None else None
+        if layers and shape and 4 * math.prod(shape) > LAYERWISE_BYTES and getattr(place, "layerwise", False):
+            return _by_layer(name, layers, lambda w: converted(name, w), place)
+        return place(name, converted(name, weights[name]))
 
     layers = LayerParams(**{name: as_array(name) for name in LayerParams.__dataclass_fields__ if name in weights})
     lm_head = as_array("lm_head") if "lm_head" in weights else None
     return Params(embed=as_array("embed"), final_norm=as_array("final_norm"), lm_head=lm_head, layers=layers)
+
+
+def _by_layer(name: str, makes: list, convert, place):
+    """Weight `name` stacked over layers, built on its devices a layer at a time: the stack allocated there in its
+    final sharding (place.shardings), each layer (makes[n]()) converted on the host, put on the devices in the stack's
+    split less its layer axis, and written into the stack in place (donated): the host holds one layer, the
+    devices the stack and one layer."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    first = convert(makes[0]())
+    stacked = jax.tree.map(lambda a: jax.ShapeDtypeStruct((len(makes), *a.shape), a.dtype), first)
+    whole = place.shardings(name, stacked)
+    per_layer = jax.tree.map(lambda s: NamedSharding(s.mesh, P(*s.spec[1:])) if isinstance(s, NamedSharding) else s,
+                             whole)
+    stack = jax.tree.map(lambda a, s: jnp.zeros(a.shape, a.dtype, device=s), stacked, whole)
+    write = jax.jit(lambda into, layer, n: jax.tree.map(lambda x, y: jax.lax.dynamic_update_index_in_dim(x, y, n, 0),
+                                                       into, layer), donate_argnums=0, out_shardings=whole)
+    for n, make in enumerate(makes):
+        stack = write(stack, jax.device_put(first if n == 0 else convert(make()), per_layer), n)
+        first = None
+    return stack
 
 
 def params_to_weights(params: Params) -> dict[str, jax.Array]:
