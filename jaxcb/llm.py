@@ -133,10 +133,10 @@ def draft_model_config(spec, target):
     return first
 
 
-def load_draft(spec, target_config, target_params, dtype=None):
-    """(ModelConfig, Params) of speculative decoding's draft model: speculative.draft_model's weights, or
-    the target's own (shared, no copy, when the draft keeps every layer in the target's format), cut to
-    the first draft_layers layers and stored as draft_weights says."""
+def load_draft(spec, target_config, target_params, dtype=None, mesh=None):
+    """(ModelConfig, Params) of speculative decoding's draft model: speculative.draft_model's weights (read onto
+    `mesh`, the target's, if given), or the target's own (shared, no copy, when the draft keeps every layer in the
+    target's format), cut to the first draft_layers layers and stored as draft_weights says."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -152,7 +152,7 @@ def load_draft(spec, target_config, target_params, dtype=None):
 
         dtype = float_weights_dtype(mode)
     if spec.draft_model:
-        params = load_model(spec.draft_model, dtype or target_params.compute_dtype, weights=mode)[1]
+        params = load_model(spec.draft_model, dtype or target_params.compute_dtype, weights=mode, mesh=mesh)[1]
     elif mode == "auto" or (mode in ("float32", "bfloat16") and not is_quantized(target_params.layers.wq)
                             and target_params.layers.wq.dtype == jnp.dtype(mode)):  # stored as the draft would be
         params = target_params
@@ -255,7 +255,7 @@ def build_engines(model: str | None = None, config: EngineConfig | str | None = 
         model, compute_dtype(config, dtype),
         check_config=lambda c: plans.append(plan_memory(c, config, dtype, draft=draft_of(c))),
         weights=config.weights, group=config.weight_group, rope_scaling=config.rope_scaling, mesh=mesh)
-    draft = load_draft(spec, model_config, params, compute_dtype(config, dtype)) if drafting else None
+    draft = load_draft(spec, model_config, params, compute_dtype(config, dtype), mesh) if drafting else None
     if config.chat_template:  # the server's template in place of the model file's
         if tokenizer is None:
             raise InvalidConfig("model.chat_template: this model has no tokenizer to write a chat with")

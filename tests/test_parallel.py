@@ -68,8 +68,8 @@ def test_meshes_give_the_single_device_tokens(tmp_path):
     assert out["a-tp2-lora"]["lora_b_wq_shards"] == [[2, 8, 32]] * 2
     assert out["a-tp1-lora"]["tokens"] != out["a-tp1"]["tokens"]  # the adapters change the tokens
     # A draft model (the target's first layer) split over the target's mesh: wq [1, in, out] by columns.
-    assert out["a-tp2-draft"]["draft_wq_shards"] == [[1, 64, 32]] * 2
-    assert out["a-tp2-draft"]["speculative_accepted"] > 0
+    for name in ("a-tp2-draft", "a-tp2-direct-draft"):  # (the target's first layer; a draft model's, read onto the mesh)
+        assert out[name]["draft_wq_shards"] == [[1, 64, 32]] * 2 and out[name]["speculative_accepted"] > 0, name
     # Read straight onto the mesh: every weight of the tiny DeepSeek-V3 (a Hugging Face checkpoint) at TP 2, and of
     # model a converted to int8 (orbax) at TP 4 (its K and V whole on each device), in its split as load_model returns it.
     placed, converted = out.pop("placed"), out.pop("placed_converted")

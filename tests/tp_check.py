@@ -26,7 +26,7 @@ RUNS = [
     ("a", "tp1-lora", 1, 1, "xla", "auto"), ("a", "tp2-lora", 2, 1, "xla", "auto"),
     ("a", "tp2-dp2-lora", 2, 2, "xla", "auto"), ("a", "tp4-lora", 4, 1, "xla", "auto"),
     ("a", "tp2-draft", 2, 1, "xla", "auto"), ("a", "tp2-direct-int4", 2, 1, "xla", "int4"),
-    ("a", "tp4-direct", 4, 1, "xla", "auto"),
+    ("a", "tp4-direct", 4, 1, "xla", "auto"), ("a", "tp2-direct-draft", 2, 1, "xla", "auto"),
     ("m", "tp1", 1, 1, "xla", "auto"), ("m", "tp2", 2, 1, "xla", "auto"),
     ("m", "tp1-int8", 1, 1, "xla", "int8"), ("m", "tp2-int8", 2, 1, "xla", "int8"),
     ("o", "tp1", 1, 1, "xla", "auto"), ("o", "tp2", 2, 1, "xla", "auto"),
@@ -34,7 +34,8 @@ RUNS = [
     ("d", "tp1", 1, 1, "xla", "auto"), ("d", "tp2", 2, 1, "xla", "auto"),
 ]
 # A "direct" run builds its engine from the file (LLM(path)): the weights are placed on the mesh as they are read
-# (K and V whole on every device where the KV heads are replicated, at TP 4), not loaded onto one device first.
+# (K and V whole on every device where the KV heads are replicated, at TP 4), not loaded onto one device first;
+# "direct-draft" reads a draft model (the same file's first layer) onto the mesh so too.
 # A "lora" run serves two LoRA adapters (all projections) beside the base model, rows of all three mixed
 # (at TP 4 over model a's 2 KV heads the adapters' k/v columns are replicated with the heads). A "draft"
 # run speculates with a draft model (the target's first layer), split over the mesh as the target is.
@@ -83,7 +84,8 @@ def main(workdir: str) -> None:
                                  kv_dtype="int8" if weights == "int8" else "auto",  # int8 runs: int8 KV too
                                  compile="fast",  # tiny models: server_util.compile_mode
                                  speculative=SpeculativeConfig("ngram", adaptive=False) if "spec" in name
-                                 else SpeculativeConfig("draft", num_tokens=3, draft_layers=1, adaptive=False)
+                                 else SpeculativeConfig("draft", num_tokens=3, draft_layers=1, adaptive=False,
+                                                        draft_model=path if "direct" in name else "")
                                  if "draft" in name else SpeculativeConfig(),
                                  lora=LoraConfig(max_loras=2, max_rank=4) if "lora" in name else None)
             if "direct" in name:  # (every stack built on the mesh a layer at a time, as a large model's are)
