@@ -1065,6 +1065,46 @@ def test_a_draft_of_a_model_with_dense_layers_among_the_experts_keeps_their_kind
     assert outs["draft"] == outs["off"]
 
 
+@pytest.mark.parametrize("family, log_multiplier", [("deepseek-v3", 0.1), ("deepseek-v2", 0.0707), ("deepseek-v3-q", None)])
+def test_a_deepseek2_gguf_gives_transformers_logits(tmp_path, family, log_multiplier):
+    """DeepSeek-V3 and V2 as llama.cpp's converter writes them (deepseek2): latent attention's matrices (queries
+    through q_lora_rank or attn_q, kv_b split into attn_k_b [H, C, N] and attn_v_b [H, V, C] for the absorbed form,
+    the rotated parts in the checkpoint's interleaved pairs), key_length / value_length / key_length_mla /
+    value_length_mla, YaRN with yarn_log_multiplier (0.1 x mscale_all_dim) in the softmax's scale, leading dense
+    layers, shared experts, the router (V3's sigmoid with groups and correction biases, V2's softmax with groups by
+    their best): the Hugging Face loader's config and weights exactly and transformers' logits. An older file's
+    attn_kv_b (the checkpoint's kv_b_proj) reads the same."""
+    from jaxcb.model.gguf_loader import load_gguf
+    from tests.tiny_gguf import write_tiny_gguf
+
+    yarn = {} if log_multiplier is None else dict(
+        rope_scaling=("yarn", 4.0), extra_uint32={"deepseek2.rope.scaling.original_context_length": 64},
+        extra_float32={"deepseek2.rope.scaling.yarn_log_multiplier": log_multiplier})
+    config, weights, got = as_gguf(tmp_path, family, "deepseek2", **yarn)
+    fields = ("num_experts", "experts_per_token", "intermediate_size", "family", "moe_layers", "dense_size",
+              "shared_expert_size", "shared_expert_gated", "router_sigmoid", "router_choice_bias", "expert_groups",
+              "expert_groups_used", "routed_scale", "norm_topk", "rotary_dim", "qk_norm", "kv_lora_rank", "q_lora_rank",
+              "qk_nope_dim", "v_head_dim", "head_dim", "num_kv_heads", "rope_freq_factors", "rope_attention_factor",
+              "max_context")
+    assert_same_fields(got.config, config, fields)
+    assert got.config.query_scale == pytest.approx(config.query_scale, rel=1e-6)
+    assert sorted(got.weights) == sorted(weights)
+    for key, w in weights.items():
+        np.testing.assert_array_equal(got.weights[key], w, err_msg=key)
+    assert_references_logits(got.config, got.weights, family)
+    if family != "deepseek-v3":
+        return
+    old = str(tmp_path / "kv_b.gguf")  # (kv_b_proj whole: attn_kv_b [H * (N + V), C], each head's key rows, then values)
+    h, n, v = config.num_heads, config.qk_nope_dim, config.v_head_dim
+    kv_b = {f"blk.{i}.attn_kv_b.weight": np.concatenate([weights["w_uk"][i], weights["w_uv"][i].swapaxes(-1, -2)],
+                                                         axis=1).reshape(h * (n + v), -1)
+            for i in range(config.num_layers)}
+    write_tiny_gguf(old, config, arch="deepseek2", weights=weights, extra_tensors=kv_b, latent_split=False, **yarn)
+    older = load_gguf(old)
+    for key in ("w_uk", "w_uv"):
+        np.testing.assert_array_equal(older.weights[key], weights[key], err_msg=key)
+
+
 @pytest.mark.parametrize("family", ["glm4moe", "llama4-maverick"])
 def test_a_gguf_with_dense_layers_among_the_experts_gives_transformers_logits(tmp_path, family):
     """GLM-4.5 and Llama 4 Maverick as llama.cpp's converter writes them ("glm4moe": leading_dense_block_count, the

@@ -56,12 +56,14 @@ def write_tiny_gguf(path: str, config: ModelConfig | None = None, seed: int = 0,
                     rope_scaling: tuple[str, float] | None = None, extra_uint32: dict | None = None,
                     extra_float32: dict | None = None,
                     extra_tensors: dict | None = None, weights: dict | None = None,
-                    block_count: int | None = None) -> dict[str, np.ndarray]:
+                    block_count: int | None = None, latent_split: bool = True) -> dict[str, np.ndarray]:
     """Write a GGUF file; returns the weights in the project's layout (what loading must give back,
     exactly for f32, up to quantization error otherwise). `rope_freqs`: llama.cpp's per-frequency RoPE
     factors tensor (Llama 3.1+); `rope_scaling`: (rope.scaling.type, rope.scaling.factor); `weights`: these
     (the loaders' layout) instead of random ones; `block_count`: the file's, where it counts more blocks than the
-    model's layers (GLM's multi-token prediction one). Arch "phi3" fuses Q/K/V and gate/up as its converter does."""
+    model's layers (GLM's multi-token prediction one). Arch "phi3" fuses Q/K/V and gate/up as its converter does;
+    latent attention's kv_b goes as attn_k_b and attn_v_b, or not at all (`latent_split` False: an older file's
+    attn_kv_b, given in `extra_tensors`)."""
     config = config or tiny_model_config()
     w = weights if weights is not None else random_weights(config, seed)
     tokens, merges, types = tiny_vocab()
@@ -79,15 +81,15 @@ def write_tiny_gguf(path: str, config: ModelConfig | None = None, seed: int = 0,
     if config.num_experts:  # (Mixtral: arch llama; Qwen3-MoE's own keys name the experts' width too)
         writer.add_uint32(f"{arch}.expert_count", config.num_experts)
         writer.add_uint32(f"{arch}.expert_used_count", config.experts_per_token)
-        if arch in ("qwen3moe", "qwen2moe", "gpt-oss", "llama4", "glm4moe"):
+        if arch in ("qwen3moe", "qwen2moe", "gpt-oss", "llama4", "glm4moe", "deepseek2"):
             writer.add_uint32(f"{arch}.expert_feed_forward_length", config.intermediate_size)
         first = config.moe_layers.index(True) if config.mixed_mlp else 0  # (the first layer with experts)
         if arch == "llama4":  # (Maverick's: every second layer)
             writer.add_uint32(f"{arch}.interleave_moe_layer_step", first + 1)
-        elif arch == "glm4moe":  # the first layers dense; DeepSeek-V3's router; shared experts as wide as one
-            writer.add_uint32(f"{arch}.leading_dense_block_count", first)
+        elif arch in ("glm4moe", "deepseek2"):  # the first layers dense; DeepSeek-V3's router (V2's: softmax); shared
+            writer.add_uint32(f"{arch}.leading_dense_block_count", first)  # experts as wide as one each
             writer.add_uint32(f"{arch}.expert_shared_count", config.shared_expert_size // config.intermediate_size)
-            writer.add_uint32(f"{arch}.expert_gating_func", 2)
+            writer.add_uint32(f"{arch}.expert_gating_func", 2 if config.router_sigmoid else 1)
             writer.add_float32(f"{arch}.expert_weights_scale", config.routed_scale)
             writer.add_bool(f"{arch}.expert_weights_norm", config.norm_topk)
             if config.expert_groups > 1:
@@ -95,6 +97,14 @@ def write_tiny_gguf(path: str, config: ModelConfig | None = None, seed: int = 0,
                 writer.add_uint32(f"{arch}.expert_group_used_count", config.expert_groups_used)
         elif config.shared_expert_size:
             writer.add_uint32(f"{arch}.expert_shared_feed_forward_length", config.shared_expert_size)
+    if config.mla:  # latent attention as llama.cpp's converter writes it (one KV head of rope + latent)
+        writer.add_uint32(f"{arch}.attention.key_length", config.head_dim)
+        writer.add_uint32(f"{arch}.attention.value_length", config.kv_lora_rank)
+        writer.add_uint32(f"{arch}.attention.key_length_mla", config.qk_nope_dim + config.rotary_dim)
+        writer.add_uint32(f"{arch}.attention.value_length_mla", config.v_head_dim)
+        writer.add_uint32(f"{arch}.attention.kv_lora_rank", config.kv_lora_rank)
+        if config.q_lora_rank:
+            writer.add_uint32(f"{arch}.attention.q_lora_rank", config.q_lora_rank)
     for key, value in (extra_uint32 or {}).items():  # more metadata (what the loader must refuse)
         writer.add_uint32(key, value)
     for key, value in (extra_float32 or {}).items():
@@ -168,6 +178,14 @@ def write_tiny_gguf(path: str, config: ModelConfig | None = None, seed: int = 0,
         names.update(mlp_norm="post_attention_norm", sinks="attn_sinks", router_bias="ffn_gate_inp.bias",
                      experts_gate_bias="ffn_gate_exps.bias", experts_up_bias="ffn_up_exps.bias",
                      experts_down_bias="ffn_down_exps.bias")
+    if config.mla:  # its matrices for q/k/v; kv_b as attn_k_b [H, C, N] and attn_v_b [H, V, C] (transposed below)
+        del names["wk"], names["wv"]
+        if config.q_lora_rank:
+            del names["wq"]
+            names.update(wq_a="attn_q_a", q_a_norm="attn_q_a_norm", wq_b="attn_q_b")
+        names.update(wkv_a="attn_kv_a_mqa", kv_a_norm="attn_kv_a_norm")
+        if latent_split:
+            names.update(w_uk="attn_k_b", w_uv="attn_v_b")
     if arch == "phi3":  # fused: attn_qkv = [q; k; v] rows, ffn_up = [gate; up] rows
         for i in range(config.num_layers):
             put(f"blk.{i}.attn_qkv.weight", np.concatenate([w["wq"][i].T, w["wk"][i].T, w["wv"][i].T]), True)
@@ -179,6 +197,12 @@ def write_tiny_gguf(path: str, config: ModelConfig | None = None, seed: int = 0,
             if i not in stacked[key]:
                 continue
             a = w[key][stacked[key].index(i)]
+            r = config.rotary_dim
+            if config.mla and key in ("wq", "wq_b", "wkv_a"):  # the rotated parts back to interleaved pairs, as stored
+                back = np.argsort(np.concatenate([np.arange(0, r, 2), np.arange(1, r, 2)]))
+                a = a.reshape(a.shape[0], -1, a.shape[-1] // (config.num_heads if key != "wkv_a" else 1)).copy()
+                a[..., -r:] = a[..., -r:][..., back]
+                a = a.reshape(a.shape[0], -1)
             linear = a.ndim >= 2 and not gname.endswith(".bias")
             if linear:
                 a = np.swapaxes(a, -1, -2)  # to [out, in] (each expert's)

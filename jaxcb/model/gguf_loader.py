@@ -1,6 +1,6 @@
 """Read a GGUF file of the Llama (and Mixtral: llama with experts), Qwen2, Qwen2-MoE, Qwen3, Qwen3-MoE, SmolLM3, Granite,
-Granite MoE, Phi-3, Gemma 1-3, OLMo 2, OLMoE, gpt-oss, Llama 4 (Scout, Maverick), GLM-4.5 (glm4moe), or Qwen2.5-VL's and
-Qwen3-VL's language models: config,
+Granite MoE, Phi-3, Gemma 1-3, OLMo 2, OLMoE, gpt-oss, Llama 4 (Scout, Maverick), GLM-4.5 (glm4moe), DeepSeek-V2/V3
+(deepseek2: latent attention), or Qwen2.5-VL's and Qwen3-VL's language models: config,
 dequantized weights (gpt-oss's MXFP4 experts too) and tokenizer metadata.
 
 The `gguf` library parses the file and dequantizes every tensor type it knows. Weights come back
@@ -11,7 +11,9 @@ model can run its layers under `jax.lax.scan`.
 llama.cpp's converter permutes the rows of the Q and K projections so that its interleaved
 ("GPT-J") rotary form reproduces the Hugging Face "rotate_half" form. We undo that permutation and
 use rotate_half, which the parity test against transformers confirms. (Qwen, Phi-3 and Gemma files are not
-permuted: llama.cpp runs them with the rotate-half ("NeoX") form itself.)
+permuted: llama.cpp runs them with the rotate-half ("NeoX") form itself. deepseek2 files keep the checkpoint's
+interleaved pairs in latent attention's rotated parts, which llama.cpp rotates as they are: reordered at load, as
+the Hugging Face loader reorders them.)
 
 Gemma files store every norm weight plus one (llama.cpp's norms multiply by w, Gemma's by 1 + w): the
 loader subtracts it again, so the weights mean what the Hugging Face checkpoints' mean.
@@ -20,6 +22,7 @@ loader subtracts it again, so the weights mean what the Hugging Face checkpoints
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 
 import numpy as np
@@ -32,8 +35,9 @@ from jaxcb.model.gguf_file import GGUFFile
 from jaxcb.model.lazy_weights import LazyWeights, float32
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen2moe", "qwen3", "qwen3moe", "gemma", "gemma2", "gemma3", "smollm3", "granite",
-                           "granitemoe", "phi3", "olmo2", "olmoe", "qwen2vl", "qwen3vl", "gpt-oss", "llama4", "glm4moe")
-MOE_ARCHITECTURES = ("llama", "qwen2moe", "qwen3moe", "granitemoe", "olmoe", "gpt-oss", "llama4", "glm4moe")  # a mixture of experts (Mixtral: "llama" + experts)
+                           "granitemoe", "phi3", "olmo2", "olmoe", "qwen2vl", "qwen3vl", "gpt-oss", "llama4", "glm4moe",
+                           "deepseek2")
+MOE_ARCHITECTURES = ("llama", "qwen2moe", "qwen3moe", "granitemoe", "olmoe", "gpt-oss", "llama4", "glm4moe", "deepseek2")  # a mixture of experts (Mixtral: "llama" + experts)
 
 # Project name -> (GGUF name pattern, transpose to [in, out]).
 _LAYER_TENSORS = {
@@ -67,6 +71,13 @@ _EXTRA_TENSORS = {
                 "router_bias": "blk.{i}.ffn_gate_inp.bias", "experts_gate_bias": "blk.{i}.ffn_gate_exps.bias",
                 "experts_up_bias": "blk.{i}.ffn_up_exps.bias", "experts_down_bias": "blk.{i}.ffn_down_exps.bias"},
 }
+# Latent attention (deepseek2: DeepSeek-V2/V3): its matrices in place of q/k/v (q through q_lora_rank where attn_q_a is
+# there), kv_b split as llama.cpp's converter writes it for the absorbed form: attn_k_b [H, C, N], attn_v_b [H, V, C]
+# (older files: attn_kv_b as the checkpoint's kv_b_proj).
+_LATENT_TENSORS = {"wkv_a": ("blk.{i}.attn_kv_a_mqa.weight", True), "kv_a_norm": ("blk.{i}.attn_kv_a_norm.weight", False),
+                   "w_uk": ("blk.{i}.attn_k_b.weight", True), "w_uv": ("blk.{i}.attn_v_b.weight", True)}
+_Q_LORA_TENSORS = {"wq_a": ("blk.{i}.attn_q_a.weight", True), "q_a_norm": ("blk.{i}.attn_q_a_norm.weight", False),
+                   "wq_b": ("blk.{i}.attn_q_b.weight", True)}
 WEIGHT_NAMES = ("embed", "final_norm", "lm_head", *_LAYER_TENSORS, "q_norm", "k_norm", "post_attn_norm",
                 "post_mlp_norm")
 
@@ -140,7 +151,7 @@ def read_config(reader) -> ModelConfig:
         shared = int(_field(reader, f"{arch}.expert_shared_feed_forward_length", 0) or 0)
         if arch == "llama4":  # (its shared expert as wide as the others, always run, ungated)
             shared = int(need("expert_feed_forward_length"))
-        elif arch == "glm4moe":  # (its shared experts: one MLP as wide as they are together, always run, ungated)
+        elif arch in ("glm4moe", "deepseek2"):  # (shared experts: one MLP as wide as they are together, always run)
             shared = int(need("expert_feed_forward_length")) * int(_field(reader, f"{arch}.expert_shared_count", 0) or 0)
             family.update(shared_expert_gated=False, **_sigmoid_router(reader, arch, experts))
         elif shared and arch != "qwen2moe" or _field(reader, f"{arch}.expert_shared_count"):  # (Granite MoE Shared's)
@@ -153,11 +164,14 @@ def read_config(reader) -> ModelConfig:
         family.update(num_experts=experts, experts_per_token=used, shared_expert_size=shared,
                       norm_topk=family.get("norm_topk", arch not in ("qwen2moe", "olmoe")))
     value_dim = int(_field(reader, f"{arch}.attention.value_length", head_dim))
-    if value_dim != head_dim:
+    if arch == "deepseek2":  # latent attention: key_length is the cached width (rope + latent), values the latent
+        family.update(_latent_attention(reader, arch, head_dim))
+    elif value_dim != head_dim:
         raise InvalidConfig(f"{arch}.attention.value_length: {value_dim} differs from key_length {head_dim} "
                             "(not supported)")
     rotary_dim = int(_field(reader, f"{arch}.rope.dimension_count", head_dim))
-    if rotary_dim != head_dim and arch not in ("phi3", "glm4moe"):  # (their rotate-half form rotates the first ones)
+    if rotary_dim != head_dim and arch not in ("phi3", "glm4moe", "deepseek2"):  # (the first ones rotated; deepseek2:
+        # the keys' own part)
         raise InvalidConfig(f"{arch}.rope.dimension_count: {rotary_dim} of {head_dim} dimensions rotated "
                             "(partial RoPE is supported for phi3 and glm4moe only)")
     names = set(reader.tensors)
@@ -174,7 +188,7 @@ def read_config(reader) -> ModelConfig:
     family.update(_rope_scaling(reader, arch, head_dim, rotary_dim, theta, context, truncate=arch != "gpt-oss"))
     context = family.pop("max_context", context)
     ffn = int(_field(reader, f"{arch}.expert_feed_forward_length", 0) or need("feed_forward_length"))
-    if experts and arch in ("llama4", "glm4moe"):  # dense layers among the experts': llama.cpp's rules for them
+    if experts and arch in ("llama4", "glm4moe", "deepseek2"):  # dense layers among the experts': llama.cpp's rules
         step = int(_field(reader, f"{arch}.interleave_moe_layer_step", 1) or 1)
         first = int(_field(reader, f"{arch}.leading_dense_block_count", 0) or 0)
         flags = [i >= first and (i + 1) % step == 0 for i in range(layers)]
@@ -213,6 +227,8 @@ def read_config(reader) -> ModelConfig:
         family.update(family=arch, attn_sinks=True, expert_bias=True, activation="swiglu_oai", swiglu_alpha=1.702,
                       swiglu_limit=7.0, sliding_window=window, sliding_layers=sliding, rope_scaled_sliding=True,
                       local_rope_theta=local if local != theta else 0.0)
+    elif arch == "deepseek2":  # (the router decides V3 (sigmoid) from V2 (softmax); RoPE on interleaved pairs, read as
+        family.update(family="deepseek_v3" if family.get("router_sigmoid") else "deepseek_v2")  # rotate-half at load)
     elif arch == "glm4moe":  # (partial RoPE in the rotate-half form; q/k norms where the file has them)
         family.update(family=arch, qk_norm="blk.0.attn_q_norm.weight" in names,
                       **({"rotary_dim": rotary_dim} if rotary_dim != head_dim else {}))
@@ -264,20 +280,47 @@ _GATING = {0: "none", 1: "softmax", 2: "sigmoid", 3: "softmax_weight"}
 
 
 def _sigmoid_router(reader, arch: str, experts: int) -> dict:
-    """DeepSeek-V3's router as llama.cpp's GGUF keys give it (GLM-4.5): sigmoid gating, the chosen experts' weights
-    renormalized where expert_weights_norm says, times expert_weights_scale, groups where the file names them."""
+    """DeepSeek-V3's router as llama.cpp's GGUF keys give it (GLM-4.5, deepseek2): sigmoid gating with a correction
+    bias, the chosen experts' weights renormalized where expert_weights_norm says, times expert_weights_scale, groups
+    where the file names them; deepseek2's softmax gating (DeepSeek-V2's) without the bias."""
     gating = int(_field(reader, f"{arch}.expert_gating_func", 2) or 2)
-    if gating != 2:
+    allowed = (1, 2) if arch == "deepseek2" else (2,)
+    if gating not in allowed:
         raise InvalidConfig(f"{arch}.expert_gating_func: {gating} ({_GATING.get(gating, '?')}) is not supported for "
-                            f"{arch} (2: sigmoid)")
+                            f"{arch} ({' or '.join(f'{g}: {_GATING[g]}' for g in allowed)})")
     groups = int(_field(reader, f"{arch}.expert_group_count", 1) or 1)
     used = int(_field(reader, f"{arch}.expert_group_used_count", groups) or groups)
     if experts % groups or not 1 <= used <= groups:
         raise InvalidConfig(f"{arch}.expert_group_count / expert_group_used_count: {groups} / {used} for {experts} "
                             "experts (equal groups, 1 to all of them used)")
-    return {"router_sigmoid": True, "expert_groups": groups, "expert_groups_used": used,
-            "router_choice_bias": True, "routed_scale": float(_field(reader, f"{arch}.expert_weights_scale", 1.0)),
+    return {"router_sigmoid": gating == 2, "expert_groups": groups, "expert_groups_used": used,
+            "router_choice_bias": gating == 2, "routed_scale": float(_field(reader, f"{arch}.expert_weights_scale", 1.0)),
             "norm_topk": bool(_field(reader, f"{arch}.expert_weights_norm", False))}
+
+
+def _latent_attention(reader, arch: str, head_dim: int) -> dict:
+    """deepseek2's latent attention fields (ModelConfig.kv_lora_rank) as its converter writes them: key_length the
+    cached width (rope + latent), key_length_mla / value_length_mla a head's query-key and value widths; the softmax's
+    scale (qk_nope + qk_rope)^-0.5 times YaRN's mscale squared, mscale = 1 + yarn_log_multiplier x ln(factor)
+    (llama.cpp's, whose yarn_log_multiplier is 0.1 x mscale_all_dim)."""
+    def need(key):
+        value = _field(reader, f"{arch}.{key}")
+        if value is None:
+            raise InvalidConfig(f"model file: missing metadata {arch}.{key}")
+        return int(value)
+
+    latent, rope = need("attention.kv_lora_rank"), need("rope.dimension_count")
+    qk, values = need("attention.key_length_mla"), need("attention.value_length_mla")
+    if head_dim != rope + latent or qk <= rope:
+        raise InvalidConfig(f"{arch}.attention.key_length: {head_dim}, not rope.dimension_count {rope} + kv_lora_rank "
+                            f"{latent}, or key_length_mla {qk} not past it")
+    scale = qk ** -0.5
+    factor = float(_field(reader, f"{arch}.rope.scaling.factor", 1.0) or 1.0)
+    if _field(reader, f"{arch}.rope.scaling.type") == "yarn" and factor > 1:
+        mscale = 1.0 + float(_field(reader, f"{arch}.rope.scaling.yarn_log_multiplier", 0.0) or 0.0) * math.log(factor)
+        scale *= mscale * mscale
+    return {"kv_lora_rank": latent, "q_lora_rank": int(_field(reader, f"{arch}.attention.q_lora_rank", 0) or 0),
+            "qk_nope_dim": qk - rope, "v_head_dim": values, "rotary_dim": rope, "query_scale": scale}
 
 
 def _strings(reader, key) -> list[str]:
@@ -356,8 +399,9 @@ def _rope_scaling(reader, arch: str, head_dim: int, rotary_dim: int, theta: floa
     factor = _field(reader, f"{arch}.rope.scaling.factor")
     out = {}
     if kind == "yarn":
-        for knob, plain in (("yarn_ext_factor", 1.0), ("yarn_attn_factor", 1.0), ("yarn_log_multiplier", 0.0),
-                            ("attn_factor", 1.0)):
+        # (deepseek2's yarn_log_multiplier scales the softmax, not cos and sin: _latent_attention)
+        knobs = (("yarn_ext_factor", 1.0), ("yarn_attn_factor", 1.0), ("attn_factor", 1.0))
+        for knob, plain in knobs + ((("yarn_log_multiplier", 0.0),) if arch != "deepseek2" else ()):
             value = _field(reader, f"{arch}.rope.scaling.{knob}")
             if value is not None and float(value) != plain:
                 raise InvalidConfig(f"{arch}.rope.scaling.{knob}: {value} is not supported with YaRN (only {plain})")
@@ -365,6 +409,8 @@ def _rope_scaling(reader, arch: str, head_dim: int, rotary_dim: int, theta: floa
                    "original_max_position_embeddings": _field(reader, f"{arch}.rope.scaling.original_context_length"),
                    "beta_fast": _field(reader, f"{arch}.rope.scaling.yarn_beta_fast"),
                    "beta_slow": _field(reader, f"{arch}.rope.scaling.yarn_beta_slow"), "truncate": truncate}
+        if arch == "deepseek2":  # (llama.cpp cancels YaRN's factor on cos and sin for it: transformers' mscale ratio
+            scaling["attention_factor"] = 1.0  # of its checkpoints, whose mscale and mscale_all_dim are equal)
         return rope_scaling.from_dict(scaling, theta, rotary_dim, context, where=f"{arch}.rope.scaling")
     if kind not in (None, "none", "linear"):
         raise InvalidConfig(f"{arch}.rope.scaling.type: {kind!r} is not supported (linear, yarn and Llama 3's "
@@ -457,6 +503,19 @@ def load_gguf(path: str, check_config=None) -> LoadedModel:
         table["bo"] = ("blk.{i}.attn_output.bias", False)
     if not config.pre_norms:  # (OLMo 2)
         del table["attn_norm"], table["mlp_norm"]
+    if config.mla:  # latent attention's matrices in place of q/k/v
+        from jaxcb.model.hf_loader import _up_projections
+
+        del table["wk"], table["wv"]
+        table.update(_LATENT_TENSORS)
+        if config.q_lora_rank:
+            del table["wq"]
+            table.update(_Q_LORA_TENSORS)
+        if "blk.0.attn_k_b.weight" not in tensors and "blk.0.attn_kv_b.weight" in tensors:  # (an older file's kv_b)
+            kv_b = [f"blk.{i}.attn_kv_b.weight" for i in range(config.num_layers)]
+            for key in ("w_uk", "w_uv"):
+                del table[key]
+                stack(key, kv_b, False, each=lambda w, key=key: _up_projections(config, [w])[key][0])
     for pattern, parts in _FUSED_TENSORS.items():  # (Phi-3) fused projections: each part's rows, as [in, out]
         if pattern.format(i=0) not in tensors or _LAYER_TENSORS[parts[0]][0].format(i=0) in tensors:
             continue  # (not fused: ffn_up is the up projection alone where an ffn_gate is beside it)
@@ -491,6 +550,10 @@ def load_gguf(path: str, check_config=None) -> LoadedModel:
     from jaxcb.model.hf_loader import reorder_pairs  # (Llama 4's: its converter keeps the checkpoint's q/k order)
 
     reorder_pairs(weights, config)
+    if config.mla:  # (llama.cpp rotates deepseek2's pairs as the checkpoint holds them, interleaved)
+        from jaxcb.model.hf_loader import _latent_rope_halves
+
+        _latent_rope_halves(weights, config)
     if "shared_gate" in weights:  # one output column (each layer's)
         weights.then("shared_gate", lambda w: w.reshape(config.hidden_size, 1))
     blocks = int(_field(reader, f"{_field(reader, 'general.architecture')}.block_count", 0) or 0)
