@@ -1105,6 +1105,21 @@ def test_a_deepseek2_gguf_gives_transformers_logits(tmp_path, family, log_multip
         np.testing.assert_array_equal(older.weights[key], weights[key], err_msg=key)
 
 
+def test_a_minimax_m2_gguf_gives_transformers_logits(tmp_path):
+    """MiniMax-M2 as llama.cpp's converter writes it (minimax-m2): q and k normed over all their heads (attn_q_norm,
+    attn_k_norm), the first rope.dimension_count of each head rotated, the sigmoid gating with exp_probs_b, the chosen
+    experts' weights renormalized (llama.cpp's rule for it, without a key): the Hugging Face loader's config and
+    weights exactly and transformers' logits."""
+    config, weights, got = as_gguf(tmp_path, "minimax-m2", "minimax-m2")
+    fields = ("num_experts", "experts_per_token", "intermediate_size", "family", "router_sigmoid", "router_choice_bias",
+              "expert_groups", "routed_scale", "norm_topk", "rotary_dim", "head_dim", "qk_norm", "qk_norm_whole")
+    assert_same_fields(got.config, config, fields)
+    assert sorted(got.weights) == sorted(weights)
+    for key, w in weights.items():
+        np.testing.assert_array_equal(got.weights[key], w, err_msg=key)
+    assert_references_logits(got.config, got.weights, "minimax-m2")
+
+
 @pytest.mark.parametrize("family", ["glm4moe", "llama4-maverick"])
 def test_a_gguf_with_dense_layers_among_the_experts_gives_transformers_logits(tmp_path, family):
     """GLM-4.5 and Llama 4 Maverick as llama.cpp's converter writes them ("glm4moe": leading_dense_block_count, the

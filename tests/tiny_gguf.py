@@ -81,7 +81,7 @@ def write_tiny_gguf(path: str, config: ModelConfig | None = None, seed: int = 0,
     if config.num_experts:  # (Mixtral: arch llama; Qwen3-MoE's own keys name the experts' width too)
         writer.add_uint32(f"{arch}.expert_count", config.num_experts)
         writer.add_uint32(f"{arch}.expert_used_count", config.experts_per_token)
-        if arch in ("qwen3moe", "qwen2moe", "gpt-oss", "llama4", "glm4moe", "deepseek2"):
+        if arch in ("qwen3moe", "qwen2moe", "gpt-oss", "llama4", "glm4moe", "deepseek2", "minimax-m2"):
             writer.add_uint32(f"{arch}.expert_feed_forward_length", config.intermediate_size)
         first = config.moe_layers.index(True) if config.mixed_mlp else 0  # (the first layer with experts)
         if arch == "llama4":  # (Maverick's: every second layer)
@@ -95,6 +95,8 @@ def write_tiny_gguf(path: str, config: ModelConfig | None = None, seed: int = 0,
             if config.expert_groups > 1:
                 writer.add_uint32(f"{arch}.expert_group_count", config.expert_groups)
                 writer.add_uint32(f"{arch}.expert_group_used_count", config.expert_groups_used)
+        elif arch == "minimax-m2":  # (its converter names the sigmoid gating; llama.cpp renormalizes for it)
+            writer.add_uint32(f"{arch}.expert_gating_func", 2)
         elif config.shared_expert_size:
             writer.add_uint32(f"{arch}.expert_shared_feed_forward_length", config.shared_expert_size)
     if config.mla:  # latent attention as llama.cpp's converter writes it (one KV head of rope + latent)

@@ -1,6 +1,6 @@
 """Read a GGUF file of the Llama (and Mixtral: llama with experts), Qwen2, Qwen2-MoE, Qwen3, Qwen3-MoE, SmolLM3, Granite,
 Granite MoE, Phi-3, Gemma 1-3, OLMo 2, OLMoE, gpt-oss, Llama 4 (Scout, Maverick), GLM-4.5 (glm4moe), DeepSeek-V2/V3
-(deepseek2: latent attention), or Qwen2.5-VL's and Qwen3-VL's language models: config,
+(deepseek2: latent attention), MiniMax-M2, or Qwen2.5-VL's and Qwen3-VL's language models: config,
 dequantized weights (gpt-oss's MXFP4 experts too) and tokenizer metadata.
 
 The `gguf` library parses the file and dequantizes every tensor type it knows. Weights come back
@@ -36,8 +36,9 @@ from jaxcb.model.lazy_weights import LazyWeights, float32
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen2moe", "qwen3", "qwen3moe", "gemma", "gemma2", "gemma3", "smollm3", "granite",
                            "granitemoe", "phi3", "olmo2", "olmoe", "qwen2vl", "qwen3vl", "gpt-oss", "llama4", "glm4moe",
-                           "deepseek2")
-MOE_ARCHITECTURES = ("llama", "qwen2moe", "qwen3moe", "granitemoe", "olmoe", "gpt-oss", "llama4", "glm4moe", "deepseek2")  # a mixture of experts (Mixtral: "llama" + experts)
+                           "deepseek2", "minimax-m2")
+MOE_ARCHITECTURES = ("llama", "qwen2moe", "qwen3moe", "granitemoe", "olmoe", "gpt-oss", "llama4", "glm4moe", "deepseek2",
+                     "minimax-m2")  # a mixture of experts (Mixtral: "llama" + experts)
 
 # Project name -> (GGUF name pattern, transpose to [in, out]).
 _LAYER_TENSORS = {
@@ -62,6 +63,7 @@ _EXTRA_TENSORS = {
     "gemma2": {"post_attn_norm": "blk.{i}.post_attention_norm.weight", "post_mlp_norm": "blk.{i}.post_ffw_norm.weight"},
     "olmoe": {"q_norm": "blk.{i}.attn_q_norm.weight", "k_norm": "blk.{i}.attn_k_norm.weight"},
     "glm4moe": {"q_norm": "blk.{i}.attn_q_norm.weight", "k_norm": "blk.{i}.attn_k_norm.weight"},
+    "minimax_m2": {"q_norm": "blk.{i}.attn_q_norm.weight", "k_norm": "blk.{i}.attn_k_norm.weight"},
     "olmo2": {"q_norm": "blk.{i}.attn_q_norm.weight", "k_norm": "blk.{i}.attn_k_norm.weight",
               "post_attn_norm": "blk.{i}.post_attention_norm.weight", "post_mlp_norm": "blk.{i}.post_ffw_norm.weight"},
     "gemma3": {"q_norm": "blk.{i}.attn_q_norm.weight", "k_norm": "blk.{i}.attn_k_norm.weight",
@@ -154,6 +156,8 @@ def read_config(reader) -> ModelConfig:
         elif arch in ("glm4moe", "deepseek2"):  # (shared experts: one MLP as wide as they are together, always run)
             shared = int(need("expert_feed_forward_length")) * int(_field(reader, f"{arch}.expert_shared_count", 0) or 0)
             family.update(shared_expert_gated=False, **_sigmoid_router(reader, arch, experts))
+        elif arch == "minimax-m2":  # (DeepSeek-V3's router; llama.cpp renormalizes the chosen ones' weights for it)
+            family.update(_sigmoid_router(reader, arch, experts), norm_topk=True)
         elif shared and arch != "qwen2moe" or _field(reader, f"{arch}.expert_shared_count"):  # (Granite MoE Shared's)
             raise InvalidConfig(f"{arch}.expert_shared_feed_forward_length: {shared}: shared experts are supported "
                                 "for qwen2moe only (its one, gated)")
@@ -170,8 +174,8 @@ def read_config(reader) -> ModelConfig:
         raise InvalidConfig(f"{arch}.attention.value_length: {value_dim} differs from key_length {head_dim} "
                             "(not supported)")
     rotary_dim = int(_field(reader, f"{arch}.rope.dimension_count", head_dim))
-    if rotary_dim != head_dim and arch not in ("phi3", "glm4moe", "deepseek2"):  # (the first ones rotated; deepseek2:
-        # the keys' own part)
+    if rotary_dim != head_dim and arch not in ("phi3", "glm4moe", "deepseek2", "minimax-m2"):  # (the first ones
+        # rotated; deepseek2: the keys' own part)
         raise InvalidConfig(f"{arch}.rope.dimension_count: {rotary_dim} of {head_dim} dimensions rotated "
                             "(partial RoPE is supported for phi3 and glm4moe only)")
     names = set(reader.tensors)
@@ -229,6 +233,9 @@ def read_config(reader) -> ModelConfig:
                       local_rope_theta=local if local != theta else 0.0)
     elif arch == "deepseek2":  # (the router decides V3 (sigmoid) from V2 (softmax); RoPE on interleaved pairs, read as
         family.update(family="deepseek_v3" if family.get("router_sigmoid") else "deepseek_v2")  # rotate-half at load)
+    elif arch == "minimax-m2":  # q and k RMS-normed over all their heads; partial RoPE in the rotate-half form
+        family.update(family="minimax_m2", qk_norm=True, qk_norm_whole=True,
+                      **({"rotary_dim": rotary_dim} if rotary_dim != head_dim else {}))
     elif arch == "glm4moe":  # (partial RoPE in the rotate-half form; q/k norms where the file has them)
         family.update(family=arch, qk_norm="blk.0.attn_q_norm.weight" in names,
                       **({"rotary_dim": rotary_dim} if rotary_dim != head_dim else {}))
