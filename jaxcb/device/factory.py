@@ -7,7 +7,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxcb.device.runner import PALLAS_KERNEL, ModelRunner
+from jaxcb.device.runner import ModelRunner, runs_pallas
 from jaxcb.model.config import ModelConfig
 from jaxcb.model.llama import Params
 
@@ -80,8 +80,7 @@ def served(model_config: ModelConfig, config, target: ModelConfig | None = None)
     draft's by its `target`'s), and where attention runs the Pallas kernels, their head width
     (ModelConfig.for_kernels: latent attention's padded to a power of two)."""
     model_config = model_config.at_context(config.max_context_for(target or model_config))
-    # (resolve_attention's rule for the Pallas kernels, without building the CPU's native ones to tell)
-    if config.attention == "pallas" or (config.attention == "auto" and jax.default_backend() in PALLAS_KERNEL):
+    if runs_pallas(config.attention):
         model_config = model_config.for_kernels()
     return model_config
 

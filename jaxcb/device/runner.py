@@ -161,6 +161,12 @@ def keep_freed_memory_on_cpu() -> bool:
 PALLAS_KERNEL = {"tpu": "tpu", "gpu": "gpu", "cuda": "gpu", "rocm": "gpu"}  # platform -> Attention.kernel
 
 
+def runs_pallas(choice: str, platform: str | None = None) -> bool:
+    """Whether the engine config's `attention` runs the Pallas kernels on `platform` (default: this one): told
+    without building the CPU's native kernels, as resolve_attention decides it."""
+    return choice == "pallas" or (choice == "auto" and (platform or jax.default_backend()) in PALLAS_KERNEL)
+
+
 def resolve_attention(choice: str, mesh=None) -> Attention:
     """The engine config's `attention` for this platform.
 
@@ -189,7 +195,7 @@ def _resolve_attention(choice: str, mesh, platform: str, kernel: str | None) -> 
         return Attention("xla", mesh=mesh)
     if choice == "xla":
         return Attention("xla", mesh=mesh)
-    if choice in ("pallas", "auto"):
+    if runs_pallas(choice, platform):
         return Attention(kernel or "gpu", interpret=kernel is None, mesh=mesh)
     raise InvalidConfig(f"attention: {choice!r} is not one of 'xla', 'native', 'pallas', 'auto'")
 
