@@ -169,3 +169,31 @@ def test_processes_that_would_not_run_one_engine_refuse_to_start(tiny_gguf_path,
         assert "would not run one engine" in out and "process 1 weights" in out, out
     finally:
         cluster.stop()
+
+
+def test_two_processes_read_a_checkpoint_onto_their_shards_a_layer_at_a_time():
+    """Across two processes (two devices each) every stack of the tiny DeepSeek-V3 is built on the mesh a layer at a
+    time, each process making its own shards from its host's read (tests/multihost_load_check.py): every shard each
+    process holds is its slice of the weight as read whole."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    coordinator = f"127.0.0.1:{free_port()}"
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    procs = [subprocess.Popen([sys.executable, "-m", "tests.multihost_load_check", coordinator, str(i)], cwd=root,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in (0, 1)]
+    try:
+        outs = [p.communicate(timeout=300) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    results = []
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-3000:]
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    assert sorted(r["process"] for r in results) == [0, 1]
+    for r in results:
+        assert r["devices"] == 4 and r["weights"] > 20 and r["local_shards"] == 2 * r["weights"], r
+        assert r["differ"] == [] and {"wq_b", "experts_gate", "w_uk"} <= set(r["by_layer"]), r

@@ -144,11 +144,11 @@ class Placement:
     so that no device ever holds the whole model: the layout above, but the K and V projections whole on every
     device where the KV heads are to be replicated first (replicate_kv_heads, in the runner)."""
 
+    layerwise = True  # (llama._by_layer may build stacks in place here; across processes too: put)
+
     def __init__(self, mesh: Mesh, config: ModelConfig):
         self.mesh = mesh
         self.copied = kv_replication(config, mesh.devices.size) > 1
-        # (across processes each process makes its shards of a weight from its host copy of the whole: place)
-        self.layerwise = jax.process_count() == 1
 
     def shardings(self, name: str, x):
         """Weight `name`'s shardings, a pytree like `x` (whose leaves may be jax.ShapeDtypeStruct)."""
@@ -157,7 +157,11 @@ class Placement:
         return weight_shardings(name, x, self.mesh)
 
     def __call__(self, name: str, x):
-        return jax.tree.map(place, x, self.shardings(name, x))
+        return self.put(x, self.shardings(name, x))
+
+    def put(self, x, shardings):
+        """A host value (a pytree) onto its shardings; across processes each makes its own shards (place)."""
+        return jax.tree.map(place, x, shardings)
 
 
 def shard_params(params, mesh: Mesh):

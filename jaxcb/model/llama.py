@@ -149,6 +149,10 @@ class DefaultDevice:
         device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
         return jax.tree.map(lambda _: device, value)
 
+    def put(self, value, shardings):
+        """A host value (a pytree) onto its shardings."""
+        return jax.device_put(value, shardings)
+
 
 def params_from_numpy(weights: dict[str, np.ndarray], dtype=jnp.float32, mode: str = "auto", group: int = 0,
                       place=None) -> Params:
@@ -202,7 +206,7 @@ def _by_layer(name: str, makes: list, convert, place):
     write = jax.jit(lambda into, layer, n: jax.tree.map(lambda x, y: jax.lax.dynamic_update_index_in_dim(x, y, n, 0),
                                                        into, layer), donate_argnums=0, out_shardings=whole)
     for n, make in enumerate(makes):
-        stack = write(stack, jax.device_put(first if n == 0 else convert(make()), per_layer), n)
+        stack = write(stack, place.put(first if n == 0 else convert(make()), per_layer), n)
         first = None
     return stack
 
