@@ -240,3 +240,30 @@ def test_weights_are_read_one_at_a_time_and_checked_before_any_is_read(tmp_path,
     finally:
         hf_loader.float32 = original
     assert read == []
+
+
+def test_the_shards_index_names_the_files_read(tmp_path, tiny_model):
+    """With model.safetensors.index.json the files it names are read, as transformers reads them: a Mistral release's
+    consolidated.safetensors (its own layout) beside the shards is left alone, where without the index its tensors
+    would refuse the model; an index naming a file that is not there is refused naming it."""
+    from jaxcb.host.errors import InvalidConfig
+
+    config = tiny_model_config()
+    want = random_weights(config, seed=6)
+    path = str(tmp_path / "hf")
+    write_hf_dir(path, config, want, tiny_model[2])
+    save_file({"layers.0.attention.wq.weight": np.ascontiguousarray(want["wq"][0].T)},
+              os.path.join(path, "consolidated.safetensors"))
+    with pytest.raises(InvalidConfig, match=r"does not use \(1: layers.0.attention.wq.weight\)"):
+        load_model(path, jnp.float32)
+    shards = {f: f for f in ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors")}
+    from safetensors import safe_open
+
+    weight_map = {n: f for f in shards for n in safe_open(os.path.join(path, f), "np").keys()}
+    with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {}, "weight_map": weight_map}, f)
+    got = load_model(path, jnp.float32)[1]
+    np.testing.assert_array_equal(np.asarray(got.layers.wq), want["wq"])
+    os.remove(os.path.join(path, "model-00002-of-00002.safetensors"))
+    with pytest.raises(InvalidConfig, match="lacks model-00002-of-00002.safetensors, which model.safetensors.index.json"):
+        load_model(path, jnp.float32)

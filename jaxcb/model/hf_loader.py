@@ -372,6 +372,24 @@ def _moe_layers(flags: list[bool], dense_size, what: str) -> dict:
     return {"moe_layers": tuple(flags), "dense_size": int(dense_size)}
 
 
+def _weight_files(path: str) -> list[str]:
+    """The checkpoint's safetensors files: those its shards' index (model.safetensors.index.json) names, as
+    transformers reads them (Mistral's releases keep a consolidated.safetensors of another layout beside them), else
+    every *.safetensors file."""
+    index = os.path.join(path, "model.safetensors.index.json")
+    if not os.path.isfile(index):
+        return sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    try:
+        with open(index, encoding="utf-8") as f:
+            files = sorted({str(file) for file in json.load(f)["weight_map"].values()})
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise InvalidConfig(f"model: {index} is not a readable shards' index ({type(e).__name__}: {e})") from None
+    missing = [f for f in files if not os.path.isfile(os.path.join(path, f))]
+    if missing:
+        raise InvalidConfig(f"model: {path} lacks {', '.join(missing[:3])}, which model.safetensors.index.json names")
+    return [os.path.join(path, f) for f in files]
+
+
 def _has_head(path: str) -> bool:
     """Whether the checkpoint stores an output head (a vision-language config's tie_word_embeddings may sit in
     either of its two configs, and transformers versions read different ones: the tensors decide). Read from
@@ -524,7 +542,7 @@ def _float8_blocks(tensors: dict, raw: dict) -> dict[str, tuple[str, tuple[int, 
 def load_weights(path: str, config: ModelConfig) -> LazyWeights:
     """The weights in the loader layout of jaxcb.model.llama (float32), each read from the memory-mapped files when
     it is used (jaxcb.model.lazy_weights): every tensor's presence, and the plain ones' shapes, checked first."""
-    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    files = _weight_files(path)
     if not files:
         raise InvalidConfig(f"model: {path} has no *.safetensors files")
     tensors: dict[str, np.ndarray] = {}
