@@ -49,8 +49,13 @@ class ServerOptions:
     reasoning_parser: str | None = None  # chat answers' <think> part as `reasoning` (serve.reasoning.PARSERS)
     tool_call_parser: str = "auto"  # the format of tool calls (jaxcb.host.tool_calls.choose_format)
     http_header_timeout_s: float = 30.0  # an HTTP request's line and headers must come within this, then its body
+    # The HTTP API's sampling defaults: "auto", the model's generation_config.json where it has one (vLLM's
+    # --generation-config auto); "none" (or vLLM's "vllm"), OpenAI's
+    generation_config: str = "auto"
 
     def __post_init__(self):
+        if self.generation_config not in ("auto", "none", "vllm"):
+            raise InvalidConfig(f"--generation-config: {self.generation_config!r} is not auto, none or vllm")
         if not self.http_header_timeout_s > 0:
             raise InvalidConfig(f"--http-header-timeout: must be a positive number of seconds, got "
                                 f"{self.http_header_timeout_s}")
@@ -76,6 +81,9 @@ class State:
         self.model_name = self.served_names[0]
         self.dtype = dtype
         self.options = options
+        # what an HTTP request leaves out of its sampling (ServerOptions.generation_config)
+        self.sampling_defaults = dict(getattr(tokenizer, "sampling_defaults", {}) or {}) \
+            if options.generation_config == "auto" else {}
         self.metrics = metrics
         self.started = int(time.time())  # what /v1/models gives as the model's `created`
         self.ready = False

@@ -160,9 +160,13 @@ def placeholder_max_tokens(body: dict) -> int:
     return max(1, int_field(body, "min_tokens", 0) or 0)
 
 
-def sampling_params(body: dict, *, max_tokens: int, logprobs: int, prompt_logprobs: int | None = None) -> SamplingParams:
+def sampling_params(body: dict, *, max_tokens: int, logprobs: int, prompt_logprobs: int | None = None,
+                    defaults: dict | None = None) -> SamplingParams:
     """The request's SamplingParams. `prompt_logprobs`: at least this many alternatives for each prompt
-    token (completions' echo with logprobs), besides what vLLM's prompt_logprobs field asks for."""
+    token (completions' echo with logprobs), besides what vLLM's prompt_logprobs field asks for. `defaults`: what
+    the request leaves out of temperature, top_p, top_k, min_p and repetition_penalty (the model's
+    generation_config.json, State.sampling_defaults), else OpenAI's."""
+    d = defaults or {}
     stop = body.get("stop")
     if stop is not None and not isinstance(stop, (str, list)):
         raise bad_request("stop: must be a string or a list of strings")
@@ -179,9 +183,10 @@ def sampling_params(body: dict, *, max_tokens: int, logprobs: int, prompt_logpro
     if prompt_logprobs is not None:
         asked = prompt_logprobs if asked is None else max(asked, prompt_logprobs)
     return SamplingParams(prompt_logprobs=asked,
-        max_tokens=max_tokens, temperature=number_field(body, "temperature", 1.0), top_p=number_field(body, "top_p", 1.0),
-        top_k=int_field(body, "top_k", 0), min_p=number_field(body, "min_p", 0.0),
-        repetition_penalty=number_field(body, "repetition_penalty", 1.0),
+        max_tokens=max_tokens, temperature=number_field(body, "temperature", d.get("temperature", 1.0)),
+        top_p=number_field(body, "top_p", d.get("top_p", 1.0)), top_k=int_field(body, "top_k", d.get("top_k", 0)),
+        min_p=number_field(body, "min_p", d.get("min_p", 0.0)),
+        repetition_penalty=number_field(body, "repetition_penalty", d.get("repetition_penalty", 1.0)),
         presence_penalty=number_field(body, "presence_penalty", 0.0),
         frequency_penalty=number_field(body, "frequency_penalty", 0.0), seed=int_field(body, "seed"),
         stop=stop or (), stop_token_ids=stop_token_ids, ignore_eos=ignore_eos,

@@ -1707,3 +1707,31 @@ def test_slow_and_idle_connections_are_closed_at_the_header_deadline(tiny_gguf_p
         answer = body.recv(65536)
         assert answer.startswith(b"HTTP/1.1 408") and b"body: not received whole within 1.5 s" in answer, answer
         assert httpx.get(s.http + "/v1/models", timeout=10).status_code == 200
+
+
+def test_a_models_generation_config_gives_the_sampling_a_request_leaves_out(tmp_path, tiny_model, config_path):
+    """A model directory whose generation_config.json recommends temperature 0: a completion that names no temperature
+    is greedy (the tokens of temperature 0, not of OpenAI's 1 with the same seed), one that names it samples; the
+    start banner says where the defaults came from (vLLM's --generation-config auto)."""
+    from jaxcb.model.llama import params_to_weights
+    from tests.test_model_dirs import write_hf_dir
+
+    config, params, tok, _ = tiny_model
+    path = str(tmp_path / "hf")
+    write_hf_dir(path, config, {k: np.asarray(v) for k, v in params_to_weights(params).items()}, tok)
+    gen = os.path.join(path, "generation_config.json")
+    with open(gen) as f:
+        raw = json.load(f)
+    with open(gen, "w") as f:
+        json.dump({**raw, "temperature": 0.0, "top_k": 5}, f)
+    for server in _http_server(path, config_path):
+        body = {"model": "hf", "prompt": [5, 9, 14, 30], "max_tokens": 12, "seed": 7, "ignore_eos": True}
+
+        def tokens(**extra):
+            r = httpx.post(server.http + "/v1/completions", json={**body, **extra, "logprobs": 0}, timeout=60)
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]["logprobs"]["tokens"]
+
+        assert tokens() == tokens(temperature=0.0)
+        assert tokens(temperature=1.0, top_k=0) != tokens()
+        assert "sampling defaults, from the model's generation_config.json: temperature 0.0, top_k 5" in server.output()

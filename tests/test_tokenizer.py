@@ -440,3 +440,31 @@ def test_a_template_that_rewrites_contents_is_tokenized_whole_unless_a_content_f
     with pytest.raises(InvalidRequest, match="rewrites message contents, and a content holds a special token"):
         tok.encode_chat(forged, True, None, False, rewriting)
     assert tok.encode_chat(chat[2:], True, None, False, rewriting)  # (a conversation it does not rewrite: as before)
+
+
+def test_generation_configs_sampling_fields_are_read_checked_and_saved(tmp_path, tiny_model):
+    """A Hugging Face directory's generation_config.json: its sampling fields (temperature, top_p, top_k, min_p,
+    repetition_penalty) read as a server's defaults, written back by save; one a request could not carry refuses the
+    directory naming the file and the field; a directory without them has none."""
+    from jaxcb.host.errors import InvalidConfig
+    from jaxcb.host.tokenizer import Tokenizer
+
+    tok = tiny_model[2]
+    tok.save(str(tmp_path))
+    assert Tokenizer.from_dir(str(tmp_path)).sampling_defaults == {}
+    path = tmp_path / "generation_config.json"
+    raw = json.loads(path.read_text())
+    path.write_text(json.dumps({**raw, "temperature": 0.6, "top_p": 0.95, "top_k": 20, "do_sample": True,
+                                "max_new_tokens": 100}))
+    got = Tokenizer.from_dir(str(tmp_path))
+    assert got.sampling_defaults == {"temperature": 0.6, "top_p": 0.95, "top_k": 20}
+    assert got.end_ids == tok.end_ids
+    again = tmp_path / "again"
+    again.mkdir()
+    got.save(str(again))
+    assert Tokenizer.from_dir(str(again)).sampling_defaults == got.sampling_defaults
+    for bad, message in (({"top_p": 1.5}, r"generation_config.json: top_p: must be in \(0, 1\]"),
+                         ({"top_k": 2.5}, "top_k must be an integer"), ({"temperature": "hot"}, "temperature must be a number")):
+        path.write_text(json.dumps({**raw, **bad}))
+        with pytest.raises(InvalidConfig, match=message):
+            Tokenizer.from_dir(str(tmp_path))

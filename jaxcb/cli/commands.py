@@ -97,6 +97,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "or mistral_v11 with [ARGS]; a \"parameters\" object: llama3_json; func_name1( or "
                         "<|python_start|>: pythonic, vLLM's llama4_pythonic; gpt-oss's harmony messages: harmony, "
                         "vLLM's openai), else jaxcb renders the tools and asks for hermes")
+    s.add_argument("--generation-config", choices=("auto", "none", "vllm"), default="auto",
+                   help="the HTTP API's sampling defaults for what a request leaves out (temperature, top_p, top_k, "
+                        "min_p, repetition_penalty): auto (default), the model's generation_config.json where it has "
+                        "one, as vLLM's flag of this name; none (vllm: vLLM's name), OpenAI's")
     s.add_argument("--grace-period", type=float, default=10.0, help="seconds in-flight streams get at shutdown")
     s.add_argument("--http-header-timeout", type=float, default=30.0,
                    help="seconds an HTTP connection has to send a request's line and headers, from its opening "
@@ -175,9 +179,13 @@ def cmd_serve(args) -> int:
                             kv_events=args.kv_events, kv_events_topic=args.kv_events_topic,
                             trust_request_chat_template=args.trust_request_chat_template,
                             reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser,
-                            http_header_timeout_s=args.http_header_timeout)
+                            http_header_timeout_s=args.http_header_timeout, generation_config=args.generation_config)
     step = runner.describe()
     names = config.served_model_name or (served_name(args.model),)
+    if tokenizer.sampling_defaults and args.generation_config == "auto":
+        print("jaxcb: the HTTP API's sampling defaults, from the model's generation_config.json: "
+              + ", ".join(f"{k} {v}" for k, v in tokenizer.sampling_defaults.items())
+              + " (--generation-config none: OpenAI's)", flush=True)
     print(f"jaxcb: model {model_config.name} served as {', '.join(names)} on {step['platform']}, {step['compute_dtype']}; "
           f"{config.num_pages} KV pages of {config.page_size} tokens; policy {config.scheduler.policy}; "
           f"compile cache {cache_dir or 'off'}", flush=True)

@@ -65,6 +65,31 @@ _GPT4O_PATTERN = (
 )
 
 
+# generation_config.json's fields a server takes as its sampling defaults, as vLLM's --generation-config auto takes them
+SAMPLING_DEFAULTS = {"temperature": float, "top_p": float, "top_k": int, "min_p": float, "repetition_penalty": float}
+
+
+def sampling_defaults(generation: dict, where: str) -> dict:
+    """The sampling fields of a generation_config.json (`generation`), checked as a request's would be (a bad one
+    refuses the model, naming the file, rather than every request)."""
+    from jaxcb.host.request import SamplingParams
+
+    out = {}
+    for key, kind in SAMPLING_DEFAULTS.items():
+        value = generation.get(key)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and value != int(value)):
+            raise InvalidConfig(f"model: {where}: {key} must be {'an integer' if kind is int else 'a number'}, "
+                                f"got {value!r}")
+        out[key] = kind(value)
+    try:
+        SamplingParams(**out)
+    except ValueError as e:
+        raise InvalidConfig(f"model: {where}: {e}") from None
+    return out
+
+
 @dataclasses.dataclass(frozen=True)
 class TokenizerSpec:
     """What a tokenizer needs, as stored in the model file."""
@@ -253,6 +278,9 @@ class Tokenizer:
         self.end_ids = tuple(sorted({eos_id, *end_ids} - {None}))
         self.add_bos = add_bos
         self.chat_template = chat_template
+        # The sampling the model's makers recommend (generation_config.json, from_dir): a server's defaults for what
+        # a request leaves out (vLLM's --generation-config auto)
+        self.sampling_defaults: dict = {}
         self.special_ids = frozenset(i for i, t in tok.get_added_tokens_decoder().items() if t.special)
         # A copy that reads special-token text as plain text: for what users wrote (encode_chat).
         self._plain = HFTokenizer.from_str(text or tok.to_str())
@@ -307,16 +335,23 @@ class Tokenizer:
                     template = f.read()
             except (OSError, UnicodeDecodeError) as e:
                 raise InvalidConfig(f"model: {jinja} is not readable text ({e})") from None
-        ends = []
+        ends, generation = [], {}
         gen_path = os.path.join(path, "generation_config.json")
         if os.path.isfile(gen_path):
-            with open(gen_path, encoding="utf-8") as f:
-                ends = json.load(f).get("eos_token_id") or []
+            try:
+                with open(gen_path, encoding="utf-8") as f:
+                    generation = json.load(f)
+            except (OSError, ValueError) as e:
+                raise InvalidConfig(f"model: {gen_path} is not readable JSON ({e})") from None
+            if not isinstance(generation, dict):
+                raise InvalidConfig(f"model: {gen_path} must hold a JSON object")
+            ends = generation.get("eos_token_id") or []
             ends = [ends] if isinstance(ends, int) else ends
             if not isinstance(ends, list) or not all(isinstance(i, int) and 0 <= i < tok.get_vocab_size() for i in ends):
                 raise InvalidConfig(f"model: {gen_path}: eos_token_id must be a token id or a list of them")
         self._setup(tok, token_id("bos_token"), token_id("eos_token"), bool(cfg.get("add_bos_token", False)),
                     template, None, ends)
+        self.sampling_defaults = sampling_defaults(generation, gen_path)
         return self
 
     def save(self, path: str) -> None:
@@ -330,7 +365,7 @@ class Tokenizer:
             json.dump({"bos_token": name(self.bos_id), "eos_token": name(self.eos_id), "add_bos_token": self.add_bos,
                        "chat_template": self.chat_template}, f, indent=1)
         with open(os.path.join(path, "generation_config.json"), "w", encoding="utf-8") as f:
-            json.dump({"eos_token_id": list(self.end_ids)}, f, indent=1)
+            json.dump({"eos_token_id": list(self.end_ids), **self.sampling_defaults}, f, indent=1)
 
     def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
         ids = self._tok.encode(text, add_special_tokens=False).ids
