@@ -267,3 +267,21 @@ def test_the_shards_index_names_the_files_read(tmp_path, tiny_model):
     os.remove(os.path.join(path, "model-00002-of-00002.safetensors"))
     with pytest.raises(InvalidConfig, match="lacks model-00002-of-00002.safetensors, which model.safetensors.index.json"):
         load_model(path, jnp.float32)
+
+
+def test_a_cut_or_garbled_safetensors_file_is_refused_naming_it(tmp_path, tiny_model):
+    """A shard cut short (its tensors' data past the end) or whose header's length is garbage is refused naming the
+    file, before any weight is read."""
+    from jaxcb.host.errors import InvalidConfig
+
+    config = tiny_model_config()
+    path = str(tmp_path / "hf")
+    write_hf_dir(path, config, random_weights(config, seed=7), tiny_model[2])
+    shard = os.path.join(path, "model-00002-of-00002.safetensors")
+    data = open(shard, "rb").read()
+    for broken, why in ((data[: len(data) // 2], "not a readable safetensors file"),
+                        ((1 << 60).to_bytes(8, "little") + data[8:], "runs past the end of the file")):
+        with open(shard, "wb") as f:
+            f.write(broken)
+        with pytest.raises(InvalidConfig, match=f"model-00002-of-00002.safetensors .*{why}|{why}"):
+            load_model(path, jnp.float32)

@@ -497,6 +497,8 @@ def _read_safetensors(file: str) -> dict[str, np.ndarray]:
     try:
         with open(file, "rb") as f:
             size = int.from_bytes(f.read(8), "little")
+            if size > os.path.getsize(file) - 8:
+                raise ValueError(f"its header's length, {size} bytes, runs past the end of the file")
             header = json.loads(f.read(size))
         header.pop("__metadata__", None)
         data = np.memmap(file, np.uint8, mode="r", offset=8 + size) if header else np.zeros(0, np.uint8)
