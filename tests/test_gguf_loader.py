@@ -148,3 +148,30 @@ def test_a_tensor_the_decoder_would_not_use_refuses_the_file(tmp_path):
     write_tiny_gguf(path, extra_tensors={"blk.0.attn_norm.bias": np.zeros(64)})
     with pytest.raises(InvalidConfig, match=r"tensors jaxcb's decoder does not use \(1: blk.0.attn_norm.bias\)"):
         load_gguf(path)
+
+
+def test_a_model_split_over_shards_loads_from_any_of_them(tmp_path):
+    """llama.cpp's gguf-split shards (PREFIX-00001-of-0000N.gguf, split.no / split.count / split.tensors.count; the
+    metadata in the first): loaded from whichever shard is named, the weights of the one-file model exactly; a
+    missing shard is refused naming it."""
+    import os
+
+    from jaxcb.host.errors import InvalidConfig
+    from tests.tiny_gguf import tiny_model_config
+
+    config = tiny_model_config()
+    whole = str(tmp_path / "whole.gguf")
+    write_tiny_gguf(whole, config, seed=3)
+    write_tiny_gguf(str(tmp_path / "tiny.gguf"), config, seed=3, split_max_tensors=7)
+    shards = sorted(p for p in os.listdir(tmp_path) if p.startswith("tiny-"))
+    assert len(shards) >= 3 and shards[0] == f"tiny-00001-of-{len(shards):05d}.gguf", shards
+    want = load_gguf(whole)
+    for named in (shards[0], shards[-1]):
+        got = load_gguf(str(tmp_path / named))
+        assert got.config == want.config and got.tokenizer == want.tokenizer
+        assert sorted(got.weights) == sorted(want.weights)
+        for key in want.weights:
+            np.testing.assert_array_equal(got.weights[key], want.weights[key], err_msg=key)
+    os.remove(tmp_path / shards[1])
+    with pytest.raises(InvalidConfig, match=f"file not found: .*{shards[1]}"):
+        load_gguf(str(tmp_path / shards[0]))

@@ -56,18 +56,20 @@ def write_tiny_gguf(path: str, config: ModelConfig | None = None, seed: int = 0,
                     rope_scaling: tuple[str, float] | None = None, extra_uint32: dict | None = None,
                     extra_float32: dict | None = None,
                     extra_tensors: dict | None = None, weights: dict | None = None,
-                    block_count: int | None = None, latent_split: bool = True) -> dict[str, np.ndarray]:
+                    block_count: int | None = None, latent_split: bool = True,
+                    split_max_tensors: int = 0) -> dict[str, np.ndarray]:
     """Write a GGUF file; returns the weights in the project's layout (what loading must give back,
     exactly for f32, up to quantization error otherwise). `rope_freqs`: llama.cpp's per-frequency RoPE
     factors tensor (Llama 3.1+); `rope_scaling`: (rope.scaling.type, rope.scaling.factor); `weights`: these
     (the loaders' layout) instead of random ones; `block_count`: the file's, where it counts more blocks than the
     model's layers (GLM's multi-token prediction one). Arch "phi3" fuses Q/K/V and gate/up as its converter does;
     latent attention's kv_b goes as attn_k_b and attn_v_b, or not at all (`latent_split` False: an older file's
-    attn_kv_b, given in `extra_tensors`)."""
+    attn_kv_b, given in `extra_tensors`). `split_max_tensors`: shards of that many tensors as llama.cpp's gguf-split
+    writes them (the gguf library's writer: PATH's stem-00001-of-0000N.gguf beside it)."""
     config = config or tiny_model_config()
     w = weights if weights is not None else random_weights(config, seed)
     tokens, merges, types = tiny_vocab()
-    writer = gguf.GGUFWriter(path, arch)
+    writer = gguf.GGUFWriter(path, arch, split_max_tensors=split_max_tensors)
     writer.add_name("tiny-random")
     writer.add_block_count(block_count or config.num_layers)
     writer.add_context_length(config.max_context)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 
 import numpy as np
 
@@ -437,13 +438,57 @@ def _rope_scaling(reader, arch: str, head_dim: int, rotary_dim: int, theta: floa
     return out
 
 
-def open_reader(path: str) -> GGUFFile:
+def _open_one(path: str) -> GGUFFile:
     if not os.path.isfile(path):
         raise InvalidConfig(f"model: file not found: {path}")
     try:
         return GGUFFile(path)
     except (ValueError, OSError) as e:
         raise InvalidConfig(f"model: {path} is not a readable GGUF file ({e})") from None
+
+
+# llama.cpp's gguf-split shards: PREFIX-00001-of-00003.gguf ... (split.no, split.count, split.tensors.count; the
+# model's metadata in the first)
+_SHARD = re.compile(r"^(?P<prefix>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
+
+
+@dataclasses.dataclass
+class _Shards:
+    """A model split over several GGUF files, read as one: the first's metadata, every file's tensors."""
+
+    path: str
+    metadata: dict
+    tensors: dict
+
+
+def open_reader(path: str):
+    """The GGUF file at `path`, or (a shard of gguf-split's: split.count > 1) all its shards as one, from whichever
+    of them `path` names; a shard missing or out of place is refused naming it."""
+    reader = _open_one(path)
+    count = int(reader.metadata.get("split.count", 1) or 1)
+    if count <= 1:
+        return reader
+    name = _SHARD.match(os.path.basename(path))
+    if name is None or int(name["count"]) != count:
+        raise InvalidConfig(f"model: {path} is one of {count} shards (split.count), but its name is not "
+                            f"PREFIX-NNNNN-of-{count:05d}.gguf, which names the others")
+    paths = [os.path.join(os.path.dirname(path), f"{name['prefix']}-{i:05d}-of-{count:05d}.gguf")
+             for i in range(1, count + 1)]
+    shards = [reader if os.path.abspath(p) == os.path.abspath(path) else _open_one(p) for p in paths]
+    tensors: dict = {}
+    for i, (p, shard) in enumerate(zip(paths, shards)):
+        if int(shard.metadata.get("split.no", -1)) != i or int(shard.metadata.get("split.count", 0) or 0) != count:
+            raise InvalidConfig(f"model: {p}: split.no {shard.metadata.get('split.no')} of split.count "
+                                f"{shard.metadata.get('split.count')}, not shard {i} of {count}")
+        twice = set(tensors) & set(shard.tensors)
+        if twice:
+            raise InvalidConfig(f"model: {p}: tensor {sorted(twice)[0]} is in an earlier shard too")
+        tensors.update(shard.tensors)
+    want = int(shards[0].metadata.get("split.tensors.count", len(tensors)))
+    if len(tensors) != want:
+        raise InvalidConfig(f"model: the {count} shards of {paths[0]} hold {len(tensors)} tensors, split.tensors.count "
+                            f"says {want}")
+    return _Shards(paths[0], shards[0].metadata, tensors)
 
 
 def load_gguf(path: str, check_config=None) -> LoadedModel:
