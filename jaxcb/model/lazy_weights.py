@@ -3,9 +3,9 @@
 A loader (jaxcb.model.hf_loader, jaxcb.model.gguf_loader) declares how each weight of the loader layout is made
 from the file (memory-mapped: nothing is read until then) and checks up front what it can without reading: that the
 tensors exist and are all used, and their shapes. Its reader, jaxcb.model.llama.params_from_numpy, builds one weight
-at a time, converts it (quantized, or cast) and places it on its devices before building the next: the host holds
-one weight in float32 beside the file's pages, not the whole model, and under tensor parallelism each device
-receives only its own slice.
+at a time, converts it (quantized, or cast) and places it on its devices before building the next, a large stack a
+layer at a time into its place there: the host holds one weight (or one layer) in float32 beside the file's pages,
+not the whole model, and under tensor parallelism each device receives only its own slice.
 """
 
 from __future__ import annotations
