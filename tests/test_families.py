@@ -1072,8 +1072,9 @@ def test_a_deepseek2_gguf_gives_transformers_logits(tmp_path, family, log_multip
     the rotated parts in the checkpoint's interleaved pairs), key_length / value_length / key_length_mla /
     value_length_mla, YaRN with yarn_log_multiplier (0.1 x mscale_all_dim) in the softmax's scale, leading dense
     layers, shared experts, the router (V3's sigmoid with groups and correction biases, V2's softmax with groups by
-    their best): the Hugging Face loader's config and weights exactly and transformers' logits. An older file's
-    attn_kv_b (the checkpoint's kv_b_proj) reads the same."""
+    their best, the file without expert_gating_func as V2's and V2.5's are, which llama.cpp reads as softmax): the
+    Hugging Face loader's config and weights exactly and transformers' logits. An older file's attn_kv_b (the
+    checkpoint's kv_b_proj) reads the same."""
     from jaxcb.model.gguf_loader import load_gguf
     from tests.tiny_gguf import write_tiny_gguf
 

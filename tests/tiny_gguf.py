@@ -91,7 +91,8 @@ def write_tiny_gguf(path: str, config: ModelConfig | None = None, seed: int = 0,
         elif arch in ("glm4moe", "deepseek2"):  # the first layers dense; DeepSeek-V3's router (V2's: softmax); shared
             writer.add_uint32(f"{arch}.leading_dense_block_count", first)  # experts as wide as one each
             writer.add_uint32(f"{arch}.expert_shared_count", config.shared_expert_size // config.intermediate_size)
-            writer.add_uint32(f"{arch}.expert_gating_func", 2 if config.router_sigmoid else 1)
+            if config.router_sigmoid or arch != "deepseek2":  # (DeepSeek-V2's softmax: left out, as its older files
+                writer.add_uint32(f"{arch}.expert_gating_func", 2 if config.router_sigmoid else 1)  # have it)
             writer.add_float32(f"{arch}.expert_weights_scale", config.routed_scale)
             writer.add_bool(f"{arch}.expert_weights_norm", config.norm_topk)
             if config.expert_groups > 1:

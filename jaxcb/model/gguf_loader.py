@@ -291,7 +291,9 @@ def _sigmoid_router(reader, arch: str, experts: int) -> dict:
     """DeepSeek-V3's router as llama.cpp's GGUF keys give it (GLM-4.5, deepseek2): sigmoid gating with a correction
     bias, the chosen experts' weights renormalized where expert_weights_norm says, times expert_weights_scale, groups
     where the file names them; deepseek2's softmax gating (DeepSeek-V2's) without the bias."""
-    gating = int(_field(reader, f"{arch}.expert_gating_func", 2) or 2)
+    # (llama.cpp reads a deepseek2 file without the key as softmax: DeepSeek-V2's and V2.5's files have none)
+    default = 1 if arch == "deepseek2" else 2
+    gating = int(_field(reader, f"{arch}.expert_gating_func", default) or default)
     allowed = (1, 2) if arch == "deepseek2" else (2,)
     if gating not in allowed:
         raise InvalidConfig(f"{arch}.expert_gating_func: {gating} ({_GATING.get(gating, '?')}) is not supported for "
