@@ -82,15 +82,17 @@ def load_model(path: str | None = None, dtype=None, check_config=None, weights: 
     checked = check_config or (lambda config: None)
     check_config = lambda config: checked(override(config, rope_scaling))  # noqa: E731
     path = resolve_model(path)
-    if os.path.isdir(path):
-        check_config(read_model_config(path))  # raises the explanation for a directory of neither kind
-        if checkpoint.is_checkpoint_dir(path):
-            shardings = None
-            if mesh is not None:
-                from jaxcb.device.parallel import Placement
 
-                shardings = Placement(mesh, checkpoint.read_config(path)[0]).shardings
-            config, loaded_weights = checkpoint.load(path, dtype, shardings)
+    def placement(config):  # (each weight split over the mesh as it is read)
+        from jaxcb.device.parallel import Placement
+
+        return Placement(mesh, config) if mesh is not None else None
+
+    if os.path.isdir(path):
+        known = read_model_config(path)  # raises the explanation for a directory of neither kind
+        check_config(known)
+        if checkpoint.is_checkpoint_dir(path):
+            config, loaded_weights = checkpoint.load(path, dtype, placement(known).shardings if mesh is not None else None)
             dtype = dtype or checkpoint.compute_dtype(loaded_weights)
         else:
             config = hf_loader.read_config(path)
@@ -101,12 +103,7 @@ def load_model(path: str | None = None, dtype=None, check_config=None, weights: 
         config, loaded_weights = loaded.config, loaded.weights
         tokenizer = Tokenizer(loaded.tokenizer) if loaded.tokenizer is not None else None
     config = override(config, rope_scaling)
-    place = None
-    if mesh is not None:
-        from jaxcb.device.parallel import Placement
-
-        place = Placement(mesh, config)
-    params = params_from_numpy(loaded_weights, dtype or default_dtype(), weights, group, place)
+    params = params_from_numpy(loaded_weights, dtype or default_dtype(), weights, group, placement(config))
     eos = tokenizer.end_ids if tokenizer is not None else ()
     return config, params, tokenizer, eos
 
