@@ -1,6 +1,7 @@
 """Operator tools: memory plan, persistent compile cache, length recording and bucket planning."""
 
 import json
+import math
 import os
 
 import pytest
@@ -59,6 +60,13 @@ def test_plan_command(tiny_gguf_path, capsys):
     assert cli(["plan", "--model", tiny_gguf_path, "--memory", "1GiB", "--max-context", "256"]) == 0
     out = capsys.readouterr().out
     assert "KV pages" in out and "largest batch at context 256" in out
+    # the host's largest piece while loading: the tiny model's largest weight, built whole (no stack is large)
+    from jaxcb.llm import read_model_config
+
+    shapes = read_model_config(tiny_gguf_path).weight_shapes()
+    name = max(shapes, key=lambda n: math.prod(shapes[n]))
+    assert (f"host memory while loading: about {memory_plan.fmt_bytes(4 * math.prod(shapes[name]))} beside the file's "
+            f"pages (the largest piece built at once, in float32: {name})") in out
     assert cli(["plan", "--model", tiny_gguf_path, "--memory", "1KiB"]) == 2
     assert "memory: 1.0 KiB" in capsys.readouterr().err
     # --rope-scaling: the model planned with it (a bad one refused naming the setting)
@@ -66,6 +74,22 @@ def test_plan_command(tiny_gguf_path, capsys):
     assert cli(["plan", "--model", tiny_gguf_path, "--memory", "1GiB", "--rope-scaling", yarn]) == 0
     assert cli(["plan", "--model", tiny_gguf_path, "--memory", "1GiB", "--rope-scaling", "{"]) == 2
     assert "model.rope_scaling: not JSON" in capsys.readouterr().err
+
+
+def test_the_largest_piece_a_load_builds_on_the_host_is_a_layer_of_a_large_stack():
+    """A 70B-shaped model: its MLP stacks (75 GB each in float32) are built a layer at a time, so the largest piece on
+    the host is the embedding (4.2 GB); a DeepSeek-V3-shaped mixture: a layer of one expert matrix stack (256 experts
+    of 7,168 x 2,048: 15 GB), not the stack (870 GB)."""
+    from jaxcb.model.config import tiny_config
+    from jaxcb.model.llama import by_layer, largest_host_piece
+
+    llama70 = tiny_config(vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_layers=80, num_heads=64,
+                          num_kv_heads=8, head_dim=128)
+    assert by_layer(llama70.weight_shapes()["w_gate"]) and not by_layer((30, 576, 1536))  # (SmolLM2's: whole)
+    assert largest_host_piece(llama70) == ("embed", 4 * 128256 * 8192, False)
+    moe = tiny_config(vocab_size=129280, hidden_size=7168, intermediate_size=2048, num_layers=58, num_heads=8,
+                      num_kv_heads=8, head_dim=128, num_experts=256, experts_per_token=8)
+    assert largest_host_piece(moe) == ("experts_gate", 4 * 256 * 7168 * 2048, True)
 
 
 def test_compile_cache_dir_not_writable_warns_and_runs_without(tmp_path, capsys):

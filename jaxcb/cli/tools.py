@@ -242,6 +242,11 @@ def cmd_plan(args) -> int:
         print(f"speculative decoding: draft model {spec.draft_model or model.name}, {draft.num_layers} of its layers, "
               f"weights {spec.draft_weights}; {spec.num_tokens} tokens proposed per step")
     print(plan.describe(sorted({512, 2048, max_context})))
+    from jaxcb.model.llama import largest_host_piece
+
+    name, size, layer = largest_host_piece(model)
+    print(f"host memory while loading: about {memory_plan.fmt_bytes(size)} beside the file's pages (the largest piece "
+          f"built at once, in float32: {'a layer of ' if layer else ''}{name})")
     return 0
 
 

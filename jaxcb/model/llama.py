@@ -136,6 +136,22 @@ register_pytree(WindowPages)
 LAYERWISE_BYTES = 256 << 20
 
 
+def by_layer(shape: tuple[int, ...]) -> bool:
+    """Whether params_from_numpy builds a stacked weight of `shape` a layer at a time (LAYERWISE_BYTES)."""
+    return 4 * math.prod(shape) > LAYERWISE_BYTES
+
+
+def largest_host_piece(config: ModelConfig) -> tuple[str, int, bool]:
+    """(weight, bytes, a layer of it): the largest array params_from_numpy builds on the host at once for `config`, in
+    float32 (a layer of a stack built a layer at a time, else a whole weight): about what loading needs beside the
+    file's pages (quantizing it takes a few times one layer more)."""
+    layered = set(LayerParams.__dataclass_fields__)
+    pieces = {name: (4 * math.prod(shape[1:] if name in layered and by_layer(shape) else shape),
+                     name in layered and by_layer(shape)) for name, shape in config.weight_shapes().items()}
+    name = max(pieces, key=lambda n: pieces[n][0])
+    return name, *pieces[name]
+
+
 class DefaultDevice:
     """Where params_from_numpy puts the weights by default: the default device (jaxcb.device.parallel.Placement:
     a mesh)."""
@@ -180,7 +196,7 @@ def params_from_numpy(weights: dict[str, np.ndarray], dtype=jnp.float32, mode: s
     def as_array(name):
         layers = weights.layers(name) if hasattr(weights, "layers") else None
         shape = weights.shape(name) if layers is not None else None
-        if layers and shape and 4 * math.prod(shape) > LAYERWISE_BYTES and getattr(place, "layerwise", False):
+        if layers and shape and by_layer(shape) and getattr(place, "layerwise", False):
             return _by_layer(name, layers, lambda w: converted(name, w), place)
         return place(name, converted(name, weights[name]))
 
