@@ -199,7 +199,7 @@ def test_weights_are_read_one_at_a_time_and_checked_before_any_is_read(tmp_path,
     import tracemalloc
 
     from jaxcb.host.errors import InvalidConfig
-    from jaxcb.model import hf_loader
+    from jaxcb.model import lazy_weights
     from jaxcb.model.llama import params_to_weights
 
     config = tiny_model_config(num_layers=12, intermediate_size=96, tie_embeddings=True)
@@ -230,15 +230,13 @@ def test_weights_are_read_one_at_a_time_and_checked_before_any_is_read(tmp_path,
     bad = dict(want, wk=want["wk"].copy())
     bad["wk"] = np.concatenate([want["wk"], want["wk"][:, :, :16]], axis=2)  # (every layer's, one more head)
     write_hf_dir(str(tmp_path / "bad"), dataclasses.replace(config), bad, tiny_model[2])
-    read = []
-    original = hf_loader.float32
-    hf_loader.float32 = lambda value: read.append(value) or original(value)
-    try:
-        with pytest.raises(InvalidConfig, match=r"model.layers.0.self_attn.k_proj.weight \(wk\) has shape \(64, 48\), "
-                                                r"expected \(64, 32\)"):
-            load_model(str(tmp_path / "bad"), jnp.float32)
-    finally:
-        hf_loader.float32 = original
+    read = []  # (a weight built whole, lazy_weights.float32; stacked, lazy_weights.filled)
+    for what in ("float32", "filled"):
+        original = getattr(lazy_weights, what)
+        monkeypatch.setattr(lazy_weights, what, lambda *a, original=original: read.append(a) or original(*a))
+    with pytest.raises(InvalidConfig, match=r"model.layers.0.self_attn.k_proj.weight \(wk\) has shape \(64, 48\), "
+                                            r"expected \(64, 32\)"):
+        load_model(str(tmp_path / "bad"), jnp.float32)
     assert read == []
 
 

@@ -22,7 +22,6 @@ loader subtracts it again, so the weights mean what the Hugging Face checkpoints
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import re
 
@@ -33,7 +32,7 @@ from jaxcb.host.tokenizer import TokenizerSpec
 from jaxcb.model import rope_scaling
 from jaxcb.model.config import ModelConfig, check_all_used
 from jaxcb.model.gguf_file import GGUFFile
-from jaxcb.model.lazy_weights import LazyWeights, float32
+from jaxcb.model.lazy_weights import LazyWeights
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen2moe", "qwen3", "qwen3moe", "gemma", "gemma2", "gemma3", "smollm3", "granite",
                            "granitemoe", "phi3", "olmo2", "olmoe", "qwen2vl", "qwen3vl", "gpt-oss", "llama4", "glm4moe",
@@ -126,6 +125,14 @@ def _dequantize(tensor, first_row: bool = False) -> np.ndarray:
     return np.asarray(data, dtype=np.float32).reshape(-1 if first_row else tensor.shape)
 
 
+def _required(reader, key: str):
+    """Metadata `key`, which the file must have."""
+    value = _field(reader, key)
+    if value is None:
+        raise InvalidConfig(f"model file: missing metadata {key}")
+    return value
+
+
 def read_config(reader) -> ModelConfig:
     arch = _field(reader, "general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
@@ -135,10 +142,7 @@ def read_config(reader) -> ModelConfig:
         )
 
     def need(key):
-        value = _field(reader, f"{arch}.{key}")
-        if value is None:
-            raise InvalidConfig(f"model file: missing metadata {arch}.{key}")
-        return value
+        return _required(reader, f"{arch}.{key}")
 
     hidden = int(need("embedding_length"))
     heads = int(need("attention.head_count"))
@@ -313,21 +317,16 @@ def _latent_attention(reader, arch: str, head_dim: int) -> dict:
     cached width (rope + latent), key_length_mla / value_length_mla a head's query-key and value widths; the softmax's
     scale (qk_nope + qk_rope)^-0.5 times YaRN's mscale squared, mscale = 1 + yarn_log_multiplier x ln(factor)
     (llama.cpp's, whose yarn_log_multiplier is 0.1 x mscale_all_dim)."""
-    def need(key):
-        value = _field(reader, f"{arch}.{key}")
-        if value is None:
-            raise InvalidConfig(f"model file: missing metadata {arch}.{key}")
-        return int(value)
-
-    latent, rope = need("attention.kv_lora_rank"), need("rope.dimension_count")
-    qk, values = need("attention.key_length_mla"), need("attention.value_length_mla")
+    latent, rope, qk, values = (int(_required(reader, f"{arch}.{key}")) for key in (
+        "attention.kv_lora_rank", "rope.dimension_count", "attention.key_length_mla", "attention.value_length_mla"))
     if head_dim != rope + latent or qk <= rope:
         raise InvalidConfig(f"{arch}.attention.key_length: {head_dim}, not rope.dimension_count {rope} + kv_lora_rank "
                             f"{latent}, or key_length_mla {qk} not past it")
     scale = qk ** -0.5
     factor = float(_field(reader, f"{arch}.rope.scaling.factor", 1.0) or 1.0)
-    if _field(reader, f"{arch}.rope.scaling.type") == "yarn" and factor > 1:
-        mscale = 1.0 + float(_field(reader, f"{arch}.rope.scaling.yarn_log_multiplier", 0.0) or 0.0) * math.log(factor)
+    if _field(reader, f"{arch}.rope.scaling.type") == "yarn":  # (the file's multiplier: 0.1 x mscale_all_dim)
+        mscale = rope_scaling.mscale(factor, float(_field(reader, f"{arch}.rope.scaling.yarn_log_multiplier", 0.0)
+                                                   or 0.0) / 0.1)
         scale *= mscale * mscale
     return {"kv_lora_rank": latent, "q_lora_rank": int(_field(reader, f"{arch}.attention.q_lora_rank", 0) or 0),
             "qk_nope_dim": qk - rope, "v_head_dim": values, "rotary_dim": rope, "query_scale": scale}
@@ -507,8 +506,6 @@ def load_gguf(path: str, check_config=None) -> LoadedModel:
     permuted = _field(reader, "general.architecture") in ("llama", "smollm3", "granite", "granitemoe")
 
     used = {"rope_freqs.weight", "rope_factors_short.weight", "rope_factors_long.weight"}  # (read with the config)
-    shapes = config.weight_shapes()
-    weights = LazyWeights(shapes, "model file")
 
     def need(name: str) -> str:
         """A tensor the weights are made of: there, of a type the library reads, and counted as used."""
@@ -529,22 +526,8 @@ def load_gguf(path: str, check_config=None) -> LoadedModel:
             w = w - 1.0  # the file's norms hold 1 + w (see the module's note)
         return np.swapaxes(w, -1, -2) if transpose else w  # (an experts' stack: each; a view, copied into place)
 
-    def one(key: str, name: str, transpose: bool) -> None:
-        name = need(name)
-        weights.put(key, lambda: float32(read(name, transpose)))
-
-    def stack(key: str, names: list, transpose: bool, each=None) -> None:
-        """`key` stacked over layers from each layer's tensor (names[n]; a list: the experts of layer n), read
-        (transposed) and through `each` if given (LazyWeights.stack)."""
-        for group in names:
-            [need(n) for n in ([group] if isinstance(group, str) else group)]
-
-        def header(name):
-            shape = tensors[name].shape
-            return (*shape[:-2], shape[-1], shape[-2]) if transpose and len(shape) >= 2 else shape
-
-        weights.stack(key, names, lambda n: read(n, transpose), each,
-                      None if each is not None or key == "shared_gate" else header)  # (shared_gate: reshaped below)
+    weights = LazyWeights(config.weight_shapes(), "model file", read, need, lambda name: tensors[name].shape)
+    one, stack = weights.one, weights.stack
 
     one("embed", "token_embd.weight", False)
     one("final_norm", "output_norm.weight", False)
@@ -592,15 +575,16 @@ def load_gguf(path: str, check_config=None) -> LoadedModel:
             table.update(w_gate=("blk.{i}.ffn_gate_shexp.weight", True), w_up=("blk.{i}.ffn_up_shexp.weight", True),
                          w_down=("blk.{i}.ffn_down_shexp.weight", True))
             if config.shared_expert_gated:
-                table["shared_gate"] = ("blk.{i}.ffn_gate_inp_shexp.weight", False)  # ([1, E] or [E]: below)
+                table["shared_gate"] = ("blk.{i}.ffn_gate_inp_shexp.weight", False)  # ([1, E] or [E]: one column)
         moe_layers = config.stacked_over("router")
         for key, part in (("experts_gate", "ffn_gate"), ("experts_up", "ffn_up"), ("experts_down", "ffn_down")):
             if f"blk.{moe_layers[0]}.{part}_exps.weight" in tensors:
                 table[key] = (f"blk.{{i}}.{part}_exps.weight", True)
             else:
                 stack(key, [[f"blk.{i}.{part}.{j}.weight" for j in range(config.num_experts)] for i in moe_layers], True)
-    for key, (pattern, transpose) in table.items():
-        stack(key, [pattern.format(i=i) for i in config.stacked_over(key)], transpose)
+    for key, (pattern, transpose) in table.items():  # (shared_gate's [1, E] or [E]: one output column)
+        each = (lambda w: w.reshape(config.hidden_size, 1)) if key == "shared_gate" else None
+        stack(key, [pattern.format(i=i) for i in config.stacked_over(key)], transpose, each)
     from jaxcb.model.hf_loader import reorder_pairs  # (Llama 4's: its converter keeps the checkpoint's q/k order)
 
     reorder_pairs(weights, config)
@@ -608,8 +592,6 @@ def load_gguf(path: str, check_config=None) -> LoadedModel:
         from jaxcb.model.hf_loader import _latent_rope_halves
 
         _latent_rope_halves(weights, config)
-    if "shared_gate" in weights:  # one output column (each layer's)
-        weights.then("shared_gate", lambda w: w.reshape(config.hidden_size, 1))
     blocks = int(_field(reader, f"{_field(reader, 'general.architecture')}.block_count", 0) or 0)
     skipped = tuple(f"blk.{i}." for i in range(config.num_layers, blocks))  # (multi-token prediction layers: not run)
     if skipped:

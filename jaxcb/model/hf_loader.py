@@ -30,7 +30,7 @@ import numpy as np
 from jaxcb.host.errors import InvalidConfig
 from jaxcb.model import rope_scaling
 from jaxcb.model.config import ModelConfig, check_all_used
-from jaxcb.model.lazy_weights import LazyWeights, float32
+from jaxcb.model.lazy_weights import LazyWeights
 
 log = logging.getLogger("jaxcb.model.hf_loader")
 
@@ -555,8 +555,6 @@ def load_weights(path: str, config: ModelConfig) -> LazyWeights:
     settings = {**settings, **(settings.get("text_config") or {})}  # (a multimodal one's language model's, as read_config)
     float8 = _float8_blocks(tensors, settings)
     used = {scale for scale, _ in float8.values()}
-    shapes = config.weight_shapes()
-    weights = LazyWeights(shapes, "model (config.json)")
 
     def need(name: str) -> str:
         """A tensor the weights are made of: there, and counted as used."""
@@ -576,21 +574,8 @@ def load_weights(path: str, config: ModelConfig) -> LazyWeights:
             w = np.asarray(w, np.float32) * np.repeat(np.repeat(scale, b0, 0), b1, 1)[:w.shape[0], :w.shape[1]]
         return np.swapaxes(w, -1, -2) if transpose else w
 
-    def one(key: str, name: str, transpose: bool = False) -> None:
-        name = need(name)
-        weights.put(key, lambda: float32(read(name, transpose)))
-
-    def stack(key: str, names: list, transpose: bool = False, each=None) -> None:
-        """`key` stacked over layers from each layer's tensor (names[n]; a list of them: the experts of layer n),
-        read (transposed) and passed through `each` if given (LazyWeights.stack)."""
-        for group in names:
-            [need(n) for n in ([group] if isinstance(group, str) else group)]
-
-        def header(name):
-            shape = tensors[name].shape
-            return (*shape[:-2], shape[-1], shape[-2]) if transpose and len(shape) >= 2 else shape
-
-        weights.stack(key, names, lambda n: read(n, transpose), each, None if each else header)
+    weights = LazyWeights(config.weight_shapes(), "model (config.json)", read, need, lambda name: tensors[name].shape)
+    one, stack = weights.one, weights.stack
 
     prefix = next((p for p in _PREFIXES if p + "embed_tokens.weight" in tensors), "model.")
     vision = [n for n in tensors if n.startswith(_VISION_PARTS)]
@@ -712,7 +697,7 @@ def load_weights(path: str, config: ModelConfig) -> LazyWeights:
     if not config.tie_embeddings:
         one("lm_head", head, transpose=True)
     check_all_used(set(tensors) - used - {head} - set(vision), path)  # (a tied head may be stored too)
-    missing = sorted(set(shapes) - set(weights))
+    missing = sorted(set(config.weight_shapes()) - set(weights))
     if missing:  # (the config's weights this loader did not find a source for)
         raise InvalidConfig(f"model (config.json): no tensors for {', '.join(missing)}")
     return weights

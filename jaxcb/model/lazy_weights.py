@@ -20,13 +20,22 @@ from jaxcb.host.errors import InvalidConfig
 class LazyWeights(MutableMapping):
     """{name: array} of the loader layout whose arrays are built when read, checked against `shapes` (a
     ModelConfig's weight_shapes(); `source` names the file in the error). Reading a weight twice builds it twice.
-    A weight stacked over layers is also readable a layer at a time (layers(name))."""
+    A weight stacked over layers is also readable a layer at a time (layers(name)).
 
-    def __init__(self, shapes: dict[str, tuple[int, ...]], source: str):
+    The file's side, the loader's: read(tensor, transpose) a tensor's values (a view where it can be), claim(tensor)
+    checks that a tensor is there (and counts it as used), header(tensor) its shape as stored."""
+
+    def __init__(self, shapes: dict[str, tuple[int, ...]], source: str, read=None, claim=None, header=None):
         self._make: dict[str, Callable[[], np.ndarray]] = {}
         self._layers: dict[str, list[Callable[[], np.ndarray]]] = {}  # (a stacked weight's: each layer's)
         self._shapes = shapes
         self._source = source
+        self._read, self._claim, self._header = read, claim, header
+
+    def one(self, name: str, tensor: str, transpose: bool = False) -> None:
+        """`name` from the file's `tensor` whole (its two last axes swapped with `transpose`)."""
+        self._claim(tensor)
+        self.put(name, lambda: float32(self._read(tensor, transpose)))
 
     def put(self, name: str, make: Callable[[], np.ndarray]) -> None:
         """How `name` is built (a function of no arguments)."""
@@ -47,22 +56,27 @@ class LazyWeights(MutableMapping):
             make = self._make[name]
             self._make[name] = lambda: change(make())
 
-    def stack(self, name: str, sources: list, read: Callable[[str], np.ndarray], each=None, shape_of=None) -> None:
-        """`name` stacked over layers: layer n from read(sources[n]) (a list of sources: the experts of layer n,
-        stacked), passed through each(array) if given. `shape_of(source)`, if given, is what read() will give for
-        it, known from the file's header: checked against the config now."""
-        if shape_of is not None:
-            want = self._shapes.get(name, ())[1 + (not isinstance(sources[0], str)):]
-            for source in (s for group in sources for s in ([group] if isinstance(group, str) else group)):
-                if want and tuple(shape_of(source)) != want:
-                    raise InvalidConfig(f"{self._source}: tensor {source} ({name}) has shape {tuple(shape_of(source))}, "
-                                        f"expected {want}")
+    def stack(self, name: str, tensors: list, transpose: bool = False, each=None) -> None:
+        """`name` stacked over layers: layer n from the file's tensors[n] (a list of them: the experts of layer n,
+        stacked), its two last axes swapped with `transpose`, passed through each(array) if given. Where nothing
+        (`each`) changes them, the shapes in the file's header are checked against the config now."""
+        flat = [t for group in tensors for t in ([group] if isinstance(group, str) else group)]
+        for tensor in flat:
+            self._claim(tensor)
+        if each is None:
+            want = self._shapes.get(name, ())[1 + (not isinstance(tensors[0], str)):]
+            for tensor in flat:
+                got = tuple(self._header(tensor))
+                got = (*got[:-2], got[-1], got[-2]) if transpose and len(got) >= 2 else got
+                if want and got != want:
+                    raise InvalidConfig(f"{self._source}: tensor {tensor} ({name}) has shape {got}, expected {want}")
 
         def layer(group):
-            w = read(group) if isinstance(group, str) else np.stack([read(s) for s in group])
+            read = self._read
+            w = read(group, transpose) if isinstance(group, str) else np.stack([read(t, transpose) for t in group])
             return each(w) if each is not None else w
 
-        self.layered(name, [lambda group=group: layer(group) for group in sources])
+        self.layered(name, [lambda group=group: layer(group) for group in tensors])
 
     def layers(self, name: str) -> list[Callable[[], np.ndarray]] | None:
         """A stacked weight's layers, each built (checked against the config's shape) when called; None for a
