@@ -113,7 +113,7 @@ def main():
 
             def run_with(runner, attention):
                 def go():  # the step's two programs, as the runner dispatches them
-                    runner.kv_pages, logits, newest = forward_step(
+                    runner.kv_pages, logits, newest, _ = forward_step(
                         runner.params, runner.kv_pages, runner.last_tokens, batch, config=runner.step_config,
                         attention=attention)
                     out, runner.last_tokens = sample_step(logits, newest, runner.last_tokens, sampling, seqs=shape.seqs)

@@ -15,13 +15,16 @@ import dataclasses
 import os
 import time
 
+import numpy as np
+
 from jaxcb.device import cpu_dots
 from jaxcb.host import harmony, tool_calls
 from jaxcb.host.beam_search import BeamSearch
 from jaxcb.host.chat_template import read_template
 from jaxcb.host.engine import Engine
 from jaxcb.host.engine_config import EngineConfig, load_config
-from jaxcb.host.errors import InvalidConfig, InvalidRequest, Unavailable
+from jaxcb.host.embedding import Pooling
+from jaxcb.host.errors import InvalidConfig, InvalidRequest, StepFailed, Unavailable
 from jaxcb.host.replicas import Replicas
 from jaxcb.host.request import FinishReason, SamplingParams, TokenEvent
 
@@ -42,6 +45,7 @@ class Completion:
     prompt_logprobs: list | None = None
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it (vLLM's); None otherwise
     cumulative_logprob: float | None = None  # beam search: the sum of the beam's tokens' logprobs
+    embedding: "np.ndarray | None" = None  # SamplingParams.pooling: the prompt's pooled vector (not normalized)
 
 
 def read_model_config(path: str | None = None, rope_scaling: str = ""):
@@ -303,6 +307,8 @@ class LLM:
         self.load_seconds = self.engine.load_seconds
         self.model_config = self.engine.model_config
         self.tokenizer = self.engine.tokenizer
+        # how the model's embeddings pool (jaxcb.host.embedding): its sentence-transformers configuration or GGUF's
+        self.pooling = getattr(self.tokenizer, "pooling", None) or Pooling()
 
     @classmethod
     def from_params(cls, model_config, params, tokenizer=None, *, config: EngineConfig, eos_ids=()):
@@ -353,6 +359,23 @@ class LLM:
             prompts.append(self.tokenizer.encode_chat(messages, add_generation_prompt, chat_template_kwargs,
                                                       continue_final_message, chat_template, tools=shown))
         return self._run(prompts, params, None)
+
+    def embed(self, prompts, *, dimensions: int | None = None, priorities: list[int] | None = None) -> list[np.ndarray]:
+        """Each prompt's embedding, float32 [hidden size] (or its first `dimensions`, Matryoshka-style): the model's
+        last hidden states pooled and normalized as the model says (self.pooling; by default the last token's,
+        L2-normalized). Strings are encoded as embedding models take their inputs (Tokenizer.encode_input), token
+        ids as they are. The requests run through the engine beside any others."""
+        size = self.pooling.check(self.model_config.hidden_size, dimensions)
+        prompts = list(prompts)
+        ids = [self.tokenizer.encode_input(p) if isinstance(p, str) and self.tokenizer is not None else self.encode(p)
+               for p in prompts]
+        params = SamplingParams(max_tokens=0, pooling=self.pooling.mode)
+        out = []
+        for c in self._run(ids, [params] * len(ids), priorities):
+            if c.embedding is None:
+                raise StepFailed(f"request {c.request_id}: {c.error or 'no embedding came back'}")
+            out.append(self.pooling.finish(c.embedding, size))
+        return out
 
     def beam_search(self, prompts, width: int = 4, max_tokens: int = 16, *, length_penalty: float = 1.0,
                     ignore_eos: bool = False, stop_token_ids=(), include_stop: bool = False, chat: bool = False,
@@ -436,6 +459,8 @@ def _apply(out: Completion, ev: TokenEvent) -> None:
         out.logprobs.extend(ev.logprobs)
     if ev.prompt_logprobs is not None:
         out.prompt_logprobs = [None, *ev.prompt_logprobs]
+    if ev.embedding is not None:
+        out.embedding = ev.embedding
     if ev.finished:
         out.finish_reason = ev.finish_reason.value if isinstance(ev.finish_reason, FinishReason) else ev.finish_reason
         out.error = ev.error

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from jaxcb.device.parallel import check_tensor_parallel
@@ -78,15 +79,17 @@ def test_meshes_give_the_single_device_tokens(tmp_path):
     assert placed["by_layer_differ"] == [] and converted["by_layer_differ"] == []  # (built a layer at a time: the same)
     for name, run in out.items():
         weights = name.split("-")[-1] if name.endswith(("-int4", "-int8", "-lora")) else None
-        reference = out[name[0] + "-tp1" + (f"-{weights}" if weights else "")]["tokens"]
-        assert run["tokens"] == reference, name  # a structured-output row included (models a and b)
+        reference = out[name[0] + "-tp1" + (f"-{weights}" if weights else "")]
+        assert run["tokens"] == reference["tokens"], name  # a structured-output row included (models a and b)
+        pooled, single = np.asarray(run["embeddings"]), np.asarray(reference["embeddings"])  # (last, mean, last)
+        assert np.abs(pooled - single).max() < 1e-4 * np.abs(single).max(), name
         assert run["compilations_after_warmup"] == 0, name
     # Replicas on disjoint devices, both used, every routed token accounted for at the end.
     assert out["g-dp2"]["devices"] == [[0], [1]]
     assert out["a-tp2-dp2"]["devices"] == [[0, 1], [2, 3]]
     assert [s[2:4] for s in out["g-tp2"]["kv_shards"][0]] == [[1, 16]] * 2  # Gemma's full-layer group, split
     for name in ("g-dp2", "a-tp2-dp2"):
-        assert min(out[name]["routed"]) > 0 and sum(out[name]["routed"]) == 6, name
+        assert min(out[name]["routed"]) > 0 and sum(out[name]["routed"]) == 6 + 3, name  # (the prompts, 3 embeddings)
         assert out[name]["load_left"] == [0, 0], name
 
 

@@ -111,11 +111,14 @@ def main(workdir: str) -> None:
             if tok is not None:  # a structured-output row among them: its mask is a step input like any other
                 params[2] = SamplingParams(max_tokens=24, structured=Constraint("regex", "[a-z]{3,40}"))
             tokens = [o.token_ids for o in llm.generate(prompts, params)]
+            pooled = llm.generate(prompts[:3], [SamplingParams(max_tokens=0, pooling=m)
+                                                for m in ("last", "mean", "last")])
             llm.close()
             for e in engines:
                 e.pool.check_all_free()
             out[f"{key}-{name}"] = {
                 "tokens": tokens, "compilations_after_warmup": engines[0].stats().compilations - before,
+                "embeddings": [o.embedding.tolist() for o in pooled],
                 "kv_shards": [[list(x.data.shape) for x in e.runner.kv_arrays[0].addressable_shards] for e in engines],
                 "kv_dtype": str(engines[0].runner.kv_arrays[0].dtype),
                 "devices": [sorted(d.id for d in e.runner.kv_arrays[0].devices()) for e in engines],

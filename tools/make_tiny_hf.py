@@ -22,6 +22,11 @@ window is 8 tokens so that the prompts (up to 40 tokens) and their decode run we
 adds golden_long.json to a family already written (its saved checkpoint, weights unchanged): the same records
 for prompts past its original context (LONG_PROMPTS: LongRoPE's long factors, which transformers takes for a
 sequence longer than original_max_position_embeddings).
+
+    .venv-tools/bin/python -m tools.make_tiny_hf --hidden qwen3 gemma3
+
+adds golden_hidden.json to families already written: per prompt (PROMPTS), the base model's last hidden states
+(transformers' last_hidden_state, after the final norm: what embeddings pool, tests/test_embeddings.py).
 """
 
 from __future__ import annotations
@@ -273,6 +278,16 @@ def main():
                 json.dump({"family": family, "steps": STEPS, "records": records}, f)
             print(family, "long", [r["greedy_ids"][:6] for r in records], "min margin",
                   min(min(r["margins"]) for r in records))
+        return
+    if wanted[:1] == ["--hidden"]:
+        for family in wanted[1:]:
+            folder = os.path.join(OUT, family)
+            model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager").eval()
+            records = [{"prompt_ids": ids, "hidden": model.model(torch.tensor([ids])).last_hidden_state[0].tolist()}
+                       for ids in PROMPTS]
+            with open(os.path.join(folder, "golden_hidden.json"), "w") as f:
+                json.dump({"family": family, "records": records}, f)
+            print(family, "hidden", [len(r["hidden"]) for r in records])
         return
     for family, config in configs().items():
         if wanted and family not in wanted:

@@ -87,7 +87,7 @@ def export_sampler(forward: export.Exported, config: ModelConfig, shape: StepSha
         return jax.tree.unflatten(tree, [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)
                                          for a, s in zip(avals, placed)])
 
-    _, logits, newest = abstract(forward.out_tree, forward.out_avals, forward.out_shardings_jax)
+    _, logits, newest, _ = abstract(forward.out_tree, forward.out_avals, forward.out_shardings_jax)
     (_, _, last_tokens, _), _ = abstract(forward.in_tree, forward.in_avals, forward.in_shardings_jax)
     sampling = _host_arrays(pack_sampling([], shape, config.vocab_size), NamedSharding(mesh, P()) if mesh else None)
     with jax.sharding.use_abstract_mesh(mesh) if mesh is not None else contextlib.nullcontext():

@@ -246,6 +246,9 @@ class LeaderRunner(Runner):
     def fetch(self, outputs):
         return self.runner.fetch(outputs)
 
+    def fetch_pooled(self, outputs):
+        return self.runner.fetch_pooled(outputs)
+
     def describe(self) -> dict[str, str]:
         return self.runner.describe()
 

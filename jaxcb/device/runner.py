@@ -1,6 +1,6 @@
 """The device side of a step: params and KV pages on the accelerator, two jitted programs a step.
 
-    kv_pages, logits, newest = forward_step(params, kv_pages, last_tokens, batch)   # one per step shape
+    kv_pages, logits, newest, pooled = forward_step(params, kv_pages, last_tokens, batch)   # one per step shape
     sampled, last_tokens = sample_step(logits, newest, last_tokens, sampling)      # one per row count
 
 The forward pass is compiled for each step shape; the sampler only for each number of sampled rows
@@ -28,7 +28,7 @@ from jaxcb.host.batch import SamplingInput, StepInput, StepShape, pack, pack_sam
 from jaxcb.host.errors import InvalidConfig
 from jaxcb.host.runner_protocol import Runner
 from jaxcb.model.config import ModelConfig
-from jaxcb.model.llama import Attention, Params, forward_hidden, logits_at
+from jaxcb.model.llama import Attention, Params, forward_hidden, logits_at, rms_norm
 from jaxcb.model.paged_attention import allocate_kv_pages
 
 log = logging.getLogger("jaxcb.device.runner")
@@ -83,7 +83,8 @@ def _forward(params: Params, kv_pages, last_tokens: jax.Array, batch: StepInput,
     token the host has not fetched yet (async scheduling) is taken from there (batch.src_rows).
     `lora`: the LoRA adapter slots (jaxcb.device.lora), or None. Returns the new KV pages, the logits
     of the sampled rows [M + E, V] and each row's newest input token [M + E] (its place in the
-    penalties' history when the host has not seen it)."""
+    penalties' history when the host has not seen it), and what embeddings pool of the final norm's output
+    (f32 [M, E] at each sequence's last row, f32 [M, E] summed over its rows; jaxcb.host.embedding)."""
     from_prev = batch.src_rows >= 0
     token_ids = jnp.where(from_prev, last_tokens[jnp.maximum(batch.src_rows, 0)], batch.token_ids)
     batch = dataclasses.replace(batch, token_ids=token_ids)
@@ -104,7 +105,9 @@ def _forward(params: Params, kv_pages, last_tokens: jax.Array, batch: StepInput,
     else:
         logits = logits_at(params, h, jnp.concatenate([batch.last_token, jnp.maximum(batch.extra_rows, 0)]),
                            config, attention)
-    return kv_pages, logits, newest
+    normed = rms_norm(h, params.final_norm, config.rms_norm_eps, config.norm_plus_one).astype(jnp.float32)  # [T, E]
+    pooled = (normed[batch.last_token], jax.ops.segment_sum(normed, batch.seq_ids, num_segments=m + 1)[:m])
+    return kv_pages, logits, newest, pooled
 
 
 def _sample(logits, newest, last_tokens: jax.Array, sampling: SamplingInput, *, seqs: int):
@@ -117,6 +120,14 @@ def _sample(logits, newest, last_tokens: jax.Array, sampling: SamplingInput, *, 
     out = sample(logits, dataclasses.replace(sampling, history_ids=history))
     last_tokens = jax.lax.dynamic_update_slice(jnp.zeros_like(last_tokens), out.token_ids[:seqs], (0,))
     return out, last_tokens
+
+
+def _host_copy(tree):
+    """Device arrays to host ones. Across processes (multi-host) a step's outputs are replicated over the
+    mesh: this process reads its own copy."""
+    if jax.process_count() == 1:
+        return jax.device_get(tree)
+    return jax.tree.map(lambda x: np.asarray(x.addressable_data(0)), tree)
 
 
 def step_functions():
@@ -375,7 +386,7 @@ class ModelRunner(Runner):
             forward = lowered.compile(self.compiler_options)
             # The sampler takes the logits and newest tokens as this forward pass leaves them (split as XLA
             # chose on a mesh): one program per row count and those shardings.
-            _, logits, newest = jax.tree.map(
+            _, logits, newest, _ = jax.tree.map(
                 lambda info, sharding: jax.ShapeDtypeStruct(info.shape, info.dtype, sharding=sharding),
                 lowered.out_info, forward.output_shardings)
             key = (*_sampler_key(shape), logits.sharding, newest.sharding)
@@ -396,9 +407,10 @@ class ModelRunner(Runner):
         if shape not in self._compiled:  # a shape warm-up did not cover: compiled now (and counted)
             self.compile(shape)
         forward, sampler = self._compiled[shape]
-        self.kv_pages, logits, newest = forward(self.params, self.kv_pages, self.last_tokens, batch, self._lora_arrays())
+        self.kv_pages, logits, newest, pooled = forward(self.params, self.kv_pages, self.last_tokens, batch,
+                                                        self._lora_arrays())
         out, self.last_tokens = sampler(logits, newest, self.last_tokens, sampling)
-        return out
+        return out.replace(pooled=pooled)
 
     def _lora_arrays(self):
         return None if self.lora is None else self.lora.arrays
@@ -414,11 +426,13 @@ class ModelRunner(Runner):
 
     @staticmethod
     def fetch(outputs: SampleOutput) -> SampleOutput:
-        """The one device-to-host copy of a step. Across processes (multi-host) the outputs are
-        replicated over the mesh: this process reads its own copy."""
-        if jax.process_count() == 1:
-            return jax.device_get(outputs)
-        return jax.tree.map(lambda x: np.asarray(x.addressable_data(0)), outputs)
+        """The one device-to-host copy of a step (its pooled hidden states stay behind: fetch_pooled)."""
+        return _host_copy(outputs.replace(pooled=None))
+
+    @staticmethod
+    def fetch_pooled(outputs: SampleOutput) -> tuple[np.ndarray, np.ndarray]:
+        """A step's pooled hidden states (last rows, sums), for the steps that run embeddings."""
+        return _host_copy(outputs.pooled)
 
     @staticmethod
     def compilations() -> int:

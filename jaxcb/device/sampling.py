@@ -28,6 +28,9 @@ class SampleOutput:
     top_ids: jax.Array  # i32 [B, NUM_TOP_LOGPROBS]
     top_logprobs: jax.Array  # f32 [B, NUM_TOP_LOGPROBS]
     ranks: jax.Array  # i32 [B], the chosen token's rank in the model's distribution (1: the most likely)
+    # The forward pass's pooled hidden states (embeddings, jaxcb.host.embedding), f32 ([M, E] each sequence's
+    # last row, [M, E] the sum over its rows); attached by the runner, fetched only when a step pools
+    pooled: tuple | None = None
 
 
 def _apply_penalties(logits, s: SamplingInput):

@@ -29,6 +29,7 @@ from jaxcb.host.batch import narrow_row, pack_chunks
 from jaxcb.host.buckets import LengthLog
 from jaxcb.host.draft import describe_speculation, proposer_for
 from jaxcb.host.engine_config import EngineConfig
+from jaxcb.host.embedding import take_pooled
 from jaxcb.host.engine_stats import Counters, EngineStats, StepRecord
 from jaxcb.host.inbox import Add, Inbox
 from jaxcb.host.lora import Adapters
@@ -351,8 +352,17 @@ class Engine:
         self._last_fetch_end = fetch_end
         if start is not None and self.scheduler.proposer is not None:
             self.scheduler.proposer.observe_step(step.padded_tokens, fetch_end - start)
+        if any(c.request.params.pooling is not None for c in step.chunks):  # embeddings: their hidden states too
+            self._take_pooled(step, *self.runner.fetch_pooled(step.result))
         self._postprocess(step, result, events, None if start is None else fetch_end - start)
         self._counters.steps += 1
+
+    @staticmethod
+    def _take_pooled(step: _InFlight, last, sums) -> None:
+        for i, (c, epoch) in enumerate(zip(step.chunks, step.epochs)):  # sequence i of the step: chunk i
+            r = c.request
+            if r.params.pooling is not None and r.status is Status.RUNNING and r.num_preemptions == epoch:
+                take_pooled(r, c.start, c.num_tokens, last[i], sums[i])
 
     def _fail_step(self, chunks: list[Chunk], error: Exception, events: list[TokenEvent],
                    epochs: list[int] | None = None) -> None:

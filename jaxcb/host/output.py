@@ -17,6 +17,7 @@ import logging
 import time
 from typing import Callable
 
+from jaxcb.host.embedding import pooled_vector
 from jaxcb.host.request import FinishReason, Request, TokenEvent
 from jaxcb.host.detokenizer import IncrementalDetokenizer
 
@@ -129,7 +130,7 @@ class Outputs:
                          len(r.prompt_ids), len(r.output_ids), error, queue_s,
                          num_cached_tokens=r.num_cached_tokens, index=r.sample_index,
                          prompt_logprobs=self._prompt_logprobs(r, stream), stop_reason=stop_reason,
-                         request_error=request_error),
+                         request_error=request_error, embedding=pooled_vector(r)),
               stream, events, self._undelivered)
 
 

@@ -5,7 +5,7 @@ from the start of the sequence to the end of that page (and the request's cache 
 so equal hashes mean equal prefixes of the same tenant, not just equal pages. Once a page is full and its K/V computed, it is registered in the page pool under
 that hash. A request being admitted looks up its longest run of registered pages, takes a reference
 on each (they are read-only to it: it only ever writes at positions past them) and prefills only
-the rest. Partial pages are never shared; at least one token is always left to compute, because the
+the rest (a mean-pooled embedding excepted: it needs every position's hidden state, jaxcb.host.embedding). Partial pages are never shared; at least one token is always left to compute, because the
 step must produce the logits of the last one.
 
 The pool keeps registered pages that nobody holds in an LRU list (jaxcb.host.page_pool), so a prefix
@@ -122,7 +122,8 @@ class PrefixCache:
     def attach(self, r: Request) -> int:
         """At admission of a request that holds no pages: take its cached prefix. Returns the tokens."""
         assert not r.page_ids and r.num_computed == 0, "attach needs a request with no pages"
-        pages = self.cached_pages(r)
+        # (a mean-pooled embedding needs every prompt position's hidden state: it computes them all)
+        pages = self.cached_pages(r) if r.params.pooling != "mean" else []
         n, scored = r.params.prompt_logprobs, 0
         if r.scoring:  # only as far as the pages keep their tokens' logprobs (and enough alternatives) ...
             scored = self._scored(r, len(pages))

@@ -74,6 +74,9 @@ class SamplingParams:
     # `structured` applies only after this token (a reasoning part's end, e.g. </think>: the model thinks
     # freely, then answers under the grammar, as vLLM does with a reasoning parser); None: from the start.
     structured_after: int | None = None
+    # An embedding (jaxcb.host.embedding): the prompt's last hidden states pooled, "last" (its last token's)
+    # or "mean" (over its tokens), carried by the final event; max_tokens must be 0. None: not an embedding.
+    pooling: str | None = None
 
     def __post_init__(self):
         stop = self.stop or ()
@@ -85,7 +88,15 @@ class SamplingParams:
             _check_int("prompt_logprobs", self.prompt_logprobs, low=0, high=MAX_LOGPROBS)
         if self.structured_after is not None:
             _check_int("structured_after", self.structured_after, low=0)
-        _check_int("max_tokens", self.max_tokens, low=0 if self.prompt_logprobs is not None else 1)
+        if self.pooling is not None:
+            if self.pooling not in ("last", "mean"):
+                raise InvalidRequest(f"pooling: must be 'last' or 'mean', got {str(self.pooling)[:40]!r}")
+            if self.max_tokens != 0:
+                raise InvalidRequest(f"max_tokens: must be 0 for an embedding (pooling), got {self.max_tokens!r}")
+            if self.n != 1:
+                raise InvalidRequest(f"n: must be 1 for an embedding (pooling), got {self.n!r}")
+        _check_int("max_tokens", self.max_tokens,
+                   low=0 if self.prompt_logprobs is not None or self.pooling is not None else 1)
         _check_int("min_tokens", self.min_tokens, low=0, high=self.max_tokens)
         _check_finite("temperature", self.temperature, low=0.0)
         _check_int("top_k", self.top_k, low=0, high=2**31 - 1)
@@ -372,6 +383,10 @@ class Request:
     # params.prompt_logprobs: entry p is prompt token p + 1's (logprob, rank, ((id, logprob), ...top-n)),
     # from the logits at position p (a prompt position is scored once, whatever recomputes it)
     prompt_logprobs: list = dataclasses.field(default_factory=list)
+    # params.pooling: what the steps so far gave of its embedding (jaxcb.host.embedding.take_pooled), and the
+    # prompt positions they covered; both start again when it loses its pages
+    pooled: np.ndarray | None = None
+    pooled_upto: int = 0
 
     def __post_init__(self):
         if not self.request_id:
@@ -449,3 +464,4 @@ class TokenEvent:
     prompt_logprobs: tuple | None = None
     stop_reason: int | str | None = None  # on a final event: the stop token id or stop string that ended it
     request_error: bool = False  # an ERROR that is the request's own (its constraint failed), not the step's
+    embedding: np.ndarray | None = None  # on the final event of a pooling request: its pooled vector, f32 [E]

@@ -22,6 +22,7 @@ class Runner(Protocol):
     def compile(self, shape) -> None: ...  # compile the step for a StepShape ahead of time
     def run(self, batch, sampling, shape): ...  # launch one step (asynchronously); its result handle
     def fetch(self, outputs): ...  # the host copy of a step's result (waits for it)
+    def fetch_pooled(self, outputs): ...  # its pooled hidden states, (last rows [M, E], sums [M, E]): embeddings
     def idle(self) -> None: ...  # nothing to run this time round (the leader pings its followers)
     def reset_kv_if_lost(self) -> bool: ...  # after a failed step: fresh pages if the old were consumed
     def describe(self) -> dict[str, str]: ...  # how the step computes (banner, GetServerInfo)

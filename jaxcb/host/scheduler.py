@@ -204,6 +204,7 @@ class Scheduler:
         self.allot.release(victim)
         victim.num_computed = 0
         victim.num_pending, victim.pending_src = 0, None  # a token in flight is dropped and recomputed
+        victim.pooled, victim.pooled_upto = None, 0  # an embedding pools its recomputed positions again
         victim.status = Status.WAITING
         victim.num_preemptions += 1  # the epoch: its chunks in flight are void
         if switch:

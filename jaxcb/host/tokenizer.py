@@ -36,6 +36,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import __version__ as _TOKENIZERS_VERSION
 
 from jaxcb.host.chat_template import ROLES, check_template_kwargs, compile_template, template_roles
+from jaxcb.host.embedding import Pooling
 from jaxcb.host.errors import InvalidConfig, InvalidRequest, shown
 
 _CONTROL, _USER_DEFINED = 3, 4
@@ -107,6 +108,8 @@ class TokenizerSpec:
     add_space_prefix: bool = True  # SentencePiece: a space before the text (Llama 2 yes, Gemma no)
     arch: str = "llama"  # general.architecture (Gemma's merge order is its token order, not its scores)
     end_ids: tuple[int, ...] = ()  # more tokens that end a generation (GGUF's end-of-turn and end-of-message)
+    add_eos: bool = False  # tokenizer.ggml.add_eos_token: an input to embed ends with the EOS (encode_input)
+    pooling_type: int | None = None  # {arch}.pooling_type: how its embeddings pool (jaxcb.host.embedding)
 
 
 # Control tokens that end a generation besides the file's EOS, by their text (llama.cpp's rule for GGUF
@@ -242,7 +245,8 @@ class Tokenizer:
                 _store(path, text)
             else:
                 tok, text = cached
-            self._setup(tok, spec.bos_id, spec.eos_id, spec.add_bos, spec.chat_template, text, _end_ids(spec))
+            self._setup(tok, spec.bos_id, spec.eos_id, spec.add_bos, spec.chat_template, text, _end_ids(spec),
+                        spec.add_eos, Pooling.from_gguf(spec.pooling_type))
             return
         if spec.model != "gpt2":
             raise InvalidConfig(
@@ -265,11 +269,14 @@ class Tokenizer:
                  for t, kind in zip(spec.tokens, spec.token_types) if kind in (_CONTROL, _USER_DEFINED)]
         tok.add_special_tokens([t for t in added if t.special])
         tok.add_tokens([t for t in added if not t.special])
-        self._setup(tok, spec.bos_id, spec.eos_id, spec.add_bos, spec.chat_template, None, _end_ids(spec))
+        self._setup(tok, spec.bos_id, spec.eos_id, spec.add_bos, spec.chat_template, None, _end_ids(spec), spec.add_eos,
+                    Pooling.from_gguf(spec.pooling_type))
 
     def _setup(self, tok: HFTokenizer, bos_id, eos_id, add_bos: bool, chat_template: str | None,
-               text: str | None = None, end_ids=()) -> None:
+               text: str | None = None, end_ids=(), add_eos: bool = False, pooling: Pooling = Pooling()) -> None:
         self._tok = tok
+        self.add_eos = add_eos  # an input to embed ends with the EOS (encode_input)
+        self.pooling = pooling  # how the model's embeddings pool (jaxcb.host.embedding)
         self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
         self.bos_id = bos_id
         self.eos_id = eos_id
@@ -350,7 +357,7 @@ class Tokenizer:
             if not isinstance(ends, list) or not all(isinstance(i, int) and 0 <= i < tok.get_vocab_size() for i in ends):
                 raise InvalidConfig(f"model: {gen_path}: eos_token_id must be a token id or a list of them")
         self._setup(tok, token_id("bos_token"), token_id("eos_token"), bool(cfg.get("add_bos_token", False)),
-                    template, None, ends)
+                    template, None, ends, cfg.get("add_eos_token") is True, Pooling.from_dir(path))
         self.sampling_defaults = sampling_defaults(generation, gen_path)
         return self
 
@@ -363,7 +370,8 @@ class Tokenizer:
         name = lambda i: self.id_to_token(i) if i is not None else None  # noqa: E731
         with open(os.path.join(path, "tokenizer_config.json"), "w", encoding="utf-8") as f:
             json.dump({"bos_token": name(self.bos_id), "eos_token": name(self.eos_id), "add_bos_token": self.add_bos,
-                       "chat_template": self.chat_template}, f, indent=1)
+                       "add_eos_token": self.add_eos, "chat_template": self.chat_template}, f, indent=1)
+        self.pooling.save(path)
         with open(os.path.join(path, "generation_config.json"), "w", encoding="utf-8") as f:
             json.dump({"eos_token_id": list(self.end_ids), **self.sampling_defaults}, f, indent=1)
 
@@ -372,6 +380,17 @@ class Tokenizer:
         if (self.add_bos if add_bos is None else add_bos) and self.bos_id is not None:
             if not ids or ids[0] != self.bos_id:
                 ids = [self.bos_id, *ids]
+        return ids
+
+    def encode_input(self, text: str) -> list[int]:
+        """An input to embed, as sentence-transformers and vLLM encode it: with the tokenizer's own special
+        tokens (tokenizer.json's post-processor, e.g. Qwen3-Embedding's closing <|endoftext|>), else the BOS as
+        encode adds it and the EOS where the model file says to add it (add_eos_token)."""
+        if self._tok.post_processor is not None:
+            return self._tok.encode(text, add_special_tokens=True).ids
+        ids = self.encode(text)
+        if self.add_eos and self.eos_id is not None:
+            ids.append(self.eos_id)
         return ids
 
     def decode(self, ids, skip_special: bool = True) -> str:

@@ -365,6 +365,8 @@ def read_tokenizer(reader) -> TokenizerSpec | None:
         arch=arch,
         end_ids=tuple(int(i) for i in (_field(reader, "tokenizer.ggml.eot_token_id"),
                                         _field(reader, "tokenizer.ggml.eom_token_id")) if i is not None),
+        add_eos=bool(_field(reader, "tokenizer.ggml.add_eos_token", False)),
+        pooling_type=_field(reader, f"{arch}.pooling_type"),
     )
 
 
