@@ -180,6 +180,13 @@ class Client:
             raise RuntimeError(f"the stream ended after {len(results)} of {n} samples")
         return [results[i] for i in range(n)]
 
+    def embed(self, inputs, *, timeout=None, **fields) -> jaxcb_pb2.EmbedResponse:
+        """The embeddings of `inputs` (each a string or a list of token ids); `fields`: EmbedRequest's others
+        (dimensions, model, priority, request_id, cache_salt, truncate_prompt_tokens)."""
+        items = [jaxcb_pb2.EmbedInput(text=i) if isinstance(i, str) else
+                 jaxcb_pb2.EmbedInput(tokens=jaxcb_pb2.TokenInput(token_ids=list(i))) for i in inputs]
+        return self.stub.Embed(jaxcb_pb2.EmbedRequest(inputs=items, **fields), timeout=timeout, metadata=self.metadata)
+
     def abort(self, request_id: str) -> bool:
         return self.stub.Abort(jaxcb_pb2.AbortRequest(request_id=request_id), metadata=self.metadata).found
 

@@ -7,11 +7,15 @@ to its own status (gRPC codes in serve.grpc_api.GRPC_CODE, HTTP statuses in serv
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import hmac
 import time
 import uuid
 
+import numpy as np
+
+from jaxcb.host.embedding import Pooling
 from jaxcb.host.errors import (ContextTooLong, InvalidConfig, InvalidRequest, NotFound, Overloaded, StepFailed,
                                Unavailable, shown)
 from jaxcb.host.replicas import Replicas
@@ -24,6 +28,7 @@ MAX_REQUEST_ID_CHARS = 128
 MAX_CACHE_SALT_CHARS = 256
 MAX_REQUEST_BYTES = 16 << 20  # one request's message (gRPC) or body (HTTP): room for MAX_TEXT_CHARS escaped
 MAX_PROMPTS = 64  # prompts in one completions request (gRPC takes one)
+MAX_EMBED_INPUTS = 2048  # inputs in one embeddings request (OpenAI's limit; and the server's --max-waiting)
 MAX_TEMPLATE_CHARS = 65536  # a request's own chat template
 MAX_COMPILE_S = 10.0  # compiling one structured-output constraint (llguidance's own limits bound it too)
 
@@ -81,6 +86,8 @@ class State:
         self.model_name = self.served_names[0]
         self.dtype = dtype
         self.options = options
+        # how the model's embeddings pool (jaxcb.host.embedding): its sentence-transformers configuration or GGUF's
+        self.pooling = getattr(tokenizer, "pooling", None) or Pooling()
         # what an HTTP request leaves out of its sampling (ServerOptions.generation_config)
         self.sampling_defaults = dict(getattr(tokenizer, "sampling_defaults", {}) or {}) \
             if options.generation_config == "auto" else {}
@@ -187,6 +194,36 @@ class State:
             if not finished:
                 self.thread.abort(key)
 
+    async def embed(self, field: str, prompts: list[list[int]], params: SamplingParams, priority: int,
+                    request_id: str, tenant: str, cache_salt: str, dimensions: int) -> list[tuple[np.ndarray, int]]:
+        """Embed each prompt (one pooling request each, all checked before any is submitted, a prompt's ids
+        named by the API's `field`; they run beside every other request): (its vector as the model's pooling
+        finishes it, cut to `dimensions`; its prompt tokens). One failing, or the call cancelled, aborts the rest."""
+        for p in prompts:
+            try:
+                self.engine.validate(p, params)
+            except InvalidRequest as e:  # (the engine names a prompt's ids by its own field)
+                if e.field not in ("prompt", "prompt_token_ids"):
+                    raise
+                raise type(e)(field + str(e)[len(e.field):]) from None
+        self.admit(len(prompts))
+
+        async def one(i: int, ids: list[int]) -> TokenEvent:
+            async with contextlib.aclosing(self.stream(ids, params, priority, f"{request_id}/{i}" if request_id else "",
+                                                       tenant, cache_salt)) as events:
+                async for _, ev in events:
+                    if ev.finished:
+                        return ev
+            raise StepFailed("the request ended without its embedding")
+
+        try:
+            async with asyncio.TaskGroup() as group:
+                tasks = [group.create_task(one(i, ids)) for i, ids in enumerate(prompts)]
+        except ExceptionGroup as e:  # the first failure, as a single request's would be
+            raise e.exceptions[0] from None
+        finals = [t.result() for t in tasks]
+        return [(self.pooling.finish(ev.embedding, dimensions), ev.num_prompt_tokens) for ev in finals]
+
     def abort(self, tenant: str, request_id: str) -> bool:
         key = self.ids.get((tenant, request_id))
         if key is None:
@@ -268,6 +305,33 @@ def check_messages(field: str, messages: list[tuple[str, str]]) -> None:
     total = sum(len(content) + len(role) for role, content in messages)
     if total > MAX_TEXT_CHARS:
         raise InvalidRequest(f"{field}: {total} characters in all; the limit is {MAX_TEXT_CHARS}")
+
+
+async def input_ids(state: State, field: str, inputs: list, keep: int | None) -> list[list[int]]:
+    """Inputs to embed (each a string or a list of token ids) as token ids, strings encoded as embedding models
+    take them (Tokenizer.encode_input), each cut to its last `keep` (truncate_prompt_tokens): their count and
+    every size checked before any is tokenized."""
+    limit = min(MAX_EMBED_INPUTS, state.options.max_waiting)
+    if not inputs:
+        raise InvalidRequest(f"{field}: must not be empty")
+    if len(inputs) > limit:
+        raise InvalidRequest(f"{field}: {len(inputs)} inputs; the limit is {limit}"
+                             + (" (--max-waiting)" if limit < MAX_EMBED_INPUTS else ""))
+    total = sum(len(p) for p in inputs if isinstance(p, str))
+    if total > MAX_TEXT_CHARS:
+        raise InvalidRequest(f"{field}: {total} characters in all; the limit is {MAX_TEXT_CHARS}")
+    for p in inputs:
+        if isinstance(p, str):
+            check_text(field, p)
+            check_text_fits(state, field, len(p), keep)
+        elif keep is None:
+            check_token_count(state, field, len(p))
+    texts = [i for i, p in enumerate(inputs) if isinstance(p, str)]
+    encoded = await asyncio.to_thread(lambda: [state.tokenizer.encode_input(inputs[i]) for i in texts]) if texts else []
+    ids = [list(p) for p in inputs]
+    for i, e in zip(texts, encoded):
+        ids[i] = e
+    return [truncated(p, keep) for p in ids]
 
 
 def check_ids(request_id: str, cache_salt: str) -> None:

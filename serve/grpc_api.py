@@ -28,8 +28,8 @@ from jaxcb.host.request import (SamplingParams, TokenEvent, check_allowed_count,
 from jaxcb.host.structured import MAX_CHOICES, Constraint
 from jaxcb.host.chat_template import check_template_kwargs
 from serve.frontend import (MAX_REQUEST_BYTES, ServerOptions, State, check_ids, check_messages,
-                            check_request_template, check_settings, check_text, check_text_fits, check_token_count, prompt_keep,
-                            tenant, token_index, truncated)
+                            check_request_template, check_settings, check_text, check_text_fits, check_token_count,
+                            input_ids, prompt_keep, tenant, token_index, truncated)
 from serve.proto import jaxcb_pb2, jaxcb_pb2_grpc, jetstream_pb2, jetstream_pb2_grpc
 
 log = logging.getLogger("jaxcb.serve")
@@ -213,6 +213,29 @@ class JaxcbService(jaxcb_pb2_grpc.JaxcbServicer):
         except JaxcbError as e:
             await context.abort(grpc_code(e), details(e, request))
 
+    async def Embed(self, request, context):
+        s = self.state
+        try:
+            check_ids(request.request_id, request.cache_salt)
+            dimensions = s.pooling.check(s.engine.model_config.hidden_size,
+                                         request.dimensions if request.HasField("dimensions") else None)
+            params = SamplingParams(max_tokens=0, pooling=s.pooling.mode, lora=s.adapter_for(request.model))
+            keep = prompt_keep(s, request.truncate_prompt_tokens if request.HasField("truncate_prompt_tokens") else None)
+            inputs = []
+            for i, item in enumerate(request.inputs):
+                kind = item.WhichOneof("input")
+                if kind is None:
+                    raise InvalidRequest(f"inputs[{i}]: one of text or tokens is required")
+                inputs.append(item.text if kind == "text" else list(item.tokens.token_ids))
+            prompts = await input_ids(s, "inputs", inputs, keep)
+            results = await s.embed("inputs", prompts, params, request.priority, request.request_id,
+                                    tenant_of(s, context), request.cache_salt, dimensions)
+        except JaxcbError as e:
+            await context.abort(grpc_code(e), details(e, request))
+        return jaxcb_pb2.EmbedResponse(
+            embeddings=[jaxcb_pb2.Embedding(values=v.tolist(), prompt_tokens=n) for v, n in results],
+            prompt_tokens=sum(n for _, n in results))
+
     async def Abort(self, request, context):
         """Only the caller's own requests (same token, or same connection without auth) are found."""
         return jaxcb_pb2.AbortResponse(found=self.state.abort(tenant_of(self.state, context), request.request_id))
@@ -223,7 +246,8 @@ class JaxcbService(jaxcb_pb2_grpc.JaxcbServicer):
         return jaxcb_pb2.ModelInfo(name=s.model_name, served_model_names=s.served_names, vocab_size=c.vocab_size, context_length=s.engine.max_context,
                                    dtype=s.dtype, num_layers=c.num_layers, num_params=c.num_params,
                                    family=c.family, sliding_window=c.sliding_window if c.windowed else 0,
-                                   num_sliding_layers=c.num_sliding_layers, lora_adapters=s.engine.lora_names())
+                                   num_sliding_layers=c.num_sliding_layers, lora_adapters=s.engine.lora_names(),
+                                   embedding_size=c.hidden_size, embedding_pooling=s.pooling.describe())
 
     async def LoadLoraAdapter(self, request, context):
         try:

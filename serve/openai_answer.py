@@ -18,6 +18,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from jaxcb.host import harmony as harmony_format
 from jaxcb.host import tool_parse
+from jaxcb.host.embedding import encoded
 from jaxcb.host.errors import JaxcbError
 from jaxcb.host.request import FinishReason
 from serve import reasoning
@@ -210,22 +211,14 @@ async def answer(state, request: Request, options: RequestOptions, tenant: str, 
             if finish:
                 finishes[index] = finish
 
-    async def watch():  # a client that hangs up while we work: abort, the moment the server hears of it
-        while (await request.receive())["type"] != "http.disconnect":  # the body was read: only this comes
-            pass
-
-    work = gone = None
-    try:
+    try:  # a client that hangs up while we work: abort, the moment the server hears of it
         start()
-        work, gone = asyncio.ensure_future(collect()), asyncio.ensure_future(watch())
-        await asyncio.wait([work, gone], return_when=asyncio.FIRST_COMPLETED)
-        if not work.done():
-            return Response(status_code=499)
-        work.result()
+        gone = await until_gone(request, collect())
+        if gone is not None:
+            return gone
     finally:
-        for t in (*tasks, work, gone):
-            if t is not None:
-                t.cancel()
+        for t in tasks:
+            t.cancel()
     if chat and harmony:
         choices = [_harmony_choice(k, texts[k], tools, logs[k], finishes[k], stop_reasons[k], include_reasoning)
                    for k in range(len(texts))]
@@ -255,6 +248,33 @@ async def answer(state, request: Request, options: RequestOptions, tenant: str, 
             choice["prompt_logprobs"] = prompt_lists[k]
     return {"id": rid, "object": "text_completion", "created": created, "model": model_name,
             "choices": choices, "usage": usage_json()}
+
+
+async def until_gone(request: Request, work):
+    """Await `work` (a coroutine) unless the client hangs up first: then it is cancelled (its requests aborted)
+    and the answer is a 499."""
+    async def watch():
+        while (await request.receive())["type"] != "http.disconnect":  # the body was read: only this comes
+            pass
+
+    task, gone = asyncio.ensure_future(work), asyncio.ensure_future(watch())
+    try:
+        await asyncio.wait([task, gone], return_when=asyncio.FIRST_COMPLETED)
+        if not task.done():
+            return Response(status_code=499)
+        return task.result()
+    finally:
+        task.cancel()
+        gone.cancel()
+
+
+def embeddings_body(results: list, encoding_format: str, model_name: str) -> dict:
+    """OpenAI's embeddings answer: each input's vector (State.embed's (vector, prompt tokens)) in order."""
+    tokens = sum(n for _, n in results)
+    return {"id": "embd-" + uuid.uuid4().hex, "object": "list", "created": int(time.time()), "model": model_name,
+            "data": [{"object": "embedding", "index": i, "embedding": encoded(v, encoding_format)}
+                     for i, (v, _) in enumerate(results)],
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
 
 
 def _call_finish(finish, calls: int, tools):

@@ -8,6 +8,8 @@
     POST /v1/completions         prompt: text, list of texts, token ids or lists of them
     POST /v1/chat/completions    messages through the model's chat template
     POST /v1/responses           OpenAI's Responses API (text and function tools), over the chat machinery
+    POST /v1/embeddings          input: text, list of texts, token ids or lists of them -> their embeddings,
+                                 pooled as the model says (jaxcb.host.embedding); float or base64, `dimensions`
     POST /tokenize               vLLM's: {prompt} or {messages} -> {count, max_model_len, tokens, token_strs}
     POST /detokenize             vLLM's: {tokens} -> {prompt}
     GET  /version                {version}: jaxcb's (no auth)
@@ -40,11 +42,14 @@ from starlette.exceptions import HTTPException as RouteError
 
 import jaxcb
 from jaxcb.host import harmony, tool_calls
+from jaxcb.host.embedding import check_encoding_format
 from jaxcb.host.errors import InvalidConfig, InvalidRequest, JaxcbError, NotFound, Unauthenticated
+from jaxcb.host.request import SamplingParams
 from serve import frontend, openai_responses, reasoning
-from serve.openai_answer import answer, json_response
+from serve.openai_answer import answer, embeddings_body, json_response, until_gone
 from serve.openai_beam import beam_answer, check_beam_request
-from serve.openai_fields import (CHAT_FIELDS, COMPLETION_FIELDS, DETOKENIZE_FIELDS, TOKENIZE_FIELDS, MAX_TOP_LOGPROBS,
+from serve.openai_fields import (CHAT_FIELDS, COMPLETION_FIELDS, DETOKENIZE_FIELDS, EMBEDDING_FIELDS, TOKENIZE_FIELDS,
+                                 MAX_TOP_LOGPROBS,
                                  ERROR_TYPE, HTTPError, bad_request, bool_field, check_chat_spec_fields, check_fields,
                                  common_fields, http_error, int_field, parse_json, placeholder_max_tokens, prompt_list,
                                  sampling_params, str_field, template_fields, beam_fields)
@@ -343,6 +348,25 @@ def make_app(state) -> FastAPI:
         except (HTTPError, JaxcbError) as e:  # named by this API's fields, not the chat's
             raise openai_responses.renamed(e if isinstance(e, HTTPError) else http_error(e), origins) from None
         return await json_response(openai_responses.reshape(answer, body, origins))
+
+    @app.post("/v1/embeddings")
+    async def embeddings(request: Request):
+        tenant = authorize(request)
+        body = await body_of(request)
+        check_fields(body, EMBEDDING_FIELDS)
+        options = common_fields(body)
+        fmt = check_encoding_format(body.get("encoding_format"))
+        dimensions = state.pooling.check(state.engine.model_config.hidden_size, body.get("dimensions"))
+        params = SamplingParams(max_tokens=0, pooling=state.pooling.mode, lora=adapter_of(body))
+        given = prompt_list(body.get("input"), "input", frontend.MAX_EMBED_INPUTS)
+        keep = frontend.prompt_keep(state, body.get("truncate_prompt_tokens"))
+        prompts = await frontend.input_ids(state, "input", given, keep)
+        results = await until_gone(request, state.embed("input", prompts, params, options.priority,
+                                                        options.request_id, tenant, options.cache_salt, dimensions))
+        if isinstance(results, Response):
+            return results
+        return await json_response(await asyncio.to_thread(
+            embeddings_body, results, fmt, params.lora or state.model_name))
 
     def chat_tools(body: dict, messages: list, template: str | None):
         """The request's tools and messages for the chat template that writes the chat: the request's own,

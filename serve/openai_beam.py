@@ -12,11 +12,11 @@ import time
 import uuid
 
 from fastapi import Request
-from fastapi.responses import Response
 
 from jaxcb.host.beam_search import BeamSearch
 from jaxcb.host.errors import JaxcbError
 from jaxcb.host.request import SamplingParams
+from serve.openai_answer import until_gone
 from serve.openai_fields import RequestOptions, bad_request, http_error
 
 
@@ -57,22 +57,12 @@ async def beam_answer(state, request: Request, options: RequestOptions, tenant: 
             for s in live:
                 s.advance([next(tops) for _ in s.live])
 
-    async def watch():  # a client that hangs up: the round in flight is aborted
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-
-    work, gone = asyncio.ensure_future(search()), asyncio.ensure_future(watch())
-    try:
-        await asyncio.wait([work, gone], return_when=asyncio.FIRST_COMPLETED)
-        if not work.done():
-            return Response(status_code=499)
-        try:
-            work.result()
-        except JaxcbError as e:
-            raise http_error(e) from None
-    finally:
-        for t in (work, gone):
-            t.cancel()
+    try:  # a client that hangs up: the round in flight is aborted
+        gone = await until_gone(request, search())
+    except JaxcbError as e:
+        raise http_error(e) from None
+    if gone is not None:
+        return gone
     return await asyncio.to_thread(_shape, state, searches, params, chat)
 
 

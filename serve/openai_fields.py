@@ -50,6 +50,9 @@ TOKENIZE_FIELDS = {"model", "prompt", "messages", "add_special_tokens", "add_gen
                    "return_token_strs", "chat_template_kwargs", "chat_template", "tools", "tool_choice",
                    "parallel_tool_calls", "reasoning_effort"}
 DETOKENIZE_FIELDS = {"model", "tokens"}
+# OpenAI's embeddings fields, and vLLM's extras that apply to them
+EMBEDDING_FIELDS = {"model", "input", "encoding_format", "dimensions", "user", "truncate_prompt_tokens", "priority",
+                    "request_id", "cache_salt", *SERVICE_FIELDS}
 
 
 class HTTPError(Exception):
@@ -275,18 +278,20 @@ def is_token_ids(p) -> bool:
     return isinstance(p, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in p)
 
 
-def prompt_list(prompt) -> list:
-    """`prompt` as a list of prompts (each a string or a list of token ids), shapes checked."""
+def prompt_list(prompt, field: str = "prompt", limit: int = frontend.MAX_PROMPTS) -> list:
+    """`prompt` (the completions' prompt, the embeddings' input) as a list of prompts (each a string or a list of
+    token ids), shapes checked; at most `limit` of them."""
+    shapes = f"{field}: must be a string, a list of strings, a list of token ids or a list of lists"
     if isinstance(prompt, str):
         prompt = [prompt]
     if not isinstance(prompt, list) or not prompt:
-        raise bad_request("prompt: must be a string, a list of strings, a list of token ids or a list of lists")
+        raise bad_request(shapes)
     if is_token_ids(prompt):
         prompt = [prompt]
-    if len(prompt) > frontend.MAX_PROMPTS:
-        raise bad_request(f"prompt: {len(prompt)} prompts; the limit is {frontend.MAX_PROMPTS}")
+    if len(prompt) > limit:
+        raise bad_request(f"{field}: {len(prompt)} {'prompts' if field == 'prompt' else 'inputs'}; the limit is {limit}")
     if not all(isinstance(p, str) or is_token_ids(p) for p in prompt):
-        raise bad_request("prompt: must be a string, a list of strings, a list of token ids or a list of lists")
+        raise bad_request(shapes)
     return prompt
 
 

@@ -75,6 +75,7 @@ def test_two_processes_give_the_single_device_tokens_with_lora_adapters_and_stop
             with concurrent.futures.ThreadPoolExecutor(9) as pool:
                 results = list(pool.map(lambda p, name: c.complete(token_ids=p, max_tokens=12, ignore_eos=True,
                                                                    lora=name, timeout=120), prompts, names))
+            embedded = c.embed(prompts[:2])  # (the pooled hidden states come back from the leader's own copy)
             info = c.server_info()
         assert info.compilations == warm  # nothing compiled after warm-up, broadcasts and slot fills included
         assert info.tensor_parallel == 4 and info.pages_free == info.pages_total
@@ -85,6 +86,8 @@ def test_two_processes_give_the_single_device_tokens_with_lora_adapters_and_stop
         greedy = SamplingParams(max_tokens=12, ignore_eos=True)
         expected = [offline.generate([p], dataclasses.replace(greedy, lora=name))[0] for p, name in zip(prompts, names)]
         assert [r.token_ids for r in results] == [o.token_ids for o in expected]
+        for got, want in zip(embedded.embeddings, offline.embed(prompts[:2])):
+            assert np.abs(np.asarray(got.values) - want).max() < 1e-5
         base = offline.generate(prompts[1:3], greedy)  # (the adapters change the tokens)
         assert all(r.token_ids != o.token_ids for r, o in zip(results[1:3], base))
         assert cluster.leader.stop() == 0, cluster.leader.output()

@@ -198,6 +198,67 @@ def test_min_tokens_and_stop_token_ids_over_both_apis_as_offline(server, oai, mo
         assert r.status_code == 400 and r.json()["error"]["message"].startswith(message), (body, r.text[:300])
 
 
+def test_embeddings_over_both_apis_equal_the_offline_engine(server, oai, model_name, tiny_model, config_path):
+    """/v1/embeddings (the official client's default base64, and floats), gRPC's Embed and LLM.embed give the same
+    vectors for text and token-id inputs: unit vectors of the model's width, `dimensions` the first values
+    normalized again; usage counts the inputs' tokens; afterwards every page is free."""
+    cfg, params, tok, eos = tiny_model
+    offline = LLM.from_params(cfg, params, tok, config=load_config(config_path), eos_ids=eos)
+    inputs = ["The cat sat on the mat.", [5, 6, 7, 8, 9], "A longer input " * 20]
+    want = offline.embed(inputs)
+    by_default = oai.embeddings.create(model=model_name, input=inputs)  # (the client asks for base64)
+    floats = httpx.post(server.http + "/v1/embeddings", json={"model": model_name, "input": inputs,
+                                                               "encoding_format": "float"}, timeout=60).json()
+    with Client(server.target) as c:
+        over_grpc = c.embed(inputs)
+        info = c.model_info()
+    assert info.embedding_size == cfg.hidden_size and "last token" in info.embedding_pooling
+    tokens = [len(tok.encode_input(inputs[0])), 5, len(tok.encode_input(inputs[2]))]
+    assert by_default.usage.prompt_tokens == floats["usage"]["prompt_tokens"] == over_grpc.prompt_tokens == sum(tokens)
+    assert [e["index"] for e in floats["data"]] == [0, 1, 2] and floats["object"] == "list"
+    for i, vector in enumerate(want):
+        assert vector.shape == (cfg.hidden_size,) and abs(float(np.linalg.norm(vector)) - 1) < 1e-5
+        for got in (by_default.data[i].embedding, floats["data"][i]["embedding"], over_grpc.embeddings[i].values):
+            assert np.abs(np.asarray(got) - vector).max() < 1e-6, i
+        assert over_grpc.embeddings[i].prompt_tokens == tokens[i]
+    short = oai.embeddings.create(model=model_name, input=inputs[0], dimensions=8, encoding_format="float")
+    cut = want[0][:8] / np.linalg.norm(want[0][:8])
+    assert np.abs(np.asarray(short.data[0].embedding) - cut).max() < 1e-6
+    _pool_whole(server)
+
+
+@pytest.mark.parametrize("body, message", [
+    ({"input": []}, "input: must be a string"),
+    ({"input": ""}, "input: the prompt must not be empty"),
+    ({"input": [[1, 2], 3]}, "input: must be a string"),
+    ({"input": [[5, 6, 1 << 30]]}, "input: token id 1073741824 is outside the vocabulary"),
+    ({"input": "x", "dimensions": 0}, "dimensions: must be an integer between 1 and"),
+    ({"input": "x", "encoding_format": "hex"}, "encoding_format: must be one of float, base64"),
+    ({"input": "x", "temperature": 0.5}, "temperature: not a field this endpoint takes"),
+    ({"input": ["x"] * 2049}, "input: 2049 inputs; the limit is 2048"),
+    ({"input": "x", "model": "other"}, "model: 'other' is not served here")])
+def test_embeddings_refusals_name_the_field(server, model_name, body, message):
+    r = httpx.post(server.http + "/v1/embeddings", json={"model": model_name, **body}, timeout=60)
+    assert r.status_code in (400, 404) and message in r.json()["error"]["message"], r.text
+
+
+def test_grpc_embed_refusals_name_the_field(server):
+    from serve.proto import jaxcb_pb2
+
+    with Client(server.target) as c:
+        for inputs, fields, message in [([], {}, "inputs: must not be empty"),
+                                        (["x"], {"dimensions": 100000}, "dimensions: must be an integer between"),
+                                        ([[5, 1 << 30]], {}, "inputs: token id 1073741824 is outside the vocabulary"),
+                                        (["x"], {"truncate_prompt_tokens": 0}, "truncate_prompt_tokens: must be")]:
+            with pytest.raises(grpc.RpcError) as e:
+                c.embed(inputs, **fields)
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and message in e.value.details(), e.value.details()
+        with pytest.raises(grpc.RpcError) as e:
+            c.stub.Embed(jaxcb_pb2.EmbedRequest(inputs=[jaxcb_pb2.EmbedInput()]))
+        assert "inputs[0]: one of text or tokens is required" in e.value.details()
+    _pool_whole(server)
+
+
 def test_chat_streaming_with_usage(oai, model_name):
     messages = [{"role": "user", "content": "Hello there"}]
     full = oai.chat.completions.create(model=model_name, messages=messages, max_tokens=10, temperature=0,

@@ -6,6 +6,48 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class EmbedInput(_message.Message):
+    __slots__ = ("text", "tokens")
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    tokens: TokenInput
+    def __init__(self, text: _Optional[str] = ..., tokens: _Optional[_Union[TokenInput, _Mapping]] = ...) -> None: ...
+
+class EmbedRequest(_message.Message):
+    __slots__ = ("inputs", "dimensions", "model", "priority", "request_id", "cache_salt", "truncate_prompt_tokens")
+    INPUTS_FIELD_NUMBER: _ClassVar[int]
+    DIMENSIONS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATE_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    inputs: _containers.RepeatedCompositeFieldContainer[EmbedInput]
+    dimensions: int
+    model: str
+    priority: int
+    request_id: str
+    cache_salt: str
+    truncate_prompt_tokens: int
+    def __init__(self, inputs: _Optional[_Iterable[_Union[EmbedInput, _Mapping]]] = ..., dimensions: _Optional[int] = ..., model: _Optional[str] = ..., priority: _Optional[int] = ..., request_id: _Optional[str] = ..., cache_salt: _Optional[str] = ..., truncate_prompt_tokens: _Optional[int] = ...) -> None: ...
+
+class Embedding(_message.Message):
+    __slots__ = ("values", "prompt_tokens")
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    values: _containers.RepeatedScalarFieldContainer[float]
+    prompt_tokens: int
+    def __init__(self, values: _Optional[_Iterable[float]] = ..., prompt_tokens: _Optional[int] = ...) -> None: ...
+
+class EmbedResponse(_message.Message):
+    __slots__ = ("embeddings", "prompt_tokens")
+    EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    embeddings: _containers.RepeatedCompositeFieldContainer[Embedding]
+    prompt_tokens: int
+    def __init__(self, embeddings: _Optional[_Iterable[_Union[Embedding, _Mapping]]] = ..., prompt_tokens: _Optional[int] = ...) -> None: ...
+
 class LoadLoraAdapterRequest(_message.Message):
     __slots__ = ("lora_name", "lora_path")
     LORA_NAME_FIELD_NUMBER: _ClassVar[int]
@@ -238,7 +280,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "vocab_size", "context_length", "dtype", "num_layers", "num_params", "family", "sliding_window", "num_sliding_layers", "lora_adapters", "served_model_names")
+    __slots__ = ("name", "vocab_size", "context_length", "dtype", "num_layers", "num_params", "family", "sliding_window", "num_sliding_layers", "lora_adapters", "served_model_names", "embedding_size", "embedding_pooling")
     NAME_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
@@ -250,6 +292,8 @@ class ModelInfo(_message.Message):
     NUM_SLIDING_LAYERS_FIELD_NUMBER: _ClassVar[int]
     LORA_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     SERVED_MODEL_NAMES_FIELD_NUMBER: _ClassVar[int]
+    EMBEDDING_SIZE_FIELD_NUMBER: _ClassVar[int]
+    EMBEDDING_POOLING_FIELD_NUMBER: _ClassVar[int]
     name: str
     vocab_size: int
     context_length: int
@@ -261,7 +305,9 @@ class ModelInfo(_message.Message):
     num_sliding_layers: int
     lora_adapters: _containers.RepeatedScalarFieldContainer[str]
     served_model_names: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., context_length: _Optional[int] = ..., dtype: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_params: _Optional[int] = ..., family: _Optional[str] = ..., sliding_window: _Optional[int] = ..., num_sliding_layers: _Optional[int] = ..., lora_adapters: _Optional[_Iterable[str]] = ..., served_model_names: _Optional[_Iterable[str]] = ...) -> None: ...
+    embedding_size: int
+    embedding_pooling: str
+    def __init__(self, name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., context_length: _Optional[int] = ..., dtype: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_params: _Optional[int] = ..., family: _Optional[str] = ..., sliding_window: _Optional[int] = ..., num_sliding_layers: _Optional[int] = ..., lora_adapters: _Optional[_Iterable[str]] = ..., served_model_names: _Optional[_Iterable[str]] = ..., embedding_size: _Optional[int] = ..., embedding_pooling: _Optional[str] = ...) -> None: ...
 
 class GetServerInfoRequest(_message.Message):
     __slots__ = ()

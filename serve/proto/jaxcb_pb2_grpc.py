@@ -64,6 +64,11 @@ class JaxcbStub:
                 request_serializer=jaxcb__pb2.UnloadLoraAdapterRequest.SerializeToString,
                 response_deserializer=jaxcb__pb2.LoraAdapterResponse.FromString,
                 _registered_method=True)
+        self.Embed = channel.unary_unary(
+                '/jaxcb.v1.Jaxcb/Embed',
+                request_serializer=jaxcb__pb2.EmbedRequest.SerializeToString,
+                response_deserializer=jaxcb__pb2.EmbedResponse.FromString,
+                _registered_method=True)
 
 
 class JaxcbServicer:
@@ -110,6 +115,14 @@ class JaxcbServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Embed(self, request, context):
+        """Embeddings (the HTTP API's /v1/embeddings): each input's vector from the model's last hidden states,
+        pooled as the model says (ModelInfo.embedding_pooling); the inputs run beside every other request.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_JaxcbServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -142,6 +155,11 @@ def add_JaxcbServicer_to_server(servicer, server):
                     servicer.UnloadLoraAdapter,
                     request_deserializer=jaxcb__pb2.UnloadLoraAdapterRequest.FromString,
                     response_serializer=jaxcb__pb2.LoraAdapterResponse.SerializeToString,
+            ),
+            'Embed': grpc.unary_unary_rpc_method_handler(
+                    servicer.Embed,
+                    request_deserializer=jaxcb__pb2.EmbedRequest.FromString,
+                    response_serializer=jaxcb__pb2.EmbedResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -306,6 +324,33 @@ class Jaxcb:
             '/jaxcb.v1.Jaxcb/UnloadLoraAdapter',
             jaxcb__pb2.UnloadLoraAdapterRequest.SerializeToString,
             jaxcb__pb2.LoraAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Embed(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/jaxcb.v1.Jaxcb/Embed',
+            jaxcb__pb2.EmbedRequest.SerializeToString,
+            jaxcb__pb2.EmbedResponse.FromString,
             options,
             channel_credentials,
             insecure,
