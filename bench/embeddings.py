@@ -116,6 +116,7 @@ def main(argv=None) -> None:
     ap.add_argument("--vllm-model", default="/tmp/peers/smollm2-hf")
     ap.add_argument("--vllm-dtype", default="float32")
     a = ap.parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # (a killed run still stops its servers)
 
     rng = np.random.default_rng(a.seed)
     lengths = rng.integers(a.min_tokens, a.max_tokens + 1, a.inputs)

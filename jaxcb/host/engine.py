@@ -41,7 +41,7 @@ from jaxcb.host.runner_protocol import Runner
 from jaxcb.host.request import (FinishReason, Request, SamplingParams, Status, TokenEvent, check_priority,
                                 check_tokens)
 from jaxcb.host.scheduler import Scheduler
-from jaxcb.host.step_plan import Chunk
+from jaxcb.host.step_plan import Chunk, live_chunks
 from jaxcb.host.structured import grammars_for, structured_failure
 from jaxcb.host.window import WindowGroup
 
@@ -359,10 +359,9 @@ class Engine:
 
     @staticmethod
     def _take_pooled(step: _InFlight, last, sums) -> None:
-        for i, (c, epoch) in enumerate(zip(step.chunks, step.epochs)):  # sequence i of the step: chunk i
-            r = c.request
-            if r.params.pooling is not None and r.status is Status.RUNNING and r.num_preemptions == epoch:
-                take_pooled(r, c.start, c.num_tokens, last[i], sums[i])
+        for i, c in live_chunks(step.chunks, step.epochs):  # sequence i of the step: chunk i
+            if c.request.params.pooling is not None:
+                take_pooled(c.request, c.start, c.num_tokens, last[i], sums[i])
 
     def _fail_step(self, chunks: list[Chunk], error: Exception, events: list[TokenEvent],
                    epochs: list[int] | None = None) -> None:
@@ -375,10 +374,8 @@ class Engine:
         message = f"{type(error).__name__}: {error}"
         self.num_failed_steps += 1
         self.failed_in_a_row += 1
-        for i, chunk in enumerate(chunks):
+        for _, chunk in live_chunks(chunks, epochs):
             r = chunk.request
-            if r.status is not Status.RUNNING or (epochs is not None and r.num_preemptions != epochs[i]):
-                continue
             if r in self.outputs:
                 self._finish(r, FinishReason.ERROR, events, error=message)
             else:  # nobody listens for it (a broken invariant): take it out rather than fail every step
@@ -397,8 +394,8 @@ class Engine:
             raise StepFailed(f"{self.failed_in_a_row} steps in a row failed (last: {message}); the engine is broken")
 
     def _postprocess(self, step: _InFlight, result, events: list[TokenEvent], seconds: float | None) -> None:
-        for c, epoch in zip(step.chunks, step.epochs):  # prompt logprobs, before the tokens that carry them
-            if c.score_rows and c.request.status is Status.RUNNING and c.request.num_preemptions == epoch:
+        for _, c in live_chunks(step.chunks, step.epochs):  # prompt logprobs, before the tokens that carry them
+            if c.score_rows:
                 take_prompt_logprobs(c, result)
         sampled = self.scheduler.on_step_done(step.chunks, step.epochs, result.token_ids)
         self._counters.output_tokens += len(sampled)

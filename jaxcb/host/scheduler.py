@@ -40,7 +40,7 @@ from jaxcb.host.policies import SchedulerConfig, admission_order, order_key
 from jaxcb.host.prefix_cache import PrefixCache
 from jaxcb.host.request import FinishReason, Request, Status
 from jaxcb.host.speculative import Proposer
-from jaxcb.host.step_plan import Chunk, Sampled, SchedulerOutput
+from jaxcb.host.step_plan import Chunk, Sampled, SchedulerOutput, live_chunks
 
 
 log = logging.getLogger("jaxcb.host.scheduler")
@@ -133,10 +133,8 @@ class Scheduler:
         A chunk whose request ended or was preempted (`epochs`: preemption counts at launch) since the
         launch is void."""
         sampled = []
-        for row, (c, epoch) in enumerate(zip(chunks, epochs)):
+        for row, c in live_chunks(chunks, epochs):
             r = c.request
-            if r.status is not Status.RUNNING or r.num_preemptions != epoch:
-                continue
             if c.draft:
                 self._accept(c, row, token_ids, sampled)
                 continue

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from typing import NamedTuple
 
-from jaxcb.host.request import FinishReason, Request
+from jaxcb.host.request import FinishReason, Request, Status
 
 
 class Sampled(NamedTuple):
@@ -21,6 +21,16 @@ class Sampled(NamedTuple):
     request: Request
     token: int
     finish: FinishReason | None
+
+
+def live_chunks(chunks: list["Chunk"], epochs: list[int] | None):
+    """(row, chunk) of a launched step's chunks whose request still runs as it did at the launch (`epochs`: the
+    requests' preemption counts then; None: whatever the count): a chunk whose request ended or was preempted
+    since is void."""
+    for row, c in enumerate(chunks):
+        r = c.request
+        if r.status is Status.RUNNING and (epochs is None or r.num_preemptions == epochs[row]):
+            yield row, c
 
 
 @dataclasses.dataclass(slots=True)
