@@ -10,6 +10,8 @@
     POST /v1/responses           OpenAI's Responses API (text and function tools), over the chat machinery
     POST /v1/embeddings          input: text, list of texts, token ids or lists of them -> their embeddings,
                                  pooled as the model says (jaxcb.host.embedding); float or base64, `dimensions`
+    POST /score, /v1/score       vLLM's: text_1 against text_2, the cosine of their embeddings
+    POST /rerank, /v1/rerank, /v2/rerank   Jina's, Cohere's and vLLM's: documents against a query, best first
     POST /tokenize               vLLM's: {prompt} or {messages} -> {count, max_model_len, tokens, token_strs}
     POST /detokenize             vLLM's: {tokens} -> {prompt}
     GET  /version                {version}: jaxcb's (no auth)
@@ -45,7 +47,7 @@ from jaxcb.host import harmony, tool_calls
 from jaxcb.host.embedding import check_encoding_format
 from jaxcb.host.errors import InvalidConfig, InvalidRequest, JaxcbError, NotFound, Unauthenticated
 from jaxcb.host.request import SamplingParams
-from serve import frontend, openai_responses, reasoning
+from serve import frontend, openai_responses, openai_scores, reasoning
 from serve.openai_answer import answer, embeddings_body, json_response, until_gone
 from serve.openai_beam import beam_answer, check_beam_request
 from serve.openai_fields import (CHAT_FIELDS, COMPLETION_FIELDS, DETOKENIZE_FIELDS, EMBEDDING_FIELDS, TOKENIZE_FIELDS,
@@ -56,7 +58,7 @@ from serve.openai_fields import (CHAT_FIELDS, COMPLETION_FIELDS, DETOKENIZE_FIEL
 
 
 log = logging.getLogger("jaxcb.serve.openai_api")
-LIMITED = ("/v1/", "/tokenize", "/detokenize")  # the paths of API calls (what the concurrency limit counts)
+LIMITED = ("/v1/", "/v2/", "/tokenize", "/detokenize", "/score", "/rerank")  # the paths of API calls (what the concurrency limit counts)
 
 
 class _ConcurrencyLimit:
@@ -349,24 +351,60 @@ def make_app(state) -> FastAPI:
             raise openai_responses.renamed(e if isinstance(e, HTTPError) else http_error(e), origins) from None
         return await json_response(openai_responses.reshape(answer, body, origins))
 
+    async def embedded(request: Request, tenant: str, body: dict, field: str, inputs: list, dimensions=None):
+        """The inputs' embeddings (State.embed's (vector, prompt tokens)), or a 499 if the client hung up."""
+        options = common_fields(body)
+        dimensions = state.pooling.check(state.engine.model_config.hidden_size, dimensions)
+        params = SamplingParams(max_tokens=0, pooling=state.pooling.mode, lora=adapter_of(body))
+        keep = frontend.prompt_keep(state, body.get("truncate_prompt_tokens"))
+        prompts = await frontend.input_ids(state, field, inputs, keep)
+        return await until_gone(request, state.embed(field, prompts, params, options.priority,
+                                                     options.request_id, tenant, options.cache_salt, dimensions))
+
+    def answered_as(body: dict) -> str:
+        return adapter_of(body) or state.model_name  # an adapter's answers carry its name
+
     @app.post("/v1/embeddings")
     async def embeddings(request: Request):
         tenant = authorize(request)
         body = await body_of(request)
         check_fields(body, EMBEDDING_FIELDS)
-        options = common_fields(body)
         fmt = check_encoding_format(body.get("encoding_format"))
-        dimensions = state.pooling.check(state.engine.model_config.hidden_size, body.get("dimensions"))
-        params = SamplingParams(max_tokens=0, pooling=state.pooling.mode, lora=adapter_of(body))
         given = prompt_list(body.get("input"), "input", frontend.MAX_EMBED_INPUTS)
-        keep = frontend.prompt_keep(state, body.get("truncate_prompt_tokens"))
-        prompts = await frontend.input_ids(state, "input", given, keep)
-        results = await until_gone(request, state.embed("input", prompts, params, options.priority,
-                                                        options.request_id, tenant, options.cache_salt, dimensions))
+        results = await embedded(request, tenant, body, "input", given, body.get("dimensions"))
         if isinstance(results, Response):
             return results
-        return await json_response(await asyncio.to_thread(
-            embeddings_body, results, fmt, params.lora or state.model_name))
+        return await json_response(await asyncio.to_thread(embeddings_body, results, fmt, answered_as(body)))
+
+    @app.post("/score")
+    @app.post("/v1/score")
+    async def score(request: Request):
+        """vLLM's score API over embeddings (serve.openai_scores)."""
+        tenant = authorize(request)
+        body = await body_of(request)
+        check_fields(body, openai_scores.SCORE_FIELDS)
+        texts, pairs = openai_scores.score_pairs(body)
+        results = await embedded(request, tenant, body, "text_2", texts)
+        if isinstance(results, Response):
+            return results
+        scores = openai_scores.cosines([v for v, _ in results], pairs)
+        return await json_response(openai_scores.score_body(scores, sum(n for _, n in results), answered_as(body)))
+
+    @app.post("/rerank")
+    @app.post("/v1/rerank")
+    @app.post("/v2/rerank")
+    async def rerank(request: Request):
+        """The rerank API (Jina's, Cohere's, vLLM's) over embeddings (serve.openai_scores)."""
+        tenant = authorize(request)
+        body = await body_of(request)
+        check_fields(body, openai_scores.RERANK_FIELDS)
+        texts, top_n, documents = openai_scores.rerank_request(body)
+        results = await embedded(request, tenant, body, "documents", texts)
+        if isinstance(results, Response):
+            return results
+        scores = openai_scores.cosines([v for v, _ in results], [(0, k) for k in range(1, len(texts))])
+        return await json_response(openai_scores.rerank_body(texts, scores, top_n, documents,
+                                                             sum(n for _, n in results), answered_as(body)))
 
     def chat_tools(body: dict, messages: list, template: str | None):
         """The request's tools and messages for the chat template that writes the chat: the request's own,

@@ -227,6 +227,41 @@ def test_embeddings_over_both_apis_equal_the_offline_engine(server, oai, model_n
     _pool_whole(server)
 
 
+def test_score_and_rerank_are_the_cosines_of_the_embeddings(server, model_name, tiny_model, config_path):
+    """vLLM's /score (one text against many, and pair by pair) and the rerank API (/rerank, /v1/rerank, /v2/rerank;
+    documents as strings or Jina's {text} objects): each score the cosine of the offline engine's embeddings, rerank's
+    results best first, cut to top_n; refusals name the field."""
+    cfg, params, tok, eos = tiny_model
+    offline = LLM.from_params(cfg, params, tok, config=load_config(config_path), eos_ids=eos)
+    query, docs = "where do cats sleep", ["Cats sleep on mats.", "Stock prices fell.", "A dog sleeps outside.", "zz"]
+    vectors = offline.embed([query, *docs])
+    unit = [v / np.linalg.norm(v) for v in vectors]
+    want = [float(unit[0] @ u) for u in unit[1:]]
+    one = httpx.post(server.http + "/score", json={"model": model_name, "text_1": query, "text_2": docs}, timeout=60)
+    assert np.allclose([d["score"] for d in one.json()["data"]], want, atol=1e-5), one.text
+    pairwise = httpx.post(server.http + "/v1/score", json={"text_1": docs[:2], "text_2": docs[2:]}, timeout=60).json()
+    assert np.allclose([d["score"] for d in pairwise["data"]], [float(unit[1] @ unit[3]), float(unit[2] @ unit[4])],
+                       atol=1e-5)
+    order = sorted(range(4), key=lambda k: -want[k])
+    for path, documents in (("/rerank", docs), ("/v1/rerank", [{"text": d} for d in docs]), ("/v2/rerank", docs)):
+        r = httpx.post(server.http + path, json={"model": model_name, "query": query, "documents": documents,
+                                                  "top_n": 3}, timeout=60).json()
+        assert [x["index"] for x in r["results"]] == order[:3], (path, r)
+        assert [x["document"]["text"] for x in r["results"]] == [docs[k] for k in order[:3]]
+        assert np.allclose([x["relevance_score"] for x in r["results"]], [want[k] for k in order[:3]], atol=1e-5)
+    for path, body, message in [
+            ("/score", {"text_1": ["a", "b"], "text_2": ["c", "d", "e"]}, "text_1: 2 texts against text_2's 3"),
+            ("/score", {"text_1": "a", "text_2": []}, "text_2: must be a string or a non-empty list of strings"),
+            ("/rerank", {"query": "a", "documents": []}, "documents: must be a non-empty list"),
+            ("/rerank", {"query": "a", "documents": ["b", 3]}, "documents[1]: must be a string"),
+            ("/rerank", {"query": "", "documents": ["b"]}, "query: the prompt must not be empty"),
+            ("/rerank", {"query": "a", "documents": ["b"], "top_n": 0}, "top_n: must be >= 1"),
+            ("/rerank", {"query": "a", "documents": ["b"], "stream": True}, "stream: not a field")]:
+        r = httpx.post(server.http + path, json=body, timeout=60)
+        assert r.status_code == 400 and message in r.json()["error"]["message"], (path, r.text)
+    _pool_whole(server)
+
+
 @pytest.mark.parametrize("body, message", [
     ({"input": []}, "input: must be a string"),
     ({"input": ""}, "input: the prompt must not be empty"),
