@@ -62,6 +62,25 @@ def test_pooled_hidden_states_are_the_references(family):
         llm.engine.window_group.pool.check_all_free()
 
 
+def test_embeddings_beside_speculating_requests():
+    """n-gram speculation on: steps that verify proposals carry embeddings' prompt chunks too; every vector is
+    still the reference's."""
+    from jaxcb.host.speculative import SpeculativeConfig
+
+    llm = tiny_llm("qwen3", speculative=SpeculativeConfig("ngram", adaptive=False))
+    records = hidden_records("qwen3")
+    repeat = [7, 8, 9, 10] * 6  # (a prompt whose continuation n-grams propose)
+    outs = llm.generate([repeat] * 2 + [ids for ids, _ in records] * 2,
+                        [SamplingParams(max_tokens=24, ignore_eos=True)] * 2
+                        + [SamplingParams(max_tokens=0, pooling=m) for m in ("last",) * 3 + ("mean",) * 3])
+    assert llm.engine.stats().speculative_steps > 0
+    for k, out in enumerate(outs[2:]):
+        hidden = records[k % 3][1]
+        want = hidden[-1] if k < 3 else hidden.mean(0)
+        assert close(out.embedding, want) < 1e-5, k
+    llm.engine.pool.check_all_free()
+
+
 def test_preempted_embeddings_pool_every_position_once():
     """A pool too small for the batch: generating requests' growth takes the pages of embeddings part way
     through their prompts, which are recomputed; each mean still counts every prompt position once (its sum
