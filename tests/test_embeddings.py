@@ -219,3 +219,30 @@ def test_encode_input_follows_the_tokenizers_post_processor(tmp_path):
     again = Tokenizer.from_dir(str(tmp_path))
     assert again.encode_input("A cat.") == again.encode("A cat.") + [end]
     assert again.encode("A cat.")[-1] != end
+
+
+def test_a_base_models_checkpoint_serves_embeddings_only(tmp_path):
+    """A checkpoint saved from the base model, as embedding models are released (MistralModel, Qwen3Model: no
+    "model." in its tensors' names, no lm_head): its embeddings are the reference's; a request to generate is
+    refused naming the model; a config that asks for bidirectional attention (EmbeddingGemma's) is refused at load."""
+    from safetensors.numpy import load_file, save_file
+
+    src = os.path.join(GOLDEN, "qwen3")
+    config = json.load(open(os.path.join(src, "config.json")))
+    tensors = {k.removeprefix("model."): v for k, v in load_file(os.path.join(src, "model.safetensors")).items()
+               if k != "lm_head.weight"}
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps({**config, "architectures": ["Qwen3Model"]}))
+    model_config, params, tok, _ = load_model(str(tmp_path), jnp.float32)
+    assert model_config.headless and model_config.tie_embeddings
+    llm = LLM.from_params(model_config, params, tok, config=make_config(
+        num_pages=64, max_context=128, decode_batch=(4,), prefill_tokens=(32,), compile="fast"))
+    for (ids, hidden), out in zip(hidden_records("qwen3"), llm.generate(
+            [ids for ids, _ in hidden_records("qwen3")], SamplingParams(max_tokens=0, pooling="mean"))):
+        assert close(out.embedding, hidden.mean(0)) < 1e-5
+    with pytest.raises(InvalidRequest, match="model: .* has no language-model head .* embeddings only"):
+        llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4))
+    (tmp_path / "config.json").write_text(json.dumps({**config, "architectures": ["Gemma3TextModel"],
+                                                      "use_bidirectional_attention": True}))
+    with pytest.raises(InvalidConfig, match="use_bidirectional_attention: bidirectional attention is not supported"):
+        load_model(str(tmp_path), jnp.float32)

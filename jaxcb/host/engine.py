@@ -121,6 +121,9 @@ class Engine:
     # ---- the API (thread-safe) ----
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """Raise InvalidRequest naming the field and the limit; touches no engine state."""
+        if self.model_config.headless and params.pooling is None:
+            raise InvalidRequest(f"model: {self.model_config.name} has no language-model head (a base model's "
+                                 "checkpoint): it serves embeddings only")
         check_tokens(prompt_ids, params, self.max_context, self.model_config.vocab_size)
         if params.structured is not None:
             self.grammars.compile(params.structured)  # cached after the first: check it off the event loop

@@ -32,6 +32,9 @@ class ModelConfig:
     rms_norm_eps: float = 1e-5
     tie_embeddings: bool = True
     name: str = "llama"
+    # A base model's checkpoint without a language-model head (MistralModel, ...: how embedding models are released):
+    # served for embeddings only; its steps take their logits from the tied embedding, which mean nothing.
+    headless: bool = False
     attention_bias: bool = False  # biases on the q, k, v projections (Qwen2)
     out_bias: bool = False  # a bias on the attention's output projection too (Llama's attention_bias, gpt-oss)
     # ---- variations of other families (defaults: Llama) ----

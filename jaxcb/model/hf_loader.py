@@ -51,11 +51,18 @@ ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qw
                  # Llava, whose language model is named by text_config.model_type (_TEXT_MODELS)
                  "Gemma3ForConditionalGeneration": "gemma3", "Qwen2VLForConditionalGeneration": "qwen2",
                  "Qwen2_5_VLForConditionalGeneration": "qwen2", "Qwen3VLForConditionalGeneration": "qwen3",
-                 "Mistral3ForConditionalGeneration": "text_config", "LlavaForConditionalGeneration": "text_config"}
+                 "Mistral3ForConditionalGeneration": "text_config", "LlavaForConditionalGeneration": "text_config",
+                 # Base models without a language-model head, as embedding models are released (e5-mistral's and
+                 # Linq's MistralModel, bge-multilingual-gemma2's Gemma2Model): tensors without "model.", served for
+                 # embeddings only (ModelConfig.headless)
+                 "LlamaModel": "llama", "MistralModel": "llama", "Qwen2Model": "qwen2", "Qwen3Model": "qwen3",
+                 "GemmaModel": "gemma", "Gemma2Model": "gemma2", "Gemma3TextModel": "gemma3"}
+_BASE_MODELS = frozenset(a for a in ARCHITECTURES if a.endswith("Model"))
 _TEXT_MODELS = {"llama": "llama", "mistral": "llama"}  # text_config.model_type -> family (Mistral3's, Llava's)
 # Where a checkpoint keeps the language model's tensors: a causal LM's "model.", a multimodal one's
-# (transformers' two layouts of it); and the parts of a multimodal one that text does not use.
-_PREFIXES = ("model.", "language_model.model.", "model.language_model.")
+# (transformers' two layouts of it), a base model's at the top; and the parts of a multimodal one that text does
+# not use.
+_PREFIXES = ("model.", "language_model.model.", "model.language_model.", "")
 _VISION_PARTS = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.",
                  "visual.", "model.visual.", "vision_model.", "model.vision_model.")
 
@@ -164,6 +171,10 @@ def read_config(path: str) -> ModelConfig:
     raw = {**raw, **text}
     if arch not in ARCHITECTURES:
         raise InvalidConfig(f"config.json: architecture {arch!r} is not supported; supported: {', '.join(ARCHITECTURES)}")
+    encoder = next((k for k in ("use_bidirectional_attention", "is_causal") if raw.get(k) is (k != "is_causal")), None)
+    if encoder is not None:  # (EmbeddingGemma's: an encoder)
+        raise InvalidConfig(f"config.json: {encoder}: bidirectional attention is not supported (jaxcb runs causal "
+                            "decoders)")
     family = ARCHITECTURES[arch]
     if family == "text_config":
         family = _TEXT_MODELS.get(text.get("model_type"))
@@ -322,8 +333,9 @@ def read_config(path: str) -> ModelConfig:
             head_dim=head_dim,
             max_context=max_context,
             rope_theta=theta or 10000.0, rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-            tie_embeddings=(not _has_head(path) if arch.endswith("ForConditionalGeneration")
+            tie_embeddings=(not _has_head(path) if arch.endswith("ForConditionalGeneration") or arch in _BASE_MODELS
                             else bool(raw.get("tie_word_embeddings", gemma))),
+            headless=arch in _BASE_MODELS and not _has_head(path),
             name=os.path.basename(os.path.normpath(path)),
             attention_bias=family in ("qwen2", "qwen2moe") or bool(raw.get("attention_bias", False)),
             # (transformers' attention_bias puts one on the output projection too, but for Qwen2's and GLM's)
