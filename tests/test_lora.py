@@ -68,6 +68,25 @@ def test_a_batch_mixing_adapters_gives_each_merged_models_tokens(make_llm, tiny_
     assert len({tuple(v) for v in outs.values()}) == len(outs)
 
 
+def test_embeddings_under_adapters_are_the_merged_models(make_llm, tiny_model, adapters):
+    """Embeddings (mean and last token) under adapters, batched with the base model's: each the vector the model
+    with that adapter merged into its weights gives; the adapters change them."""
+    paths, raw = adapters
+    llm = make_llm(lora=LoraConfig(max_loras=3, max_rank=8))
+    for name, path in paths.items():
+        llm.engine.load_lora(name, path)
+    names = ["", "all4", "qvd8", "mlp"] * 2
+    prompts = _prompts(llm.model_config.vocab_size, (5, 17, 30, 9, 40, 12, 3, 25), seed=4)
+    pooled = [SamplingParams(max_tokens=0, pooling="mean" if i % 2 else "last", lora=n) for i, n in enumerate(names)]
+    got = llm.generate(prompts, pooled)
+    reference = {"": make_llm(), **{n: _merged_llm(make_llm, tiny_model, raw[n]) for n in raw}}
+    for p, params, o in zip(prompts, pooled, got):
+        want = reference[params.lora].generate([p], dataclasses.replace(params, lora=""))[0].embedding
+        assert np.abs(o.embedding - want).max() < 1e-5 * np.abs(want).max(), params
+        base = reference[""].generate([p], dataclasses.replace(params, lora=""))[0].embedding
+        assert params.lora == "" or np.abs(o.embedding - base).max() > 1e-4, params
+
+
 def test_more_adapters_than_slots_swap_in_and_wait(make_llm, tiny_model, adapters):
     """One slot, three adapters: requests for an adapter not resident wait for the slot (none fails),
     and each gets its merged model's tokens."""
