@@ -279,7 +279,7 @@ class SimRunner(Runner):
     def __init__(self, step_model, clock, vocab: int, rng: np.random.Generator | None = None):
         self.step_model, self.clock, self.rng = step_model, clock, rng
         self.model_config = self.step_config = types.SimpleNamespace(
-            vocab_size=vocab, max_context=2**31 - 1, windowed=False, sliding_window=0)
+            vocab_size=vocab, max_context=2**31 - 1, windowed=False, sliding_window=0, headless=False)
         self.num_window_pages = 0
         self.device_ids = [0]
         self.busy_until = 0.0
