@@ -307,31 +307,37 @@ def check_messages(field: str, messages: list[tuple[str, str]]) -> None:
         raise InvalidRequest(f"{field}: {total} characters in all; the limit is {MAX_TEXT_CHARS}")
 
 
+async def prompt_ids(state: State, field: str, prompts: list, keep: int | None, encode) -> list[list[int]]:
+    """Prompts (each a string or a list of token ids: a completion's, an embedding's inputs) as token ids, strings
+    encoded by `encode` off the event loop, each cut to its last `keep` (truncate_prompt_tokens): every size (total
+    characters, each text's, token counts) checked before any is tokenized."""
+    total = sum(len(p) for p in prompts if isinstance(p, str))
+    if total > MAX_TEXT_CHARS:
+        raise InvalidRequest(f"{field}: {total} characters in all; the limit is {MAX_TEXT_CHARS}")
+    for p in prompts:
+        if isinstance(p, str):
+            check_text(field, p)
+            check_text_fits(state, field, len(p), keep)
+        elif keep is None:
+            check_token_count(state, field, len(p))
+    texts = [i for i, p in enumerate(prompts) if isinstance(p, str)]
+    encoded = await asyncio.to_thread(lambda: [encode(prompts[i]) for i in texts]) if texts else []
+    ids = [list(p) for p in prompts]
+    for i, e in zip(texts, encoded):
+        ids[i] = e
+    return [truncated(p, keep) for p in ids]
+
+
 async def input_ids(state: State, field: str, inputs: list, keep: int | None) -> list[list[int]]:
-    """Inputs to embed (each a string or a list of token ids) as token ids, strings encoded as embedding models
-    take them (Tokenizer.encode_input), each cut to its last `keep` (truncate_prompt_tokens): their count and
-    every size checked before any is tokenized."""
+    """Inputs to embed as token ids (prompt_ids), strings encoded as embedding models take them
+    (Tokenizer.encode_input); at most MAX_EMBED_INPUTS of them, and the server's max_waiting."""
     limit = min(MAX_EMBED_INPUTS, state.options.max_waiting)
     if not inputs:
         raise InvalidRequest(f"{field}: must not be empty")
     if len(inputs) > limit:
         raise InvalidRequest(f"{field}: {len(inputs)} inputs; the limit is {limit}"
                              + (" (--max-waiting)" if limit < MAX_EMBED_INPUTS else ""))
-    total = sum(len(p) for p in inputs if isinstance(p, str))
-    if total > MAX_TEXT_CHARS:
-        raise InvalidRequest(f"{field}: {total} characters in all; the limit is {MAX_TEXT_CHARS}")
-    for p in inputs:
-        if isinstance(p, str):
-            check_text(field, p)
-            check_text_fits(state, field, len(p), keep)
-        elif keep is None:
-            check_token_count(state, field, len(p))
-    texts = [i for i, p in enumerate(inputs) if isinstance(p, str)]
-    encoded = await asyncio.to_thread(lambda: [state.tokenizer.encode_input(inputs[i]) for i in texts]) if texts else []
-    ids = [list(p) for p in inputs]
-    for i, e in zip(texts, encoded):
-        ids[i] = e
-    return [truncated(p, keep) for p in ids]
+    return await prompt_ids(state, field, inputs, keep, state.tokenizer.encode_input)
 
 
 def check_ids(request_id: str, cache_salt: str) -> None:

@@ -312,7 +312,7 @@ def make_app(state) -> FastAPI:
             check_beam_request(params, options, logprobs=shown is not None, echo=echo)
         state.admit(len(given) * params.n)
         await frontend.check_settings(state, params)
-        prompts = await _completion_prompts(given, keep)
+        prompts = await frontend.prompt_ids(state, "prompt", given, keep, state.tokenizer.encode)
         if penalty is not None:
             if to_context:  # (beams share one limit: the longest prompt's room)
                 params = dataclasses.replace(params, max_tokens=max(1, state.engine.max_context - max(map(len, prompts))))
@@ -471,24 +471,6 @@ def make_app(state) -> FastAPI:
                             tools=tools if tools is not None and tools.active else None,
                             prompt_field="prompt_logprobs" in body,
                             include_reasoning=include_reasoning, harmony=harmonic, thinking_closed=closed)
-
-    async def _completion_prompts(prompts: list, keep: int | None) -> list[list[int]]:
-        """The prompts (prompt_list's) as token ids, each cut to its last `keep` (truncate_prompt_tokens);
-        every size (total characters, token counts) is checked before any is tokenized."""
-        total = sum(len(p) for p in prompts if isinstance(p, str))
-        if total > frontend.MAX_TEXT_CHARS:
-            raise InvalidRequest(f"prompt: {total} characters in all; the limit is {frontend.MAX_TEXT_CHARS}")
-        for p in prompts:
-            if isinstance(p, str):
-                frontend.check_text("prompt", p)
-                frontend.check_text_fits(state, "prompt", len(p), keep)
-            elif keep is None:
-                frontend.check_token_count(state, "prompt", len(p))
-        out = []
-        for p in prompts:
-            ids = await asyncio.to_thread(state.tokenizer.encode, p) if isinstance(p, str) else p
-            out.append(list(frontend.truncated(ids, keep)))
-        return out
 
     return app
 
