@@ -36,7 +36,6 @@ _ST_UNSUPPORTED = ("pooling_mode_cls_token", "pooling_mode_max_tokens", "pooling
 _ST_KNOWN_MODULES = {"sentence_transformers.models.Transformer", "sentence_transformers.models.Pooling",
                      "sentence_transformers.models.Normalize"}
 ENCODING_FORMATS = ("float", "base64")
-MAX_INPUTS = 2048  # inputs one embeddings request may carry (OpenAI's limit)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,6 +15,7 @@ import time
 
 import numpy as np
 
+from jaxcb.host.embedding import POOLING_MODES
 from jaxcb.host.errors import ContextTooLong, InvalidRequest
 from jaxcb.host.structured import Constraint
 
@@ -89,8 +90,9 @@ class SamplingParams:
         if self.structured_after is not None:
             _check_int("structured_after", self.structured_after, low=0)
         if self.pooling is not None:
-            if self.pooling not in ("last", "mean"):
-                raise InvalidRequest(f"pooling: must be 'last' or 'mean', got {str(self.pooling)[:40]!r}")
+            if self.pooling not in POOLING_MODES:
+                raise InvalidRequest(f"pooling: must be {' or '.join(map(repr, POOLING_MODES))}, got "
+                                     f"{str(self.pooling)[:40]!r}")
             if self.max_tokens != 0:
                 raise InvalidRequest(f"max_tokens: must be 0 for an embedding (pooling), got {self.max_tokens!r}")
             if self.n != 1:
