@@ -44,7 +44,7 @@ class Pooling:
 
     mode: str = "last"  # POOLING_MODES: the last prompt token's, or the mean over the prompt's tokens
     normalize: bool = True  # L2-normalized (sentence-transformers' Normalize module)
-    source: str = "default"  # where it was read (the start banner, GetServerInfo)
+    source: str = "default"  # where it was read (the start banner, GetModelInfo.embedding_pooling)
     # Why this model cannot give embeddings (a sentence-transformers module this engine does not run, e.g. a
     # Dense projection): requests are refused naming it; "" = it can.
     unsupported: str = ""
