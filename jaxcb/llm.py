@@ -18,9 +18,10 @@ import time
 import numpy as np
 
 from jaxcb.device import cpu_dots
-from jaxcb.host import harmony, tool_calls
+from jaxcb.host import classifier, harmony, tool_calls
 from jaxcb.host.beam_search import BeamSearch
 from jaxcb.host.chat_template import read_template
+from jaxcb.host.classifier import Classification
 from jaxcb.host.engine import Engine
 from jaxcb.host.engine_config import EngineConfig, load_config
 from jaxcb.host.embedding import Pooling
@@ -110,6 +111,28 @@ def load_model(path: str | None = None, dtype=None, check_config=None, weights: 
     params = params_from_numpy(loaded_weights, dtype or default_dtype(), weights, group, placement(config))
     eos = tokenizer.end_ids if tokenizer is not None else ()
     return config, params, tokenizer, eos
+
+
+def load_classifier(path: str | None, model_config, params, tokenizer, from_tokens: tuple[str, ...] = ()):
+    """The model's classifier head (jaxcb.host.classifier), None if it has none: a causal LM's rows of its output
+    head for `from_tokens` (EngineConfig.classifier_from_tokens), else a Hugging Face sequence classifier's score
+    head (`path`: the model's file or directory; None for weights given loaded)."""
+    from jaxcb.model import checkpoint, hf_loader
+    from jaxcb.model.llama import head_rows
+
+    if from_tokens:
+        if model_config.headless:
+            raise InvalidConfig(f"model.classifier_from_tokens: {model_config.name} has no language-model head to read "
+                                "the tokens' logits from")
+        rows = head_rows(params, classifier.token_ids(tokenizer, from_tokens))
+        return classifier.from_tokens(from_tokens, rows, model_config.logit_scale, model_config.final_softcap)
+    if path is None or not os.path.isdir(path):
+        return None
+    if checkpoint.is_checkpoint_dir(path):
+        return classifier.load(path)
+    if not hf_loader.is_hf_dir(path):
+        return None
+    return classifier.from_checkpoint(path, hf_loader.config_json(path), hf_loader.classifier_tensors(path))
 
 
 def draft_model_config(spec, target):
@@ -257,6 +280,10 @@ def build_engines(model: str | None = None, config: EngineConfig | str | None = 
         check_config=lambda c: plans.append(plan_memory(c, config, dtype, draft=draft_of(c))),
         weights=config.weights, group=config.weight_group, rope_scaling=config.rope_scaling, mesh=mesh)
     draft = load_draft(spec, model_config, params, compute_dtype(config, dtype), mesh) if drafting else None
+    from jaxcb.model.embedded import resolve_model
+
+    head = load_classifier(resolve_model(model) if loaded is None else None, model_config, params, tokenizer,
+                           config.classifier_from_tokens)
     if config.chat_template:  # the server's template in place of the model file's
         if tokenizer is None:
             raise InvalidConfig("model.chat_template: this model has no tokenizer to write a chat with")
@@ -283,7 +310,7 @@ def build_engines(model: str | None = None, config: EngineConfig | str | None = 
         # Each replica draws the seeds of unseeded requests from its own generator.
         seed = None if config.seed is None else config.seed + i
         engine = Engine(runner, tokenizer, dataclasses.replace(resolved, seed=seed), eos_ids=eos,
-                        load_seconds=load_seconds, draft_runner=draft_runner)
+                        load_seconds=load_seconds, draft_runner=draft_runner, classifier=head)
         if engine.adapters is not None:
             engine.adapters.reader = adapter_reader(model_config, config.lora)
         engines.append(engine)
@@ -309,6 +336,8 @@ class LLM:
         self.tokenizer = self.engine.tokenizer
         # how the model's embeddings pool (jaxcb.host.embedding): its sentence-transformers configuration or GGUF's
         self.pooling = getattr(self.tokenizer, "pooling", None) or Pooling()
+        # the model's classifier head (jaxcb.host.classifier): a sequence classifier's, or --classifier-from-tokens
+        self.classifier = self.engine.classifier
 
     @classmethod
     def from_params(cls, model_config, params, tokenizer=None, *, config: EngineConfig, eos_ids=()):
@@ -366,15 +395,47 @@ class LLM:
         L2-normalized). Strings are encoded as embedding models take their inputs (Tokenizer.encode_input), token
         ids as they are. The requests run through the engine beside any others."""
         size = self.pooling.check(self.model_config.hidden_size, dimensions)
-        prompts = list(prompts)
-        ids = [self.tokenizer.encode_input(p) if isinstance(p, str) and self.tokenizer is not None else self.encode(p)
-               for p in prompts]
-        params = SamplingParams(max_tokens=0, pooling=self.pooling.mode)
-        out = []
-        for c in self._run(ids, [params] * len(ids), priorities):
+        outs = self._pooled([self._input_ids(p) for p in prompts], priorities, self.pooling.mode)
+        return [self.pooling.finish(c.embedding, size) for c in outs]
+
+    def classify(self, prompts, *, priorities: list[int] | None = None) -> list[Classification]:
+        """Each prompt's labels' probabilities through the model's classifier head (self.classifier: a
+        *ForSequenceClassification checkpoint's, or a causal LM's logits of EngineConfig.classifier_from_tokens),
+        from the last prompt token's final hidden state. Strings are encoded as embedding inputs are."""
+        if self.classifier is None:
+            raise classifier.not_served("classify")
+        outs = self._pooled([self._input_ids(p) for p in prompts], priorities)
+        return [self.classifier.classify(c.embedding) for c in outs]
+
+    def score(self, text_1, text_2, *, priorities: list[int] | None = None) -> list[float]:
+        """vLLM's LLM.score: text_1 (one text, or a list as long as text_2) against each of text_2, in order. With a
+        cross-encoder (a one-label classifier head) each pair runs as one input (Tokenizer.encode_pair) and scores
+        its probability; otherwise the score is the cosine of the two texts' embeddings."""
+        first = [text_1] if isinstance(text_1, str) else list(text_1)
+        second = [text_2] if isinstance(text_2, str) else list(text_2)
+        pairs = classifier.score_pairs(len(first), len(second))
+        texts = first + second
+        if self.classifier is None:
+            vectors = self.embed(texts, priorities=priorities)
+            unit = [v / max(float(np.linalg.norm(v)), 1e-12) for v in vectors]
+            return [float(np.dot(unit[i], unit[j])) for i, j in pairs]
+        self.classifier.check_scores()
+        if self.tokenizer is None:
+            raise InvalidRequest("text_1: this model has no tokenizer to encode text pairs with")
+        outs = self._pooled([self.tokenizer.encode_pair(texts[i], texts[j]) for i, j in pairs], priorities)
+        return [float(self.classifier.probs(c.embedding)[0]) for c in outs]
+
+    def _input_ids(self, prompt) -> list[int]:
+        """An embedding's or a classification's input as ids (Tokenizer.encode_input for a string)."""
+        return self.tokenizer.encode_input(prompt) if isinstance(prompt, str) and self.tokenizer is not None \
+            else self.encode(prompt)
+
+    def _pooled(self, ids: list[list[int]], priorities, pooling: str = "last") -> list[Completion]:
+        """Prompt-only requests pooled by `pooling`, each with its embedding (the pooled vector, not finished)."""
+        out = self._run(ids, [SamplingParams(max_tokens=0, pooling=pooling)] * len(ids), priorities)
+        for c in out:
             if c.embedding is None:
                 raise StepFailed(f"request {c.request_id}: {c.error or 'no embedding came back'}")
-            out.append(self.pooling.finish(c.embedding, size))
         return out
 
     def beam_search(self, prompts, width: int = 4, max_tokens: int = 16, *, length_penalty: float = 1.0,

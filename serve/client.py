@@ -183,9 +183,15 @@ class Client:
     def embed(self, inputs, *, timeout=None, **fields) -> jaxcb_pb2.EmbedResponse:
         """The embeddings of `inputs` (each a string or a list of token ids); `fields`: EmbedRequest's others
         (dimensions, model, priority, request_id, cache_salt, truncate_prompt_tokens)."""
-        items = [jaxcb_pb2.EmbedInput(text=i) if isinstance(i, str) else
-                 jaxcb_pb2.EmbedInput(tokens=jaxcb_pb2.TokenInput(token_ids=list(i))) for i in inputs]
-        return self.stub.Embed(jaxcb_pb2.EmbedRequest(inputs=items, **fields), timeout=timeout, metadata=self.metadata)
+        return self.stub.Embed(jaxcb_pb2.EmbedRequest(inputs=_inputs(inputs), **fields), timeout=timeout,
+                               metadata=self.metadata)
+
+    def classify(self, inputs, *, timeout=None, **fields) -> jaxcb_pb2.ClassifyResponse:
+        """The labels' probabilities of `inputs` (each a string or a list of token ids) through the model's
+        classifier head; `fields`: ClassifyRequest's others (model, priority, request_id, cache_salt,
+        truncate_prompt_tokens)."""
+        return self.stub.Classify(jaxcb_pb2.ClassifyRequest(inputs=_inputs(inputs), **fields), timeout=timeout,
+                                  metadata=self.metadata)
 
     def abort(self, request_id: str) -> bool:
         return self.stub.Abort(jaxcb_pb2.AbortRequest(request_id=request_id), metadata=self.metadata).found
@@ -204,6 +210,12 @@ class Client:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _inputs(inputs) -> list:
+    """Embed's and Classify's inputs: strings, or lists of token ids."""
+    return [jaxcb_pb2.EmbedInput(text=i) if isinstance(i, str) else
+            jaxcb_pb2.EmbedInput(tokens=jaxcb_pb2.TokenInput(token_ids=list(i))) for i in inputs]
 
 
 class AsyncClient:

@@ -12,6 +12,7 @@ import dataclasses
 import hmac
 import time
 import uuid
+from collections.abc import Callable
 
 import numpy as np
 
@@ -88,6 +89,9 @@ class State:
         self.options = options
         # how the model's embeddings pool (jaxcb.host.embedding): its sentence-transformers configuration or GGUF's
         self.pooling = getattr(tokenizer, "pooling", None) or Pooling()
+        # the model's classifier head (jaxcb.host.classifier), None if it has none: /classify, and the score and
+        # rerank APIs' cross-encoder
+        self.classifier = getattr(engine, "classifier", None)
         # what an HTTP request leaves out of its sampling (ServerOptions.generation_config)
         self.sampling_defaults = dict(getattr(tokenizer, "sampling_defaults", {}) or {}) \
             if options.generation_config == "auto" else {}
@@ -194,11 +198,12 @@ class State:
             if not finished:
                 self.thread.abort(key)
 
-    async def embed(self, field: str, prompts: list[list[int]], params: SamplingParams, priority: int,
-                    request_id: str, tenant: str, cache_salt: str, dimensions: int) -> list[tuple[np.ndarray, int]]:
-        """Embed each prompt (one pooling request each, all checked before any is submitted, a prompt's ids
-        named by the API's `field`; they run beside every other request): (its vector as the model's pooling
-        finishes it, cut to `dimensions`; its prompt tokens). One failing, or the call cancelled, aborts the rest."""
+    async def pool(self, field: str, prompts: list[list[int]], params: SamplingParams, priority: int,
+                   request_id: str, tenant: str, cache_salt: str, finish: Callable[[np.ndarray], object]) -> list[tuple]:
+        """Run each prompt as a pooling request (SamplingParams.pooling; all checked before any is submitted, a
+        prompt's ids named by the API's `field`; they run beside every other request): (`finish` of its pooled
+        vector: an embedding as the model's pooling finishes it, a classifier's answer; its prompt tokens). One
+        failing, or the call cancelled, aborts the rest."""
         for p in prompts:
             try:
                 self.engine.validate(p, params)
@@ -222,7 +227,7 @@ class State:
         except ExceptionGroup as e:  # the first failure, as a single request's would be
             raise e.exceptions[0] from None
         finals = [t.result() for t in tasks]
-        return [(self.pooling.finish(ev.embedding, dimensions), ev.num_prompt_tokens) for ev in finals]
+        return [(finish(ev.embedding), ev.num_prompt_tokens) for ev in finals]
 
     def abort(self, tenant: str, request_id: str) -> bool:
         key = self.ids.get((tenant, request_id))
@@ -338,6 +343,22 @@ async def input_ids(state: State, field: str, inputs: list, keep: int | None) ->
         raise InvalidRequest(f"{field}: {len(inputs)} inputs; the limit is {limit}"
                              + (" (--max-waiting)" if limit < MAX_EMBED_INPUTS else ""))
     return await prompt_ids(state, field, inputs, keep, state.tokenizer.encode_input)
+
+
+async def pair_ids(state: State, field: str, pairs: list[tuple[str, str]], keep: int | None) -> list[list[int]]:
+    """Text pairs as a cross-encoder takes them (Tokenizer.encode_pair), each cut to its last `keep` tokens: the
+    count, the characters and each pair's length checked before any is tokenized (`field`: what the errors name)."""
+    limit = min(MAX_EMBED_INPUTS, state.options.max_waiting)
+    if len(pairs) > limit:
+        raise InvalidRequest(f"{field}: {len(pairs)} pairs to score; the limit is {limit}"
+                             + (" (--max-waiting)" if limit < MAX_EMBED_INPUTS else ""))
+    if sum(len(a) + len(b) for a, b in pairs) > MAX_TEXT_CHARS:
+        raise InvalidRequest(f"{field}: {sum(len(a) + len(b) for a, b in pairs)} characters in all pairs; the limit "
+                             f"is {MAX_TEXT_CHARS}")
+    for a, b in pairs:
+        check_text_fits(state, field, len(a) + len(b), keep)
+    encoded = await asyncio.to_thread(lambda: [state.tokenizer.encode_pair(a, b) for a, b in pairs])
+    return [truncated(p, keep) for p in encoded]
 
 
 def check_ids(request_id: str, cache_salt: str) -> None:

@@ -22,6 +22,7 @@ from grpc_health.v1 import health, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from jaxcb.device import cpu_dots
+from jaxcb.host import classifier
 from jaxcb.host.errors import InvalidConfig, InvalidRequest, JaxcbError, NotFound, Overloaded, StepFailed, Unauthenticated, Unavailable
 from jaxcb.host.request import (SamplingParams, TokenEvent, check_allowed_count, check_logit_bias_count, read_json,
                                 check_stop_counts)
@@ -216,25 +217,45 @@ class JaxcbService(jaxcb_pb2_grpc.JaxcbServicer):
     async def Embed(self, request, context):
         s = self.state
         try:
-            check_ids(request.request_id, request.cache_salt)
             dimensions = s.pooling.check(s.engine.model_config.hidden_size,
                                          request.dimensions if request.HasField("dimensions") else None)
-            params = SamplingParams(max_tokens=0, pooling=s.pooling.mode, lora=s.adapter_for(request.model))
-            keep = prompt_keep(s, request.truncate_prompt_tokens if request.HasField("truncate_prompt_tokens") else None)
-            inputs = []
-            for i, item in enumerate(request.inputs):
-                kind = item.WhichOneof("input")
-                if kind is None:
-                    raise InvalidRequest(f"inputs[{i}]: one of text or tokens is required")
-                inputs.append(item.text if kind == "text" else list(item.tokens.token_ids))
-            prompts = await input_ids(s, "inputs", inputs, keep)
-            results = await s.embed("inputs", prompts, params, request.priority, request.request_id,
-                                    tenant_of(s, context), request.cache_salt, dimensions)
+            results = await self._pooled(request, context, s.pooling.mode,
+                                         lambda v: s.pooling.finish(v, dimensions))
         except JaxcbError as e:
             await context.abort(grpc_code(e), details(e, request))
         return jaxcb_pb2.EmbedResponse(
             embeddings=[jaxcb_pb2.Embedding(values=v.tolist(), prompt_tokens=n) for v, n in results],
             prompt_tokens=sum(n for _, n in results))
+
+    async def Classify(self, request, context):
+        s = self.state
+        try:
+            if s.classifier is None:
+                raise classifier.not_served("classify")
+            results = await self._pooled(request, context, "last", s.classifier.classify)
+        except JaxcbError as e:
+            await context.abort(grpc_code(e), details(e, request))
+        return jaxcb_pb2.ClassifyResponse(
+            results=[jaxcb_pb2.Classification(label=c.label, probs=c.probs.tolist(), prompt_tokens=n)
+                     for c, n in results],
+            prompt_tokens=sum(n for _, n in results))
+
+    async def _pooled(self, request, context, pooling: str, finish) -> list[tuple]:
+        """An Embed or Classify request's inputs run as pooling requests (State.pool): (finish(pooled vector),
+        prompt tokens) per input."""
+        s = self.state
+        check_ids(request.request_id, request.cache_salt)
+        params = SamplingParams(max_tokens=0, pooling=pooling, lora=s.adapter_for(request.model))
+        keep = prompt_keep(s, request.truncate_prompt_tokens if request.HasField("truncate_prompt_tokens") else None)
+        inputs = []
+        for i, item in enumerate(request.inputs):
+            kind = item.WhichOneof("input")
+            if kind is None:
+                raise InvalidRequest(f"inputs[{i}]: one of text or tokens is required")
+            inputs.append(item.text if kind == "text" else list(item.tokens.token_ids))
+        prompts = await input_ids(s, "inputs", inputs, keep)
+        return await s.pool("inputs", prompts, params, request.priority, request.request_id, tenant_of(s, context),
+                            request.cache_salt, finish)
 
     async def Abort(self, request, context):
         """Only the caller's own requests (same token, or same connection without auth) are found."""
@@ -247,7 +268,9 @@ class JaxcbService(jaxcb_pb2_grpc.JaxcbServicer):
                                    dtype=s.dtype, num_layers=c.num_layers, num_params=c.num_params,
                                    family=c.family, sliding_window=c.sliding_window if c.windowed else 0,
                                    num_sliding_layers=c.num_sliding_layers, lora_adapters=s.engine.lora_names(),
-                                   embedding_size=c.hidden_size, embedding_pooling=s.pooling.describe())
+                                   embedding_size=c.hidden_size, embedding_pooling=s.pooling.describe(),
+                                   classifier_labels=s.classifier.labels if s.classifier is not None else (),
+                                   classifier=s.classifier.describe() if s.classifier is not None else "")
 
     async def LoadLoraAdapter(self, request, context):
         try:

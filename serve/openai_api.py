@@ -10,8 +10,10 @@
     POST /v1/responses           OpenAI's Responses API (text and function tools), over the chat machinery
     POST /v1/embeddings          input: text, list of texts, token ids or lists of them -> their embeddings,
                                  pooled as the model says (jaxcb.host.embedding); float or base64, `dimensions`
-    POST /score, /v1/score       vLLM's: text_1 against text_2, the cosine of their embeddings
+    POST /score, /v1/score       vLLM's: text_1 against text_2, by the model's cross-encoder (a one-label
+                                 classifier head), else the cosine of their embeddings
     POST /rerank, /v1/rerank, /v2/rerank   Jina's, Cohere's and vLLM's: documents against a query, best first
+    POST /classify, /v1/classify vLLM's: each input's labels' probabilities (jaxcb.host.classifier)
     POST /tokenize               vLLM's: {prompt} or {messages} -> {count, max_model_len, tokens, token_strs}
     POST /detokenize             vLLM's: {tokens} -> {prompt}
     GET  /version                {version}: jaxcb's (no auth)
@@ -43,7 +45,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as RouteError
 
 import jaxcb
-from jaxcb.host import harmony, tool_calls
+from jaxcb.host import classifier, harmony, tool_calls
 from jaxcb.host.embedding import check_encoding_format
 from jaxcb.host.errors import InvalidConfig, InvalidRequest, JaxcbError, NotFound, Unauthenticated
 from jaxcb.host.request import SamplingParams
@@ -352,14 +354,30 @@ def make_app(state) -> FastAPI:
         return await json_response(openai_responses.reshape(answer, body, origins))
 
     async def embedded(request: Request, tenant: str, body: dict, field: str, inputs: list, dimensions=None):
-        """The inputs' embeddings (State.embed's (vector, prompt tokens)), or a 499 if the client hung up."""
-        options = common_fields(body)
+        """The inputs' embeddings (State.pool's (vector, prompt tokens)), or a 499 if the client hung up."""
         dimensions = state.pooling.check(state.engine.model_config.hidden_size, dimensions)
-        params = SamplingParams(max_tokens=0, pooling=state.pooling.mode, lora=adapter_of(body))
         keep = frontend.prompt_keep(state, body.get("truncate_prompt_tokens"))
         prompts = await frontend.input_ids(state, field, inputs, keep)
-        return await until_gone(request, state.embed(field, prompts, params, options.priority,
-                                                     options.request_id, tenant, options.cache_salt, dimensions))
+        return await pooled(request, tenant, body, field, prompts, state.pooling.mode,
+                            lambda v: state.pooling.finish(v, dimensions))
+
+    async def pooled(request: Request, tenant: str, body: dict, field: str, prompts: list[list[int]], pooling: str,
+                     finish):
+        """State.pool's (finish(pooled vector), prompt tokens) per prompt, or a 499 if the client hung up."""
+        options = common_fields(body)
+        params = SamplingParams(max_tokens=0, pooling=pooling, lora=adapter_of(body))
+        return await until_gone(request, state.pool(field, prompts, params, options.priority, options.request_id,
+                                                    tenant, options.cache_salt, finish))
+
+    async def cross_encoded(request: Request, tenant: str, body: dict, field: str, texts: list[str],
+                            pairs: list[tuple[int, int]]):
+        """Each pair's relevance by the model's cross-encoder (a one-label classifier head): (score, prompt
+        tokens) per pair, or a 499."""
+        state.classifier.check_scores()
+        keep = frontend.prompt_keep(state, body.get("truncate_prompt_tokens"))
+        prompts = await frontend.pair_ids(state, field, [(texts[i], texts[j]) for i, j in pairs], keep)
+        return await pooled(request, tenant, body, field, prompts, "last",
+                            lambda v: float(state.classifier.probs(v)[0]))
 
     def answered_as(body: dict) -> str:
         return adapter_of(body) or state.model_name  # an adapter's answers carry its name
@@ -379,32 +397,58 @@ def make_app(state) -> FastAPI:
     @app.post("/score")
     @app.post("/v1/score")
     async def score(request: Request):
-        """vLLM's score API over embeddings (serve.openai_scores)."""
+        """vLLM's score API: a cross-encoder's, or over embeddings (serve.openai_scores)."""
         tenant = authorize(request)
         body = await body_of(request)
         check_fields(body, openai_scores.SCORE_FIELDS)
         texts, pairs = openai_scores.score_pairs(body)
-        results = await embedded(request, tenant, body, "text_2", texts)
+        if state.classifier is not None:  # a cross-encoder: each pair one input
+            results = await cross_encoded(request, tenant, body, "text_2", texts, pairs)
+        else:
+            results = await embedded(request, tenant, body, "text_2", texts)
         if isinstance(results, Response):
             return results
-        scores = openai_scores.cosines([v for v, _ in results], pairs)
+        scores = [s for s, _ in results] if state.classifier is not None else \
+            openai_scores.cosines([v for v, _ in results], pairs)
         return await json_response(openai_scores.score_body(scores, sum(n for _, n in results), answered_as(body)))
 
     @app.post("/rerank")
     @app.post("/v1/rerank")
     @app.post("/v2/rerank")
     async def rerank(request: Request):
-        """The rerank API (Jina's, Cohere's, vLLM's) over embeddings (serve.openai_scores)."""
+        """The rerank API (Jina's, Cohere's, vLLM's): a cross-encoder's, or over embeddings (serve.openai_scores)."""
         tenant = authorize(request)
         body = await body_of(request)
         check_fields(body, openai_scores.RERANK_FIELDS)
         texts, top_n, documents = openai_scores.rerank_request(body)
-        results = await embedded(request, tenant, body, "documents", texts)
+        pairs = [(0, k) for k in range(1, len(texts))]
+        if state.classifier is not None:  # a cross-encoder: the query with each document, one input each
+            results = await cross_encoded(request, tenant, body, "documents", texts, pairs)
+        else:
+            results = await embedded(request, tenant, body, "documents", texts)
         if isinstance(results, Response):
             return results
-        scores = openai_scores.cosines([v for v, _ in results], [(0, k) for k in range(1, len(texts))])
+        scores = [s for s, _ in results] if state.classifier is not None else \
+            openai_scores.cosines([v for v, _ in results], pairs)
         return await json_response(openai_scores.rerank_body(texts, scores, top_n, documents,
                                                              sum(n for _, n in results), answered_as(body)))
+
+    @app.post("/classify")
+    @app.post("/v1/classify")
+    async def classify(request: Request):
+        """vLLM's classify API: each input's labels through the model's classifier head (serve.openai_scores)."""
+        tenant = authorize(request)
+        body = await body_of(request)
+        check_fields(body, openai_scores.CLASSIFY_FIELDS)
+        if state.classifier is None:
+            raise classifier.not_served("classify")
+        given = prompt_list(body.get("input"), "input", frontend.MAX_EMBED_INPUTS)
+        keep = frontend.prompt_keep(state, body.get("truncate_prompt_tokens"))
+        prompts = await frontend.input_ids(state, "input", given, keep)
+        results = await pooled(request, tenant, body, "input", prompts, "last", state.classifier.classify)
+        if isinstance(results, Response):
+            return results
+        return await json_response(openai_scores.classify_body(results, answered_as(body)))
 
     def chat_tools(body: dict, messages: list, template: str | None):
         """The request's tools and messages for the chat template that writes the chat: the request's own,

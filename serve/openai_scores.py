@@ -1,7 +1,9 @@
-"""Scores and reranking from embeddings: vLLM's `/score` (text_1 against text_2) and the rerank API that
-Jina, Cohere and vLLM share (`/rerank`: a query against documents, best first). Each score is the cosine of
-the two texts' embeddings (the model's pooling, jaxcb.host.embedding), as vLLM scores with an embedding model;
-every text is embedded once, in one State.embed call. This module reads the bodies and shapes the answers;
+"""Scores, reranking and classification: vLLM's `/score` (text_1 against text_2), the rerank API that Jina,
+Cohere and vLLM share (`/rerank`: a query against documents, best first) and vLLM's `/classify`. With a
+cross-encoder (a one-label classifier head, jaxcb.host.classifier) each pair runs as one input and scores the
+head's probability; otherwise each score is the cosine of the two texts' embeddings (the model's pooling,
+jaxcb.host.embedding), as vLLM scores with an embedding model, every text embedded once. `/classify` gives each
+input's labels' probabilities through the classifier head. This module reads the bodies and shapes the answers;
 serve.openai_api routes them."""
 
 from __future__ import annotations
@@ -11,11 +13,13 @@ import uuid
 
 import numpy as np
 
+from jaxcb.host import classifier
 from jaxcb.host.errors import InvalidRequest
 from serve.frontend import check_text
 from serve.openai_fields import bool_field, int_field
 
 SCORE_FIELDS = {"model", "text_1", "text_2", "truncate_prompt_tokens", "priority", "request_id", "cache_salt", "user"}
+CLASSIFY_FIELDS = {"model", "input", "truncate_prompt_tokens", "priority", "request_id", "cache_salt", "user"}
 RERANK_FIELDS = {"model", "query", "documents", "top_n", "return_documents", "truncate_prompt_tokens", "priority",
                  "request_id", "cache_salt", "user"}
 
@@ -35,11 +39,7 @@ def score_pairs(body: dict) -> tuple[list[str], list[tuple[int, int]]]:
     """vLLM's /score: text_1 (one text or a list) against text_2 (a list): one text against each, or the lists
     pair by pair (of the same length). Returns the texts to embed and each score's (i, j) among them."""
     first, second = _texts(body.get("text_1"), "text_1"), _texts(body.get("text_2"), "text_2")
-    if len(first) != 1 and len(first) != len(second):
-        raise InvalidRequest(f"text_1: {len(first)} texts against text_2's {len(second)}; give one text, or as many "
-                             "as text_2 has")
-    pairs = [(0 if len(first) == 1 else k, len(first) + k) for k in range(len(second))]
-    return first + second, pairs
+    return first + second, classifier.score_pairs(len(first), len(second))
 
 
 def rerank_request(body: dict) -> tuple[list[str], int, bool]:
@@ -74,6 +74,17 @@ def score_body(scores: list[float], tokens: int, model_name: str) -> dict:
     return {"id": "score-" + uuid.uuid4().hex, "object": "list", "created": int(time.time()), "model": model_name,
             "data": [{"index": k, "object": "score", "score": s} for k, s in enumerate(scores)],
             "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+
+
+def classify_body(results: list, model_name: str) -> dict:
+    """vLLM's classify answer: per input (State.pool's (Classification, prompt tokens)) its label and
+    probabilities."""
+    tokens = sum(n for _, n in results)
+    return {"id": "classify-" + uuid.uuid4().hex, "object": "list", "created": int(time.time()), "model": model_name,
+            "data": [{"index": i, "label": c.label, "probs": [float(p) for p in c.probs], "num_classes": len(c.probs)}
+                     for i, (c, _) in enumerate(results)],
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0,
+                      "prompt_tokens_details": None}}
 
 
 def rerank_body(texts: list[str], scores: list[float], top_n: int, return_documents: bool, tokens: int,

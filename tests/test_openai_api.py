@@ -256,7 +256,8 @@ def test_score_and_rerank_are_the_cosines_of_the_embeddings(server, model_name, 
             ("/rerank", {"query": "a", "documents": ["b", 3]}, "documents[1]: must be a string"),
             ("/rerank", {"query": "", "documents": ["b"]}, "query: the prompt must not be empty"),
             ("/rerank", {"query": "a", "documents": ["b"], "top_n": 0}, "top_n: must be >= 1"),
-            ("/rerank", {"query": "a", "documents": ["b"], "stream": True}, "stream: not a field")]:
+            ("/rerank", {"query": "a", "documents": ["b"], "stream": True}, "stream: not a field"),
+            ("/classify", {"input": "a"}, "model: has no classifier head")]:
         r = httpx.post(server.http + path, json=body, timeout=60)
         assert r.status_code == 400 and message in r.json()["error"]["message"], (path, r.text)
     _pool_whole(server)
@@ -291,6 +292,10 @@ def test_grpc_embed_refusals_name_the_field(server):
         with pytest.raises(grpc.RpcError) as e:
             c.stub.Embed(jaxcb_pb2.EmbedRequest(inputs=[jaxcb_pb2.EmbedInput()]))
         assert "inputs[0]: one of text or tokens is required" in e.value.details()
+        with pytest.raises(grpc.RpcError) as e:
+            c.classify(["x"])
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "model: has no classifier head" in e.value.details()
+        assert not c.model_info().classifier_labels
     _pool_whole(server)
 
 

@@ -27,6 +27,10 @@ sequence longer than original_max_position_embeddings).
 
 adds golden_hidden.json to families already written: per prompt (PROMPTS), the base model's last hidden states
 (transformers' last_hidden_state, after the final norm: what embeddings pool, tests/test_embeddings.py).
+
+    .venv-tools/bin/python -m tools.make_tiny_hf --classify
+
+writes the sequence classification checkpoints (CLASSIFIERS) and their heads' logits (tests/test_classify.py).
 """
 
 from __future__ import annotations
@@ -261,6 +265,40 @@ def records_of(model, prompts) -> list[dict]:
     return records
 
 
+# Sequence classification checkpoints (transformers' *ForSequenceClassification: the base model under "model.", a
+# `score` head [labels, hidden] on the final norm's output at the last token): name -> (the family's config,
+# labels; one label is a cross-encoder's relevance score)
+CLASSIFIERS = {"qwen3-cls": ("qwen3", ["negative", "neutral", "positive"]), "gemma3-cls": ("gemma3", ["relevant"])}
+
+
+def write_classifiers(family_configs: dict) -> None:
+    """tests/golden/tiny_hf/<name>/ per CLASSIFIERS: the checkpoint and golden_classify.json, per prompt (PROMPTS)
+    the head's float32 logits as transformers' model gives them."""
+    import torch
+    from transformers import AutoModelForSequenceClassification
+
+    for name, (family, labels) in CLASSIFIERS.items():
+        config = family_configs[family]
+        config.num_labels = len(labels)
+        config.id2label = dict(enumerate(labels))
+        config.label2id = {v: k for k, v in config.id2label.items()}
+        config._attn_implementation = "eager"
+        torch.manual_seed(1)
+        model = AutoModelForSequenceClassification.from_config(config, dtype=torch.float32).eval()
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if "norm" in n:
+                    p.add_(torch.randn_like(p) * 0.3)
+                elif p.dim() == 2:
+                    p.mul_(4.0 if "embed" in n or "score" in n else 2.0)
+        folder = os.path.join(OUT, name)
+        model.save_pretrained(folder, safe_serialization=True)
+        records = [{"prompt_ids": ids, "logits": model(torch.tensor([ids])).logits[0].tolist()} for ids in PROMPTS]
+        with open(os.path.join(folder, "golden_classify.json"), "w") as f:
+            json.dump({"family": family, "labels": labels, "records": records}, f)
+        print(name, type(model).__name__, [[round(x, 3) for x in r["logits"]] for r in records])
+
+
 def main():
     import sys
 
@@ -288,6 +326,9 @@ def main():
             with open(os.path.join(folder, "golden_hidden.json"), "w") as f:
                 json.dump({"family": family, "records": records}, f)
             print(family, "hidden", [len(r["hidden"]) for r in records])
+        return
+    if wanted[:1] == ["--classify"]:
+        write_classifiers(configs())
         return
     for family, config in configs().items():
         if wanted and family not in wanted:

@@ -40,6 +40,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "base model's file may have none): a file, or the template itself (default: the config's "
                         "model.chat_template, else the model's)")
     add_rope_scaling_arg(p)
+    p.add_argument("--classifier-from-tokens", default=None, metavar="TOKENS",
+                   help="serve a causal LM as a classifier by its logits of these comma-separated tokens (vLLM's "
+                        "classifier_from_token): no,yes makes Qwen3-Reranker a cross-encoder for /score and /rerank, "
+                        "P(yes) between the two (default: the config's model.classifier_from_tokens, else none)")
     p.add_argument("--policy", default=None, help=f"scheduling policy: {', '.join(POLICIES)}")
     p.add_argument("--compile-cache", default=None, metavar="DIR",
                    help="persistent XLA compilation cache (default: $JAXCB_COMPILE_CACHE or ~/.cache/jaxcb/xla; "
@@ -161,6 +165,10 @@ def engine_config(args):
         changes["chat_template"] = args.chat_template
     if getattr(args, "rope_scaling", None):
         changes["rope_scaling"] = args.rope_scaling
+    if getattr(args, "classifier_from_tokens", None):
+        from jaxcb.host.classifier import parse_tokens
+
+        changes["classifier_from_tokens"] = parse_tokens(args.classifier_from_tokens)
     if getattr(args, "cpu_dots", None):
         changes["cpu_dots"] = args.cpu_dots
     if getattr(args, "compile", None):

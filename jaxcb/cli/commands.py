@@ -187,6 +187,9 @@ def cmd_serve(args) -> int:
               + ", ".join(f"{k} {v}" for k, v in tokenizer.sampling_defaults.items())
               + " (--generation-config none: OpenAI's)", flush=True)
     print(f"jaxcb: embeddings (/v1/embeddings, gRPC Embed): {tokenizer.pooling.describe()}", flush=True)
+    if engine.classifier is not None:
+        print(f"jaxcb: classifier (/classify, gRPC Classify; /score and /rerank by it where it has one label): "
+              f"{engine.classifier.describe()}", flush=True)
     print(f"jaxcb: model {model_config.name} served as {', '.join(names)} on {step['platform']}, {step['compute_dtype']}; "
           f"{config.num_pages} KV pages of {config.page_size} tokens; policy {config.scheduler.policy}; "
           f"compile cache {cache_dir or 'off'}", flush=True)

@@ -178,8 +178,9 @@ def cmd_convert(args) -> int:
 
     from jaxcb.cli.args import dtype as _dtype
     from jaxcb.device.factory import default_dtype
-    from jaxcb.llm import load_model
+    from jaxcb.llm import load_classifier, load_model
     from jaxcb.model import checkpoint
+    from jaxcb.model.embedded import resolve_model
     from jaxcb.model.llama import params_to_weights
 
     if os.path.exists(os.path.join(args.out_dir, checkpoint.MANIFEST)):
@@ -199,6 +200,9 @@ def cmd_convert(args) -> int:
         params = params_from_numpy(weights, dtype, mode, args.weight_group)
     loaded = time.perf_counter() - t0
     checkpoint.save(args.out_dir, config, params_to_weights(params), tokenizer, dtype, mode, args.weight_group)
+    head = load_classifier(resolve_model(None if args.model == "default" else args.model), config, params, tokenizer)
+    if head is not None:  # (a sequence classifier's score head, beside the weights)
+        head.save(args.out_dir)
     print(f"jaxcb convert: {config.name} ({config.num_params / 1e6:.1f}M parameters, {mode}) "
           f"loaded in {loaded:.1f}s, written to {args.out_dir} in {time.perf_counter() - t0 - loaded:.1f}s; "
           f"serve it with --model {args.out_dir}")

@@ -65,8 +65,11 @@ class Engine:
     MAX_FAILED_STEPS_IN_A_ROW = 8  # then the engine counts as broken (the server exits non-zero)
 
     def __init__(self, runner: Runner, tokenizer, config: EngineConfig, eos_ids: tuple[int, ...] = (),
-                 load_seconds: float = 0.0, clock: Callable[[], float] = time.monotonic, draft_runner: Runner | None = None):
+                 load_seconds: float = 0.0, clock: Callable[[], float] = time.monotonic, draft_runner: Runner | None = None,
+                 classifier=None):
         self.runner = runner
+        # The head classification requests' pooled states go through (jaxcb.host.classifier); None = none
+        self.classifier = classifier
         self.draft_runner = draft_runner  # speculative.method "draft": the draft model's (jaxcb.host.draft)
         # Every time the loop reads (arrivals, queueing, step times, first tokens): the wall clock, or the
         # simulator's (jaxcb.sim.simulate: a runner that models the step's time on a virtual clock).
@@ -122,8 +125,8 @@ class Engine:
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """Raise InvalidRequest naming the field and the limit; touches no engine state."""
         if self.model_config.headless and params.pooling is None:
-            raise InvalidRequest(f"model: {self.model_config.name} has no language-model head (a base model's "
-                                 "checkpoint): it serves embeddings only")
+            raise InvalidRequest(f"model: {self.model_config.name} has no language-model head (a base model's or a "
+                                 "classifier's checkpoint): it serves embeddings and classification only")
         check_tokens(prompt_ids, params, self.max_context, self.model_config.vocab_size)
         if params.structured is not None:
             self.grammars.compile(params.structured)  # cached after the first: check it off the event loop

@@ -11,6 +11,7 @@ import os
 import tomllib
 
 from jaxcb.host.buckets import Buckets
+from jaxcb.host.classifier import parse_tokens
 from jaxcb.host.errors import InvalidConfig
 from jaxcb.host.policies import SchedulerConfig
 from jaxcb.host.lora import LoraConfig
@@ -68,6 +69,9 @@ class EngineConfig:
     # The full-attention layers' RoPE scaling in place of the model file's: transformers' rope_scaling as JSON
     # text (jaxcb.model.rope_scaling: e.g. YaRN past Qwen3's 32K); "" = the model's own.
     rope_scaling: str = ""
+    # A causal LM served as a classifier by the logits of these tokens (vLLM's classifier_from_token; e.g.
+    # Qwen3-Reranker's ("no", "yes"): one relevance score, jaxcb.host.classifier); () = none.
+    classifier_from_tokens: tuple[str, ...] = ()
 
     @property
     def page_size(self) -> int:
@@ -119,6 +123,8 @@ class EngineConfig:
             raise InvalidConfig(f"model.chat_template: must be a file's path or a template, got {self.chat_template!r}")
         if self.rope_scaling:
             parse_rope_scaling(self.rope_scaling)
+        if self.classifier_from_tokens:
+            parse_tokens(self.classifier_from_tokens)
         if self.attention == "pallas" and s.page_size not in KERNEL_PAGE_SIZES:
             raise InvalidConfig(f"cache.page_size: the Pallas kernels take {KERNEL_PAGE_SIZES}, got "
                              f"{s.page_size} (or set model.attention = 'xla')")
@@ -126,7 +132,7 @@ class EngineConfig:
     def replace(self, *, num_pages=None, buckets=None, attention=None, tensor_parallel=None, data_parallel=None,
                 weights=None, weight_group=None, kv_dtype=None, cpu_dots=None, activations=None,
                 compile=None, lora=None, served_model_name=None, chat_template=None, rope_scaling=None,
-                **scheduler_changes) -> "EngineConfig":
+                classifier_from_tokens=None, **scheduler_changes) -> "EngineConfig":
         return EngineConfig(
             num_pages=self.num_pages if num_pages is None else num_pages,
             scheduler=dataclasses.replace(self.scheduler, **scheduler_changes),
@@ -146,6 +152,8 @@ class EngineConfig:
             served_model_name=self.served_model_name if served_model_name is None else tuple(served_model_name),
             chat_template=self.chat_template if chat_template is None else chat_template,
             rope_scaling=self.rope_scaling if rope_scaling is None else rope_scaling,
+            classifier_from_tokens=(self.classifier_from_tokens if classifier_from_tokens is None
+                                    else tuple(classifier_from_tokens)),
         )
 
 
@@ -271,7 +279,7 @@ def load_config(path: str | None = None) -> EngineConfig:
     lora = LoraConfig(**lora)
     model = raw.get("model", {})
     unknown = set(model) - {"attention", "weights", "weight_group", "cpu_dots", "activations", "compile",
-                            "served_model_name", "chat_template", "rope_scaling"}
+                            "served_model_name", "chat_template", "rope_scaling", "classifier_from_tokens"}
     if unknown:
         raise InvalidConfig(f"config: unknown setting in [model]: {sorted(unknown)}")
     parallel = raw.get("parallel", {})
@@ -293,6 +301,7 @@ def load_config(path: str | None = None) -> EngineConfig:
                         served_model_name=_names(model.get("served_model_name", ())),
                         chat_template=model.get("chat_template", ""),
                         rope_scaling=_rope_scaling_text(model.get("rope_scaling", "")),
+                        classifier_from_tokens=parse_tokens(model.get("classifier_from_tokens", ())),
                         memory_fraction=float(cache.get("memory_fraction", 0.9)),
                         memory_bytes=parse_bytes(cache["memory"]) if "memory" in cache else 0,
                         tensor_parallel=parallel.get("tensor", 1), data_parallel=parallel.get("data", 1))

@@ -54,6 +54,7 @@ class Replicas:
                         for i, e in enumerate(engines)]
         first = engines[0]
         self.model_config, self.tokenizer, self.config = first.model_config, first.tokenizer, first.config
+        self.classifier = first.classifier
         self.max_context = first.max_context
         # Prefer a prefix hit unless that replica is this far behind the least loaded: by default one
         # full batch of maximum-context requests' worth of decoding.

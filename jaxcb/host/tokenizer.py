@@ -393,6 +393,17 @@ class Tokenizer:
             ids.append(self.eos_id)
         return ids
 
+    def encode_pair(self, first: str, second: str) -> list[int]:
+        """A text pair as a cross-encoder takes it (transformers' tokenizer(first, second), vLLM's score prompts):
+        the tokenizer.json post-processor's pair template (a separator where the model has one; else the two
+        side by side), else encode_input's special tokens around the two, the second without a BOS."""
+        if self._tok.post_processor is not None:
+            return self._tok.encode(first, second, add_special_tokens=True).ids
+        ids = self.encode(first) + self.encode(second, add_bos=False)
+        if self.add_eos and self.eos_id is not None:
+            ids.append(self.eos_id)
+        return ids
+
     def decode(self, ids, skip_special: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special)
 

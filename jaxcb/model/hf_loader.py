@@ -56,8 +56,17 @@ ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qw
                  # Linq's MistralModel, bge-multilingual-gemma2's Gemma2Model): tensors without "model.", served for
                  # embeddings only (ModelConfig.headless)
                  "LlamaModel": "llama", "MistralModel": "llama", "Qwen2Model": "qwen2", "Qwen3Model": "qwen3",
-                 "GemmaModel": "gemma", "Gemma2Model": "gemma2", "Gemma3TextModel": "gemma3"}
+                 "GemmaModel": "gemma", "Gemma2Model": "gemma2", "Gemma3TextModel": "gemma3",
+                 # Sequence classifiers (rerankers, reward models, text classifiers): the base model under "model."
+                 # and a `score` head on the last token's hidden state, which jaxcb.host.classifier applies; the
+                 # engine serves them headless
+                 "LlamaForSequenceClassification": "llama", "MistralForSequenceClassification": "llama",
+                 "Qwen2ForSequenceClassification": "qwen2", "Qwen3ForSequenceClassification": "qwen3",
+                 "GemmaForSequenceClassification": "gemma", "Gemma2ForSequenceClassification": "gemma2",
+                 "Gemma3TextForSequenceClassification": "gemma3"}
 _BASE_MODELS = frozenset(a for a in ARCHITECTURES if a.endswith("Model"))
+SEQUENCE_CLASSIFIERS = frozenset(a for a in ARCHITECTURES if a.endswith("ForSequenceClassification"))
+CLASSIFIER_TENSORS = ("score.weight", "score.bias")  # a sequence classifier's head (jaxcb.host.classifier reads it)
 _TEXT_MODELS = {"llama": "llama", "mistral": "llama"}  # text_config.model_type -> family (Mistral3's, Llava's)
 # Where a checkpoint keeps the language model's tensors: a causal LM's "model.", a multimodal one's
 # (transformers' two layouts of it), a base model's at the top; and the parts of a multimodal one that text does
@@ -155,7 +164,7 @@ def _longrope(scaling: dict, raw: dict, rotary_dim: int, max_context: int) -> di
             "max_context": max_context if long else min(max_context, original)}
 
 
-def _config_json(path: str) -> dict:
+def config_json(path: str) -> dict:
     """A checkpoint's config.json as it is."""
     try:
         with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
@@ -165,7 +174,7 @@ def _config_json(path: str) -> dict:
 
 
 def read_config(path: str) -> ModelConfig:
-    raw = _config_json(path)
+    raw = config_json(path)
     arch = (raw.get("architectures") or ["?"])[0]
     text = raw.get("text_config") or {}
     raw = {**raw, **text}
@@ -334,8 +343,8 @@ def read_config(path: str) -> ModelConfig:
             max_context=max_context,
             rope_theta=theta or 10000.0, rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             tie_embeddings=(not _has_head(path) if arch.endswith("ForConditionalGeneration") or arch in _BASE_MODELS
-                            else bool(raw.get("tie_word_embeddings", gemma))),
-            headless=arch in _BASE_MODELS and not _has_head(path),
+                            else arch in SEQUENCE_CLASSIFIERS or bool(raw.get("tie_word_embeddings", gemma))),
+            headless=arch in _BASE_MODELS and not _has_head(path) or arch in SEQUENCE_CLASSIFIERS,
             name=os.path.basename(os.path.normpath(path)),
             attention_bias=family in ("qwen2", "qwen2moe") or bool(raw.get("attention_bias", False)),
             # (transformers' attention_bias puts one on the output projection too, but for Qwen2's and GLM's)
@@ -400,6 +409,15 @@ def _weight_files(path: str) -> list[str]:
     if missing:
         raise InvalidConfig(f"model: {path} lacks {', '.join(missing[:3])}, which model.safetensors.index.json names")
     return [os.path.join(path, f) for f in files]
+
+
+def classifier_tensors(path: str) -> dict[str, np.ndarray]:
+    """The CLASSIFIER_TENSORS a checkpoint has (a sequence classifier's head, jaxcb.host.classifier), memory-mapped."""
+    out = {}
+    for file in _weight_files(path):
+        tensors = _read_safetensors(file)
+        out.update({n: tensors[n] for n in CLASSIFIER_TENSORS if n in tensors})
+    return out
 
 
 def _has_head(path: str) -> bool:
@@ -563,7 +581,7 @@ def load_weights(path: str, config: ModelConfig) -> LazyWeights:
     for f in files:
         tensors.update(_read_safetensors(f))
 
-    settings = _config_json(path)
+    settings = config_json(path)
     settings = {**settings, **(settings.get("text_config") or {})}  # (a multimodal one's language model's, as read_config)
     float8 = _float8_blocks(tensors, settings)
     used = {scale for scale, _ in float8.values()}
@@ -708,7 +726,8 @@ def load_weights(path: str, config: ModelConfig) -> LazyWeights:
     head = "language_model.lm_head.weight" if "language_model.lm_head.weight" in tensors else "lm_head.weight"
     if not config.tie_embeddings:
         one("lm_head", head, transpose=True)
-    check_all_used(set(tensors) - used - {head} - set(vision), path)  # (a tied head may be stored too)
+    classifier = set(CLASSIFIER_TENSORS) if config.headless else set()
+    check_all_used(set(tensors) - used - {head} - set(vision) - classifier, path)  # (a tied head may be stored too)
     missing = sorted(set(config.weight_shapes()) - set(weights))
     if missing:  # (the config's weights this loader did not find a source for)
         raise InvalidConfig(f"model (config.json): no tensors for {', '.join(missing)}")

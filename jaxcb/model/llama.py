@@ -663,6 +663,20 @@ def forward_hidden(params: Params, kv_pages, batch: StepInput, config: ModelConf
     return kv_pages, h
 
 
+def head_rows(params: Params, ids: list[int]) -> np.ndarray:
+    """The output head's rows for tokens `ids` [N, E] in float32 (dequantized): token i's logit is the final
+    norm's output dotted with row i (before the model's logit scale and softcap), as head_logits computes it."""
+    ids = jnp.asarray(ids, jnp.int32)
+    if params.lm_head is None:
+        return np.asarray(embed_rows(params.embed, ids, jnp.float32))
+    head = params.lm_head
+    if isinstance(head, QuantWeight):
+        columns = QuantWeight(head.q[..., ids], head.scale[..., ids],
+                              None if head.offset is None else head.offset[..., ids], head.bits, head.act_block)
+        return np.asarray(dequantize(columns, jnp.float32)).T
+    return np.asarray(head[:, ids].astype(jnp.float32)).T
+
+
 def logits_at(params: Params, h, rows, config: ModelConfig, attention: Attention = Attention()):
     """float32 logits [R, V] of the token rows `rows` [R] of the last layer's output h [T, E]."""
     last = rms_norm(h[rows], params.final_norm, config.rms_norm_eps, config.norm_plus_one)  # [R, E]

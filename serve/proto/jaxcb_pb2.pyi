@@ -48,6 +48,40 @@ class EmbedResponse(_message.Message):
     prompt_tokens: int
     def __init__(self, embeddings: _Optional[_Iterable[_Union[Embedding, _Mapping]]] = ..., prompt_tokens: _Optional[int] = ...) -> None: ...
 
+class ClassifyRequest(_message.Message):
+    __slots__ = ("inputs", "model", "priority", "request_id", "cache_salt", "truncate_prompt_tokens")
+    INPUTS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATE_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    inputs: _containers.RepeatedCompositeFieldContainer[EmbedInput]
+    model: str
+    priority: int
+    request_id: str
+    cache_salt: str
+    truncate_prompt_tokens: int
+    def __init__(self, inputs: _Optional[_Iterable[_Union[EmbedInput, _Mapping]]] = ..., model: _Optional[str] = ..., priority: _Optional[int] = ..., request_id: _Optional[str] = ..., cache_salt: _Optional[str] = ..., truncate_prompt_tokens: _Optional[int] = ...) -> None: ...
+
+class Classification(_message.Message):
+    __slots__ = ("label", "probs", "prompt_tokens")
+    LABEL_FIELD_NUMBER: _ClassVar[int]
+    PROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    label: str
+    probs: _containers.RepeatedScalarFieldContainer[float]
+    prompt_tokens: int
+    def __init__(self, label: _Optional[str] = ..., probs: _Optional[_Iterable[float]] = ..., prompt_tokens: _Optional[int] = ...) -> None: ...
+
+class ClassifyResponse(_message.Message):
+    __slots__ = ("results", "prompt_tokens")
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[Classification]
+    prompt_tokens: int
+    def __init__(self, results: _Optional[_Iterable[_Union[Classification, _Mapping]]] = ..., prompt_tokens: _Optional[int] = ...) -> None: ...
+
 class LoadLoraAdapterRequest(_message.Message):
     __slots__ = ("lora_name", "lora_path")
     LORA_NAME_FIELD_NUMBER: _ClassVar[int]
@@ -280,7 +314,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "vocab_size", "context_length", "dtype", "num_layers", "num_params", "family", "sliding_window", "num_sliding_layers", "lora_adapters", "served_model_names", "embedding_size", "embedding_pooling")
+    __slots__ = ("name", "vocab_size", "context_length", "dtype", "num_layers", "num_params", "family", "sliding_window", "num_sliding_layers", "lora_adapters", "served_model_names", "embedding_size", "embedding_pooling", "classifier_labels", "classifier")
     NAME_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
@@ -294,6 +328,8 @@ class ModelInfo(_message.Message):
     SERVED_MODEL_NAMES_FIELD_NUMBER: _ClassVar[int]
     EMBEDDING_SIZE_FIELD_NUMBER: _ClassVar[int]
     EMBEDDING_POOLING_FIELD_NUMBER: _ClassVar[int]
+    CLASSIFIER_LABELS_FIELD_NUMBER: _ClassVar[int]
+    CLASSIFIER_FIELD_NUMBER: _ClassVar[int]
     name: str
     vocab_size: int
     context_length: int
@@ -307,7 +343,9 @@ class ModelInfo(_message.Message):
     served_model_names: _containers.RepeatedScalarFieldContainer[str]
     embedding_size: int
     embedding_pooling: str
-    def __init__(self, name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., context_length: _Optional[int] = ..., dtype: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_params: _Optional[int] = ..., family: _Optional[str] = ..., sliding_window: _Optional[int] = ..., num_sliding_layers: _Optional[int] = ..., lora_adapters: _Optional[_Iterable[str]] = ..., served_model_names: _Optional[_Iterable[str]] = ..., embedding_size: _Optional[int] = ..., embedding_pooling: _Optional[str] = ...) -> None: ...
+    classifier_labels: _containers.RepeatedScalarFieldContainer[str]
+    classifier: str
+    def __init__(self, name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., context_length: _Optional[int] = ..., dtype: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_params: _Optional[int] = ..., family: _Optional[str] = ..., sliding_window: _Optional[int] = ..., num_sliding_layers: _Optional[int] = ..., lora_adapters: _Optional[_Iterable[str]] = ..., served_model_names: _Optional[_Iterable[str]] = ..., embedding_size: _Optional[int] = ..., embedding_pooling: _Optional[str] = ..., classifier_labels: _Optional[_Iterable[str]] = ..., classifier: _Optional[str] = ...) -> None: ...
 
 class GetServerInfoRequest(_message.Message):
     __slots__ = ()

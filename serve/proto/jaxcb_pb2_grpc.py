@@ -69,6 +69,11 @@ class JaxcbStub:
                 request_serializer=jaxcb__pb2.EmbedRequest.SerializeToString,
                 response_deserializer=jaxcb__pb2.EmbedResponse.FromString,
                 _registered_method=True)
+        self.Classify = channel.unary_unary(
+                '/jaxcb.v1.Jaxcb/Classify',
+                request_serializer=jaxcb__pb2.ClassifyRequest.SerializeToString,
+                response_deserializer=jaxcb__pb2.ClassifyResponse.FromString,
+                _registered_method=True)
 
 
 class JaxcbServicer:
@@ -123,6 +128,15 @@ class JaxcbServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Classify(self, request, context):
+        """Classification (the HTTP API's /classify): each input's labels' probabilities through the model's
+        classifier head (ModelInfo.classifier_labels), from its last token's hidden state; the inputs run beside
+        every other request. Refused (INVALID_ARGUMENT) where the model has no classifier head.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_JaxcbServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -160,6 +174,11 @@ def add_JaxcbServicer_to_server(servicer, server):
                     servicer.Embed,
                     request_deserializer=jaxcb__pb2.EmbedRequest.FromString,
                     response_serializer=jaxcb__pb2.EmbedResponse.SerializeToString,
+            ),
+            'Classify': grpc.unary_unary_rpc_method_handler(
+                    servicer.Classify,
+                    request_deserializer=jaxcb__pb2.ClassifyRequest.FromString,
+                    response_serializer=jaxcb__pb2.ClassifyResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -351,6 +370,33 @@ class Jaxcb:
             '/jaxcb.v1.Jaxcb/Embed',
             jaxcb__pb2.EmbedRequest.SerializeToString,
             jaxcb__pb2.EmbedResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Classify(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/jaxcb.v1.Jaxcb/Classify',
+            jaxcb__pb2.ClassifyRequest.SerializeToString,
+            jaxcb__pb2.ClassifyResponse.FromString,
             options,
             channel_credentials,
             insecure,
