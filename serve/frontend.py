@@ -346,7 +346,7 @@ async def input_ids(state: State, field: str, inputs: list, keep: int | None) ->
 
 
 async def pair_ids(state: State, field: str, pairs: list[tuple[str, str]], keep: int | None) -> list[list[int]]:
-    """Text pairs as a cross-encoder takes them (Tokenizer.encode_pair), each cut to its last `keep` tokens: the
+    """Text pairs as the model's cross-encoder takes them (Tokenizer.encode_pair), each cut to its last `keep` tokens: the
     count, the characters and each pair's length checked before any is tokenized (`field`: what the errors name)."""
     limit = min(MAX_EMBED_INPUTS, state.options.max_waiting)
     if len(pairs) > limit:
@@ -357,7 +357,8 @@ async def pair_ids(state: State, field: str, pairs: list[tuple[str, str]], keep:
                              f"is {MAX_TEXT_CHARS}")
     for a, b in pairs:
         check_text_fits(state, field, len(a) + len(b), keep)
-    encoded = await asyncio.to_thread(lambda: [state.tokenizer.encode_pair(a, b) for a, b in pairs])
+    join = state.classifier.joins_pairs
+    encoded = await asyncio.to_thread(lambda: [state.tokenizer.encode_pair(a, b, join) for a, b in pairs])
     return [truncated(p, keep) for p in encoded]
 
 

@@ -232,7 +232,8 @@ class JaxcbService(jaxcb_pb2_grpc.JaxcbServicer):
         try:
             if s.classifier is None:
                 raise classifier.not_served("classify")
-            results = await self._pooled(request, context, "last", s.classifier.classify)
+            activation = request.use_activation if request.HasField("use_activation") else True
+            results = await self._pooled(request, context, "last", lambda v: s.classifier.classify(v, activation))
         except JaxcbError as e:
             await context.abort(grpc_code(e), details(e, request))
         return jaxcb_pb2.ClassifyResponse(

@@ -442,10 +442,12 @@ def make_app(state) -> FastAPI:
         check_fields(body, openai_scores.CLASSIFY_FIELDS)
         if state.classifier is None:
             raise classifier.not_served("classify")
+        activation = bool_field(body, "use_activation", True)  # (vLLM's: false gives the raw logits)
         given = prompt_list(body.get("input"), "input", frontend.MAX_EMBED_INPUTS)
         keep = frontend.prompt_keep(state, body.get("truncate_prompt_tokens"))
         prompts = await frontend.input_ids(state, "input", given, keep)
-        results = await pooled(request, tenant, body, "input", prompts, "last", state.classifier.classify)
+        results = await pooled(request, tenant, body, "input", prompts, "last",
+                               lambda v: state.classifier.classify(v, activation))
         if isinstance(results, Response):
             return results
         return await json_response(openai_scores.classify_body(results, answered_as(body)))

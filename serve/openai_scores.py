@@ -19,7 +19,8 @@ from serve.frontend import check_text
 from serve.openai_fields import bool_field, int_field
 
 SCORE_FIELDS = {"model", "text_1", "text_2", "truncate_prompt_tokens", "priority", "request_id", "cache_salt", "user"}
-CLASSIFY_FIELDS = {"model", "input", "truncate_prompt_tokens", "priority", "request_id", "cache_salt", "user"}
+CLASSIFY_FIELDS = {"model", "input", "use_activation", "truncate_prompt_tokens", "priority", "request_id", "cache_salt",
+                   "user"}
 RERANK_FIELDS = {"model", "query", "documents", "top_n", "return_documents", "truncate_prompt_tokens", "priority",
                  "request_id", "cache_salt", "user"}
 

@@ -17,7 +17,7 @@ from jaxcb.host.classifier import Classifier, parse_tokens
 from jaxcb.host.engine_config import load_config, make_config
 from jaxcb.host.errors import InvalidConfig, InvalidRequest
 from jaxcb.host.request import SamplingParams
-from jaxcb.llm import LLM, load_model
+from jaxcb.llm import LLM, load_classifier, load_model
 from serve.client import Client
 from tests.server_util import SMALL_CONFIG, ServerProcess, free_port, wait_pool_whole
 
@@ -78,44 +78,38 @@ def test_classifier_from_tokens_reads_the_models_logits():
     """--classifier-from-tokens on SmolLM2: "no,yes" is one label, the probability of "yes" between the two
     (Qwen3-Reranker's reading, as vLLM converts it), three tokens are three labels (softmax over their logits); each
     within 1e-5 of transformers' logits at the prompt's last position, the 20 golden prompts batched with generating
-    requests; the model generates as before. LLM.score with it scores each pair as one input, the two texts encoded
-    as a pair; a head of more labels is refused for scoring; tokens outside the vocabulary are refused at load."""
+    requests; the model generates as before. LLM.score with it scores each pair as one input, the two texts joined
+    into one (as vLLM encodes a causal LM reranker's pairs); a head of more labels is refused for scoring; tokens
+    outside the vocabulary are refused at load."""
     prompts, logits = smollm2_golden()
     config, params, tok, eos = load_model()
-
-    def served(tokens):
-        return LLM.from_params(config, params, tok, eos_ids=eos, config=load_config(None).replace(
-            classifier_from_tokens=tokens, compile="fast"))
-
-    llm = served(("no", "yes"))
-    tok = llm.tokenizer
+    llm = LLM.from_params(config, params, tok, eos_ids=eos, config=load_config(None).replace(
+        classifier_from_tokens=("no", "yes"), compile="fast"))
     no, yes, maybe = (tok.token_id(t) for t in ("no", "yes", "maybe"))
-    assert llm.classifier.labels == ("yes",) and llm.classifier.scores
+    assert llm.classifier.labels == ("yes",) and llm.classifier.scores and llm.classifier.joins_pairs
     outs = llm.generate(prompts + prompts[:4], [SamplingParams(max_tokens=0, pooling="last")] * len(prompts)
                         + [SamplingParams(max_tokens=6, ignore_eos=True)] * 4)
+    three = load_classifier(None, config, params, tok, ("no", "yes", "maybe"))  # (the same pooled states, read so)
+    assert three.labels == ("no", "yes", "maybe") and three.activation == "softmax" and not three.scores
     for c, ref in zip(outs, logits):
-        p = llm.classifier.probs(c.embedding)
-        assert abs(float(p[0]) - 1 / (1 + np.exp(ref[no] - ref[yes]))) < 1e-5
+        assert abs(float(llm.classifier.probs(c.embedding)[0]) - 1 / (1 + np.exp(ref[no] - ref[yes]))) < 1e-5
+        got, want = three.classify(c.embedding), activation(ref[[no, yes, maybe]])
+        assert np.abs(got.probs - want).max() < 1e-5 and got.label == three.labels[int(np.argmax(want))]
     assert all(len(c.token_ids) == 6 for c in outs[len(prompts):])
     got = llm.classify(prompts[:3])
     assert [c.label for c in got] == ["yes"] * 3 and all(c.probs.shape == (1,) for c in got)
     query, docs = "Is Paris in France?", ["Paris is the capital of France.", "Bananas are yellow."]
     scores = llm.score(query, docs)
-    pairs = [tok.encode(query) + tok.encode(d, add_bos=False) for d in docs]  # (a GGUF's tokenizer: side by side)
-    assert [tok.encode_pair(query, d) for d in docs] == pairs
+    pairs = [tok.encode_input(query + d) for d in docs]
+    assert [tok.encode_pair(query, d, llm.classifier.joins_pairs) for d in docs] == pairs
+    assert tok.encode_pair(query, docs[0]) == tok.encode(query) + tok.encode(docs[0], add_bos=False)
     direct = llm.generate(pairs, SamplingParams(max_tokens=0, pooling="last"))
     assert np.allclose(scores, [float(llm.classifier.probs(c.embedding)[0]) for c in direct], atol=1e-9)
     llm.engine.pool.check_all_free()
-
-    llm3 = served(("no", "yes", "maybe"))
-    assert llm3.classifier.labels == ("no", "yes", "maybe") and llm3.classifier.activation == "softmax"
-    for c, ref in zip(llm3.classify(prompts[:6]), logits):
-        want = activation(ref[[no, yes, maybe]])
-        assert np.abs(c.probs - want).max() < 1e-5 and c.label == ("no", "yes", "maybe")[int(np.argmax(want))]
     with pytest.raises(InvalidRequest, match="model: classifies into 3 labels"):
-        llm3.score(query, docs)
+        three.check_scores()
     with pytest.raises(InvalidConfig, match="'zzqx-not-one-token' is not one token"):
-        served(("no", "zzqx-not-one-token"))
+        load_classifier(None, config, params, tok, ("no", "zzqx-not-one-token"))
 
 
 def test_classifier_settings_are_checked():
@@ -181,9 +175,13 @@ def test_classify_score_and_rerank_over_both_apis_equal_the_offline_engine(serve
         for i, d in enumerate(body["data"]):
             assert d["index"] == i and d["num_classes"] == 1 and d["label"] == want[i].label == "is"
             assert abs(d["probs"][0] - float(want[i].probs[0])) < 1e-6
+    raw = httpx.post(server.http + "/classify", json={"input": inputs[:1], "use_activation": False}, timeout=60).json()
+    logit = float(np.log(want[0].probs[0] / (1 - want[0].probs[0])))
+    assert abs(raw["data"][0]["probs"][0] - logit) < 1e-5, raw
     with Client(server.target) as c:
         over_grpc = c.classify(inputs)
         info = c.model_info()
+        assert abs(c.classify(inputs[:1], use_activation=False).results[0].probs[0] - logit) < 1e-5
     assert list(info.classifier_labels) == ["is"] and "'an', 'is'" in info.classifier
     assert over_grpc.prompt_tokens == sum(tokens)
     for i, got in enumerate(over_grpc.results):
@@ -193,7 +191,7 @@ def test_classify_score_and_rerank_over_both_apis_equal_the_offline_engine(serve
     scores = offline.score(query, docs)
     one = httpx.post(server.http + "/score", json={"text_1": query, "text_2": docs}, timeout=60).json()
     assert np.allclose([d["score"] for d in one["data"]], scores, atol=1e-6), one
-    pairs = [len(tok.encode_pair(query, d)) for d in docs]
+    pairs = [len(tok.encode_input(query + d)) for d in docs]
     assert one["usage"]["prompt_tokens"] == sum(pairs)
     pairwise = httpx.post(server.http + "/v1/score", json={"text_1": docs[:2], "text_2": docs[1:]}, timeout=60).json()
     assert np.allclose([d["score"] for d in pairwise["data"]], offline.score(docs[:2], docs[1:]), atol=1e-6)
@@ -205,6 +203,7 @@ def test_classify_score_and_rerank_over_both_apis_equal_the_offline_engine(serve
             ("/classify", {"input": []}, "input: must be a string"),
             ("/classify", {"input": [[5, 1 << 30]]}, "input: token id 1073741824 is outside the vocabulary"),
             ("/classify", {"input": "x", "dimensions": 3}, "dimensions: not a field this endpoint takes"),
+            ("/classify", {"input": "x", "use_activation": "no"}, "use_activation: must be true or false"),
             ("/classify", {"input": ["x"] * 2049}, "input: 2049 inputs; the limit is 2048"),
             ("/classify", {"input": "x", "model": "other"}, "model: 'other' is not served here"),
             ("/score", {"text_1": "a", "text_2": ["b"], "truncate_prompt_tokens": 0}, "truncate_prompt_tokens: must"),

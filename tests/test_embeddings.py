@@ -240,7 +240,7 @@ def test_a_base_models_checkpoint_serves_embeddings_only(tmp_path):
     for (ids, hidden), out in zip(hidden_records("qwen3"), llm.generate(
             [ids for ids, _ in hidden_records("qwen3")], SamplingParams(max_tokens=0, pooling="mean"))):
         assert close(out.embedding, hidden.mean(0)) < 1e-5
-    with pytest.raises(InvalidRequest, match="model: .* has no language-model head .* embeddings only"):
+    with pytest.raises(InvalidRequest, match="model: .* has no language-model head .* embeddings and classification only"):
         llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4))
     (tmp_path / "config.json").write_text(json.dumps({**config, "architectures": ["Gemma3TextModel"],
                                                       "use_bidirectional_attention": True}))

@@ -16,7 +16,9 @@ to it. The head comes from
   it; one token or three and more make a label each (softmax over them; one: sigmoid).
 
 A one-label head is a cross-encoder: its probability is a pair's relevance score (the score and rerank
-APIs, `Classifier.score`; the pair encoded by Tokenizer.encode_pair).
+APIs). A pair is encoded as vLLM encodes it (Tokenizer.encode_pair): a checkpoint's head takes the tokenizer's
+pair template (config.json's use_sep_token, default true), a from-token head the two texts joined into one (the
+prompt a causal LM reranker was trained on, e.g. Qwen3-Reranker's instruction, query and document).
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ class Classifier:
     source: str  # where it was read (the start banner, GetModelInfo)
     bias: np.ndarray | None = None  # [rows]
     difference: bool = False  # two rows, one label: the second row's logit minus the first's
+    joins_pairs: bool = False  # a scored pair is its two texts joined into one text (else the pair template)
     # A from-token head's logits as the causal LM finishes its own: divided by its logit scale, softcapped
     logit_scale: float = 1.0
     softcap: float = 0.0
@@ -83,9 +86,12 @@ class Classifier:
             z = self.softcap * np.tanh(z / self.softcap)
         return (z[1:] - z[:1]) if self.difference else z
 
-    def probs(self, pooled: np.ndarray) -> np.ndarray:
-        """The labels' probabilities (float64; the raw logits for activation "none")."""
+    def probs(self, pooled: np.ndarray, activation: bool = True) -> np.ndarray:
+        """The labels' probabilities (float64); the raw logits for activation "none" or `activation` false (vLLM's
+        use_activation: a reward model's score)."""
         z = self.logits(pooled).astype(np.float64)
+        if not activation:
+            return z
         if self.activation == "sigmoid":
             return 1.0 / (1.0 + np.exp(-z))
         if self.activation == "softmax":
@@ -93,8 +99,8 @@ class Classifier:
             return e / e.sum()
         return z
 
-    def classify(self, pooled: np.ndarray) -> Classification:
-        probs = self.probs(pooled)
+    def classify(self, pooled: np.ndarray, activation: bool = True) -> Classification:
+        probs = self.probs(pooled, activation)
         return Classification(self.labels[int(np.argmax(probs))], probs)
 
     def check_scores(self) -> None:
@@ -114,8 +120,8 @@ class Classifier:
         np.savez(os.path.join(path, HEAD_FILE + ".npz"), **arrays)
         with open(os.path.join(path, HEAD_FILE + ".json"), "w", encoding="utf-8") as f:
             json.dump({"labels": list(self.labels), "activation": self.activation, "source": self.source,
-                       "difference": self.difference, "logit_scale": self.logit_scale, "softcap": self.softcap}, f,
-                      indent=1)
+                       "difference": self.difference, "logit_scale": self.logit_scale, "softcap": self.softcap,
+                       "joins_pairs": self.joins_pairs}, f, indent=1)
 
 
 def load(path: str) -> Classifier | None:
@@ -129,7 +135,8 @@ def load(path: str) -> Classifier | None:
         with np.load(os.path.join(path, HEAD_FILE + ".npz")) as arrays:
             weight, bias = arrays["weight"], arrays["bias"] if "bias" in arrays else None
         return Classifier(weight.astype(np.float32), tuple(meta["labels"]), meta["activation"], meta["source"],
-                          bias, bool(meta["difference"]), float(meta["logit_scale"]), float(meta["softcap"]))
+                          bias, bool(meta["difference"]), bool(meta.get("joins_pairs", False)),
+                          float(meta["logit_scale"]), float(meta["softcap"]))
     except (OSError, ValueError, KeyError, TypeError, AssertionError) as e:
         raise InvalidConfig(f"model: {path}'s classifier head ({HEAD_FILE}.json / .npz) is not readable ({e})") from None
 
@@ -178,7 +185,8 @@ def from_checkpoint(path: str, raw: dict, tensors: dict[str, np.ndarray]) -> Cla
         activation = _ST_ACTIVATIONS[named]
     bias = tensors.get("score.bias")
     return Classifier(weight, labels, activation, f"{arch}'s score head",
-                      None if bias is None else np.asarray(bias, np.float32).reshape(n))
+                      None if bias is None else np.asarray(bias, np.float32).reshape(n),
+                      joins_pairs=raw.get("use_sep_token", True) is False)
 
 
 def parse_tokens(value) -> tuple[str, ...]:
@@ -213,7 +221,7 @@ def from_tokens(tokens: tuple[str, ...], rows: np.ndarray, logit_scale: float = 
                 softcap: float = 0.0) -> Classifier:
     """The head that reads a causal LM's logits of `tokens` (rows: their output head rows [n, hidden])."""
     source = f"the logits of {', '.join(repr(t) for t in tokens)}"
-    common = dict(logit_scale=logit_scale, softcap=softcap)
+    common = dict(logit_scale=logit_scale, softcap=softcap, joins_pairs=True)
     rows = np.asarray(rows, np.float32)
     if len(tokens) == 2:
         return Classifier(rows, (tokens[1],), "sigmoid", source, difference=True, **common)

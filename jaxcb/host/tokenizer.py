@@ -393,10 +393,13 @@ class Tokenizer:
             ids.append(self.eos_id)
         return ids
 
-    def encode_pair(self, first: str, second: str) -> list[int]:
-        """A text pair as a cross-encoder takes it (transformers' tokenizer(first, second), vLLM's score prompts):
-        the tokenizer.json post-processor's pair template (a separator where the model has one; else the two
-        side by side), else encode_input's special tokens around the two, the second without a BOS."""
+    def encode_pair(self, first: str, second: str, join: bool = False) -> list[int]:
+        """A text pair as a cross-encoder takes it (vLLM's score prompts): `join`, the two texts joined into one
+        (as vLLM encodes a causal LM reranker's pair), else transformers' tokenizer(first, second): the
+        tokenizer.json post-processor's pair template (a separator where the model has one; else the two side by
+        side), or encode_input's special tokens around the two, the second without a BOS."""
+        if join:
+            return self.encode_input(first + second)
         if self._tok.post_processor is not None:
             return self._tok.encode(first, second, add_special_tokens=True).ids
         ids = self.encode(first) + self.encode(second, add_bos=False)

@@ -49,20 +49,22 @@ class EmbedResponse(_message.Message):
     def __init__(self, embeddings: _Optional[_Iterable[_Union[Embedding, _Mapping]]] = ..., prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class ClassifyRequest(_message.Message):
-    __slots__ = ("inputs", "model", "priority", "request_id", "cache_salt", "truncate_prompt_tokens")
+    __slots__ = ("inputs", "model", "priority", "request_id", "cache_salt", "truncate_prompt_tokens", "use_activation")
     INPUTS_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     TRUNCATE_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    USE_ACTIVATION_FIELD_NUMBER: _ClassVar[int]
     inputs: _containers.RepeatedCompositeFieldContainer[EmbedInput]
     model: str
     priority: int
     request_id: str
     cache_salt: str
     truncate_prompt_tokens: int
-    def __init__(self, inputs: _Optional[_Iterable[_Union[EmbedInput, _Mapping]]] = ..., model: _Optional[str] = ..., priority: _Optional[int] = ..., request_id: _Optional[str] = ..., cache_salt: _Optional[str] = ..., truncate_prompt_tokens: _Optional[int] = ...) -> None: ...
+    use_activation: bool
+    def __init__(self, inputs: _Optional[_Iterable[_Union[EmbedInput, _Mapping]]] = ..., model: _Optional[str] = ..., priority: _Optional[int] = ..., request_id: _Optional[str] = ..., cache_salt: _Optional[str] = ..., truncate_prompt_tokens: _Optional[int] = ..., use_activation: _Optional[bool] = ...) -> None: ...
 
 class Classification(_message.Message):
     __slots__ = ("label", "probs", "prompt_tokens")
