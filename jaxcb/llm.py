@@ -113,9 +113,10 @@ def load_model(path: str | None = None, dtype=None, check_config=None, weights: 
     return config, params, tokenizer, eos
 
 
-def load_classifier(path: str | None, model_config, params, tokenizer, from_tokens: tuple[str, ...] = ()):
+def load_classifier(path: str | None, model_config, params, tokenizer, from_tokens: tuple[str, ...] = (),
+                    method: str = "auto"):
     """The model's classifier head (jaxcb.host.classifier), None if it has none: a causal LM's rows of its output
-    head for `from_tokens` (EngineConfig.classifier_from_tokens), else a Hugging Face sequence classifier's score
+    head for `from_tokens` (EngineConfig.classifier_from_tokens, read by `method`), else a Hugging Face sequence classifier's score
     head (`path`: the model's file or directory; None for weights given loaded)."""
     from jaxcb.model import checkpoint, hf_loader
     from jaxcb.model.llama import head_rows
@@ -125,7 +126,7 @@ def load_classifier(path: str | None, model_config, params, tokenizer, from_toke
             raise InvalidConfig(f"model.classifier_from_tokens: {model_config.name} has no language-model head to read "
                                 "the tokens' logits from")
         rows = head_rows(params, classifier.token_ids(tokenizer, from_tokens))
-        return classifier.from_tokens(from_tokens, rows, model_config.logit_scale, model_config.final_softcap)
+        return classifier.from_tokens(from_tokens, rows, model_config.logit_scale, model_config.final_softcap, method)
     if path is None or not os.path.isdir(path):
         return None
     if checkpoint.is_checkpoint_dir(path):
@@ -283,7 +284,7 @@ def build_engines(model: str | None = None, config: EngineConfig | str | None = 
     from jaxcb.model.embedded import resolve_model
 
     head = load_classifier(resolve_model(model) if loaded is None else None, model_config, params, tokenizer,
-                           config.classifier_from_tokens)
+                           config.classifier_from_tokens, config.classifier_method)
     if config.chat_template:  # the server's template in place of the model file's
         if tokenizer is None:
             raise InvalidConfig("model.chat_template: this model has no tokenizer to write a chat with")

@@ -13,7 +13,7 @@ import grpc
 import numpy as np
 import pytest
 
-from jaxcb.host.classifier import Classifier, parse_tokens
+from jaxcb.host.classifier import Classifier, hf_overrides, parse_tokens
 from jaxcb.host.engine_config import load_config, make_config
 from jaxcb.host.errors import InvalidConfig, InvalidRequest
 from jaxcb.host.request import SamplingParams
@@ -91,10 +91,13 @@ def test_classifier_from_tokens_reads_the_models_logits():
                         + [SamplingParams(max_tokens=6, ignore_eos=True)] * 4)
     three = load_classifier(None, config, params, tok, ("no", "yes", "maybe"))  # (the same pooled states, read so)
     assert three.labels == ("no", "yes", "maybe") and three.activation == "softmax" and not three.scores
+    two = load_classifier(None, config, params, tok, ("no", "yes"), "no_post_processing")  # (a label per token)
+    assert two.labels == ("no", "yes") and not two.scores
     for c, ref in zip(outs, logits):
         assert abs(float(llm.classifier.probs(c.embedding)[0]) - 1 / (1 + np.exp(ref[no] - ref[yes]))) < 1e-5
         got, want = three.classify(c.embedding), activation(ref[[no, yes, maybe]])
         assert np.abs(got.probs - want).max() < 1e-5 and got.label == three.labels[int(np.argmax(want))]
+        assert np.abs(two.probs(c.embedding) - activation(ref[[no, yes]])).max() < 1e-5
     assert all(len(c.token_ids) == 6 for c in outs[len(prompts):])
     got = llm.classify(prompts[:3])
     assert [c.label for c in got] == ["yes"] * 3 and all(c.probs.shape == (1,) for c in got)
@@ -116,6 +119,18 @@ def test_classifier_settings_are_checked():
     """model.classifier_from_tokens in TOML and on the command line; bad values refused when the config is read, a
     model without a head refused when asked to read its tokens; a model without a classifier refuses to classify."""
     assert parse_tokens("no,yes") == ("no", "yes") and parse_tokens(["a"]) == ("a",)
+    qwen3_reranker = ('{"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": ["no", "yes"], '
+                      '"is_original_qwen3_reranker": true}')
+    assert hf_overrides(qwen3_reranker) == (("no", "yes"), "from_2_way_softmax")
+    assert hf_overrides('{"classifier_from_token": ["Yes"], "method": "no_post_processing"}') == (("Yes",),
+                                                                                                 "no_post_processing")
+    for bad, message in [('{"rope_scaling": {}}', "'rope_scaling' is not a key this server applies"),
+                         ('{"classifier_from_token": ["a"], "method": "from_2_way_softmax"}', "reads two tokens"),
+                         ('{"classifier_from_token": ["a", "b"], "method": "mean"}', "'mean' is not one of"),
+                         ('{"architectures": ["Qwen3ForSequenceClassification"]}', "classifier_from_token is required"),
+                         ('[1]', "must be a JSON object"), ("{", "not JSON")]:
+        with pytest.raises(InvalidConfig, match=message):
+            hf_overrides(bad)
     for bad in ("no,no", ",", [1], ["x"] * 65):
         with pytest.raises(InvalidConfig, match="model.classifier_from_tokens"):
             parse_tokens(bad)
@@ -141,6 +156,10 @@ def test_config_file_names_the_tokens(tmp_path):
     add_model_args(p)
     args = p.parse_args(["--config", str(path), "--classifier-from-tokens", "a,b,c"])
     assert engine_config(args).classifier_from_tokens == ("a", "b", "c")
+    args = p.parse_args(["--config", str(path), "--hf_overrides",
+                         '{"classifier_from_token": ["no", "yes"], "method": "no_post_processing"}'])
+    assert (engine_config(args).classifier_from_tokens, engine_config(args).classifier_method) == (
+        ("no", "yes"), "no_post_processing")
 
 
 @pytest.fixture(scope="module")

@@ -44,6 +44,14 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="serve a causal LM as a classifier by its logits of these comma-separated tokens (vLLM's "
                         "classifier_from_token): no,yes makes Qwen3-Reranker a cross-encoder for /score and /rerank, "
                         "P(yes) between the two (default: the config's model.classifier_from_tokens, else none)")
+    p.add_argument("--classifier-method", choices=("auto", "from_2_way_softmax", "no_post_processing"), default=None,
+                   help="how --classifier-from-tokens reads them (vLLM's names): two tokens as one label, or a label "
+                        "per token (default: the config's model.classifier_method, auto: the first for two tokens)")
+    p.add_argument("--hf-overrides", "--hf_overrides", default=None, metavar="JSON",
+                   help="vLLM's flag as written to serve a causal LM as a reranker, e.g. Qwen3-Reranker's "
+                        "'{\"architectures\": [\"Qwen3ForSequenceClassification\"], \"classifier_from_token\": "
+                        "[\"no\", \"yes\"], \"is_original_qwen3_reranker\": true}': its classifier_from_token and "
+                        "method (other keys are refused)")
     p.add_argument("--policy", default=None, help=f"scheduling policy: {', '.join(POLICIES)}")
     p.add_argument("--compile-cache", default=None, metavar="DIR",
                    help="persistent XLA compilation cache (default: $JAXCB_COMPILE_CACHE or ~/.cache/jaxcb/xla; "
@@ -169,6 +177,14 @@ def engine_config(args):
         from jaxcb.host.classifier import parse_tokens
 
         changes["classifier_from_tokens"] = parse_tokens(args.classifier_from_tokens)
+    if getattr(args, "classifier_method", None):
+        changes["classifier_method"] = args.classifier_method
+    if getattr(args, "hf_overrides", None):
+        from jaxcb.host.classifier import hf_overrides
+
+        tokens, method = hf_overrides(args.hf_overrides)
+        if tokens:
+            changes["classifier_from_tokens"], changes["classifier_method"] = tokens, method
     if getattr(args, "cpu_dots", None):
         changes["cpu_dots"] = args.cpu_dots
     if getattr(args, "compile", None):

@@ -36,8 +36,14 @@ ACTIVATIONS = ("softmax", "sigmoid", "none")
 # "sbert_ce_default_activation_function") -> ours
 _ST_ACTIVATIONS = {"torch.nn.modules.activation.Sigmoid": "sigmoid", "torch.nn.modules.linear.Identity": "none",
                    "torch.nn.modules.activation.Softmax": "softmax"}
-MAX_FROM_TOKENS = 64
-HEAD_FILE = "classifier"  # a converted checkpoint's head: classifier.json and classifier.npz  # tokens a from-token head may name
+MAX_FROM_TOKENS = 64  # tokens a from-token head may name
+# How a from-token head reads its tokens' logits (vLLM's names): "from_2_way_softmax", two tokens as one label (the
+# second's logit minus the first's); "no_post_processing", a label per token; "auto", the first for two tokens,
+# else the second
+FROM_TOKEN_METHODS = ("auto", "from_2_way_softmax", "no_post_processing")
+# vLLM's --hf-overrides keys this server applies (to a from-token head), and the architectures it may name
+HF_OVERRIDE_KEYS = ("classifier_from_token", "method", "is_original_qwen3_reranker", "architectures")
+HEAD_FILE = "classifier"  # a converted checkpoint's head: classifier.json and classifier.npz
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -200,6 +206,47 @@ def parse_tokens(value) -> tuple[str, ...]:
     return tuple(value)
 
 
+def check_method(method: str, tokens: tuple[str, ...]) -> str:
+    """model.classifier_method against the tokens it reads."""
+    if method not in FROM_TOKEN_METHODS:
+        raise InvalidConfig(f"model.classifier_method: {method!r} is not one of {', '.join(FROM_TOKEN_METHODS)}")
+    if method == "from_2_way_softmax" and len(tokens) != 2:
+        raise InvalidConfig(f"model.classifier_method: from_2_way_softmax reads two tokens, "
+                            f"model.classifier_from_tokens names {len(tokens)}")
+    return method
+
+
+def hf_overrides(text: str) -> tuple[tuple[str, ...], str]:
+    """vLLM's --hf-overrides as it is written to serve a causal LM as a reranker (e.g. the original
+    Qwen3-Reranker's {"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": ["no", "yes"],
+    "is_original_qwen3_reranker": true}): (classifier_from_tokens, classifier_method). Any other key is refused by
+    name: this server does not rewrite a model's config."""
+    try:
+        raw = json.loads(text)
+    except ValueError as e:
+        raise InvalidConfig(f"--hf-overrides: not JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise InvalidConfig("--hf-overrides: must be a JSON object")
+    other = sorted(set(raw) - set(HF_OVERRIDE_KEYS))
+    if other:
+        raise InvalidConfig(f"--hf-overrides: {other[0]!r} is not a key this server applies (it takes "
+                            f"{', '.join(HF_OVERRIDE_KEYS)}: a causal LM read as a classifier)")
+    archs = raw.get("architectures", [])
+    if not isinstance(archs, list) or not all(isinstance(a, str) and a.endswith(("ForSequenceClassification",
+                                                                              "ForCausalLM")) for a in archs):
+        raise InvalidConfig("--hf-overrides: architectures may only name a *ForSequenceClassification (or the "
+                            "*ForCausalLM) of the model's family")
+    tokens = parse_tokens(raw.get("classifier_from_token", []))
+    method = raw.get("method", "auto")
+    if raw.get("is_original_qwen3_reranker") is True:
+        method = "from_2_way_softmax"
+    if not isinstance(method, str):
+        raise InvalidConfig(f"--hf-overrides: method must be a string, got {method!r}")
+    if not tokens and (method != "auto" or archs):
+        raise InvalidConfig("--hf-overrides: classifier_from_token is required to read the model as a classifier")
+    return tokens, check_method(method, tokens)
+
+
 def token_ids(tokenizer, tokens: tuple[str, ...]) -> list[int]:
     """Each token's id: the vocabulary entry spelt so, else the one token its text encodes to."""
     if tokenizer is None:
@@ -217,12 +264,13 @@ def token_ids(tokenizer, tokens: tuple[str, ...]) -> list[int]:
     return ids
 
 
-def from_tokens(tokens: tuple[str, ...], rows: np.ndarray, logit_scale: float = 1.0,
-                softcap: float = 0.0) -> Classifier:
-    """The head that reads a causal LM's logits of `tokens` (rows: their output head rows [n, hidden])."""
+def from_tokens(tokens: tuple[str, ...], rows: np.ndarray, logit_scale: float = 1.0, softcap: float = 0.0,
+                method: str = "auto") -> Classifier:
+    """The head that reads a causal LM's logits of `tokens` (rows: their output head rows [n, hidden]) by
+    `method` (FROM_TOKEN_METHODS)."""
     source = f"the logits of {', '.join(repr(t) for t in tokens)}"
     common = dict(logit_scale=logit_scale, softcap=softcap, joins_pairs=True)
     rows = np.asarray(rows, np.float32)
-    if len(tokens) == 2:
+    if len(tokens) == 2 and check_method(method, tokens) != "no_post_processing":
         return Classifier(rows, (tokens[1],), "sigmoid", source, difference=True, **common)
     return Classifier(rows, tokens, "sigmoid" if len(tokens) == 1 else "softmax", source, **common)

@@ -11,7 +11,7 @@ import os
 import tomllib
 
 from jaxcb.host.buckets import Buckets
-from jaxcb.host.classifier import parse_tokens
+from jaxcb.host.classifier import check_method, parse_tokens
 from jaxcb.host.errors import InvalidConfig
 from jaxcb.host.policies import SchedulerConfig
 from jaxcb.host.lora import LoraConfig
@@ -72,6 +72,9 @@ class EngineConfig:
     # A causal LM served as a classifier by the logits of these tokens (vLLM's classifier_from_token; e.g.
     # Qwen3-Reranker's ("no", "yes"): one relevance score, jaxcb.host.classifier); () = none.
     classifier_from_tokens: tuple[str, ...] = ()
+    # How they are read (jaxcb.host.classifier.FROM_TOKEN_METHODS, vLLM's names): "auto" = two tokens as one label
+    # (from_2_way_softmax), else a label per token (no_post_processing).
+    classifier_method: str = "auto"
 
     @property
     def page_size(self) -> int:
@@ -125,6 +128,7 @@ class EngineConfig:
             parse_rope_scaling(self.rope_scaling)
         if self.classifier_from_tokens:
             parse_tokens(self.classifier_from_tokens)
+        check_method(self.classifier_method, self.classifier_from_tokens)
         if self.attention == "pallas" and s.page_size not in KERNEL_PAGE_SIZES:
             raise InvalidConfig(f"cache.page_size: the Pallas kernels take {KERNEL_PAGE_SIZES}, got "
                              f"{s.page_size} (or set model.attention = 'xla')")
@@ -132,7 +136,7 @@ class EngineConfig:
     def replace(self, *, num_pages=None, buckets=None, attention=None, tensor_parallel=None, data_parallel=None,
                 weights=None, weight_group=None, kv_dtype=None, cpu_dots=None, activations=None,
                 compile=None, lora=None, served_model_name=None, chat_template=None, rope_scaling=None,
-                classifier_from_tokens=None, **scheduler_changes) -> "EngineConfig":
+                classifier_from_tokens=None, classifier_method=None, **scheduler_changes) -> "EngineConfig":
         return EngineConfig(
             num_pages=self.num_pages if num_pages is None else num_pages,
             scheduler=dataclasses.replace(self.scheduler, **scheduler_changes),
@@ -154,6 +158,7 @@ class EngineConfig:
             rope_scaling=self.rope_scaling if rope_scaling is None else rope_scaling,
             classifier_from_tokens=(self.classifier_from_tokens if classifier_from_tokens is None
                                     else tuple(classifier_from_tokens)),
+            classifier_method=self.classifier_method if classifier_method is None else classifier_method,
         )
 
 
@@ -279,7 +284,8 @@ def load_config(path: str | None = None) -> EngineConfig:
     lora = LoraConfig(**lora)
     model = raw.get("model", {})
     unknown = set(model) - {"attention", "weights", "weight_group", "cpu_dots", "activations", "compile",
-                            "served_model_name", "chat_template", "rope_scaling", "classifier_from_tokens"}
+                            "served_model_name", "chat_template", "rope_scaling", "classifier_from_tokens",
+                            "classifier_method"}
     if unknown:
         raise InvalidConfig(f"config: unknown setting in [model]: {sorted(unknown)}")
     parallel = raw.get("parallel", {})
@@ -302,6 +308,7 @@ def load_config(path: str | None = None) -> EngineConfig:
                         chat_template=model.get("chat_template", ""),
                         rope_scaling=_rope_scaling_text(model.get("rope_scaling", "")),
                         classifier_from_tokens=parse_tokens(model.get("classifier_from_tokens", ())),
+                        classifier_method=str(model.get("classifier_method", "auto")),
                         memory_fraction=float(cache.get("memory_fraction", 0.9)),
                         memory_bytes=parse_bytes(cache["memory"]) if "memory" in cache else 0,
                         tensor_parallel=parallel.get("tensor", 1), data_parallel=parallel.get("data", 1))
