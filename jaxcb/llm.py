@@ -24,7 +24,7 @@ from jaxcb.host.chat_template import read_template
 from jaxcb.host.classifier import Classification
 from jaxcb.host.engine import Engine
 from jaxcb.host.engine_config import EngineConfig, load_config
-from jaxcb.host.embedding import Pooling
+from jaxcb.host.embedding import Pooling, cosines
 from jaxcb.host.errors import InvalidConfig, InvalidRequest, StepFailed, Unavailable
 from jaxcb.host.replicas import Replicas
 from jaxcb.host.request import FinishReason, SamplingParams, TokenEvent
@@ -417,9 +417,7 @@ class LLM:
         pairs = classifier.score_pairs(len(first), len(second))
         texts = first + second
         if self.classifier is None:
-            vectors = self.embed(texts, priorities=priorities)
-            unit = [v / max(float(np.linalg.norm(v)), 1e-12) for v in vectors]
-            return [float(np.dot(unit[i], unit[j])) for i, j in pairs]
+            return cosines(self.embed(texts, priorities=priorities), pairs)
         self.classifier.check_scores()
         if self.tokenizer is None:
             raise InvalidRequest("text_1: this model has no tokenizer to encode text pairs with")

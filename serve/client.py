@@ -193,6 +193,14 @@ class Client:
         return self.stub.Classify(jaxcb_pb2.ClassifyRequest(inputs=_inputs(inputs), **fields), timeout=timeout,
                                   metadata=self.metadata)
 
+    def score(self, text_1, text_2, *, timeout=None, **fields) -> jaxcb_pb2.ScoreResponse:
+        """text_1 (a string, or a list as long as text_2) against each of text_2 (a string or a list), by the model's
+        cross-encoder or its embeddings' cosine; `fields`: ScoreRequest's others (model, priority, request_id,
+        cache_salt, truncate_prompt_tokens)."""
+        listed = lambda t: [t] if isinstance(t, str) else list(t)  # noqa: E731
+        return self.stub.Score(jaxcb_pb2.ScoreRequest(text_1=listed(text_1), text_2=listed(text_2), **fields),
+                               timeout=timeout, metadata=self.metadata)
+
     def abort(self, request_id: str) -> bool:
         return self.stub.Abort(jaxcb_pb2.AbortRequest(request_id=request_id), metadata=self.metadata).found
 

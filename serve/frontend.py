@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from jaxcb.host.embedding import Pooling
+from jaxcb.host.embedding import Pooling, cosines
 from jaxcb.host.errors import (ContextTooLong, InvalidConfig, InvalidRequest, NotFound, Overloaded, StepFailed,
                                Unavailable, shown)
 from jaxcb.host.replicas import Replicas
@@ -343,6 +343,27 @@ async def input_ids(state: State, field: str, inputs: list, keep: int | None) ->
         raise InvalidRequest(f"{field}: {len(inputs)} inputs; the limit is {limit}"
                              + (" (--max-waiting)" if limit < MAX_EMBED_INPUTS else ""))
     return await prompt_ids(state, field, inputs, keep, state.tokenizer.encode_input)
+
+
+async def scores(state: State, field: str, texts: list[str], pairs: list[tuple[int, int]], lora: str, priority: int,
+                 request_id: str, tenant: str, cache_salt: str, keep: int | None) -> tuple[list[float], int]:
+    """The score of each pair (i, j) of `texts` (vLLM's score and rerank APIs, gRPC's Score), and the prompt tokens
+    run: with a cross-encoder (a one-label classifier head) each pair is one input (pair_ids) scored by the head's
+    probability; otherwise every text is embedded once and a pair scores the cosine of its two vectors."""
+    head = state.classifier
+    if head is not None:
+        head.check_scores()
+        prompts = await pair_ids(state, field, [(texts[i], texts[j]) for i, j in pairs], keep)
+        params = SamplingParams(max_tokens=0, pooling="last", lora=lora)
+        results = await state.pool(field, prompts, params, priority, request_id, tenant, cache_salt,
+                                   lambda v: float(head.probs(v)[0]))
+        return [s for s, _ in results], sum(n for _, n in results)
+    dimensions = state.pooling.check(state.engine.model_config.hidden_size, None)
+    prompts = await input_ids(state, field, texts, keep)
+    params = SamplingParams(max_tokens=0, pooling=state.pooling.mode, lora=lora)
+    results = await state.pool(field, prompts, params, priority, request_id, tenant, cache_salt,
+                               lambda v: state.pooling.finish(v, dimensions))
+    return cosines([v for v, _ in results], pairs), sum(n for _, n in results)
 
 
 async def pair_ids(state: State, field: str, pairs: list[tuple[str, str]], keep: int | None) -> list[list[int]]:

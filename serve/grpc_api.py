@@ -30,7 +30,7 @@ from jaxcb.host.structured import MAX_CHOICES, Constraint
 from jaxcb.host.chat_template import check_template_kwargs
 from serve.frontend import (MAX_REQUEST_BYTES, ServerOptions, State, check_ids, check_messages,
                             check_request_template, check_settings, check_text, check_text_fits, check_token_count,
-                            input_ids, prompt_keep, tenant, token_index, truncated)
+                            input_ids, prompt_keep, scores as frontend_scores, tenant, token_index, truncated)
 from serve.proto import jaxcb_pb2, jaxcb_pb2_grpc, jetstream_pb2, jetstream_pb2_grpc
 
 log = logging.getLogger("jaxcb.serve")
@@ -240,6 +240,25 @@ class JaxcbService(jaxcb_pb2_grpc.JaxcbServicer):
             results=[jaxcb_pb2.Classification(label=c.label, probs=c.probs.tolist(), prompt_tokens=n)
                      for c, n in results],
             prompt_tokens=sum(n for _, n in results))
+
+    async def Score(self, request, context):
+        s = self.state
+        try:
+            check_ids(request.request_id, request.cache_salt)
+            first, second = list(request.text_1), list(request.text_2)
+            for field, texts in (("text_1", first), ("text_2", second)):
+                if not texts:
+                    raise InvalidRequest(f"{field}: at least one text is required")
+                for t in texts:
+                    check_text(field, t)
+            pairs = classifier.score_pairs(len(first), len(second))
+            keep = prompt_keep(s, request.truncate_prompt_tokens if request.HasField("truncate_prompt_tokens") else None)
+            scores, tokens = await frontend_scores(s, "text_2", first + second, pairs, s.adapter_for(request.model),
+                                                   request.priority, request.request_id, tenant_of(s, context),
+                                                   request.cache_salt, keep)
+        except JaxcbError as e:
+            await context.abort(grpc_code(e), details(e, request))
+        return jaxcb_pb2.ScoreResponse(scores=scores, prompt_tokens=tokens)
 
     async def _pooled(self, request, context, pooling: str, finish) -> list[tuple]:
         """An Embed or Classify request's inputs run as pooling requests (State.pool): (finish(pooled vector),

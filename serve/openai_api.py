@@ -369,15 +369,13 @@ def make_app(state) -> FastAPI:
         return await until_gone(request, state.pool(field, prompts, params, options.priority, options.request_id,
                                                     tenant, options.cache_salt, finish))
 
-    async def cross_encoded(request: Request, tenant: str, body: dict, field: str, texts: list[str],
-                            pairs: list[tuple[int, int]]):
-        """Each pair's relevance by the model's cross-encoder (a one-label classifier head): (score, prompt
-        tokens) per pair, or a 499."""
-        state.classifier.check_scores()
+    async def scored(request: Request, tenant: str, body: dict, field: str, texts: list[str],
+                     pairs: list[tuple[int, int]]):
+        """frontend.scores' (each pair's score, prompt tokens), or a 499 if the client hung up."""
+        options = common_fields(body)
         keep = frontend.prompt_keep(state, body.get("truncate_prompt_tokens"))
-        prompts = await frontend.pair_ids(state, field, [(texts[i], texts[j]) for i, j in pairs], keep)
-        return await pooled(request, tenant, body, field, prompts, "last",
-                            lambda v: float(state.classifier.probs(v)[0]))
+        return await until_gone(request, frontend.scores(state, field, texts, pairs, adapter_of(body), options.priority,
+                                                         options.request_id, tenant, options.cache_salt, keep))
 
     def answered_as(body: dict) -> str:
         return adapter_of(body) or state.model_name  # an adapter's answers carry its name
@@ -402,15 +400,10 @@ def make_app(state) -> FastAPI:
         body = await body_of(request)
         check_fields(body, openai_scores.SCORE_FIELDS)
         texts, pairs = openai_scores.score_pairs(body)
-        if state.classifier is not None:  # a cross-encoder: each pair one input
-            results = await cross_encoded(request, tenant, body, "text_2", texts, pairs)
-        else:
-            results = await embedded(request, tenant, body, "text_2", texts)
+        results = await scored(request, tenant, body, "text_2", texts, pairs)
         if isinstance(results, Response):
             return results
-        scores = [s for s, _ in results] if state.classifier is not None else \
-            openai_scores.cosines([v for v, _ in results], pairs)
-        return await json_response(openai_scores.score_body(scores, sum(n for _, n in results), answered_as(body)))
+        return await json_response(openai_scores.score_body(*results, answered_as(body)))
 
     @app.post("/rerank")
     @app.post("/v1/rerank")
@@ -421,17 +414,12 @@ def make_app(state) -> FastAPI:
         body = await body_of(request)
         check_fields(body, openai_scores.RERANK_FIELDS)
         texts, top_n, documents = openai_scores.rerank_request(body)
-        pairs = [(0, k) for k in range(1, len(texts))]
-        if state.classifier is not None:  # a cross-encoder: the query with each document, one input each
-            results = await cross_encoded(request, tenant, body, "documents", texts, pairs)
-        else:
-            results = await embedded(request, tenant, body, "documents", texts)
+        results = await scored(request, tenant, body, "documents", texts, [(0, k) for k in range(1, len(texts))])
         if isinstance(results, Response):
             return results
-        scores = [s for s, _ in results] if state.classifier is not None else \
-            openai_scores.cosines([v for v, _ in results], pairs)
-        return await json_response(openai_scores.rerank_body(texts, scores, top_n, documents,
-                                                             sum(n for _, n in results), answered_as(body)))
+        scores, tokens = results
+        return await json_response(openai_scores.rerank_body(texts, scores, top_n, documents, tokens,
+                                                             answered_as(body)))
 
     @app.post("/classify")
     @app.post("/v1/classify")

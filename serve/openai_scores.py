@@ -4,14 +4,13 @@ cross-encoder (a one-label classifier head, jaxcb.host.classifier) each pair run
 head's probability; otherwise each score is the cosine of the two texts' embeddings (the model's pooling,
 jaxcb.host.embedding), as vLLM scores with an embedding model, every text embedded once. `/classify` gives each
 input's labels' probabilities through the classifier head. This module reads the bodies and shapes the answers;
-serve.openai_api routes them."""
+serve.openai_api routes them, and serve.frontend.scores (shared with gRPC's Score) runs them."""
 
 from __future__ import annotations
 
 import time
 import uuid
 
-import numpy as np
 
 from jaxcb.host import classifier
 from jaxcb.host.errors import InvalidRequest
@@ -64,11 +63,6 @@ def rerank_request(body: dict) -> tuple[list[str], int, bool]:
     if top_n < 1:
         raise InvalidRequest(f"top_n: must be >= 1, got {top_n}")
     return [query, *texts], min(top_n, len(texts)), bool_field(body, "return_documents", True)
-
-
-def cosines(vectors: list[np.ndarray], pairs: list[tuple[int, int]]) -> list[float]:
-    unit = [v / max(float(np.linalg.norm(v)), 1e-12) for v in vectors]
-    return [float(np.dot(unit[i], unit[j])) for i, j in pairs]
 
 
 def score_body(scores: list[float], tokens: int, model_name: str) -> dict:

@@ -215,6 +215,9 @@ def test_classify_score_and_rerank_over_both_apis_equal_the_offline_engine(serve
     pairwise = httpx.post(server.http + "/v1/score", json={"text_1": docs[:2], "text_2": docs[1:]}, timeout=60).json()
     assert np.allclose([d["score"] for d in pairwise["data"]], offline.score(docs[:2], docs[1:]), atol=1e-6)
     order = sorted(range(3), key=lambda k: -scores[k])
+    with Client(server.target) as c:
+        over_grpc = c.score(query, docs)
+    assert np.allclose(over_grpc.scores, scores, atol=1e-6) and over_grpc.prompt_tokens == sum(pairs)
     r = httpx.post(server.http + "/v2/rerank", json={"query": query, "documents": docs, "top_n": 2}, timeout=60).json()
     assert [x["index"] for x in r["results"]] == order[:2]
     assert np.allclose([x["relevance_score"] for x in r["results"]], [scores[k] for k in order[:2]], atol=1e-6)

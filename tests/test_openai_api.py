@@ -239,6 +239,16 @@ def test_score_and_rerank_are_the_cosines_of_the_embeddings(server, model_name, 
     want = [float(unit[0] @ u) for u in unit[1:]]
     one = httpx.post(server.http + "/score", json={"model": model_name, "text_1": query, "text_2": docs}, timeout=60)
     assert np.allclose([d["score"] for d in one.json()["data"]], want, atol=1e-5), one.text
+    with Client(server.target) as c:
+        over_grpc = c.score(query, docs)
+        assert np.allclose(over_grpc.scores, want, atol=1e-5) and over_grpc.prompt_tokens == one.json()["usage"][
+            "prompt_tokens"]
+        for text_1, text_2, message in [(["a", "b"], ["c", "d", "e"], "text_1: 2 texts against text_2's 3"),
+                                        ([], ["c"], "text_1: at least one text is required"),
+                                        ("a", [""], "text_2: the prompt must not be empty")]:
+            with pytest.raises(grpc.RpcError) as e:
+                c.score(text_1, text_2)
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and message in e.value.details(), e.value.details()
     pairwise = httpx.post(server.http + "/v1/score", json={"text_1": docs[:2], "text_2": docs[2:]}, timeout=60).json()
     assert np.allclose([d["score"] for d in pairwise["data"]], [float(unit[1] @ unit[3]), float(unit[2] @ unit[4])],
                        atol=1e-5)

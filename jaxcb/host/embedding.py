@@ -153,6 +153,12 @@ def check_encoding_format(value) -> str:
     return value
 
 
+def cosines(vectors: list[np.ndarray], pairs: list[tuple[int, int]]) -> list[float]:
+    """The cosine of each pair (i, j) of `vectors`: the score of two texts by their embeddings."""
+    unit = [v / max(float(np.linalg.norm(v)), 1e-12) for v in vectors]
+    return [float(np.dot(unit[i], unit[j])) for i, j in pairs]
+
+
 def take_pooled(request, start: int, num_tokens: int, last: np.ndarray, sums: np.ndarray) -> None:
     """A step's part of a pooling request's vector: its chunk covered prompt positions [start, start +
     num_tokens); `last` [E] is the final norm's output at the chunk's last row, `sums` [E] the sum over its

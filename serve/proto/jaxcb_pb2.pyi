@@ -84,6 +84,32 @@ class ClassifyResponse(_message.Message):
     prompt_tokens: int
     def __init__(self, results: _Optional[_Iterable[_Union[Classification, _Mapping]]] = ..., prompt_tokens: _Optional[int] = ...) -> None: ...
 
+class ScoreRequest(_message.Message):
+    __slots__ = ("text_1", "text_2", "model", "priority", "request_id", "cache_salt", "truncate_prompt_tokens")
+    TEXT_1_FIELD_NUMBER: _ClassVar[int]
+    TEXT_2_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATE_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    text_1: _containers.RepeatedScalarFieldContainer[str]
+    text_2: _containers.RepeatedScalarFieldContainer[str]
+    model: str
+    priority: int
+    request_id: str
+    cache_salt: str
+    truncate_prompt_tokens: int
+    def __init__(self, text_1: _Optional[_Iterable[str]] = ..., text_2: _Optional[_Iterable[str]] = ..., model: _Optional[str] = ..., priority: _Optional[int] = ..., request_id: _Optional[str] = ..., cache_salt: _Optional[str] = ..., truncate_prompt_tokens: _Optional[int] = ...) -> None: ...
+
+class ScoreResponse(_message.Message):
+    __slots__ = ("scores", "prompt_tokens")
+    SCORES_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    scores: _containers.RepeatedScalarFieldContainer[float]
+    prompt_tokens: int
+    def __init__(self, scores: _Optional[_Iterable[float]] = ..., prompt_tokens: _Optional[int] = ...) -> None: ...
+
 class LoadLoraAdapterRequest(_message.Message):
     __slots__ = ("lora_name", "lora_path")
     LORA_NAME_FIELD_NUMBER: _ClassVar[int]

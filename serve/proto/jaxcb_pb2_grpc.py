@@ -74,6 +74,11 @@ class JaxcbStub:
                 request_serializer=jaxcb__pb2.ClassifyRequest.SerializeToString,
                 response_deserializer=jaxcb__pb2.ClassifyResponse.FromString,
                 _registered_method=True)
+        self.Score = channel.unary_unary(
+                '/jaxcb.v1.Jaxcb/Score',
+                request_serializer=jaxcb__pb2.ScoreRequest.SerializeToString,
+                response_deserializer=jaxcb__pb2.ScoreResponse.FromString,
+                _registered_method=True)
 
 
 class JaxcbServicer:
@@ -137,6 +142,15 @@ class JaxcbServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Score(self, request, context):
+        """Scores of text pairs (the HTTP API's /score and /rerank): text_1 (one text, or as many as text_2) against
+        each of text_2, by the model's cross-encoder (a one-label classifier head) where it has one, else the
+        cosine of the two texts' embeddings.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_JaxcbServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -179,6 +193,11 @@ def add_JaxcbServicer_to_server(servicer, server):
                     servicer.Classify,
                     request_deserializer=jaxcb__pb2.ClassifyRequest.FromString,
                     response_serializer=jaxcb__pb2.ClassifyResponse.SerializeToString,
+            ),
+            'Score': grpc.unary_unary_rpc_method_handler(
+                    servicer.Score,
+                    request_deserializer=jaxcb__pb2.ScoreRequest.FromString,
+                    response_serializer=jaxcb__pb2.ScoreResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -397,6 +416,33 @@ class Jaxcb:
             '/jaxcb.v1.Jaxcb/Classify',
             jaxcb__pb2.ClassifyRequest.SerializeToString,
             jaxcb__pb2.ClassifyResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Score(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/jaxcb.v1.Jaxcb/Score',
+            jaxcb__pb2.ScoreRequest.SerializeToString,
+            jaxcb__pb2.ScoreResponse.FromString,
             options,
             channel_credentials,
             insecure,
