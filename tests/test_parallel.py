@@ -44,7 +44,8 @@ def test_meshes_give_the_single_device_tokens(tmp_path):
     TP 2 x DP 2 and TP 4 (KV heads, and the adapters' k/v columns, replicated); speculative decoding with a
     draft model split over the mesh at TP 2; engines built from the file at TP 2 (int4) and TP 4, their weights
     placed on the mesh as they are read (every stack a layer at a time), and checkpoints read straight onto meshes
-    of 2 and 4 (a Hugging Face one whole or a layer at a time alike)."""
+    of 2 and 4 (a Hugging Face one whole or a layer at a time alike). Every run's pooled vectors, and the output
+    head's rows a from-token classifier reads (gathered off the mesh), are the single device's."""
     proc = subprocess.run([sys.executable, "-m", "tests.tp_check", str(tmp_path)], capture_output=True, text=True,
                           timeout=1500, cwd=os.path.dirname(HERE))
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -83,6 +84,8 @@ def test_meshes_give_the_single_device_tokens(tmp_path):
         assert run["tokens"] == reference["tokens"], name  # a structured-output row included (models a and b)
         pooled, single = np.asarray(run["embeddings"]), np.asarray(reference["embeddings"])  # (last, mean, last)
         assert np.abs(pooled - single).max() < 1e-4 * np.abs(single).max(), name
+        rows, single = np.asarray(run["head_rows"]), np.asarray(reference["head_rows"])  # (gathered off the mesh)
+        assert rows.shape == single.shape and np.abs(rows - single).max() <= 1e-6 * np.abs(single).max(), name
         assert run["compilations_after_warmup"] == 0, name
     # Replicas on disjoint devices, both used, every routed token accounted for at the end.
     assert out["g-dp2"]["devices"] == [[0], [1]]

@@ -59,6 +59,7 @@ def main(workdir: str) -> None:
     from jaxcb.host.speculative import SpeculativeConfig
     from jaxcb.host.structured import Constraint
     from jaxcb.llm import LLM, load_model
+    from jaxcb.model.llama import head_rows
     from jaxcb.model.config import tiny_config
 
     models = {"a": tiny_config(), "b": tiny_config(num_heads=8, hidden_size=128),
@@ -113,12 +114,15 @@ def main(workdir: str) -> None:
             tokens = [o.token_ids for o in llm.generate(prompts, params)]
             pooled = llm.generate(prompts[:3], [SamplingParams(max_tokens=0, pooling=m)
                                                 for m in ("last", "mean", "last")])
+            compiled = engines[0].stats().compilations - before
+            rows = head_rows(engines[0].runner.params, [3, 7, cfg.vocab_size - 1])  # (a from-token classifier's)
             llm.close()
             for e in engines:
                 e.pool.check_all_free()
             out[f"{key}-{name}"] = {
-                "tokens": tokens, "compilations_after_warmup": engines[0].stats().compilations - before,
+                "tokens": tokens, "compilations_after_warmup": compiled,
                 "embeddings": [o.embedding.tolist() for o in pooled],
+                "head_rows": rows.tolist(),
                 "kv_shards": [[list(x.data.shape) for x in e.runner.kv_arrays[0].addressable_shards] for e in engines],
                 "kv_dtype": str(engines[0].runner.kv_arrays[0].dtype),
                 "devices": [sorted(d.id for d in e.runner.kv_arrays[0].devices()) for e in engines],

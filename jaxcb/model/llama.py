@@ -29,7 +29,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxcb.host.batch import StepInput, WindowPages
 from jaxcb.model.config import DENSE_MLP, EXPERT_PARTS, ModelConfig
@@ -210,9 +210,6 @@ def _by_layer(name: str, makes: list, convert, place):
     final sharding (place.shardings), each layer (makes[n]()) converted on the host, put on the devices in the stack's
     split less its layer axis, and written into the stack in place (donated): the host holds one layer, the
     devices the stack and one layer."""
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
-
     first = convert(makes[0]())
     stacked = jax.tree.map(lambda a: jax.ShapeDtypeStruct((len(makes), *a.shape), a.dtype), first)
     whole = place.shardings(name, stacked)
@@ -665,16 +662,21 @@ def forward_hidden(params: Params, kv_pages, batch: StepInput, config: ModelConf
 
 def head_rows(params: Params, ids: list[int]) -> np.ndarray:
     """The output head's rows for tokens `ids` [N, E] in float32 (dequantized): token i's logit is the final
-    norm's output dotted with row i (before the model's logit scale and softcap), as head_logits computes it."""
-    ids = jnp.asarray(ids, jnp.int32)
-    if params.lm_head is None:
-        return np.asarray(embed_rows(params.embed, ids, jnp.float32))
-    head = params.lm_head
-    if isinstance(head, QuantWeight):
-        columns = QuantWeight(head.q[..., ids], head.scale[..., ids],
-                              None if head.offset is None else head.offset[..., ids], head.bits, head.act_block)
-        return np.asarray(dequantize(columns, jnp.float32)).T
-    return np.asarray(head[:, ids].astype(jnp.float32)).T
+    norm's output dotted with row i (before the model's logit scale and softcap), as head_logits computes it.
+    Weights split over a mesh give their rows replicated (every process of a multi-host mesh calls this)."""
+    def rows(embed, lm_head, ids):
+        if lm_head is None:
+            return embed_rows(embed, ids, jnp.float32)
+        if isinstance(lm_head, QuantWeight):
+            lm_head = dequantize(QuantWeight(lm_head.q[..., ids], lm_head.scale[..., ids], None if lm_head.offset is None
+                                             else lm_head.offset[..., ids], lm_head.bits, lm_head.act_block), jnp.float32)
+            return lm_head.T
+        return lm_head[:, ids].astype(jnp.float32).T
+
+    sharding = jax.tree.leaves(params.embed)[0].sharding
+    replicated = NamedSharding(sharding.mesh, P()) if isinstance(sharding, NamedSharding) else None
+    return np.asarray(jax.jit(rows, out_shardings=replicated)(params.embed, params.lm_head,
+                                                              np.asarray(ids, np.int32)))
 
 
 def logits_at(params: Params, h, rows, config: ModelConfig, attention: Attention = Attention()):
