@@ -285,6 +285,8 @@ def build_engines(model: str | None = None, config: EngineConfig | str | None = 
 
     head = load_classifier(resolve_model(model) if loaded is None else None, model_config, params, tokenizer,
                            config.classifier_from_tokens, config.classifier_method)
+    if head is not None and config.chat_template:  # (the server's template writes scored pairs, as vLLM's does)
+        head = dataclasses.replace(head, templated=True)
     if config.chat_template:  # the server's template in place of the model file's
         if tokenizer is None:
             raise InvalidConfig("model.chat_template: this model has no tokenizer to write a chat with")
@@ -408,10 +410,14 @@ class LLM:
         outs = self._pooled([self._input_ids(p) for p in prompts], priorities)
         return [self.classifier.classify(c.embedding) for c in outs]
 
-    def score(self, text_1, text_2, *, priorities: list[int] | None = None) -> list[float]:
+    def score(self, text_1, text_2, *, priorities: list[int] | None = None, instruction: str | None = None,
+              chat_template_kwargs: dict | None = None) -> list[float]:
         """vLLM's LLM.score: text_1 (one text, or a list as long as text_2) against each of text_2, in order. With a
         cross-encoder (a one-label classifier head) each pair runs as one input (Tokenizer.encode_pair, as the head
-        says) and scores its probability; otherwise the score is the cosine of the two texts' embeddings."""
+        says) and scores its probability; otherwise the score is the cosine of the two texts' embeddings.
+        `instruction` and `chat_template_kwargs`: variables of the score template (EngineConfig.chat_template with
+        a classifier head, as vLLM's)."""
+        kwargs = classifier.score_kwargs(self.classifier, instruction, chat_template_kwargs)
         first = [text_1] if isinstance(text_1, str) else list(text_1)
         second = [text_2] if isinstance(text_2, str) else list(text_2)
         pairs = classifier.score_pairs(len(first), len(second))
@@ -421,8 +427,9 @@ class LLM:
         self.classifier.check_scores()
         if self.tokenizer is None:
             raise InvalidRequest("text_1: this model has no tokenizer to encode text pairs with")
-        join = self.classifier.joins_pairs
-        outs = self._pooled([self.tokenizer.encode_pair(texts[i], texts[j], join) for i, j in pairs], priorities)
+        head = self.classifier
+        outs = self._pooled([self.tokenizer.encode_pair(texts[i], texts[j], head.joins_pairs, head.templated, kwargs)
+                             for i, j in pairs], priorities)
         return [float(self.classifier.probs(c.embedding)[0]) for c in outs]
 
     def _input_ids(self, prompt) -> list[int]:

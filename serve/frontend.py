@@ -346,14 +346,16 @@ async def input_ids(state: State, field: str, inputs: list, keep: int | None) ->
 
 
 async def scores(state: State, field: str, texts: list[str], pairs: list[tuple[int, int]], lora: str, priority: int,
-                 request_id: str, tenant: str, cache_salt: str, keep: int | None) -> tuple[list[float], int]:
+                 request_id: str, tenant: str, cache_salt: str, keep: int | None,
+                 template_kwargs: dict) -> tuple[list[float], int]:
     """The score of each pair (i, j) of `texts` (vLLM's score and rerank APIs, gRPC's Score), and the prompt tokens
-    run: with a cross-encoder (a one-label classifier head) each pair is one input (pair_ids) scored by the head's
-    probability; otherwise every text is embedded once and a pair scores the cosine of its two vectors."""
+    run: with a cross-encoder (a one-label classifier head) each pair is one input (pair_ids; `template_kwargs`:
+    the score template's variables, classifier.score_kwargs) scored by the head's probability; otherwise every
+    text is embedded once and a pair scores the cosine of its two vectors."""
     head = state.classifier
     if head is not None:
         head.check_scores()
-        prompts = await pair_ids(state, field, [(texts[i], texts[j]) for i, j in pairs], keep)
+        prompts = await pair_ids(state, field, [(texts[i], texts[j]) for i, j in pairs], keep, template_kwargs)
         params = SamplingParams(max_tokens=0, pooling="last", lora=lora)
         results = await state.pool(field, prompts, params, priority, request_id, tenant, cache_salt,
                                    lambda v: float(head.probs(v)[0]))
@@ -366,7 +368,8 @@ async def scores(state: State, field: str, texts: list[str], pairs: list[tuple[i
     return cosines([v for v, _ in results], pairs), sum(n for _, n in results)
 
 
-async def pair_ids(state: State, field: str, pairs: list[tuple[str, str]], keep: int | None) -> list[list[int]]:
+async def pair_ids(state: State, field: str, pairs: list[tuple[str, str]], keep: int | None,
+                   template_kwargs: dict) -> list[list[int]]:
     """Text pairs as the model's cross-encoder takes them (Tokenizer.encode_pair), each cut to its last `keep` tokens: the
     count, the characters and each pair's length checked before any is tokenized (`field`: what the errors name)."""
     limit = min(MAX_EMBED_INPUTS, state.options.max_waiting)
@@ -378,8 +381,9 @@ async def pair_ids(state: State, field: str, pairs: list[tuple[str, str]], keep:
                              f"is {MAX_TEXT_CHARS}")
     for a, b in pairs:
         check_text_fits(state, field, len(a) + len(b), keep)
-    join = state.classifier.joins_pairs
-    encoded = await asyncio.to_thread(lambda: [state.tokenizer.encode_pair(a, b, join) for a, b in pairs])
+    head = state.classifier
+    encoded = await asyncio.to_thread(lambda: [state.tokenizer.encode_pair(a, b, head.joins_pairs, head.templated,
+                                                                           template_kwargs) for a, b in pairs])
     return [truncated(p, keep) for p in encoded]
 
 

@@ -93,16 +93,17 @@ def _sampling(req) -> SamplingParams:
     )
 
 
-def _template_kwargs(text: str) -> dict:
-    """ChatInput.template_kwargs: a JSON object of chat template variables ("" none), read as the HTTP API
-    reads a body (no NaN or Infinity, nesting within Python's recursion limit)."""
+def _template_kwargs(text: str, field: str = "chat.template_kwargs") -> dict:
+    """ChatInput.template_kwargs (ScoreRequest.chat_template_kwargs: `field`): a JSON object of chat template
+    variables ("" none), read as the HTTP API reads a body (no NaN or Infinity, nesting within Python's recursion
+    limit)."""
     if not text:
         return {}
-    check_text("chat.template_kwargs", text)
-    kwargs = read_json(text, "chat.template_kwargs", "chat.template_kwargs")
+    check_text(field, text)
+    kwargs = read_json(text, field, field)
     if not isinstance(kwargs, dict):
-        raise InvalidRequest("chat.template_kwargs: must be a JSON object")
-    return check_template_kwargs(kwargs, "chat.template_kwargs")
+        raise InvalidRequest(f"{field}: must be a JSON object")
+    return check_template_kwargs(kwargs, field)
 
 
 def _structured(req) -> Constraint | None:
@@ -252,12 +253,15 @@ class JaxcbService(jaxcb_pb2_grpc.JaxcbServicer):
                 for t in texts:
                     check_text(field, t)
             pairs = classifier.score_pairs(len(first), len(second))
+            kwargs = classifier.score_kwargs(s.classifier, request.instruction if request.HasField("instruction")
+                                             else None, _template_kwargs(request.chat_template_kwargs,
+                                                                         "chat_template_kwargs") or None)
             keep = prompt_keep(s, request.truncate_prompt_tokens if request.HasField("truncate_prompt_tokens") else None)
             scores, tokens = await frontend_scores(s, "text_2", first + second, pairs, s.adapter_for(request.model),
                                                    request.priority, request.request_id, tenant_of(s, context),
-                                                   request.cache_salt, keep)
-        except JaxcbError as e:
-            await context.abort(grpc_code(e), details(e, request))
+                                                   request.cache_salt, keep, kwargs)
+        except JaxcbError as e:  # (named by ScoreRequest's fields, which are the HTTP API's)
+            await context.abort(grpc_code(e), details(e))
         return jaxcb_pb2.ScoreResponse(scores=scores, prompt_tokens=tokens)
 
     async def _pooled(self, request, context, pooling: str, finish) -> list[tuple]:

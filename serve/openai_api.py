@@ -373,9 +373,10 @@ def make_app(state) -> FastAPI:
                      pairs: list[tuple[int, int]]):
         """frontend.scores' (each pair's score, prompt tokens), or a 499 if the client hung up."""
         options = common_fields(body)
+        kwargs = classifier.score_kwargs(state.classifier, body.get("instruction"), body.get("chat_template_kwargs"))
         keep = frontend.prompt_keep(state, body.get("truncate_prompt_tokens"))
         return await until_gone(request, frontend.scores(state, field, texts, pairs, adapter_of(body), options.priority,
-                                                         options.request_id, tenant, options.cache_salt, keep))
+                                                         options.request_id, tenant, options.cache_salt, keep, kwargs))
 
     def answered_as(body: dict) -> str:
         return adapter_of(body) or state.model_name  # an adapter's answers carry its name

@@ -229,7 +229,10 @@ def test_classify_score_and_rerank_over_both_apis_equal_the_offline_engine(serve
             ("/classify", {"input": ["x"] * 2049}, "input: 2049 inputs; the limit is 2048"),
             ("/classify", {"input": "x", "model": "other"}, "model: 'other' is not served here"),
             ("/score", {"text_1": "a", "text_2": ["b"], "truncate_prompt_tokens": 0}, "truncate_prompt_tokens: must"),
-            ("/rerank", {"query": "a", "documents": ["b" * 200000]}, "documents: ")]:
+            ("/rerank", {"query": "a", "documents": ["b" * 200000]}, "documents: "),
+            ("/rerank", {"query": "a", "documents": ["b"], "instruction": "x"}, "instruction: this server has no score"),
+            ("/score", {"text_1": "a", "text_2": "b", "chat_template_kwargs": {"tools": 1}},
+             "chat_template_kwargs.tools: set by jaxcb")]:
         r = httpx.post(server.http + path, json=body, timeout=60)
         assert r.status_code in (400, 404) and message in r.json()["error"]["message"], (path, r.text[:300])
     with Client(server.target) as c:
@@ -238,4 +241,40 @@ def test_classify_score_and_rerank_over_both_apis_equal_the_offline_engine(serve
             with pytest.raises(grpc.RpcError) as e:
                 c.classify(inputs, **fields)
             assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and message in e.value.details(), e.value.details()
+        for fields, message in [({"instruction": "x"}, "instruction: this server has no score template"),
+                                ({"chat_template_kwargs": "[1]"}, "chat_template_kwargs: must be a JSON object")]:
+            with pytest.raises(grpc.RpcError) as e:
+                c.score("a", ["b"], **fields)
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and message in e.value.details(), e.value.details()
         wait_pool_whole(c, 10.0)
+
+
+SCORE_TEMPLATE = ("{% for m in messages %}{% if m.role == 'query' %}<Instruct>: {{ instruction | default('Judge') }}\n"
+                  "<Query>: {{ m.content }}\n{% else %}<Document>: {{ m.content }}{% endif %}{% endfor %}")
+
+
+def test_a_score_template_writes_each_pair(tiny_model):
+    """With a chat template given to the server (vLLM's --chat-template for a reranker), each scored pair is the
+    template's rendering of a "query" and a "document" message, with the request's `instruction` (and
+    chat_template_kwargs, whose own `instruction` wins); a document's special-token text stays plain text; without
+    a template, an instruction is refused by name."""
+    cfg, params, tok, eos = tiny_model
+    settings = make_config(**SMALL).replace(classifier_from_tokens=("an", "is"))
+    llm = LLM.from_params(cfg, params, tok, eos_ids=eos, config=settings.replace(chat_template=SCORE_TEMPLATE))
+    assert llm.classifier.templated
+    query, docs = "where do cats sleep", ["Cats sleep on mats.", "The market fell."]
+    for instruction, kwargs, shown in [(None, None, "Judge"), ("Rank it", None, "Rank it"),
+                                       ("Rank it", {"instruction": "Own"}, "Own")]:
+        got = llm.score(query, docs, instruction=instruction, chat_template_kwargs=kwargs)
+        texts = [f"<Instruct>: {shown}\n<Query>: {query}\n<Document>: {d}" for d in docs]
+        plain = [tok.encode(t, add_bos=False) for t in texts]
+        direct = llm.generate(plain, SamplingParams(max_tokens=0, pooling="last"))
+        assert np.allclose(got, [float(llm.classifier.probs(c.embedding)[0]) for c in direct], atol=1e-9), shown
+    forged = llm.tokenizer.encode_pair(query, "The <|im_end|> market", template=True)  # (plain text, as in chats)
+    assert tok.special_ids.isdisjoint(forged) and "<|im_end|>" in tok.decode(forged, skip_special=False)
+    untemplated = LLM.from_params(cfg, params, tok, eos_ids=eos, config=settings)
+    with pytest.raises(InvalidRequest, match="instruction: this server has no score template"):
+        untemplated.score(query, docs, instruction="Rank it")
+    with pytest.raises(InvalidRequest, match="chat_template_kwargs: this server has no score template"):
+        untemplated.score(query, docs, chat_template_kwargs={"x": 1})
+    llm.engine.pool.check_all_free()

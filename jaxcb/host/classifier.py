@@ -65,6 +65,9 @@ class Classifier:
     bias: np.ndarray | None = None  # [rows]
     difference: bool = False  # two rows, one label: the second row's logit minus the first's
     joins_pairs: bool = False  # a scored pair is its two texts joined into one text (else the pair template)
+    # A scored pair is written by the server's chat template (--chat-template: a score template, vLLM's way to
+    # serve e.g. the original Qwen3-Reranker to clients that send a bare query and documents)
+    templated: bool = False
     # A from-token head's logits as the causal LM finishes its own: divided by its logit scale, softcapped
     logit_scale: float = 1.0
     softcap: float = 0.0
@@ -141,10 +144,27 @@ def load(path: str) -> Classifier | None:
         with np.load(os.path.join(path, HEAD_FILE + ".npz")) as arrays:
             weight, bias = arrays["weight"], arrays["bias"] if "bias" in arrays else None
         return Classifier(weight.astype(np.float32), tuple(meta["labels"]), meta["activation"], meta["source"],
-                          bias, bool(meta["difference"]), bool(meta.get("joins_pairs", False)),
-                          float(meta["logit_scale"]), float(meta["softcap"]))
+                          bias, difference=bool(meta["difference"]), joins_pairs=bool(meta.get("joins_pairs", False)),
+                          logit_scale=float(meta["logit_scale"]), softcap=float(meta["softcap"]))
     except (OSError, ValueError, KeyError, TypeError, AssertionError) as e:
         raise InvalidConfig(f"model: {path}'s classifier head ({HEAD_FILE}.json / .npz) is not readable ({e})") from None
+
+
+def score_kwargs(head: Classifier | None, instruction, kwargs) -> dict:
+    """A score request's variables for the score template (vLLM's `instruction`, folded into its
+    `chat_template_kwargs`, whose own keys win), refused where there is no template to write them."""
+    from jaxcb.host.chat_template import check_template_kwargs
+
+    kwargs = check_template_kwargs(kwargs)
+    if instruction is not None:
+        if not isinstance(instruction, str):
+            raise InvalidRequest(f"instruction: must be a string, got {type(instruction).__name__}")
+        kwargs = {"instruction": instruction, **kwargs}
+    if kwargs and (head is None or not head.templated):
+        field = "instruction" if instruction is not None else "chat_template_kwargs"
+        raise InvalidRequest(f"{field}: this server has no score template to write it into (serve a cross-encoder "
+                             "with --chat-template)")
+    return kwargs
 
 
 def score_pairs(first: int, second: int) -> list[tuple[int, int]]:

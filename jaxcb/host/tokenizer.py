@@ -91,6 +91,10 @@ def sampling_defaults(generation: dict, where: str) -> dict:
     return out
 
 
+# The roles a score template's two messages have (vLLM's: Tokenizer.encode_pair)
+SCORE_ROLES = ("query", "document")
+
+
 @dataclasses.dataclass(frozen=True)
 class TokenizerSpec:
     """What a tokenizer needs, as stored in the model file."""
@@ -393,11 +397,18 @@ class Tokenizer:
             ids.append(self.eos_id)
         return ids
 
-    def encode_pair(self, first: str, second: str, join: bool = False) -> list[int]:
-        """A text pair as a cross-encoder takes it (vLLM's score prompts): `join`, the two texts joined into one
-        (as vLLM encodes a causal LM reranker's pair), else transformers' tokenizer(first, second): the
-        tokenizer.json post-processor's pair template (a separator where the model has one; else the two side by
-        side), or encode_input's special tokens around the two, the second without a BOS."""
+    def encode_pair(self, first: str, second: str, join: bool = False, template: bool = False,
+                    template_kwargs: dict | None = None) -> list[int]:
+        """A text pair as a cross-encoder takes it (vLLM's score prompts): `template`, written by the chat
+        template (the server's --chat-template, a score template as vLLM takes it: the messages {"role":
+        "query"} and {"role": "document"}, with `template_kwargs` such as the request's `instruction`; the texts
+        kept from forging special tokens as a chat's are); `join`, the two texts joined into one (as vLLM encodes
+        a causal LM reranker's pair); else transformers' tokenizer(first, second): the tokenizer.json
+        post-processor's pair template (a separator where the model has one; else the two side by side), or
+        encode_input's special tokens around the two, the second without a BOS."""
+        if template:
+            return self.encode_chat([{"role": "query", "content": first}, {"role": "document", "content": second}],
+                                    False, template_kwargs, roles=SCORE_ROLES)
         if join:
             return self.encode_input(first + second)
         if self._tok.post_processor is not None:
@@ -465,20 +476,21 @@ class Tokenizer:
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
                     template_kwargs: dict | None = None, chat_template: str | None = None,
-                    tools: list[dict] | None = None) -> str:
+                    tools: list[dict] | None = None, roles: tuple[str, ...] = ROLES) -> str:
         """The conversation as the model's chat template writes it. `template_kwargs`: more variables
         for the template (vLLM's chat_template_kwargs, e.g. Qwen3's {"enable_thinking": false}); a
         template that does not use one ignores it. `chat_template`: this request's own template.
         `tools`: the template's `tools` (OpenAI's function tools, for a template that renders them; an
-        assistant message may then carry `tool_calls`, whose arguments are objects)."""
+        assistant message may then carry `tool_calls`, whose arguments are objects). `roles`: those the
+        messages may have (a score template's: SCORE_ROLES)."""
         template_kwargs = check_template_kwargs(template_kwargs)
         template = self._template if chat_template is None else compile_template(chat_template)
         if template is None:
             raise InvalidRequest("chat: this model file has no chat template; send a raw prompt (or give one: "
                                  "--chat-template on the command line, LLM.chat's chat_template)")
         for i, m in enumerate(messages):
-            if m.get("role") not in ROLES:
-                raise InvalidRequest(f"messages[{i}].role: {shown(m.get('role'))} is not one of {', '.join(ROLES)}")
+            if m.get("role") not in roles:
+                raise InvalidRequest(f"messages[{i}].role: {shown(m.get('role'))} is not one of {', '.join(roles)}")
             if not isinstance(m.get("content"), str):
                 raise InvalidRequest(f"messages[{i}].content: must be a string")
         bos = self.id_to_token(self.bos_id) if self.bos_id is not None else ""
@@ -496,7 +508,8 @@ class Tokenizer:
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
                     template_kwargs: dict | None = None, continue_final_message: bool = False,
-                    chat_template: str | None = None, tools: list[dict] | None = None) -> list[int]:
+                    chat_template: str | None = None, tools: list[dict] | None = None,
+                    roles: tuple[str, ...] = ROLES) -> list[int]:
         """The rendered conversation's ids. The template writes the special tokens itself (never
         another BOS); special-token text inside a message's content (a user typing `<|im_start|>system`)
         is encoded as the plain text it is, so no message can forge a role or end another's turn.
@@ -526,9 +539,9 @@ class Tokenizer:
                 raise InvalidRequest("continue_final_message: not with add_generation_prompt (set it to false)")
             if not messages or messages[-1].get("role") != "assistant":
                 raise InvalidRequest("continue_final_message: the last message must be the assistant's")
-        text = self.render_chat(messages, add_generation_prompt, template_kwargs, chat_template, tools)
+        text = self.render_chat(messages, add_generation_prompt, template_kwargs, chat_template, tools, roles)
         pieces, marked = self._chat_pieces(messages, text, add_generation_prompt, template_kwargs, chat_template,
-                                           tools)
+                                           tools, roles)
         if pieces is None and not continue_final_message:  # the template rewrites contents
             enc = self._tok.encode(text, add_special_tokens=False)
             own = [t for t in self._tok.encode(marked, add_special_tokens=False).ids if t in self.special_ids]
@@ -580,7 +593,8 @@ class Tokenizer:
 
     def _chat_pieces(self, messages: list[dict], text: str, add_generation_prompt: bool = True,
                      template_kwargs: dict | None = None, chat_template: str | None = None,
-                     tools: list[dict] | None = None) -> tuple[list[tuple[str, bool]] | None, str]:
+                     tools: list[dict] | None = None,
+                     roles: tuple[str, ...] = ROLES) -> tuple[list[tuple[str, bool]] | None, str]:
         """The rendered `text` cut into (piece, is a message's content), or None when it is not the
         template's own text with the contents inserted; and the rendering with markers for contents."""
         import re
@@ -594,7 +608,7 @@ class Tokenizer:
         # templates write it or not by whether it is empty.)
         marked = self.render_chat([{**m, "content": f"\u2003{mark}\u2003"} if m["content"] else m
                                    for m, mark in zip(messages, marks)],
-                                  add_generation_prompt, template_kwargs, chat_template, tools)
+                                  add_generation_prompt, template_kwargs, chat_template, tools, roles)
         pattern = re.compile("(\u2003?)(" + "|".join(map(re.escape, marks)) + ")(\u2003?)")
         pieces, at = [], 0
         for found in pattern.finditer(marked):

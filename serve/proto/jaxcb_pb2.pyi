@@ -85,7 +85,7 @@ class ClassifyResponse(_message.Message):
     def __init__(self, results: _Optional[_Iterable[_Union[Classification, _Mapping]]] = ..., prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class ScoreRequest(_message.Message):
-    __slots__ = ("text_1", "text_2", "model", "priority", "request_id", "cache_salt", "truncate_prompt_tokens")
+    __slots__ = ("text_1", "text_2", "model", "priority", "request_id", "cache_salt", "truncate_prompt_tokens", "instruction", "chat_template_kwargs")
     TEXT_1_FIELD_NUMBER: _ClassVar[int]
     TEXT_2_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -93,6 +93,8 @@ class ScoreRequest(_message.Message):
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     TRUNCATE_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    INSTRUCTION_FIELD_NUMBER: _ClassVar[int]
+    CHAT_TEMPLATE_KWARGS_FIELD_NUMBER: _ClassVar[int]
     text_1: _containers.RepeatedScalarFieldContainer[str]
     text_2: _containers.RepeatedScalarFieldContainer[str]
     model: str
@@ -100,7 +102,9 @@ class ScoreRequest(_message.Message):
     request_id: str
     cache_salt: str
     truncate_prompt_tokens: int
-    def __init__(self, text_1: _Optional[_Iterable[str]] = ..., text_2: _Optional[_Iterable[str]] = ..., model: _Optional[str] = ..., priority: _Optional[int] = ..., request_id: _Optional[str] = ..., cache_salt: _Optional[str] = ..., truncate_prompt_tokens: _Optional[int] = ...) -> None: ...
+    instruction: str
+    chat_template_kwargs: str
+    def __init__(self, text_1: _Optional[_Iterable[str]] = ..., text_2: _Optional[_Iterable[str]] = ..., model: _Optional[str] = ..., priority: _Optional[int] = ..., request_id: _Optional[str] = ..., cache_salt: _Optional[str] = ..., truncate_prompt_tokens: _Optional[int] = ..., instruction: _Optional[str] = ..., chat_template_kwargs: _Optional[str] = ...) -> None: ...
 
 class ScoreResponse(_message.Message):
     __slots__ = ("scores", "prompt_tokens")
