@@ -118,12 +118,14 @@ def words(rng, n: int) -> str:
     return " ".join(WORDS[i] for i in rng.integers(0, len(WORDS), n))
 
 
-def rerank_all(url: str, model: str, requests: list[tuple[str, list[str]]]) -> tuple[float, list[list[float]], int]:
+def rerank_all(url: str, model: str, requests: list[tuple[str, list[str]]],
+               instruction: str | None = None) -> tuple[float, list[list[float]], int]:
     """Every (query, documents) as its own /rerank request, all at once: (seconds, each request's scores in document
     order, the prompt tokens the server counted)."""
     def one(item):
         query, docs = item
-        body = json.dumps({"model": model, "query": query, "documents": docs}).encode()
+        extra = {} if instruction is None else {"instruction": instruction}
+        body = json.dumps({"model": model, "query": query, "documents": docs, **extra}).encode()
         req = urllib.request.Request(url + "/rerank", body, {"Content-Type": "application/json"})
         with urllib.request.urlopen(req, timeout=3600) as r:
             answer = json.load(r)
@@ -153,6 +155,10 @@ def main(argv=None) -> None:
     ap.add_argument("--vllm-dtype", default="float32")
     ap.add_argument("--task", choices=("embed", "rerank"), default="embed")
     ap.add_argument("--documents", type=int, default=8, help="--task rerank: documents per query")
+    ap.add_argument("--score-template", default=None, metavar="FILE",
+                    help="--task rerank: a score template given to both servers (--chat-template), and "
+                         "--instruction sent with every request")
+    ap.add_argument("--instruction", default=None)
     a = ap.parse_args(argv)
     if a.task == "rerank":
         return rerank_main(a)
@@ -228,16 +234,17 @@ def rerank_main(a) -> None:
     pairs = a.inputs * a.documents
     servers = {}
     try:
+        template = ["--chat-template", a.score_template] if a.score_template else []
         servers = start_servers(a, ["--convert", "classify", "--hf-overrides", json.dumps(
-            {"classifier_from_token": ["no", "yes"], "method": "from_2_way_softmax"})],
-            ["--classifier-from-tokens", "no,yes"])
+            {"classifier_from_token": ["no", "yes"], "method": "from_2_way_softmax"})] + template,
+            ["--classifier-from-tokens", "no,yes"] + template)
         for s in servers.values():
-            rerank_all(s.url, "bench", fresh()[:2])
+            rerank_all(s.url, "bench", fresh()[:2], a.instruction)
         results, scores, tokens = {name: [] for name in servers}, {}, 0
         for trial in range(a.trials):
             requests = fresh()
             for name, s in servers.items():
-                seconds, scores[name], counted = rerank_all(s.url, "bench", requests)
+                seconds, scores[name], counted = rerank_all(s.url, "bench", requests, a.instruction)
                 tokens = counted if name == "jaxcb" else tokens
                 results[name].append(seconds)
                 print(f"trial {trial + 1} {name}: {pairs / seconds:.1f} pairs/s, {counted / seconds:.0f} tokens/s as "
