@@ -211,26 +211,48 @@ def make_app(state) -> FastAPI:
             # add_special_tokens (default true): what the tokenizer adds to a text (its BOS, if the model has one)
             ids = await asyncio.to_thread(tokenizer.encode, prompt, None if special is not False else False)
         else:
-            messages = body["messages"]
-            if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
-                raise bad_request("messages: must be a list of {role, content} objects")
-            template = template_fields(body, state.options.trust_request_chat_template)
-            _, messages, shown = chat_tools(body, messages, template[3])
-            frontend.check_messages("messages", [(m["role"], m["content"]) for m in messages])
-            try:
-                ids = await asyncio.to_thread(functools.partial(tokenizer.encode_chat, messages, *template,
-                                                                tools=shown))
-            except InvalidRequest:  # named already (no chat template, a template that refused them, ...)
-                raise
-            except ValueError as e:
-                raise bad_request(f"messages: {e}") from None
-            # The template writes its own special tokens; add_special_tokens (default false) adds the
-            # tokenizer's BOS where the model's tokenizer adds one and the template did not.
-            if special and tokenizer.add_bos and tokenizer.bos_id is not None and ids[:1] != [tokenizer.bos_id]:
-                ids = [tokenizer.bos_id, *ids]
+            ids = await chat_ids(body, True, special)
         out = {"count": len(ids), "max_model_len": state.engine.max_context, "tokens": ids,
                "token_strs": [tokenizer.id_to_token(t) for t in ids] if strs else None}
         return out
+
+    async def chat_ids(body: dict, generation_prompt: bool, special: bool | None, fits: bool = False,
+                       keep: int | None = None) -> list[int]:
+        """The body's `messages` through the chat template (/tokenize's, and the pooling APIs' chat-style input, as
+        vLLM's), with its template fields (add_generation_prompt defaulting to `generation_prompt`) and tools;
+        `fits`: contents too long for the context (kept whole: `keep` None) refused before tokenizing."""
+        tokenizer = _tokenizer()
+        messages = body["messages"]
+        if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+            raise bad_request("messages: must be a list of {role, content} objects")
+        template = template_fields(body, state.options.trust_request_chat_template, generation_prompt)
+        _, messages, shown = chat_tools(body, messages, template[3])
+        frontend.check_messages("messages", [(m["role"], m["content"]) for m in messages])
+        if fits:
+            frontend.check_text_fits(state, "messages", sum(len(m["content"]) for m in messages), keep)
+        try:
+            ids = await asyncio.to_thread(functools.partial(tokenizer.encode_chat, messages, *template, tools=shown))
+        except InvalidRequest:  # named already (no chat template, a template that refused them, ...)
+            raise
+        except ValueError as e:
+            raise bad_request(f"messages: {e}") from None
+        # The template writes its own special tokens; add_special_tokens (default false) adds the
+        # tokenizer's BOS where the model's tokenizer adds one and the template did not.
+        if special and tokenizer.add_bos and tokenizer.bos_id is not None and ids[:1] != [tokenizer.bos_id]:
+            ids = [tokenizer.bos_id, *ids]
+        return ids
+
+    async def pooling_inputs(body: dict) -> list[list[int]]:
+        """An embeddings or classify body's inputs as token ids, cut to truncate_prompt_tokens: `input` (texts or
+        token ids), or vLLM's chat-style `messages` (one input, through the chat template)."""
+        keep = frontend.prompt_keep(state, body.get("truncate_prompt_tokens"))
+        if "messages" not in body:
+            given = prompt_list(body.get("input"), "input", frontend.MAX_EMBED_INPUTS)
+            return await frontend.input_ids(state, "input", given, keep)
+        if "input" in body:
+            raise bad_request("input: give either input or messages")
+        ids = await chat_ids(body, False, bool_field(body, "add_special_tokens", False), fits=True, keep=keep)
+        return [frontend.truncated(ids, keep)]
 
     @app.post("/detokenize")
     async def detokenize(request: Request):
@@ -353,14 +375,6 @@ def make_app(state) -> FastAPI:
             raise openai_responses.renamed(e if isinstance(e, HTTPError) else http_error(e), origins) from None
         return await json_response(openai_responses.reshape(answer, body, origins))
 
-    async def embedded(request: Request, tenant: str, body: dict, field: str, inputs: list, dimensions=None):
-        """The inputs' embeddings (State.pool's (vector, prompt tokens)), or a 499 if the client hung up."""
-        dimensions = state.pooling.check(state.engine.model_config.hidden_size, dimensions)
-        keep = frontend.prompt_keep(state, body.get("truncate_prompt_tokens"))
-        prompts = await frontend.input_ids(state, field, inputs, keep)
-        return await pooled(request, tenant, body, field, prompts, state.pooling.mode,
-                            lambda v: state.pooling.finish(v, dimensions))
-
     async def pooled(request: Request, tenant: str, body: dict, field: str, prompts: list[list[int]], pooling: str,
                      finish):
         """State.pool's (finish(pooled vector), prompt tokens) per prompt, or a 499 if the client hung up."""
@@ -387,8 +401,10 @@ def make_app(state) -> FastAPI:
         body = await body_of(request)
         check_fields(body, EMBEDDING_FIELDS)
         fmt = check_encoding_format(body.get("encoding_format"))
-        given = prompt_list(body.get("input"), "input", frontend.MAX_EMBED_INPUTS)
-        results = await embedded(request, tenant, body, "input", given, body.get("dimensions"))
+        dimensions = state.pooling.check(state.engine.model_config.hidden_size, body.get("dimensions"))
+        prompts = await pooling_inputs(body)
+        results = await pooled(request, tenant, body, "input", prompts, state.pooling.mode,
+                               lambda v: state.pooling.finish(v, dimensions))
         if isinstance(results, Response):
             return results
         return await json_response(await asyncio.to_thread(embeddings_body, results, fmt, answered_as(body)))
@@ -432,9 +448,7 @@ def make_app(state) -> FastAPI:
         if state.classifier is None:
             raise classifier.not_served("classify")
         activation = bool_field(body, "use_activation", True)  # (vLLM's: false gives the raw logits)
-        given = prompt_list(body.get("input"), "input", frontend.MAX_EMBED_INPUTS)
-        keep = frontend.prompt_keep(state, body.get("truncate_prompt_tokens"))
-        prompts = await frontend.input_ids(state, "input", given, keep)
+        prompts = await pooling_inputs(body)
         results = await pooled(request, tenant, body, "input", prompts, "last",
                                lambda v: state.classifier.classify(v, activation))
         if isinstance(results, Response):

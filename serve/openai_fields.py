@@ -51,8 +51,11 @@ TOKENIZE_FIELDS = {"model", "prompt", "messages", "add_special_tokens", "add_gen
                    "parallel_tool_calls", "reasoning_effort"}
 DETOKENIZE_FIELDS = {"model", "tokens"}
 # OpenAI's embeddings fields, and vLLM's extras that apply to them
+# vLLM's chat-style input to the pooling APIs (embeddings, classify): one conversation through the chat template
+CHAT_INPUT_FIELDS = {"messages", "add_generation_prompt", "continue_final_message", "chat_template_kwargs",
+                     "chat_template", "add_special_tokens"}
 EMBEDDING_FIELDS = {"model", "input", "encoding_format", "dimensions", "user", "truncate_prompt_tokens", "priority",
-                    "request_id", "cache_salt", *SERVICE_FIELDS}
+                    "request_id", "cache_salt", *SERVICE_FIELDS, *CHAT_INPUT_FIELDS}
 
 
 class HTTPError(Exception):
@@ -128,17 +131,18 @@ def _ids_field(body: dict, name: str, check_count) -> list[int]:
     return ids
 
 
-def template_fields(body: dict, trusted: bool) -> tuple[bool, dict, bool, str | None]:
+def template_fields(body: dict, trusted: bool, generation_prompt: bool = True) -> tuple[bool, dict, bool, str | None]:
     """The chat template's fields of a chat or /tokenize body, checked, in Tokenizer.encode_chat's order:
-    add_generation_prompt, chat_template_kwargs, continue_final_message, chat_template (the request's own
-    template, vLLM's field: taken only from a server that trusts its clients' templates, `trusted`)."""
+    add_generation_prompt (default `generation_prompt`: false for the pooling APIs' chat input, as vLLM's),
+    chat_template_kwargs, continue_final_message, chat_template (the request's own template, vLLM's field: taken
+    only from a server that trusts its clients' templates, `trusted`)."""
     template = frontend.check_request_template("chat_template", body.get("chat_template"), trusted)
     kwargs = check_template_kwargs(body.get("chat_template_kwargs"))
     effort = _typed(body, "reasoning_effort", None, lambda v: v in REASONING_EFFORTS, f"one of {REASONING_EFFORTS}")
     if effort is not None and "reasoning_effort" not in kwargs:  # (vLLM's: the template reads it)
         kwargs = {**kwargs, "reasoning_effort": effort}
-    return (bool_field(body, "add_generation_prompt", True), kwargs, bool_field(body, "continue_final_message", False),
-            template)
+    return (bool_field(body, "add_generation_prompt", generation_prompt), kwargs,
+            bool_field(body, "continue_final_message", False), template)
 
 
 def check_chat_spec_fields(body: dict) -> None:

@@ -15,12 +15,12 @@ import uuid
 from jaxcb.host import classifier
 from jaxcb.host.errors import InvalidRequest
 from serve.frontend import check_text
-from serve.openai_fields import bool_field, int_field
+from serve.openai_fields import CHAT_INPUT_FIELDS, bool_field, int_field
 
 SCORE_FIELDS = {"model", "text_1", "text_2", "truncate_prompt_tokens", "priority", "request_id", "cache_salt", "user",
                 "instruction", "chat_template_kwargs"}
 CLASSIFY_FIELDS = {"model", "input", "use_activation", "truncate_prompt_tokens", "priority", "request_id", "cache_salt",
-                   "user"}
+                   "user", *CHAT_INPUT_FIELDS}
 RERANK_FIELDS = {"model", "query", "documents", "top_n", "return_documents", "truncate_prompt_tokens", "priority",
                  "request_id", "cache_salt", "user", "instruction", "chat_template_kwargs"}
 

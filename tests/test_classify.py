@@ -194,6 +194,11 @@ def test_classify_score_and_rerank_over_both_apis_equal_the_offline_engine(serve
         for i, d in enumerate(body["data"]):
             assert d["index"] == i and d["num_classes"] == 1 and d["label"] == want[i].label == "is"
             assert abs(d["probs"][0] - float(want[i].probs[0])) < 1e-6
+    chat = [{"role": "user", "content": "Is this about cats?"}]
+    r = httpx.post(server.http + "/v1/classify", json={"messages": chat}, timeout=60).json()
+    ids = tok.encode_chat(chat, False)
+    assert r["usage"]["prompt_tokens"] == len(ids)
+    assert abs(r["data"][0]["probs"][0] - float(offline.classify([ids])[0].probs[0])) < 1e-6
     raw = httpx.post(server.http + "/classify", json={"input": inputs[:1], "use_activation": False}, timeout=60).json()
     logit = float(np.log(want[0].probs[0] / (1 - want[0].probs[0])))
     assert abs(raw["data"][0]["probs"][0] - logit) < 1e-5, raw

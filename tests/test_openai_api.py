@@ -221,6 +221,15 @@ def test_embeddings_over_both_apis_equal_the_offline_engine(server, oai, model_n
         for got in (by_default.data[i].embedding, floats["data"][i]["embedding"], over_grpc.embeddings[i].values):
             assert np.abs(np.asarray(got) - vector).max() < 1e-6, i
         assert over_grpc.embeddings[i].prompt_tokens == tokens[i]
+    chat = [{"role": "system", "content": "Represent this for retrieval."}, {"role": "user", "content": "cats"}]
+    for prompt in (False, True):  # vLLM's chat-style input: the conversation through the chat template, one input
+        body = {"messages": chat, "encoding_format": "float", **({"add_generation_prompt": True} if prompt else {})}
+        r = httpx.post(server.http + "/v1/embeddings", json=body, timeout=60).json()
+        ids = tok.encode_chat(chat, prompt)
+        assert r["usage"]["prompt_tokens"] == len(ids), r
+        assert np.abs(np.asarray(r["data"][0]["embedding"]) - offline.embed([ids])[0]).max() < 1e-6
+    both = httpx.post(server.http + "/v1/embeddings", json={"input": "x", "messages": chat}, timeout=60)
+    assert both.status_code == 400 and "input: give either input or messages" in both.text
     short = oai.embeddings.create(model=model_name, input=inputs[0], dimensions=8, encoding_format="float")
     cut = want[0][:8] / np.linalg.norm(want[0][:8])
     assert np.abs(np.asarray(short.data[0].embedding) - cut).max() < 1e-6
