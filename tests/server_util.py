@@ -104,3 +104,15 @@ class ServerProcess:
                 self.proc.wait()
         self.log.close()
         return self.proc.returncode
+
+
+def http_server(model: str, config: str, *args: str):
+    """A `jaxcb serve` with the HTTP API (its URL as .http), stopped cleanly at the end (a fixture's generator)."""
+    http = free_port()
+    s = ServerProcess(model, config, "--http-port", str(http), *args)
+    s.http = f"http://127.0.0.1:{http}"
+    try:
+        s.wait_serving()
+        yield s
+    finally:
+        assert s.stop() == 0, s.output()

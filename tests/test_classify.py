@@ -19,7 +19,7 @@ from jaxcb.host.errors import InvalidConfig, InvalidRequest
 from jaxcb.host.request import SamplingParams
 from jaxcb.llm import LLM, load_classifier, load_model
 from serve.client import Client
-from tests.server_util import SMALL_CONFIG, ServerProcess, free_port, wait_pool_whole
+from tests.server_util import SMALL_CONFIG, http_server, wait_pool_whole
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "golden")
 TINY_HF = os.path.join(GOLDEN, "tiny_hf")
@@ -165,14 +165,7 @@ def test_config_file_names_the_tokens(tmp_path):
 @pytest.fixture(scope="module")
 def server(tiny_gguf_path, config_path):
     """The tiny model served with a cross-encoder read from two of its tokens."""
-    http = free_port()
-    s = ServerProcess(tiny_gguf_path, config_path, "--http-port", str(http), "--classifier-from-tokens", "an,is")
-    s.http = f"http://127.0.0.1:{http}"
-    try:
-        s.wait_serving()
-        yield s
-    finally:
-        assert s.stop() == 0, s.output()
+    yield from http_server(tiny_gguf_path, config_path, "--classifier-from-tokens", "an,is")
 
 
 def test_classify_score_and_rerank_over_both_apis_equal_the_offline_engine(server, tiny_model, config_path):

@@ -22,24 +22,12 @@ from jaxcb.host.request import SamplingParams
 from jaxcb.llm import LLM
 from jaxcb.host import tool_calls
 from serve.client import Client, build_request
-from tests.server_util import ServerProcess, free_port, wait_pool_whole
-
-
-def _http_server(model: str, config: str, *args: str):
-    """A `jaxcb serve` with the HTTP API (its URL as .http), stopped cleanly at the end."""
-    http = free_port()
-    s = ServerProcess(model, config, "--http-port", str(http), *args)
-    s.http = f"http://127.0.0.1:{http}"
-    try:
-        s.wait_serving()
-        yield s
-    finally:
-        assert s.stop() == 0, s.output()
+from tests.server_util import ServerProcess, free_port, http_server, wait_pool_whole
 
 
 @pytest.fixture(scope="module")
 def server(tiny_gguf_path, config_path):
-    yield from _http_server(tiny_gguf_path, config_path)
+    yield from http_server(tiny_gguf_path, config_path)
 
 
 @pytest.fixture(scope="module")
@@ -998,7 +986,7 @@ def long_server(tmp_path_factory):
     write_tiny_gguf(model, tiny_model_config(max_context=2048))
     path.write_text("[cache]\npage_size = 16\nnum_pages = 256\n[scheduler]\nmax_context = 2048\n"
                     "max_prefill_tokens = 256\n[buckets]\ndecode_batch = [1, 4]\nprefill_tokens = [256]\n")
-    yield from _http_server(model, str(path), "--trust-request-chat-template", "--reasoning-parser", "qwen3")
+    yield from http_server(model, str(path), "--trust-request-chat-template", "--reasoning-parser", "qwen3")
 
 
 def test_a_requests_chat_template_only_where_the_server_trusts_it(server, long_server, model_name):
@@ -1805,7 +1793,7 @@ def test_slow_and_idle_connections_are_closed_at_the_header_deadline(tiny_gguf_p
     being answered is not cut."""
     import socket
 
-    for s in _http_server(tiny_gguf_path, config_path, "--http-header-timeout", "1.5"):
+    for s in http_server(tiny_gguf_path, config_path, "--http-header-timeout", "1.5"):
         host, port = s.http.split("//")[1].split(":")
         idle, slow, used, body = (socket.create_connection((host, int(port)), timeout=10) for _ in range(4))
         slow.sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n")  # never the blank line
@@ -1844,7 +1832,7 @@ def test_a_models_generation_config_gives_the_sampling_a_request_leaves_out(tmp_
         raw = json.load(f)
     with open(gen, "w") as f:
         json.dump({**raw, "temperature": 0.0, "top_k": 5}, f)
-    for server in _http_server(path, config_path):
+    for server in http_server(path, config_path):
         body = {"model": "hf", "prompt": [5, 9, 14, 30], "max_tokens": 12, "seed": 7, "ignore_eos": True}
 
         def tokens(**extra):
