@@ -83,8 +83,9 @@ def test_classifier_from_tokens_reads_the_models_logits():
     outside the vocabulary are refused at load."""
     prompts, logits = smollm2_golden()
     config, params, tok, eos = load_model()
-    llm = LLM.from_params(config, params, tok, eos_ids=eos, config=load_config(None).replace(
-        classifier_from_tokens=("no", "yes"), compile="fast"))
+    settings = dict(SMALL, max_context=256, decode_batch=(8,), prefill_tokens=(128,), max_prefill_tokens=128)
+    llm = LLM.from_params(config, params, tok, eos_ids=eos,
+                          config=make_config(**settings).replace(classifier_from_tokens=("no", "yes")))
     no, yes, maybe = (tok.token_id(t) for t in ("no", "yes", "maybe"))
     assert llm.classifier.labels == ("yes",) and llm.classifier.scores and llm.classifier.joins_pairs
     outs = llm.generate(prompts + prompts[:4], [SamplingParams(max_tokens=0, pooling="last")] * len(prompts)
