@@ -269,7 +269,7 @@ async def until_gone(request: Request, work):
 
 
 def embeddings_body(results: list, encoding_format: str, model_name: str) -> dict:
-    """OpenAI's embeddings answer: each input's vector (State.embed's (vector, prompt tokens)) in order."""
+    """OpenAI's embeddings answer: each input's vector (State.pool's (vector, prompt tokens)) in order."""
     tokens = sum(n for _, n in results)
     return {"id": "embd-" + uuid.uuid4().hex, "object": "list", "created": int(time.time()), "model": model_name,
             "data": [{"object": "embedding", "index": i, "embedding": encoded(v, encoding_format)}
