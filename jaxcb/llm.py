@@ -116,8 +116,8 @@ def load_model(path: str | None = None, dtype=None, check_config=None, weights: 
 def load_classifier(path: str | None, model_config, params, tokenizer, from_tokens: tuple[str, ...] = (),
                     method: str = "auto"):
     """The model's classifier head (jaxcb.host.classifier), None if it has none: a causal LM's rows of its output
-    head for `from_tokens` (EngineConfig.classifier_from_tokens, read by `method`), else a Hugging Face sequence classifier's score
-    head (`path`: the model's file or directory; None for weights given loaded)."""
+    head for `from_tokens` (EngineConfig.classifier_from_tokens, read by `method`), else a Hugging Face sequence
+    classifier's score head (`path`: the model's file or directory; None for weights given loaded)."""
     from jaxcb.model import checkpoint, hf_loader
     from jaxcb.model.llama import head_rows
 
@@ -133,7 +133,10 @@ def load_classifier(path: str | None, model_config, params, tokenizer, from_toke
         return classifier.load(path)
     if not hf_loader.is_hf_dir(path):
         return None
-    return classifier.from_checkpoint(path, hf_loader.config_json(path), hf_loader.classifier_tensors(path))
+    raw = hf_loader.config_json(path)
+    if (raw.get("architectures") or [""])[0] not in hf_loader.SEQUENCE_CLASSIFIERS:
+        return None  # (a causal LM's shards' headers are not read again for a head it does not have)
+    return classifier.from_checkpoint(path, raw, hf_loader.classifier_tensors(path))
 
 
 def draft_model_config(spec, target):
@@ -251,6 +254,7 @@ def build_engines(model: str | None = None, config: EngineConfig | str | None = 
 
     from jaxcb.device.factory import compute_dtype, make_runner, plan_memory
     from jaxcb.host.replicas import split_devices
+    from jaxcb.model.embedded import resolve_model
 
     from jaxcb.device.factory import make_draft_runner
 
@@ -281,8 +285,6 @@ def build_engines(model: str | None = None, config: EngineConfig | str | None = 
         check_config=lambda c: plans.append(plan_memory(c, config, dtype, draft=draft_of(c))),
         weights=config.weights, group=config.weight_group, rope_scaling=config.rope_scaling, mesh=mesh)
     draft = load_draft(spec, model_config, params, compute_dtype(config, dtype), mesh) if drafting else None
-    from jaxcb.model.embedded import resolve_model
-
     head = load_classifier(resolve_model(model) if loaded is None else None, model_config, params, tokenizer,
                            config.classifier_from_tokens, config.classifier_method)
     if head is not None and config.chat_template:  # (the server's template writes scored pairs, as vLLM's does)
@@ -424,13 +426,13 @@ class LLM:
         texts = first + second
         if self.classifier is None:
             return cosines(self.embed(texts, priorities=priorities), pairs)
-        self.classifier.check_scores()
+        head = self.classifier
+        head.check_scores()
         if self.tokenizer is None:
             raise InvalidRequest("text_1: this model has no tokenizer to encode text pairs with")
-        head = self.classifier
         outs = self._pooled([self.tokenizer.encode_pair(texts[i], texts[j], head.joins_pairs, head.templated, kwargs)
                              for i, j in pairs], priorities)
-        return [float(self.classifier.probs(c.embedding)[0]) for c in outs]
+        return [float(head.probs(c.embedding)[0]) for c in outs]
 
     def _input_ids(self, prompt) -> list[int]:
         """An embedding's or a classification's input as ids (Tokenizer.encode_input for a string)."""

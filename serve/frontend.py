@@ -336,13 +336,19 @@ async def prompt_ids(state: State, field: str, prompts: list, keep: int | None, 
 async def input_ids(state: State, field: str, inputs: list, keep: int | None) -> list[list[int]]:
     """Inputs to embed as token ids (prompt_ids), strings encoded as embedding models take them
     (Tokenizer.encode_input); at most MAX_EMBED_INPUTS of them, and the server's max_waiting."""
-    limit = min(MAX_EMBED_INPUTS, state.options.max_waiting)
     if not inputs:
         raise InvalidRequest(f"{field}: must not be empty")
-    if len(inputs) > limit:
-        raise InvalidRequest(f"{field}: {len(inputs)} inputs; the limit is {limit}"
-                             + (" (--max-waiting)" if limit < MAX_EMBED_INPUTS else ""))
+    check_input_count(state, field, len(inputs), "inputs")
     return await prompt_ids(state, field, inputs, keep, state.tokenizer.encode_input)
+
+
+def check_input_count(state: State, field: str, n: int, what: str) -> None:
+    """A pooling request's number of inputs (or of pairs to score): at most MAX_EMBED_INPUTS, and the server's
+    max_waiting, since each is a request of its own."""
+    limit = min(MAX_EMBED_INPUTS, state.options.max_waiting)
+    if n > limit:
+        raise InvalidRequest(f"{field}: {n} {what}; the limit is {limit}"
+                             + (" (--max-waiting)" if limit < MAX_EMBED_INPUTS else ""))
 
 
 async def scores(state: State, field: str, texts: list[str], pairs: list[tuple[int, int]], lora: str, priority: int,
@@ -370,15 +376,13 @@ async def scores(state: State, field: str, texts: list[str], pairs: list[tuple[i
 
 async def pair_ids(state: State, field: str, pairs: list[tuple[str, str]], keep: int | None,
                    template_kwargs: dict) -> list[list[int]]:
-    """Text pairs as the model's cross-encoder takes them (Tokenizer.encode_pair), each cut to its last `keep` tokens: the
-    count, the characters and each pair's length checked before any is tokenized (`field`: what the errors name)."""
-    limit = min(MAX_EMBED_INPUTS, state.options.max_waiting)
-    if len(pairs) > limit:
-        raise InvalidRequest(f"{field}: {len(pairs)} pairs to score; the limit is {limit}"
-                             + (" (--max-waiting)" if limit < MAX_EMBED_INPUTS else ""))
-    if sum(len(a) + len(b) for a, b in pairs) > MAX_TEXT_CHARS:
-        raise InvalidRequest(f"{field}: {sum(len(a) + len(b) for a, b in pairs)} characters in all pairs; the limit "
-                             f"is {MAX_TEXT_CHARS}")
+    """Text pairs as the model's cross-encoder takes them (Tokenizer.encode_pair), each cut to its last `keep`
+    tokens: the count, the characters and each pair's length checked before any is tokenized (`field`: what the
+    errors name)."""
+    check_input_count(state, field, len(pairs), "pairs to score")
+    total = sum(len(a) + len(b) for a, b in pairs)
+    if total > MAX_TEXT_CHARS:
+        raise InvalidRequest(f"{field}: {total} characters in all pairs; the limit is {MAX_TEXT_CHARS}")
     for a, b in pairs:
         check_text_fits(state, field, len(a) + len(b), keep)
     head = state.classifier

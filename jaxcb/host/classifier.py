@@ -122,7 +122,6 @@ class Classifier:
         kind = "a cross-encoder's score" if self.scores else f"{self.num_labels} labels"
         return f"{kind}, {self.activation} ({self.source})"
 
-
     def save(self, path: str) -> None:
         """Into a converted checkpoint's directory (`jaxcb convert`), read back by `load`."""
         arrays = {"weight": self.weight} if self.bias is None else {"weight": self.weight, "bias": self.bias}
