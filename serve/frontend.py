@@ -58,10 +58,14 @@ class ServerOptions:
     # The HTTP API's sampling defaults: "auto", the model's generation_config.json where it has one (vLLM's
     # --generation-config auto); "none" (or vLLM's "vllm"), OpenAI's
     generation_config: str = "auto"
+    # The Responses API's kept responses (serve.openai_responses_store): at most this many MiB; 0 keeps none
+    responses_store_mb: float = 64.0
 
     def __post_init__(self):
         if self.generation_config not in ("auto", "none", "vllm"):
             raise InvalidConfig(f"--generation-config: {self.generation_config!r} is not auto, none or vllm")
+        if not self.responses_store_mb >= 0:
+            raise InvalidConfig(f"--responses-store-mb: must be a number of MiB >= 0, got {self.responses_store_mb}")
         if not self.http_header_timeout_s > 0:
             raise InvalidConfig(f"--http-header-timeout: must be a positive number of seconds, got "
                                 f"{self.http_header_timeout_s}")

@@ -7,7 +7,10 @@
     POST /v1/unload_lora_adapter {"lora_name"}: unregister it (when its requests have ended)
     POST /v1/completions         prompt: text, list of texts, token ids or lists of them
     POST /v1/chat/completions    messages through the model's chat template
-    POST /v1/responses           OpenAI's Responses API (text and function tools), over the chat machinery
+    POST /v1/responses           OpenAI's Responses API (text and function tools), over the chat machinery;
+                                 previous_response_id and background (serve.openai_responses_store)
+    GET  /v1/responses/{id}      a kept response; DELETE it; GET .../input_items its input; POST .../cancel
+                                 a background one
     POST /v1/embeddings          input: text, list of texts, token ids or lists of them -> their embeddings,
                                  pooled as the model says (jaxcb.host.embedding); float or base64, `dimensions`
     POST /score, /v1/score       vLLM's: text_1 against text_2, by the model's cross-encoder (a one-label
@@ -50,6 +53,7 @@ from jaxcb.host.embedding import check_encoding_format
 from jaxcb.host.errors import InvalidConfig, InvalidRequest, JaxcbError, NotFound, Unauthenticated
 from jaxcb.host.request import SamplingParams
 from serve import frontend, openai_responses, openai_scores, reasoning
+from serve.openai_responses_store import Store
 from serve.openai_answer import answer, embeddings_body, json_response, until_gone
 from serve.openai_beam import beam_answer, check_beam_request
 from serve.openai_fields import (CHAT_FIELDS, COMPLETION_FIELDS, DETOKENIZE_FIELDS, EMBEDDING_FIELDS, TOKENIZE_FIELDS,
@@ -362,18 +366,59 @@ def make_app(state) -> FastAPI:
         check_fields(body, CHAT_FIELDS)
         return await json_response(await run_chat(request, tenant, body))
 
+    store = Store(int(state.options.responses_store_mb * (1 << 20)))  # (background ones end with the server's
+    # requests: shutdown's grace, then its aborts)
+
+    def owner_of(request: Request) -> str:
+        """Whose kept responses an (authorized) call reaches: its bearer token's, each its own; else everyone's."""
+        i = frontend.token_index(state.options.tokens, request.headers.get("authorization", ""))
+        return "" if i is None else f"token{i}"
+
     @app.post("/v1/responses")
     async def responses(request: Request):
-        """OpenAI's Responses API, answered by the chat machinery (serve.openai_responses)."""
-        tenant = authorize(request)
+        """OpenAI's Responses API, answered by the chat machinery (serve.openai_responses), kept by the store."""
+        tenant, owner = authorize(request), owner_of(request)
         body = await body_of(request)
         origins = []
         try:
-            chat = openai_responses.chat_body(body, origins)
+            call = store.call(owner, body)
+            chat = openai_responses.chat_body(body, origins, call.history)
+            if call.background:
+                return await store.start(call, body, chat, origins, answered_as(body),
+                                         lambda stand_in: run_chat(stand_in, tenant, chat))
+            keep = store.keeper(call, body, chat)
             answer = await run_chat(request, tenant, chat)
         except (HTTPError, JaxcbError) as e:  # named by this API's fields, not the chat's
             raise openai_responses.renamed(e if isinstance(e, HTTPError) else http_error(e), origins) from None
-        return await json_response(openai_responses.reshape(answer, body, origins))
+        return await json_response(openai_responses.reshape(answer, body, origins, keep))
+
+    @app.get("/v1/responses/{response_id}")
+    async def response_get(request: Request, response_id: str):
+        """A kept response as it is now (a background one: queued, in_progress, then finished)."""
+        authorize(request)
+        owner = owner_of(request)
+        unknown = sorted(set(request.query_params) - {"include", "include[]", "stream", "starting_after",
+                                                      "include_obfuscation"})
+        if unknown:
+            raise bad_request(f"{unknown[0][:64]}: not a parameter of this call")
+        if request.query_params.get("stream", "false") != "false":
+            raise bad_request("stream: a kept response is given whole (stream false)")
+        return store.find(owner, response_id).response
+
+    @app.delete("/v1/responses/{response_id}")
+    async def response_delete(request: Request, response_id: str):
+        authorize(request)
+        return store.delete(owner_of(request), response_id)
+
+    @app.get("/v1/responses/{response_id}/input_items")
+    async def response_items(request: Request, response_id: str):
+        authorize(request)
+        return store.input_items(owner_of(request), response_id, request.query_params)
+
+    @app.post("/v1/responses/{response_id}/cancel")
+    async def response_cancel(request: Request, response_id: str):
+        authorize(request)
+        return store.cancel(owner_of(request), response_id)
 
     async def pooled(request: Request, tenant: str, body: dict, field: str, prompts: list[list[int]], pooling: str,
                      finish):

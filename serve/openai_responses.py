@@ -8,14 +8,15 @@ function_call and function_call_output input items. On a server with a reasoning
 a reasoning item before them (its text a reasoning_text part, streamed as response.reasoning_text.delta
 events); a reasoning item given back in the input is taken and left out of the prompt (the chat
 templates of thinking models drop earlier thinking too), and the `reasoning` field (effort, summary) is
-checked, its effort handed to the chat template as the chat's reasoning_effort. Not kept: `store` is accepted but no response is stored, so
-`previous_response_id` and the retrieval routes are not served; built-in tools and images are refused by
-name, as every unknown field is.
+checked, its effort handed to the chat template as the chat's reasoning_effort. Responses are kept for
+`previous_response_id`, the retrieval routes and `background` by serve.openai_responses_store; built-in
+tools, images and stored conversations or prompts are refused by name, as every unknown field is.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import re
 import time
@@ -44,11 +45,9 @@ INCLUDABLE = (LOGPROBS, "reasoning.encrypted_content", "file_search_call.results
               "web_search_call.action.sources", "message.input_image.image_url", "computer_call_output.output.image_url",
               "code_interpreter_call.outputs")
 # Fields for what is not kept or not served here, each refused by name (absent or null they are not given).
-NOT_SERVED = {"previous_response_id": "responses are not stored (store is taken, nothing is kept): send the whole "
-                                      "conversation in input",
-              "conversation": "conversations are not stored: send the whole conversation in input",
-              "prompt": "stored prompt templates are not served",
-              "background": "background responses are not served (nothing is stored to poll)"}
+NOT_SERVED = {"conversation": "conversations are not served: give previous_response_id, or the whole conversation "
+                              "in input",
+              "prompt": "stored prompt templates are not served"}
 ROLES = ("user", "system", "developer", "assistant")
 TEXT_PARTS = {"input_text": "text", "output_text": "text"}  # a message item's part type -> the key of its text
 
@@ -63,14 +62,17 @@ def _content(where: str, content) -> str:
         raise http_error(e) from None
 
 
-def _messages(body: dict, origins: list) -> list[dict]:
-    """The chat's messages; `origins` gets, per message, (the field it came from, the fields of its tool
-    calls, whether the message's own fields are the item's: own_field)."""
+def _messages(body: dict, origins: list, history: tuple = ()) -> list[dict]:
+    """The chat's messages: the instructions, a previous response's conversation (`history`, copied), this
+    call's input; `origins` gets, per message, (the field it came from, the fields of its tool calls,
+    whether the message's own fields are the item's: own_field)."""
     instructions = body.get("instructions")
     if instructions is not None and not isinstance(instructions, str):
         raise bad_request("instructions: must be a string")
     messages = [{"role": "system", "content": instructions}] if instructions else []
     origins += [("instructions", [], False)] if instructions else []
+    messages += copy.deepcopy(list(history))
+    origins += [("previous_response_id", [], False) for _ in history]
     given = body.get("input")
     if isinstance(given, str):
         origins.append(("input", [], False))
@@ -255,13 +257,14 @@ def _response_format(body: dict):
     raise bad_request(f"text.format.type: must be text, json_object or json_schema, got {kind!r}")
 
 
-def chat_body(body: dict, origins: list | None = None) -> dict:
-    """The chat completions body that answers this Responses call (every field checked by name first);
-    `origins`, where given, gets where each of its messages came from (own_field)."""
+def chat_body(body: dict, origins: list | None = None, history: tuple = ()) -> dict:
+    """The chat completions body that answers this Responses call (every field checked by name first),
+    after a previous response's conversation (`history`: Store.call); `origins`, where given, gets where
+    each of its messages came from (own_field)."""
     origins = [] if origins is None else origins
     check_fields(body, RESPONSES_FIELDS)
     for name, why in NOT_SERVED.items():
-        if name in body and not (name == "background" and body[name] is False):
+        if name in body:
             raise bad_request(f"{name}: {why}")
     _check_reasoning(body.get("reasoning"))
     check_metadata(body.get("metadata"))
@@ -291,7 +294,7 @@ def chat_body(body: dict, origins: list | None = None) -> dict:
     limit = int_field(body, "max_tool_calls")  # (the built-in tools' limit: none are served)
     if limit is not None and limit < 1:
         raise bad_request(f"max_tool_calls: must be at least 1, got {limit}")
-    chat["messages"] = _messages(body, origins)
+    chat["messages"] = _messages(body, origins, history)
     limit = int_field(body, "max_output_tokens")
     if limit is not None:
         if limit < 1:
@@ -306,12 +309,13 @@ def chat_body(body: dict, origins: list | None = None) -> dict:
     return chat
 
 
-class _Shape:
+class Shape:
     """One response object as it grows: its output items in order (the thinking, the message's text,
-    function calls), finish and usage."""
+    function calls), finish and usage; `rid` its id (made here if None), `stored` whether it is kept."""
 
-    def __init__(self, body: dict, model: str):
-        self.id, self.message_id = "resp_" + uuid.uuid4().hex, "msg_" + uuid.uuid4().hex
+    def __init__(self, body: dict, model: str, rid: str | None = None, stored: bool = False):
+        self.id, self.message_id = rid or "resp_" + uuid.uuid4().hex, "msg_" + uuid.uuid4().hex
+        self.stored = stored
         self.reasoning_id = "rs_" + uuid.uuid4().hex
         self.created, self.body, self.model = int(time.time()), body, model
         self.text, self.thought, self.finish, self.usage = "", "", None, None
@@ -358,27 +362,31 @@ class _Shape:
         status = status or self.status()
         b = self.body
         order = self.order or ["message"]  # an answer with no text and no call: one empty message
-        output = [] if status in ("in_progress", "failed") else [self.item(w, status) for w in order]
+        finished = status in ("completed", "incomplete")  # (queued, in_progress, failed, cancelled: no output yet)
+        output = [self.item(w, status) for w in order] if finished else []
         return {"id": self.id, "object": "response", "created_at": self.created, "status": status,
                 "error": None, "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
                 "instructions": b.get("instructions"), "max_output_tokens": b.get("max_output_tokens"),
                 "model": self.model, "output": output, "parallel_tool_calls": b.get("parallel_tool_calls", True),
                 "temperature": b.get("temperature"), "top_p": b.get("top_p"),
                 "tool_choice": b.get("tool_choice", "auto"), "tools": b.get("tools") or [],
-                "text": b.get("text") or {"format": {"type": "text"}}, "store": False,
+                "text": b.get("text") or {"format": {"type": "text"}}, "store": self.stored,
+                "previous_response_id": b.get("previous_response_id"), "background": b.get("background", False),
                 "metadata": b.get("metadata") or {},
-                "usage": self.usage_json() if status not in ("in_progress", "failed") else None}
+                "usage": self.usage_json() if finished else None}
 
 
-def reshape(answer, body: dict, origins: list | None = None):
+def reshape(answer, body: dict, origins: list | None = None, keep=None, rid: str | None = None, stored: bool = False):
     """The chat answer (a JSON body, a stream of chunks, or another response such as a 499) as the
-    Responses API gives it (a streamed error naming the call's own fields: chat_body's `origins`)."""
+    Responses API gives it (a streamed error naming the call's own fields: chat_body's `origins`); `keep`,
+    where given, is called with the finished response object and says whether it was kept (its `store`)."""
     if isinstance(answer, StreamingResponse):
-        return StreamingResponse(_events(answer.body_iterator, body, origins or []), media_type="text/event-stream",
+        return StreamingResponse(_events(answer.body_iterator, body, origins or [], keep),
+                                 media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     if isinstance(answer, Response):
         return answer
-    shape = _Shape(body, answer["model"])
+    shape = Shape(body, answer["model"], rid, stored or keep is not None)
     choice = answer["choices"][0]
     message = choice["message"]
     shape.text, shape.finish, shape.usage = message.get("content") or "", choice["finish_reason"], answer["usage"]
@@ -390,10 +398,18 @@ def reshape(answer, body: dict, origins: list | None = None):
         shape.order.append("message")
     for call in message.get("tool_calls") or ():
         shape.add_call(call["id"], call["function"]["name"], call["function"]["arguments"])
-    return shape.response()
+    return _kept(shape, keep)
 
 
-async def _events(chunks, body: dict, origins: list = ()):
+def _kept(shape: Shape, keep) -> dict:
+    """The finished response object, kept where asked (its `store` false if it could not be)."""
+    response = shape.response()
+    if keep is not None:
+        shape.stored = response["store"] = keep(copy.deepcopy(response))
+    return response
+
+
+async def _events(chunks, body: dict, origins: list = (), keep=None):
     """Chat completion chunks in, the Responses stream's events out."""
     seq = 0
 
@@ -403,12 +419,12 @@ async def _events(chunks, body: dict, origins: list = ()):
         return f"event: {kind}\ndata: {json.dumps({'type': kind, 'sequence_number': seq - 1, **fields}, ensure_ascii=False)}\n\n"
 
     # A client gone: both generators close at once, the chat stream's requests aborted.
-    async with contextlib.aclosing(chunks), contextlib.aclosing(_translate(chunks, body, event, origins)) as events:
+    async with contextlib.aclosing(chunks), contextlib.aclosing(_translate(chunks, body, event, origins, keep)) as events:
         async for text in events:
             yield text
 
 
-async def _translate(chunks, body: dict, event, origins):
+async def _translate(chunks, body: dict, event, origins, keep):
     shape = None
     at: dict[int, int] = {}  # the chat's tool-call index -> its output index
     pending: list = []  # logprobs of tokens not yet in a text delta
@@ -446,7 +462,7 @@ async def _translate(chunks, body: dict, event, origins):
                     yield event("response.failed", response=failed)
                 return
             if shape is None:
-                shape = _Shape(body, chunk["model"])
+                shape = Shape(body, chunk["model"], stored=keep is not None)
                 yield event("response.created", response=shape.response("in_progress"))
                 yield event("response.in_progress", response=shape.response("in_progress"))
             if chunk.get("usage"):
@@ -506,4 +522,4 @@ async def _translate(chunks, body: dict, event, origins):
     for index, which in enumerate(shape.order):
         for text in close(index, which):
             yield text
-    yield event(f"response.{shape.status()}", response=shape.response())
+    yield event(f"response.{shape.status()}", response=_kept(shape, keep))

@@ -1177,6 +1177,11 @@ def test_responses_api_function_calls_as_the_chat_api_makes_them(long_server):
         {"type": "function_call_output", "call_id": call.call_id, "output": "12:00"}])
     assert follow.usage.input_tokens == follow_chat.usage.prompt_tokens
     assert follow.output_text == (follow_chat.choices[0].message.content or "")
+    # The same from the kept response: only the call's output is given
+    assert len(r.output) == 1
+    kept = oai.responses.create(model=model_name, max_output_tokens=6, temperature=0, tools=tools, previous_response_id=r.id,
+                                input=[{"type": "function_call_output", "call_id": call.call_id, "output": "12:00"}])
+    assert (kept.output_text, kept.usage.input_tokens) == (follow.output_text, follow.usage.input_tokens)
 
 
 def test_grpc_takes_the_same_constraints(server):
@@ -1472,6 +1477,120 @@ def test_responses_stream_events_from_chat_chunks():
     assert [x for d in deltas for x in d["logprobs"]] == done["logprobs"] == lp
 
 
+def test_responses_are_kept_and_continued_by_previous_response_id(server, oai, model_name):
+    """A kept response continues by previous_response_id as the chat answers the whole conversation (its
+    input and answers, not its instructions), is retrieved as it was answered (whole or streamed), lists its
+    input items, and is deleted; store: false keeps nothing."""
+    extra = {"ignore_eos": True}
+    first = oai.responses.create(model=model_name, instructions="be brief", input="hi", max_output_tokens=5,
+                                 temperature=0, extra_body=extra)
+    assert first.store is True and first.previous_response_id is None
+    then = oai.responses.create(model=model_name, previous_response_id=first.id, max_output_tokens=5, temperature=0,
+                                input=[{"role": "user", "content": "and?"}], instructions="be kind", extra_body=extra)
+    last = oai.responses.create(model=model_name, previous_response_id=then.id, input="ok", max_output_tokens=5,
+                                temperature=0, extra_body=extra)
+    asked = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": first.output_text},
+             {"role": "user", "content": "and?"}]
+    for r, messages in ((then, [{"role": "system", "content": "be kind"}, *asked]),
+                        (last, [*asked, {"role": "assistant", "content": then.output_text}, {"role": "user", "content": "ok"}])):
+        chat = oai.chat.completions.create(model=model_name, messages=messages, max_tokens=5, temperature=0,
+                                           extra_body=extra)
+        assert r.output_text == chat.choices[0].message.content and r.previous_response_id is not None
+        assert r.usage.input_tokens == chat.usage.prompt_tokens
+    assert oai.responses.retrieve(then.id).model_dump() == then.model_dump()
+    events = list(oai.responses.create(model=model_name, previous_response_id=first.id, input="and?", stream=True,
+                                       max_output_tokens=5, temperature=0, instructions="be kind", extra_body=extra))
+    streamed = events[-1].response
+    assert streamed.store and streamed.output_text == then.output_text
+    assert oai.responses.retrieve(streamed.id).model_dump() == streamed.model_dump()
+    items = oai.responses.input_items.list(then.id)
+    assert [(i.type, i.role, i.content[0].text) for i in items.data] == [("message", "user", "and?")]
+    assert not items.has_more and items.first_id == items.data[0].id
+    two = httpx.get(f"{server.http}/v1/responses/{last.id}/input_items", params={"limit": 1}, timeout=10).json()
+    assert two["has_more"] is False and two["data"][0]["content"] == [{"type": "input_text", "text": "ok"}]
+    assert oai.responses.delete(first.id) is None  # (the SDK returns nothing for a delete)
+    with pytest.raises(openai.NotFoundError) as e:
+        oai.responses.retrieve(first.id)
+    assert e.value.body["param"] == "response_id" and first.id in e.value.body["message"]
+    again = oai.responses.create(model=model_name, previous_response_id=then.id, input="ok", max_output_tokens=5,
+                                 temperature=0, extra_body=extra)  # (its conversation is its own: first's delete)
+    assert again.output_text == last.output_text
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.responses.create(model=model_name, previous_response_id=first.id, input="x", max_output_tokens=2)
+    assert e.value.body["code"] == "previous_response_not_found" and e.value.body["param"] == "previous_response_id"
+    unkept = oai.responses.create(model=model_name, input="hi", max_output_tokens=2, store=False)
+    assert unkept.store is False
+    for call in (lambda: oai.responses.retrieve(unkept.id), lambda: oai.responses.delete(unkept.id),
+                 lambda: oai.responses.input_items.list(unkept.id)):
+        with pytest.raises(openai.NotFoundError):
+            call()
+    for params, message in (({"limit": 0}, "limit: must be an integer from 1 to 100"), ({"order": "up"}, "order: must"),
+                            ({"after": "msg_x"}, "after: 'msg_x' is not an input item"), ({"page": 2}, "page: not a")):
+        r = httpx.get(f"{server.http}/v1/responses/{last.id}/input_items", params=params, timeout=10)
+        assert r.status_code == 400 and r.json()["error"]["message"].startswith(message), r.text
+
+
+def test_background_responses_run_on_and_are_cancelled(server, oai, model_name):
+    """background: the call answers once the request is queued, the response is polled to its end (the same
+    answer as in the foreground), a long one is cancelled (its pages freed), a refused one refused at once."""
+    extra = {"ignore_eos": True}
+    want = oai.responses.create(model=model_name, input="hi", max_output_tokens=6, temperature=0, extra_body=extra)
+    r = oai.responses.create(model=model_name, input="hi", max_output_tokens=6, temperature=0, background=True,
+                             extra_body=extra)
+    assert r.background and r.status in ("queued", "in_progress") and r.output == []
+    deadline = time.monotonic() + 60
+    while r.status in ("queued", "in_progress") and time.monotonic() < deadline:
+        time.sleep(0.05)
+        r = oai.responses.retrieve(r.id)
+    assert r.status == "incomplete" and r.output_text == want.output_text and r.usage.output_tokens == 6
+    with pytest.raises(openai.BadRequestError) as e:  # only a background response is cancelled
+        oai.responses.cancel(want.id)
+    assert "only a background response can be cancelled" in e.value.body["message"]
+    long = oai.responses.create(model=model_name, input="hi", max_output_tokens=200, background=True, extra_body=extra)
+    cancelled = oai.responses.cancel(long.id)
+    assert cancelled.status == "cancelled" and oai.responses.retrieve(long.id).status == "cancelled"
+    info = _pool_whole(server)
+    assert info.pages_free == info.pages_total and info.running == 0
+    with pytest.raises(openai.BadRequestError) as e:  # refused before it is queued: nothing is kept
+        oai.responses.create(model=model_name, input="hi", max_output_tokens=10**9, background=True)
+    assert e.value.body["param"] == "max_output_tokens"
+    gone = oai.responses.create(model=model_name, input="hi", max_output_tokens=200, background=True, extra_body=extra)
+    oai.responses.delete(gone.id)  # a running one deleted: cancelled
+    info = _pool_whole(server)
+    assert info.pages_free == info.pages_total and info.running == 0
+
+
+def test_the_response_store_is_bounded_and_each_tokens_own():
+    """The store's memory limit drops the least recently used first (a background response running is
+    kept), one over the limit alone is not kept, and a caller reaches only its own token's responses."""
+    from serve.openai_responses_store import Kept, Store
+
+    def kept(rid, owner="", text="x"):
+        return Kept(owner, {"id": rid, "status": "completed", "output": [{"type": "message", "content": [
+            {"type": "output_text", "text": text}]}]}, [], ({"role": "user", "content": text},))
+
+    one = Store(1 << 20)
+    one.put(kept("a"))
+    store = Store(3 * one.used + 10)  # room for three
+    assert store.put(kept("a")) and store.put(kept("b")) and store.put(kept("c", owner="token1"))
+    store.find("", "a")  # used: b is now the oldest
+    assert store.put(kept("d"))
+    assert sorted(store.kept) == ["a", "c", "d"] and store.used == sum(k.size for k in store.kept.values())
+    assert not store.put(kept("huge", text="y" * 8000)) and "huge" not in store.kept
+    with pytest.raises(Exception) as e:
+        store.find("token0", "c")  # another token's response is not found
+    assert e.value.status == 404 and e.value.param == "response_id"
+    assert store.find("token1", "c").owner == "token1"
+    with pytest.raises(Exception) as e:
+        store.call("", {"input": "x", "previous_response_id": "c"})
+    assert e.value.status == 400 and e.value.code == "previous_response_not_found"
+    assert store.call("", {"input": "x", "previous_response_id": "d"}).history == ({"role": "user", "content": "x"},)
+    with pytest.raises(Exception) as e:
+        Store(0).call("", {"input": "x", "background": True})
+    assert "this server keeps no responses" in e.value.message
+    assert Store(0).call("", {"input": "x"}).keep is False
+
+
 def test_responses_stream_client_gone_frees_its_request(server):
     with httpx.stream("POST", server.http + "/v1/responses", timeout=60,
                       json={"input": "hi", "max_output_tokens": 240, "stream": True, "ignore_eos": True}) as r:
@@ -1502,9 +1621,12 @@ def test_responses_stream_client_gone_frees_its_request(server):
      "input[0].content[0].type: 'input_image' is not supported"),
     ({"input": [{"role": "robot", "content": "x"}]}, "input[0].role: must be one of"),
     ({"input": []}, "input: must be a string or a non-empty list"),
-    ({"input": "x", "previous_response_id": "resp_1"}, "previous_response_id: responses are not stored"),
-    ({"input": "x", "conversation": "conv_1"}, "conversation: conversations are not stored"),
-    ({"input": "x", "background": True}, "background: background responses are not served"),
+    ({"input": "x", "previous_response_id": "resp_1"}, "previous_response_id: no response 'resp_1' is stored here"),
+    ({"input": "x", "previous_response_id": 7}, "previous_response_id: must be a string"),
+    ({"input": "x", "conversation": "conv_1"}, "conversation: conversations are not served"),
+    ({"input": "x", "background": True, "store": False}, "background: needs store: true"),
+    ({"input": "x", "background": True, "stream": True}, "background: not served with stream: true"),
+    ({"input": "x", "store": "yes"}, "store: must be true or false"),
     ({"input": "x", "truncation": "auto"}, "truncation: only 'disabled' is served"),
     ({"input": "x", "include": ["message.output_text.colour"]}, "include[0]: 'message.output_text.colour' is not one of"),
     ({"input": "x", "include": "reasoning.encrypted_content"}, "include: must be a list of strings"),

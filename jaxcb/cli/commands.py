@@ -101,6 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the HTTP API's sampling defaults for what a request leaves out (temperature, top_p, top_k, "
                         "min_p, repetition_penalty): auto (default), the model's generation_config.json where it has "
                         "one, as vLLM's flag of this name; none (vllm: vLLM's name), OpenAI's")
+    s.add_argument("--responses-store-mb", type=float, default=64.0,
+                   help="MiB of Responses API responses kept for previous_response_id, retrieval and background "
+                        "(default 64; the least recently used dropped first; 0 keeps none)")
     s.add_argument("--grace-period", type=float, default=10.0, help="seconds in-flight streams get at shutdown")
     s.add_argument("--http-header-timeout", type=float, default=30.0,
                    help="seconds an HTTP connection has to send a request's line and headers, from its opening "
@@ -179,7 +182,8 @@ def cmd_serve(args) -> int:
                             kv_events=args.kv_events, kv_events_topic=args.kv_events_topic,
                             trust_request_chat_template=args.trust_request_chat_template,
                             reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser,
-                            http_header_timeout_s=args.http_header_timeout, generation_config=args.generation_config)
+                            http_header_timeout_s=args.http_header_timeout, generation_config=args.generation_config,
+                            responses_store_mb=args.responses_store_mb)
     step = runner.describe()
     names = config.served_model_name or (served_name(args.model),)
     if tokenizer.sampling_defaults and args.generation_config == "auto":
