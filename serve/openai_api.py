@@ -11,6 +11,8 @@
                                  previous_response_id and background (serve.openai_responses_store)
     GET  /v1/responses/{id}      a kept response; DELETE it; GET .../input_items its input; POST .../cancel
                                  a background one
+    POST /v1/messages            Anthropic's Messages API (text, tools, thinking), over the chat machinery
+    POST /v1/messages/count_tokens  its input tokens
     POST /v1/embeddings          input: text, list of texts, token ids or lists of them -> their embeddings,
                                  pooled as the model says (jaxcb.host.embedding); float or base64, `dimensions`
     POST /score, /v1/score       vLLM's: text_1 against text_2, by the model's cross-encoder (a one-label
@@ -52,7 +54,7 @@ from jaxcb.host import classifier, harmony, tool_calls
 from jaxcb.host.embedding import check_encoding_format
 from jaxcb.host.errors import InvalidConfig, InvalidRequest, JaxcbError, NotFound, Unauthenticated
 from jaxcb.host.request import SamplingParams
-from serve import frontend, openai_responses, openai_scores, reasoning
+from serve import anthropic_messages, frontend, openai_responses, openai_scores, reasoning
 from serve.openai_responses_store import Store
 from serve.openai_answer import answer, embeddings_body, json_response, until_gone
 from serve.openai_beam import beam_answer, check_beam_request
@@ -92,9 +94,14 @@ class _ConcurrencyLimit:
 def make_app(state) -> FastAPI:
     app = FastAPI(title="jaxcb", docs_url=None, redoc_url=None, openapi_url=None)
 
+    def bearer(request: Request) -> str:
+        """The Authorization header, or Anthropic's x-api-key as a bearer token."""
+        given = request.headers.get("authorization", "")
+        return given or (f"Bearer {request.headers['x-api-key']}" if "x-api-key" in request.headers else "")
+
     def authorize(request: Request) -> str:
         """The caller's tenant (raises 401 when the server has tokens and this is none of them)."""
-        given = request.headers.get("authorization", "")
+        given = bearer(request)
         if state.options.tokens and frontend.token_index(state.options.tokens, given) is None:
             raise Unauthenticated("missing or wrong bearer token in the Authorization header")
         client = request.client
@@ -371,7 +378,7 @@ def make_app(state) -> FastAPI:
 
     def owner_of(request: Request) -> str:
         """Whose kept responses an (authorized) call reaches: its bearer token's, each its own; else everyone's."""
-        i = frontend.token_index(state.options.tokens, request.headers.get("authorization", ""))
+        i = frontend.token_index(state.options.tokens, bearer(request))
         return "" if i is None else f"token{i}"
 
     @app.post("/v1/responses")
@@ -391,6 +398,40 @@ def make_app(state) -> FastAPI:
         except (HTTPError, JaxcbError) as e:  # named by this API's fields, not the chat's
             raise openai_responses.renamed(e if isinstance(e, HTTPError) else http_error(e), origins) from None
         return await json_response(openai_responses.reshape(answer, body, origins, keep))
+
+    def anthropic_error(request: Request, e: HTTPError | JaxcbError, origins: list | None) -> JSONResponse:
+        """An error in Anthropic's shape; one of the chat machinery's (`origins` given) naming the call's field."""
+        e = e if isinstance(e, HTTPError) else http_error(e)
+        e = anthropic_messages.error(e, origins) if origins is not None else e
+        if e.status >= 500:
+            log.error("%s %s: %d %s", request.method, request.url.path[:200], e.status, e.message)
+        return anthropic_messages.error_response(e)
+
+    @app.post("/v1/messages")
+    async def messages(request: Request):
+        """Anthropic's Messages API, answered by the chat machinery (serve.anthropic_messages), its errors in
+        that API's shape."""
+        origins, chat = [], None
+        try:
+            tenant = authorize(request)
+            body = await body_of(request)
+            chat = anthropic_messages.chat_body(body, origins)
+            answer = await run_chat(request, tenant, chat)
+            return await json_response(anthropic_messages.reshape(answer, body, origins))
+        except (HTTPError, JaxcbError) as e:  # (the call's own checks name its fields already)
+            return anthropic_error(request, e, origins if chat is not None else None)
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(request: Request):
+        """Anthropic's: the input tokens a Messages call would take ({input_tokens})."""
+        origins, chat = [], None
+        try:
+            authorize(request)
+            body = await body_of(request)
+            chat = anthropic_messages.chat_body(body, origins, counting=True)
+            return {"input_tokens": len(await chat_ids(chat, True, None))}
+        except (HTTPError, JaxcbError) as e:
+            return anthropic_error(request, e, origins if chat is not None else None)
 
     @app.get("/v1/responses/{response_id}")
     async def response_get(request: Request, response_id: str):

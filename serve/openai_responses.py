@@ -164,45 +164,44 @@ def _tool_item(where: str, kind: str, item: dict, messages: list[dict], origins:
 _RENAMED = (("response_format.json_schema.schema", "text.format.schema"), ("response_format.json_schema", "text.format"),
             ("response_format", "text.format"), ("max_completion_tokens", "max_output_tokens"),
             ("max_tokens", "max_output_tokens"), ("tool_choice.function", "tool_choice"),
-            ("prompt", "input"))  # (the rendered chat's length)
+            ("prompt", "input"), ("messages", "input"))  # (the rendered chat's length; the whole conversation)
 
 
-def own_field(field: str, origins: list) -> str:
-    """The field of a Responses call that a chat field named by an error came from (chat_body's `origins`):
-    a message's (or one of its tool calls') input item, instructions, the tools' flat fields, text.format,
-    max_output_tokens; others are the same in both."""
+def own_field(field: str, origins: list, renames: tuple = _RENAMED) -> str:
+    """The field of a Responses call (or another API's over the chat: `renames`, a chat field -> its own) that
+    a chat field named by an error came from (chat_body's `origins`): a message's (or one of its tool calls')
+    input item, instructions, the tools' flat fields, text.format, max_output_tokens; others are the same in
+    both."""
     m = re.fullmatch(r"messages\[(\d+)\](?:\.tool_calls\[(\d+)\](?:\.function)?)?(.*)", field)
     if m and int(m.group(1)) < len(origins):
         where, calls, own = origins[int(m.group(1))]
         if m.group(2) is not None and int(m.group(2)) < len(calls):
             return calls[int(m.group(2))] + m.group(3)
         return where + (m.group(3) if own and m.group(2) is None else "")
-    if field == "messages":
-        return "input"
     m = re.fullmatch(r"tools\[(\d+)\]\.function(.*)", field)
     if m:
         return f"tools[{m.group(1)}]{m.group(2)}"
-    for old, new in _RENAMED:
+    for old, new in renames:
         if field == old or field.startswith((old + ".", old + "[")):
             return new + field[len(old):]
     return field
 
 
-def _own(message: str, param: str | None, origins: list) -> tuple[str, str | None]:
+def own(message: str, param: str | None, origins: list, renames: tuple = _RENAMED) -> tuple[str, str | None]:
     """An error's (message, param) naming this call's own field (the param and the message's lead)."""
     if not param:
         return message, param
-    field = own_field(param, origins)
-    if field == "max_output_tokens":  # (the engine's sum names the limit by the chat's name)
-        message = message.replace("+ max_tokens (", "+ max_output_tokens (")
+    field = own_field(param, origins, renames)
+    if param in ("max_tokens", "max_completion_tokens"):  # (the engine's sum names the limit by the chat's name)
+        message = message.replace("+ max_tokens (", f"+ {field} (")
     return (field + message[len(param):] if message.startswith(param) else message), field
 
 
-def renamed(e: HTTPError, origins: list) -> HTTPError:
+def renamed(e: HTTPError, origins: list, renames: tuple = _RENAMED) -> HTTPError:
     """A chat answer's 400 naming this call's own field."""
     if e.status != 400:
         return e
-    message, field = _own(e.message, e.param, origins)
+    message, field = own(e.message, e.param, origins, renames)
     return HTTPError(400, message, param=field, code=e.code)
 
 
@@ -454,7 +453,7 @@ async def _translate(chunks, body: dict, event, origins, keep):
             chunk = json.loads(line[6:])
             if "error" in chunk:  # mid-stream: the error event, then the response failed
                 e = chunk["error"]
-                message, param = _own(e.get("message") or "", e.get("param"), list(origins))
+                message, param = own(e.get("message") or "", e.get("param"), list(origins))
                 yield event("error", code=e.get("code"), message=message, param=param)
                 if shape is not None:
                     failed = shape.response("failed")
