@@ -11,6 +11,8 @@ import anthropic
 import httpx
 import openai
 import pytest
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
 
 from tests.server_util import http_server, wait_pool_whole
 from serve.client import Client
@@ -245,3 +247,53 @@ def test_the_stream_translation_of_thinking_calls_and_errors():
             {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{\"x\": 1}"}}]}}]}, {}, [])
     assert [b["type"] for b in whole["content"]] == ["thinking", "tool_use"] and whole["stop_reason"] == "tool_use"
     assert whole["content"][1]["input"] == {"x": 1}
+
+
+_JSON = st.recursive(st.none() | st.booleans() | st.integers(-3, 40) | st.floats(-3, 3) | st.text(max_size=8),
+                     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
+                     max_leaves=8)
+_BLOCK = st.dictionaries(st.sampled_from(["type", "text", "id", "name", "input", "tool_use_id", "content", "is_error"]),
+                         st.sampled_from(["text", "tool_use", "tool_result", "thinking", "image", "x", "f"]) | _JSON,
+                         max_size=5)
+_ROLE = st.sampled_from(["user", "assistant"])
+_MESSAGE = st.fixed_dictionaries({"role": st.one_of(_ROLE, _ROLE, _ROLE, _JSON)},  # (mostly well formed: some are answered)
+                                 optional={"content": st.one_of(st.text(max_size=8), st.text(max_size=8),
+                                                                st.lists(_BLOCK, max_size=3), _JSON)})
+_BODY = st.fixed_dictionaries(
+    {"messages": st.one_of(st.lists(_MESSAGE, min_size=1, max_size=3), st.lists(_MESSAGE, min_size=1, max_size=3), _JSON)},
+    optional={"max_tokens": st.integers(-1, 6) | _JSON, "system": st.text(max_size=8) | _JSON, "stream": st.booleans(),
+              "stop_sequences": st.lists(st.text(max_size=3), max_size=2) | _JSON,
+              "tools": st.lists(st.fixed_dictionaries({"name": st.sampled_from(["f", "a b"]) | _JSON},
+                                                      optional={"input_schema": _JSON, "type": _JSON}), max_size=2) | _JSON,
+              "tool_choice": _JSON | st.fixed_dictionaries({"type": st.sampled_from(["auto", "any", "tool", "none"])}),
+              "thinking": _JSON, "output_config": _JSON, "metadata": _JSON, "temperature": st.floats(0, 2) | _JSON,
+              "bogus": _JSON})
+_GOOD = st.fixed_dictionaries(  # well formed: these are answered
+    {"messages": st.lists(st.fixed_dictionaries({"role": _ROLE, "content": st.text(max_size=8) | st.lists(
+        st.fixed_dictionaries({"type": st.just("text"), "text": st.text(max_size=8)}), min_size=1, max_size=2)}),
+        min_size=1, max_size=3)},
+    optional={"system": st.text(max_size=8), "stream": st.booleans(), "stop_sequences": st.lists(st.text(max_size=3), max_size=2),
+              "max_tokens": st.integers(1, 6)})
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(body=_GOOD | _BODY)
+def test_fuzzed_bodies_are_answered_or_refused_by_name(server, body):
+    """Random bodies on /v1/messages: an answer (whole, or streamed to message_stop) or a 4xx in Anthropic's
+    shape naming the field, never a 5xx."""
+    from tools.stress import FIELD_MESSAGE
+
+    if isinstance(body.get("max_tokens"), int) and body["max_tokens"] > 6:
+        body["max_tokens"] = 6
+    body.setdefault("max_tokens", 4)
+    with httpx.stream("POST", server.http + "/v1/messages", json=body, headers={"x-api-key": KEY}, timeout=60) as r:
+        text = r.read().decode()
+    event(f"status {r.status_code}")
+    assert r.status_code < 500, text
+    if r.status_code >= 400:
+        error = json.loads(text)
+        assert error["type"] == "error" and FIELD_MESSAGE.match(error["error"]["message"]), text
+    elif body.get("stream") is True:
+        assert text.rstrip().endswith('"type": "message_stop"}'), text[-300:]
+    else:
+        assert json.loads(text)["type"] == "message"
