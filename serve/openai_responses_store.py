@@ -9,8 +9,8 @@ then its own (not `instructions`: a call gives its own, and a previous response'
 OpenAI has it; not the thinking: chat templates drop an earlier turn's, as for reasoning items given back).
 A call naming a previous response reads that conversation, its own input after it.
 
-Memory is bounded: each response is charged the bytes of everything it keeps (its conversation whole,
-though it shares the earlier responses' messages), and the least recently used are dropped first to stay
+Memory is bounded: each response is charged the bytes of everything it keeps as Python objects (its
+conversation whole, though it shares the earlier responses' messages), and the least recently used are dropped first to stay
 within the limit (a background response still running is not dropped); one that alone is over the limit is
 not kept (its `store` false). A server with bearer tokens keeps each token's responses apart (another's id is
 not found); one without keeps one store for every client.
@@ -26,7 +26,7 @@ import asyncio
 import collections
 import copy
 import dataclasses
-import json
+import sys
 import uuid
 
 from fastapi.responses import Response
@@ -35,7 +35,6 @@ from jaxcb.host.errors import JaxcbError, shown
 from serve import openai_responses
 from serve.openai_fields import HTTPError, bad_request, bool_field, check_fields, http_error
 
-OVERHEAD = 1024  # bytes charged per kept response beyond its JSON (the objects that hold it)
 FINISHED = ("completed", "incomplete")
 PAGE_LIMIT = 100  # input_items' most per page
 
@@ -71,6 +70,18 @@ class _Detached:
         self.started.set()
         await self.cancelled.wait()
         return {"type": "http.disconnect"}
+
+
+def _size(value) -> int:
+    """The bytes a kept value holds in this process (sys.getsizeof, over its containers; a message shared with
+    an earlier response's conversation counted again: a bound, not a measure): about six times its JSON for
+    a short response."""
+    size = sys.getsizeof(value)
+    if isinstance(value, dict):
+        return size + sum(_size(k) + _size(v) for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        return size + sum(_size(v) for v in value)
+    return size
 
 
 def _not_found(field: str, rid, code: str | None = None, status: int = 404) -> HTTPError:
@@ -154,7 +165,7 @@ class Store:
     def put(self, kept: Kept) -> bool:
         """Keep (or keep again, grown) a response; False if it alone is over the limit (not kept)."""
         rid = kept.response["id"]
-        size = OVERHEAD + len(json.dumps([kept.response, kept.items, kept.conversation]))
+        size = _size([kept.response, kept.items, kept.conversation])
         old = self.kept.pop(rid, None)
         self.used -= old.size if old is not None else 0
         if size > self.limit:
