@@ -11,6 +11,8 @@
                                  previous_response_id and background (serve.openai_responses_store)
     GET  /v1/responses/{id}      a kept response; DELETE it; GET .../input_items its input; POST .../cancel
                                  a background one
+    POST /v1/conversations       OpenAI's Conversations API (GET, POST, DELETE /v1/conversations/{id}, its
+                                 /items, /items/{item_id}): items a Responses call's `conversation` goes on
     POST /v1/messages            Anthropic's Messages API (text, tools, thinking), over the chat machinery
     POST /v1/messages/count_tokens  its input tokens
     POST /v1/embeddings          input: text, list of texts, token ids or lists of them -> their embeddings,
@@ -389,7 +391,7 @@ def make_app(state) -> FastAPI:
         origins = []
         try:
             call = store.call(owner, body)
-            chat = openai_responses.chat_body(body, origins, call.history)
+            chat = openai_responses.chat_body(body, origins, call.history, call.history_field)
             if call.background:
                 return await store.start(call, body, chat, origins, answered_as(body),
                                          lambda stand_in: run_chat(stand_in, tenant, chat))
@@ -432,6 +434,48 @@ def make_app(state) -> FastAPI:
             return {"input_tokens": len(await chat_ids(chat, True, None))}
         except (HTTPError, JaxcbError) as e:
             return anthropic_error(request, e, origins if chat is not None else None)
+
+    # OpenAI's Conversations API (kept in the same store): a conversation's items, which a Responses call naming
+    # it (`conversation`) reads before its input and goes on with its input and answer
+    @app.post("/v1/conversations")
+    async def conversation_create(request: Request):
+        authorize(request)
+        return store.create_conversation(owner_of(request), await body_of(request))
+
+    @app.get("/v1/conversations/{conversation_id}")
+    async def conversation_get(request: Request, conversation_id: str):
+        authorize(request)
+        return store.conversation(owner_of(request), conversation_id)
+
+    @app.post("/v1/conversations/{conversation_id}")
+    async def conversation_update(request: Request, conversation_id: str):
+        authorize(request)
+        return store.update_conversation(owner_of(request), conversation_id, await body_of(request))
+
+    @app.delete("/v1/conversations/{conversation_id}")
+    async def conversation_delete(request: Request, conversation_id: str):
+        authorize(request)
+        return store.delete_conversation(owner_of(request), conversation_id)
+
+    @app.get("/v1/conversations/{conversation_id}/items")
+    async def conversation_items(request: Request, conversation_id: str):
+        authorize(request)
+        return store.conversation_items(owner_of(request), conversation_id, request.query_params)
+
+    @app.post("/v1/conversations/{conversation_id}/items")
+    async def conversation_add(request: Request, conversation_id: str):
+        authorize(request)
+        return store.add_items(owner_of(request), conversation_id, await body_of(request))
+
+    @app.get("/v1/conversations/{conversation_id}/items/{item_id}")
+    async def conversation_item(request: Request, conversation_id: str, item_id: str):
+        authorize(request)
+        return store.item(owner_of(request), conversation_id, item_id)
+
+    @app.delete("/v1/conversations/{conversation_id}/items/{item_id}")
+    async def conversation_item_delete(request: Request, conversation_id: str, item_id: str):
+        authorize(request)
+        return store.delete_item(owner_of(request), conversation_id, item_id)
 
     @app.get("/v1/responses/{response_id}")
     async def response_get(request: Request, response_id: str):

@@ -45,9 +45,7 @@ INCLUDABLE = (LOGPROBS, "reasoning.encrypted_content", "file_search_call.results
               "web_search_call.action.sources", "message.input_image.image_url", "computer_call_output.output.image_url",
               "code_interpreter_call.outputs")
 # Fields for what is not kept or not served here, each refused by name (absent or null they are not given).
-NOT_SERVED = {"conversation": "conversations are not served: give previous_response_id, or the whole conversation "
-                              "in input",
-              "prompt": "stored prompt templates are not served"}
+NOT_SERVED = {"prompt": "stored prompt templates are not served"}
 ROLES = ("user", "system", "developer", "assistant")
 TEXT_PARTS = {"input_text": "text", "output_text": "text"}  # a message item's part type -> the key of its text
 
@@ -62,7 +60,13 @@ def _content(where: str, content) -> str:
         raise http_error(e) from None
 
 
-def _messages(body: dict, origins: list, history: tuple = ()) -> list[dict]:
+def chat_messages(items: list) -> list[dict]:
+    """Input items (a conversation's: serve.openai_responses_store) as the chat's messages, checked as a call's
+    input is."""
+    return _messages({"input": items}, [])
+
+
+def _messages(body: dict, origins: list, history: tuple = (), history_field: str = "previous_response_id") -> list[dict]:
     """The chat's messages: the instructions, a previous response's conversation (`history`, copied), this
     call's input; `origins` gets, per message, (the field it came from, the fields of its tool calls,
     whether the message's own fields are the item's: own_field)."""
@@ -72,7 +76,7 @@ def _messages(body: dict, origins: list, history: tuple = ()) -> list[dict]:
     messages = [{"role": "system", "content": instructions}] if instructions else []
     origins += [("instructions", [], False)] if instructions else []
     messages += copy.deepcopy(list(history))
-    origins += [("previous_response_id", [], False) for _ in history]
+    origins += [(history_field, [], False) for _ in history]
     given = body.get("input")
     if isinstance(given, str):
         origins.append(("input", [], False))
@@ -256,7 +260,8 @@ def _response_format(body: dict):
     raise bad_request(f"text.format.type: must be text, json_object or json_schema, got {kind!r}")
 
 
-def chat_body(body: dict, origins: list | None = None, history: tuple = ()) -> dict:
+def chat_body(body: dict, origins: list | None = None, history: tuple = (),
+              history_field: str = "previous_response_id") -> dict:
     """The chat completions body that answers this Responses call (every field checked by name first),
     after a previous response's conversation (`history`: Store.call); `origins`, where given, gets where
     each of its messages came from (own_field)."""
@@ -293,7 +298,7 @@ def chat_body(body: dict, origins: list | None = None, history: tuple = ()) -> d
     limit = int_field(body, "max_tool_calls")  # (the built-in tools' limit: none are served)
     if limit is not None and limit < 1:
         raise bad_request(f"max_tool_calls: must be at least 1, got {limit}")
-    chat["messages"] = _messages(body, origins, history)
+    chat["messages"] = _messages(body, origins, history, history_field)
     limit = int_field(body, "max_output_tokens")
     if limit is not None:
         if limit < 1:
@@ -371,8 +376,16 @@ class Shape:
                 "tool_choice": b.get("tool_choice", "auto"), "tools": b.get("tools") or [],
                 "text": b.get("text") or {"format": {"type": "text"}}, "store": self.stored,
                 "previous_response_id": b.get("previous_response_id"), "background": b.get("background", False),
+                "conversation": _conversation_ref(b.get("conversation")),
                 "metadata": b.get("metadata") or {},
                 "usage": self.usage_json() if finished else None}
+
+
+def _conversation_ref(given):
+    """A call's `conversation` (an id, or {id}) as a response gives it: {id}, or None."""
+    if given is None:
+        return None
+    return {"id": given["id"] if isinstance(given, dict) else given}
 
 
 def reshape(answer, body: dict, origins: list | None = None, keep=None, rid: str | None = None, stored: bool = False):

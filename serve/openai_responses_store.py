@@ -1,6 +1,6 @@
 """OpenAI's Responses API, kept: responses stored for `previous_response_id` and the retrieval routes
-(GET /v1/responses/{id}, DELETE, GET .../input_items, POST .../cancel), and `background` responses, which
-run on while the client polls.
+(GET /v1/responses/{id}, DELETE, GET .../input_items, POST .../cancel), `background` responses, which
+run on while the client polls, and conversations (the Conversations API).
 
 A response is kept where the call asks (`store`: true unless false, as OpenAI has it) and the server keeps
 any (--responses-store-mb; 0: none). Kept are its response object, this call's input items, and the
@@ -15,6 +15,12 @@ within the limit (a background response still running is not dropped); one that 
 not kept (its `store` false). A server with bearer tokens keeps each token's responses apart (another's id is
 not found); one without keeps one store for every client.
 
+OpenAI's Conversations API is kept here too (the same limit, the same owners): a conversation holds items
+(input items as a Responses call takes them: messages, function calls and their outputs, reasoning); a
+Responses call naming it (`conversation`, not with previous_response_id) reads its items before its own input,
+and its input and output items go on it once it is answered (a conversation that would outgrow the limit
+stays as it was).
+
 A background response is the one call that outlives its client: it runs until it ends, is cancelled
 (POST .../cancel, or DELETE), or the server stops. Its fields are checked, and it is admitted and queued,
 before the call answers; a refusal is the call's error, as for any other.
@@ -24,18 +30,21 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import copy
 import dataclasses
 import sys
+import time
 import uuid
 
 from fastapi.responses import Response
 
 from jaxcb.host.errors import JaxcbError, shown
 from serve import openai_responses
-from serve.openai_fields import HTTPError, bad_request, bool_field, check_fields, http_error
+from serve.openai_fields import HTTPError, bad_request, bool_field, check_fields, check_metadata, http_error
 
 FINISHED = ("completed", "incomplete")
+CONVERSATION_ITEMS = 20  # the most items a call adds to a conversation at once (OpenAI's)
 PAGE_LIMIT = 100  # input_items' most per page
 
 
@@ -55,7 +64,9 @@ class Call:
     owner: str
     keep: bool  # to be kept
     background: bool
-    history: tuple  # the previous response's conversation (empty without previous_response_id)
+    history: tuple  # the chat messages before this call's input: a previous response's or a conversation's
+    history_field: str = "previous_response_id"  # the field `history` came from (errors in it name this)
+    conversation: str | None = None  # the conversation the call's input and answer go on (Conversations API)
 
 
 class _Detached:
@@ -84,14 +95,15 @@ def _size(value) -> int:
     return size
 
 
-def _not_found(field: str, rid, code: str | None = None, status: int = 404) -> HTTPError:
-    return HTTPError(status, f"{field}: no response {shown(rid)} is stored here (never made with store, deleted, "
-                             "or dropped for room: --responses-store-mb)", param=field, code=code)
+def _not_found(field: str, rid, kind: str = "response", code: str | None = None, status: int = 404) -> HTTPError:
+    made = "never made with store, " if kind == "response" else ""
+    return HTTPError(status, f"{field}: no {kind} {shown(rid)} is stored here ({made}deleted, or dropped for room: "
+                             "--responses-store-mb)", param=field, code=code)
 
 
-def input_items(body: dict) -> list[dict]:
+def input_items(body: dict, field: str = "input") -> list[dict]:
     """This call's input (checked by chat_body) as input items, each with an id: a string is one user message."""
-    given = body.get("input")
+    given = body.get(field)
     if isinstance(given, str):
         given = [{"type": "message", "role": "user", "content": given}]
     items = []
@@ -121,6 +133,48 @@ def answer_messages(response: dict) -> list[dict]:
     return [dict(message, tool_calls=calls) if calls else message]
 
 
+def _checked_items(body: dict, field: str, limit: int) -> list[dict]:
+    """`body[field]`: a list of input items (as a Responses call's input takes them), at most `limit`, with ids."""
+    given = body.get(field)
+    if not isinstance(given, list) or not given or len(given) > limit:
+        raise bad_request(f"{field}: must be a list of 1 to {limit} items")
+    try:
+        openai_responses.chat_messages(given)  # checked as a call's input is
+    except HTTPError as e:
+        raise HTTPError(e.status, field + e.message[len("input"):] if e.message.startswith("input") else e.message,
+                        param=field + (e.param or "input")[len("input"):], code=e.code) from None
+    return input_items(body, field)
+
+
+def conversation_messages(items: list) -> tuple:
+    """A conversation's items as chat messages (as a Responses call's input items become them)."""
+    return tuple(openai_responses.chat_messages(items)) if items else ()
+
+
+def _page(items: list, query, rid: str) -> dict:
+    """OpenAI's list of items: `limit` (1-100, 20), `order` (desc, asc), `after`, `before` (an item's id),
+    `include` (nothing more to include: taken)."""
+    unknown = sorted(set(query) - {"limit", "order", "after", "before", "include", "include[]"})
+    if unknown:
+        raise bad_request(f"{unknown[0][:64]}: not a parameter of this list")
+    limit = query.get("limit", "20")
+    if not limit.isdigit() or not 1 <= int(limit) <= PAGE_LIMIT:
+        raise bad_request(f"limit: must be an integer from 1 to {PAGE_LIMIT}, got {shown(limit)}")
+    order = query.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise bad_request(f"order: must be asc or desc, got {shown(order)}")
+    items = items[::-1] if order == "desc" else list(items)
+    ids = [item["id"] for item in items]
+    for name in ("after", "before"):
+        if name in query and query[name] not in ids:
+            raise bad_request(f"{name}: {shown(query[name])} is not an item of {shown(rid)}")
+    start = ids.index(query["after"]) + 1 if "after" in query else 0
+    end = ids.index(query["before"]) if "before" in query else len(items)
+    page = items[start:end][:int(limit)]
+    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None, "has_more": start + len(page) < end}
+
+
 class Store:
     """Kept responses by id, least recently used first (module docstring)."""
 
@@ -139,6 +193,8 @@ class Store:
             raise bad_request("background: not served with stream: true; poll GET /v1/responses/{id}")
         history = ()
         previous = body.get("previous_response_id")
+        if previous is not None and body.get("conversation") is not None:
+            raise bad_request("conversation: give either conversation or previous_response_id, not both")
         if previous is not None:
             if not isinstance(previous, str):
                 raise bad_request("previous_response_id: must be a string")
@@ -151,14 +207,23 @@ class Store:
         if (background or previous is not None) and not self.limit:
             field = "background" if background else "previous_response_id"
             raise bad_request(f"{field}: this server keeps no responses (--responses-store-mb 0)")
-        return Call(owner, keep and self.limit > 0, background, history)
+        call = Call(owner, keep and self.limit > 0, background, history)
+        given = body.get("conversation")
+        if given is not None:
+            cid = given.get("id") if isinstance(given, dict) and set(given) == {"id"} else given
+            if not isinstance(cid, str):
+                raise bad_request("conversation: must be a conversation's id, or {id}")
+            kept = self.find(owner, cid, "conversation", "conversation")
+            call.history, call.history_field, call.conversation = conversation_messages(kept.items), "conversation", cid
+        return call
 
-    def find(self, owner: str, rid: str, field: str = "response_id") -> Kept:
+    def find(self, owner: str, rid: str, field: str = "response_id", kind: str = "response") -> Kept:
+        """A kept response (or conversation: `kind`) of this owner's, now the most recently used."""
         kept = self.kept.get(rid)
-        if kept is None or kept.owner != owner:
-            if field == "previous_response_id":  # (OpenAI's: the call's field is wrong, a 400)
-                raise _not_found(field, rid, "previous_response_not_found", 400)
-            raise _not_found(field, rid)
+        if kept is None or kept.owner != owner or kept.response["object"] != kind:
+            if field in ("previous_response_id", "conversation"):  # (OpenAI's: the call's field is wrong, a 400)
+                raise _not_found(field, rid, kind, "previous_response_not_found" if kind == "response" else None, 400)
+            raise _not_found(field, rid, kind)
         self.kept.move_to_end(rid)
         return kept
 
@@ -166,10 +231,10 @@ class Store:
         """Keep (or keep again, grown) a response; False if it alone is over the limit (not kept)."""
         rid = kept.response["id"]
         size = _size([kept.response, kept.items, kept.conversation])
+        if size > self.limit:  # (one kept before stays as it was)
+            return False
         old = self.kept.pop(rid, None)
         self.used -= old.size if old is not None else 0
-        if size > self.limit:
-            return False
         kept.size, self.used = size, self.used + size
         self.kept[rid] = kept
         for other in list(self.kept):  # the least recently used first; never a background response running
@@ -198,35 +263,95 @@ class Store:
         return kept.response
 
     def input_items(self, owner: str, rid: str, query) -> dict:
-        """OpenAI's list of a response's input items: `limit` (1-100, 20), `order` (desc, asc), `after`,
-        `before` (an item's id), `include` (nothing more to include: taken)."""
-        items = self.find(owner, rid).items
-        unknown = sorted(set(query) - {"limit", "order", "after", "before", "include", "include[]"})
-        if unknown:
-            raise bad_request(f"{unknown[0][:64]}: not a parameter of input_items")
-        limit = query.get("limit", "20")
-        if not limit.isdigit() or not 1 <= int(limit) <= PAGE_LIMIT:
-            raise bad_request(f"limit: must be an integer from 1 to {PAGE_LIMIT}, got {shown(limit)}")
-        order = query.get("order", "desc")
-        if order not in ("asc", "desc"):
-            raise bad_request(f"order: must be asc or desc, got {shown(order)}")
-        items = items[::-1] if order == "desc" else list(items)
-        ids = [item["id"] for item in items]
-        for name in ("after", "before"):
-            if name in query and query[name] not in ids:
-                raise bad_request(f"{name}: {shown(query[name])} is not an input item of {shown(rid)}")
-        start = ids.index(query["after"]) + 1 if "after" in query else 0
-        end = ids.index(query["before"]) if "before" in query else len(items)
-        page = items[start:end][:int(limit)]
-        return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
-                "last_id": page[-1]["id"] if page else None, "has_more": start + len(page) < end}
+        """OpenAI's list of a response's input items."""
+        return _page(self.find(owner, rid).items, query, rid)
+
+    # The Conversations API: a conversation is kept as a response is (the same limit, the same owners), its
+    # items in `items`, its object (id, created_at, metadata) in `response`.
+    def create_conversation(self, owner: str, body: dict) -> dict:
+        check_fields(body, {"items", "metadata"})
+        check_metadata(body.get("metadata"))
+        items = _checked_items(body, "items", CONVERSATION_ITEMS) if body.get("items") is not None else []
+        kept = Kept(owner, {"id": "conv_" + uuid.uuid4().hex, "object": "conversation", "created_at": int(time.time()),
+                            "metadata": body.get("metadata") or {}}, items)
+        if not self.limit:
+            raise bad_request("conversation: this server keeps no conversations (--responses-store-mb 0)")
+        if not self.put(kept):
+            raise bad_request("items: more than the server keeps (--responses-store-mb)")
+        return kept.response
+
+    def conversation(self, owner: str, cid: str) -> dict:
+        return self.find(owner, cid, "conversation_id", "conversation").response
+
+    def update_conversation(self, owner: str, cid: str, body: dict) -> dict:
+        kept = self.find(owner, cid, "conversation_id", "conversation")
+        check_fields(body, {"metadata"})
+        check_metadata(body.get("metadata"))
+        kept.response = dict(kept.response, metadata=body.get("metadata") or {})
+        self.put(kept)
+        return kept.response
+
+    def delete_conversation(self, owner: str, cid: str) -> dict:
+        self.find(owner, cid, "conversation_id", "conversation")
+        self.used -= self.kept.pop(cid).size
+        return {"id": cid, "object": "conversation.deleted", "deleted": True}
+
+    def conversation_items(self, owner: str, cid: str, query) -> dict:
+        return _page(self.find(owner, cid, "conversation_id", "conversation").items, query, cid)
+
+    def add_items(self, owner: str, cid: str, body: dict) -> dict:
+        kept = self.find(owner, cid, "conversation_id", "conversation")
+        check_fields(body, {"items"})
+        added = _checked_items(body, "items", CONVERSATION_ITEMS)
+        self._grow(kept, added)
+        return {"object": "list", "data": added, "first_id": added[0]["id"], "last_id": added[-1]["id"],
+                "has_more": False}
+
+    def item(self, owner: str, cid: str, item_id: str) -> dict:
+        for item in self.find(owner, cid, "conversation_id", "conversation").items:
+            if item["id"] == item_id:
+                return item
+        raise HTTPError(404, f"item_id: no item {shown(item_id)} in conversation {shown(cid)}", param="item_id")
+
+    def delete_item(self, owner: str, cid: str, item_id: str) -> dict:
+        kept = self.find(owner, cid, "conversation_id", "conversation")
+        self.item(owner, cid, item_id)
+        kept.items = [item for item in kept.items if item["id"] != item_id]
+        self.put(kept)
+        return kept.response
+
+    def _grow(self, kept: Kept, items: list, field: str = "items") -> None:
+        """Items added to a conversation (kept again, charged for them); one that would be over the limit alone
+        is left as it was (a 400 naming `field`)."""
+        before = kept.items
+        kept.items = [*before, *items]
+        if not self.put(kept):
+            kept.items = before
+            self.put(kept)
+            raise bad_request(f"{field}: the conversation would be more than the server keeps (--responses-store-mb)")
+
+    def _continue(self, call: Call, items: list, response: dict) -> None:
+        """A finished response's input and output items go on the conversation it names (if still kept; one that
+        would outgrow the limit is left as it was)."""
+        kept = self.kept.get(call.conversation) if call.conversation else None
+        if kept is None or kept.owner != call.owner or kept.response["object"] != "conversation":
+            return
+        if response["status"] in FINISHED:
+            with contextlib.suppress(HTTPError):
+                self._grow(kept, copy.deepcopy([*items, *response["output"]]))
 
     def keeper(self, call: Call, body: dict, chat: dict):
-        """The function reshape calls with the finished response object: keeps it (True), if the call asks."""
-        if not call.keep:
+        """The function reshape calls with the finished response object: keeps it (True) if the call asks, and
+        puts its input and output on the conversation it names."""
+        if not call.keep and call.conversation is None:
             return None
         items, conversation = input_items(body), self._conversation(body, chat)
-        return lambda response: self.put(Kept(call.owner, response, items, conversation(response)))
+
+        def keep(response: dict) -> bool:
+            self._continue(call, items, response)
+            return call.keep and self.put(Kept(call.owner, response, items, conversation(response)))
+
+        return keep
 
     @staticmethod
     def _conversation(body: dict, chat: dict):
@@ -262,8 +387,9 @@ class Store:
             done["created_at"] = response["created_at"]
             if kept.response["status"] != "cancelled":  # (a cancel that came as it finished stays)
                 kept.response, kept.conversation = done, conversation(done)
-                if response["id"] in self.kept:  # (not deleted meanwhile)
-                    self.put(kept)  # charged again, grown
+                self._continue(call, kept.items, done)
+                if response["id"] in self.kept and not self.put(kept):  # charged again, grown (not deleted meanwhile)
+                    self.used -= self.kept.pop(response["id"]).size  # (alone over the limit: not kept)
             return None
 
         detached.task = asyncio.ensure_future(work())

@@ -1525,9 +1525,60 @@ def test_responses_are_kept_and_continued_by_previous_response_id(server, oai, m
         with pytest.raises(openai.NotFoundError):
             call()
     for params, message in (({"limit": 0}, "limit: must be an integer from 1 to 100"), ({"order": "up"}, "order: must"),
-                            ({"after": "msg_x"}, "after: 'msg_x' is not an input item"), ({"page": 2}, "page: not a")):
+                            ({"after": "msg_x"}, "after: 'msg_x' is not an item"), ({"page": 2}, "page: not a")):
         r = httpx.get(f"{server.http}/v1/responses/{last.id}/input_items", params=params, timeout=10)
         assert r.status_code == 400 and r.json()["error"]["message"].startswith(message), r.text
+
+
+def test_conversations_hold_items_that_responses_read_and_go_on(server, oai, model_name):
+    """OpenAI's Conversations API: a conversation's items are read before a Responses call's input (the chat's
+    answer over the same messages), its input and answer go on it; items are listed, fetched, added and
+    deleted; the conversation's metadata updated, the conversation deleted."""
+    extra = {"ignore_eos": True}
+    conv = oai.conversations.create(items=[{"type": "message", "role": "user", "content": "hi"}], metadata={"k": "v"})
+    assert conv.id.startswith("conv_") and conv.metadata == {"k": "v"}
+    r = oai.responses.create(model=model_name, conversation=conv.id, input="and?", max_output_tokens=5, temperature=0,
+                             extra_body=extra)
+    chat = oai.chat.completions.create(model=model_name, max_tokens=5, temperature=0, extra_body=extra, messages=[
+        {"role": "user", "content": "hi"}, {"role": "user", "content": "and?"}])
+    assert r.output_text == chat.choices[0].message.content and r.conversation.id == conv.id
+    items = oai.conversations.items.list(conv.id, order="asc")
+    assert [(i.type, i.role) for i in items.data] == [("message", "user"), ("message", "user"), ("message", "assistant")]
+    assert items.data[2].content[0].text == r.output_text
+    then = oai.responses.create(model=model_name, conversation={"id": conv.id}, input="ok", max_output_tokens=5,
+                                temperature=0, store=False, extra_body=extra)
+    chat = oai.chat.completions.create(model=model_name, max_tokens=5, temperature=0, extra_body=extra, messages=[
+        {"role": "user", "content": "hi"}, {"role": "user", "content": "and?"},
+        {"role": "assistant", "content": r.output_text}, {"role": "user", "content": "ok"}])
+    assert then.output_text == chat.choices[0].message.content and then.store is False
+    added = oai.conversations.items.create(conv.id, items=[{"type": "message", "role": "user", "content": "more"}])
+    assert len(added.data) == 1 and oai.conversations.items.retrieve(added.data[0].id, conversation_id=conv.id).id == added.data[0].id
+    assert len(oai.conversations.items.list(conv.id, limit=100).data) == 6
+    oai.conversations.items.delete(added.data[0].id, conversation_id=conv.id)
+    assert [i.id for i in oai.conversations.items.list(conv.id, limit=2).data][0] != added.data[0].id
+    background = oai.responses.create(model=model_name, conversation=conv.id, input="bg", max_output_tokens=3,
+                                      background=True, extra_body=extra)
+    deadline = time.monotonic() + 60
+    while background.status in ("queued", "in_progress") and time.monotonic() < deadline:
+        time.sleep(0.05)
+        background = oai.responses.retrieve(background.id)
+    last = oai.conversations.items.list(conv.id, limit=2).data  # (newest first)
+    assert background.status == "incomplete" and last[0].content[0].text == background.output_text
+    assert last[1].content[0].text == "bg"
+    assert oai.conversations.update(conv.id, metadata={"k": "w"}).metadata == {"k": "w"}
+    assert oai.conversations.retrieve(conv.id).metadata == {"k": "w"}
+    with pytest.raises(openai.NotFoundError):  # a conversation is not a response, nor the other way round
+        oai.responses.retrieve(conv.id)
+    with pytest.raises(openai.NotFoundError):
+        oai.conversations.retrieve(r.id)
+    assert oai.conversations.delete(conv.id).deleted
+    with pytest.raises(openai.NotFoundError):
+        oai.conversations.items.list(conv.id)
+    for body, message in (({"items": [{"type": "message", "role": "robot", "content": "x"}]}, "items[0].role: must be"),
+                          ({"items": [{"role": "user", "content": "x"}] * 21}, "items: must be a list of 1 to 20"),
+                          ({"metadata": {"k": 1}}, "metadata: 'k': keys of"), ({"colour": 1}, "colour: not a field")):
+        got = httpx.post(server.http + "/v1/conversations", json=body, timeout=10)
+        assert got.status_code == 400 and got.json()["error"]["message"].startswith(message), got.text
 
 
 def test_background_responses_run_on_and_are_cancelled(server, oai, model_name):
@@ -1566,7 +1617,7 @@ def test_the_response_store_is_bounded_and_each_tokens_own():
     from serve.openai_responses_store import Kept, Store
 
     def kept(rid, owner="", text="x"):
-        return Kept(owner, {"id": rid, "status": "completed", "output": [{"type": "message", "content": [
+        return Kept(owner, {"id": rid, "object": "response", "status": "completed", "output": [{"type": "message", "content": [
             {"type": "output_text", "text": text}]}]}, [], ({"role": "user", "content": text},))
 
     one = Store(1 << 20)
@@ -1623,7 +1674,9 @@ def test_responses_stream_client_gone_frees_its_request(server):
     ({"input": []}, "input: must be a string or a non-empty list"),
     ({"input": "x", "previous_response_id": "resp_1"}, "previous_response_id: no response 'resp_1' is stored here"),
     ({"input": "x", "previous_response_id": 7}, "previous_response_id: must be a string"),
-    ({"input": "x", "conversation": "conv_1"}, "conversation: conversations are not served"),
+    ({"input": "x", "conversation": "conv_1"}, "conversation: no conversation 'conv_1' is stored here"),
+    ({"input": "x", "conversation": {"id": 3}}, "conversation: must be a conversation's id, or {id}"),
+    ({"input": "x", "conversation": "c", "previous_response_id": "r"}, "conversation: give either conversation or"),
     ({"input": "x", "background": True, "store": False}, "background: needs store: true"),
     ({"input": "x", "background": True, "stream": True}, "background: not served with stream: true"),
     ({"input": "x", "store": "yes"}, "store: must be true or false"),
