@@ -11,7 +11,8 @@ become function tools, `tool_choice` ({type: auto, any, tool, none}, disable_par
 extras (seed, min_p, ignore_eos, ...) pass on; `thinking` sets the chat template's enable_thinking (false where
 disabled; its budget is not enforced), `output_config` its effort as the chat's reasoning_effort and its format
 (a JSON schema) as response_format, enforced; a last assistant message is a prefill, continued. Hints (cache_control:
-the prefix cache keeps what it can anyway; speed, inference_geo, ...) are checked and change nothing. The answer: `text`, `tool_use` and, on a server with a reasoning
+the prefix cache keeps what it can anyway; speed, inference_geo, context_management: no context edits are made,
+a conversation past the context is refused as any other) are checked and change nothing. The answer: `text`, `tool_use` and, on a server with a reasoning
 parser, `thinking` content blocks, `stop_reason` end_turn / max_tokens / stop_sequence (with the sequence) /
 tool_use, and usage (input_tokens beside cache_read_input_tokens, the prompt's tokens served from the prefix
 cache, as Anthropic counts them); streamed as its events (message_start, content_block_start / _delta / _stop,
@@ -37,12 +38,15 @@ EXTRAS = {"min_p", "repetition_penalty", "seed", "ignore_eos", "priority", "cach
           "presence_penalty", "frequency_penalty", "min_tokens"}  # the chat's, passed on as vLLM's extras are
 PASSED_ON = {"model", "stream", "temperature", "top_p", "top_k", *EXTRAS}
 # hints taken and changing nothing here (the prefix cache keeps what it can without cache_control)
-HINTS = {"cache_control", "diagnostics", "inference_geo", "speed", "user_profile_id", "workspace_id", "service_tier"}
+# and context_management: its edits clear old tool results when a context grows past a threshold; none are made
+# here (a conversation that outgrows the context is refused with the context's limit, as any other)
+HINTS = {"cache_control", "diagnostics", "inference_geo", "speed", "user_profile_id", "workspace_id", "service_tier",
+         "context_management"}
+OBJECT_HINTS = ("cache_control", "diagnostics", "context_management")
 COUNT_FIELDS = {"model", "messages", "system", "tools", "tool_choice", "thinking", "output_config", "mcp_servers",
-                "context_management", "container", *HINTS}
+                "container", *HINTS}
 MESSAGES_FIELDS = {*COUNT_FIELDS, *PASSED_ON, "max_tokens", "stop_sequences", "metadata"}
-NOT_SERVED = {"mcp_servers": "MCP servers are not served", "container": "code execution containers are not served",
-              "context_management": "context management is not served: the client keeps its conversation"}
+NOT_SERVED = {"mcp_servers": "MCP servers are not served", "container": "code execution containers are not served"}
 BLOCK_FIELDS = {"text": {"type", "text", "cache_control", "citations"},
                 "tool_use": {"type", "id", "name", "input", "cache_control", "caller", "toolset_name"},
                 "tool_result": {"type", "tool_use_id", "content", "is_error", "cache_control", "toolset_name"},
@@ -255,9 +259,9 @@ def chat_body(body: dict, origins: list, counting: bool = False) -> dict:
         if name in body:
             raise bad_request(f"{name}: {why}")
     chat = {k: body[k] for k in PASSED_ON if k in body}
-    for name in HINTS - {"cache_control"}:  # (checked as what they are, then left)
-        if name in body and not isinstance(body[name], dict if name == "diagnostics" else str):
-            raise bad_request(f"{name}: must be {'an object' if name == 'diagnostics' else 'a string'}")
+    for name in HINTS:  # (checked as what they are, then left)
+        if name in body and not isinstance(body[name], dict if name in OBJECT_HINTS else str):
+            raise bad_request(f"{name}: must be {'an object' if name in OBJECT_HINTS else 'a string'}")
     if not counting:
         if "max_tokens" not in body:
             raise bad_request("max_tokens: required")

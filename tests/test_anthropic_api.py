@@ -129,8 +129,10 @@ def test_prefill_output_format_and_hints(server, claude, oai):
     prefilled = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "The answer is"}]
     chat = oai.chat.completions.create(model="tiny-long", messages=prefilled, max_tokens=5, extra_body={
         **extra, "continue_final_message": True, "add_generation_prompt": False})
-    m = claude.messages.create(model="tiny-long", messages=prefilled, max_tokens=5, extra_body=extra,
+    m = claude.messages.create(model="tiny-long", messages=prefilled, max_tokens=5, extra_body={
+                                   **extra, "context_management": {"edits": [{"type": "clear_tool_uses_20250919"}]}},
                                cache_control={"type": "ephemeral"}, speed="standard", metadata={"user_id": "u1"},
+                               extra_headers={"anthropic-beta": "context-management-2025-06-27"},
                                thinking={"type": "adaptive", "display": "summarized"})
     assert m.content[0].text == chat.choices[0].message.content
     assert claude.messages.count_tokens(model="tiny-long", messages=prefilled).input_tokens == chat.usage.prompt_tokens
@@ -174,6 +176,8 @@ def test_prefill_output_format_and_hints(server, claude, oai):
     ({"max_tokens": 4, "messages": [{"role": "user", "content": "x"}], "output_config": {"effort": "huge"}}, 400,
      "output_config.effort: must be one of"),
     ({"max_tokens": 4, "messages": [{"role": "user", "content": "x"}], "speed": 3}, 400, "speed: must be a string"),
+    ({"max_tokens": 4, "messages": [{"role": "user", "content": "x"}], "context_management": []}, 400,
+     "context_management: must be an object"),
     ({"max_tokens": 4, "messages": [{"role": "user", "content": "x"}], "mcp_servers": []}, 400,
      "mcp_servers: MCP servers are not served"),
     ({"max_tokens": 4, "messages": [{"role": "user", "content": "x"}], "colour": 1}, 400, "colour: not a field"),
