@@ -435,75 +435,31 @@ def make_app(state) -> FastAPI:
         except (HTTPError, JaxcbError) as e:
             return anthropic_error(request, e, origins if chat is not None else None)
 
-    # OpenAI's Conversations API (kept in the same store): a conversation's items, which a Responses call naming
-    # it (`conversation`) reads before its input and goes on with its input and answer
-    @app.post("/v1/conversations")
-    async def conversation_create(request: Request):
-        authorize(request)
-        return store.create_conversation(owner_of(request), await body_of(request))
+    def kept_route(call, takes: str):
+        """A route the store answers: call(owner, its path's ids in order, then the body or the query: `takes`)."""
+        async def route(request: Request):
+            authorize(request)
+            extra = (await body_of(request),) if takes == "body" else (request.query_params,) if takes == "query" else ()
+            return call(owner_of(request), *request.path_params.values(), *extra)
 
-    @app.get("/v1/conversations/{conversation_id}")
-    async def conversation_get(request: Request, conversation_id: str):
-        authorize(request)
-        return store.conversation(owner_of(request), conversation_id)
+        return route
 
-    @app.post("/v1/conversations/{conversation_id}")
-    async def conversation_update(request: Request, conversation_id: str):
-        authorize(request)
-        return store.update_conversation(owner_of(request), conversation_id, await body_of(request))
-
-    @app.delete("/v1/conversations/{conversation_id}")
-    async def conversation_delete(request: Request, conversation_id: str):
-        authorize(request)
-        return store.delete_conversation(owner_of(request), conversation_id)
-
-    @app.get("/v1/conversations/{conversation_id}/items")
-    async def conversation_items(request: Request, conversation_id: str):
-        authorize(request)
-        return store.conversation_items(owner_of(request), conversation_id, request.query_params)
-
-    @app.post("/v1/conversations/{conversation_id}/items")
-    async def conversation_add(request: Request, conversation_id: str):
-        authorize(request)
-        return store.add_items(owner_of(request), conversation_id, await body_of(request))
-
-    @app.get("/v1/conversations/{conversation_id}/items/{item_id}")
-    async def conversation_item(request: Request, conversation_id: str, item_id: str):
-        authorize(request)
-        return store.item(owner_of(request), conversation_id, item_id)
-
-    @app.delete("/v1/conversations/{conversation_id}/items/{item_id}")
-    async def conversation_item_delete(request: Request, conversation_id: str, item_id: str):
-        authorize(request)
-        return store.delete_item(owner_of(request), conversation_id, item_id)
-
-    @app.get("/v1/responses/{response_id}")
-    async def response_get(request: Request, response_id: str):
-        """A kept response as it is now (a background one: queued, in_progress, then finished)."""
-        authorize(request)
-        owner = owner_of(request)
-        unknown = sorted(set(request.query_params) - {"include", "include[]", "stream", "starting_after",
-                                                      "include_obfuscation"})
-        if unknown:
-            raise bad_request(f"{unknown[0][:64]}: not a parameter of this call")
-        if request.query_params.get("stream", "false") != "false":
-            raise bad_request("stream: a kept response is given whole (stream false)")
-        return store.find(owner, response_id).response
-
-    @app.delete("/v1/responses/{response_id}")
-    async def response_delete(request: Request, response_id: str):
-        authorize(request)
-        return store.delete(owner_of(request), response_id)
-
-    @app.get("/v1/responses/{response_id}/input_items")
-    async def response_items(request: Request, response_id: str):
-        authorize(request)
-        return store.input_items(owner_of(request), response_id, request.query_params)
-
-    @app.post("/v1/responses/{response_id}/cancel")
-    async def response_cancel(request: Request, response_id: str):
-        authorize(request)
-        return store.cancel(owner_of(request), response_id)
+    # Kept responses, and OpenAI's Conversations API in the same store: a conversation's items, which a Responses
+    # call naming it (`conversation`) reads before its input and goes on with its input and answer.
+    for method, path, call, takes in (
+            ("GET", "/v1/responses/{response_id}", store.get, "query"),
+            ("DELETE", "/v1/responses/{response_id}", store.delete, ""),
+            ("GET", "/v1/responses/{response_id}/input_items", store.input_items, "query"),
+            ("POST", "/v1/responses/{response_id}/cancel", store.cancel, ""),
+            ("POST", "/v1/conversations", store.create_conversation, "body"),
+            ("GET", "/v1/conversations/{conversation_id}", store.conversation, ""),
+            ("POST", "/v1/conversations/{conversation_id}", store.update_conversation, "body"),
+            ("DELETE", "/v1/conversations/{conversation_id}", store.delete_conversation, ""),
+            ("GET", "/v1/conversations/{conversation_id}/items", store.conversation_items, "query"),
+            ("POST", "/v1/conversations/{conversation_id}/items", store.add_items, "body"),
+            ("GET", "/v1/conversations/{conversation_id}/items/{item_id}", store.item, ""),
+            ("DELETE", "/v1/conversations/{conversation_id}/items/{item_id}", store.delete_item, "")):
+        app.add_api_route(path, kept_route(call, takes), methods=[method])
 
     async def pooled(request: Request, tenant: str, body: dict, field: str, prompts: list[list[int]], pooling: str,
                      finish):

@@ -245,6 +245,15 @@ class Store:
                 self.used -= self.kept.pop(other).size
         return True
 
+    def get(self, owner: str, rid: str, query) -> dict:
+        """A kept response as it is now (a background one: queued, in_progress, then finished)."""
+        unknown = sorted(set(query) - {"include", "include[]", "stream", "starting_after", "include_obfuscation"})
+        if unknown:
+            raise bad_request(f"{unknown[0][:64]}: not a parameter of this call")
+        if query.get("stream", "false") != "false":
+            raise bad_request("stream: a kept response is given whole (stream false)")
+        return self.find(owner, rid).response
+
     def delete(self, owner: str, rid: str) -> dict:
         kept = self.find(owner, rid)
         if kept.detached is not None:
