@@ -10,7 +10,7 @@
     POST /v1/responses           OpenAI's Responses API (text and function tools), over the chat machinery;
                                  previous_response_id and background (serve.openai_responses_store)
     GET  /v1/responses/{id}      a kept response; DELETE it; GET .../input_items its input; POST .../cancel
-                                 a background one
+                                 a background one; POST /v1/responses/input_tokens: a call's input tokens
     POST /v1/conversations       OpenAI's Conversations API (GET, POST, DELETE /v1/conversations/{id}, its
                                  /items, /items/{item_id}): items a Responses call's `conversation` goes on
     POST /v1/messages            Anthropic's Messages API (text, tools, thinking), over the chat machinery
@@ -434,6 +434,24 @@ def make_app(state) -> FastAPI:
             return {"input_tokens": len(await chat_ids(chat, True, None))}
         except (HTTPError, JaxcbError) as e:
             return anthropic_error(request, e, origins if chat is not None else None)
+
+    @app.post("/v1/responses/input_tokens")
+    async def response_input_tokens(request: Request):
+        """OpenAI's count of a Responses call's input tokens (the chat template's rendering of its conversation,
+        tools included): {object: response.input_tokens, input_tokens}."""
+        authorize(request)
+        body = await body_of(request)
+        check_fields(body, openai_responses.INPUT_TOKENS_FIELDS)
+        str_field(body, "personality", "")  # (a hint: checked)
+        body.pop("personality", None)
+        origins = []
+        try:
+            call = store.call(owner_of(request), body)
+            chat = openai_responses.chat_body(body, origins, call.history, call.history_field)
+            ids = await chat_ids(chat, True, None)
+        except (HTTPError, JaxcbError) as e:
+            raise openai_responses.renamed(e if isinstance(e, HTTPError) else http_error(e), origins) from None
+        return {"object": "response.input_tokens", "input_tokens": len(ids)}
 
     def kept_route(call, takes: str):
         """A route the store answers: call(owner, its path's ids in order, then the body or the query: `takes`)."""

@@ -31,7 +31,7 @@ EXTRAS = {"top_k", "min_p", "repetition_penalty", "ignore_eos", "min_tokens", "s
 # tier, cache routing, abuse tracking): SDKs and frameworks send them, a self-hosted server has nothing to
 # do with them. Their types are checked; anything else unknown is a 400 naming it.
 SERVICE_FIELDS = {"store": bool, "metadata": dict, "service_tier": str, "prompt_cache_key": str, "safety_identifier": str,
-                  "prompt_cache_retention": str}
+                  "prompt_cache_retention": str, "prompt_cache_options": dict}  # (the prefix cache keeps what it can)
 # OpenAI's chat fields for what this server has not (audio out, built-in web search, the functions that tools
 # replaced) are refused by name; hints that leave the output as it is (a predicted output, verbosity) are
 # checked and change nothing; reasoning_effort goes to the chat template (reasoning models' templates read it).

@@ -34,7 +34,10 @@ RESPONSES_FIELDS = {"model", "input", "instructions", "max_output_tokens", "temp
                     "presence_penalty", "frequency_penalty", "ignore_eos", "priority", "cache_salt", "request_id",
                     "tools", "tool_choice", "parallel_tool_calls", "reasoning", "include", "top_logprobs",
                     "truncation", "stream_options", "background", "max_tool_calls", "previous_response_id",
-                    "conversation", "prompt", *SERVICE_FIELDS}
+                    "conversation", "prompt", "context_management", "background_options", *SERVICE_FIELDS}
+# POST /v1/responses/input_tokens: the fields of a call that decide its input (and a hint)
+INPUT_TOKENS_FIELDS = {"model", "input", "instructions", "conversation", "previous_response_id", "parallel_tool_calls",
+                       "reasoning", "text", "tool_choice", "tools", "truncation", "personality"}
 PASSED_ON = {"model", "temperature", "top_p", "stream", "user", "seed", "top_k", "min_p", "repetition_penalty",
              "presence_penalty", "frequency_penalty", "ignore_eos", "priority", "cache_salt", "request_id",
              *SERVICE_FIELDS}
@@ -295,6 +298,12 @@ def chat_body(body: dict, origins: list | None = None, history: tuple = (),
                    "stream_options.include_obfuscation", False)  # (no padding is sent: nothing to obfuscate)
         if not body.get("stream"):
             raise bad_request("stream_options: only with stream: true")
+    # hints: compaction past a threshold (none is made: an input past the context is refused, as any other); the
+    # background run's completion window (a background response here runs at once)
+    if not isinstance(body.get("context_management", []), list):
+        raise bad_request("context_management: must be a list of context management entries")
+    if not isinstance(body.get("background_options", {}), dict):
+        raise bad_request("background_options: must be an object")
     limit = int_field(body, "max_tool_calls")  # (the built-in tools' limit: none are served)
     if limit is not None and limit < 1:
         raise bad_request(f"max_tool_calls: must be at least 1, got {limit}")

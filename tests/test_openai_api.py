@@ -1288,7 +1288,9 @@ def test_responses_api_takes_what_sdks_send_and_gives_logprobs(oai, model_name):
     chat = oai.chat.completions.create(model=model_name, messages=messages, max_tokens=6, temperature=0, logprobs=True,
                                        top_logprobs=2, extra_body={"ignore_eos": True})
     extra = {"ignore_eos": True, "previous_response_id": None, "conversation": None, "prompt": None, "background": False,
-             "service_tier": "auto", "safety_identifier": "u1", "prompt_cache_key": "k", "max_tool_calls": 3}
+             "service_tier": "auto", "safety_identifier": "u1", "prompt_cache_key": "k", "max_tool_calls": 3,
+             "prompt_cache_options": {"mode": "implicit"}, "background_options": {},
+             "context_management": [{"type": "compaction", "compact_threshold": 100000}]}
     r = oai.responses.create(model=model_name, input="hi", max_output_tokens=6, temperature=0, include=[
         "message.output_text.logprobs", "reasoning.encrypted_content"], top_logprobs=2, truncation="disabled",
         text={"verbosity": "low"}, extra_body=extra, tools=[])  # (an empty tools list: no tools, as the SDK sends it)
@@ -1498,6 +1500,9 @@ def test_responses_are_kept_and_continued_by_previous_response_id(server, oai, m
         assert r.output_text == chat.choices[0].message.content and r.previous_response_id is not None
         assert r.usage.input_tokens == chat.usage.prompt_tokens
     assert oai.responses.retrieve(then.id).model_dump() == then.model_dump()
+    counted = oai.responses.input_tokens.count(model=model_name, previous_response_id=first.id, instructions="be kind",
+                                               input=[{"role": "user", "content": "and?"}], personality="pragmatic")
+    assert counted.input_tokens == then.usage.input_tokens and counted.object == "response.input_tokens"
     events = list(oai.responses.create(model=model_name, previous_response_id=first.id, input="and?", stream=True,
                                        max_output_tokens=5, temperature=0, instructions="be kind", extra_body=extra))
     streamed = events[-1].response
