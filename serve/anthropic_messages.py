@@ -59,7 +59,7 @@ RENAMES = (("response_format.json_schema.schema", "output_config.format.schema")
 EFFORTS = ("low", "medium", "high", "xhigh", "max")
 ERROR_TYPE = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
               404: "not_found_error", 408: "timeout_error", 413: "request_too_large", 429: "rate_limit_error",
-              499: "invalid_request_error", 503: "overloaded_error"}
+              503: "overloaded_error"}
 
 
 def error_response(e: HTTPError) -> JSONResponse:

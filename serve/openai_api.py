@@ -105,7 +105,7 @@ def make_app(state) -> FastAPI:
         """The caller's tenant (raises 401 when the server has tokens and this is none of them)."""
         given = bearer(request)
         if state.options.tokens and frontend.token_index(state.options.tokens, given) is None:
-            raise Unauthenticated("missing or wrong bearer token in the Authorization header")
+            raise Unauthenticated("missing or wrong bearer token in the Authorization header (or x-api-key)")
         client = request.client
         return frontend.tenant(state, given, f"http:{client.host}:{client.port}" if client else "http")
 
