@@ -46,6 +46,9 @@ class Metrics:
         self.measured_ttft = Gauge("jaxcb:measured_p99_ttft_seconds", "With a latency target: the p99 time to "
                                    "first token of recent requests, as the controller measures it.", registry=r)
         self.compilations = Gauge("jaxcb:compilations", "XLA compilations since start (cumulative).", registry=r)
+        self.kept = Gauge("jaxcb:responses_kept", "Responses and conversations the Responses API keeps.", registry=r)
+        self.kept_bytes = Gauge("jaxcb:responses_kept_bytes", "Bytes they are charged (--responses-store-mb bounds "
+                                "it).", registry=r)
         self.prompt_tokens = Counter("jaxcb:prompt_tokens", "Prompt tokens of finished requests.", registry=r)
         self.generation_tokens = Counter("jaxcb:generation_tokens", "Generated tokens.", registry=r)
         self.finished = Counter("jaxcb:request_success", "Finished requests by finish reason.",

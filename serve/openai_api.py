@@ -377,6 +377,8 @@ def make_app(state) -> FastAPI:
 
     store = Store(int(state.options.responses_store_mb * (1 << 20)))  # (background ones end with the server's
     # requests: shutdown's grace, then its aborts)
+    state.metrics.kept.set_function(lambda: len(store.kept))  # (read at each scrape)
+    state.metrics.kept_bytes.set_function(lambda: store.used)
 
     def owner_of(request: Request) -> str:
         """Whose kept responses an (authorized) call reaches: its bearer token's, each its own; else everyone's."""

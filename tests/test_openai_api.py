@@ -1513,6 +1513,9 @@ def test_responses_are_kept_and_continued_by_previous_response_id(server, oai, m
     assert not items.has_more and items.first_id == items.data[0].id
     two = httpx.get(f"{server.http}/v1/responses/{last.id}/input_items", params={"limit": 1}, timeout=10).json()
     assert two["has_more"] is False and two["data"][0]["content"] == [{"type": "input_text", "text": "ok"}]
+    scraped = dict(line.split(" ", 1) for line in httpx.get(server.http + "/metrics", timeout=10).text.splitlines()
+                   if line.startswith("jaxcb:responses_kept"))
+    assert float(scraped["jaxcb:responses_kept"]) >= 4 and float(scraped["jaxcb:responses_kept_bytes"]) > 4 * 1000
     assert oai.responses.delete(first.id) is None  # (the SDK returns nothing for a delete)
     with pytest.raises(openai.NotFoundError) as e:
         oai.responses.retrieve(first.id)
