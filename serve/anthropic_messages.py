@@ -149,7 +149,8 @@ def _messages(body: dict, origins: list) -> list[dict]:
                 if not isinstance(block.get("input"), dict):
                     raise bad_request(f"{at}.input: must be an object")
                 calls.append({"id": block["id"], "type": "function",
-                              "function": {"name": block["name"], "arguments": json.dumps(block["input"])}})
+                              "function": {"name": block["name"],
+                                           "arguments": json.dumps(block["input"], ensure_ascii=False)}})
                 call_fields.append(at)
             else:  # tool_result: a tool message, before the user's text
                 if role != "user":
@@ -279,7 +280,9 @@ def chat_body(body: dict, origins: list, counting: bool = False) -> dict:
                                      or not isinstance(metadata.get("user_id", ""), (str, type(None)))):
             raise bad_request("metadata: must be an object with at most user_id, a string")
     chat["messages"] = _messages(body, origins)
-    if body["messages"][-1].get("role") == "assistant":  # a prefilled answer: continued, not answered anew
+    last = chat["messages"][-1]
+    if body["messages"][-1].get("role") == "assistant" and last["role"] == "assistant" and last.get("content") \
+            and not last.get("tool_calls"):  # a prefilled answer (text): continued, not answered anew
         chat.update(add_generation_prompt=False, continue_final_message=True)
     _tools(body, chat)
     _thinking(body, chat)

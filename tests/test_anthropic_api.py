@@ -136,6 +136,10 @@ def test_prefill_output_format_and_hints(server, claude, oai):
                                thinking={"type": "adaptive", "display": "summarized"})
     assert m.content[0].text == chat.choices[0].message.content
     assert claude.messages.count_tokens(model="tiny-long", messages=prefilled).input_tokens == chat.usage.prompt_tokens
+    thought = [prefilled[0], {"role": "assistant", "content": [{"type": "thinking", "thinking": "hm", "signature": ""}]}]
+    fresh = claude.messages.create(model="tiny-long", messages=prefilled[:1], max_tokens=5, extra_body=extra)
+    assert claude.messages.create(model="tiny-long", messages=thought, max_tokens=5,  # (thinking alone: no prefill)
+                                  extra_body=extra).content[0].text == fresh.content[0].text
     schema = {"type": "object", "properties": {"a": {"type": "boolean"}}, "required": ["a"], "additionalProperties": False}
     want = oai.chat.completions.create(model="tiny-long", messages=[{"role": "user", "content": "x"}], max_tokens=12,
                                        temperature=0, response_format={"type": "json_schema",
