@@ -258,6 +258,11 @@ def tenant(state: State, authorization: str, peer: str) -> str:
     return f"peer:{peer}" if i is None else f"token{i}"
 
 
+def owner(tenant_: str) -> str:
+    """Whose kept state (the Responses API's responses and conversations) a tenant reaches: its token's where the
+    server has tokens, each its own; else everyone's ("": a connection is no owner)."""
+    return tenant_ if tenant_.startswith("token") else ""
+
 
 _DIED = object()  # put on every open stream's queue when the engine dies
 

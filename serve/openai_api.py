@@ -380,15 +380,11 @@ def make_app(state) -> FastAPI:
     state.metrics.kept.set_function(lambda: len(store.kept))  # (read at each scrape)
     state.metrics.kept_bytes.set_function(lambda: store.used)
 
-    def owner_of(request: Request) -> str:
-        """Whose kept responses an (authorized) call reaches: its bearer token's, each its own; else everyone's."""
-        i = frontend.token_index(state.options.tokens, bearer(request))
-        return "" if i is None else f"token{i}"
-
     @app.post("/v1/responses")
     async def responses(request: Request):
         """OpenAI's Responses API, answered by the chat machinery (serve.openai_responses), kept by the store."""
-        tenant, owner = authorize(request), owner_of(request)
+        tenant = authorize(request)
+        owner = frontend.owner(tenant)
         body = await body_of(request)
         origins = []
         try:
@@ -441,14 +437,14 @@ def make_app(state) -> FastAPI:
     async def response_input_tokens(request: Request):
         """OpenAI's count of a Responses call's input tokens (the chat template's rendering of its conversation,
         tools included): {object: response.input_tokens, input_tokens}."""
-        authorize(request)
+        owner = frontend.owner(authorize(request))
         body = await body_of(request)
         check_fields(body, openai_responses.INPUT_TOKENS_FIELDS)
         str_field(body, "personality", "")  # (a hint: checked)
         body.pop("personality", None)
         origins = []
         try:
-            call = store.call(owner_of(request), body)
+            call = store.call(owner, body)
             chat = openai_responses.chat_body(body, origins, call.history, call.history_field)
             ids = await chat_ids(chat, True, None)
         except (HTTPError, JaxcbError) as e:
@@ -458,9 +454,9 @@ def make_app(state) -> FastAPI:
     def kept_route(call, takes: str):
         """A route the store answers: call(owner, its path's ids in order, then the body or the query: `takes`)."""
         async def route(request: Request):
-            authorize(request)
+            owner = frontend.owner(authorize(request))
             extra = (await body_of(request),) if takes == "body" else (request.query_params,) if takes == "query" else ()
-            return call(owner_of(request), *request.path_params.values(), *extra)
+            return call(owner, *request.path_params.values(), *extra)
 
         return route
 

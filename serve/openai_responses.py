@@ -10,7 +10,7 @@ events); a reasoning item given back in the input is taken and left out of the p
 templates of thinking models drop earlier thinking too), and the `reasoning` field (effort, summary) is
 checked, its effort handed to the chat template as the chat's reasoning_effort. Responses are kept for
 `previous_response_id`, the retrieval routes and `background` by serve.openai_responses_store; built-in
-tools, images and stored conversations or prompts are refused by name, as every unknown field is.
+tools, images and stored prompts are refused by name, as every unknown field is.
 """
 
 from __future__ import annotations
