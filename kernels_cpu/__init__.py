@@ -78,6 +78,18 @@ def block_columns() -> int:
     return int(fn())
 
 
+@functools.cache
+def vnni() -> bool:
+    """Whether the library sums int8 products with AVX-512 VNNI (w8a8's integer sums; quad_block's
+    layout is read only there)."""
+    from kernels_cpu import build
+
+    assert available(), unavailable_reason()
+    fn = ctypes.cdll.LoadLibrary(str(build.build())).JaxcbMatmulVnni
+    fn.restype = ctypes.c_int64
+    return bool(fn())
+
+
 def block_stack(w):
     """A float32 layer stack [L, K, N] blocked for layer_matmul: [L, N / B, K, B] (B = block_columns(),
     dividing N), each block of B columns one contiguous run of its K rows. The kernel's tile reads a
@@ -87,6 +99,22 @@ def block_stack(w):
     b = block_columns()
     layers, k, n = w.shape
     return w.reshape(layers, k, n // b, b).transpose(0, 2, 1, 3)
+
+
+def quad_block(q):
+    """An int8 layer stack [L, K, N] (K a multiple of 4, B = block_columns() dividing N) in quad blocks as
+    the w8a8 matmul reads it: [L, N / B, K / 4, 4 B], each block of B columns one run of 4-row groups, a
+    group holding input rows 4g .. 4g + 3 of each column side by side (the 32-bit lanes vpdpbusd sums).
+    Read in place, the matrix had to be packed so every step, from rows a page apart."""
+    b = block_columns()
+    layers, k, n = q.shape
+    return q.reshape(layers, k // 4, 4, n // b, b).transpose(0, 3, 1, 4, 2).reshape(layers, n // b, k // 4, 4 * b)
+
+
+def quad_unblock(q):
+    """quad_block's inverse on one layer's blocks [N / B, K / 4, 4 B] -> [K, N] (XLA's reading of them)."""
+    nb, quads, b4 = q.shape
+    return q.reshape(nb, quads, b4 // 4, 4).transpose(1, 3, 0, 2).reshape(4 * quads, nb * b4 // 4)
 
 
 def pair_block(w):
@@ -131,7 +159,8 @@ def layer_matmul(x, w, layer, scale=None, offset=None, act_block=0):
     """x [..., K] float32 @ w[layer] -> [..., N] float32 (layer a scalar, may be traced), reading the
     layer's matrix in place. w: float32 [L, K, N] or blocked [L, N / B, K, B] (block_stack); bfloat16 in
     pair-row blocks [L, N / B, K / 2, 2 B] (pair_block: x rounded to bfloat16, float32 sums); int8 [L, K, N] with `scale` float32 [L, G, N] (a
-    scale per K/G input rows of each column); or uint8 [L, K/2, N] (int4: input rows 2i and 2i+1 in
+    scale per K/G input rows of each column), or in quad blocks [L, N / B, K / 4, 4 B] (quad_block: w8a8 where
+    vnni()); or uint8 [L, K/2, N] (int4: input rows 2i and 2i+1 in
     the low and high nibble of byte row i) with `scale` and `offset` float16 [L, G, N]. Quantized w:
     `act_block` > 0 (dividing 128, and int4's group) quantizes each row of x per that many input rows
     first (w8a8, w4a8: jaxcb.model.quant)."""
@@ -145,9 +174,11 @@ def layer_matmul(x, w, layer, scale=None, offset=None, act_block=0):
     x2 = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
     operands = {"float32": (w,), "bfloat16": (w,), "int8": (w, scale),
                 "uint8": (w, scale, offset)}[jnp.dtype(w.dtype).name]
-    n = w.shape[1] * w.shape[3] if w.ndim == 4 else w.shape[2]  # blocked (block_stack, pair_block), or in place
-    if w.dtype == jnp.bfloat16:
+    n = w.shape[1] * w.shape[3] if w.ndim == 4 else w.shape[2]  # blocked (block_stack, pair_block, quad_block),
+    if w.dtype == jnp.bfloat16:                                      # or in place
         n //= 2
+    elif w.dtype == jnp.int8 and w.ndim == 4:
+        n //= 4
     call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((x2.shape[0], n), jnp.float32))
     attrs = {"act_block": np.int64(act_block)} if jnp.dtype(w.dtype) in (jnp.int8, jnp.uint8) else {}
     return call(x2, *operands, jnp.asarray(layer, jnp.int32), **attrs).reshape(*lead, n)

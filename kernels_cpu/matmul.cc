@@ -74,6 +74,9 @@ struct Q8 {
   const int8_t* q;
   const float* scale;  // [G, N]
   int64_t n, group;
+  // [N / kNB, K / 4, 4 kNB]: each block of columns one run of 4-row groups, a column's four rows side by
+  // side, as vpdpbusd reads them (kernels_cpu.quad_block); read only through the integer sums.
+  bool quads = false;
 };
 struct Q4 {
   const uint8_t* q;
@@ -355,6 +358,14 @@ inline void pack_four(__m256i r0, __m256i r1, __m256i r2, __m256i r3, uint8_t* b
   _mm256_storeu_si256(out + 3, _mm256_permute2x128_si256(c8, c12, 0x31));
 }
 
+// acc += the four byte products of each 32-bit lane (u unsigned, s signed), in place: through the
+// intrinsic, GCC 12 copied every accumulator to another register each step (as many moves as products,
+// SmolLM2's up projection at 32 rows 1.3x slower).
+inline __m512i dpbusd(__m512i acc, __m512i u, __m512i s) {
+  asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(u), "v"(s));
+  return acc;
+}
+
 inline __m256i load32(const void* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 
 // Rows k0 .. k0 + kn - 1 (kn a multiple of 4) of columns j .. j + 31 into buf as vpdpbusd reads them.
@@ -385,9 +396,16 @@ inline void pack_block(const Q4& w, int64_t k0, int64_t kn, int64_t j, uint8_t* 
 //   int4: S * (group scale * x's block scale) + (sum_k q_x * x's block scale) * group offset (the block
 //         inside one group; folded so, the epilogue of a 32-value block took 17.0 ms where scaling the
 //         sum last took 21.1, 30 layers of 576 x 1536 at 128 rows, 2-core AMD EPYC Zen 4).
-template <int R, class W>
+// How far ahead a quad block is asked for as it is read (bytes; one run, but the prefetchers fell behind:
+// half of SmolLM2's up projection at 32 rows waited on its first reads, 2-core Zen 5).
+#ifndef JAXCB_QUAD_AHEAD
+#define JAXCB_QUAD_AHEAD 1024
+#endif
+constexpr int64_t kQuadAhead = JAXCB_QUAD_AHEAD;
+
+template <int R, bool Flip, class W>
 inline void micro_vnni(const XQuant& x, const W& w, int64_t row0, int64_t k, int64_t k0, const uint8_t* buf,
-                       int64_t kn, int64_t j, float* c, int64_t ldc, bool first) {
+                       int64_t kn, int64_t j, float* c, int64_t ldc, bool first, bool last) {
   static_assert(kNB == 32, "two 16-lane vectors of columns");
   constexpr bool q4 = std::is_same_v<W, Q4>;
   const int8_t* xq = x.q.data() + row0 * k + k0;
@@ -401,64 +419,91 @@ inline void micro_vnni(const XQuant& x, const W& w, int64_t row0, int64_t k, int
       o0 = reinterpret_cast<__m512>(jaxcb::load_f16(w.offset + at));
       o1 = reinterpret_cast<__m512>(jaxcb::load_f16(w.offset + at + 16));
     }
+    const int64_t block = (k0 + b0) / x.block;
     __m512i acc[R][2];
-    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_si512();
+    for (int r = 0; r < R; ++r)  // int8: the sums start at -128 sum(x) (the flip of w), exact in int32
+      acc[r][0] = acc[r][1] = q4 ? _mm512_setzero_si512() : _mm512_set1_epi32(-128 * x.sum[(row0 + r) * x.blocks + block]);
     const int64_t b1 = std::min(kn, b0 + x.block);
     for (int64_t e = b0; e < b1; e += 4) {
-      const __m512i w0 = _mm512_loadu_si512(buf + e * 32), w1 = _mm512_loadu_si512(buf + e * 32 + 64);
+      __m512i w0 = _mm512_loadu_si512(buf + e * 32), w1 = _mm512_loadu_si512(buf + e * 32 + 64);
+      if constexpr (Flip) {  // quad blocks hold the signed values: flipped here, as pack_block does
+        __builtin_prefetch(buf + e * 32 + kQuadAhead), __builtin_prefetch(buf + e * 32 + kQuadAhead + 64);
+        const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+        w0 = _mm512_xor_si512(w0, flip), w1 = _mm512_xor_si512(w1, flip);
+      }
       for (int r = 0; r < R; ++r) {
         int32_t four;
         std::memcpy(&four, xq + r * k + e, 4);
         const __m512i xb = _mm512_set1_epi32(four);
-        acc[r][0] = _mm512_dpbusd_epi32(acc[r][0], w0, xb);
-        acc[r][1] = _mm512_dpbusd_epi32(acc[r][1], w1, xb);
+        acc[r][0] = dpbusd(acc[r][0], w0, xb);
+        acc[r][1] = dpbusd(acc[r][1], w1, xb);
       }
     }
-    const int64_t block = (k0 + b0) / x.block;
+    const bool start = first && !b0, end = last && b0 + x.block >= kn;
     for (int r = 0; r < R; ++r) {
       const int64_t at = (row0 + r) * x.blocks + block;
       const __m512 f = _mm512_set1_ps(x.scale[at]);
       float* cr = c + r * ldc;
+      const __m512 c0 = start ? _mm512_setzero_ps() : _mm512_loadu_ps(cr);
+      const __m512 c1 = start ? _mm512_setzero_ps() : _mm512_loadu_ps(cr + 16);
       __m512 v0, v1;
       if constexpr (q4) {
         const __m512 sum = _mm512_set1_ps(static_cast<float>(x.sum[at]) * x.scale[at]);
-        v0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][0]), _mm512_mul_ps(s0, f), _mm512_mul_ps(sum, o0));
-        v1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][1]), _mm512_mul_ps(s1, f), _mm512_mul_ps(sum, o1));
-      } else {
-        const __m512i corr = _mm512_set1_epi32(128 * x.sum[at]);
-        v0 = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc[r][0], corr)), f), s0);
-        v1 = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc[r][1], corr)), f), s1);
+        v0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][0]), _mm512_mul_ps(s0, f), _mm512_fmadd_ps(sum, o0, c0));
+        v1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][1]), _mm512_mul_ps(s1, f), _mm512_fmadd_ps(sum, o1, c1));
+      } else {  // the column's scale once, after the last block
+        v0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][0]), f, c0);
+        v1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][1]), f, c1);
+        if (end) v0 = _mm512_mul_ps(v0, s0), v1 = _mm512_mul_ps(v1, s1);
       }
-      if (!first || b0) v0 = _mm512_add_ps(v0, _mm512_loadu_ps(cr)), v1 = _mm512_add_ps(v1, _mm512_loadu_ps(cr + 16));
       _mm512_storeu_ps(cr, v0);
       _mm512_storeu_ps(cr + 16, v1);
     }
   }
 }
 
+// Every row of x over one slab of columns j .. j + 31 (buf: the slab's 4-row groups), kMR rows at a time.
+template <bool Flip, class W>
+void rows_vnni(const XQuant& x, const W& w, const uint8_t* buf, float* c, int64_t m, int64_t k, int64_t n, int64_t k0,
+               int64_t kn, int64_t j) {
+  const bool first = k0 == 0, last = k0 + kn == k;
+  int64_t m0 = 0;
+  for (; m0 + kMR <= m; m0 += kMR) micro_vnni<kMR, Flip>(x, w, m0, k, k0, buf, kn, j, c + m0 * n + j, n, first, last);
+  float* cm = c + m0 * n + j;
+  switch (m - m0) {
+    case 1: micro_vnni<1, Flip>(x, w, m0, k, k0, buf, kn, j, cm, n, first, last); break;
+    case 2: micro_vnni<2, Flip>(x, w, m0, k, k0, buf, kn, j, cm, n, first, last); break;
+    case 3: micro_vnni<3, Flip>(x, w, m0, k, k0, buf, kn, j, cm, n, first, last); break;
+    case 4: micro_vnni<4, Flip>(x, w, m0, k, k0, buf, kn, j, cm, n, first, last); break;
+    case 5: micro_vnni<5, Flip>(x, w, m0, k, k0, buf, kn, j, cm, n, first, last); break;
+    case 6: micro_vnni<6, Flip>(x, w, m0, k, k0, buf, kn, j, cm, n, first, last); break;
+    case 7: micro_vnni<7, Flip>(x, w, m0, k, k0, buf, kn, j, cm, n, first, last); break;
+    default: break;
+  }
+}
+
+// Weights as stored: each slab of each block of columns packed into 4-row groups first.
 template <class W>
 void column_range_vnni(const XQuant& x, const W& w, float* c, int64_t m, int64_t k, int64_t n, int64_t n0,
                        int64_t n1) {
   alignas(64) uint8_t buf[kKB * kNB];
   for (int64_t k0 = 0; k0 < k; k0 += kKB) {
     const int64_t kn = std::min(kKB, k - k0);
-    const bool first = k0 == 0;
     for (int64_t j = n0; j < n1; j += kNB) {
       pack_block(w, k0, kn, j, buf);
-      int64_t m0 = 0;
-      for (; m0 + kMR <= m; m0 += kMR) micro_vnni<kMR>(x, w, m0, k, k0, buf, kn, j, c + m0 * n + j, n, first);
-      float* cm = c + m0 * n + j;
-      switch (m - m0) {
-        case 1: micro_vnni<1>(x, w, m0, k, k0, buf, kn, j, cm, n, first); break;
-        case 2: micro_vnni<2>(x, w, m0, k, k0, buf, kn, j, cm, n, first); break;
-        case 3: micro_vnni<3>(x, w, m0, k, k0, buf, kn, j, cm, n, first); break;
-        case 4: micro_vnni<4>(x, w, m0, k, k0, buf, kn, j, cm, n, first); break;
-        case 5: micro_vnni<5>(x, w, m0, k, k0, buf, kn, j, cm, n, first); break;
-        case 6: micro_vnni<6>(x, w, m0, k, k0, buf, kn, j, cm, n, first); break;
-        case 7: micro_vnni<7>(x, w, m0, k, k0, buf, kn, j, cm, n, first); break;
-        default: break;
-      }
+      rows_vnni<false>(x, w, buf, c, m, k, n, k0, kn, j);
     }
+  }
+}
+
+// Quad blocks: read where they lie, block after block, each down the whole of K (one run from memory
+// for the range; packing in place of it was a quarter of the time of SmolLM2's up projection at 32
+// rows, and its strided reads waited on memory, 2-core Zen 5).
+void column_range_quads(const XQuant& x, const Q8& w, float* c, int64_t m, int64_t k, int64_t n, int64_t n0,
+                        int64_t n1) {
+  for (int64_t j = n0; j < n1; j += kNB) {
+    const uint8_t* block = reinterpret_cast<const uint8_t*>(w.q) + (j / kNB) * k * kNB;
+    for (int64_t k0 = 0; k0 < k; k0 += kKB) rows_vnni<true>(x, w, block + k0 * kNB, c, m, k, n, k0, std::min(kKB, k - k0), j);
   }
 }
 #endif
@@ -644,6 +689,11 @@ void run_a8(ffi::ThreadPool& pool, const float* a, const W& w, float* c, int64_t
             int64_t block) {
   const XQuant x = quantize_rows(a, m, k, block);
 #ifdef JAXCB_VNNI
+  if constexpr (std::is_same_v<W, Q8>)
+    if (w.quads) {
+      whole_columns(pool, m, k, n, [&](int64_t n0, int64_t n1) { column_range_quads(x, w, c, m, k, n, n0, n1); });
+      return;
+    }
   if (integer_sums(w, k, block)) {
     const int64_t whole =
         whole_columns(pool, m, k, n, [&](int64_t n0, int64_t n1) { column_range_vnni(x, w, c, m, k, n, n0, n1); });
@@ -743,15 +793,34 @@ ffi::Error BF16Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<f
 ffi::Error Q8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> q, ffi::Buffer<ffi::F32> scale,
                   ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> out, int64_t act_block) {
   int64_t m, k, n, l;
-  if (auto e = shapes(x.dimensions(), q.dimensions(), 1, layer.typed_data()[0], m, k, n, l); e.failure()) return e;
+  auto xd = x.dimensions(), wd = q.dimensions();
+  const bool quads = wd.size() == 4;
+  if (quads) {  // [L, N / kNB, K / 4, 4 kNB]
+    if (xd.size() != 2 || wd[3] != 4 * kNB || xd[1] != 4 * wd[2])
+      return ffi::Error::InvalidArgument("layer_matmul: x [M, K] and int8 quad blocks w [L, N / B, K / 4, 4 B] with "
+                                         "B = kernels_cpu.block_columns()");
+    m = xd[0], k = xd[1], n = wd[1] * kNB, l = layer.typed_data()[0];
+    if (l < 0 || l >= wd[0]) return ffi::Error::InvalidArgument("layer_matmul: layer out of range");
+  } else if (auto e = shapes(xd, wd, 1, layer.typed_data()[0], m, k, n, l); e.failure()) {
+    return e;
+  }
   const int64_t groups = scale.dimensions()[1];
   if (scale.dimensions().size() != 3 || k % groups || scale.dimensions()[2] != n)
     return ffi::Error::InvalidArgument("layer_matmul: int8 scale [L, G, N] with G dividing K");
   const int64_t group = k / groups;
   const Q8 view{q.typed_data() + static_cast<size_t>(l) * k * n, scale.typed_data() + static_cast<size_t>(l) * groups * n,
-                n, group};
+                n, group, quads};
   if (act_block < 0 || (act_block && kKB % act_block))
     return ffi::Error::InvalidArgument("layer_matmul: int8 activations are quantized in blocks that divide 128");
+#ifdef JAXCB_VNNI
+  const bool vnni = true;
+#else
+  const bool vnni = false;
+#endif
+  if (quads && !(vnni && act_block && integer_sums(view, k, act_block)))
+    return ffi::Error::InvalidArgument("layer_matmul: int8 quad blocks are read only by VNNI's integer sums (int8 "
+                                       "activations in blocks of a multiple of 4, one scale per column; "
+                                       "kernels_cpu.vnni())");
   if (act_block)
     run_a8(pool, x.typed_data(), view, out->typed_data(), m, k, n, act_block);
   else
@@ -795,6 +864,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcbLayerMatmul, F32Impl,
 // The column block of the float32 matmul, the width of a blocked matrix's blocks.
 extern "C" int64_t JaxcbMatmulBlockColumns() { return kNB; }
 
+// Whether the build sums int8 products with AVX-512 VNNI (and so reads int8 quad blocks).
+extern "C" int64_t JaxcbMatmulVnni() {
+#ifdef JAXCB_VNNI
+  return 1;
+#else
+  return 0;
+#endif
+}
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcbLayerMatmulBF16, BF16Impl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
@@ -807,7 +885,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcbLayerMatmulInt8, Q8Impl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()   // x [M, K]
-                                  .Arg<ffi::Buffer<ffi::S8>>()    // q [L, K, N]
+                                  .Arg<ffi::Buffer<ffi::S8>>()    // q [L, K, N], or quads [L, N / kNB, K / 4, 4 kNB]
                                   .Arg<ffi::Buffer<ffi::F32>>()   // scale [L, G, N]
                                   .Arg<ffi::Buffer<ffi::S32>>()   // layer []
                                   .Ret<ffi::Buffer<ffi::F32>>()   // out [M, N]

@@ -162,6 +162,7 @@ def test_the_native_step_with_quantized_weights_gives_the_plain_step_logits(weig
     from jaxcb.model.config import tiny_config
     from jaxcb.model.llama import Attention, forward, params_from_numpy, random_weights
     from jaxcb.model.paged_attention import allocate_kv_pages
+    import kernels_cpu
     from jaxcb.model.quant import blocked_layers, quantize_weights, with_int8_activations
 
     config = dataclasses.replace(tiny_config(), tie_embeddings=tied)
@@ -169,8 +170,12 @@ def test_the_native_step_with_quantized_weights_gives_the_plain_step_logits(weig
     params = params_from_numpy(quantize_weights(random_weights(config, seed=2), stored), mode=stored)
     if stored != weights:
         params = with_int8_activations(params)
-    if weights == "bfloat16":  # in pair blocks, as the runner has them where the native matmul reads them
-        params = blocked_layers(params)
+    # As the runner holds them where the native matmul reads them: bfloat16 in pair blocks, w8a8 in quad
+    # blocks (where the kernels have VNNI); both steps read these.
+    params = blocked_layers(params)
+    if weights == "w8a8" and kernels_cpu.vnni():
+        assert params.layers.w_up.layout == "quads" and params.layers.w_up.q.ndim == 4
+        assert params.layers.w_up.shape == (config.num_layers, config.hidden_size, config.intermediate_size)
     s = 8
     kv = allocate_kv_pages(config.num_layers, config.num_kv_heads, 40, s, config.head_dim, jnp.float32)
     specs = [SeqSpec([5], 12, list(range(4, 6))), SeqSpec(list(range(3, 3 + 19)), 0, list(range(1, 4)))]
@@ -290,6 +295,20 @@ def test_int8_activations_sum_integers_as_the_reference_does(m, k, n, block):
     np.testing.assert_allclose(np.asarray(got), want, **tol)
     one = qw.replace(q=jnp.asarray(qw.q[1]), scale=jnp.asarray(qw.scale[1]), act_block=block)
     np.testing.assert_allclose(np.asarray(dense(jnp.asarray(x), one)), want, **tol)
+    if n % kernels_cpu.block_columns() == 0 and k % 4 == 0:  # in quad blocks, as blocked_layers lays w8a8 out
+        import jax
+
+        quads = jax.jit(kernels_cpu.quad_block)(jnp.asarray(qw.q))
+        assert quads.shape == (2, n // kernels_cpu.block_columns(), k // 4, 4 * kernels_cpu.block_columns())
+        layer = one.replace(q=quads[1], layout="quads")
+        assert layer.shape == (k, n)
+        np.testing.assert_array_equal(np.asarray(kernels_cpu.quad_unblock(quads[1])), qw.q[1])
+        np.testing.assert_allclose(np.asarray(dense(jnp.asarray(x), layer)), want, **tol)  # XLA's reading
+        if kernels_cpu.vnni():  # the same integer sums in the same order: the same bits
+            got_quads = kernels_cpu.layer_matmul(jnp.asarray(x), quads, 1, jnp.asarray(qw.scale), act_block=block)
+            np.testing.assert_array_equal(np.asarray(got_quads), np.asarray(got))
+        with pytest.raises(Exception, match="quad blocks are read only by VNNI"):  # float activations: refused
+            np.asarray(kernels_cpu.layer_matmul(jnp.asarray(x), quads, 1, jnp.asarray(qw.scale)))
     deq = np.asarray(quantize_activations(jnp.asarray(x), block))
     levels = deq[0, :block] / (np.abs(x[0, :block]).max() / 127)
     np.testing.assert_allclose(levels, np.round(levels), atol=1e-3)  # whole int8 levels of the block's scale

@@ -66,9 +66,15 @@ class QuantWeight:
     # each row of x quantized to int8 per ACT_BLOCK input values before the dot (model.activations =
     # "int8", quantize_activations).
     act_block: int = flax.struct.field(pytree_node=False, default=0)
+    # "quads": q int8 in the native w8a8 matmul's quad blocks [..., out / B, in / 4, 4 B]
+    # (kernels_cpu.quad_block; blocked_layers), read by XLA through quad_unblock; "": [..., in, out]
+    layout: str = flax.struct.field(pytree_node=False, default="")
 
     @property
     def shape(self) -> tuple[int, ...]:
+        if self.layout == "quads":
+            *lead, blocks, quads, b4 = self.q.shape
+            return (*lead, 4 * quads, blocks * b4 // 4)
         rows = self.q.shape[-2] * (2 if self.bits == 4 else 1)
         return (*self.q.shape[:-2], rows, self.q.shape[-1])
 
@@ -244,16 +250,25 @@ def native_stack(w) -> bool:
 def blocked_layers(params, release: bool = False):
     """params with each float32 layer stack [L, K, N] blocked for the native matmul ([L, N / B, K, B],
     kernels_cpu.block_stack) where B divides N, each bfloat16 one in pair blocks ([L, N / B, K / 2, 2 B],
-    kernels_cpu.pair_block) where also K is even (the others stay as they are), one stack at a time. A
-    step reads a blocked matrix natively or through XLA (dense). `release`: each stack's buffer is freed once
-    it is blocked (nobody else reads these params: the model is held once, not twice)."""
+    kernels_cpu.pair_block) where also K is even, each w8a8 one (int8 per column, int8 activations) in quad
+    blocks ([L, N / B, K / 4, 4 B], kernels_cpu.quad_block) where also 4 divides K and the kernels have VNNI
+    (the others stay as they are), one stack at a time. A step reads a blocked matrix natively or through
+    XLA (dense). `release`: each stack's buffer is freed once it is blocked (nobody else reads these
+    params: the model is held once, not twice)."""
     import kernels_cpu
 
     b = kernels_cpu.block_columns()
-    block, pairs = jax.jit(kernels_cpu.block_stack), jax.jit(kernels_cpu.pair_block)
+    block, pairs, quads = jax.jit(kernels_cpu.block_stack), jax.jit(kernels_cpu.pair_block), jax.jit(kernels_cpu.quad_block)
     layers = params.layers
     for name in MATRICES:
         w = getattr(layers, name)
+        if (isinstance(w, QuantWeight) and w.bits == 8 and w.act_block and not w.layout and w.q.ndim == 3
+                and w.scale.shape[-2] == 1 and w.q.shape[1] % 4 == 0 and w.q.shape[2] % b == 0 and kernels_cpu.vnni()):
+            layers = dataclasses.replace(layers, **{name: w.replace(q=quads(w.q), layout="quads")})
+            if release:
+                jax.block_until_ready(getattr(layers, name).q)
+                w.q.delete()
+            continue
         if not (isinstance(w, jax.Array) and w.ndim == 3 and w.shape[2] % b == 0):
             continue
         if w.dtype == jnp.float32:
@@ -288,6 +303,10 @@ def dense(x: jax.Array, w) -> jax.Array:
         return x @ w
     if w.act_block:
         x = quantize_activations(x, w.act_block)
+    if w.layout == "quads":  # one layer's quad blocks (blocked_layers)
+        import kernels_cpu
+
+        w = w.replace(q=kernels_cpu.quad_unblock(w.q), layout="")
     if w.bits == 4:  # the even and the odd input rows: each half dequantized beside its own dot
         return (jnp.dot(x[..., 0::2], _int4_half(w, w.q & 15, x.dtype))
                 + jnp.dot(x[..., 1::2], _int4_half(w, w.q >> 4, x.dtype)))
