@@ -396,13 +396,6 @@ inline void pack_block(const Q4& w, int64_t k0, int64_t kn, int64_t j, uint8_t* 
 //   int4: S * (group scale * x's block scale) + (sum_k q_x * x's block scale) * group offset (the block
 //         inside one group; folded so, the epilogue of a 32-value block took 17.0 ms where scaling the
 //         sum last took 21.1, 30 layers of 576 x 1536 at 128 rows, 2-core AMD EPYC Zen 4).
-// How far ahead a quad block is asked for as it is read (bytes; one run, but the prefetchers fell behind:
-// half of SmolLM2's up projection at 32 rows waited on its first reads, 2-core Zen 5).
-#ifndef JAXCB_QUAD_AHEAD
-#define JAXCB_QUAD_AHEAD 1024
-#endif
-constexpr int64_t kQuadAhead = JAXCB_QUAD_AHEAD;
-
 template <int R, bool Flip, class W>
 inline void micro_vnni(const XQuant& x, const W& w, int64_t row0, int64_t k, int64_t k0, const uint8_t* buf,
                        int64_t kn, int64_t j, float* c, int64_t ldc, bool first, bool last) {
@@ -427,7 +420,6 @@ inline void micro_vnni(const XQuant& x, const W& w, int64_t row0, int64_t k, int
     for (int64_t e = b0; e < b1; e += 4) {
       __m512i w0 = _mm512_loadu_si512(buf + e * 32), w1 = _mm512_loadu_si512(buf + e * 32 + 64);
       if constexpr (Flip) {  // quad blocks hold the signed values: flipped here, as pack_block does
-        __builtin_prefetch(buf + e * 32 + kQuadAhead), __builtin_prefetch(buf + e * 32 + kQuadAhead + 64);
         const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
         w0 = _mm512_xor_si512(w0, flip), w1 = _mm512_xor_si512(w1, flip);
       }
@@ -496,14 +488,27 @@ void column_range_vnni(const XQuant& x, const W& w, float* c, int64_t m, int64_t
   }
 }
 
+// Slabs asked for ahead of a quad block's reading: one run, which the prefetchers followed too late (the
+// first rows of x waited on half its reads at 32 rows, SmolLM2's up projection, 2-core Zen 5).
+#ifndef JAXCB_QUAD_AHEAD
+#define JAXCB_QUAD_AHEAD 2
+#endif
+constexpr int64_t kQuadAhead = JAXCB_QUAD_AHEAD;
+
 // Quad blocks: read where they lie, block after block, each down the whole of K (one run from memory
 // for the range; packing in place of it was a quarter of the time of SmolLM2's up projection at 32
 // rows, and its strided reads waited on memory, 2-core Zen 5).
 void column_range_quads(const XQuant& x, const Q8& w, float* c, int64_t m, int64_t k, int64_t n, int64_t n0,
                         int64_t n1) {
+  const uint8_t* q = reinterpret_cast<const uint8_t*>(w.q);
+  const uint8_t* end = q + (n1 / kNB) * k * kNB;
   for (int64_t j = n0; j < n1; j += kNB) {
-    const uint8_t* block = reinterpret_cast<const uint8_t*>(w.q) + (j / kNB) * k * kNB;
-    for (int64_t k0 = 0; k0 < k; k0 += kKB) rows_vnni<true>(x, w, block + k0 * kNB, c, m, k, n, k0, std::min(kKB, k - k0), j);
+    const uint8_t* block = q + (j / kNB) * k * kNB;
+    for (int64_t k0 = 0; k0 < k; k0 += kKB) {
+      const uint8_t* ahead = block + (k0 + kQuadAhead * kKB) * kNB;  // the slab kQuadAhead further on
+      for (int64_t b = 0; b < kKB * kNB && ahead + b < end; b += 64) __builtin_prefetch(ahead + b);
+      rows_vnni<true>(x, w, block + k0 * kNB, c, m, k, n, k0, std::min(kKB, k - k0), j);
+    }
   }
 }
 #endif
