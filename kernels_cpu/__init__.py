@@ -102,19 +102,35 @@ def block_stack(w):
 
 
 def quad_block(q):
-    """An int8 layer stack [L, K, N] (K a multiple of 4, B = block_columns() dividing N) in quad blocks as
-    the w8a8 matmul reads it: [L, N / B, K / 4, 4 B], each block of B columns one run of 4-row groups, a
-    group holding input rows 4g .. 4g + 3 of each column side by side (the 32-bit lanes vpdpbusd sums).
-    Read in place, the matrix had to be packed so every step, from rows a page apart."""
+    """A layer stack in quad blocks as the w8a8 / w4a8 matmul reads it (B = block_columns() dividing N),
+    each block of B columns one run, read in place where it had to be packed so every step from rows a
+    page apart. int8 [L, K, N] (K a multiple of 4) -> [L, N / B, K / 4, 4 B]: a group of 4 bytes per column
+    holding input rows 4g .. 4g + 3 side by side (the 32-bit lanes vpdpbusd sums). int4 [L, K / 2, N]
+    uint8 (rows 2i, 2i + 1 in byte row i's low and high nibble; K a multiple of 8) -> [L, N / B, K / 8, 4 B]:
+    byte i of a column's four holds row 8g + i in its low nibble and 8g + 4 + i in its high one."""
+    import jax.numpy as jnp
+
     b = block_columns()
+    if q.dtype == jnp.uint8:
+        layers, half, n = q.shape
+        rows = jnp.stack([q & 15, q >> 4], axis=2).reshape(layers, half // 4, 2, 4, n // b, b)  # row 8g + 4h + i
+        rows = rows.transpose(0, 4, 1, 5, 3, 2)  # [L, N / B, K / 8, B, i, h]
+        return (rows[..., 0] | (rows[..., 1] << 4)).reshape(layers, n // b, half // 4, 4 * b)
     layers, k, n = q.shape
     return q.reshape(layers, k // 4, 4, n // b, b).transpose(0, 3, 1, 4, 2).reshape(layers, n // b, k // 4, 4 * b)
 
 
 def quad_unblock(q):
-    """quad_block's inverse on one layer's blocks [N / B, K / 4, 4 B] -> [K, N] (XLA's reading of them)."""
-    nb, quads, b4 = q.shape
-    return q.reshape(nb, quads, b4 // 4, 4).transpose(1, 3, 0, 2).reshape(4 * quads, nb * b4 // 4)
+    """quad_block's inverse on one layer's blocks (XLA's reading of them): int8 [N / B, K / 4, 4 B] ->
+    [K, N]; int4 [N / B, K / 8, 4 B] uint8 -> [K / 2, N] in byte rows."""
+    import jax.numpy as jnp
+
+    nb, groups, b4 = q.shape
+    if q.dtype == jnp.uint8:
+        rows = jnp.stack([q & 15, q >> 4], axis=-1).reshape(nb, groups, b4 // 4, 4, 2)  # [N / B, K / 8, B, i, h]
+        rows = rows.transpose(1, 4, 3, 0, 2).reshape(4 * groups, 2, nb * b4 // 4)  # byte row 4g + 2h' ...: rows 2i, 2i+1
+        return rows[:, 0] | (rows[:, 1] << 4)
+    return q.reshape(nb, groups, b4 // 4, 4).transpose(1, 3, 0, 2).reshape(4 * groups, nb * b4 // 4)
 
 
 def pair_block(w):
@@ -160,7 +176,7 @@ def layer_matmul(x, w, layer, scale=None, offset=None, act_block=0):
     layer's matrix in place. w: float32 [L, K, N] or blocked [L, N / B, K, B] (block_stack); bfloat16 in
     pair-row blocks [L, N / B, K / 2, 2 B] (pair_block: x rounded to bfloat16, float32 sums); int8 [L, K, N] with `scale` float32 [L, G, N] (a
     scale per K/G input rows of each column), or in quad blocks [L, N / B, K / 4, 4 B] (quad_block: w8a8 where
-    vnni()); or uint8 [L, K/2, N] (int4: input rows 2i and 2i+1 in
+    vnni(); int4 too, [L, N / B, K / 8, 4 B]); or uint8 [L, K/2, N] (int4: input rows 2i and 2i+1 in
     the low and high nibble of byte row i) with `scale` and `offset` float16 [L, G, N]. Quantized w:
     `act_block` > 0 (dividing 128, and int4's group) quantizes each row of x per that many input rows
     first (w8a8, w4a8: jaxcb.model.quant)."""
@@ -177,7 +193,7 @@ def layer_matmul(x, w, layer, scale=None, offset=None, act_block=0):
     n = w.shape[1] * w.shape[3] if w.ndim == 4 else w.shape[2]  # blocked (block_stack, pair_block, quad_block),
     if w.dtype == jnp.bfloat16:                                      # or in place
         n //= 2
-    elif w.dtype == jnp.int8 and w.ndim == 4:
+    elif w.ndim == 4 and w.dtype in (jnp.int8, jnp.uint8):  # quad blocks
         n //= 4
     call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((x2.shape[0], n), jnp.float32))
     attrs = {"act_block": np.int64(act_block)} if jnp.dtype(w.dtype) in (jnp.int8, jnp.uint8) else {}

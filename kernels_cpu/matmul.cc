@@ -22,10 +22,13 @@
 // group): each row of x is quantized per block of act_block input rows (scale = max |x| / 127, values
 // rounded half to even), and, where the build has AVX-512 VNNI (and int8 weights have one scale per
 // column), a block's products are summed in int32 by vpdpbusd (unsigned x signed bytes, 4 input rows per
-// 32-bit lane): int8 weights, stored signed, are flipped to w + 128 as a block is packed into that layout
-// and 128 * sum(x) of the row's block is taken off, then the sum is scaled by the row's block scale and the
-// column's scale; int4 nibbles are unsigned already, and the block's sum becomes (sum * scale + sum(x) *
-// offset) * the row's block scale, as llama.cpp's Q4_1 x Q8_1 dot does. Elsewhere x is replaced by its
+// 32-bit lane): int8 weights, stored signed, are flipped to w + 128 as a block is read in that layout
+// (the sums start at -128 * sum(x) of the row's block), then the sum is scaled by the row's block scale,
+// and by the column's scale after the last block; int4 nibbles are unsigned already, and the block's sum
+// becomes (sum * scale + sum(x) * offset) * the row's block scale, as llama.cpp's Q4_1 x Q8_1 dot does.
+// The layout is the stacks' own where they lie in quad blocks (kernels_cpu.quad_block, which
+// jaxcb.model.quant.blocked_layers applies where the build has VNNI: each block of 32 columns one run, read
+// as it lies), else each slab of a block is packed into it first. Elsewhere x is replaced by its
 // quantized values and takes the float path, the same sums up to rounding.
 // Ranges of columns are the work items (shared with XLA's intra-op pool); within one, the reduction
 // goes in slabs of kKB rows of w, each slab in blocks of kNB columns (the block stays in L1 while every
@@ -85,6 +88,10 @@ struct Q4 {
   const uint16_t* scale;  // [G, N] float16 bits
   const uint16_t* offset;
   int64_t n, group;
+  // [N / kNB, K / 8, 4 kNB]: each block of columns one run of 8-row groups, byte i of a column's four
+  // holding input row 8g + i in its low nibble and 8g + 4 + i in its high one (kernels_cpu.quad_block):
+  // the two halves of a group are vpdpbusd's 4-row lanes once masked. Read only through the integer sums.
+  bool quads = false;
 };
 
 #ifndef JAXCB_PREFETCH_ROWS
@@ -355,7 +362,7 @@ inline void pack_block(const Q4& w, int64_t k0, int64_t kn, int64_t j, uint8_t* 
 //   int4: S * (group scale * x's block scale) + (sum_k q_x * x's block scale) * group offset (the block
 //         inside one group; folded so, the epilogue of a 32-value block took 17.0 ms where scaling the
 //         sum last took 21.1, 30 layers of 576 x 1536 at 128 rows, 2-core AMD EPYC Zen 4).
-template <int R, bool Flip, class W>
+template <int R, bool Quads, class W>
 inline void micro_vnni(const XQuant& x, const W& w, int64_t row0, int64_t k, int64_t k0, const uint8_t* buf,
                        int64_t kn, int64_t j, float* c, int64_t ldc, bool first, bool last) {
   static_assert(kNB == 32, "two 16-lane vectors of columns");
@@ -376,18 +383,31 @@ inline void micro_vnni(const XQuant& x, const W& w, int64_t row0, int64_t k, int
     for (int r = 0; r < R; ++r)  // int8: the sums start at -128 sum(x) (the flip of w), exact in int32
       acc[r][0] = acc[r][1] = q4 ? _mm512_setzero_si512() : _mm512_set1_epi32(-128 * x.sum[(row0 + r) * x.blocks + block]);
     const int64_t b1 = std::min(kn, b0 + x.block);
-    for (int64_t e = b0; e < b1; e += 4) {
-      __m512i w0 = _mm512_loadu_si512(buf + e * 32), w1 = _mm512_loadu_si512(buf + e * 32 + 64);
-      if constexpr (Flip) {  // quad blocks hold the signed values: flipped here, as pack_block does
-        const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
-        w0 = _mm512_xor_si512(w0, flip), w1 = _mm512_xor_si512(w1, flip);
-      }
+    // Input rows e .. e + 3 of the 32 columns (w0, w1: a 4-byte lane per column) into every row's sums.
+    const auto products = [&](__m512i w0, __m512i w1, int64_t e) __attribute__((always_inline)) {
       for (int r = 0; r < R; ++r) {
         int32_t four;
         std::memcpy(&four, xq + r * k + e, 4);
         const __m512i xb = _mm512_set1_epi32(four);
         acc[r][0] = jaxcb::dpbusd(acc[r][0], w0, xb);
         acc[r][1] = jaxcb::dpbusd(acc[r][1], w1, xb);
+      }
+    };
+    if constexpr (Quads && q4) {  // 128 bytes hold 8 input rows: 4 in the low nibbles, 4 in the high
+      const __m512i low = _mm512_set1_epi8(0x0F);
+      for (int64_t e = b0; e < b1; e += 8) {
+        const __m512i r0 = _mm512_loadu_si512(buf + e * 16), r1 = _mm512_loadu_si512(buf + e * 16 + 64);
+        products(_mm512_and_si512(r0, low), _mm512_and_si512(r1, low), e);
+        products(_mm512_and_si512(_mm512_srli_epi16(r0, 4), low), _mm512_and_si512(_mm512_srli_epi16(r1, 4), low), e + 4);
+      }
+    } else {
+      for (int64_t e = b0; e < b1; e += 4) {
+        __m512i w0 = _mm512_loadu_si512(buf + e * 32), w1 = _mm512_loadu_si512(buf + e * 32 + 64);
+        if constexpr (Quads) {  // int8 quad blocks hold the signed values: flipped here, as pack_block does
+          const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+          w0 = _mm512_xor_si512(w0, flip), w1 = _mm512_xor_si512(w1, flip);
+        }
+        products(w0, w1, e);
       }
     }
     const bool start = first && !b0, end = last && b0 + x.block >= kn;
@@ -414,21 +434,21 @@ inline void micro_vnni(const XQuant& x, const W& w, int64_t row0, int64_t k, int
 }
 
 // Every row of x over one slab of columns j .. j + 31 (buf: the slab's 4-row groups), kMR rows at a time.
-template <bool Flip, class W>
+template <bool Quads, class W>
 void rows_vnni(const XQuant& x, const W& w, const uint8_t* buf, float* c, int64_t m, int64_t k, int64_t n, int64_t k0,
                int64_t kn, int64_t j) {
   const bool first = k0 == 0, last = k0 + kn == k;
   int64_t m0 = 0;
-  for (; m0 + kMR <= m; m0 += kMR) micro_vnni<kMR, Flip>(x, w, m0, k, k0, buf, kn, j, c + m0 * n + j, n, first, last);
+  for (; m0 + kMR <= m; m0 += kMR) micro_vnni<kMR, Quads>(x, w, m0, k, k0, buf, kn, j, c + m0 * n + j, n, first, last);
   float* cm = c + m0 * n + j;
   switch (m - m0) {
-    case 1: micro_vnni<1, Flip>(x, w, m0, k, k0, buf, kn, j, cm, n, first, last); break;
-    case 2: micro_vnni<2, Flip>(x, w, m0, k, k0, buf, kn, j, cm, n, first, last); break;
-    case 3: micro_vnni<3, Flip>(x, w, m0, k, k0, buf, kn, j, cm, n, first, last); break;
-    case 4: micro_vnni<4, Flip>(x, w, m0, k, k0, buf, kn, j, cm, n, first, last); break;
-    case 5: micro_vnni<5, Flip>(x, w, m0, k, k0, buf, kn, j, cm, n, first, last); break;
-    case 6: micro_vnni<6, Flip>(x, w, m0, k, k0, buf, kn, j, cm, n, first, last); break;
-    case 7: micro_vnni<7, Flip>(x, w, m0, k, k0, buf, kn, j, cm, n, first, last); break;
+    case 1: micro_vnni<1, Quads>(x, w, m0, k, k0, buf, kn, j, cm, n, first, last); break;
+    case 2: micro_vnni<2, Quads>(x, w, m0, k, k0, buf, kn, j, cm, n, first, last); break;
+    case 3: micro_vnni<3, Quads>(x, w, m0, k, k0, buf, kn, j, cm, n, first, last); break;
+    case 4: micro_vnni<4, Quads>(x, w, m0, k, k0, buf, kn, j, cm, n, first, last); break;
+    case 5: micro_vnni<5, Quads>(x, w, m0, k, k0, buf, kn, j, cm, n, first, last); break;
+    case 6: micro_vnni<6, Quads>(x, w, m0, k, k0, buf, kn, j, cm, n, first, last); break;
+    case 7: micro_vnni<7, Quads>(x, w, m0, k, k0, buf, kn, j, cm, n, first, last); break;
     default: break;
   }
 }
@@ -457,16 +477,18 @@ constexpr int64_t kQuadAhead = JAXCB_QUAD_AHEAD;
 // Quad blocks: read where they lie, block after block, each down the whole of K (one run from memory
 // for the range; packing in place of it was a quarter of the time of SmolLM2's up projection at 32
 // rows, and its strided reads waited on memory, 2-core Zen 5).
-void column_range_quads(const XQuant& x, const Q8& w, float* c, int64_t m, int64_t k, int64_t n, int64_t n0,
+template <class W>
+void column_range_quads(const XQuant& x, const W& w, float* c, int64_t m, int64_t k, int64_t n, int64_t n0,
                         int64_t n1) {
+  constexpr int64_t per_row = std::is_same_v<W, Q4> ? kNB / 2 : kNB;  // a block's bytes per input row
   const uint8_t* q = reinterpret_cast<const uint8_t*>(w.q);
-  const uint8_t* end = q + (n1 / kNB) * k * kNB;
+  const uint8_t* end = q + (n1 / kNB) * k * per_row;
   for (int64_t j = n0; j < n1; j += kNB) {
-    const uint8_t* block = q + (j / kNB) * k * kNB;
+    const uint8_t* block = q + (j / kNB) * k * per_row;
     for (int64_t k0 = 0; k0 < k; k0 += kKB) {
-      const uint8_t* ahead = block + (k0 + kQuadAhead * kKB) * kNB;  // the slab kQuadAhead further on
-      for (int64_t b = 0; b < kKB * kNB && ahead + b < end; b += 64) __builtin_prefetch(ahead + b);
-      rows_vnni<true>(x, w, block + k0 * kNB, c, m, k, n, k0, std::min(kKB, k - k0), j);
+      const uint8_t* ahead = block + (k0 + kQuadAhead * kKB) * per_row;  // the slab kQuadAhead further on
+      for (int64_t b = 0; b < kKB * per_row && ahead + b < end; b += 64) __builtin_prefetch(ahead + b);
+      rows_vnni<true>(x, w, block + k0 * per_row, c, m, k, n, k0, std::min(kKB, k - k0), j);
     }
   }
 }
@@ -653,11 +675,10 @@ void run_a8(ffi::ThreadPool& pool, const float* a, const W& w, float* c, int64_t
             int64_t block) {
   const XQuant x = quantize_rows(a, m, k, block);
 #ifdef JAXCB_VNNI
-  if constexpr (std::is_same_v<W, Q8>)
-    if (w.quads) {
-      whole_columns(pool, m, k, n, [&](int64_t n0, int64_t n1) { column_range_quads(x, w, c, m, k, n, n0, n1); });
-      return;
-    }
+  if (w.quads) {
+    whole_columns(pool, m, k, n, [&](int64_t n0, int64_t n1) { column_range_quads(x, w, c, m, k, n, n0, n1); });
+    return;
+  }
   if (integer_sums(w, k, block)) {
     const int64_t whole =
         whole_columns(pool, m, k, n, [&](int64_t n0, int64_t n1) { column_range_vnni(x, w, c, m, k, n, n0, n1); });
@@ -796,7 +817,17 @@ ffi::Error Q4Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi
                   ffi::Buffer<ffi::F16> offset, ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> out,
                   int64_t act_block) {
   int64_t m, k, n, l;
-  if (auto e = shapes(x.dimensions(), q.dimensions(), 2, layer.typed_data()[0], m, k, n, l); e.failure()) return e;
+  auto xd = x.dimensions(), wd = q.dimensions();
+  const bool quads = wd.size() == 4;
+  if (quads) {  // [L, N / kNB, K / 8, 4 kNB]
+    if (xd.size() != 2 || wd[3] != 4 * kNB || xd[1] != 8 * wd[2])
+      return ffi::Error::InvalidArgument("layer_matmul: x [M, K] and int4 quad blocks w [L, N / B, K / 8, 4 B] with "
+                                         "B = kernels_cpu.block_columns()");
+    m = xd[0], k = xd[1], n = wd[1] * kNB, l = layer.typed_data()[0];
+    if (l < 0 || l >= wd[0]) return ffi::Error::InvalidArgument("layer_matmul: layer out of range");
+  } else if (auto e = shapes(xd, wd, 2, layer.typed_data()[0], m, k, n, l); e.failure()) {
+    return e;
+  }
   const int64_t groups = scale.dimensions()[1];
   if (scale.dimensions().size() != 3 || k % groups || (k / groups) % 2 || scale.dimensions()[2] != n)
     return ffi::Error::InvalidArgument("layer_matmul: int4 scale [L, G, N] with even groups dividing K");
@@ -804,10 +835,19 @@ ffi::Error Q4Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi
   const size_t at = static_cast<size_t>(l) * groups * n;
   const Q4 view{q.typed_data() + static_cast<size_t>(l) * (k / 2) * n,
                 reinterpret_cast<const uint16_t*>(scale.typed_data()) + at,
-                reinterpret_cast<const uint16_t*>(offset.typed_data()) + at, n, group};
+                reinterpret_cast<const uint16_t*>(offset.typed_data()) + at, n, group, quads};
   if (act_block < 0 || (act_block && (kKB % act_block || group % act_block)))
     return ffi::Error::InvalidArgument("layer_matmul: int8 activations with int4 weights are quantized in blocks "
                                        "that divide 128 and the weights' group");
+#ifdef JAXCB_VNNI
+  const bool vnni = true;
+#else
+  const bool vnni = false;
+#endif
+  if (quads && !(vnni && act_block && act_block % 8 == 0 && integer_sums(view, k, act_block)))
+    return ffi::Error::InvalidArgument("layer_matmul: int4 quad blocks are read only by VNNI's integer sums (int8 "
+                                       "activations in blocks of a multiple of 8 inside the groups; "
+                                       "kernels_cpu.vnni())");
   if (act_block)
     run_a8(pool, x.typed_data(), view, out->typed_data(), m, k, n, act_block);
   else
@@ -859,7 +899,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcbLayerMatmulInt4, Q4Impl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()   // x [M, K]
-                                  .Arg<ffi::Buffer<ffi::U8>>()    // q [L, K/2, N]
+                                  .Arg<ffi::Buffer<ffi::U8>>()    // q [L, K/2, N], or quads [L, N / kNB, K / 8, 4 kNB]
                                   .Arg<ffi::Buffer<ffi::F16>>()   // scale [L, G, N]
                                   .Arg<ffi::Buffer<ffi::F16>>()   // offset [L, G, N]
                                   .Arg<ffi::Buffer<ffi::S32>>()   // layer []

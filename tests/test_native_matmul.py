@@ -209,10 +209,10 @@ def test_the_native_step_with_quantized_weights_gives_the_plain_step_logits(weig
     params = params_from_numpy(quantize_weights(random_weights(config, seed=2), stored), mode=stored)
     if stored != weights:
         params = with_int8_activations(params)
-    # As the runner holds them where the native matmul reads them: bfloat16 in pair blocks, w8a8 in quad
-    # blocks (where the kernels have VNNI); both steps read these.
+    # As the runner holds them where the native matmul reads them: bfloat16 in pair blocks, w8a8 and w4a8 in
+    # quad blocks (where the kernels have VNNI); both steps read these.
     params = blocked_layers(params)
-    if weights == "w8a8" and kernels_cpu.vnni():
+    if weights in ("w8a8", "w4a8") and kernels_cpu.vnni():
         assert params.layers.w_up.layout == "quads" and params.layers.w_up.q.ndim == 4
         assert params.layers.w_up.shape == (config.num_layers, config.hidden_size, config.intermediate_size)
     s = 8
@@ -384,6 +384,21 @@ def test_int4_weights_with_int8_activations_sum_as_the_reference_does(m, k, n, g
     np.testing.assert_allclose(np.asarray(dense(jnp.asarray(x), one.replace(act_block=block))), want, **tol)
     if m > 2:
         assert not np.asarray(got)[1].any()
+    if n % kernels_cpu.block_columns() == 0 and k % 8 == 0 and block % 8 == 0:  # quad blocks (blocked_layers)
+        import jax
+
+        quads = jax.jit(kernels_cpu.quad_block)(jnp.asarray(qw.q))
+        assert quads.shape == (2, n // kernels_cpu.block_columns(), k // 8, 4 * kernels_cpu.block_columns())
+        layer = one.replace(q=quads[1], layout="quads", act_block=block)
+        assert layer.shape == (k, n)
+        np.testing.assert_array_equal(np.asarray(kernels_cpu.quad_unblock(quads[1])), qw.q[1])
+        np.testing.assert_allclose(np.asarray(dense(jnp.asarray(x), layer)), want, **tol)  # XLA's reading
+        if kernels_cpu.vnni():  # the same integer sums in the same order: the same bits
+            got_quads = kernels_cpu.layer_matmul(jnp.asarray(x), quads, 1, jnp.asarray(qw.scale),
+                                                 jnp.asarray(qw.offset), act_block=block)
+            np.testing.assert_array_equal(np.asarray(got_quads), np.asarray(got))
+        with pytest.raises(Exception, match="quad blocks are read only by VNNI"):  # float activations: refused
+            np.asarray(kernels_cpu.layer_matmul(jnp.asarray(x), quads, 1, jnp.asarray(qw.scale), jnp.asarray(qw.offset)))
 
 
 def test_an_engine_read_from_a_file_holds_its_blocked_weights_once(tmp_path, monkeypatch):

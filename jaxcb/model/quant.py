@@ -67,15 +67,16 @@ class QuantWeight:
     # each row of x quantized to int8 per ACT_BLOCK input values before the dot (model.activations =
     # "int8", quantize_activations).
     act_block: int = flax.struct.field(pytree_node=False, default=0)
-    # "quads": q int8 in the native w8a8 matmul's quad blocks [..., out / B, in / 4, 4 B]
-    # (kernels_cpu.quad_block; blocked_layers), read by XLA through quad_unblock; "": [..., in, out]
+    # "quads": q in the native w8a8 / w4a8 matmul's quad blocks, int8 [..., out / B, in / 4, 4 B], int4
+    # [..., out / B, in / 8, 4 B] (kernels_cpu.quad_block; blocked_layers), read by XLA through
+    # quad_unblock; "": [..., in, out] (int4: [..., in / 2, out])
     layout: str = flax.struct.field(pytree_node=False, default="")
 
     @property
     def shape(self) -> tuple[int, ...]:
         if self.layout == "quads":
-            *lead, blocks, quads, b4 = self.q.shape
-            return (*lead, 4 * quads, blocks * b4 // 4)
+            *lead, blocks, groups, b4 = self.q.shape
+            return (*lead, (4 if self.bits == 8 else 8) * groups, blocks * b4 // 4)
         rows = self.q.shape[-2] * (2 if self.bits == 4 else 1)
         return (*self.q.shape[:-2], rows, self.q.shape[-1])
 
@@ -264,8 +265,9 @@ def blocked_layers(params, release: bool = False):
     """params with each float32 layer stack [L, K, N] blocked for the native matmul ([L, N / B, K, B],
     kernels_cpu.block_stack) where B divides N, each bfloat16 one in pair blocks ([L, N / B, K / 2, 2 B],
     kernels_cpu.pair_block) where also K is even, each w8a8 one (int8 per column, int8 activations) in quad
-    blocks ([L, N / B, K / 4, 4 B], kernels_cpu.quad_block) where also 4 divides K and the kernels have VNNI
-    (the others stay as they are), one stack at a time. A step reads a blocked matrix natively or through
+    blocks ([L, N / B, K / 4, 4 B], kernels_cpu.quad_block) where also 4 divides K and the kernels have VNNI,
+    each w4a8 one so ([L, N / B, K / 8, 4 B]) where 8 divides K and the activations' block (the others stay
+    as they are), one stack at a time. A step reads a blocked matrix natively or through
     XLA (dense). `release`: each stack's buffer is freed once it is blocked (nobody else reads these
     params: the model is held once, not twice)."""
     import kernels_cpu
@@ -275,8 +277,9 @@ def blocked_layers(params, release: bool = False):
     layers = params.layers
     for name in MATRICES:
         w = getattr(layers, name)
-        if (isinstance(w, QuantWeight) and w.bits == 8 and w.act_block and not w.layout and w.q.ndim == 3
-                and w.scale.shape[-2] == 1 and w.q.shape[1] % 4 == 0 and w.q.shape[2] % b == 0 and kernels_cpu.vnni()):
+        if (isinstance(w, QuantWeight) and w.act_block and not w.layout and w.q.ndim == 3 and w.q.shape[2] % b == 0
+                and (w.scale.shape[-2] == 1 and w.shape[1] % 4 == 0 if w.bits == 8 else w.shape[1] % 8 == 0
+                     and w.act_block % 8 == 0) and kernels_cpu.vnni()):
             layers = dataclasses.replace(layers, **{name: w.replace(q=quads(w.q), layout="quads")})
             if release:
                 jax.block_until_ready(getattr(layers, name).q)
