@@ -200,15 +200,18 @@ def layer_matmul(x, w, layer, scale=None, offset=None, act_block=0):
     return call(x2, *operands, jnp.asarray(layer, jnp.int32), **attrs).reshape(*lead, n)
 
 
-def rows_matmul(x, rows, scale=None):
+def rows_matmul(x, rows, scale=None, act_block=0):
     """x [M, E] float32 @ rows [V, E]^T -> [M, V] float32: rows float32, bfloat16 (x rounded to bfloat16,
     the exact products summed in float32), or int8 with `scale` float32 [V, G] (a scale per E/G values of
-    each row)."""
+    each row); int8 rows with `act_block` = E/G (w8a8, w4a8): x's rows rounded to int8 per group first
+    (jaxcb.model.quant.quantize_activations) and each group's products summed as integers (VNNI)."""
     import jax
     import jax.numpy as jnp
+    import numpy as np
 
     assert available(), unavailable_reason()
     target, _ = ROWS_TARGETS[jnp.dtype(rows.dtype).name]
     operands = (rows,) if scale is None else (rows, scale)
     call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((x.shape[0], rows.shape[0]), jnp.float32))
-    return call(x.astype(jnp.float32), *operands)
+    attrs = {"act_block": np.int64(act_block)} if scale is not None else {}
+    return call(x.astype(jnp.float32), *operands, **attrs)

@@ -27,7 +27,7 @@ log = logging.getLogger("jaxcb.kernels_cpu")
 
 HERE = Path(__file__).parent
 SOURCES = [HERE / "paged_attention.cc", HERE / "matmul.cc", HERE / "head.cc"]
-HEADERS = [HERE / "parallel.h", HERE / "vec.h"]
+HEADERS = [HERE / "int8.h", HERE / "parallel.h", HERE / "vec.h"]
 
 
 def cpu_flags() -> set[str]:

@@ -23,6 +23,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "int8.h"
 #include "parallel.h"
 #include "vec.h"
 #include "xla/ffi/api/ffi.h"
@@ -288,6 +289,169 @@ void run_dpbf16(ffi::ThreadPool& pool, const float* xr, const uint16_t* w, float
 }
 #endif
 
+// --- int8 rows against int8 activations (w8a8 / w4a8: jaxcb.model.quant.QuantRows.act_block) ---
+// x's rows rounded to int8 per group of the rows' scales (quantize_block), so each group's products are
+// integers: sum_g sx[m, g] sw[v, g] S[m, v, g], S = sum over the group of qx qw, summed in int32 (VNNI)
+// and scaled once a group (the tiles, and row_int8 for the vocabulary's last rows). Below kTiledInt8 rows
+// of x, and without VNNI, x's rounded values take the float path (the same values up to rounding).
+struct XGroups {
+  std::vector<int8_t> q;      // [M, E]
+  std::vector<float> scale;   // [M, G]
+  std::vector<int32_t> sum;   // [M, G]
+};
+
+XGroups quantize_groups(const float* x, int64_t m, int64_t e, int64_t groups) {
+  const int64_t group = e / groups;
+  XGroups out{std::vector<int8_t>(m * e), std::vector<float>(m * groups), std::vector<int32_t>(m * groups)};
+  for (int64_t i = 0; i < m; ++i)
+    for (int64_t g = 0; g < groups; ++g)
+      jaxcb::quantize_block(x + i * e + g * group, group, out.q.data() + i * e + g * group, out.scale[i * groups + g],
+                            out.sum[i * groups + g]);
+  return out;
+}
+
+// out[row, v] for one vocabulary row, the integer way (the vocabulary's rows past the last whole tile).
+inline void row_int8(const XGroups& x, const Q8Rows& w, float* out, int64_t m, int64_t nv, int64_t e, int64_t v) {
+  for (int64_t row = 0; row < m; ++row) {
+    float f = 0.0f;
+    for (int64_t g = 0; g < w.groups; ++g) {
+      int32_t sum = 0;
+      for (int64_t i = g * w.group; i < (g + 1) * w.group; ++i) sum += int32_t{x.q[row * e + i]} * w.q[v * e + i];
+      f = std::fma(static_cast<float>(sum), x.scale[row * w.groups + g] * w.scale[v * w.groups + g], f);
+    }
+    out[row * nv + v] = f;
+  }
+}
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+// The tiles' lanes are 16 rows of x (padded): from kTiledInt8 rows on. SmolLM2's head at 1 / 8 / 16 / 32 /
+// 64 rows: 1.44 / 1.53 / 1.61 / 2.34 / 4.46 ms, the float path 0.59 / 1.58 / 3.08 / 4.56 / 8.26 (2-core Zen 5).
+#ifndef HEAD_TILED_INT8
+#define HEAD_TILED_INT8 8
+#endif
+constexpr int64_t kTiledInt8 = HEAD_TILED_INT8;
+// Vocabulary rows per tile (dividing kItem).
+#ifndef HEAD_TR_INT8
+#define HEAD_TR_INT8 4
+#endif
+constexpr int kTRI = HEAD_TR_INT8;
+static_assert(kItem % kTRI == 0, "work items of whole tiles");
+#ifndef HEAD_AHEAD_INT8
+#define HEAD_AHEAD_INT8 2
+#endif
+constexpr int64_t kAheadInt8 = HEAD_AHEAD_INT8;
+
+// x transposed for vpdpbusd: lanes are rows of x (mp, padded with zeros), each 32-bit lane four
+// consecutive values of its row; the group scales and 128 x the group sums [G, mp] beside.
+struct XLanes {
+  std::vector<int32_t> q;      // [E / 4, mp]
+  std::vector<float> scale;    // [G, mp]
+  std::vector<int32_t> minus;  // [G, mp]: -128 sum(q), where each group's integer sum starts
+  int64_t mp;
+};
+
+XLanes lanes_of(const XGroups& x, int64_t m, int64_t e, int64_t groups) {
+  XLanes t;
+  t.mp = (m + kLanes - 1) / kLanes * kLanes;
+  t.q.assign(e / 4 * t.mp, 0), t.scale.assign(groups * t.mp, 0.0f), t.minus.assign(groups * t.mp, 0);
+  for (int64_t row = 0; row < m; ++row) {
+    for (int64_t p = 0; p < e / 4; ++p) std::memcpy(&t.q[p * t.mp + row], &x.q[row * e + 4 * p], 4);
+    for (int64_t g = 0; g < groups; ++g) {
+      t.scale[g * t.mp + row] = x.scale[row * groups + g];
+      t.minus[g * t.mp + row] = -128 * x.sum[row * groups + g];
+    }
+  }
+  return t;
+}
+
+// The tile's kTRI vocabulary rows (flipped to unsigned: w + 128, hence the -128 sum(qx) start) against NV
+// vectors of x's rows at m0.
+template <int NV>
+inline void tile_int8(const uint8_t* rows, const float* wscale, const XLanes& x, int64_t e, int64_t groups,
+                      int64_t group, int64_t m0, __m512 (&f)[kTRI][2]) {
+  for (int r = 0; r < kTRI; ++r)
+    for (int i = 0; i < NV; ++i) f[r][i] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512i acc[kTRI][NV];
+    for (int i = 0; i < NV; ++i) {
+      const __m512i start = _mm512_loadu_si512(x.minus.data() + g * x.mp + m0 + i * kLanes);
+      for (int r = 0; r < kTRI; ++r) acc[r][i] = start;
+    }
+    for (int64_t p = g * group / 4; p < (g + 1) * group / 4; ++p) {
+      __m512i xv[NV];
+      for (int i = 0; i < NV; ++i) xv[i] = _mm512_loadu_si512(x.q.data() + p * x.mp + m0 + i * kLanes);
+      for (int r = 0; r < kTRI; ++r) {
+        int32_t four;
+        std::memcpy(&four, rows + r * e + 4 * p, 4);
+        const __m512i wb = _mm512_set1_epi32(four);
+        for (int i = 0; i < NV; ++i) acc[r][i] = jaxcb::dpbusd(acc[r][i], wb, xv[i]);
+      }
+    }
+    for (int r = 0; r < kTRI; ++r) {
+      const __m512 sw = _mm512_set1_ps(wscale[r * groups + g]);
+      for (int i = 0; i < NV; ++i) {
+        const __m512 sx = _mm512_loadu_ps(x.scale.data() + g * x.mp + m0 + i * kLanes);
+        f[r][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][i]), _mm512_mul_ps(sx, sw), f[r][i]);
+      }
+    }
+  }
+}
+
+void vocab_range_int8(const XLanes& x, const XGroups& xg, const Q8Rows& w, float* out, int64_t m, int64_t nv,
+                      int64_t e, int64_t v0, int64_t v1) {
+  std::vector<uint8_t> rows(kTRI * e);
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  int64_t v = v0;
+  for (; v + kTRI <= v1; v += kTRI) {
+    const int64_t ahead = v + kAheadInt8 * kTRI;  // the rows kAheadInt8 tiles on (within the table), asked for
+    if (ahead + kTRI <= nv)                         // now: a tile's reading waited on them for a third of its time
+      for (int64_t b = 0; b < kTRI * e; b += 64) __builtin_prefetch(w.q + ahead * e + b);
+    for (int64_t b = 0; b < kTRI * e; b += 64) {  // the tile's rows (one run) flipped to unsigned bytes
+      const __mmask64 mask = kTRI * e - b >= 64 ? ~__mmask64{0} : (__mmask64{1} << (kTRI * e - b)) - 1;
+      _mm512_mask_storeu_epi8(rows.data() + b, mask, _mm512_xor_si512(_mm512_maskz_loadu_epi8(mask, w.q + v * e + b), flip));
+    }
+    const float* wscale = w.scale + v * w.groups;
+    for (int64_t m0 = 0; m0 < x.mp; m0 += 2 * kLanes) {
+      __m512 f[kTRI][2];
+      const int nvec = x.mp - m0 >= 2 * kLanes ? 2 : 1;
+      if (nvec == 2)
+        tile_int8<2>(rows.data(), wscale, x, e, w.groups, w.group, m0, f);
+      else
+        tile_int8<1>(rows.data(), wscale, x, e, w.groups, w.group, m0, f);
+      for (int i = 0; i < nvec; ++i) {
+        alignas(64) float lanes[kTRI][kLanes];
+        for (int r = 0; r < kTRI; ++r) _mm512_store_ps(lanes[r], f[r][i]);
+        for (int j = 0; j < kLanes; ++j) {
+          const int64_t row = m0 + i * kLanes + j;
+          if (row >= m) break;
+          for (int r = 0; r < kTRI; ++r) out[row * nv + v + r] = lanes[r][j];
+        }
+      }
+    }
+  }
+  for (; v < v1; ++v) row_int8(xg, w, out, m, nv, e, v);
+}
+#endif
+
+// x [M, E] against int8 rows with x rounded to int8 per group of the rows' scales.
+void run_int8(ffi::ThreadPool& pool, const float* xf, const Q8Rows& w, float* out, int64_t m, int64_t nv, int64_t e,
+              int64_t e16) {
+  const XGroups x = quantize_groups(xf, m, e, w.groups);
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  if (m >= kTiledInt8 && w.group % 4 == 0) {
+    const XLanes t = lanes_of(x, m, e, w.groups);
+    jaxcb::parallel_for(pool, (nv + kItem - 1) / kItem, true, [&](int64_t i) {
+      vocab_range_int8(t, x, w, out, m, nv, e, i * kItem, std::min(nv, (i + 1) * kItem));
+    });
+    return;
+  }
+#endif
+  std::vector<float> rounded(m * e);
+  for (int64_t i = 0; i < m; ++i)
+    for (int64_t k = 0; k < e; ++k) rounded[i * e + k] = x.q[i * e + k] * x.scale[i * w.groups + k / w.group];
+  run(pool, rounded.data(), w, out, m, nv, e, e16);
+}
+
 ffi::Error check(ffi::Span<const int64_t> xd, ffi::Span<const int64_t> wd) {
   if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[1])
     return ffi::Error::InvalidArgument("rows_matmul: x [M, E] and rows [V, E]");
@@ -322,18 +486,25 @@ ffi::Error BF16Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<f
 }
 
 ffi::Error Q8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> rows, ffi::Buffer<ffi::F32> scale,
-                  ffi::ResultBuffer<ffi::F32> out) {
+                  ffi::ResultBuffer<ffi::F32> out, int64_t act_block) {
   if (auto err = check(x.dimensions(), rows.dimensions()); err.failure()) return err;
   const int64_t m = x.dimensions()[0], e = x.dimensions()[1], nv = rows.dimensions()[0];
   auto sd = scale.dimensions();
   if (sd.size() != 2 || sd[0] != nv || sd[1] < 1 || e % sd[1])
     return ffi::Error::InvalidArgument("rows_matmul: int8 scale [V, G] with G dividing E");
   const int64_t groups = sd[1], group = e / groups;
+  if (act_block && act_block != group)
+    return ffi::Error::InvalidArgument("rows_matmul: int8 activations are rounded per group of the rows' scales "
+                                       "(act_block = E / G)");
+  const int shift = (group & (group - 1)) == 0 ? __builtin_ctzll(static_cast<uint64_t>(group)) : -1;
+  const Q8Rows w{rows.typed_data(), scale.typed_data(), e, groups, group, shift};
   // Vectors of 16 must not straddle two groups; where they would, the whole row goes the scalar way.
   const int64_t e16 = (groups == 1 || group % kLanes == 0) ? e / kLanes * kLanes : 0;
-  const int shift = (group & (group - 1)) == 0 ? __builtin_ctzll(static_cast<uint64_t>(group)) : -1;
-  run(pool, x.typed_data(), Q8Rows{rows.typed_data(), scale.typed_data(), e, groups, group, shift}, out->typed_data(), m, nv,
-      e, e16);
+  if (act_block) {
+    run_int8(pool, x.typed_data(), w, out->typed_data(), m, nv, e, e16);
+    return ffi::Error::Success();
+  }
+  run(pool, x.typed_data(), w, out->typed_data(), m, nv, e, e16);
   return ffi::Error::Success();
 }
 
@@ -359,4 +530,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcbRowsMatmulInt8, Q8Impl,
                                   .Arg<ffi::Buffer<ffi::F32>>()   // x [M, E]
                                   .Arg<ffi::Buffer<ffi::S8>>()    // rows [V, E]
                                   .Arg<ffi::Buffer<ffi::F32>>()   // scale [V, G]
-                                  .Ret<ffi::Buffer<ffi::F32>>());  // out [M, V]
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // out [M, V]
+                                  .Attr<int64_t>("act_block"));   // 0, or x rounded to int8 per group (E / G)

@@ -44,6 +44,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "int8.h"
 #include "parallel.h"
 #include "vec.h"
 #include "xla/ffi/api/ffi.h"
@@ -56,6 +57,7 @@ using jaxcb::kLanes;
 using jaxcb::vf;
 using jaxcb::vload;
 using jaxcb::vstore;
+using jaxcb::quantize_block;
 constexpr int kNV = 2;                // vectors of columns per block
 constexpr int kNB = kNV * kLanes;     // columns per block
 constexpr int kMR = 8;                // rows of x per micro-kernel call
@@ -290,41 +292,6 @@ struct XQuant {
   int64_t block, blocks;
 };
 
-// One block of n values: q = round(x * 127 / max |x|) (half to even), its scale max |x| / 127 and sum(q).
-#ifdef __AVX512F__
-inline void quantize_block(const float* x, int64_t n, int8_t* q, float& scale, int32_t& sum) {
-  const auto mask = [n](int64_t e) {
-    return n - e >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (n - e)) - 1);
-  };
-  __m512 amax = _mm512_setzero_ps();
-  for (int64_t e = 0; e < n; e += 16) amax = _mm512_max_ps(amax, _mm512_abs_ps(_mm512_maskz_loadu_ps(mask(e), x + e)));
-  const float top = _mm512_reduce_max_ps(amax);
-  const __m512 inv = _mm512_set1_ps(top > 0.0f ? 127.0f / top : 0.0f);
-  __m512i total = _mm512_setzero_si512();
-  for (int64_t e = 0; e < n; e += 16) {
-    const __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_maskz_loadu_ps(mask(e), x + e), inv));
-    total = _mm512_add_epi32(total, v);
-    _mm512_mask_cvtsepi32_storeu_epi8(q + e, mask(e), v);
-  }
-  scale = top / 127.0f;
-  sum = _mm512_reduce_add_epi32(total);
-}
-#else
-inline void quantize_block(const float* x, int64_t n, int8_t* q, float& scale, int32_t& sum) {
-  float top = 0.0f;
-  for (int64_t e = 0; e < n; ++e) top = std::max(top, std::fabs(x[e]));
-  const float inv = top > 0.0f ? 127.0f / top : 0.0f;
-  int32_t total = 0;
-  for (int64_t e = 0; e < n; ++e) {
-    const int32_t v = static_cast<int32_t>(std::nearbyint(x[e] * inv));
-    q[e] = static_cast<int8_t>(v);
-    total += v;
-  }
-  scale = top / 127.0f;
-  sum = total;
-}
-#endif
-
 inline XQuant quantize_rows(const float* a, int64_t m, int64_t k, int64_t block) {
   XQuant x;
   x.block = block, x.blocks = (k + block - 1) / block;
@@ -363,14 +330,6 @@ inline void pack_four(__m256i r0, __m256i r1, __m256i r2, __m256i r3, uint8_t* b
   _mm256_storeu_si256(out + 1, _mm256_permute2x128_si256(c8, c12, 0x20));
   _mm256_storeu_si256(out + 2, _mm256_permute2x128_si256(c0, c4, 0x31));
   _mm256_storeu_si256(out + 3, _mm256_permute2x128_si256(c8, c12, 0x31));
-}
-
-// acc += the four byte products of each 32-bit lane (u unsigned, s signed), in place: through the
-// intrinsic, GCC 12 copied every accumulator to another register each step (as many moves as products,
-// SmolLM2's up projection at 32 rows 1.3x slower).
-inline __m512i dpbusd(__m512i acc, __m512i u, __m512i s) {
-  asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(u), "v"(s));
-  return acc;
 }
 
 inline __m256i load32(const void* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
@@ -430,8 +389,8 @@ inline void micro_vnni(const XQuant& x, const W& w, int64_t row0, int64_t k, int
         int32_t four;
         std::memcpy(&four, xq + r * k + e, 4);
         const __m512i xb = _mm512_set1_epi32(four);
-        acc[r][0] = dpbusd(acc[r][0], w0, xb);
-        acc[r][1] = dpbusd(acc[r][1], w1, xb);
+        acc[r][0] = jaxcb::dpbusd(acc[r][0], w0, xb);
+        acc[r][1] = jaxcb::dpbusd(acc[r][1], w1, xb);
       }
     };
     if constexpr (Quads && q4) {  // 128 bytes hold 8 input rows: 4 in the low nibbles, 4 in the high

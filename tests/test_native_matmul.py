@@ -145,6 +145,45 @@ def test_rows_matmul_matches_numpy(m, v, e, group):
                                atol=1e-5 * np.sqrt(e))
 
 
+@pytest.mark.parametrize("m,v,e,group", [(1, 37, 576, 32), (7, 1027, 576, 32), (8, 300, 64, 32), (33, 523, 96, 32),
+                                         (17, 9, 40, 40), (3, 20, 12, 4), (12, 260, 48, 16)])
+def test_int8_head_with_int8_activations_sums_integers(m, v, e, group):
+    """w8a8's tied head (QuantRows.act_block): x's rows rounded to int8 per group of the table's scales,
+    each group's integer sums scaled by both scales. The kernel (VNNI's tiles from 8 rows of x, padded to
+    16 lanes, the vocabulary's rows past the 4-row tiles and 256-row items the integer way one at a time;
+    fewer rows, and builds without VNNI, the float path over the rounded values) and the plain-JAX head
+    (head_logits: quantize_activations, then the dequantized table) against the reference in float64: an
+    outlier channel, a zero row; a block that is not the table's group refused."""
+    import jax
+    import jax.numpy as jnp
+
+    import kernels_cpu
+    from jaxcb.model.quant import _rows, head_logits, quantize_activations, quantize_rows
+
+    rng = np.random.default_rng(m * 7 + v + e)
+    x = rng.standard_normal((m, e)).astype(np.float32)
+    x[:, 1] *= 25
+    if m > 2:
+        x[2] = 0.0
+    quant = jax.tree.map(jnp.asarray, quantize_rows(rng.standard_normal((v, e)).astype(np.float32), group))
+    dense = np.asarray(_rows(quant, quant.q, quant.scale, jnp.float32), np.float64)
+    rounded = np.asarray(quantize_activations(jnp.asarray(x), group), np.float64)
+    want = rounded @ dense.T
+    tol = dict(rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    got = np.asarray(jax.jit(kernels_cpu.rows_matmul, static_argnames="act_block")(
+        jnp.asarray(x), quant.q, quant.scale, act_block=group))
+    np.testing.assert_allclose(got, want, **tol)
+    assert np.abs(got - np.asarray(x, np.float64) @ dense.T).max() > 1e-4 * np.abs(want).max()  # x was rounded
+    if m > 2:
+        assert not got[2].any()
+    head = quant.replace(act_block=group)
+    np.testing.assert_allclose(np.asarray(head_logits(jnp.asarray(x), head, None)), want, **tol)
+    np.testing.assert_allclose(np.asarray(head_logits(jnp.asarray(x), head, None, native=True)), got, rtol=0, atol=0)
+    if e // group > 1:
+        with pytest.raises(Exception, match="per group of the rows' scales"):
+            np.asarray(kernels_cpu.rows_matmul(jnp.asarray(x), quant.q, quant.scale, act_block=2 * group))
+
+
 @pytest.mark.parametrize("weights,tied", [("int8", True), ("int8", False), ("int4", True), ("w8a8", True),
                                           ("w8a8", False), ("w4a8", True), ("bfloat16", True)])
 def test_the_native_step_with_quantized_weights_gives_the_plain_step_logits(weights, tied):

@@ -25,7 +25,8 @@ up and one output column of the head, and the head stays at 8 bits as llama.cpp 
 Quantization happens once, on the host in numpy, from the float weights the loaders give (at load,
 or by `jaxcb convert --weights`). The activations, the KV cache and the logits keep the compute dtype,
 unless `[model] activations = "int8"` (--activations int8, with int8 weights per column or int4 weights):
-then each row of x entering a layer matrix is rounded to int8 per 32 consecutive values (scale max |x| /
+then each row of x entering a layer matrix (and the output head, where it is int8 per column or the int8
+embedding: with_int8_activations) is rounded to int8 per 32 consecutive values (scale max |x| /
 127, half to even) and the dot sums integer products (VNNI's vpdpbusd in the native CPU kernel; plain JAX
 computes the same values in floats), scaled by the row's block scale and the column's scale ("w8a8"), or,
 for int4, by the group's scale with the group's offset times the block's sum ("w4a8", as llama.cpp's
@@ -91,6 +92,9 @@ class QuantRows:
 
     q: jax.Array
     scale: jax.Array
+    # The tied head's input rows rounded to int8 per group of the scales (= E / G) before its dot (w8a8,
+    # w4a8: with_int8_activations); 0 = float. The rows looked up by token are as they are either way.
+    act_block: int = flax.struct.field(pytree_node=False, default=0)
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -206,8 +210,10 @@ def quantize_activations(x: jax.Array, block: int = ACT_BLOCK) -> jax.Array:
 
 
 def with_int8_activations(params, block: int = ACT_BLOCK):
-    """The params with every layer matrix set to quantize its input rows (model.activations = "int8");
-    refuses weights that are neither int8 with one scale per column nor int4 in groups of a multiple of
+    """The params with every layer matrix set to quantize its input rows (model.activations = "int8"), and
+    the output head too where it is int8 per column (untied) or the int8 embedding with a scale per `block`
+    values (tied: a GGUF's Q8_0 table, or ours), as llama.cpp multiplies its Q8_0 output by Q8 activations;
+    refuses layer weights that are neither int8 with one scale per column nor int4 in groups of a multiple of
     `block`, naming the matrix."""
     layers = params.layers
     changes = {}
@@ -222,7 +228,14 @@ def with_int8_activations(params, block: int = ACT_BLOCK):
                              f"(--weights int4); {name} is "
                              f"{'int%d in groups' % w.bits if isinstance(w, QuantWeight) else jnp.dtype(w.dtype).name}")
         changes[name] = w.replace(act_block=block)
-    return params.replace(layers=layers.replace(**changes))
+    params = params.replace(layers=layers.replace(**changes))
+    embed, lm_head = params.embed, params.lm_head
+    if (lm_head is None and isinstance(embed, QuantRows) and embed.scale.dtype == jnp.float32
+            and embed.q.shape[-1] == block * embed.scale.shape[-1]):
+        params = params.replace(embed=embed.replace(act_block=block))
+    if isinstance(lm_head, QuantWeight) and lm_head.bits == 8 and lm_head.scale.shape[-2] == 1:
+        params = params.replace(lm_head=lm_head.replace(act_block=block))
+    return params
 
 
 @dataclasses.dataclass(frozen=True)
@@ -342,11 +355,12 @@ def head_logits(last: jax.Array, embed, lm_head, native: bool = False) -> jax.Ar
     one-layer stack) where XLA dequantizes the whole table first; a bfloat16 tied embedding (x rounded to
     bfloat16 on every path, XLA's too, as the layers' bfloat16 matmuls round theirs; the rows read as
     they are), and a float32 one for up to NATIVE_F32_HEAD_ROWS rows, read in place of XLA's dot against
-    its transpose."""
+    its transpose. An int8 head with act_block (w8a8, w4a8) multiplies `last` rounded to int8 per block
+    (the kernels sum the integers)."""
     if native and lm_head is None and isinstance(embed, QuantRows) and embed.scale.dtype == jnp.float32:
         import kernels_cpu
 
-        return kernels_cpu.rows_matmul(last, embed.q, embed.scale)
+        return kernels_cpu.rows_matmul(last, embed.q, embed.scale, act_block=embed.act_block)
     if (native and lm_head is None and not isinstance(embed, QuantRows)
             and (embed.dtype == jnp.bfloat16 or embed.dtype == jnp.float32 and last.shape[0] <= NATIVE_F32_HEAD_ROWS)):
         import kernels_cpu
@@ -356,7 +370,10 @@ def head_logits(last: jax.Array, embed, lm_head, native: bool = False) -> jax.Ar
         import kernels_cpu
 
         one = jax.tree.map(lambda a: a[None], lm_head)
-        return kernels_cpu.layer_matmul(last, one.q, 0, one.scale, one.offset)
+        return kernels_cpu.layer_matmul(last, one.q, 0, one.scale, one.offset, act_block=lm_head.act_block)
+    head = lm_head if lm_head is not None else embed
+    if getattr(head, "act_block", 0):
+        last = quantize_activations(last, head.act_block)
     if lm_head is not None:
         if isinstance(lm_head, QuantWeight):
             return (jnp.dot(last, lm_head.q.astype(last.dtype), preferred_element_type=jnp.float32)
