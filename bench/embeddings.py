@@ -144,7 +144,7 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m", help="jaxcb's --model")
     ap.add_argument("--config", default=None, help="jaxcb's --config (default: its own)")
-    ap.add_argument("--jaxcb-args", default="", help="more of jaxcb serve's flags, e.g. '--weights w8a8'")
+    ap.add_argument("--jaxcb-args", default="", help="more of jaxcb serve's flags, e.g. '--weights int8 --activations int8'")
     ap.add_argument("--inputs", type=int, default=256)
     ap.add_argument("--min-tokens", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=256)
