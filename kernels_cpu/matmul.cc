@@ -494,6 +494,13 @@ void column_range_quads(const XQuant& x, const W& w, float* c, int64_t m, int64_
 }
 #endif
 
+// Whether this build sums int8 products with VNNI (and so reads quad blocks).
+#ifdef JAXCB_VNNI
+constexpr bool kVnni = true;
+#else
+constexpr bool kVnni = false;
+#endif
+
 
 // --- bfloat16 weights ---
 // Every path multiplies x rounded to bfloat16 (to nearest even) by the bfloat16 weights: the products are
@@ -797,12 +804,7 @@ ffi::Error Q8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi
                 n, group, quads};
   if (act_block < 0 || (act_block && kKB % act_block))
     return ffi::Error::InvalidArgument("layer_matmul: int8 activations are quantized in blocks that divide 128");
-#ifdef JAXCB_VNNI
-  const bool vnni = true;
-#else
-  const bool vnni = false;
-#endif
-  if (quads && !(vnni && act_block && integer_sums(view, k, act_block)))
+  if (quads && !(kVnni && act_block && integer_sums(view, k, act_block)))
     return ffi::Error::InvalidArgument("layer_matmul: int8 quad blocks are read only by VNNI's integer sums (int8 "
                                        "activations in blocks of a multiple of 4, one scale per column; "
                                        "kernels_cpu.vnni())");
@@ -839,12 +841,7 @@ ffi::Error Q4Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi
   if (act_block < 0 || (act_block && (kKB % act_block || group % act_block)))
     return ffi::Error::InvalidArgument("layer_matmul: int8 activations with int4 weights are quantized in blocks "
                                        "that divide 128 and the weights' group");
-#ifdef JAXCB_VNNI
-  const bool vnni = true;
-#else
-  const bool vnni = false;
-#endif
-  if (quads && !(vnni && act_block && act_block % 8 == 0 && integer_sums(view, k, act_block)))
+  if (quads && !(kVnni && act_block && act_block % 8 == 0 && integer_sums(view, k, act_block)))
     return ffi::Error::InvalidArgument("layer_matmul: int4 quad blocks are read only by VNNI's integer sums (int8 "
                                        "activations in blocks of a multiple of 8 inside the groups; "
                                        "kernels_cpu.vnni())");
@@ -869,13 +866,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcbLayerMatmul, F32Impl,
 extern "C" int64_t JaxcbMatmulBlockColumns() { return kNB; }
 
 // Whether the build sums int8 products with AVX-512 VNNI (and so reads int8 quad blocks).
-extern "C" int64_t JaxcbMatmulVnni() {
-#ifdef JAXCB_VNNI
-  return 1;
-#else
-  return 0;
-#endif
-}
+extern "C" int64_t JaxcbMatmulVnni() { return kVnni; }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcbLayerMatmulBF16, BF16Impl,
                               ffi::Ffi::Bind()
