@@ -216,6 +216,23 @@ void run(ffi::ThreadPool& pool, const float* x, const R& w, float* out, int64_t 
   });
 }
 
+#if defined(__AVX512F__)
+// A tile of R vocabulary rows x nvec vectors of x's rows (lanes) into out [M, V] at (m0, v), transposed;
+// the padding rows past m dropped.
+template <int R>
+inline void store_tile(const __m512 (&acc)[R][2], int nvec, float* out, int64_t m, int64_t m0, int64_t nv, int64_t v) {
+  for (int i = 0; i < nvec; ++i) {
+    alignas(64) float lanes[R][kLanes];
+    for (int r = 0; r < R; ++r) _mm512_store_ps(lanes[r], acc[r][i]);
+    for (int j = 0; j < kLanes; ++j) {
+      const int64_t row = m0 + i * kLanes + j;
+      if (row >= m) break;
+      for (int r = 0; r < R; ++r) out[row * nv + v + r] = lanes[r][j];
+    }
+  }
+}
+#endif
+
 #if defined(__AVX512BF16__)
 // bfloat16 rows with kTiledBF16 rows of x or more: x's values in pairs along E, transposed ([E / 2, mp] 32-bit
 // lanes), and each pair of a vocabulary row broadcast against them, vdpbf16ps summing a lane's two
@@ -258,15 +275,7 @@ void vocab_range_dpbf16(const uint32_t* xt, const uint16_t* w, const float* xr, 
         tile_dpbf16<2>(w + v * e, e, xt, mp, m0, acc);
       else
         tile_dpbf16<1>(w + v * e, e, xt, mp, m0, acc);
-      for (int i = 0; i < nvec; ++i) {
-        alignas(64) float lanes[kTR][kLanes];
-        for (int r = 0; r < kTR; ++r) _mm512_store_ps(lanes[r], acc[r][i]);
-        for (int j = 0; j < kLanes; ++j) {
-          const int64_t row = m0 + i * kLanes + j;
-          if (row >= m) break;
-          for (int r = 0; r < kTR; ++r) out[row * nv + v + r] = lanes[r][j];
-        }
-      }
+      store_tile(acc, nvec, out, m, m0, nv, v);
     }
   for (; v < v1; ++v)  // the last rows of the range, one at a time
     for (int64_t row = 0; row < m; ++row) {
@@ -418,15 +427,7 @@ void vocab_range_int8(const XLanes& x, const XGroups& xg, const Q8Rows& w, float
         tile_int8<2>(rows.data(), wscale, x, e, w.groups, w.group, m0, f);
       else
         tile_int8<1>(rows.data(), wscale, x, e, w.groups, w.group, m0, f);
-      for (int i = 0; i < nvec; ++i) {
-        alignas(64) float lanes[kTRI][kLanes];
-        for (int r = 0; r < kTRI; ++r) _mm512_store_ps(lanes[r], f[r][i]);
-        for (int j = 0; j < kLanes; ++j) {
-          const int64_t row = m0 + i * kLanes + j;
-          if (row >= m) break;
-          for (int r = 0; r < kTRI; ++r) out[row * nv + v + r] = lanes[r][j];
-        }
-      }
+      store_tile(f, nvec, out, m, m0, nv, v);
     }
   }
   for (; v < v1; ++v) row_int8(xg, w, out, m, nv, e, v);

@@ -41,6 +41,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -718,6 +719,18 @@ ffi::Error shapes(ffi::Span<const int64_t> xd, ffi::Span<const int64_t> wd, int6
   return ffi::Error::Success();
 }
 
+// Checks x [M, K] and quad blocks [L, N / kNB, K / rows, 4 kNB] (rows: the input rows a block's 4-byte lanes
+// hold, 4 for int8 and 8 for int4) and the layer; sets m, k, n, l.
+ffi::Error quad_shapes(ffi::Span<const int64_t> xd, ffi::Span<const int64_t> wd, int64_t rows, int32_t layer,
+                       int64_t& m, int64_t& k, int64_t& n, int64_t& l) {
+  if (xd.size() != 2 || wd.size() != 4 || wd[3] != 4 * kNB || xd[1] != rows * wd[2])
+    return ffi::Error::InvalidArgument("layer_matmul: x [M, K] and quad blocks w [L, N / B, K / " + std::to_string(rows) +
+                                       ", 4 B] with B = kernels_cpu.block_columns()");
+  m = xd[0], k = xd[1], n = wd[1] * kNB, l = layer;
+  if (l < 0 || l >= wd[0]) return ffi::Error::InvalidArgument("layer_matmul: layer out of range");
+  return ffi::Error::Success();
+}
+
 // --- float32, one row of x: each row of w read as one run ---
 // Decode of one sequence is bound by reading the weights. The tile above reads a 32-column block of w
 // down its rows, 128 bytes a row a page apart, where the hardware prefetchers do not follow; here a work
@@ -785,17 +798,11 @@ ffi::Error BF16Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<f
 ffi::Error Q8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> q, ffi::Buffer<ffi::F32> scale,
                   ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> out, int64_t act_block) {
   int64_t m, k, n, l;
-  auto xd = x.dimensions(), wd = q.dimensions();
-  const bool quads = wd.size() == 4;
-  if (quads) {  // [L, N / kNB, K / 4, 4 kNB]
-    if (xd.size() != 2 || wd[3] != 4 * kNB || xd[1] != 4 * wd[2])
-      return ffi::Error::InvalidArgument("layer_matmul: x [M, K] and int8 quad blocks w [L, N / B, K / 4, 4 B] with "
-                                         "B = kernels_cpu.block_columns()");
-    m = xd[0], k = xd[1], n = wd[1] * kNB, l = layer.typed_data()[0];
-    if (l < 0 || l >= wd[0]) return ffi::Error::InvalidArgument("layer_matmul: layer out of range");
-  } else if (auto e = shapes(xd, wd, 1, layer.typed_data()[0], m, k, n, l); e.failure()) {
+  const bool quads = q.dimensions().size() == 4;
+  if (auto e = quads ? quad_shapes(x.dimensions(), q.dimensions(), 4, layer.typed_data()[0], m, k, n, l)
+                     : shapes(x.dimensions(), q.dimensions(), 1, layer.typed_data()[0], m, k, n, l);
+      e.failure())
     return e;
-  }
   const int64_t groups = scale.dimensions()[1];
   if (scale.dimensions().size() != 3 || k % groups || scale.dimensions()[2] != n)
     return ffi::Error::InvalidArgument("layer_matmul: int8 scale [L, G, N] with G dividing K");
@@ -819,17 +826,11 @@ ffi::Error Q4Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi
                   ffi::Buffer<ffi::F16> offset, ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> out,
                   int64_t act_block) {
   int64_t m, k, n, l;
-  auto xd = x.dimensions(), wd = q.dimensions();
-  const bool quads = wd.size() == 4;
-  if (quads) {  // [L, N / kNB, K / 8, 4 kNB]
-    if (xd.size() != 2 || wd[3] != 4 * kNB || xd[1] != 8 * wd[2])
-      return ffi::Error::InvalidArgument("layer_matmul: x [M, K] and int4 quad blocks w [L, N / B, K / 8, 4 B] with "
-                                         "B = kernels_cpu.block_columns()");
-    m = xd[0], k = xd[1], n = wd[1] * kNB, l = layer.typed_data()[0];
-    if (l < 0 || l >= wd[0]) return ffi::Error::InvalidArgument("layer_matmul: layer out of range");
-  } else if (auto e = shapes(xd, wd, 2, layer.typed_data()[0], m, k, n, l); e.failure()) {
+  const bool quads = q.dimensions().size() == 4;
+  if (auto e = quads ? quad_shapes(x.dimensions(), q.dimensions(), 8, layer.typed_data()[0], m, k, n, l)
+                     : shapes(x.dimensions(), q.dimensions(), 2, layer.typed_data()[0], m, k, n, l);
+      e.failure())
     return e;
-  }
   const int64_t groups = scale.dimensions()[1];
   if (scale.dimensions().size() != 3 || k % groups || (k / groups) % 2 || scale.dimensions()[2] != n)
     return ffi::Error::InvalidArgument("layer_matmul: int4 scale [L, G, N] with even groups dividing K");
