@@ -299,28 +299,12 @@ void run_dpbf16(ffi::ThreadPool& pool, const float* xr, const uint16_t* w, float
 #endif
 
 // --- int8 rows against int8 activations (w8a8 / w4a8: jaxcb.model.quant.QuantRows.act_block) ---
-// x's rows rounded to int8 per group of the rows' scales (quantize_block), so each group's products are
+// x's rows rounded to int8 per group of the rows' scales (quantize_rows), so each group's products are
 // integers: sum_g sx[m, g] sw[v, g] S[m, v, g], S = sum over the group of qx qw, summed in int32 (VNNI)
 // and scaled once a group (the tiles, and row_int8 for the vocabulary's last rows). Below kTiledInt8 rows
 // of x, and without VNNI, x's rounded values take the float path (the same values up to rounding).
-struct XGroups {
-  std::vector<int8_t> q;      // [M, E]
-  std::vector<float> scale;   // [M, G]
-  std::vector<int32_t> sum;   // [M, G]
-};
-
-XGroups quantize_groups(const float* x, int64_t m, int64_t e, int64_t groups) {
-  const int64_t group = e / groups;
-  XGroups out{std::vector<int8_t>(m * e), std::vector<float>(m * groups), std::vector<int32_t>(m * groups)};
-  for (int64_t i = 0; i < m; ++i)
-    for (int64_t g = 0; g < groups; ++g)
-      jaxcb::quantize_block(x + i * e + g * group, group, out.q.data() + i * e + g * group, out.scale[i * groups + g],
-                            out.sum[i * groups + g]);
-  return out;
-}
-
 // out[row, v] for one vocabulary row, the integer way (the vocabulary's rows past the last whole tile).
-inline void row_int8(const XGroups& x, const Q8Rows& w, float* out, int64_t m, int64_t nv, int64_t e, int64_t v) {
+inline void row_int8(const jaxcb::XQuant& x, const Q8Rows& w, float* out, int64_t m, int64_t nv, int64_t e, int64_t v) {
   for (int64_t row = 0; row < m; ++row) {
     float f = 0.0f;
     for (int64_t g = 0; g < w.groups; ++g) {
@@ -359,7 +343,7 @@ struct XLanes {
   int64_t mp;
 };
 
-XLanes lanes_of(const XGroups& x, int64_t m, int64_t e, int64_t groups) {
+XLanes lanes_of(const jaxcb::XQuant& x, int64_t m, int64_t e, int64_t groups) {
   XLanes t;
   t.mp = (m + kLanes - 1) / kLanes * kLanes;
   t.q.assign(e / 4 * t.mp, 0), t.scale.assign(groups * t.mp, 0.0f), t.minus.assign(groups * t.mp, 0);
@@ -406,7 +390,7 @@ inline void tile_int8(const uint8_t* rows, const float* wscale, const XLanes& x,
   }
 }
 
-void vocab_range_int8(const XLanes& x, const XGroups& xg, const Q8Rows& w, float* out, int64_t m, int64_t nv,
+void vocab_range_int8(const XLanes& x, const jaxcb::XQuant& xg, const Q8Rows& w, float* out, int64_t m, int64_t nv,
                       int64_t e, int64_t v0, int64_t v1) {
   std::vector<uint8_t> rows(kTRI * e);
   const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
@@ -437,7 +421,7 @@ void vocab_range_int8(const XLanes& x, const XGroups& xg, const Q8Rows& w, float
 // x [M, E] against int8 rows with x rounded to int8 per group of the rows' scales.
 void run_int8(ffi::ThreadPool& pool, const float* xf, const Q8Rows& w, float* out, int64_t m, int64_t nv, int64_t e,
               int64_t e16) {
-  const XGroups x = quantize_groups(xf, m, e, w.groups);
+  const jaxcb::XQuant x = jaxcb::quantize_rows(xf, m, e, w.group);
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
   if (m >= kTiledInt8 && w.group % 4 == 0) {
     const XLanes t = lanes_of(x, m, e, w.groups);
@@ -447,10 +431,7 @@ void run_int8(ffi::ThreadPool& pool, const float* xf, const Q8Rows& w, float* ou
     return;
   }
 #endif
-  std::vector<float> rounded(m * e);
-  for (int64_t i = 0; i < m; ++i)
-    for (int64_t k = 0; k < e; ++k) rounded[i * e + k] = x.q[i * e + k] * x.scale[i * w.groups + k / w.group];
-  run(pool, rounded.data(), w, out, m, nv, e, e16);
+  run(pool, jaxcb::dequantized_rows(x, m, e).data(), w, out, m, nv, e, e16);
 }
 
 ffi::Error check(ffi::Span<const int64_t> xd, ffi::Span<const int64_t> wd) {

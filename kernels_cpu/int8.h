@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <vector>
 
 namespace jaxcb {
 
@@ -44,6 +45,36 @@ inline void quantize_block(const float* x, int64_t n, int8_t* q, float& scale, i
   sum = total;
 }
 #endif
+
+// x [m, k] quantized per row and block of `block` input rows (the layer matmul: a divisor of its slabs; the
+// head: its rows' group): q [m, k], scale and sum of q [m, blocks].
+struct XQuant {
+  std::vector<int8_t> q;
+  std::vector<float> scale;
+  std::vector<int32_t> sum;
+  int64_t block, blocks;
+};
+
+inline XQuant quantize_rows(const float* a, int64_t m, int64_t k, int64_t block) {
+  XQuant x;
+  x.block = block, x.blocks = (k + block - 1) / block;
+  x.q.resize(m * k), x.scale.resize(m * x.blocks), x.sum.resize(m * x.blocks);
+  for (int64_t i = 0; i < m; ++i)
+    for (int64_t b = 0; b < x.blocks; ++b) {
+      const int64_t k0 = b * block;
+      quantize_block(a + i * k + k0, std::min(block, k - k0), x.q.data() + i * k + k0, x.scale[i * x.blocks + b],
+                     x.sum[i * x.blocks + b]);
+    }
+  return x;
+}
+
+// x as its quantized values, in floats (the path without VNNI, and columns past the last whole block).
+inline std::vector<float> dequantized_rows(const XQuant& x, int64_t m, int64_t k) {
+  std::vector<float> out(m * k);
+  for (int64_t i = 0; i < m; ++i)
+    for (int64_t e = 0; e < k; ++e) out[i * k + e] = x.q[i * k + e] * x.scale[i * x.blocks + e / x.block];
+  return out;
+}
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 // acc += the four byte products of each 32-bit lane (u unsigned, s signed), in place: through the
