@@ -286,12 +286,14 @@ def test_smollm2_perplexity_of_each_mode_against_float32():
     # activation to int8 turns differences in the last bits of the attention into different roundings:
     # the plain-JAX attention gives +3.36%, the native kernel +3.13% (one summation order) and +3.70%
     # (another), with float32 perplexity equal to 1e-6 between all three; +4.02% on a 2-core AMD EPYC (AVX2,
-    # plain-JAX attention and XLA's integer dots). With the tied head's input rounded so too (as llama.cpp's
-    # Q8_0 output multiplies Q8 activations): +2.57% where the layers alone gave +4.02% (2-core Zen 5).
+    # plain-JAX attention and XLA's integer dots). With the layer kernel's later summation order (one fused
+    # multiply-add a block) and the tied head's input rounded so too (as llama.cpp's Q8_0 output multiplies Q8
+    # activations): +2.57%, against +4.02% before both (2-core Zen 5).
     assert ratios["int8", 0, "auto"] < ratios["w8a8", 0, "auto"] < 0.05
     # int4 (the GGUF's own Q4_1 matrices) with int8 activations: the activations' rounding alone, +0.66% and
     # +1.73% on this excerpt under two summation orders of the kernel's block sums (2-core AMD EPYC Zen 4,
-    # VNNI's integer sums); -0.33% with the head's input rounded too (+1.73% without, 2-core Zen 5).
+    # VNNI's integer sums); -0.33% with that later order and the head's input rounded too (+1.73% before both,
+    # 2-core Zen 5).
     assert -0.01 < ratios["w4a8", 0, "auto"] < 0.03
     # bfloat16 matrices (each Q4_1 value rounded to 8 significant bits) and each matmul's input rounded so
     # too, and the embedding (the lookups and the tied head), the rest float32 (the CPU's bfloat16 mode): -0.09%
