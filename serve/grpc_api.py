@@ -72,16 +72,20 @@ def tenant_of(state: State, context) -> str:
     return tenant(state, dict(context.invocation_metadata() or ()).get("authorization", ""), context.peer())
 
 
-def _sampling(req) -> SamplingParams:
+# SamplingParameters' own defaults for a field a request leaves unset, where the server has no model's value
+GRPC_SAMPLING = {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "repetition_penalty": 1.0}
+
+
+def _sampling(req, defaults: dict | None = None) -> SamplingParams:
+    """The request's SamplingParams; `defaults` (State.sampling_defaults: the model's generation_config.json) for
+    the sampling fields it leaves unset, else GRPC_SAMPLING."""
     s = req.sampling
+    given = {k: getattr(s, k) if s.HasField(k) else (defaults or {}).get(k, v) for k, v in GRPC_SAMPLING.items()}
     check_stop_counts(len(req.stop), len(req.stop_token_ids))  # before the lists are copied
     check_allowed_count(len(req.allowed_token_ids))
     check_logit_bias_count(len(s.logit_bias))
     return SamplingParams(
-        max_tokens=req.max_tokens, temperature=s.temperature, top_k=s.top_k,
-        top_p=s.top_p if s.HasField("top_p") else 1.0, min_p=s.min_p,
-        repetition_penalty=s.repetition_penalty if s.HasField("repetition_penalty") else 1.0,
-        presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
+        max_tokens=req.max_tokens, **given, presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
         seed=s.seed if s.HasField("seed") else None, stop=tuple(req.stop),
         stop_token_ids=tuple(req.stop_token_ids), ignore_eos=req.ignore_eos, min_tokens=req.min_tokens,
         include_stop_str_in_output=req.include_stop_str_in_output, allowed_token_ids=tuple(req.allowed_token_ids),
@@ -180,7 +184,7 @@ class JaxcbService(jaxcb_pb2_grpc.JaxcbServicer):
     async def Generate(self, request, context):
         try:
             check_ids(request.request_id, request.cache_salt)
-            params = _sampling(request)
+            params = _sampling(request, self.state.sampling_defaults)
             if request.model:  # a served name (the base model) or an adapter's, as the HTTP API's `model`
                 adapter = self.state.adapter_for(request.model)
                 if request.lora and request.lora != adapter:
@@ -337,7 +341,7 @@ class JaxcbService(jaxcb_pb2_grpc.JaxcbServicer):
             num_speculative_tokens=e.config.scheduler.speculative.num_tokens if st.speculative_method else 0,
             speculative_acceptance_rate=st.acceptance_rate,
             speculative_mean_accepted_length=st.mean_accepted_length,
-            speculative=e.engines[0].describe_speculation(),
+            speculative=e.engines[0].describe_speculation(), sampling_defaults=self.state.sampling_defaults,
             **_step_fields(e.engines[0].runner))
 
 

@@ -2003,7 +2003,8 @@ def test_slow_and_idle_connections_are_closed_at_the_header_deadline(tiny_gguf_p
 def test_a_models_generation_config_gives_the_sampling_a_request_leaves_out(tmp_path, tiny_model, config_path):
     """A model directory whose generation_config.json recommends temperature 0: a completion that names no temperature
     is greedy (the tokens of temperature 0, not of OpenAI's 1 with the same seed), one that names it samples; the
-    start banner says where the defaults came from (vLLM's --generation-config auto)."""
+    start banner says where the defaults came from (vLLM's --generation-config auto); the gRPC API takes them for the
+    SamplingParameters a request leaves unset, and says them in GetServerInfo."""
     from jaxcb.model.llama import params_to_weights
     from tests.test_model_dirs import write_hf_dir
 
@@ -2026,3 +2027,10 @@ def test_a_models_generation_config_gives_the_sampling_a_request_leaves_out(tmp_
         assert tokens() == tokens(temperature=0.0)
         assert tokens(temperature=1.0, top_k=0) != tokens()
         assert "sampling defaults, from the model's generation_config.json: temperature 0.0, top_k 5" in server.output()
+        with Client(server.target) as c:
+            assert dict(c.server_info().sampling_defaults) == {"temperature": 0.0, "top_k": 5.0}
+            texts = [c.complete(token_ids=body["prompt"], max_tokens=12, ignore_eos=True, seed=7, **sampling).text
+                     for sampling in ({}, {"temperature": 1.0})]
+        http_texts = [httpx.post(server.http + "/v1/completions", json={**body, **extra}, timeout=60).json()
+                      ["choices"][0]["text"] for extra in ({}, {"temperature": 1.0}, {"temperature": 1.0, "top_k": 0})]
+        assert texts == http_texts[:2] and http_texts[1] != http_texts[2]  # (top_k 5, not 0, where it is left out)

@@ -25,13 +25,20 @@ from jaxcb.host.tool_calls import PARSERS as TOOL_CALL_PARSERS
 from jaxcb.host.tool_calls import choose_format as choose_tool_format
 
 
-def _sampling_args(p: argparse.ArgumentParser) -> None:
+def _sampling_args(p: argparse.ArgumentParser, remote: bool = False) -> None:
+    """The sampling flags; `remote` (a client's): one left out is the server's (the model's recommendation where
+    the server takes it, else the default named)."""
+    def default(value):
+        return None if remote else value
+
+    held = " (default: the server's, else %s)" if remote else " (default %s)"
     p.add_argument("--max-tokens", type=int, default=128, help="tokens to generate at most (default 128)")
-    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
-    p.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (default 0: all)")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling's probability mass (default 1: all)")
-    p.add_argument("--min-p", type=float, default=0.0,
-                   help="drop tokens less likely than this times the most likely one (default 0: none)")
+    p.add_argument("--temperature", type=float, default=default(0.0), help="sampling temperature" + held % "0: greedy")
+    p.add_argument("--top-k", type=int, default=default(0), help="sample from the k most likely tokens" + held % "0: all")
+    p.add_argument("--top-p", type=float, default=default(1.0),
+                   help="nucleus sampling's probability mass" + held % "1: all")
+    p.add_argument("--min-p", type=float, default=default(0.0),
+                   help="drop tokens less likely than this times the most likely one" + held % "0: none")
     p.add_argument("--seed", type=int, default=None, help="the sampling seed (default: a random one)")
     p.add_argument("--ignore-eos", action="store_true", help="go on past the end-of-sequence token")
     p.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
@@ -98,9 +105,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "<|python_start|>: pythonic, vLLM's llama4_pythonic; gpt-oss's harmony messages: harmony, "
                         "vLLM's openai), else jaxcb renders the tools and asks for hermes")
     s.add_argument("--generation-config", choices=("auto", "none", "vllm"), default="auto",
-                   help="the HTTP API's sampling defaults for what a request leaves out (temperature, top_p, top_k, "
+                   help="the sampling defaults for what a request leaves out (temperature, top_p, top_k, "
                         "min_p, repetition_penalty): auto (default), the model's generation_config.json where it has "
-                        "one, as vLLM's flag of this name; none (vllm: vLLM's name), OpenAI's")
+                        "one, as vLLM's flag of this name; none (vllm: vLLM's name), OpenAI's over HTTP, the "
+                        "proto's (greedy) over gRPC")
     s.add_argument("--responses-store-mb", type=float, default=64.0,
                    help="MiB of Responses API responses kept for previous_response_id, retrieval and background "
                         "(default 64; the least recently used dropped first; 0 keeps none)")
@@ -131,7 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--tls-root-cert", default=None,
                    help="PEM root certificate to trust, for a server started with --tls-cert (connects over TLS)")
     c.add_argument("--timeout", type=float, default=None, help="seconds the call may take (default: none)")
-    _sampling_args(c)
+    _sampling_args(c, remote=True)
     cli_tools.add_parsers(sub, _add_model_args)
     return parser
 

@@ -384,7 +384,14 @@ class GetServerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServerInfo(_message.Message):
-    __slots__ = ("decode_batch_buckets", "pages_per_seq_buckets", "prefill_token_buckets", "page_size", "pages_total", "pages_free", "policy", "compilations", "running", "waiting", "preemptions", "tensor_parallel", "data_parallel", "replicas", "platform", "compute_dtype", "weights", "kv_dtype", "attention", "cpu_dots", "cpu_max_isa", "cpu_dots_reason", "speculative_method", "num_speculative_tokens", "speculative_acceptance_rate", "speculative_mean_accepted_length", "speculative")
+    __slots__ = ("decode_batch_buckets", "pages_per_seq_buckets", "prefill_token_buckets", "page_size", "pages_total", "pages_free", "policy", "compilations", "running", "waiting", "preemptions", "tensor_parallel", "data_parallel", "replicas", "platform", "compute_dtype", "weights", "kv_dtype", "attention", "cpu_dots", "cpu_max_isa", "cpu_dots_reason", "speculative_method", "num_speculative_tokens", "speculative_acceptance_rate", "speculative_mean_accepted_length", "speculative", "sampling_defaults")
+    class SamplingDefaultsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
     DECODE_BATCH_BUCKETS_FIELD_NUMBER: _ClassVar[int]
     PAGES_PER_SEQ_BUCKETS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_TOKEN_BUCKETS_FIELD_NUMBER: _ClassVar[int]
@@ -412,6 +419,7 @@ class ServerInfo(_message.Message):
     SPECULATIVE_ACCEPTANCE_RATE_FIELD_NUMBER: _ClassVar[int]
     SPECULATIVE_MEAN_ACCEPTED_LENGTH_FIELD_NUMBER: _ClassVar[int]
     SPECULATIVE_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_DEFAULTS_FIELD_NUMBER: _ClassVar[int]
     decode_batch_buckets: _containers.RepeatedScalarFieldContainer[int]
     pages_per_seq_buckets: _containers.RepeatedScalarFieldContainer[int]
     prefill_token_buckets: _containers.RepeatedScalarFieldContainer[int]
@@ -439,7 +447,8 @@ class ServerInfo(_message.Message):
     speculative_acceptance_rate: float
     speculative_mean_accepted_length: float
     speculative: str
-    def __init__(self, decode_batch_buckets: _Optional[_Iterable[int]] = ..., pages_per_seq_buckets: _Optional[_Iterable[int]] = ..., prefill_token_buckets: _Optional[_Iterable[int]] = ..., page_size: _Optional[int] = ..., pages_total: _Optional[int] = ..., pages_free: _Optional[int] = ..., policy: _Optional[str] = ..., compilations: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., preemptions: _Optional[int] = ..., tensor_parallel: _Optional[int] = ..., data_parallel: _Optional[int] = ..., replicas: _Optional[_Iterable[_Union[ReplicaInfo, _Mapping]]] = ..., platform: _Optional[str] = ..., compute_dtype: _Optional[str] = ..., weights: _Optional[str] = ..., kv_dtype: _Optional[str] = ..., attention: _Optional[str] = ..., cpu_dots: _Optional[str] = ..., cpu_max_isa: _Optional[str] = ..., cpu_dots_reason: _Optional[str] = ..., speculative_method: _Optional[str] = ..., num_speculative_tokens: _Optional[int] = ..., speculative_acceptance_rate: _Optional[float] = ..., speculative_mean_accepted_length: _Optional[float] = ..., speculative: _Optional[str] = ...) -> None: ...
+    sampling_defaults: _containers.ScalarMap[str, float]
+    def __init__(self, decode_batch_buckets: _Optional[_Iterable[int]] = ..., pages_per_seq_buckets: _Optional[_Iterable[int]] = ..., prefill_token_buckets: _Optional[_Iterable[int]] = ..., page_size: _Optional[int] = ..., pages_total: _Optional[int] = ..., pages_free: _Optional[int] = ..., policy: _Optional[str] = ..., compilations: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., preemptions: _Optional[int] = ..., tensor_parallel: _Optional[int] = ..., data_parallel: _Optional[int] = ..., replicas: _Optional[_Iterable[_Union[ReplicaInfo, _Mapping]]] = ..., platform: _Optional[str] = ..., compute_dtype: _Optional[str] = ..., weights: _Optional[str] = ..., kv_dtype: _Optional[str] = ..., attention: _Optional[str] = ..., cpu_dots: _Optional[str] = ..., cpu_max_isa: _Optional[str] = ..., cpu_dots_reason: _Optional[str] = ..., speculative_method: _Optional[str] = ..., num_speculative_tokens: _Optional[int] = ..., speculative_acceptance_rate: _Optional[float] = ..., speculative_mean_accepted_length: _Optional[float] = ..., speculative: _Optional[str] = ..., sampling_defaults: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class ReplicaInfo(_message.Message):
     __slots__ = ("replica", "device_ids", "pages_total", "pages_free", "running", "waiting", "preemptions", "pending_tokens", "requests_routed")
