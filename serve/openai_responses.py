@@ -140,8 +140,9 @@ def _check_reasoning(value) -> None:
 
 
 def _tool_item(where: str, kind: str, item: dict, messages: list[dict], origins: list) -> None:
-    """An earlier function call (joined to the assistant message of the calls just before it) or a
-    call's output (a tool message), as the chat's messages have them."""
+    """An earlier function call (joined to the assistant message just before it: its text or the calls before it,
+    one turn, as serve.openai_responses_store.answer_messages makes a kept response's) or a call's output (a tool
+    message), as the chat's messages have them."""
     unknown = sorted(set(item) - ITEM_FIELDS[kind])
     if unknown:
         raise unknown_field(where, unknown[0], f"of a {kind} item")
@@ -159,8 +160,8 @@ def _tool_item(where: str, kind: str, item: dict, messages: list[dict], origins:
     call = {"id": item["call_id"], "type": "function",
             "function": {"name": item["name"], "arguments": item["arguments"]}}
     last = messages[-1] if messages else None
-    if last is not None and last["role"] == "assistant" and "tool_calls" in last:
-        last["tool_calls"].append(call)
+    if last is not None and last["role"] == "assistant":
+        last.setdefault("tool_calls", []).append(call)
         origins[-1][1].append(where)
     else:
         messages.append({"role": "assistant", "content": None, "tool_calls": [call]})

@@ -1619,6 +1619,21 @@ def test_background_responses_run_on_and_are_cancelled(server, oai, model_name):
     assert info.pages_free == info.pages_total and info.running == 0
 
 
+def test_a_responses_output_given_back_as_input_is_the_turn_its_kept_response_continues_with():
+    """A response's output (its text, then its function calls) given back as input items is one assistant turn,
+    the message previous_response_id continues the conversation with: the same prompt either way."""
+    from serve.openai_responses import chat_messages
+    from serve.openai_responses_store import answer_messages
+
+    output = [{"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Let me look."}]},
+              {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+              {"type": "function_call", "call_id": "c2", "name": "g", "arguments": '{"a": 1}'}]
+    asked = [{"role": "user", "content": "q"}]
+    assert chat_messages(asked + output) == chat_messages(asked) + answer_messages({"output": output})
+    calls_only = output[1:]
+    assert chat_messages(asked + calls_only) == chat_messages(asked) + answer_messages({"output": calls_only})
+
+
 def test_the_response_store_is_bounded_and_each_tokens_own():
     """The store's memory limit drops the least recently used first (a background response running is
     kept), one over the limit alone is not kept, and a caller reaches only its own token's responses."""
