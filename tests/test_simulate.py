@@ -85,6 +85,66 @@ def test_requests_with_one_prefix_id_share_their_prefix_tokens():
     assert ids == prompt_ids(trace, vocab=1000, seed=3)  # reproducible
 
 
+def test_requests_share_the_tokens_of_their_first_equal_block_hashes():
+    """hash_ids (Mooncake's blocks): two prompts share exactly the blocks up to their first different hash, a
+    hash's tokens are the same wherever it stands; a line's hash_ids must cover its prompt in whole blocks."""
+    trace = [TraceRequest(0, 20, 1, hash_ids=(1, 2, 3), block_tokens=8), TraceRequest(0, 22, 1, hash_ids=(1, 2, 4),
+             block_tokens=8), TraceRequest(0, 9, 1, hash_ids=(5, 2), block_tokens=8)]
+    ids = prompt_ids(trace, vocab=1000, seed=3)
+    assert [len(x) for x in ids] == [20, 22, 9]
+    assert ids[0][:16] == ids[1][:16] and ids[0][16:20] != ids[1][16:20] and ids[2][:8] != ids[0][:8]
+    assert ids[2][8:] == ids[0][8:9]  # (hash 2, the second block of both)
+    assert ids == prompt_ids(trace, vocab=1000, seed=3) and prompt_ids(trace, vocab=1000, seed=4) != ids
+    assert [len(x) for x in prompt_ids(trace, vocab=1000, limit=10)] == [10, 10, 9]
+
+
+def test_public_traces_are_read_as_published(tmp_path):
+    """Mooncake's JSONL (ms, 512-token blocks), Azure's CSV (dates, 7-digit fractions) and BurstGPT's CSV
+    (seconds, failed rows of no response): arrivals in seconds from the first, sorted, rows without output left out
+    and said; a bad row names its line and column; a CSV of other columns names the ones a trace needs."""
+    mooncake = tmp_path / "m.jsonl"
+    mooncake.write_text("\n".join(json.dumps(d) for d in (
+        {"timestamp": 1500, "input_length": 600, "output_length": 7, "hash_ids": [0, 1]},
+        {"timestamp": 1000, "input_length": 512, "output_length": 3, "hash_ids": [0]},
+        {"timestamp": 2000, "input_length": 10, "output_length": 0, "hash_ids": [9]})) + "\n")
+    notes = []
+    got = read_trace(str(mooncake), notes)
+    assert [(r.arrival_s, r.prompt_tokens, r.output_tokens, r.hash_ids) for r in got] == [
+        (0.0, 512, 3, (0,)), (0.5, 600, 7, (0, 1))]
+    assert notes == [f"{mooncake}: 1 requests with no prompt or no output tokens (failed requests) left out"]
+    ids = prompt_ids(got, vocab=49152)
+    assert ids[1][:512] == ids[0] and len(ids[1]) == 600
+    azure = tmp_path / "a.csv"
+    azure.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.6805900,374,44\n"
+                     "2023-11-16 18:15:46.1000000,396,109\n2023-11-16 18:16:00.0000000,20,0\n")
+    got = read_trace(str(azure))
+    assert [(round(r.arrival_s, 4), r.prompt_tokens, r.output_tokens) for r in got] == [(0.0, 396, 109), (0.5806, 374, 44)]
+    burst = tmp_path / "b.csv"
+    burst.write_text("Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type\n"
+                     "5,ChatGPT,472,18,490,Conversation log\n45,GPT-4,1087,0,1087,Conversation log\n"
+                     "7.5,ChatGPT,30,230,260,API log\n")
+    notes = []
+    assert [(r.arrival_s, r.prompt_tokens) for r in read_trace(str(burst), notes)] == [(0.0, 472), (2.5, 30)]
+    assert len(notes) == 1
+    for path, text, message in (
+            (mooncake, '{"timestamp": 0, "input_length": 600, "output_length": 2, "hash_ids": [1]}\n',
+             "m.jsonl:1: hash_ids: 1 blocks of 512 tokens for input_length 600 (must be 2)"),
+            (mooncake, '{"timestamp": 0, "input_length": 6, "output_length": 2, "hash_ids": [1], "x": 1}\n',
+             "m.jsonl:1: x: not a field of a Mooncake trace line"),
+            (mooncake, '{"timestamp": -5, "input_length": 6, "output_length": 2, "hash_ids": [1]}\n',
+             "m.jsonl:1: timestamp: must be a finite number of milliseconds"),
+            (azure, "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46,12,3\nyesterday,4,5\n",
+             "a.csv:3: TIMESTAMP: 'yesterday' is not a date and time"),
+            (azure, "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46,1.5,3\n",
+             "a.csv:2: ContextTokens: must be an integer from 0"),
+            (burst, "Timestamp,Request tokens,Response tokens\n1,2\n", "b.csv:2: 2 columns, the header has 3"),
+            (burst, "time,prompt,output\n1,2,3\n", "b.csv:1: a trace's CSV header names TIMESTAMP, ContextTokens, "
+             "GeneratedTokens or Timestamp, Request tokens, Response tokens")):
+        path.write_text(text)
+        with pytest.raises(ValueError, match=re.escape(message)):
+            read_trace(str(path))
+
+
 def test_summary_figures_from_records():
     recs = [RequestRecord(0.0, 0.0, 1.0, 5.0, 5), RequestRecord(1.0, 3.0, 4.0, 6.0, 3)]
     s = summarize(recs, preemptions=2)
@@ -188,6 +248,16 @@ def test_simulate_command_prints_the_table_as_json_last(tmp_path):
                 "preemptions"):
         assert key in result
     assert result["requests"] == 20 and result["output_tokens"] == 200
+    # A public trace's shared blocks are the prefix cache's hits; --requests and --time-scale take a slice, slower
+    mooncake = tmp_path / "m.jsonl"
+    mooncake.write_text("".join(json.dumps({"timestamp": 2000 * i, "input_length": 700, "output_length": 4,
+                                            "hash_ids": [0, 100 + i]}) + "\n" for i in range(6)))
+    out = subprocess.run([sys.executable, "-m", "jaxcb", "simulate", "--trace", str(mooncake), "--requests", "4",
+                          "--time-scale", "10"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["requests"] == 4 and result["prefix_cache_hit_tokens"] == 3 * 512
+    assert result["prompt_tokens_computed"] == 4 * 700 - 3 * 512 and result["simulated_s"] >= 60.0  # (arrivals 20 s apart)
     bad = subprocess.run([sys.executable, "-m", "jaxcb", "simulate", "--trace", str(path), "--device", "h300"],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "--device: 'h300' is not one of" in bad.stderr

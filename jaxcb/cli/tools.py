@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import time
@@ -52,7 +53,11 @@ def add_parsers(sub, add_model_args) -> None:
 
     s = sub.add_parser("simulate", help="run a request trace through the real scheduler on a simulated clock")
     s.add_argument("--trace", required=True, help="JSONL: arrival_s, prompt_tokens, output_tokens[, priority, "
-                   "prefix_id, prefix_tokens] per line")
+                   "prefix_id, prefix_tokens | hash_ids, block_tokens] per line; or a public trace as published: "
+                   "Mooncake's JSONL, Azure's or BurstGPT's CSV")
+    s.add_argument("--requests", type=int, default=None, help="the trace's first N requests only (default: all)")
+    s.add_argument("--time-scale", type=float, default=1.0,
+                   help="arrival times multiplied by this (0.5: the same requests in half the time; default 1)")
     s.add_argument("--policy", default=None, help="scheduling policy (default: the config's)")
     s.add_argument("--config", default=None, help="engine config TOML (buckets, limits, pages)")
     s.add_argument("--step-model", default=None, help="a fitted step-time model (JSON, bench/policies.py "
@@ -290,9 +295,18 @@ def cmd_simulate(args) -> int:
     if args.max_running is not None:
         if not 1 <= args.max_running <= config.scheduler.max_running:
             raise ValueError(f"--max-running: must be in [1, {config.scheduler.max_running}], got {args.max_running}")
-    trace = read_trace(args.trace)
+    if args.requests is not None and args.requests < 1:
+        raise ValueError(f"--requests: must be at least 1, got {args.requests}")
+    if not 0 < args.time_scale < math.inf:
+        raise ValueError(f"--time-scale: must be a number above 0, got {args.time_scale}")
+    notes = []
+    trace = read_trace(args.trace, notes)[:args.requests]
+    for note in notes:
+        print(note, file=sys.stderr)
     if not trace:
         raise ValueError(f"--trace: {args.trace} holds no requests")
+    for r in trace:
+        r.arrival_s *= args.time_scale
     print(f"simulating {len(trace)} requests, policy {config.scheduler.policy}, {pages} pages of "
           f"{config.page_size} tokens, step model: {json.dumps(model.to_json())[:200]}", file=sys.stderr)
 

@@ -35,7 +35,7 @@ import numpy as np
 from jaxcb.host.engine import Engine
 from jaxcb.host.request import SamplingParams
 from jaxcb.host.runner_protocol import Runner
-from jaxcb.sim.trace import RequestRecord, TraceRequest, prompt_ids, summarize
+from jaxcb.sim.trace import RequestRecord, TraceRequest, iter_prompt_ids, summarize
 
 BUILTIN_STEP_MODEL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "step_models",
                                   "smollm2-135m-cpu.json")
@@ -340,7 +340,7 @@ def simulate(trace: list[TraceRequest], config, step_model, *, vocab: int = 3200
     sched = engine.scheduler
     if max_running is not None:
         sched.running_limit = max_running
-    ids = prompt_ids(trace, vocab, seed, limit=sched.config.max_context)
+    ids = iter_prompt_ids(trace, vocab, seed, limit=sched.config.max_context)  # (made as each arrives)
     records: list[RequestRecord] = []
     rejected, reasons = 0, []  # (the first few refusals' reasons, in the result)
     i, n, steps = 0, len(trace), 0
@@ -363,7 +363,7 @@ def simulate(trace: list[TraceRequest], config, step_model, *, vocab: int = 3200
             rec = RequestRecord(t.arrival_s)
             i += 1
             try:  # (as the engine takes it served: one that does not fit the context is refused, not cut)
-                engine.add_request(ids[i - 1], SamplingParams(max_tokens=t.output_tokens, ignore_eos=True),
+                engine.add_request(next(ids), SamplingParams(max_tokens=t.output_tokens, ignore_eos=True),
                                    request_id=str(i - 1), priority=t.priority, arrival_time=t.arrival_s,
                                    callback=on_event(rec))
             except ValueError as e:
@@ -392,6 +392,7 @@ def simulate(trace: list[TraceRequest], config, step_model, *, vocab: int = 3200
     return summarize(records, preemptions=sched.num_preemptions, switches=sched.num_switches,
                      recomputed_tokens=sched.num_recomputed_tokens,
                      padding_fraction=round(st.padding_fraction, 4), steps=st.steps, rejected=rejected,
+                     prompt_tokens_computed=st.prompt_tokens_computed, prefix_cache_hit_tokens=st.prefix_cache_hits,
                      **({"rejected_first": reasons} if reasons else {}),
                      simulated_s=round(clock.now(), 3),
                      **({"final_running_limit": sched.running_limit,

@@ -1,21 +1,33 @@
 """Request traces and the figures every scheduling run reports, real or simulated.
 
-Plain Python, no JAX. A trace is JSONL, one request a line:
+Plain Python and numpy, no JAX. A trace is JSONL, one request a line:
   {"arrival_s": 0.42, "prompt_tokens": 300, "output_tokens": 64, "priority": 0, "prefix_id": 3, "prefix_tokens": 128}
 (`prompt_token_ids` may replace `prompt_tokens`; requests with the same `prefix_id` share their first
-`prefix_tokens` tokens). `bench/policies.py` writes its traces in this form, replays them on the real
-engine, and `jaxcb simulate` replays them on the host-side scheduler with a step-time model; both
-reduce their per-request records to the same table with `summarize`.
+`prefix_tokens` tokens; or `hash_ids`, the prompt's blocks of `block_tokens` tokens (512 unless given) named by
+hash: requests whose first blocks have the same hashes share those blocks' tokens, however many). `bench/policies.py`
+writes its traces in this form, replays them on the real engine, and `jaxcb simulate` replays them on the host-side
+scheduler with a step-time model; both reduce their per-request records to the same table with `summarize`.
+
+read_trace also takes the public traces as published: Mooncake's JSONL (`timestamp` in ms, `input_length`,
+`output_length`, `hash_ids` of 512-token blocks), Azure's LLM inference traces (CSV: `TIMESTAMP`, `ContextTokens`,
+`GeneratedTokens`) and BurstGPT (CSV: `Timestamp` in s, `Request tokens`, `Response tokens`); their arrivals count
+from the first request's, and their rows with no output (failed requests) are left out and counted.
 """
 
 from __future__ import annotations
 
+import csv
 import dataclasses
+import datetime
 import json
 import math
 import random
 
+import numpy as np
+
 from jaxcb.host.latency import quantile
+
+BLOCK_TOKENS = 512  # a hash id's tokens where a trace line does not say (Mooncake's blocks)
 
 
 @dataclasses.dataclass
@@ -27,6 +39,8 @@ class TraceRequest:
     prefix_id: int | None = None
     prefix_tokens: int = 0
     prompt_token_ids: list[int] | None = None
+    hash_ids: tuple[int, ...] | None = None  # the prompt's blocks of block_tokens tokens, by hash (Mooncake's)
+    block_tokens: int = BLOCK_TOKENS
 
     def to_json(self) -> str:
         d = {"arrival_s": round(self.arrival_s, 6), "prompt_tokens": self.prompt_tokens,
@@ -37,12 +51,18 @@ class TraceRequest:
             d["prefix_id"], d["prefix_tokens"] = self.prefix_id, self.prefix_tokens
         if self.prompt_token_ids is not None:
             d["prompt_token_ids"] = self.prompt_token_ids
+        if self.hash_ids is not None:
+            d["hash_ids"], d["block_tokens"] = list(self.hash_ids), self.block_tokens
         return json.dumps(d)
 
 
 TRACE_FIELDS = {"arrival_s", "prompt_tokens", "prompt_token_ids", "output_tokens", "priority", "prefix_id",
-                "prefix_tokens"}
+                "prefix_tokens", "hash_ids", "block_tokens"}
 MAX_TRACE_TOKENS = 1 << 24  # a request's prompt or output tokens, at most (a trace's ids are made in memory)
+# The public traces' own fields (read_trace): Mooncake's JSONL; Azure's and BurstGPT's CSV columns
+MOONCAKE_FIELDS = {"timestamp", "input_length", "output_length", "hash_ids"}
+CSV_COLUMNS = {"azure": ("TIMESTAMP", "ContextTokens", "GeneratedTokens"),
+               "burstgpt": ("Timestamp", "Request tokens", "Response tokens")}
 
 
 def _integer(d: dict, key: str, low: int, default=None) -> int:
@@ -52,40 +72,162 @@ def _integer(d: dict, key: str, low: int, default=None) -> int:
     return v
 
 
-def read_trace(path: str) -> list[TraceRequest]:
-    """A trace file (UTF-8, a byte-order mark allowed; lines end at newlines only), sorted by arrival; a bad
-    line is an error naming the line and the field: every field known, each of its type (no float where an
-    integer is meant), times finite."""
+def read_trace(path: str, notes: list | None = None) -> list[TraceRequest]:
+    """A trace file, sorted by arrival: jaxcb's JSONL or a public trace's (the module's doc; a .csv file is
+    Azure's or BurstGPT's, told by its header). JSONL is UTF-8 (a byte-order mark allowed; lines end at newlines
+    only). A bad line is an error naming the line and the field: every field known, each of its type (no float
+    where an integer is meant), times finite. `notes` gets what was left out of a public trace, in words."""
+    if path.lower().endswith(".csv"):
+        out, skipped = _read_csv(path)
+    else:
+        out, skipped = _read_jsonl(path)
+    if skipped and notes is not None:
+        notes.append(f"{path}: {skipped} requests with no prompt or no output tokens (failed requests) left out")
+    if out and min(r.arrival_s for r in out) > 0 and skipped is not None:  # (a public trace's clock: from its first)
+        first = min(r.arrival_s for r in out)
+        for r in out:
+            r.arrival_s -= first
+    out.sort(key=lambda r: r.arrival_s)
+    return out
+
+
+def _read_jsonl(path: str) -> tuple[list[TraceRequest], int | None]:
+    """jaxcb's lines (skipped: None) or Mooncake's (told by the first line; the count of those without output)."""
     from jaxcb.host.request import jsonl_lines
 
-    out = []
+    out, mooncake, skipped = [], None, 0
     for n, d in jsonl_lines(path):
         try:
             if not isinstance(d, dict):
                 raise ValueError("must be a JSON object")
-            unknown = sorted(set(d) - TRACE_FIELDS)
-            if unknown:
-                raise ValueError(f"{unknown[0]}: not a field of a trace line ({', '.join(sorted(TRACE_FIELDS))})")
-            arrival = d.get("arrival_s")
-            if isinstance(arrival, bool) or not isinstance(arrival, (int, float)) or not 0 <= arrival < math.inf:
-                raise ValueError(f"arrival_s: must be a finite number of seconds >= 0, got {json.dumps(arrival)}")
-            ids = d.get("prompt_token_ids")
-            if ids is not None and (not isinstance(ids, list) or len(ids) > MAX_TRACE_TOKENS or not all(
-                    isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids)):
-                raise ValueError("prompt_token_ids: must be a list of token ids")
-            prefix_id = d.get("prefix_id")
-            if prefix_id is not None and (isinstance(prefix_id, bool) or not isinstance(prefix_id, (int, str))):
-                raise ValueError(f"prefix_id: must be an integer or a string, got {json.dumps(prefix_id)[:40]}")
-            r = TraceRequest(float(arrival), len(ids) if ids is not None else _integer(d, "prompt_tokens", 1),
-                             _integer(d, "output_tokens", 1), _priority(d), prefix_id,
-                             _integer(d, "prefix_tokens", 0, 0), ids)
-            if not r.prompt_tokens:
-                raise ValueError("prompt_token_ids: must not be empty")
+            if mooncake is None:
+                mooncake = "arrival_s" not in d and "timestamp" in d
+            if mooncake:
+                r = _mooncake(d)
+                skipped += r is None
+            else:
+                r = _jaxcb_line(d)
         except ValueError as e:
             raise ValueError(f"{path}:{n}: {e}") from None
-        out.append(r)
-    out.sort(key=lambda r: r.arrival_s)
-    return out
+        if r is not None:
+            out.append(r)
+    return out, skipped if mooncake else None
+
+
+def _jaxcb_line(d: dict) -> TraceRequest:
+    unknown = sorted(set(d) - TRACE_FIELDS)
+    if unknown:
+        raise ValueError(f"{unknown[0]}: not a field of a trace line ({', '.join(sorted(TRACE_FIELDS))})")
+    arrival = d.get("arrival_s")
+    if isinstance(arrival, bool) or not isinstance(arrival, (int, float)) or not 0 <= arrival < math.inf:
+        raise ValueError(f"arrival_s: must be a finite number of seconds >= 0, got {json.dumps(arrival)}")
+    ids = d.get("prompt_token_ids")
+    if ids is not None and (not isinstance(ids, list) or len(ids) > MAX_TRACE_TOKENS or not all(
+            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids)):
+        raise ValueError("prompt_token_ids: must be a list of token ids")
+    prefix_id = d.get("prefix_id")
+    if prefix_id is not None and (isinstance(prefix_id, bool) or not isinstance(prefix_id, (int, str))):
+        raise ValueError(f"prefix_id: must be an integer or a string, got {json.dumps(prefix_id)[:40]}")
+    r = TraceRequest(float(arrival), len(ids) if ids is not None else _integer(d, "prompt_tokens", 1),
+                     _integer(d, "output_tokens", 1), _priority(d), prefix_id,
+                     _integer(d, "prefix_tokens", 0, 0), ids)
+    if not r.prompt_tokens:
+        raise ValueError("prompt_token_ids: must not be empty")
+    if "hash_ids" in d:
+        if ids is not None or prefix_id is not None:
+            raise ValueError("hash_ids: give hash_ids, prompt_token_ids or prefix_id, one of them")
+        r.block_tokens = _integer(d, "block_tokens", 1, BLOCK_TOKENS)
+        r.hash_ids = _hash_ids(d["hash_ids"], r.prompt_tokens, r.block_tokens, "prompt_tokens")
+    elif "block_tokens" in d:
+        raise ValueError("block_tokens: only with hash_ids")
+    return r
+
+
+def _hash_ids(given, tokens: int, block: int, length_field: str) -> tuple[int, ...]:
+    """A prompt's block hashes: integers, enough blocks of `block` tokens for its `tokens` and no more."""
+    if not isinstance(given, list) or not all(isinstance(h, int) and not isinstance(h, bool) for h in given):
+        raise ValueError("hash_ids: must be a list of integers")
+    if len(given) != -(-tokens // block):
+        raise ValueError(f"hash_ids: {len(given)} blocks of {block} tokens for {length_field} {tokens} (must be "
+                         f"{-(-tokens // block)})")
+    return tuple(given)
+
+
+def _mooncake(d: dict) -> TraceRequest | None:
+    """A Mooncake trace line (timestamp in ms, input_length, output_length, hash_ids of 512-token blocks);
+    None for one without output."""
+    unknown = sorted(set(d) - MOONCAKE_FIELDS)
+    if unknown:
+        raise ValueError(f"{unknown[0]}: not a field of a Mooncake trace line ({', '.join(sorted(MOONCAKE_FIELDS))})")
+    when = d.get("timestamp")
+    if isinstance(when, bool) or not isinstance(when, (int, float)) or not 0 <= when < math.inf:
+        raise ValueError(f"timestamp: must be a finite number of milliseconds >= 0, got {json.dumps(when)[:40]}")
+    if d.get("output_length") == 0:
+        return None
+    tokens = _integer(d, "input_length", 1)
+    return TraceRequest(when / 1000.0, tokens, _integer(d, "output_length", 1),
+                        hash_ids=_hash_ids(d.get("hash_ids"), tokens, BLOCK_TOKENS, "input_length"))
+
+
+def _read_csv(path: str) -> tuple[list[TraceRequest], int]:
+    """Azure's or BurstGPT's CSV (told by the header); a bad row is an error naming the line and the column."""
+    try:
+        f = open(path, newline="", encoding="utf-8-sig")
+    except OSError as e:
+        raise ValueError(f"{path}: {e.strerror or e}") from None
+    out, skipped = [], 0
+    with f:
+        rows = csv.reader(f)
+        try:
+            header = [h.strip() for h in next(rows, [])]
+            kind = next((k for k, cols in CSV_COLUMNS.items() if set(cols) <= set(header)), None)
+            if kind is None:
+                raise ValueError(f"{path}:1: a trace's CSV header names " + " or ".join(
+                    ", ".join(cols) for cols in CSV_COLUMNS.values()) + f"; this one: {', '.join(header)[:200]}")
+            at = [header.index(c) for c in CSV_COLUMNS[kind]]
+            for row in rows:
+                if not any(cell.strip() for cell in row):
+                    continue
+                where = f"{path}:{rows.line_num}"
+                if len(row) != len(header):
+                    raise ValueError(f"{where}: {len(row)} columns, the header has {len(header)}")
+                when, prompt, output = (row[i].strip() for i in at)
+                names = CSV_COLUMNS[kind]
+                arrival = _csv_time(when, kind, f"{where}: {names[0]}")
+                prompt, output = _csv_count(prompt, f"{where}: {names[1]}"), _csv_count(output, f"{where}: {names[2]}")
+                if not prompt or not output:
+                    skipped += 1
+                    continue
+                out.append(TraceRequest(arrival, prompt, output))
+        except csv.Error as e:
+            raise ValueError(f"{path}:{rows.line_num}: {e}") from None
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{path}: {e}") from None
+    return out, skipped
+
+
+def _csv_time(text: str, kind: str, where: str) -> float:
+    """Seconds: BurstGPT's Timestamp is a number of seconds; Azure's a date and time (its fractions of a second
+    may have 7 digits, more than Python reads: cut to 6)."""
+    try:
+        if kind == "burstgpt":
+            value = float(text)
+        else:
+            head, dot, frac = text.partition(".")
+            value = datetime.datetime.fromisoformat(head + (dot + frac[:6] if dot else "")).replace(
+                tzinfo=datetime.timezone.utc).timestamp()
+    except ValueError:
+        value = math.nan
+    if not 0 <= value < math.inf:
+        raise ValueError(f"{where}: {text[:40]!r} is not a " + ("number of seconds >= 0" if kind == "burstgpt" else
+                                                                "date and time (2023-11-16 18:15:46.680)"))
+    return value
+
+
+def _csv_count(text: str, where: str) -> int:
+    if not text.isdigit() or int(text) > MAX_TRACE_TOKENS:
+        raise ValueError(f"{where}: must be an integer from 0 to {MAX_TRACE_TOKENS}, got {text[:40]!r}")
+    return int(text)
 
 
 def _priority(d: dict) -> int:
@@ -103,15 +245,26 @@ def write_trace(path: str, requests: list[TraceRequest]) -> None:
 
 def prompt_ids(trace: list[TraceRequest], vocab: int, seed: int = 0, low: int = 100,
                limit: int | None = None) -> list[list[int]]:
-    """Token ids for every request: its own, or random ones (the same for the same seed) whose first
-    `prefix_tokens` are shared with every request of the same `prefix_id`. `limit`: no more than this many
-    made for a request (one that long is refused by an engine of that context anyway)."""
+    """Token ids for every request (iter_prompt_ids, in a list)."""
+    return list(iter_prompt_ids(trace, vocab, seed, low, limit))
+
+
+def iter_prompt_ids(trace: list[TraceRequest], vocab: int, seed: int = 0, low: int = 100, limit: int | None = None):
+    """Token ids for each request in turn: its own, or random ones (the same for the same seed) whose first
+    `prefix_tokens` are shared with every request of the same `prefix_id`, or those of its `hash_ids`' blocks
+    (each hash's tokens the same wherever it is). `limit`: no more than this many made for a request (one that
+    long is refused by an engine of that context anyway)."""
     rng = random.Random(seed)
     prefixes: dict[int, list[int]] = {}
-    out = []
     for r in trace:
+        size = r.prompt_tokens if limit is None else min(r.prompt_tokens, limit)
         if r.prompt_token_ids is not None:
-            out.append(list(r.prompt_token_ids))
+            yield list(r.prompt_token_ids)
+            continue
+        if r.hash_ids is not None:
+            blocks = [np.random.default_rng([seed, h % (1 << 64)]).integers(low, vocab, r.block_tokens)
+                      for h in r.hash_ids[:-(-size // r.block_tokens)]]
+            yield np.concatenate(blocks)[:size].tolist()
             continue
         shared = []
         if r.prefix_id is not None and r.prefix_tokens:
@@ -119,9 +272,7 @@ def prompt_ids(trace: list[TraceRequest], vocab: int, seed: int = 0, low: int = 
             while len(p) < r.prefix_tokens:
                 p.append(rng.randrange(low, vocab))
             shared = p[:min(r.prefix_tokens, r.prompt_tokens)]
-        size = r.prompt_tokens if limit is None else min(r.prompt_tokens, limit)
-        out.append(shared[:size] + [rng.randrange(low, vocab) for _ in range(size - len(shared[:size]))])
-    return out
+        yield shared[:size] + [rng.randrange(low, vocab) for _ in range(size - len(shared[:size]))]
 
 
 @dataclasses.dataclass
