@@ -10,7 +10,9 @@ requests in flight, and reports request and output-token throughput, TTFT, TPOT 
 token), inter-token latency and end-to-end latency (mean, p50, p90, p99) and goodput (requests/s that met
 both SLOs), as a table and a JSON line (and a file with --json). The workload is random token ids with
 log-normal prompt and output lengths around --input-len and --output-len (EOS ignored, greedy), or a jaxcb
-JSONL of requests (--dataset: `prompt_token_ids` or `prompt`, and `max_tokens` per line). With --also the
+JSONL of requests (--dataset: `prompt_token_ids` or `prompt`, and `max_tokens` per line); or a trace (--trace:
+jaxcb's, Mooncake's, Azure's or BurstGPT's, as `jaxcb simulate` reads them), replayed at its own arrival times
+(--time-scale stretches them) instead of --rates, so a real server's figures stand beside the simulator's. With --also the
 other endpoints (OpenAI-compatible) run rate by rate with the main one, so a noisy machine treats them
 alike. Nothing here needs JAX: it measures a server from the outside.
 """
@@ -23,6 +25,7 @@ import json
 import math
 import os
 import platform
+import sys
 import time
 
 import numpy as np
@@ -60,6 +63,21 @@ def read_dataset(path: str, n: int | None = None):
     if not prompts:
         raise ValueError(f"{path}: no requests")
     return prompts, outputs
+
+
+def read_trace_workload(path: str, n: int | None, vocab: int, seed: int, time_scale: float = 1.0):
+    """A trace's first `n` requests (all: None) as prompts of token ids (jaxcb.sim.trace.iter_prompt_ids), output
+    lengths and send times in seconds from the first (its arrivals times `time_scale`)."""
+    from jaxcb.sim.trace import iter_prompt_ids, read_trace
+
+    notes = []
+    trace = read_trace(path, notes)[:n]
+    for note in notes:
+        print(note, file=sys.stderr)
+    if not trace:
+        raise ValueError(f"{path}: no requests")
+    prompts = list(iter_prompt_ids(trace, vocab - 100, seed))  # (ids in [100, vocab - 100), as workload's)
+    return prompts, [r.output_tokens for r in trace], [r.arrival_s * time_scale for r in trace]
 
 
 def openai_base(url: str) -> str:
@@ -149,15 +167,17 @@ def summarize(values):
 
 
 async def run_rate(target, api, prompts, outputs, rate, concurrency, seed, slo_ttft, slo_tpot, model=None,
-                   auth_token=None):
-    """One rate against one endpoint: the figures of the whole workload."""
+                   auth_token=None, starts=None):
+    """One rate against one endpoint: the figures of the whole workload. `starts`: each request's own send time
+    (seconds from the first; a trace's arrivals) instead of the rate's Poisson arrivals."""
     import grpc
 
     from serve.proto import jaxcb_pb2_grpc, jetstream_pb2_grpc
 
-    rng = np.random.default_rng(seed)
-    gaps = rng.exponential(1.0 / rate, len(prompts)) if math.isfinite(rate) else np.zeros(len(prompts))
-    starts = np.cumsum(gaps) - gaps[0]
+    if starts is None:
+        rng = np.random.default_rng(seed)
+        gaps = rng.exponential(1.0 / rate, len(prompts)) if math.isfinite(rate) else np.zeros(len(prompts))
+        starts = np.cumsum(gaps) - gaps[0]
     sem = asyncio.Semaphore(concurrency or len(prompts))
     if api == "openai":
         import httpx
@@ -181,7 +201,8 @@ async def run_rate(target, api, prompts, outputs, rate, concurrency, seed, slo_t
     out_tokens = sum(r["n"] for r in results)
     failed = [r["error"] for r in results if "error" in r]
     return {
-        "rate": rate if math.isfinite(rate) else "inf", "requests": len(results) - len(failed), "wall_s": round(wall, 2),
+        "rate": rate if isinstance(rate, str) or math.isfinite(rate) else "inf",
+        "requests": len(results) - len(failed), "wall_s": round(wall, 2),
         **({"failed": len(failed), "first_error": failed[0]} if failed else {}),
         "request_throughput": round((len(results) - len(failed)) / wall, 3),
         "output_tokens_per_s": round(out_tokens / wall, 1),
@@ -263,6 +284,12 @@ def add_args(ap: argparse.ArgumentParser, *, url_required: bool = True) -> None:
     ap.add_argument("--dataset", default=None, metavar="FILE",
                     help="a jaxcb JSONL of requests (prompt_token_ids or prompt, max_tokens) instead of the random "
                          "workload")
+    ap.add_argument("--trace", default=None, metavar="FILE",
+                    help="replay a trace at its arrival times instead of --rates: jaxcb's JSONL, Mooncake's JSONL, "
+                         "Azure's or BurstGPT's CSV (as `jaxcb simulate --trace`); prompts of random token ids in "
+                         "[100, vocab), blocks of equal hashes (Mooncake's) the same tokens")
+    ap.add_argument("--time-scale", type=float, default=1.0,
+                    help="with --trace: arrival times multiplied by this (0.5: the same requests in half the time)")
     ap.add_argument("--slo-ttft-ms", type=float, default=2000.0)
     ap.add_argument("--slo-tpot-ms", type=float, default=200.0)
     ap.add_argument("--seed", type=int, default=0)
@@ -309,15 +336,22 @@ def run(args, machine: str | None = None) -> dict:
     if args.concurrency < 0:
         raise ValueError(f"--concurrency: must be 0 (no cap) or more, got {args.concurrency}")
     rates(args.rates)  # (checked before any request)
+    if args.trace and args.dataset:
+        raise ValueError("--trace and --dataset: give one of them")
+    if not 0 < args.time_scale < math.inf:
+        raise ValueError(f"--time-scale: must be a number above 0, got {args.time_scale}")
     if args.api == "openai":
         target = openai_base(args.url)
         model = args.model or served_model(target, args.auth_token)
     else:
         target, model = grpc_target(args.url), args.model
-    if args.dataset:
+    vocab = args.vocab_size or (grpc_vocab(target, args.auth_token) if args.api == "grpc" else None) or 32000
+    starts = None
+    if args.trace:
+        prompts, outputs, starts = read_trace_workload(args.trace, args.requests, vocab, args.seed, args.time_scale)
+    elif args.dataset:
         prompts, outputs = read_dataset(args.dataset, args.requests)
     else:
-        vocab = args.vocab_size or (grpc_vocab(target, args.auth_token) if args.api == "grpc" else None) or 32000
         prompts, outputs = workload(args.requests or 32, args.seed, vocab, args.input_len, args.output_len)
     targets = [(args.name or args.api, args.api, target, model)]
     for spec in args.also:
@@ -327,10 +361,10 @@ def run(args, machine: str | None = None) -> dict:
         base = openai_base(url)
         targets.append((name, "openai", base, served_model(base, args.auth_token)))
     runs = []
-    for rate in rates(args.rates):
+    for rate in rates(args.rates) if starts is None else ["trace"]:
         for name, api, url, name_model in targets:  # interleaved: every endpoint at this rate, then the next
             r = asyncio.run(run_rate(url, api, prompts, outputs, rate, args.concurrency, args.seed,
-                                     args.slo_ttft_ms, args.slo_tpot_ms, name_model, args.auth_token))
+                                     args.slo_ttft_ms, args.slo_tpot_ms, name_model, args.auth_token, starts))
             r["name"], r["api"], r["url"], r["model"] = name, api, url, name_model
             runs.append(r)
             print(f"{name:>10} ({api}) rate {r['rate']:>5} req/s: {r['request_throughput']:.2f} req/s, "
@@ -341,7 +375,8 @@ def run(args, machine: str | None = None) -> dict:
                   f"goodput {r['goodput_rps']:.2f} req/s"
                   + (f"; {r['failed']} failed, the first: {r['first_error']}" if r.get("failed") else ""), flush=True)
     result = {"machine": machine or client_machine(), "api": args.api, "requests": len(prompts),
-              "dataset": args.dataset or f"random (input {args.input_len:g}, output {args.output_len:g}, seed {args.seed})",
+              "dataset": (f"trace {args.trace} (time scale {args.time_scale:g})" if args.trace else args.dataset
+                          or f"random (input {args.input_len:g}, output {args.output_len:g}, seed {args.seed})"),
               "runs": runs}
     print(table(runs, args.slo_ttft_ms, args.slo_tpot_ms))
     print(json.dumps(result))

@@ -1226,6 +1226,15 @@ def test_bench_serve_measures_a_running_server_over_each_api(server, tmp_path, t
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert [(r["rate"], r["requests"], r["output_tokens"]) for r in result["runs"]] == [(2.0, 2, 8), ("inf", 2, 8)]
+    # a trace replayed at its own arrival times (stretched by --time-scale): blocks of one hash, the same tokens
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text("".join(json.dumps({"arrival_s": 0.4 * i, "prompt_tokens": 6, "output_tokens": 2 + i,
+                                         "hash_ids": [1, 10 + i], "block_tokens": 4}) + "\n" for i in range(3)))
+    done = subprocess.run([sys.executable, "-m", "jaxcb", "bench", "serve", "--url", server.http, "--trace", str(trace),
+                           "--time-scale", "2", "--vocab-size", str(vocab)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    (run,) = json.loads(done.stdout.strip().splitlines()[-1])["runs"]
+    assert (run["rate"], run["requests"], run["output_tokens"]) == ("trace", 3, 9) and run["wall_s"] >= 1.6
     # a request the server refuses is counted apart with its reason, over each API; the others' figures stand
     data.write_text("\n".join(json.dumps(r) for r in ({"prompt_token_ids": [5, 6, 7], "max_tokens": 3},
                                                        {"prompt_token_ids": [5, 10**6], "max_tokens": 3})))
@@ -1238,7 +1247,9 @@ def test_bench_serve_measures_a_running_server_over_each_api(server, tmp_path, t
         assert "outside the vocabulary" in run["first_error"]
     for bad, message in ((["--rates", "0"], "--rates: '0' is not a rate"), (["--rates", "nan"], "is not a rate"),
                          (["--num-prompts", "0"], "--requests: must be at least 1"),
-                         (["--max-concurrency", "-1"], "--concurrency: must be 0")):
+                         (["--max-concurrency", "-1"], "--concurrency: must be 0"),
+                         (["--trace", str(trace), "--time-scale", "0"], "--time-scale: must be a number above 0"),
+                         (["--trace", str(trace), "--dataset", str(data)], "--trace and --dataset: give one")):
         done = subprocess.run([sys.executable, "-m", "jaxcb", "bench", "serve", "--url", server.http, *bad],
                               capture_output=True, text=True, timeout=300)
         assert done.returncode != 0 and message in done.stderr, done.stderr
