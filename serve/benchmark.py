@@ -10,7 +10,8 @@ requests in flight, and reports request and output-token throughput, TTFT, TPOT 
 token), inter-token latency and end-to-end latency (mean, p50, p90, p99) and goodput (requests/s that met
 both SLOs), as a table and a JSON line (and a file with --json). The workload is random token ids with
 log-normal prompt and output lengths around --input-len and --output-len (EOS ignored, greedy), or a jaxcb
-JSONL of requests (--dataset: `prompt_token_ids` or `prompt`, and `max_tokens` per line); or a trace (--trace:
+JSONL of requests (--dataset: `prompt_token_ids` or `prompt`, and `max_tokens` per line), or ShareGPT's JSON
+(sampled as `vllm bench serve --dataset-name sharegpt` samples it); or a trace (--trace:
 jaxcb's, Mooncake's, Azure's or BurstGPT's, as `jaxcb simulate` reads them), replayed at its own arrival times
 (--time-scale stretches them) instead of --rates, so a real server's figures stand beside the simulator's. With --also the
 other endpoints (OpenAI-compatible) run rate by rate with the main one, so a noisy machine treats them
@@ -63,6 +64,72 @@ def read_dataset(path: str, n: int | None = None):
     if not prompts:
         raise ValueError(f"{path}: no requests")
     return prompts, outputs
+
+
+def read_sharegpt(path: str, n: int, seed: int, count_tokens=None, output_len: int | None = None):
+    """ShareGPT's JSON (a list of {"conversations": [{"from", "value"}, ...]}), sampled as vLLM's benchmark
+    samples it: conversations of two turns or more, shuffled by `seed`, the first turn the prompt (text), the
+    second's token count the output length (or `output_len`); pairs with a prompt or output under 4 tokens, a
+    prompt over 1,024 or both over 2,048 skipped, until `n`. `count_tokens(text)`: a server's token count (its
+    /tokenize); None (with `output_len`): prompts are not measured or skipped."""
+    try:
+        with open(path, encoding="utf-8-sig") as f:
+            data = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path}: not a readable ShareGPT JSON file ({e})") from None
+    if not isinstance(data, list):
+        raise ValueError(f"{path}: ShareGPT's file is a JSON list of conversations")
+    pairs = [(c["conversations"][0].get("value"), c["conversations"][1].get("value")) for c in data
+             if isinstance(c, dict) and isinstance(c.get("conversations"), list) and len(c["conversations"]) >= 2
+             and all(isinstance(t, dict) for t in c["conversations"][:2])]
+    pairs = [(a, b) for a, b in pairs if isinstance(a, str) and isinstance(b, str) and a]
+    np.random.default_rng(seed).shuffle(pairs)
+    prompts, outputs = [], []
+    for prompt, answer in pairs:
+        if len(prompts) == n:
+            break
+        if count_tokens is None:
+            prompts.append(prompt)
+            outputs.append(output_len)
+            continue
+        size, out = count_tokens(prompt), output_len or count_tokens(answer)
+        if size < 4 or (output_len is None and out < 4) or size > 1024 or size + out > 2048:
+            continue
+        prompts.append(prompt)
+        outputs.append(out)
+    if not prompts:
+        raise ValueError(f"{path}: no conversation of ShareGPT's form fits (4..1,024 prompt tokens, 2,048 in all)")
+    return prompts, outputs
+
+
+def tokenize_counter(base: str, model: str | None, auth_token=None):
+    """A text's token count by an OpenAI-style server's POST /tokenize (jaxcb's and vLLM's)."""
+    import httpx
+
+    root = base[:-len("/v1")] if base.endswith("/v1") else base
+    headers = {"Authorization": f"Bearer {auth_token}"} if auth_token else {}
+    client = httpx.Client(timeout=60.0, headers=headers)
+
+    def count(text: str) -> int:
+        r = client.post(root + "/tokenize", json={"prompt": text, **({"model": model} if model else {})})
+        if r.status_code >= 400:
+            raise ValueError(f"{root}/tokenize: HTTP {r.status_code}: {r.text[:200]}")
+        return int(r.json()["count"])
+    return count
+
+
+def dataset_kind(args) -> str:
+    """--dataset's kind: --dataset-name's, else ShareGPT for a JSON file that opens with a list, else jsonl."""
+    if args.dataset_name == "random":
+        raise ValueError("--dataset-name random takes no --dataset")
+    if args.dataset_name:
+        return args.dataset_name
+    try:
+        with open(args.dataset, encoding="utf-8-sig") as f:
+            head = f.read(4096).lstrip()
+    except OSError as e:
+        raise ValueError(f"{args.dataset}: {e.strerror or e}") from None
+    return "sharegpt" if head.startswith("[") else "jsonl"
 
 
 def read_trace_workload(path: str, n: int | None, vocab: int, seed: int, time_scale: float = 1.0):
@@ -271,7 +338,7 @@ def add_args(ap: argparse.ArgumentParser, *, url_required: bool = True) -> None:
     ap.add_argument("--rates", "--request-rate", default="1,2,4,inf",
                     help="requests/s, comma-separated (inf: all at once)")
     ap.add_argument("--requests", "--num-prompts", type=int, default=None,
-                    help="requests per rate (default: 32, or every line of --dataset)")
+                    help="requests per rate (default: 32, or every line of a JSONL --dataset)")
     ap.add_argument("--concurrency", "--max-concurrency", type=int, default=0,
                     help="cap on requests in flight (0 = none)")
     ap.add_argument("--input-len", "--random-input-len", type=float, default=75,
@@ -281,9 +348,15 @@ def add_args(ap: argparse.ArgumentParser, *, url_required: bool = True) -> None:
     ap.add_argument("--vocab-size", type=int, default=None,
                     help="the random prompts' token ids lie in [100, VOCAB - 100) (default: the server's, over "
                          "jaxcb's gRPC; else 32000, in range for most models)")
-    ap.add_argument("--dataset", default=None, metavar="FILE",
+    ap.add_argument("--dataset", "--dataset-path", default=None, metavar="FILE",
                     help="a jaxcb JSONL of requests (prompt_token_ids or prompt, max_tokens) instead of the random "
-                         "workload")
+                         "workload, or ShareGPT's JSON (sampled as vLLM's benchmark samples it, its lengths counted "
+                         "by the server's /tokenize)")
+    ap.add_argument("--dataset-name", choices=("random", "sharegpt", "jsonl"), default=None,
+                    help="vLLM's name: random (the default without --dataset), sharegpt or jsonl (told from the "
+                         "file by default)")
+    ap.add_argument("--sharegpt-output-len", type=int, default=None,
+                    help="ShareGPT: every output this long, instead of the reference answer's length")
     ap.add_argument("--trace", default=None, metavar="FILE",
                     help="replay a trace at its arrival times instead of --rates: jaxcb's JSONL, Mooncake's JSONL, "
                          "Azure's or BurstGPT's CSV (as `jaxcb simulate --trace`); prompts of random token ids in "
@@ -349,8 +422,19 @@ def run(args, machine: str | None = None) -> dict:
     starts = None
     if args.trace:
         prompts, outputs, starts = read_trace_workload(args.trace, args.requests, vocab, args.seed, args.time_scale)
+    elif args.dataset and dataset_kind(args) == "sharegpt":
+        if args.sharegpt_output_len is not None and args.sharegpt_output_len < 1:
+            raise ValueError(f"--sharegpt-output-len: must be at least 1, got {args.sharegpt_output_len}")
+        if args.api != "openai" and args.sharegpt_output_len is None:
+            raise ValueError("ShareGPT over gRPC: give --sharegpt-output-len (the lengths are counted by an OpenAI "
+                             "API's /tokenize)")
+        counter = tokenize_counter(target, model, args.auth_token) if args.api == "openai" else None
+        prompts, outputs = read_sharegpt(args.dataset, args.requests or 32, args.seed, counter,
+                                         args.sharegpt_output_len)
     elif args.dataset:
         prompts, outputs = read_dataset(args.dataset, args.requests)
+    elif args.dataset_name not in (None, "random"):
+        raise ValueError(f"--dataset-name {args.dataset_name}: give its file (--dataset-path)")
     else:
         prompts, outputs = workload(args.requests or 32, args.seed, vocab, args.input_len, args.output_len)
     targets = [(args.name or args.api, args.api, target, model)]

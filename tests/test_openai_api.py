@@ -1235,6 +1235,25 @@ def test_bench_serve_measures_a_running_server_over_each_api(server, tmp_path, t
     assert done.returncode == 0, done.stderr
     (run,) = json.loads(done.stdout.strip().splitlines()[-1])["runs"]
     assert (run["rate"], run["requests"], run["output_tokens"]) == ("trace", 3, 9) and run["wall_s"] >= 1.6
+    # ShareGPT's JSON as vLLM's benchmark samples it: first turn the prompt, the second's token count the output
+    share = tmp_path / "sharegpt.json"
+    words = "the cat sat on a mat and then it went home to sleep for a long while".split()
+    convs = [{"id": str(i), "conversations": [{"from": "human", "value": " ".join(words[:4 + i])},
+                                              {"from": "gpt", "value": " ".join(words[i:i + 5])}]} for i in range(4)]
+    convs += [{"id": "one turn", "conversations": [{"from": "human", "value": "alone in here"}]},
+              {"id": "short", "conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "ok"}]}]
+    share.write_text(json.dumps(convs))
+    done = subprocess.run([sys.executable, "-m", "jaxcb", "bench", "serve", "--url", server.http, "--dataset-name",
+                           "sharegpt", "--dataset-path", str(share), "--num-prompts", "3", "--rates", "inf"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    (run,) = json.loads(done.stdout.strip().splitlines()[-1])["runs"]
+    from serve.benchmark import read_sharegpt, tokenize_counter
+
+    count = tokenize_counter(server.http + "/v1", "tiny")
+    prompts, outputs = read_sharegpt(str(share), 3, 0, count)
+    assert run["requests"] == 3 and run["output_tokens"] == sum(outputs) and "hi" not in prompts
+    assert all(count(p) >= 4 for p in prompts) and len(set(prompts)) == 3
     # a request the server refuses is counted apart with its reason, over each API; the others' figures stand
     data.write_text("\n".join(json.dumps(r) for r in ({"prompt_token_ids": [5, 6, 7], "max_tokens": 3},
                                                        {"prompt_token_ids": [5, 10**6], "max_tokens": 3})))
