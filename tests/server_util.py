@@ -20,8 +20,8 @@ def compile_mode(model_config) -> str:
     return "fast" if model_config.hidden_size < 512 else "optimized"
 
 
-SMALL_CONFIG = (  # for the tiny test models (compile = "fast": compile_mode)
-    "[model]\ncompile = \"fast\"\n"
+SMALL_CONFIG = (  # for the tiny test models (compile = "fast": compile_mode; compact JSON: random weights pick
+    "[model]\ncompile = \"fast\"\njson_whitespace = \"compact\"\n"  # whitespace among the tokens a gap allows)
     "[cache]\npage_size = 16\nnum_pages = 96\n"
     "[scheduler]\nmax_context = 256\nmax_prefill_tokens = 64\n"
     "[buckets]\ndecode_batch = [1, 2, 4, 8]\npages_per_seq = [4, 16]\nprefill_tokens = [32, 64]\n"

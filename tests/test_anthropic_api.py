@@ -31,7 +31,7 @@ def server(tmp_path_factory):
     path = tmp_path_factory.mktemp("anthropic") / "long.toml"
     model = str(path.parent / "tiny-long.gguf")
     write_tiny_gguf(model, tiny_model_config(max_context=2048))
-    path.write_text("[model]\ncompile = \"fast\"\n[cache]\npage_size = 16\nnum_pages = 256\n[scheduler]\n"
+    path.write_text("[model]\ncompile = \"fast\"\njson_whitespace = \"compact\"\n[cache]\npage_size = 16\nnum_pages = 256\n[scheduler]\n"
                     "max_context = 2048\nmax_prefill_tokens = 256\n[buckets]\ndecode_batch = [1, 4]\n"
                     "prefill_tokens = [256]\n")
     yield from http_server(model, str(path), "--auth-token", KEY)

@@ -40,7 +40,10 @@ def _check(kind: str, text: str) -> None:
         assert re.fullmatch(r"x=[1-9][0-9]?(, [1-9][0-9]?)*", text), text
 
 
-CONSTRAINTS = {"json": Constraint.json_schema(SCHEMA), "regex": Constraint("regex", REGEX),
+# JSON compact here: the tests' random-weight models, sampling, pick whitespace among the tokens a gap allows
+# more often than not (real models write JSON as they learnt it: JSON_WHITESPACE lets them)
+CONSTRAINTS = {"json": Constraint.json_schema({**SCHEMA, "x-guidance": {"whitespace_flexible": False}}),
+               "regex": Constraint("regex", REGEX),
                "choice": Constraint.choice(CHOICES), "grammar": Constraint("grammar", GRAMMAR)}
 
 
@@ -160,8 +163,10 @@ def test_the_request_shapes_of_both_apis():
     assert from_structured_outputs({"choice": ["x", "y"]}).kind == "choice"
     assert from_structured_outputs({"json": SCHEMA}).kind == "json"
     assert from_structured_outputs({"grammar": GRAMMAR}).kind == "grammar"
-    assert from_structured_outputs({"json": SCHEMA, "disable_any_whitespace": True, "disable_fallback": False}) == (
+    assert from_structured_outputs({"json": SCHEMA, "disable_fallback": False, "disable_additional_properties": True}) == (
         from_structured_outputs({"json": SCHEMA}))  # vLLM's options: what jaxcb's grammars do anyway
+    compact = from_structured_outputs({"json": SCHEMA, "disable_any_whitespace": True})  # ... but this one
+    assert json.loads(compact.spec) == {**SCHEMA, "x-guidance": {"whitespace_flexible": False, "whitespace_pattern": None}}
     assert from_guided({"guided_regex": "a+", "guided_decoding_backend": "xgrammar"}) == Constraint(
         "regex", "a+", "guided_regex")
     assert from_guided({"max_tokens": 3}) is None
@@ -313,6 +318,20 @@ def test_objects_that_list_their_properties_get_no_others_unless_the_schema_allo
     call = tool_calls.HERMES.open + '{"name":"f","arguments":%s}' + tool_calls.HERMES.close
     assert accepts(tool_calls.constraint(tools), call % '{"x":1}')
     assert not accepts(tool_calls.constraint(tools), call % '{"x":1,"y":2}')
+    # Whitespace as pretty-printed JSON writes it, bounded (vLLM's disable_any_whitespace: none); a model that ends
+    # its line after its last call may end its answer there
+    pretty = '{\n  "p": {\n    "x": 1\n  },\n  "list": [\n    {"x": 2}\n  ]\n}'
+    assert accepts(schema, pretty) and accepts(tool_calls.constraint(tools), call % '{"x":1}' + "\n")
+    assert not accepts(schema, '{"p": {"x": 1' + " " * 41 + "}}") and accepts(schema, '{"p": {"x": 1' + " " * 40 + "}}")
+    assert not accepts(schema, '{"p": {"x": 1\n\n}}') and accepts(schema, '{"p": {"x": 1\r\n\t}}')
+    assert not accepts(schema, " " + pretty) and not accepts(schema, pretty + "\n")  # (nothing around the value)
+    assert not accepts(from_structured_outputs({"json": schema, "disable_any_whitespace": True}), pretty)
+    assert not accepts({**schema, "x-guidance": {"whitespace_flexible": False}}, pretty)
+    assert not accepts(tool_calls.constraint(tools), call % '{"x":1}' + "\n\n")
+    assert not accepts(tool_calls.constraint(tools), call % '{"x": 1}')  # (a call's line: compact JSON, as before)
+    compact = Grammars(tok, cfg.vocab_size, [tok.eos_id], json_whitespace="compact")  # (--json-whitespace compact)
+    assert not compact.matcher(Constraint.json_schema(schema)).try_consume_tokens(tok.encode(pretty)[1:]) == len(
+        tok.encode(pretty)) - 1
 
 
 def test_a_grammar_after_a_token_leaves_the_text_before_it_free(make_llm):

@@ -7,7 +7,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from jaxcb.host.engine_config import ACTIVATION_CHOICES, COMPILE_CHOICES, CPU_DOTS_CHOICES, KV_CHOICES, WEIGHT_CHOICES
+from jaxcb.host.engine_config import (ACTIVATION_CHOICES, COMPILE_CHOICES, CPU_DOTS_CHOICES, JSON_WHITESPACE_CHOICES,
+                                      KV_CHOICES, WEIGHT_CHOICES)
 from jaxcb.host.policies import POLICIES
 
 
@@ -35,6 +36,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compile", choices=COMPILE_CHOICES, default=None,
                    help="how XLA compiles each step: optimized, or fast (a fraction of the compile time, slower "
                         "steps: for development) (default: the config's model.compile, optimized)")
+    p.add_argument("--json-whitespace", choices=JSON_WHITESPACE_CHOICES, default=None,
+                   help="whitespace in JSON output (response_format, structured_outputs): flexible, as pretty-printed "
+                        "JSON writes it, bounded (vLLM's default), or compact, none (vLLM's disable_any_whitespace "
+                        "for every request) (default: the config's model.json_whitespace, flexible)")
     p.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
                    help="the Jinja chat template to write conversations with instead of the model file's (a "
                         "base model's file may have none): a file, or the template itself (default: the config's "
@@ -189,6 +194,8 @@ def engine_config(args):
         changes["cpu_dots"] = args.cpu_dots
     if getattr(args, "compile", None):
         changes["compile"] = args.compile
+    if getattr(args, "json_whitespace", None):
+        changes["json_whitespace"] = args.json_whitespace
     spec = speculative_config(args, config.scheduler.speculative)
     if spec != config.scheduler.speculative:
         changes["speculative"] = spec

@@ -158,7 +158,7 @@ class Engine:
         """The tokenizer's structured-output machinery (jaxcb.host.structured), built on first use."""
         if self.tokenizer is None:
             raise InvalidRequest("structured_outputs: this model has no tokenizer to match a grammar with")
-        return grammars_for(self.tokenizer, self.model_config.vocab_size, self.eos_ids)
+        return grammars_for(self.tokenizer, self.model_config.vocab_size, self.eos_ids, self.config.json_whitespace)
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams, *, request_id: str | None = None,
                     priority: int = 0, callback: EventCallback | None = None,

@@ -22,6 +22,7 @@ WEIGHT_CHOICES = ("auto", "float32", "bfloat16", "int8", "int4")  # model.weight
 KV_CHOICES = ("auto", "float32", "bfloat16", "int8")
 # XLA:CPU's dot libraries (jaxcb.device.cpu_dots sets them up; "default" = whatever jaxlib does)
 CPU_DOTS_CHOICES = ("auto", "default", "ynn", "xnn", "onednn", "eigen")
+JSON_WHITESPACE_CHOICES = ("flexible", "compact")  # EngineConfig.json_whitespace
 # How XLA compiles each step program (jaxcb.device.runner.COMPILER_OPTIONS): "optimized" (XLA's defaults) or
 # "fast" (its backend's optimisations off: a fraction of the compile time, slower steps on real models).
 COMPILE_CHOICES = ("optimized", "fast")
@@ -75,6 +76,10 @@ class EngineConfig:
     # How they are read (jaxcb.host.classifier.FROM_TOKEN_METHODS, vLLM's names): "auto" = two tokens as one label
     # (from_2_way_softmax), else a label per token (no_post_processing).
     classifier_method: str = "auto"
+    # The whitespace JSON output (response_format, structured_outputs' json) may have: "flexible", as pretty-printed
+    # JSON writes it, bounded (jaxcb.host.structured.JSON_WHITESPACE; vLLM's default), or "compact", none (vLLM's
+    # disable_any_whitespace for every request). A request's own choice or its schema's x-guidance comes first.
+    json_whitespace: str = "flexible"
 
     @property
     def page_size(self) -> int:
@@ -117,6 +122,9 @@ class EngineConfig:
             raise InvalidConfig(f"cache.kv_dtype: {self.kv_dtype!r} is not one of {KV_CHOICES}")
         if self.cpu_dots not in CPU_DOTS_CHOICES:
             raise InvalidConfig(f"model.cpu_dots: {self.cpu_dots!r} is not one of {CPU_DOTS_CHOICES}")
+        if self.json_whitespace not in JSON_WHITESPACE_CHOICES:
+            raise InvalidConfig(f"model.json_whitespace: {self.json_whitespace!r} is not one of "
+                                f"{JSON_WHITESPACE_CHOICES}")
         if self.compile not in COMPILE_CHOICES:
             raise InvalidConfig(f"model.compile: {self.compile!r} is not one of {COMPILE_CHOICES}")
         if self.attention not in ATTENTION_CHOICES:
@@ -136,7 +144,8 @@ class EngineConfig:
     def replace(self, *, num_pages=None, buckets=None, attention=None, tensor_parallel=None, data_parallel=None,
                 weights=None, weight_group=None, kv_dtype=None, cpu_dots=None, activations=None,
                 compile=None, lora=None, served_model_name=None, chat_template=None, rope_scaling=None,
-                classifier_from_tokens=None, classifier_method=None, **scheduler_changes) -> "EngineConfig":
+                classifier_from_tokens=None, classifier_method=None, json_whitespace=None,
+                **scheduler_changes) -> "EngineConfig":
         return EngineConfig(
             num_pages=self.num_pages if num_pages is None else num_pages,
             scheduler=dataclasses.replace(self.scheduler, **scheduler_changes),
@@ -159,6 +168,7 @@ class EngineConfig:
             classifier_from_tokens=(self.classifier_from_tokens if classifier_from_tokens is None
                                     else tuple(classifier_from_tokens)),
             classifier_method=self.classifier_method if classifier_method is None else classifier_method,
+            json_whitespace=self.json_whitespace if json_whitespace is None else json_whitespace,
         )
 
 
@@ -285,7 +295,7 @@ def load_config(path: str | None = None) -> EngineConfig:
     model = raw.get("model", {})
     unknown = set(model) - {"attention", "weights", "weight_group", "cpu_dots", "activations", "compile",
                             "served_model_name", "chat_template", "rope_scaling", "classifier_from_tokens",
-                            "classifier_method"}
+                            "classifier_method", "json_whitespace"}
     if unknown:
         raise InvalidConfig(f"config: unknown setting in [model]: {sorted(unknown)}")
     parallel = raw.get("parallel", {})
@@ -309,6 +319,7 @@ def load_config(path: str | None = None) -> EngineConfig:
                         rope_scaling=_rope_scaling_text(model.get("rope_scaling", "")),
                         classifier_from_tokens=parse_tokens(model.get("classifier_from_tokens", ())),
                         classifier_method=str(model.get("classifier_method", "auto")),
+                        json_whitespace=str(model.get("json_whitespace", "flexible")),
                         memory_fraction=float(cache.get("memory_fraction", 0.9)),
                         memory_bytes=parse_bytes(cache["memory"]) if "memory" in cache else 0,
                         tensor_parallel=parallel.get("tensor", 1), data_parallel=parallel.get("data", 1))

@@ -105,7 +105,8 @@ class Constraint:
                     schema = {}
                 # oneOf as anyOf where llguidance cannot prove the branches disjoint (as xgrammar reads
                 # it): a typical tagged union's branches cannot both match, and it is refused otherwise.
-                return llguidance.LLMatcher.grammar_from_json_schema(grammar_schema(schema), defaults=JSON_DEFAULTS)
+                return llguidance.LLMatcher.grammar_from_json_schema(grammar_schema(schema),
+                                                                     defaults=json_defaults(schema))
             if self.kind == "regex":  # \d, \w as ASCII classes (as JSON schema patterns read them)
                 return llguidance.LLMatcher.grammar_from_lark(
                     f"start: /{llguidance.regex_to_lark(self.spec, ASCII_CLASSES)}/")
@@ -131,20 +132,54 @@ _ANNOTATIONS = {"title", "description", "$comment", "$schema", "$id", "$anchor",
 FORMATS = {"date-time", "time", "date", "duration", "email", "hostname", "ipv4", "ipv6", "uuid", "uri"}
 
 
-# How a JSON schema is held (a schema's own x-guidance over these): no free whitespace; oneOf as anyOf where
-# llguidance cannot prove the branches disjoint (as xgrammar reads it: a tagged union's cannot both match)
-JSON_DEFAULTS = {"whitespace_flexible": False, "coerce_one_of": True}
+# The whitespace JSON output may have between two of its tokens: what pretty-printed JSON writes (a newline and an
+# indent, a space after a colon or comma), one line's worth, so that a model cannot loop on whitespace until its
+# tokens run out. Models trained on pretty-printed JSON lose their way when made to write it compact.
+JSON_WHITESPACE = r"(\r?\n)?[ \t]{0,40}"
+# How a JSON schema is held (a schema's own x-guidance over these): JSON_WHITESPACE between tokens (none before
+# the value or after it); oneOf as anyOf where llguidance cannot prove the branches disjoint (as xgrammar reads
+# it: a tagged union's cannot both match)
+JSON_DEFAULTS = {"whitespace_flexible": True, "whitespace_pattern": JSON_WHITESPACE, "coerce_one_of": True}
+COMPACT = {"whitespace_flexible": False, "whitespace_pattern": None}  # vLLM's disable_any_whitespace
+# JSON inside a grammar (a tool call's arguments, written on the call's line as chat templates render them): compact
+LARK_JSON = {**COMPACT, "coerce_one_of": True}
+
+
+def with_whitespace(c: "Constraint | None", options: dict) -> "Constraint | None":
+    """A json constraint whose schema takes `options` (x-guidance's whitespace keys: COMPACT, or a
+    whitespace_pattern) where the schema says nothing of them itself; other constraints as they are."""
+    if c is None or c.kind != "json":
+        return c
+    try:
+        schema = json.loads(c.spec)
+    except ValueError:  # (refused by its grammar(), naming it)
+        return c
+    if not isinstance(schema, dict):
+        schema = {} if schema is True else schema
+    if not isinstance(schema, dict):
+        return c
+    own = schema.get("x-guidance") if isinstance(schema.get("x-guidance"), dict) else {}
+    return dataclasses.replace(c, spec=json.dumps({**schema, "x-guidance": {**options, **own}}))
 
 
 def lark_schema(schema):
-    """`schema` as a Lark grammar's `%json` holds it, the same as a json constraint (grammar_schema, and
-    JSON_DEFAULTS under the schema's own x-guidance): a tool's arguments, a harmony answer's reply."""
+    """`schema` as a Lark grammar's `%json` holds it (grammar_schema, and LARK_JSON under the schema's own
+    x-guidance): a tool's arguments, a harmony answer's reply."""
     if schema is True:
         schema = {}
     if not isinstance(schema, dict):
         return schema
     own = schema.get("x-guidance")
-    return grammar_schema({**schema, "x-guidance": {**JSON_DEFAULTS, **(own if isinstance(own, dict) else {})}})
+    return grammar_schema({**schema, "x-guidance": {**LARK_JSON, **(own if isinstance(own, dict) else {})}})
+
+
+def json_defaults(schema) -> dict:
+    """JSON_DEFAULTS for `schema`: without the whitespace pattern where its own x-guidance turns flexible
+    whitespace off and gives none (a pattern would turn it back on)."""
+    own = schema.get("x-guidance") if isinstance(schema, dict) else None
+    if isinstance(own, dict) and own.get("whitespace_flexible") is False and not own.get("whitespace_pattern"):
+        return {**JSON_DEFAULTS, "whitespace_pattern": None}
+    return JSON_DEFAULTS
 
 
 def grammar_schema(schema):
@@ -225,9 +260,9 @@ def _escape(key: str) -> str:
 # The JSON shapes clients send (the OpenAI HTTP API, `jaxcb generate --input` lines): vLLM's
 # structured_outputs object and OpenAI's response_format.
 STRUCTURED_OUTPUTS_KEYS = ("json", "json_object", "regex", "choice", "grammar")
-# vLLM's options beside the constraint, which jaxcb's grammars hold whatever they say: JSON output is
-# compact and its objects closed unless the schema opens them (grammar_schema), and there is no other
-# backend to fall back to.
+# vLLM's options beside the constraint: disable_any_whitespace makes JSON output compact (else it may have
+# JSON_WHITESPACE between tokens); the others jaxcb's grammars hold whatever they say: objects closed unless
+# the schema opens them (grammar_schema), and no other backend to fall back to.
 STRUCTURED_OUTPUTS_OPTIONS = ("disable_any_whitespace", "disable_additional_properties", "disable_fallback")
 
 
@@ -241,7 +276,12 @@ def from_structured_outputs(obj, field: str = "structured_outputs") -> Constrain
     for option in STRUCTURED_OUTPUTS_OPTIONS:
         if not isinstance(obj.get(option, False), bool):
             raise InvalidRequest(f"{field}.{option}: must be true or false, got {obj[option]!r}")
+    compact = obj.get("disable_any_whitespace", False)
     obj = {k: v for k, v in obj.items() if k not in STRUCTURED_OUTPUTS_OPTIONS}
+    return with_whitespace(_structured_outputs(obj, field), COMPACT) if compact else _structured_outputs(obj, field)
+
+
+def _structured_outputs(obj: dict, field: str) -> Constraint:
     unknown = sorted(k for k in obj if k not in STRUCTURED_OUTPUTS_KEYS)
     if unknown:
         raise InvalidRequest(f"{field}.{unknown[0]}: not supported; give one of {', '.join(STRUCTURED_OUTPUTS_KEYS)}")
@@ -276,8 +316,23 @@ def from_guided(body: dict) -> Constraint | None:
     backend = body.get("guided_decoding_backend")
     if backend is not None and not isinstance(backend, str):
         raise InvalidRequest(f"guided_decoding_backend: must be a string, got {backend!r}")
-    if body.get("guided_whitespace_pattern") is not None:
-        raise InvalidRequest("guided_whitespace_pattern: not supported (JSON output takes the grammar's own whitespace)")
+    pattern = body.get("guided_whitespace_pattern")
+    if pattern is not None and (not isinstance(pattern, str) or len(pattern) > 256):
+        raise InvalidRequest("guided_whitespace_pattern: must be a regex of at most 256 characters")
+    c = _guided(body)
+    if pattern is not None and (c is None or c.kind != "json"):
+        raise InvalidRequest("guided_whitespace_pattern: only with guided_json")
+    if pattern is not None:
+        import llguidance
+
+        error = llguidance.LLMatcher.validate_grammar(Constraint("regex", pattern, "guided_whitespace_pattern").grammar(),
+                                                      None)
+        if error:
+            raise InvalidRequest(f"guided_whitespace_pattern: not a valid regex ({_first_line(error)})")
+    return with_whitespace(c, {"whitespace_flexible": True, "whitespace_pattern": pattern}) if pattern else c
+
+
+def _guided(body: dict) -> Constraint | None:
     given = [name for name in GUIDED_FIELDS if body.get(name) is not None]
     if not given:
         return None
@@ -370,9 +425,11 @@ class Grammars:
     """One tokenizer's grammar machinery (see the module's docstring). Thread-safe: the server checks
     constraints on worker threads while the engine thread makes matchers and masks."""
 
-    def __init__(self, tokenizer, vocab_size: int, eos_ids=(), cache_size: int = CACHE_SIZE):
+    def __init__(self, tokenizer, vocab_size: int, eos_ids=(), cache_size: int = CACHE_SIZE,
+                 json_whitespace: str = "flexible"):
         import llguidance
 
+        self.compact = json_whitespace == "compact"  # every json constraint COMPACT (EngineConfig.json_whitespace)
         self._llg = llguidance
         eos = list(eos_ids) or ([tokenizer.eos_id] if tokenizer.eos_id is not None else [])
         # The tokenizer's own definition (Hugging Face tokenizers), the model's vocabulary width: the
@@ -394,11 +451,19 @@ class Grammars:
     def compile(self, c: Constraint):
         """The compiled matcher of `c` (cached): raises InvalidRequest naming the problem. Slow for a
         large grammar the first time: call it off the event loop."""
+        if self.compact and c.kind == "json" and with_whitespace(c, COMPACT) != c:
+            return self.compile(with_whitespace(c, COMPACT))
         with self._lock:
             m = self._cache.get(c)
             if m is not None:
                 self._cache.move_to_end(c)
                 return m
+        # JSON probed compact (_probe follows only a few ways: whitespace between tokens would be too many),
+        # the whole constraint's and each embedded schema's (a tool's parameters), naming its own field
+        for twin in ([with_whitespace(c, COMPACT)] if c.kind == "json" else []) + [
+                with_whitespace(Constraint("json", schema, field), COMPACT) for field, schema in c.parts]:
+            if twin != c:
+                self.compile(twin)
         m = self._llg.LLMatcher(self.tokenizer, c.grammar(), limits=self.limits, log_level=0)
         if not m.is_error():  # its first few masks, on copies: a failure there is refused here, not mid-output
             m = self._probe(m)
@@ -476,15 +541,15 @@ _SHARED: "weakref.WeakKeyDictionary[object, dict]" = weakref.WeakKeyDictionary()
 _SHARED_LOCK = threading.Lock()
 
 
-def grammars_for(tokenizer, vocab_size: int, eos_ids=()) -> Grammars:
-    """The one Grammars of a tokenizer (and vocabulary width), shared by every engine that uses it
-    (replicas, the LLM API) and built on first use."""
-    key = (vocab_size, tuple(eos_ids))
+def grammars_for(tokenizer, vocab_size: int, eos_ids=(), json_whitespace: str = "flexible") -> Grammars:
+    """The one Grammars of a tokenizer (and vocabulary width, and JSON whitespace), shared by every engine that uses
+    it (replicas, the LLM API) and built on first use."""
+    key = (vocab_size, tuple(eos_ids), json_whitespace)
     with _SHARED_LOCK:
         per = _SHARED.setdefault(tokenizer, {})
         g = per.get(key)
         if g is None:
-            g = per[key] = Grammars(tokenizer, vocab_size, eos_ids)
+            g = per[key] = Grammars(tokenizer, vocab_size, eos_ids, json_whitespace=json_whitespace)
         return g
 
 

@@ -405,7 +405,8 @@ def _call_id(given, fmt: Format) -> str:
 
 def constraint(tools: Tools, tokenizer=None) -> Constraint | None:
     """The grammar for "required" or a named function: calls in the format only (blocks, a newline each
-    side of the object and between blocks allowed, as templates write them; or the answer one object),
+    side of the object, between blocks and after the last allowed, as templates write them: a model that
+    ends its line may still end its answer there; or the answer one object),
     each with a function's name and arguments valid against its parameters; None when the model may
     answer in text. A marker that is a special token of `tokenizer` is that token in the grammar (the
     model writes it as it was trained to, not spelt out in text)."""
@@ -442,7 +443,7 @@ def constraint(tools: Tools, tokenizer=None) -> Constraint | None:
     else:
         newline = '"\\n"?'
         rest = f" ({newline} call)*" if more else ""
-        grammar = (f"start: call{rest}\ncall: {marker(tools.fmt.open, tokenizer)} "
+        grammar = (f"start: call{rest} {newline}\ncall: {marker(tools.fmt.open, tokenizer)} "
                    f"{newline} %json {body} {newline} {marker(tools.fmt.close, tokenizer)}")
     return Constraint("grammar", grammar, "tools", parts)
 
@@ -542,7 +543,7 @@ def _xml_grammar(tools: Tools, names: list[str], more: bool, tokenizer=None) -> 
     newline = '"\\n"?'
     rest = f" ({newline} call)*" if more else ""
     inner = f'"\\n" ({" | ".join(calls)}) "\\n"' if style.framed else f'({" | ".join(calls)})'
-    return "\n".join([f"start: call{rest}",
+    return "\n".join([f"start: call{rest} {newline}",
                       f'call: {marker(tools.fmt.open, tokenizer)} {inner} {marker(tools.fmt.close, tokenizer)}', *rules])
 
 
