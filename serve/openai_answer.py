@@ -27,7 +27,7 @@ from serve.openai_fields import ERROR_TYPE, HTTPError, RequestOptions, http_erro
 
 async def answer(state, request: Request, options: RequestOptions, tenant: str, prompts: list[list[int]], params, *,
                  chat: bool, top_logprobs: int = 0, tools=None, echo: list[str] | None = None,
-                 prompt_field: bool = False, include_reasoning: bool = True, to_context: bool = False,
+                 prompt_field: bool = False, include_reasoning: bool = True, room_capped: bool = False,
                  harmony: bool = False, thinking_closed: bool = False):
     """Run the prompts (each params.n samples) and answer as OpenAI does: server-sent chunks with
     `stream`, else one JSON body once all are done; a client that hangs up has its requests aborted.
@@ -35,12 +35,13 @@ async def answer(state, request: Request, options: RequestOptions, tenant: str, 
     tokens' logprobs those of the choice's (the first None). `prompt_field`: vLLM's `prompt_logprobs` list,
     in each completions choice, in a chat answer beside its choices (its one prompt's), as vLLM places it.
     `include_reasoning` (vLLM's; with the server's reasoning parser): false leaves the thinking out.
-    `to_context`: each prompt's samples run up to the context (max_tokens: what is left of it after the prompt).
+    `room_capped`: max_tokens (a default the request did not set) is cut, per prompt, to the room its context leaves.
     `harmony` (chat): the answers are in OpenAI's harmony format (gpt-oss): their reasoning, content and tool calls
     read from its messages (jaxcb.host.harmony), whatever the reasoning parser. `thinking_closed` (chat): the prompt
     closed the thinking (serve.reasoning.prompt_closed): the answers are all content."""
     def params_of(ids):
-        return dataclasses.replace(params, max_tokens=max(1, state.engine.max_context - len(ids))) if to_context else params
+        room = max(1, state.engine.max_context - len(ids))
+        return dataclasses.replace(params, max_tokens=min(params.max_tokens, room)) if room_capped else params
 
     for p in prompts:  # every prompt checked before any is submitted
         state.engine.validate(p, params_of(p))

@@ -109,13 +109,13 @@ def make_app(state) -> FastAPI:
         client = request.client
         return frontend.tenant(state, given, f"http:{client.host}:{client.port}" if client else "http")
 
-    async def body_of(request: Request, keep_null: tuple[str, ...] = ()) -> dict:
+    async def body_of(request: Request) -> dict:
         """The JSON object of the body: at most MAX_REQUEST_BYTES (checked from Content-Length before
         reading, and while reading), whole within --http-header-timeout (a 408: a client that declares a
         body and trickles it, or never sends it, does not hold its call), parsed off the event loop when
         large; anything that is not a JSON object (bad bytes, nesting too deep, an integer of thousands of
         digits) is a 400. A top-level field that is null is not given (OpenAI's optional fields are
-        nullable, and SDKs and serializers send null for what is unset), but for those in `keep_null`."""
+        nullable, and SDKs and serializers send null for what is unset)."""
         limit, seconds = frontend.MAX_REQUEST_BYTES, state.options.http_header_timeout_s
         declared = request.headers.get("content-length")
         if declared is not None and (not declared.isdigit() or int(declared) > limit):
@@ -133,7 +133,7 @@ def make_app(state) -> FastAPI:
                             param="body") from None
         raw = b"".join(chunks)
         body = await asyncio.to_thread(parse_json, raw) if size > 1 << 16 else parse_json(raw)
-        body = {k: v for k, v in body.items() if v is not None or k in keep_null}
+        body = {k: v for k, v in body.items() if v is not None}
         adapter_of(body)  # the model it names is served (404 before any other work)
         return body
 
@@ -320,7 +320,7 @@ def make_app(state) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(request: Request):
         tenant = authorize(request)
-        body = await body_of(request, keep_null=("max_tokens",))
+        body = await body_of(request)
         check_fields(body, COMPLETION_FIELDS)
         echo = bool_field(body, "echo", False)
         if str_field(body, "suffix", ""):
@@ -333,9 +333,10 @@ def make_app(state) -> FastAPI:
         shown = int_field(body, "logprobs")
         if shown is not None and shown < 0:
             raise bad_request(f"logprobs: must be >= 0, got {shown}")
-        # max_tokens: 16 unless given; null: up to the context, each prompt's own (vLLM's)
-        to_context = "max_tokens" in body and body["max_tokens"] is None
-        max_tokens = placeholder_max_tokens(body) if to_context else int_field(body, "max_tokens", 16)
+        # max_tokens: 16 unless given (null too: OpenAI's and vLLM's), at least min_tokens, and cut to the room each
+        # prompt's context leaves: a default never refuses a prompt that fits
+        room_capped = body.get("max_tokens") is None
+        max_tokens = max(16, placeholder_max_tokens(body)) if room_capped else int_field(body, "max_tokens")
         # echo with logprobs: the prompt's tokens' logprobs lead the choice's (lm-eval's loglikelihood);
         # echo with max_tokens 0: the prompt alone, scored (OpenAI's legacy scoring call)
         scored = (shown or 0) if echo and (shown is not None or max_tokens == 0) else None
@@ -351,8 +352,9 @@ def make_app(state) -> FastAPI:
         await frontend.check_settings(state, params)
         prompts = await frontend.prompt_ids(state, "prompt", given, keep, state.tokenizer.encode)
         if penalty is not None:
-            if to_context:  # (beams share one limit: the longest prompt's room)
-                params = dataclasses.replace(params, max_tokens=max(1, state.engine.max_context - max(map(len, prompts))))
+            if room_capped:  # (beams share one limit: the longest prompt's room)
+                room = max(1, state.engine.max_context - max(map(len, prompts)))
+                params = dataclasses.replace(params, max_tokens=min(params.max_tokens, room))
             return await json_response(await beam_answer(state, request, options, tenant, prompts, params, penalty,
                                                          chat=False))
         echoed = None
@@ -362,7 +364,7 @@ def make_app(state) -> FastAPI:
         try:
             return await json_response(await answer(state, request, options, tenant, prompts, params, chat=False,
                                                     echo=echoed, top_logprobs=shown or 0,
-                                                    prompt_field="prompt_logprobs" in body, to_context=to_context))
+                                                    prompt_field="prompt_logprobs" in body, room_capped=room_capped))
         except InvalidRequest as e:  # (the engine names a prompt's ids by its own field)
             if e.field == "prompt_token_ids":
                 raise bad_request("prompt" + str(e)[len("prompt_token_ids"):]) from None

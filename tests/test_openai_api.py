@@ -1414,17 +1414,21 @@ def test_what_frameworks_send_with_tools(server, long_server):
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
 
 
-def test_completions_max_tokens_null_runs_to_the_context(server):
-    """max_tokens null on completions: each prompt's samples up to the context (vLLM's; absent: 16)."""
-    body = {"prompt": [[5, 6], [5, 6, 7, 8]], "ignore_eos": True, "temperature": 0}
-    r = httpx.post(server.http + "/v1/completions", json={**body, "max_tokens": None}, timeout=120).json()
-    assert [c["finish_reason"] for c in r["choices"]] == ["length", "length"]
-    assert r["usage"]["completion_tokens"] == (256 - 2) + (256 - 4)  # (the test server's context: 256)
-    r = httpx.post(server.http + "/v1/completions", json=body, timeout=60).json()
-    assert r["usage"]["completion_tokens"] == 2 * 16
-    # with min_tokens (checked against the limit the prompt leaves, not a placeholder of 1), and chat likewise
-    r = httpx.post(server.http + "/v1/completions", json={**body, "max_tokens": None, "min_tokens": 5}, timeout=120)
-    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == (256 - 2) + (256 - 4), r.text
+def test_completions_max_tokens_default_is_16_cut_to_the_room_each_prompt_leaves(server):
+    """max_tokens left out or null on completions: 16 (OpenAI's and vLLM's), at least min_tokens, cut to the room
+    each prompt's context leaves (a default never refuses a prompt that fits); one given that does not fit is a 400."""
+    body = {"prompt": [[5, 6], [5] * 250], "ignore_eos": True, "temperature": 0}
+    for extra in ({}, {"max_tokens": None}):
+        r = httpx.post(server.http + "/v1/completions", json={**body, **extra}, timeout=120).json()
+        assert [c["finish_reason"] for c in r["choices"]] == ["length", "length"]
+        assert r["usage"]["completion_tokens"] == 16 + (256 - 250)  # (the test server's context: 256)
+    r = httpx.post(server.http + "/v1/completions", json={**body, "prompt": [[5, 6]], "min_tokens": 20}, timeout=120)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 20, r.text
+    r = httpx.post(server.http + "/v1/completions", json={**body, "min_tokens": 20}, timeout=120)
+    assert r.status_code == 400 and "min_tokens: must be <= 6" in r.json()["error"]["message"], r.text
+    r = httpx.post(server.http + "/v1/completions", json={**body, "max_tokens": 16}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
+    # chat with min_tokens (checked against the limit the prompt leaves, not a placeholder of 1)
     r = httpx.post(server.http + "/v1/chat/completions", timeout=120, json={
         "messages": [{"role": "user", "content": "hi"}], "min_tokens": 5, "temperature": 0})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 5, r.text
