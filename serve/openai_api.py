@@ -329,7 +329,9 @@ def make_app(state) -> FastAPI:
             raise bad_request("best_of: only 1 is supported")
         options = common_fields(body)
         # OpenAI's logprobs N: each token's own logprob and its N most likely alternatives (0: none of
-        # them); unset: no logprobs
+        # them); unset: no logprobs; true / false (as chat takes it, and vLLM here): 0 / none
+        if isinstance(body.get("logprobs"), bool):
+            body = {**body, "logprobs": 0} if body["logprobs"] else {k: v for k, v in body.items() if k != "logprobs"}
         shown = int_field(body, "logprobs")
         if shown is not None and shown < 0:
             raise bad_request(f"logprobs: must be >= 0, got {shown}")

@@ -46,11 +46,19 @@ def test_eos_ends_a_request_unless_ignored(make_llm):
     (dict(temperature=-1.0), r"temperature: must be >= 0"),
     (dict(temperature=float("nan")), r"temperature: must be a finite number"),
     (dict(top_p=0.0), r"top_p: must be in \(0, 1\]"),
-    (dict(top_k=-1), r"top_k: must be >= 0"),
+    (dict(top_k=-2), r"top_k: must be >= -1"),
+    (dict(seed=-2**63 - 1), r"seed: must be >= -9223372036854775808"),
+    (dict(seed=2**63), r"seed: must be <= 9223372036854775807"),
 ])
 def test_bad_sampling_params(kwargs, match):
     with pytest.raises(ValueError, match=match):
         SamplingParams(**kwargs)
+
+
+def test_vllms_spellings_of_off_and_negative_seeds_are_taken():
+    """top_k -1 is vLLM's "off" (0 here); a negative seed, which vLLM takes, is a seed modulo 2**63."""
+    assert SamplingParams(top_k=-1).top_k == 0
+    assert SamplingParams(seed=-1).seed == 2**63 - 1 and SamplingParams(seed=5).seed == 5
 
 
 def test_bad_prompts_name_the_field_and_limit(make_llm):

@@ -1436,6 +1436,22 @@ def test_completions_max_tokens_default_is_16_cut_to_the_room_each_prompt_leaves
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
 
 
+def test_what_vllm_clients_send_is_taken(server):
+    """vLLM's spellings its clients send: top_k -1 (off), a negative seed, completions' logprobs true / false."""
+    body = {"prompt": [5, 6, 7], "max_tokens": 4, "temperature": 1.0, "ignore_eos": True}
+
+    def post(**extra):
+        r = httpx.post(server.http + "/v1/completions", json={**body, **extra}, timeout=60)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]
+
+    assert post(top_k=-1, seed=3)["text"] == post(top_k=0, seed=3)["text"]
+    assert post(seed=-1)["text"] == post(seed=2**63 - 1)["text"]
+    assert post(logprobs=False, seed=1)["logprobs"] is None
+    shown = post(logprobs=True, seed=1)["logprobs"]
+    assert len(shown["tokens"]) == 4 and shown["top_logprobs"] == post(logprobs=0, seed=1)["logprobs"]["top_logprobs"]
+
+
 def test_streamed_completions_logprobs_are_the_whole_answers(server):
     """Streamed completions with logprobs: each chunk's text_offset goes on from the choice's text so far, and
     with echo the prompt leads the choice's first chunk with its logprobs: the chunks add up to the answer

@@ -133,7 +133,7 @@ BAD = [
     (dict(token_ids=[5], temperature=math.inf), "temperature: must be a finite number"),
     (dict(token_ids=[5], top_p=0.0), "top_p: must be in (0, 1]"),
     (dict(token_ids=[5], top_p=1.5), "top_p: must be in (0, 1]"),
-    (dict(token_ids=[5], top_k=-2), "top_k: must be >= 0"),
+    (dict(token_ids=[5], top_k=-2), "top_k: must be >= -1"),
     (dict(token_ids=[5, 284]), "tokens.token_ids: token id 284 is outside the vocabulary [0, 284)"),
     (dict(token_ids=[-1]), "token id -1 is outside the vocabulary"),
     (dict(messages=[{"role": "wizard", "content": "x"}]), "chat.messages[0].role: 'wizard' is not one of"),

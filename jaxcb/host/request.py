@@ -48,13 +48,13 @@ class SamplingParams:
 
     max_tokens: int = 16
     temperature: float = 0.0  # 0 = greedy
-    top_k: int = 0  # 0 = off
+    top_k: int = 0  # 0 = off (-1 too: vLLM's spelling, taken as 0)
     top_p: float = 1.0  # in (0, 1]
     min_p: float = 0.0  # in [0, 1)
     repetition_penalty: float = 1.0  # > 0; 1 = off
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    seed: int | None = None
+    seed: int | None = None  # any 64-bit integer (a negative one is taken modulo 2**63, as vLLM takes them all)
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
@@ -101,7 +101,9 @@ class SamplingParams:
                    low=0 if self.prompt_logprobs is not None or self.pooling is not None else 1)
         _check_int("min_tokens", self.min_tokens, low=0, high=self.max_tokens)
         _check_finite("temperature", self.temperature, low=0.0)
-        _check_int("top_k", self.top_k, low=0, high=2**31 - 1)
+        if self.top_k == -1 and not isinstance(self.top_k, bool):  # (vLLM's "off", which its clients send)
+            object.__setattr__(self, "top_k", 0)
+        _check_int("top_k", self.top_k, low=-1, high=2**31 - 1)
         _check_finite("top_p", self.top_p)
         if not 0.0 < self.top_p <= 1.0:
             raise InvalidRequest(f"top_p: must be in (0, 1], got {self.top_p}")
@@ -114,7 +116,8 @@ class SamplingParams:
         _check_finite("presence_penalty", self.presence_penalty, low=-2.0, high=2.0)
         _check_finite("frequency_penalty", self.frequency_penalty, low=-2.0, high=2.0)
         if self.seed is not None:
-            _check_int("seed", self.seed, low=0, high=2**63 - 1)
+            _check_int("seed", self.seed, low=-2**63, high=2**63 - 1)
+            object.__setattr__(self, "seed", self.seed % 2**63)
         check_stop_counts(len(self.stop), len(self.stop_token_ids))
         for s in self.stop:
             if not isinstance(s, str) or not s or len(s) > MAX_STOP_STRING_CHARS:
