@@ -92,7 +92,7 @@ async def answer(state, request: Request, options: RequestOptions, tenant: str, 
             if ev.index == 0:
                 usage["prompt_tokens"] += ev.num_prompt_tokens
                 usage["cached"] += ev.num_cached_tokens
-        return index, ev.text, logprobs, finish if ev.finished else None, prompt, ev.stop_reason
+        return index, ev.text, logprobs, finish if ev.finished else None, prompt, ev.stop_reason, list(ev.token_ids)
 
     def usage_json():
         return {"prompt_tokens": usage["prompt_tokens"], "completion_tokens": usage["completion_tokens"],
@@ -125,7 +125,12 @@ async def answer(state, request: Request, options: RequestOptions, tenant: str, 
                     for k in range(len(prompts) * n):
                         yield _sse({"id": rid, "object": obj, "created": created, "model": model_name,
                                     "choices": [{"index": k, "delta": {"role": "assistant", "content": ""},
-                                                 "logprobs": None, "finish_reason": None}], **before(k)})
+                                                 "logprobs": None, "finish_reason": None}], **before(k),
+                                    **({"prompt_token_ids": prompts[k // n]} if options.return_token_ids else {})})
+                # return_token_ids: each chunk's new token ids (those of events without a chunk of their own held
+                # for the next), completions' prompt ids in each choice's first chunk
+                pending: dict[int, list[int]] = {}
+                unprompted = set(range(len(prompts) * n)) if options.return_token_ids and not chat else set()
                 # completions: echo leads each choice's first chunk (with the prompt's logprobs, when asked, as
                 # that chunk's first), and each chunk's text_offset goes on from the choice's text so far
                 echo_due = set(range(len(prompts) * n)) if echo is not None else set()
@@ -138,7 +143,8 @@ async def answer(state, request: Request, options: RequestOptions, tenant: str, 
                                               "param": e.param, "code": e.code}})
                         break
                     left -= ev.finished
-                    index, text, logprobs, finish, prompt, stop_reason = await shape(i, ev)
+                    index, text, logprobs, finish, prompt, stop_reason, token_ids = await shape(i, ev)
+                    pending.setdefault(index, []).extend(token_ids)
                     if index in echo_due:
                         echo_due.discard(index)
                         text = echo[index // n] + text
@@ -173,6 +179,11 @@ async def answer(state, request: Request, options: RequestOptions, tenant: str, 
                     if prompt is not None and not chat:
                         choice["prompt_logprobs"] = prompt
                     choice.update({"delta": delta} if chat else {"text": text})
+                    if options.return_token_ids:
+                        if index in unprompted:
+                            unprompted.discard(index)
+                            choice["prompt_token_ids"] = prompts[index // n]
+                        choice["token_ids"] = pending.pop(index, [])
                     chunk = {"id": rid, "object": obj, "created": created, "model": model_name, "choices": [choice],
                              **({"prompt_logprobs": prompt} if prompt and chat else {}),
                              **({"usage": sample_usage[index]} if options.continuous_usage else {})}
@@ -196,14 +207,16 @@ async def answer(state, request: Request, options: RequestOptions, tenant: str, 
     finishes = [None] * len(texts)
     prompt_lists: list = [None] * len(texts)
     stop_reasons: list = [None] * len(texts)
+    token_lists: list[list[int]] = [[] for _ in texts]
 
     async def collect():
         nonlocal left
         while left:
             i, ev = await next_event()
             left -= ev.finished
-            index, text, logprobs, finish, prompt, stop_reason = await shape(i, ev)
+            index, text, logprobs, finish, prompt, stop_reason, token_ids = await shape(i, ev)
             texts[index] += text
+            token_lists[index] += token_ids
             stop_reasons[index] = stop_reason
             if logprobs:
                 logs[index] = _merge(logs[index], logprobs, chat)
@@ -220,11 +233,23 @@ async def answer(state, request: Request, options: RequestOptions, tenant: str, 
     finally:
         for t in tasks:
             t.cancel()
+    def token_ids(choices: list[dict]) -> dict:
+        """return_token_ids: each choice's token ids, and the prompt's (completions': in each choice; the chat's
+        one prompt: beside the choices, as vLLM places them)."""
+        if not options.return_token_ids:
+            return {}
+        for k, choice in enumerate(choices):
+            if not chat:
+                choice["prompt_token_ids"] = prompts[k // n]
+            choice["token_ids"] = token_lists[k]
+        return {"prompt_token_ids": prompts[0]} if chat else {}
+
     if chat and harmony:
         choices = [_harmony_choice(k, texts[k], tools, logs[k], finishes[k], stop_reasons[k], include_reasoning)
                    for k in range(len(texts))]
         return {"id": rid, "object": "chat.completion", "created": created, "model": model_name,
-                "choices": choices, "usage": usage_json(), **({"prompt_logprobs": prompt_lists[0]} if prompt_field else {})}
+                "choices": choices, "usage": usage_json(), **token_ids(choices),
+                **({"prompt_logprobs": prompt_lists[0]} if prompt_field else {})}
     if chat:
         choices = [{"index": k, "message": {"role": "assistant", "content": texts[k]}, "logprobs": logs[k],
                     "finish_reason": finishes[k], "stop_reason": stop_reasons[k]} for k in range(len(texts))]
@@ -241,9 +266,11 @@ async def answer(state, request: Request, options: RequestOptions, tenant: str, 
             elif tools.choice in ("required", "function"):  # no call came whole (cut off): no content either,
                 choice["message"]["content"] = content or None  # as streamed (tool_parse.CallStream)
         return {"id": rid, "object": "chat.completion", "created": created, "model": model_name,
-                "choices": choices, "usage": usage_json(), **({"prompt_logprobs": prompt_lists[0]} if prompt_field else {})}
+                "choices": choices, "usage": usage_json(), **token_ids(choices),
+                **({"prompt_logprobs": prompt_lists[0]} if prompt_field else {})}
     choices = [{"index": k, "text": texts[k], "logprobs": _with_offsets(logs[k]), "finish_reason": finishes[k],
                 "stop_reason": stop_reasons[k]} for k in range(len(texts))]
+    token_ids(choices)
     if prompt_field:
         for k, choice in enumerate(choices):
             choice["prompt_logprobs"] = prompt_lists[k]

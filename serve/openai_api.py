@@ -249,10 +249,14 @@ def make_app(state) -> FastAPI:
             raise
         except ValueError as e:
             raise bad_request(f"messages: {e}") from None
-        # The template writes its own special tokens; add_special_tokens (default false) adds the
-        # tokenizer's BOS where the model's tokenizer adds one and the template did not.
+        return with_special(ids, special)
+
+    def with_special(ids: list[int], special: bool | None) -> list[int]:
+        """A chat's ids: the template writes its own special tokens; add_special_tokens (default false) adds the
+        tokenizer's BOS where the model's tokenizer adds one and the template did not."""
+        tokenizer = _tokenizer()
         if special and tokenizer.add_bos and tokenizer.bos_id is not None and ids[:1] != [tokenizer.bos_id]:
-            ids = [tokenizer.bos_id, *ids]
+            return [tokenizer.bos_id, *ids]
         return ids
 
     async def pooling_inputs(body: dict) -> list[list[int]]:
@@ -352,7 +356,10 @@ def make_app(state) -> FastAPI:
             check_beam_request(params, options, logprobs=shown is not None, echo=echo)
         state.admit(len(given) * params.n)
         await frontend.check_settings(state, params)
-        prompts = await frontend.prompt_ids(state, "prompt", given, keep, state.tokenizer.encode)
+        # add_special_tokens (vLLM's; default true): what the tokenizer adds to a text (its BOS, if the model has one)
+        encode = state.tokenizer.encode if bool_field(body, "add_special_tokens", True) else functools.partial(
+            state.tokenizer.encode, add_bos=False)
+        prompts = await frontend.prompt_ids(state, "prompt", given, keep, encode)
         if penalty is not None:
             if room_capped:  # (beams share one limit: the longest prompt's room)
                 room = max(1, state.engine.max_context - max(map(len, prompts)))
@@ -612,7 +619,7 @@ def make_app(state) -> FastAPI:
         state.admit(params.n)
         await frontend.check_settings(state, params)
         ids = await asyncio.to_thread(functools.partial(state.tokenizer.encode_chat, messages, *template, tools=shown))
-        ids = frontend.truncated(ids, keep)
+        ids = frontend.truncated(with_special(ids, bool_field(body, "add_special_tokens", False)), keep)
         if limit is None:  # the default needs the prompt's length (validated again by replace)
             params = dataclasses.replace(params, max_tokens=max(1, state.engine.max_context - len(ids)))
         if penalty is not None:

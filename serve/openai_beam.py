@@ -23,6 +23,7 @@ from serve.openai_fields import RequestOptions, bad_request, http_error
 def check_beam_request(params: SamplingParams, options: RequestOptions, *, logprobs: bool, echo: bool = False) -> None:
     """What beam search does not combine with, refused naming the field (before any work)."""
     for field, given in (("stream", options.stream), ("logprobs", logprobs), ("echo", echo),
+                         ("return_token_ids", options.return_token_ids),
                          ("stop", bool(params.stop)), ("min_tokens", params.min_tokens > 0),
                          ("structured_outputs", params.structured is not None),
                          ("prompt_logprobs", params.prompt_logprobs is not None)):

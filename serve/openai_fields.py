@@ -26,7 +26,7 @@ ERROR_TYPE = {400: "invalid_request_error", 401: "authentication_error", 404: "n
 EXTRAS = {"top_k", "min_p", "repetition_penalty", "ignore_eos", "min_tokens", "stop_token_ids",
           "include_stop_str_in_output", "skip_special_tokens", "allowed_token_ids", "truncate_prompt_tokens",
           "priority", "cache_salt", "request_id", "prompt_logprobs", *GUIDED_FIELDS, *GUIDED_EXTRAS,
-          "structured_outputs", "speculative", "use_beam_search", "length_penalty"}
+          "structured_outputs", "speculative", "use_beam_search", "length_penalty", "return_token_ids"}
 # OpenAI's fields about its own service that say nothing about the output (storing completions, billing
 # tier, cache routing, abuse tracking): SDKs and frameworks send them, a self-hosted server has nothing to
 # do with them. Their types are checked; anything else unknown is a 400 naming it.
@@ -41,11 +41,12 @@ CHAT_SPEC_FIELDS = {"reasoning_effort", "functions", "function_call", "modalitie
                     "web_search_options"}
 COMMON_FIELDS = {"model", "stream", "stream_options", "n", "max_tokens", "temperature", "top_p", "presence_penalty",
            "frequency_penalty", "seed", "stop", "user", "logit_bias", *SERVICE_FIELDS}
-COMPLETION_FIELDS = COMMON_FIELDS | EXTRAS | {"prompt", "logprobs", "echo", "suffix", "best_of", "response_format"}
+COMPLETION_FIELDS = COMMON_FIELDS | EXTRAS | {"prompt", "logprobs", "echo", "suffix", "best_of", "response_format",
+                                              "add_special_tokens"}
 CHAT_FIELDS = COMMON_FIELDS | EXTRAS | {"messages", "logprobs", "top_logprobs", "max_completion_tokens",
                                     "response_format", "tools", "tool_choice", "parallel_tool_calls",
                                     "chat_template_kwargs", "add_generation_prompt", "continue_final_message",
-                                    "chat_template", "include_reasoning", *CHAT_SPEC_FIELDS}
+                                    "chat_template", "include_reasoning", "add_special_tokens", *CHAT_SPEC_FIELDS}
 TOKENIZE_FIELDS = {"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt", "continue_final_message",
                    "return_token_strs", "chat_template_kwargs", "chat_template", "tools", "tool_choice",
                    "parallel_tool_calls", "reasoning_effort"}
@@ -237,6 +238,7 @@ class RequestOptions:
     cache_salt: str
     request_id: str
     continuous_usage: bool = False  # stream_options.continuous_usage_stats (vLLM's): usage in every chunk
+    return_token_ids: bool = False  # vLLM's: the prompt's and each choice's token ids beside the text
 
 
 def check_metadata(metadata) -> None:
@@ -275,7 +277,8 @@ def common_fields(body: dict) -> RequestOptions:
     check_metadata(body.get("metadata"))
     check_priority(priority)
     frontend.check_ids(request_id, salt)
-    return RequestOptions(stream, include_usage, priority, salt, request_id, include_usage and continuous)
+    return RequestOptions(stream, include_usage, priority, salt, request_id, include_usage and continuous,
+                          bool_field(body, "return_token_ids", False))
 
 
 def is_token_ids(p) -> bool:

@@ -1452,6 +1452,72 @@ def test_what_vllm_clients_send_is_taken(server):
     assert len(shown["tokens"]) == 4 and shown["top_logprobs"] == post(logprobs=0, seed=1)["logprobs"]["top_logprobs"]
 
 
+def test_return_token_ids_and_add_special_tokens_as_vllm_takes_them(server):
+    """vLLM's return_token_ids: completions' choices carry their prompt's ids and their own, a chat's answer its
+    prompt's beside the choices; streamed, the prompt's in a choice's first chunk (the chat's first) and each
+    chunk its new ids, adding up to the whole answer's. add_special_tokens: false leaves the BOS out of a
+    completion's text prompt, true adds it to a chat's (as /tokenize counts them)."""
+    url = server.http
+    body = {"prompt": ["hello there", [5, 6, 7]], "max_tokens": 5, "temperature": 0, "ignore_eos": True, "n": 2,
+            "return_token_ids": True}
+    whole = httpx.post(url + "/v1/completions", json=body, timeout=60).json()
+    hello = httpx.post(url + "/tokenize", json={"prompt": "hello there"}, timeout=60).json()["tokens"]
+    assert [c["prompt_token_ids"] for c in whole["choices"]] == [hello, hello, [5, 6, 7], [5, 6, 7]]
+    assert all(len(c["token_ids"]) == 5 for c in whole["choices"])
+    streamed: dict = {}
+    prompts: dict = {}
+    with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                for c in json.loads(line[6:])["choices"]:
+                    streamed.setdefault(c["index"], []).extend(c["token_ids"])
+                    if "prompt_token_ids" in c:
+                        assert c["index"] not in prompts
+                        prompts[c["index"]] = c["prompt_token_ids"]
+    assert [streamed[k] for k in range(4)] == [c["token_ids"] for c in whole["choices"]]
+    assert [prompts[k] for k in range(4)] == [c["prompt_token_ids"] for c in whole["choices"]]
+    assert "token_ids" not in httpx.post(url + "/v1/completions", json={**body, "return_token_ids": False},
+                                         timeout=60).json()["choices"][0]
+    messages = [{"role": "user", "content": "hi"}]
+    chat = httpx.post(url + "/v1/chat/completions", timeout=60, json={
+        "messages": messages, "max_tokens": 4, "temperature": 0, "ignore_eos": True, "return_token_ids": True}).json()
+    assert chat["prompt_token_ids"] == httpx.post(url + "/tokenize", json={"messages": messages}, timeout=60).json()["tokens"]
+    assert len(chat["choices"][0]["token_ids"]) == chat["usage"]["completion_tokens"] == 4
+    chunks = []
+    with httpx.stream("POST", url + "/v1/chat/completions", timeout=60, json={
+            "messages": messages, "max_tokens": 4, "temperature": 0, "ignore_eos": True, "return_token_ids": True,
+            "stream": True}) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert chunks[0]["prompt_token_ids"] == chat["prompt_token_ids"]
+    assert sum((c["choices"][0].get("token_ids", []) for c in chunks), []) == chat["choices"][0]["token_ids"]
+
+
+def test_add_special_tokens_as_vllm_takes_it(tmp_path, config_path):
+    """add_special_tokens (a model whose tokenizer adds a BOS): completions' text prompts have it unless false, a
+    chat's prompt (its template writes no BOS here) gets it only if true; /tokenize counts the same."""
+    from tests.tiny_gguf import write_tiny_gguf
+
+    model = str(tmp_path / "bos.gguf")
+    write_tiny_gguf(model, add_bos=True)
+    for server in http_server(model, config_path, "--chat-template", "{% for m in messages %}{{ m.content }}{% endfor %}"):
+        def prompt_ids(path, **body):
+            r = httpx.post(server.http + path, json={"max_tokens": 1, "return_token_ids": True, **body}, timeout=60)
+            assert r.status_code == 200, r.text
+            r = r.json()
+            return r["prompt_token_ids"] if "prompt_token_ids" in r else r["choices"][0]["prompt_token_ids"]
+
+        def tokenized(**body):
+            return httpx.post(server.http + "/tokenize", json=body, timeout=60).json()["tokens"]
+
+        text = prompt_ids("/v1/completions", prompt="hello there")
+        assert text[0] == 1 and prompt_ids("/v1/completions", prompt="hello there", add_special_tokens=False) == text[1:]
+        assert tokenized(prompt="hello there") == text and tokenized(prompt="hello", add_special_tokens=False)[0] != 1
+        messages = [{"role": "user", "content": "hello there"}]
+        chat = prompt_ids("/v1/chat/completions", messages=messages)
+        assert chat == text[1:] and prompt_ids("/v1/chat/completions", messages=messages, add_special_tokens=True) == text
+        assert tokenized(messages=messages, add_special_tokens=True) == text
+
+
 def test_streamed_completions_logprobs_are_the_whole_answers(server):
     """Streamed completions with logprobs: each chunk's text_offset goes on from the choice's text so far, and
     with echo the prompt leads the choice's first chunk with its logprobs: the chunks add up to the answer

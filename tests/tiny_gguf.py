@@ -57,7 +57,7 @@ def write_tiny_gguf(path: str, config: ModelConfig | None = None, seed: int = 0,
                     extra_float32: dict | None = None,
                     extra_tensors: dict | None = None, weights: dict | None = None,
                     block_count: int | None = None, latent_split: bool = True,
-                    split_max_tensors: int = 0) -> dict[str, np.ndarray]:
+                    split_max_tensors: int = 0, add_bos: bool = False) -> dict[str, np.ndarray]:
     """Write a GGUF file; returns the weights in the project's layout (what loading must give back,
     exactly for f32, up to quantization error otherwise). `rope_freqs`: llama.cpp's per-frequency RoPE
     factors tensor (Llama 3.1+); `rope_scaling`: (rope.scaling.type, rope.scaling.factor); `weights`: these
@@ -126,7 +126,7 @@ def write_tiny_gguf(path: str, config: ModelConfig | None = None, seed: int = 0,
     writer.add_token_types(types)
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
-    writer.add_add_bos_token(False)
+    writer.add_add_bos_token(add_bos)
     writer.add_chat_template(CHATML)
 
     def put(name: str, array: np.ndarray, linear: bool):
