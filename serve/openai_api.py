@@ -368,8 +368,9 @@ def make_app(state) -> FastAPI:
                                                          chat=False))
         echoed = None
         if echo:  # each choice's text starts with its prompt's (token ids decoded; what is kept of it, if cut)
-            echoed = [p if isinstance(p, str) and keep is None else await asyncio.to_thread(_tokenizer().decode, ids)
-                      for p, ids in zip(given, prompts)]
+            # (token ids as the text of each, special tokens too: as the echoed logprobs' tokens, and vLLM's echo)
+            echoed = [p if isinstance(p, str) and keep is None else await asyncio.to_thread(
+                _tokenizer().decode, ids, not isinstance(p, list)) for p, ids in zip(given, prompts)]
         try:
             return await json_response(await answer(state, request, options, tenant, prompts, params, chat=False,
                                                     echo=echoed, top_logprobs=shown or 0,

@@ -424,15 +424,16 @@ def test_openai_service_fields_are_taken_and_change_nothing(server, oai, model_n
 
 
 def test_echo_starts_each_choice_with_its_prompt(server, oai, model_name, tiny_model):
-    """`echo: true` (completions): each choice's text is its prompt's (token ids decoded) and then the
-    completion, whole and streamed (the prompt leading each choice's first chunk), the same completion as
-    without echo."""
+    """`echo: true` (completions): each choice's text is its prompt's (token ids decoded, a special token's text
+    too, as the echoed logprobs' tokens and vLLM show it) and then the completion, whole and streamed (the prompt
+    leading each choice's first chunk), the same completion as without echo."""
     _, _, tok, _ = tiny_model
-    prompts = ["Hello there", [5, 6, 7]]
+    prompts = ["Hello there", [tok.bos_id, 5, 6, 7]]
     args = dict(model=model_name, prompt=prompts, max_tokens=5, n=2, temperature=0, extra_body={"ignore_eos": True})
     plain = oai.completions.create(**args)
     echoed = oai.completions.create(echo=True, **args)
-    heads = ["Hello there", tok.decode([5, 6, 7])]
+    heads = ["Hello there", tok.decode([tok.bos_id, 5, 6, 7], skip_special=False)]
+    assert heads[1].startswith(tok.id_to_token(tok.bos_id))
     assert [c.text for c in echoed.choices] == [heads[k // 2] + plain.choices[k].text for k in range(4)]
     assert echoed.usage.completion_tokens == plain.usage.completion_tokens == 20
     texts = [""] * 4
