@@ -278,6 +278,19 @@ async def answer(state, request: Request, options: RequestOptions, tenant: str, 
             "choices": choices, "usage": usage_json()}
 
 
+def best_choices(answer: dict, best_of: int, n: int, logprobs: bool) -> dict:
+    """A completions answer of `best_of` samples a prompt cut to the `n` most likely of each prompt's (the sums of
+    their tokens' logprobs; the prompt's, when echoed, the same for all), in that order, their logprobs kept only
+    where the request asked for them; the usage stays all the samples'."""
+    choices = []
+    for p in range(0, len(answer["choices"]), best_of):
+        group = answer["choices"][p:p + best_of]
+        group.sort(key=lambda c: -sum(lp for lp in c["logprobs"]["token_logprobs"] if lp is not None))
+        for rank, choice in enumerate(group[:n]):
+            choices.append({**choice, "index": p // best_of * n + rank, **({} if logprobs else {"logprobs": None})})
+    return {**answer, "choices": choices}
+
+
 async def until_gone(request: Request, work):
     """Await `work` (a coroutine) unless the client hangs up first: then it is cancelled (its requests aborted)
     and the answer is a 499."""

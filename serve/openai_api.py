@@ -58,7 +58,7 @@ from jaxcb.host.errors import InvalidConfig, InvalidRequest, JaxcbError, NotFoun
 from jaxcb.host.request import SamplingParams
 from serve import anthropic_messages, frontend, openai_responses, openai_scores, reasoning
 from serve.openai_responses_store import Store
-from serve.openai_answer import answer, embeddings_body, json_response, until_gone
+from serve.openai_answer import answer, best_choices, embeddings_body, json_response, until_gone
 from serve.openai_beam import beam_answer, check_beam_request
 from serve.openai_fields import (CHAT_FIELDS, COMPLETION_FIELDS, DETOKENIZE_FIELDS, EMBEDDING_FIELDS, TOKENIZE_FIELDS,
                                  MAX_TOP_LOGPROBS,
@@ -329,8 +329,7 @@ def make_app(state) -> FastAPI:
         echo = bool_field(body, "echo", False)
         if str_field(body, "suffix", ""):
             raise bad_request("suffix: not supported")
-        if int_field(body, "best_of", 1) != 1:
-            raise bad_request("best_of: only 1 is supported")
+        best_of = int_field(body, "best_of")
         options = common_fields(body)
         # OpenAI's logprobs N: each token's own logprob and its N most likely alternatives (0: none of
         # them); unset: no logprobs; true / false (as chat takes it, and vLLM here): 0 / none
@@ -352,6 +351,16 @@ def make_app(state) -> FastAPI:
         given = prompt_list(body.get("prompt"))
         keep = frontend.prompt_keep(state, body.get("truncate_prompt_tokens"))
         penalty = beam_fields(body)
+        # best_of (OpenAI's): so many samples of each prompt, the n of them most likely (their tokens' summed
+        # logprobs) answered; all are counted in usage
+        if best_of is not None and best_of < params.n:
+            raise bad_request(f"best_of: must be at least n ({params.n}), got {best_of}")
+        ranked = best_of is not None and best_of > params.n
+        if ranked:
+            for field, given_too in (("stream", options.stream), ("use_beam_search", penalty is not None)):
+                if given_too:
+                    raise bad_request(f"best_of: not supported with {field} (the best are known only at the end)")
+            params = dataclasses.replace(params, n=best_of, logprobs=max(params.logprobs, 1))
         if penalty is not None:
             check_beam_request(params, options, logprobs=shown is not None, echo=echo)
         state.admit(len(given) * params.n)
@@ -372,9 +381,12 @@ def make_app(state) -> FastAPI:
             echoed = [p if isinstance(p, str) and keep is None else await asyncio.to_thread(
                 _tokenizer().decode, ids, not isinstance(p, list)) for p, ids in zip(given, prompts)]
         try:
-            return await json_response(await answer(state, request, options, tenant, prompts, params, chat=False,
-                                                    echo=echoed, top_logprobs=shown or 0,
-                                                    prompt_field="prompt_logprobs" in body, room_capped=room_capped))
+            answered = await answer(state, request, options, tenant, prompts, params, chat=False, echo=echoed,
+                                    top_logprobs=shown or 0, prompt_field="prompt_logprobs" in body,
+                                    room_capped=room_capped)
+            if ranked and isinstance(answered, dict):
+                answered = best_choices(answered, best_of, int_field(body, "n", 1), shown is not None)
+            return await json_response(answered)
         except InvalidRequest as e:  # (the engine names a prompt's ids by its own field)
             if e.field == "prompt_token_ids":
                 raise bad_request("prompt" + str(e)[len("prompt_token_ids"):]) from None

@@ -1437,6 +1437,26 @@ def test_completions_max_tokens_default_is_16_cut_to_the_room_each_prompt_leaves
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
 
 
+def test_best_of_answers_the_most_likely_of_its_samples(server):
+    """best_of (OpenAI's): best_of samples of each prompt, the n with the highest summed logprobs answered in that
+    order (their logprobs only if asked for), usage counting every sample; with stream or under n refused."""
+    url = server.http + "/v1/completions"
+    body = {"prompt": [[5, 6, 7], [9, 10]], "max_tokens": 6, "temperature": 1.0, "seed": 11, "ignore_eos": True}
+    every = httpx.post(url, json={**body, "n": 5, "logprobs": 0}, timeout=60).json()
+    best = httpx.post(url, json={**body, "n": 2, "best_of": 5}, timeout=60).json()
+    assert [c["index"] for c in best["choices"]] == [0, 1, 2, 3] and best["choices"][0]["logprobs"] is None
+    assert best["usage"]["completion_tokens"] == every["usage"]["completion_tokens"] == 2 * 5 * 6
+    for p in range(2):  # (the same seed: the same five samples of each prompt)
+        ranked = sorted(every["choices"][5 * p:5 * p + 5], key=lambda c: -sum(c["logprobs"]["token_logprobs"]))
+        assert [c["text"] for c in best["choices"][2 * p:2 * p + 2]] == [c["text"] for c in ranked[:2]]
+    shown = httpx.post(url, json={**body, "n": 2, "best_of": 5, "logprobs": 0}, timeout=60).json()["choices"]
+    assert sum(shown[0]["logprobs"]["token_logprobs"]) >= sum(shown[1]["logprobs"]["token_logprobs"])
+    for extra, message in (({"n": 3, "best_of": 2}, "best_of: must be at least n (3), got 2"),
+                           ({"best_of": 2, "stream": True}, "best_of: not supported with stream")):
+        r = httpx.post(url, json={**body, **extra}, timeout=60)
+        assert r.status_code == 400 and message in r.json()["error"]["message"], r.text
+
+
 def test_what_vllm_clients_send_is_taken(server):
     """vLLM's spellings its clients send: top_k -1 (off), a negative seed, completions' logprobs true / false."""
     body = {"prompt": [5, 6, 7], "max_tokens": 4, "temperature": 1.0, "ignore_eos": True}
