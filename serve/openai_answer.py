@@ -31,8 +31,8 @@ async def answer(state, request: Request, options: RequestOptions, tenant: str, 
                  harmony: bool = False, thinking_closed: bool = False):
     """Run the prompts (each params.n samples) and answer as OpenAI does: server-sent chunks with
     `stream`, else one JSON body once all are done; a client that hangs up has its requests aborted.
-    `echo` (completions): each prompt's text, which its choices' texts start with, and with logprobs its
-    tokens' logprobs those of the choice's (the first None). `prompt_field`: vLLM's `prompt_logprobs` list,
+    `echo`: each prompt's text, which its choices' texts start with (completions'; the chat's: its final assistant
+    message's), and in completions with logprobs its tokens' logprobs those of the choice's (the first None). `prompt_field`: vLLM's `prompt_logprobs` list,
     in each completions choice, in a chat answer beside its choices (its one prompt's), as vLLM places it.
     `include_reasoning` (vLLM's; with the server's reasoning parser): false leaves the thinking out.
     `room_capped`: max_tokens (a default the request did not set) is cut, per prompt, to the room its context leaves.
@@ -81,7 +81,7 @@ async def answer(state, request: Request, options: RequestOptions, tenant: str, 
         if ev.prompt_logprobs is not None:  # a sample's first event: a prompt's worth, shaped off the event loop
             echoed, prompt = await asyncio.to_thread(
                 _prompt_parts, state.tokenizer, prompts[i], ev.prompt_logprobs,
-                top_logprobs if echo is not None and params.logprobs > 0 else None,
+                top_logprobs if echo is not None and not chat and params.logprobs > 0 else None,
                 params.prompt_logprobs if prompt_field else None)
             logprobs = _merge(echoed, logprobs, chat)
         finish = (ev.finish_reason.value if isinstance(ev.finish_reason, FinishReason) else ev.finish_reason)

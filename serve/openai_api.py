@@ -624,7 +624,7 @@ def make_app(state) -> FastAPI:
             params = dataclasses.replace(params, structured=harmony.framed(params.structured, state.tokenizer))
         penalty = beam_fields(body)
         if penalty is not None:
-            check_beam_request(params, options, logprobs=want)
+            check_beam_request(params, options, logprobs=want, echo=bool_field(body, "echo", False))
             if tools is not None and tools.active:
                 raise bad_request("tools: not supported with use_beam_search")
             if harmonic:
@@ -642,7 +642,12 @@ def make_app(state) -> FastAPI:
         closed = bool(state.options.reasoning_parser) and not harmonic and reasoning.prompt_closed(state.tokenizer, ids)
         if want:  # the tokens' bytes are read by a tokenizer built on first use: not on the event loop
             await asyncio.to_thread(state.tokenizer.token_bytes, 0)
-        return await answer(state, request, options, tenant, [ids], params, chat=True, top_logprobs=top,
+        # vLLM's echo: an answer that goes on from a final assistant message starts with that message's content
+        last = body["messages"][-1] if body["messages"] else None
+        echoed = ([tool_calls.content_text(last.get("content"), "messages[-1].content") or ""]
+                  if bool_field(body, "echo", False) and isinstance(last, dict) and last.get("role") == "assistant"
+                  else None)
+        return await answer(state, request, options, tenant, [ids], params, chat=True, top_logprobs=top, echo=echoed,
                             tools=tools if tools is not None and tools.active else None,
                             prompt_field="prompt_logprobs" in body,
                             include_reasoning=include_reasoning, harmony=harmonic, thinking_closed=closed)

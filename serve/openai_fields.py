@@ -46,7 +46,8 @@ COMPLETION_FIELDS = COMMON_FIELDS | EXTRAS | {"prompt", "logprobs", "echo", "suf
 CHAT_FIELDS = COMMON_FIELDS | EXTRAS | {"messages", "logprobs", "top_logprobs", "max_completion_tokens",
                                     "response_format", "tools", "tool_choice", "parallel_tool_calls",
                                     "chat_template_kwargs", "add_generation_prompt", "continue_final_message",
-                                    "chat_template", "include_reasoning", "add_special_tokens", *CHAT_SPEC_FIELDS}
+                                    "chat_template", "include_reasoning", "add_special_tokens", "echo",
+                                    *CHAT_SPEC_FIELDS}
 TOKENIZE_FIELDS = {"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt", "continue_final_message",
                    "return_token_strs", "chat_template_kwargs", "chat_template", "tools", "tool_choice",
                    "parallel_tool_calls", "reasoning_effort"}

@@ -1437,6 +1437,24 @@ def test_completions_max_tokens_default_is_16_cut_to_the_room_each_prompt_leaves
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
 
 
+def test_chat_echo_starts_the_answer_with_the_final_assistant_message(server):
+    """vLLM's chat echo: an answer that goes on from a final assistant message (continue_final_message) starts with
+    its content, whole and streamed; after a user message it changes nothing."""
+    url = server.http + "/v1/chat/completions"
+    body = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Well,"}],
+            "continue_final_message": True, "add_generation_prompt": False, "max_tokens": 4, "temperature": 0,
+            "ignore_eos": True}
+    plain = httpx.post(url, json=body, timeout=60).json()["choices"][0]["message"]["content"]
+    echoed = httpx.post(url, json={**body, "echo": True}, timeout=60).json()["choices"][0]["message"]["content"]
+    assert echoed == "Well," + plain
+    with httpx.stream("POST", url, json={**body, "echo": True, "stream": True}, timeout=60) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"]) == echoed
+    user = {"messages": body["messages"][:1], "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    assert (httpx.post(url, json={**user, "echo": True}, timeout=60).json()["choices"][0]["message"]["content"]
+            == httpx.post(url, json=user, timeout=60).json()["choices"][0]["message"]["content"])
+
+
 def test_best_of_answers_the_most_likely_of_its_samples(server):
     """best_of (OpenAI's): best_of samples of each prompt, the n with the highest summed logprobs answered in that
     order (their logprobs only if asked for), usage counting every sample; with stream or under n refused."""
