@@ -79,7 +79,8 @@ def build_request(prompt=None, *, messages=None, token_ids=None, chat: bool = Fa
         if kind == "choice":
             req.structured.choice.values.extend(value)
         else:
-            setattr(req.structured, kind, value)
+            setattr(req.structured, kind, json.dumps(value) if kind == "structural_tag" and not isinstance(value, str)
+                    else value)
     for k, v in sampling.items():
         if k == "logit_bias":  # {token id: bias}
             req.sampling.logit_bias.update({int(t): float(b) for t, b in (v or {}).items()})

@@ -128,6 +128,8 @@ def _structured(req) -> Constraint | None:
         if len(s.choice.values) > MAX_CHOICES:  # before the list is copied
             raise InvalidRequest(f"{field}: {len(s.choice.values)} choices; the limit is {MAX_CHOICES}")
         return Constraint.choice(list(s.choice.values), field)
+    if kind == "structural_tag":
+        return Constraint.structural_tag(s.structural_tag, field)
     return Constraint(kind, getattr(s, kind), field)
 
 

@@ -1190,6 +1190,18 @@ def test_responses_api_function_calls_as_the_chat_api_makes_them(long_server):
 def test_grpc_takes_the_same_constraints(server):
     import re
 
+    tag = {"structures": [{"begin": "<f>", "schema": {"type": "object"}, "end": "</f>"}], "triggers": ["<f"]}
+    with Client(server.target) as c:  # vLLM's structural tags over each API, a bad one named by its field
+        assert c.complete("say:", max_tokens=5, structured={"structural_tag": tag}).finish_reason in ("stop", "length")
+        with pytest.raises(grpc.RpcError) as e:
+            c.complete("x", max_tokens=4, structured={"structural_tag": {**tag, "triggers": ["<g"]}})
+        assert "structured.structural_tag.structures[0].begin: '<f>' starts with none of the triggers" in e.value.details()
+    for body in ({"response_format": {"type": "structural_tag", **tag}}, {"structured_outputs": {"structural_tag": tag}}):
+        r = httpx.post(server.http + "/v1/completions", json={"prompt": "say:", "max_tokens": 5, **body}, timeout=60)
+        assert r.status_code == 200, r.text
+    r = httpx.post(server.http + "/v1/completions", timeout=60, json={"prompt": "x", "max_tokens": 4, "response_format": {
+        "type": "structural_tag", **tag, "structures": [{**tag["structures"][0], "schema": {"type": "objec"}}]}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "response_format.structures[0].schema", r.text
     with Client(server.target) as c:
         out = c.complete("date:", max_tokens=30, structured={"regex": r"\d{2}/\d{2}"})
         assert re.fullmatch(r"[0-9]{2}/[0-9]{2}", out.text), out.text

@@ -180,7 +180,11 @@ def test_the_request_shapes_of_both_apis():
     for bad, message in [
         ({"regex": "a", "choice": ["b"]}, "give exactly one of"),
         ({}, "give exactly one of"),
-        ({"structural_tag": "x"}, "structured_outputs.structural_tag: not supported"),
+        ({"structural_tag": "x"}, "structured_outputs.structural_tag: not valid JSON"),
+        ({"structural_tag": {"structures": [{"begin": "<f>", "end": "</f>"}], "triggers": ["<g"]}},
+         "structured_outputs.structural_tag.structures[0].begin: '<f>' starts with none of the triggers"),
+        ({"structural_tag": {"structures": [], "triggers": ["<f"]}},
+         "structured_outputs.structural_tag.structures: must be a list of 1 to 128"),
         ({"json_object": False}, "give exactly one of"),
         ({"regex": 5}, "structured_outputs.regex: must be a string"),
         ({"regex": "a", "disable_fallback": "yes"}, "structured_outputs.disable_fallback: must be true or false"),
@@ -327,6 +331,13 @@ def test_objects_that_list_their_properties_get_no_others_unless_the_schema_allo
     assert not accepts(schema, " " + pretty) and not accepts(schema, pretty + "\n")  # (nothing around the value)
     assert not accepts(from_structured_outputs({"json": schema, "disable_any_whitespace": True}), pretty)
     assert not accepts({**schema, "x-guidance": {"whitespace_flexible": False}}, pretty)
+    # vLLM's structural tags: free text, each structure's JSON (as a tool call's) between its begin and its end
+    tag = from_response_format({"type": "structural_tag", "triggers": ["<function="], "structures": [
+        {"begin": "<function=f>", "schema": point, "end": "</function>"}]})
+    assert tag.kind == "structural_tag" and tag.parts[0][0] == "response_format.structures[0].schema"
+    assert accepts(tag, "no call") and accepts(tag, 'one: <function=f>{"x":1}</function> done')
+    assert not accepts(tag, '<function=f>{"x":1,"y":2}</function>') and not accepts(tag, '<function=f>{"x":1}')
+    assert not accepts(tag, "<function=g>{}")  # (a trigger begins one of the structures)
     assert not accepts(tool_calls.constraint(tools), call % '{"x":1}' + "\n\n")
     assert not accepts(tool_calls.constraint(tools), call % '{"x": 1}')  # (a call's line: compact JSON, as before)
     compact = Grammars(tok, cfg.vocab_size, [tok.eos_id], json_whitespace="compact")  # (--json-whitespace compact)

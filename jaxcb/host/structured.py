@@ -28,7 +28,8 @@ import numpy as np
 
 from jaxcb.host.errors import InvalidRequest
 
-KINDS = ("json", "regex", "choice", "grammar")
+KINDS = ("json", "regex", "choice", "grammar", "structural_tag")
+MAX_STRUCTURES = 128  # a structural tag's structures
 MAX_SPEC_CHARS = 1 << 16  # a schema, regex or grammar's text
 MAX_CHOICES = 256
 ASCII_CLASSES = "dw"  # in a regex constraint, \d is [0-9] and \w is [0-9a-zA-Z_], not any Unicode digit or letter
@@ -47,7 +48,10 @@ LIMITS = dict(max_items_in_row=2000, initial_lexer_fuel=1_000_000, step_lexer_fu
 class Constraint:
     """kind: "json" (spec: a JSON schema's text; '{"type": "object"}' for any object), "regex" (spec:
     the pattern; the whole output must match), "choice" (spec: a JSON list of strings), "grammar"
-    (spec: a Lark grammar, or GBNF as llama.cpp writes it). `field` names the request field the
+    (spec: a Lark grammar, or GBNF as llama.cpp writes it), "structural_tag" (spec: {"structures": [{begin,
+    schema, end}], "triggers": [...]} as JSON: free text, in which each structure's begin, once one of the triggers
+    starts it, is followed by JSON its schema admits and its end: vLLM's structural tags, llguidance's lazy
+    grammars, as tool calls inside text are written). `field` names the request field the
     constraint came from, for errors. `parts`: the JSON schemas a grammar embeds, each with its own
     request field ((field, schema text), ...: a tool's parameters), so that a schema llguidance refuses
     is named by its field, not as the grammar."""
@@ -82,6 +86,42 @@ class Constraint:
         return cls("json", '{"type": "object"}', field)
 
     @classmethod
+    def structural_tag(cls, obj, field: str = "structured_outputs.structural_tag") -> "Constraint":
+        """vLLM's structural tag {"structures": [{"begin", "schema", "end"}], "triggers": [...]} (a dict, or JSON
+        text), each structure's begin starting with one of the triggers."""
+        if isinstance(obj, str):
+            try:
+                obj = json.loads(obj)
+            except ValueError as e:
+                raise InvalidRequest(f"{field}: not valid JSON ({e})") from None
+        if not isinstance(obj, dict):
+            raise InvalidRequest(f"{field}: must be an object {{structures, triggers}}")
+        unknown = sorted(set(obj) - {"type", "structures", "triggers"})
+        if unknown:
+            raise InvalidRequest(f"{field}.{unknown[0]}: not a field of a structural tag (structures, triggers)")
+        triggers, structures = obj.get("triggers"), obj.get("structures")
+        if not isinstance(triggers, list) or not triggers or not all(isinstance(t, str) and t for t in triggers):
+            raise InvalidRequest(f"{field}.triggers: must be a non-empty list of non-empty strings")
+        if not isinstance(structures, list) or not 0 < len(structures) <= MAX_STRUCTURES:
+            raise InvalidRequest(f"{field}.structures: must be a list of 1 to {MAX_STRUCTURES} structures")
+        parts = []
+        for i, s in enumerate(structures):
+            where = f"{field}.structures[{i}]"
+            if not isinstance(s, dict) or set(s) - {"begin", "schema", "end"}:
+                raise InvalidRequest(f"{where}: must be an object {{begin, schema, end}}")
+            if not isinstance(s.get("begin"), str) or not isinstance(s.get("end"), str):
+                raise InvalidRequest(f"{where}: begin and end must be strings")
+            if not any(s["begin"].startswith(t) for t in triggers):
+                raise InvalidRequest(f"{where}.begin: {s['begin'][:64]!r} starts with none of the triggers")
+            schema = s.get("schema", {})
+            if not isinstance(schema, (dict, bool)):
+                raise InvalidRequest(f"{where}.schema: must be a JSON schema (an object)")
+            parts.append((f"{where}.schema", json.dumps(schema)))
+        spec = json.dumps({"structures": [{"begin": s["begin"], "schema": s.get("schema", {}), "end": s["end"]}
+                                          for s in structures], "triggers": triggers})
+        return cls("structural_tag", spec, field, tuple(parts))
+
+    @classmethod
     def choice(cls, choices, field: str = "structured_outputs.choice") -> "Constraint":
         if (not isinstance(choices, (list, tuple)) or not choices
                 or not all(isinstance(c, str) and c for c in choices)):
@@ -112,6 +152,11 @@ class Constraint:
                     f"start: /{llguidance.regex_to_lark(self.spec, ASCII_CLASSES)}/")
             if self.kind == "choice":
                 return llguidance.grammar_from("choice", self.spec)
+            if self.kind == "structural_tag":  # (each schema as a tool's arguments are held: lark_schema)
+                tag = json.loads(self.spec)
+                return llguidance.StructTag.to_grammar([llguidance.StructTag(
+                    trigger=next(t for t in tag["triggers"] if s["begin"].startswith(t)), begin=s["begin"],
+                    grammar=lark_schema(s["schema"]), end=s["end"]) for s in tag["structures"]])
             return llguidance.grammar_from("grammar", self.spec)
         except (ValueError, TypeError, RecursionError) as e:
             raise InvalidRequest(f"{self.field}: not a valid {self.kind} ({_first_line(e)})") from None
@@ -259,7 +304,7 @@ def _escape(key: str) -> str:
 
 # The JSON shapes clients send (the OpenAI HTTP API, `jaxcb generate --input` lines): vLLM's
 # structured_outputs object and OpenAI's response_format.
-STRUCTURED_OUTPUTS_KEYS = ("json", "json_object", "regex", "choice", "grammar")
+STRUCTURED_OUTPUTS_KEYS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
 # vLLM's options beside the constraint: disable_any_whitespace makes JSON output compact (else it may have
 # JSON_WHITESPACE between tokens); the others jaxcb's grammars hold whatever they say: objects closed unless
 # the schema opens them (grammar_schema), and no other backend to fall back to.
@@ -299,6 +344,8 @@ def _structured_outputs(obj: dict, field: str) -> Constraint:
         return Constraint.json_object(where)
     if kind == "choice":
         return Constraint.choice(value, where)
+    if kind == "structural_tag":
+        return Constraint.structural_tag(value, where)
     if not isinstance(value, str):
         raise InvalidRequest(f"{where}: must be a string")
     return Constraint(kind, value, where)
@@ -351,12 +398,15 @@ def _guided(body: dict) -> Constraint | None:
 
 def from_response_format(obj, field: str = "response_format") -> Constraint | None:
     """OpenAI's `response_format`: {"type": "text"} (none), {"type": "json_object"} or {"type":
-    "json_schema", "json_schema": {"name", "schema", "strict", "description"}}."""
+    "json_schema", "json_schema": {"name", "schema", "strict", "description"}}; or vLLM's {"type":
+    "structural_tag", "structures", "triggers"}."""
     if obj is None:
         return None
     if not isinstance(obj, dict) or not isinstance(obj.get("type"), str):
         raise InvalidRequest(f"{field}: must be an object with a type (text, json_object or json_schema)")
     kind = obj["type"]
+    if kind == "structural_tag":
+        return Constraint.structural_tag(obj, field)
     extra = sorted(set(obj) - {"type", "json_schema"})
     if extra:
         raise InvalidRequest(f"{field}.{extra[0]}: not a field of response_format")
@@ -365,7 +415,7 @@ def from_response_format(obj, field: str = "response_format") -> Constraint | No
     if kind == "json_object":
         return Constraint.json_object(field)
     if kind != "json_schema":
-        raise InvalidRequest(f"{field}.type: {kind!r} is not one of text, json_object, json_schema")
+        raise InvalidRequest(f"{field}.type: {kind!r} is not one of text, json_object, json_schema, structural_tag")
     spec = obj.get("json_schema")
     if not isinstance(spec, dict):
         raise InvalidRequest(f"{field}.json_schema: must be an object with the schema")
