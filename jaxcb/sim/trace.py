@@ -114,13 +114,22 @@ def _read_jsonl(path: str) -> tuple[list[TraceRequest], int | None]:
     return out, skipped if mooncake else None
 
 
-def _jaxcb_line(d: dict) -> TraceRequest:
-    unknown = sorted(set(d) - TRACE_FIELDS)
+def _known(d: dict, fields: set, what: str) -> None:
+    unknown = sorted(set(d) - fields)
     if unknown:
-        raise ValueError(f"{unknown[0]}: not a field of a trace line ({', '.join(sorted(TRACE_FIELDS))})")
-    arrival = d.get("arrival_s")
-    if isinstance(arrival, bool) or not isinstance(arrival, (int, float)) or not 0 <= arrival < math.inf:
-        raise ValueError(f"arrival_s: must be a finite number of seconds >= 0, got {json.dumps(arrival)}")
+        raise ValueError(f"{unknown[0]}: not a field of {what} ({', '.join(sorted(fields))})")
+
+
+def _time(d: dict, key: str, unit: str) -> float:
+    value = d.get(key)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
+        raise ValueError(f"{key}: must be a finite number of {unit} >= 0, got {json.dumps(value)[:40]}")
+    return float(value)
+
+
+def _jaxcb_line(d: dict) -> TraceRequest:
+    _known(d, TRACE_FIELDS, "a trace line")
+    arrival = _time(d, "arrival_s", "seconds")
     ids = d.get("prompt_token_ids")
     if ids is not None and (not isinstance(ids, list) or len(ids) > MAX_TRACE_TOKENS or not all(
             isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids)):
@@ -128,7 +137,7 @@ def _jaxcb_line(d: dict) -> TraceRequest:
     prefix_id = d.get("prefix_id")
     if prefix_id is not None and (isinstance(prefix_id, bool) or not isinstance(prefix_id, (int, str))):
         raise ValueError(f"prefix_id: must be an integer or a string, got {json.dumps(prefix_id)[:40]}")
-    r = TraceRequest(float(arrival), len(ids) if ids is not None else _integer(d, "prompt_tokens", 1),
+    r = TraceRequest(arrival, len(ids) if ids is not None else _integer(d, "prompt_tokens", 1),
                      _integer(d, "output_tokens", 1), _priority(d), prefix_id,
                      _integer(d, "prefix_tokens", 0, 0), ids)
     if not r.prompt_tokens:
@@ -156,12 +165,8 @@ def _hash_ids(given, tokens: int, block: int, length_field: str) -> tuple[int, .
 def _mooncake(d: dict) -> TraceRequest | None:
     """A Mooncake trace line (timestamp in ms, input_length, output_length, hash_ids of 512-token blocks);
     None for one without output."""
-    unknown = sorted(set(d) - MOONCAKE_FIELDS)
-    if unknown:
-        raise ValueError(f"{unknown[0]}: not a field of a Mooncake trace line ({', '.join(sorted(MOONCAKE_FIELDS))})")
-    when = d.get("timestamp")
-    if isinstance(when, bool) or not isinstance(when, (int, float)) or not 0 <= when < math.inf:
-        raise ValueError(f"timestamp: must be a finite number of milliseconds >= 0, got {json.dumps(when)[:40]}")
+    _known(d, MOONCAKE_FIELDS, "a Mooncake trace line")
+    when = _time(d, "timestamp", "milliseconds")
     if d.get("output_length") == 0:
         return None
     tokens = _integer(d, "input_length", 1)
