@@ -254,8 +254,9 @@ def _thinking(body: dict, chat: dict) -> None:
 
 def chat_body(body: dict, origins: list, counting: bool = False) -> dict:
     """The chat completions body that answers this Messages call (every field checked by name first);
-    `counting`: count_tokens' body (no sampling fields)."""
-    check_fields(body, COUNT_FIELDS if counting else MESSAGES_FIELDS)
+    `counting`: count_tokens' body (its sampling fields, as a client that counts the body it will send sends them,
+    taken and left: they change no count)."""
+    check_fields(body, MESSAGES_FIELDS)
     for name, why in NOT_SERVED.items():
         if name in body:
             raise bad_request(f"{name}: {why}")
@@ -280,6 +281,8 @@ def chat_body(body: dict, origins: list, counting: bool = False) -> dict:
                                      or not isinstance(metadata.get("user_id", ""), (str, type(None)))):
             raise bad_request("metadata: must be an object with at most user_id, a string")
     chat["messages"] = _messages(body, origins)
+    if not chat["messages"]:
+        raise bad_request("messages: every message is empty; at least one must have content")
     last = chat["messages"][-1]
     if body["messages"][-1].get("role") == "assistant" and last["role"] == "assistant" and last.get("content") \
             and not last.get("tool_calls"):  # a prefilled answer (text): continued, not answered anew
@@ -310,13 +313,15 @@ def _usage(u: dict | None, output: bool = True) -> dict:
     return {**usage, "output_tokens": u.get("completion_tokens", 0) if output else 0}
 
 
-def _stop(finish: str | None, reason, stops) -> tuple[str, str | None]:
+def _stop(finish: str | None, reason, stops, called: bool = False) -> tuple[str, str | None]:
+    """The stop_reason (and stop_sequence) of an answer that ended so; `called`: it made tool calls (a named
+    tool's call ends with the chat's "stop", as OpenAI's does, where Anthropic's says tool_use)."""
     if finish == "length":
         return "max_tokens", None
-    if finish == "tool_calls":
-        return "tool_use", None
     if isinstance(reason, str) and reason in (stops or ()):
         return "stop_sequence", reason
+    if finish == "tool_calls" or (called and finish == "stop"):
+        return "tool_use", None
     return "end_turn", None
 
 
@@ -351,7 +356,8 @@ def reshape(answer, body: dict, origins: list):
     for call in message.get("tool_calls") or ():
         content.append({"type": "tool_use", "id": call["id"], "name": call["function"]["name"],
                         "input": _input(call["function"]["arguments"])})
-    stop = _stop(choice["finish_reason"], choice.get("stop_reason"), body.get("stop_sequences"))
+    stop = _stop(choice["finish_reason"], choice.get("stop_reason"), body.get("stop_sequences"),
+                 bool(message.get("tool_calls")))
     return _message(answer["model"], content, stop, _usage(answer["usage"]))
 
 
@@ -399,8 +405,10 @@ async def _translate(chunks, body: dict, origins: list):
             model = chunk.get("model", model)
             if chunk.get("usage"):
                 usage = chunk["usage"]
-            if not started:
-                started = True
+            opening = all(not c.get("finish_reason") and set(c.get("delta") or {}) <= {"role", "content"}
+                          and not (c.get("delta") or {}).get("content") for c in chunk.get("choices", ()))
+            if not started and not opening:  # (after the chat's opening chunk: the first with the engine's
+                started = True               # usage, its cached prompt tokens counted)
                 yield _event("message_start", message=_message(model, [], usage=_usage(usage, output=False)))
             for choice in chunk.get("choices", ()):
                 delta = choice.get("delta") or {}
@@ -431,7 +439,7 @@ async def _translate(chunks, body: dict, origins: list):
         return
     for text in close():
         yield text
-    stop = _stop(finish, reason, body.get("stop_sequences"))
+    stop = _stop(finish, reason, body.get("stop_sequences"), bool(calls))
     yield _event("message_delta", delta={"stop_reason": stop[0], "stop_sequence": stop[1]}, usage=_usage(usage))
     yield _event("message_stop")
 

@@ -86,7 +86,8 @@ async def answer(state, request: Request, options: RequestOptions, tenant: str, 
             logprobs = _merge(echoed, logprobs, chat)
         finish = (ev.finish_reason.value if isinstance(ev.finish_reason, FinishReason) else ev.finish_reason)
         sample_usage[index] = {"prompt_tokens": ev.num_prompt_tokens, "completion_tokens": ev.num_output_tokens,
-                               "total_tokens": ev.num_prompt_tokens + ev.num_output_tokens}
+                               "total_tokens": ev.num_prompt_tokens + ev.num_output_tokens,
+                               "prompt_tokens_details": {"cached_tokens": ev.num_cached_tokens}}
         if ev.finished:
             usage["completion_tokens"] += ev.num_output_tokens
             if ev.index == 0:

@@ -587,6 +587,29 @@ def make_app(state) -> FastAPI:
         return tool_calls.prepare(body, messages, template or state.tokenizer.chat_template,
                                   state.options.tool_call_parser)
 
+    async def fitted(messages: list[dict], encoded, room: int) -> list[int]:
+        """The prompt of `messages` with the fewest of its oldest messages dropped (after its leading system
+        ones; tool results whose call went with them too; its last kept) that leaves `room` tokens in the
+        context: found by bisection, each try one encoding. Still too long with one message left: that prompt."""
+        head = next((i for i, m in enumerate(messages) if m["role"] != "system"), len(messages))
+
+        def kept(drop: int) -> list[dict]:
+            start = head + drop
+            while start < len(messages) - 1 and messages[start]["role"] == "tool":
+                start += 1
+            return messages[:head] + messages[start:]
+
+        lo, hi = 1, max(1, len(messages) - head - 1)  # (the fewest dropped that might fit, the most)
+        best = await encoded(kept(hi))
+        while lo < hi:
+            mid = (lo + hi) // 2
+            ids = await encoded(kept(mid))
+            if len(ids) + room <= state.engine.max_context:
+                hi, best = mid, ids
+            else:
+                lo = mid + 1
+        return best
+
     async def run_chat(request: Request, tenant: str, body: dict):
         check_chat_spec_fields(body)
         options = common_fields(body)
@@ -605,7 +628,11 @@ def make_app(state) -> FastAPI:
             raise bad_request("top_logprobs: needs logprobs: true")
         limit = int_field(body, "max_completion_tokens", int_field(body, "max_tokens"))
         frontend.check_messages("messages", [(m["role"], m["content"]) for m in messages])  # the rendered chat
-        frontend.check_text_fits(state, "messages", sum(len(m["content"]) for m in messages), keep)
+        # The Responses API's truncation "auto" (its chat body's own key): the conversation's oldest messages
+        # dropped until it fits; kept whole, a conversation the context cannot hold is refused before tokenizing
+        dropping = body.get("truncation") == "auto"
+        if not dropping:
+            frontend.check_text_fits(state, "messages", sum(len(m["content"]) for m in messages), keep)
         # Validated with a placeholder length first (every field before any tokenizing); the real
         # default max_tokens needs the prompt's length.
         params = sampling_params(body, max_tokens=placeholder_max_tokens(body) if limit is None else limit,
@@ -631,8 +658,16 @@ def make_app(state) -> FastAPI:
                 raise bad_request("use_beam_search: not supported where answers are in the harmony format (gpt-oss)")
         state.admit(params.n)
         await frontend.check_settings(state, params)
-        ids = await asyncio.to_thread(functools.partial(state.tokenizer.encode_chat, messages, *template, tools=shown))
-        ids = frontend.truncated(with_special(ids, bool_field(body, "add_special_tokens", False)), keep)
+        special = bool_field(body, "add_special_tokens", False)
+
+        async def encoded(msgs):
+            ids = await asyncio.to_thread(functools.partial(state.tokenizer.encode_chat, msgs, *template, tools=shown))
+            return with_special(ids, special)
+
+        ids = await encoded(messages)
+        if dropping and len(ids) + (limit or 1) > state.engine.max_context:
+            ids = await fitted(messages, encoded, limit or 1)
+        ids = frontend.truncated(ids, keep)
         if limit is None:  # the default needs the prompt's length (validated again by replace)
             params = dataclasses.replace(params, max_tokens=max(1, state.engine.max_context - len(ids)))
         if penalty is not None:

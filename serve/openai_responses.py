@@ -53,12 +53,13 @@ ROLES = ("user", "system", "developer", "assistant")
 TEXT_PARTS = {"input_text": "text", "output_text": "text"}  # a message item's part type -> the key of its text
 
 
-def _content(where: str, content) -> str:
-    """A message item's content as text: a string, or its text parts joined as chat joins its own."""
+def _content(where: str, content, key: str = ".content") -> str:
+    """A message item's content (or another of its fields: `key`) as text: a string, or its text parts joined as
+    chat joins its own."""
     if content is None:
-        raise bad_request(f"{where}.content: must be a string or a list of content parts")
+        raise bad_request(f"{where}{key}: must be a string or a list of content parts")
     try:
-        return content_text(content, f"{where}.content", TEXT_PARTS)
+        return content_text(content, f"{where}{key}", TEXT_PARTS)
     except InvalidRequest as e:
         raise http_error(e) from None
 
@@ -90,6 +91,7 @@ def _messages(body: dict, origins: list, history: tuple = (), history_field: str
         where = f"input[{i}]"
         if not isinstance(item, dict):
             raise bad_request(f"{where}: must be an input item object")
+        item = {k: v for k, v in item.items() if v is not None}  # (a field that is null is not given, as at the top)
         kind = item.get("type", "message")
         if not isinstance(kind, str):
             raise bad_request(f"{where}.type: must be a string")
@@ -114,7 +116,7 @@ def _messages(body: dict, origins: list, history: tuple = (), history_field: str
     return messages
 
 
-ITEM_FIELDS = {"message": {"type", "role", "content", "id", "status"},
+ITEM_FIELDS = {"message": {"type", "role", "content", "id", "status", "phase"},  # (phase: an output message's)
                "function_call": {"type", "call_id", "name", "arguments", "id", "status"},
                "function_call_output": {"type", "call_id", "output", "id", "status"},
                "reasoning": {"type", "id", "summary", "content", "encrypted_content", "status"}}
@@ -148,10 +150,10 @@ def _tool_item(where: str, kind: str, item: dict, messages: list[dict], origins:
         raise unknown_field(where, unknown[0], f"of a {kind} item")
     if not isinstance(item.get("call_id"), str):
         raise bad_request(f"{where}.call_id: must be a string")
-    if kind == "function_call_output":
-        if not isinstance(item.get("output"), str):
-            raise bad_request(f"{where}.output: must be a string")
-        messages.append({"role": "tool", "tool_call_id": item["call_id"], "content": item["output"]})
+    if kind == "function_call_output":  # (a string, or a list of input_text parts)
+        output = item.get("output")
+        output = output if isinstance(output, str) else _content(where, output, ".output")
+        messages.append({"role": "tool", "tool_call_id": item["call_id"], "content": output})
         origins.append((where, [], False))
         return
     for field in ("name", "arguments"):
@@ -205,9 +207,13 @@ def own(message: str, param: str | None, origins: list, renames: tuple = _RENAME
     return (field + message[len(param):] if message.startswith(param) else message), field
 
 
+class OwnFieldError(HTTPError):
+    """A 400 that names this API's own field already (a field it refuses itself): renamed() leaves it."""
+
+
 def renamed(e: HTTPError, origins: list, renames: tuple = _RENAMED) -> HTTPError:
     """A chat answer's 400 naming this call's own field."""
-    if e.status != 400:
+    if e.status != 400 or isinstance(e, OwnFieldError):
         return e
     message, field = own(e.message, e.param, origins, renames)
     return HTTPError(400, message, param=field, code=e.code)
@@ -230,14 +236,41 @@ def _tools(body: dict, chat: dict) -> None:
             out.append({"type": "function", "function": {k: v for k, v in t.items() if k != "type"}})
         chat["tools"] = out
     choice = body.get("tool_choice")
-    if isinstance(choice, dict):
+    if isinstance(choice, dict) and choice.get("type") == "allowed_tools":
+        choice = _allowed_tools(choice, chat)
+    elif isinstance(choice, dict):
         if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
-            raise bad_request("tool_choice: must be none, auto, required or {type: function, name}")
+            raise bad_request("tool_choice: must be none, auto, required, {type: function, name} or "
+                              "{type: allowed_tools, mode, tools}")
         choice = {"type": "function", "function": {"name": choice["name"]}}
     if choice is not None:
         chat["tool_choice"] = choice
     if "parallel_tool_calls" in body:
         chat["parallel_tool_calls"] = body["parallel_tool_calls"]
+
+
+def _allowed_tools(choice: dict, chat: dict) -> str:
+    """OpenAI's tool_choice {type: allowed_tools, mode: auto | required, tools: [{type: function, name}]}: the
+    call may use only those of the tools (the others left out of the chat's), as `mode` says. Returns the mode."""
+    unknown = sorted(set(choice) - {"type", "mode", "tools"})
+    if unknown:
+        raise unknown_field("tool_choice", unknown[0], "of allowed_tools")
+    if choice.get("mode") not in ("auto", "required"):
+        raise bad_request(f"tool_choice.mode: must be auto or required, got {shown(choice.get('mode'))}")
+    given = choice.get("tools")
+    if not isinstance(given, list) or not given:
+        raise bad_request("tool_choice.tools: must be a non-empty list of {type: function, name}")
+    names = []
+    for i, t in enumerate(given):
+        if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(t.get("name"), str):
+            raise bad_request(f"tool_choice.tools[{i}]: must be {{type: function, name}}")
+        names.append(t["name"])
+    served = {t["function"].get("name") for t in chat.get("tools", [])}
+    missing = [n for n in names if n not in served]
+    if missing:
+        raise bad_request(f"tool_choice.tools: {missing[0]!r} is not one of the tools")
+    chat["tools"] = [t for t in chat["tools"] if t["function"].get("name") in names]
+    return choice["mode"]
 
 
 def _response_format(body: dict):
@@ -273,7 +306,7 @@ def chat_body(body: dict, origins: list | None = None, history: tuple = (),
     check_fields(body, RESPONSES_FIELDS)
     for name, why in NOT_SERVED.items():
         if name in body:
-            raise bad_request(f"{name}: {why}")
+            raise OwnFieldError(400, f"{name}: {why}", param=name)
     _check_reasoning(body.get("reasoning"))
     check_metadata(body.get("metadata"))
     chat = {k: body[k] for k in PASSED_ON if k in body}
@@ -288,9 +321,11 @@ def chat_body(body: dict, origins: list | None = None, history: tuple = (),
     top = int_field(body, "top_logprobs", 0)
     if LOGPROBS in include or top:  # (the chat checks top_logprobs' range)
         chat.update(logprobs=True, top_logprobs=top)
-    if body.get("truncation", "disabled") != "disabled":
-        raise bad_request(f"truncation: only 'disabled' is served (an input that does not fit is refused, not cut), "
-                          f"got {shown(body['truncation'])}")
+    truncation = body.get("truncation", "disabled")
+    if truncation not in ("disabled", "auto"):
+        raise bad_request(f"truncation: must be 'disabled' or 'auto', got {shown(truncation)}")
+    if truncation == "auto":  # (the conversation's oldest items dropped until it fits: run_chat)
+        chat["truncation"] = "auto"
     options = body.get("stream_options")
     if options is not None:
         if not isinstance(options, dict) or set(options) - {"include_obfuscation"}:
@@ -343,7 +378,9 @@ class Shape:
         u = self.usage or {}
         return {"input_tokens": u.get("prompt_tokens", 0), "output_tokens": u.get("completion_tokens", 0),
                 "total_tokens": u.get("total_tokens", 0),
-                "input_tokens_details": {"cached_tokens": (u.get("prompt_tokens_details") or {}).get("cached_tokens", 0)},
+                # (cache_write_tokens: the prefix cache keeps pages as it computes them, charging no write)
+                "input_tokens_details": {"cached_tokens": (u.get("prompt_tokens_details") or {}).get("cached_tokens", 0),
+                                         "cache_write_tokens": 0},
                 "output_tokens_details": {"reasoning_tokens": 0}}
 
     def add_call(self, call_id: str, name: str, arguments: str = "") -> int:
@@ -387,8 +424,10 @@ class Shape:
                 "text": b.get("text") or {"format": {"type": "text"}}, "store": self.stored,
                 "previous_response_id": b.get("previous_response_id"), "background": b.get("background", False),
                 "conversation": _conversation_ref(b.get("conversation")),
-                "metadata": b.get("metadata") or {},
-                "usage": self.usage_json() if finished else None}
+                "metadata": b.get("metadata") or {}, "reasoning": b.get("reasoning") or {"effort": None, "summary": None},
+                "truncation": b.get("truncation", "disabled"), "service_tier": b.get("service_tier", "default"),
+                "top_logprobs": b.get("top_logprobs", 0), "max_tool_calls": b.get("max_tool_calls"),
+                "user": b.get("user"), "usage": self.usage_json() if finished else None}
 
 
 def _conversation_ref(given):
@@ -451,8 +490,20 @@ async def _translate(chunks, body: dict, event, origins, keep):
     at: dict[int, int] = {}  # the chat's tool-call index -> its output index
     pending: list = []  # logprobs of tokens not yet in a text delta
     text_at = {"content_index": 0}
+    closed: set[int] = set()  # output indexes whose items are done (a call once the next opens, the thinking
+    # once the answer begins: one item open at a time, as OpenAI streams them)
+
+    def close_before(kinds) -> list:
+        """The done events of the open items of these kinds ("reasoning", "call"), before another opens."""
+        out = []
+        for index, which in enumerate(shape.order):
+            kind = which if isinstance(which, str) else "call"
+            if kind in kinds and index not in closed:
+                out += list(close(index, which))
+        return out
 
     def close(index: int, which):
+        closed.add(index)
         status = shape.status()
         if which == "reasoning":
             yield event("response.reasoning_text.done", item_id=shape.reasoning_id, output_index=index,
@@ -465,7 +516,7 @@ async def _translate(chunks, body: dict, event, origins, keep):
         else:
             c = shape.calls[which]
             yield event("response.function_call_arguments.done", item_id=c["id"], output_index=index,
-                        arguments=c["arguments"])
+                        name=c["name"], arguments=c["arguments"])
         yield event("response.output_item.done", output_index=index, item=shape.item(which, status))
 
     async for raw in chunks:
@@ -505,6 +556,8 @@ async def _translate(chunks, body: dict, event, origins, keep):
                                 delta=delta["reasoning_content"])
                 if delta.get("content"):
                     if "message" not in shape.order:
+                        for text in close_before(("reasoning",)):
+                            yield text
                         shape.order.append("message")
                         index = len(shape.order) - 1
                         yield event("response.output_item.added", output_index=index, item=shape.item("message", "in_progress"))
@@ -518,6 +571,8 @@ async def _translate(chunks, body: dict, event, origins, keep):
                 for piece in delta.get("tool_calls") or ():
                     f = piece.get("function") or {}
                     if piece.get("id"):  # a call's head: a new output item
+                        for text in close_before(("reasoning", "call")):
+                            yield text
                         at[piece["index"]] = shape.add_call(piece["id"], f.get("name", ""))
                         index = at[piece["index"]]
                         yield event("response.output_item.added", output_index=index,
@@ -542,6 +597,6 @@ async def _translate(chunks, body: dict, event, origins, keep):
         yield event("response.output_text.delta", item_id=shape.message_id,  # delta, so the deltas' add up
                     output_index=shape.order.index("message"), **text_at, delta="", logprobs=pending)
     for index, which in enumerate(shape.order):
-        for text in close(index, which):
+        for text in close(index, which) if index not in closed else ():
             yield text
     yield event(f"response.{shape.status()}", response=_kept(shape, keep))

@@ -68,6 +68,9 @@ def test_messages_answer_as_the_chat_does_whole_and_streamed(server, claude, oai
     assert (m.usage.input_tokens + m.usage.cache_read_input_tokens, m.usage.output_tokens) == (chat.usage.prompt_tokens, 7)
     counted = claude.messages.count_tokens(model="tiny-long", system="be brief", messages=conversation)
     assert counted.input_tokens == chat.usage.prompt_tokens
+    same = claude.messages.count_tokens(model="tiny-long", system="be brief", messages=conversation,  # (a create's
+                                        extra_body={"max_tokens": 7, "temperature": 0.5})  # fields: taken, no count)
+    assert same.input_tokens == counted.input_tokens
     with claude.messages.stream(model="tiny-long", system="be brief", messages=conversation, max_tokens=7,
                                 extra_body=extra) as stream:
         kinds = [e.type for e in stream]
@@ -108,6 +111,11 @@ def test_tools_as_tool_use_and_tool_result_blocks(server, claude, oai):
                                 extra_body={"seed": 1, "temperature": 1.0}) as stream:
         final = stream.get_final_message()
     assert [(b.type, b.name, b.input) for b in final.content] == [("tool_use", use.name, use.input)]
+    assert final.stop_reason == "tool_use"  # (a named tool's call too: the chat's finish is "stop" there)
+    named = claude.messages.create(model="tiny-long", messages=question, tools=[WEATHER], max_tokens=200,
+                                   tool_choice={"type": "tool", "name": "get_weather"},
+                                   extra_body={"seed": 1, "temperature": 1.0})
+    assert named.stop_reason == "tool_use" and [b.type for b in named.content] == ["tool_use"]
     follow_chat = oai.chat.completions.create(model="tiny-long", max_tokens=6, temperature=0, tools=[tool], messages=[
         *question, {"role": "assistant", "content": None, "tool_calls": [
             {"id": use.id, "type": "function", "function": {"name": use.name, "arguments": json.dumps(use.input)}}]},
@@ -185,6 +193,10 @@ def test_prefill_output_format_and_hints(server, claude, oai):
     ({"max_tokens": 4, "messages": [{"role": "user", "content": "x"}], "mcp_servers": []}, 400,
      "mcp_servers: MCP servers are not served"),
     ({"max_tokens": 4, "messages": [{"role": "user", "content": "x"}], "colour": 1}, 400, "colour: not a field"),
+    ({"max_tokens": 4, "messages": [{"role": "user", "content": []}]}, 400, "messages: every message is empty"),
+    ({"max_tokens": 4, "messages": [{"role": "assistant", "content": [{"type": "thinking", "thinking": "hm",
+                                                                       "signature": ""}]}]}, 400,
+     "messages: every message is empty"),
     ({"model": "claude-x", "max_tokens": 4, "messages": [{"role": "user", "content": "x"}]}, 404,
      "model: 'claude-x' is not served here"),
 ])
@@ -231,7 +243,9 @@ def test_the_stream_translation_of_thinking_calls_and_errors():
         return [json.loads(e.split("\ndata: ", 1)[1]) async for e in _events(chat(*chunks), body, [])]
 
     usage = {"prompt_tokens": 9, "completion_tokens": 0, "total_tokens": 9, "prompt_tokens_details": {"cached_tokens": 4}}
-    got = asyncio.run(events({"stop_sequences": ["END"]}, chunk(usage=usage, **choice(reasoning_content="hm")),
+    opening = chunk(usage={"prompt_tokens": 9, "completion_tokens": 0, "total_tokens": 9},  # (the chat's first
+                    **choice(role="assistant", content=""))  # chunk, before the engine's usage: no message yet)
+    got = asyncio.run(events({"stop_sequences": ["END"]}, opening, chunk(usage=usage, **choice(reasoning_content="hm")),
                              chunk(**choice(content="a\u2028b")),
                              chunk(**choice(tool_calls=[{"index": 0, "id": "c1", "function": {"name": "f", "arguments": "{\"x\""}}])),
                              chunk(**choice(tool_calls=[{"index": 0, "function": {"arguments": ": 1}"}}])),

@@ -1289,6 +1289,51 @@ def test_bench_serve_measures_a_running_server_over_each_api(server, tmp_path, t
         assert done.returncode != 0 and message in done.stderr, done.stderr
 
 
+def test_responses_truncation_auto_drops_the_oldest_items_until_the_input_fits(server):
+    """truncation "auto": a conversation past the context loses its oldest items (the instructions kept, a call's
+    output with its call), as few as fit; "disabled" refuses it. Output items given back carry null fields and an
+    output message's phase, a call's output may be input_text parts."""
+    url = server.http + "/v1/responses"
+    words = " ".join(f"w{i}" for i in range(30))
+    turns = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"{i}: {words}"} for i in range(12)]
+    body = {"instructions": "Be brief.", "input": turns, "max_output_tokens": 8, "temperature": 0}
+    r = httpx.post(url, json=body, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
+    r = httpx.post(url, json={**body, "truncation": "auto"}, timeout=60)
+    assert r.status_code == 200, r.text
+    used = r.json()["usage"]["input_tokens"]
+    assert used + 8 <= 256 and r.json()["truncation"] == "auto"  # (the test server's context: 256)
+    tokenize = server.http + "/tokenize"
+
+    def count(items):
+        return httpx.post(tokenize, json={"messages": [{"role": "system", "content": "Be brief."}, *items]},
+                          timeout=60).json()["count"]
+    fewest = next(k for k in range(1, 12) if count(turns[k:]) + 8 <= 256)
+    assert used == count(turns[fewest:])  # as few dropped as fit
+    items = [{"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "ok",
+              "annotations": [], "logprobs": None}], "phase": None, "status": "completed", "id": None},
+             {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+             {"type": "function_call_output", "call_id": "c1", "output": [{"type": "input_text", "text": "21C"}]}]
+    r = httpx.post(url, json={"input": [{"role": "user", "content": "hi"}, *items], "max_output_tokens": 2}, timeout=60)
+    assert r.status_code == 200, r.text
+
+
+def test_responses_allowed_tools_restrict_the_call_to_those_listed(long_server):
+    """tool_choice allowed_tools: only the tools it lists, as its mode says; one it lists that is not a tool: 400."""
+    url = long_server.http + "/v1/responses"
+    tools = [{"type": "function", **WEATHER["function"]}, {"type": "function", **CLOCK["function"]}]
+    allowed = {"type": "allowed_tools", "mode": "required", "tools": [{"type": "function", "name": "get_time"}]}
+    for seed in range(3):
+        r = httpx.post(url, timeout=60, json={"input": "weather?", "tools": tools, "tool_choice": allowed,
+                                              "parallel_tool_calls": False, "max_output_tokens": 60, "seed": seed,
+                                              "temperature": 1.0})
+        assert r.status_code == 200, r.text
+        assert [(o["type"], o["name"]) for o in r.json()["output"]] == [("function_call", "get_time")], r.text
+    r = httpx.post(url, timeout=60, json={"input": "x", "tools": tools, "tool_choice": {
+        **allowed, "tools": [{"type": "function", "name": "nope"}]}})
+    assert r.status_code == 400 and "tool_choice.tools: 'nope' is not one of the tools" in r.text, r.text
+
+
 def test_responses_api_answers_as_the_chat_api_does(oai, model_name):
     """POST /v1/responses (OpenAI's newer API) through the openai client: instructions and input items as
     chat messages, max_output_tokens as the limit, text.format as response_format; whole and streamed,
@@ -1646,6 +1691,22 @@ def test_responses_stream_events_from_chat_chunks():
     done = next(e for e in got if e["type"] == "response.output_text.done")
     assert [d["delta"] for d in deltas] == ["a", ""]
     assert [x for d in deltas for x in d["logprobs"]] == done["logprobs"] == lp
+    # two calls: the first item done (its arguments and name) before the second is added, as OpenAI streams them
+
+    def call(i, head, arguments):
+        piece = {"index": i, "function": {"arguments": arguments}}
+        if head:
+            piece.update(id=f"c{i}", type="function", function={"name": f"f{i}", "arguments": arguments})
+        return chunk(choices=[{"index": 0, "delta": {"tool_calls": [piece]}, "finish_reason": None}])
+
+    got = asyncio.run(events(call(0, True, "{"), call(0, False, "}"), call(1, True, "{}"),
+                             chunk(choices=[{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]), "data: [DONE]\n\n"))
+    order = [(e["type"].split(".", 1)[1], e.get("output_index")) for e in got
+             if e["type"].startswith(("response.output_item", "response.function_call_arguments.done"))]
+    assert order == [("output_item.added", 0), ("function_call_arguments.done", 0), ("output_item.done", 0),
+                     ("output_item.added", 1), ("function_call_arguments.done", 1), ("output_item.done", 1)]
+    done = [e for e in got if e["type"] == "response.function_call_arguments.done"]
+    assert [(e["name"], e["arguments"]) for e in done] == [("f0", "{}"), ("f1", "{}")]
 
 
 def test_responses_are_kept_and_continued_by_previous_response_id(server, oai, model_name):
@@ -1872,7 +1933,8 @@ def test_responses_stream_client_gone_frees_its_request(server):
     ({"input": "x", "background": True, "store": False}, "background: needs store: true"),
     ({"input": "x", "background": True, "stream": True}, "background: not served with stream: true"),
     ({"input": "x", "store": "yes"}, "store: must be true or false"),
-    ({"input": "x", "truncation": "auto"}, "truncation: only 'disabled' is served"),
+    ({"input": "x", "truncation": "middle"}, "truncation: must be 'disabled' or 'auto'"),
+    ({"prompt": {"id": "pmpt_1"}, "input": "x"}, "prompt: stored prompt templates are not served"),
     ({"input": "x", "include": ["message.output_text.colour"]}, "include[0]: 'message.output_text.colour' is not one of"),
     ({"input": "x", "include": "reasoning.encrypted_content"}, "include: must be a list of strings"),
     ({"input": "x", "top_logprobs": 21}, "top_logprobs: must be between 0 and 20"),
@@ -1887,6 +1949,7 @@ def test_responses_api_refuses_what_it_does_not_do_by_name(server, body, message
     r = httpx.post(server.http + "/v1/responses", json=body, timeout=30)
     assert r.status_code == 400, r.text
     assert message in r.json()["error"]["message"]
+    assert r.json()["error"]["param"] == message.split(":")[0]  # (the field the message names)
 
 
 @pytest.mark.parametrize("body, param, message", [
