@@ -1920,7 +1920,7 @@ def test_responses_stream_client_gone_frees_its_request(server):
     ({"input": [{"type": "function_call", "call_id": "c", "name": "f"}]}, "input[0].arguments: must be a string"),
     ({"input": "x", "tools": [{"type": "web_search"}]}, "tools[0].type: 'web_search' is not supported"),
     ({"input": "x", "tools": [{"type": "function", "name": "f"}], "tool_choice": {"type": "mcp"}},
-     "tool_choice: must be none, auto, required or {type: function, name}"),
+     "tool_choice: must be none, auto, required, {type: function, name} or"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]},
      "input[0].content[0].type: 'input_image' is not supported"),
     ({"input": [{"role": "robot", "content": "x"}]}, "input[0].role: must be one of"),
