@@ -21,6 +21,7 @@
                                  classifier head), else the cosine of their embeddings
     POST /rerank, /v1/rerank, /v2/rerank   Jina's, Cohere's and vLLM's: documents against a query, best first
     POST /classify, /v1/classify vLLM's: each input's labels' probabilities (jaxcb.host.classifier)
+    POST /pooling                vLLM's generic pooling: task embed (the embeddings' vector) or classify (probabilities)
     POST /tokenize               vLLM's: {prompt} or {messages} -> {count, max_model_len, tokens, token_strs}
     POST /detokenize             vLLM's: {tokens} -> {prompt}
     GET  /version                {version}: jaxcb's (no auth)
@@ -52,7 +53,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as RouteError
 
 import jaxcb
-from jaxcb.host import classifier, harmony, tool_calls
+from jaxcb.host import classifier, embedding, harmony, tool_calls
 from jaxcb.host.embedding import check_encoding_format
 from jaxcb.host.errors import InvalidConfig, InvalidRequest, JaxcbError, NotFound, Unauthenticated
 from jaxcb.host.request import SamplingParams
@@ -68,7 +69,7 @@ from serve.openai_fields import (CHAT_FIELDS, COMPLETION_FIELDS, DETOKENIZE_FIEL
 
 
 log = logging.getLogger("jaxcb.serve.openai_api")
-LIMITED = ("/v1/", "/v2/", "/tokenize", "/detokenize", "/score", "/rerank")  # the paths of API calls (what the concurrency limit counts)
+LIMITED = ("/v1/", "/v2/", "/tokenize", "/detokenize", "/score", "/rerank", "/pooling")  # the paths of API calls (what the concurrency limit counts)
 
 
 class _ConcurrencyLimit:
@@ -534,6 +535,34 @@ def make_app(state) -> FastAPI:
         if isinstance(results, Response):
             return results
         return await json_response(await asyncio.to_thread(embeddings_body, results, fmt, answered_as(body)))
+
+    @app.post("/pooling")
+    async def pooling(request: Request):
+        """vLLM's generic pooling API: `task` embed (the embeddings API's vector) or classify (the classify API's
+        probabilities); by default the model's own (classify for a classifier, else embed)."""
+        tenant = authorize(request)
+        body = await body_of(request)
+        check_fields(body, openai_scores.POOLING_FIELDS)
+        task = body.get("task", "classify" if state.classifier is not None else "embed")
+        if task not in openai_scores.POOLING_TASKS:
+            raise bad_request(f"task: {str(task)[:64]!r} is not one of {', '.join(openai_scores.POOLING_TASKS)} (vLLM's "
+                              "per-token tasks are not served)")
+        if task == "classify":
+            if state.classifier is None:
+                raise classifier.not_served("classify")
+            activation = bool_field(body, "use_activation", True)
+            prompts = await pooling_inputs(body)
+            results = await pooled(request, tenant, body, "input", prompts, "last",
+                                   lambda v: [float(p) for p in state.classifier.classify(v, activation).probs])
+        else:
+            fmt = check_encoding_format(body.get("encoding_format"))
+            dimensions = state.pooling.check(state.engine.model_config.hidden_size, body.get("dimensions"))
+            prompts = await pooling_inputs(body)
+            results = await pooled(request, tenant, body, "input", prompts, state.pooling.mode,
+                                   lambda v: embedding.encoded(state.pooling.finish(v, dimensions), fmt))
+        if isinstance(results, Response):
+            return results
+        return await json_response(openai_scores.pooling_body(results, answered_as(body)))
 
     @app.post("/score")
     @app.post("/v1/score")

@@ -72,6 +72,22 @@ def score_body(scores: list[float], tokens: int, model_name: str) -> dict:
             "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
 
 
+# vLLM's generic pooling API (/pooling): an embedding's fields and a classifier's, the task naming which
+POOLING_FIELDS = {"model", "input", "task", "encoding_format", "dimensions", "use_activation", "truncate_prompt_tokens",
+                  "priority", "request_id", "cache_salt", "user", *CHAT_INPUT_FIELDS}
+POOLING_TASKS = ("embed", "classify")  # (vLLM's per-token tasks, token_embed and token_classify, are not served)
+
+
+def pooling_body(results: list, model_name: str) -> dict:
+    """vLLM's /pooling answer: per input (State.pool's (its output: a vector, probabilities or base64 text, prompt
+    tokens)) its data."""
+    tokens = sum(n for _, n in results)
+    return {"id": "pool-" + uuid.uuid4().hex, "object": "list", "created": int(time.time()), "model": model_name,
+            "data": [{"index": i, "object": "pooling", "data": d} for i, (d, _) in enumerate(results)],
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0,
+                      "prompt_tokens_details": None}}
+
+
 def classify_body(results: list, model_name: str) -> dict:
     """vLLM's classify answer: per input (State.pool's (Classification, prompt tokens)) its label and
     probabilities."""

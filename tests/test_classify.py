@@ -193,6 +193,12 @@ def test_classify_score_and_rerank_over_both_apis_equal_the_offline_engine(serve
     ids = tok.encode_chat(chat, False)
     assert r["usage"]["prompt_tokens"] == len(ids)
     assert abs(r["data"][0]["probs"][0] - float(offline.classify([ids])[0].probs[0])) < 1e-6
+    # vLLM's /pooling: a classifier's task by default, its probabilities as /classify gives them
+    pool = httpx.post(server.http + "/pooling", json={"input": inputs}, timeout=60).json()
+    assert [d["object"] for d in pool["data"]] == ["pooling"] * 3 and pool["usage"]["prompt_tokens"] == sum(tokens)
+    assert np.allclose([d["data"][0] for d in pool["data"]], [float(w.probs[0]) for w in want], atol=1e-6)
+    r = httpx.post(server.http + "/pooling", json={"input": inputs, "task": "token_embed"}, timeout=60)
+    assert r.status_code == 400 and "task: 'token_embed' is not one of embed, classify" in r.text, r.text
     raw = httpx.post(server.http + "/classify", json={"input": inputs[:1], "use_activation": False}, timeout=60).json()
     logit = float(np.log(want[0].probs[0] / (1 - want[0].probs[0])))
     assert abs(raw["data"][0]["probs"][0] - logit) < 1e-5, raw

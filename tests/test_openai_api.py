@@ -218,6 +218,12 @@ def test_embeddings_over_both_apis_equal_the_offline_engine(server, oai, model_n
         assert np.abs(np.asarray(r["data"][0]["embedding"]) - offline.embed([ids])[0]).max() < 1e-6
     both = httpx.post(server.http + "/v1/embeddings", json={"input": "x", "messages": chat}, timeout=60)
     assert both.status_code == 400 and "input: give either input or messages" in both.text
+    pool = httpx.post(server.http + "/pooling", json={"input": inputs}, timeout=60).json()  # (vLLM's: embed here)
+    assert [d["index"] for d in pool["data"]] == [0, 1, 2] and pool["usage"]["prompt_tokens"] == sum(tokens)
+    for i, vector in enumerate(want):
+        assert np.abs(np.asarray(pool["data"][i]["data"]) - vector).max() < 1e-6, i
+    r = httpx.post(server.http + "/pooling", json={"input": "x", "task": "classify"}, timeout=60)
+    assert r.status_code == 400 and "has no classifier head" in r.text, r.text
     short = oai.embeddings.create(model=model_name, input=inputs[0], dimensions=8, encoding_format="float")
     cut = want[0][:8] / np.linalg.norm(want[0][:8])
     assert np.abs(np.asarray(short.data[0].embedding) - cut).max() < 1e-6
