@@ -616,23 +616,34 @@ def make_app(state) -> FastAPI:
         return tool_calls.prepare(body, messages, template or state.tokenizer.chat_template,
                                   state.options.tool_call_parser)
 
-    async def fitted(messages: list[dict], encoded, room: int) -> list[int]:
-        """The prompt of `messages` with the fewest of its oldest messages dropped (after its leading system
-        ones; tool results whose call went with them too; its last kept) that leaves `room` tokens in the
-        context: found by bisection, each try one encoding. Still too long with one message left: that prompt."""
+    def without_oldest(messages: list[dict], drop: int) -> list[dict]:
+        """`messages` without the `drop` oldest after the leading system ones (and tool results whose call went
+        with them); the last one always kept."""
         head = next((i for i, m in enumerate(messages) if m["role"] != "system"), len(messages))
+        start = min(head + drop, len(messages) - 1)
+        while start < len(messages) - 1 and messages[start]["role"] == "tool":
+            start += 1
+        return messages[:head] + messages[start:]
 
-        def kept(drop: int) -> list[dict]:
-            start = head + drop
-            while start < len(messages) - 1 and messages[start]["role"] == "tool":
-                start += 1
-            return messages[:head] + messages[start:]
+    def dropped_to_fit(messages: list[dict], chars: int) -> list[dict]:
+        """`messages` without as few of the oldest as leave at most `chars` characters of content (or one)."""
+        head = next((i for i, m in enumerate(messages) if m["role"] != "system"), len(messages))
+        total, drop = sum(len(m["content"]) for m in messages), 0
+        while total > chars and head + drop < len(messages) - 1:
+            total -= len(messages[head + drop]["content"])
+            drop += 1
+        return without_oldest(messages, drop)
 
+    async def fitted(messages: list[dict], encoded, room: int) -> list[int]:
+        """The prompt of `messages` with the fewest of its oldest messages dropped (without_oldest) that leaves
+        `room` tokens in the context: found by bisection, each try one encoding. Still too long with one message
+        left: that prompt."""
+        head = next((i for i, m in enumerate(messages) if m["role"] != "system"), len(messages))
         lo, hi = 1, max(1, len(messages) - head - 1)  # (the fewest dropped that might fit, the most)
-        best = await encoded(kept(hi))
+        best = await encoded(without_oldest(messages, hi))
         while lo < hi:
             mid = (lo + hi) // 2
-            ids = await encoded(kept(mid))
+            ids = await encoded(without_oldest(messages, mid))
             if len(ids) + room <= state.engine.max_context:
                 hi, best = mid, ids
             else:
@@ -660,7 +671,9 @@ def make_app(state) -> FastAPI:
         # The Responses API's truncation "auto" (its chat body's own key): the conversation's oldest messages
         # dropped until it fits; kept whole, a conversation the context cannot hold is refused before tokenizing
         dropping = body.get("truncation") == "auto"
-        if not dropping:
+        if dropping:  # (first those whose text alone could not fit: no encoding is longer than the context could be)
+            messages = dropped_to_fit(messages, (state.engine.max_context - 1) * state.tokenizer.max_token_chars)
+        else:
             frontend.check_text_fits(state, "messages", sum(len(m["content"]) for m in messages), keep)
         # Validated with a placeholder length first (every field before any tokenizing); the real
         # default max_tokens needs the prompt's length.

@@ -1316,6 +1316,9 @@ def test_responses_truncation_auto_drops_the_oldest_items_until_the_input_fits(s
                           timeout=60).json()["count"]
     fewest = next(k for k in range(1, 12) if count(turns[k:]) + 8 <= 256)
     assert used == count(turns[fewest:])  # as few dropped as fit
+    huge = {**body, "truncation": "auto", "input": [{"role": "user", "content": "w " * 500_000}, *turns]}
+    r = httpx.post(url, json=huge, timeout=60)  # (a megabyte dropped by its length, never encoded)
+    assert r.status_code == 200 and r.json()["usage"]["input_tokens"] == used, r.text
     items = [{"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "ok",
               "annotations": [], "logprobs": None}], "phase": None, "status": "completed", "id": None},
              {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
