@@ -261,10 +261,12 @@ def common_fields(body: dict) -> RequestOptions:
     if stream_options is not None and not isinstance(stream_options, dict):
         raise bad_request(f"stream_options: must be an object, got {stream_options!r}")
     stream_options = stream_options or {}
-    unknown = sorted(set(stream_options) - {"include_usage", "continuous_usage_stats"})
+    # (include_obfuscation, OpenAI's: random padding against length side channels on its network: none here)
+    unknown = sorted(set(stream_options) - {"include_usage", "continuous_usage_stats", "include_obfuscation"})
     if unknown:
         raise unknown_field("stream_options", unknown[0])
     named = {f"stream_options.{k}": v for k, v in stream_options.items()}  # (errors name the whole field)
+    bool_field(named, "stream_options.include_obfuscation", False)
     include_usage = bool_field(named, "stream_options.include_usage", False)
     continuous = bool_field(named, "stream_options.continuous_usage_stats", False)
     if stream_options and not stream:
