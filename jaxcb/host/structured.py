@@ -199,8 +199,8 @@ def with_whitespace(c: "Constraint | None", options: dict) -> "Constraint | None
         schema = json.loads(c.spec)
     except ValueError:  # (refused by its grammar(), naming it)
         return c
-    if not isinstance(schema, dict):
-        schema = {} if schema is True else schema
+    if schema is True:  # (any JSON value, as {} says)
+        schema = {}
     if not isinstance(schema, dict):
         return c
     own = schema.get("x-guidance") if isinstance(schema.get("x-guidance"), dict) else {}
@@ -501,20 +501,19 @@ class Grammars:
     def compile(self, c: Constraint):
         """The compiled matcher of `c` (cached): raises InvalidRequest naming the problem. Slow for a
         large grammar the first time: call it off the event loop."""
-        if self.compact and c.kind == "json" and with_whitespace(c, COMPACT) != c:
-            return self.compile(with_whitespace(c, COMPACT))
         with self._lock:
             m = self._cache.get(c)
             if m is not None:
                 self._cache.move_to_end(c)
                 return m
+        source = with_whitespace(c, COMPACT) if self.compact else c  # (EngineConfig.json_whitespace compact)
         # JSON probed compact (_probe follows only a few ways: whitespace between tokens would be too many),
         # the whole constraint's and each embedded schema's (a tool's parameters), naming its own field
-        for twin in ([with_whitespace(c, COMPACT)] if c.kind == "json" else []) + [
+        for twin in ([with_whitespace(source, COMPACT)] if source.kind == "json" else []) + [
                 with_whitespace(Constraint("json", schema, field), COMPACT) for field, schema in c.parts]:
-            if twin != c:
+            if twin != source:
                 self.compile(twin)
-        m = self._llg.LLMatcher(self.tokenizer, c.grammar(), limits=self.limits, log_level=0)
+        m = self._llg.LLMatcher(self.tokenizer, source.grammar(), limits=self.limits, log_level=0)
         if not m.is_error():  # its first few masks, on copies: a failure there is refused here, not mid-output
             m = self._probe(m)
         if m.is_error():
