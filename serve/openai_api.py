@@ -528,13 +528,28 @@ def make_app(state) -> FastAPI:
         body = await body_of(request)
         check_fields(body, EMBEDDING_FIELDS)
         fmt = check_encoding_format(body.get("encoding_format"))
-        dimensions = state.pooling.check(state.engine.model_config.hidden_size, body.get("dimensions"))
-        prompts = await pooling_inputs(body)
-        results = await pooled(request, tenant, body, "input", prompts, state.pooling.mode,
-                               lambda v: state.pooling.finish(v, dimensions))
+        results = await embedded(request, tenant, body)
         if isinstance(results, Response):
             return results
         return await json_response(await asyncio.to_thread(embeddings_body, results, fmt, answered_as(body)))
+
+    async def embedded(request: Request, tenant: str, body: dict):
+        """The body's inputs' embeddings (the embeddings API's and /pooling's: pooled as the model says, cut to
+        `dimensions`), each with its prompt tokens, or the 499 of a client gone."""
+        dimensions = state.pooling.check(state.engine.model_config.hidden_size, body.get("dimensions"))
+        prompts = await pooling_inputs(body)
+        return await pooled(request, tenant, body, "input", prompts, state.pooling.mode,
+                            lambda v: state.pooling.finish(v, dimensions))
+
+    async def classified(request: Request, tenant: str, body: dict):
+        """The body's inputs through the classifier head (the classify API's and /pooling's; vLLM's use_activation:
+        false gives the raw logits), each with its prompt tokens, or the 499 of a client gone."""
+        if state.classifier is None:
+            raise classifier.not_served("classify")
+        activation = bool_field(body, "use_activation", True)
+        prompts = await pooling_inputs(body)
+        return await pooled(request, tenant, body, "input", prompts, "last",
+                            lambda v: state.classifier.classify(v, activation))
 
     @app.post("/pooling")
     async def pooling(request: Request):
@@ -548,21 +563,15 @@ def make_app(state) -> FastAPI:
             raise bad_request(f"task: {str(task)[:64]!r} is not one of {', '.join(openai_scores.POOLING_TASKS)} (vLLM's "
                               "per-token tasks are not served)")
         if task == "classify":
-            if state.classifier is None:
-                raise classifier.not_served("classify")
-            activation = bool_field(body, "use_activation", True)
-            prompts = await pooling_inputs(body)
-            results = await pooled(request, tenant, body, "input", prompts, "last",
-                                   lambda v: [float(p) for p in state.classifier.classify(v, activation).probs])
+            results = await classified(request, tenant, body)
+            data = lambda c: [float(p) for p in c.probs]
         else:
             fmt = check_encoding_format(body.get("encoding_format"))
-            dimensions = state.pooling.check(state.engine.model_config.hidden_size, body.get("dimensions"))
-            prompts = await pooling_inputs(body)
-            results = await pooled(request, tenant, body, "input", prompts, state.pooling.mode,
-                                   lambda v: embedding.encoded(state.pooling.finish(v, dimensions), fmt))
+            results = await embedded(request, tenant, body)
+            data = lambda v: embedding.encoded(v, fmt)
         if isinstance(results, Response):
             return results
-        return await json_response(openai_scores.pooling_body(results, answered_as(body)))
+        return await json_response(openai_scores.pooling_body([(data(r), n) for r, n in results], answered_as(body)))
 
     @app.post("/score")
     @app.post("/v1/score")
@@ -600,12 +609,7 @@ def make_app(state) -> FastAPI:
         tenant = authorize(request)
         body = await body_of(request)
         check_fields(body, openai_scores.CLASSIFY_FIELDS)
-        if state.classifier is None:
-            raise classifier.not_served("classify")
-        activation = bool_field(body, "use_activation", True)  # (vLLM's: false gives the raw logits)
-        prompts = await pooling_inputs(body)
-        results = await pooled(request, tenant, body, "input", prompts, "last",
-                               lambda v: state.classifier.classify(v, activation))
+        results = await classified(request, tenant, body)
         if isinstance(results, Response):
             return results
         return await json_response(openai_scores.classify_body(results, answered_as(body)))
@@ -616,10 +620,14 @@ def make_app(state) -> FastAPI:
         return tool_calls.prepare(body, messages, template or state.tokenizer.chat_template,
                                   state.options.tool_call_parser)
 
+    def first_turn(messages: list[dict]) -> int:
+        """The index of the first message after the leading system ones (what truncation may drop from)."""
+        return next((i for i, m in enumerate(messages) if m["role"] != "system"), len(messages))
+
     def without_oldest(messages: list[dict], drop: int) -> list[dict]:
         """`messages` without the `drop` oldest after the leading system ones (and tool results whose call went
         with them); the last one always kept."""
-        head = next((i for i, m in enumerate(messages) if m["role"] != "system"), len(messages))
+        head = first_turn(messages)
         start = min(head + drop, len(messages) - 1)
         while start < len(messages) - 1 and messages[start]["role"] == "tool":
             start += 1
@@ -627,7 +635,7 @@ def make_app(state) -> FastAPI:
 
     def dropped_to_fit(messages: list[dict], chars: int) -> list[dict]:
         """`messages` without as few of the oldest as leave at most `chars` characters of content (or one)."""
-        head = next((i for i, m in enumerate(messages) if m["role"] != "system"), len(messages))
+        head = first_turn(messages)
         total, drop = sum(len(m["content"]) for m in messages), 0
         while total > chars and head + drop < len(messages) - 1:
             total -= len(messages[head + drop]["content"])
@@ -638,8 +646,7 @@ def make_app(state) -> FastAPI:
         """The prompt of `messages` with the fewest of its oldest messages dropped (without_oldest) that leaves
         `room` tokens in the context: found by bisection, each try one encoding. Still too long with one message
         left: that prompt."""
-        head = next((i for i, m in enumerate(messages) if m["role"] != "system"), len(messages))
-        lo, hi = 1, max(1, len(messages) - head - 1)  # (the fewest dropped that might fit, the most)
+        lo, hi = 1, max(1, len(messages) - first_turn(messages) - 1)  # (the fewest dropped that might fit, the most)
         best = await encoded(without_oldest(messages, hi))
         while lo < hi:
             mid = (lo + hi) // 2
