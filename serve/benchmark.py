@@ -26,7 +26,6 @@ import json
 import math
 import os
 import platform
-import sys
 import time
 
 import numpy as np
@@ -133,18 +132,14 @@ def dataset_kind(args) -> str:
 
 
 def read_trace_workload(path: str, n: int | None, vocab: int, seed: int, time_scale: float = 1.0):
-    """A trace's first `n` requests (all: None) as prompts of token ids (jaxcb.sim.trace.iter_prompt_ids), output
-    lengths and send times in seconds from the first (its arrivals times `time_scale`)."""
-    from jaxcb.sim.trace import iter_prompt_ids, read_trace
+    """A trace's first `n` requests (all: None; jaxcb.sim.trace.load_trace) as prompts of token ids
+    (jaxcb.sim.trace.iter_prompt_ids), output lengths and send times in seconds from the first (its arrivals times
+    `time_scale`)."""
+    from jaxcb.sim.trace import iter_prompt_ids, load_trace
 
-    notes = []
-    trace = read_trace(path, notes)[:n]
-    for note in notes:
-        print(note, file=sys.stderr)
-    if not trace:
-        raise ValueError(f"{path}: no requests")
+    trace = load_trace(path, n, time_scale)
     prompts = list(iter_prompt_ids(trace, vocab - 100, seed))  # (ids in [100, vocab - 100), as workload's)
-    return prompts, [r.output_tokens for r in trace], [r.arrival_s * time_scale for r in trace]
+    return prompts, [r.output_tokens for r in trace], [r.arrival_s for r in trace]
 
 
 def openai_base(url: str) -> str:
@@ -411,7 +406,7 @@ def run(args, machine: str | None = None) -> dict:
     rates(args.rates)  # (checked before any request)
     if args.trace and args.dataset:
         raise ValueError("--trace and --dataset: give one of them")
-    if not 0 < args.time_scale < math.inf:
+    if not 0 < args.time_scale < math.inf:  # (before any request; load_trace checks it as well)
         raise ValueError(f"--time-scale: must be a number above 0, got {args.time_scale}")
     if args.api == "openai":
         target = openai_base(args.url)

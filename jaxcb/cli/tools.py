@@ -10,7 +10,6 @@
 
 from __future__ import annotations
 
-import math
 import os
 import sys
 import time
@@ -266,7 +265,7 @@ def cmd_simulate(args) -> int:
 
     from jaxcb.host.engine_config import AUTO_PAGES, load_config
     from jaxcb.sim.simulate import DEVICES, MODELS, RooflineStepModel, load_step_model, simulate
-    from jaxcb.sim.trace import read_trace
+    from jaxcb.sim.trace import load_trace
 
     if args.step_model and args.device:
         raise ValueError("--step-model and --device: give one of them")
@@ -297,16 +296,7 @@ def cmd_simulate(args) -> int:
             raise ValueError(f"--max-running: must be in [1, {config.scheduler.max_running}], got {args.max_running}")
     if args.requests is not None and args.requests < 1:
         raise ValueError(f"--requests: must be at least 1, got {args.requests}")
-    if not 0 < args.time_scale < math.inf:
-        raise ValueError(f"--time-scale: must be a number above 0, got {args.time_scale}")
-    notes = []
-    trace = read_trace(args.trace, notes)[:args.requests]
-    for note in notes:
-        print(note, file=sys.stderr)
-    if not trace:
-        raise ValueError(f"--trace: {args.trace} holds no requests")
-    for r in trace:
-        r.arrival_s *= args.time_scale
+    trace = load_trace(args.trace, args.requests, args.time_scale)
     print(f"simulating {len(trace)} requests, policy {config.scheduler.policy}, {pages} pages of "
           f"{config.page_size} tokens, step model: {json.dumps(model.to_json())[:200]}", file=sys.stderr)
 

@@ -91,6 +91,25 @@ def read_trace(path: str, notes: list | None = None) -> list[TraceRequest]:
     return out
 
 
+def load_trace(path: str, requests: int | None = None, time_scale: float = 1.0) -> list[TraceRequest]:
+    """A trace as a run takes it (`jaxcb simulate --trace`, `jaxcb bench serve --trace`): read_trace's requests, the
+    first `requests` of them, their arrival times multiplied by `time_scale`; what a public trace left out is said
+    on stderr; a trace of no request is an error."""
+    import sys
+
+    if not 0 < time_scale < math.inf:
+        raise ValueError(f"--time-scale: must be a number above 0, got {time_scale}")
+    notes = []
+    trace = read_trace(path, notes)[:requests]
+    for note in notes:
+        print(note, file=sys.stderr)
+    if not trace:
+        raise ValueError(f"--trace: {path} holds no requests")
+    for r in trace:
+        r.arrival_s *= time_scale
+    return trace
+
+
 def _read_jsonl(path: str) -> tuple[list[TraceRequest], int | None]:
     """jaxcb's lines (skipped: None) or Mooncake's (told by the first line; the count of those without output)."""
     from jaxcb.host.request import jsonl_lines
