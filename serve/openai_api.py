@@ -242,15 +242,25 @@ def make_app(state) -> FastAPI:
         template = template_fields(body, state.options.trust_request_chat_template, generation_prompt)
         _, messages, shown = chat_tools(body, messages, template[3])
         frontend.check_messages("messages", [(m["role"], m["content"]) for m in messages])
-        if fits:
+        dropping = body.get("truncation") == "auto"  # (a Responses call's: counted as run_chat would cut it)
+        if dropping:
+            messages = dropped_to_fit(messages, (state.engine.max_context - 1) * tokenizer.max_token_chars)
+        elif fits:
             frontend.check_text_fits(state, "messages", sum(len(m["content"]) for m in messages), keep)
-        try:
-            ids = await asyncio.to_thread(functools.partial(tokenizer.encode_chat, messages, *template, tools=shown))
-        except InvalidRequest:  # named already (no chat template, a template that refused them, ...)
-            raise
-        except ValueError as e:
-            raise bad_request(f"messages: {e}") from None
-        return with_special(ids, special)
+
+        async def encoded(msgs):
+            try:
+                ids = await asyncio.to_thread(functools.partial(tokenizer.encode_chat, msgs, *template, tools=shown))
+            except InvalidRequest:  # named already (no chat template, a template that refused them, ...)
+                raise
+            except ValueError as e:
+                raise bad_request(f"messages: {e}") from None
+            return with_special(ids, special)
+
+        ids = await encoded(messages)
+        if dropping and len(ids) + 1 > state.engine.max_context:
+            ids = await fitted(messages, encoded, 1)
+        return ids
 
     def with_special(ids: list[int], special: bool | None) -> list[int]:
         """A chat's ids: the template writes its own special tokens; add_special_tokens (default false) adds the

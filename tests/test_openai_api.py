@@ -1320,6 +1320,10 @@ def test_responses_truncation_auto_drops_the_oldest_items_until_the_input_fits(s
     huge = {**body, "truncation": "auto", "input": [{"role": "user", "content": "w " * 500_000}, *turns]}
     r = httpx.post(url, json=huge, timeout=60)  # (a megabyte dropped by its length, never encoded)
     assert r.status_code == 200 and r.json()["usage"]["input_tokens"] == used, r.text
+    counted = httpx.post(url + "/input_tokens", json={k: v for k, v in huge.items() if k in ("instructions", "input",
+                         "truncation")}, timeout=60)  # (counted as the call is cut, room left for one token)
+    assert counted.status_code == 200 and counted.json()["input_tokens"] == count(
+        turns[next(k for k in range(1, 12) if count(turns[k:]) + 1 <= 256):]), counted.text
     items = [{"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "ok",
               "annotations": [], "logprobs": None}], "phase": None, "status": "completed", "id": None},
              {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
