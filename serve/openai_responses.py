@@ -362,11 +362,11 @@ class Shape:
     """One response object as it grows: its output items in order (the thinking, the message's text,
     function calls), finish and usage; `rid` its id (made here if None), `stored` whether it is kept."""
 
-    def __init__(self, body: dict, model: str, rid: str | None = None, stored: bool = False):
+    def __init__(self, body: dict, model: str, rid: str | None = None, stored: bool = False, created: int | None = None):
         self.id, self.message_id = rid or "resp_" + uuid.uuid4().hex, "msg_" + uuid.uuid4().hex
         self.stored = stored
         self.reasoning_id = "rs_" + uuid.uuid4().hex
-        self.created, self.body, self.model = int(time.time()), body, model
+        self.created, self.body, self.model = created or int(time.time()), body, model
         self.text, self.thought, self.finish, self.usage = "", "", None, None
         self.order: list = []  # "reasoning", "message" and the indexes of self.calls, as they came
         self.calls: list[dict] = []  # {id, call_id, name, arguments}
@@ -437,17 +437,19 @@ def _conversation_ref(given):
     return {"id": given["id"] if isinstance(given, dict) else given}
 
 
-def reshape(answer, body: dict, origins: list | None = None, keep=None, rid: str | None = None, stored: bool = False):
+def reshape(answer, body: dict, origins: list | None = None, keep=None, rid: str | None = None, stored: bool = False,
+            created: int | None = None):
     """The chat answer (a JSON body, a stream of chunks, or another response such as a 499) as the
     Responses API gives it (a streamed error naming the call's own fields: chat_body's `origins`); `keep`,
-    where given, is called with the finished response object and says whether it was kept (its `store`)."""
+    where given, is called with the finished response object and says whether it was kept (its `store`); `rid` and
+    `created`: the response's id and time where it has them already (a background one's)."""
     if isinstance(answer, StreamingResponse):
-        return StreamingResponse(_events(answer.body_iterator, body, origins or [], keep),
+        return StreamingResponse(_events(answer.body_iterator, body, origins or [], keep, rid, stored, created),
                                  media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     if isinstance(answer, Response):
         return answer
-    shape = Shape(body, answer["model"], rid, stored or keep is not None)
+    shape = Shape(body, answer["model"], rid, stored or keep is not None, created)
     choice = answer["choices"][0]
     message = choice["message"]
     shape.text, shape.finish, shape.usage = message.get("content") or "", choice["finish_reason"], answer["usage"]
@@ -470,8 +472,9 @@ def _kept(shape: Shape, keep) -> dict:
     return response
 
 
-async def _events(chunks, body: dict, origins: list = (), keep=None):
-    """Chat completion chunks in, the Responses stream's events out."""
+async def _events(chunks, body: dict, origins: list = (), keep=None, rid: str | None = None, stored: bool = False,
+                  created: int | None = None):
+    """Chat completion chunks in, the Responses stream's events out (the response's id `rid`, made if None)."""
     seq = 0
 
     def event(kind: str, **fields):
@@ -480,12 +483,13 @@ async def _events(chunks, body: dict, origins: list = (), keep=None):
         return f"event: {kind}\ndata: {json.dumps({'type': kind, 'sequence_number': seq - 1, **fields}, ensure_ascii=False)}\n\n"
 
     # A client gone: both generators close at once, the chat stream's requests aborted.
-    async with contextlib.aclosing(chunks), contextlib.aclosing(_translate(chunks, body, event, origins, keep)) as events:
+    async with contextlib.aclosing(chunks), contextlib.aclosing(_translate(chunks, body, event, origins, keep, rid,
+                                                                         stored, created)) as events:
         async for text in events:
             yield text
 
 
-async def _translate(chunks, body: dict, event, origins, keep):
+async def _translate(chunks, body: dict, event, origins, keep, rid, stored, created):
     shape = None
     at: dict[int, int] = {}  # the chat's tool-call index -> its output index
     pending: list = []  # logprobs of tokens not yet in a text delta
@@ -535,7 +539,7 @@ async def _translate(chunks, body: dict, event, origins, keep):
                     yield event("response.failed", response=failed)
                 return
             if shape is None:
-                shape = Shape(body, chunk["model"], stored=keep is not None)
+                shape = Shape(body, chunk["model"], rid, stored or keep is not None, created)
                 yield event("response.created", response=shape.response("in_progress"))
                 yield event("response.in_progress", response=shape.response("in_progress"))
             if chunk.get("usage"):

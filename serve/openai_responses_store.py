@@ -23,7 +23,8 @@ stays as it was).
 
 A background response is the one call that outlives its client: it runs until it ends, is cancelled
 (POST .../cancel, or DELETE), or the server stops. Its fields are checked, and it is admitted and queued,
-before the call answers; a refusal is the call's error, as for any other.
+before the call answers; a refusal is the call's error, as for any other. A streamed one (`stream` too) keeps
+its events as they are made: the call, and any GET .../{id}?stream=true&starting_after=N later, reads them.
 """
 
 from __future__ import annotations
@@ -33,11 +34,12 @@ import collections
 import contextlib
 import copy
 import dataclasses
+import json
 import sys
 import time
 import uuid
 
-from fastapi.responses import Response
+from fastapi.responses import Response, StreamingResponse
 
 from jaxcb.host.errors import JaxcbError, shown
 from serve import openai_responses
@@ -55,7 +57,7 @@ class Kept:
     items: list  # this call's input items, with their ids
     conversation: tuple = ()  # chat messages through its answer (module docstring)
     size: int = 0
-    detached: _Detached | None = None  # a background response's stand-in for the client
+    detached: _Detached | None = None  # a background response's stand-in for the client (a streamed one's events)
 
 
 @dataclasses.dataclass
@@ -71,16 +73,49 @@ class Call:
 
 class _Detached:
     """What a background response's work is given in place of the client's request: until_gone's receive(),
-    which says the request has been accepted (queued) and ends, as a hang-up would, when it is cancelled."""
+    which says the request has been accepted (queued) and ends, as a hang-up would, when it is cancelled. A
+    streamed one keeps its events (server-sent, sequence_number i the i-th) for every reader, then and later."""
 
     def __init__(self):
         self.started, self.cancelled = asyncio.Event(), asyncio.Event()
         self.task: asyncio.Task | None = None
+        self.events: list[str] | None = None  # a streamed one's, so far
+        self.ended = False  # no more events
+        self._grew = asyncio.Event()  # set (and replaced) at each event and at the end
 
     async def receive(self):
         self.started.set()
         await self.cancelled.wait()
         return {"type": "http.disconnect"}
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+        if self.events is not None and self.task is not None:  # (a stream's work reads no receive(): stopped)
+            self.task.cancel()
+
+    def add(self, text: str | None) -> None:
+        """One more event (None: the last has been)."""
+        if text is None:
+            self.ended = True
+        else:
+            self.events.append(text)
+        grew, self._grew = self._grew, asyncio.Event()
+        grew.set()
+
+    async def follow(self, after: int = -1):
+        """The events after sequence number `after`, those still to come as they come, to the end. A reader that
+        goes away leaves the work running."""
+        at = after + 1
+        while True:
+            grew = self._grew
+            new = self.events[at:]
+            for text in new:
+                yield text
+            at += len(new)
+            if self.ended and at >= len(self.events):
+                return
+            if not new:
+                await grew.wait()
 
 
 def _size(value) -> int:
@@ -189,8 +224,6 @@ class Store:
         keep, background = bool_field(body, "store", True), bool_field(body, "background", False)
         if background and not keep:
             raise bad_request("background: needs store: true (a background response is polled from the store)")
-        if background and body.get("stream"):
-            raise bad_request("background: not served with stream: true; poll GET /v1/responses/{id}")
         history = ()
         previous = body.get("previous_response_id")
         if previous is not None and body.get("conversation") is not None:
@@ -230,7 +263,7 @@ class Store:
     def put(self, kept: Kept) -> bool:
         """Keep (or keep again, grown) a response; False if it alone is over the limit (not kept)."""
         rid = kept.response["id"]
-        size = _size([kept.response, kept.items, kept.conversation])
+        size = _size([kept.response, kept.items, kept.conversation, kept.detached and kept.detached.events])
         if size > self.limit:  # (one kept before stays as it was)
             return False
         old = self.kept.pop(rid, None)
@@ -250,14 +283,24 @@ class Store:
         unknown = sorted(set(query) - {"include", "include[]", "stream", "starting_after", "include_obfuscation"})
         if unknown:
             raise bad_request(f"{unknown[0][:64]}: not a parameter of this call")
-        if query.get("stream", "false") != "false":
-            raise bad_request("stream: a kept response is given whole (stream false)")
-        return self.find(owner, rid).response
+        kept = self.find(owner, rid)
+        if query.get("stream", "false") == "false":
+            return kept.response
+        if query.get("stream") != "true":
+            raise bad_request(f"stream: must be true or false, got {shown(query['stream'])}")
+        if kept.detached is None or kept.detached.events is None:
+            raise bad_request(f"stream: response {shown(rid)} was not streamed in the background; only such a "
+                              "response's events are kept (stream false gives it whole)")
+        after = query.get("starting_after", "-1")
+        if not after.lstrip("-").isdigit() or not -1 <= int(after):
+            raise bad_request(f"starting_after: must be an event's sequence_number (an integer >= -1), got {shown(after)}")
+        return StreamingResponse(kept.detached.follow(int(after)), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     def delete(self, owner: str, rid: str) -> dict:
         kept = self.find(owner, rid)
         if kept.detached is not None:
-            kept.detached.cancelled.set()
+            kept.detached.cancel()
         self.used -= self.kept.pop(rid).size
         return {"id": rid, "object": "response", "deleted": True}
 
@@ -266,7 +309,7 @@ class Store:
         if kept.detached is None:
             raise bad_request(f"response_id: {shown(rid)} was not made in the background; only a background "
                               "response can be cancelled")
-        kept.detached.cancelled.set()
+        kept.detached.cancel()
         if kept.response["status"] in ("queued", "in_progress"):
             kept.response = dict(kept.response, status="cancelled")
         return kept.response
@@ -368,14 +411,26 @@ class Store:
         asked = copy.deepcopy(chat["messages"][1:] if body.get("instructions") else chat["messages"])
         return lambda response: (*asked, *answer_messages(response)) if response["status"] in FINISHED else ()
 
-    async def start(self, call: Call, body: dict, chat: dict, origins: list, model: str, run) -> dict:
+    async def start(self, call: Call, body: dict, chat: dict, origins: list, model: str, run):
         """A background response: `run(stand_in)` answers it (the chat machinery, given the stand-in for the
         client's request); the call answers once it is queued (or refused: raised), the work runs on, and its
-        response is kept as it goes (queued, in_progress, then completed, incomplete, failed or cancelled)."""
+        response is kept as it goes (queued, in_progress, then completed, incomplete, failed or cancelled). A
+        streamed one (`stream`) answers with its events, and keeps them for GET .../{id}?stream=true."""
         detached = _Detached()
+        if body.get("stream"):
+            detached.events = []
         conversation = self._conversation(body, chat)
         response = openai_responses.Shape(body, model, stored=True).response("queued")
         kept = Kept(call.owner, response, input_items(body), detached=detached)
+
+        def finished(done: dict) -> bool:
+            """The finished response object kept (unless cancelled meanwhile, or deleted)."""
+            if kept.response["status"] != "cancelled":  # (a cancel that came as it finished stays)
+                kept.response, kept.conversation = done, conversation(done)
+                self._continue(call, kept.items, done)
+                if response["id"] in self.kept and not self.put(kept):  # charged again, grown (not deleted meanwhile)
+                    self.used -= self.kept.pop(response["id"]).size  # (alone over the limit: not kept)
+            return True
 
         async def work():
             try:
@@ -389,16 +444,16 @@ class Store:
                 if not detached.started.is_set():
                     raise
                 return self._failed(kept, "the server failed while answering", "server_error")
+            if isinstance(answer, StreamingResponse):  # admitted: its requests start as its events are read
+                detached.started.set()
+                return await self._pump(kept, openai_responses.reshape(
+                    answer, body, origins, finished, response["id"], True, response["created_at"]).body_iterator)
             if isinstance(answer, Response):  # cancelled (the stand-in hung up)
                 kept.response = dict(kept.response, status="cancelled")
                 return None
             done = openai_responses.reshape(answer, body, origins, rid=response["id"], stored=True)
             done["created_at"] = response["created_at"]
-            if kept.response["status"] != "cancelled":  # (a cancel that came as it finished stays)
-                kept.response, kept.conversation = done, conversation(done)
-                self._continue(call, kept.items, done)
-                if response["id"] in self.kept and not self.put(kept):  # charged again, grown (not deleted meanwhile)
-                    self.used -= self.kept.pop(response["id"]).size  # (alone over the limit: not kept)
+            finished(done)
             return None
 
         detached.task = asyncio.ensure_future(work())
@@ -414,7 +469,31 @@ class Store:
             detached.task.result()  # raises the refusal
         if kept.response["status"] == "queued":
             kept.response = dict(kept.response, status="in_progress")
+        if detached.events is not None:
+            return StreamingResponse(detached.follow(), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         return copy.deepcopy(kept.response)
+
+    async def _pump(self, kept: Kept, events) -> None:
+        """A streamed background response's events read to their end (the response kept as it finishes), each
+        kept for its readers; a cancel closes them (the requests aborted)."""
+        detached = kept.detached
+        try:
+            async with contextlib.aclosing(events):
+                async for text in events:
+                    detached.add(text)
+                    if text.startswith("event: response.failed\n"):  # (failed mid-stream: the event's response)
+                        kept.response = json.loads(text.split("\ndata: ", 1)[1])["response"]
+        except asyncio.CancelledError:  # (cancelled: the response says so; the task ends here)
+            pass
+        finally:
+            if kept.response["status"] in ("queued", "in_progress") and detached.cancelled.is_set():
+                kept.response = dict(kept.response, status="cancelled")
+            elif kept.response["status"] in ("queued", "in_progress"):  # (ended with no response: the server's fault)
+                self._failed(kept, "the server failed while answering", "server_error")
+            detached.add(None)
+            if kept.response["id"] in self.kept:
+                self.put(kept)  # (charged for its events)
 
     def _failed(self, kept: Kept, message: str, code: str) -> None:
         kept.response = dict(kept.response, status="failed", error={"code": code, "message": message})

@@ -1863,6 +1863,56 @@ def test_background_responses_run_on_and_are_cancelled(server, oai, model_name):
     assert info.pages_free == info.pages_total and info.running == 0
 
 
+def test_streamed_background_responses_outlive_their_reader_and_are_streamed_again_from_any_event(server, oai,
+                                                                                                  model_name):
+    """background with stream: the call streams the response's events; a reader that goes away leaves it running;
+    GET .../{id}?stream=true gives its events again after starting_after (the SDK's retrieve(stream=True)), the same
+    text as in the foreground; a streamed one cancelled ends with its pages freed."""
+    extra = {"ignore_eos": True}
+    want = oai.responses.create(model=model_name, input="hi", max_output_tokens=12, temperature=0, extra_body=extra)
+    url = server.http + "/v1/responses"
+    body = {"model": model_name, "input": "hi", "max_output_tokens": 12, "temperature": 0, "background": True,
+            "stream": True, **extra}
+    with httpx.stream("POST", url, json=body, timeout=60) as r:  # read the first three events, then hang up
+        assert r.status_code == 200
+        first = []
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                first.append(json.loads(line[6:]))
+            if len(first) == 3:
+                break
+    rid = first[0]["response"]["id"]
+    assert [e["type"] for e in first[:2]] == ["response.created", "response.in_progress"]
+    assert first[0]["response"]["background"] and first[0]["response"]["store"]
+    deadline = time.monotonic() + 60
+    while oai.responses.retrieve(rid).status in ("queued", "in_progress") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    kept = oai.responses.retrieve(rid)
+    assert kept.status == "incomplete" and kept.output_text == want.output_text and kept.usage.output_tokens == 12
+    rest = list(oai.responses.retrieve(rid, stream=True, starting_after=2))  # (the SDK's own reading)
+    assert [e.sequence_number for e in rest] == list(range(3, 3 + len(rest)))
+    assert rest[-1].type == "response.incomplete" and rest[-1].response.id == rid
+    deltas = [e for e in first + [e.model_dump() for e in rest] if e["type"] == "response.output_text.delta"]
+    assert "".join(e["delta"] for e in deltas) == want.output_text
+    again = httpx.get(f"{url}/{rid}", params={"stream": "true"}, timeout=60)  # from the first event
+    assert [json.loads(line[6:]) for line in again.text.splitlines() if line.startswith("data: ")][:3] == first
+    for query, field in (({"stream": "true", "starting_after": "x"}, "starting_after"), ({"stream": "yes"}, "stream")):
+        r = httpx.get(f"{url}/{rid}", params=query, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["message"].startswith(field + ":"), r.text
+    r = httpx.get(f"{url}/{want.id}", params={"stream": "true"}, timeout=60)  # (kept, but not streamed in background)
+    assert r.status_code == 400 and "not streamed in the background" in r.text
+    long = {**body, "max_output_tokens": 200}
+    with httpx.stream("POST", url, json=long, timeout=60) as r:
+        lines = r.iter_lines()
+        line = next(line for line in lines if line.startswith("data: "))
+        rid = json.loads(line[6:])["response"]["id"]
+        assert oai.responses.cancel(rid).status == "cancelled"
+        assert len(list(lines)) < 4 * 200  # (the stream ends, cut short)
+    assert oai.responses.retrieve(rid).status == "cancelled"
+    info = _pool_whole(server)
+    assert info.pages_free == info.pages_total and info.running == 0
+
+
 def test_a_responses_output_given_back_as_input_is_the_turn_its_kept_response_continues_with():
     """A response's output (its text, then its function calls) given back as input items is one assistant turn,
     the message previous_response_id continues the conversation with: the same prompt either way."""
@@ -1945,7 +1995,6 @@ def test_responses_stream_client_gone_frees_its_request(server):
     ({"input": "x", "conversation": {"id": 3}}, "conversation: must be a conversation's id, or {id}"),
     ({"input": "x", "conversation": "c", "previous_response_id": "r"}, "conversation: give either conversation or"),
     ({"input": "x", "background": True, "store": False}, "background: needs store: true"),
-    ({"input": "x", "background": True, "stream": True}, "background: not served with stream: true"),
     ({"input": "x", "store": "yes"}, "store: must be true or false"),
     ({"input": "x", "truncation": "middle"}, "truncation: must be 'disabled' or 'auto'"),
     ({"prompt": {"id": "pmpt_1"}, "input": "x"}, "prompt: stored prompt templates are not served"),
