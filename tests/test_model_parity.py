@@ -64,6 +64,34 @@ def test_text_prompts_with_chat_template(smollm2_llm, golden):
     smollm2_llm.engine.pool.check_all_free()
 
 
+def test_a_schema_that_meets_the_grammar_librarys_limit_fails_one_request_not_the_next(smollm2_llm):
+    """A pattern whose regex derivatives outgrow llguidance's lexer limit mid-output (SmolLM2's vocabulary: after
+    about a hundred tokens of a matching string) fails the request that met it; every copy of a compiled
+    matcher shares those derivatives, so the compiled one is dropped and the next request with the schema
+    starts afresh instead of failing at its first token."""
+    import json
+
+    from jaxcb.host.structured import Constraint
+
+    schema = {"type": "object", "properties": {"s": {"type": "string", "pattern": "^(.{0,50}[0-9]){0,40}$"}},
+              "required": ["s"]}
+    c = Constraint("json", json.dumps(schema), "response_format")
+    g, tok = smollm2_llm.engine.grammars, smollm2_llm.tokenizer
+    m = g.matcher(c)  # a request's copy, driven along a long matching string to the limit
+    scratch = np.empty((1, g.words), np.int32)
+    for t in tok.encode('{"s": "' + "".join(f"ab{i % 10}cd x{i % 7}y" for i in range(200))):
+        g.fill_masks([m], [0], scratch)
+        if m.is_error() or not m.consume_token(t):
+            break
+    assert "too many expressions" in m.get_error()
+    params = SamplingParams(max_tokens=6, structured=c)
+    failed, = smollm2_llm.generate([[1, 2, 3]], params)  # (its copy shares the spent derivatives: fails at once)
+    assert failed.finish_reason == "error" and failed.token_ids == [] and "too many expressions" in failed.error
+    fresh, = smollm2_llm.generate([[1, 2, 3]], params)
+    assert fresh.finish_reason == "length" and len(fresh.token_ids) == 6 and not fresh.error
+    smollm2_llm.engine.pool.check_all_free()
+
+
 def test_speculative_decoding_gives_the_reference_tokens(smollm2_model, golden):
     """n-gram speculation, every proposal kept, on 8 of the golden prompts (all running at once): the
     reference tokens, up to the reference's own near ties."""

@@ -435,6 +435,8 @@ class Engine:
                     r.grammar_after = None  # from the next token on, the grammar holds
             elif r.matcher is not None:  # the grammar takes the token; a finished grammar ends the request
                 if r.matcher.is_error() or not r.matcher.consume_token(token):  # (an error: at its mask)
+                    if r.matcher.is_error():  # (a limit met: not shared on with later requests)
+                        self.grammars.forget(r.params.structured)
                     self._finish(r, FinishReason.ERROR, events, request_error=True,
                                  error=structured_failure(r.params.structured, r.matcher, len(r.output_ids) - 1))
                     observed.append((r, True))

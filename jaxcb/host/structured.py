@@ -529,6 +529,13 @@ class Grammars:
                 self._cache.popitem(last=False)
         return m
 
+    def forget(self, c: Constraint) -> None:
+        """Drop `c`'s compiled matcher: one of its copies met a limit of llguidance's lexer, whose regex
+        derivatives every copy shares (each would fail from its first mask on); the next request compiles it
+        afresh."""
+        with self._lock:
+            self._cache.pop(c, None)
+
     def _probe(self, m):
         """`m`, or a copy of it that failed within the first PROBE_DEPTH tokens of some output: each mask is
         computed from the start along every way of going on while there are at most PROBE_WAYS (a schema
