@@ -411,6 +411,64 @@ def test_the_grammar_writes_calls_in_the_format(make_llm):
             assert accepts(typed, text) == ok, (fmt.name, text)
 
 
+def test_parameters_with_references_hold_their_calls_as_the_schema_alone_holds_them(make_llm):
+    """A function's parameters that refer to their own definitions (pydantic's $defs of a nested model, zod's
+    top-level $ref into definitions, OpenAI's recursive "$ref": "#") hold its calls' arguments as the schema holds a
+    value alone: in a call's object, in qwen3_coder's elements and read back typed; parameters that say no type
+    are an object (an enum of strings admits no arguments: refused naming the field); their x-guidance holds."""
+    import llguidance
+
+    llm = make_llm()
+    grammars, tok = llm.engine.grammars, llm.tokenizer
+    address = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}, "zip": {"type": "integer"}},
+               "required": ["city", "zip"]}
+    pydantic = {"type": "object", "$defs": {"Address": address, "Size": {"enum": ["S", "M"]}},
+                "properties": {"to": {"$ref": "#/$defs/Address"}, "size": {"$ref": "#/$defs/Size"}},
+                "required": ["to", "size"]}
+    zod = {"$ref": "#/definitions/Order", "definitions": {"Order": {"type": "object", "properties": {
+        "id": {"type": "integer"}, "note": {"$ref": "#/definitions/Order/properties/id"}}, "required": ["id"]}}}
+    tree = {"type": "object", "properties": {"name": {"type": "string"}, "kids": {"type": "array", "items": {"$ref": "#"}}},
+            "required": ["name", "kids"]}
+
+    def tools_for(params, fmt=None):
+        tool = {"type": "function", "function": {"name": "f", "parameters": params}}
+        tools = tool_calls.parse_tools({"tools": [tool], "tool_choice": "required", "parallel_tool_calls": False})
+        return dataclasses.replace(tools, fmt=fmt) if fmt else tools
+
+    def accepts(tools, args) -> bool:
+        text = args if isinstance(args, str) else tools.fmt.write("f", args)
+        m = grammars.matcher(tool_calls.constraint(tools))
+        ids = tok.encode(text if tools.fmt.xml else f'<tool_call>{{"name":"f","arguments":{text}}}</tool_call>',
+                         add_bos=False)
+        return m.try_consume_tokens(ids) == len(ids) and m.is_accepting()
+
+    hermes = tools_for(pydantic)
+    assert accepts(hermes, '{"to":{"city":"Oslo","zip":150},"size":"M"}')
+    for bad in ('{"to":{"city":"Oslo"},"size":"M"}', '{"to":{"city":"Oslo","zip":150},"size":"L"}',
+                '{"to":{"city":"Oslo","zip":150,"x":1},"size":"M"}', '{"to":{"city":"Oslo is far","zip":1},"size":"M"}'):
+        assert not accepts(hermes, bad), bad  # (each the definition's: required, enum, closed, maxLength)
+    assert accepts(tools_for(zod), '{"id":3,"note":4}') and not accepts(tools_for(zod), '{"id":3,"note":"x"}')
+    nested = '{"name":"a","kids":[{"name":"b","kids":[]}]}'
+    assert accepts(tools_for(tree), nested) and not accepts(tools_for(tree), '{"name":"a","kids":[{"name":"b"}]}')
+    assert not accepts(tools_for(tree), '{"name":"a","kids":[{"name":"f","arguments":{"name":"b","kids":[]}}]}')
+    xml = tools_for(pydantic, tool_calls.QWEN3_CODER)
+
+    def elements(to: str, size: str) -> str:  # (an object's value as compact JSON, as the grammar holds it)
+        return (f"<tool_call>\n<function=f>\n<parameter=to>\n{to}\n</parameter>\n<parameter=size>\n{size}\n"
+                "</parameter>\n</function>\n</tool_call>")
+    assert accepts(xml, elements('{"city":"Oslo","zip":150}', "M"))
+    assert not accepts(xml, elements('{"city":"Oslo"}', "M")) and not accepts(xml, elements('{"city":"O","zip":1}', "L"))
+    _, calls = tool_parse.parse(elements('{"city":"Oslo","zip":150}', "M"), xml)
+    assert json.loads(calls[0]["function"]["arguments"]) == {"to": {"city": "Oslo", "zip": 150}, "size": "M"}
+    with pytest.raises(InvalidRequest, match=r"^tools\[0\]\.function\.parameters: "):
+        grammars.compile(tool_calls.constraint(tools_for({"enum": ["a", "b"]})))
+    lenient = {"type": "object", "properties": {"v": {"type": "array", "items": {"type": "integer"}, "uniqueItems": True}},
+               "x-guidance": {"lenient": True}}
+    with pytest.raises(InvalidRequest):  # (uniqueItems cannot be held: refused unless the schema says lenient)
+        grammars.compile(tool_calls.constraint(tools_for({**lenient, "x-guidance": {}})))
+    assert accepts(tools_for(lenient), '{"v":[1,2]}') and llguidance is not None
+
+
 def test_qwen3_coder_strings_hold_their_length_pattern_and_format(make_llm):
     """qwen3_coder's string arguments are raw text (not JSON): the grammar holds a string's minLength and
     maxLength (characters), its pattern as JSON Schema reads one (found anywhere unless anchored, alternatives

@@ -249,13 +249,13 @@ def grammar_schema(schema):
         if not isinstance(node, dict):
             return
         ref = node.get("$ref")
-        if isinstance(ref, str) and (inside or set(node) - _ANNOTATIONS - {"$ref"}):
+        if isinstance(ref, str) and (inside or set(node) - _ANNOTATIONS - {"$ref", "type"}):
             intersected.add(ref)
         for key, value in node.items():
             if key in ("allOf", "if", "then", "else"):
                 find(value, True)
             elif key in ("anyOf", "oneOf"):
-                find(value, bool(set(node) - _ANNOTATIONS - {key}))
+                find(value, bool(set(node) - _ANNOTATIONS - {key, "type"}))
             elif key in _SCHEMA_MAPS and isinstance(value, dict):
                 find(list(value.values()), key == "dependentSchemas")
             elif key in _ONE_SCHEMA or key in _SCHEMA_LISTS:
@@ -272,7 +272,7 @@ def grammar_schema(schema):
             if key in ("allOf", "if", "then", "else"):
                 out[key] = close(value, f"{pointer}/{key}", True)
             elif key in ("anyOf", "oneOf"):
-                out[key] = close(value, f"{pointer}/{key}", bool(combined - {key}))
+                out[key] = close(value, f"{pointer}/{key}", bool(combined - {key, "type"}))
             elif key in _SCHEMA_MAPS and isinstance(value, dict):
                 out[key] = {k: close(v, f"{pointer}/{key}/{_escape(k)}", key == "dependentSchemas")
                             for k, v in value.items()}
@@ -300,6 +300,61 @@ def grammar_schema(schema):
 def _escape(key: str) -> str:
     """A key as a JSON pointer spells it."""
     return key.replace("~", "~0").replace("/", "~1")
+
+
+def _local(ref) -> bool:
+    """A reference within its own document ("#" or a JSON pointer "#/...")."""
+    return isinstance(ref, str) and (ref == "#" or ref.startswith("#/"))
+
+
+def rebased(schema, at: str):
+    """`schema` to be placed at JSON pointer `at` ("#/...") of a larger one: each of its local references made
+    to point where it pointed within it (a tool's parameters inside the call's schema). A part with its own
+    $id is left as it is: its references resolve against it. Returns a new schema."""
+    def walk(node):
+        if isinstance(node, list):
+            return [walk(x) for x in node]
+        if not isinstance(node, dict) or "$id" in node:
+            return node
+        out = {}
+        for key, value in node.items():
+            if key == "$ref" and _local(value):
+                out[key] = at + value[1:]
+            elif key in _SCHEMA_MAPS and isinstance(value, dict):
+                out[key] = {k: walk(v) for k, v in value.items()}
+            elif key in _ONE_SCHEMA or key in _SCHEMA_LISTS:
+                out[key] = walk(value)
+            else:  # (values, not schemas: const, enum, default, ...)
+                out[key] = value
+        return out
+
+    return walk(schema)
+
+
+def embedded(root, pointer: str):
+    """The part of schema `root` at JSON pointer `pointer` ("#/properties/x") as a schema of its own: the part
+    itself where `root` has no references, else a reference to it beside `root`, which they resolve in."""
+    part = followed(root, {"$ref": pointer})
+    if '"$ref"' not in json.dumps(root):
+        return part
+    return {"$ref": "#/$defs/jaxcb_root" + pointer[1:], "$defs": {"jaxcb_root": rebased(root, "#/$defs/jaxcb_root")}}
+
+
+def followed(root, node, hops: int = 16):
+    """`node` (a part of schema `root`), or where its local reference leads in `root` if it is only a reference
+    (beside annotations); `node` itself where that cannot be followed."""
+    while hops and isinstance(node, dict) and _local(node.get("$ref")) and not set(node) - _ANNOTATIONS - {"$ref"}:
+        target = root
+        for key in node["$ref"][2:].split("/") if node["$ref"] != "#" else ():
+            key = key.replace("~1", "/").replace("~0", "~")
+            if isinstance(target, dict) and key in target:
+                target = target[key]
+            elif isinstance(target, list) and key.isdigit() and int(key) < len(target):
+                target = target[int(key)]
+            else:
+                return node
+        node, hops = target, hops - 1
+    return node
 
 
 # The JSON shapes clients send (the OpenAI HTTP API, `jaxcb generate --input` lines): vLLM's

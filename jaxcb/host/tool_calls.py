@@ -63,7 +63,7 @@ import uuid
 from jaxcb.host.chat_template import ROLE_AS, template_reads
 from jaxcb.host.errors import InvalidRequest
 from jaxcb.host import harmony, pythonic, raw_strings
-from jaxcb.host.structured import Constraint, lark_schema, marker, special
+from jaxcb.host.structured import Constraint, embedded, followed, lark_schema, marker, rebased, special
 
 MAX_TOOLS = 128
 NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
@@ -414,7 +414,8 @@ def constraint(tools: Tools, tokenizer=None) -> Constraint | None:
         return None
     names = [tools.named] if tools.choice == "function" else list(tools.functions)
     order = list(tools.functions)  # each schema's own field, for an error (Grammars.compile)
-    parts = tuple((f"tools[{order.index(n)}].function.parameters", json.dumps(tools.functions[n])) for n in names)
+    parts = tuple((f"tools[{order.index(n)}].function.parameters", json.dumps(arguments_schema(tools.functions[n])))
+                  for n in names)
     more = tools.parallel and tools.choice == "required"
     if tools.fmt.xml:
         return Constraint("grammar", _xml_grammar(tools, names, more, tokenizer), "tools", parts)
@@ -425,15 +426,22 @@ def constraint(tools: Tools, tokenizer=None) -> Constraint | None:
     if tools.fmt.args:  # name-first calls: one rule per function, its name then its arguments
         fmt, m = tools.fmt, functools.partial(_markers, tokenizer=tokenizer)
         calls = "\n".join(f"call_{k}: {m(fmt.open)} {m(fmt.lead)} {json.dumps(n)} {m(fmt.args)} "
-                          f"%json {json.dumps(lark_schema(tools.functions[n]))} {m(fmt.tail)} {m(fmt.close)}"
+                          f"%json {json.dumps(lark_schema(arguments_schema(tools.functions[n])))} {m(fmt.tail)} "
+                          f"{m(fmt.close)}"
                           for k, n in enumerate(names))
         alternatives = " | ".join(f"call_{k}" for k in range(len(names)))
         run = f"call{'+' if more else ''}"
         start = f"{m(fmt.drop[0])} {run} {m(fmt.drop[1])}" if fmt.drop else run
         return Constraint("grammar", f"start: {start}\ncall: {alternatives}\n{calls}", "tools", parts)
     key = tools.fmt.keys[0]
-    body = json.dumps(lark_schema({"anyOf": [{"type": "object", "properties": {"name": {"const": n}, key: tools.functions[n]},
-                                          "required": ["name", key], "additionalProperties": False} for n in names]}))
+    # (each function's parameters where the call's schema holds them, their references made to point there; their
+    # own x-guidance, e.g. lenient, the call's)
+    own = [tools.functions[n].get("x-guidance") for n in names]
+    body = json.dumps(lark_schema({"anyOf": [
+        {"type": "object", "properties": {"name": {"const": n}, key: rebased(arguments_schema(tools.functions[n]),
+                                                                             f"#/anyOf/{i}/properties/{key}")},
+         "required": ["name", key], "additionalProperties": False} for i, n in enumerate(names)],
+        "x-guidance": {k: v for g in own if isinstance(g, dict) for k, v in g.items()}}))
     if tools.fmt.shape == "object":
         grammar = f"start: %json {body}"
     elif tools.fmt.shape == "list":
@@ -446,6 +454,12 @@ def constraint(tools: Tools, tokenizer=None) -> Constraint | None:
         grammar = (f"start: call{rest} {newline}\ncall: {marker(tools.fmt.open, tokenizer)} "
                    f"{newline} %json {body} {newline} {marker(tools.fmt.close, tokenizer)}")
     return Constraint("grammar", grammar, "tools", parts)
+
+
+def arguments_schema(params: dict) -> dict:
+    """A function's parameters as its calls' arguments are held: an object (a schema that says no type is given
+    type object: a schema of values of another kind admits no arguments, and is refused as such)."""
+    return params if "type" in params else {**params, "type": "object"}
 
 
 def _markers(text: str, tokenizer) -> str:
@@ -511,10 +525,11 @@ def _xml_grammar(tools: Tools, names: list[str], more: bool, tokenizer=None) -> 
         schema, where = tools.functions[name], f"tools[{order.index(name)}].function.parameters"
         required = set(schema.get("required") or ())
         params = []
-        for j, (key, prop) in enumerate((schema.get("properties") or {}).items()):
+        for j, (key, given) in enumerate((schema.get("properties") or {}).items()):
             if not style.key.fullmatch(key):
                 raise InvalidRequest(f"{where}.properties: {key[:64]!r} cannot be an element's name in the "
                                      f"{tools.fmt.name} format (1-256 characters, {style.key_rule})")
+            prop = followed(schema, given)  # (a property that only refers to a definition: that definition)
             kind, nullable = xml_type(prop)
             enum = _literal_enum(prop)
             null = ' | "null"' if nullable else ""
@@ -533,7 +548,8 @@ def _xml_grammar(tools: Tools, names: list[str], more: bool, tokenizer=None) -> 
             elif kind == "boolean":
                 body = f'("true" | "false"{null}) {end}'
             else:
-                body = f"%json {json.dumps(lark_schema(prop if isinstance(prop, dict) else {}))} {end}"
+                whole = embedded(schema, f"#/properties/{key}")  # (with what its references lead to)
+                body = f"%json {json.dumps(lark_schema(whole if isinstance(whole, dict) else {}))} {end}"
             rules.append(f"v_{k}_{j}: {body}")
             rules.append(f"p_{k}_{j}: {json.dumps(style.argument.format(key))} v_{k}_{j} \"\\n\"")
             params.append(f"p_{k}_{j}" + ("" if key in required else "?"))

@@ -18,6 +18,7 @@ import re
 
 from jaxcb.host import pythonic
 from jaxcb.host.request import not_a_number
+from jaxcb.host.structured import followed
 from jaxcb.host.tool_calls import ELEMENTS, NAME, Format, Tools, xml_type
 
 
@@ -175,7 +176,8 @@ def _xml_read(text: str, schema: dict, whole: bool, style: str) -> tuple[str, in
         key = element.group(1)
         if key not in seen:
             seen.add(key)
-            items.append(f"{json.dumps(key)}: {json.dumps(_xml_value(element.group(2), properties.get(key)))}")
+            value = _xml_value(element.group(2), followed(schema, properties.get(key)))  # (a reference: its target)
+            items.append(f"{json.dumps(key)}: {json.dumps(value)}")
         at = element.end()
     return "{" + ", ".join(items) + ("}" if closed else ""), closed_at
 
