@@ -340,6 +340,22 @@ def test_objects_that_list_their_properties_get_no_others_unless_the_schema_allo
     assert not accepts(tag, "<function=g>{}")  # (a trigger begins one of the structures)
     assert not accepts(tool_calls.constraint(tools), call % '{"x":1}' + "\n\n")
     assert not accepts(tool_calls.constraint(tools), call % '{"x": 1}')  # (a call's line: compact JSON, as before)
+    # Objects that give their values (const, enum) are left open: closed, values with keys they do not list would be
+    # refused; and where a reference that is intersected is an $anchor or an $id, nothing is closed
+    valued = {"type": "object", "properties": {"a": {"type": "integer"}}, "const": {"a": 1, "b": 2}}
+    assert accepts(valued, '{"a":1,"b":2}') and not accepts(valued, '{"a":1}')
+    bounded = {"type": "object", "properties": {"k": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["k"]}
+    also = {"properties": {"m": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["m"]}
+    for defined, ref in (({**bounded, "$anchor": "base"}, "#base"), ({**bounded, "$id": "item"}, "item"),
+                         (bounded, "https://example.com/root#/$defs/x")):
+        both = {"$id": "https://example.com/root", "$defs": {"x": defined}, "allOf": [{"$ref": ref}, also]}
+        assert accepts(both, '{"k":1,"m":2}') and not accepts(both, '{"k":1}'), ref
+    # An integer's bound past 64-bit integers that leaves it no 64-bit value is refused (llguidance would clamp it,
+    # and write values the schema does not admit); one that only cuts off values past them is held as a float
+    for bound in ({"minimum": 1e19}, {"minimum": 2**64}, {"exclusiveMinimum": 2**63 - 1}, {"maximum": -(2**63) - 1}):
+        with pytest.raises(InvalidRequest, match=f"^response_format: #/{next(iter(bound))}: .* leaves the integer no "):
+            g.compile(Constraint("json", json.dumps({"type": "integer", **bound}), "response_format"))
+    assert accepts({"type": "integer", "minimum": 2**63 - 2, "maximum": 10**30}, str(2**63 - 1))
     compact = Grammars(tok, cfg.vocab_size, [tok.eos_id], json_whitespace="compact")  # (--json-whitespace compact)
     assert not compact.matcher(Constraint.json_schema(schema)).try_consume_tokens(tok.encode(pretty)[1:]) == len(
         tok.encode(pretty)) - 1

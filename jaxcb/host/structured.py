@@ -158,6 +158,8 @@ class Constraint:
                     trigger=next(t for t in tag["triggers"] if s["begin"].startswith(t)), begin=s["begin"],
                     grammar=lark_schema(s["schema"]), end=s["end"]) for s in tag["structures"]])
             return llguidance.grammar_from("grammar", self.spec)
+        except Unheld as e:
+            raise InvalidRequest(f"{self.field}: {e}") from None
         except (ValueError, TypeError, RecursionError) as e:
             raise InvalidRequest(f"{self.field}: not a valid {self.kind} ({_first_line(e)})") from None
 
@@ -236,7 +238,9 @@ def grammar_schema(schema):
     it could refuse what the schema allows: it says additionalProperties, patternProperties or
     unevaluatedProperties itself, requires or counts keys beyond its properties, or is intersected with
     another schema (allOf's members, a $ref or a combinator with sibling keywords, if/then/else,
-    dependentSchemas), as is a $defs entry that some $ref intersects. Returns a new schema."""
+    dependentSchemas), as is a $defs entry that some $ref intersects, or gives its values (const, enum); where
+    a reference that is intersected is not a JSON pointer (an $anchor, an $id), nothing is closed. Returns a
+    new schema."""
     if not isinstance(schema, dict):
         return schema
     intersected: set[str] = set()  # the $ref targets that are intersected somewhere
@@ -280,21 +284,50 @@ def grammar_schema(schema):
                 out[key] = close(value, f"{pointer}/{key}", False)
             elif key == "format" and isinstance(value, str) and value not in FORMATS:
                 continue
+            elif key in _BOUNDS and isinstance(value, int) and not isinstance(value, bool) and not (
+                    -2**63 <= value < 2**63):
+                out[key] = float(value)  # (llguidance reads 64-bit integers; a float bound loses nothing here)
             else:
                 out[key] = value
+        _check_integer_bounds(node, pointer)
         props = node.get("properties")
         required = node.get("required", [])
-        if (isinstance(props, dict) and not inside and pointer not in intersected
+        if (isinstance(props, dict) and not inside and pointer not in intersected and not foreign
                 and not combined & {"additionalProperties", "patternProperties", "unevaluatedProperties",
                                     "allOf", "anyOf", "oneOf", "$ref", "if", "then", "else", "not",
-                                    "dependentSchemas", "dependentRequired", "propertyNames"}
+                                    "dependentSchemas", "dependentRequired", "propertyNames", "const", "enum"}
                 and isinstance(required, list) and all(name in props for name in required)
                 and not (isinstance(node.get("minProperties"), int) and node["minProperties"] > len(props))):
             out["additionalProperties"] = False
         return out
 
     find(schema, False)
+    # (an intersected reference by $anchor, $id or URI: its target is not known here, so nothing is closed)
+    foreign = any(not _local(ref) for ref in intersected)
     return close(schema, "#", False)
+
+
+_BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+
+
+class Unheld(ValueError):
+    """A schema that is valid but asks what llguidance cannot hold (named by Constraint.grammar as it is)."""
+
+
+def _check_integer_bounds(node: dict, pointer: str) -> None:
+    """An integer schema whose bounds leave it no 64-bit integer is refused: llguidance holds integers from -2^63
+    to 2^63-1, and would clamp the bound and write values the schema does not admit."""
+    kind = node.get("type")
+    if not (kind == "integer" or (isinstance(kind, list) and "integer" in kind)):
+        return
+    for key, value in ((k, node.get(k)) for k in _BOUNDS):
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or value != value:
+            continue
+        lower, exclusive = key in ("minimum", "exclusiveMinimum"), key.startswith("exclusive")
+        limit = 2**63 - 1 if lower else -2**63
+        if (value > limit if lower else value < limit) or (exclusive and value == limit):
+            raise Unheld(f"{pointer}/{key}: {value} leaves the integer no value llguidance can write (it holds "
+                         "integers from -2^63 to 2^63-1)")
 
 
 def _escape(key: str) -> str:
