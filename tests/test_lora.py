@@ -169,6 +169,7 @@ def test_bad_adapters_are_refused_naming_the_key(make_llm, tiny_model, tmp_path)
                            ({"layer_replication": [[0, 1], [0, 1]]}, "layer_replication"),
                            ({"use_bdlora": True}, "use_bdlora"), ({"lora_bias": True}, "lora_bias"),
                            ({"trainable_token_indices": [3]}, "trainable_token_indices"),
+                           ({"kasa_config": {}}, None), ({"kasa_config": {"r": 4}}, "kasa_config"),
                            ({"init_lora_weights": "pissa_niter_4"}, "init_lora_weights = 'pissa_niter_4'"),
                            ({"init_lora_weights": "olora"}, "path_initial_model_for_weight_conversion"),
                            ({"alpha_pattern": ["q_proj"]}, "alpha_pattern must be an object"),
@@ -176,6 +177,9 @@ def test_bad_adapters_are_refused_naming_the_key(make_llm, tiny_model, tmp_path)
                            ({"alpha_pattern": {"q_proj": "big"}}, "alpha_pattern must be an object"),
                            ({"rank_pattern": {"q_proj": None}}, "rank_pattern must be an object")):
         write_adapter(str(tmp_path / "odd"), cfg, extra_config=extra)
+        if message is None:  # (empty: nothing asked)
+            read_adapter(str(tmp_path / "odd"), cfg)
+            continue
         with pytest.raises(InvalidConfig, match=message):
             read_adapter(str(tmp_path / "odd"), cfg)
     for plain in ({"init_lora_weights": True}, {"init_lora_weights": "gaussian"}, {"alora_invocation_tokens": None}):
@@ -217,6 +221,50 @@ def test_an_alpha_pattern_key_is_a_regex_taken_whole(tiny_model, tmp_path):
     base = read_adapter(str(tmp_path / "none"), cfg)
     np.testing.assert_allclose(plain.weights["wq"][1], base.weights["wq"][1] * 5.0, rtol=1e-6)
     np.testing.assert_array_equal(plain.weights["wk"][1], base.weights["wk"][1])
+
+
+def test_an_adapter_applies_what_its_config_targets_as_peft_builds_it(tiny_model, tmp_path):
+    """PEFT builds an adapter's layers from its config, not from the tensors in its file: a tensor for a module
+    target_modules does not name (a list by names or their last parts, a string as a regular expression taken
+    whole, "all-linear"), that exclude_modules names, or of a layer outside layers_to_transform is left out; a
+    config without lora_alpha scales by PEFT's default 8 / r."""
+    from jaxcb.model.lora import read_adapter
+
+    cfg = tiny_model[0]
+    raw = write_adapter(str(tmp_path / "all"), cfg, rank=2, alpha=6.0)
+    whole = read_adapter(str(tmp_path / "all"), cfg)
+
+    def adapted(extra):  # (the same tensors, another config)
+        write_adapter(str(tmp_path / "one"), cfg, rank=2, alpha=6.0, extra_config=extra)
+        return read_adapter(str(tmp_path / "one"), cfg).weights
+
+    for extra, kept in (({"target_modules": ["q_proj", "v_proj"]}, {"wq", "wv"}),
+                        ({"target_modules": ["self_attn.o_proj", "mlp.up_proj"]}, {"wo", "w_up"}),
+                        ({"target_modules": r".*\.(gate|down)_proj"}, {"w_gate", "w_down"}),
+                        ({"target_modules": "q_proj"}, set()),  # (a string matches the full name whole)
+                        ({"target_modules": "all-linear"}, set(whole.weights)),
+                        ({"target_modules": None, "target_parameters": ["self_attn.k_proj.weight"]}, {"wk"}),
+                        ({"exclude_modules": ["k_proj", "mlp.up_proj"]}, set(whole.weights) - {"wk", "w_up"})):
+        if not kept:
+            with pytest.raises(InvalidConfig, match="holds no LoRA weights"):
+                adapted(extra)
+            continue
+        weights = adapted(extra)
+        assert set(weights) == kept, extra
+        for t in kept:
+            np.testing.assert_array_equal(weights[t][1], whole.weights[t][1])
+    layers = adapted({"layers_to_transform": 1})
+    assert all(not b[0].any() and b[1].any() for _, b in layers.values())  # (layer 0's tensors left out)
+    named = adapted({"target_modules": ["model.layers.0.mlp.up_proj"]})  # (a full name: that layer's alone)
+    assert set(named) == {"w_up"} and named["w_up"][1][0].any() and not named["w_up"][1][1].any()
+    with open(tmp_path / "all" / "adapter_config.json") as f:
+        config = json.load(f)
+    del config["lora_alpha"]  # (no lora_alpha: PEFT's 8)
+    with open(tmp_path / "all" / "adapter_config.json", "w") as f:
+        json.dump(config, f)
+    default = read_adapter(str(tmp_path / "all"), cfg).weights
+    a, b, _ = raw[("wq", 0)]
+    np.testing.assert_allclose(default["wq"][1][0], b.T * 8.0 / 2, rtol=1e-6)
 
 
 def test_generate_runs_with_the_adapter_it_is_given(tiny_gguf_path, config_path, tiny_model, adapters, tmp_path, capsys):

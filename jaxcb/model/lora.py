@@ -35,6 +35,7 @@ MODULES = {"q_proj": "wq", "k_proj": "wk", "v_proj": "wv", "o_proj": "wo",
            "gate_proj": "w_gate", "up_proj": "w_up", "down_proj": "w_down"}
 assert tuple(MODULES.values()) == TARGETS
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
+PEFT_ALPHA = 8  # LoraConfig's lora_alpha where a config gives none
 _KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.[\w-]+)?\.weight$")
 
 
@@ -67,7 +68,8 @@ def _pattern_value(patterns: dict, module: str, default):
 _NOT_RUN = {"alora_invocation_tokens": "activated LoRA (from its invocation tokens on)",
             "layer_replication": "layer replication (the base's layers stacked again)",
             "use_bdlora": "block-diagonal LoRA", "lora_bias": "a bias on lora_B",
-            "trainable_token_indices": "trained token embeddings"}
+            "trainable_token_indices": "trained token embeddings",
+            "kasa_config": "KaSA (singular values beside lora_A and lora_B; the base's truncated on load)"}
 # init_lora_weights that also rewrite the base weights where an adapter is loaded unconverted (saved without
 # path_initial_model_for_weight_conversion: PEFT recomputes the base's residual on load)
 _BASE_REWRITING = ("pissa", "olora", "corda", "loftq", "lora_ga")
@@ -93,6 +95,32 @@ def _check_settings(name: str, config: dict) -> None:
                 re.compile(k)
             except re.error as e:
                 raise InvalidConfig(f"lora {name}: {key}: {k[:60]!r} is not a regular expression ({e})") from None
+
+
+def _named(patterns, module: str) -> bool:
+    """PEFT's reading of target_modules / exclude_modules: a string is a regular expression the module's full
+    name matches whole; a list names modules by their full name or its last parts."""
+    if isinstance(patterns, str):
+        return re.fullmatch(patterns, module) is not None
+    return any(module == p or module.endswith("." + p) for p in patterns or ())
+
+
+def _adapted(config: dict, module: str, layer: int) -> bool:
+    """Whether PEFT builds the adapter's layer for `module` (its full name in the base model, in layer `layer`):
+    named by target_modules ("all-linear": every projection here) or target_parameters, not by exclude_modules,
+    in layers_to_transform. A tensor for a module it does not build is left out, as PEFT leaves it; a config that
+    names no targets takes every tensor."""
+    targets, parameters = config.get("target_modules"), config.get("target_parameters")
+    if targets is not None or parameters:
+        named = targets == "all-linear" or (targets is not None and _named(targets, module))
+        if not (named or _named(parameters, module + ".weight")):
+            return False
+    if config.get("exclude_modules") and _named(config["exclude_modules"], module):
+        return False
+    layers = config.get("layers_to_transform")
+    if isinstance(layers, int) and not isinstance(layers, bool):
+        layers = [layers]
+    return not isinstance(layers, list) or layer in layers
 
 
 def read_adapter(path: str, model, name: str | None = None, max_rank: int | None = None) -> Adapter:
@@ -123,7 +151,7 @@ def read_adapter(path: str, model, name: str | None = None, max_rank: int | None
     if config.get("peft_type", "LORA") not in ("LORA", None):
         raise InvalidConfig(f"lora {name}: peft_type = {config['peft_type']!r} is not supported (only LORA)")
     try:
-        r, alpha = int(config["r"]), float(config.get("lora_alpha", config["r"]))
+        r, alpha = int(config["r"]), float(config.get("lora_alpha", PEFT_ALPHA))
     except (KeyError, TypeError, ValueError):
         raise InvalidConfig(f"lora {name}: {CONFIG_FILE} needs an integer r (and a number lora_alpha)") from None
     rslora = bool(config.get("use_rslora", False))
@@ -146,6 +174,8 @@ def read_adapter(path: str, model, name: str | None = None, max_rank: int | None
                                 f"(supported: {', '.join(MODULES)})")
         if layer >= model.num_layers:
             raise InvalidConfig(f"lora {name}: tensor {key} is for layer {layer}; the model has {model.num_layers}")
+        if not _adapted(config, key[:key.index(f".lora_{which}")].split("base_model.model.")[-1], layer):
+            continue
         found.setdefault((MODULES[module], layer), {})[which] = np.asarray(value, np.float32)
         found[(MODULES[module], layer)]["module"] = key[:key.index(f".lora_{which}")]
     if not found:
