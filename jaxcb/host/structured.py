@@ -66,6 +66,9 @@ class Constraint:
             raise InvalidRequest(f"{self.field}: the kind {self.kind!r} is not one of {', '.join(KINDS)}")
         if not isinstance(self.spec, str) or not self.spec:
             raise InvalidRequest(f"{self.field}: the {self.kind} must be a non-empty string")
+        for field, text in self.parts:  # (a tool's parameters past the limit: named by their own field)
+            if len(text) > MAX_SPEC_CHARS:
+                raise InvalidRequest(f"{field}: the schema has {len(text)} characters; the limit is {MAX_SPEC_CHARS}")
         if len(self.spec) > MAX_SPEC_CHARS:
             raise InvalidRequest(f"{self.field}: the {self.kind} has {len(self.spec)} characters; "
                                  f"the limit is {MAX_SPEC_CHARS}")
@@ -140,7 +143,7 @@ class Constraint:
                 if not isinstance(schema, (dict, bool)):
                     raise ValueError("a JSON schema is an object")
                 if schema is False:
-                    raise ValueError("the schema false admits no value")
+                    raise Unheld("the schema false admits no value")
                 if schema is True:  # any JSON value, as JSON Schema reads it (and {} says)
                     schema = {}
                 # oneOf as anyOf where llguidance cannot prove the branches disjoint (as xgrammar reads
@@ -311,7 +314,7 @@ _BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
 
 
 class Unheld(ValueError):
-    """A schema that is valid but asks what llguidance cannot hold (named by Constraint.grammar as it is)."""
+    """A schema that is valid but admits nothing llguidance can write (named by Constraint.grammar as it is)."""
 
 
 def _check_integer_bounds(node: dict, pointer: str) -> None:
@@ -418,7 +421,8 @@ def _structured_outputs(obj: dict, field: str) -> Constraint:
     unknown = sorted(k for k in obj if k not in STRUCTURED_OUTPUTS_KEYS)
     if unknown:
         raise InvalidRequest(f"{field}.{unknown[0]}: not supported; give one of {', '.join(STRUCTURED_OUTPUTS_KEYS)}")
-    given = [k for k in STRUCTURED_OUTPUTS_KEYS if obj.get(k) not in (None, False)]
+    given = [k for k in STRUCTURED_OUTPUTS_KEYS  # (json false: the schema false; json_object false: none)
+             if obj.get(k) is not None and (k == "json" or obj[k] is not False)]
     if len(given) != 1:
         raise InvalidRequest(f"{field}: give exactly one of {', '.join(STRUCTURED_OUTPUTS_KEYS)}, got "
                              f"{', '.join(given) or 'none'}")
