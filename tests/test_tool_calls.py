@@ -460,8 +460,9 @@ def test_parameters_with_references_hold_their_calls_as_the_schema_alone_holds_t
     assert not accepts(xml, elements('{"city":"Oslo"}', "M")) and not accepts(xml, elements('{"city":"O","zip":1}', "L"))
     _, calls = tool_parse.parse(elements('{"city":"Oslo","zip":150}', "M"), xml)
     assert json.loads(calls[0]["function"]["arguments"]) == {"to": {"city": "Oslo", "zip": 150}, "size": "M"}
-    with pytest.raises(InvalidRequest, match=r"^tools\[0\]\.function\.parameters: "):
-        grammars.compile(tool_calls.constraint(tools_for({"enum": ["a", "b"]})))
+    for unheld in ({"enum": ["a", "b"]}, {"type": "object", "properties": {"n": {"type": "integer", "minimum": 1e19}}}):
+        with pytest.raises(InvalidRequest, match=r"^tools\[0\]\.function\.parameters: "):
+            grammars.compile(tool_calls.constraint(tools_for(unheld)))
     lenient = {"type": "object", "properties": {"v": {"type": "array", "items": {"type": "integer"}, "uniqueItems": True}},
                "x-guidance": {"lenient": True}}
     with pytest.raises(InvalidRequest):  # (uniqueItems cannot be held: refused unless the schema says lenient)

@@ -220,7 +220,11 @@ def lark_schema(schema):
     if not isinstance(schema, dict):
         return schema
     own = schema.get("x-guidance")
-    return grammar_schema({**schema, "x-guidance": {**LARK_JSON, **(own if isinstance(own, dict) else {})}})
+    schema = {**schema, "x-guidance": {**LARK_JSON, **(own if isinstance(own, dict) else {})}}
+    try:
+        return grammar_schema(schema)
+    except Unheld:  # (refused by its own field: Grammars.compile probes each embedded schema before the grammar)
+        return schema
 
 
 def json_defaults(schema) -> dict:
