@@ -407,7 +407,11 @@ def test_the_grammar_writes_calls_in_the_format(make_llm):
                          (fmt.write("plan", {"title": "t", "pace": "medium"}), False),  # not in the enum
                          (fmt.write("plan", {"days": 2}), False),  # title is required
                          (fmt.write("plan", {"title": "t", "notes": "raw text", "size": 2}), True),
-                         (fmt.write("plan", {"title": "t", "size": 3}), False)):  # not in the enum
+                         (fmt.write("plan", {"title": "t", "size": 3}), False),  # not in the enum
+                         (fmt.write("plan", {"title": "t", "people": 4, "ratio": 0.5}), True),
+                         (fmt.write("plan", {"title": "t", "people": 0}), False),  # (bounds held too)
+                         (fmt.write("plan", {"title": "t", "people": None}), True),
+                         (fmt.write("plan", {"title": "t", "ratio": 1.5}), False)):
             assert accepts(typed, text) == ok, (fmt.name, text)
 
 
@@ -589,7 +593,8 @@ NAME_FIRST_ANSWERS = [  # mistral_v11: [TOOL_CALLS] and [ARGS] are control token
 TYPED = {"type": "function", "function": {"name": "plan", "parameters": {"type": "object", "properties": {
     "title": {"type": "string"}, "days": {"type": "integer"}, "budget": {"type": "number"}, "solo": {"type": "boolean"},
     "stops": {"type": "array", "items": {"type": "string"}}, "pace": {"enum": ["slow", "fast"]},
-    "notes": {"type": ["string", "null"]}, "size": {"enum": [1, 2]}, "code": {"type": "string"}},
+    "notes": {"type": ["string", "null"]}, "size": {"enum": [1, 2]}, "code": {"type": "string"},
+    "people": {"type": ["integer", "null"], "minimum": 1, "maximum": 12}, "ratio": {"type": "number", "maximum": 1}},
     "required": ["title"]}}}
 
 XML_ANSWERS = [  # qwen3_coder: each call a <function=...> element with an element per argument

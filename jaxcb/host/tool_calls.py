@@ -517,7 +517,8 @@ def _xml_grammar(tools: Tools, names: list[str], more: bool, tokenizer=None) -> 
     parameters, in their order (the required ones always, the others optional; no others); a value by its
     schema (xml_type): an enum one of its values, a string the text up to its closing tag (a lazy lexeme) as
     its minLength, maxLength, pattern and format allow (jaxcb.host.raw_strings), an integer, number or boolean
-    as JSON writes it ("null" too where its type allows), anything else JSON valid against the schema. A name
+    as JSON writes it ("null" too where its type allows; within its bounds), anything else JSON valid against
+    the schema. A name
     an element cannot hold, or a string keyword that cannot be held, is refused naming the tool's field."""
     rules, calls, order, style = [], [], list(tools.functions), ELEMENTS[tools.fmt.xml]
     end = json.dumps(style.value_end)
@@ -541,6 +542,9 @@ def _xml_grammar(tools: Tools, names: list[str], more: bool, tokenizer=None) -> 
                 text = f'({text} | "null")' if nullable else text  # (read back as null: tool_parse)
                 rules.append(f"t_{k}_{j}[lazy]: {text} {end}")
                 body = f"t_{k}_{j}"
+            elif kind in ("integer", "number") and set(prop) & {"minimum", "maximum", "exclusiveMinimum",
+                                                                "exclusiveMaximum", "multipleOf"}:
+                body = f"%json {json.dumps(lark_schema(prop))} {end}"  # (its bounds held: written as JSON writes it)
             elif kind == "integer":
                 body = f'(/-?(0|[1-9][0-9]*)/{null}) {end}'
             elif kind == "number":
