@@ -24,7 +24,7 @@ from grpc_reflection.v1alpha import reflection
 from jaxcb.device import cpu_dots
 from jaxcb.host import classifier
 from jaxcb.host.errors import InvalidConfig, InvalidRequest, JaxcbError, NotFound, Overloaded, StepFailed, Unauthenticated, Unavailable
-from jaxcb.host.request import (SamplingParams, TokenEvent, check_allowed_count, check_logit_bias_count, read_json,
+from jaxcb.host.request import (FinishReason, SamplingParams, TokenEvent, check_allowed_count, check_logit_bias_count, read_json,
                                 check_stop_counts)
 from jaxcb.host.structured import MAX_CHOICES, Constraint
 from jaxcb.host.chat_template import check_template_kwargs
@@ -52,16 +52,20 @@ MAX_DETAILS = 2000  # characters of an error's details: they travel in trailers,
 # The field a shared check names (the HTTP API's) -> GenerateRequest's; "prompt" by the request's input.
 _GRPC_FIELDS = {"prompt_token_ids": "tokens.token_ids", "messages": "chat.messages",
                 "chat_template_kwargs": "chat.template_kwargs"}
-_PROMPT_OF = {"text": "text", "chat": "chat.messages", "tokens": "tokens.token_ids"}
+_PROMPT_OF = {"text": "text", "chat": "chat.messages", "tokens": "tokens.token_ids",
+              "text_content": "text_content.text", "token_content": "token_content.token_ids"}  # (and JetStream's)
 
 
 def details(e: JaxcbError, request=None) -> str:
     """An error's message as a gRPC call's details: the field named as the request's message names it
-    (for a GenerateRequest `request`), cut to MAX_DETAILS characters."""
+    (for a GenerateRequest `request`, or JetStream's DecodeRequest), cut to MAX_DETAILS characters."""
     message, field = str(e), e.field
     if request is not None and field:
         root = re.match(r"[A-Za-z_]+", field).group(0)
-        named = _PROMPT_OF.get(request.WhichOneof("input")) if root == "prompt" else _GRPC_FIELDS.get(root)
+        given = request.WhichOneof("input" if "input" in request.DESCRIPTOR.oneofs_by_name else "content")
+        decode = given in ("text_content", "token_content")
+        named = (_PROMPT_OF.get(given) if root == "prompt" or (decode and root == "prompt_token_ids")
+                 else None if decode else _GRPC_FIELDS.get(root))
         if named:
             message = named + message[len(root):]
     return message if len(message) <= MAX_DETAILS else message[:MAX_DETAILS] + f"... ({len(message)} characters)"
@@ -363,30 +367,51 @@ class OrchestratorService(jetstream_pb2_grpc.OrchestratorServicer):
         self.state = state
 
     async def Decode(self, request, context):
+        """JetStream's Decode, as JetStream's own server answers it: a prompt longer than the context keeps its last
+        tokens, and an answer ends at the context whatever max_tokens asks (its clients take an error for a fault
+        and send the request again); the prompt gets the model's BOS unless has_bos says it has one. A request cut
+        short by the server (its shutdown) or failed ends with an error status, not as a finished answer."""
+        s = self.state
         try:
-            kind = request.WhichOneof("content")
-            if kind == "text_content":
-                check_text("text_content.text", request.text_content.text)
-                check_text_fits(self.state, "text_content.text", len(request.text_content.text), None)
-                self.state.admit()
-                ids = await asyncio.to_thread(self.state.tokenizer.encode, request.text_content.text)
-            elif kind == "token_content":
-                check_token_count(self.state, "token_content.token_ids", len(request.token_content.token_ids))
-                ids = list(request.token_content.token_ids)
-            else:
-                raise InvalidRequest("content: text_content or token_content is required")
             if not 0 <= request.num_samples <= 1:
                 raise InvalidRequest(f"num_samples: only 1 is supported (0: 1), got {request.num_samples}")
-            params = SamplingParams(max_tokens=request.max_tokens)
-            async with contextlib.aclosing(self.state.stream(ids, params, request.priority, "",
-                                                             tenant_of(self.state, context))) as events:
+            if request.max_tokens <= 0:
+                raise InvalidRequest(f"max_tokens: must be at least 1, got {request.max_tokens}")
+            lora = ""
+            if request.lora_adapter_id:
+                try:
+                    lora = s.adapter_for(request.lora_adapter_id)
+                except NotFound as e:
+                    raise NotFound("lora_adapter_id" + str(e)[len("model"):]) from None
+            kind = request.WhichOneof("content")
+            bos = s.tokenizer.add_bos and not request.has_bos
+            if kind == "text_content":
+                check_text("text_content.text", request.text_content.text)
+                s.admit()
+                ids = await asyncio.to_thread(s.tokenizer.encode, request.text_content.text, bos)
+            elif kind == "token_content":
+                ids = list(request.token_content.token_ids)
+                if bos and s.tokenizer.bos_id is not None and ids and ids[0] != s.tokenizer.bos_id:
+                    ids = [s.tokenizer.bos_id, *ids]
+            else:
+                raise InvalidRequest("content: text_content or token_content is required")
+            if not ids:
+                raise InvalidRequest(f"{kind}.{'text' if kind == 'text_content' else 'token_ids'}: must not be empty")
+            ids = truncated(ids, s.engine.max_context - 1)
+            params = SamplingParams(max_tokens=min(request.max_tokens, s.engine.max_context - len(ids)), lora=lora)
+            async with contextlib.aclosing(s.stream(ids, params, request.priority, "", tenant_of(s, context))) as events:
                 async for _, ev in events:
                     if ev.token_ids or ev.text:
                         sample = jetstream_pb2.DecodeResponse.StreamContent.Sample(text=ev.text, token_ids=list(ev.token_ids))
                         yield jetstream_pb2.DecodeResponse(
                             stream_content=jetstream_pb2.DecodeResponse.StreamContent(samples=[sample]))
+                    if ev.finish_reason is FinishReason.ABORT:
+                        raise Unavailable(f"the request was aborted after {ev.num_output_tokens} tokens (the server "
+                                          "is shutting down)")
+                    if ev.finish_reason is FinishReason.ERROR:
+                        raise (InvalidRequest if ev.request_error else StepFailed)(ev.error or "the request failed")
         except JaxcbError as e:
-            await context.abort(grpc_code(e), details(e))
+            await context.abort(grpc_code(e), details(e, request))
 
     async def HealthCheck(self, request, context):
         s = self.state

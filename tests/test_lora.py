@@ -321,7 +321,9 @@ def test_served_over_http_and_grpc(tiny_gguf_path, config_path, tiny_model, adap
     from jaxcb.host.engine_config import load_config
     from jaxcb.llm import LLM
     from serve.client import Client
-    from serve.proto import jaxcb_pb2
+    import grpc
+
+    from serve.proto import jaxcb_pb2, jetstream_pb2, jetstream_pb2_grpc
     from tests.server_util import ServerProcess, free_port
 
     paths, _ = adapters
@@ -364,6 +366,11 @@ def test_served_over_http_and_grpc(tiny_gguf_path, config_path, tiny_model, adap
             c.stub.LoadLoraAdapter(jaxcb_pb2.LoadLoraAdapterRequest(lora_name="mlp", lora_path=paths["mlp"]))
             assert "mlp" in c.stub.GetModelInfo(jaxcb_pb2.GetModelInfoRequest()).lora_adapters
             assert c.complete(token_ids=prompt, max_tokens=16, ignore_eos=True, lora="mlp").text == expected("mlp")
+            with grpc.insecure_channel(server.target) as ch:  # JetStream's Decode names it by lora_adapter_id
+                got = [t for r in jetstream_pb2_grpc.OrchestratorStub(ch).Decode(jetstream_pb2.DecodeRequest(
+                    max_tokens=16, lora_adapter_id="mlp", token_content=jetstream_pb2.DecodeRequest.TokenContent(
+                        token_ids=prompt)), timeout=60) for t in r.stream_content.samples[0].token_ids]
+            assert got == offline.generate([prompt], dataclasses.replace(GREEDY, lora="mlp", ignore_eos=False))[0].token_ids
             done = c.stub.UnloadLoraAdapter(jaxcb_pb2.UnloadLoraAdapterRequest(lora_name="mlp"))
             assert done.done
     finally:

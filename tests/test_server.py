@@ -88,6 +88,23 @@ def test_jetstream_decode_returns_the_same_tokens(server, client):
         with pytest.raises(grpc.RpcError) as e:
             list(stub.Decode(jetstream_pb2.DecodeRequest(max_tokens=0, token_content=jetstream_pb2.DecodeRequest.TokenContent(token_ids=[5])), timeout=10))
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        # As JetStream's own server: a max_tokens past the context ends the answer there, a prompt past it keeps its
+        # last tokens (its clients send a request that failed again, forever); ids outside the vocabulary name the field
+        long = [5 + i % 50 for i in range(300)]  # (the test server's context: 256)
+        for ids, max_tokens in (([11, 12, 13, 14], 1000), (long, 4)):
+            got = [t for r in stub.Decode(jetstream_pb2.DecodeRequest(max_tokens=max_tokens, token_content=
+                   jetstream_pb2.DecodeRequest.TokenContent(token_ids=ids)), timeout=60) for t in r.stream_content.samples[0].token_ids]
+            kept = ids[-255:]
+            assert got == client.complete(token_ids=kept, max_tokens=min(max_tokens, 256 - len(kept))).token_ids
+        with pytest.raises(grpc.RpcError) as e:
+            list(stub.Decode(jetstream_pb2.DecodeRequest(max_tokens=2, token_content=jetstream_pb2.DecodeRequest.TokenContent(
+                token_ids=[5, 10**6])), timeout=10))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert e.value.details().startswith("token_content.token_ids: "), e.value.details()
+        with pytest.raises(grpc.RpcError) as e:  # (an adapter not loaded: named)
+            list(stub.Decode(jetstream_pb2.DecodeRequest(max_tokens=2, lora_adapter_id="nope", token_content=
+                                                         jetstream_pb2.DecodeRequest.TokenContent(token_ids=[5])), timeout=10))
+        assert e.value.code() == grpc.StatusCode.NOT_FOUND and e.value.details().startswith("lora_adapter_id: 'nope'")
         for samples in (-1, 2):  # one sample (0: one); -1 generated one until now
             with pytest.raises(grpc.RpcError) as e:
                 list(stub.Decode(jetstream_pb2.DecodeRequest(max_tokens=2, num_samples=samples, token_content=
@@ -322,15 +339,26 @@ def test_auth_token_and_queue_limit(tiny_gguf_path, config_path):
 
 @pytest.mark.parametrize("grace,expect", [("30", "length"), ("0", "abort")])
 def test_sigterm_drains_then_exits_zero(tiny_gguf_path, config_path, grace, expect):
+    """A stream in flight at SIGTERM runs to its end within the grace period, else is aborted: jaxcb's API says
+    so in its final message; JetStream's, which has no finish reason, ends the call UNAVAILABLE rather than OK."""
     s = ServerProcess(tiny_gguf_path, config_path, "--grace-period", grace)
     try:
         s.wait_serving()
-        with Client(s.target) as c:
+        with Client(s.target) as c, grpc.insecure_channel(s.target) as ch:
+            assert c.complete(token_ids=[7, 8], max_tokens=250).finish_reason == "length"  # (no end token before)
             stream = c.stream(build_request(token_ids=[5, 6], max_tokens=250, ignore_eos=True))
-            next(stream)
+            decode = jetstream_pb2_grpc.OrchestratorStub(ch).Decode(jetstream_pb2.DecodeRequest(
+                max_tokens=250, token_content=jetstream_pb2.DecodeRequest.TokenContent(token_ids=[7, 8])), timeout=60)
+            next(stream), next(decode)
             s.proc.send_signal(signal.SIGTERM)
             rest = list(stream)
             assert rest[-1].final.finish_reason == expect
+            if expect == "abort":
+                with pytest.raises(grpc.RpcError) as e:
+                    list(decode)
+                assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "aborted after" in e.value.details()
+            else:
+                assert 1 + sum(len(r.stream_content.samples[0].token_ids) for r in decode) == 250
         assert s.proc.wait(60) == 0, s.output()
     finally:
         s.stop()
