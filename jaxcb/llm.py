@@ -27,7 +27,7 @@ from jaxcb.host.engine_config import EngineConfig, load_config
 from jaxcb.host.embedding import Pooling, cosines
 from jaxcb.host.errors import InvalidConfig, InvalidRequest, StepFailed, Unavailable
 from jaxcb.host.replicas import Replicas
-from jaxcb.host.request import FinishReason, SamplingParams, TokenEvent
+from jaxcb.host.request import FinishReason, SamplingParams, TokenEvent, check_unicode
 
 
 @dataclasses.dataclass
@@ -353,6 +353,7 @@ class LLM:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise InvalidRequest("prompt: this model has no tokenizer; pass token ids")
+            check_unicode(prompt, "prompt")
             if chat:
                 return self.tokenizer.encode_chat([{"role": "user", "content": prompt}])
             return self.tokenizer.encode(prompt)
@@ -388,6 +389,7 @@ class LLM:
         if harmony.is_harmony(template):  # (its messages' markers, for harmony.parse)
             params = [dataclasses.replace(p, skip_special_tokens=False) for p in params]
         prompts = []
+        check_unicode(conversations, "conversations")
         for m in conversations:
             _, messages, shown = tool_calls.prepare({} if tools is None else {"tools": tools}, m, template)
             prompts.append(self.tokenizer.encode_chat(messages, add_generation_prompt, chat_template_kwargs,

@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 
+from jaxcb.host.errors import InvalidRequest
 from jaxcb.host.request import SamplingParams
 
 
@@ -74,6 +75,10 @@ def test_bad_prompts_name_the_field_and_limit(make_llm):
         llm.generate([[5] * 100], SamplingParams(max_tokens=50))
     with pytest.raises(ValueError, match=r"prompt: must not be empty"):
         llm.generate([[]])
+    with pytest.raises(InvalidRequest, match=r"^prompt: holds a lone surrogate"):  # (a TypeError from the tokenizer before)
+        llm.generate(["ok \ud800"])
+    with pytest.raises(InvalidRequest, match=r"^conversations\[0\]\[0\]\.content: holds a lone surrogate"):
+        llm.chat([[{"role": "user", "content": "\udfff"}]])
     # A bad request in a list fails the call before anything runs; the engine is untouched.
     with pytest.raises(ValueError, match=r"request 1: "):
         llm.generate([[5, 6], [vocab + 7]])
