@@ -62,7 +62,8 @@ def details(e: JaxcbError, request=None) -> str:
     message, field = str(e), e.field
     if request is not None and field:
         root = re.match(r"[A-Za-z_]+", field).group(0)
-        given = request.WhichOneof("input" if "input" in request.DESCRIPTOR.oneofs_by_name else "content")
+        oneofs = request.DESCRIPTOR.oneofs_by_name  # (the prompt's: GenerateRequest's input, DecodeRequest's content)
+        given = next((request.WhichOneof(name) for name in ("input", "content") if name in oneofs), None)
         decode = given in ("text_content", "token_content")
         named = (_PROMPT_OF.get(given) if root == "prompt" or (decode and root == "prompt_token_ids")
                  else None if decode else _GRPC_FIELDS.get(root))
