@@ -385,8 +385,10 @@ class OrchestratorService(jetstream_pb2_grpc.OrchestratorServicer):
                 except NotFound as e:
                     raise NotFound("lora_adapter_id" + str(e)[len("model"):]) from None
             kind = request.WhichOneof("content")
-            bos = s.tokenizer.add_bos and not request.has_bos
+            bos = s.tokenizer is not None and s.tokenizer.add_bos and not request.has_bos
             if kind == "text_content":
+                if s.tokenizer is None:
+                    raise InvalidRequest("text_content: this model has no tokenizer; send token_content")
                 check_text("text_content.text", request.text_content.text)
                 s.admit()
                 ids = await asyncio.to_thread(s.tokenizer.encode, request.text_content.text, bos)
