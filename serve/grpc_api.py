@@ -374,8 +374,9 @@ class OrchestratorService(jetstream_pb2_grpc.OrchestratorServicer):
         short by the server (its shutdown) or failed ends with an error status, not as a finished answer."""
         s = self.state
         try:
-            if not 0 <= request.num_samples <= 1:
-                raise InvalidRequest(f"num_samples: only 1 is supported (0: 1), got {request.num_samples}")
+            n = max(request.num_samples, 1)  # (0: one, as JetStream reads it)
+            if request.num_samples < 0:
+                raise InvalidRequest(f"num_samples: must be at least 0 (0: 1), got {request.num_samples}")
             if request.max_tokens <= 0:
                 raise InvalidRequest(f"max_tokens: must be at least 1, got {request.max_tokens}")
             lora = ""
@@ -390,7 +391,7 @@ class OrchestratorService(jetstream_pb2_grpc.OrchestratorServicer):
                 if s.tokenizer is None:
                     raise InvalidRequest("text_content: this model has no tokenizer; send token_content")
                 check_text("text_content.text", request.text_content.text)
-                s.admit()
+                s.admit(n)  # (before any tokenizing)
                 ids = await asyncio.to_thread(s.tokenizer.encode, request.text_content.text, bos)
             elif kind == "token_content":
                 ids = list(request.token_content.token_ids)
@@ -401,13 +402,14 @@ class OrchestratorService(jetstream_pb2_grpc.OrchestratorServicer):
             if not ids:
                 raise InvalidRequest(f"{kind}.{'text' if kind == 'text_content' else 'token_ids'}: must not be empty")
             ids = truncated(ids, s.engine.max_context - 1)
-            params = SamplingParams(max_tokens=min(request.max_tokens, s.engine.max_context - len(ids)), lora=lora)
+            params = SamplingParams(max_tokens=min(request.max_tokens, s.engine.max_context - len(ids)), n=n, lora=lora)
             async with contextlib.aclosing(s.stream(ids, params, request.priority, "", tenant_of(s, context))) as events:
                 async for _, ev in events:
-                    if ev.token_ids or ev.text:
-                        sample = jetstream_pb2.DecodeResponse.StreamContent.Sample(text=ev.text, token_ids=list(ev.token_ids))
+                    if ev.token_ids or ev.text:  # (each message holds every sample, as JetStream's: the others empty)
+                        samples = [jetstream_pb2.DecodeResponse.StreamContent.Sample() for _ in range(n)]
+                        samples[ev.index].text, samples[ev.index].token_ids[:] = ev.text, list(ev.token_ids)
                         yield jetstream_pb2.DecodeResponse(
-                            stream_content=jetstream_pb2.DecodeResponse.StreamContent(samples=[sample]))
+                            stream_content=jetstream_pb2.DecodeResponse.StreamContent(samples=samples))
                     if ev.finish_reason is FinishReason.ABORT:
                         raise Unavailable(f"the request was aborted after {ev.num_output_tokens} tokens (the server "
                                           "is shutting down)")

@@ -105,12 +105,18 @@ def test_jetstream_decode_returns_the_same_tokens(server, client):
             list(stub.Decode(jetstream_pb2.DecodeRequest(max_tokens=2, lora_adapter_id="nope", token_content=
                                                          jetstream_pb2.DecodeRequest.TokenContent(token_ids=[5])), timeout=10))
         assert e.value.code() == grpc.StatusCode.NOT_FOUND and e.value.details().startswith("lora_adapter_id: 'nope'")
-        for samples in (-1, 2):  # one sample (0: one); -1 generated one until now
-            with pytest.raises(grpc.RpcError) as e:
-                list(stub.Decode(jetstream_pb2.DecodeRequest(max_tokens=2, num_samples=samples, token_content=
-                                                             jetstream_pb2.DecodeRequest.TokenContent(token_ids=[5])),
-                                 timeout=10))
-            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "num_samples" in e.value.details()
+        with pytest.raises(grpc.RpcError) as e:  # (0: one sample; -1 generated one until now)
+            list(stub.Decode(jetstream_pb2.DecodeRequest(max_tokens=2, num_samples=-1, token_content=
+                                                         jetstream_pb2.DecodeRequest.TokenContent(token_ids=[5])), timeout=10))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "num_samples" in e.value.details()
+        # num_samples: each message holds every sample (JetStream's requester reads them by position), greedy here
+        three = [[], [], []]
+        for r in stub.Decode(jetstream_pb2.DecodeRequest(max_tokens=8, num_samples=3, token_content=
+                             jetstream_pb2.DecodeRequest.TokenContent(token_ids=[11, 12, 13, 14])), timeout=60):
+            assert len(r.stream_content.samples) == 3
+            for k, sample in enumerate(r.stream_content.samples):
+                three[k] += sample.token_ids
+        assert three == [want] * 3
 
 
 def test_health_and_reflection(server):
