@@ -10,7 +10,7 @@ import pytest
 from jaxcb.host.engine_config import make_config
 from jaxcb.host.latency import quantile
 from jaxcb.sim.simulate import DEVICES, MODELS, FittedStepModel, RooflineStepModel, StepStats, load_step_model, simulate
-from jaxcb.sim.trace import RequestRecord, TraceRequest, prompt_ids, read_trace, summarize, write_trace
+from jaxcb.sim.trace import RequestRecord, TraceRequest, load_trace, prompt_ids, read_trace, summarize, write_trace
 
 
 class Constant:
@@ -70,6 +70,7 @@ def test_a_trace_whose_requests_cannot_run_is_refused_as_the_engine_refuses_them
     out = simulate(trace, config, load_step_model())
     assert out["requests"] == 1 and out["rejected"] == 2, out
     assert "prompt" in out["rejected_first"][0] and "max_tokens" in out["rejected_first"][1]
+    assert "prompt: 5000 tokens; the limit is 255" in out["rejected_first"][0]  # (its own length, not the cut one's)
     for bad in ({"32": -1.0}, {"32": float("nan")}, {}):  # (a step model of impossible times: every latency 0 before)
         with pytest.raises(ValueError, match="intercepts_s"):
             FittedStepModel.from_json({"intercepts_s": bad, "per_context_token_s": 0.0})
@@ -119,6 +120,13 @@ def test_public_traces_are_read_as_published(tmp_path):
                      "2023-11-16 18:15:46.1000000,396,109\n2023-11-16 18:16:00.0000000,20,0\n")
     got = read_trace(str(azure))
     assert [(round(r.arrival_s, 4), r.prompt_tokens, r.output_tokens) for r in got] == [(0.0, 396, 109), (0.5806, 374, 44)]
+    # the 2024 files' offsets and shorter fractions: an offset is the instant it says; none is UTC
+    azure.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2024-05-12 00:00:00.5-08:00,1,2\n"
+                     "2024-05-12 00:00:00+00:00,3,4\n2024-05-12T00:00:01.001163Z,5,6\n2024-05-12 00:00:02,7,8\n")
+    assert [(round(r.arrival_s, 6), r.prompt_tokens) for r in read_trace(str(azure))] == [
+        (0.0, 3), (1.001163, 5), (2.0, 7), (28800.5, 1)]
+    with pytest.raises(ValueError, match=re.escape("--time-scale: 1e+308 puts arrivals past what a number of seconds")):
+        load_trace(str(azure), time_scale=1e308)
     burst = tmp_path / "b.csv"
     burst.write_text("Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type\n"
                      "5,ChatGPT,472,18,490,Conversation log\n45,GPT-4,1087,0,1087,Conversation log\n"
@@ -137,6 +145,8 @@ def test_public_traces_are_read_as_published(tmp_path):
              "a.csv:3: TIMESTAMP: 'yesterday' is not a date and time"),
             (azure, "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46,1.5,3\n",
              "a.csv:2: ContextTokens: must be an integer from 0"),
+            (azure, "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46,\u00b2,3\n",
+             "a.csv:2: ContextTokens: must be an integer from 0"),  # (a superscript: a digit to str, not to int)
             (burst, "Timestamp,Request tokens,Response tokens\n1,2\n", "b.csv:2: 2 columns, the header has 3"),
             (burst, "time,prompt,output\n1,2,3\n", "b.csv:1: a trace's CSV header names TIMESTAMP, ContextTokens, "
              "GeneratedTokens or Timestamp, Request tokens, Response tokens")):

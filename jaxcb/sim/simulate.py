@@ -33,7 +33,7 @@ import types
 import numpy as np
 
 from jaxcb.host.engine import Engine
-from jaxcb.host.request import SamplingParams
+from jaxcb.host.request import SamplingParams, check_prompt_length
 from jaxcb.host.runner_protocol import Runner
 from jaxcb.sim.trace import RequestRecord, TraceRequest, iter_prompt_ids, summarize
 
@@ -362,8 +362,11 @@ def simulate(trace: list[TraceRequest], config, step_model, *, vocab: int = 3200
             t = trace[i]
             rec = RequestRecord(t.arrival_s)
             i += 1
+            prompt = next(ids)  # (cut to the context: one longer is refused by its own length)
             try:  # (as the engine takes it served: one that does not fit the context is refused, not cut)
-                engine.add_request(next(ids), SamplingParams(max_tokens=t.output_tokens, ignore_eos=True),
+                if t.prompt_tokens > len(prompt):
+                    check_prompt_length("prompt", t.prompt_tokens, sched.config.max_context)
+                engine.add_request(prompt, SamplingParams(max_tokens=t.output_tokens, ignore_eos=True),
                                    request_id=str(i - 1), priority=t.priority, arrival_time=t.arrival_s,
                                    callback=on_event(rec))
             except ValueError as e:

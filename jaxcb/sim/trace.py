@@ -22,6 +22,7 @@ import datetime
 import json
 import math
 import random
+import re
 
 import numpy as np
 
@@ -107,6 +108,8 @@ def load_trace(path: str, requests: int | None = None, time_scale: float = 1.0) 
         raise ValueError(f"--trace: {path} holds no requests")
     for r in trace:
         r.arrival_s *= time_scale
+        if not math.isfinite(r.arrival_s):
+            raise ValueError(f"--time-scale: {time_scale} puts arrivals past what a number of seconds can hold")
     return trace
 
 
@@ -230,16 +233,22 @@ def _read_csv(path: str) -> tuple[list[TraceRequest], int]:
     return out, skipped
 
 
+_DATE_TIME = re.compile(r"(?P<head>\d{4}-\d\d-\d\d[T ]\d\d:\d\d(?::\d\d)?)(?:\.(?P<frac>\d+))?(?P<zone>Z|[+-]\d\d:?\d\d)?")
+
+
 def _csv_time(text: str, kind: str, where: str) -> float:
     """Seconds: BurstGPT's Timestamp is a number of seconds; Azure's a date and time (its fractions of a second
     may have 7 digits, more than Python reads: cut to 6)."""
     try:
         if kind == "burstgpt":
             value = float(text)
-        else:
-            head, dot, frac = text.partition(".")
-            value = datetime.datetime.fromisoformat(head + (dot + frac[:6] if dot else "")).replace(
-                tzinfo=datetime.timezone.utc).timestamp()
+        else:  # (a time without an offset is UTC; fractions of any length, cut or filled to 6 digits)
+            m = _DATE_TIME.fullmatch(text)
+            if m is None:
+                raise ValueError(text)
+            stamp = datetime.datetime.fromisoformat(m["head"] + (f".{m['frac'][:6]:0<6}" if m["frac"] else "")
+                                                    + (m["zone"] or "").replace("Z", "+00:00"))
+            value = (stamp if stamp.tzinfo else stamp.replace(tzinfo=datetime.timezone.utc)).timestamp()
     except ValueError:
         value = math.nan
     if not 0 <= value < math.inf:
@@ -249,7 +258,7 @@ def _csv_time(text: str, kind: str, where: str) -> float:
 
 
 def _csv_count(text: str, where: str) -> int:
-    if not text.isdigit() or int(text) > MAX_TRACE_TOKENS:
+    if not (text.isascii() and text.isdigit()) or int(text) > MAX_TRACE_TOKENS:  # (not ² nor full-width digits)
         raise ValueError(f"{where}: must be an integer from 0 to {MAX_TRACE_TOKENS}, got {text[:40]!r}")
     return int(text)
 
