@@ -131,14 +131,16 @@ def dataset_kind(args) -> str:
     return "sharegpt" if head.startswith("[") else "jsonl"
 
 
-def read_trace_workload(path: str, n: int | None, vocab: int, seed: int, time_scale: float = 1.0):
+def read_trace_workload(path: str, n: int | None, vocab: int, seed: int, time_scale: float = 1.0,
+                        context: int | None = None):
     """A trace's first `n` requests (all: None; jaxcb.sim.trace.load_trace) as prompts of token ids
     (jaxcb.sim.trace.iter_prompt_ids), output lengths and send times in seconds from the first (its arrivals times
-    `time_scale`)."""
+    `time_scale`). `context`: the server's, where it says it; a longer prompt is made that long only (the server
+    refuses it all the same, and a public trace's 100k-token prompts would take gigabytes here)."""
     from jaxcb.sim.trace import iter_prompt_ids, load_trace
 
     trace = load_trace(path, n, time_scale)
-    prompts = list(iter_prompt_ids(trace, vocab - 100, seed))  # (ids in [100, vocab - 100), as workload's)
+    prompts = list(iter_prompt_ids(trace, vocab - 100, seed, limit=context))  # (ids in [100, vocab - 100))
     return prompts, [r.output_tokens for r in trace], [r.arrival_s for r in trace]
 
 
@@ -277,6 +279,11 @@ async def run_rate(target, api, prompts, outputs, rate, concurrency, seed, slo_t
 
 def served_model(base: str, auth_token=None) -> str | None:
     """The first model an OpenAI API lists (what its requests name), or None if it lists none."""
+    return _first_model(base, auth_token).get("id")
+
+
+def _first_model(base: str, auth_token=None) -> dict:
+    """The first model an OpenAI API lists ({} if none, or no answer)."""
     import httpx
 
     headers = {"Authorization": f"Bearer {auth_token}"} if auth_token else {}
@@ -284,9 +291,19 @@ def served_model(base: str, auth_token=None) -> str | None:
         r = httpx.get(base + "/models", headers=headers, timeout=30.0)
         r.raise_for_status()
         data = r.json().get("data") or []
-        return data[0]["id"] if data else None
+        return data[0] if data and isinstance(data[0], dict) else {}
     except (httpx.HTTPError, ValueError, KeyError, TypeError):
-        return None
+        return {}
+
+
+def served_context(api: str, target: str, auth_token=None) -> int | None:
+    """The tokens per sequence a server takes, where it says (vLLM's and jaxcb's max_model_len, jaxcb's gRPC
+    ModelInfo.context_length); None otherwise."""
+    if api == "openai":
+        value = _first_model(target, auth_token).get("max_model_len")
+        return value if isinstance(value, int) and value > 0 else None
+    info = _model_info(target, auth_token)
+    return info.context_length if info is not None and info.context_length > 0 else None
 
 
 def table(runs, slo_ttft, slo_tpot) -> str:
@@ -369,6 +386,12 @@ def add_args(ap: argparse.ArgumentParser, *, url_required: bool = True) -> None:
 
 def grpc_vocab(target: str, auth_token=None) -> int | None:
     """A jaxcb server's vocabulary size (GetModelInfo), or None."""
+    info = _model_info(target, auth_token)
+    return info.vocab_size if info is not None else None
+
+
+def _model_info(target: str, auth_token=None):
+    """A jaxcb server's GetModelInfo, or None."""
     import grpc
 
     from serve.proto import jaxcb_pb2, jaxcb_pb2_grpc
@@ -377,7 +400,7 @@ def grpc_vocab(target: str, auth_token=None) -> int | None:
     try:
         with grpc.insecure_channel(target) as ch:
             return jaxcb_pb2_grpc.JaxcbStub(ch).GetModelInfo(jaxcb_pb2.GetModelInfoRequest(), metadata=metadata,
-                                                             timeout=30).vocab_size
+                                                             timeout=30)
     except grpc.RpcError:
         return None
 
@@ -416,7 +439,8 @@ def run(args, machine: str | None = None) -> dict:
     vocab = args.vocab_size or (grpc_vocab(target, args.auth_token) if args.api == "grpc" else None) or 32000
     starts = None
     if args.trace:
-        prompts, outputs, starts = read_trace_workload(args.trace, args.requests, vocab, args.seed, args.time_scale)
+        prompts, outputs, starts = read_trace_workload(args.trace, args.requests, vocab, args.seed, args.time_scale,
+                                                       served_context(args.api, target, args.auth_token))
     elif args.dataset and dataset_kind(args) == "sharegpt":
         if args.sharegpt_output_len is not None and args.sharegpt_output_len < 1:
             raise ValueError(f"--sharegpt-output-len: must be at least 1, got {args.sharegpt_output_len}")

@@ -1257,6 +1257,13 @@ def test_bench_serve_measures_a_running_server_over_each_api(server, tmp_path, t
     assert done.returncode == 0, done.stderr
     (run,) = json.loads(done.stdout.strip().splitlines()[-1])["runs"]
     assert (run["rate"], run["requests"], run["output_tokens"]) == ("trace", 3, 9) and run["wall_s"] >= 1.6
+    # a public trace's 100k-token prompt is made only as long as the server's context (which refuses it anyway)
+    from serve.benchmark import read_trace_workload, served_context
+
+    trace.write_text(json.dumps({"arrival_s": 0, "prompt_tokens": 100_000, "output_tokens": 2}) + "\n")
+    assert served_context("openai", server.http + "/v1") == served_context("grpc", server.target) == 256
+    prompts, _, _ = read_trace_workload(str(trace), None, vocab, 0, 1.0, served_context("grpc", server.target))
+    assert len(prompts[0]) == 256
     # ShareGPT's JSON as vLLM's benchmark samples it: first turn the prompt, the second's token count the output
     share = tmp_path / "sharegpt.json"
     words = "the cat sat on a mat and then it went home to sleep for a long while".split()
