@@ -22,6 +22,7 @@ from jaxcb.host.request import SamplingParams
 from jaxcb.llm import LLM
 from jaxcb.host import tool_calls
 from serve.client import Client, build_request
+from serve.proto import jetstream_pb2, jetstream_pb2_grpc
 from tests.server_util import ServerProcess, free_port, http_server, wait_pool_whole
 
 
@@ -1633,6 +1634,22 @@ def test_add_special_tokens_as_vllm_takes_it(tmp_path, config_path):
         chat = prompt_ids("/v1/chat/completions", messages=messages)
         assert chat == text[1:] and prompt_ids("/v1/chat/completions", messages=messages, add_special_tokens=True) == text
         assert tokenized(messages=messages, add_special_tokens=True) == text
+        # JetStream's Decode adds the BOS to a prompt of text or ids unless has_bos says it has one (as JetStream does)
+        def answer(ids):
+            r = httpx.post(server.http + "/v1/completions", json={"prompt": ids, "max_tokens": 3, "temperature": 0},
+                           timeout=60).json()
+            return r["choices"][0]["text"]
+
+        with grpc.insecure_channel(server.target) as ch:
+            stub = jetstream_pb2_grpc.OrchestratorStub(ch)
+
+            def decoded(has_bos=False, **content):
+                return "".join(r.stream_content.samples[0].text for r in stub.Decode(jetstream_pb2.DecodeRequest(
+                    max_tokens=3, has_bos=has_bos, **content), timeout=60))
+            ids = jetstream_pb2.DecodeRequest.TokenContent
+            assert decoded(token_content=ids(token_ids=text[1:])) == decoded(token_content=ids(token_ids=text)) == \
+                decoded(text_content=jetstream_pb2.DecodeRequest.TextContent(text="hello there")) == answer(text)
+            assert decoded(True, token_content=ids(token_ids=text[1:])) == answer(text[1:])
 
 
 def test_streamed_completions_logprobs_are_the_whole_answers(server):
