@@ -125,6 +125,28 @@ def test_no_content_can_produce_a_control_token(tok, contents, system):
         assert m["content"] in text
 
 
+def test_a_content_of_parts_is_given_as_parts_to_a_template_that_reads_them(tok):
+    """A content given as text parts: a template that takes a content as a string gets them joined by newlines
+    (as vLLM gives them); one that loops over a content's parts (Gemma 3's, Llama 4's) gets the parts, as
+    transformers and vLLM give them (Gemma's trims each and writes them with nothing between). Either way a
+    part's special-token text stays text."""
+    from jaxcb.host import tool_calls
+
+    parts = [{"type": "text", "text": " part one "}, {"type": "text", "text": "part two<|im_end|>"}]
+    _, messages, _ = tool_calls.prepare({}, [{"role": "user", "content": parts}], tok.chat_template)
+    joined = tok.decode(tok.encode_chat(messages), skip_special=False)
+    assert "<|im_start|>user\n part one \npart two<|im_end|><|im_end|>" in joined
+    looping = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['content'] is string %}{{ m['content'] | trim }}"
+               "{% else %}{% for item in m['content'] %}{% if item['type'] == 'text' %}{{ item['text'] | trim }}{% endif %}"
+               "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}")
+    ids = tok.encode_chat(messages, chat_template=looping)
+    assert tok.decode(ids, skip_special=False) == "<|im_start|>user\npart onepart two<|im_end|><|im_end|>\n"
+    im_end = tok._tok.token_to_id("<|im_end|>")
+    assert ids.count(im_end) == 1  # (the part's <|im_end|> is text)
+    plain = tok.encode_chat([{"role": "user", "content": "part onepart two"}], chat_template=looping)
+    assert tok.decode(plain, skip_special=False) == "<|im_start|>user\npart onepart two<|im_end|>\n"
+
+
 def test_content_equal_to_the_template_text_is_located_at_the_content(tok):
     """The finding of the review: after a system message, a content that repeats the template's own
     text is not mistaken for it (a search for the content found the template's text first)."""

@@ -13,6 +13,7 @@ import datetime
 import functools
 import json
 import os
+import re
 
 import jinja2
 import jinja2.ext
@@ -53,6 +54,37 @@ def check_template_kwargs(kwargs, field: str = "chat_template_kwargs") -> dict:
 def template_roles(messages: list[dict]) -> list[dict]:
     """The messages with each role as chat templates name it (ROLE_AS)."""
     return [dict(m, role=ROLE_AS[m["role"]]) if m.get("role") in ROLE_AS else m for m in messages]
+
+
+class TextParts(str):
+    """A content given as a list of text parts: its text, the parts joined by newlines (what jaxcb reads, and what
+    a template that takes a content as a string is given, as vLLM gives it), with the parts themselves kept for
+    a template that reads a content's parts itself (`parts_for`)."""
+
+    parts: tuple[str, ...]
+
+    def __new__(cls, parts):
+        text = super().__new__(cls, "\n".join(parts))
+        text.parts = tuple(parts)
+        return text
+
+
+# A template that loops over a message's content (Gemma 3's, Llama 4's): it reads the parts itself, as vLLM's
+# detection of the "openai" content format finds it
+_READS_PARTS = re.compile(r"for\s+\w+\s+in\s+\w+\s*(?:\[\s*['\"]content['\"]\s*\]|\.content\b)")
+
+
+def reads_parts(source: str | None) -> bool:
+    return bool(source) and _READS_PARTS.search(source) is not None
+
+
+def parts_for(messages: list[dict], source: str | None) -> list[dict]:
+    """The messages as template `source` takes them: a content given as parts, as its list of text parts, where
+    the template reads a content's parts itself (its own text between parts, trimming, ...); else as they are."""
+    if not reads_parts(source):
+        return messages
+    return [dict(m, content=[{"type": "text", "text": p} for p in m["content"].parts])
+            if isinstance(m.get("content"), TextParts) else m for m in messages]
 
 
 def compile_template(text, field: str = "chat_template") -> jinja2.Template:

@@ -35,7 +35,8 @@ from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tok
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import __version__ as _TOKENIZERS_VERSION
 
-from jaxcb.host.chat_template import ROLES, check_template_kwargs, compile_template, template_roles
+from jaxcb.host.chat_template import (ROLES, TextParts, check_template_kwargs, compile_template, parts_for,
+                                      reads_parts, template_roles)
 from jaxcb.host.embedding import Pooling
 from jaxcb.host.errors import InvalidConfig, InvalidRequest, shown
 
@@ -495,9 +496,11 @@ class Tokenizer:
                 raise InvalidRequest(f"messages[{i}].content: must be a string")
         bos = self.id_to_token(self.bos_id) if self.bos_id is not None else ""
         eos = self.id_to_token(self.eos_id) if self.eos_id is not None else ""
+        source = self.chat_template if chat_template is None else chat_template
         try:
             return template.render(
-                **template_kwargs, messages=template_roles(messages), add_generation_prompt=add_generation_prompt,
+                **template_kwargs, messages=parts_for(template_roles(messages), source),
+                add_generation_prompt=add_generation_prompt,
                 bos_token=bos, eos_token=eos, tools=tools)
         except InvalidRequest:
             raise
@@ -552,7 +555,10 @@ class Tokenizer:
                                  "a special token's text; send a raw prompt")
         if continue_final_message:  # up to the end of the last content the template wrote: the final message's
             last = max((i for i, (_, is_content) in enumerate(pieces) if is_content), default=None)
-            if last is None or pieces[last][0] not in (messages[-1]["content"], messages[-1]["content"].strip()):
+            final = messages[-1]["content"]
+            final = final.parts[-1] if isinstance(final, TextParts) and reads_parts(
+                self.chat_template if chat_template is None else chat_template) else final
+            if last is None or pieces[last][0] not in (final, final.strip()):
                 raise InvalidRequest("continue_final_message: the chat template does not end the conversation "
                                      "with the final message's content")
             pieces = pieces[:last + 1]
@@ -601,18 +607,28 @@ class Tokenizer:
         import uuid
 
         nonce = uuid.uuid4().hex
-        marks = [f"\ue000{nonce}{i}\ue001" for i in range(len(messages))]
-        # An em space each side (whitespace no template writes itself): a template that trims contents
-        # trims these, and so the real contents.
-        # (An empty content, an assistant's that only calls tools, is left as it is: nothing to protect, and
-        # templates write it or not by whether it is empty.)
-        marked = self.render_chat([{**m, "content": f"\u2003{mark}\u2003"} if m["content"] else m
-                                   for m, mark in zip(messages, marks)],
-                                  add_generation_prompt, template_kwargs, chat_template, tools, roles)
-        pattern = re.compile("(\u2003?)(" + "|".join(map(re.escape, marks)) + ")(\u2003?)")
+        # A mark per content (per text part where it came as parts: a template may read them itself), with an em
+        # space each side (whitespace no template writes itself): a template that trims contents trims these, and
+        # so the real contents. (An empty content or part, an assistant's that only calls tools, is left as it is:
+        # nothing to protect, and templates write it or not by whether it is empty.)
+        texts: dict[str, str] = {}
+
+        def mark(text: str, name: str) -> str:
+            if not text:
+                return text
+            texts[f"\ue000{nonce}{name}\ue001"] = text
+            return f"\u2003\ue000{nonce}{name}\ue001\u2003"
+
+        parts = reads_parts(self.chat_template if chat_template is None else chat_template)
+        marked = self.render_chat(
+            [{**m, "content": TextParts([mark(p, f"{i}.{j}") for j, p in enumerate(m["content"].parts)])
+              if parts and isinstance(m["content"], TextParts) else mark(m["content"], str(i))} if m["content"] else m
+             for i, m in enumerate(messages)],
+            add_generation_prompt, template_kwargs, chat_template, tools, roles)
+        pattern = re.compile("(\u2003?)(" + "|".join(map(re.escape, texts)) + ")(\u2003?)") if texts else None
         pieces, at = [], 0
-        for found in pattern.finditer(marked):
-            content = messages[marks.index(found.group(2))]["content"]
+        for found in pattern.finditer(marked) if pattern else ():
+            content = texts[found.group(2)]
             trimmed = not found.group(1) and not found.group(3)
             if found.group(1) != found.group(3):
                 return None, marked  # trimmed on one side only: not a transformation this can follow

@@ -60,7 +60,7 @@ import secrets
 import string
 import uuid
 
-from jaxcb.host.chat_template import ROLE_AS, template_reads
+from jaxcb.host.chat_template import ROLE_AS, TextParts, template_reads
 from jaxcb.host.errors import InvalidRequest
 from jaxcb.host import harmony, pythonic, raw_strings
 from jaxcb.host.structured import Constraint, embedded, followed, lark_schema, marker, rebased, special
@@ -298,7 +298,8 @@ CHAT_PARTS = {"text": "text", "refusal": "refusal"}  # a chat content part's typ
 def content_text(content, where: str, parts: dict[str, str] = CHAT_PARTS) -> str | None:
     """A message's content as text: a string as it is, or OpenAI's list of content parts, whose text
     parts (chat's text and an assistant's refusal parts, or the `parts` given: the Responses API's
-    input_text and output_text) are joined by newlines, as vLLM joins them; None (an assistant message
+    input_text and output_text) are joined by newlines, as vLLM joins them (a TextParts: a template that reads
+    the parts itself is given them, as vLLM gives them); None (an assistant message
     of tool calls only) stays None. A part of another kind (an image, audio, a file) is refused naming
     it: the models served here read text only."""
     if content is None or isinstance(content, str):
@@ -316,7 +317,7 @@ def content_text(content, where: str, parts: dict[str, str] = CHAT_PARTS) -> str
         if not isinstance(part.get(parts[kind]), str):
             raise InvalidRequest(f"{where}[{k}].{parts[kind]}: must be a string")
         texts.append(part[parts[kind]])
-    return "\n".join(texts)
+    return TextParts(texts)
 
 
 def prepare(body: dict, messages: list, template: str | None,
