@@ -143,6 +143,11 @@ def test_a_content_of_parts_is_given_as_parts_to_a_template_that_reads_them(tok)
     assert tok.decode(ids, skip_special=False) == "<|im_start|>user\npart onepart two<|im_end|><|im_end|>\n"
     im_end = tok._tok.token_to_id("<|im_end|>")
     assert ids.count(im_end) == 1  # (the part's <|im_end|> is text)
+    import copy
+    import pickle
+
+    assert tok.encode_chat(copy.deepcopy(messages), chat_template=looping) == ids  # (a kept conversation's copy)
+    assert pickle.loads(pickle.dumps(messages[0]["content"])).parts == messages[0]["content"].parts
     plain = tok.encode_chat([{"role": "user", "content": "part onepart two"}], chat_template=looping)
     assert tok.decode(plain, skip_special=False) == "<|im_start|>user\npart onepart two<|im_end|>\n"
 

@@ -68,6 +68,9 @@ class TextParts(str):
         text.parts = tuple(parts)
         return text
 
+    def __getnewargs__(self):  # (copied and pickled from its parts, not its text)
+        return (self.parts,)
+
 
 # A template that loops over a message's content (Gemma 3's, Llama 4's): it reads the parts itself, as vLLM's
 # detection of the "openai" content format finds it
