@@ -270,7 +270,7 @@ def chat_body(body: dict, origins: list, counting: bool = False) -> dict:
         limit = int_field(body, "max_tokens")
         if limit < 1:
             raise bad_request(f"max_tokens: must be at least 1, got {limit}")
-        chat["max_tokens"] = limit
+        chat["max_tokens"], chat["max_tokens_to_room"] = limit, True  # (cut to the room the prompt leaves: run_chat)
         stops = body.get("stop_sequences")
         if stops is not None:
             if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
@@ -295,8 +295,13 @@ def chat_body(body: dict, origins: list, counting: bool = False) -> dict:
 
 
 def error(e: HTTPError, origins: list) -> HTTPError:
-    """A chat error naming this call's own fields."""
+    """A chat error naming this call's own fields; one of a prompt past the context says so in Anthropic's words
+    too ("prompt is too long", which client libraries look for)."""
     e = renamed(e, origins, RENAMES)
+    if e.code == "context_length_exceeded":
+        e = HTTPError(e.status, e.message.replace(" (This model's maximum context length",
+                                                  " (prompt is too long: this model's context length"),
+                      param=e.param, code=e.code)
     m = re.match(r"tools\[\d+\]\.parameters", e.param or "")
     if m:  # (a tool's schema is its input_schema here)
         field = m.group(0).replace(".parameters", ".input_schema") + e.param[m.end():]

@@ -422,7 +422,7 @@ def check_text_fits(state: State, field: str, chars: int, keep: int | None) -> N
     if keep is None and chars > limit * widest:
         raise ContextTooLong(f"{field}: {chars} characters are more than {limit} tokens (the context of "
                              f"{state.engine.max_context}, one left to generate) can hold: a token is at most "
-                             f"{widest} characters")
+                             f"{widest} characters", state.engine.max_context)
 
 
 def prompt_keep(state: State, value) -> int | None:

@@ -729,6 +729,9 @@ def make_app(state) -> FastAPI:
         ids = frontend.truncated(ids, keep)
         if limit is None:  # the default needs the prompt's length (validated again by replace)
             params = dataclasses.replace(params, max_tokens=max(1, state.engine.max_context - len(ids)))
+        elif body.get("max_tokens_to_room"):  # (Anthropic's: a required max_tokens that clients set for far larger
+            # contexts, 4,096 or 128,000, cut to the room the prompt leaves, as vLLM cuts it)
+            params = dataclasses.replace(params, max_tokens=max(1, min(limit, state.engine.max_context - len(ids))))
         if penalty is not None:
             return await beam_answer(state, request, options, tenant, [ids], params, penalty, chat=True)
         if state.options.reasoning_parser and not harmonic and params.structured is not None:  # after the thinking

@@ -80,7 +80,10 @@ def http_error(e: JaxcbError) -> HTTPError:
     """One of jaxcb's errors as its HTTP status (its nearest kind in HTTP_STATUS; 500 if none), naming
     the field it names."""
     status = next((HTTP_STATUS[kind] for kind in type(e).__mro__ if kind in HTTP_STATUS), 500)
-    return HTTPError(status, str(e), param=e.field if status == 400 else None,
+    message = str(e)
+    if isinstance(e, ContextTooLong) and e.context:  # (OpenAI's and vLLM's words, which client libraries look for)
+        message += f" (This model's maximum context length is {e.context} tokens.)"
+    return HTTPError(status, message, param=e.field if status == 400 else None,
                      code="context_length_exceeded" if isinstance(e, ContextTooLong) else None)
 
 

@@ -92,6 +92,33 @@ def test_messages_answer_as_the_chat_does_whole_and_streamed(server, claude, oai
         assert cut.content[0].text == text[:text.index(stop)]
 
 
+def test_a_max_tokens_past_the_context_is_cut_to_the_room_and_a_prompt_past_it_is_too_long(server, claude, oai):
+    """max_tokens is required here, and clients set it for far larger contexts (LangChain's ChatAnthropic 4,096,
+    LiteLLM 128,000): cut to the room the prompt leaves (as vLLM cuts it), the answer ends with max_tokens. A
+    prompt past the context is refused in words Anthropic's clients look for ("prompt is too long"); the OpenAI
+    API's in OpenAI's ("This model's maximum context length is")."""
+    words = 400
+    for _ in range(3):  # (a prompt that leaves a few dozen tokens of the 2,048)
+        content = "word " * words
+        n = claude.messages.count_tokens(model="tiny-long", messages=[{"role": "user", "content": content}]).input_tokens
+        words = max(1, int(words * 2000 / n))
+    assert 1900 < n < 2040
+    m = claude.messages.create(model="tiny-long", messages=[{"role": "user", "content": content}], max_tokens=4096,
+                               extra_body={"ignore_eos": True, "temperature": 0})
+    assert m.stop_reason == "max_tokens" and m.usage.input_tokens + m.usage.cache_read_input_tokens == n
+    assert m.usage.output_tokens == 2048 - n
+    with pytest.raises(anthropic.BadRequestError) as e:
+        claude.messages.create(model="tiny-long", messages=[{"role": "user", "content": content * 2}], max_tokens=8)
+    assert "prompt is too long" in e.value.message and "messages" in e.value.message, e.value.message
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.chat.completions.create(model="tiny-long", messages=[{"role": "user", "content": content * 2}], max_tokens=8)
+    assert e.value.code == "context_length_exceeded" and "This model's maximum context length is 2048 tokens" in \
+        e.value.message, e.value.message
+    with pytest.raises(openai.BadRequestError) as e:  # (the OpenAI API's max_tokens is its own: refused, as OpenAI's)
+        oai.chat.completions.create(model="tiny-long", messages=[{"role": "user", "content": "hi"}], max_tokens=4096)
+    assert e.value.code == "context_length_exceeded"
+
+
 def test_tools_as_tool_use_and_tool_result_blocks(server, claude, oai):
     """tool_choice any: the chat's required call as a tool_use block (whole and streamed as input_json
     deltas); the call and a tool_result back answer as the chat answers the same messages."""

@@ -37,7 +37,11 @@ class InvalidRequest(JaxcbError, ValueError):
 
 class ContextTooLong(InvalidRequest):
     """A prompt, or a prompt and the tokens asked for, longer than the context (OpenAI's context_length_exceeded,
-    the code clients read to shorten the conversation and retry)."""
+    the code clients read to shorten the conversation and retry); `context`: the context's tokens."""
+
+    def __init__(self, message: str, context: int | None = None):
+        super().__init__(message)
+        self.context = context
 
 
 class InvalidConfig(JaxcbError, ValueError):

@@ -286,7 +286,7 @@ def check_prompt_length(field: str, tokens: int, max_context: int) -> None:
         raise InvalidRequest(f"{field}: must not be empty")
     if tokens >= max_context:
         raise ContextTooLong(f"{field}: {tokens} tokens; the limit is {max_context - 1} "
-                             f"(context {max_context} tokens, at least one generated)")
+                             f"(context {max_context} tokens, at least one generated)", max_context)
 
 
 def check_tokens(prompt_ids, params: SamplingParams, max_context: int, vocab_size: int) -> None:
@@ -295,7 +295,7 @@ def check_tokens(prompt_ids, params: SamplingParams, max_context: int, vocab_siz
     check_prompt_length("prompt", len(prompt_ids), max_context)
     if len(prompt_ids) + params.max_tokens > max_context:
         raise ContextTooLong(f"max_tokens: prompt ({len(prompt_ids)}) + max_tokens ({params.max_tokens}) exceeds the "
-                             f"context limit of {max_context} tokens")
+                             f"context limit of {max_context} tokens", max_context)
     v = vocab_size
     bad = next((t for t in prompt_ids if isinstance(t, bool) or not isinstance(t, (int, np.integer))
                 or not 0 <= int(t) < v), None)
