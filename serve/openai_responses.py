@@ -444,9 +444,7 @@ def reshape(answer, body: dict, origins: list | None = None, keep=None, rid: str
     where given, is called with the finished response object and says whether it was kept (its `store`); `rid` and
     `created`: the response's id and time where it has them already (a background one's)."""
     if isinstance(answer, StreamingResponse):
-        return StreamingResponse(_events(answer.body_iterator, body, origins or [], keep, rid, stored, created),
-                                 media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return event_stream(_events(answer.body_iterator, body, origins or [], keep, rid, stored, created))
     if isinstance(answer, Response):
         return answer
     shape = Shape(body, answer["model"], rid, stored or keep is not None, created)
@@ -462,6 +460,12 @@ def reshape(answer, body: dict, origins: list | None = None, keep=None, rid: str
     for call in message.get("tool_calls") or ():
         shape.add_call(call["id"], call["function"]["name"], call["function"]["arguments"])
     return _kept(shape, keep)
+
+
+def event_stream(events) -> StreamingResponse:
+    """Server-sent events (their text) as the answer."""
+    return StreamingResponse(events, media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
 def _kept(shape: Shape, keep) -> dict:

@@ -35,6 +35,7 @@ import contextlib
 import copy
 import dataclasses
 import json
+import re
 import sys
 import time
 import uuid
@@ -292,10 +293,9 @@ class Store:
             raise bad_request(f"stream: response {shown(rid)} was not streamed in the background; only such a "
                               "response's events are kept (stream false gives it whole)")
         after = query.get("starting_after", "-1")
-        if not after.lstrip("-").isdigit() or not -1 <= int(after):
+        if not re.fullmatch(r"-1|[0-9]{1,12}", after):
             raise bad_request(f"starting_after: must be an event's sequence_number (an integer >= -1), got {shown(after)}")
-        return StreamingResponse(kept.detached.follow(int(after)), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return openai_responses.event_stream(kept.detached.follow(int(after)))
 
     def delete(self, owner: str, rid: str) -> dict:
         kept = self.find(owner, rid)
@@ -470,8 +470,7 @@ class Store:
         if kept.response["status"] == "queued":
             kept.response = dict(kept.response, status="in_progress")
         if detached.events is not None:
-            return StreamingResponse(detached.follow(), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            return openai_responses.event_stream(detached.follow())
         return copy.deepcopy(kept.response)
 
     async def _pump(self, kept: Kept, events) -> None:
