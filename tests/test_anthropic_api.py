@@ -188,7 +188,7 @@ def test_prefill_output_format_and_hints(server, claude, oai):
 @pytest.mark.parametrize("body, status, message", [
     ({"messages": [{"role": "user", "content": "x"}]}, 400, "max_tokens: required"),
     ({"max_tokens": 0, "messages": [{"role": "user", "content": "x"}]}, 400, "max_tokens: must be at least 1"),
-    ({"max_tokens": 10**9, "messages": [{"role": "user", "content": "x"}]}, 400, "max_tokens: prompt ("),
+    ({"max_tokens": "many", "messages": [{"role": "user", "content": "x"}]}, 400, "max_tokens: must be"),
     ({"max_tokens": 4, "messages": []}, 400, "messages: must be a non-empty list"),
     ({"max_tokens": 4, "messages": [{"role": "system", "content": "x"}]}, 400, "messages[0].role: must be user or"),
     ({"max_tokens": 4, "messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, 400,
