@@ -114,6 +114,18 @@ def test_tools_and_messages_render_for_the_chat_template():
     assert messages[0]["content"].startswith("Be brief.") and '"name": "get_weather"' in messages[0]["content"]
     assert messages[2]["content"] == '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>'
     assert messages[3]["content"] == "<tool_response>rain</tool_response>"
+    # a parallel call's results: one user turn, in order (as Qwen's template writes them); a template that makes turns
+    # alternate (Gemma 3's) refused two user turns in a row
+    parallel = tool_calls.render_messages([
+        {"role": "user", "content": "weather?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": f"call_{c}", "type": "function", "function": {"name": "get_weather", "arguments": f'{{"city": "{c}"}}'}}
+            for c in ("Oslo", "Rome")]},
+        {"role": "tool", "tool_call_id": "call_Oslo", "content": "rain"},
+        {"role": "tool", "tool_call_id": "call_Rome", "content": "sun"},
+        {"role": "user", "content": "thanks"}], tools)
+    assert [m["role"] for m in parallel] == ["system", "user", "assistant", "user", "user"]
+    assert parallel[3]["content"] == "<tool_response>rain</tool_response>\n<tool_response>sun</tool_response>"
     assert tool_calls.constraint(tools).kind == "grammar"
     assert tool_calls.constraint(_tools("auto")) is None
     none = _tools("none")

@@ -339,8 +339,11 @@ def render_messages(messages: list, tools: Tools | None, fmt: Format = HERMES, n
     message's `tool_call_id` and the called function's `name` (given, or that of the call it answers:
     Hermes' template needs it). Else as jaxcb renders them: the tools' system text first
     (merged into the conversation's own system message), assistant tool calls written in `fmt` in its
-    content, tool results in user turns. Checks the tool-related fields of each message."""
+    content, tool results in user turns (consecutive results, a parallel call's, in one turn, as Qwen's template
+    writes them: a template that makes turns alternate refuses two user turns in a row). Checks the tool-related
+    fields of each message."""
     out, called = [], {}  # call id -> function name
+    after_result = False  # (the last message out is a tool result's user turn)
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise InvalidRequest(f"messages[{i}]: must be an object with a role")
@@ -381,6 +384,10 @@ def render_messages(messages: list, tools: Tools | None, fmt: Format = HERMES, n
                 message["name"] = name
         elif role == "tool":
             message = {"role": "user", "content": f"<tool_response>{content}</tool_response>"}
+            if after_result:
+                out[-1] = {"role": "user", "content": out[-1]["content"] + "\n" + message["content"]}
+                continue
+        after_result = role == "tool" and not native
         out.append(message)
     if tools is not None and tools.active and not native:
         text = system_text(tools)
