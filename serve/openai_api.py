@@ -244,7 +244,7 @@ def make_app(state) -> FastAPI:
         frontend.check_messages("messages", [(m["role"], m["content"]) for m in messages])
         dropping = body.get("truncation") == "auto"  # (a Responses call's: counted as run_chat would cut it)
         if dropping:
-            messages = dropped_to_fit(messages, (state.engine.max_context - 1) * tokenizer.max_token_chars)
+            messages = dropped_to_fit(messages)
         elif fits:
             frontend.check_text_fits(state, "messages", sum(len(m["content"]) for m in messages), keep)
 
@@ -257,10 +257,7 @@ def make_app(state) -> FastAPI:
                 raise bad_request(f"messages: {e}") from None
             return with_special(ids, special)
 
-        ids = await encoded(messages)
-        if dropping and len(ids) + 1 > state.engine.max_context:
-            ids = await fitted(messages, encoded, 1)
-        return ids
+        return await (fitted(messages, encoded, 1) if dropping else encoded(messages))
 
     def with_special(ids: list[int], special: bool | None) -> list[int]:
         """A chat's ids: the template writes its own special tokens; add_special_tokens (default false) adds the
@@ -643,8 +640,10 @@ def make_app(state) -> FastAPI:
             start += 1
         return messages[:head] + messages[start:]
 
-    def dropped_to_fit(messages: list[dict], chars: int) -> list[dict]:
-        """`messages` without as few of the oldest as leave at most `chars` characters of content (or one)."""
+    def dropped_to_fit(messages: list[dict]) -> list[dict]:
+        """`messages` without as few of the oldest as leave no more characters of content than the context's
+        prompt tokens could hold (or one message): no encoding is then longer than the context could be."""
+        chars = (state.engine.max_context - 1) * state.tokenizer.max_token_chars
         head = first_turn(messages)
         total, drop = sum(len(m["content"]) for m in messages), 0
         while total > chars and head + drop < len(messages) - 1:
@@ -654,8 +653,11 @@ def make_app(state) -> FastAPI:
 
     async def fitted(messages: list[dict], encoded, room: int) -> list[int]:
         """The prompt of `messages` with the fewest of its oldest messages dropped (without_oldest) that leaves
-        `room` tokens in the context: found by bisection, each try one encoding. Still too long with one message
-        left: that prompt."""
+        `room` tokens in the context: the whole, if it does, else found by bisection, each try one encoding. Still
+        too long with one message left: that prompt."""
+        ids = await encoded(messages)
+        if len(ids) + room <= state.engine.max_context:
+            return ids
         lo, hi = 1, max(1, len(messages) - first_turn(messages) - 1)  # (the fewest dropped that might fit, the most)
         best = await encoded(without_oldest(messages, hi))
         while lo < hi:
@@ -688,8 +690,8 @@ def make_app(state) -> FastAPI:
         # The Responses API's truncation "auto" (its chat body's own key): the conversation's oldest messages
         # dropped until it fits; kept whole, a conversation the context cannot hold is refused before tokenizing
         dropping = body.get("truncation") == "auto"
-        if dropping:  # (first those whose text alone could not fit: no encoding is longer than the context could be)
-            messages = dropped_to_fit(messages, (state.engine.max_context - 1) * state.tokenizer.max_token_chars)
+        if dropping:  # (first those whose text alone could not fit)
+            messages = dropped_to_fit(messages)
         else:
             frontend.check_text_fits(state, "messages", sum(len(m["content"]) for m in messages), keep)
         # Validated with a placeholder length first (every field before any tokenizing); the real
@@ -723,10 +725,7 @@ def make_app(state) -> FastAPI:
             ids = await asyncio.to_thread(functools.partial(state.tokenizer.encode_chat, msgs, *template, tools=shown))
             return with_special(ids, special)
 
-        ids = await encoded(messages)
-        if dropping and len(ids) + (limit or 1) > state.engine.max_context:
-            ids = await fitted(messages, encoded, limit or 1)
-        ids = frontend.truncated(ids, keep)
+        ids = frontend.truncated(await (fitted(messages, encoded, limit or 1) if dropping else encoded(messages)), keep)
         if limit is None:  # the default needs the prompt's length (validated again by replace)
             params = dataclasses.replace(params, max_tokens=max(1, state.engine.max_context - len(ids)))
         elif body.get("max_tokens_to_room"):  # (Anthropic's: a required max_tokens that clients set for far larger
