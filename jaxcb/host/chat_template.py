@@ -77,7 +77,9 @@ class TextParts(str):
 _READS_PARTS = re.compile(r"for\s+\w+\s+in\s+\w+\s*(?:\[\s*['\"]content['\"]\s*\]|\.content\b)")
 
 
+@functools.lru_cache(maxsize=32)
 def reads_parts(source: str | None) -> bool:
+    """Whether template `source` reads a content's parts itself (read once per template, not per render)."""
     return bool(source) and _READS_PARTS.search(source) is not None
 
 

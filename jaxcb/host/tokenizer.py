@@ -475,6 +475,10 @@ class Tokenizer:
             self._bytes[token] = got
         return got
 
+    def _source(self, chat_template: str | None) -> str | None:
+        """The text of the template a render uses: the request's own, else the model's."""
+        return self.chat_template if chat_template is None else chat_template
+
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
                     template_kwargs: dict | None = None, chat_template: str | None = None,
                     tools: list[dict] | None = None, roles: tuple[str, ...] = ROLES) -> str:
@@ -496,7 +500,7 @@ class Tokenizer:
                 raise InvalidRequest(f"messages[{i}].content: must be a string")
         bos = self.id_to_token(self.bos_id) if self.bos_id is not None else ""
         eos = self.id_to_token(self.eos_id) if self.eos_id is not None else ""
-        source = self.chat_template if chat_template is None else chat_template
+        source = self._source(chat_template)
         try:
             return template.render(
                 **template_kwargs, messages=parts_for(template_roles(messages), source),
@@ -556,8 +560,8 @@ class Tokenizer:
         if continue_final_message:  # up to the end of the last content the template wrote: the final message's
             last = max((i for i, (_, is_content) in enumerate(pieces) if is_content), default=None)
             final = messages[-1]["content"]
-            final = final.parts[-1] if isinstance(final, TextParts) and reads_parts(
-                self.chat_template if chat_template is None else chat_template) else final
+            final = final.parts[-1] if isinstance(final, TextParts) and reads_parts(self._source(chat_template)) \
+                else final
             if last is None or pieces[last][0] not in (final, final.strip()):
                 raise InvalidRequest("continue_final_message: the chat template does not end the conversation "
                                      "with the final message's content")
@@ -619,7 +623,7 @@ class Tokenizer:
             texts[f"\ue000{nonce}{name}\ue001"] = text
             return f"\u2003\ue000{nonce}{name}\ue001\u2003"
 
-        parts = reads_parts(self.chat_template if chat_template is None else chat_template)
+        parts = reads_parts(self._source(chat_template))
         marked = self.render_chat(
             [{**m, "content": TextParts([mark(p, f"{i}.{j}") for j, p in enumerate(m["content"].parts)])
               if parts and isinstance(m["content"], TextParts) else mark(m["content"], str(i))} if m["content"] else m
