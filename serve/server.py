@@ -41,26 +41,8 @@ async def run_server(engine: Engine | list[Engine], tokenizer, served_names: str
     may give the model; answers carry the first) until SIGTERM/SIGINT (returns 0) or until an engine
     dies (returns 1)."""
     engines = list(engine) if isinstance(engine, (list, tuple)) else [engine]
-    metrics = Metrics(replicas=len(engines))
-    loop = asyncio.get_running_loop()
-    died = asyncio.Event()
-
-    def on_death(error):
-        loop.call_soon_threadsafe(died.set)
-
-    def on_step(replica, eng, events):
-        metrics.refresh(eng.stats(), replica)
-        if eng.adapters is not None:
-            metrics.refresh_lora(replicas.lora_info())
-
-    replicas = Replicas(engines, on_death=on_death, on_step=on_step)
-    first = engines[0]
-    metrics.set_cache_info(first.config.page_size, sum(e.stats().pages_total for e in engines),
-                           first.runner.describe()["kv_dtype"], first.config.scheduler.prefix_caching)
-    if first.adapters is not None:  # the adapters' gauges from the start, not from the first step
-        metrics.refresh_lora(replicas.lora_info())
-    state = State(replicas, tokenizer, served_names, dtype, options, metrics)
-    state.loop, state.died, state.thread = loop, died, replicas
+    state = open_state(engines, tokenizer, served_names, dtype, options)
+    metrics, replicas = state.metrics, state.thread
     publishers = _kv_event_publishers(engines, options, state.model_name, announce)
 
     server, set_health = make_grpc_server(state, options)
@@ -173,6 +155,34 @@ async def run_server(engine: Engine | list[Engine], tokenizer, served_names: str
     for p in publishers:
         p.close()
     return code
+
+
+def open_state(engines: list[Engine], tokenizer, served_names: str | tuple[str, ...], dtype: str,
+               options: ServerOptions) -> State:
+    """What the APIs' handlers share (serve.frontend.State) on the running loop: the engines behind the
+    router (their threads not started: warm up first), the metrics they refresh at each step, and the
+    event an engine's death sets."""
+    metrics = Metrics(replicas=len(engines))
+    loop = asyncio.get_running_loop()
+    died = asyncio.Event()
+
+    def on_death(error):
+        loop.call_soon_threadsafe(died.set)
+
+    def on_step(replica, eng, events):
+        metrics.refresh(eng.stats(), replica)
+        if eng.adapters is not None:
+            metrics.refresh_lora(replicas.lora_info())
+
+    replicas = Replicas(engines, on_death=on_death, on_step=on_step)
+    first = engines[0]
+    metrics.set_cache_info(first.config.page_size, sum(e.stats().pages_total for e in engines),
+                           first.runner.describe()["kv_dtype"], first.config.scheduler.prefix_caching)
+    if first.adapters is not None:  # the adapters' gauges from the start, not from the first step
+        metrics.refresh_lora(replicas.lora_info())
+    state = State(replicas, tokenizer, served_names, dtype, options, metrics)
+    state.loop, state.died, state.thread = loop, died, replicas
+    return state
 
 
 def _kv_event_publishers(engines, options: ServerOptions, model_name: str, announce) -> list:

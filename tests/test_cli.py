@@ -119,6 +119,59 @@ def test_generate_prompt_and_stats(tiny_gguf_path, small_config, tmp_path):
     assert r.returncode == 2 and "--weights" in r.stderr
 
 
+def test_run_batch_answers_each_line_as_the_http_api_does(tiny_gguf_path, small_config, tmp_path):
+    """`jaxcb run-batch` (vLLM's, on OpenAI's Batch API lines): each body answered by the HTTP API's own
+    handlers, the engine's tokens as `jaxcb generate` gives them, refusals in the API's words, lines that are
+    no request named by line, the output in input order though lines end out of order (2 in flight)."""
+    def line(custom_id, url, body, method="POST"):
+        return json.dumps({"custom_id": custom_id, "method": method, "url": url, "body": body})
+
+    greedy = {"prompt": [5, 6, 7], "max_tokens": 6, "ignore_eos": True, "temperature": 0, "return_token_ids": True}
+    lines = [
+        line("long", "/v1/completions", {"prompt": [9, 10], "max_tokens": 40, "ignore_eos": True}),
+        line("greedy", "/v1/completions", greedy),
+        "",
+        line("chat", "/v1/chat/completions", {"messages": [{"role": "user", "content": "is it"}], "max_tokens": 3}),
+        line("embed", "/v1/embeddings", {"input": ["the weather", "is it"]}),
+        line("too-long", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 10**6}),
+        line("no-model", "/v1/completions", {"model": "gpt-9", "prompt": "hi"}),
+        "{not json",
+        line("greedy", "/v1/completions", greedy),
+        line("get", "/v1/models", {}, method="GET"),
+        line("lora", "/v1/load_lora_adapter", {"lora_name": "a", "lora_path": "/tmp"}),
+        line("stream", "/v1/completions", {**greedy, "stream": True}),
+        json.dumps({"custom_id": "extra", "method": "POST", "url": "/v1/completions", "body": greedy, "priority": 1}),
+    ]
+    inp = tmp_path / "batch.jsonl"
+    inp.write_text("\n".join(lines) + "\n")
+    r = run_cli("run-batch", "--model", tiny_gguf_path, "--config", small_config, "-i", str(inp), "-o", "-",
+                "--max-in-flight", "2")
+    assert r.returncode == 1, r.stderr
+    assert "12 lines, 4 answered, 8 failed" in r.stderr, r.stderr
+    out = [json.loads(x) for x in r.stdout.splitlines()]
+    assert [o["custom_id"] for o in out] == ["long", "greedy", "chat", "embed", "too-long", "no-model", None,
+                                             "greedy", "get", "lora", "stream", "extra"]
+    assert len({o["id"] for o in out}) == 12
+    ok = [o["response"]["body"] for o in out[:4]]
+    assert all(o["error"] is None and o["response"]["status_code"] == 200 for o in out[:4])
+    assert ok[0]["usage"]["completion_tokens"] == 40 and ok[2]["object"] == "chat.completion"
+    assert [len(d["embedding"]) for d in ok[3]["data"]] == [64, 64]
+    g = run_cli("generate", "--model", tiny_gguf_path, "--config", small_config, "--input", "/dev/stdin",
+                input=json.dumps({"prompt_token_ids": [5, 6, 7], "max_tokens": 6, "ignore_eos": True}) + "\n")
+    assert g.returncode == 0, g.stderr
+    assert ok[1]["choices"][0]["token_ids"] == json.loads(g.stdout.splitlines()[0])["token_ids"]
+    too_long = out[4]
+    assert too_long["response"]["status_code"] == 400 and too_long["error"]["line"] == 6
+    assert too_long["error"]["message"] == too_long["response"]["body"]["error"]["message"]
+    assert "max_tokens" in too_long["error"]["message"] and too_long["error"]["code"] == "context_length_exceeded"
+    assert out[5]["response"]["status_code"] == 404 and "gpt-9" in out[5]["error"]["message"]
+    errors = [(o["response"], o["error"]["code"], o["error"]["line"]) for o in out[6:]]
+    assert errors == [(None, "invalid_json", 8), (None, "duplicate_custom_id", 9), (None, "invalid_request", 10),
+                      (None, "invalid_url", 11), (None, "invalid_request", 12), (None, "invalid_request", 13)]
+    assert out[9]["error"]["message"].startswith("url: \"/v1/load_lora_adapter\" is not a batch call")
+    assert out[10]["error"]["message"].startswith("body.stream:") and out[11]["error"]["message"].startswith("priority:")
+
+
 def test_cli_errors_are_clear(tiny_gguf_path, tmp_path):
     r = run_cli("generate", "--model", str(tmp_path / "missing.gguf"), "hello")
     assert r.returncode == 2 and "model: file not found" in r.stderr

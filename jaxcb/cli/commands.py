@@ -2,6 +2,7 @@
 
     jaxcb generate "Why is the sky blue?"            # chat template applied; --raw to skip it
     jaxcb generate --input requests.jsonl --output results.jsonl [--stats] [--static]
+    jaxcb run-batch -i batch.jsonl -o results.jsonl   # OpenAI Batch API lines, as vLLM's run-batch
     jaxcb serve | client | warmup | convert | plan | buckets   (see --help of each)
 """
 
@@ -44,6 +45,42 @@ def _sampling_args(p: argparse.ArgumentParser, remote: bool = False) -> None:
     p.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
 
 
+def _add_api_args(p: argparse.ArgumentParser) -> None:
+    """The flags that shape the HTTP API's answers: `serve`'s and `run-batch`'s."""
+    p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="the names requests may give the model (the OpenAI API's `model`, gRPC's "
+                        "GenerateRequest.model); answers carry the first (default: the config's "
+                        "model.served_model_name, else the embedded model's short name or the checkpoint's "
+                        "directory or file name)")
+    p.add_argument("--trust-request-chat-template", action="store_true",
+                   help="let chat requests bring their own chat template (the `chat_template` field, as vLLM's flag "
+                        "of this name allows): a template is a program run on the server, in a sandbox")
+    p.add_argument("--reasoning-parser", choices=("deepseek_r1", "deepseek_v3", "qwen3", "glm45", "openai_gptoss"),
+                   default=None,
+                   help="chat answers' thinking (<think>...</think>; openai_gptoss: harmony's analysis messages, "
+                        "read without the flag too where the chat template writes harmony) as `reasoning` / "
+                        "`reasoning_content` beside the content, whole or streamed, as vLLM's flag of this name gives it")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="taken for vLLM's command lines: tool_choice auto is always served")
+    p.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default="auto",
+                   help="the format the model writes tool calls in (vLLM's flag of this name): auto (default) takes "
+                        "the chat template's own where it renders tools (<|tool_call|>: granite; <function=...> "
+                        "and <parameter=...> elements: qwen3_coder; <arg_key> and <arg_value> elements: glm45, vLLM's "
+                        "glm47 too; <invoke name=...> in <minimax:tool_call>: minimax_m2; <｜tool▁sep｜> blocks: deepseek_v31, or deepseek_v3 with a ```json fence; a <tool_call> "
+                        "block: hermes; [TOOL_CALLS]: mistral, "
+                        "or mistral_v11 with [ARGS]; a \"parameters\" object: llama3_json; func_name1( or "
+                        "<|python_start|>: pythonic, vLLM's llama4_pythonic; gpt-oss's harmony messages: harmony, "
+                        "vLLM's openai), else jaxcb renders the tools and asks for hermes")
+    p.add_argument("--generation-config", choices=("auto", "none", "vllm"), default="auto",
+                   help="the sampling defaults for what a request leaves out (temperature, top_p, top_k, "
+                        "min_p, repetition_penalty): auto (default), the model's generation_config.json where it has "
+                        "one, as vLLM's flag of this name; none (vllm: vLLM's name), OpenAI's over HTTP, the "
+                        "proto's (greedy) over gRPC")
+    p.add_argument("--responses-store-mb", type=float, default=64.0,
+                   help="MiB of Responses API responses kept for previous_response_id, retrieval and background "
+                        "(default 64; the least recently used dropped first; 0 keeps none)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jaxcb", description="jaxcb: LLM serving on JAX/XLA")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -62,6 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("serve", help="serve the model over gRPC and, with --http-port, the OpenAI HTTP API")
     _add_model_args(s)
+    _add_api_args(s)
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     s.add_argument("--port", type=int, default=50051)
     s.add_argument("--metrics-port", type=int, default=None, help="Prometheus metrics over HTTP on this port")
@@ -69,11 +107,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also serve the OpenAI-compatible HTTP API on this port (/v1/completions, "
                         "/v1/chat/completions, /v1/responses, /v1/models, /tokenize, /detokenize, /version, "
                         "/v1/load_lora_adapter, /v1/unload_lora_adapter, /health, /metrics)")
-    s.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
-                   help="the names requests may give the model (the OpenAI API's `model`, gRPC's "
-                        "GenerateRequest.model); answers carry the first (default: the config's "
-                        "model.served_model_name, else the embedded model's short name or the checkpoint's "
-                        "directory or file name)")
     s.add_argument("--kv-events", default=None, metavar="tcp://HOST:PORT",
                    help="publish every page registered in or evicted from the prefix cache as vLLM's KV-cache "
                         "events (msgpack over ZMQ PUB; replays for late subscribers on PORT+1; replica i of "
@@ -85,33 +118,6 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--auth-token", "--api-key", action="append", default=None,
                    help="require 'authorization: Bearer TOKEN' on every call but health checks; repeat for several "
                         "tenants (each token sees and aborts only its own requests); default: $JAXCB_AUTH_TOKEN")
-    s.add_argument("--trust-request-chat-template", action="store_true",
-                   help="let chat requests bring their own chat template (the `chat_template` field, as vLLM's flag "
-                        "of this name allows): a template is a program run on the server, in a sandbox")
-    s.add_argument("--reasoning-parser", choices=("deepseek_r1", "deepseek_v3", "qwen3", "glm45", "openai_gptoss"),
-                   default=None,
-                   help="chat answers' thinking (<think>...</think>; openai_gptoss: harmony's analysis messages, "
-                        "read without the flag too where the chat template writes harmony) as `reasoning` / "
-                        "`reasoning_content` beside the content, whole or streamed, as vLLM's flag of this name gives it")
-    s.add_argument("--enable-auto-tool-choice", action="store_true",
-                   help="taken for vLLM's command lines: tool_choice auto is always served")
-    s.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default="auto",
-                   help="the format the model writes tool calls in (vLLM's flag of this name): auto (default) takes "
-                        "the chat template's own where it renders tools (<|tool_call|>: granite; <function=...> "
-                        "and <parameter=...> elements: qwen3_coder; <arg_key> and <arg_value> elements: glm45, vLLM's "
-                        "glm47 too; <invoke name=...> in <minimax:tool_call>: minimax_m2; <｜tool▁sep｜> blocks: deepseek_v31, or deepseek_v3 with a ```json fence; a <tool_call> "
-                        "block: hermes; [TOOL_CALLS]: mistral, "
-                        "or mistral_v11 with [ARGS]; a \"parameters\" object: llama3_json; func_name1( or "
-                        "<|python_start|>: pythonic, vLLM's llama4_pythonic; gpt-oss's harmony messages: harmony, "
-                        "vLLM's openai), else jaxcb renders the tools and asks for hermes")
-    s.add_argument("--generation-config", choices=("auto", "none", "vllm"), default="auto",
-                   help="the sampling defaults for what a request leaves out (temperature, top_p, top_k, "
-                        "min_p, repetition_penalty): auto (default), the model's generation_config.json where it has "
-                        "one, as vLLM's flag of this name; none (vllm: vLLM's name), OpenAI's over HTTP, the "
-                        "proto's (greedy) over gRPC")
-    s.add_argument("--responses-store-mb", type=float, default=64.0,
-                   help="MiB of Responses API responses kept for previous_response_id, retrieval and background "
-                        "(default 64; the least recently used dropped first; 0 keeps none)")
     s.add_argument("--grace-period", type=float, default=10.0, help="seconds in-flight streams get at shutdown")
     s.add_argument("--http-header-timeout", type=float, default=30.0,
                    help="seconds an HTTP connection has to send a request's line and headers, from its opening "
@@ -128,6 +134,18 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--process-id", type=int, default=None, help="multi-host: this process (0 serves, the others follow)")
     s.add_argument("--multihost", action="store_true",
                    help="multi-host with JAX's cluster detection (TPU pods, SLURM, ...) instead of the three above")
+
+    b = sub.add_parser("run-batch", help="answer a file of OpenAI Batch API requests (vLLM's run-batch) through the "
+                                         "HTTP API's handlers, without a server")
+    b.add_argument("-i", "--input-file", required=True,
+                   help="JSONL: {custom_id, method: POST, url, body} per line (\"-\": stdin)")
+    b.add_argument("-o", "--output-file", required=True,
+                   help="JSONL: {id, custom_id, response: {status_code, request_id, body}, error} per line, in input "
+                        "order (\"-\": stdout)")
+    b.add_argument("--max-in-flight", type=int, default=1024,
+                   help="lines running at once (default 1024; the engine batches them)")
+    _add_model_args(b)
+    _add_api_args(b)
 
     c = sub.add_parser("client", help="stream a completion from a running server")
     c.add_argument("prompt")
@@ -149,7 +167,7 @@ def cmd_serve(args) -> int:
     import logging
 
     from jaxcb.llm import build_engines
-    from serve.server import ServerOptions, run_server
+    from serve.server import run_server
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if bool(args.tls_cert) != bool(args.tls_key):
@@ -158,11 +176,7 @@ def cmd_serve(args) -> int:
         from jaxcb.host.kv_events import endpoints
 
         endpoints(args.kv_events, 0)  # a malformed endpoint is refused before the weights are read
-    from jaxcb.device import compile_cache
-
-    config = _engine_config(args)
-    dots = cpu_dots.setup(config.cpu_dots)  # before the first device call: XLA reads its flags once
-    cache_dir = compile_cache.enable(args.compile_cache)
+    config, dots, cache_dir = _start(args)
     wrap = None
     if args.multihost or args.coordinator or args.num_processes is not None or args.process_id is not None:
         from jaxcb.device import multihost
@@ -176,65 +190,115 @@ def cmd_serve(args) -> int:
     engine = engines[0]
     if wrap is not None:  # every process built the same engine, or none starts
         multihost.check_same_engine(engine.runner.runner, engine.config)  # the leader's ModelRunner
-    model_config, tokenizer, runner, config = engine.model_config, engine.tokenizer, engine.runner, engine.config
-    if tokenizer is None:
-        raise InvalidConfig("model: the file has no tokenizer; the server needs one")
     if args.record_lengths:
         for e in engines:
             e.record_lengths(args.record_lengths)
-    options = ServerOptions(host=args.host, port=args.port, metrics_port=args.metrics_port, http_port=args.http_port,
-                            tls_cert=args.tls_cert,
-                            tls_key=args.tls_key, grace_s=args.grace_period, max_waiting=args.max_waiting,
-                            auth_token=tuple(args.auth_token or filter(None, [os.environ.get("JAXCB_AUTH_TOKEN")])),
-                            max_concurrent_streams=args.max_concurrent_streams, metrics_host=args.metrics_host,
-                            kv_events=args.kv_events, kv_events_topic=args.kv_events_topic,
-                            trust_request_chat_template=args.trust_request_chat_template,
-                            reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser,
-                            http_header_timeout_s=args.http_header_timeout, generation_config=args.generation_config,
-                            responses_store_mb=args.responses_store_mb)
-    step = runner.describe()
-    names = config.served_model_name or (served_name(args.model),)
-    if tokenizer.sampling_defaults and args.generation_config == "auto":
-        print("jaxcb: the HTTP API's sampling defaults, from the model's generation_config.json: "
-              + ", ".join(f"{k} {v}" for k, v in tokenizer.sampling_defaults.items())
-              + " (--generation-config none: OpenAI's)", flush=True)
-    print(f"jaxcb: embeddings (/v1/embeddings, gRPC Embed): {tokenizer.pooling.describe()}", flush=True)
-    if engine.classifier is not None:
-        print(f"jaxcb: classifier (/classify, gRPC Classify; /score and /rerank by it where it has one label): "
-              f"{engine.classifier.describe()}", flush=True)
-    print(f"jaxcb: model {model_config.name} served as {', '.join(names)} on {step['platform']}, {step['compute_dtype']}; "
-          f"{config.num_pages} KV pages of {config.page_size} tokens; policy {config.scheduler.policy}; "
-          f"compile cache {cache_dir or 'off'}", flush=True)
-    print(f"jaxcb: step: weights {step['weights']}, KV {step['kv_dtype']}, attention {step['attention']}"
-          + (f"; XLA:CPU dots: {dots.describe()}" if step["platform"] == "cpu" else "")
-          + ("; compile fast (XLA's backend optimisations off: slower steps)" if config.compile == "fast" else ""),
-          flush=True)
-    if config.chat_template:
-        shown = config.chat_template if os.path.isfile(config.chat_template) else "given inline"
-        print(f"jaxcb: chat template: {shown} (in place of the model file's)", flush=True)
-    fmt, native = choose_tool_format(tokenizer.chat_template, args.tool_call_parser)
-    print(f"jaxcb: tool calls: {fmt.name}, " + ("rendered by the chat template" if native else
-                                                "jaxcb's rendering (the chat template does not render tools)"), flush=True)
-    if fmt.harmony or args.reasoning_parser == "openai_gptoss":
-        print("jaxcb: chat answers in OpenAI's harmony format: analysis messages as `reasoning`, final ones as the "
-              "content, messages to functions as tool calls", flush=True)
-    elif args.reasoning_parser:
-        print(f"jaxcb: reasoning parser: {args.reasoning_parser} (chat answers' <think> part as `reasoning`)", flush=True)
-    if engines[0].describe_speculation():
-        print(f"jaxcb: speculative decoding: {engines[0].describe_speculation()}", flush=True)
-    if len(engines) > 1 or config.tensor_parallel > 1:
-        print(f"jaxcb: {len(engines)} replica(s) x tensor parallel {config.tensor_parallel}: devices "
-              f"{[e.runner.device_ids for e in engines]}", flush=True)
+    options = _server_options(args, host=args.host, port=args.port, metrics_port=args.metrics_port,
+                              http_port=args.http_port, tls_cert=args.tls_cert, tls_key=args.tls_key,
+                              grace_s=args.grace_period, max_waiting=args.max_waiting,
+                              auth_token=tuple(args.auth_token or filter(None, [os.environ.get("JAXCB_AUTH_TOKEN")])),
+                              max_concurrent_streams=args.max_concurrent_streams, metrics_host=args.metrics_host,
+                              kv_events=args.kv_events, kv_events_topic=args.kv_events_topic,
+                              http_header_timeout_s=args.http_header_timeout)
+    names = _announce(args, engines, dots, cache_dir, sys.stdout)
     target = f"{args.host}:{args.port}"
     print(f"jaxcb: try it:  .venv/bin/jaxcb client --target {target} \"Why is the sky blue?\"", flush=True)
 
     def announce(msg):
         print(msg, flush=True)
 
-    code = asyncio.run(run_server(engines, tokenizer, names, step['compute_dtype'], options, announce))
+    code = asyncio.run(run_server(engines, engine.tokenizer, names, engine.runner.describe()["compute_dtype"],
+                                  options, announce))
     if wrap is not None:
         return _leave_cluster(engine.runner, code)
     return code
+
+
+def cmd_run_batch(args) -> int:
+    import asyncio
+
+    from jaxcb.llm import build_engines
+    from serve.batch import run_batch
+
+    if args.input_file != "-" and not os.path.isfile(args.input_file):
+        raise InvalidConfig(f"--input-file: {args.input_file!r} is not a file")
+    if args.max_in_flight < 1:
+        raise InvalidConfig(f"--max-in-flight: must be >= 1, got {args.max_in_flight}")
+    config, dots, cache_dir = _start(args)
+    engines = build_engines(args.model, config, _dtype(args))
+    # The lines in flight bound the calls and the queue: none is refused as overloaded (each line's samples admitted).
+    options = _server_options(args, max_waiting=1 << 30, max_concurrent_streams=args.max_in_flight)
+    names = _announce(args, engines, dots, cache_dir, sys.stderr)
+
+    def announce(msg):
+        print(msg, file=sys.stderr, flush=True)
+
+    return asyncio.run(run_batch(engines, engines[0].tokenizer, names, engines[0].runner.describe()["compute_dtype"],
+                                 options, args.input_file, args.output_file, args.max_in_flight, announce))
+
+
+def _start(args):
+    """The engine config, the XLA:CPU dot settings (before the first device call: XLA reads its flags once)
+    and the compile cache's folder."""
+    from jaxcb.device import compile_cache
+
+    config = _engine_config(args)
+    dots = cpu_dots.setup(config.cpu_dots)
+    return config, dots, compile_cache.enable(args.compile_cache)
+
+
+def _server_options(args, **network):
+    """ServerOptions from the flags that shape the API's answers (_add_api_args) and `network`'s."""
+    from serve.server import ServerOptions
+
+    return ServerOptions(trust_request_chat_template=args.trust_request_chat_template,
+                         reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser,
+                         generation_config=args.generation_config, responses_store_mb=args.responses_store_mb,
+                         **network)
+
+
+def _announce(args, engines, dots, cache_dir, out) -> tuple[str, ...]:
+    """The start banner, to `out`: what is served and how. Returns the names the model is served as."""
+    engine = engines[0]
+    model_config, tokenizer, config, step = engine.model_config, engine.tokenizer, engine.config, engine.runner.describe()
+    if tokenizer is None:
+        raise InvalidConfig("model: the file has no tokenizer; the server needs one")
+
+    def say(line):
+        print(line, file=out, flush=True)
+
+    names = config.served_model_name or (served_name(args.model),)
+    if tokenizer.sampling_defaults and args.generation_config == "auto":
+        say("jaxcb: the HTTP API's sampling defaults, from the model's generation_config.json: "
+            + ", ".join(f"{k} {v}" for k, v in tokenizer.sampling_defaults.items())
+            + " (--generation-config none: OpenAI's)")
+    say(f"jaxcb: embeddings (/v1/embeddings, gRPC Embed): {tokenizer.pooling.describe()}")
+    if engine.classifier is not None:
+        say(f"jaxcb: classifier (/classify, gRPC Classify; /score and /rerank by it where it has one label): "
+            f"{engine.classifier.describe()}")
+    say(f"jaxcb: model {model_config.name} served as {', '.join(names)} on {step['platform']}, {step['compute_dtype']}; "
+        f"{config.num_pages} KV pages of {config.page_size} tokens; policy {config.scheduler.policy}; "
+        f"compile cache {cache_dir or 'off'}")
+    say(f"jaxcb: step: weights {step['weights']}, KV {step['kv_dtype']}, attention {step['attention']}"
+        + (f"; XLA:CPU dots: {dots.describe()}" if step["platform"] == "cpu" else "")
+        + ("; compile fast (XLA's backend optimisations off: slower steps)" if config.compile == "fast" else ""))
+    if config.chat_template:
+        shown = config.chat_template if os.path.isfile(config.chat_template) else "given inline"
+        say(f"jaxcb: chat template: {shown} (in place of the model file's)")
+    fmt, native = choose_tool_format(tokenizer.chat_template, args.tool_call_parser)
+    say(f"jaxcb: tool calls: {fmt.name}, " + ("rendered by the chat template" if native else
+                                              "jaxcb's rendering (the chat template does not render tools)"))
+    if fmt.harmony or args.reasoning_parser == "openai_gptoss":
+        say("jaxcb: chat answers in OpenAI's harmony format: analysis messages as `reasoning`, final ones as the "
+            "content, messages to functions as tool calls")
+    elif args.reasoning_parser:
+        say(f"jaxcb: reasoning parser: {args.reasoning_parser} (chat answers' <think> part as `reasoning`)")
+    if engine.describe_speculation():
+        say(f"jaxcb: speculative decoding: {engine.describe_speculation()}")
+    if len(engines) > 1 or config.tensor_parallel > 1:
+        say(f"jaxcb: {len(engines)} replica(s) x tensor parallel {config.tensor_parallel}: devices "
+            f"{[e.runner.device_ids for e in engines]}")
+    return names
 
 
 def _join_cluster(args, config):
@@ -357,6 +421,8 @@ def main(argv=None) -> int:
             return cli_tools.COMMANDS[args.command](args)
         if args.command == "serve":
             return cmd_serve(args)
+        if args.command == "run-batch":
+            return cmd_run_batch(args)
         if args.command == "client":
             return cmd_client(args)
     except (JaxcbError, ValueError) as e:  # jaxcb's own kinds, and a bad value from argparse's callers

@@ -1,0 +1,236 @@
+"""`jaxcb run-batch`: a file of OpenAI Batch API requests, answered by the HTTP API's own handlers in
+this process (no port): the file `vllm run-batch` reads and OpenAI's Batch API takes, each line
+
+    {"custom_id": "r1", "method": "POST", "url": "/v1/chat/completions", "body": {...}}
+
+and one output line per input line, in input order, in OpenAI's batch output shape:
+
+    {"id": "batch_req_...", "custom_id": "r1", "response": {"status_code": 200, "request_id": "...",
+     "body": {...}}, "error": null}
+
+A request the API refuses keeps its status and error body under `response`, and its error object under
+`error` too (vLLM's readers test `error`, OpenAI's read the body); a line that is no request (not JSON, a
+field missing, a URL not served) has `response` null and `error` {code, message, line}. Each body goes
+through the app (serve.openai_api.make_app) over an in-process ASGI transport, so a batch line is
+checked, run and answered exactly as the same body over HTTP. Lines run concurrently (at most
+`max_in_flight` at once; the engine batches them), read as they are needed, so a file of any length takes
+bounded memory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import sys
+import time
+import uuid
+
+from jaxcb.host.errors import InvalidRequest, JaxcbError
+from jaxcb.host.request import read_json
+from serve import frontend
+
+# The calls a line may make: those that answer a body (streams, background runs and calls that change the
+# server's state, such as loading adapters, are not batch work).
+URLS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses", "/v1/messages",
+        "/v1/messages/count_tokens", "/v1/responses/input_tokens", "/score", "/v1/score", "/rerank", "/v1/rerank",
+        "/v2/rerank", "/classify", "/v1/classify", "/pooling", "/tokenize", "/detokenize")
+LINE_FIELDS = ("custom_id", "method", "url", "body")
+MAX_CUSTOM_ID_CHARS = 512
+MAX_LINE_BYTES = frontend.MAX_REQUEST_BYTES + (1 << 16)  # a body at the HTTP limit and the line around it
+
+
+class LineError(Exception):
+    """A line that is no request: its output line has this error and no response."""
+
+    def __init__(self, code: str, message: str, custom_id=None):
+        super().__init__(message)
+        self.code, self.message, self.custom_id = code, message, custom_id
+
+
+def read_request(raw: bytes, seen: set[str]) -> tuple[str, str, dict]:
+    """A line's (custom_id, url, body), every field checked; `seen` holds the custom_ids before it (each
+    must be unique, as OpenAI's Batch API requires). Raises LineError."""
+    try:
+        line = read_json(raw, "line")
+    except InvalidRequest as e:
+        raise LineError("invalid_json", str(e)) from None
+    if not isinstance(line, dict):
+        raise LineError("invalid_request", "line: must be a JSON object with custom_id, method, url and body")
+    custom_id = line.get("custom_id")
+    custom = custom_id if isinstance(custom_id, str) else None
+    extra = [k for k in line if k not in LINE_FIELDS]
+    if extra:
+        raise LineError("invalid_request", f"{extra[0][:100]}: not a field of a batch line (it has "
+                                           f"{', '.join(LINE_FIELDS)})", custom)
+    if not isinstance(custom_id, str) or not custom_id:
+        raise LineError("invalid_request", "custom_id: must be a non-empty string")
+    if len(custom_id) > MAX_CUSTOM_ID_CHARS:
+        raise LineError("invalid_request", f"custom_id: {len(custom_id)} characters; the limit is "
+                                           f"{MAX_CUSTOM_ID_CHARS}")
+    if custom_id in seen:
+        raise LineError("duplicate_custom_id", f"custom_id: {custom_id!r} is on an earlier line; each must be "
+                                               "unique", custom)
+    seen.add(custom_id)
+    if line.get("method") != "POST":
+        raise LineError("invalid_request", f"method: must be \"POST\", got {json.dumps(line.get('method'))[:100]}",
+                        custom)
+    url = line.get("url")
+    if url not in URLS:
+        raise LineError("invalid_url", f"url: {json.dumps(url)[:200]} is not a batch call; one of {', '.join(URLS)}",
+                        custom)
+    body = line.get("body")
+    if not isinstance(body, dict):
+        raise LineError("invalid_request", "body: must be a JSON object", custom)
+    for flag in ("stream", "background"):
+        if body.get(flag):
+            raise LineError("invalid_request", f"body.{flag}: a batch line is answered by one body; {flag} must "
+                                               "be false or left out", custom)
+    return custom_id, url, body
+
+
+def _lines(source):
+    """(line number, its bytes or None where it is longer than MAX_LINE_BYTES), blank lines left out."""
+    number = 0
+    while True:
+        raw = source.readline(MAX_LINE_BYTES + 1)
+        if not raw:
+            return
+        number += 1
+        if len(raw) > MAX_LINE_BYTES and not raw.endswith(b"\n"):
+            while (rest := source.readline(1 << 20)) and not rest.endswith(b"\n"):
+                pass
+            yield number, None
+        elif raw.strip():
+            yield number, raw
+
+
+def output_line(custom_id, status: int | None = None, body=None, error=None) -> dict:
+    response = None if status is None else {"status_code": status, "request_id": f"batch-{uuid.uuid4().hex}",
+                                            "body": body}
+    return {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": custom_id, "response": response, "error": error}
+
+
+class _Tally:
+    def __init__(self):
+        self.lines = self.answered = self.failed = self.output_tokens = 0
+
+    def count(self, out: dict) -> None:
+        self.lines += 1
+        response = out["response"]
+        if out["error"] is None and response and response["status_code"] == 200:
+            self.answered += 1
+            usage = (response["body"] or {}).get("usage") or {}
+            tokens = usage.get("completion_tokens", usage.get("output_tokens", 0))
+            self.output_tokens += tokens if isinstance(tokens, int) else 0
+        else:
+            self.failed += 1
+
+
+async def run_lines(app, source, sink, max_in_flight: int, announce=None, alive=lambda: True) -> _Tally:
+    """Every line of `source` (a binary file) through `app`, each answer written to `sink` (a text file)
+    in input order. At most `max_in_flight` lines run at once, and at most 8x that many answers wait for a
+    slower line before them (the caller's server options admit that many: none is refused as overloaded).
+    `alive()` false (the engine died) stops the reading: the lines after are not run."""
+    import httpx
+
+    tally, seen = _Tally(), set()
+    slots = asyncio.Semaphore(max_in_flight)
+    order: asyncio.Queue = asyncio.Queue(maxsize=8 * max_in_flight)  # the lines' tasks, in input order
+    transport = httpx.ASGITransport(app=app, client=("run-batch", 0))
+
+    async def post(client, url: str, body: dict) -> tuple[int, dict]:
+        response = await client.post(url, content=json.dumps(body).encode(),
+                                     headers={"content-type": "application/json"})
+        try:
+            return response.status_code, response.json()
+        except ValueError:
+            return response.status_code, {"error": {"message": response.text[:1000], "type": "error", "param": None,
+                                                    "code": None}}
+
+    async def run(client, number: int, raw: bytes | None) -> dict:
+        try:
+            if raw is None:
+                raise LineError("line_too_long", f"line: longer than {MAX_LINE_BYTES} bytes")
+            custom_id, url, body = read_request(raw, seen)
+            status, answer = await post(client, url, body)
+            error = None
+            if status != 200:  # (OpenAI's and Anthropic's error bodies both hold an "error" object)
+                error = answer.get("error") if isinstance(answer, dict) else None
+                error = error if isinstance(error, dict) else {"message": str(error)}
+                error = {"code": error.get("code") or error.get("type") or "error",
+                         "message": error.get("message", ""), "line": number}
+            return output_line(custom_id, status, answer, error)
+        except LineError as e:
+            return output_line(e.custom_id, error={"code": e.code, "message": e.message, "line": number})
+        finally:
+            slots.release()
+
+    async def read(client):
+        try:
+            for number, raw in _lines(source):
+                await slots.acquire()
+                if not alive():
+                    slots.release()
+                    if announce:
+                        announce(f"jaxcb run-batch: the engine stopped; lines from {number} on were not run")
+                    return
+                await order.put(asyncio.ensure_future(run(client, number, raw)))
+        finally:
+            await order.put(None)
+
+    last = time.monotonic()
+    async with httpx.AsyncClient(transport=transport, base_url="http://run-batch", timeout=None) as client:
+        reader = asyncio.ensure_future(read(client))
+        try:
+            while (task := await order.get()) is not None:
+                out = await task
+                tally.count(out)
+                sink.write(json.dumps(out, ensure_ascii=False) + "\n")
+                if announce and time.monotonic() - last > 10:
+                    last = time.monotonic()
+                    announce(f"jaxcb run-batch: {tally.lines} lines answered ({tally.failed} failed)")
+            await reader
+        finally:
+            reader.cancel()
+            while not order.empty():
+                task = order.get_nowait()
+                if task is not None:
+                    task.cancel()
+    return tally
+
+
+async def run_batch(engines, tokenizer, served_names, dtype: str, options, input_file: str, output_file: str,
+                    max_in_flight: int, announce=print) -> int:
+    """`jaxcb run-batch`: warm up the engines, answer every line of `input_file` ("-": stdin) into
+    `output_file` ("-": stdout), stop them. 0 if every line was answered 200, else 1."""
+    from serve.openai_api import make_app
+    from serve.server import open_state
+
+    if max_in_flight < 1:
+        raise JaxcbError(f"--max-in-flight: must be >= 1, got {max_in_flight}")
+    state = open_state(engines, tokenizer, served_names, dtype, options)
+    with contextlib.ExitStack() as files:
+        source = sys.stdin.buffer if input_file == "-" else files.enter_context(open(input_file, "rb"))
+        sink = sys.stdout if output_file == "-" else files.enter_context(open(output_file, "w", encoding="utf-8"))
+        t0 = time.perf_counter()
+        shapes = await asyncio.to_thread(state.thread.warmup, None)
+        announce(f"jaxcb run-batch: warmed up {shapes} bucket shapes in {time.perf_counter() - t0:.1f}s")
+        state.thread.start()
+        state.ready = True
+        died = asyncio.ensure_future(state.died.wait())
+        died.add_done_callback(lambda f: f.cancelled() or state.engine_died())
+        t0 = time.perf_counter()
+        try:
+            tally = await run_lines(make_app(state), source, sink, max_in_flight, announce,
+                                    alive=lambda: not state.died.is_set())
+        finally:
+            died.cancel()
+            state.draining = True
+            for key in list(state.active):
+                state.thread.abort(key)
+            state.thread.stop()
+        wall = time.perf_counter() - t0
+    announce(f"jaxcb run-batch: {tally.lines} lines, {tally.answered} answered, {tally.failed} failed; "
+             f"{wall:.1f}s, {tally.output_tokens} output tokens ({tally.output_tokens / max(wall, 1e-9):.1f}/s)")
+    return 0 if tally.failed == 0 and not state.died.is_set() else 1
