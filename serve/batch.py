@@ -105,13 +105,20 @@ def _lines(source):
             yield number, raw
 
 
+def json_line(out: dict) -> str:
+    """An output line as the file holds it."""
+    return json.dumps(out, ensure_ascii=False) + "\n"
+
+
 def output_line(custom_id, status: int | None = None, body=None, error=None) -> dict:
     response = None if status is None else {"status_code": status, "request_id": f"batch-{uuid.uuid4().hex}",
                                             "body": body}
     return {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": custom_id, "response": response, "error": error}
 
 
-class _Tally:
+class Tally:
+    """A run's lines so far: answered (status 200), failed (any other answer, or no request), output tokens."""
+
     def __init__(self):
         self.lines = self.answered = self.failed = self.output_tokens = 0
 
@@ -127,21 +134,36 @@ class _Tally:
             self.failed += 1
 
 
-async def run_lines(app, source, sink, max_in_flight: int, announce=None, alive=lambda: True) -> _Tally:
-    """Every line of `source` (a binary file) through `app`, each answer written to `sink` (a text file)
-    in input order. At most `max_in_flight` lines run at once, and at most 8x that many answers wait for a
-    slower line before them (the caller's server options admit that many: none is refused as overloaded).
-    `alive()` false (the engine died) stops the reading: the lines after are not run."""
+BUSY = (429,)  # the answers a line waits out and is sent again for, with retry_busy (the server is full)
+
+
+async def run_lines(app, source, write, max_in_flight: int, tally: Tally, *, headers: dict | None = None,
+                    retry_busy: bool = False, alive=lambda: True, progress=None) -> None:
+    """Every line of `source` (a binary file) through `app`, each output line given to `write(out)` in
+    input order and counted in `tally`. At most `max_in_flight` lines run at once, and at most 8x that many
+    answers wait for a slower line before them. `headers` go with every line (a batch's owner's
+    authorization). `retry_busy`: a line refused because the server is full (429) is sent again after a
+    wait, not failed (a server's batch behind its other clients); else the caller admits max_in_flight lines.
+    `alive()` false (the engine died) stops the reading: the lines after are not run (`progress(text)` says
+    so, and every 10 s how far the run is). Cancelled, the lines in flight are cancelled (their requests
+    aborted)."""
     import httpx
 
-    tally, seen = _Tally(), set()
+    seen = set()
     slots = asyncio.Semaphore(max_in_flight)
     order: asyncio.Queue = asyncio.Queue(maxsize=8 * max_in_flight)  # the lines' tasks, in input order
+    live: set[asyncio.Task] = set()
+    headers = {**(headers or {}), "content-type": "application/json"}
     transport = httpx.ASGITransport(app=app, client=("run-batch", 0))
 
     async def post(client, url: str, body: dict) -> tuple[int, dict]:
-        response = await client.post(url, content=json.dumps(body).encode(),
-                                     headers={"content-type": "application/json"})
+        content, wait = json.dumps(body).encode(), 0.25
+        while True:
+            response = await client.post(url, content=content, headers=headers)
+            if not (retry_busy and response.status_code in BUSY):
+                break
+            await asyncio.sleep(wait)
+            wait = min(2 * wait, 5.0)
         try:
             return response.status_code, response.json()
         except ValueError:
@@ -167,17 +189,18 @@ async def run_lines(app, source, sink, max_in_flight: int, announce=None, alive=
             slots.release()
 
     async def read(client):
-        try:
-            for number, raw in _lines(source):
-                await slots.acquire()
-                if not alive():
-                    slots.release()
-                    if announce:
-                        announce(f"jaxcb run-batch: the engine stopped; lines from {number} on were not run")
-                    return
-                await order.put(asyncio.ensure_future(run(client, number, raw)))
-        finally:
-            await order.put(None)
+        for number, raw in _lines(source):
+            await slots.acquire()
+            if not alive():
+                slots.release()
+                if progress:
+                    progress(f"the engine stopped; lines from {number} on were not run")
+                break
+            task = asyncio.ensure_future(run(client, number, raw))
+            live.add(task)
+            task.add_done_callback(live.discard)
+            await order.put(task)
+        await order.put(None)
 
     last = time.monotonic()
     async with httpx.AsyncClient(transport=transport, base_url="http://run-batch", timeout=None) as client:
@@ -186,18 +209,15 @@ async def run_lines(app, source, sink, max_in_flight: int, announce=None, alive=
             while (task := await order.get()) is not None:
                 out = await task
                 tally.count(out)
-                sink.write(json.dumps(out, ensure_ascii=False) + "\n")
-                if announce and time.monotonic() - last > 10:
+                write(out)
+                if progress and time.monotonic() - last > 10:
                     last = time.monotonic()
-                    announce(f"jaxcb run-batch: {tally.lines} lines answered ({tally.failed} failed)")
+                    progress(f"{tally.lines} lines answered ({tally.failed} failed)")
             await reader
         finally:
             reader.cancel()
-            while not order.empty():
-                task = order.get_nowait()
-                if task is not None:
-                    task.cancel()
-    return tally
+            for task in list(live):
+                task.cancel()
 
 
 async def run_batch(engines, tokenizer, served_names, dtype: str, options, input_file: str, output_file: str,
@@ -221,9 +241,11 @@ async def run_batch(engines, tokenizer, served_names, dtype: str, options, input
         died = asyncio.ensure_future(state.died.wait())
         died.add_done_callback(lambda f: f.cancelled() or state.engine_died())
         t0 = time.perf_counter()
+        tally = Tally()
         try:
-            tally = await run_lines(make_app(state), source, sink, max_in_flight, announce,
-                                    alive=lambda: not state.died.is_set())
+            await run_lines(make_app(state), source, lambda out: sink.write(json_line(out)),
+                            max_in_flight, tally, alive=lambda: not state.died.is_set(),
+                            progress=lambda text: announce(f"jaxcb run-batch: {text}"))
         finally:
             died.cancel()
             state.draining = True

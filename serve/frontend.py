@@ -60,12 +60,16 @@ class ServerOptions:
     generation_config: str = "auto"
     # The Responses API's kept responses (serve.openai_responses_store): at most this many MiB; 0 keeps none
     responses_store_mb: float = 64.0
+    # The Files and Batch APIs' files on disk (serve.openai_batches): at most this many MiB; 0 keeps none
+    batch_files_mb: float = 1024.0
 
     def __post_init__(self):
         if self.generation_config not in ("auto", "none", "vllm"):
             raise InvalidConfig(f"--generation-config: {self.generation_config!r} is not auto, none or vllm")
         if not self.responses_store_mb >= 0:
             raise InvalidConfig(f"--responses-store-mb: must be a number of MiB >= 0, got {self.responses_store_mb}")
+        if not 0 <= self.batch_files_mb < 1 << 40:
+            raise InvalidConfig(f"--batch-files-mb: must be a number of MiB >= 0, got {self.batch_files_mb}")
         if not self.http_header_timeout_s > 0:
             raise InvalidConfig(f"--http-header-timeout: must be a positive number of seconds, got "
                                 f"{self.http_header_timeout_s}")
@@ -114,6 +118,7 @@ class State:
         self.loop: asyncio.AbstractEventLoop | None = None
         self.thread: Replicas | None = None
         self.died = asyncio.Event()
+        self.batches = None  # the Files and Batch APIs' store (serve.openai_batches), where the HTTP API is served
 
     def check_open(self) -> None:
         if self.draining:

@@ -24,6 +24,9 @@
     POST /pooling                vLLM's generic pooling: task embed (the embeddings' vector) or classify (probabilities)
     POST /tokenize               vLLM's: {prompt} or {messages} -> {count, max_model_len, tokens, token_strs}
     POST /detokenize             vLLM's: {tokens} -> {prompt}
+    POST /v1/files, /v1/batches  OpenAI's Files and Batch APIs (GET, DELETE /v1/files/{id}, its /content; GET
+                                 /v1/batches/{id}, POST .../cancel): batches of requests run in the background
+                                 through this app (serve.openai_batches)
     GET  /version                {version}: jaxcb's (no auth)
     GET  /health                 200 once warm (no auth), else 503
     GET  /metrics                the server's Prometheus registry
@@ -57,7 +60,7 @@ from jaxcb.host import classifier, embedding, harmony, tool_calls
 from jaxcb.host.embedding import check_encoding_format
 from jaxcb.host.errors import InvalidConfig, InvalidRequest, JaxcbError, NotFound, Unauthenticated
 from jaxcb.host.request import SamplingParams
-from serve import anthropic_messages, frontend, openai_responses, openai_scores, reasoning
+from serve import anthropic_messages, frontend, openai_batches, openai_responses, openai_scores, reasoning
 from serve.openai_responses_store import Store
 from serve.openai_answer import answer, best_choices, embeddings_body, json_response, until_gone
 from serve.openai_beam import beam_answer, check_beam_request
@@ -507,6 +510,30 @@ def make_app(state) -> FastAPI:
             ("POST", "/v1/conversations/{conversation_id}/items", store.add_items, "body"),
             ("GET", "/v1/conversations/{conversation_id}/items/{item_id}", store.item, ""),
             ("DELETE", "/v1/conversations/{conversation_id}/items/{item_id}", store.delete_item, "")):
+        app.add_api_route(path, kept_route(call, takes), methods=[method])
+
+    # OpenAI's Files and Batch APIs (serve.openai_batches): a batch's lines run through this app.
+    batches = openai_batches.Batches(int(state.options.batch_files_mb * (1 << 20)), state.options.http_header_timeout_s)
+    batches.app, state.batches = app, batches
+
+    @app.post("/v1/files")
+    async def upload_file(request: Request):
+        return await batches.upload(frontend.owner(authorize(request)), request)
+
+    @app.post("/v1/batches")
+    async def create_batch(request: Request):
+        owner = frontend.owner(authorize(request))
+        given = bearer(request)  # (its lines are the creator's requests)
+        return batches.create(owner, await body_of(request), {"authorization": given} if given else {})
+
+    for method, path, call, takes in (
+            ("GET", "/v1/files", batches.list_files, "query"),
+            ("GET", "/v1/files/{file_id}", batches.get_file, ""),
+            ("DELETE", "/v1/files/{file_id}", batches.delete_file, ""),
+            ("GET", "/v1/files/{file_id}/content", batches.content, ""),
+            ("GET", "/v1/batches", batches.list, "query"),
+            ("GET", "/v1/batches/{batch_id}", batches.get, ""),
+            ("POST", "/v1/batches/{batch_id}/cancel", batches.cancel, "")):
         app.add_api_route(path, kept_route(call, takes), methods=[method])
 
     async def pooled(request: Request, tenant: str, body: dict, field: str, prompts: list[list[int]], pooling: str,

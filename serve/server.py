@@ -129,6 +129,8 @@ async def run_server(engine: Engine | list[Engine], tokenizer, served_names: str
     code = 1 if state.died.is_set() else 0
     state.draining = True
     await set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+    if state.batches is not None:  # (a batch is no client's stream: it does not wait for the grace period)
+        await state.batches.close()
     if code == 0:
         announce(f"jaxcb: shutting down; {len(state.active)} streams in flight, grace {options.grace_s:.0f}s")
         deadline = time.monotonic() + options.grace_s

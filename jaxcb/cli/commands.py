@@ -105,7 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--metrics-port", type=int, default=None, help="Prometheus metrics over HTTP on this port")
     s.add_argument("--http-port", type=int, default=None,
                    help="also serve the OpenAI-compatible HTTP API on this port (/v1/completions, "
-                        "/v1/chat/completions, /v1/responses, /v1/models, /tokenize, /detokenize, /version, "
+                        "/v1/chat/completions, /v1/responses, /v1/files, /v1/batches, /v1/models, /tokenize, /detokenize, /version, "
                         "/v1/load_lora_adapter, /v1/unload_lora_adapter, /health, /metrics)")
     s.add_argument("--kv-events", default=None, metavar="tcp://HOST:PORT",
                    help="publish every page registered in or evicted from the prefix cache as vLLM's KV-cache "
@@ -118,6 +118,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--auth-token", "--api-key", action="append", default=None,
                    help="require 'authorization: Bearer TOKEN' on every call but health checks; repeat for several "
                         "tenants (each token sees and aborts only its own requests); default: $JAXCB_AUTH_TOKEN")
+    s.add_argument("--batch-files-mb", type=float, default=1024.0,
+                   help="MiB of files the Files and Batch APIs keep on disk (uploads, batches' outputs; default 1024; "
+                        "0 keeps none)")
     s.add_argument("--grace-period", type=float, default=10.0, help="seconds in-flight streams get at shutdown")
     s.add_argument("--http-header-timeout", type=float, default=30.0,
                    help="seconds an HTTP connection has to send a request's line and headers, from its opening "
@@ -199,7 +202,7 @@ def cmd_serve(args) -> int:
                               auth_token=tuple(args.auth_token or filter(None, [os.environ.get("JAXCB_AUTH_TOKEN")])),
                               max_concurrent_streams=args.max_concurrent_streams, metrics_host=args.metrics_host,
                               kv_events=args.kv_events, kv_events_topic=args.kv_events_topic,
-                              http_header_timeout_s=args.http_header_timeout)
+                              http_header_timeout_s=args.http_header_timeout, batch_files_mb=args.batch_files_mb)
     names = _announce(args, engines, dots, cache_dir, sys.stdout)
     target = f"{args.host}:{args.port}"
     print(f"jaxcb: try it:  .venv/bin/jaxcb client --target {target} \"Why is the sky blue?\"", flush=True)

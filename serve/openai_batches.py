@@ -1,0 +1,426 @@
+"""OpenAI's Files and Batch APIs: batch files uploaded, batches run in the server's background through the
+HTTP API's own handlers (serve.batch.run_lines, as `jaxcb run-batch` runs a file), their output and error
+files read back.
+
+    POST   /v1/files                  multipart: file, purpose "batch" -> the file's object
+    GET    /v1/files                  ?purpose= &limit= &after= &order= -> a list
+    GET    /v1/files/{id}             its object; DELETE it
+    GET    /v1/files/{id}/content     its bytes
+    POST   /v1/batches                {input_file_id, endpoint, completion_window: "24h", metadata} -> the batch
+    GET    /v1/batches                ?limit= &after= -> a list, newest first
+    GET    /v1/batches/{id}           the batch: status, request_counts, output_file_id, error_file_id
+    POST   /v1/batches/{id}/cancel    cancelling, then cancelled (what ran is in its files)
+
+Files are kept on disk, in a folder of the server's own (removed when it stops), at most --batch-files-mb in
+all (input, output and error files together; an upload past what is left is a 413); a server with bearer
+tokens keeps each token's files and batches apart (another's id is not found), one without keeps one store
+for every client. A batch is validated whole first, as OpenAI validates it (each line a request to the
+batch's endpoint, custom_ids unique, at most MAX_BATCH_REQUESTS): any bad line fails the batch, the lines
+listed in its `errors`. Then its lines run, BATCH_IN_FLIGHT at once and one batch at a time, through the
+server's admission like any client's requests; a line refused because the server is full (429) waits and is
+sent again, so a batch gives way to interactive traffic and loses nothing. Each answer goes to the output
+file (status 200) or the error file, in input order, as OpenAI splits them. The server's batches live as long
+as it does: those still running when it stops are cancelled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import shutil
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+from fastapi.responses import FileResponse
+from python_multipart.multipart import MultipartParser, parse_options_header
+
+from jaxcb.host.errors import shown
+from serve import batch
+from serve.openai_fields import HTTPError, bad_request, check_fields, check_metadata, str_field
+
+MAX_FILE_BYTES = 200 << 20  # one uploaded file (OpenAI's limit for a batch's input)
+MAX_BATCH_REQUESTS = 50_000  # lines in one batch (OpenAI's)
+MAX_ERRORS_LISTED = 100  # a failed validation's errors
+BATCH_IN_FLIGHT = 64  # a batch's lines running at once
+MAX_KEPT = 10_000  # files, and batches, kept at once (the oldest finished batch is dropped first)
+BATCH_FIELDS = {"input_file_id", "endpoint", "completion_window", "metadata", "output_expires_after"}
+UPLOAD_FIELDS = ("file", "purpose", "expires_after[anchor]", "expires_after[seconds]")
+ENDED = ("failed", "completed", "expired", "cancelled")
+
+
+@dataclasses.dataclass
+class File:
+    owner: str
+    path: Path
+    info: dict  # the file object as the API gives it
+
+
+@dataclasses.dataclass
+class Job:
+    owner: str
+    info: dict  # the batch object as the API gives it
+    headers: dict  # its creator's authorization, sent with each line
+    task: asyncio.Task | None = None
+    tally: batch.Tally | None = None
+
+
+class Batches:
+    """The files and batches of one server (the module's doc). `app` is set once the app is made: the lines
+    go through it."""
+
+    def __init__(self, limit_bytes: int, header_timeout_s: float):
+        self.limit, self.timeout = limit_bytes, header_timeout_s
+        self.used = 0
+        self.files: dict[str, File] = {}
+        self.jobs: dict[str, Job] = {}
+        self.folder: Path | None = None
+        self.app = None
+        self.turn = asyncio.Lock()  # one batch runs at a time
+
+    # ---- files ----
+    def _new_path(self, file_id: str) -> Path:
+        if self.folder is None:
+            self.folder = Path(tempfile.mkdtemp(prefix="jaxcb-files-"))
+        return self.folder / file_id
+
+    def _file(self, owner: str, file_id: str, field: str = "file_id") -> File:
+        f = self.files.get(file_id)
+        if f is None or f.owner != owner:
+            raise HTTPError(404, f"{field}: no file {shown(file_id)}", param=field)
+        return f
+
+    def _room(self) -> int:
+        return max(0, min(MAX_FILE_BYTES, self.limit - self.used))
+
+    def _keep(self, owner: str, path: Path, size: int, filename: str, purpose: str) -> dict:
+        file_id = path.name
+        info = {"id": file_id, "object": "file", "bytes": size, "created_at": int(time.time()), "filename": filename,
+                "purpose": purpose, "status": "processed", "expires_at": None, "status_details": None}
+        self.files[file_id] = File(owner, path, info)
+        self.used += size
+        return info
+
+    def _check_open(self) -> None:
+        if not self.limit:
+            raise HTTPError(400, "the server keeps no files (--batch-files-mb 0)", param="file")
+        if len(self.files) >= MAX_KEPT:
+            raise HTTPError(429, f"the server keeps at most {MAX_KEPT} files; delete some first")
+
+    async def upload(self, owner: str, request) -> dict:
+        """POST /v1/files: the multipart body streamed to disk within the room left (a 413 past it), each chunk
+        within --http-header-timeout of the last (a 408)."""
+        self._check_open()
+        kind, params = parse_options_header(request.headers.get("content-type", ""))
+        if kind != b"multipart/form-data" or not params.get(b"boundary"):
+            raise bad_request("body: must be multipart/form-data with the file and its purpose (OpenAI's files.create)")
+        room = self._room()
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > room + (1 << 16):
+            raise self._too_large(int(declared))
+        path = self._new_path(f"file-{uuid.uuid4().hex}")
+        upload = _Upload(path, room)
+        try:
+            parser = MultipartParser(params[b"boundary"], upload.callbacks(), max_header_count=8)
+            chunks = request.stream().__aiter__()
+            while True:
+                try:
+                    chunk = await asyncio.wait_for(chunks.__anext__(), self.timeout)
+                except StopAsyncIteration:
+                    break
+                except TimeoutError:
+                    raise HTTPError(408, f"body: no bytes came for {self.timeout:g} s", param="body") from None
+                parser.write(chunk)
+                if upload.error is not None:
+                    raise upload.error
+            parser.finalize()
+            if upload.error is not None:
+                raise upload.error
+            if upload.filename is None:
+                raise bad_request("file: missing (a multipart part named file, with its filename)")
+            purpose = upload.fields.get("purpose")
+            if purpose != "batch":
+                raise bad_request(f"purpose: {shown(purpose)} is not kept here; only \"batch\" files are")
+            upload.close()
+            return self._keep(owner, path, upload.size, upload.filename, purpose)
+        except BaseException as e:
+            upload.close()
+            path.unlink(missing_ok=True)
+            if isinstance(e, Exception) and not isinstance(e, HTTPError):  # python-multipart's: a malformed body
+                raise bad_request(f"body: not a well-formed multipart body ({str(e)[:200]})") from None
+            raise
+
+    def _too_large(self, size: int) -> HTTPError:
+        return HTTPError(413, f"file: {size} bytes; the room left is {self._room()} bytes (a file at most "
+                              f"{MAX_FILE_BYTES}, all files at most --batch-files-mb: {self.used} of {self.limit} in use)",
+                         param="file")
+
+    def list_files(self, owner: str, query) -> dict:
+        purpose = query.get("purpose")
+        rows = [f.info for f in self.files.values() if f.owner == owner and purpose in (None, f.info["purpose"])]
+        return _page(rows, query, "file", {"purpose"}, most=MAX_KEPT, default=MAX_KEPT)
+
+    def get_file(self, owner: str, file_id: str) -> dict:
+        return self._file(owner, file_id).info
+
+    def delete_file(self, owner: str, file_id: str) -> dict:
+        f = self._file(owner, file_id)
+        del self.files[file_id]
+        self.used -= f.info["bytes"]
+        f.path.unlink(missing_ok=True)  # (a batch reading it keeps its open file)
+        return {"id": file_id, "object": "file", "deleted": True}
+
+    def content(self, owner: str, file_id: str) -> FileResponse:
+        f = self._file(owner, file_id)
+        return FileResponse(f.path, media_type="application/octet-stream", filename=f.info["filename"])
+
+    # ---- batches ----
+    def create(self, owner: str, body: dict, headers: dict) -> dict:
+        check_fields(body, BATCH_FIELDS)
+        for field in ("input_file_id", "endpoint", "completion_window"):
+            if field not in body:
+                raise bad_request(f"{field}: required")
+        source = self._file(owner, str_field(body, "input_file_id", ""), "input_file_id")
+        if source.info["purpose"] != "batch":
+            raise bad_request(f"input_file_id: {shown(source.info['id'])} is not a batch file")
+        endpoint = str_field(body, "endpoint", None)
+        if endpoint not in batch.URLS:
+            raise bad_request(f"endpoint: {shown(endpoint)} is not a batch call; one of {', '.join(batch.URLS)}")
+        window = str_field(body, "completion_window", None)
+        if window != "24h":
+            raise bad_request(f"completion_window: {shown(window)}; only \"24h\" is offered")
+        check_metadata(body.get("metadata"))
+        if sum(j.info["status"] not in ENDED for j in self.jobs.values()) >= MAX_KEPT:
+            raise HTTPError(429, f"the server runs at most {MAX_KEPT} batches at once")
+        while len(self.jobs) >= MAX_KEPT:  # the oldest ended batch makes way
+            del self.jobs[next(k for k, j in self.jobs.items() if j.info["status"] in ENDED)]
+        now = int(time.time())
+        info = {"id": f"batch_{uuid.uuid4().hex}", "object": "batch", "endpoint": endpoint, "errors": None,
+                "input_file_id": source.info["id"], "completion_window": window, "status": "validating",
+                "output_file_id": None, "error_file_id": None, "created_at": now, "in_progress_at": None,
+                "expires_at": now + 24 * 3600, "finalizing_at": None, "completed_at": None, "failed_at": None,
+                "expired_at": None, "cancelling_at": None, "cancelled_at": None,
+                "request_counts": {"total": 0, "completed": 0, "failed": 0}, "metadata": body.get("metadata")}
+        job = Job(owner, info, headers)
+        self.jobs[info["id"]] = job
+        # (the file is opened now: deleted while the batch waits, it is still read whole)
+        job.task = asyncio.ensure_future(self._run(job, open(source.path, "rb")))
+        return self._shown(job)
+
+    def _job(self, owner: str, batch_id: str) -> Job:
+        job = self.jobs.get(batch_id)
+        if job is None or job.owner != owner:
+            raise HTTPError(404, f"batch_id: no batch {shown(batch_id)}", param="batch_id")
+        return job
+
+    def _shown(self, job: Job) -> dict:
+        if job.tally is not None and job.info["status"] in ("in_progress", "cancelling", "finalizing"):
+            counts = job.info["request_counts"]
+            counts["completed"], counts["failed"] = job.tally.answered, job.tally.failed
+        return dict(job.info)
+
+    def get(self, owner: str, batch_id: str) -> dict:
+        return self._shown(self._job(owner, batch_id))
+
+    def list(self, owner: str, query) -> dict:
+        rows = [self._shown(j) for j in self.jobs.values() if j.owner == owner]
+        return _page(rows, query, "batch", set(), most=100, default=20)
+
+    def cancel(self, owner: str, batch_id: str) -> dict:
+        job = self._job(owner, batch_id)
+        if job.info["status"] in ENDED:
+            raise HTTPError(409, f"batch_id: batch {shown(batch_id)} is {job.info['status']}; only a batch not ended "
+                                 "is cancelled", param="batch_id")
+        if job.info["status"] != "cancelling":
+            job.info["status"], job.info["cancelling_at"] = "cancelling", int(time.time())
+            job.task.cancel()
+        return self._shown(job)
+
+    async def close(self) -> None:
+        """The server stops: every batch not ended is cancelled, and the files go with the folder."""
+        for job in self.jobs.values():
+            if job.task is not None and not job.task.done():
+                job.info["status"], job.info["cancelling_at"] = "cancelling", int(time.time())
+                job.task.cancel()
+        tasks = [j.task for j in self.jobs.values() if j.task is not None]
+        if tasks:
+            await asyncio.wait(tasks, timeout=5.0)
+        if self.folder is not None:
+            shutil.rmtree(self.folder, ignore_errors=True)
+
+    async def _run(self, job: Job, source) -> None:
+        info, outputs = job.info, {}  # kind -> [path, file, bytes charged]
+        try:
+            with source:
+                errors, total = await asyncio.to_thread(_validate, source, info["endpoint"])
+                if errors:
+                    info["errors"] = {"object": "list", "data": errors}
+                    info["status"], info["failed_at"] = "failed", int(time.time())
+                    return
+                info["request_counts"]["total"] = total
+                source.seek(0)
+                async with self.turn:
+                    info["status"], info["in_progress_at"] = "in_progress", int(time.time())
+                    job.tally = batch.Tally()
+                    for kind in ("output", "error"):
+                        path = self._new_path(f"file-{uuid.uuid4().hex}")
+                        outputs[kind] = [path, open(path, "wb"), 0]
+
+                    def write(out: dict) -> None:
+                        line = batch.json_line(out).encode()
+                        if self.used + len(line) > self.limit:
+                            raise _StoreFull()
+                        kept = outputs["output" if out["error"] is None else "error"]
+                        kept[1].write(line)
+                        kept[2] += len(line)
+                        self.used += len(line)
+
+                    await batch.run_lines(self.app, source, write, BATCH_IN_FLIGHT, job.tally, headers=job.headers,
+                                          retry_busy=True)
+                    info["status"], info["finalizing_at"] = "finalizing", int(time.time())
+                    self._keep_outputs(job, outputs)
+                    info["status"], info["completed_at"] = "completed", int(time.time())
+        except asyncio.CancelledError:
+            self._keep_outputs(job, outputs)
+            info["status"], info["cancelled_at"] = "cancelled", int(time.time())
+        except _StoreFull:
+            self._keep_outputs(job, outputs)
+            info["errors"] = {"object": "list", "data": [{
+                "code": "file_store_full", "line": None, "param": None,
+                "message": f"the server's files reached --batch-files-mb ({self.limit} bytes) while writing the output"}]}
+            info["status"], info["failed_at"] = "failed", int(time.time())
+        finally:
+            job.tally = None
+
+    def _keep_outputs(self, job: Job, outputs: dict) -> None:
+        """The output and error files written so far become files of the batch's owner (an empty one is none)."""
+        if job.tally is not None:
+            self._shown(job)  # (the counts as they ended)
+        for kind, (path, sink, size) in outputs.items():
+            sink.close()
+            self.used -= size  # (charged as written; _keep charges it again)
+            if size == 0:
+                path.unlink(missing_ok=True)
+                continue
+            info = self._keep(job.owner, path, size, f"{job.info['id']}_{kind}.jsonl", "batch_output")
+            job.info[f"{kind}_file_id"] = info["id"]
+        outputs.clear()
+
+
+class _StoreFull(Exception):
+    pass
+
+
+class _Upload:
+    """python-multipart's callbacks for an upload: the `file` part to `path` (at most `room` bytes), the
+    other parts (UPLOAD_FIELDS, each at most 256 bytes) as text. `error`: the first thing wrong."""
+
+    def __init__(self, path: Path, room: int):
+        self.path, self.room = path, room
+        self.fields: dict[str, str] = {}
+        self.filename: str | None = None
+        self.size = 0
+        self.error: HTTPError | None = None
+        self.sink = None
+        self._header, self._value, self._part, self._data = b"", b"", None, bytearray()
+
+    def callbacks(self) -> dict:
+        return {"on_part_begin": self._begin, "on_header_field": self._field, "on_header_value": self._header_value,
+                "on_header_end": self._header_end, "on_headers_finished": self._headers_done,
+                "on_part_data": self._part_data, "on_part_end": self._end}
+
+    def _begin(self):
+        self._part, self._data = None, bytearray()
+
+    def _field(self, data, start, end):
+        self._header += data[start:end]
+
+    def _header_value(self, data, start, end):
+        self._value += data[start:end]
+
+    def _header_end(self):
+        if self._header.strip().lower() == b"content-disposition":
+            _, params = parse_options_header(self._value)
+            self._part = params.get(b"name", b"").decode("utf-8", "replace")
+            if self._part == "file":
+                self.filename = params.get(b"filename", b"").decode("utf-8", "replace")[:255] or "upload.jsonl"
+        self._header, self._value = b"", b""
+
+    def _headers_done(self):
+        if self.error is not None:
+            return
+        if self._part not in UPLOAD_FIELDS:
+            self.error = bad_request(f"{shown(self._part)}: not a field of an upload (it has file and purpose)")
+        elif self._part == "file" and self.sink is None:
+            self.sink = open(self.path, "wb")
+        elif self._part == "file" or self._part in self.fields:
+            self.error = bad_request(f"{self._part}: given twice")
+
+    def _part_data(self, data, start, end):
+        if self.error is not None:
+            return
+        if self._part == "file":
+            self.size += end - start
+            if self.size > self.room:
+                self.error = HTTPError(413, f"file: more than {self.room} bytes; the room left for files (a file at "
+                                            f"most {MAX_FILE_BYTES}, all at most --batch-files-mb)", param="file")
+                return
+            self.sink.write(data[start:end])
+        else:
+            self._data += data[start:end]
+            if len(self._data) > 256:
+                self.error = bad_request(f"{self._part}: longer than 256 bytes")
+
+    def _end(self):
+        if self.error is None and self._part in UPLOAD_FIELDS and self._part != "file":
+            self.fields[self._part] = self._data.decode("utf-8", "replace")
+
+    def close(self):
+        if self.sink is not None:
+            self.sink.close()
+
+
+def _validate(source, endpoint: str) -> tuple[list[dict], int]:
+    """A batch file's errors, as OpenAI's validation lists them (at most MAX_ERRORS_LISTED), and its lines."""
+    errors, seen, total = [], set(), 0
+    for number, raw in batch._lines(source):
+        total += 1
+        try:
+            if raw is None:
+                raise batch.LineError("line_too_long", f"line: longer than {batch.MAX_LINE_BYTES} bytes")
+            _, url, _ = batch.read_request(raw, seen)
+            if url != endpoint:
+                raise batch.LineError("mismatched_endpoint", f"url: {shown(url)} is not the batch's endpoint "
+                                                             f"{shown(endpoint)}")
+        except batch.LineError as e:
+            if len(errors) < MAX_ERRORS_LISTED:
+                errors.append({"code": e.code, "message": e.message, "param": None, "line": number})
+    if total > MAX_BATCH_REQUESTS:
+        errors.insert(0, {"code": "too_many_requests", "message": f"the file has {total} requests; a batch has at most "
+                                                                  f"{MAX_BATCH_REQUESTS}", "param": None, "line": None})
+    if total == 0:
+        errors.append({"code": "empty_file", "message": "the file has no requests", "param": None, "line": None})
+    return errors, total
+
+
+def _page(rows: list[dict], query, what: str, more: set, most: int, default: int) -> dict:
+    """A list call's page, newest first (OpenAI's: `limit` 1 to `most`, `order` desc or asc, `after` an id; the
+    list's own `more` parameters)."""
+    unknown = sorted(set(query) - {"limit", "order", "after"} - more)
+    if unknown:
+        raise bad_request(f"{unknown[0][:64]}: not a parameter of this list")
+    limit = query.get("limit", str(default))
+    if not limit.isdigit() or not 1 <= int(limit) <= most:
+        raise bad_request(f"limit: must be an integer from 1 to {most}, got {shown(limit)}")
+    order = query.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise bad_request(f"order: must be asc or desc, got {shown(order)}")
+    rows = rows[::-1] if order == "desc" else rows  # (`rows` in the order they were made)
+    ids = [r["id"] for r in rows]
+    if "after" in query and query["after"] not in ids:
+        raise bad_request(f"after: no {what} {shown(query['after'])}")
+    start = ids.index(query["after"]) + 1 if "after" in query else 0
+    page = rows[start:start + int(limit)]
+    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None, "has_more": start + len(page) < len(rows)}
