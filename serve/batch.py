@@ -1,5 +1,6 @@
-"""`jaxcb run-batch`: a file of OpenAI Batch API requests, answered by the HTTP API's own handlers in
-this process (no port): the file `vllm run-batch` reads and OpenAI's Batch API takes, each line
+"""Batch lines: a file of OpenAI Batch API requests answered by the HTTP API's own handlers in this process
+(`jaxcb run-batch`, serve.server.run_batch; a server's Batch API, serve.openai_batches): the file `vllm
+run-batch` reads and OpenAI's Batch API takes, each line
 
     {"custom_id": "r1", "method": "POST", "url": "/v1/chat/completions", "body": {...}}
 
@@ -11,8 +12,8 @@ and one output line per input line, in input order, in OpenAI's batch output sha
 A request the API refuses keeps its status and error body under `response`, and its error object under
 `error` too (vLLM's readers test `error`, OpenAI's read the body); a line that is no request (not JSON, a
 field missing, a URL not served) has `response` null and `error` {code, message, line}. Each body goes
-through the app (serve.openai_api.make_app) over an in-process ASGI transport, so a batch line is
-checked, run and answered exactly as the same body over HTTP. Lines run concurrently (at most
+through the app (serve.openai_api.make_app) over an in-process ASGI transport (run_lines), so a batch
+line is checked, run and answered exactly as the same body over HTTP. Lines run concurrently (at most
 `max_in_flight` at once; the engine batches them), read as they are needed, so a file of any length takes
 bounded memory.
 """
@@ -20,13 +21,11 @@ bounded memory.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
-import sys
 import time
 import uuid
 
-from jaxcb.host.errors import InvalidRequest, JaxcbError
+from jaxcb.host.errors import InvalidRequest
 from jaxcb.host.request import read_json
 from serve import frontend
 
@@ -218,41 +217,3 @@ async def run_lines(app, source, write, max_in_flight: int, tally: Tally, *, hea
             reader.cancel()
             for task in list(live):
                 task.cancel()
-
-
-async def run_batch(engines, tokenizer, served_names, dtype: str, options, input_file: str, output_file: str,
-                    max_in_flight: int, announce=print) -> int:
-    """`jaxcb run-batch`: warm up the engines, answer every line of `input_file` ("-": stdin) into
-    `output_file` ("-": stdout), stop them. 0 if every line was answered 200, else 1."""
-    from serve.openai_api import make_app
-    from serve.server import open_state
-
-    if max_in_flight < 1:
-        raise JaxcbError(f"--max-in-flight: must be >= 1, got {max_in_flight}")
-    state = open_state(engines, tokenizer, served_names, dtype, options)
-    with contextlib.ExitStack() as files:
-        source = sys.stdin.buffer if input_file == "-" else files.enter_context(open(input_file, "rb"))
-        sink = sys.stdout if output_file == "-" else files.enter_context(open(output_file, "w", encoding="utf-8"))
-        t0 = time.perf_counter()
-        shapes = await asyncio.to_thread(state.thread.warmup, None)
-        announce(f"jaxcb run-batch: warmed up {shapes} bucket shapes in {time.perf_counter() - t0:.1f}s")
-        state.thread.start()
-        state.ready = True
-        died = asyncio.ensure_future(state.died.wait())
-        died.add_done_callback(lambda f: f.cancelled() or state.engine_died())
-        t0 = time.perf_counter()
-        tally = Tally()
-        try:
-            await run_lines(make_app(state), source, lambda out: sink.write(json_line(out)),
-                            max_in_flight, tally, alive=lambda: not state.died.is_set(),
-                            progress=lambda text: announce(f"jaxcb run-batch: {text}"))
-        finally:
-            died.cancel()
-            state.draining = True
-            for key in list(state.active):
-                state.thread.abort(key)
-            state.thread.stop()
-        wall = time.perf_counter() - t0
-    announce(f"jaxcb run-batch: {tally.lines} lines, {tally.answered} answered, {tally.failed} failed; "
-             f"{wall:.1f}s, {tally.output_tokens} output tokens ({tally.output_tokens / max(wall, 1e-9):.1f}/s)")
-    return 0 if tally.failed == 0 and not state.died.is_set() else 1

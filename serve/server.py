@@ -1,4 +1,4 @@
-"""The server's start and stop (`run_server`): the engine threads behind the router, the gRPC server
+"""The server's start and stop (`run_server`; `run_batch`: run-batch's, the HTTP API without a port): the engine threads behind the router, the gRPC server
 (serve.grpc_api), the OpenAI HTTP API (serve.openai_api) and the metrics endpoint, on one event loop.
 
 The engine runs on its own thread (`EngineThread`); with data parallelism, M engines each on their
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import os
 import signal
@@ -157,6 +158,42 @@ async def run_server(engine: Engine | list[Engine], tokenizer, served_names: str
     for p in publishers:
         p.close()
     return code
+
+
+async def run_batch(engines, tokenizer, served_names, dtype: str, options, input_file: str, output_file: str,
+                    max_in_flight: int, announce=print) -> int:
+    """`jaxcb run-batch`: warm up the engines, answer every line of `input_file` ("-": stdin) into
+    `output_file` ("-": stdout), stop them. 0 if every line was answered 200, else 1."""
+    from serve.batch import Tally, json_line, run_lines
+    from serve.openai_api import make_app
+
+    state = open_state(engines, tokenizer, served_names, dtype, options)
+    with contextlib.ExitStack() as files:
+        source = sys.stdin.buffer if input_file == "-" else files.enter_context(open(input_file, "rb"))
+        sink = sys.stdout if output_file == "-" else files.enter_context(open(output_file, "w", encoding="utf-8"))
+        t0 = time.perf_counter()
+        shapes = await asyncio.to_thread(state.thread.warmup, None)
+        announce(f"jaxcb run-batch: warmed up {shapes} bucket shapes in {time.perf_counter() - t0:.1f}s")
+        state.thread.start()
+        state.ready = True
+        died = asyncio.ensure_future(state.died.wait())
+        died.add_done_callback(lambda f: f.cancelled() or state.engine_died())
+        t0 = time.perf_counter()
+        tally = Tally()
+        try:
+            await run_lines(make_app(state), source, lambda out: sink.write(json_line(out)),
+                            max_in_flight, tally, alive=lambda: not state.died.is_set(),
+                            progress=lambda text: announce(f"jaxcb run-batch: {text}"))
+        finally:
+            died.cancel()
+            state.draining = True
+            for key in list(state.active):
+                state.thread.abort(key)
+            state.thread.stop()
+        wall = time.perf_counter() - t0
+    announce(f"jaxcb run-batch: {tally.lines} lines, {tally.answered} answered, {tally.failed} failed; "
+             f"{wall:.1f}s, {tally.output_tokens} output tokens ({tally.output_tokens / max(wall, 1e-9):.1f}/s)")
+    return 0 if tally.failed == 0 and not state.died.is_set() else 1
 
 
 def open_state(engines: list[Engine], tokenizer, served_names: str | tuple[str, ...], dtype: str,

@@ -221,7 +221,7 @@ def cmd_run_batch(args) -> int:
     import asyncio
 
     from jaxcb.llm import build_engines
-    from serve.batch import run_batch
+    from serve.server import run_batch
 
     if args.input_file != "-" and not os.path.isfile(args.input_file):
         raise InvalidConfig(f"--input-file: {args.input_file!r} is not a file")
