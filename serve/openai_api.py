@@ -495,23 +495,6 @@ def make_app(state) -> FastAPI:
 
         return route
 
-    # Kept responses, and OpenAI's Conversations API in the same store: a conversation's items, which a Responses
-    # call naming it (`conversation`) reads before its input and goes on with its input and answer.
-    for method, path, call, takes in (
-            ("GET", "/v1/responses/{response_id}", store.get, "query"),
-            ("DELETE", "/v1/responses/{response_id}", store.delete, ""),
-            ("GET", "/v1/responses/{response_id}/input_items", store.input_items, "query"),
-            ("POST", "/v1/responses/{response_id}/cancel", store.cancel, ""),
-            ("POST", "/v1/conversations", store.create_conversation, "body"),
-            ("GET", "/v1/conversations/{conversation_id}", store.conversation, ""),
-            ("POST", "/v1/conversations/{conversation_id}", store.update_conversation, "body"),
-            ("DELETE", "/v1/conversations/{conversation_id}", store.delete_conversation, ""),
-            ("GET", "/v1/conversations/{conversation_id}/items", store.conversation_items, "query"),
-            ("POST", "/v1/conversations/{conversation_id}/items", store.add_items, "body"),
-            ("GET", "/v1/conversations/{conversation_id}/items/{item_id}", store.item, ""),
-            ("DELETE", "/v1/conversations/{conversation_id}/items/{item_id}", store.delete_item, "")):
-        app.add_api_route(path, kept_route(call, takes), methods=[method])
-
     # OpenAI's Files and Batch APIs (serve.openai_batches): a batch's lines run through this app.
     batches = openai_batches.Batches(int(state.options.batch_files_mb * (1 << 20)), state.options.http_header_timeout_s)
     batches.app, state.batches = app, batches
@@ -526,7 +509,22 @@ def make_app(state) -> FastAPI:
         given = bearer(request)  # (its lines are the creator's requests)
         return batches.create(owner, await body_of(request), {"authorization": given} if given else {})
 
+    # Kept responses, and OpenAI's Conversations API in the same store: a conversation's items, which a Responses
+    # call naming it (`conversation`) reads before its input and goes on with its input and answer; the batches'
+    # files and batches.
     for method, path, call, takes in (
+            ("GET", "/v1/responses/{response_id}", store.get, "query"),
+            ("DELETE", "/v1/responses/{response_id}", store.delete, ""),
+            ("GET", "/v1/responses/{response_id}/input_items", store.input_items, "query"),
+            ("POST", "/v1/responses/{response_id}/cancel", store.cancel, ""),
+            ("POST", "/v1/conversations", store.create_conversation, "body"),
+            ("GET", "/v1/conversations/{conversation_id}", store.conversation, ""),
+            ("POST", "/v1/conversations/{conversation_id}", store.update_conversation, "body"),
+            ("DELETE", "/v1/conversations/{conversation_id}", store.delete_conversation, ""),
+            ("GET", "/v1/conversations/{conversation_id}/items", store.conversation_items, "query"),
+            ("POST", "/v1/conversations/{conversation_id}/items", store.add_items, "body"),
+            ("GET", "/v1/conversations/{conversation_id}/items/{item_id}", store.item, ""),
+            ("DELETE", "/v1/conversations/{conversation_id}/items/{item_id}", store.delete_item, ""),
             ("GET", "/v1/files", batches.list_files, "query"),
             ("GET", "/v1/files/{file_id}", batches.get_file, ""),
             ("DELETE", "/v1/files/{file_id}", batches.delete_file, ""),
