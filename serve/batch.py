@@ -88,7 +88,7 @@ def read_request(raw: bytes, seen: set[str]) -> tuple[str, str, dict]:
     return custom_id, url, body
 
 
-def _lines(source):
+def lines(source):
     """(line number, its bytes or None where it is longer than MAX_LINE_BYTES), blank lines left out."""
     number = 0
     while True:
@@ -188,7 +188,7 @@ async def run_lines(app, source, write, max_in_flight: int, tally: Tally, *, hea
             slots.release()
 
     async def read(client):
-        for number, raw in _lines(source):
+        for number, raw in lines(source):
             await slots.acquire()
             if not alive():
                 slots.release()

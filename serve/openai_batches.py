@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import shutil
 import tempfile
 import time
@@ -40,14 +41,18 @@ from jaxcb.host.errors import shown
 from serve import batch
 from serve.openai_fields import HTTPError, bad_request, check_fields, check_metadata, str_field
 
+log = logging.getLogger("jaxcb.serve.openai_batches")
 MAX_FILE_BYTES = 200 << 20  # one uploaded file (OpenAI's limit for a batch's input)
 MAX_BATCH_REQUESTS = 50_000  # lines in one batch (OpenAI's)
 MAX_ERRORS_LISTED = 100  # a failed validation's errors
 BATCH_IN_FLIGHT = 64  # a batch's lines running at once
 MAX_KEPT = 10_000  # files, and batches, kept at once (the oldest finished batch is dropped first)
+MAX_PENDING = 100  # batches not ended at once (each waits its turn)
 BATCH_FIELDS = {"input_file_id", "endpoint", "completion_window", "metadata", "output_expires_after"}
 UPLOAD_FIELDS = ("file", "purpose", "expires_after[anchor]", "expires_after[seconds]")
 ENDED = ("failed", "completed", "expired", "cancelled")
+DELETED = {"code": "file_deleted", "message": "input_file_id: the file was deleted before the batch ran",
+           "param": "input_file_id", "line": None}
 
 
 @dataclasses.dataclass
@@ -72,7 +77,8 @@ class Batches:
 
     def __init__(self, limit_bytes: int, header_timeout_s: float):
         self.limit, self.timeout = limit_bytes, header_timeout_s
-        self.used = 0
+        self.used = 0  # bytes of the files kept and of the outputs being written
+        self.uploading = 0  # bytes of the uploads in progress (each charged as it comes)
         self.files: dict[str, File] = {}
         self.jobs: dict[str, Job] = {}
         self.folder: Path | None = None
@@ -92,7 +98,7 @@ class Batches:
         return f
 
     def _room(self) -> int:
-        return max(0, min(MAX_FILE_BYTES, self.limit - self.used))
+        return max(0, min(MAX_FILE_BYTES, self.limit - self.used - self.uploading))
 
     def _keep(self, owner: str, path: Path, size: int, filename: str, purpose: str) -> dict:
         file_id = path.name
@@ -120,7 +126,7 @@ class Batches:
         if declared is not None and declared.isdigit() and int(declared) > room + (1 << 16):
             raise self._too_large(int(declared))
         path = self._new_path(f"file-{uuid.uuid4().hex}")
-        upload = _Upload(path, room)
+        upload = _Upload(path, self)
         try:
             parser = MultipartParser(params[b"boundary"], upload.callbacks(), max_header_count=8)
             chunks = request.stream().__aiter__()
@@ -143,9 +149,12 @@ class Batches:
             if purpose != "batch":
                 raise bad_request(f"purpose: {shown(purpose)} is not kept here; only \"batch\" files are")
             upload.close()
+            self.uploading -= upload.size
             return self._keep(owner, path, upload.size, upload.filename, purpose)
         except BaseException as e:
             upload.close()
+            self.uploading -= upload.size
+            upload.size = 0
             path.unlink(missing_ok=True)
             if isinstance(e, Exception) and not isinstance(e, HTTPError):  # python-multipart's: a malformed body
                 raise bad_request(f"body: not a well-formed multipart body ({str(e)[:200]})") from None
@@ -191,8 +200,8 @@ class Batches:
         if window != "24h":
             raise bad_request(f"completion_window: {shown(window)}; only \"24h\" is offered")
         check_metadata(body.get("metadata"))
-        if sum(j.info["status"] not in ENDED for j in self.jobs.values()) >= MAX_KEPT:
-            raise HTTPError(429, f"the server runs at most {MAX_KEPT} batches at once")
+        if sum(j.info["status"] not in ENDED for j in self.jobs.values()) >= MAX_PENDING:
+            raise HTTPError(429, f"the server has {MAX_PENDING} batches not ended; the most it takes at once")
         while len(self.jobs) >= MAX_KEPT:  # the oldest ended batch makes way
             del self.jobs[next(k for k, j in self.jobs.items() if j.info["status"] in ENDED)]
         now = int(time.time())
@@ -204,8 +213,7 @@ class Batches:
                 "request_counts": {"total": 0, "completed": 0, "failed": 0}, "metadata": body.get("metadata")}
         job = Job(owner, info, headers)
         self.jobs[info["id"]] = job
-        # (the file is opened now: deleted while the batch waits, it is still read whole)
-        job.task = asyncio.ensure_future(self._run(job, open(source.path, "rb")))
+        job.task = asyncio.ensure_future(self._run(job, source.path))
         return self._shown(job)
 
     def _job(self, owner: str, batch_id: str) -> Job:
@@ -249,27 +257,32 @@ class Batches:
         if self.folder is not None:
             shutil.rmtree(self.folder, ignore_errors=True)
 
-    async def _run(self, job: Job, source) -> None:
+    async def _run(self, job: Job, path: Path) -> None:
         info, outputs = job.info, {}  # kind -> [path, file, bytes charged]
         try:
-            with source:
-                errors, total = await asyncio.to_thread(_validate, source, info["endpoint"])
-                if errors:
-                    info["errors"] = {"object": "list", "data": errors}
+            errors, total = await asyncio.to_thread(_validate, path, info["endpoint"])
+            if errors:
+                info["errors"] = {"object": "list", "data": errors}
+                info["status"], info["failed_at"] = "failed", int(time.time())
+                return
+            info["request_counts"]["total"] = total
+            async with self.turn:  # (the input opened only now: batches waiting hold no open file)
+                try:
+                    source = open(path, "rb")
+                except FileNotFoundError:
+                    info["errors"] = {"object": "list", "data": [DELETED]}
                     info["status"], info["failed_at"] = "failed", int(time.time())
                     return
-                info["request_counts"]["total"] = total
-                source.seek(0)
-                async with self.turn:
+                with source:
                     info["status"], info["in_progress_at"] = "in_progress", int(time.time())
                     job.tally = batch.Tally()
                     for kind in ("output", "error"):
-                        path = self._new_path(f"file-{uuid.uuid4().hex}")
-                        outputs[kind] = [path, open(path, "wb"), 0]
+                        kept = self._new_path(f"file-{uuid.uuid4().hex}")
+                        outputs[kind] = [kept, open(kept, "wb"), 0]
 
                     def write(out: dict) -> None:
                         line = batch.json_line(out).encode()
-                        if self.used + len(line) > self.limit:
+                        if self.used + self.uploading + len(line) > self.limit:
                             raise _StoreFull()
                         kept = outputs["output" if out["error"] is None else "error"]
                         kept[1].write(line)
@@ -289,6 +302,12 @@ class Batches:
             info["errors"] = {"object": "list", "data": [{
                 "code": "file_store_full", "line": None, "param": None,
                 "message": f"the server's files reached --batch-files-mb ({self.limit} bytes) while writing the output"}]}
+            info["status"], info["failed_at"] = "failed", int(time.time())
+        except Exception as e:  # noqa: BLE001 - the server's fault: the batch fails saying so, never hangs
+            log.exception("batch %s failed", info["id"])
+            self._keep_outputs(job, outputs)
+            info["errors"] = {"object": "list", "data": [{"code": "server_error", "line": None, "param": None,
+                                                          "message": f"the batch failed: {e!r}"[:1000]}]}
             info["status"], info["failed_at"] = "failed", int(time.time())
         finally:
             job.tally = None
@@ -313,11 +332,12 @@ class _StoreFull(Exception):
 
 
 class _Upload:
-    """python-multipart's callbacks for an upload: the `file` part to `path` (at most `room` bytes), the
-    other parts (UPLOAD_FIELDS, each at most 256 bytes) as text. `error`: the first thing wrong."""
+    """python-multipart's callbacks for an upload: the `file` part to `path` (within the store's room, its
+    bytes charged to `store.uploading` as they come), the other parts (UPLOAD_FIELDS, each at most 256 bytes)
+    as text. `error`: the first thing wrong."""
 
-    def __init__(self, path: Path, room: int):
-        self.path, self.room = path, room
+    def __init__(self, path: Path, store: "Batches"):
+        self.path, self.store = path, store
         self.fields: dict[str, str] = {}
         self.filename: str | None = None
         self.size = 0
@@ -361,11 +381,11 @@ class _Upload:
         if self.error is not None:
             return
         if self._part == "file":
-            self.size += end - start
-            if self.size > self.room:
-                self.error = HTTPError(413, f"file: more than {self.room} bytes; the room left for files (a file at "
-                                            f"most {MAX_FILE_BYTES}, all at most --batch-files-mb)", param="file")
+            if end - start > self.store._room():
+                self.error = self.store._too_large(self.size + end - start)
                 return
+            self.size += end - start
+            self.store.uploading += end - start
             self.sink.write(data[start:end])
         else:
             self._data += data[start:end]
@@ -381,21 +401,26 @@ class _Upload:
             self.sink.close()
 
 
-def _validate(source, endpoint: str) -> tuple[list[dict], int]:
+def _validate(path: Path, endpoint: str) -> tuple[list[dict], int]:
     """A batch file's errors, as OpenAI's validation lists them (at most MAX_ERRORS_LISTED), and its lines."""
     errors, seen, total = [], set(), 0
-    for number, raw in batch._lines(source):
-        total += 1
-        try:
-            if raw is None:
-                raise batch.LineError("line_too_long", f"line: longer than {batch.MAX_LINE_BYTES} bytes")
-            _, url, _ = batch.read_request(raw, seen)
-            if url != endpoint:
-                raise batch.LineError("mismatched_endpoint", f"url: {shown(url)} is not the batch's endpoint "
-                                                             f"{shown(endpoint)}")
-        except batch.LineError as e:
-            if len(errors) < MAX_ERRORS_LISTED:
-                errors.append({"code": e.code, "message": e.message, "param": None, "line": number})
+    try:
+        source = open(path, "rb")
+    except FileNotFoundError:
+        return [DELETED], 0
+    with source:
+        for number, raw in batch.lines(source):
+            total += 1
+            try:
+                if raw is None:
+                    raise batch.LineError("line_too_long", f"line: longer than {batch.MAX_LINE_BYTES} bytes")
+                _, url, _ = batch.read_request(raw, seen)
+                if url != endpoint:
+                    raise batch.LineError("mismatched_endpoint", f"url: {shown(url)} is not the batch's endpoint "
+                                                                 f"{shown(endpoint)}")
+            except batch.LineError as e:
+                if len(errors) < MAX_ERRORS_LISTED:
+                    errors.append({"code": e.code, "message": e.message, "param": None, "line": number})
     if total > MAX_BATCH_REQUESTS:
         errors.insert(0, {"code": "too_many_requests", "message": f"the file has {total} requests; a batch has at most "
                                                                   f"{MAX_BATCH_REQUESTS}", "param": None, "line": None})
