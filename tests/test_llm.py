@@ -57,9 +57,12 @@ def test_bad_sampling_params(kwargs, match):
 
 
 def test_vllms_spellings_of_off_and_negative_seeds_are_taken():
-    """top_k -1 is vLLM's "off" (0 here); a negative seed, which vLLM takes, is a seed modulo 2**63."""
+    """top_k -1 is vLLM's "off" (0 here); seed -1 is vLLM's "no seed"; another negative seed, which vLLM takes,
+    is a seed modulo 2**63; min_p 1 (vLLM's upper bound) is taken."""
     assert SamplingParams(top_k=-1).top_k == 0
-    assert SamplingParams(seed=-1).seed == 2**63 - 1 and SamplingParams(seed=5).seed == 5
+    assert SamplingParams(seed=-1).seed is None
+    assert SamplingParams(seed=-2).seed == 2**63 - 2 and SamplingParams(seed=5).seed == 5
+    assert SamplingParams(min_p=1.0).min_p == 1.0
 
 
 def test_bad_prompts_name_the_field_and_limit(make_llm):

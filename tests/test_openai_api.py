@@ -1555,7 +1555,8 @@ def test_best_of_answers_the_most_likely_of_its_samples(server):
 
 
 def test_what_vllm_clients_send_is_taken(server):
-    """vLLM's spellings its clients send: top_k -1 (off), a negative seed, completions' logprobs true / false."""
+    """vLLM's spellings its clients send: top_k -1 (off), a negative seed (-1: none), min_p 1, completions' logprobs
+    true / false."""
     body = {"prompt": [5, 6, 7], "max_tokens": 4, "temperature": 1.0, "ignore_eos": True}
 
     def post(**extra):
@@ -1564,7 +1565,10 @@ def test_what_vllm_clients_send_is_taken(server):
         return r.json()["choices"][0]
 
     assert post(top_k=-1, seed=3)["text"] == post(top_k=0, seed=3)["text"]
-    assert post(seed=-1)["text"] == post(seed=2**63 - 1)["text"]
+    assert post(seed=-2)["text"] == post(seed=2**63 - 2)["text"]
+    unseeded = {post(seed=-1, max_tokens=24)["text"] for _ in range(3)}  # vLLM's -1: no seed, each draw its own
+    assert len(unseeded) > 1
+    assert len(post(min_p=1.0, seed=4, max_tokens=8)["text"]) > 0
     assert post(logprobs=False, seed=1)["logprobs"] is None
     shown = post(logprobs=True, seed=1)["logprobs"]
     assert len(shown["tokens"]) == 4 and shown["top_logprobs"] == post(logprobs=0, seed=1)["logprobs"]["top_logprobs"]

@@ -189,14 +189,14 @@ def test_logprobs_and_filters_on_a_real_sized_vocabulary():
 
 
 def _filter_reference(row, top_k, top_p, min_p):
-    """top-k, then top-p over what top-k kept, then min-p, on one row in numpy float64: the kept tokens."""
+    """vLLM's order on one row in numpy float64: min-p (against the best token's probability) and top-k,
+    then top-p over what those kept, renormalised: the kept tokens."""
     order = np.argsort(-row, kind="stable")
     p = np.exp(row[order] - row.max())
     p /= p.sum()
-    keep = np.arange(len(row)) < (top_k or len(row))
+    keep = (np.arange(len(row)) < (top_k or len(row))) & (p >= min_p * p[0])
     kept = np.where(keep, p, 0) / p[keep].sum()
     keep &= np.cumsum(kept) - kept < top_p
-    keep &= kept >= min_p * kept[0]
     keep[0] = True
     return set(np.flatnonzero(row >= row[order][keep].min()).tolist())
 
@@ -213,7 +213,10 @@ def test_the_filters_cut_within_the_best_tokens_or_over_the_whole_vocabulary_ali
     flat = rng.standard_normal(v) * 0.1
     rows = [(peaked, 0, 0.9, 0.0), (peaked, 40, 1.0, 0.0), (peaked, 0, 1.0, 0.05), (flat, 0, 0.9, 0.0),
             (flat, FILTER_CANDIDATES + 100, 1.0, 0.0), (peaked, 0, 0.99, 0.0), (flat, 0, 1.0, 0.5),
-            (flat, FILTER_CANDIDATES + 44, 0.05, 0.0)]  # top-p over a top-k past the candidates
+            (flat, FILTER_CANDIDATES + 44, 0.05, 0.0),  # top-p over a top-k past the candidates
+            # min-p with top-p: top-p over what min-p kept (vLLM's order), its floor within the candidates or past
+            (peaked, 0, 0.5, 0.05), (peaked, 30, 0.8, 0.02), (flat, 0, 0.5, 0.9), (flat, 0, 0.3, 0.05),
+            (flat, FILTER_CANDIDATES + 100, 0.6, 0.01), (flat, 100, 0.7, 0.1)]
     for batch in ([r] for r in rows), [rows[:3]], [rows]:
         for group in batch:
             logits = np.stack([r[0] for r in group]).astype(np.float32)

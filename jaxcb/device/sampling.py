@@ -1,7 +1,8 @@
 """Per-request sampling inside the jitted step.
 
-Every setting is a per-row array, so no value ever triggers a compile. The order follows common
-engines: penalties on the raw logits, then temperature, then the top-k / top-p / min-p filters, then
+Every setting is a per-row array, so no value ever triggers a compile. The order is vLLM's: penalties
+on the raw logits, then temperature, then min-p (against the best token's probability) and top-k, then
+top-p over the distribution of what those two kept (renormalised), then
 a draw from the filtered distribution at one uniform number whose key derives from the request's seed
 and its output position alone (so a seeded request gives the same tokens whatever else shares its
 batch). Rows with temperature 0 take the argmax of the penalised logits. Logprobs are those of the
@@ -114,29 +115,32 @@ def inverse_cdf_draw(u, logits):
     return at * block + first_past(before[:, None] + jnp.cumsum(inside, axis=-1), inside, target)
 
 
-def _cut(ranked, log_total, s: SamplingInput, v: int):
-    """The logit threshold of top-k, top-p and min-p from a row's best logits `ranked` [B, n] (descending;
-    n <= v) and the log of its softmax denominator over the whole vocabulary; and whether the cut is that
-    of the whole vocabulary (it is when the token after the n-th is excluded whatever it is)."""
+def _cut(ranked, log_total, floor_total, s: SamplingInput, v: int):
+    """The logit threshold of min-p, top-k and top-p from a row's best logits `ranked` [B, n] (descending;
+    n <= v), the log of its softmax denominator over the whole vocabulary and the mass min-p keeps of it
+    (`floor_total` [B]); and whether the cut is that of the whole vocabulary (it is when the token after the
+    n-th is excluded whatever it is)."""
     n = ranked.shape[-1]
     probs = jnp.exp(ranked - log_total)
     rank = jnp.arange(n)[None, :]
-    k = jnp.where(s.top_k > 0, s.top_k, v)[:, None]
-    keep = rank < k
-    # top-p over what top-k kept: keep a token while the mass before it is below p.
+    k = jnp.where(s.top_k > 0, s.top_k, v)
+    floor = s.min_p * probs[:, 0]
+    keep = (rank < k[:, None]) & (probs >= floor[:, None])
+    # top-p over what min-p and top-k kept: keep a token while the mass before it is below p. What they
+    # kept lies within the n where top-k stops within them or min-p's floor is passed within them; else
+    # top-k keeps past the n, and its mass is min-p's (exact where top-k keeps everything).
+    inside = (k <= n) | (probs[:, -1] < floor)
     kept_probs = jnp.where(keep, probs, 0.0)
-    kept_total = jnp.where(k <= n, jnp.sum(kept_probs, axis=-1, keepdims=True), 1.0)  # k >= v: all of it
-    kept_probs = kept_probs / kept_total
+    kept_total = jnp.where(inside, jnp.sum(kept_probs, axis=-1), floor_total)
+    kept_probs = kept_probs / kept_total[:, None]
     mass_before = jnp.cumsum(kept_probs, axis=-1) - kept_probs
     keep &= mass_before < s.top_p[:, None]
-    keep &= kept_probs >= s.min_p[:, None] * kept_probs[:, :1]
     keep = keep.at[:, 0].set(True)
     threshold = jnp.min(jnp.where(keep, ranked, jnp.inf), axis=-1, keepdims=True)
-    # Whole-vocabulary cut: top-k stops within the n, or top-k keeps everything and top-p's mass or min-p's
-    # floor is passed within them.
-    k = k[:, 0]
-    passed = (jnp.sum(kept_probs, axis=-1) >= s.top_p) | (kept_probs[:, -1] < s.min_p * kept_probs[:, 0])
-    return threshold, (n == v) | (k <= n) | ((k >= v) & passed)
+    # Whole-vocabulary cut: what min-p and top-k keep lies within the n, or top-k keeps everything and
+    # top-p's mass is passed within them.
+    passed = jnp.sum(kept_probs, axis=-1) >= s.top_p
+    return threshold, (n == v) | inside | ((k >= v) & passed)
 
 
 def _search(pred, lo, hi):
@@ -150,12 +154,13 @@ def _search(pred, lo, hi):
     return jax.lax.fori_loop(0, 32, halve, (lo, hi))[1]
 
 
-def _cut_by_search(logits, log_total, s: SamplingInput, v: int):
+def _cut_by_search(logits, log_total, floor_total, s: SamplingInput, v: int):
     """`_cut`'s threshold over the whole vocabulary, without sorting it: each bound by bisection over the
     logits' order-preserving int32 keys (exact: every bound found is one of the row's own logits).
-    top-k's bound is the k-th largest logit (the smallest y with fewer than k logits above it); top-p's
-    the smallest logit with less than top_p of top-k's mass above it; min-p's the smallest logit whose
-    probability is at least min_p of the best one's."""
+    top-k's bound is the k-th largest logit (the smallest y with fewer than k logits above it); min-p's
+    the smallest logit whose probability is at least min_p of the best one's; top-p's the smallest logit
+    with less than top_p of the mass those two kept above it. Both keep a top segment of the row, so what
+    both keep is the smaller one, of the smaller mass."""
     keys = _sortable(logits)
     probs = jnp.exp(logits - log_total)
     lo, hi = jnp.min(keys, axis=-1), jnp.max(keys, axis=-1)
@@ -167,15 +172,24 @@ def _cut_by_search(logits, log_total, s: SamplingInput, v: int):
     k_logit = _logit(k_key)
     at_k = k - jnp.sum(above(k_key), axis=-1)  # ties at the k-th logit that top-k keeps
     kept_total = jnp.sum(jnp.where(above(k_key), probs, 0.0), axis=-1) + at_k * jnp.exp(k_logit - log_total[:, 0])
+    kept_total = jnp.minimum(kept_total, floor_total)
     # (top_p 1 keeps every token top-k kept: no search, and none of its rounding)
     nucleus = s.top_p < 1.0
     p_key = jax.lax.cond(jnp.any(nucleus), lambda: _search(
         lambda y: jnp.sum(jnp.where(above(y), probs, 0.0), axis=-1) < s.top_p * kept_total, lo, hi), lambda: lo)
     p_key = jnp.where(nucleus, p_key, lo)
-    floor = s.min_p[:, None] * (jnp.exp(jnp.max(logits, axis=-1, keepdims=True) - log_total) / kept_total[:, None])
-    m_key = jnp.min(jnp.where(probs / kept_total[:, None] >= floor, keys, hi[:, None]), axis=-1)
+    floor = s.min_p[:, None] * jnp.exp(jnp.max(logits, axis=-1, keepdims=True) - log_total)
+    m_key = jnp.min(jnp.where(probs >= floor, keys, hi[:, None]), axis=-1)
     key = jnp.minimum(jnp.maximum(jnp.maximum(k_key, p_key), m_key), hi)  # the best token always stays
     return _logit(key)[:, None]
+
+
+def _floor_total(logits, log_total, best, min_p):
+    """The mass of a row's tokens whose probability is at least min_p of the best one's (what min-p keeps;
+    1 where min_p is 0)."""
+    probs = jnp.exp(logits - log_total)
+    kept = jnp.sum(jnp.where(probs >= min_p[:, None] * jnp.exp(best - log_total), probs, 0.0), axis=-1)
+    return jnp.where(min_p > 0, kept, 1.0)
 
 
 def _filter(logits, s: SamplingInput, needs_filter):
@@ -184,10 +198,12 @@ def _filter(logits, s: SamplingInput, needs_filter):
     v = logits.shape[-1]
     log_total = jax.nn.logsumexp(logits, axis=-1, keepdims=True)
     best, _ = jax.lax.top_k(logits, min(v, FILTER_CANDIDATES))
-    threshold, exact = _cut(best, log_total, s, v)
+    floor_total = jax.lax.cond(jnp.any(s.min_p > 0), _floor_total, lambda *_: jnp.ones_like(s.min_p),
+                               logits, log_total, best[:, :1], s.min_p)
+    threshold, exact = _cut(best, log_total, floor_total, s, v)
     exact |= ~needs_filter
-    threshold = jax.lax.cond(jnp.all(exact), lambda: threshold,
-                             lambda: jnp.where(exact[:, None], threshold, _cut_by_search(logits, log_total, s, v)))
+    threshold = jax.lax.cond(jnp.all(exact), lambda: threshold, lambda: jnp.where(
+        exact[:, None], threshold, _cut_by_search(logits, log_total, floor_total, s, v)))
     return jnp.where(logits >= threshold, logits, -jnp.inf)
 
 

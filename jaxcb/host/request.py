@@ -54,7 +54,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # > 0; 1 = off
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    seed: int | None = None  # any 64-bit integer (a negative one is taken modulo 2**63, as vLLM takes them all)
+    seed: int | None = None  # any 64-bit integer (a negative one is taken modulo 2**63, as vLLM takes them all); -1: none, as vLLM reads it
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
@@ -108,13 +108,15 @@ class SamplingParams:
         if not 0.0 < self.top_p <= 1.0:
             raise InvalidRequest(f"top_p: must be in (0, 1], got {self.top_p}")
         _check_finite("min_p", self.min_p)
-        if not 0.0 <= self.min_p < 1.0:
-            raise InvalidRequest(f"min_p: must be in [0, 1), got {self.min_p}")
+        if not 0.0 <= self.min_p <= 1.0:  # (1: only the most likely token, and its equals)
+            raise InvalidRequest(f"min_p: must be in [0, 1], got {self.min_p}")
         _check_finite("repetition_penalty", self.repetition_penalty)
         if self.repetition_penalty <= 0:
             raise InvalidRequest(f"repetition_penalty: must be > 0, got {self.repetition_penalty}")
         _check_finite("presence_penalty", self.presence_penalty, low=-2.0, high=2.0)
         _check_finite("frequency_penalty", self.frequency_penalty, low=-2.0, high=2.0)
+        if self.seed == -1:  # vLLM's "no seed" (clients send it for a random one)
+            object.__setattr__(self, "seed", None)
         if self.seed is not None:
             _check_int("seed", self.seed, low=-2**63, high=2**63 - 1)
             object.__setattr__(self, "seed", self.seed % 2**63)
