@@ -19,10 +19,34 @@ from fastapi.responses import Response, StreamingResponse
 from jaxcb.host import harmony as harmony_format
 from jaxcb.host import tool_parse
 from jaxcb.host.embedding import encoded
-from jaxcb.host.errors import JaxcbError
+from jaxcb.host.errors import InvalidRequest, JaxcbError
 from jaxcb.host.request import FinishReason
 from serve import reasoning
 from serve.openai_fields import ERROR_TYPE, HTTPError, RequestOptions, http_error
+
+
+# The logprobs one answer may hold (each token's and its alternatives', every sample's; about 60 bytes each as
+# JSON): prompt_logprobs or echo with logprobs on n samples of many long prompts would otherwise ask for a body of
+# gigabytes, built before the first byte goes out.
+MAX_ANSWER_LOGPROBS = 1 << 20
+
+
+def check_logprob_entries(prompts: list[list[int]], params_of) -> None:
+    """Refuses (InvalidRequest naming the field that asks for most of them) an answer that would hold more
+    than MAX_ANSWER_LOGPROBS logprobs: each sample's prompt tokens with theirs (prompt_logprobs, or echo with
+    logprobs) and its max_tokens with theirs (logprobs)."""
+    prompt = output = 0
+    for ids in prompts:
+        p = params_of(ids)
+        if p.prompt_logprobs is not None:
+            prompt += p.n * len(ids) * (1 + p.prompt_logprobs)
+        if p.logprobs:
+            output += p.n * p.max_tokens * (1 + p.logprobs)
+    if prompt + output > MAX_ANSWER_LOGPROBS:
+        field = "prompt_logprobs" if prompt >= output else "logprobs"
+        raise InvalidRequest(f"{field}: the answer would hold {prompt + output:,} logprobs ({prompt:,} for the prompts' "
+                             f"tokens, {output:,} for the output's, over {len(prompts)} prompt(s) x n); the limit is "
+                             f"{MAX_ANSWER_LOGPROBS:,}: fewer prompts, samples or alternatives")
 
 
 async def answer(state, request: Request, options: RequestOptions, tenant: str, prompts: list[list[int]], params, *,
@@ -45,6 +69,7 @@ async def answer(state, request: Request, options: RequestOptions, tenant: str, 
 
     for p in prompts:  # every prompt checked before any is submitted
         state.engine.validate(p, params_of(p))
+    check_logprob_entries(prompts, params_of)
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
     reasoning_parser = state.options.reasoning_parser if chat and not harmony else None
     created = int(time.time())

@@ -799,6 +799,26 @@ def test_a_request_lives_as_long_as_its_client(server):
     assert generated() - before < 0.25 * (3 * 4 + 16) * 240
 
 
+def test_an_answer_of_too_many_logprobs_is_refused_before_any_work(server):
+    """prompt_logprobs (or echo with logprobs) and logprobs over n samples of many long prompts would make a body of
+    gigabytes: past MAX_ANSWER_LOGPROBS entries it is a 400 naming the field, at once, and nothing runs."""
+    from serve.openai_answer import MAX_ANSWER_LOGPROBS
+
+    prompts = [[5 + i % 50] * 200 for i in range(64)]
+    cases = (({"prompt": prompts, "n": 16, "max_tokens": 1, "prompt_logprobs": 20}, "prompt_logprobs"),
+             ({"prompt": prompts, "n": 16, "max_tokens": 1, "echo": True, "logprobs": 20}, "prompt_logprobs"),
+             ({"prompt": [[5, 6]] * 64, "n": 16, "max_tokens": 50, "logprobs": 20}, "logprobs"))
+    for body, field in cases:
+        t0 = time.monotonic()
+        r = httpx.post(server.http + "/v1/completions", json=body, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+        assert f"the limit is {MAX_ANSWER_LOGPROBS:,}" in r.json()["error"]["message"] and time.monotonic() - t0 < 5
+    r = httpx.post(server.http + "/v1/completions", json={"prompt": prompts[:2], "n": 2, "max_tokens": 1,
+                                                           "prompt_logprobs": 5}, timeout=60)
+    assert r.status_code == 200 and len(r.json()["choices"]) == 4
+    _pool_whole(server)
+
+
 def test_http_limits_count_samples(tiny_gguf_path, config_path):
     """--max-waiting counts samples (n), on gRPC and HTTP alike."""
     http = free_port()
