@@ -339,6 +339,13 @@ async def prompt_ids(state: State, field: str, prompts: list, keep: int | None, 
             check_text_fits(state, field, len(p), keep)
         elif keep is None:
             check_token_count(state, field, len(p))
+    vocab = state.engine.model_config.vocab_size
+    for i, p in enumerate(prompts):  # (ids are decoded before the engine sees them: echo's text)
+        if not isinstance(p, str):
+            bad = next((t for t in p if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab), None)
+            if bad is not None:
+                where = f"{field}[{i}]" if len(prompts) > 1 else field
+                raise InvalidRequest(f"{where}: token id {bad!r} is outside the vocabulary [0, {vocab})")
     texts = [i for i, p in enumerate(prompts) if isinstance(p, str)]
     encoded = await asyncio.to_thread(lambda: [encode(prompts[i]) for i in texts]) if texts else []
     ids = [list(p) for p in prompts]

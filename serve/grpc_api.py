@@ -24,7 +24,7 @@ from grpc_reflection.v1alpha import reflection
 from jaxcb.device import cpu_dots
 from jaxcb.host import classifier
 from jaxcb.host.errors import InvalidConfig, InvalidRequest, JaxcbError, NotFound, Overloaded, StepFailed, Unauthenticated, Unavailable
-from jaxcb.host.request import (FinishReason, SamplingParams, TokenEvent, check_allowed_count, check_logit_bias_count, read_json,
+from jaxcb.host.request import (MAX_SAMPLES, FinishReason, SamplingParams, TokenEvent, check_allowed_count, check_logit_bias_count, read_json,
                                 check_stop_counts)
 from jaxcb.host.structured import MAX_CHOICES, Constraint
 from jaxcb.host.chat_template import check_template_kwargs
@@ -375,8 +375,8 @@ class OrchestratorService(jetstream_pb2_grpc.OrchestratorServicer):
         s = self.state
         try:
             n = max(request.num_samples, 1)  # (0: one, as JetStream reads it)
-            if request.num_samples < 0:
-                raise InvalidRequest(f"num_samples: must be at least 0 (0: 1), got {request.num_samples}")
+            if not 0 <= request.num_samples <= MAX_SAMPLES:
+                raise InvalidRequest(f"num_samples: must be from 0 (0: 1) to {MAX_SAMPLES}, got {request.num_samples}")
             if request.max_tokens <= 0:
                 raise InvalidRequest(f"max_tokens: must be at least 1, got {request.max_tokens}")
             lora = ""

@@ -59,7 +59,7 @@ import jaxcb
 from jaxcb.host import classifier, embedding, harmony, tool_calls
 from jaxcb.host.embedding import check_encoding_format
 from jaxcb.host.errors import InvalidConfig, InvalidRequest, JaxcbError, NotFound, Unauthenticated
-from jaxcb.host.request import SamplingParams
+from jaxcb.host.request import MAX_SAMPLES, SamplingParams
 from serve import anthropic_messages, frontend, openai_batches, openai_responses, openai_scores, reasoning
 from serve.openai_responses_store import Store
 from serve.openai_answer import answer, best_choices, embeddings_body, json_response, until_gone
@@ -122,7 +122,8 @@ def make_app(state) -> FastAPI:
         nullable, and SDKs and serializers send null for what is unset)."""
         limit, seconds = frontend.MAX_REQUEST_BYTES, state.options.http_header_timeout_s
         declared = request.headers.get("content-length")
-        if declared is not None and (not declared.isdigit() or int(declared) > limit):
+        if declared is not None and (not (declared.isascii() and declared.isdigit()) or len(declared) > 15
+                                     or int(declared) > limit):
             raise HTTPError(413, f"body: {declared} bytes; the limit is {limit}", param="body")
         chunks, size = [], 0
         try:
@@ -366,6 +367,8 @@ def make_app(state) -> FastAPI:
         # logprobs) answered; all are counted in usage
         if best_of is not None and best_of < params.n:
             raise bad_request(f"best_of: must be at least n ({params.n}), got {best_of}")
+        if best_of is not None and best_of > MAX_SAMPLES:
+            raise bad_request(f"best_of: must be <= {MAX_SAMPLES}, got {best_of}")
         ranked = best_of is not None and best_of > params.n
         if ranked:
             for field, given_too in (("stream", options.stream), ("use_beam_search", penalty is not None)):

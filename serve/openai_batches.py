@@ -123,8 +123,9 @@ class Batches:
             raise bad_request("body: must be multipart/form-data with the file and its purpose (OpenAI's files.create)")
         room = self._room()
         declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > room + (1 << 16):
-            raise self._too_large(int(declared))
+        if declared is not None and declared.isascii() and declared.isdigit() and (
+                len(declared) > 15 or int(declared) > room + (1 << 16)):
+            raise self._too_large(int(declared[:16]))
         path = self._new_path(f"file-{uuid.uuid4().hex}")
         upload = _Upload(path, self)
         try:
@@ -436,7 +437,7 @@ def _page(rows: list[dict], query, what: str, more: set, most: int, default: int
     if unknown:
         raise bad_request(f"{unknown[0][:64]}: not a parameter of this list")
     limit = query.get("limit", str(default))
-    if not limit.isdigit() or not 1 <= int(limit) <= most:
+    if not (limit.isascii() and limit.isdigit() and len(limit) < 7 and 1 <= int(limit) <= most):
         raise bad_request(f"limit: must be an integer from 1 to {most}, got {shown(limit)}")
     order = query.get("order", "desc")
     if order not in ("asc", "desc"):

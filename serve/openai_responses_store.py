@@ -194,7 +194,7 @@ def _page(items: list, query, rid: str) -> dict:
     if unknown:
         raise bad_request(f"{unknown[0][:64]}: not a parameter of this list")
     limit = query.get("limit", "20")
-    if not limit.isdigit() or not 1 <= int(limit) <= PAGE_LIMIT:
+    if not (limit.isascii() and limit.isdigit() and len(limit) < 7 and 1 <= int(limit) <= PAGE_LIMIT):
         raise bad_request(f"limit: must be an integer from 1 to {PAGE_LIMIT}, got {shown(limit)}")
     order = query.get("order", "desc")
     if order not in ("asc", "desc"):

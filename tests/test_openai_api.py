@@ -799,6 +799,23 @@ def test_a_request_lives_as_long_as_its_client(server):
     assert generated() - before < 0.25 * (3 * 4 + 16) * 240
 
 
+def test_token_ids_outside_the_vocabulary_are_refused_before_echo_decodes_them(server):
+    for prompt, field in (([-5], "prompt"), ([4294967296], "prompt"), ([[5], [7, 10**6]], "prompt[1]")):
+        for echo in (True, False):
+            r = httpx.post(server.http + "/v1/completions", json={"prompt": prompt, "max_tokens": 2, "echo": echo})
+            assert r.status_code == 400 and r.json()["error"]["message"].startswith(f"{field}: token id"), r.text
+
+
+def test_counts_past_their_limits_name_their_own_field(server):
+    r = httpx.post(server.http + "/v1/completions", json={"prompt": [5], "max_tokens": 2, "best_of": 100})
+    assert r.status_code == 400 and r.json()["error"]["message"] == "best_of: must be <= 16, got 100"
+    for limit in ("9" * 5000, "\u00b2", "0", "101"):  # (5,000 digits: past Python's int() limit; a superscript digit)
+        r = httpx.get(server.http + "/v1/responses/resp_x/input_items", params={"limit": limit})
+        assert r.status_code in (400, 404) and r.status_code != 500, r.text
+        r = httpx.get(server.http + "/v1/batches", params={"limit": limit})
+        assert r.status_code == 400 and r.json()["error"]["message"].startswith("limit: must be an integer"), r.text
+
+
 def test_an_answer_of_too_many_logprobs_is_refused_before_any_work(server):
     """prompt_logprobs (or echo with logprobs) and logprobs over n samples of many long prompts would make a body of
     gigabytes: past MAX_ANSWER_LOGPROBS entries it is a 400 naming the field, at once, and nothing runs."""

@@ -105,10 +105,11 @@ def test_jetstream_decode_returns_the_same_tokens(server, client):
             list(stub.Decode(jetstream_pb2.DecodeRequest(max_tokens=2, lora_adapter_id="nope", token_content=
                                                          jetstream_pb2.DecodeRequest.TokenContent(token_ids=[5])), timeout=10))
         assert e.value.code() == grpc.StatusCode.NOT_FOUND and e.value.details().startswith("lora_adapter_id: 'nope'")
-        with pytest.raises(grpc.RpcError) as e:  # (0: one sample; -1 generated one until now)
-            list(stub.Decode(jetstream_pb2.DecodeRequest(max_tokens=2, num_samples=-1, token_content=
-                                                         jetstream_pb2.DecodeRequest.TokenContent(token_ids=[5])), timeout=10))
-        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "num_samples" in e.value.details()
+        for samples in (-1, 17, 2**31 - 1):  # (0: one sample; -1 generated one once; past 16 was "n" or a full queue)
+            with pytest.raises(grpc.RpcError) as e:
+                list(stub.Decode(jetstream_pb2.DecodeRequest(max_tokens=2, num_samples=samples, text_content=
+                                                             jetstream_pb2.DecodeRequest.TextContent(text="hi")), timeout=10))
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and e.value.details().startswith("num_samples:")
         # num_samples: each message holds every sample (JetStream's requester reads them by position), greedy here
         three = [[], [], []]
         for r in stub.Decode(jetstream_pb2.DecodeRequest(max_tokens=8, num_samples=3, token_content=

@@ -147,6 +147,9 @@ def test_tools_and_messages_render_for_the_chat_template():
      "tools[0].function.parameters.properties: must be an object of schemas"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"required": [["a"]]}}}]},
      "tools[0].function.parameters.required: must be a list of names"),
+    ({"tools": [{"type": "function", "function": {"name": f"f{i}", "description": "w " * 40_000}} for i in range(20)]},
+     f"tools: more than {tool_calls.MAX_TOOLS_CHARS} characters of descriptions and parameters in all .past it at "
+     "tools[13].; the limit"),
 ])
 def test_bad_tools_are_refused_by_name(body, message):
     with pytest.raises(InvalidRequest, match=message.replace("[", r"\[").replace("]", r"\]")):

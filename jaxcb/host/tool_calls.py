@@ -66,6 +66,7 @@ from jaxcb.host import harmony, pythonic, raw_strings
 from jaxcb.host.structured import Constraint, embedded, followed, lark_schema, marker, rebased, special
 
 MAX_TOOLS = 128
+MAX_TOOLS_CHARS = 1 << 20  # the tools' descriptions and parameters together, as the chat's messages
 NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 CHOICES = ("none", "auto", "required")
 
@@ -229,7 +230,7 @@ def parse_tools(body: dict) -> Tools | None:
         raise InvalidRequest("tools: must be a list of {type: function, function: {...}}")
     if len(tools) > MAX_TOOLS:
         raise InvalidRequest(f"tools: {len(tools)} tools; the limit is {MAX_TOOLS}")
-    functions, descriptions = {}, {}
+    functions, descriptions, size = {}, {}, 0
     for i, t in enumerate(tools):
         where = f"tools[{i}]"
         if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(t.get("function"), dict):
@@ -256,6 +257,10 @@ def parse_tools(body: dict) -> Tools | None:
         if not isinstance(description, str):
             raise InvalidRequest(f"{where}.function.description: must be a string")
         functions[name], descriptions[name] = params, description
+        size += len(description) + len(json.dumps(params))
+        if size > MAX_TOOLS_CHARS:  # (what a rendering of them would add to the prompt)
+            raise InvalidRequest(f"tools: more than {MAX_TOOLS_CHARS} characters of descriptions and parameters in all "
+                                 f"(past it at tools[{i}]); the limit is {MAX_TOOLS_CHARS}")
     named = None
     if choice is None:
         choice = "auto"
