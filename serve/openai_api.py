@@ -413,7 +413,7 @@ def make_app(state) -> FastAPI:
         check_fields(body, CHAT_FIELDS)
         return await json_response(await run_chat(request, tenant, body))
 
-    store = Store(int(state.options.responses_store_mb * (1 << 20)))  # (background ones end with the server's
+    store = Store(int(state.options.responses_store_mb * (1 << 20)), len(state.options.tokens))  # (background ones end with the server's
     # requests: shutdown's grace, then its aborts)
     state.metrics.kept.set_function(lambda: len(store.kept))  # (read at each scrape)
     state.metrics.kept_bytes.set_function(lambda: store.used)
@@ -499,7 +499,8 @@ def make_app(state) -> FastAPI:
         return route
 
     # OpenAI's Files and Batch APIs (serve.openai_batches): a batch's lines run through this app.
-    batches = openai_batches.Batches(int(state.options.batch_files_mb * (1 << 20)), state.options.http_header_timeout_s)
+    batches = openai_batches.Batches(int(state.options.batch_files_mb * (1 << 20)), state.options.http_header_timeout_s,
+                                     len(state.options.tokens))
     batches.app, state.batches = app, batches
 
     @app.post("/v1/files")

@@ -13,8 +13,8 @@ files read back.
 
 Files are kept on disk, in a folder of the server's own (removed when it stops), at most --batch-files-mb in
 all (input, output and error files together; an upload past what is left is a 413); a server with bearer
-tokens keeps each token's files and batches apart (another's id is not found), one without keeps one store
-for every client. A batch is validated whole first, as OpenAI validates it (each line a request to the
+tokens keeps each token's files and batches apart (another's id is not found), each token within an even
+share of the limit; one without keeps one store for every client. A batch is validated whole first, as OpenAI validates it (each line a request to the
 batch's endpoint, custom_ids unique, at most MAX_BATCH_REQUESTS): any bad line fails the batch, the lines
 listed in its `errors`. Then its lines run, BATCH_IN_FLIGHT at once and one batch at a time, through the
 server's admission like any client's requests; a line refused because the server is full (429) waits and is
@@ -26,6 +26,7 @@ as it does: those still running when it stops are cancelled.
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import logging
 import shutil
@@ -75,10 +76,11 @@ class Batches:
     """The files and batches of one server (the module's doc). `app` is set once the app is made: the lines
     go through it."""
 
-    def __init__(self, limit_bytes: int, header_timeout_s: float):
+    def __init__(self, limit_bytes: int, header_timeout_s: float, owners: int = 1):
         self.limit, self.timeout = limit_bytes, header_timeout_s
-        self.used = 0  # bytes of the files kept and of the outputs being written
-        self.uploading = 0  # bytes of the uploads in progress (each charged as it comes)
+        self.share = limit_bytes // max(1, owners)  # each owner's part (the server's bearer tokens share it evenly)
+        self.used = 0  # bytes of the files kept, uploading and being written (each charged as it comes)
+        self.owned: collections.Counter[str] = collections.Counter()  # owner -> its part of `used`
         self.files: dict[str, File] = {}
         self.jobs: dict[str, Job] = {}
         self.folder: Path | None = None
@@ -97,15 +99,19 @@ class Batches:
             raise HTTPError(404, f"{field}: no file {shown(file_id)}", param=field)
         return f
 
-    def _room(self) -> int:
-        return max(0, min(MAX_FILE_BYTES, self.limit - self.used - self.uploading))
+    def _room(self, owner: str) -> int:
+        """The bytes `owner` may still add: within the whole limit and its share of it."""
+        return max(0, min(self.limit - self.used, self.share - self.owned[owner]))
+
+    def _charge(self, owner: str, size: int) -> None:
+        self.used += size
+        self.owned[owner] += size
 
     def _keep(self, owner: str, path: Path, size: int, filename: str, purpose: str) -> dict:
         file_id = path.name
         info = {"id": file_id, "object": "file", "bytes": size, "created_at": int(time.time()), "filename": filename,
                 "purpose": purpose, "status": "processed", "expires_at": None, "status_details": None}
-        self.files[file_id] = File(owner, path, info)
-        self.used += size
+        self.files[file_id] = File(owner, path, info)  # (its bytes charged as they were written)
         return info
 
     def _check_open(self) -> None:
@@ -121,13 +127,13 @@ class Batches:
         kind, params = parse_options_header(request.headers.get("content-type", ""))
         if kind != b"multipart/form-data" or not params.get(b"boundary"):
             raise bad_request("body: must be multipart/form-data with the file and its purpose (OpenAI's files.create)")
-        room = self._room()
+        room = min(MAX_FILE_BYTES, self._room(owner))
         declared = request.headers.get("content-length")
         if declared is not None and declared.isascii() and declared.isdigit() and (
                 len(declared) > 15 or int(declared) > room + (1 << 16)):
-            raise self._too_large(int(declared[:16]))
+            raise self._too_large(int(declared[:16]), owner)
         path = self._new_path(f"file-{uuid.uuid4().hex}")
-        upload = _Upload(path, self)
+        upload = _Upload(path, self, owner)
         try:
             parser = MultipartParser(params[b"boundary"], upload.callbacks(), max_header_count=8)
             chunks = request.stream().__aiter__()
@@ -150,20 +156,20 @@ class Batches:
             if purpose != "batch":
                 raise bad_request(f"purpose: {shown(purpose)} is not kept here; only \"batch\" files are")
             upload.close()
-            self.uploading -= upload.size
             return self._keep(owner, path, upload.size, upload.filename, purpose)
         except BaseException as e:
             upload.close()
-            self.uploading -= upload.size
+            self._charge(owner, -upload.size)
             upload.size = 0
             path.unlink(missing_ok=True)
             if isinstance(e, Exception) and not isinstance(e, HTTPError):  # python-multipart's: a malformed body
                 raise bad_request(f"body: not a well-formed multipart body ({str(e)[:200]})") from None
             raise
 
-    def _too_large(self, size: int) -> HTTPError:
-        return HTTPError(413, f"file: {size} bytes; the room left is {self._room()} bytes (a file at most "
-                              f"{MAX_FILE_BYTES}, all files at most --batch-files-mb: {self.used} of {self.limit} in use)",
+    def _too_large(self, size: int, owner: str) -> HTTPError:
+        return HTTPError(413, f"file: {size} bytes; the room left is {min(MAX_FILE_BYTES, self._room(owner))} bytes (a "
+                              f"file at most {MAX_FILE_BYTES}; all files at most --batch-files-mb, {self.limit}, each "
+                              f"token's at most {self.share}: this caller's use {self.owned[owner]}, all {self.used})",
                          param="file")
 
     def list_files(self, owner: str, query) -> dict:
@@ -177,7 +183,7 @@ class Batches:
     def delete_file(self, owner: str, file_id: str) -> dict:
         f = self._file(owner, file_id)
         del self.files[file_id]
-        self.used -= f.info["bytes"]
+        self._charge(owner, -f.info["bytes"])
         f.path.unlink(missing_ok=True)  # (a batch reading it keeps its open file)
         return {"id": file_id, "object": "file", "deleted": True}
 
@@ -283,12 +289,12 @@ class Batches:
 
                     def write(out: dict) -> None:
                         line = batch.json_line(out).encode()
-                        if self.used + self.uploading + len(line) > self.limit:
+                        if len(line) > self._room(job.owner):
                             raise _StoreFull()
                         kept = outputs["output" if out["error"] is None else "error"]
                         kept[1].write(line)
                         kept[2] += len(line)
-                        self.used += len(line)
+                        self._charge(job.owner, len(line))
 
                     await batch.run_lines(self.app, source, write, BATCH_IN_FLIGHT, job.tally, headers=job.headers,
                                           retry_busy=True)
@@ -319,7 +325,6 @@ class Batches:
             self._shown(job)  # (the counts as they ended)
         for kind, (path, sink, size) in outputs.items():
             sink.close()
-            self.used -= size  # (charged as written; _keep charges it again)
             if size == 0:
                 path.unlink(missing_ok=True)
                 continue
@@ -334,11 +339,11 @@ class _StoreFull(Exception):
 
 class _Upload:
     """python-multipart's callbacks for an upload: the `file` part to `path` (within the store's room, its
-    bytes charged to `store.uploading` as they come), the other parts (UPLOAD_FIELDS, each at most 256 bytes)
+    bytes charged to its owner as they come), the other parts (UPLOAD_FIELDS, each at most 256 bytes)
     as text. `error`: the first thing wrong."""
 
-    def __init__(self, path: Path, store: "Batches"):
-        self.path, self.store = path, store
+    def __init__(self, path: Path, store: "Batches", owner: str):
+        self.path, self.store, self.owner = path, store, owner
         self.fields: dict[str, str] = {}
         self.filename: str | None = None
         self.size = 0
@@ -382,11 +387,11 @@ class _Upload:
         if self.error is not None:
             return
         if self._part == "file":
-            if end - start > self.store._room():
-                self.error = self.store._too_large(self.size + end - start)
+            if end - start > self.store._room(self.owner) or self.size + end - start > MAX_FILE_BYTES:
+                self.error = self.store._too_large(self.size + end - start, self.owner)
                 return
             self.size += end - start
-            self.store.uploading += end - start
+            self.store._charge(self.owner, end - start)
             self.sink.write(data[start:end])
         else:
             self._data += data[start:end]

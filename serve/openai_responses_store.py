@@ -10,10 +10,12 @@ OpenAI has it; not the thinking: chat templates drop an earlier turn's, as for r
 A call naming a previous response reads that conversation, its own input after it.
 
 Memory is bounded: each response is charged the bytes of everything it keeps as Python objects (its
-conversation whole, though it shares the earlier responses' messages), and the least recently used are dropped first to stay
-within the limit (a background response still running is not dropped); one that alone is over the limit is
+conversation whole, though it shares the earlier responses' messages), and the least recently used are dropped
+first to stay within the limit (a background response still running never); one that alone is over the limit is
 not kept (its `store` false). A server with bearer tokens keeps each token's responses apart (another's id is
-not found); one without keeps one store for every client.
+not found), each token within an even share of the limit (its own least recently used make room, never another
+token's); one without keeps one store for every client. A client runs at most MAX_BACKGROUND background
+responses at once (a 429 past them).
 
 OpenAI's Conversations API is kept here too (the same limit, the same owners): a conversation holds items
 (input items as a Responses call takes them: messages, function calls and their outputs, reasoning); a
@@ -44,11 +46,13 @@ from fastapi.responses import Response, StreamingResponse
 
 from jaxcb.host.errors import JaxcbError, shown
 from serve import openai_responses
+from serve.frontend import MAX_TEXT_CHARS
 from serve.openai_fields import HTTPError, bad_request, bool_field, check_fields, check_metadata, http_error
 
 FINISHED = ("completed", "incomplete")
 CONVERSATION_ITEMS = 20  # the most items a call adds to a conversation at once (OpenAI's)
 PAGE_LIMIT = 100  # input_items' most per page
+MAX_BACKGROUND = 32  # background responses running at once, per owner (every client's, on a server without tokens)
 
 
 @dataclasses.dataclass
@@ -182,6 +186,16 @@ def _checked_items(body: dict, field: str, limit: int) -> list[dict]:
     return input_items(body, field)
 
 
+def _check_text(items: list, field: str) -> None:
+    """A conversation's text within what a call's input may hold (MAX_TEXT_CHARS): one past it could never be
+    used (a 400 naming `field`)."""
+    chars = sum(len(m["content"]) if isinstance(m.get("content"), str) else len(json.dumps(m.get("content")))
+                for m in conversation_messages(items))
+    if chars > MAX_TEXT_CHARS:
+        raise bad_request(f"{field}: the conversation would hold {chars} characters of text; the limit is "
+                          f"{MAX_TEXT_CHARS} (what a call's input may hold)")
+
+
 def conversation_messages(items: list) -> tuple:
     """A conversation's items as chat messages (as a Responses call's input items become them)."""
     return tuple(openai_responses.chat_messages(items)) if items else ()
@@ -214,10 +228,25 @@ def _page(items: list, query, rid: str) -> dict:
 class Store:
     """Kept responses by id, least recently used first (module docstring)."""
 
-    def __init__(self, limit_bytes: int):
+    def __init__(self, limit_bytes: int, owners: int = 1):
         self.limit = limit_bytes
+        # Each owner's part of the limit (the server's bearer tokens share it evenly): one token's responses
+        # and conversations never push out another's.
+        self.share = limit_bytes // max(1, owners)
         self.kept: collections.OrderedDict[str, Kept] = collections.OrderedDict()
         self.used = 0
+        self.owned: collections.Counter[str] = collections.Counter()  # owner -> bytes of what it keeps
+
+    def _drop(self, rid: str) -> None:
+        kept = self.kept.pop(rid, None)
+        if kept is not None:
+            self.used -= kept.size
+            self.owned[kept.owner] -= kept.size
+
+    def _running(self, owner: str) -> int:
+        """The owner's background responses still running."""
+        return sum(k.owner == owner and k.detached is not None and k.detached.task is not None
+                   and not k.detached.task.done() for k in self.kept.values())
 
     def call(self, owner: str, body: dict) -> Call:
         """The store's fields of a call (store, background, previous_response_id), checked."""
@@ -262,21 +291,24 @@ class Store:
         return kept
 
     def put(self, kept: Kept) -> bool:
-        """Keep (or keep again, grown) a response; False if it alone is over the limit (not kept)."""
+        """Keep (or keep again, grown) a response; False if it alone is over its owner's part of the limit (not
+        kept). The owner's least recently used go first to make room, never another owner's."""
         rid = kept.response["id"]
         size = _size([kept.response, kept.items, kept.conversation, kept.detached and kept.detached.events])
-        if size > self.limit:  # (one kept before stays as it was)
+        if size > self.share:  # (one kept before stays as it was)
             return False
-        old = self.kept.pop(rid, None)
-        self.used -= old.size if old is not None else 0
+        self._drop(rid)
         kept.size, self.used = size, self.used + size
+        self.owned[kept.owner] += size
         self.kept[rid] = kept
         for other in list(self.kept):  # the least recently used first; never a background response running
-            if self.used <= self.limit:
+            over = self.owned[kept.owner] > self.share
+            if not over and self.used <= self.limit:  # (the whole limit too: owners beyond the tokens' count)
                 break
             k = self.kept[other]
-            if other != rid and (k.detached is None or k.detached.task is None or k.detached.task.done()):
-                self.used -= self.kept.pop(other).size
+            if other != rid and (k.owner == kept.owner or not over) and (
+                    k.detached is None or k.detached.task is None or k.detached.task.done()):
+                self._drop(other)
         return True
 
     def get(self, owner: str, rid: str, query) -> dict:
@@ -301,7 +333,7 @@ class Store:
         kept = self.find(owner, rid)
         if kept.detached is not None:
             kept.detached.cancel()
-        self.used -= self.kept.pop(rid).size
+        self._drop(rid)
         return {"id": rid, "object": "response", "deleted": True}
 
     def cancel(self, owner: str, rid: str) -> dict:
@@ -324,6 +356,7 @@ class Store:
         check_fields(body, {"items", "metadata"})
         check_metadata(body.get("metadata"))
         items = _checked_items(body, "items", CONVERSATION_ITEMS) if body.get("items") is not None else []
+        _check_text(items, "items")
         kept = Kept(owner, {"id": "conv_" + uuid.uuid4().hex, "object": "conversation", "created_at": int(time.time()),
                             "metadata": body.get("metadata") or {}}, items)
         if not self.limit:
@@ -345,7 +378,7 @@ class Store:
 
     def delete_conversation(self, owner: str, cid: str) -> dict:
         self.find(owner, cid, "conversation_id", "conversation")
-        self.used -= self.kept.pop(cid).size
+        self._drop(cid)
         return {"id": cid, "object": "conversation.deleted", "deleted": True}
 
     def conversation_items(self, owner: str, cid: str, query) -> dict:
@@ -376,6 +409,7 @@ class Store:
         """Items added to a conversation (kept again, charged for them); one that would be over the limit alone
         is left as it was (a 400 naming `field`)."""
         before = kept.items
+        _check_text([*before, *items], field)
         kept.items = [*before, *items]
         if not self.put(kept):
             kept.items = before
@@ -416,6 +450,9 @@ class Store:
         client's request); the call answers once it is queued (or refused: raised), the work runs on, and its
         response is kept as it goes (queued, in_progress, then completed, incomplete, failed or cancelled). A
         streamed one (`stream`) answers with its events, and keeps them for GET .../{id}?stream=true."""
+        if self._running(call.owner) >= MAX_BACKGROUND:
+            raise HTTPError(429, f"background: this client has {MAX_BACKGROUND} background responses running, the "
+                                 "limit; wait for one to end, or cancel one", param="background")
         detached = _Detached()
         if body.get("stream"):
             detached.events = []
@@ -429,7 +466,7 @@ class Store:
                 kept.response, kept.conversation = done, conversation(done)
                 self._continue(call, kept.items, done)
                 if response["id"] in self.kept and not self.put(kept):  # charged again, grown (not deleted meanwhile)
-                    self.used -= self.kept.pop(response["id"]).size  # (alone over the limit: not kept)
+                    self._drop(response["id"])  # (alone over the limit: not kept)
             return True
 
         async def work():
@@ -464,8 +501,7 @@ class Store:
         finally:
             started.cancel()
         if detached.task.done() and not detached.started.is_set():
-            self.kept.pop(response["id"], None)  # refused: nothing was kept
-            self.used -= kept.size
+            self._drop(response["id"])  # refused: nothing was kept
             detached.task.result()  # raises the refusal
         if kept.response["status"] == "queued":
             kept.response = dict(kept.response, status="in_progress")

@@ -2024,6 +2024,60 @@ def test_the_response_store_is_bounded_and_each_tokens_own():
     assert Store(0).call("", {"input": "x"}).keep is False
 
 
+def test_one_token_cannot_push_out_anothers_responses_or_keep_unusable_conversations():
+    """With bearer tokens each keeps within an even share of the store: a token filling its share drops its own
+    least recently used, never another's; a conversation past what a call's input may hold is refused naming
+    its items."""
+    from serve.frontend import MAX_TEXT_CHARS
+    from serve.openai_responses_store import Kept, Store
+
+    def kept(rid, owner):
+        return Kept(owner, {"id": rid, "object": "response", "status": "completed", "output": []}, [],
+                    ({"role": "user", "content": "x"},))
+
+    one = Store(1 << 20)
+    one.put(kept("a", "token0"))
+    store = Store(4 * one.used + 10, owners=2)  # room for two each
+    assert store.put(kept("a0", "token0")) and store.put(kept("b0", "token1"))
+    for i in range(1, 6):  # token1 keeps storing
+        assert store.put(kept(f"b{i}", "token1"))
+    assert "a0" in store.kept and sorted(k for k in store.kept if k.startswith("b")) == ["b4", "b5"]
+    assert store.owned["token1"] <= store.share and store.used == sum(k.size for k in store.kept.values())
+    big = [{"type": "message", "role": "user", "content": "z" * (MAX_TEXT_CHARS // 3)} for _ in range(4)]
+    with pytest.raises(Exception) as e:
+        Store(1 << 30).create_conversation("", {"items": big})
+    assert e.value.status == 400 and e.value.message.startswith("items: the conversation would hold")
+    roomy = Store(1 << 30)
+    cid = roomy.create_conversation("", {"items": big[:2]})["id"]
+    with pytest.raises(Exception) as e:
+        roomy.add_items("", cid, {"items": big[:2]})
+    assert e.value.status == 400 and e.value.param == "items" and len(roomy.kept[cid].items) == 2
+
+
+def test_a_client_runs_at_most_max_background_responses():
+    import asyncio
+
+    from serve.openai_responses_store import MAX_BACKGROUND, Call, Kept, Store, _Detached
+
+    async def main():
+        store, never = Store(1 << 20), asyncio.Event()
+        running = asyncio.ensure_future(never.wait())
+        for i in range(MAX_BACKGROUND):
+            k = Kept("token0", {"id": f"r{i}", "object": "response", "status": "queued", "output": []}, [])
+            k.detached = _Detached()
+            k.detached.task = running
+            store.put(k)
+        body, chat = {"input": "x", "background": True}, {"messages": [{"role": "user", "content": "x"}]}
+        with pytest.raises(Exception) as e:
+            await store.start(Call("token0", True, True, ()), body, chat, [], "m", None)
+        assert e.value.status == 429 and e.value.param == "background"
+        # another token's are its own
+        assert store._running("token1") == 0 and store._running("token0") == MAX_BACKGROUND
+        running.cancel()
+
+    asyncio.run(main())
+
+
 def test_responses_stream_client_gone_frees_its_request(server):
     with httpx.stream("POST", server.http + "/v1/responses", timeout=60,
                       json={"input": "hi", "max_output_tokens": 240, "stream": True, "ignore_eos": True}) as r:

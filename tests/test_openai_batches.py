@@ -128,7 +128,7 @@ def test_cancelling_a_batch_aborts_its_requests_and_keeps_what_ran(server, oai):
         oai.batches.cancel(b.id)
 
 
-def test_each_token_keeps_its_own_files_within_the_limit(tiny_gguf_path, config_path):
+def test_each_token_keeps_its_own_files_within_its_share_of_the_limit(tiny_gguf_path, config_path):
     for s in http_server(tiny_gguf_path, config_path, "--auth-token", "alice", "--auth-token", "bob",
                          "--batch-files-mb", "0.004"):  # 4,194 bytes
         alice = openai.OpenAI(base_url=s.http + "/v1", api_key="alice", max_retries=0)
@@ -144,9 +144,13 @@ def test_each_token_keeps_its_own_files_within_the_limit(tiny_gguf_path, config_
             bob.batches.create(input_file_id=mine.id, endpoint="/v1/completions", completion_window="24h")
         assert bob.files.list().data == [] and bob.batches.list().data == []
         assert wait_ended(alice, b.id).status == "completed"
-        with pytest.raises(openai.APIStatusError) as e:
-            alice.files.create(file=("big.jsonl", io.BytesIO(b"x" * 5000)), purpose="batch")
+        with pytest.raises(openai.APIStatusError) as e:  # (past alice's half of the store, not past bob's)
+            alice.files.create(file=("big.jsonl", io.BytesIO(b"x" * 1800)), purpose="batch")
         assert e.value.status_code == 413 and "file:" in e.value.message
+        assert bob.files.create(file=("big.jsonl", io.BytesIO(b"x" * 1800)), purpose="batch").bytes == 1800
+        with pytest.raises(openai.APIStatusError) as e:
+            bob.files.create(file=("more.jsonl", io.BytesIO(b"x" * 1800)), purpose="batch")
+        assert e.value.status_code == 413
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=s.http + "/v1", api_key="eve", max_retries=0).files.list()
 
