@@ -17,8 +17,8 @@ from collections.abc import Callable
 import numpy as np
 
 from jaxcb.host.embedding import Pooling, cosines
-from jaxcb.host.errors import (ContextTooLong, InvalidConfig, InvalidRequest, NotFound, Overloaded, StepFailed,
-                               Unavailable, shown)
+from jaxcb.host.errors import (ContextTooLong, InvalidConfig, InvalidRequest, NotFound, Overloaded, PermissionDenied,
+                               StepFailed, Unavailable, shown)
 from jaxcb.host.replicas import Replicas
 from jaxcb.host.request import FinishReason, SamplingParams, TokenEvent, check_param_ids, check_prompt_length
 from serve.metrics import Metrics, RequestTimer
@@ -119,6 +119,7 @@ class State:
         self.thread: Replicas | None = None
         self.died = asyncio.Event()
         self.batches = None  # the Files and Batch APIs' store (serve.openai_batches), where the HTTP API is served
+        self.lora_owners: dict[str, str] = {}  # the LoRA adapters loaded while serving -> their loader (owner)
 
     def check_open(self) -> None:
         if self.draining:
@@ -144,6 +145,32 @@ class State:
         """A LoRA adapter's name must not be one the base model is served as."""
         if name in self.served_names:
             raise InvalidRequest(f"lora_name: {name!r} is a name the base model is served as")
+
+    async def load_lora(self, owner_: str, name: str, path: str) -> None:
+        """Load a PEFT adapter while serving (both APIs), as `owner_`'s (frontend.owner): with bearer tokens, a
+        token loads at most its even share of lora.max_cpu_loras, and only it unloads what it loaded."""
+        self.check_adapter_name(name)
+        cap, tokens = self.engine.config.lora.max_cpu_loras, len(self.options.tokens)
+        mine = sum(o == owner_ for o in self.lora_owners.values())
+        if tokens > 1 and cap and mine >= max(1, cap // tokens):
+            raise InvalidRequest(f"lora_name: this caller has {mine} adapters loaded, its share of lora.max_cpu_loras "
+                                 f"({cap} among {tokens} tokens); unload one first")
+        try:
+            await asyncio.to_thread(self.engine.load_lora, name, path)
+        except InvalidConfig as e:  # what the adapter directory holds: the client's to fix
+            raise InvalidRequest(f"lora_path: {e}") from None
+        self.lora_owners[name] = owner_
+
+    def unload_lora(self, owner_: str, name: str) -> bool:
+        """Unload an adapter (at once, or when its running requests end: False). With bearer tokens, only the
+        token that loaded it may; one of the command line's, none (PermissionDenied)."""
+        if self.options.tokens and name in self.engine.lora_names() and self.lora_owners.get(name) != owner_:
+            who = "the server's command line" if name not in self.lora_owners else "another token"
+            raise PermissionDenied(f"lora_name: the adapter {shown(name)} was loaded by {who}; only its loader "
+                                   "unloads it")
+        done = self.engine.unload_lora(name)
+        self.lora_owners.pop(name, None)
+        return done
 
     def admit(self, samples: int = 1) -> None:
         """Admission counts every sample of every request accepted and not finished (inbox included)

@@ -23,14 +23,15 @@ from grpc_reflection.v1alpha import reflection
 
 from jaxcb.device import cpu_dots
 from jaxcb.host import classifier
-from jaxcb.host.errors import InvalidConfig, InvalidRequest, JaxcbError, NotFound, Overloaded, StepFailed, Unauthenticated, Unavailable
+from jaxcb.host.errors import (InvalidRequest, JaxcbError, NotFound, Overloaded, PermissionDenied, StepFailed,
+                               Unauthenticated, Unavailable)
 from jaxcb.host.request import (MAX_SAMPLES, FinishReason, SamplingParams, TokenEvent, check_allowed_count, check_logit_bias_count, read_json,
                                 check_stop_counts)
 from jaxcb.host.structured import MAX_CHOICES, Constraint
 from jaxcb.host.chat_template import check_template_kwargs
 from serve.frontend import (MAX_REQUEST_BYTES, ServerOptions, State, check_ids, check_messages,
                             check_request_template, check_settings, check_text, check_text_fits, check_token_count,
-                            input_ids, prompt_keep, scores as frontend_scores, tenant, token_index, truncated)
+                            input_ids, owner, prompt_keep, scores as frontend_scores, tenant, token_index, truncated)
 from serve.proto import jaxcb_pb2, jaxcb_pb2_grpc, jetstream_pb2, jetstream_pb2_grpc
 
 log = logging.getLogger("jaxcb.serve")
@@ -40,7 +41,7 @@ SERVICE_NAME = "jaxcb.v1.Jaxcb"
 
 GRPC_CODE = {InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT, NotFound: grpc.StatusCode.NOT_FOUND, Overloaded: grpc.StatusCode.RESOURCE_EXHAUSTED,
              Unavailable: grpc.StatusCode.UNAVAILABLE, Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
-             StepFailed: grpc.StatusCode.INTERNAL}
+             StepFailed: grpc.StatusCode.INTERNAL, PermissionDenied: grpc.StatusCode.PERMISSION_DENIED}
 
 
 def grpc_code(e: JaxcbError) -> grpc.StatusCode:
@@ -311,18 +312,14 @@ class JaxcbService(jaxcb_pb2_grpc.JaxcbServicer):
         try:
             if not request.lora_name or not request.lora_path:
                 raise InvalidRequest("lora_name: required" if not request.lora_name else "lora_path: required")
-            self.state.check_adapter_name(request.lora_name)
-            try:
-                await asyncio.to_thread(self.state.engine.load_lora, request.lora_name, request.lora_path)
-            except InvalidConfig as e:  # what the adapter directory holds: the client's to fix
-                raise InvalidRequest(f"lora_path: {e}") from None
+            await self.state.load_lora(owner(tenant_of(self.state, context)), request.lora_name, request.lora_path)
         except JaxcbError as e:
             await context.abort(grpc_code(e), details(e))
         return jaxcb_pb2.LoraAdapterResponse(message=f"LoRA adapter {request.lora_name!r} loaded", done=True)
 
     async def UnloadLoraAdapter(self, request, context):
         try:
-            done = self.state.engine.unload_lora(request.lora_name)
+            done = self.state.unload_lora(owner(tenant_of(self.state, context)), request.lora_name)
         except JaxcbError as e:
             await context.abort(grpc_code(e), details(e))
         return jaxcb_pb2.LoraAdapterResponse(

@@ -58,7 +58,7 @@ from starlette.exceptions import HTTPException as RouteError
 import jaxcb
 from jaxcb.host import classifier, embedding, harmony, tool_calls
 from jaxcb.host.embedding import check_encoding_format
-from jaxcb.host.errors import InvalidConfig, InvalidRequest, JaxcbError, NotFound, Unauthenticated
+from jaxcb.host.errors import InvalidRequest, JaxcbError, NotFound, Unauthenticated
 from jaxcb.host.request import MAX_SAMPLES, SamplingParams
 from serve import anthropic_messages, frontend, openai_batches, openai_responses, openai_scores, reasoning
 from serve.openai_responses_store import Store
@@ -308,28 +308,24 @@ def make_app(state) -> FastAPI:
 
     @app.post("/v1/load_lora_adapter")
     async def load_lora_adapter(request: Request):
-        authorize(request)
+        owner = frontend.owner(authorize(request))
         body = await body_of(request)
         check_fields(body, {"lora_name", "lora_path", "model"})
         name, path = str_field(body, "lora_name", ""), str_field(body, "lora_path", "")
         if not name or not path:
             raise bad_request("lora_name: required" if not name else "lora_path: required")
-        state.check_adapter_name(name)
-        try:
-            await asyncio.to_thread(state.engine.load_lora, name, path)
-        except InvalidConfig as e:  # what the adapter directory holds: the client's to fix
-            raise bad_request(f"lora_path: {e}") from None
+        await state.load_lora(owner, name, path)
         return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
 
     @app.post("/v1/unload_lora_adapter")
     async def unload_lora_adapter(request: Request):
-        authorize(request)
+        owner = frontend.owner(authorize(request))
         body = await body_of(request)
         check_fields(body, {"lora_name", "lora_int_id", "model"})
         name = str_field(body, "lora_name", "")
         if not name:
             raise bad_request("lora_name: required")
-        now = state.engine.unload_lora(name)
+        now = state.unload_lora(owner, name)
         return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully."
                                  + ("" if now else " (its running requests finish first)"))
 

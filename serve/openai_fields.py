@@ -10,8 +10,8 @@ import re
 
 from fastapi.responses import JSONResponse
 
-from jaxcb.host.errors import (ContextTooLong, InvalidRequest, JaxcbError, NotFound, Overloaded, StepFailed, Unauthenticated, Unavailable,
-                               shown)
+from jaxcb.host.errors import (ContextTooLong, InvalidRequest, JaxcbError, NotFound, Overloaded, PermissionDenied,
+                               StepFailed, Unauthenticated, Unavailable, shown)
 from jaxcb.host.request import (SamplingParams, check_allowed_count, check_priority, check_stop_counts,
                                 logit_bias_from_json, read_json)
 from jaxcb.host.structured import (GUIDED_EXTRAS, GUIDED_FIELDS, Constraint, from_guided, from_response_format,
@@ -19,8 +19,9 @@ from jaxcb.host.structured import (GUIDED_EXTRAS, GUIDED_FIELDS, Constraint, fro
 from jaxcb.host.chat_template import check_template_kwargs
 from serve import frontend
 
-HTTP_STATUS = {InvalidRequest: 400, NotFound: 404, Overloaded: 429, Unavailable: 503, Unauthenticated: 401, StepFailed: 500}
-ERROR_TYPE = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+HTTP_STATUS = {InvalidRequest: 400, NotFound: 404, Overloaded: 429, Unavailable: 503, Unauthenticated: 401, StepFailed: 500,
+               PermissionDenied: 403}
+ERROR_TYPE = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error",
               408: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error", 500: "internal_error",
               503: "service_unavailable"}
 EXTRAS = {"top_k", "min_p", "repetition_penalty", "ignore_eos", "min_tokens", "stop_token_ids",

@@ -377,6 +377,44 @@ def test_served_over_http_and_grpc(tiny_gguf_path, config_path, tiny_model, adap
         assert server.stop() == 0, server.output()
 
 
+def test_each_token_loads_its_share_and_unloads_only_its_own(tiny_gguf_path, config_path, adapters):
+    """With bearer tokens an adapter loaded while serving is its loader's: another token cannot unload it (403,
+    gRPC's PERMISSION_DENIED), nor one of the command line's; each token loads at most its even share of
+    lora.max_cpu_loras."""
+    import grpc
+    import httpx
+
+    from serve.client import Client
+    from serve.proto import jaxcb_pb2
+    from tests.server_util import ServerProcess, free_port
+
+    paths, _ = adapters
+    http = free_port()
+    server = ServerProcess(tiny_gguf_path, config_path, "--http-port", str(http), "--lora", f"all4={paths['all4']}",
+                           "--max-loras", "2", "--max-lora-rank", "8", "--max-cpu-loras", "4",
+                           "--auth-token", "alice", "--auth-token", "bob")
+    try:
+        server.wait_serving(metadata=(("authorization", "Bearer alice"),))
+        alice = httpx.Client(base_url=f"http://127.0.0.1:{http}", timeout=60, headers={"authorization": "Bearer alice"})
+        bob = httpx.Client(base_url=f"http://127.0.0.1:{http}", timeout=60, headers={"authorization": "Bearer bob"})
+        for name in ("qvd8", "mlp"):
+            assert alice.post("/v1/load_lora_adapter", json={"lora_name": name, "lora_path": paths[name]}).status_code == 200
+        r = alice.post("/v1/load_lora_adapter", json={"lora_name": "third", "lora_path": paths["mlp"]})
+        assert r.status_code == 400 and "its share of lora.max_cpu_loras (4 among 2 tokens)" in r.text
+        for name, who in (("qvd8", "another token"), ("all4", "the server's command line")):
+            r = bob.post("/v1/unload_lora_adapter", json={"lora_name": name})
+            assert r.status_code == 403 and r.json()["error"]["message"] == (
+                f"lora_name: the adapter {name!r} was loaded by {who}; only its loader unloads it"), r.text
+        with Client(server.target, token="bob") as c, pytest.raises(grpc.RpcError) as e:
+            c.stub.UnloadLoraAdapter(jaxcb_pb2.UnloadLoraAdapterRequest(lora_name="mlp"), metadata=c.metadata)
+        assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert bob.post("/v1/completions", json={"model": "qvd8", "prompt": [5, 6], "max_tokens": 2}).status_code == 200
+        assert alice.post("/v1/unload_lora_adapter", json={"lora_name": "qvd8"}).status_code == 200
+        assert bob.post("/v1/load_lora_adapter", json={"lora_name": "qvd8", "lora_path": paths["qvd8"]}).status_code == 200
+    finally:
+        assert server.stop() == 0, server.output()
+
+
 def test_convert_merges_an_adapter(tiny_gguf_path, tiny_model, adapters, tmp_path):
     from jaxcb.cli import main as cli
     from jaxcb.llm import load_model

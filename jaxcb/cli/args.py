@@ -110,6 +110,9 @@ def add_lora_args(p: argparse.ArgumentParser) -> None:
                         "config's lora.max_loras, 0 = none)")
     p.add_argument("--max-lora-rank", type=int, default=None, metavar="R",
                    help="the largest adapter rank the slots hold (default: the config's lora.max_rank, 16)")
+    p.add_argument("--max-cpu-loras", type=int, default=None, metavar="N",
+                   help="adapters registered at once, in host memory (default: the config's lora.max_cpu_loras, 64; "
+                        "0 = no limit)")
 
 
 def lora_config(args, lora):
@@ -119,6 +122,8 @@ def lora_config(args, lora):
         changes["max_loras"] = args.max_loras
     if getattr(args, "max_lora_rank", None) is not None:
         changes["max_rank"] = args.max_lora_rank
+    if getattr(args, "max_cpu_loras", None) is not None:
+        changes["max_cpu_loras"] = args.max_cpu_loras
     if getattr(args, "lora", None):
         changes["adapters"] = tuple(lora.adapters) + tuple(args.lora)
         if not changes.get("max_loras", lora.max_loras):

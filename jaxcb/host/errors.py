@@ -64,5 +64,9 @@ class Unauthenticated(JaxcbError):
     """A missing or wrong credential."""
 
 
+class PermissionDenied(JaxcbError):
+    """A known caller asking to change what is not its own (another token's LoRA adapter)."""
+
+
 class StepFailed(JaxcbError, RuntimeError):
     """The step that ran a request failed: the request ended without finishing (a server-side fault)."""

@@ -39,11 +39,11 @@ def check_targets(targets, shapes: dict) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class LoraConfig:
-    """`[lora]` in the engine config (flags --lora, --max-loras, --max-lora-rank)."""
+    """`[lora]` in the engine config (flags --lora, --max-loras, --max-lora-rank, --max-cpu-loras)."""
 
     max_loras: int = 0  # device slots: adapters resident at once (0 = no adapters)
     max_rank: int = 16  # the largest rank an adapter may have (slots are padded to it)
-    max_cpu_loras: int = 0  # adapters registered at once (host memory); 0 = no limit
+    max_cpu_loras: int = 64  # adapters registered at once (host memory); 0 = no limit
     targets: tuple[str, ...] = TARGETS  # the projections the slots cover
     adapters: tuple[str, ...] = ()  # "NAME=PATH" registered at start
 
