@@ -495,3 +495,33 @@ def test_generation_configs_sampling_fields_are_read_checked_and_saved(tmp_path,
         path.write_text(json.dumps({**raw, **bad}))
         with pytest.raises(InvalidConfig, match=message):
             Tokenizer.from_dir(str(tmp_path))
+
+
+def test_a_requests_template_renders_in_a_process_of_its_own_within_its_limits(tok, monkeypatch):
+    """A request's own chat template is compiled and rendered in a worker process: the model's template given as
+    a request's renders the same ids; one that loops, grows without end, recurses or folds a huge constant at
+    compile is a clear refusal within the time limit, and the worker after it still serves."""
+    import time
+
+    from jaxcb.host import template_process
+    from jaxcb.host.errors import InvalidRequest
+
+    monkeypatch.setattr(template_process, "RENDER_S", 1.0)
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+    assert tok.encode_chat(msgs, chat_template=tok.chat_template) == tok.encode_chat(msgs)
+    for template, message in (
+            ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}x",
+             "chat_template: the template took more than 1 s to render; the limit"),
+            ("{{ 9 ** (9 ** 9) }}", "chat_template: the template took more than 1 s to render; the limit"),
+            ("{{ 'x' * 20000000 }}", "chat_template: the rendering is longer than 4194304 characters; the limit"),
+            ("{% set ns = namespace(s='xx') %}{% for i in range(40) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}"
+             "{{ ns.s | length }}", "chat_template: the template used more than 1024 MiB while rendering; the limit"),
+            ("{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}",
+             "chat_template: could not render the request (RecursionError"),
+            ("{{ raise_exception('no system role') }}", "chat template: no system role"),
+            ("{% for %}", "chat_template: not a valid Jinja template")):
+        t0 = time.monotonic()
+        with pytest.raises(InvalidRequest) as e:
+            tok.encode_chat(msgs, chat_template=template)
+        assert str(e.value).startswith(message) and time.monotonic() - t0 < 3, (template, str(e.value))
+    assert tok.encode_chat(msgs, chat_template=tok.chat_template) == tok.encode_chat(msgs)

@@ -103,8 +103,8 @@ def compile_template(text, field: str = "chat_template") -> jinja2.Template:
         raise InvalidRequest(f"{field}: not a valid Jinja template (line {e.lineno}: {e.message})") from None
 
 
-@functools.lru_cache(maxsize=32)
-def _compiled(text: str) -> jinja2.Template:
+@functools.lru_cache(maxsize=None)
+def _environment() -> jinja2.Environment:
     # The environment transformers renders chat templates in, so that a model's template writes here what
     # it writes there: loop controls ({% break %}), the {% generation %} block (its body as is), tojson as
     # json.dumps (not Jinja's HTML-escaping one: tool schemas hold < > & '), strftime_now (Llama 3's date).
@@ -113,15 +113,22 @@ def _compiled(text: str) -> jinja2.Template:
     env.globals["raise_exception"] = _raise_template_error
     env.globals["strftime_now"] = _strftime_now
     env.filters["tojson"] = _tojson
-    return env.from_string(text)
+    return env
+
+
+@functools.lru_cache(maxsize=32)
+def _compiled(text: str) -> jinja2.Template:
+    # (Compiling folds constant expressions, filters on constants too: a request's template, which may fold into
+    # gigabytes, compiles only in its render process, jaxcb.host.template_process)
+    return _environment().from_string(text)
 
 
 @functools.lru_cache(maxsize=32)
 def template_reads(text: str, name: str) -> bool:
     """Whether the template reads the variable `name` (one jaxcb may pass it, e.g. `tools`: a template
-    that renders the tools itself)."""
+    that renders the tools itself). Parsed only, not compiled."""
     try:
-        return name in jinja2.meta.find_undeclared_variables(_compiled(text).environment.parse(text))
+        return name in jinja2.meta.find_undeclared_variables(_environment().parse(text))
     except jinja2.TemplateSyntaxError:
         return False
 

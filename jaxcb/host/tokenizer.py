@@ -35,6 +35,7 @@ from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tok
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import __version__ as _TOKENIZERS_VERSION
 
+from jaxcb.host import template_process
 from jaxcb.host.chat_template import (ROLES, TextParts, check_template_kwargs, compile_template, parts_for,
                                       reads_parts, template_roles)
 from jaxcb.host.embedding import Pooling
@@ -489,8 +490,8 @@ class Tokenizer:
         assistant message may then carry `tool_calls`, whose arguments are objects). `roles`: those the
         messages may have (a score template's: SCORE_ROLES)."""
         template_kwargs = check_template_kwargs(template_kwargs)
-        template = self._template if chat_template is None else compile_template(chat_template)
-        if template is None:
+        template = self._template
+        if template is None and chat_template is None:
             raise InvalidRequest("chat: this model file has no chat template; send a raw prompt (or give one: "
                                  "--chat-template on the command line, LLM.chat's chat_template)")
         for i, m in enumerate(messages):
@@ -501,14 +502,16 @@ class Tokenizer:
         bos = self.id_to_token(self.bos_id) if self.bos_id is not None else ""
         eos = self.id_to_token(self.eos_id) if self.eos_id is not None else ""
         source = self._source(chat_template)
+        variables = dict(template_kwargs, messages=parts_for(template_roles(messages), source),
+                         add_generation_prompt=add_generation_prompt, bos_token=bos, eos_token=eos, tools=tools)
+        if chat_template is not None:  # a request's own: compiled and rendered in a process of its own, bounded
+            return template_process.render(chat_template, variables)
         try:
-            return template.render(
-                **template_kwargs, messages=parts_for(template_roles(messages), source),
-                add_generation_prompt=add_generation_prompt,
-                bos_token=bos, eos_token=eos, tools=tools)
+            return template.render(**variables)
         except InvalidRequest:
             raise
-        except (jinja2.TemplateError, TypeError, ValueError, ArithmeticError, LookupError, AttributeError) as e:
+        except (jinja2.TemplateError, TypeError, ValueError, ArithmeticError, LookupError, AttributeError,
+                RecursionError) as e:
             # (a variable of the wrong type for the template, or one it refuses: the request's fault)
             raise InvalidRequest(f"chat template: could not render the request ({type(e).__name__}: "
                                  f"{str(e)[:200]})") from None
