@@ -230,9 +230,10 @@ def make_app(state) -> FastAPI:
             ids = await asyncio.to_thread(tokenizer.encode, prompt, None if special is not False else False)
         else:
             ids = await chat_ids(body, True, special)
-        out = {"count": len(ids), "max_model_len": state.engine.max_context, "tokens": ids,
-               "token_strs": [tokenizer.id_to_token(t) for t in ids] if strs else None}
-        return out
+        # (a megabyte's ids and their strings: made and written off the event loop)
+        shown = await asyncio.to_thread(lambda: [tokenizer.id_to_token(t) for t in ids]) if strs else None
+        return await json_response({"count": len(ids), "max_model_len": state.engine.max_context, "tokens": ids,
+                                    "token_strs": shown})
 
     async def chat_ids(body: dict, generation_prompt: bool, special: bool | None, fits: bool = False,
                        keep: int | None = None) -> list[int]:
@@ -490,7 +491,8 @@ def make_app(state) -> FastAPI:
         async def route(request: Request):
             owner = frontend.owner(authorize(request))
             extra = (await body_of(request),) if takes == "body" else (request.query_params,) if takes == "query" else ()
-            return call(owner, *request.path_params.values(), *extra)
+            # (a kept response with its logprobs is megabytes: written off the event loop, as answers are)
+            return await json_response(call(owner, *request.path_params.values(), *extra))
 
         return route
 
