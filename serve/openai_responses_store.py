@@ -123,6 +123,11 @@ class _Detached:
                 await grew.wait()
 
 
+def _event(kind: str, seq: int, **fields) -> str:
+    """A server-sent event of the Responses stream, as serve.openai_responses writes them."""
+    return f"event: {kind}\ndata: {json.dumps({'type': kind, 'sequence_number': seq, **fields}, ensure_ascii=False)}\n\n"
+
+
 def _size(value) -> int:
     """The bytes a kept value holds in this process (sys.getsizeof, over its containers; a message shared with
     an earlier response's conversation counted again: a bound, not a measure): about six times its JSON for
@@ -522,10 +527,18 @@ class Store:
         except asyncio.CancelledError:  # (cancelled: the response says so; the task ends here)
             pass
         finally:
-            if kept.response["status"] in ("queued", "in_progress") and detached.cancelled.is_set():
+            # Cut short: its readers' streams end with an event that says so (an error event, cancelled or deleted;
+            # response.failed), never as if it had finished.
+            seq, last = len(detached.events), None
+            if kept.response["status"] in ("queued", "in_progress", "cancelled") and detached.cancelled.is_set():
                 kept.response = dict(kept.response, status="cancelled")
+                last = _event("error", seq, code="response_cancelled", param=None,
+                              message="the response was cancelled (or deleted) before it finished")
             elif kept.response["status"] in ("queued", "in_progress"):  # (ended with no response: the server's fault)
                 self._failed(kept, "the server failed while answering", "server_error")
+                last = _event("response.failed", seq, response=kept.response)
+            if last is not None:
+                detached.add(last)
             detached.add(None)
             if kept.response["id"] in self.kept:
                 self.put(kept)  # (charged for its events)

@@ -1972,8 +1972,13 @@ def test_streamed_background_responses_outlive_their_reader_and_are_streamed_aga
         line = next(line for line in lines if line.startswith("data: "))
         rid = json.loads(line[6:])["response"]["id"]
         assert oai.responses.cancel(rid).status == "cancelled"
-        assert len(list(lines)) < 4 * 200  # (the stream ends, cut short)
+        rest = list(lines)
+        assert len(rest) < 4 * 200  # (the stream ends, cut short, with an event that says so)
+    last = json.loads([line for line in rest if line.startswith("data: ")][-1][6:])
+    assert last["type"] == "error" and last["code"] == "response_cancelled"
     assert oai.responses.retrieve(rid).status == "cancelled"
+    replay = httpx.get(f"{url}/{rid}", params={"stream": "true"}, timeout=60)  # (and so does a reader after)
+    assert json.loads([line for line in replay.text.splitlines() if line.startswith("data: ")][-1][6:])["type"] == "error"
     info = _pool_whole(server)
     assert info.pages_free == info.pages_total and info.running == 0
 
