@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import dataclasses
 import hmac
 import time
@@ -32,6 +33,17 @@ MAX_PROMPTS = 64  # prompts in one completions request (gRPC takes one)
 MAX_EMBED_INPUTS = 2048  # inputs in one embeddings request (OpenAI's limit; and the server's --max-waiting)
 MAX_TEMPLATE_CHARS = 65536  # a request's own chat template
 MAX_COMPILE_S = 10.0  # compiling one structured-output constraint (llguidance's own limits bound it too)
+# The fair policy's flows on a server without tokens: the fairness id the Gateway API Inference Extension's
+# gateway sets (x-gateway-inference-fairness-id; gRPC metadata of that name too), read into FAIRNESS for the
+# call being served (each API sets it as it reads the caller: openai_api's authorize, grpc_api's tenant_of).
+FAIRNESS_HEADER = "x-gateway-inference-fairness-id"
+MAX_FAIRNESS_CHARS = 256
+FAIRNESS: contextvars.ContextVar[str] = contextvars.ContextVar("fairness", default="")
+
+
+def read_fairness(value: str | None) -> None:
+    """This call's fairness id (FAIRNESS), from its header or metadata (cut to MAX_FAIRNESS_CHARS)."""
+    FAIRNESS.set((value or "")[:MAX_FAIRNESS_CHARS])
 
 
 @dataclasses.dataclass
@@ -141,6 +153,12 @@ class State:
         raise NotFound(f"model: {shown(model)} is not served here; the model is served as {names}"
                        + (f", the LoRA adapters as {adapters}" if adapters else ""))
 
+    def client(self, tenant_: str) -> str:
+        """Whose request it is, for the fair policy (jaxcb.host.policies): with bearer tokens its token (what it
+        says of itself changes nothing); without, the fairness id a gateway in front gives it (FAIRNESS_HEADER,
+        the Gateway API Inference Extension's; this call's, by FAIRNESS), else everyone's one flow."""
+        return tenant_ if self.options.tokens else FAIRNESS.get()
+
     def check_adapter_name(self, name: str) -> None:
         """A LoRA adapter's name must not be one the base model is served as."""
         if name in self.served_names:
@@ -205,7 +223,8 @@ class State:
 
         # With auth, each token's requests share cached prefixes only among themselves.
         salt = f"{tenant}\0{cache_salt}" if self.options.tokens else cache_salt
-        self.thread.submit(prompt_ids, params, on_event, request_id=key, priority=priority, cache_salt=salt)
+        self.thread.submit(prompt_ids, params, on_event, request_id=key, priority=priority, cache_salt=salt,
+                           client=self.client(tenant))
         self.active[key] = params.n
         self.active_samples += params.n
         self.queues[key] = queue

@@ -29,9 +29,9 @@ from jaxcb.host.request import (MAX_SAMPLES, FinishReason, SamplingParams, Token
                                 check_stop_counts)
 from jaxcb.host.structured import MAX_CHOICES, Constraint
 from jaxcb.host.chat_template import check_template_kwargs
-from serve.frontend import (MAX_REQUEST_BYTES, ServerOptions, State, check_ids, check_messages,
+from serve.frontend import (FAIRNESS_HEADER, MAX_REQUEST_BYTES, ServerOptions, State, check_ids, check_messages,
                             check_request_template, check_settings, check_text, check_text_fits, check_token_count,
-                            input_ids, owner, prompt_keep, scores as frontend_scores, tenant, token_index, truncated)
+                            input_ids, owner, prompt_keep, read_fairness, scores as frontend_scores, tenant, token_index, truncated)
 from serve.proto import jaxcb_pb2, jaxcb_pb2_grpc, jetstream_pb2, jetstream_pb2_grpc
 
 log = logging.getLogger("jaxcb.serve")
@@ -74,8 +74,10 @@ def details(e: JaxcbError, request=None) -> str:
 
 
 def tenant_of(state: State, context) -> str:
-    """Who is calling over gRPC: see tenant()."""
-    return tenant(state, dict(context.invocation_metadata() or ()).get("authorization", ""), context.peer())
+    """Who is calling over gRPC: see tenant() (and its fairness id: frontend.read_fairness)."""
+    metadata = dict(context.invocation_metadata() or ())
+    read_fairness(metadata.get(FAIRNESS_HEADER))
+    return tenant(state, metadata.get("authorization", ""), context.peer())
 
 
 # SamplingParameters' own defaults for a field a request leaves unset, where the server has no model's value

@@ -111,6 +111,7 @@ def make_app(state) -> FastAPI:
         if state.options.tokens and frontend.token_index(state.options.tokens, given) is None:
             raise Unauthenticated("missing or wrong bearer token in the Authorization header (or x-api-key)")
         client = request.client
+        frontend.read_fairness(request.headers.get(frontend.FAIRNESS_HEADER))
         return frontend.tenant(state, given, f"http:{client.host}:{client.port}" if client else "http")
 
     async def body_of(request: Request) -> dict:

@@ -434,3 +434,53 @@ def test_a_request_short_of_sliding_pages_holds_no_full_pages_while_it_waits():
     for r in waiting:
         assert r.page_ids == [] and not any(p for p in r.window_page_ids)
     assert pool.num_in_use == sum(len(r.page_ids) for r in running)
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "fair"])
+def test_fair_gives_a_late_client_its_share_while_another_holds_every_slot(policy):
+    """One client's 12 long requests take all 4 slots and fill the queue; another client's request, later, waits for
+    all of them under fcfs, but under fair gets a slot within a quantum (the heavy client yielding one) and keeps
+    it; the heavy client's requests all finish (their pages come back from the prefix cache) and no page leaks."""
+    sched, pool = make(num_pages=256, max_running=4, policy=policy, quantum_tokens=4, max_context=64,
+                       prefix_caching=True)
+    heavy = []
+    for i in range(12):
+        r = Request([3 + i] + list(range(20, 27)), SamplingParams(max_tokens=40, ignore_eos=True), client="heavy")
+        r.arrival_time = float(i)
+        heavy.append(r)
+        sched.add(r)
+    step, light = 0, None
+    first_token_step = None
+    while sched.has_work:
+        if step == 3:  # the heavy client holds every slot by now
+            light = Request([90, 91, 92, 93, 94], SamplingParams(max_tokens=8, ignore_eos=True), client="light")
+            light.arrival_time = 20.0
+            sched.add(light)
+        out = sched.schedule(now=30.0 + step)
+        if light is not None and first_token_step is None and any(
+                c.request is light and c.samples for c in out.decode + out.prefill):
+            first_token_step = step
+        engine_step(sched, out, step)
+        step += 1
+        assert step < 2000
+    waited = first_token_step - 3
+    if policy == "fair":
+        assert waited <= 4 + 2 and sched.num_switches >= 1  # a quantum, then its prefill
+    else:
+        assert waited > 40 and sched.num_switches == 0  # until a heavy request finished
+    assert all(len(r.output_ids) == 40 for r in heavy) and len(light.output_ids) == 8
+    pool.check_all_free()
+
+
+def test_fair_order_interleaves_clients_fewest_running_first():
+    from jaxcb.host.policies import fair_order
+
+    def r(client, t):
+        x = req(4, t=t)
+        x.client = client
+        return x
+
+    running = [r("a", -3), r("a", -2), r("b", -1)]
+    waiting = [r("a", 0), r("a", 1), r("b", 2), r("c", 3), r("a", 4), r("b", 5)]
+    assert [(x.client, x.arrival_time) for x in fair_order(waiting, running)] == [
+        ("c", 3), ("b", 2), ("a", 0), ("b", 5), ("a", 1), ("a", 4)]

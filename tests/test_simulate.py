@@ -271,3 +271,43 @@ def test_simulate_command_prints_the_table_as_json_last(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "jaxcb", "simulate", "--trace", str(path), "--device", "h300"],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "--device: 'h300' is not one of" in bad.stderr
+
+
+def test_fair_policy_serves_each_traces_client_its_share(tmp_path):
+    """A trace's `client`: the simulator runs the fair policy's flows with it and reports each client; one client's
+    flood leaves the others' first tokens waiting for it under fcfs, not under fair, at the same throughput."""
+    import json
+
+    from jaxcb.sim.simulate import load_step_model, simulate
+    from jaxcb.sim.trace import load_trace
+
+    config = make_config(num_pages=512, max_context=512, page_size=16, decode_batch=(1, 2, 4, 8),
+                         prefill_tokens=(64, 256), max_prefill_tokens=256, quantum_tokens=16)
+    path = tmp_path / "t.jsonl"
+    lines = [{"arrival_s": i * 0.01, "prompt_tokens": 200, "output_tokens": 200, "client": "flood"} for i in range(60)]
+    lines += [{"arrival_s": 1.0 + 2.0 * i, "prompt_tokens": 50, "output_tokens": 16, "client": "chat"} for i in range(5)]
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    out = {p: simulate(load_trace(str(path)), config.replace(policy=p), load_step_model()) for p in ("fcfs", "fair")}
+    assert set(out["fair"]["clients"]) == {"flood", "chat"} and out["fair"]["clients"]["chat"]["requests"] == 5
+    assert out["fair"]["clients"]["chat"]["ttft_p99_s"] * 10 < out["fcfs"]["clients"]["chat"]["ttft_p50_s"]
+    assert out["fair"]["output_tokens_per_s"] > 0.95 * out["fcfs"]["output_tokens_per_s"]
+    with pytest.raises(ValueError, match="client: must be a string"):
+        path.write_text(json.dumps({"arrival_s": 0, "prompt_tokens": 5, "output_tokens": 5, "client": 7}) + "\n")
+        load_trace(str(path))
+
+
+def test_a_request_is_its_tokens_client_or_its_gateways_fairness_id():
+    from serve import frontend
+
+    class Options:
+        tokens = ()
+
+    state = frontend.State.__new__(frontend.State)
+    state.options = Options()
+    frontend.read_fairness("team-a")
+    assert state.client("peer:http:1.2.3.4:5") == "team-a"
+    frontend.read_fairness(None)
+    assert state.client("peer:http:1.2.3.4:5") == ""
+    state.options.tokens = ("s3cret",)
+    frontend.read_fairness("someone-else")  # (with tokens what a request says of itself changes nothing)
+    assert state.client("token0") == "token0"

@@ -51,7 +51,7 @@ def add_parsers(sub, add_model_args) -> None:
     add_lora_args(p)  # and LoRA adapter slots
 
     s = sub.add_parser("simulate", help="run a request trace through the real scheduler on a simulated clock")
-    s.add_argument("--trace", required=True, help="JSONL: arrival_s, prompt_tokens, output_tokens[, priority, "
+    s.add_argument("--trace", required=True, help="JSONL: arrival_s, prompt_tokens, output_tokens[, priority, client, "
                    "prefix_id, prefix_tokens | hash_ids, block_tokens] per line; or a public trace as published: "
                    "Mooncake's JSONL, Azure's or BurstGPT's CSV")
     s.add_argument("--requests", type=int, default=None, help="the trace's first N requests only (default: all)")

@@ -162,19 +162,22 @@ class Engine:
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams, *, request_id: str | None = None,
                     priority: int = 0, callback: EventCallback | None = None,
-                    arrival_time: float | None = None, validated: bool = False, cache_salt: str = "") -> str:
+                    arrival_time: float | None = None, validated: bool = False, cache_salt: str = "",
+                    client: str = "") -> str:
         """Queue a request; with params.n > 1, n samples that share the prompt's pages (events carry
         the same request id and the sample's `index`). Returns the request id. `validated`: the caller
-        already ran validate() on exactly these arguments."""
+        already ran validate() on exactly these arguments. `client`: whose request it is (the fair policy's
+        flows, jaxcb.host.policies)."""
         check_priority(int(priority) if isinstance(priority, np.integer) else priority)
         if not validated:
             self.validate(prompt_ids, params)
         prompt_ids = [int(t) for t in prompt_ids]
         samples = [Request(prompt_ids, params, request_id=request_id or "", priority=int(priority),
-                           cache_salt=cache_salt)]
+                           cache_salt=cache_salt, client=client)]
         for i in range(1, params.n):
             samples.append(Request(prompt_ids, params, request_id=samples[0].request_id, priority=int(priority),
-                                   arrival_time=samples[0].arrival_time, sample_index=i, cache_salt=cache_salt))
+                                   arrival_time=samples[0].arrival_time, sample_index=i, cache_salt=cache_salt,
+                                   client=client))
         if params.lora:  # each sample holds the adapter until it ends
             entry = self._adapters_for(params.lora).ref(params.lora, params.n)
             for r in samples:

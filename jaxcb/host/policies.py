@@ -8,6 +8,9 @@ who goes first. Plain Python, no JAX.
   length-buckets  prompts grouped by length; a group is admitted together once it fills the free
                   slots or its oldest request has waited max_wait_ms, then the others fill in
   round-robin     queue order; a request that yielded its slot goes to the back
+  fair            each client (Request.client: a bearer token, a gateway's fairness id) an even share of
+                  the batch slots: the waiting are admitted client by client, fewest running first, and a
+                  client over its share yields a slot (after its quantum) to one under it that waits
 """
 
 from __future__ import annotations
@@ -15,12 +18,13 @@ from __future__ import annotations
 import bisect
 import collections
 import dataclasses
+import heapq
 
 from jaxcb.host.errors import InvalidConfig
 from jaxcb.host.request import Request
 from jaxcb.host.speculative import SpeculativeConfig
 
-POLICIES = ("fcfs", "sjf", "priority", "length-buckets", "round-robin")
+POLICIES = ("fcfs", "sjf", "priority", "length-buckets", "round-robin", "fair")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,7 +41,7 @@ class SchedulerConfig:
     max_priority: int = 100  # priority policy: client priorities are clamped to +-this (bounds any wait)
     sjf_aging_tokens_per_s: float = 100.0  # sjf: a waiting request counts this many tokens shorter a second
     length_bounds: tuple[int, ...] = (64, 256)  # length-buckets policy: short < 64 <= medium < 256 <= long
-    quantum_tokens: int = 32  # round-robin: tokens a request generates before it yields to a waiting one
+    quantum_tokens: int = 32  # round-robin, fair: tokens a request generates before it yields to a waiting one
     target_p99_tpot_ms: float | None = None  # latency target: the running limit and prefill budget adapt
     target_p99_ttft_ms: float | None = None  # ... and to this time to first token (the TPOT target wins)
     static: bool = False  # classic static batching: admit a new batch only when the last one is done
@@ -93,13 +97,33 @@ def _prefix_key(config: SchedulerConfig, cache, r: Request, now: float) -> int:
     return 1 if cache.cached_pages(r) else 2
 
 
-def admission_order(config: SchedulerConfig, waiting, running: bool, cache, now: float, room: int) -> list[Request]:
+def fair_order(waiting: list[Request], running) -> list[Request]:
+    """`waiting` (in arrival order) client by client: each next slot to the client with the fewest requests
+    running or placed before, its oldest first."""
+    counts = collections.Counter(r.client for r in running)
+    queues: dict[str, collections.deque] = collections.defaultdict(collections.deque)
+    for r in waiting:
+        queues[r.client].append(r)
+    heap = [(counts[c], q[0].arrival_time, q[0].seq_no, c) for c, q in queues.items()]
+    heapq.heapify(heap)
+    out = []
+    while heap:
+        n, _, _, c = heapq.heappop(heap)
+        out.append(queues[c].popleft())
+        if queues[c]:
+            heapq.heappush(heap, (n + 1, queues[c][0].arrival_time, queues[c][0].seq_no, c))
+    return out
+
+
+def admission_order(config: SchedulerConfig, waiting, running, cache, now: float, room: int) -> list[Request]:
     """The waiting requests in the order the policy admits them (empty: admit none this step). `cache`:
-    the prefix cache (or None); `room`: free batch slots; `running`: whether any request runs."""
+    the prefix cache (or None); `room`: free batch slots; `running`: the requests running."""
     c = config
     waiting = sorted(waiting, key=lambda r: order_key(c, r, now))
     if not waiting:
         return []
+    if c.policy == "fair":
+        waiting = fair_order(waiting, running)
     if c.prefix_aware and cache is not None:
         waiting.sort(key=lambda r: _prefix_key(c, cache, r, now))  # stable: policy order within a tier
     oldest_wait_ms = (now - min(r.arrival_time for r in waiting)) * 1000

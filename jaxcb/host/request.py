@@ -360,6 +360,7 @@ class Request:
     priority: int = 0  # larger runs earlier under the priority policy
     arrival_time: float = dataclasses.field(default_factory=time.monotonic)
     cache_salt: str = ""  # requests share cached prefixes only with requests of the same salt
+    client: str = ""  # whose request (a bearer token, a gateway's fairness id): the fair policy's flows
 
     status: Status = Status.WAITING
     output_ids: list[int] = dataclasses.field(default_factory=list)

@@ -30,6 +30,7 @@ preempt.
 
 from __future__ import annotations
 
+import collections
 import logging
 import time
 
@@ -267,6 +268,26 @@ class Scheduler:
         for r in done[:short]:
             self.preempt(r, switch=True, now=now)
 
+    def _fair_yields(self, now: float) -> None:
+        """Fair: while a client with fewer running than its share of the slots (running_limit over the clients
+        running or waiting) waits and no slot is free, the client furthest over its share yields its newest
+        request that has used its quantum (back of the queue, its pages left in the prefix cache)."""
+        waiting = {r.client for r in self.waiting}
+        running = collections.Counter(r.client for r in self.running)
+        share = max(1, self.running_limit // len(waiting | set(running)))
+        short = sum(running[c] < share for c in waiting) - max(0, self.running_limit - len(self.running))
+        q = self.config.quantum_tokens
+        for _ in range(max(0, short)):
+            heavy = max(running, key=lambda c: running[c], default=None)
+            if heavy is None or running[heavy] <= share:
+                return
+            done = [r for r in self.running if r.client == heavy and not r.last_in_flight
+                    and len(r.output_ids) + r.num_pending - r.admitted_output >= q]
+            if not done:
+                return
+            self.preempt(max(done, key=lambda r: (r.arrival_time, r.seq_no)), switch=True, now=now)
+            running[heavy] -= 1
+
     def _admitted(self, r: Request, now: float) -> None:
         """r got a slot (after attaching its cached prefix): its quantum starts, its recompute is counted."""
         self.waiting.remove(r)
@@ -292,6 +313,8 @@ class Scheduler:
         scheduled: set[int] = set()
         if c.policy == "round-robin" and self.waiting:
             self._round_robin_yields(now)
+        elif c.policy == "fair" and self.waiting:
+            self._fair_yields(now)
 
         self.running.sort(key=lambda r: order_key(self.config, r, now))
         i = 0
@@ -326,7 +349,7 @@ class Scheduler:
         admit = not out.preempted
         if admit:
             room = self.running_limit - len(self.running)
-            order = admission_order(self.config, self.waiting, bool(self.running), self.cache, now, room)
+            order = admission_order(self.config, self.waiting, self.running, self.cache, now, room)
             if c.static:
                 # A batch is chosen whole when the last one is done, then admitted as the prefill budget
                 # allows; nothing joins it until every member has finished.

@@ -360,7 +360,7 @@ def simulate(trace: list[TraceRequest], config, step_model, *, vocab: int = 3200
     while i < n or engine.has_work():
         while i < n and trace[i].arrival_s <= clock.now():
             t = trace[i]
-            rec = RequestRecord(t.arrival_s)
+            rec = RequestRecord(t.arrival_s, client=t.client)
             i += 1
             prompt = next(ids)  # (cut to the context: one longer is refused by its own length)
             try:  # (as the engine takes it served: one that does not fit the context is refused, not cut)
@@ -368,7 +368,7 @@ def simulate(trace: list[TraceRequest], config, step_model, *, vocab: int = 3200
                     check_prompt_length("prompt", t.prompt_tokens, sched.config.max_context)
                 engine.add_request(prompt, SamplingParams(max_tokens=t.output_tokens, ignore_eos=True),
                                    request_id=str(i - 1), priority=t.priority, arrival_time=t.arrival_s,
-                                   callback=on_event(rec))
+                                   callback=on_event(rec), client=t.client)
             except ValueError as e:
                 rejected += 1
                 if len(reasons) < 5:

@@ -42,6 +42,7 @@ class TraceRequest:
     prompt_token_ids: list[int] | None = None
     hash_ids: tuple[int, ...] | None = None  # the prompt's blocks of block_tokens tokens, by hash (Mooncake's)
     block_tokens: int = BLOCK_TOKENS
+    client: str = ""  # whose request (the fair policy's flows; per-client figures in simulate's report)
 
     def to_json(self) -> str:
         d = {"arrival_s": round(self.arrival_s, 6), "prompt_tokens": self.prompt_tokens,
@@ -54,11 +55,13 @@ class TraceRequest:
             d["prompt_token_ids"] = self.prompt_token_ids
         if self.hash_ids is not None:
             d["hash_ids"], d["block_tokens"] = list(self.hash_ids), self.block_tokens
+        if self.client:
+            d["client"] = self.client
         return json.dumps(d)
 
 
 TRACE_FIELDS = {"arrival_s", "prompt_tokens", "prompt_token_ids", "output_tokens", "priority", "prefix_id",
-                "prefix_tokens", "hash_ids", "block_tokens"}
+                "prefix_tokens", "hash_ids", "block_tokens", "client"}
 MAX_TRACE_TOKENS = 1 << 24  # a request's prompt or output tokens, at most (a trace's ids are made in memory)
 # The public traces' own fields (read_trace): Mooncake's JSONL; Azure's and BurstGPT's CSV columns
 MOONCAKE_FIELDS = {"timestamp", "input_length", "output_length", "hash_ids"}
@@ -164,6 +167,10 @@ def _jaxcb_line(d: dict) -> TraceRequest:
                      _integer(d, "prefix_tokens", 0, 0), ids)
     if not r.prompt_tokens:
         raise ValueError("prompt_token_ids: must not be empty")
+    client = d.get("client", "")
+    if not isinstance(client, str) or len(client) > 256:
+        raise ValueError(f"client: must be a string of at most 256 characters, got {json.dumps(client)[:40]}")
+    r.client = client
     if "hash_ids" in d:
         if ids is not None or prefix_id is not None:
             raise ValueError("hash_ids: give hash_ids, prompt_token_ids or prefix_id, one of them")
@@ -317,6 +324,7 @@ class RequestRecord:
     first_token: float | None = None
     finished: float | None = None
     output_tokens: int = 0
+    client: str = ""
 
     @property
     def ttft(self) -> float:
@@ -329,13 +337,25 @@ class RequestRecord:
         return (self.finished - self.first_token) / (self.output_tokens - 1)
 
 
+def _client_figures(done: list[RequestRecord]) -> dict:
+    span = max(r.finished for r in done) - min(r.arrival for r in done)
+    ttft = [r.ttft for r in done]
+    return {"requests": len(done), "ttft_p50_s": round(quantile(ttft, 0.5), 4),
+            "ttft_p99_s": round(quantile(ttft, 0.99), 4),
+            "output_tokens_per_s": round(sum(r.output_tokens for r in done) / span, 2) if span > 0 else 0.0}
+
+
 def summarize(records: list[RequestRecord], **extra) -> dict:
     """The table's figures: throughput over the run (first arrival to last finish), TTFT, TPOT (per
     request: (finish - first token) / (outputs - 1)), end-to-end latency and the longest wait for a
-    first slot (starvation). `extra` (preemptions, recomputed tokens, padding...) is passed through."""
+    first slot (starvation); with clients (a trace's `client`), each client's requests, TTFT p50 / p99 and
+    output tokens/s as `clients`. `extra` (preemptions, recomputed tokens, padding...) is passed through."""
     done = [r for r in records if r.finished is not None]
     if not done:
         return {"requests": 0, **extra}
+    clients = sorted({r.client for r in done})
+    if clients != [""]:
+        extra = {**extra, "clients": {c: _client_figures([r for r in done if r.client == c]) for c in clients}}
     span = max(r.finished for r in done) - min(r.arrival for r in records)
     tokens = sum(r.output_tokens for r in done)
     ttft = [r.ttft for r in done]
