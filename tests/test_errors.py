@@ -20,6 +20,7 @@ WIRE = {
     errors.Unavailable: (grpc.StatusCode.UNAVAILABLE, 503),
     errors.Unauthenticated: (grpc.StatusCode.UNAUTHENTICATED, 401),
     errors.StepFailed: (grpc.StatusCode.INTERNAL, 500),
+    errors.PermissionDenied: (grpc.StatusCode.PERMISSION_DENIED, 403),
 }
 
 

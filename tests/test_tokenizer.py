@@ -523,5 +523,8 @@ def test_a_requests_template_renders_in_a_process_of_its_own_within_its_limits(t
         t0 = time.monotonic()
         with pytest.raises(InvalidRequest) as e:
             tok.encode_chat(msgs, chat_template=template)
-        assert str(e.value).startswith(message) and time.monotonic() - t0 < 3, (template, str(e.value))
+        # (the doubling template meets the memory limit, or under a loaded CPU the time limit first: a refusal either way)
+        said = str(e.value)
+        assert said.startswith(message) or ("MiB" in message and said.startswith("chat_template: the template took"))
+        assert time.monotonic() - t0 < 3, (template, said)
     assert tok.encode_chat(msgs, chat_template=tok.chat_template) == tok.encode_chat(msgs)
