@@ -5,8 +5,8 @@ string of gigabytes or recursing: a template is a program, and one a client send
 field, served with --trust-request-chat-template; LLM.chat's `chat_template`) runs here, in one of at most
 WORKERS child processes (python -m jaxcb.host.template_process, plain Python and jinja2: no JAX), each under an
 address-space limit of MEMORY_BYTES. A render answers within RENDER_S or its worker is killed (a new one
-starts for the next); its output stops at MAX_CHARS; one that finds every worker busy for RENDER_S is refused
-as overloaded. Each breach is an InvalidRequest naming the
+starts for the next); its output stops at MAX_CHARS; one that finds every worker busy for SLOT_WAIT_S is
+refused as overloaded (a 429), so slow templates hold at most WORKERS of the server's threads. Each breach is an InvalidRequest naming the
 chat template and the limit, as a template's own errors are; the server's threads never run the template, so
 nothing it does can hold them, the event loop or shutdown. The model's template, and the server's
 --chat-template, are the operator's: they render in process (jaxcb.host.chat_template).
@@ -31,6 +31,7 @@ WORKERS = 2
 RENDER_S = 5.0
 MEMORY_BYTES = 1 << 30
 MAX_CHARS = 4 << 20  # a rendering's characters (the prompt it writes must then fit the context)
+SLOT_WAIT_S = 0.5  # how long a render waits for a free worker before it is refused as overloaded
 
 
 class _Worker:
@@ -74,7 +75,7 @@ def render(template: str, variables: dict, field: str = "chat_template") -> str:
     """`template` rendered with `variables` (JSON values) in a worker process; InvalidRequest naming `field`
     for whatever the template does wrong, and for a render past RENDER_S, MEMORY_BYTES or MAX_CHARS."""
     line = (json.dumps({"template": template, "variables": variables, "max_chars": MAX_CHARS}) + "\n").encode()
-    if not _slots.acquire(timeout=RENDER_S):  # (a caller's thread is held at most twice RENDER_S)
+    if not _slots.acquire(timeout=SLOT_WAIT_S):  # (callers' threads are not held waiting: others need them)
         raise Overloaded(f"{field}: every template worker is busy ({WORKERS} renders at once); retry")
     try:
         try:
