@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 import uuid
 
@@ -37,6 +38,7 @@ URLS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/respon
 LINE_FIELDS = ("custom_id", "method", "url", "body")
 MAX_CUSTOM_ID_CHARS = 512
 MAX_LINE_BYTES = frontend.MAX_REQUEST_BYTES + (1 << 16)  # a body at the HTTP limit and the line around it
+logging.getLogger("httpx").setLevel(logging.WARNING)  # (its INFO line per request: one per batch line)
 
 
 class LineError(Exception):
@@ -96,6 +98,8 @@ def lines(source):
         if not raw:
             return
         number += 1
+        if number == 1 and raw.startswith(b"\xef\xbb\xbf"):  # (a UTF-8 byte-order mark: Windows editors write one)
+            raw = raw[3:]
         if len(raw) > MAX_LINE_BYTES and not raw.endswith(b"\n"):
             while (rest := source.readline(1 << 20)) and not rest.endswith(b"\n"):
                 pass
@@ -105,8 +109,15 @@ def lines(source):
 
 
 def json_line(out: dict) -> str:
-    """An output line as the file holds it."""
-    return json.dumps(out, ensure_ascii=False) + "\n"
+    """An output line as the file holds it: UTF-8, but the line breaks JSON leaves raw in strings escaped
+    (U+2028, U+2029, U+0085: httpx's iter_lines and str.splitlines split lines at them)."""
+    text = json.dumps(out, ensure_ascii=False)
+    for raw, escaped in _BREAKS:
+        text = text.replace(raw, escaped)
+    return text + "\n"
+
+
+_BREAKS = (("\u2028", "\\u2028"), ("\u2029", "\\u2029"), ("\x85", "\\u0085"))
 
 
 def output_line(custom_id, status: int | None = None, body=None, error=None) -> dict:
@@ -119,18 +130,33 @@ class Tally:
     """A run's lines so far: answered (status 200), failed (any other answer, or no request), output tokens."""
 
     def __init__(self):
-        self.lines = self.answered = self.failed = self.output_tokens = 0
+        self.lines = self.answered = self.failed = self.output_tokens = self.input_tokens = self.cached_tokens = 0
+        self.model = None  # the model the first answer names
 
     def count(self, out: dict) -> None:
         self.lines += 1
         response = out["response"]
         if out["error"] is None and response and response["status_code"] == 200:
             self.answered += 1
-            usage = (response["body"] or {}).get("usage") or {}
-            tokens = usage.get("completion_tokens", usage.get("output_tokens", 0))
-            self.output_tokens += tokens if isinstance(tokens, int) else 0
+            body = response["body"] if isinstance(response["body"], dict) else {}
+            self.model = self.model or body.get("model")
+            usage = body.get("usage") or {}
+            self.output_tokens += _int(usage.get("completion_tokens", usage.get("output_tokens", 0)))
+            self.input_tokens += _int(usage.get("prompt_tokens", usage.get("input_tokens", 0)))
+            details = usage.get("prompt_tokens_details") or usage.get("input_tokens_details") or {}
+            self.cached_tokens += _int(details.get("cached_tokens", 0))
         else:
             self.failed += 1
+
+    def usage(self) -> dict:
+        """OpenAI's Batch usage over the answered lines."""
+        return {"input_tokens": self.input_tokens, "input_tokens_details": {"cached_tokens": self.cached_tokens},
+                "output_tokens": self.output_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+                "total_tokens": self.input_tokens + self.output_tokens}
+
+
+def _int(value) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
 
 
 BUSY = (429,)  # the answers a line waits out and is sent again for, with retry_busy (the server is full)
@@ -207,8 +233,8 @@ async def run_lines(app, source, write, max_in_flight: int, tally: Tally, *, hea
         try:
             while (task := await order.get()) is not None:
                 out = await task
+                write(out)  # (counted once written: a write that fails leaves it uncounted)
                 tally.count(out)
-                write(out)
                 if progress and time.monotonic() - last > 10:
                     last = time.monotonic()
                     progress(f"{tally.lines} lines answered ({tally.failed} failed)")

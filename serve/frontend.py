@@ -192,8 +192,13 @@ class State:
 
     def admit(self, samples: int = 1) -> None:
         """Admission counts every sample of every request accepted and not finished (inbox included)
-        and not yet running: `samples` more are refused if they would take that past max_waiting."""
+        and not yet running: `samples` more are refused if they would take that past max_waiting (a 429: later
+        they may fit), and a request of more samples than max_waiting itself is refused as one that never fits (a 400:
+        clients and SDKs send a 429 again)."""
         self.check_open()
+        if samples > self.options.max_waiting > 0:
+            raise InvalidRequest(f"n: {samples} samples (prompts x n) are more than the server ever queues; the limit "
+                                 f"is {self.options.max_waiting} (--max-waiting)")
         waiting = max(0, self.active_samples - self.engine.stats().running)
         if waiting + samples > self.options.max_waiting:
             raise Overloaded(

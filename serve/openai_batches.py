@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
+import itertools
 import logging
 import shutil
 import tempfile
@@ -49,6 +50,7 @@ MAX_ERRORS_LISTED = 100  # a failed validation's errors
 BATCH_IN_FLIGHT = 64  # a batch's lines running at once
 MAX_KEPT = 10_000  # files, and batches, kept at once (the oldest finished batch is dropped first)
 MAX_PENDING = 100  # batches not ended at once (each waits its turn)
+MAX_ORDER = 1 << 17  # the places of ids made, deleted ones too, for list cursors (the oldest forgotten first)
 BATCH_FIELDS = {"input_file_id", "endpoint", "completion_window", "metadata", "output_expires_after"}
 UPLOAD_FIELDS = ("file", "purpose", "expires_after[anchor]", "expires_after[seconds]")
 ENDED = ("failed", "completed", "expired", "cancelled")
@@ -84,6 +86,8 @@ class Batches:
         self.files: dict[str, File] = {}
         self.jobs: dict[str, Job] = {}
         self.folder: Path | None = None
+        self.order: collections.OrderedDict[str, int] = collections.OrderedDict()  # id -> its place (_made)
+        self._seq = itertools.count()
         self.app = None
         self.turn = asyncio.Lock()  # one batch runs at a time
 
@@ -112,7 +116,15 @@ class Batches:
         info = {"id": file_id, "object": "file", "bytes": size, "created_at": int(time.time()), "filename": filename,
                 "purpose": purpose, "status": "processed", "expires_at": None, "status_details": None}
         self.files[file_id] = File(owner, path, info)  # (its bytes charged as they were written)
+        self._made(file_id)
         return info
+
+    def _made(self, key: str) -> None:
+        """`key` (a file's or a batch's id) made now: its place in the lists, kept after it is deleted (a cursor
+        that names it still pages on: the SDK's list-and-delete loop)."""
+        self.order[key] = next(self._seq)
+        while len(self.order) > MAX_ORDER:
+            self.order.popitem(last=False)
 
     def _check_open(self) -> None:
         if not self.limit:
@@ -175,7 +187,7 @@ class Batches:
     def list_files(self, owner: str, query) -> dict:
         purpose = query.get("purpose")
         rows = [f.info for f in self.files.values() if f.owner == owner and purpose in (None, f.info["purpose"])]
-        return _page(rows, query, "file", {"purpose"}, most=MAX_KEPT, default=MAX_KEPT)
+        return _page(rows, self.order, query, "file", {"purpose"}, most=MAX_KEPT, default=MAX_KEPT)
 
     def get_file(self, owner: str, file_id: str) -> dict:
         return self._file(owner, file_id).info
@@ -217,9 +229,11 @@ class Batches:
                 "output_file_id": None, "error_file_id": None, "created_at": now, "in_progress_at": None,
                 "expires_at": now + 24 * 3600, "finalizing_at": None, "completed_at": None, "failed_at": None,
                 "expired_at": None, "cancelling_at": None, "cancelled_at": None,
-                "request_counts": {"total": 0, "completed": 0, "failed": 0}, "metadata": body.get("metadata")}
+                "request_counts": {"total": 0, "completed": 0, "failed": 0}, "metadata": body.get("metadata"),
+                "model": None, "usage": None}
         job = Job(owner, info, headers)
         self.jobs[info["id"]] = job
+        self._made(info["id"])
         job.task = asyncio.ensure_future(self._run(job, source.path))
         return self._shown(job)
 
@@ -233,6 +247,7 @@ class Batches:
         if job.tally is not None and job.info["status"] in ("in_progress", "cancelling", "finalizing"):
             counts = job.info["request_counts"]
             counts["completed"], counts["failed"] = job.tally.answered, job.tally.failed
+            job.info["usage"], job.info["model"] = job.tally.usage(), job.tally.model
         return dict(job.info)
 
     def get(self, owner: str, batch_id: str) -> dict:
@@ -240,7 +255,7 @@ class Batches:
 
     def list(self, owner: str, query) -> dict:
         rows = [self._shown(j) for j in self.jobs.values() if j.owner == owner]
-        return _page(rows, query, "batch", set(), most=100, default=20)
+        return _page(rows, self.order, query, "batch", set(), most=100, default=20)
 
     def cancel(self, owner: str, batch_id: str) -> dict:
         job = self._job(owner, batch_id)
@@ -273,7 +288,9 @@ class Batches:
                 info["status"], info["failed_at"] = "failed", int(time.time())
                 return
             info["request_counts"]["total"] = total
-            async with self.turn:  # (the input opened only now: batches waiting hold no open file)
+            info["status"], info["in_progress_at"] = "in_progress", int(time.time())  # (its turn may wait)
+            async with asyncio.timeout(max(0.0, info["expires_at"] - time.time())), self.turn:
+                # (the input opened only now: batches waiting hold no open file)
                 try:
                     source = open(path, "rb")
                 except FileNotFoundError:
@@ -281,7 +298,6 @@ class Batches:
                     info["status"], info["failed_at"] = "failed", int(time.time())
                     return
                 with source:
-                    info["status"], info["in_progress_at"] = "in_progress", int(time.time())
                     job.tally = batch.Tally()
                     for kind in ("output", "error"):
                         kept = self._new_path(f"file-{uuid.uuid4().hex}")
@@ -304,6 +320,9 @@ class Batches:
         except asyncio.CancelledError:
             self._keep_outputs(job, outputs)
             info["status"], info["cancelled_at"] = "cancelled", int(time.time())
+        except TimeoutError:  # (its completion window passed: what ran is kept, as OpenAI keeps it)
+            self._keep_outputs(job, outputs)
+            info["status"], info["expired_at"] = "expired", int(time.time())
         except _StoreFull:
             self._keep_outputs(job, outputs)
             info["errors"] = {"object": "list", "data": [{
@@ -435,9 +454,9 @@ def _validate(path: Path, endpoint: str) -> tuple[list[dict], int]:
     return errors, total
 
 
-def _page(rows: list[dict], query, what: str, more: set, most: int, default: int) -> dict:
-    """A list call's page, newest first (OpenAI's: `limit` 1 to `most`, `order` desc or asc, `after` an id; the
-    list's own `more` parameters)."""
+def _page(rows: list[dict], order_of: dict, query, what: str, more: set, most: int, default: int) -> dict:
+    """A list call's page, newest first (OpenAI's: `limit` 1 to `most`, `order` desc or asc, `after` an id, which
+    may have been deleted since: its place, `order_of`; the list's own `more` parameters)."""
     unknown = sorted(set(query) - {"limit", "order", "after"} - more)
     if unknown:
         raise bad_request(f"{unknown[0][:64]}: not a parameter of this list")
@@ -448,10 +467,13 @@ def _page(rows: list[dict], query, what: str, more: set, most: int, default: int
     if order not in ("asc", "desc"):
         raise bad_request(f"order: must be asc or desc, got {shown(order)}")
     rows = rows[::-1] if order == "desc" else rows  # (`rows` in the order they were made)
-    ids = [r["id"] for r in rows]
-    if "after" in query and query["after"] not in ids:
-        raise bad_request(f"after: no {what} {shown(query['after'])}")
-    start = ids.index(query["after"]) + 1 if "after" in query else 0
+    start = 0
+    if "after" in query:
+        at = order_of.get(query["after"])
+        if at is None:
+            raise bad_request(f"after: no {what} {shown(query['after'])}")
+        place = [order_of.get(r["id"], -1) for r in rows]  # (one made before every place kept: the oldest)
+        start = next((i for i, p in enumerate(place) if (p < at if order == "desc" else p > at)), len(rows))
     page = rows[start:start + int(limit)]
     return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
             "last_id": page[-1]["id"] if page else None, "has_more": start + len(page) < len(rows)}

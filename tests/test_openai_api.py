@@ -844,12 +844,14 @@ def test_http_limits_count_samples(tiny_gguf_path, config_path):
     try:
         s.wait_serving()
         base = f"http://127.0.0.1:{http}"
+        # (more samples than the queue ever holds: a request that never fits, a 400, not a 429 clients send again)
         r = httpx.post(base + "/v1/completions", json={"prompt": [5], "max_tokens": 2, "n": 4}, timeout=30)
-        assert r.status_code == 429 and "4 more asked for; the limit is 3" in r.json()["error"]["message"]
+        assert r.status_code == 400 and r.json()["error"]["message"] == (
+            "n: 4 samples (prompts x n) are more than the server ever queues; the limit is 3 (--max-waiting)")
         with Client(s.target) as c:
             with pytest.raises(grpc.RpcError) as e:
                 c.complete(token_ids=[5], max_tokens=2, n=4, timeout=30)
-            assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert len(c.complete_samples(token_ids=[5], max_tokens=2, n=3, timeout=30)) == 3
         r = httpx.post(base + "/v1/completions", json={"prompt": [5], "max_tokens": 2, "n": 3}, timeout=30)
         assert r.status_code == 200 and len(r.json()["choices"]) == 3

@@ -158,3 +158,29 @@ def test_each_token_keeps_its_own_files_within_its_share_of_the_limit(tiny_gguf_
 def _pool_whole(server):
     with Client(server.target) as c:
         return wait_pool_whole(c, 10.0)
+
+
+def test_list_and_delete_pages_on_and_the_counts_usage_and_lines_read_back(server, oai):
+    """The SDK's list-and-delete loop pages on past ids it just deleted; a batch's usage and model are filled; an
+    answer holding U+2028 stays one line for splitlines; a byte-order mark before the first line is taken; more
+    samples than the queue ever holds is the line's 400 (it had been sent again for ever)."""
+    made = [oai.files.create(file=(f"f{i}.jsonl", jsonl([line("a", {"prompt": [5], "max_tokens": 1})])),
+                             purpose="batch").id for i in range(5)]
+    gone = []
+    for f in oai.files.list(limit=2):
+        if f.id in made:
+            oai.files.delete(f.id)
+            gone.append(f.id)
+    assert sorted(gone) == sorted(made)
+    body = {"prompt": [5, 6], "max_tokens": 3, "ignore_eos": True, "echo": True}
+    raw = ("\ufeff" + json.dumps(line("u", {**body, "prompt": "x\u2028y"})) + "\n"
+           + json.dumps(line("big", {"prompt": [5], "max_tokens": 1, "n": 16})) + "\n").encode()
+    upload = oai.files.create(file=("u.jsonl", io.BytesIO(raw)), purpose="batch")
+    done = wait_ended(oai, oai.batches.create(input_file_id=upload.id, endpoint="/v1/completions",
+                                              completion_window="24h").id)
+    assert done.status == "completed" and done.request_counts.completed == 1 and done.request_counts.failed == 1
+    assert done.usage.output_tokens == 3 and done.usage.input_tokens > 0 and done.model
+    text = oai.files.content(done.output_file_id).text
+    assert len(text.splitlines()) == 1 and "\u2028" in json.loads(text)["response"]["body"]["choices"][0]["text"]
+    refused = json.loads(oai.files.content(done.error_file_id).text)
+    assert refused["response"]["status_code"] == 400 and refused["error"]["message"].startswith("n: 16 samples")

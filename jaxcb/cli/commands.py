@@ -227,6 +227,9 @@ def cmd_run_batch(args) -> int:
         raise InvalidConfig(f"--input-file: {args.input_file!r} is not a file")
     if args.max_in_flight < 1:
         raise InvalidConfig(f"--max-in-flight: must be >= 1, got {args.max_in_flight}")
+    folder = os.path.dirname(os.path.abspath(args.output_file))
+    if args.output_file != "-" and not os.path.isdir(folder):
+        raise InvalidConfig(f"--output-file: the folder {folder!r} does not exist")
     config, dots, cache_dir = _start(args)
     engines = build_engines(args.model, config, _dtype(args))
     # The lines in flight bound the calls and the queue: none is refused as overloaded (each line's samples admitted).
@@ -236,8 +239,13 @@ def cmd_run_batch(args) -> int:
     def announce(msg):
         print(msg, file=sys.stderr, flush=True)
 
-    return asyncio.run(run_batch(engines, engines[0].tokenizer, names, engines[0].runner.describe()["compute_dtype"],
-                                 options, args.input_file, args.output_file, args.max_in_flight, announce))
+    try:
+        return asyncio.run(run_batch(engines, engines[0].tokenizer, names,
+                                     engines[0].runner.describe()["compute_dtype"], options, args.input_file,
+                                     args.output_file, args.max_in_flight, announce))
+    except BrokenPipeError:  # (-o - into a reader that stopped, `head`: its lines were enough)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
 
 
 def _start(args):
