@@ -42,10 +42,6 @@ async def run_server(engine: Engine | list[Engine], tokenizer, served_names: str
     may give the model; answers carry the first) until SIGTERM/SIGINT (returns 0) or until an engine
     dies (returns 1)."""
     engines = list(engine) if isinstance(engine, (list, tuple)) else [engine]
-    # The handlers' blocking work (tokenizing, writing large answers, a request's template waiting on its render
-    # process) runs on these threads: asyncio's default, CPUs + 4, let two slow calls stall every other's.
-    asyncio.get_running_loop().set_default_executor(
-        concurrent.futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="jaxcb-handler"))
     state = open_state(engines, tokenizer, served_names, dtype, options)
     metrics, replicas = state.metrics, state.thread
     publishers = _kv_event_publishers(engines, options, state.model_name, announce)

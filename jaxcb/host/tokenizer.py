@@ -42,6 +42,51 @@ from jaxcb.host.embedding import Pooling
 from jaxcb.host.errors import InvalidConfig, InvalidRequest, shown
 
 _CONTROL, _USER_DEFINED = 3, 4
+UNLOCKED_CHARS = 4096  # texts at least this long are encoded with the GIL let go (_Unlocked)
+_LONG = threading.Lock()
+TRIM_CHARS = 1 << 18  # before encoding a text this long, the heap gives back what earlier ones freed (_trim_heap)
+
+
+def _trim_heap() -> None:
+    """glibc's malloc keeps the memory a megabyte's encoding and its Python objects freed, in each thread's arena
+    (four clients counting a megabyte's tokens over and over: +3.3 GB held, all of it given back by malloc_trim):
+    give it back to the system. A no-op where the C library has no malloc_trim."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
+@functools.lru_cache(maxsize=1)
+def _malloc_trim():
+    import ctypes
+    import ctypes.util
+
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return None
+
+
+class _Unlocked:
+    """A `tokenizers` Tokenizer whose `encode` lets other Python threads run: its own `encode` holds the GIL
+    throughout (a megabyte of text: 0.5-0.6 s in which the engine's step loop and the event loop stood still,
+    every stream with them), `encode_batch` lets it go. Long texts go through the latter, one at a time (the
+    same encoding), one at a time; everything else is the tokenizer's own."""
+
+    def __init__(self, tok: HFTokenizer):
+        self._tok = tok
+
+    def encode(self, sequence, pair=None, add_special_tokens: bool = True):
+        if len(sequence) + len(pair or "") < UNLOCKED_CHARS:
+            return self._tok.encode(sequence, pair, add_special_tokens=add_special_tokens)
+        with _LONG:  # (one long text at a time, as the GIL had them: a megabyte's encoding peaks near 160 MB)
+            if len(sequence) >= TRIM_CHARS:
+                _trim_heap()
+            return self._tok.encode_batch([sequence if pair is None else (sequence, pair)],
+                                          add_special_tokens=add_special_tokens)[0]
+
+    def __getattr__(self, name):
+        return getattr(self._tok, name)
 # GPT-2's split pattern, used by most byte-level BPE vocabularies.
 _GPT2_PATTERN = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
 # Qwen2's (and Qwen2.5's, Qwen3's): Llama 3's with every digit a piece of its own.
@@ -280,7 +325,7 @@ class Tokenizer:
 
     def _setup(self, tok: HFTokenizer, bos_id, eos_id, add_bos: bool, chat_template: str | None,
                text: str | None = None, end_ids=(), add_eos: bool = False, pooling: Pooling = Pooling()) -> None:
-        self._tok = tok
+        self._tok = _Unlocked(tok)
         self.add_eos = add_eos  # an input to embed ends with the EOS (encode_input)
         self.pooling = pooling  # how the model's embeddings pool (jaxcb.host.embedding)
         self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
@@ -296,8 +341,9 @@ class Tokenizer:
         self.sampling_defaults: dict = {}
         self.special_ids = frozenset(i for i, t in tok.get_added_tokens_decoder().items() if t.special)
         # A copy that reads special-token text as plain text: for what users wrote (encode_chat).
-        self._plain = HFTokenizer.from_str(text or tok.to_str())
-        self._plain.encode_special_tokens = True
+        plain = HFTokenizer.from_str(text or tok.to_str())
+        plain.encode_special_tokens = True
+        self._plain = _Unlocked(plain)
         self._bytes: dict[int, bytes] = {}
         self._llg: dict[tuple, object] = {}  # llguidance's tokenizers of this one, by (n_vocab, eos ids)
         self._llg_lock = threading.Lock()
