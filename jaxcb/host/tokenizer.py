@@ -86,6 +86,8 @@ class _Unlocked:
                                           add_special_tokens=add_special_tokens)[0]
 
     def __getattr__(self, name):
+        if name == "_tok":  # (not set yet: a copy being made)
+            raise AttributeError(name)
         return getattr(self._tok, name)
 # GPT-2's split pattern, used by most byte-level BPE vocabularies.
 _GPT2_PATTERN = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
