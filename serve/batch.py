@@ -49,9 +49,11 @@ class LineError(Exception):
         self.code, self.message, self.custom_id = code, message, custom_id
 
 
-def read_request(raw: bytes, seen: set[str]) -> tuple[str, str, dict]:
-    """A line's (custom_id, url, body), every field checked; `seen` holds the custom_ids before it (each
-    must be unique, as OpenAI's Batch API requires). Raises LineError."""
+def read_request(raw: bytes | None, seen: set[str]) -> tuple[str, str, dict]:
+    """A line's (custom_id, url, body), every field checked (`raw` None: a line past MAX_LINE_BYTES, `lines`);
+    `seen` holds the custom_ids before it (each must be unique, as OpenAI's Batch API requires). Raises LineError."""
+    if raw is None:
+        raise LineError("line_too_long", f"line: longer than {MAX_LINE_BYTES} bytes")
     try:
         line = read_json(raw, "line")
     except InvalidRequest as e:
@@ -197,8 +199,6 @@ async def run_lines(app, source, write, max_in_flight: int, tally: Tally, *, hea
 
     async def run(client, number: int, raw: bytes | None) -> dict:
         try:
-            if raw is None:
-                raise LineError("line_too_long", f"line: longer than {MAX_LINE_BYTES} bytes")
             custom_id, url, body = read_request(raw, seen)
             status, answer = await post(client, url, body)
             error = None

@@ -41,7 +41,7 @@ from python_multipart.multipart import MultipartParser, parse_options_header
 
 from jaxcb.host.errors import shown
 from serve import batch
-from serve.openai_fields import HTTPError, bad_request, check_fields, check_metadata, str_field
+from serve.openai_fields import HTTPError, bad_request, check_fields, check_metadata, list_page, list_query, str_field
 
 log = logging.getLogger("jaxcb.serve.openai_batches")
 MAX_FILE_BYTES = 200 << 20  # one uploaded file (OpenAI's limit for a batch's input)
@@ -437,8 +437,6 @@ def _validate(path: Path, endpoint: str) -> tuple[list[dict], int]:
         for number, raw in batch.lines(source):
             total += 1
             try:
-                if raw is None:
-                    raise batch.LineError("line_too_long", f"line: longer than {batch.MAX_LINE_BYTES} bytes")
                 _, url, _ = batch.read_request(raw, seen)
                 if url != endpoint:
                     raise batch.LineError("mismatched_endpoint", f"url: {shown(url)} is not the batch's endpoint "
@@ -457,15 +455,7 @@ def _validate(path: Path, endpoint: str) -> tuple[list[dict], int]:
 def _page(rows: list[dict], order_of: dict, query, what: str, more: set, most: int, default: int) -> dict:
     """A list call's page, newest first (OpenAI's: `limit` 1 to `most`, `order` desc or asc, `after` an id, which
     may have been deleted since: its place, `order_of`; the list's own `more` parameters)."""
-    unknown = sorted(set(query) - {"limit", "order", "after"} - more)
-    if unknown:
-        raise bad_request(f"{unknown[0][:64]}: not a parameter of this list")
-    limit = query.get("limit", str(default))
-    if not (limit.isascii() and limit.isdigit() and len(limit) < 7 and 1 <= int(limit) <= most):
-        raise bad_request(f"limit: must be an integer from 1 to {most}, got {shown(limit)}")
-    order = query.get("order", "desc")
-    if order not in ("asc", "desc"):
-        raise bad_request(f"order: must be asc or desc, got {shown(order)}")
+    limit, order = list_query(query, more, most, default)
     rows = rows[::-1] if order == "desc" else rows  # (`rows` in the order they were made)
     start = 0
     if "after" in query:
@@ -474,6 +464,5 @@ def _page(rows: list[dict], order_of: dict, query, what: str, more: set, most: i
             raise bad_request(f"after: no {what} {shown(query['after'])}")
         place = [order_of.get(r["id"], -1) for r in rows]  # (one made before every place kept: the oldest)
         start = next((i for i, p in enumerate(place) if (p < at if order == "desc" else p > at)), len(rows))
-    page = rows[start:start + int(limit)]
-    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
-            "last_id": page[-1]["id"] if page else None, "has_more": start + len(page) < len(rows)}
+    page = rows[start:start + limit]
+    return list_page(page, start + len(page) < len(rows))

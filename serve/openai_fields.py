@@ -317,6 +317,27 @@ def unknown_field(where: str, name: str, of: str = "this endpoint takes") -> HTT
     return bad_request(f"{where}: {name[:64]!r} is not a field {of}")
 
 
+def list_query(query, more: set, most: int, default: int) -> tuple[int, str]:
+    """A list call's query (OpenAI's lists): no parameter but `limit` (1 to `most`, `default`), `order` (desc, the
+    default, or asc), `after` and the list's own `more`; returns (limit, order)."""
+    unknown = sorted(set(query) - {"limit", "order", "after"} - more)
+    if unknown:
+        raise bad_request(f"{unknown[0][:64]}: not a parameter of this list")
+    limit = query.get("limit", str(default))
+    if not (limit.isascii() and limit.isdigit() and len(limit) < 7 and 1 <= int(limit) <= most):
+        raise bad_request(f"limit: must be an integer from 1 to {most}, got {shown(limit)}")
+    order = query.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise bad_request(f"order: must be asc or desc, got {shown(order)}")
+    return int(limit), order
+
+
+def list_page(page: list[dict], has_more: bool) -> dict:
+    """OpenAI's list object of one page."""
+    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None, "has_more": has_more}
+
+
 def check_fields(body: dict, allowed: set[str]) -> None:
     unknown = sorted(set(body) - allowed)
     if unknown:

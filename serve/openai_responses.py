@@ -476,6 +476,11 @@ def _kept(shape: Shape, keep) -> dict:
     return response
 
 
+def sse_event(kind: str, seq: int, **fields) -> str:
+    """One server-sent event of the Responses stream, its sequence_number `seq`."""
+    return f"event: {kind}\ndata: {json.dumps({'type': kind, 'sequence_number': seq, **fields}, ensure_ascii=False)}\n\n"
+
+
 async def _events(chunks, body: dict, origins: list = (), keep=None, rid: str | None = None, stored: bool = False,
                   created: int | None = None):
     """Chat completion chunks in, the Responses stream's events out (the response's id `rid`, made if None)."""
@@ -484,7 +489,7 @@ async def _events(chunks, body: dict, origins: list = (), keep=None, rid: str | 
     def event(kind: str, **fields):
         nonlocal seq
         seq += 1
-        return f"event: {kind}\ndata: {json.dumps({'type': kind, 'sequence_number': seq - 1, **fields}, ensure_ascii=False)}\n\n"
+        return sse_event(kind, seq - 1, **fields)
 
     # A client gone: both generators close at once, the chat stream's requests aborted.
     async with contextlib.aclosing(chunks), contextlib.aclosing(_translate(chunks, body, event, origins, keep, rid,

@@ -47,7 +47,8 @@ from fastapi.responses import Response, StreamingResponse
 from jaxcb.host.errors import JaxcbError, shown
 from serve import openai_responses
 from serve.frontend import MAX_TEXT_CHARS
-from serve.openai_fields import HTTPError, bad_request, bool_field, check_fields, check_metadata, http_error
+from serve.openai_fields import (HTTPError, bad_request, bool_field, check_fields, check_metadata, http_error,
+                                 list_page, list_query)
 
 FINISHED = ("completed", "incomplete")
 CONVERSATION_ITEMS = 20  # the most items a call adds to a conversation at once (OpenAI's)
@@ -121,11 +122,6 @@ class _Detached:
                 return
             if not new:
                 await grew.wait()
-
-
-def _event(kind: str, seq: int, **fields) -> str:
-    """A server-sent event of the Responses stream, as serve.openai_responses writes them."""
-    return f"event: {kind}\ndata: {json.dumps({'type': kind, 'sequence_number': seq, **fields}, ensure_ascii=False)}\n\n"
 
 
 def _size(value) -> int:
@@ -209,15 +205,7 @@ def conversation_messages(items: list) -> tuple:
 def _page(items: list, query, rid: str) -> dict:
     """OpenAI's list of items: `limit` (1-100, 20), `order` (desc, asc), `after`, `before` (an item's id),
     `include` (nothing more to include: taken)."""
-    unknown = sorted(set(query) - {"limit", "order", "after", "before", "include", "include[]"})
-    if unknown:
-        raise bad_request(f"{unknown[0][:64]}: not a parameter of this list")
-    limit = query.get("limit", "20")
-    if not (limit.isascii() and limit.isdigit() and len(limit) < 7 and 1 <= int(limit) <= PAGE_LIMIT):
-        raise bad_request(f"limit: must be an integer from 1 to {PAGE_LIMIT}, got {shown(limit)}")
-    order = query.get("order", "desc")
-    if order not in ("asc", "desc"):
-        raise bad_request(f"order: must be asc or desc, got {shown(order)}")
+    limit, order = list_query(query, {"before", "include", "include[]"}, PAGE_LIMIT, 20)
     items = items[::-1] if order == "desc" else list(items)
     ids = [item["id"] for item in items]
     for name in ("after", "before"):
@@ -225,9 +213,8 @@ def _page(items: list, query, rid: str) -> dict:
             raise bad_request(f"{name}: {shown(query[name])} is not an item of {shown(rid)}")
     start = ids.index(query["after"]) + 1 if "after" in query else 0
     end = ids.index(query["before"]) if "before" in query else len(items)
-    page = items[start:end][:int(limit)]
-    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
-            "last_id": page[-1]["id"] if page else None, "has_more": start + len(page) < end}
+    page = items[start:end][:limit]
+    return list_page(page, start + len(page) < end)
 
 
 class Store:
@@ -532,11 +519,11 @@ class Store:
             seq, last = len(detached.events), None
             if kept.response["status"] in ("queued", "in_progress", "cancelled") and detached.cancelled.is_set():
                 kept.response = dict(kept.response, status="cancelled")
-                last = _event("error", seq, code="response_cancelled", param=None,
+                last = openai_responses.sse_event("error", seq, code="response_cancelled", param=None,
                               message="the response was cancelled (or deleted) before it finished")
             elif kept.response["status"] in ("queued", "in_progress"):  # (ended with no response: the server's fault)
                 self._failed(kept, "the server failed while answering", "server_error")
-                last = _event("response.failed", seq, response=kept.response)
+                last = openai_responses.sse_event("response.failed", seq, response=kept.response)
             if last is not None:
                 detached.add(last)
             detached.add(None)
