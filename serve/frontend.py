@@ -21,7 +21,8 @@ from jaxcb.host.embedding import Pooling, cosines
 from jaxcb.host.errors import (ContextTooLong, InvalidConfig, InvalidRequest, NotFound, Overloaded, PermissionDenied,
                                StepFailed, Unavailable, shown)
 from jaxcb.host.replicas import Replicas
-from jaxcb.host.request import FinishReason, SamplingParams, TokenEvent, check_param_ids, check_prompt_length
+from jaxcb.host.request import (FinishReason, SamplingParams, TokenEvent, check_param_ids, check_prompt_length,
+                                outside_vocabulary)
 from serve.metrics import Metrics, RequestTimer
 
 MAX_TEXT_CHARS = 1 << 20  # prompt text, and all of a chat's messages together
@@ -393,7 +394,7 @@ async def prompt_ids(state: State, field: str, prompts: list, keep: int | None, 
     vocab = state.engine.model_config.vocab_size
     for i, p in enumerate(prompts):  # (ids are decoded before the engine sees them: echo's text)
         if not isinstance(p, str):
-            bad = next((t for t in p if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab), None)
+            bad = outside_vocabulary(p, vocab)
             if bad is not None:
                 where = f"{field}[{i}]" if len(prompts) > 1 else field
                 raise InvalidRequest(f"{where}: token id {bad!r} is outside the vocabulary [0, {vocab})")

@@ -298,12 +298,16 @@ def check_tokens(prompt_ids, params: SamplingParams, max_context: int, vocab_siz
     if len(prompt_ids) + params.max_tokens > max_context:
         raise ContextTooLong(f"max_tokens: prompt ({len(prompt_ids)}) + max_tokens ({params.max_tokens}) exceeds the "
                              f"context limit of {max_context} tokens", max_context)
-    v = vocab_size
-    bad = next((t for t in prompt_ids if isinstance(t, bool) or not isinstance(t, (int, np.integer))
-                or not 0 <= int(t) < v), None)
+    bad = outside_vocabulary(prompt_ids, vocab_size)
     if bad is not None:
-        raise InvalidRequest(f"prompt_token_ids: token id {bad!r} is outside the vocabulary [0, {v})")
-    check_param_ids(params, v)
+        raise InvalidRequest(f"prompt_token_ids: token id {bad!r} is outside the vocabulary [0, {vocab_size})")
+    check_param_ids(params, vocab_size)
+
+
+def outside_vocabulary(ids, vocab_size: int):
+    """The first of `ids` that is not a token id of the vocabulary (None: every one is)."""
+    return next((t for t in ids if isinstance(t, bool) or not isinstance(t, (int, np.integer))
+                 or not 0 <= int(t) < vocab_size), None)
 
 
 def check_allowed_count(n: int) -> None:
