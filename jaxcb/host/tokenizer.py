@@ -70,8 +70,8 @@ def _malloc_trim():
 class _Unlocked:
     """A `tokenizers` Tokenizer whose `encode` lets other Python threads run: its own `encode` holds the GIL
     throughout (a megabyte of text: 0.5-0.6 s in which the engine's step loop and the event loop stood still,
-    every stream with them), `encode_batch` lets it go. Long texts go through the latter, one at a time (the
-    same encoding), one at a time; everything else is the tokenizer's own."""
+    every stream with them), `encode_batch` lets it go. Long texts go through the latter (the same encoding), one
+    at a time; everything else is the tokenizer's own."""
 
     def __init__(self, tok: HFTokenizer):
         self._tok = tok
