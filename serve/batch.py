@@ -165,7 +165,7 @@ BUSY = (429,)  # the answers a line waits out and is sent again for, with retry_
 
 
 async def run_lines(app, source, write, max_in_flight: int, tally: Tally, *, headers: dict | None = None,
-                    retry_busy: bool = False, alive=lambda: True, progress=None) -> None:
+                    retry_busy: bool = False, alive=lambda: True, progress=None, answered: set = frozenset()) -> None:
     """Every line of `source` (a binary file) through `app`, each output line given to `write(out)` in
     input order and counted in `tally`. At most `max_in_flight` lines run at once, and at most 8x that many
     answers wait for a slower line before them. `headers` go with every line (a batch's owner's
@@ -173,7 +173,8 @@ async def run_lines(app, source, write, max_in_flight: int, tally: Tally, *, hea
     wait, not failed (a server's batch behind its other clients); else the caller admits max_in_flight lines.
     `alive()` false (the engine died) stops the reading: the lines after are not run (`progress(text)` says
     so, and every 10 s how far the run is). Cancelled, the lines in flight are cancelled (their requests
-    aborted)."""
+    aborted). Lines whose custom_id is in `answered` (answered before: a batch that goes on) are not run again
+    and give no output line."""
     import httpx
 
     seen = set()
@@ -200,6 +201,8 @@ async def run_lines(app, source, write, max_in_flight: int, tally: Tally, *, hea
     async def run(client, number: int, raw: bytes | None) -> dict:
         try:
             custom_id, url, body = read_request(raw, seen)
+            if custom_id in answered:
+                return None
             status, answer = await post(client, url, body)
             error = None
             if status != 200:  # (OpenAI's and Anthropic's error bodies both hold an "error" object)
@@ -232,7 +235,8 @@ async def run_lines(app, source, write, max_in_flight: int, tally: Tally, *, hea
         reader = asyncio.ensure_future(read(client))
         try:
             while (task := await order.get()) is not None:
-                out = await task
+                if (out := await task) is None:
+                    continue
                 write(out)  # (counted once written: a write that fails leaves it uncounted)
                 tally.count(out)
                 if progress and time.monotonic() - last > 10:

@@ -75,6 +75,7 @@ class ServerOptions:
     responses_store_mb: float = 64.0
     # The Files and Batch APIs' files on disk (serve.openai_batches): at most this many MiB; 0 keeps none
     batch_files_mb: float = 1024.0
+    batch_dir: str | None = None  # where they are kept, to outlive the server (None: a folder removed at stop)
 
     def __post_init__(self):
         if self.generation_config not in ("auto", "none", "vllm"):

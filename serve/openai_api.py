@@ -499,7 +499,7 @@ def make_app(state) -> FastAPI:
 
     # OpenAI's Files and Batch APIs (serve.openai_batches): a batch's lines run through this app.
     batches = openai_batches.Batches(int(state.options.batch_files_mb * (1 << 20)), state.options.http_header_timeout_s,
-                                     len(state.options.tokens))
+                                     state.options.tokens, state.options.batch_dir)
     batches.app, state.batches = app, batches
 
     @app.post("/v1/files")
@@ -508,9 +508,7 @@ def make_app(state) -> FastAPI:
 
     @app.post("/v1/batches")
     async def create_batch(request: Request):
-        owner = frontend.owner(authorize(request))
-        given = bearer(request)  # (its lines are the creator's requests)
-        return batches.create(owner, await body_of(request), {"authorization": given} if given else {})
+        return batches.create(frontend.owner(authorize(request)), await body_of(request))
 
     # Kept responses, and OpenAI's Conversations API in the same store: a conversation's items, which a Responses
     # call naming it (`conversation`) reads before its input and goes on with its input and answer; the batches'

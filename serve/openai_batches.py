@@ -11,16 +11,27 @@ files read back.
     GET    /v1/batches/{id}           the batch: status, request_counts, output_file_id, error_file_id
     POST   /v1/batches/{id}/cancel    cancelling, then cancelled (what ran is in its files)
 
-Files are kept on disk, in a folder of the server's own (removed when it stops), at most --batch-files-mb in
-all (input, output and error files together; an upload past what is left is a 413); a server with bearer
-tokens keeps each token's files and batches apart (another's id is not found), each token within an even
-share of the limit; one without keeps one store for every client. A batch is validated whole first, as OpenAI validates it (each line a request to the
-batch's endpoint, custom_ids unique, at most MAX_BATCH_REQUESTS): any bad line fails the batch, the lines
-listed in its `errors`. Then its lines run, BATCH_IN_FLIGHT at once and one batch at a time, through the
-server's admission like any client's requests; a line refused because the server is full (429) waits and is
-sent again, so a batch gives way to interactive traffic and loses nothing. Each answer goes to the output
-file (status 200) or the error file, in input order, as OpenAI splits them. The server's batches live as long
-as it does: those still running when it stops are cancelled.
+Files are kept on disk, at most --batch-files-mb in all (input, output and error files together; an upload
+past what is left is a 413); a server with bearer tokens keeps each token's files and batches apart
+(another's id is not found), each token within an even share of the limit; one without keeps one store for
+every client. A batch is validated whole first, as OpenAI validates it (each line a request to the batch's
+endpoint, custom_ids unique, at most MAX_BATCH_REQUESTS): any bad line fails the batch, the lines listed in
+its `errors`. Then its lines run, BATCH_IN_FLIGHT at once, through the server's admission like any client's
+requests; each owner's batches one at a time, in the order they were made, and different owners' side by
+side; a line refused because the server is full (429) waits and is sent again, so a batch gives way to
+interactive traffic and loses nothing. Each answer goes to the output file (status 200) or the error file, in
+input order, as OpenAI splits them. A batch reads its input file to its end even if the file is deleted
+meanwhile (the file's bytes stay charged to its owner until then).
+
+Where the files live: without --batch-dir, in a folder of the server's own, removed when it stops (batches
+still running are then cancelled). With --batch-dir DIR they outlive the server: each file and batch is
+DIR/<id>.json beside the file's bytes (DIR/<file id>), written whenever the batch changes state (through a
+temporary file and a rename), and every answer line is flushed as it is written. A server started on the
+folder takes its files and batches back: a batch that was validating is validated again, one in progress
+goes on, its answers so far read back (a torn last line dropped) and the lines they answer not run again
+(lines in flight when it stopped run again: a crash costs their work, never an answer twice); one that was
+being cancelled ends cancelled. Owners are kept as their token's SHA-256, never the token: a record whose
+token the server no longer has is left on disk, unread.
 """
 
 from __future__ import annotations
@@ -28,8 +39,12 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
+import hashlib
 import itertools
+import json
 import logging
+import os
+import re
 import shutil
 import tempfile
 import time
@@ -39,7 +54,7 @@ from pathlib import Path
 from fastapi.responses import FileResponse
 from python_multipart.multipart import MultipartParser, parse_options_header
 
-from jaxcb.host.errors import shown
+from jaxcb.host.errors import InvalidConfig, shown
 from serve import batch
 from serve.openai_fields import HTTPError, bad_request, check_fields, check_metadata, list_page, list_query, str_field
 
@@ -54,6 +69,7 @@ MAX_ORDER = 1 << 17  # the places of ids made, deleted ones too, for list cursor
 BATCH_FIELDS = {"input_file_id", "endpoint", "completion_window", "metadata", "output_expires_after"}
 UPLOAD_FIELDS = ("file", "purpose", "expires_after[anchor]", "expires_after[seconds]")
 ENDED = ("failed", "completed", "expired", "cancelled")
+_OURS = re.compile(r"\.?(file-|batch_)[0-9a-f]{32}(\.json(\.tmp)?)?")  # what a --batch-dir's store writes
 DELETED = {"code": "file_deleted", "message": "input_file_id: the file was deleted before the batch ran",
            "param": "input_file_id", "line": None}
 
@@ -69,7 +85,9 @@ class File:
 class Job:
     owner: str
     info: dict  # the batch object as the API gives it
-    headers: dict  # its creator's authorization, sent with each line
+    headers: dict  # its owner's authorization, sent with each line
+    source: Path  # its input file's bytes (kept until it ends, even if the file is deleted)
+    writing: dict[str, Path] = dataclasses.field(default_factory=dict)  # "output"/"error" -> its file being written
     task: asyncio.Task | None = None
     tally: batch.Tally | None = None
 
@@ -78,18 +96,29 @@ class Batches:
     """The files and batches of one server (the module's doc). `app` is set once the app is made: the lines
     go through it."""
 
-    def __init__(self, limit_bytes: int, header_timeout_s: float, owners: int = 1):
-        self.limit, self.timeout = limit_bytes, header_timeout_s
-        self.share = limit_bytes // max(1, owners)  # each owner's part (the server's bearer tokens share it evenly)
+    def __init__(self, limit_bytes: int, header_timeout_s: float, tokens: tuple[str, ...] = (),
+                 folder: str | None = None):
+        self.limit, self.timeout, self.tokens = limit_bytes, header_timeout_s, tokens
+        self.share = limit_bytes // max(1, len(tokens))  # each owner's part (the server's bearer tokens share it evenly)
         self.used = 0  # bytes of the files kept, uploading and being written (each charged as it comes)
         self.owned: collections.Counter[str] = collections.Counter()  # owner -> its part of `used`
         self.files: dict[str, File] = {}
         self.jobs: dict[str, Job] = {}
-        self.folder: Path | None = None
         self.order: collections.OrderedDict[str, int] = collections.OrderedDict()  # id -> its place (_made)
         self._seq = itertools.count()
         self.app = None
-        self.turn = asyncio.Lock()  # one batch runs at a time
+        self.last: dict[str, asyncio.Task] = {}  # owner -> its newest batch's run (the next waits for it: _start)
+        self.stopping = False  # the server stops: with a folder of its own, a batch interrupted is cancelled
+        self.ready = asyncio.Event()  # the server serves: batches run (serving)
+        self.durable = folder is not None
+        self.folder: Path | None = None
+        if folder is not None:
+            self.folder = Path(folder)
+            try:
+                self.folder.mkdir(parents=True, exist_ok=True)
+                self._load()
+            except OSError as e:
+                raise InvalidConfig(f"--batch-dir: {folder!r} cannot hold the batches' files ({e})") from None
 
     # ---- files ----
     def _new_path(self, file_id: str) -> Path:
@@ -117,7 +146,39 @@ class Batches:
                 "purpose": purpose, "status": "processed", "expires_at": None, "status_details": None}
         self.files[file_id] = File(owner, path, info)  # (its bytes charged as they were written)
         self._made(file_id)
+        self._save(file_id, {"kind": "file", "owner": self._key(owner), "place": self.order[file_id], "info": info})
         return info
+
+    # ---- owners, and the records kept in a --batch-dir ----
+    def _key(self, owner: str) -> str:
+        """An owner as its record names it: its token's SHA-256 (never the token), "" for every client."""
+        return hashlib.sha256(self.tokens[int(owner[5:])].encode()).hexdigest() if owner else ""
+
+    def _owner(self, key: str) -> str | None:
+        """The owner a record's key names on this server (None: a token it no longer has)."""
+        if not key:
+            return None if self.tokens else ""
+        return next((f"token{i}" for i, t in enumerate(self.tokens) if hashlib.sha256(t.encode()).hexdigest() == key),
+                    None)
+
+    def _headers(self, owner: str) -> dict:
+        """What a batch's lines carry: its owner's authorization (frontend.owner's tokenN is the Nth token)."""
+        return {"authorization": f"Bearer {self.tokens[int(owner[5:])]}"} if owner else {}
+
+    def _save(self, key: str, record: dict) -> None:
+        if self.durable:
+            temporary = self.folder / f".{key}.json.tmp"
+            temporary.write_text(json.dumps(record))
+            os.replace(temporary, self.folder / f"{key}.json")
+
+    def _forget(self, key: str) -> None:
+        if self.durable:
+            (self.folder / f"{key}.json").unlink(missing_ok=True)
+
+    def _save_job(self, job: Job) -> None:
+        self._save(job.info["id"], {"kind": "batch", "owner": self._key(job.owner), "place": self.order.get(job.info["id"], -1),
+                                    "info": self._shown(job),
+                                    "source": job.source.name, "writing": {k: p.name for k, p in job.writing.items()}})
 
     def _made(self, key: str) -> None:
         """`key` (a file's or a batch's id) made now: its place in the lists, kept after it is deleted (a cursor
@@ -195,8 +256,10 @@ class Batches:
     def delete_file(self, owner: str, file_id: str) -> dict:
         f = self._file(owner, file_id)
         del self.files[file_id]
-        self._charge(owner, -f.info["bytes"])
-        f.path.unlink(missing_ok=True)  # (a batch reading it keeps its open file)
+        self._forget(file_id)
+        if not self._reading(f.path):  # (else the batch reading it removes it when it ends: _let_go)
+            self._charge(owner, -f.info["bytes"])
+            f.path.unlink(missing_ok=True)
         return {"id": file_id, "object": "file", "deleted": True}
 
     def content(self, owner: str, file_id: str) -> FileResponse:
@@ -204,7 +267,16 @@ class Batches:
         return FileResponse(f.path, media_type="application/octet-stream", filename=f.info["filename"])
 
     # ---- batches ----
-    def create(self, owner: str, body: dict, headers: dict) -> dict:
+    def _reading(self, path: Path) -> bool:
+        return any(j.source == path and j.info["status"] not in ENDED for j in self.jobs.values())
+
+    def _let_go(self, job: Job) -> None:
+        """A batch ended: its input's bytes go if the file was deleted meanwhile and no other batch reads them."""
+        if job.source.name not in self.files and not self._reading(job.source) and job.source.exists():
+            self._charge(job.owner, -job.source.stat().st_size)
+            job.source.unlink(missing_ok=True)
+
+    def create(self, owner: str, body: dict) -> dict:
         check_fields(body, BATCH_FIELDS)
         for field in ("input_file_id", "endpoint", "completion_window"):
             if field not in body:
@@ -223,6 +295,7 @@ class Batches:
             raise HTTPError(429, f"the server has {MAX_PENDING} batches not ended; the most it takes at once")
         while len(self.jobs) >= MAX_KEPT:  # the oldest ended batch makes way
             del self.jobs[next(k for k, j in self.jobs.items() if j.info["status"] in ENDED)]
+        self._go_on()
         now = int(time.time())
         info = {"id": f"batch_{uuid.uuid4().hex}", "object": "batch", "endpoint": endpoint, "errors": None,
                 "input_file_id": source.info["id"], "completion_window": window, "status": "validating",
@@ -231,10 +304,11 @@ class Batches:
                 "expired_at": None, "cancelling_at": None, "cancelled_at": None,
                 "request_counts": {"total": 0, "completed": 0, "failed": 0}, "metadata": body.get("metadata"),
                 "model": None, "usage": None}
-        job = Job(owner, info, headers)
+        job = Job(owner, info, self._headers(owner), source.path)
         self.jobs[info["id"]] = job
         self._made(info["id"])
-        job.task = asyncio.ensure_future(self._run(job, source.path))
+        self._save_job(job)
+        self._start(job)
         return self._shown(job)
 
     def _job(self, owner: str, batch_id: str) -> Job:
@@ -264,44 +338,78 @@ class Batches:
                                  "is cancelled", param="batch_id")
         if job.info["status"] != "cancelling":
             job.info["status"], job.info["cancelling_at"] = "cancelling", int(time.time())
-            job.task.cancel()
+            self._save_job(job)
+            if job.task is None:  # (taken back from --batch-dir, the server not serving yet)
+                self._end_taken_back(job)
+            else:
+                job.task.cancel()
         return self._shown(job)
 
+    def serving(self) -> None:
+        """The server serves (its warm-up done): batches run (one made during the warm-up waited: its lines would
+        have been refused), and those taken back from --batch-dir that had not ended go on (_load)."""
+        self.ready.set()
+        self._go_on()
+
+    def _go_on(self) -> None:
+        """The batches taken back and not ended run (before any made since: each owner's run in order)."""
+        for job in self.jobs.values():
+            if job.task is None and job.info["status"] in ("validating", "in_progress"):
+                self._start(job)
+
     async def close(self) -> None:
-        """The server stops: every batch not ended is cancelled, and the files go with the folder."""
+        """The server stops. Without --batch-dir every batch not ended is cancelled and the files go with the
+        folder; with it, a running batch stops where it is, to go on when a server starts on the folder."""
+        self.stopping = True
         for job in self.jobs.values():
             if job.task is not None and not job.task.done():
-                job.info["status"], job.info["cancelling_at"] = "cancelling", int(time.time())
+                if not self.durable:
+                    job.info["status"], job.info["cancelling_at"] = "cancelling", int(time.time())
                 job.task.cancel()
         tasks = [j.task for j in self.jobs.values() if j.task is not None]
         if tasks:
             await asyncio.wait(tasks, timeout=5.0)
-        if self.folder is not None:
+        if self.folder is not None and not self.durable:
             shutil.rmtree(self.folder, ignore_errors=True)
 
-    async def _run(self, job: Job, path: Path) -> None:
-        info, outputs = job.info, {}  # kind -> [path, file, bytes charged]
+    def _start(self, job: Job) -> None:
+        """`job` runs after its owner's batches made before it (validated at once, its lines in its turn)."""
+        job.task = asyncio.ensure_future(self._run(job, self.last.get(job.owner)))
+        self.last[job.owner] = job.task
+
+    async def _run(self, job: Job, before: asyncio.Task | None) -> None:
+        info, outputs = job.info, {}  # kind -> [path, file, bytes]
         try:
-            errors, total = await asyncio.to_thread(_validate, path, info["endpoint"])
-            if errors:
-                info["errors"] = {"object": "list", "data": errors}
-                info["status"], info["failed_at"] = "failed", int(time.time())
-                return
-            info["request_counts"]["total"] = total
-            info["status"], info["in_progress_at"] = "in_progress", int(time.time())  # (its turn may wait)
-            async with asyncio.timeout(max(0.0, info["expires_at"] - time.time())), self.turn:
+            if info["status"] == "validating":
+                errors, total = await asyncio.to_thread(_validate, job.source, info["endpoint"])
+                if errors:
+                    info["errors"] = {"object": "list", "data": errors}
+                    info["status"], info["failed_at"] = "failed", int(time.time())
+                    return
+                info["request_counts"]["total"] = total
+                info["status"], info["in_progress_at"] = "in_progress", int(time.time())  # (its turn may wait)
+                self._save_job(job)
+            async with asyncio.timeout(max(0.0, info["expires_at"] - time.time())):
+                if before is not None:
+                    await asyncio.wait([before])
+                await self.ready.wait()
                 # (the input opened only now: batches waiting hold no open file)
                 try:
-                    source = open(path, "rb")
+                    source = open(job.source, "rb")
                 except FileNotFoundError:
                     info["errors"] = {"object": "list", "data": [DELETED]}
                     info["status"], info["failed_at"] = "failed", int(time.time())
                     return
                 with source:
-                    job.tally = batch.Tally()
-                    for kind in ("output", "error"):
-                        kept = self._new_path(f"file-{uuid.uuid4().hex}")
-                        outputs[kind] = [kept, open(kept, "wb"), 0]
+                    tally, answered = batch.Tally(), set()
+                    for kind in ("output", "error"):  # (a batch taken back goes on with its files)
+                        kept = job.writing.get(kind) or self._new_path(f"file-{uuid.uuid4().hex}")
+                        size = await asyncio.to_thread(_read_back, kept, tally, answered)
+                        outputs[kind] = [kept, open(kept, "ab"), size]
+                    job.tally = tally  # (once both are read: _keep_outputs reads them again if it ends before)
+                    if not job.writing:
+                        job.writing = {kind: out[0] for kind, out in outputs.items()}
+                        self._save_job(job)
 
                     def write(out: dict) -> None:
                         line = batch.json_line(out).encode()
@@ -309,15 +417,22 @@ class Batches:
                             raise _StoreFull()
                         kept = outputs["output" if out["error"] is None else "error"]
                         kept[1].write(line)
+                        if self.durable:  # (a server killed loses no answer written)
+                            kept[1].flush()
                         kept[2] += len(line)
                         self._charge(job.owner, len(line))
 
                     await batch.run_lines(self.app, source, write, BATCH_IN_FLIGHT, job.tally, headers=job.headers,
-                                          retry_busy=True)
+                                          retry_busy=True, answered=answered)
                     info["status"], info["finalizing_at"] = "finalizing", int(time.time())
                     self._keep_outputs(job, outputs)
                     info["status"], info["completed_at"] = "completed", int(time.time())
         except asyncio.CancelledError:
+            if self.durable and self.stopping and info["status"] != "cancelling":
+                for _, sink, _ in outputs.values():  # (left as it is, to go on: resume)
+                    sink.close()
+                self._save_job(job)
+                return
             self._keep_outputs(job, outputs)
             info["status"], info["cancelled_at"] = "cancelled", int(time.time())
         except TimeoutError:  # (its completion window passed: what ran is kept, as OpenAI keeps it)
@@ -336,20 +451,102 @@ class Batches:
                                                           "message": f"the batch failed: {e!r}"[:1000]}]}
             info["status"], info["failed_at"] = "failed", int(time.time())
         finally:
-            job.tally = None
+            if info["status"] in ENDED:
+                self._let_go(job)
+                job.tally = None
+                self._save_job(job)
 
     def _keep_outputs(self, job: Job, outputs: dict) -> None:
-        """The output and error files written so far become files of the batch's owner (an empty one is none)."""
+        """The output and error files written so far become files of the batch's owner (an empty one is none);
+        a batch taken back that had not opened its files again (it ends waiting) keeps them as they were."""
+        if job.tally is None and job.writing:
+            job.tally = batch.Tally()
+            for kind, path in job.writing.items():
+                if kind in outputs:
+                    outputs[kind][1].close()
+                outputs[kind] = [path, None, _read_back(path, job.tally, set())]
         if job.tally is not None:
             self._shown(job)  # (the counts as they ended)
         for kind, (path, sink, size) in outputs.items():
-            sink.close()
+            if sink is not None:
+                sink.close()
             if size == 0:
                 path.unlink(missing_ok=True)
                 continue
             info = self._keep(job.owner, path, size, f"{job.info['id']}_{kind}.jsonl", "batch_output")
             job.info[f"{kind}_file_id"] = info["id"]
         outputs.clear()
+        job.writing = {}
+
+    def _load(self) -> None:
+        """The files and batches a --batch-dir holds, taken back (the module's doc); what no record names goes."""
+        records, kept = [], set()
+        for path in self.folder.glob("*.json"):
+            try:
+                record = json.loads(path.read_text())
+                records.append((record["kind"] != "file", record["place"], record["info"]["id"], record))
+            except (OSError, ValueError, KeyError, TypeError) as e:
+                log.warning("--batch-dir: %s is not a record jaxcb wrote (%r); left as it is", path, e)
+                kept.add(path.stem)  # (nor are the bytes beside it touched)
+        unread = 0
+        for _, _, key, record in sorted(records, key=lambda r: r[:2]):  # (files first: the batches name them)
+            owner = self._owner(record.get("owner", ""))
+            if owner is None:  # (a token this server does not have: left on disk, unread)
+                unread += 1
+                kept.update((key, record.get("source", ""), *record.get("writing", {}).values()))
+            elif record["kind"] == "file":
+                path = self.folder / key
+                if not path.is_file():
+                    self._forget(key)
+                    continue
+                record["info"]["bytes"] = path.stat().st_size
+                self.files[key] = File(owner, path, record["info"])
+                self._charge(owner, record["info"]["bytes"])
+                self._made(key)
+                kept.add(key)
+            elif record["kind"] == "batch":
+                job = Job(owner, record["info"], self._headers(owner), self.folder / record["source"],
+                          {kind: self.folder / name for kind, name in record.get("writing", {}).items()})
+                self.jobs[key] = job
+                self._made(key)
+                kept.update((key, *(p.name for p in job.writing.values())))
+                if job.info["status"] not in ENDED:
+                    kept.add(job.source.name)  # (a deleted input still read; an ended batch's goes below)
+                self._take_back(job)
+        for path in self.folder.iterdir():  # uploads cut short, temporary records, inputs no batch reads
+            if path.is_file() and _OURS.fullmatch(path.name) and (
+                    path.name.endswith(".tmp") or path.name.split(".")[0] not in kept):
+                path.unlink(missing_ok=True)
+        if unread:
+            log.warning("--batch-dir: %d files and batches of bearer tokens this server does not have are left in %s",
+                        unread, self.folder)
+
+    def _take_back(self, job: Job) -> None:
+        """A batch from a --batch-dir: its bytes charged, its output files (ended) kept files, and one not ended
+        made ready to go on (resume), or ended if it was being cancelled or finalized."""
+        info = job.info
+        if job.source.name not in self.files and job.source.is_file() and info["status"] not in ENDED:
+            self._charge(job.owner, job.source.stat().st_size)  # (a deleted input still read)
+        for kind in ("output", "error"):  # (the server stopped between the batch's record and the file's own)
+            file_id = info.get(f"{kind}_file_id")
+            path = self.folder / file_id if file_id else None
+            if path is not None and file_id not in self.files and path.is_file():
+                self._charge(job.owner, path.stat().st_size)
+                self._keep(job.owner, path, path.stat().st_size, f"{info['id']}_{kind}.jsonl", "batch_output")
+        for path in job.writing.values():  # (a torn last line dropped here: what is charged is what stays)
+            self._charge(job.owner, _read_back(path, batch.Tally(), set()))
+        if info["status"] in ("cancelling", "finalizing"):
+            self._end_taken_back(job)
+
+    def _end_taken_back(self, job: Job) -> None:
+        """A batch taken back that will not run again ends with what it wrote: cancelled, or completed if it
+        had run every line (finalizing)."""
+        ended = "completed" if job.info["status"] == "finalizing" else "cancelled"
+        self._keep_outputs(job, {})
+        job.info["status"], job.info[f"{ended}_at"] = ended, int(time.time())
+        job.tally = None
+        self._let_go(job)
+        self._save_job(job)
 
 
 class _StoreFull(Exception):
@@ -424,6 +621,27 @@ class _Upload:
     def close(self):
         if self.sink is not None:
             self.sink.close()
+
+
+def _read_back(path: Path, tally: batch.Tally, answered: set) -> int:
+    """An output file a batch was writing when its server stopped: its lines counted in `tally`, their
+    custom_ids added to `answered`, and what follows the last whole line (torn by a crash) cut off; its size."""
+    if not path.is_file():
+        return 0
+    good = 0
+    with open(path, "rb+") as f:
+        for raw in f:
+            try:
+                out = json.loads(raw) if raw.endswith(b"\n") else None
+            except ValueError:
+                out = None
+            if not isinstance(out, dict) or "response" not in out or "error" not in out:
+                break
+            tally.count(out)
+            answered.add(out.get("custom_id"))
+            good += len(raw)
+        f.truncate(good)
+    return good
 
 
 def _validate(path: Path, endpoint: str) -> tuple[list[dict], int]:

@@ -119,6 +119,8 @@ async def run_server(engine: Engine | list[Engine], tokenizer, served_names: str
         raise
     state.thread.start()
     state.ready = True
+    if state.batches is not None:
+        state.batches.serving()  # (batches made during warm-up, and those taken back from --batch-dir, run)
     await set_health(health_pb2.HealthCheckResponse.SERVING)
     step = engines[0].runner.describe()
     announce(f"jaxcb: SERVING on {options.host}:{port} after warming up {shapes} bucket shapes (compiled or "

@@ -5,15 +5,19 @@ token's files are its own, and the store's limits hold."""
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 import time
+import uuid
 
 import httpx
 import openai
 import pytest
 
+from serve import openai_batches
 from serve.client import Client
+from serve.openai_fields import HTTPError
 from tests.server_util import http_server, wait_pool_whole
 
 ENDED = ("completed", "failed", "cancelled")
@@ -184,3 +188,230 @@ def test_list_and_delete_pages_on_and_the_counts_usage_and_lines_read_back(serve
     assert len(text.splitlines()) == 1 and "\u2028" in json.loads(text)["response"]["body"]["choices"][0]["text"]
     refused = json.loads(oai.files.content(done.error_file_id).text)
     assert refused["response"]["status_code"] == 400 and refused["error"]["message"].startswith("n: 16 samples")
+
+
+# ---- the store itself (serve.openai_batches.Batches) over a stub app: which lines run, when, and what a
+# --batch-dir keeps across a stop ----
+
+class _Stub:
+    """An ASGI app that answers every line 200 with its body echoed, holding each line whose body has "hold"
+    while `gate` is clear; `seen` records (authorization, body) in the order lines came."""
+
+    def __init__(self):
+        self.gate, self.seen = asyncio.Event(), []
+
+    async def __call__(self, scope, receive, send):
+        raw = b""
+        while True:
+            message = await receive()
+            raw += message.get("body", b"")
+            if not message.get("more_body"):
+                break
+        body = json.loads(raw)
+        self.seen.append((dict(scope["headers"]).get(b"authorization", b"").decode(), body))
+        if body.get("hold"):
+            await self.gate.wait()
+        answer = json.dumps({"model": "stub", "usage": {"prompt_tokens": 1, "completion_tokens": 2}, "echo": body})
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]})
+        await send({"type": "http.response.body", "body": answer.encode()})
+
+
+def _store(folder=None, tokens=()):
+    store = openai_batches.Batches(1 << 30, 5.0, tokens, folder)
+    store.app = _Stub()
+    return store
+
+
+def _put(store, owner, lines, tmp_path) -> str:
+    """An input file of `lines` kept as `owner`'s (what an upload ends with)."""
+    path = store._new_path(f"file-{uuid.uuid4().hex}") if store.folder else tmp_path / f"file-{uuid.uuid4().hex}"
+    data = jsonl(lines).getvalue()
+    path.write_bytes(data)
+    store._charge(owner, len(data))
+    return store._keep(owner, path, len(data), "in.jsonl", "batch")["id"]
+
+
+async def _until(check, timeout=20.0):
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.01)
+
+
+def _make(store, owner, file_id):
+    return store.create(owner, {"input_file_id": file_id, "endpoint": "/v1/completions", "completion_window": "24h"})
+
+
+def test_a_batch_made_during_the_warm_up_runs_once_the_server_serves(tmp_path):
+    async def scenario():
+        store = _store()
+        b = _make(store, "", _put(store, "", [line(f"r{i}", {"prompt": "x"}) for i in range(3)], tmp_path))
+        await _until(lambda: store.get("", b["id"])["status"] == "in_progress")
+        await asyncio.sleep(0.2)
+        assert store.app.seen == []  # (its lines would have been refused: 503, warming up)
+        store.serving()
+        await _until(lambda: store.get("", b["id"])["status"] == "completed")
+        assert store.get("", b["id"])["request_counts"] == {"total": 3, "completed": 3, "failed": 0}
+        await store.close()
+
+    asyncio.run(scenario())
+
+
+def test_each_owners_batches_run_in_turn_and_different_owners_side_by_side(tmp_path):
+    async def scenario():
+        store = _store(tokens=("alice", "bob"))
+        store.serving()
+        held = _make(store, "token0", _put(store, "token0", [line("a", {"prompt": "x", "hold": True})], tmp_path))
+        after = _make(store, "token0", _put(store, "token0", [line("a2", {"prompt": "x"})], tmp_path))
+        other = _make(store, "token1", _put(store, "token1", [line("b", {"prompt": "x"})], tmp_path))
+        await _until(lambda: store.get("token1", other["id"])["status"] == "completed")
+        assert store.get("token0", held["id"])["status"] == "in_progress"
+        assert sorted(who for who, _ in store.app.seen) == ["Bearer alice", "Bearer bob"]  # (alice's second waits)
+        store.app.gate.set()
+        await _until(lambda: store.get("token0", after["id"])["status"] == "completed")
+        assert store.get("token0", held["id"])["status"] == "completed"
+        await store.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_batch_reads_its_input_to_the_end_though_the_file_is_deleted(tmp_path):
+    async def scenario():
+        store = _store(tmp_path)
+        store.serving()
+        source = _put(store, "", [line(f"r{i}", {"prompt": "x", "hold": i == 1}) for i in range(4)], tmp_path)
+        b = _make(store, "", source)
+        await _until(lambda: len(store.app.seen) >= 2)
+        store.delete_file("", source)
+        assert store.list_files("", {})["data"] == []
+        store.app.gate.set()
+        await _until(lambda: store.get("", b["id"])["status"] == "completed")
+        assert store.get("", b["id"])["request_counts"]["completed"] == 4
+        kept = [p.name for p in tmp_path.iterdir() if not p.name.endswith(".json")]
+        assert kept == [store.get("", b["id"])["output_file_id"]]  # (the input's bytes went once it ended)
+        assert store.used == store.owned[""] == (tmp_path / kept[0]).stat().st_size
+        await store.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_batch_dir_outlives_the_server_and_a_batch_goes_on_where_it_stopped(tmp_path):
+    async def first():
+        store = _store(tmp_path, ("alice", "bob"))
+        store.serving()
+        lines = [line(f"r{i}", {"prompt": "x", "hold": i >= 3}) for i in range(6)]
+        b = _make(store, "token0", _put(store, "token0", lines, tmp_path))
+        waiting = _make(store, "token0", _put(store, "token0", [line("w", {"prompt": "y"})], tmp_path))
+        await _until(lambda: store.get("token0", b["id"])["request_counts"]["completed"] == 3)
+        await store.close()  # (the server stops: nothing cancelled)
+        return b["id"], waiting["id"]
+
+    batch_id, waiting_id = asyncio.run(first())
+    records = [json.loads(p.read_text()) for p in tmp_path.glob("*.json")]
+    assert {r["info"]["status"] for r in records if r["kind"] == "batch"} == {"in_progress"}
+    assert not any("alice" in p.read_text(errors="replace") for p in tmp_path.iterdir())  # (the token's hash only)
+    record = json.loads((tmp_path / f"{batch_id}.json").read_text())
+    with open(tmp_path / record["writing"]["output"], "ab") as f:  # a last line torn by a crash
+        f.write(b'{"id": "batch_req_torn", "custom_id": "r3", "resp')
+
+    async def second():
+        store = _store(tmp_path, ("bob", "alice"))  # (alice is now the second token: owners are their tokens)
+        with pytest.raises(HTTPError):
+            store.get("token0", batch_id)
+        taken = store.get("token1", batch_id)
+        assert taken["status"] == "in_progress" and taken["request_counts"]["completed"] == 3
+        store.serving()
+        store.app.gate.set()
+        await _until(lambda: store.get("token1", waiting_id)["status"] == "completed")
+        done = store.get("token1", batch_id)
+        assert done["status"] == "completed" and done["request_counts"] == {"total": 6, "completed": 6, "failed": 0}
+        assert done["usage"]["output_tokens"] == 12
+        out = [json.loads(x) for x in (tmp_path / done["output_file_id"]).read_text().splitlines()]
+        assert sorted(o["custom_id"] for o in out) == [f"r{i}" for i in range(6)]
+        assert [body["prompt"] for _, body in store.app.seen] == ["x"] * 3 + ["y"]  # (r0-r2 not run again)
+        assert {who for who, _ in store.app.seen} == {"Bearer alice"}
+        on_disk = sum(p.stat().st_size for p in tmp_path.iterdir() if not p.name.endswith(".json"))
+        assert store.used == store.owned["token1"] == on_disk
+        await store.close()
+
+    asyncio.run(second())
+
+
+def test_a_batch_taken_back_and_cancelled_before_the_server_serves_keeps_what_ran(tmp_path):
+    async def first():
+        store = _store(tmp_path)
+        store.serving()
+        b = _make(store, "", _put(store, "", [line(f"r{i}", {"prompt": "x", "hold": i == 2}) for i in range(4)],
+                                  tmp_path))
+        await _until(lambda: store.get("", b["id"])["request_counts"]["completed"] == 2)
+        await store.close()
+        return b["id"]
+
+    batch_id = asyncio.run(first())
+
+    async def second():
+        store = _store(tmp_path)
+        ended = store.cancel("", batch_id)
+        assert ended["status"] == "cancelled" and ended["request_counts"]["completed"] == 2
+        assert len(store.content("", ended["output_file_id"]).path.read_text().splitlines()) == 2
+        store.serving()
+        await asyncio.sleep(0.1)
+        assert store.app.seen == [] and store.get("", batch_id)["status"] == "cancelled"
+        await store.close()
+
+    asyncio.run(second())
+
+
+def test_a_server_stopped_mid_batch_goes_on_with_it_when_started_on_the_same_batch_dir(tiny_gguf_path, config_path,
+                                                                                       tmp_path):
+    lines = [line(f"r{i}", {"prompt": [5, 6, 7], "max_tokens": 48, "ignore_eos": True, "temperature": 0}) for i in range(24)]
+    first = http_server(tiny_gguf_path, config_path, "--batch-dir", str(tmp_path))
+    s = next(first)
+    oai = openai.OpenAI(base_url=s.http + "/v1", api_key="unused", max_retries=0)
+    upload = oai.files.create(file=("in.jsonl", jsonl(lines)), purpose="batch")
+    b = oai.batches.create(input_file_id=upload.id, endpoint="/v1/completions", completion_window="24h")
+    deadline = time.monotonic() + 60
+    while oai.batches.retrieve(b.id).request_counts.completed < 1:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    first.close()  # (SIGTERM, exit status 0)
+    stopped = json.loads((tmp_path / f"{b.id}.json").read_text())["info"]
+    assert stopped["status"] == "in_progress" and 1 <= stopped["request_counts"]["completed"] < 24, stopped
+    for s in http_server(tiny_gguf_path, config_path, "--batch-dir", str(tmp_path)):
+        oai = openai.OpenAI(base_url=s.http + "/v1", api_key="unused", max_retries=0)
+        assert oai.files.retrieve(upload.id).bytes == upload.bytes
+        done = wait_ended(oai, b.id)
+        assert done.status == "completed" and done.request_counts.completed == 24, done
+        out = [json.loads(x) for x in oai.files.content(done.output_file_id).text.splitlines()]
+        assert sorted(o["custom_id"] for o in out) == sorted(x["custom_id"] for x in lines)
+        texts = {o["response"]["body"]["choices"][0]["text"] for o in out}
+        assert len(texts) == 1 and len(next(iter(texts))) > 0  # (greedy: the answers after the restart are the same)
+
+
+def test_a_batch_whose_window_passed_while_the_server_was_stopped_expires_keeping_what_ran(tmp_path):
+    async def first():
+        store = _store(tmp_path)
+        store.serving()
+        b = _make(store, "", _put(store, "", [line(f"r{i}", {"prompt": "x", "hold": i == 2}) for i in range(4)],
+                                  tmp_path))
+        await _until(lambda: store.get("", b["id"])["request_counts"]["completed"] == 2)
+        await store.close()
+        return b["id"]
+
+    batch_id = asyncio.run(first())
+    record = json.loads((tmp_path / f"{batch_id}.json").read_text())
+    record["info"]["expires_at"] = int(time.time()) - 1
+    (tmp_path / f"{batch_id}.json").write_text(json.dumps(record))
+
+    async def second():
+        store = _store(tmp_path)
+        store.serving()
+        await _until(lambda: store.get("", batch_id)["status"] == "expired")
+        ended = store.get("", batch_id)
+        assert ended["request_counts"]["completed"] == 2 and store.app.seen == []
+        assert len(store.content("", ended["output_file_id"]).path.read_text().splitlines()) == 2
+        on_disk = sum(p.stat().st_size for p in tmp_path.iterdir() if not p.name.endswith(".json"))
+        assert store.used == on_disk
+        await store.close()
+
+    asyncio.run(second())

@@ -121,6 +121,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--batch-files-mb", type=float, default=1024.0,
                    help="MiB of files the Files and Batch APIs keep on disk (uploads, batches' outputs; default 1024; "
                         "0 keeps none)")
+    s.add_argument("--batch-dir", default=None, metavar="DIR",
+                   help="keep the Files and Batch APIs' files and batches in DIR, to outlive the server: a server "
+                        "started on it takes them back and batches still running go on (default: a folder of the "
+                        "server's own, removed when it stops)")
     s.add_argument("--grace-period", type=float, default=10.0, help="seconds in-flight streams get at shutdown")
     s.add_argument("--http-header-timeout", type=float, default=30.0,
                    help="seconds an HTTP connection has to send a request's line and headers, from its opening "
@@ -202,7 +206,8 @@ def cmd_serve(args) -> int:
                               auth_token=tuple(args.auth_token or filter(None, [os.environ.get("JAXCB_AUTH_TOKEN")])),
                               max_concurrent_streams=args.max_concurrent_streams, metrics_host=args.metrics_host,
                               kv_events=args.kv_events, kv_events_topic=args.kv_events_topic,
-                              http_header_timeout_s=args.http_header_timeout, batch_files_mb=args.batch_files_mb)
+                              http_header_timeout_s=args.http_header_timeout, batch_files_mb=args.batch_files_mb,
+                              batch_dir=args.batch_dir)
     names = _announce(args, engines, dots, cache_dir, sys.stdout)
     target = f"{args.host}:{args.port}"
     print(f"jaxcb: try it:  .venv/bin/jaxcb client --target {target} \"Why is the sky blue?\"", flush=True)
