@@ -183,6 +183,11 @@ def cmd_serve(args) -> int:
         from jaxcb.host.kv_events import endpoints
 
         endpoints(args.kv_events, 0)  # a malformed endpoint is refused before the weights are read
+    if args.batch_dir is not None:
+        try:
+            os.makedirs(args.batch_dir, exist_ok=True)
+        except OSError as e:
+            raise InvalidConfig(f"--batch-dir: {args.batch_dir!r} cannot hold the batches' files ({e})") from None
     config, dots, cache_dir = _start(args)
     wrap = None
     if args.multihost or args.coordinator or args.num_processes is not None or args.process_id is not None:
