@@ -2,10 +2,10 @@
 (kubernetes-validate's bundled OpenAPI schemas, strict: unknown fields fail), the custom resources
 (LeaderWorkerSet, InferencePool, HTTPRoute) against their published CRDs' schemas (tests/data/crds, from
 the projects' release tags by tools/crd_schemas.py: strict structure, and their CEL rules where cel-python
-can judge them) with their pod templates also as Kubernetes PodTemplates, and every jaxcb command in them parses with jaxcb's own
-CLI and plans (`jaxcb plan`) on the device memory the manifest names. The endpoint picker's metric flags
-name metrics a real server exports with the types the model-server protocol asks for (check_epp_metrics,
-run on tests/test_routing.py's servers)."""
+can judge them) with their pod templates also as Kubernetes PodTemplates, and every jaxcb command in them
+parses with jaxcb's own CLI and plans (`jaxcb plan`) on the device memory the manifest names. The endpoint
+picker's metric specs (its configuration's engineConfigs) name metrics a real server exports with the types
+the model-server protocol asks for (check_epp_metrics, run on tests/test_routing.py's servers)."""
 
 from __future__ import annotations
 
@@ -325,34 +325,76 @@ def test_the_images_entry_command_runs(tmp_path):
     assert re.search(r'pip install --no-cache-dir -e "\.\[\$\{EXTRA\}\]"', text)  # cuda12 or tpu, as built
 
 
-def _epp_metric_flags() -> dict[str, str]:
+SPECS = ("queuedRequestsSpec", "runningRequestsSpec", "kvUsageSpec", "loraSpec", "cacheInfoSpec")
+
+
+def _epp_metric_specs() -> dict[str, str]:
+    """The metrics the endpoint picker reads from jaxcb: its configuration's core-metrics-extractor entry for
+    the pool's engine (EPP v1.4 and later refuse the old --*-metric flags, and need the data layer's
+    source and extractor named in `data.sources`)."""
     for _, doc in _documents():
         for template, _ in _pod_templates(doc):
             for c in template["spec"]["containers"]:
-                if "/epp:" in c["image"]:
-                    args = c["args"]
-                    return {a[2:]: args[i + 1] for i, a in enumerate(args) if a.endswith("-metric")}
+                if "/epp:" not in c["image"]:
+                    continue
+                major, minor = (int(x) for x in re.search(r":v(\d+)\.(\d+)", c["image"]).groups())
+                assert (major, minor) >= (1, 4), c["image"]
+                assert not [a for a in c["args"] if a.startswith("--") and a.split("=")[0].endswith("-metric")]
+                mount = next(m for m in c["volumeMounts"] if m["mountPath"] == "/config")
+                volume = next(v for v in template["spec"]["volumes"] if v["name"] == mount["name"])
+                assert c["args"][c["args"].index("--config-file") + 1] == "/config/config.yaml"
+                config_map = next(d for _, d in _documents()
+                                  if d["kind"] == "ConfigMap" and d["metadata"]["name"] == volume["configMap"]["name"])
+                config = yaml.safe_load(config_map["data"]["config.yaml"])
+                plugins = {p.get("name", p["type"]): p for p in config["plugins"]}
+                (source,) = config["data"]["sources"]
+                assert plugins[source["pluginRef"]]["type"] == "metrics-data-source"
+                (extractor,) = source["extractors"]
+                parameters = plugins[extractor["pluginRef"]]["parameters"]
+                assert plugins[extractor["pluginRef"]]["type"] == "core-metrics-extractor"
+                engine = next(e for e in parameters["engineConfigs"] if e["name"] == parameters["defaultEngine"])
+                for profile in config["schedulingProfiles"]:
+                    assert all(p["pluginRef"] in plugins for p in profile["plugins"])
+                return {spec: engine[spec] for spec in SPECS}
     raise AssertionError("no endpoint picker in deploy/")
 
 
 def check_epp_metrics(text: str) -> None:
-    """A server's /metrics (its HTTP port, where the picker scrapes) holds each metric the picker's flags
-    name, as a gauge with the protocol's meaning (tests/test_routing.py checks its servers with it; they
+    """A server's /metrics (its HTTP port, where the picker scrapes) holds each metric the picker's
+    configuration names, as a gauge with the protocol's meaning (tests/test_routing.py checks its servers with it; they
     run with --max-loras 1)."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    flags = _epp_metric_flags()
-    assert set(flags) == {"total-queued-requests-metric", "total-running-requests-metric",
-                          "kv-cache-usage-percentage-metric", "lora-info-metric", "cache-info-metric"}
+    specs = _epp_metric_specs()
     families = {f.name: f for f in text_string_to_metric_families(text)}
-    for flag, metric in flags.items():
-        assert metric in families, (flag, metric)
-        assert families[metric].type == "gauge", (flag, metric, families[metric].type)
-    value = {f: families[m].samples[0].value for f, m in flags.items() if families[m].samples}
-    assert value["total-queued-requests-metric"] == 0 and value["total-running-requests-metric"] == 0
-    assert 0 <= value["kv-cache-usage-percentage-metric"] <= 1
-    (cache,) = families[flags["cache-info-metric"]].samples
+    for spec, metric in specs.items():
+        assert metric in families, (spec, metric)
+        assert families[metric].type == "gauge", (spec, metric, families[metric].type)
+    value = {f: families[m].samples[0].value for f, m in specs.items() if families[m].samples}
+    assert value["queuedRequestsSpec"] == 0 and value["runningRequestsSpec"] == 0
+    assert 0 <= value["kvUsageSpec"] <= 1
+    (cache,) = families[specs["cacheInfoSpec"]].samples
     assert cache.labels["block_size"] == "16" and int(cache.labels["num_gpu_blocks"]) > 0
-    (lora,) = families[flags["lora-info-metric"]].samples
+    (lora,) = families[specs["loraSpec"]].samples
     assert set(lora.labels) == {"max_lora", "running_lora_adapters", "waiting_lora_adapters"}
     assert lora.labels["max_lora"] == "1"
+
+
+def test_each_file_applies_alone_and_leaves_lws_its_own_service():
+    """Every volume claim a file's pods use is declared in that file (each manifest applies alone), and no
+    Service takes a LeaderWorkerSet's name: LWS makes the headless Service of that name that its pods'
+    LWS_LEADER_ADDRESS resolves through, and makes none if the name is taken."""
+    files: dict[str, list[dict]] = {}
+    for name, doc in _documents():
+        files.setdefault(name, []).append(doc)
+    for name, docs in files.items():
+        declared = {d["metadata"]["name"] for d in docs if d["kind"] == "PersistentVolumeClaim"}
+        for doc in docs:
+            for template, where in _pod_templates(doc):
+                for volume in template["spec"].get("volumes", ()):
+                    if "persistentVolumeClaim" in volume:
+                        assert volume["persistentVolumeClaim"]["claimName"] in declared, (name, where)
+    services = {d["metadata"]["name"] for _, d in _documents() if d["kind"] == "Service"}
+    sets = [d["metadata"]["name"] for _, d in _documents() if d["kind"] == "LeaderWorkerSet"]
+    assert sets and not services & set(sets)
+    assert all(ENV["LWS_LEADER_ADDRESS"].split(".")[1] == s for s in sets)  # (what LWS puts there: its name)

@@ -5,6 +5,7 @@ follower mirrors it."""
 from __future__ import annotations
 
 import concurrent.futures
+import itertools
 import time
 
 import numpy as np
@@ -13,7 +14,7 @@ import pytest
 from jaxcb.host.engine_config import load_config
 from jaxcb.host.request import SamplingParams
 from jaxcb.llm import LLM
-from serve.client import Client
+from serve.client import Client, _result, build_request
 from tests.server_util import SMALL_CONFIG, ServerProcess, free_port
 
 
@@ -90,6 +91,15 @@ def test_two_processes_give_the_single_device_tokens_with_lora_adapters_and_stop
             assert np.abs(np.asarray(got.values) - want).max() < 1e-5
         base = offline.generate(prompts[1:3], greedy)  # (the adapters change the tokens)
         assert all(r.token_ids != o.token_ids for r, o in zip(results[1:3], base))
+        # Stopped as Kubernetes stops a LeaderWorkerSet's group (SIGTERM to every pod at once) with a stream in
+        # flight: the follower keeps following while the leader drains, so the stream ends whole.
+        with Client(cluster.leader.target) as c:
+            stream = c.stream(build_request(token_ids=prompts[0], max_tokens=30, ignore_eos=True), 120)
+            first = next(stream)
+            cluster.follower.proc.terminate()
+            cluster.leader.proc.terminate()
+            drained = _result(itertools.chain([first], stream))
+        assert len(drained.token_ids) == 30 and drained.finish_reason == "length"
         assert cluster.leader.stop() == 0, cluster.leader.output()
         assert cluster.follower.proc.wait(60) == 0, cluster.follower.output()
         assert "stopped by the leader" in cluster.follower.output()
