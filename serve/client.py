@@ -48,7 +48,7 @@ def build_request(prompt=None, *, messages=None, token_ids=None, chat: bool = Fa
                   n=1, cache_salt="", structured: dict | None = None, lora: str = "", model: str = "",
                   speculative: bool | None = None, chat_template_kwargs: dict | None = None,
                   include_stop_str_in_output: bool = False, continue_final_message: bool = False, allowed_token_ids=(),
-                  chat_template: str = "",
+                  chat_template: str = "", bad_words=(),
                   truncate_prompt_tokens: int | None = None, prompt_logprobs: int | None = None,
                   skip_special_tokens: bool | None = None, **sampling) -> jaxcb_pb2.GenerateRequest:
     """prompt: text (with chat=True it becomes one user message); or messages; or token_ids.
@@ -66,7 +66,7 @@ def build_request(prompt=None, *, messages=None, token_ids=None, chat: bool = Fa
                                     ignore_eos=ignore_eos, min_tokens=min_tokens, priority=priority,
                                     request_id=request_id, logprobs=logprobs, n=n, cache_salt=cache_salt, lora=lora,
                                     model=model, include_stop_str_in_output=include_stop_str_in_output,
-                                    allowed_token_ids=list(allowed_token_ids))
+                                    allowed_token_ids=list(allowed_token_ids), bad_words=list(bad_words))
     if speculative is not None:
         req.speculative = speculative
     if truncate_prompt_tokens is not None:

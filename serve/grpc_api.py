@@ -25,7 +25,7 @@ from jaxcb.device import cpu_dots
 from jaxcb.host import classifier
 from jaxcb.host.errors import (InvalidRequest, JaxcbError, NotFound, Overloaded, PermissionDenied, StepFailed,
                                Unauthenticated, Unavailable)
-from jaxcb.host.request import (MAX_SAMPLES, FinishReason, SamplingParams, TokenEvent, check_allowed_count, check_logit_bias_count, read_json,
+from jaxcb.host.request import (MAX_SAMPLES, FinishReason, SamplingParams, TokenEvent, check_allowed_count, check_bad_words, check_logit_bias_count, read_json,
                                 check_stop_counts)
 from jaxcb.host.structured import MAX_CHOICES, Constraint
 from jaxcb.host.chat_template import check_template_kwargs
@@ -91,12 +91,14 @@ def _sampling(req, defaults: dict | None = None) -> SamplingParams:
     given = {k: getattr(s, k) if s.HasField(k) else (defaults or {}).get(k, v) for k, v in GRPC_SAMPLING.items()}
     check_stop_counts(len(req.stop), len(req.stop_token_ids))  # before the lists are copied
     check_allowed_count(len(req.allowed_token_ids))
+    check_bad_words(req.bad_words)  # (its count before the list is copied)
     check_logit_bias_count(len(s.logit_bias))
     return SamplingParams(
         max_tokens=req.max_tokens, **given, presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
         seed=s.seed if s.HasField("seed") else None, stop=tuple(req.stop),
         stop_token_ids=tuple(req.stop_token_ids), ignore_eos=req.ignore_eos, min_tokens=req.min_tokens,
         include_stop_str_in_output=req.include_stop_str_in_output, allowed_token_ids=tuple(req.allowed_token_ids),
+        bad_words=tuple(req.bad_words),
         logprobs=req.logprobs, prompt_logprobs=req.prompt_logprobs if req.HasField("prompt_logprobs") else None,
         n=req.n or 1, structured=_structured(req),
         speculative=req.speculative if req.HasField("speculative") else True, lora=req.lora,

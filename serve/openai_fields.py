@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse
 
 from jaxcb.host.errors import (ContextTooLong, InvalidRequest, JaxcbError, NotFound, Overloaded, PermissionDenied,
                                StepFailed, Unauthenticated, Unavailable, shown)
-from jaxcb.host.request import (SamplingParams, check_allowed_count, check_priority, check_stop_counts,
+from jaxcb.host.request import (SamplingParams, check_allowed_count, check_bad_words, check_priority, check_stop_counts,
                                 logit_bias_from_json, read_json)
 from jaxcb.host.structured import (GUIDED_EXTRAS, GUIDED_FIELDS, Constraint, from_guided, from_response_format,
                                    from_structured_outputs)
@@ -27,7 +27,7 @@ ERROR_TYPE = {400: "invalid_request_error", 401: "authentication_error", 403: "p
 EXTRAS = {"top_k", "min_p", "repetition_penalty", "ignore_eos", "min_tokens", "stop_token_ids",
           "include_stop_str_in_output", "skip_special_tokens", "allowed_token_ids", "truncate_prompt_tokens",
           "priority", "cache_salt", "request_id", "prompt_logprobs", *GUIDED_FIELDS, *GUIDED_EXTRAS,
-          "structured_outputs", "speculative", "use_beam_search", "length_penalty", "return_token_ids"}
+          "structured_outputs", "speculative", "use_beam_search", "length_penalty", "return_token_ids", "bad_words"}
 # OpenAI's fields about its own service that say nothing about the output (storing completions, billing
 # tier, cache routing, abuse tracking): SDKs and frameworks send them, a self-hosted server has nothing to
 # do with them. Their types are checked; anything else unknown is a 400 naming it.
@@ -192,6 +192,10 @@ def sampling_params(body: dict, *, max_tokens: int, logprobs: int, prompt_logpro
     if body.get("allowed_token_ids") == []:  # (vLLM's: an empty list would allow no token)
         raise bad_request("allowed_token_ids: must not be empty (leave it out to allow every token)")
     ignore_eos = bool_field(body, "ignore_eos", False)
+    bad_words = body.get("bad_words") or []
+    if not isinstance(bad_words, list):
+        raise bad_request("bad_words: must be a list of strings")
+    check_bad_words(bad_words)
     asked = int_field(body, "prompt_logprobs")
     if prompt_logprobs is not None:
         asked = prompt_logprobs if asked is None else max(asked, prompt_logprobs)
@@ -205,7 +209,7 @@ def sampling_params(body: dict, *, max_tokens: int, logprobs: int, prompt_logpro
         stop=stop or (), stop_token_ids=stop_token_ids, ignore_eos=ignore_eos,
         include_stop_str_in_output=bool_field(body, "include_stop_str_in_output", False),
         skip_special_tokens=bool_field(body, "skip_special_tokens", True),
-        allowed_token_ids=allowed,
+        allowed_token_ids=allowed, bad_words=tuple(bad_words),
         min_tokens=int_field(body, "min_tokens", 0), logprobs=logprobs, n=int_field(body, "n", 1),
         structured=constraint_of(body), speculative=bool_field(body, "speculative", True),
         logit_bias=logit_bias_from_json(body.get("logit_bias")))

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from jaxcb.host.errors import InvalidRequest
-from jaxcb.host.request import FinishReason, SamplingParams
+from jaxcb.host.request import FinishReason, SamplingParams, banned_tokens, resolve_bad_words
 from jaxcb.host.structured import Constraint
 
 
@@ -191,6 +191,56 @@ def test_allowed_token_ids_are_the_only_tokens_sampled(make_llm):
     assert choice.text in ("ab", "cd") and choice.finish_reason == FinishReason.STOP
     with pytest.raises(InvalidRequest, match=r"allowed_token_ids: token id 100000 is outside the vocabulary"):
         llm.generate([prompts[0]], SamplingParams(max_tokens=2, allowed_token_ids=(5, 100000)))
+
+
+def _completes(tokens, word) -> bool:
+    return any(tuple(tokens[i:i + len(word)]) == word for i in range(len(tokens) - len(word) + 1))
+
+
+def test_bad_words_are_never_completed_and_match_a_token_by_token_ban(make_llm):
+    """vLLM's bad_words, as token sequences: a one-token word is never sampled, a longer one never completed
+    (its last token is banned only after the rest of it). Each output equals a one-token-at-a-time greedy
+    reference that bans, at every step, what banned_tokens names (with logit_bias -100), under async
+    scheduling (a word of several tokens waits for the newest one); a row beside keeps its tokens."""
+    llm = make_llm()
+    prompts = random_prompts(llm, (7, 5))
+    free = llm.generate(prompts, SamplingParams(max_tokens=24, ignore_eos=True))
+    path = free[0].token_ids
+    for words in (((path[3],),), ((path[5], path[6]),), ((path[8], path[9], path[10]), (path[2],))):
+        got, beside = llm.generate(prompts, [SamplingParams(max_tokens=24, ignore_eos=True, bad_word_ids=words),
+                                             SamplingParams(max_tokens=24, ignore_eos=True)])
+        reference = []
+        for _ in range(24):
+            ban = {t: -100.0 for t in banned_tokens(words, reference)}
+            step = llm.generate([prompts[0] + reference], SamplingParams(max_tokens=1, ignore_eos=True, logit_bias=ban))
+            reference.append(step[0].token_ids[0])
+        assert got.token_ids == reference and got.token_ids != path, words
+        assert not any(_completes(got.token_ids, w) for w in words)
+        assert beside.token_ids == free[1].token_ids
+    drawn = llm.generate([prompts[0]] * 4, [SamplingParams(max_tokens=24, ignore_eos=True, temperature=1.0, seed=s,
+                                                           bad_word_ids=((path[5], path[6]), (path[1],)))
+                                            for s in range(4)])
+    assert not any(_completes(o.token_ids, w) for o in drawn for w in ((path[5], path[6]), (path[1],)))
+    with pytest.raises(InvalidRequest, match=r"bad_words: token id 100000 is outside the vocabulary"):
+        llm.generate([prompts[0]], SamplingParams(max_tokens=2, bad_word_ids=((5, 100000),)))
+    with pytest.raises(InvalidRequest, match=r"bad_words: at most 128 words"):
+        SamplingParams(bad_words=("x",) * 129)
+    with pytest.raises(InvalidRequest, match=r"bad_words: each word must be a string of 1..256 characters"):
+        SamplingParams(bad_words=(" ",))
+
+
+def test_bad_words_are_spelt_as_vllm_spells_them(tiny_model):
+    """A word's tokens as it starts a text, and after a space where that gives other tokens of the same
+    count; more than 128 sequences in all is refused, naming the field."""
+    tok = tiny_model[2]
+    for word in ("hello", " world", "ab"):
+        plain = tuple(tok.encode(word.lstrip(), add_bos=False))
+        spaced = tuple(tok.encode(" " + word.lstrip(), add_bos=False))
+        want = [plain] + ([spaced] if spaced[0] != plain[0] and len(spaced) == len(plain) else [])
+        assert list(resolve_bad_words(SamplingParams(bad_words=(word,)), tok).bad_word_ids) == want
+    many = tuple(f"w{i} x" for i in range(128))
+    with pytest.raises(InvalidRequest, match=r"bad_words: \d+ token sequences .*the limit is 128"):
+        resolve_bad_words(SamplingParams(bad_words=many), tok)
 
 
 def test_logprobs_and_stats(make_llm):

@@ -187,6 +187,35 @@ def test_min_tokens_and_stop_token_ids_over_both_apis_as_offline(server, oai, mo
         assert r.status_code == 400 and r.json()["error"]["message"].startswith(message), (body, r.text[:300])
 
 
+def test_bad_words_over_both_apis_as_offline(server, oai, model_name, tiny_model, config_path):
+    """vLLM's bad_words over HTTP (completions and chat), gRPC and SamplingParams offline: the same tokens, the
+    words spelt by the server's tokenizer; bad values named, the same on both APIs."""
+    prompt = [5, 6, 7, 8, 9]
+    cfg, params, tok, eos = tiny_model
+    offline = LLM.from_params(cfg, params, tok, config=load_config(config_path), eos_ids=eos)
+    free = offline.generate([prompt], SamplingParams(max_tokens=10, ignore_eos=True))[0]
+    words = [tok.decode(free.token_ids[2:4]), tok.decode(free.token_ids[6:7])]
+    expected = offline.generate([prompt], SamplingParams(max_tokens=10, ignore_eos=True, bad_words=tuple(words)))[0]
+    assert expected.token_ids != free.token_ids
+    http = oai.completions.create(model=model_name, prompt=prompt, max_tokens=10, temperature=0.0,
+                                  extra_body={"ignore_eos": True, "bad_words": words, "return_token_ids": True})
+    with Client(server.target) as c:
+        grpc_out = c.complete(token_ids=prompt, max_tokens=10, ignore_eos=True, bad_words=words)
+    assert http.choices[0].model_extra["token_ids"] == grpc_out.token_ids == expected.token_ids
+    chat = httpx.post(server.http + "/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 6, "bad_words": words}, timeout=60)
+    assert chat.status_code == 200, chat.text
+    for body, message in (({"bad_words": "x"}, "bad_words: must be a list of strings"),
+                          ({"bad_words": [""]}, "bad_words: each word must be a string of 1..256 characters"),
+                          ({"bad_words": [5]}, "bad_words: each word must be a string"),
+                          ({"bad_words": ["x"] * 129}, "bad_words: at most 128 words, got 129")):
+        r = httpx.post(server.http + "/v1/completions", json={"prompt": prompt, "max_tokens": 10, **body}, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["message"].startswith(message), (body, r.text[:300])
+    with Client(server.target) as c, pytest.raises(grpc.RpcError) as e:
+        c.complete(token_ids=prompt, max_tokens=2, bad_words=["x"] * 129)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and e.value.details() == "bad_words: at most 128 words, got 129"
+
+
 def test_embeddings_over_both_apis_equal_the_offline_engine(server, oai, model_name, tiny_model, config_path):
     """/v1/embeddings (the official client's default base64, and floats), gRPC's Embed and LLM.embed give the same
     vectors for text and token-id inputs: unit vectors of the model's width, `dimensions` the first values

@@ -16,7 +16,7 @@ GENERATION_FIELDS = ("max_tokens", "min_tokens", "temperature", "top_k", "top_p"
                      "presence_penalty", "frequency_penalty", "seed", "stop", "include_stop_str_in_output",
                      "skip_special_tokens",
                      "stop_token_ids", "allowed_token_ids", "ignore_eos", "logprobs", "prompt_logprobs", "n",
-                     "speculative")
+                     "speculative", "bad_words")
 LINE_FIELDS = {"prompt", "prompt_token_ids", "messages", "chat", "priority", "id", "response_format",
                "structured_outputs", "logit_bias", "chat_template_kwargs", "lora", *GENERATION_FIELDS}
 

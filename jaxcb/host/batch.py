@@ -314,6 +314,17 @@ def narrow_row(allowed: np.ndarray, i: int, row: SamplingRow, eos_ids) -> None:
             words[:] = kept
 
 
+def ban_row(allowed: np.ndarray, i: int, banned) -> None:
+    """Row i of `allowed` without the `banned` tokens (a request's bad words' next tokens, jaxcb.host.request.
+    banned_tokens); a ban that would leave nothing is not made (a grammar's last choice, say, stays)."""
+    words = allowed[i].view(np.uint32)
+    kept = words.copy()
+    for t in banned:
+        words[t >> 5] &= np.uint32(~(1 << (t & 31)) & 0xFFFFFFFF)
+    if not words.any():
+        words[:] = kept
+
+
 _ID_MASKS: collections.OrderedDict[int, tuple[tuple, np.ndarray]] = collections.OrderedDict()
 
 

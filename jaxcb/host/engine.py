@@ -25,7 +25,7 @@ from typing import Callable
 
 import numpy as np
 
-from jaxcb.host.batch import narrow_row, pack_chunks
+from jaxcb.host.batch import ban_row, narrow_row, pack_chunks
 from jaxcb.host.buckets import LengthLog
 from jaxcb.host.draft import describe_speculation, proposer_for
 from jaxcb.host.engine_config import EngineConfig
@@ -38,8 +38,8 @@ from jaxcb.host.output import EventCallback, Outputs, take_prompt_logprobs, toke
 from jaxcb.host.kv_events import KVEvents
 from jaxcb.host.page_pool import PagePool
 from jaxcb.host.runner_protocol import Runner
-from jaxcb.host.request import (FinishReason, Request, SamplingParams, Status, TokenEvent, check_priority,
-                                check_tokens)
+from jaxcb.host.request import (FinishReason, Request, SamplingParams, Status, TokenEvent, banned_tokens,
+                                check_param_ids, check_priority, check_tokens, resolve_bad_words)
 from jaxcb.host.scheduler import Scheduler
 from jaxcb.host.step_plan import Chunk, live_chunks
 from jaxcb.host.structured import grammars_for, structured_failure
@@ -128,6 +128,8 @@ class Engine:
             raise InvalidRequest(f"model: {self.model_config.name} has no language-model head (a base model's or a "
                                  "classifier's checkpoint): it serves embeddings and classification only")
         check_tokens(prompt_ids, params, self.max_context, self.model_config.vocab_size)
+        if params.bad_words:
+            check_param_ids(resolve_bad_words(params, self.tokenizer), self.model_config.vocab_size)
         if params.structured is not None:
             self.grammars.compile(params.structured)  # cached after the first: check it off the event loop
         if params.lora:  # a reference of no samples: raises, naming the loaded adapters, unless it is loaded
@@ -171,6 +173,7 @@ class Engine:
         check_priority(int(priority) if isinstance(priority, np.integer) else priority)
         if not validated:
             self.validate(prompt_ids, params)
+        params = resolve_bad_words(params, self.tokenizer)  # (its token sequences, made once for its samples)
         prompt_ids = [int(t) for t in prompt_ids]
         samples = [Request(prompt_ids, params, request_id=request_id or "", priority=int(priority),
                            cache_salt=cache_salt, client=client)]
@@ -304,6 +307,9 @@ class Engine:
         # Rows with a grammar; one that waits for the end of a reasoning part (structured_after) is free
         # until its input token is known to be that end.
         grammar = [i for i, c in enumerate(chunks) if c.samples and c.request.matcher is not None]
+        # Rows with bad words; those with a word of several tokens need their newest token to know what it bans.
+        banning = [i for i, c in enumerate(chunks) if c.samples and c.request.params.bad_word_ids]
+        newest = grammar + [i for i in banning if max(map(len, chunks[i].request.params.bad_word_ids)) > 1]
         refs = self.pool.ref_counts
         for c in chunks:
             r = c.request
@@ -317,7 +323,7 @@ class Engine:
             cnt.speculative_steps += 1
         waited = not pipelined
         early = False
-        if grammar and self._in_flight and any(rows[i].pending for i in grammar):
+        if newest and self._in_flight and any(rows[i].pending for i in newest):
             self._complete(self._in_flight.popleft(), events)  # their input tokens, to the matchers
             waited = early = True
         constrained = [i for i in grammar if chunks[i].request.grammar_after is None]
@@ -327,6 +333,9 @@ class Engine:
             for i in constrained:  # a grammar's mask replaced the row's: the request's own narrowing again
                 narrow_row(sampling.allowed, i, rows[i], self.scheduler.eos_ids)
             cnt.add_masks(n, time.perf_counter() - t0)
+        for i in banning:  # (after any grammar's mask: the ban narrows it)
+            ban_row(sampling.allowed, i, banned_tokens(chunks[i].request.params.bad_word_ids,
+                                                      chunks[i].request.output_ids))
         started = self._clock() if early else None  # queued behind nothing: it starts at its dispatch
         result = self.runner.run(batch, sampling, shape)
         dispatch_end = self._clock()

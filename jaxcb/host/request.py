@@ -16,12 +16,13 @@ import time
 import numpy as np
 
 from jaxcb.host.embedding import POOLING_MODES
-from jaxcb.host.errors import ContextTooLong, InvalidRequest
+from jaxcb.host.errors import ContextTooLong, InvalidRequest, shown
 from jaxcb.host.structured import Constraint
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
+MAX_BAD_WORDS = 128  # bad_words' token sequences (vLLM's VLLM_MAX_NUM_BAD_WORDS), and the words given
 MAX_ALLOWED_TOKEN_IDS = 1 << 18  # allowed_token_ids: a vocabulary's worth (Gemma 3's is 262,144)
 MAX_LOGPROBS = 20
 MAX_SAMPLES = 16
@@ -78,12 +79,26 @@ class SamplingParams:
     # An embedding (jaxcb.host.embedding): the prompt's last hidden states pooled, "last" (its last token's)
     # or "mean" (over its tokens), carried by the final event; max_tokens must be 0. None: not an embedding.
     pooling: str | None = None
+    # Words the output never completes (vLLM's bad_words): a word's last token is banned from the step that
+    # would sample it after the rest of the word's tokens at the output's end (a one-token word: always). Each
+    # word counts as its tokens at the start of a text and, where they differ, after a space (bad_word_ids: the
+    # engine makes them from bad_words with the model's tokenizer; offline, either may be given).
+    bad_words: tuple[str, ...] = ()
+    bad_word_ids: tuple[tuple[int, ...], ...] = ()
 
     def __post_init__(self):
         stop = self.stop or ()
         object.__setattr__(self, "stop", (stop,) if isinstance(stop, str) else tuple(stop))  # "END": one stop
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in (self.stop_token_ids or ())))
         check_allowed_count(len(self.allowed_token_ids or ()))
+        words = self.bad_words or ()
+        object.__setattr__(self, "bad_words", (words,) if isinstance(words, str) else tuple(words))
+        check_bad_words(self.bad_words)
+        if len(self.bad_word_ids or ()) > MAX_BAD_WORDS:
+            raise InvalidRequest(f"bad_words: at most {MAX_BAD_WORDS} token sequences, got {len(self.bad_word_ids)}")
+        object.__setattr__(self, "bad_word_ids", tuple(tuple(int(t) for t in w) for w in self.bad_word_ids or ()))
+        if any(not w for w in self.bad_word_ids):
+            raise InvalidRequest("bad_word_ids: each word must have at least one token")
         object.__setattr__(self, "allowed_token_ids", tuple(int(t) for t in (self.allowed_token_ids or ())))
         if self.prompt_logprobs is not None:
             _check_int("prompt_logprobs", self.prompt_logprobs, low=0, high=MAX_LOGPROBS)
@@ -316,9 +331,54 @@ def check_allowed_count(n: int) -> None:
         raise InvalidRequest(f"allowed_token_ids: at most {MAX_ALLOWED_TOKEN_IDS}, got {n}")
 
 
+def check_bad_words(words) -> None:
+    """bad_words as a request gives them: at most MAX_BAD_WORDS strings, each 1..MAX_STOP_STRING_CHARS
+    characters and not only spaces."""
+    if len(words) > MAX_BAD_WORDS:
+        raise InvalidRequest(f"bad_words: at most {MAX_BAD_WORDS} words, got {len(words)}")
+    for w in words:
+        if not isinstance(w, str) or not w.strip() or len(w) > MAX_STOP_STRING_CHARS:
+            raise InvalidRequest(f"bad_words: each word must be a string of 1..{MAX_STOP_STRING_CHARS} characters, "
+                                 f"not only spaces, got {shown(w)}")
+
+
+def resolve_bad_words(params: SamplingParams, tokenizer) -> SamplingParams:
+    """`params` with bad_word_ids made from bad_words, as vLLM makes them: each word (its leading spaces
+    dropped) encoded without special tokens, and again after a space where that gives other tokens of the
+    same count (a tokenizer whose words carry their space); at most MAX_BAD_WORDS sequences in all."""
+    if not params.bad_words or params.bad_word_ids:
+        return params
+    if tokenizer is None:
+        raise InvalidRequest("bad_words: this model has no tokenizer to spell them with")
+    sequences = []
+    for word in params.bad_words:
+        plain = tokenizer.encode(word.lstrip(), add_bos=False)
+        if not plain:
+            raise InvalidRequest(f"bad_words: {shown(word)} has no tokens")
+        sequences.append(tuple(plain))
+        spaced = tokenizer.encode(" " + word.lstrip(), add_bos=False)
+        if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
+            sequences.append(tuple(spaced))
+    if len(sequences) > MAX_BAD_WORDS:
+        raise InvalidRequest(f"bad_words: {len(sequences)} token sequences (each word's, and again after a space); "
+                             f"the limit is {MAX_BAD_WORDS}")
+    return dataclasses.replace(params, bad_word_ids=tuple(sequences))
+
+
+def banned_tokens(bad_word_ids, output_ids) -> list[int]:
+    """The tokens that would complete a bad word after `output_ids` (vLLM's: a word's last token where the
+    output ends with the rest of the word; a one-token word's always)."""
+    banned = []
+    for word in bad_word_ids:
+        k = len(word) - 1
+        if k <= len(output_ids) and (k == 0 or tuple(output_ids[-k:]) == word[:-1]):
+            banned.append(word[-1])
+    return banned
+
+
 def check_param_ids(params: SamplingParams, vocab_size: int) -> None:
     """The token ids a request's settings name (stop_token_ids, allowed_token_ids, logit_bias,
-    structured_after) against the vocabulary."""
+    structured_after, bad_word_ids) against the vocabulary."""
     if params.structured_after is not None and params.structured_after >= vocab_size:
         raise InvalidRequest(f"structured_after: token id {params.structured_after} is outside the vocabulary "
                              f"[0, {vocab_size})")
@@ -329,6 +389,9 @@ def check_param_ids(params: SamplingParams, vocab_size: int) -> None:
     bad = next((t for t, _ in params.logit_bias if t >= vocab_size), None)
     if bad is not None:
         raise InvalidRequest(f"logit_bias: token id {bad} is outside the vocabulary [0, {vocab_size})")
+    bad = next((t for w in params.bad_word_ids for t in w if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise InvalidRequest(f"bad_words: token id {bad} is outside the vocabulary [0, {vocab_size})")
 
 
 def _check_int(name, value, low=None, high=None):
