@@ -101,13 +101,13 @@ async def answer(state, request: Request, options: RequestOptions, tenant: str, 
 
     async def shape(i, ev):
         index = i * n + ev.index
-        logprobs = _logprobs(state.tokenizer, ev, chat, top_logprobs) if ev.logprobs else None
+        logprobs = _logprobs(state.tokenizer, ev, chat, top_logprobs, options.tokens_as_ids) if ev.logprobs else None
         prompt = None
         if ev.prompt_logprobs is not None:  # a sample's first event: a prompt's worth, shaped off the event loop
             echoed, prompt = await asyncio.to_thread(
                 _prompt_parts, state.tokenizer, prompts[i], ev.prompt_logprobs,
                 top_logprobs if echo is not None and not chat and params.logprobs > 0 else None,
-                params.prompt_logprobs if prompt_field else None)
+                params.prompt_logprobs if prompt_field else None, options.tokens_as_ids)
             logprobs = _merge(echoed, logprobs, chat)
         finish = (ev.finish_reason.value if isinstance(ev.finish_reason, FinishReason) else ev.finish_reason)
         sample_usage[index] = {"prompt_tokens": ev.num_prompt_tokens, "completion_tokens": ev.num_output_tokens,
@@ -410,8 +410,12 @@ async def json_response(answer):
     return Response(await asyncio.to_thread(_dumps, answer), media_type="application/json")
 
 
-def _token_text(tokenizer, token: int) -> str:
-    return tokenizer.decode([token], skip_special=False) if tokenizer is not None else str(token)
+def _token_text(tokenizer, token: int, as_id: bool = False) -> str:
+    """A token as logprobs name it: its text, or with vLLM's return_tokens_as_token_ids "token_id:N" (a
+    token that is a piece of a character, or not JSON-encodable, is then still told apart)."""
+    if as_id or tokenizer is None:
+        return f"token_id:{token}" if as_id else str(token)
+    return tokenizer.decode([token], skip_special=False)
 
 
 def _token_bytes(tokenizer, token: int) -> list[int]:
@@ -419,22 +423,23 @@ def _token_bytes(tokenizer, token: int) -> list[int]:
     return list(tokenizer.token_bytes(token) if tokenizer is not None else str(token).encode())
 
 
-def _logprobs(tokenizer, ev, chat: bool, top: int):
-    """One event's logprobs in OpenAI's shape: chat `{content: [...]}`, completions the four lists."""
+def _logprobs(tokenizer, ev, chat: bool, top: int, as_ids: bool = False):
+    """One event's logprobs in OpenAI's shape: chat `{content: [...]}`, completions the four lists; `as_ids`:
+    each token named "token_id:N" (its bytes still its own)."""
     if chat:
         content = []
         for token, (lp, alts) in zip(ev.token_ids, ev.logprobs):
-            text = _token_text(tokenizer, token)
+            text = _token_text(tokenizer, token, as_ids)
             content.append({"token": text, "logprob": lp, "bytes": _token_bytes(tokenizer, token),
-                            "top_logprobs": [{"token": _token_text(tokenizer, t), "logprob": l,
+                            "top_logprobs": [{"token": _token_text(tokenizer, t, as_ids), "logprob": l,
                                               "bytes": _token_bytes(tokenizer, t)}
                                              for t, l in alts[:top]]})
         return {"content": content}
     tokens, token_logprobs, tops = [], [], []
     for token, (lp, alts) in zip(ev.token_ids, ev.logprobs):
-        tokens.append(_token_text(tokenizer, token))
+        tokens.append(_token_text(tokenizer, token, as_ids))
         token_logprobs.append(lp)
-        tops.append(_top(tokens[-1], lp, ((_token_text(tokenizer, t), l) for t, l in alts[:top])))
+        tops.append(_top(tokens[-1], lp, ((_token_text(tokenizer, t, as_ids), l) for t, l in alts[:top])))
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": []}
 
 
@@ -446,17 +451,18 @@ def _top(token: str, logprob: float, alternatives) -> dict:
     return top
 
 
-def _prompt_parts(tokenizer, prompt: list[int], entries, echo: int | None, n: int | None):
+def _prompt_parts(tokenizer, prompt: list[int], entries, echo: int | None, n: int | None, as_ids: bool = False):
     """A prompt's logprobs (a sample's first event's `prompt_logprobs`) as the answer shows them: with
     `echo` (not None), completions' four lists with `echo` alternatives a token, the first token without a
-    logprob (nothing comes before it); with `n` (not None), vLLM's prompt_logprobs: None for the first token,
-    then {token id: {logprob, rank, decoded_token}} of each token and its n best alternatives. Each token's
-    text is decoded once."""
+    logprob (nothing comes before it; `as_ids`: tokens named "token_id:N"); with `n` (not None), vLLM's
+    prompt_logprobs: None for the first token, then {token id: {logprob, rank, decoded_token}} of each token
+    and its n best alternatives. Each token's text is decoded once."""
     text = functools.lru_cache(maxsize=None)(lambda t: _token_text(tokenizer, t))
     echoed = None
     if echo is not None:
-        echoed = {"tokens": [text(t) for t in prompt], "token_logprobs": [None] + [lp for lp, _, _ in entries],
-                  "top_logprobs": [None] + [_top(text(token), lp, ((text(t), l) for t, l in top[:echo]))
+        named = (lambda t: f"token_id:{t}") if as_ids else text
+        echoed = {"tokens": [named(t) for t in prompt], "token_logprobs": [None] + [lp for lp, _, _ in entries],
+                  "top_logprobs": [None] + [_top(named(token), lp, ((named(t), l) for t, l in top[:echo]))
                                             for token, (lp, _, top) in zip(prompt[1:], entries)],
                   "text_offset": []}
     listed = None

@@ -27,7 +27,8 @@ ERROR_TYPE = {400: "invalid_request_error", 401: "authentication_error", 403: "p
 EXTRAS = {"top_k", "min_p", "repetition_penalty", "ignore_eos", "min_tokens", "stop_token_ids",
           "include_stop_str_in_output", "skip_special_tokens", "allowed_token_ids", "truncate_prompt_tokens",
           "priority", "cache_salt", "request_id", "prompt_logprobs", *GUIDED_FIELDS, *GUIDED_EXTRAS,
-          "structured_outputs", "speculative", "use_beam_search", "length_penalty", "return_token_ids", "bad_words"}
+          "structured_outputs", "speculative", "use_beam_search", "length_penalty", "return_token_ids", "bad_words",
+          "return_tokens_as_token_ids"}
 # OpenAI's fields about its own service that say nothing about the output (storing completions, billing
 # tier, cache routing, abuse tracking): SDKs and frameworks send them, a self-hosted server has nothing to
 # do with them. Their types are checked; anything else unknown is a 400 naming it.
@@ -248,6 +249,7 @@ class RequestOptions:
     request_id: str
     continuous_usage: bool = False  # stream_options.continuous_usage_stats (vLLM's): usage in every chunk
     return_token_ids: bool = False  # vLLM's: the prompt's and each choice's token ids beside the text
+    tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprobs name each token "token_id:N"
 
 
 def check_metadata(metadata) -> None:
@@ -289,7 +291,8 @@ def common_fields(body: dict) -> RequestOptions:
     check_priority(priority)
     frontend.check_ids(request_id, salt)
     return RequestOptions(stream, include_usage, priority, salt, request_id, include_usage and continuous,
-                          bool_field(body, "return_token_ids", False))
+                          bool_field(body, "return_token_ids", False),
+                          bool_field(body, "return_tokens_as_token_ids", False))
 
 
 def is_token_ids(p) -> bool:

@@ -216,6 +216,32 @@ def test_bad_words_over_both_apis_as_offline(server, oai, model_name, tiny_model
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and e.value.details() == "bad_words: at most 128 words, got 129"
 
 
+def test_return_tokens_as_token_ids_names_each_logprob_token_by_its_id(server, model_name):
+    """vLLM's return_tokens_as_token_ids: every token that logprobs name ("token", "tokens", top_logprobs'
+    keys, echo's prompt tokens) is "token_id:N", N the id return_token_ids gives; the values are unchanged."""
+    prompt = [5, 6, 7, 8, 9]
+    body = {"prompt": prompt, "max_tokens": 6, "logprobs": 2, "ignore_eos": True, "return_token_ids": True,
+            "temperature": 0}
+    plain = httpx.post(server.http + "/v1/completions", json=body, timeout=60).json()["choices"][0]
+    named = httpx.post(server.http + "/v1/completions", json={**body, "return_tokens_as_token_ids": True,
+                                                             "echo": True}, timeout=60).json()["choices"][0]
+    ids = prompt + named["token_ids"]
+    assert named["token_ids"] == plain["token_ids"]
+    assert named["logprobs"]["tokens"] == [f"token_id:{t}" for t in ids]
+    assert named["logprobs"]["token_logprobs"][len(prompt):] == plain["logprobs"]["token_logprobs"]
+    assert all(k.startswith("token_id:") for top in named["logprobs"]["top_logprobs"][1:] for k in top)
+    assert named["logprobs"]["top_logprobs"][len(prompt)][f"token_id:{ids[len(prompt)]}"] == (
+        plain["logprobs"]["token_logprobs"][0])
+    chat = httpx.post(server.http + "/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "logprobs": True, "top_logprobs": 2,
+        "return_tokens_as_token_ids": True, "return_token_ids": True}, timeout=60).json()["choices"][0]
+    content = chat["logprobs"]["content"]
+    assert [c["token"] for c in content] == [f"token_id:{t}" for t in chat["token_ids"]]
+    assert all(a["token"].startswith("token_id:") for c in content for a in c["top_logprobs"])
+    r = httpx.post(server.http + "/v1/completions", json={**body, "return_tokens_as_token_ids": "yes"}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["message"].startswith("return_tokens_as_token_ids: must be")
+
+
 def test_embeddings_over_both_apis_equal_the_offline_engine(server, oai, model_name, tiny_model, config_path):
     """/v1/embeddings (the official client's default base64, and floats), gRPC's Embed and LLM.embed give the same
     vectors for text and token-id inputs: unit vectors of the model's width, `dimensions` the first values
