@@ -49,7 +49,8 @@ def build_request(prompt=None, *, messages=None, token_ids=None, chat: bool = Fa
                   speculative: bool | None = None, chat_template_kwargs: dict | None = None,
                   include_stop_str_in_output: bool = False, continue_final_message: bool = False, allowed_token_ids=(),
                   chat_template: str = "", bad_words=(),
-                  truncate_prompt_tokens: int | None = None, prompt_logprobs: int | None = None,
+                  truncate_prompt_tokens: int | None = None, truncation_side: str | None = None,
+                  prompt_logprobs: int | None = None,
                   skip_special_tokens: bool | None = None, **sampling) -> jaxcb_pb2.GenerateRequest:
     """prompt: text (with chat=True it becomes one user message); or messages; or token_ids.
     structured: one constraint on the output, as {"json_schema": "<schema JSON>"}, {"json_object": True},
@@ -71,6 +72,8 @@ def build_request(prompt=None, *, messages=None, token_ids=None, chat: bool = Fa
         req.speculative = speculative
     if truncate_prompt_tokens is not None:
         req.truncate_prompt_tokens = truncate_prompt_tokens
+    if truncation_side is not None:
+        req.truncation_side = truncation_side
     if prompt_logprobs is not None:
         req.prompt_logprobs = prompt_logprobs
     if skip_special_tokens is not None:

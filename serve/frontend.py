@@ -490,17 +490,24 @@ def check_text_fits(state: State, field: str, chars: int, keep: int | None) -> N
                              f"{widest} characters", state.engine.max_context)
 
 
-def prompt_keep(state: State, value) -> int | None:
-    """truncate_prompt_tokens (vLLM's), checked: how many of a prompt's last tokens to keep (-1: as many as
-    the context holds with one left to generate), or None to keep it whole."""
+def prompt_keep(state: State, value, side=None) -> int | None:
+    """truncate_prompt_tokens (vLLM's), checked: how many of a prompt's tokens to keep (-1: as many as the
+    context holds with one left to generate), its last ones, or with truncation_side "right" (`side`) its first
+    ones (then negative: truncated's sign), or None to keep it whole."""
+    if side is not None and side not in ("left", "right"):
+        raise InvalidRequest(f"truncation_side: must be \"left\" or \"right\", got {shown(side)}")
     if value is None:
         return None
     limit = state.engine.max_context - 1
     if isinstance(value, bool) or not isinstance(value, int) or not (value == -1 or 1 <= value <= limit):
         raise InvalidRequest(f"truncate_prompt_tokens: must be -1 or between 1 and {limit}, got {value!r}")
-    return limit if value == -1 else value
+    keep = limit if value == -1 else value
+    return -keep if side == "right" else keep
 
 
 def truncated(ids: list[int], keep: int | None) -> list[int]:
-    """A prompt's ids cut to its last `keep` (prompt_keep) from the left, as vLLM cuts them."""
-    return ids if keep is None or len(ids) <= keep else ids[-keep:]
+    """A prompt's ids cut as prompt_keep says, as vLLM cuts them: to its last `keep` (from the left), or with a
+    negative `keep` to its first -keep (from the right)."""
+    if keep is None or len(ids) <= abs(keep):
+        return ids
+    return ids[-keep:] if keep > 0 else ids[:-keep]

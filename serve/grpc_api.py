@@ -107,6 +107,12 @@ def _sampling(req, defaults: dict | None = None) -> SamplingParams:
     )
 
 
+def _keep(state: State, req) -> int | None:
+    """A request's truncate_prompt_tokens and truncation_side, as frontend.prompt_keep reads them."""
+    return prompt_keep(state, req.truncate_prompt_tokens if req.HasField("truncate_prompt_tokens") else None,
+                       req.truncation_side if req.HasField("truncation_side") else None)
+
+
 def _template_kwargs(text: str, field: str = "chat.template_kwargs") -> dict:
     """ChatInput.template_kwargs (ScoreRequest.chat_template_kwargs: `field`): a JSON object of chat template
     variables ("" none), read as the HTTP API reads a body (no NaN or Infinity, nesting within Python's recursion
@@ -146,7 +152,7 @@ def _structured(req) -> Constraint | None:
 async def _prompt_ids(state: State, req) -> list[int]:
     """The request's prompt as token ids, cut to its last truncate_prompt_tokens if set. Sizes are checked
     first (nothing is copied, scanned or tokenized past a limit), and tokenization runs off the event loop."""
-    keep = prompt_keep(state, req.truncate_prompt_tokens if req.HasField("truncate_prompt_tokens") else None)
+    keep = _keep(state, req)
     return truncated(await _whole_prompt_ids(state, req, keep is None), keep)
 
 
@@ -272,7 +278,7 @@ class JaxcbService(jaxcb_pb2_grpc.JaxcbServicer):
             kwargs = classifier.score_kwargs(s.classifier, request.instruction if request.HasField("instruction")
                                              else None, _template_kwargs(request.chat_template_kwargs,
                                                                          "chat_template_kwargs") or None)
-            keep = prompt_keep(s, request.truncate_prompt_tokens if request.HasField("truncate_prompt_tokens") else None)
+            keep = _keep(s, request)
             scores, tokens = await frontend_scores(s, "text_2", first + second, pairs, s.adapter_for(request.model),
                                                    request.priority, request.request_id, tenant_of(s, context),
                                                    request.cache_salt, keep, kwargs)
@@ -286,7 +292,7 @@ class JaxcbService(jaxcb_pb2_grpc.JaxcbServicer):
         s = self.state
         check_ids(request.request_id, request.cache_salt)
         params = SamplingParams(max_tokens=0, pooling=pooling, lora=s.adapter_for(request.model))
-        keep = prompt_keep(s, request.truncate_prompt_tokens if request.HasField("truncate_prompt_tokens") else None)
+        keep = _keep(s, request)
         inputs = []
         for i, item in enumerate(request.inputs):
             kind = item.WhichOneof("input")

@@ -276,7 +276,7 @@ def make_app(state) -> FastAPI:
     async def pooling_inputs(body: dict) -> list[list[int]]:
         """An embeddings or classify body's inputs as token ids, cut to truncate_prompt_tokens: `input` (texts or
         token ids), or vLLM's chat-style `messages` (one input, through the chat template)."""
-        keep = frontend.prompt_keep(state, body.get("truncate_prompt_tokens"))
+        keep = frontend.prompt_keep(state, body.get("truncate_prompt_tokens"), body.get("truncation_side"))
         if "messages" not in body:
             given = prompt_list(body.get("input"), "input", frontend.MAX_EMBED_INPUTS)
             return await frontend.input_ids(state, "input", given, keep)
@@ -359,7 +359,7 @@ def make_app(state) -> FastAPI:
                                  prompt_logprobs=scored, defaults=state.sampling_defaults)
         params = dataclasses.replace(params, lora=adapter_of(body))
         given = prompt_list(body.get("prompt"))
-        keep = frontend.prompt_keep(state, body.get("truncate_prompt_tokens"))
+        keep = frontend.prompt_keep(state, body.get("truncate_prompt_tokens"), body.get("truncation_side"))
         penalty = beam_fields(body)
         # best_of (OpenAI's): so many samples of each prompt, the n of them most likely (their tokens' summed
         # logprobs) answered; all are counted in usage
@@ -548,7 +548,7 @@ def make_app(state) -> FastAPI:
         """frontend.scores' (each pair's score, prompt tokens), or a 499 if the client hung up."""
         options = common_fields(body)
         kwargs = classifier.score_kwargs(state.classifier, body.get("instruction"), body.get("chat_template_kwargs"))
-        keep = frontend.prompt_keep(state, body.get("truncate_prompt_tokens"))
+        keep = frontend.prompt_keep(state, body.get("truncate_prompt_tokens"), body.get("truncation_side"))
         return await until_gone(request, frontend.scores(state, field, texts, pairs, adapter_of(body), options.priority,
                                                          options.request_id, tenant, options.cache_salt, keep, kwargs))
 
@@ -703,7 +703,7 @@ def make_app(state) -> FastAPI:
             raise bad_request("messages: must be a list of {role, content} objects")
         template = template_fields(body, state.options.trust_request_chat_template)
         tools, messages, shown = chat_tools(body, messages, template[3])
-        keep = frontend.prompt_keep(state, body.get("truncate_prompt_tokens"))
+        keep = frontend.prompt_keep(state, body.get("truncate_prompt_tokens"), body.get("truncation_side"))
         top = int_field(body, "top_logprobs", 0) or 0
         if not 0 <= top <= MAX_TOP_LOGPROBS:
             raise bad_request(f"top_logprobs: must be between 0 and {MAX_TOP_LOGPROBS}, got {top}")

@@ -25,7 +25,7 @@ ERROR_TYPE = {400: "invalid_request_error", 401: "authentication_error", 403: "p
               408: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error", 500: "internal_error",
               503: "service_unavailable"}
 EXTRAS = {"top_k", "min_p", "repetition_penalty", "ignore_eos", "min_tokens", "stop_token_ids",
-          "include_stop_str_in_output", "skip_special_tokens", "allowed_token_ids", "truncate_prompt_tokens",
+          "include_stop_str_in_output", "skip_special_tokens", "allowed_token_ids", "truncate_prompt_tokens", "truncation_side",
           "priority", "cache_salt", "request_id", "prompt_logprobs", *GUIDED_FIELDS, *GUIDED_EXTRAS,
           "structured_outputs", "speculative", "use_beam_search", "length_penalty", "return_token_ids", "bad_words",
           "return_tokens_as_token_ids"}
@@ -58,7 +58,8 @@ DETOKENIZE_FIELDS = {"model", "tokens"}
 # vLLM's chat-style input to the pooling APIs (embeddings, classify): one conversation through the chat template
 CHAT_INPUT_FIELDS = {"messages", "add_generation_prompt", "continue_final_message", "chat_template_kwargs",
                      "chat_template", "add_special_tokens"}
-EMBEDDING_FIELDS = {"model", "input", "encoding_format", "dimensions", "user", "truncate_prompt_tokens", "priority",
+EMBEDDING_FIELDS = {"model", "input", "encoding_format", "dimensions", "user", "truncate_prompt_tokens",
+                    "truncation_side", "priority",
                     "request_id", "cache_salt", *SERVICE_FIELDS, *CHAT_INPUT_FIELDS}
 
 

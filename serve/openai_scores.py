@@ -17,12 +17,12 @@ from jaxcb.host.errors import InvalidRequest
 from serve.frontend import check_text
 from serve.openai_fields import CHAT_INPUT_FIELDS, bool_field, int_field
 
-SCORE_FIELDS = {"model", "text_1", "text_2", "truncate_prompt_tokens", "priority", "request_id", "cache_salt", "user",
-                "instruction", "chat_template_kwargs"}
-CLASSIFY_FIELDS = {"model", "input", "use_activation", "truncate_prompt_tokens", "priority", "request_id", "cache_salt",
-                   "user", *CHAT_INPUT_FIELDS}
-RERANK_FIELDS = {"model", "query", "documents", "top_n", "return_documents", "truncate_prompt_tokens", "priority",
-                 "request_id", "cache_salt", "user", "instruction", "chat_template_kwargs"}
+SCORE_FIELDS = {"model", "text_1", "text_2", "truncate_prompt_tokens", "truncation_side", "priority", "request_id",
+                "cache_salt", "user", "instruction", "chat_template_kwargs"}
+CLASSIFY_FIELDS = {"model", "input", "use_activation", "truncate_prompt_tokens", "truncation_side", "priority",
+                   "request_id", "cache_salt", "user", *CHAT_INPUT_FIELDS}
+RERANK_FIELDS = {"model", "query", "documents", "top_n", "return_documents", "truncate_prompt_tokens", "truncation_side",
+                 "priority", "request_id", "cache_salt", "user", "instruction", "chat_template_kwargs"}
 
 
 def _texts(value, field: str) -> list[str]:
@@ -74,7 +74,7 @@ def score_body(scores: list[float], tokens: int, model_name: str) -> dict:
 
 # vLLM's generic pooling API (/pooling): an embedding's fields and a classifier's, the task naming which
 POOLING_FIELDS = {"model", "input", "task", "encoding_format", "dimensions", "use_activation", "truncate_prompt_tokens",
-                  "priority", "request_id", "cache_salt", "user", *CHAT_INPUT_FIELDS}
+                  "truncation_side", "priority", "request_id", "cache_salt", "user", *CHAT_INPUT_FIELDS}
 POOLING_TASKS = ("embed", "classify")  # (vLLM's per-token tasks, token_embed and token_classify, are not served)
 
 

@@ -462,7 +462,24 @@ def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens_over_both_apis(ser
     chat = oai.chat.completions.create(model=model_name, messages=[{"role": "user", "content": "Hello there"}],
                                        max_tokens=2, temperature=0, extra_body={"truncate_prompt_tokens": 3})
     assert chat.usage.prompt_tokens == 3
+    # truncation_side "right" (vLLM's): the first N tokens kept instead; "left" is the default's
+    first = offline.generate([prompt[:8]], SamplingParams(max_tokens=4, ignore_eos=True))[0]
+    for side, want in (("right", first), ("left", expected)):
+        http = oai.completions.create(model=model_name, prompt=prompt, max_tokens=4, temperature=0, extra_body={
+            "ignore_eos": True, "truncate_prompt_tokens": 8, "truncation_side": side, "echo": True})
+        assert http.choices[0].text == tok.decode(prompt[:8] if side == "right" else prompt[-8:],
+                                                  skip_special=False) + want.text, side
+        with Client(server.target) as c:
+            assert c.complete(token_ids=prompt, max_tokens=4, ignore_eos=True, truncate_prompt_tokens=8,
+                              truncation_side=side).text == want.text
+    embedded = httpx.post(server.http + "/v1/embeddings", json={"input": [prompt[:20]], "truncate_prompt_tokens": 5,
+                                                               "truncation_side": "right"}, timeout=60).json()
+    assert embedded["usage"]["prompt_tokens"] == 5
+    assert embedded["data"][0]["embedding"] == httpx.post(server.http + "/v1/embeddings", json={
+        "input": [prompt[:5]]}, timeout=60).json()["data"][0]["embedding"]
     for body, message in (({}, "prompt: 300 tokens; the limit is 255"),
+                          ({"truncate_prompt_tokens": 8, "truncation_side": "middle"},
+                           'truncation_side: must be "left" or "right"'),
                           ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens: must be -1 or between 1 and 255"),
                           ({"truncate_prompt_tokens": 256}, "truncate_prompt_tokens: must be -1 or between 1 and 255"),
                           ({"truncate_prompt_tokens": "8"}, "truncate_prompt_tokens: must be -1 or between 1")):

@@ -15,7 +15,7 @@ class EmbedInput(_message.Message):
     def __init__(self, text: _Optional[str] = ..., tokens: _Optional[_Union[TokenInput, _Mapping]] = ...) -> None: ...
 
 class EmbedRequest(_message.Message):
-    __slots__ = ("inputs", "dimensions", "model", "priority", "request_id", "cache_salt", "truncate_prompt_tokens")
+    __slots__ = ("inputs", "dimensions", "model", "priority", "request_id", "cache_salt", "truncate_prompt_tokens", "truncation_side")
     INPUTS_FIELD_NUMBER: _ClassVar[int]
     DIMENSIONS_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -23,6 +23,7 @@ class EmbedRequest(_message.Message):
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     TRUNCATE_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATION_SIDE_FIELD_NUMBER: _ClassVar[int]
     inputs: _containers.RepeatedCompositeFieldContainer[EmbedInput]
     dimensions: int
     model: str
@@ -30,7 +31,8 @@ class EmbedRequest(_message.Message):
     request_id: str
     cache_salt: str
     truncate_prompt_tokens: int
-    def __init__(self, inputs: _Optional[_Iterable[_Union[EmbedInput, _Mapping]]] = ..., dimensions: _Optional[int] = ..., model: _Optional[str] = ..., priority: _Optional[int] = ..., request_id: _Optional[str] = ..., cache_salt: _Optional[str] = ..., truncate_prompt_tokens: _Optional[int] = ...) -> None: ...
+    truncation_side: str
+    def __init__(self, inputs: _Optional[_Iterable[_Union[EmbedInput, _Mapping]]] = ..., dimensions: _Optional[int] = ..., model: _Optional[str] = ..., priority: _Optional[int] = ..., request_id: _Optional[str] = ..., cache_salt: _Optional[str] = ..., truncate_prompt_tokens: _Optional[int] = ..., truncation_side: _Optional[str] = ...) -> None: ...
 
 class Embedding(_message.Message):
     __slots__ = ("values", "prompt_tokens")
@@ -49,7 +51,7 @@ class EmbedResponse(_message.Message):
     def __init__(self, embeddings: _Optional[_Iterable[_Union[Embedding, _Mapping]]] = ..., prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class ClassifyRequest(_message.Message):
-    __slots__ = ("inputs", "model", "priority", "request_id", "cache_salt", "truncate_prompt_tokens", "use_activation")
+    __slots__ = ("inputs", "model", "priority", "request_id", "cache_salt", "truncate_prompt_tokens", "use_activation", "truncation_side")
     INPUTS_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
@@ -57,6 +59,7 @@ class ClassifyRequest(_message.Message):
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     TRUNCATE_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     USE_ACTIVATION_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATION_SIDE_FIELD_NUMBER: _ClassVar[int]
     inputs: _containers.RepeatedCompositeFieldContainer[EmbedInput]
     model: str
     priority: int
@@ -64,7 +67,8 @@ class ClassifyRequest(_message.Message):
     cache_salt: str
     truncate_prompt_tokens: int
     use_activation: bool
-    def __init__(self, inputs: _Optional[_Iterable[_Union[EmbedInput, _Mapping]]] = ..., model: _Optional[str] = ..., priority: _Optional[int] = ..., request_id: _Optional[str] = ..., cache_salt: _Optional[str] = ..., truncate_prompt_tokens: _Optional[int] = ..., use_activation: _Optional[bool] = ...) -> None: ...
+    truncation_side: str
+    def __init__(self, inputs: _Optional[_Iterable[_Union[EmbedInput, _Mapping]]] = ..., model: _Optional[str] = ..., priority: _Optional[int] = ..., request_id: _Optional[str] = ..., cache_salt: _Optional[str] = ..., truncate_prompt_tokens: _Optional[int] = ..., use_activation: _Optional[bool] = ..., truncation_side: _Optional[str] = ...) -> None: ...
 
 class Classification(_message.Message):
     __slots__ = ("label", "probs", "prompt_tokens")
@@ -85,7 +89,7 @@ class ClassifyResponse(_message.Message):
     def __init__(self, results: _Optional[_Iterable[_Union[Classification, _Mapping]]] = ..., prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class ScoreRequest(_message.Message):
-    __slots__ = ("text_1", "text_2", "model", "priority", "request_id", "cache_salt", "truncate_prompt_tokens", "instruction", "chat_template_kwargs")
+    __slots__ = ("text_1", "text_2", "model", "priority", "request_id", "cache_salt", "truncate_prompt_tokens", "instruction", "chat_template_kwargs", "truncation_side")
     TEXT_1_FIELD_NUMBER: _ClassVar[int]
     TEXT_2_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -95,6 +99,7 @@ class ScoreRequest(_message.Message):
     TRUNCATE_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     INSTRUCTION_FIELD_NUMBER: _ClassVar[int]
     CHAT_TEMPLATE_KWARGS_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATION_SIDE_FIELD_NUMBER: _ClassVar[int]
     text_1: _containers.RepeatedScalarFieldContainer[str]
     text_2: _containers.RepeatedScalarFieldContainer[str]
     model: str
@@ -104,7 +109,8 @@ class ScoreRequest(_message.Message):
     truncate_prompt_tokens: int
     instruction: str
     chat_template_kwargs: str
-    def __init__(self, text_1: _Optional[_Iterable[str]] = ..., text_2: _Optional[_Iterable[str]] = ..., model: _Optional[str] = ..., priority: _Optional[int] = ..., request_id: _Optional[str] = ..., cache_salt: _Optional[str] = ..., truncate_prompt_tokens: _Optional[int] = ..., instruction: _Optional[str] = ..., chat_template_kwargs: _Optional[str] = ...) -> None: ...
+    truncation_side: str
+    def __init__(self, text_1: _Optional[_Iterable[str]] = ..., text_2: _Optional[_Iterable[str]] = ..., model: _Optional[str] = ..., priority: _Optional[int] = ..., request_id: _Optional[str] = ..., cache_salt: _Optional[str] = ..., truncate_prompt_tokens: _Optional[int] = ..., instruction: _Optional[str] = ..., chat_template_kwargs: _Optional[str] = ..., truncation_side: _Optional[str] = ...) -> None: ...
 
 class ScoreResponse(_message.Message):
     __slots__ = ("scores", "prompt_tokens")
@@ -194,7 +200,7 @@ class SamplingParameters(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., logit_bias: _Optional[_Mapping[int, float]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("text", "chat", "tokens", "sampling", "max_tokens", "stop", "stop_token_ids", "ignore_eos", "priority", "request_id", "logprobs", "n", "cache_salt", "structured", "speculative", "lora", "model", "min_tokens", "include_stop_str_in_output", "allowed_token_ids", "truncate_prompt_tokens", "prompt_logprobs", "skip_special_tokens", "bad_words")
+    __slots__ = ("text", "chat", "tokens", "sampling", "max_tokens", "stop", "stop_token_ids", "ignore_eos", "priority", "request_id", "logprobs", "n", "cache_salt", "structured", "speculative", "lora", "model", "min_tokens", "include_stop_str_in_output", "allowed_token_ids", "truncate_prompt_tokens", "prompt_logprobs", "skip_special_tokens", "bad_words", "truncation_side")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     CHAT_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -219,6 +225,7 @@ class GenerateRequest(_message.Message):
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     SKIP_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     BAD_WORDS_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATION_SIDE_FIELD_NUMBER: _ClassVar[int]
     text: str
     chat: ChatInput
     tokens: TokenInput
@@ -243,7 +250,8 @@ class GenerateRequest(_message.Message):
     prompt_logprobs: int
     skip_special_tokens: bool
     bad_words: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, text: _Optional[str] = ..., chat: _Optional[_Union[ChatInput, _Mapping]] = ..., tokens: _Optional[_Union[TokenInput, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParameters, _Mapping]] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., priority: _Optional[int] = ..., request_id: _Optional[str] = ..., logprobs: _Optional[int] = ..., n: _Optional[int] = ..., cache_salt: _Optional[str] = ..., structured: _Optional[_Union[StructuredOutput, _Mapping]] = ..., speculative: _Optional[bool] = ..., lora: _Optional[str] = ..., model: _Optional[str] = ..., min_tokens: _Optional[int] = ..., include_stop_str_in_output: _Optional[bool] = ..., allowed_token_ids: _Optional[_Iterable[int]] = ..., truncate_prompt_tokens: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ..., skip_special_tokens: _Optional[bool] = ..., bad_words: _Optional[_Iterable[str]] = ...) -> None: ...
+    truncation_side: str
+    def __init__(self, text: _Optional[str] = ..., chat: _Optional[_Union[ChatInput, _Mapping]] = ..., tokens: _Optional[_Union[TokenInput, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParameters, _Mapping]] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., priority: _Optional[int] = ..., request_id: _Optional[str] = ..., logprobs: _Optional[int] = ..., n: _Optional[int] = ..., cache_salt: _Optional[str] = ..., structured: _Optional[_Union[StructuredOutput, _Mapping]] = ..., speculative: _Optional[bool] = ..., lora: _Optional[str] = ..., model: _Optional[str] = ..., min_tokens: _Optional[int] = ..., include_stop_str_in_output: _Optional[bool] = ..., allowed_token_ids: _Optional[_Iterable[int]] = ..., truncate_prompt_tokens: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ..., skip_special_tokens: _Optional[bool] = ..., bad_words: _Optional[_Iterable[str]] = ..., truncation_side: _Optional[str] = ...) -> None: ...
 
 class StructuredOutput(_message.Message):
     __slots__ = ("json_schema", "json_object", "regex", "choice", "grammar", "structural_tag")
