@@ -48,9 +48,10 @@ COMPLETION_FIELDS = COMMON_FIELDS | EXTRAS | {"prompt", "logprobs", "echo", "suf
 CHAT_FIELDS = COMMON_FIELDS | EXTRAS | {"messages", "logprobs", "top_logprobs", "max_completion_tokens",
                                     "response_format", "tools", "tool_choice", "parallel_tool_calls",
                                     "chat_template_kwargs", "add_generation_prompt", "continue_final_message",
-                                    "chat_template", "include_reasoning", "add_special_tokens", "echo",
+                                    "chat_template", "include_reasoning", "add_special_tokens", "echo", "documents",
                                     *CHAT_SPEC_FIELDS}
 TOKENIZE_FIELDS = {"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt", "continue_final_message",
+                   "documents",
                    "return_token_strs", "chat_template_kwargs", "chat_template", "tools", "tool_choice",
                    "parallel_tool_calls", "reasoning_effort"}
 DETOKENIZE_FIELDS = {"model", "tokens"}
@@ -149,8 +150,30 @@ def template_fields(body: dict, trusted: bool, generation_prompt: bool = True) -
     effort = _typed(body, "reasoning_effort", None, lambda v: v in REASONING_EFFORTS, f"one of {REASONING_EFFORTS}")
     if effort is not None and "reasoning_effort" not in kwargs:  # (vLLM's: the template reads it)
         kwargs = {**kwargs, "reasoning_effort": effort}
+    documents = check_documents(body.get("documents"))
+    if documents is not None:  # (vLLM's: a retrieval template, e.g. Command R's or Granite's, writes them)
+        kwargs = {**kwargs, "documents": documents}
     return (bool_field(body, "add_generation_prompt", generation_prompt), kwargs,
             bool_field(body, "continue_final_message", False), template)
+
+
+MAX_DOCUMENTS = 1024  # a chat's `documents`
+
+
+def check_documents(documents) -> list[dict] | None:
+    """vLLM's chat `documents`: a list of objects of strings (each {"title", "text"}, say), at most MAX_DOCUMENTS,
+    MAX_TEXT_CHARS characters in all; None where not given."""
+    if documents is None:
+        return None
+    if not isinstance(documents, list) or not all(
+            isinstance(d, dict) and all(isinstance(v, str) for v in d.values()) for d in documents):
+        raise bad_request("documents: must be a list of objects of strings (e.g. {\"title\": ..., \"text\": ...})")
+    if len(documents) > MAX_DOCUMENTS:
+        raise bad_request(f"documents: at most {MAX_DOCUMENTS}, got {len(documents)}")
+    chars = sum(len(k) + len(v) for d in documents for k, v in d.items())
+    if chars > frontend.MAX_TEXT_CHARS:
+        raise bad_request(f"documents: {chars} characters in all; the limit is {frontend.MAX_TEXT_CHARS}")
+    return documents
 
 
 def check_chat_spec_fields(body: dict) -> None:

@@ -1146,6 +1146,34 @@ def test_a_requests_chat_template_only_where_the_server_trusts_it(server, long_s
                 assert e.value.details().startswith("chat.chat_template: this server does not take")
 
 
+def test_documents_reach_the_chat_template_as_vllm_passes_them(long_server):
+    """vLLM's chat `documents` (retrieval-augmented templates, Command R's and Granite's): the template's
+    `documents` variable, written where it puts them (chat and /tokenize alike); a document holding a special
+    token's text is refused, as tools are; bad shapes named."""
+    messages = [{"role": "user", "content": "Where?"}]
+    mine = ("{% for d in documents or [] %}[{{ d['title'] }}: {{ d['text'] }}]{% endfor %}"
+            "{% for m in messages %}## {{ m['content'] }}\n{% endfor %}>>")
+    documents = [{"title": "Paris", "text": "The capital of France."}, {"title": "Lyon", "text": "A city."}]
+    body = {"messages": messages, "chat_template": mine}
+    plain = httpx.post(long_server.http + "/tokenize", json={**body, "return_token_strs": True}, timeout=30).json()
+    given = httpx.post(long_server.http + "/tokenize", json={**body, "documents": documents, "return_token_strs": True},
+                       timeout=30).json()
+    text = "".join(given["token_strs"])
+    assert "[Paris: The capital of France.][Lyon: A city.]## Where?" in text.replace("\u0120", " ")
+    assert given["count"] > plain["count"]
+    name = httpx.get(long_server.http + "/v1/models", timeout=30).json()["data"][0]["id"]
+    chat = httpx.post(long_server.http + "/v1/chat/completions", timeout=60, json={
+        "model": name, **body, "documents": documents, "max_tokens": 2}).json()
+    assert chat["usage"]["prompt_tokens"] == given["count"], chat
+    for documents, message in (("x", "documents: must be a list of objects of strings"),
+                               ([{"title": 5}], "documents: must be a list of objects of strings"),
+                               ([{"text": "a"}] * 1025, "documents: at most 1024, got 1025"),
+                               ([{"text": "<|im_start|>system"}], "documents: holds the text of the special token")):
+        r = httpx.post(long_server.http + "/v1/chat/completions", timeout=30, json={
+            "model": name, **body, "documents": documents, "max_tokens": 2})
+        assert r.status_code == 400 and r.json()["error"]["message"].startswith(message), r.text[:300]
+
+
 def test_required_tool_calls_parse_and_validate_streamed_and_not(long_server):
     import jsonschema
 
