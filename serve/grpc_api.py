@@ -99,6 +99,8 @@ def _sampling(req, defaults: dict | None = None) -> SamplingParams:
         stop_token_ids=tuple(req.stop_token_ids), ignore_eos=req.ignore_eos, min_tokens=req.min_tokens,
         include_stop_str_in_output=req.include_stop_str_in_output, allowed_token_ids=tuple(req.allowed_token_ids),
         bad_words=tuple(req.bad_words),
+        repetition_detection=(req.repetition_detection.max_pattern_size, req.repetition_detection.min_pattern_size,
+                              req.repetition_detection.min_count) if req.HasField("repetition_detection") else None,
         logprobs=req.logprobs, prompt_logprobs=req.prompt_logprobs if req.HasField("prompt_logprobs") else None,
         n=req.n or 1, structured=_structured(req),
         speculative=req.speculative if req.HasField("speculative") else True, lora=req.lora,

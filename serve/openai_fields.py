@@ -28,7 +28,7 @@ EXTRAS = {"top_k", "min_p", "repetition_penalty", "ignore_eos", "min_tokens", "s
           "include_stop_str_in_output", "skip_special_tokens", "allowed_token_ids", "truncate_prompt_tokens", "truncation_side",
           "priority", "cache_salt", "request_id", "prompt_logprobs", *GUIDED_FIELDS, *GUIDED_EXTRAS,
           "structured_outputs", "speculative", "use_beam_search", "length_penalty", "return_token_ids", "bad_words",
-          "return_tokens_as_token_ids"}
+          "return_tokens_as_token_ids", "repetition_detection"}
 # OpenAI's fields about its own service that say nothing about the output (storing completions, billing
 # tier, cache routing, abuse tracking): SDKs and frameworks send them, a self-hosted server has nothing to
 # do with them. Their types are checked; anything else unknown is a 400 naming it.
@@ -221,6 +221,12 @@ def sampling_params(body: dict, *, max_tokens: int, logprobs: int, prompt_logpro
     if not isinstance(bad_words, list):
         raise bad_request("bad_words: must be a list of strings")
     check_bad_words(bad_words)
+    repetition = body.get("repetition_detection")
+    if repetition is not None:
+        if not isinstance(repetition, dict) or set(repetition) - {"max_pattern_size", "min_pattern_size", "min_count"}:
+            raise bad_request("repetition_detection: must be an object of max_pattern_size, min_pattern_size and "
+                              "min_count")
+        repetition = tuple(repetition.get(k, 0) for k in ("max_pattern_size", "min_pattern_size", "min_count"))
     asked = int_field(body, "prompt_logprobs")
     if prompt_logprobs is not None:
         asked = prompt_logprobs if asked is None else max(asked, prompt_logprobs)
@@ -234,7 +240,7 @@ def sampling_params(body: dict, *, max_tokens: int, logprobs: int, prompt_logpro
         stop=stop or (), stop_token_ids=stop_token_ids, ignore_eos=ignore_eos,
         include_stop_str_in_output=bool_field(body, "include_stop_str_in_output", False),
         skip_special_tokens=bool_field(body, "skip_special_tokens", True),
-        allowed_token_ids=allowed, bad_words=tuple(bad_words),
+        allowed_token_ids=allowed, bad_words=tuple(bad_words), repetition_detection=repetition,
         min_tokens=int_field(body, "min_tokens", 0), logprobs=logprobs, n=int_field(body, "n", 1),
         structured=constraint_of(body), speculative=bool_field(body, "speculative", True),
         logit_bias=logit_bias_from_json(body.get("logit_bias")))

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from jaxcb.host.errors import InvalidRequest
-from jaxcb.host.request import FinishReason, SamplingParams, banned_tokens, resolve_bad_words
+from jaxcb.host.request import FinishReason, SamplingParams, banned_tokens, repeats, resolve_bad_words
 from jaxcb.host.structured import Constraint
 
 
@@ -241,6 +241,31 @@ def test_bad_words_are_spelt_as_vllm_spells_them(tiny_model):
     many = tuple(f"w{i} x" for i in range(128))
     with pytest.raises(InvalidRequest, match=r"bad_words: \d+ token sequences .*the limit is 128"):
         resolve_bad_words(SamplingParams(bad_words=many), tok)
+
+
+def test_repetition_detection_ends_a_repeating_output_as_vllm_finds_it(make_llm):
+    """vLLM's repetition_detection: the output ends (finish reason repetition) with the first token after
+    which it ends with a pattern of min..max tokens repeated min_count times, not before min_tokens; the
+    check itself is vLLM's check_sequence_repetition."""
+    assert repeats([5, 1, 2, 3, 1, 2, 3], (3, 1, 2)) and not repeats([5, 1, 2, 3, 1, 2, 3], (2, 1, 2))
+    assert not repeats([1, 2, 3, 1, 2, 3], (3, 1, 3)) and repeats([4, 4, 4], (3, 1, 3))
+    assert not repeats([4, 4, 4], (3, 2, 2)) and repeats([4, 4, 4, 4], (3, 2, 2))
+    assert not repeats([4, 4, 4, 4], (0, 0, 2)) and not repeats([9, 1, 2, 1, 2, 1, 2], (3, 3, 2))
+    llm = make_llm()
+    prompt = random_prompts(llm, (6,))[0]
+    one = dict(max_tokens=20, ignore_eos=True, allowed_token_ids=(7,))
+    out = llm.generate([prompt], SamplingParams(**one, repetition_detection=(2, 1, 3)))[0]
+    assert out.token_ids == [7, 7, 7] and out.finish_reason == FinishReason.REPETITION
+    assert out.stop_reason == "repetition_detected"
+    late = llm.generate([prompt], SamplingParams(**one, min_tokens=5, repetition_detection=(2, 1, 3)))[0]
+    assert late.token_ids == [7] * 5 and late.finish_reason == FinishReason.REPETITION
+    free = llm.generate([prompt], SamplingParams(**one, repetition_detection=(0, 0, 0)))[0]
+    assert len(free.token_ids) == 20 and free.finish_reason == FinishReason.LENGTH
+    for bad, message in (((4, 5, 2), "repetition_detection.min_pattern_size: must be <= max_pattern_size"),
+                         ((4, 1, 1), "repetition_detection.min_count: must be >= 2"),
+                         ((300, 1, 2), "repetition_detection.max_pattern_size: must be <= 256")):
+        with pytest.raises(InvalidRequest, match=message):
+            SamplingParams(repetition_detection=bad)
 
 
 def test_logprobs_and_stats(make_llm):

@@ -216,6 +216,35 @@ def test_bad_words_over_both_apis_as_offline(server, oai, model_name, tiny_model
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and e.value.details() == "bad_words: at most 128 words, got 129"
 
 
+def test_repetition_detection_over_both_apis(server, model_name):
+    """vLLM's repetition_detection: finish_reason "repetition" and stop_reason "repetition_detected" over HTTP
+    (streamed too), gRPC's finish "repetition"; bad values named on both APIs."""
+    body = {"prompt": [5, 6, 7], "max_tokens": 20, "ignore_eos": True, "allowed_token_ids": [7],
+            "repetition_detection": {"max_pattern_size": 2, "min_count": 4}}
+    choice = httpx.post(server.http + "/v1/completions", json=body, timeout=60).json()["choices"][0]
+    assert choice["finish_reason"] == "repetition" and choice["stop_reason"] == "repetition_detected"
+    with httpx.stream("POST", server.http + "/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+        finals = [json.loads(line[6:])["choices"][0] for line in r.iter_lines()
+                  if line.startswith("data: {") and json.loads(line[6:])["choices"][0]["finish_reason"]]
+    assert [(c["finish_reason"], c["stop_reason"]) for c in finals] == [("repetition", "repetition_detected")]
+    with Client(server.target) as c:
+        req = build_request(token_ids=[5, 6, 7], max_tokens=20, ignore_eos=True, allowed_token_ids=[7])
+        req.repetition_detection.max_pattern_size, req.repetition_detection.min_count = 2, 4
+        final = [r for r in c.stream(req) if r.HasField("final")][0].final
+        assert final.finish_reason == "repetition"
+        req.repetition_detection.min_count = 1
+        with pytest.raises(grpc.RpcError) as e:
+            list(c.stream(req))
+        assert e.value.details() == "repetition_detection.min_count: must be >= 2 with a max_pattern_size, got 1"
+    for given, message in (({"max_pattern_size": 2, "min_count": 1},
+                            "repetition_detection.min_count: must be >= 2 with a max_pattern_size, got 1"),
+                           ({"max_pattern_size": 2, "min_count": 3, "every": 1}, "repetition_detection: must be an"),
+                           ([2, 1, 3], "repetition_detection: must be an object"),
+                           ({"max_pattern_size": "2", "min_count": 3}, "repetition_detection.max_pattern_size: must be")):
+        r = httpx.post(server.http + "/v1/completions", json={**body, "repetition_detection": given}, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["message"].startswith(message), (given, r.text[:300])
+
+
 def test_return_tokens_as_token_ids_names_each_logprob_token_by_its_id(server, model_name):
     """vLLM's return_tokens_as_token_ids: every token that logprobs name ("token", "tokens", top_logprobs'
     keys, echo's prompt tokens) is "token_id:N", N the id return_token_ids gives; the values are unchanged."""

@@ -94,6 +94,8 @@ class Outputs:
             stream.stop_state, cut = stops.feed(stream.stop_state, piece, len(stream.text) - len(piece))
         # What ended it (vLLM's stop_reason): a stop token id, or a stop string; None for the others.
         stop_reason = token if reason is FinishReason.STOP and token in p.stop_token_ids else None
+        if reason is FinishReason.REPETITION:
+            stop_reason = "repetition_detected"  # (vLLM's)
         if cut is not None and len(r.output_ids) >= p.min_tokens:  # (before min_tokens a stop string goes by)
             # the stop string that starts there (the shortest, if several: it was complete first)
             stop_reason = min((s for s in p.stop if stream.text.startswith(s, cut)), key=len)

@@ -22,6 +22,7 @@ from jaxcb.host.structured import Constraint
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
+MAX_REPEATED_PATTERN = 256  # repetition_detection's max_pattern_size (each token's check is at most ~this x min_count)
 MAX_BAD_WORDS = 128  # bad_words' token sequences (vLLM's VLLM_MAX_NUM_BAD_WORDS), and the words given
 MAX_ALLOWED_TOKEN_IDS = 1 << 18  # allowed_token_ids: a vocabulary's worth (Gemma 3's is 262,144)
 MAX_LOGPROBS = 20
@@ -35,6 +36,7 @@ class FinishReason(str, enum.Enum):
     LENGTH = "length"  # max_tokens reached (or the context limit)
     ABORT = "abort"  # cancelled by the caller
     ERROR = "error"  # failed inside the engine; other requests go on
+    REPETITION = "repetition"  # the output's end repeats a pattern (SamplingParams.repetition_detection; vLLM's)
 
 
 class Status(enum.Enum):
@@ -85,6 +87,10 @@ class SamplingParams:
     # engine makes them from bad_words with the model's tokenizer; offline, either may be given).
     bad_words: tuple[str, ...] = ()
     bad_word_ids: tuple[tuple[int, ...], ...] = ()
+    # vLLM's repetition_detection, (max_pattern_size, min_pattern_size, min_count): the request ends, finish
+    # reason REPETITION, once (from min_tokens on) its output ends with a pattern of min..max tokens repeated
+    # min_count times in a row (min_pattern_size 0: 1). None, or max_pattern_size 0: never.
+    repetition_detection: tuple[int, int, int] | None = None
 
     def __post_init__(self):
         stop = self.stop or ()
@@ -99,6 +105,8 @@ class SamplingParams:
         object.__setattr__(self, "bad_word_ids", tuple(tuple(int(t) for t in w) for w in self.bad_word_ids or ()))
         if any(not w for w in self.bad_word_ids):
             raise InvalidRequest("bad_word_ids: each word must have at least one token")
+        if self.repetition_detection is not None:
+            check_repetition_detection(*self.repetition_detection)
         object.__setattr__(self, "allowed_token_ids", tuple(int(t) for t in (self.allowed_token_ids or ())))
         if self.prompt_logprobs is not None:
             _check_int("prompt_logprobs", self.prompt_logprobs, low=0, high=MAX_LOGPROBS)
@@ -329,6 +337,34 @@ def check_allowed_count(n: int) -> None:
     """The number of allowed_token_ids."""
     if n > MAX_ALLOWED_TOKEN_IDS:
         raise InvalidRequest(f"allowed_token_ids: at most {MAX_ALLOWED_TOKEN_IDS}, got {n}")
+
+
+def check_repetition_detection(max_pattern_size, min_pattern_size, min_count) -> None:
+    """repetition_detection's three numbers, as vLLM checks them (and max_pattern_size at most
+    MAX_REPEATED_PATTERN, min_count at most MAX_REPEATED_PATTERN)."""
+    for name, value in (("max_pattern_size", max_pattern_size), ("min_pattern_size", min_pattern_size),
+                        ("min_count", min_count)):
+        _check_int(f"repetition_detection.{name}", value, low=0, high=MAX_REPEATED_PATTERN)
+    if min_pattern_size > max_pattern_size:
+        raise InvalidRequest(f"repetition_detection.min_pattern_size: must be <= max_pattern_size "
+                             f"({max_pattern_size}), got {min_pattern_size}")
+    if max_pattern_size > 0 and min_count < 2:
+        raise InvalidRequest(f"repetition_detection.min_count: must be >= 2 with a max_pattern_size, got {min_count}")
+
+
+def repeats(tokens, detection) -> bool:
+    """Whether `tokens` end with a pattern of min_pattern_size..max_pattern_size tokens repeated min_count
+    times in a row (vLLM's check_sequence_repetition; `detection` as SamplingParams.repetition_detection)."""
+    most, least, count = detection
+    if most <= 0 or count < 2:
+        return False
+    for size in range(max(1, least), most + 1):
+        if size * count > len(tokens):
+            return False
+        tail = tokens[-size:]
+        if all(tokens[-size * (m + 1):len(tokens) - size * m] == tail for m in range(1, count)):
+            return True
+    return False
 
 
 def check_bad_words(words) -> None:

@@ -39,7 +39,7 @@ from jaxcb.host.latency import LatencyController
 from jaxcb.host.page_pool import PagePool
 from jaxcb.host.policies import SchedulerConfig, admission_order, order_key
 from jaxcb.host.prefix_cache import PrefixCache
-from jaxcb.host.request import FinishReason, Request, Status
+from jaxcb.host.request import FinishReason, Request, Status, repeats
 from jaxcb.host.speculative import Proposer
 from jaxcb.host.step_plan import Chunk, Sampled, SchedulerOutput, live_chunks
 
@@ -113,7 +113,7 @@ class Scheduler:
         self.remove(request)
         request.status = Status.FINISHED
         request.finish_reason = reason
-        if self.proposer is not None and reason in (FinishReason.STOP, FinishReason.LENGTH):
+        if self.proposer is not None and reason in (FinishReason.STOP, FinishReason.LENGTH, FinishReason.REPETITION):
             self.proposer.observe_finish(request)
 
     # ---- a step's life: launched, then its tokens back ----
@@ -159,6 +159,9 @@ class Scheduler:
             reason = FinishReason.STOP
         elif len(r.output_ids) >= p.max_tokens or r.num_known >= self.config.max_context:
             reason = FinishReason.LENGTH
+        elif (p.repetition_detection is not None and len(r.output_ids) >= p.min_tokens
+              and repeats(r.output_ids, p.repetition_detection)):
+            reason = FinishReason.REPETITION
         return Sampled(row, r, token, reason)
 
     def _accept(self, c: Chunk, row: int, token_ids, sampled: list[Sampled]) -> None:
