@@ -76,6 +76,7 @@ class ServerOptions:
     # The Files and Batch APIs' files on disk (serve.openai_batches): at most this many MiB; 0 keeps none
     batch_files_mb: float = 1024.0
     batch_dir: str | None = None  # where they are kept, to outlive the server (None: a folder removed at stop)
+    stream_interval: int = 1  # tokens a streamed HTTP chunk holds at least (vLLM's --stream-interval)
 
     def __post_init__(self):
         if self.generation_config not in ("auto", "none", "vllm"):
@@ -84,6 +85,8 @@ class ServerOptions:
             raise InvalidConfig(f"--responses-store-mb: must be a number of MiB >= 0, got {self.responses_store_mb}")
         if not 0 <= self.batch_files_mb < 1 << 40:
             raise InvalidConfig(f"--batch-files-mb: must be a number of MiB >= 0, got {self.batch_files_mb}")
+        if not 1 <= self.stream_interval <= 1 << 16:
+            raise InvalidConfig(f"--stream-interval: must be between 1 and 65536, got {self.stream_interval}")
         if not self.http_header_timeout_s > 0:
             raise InvalidConfig(f"--http-header-timeout: must be a positive number of seconds, got "
                                 f"{self.http_header_timeout_s}")

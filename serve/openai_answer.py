@@ -20,7 +20,7 @@ from jaxcb.host import harmony as harmony_format
 from jaxcb.host import tool_parse
 from jaxcb.host.embedding import encoded
 from jaxcb.host.errors import InvalidRequest, JaxcbError
-from jaxcb.host.request import FinishReason
+from jaxcb.host.request import FinishReason, TokenEvent
 from serve import reasoning
 from serve.openai_fields import ERROR_TYPE, HTTPError, RequestOptions, http_error
 
@@ -78,12 +78,25 @@ async def answer(state, request: Request, options: RequestOptions, tenant: str, 
     n = params.n
     request_id = options.request_id
 
+    # A streamed chunk holds this many tokens (vLLM's stream_interval, at least the server's): each sample's
+    # events are joined until they do, but its first and its last go at once.
+    interval = max(options.stream_interval, state.options.stream_interval) if options.stream else 1
+
     async def pump(i, ids):
+        held: dict[int, TokenEvent] = {}  # per sample, the events joined for its next chunk
+        sent: set[int] = set()
         try:
             async with contextlib.aclosing(state.stream(ids, params_of(ids), options.priority,
                                                         f"{request_id}/{i}" if request_id else "", tenant,
                                                         options.cache_salt)) as stream:
                 async for _, ev in stream:
+                    if interval > 1:
+                        if ev.index in held:
+                            ev = held.pop(ev.index).then(ev)
+                        if ev.index in sent and not ev.finished and len(ev.token_ids) < interval:
+                            held[ev.index] = ev
+                            continue
+                        sent.add(ev.index)
                     await events.put((i, ev))
         except JaxcbError as e:
             await events.put((i, http_error(e)))

@@ -28,12 +28,14 @@ EXTRAS = {"top_k", "min_p", "repetition_penalty", "ignore_eos", "min_tokens", "s
           "include_stop_str_in_output", "skip_special_tokens", "allowed_token_ids", "truncate_prompt_tokens", "truncation_side",
           "priority", "cache_salt", "request_id", "prompt_logprobs", *GUIDED_FIELDS, *GUIDED_EXTRAS,
           "structured_outputs", "speculative", "use_beam_search", "length_penalty", "return_token_ids", "bad_words",
-          "return_tokens_as_token_ids", "repetition_detection"}
+          "return_tokens_as_token_ids", "repetition_detection", "stream_interval"}
 # OpenAI's fields about its own service that say nothing about the output (storing completions, billing
 # tier, cache routing, abuse tracking): SDKs and frameworks send them, a self-hosted server has nothing to
 # do with them. Their types are checked; anything else unknown is a 400 naming it.
 SERVICE_FIELDS = {"store": bool, "metadata": dict, "service_tier": str, "prompt_cache_key": str, "safety_identifier": str,
-                  "prompt_cache_retention": str, "prompt_cache_options": dict}  # (the prefix cache keeps what it can)
+                  "prompt_cache_retention": str, "prompt_cache_options": dict,  # (the prefix cache keeps what it can)
+                  "session_id": str}  # (vLLM's: a conversation's requests; the prefix cache finds them anyway)
+MAX_STREAM_INTERVAL = 1 << 16  # stream_interval: tokens a streamed chunk holds
 # OpenAI's chat fields for what this server has not (audio out, built-in web search, the functions that tools
 # replaced) are refused by name; hints that leave the output as it is (a predicted output, verbosity) are
 # checked and change nothing; reasoning_effort goes to the chat template (reasoning models' templates read it).
@@ -280,6 +282,7 @@ class RequestOptions:
     continuous_usage: bool = False  # stream_options.continuous_usage_stats (vLLM's): usage in every chunk
     return_token_ids: bool = False  # vLLM's: the prompt's and each choice's token ids beside the text
     tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprobs name each token "token_id:N"
+    stream_interval: int = 1  # tokens a streamed chunk holds (vLLM's; the first and the last sent at once)
 
 
 def check_metadata(metadata) -> None:
@@ -320,9 +323,12 @@ def common_fields(body: dict) -> RequestOptions:
     check_metadata(body.get("metadata"))
     check_priority(priority)
     frontend.check_ids(request_id, salt)
+    interval = int_field(body, "stream_interval", 1)
+    if not 1 <= interval <= MAX_STREAM_INTERVAL:
+        raise bad_request(f"stream_interval: must be between 1 and {MAX_STREAM_INTERVAL}, got {interval}")
     return RequestOptions(stream, include_usage, priority, salt, request_id, include_usage and continuous,
                           bool_field(body, "return_token_ids", False),
-                          bool_field(body, "return_tokens_as_token_ids", False))
+                          bool_field(body, "return_tokens_as_token_ids", False), interval)
 
 
 def is_token_ids(p) -> bool:

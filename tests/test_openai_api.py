@@ -245,6 +245,34 @@ def test_repetition_detection_over_both_apis(server, model_name):
         assert r.status_code == 400 and r.json()["error"]["message"].startswith(message), (given, r.text[:300])
 
 
+def test_stream_interval_joins_tokens_into_fewer_chunks_with_the_same_answer(server):
+    """vLLM's stream_interval: each streamed chunk holds that many tokens (the first chunk and the last at once),
+    the text, token ids and logprobs joined the same as one token a chunk; session_id is taken and changes
+    nothing; bad values named."""
+    body = {"prompt": [5, 6, 7], "max_tokens": 11, "ignore_eos": True, "temperature": 0, "stream": True,
+            "logprobs": 1, "return_token_ids": True, "n": 2, "session_id": "s-1"}
+
+    def chunks(extra):
+        with httpx.stream("POST", server.http + "/v1/completions", json={**body, **extra}, timeout=60) as r:
+            assert r.status_code == 200, r.read()
+            return [json.loads(line[6:])["choices"][0] for line in r.iter_lines() if line.startswith("data: {")]
+
+    one, four = chunks({}), chunks({"stream_interval": 4})
+    for index in (0, 1):
+        a = [c for c in one if c["index"] == index]
+        b = [c for c in four if c["index"] == index]
+        assert "".join(c["text"] for c in a) == "".join(c["text"] for c in b)
+        assert sum((c["token_ids"] for c in a), []) == sum((c["token_ids"] for c in b), [])
+        assert sum((c["logprobs"]["token_logprobs"] for c in a), []) == sum(
+            (c["logprobs"]["token_logprobs"] for c in b), [])
+        assert [len(c["token_ids"]) for c in b] == [1, 4, 4, 2] and b[-1]["finish_reason"] == "length"
+    for extra, message in (({"stream_interval": 0}, "stream_interval: must be between 1 and 65536"),
+                           ({"stream_interval": "2"}, "stream_interval: must be an integer"),
+                           ({"session_id": 5}, "session_id: must be a string")):
+        r = httpx.post(server.http + "/v1/completions", json={**body, "stream": False, **extra}, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["message"].startswith(message), (extra, r.text[:300])
+
+
 def test_return_tokens_as_token_ids_names_each_logprob_token_by_its_id(server, model_name):
     """vLLM's return_tokens_as_token_ids: every token that logprobs name ("token", "tokens", top_logprobs'
     keys, echo's prompt tokens) is "token_id:N", N the id return_token_ids gives; the values are unchanged."""

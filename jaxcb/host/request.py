@@ -576,3 +576,12 @@ class TokenEvent:
     stop_reason: int | str | None = None  # on a final event: the stop token id or stop string that ended it
     request_error: bool = False  # an ERROR that is the request's own (its constraint failed), not the step's
     embedding: np.ndarray | None = None  # on the final event of a pooling request: its pooled vector, f32 [E]
+
+    def then(self, later: "TokenEvent") -> "TokenEvent":
+        """This event and the `later` one of the same sample as one (a stream that sends several tokens a
+        chunk): their tokens, text and logprobs joined; the later's counts and finish."""
+        logprobs = (self.logprobs or ()) + (later.logprobs or ()) if self.logprobs or later.logprobs else None
+        return dataclasses.replace(later, token_ids=self.token_ids + later.token_ids, text=self.text + later.text,
+                                   logprobs=logprobs, queue_s=self.queue_s if self.queue_s is not None else later.queue_s,
+                                   prompt_logprobs=self.prompt_logprobs if self.prompt_logprobs is not None
+                                   else later.prompt_logprobs)
