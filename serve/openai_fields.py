@@ -28,7 +28,8 @@ EXTRAS = {"top_k", "min_p", "repetition_penalty", "ignore_eos", "min_tokens", "s
           "include_stop_str_in_output", "skip_special_tokens", "allowed_token_ids", "truncate_prompt_tokens", "truncation_side",
           "priority", "cache_salt", "request_id", "prompt_logprobs", *GUIDED_FIELDS, *GUIDED_EXTRAS,
           "structured_outputs", "speculative", "use_beam_search", "length_penalty", "return_token_ids", "bad_words",
-          "return_tokens_as_token_ids", "repetition_detection", "stream_interval"}
+          "return_tokens_as_token_ids", "repetition_detection", "stream_interval",
+          "spaces_between_special_tokens"}
 # OpenAI's fields about its own service that say nothing about the output (storing completions, billing
 # tier, cache routing, abuse tracking): SDKs and frameworks send them, a self-hosted server has nothing to
 # do with them. Their types are checked; anything else unknown is a 400 naming it.
@@ -219,6 +220,8 @@ def sampling_params(body: dict, *, max_tokens: int, logprobs: int, prompt_logpro
     if body.get("allowed_token_ids") == []:  # (vLLM's: an empty list would allow no token)
         raise bad_request("allowed_token_ids: must not be empty (leave it out to allow every token)")
     ignore_eos = bool_field(body, "ignore_eos", False)
+    # (vLLM's; its fast tokenizers' decoding, as jaxcb's, puts no space between special tokens either way)
+    bool_field(body, "spaces_between_special_tokens", True)
     bad_words = body.get("bad_words") or []
     if not isinstance(bad_words, list):
         raise bad_request("bad_words: must be a list of strings")

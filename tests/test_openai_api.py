@@ -268,7 +268,8 @@ def test_stream_interval_joins_tokens_into_fewer_chunks_with_the_same_answer(ser
         assert [len(c["token_ids"]) for c in b] == [1, 4, 4, 2] and b[-1]["finish_reason"] == "length"
     for extra, message in (({"stream_interval": 0}, "stream_interval: must be between 1 and 65536"),
                            ({"stream_interval": "2"}, "stream_interval: must be an integer"),
-                           ({"session_id": 5}, "session_id: must be a string")):
+                           ({"session_id": 5}, "session_id: must be a string"),
+                           ({"spaces_between_special_tokens": "no"}, "spaces_between_special_tokens: must be")):
         r = httpx.post(server.http + "/v1/completions", json={**body, "stream": False, **extra}, timeout=30)
         assert r.status_code == 400 and r.json()["error"]["message"].startswith(message), (extra, r.text[:300])
 
