@@ -339,26 +339,31 @@ class JaxcbService(jaxcb_pb2_grpc.JaxcbServicer):
             done=done)
 
     async def GetServerInfo(self, request, context):
-        e = self.state.engine
-        st = e.stats()
-        b = e.config.buckets
-        replicas = [jaxcb_pb2.ReplicaInfo(
-            replica=i, device_ids=eng.runner.device_ids, pages_total=r.pages_total,
-            pages_free=r.pages_free, running=r.running, waiting=r.waiting, preemptions=r.preemptions,
-            pending_tokens=e.load[i], requests_routed=e.routed[i])
-            for i, (eng, r) in enumerate(zip(e.engines, e.replica_stats()))]
-        return jaxcb_pb2.ServerInfo(
-            decode_batch_buckets=b.decode_batch, pages_per_seq_buckets=b.pages_per_seq,
-            prefill_token_buckets=b.prefill_tokens, page_size=e.config.page_size, pages_total=st.pages_total,
-            pages_free=st.pages_free, policy=e.config.scheduler.policy, compilations=st.compilations,
-            running=st.running, waiting=st.waiting, preemptions=st.preemptions,
-            tensor_parallel=e.config.tensor_parallel, data_parallel=len(e), replicas=replicas,
-            speculative_method=st.speculative_method,
-            num_speculative_tokens=e.config.scheduler.speculative.num_tokens if st.speculative_method else 0,
-            speculative_acceptance_rate=st.acceptance_rate,
-            speculative_mean_accepted_length=st.mean_accepted_length,
-            speculative=e.engines[0].describe_speculation(), sampling_defaults=self.state.sampling_defaults,
-            **_step_fields(e.engines[0].runner))
+        return server_info(self.state)
+
+
+def server_info(state: State) -> jaxcb_pb2.ServerInfo:
+    """The server as GetServerInfo (and HTTP's /server_info) tells it."""
+    e = state.engine
+    st = e.stats()
+    b = e.config.buckets
+    replicas = [jaxcb_pb2.ReplicaInfo(
+        replica=i, device_ids=eng.runner.device_ids, pages_total=r.pages_total,
+        pages_free=r.pages_free, running=r.running, waiting=r.waiting, preemptions=r.preemptions,
+        pending_tokens=e.load[i], requests_routed=e.routed[i])
+        for i, (eng, r) in enumerate(zip(e.engines, e.replica_stats()))]
+    return jaxcb_pb2.ServerInfo(
+        decode_batch_buckets=b.decode_batch, pages_per_seq_buckets=b.pages_per_seq,
+        prefill_token_buckets=b.prefill_tokens, page_size=e.config.page_size, pages_total=st.pages_total,
+        pages_free=st.pages_free, policy=e.config.scheduler.policy, compilations=st.compilations,
+        running=st.running, waiting=st.waiting, preemptions=st.preemptions,
+        tensor_parallel=e.config.tensor_parallel, data_parallel=len(e), replicas=replicas,
+        speculative_method=st.speculative_method,
+        num_speculative_tokens=e.config.scheduler.speculative.num_tokens if st.speculative_method else 0,
+        speculative_acceptance_rate=st.acceptance_rate,
+        speculative_mean_accepted_length=st.mean_accepted_length,
+        speculative=e.engines[0].describe_speculation(), sampling_defaults=state.sampling_defaults,
+        **_step_fields(e.engines[0].runner))
 
 
 def _step_fields(runner) -> dict:

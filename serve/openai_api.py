@@ -72,7 +72,8 @@ from serve.openai_fields import (CHAT_FIELDS, COMPLETION_FIELDS, DETOKENIZE_FIEL
 
 
 log = logging.getLogger("jaxcb.serve.openai_api")
-LIMITED = ("/v1/", "/v2/", "/tokenize", "/detokenize", "/score", "/rerank", "/pooling")  # the paths of API calls (what the concurrency limit counts)
+LIMITED = ("/v1/", "/v2/", "/tokenize", "/detokenize", "/score", "/rerank", "/pooling", "/classify",
+           "/invocations")  # the paths of API calls (what the concurrency limit counts)
 
 
 class _ConcurrencyLimit:
@@ -121,6 +122,9 @@ def make_app(state) -> FastAPI:
         large; anything that is not a JSON object (bad bytes, nesting too deep, an integer of thousands of
         digits) is a 400. A top-level field that is null is not given (OpenAI's optional fields are
         nullable, and SDKs and serializers send null for what is unset)."""
+        kept = getattr(request.state, "body", None)
+        if kept is not None:  # (read already: /invocations chose the call by it)
+            return kept
         limit, seconds = frontend.MAX_REQUEST_BYTES, state.options.http_header_timeout_s
         declared = request.headers.get("content-length")
         if declared is not None and (not (declared.isascii() and declared.isdigit()) or len(declared) > 15
@@ -209,6 +213,50 @@ def make_app(state) -> FastAPI:
     @app.get("/version")
     async def version():
         return {"version": jaxcb.__version__}
+
+    # SageMaker's hosting contract, as vLLM serves it: /ping is the health check, POST /invocations the call its
+    # body is (a chat's messages, a completion's prompt, an embedding's or a classifier's input, a score's text_1
+    # and text_2, a rerank's query and documents), answered as that call answers, streamed where it streams.
+    @app.api_route("/ping", methods=["GET", "POST"])
+    async def ping():
+        return await health()
+
+    @app.post("/invocations")
+    async def invocations(request: Request):
+        body = await body_of(request)
+        pooled = state.engine.model_config.headless
+        if "messages" in body:
+            path = "/v1/embeddings" if pooled else "/v1/chat/completions"
+        elif "prompt" in body:
+            path = "/v1/completions"
+        elif "input" in body:
+            path = "/classify" if state.classifier is not None else "/v1/embeddings"
+        elif "text_1" in body or "text_2" in body:
+            path = "/score"
+        elif "query" in body or "documents" in body:
+            path = "/rerank"
+        else:
+            raise bad_request("body: /invocations takes a chat (messages), a completion (prompt), embeddings or "
+                              "a classification (input), a score (text_1, text_2) or a rerank (query, documents)")
+        request.state.body = body
+        endpoint = next(r.endpoint for r in app.router.routes
+                        if getattr(r, "path", None) == path and "POST" in getattr(r, "methods", ()))
+        return await endpoint(request)
+
+    @app.get("/load")
+    async def load(request: Request):
+        """vLLM's server load: the calls in progress (streams and answers being made)."""
+        authorize(request)
+        return {"server_load": len(state.active)}
+
+    @app.get("/server_info")
+    async def server_info(request: Request):
+        """What gRPC's GetServerInfo tells (buckets, pages, policy, parallelism, speculation, the step), as JSON."""
+        authorize(request)
+        from google.protobuf.json_format import MessageToDict
+
+        from serve.grpc_api import server_info as info_of
+        return MessageToDict(info_of(state), preserving_proto_field_name=True)
 
     @app.post("/tokenize")
     async def tokenize(request: Request):

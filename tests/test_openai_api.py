@@ -274,6 +274,38 @@ def test_stream_interval_joins_tokens_into_fewer_chunks_with_the_same_answer(ser
         assert r.status_code == 400 and r.json()["error"]["message"].startswith(message), (extra, r.text[:300])
 
 
+def test_sagemakers_ping_and_invocations_and_the_load_and_server_info_routes(server, model_name):
+    """SageMaker's contract, as vLLM serves it: /ping (GET and POST) is the health check; POST /invocations
+    answers a body as the call it is (chat, completion, streamed too, embeddings), a body that is none of
+    them a 400 naming what it takes. vLLM's /load counts the calls in progress; /server_info is gRPC's
+    GetServerInfo as JSON."""
+    for method in ("GET", "POST"):
+        r = httpx.request(method, server.http + "/ping", timeout=10)
+        assert r.status_code == 200 and r.text == "SERVING"
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "temperature": 0}
+    want = httpx.post(server.http + "/v1/chat/completions", json=chat, timeout=60).json()
+    got = httpx.post(server.http + "/invocations", json=chat, timeout=60).json()
+    assert got["object"] == "chat.completion"
+    assert got["choices"][0]["message"]["content"] == want["choices"][0]["message"]["content"]
+    prompt = {"prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    want = httpx.post(server.http + "/v1/completions", json=prompt, timeout=60).json()["choices"][0]["text"]
+    assert httpx.post(server.http + "/invocations", json=prompt, timeout=60).json()["choices"][0]["text"] == want
+    with httpx.stream("POST", server.http + "/invocations", json={**prompt, "stream": True}, timeout=60) as r:
+        text = "".join(json.loads(line[6:])["choices"][0]["text"] for line in r.iter_lines()
+                       if line.startswith("data: {"))
+    assert text == want
+    embedded = httpx.post(server.http + "/invocations", json={"input": "a cat"}, timeout=60).json()
+    assert embedded["object"] == "list" and embedded["data"][0]["object"] == "embedding"
+    r = httpx.post(server.http + "/invocations", json={"colour": "red"}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["message"].startswith("body: /invocations takes a chat")
+    assert httpx.get(server.http + "/load", timeout=10).json() == {"server_load": 0}
+    info = httpx.get(server.http + "/server_info", timeout=10).json()
+    with Client(server.target) as c:
+        grpc_info = c.server_info()
+    assert info["page_size"] == grpc_info.page_size and info["pages_total"] == grpc_info.pages_total
+    assert info["decode_batch_buckets"] == list(grpc_info.decode_batch_buckets) and info["policy"] == grpc_info.policy
+
+
 def test_return_tokens_as_token_ids_names_each_logprob_token_by_its_id(server, model_name):
     """vLLM's return_tokens_as_token_ids: every token that logprobs name ("token", "tokens", top_logprobs'
     keys, echo's prompt tokens) is "token_id:N", N the id return_token_ids gives; the values are unchanged."""
