@@ -50,6 +50,8 @@ import contextlib
 import dataclasses
 import functools
 import logging
+import os
+import time
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
@@ -242,6 +244,39 @@ def make_app(state) -> FastAPI:
         endpoint = next(r.endpoint for r in app.router.routes
                         if getattr(r, "path", None) == path and "POST" in getattr(r, "methods", ()))
         return await endpoint(request)
+
+    if state.options.profile_dir is not None:
+        profiling = asyncio.Lock()
+        tracing: list[str] = []  # the trace being written (at most one)
+
+        @app.post("/start_profile")
+        async def start_profile(request: Request):
+            """vLLM's: a jax.profiler trace of everything the process runs (the engine's steps on every device)
+            from now until /stop_profile, under --profile-dir."""
+            authorize(request)
+            async with profiling:
+                if tracing:
+                    raise HTTPError(409, f"a profile is being written already (to {tracing[0]}): /stop_profile first")
+                import jax
+
+                folder = os.path.join(state.options.profile_dir, time.strftime("%Y%m%d-%H%M%S"))
+                await asyncio.to_thread(jax.profiler.start_trace, folder, create_perfetto_trace=True)
+                tracing.append(folder)
+            log.info("profiling into %s", folder)
+            return {"profile_dir": folder}
+
+        @app.post("/stop_profile")
+        async def stop_profile(request: Request):
+            authorize(request)
+            async with profiling:
+                if not tracing:
+                    raise HTTPError(409, "no profile is being written: /start_profile first")
+                import jax
+
+                await asyncio.to_thread(jax.profiler.stop_trace)
+                folder = tracing.pop()
+            log.info("profile written to %s", folder)
+            return {"profile_dir": folder}
 
     @app.get("/load")
     async def load(request: Request):

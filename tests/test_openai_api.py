@@ -27,8 +27,8 @@ from tests.server_util import ServerProcess, free_port, http_server, wait_pool_w
 
 
 @pytest.fixture(scope="module")
-def server(tiny_gguf_path, config_path):
-    yield from http_server(tiny_gguf_path, config_path)
+def server(tiny_gguf_path, config_path, tmp_path_factory):
+    yield from http_server(tiny_gguf_path, config_path, "--profile-dir", str(tmp_path_factory.mktemp("profiles")))
 
 
 @pytest.fixture(scope="module")
@@ -304,6 +304,23 @@ def test_sagemakers_ping_and_invocations_and_the_load_and_server_info_routes(ser
         grpc_info = c.server_info()
     assert info["page_size"] == grpc_info.page_size and info["pages_total"] == grpc_info.pages_total
     assert info["decode_batch_buckets"] == list(grpc_info.decode_batch_buckets) and info["policy"] == grpc_info.policy
+
+
+def test_a_profile_is_written_between_start_and_stop_profile(server, long_server):
+    """vLLM's /start_profile and /stop_profile, served with --profile-dir: a jax.profiler trace of what ran
+    between them, in a folder of its own; one at a time; a server without --profile-dir has no such routes."""
+    import glob
+
+    started = httpx.post(server.http + "/start_profile", timeout=60)
+    assert started.status_code == 200, started.text
+    assert httpx.post(server.http + "/start_profile", timeout=60).status_code == 409
+    httpx.post(server.http + "/v1/completions", json={"prompt": [5, 6], "max_tokens": 3}, timeout=60)
+    stopped = httpx.post(server.http + "/stop_profile", timeout=120).json()
+    assert stopped == started.json()
+    written = glob.glob(os.path.join(stopped["profile_dir"], "**", "*.xplane.pb"), recursive=True)
+    assert written and os.path.getsize(written[0]) > 0
+    assert httpx.post(server.http + "/stop_profile", timeout=60).status_code == 409
+    assert httpx.post(long_server.http + "/start_profile", timeout=60).status_code == 404
 
 
 def test_return_tokens_as_token_ids_names_each_logprob_token_by_its_id(server, model_name):

@@ -121,6 +121,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--batch-files-mb", type=float, default=1024.0,
                    help="MiB of files the Files and Batch APIs keep on disk (uploads, batches' outputs; default 1024; "
                         "0 keeps none)")
+    s.add_argument("--profile-dir", default=None, metavar="DIR",
+                   help="serve POST /start_profile and /stop_profile (vLLM's): a jax.profiler trace of what runs "
+                        "between them, written under DIR (TensorBoard's and Perfetto's format; default: no such routes)")
     s.add_argument("--stream-interval", type=int, default=1, metavar="N",
                    help="tokens each streamed HTTP chunk holds (vLLM's; the first and the last chunks go at once; a "
                         "request's stream_interval may raise it; default 1)")
@@ -215,7 +218,8 @@ def cmd_serve(args) -> int:
                               max_concurrent_streams=args.max_concurrent_streams, metrics_host=args.metrics_host,
                               kv_events=args.kv_events, kv_events_topic=args.kv_events_topic,
                               http_header_timeout_s=args.http_header_timeout, batch_files_mb=args.batch_files_mb,
-                              batch_dir=args.batch_dir, stream_interval=args.stream_interval)
+                              batch_dir=args.batch_dir, stream_interval=args.stream_interval,
+                              profile_dir=args.profile_dir)
     names = _announce(args, engines, dots, cache_dir, sys.stdout)
     target = f"{args.host}:{args.port}"
     print(f"jaxcb: try it:  .venv/bin/jaxcb client --target {target} \"Why is the sky blue?\"", flush=True)
