@@ -23,6 +23,7 @@ from jaxcb.host.errors import (ContextTooLong, InvalidConfig, InvalidRequest, No
 from jaxcb.host.replicas import Replicas
 from jaxcb.host.request import (FinishReason, SamplingParams, TokenEvent, check_param_ids, check_prompt_length,
                                 outside_vocabulary)
+from serve import reasoning
 from serve.metrics import Metrics, RequestTimer
 
 MAX_TEXT_CHARS = 1 << 20  # prompt text, and all of a chat's messages together
@@ -121,6 +122,9 @@ class State:
         # what an HTTP request leaves out of its sampling (ServerOptions.generation_config)
         self.sampling_defaults = dict(getattr(tokenizer, "sampling_defaults", {}) or {}) \
             if options.generation_config == "auto" else {}
+        # the reasoning parser's <think> and </think> as token ids, what a thinking_token_budget counts by (None:
+        # no parser, or tags that are not one token each)
+        self.thinking_tags = reasoning.thinking_tags(tokenizer, options.reasoning_parser)
         self.metrics = metrics
         self.started = int(time.time())  # what /v1/models gives as the model's `created`
         self.ready = False

@@ -84,7 +84,7 @@ def tenant_of(state: State, context) -> str:
 GRPC_SAMPLING = {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "repetition_penalty": 1.0}
 
 
-def _sampling(req, defaults: dict | None = None) -> SamplingParams:
+def _sampling(req, defaults: dict | None = None, thinking_tags: tuple[int, int] | None = None) -> SamplingParams:
     """The request's SamplingParams; `defaults` (State.sampling_defaults: the model's generation_config.json) for
     the sampling fields it leaves unset, else GRPC_SAMPLING."""
     s = req.sampling
@@ -101,6 +101,8 @@ def _sampling(req, defaults: dict | None = None) -> SamplingParams:
         bad_words=tuple(req.bad_words),
         repetition_detection=(req.repetition_detection.max_pattern_size, req.repetition_detection.min_pattern_size,
                               req.repetition_detection.min_count) if req.HasField("repetition_detection") else None,
+        thinking_token_budget=req.thinking_token_budget if req.HasField("thinking_token_budget") else None,
+        thinking_tags=thinking_tags,
         logprobs=req.logprobs, prompt_logprobs=req.prompt_logprobs if req.HasField("prompt_logprobs") else None,
         n=req.n or 1, structured=_structured(req),
         speculative=req.speculative if req.HasField("speculative") else True, lora=req.lora,
@@ -204,7 +206,7 @@ class JaxcbService(jaxcb_pb2_grpc.JaxcbServicer):
     async def Generate(self, request, context):
         try:
             check_ids(request.request_id, request.cache_salt)
-            params = _sampling(request, self.state.sampling_defaults)
+            params = _sampling(request, self.state.sampling_defaults, self.state.thinking_tags)
             if request.model:  # a served name (the base model) or an adapter's, as the HTTP API's `model`
                 adapter = self.state.adapter_for(request.model)
                 if request.lora and request.lora != adapter:

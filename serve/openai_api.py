@@ -439,7 +439,8 @@ def make_app(state) -> FastAPI:
         # echo with max_tokens 0: the prompt alone, scored (OpenAI's legacy scoring call)
         scored = (shown or 0) if echo and (shown is not None or max_tokens == 0) else None
         params = sampling_params(body, max_tokens=max_tokens, logprobs=0 if shown is None else max(shown, 1),
-                                 prompt_logprobs=scored, defaults=state.sampling_defaults)
+                                 prompt_logprobs=scored, defaults=state.sampling_defaults,
+                                 thinking_tags=state.thinking_tags)
         params = dataclasses.replace(params, lora=adapter_of(body))
         given = prompt_list(body.get("prompt"))
         keep = frontend.prompt_keep(state, body.get("truncate_prompt_tokens"), body.get("truncation_side"))
@@ -806,7 +807,8 @@ def make_app(state) -> FastAPI:
         # Validated with a placeholder length first (every field before any tokenizing); the real
         # default max_tokens needs the prompt's length.
         params = sampling_params(body, max_tokens=placeholder_max_tokens(body) if limit is None else limit,
-                                 logprobs=max(top, 1) if want else 0, defaults=state.sampling_defaults)
+                                 logprobs=max(top, 1) if want else 0, defaults=state.sampling_defaults,
+                                 thinking_tags=state.thinking_tags)
         params = dataclasses.replace(params, lora=adapter_of(body))
         forced = tool_calls.constraint(tools, state.tokenizer) if tools is not None else None
         if forced is not None:  # "required" or a named function: the output is tool-call blocks (in place of a

@@ -28,7 +28,7 @@ EXTRAS = {"top_k", "min_p", "repetition_penalty", "ignore_eos", "min_tokens", "s
           "include_stop_str_in_output", "skip_special_tokens", "allowed_token_ids", "truncate_prompt_tokens", "truncation_side",
           "priority", "cache_salt", "request_id", "prompt_logprobs", *GUIDED_FIELDS, *GUIDED_EXTRAS,
           "structured_outputs", "speculative", "use_beam_search", "length_penalty", "return_token_ids", "bad_words",
-          "return_tokens_as_token_ids", "repetition_detection", "stream_interval",
+          "return_tokens_as_token_ids", "repetition_detection", "stream_interval", "thinking_token_budget",
           "spaces_between_special_tokens"}
 # OpenAI's fields about its own service that say nothing about the output (storing completions, billing
 # tier, cache routing, abuse tracking): SDKs and frameworks send them, a self-hosted server has nothing to
@@ -202,7 +202,7 @@ def placeholder_max_tokens(body: dict) -> int:
 
 
 def sampling_params(body: dict, *, max_tokens: int, logprobs: int, prompt_logprobs: int | None = None,
-                    defaults: dict | None = None) -> SamplingParams:
+                    defaults: dict | None = None, thinking_tags: tuple[int, int] | None = None) -> SamplingParams:
     """The request's SamplingParams. `prompt_logprobs`: at least this many alternatives for each prompt
     token (completions' echo with logprobs), besides what vLLM's prompt_logprobs field asks for. `defaults`: what
     the request leaves out of temperature, top_p, top_k, min_p and repetition_penalty (the model's
@@ -246,6 +246,7 @@ def sampling_params(body: dict, *, max_tokens: int, logprobs: int, prompt_logpro
         include_stop_str_in_output=bool_field(body, "include_stop_str_in_output", False),
         skip_special_tokens=bool_field(body, "skip_special_tokens", True),
         allowed_token_ids=allowed, bad_words=tuple(bad_words), repetition_detection=repetition,
+        thinking_token_budget=int_field(body, "thinking_token_budget"), thinking_tags=thinking_tags,
         min_tokens=int_field(body, "min_tokens", 0), logprobs=logprobs, n=int_field(body, "n", 1),
         structured=constraint_of(body), speculative=bool_field(body, "speculative", True),
         logit_bias=logit_bias_from_json(body.get("logit_bias")))

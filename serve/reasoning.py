@@ -100,6 +100,15 @@ def prompt_closed(tokenizer, prompt_ids: list[int]) -> bool:
     return last_end > last_start and last_end >= len(prompt_ids) - CLOSED_WITHIN
 
 
+def thinking_tags(tokenizer, parser: str | None) -> tuple[int, int] | None:
+    """The (<think>, </think>) token ids a thinking_token_budget counts by under `parser` (None: no parser, the
+    harmony format's, or a vocabulary that does not spell both as one token)."""
+    if parser is None or parser == HARMONY or tokenizer is None:
+        return None
+    start, end = tokenizer.token_id(START), tokenizer.token_id(END)
+    return None if start is None or end is None else (start, end)
+
+
 def grammar_start(tokenizer, prompt_ids: list[int]) -> int | None:
     """The token a chat answer's grammar waits for under a reasoning parser (structured outputs hold after
     the thinking, as vLLM's do): `</think>` when the model spells it as one token and the prompt has not

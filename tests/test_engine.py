@@ -268,6 +268,39 @@ def test_repetition_detection_ends_a_repeating_output_as_vllm_finds_it(make_llm)
             SamplingParams(repetition_detection=bad)
 
 
+def test_a_thinking_budget_forces_the_end_tag_once_the_thinking_has_spent_it(make_llm):
+    """vLLM's thinking_token_budget: the thinking is the tokens after the last start tag (the prompt's count),
+    with no end tag after it; once it holds the budget the end tag is the next token, then the output goes on
+    as a prompt ending there would (greedy); a prompt whose thinking is closed, or never opened, is untouched;
+    under async scheduling (a row near its budget waits for its newest token)."""
+    llm = make_llm()
+    prompt = random_prompts(llm, (6,))[0]
+    start, end = 3, 4  # (two ids the tiny model's greedy paths here never reach on their own)
+    tags = dict(thinking_tags=(start, end))
+
+    def run(ids, budget, n=12):
+        return llm.generate([ids], SamplingParams(max_tokens=n, ignore_eos=True, thinking_token_budget=budget,
+                                                  **tags))[0].token_ids
+
+    def free(ids, n=12):
+        return llm.generate([ids], SamplingParams(max_tokens=n, ignore_eos=True))[0].token_ids
+
+    for opened, budget in ((prompt + [start], 3), (prompt + [start, 9, 9], 3), (prompt + [start], 0)):
+        thought = len(opened) - 1 - opened.index(start)  # (tokens after the start tag in the prompt)
+        left = max(0, budget - thought)
+        got = run(opened, budget)
+        head = free(opened, left) if left else []
+        assert start not in head and end not in head
+        assert got[:left] == head and got[left] == end, (opened[-3:], budget, got)
+        assert got[left + 1:] == free(opened + got[:left + 1], 12 - left - 1)
+    closed = prompt + [start, 9, end]
+    assert run(closed, 1) == free(closed)
+    assert run(prompt, 0) == free(prompt)  # (no start tag, in the prompt or the output)
+    with pytest.raises(InvalidRequest, match="thinking_token_budget: this model has no thinking tags"):
+        SamplingParams(thinking_token_budget=5)
+    assert SamplingParams(thinking_token_budget=-1).thinking_token_budget is None
+
+
 def test_logprobs_and_stats(make_llm):
     llm = make_llm()
     out = llm.generate(random_prompts(llm, (9,)), SamplingParams(max_tokens=5, logprobs=3, ignore_eos=True))[0]

@@ -236,13 +236,13 @@ def test_repetition_detection_over_both_apis(server, model_name):
         with pytest.raises(grpc.RpcError) as e:
             list(c.stream(req))
         assert e.value.details() == "repetition_detection.min_count: must be >= 2 with a max_pattern_size, got 1"
-    for given, message in (({"max_pattern_size": 2, "min_count": 1},
+    for detection, message in (({"max_pattern_size": 2, "min_count": 1},
                             "repetition_detection.min_count: must be >= 2 with a max_pattern_size, got 1"),
                            ({"max_pattern_size": 2, "min_count": 3, "every": 1}, "repetition_detection: must be an"),
                            ([2, 1, 3], "repetition_detection: must be an object"),
                            ({"max_pattern_size": "2", "min_count": 3}, "repetition_detection.max_pattern_size: must be")):
-        r = httpx.post(server.http + "/v1/completions", json={**body, "repetition_detection": given}, timeout=30)
-        assert r.status_code == 400 and r.json()["error"]["message"].startswith(message), (given, r.text[:300])
+        r = httpx.post(server.http + "/v1/completions", json={**body, "repetition_detection": detection}, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["message"].startswith(message), (detection, r.text[:300])
 
 
 def test_stream_interval_joins_tokens_into_fewer_chunks_with_the_same_answer(server):
@@ -2478,6 +2478,40 @@ def test_reasoning_parser_puts_the_thinking_apart_whole_and_streamed(long_server
         left_out = httpx.post(long_server.http + "/v1/chat/completions", json={**body, "include_reasoning": False},
                               timeout=60).json()["choices"][0]["message"]
         assert "reasoning" not in left_out and left_out["content"] == message["content"]
+
+
+def test_thinking_token_budget_needs_tags_the_server_can_count_by(server, long_server):
+    """vLLM's thinking_token_budget over HTTP and gRPC: -1 is none; a budget is refused, naming the field, by a
+    server without --reasoning-parser and by one whose vocabulary does not spell <think> and </think> as one
+    token each (the tiny model's); the tags are the parser's own where it does (serve.reasoning.thinking_tags)."""
+    from serve import reasoning
+
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+    for s in (server, long_server):
+        assert httpx.post(s.http + "/v1/chat/completions", json={**body, "thinking_token_budget": -1},
+                          timeout=60).status_code == 200
+        for budget, message in ((5, "thinking_token_budget: this model has no thinking tags"),
+                                (-2, "thinking_token_budget: must be >= 0"),
+                                ("5", "thinking_token_budget: must be an integer")):
+            r = httpx.post(s.http + "/v1/chat/completions", json={**body, "thinking_token_budget": budget}, timeout=30)
+            assert r.status_code == 400 and r.json()["error"]["message"].startswith(message), r.text[:300]
+    with Client(long_server.target) as c, pytest.raises(grpc.RpcError) as e:
+        req = build_request(token_ids=[5, 6], max_tokens=2)
+        req.thinking_token_budget = 4
+        list(c.stream(req))
+    assert e.value.details().startswith("thinking_token_budget: this model has no thinking tags")
+
+    class Vocabulary:
+        def __init__(self, ids):
+            self.ids = ids
+
+        def token_id(self, text):
+            return self.ids.get(text)
+
+    both = Vocabulary({"<think>": 7, "</think>": 8})
+    assert reasoning.thinking_tags(both, "qwen3") == (7, 8) and reasoning.thinking_tags(both, None) is None
+    assert reasoning.thinking_tags(both, reasoning.HARMONY) is None
+    assert reasoning.thinking_tags(Vocabulary({"</think>": 8}), "deepseek_r1") is None
 
 
 def test_harmony_answers_give_reasoning_content_and_calls_whole_and_streamed(long_server):

@@ -314,6 +314,13 @@ def narrow_row(allowed: np.ndarray, i: int, row: SamplingRow, eos_ids) -> None:
             words[:] = kept
 
 
+def force_row(allowed: np.ndarray, i: int, token: int) -> None:
+    """Row i of `allowed` holds `token` only (a thinking budget's end tag)."""
+    words = allowed[i].view(np.uint32)
+    words[:] = 0
+    words[token >> 5] = np.uint32(1 << (token & 31))
+
+
 def ban_row(allowed: np.ndarray, i: int, banned) -> None:
     """Row i of `allowed` without the `banned` tokens (a request's bad words' next tokens, jaxcb.host.request.
     banned_tokens); a ban that would leave nothing is not made (a grammar's last choice, say, stays)."""

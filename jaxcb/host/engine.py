@@ -25,7 +25,7 @@ from typing import Callable
 
 import numpy as np
 
-from jaxcb.host.batch import ban_row, narrow_row, pack_chunks
+from jaxcb.host.batch import ban_row, force_row, narrow_row, pack_chunks
 from jaxcb.host.buckets import LengthLog
 from jaxcb.host.draft import describe_speculation, proposer_for
 from jaxcb.host.engine_config import EngineConfig
@@ -310,6 +310,9 @@ class Engine:
         # Rows with bad words; those with a word of several tokens need their newest token to know what it bans.
         banning = [i for i, c in enumerate(chunks) if c.samples and c.request.params.bad_word_ids]
         newest = grammar + [i for i in banning if max(map(len, chunks[i].request.params.bad_word_ids)) > 1]
+        # Rows with a thinking budget; near its end they need their newest token to know whether it forces one.
+        budgeted = [i for i, c in enumerate(chunks) if c.samples and c.request.params.thinking_token_budget is not None]
+        newest += [i for i in budgeted if chunks[i].request.thinking_due()]
         refs = self.pool.ref_counts
         for c in chunks:
             r = c.request
@@ -336,6 +339,10 @@ class Engine:
         for i in banning:  # (after any grammar's mask: the ban narrows it)
             ban_row(sampling.allowed, i, banned_tokens(chunks[i].request.params.bad_word_ids,
                                                       chunks[i].request.output_ids))
+        for i in budgeted:  # the budget spent: the end tag, whatever else would be allowed
+            forced = chunks[i].request.thinking_end()
+            if forced is not None:
+                force_row(sampling.allowed, i, forced)
         started = self._clock() if early else None  # queued behind nothing: it starts at its dispatch
         result = self.runner.run(batch, sampling, shape)
         dispatch_end = self._clock()

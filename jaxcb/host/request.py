@@ -91,6 +91,11 @@ class SamplingParams:
     # reason REPETITION, once (from min_tokens on) its output ends with a pattern of min..max tokens repeated
     # min_count times in a row (min_pattern_size 0: 1). None, or max_pattern_size 0: never.
     repetition_detection: tuple[int, int, int] | None = None
+    # vLLM's thinking_token_budget: once the thinking (the tokens after the last start tag, the prompt's and the
+    # output's, with no end tag after it) holds this many tokens, the end tag is the next token. thinking_tags:
+    # the (start, end) tags' token ids (the server's reasoning parser's <think> and </think>). None: no budget.
+    thinking_token_budget: int | None = None
+    thinking_tags: tuple[int, int] | None = None
 
     def __post_init__(self):
         stop = self.stop or ()
@@ -107,6 +112,13 @@ class SamplingParams:
             raise InvalidRequest("bad_word_ids: each word must have at least one token")
         if self.repetition_detection is not None:
             check_repetition_detection(*self.repetition_detection)
+        if self.thinking_token_budget == -1:  # (vLLM's "unlimited")
+            object.__setattr__(self, "thinking_token_budget", None)
+        if self.thinking_token_budget is not None:
+            _check_int("thinking_token_budget", self.thinking_token_budget, low=0)
+            if self.thinking_tags is None:
+                raise InvalidRequest("thinking_token_budget: this model has no thinking tags to count by (serve it "
+                                     "with --reasoning-parser)")
         object.__setattr__(self, "allowed_token_ids", tuple(int(t) for t in (self.allowed_token_ids or ())))
         if self.prompt_logprobs is not None:
             _check_int("prompt_logprobs", self.prompt_logprobs, low=0, high=MAX_LOGPROBS)
@@ -428,6 +440,9 @@ def check_param_ids(params: SamplingParams, vocab_size: int) -> None:
     bad = next((t for w in params.bad_word_ids for t in w if not 0 <= t < vocab_size), None)
     if bad is not None:
         raise InvalidRequest(f"bad_words: token id {bad} is outside the vocabulary [0, {vocab_size})")
+    bad = next((t for t in params.thinking_tags or () if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise InvalidRequest(f"thinking_tags: token id {bad} is outside the vocabulary [0, {vocab_size})")
 
 
 def _check_int(name, value, low=None, high=None):
@@ -498,6 +513,7 @@ class Request:
     # prompt positions they covered; both start again when it loses its pages
     pooled: np.ndarray | None = None
     pooled_upto: int = 0
+    thinking: list | None = None  # params.thinking_token_budget: [thinking, tokens thought, output tokens read]
 
     def __post_init__(self):
         if not self.request_id:
@@ -511,6 +527,38 @@ class Request:
     @property
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
+
+    def _thought(self) -> list:
+        """Its thinking so far (params.thinking_token_budget), read from the tokens not read yet: whether the
+        sequence is inside a start tag with no end tag after it, and how many tokens follow that start tag."""
+        start, end = self.params.thinking_tags
+        if self.thinking is None:
+            last_start = max((i for i, t in enumerate(self.prompt_ids) if t == start), default=-1)
+            last_end = max((i for i, t in enumerate(self.prompt_ids) if t == end), default=-1)
+            inside = last_start > last_end
+            self.thinking = [inside, len(self.prompt_ids) - last_start - 1 if inside else 0, 0]
+        state = self.thinking
+        for t in self.output_ids[state[2]:]:
+            if t == end:
+                state[0], state[1] = False, 0
+            elif t == start:
+                state[0], state[1] = True, 0
+            elif state[0]:
+                state[1] += 1
+        state[2] = len(self.output_ids)
+        return state
+
+    def thinking_end(self) -> int | None:
+        """The token its thinking_token_budget makes its next one (the end tag, the budget spent), else None."""
+        inside, count, _ = self._thought()
+        return self.params.thinking_tags[1] if inside and count >= self.params.thinking_token_budget else None
+
+    def thinking_due(self) -> bool:
+        """Whether its newest token, still on the device, may decide what the budget forces next (the step before
+        must finish first): inside the thinking with the budget spent by then, or outside with a budget of 0."""
+        inside, count, _ = self._thought()
+        budget = self.params.thinking_token_budget
+        return count + self.num_pending >= budget if inside else budget == 0
 
     def token_slice(self, start: int, end: int) -> list[int]:
         """Known tokens [start, end) without building prompt + output whole."""

@@ -177,10 +177,11 @@ class Proposer:
         return r.spec
 
     def eligible(self, r) -> bool:
-        """Whether decoding request `r` may propose now: it did not opt out, has no grammar to follow nor bad
-        words to keep out (each proposal's row would need its own mask), and is not backed off (or is due to
-        probe)."""
-        if not r.params.speculative or r.matcher is not None or r.params.bad_word_ids:
+        """Whether decoding request `r` may propose now: it did not opt out, has no grammar to follow, bad
+        words to keep out nor a thinking budget (each proposal's row would need its own mask), and is not backed
+        off (or is due to probe)."""
+        if (not r.params.speculative or r.matcher is not None or r.params.bad_word_ids
+                or r.params.thinking_token_budget is not None):
             return False
         s = self.state(r)
         return s.rate >= self.BACKED_OFF or s.steps_since >= self.config.probe_every << min(s.misses, 6)

@@ -200,7 +200,7 @@ class SamplingParameters(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., logit_bias: _Optional[_Mapping[int, float]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("text", "chat", "tokens", "sampling", "max_tokens", "stop", "stop_token_ids", "ignore_eos", "priority", "request_id", "logprobs", "n", "cache_salt", "structured", "speculative", "lora", "model", "min_tokens", "include_stop_str_in_output", "allowed_token_ids", "truncate_prompt_tokens", "prompt_logprobs", "skip_special_tokens", "bad_words", "truncation_side", "repetition_detection")
+    __slots__ = ("text", "chat", "tokens", "sampling", "max_tokens", "stop", "stop_token_ids", "ignore_eos", "priority", "request_id", "logprobs", "n", "cache_salt", "structured", "speculative", "lora", "model", "min_tokens", "include_stop_str_in_output", "allowed_token_ids", "truncate_prompt_tokens", "prompt_logprobs", "skip_special_tokens", "bad_words", "truncation_side", "repetition_detection", "thinking_token_budget")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     CHAT_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -227,6 +227,7 @@ class GenerateRequest(_message.Message):
     BAD_WORDS_FIELD_NUMBER: _ClassVar[int]
     TRUNCATION_SIDE_FIELD_NUMBER: _ClassVar[int]
     REPETITION_DETECTION_FIELD_NUMBER: _ClassVar[int]
+    THINKING_TOKEN_BUDGET_FIELD_NUMBER: _ClassVar[int]
     text: str
     chat: ChatInput
     tokens: TokenInput
@@ -253,7 +254,8 @@ class GenerateRequest(_message.Message):
     bad_words: _containers.RepeatedScalarFieldContainer[str]
     truncation_side: str
     repetition_detection: RepetitionDetection
-    def __init__(self, text: _Optional[str] = ..., chat: _Optional[_Union[ChatInput, _Mapping]] = ..., tokens: _Optional[_Union[TokenInput, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParameters, _Mapping]] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., priority: _Optional[int] = ..., request_id: _Optional[str] = ..., logprobs: _Optional[int] = ..., n: _Optional[int] = ..., cache_salt: _Optional[str] = ..., structured: _Optional[_Union[StructuredOutput, _Mapping]] = ..., speculative: _Optional[bool] = ..., lora: _Optional[str] = ..., model: _Optional[str] = ..., min_tokens: _Optional[int] = ..., include_stop_str_in_output: _Optional[bool] = ..., allowed_token_ids: _Optional[_Iterable[int]] = ..., truncate_prompt_tokens: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ..., skip_special_tokens: _Optional[bool] = ..., bad_words: _Optional[_Iterable[str]] = ..., truncation_side: _Optional[str] = ..., repetition_detection: _Optional[_Union[RepetitionDetection, _Mapping]] = ...) -> None: ...
+    thinking_token_budget: int
+    def __init__(self, text: _Optional[str] = ..., chat: _Optional[_Union[ChatInput, _Mapping]] = ..., tokens: _Optional[_Union[TokenInput, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParameters, _Mapping]] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., priority: _Optional[int] = ..., request_id: _Optional[str] = ..., logprobs: _Optional[int] = ..., n: _Optional[int] = ..., cache_salt: _Optional[str] = ..., structured: _Optional[_Union[StructuredOutput, _Mapping]] = ..., speculative: _Optional[bool] = ..., lora: _Optional[str] = ..., model: _Optional[str] = ..., min_tokens: _Optional[int] = ..., include_stop_str_in_output: _Optional[bool] = ..., allowed_token_ids: _Optional[_Iterable[int]] = ..., truncate_prompt_tokens: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ..., skip_special_tokens: _Optional[bool] = ..., bad_words: _Optional[_Iterable[str]] = ..., truncation_side: _Optional[str] = ..., repetition_detection: _Optional[_Union[RepetitionDetection, _Mapping]] = ..., thinking_token_budget: _Optional[int] = ...) -> None: ...
 
 class RepetitionDetection(_message.Message):
     __slots__ = ("max_pattern_size", "min_pattern_size", "min_count")
