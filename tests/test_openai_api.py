@@ -237,10 +237,10 @@ def test_repetition_detection_over_both_apis(server, model_name):
             list(c.stream(req))
         assert e.value.details() == "repetition_detection.min_count: must be >= 2 with a max_pattern_size, got 1"
     for detection, message in (({"max_pattern_size": 2, "min_count": 1},
-                            "repetition_detection.min_count: must be >= 2 with a max_pattern_size, got 1"),
-                           ({"max_pattern_size": 2, "min_count": 3, "every": 1}, "repetition_detection: must be an"),
-                           ([2, 1, 3], "repetition_detection: must be an object"),
-                           ({"max_pattern_size": "2", "min_count": 3}, "repetition_detection.max_pattern_size: must be")):
+                                "repetition_detection.min_count: must be >= 2 with a max_pattern_size, got 1"),
+                               ({"max_pattern_size": 2, "min_count": 3, "every": 1}, "repetition_detection: must be an"),
+                               ([2, 1, 3], "repetition_detection: must be an object"),
+                               ({"max_pattern_size": "2", "min_count": 3}, "repetition_detection.max_pattern_size: must be")):
         r = httpx.post(server.http + "/v1/completions", json={**body, "repetition_detection": detection}, timeout=30)
         assert r.status_code == 400 and r.json()["error"]["message"].startswith(message), (detection, r.text[:300])
 
