@@ -63,6 +63,10 @@ async def answer(state, request: Request, options: RequestOptions, tenant: str, 
     `harmony` (chat): the answers are in OpenAI's harmony format (gpt-oss): their reasoning, content and tool calls
     read from its messages (jaxcb.host.harmony), whatever the reasoning parser. `thinking_closed` (chat): the prompt
     closed the thinking (serve.reasoning.prompt_closed): the answers are all content."""
+    def prompt_text() -> str:
+        """vLLM's return_prompt_text (chat): the prompt as the chat template wrote it, its special tokens' text too."""
+        return state.tokenizer.decode(prompts[0], skip_special=False)
+
     def params_of(ids):
         room = max(1, state.engine.max_context - len(ids))
         return dataclasses.replace(params, max_tokens=min(params.max_tokens, room)) if room_capped else params
@@ -165,7 +169,8 @@ async def answer(state, request: Request, options: RequestOptions, tenant: str, 
                         yield _sse({"id": rid, "object": obj, "created": created, "model": model_name,
                                     "choices": [{"index": k, "delta": {"role": "assistant", "content": ""},
                                                  "logprobs": None, "finish_reason": None}], **before(k),
-                                    **({"prompt_token_ids": prompts[k // n]} if options.return_token_ids else {})})
+                                    **({"prompt_token_ids": prompts[k // n]} if options.return_token_ids else {}),
+                                    **({"prompt_text": prompt_text()} if options.prompt_text and k == 0 else {})})
                 # return_token_ids: each chunk's new token ids (those of events without a chunk of their own held
                 # for the next), completions' prompt ids in each choice's first chunk
                 pending: dict[int, list[int]] = {}
@@ -275,13 +280,14 @@ async def answer(state, request: Request, options: RequestOptions, tenant: str, 
     def token_ids(choices: list[dict]) -> dict:
         """return_token_ids: each choice's token ids, and the prompt's (completions': in each choice; the chat's
         one prompt: beside the choices, as vLLM places them)."""
+        shown = {"prompt_text": prompt_text()} if options.prompt_text else {}
         if not options.return_token_ids:
-            return {}
+            return shown
         for k, choice in enumerate(choices):
             if not chat:
                 choice["prompt_token_ids"] = prompts[k // n]
             choice["token_ids"] = token_lists[k]
-        return {"prompt_token_ids": prompts[0]} if chat else {}
+        return {"prompt_token_ids": prompts[0], **shown} if chat else shown
 
     if chat and harmony:
         choices = [_harmony_choice(k, texts[k], tools, logs[k], finishes[k], stop_reasons[k], include_reasoning)

@@ -26,7 +26,11 @@ def check_beam_request(params: SamplingParams, options: RequestOptions, *, logpr
                          ("return_token_ids", options.return_token_ids),
                          ("stop", bool(params.stop)), ("min_tokens", params.min_tokens > 0),
                          ("structured_outputs", params.structured is not None),
-                         ("prompt_logprobs", params.prompt_logprobs is not None)):
+                         ("prompt_logprobs", params.prompt_logprobs is not None),
+                         ("bad_words", bool(params.bad_words)),
+                         ("repetition_detection", params.repetition_detection is not None),
+                         ("thinking_token_budget", params.thinking_token_budget is not None),
+                         ("return_prompt_text", options.prompt_text)):
         if given:
             raise bad_request(f"{field}: not supported with use_beam_search")
 

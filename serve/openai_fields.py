@@ -52,6 +52,7 @@ CHAT_FIELDS = COMMON_FIELDS | EXTRAS | {"messages", "logprobs", "top_logprobs", 
                                     "response_format", "tools", "tool_choice", "parallel_tool_calls",
                                     "chat_template_kwargs", "add_generation_prompt", "continue_final_message",
                                     "chat_template", "include_reasoning", "add_special_tokens", "echo", "documents",
+                                    "return_prompt_text",
                                     *CHAT_SPEC_FIELDS}
 TOKENIZE_FIELDS = {"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt", "continue_final_message",
                    "documents",
@@ -287,6 +288,7 @@ class RequestOptions:
     return_token_ids: bool = False  # vLLM's: the prompt's and each choice's token ids beside the text
     tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprobs name each token "token_id:N"
     stream_interval: int = 1  # tokens a streamed chunk holds (vLLM's; the first and the last sent at once)
+    prompt_text: bool = False  # vLLM's return_prompt_text (chat): the prompt's text beside the answer
 
 
 def check_metadata(metadata) -> None:
@@ -332,7 +334,8 @@ def common_fields(body: dict) -> RequestOptions:
         raise bad_request(f"stream_interval: must be between 1 and {MAX_STREAM_INTERVAL}, got {interval}")
     return RequestOptions(stream, include_usage, priority, salt, request_id, include_usage and continuous,
                           bool_field(body, "return_token_ids", False),
-                          bool_field(body, "return_tokens_as_token_ids", False), interval)
+                          bool_field(body, "return_tokens_as_token_ids", False), interval,
+                          bool_field(body, "return_prompt_text", False))
 
 
 def is_token_ids(p) -> bool:

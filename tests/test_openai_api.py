@@ -323,6 +323,27 @@ def test_a_profile_is_written_between_start_and_stop_profile(server, long_server
     assert httpx.post(long_server.http + "/start_profile", timeout=60).status_code == 404
 
 
+def test_return_prompt_text_gives_the_prompt_the_template_wrote(server, tiny_model):
+    """vLLM's return_prompt_text (chat): `prompt_text` beside the answer, and in the stream's first chunk only;
+    beam search refuses it (and the other per-step settings it cannot keep), naming the field."""
+    tok = tiny_model[2]
+    messages = [{"role": "user", "content": "hi"}]
+    want = tok.decode(tok.encode_chat(messages, True), skip_special=False)
+    body = {"messages": messages, "max_tokens": 3, "return_prompt_text": True}
+    assert httpx.post(server.http + "/v1/chat/completions", json=body, timeout=60).json()["prompt_text"] == want
+    with httpx.stream("POST", server.http + "/v1/chat/completions", json={**body, "stream": True}, timeout=60) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert [c.get("prompt_text") for c in chunks] == [want] + [None] * (len(chunks) - 1)
+    assert "prompt_text" not in httpx.post(server.http + "/v1/chat/completions", json={**body, "return_prompt_text": False},
+                                           timeout=60).json()
+    for extra in ({"return_prompt_text": True}, {"bad_words": ["a"]}, {"repetition_detection": {
+            "max_pattern_size": 2, "min_count": 3}}):
+        r = httpx.post(server.http + "/v1/chat/completions", json={
+            "messages": messages, "max_tokens": 3, "use_beam_search": True, "n": 2, **extra}, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["message"] == f"{next(iter(extra))}: not supported with " \
+            "use_beam_search", r.text[:300]
+
+
 def test_return_tokens_as_token_ids_names_each_logprob_token_by_its_id(server, model_name):
     """vLLM's return_tokens_as_token_ids: every token that logprobs name ("token", "tokens", top_logprobs'
     keys, echo's prompt tokens) is "token_id:N", N the id return_token_ids gives; the values are unchanged."""
