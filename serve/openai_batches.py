@@ -39,6 +39,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
+import fcntl
 import hashlib
 import itertools
 import json
@@ -116,6 +117,16 @@ class Batches:
             self.folder = Path(folder)
             try:
                 self.folder.mkdir(parents=True, exist_ok=True)
+                self._lock = open(self.folder / ".lock", "a")  # (held while the process lives)
+            except OSError as e:
+                raise InvalidConfig(f"--batch-dir: {folder!r} cannot hold the batches' files ({e})") from None
+            try:
+                fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                self._lock.close()
+                raise InvalidConfig(f"--batch-dir: {folder!r} is another running server's (two would both run "
+                                    "its batches)") from None
+            try:
                 self._load()
             except OSError as e:
                 raise InvalidConfig(f"--batch-dir: {folder!r} cannot hold the batches' files ({e})") from None
@@ -371,6 +382,8 @@ class Batches:
             await asyncio.wait(tasks, timeout=5.0)
         if self.folder is not None and not self.durable:
             shutil.rmtree(self.folder, ignore_errors=True)
+        if self.durable:
+            self._lock.close()  # (the lock goes with it: another server may take the folder)
 
     def _start(self, job: Job) -> None:
         """`job` runs after its owner's batches made before it (validated at once, its lines in its turn)."""

@@ -15,6 +15,7 @@ import httpx
 import openai
 import pytest
 
+from jaxcb.host.errors import InvalidConfig
 from serve import openai_batches
 from serve.client import Client
 from serve.openai_fields import HTTPError
@@ -287,7 +288,7 @@ def test_a_batch_reads_its_input_to_the_end_though_the_file_is_deleted(tmp_path)
         store.app.gate.set()
         await _until(lambda: store.get("", b["id"])["status"] == "completed")
         assert store.get("", b["id"])["request_counts"]["completed"] == 4
-        kept = [p.name for p in tmp_path.iterdir() if not p.name.endswith(".json")]
+        kept = [p.name for p in tmp_path.iterdir() if not p.name.endswith(".json") and p.name != ".lock"]
         assert kept == [store.get("", b["id"])["output_file_id"]]  # (the input's bytes went once it ended)
         assert store.used == store.owned[""] == (tmp_path / kept[0]).stat().st_size
         await store.close()
@@ -335,6 +336,19 @@ def test_a_batch_dir_outlives_the_server_and_a_batch_goes_on_where_it_stopped(tm
         await store.close()
 
     asyncio.run(second())
+
+
+def test_a_batch_dir_is_one_servers_at_a_time(tmp_path):
+    """Two servers on one --batch-dir would both run its batches: the second is refused until the first stops."""
+    async def scenario():
+        first = _store(tmp_path)
+        with pytest.raises(InvalidConfig, match="--batch-dir: .* is another running server's"):
+            _store(tmp_path)
+        await first.close()
+        second = _store(tmp_path)
+        await second.close()
+
+    asyncio.run(scenario())
 
 
 def test_a_batch_taken_back_and_cancelled_before_the_server_serves_keeps_what_ran(tmp_path):
