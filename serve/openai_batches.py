@@ -31,7 +31,8 @@ folder takes its files and batches back: a batch that was validating is validate
 goes on, its answers so far read back (a torn last line dropped) and the lines they answer not run again
 (lines in flight when it stopped run again: a crash costs their work, never an answer twice); one that was
 being cancelled ends cancelled. Owners are kept as their token's SHA-256, never the token: a record whose
-token the server no longer has is left on disk, unread.
+token the server no longer has is left on disk, unread. A folder is one running server's at a time (a lock on
+DIR/.lock): two would both run its batches.
 """
 
 from __future__ import annotations
