@@ -74,6 +74,7 @@ from serve.openai_fields import (CHAT_FIELDS, COMPLETION_FIELDS, DETOKENIZE_FIEL
 
 
 log = logging.getLogger("jaxcb.serve.openai_api")
+MAX_PROFILE_S = 300  # a /start_profile trace nobody stops ends after this long
 LIMITED = ("/v1/", "/v2/", "/tokenize", "/detokenize", "/score", "/rerank", "/pooling", "/classify",
            "/invocations")  # the paths of API calls (what the concurrency limit counts)
 
@@ -225,6 +226,7 @@ def make_app(state) -> FastAPI:
 
     @app.post("/invocations")
     async def invocations(request: Request):
+        authorize(request)  # (before the body is read: the call it routes to checks again)
         body = await body_of(request)
         pooled = state.engine.model_config.headless
         if "messages" in body:
@@ -248,6 +250,25 @@ def make_app(state) -> FastAPI:
     if state.options.profile_dir is not None:
         profiling = asyncio.Lock()
         tracing: list[str] = []  # the trace being written (at most one)
+        timers: set[asyncio.Task] = set()
+
+        async def stop_tracing(folder: str) -> None:
+            """The trace ends (whatever stop_trace says: the routes never stay stuck on a trace that failed)."""
+            import jax
+
+            try:
+                await asyncio.to_thread(jax.profiler.stop_trace)
+            finally:
+                tracing.clear()
+            log.info("profile written to %s", folder)
+
+        async def time_out(folder: str) -> None:
+            """A trace nobody stops ends after MAX_PROFILE_S (a profile buffers everything the process runs)."""
+            await asyncio.sleep(MAX_PROFILE_S)
+            async with profiling:
+                if tracing == [folder]:
+                    log.warning("profile %s stopped after %d s (nobody called /stop_profile)", folder, MAX_PROFILE_S)
+                    await stop_tracing(folder)
 
         @app.post("/start_profile")
         async def start_profile(request: Request):
@@ -262,7 +283,9 @@ def make_app(state) -> FastAPI:
                 folder = os.path.join(state.options.profile_dir, time.strftime("%Y%m%d-%H%M%S"))
                 await asyncio.to_thread(jax.profiler.start_trace, folder, create_perfetto_trace=True)
                 tracing.append(folder)
-            log.info("profiling into %s", folder)
+                timers.add(task := asyncio.ensure_future(time_out(folder)))
+                task.add_done_callback(timers.discard)
+            log.info("profiling into %s (for at most %d s)", folder, MAX_PROFILE_S)
             return {"profile_dir": folder}
 
         @app.post("/stop_profile")
@@ -271,11 +294,8 @@ def make_app(state) -> FastAPI:
             async with profiling:
                 if not tracing:
                     raise HTTPError(409, "no profile is being written: /start_profile first")
-                import jax
-
-                await asyncio.to_thread(jax.profiler.stop_trace)
-                folder = tracing.pop()
-            log.info("profile written to %s", folder)
+                folder = tracing[0]
+                await stop_tracing(folder)
             return {"profile_dir": folder}
 
     @app.get("/load")

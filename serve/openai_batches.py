@@ -109,7 +109,7 @@ class Batches:
         self.order: collections.OrderedDict[str, int] = collections.OrderedDict()  # id -> its place (_made)
         self._seq = itertools.count()
         self.app = None
-        self.last: dict[str, asyncio.Task] = {}  # owner -> its newest batch's run (the next waits for it: _start)
+        self.runs: dict[str, list[asyncio.Task]] = {}  # owner -> its batches' runs not ended (a new one waits for them)
         self.stopping = False  # the server stops: with a folder of its own, a batch interrupted is cancelled
         self.ready = asyncio.Event()  # the server serves: batches run (serving)
         self.durable = folder is not None
@@ -180,7 +180,10 @@ class Batches:
     def _save(self, key: str, record: dict) -> None:
         if self.durable:
             temporary = self.folder / f".{key}.json.tmp"
-            temporary.write_text(json.dumps(record))
+            with open(temporary, "w") as f:
+                f.write(json.dumps(record))
+                f.flush()
+                os.fsync(f.fileno())  # (a power cut leaves the old record or the new one, never an empty one)
             os.replace(temporary, self.folder / f"{key}.json")
 
     def _forget(self, key: str) -> None:
@@ -306,7 +309,9 @@ class Batches:
         if sum(j.info["status"] not in ENDED for j in self.jobs.values()) >= MAX_PENDING:
             raise HTTPError(429, f"the server has {MAX_PENDING} batches not ended; the most it takes at once")
         while len(self.jobs) >= MAX_KEPT:  # the oldest ended batch makes way
-            del self.jobs[next(k for k, j in self.jobs.items() if j.info["status"] in ENDED)]
+            dropped = next(k for k, j in self.jobs.items() if j.info["status"] in ENDED)
+            del self.jobs[dropped]
+            self._forget(dropped)
         self._go_on()
         now = int(time.time())
         info = {"id": f"batch_{uuid.uuid4().hex}", "object": "batch", "endpoint": endpoint, "errors": None,
@@ -387,11 +392,13 @@ class Batches:
             self._lock.close()  # (the lock goes with it: another server may take the folder)
 
     def _start(self, job: Job) -> None:
-        """`job` runs after its owner's batches made before it (validated at once, its lines in its turn)."""
-        job.task = asyncio.ensure_future(self._run(job, self.last.get(job.owner)))
-        self.last[job.owner] = job.task
+        """`job` runs after every batch its owner made before it has ended (it is validated at once, its lines run
+        in its turn; one before it that fails or is cancelled early does not let it pass one still running)."""
+        before = [t for t in self.runs.get(job.owner, ()) if not t.done()]
+        job.task = asyncio.ensure_future(self._run(job, before))
+        self.runs[job.owner] = [*before, job.task]
 
-    async def _run(self, job: Job, before: asyncio.Task | None) -> None:
+    async def _run(self, job: Job, before: list[asyncio.Task]) -> None:
         info, outputs = job.info, {}  # kind -> [path, file, bytes]
         try:
             if info["status"] == "validating":
@@ -404,8 +411,8 @@ class Batches:
                 info["status"], info["in_progress_at"] = "in_progress", int(time.time())  # (its turn may wait)
                 self._save_job(job)
             async with asyncio.timeout(max(0.0, info["expires_at"] - time.time())):
-                if before is not None:
-                    await asyncio.wait([before])
+                if before:
+                    await asyncio.wait(before)
                 await self.ready.wait()
                 # (the input opened only now: batches waiting hold no open file)
                 try:
@@ -493,18 +500,22 @@ class Batches:
         job.writing = {}
 
     def _load(self) -> None:
-        """The files and batches a --batch-dir holds, taken back (the module's doc); what no record names goes."""
+        """The files and batches a --batch-dir holds, taken back (the module's doc); what no record names goes. A
+        record is used only where every name in it is one this store makes (nothing it says reaches outside the
+        folder); any other is left as it is, with the bytes it names."""
         records, kept = [], set()
         for path in self.folder.glob("*.json"):
             try:
                 record = json.loads(path.read_text())
-                records.append((record["kind"] != "file", record["place"], record["info"]["id"], record))
-            except (OSError, ValueError, KeyError, TypeError) as e:
+                if not _well_formed(record, path.stem):
+                    raise ValueError("not in the shape this store writes")
+                records.append((record["kind"] != "file", record["place"], path.stem, record))
+            except (OSError, ValueError, RecursionError) as e:
                 log.warning("--batch-dir: %s is not a record jaxcb wrote (%r); left as it is", path, e)
                 kept.add(path.stem)  # (nor are the bytes beside it touched)
-        unread = 0
+        unread, taken = 0, []
         for _, _, key, record in sorted(records, key=lambda r: r[:2]):  # (files first: the batches name them)
-            owner = self._owner(record.get("owner", ""))
+            owner = self._owner(record["owner"])
             if owner is None:  # (a token this server does not have: left on disk, unread)
                 unread += 1
                 kept.update((key, record.get("source", ""), *record.get("writing", {}).values()))
@@ -518,15 +529,21 @@ class Batches:
                 self._charge(owner, record["info"]["bytes"])
                 self._made(key)
                 kept.add(key)
-            elif record["kind"] == "batch":
+            else:
                 job = Job(owner, record["info"], self._headers(owner), self.folder / record["source"],
-                          {kind: self.folder / name for kind, name in record.get("writing", {}).items()})
+                          {kind: self.folder / name for kind, name in record["writing"].items()})
                 self.jobs[key] = job
                 self._made(key)
                 kept.update((key, *(p.name for p in job.writing.values())))
                 if job.info["status"] not in ENDED:
                     kept.add(job.source.name)  # (a deleted input still read; an ended batch's goes below)
-                self._take_back(job)
+                taken.append(job)
+        held = set()  # deleted inputs still read, each charged once however many batches read it
+        for job in taken:
+            self._take_back(job, held)
+        for job in taken:  # (once every batch is known: one ending lets go of an input no other still reads)
+            if job.info["status"] in ("cancelling", "finalizing"):
+                self._end_taken_back(job)
         for path in self.folder.iterdir():  # uploads cut short, temporary records, inputs no batch reads
             if path.is_file() and _OURS.fullmatch(path.name) and (
                     path.name.endswith(".tmp") or path.name.split(".")[0] not in kept):
@@ -535,11 +552,13 @@ class Batches:
             log.warning("--batch-dir: %d files and batches of bearer tokens this server does not have are left in %s",
                         unread, self.folder)
 
-    def _take_back(self, job: Job) -> None:
-        """A batch from a --batch-dir: its bytes charged, its output files (ended) kept files, and one not ended
-        made ready to go on (resume), or ended if it was being cancelled or finalized."""
+    def _take_back(self, job: Job, held: set) -> None:
+        """A batch from a --batch-dir: its bytes charged (a deleted input it still reads once, `held`), its output
+        files (ended) kept files."""
         info = job.info
-        if job.source.name not in self.files and job.source.is_file() and info["status"] not in ENDED:
+        if (job.source.name not in self.files and job.source not in held and job.source.is_file()
+                and info["status"] not in ENDED):
+            held.add(job.source)
             self._charge(job.owner, job.source.stat().st_size)  # (a deleted input still read)
         for kind in ("output", "error"):  # (the server stopped between the batch's record and the file's own)
             file_id = info.get(f"{kind}_file_id")
@@ -549,8 +568,6 @@ class Batches:
                 self._keep(job.owner, path, path.stat().st_size, f"{info['id']}_{kind}.jsonl", "batch_output")
         for path in job.writing.values():  # (a torn last line dropped here: what is charged is what stays)
             self._charge(job.owner, _read_back(path, batch.Tally(), set()))
-        if info["status"] in ("cancelling", "finalizing"):
-            self._end_taken_back(job)
 
     def _end_taken_back(self, job: Job) -> None:
         """A batch taken back that will not run again ends with what it wrote: cancelled, or completed if it
@@ -635,6 +652,34 @@ class _Upload:
     def close(self):
         if self.sink is not None:
             self.sink.close()
+
+
+_FILE_NAME = re.compile(r"file-[0-9a-f]{32}")
+STATUSES = ("validating", "in_progress", "finalizing", "cancelling", *ENDED)
+
+
+def _well_formed(record, stem: str) -> bool:
+    """Whether a --batch-dir record is in the shape this store writes, every name in it one it makes."""
+    if not isinstance(record, dict) or not isinstance(record.get("info"), dict):
+        return False
+    info, kind = record["info"], record.get("kind")
+    if (kind not in ("file", "batch") or info.get("id") != stem or not isinstance(record.get("owner"), str)
+            or not isinstance(record.get("place"), int)):
+        return False
+    if kind == "file":
+        return (_FILE_NAME.fullmatch(stem) is not None and isinstance(info.get("filename"), str)
+                and isinstance(info.get("purpose"), str) and isinstance(info.get("created_at"), int))
+    writing, counts = record.get("writing"), info.get("request_counts")
+    return (re.fullmatch(r"batch_[0-9a-f]{32}", stem) is not None and info.get("status") in STATUSES
+            and isinstance(record.get("source"), str) and _FILE_NAME.fullmatch(record["source"]) is not None
+            and isinstance(writing, dict) and set(writing) <= {"output", "error"}
+            and all(isinstance(v, str) and _FILE_NAME.fullmatch(v) for v in writing.values())
+            and all(info.get(f"{k}_file_id") is None or (isinstance(info[f"{k}_file_id"], str)
+                                                         and _FILE_NAME.fullmatch(info[f"{k}_file_id"]))
+                    for k in ("output", "error"))
+            and isinstance(counts, dict) and all(isinstance(counts.get(k), int) for k in ("total", "completed", "failed"))
+            and isinstance(info.get("expires_at"), int) and isinstance(info.get("endpoint"), str)
+            and isinstance(info.get("created_at"), int))
 
 
 def _read_back(path: Path, tally: batch.Tally, answered: set) -> int:

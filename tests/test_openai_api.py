@@ -807,10 +807,13 @@ def test_http_auth_and_a_full_queue(tiny_gguf_path, config_path):
         assert httpx.get(base + "/health", timeout=10).status_code == 200  # no token needed
         assert httpx.get(base + "/version", timeout=10).json() == {"version": jaxcb.__version__}
         for path, body in (("/v1/completions", {"prompt": [5], "max_tokens": 2}), ("/tokenize", {"prompt": "hi"}),
-                           ("/detokenize", {"tokens": [5]})):
+                           ("/detokenize", {"tokens": [5]}), ("/invocations", {"prompt": [5], "model": "x"}),
+                           ("/invocations", {"colour": "red"})):
             r = httpx.post(base + path, json=body, timeout=10)
             assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error", path
-        assert httpx.get(base + "/v1/models", timeout=10).status_code == 401
+        for path in ("/v1/models", "/load", "/server_info"):
+            assert httpx.get(base + path, timeout=10).status_code == 401, path
+        assert httpx.get(base + "/ping", timeout=10).status_code == 200
         client = openai.OpenAI(base_url=base + "/v1", api_key="s3cret", max_retries=0)
         assert [m.id for m in client.models.list().data] == ["acme/tiny", "tiny-alias"]  # the token lets it in
         r = httpx.post(base + "/tokenize", json={"prompt": "hi", "model": "tiny-alias"}, timeout=10,

@@ -338,6 +338,85 @@ def test_a_batch_dir_outlives_the_server_and_a_batch_goes_on_where_it_stopped(tm
     asyncio.run(second())
 
 
+def test_a_batch_that_ends_early_lets_no_later_one_pass_an_earlier_one_still_running(tmp_path):
+    """An owner's batches run one at a time whatever ends between them: a bad file (failed at validation) or
+    a batch cancelled while it waits does not let the next one start beside the one running."""
+    async def scenario():
+        store = _store()
+        store.serving()
+        held = _make(store, "", _put(store, "", [line("a", {"prompt": "x", "hold": True})], tmp_path))
+        bad = _make(store, "", _put(store, "", [{"custom_id": "b"}], tmp_path))
+        waiting = _make(store, "", _put(store, "", [line("w", {"prompt": "w"})], tmp_path))
+        after = _make(store, "", _put(store, "", [line("c", {"prompt": "c"})], tmp_path))
+        await _until(lambda: store.get("", bad["id"])["status"] == "failed")
+        store.cancel("", waiting["id"])
+        await _until(lambda: store.get("", waiting["id"])["status"] == "cancelled")
+        await asyncio.sleep(0.2)
+        assert [body["prompt"] for _, body in store.app.seen] == ["x"]  # (c waits for the held one)
+        store.app.gate.set()
+        await _until(lambda: store.get("", after["id"])["status"] == "completed")
+        assert [body["prompt"] for _, body in store.app.seen] == ["x", "c"]
+        assert store.get("", held["id"])["status"] == "completed"
+        await store.close()
+
+    asyncio.run(scenario())
+
+
+def test_batch_dir_records_that_name_anything_else_are_left_alone(tmp_path):
+    """A record whose names are not this store's (a path outside the folder, another batch's id) or whose shape
+    is not, is not taken back: nothing it names is read, cut or removed, and the server starts."""
+    outside = tmp_path.parent / f"{tmp_path.name}-victim.txt"
+    outside.write_text("keep me\n")
+    batch_id = f"batch_{uuid.uuid4().hex}"
+    good = {"kind": "batch", "owner": "", "place": 0, "source": f"file-{uuid.uuid4().hex}", "writing": {},
+            "info": {"id": batch_id, "status": "in_progress", "endpoint": "/v1/completions", "created_at": 1,
+                     "expires_at": int(time.time()) + 3600, "output_file_id": None, "error_file_id": None,
+                     "request_counts": {"total": 1, "completed": 0, "failed": 0}}}
+    for name, record in ((batch_id, {**good, "writing": {"output": str(outside)}}),
+                         (f"batch_{uuid.uuid4().hex}", {**good, "source": "../x"}),
+                         (f"batch_{uuid.uuid4().hex}", good),  # (its id is another record's)
+                         (f"batch_{uuid.uuid4().hex}", {**good, "info": {"id": "x"}})):
+        (tmp_path / f"{name}.json").write_text(json.dumps(record))
+
+    async def scenario():
+        store = _store(tmp_path)
+        assert store.jobs == {} and store.used == 0
+        store.serving()
+        await store.close()
+
+    asyncio.run(scenario())
+    assert outside.read_text() == "keep me\n" and len(list(tmp_path.glob("*.json"))) == 4
+
+
+def test_batches_taken_back_that_read_one_deleted_input_charge_it_once(tmp_path):
+    """Two batches reading one input deleted meanwhile, taken back after a stop: its bytes charged once (not once
+    each), and gone, uncharged, when both have ended."""
+    async def first():
+        store = _store(tmp_path)
+        store.serving()
+        source = _put(store, "", [line(f"r{i}", {"prompt": "x", "hold": True}) for i in range(2)], tmp_path)
+        a, b = _make(store, "", source), _make(store, "", source)
+        await _until(lambda: len(store.app.seen) >= 1)
+        store.delete_file("", source)
+        await store.close()
+        return a["id"], b["id"]
+
+    ids = asyncio.run(first())
+
+    async def second():
+        store = _store(tmp_path)
+        on_disk = sum(p.stat().st_size for p in tmp_path.iterdir() if not p.name.endswith(".json"))
+        assert store.used == store.owned[""] == on_disk
+        store.serving()
+        store.app.gate.set()
+        await _until(lambda: all(store.get("", i)["status"] == "completed" for i in ids))
+        on_disk = sum(p.stat().st_size for p in tmp_path.iterdir() if not p.name.endswith(".json"))
+        assert store.used == on_disk and all(f.info["purpose"] == "batch_output" for f in store.files.values())
+        await store.close()
+
+    asyncio.run(second())
+
+
 def test_a_batch_dir_is_one_servers_at_a_time(tmp_path):
     """Two servers on one --batch-dir would both run its batches: the second is refused until the first stops."""
     async def scenario():

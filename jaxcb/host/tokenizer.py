@@ -590,7 +590,10 @@ class Tokenizer:
         messages' `tool_calls`, are written by the template as its own text: one holding a special token's
         text is refused (it would be that token)."""
         self._check_no_special("tools", tools)
-        self._check_no_special("documents", check_template_kwargs(template_kwargs).get("documents"))
+        documents = check_template_kwargs(template_kwargs).get("documents")
+        self._check_no_special("documents", documents)
+        if documents:  # (and as a template writing one field after another would join them)
+            self._check_no_special("documents", "".join(v for d in documents for v in d.values()))
         for i, m in enumerate(messages):
             self._check_no_special(f"messages[{i}].tool_calls", m.get("tool_calls"))
         if continue_final_message:
