@@ -430,17 +430,18 @@ def test_a_batch_dir_is_one_servers_at_a_time(tmp_path):
     asyncio.run(scenario())
 
 
-def test_a_batch_taken_back_and_cancelled_before_the_server_serves_keeps_what_ran(tmp_path):
-    async def first():
-        store = _store(tmp_path)
-        store.serving()
-        b = _make(store, "", _put(store, "", [line(f"r{i}", {"prompt": "x", "hold": i == 2}) for i in range(4)],
-                                  tmp_path))
-        await _until(lambda: store.get("", b["id"])["request_counts"]["completed"] == 2)
-        await store.close()
-        return b["id"]
+async def _stopped_with_two_of_four_answered(tmp_path) -> str:
+    """A store on `tmp_path` that ran two of a batch's four lines (the third held) and stopped: the batch's id."""
+    store = _store(tmp_path)
+    store.serving()
+    b = _make(store, "", _put(store, "", [line(f"r{i}", {"prompt": "x", "hold": i == 2}) for i in range(4)], tmp_path))
+    await _until(lambda: store.get("", b["id"])["request_counts"]["completed"] == 2)
+    await store.close()
+    return b["id"]
 
-    batch_id = asyncio.run(first())
+
+def test_a_batch_taken_back_and_cancelled_before_the_server_serves_keeps_what_ran(tmp_path):
+    batch_id = asyncio.run(_stopped_with_two_of_four_answered(tmp_path))
 
     async def second():
         store = _store(tmp_path)
@@ -482,16 +483,7 @@ def test_a_server_stopped_mid_batch_goes_on_with_it_when_started_on_the_same_bat
 
 
 def test_a_batch_whose_window_passed_while_the_server_was_stopped_expires_keeping_what_ran(tmp_path):
-    async def first():
-        store = _store(tmp_path)
-        store.serving()
-        b = _make(store, "", _put(store, "", [line(f"r{i}", {"prompt": "x", "hold": i == 2}) for i in range(4)],
-                                  tmp_path))
-        await _until(lambda: store.get("", b["id"])["request_counts"]["completed"] == 2)
-        await store.close()
-        return b["id"]
-
-    batch_id = asyncio.run(first())
+    batch_id = asyncio.run(_stopped_with_two_of_four_answered(tmp_path))
     record = json.loads((tmp_path / f"{batch_id}.json").read_text())
     record["info"]["expires_at"] = int(time.time()) - 1
     (tmp_path / f"{batch_id}.json").write_text(json.dumps(record))
