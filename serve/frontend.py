@@ -79,6 +79,7 @@ class ServerOptions:
     batch_dir: str | None = None  # where they are kept, to outlive the server (None: a folder removed at stop)
     stream_interval: int = 1  # tokens a streamed HTTP chunk holds at least (vLLM's --stream-interval)
     profile_dir: str | None = None  # where POST /start_profile writes jax.profiler traces (None: no such routes)
+    dev_routes: bool = False  # vLLM's development routes (POST /reset_prefix_cache): off unless asked for
 
     def __post_init__(self):
         if self.generation_config not in ("auto", "none", "vllm"):

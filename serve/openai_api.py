@@ -298,6 +298,16 @@ def make_app(state) -> FastAPI:
                 await stop_tracing(folder)
             return {"profile_dir": folder}
 
+    if state.options.dev_routes:
+        @app.post("/reset_prefix_cache")
+        async def reset_prefix_cache(request: Request):
+            """vLLM's (a development route, --dev-routes): every cached prefix forgotten, the KV-cache events'
+            AllBlocksCleared published; {"success": false} while requests run or wait (try again when idle)."""
+            authorize(request)
+            done = state.engine.reset_prefix_cache()
+            results = await asyncio.wait_for(asyncio.gather(*map(asyncio.wrap_future, done)), 30.0)
+            return {"success": all(results)}
+
     @app.get("/load")
     async def load(request: Request):
         """vLLM's server load: the calls in progress (streams and answers being made)."""

@@ -301,6 +301,29 @@ def test_a_thinking_budget_forces_the_end_tag_once_the_thinking_has_spent_it(mak
     assert SamplingParams(thinking_token_budget=-1).thinking_token_budget is None
 
 
+def test_the_prefix_cache_is_reset_only_while_nothing_runs(make_llm):
+    """Engine.reset_prefix_cache (vLLM's /reset_prefix_cache): refused while a request runs or waits (its pages'
+    hashes are in use), done when idle: the next identical prompt is computed again, its tokens the same."""
+    llm = make_llm()
+    prompt = random_prompts(llm, (70,))[0]
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    first = llm.generate([prompt], params)[0]
+    assert llm.generate([prompt], params)[0].num_cached_tokens >= 64
+    engine = llm.engine
+    engine.add_request(prompt, SamplingParams(max_tokens=20, ignore_eos=True), request_id="busy")
+    refused = engine.reset_prefix_cache()
+    engine.step()
+    assert refused.result(timeout=0) is False
+    while engine.has_work():
+        engine.step()
+    done = engine.reset_prefix_cache()
+    while engine.has_work():
+        engine.step()
+    assert done.result(timeout=0) is True and engine.pool.num_cached == 0
+    again = llm.generate([prompt], params)[0]
+    assert again.num_cached_tokens == 0 and again.token_ids == first.token_ids
+
+
 def test_logprobs_and_stats(make_llm):
     llm = make_llm()
     out = llm.generate(random_prompts(llm, (9,)), SamplingParams(max_tokens=5, logprobs=3, ignore_eos=True))[0]

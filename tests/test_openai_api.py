@@ -28,7 +28,8 @@ from tests.server_util import ServerProcess, free_port, http_server, wait_pool_w
 
 @pytest.fixture(scope="module")
 def server(tiny_gguf_path, config_path, tmp_path_factory):
-    yield from http_server(tiny_gguf_path, config_path, "--profile-dir", str(tmp_path_factory.mktemp("profiles")))
+    yield from http_server(tiny_gguf_path, config_path, "--profile-dir", str(tmp_path_factory.mktemp("profiles")),
+                           "--dev-routes")
 
 
 @pytest.fixture(scope="module")
@@ -342,6 +343,23 @@ def test_return_prompt_text_gives_the_prompt_the_template_wrote(server, tiny_mod
             "messages": messages, "max_tokens": 3, "use_beam_search": True, "n": 2, **extra}, timeout=30)
         assert r.status_code == 400 and r.json()["error"]["message"] == f"{next(iter(extra))}: not supported with " \
             "use_beam_search", r.text[:300]
+
+
+def test_reset_prefix_cache_forgets_cached_prefixes_only_while_nothing_runs(server, long_server):
+    """vLLM's POST /reset_prefix_cache (--dev-routes): a prompt answered before is cached, then forgotten (the engine
+    refuses while requests run: tests/test_engine.py); a server without the flag has no such route."""
+    body = {"prompt": [5 + i % 50 for i in range(80)], "max_tokens": 2, "temperature": 0}
+
+    def cached():
+        r = httpx.post(server.http + "/v1/completions", json=body, timeout=60).json()
+        return r["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    cached()
+    assert cached() >= 64
+    _pool_whole(server)
+    assert httpx.post(server.http + "/reset_prefix_cache", timeout=60).json() == {"success": True}
+    assert cached() == 0
+    assert httpx.post(long_server.http + "/reset_prefix_cache", timeout=60).status_code == 404
 
 
 def test_return_tokens_as_token_ids_names_each_logprob_token_by_its_id(server, model_name):

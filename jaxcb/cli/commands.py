@@ -121,6 +121,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--batch-files-mb", type=float, default=1024.0,
                    help="MiB of files the Files and Batch APIs keep on disk (uploads, batches' outputs; default 1024; "
                         "0 keeps none)")
+    s.add_argument("--dev-routes", action="store_true",
+                   help="serve vLLM's development routes (its VLLM_SERVER_DEV_MODE's): POST /reset_prefix_cache, which "
+                        "empties the prefix cache while nothing runs (benchmarks between runs); off by default: "
+                        "any client could slow every other")
     s.add_argument("--profile-dir", default=None, metavar="DIR",
                    help="serve POST /start_profile and /stop_profile (vLLM's): a jax.profiler trace of what runs "
                         "between them, written under DIR (TensorBoard's and Perfetto's format; default: no such routes)")
@@ -219,7 +223,7 @@ def cmd_serve(args) -> int:
                               kv_events=args.kv_events, kv_events_topic=args.kv_events_topic,
                               http_header_timeout_s=args.http_header_timeout, batch_files_mb=args.batch_files_mb,
                               batch_dir=args.batch_dir, stream_interval=args.stream_interval,
-                              profile_dir=args.profile_dir)
+                              profile_dir=args.profile_dir, dev_routes=args.dev_routes)
     names = _announce(args, engines, dots, cache_dir, sys.stdout)
     target = f"{args.host}:{args.port}"
     print(f"jaxcb: try it:  .venv/bin/jaxcb client --target {target} \"Why is the sky blue?\"", flush=True)

@@ -18,6 +18,7 @@ step, so only the engine thread touches the scheduler and the pool.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
 import logging
 import time
@@ -31,7 +32,7 @@ from jaxcb.host.draft import describe_speculation, proposer_for
 from jaxcb.host.engine_config import EngineConfig
 from jaxcb.host.embedding import take_pooled
 from jaxcb.host.engine_stats import Counters, EngineStats, StepRecord
-from jaxcb.host.inbox import Add, Inbox
+from jaxcb.host.inbox import Add, ForgetCache, Inbox
 from jaxcb.host.lora import Adapters
 from jaxcb.host.errors import InvalidRequest, NotFound, StepFailed, shown
 from jaxcb.host.output import EventCallback, Outputs, take_prompt_logprobs, token_logprobs
@@ -205,6 +206,12 @@ class Engine:
     def is_live(self, request_id: str) -> bool:
         return self.inbox.is_live(request_id)
 
+    def reset_prefix_cache(self) -> concurrent.futures.Future:
+        """Forget every cached prefix (vLLM's reset_prefix_cache; the KV-cache events say AllBlocksCleared), at
+        the engine thread's next step and only if no request runs or waits then: the future tells whether it
+        did (False: try again when idle)."""
+        return self.inbox.forget_cache()
+
     def has_work(self) -> bool:
         return self.scheduler.has_work or not self.inbox.empty() or bool(self._in_flight)
 
@@ -228,6 +235,13 @@ class Engine:
                     self._requests.setdefault(r.request_id, []).append(r)
                     self.outputs.open(r, st)
                     self.scheduler.add(r)
+            elif isinstance(item, ForgetCache):  # (only while nothing runs: a running request holds its pages' hashes)
+                idle = not self.scheduler.has_work and not self._in_flight
+                if idle:
+                    self.pool.forget_cached()
+                    if self.window_group is not None:
+                        self.window_group.pool.forget_cached()
+                item.done.set_result(idle)
             elif item.request_id in self._requests:  # an Abort
                 for r in list(self._requests[item.request_id]):
                     self._finish(r, FinishReason.ABORT, events)

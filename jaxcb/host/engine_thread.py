@@ -49,6 +49,10 @@ class EngineThread:
         self.engine.abort(request_id)
         self._wake.set()
 
+    def wake(self) -> None:
+        """Something was put in the engine's inbox: the loop takes it now, not at its next idle poll."""
+        self._wake.set()
+
     def stop(self, timeout: float = 10.0) -> None:
         self._stop.set()
         self._wake.set()

@@ -7,6 +7,7 @@ Plain Python, no JAX.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import queue
 import random
@@ -32,6 +33,14 @@ class Abort:
     """Every sample of the request ends at the next step (Engine.abort)."""
 
     request_id: str
+
+
+@dataclasses.dataclass(frozen=True)
+class ForgetCache:
+    """The prefix cache forgets every page it holds, if no request runs or waits (Engine.reset_prefix_cache):
+    `done` is told whether it did."""
+
+    done: concurrent.futures.Future
 
 
 class Inbox:
@@ -71,10 +80,15 @@ class Inbox:
     def abort(self, request_id: str) -> None:
         self._items.put(Abort(request_id))
 
+    def forget_cache(self) -> concurrent.futures.Future:
+        done = concurrent.futures.Future()
+        self._items.put(ForgetCache(done))
+        return done
+
     def empty(self) -> bool:
         return self._items.empty()
 
-    def drain(self) -> Iterator[Add | Abort]:
+    def drain(self) -> Iterator[Add | Abort | ForgetCache]:
         """The items put so far, in order (the engine thread, at the start of a step)."""
         while True:
             try:

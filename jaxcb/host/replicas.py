@@ -212,6 +212,14 @@ class Replicas:
                 self.load[route.replica] -= route.pending  # 0 unless the accounting drifted
                 del self._routes[ev.request_id]
 
+    def reset_prefix_cache(self) -> list:
+        """Every replica's prefix cache forgets what it holds where nothing runs (Engine.reset_prefix_cache):
+        one future each, telling whether it did."""
+        done = [e.reset_prefix_cache() for e in self.engines]
+        for t in self.threads:
+            t.wake()
+        return done
+
     def abort(self, request_id: str) -> None:
         with self._lock:
             route = self._routes.get(request_id)
