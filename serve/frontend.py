@@ -129,6 +129,7 @@ class State:
         self.metrics = metrics
         self.started = int(time.time())  # what /v1/models gives as the model's `created`
         self.ready = False
+        self.kv_event_sources: dict = {}  # each replica's KV-cache event publisher (serve.server; none: {})
         self.draining = False
         # Engine keys of accepted, unfinished requests -> their samples (n): admission counts samples,
         # as the engine runs each of them as a sequence of its own.

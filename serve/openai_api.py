@@ -308,6 +308,12 @@ def make_app(state) -> FastAPI:
             results = await asyncio.wait_for(asyncio.gather(*map(asyncio.wrap_future, done)), 30.0)
             return {"success": all(results)}
 
+    @app.get("/kv_event_sources")
+    async def kv_event_sources(request: Request):
+        """vLLM's: each data-parallel rank's KV-cache event publisher (--kv-events), {} without them."""
+        authorize(request)
+        return state.kv_event_sources
+
     @app.get("/load")
     async def load(request: Request):
         """vLLM's server load: the calls in progress (streams and answers being made)."""

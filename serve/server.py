@@ -45,6 +45,9 @@ async def run_server(engine: Engine | list[Engine], tokenizer, served_names: str
     state = open_state(engines, tokenizer, served_names, dtype, options)
     metrics, replicas = state.metrics, state.thread
     publishers = _kv_event_publishers(engines, options, state.model_name, announce)
+    state.kv_event_sources = {str(i): {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": p.endpoint,
+                                       "replay_endpoint": p.replay_endpoint, "topic": p.topic.decode()}
+                              for i, p in enumerate(publishers)}  # (vLLM's /kv_event_sources: per DP rank)
 
     server, set_health = make_grpc_server(state, options)
     await set_health(health_pb2.HealthCheckResponse.NOT_SERVING)

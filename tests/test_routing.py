@@ -139,8 +139,9 @@ def run_phase(servers, indexes, waves, choose) -> dict:
 
 
 def test_routing_by_kv_events_keeps_the_single_server_hit_rate(tiny_gguf_path, config_path, make_llm):
-    """Also, on the same servers: the endpoint picker's metric flags (deploy/inferencepool.yaml) name
-    metrics they export, and a server's events carry the hashes another engine gives the same prompt."""
+    """Also, on the same servers: the endpoint picker's metric specs (deploy/inferencepool.yaml) name
+    metrics they export, /kv_event_sources (vLLM's) names each publisher, and a server's events carry the hashes
+    another engine gives the same prompt."""
     from jaxcb.host.request import SamplingParams
     from tests.server_util import ServerProcess, free_port, free_port_pair
     from tests.test_deploy import check_epp_metrics
@@ -157,6 +158,11 @@ def test_routing_by_kv_events_keeps_the_single_server_hit_rate(tiny_gguf_path, c
             s.wait_serving()
         check_epp_metrics(httpx.get(servers[0].http + "/metrics", timeout=10).text)  # idle: before any request
         assert f"KV-cache events of replica 0 on {servers[0].events}" in servers[0].output()
+        sources = httpx.get(servers[0].http + "/kv_event_sources", timeout=10).json()  # (vLLM's route)
+        host, port = servers[0].events.rsplit(":", 1)
+        assert sources == {"0": {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": servers[0].events,
+                                 "replay_endpoint": f"{host}:{int(port) + 1}", "topic": sources["0"]["topic"]}}
+        assert sources["0"]["topic"].startswith("kv@") and sources["0"]["topic"].endswith("@tiny")
         indexes = [Index(ctx, s.events) for s in servers]
         for ix in indexes:
             ix.start()
