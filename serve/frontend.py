@@ -22,7 +22,7 @@ from jaxcb.host.errors import (ContextTooLong, InvalidConfig, InvalidRequest, No
                                StepFailed, Unavailable, shown)
 from jaxcb.host.replicas import Replicas
 from jaxcb.host.request import (FinishReason, SamplingParams, TokenEvent, check_param_ids, check_prompt_length,
-                                outside_vocabulary)
+                                outside_vocabulary, resolve_bad_words)
 from serve import reasoning
 from serve.metrics import Metrics, RequestTimer
 
@@ -335,11 +335,16 @@ def owner(tenant_: str) -> str:
 _DIED = object()  # put on every open stream's queue when the engine dies
 
 
-async def check_settings(state: State, params: SamplingParams) -> None:
+async def check_settings(state: State, params: SamplingParams) -> SamplingParams:
     """A request's settings against the model, before it is tokenized or queued: the token ids they name
-    (stop_token_ids, logit_bias) against the vocabulary, then its structured-output constraint compiled."""
+    (stop_token_ids, logit_bias) against the vocabulary, then its structured-output constraint compiled and its
+    bad_words spelt (both off the event loop); the params to run it with (bad_word_ids filled in)."""
     check_param_ids(params, state.engine.model_config.vocab_size)
     await check_constraint(state, params.structured)
+    if params.bad_words:
+        params = await asyncio.to_thread(resolve_bad_words, params, state.tokenizer)
+        check_param_ids(params, state.engine.model_config.vocab_size)
+    return params
 
 
 async def check_constraint(state: State, constraint) -> None:

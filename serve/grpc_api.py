@@ -214,7 +214,7 @@ class JaxcbService(jaxcb_pb2_grpc.JaxcbServicer):
                                          f"({request.model!r})")
                 params = dataclasses.replace(params, lora=adapter)
             self.state.admit(params.n)  # before any tokenizing
-            await check_settings(self.state, params)
+            params = await check_settings(self.state, params)
             ids = await _prompt_ids(self.state, request)
             tenant = tenant_of(self.state, context)
             # aclosing: a call that ends inside the loop (an error, a cancel) closes the stream at once,

@@ -496,7 +496,7 @@ def make_app(state) -> FastAPI:
         if penalty is not None:
             check_beam_request(params, options, logprobs=shown is not None, echo=echo)
         state.admit(len(given) * params.n)
-        await frontend.check_settings(state, params)
+        params = await frontend.check_settings(state, params)
         # add_special_tokens (vLLM's; default true): what the tokenizer adds to a text (its BOS, if the model has one)
         encode = state.tokenizer.encode if bool_field(body, "add_special_tokens", True) else functools.partial(
             state.tokenizer.encode, add_bos=False)
@@ -865,7 +865,7 @@ def make_app(state) -> FastAPI:
             if harmonic:
                 raise bad_request("use_beam_search: not supported where answers are in the harmony format (gpt-oss)")
         state.admit(params.n)
-        await frontend.check_settings(state, params)
+        params = await frontend.check_settings(state, params)
         special = bool_field(body, "add_special_tokens", False)
 
         async def encoded(msgs):

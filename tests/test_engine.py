@@ -231,7 +231,8 @@ def test_bad_words_are_never_completed_and_match_a_token_by_token_ban(make_llm):
 
 def test_bad_words_are_spelt_as_vllm_spells_them(tiny_model):
     """A word's tokens as it starts a text, and after a space where that gives other tokens of the same
-    count; more than 128 sequences in all is refused, naming the field."""
+    count; more than 128 sequences in all, or a word of more than 64 tokens (each step compares the output's
+    end with it), is refused, naming the field."""
     tok = tiny_model[2]
     for word in ("hello", " world", "ab"):
         plain = tuple(tok.encode(word.lstrip(), add_bos=False))
@@ -241,6 +242,8 @@ def test_bad_words_are_spelt_as_vllm_spells_them(tiny_model):
     many = tuple(f"w{i} x" for i in range(128))
     with pytest.raises(InvalidRequest, match=r"bad_words: \d+ token sequences .*the limit is 128"):
         resolve_bad_words(SamplingParams(bad_words=many), tok)
+    with pytest.raises(InvalidRequest, match=r"bad_words: a word of \d+ tokens; the limit is 64 a word"):
+        resolve_bad_words(SamplingParams(bad_words=("xq" * 100,)), tok)
 
 
 def test_repetition_detection_ends_a_repeating_output_as_vllm_finds_it(make_llm):

@@ -24,6 +24,7 @@ MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
 MAX_REPEATED_PATTERN = 256  # repetition_detection's max_pattern_size (each token's check is at most ~this x min_count)
 MAX_BAD_WORDS = 128  # bad_words' token sequences (vLLM's VLLM_MAX_NUM_BAD_WORDS), and the words given
+MAX_BAD_WORD_TOKENS = 64  # tokens of one bad word (a word or a phrase; each step compares the output's end with it)
 MAX_ALLOWED_TOKEN_IDS = 1 << 18  # allowed_token_ids: a vocabulary's worth (Gemma 3's is 262,144)
 MAX_LOGPROBS = 20
 MAX_SAMPLES = 16
@@ -110,6 +111,9 @@ class SamplingParams:
         object.__setattr__(self, "bad_word_ids", tuple(tuple(int(t) for t in w) for w in self.bad_word_ids or ()))
         if any(not w for w in self.bad_word_ids):
             raise InvalidRequest("bad_word_ids: each word must have at least one token")
+        longest = max(map(len, self.bad_word_ids), default=0)
+        if longest > MAX_BAD_WORD_TOKENS:
+            raise InvalidRequest(f"bad_words: a word of {longest} tokens; the limit is {MAX_BAD_WORD_TOKENS} a word")
         if self.repetition_detection is not None:
             check_repetition_detection(*self.repetition_detection)
         if self.thinking_token_budget == -1:  # (vLLM's "unlimited")
@@ -403,6 +407,8 @@ def resolve_bad_words(params: SamplingParams, tokenizer) -> SamplingParams:
         plain = tokenizer.encode(word.lstrip(), add_bos=False)
         if not plain:
             raise InvalidRequest(f"bad_words: {shown(word)} has no tokens")
+        if len(plain) > MAX_BAD_WORD_TOKENS:  # (refused at the first such word: the others are not spelt)
+            raise InvalidRequest(f"bad_words: a word of {len(plain)} tokens; the limit is {MAX_BAD_WORD_TOKENS} a word")
         sequences.append(tuple(plain))
         spaced = tokenizer.encode(" " + word.lstrip(), add_bos=False)
         if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
@@ -419,7 +425,7 @@ def banned_tokens(bad_word_ids, output_ids) -> list[int]:
     banned = []
     for word in bad_word_ids:
         k = len(word) - 1
-        if k <= len(output_ids) and (k == 0 or tuple(output_ids[-k:]) == word[:-1]):
+        if k == 0 or (k <= len(output_ids) and output_ids[-1] == word[-2] and tuple(output_ids[-k:]) == word[:-1]):
             banned.append(word[-1])
     return banned
 
