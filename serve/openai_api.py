@@ -51,7 +51,9 @@ import dataclasses
 import functools
 import logging
 import os
+import shutil
 import time
+import uuid
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
@@ -60,7 +62,7 @@ from starlette.exceptions import HTTPException as RouteError
 import jaxcb
 from jaxcb.host import classifier, embedding, harmony, tool_calls
 from jaxcb.host.embedding import check_encoding_format
-from jaxcb.host.errors import InvalidRequest, JaxcbError, NotFound, Unauthenticated
+from jaxcb.host.errors import InvalidRequest, JaxcbError, NotFound, PermissionDenied, Unauthenticated
 from jaxcb.host.request import MAX_SAMPLES, SamplingParams
 from serve import anthropic_messages, frontend, openai_batches, openai_responses, openai_scores, reasoning
 from serve.openai_responses_store import Store
@@ -74,7 +76,8 @@ from serve.openai_fields import (CHAT_FIELDS, COMPLETION_FIELDS, DETOKENIZE_FIEL
 
 
 log = logging.getLogger("jaxcb.serve.openai_api")
-MAX_PROFILE_S = 300  # a /start_profile trace nobody stops ends after this long
+MAX_PROFILE_S = 30  # a /start_profile trace ends after this long (a trace buffers all the process runs, ~20 MB/s)
+KEPT_PROFILES = 8  # the traces --profile-dir keeps (the oldest this server wrote removed first)
 LIMITED = ("/v1/", "/v2/", "/tokenize", "/detokenize", "/score", "/rerank", "/pooling", "/classify",
            "/invocations")  # the paths of API calls (what the concurrency limit counts)
 
@@ -247,8 +250,15 @@ def make_app(state) -> FastAPI:
                         if getattr(r, "path", None) == path and "POST" in getattr(r, "methods", ()))
         return await endpoint(request)
 
+    def operator(request: Request) -> None:
+        """The operator's routes (profiles, the prefix cache's reset): with bearer tokens, the first --auth-token's
+        only (any other is a 403: one tenant must not slow every other); without tokens, anyone's."""
+        if authorize(request) not in ("token0", "") and state.options.tokens:
+            raise PermissionDenied("this call is the operator's: the server's first --auth-token makes it")
+
     if state.options.profile_dir is not None:
         profiling = asyncio.Lock()
+        written: list[str] = []  # the traces this server wrote, oldest first (at most KEPT_PROFILES kept)
         tracing: list[str] = []  # the trace being written (at most one)
         timers: set[asyncio.Task] = set()
 
@@ -263,7 +273,7 @@ def make_app(state) -> FastAPI:
             log.info("profile written to %s", folder)
 
         async def time_out(folder: str) -> None:
-            """A trace nobody stops ends after MAX_PROFILE_S (a profile buffers everything the process runs)."""
+            """A trace ends after MAX_PROFILE_S if nobody stops it sooner (it buffers everything the process runs)."""
             await asyncio.sleep(MAX_PROFILE_S)
             async with profiling:
                 if tracing == [folder]:
@@ -273,16 +283,20 @@ def make_app(state) -> FastAPI:
         @app.post("/start_profile")
         async def start_profile(request: Request):
             """vLLM's: a jax.profiler trace of everything the process runs (the engine's steps on every device)
-            from now until /stop_profile, under --profile-dir."""
-            authorize(request)
+            from now until /stop_profile (at most MAX_PROFILE_S), under --profile-dir: TensorBoard's .xplane.pb."""
+            operator(request)
             async with profiling:
                 if tracing:
                     raise HTTPError(409, f"a profile is being written already (to {tracing[0]}): /stop_profile first")
                 import jax
 
-                folder = os.path.join(state.options.profile_dir, time.strftime("%Y%m%d-%H%M%S"))
-                await asyncio.to_thread(jax.profiler.start_trace, folder, create_perfetto_trace=True)
+                while len(written) >= KEPT_PROFILES:
+                    await asyncio.to_thread(shutil.rmtree, written.pop(0), True)
+                folder = os.path.join(state.options.profile_dir,
+                                      f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:8]}")
+                await asyncio.to_thread(jax.profiler.start_trace, folder)
                 tracing.append(folder)
+                written.append(folder)
                 timers.add(task := asyncio.ensure_future(time_out(folder)))
                 task.add_done_callback(timers.discard)
             log.info("profiling into %s (for at most %d s)", folder, MAX_PROFILE_S)
@@ -290,7 +304,7 @@ def make_app(state) -> FastAPI:
 
         @app.post("/stop_profile")
         async def stop_profile(request: Request):
-            authorize(request)
+            operator(request)
             async with profiling:
                 if not tracing:
                     raise HTTPError(409, "no profile is being written: /start_profile first")
@@ -303,7 +317,7 @@ def make_app(state) -> FastAPI:
         async def reset_prefix_cache(request: Request):
             """vLLM's (a development route, --dev-routes): every cached prefix forgotten, the KV-cache events'
             AllBlocksCleared published; {"success": false} while requests run or wait (try again when idle)."""
-            authorize(request)
+            operator(request)
             done = state.engine.reset_prefix_cache()
             results = await asyncio.wait_for(asyncio.gather(*map(asyncio.wrap_future, done)), 30.0)
             return {"success": all(results)}

@@ -48,6 +48,7 @@ import logging
 import os
 import re
 import shutil
+import stat
 import tempfile
 import time
 import uuid
@@ -65,8 +66,8 @@ MAX_FILE_BYTES = 200 << 20  # one uploaded file (OpenAI's limit for a batch's in
 MAX_BATCH_REQUESTS = 50_000  # lines in one batch (OpenAI's)
 MAX_ERRORS_LISTED = 100  # a failed validation's errors
 BATCH_IN_FLIGHT = 64  # a batch's lines running at once
-MAX_KEPT = 10_000  # files, and batches, kept at once (the oldest finished batch is dropped first)
-MAX_PENDING = 100  # batches not ended at once (each waits its turn)
+MAX_KEPT = 10_000  # files, and batches, kept at once (a caller's oldest finished batch is dropped first); and
+MAX_PENDING = 100  # batches not ended at once (each waits its turn): both shared evenly by the bearer tokens (_cap)
 MAX_ORDER = 1 << 17  # the places of ids made, deleted ones too, for list cursors (the oldest forgotten first)
 BATCH_FIELDS = {"input_file_id", "endpoint", "completion_window", "metadata", "output_expires_after"}
 UPLOAD_FIELDS = ("file", "purpose", "expires_after[anchor]", "expires_after[seconds]")
@@ -104,6 +105,7 @@ class Batches:
         self.share = limit_bytes // max(1, len(tokens))  # each owner's part (the server's bearer tokens share it evenly)
         self.used = 0  # bytes of the files kept, uploading and being written (each charged as it comes)
         self.owned: collections.Counter[str] = collections.Counter()  # owner -> its part of `used`
+        self.uploading: collections.Counter[str] = collections.Counter()  # owner -> its uploads under way
         self.files: dict[str, File] = {}
         self.jobs: dict[str, Job] = {}
         self.order: collections.OrderedDict[str, int] = collections.OrderedDict()  # id -> its place (_made)
@@ -202,16 +204,23 @@ class Batches:
         while len(self.order) > MAX_ORDER:
             self.order.popitem(last=False)
 
-    def _check_open(self) -> None:
+    def _cap(self, total: int) -> int:
+        """Each owner's part of a server-wide count (the bearer tokens share it evenly, as they share the bytes):
+        no owner's files or batches crowd out another's."""
+        return max(1, total // max(1, len(self.tokens)))
+
+    def _check_open(self, owner: str) -> None:
         if not self.limit:
             raise HTTPError(400, "the server keeps no files (--batch-files-mb 0)", param="file")
-        if len(self.files) >= MAX_KEPT:
-            raise HTTPError(429, f"the server keeps at most {MAX_KEPT} files; delete some first")
+        mine = sum(f.owner == owner for f in self.files.values()) + self.uploading[owner]
+        if mine >= self._cap(MAX_KEPT):
+            raise HTTPError(429, f"at most {self._cap(MAX_KEPT)} files are kept for each caller (with uploads under "
+                                 "way); delete some first")
 
     async def upload(self, owner: str, request) -> dict:
         """POST /v1/files: the multipart body streamed to disk within the room left (a 413 past it), each chunk
         within --http-header-timeout of the last (a 408)."""
-        self._check_open()
+        self._check_open(owner)
         kind, params = parse_options_header(request.headers.get("content-type", ""))
         if kind != b"multipart/form-data" or not params.get(b"boundary"):
             raise bad_request("body: must be multipart/form-data with the file and its purpose (OpenAI's files.create)")
@@ -222,6 +231,7 @@ class Batches:
             raise self._too_large(int(declared[:16]), owner)
         path = self._new_path(f"file-{uuid.uuid4().hex}")
         upload = _Upload(path, self, owner)
+        self.uploading[owner] += 1  # (its place taken now: uploads at once do not pass the cap together)
         try:
             parser = MultipartParser(params[b"boundary"], upload.callbacks(), max_header_count=8)
             chunks = request.stream().__aiter__()
@@ -253,6 +263,8 @@ class Batches:
             if isinstance(e, Exception) and not isinstance(e, HTTPError):  # python-multipart's: a malformed body
                 raise bad_request(f"body: not a well-formed multipart body ({str(e)[:200]})") from None
             raise
+        finally:
+            self.uploading[owner] -= 1
 
     def _too_large(self, size: int, owner: str) -> HTTPError:
         return HTTPError(413, f"file: {size} bytes; the room left is {min(MAX_FILE_BYTES, self._room(owner))} bytes (a "
@@ -306,10 +318,14 @@ class Batches:
         if window != "24h":
             raise bad_request(f"completion_window: {shown(window)}; only \"24h\" is offered")
         check_metadata(body.get("metadata"))
-        if sum(j.info["status"] not in ENDED for j in self.jobs.values()) >= MAX_PENDING:
-            raise HTTPError(429, f"the server has {MAX_PENDING} batches not ended; the most it takes at once")
-        while len(self.jobs) >= MAX_KEPT:  # the oldest ended batch makes way
-            dropped = next(k for k, j in self.jobs.items() if j.info["status"] in ENDED)
+        mine = [k for k, j in self.jobs.items() if j.owner == owner]
+        if sum(self.jobs[k].info["status"] not in ENDED for k in mine) >= self._cap(MAX_PENDING):
+            raise HTTPError(429, f"at most {self._cap(MAX_PENDING)} batches not ended are taken from each caller; "
+                                 "wait for one to end")
+        ended = [k for k in mine if self.jobs[k].info["status"] in ENDED]
+        while len(mine) >= self._cap(MAX_KEPT):  # the caller's own oldest ended batch makes way
+            dropped = ended.pop(0)
+            mine.remove(dropped)
             del self.jobs[dropped]
             self._forget(dropped)
         self._go_on()
@@ -506,9 +522,15 @@ class Batches:
         records, kept = [], set()
         for path in self.folder.glob("*.json"):
             try:
+                if _plain(path) is not True:  # (a link, a pipe: never read)
+                    raise ValueError("not a plain file")
                 record = json.loads(path.read_text())
                 if not _well_formed(record, path.stem):
                     raise ValueError("not in the shape this store writes")
+                named = [record.get("source"), *record.get("writing", {}).values(), path.stem if record["kind"] ==
+                         "file" else None, record["info"].get("output_file_id"), record["info"].get("error_file_id")]
+                if any(name and _plain(self.folder / name) is False for name in named):
+                    raise ValueError("it names a file that is a link or not a plain file")
                 records.append((record["kind"] != "file", record["place"], path.stem, record))
             except (OSError, ValueError, RecursionError) as e:
                 log.warning("--batch-dir: %s is not a record jaxcb wrote (%r); left as it is", path, e)
@@ -680,6 +702,14 @@ def _well_formed(record, stem: str) -> bool:
             and isinstance(counts, dict) and all(isinstance(counts.get(k), int) for k in ("total", "completed", "failed"))
             and isinstance(info.get("expires_at"), int) and isinstance(info.get("endpoint"), str)
             and isinstance(info.get("created_at"), int))
+
+
+def _plain(path: Path) -> bool | None:
+    """Whether `path` is a plain file of its own (None: there is nothing; False: a link, a folder, a pipe, ...)."""
+    try:
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except FileNotFoundError:
+        return None
 
 
 def _read_back(path: Path, tally: batch.Tally, answered: set) -> int:

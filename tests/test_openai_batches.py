@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+import os
 import time
 import uuid
 
@@ -135,7 +136,7 @@ def test_cancelling_a_batch_aborts_its_requests_and_keeps_what_ran(server, oai):
 
 def test_each_token_keeps_its_own_files_within_its_share_of_the_limit(tiny_gguf_path, config_path):
     for s in http_server(tiny_gguf_path, config_path, "--auth-token", "alice", "--auth-token", "bob",
-                         "--batch-files-mb", "0.004"):  # 4,194 bytes
+                         "--batch-files-mb", "0.004", "--dev-routes"):  # 4,194 bytes
         alice = openai.OpenAI(base_url=s.http + "/v1", api_key="alice", max_retries=0)
         bob = openai.OpenAI(base_url=s.http + "/v1", api_key="bob", max_retries=0)
         mine = alice.files.create(file=("a.jsonl", jsonl([line("a", {"prompt": [5], "max_tokens": 2})])),
@@ -158,6 +159,10 @@ def test_each_token_keeps_its_own_files_within_its_share_of_the_limit(tiny_gguf_
         assert e.value.status_code == 413
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=s.http + "/v1", api_key="eve", max_retries=0).files.list()
+        # the operator's routes are the first token's: another tenant must not slow every other
+        reset = [httpx.post(s.http + "/reset_prefix_cache", headers={"Authorization": f"Bearer {t}"}, timeout=30)
+                 for t in ("bob", "alice")]
+        assert [r.status_code for r in reset] == [403, 200] and reset[1].json() == {"success": True}
 
 
 def _pool_whole(server):
@@ -363,8 +368,9 @@ def test_a_batch_that_ends_early_lets_no_later_one_pass_an_earlier_one_still_run
 
 
 def test_batch_dir_records_that_name_anything_else_are_left_alone(tmp_path):
-    """A record whose names are not this store's (a path outside the folder, another batch's id) or whose shape
-    is not, is not taken back: nothing it names is read, cut or removed, and the server starts."""
+    """A record whose names are not this store's (a path outside the folder, another batch's id), whose shape is
+    not, or that names a link, is not taken back: nothing it names is read, cut or removed; a pipe named like a
+    record is never opened; and the server starts."""
     outside = tmp_path.parent / f"{tmp_path.name}-victim.txt"
     outside.write_text("keep me\n")
     batch_id = f"batch_{uuid.uuid4().hex}"
@@ -372,11 +378,17 @@ def test_batch_dir_records_that_name_anything_else_are_left_alone(tmp_path):
             "info": {"id": batch_id, "status": "in_progress", "endpoint": "/v1/completions", "created_at": 1,
                      "expires_at": int(time.time()) + 3600, "output_file_id": None, "error_file_id": None,
                      "request_counts": {"total": 1, "completed": 0, "failed": 0}}}
+    linked = f"file-{uuid.uuid4().hex}"
+    (tmp_path / linked).symlink_to(outside)  # (a well-formed record whose bytes are a link out of the folder)
     for name, record in ((batch_id, {**good, "writing": {"output": str(outside)}}),
                          (f"batch_{uuid.uuid4().hex}", {**good, "source": "../x"}),
                          (f"batch_{uuid.uuid4().hex}", good),  # (its id is another record's)
-                         (f"batch_{uuid.uuid4().hex}", {**good, "info": {"id": "x"}})):
+                         (f"batch_{uuid.uuid4().hex}", {**good, "info": {"id": "x"}}),
+                         (f"batch_{uuid.uuid4().hex}", {**good, "writing": {"output": linked}}),
+                         (linked, {"kind": "file", "owner": "", "place": 1, "info": {
+                             "id": linked, "filename": "x", "purpose": "batch", "created_at": 1}})):
         (tmp_path / f"{name}.json").write_text(json.dumps(record))
+    os.mkfifo(tmp_path / "zz.json")  # (a pipe among the records: never opened)
 
     async def scenario():
         store = _store(tmp_path)
@@ -385,7 +397,7 @@ def test_batch_dir_records_that_name_anything_else_are_left_alone(tmp_path):
         await store.close()
 
     asyncio.run(scenario())
-    assert outside.read_text() == "keep me\n" and len(list(tmp_path.glob("*.json"))) == 4
+    assert outside.read_text() == "keep me\n" and len(list(tmp_path.glob("*.json"))) == 7
 
 
 def test_batches_taken_back_that_read_one_deleted_input_charge_it_once(tmp_path):
@@ -415,6 +427,41 @@ def test_batches_taken_back_that_read_one_deleted_input_charge_it_once(tmp_path)
         await store.close()
 
     asyncio.run(second())
+
+
+def test_each_tokens_files_and_batches_are_counted_apart(tmp_path, monkeypatch):
+    """The store's counts are each token's even share (as its bytes are): a token at its share of files, or of
+    batches not ended, is refused while another's are taken; at its share of kept batches its own oldest ended
+    one makes way, never another's."""
+    monkeypatch.setattr(openai_batches, "MAX_KEPT", 4)
+    monkeypatch.setattr(openai_batches, "MAX_PENDING", 2)
+
+    async def scenario():
+        store = _store(tokens=("alice", "bob"))
+        store.serving()
+        theirs = _make(store, "token1", _put(store, "token1", [line("b", {"prompt": "b"})], tmp_path))
+        await _until(lambda: store.get("token1", theirs["id"])["status"] == "completed")
+        held = _make(store, "token0", _put(store, "token0", [line("a", {"prompt": "x", "hold": True})], tmp_path))
+        with pytest.raises(HTTPError) as e:  # (one batch not ended is alice's share of 2)
+            _make(store, "token0", next(iter(f for f, v in store.files.items() if v.owner == "token0")))
+        assert e.value.status == 429 and "at most 1 batches not ended" in e.value.message
+        with pytest.raises(HTTPError) as e:  # (alice keeps 2 files: her input and her share)
+            _put(store, "token0", [line("c", {"prompt": "c"})], tmp_path)
+            store._check_open("token0")
+        assert e.value.status == 429 and "at most 2 files are kept for each caller" in e.value.message
+        again = _make(store, "token1", theirs["input_file_id"])  # (bob's share of batches is his own)
+        await _until(lambda: store.get("token1", again["id"])["status"] == "completed")
+        store.app.gate.set()
+        await _until(lambda: store.get("token0", held["id"])["status"] == "completed")
+        source = next(iter(f for f, v in store.files.items() if v.owner == "token0" and v.info["purpose"] == "batch"))
+        for _ in range(3):  # (alice's own ended batches make way for hers)
+            b = _make(store, "token0", source)
+            await _until(lambda b=b: store.get("token0", b["id"])["status"] == "completed")
+        assert store.get("token1", theirs["id"])["status"] == "completed"
+        assert sum(j.owner == "token0" for j in store.jobs.values()) == 2
+        await store.close()
+
+    asyncio.run(scenario())
 
 
 def test_a_batch_dir_is_one_servers_at_a_time(tmp_path):
