@@ -62,6 +62,7 @@ from starlette.exceptions import HTTPException as RouteError
 import jaxcb
 from jaxcb.host import classifier, embedding, harmony, tool_calls
 from jaxcb.host.embedding import check_encoding_format
+from jaxcb.host.tokenizer import trim_heap
 from jaxcb.host.errors import InvalidRequest, JaxcbError, NotFound, PermissionDenied, Unauthenticated
 from jaxcb.host.request import MAX_SAMPLES, SamplingParams
 from serve import anthropic_messages, frontend, openai_batches, openai_responses, openai_scores, reasoning
@@ -270,6 +271,7 @@ def make_app(state) -> FastAPI:
                 await asyncio.to_thread(jax.profiler.stop_trace)
             finally:
                 tracing.clear()
+                await asyncio.to_thread(trim_heap)  # (the trace's buffers, freed, given back to the system)
             log.info("profile written to %s", folder)
 
         async def time_out(folder: str) -> None:

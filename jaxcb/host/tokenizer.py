@@ -44,13 +44,13 @@ from jaxcb.host.errors import InvalidConfig, InvalidRequest, shown
 _CONTROL, _USER_DEFINED = 3, 4
 UNLOCKED_CHARS = 4096  # texts at least this long are encoded with the GIL let go (_Unlocked)
 _LONG = threading.Lock()
-TRIM_CHARS = 1 << 18  # before encoding a text this long, the heap gives back what earlier ones freed (_trim_heap)
+TRIM_CHARS = 1 << 18  # before encoding a text this long, the heap gives back what earlier ones freed (trim_heap)
 
 
-def _trim_heap() -> None:
+def trim_heap() -> None:
     """glibc's malloc keeps the memory a megabyte's encoding and its Python objects freed, in each thread's arena
-    (four clients counting a megabyte's tokens over and over: +3.3 GB held, all of it given back by malloc_trim):
-    give it back to the system. A no-op where the C library has no malloc_trim."""
+    (four clients counting a megabyte's tokens over and over: +3.3 GB held, all of it given back by malloc_trim),
+    and a profile's buffers likewise: give it back to the system. A no-op where the C library has no malloc_trim."""
     trim = _malloc_trim()
     if trim is not None:
         trim(0)
@@ -81,7 +81,7 @@ class _Unlocked:
             return self._tok.encode(sequence, pair, add_special_tokens=add_special_tokens)
         with _LONG:  # (one long text at a time, as the GIL had them: a megabyte's encoding peaks near 160 MB)
             if len(sequence) >= TRIM_CHARS:
-                _trim_heap()
+                trim_heap()
             return self._tok.encode_batch([sequence if pair is None else (sequence, pair)],
                                           add_special_tokens=add_special_tokens)[0]
 
