@@ -26,6 +26,7 @@ from jaxcb.host.request import (FinishReason, SamplingParams, TokenEvent, check_
 from serve import reasoning
 from serve.metrics import Metrics, RequestTimer
 
+MAX_STREAM_INTERVAL = 1 << 16  # tokens a streamed chunk holds (--stream-interval, and a request's stream_interval)
 MAX_TEXT_CHARS = 1 << 20  # prompt text, and all of a chat's messages together
 MAX_MESSAGES = 256
 MAX_REQUEST_ID_CHARS = 128
@@ -88,8 +89,9 @@ class ServerOptions:
             raise InvalidConfig(f"--responses-store-mb: must be a number of MiB >= 0, got {self.responses_store_mb}")
         if not 0 <= self.batch_files_mb < 1 << 40:
             raise InvalidConfig(f"--batch-files-mb: must be a number of MiB >= 0, got {self.batch_files_mb}")
-        if not 1 <= self.stream_interval <= 1 << 16:
-            raise InvalidConfig(f"--stream-interval: must be between 1 and 65536, got {self.stream_interval}")
+        if not 1 <= self.stream_interval <= MAX_STREAM_INTERVAL:
+            raise InvalidConfig(f"--stream-interval: must be between 1 and {MAX_STREAM_INTERVAL}, got "
+                                f"{self.stream_interval}")
         if not self.http_header_timeout_s > 0:
             raise InvalidConfig(f"--http-header-timeout: must be a positive number of seconds, got "
                                 f"{self.http_header_timeout_s}")

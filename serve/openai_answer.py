@@ -432,9 +432,9 @@ async def json_response(answer):
 def _token_text(tokenizer, token: int, as_id: bool = False) -> str:
     """A token as logprobs name it: its text, or with vLLM's return_tokens_as_token_ids "token_id:N" (a
     token that is a piece of a character, or not JSON-encodable, is then still told apart)."""
-    if as_id or tokenizer is None:
-        return f"token_id:{token}" if as_id else str(token)
-    return tokenizer.decode([token], skip_special=False)
+    if as_id:
+        return f"token_id:{token}"
+    return tokenizer.decode([token], skip_special=False) if tokenizer is not None else str(token)
 
 
 def _token_bytes(tokenizer, token: int) -> list[int]:
@@ -479,7 +479,7 @@ def _prompt_parts(tokenizer, prompt: list[int], entries, echo: int | None, n: in
     text = functools.lru_cache(maxsize=None)(lambda t: _token_text(tokenizer, t))
     echoed = None
     if echo is not None:
-        named = (lambda t: f"token_id:{t}") if as_ids else text
+        named = functools.partial(_token_text, tokenizer, as_id=True) if as_ids else text
         echoed = {"tokens": [named(t) for t in prompt], "token_logprobs": [None] + [lp for lp, _, _ in entries],
                   "top_logprobs": [None] + [_top(named(token), lp, ((named(t), l) for t, l in top[:echo]))
                                             for token, (lp, _, top) in zip(prompt[1:], entries)],

@@ -102,6 +102,9 @@ class Batches:
     def __init__(self, limit_bytes: int, header_timeout_s: float, tokens: tuple[str, ...] = (),
                  folder: str | None = None):
         self.limit, self.timeout, self.tokens = limit_bytes, header_timeout_s, tokens
+        # owner (frontend.owner's tokenN) -> its token's SHA-256, what its records name it by, and back
+        self.keys = {f"token{i}": hashlib.sha256(t.encode()).hexdigest() for i, t in enumerate(tokens)}
+        self.owners = {key: owner for owner, key in self.keys.items()}
         self.share = limit_bytes // max(1, len(tokens))  # each owner's part (the server's bearer tokens share it evenly)
         self.used = 0  # bytes of the files kept, uploading and being written (each charged as it comes)
         self.owned: collections.Counter[str] = collections.Counter()  # owner -> its part of `used`
@@ -166,14 +169,13 @@ class Batches:
     # ---- owners, and the records kept in a --batch-dir ----
     def _key(self, owner: str) -> str:
         """An owner as its record names it: its token's SHA-256 (never the token), "" for every client."""
-        return hashlib.sha256(self.tokens[int(owner[5:])].encode()).hexdigest() if owner else ""
+        return self.keys[owner] if owner else ""
 
     def _owner(self, key: str) -> str | None:
         """The owner a record's key names on this server (None: a token it no longer has)."""
         if not key:
             return None if self.tokens else ""
-        return next((f"token{i}" for i, t in enumerate(self.tokens) if hashlib.sha256(t.encode()).hexdigest() == key),
-                    None)
+        return self.owners.get(key)
 
     def _headers(self, owner: str) -> dict:
         """What a batch's lines carry: its owner's authorization (frontend.owner's tokenN is the Nth token)."""

@@ -36,7 +36,6 @@ EXTRAS = {"top_k", "min_p", "repetition_penalty", "ignore_eos", "min_tokens", "s
 SERVICE_FIELDS = {"store": bool, "metadata": dict, "service_tier": str, "prompt_cache_key": str, "safety_identifier": str,
                   "prompt_cache_retention": str, "prompt_cache_options": dict,  # (the prefix cache keeps what it can)
                   "session_id": str}  # (vLLM's: a conversation's requests; the prefix cache finds them anyway)
-MAX_STREAM_INTERVAL = 1 << 16  # stream_interval: tokens a streamed chunk holds
 # OpenAI's chat fields for what this server has not (audio out, built-in web search, the functions that tools
 # replaced) are refused by name; hints that leave the output as it is (a predicted output, verbosity) are
 # checked and change nothing; reasoning_effort goes to the chat template (reasoning models' templates read it).
@@ -330,8 +329,8 @@ def common_fields(body: dict) -> RequestOptions:
     check_priority(priority)
     frontend.check_ids(request_id, salt)
     interval = int_field(body, "stream_interval", 1)
-    if not 1 <= interval <= MAX_STREAM_INTERVAL:
-        raise bad_request(f"stream_interval: must be between 1 and {MAX_STREAM_INTERVAL}, got {interval}")
+    if not 1 <= interval <= frontend.MAX_STREAM_INTERVAL:
+        raise bad_request(f"stream_interval: must be between 1 and {frontend.MAX_STREAM_INTERVAL}, got {interval}")
     return RequestOptions(stream, include_usage, priority, salt, request_id, include_usage and continuous,
                           bool_field(body, "return_token_ids", False),
                           bool_field(body, "return_tokens_as_token_ids", False), interval,

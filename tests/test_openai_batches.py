@@ -43,6 +43,18 @@ def wait_ended(oai, batch_id, timeout=120.0):
         time.sleep(0.1)
 
 
+def started_with_one_answered(oai, name, lines):
+    """A batch of `lines` (/v1/completions) uploaded as `name` and made, once its first line is answered: (file,
+    batch)."""
+    upload = oai.files.create(file=(name, jsonl(lines)), purpose="batch")
+    b = oai.batches.create(input_file_id=upload.id, endpoint="/v1/completions", completion_window="24h")
+    deadline = time.monotonic() + 60
+    while oai.batches.retrieve(b.id).request_counts.completed < 1:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    return upload, b
+
+
 @pytest.fixture(scope="module")
 def server(tiny_gguf_path, config_path):
     yield from http_server(tiny_gguf_path, config_path, "--max-waiting", "3")
@@ -116,12 +128,7 @@ def test_a_bad_file_fails_whole_with_its_lines_named(server, oai):
 
 def test_cancelling_a_batch_aborts_its_requests_and_keeps_what_ran(server, oai):
     lines = [line(f"r{i}", {"prompt": [5, 6], "max_tokens": 200, "ignore_eos": True}) for i in range(40)]
-    upload = oai.files.create(file=("long.jsonl", jsonl(lines)), purpose="batch")
-    b = oai.batches.create(input_file_id=upload.id, endpoint="/v1/completions", completion_window="24h")
-    deadline = time.monotonic() + 60
-    while oai.batches.retrieve(b.id).request_counts.completed < 1:
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    _, b = started_with_one_answered(oai, "long.jsonl", lines)
     assert oai.batches.cancel(b.id).status in ("cancelling", "cancelled")
     done = wait_ended(oai, b.id)
     assert done.status == "cancelled" and done.cancelled_at is not None
@@ -509,12 +516,7 @@ def test_a_server_stopped_mid_batch_goes_on_with_it_when_started_on_the_same_bat
     first = http_server(tiny_gguf_path, config_path, "--batch-dir", str(tmp_path))
     s = next(first)
     oai = openai.OpenAI(base_url=s.http + "/v1", api_key="unused", max_retries=0)
-    upload = oai.files.create(file=("in.jsonl", jsonl(lines)), purpose="batch")
-    b = oai.batches.create(input_file_id=upload.id, endpoint="/v1/completions", completion_window="24h")
-    deadline = time.monotonic() + 60
-    while oai.batches.retrieve(b.id).request_counts.completed < 1:
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
+    upload, b = started_with_one_answered(oai, "in.jsonl", lines)
     first.close()  # (SIGTERM, exit status 0)
     stopped = json.loads((tmp_path / f"{b.id}.json").read_text())["info"]
     assert stopped["status"] == "in_progress" and 1 <= stopped["request_counts"]["completed"] < 24, stopped
