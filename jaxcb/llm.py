@@ -17,6 +17,7 @@ import time
 
 import numpy as np
 
+from jaxcb import weight_update
 from jaxcb.device import cpu_dots
 from jaxcb.host import classifier, harmony, tool_calls
 from jaxcb.host.beam_search import BeamSearch
@@ -257,6 +258,7 @@ def build_engines(model: str | None = None, config: EngineConfig | str | None = 
     from jaxcb.model.embedded import resolve_model
 
     from jaxcb.device.factory import make_draft_runner
+    from jaxcb.model import hf_loader
 
     if not isinstance(config, EngineConfig):
         config = load_config(config)
@@ -284,6 +286,10 @@ def build_engines(model: str | None = None, config: EngineConfig | str | None = 
         model, compute_dtype(config, dtype),
         check_config=lambda c: plans.append(plan_memory(c, config, dtype, draft=draft_of(c))),
         weights=config.weights, group=config.weight_group, rope_scaling=config.rope_scaling, mesh=mesh)
+    # How these weights were made (jaxcb.weight_update): new ones, given while serving, are made alike
+    path = resolve_model(model) if loaded is None else None
+    origin = weight_update.Origin(model_config, params.compute_dtype, config.weights, config.weight_group, config.rope_scaling,
+                    hf_loader.config_json(path) if path is not None and hf_loader.is_hf_dir(path) else {})
     draft = load_draft(spec, model_config, params, compute_dtype(config, dtype), mesh) if drafting else None
     head = load_classifier(resolve_model(model) if loaded is None else None, model_config, params, tokenizer,
                            config.classifier_from_tokens, config.classifier_method)
@@ -316,6 +322,7 @@ def build_engines(model: str | None = None, config: EngineConfig | str | None = 
         seed = None if config.seed is None else config.seed + i
         engine = Engine(runner, tokenizer, dataclasses.replace(resolved, seed=seed), eos_ids=eos,
                         load_seconds=load_seconds, draft_runner=draft_runner, classifier=head)
+        engine.origin = origin
         if engine.adapters is not None:
             engine.adapters.reader = adapter_reader(model_config, config.lora)
         engines.append(engine)
@@ -513,6 +520,31 @@ class LLM:
             _apply(results[ev.request_id, ev.index], ev)
             left -= ev.finished
         return list(results.values())
+
+    # ---- new weights (a trainer's newest policy: jaxcb.weight_update) ----
+    def update_weights(self, weights, *, version: str | None = None) -> None:
+        """Generate with `weights` from now on: a checkpoint's path, arrays by name (a Hugging Face state dict's, or
+        jaxcb's loader layout) or Params, of the served model's architecture shape for shape (nothing compiles
+        again); the prefix cache is forgotten. `version`: what weight_version says from now on."""
+        if self.replicas is not None:
+            if not self.replicas.started:
+                self.replicas.start()
+            for f in self.replicas.update_weights(weights, version):
+                f.result()
+            return
+        (done,) = weight_update.update([self.engine], weights, version)
+        while not done.done():
+            self.engine.step()
+        done.result()
+
+    @property
+    def weight_version(self) -> str | None:
+        """The version the newest weights came with (update_weights), None for those loaded at start."""
+        return self.engine.weight_version
+
+    def weight_checksums(self) -> dict[str, str]:
+        """The served arrays' SHA-256 by name (jaxcb.weight_update.checksums)."""
+        return weight_update.checksums(self.engine)
 
     def warmup(self, progress=None) -> int:
         return (self.replicas or self.engine).warmup(progress)

@@ -80,7 +80,7 @@ class ServerOptions:
     batch_dir: str | None = None  # where they are kept, to outlive the server (None: a folder removed at stop)
     stream_interval: int = 1  # tokens a streamed HTTP chunk holds at least (vLLM's --stream-interval)
     profile_dir: str | None = None  # where POST /start_profile writes jax.profiler traces (None: no such routes)
-    dev_routes: bool = False  # vLLM's development routes (POST /reset_prefix_cache): off unless asked for
+    dev_routes: bool = False  # vLLM's development routes (/reset_prefix_cache, the RL routes): off unless asked for
 
     def __post_init__(self):
         if self.generation_config not in ("auto", "none", "vllm"):
@@ -146,6 +146,7 @@ class State:
         self.died = asyncio.Event()
         self.batches = None  # the Files and Batch APIs' store (serve.openai_batches), where the HTTP API is served
         self.lora_owners: dict[str, str] = {}  # the LoRA adapters loaded while serving -> their loader (owner)
+        self.updating = asyncio.Lock()  # new weights being read (update_weights): one update at a time
 
     def check_open(self) -> None:
         if self.draining:
@@ -203,6 +204,29 @@ class State:
         done = self.engine.unload_lora(name)
         self.lora_owners.pop(name, None)
         return done
+
+    # ---- new weights while serving (vLLM's and SGLang's RL routes: the operator's, with --dev-routes) ----
+    async def pause(self, mode: str, clear_cache: bool) -> None:
+        """Every replica pauses (Engine.pause), returning once each is still."""
+        await self._settled(self.engine.pause(mode, clear_cache))
+
+    async def resume(self) -> None:
+        await self._settled(self.engine.resume())
+
+    async def update_weights(self, path: str, version: str | None) -> None:
+        """New weights from a checkpoint on this machine (jaxcb.weight_update), read off the event loop while the
+        engines go on, taken between two steps: returns once every replica steps on them. One at a time."""
+        from jaxcb.weight_update import check_version
+
+        check_version(version)
+        if self.updating.locked():
+            raise Overloaded("model_path: new weights are being read already; try again when that update is done")
+        async with self.updating:
+            await self._settled(await asyncio.to_thread(self.engine.update_weights, path, version))
+
+    @staticmethod
+    async def _settled(futures: list) -> list:
+        return await asyncio.wait_for(asyncio.gather(*map(asyncio.wrap_future, futures)), 600.0)
 
     def admit(self, samples: int = 1) -> None:
         """Admission counts every sample of every request accepted and not finished (inbox included)

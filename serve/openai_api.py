@@ -27,6 +27,9 @@
     POST /v1/files, /v1/batches  OpenAI's Files and Batch APIs (GET, DELETE /v1/files/{id}, its /content; GET
                                  /v1/batches/{id}, POST .../cancel): batches of requests run in the background
                                  through this app (serve.openai_batches)
+    POST /pause, /resume, /update_weights_from_disk; GET /is_paused, /weight_info; POST /update_weight_version,
+                                 /weight_checker: vLLM's and SGLang's RL routes, new weights while serving
+                                 (--dev-routes, the operator's; jaxcb.weight_update)
     GET  /version                {version}: jaxcb's (no auth)
     GET  /health                 200 once warm (no auth), else 503
     GET  /metrics                the server's Prometheus registry
@@ -63,7 +66,7 @@ import jaxcb
 from jaxcb.host import classifier, embedding, harmony, tool_calls
 from jaxcb.host.embedding import check_encoding_format
 from jaxcb.host.tokenizer import trim_heap
-from jaxcb.host.errors import InvalidRequest, JaxcbError, NotFound, PermissionDenied, Unauthenticated
+from jaxcb.host.errors import InvalidRequest, JaxcbError, NotFound, PermissionDenied, Unauthenticated, shown
 from jaxcb.host.request import MAX_SAMPLES, SamplingParams
 from serve import anthropic_messages, frontend, openai_batches, openai_responses, openai_scores, reasoning
 from serve.openai_responses_store import Store
@@ -323,6 +326,99 @@ def make_app(state) -> FastAPI:
             done = state.engine.reset_prefix_cache()
             results = await asyncio.wait_for(asyncio.gather(*map(asyncio.wrap_future, done)), 30.0)
             return {"success": all(results)}
+
+        # vLLM's RL routes and SGLang's weight update (development routes, the operator's): a trainer pauses the
+        # rollouts, gives new weights, resumes (jaxcb.weight_update).
+        def query_flag(request: Request, name: str, default: bool) -> bool:
+            value = request.query_params.get(name)
+            if value is None:
+                return default
+            if value.lower() not in ("true", "false", "1", "0"):
+                raise bad_request(f"{name}: true or false, not {shown(value)}")
+            return value.lower() in ("true", "1")
+
+        @app.post("/pause")
+        async def pause(request: Request):
+            """vLLM's: ?mode=abort (every request ends), wait (the running ones finish) or keep (they freeze);
+            requests that arrive meanwhile wait for /resume. Answered once every replica is still."""
+            operator(request)
+            await state.pause(request.query_params.get("mode", "abort"), query_flag(request, "clear_cache", True))
+            return {"status": "paused"}
+
+        @app.post("/resume")
+        async def resume(request: Request):
+            operator(request)
+            await state.resume()
+            return {"status": "resumed"}
+
+        @app.get("/is_paused")
+        async def is_paused(request: Request):
+            operator(request)
+            return {"is_paused": state.engine.paused}
+
+        @app.post("/update_weights_from_disk")
+        async def update_weights_from_disk(request: Request):
+            """SGLang's: {"model_path": a checkpoint on this machine of the served model's architecture (GGUF, a
+            converted one, a Hugging Face directory), "weight_version"?, "abort_all_requests"?: pause with "abort"
+            first and resume after}. Running requests are computed again on the new weights; nothing compiles."""
+            operator(request)
+            body = await body_of(request)
+            check_fields(body, {"model_path", "weight_version", "load_format", "abort_all_requests", "flush_cache"})
+            path = str_field(body, "model_path", "")
+            if not path:
+                raise bad_request("model_path: required")
+            if body.get("load_format", "auto") != "auto":
+                raise bad_request(f"load_format: {shown(body['load_format'])}; jaxcb reads a checkpoint as it finds "
+                                  "it (auto)")
+            bool_field(body, "flush_cache", True)  # (the prefix cache is always forgotten: it holds the old K/V)
+            version = body.get("weight_version")
+            abort = bool_field(body, "abort_all_requests", False)
+            if abort:
+                await state.pause("abort", True)
+            try:
+                await state.update_weights(path, version)
+            finally:
+                if abort:
+                    await state.resume()
+            return {"success": True, "message": "Succeeded to update model weights.", "weight_version": version}
+
+        @app.get("/weight_info")
+        async def weight_info(request: Request):
+            operator(request)
+            return {"weight_version": state.engine.engines[0].weight_version}
+
+        @app.post("/update_weight_version")
+        async def update_weight_version(request: Request):
+            operator(request)
+            body = await body_of(request)
+            check_fields(body, {"new_version"})
+            from jaxcb.weight_update import check_version
+
+            version = check_version(str_field(body, "new_version", ""))
+            for engine in state.engine.engines:
+                engine.weight_version = version
+            return {"success": True, "new_version": version}
+
+        @app.post("/weight_checker")
+        async def weight_checker(request: Request):
+            """vLLM's: {"action": "checksum"} the served arrays' SHA-256 by name; "compare" them with "baseline"."""
+            operator(request)
+            body = await body_of(request)
+            check_fields(body, {"action", "baseline"})
+            action = str_field(body, "action", "")
+            if action not in ("checksum", "compare"):
+                raise bad_request(f"action: {shown(action)} is not checksum or compare")
+            baseline = body.get("baseline")
+            if action == "compare" and not (isinstance(baseline, dict)
+                                            and all(isinstance(v, str) for v in baseline.values())):
+                raise bad_request("baseline: compare needs the checksums to compare with, {name: sha256}")
+            from jaxcb.weight_update import checksums
+
+            sums = await asyncio.to_thread(checksums, state.engine.engines[0])
+            if action == "checksum":
+                return {"checksums": sums}
+            return {"match": sums == baseline, "mismatches": sorted(k for k in sums.keys() | baseline.keys()
+                                                                    if sums.get(k) != baseline.get(k))}
 
     @app.get("/kv_event_sources")
     async def kv_event_sources(request: Request):

@@ -16,7 +16,7 @@ from jaxcb.cli import main as cli
 from jaxcb.host.engine_config import make_config
 from jaxcb.host.request import SamplingParams
 from jaxcb.llm import LLM, load_model
-from jaxcb.model.hf_loader import _BIASES, _LAYER
+from jaxcb.model.hf_loader import hf_state_dict
 from jaxcb.model.llama import params_from_numpy, random_weights
 from tests.tiny_gguf import tiny_model_config
 
@@ -27,16 +27,7 @@ PROMPTS = [[5, 9, 40, 41, 7], list(range(3, 40))]
 def write_hf_dir(path, config, weights, tokenizer, arch="LlamaForCausalLM"):
     """A checkpoint as transformers writes one: torch layouts ([out, in]), HF tensor names."""
     os.makedirs(path, exist_ok=True)
-    tensors = {"model.embed_tokens.weight": weights["embed"], "model.norm.weight": weights["final_norm"]}
-    names = dict(_LAYER)
-    if config.attention_bias:
-        names.update({k: (v, False) for k, v in _BIASES.items()})
-    for key, (name, transpose) in names.items():
-        for i in range(config.num_layers):
-            w = weights[key][i]
-            tensors[f"model.layers.{i}.{name}"] = np.ascontiguousarray(w.T if transpose else w)
-    if not config.tie_embeddings:
-        tensors["lm_head.weight"] = np.ascontiguousarray(weights["lm_head"].T)
+    tensors = hf_state_dict(config, weights)
     half = len(tensors) // 2  # two shards, as large checkpoints come
     items = sorted(tensors.items())
     save_file(dict(items[:half]), os.path.join(path, "model-00001-of-00002.safetensors"))

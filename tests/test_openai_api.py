@@ -362,6 +362,68 @@ def test_reset_prefix_cache_forgets_cached_prefixes_only_while_nothing_runs(serv
     assert httpx.post(long_server.http + "/reset_prefix_cache", timeout=60).status_code == 404
 
 
+def test_the_rl_routes_pause_update_the_weights_from_disk_and_resume(server, long_server, tiny_gguf_path, tmp_path):
+    """vLLM's /pause, /resume, /is_paused, /weight_info, /update_weight_version, /weight_checker and SGLang's
+    /update_weights_from_disk (--dev-routes): a request made while paused waits for /resume; other weights change
+    the tokens, the served file's bring them back (and the checksums); bad calls are 400s naming the field."""
+    import concurrent.futures
+
+    from tests.tiny_gguf import write_tiny_gguf
+
+    other = str(tmp_path / "other.gguf")
+    write_tiny_gguf(other, seed=1)
+    body = {"prompt": [5, 9, 40, 41, 7], "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+
+    def post(route, **kw):
+        return httpx.post(server.http + route, timeout=120, **kw)
+
+    def complete():
+        return post("/v1/completions", json=body).json()["choices"][0]["text"]
+
+    before = complete()
+    sums = post("/weight_checker", json={"action": "checksum"}).json()["checksums"]
+    assert sums and all(len(v) == 64 for v in sums.values())
+    try:
+        assert post("/pause?mode=abort").json() == {"status": "paused"}
+        assert httpx.get(server.http + "/is_paused", timeout=30).json() == {"is_paused": True}
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            waiting = pool.submit(complete)
+            time.sleep(1.0)
+            assert not waiting.done()  # (held, unstarted, while paused)
+            r = post("/update_weights_from_disk", json={"model_path": other, "weight_version": "step-1"})
+            assert r.status_code == 200 and r.json()["success"] is True, r.text
+            assert post("/resume").json() == {"status": "resumed"}
+            after = waiting.result(timeout=120)
+        assert after != before and complete() == after
+        assert httpx.get(server.http + "/weight_info", timeout=30).json() == {"weight_version": "step-1"}
+        compared = post("/weight_checker", json={"action": "compare", "baseline": sums}).json()
+        assert compared["match"] is False and compared["mismatches"]
+        r = post("/update_weights_from_disk", json={"model_path": tiny_gguf_path, "abort_all_requests": True})
+        assert r.status_code == 200 and httpx.get(server.http + "/is_paused", timeout=30).json()["is_paused"] is False
+        assert complete() == before
+        assert post("/weight_checker", json={"action": "compare", "baseline": sums}).json() == {
+            "match": True, "mismatches": []}
+        assert post("/update_weight_version", json={"new_version": "v2"}).json() == {"success": True,
+                                                                                    "new_version": "v2"}
+        assert httpx.get(server.http + "/weight_info", timeout=30).json() == {"weight_version": "v2"}
+        for route, kw, field in (("/pause?mode=sleep", {}, "mode"), ("/pause?clear_cache=maybe", {}, "clear_cache"),
+                                 ("/update_weights_from_disk", {"json": {}}, "model_path"),
+                                 ("/update_weights_from_disk", {"json": {"model_path": str(tmp_path / "absent")}},
+                                  "model_path"),
+                                 ("/update_weights_from_disk", {"json": {"model_path": other, "load_format": "pt"}},
+                                  "load_format"),
+                                 ("/update_weights_from_disk", {"json": {"model_path": other, "weight_version": 3}},
+                                  "weight_version"),
+                                 ("/weight_checker", {"json": {"action": "reset"}}, "action"),
+                                 ("/weight_checker", {"json": {"action": "compare"}}, "baseline")):
+            r = post(route, **kw)
+            assert r.status_code == 400 and r.json()["error"]["message"].startswith(field), (route, r.text[:300])
+        assert complete() == before
+    finally:
+        post("/resume")
+    assert httpx.post(long_server.http + "/pause", timeout=60).status_code == 404
+
+
 def test_return_tokens_as_token_ids_names_each_logprob_token_by_its_id(server, model_name):
     """vLLM's return_tokens_as_token_ids: every token that logprobs name ("token", "tokens", top_logprobs'
     keys, echo's prompt tokens) is "token_id:N", N the id return_token_ids gives; the values are unchanged."""

@@ -45,7 +45,9 @@ def test_meshes_give_the_single_device_tokens(tmp_path):
     draft model split over the mesh at TP 2; engines built from the file at TP 2 (int4) and TP 4, their weights
     placed on the mesh as they are read (every stack a layer at a time), and checkpoints read straight onto meshes
     of 2 and 4 (a Hugging Face one whole or a layer at a time alike). Every run's pooled vectors, and the output
-    head's rows a from-token classifier reads (gathered off the mesh), are the single device's."""
+    head's rows a from-token classifier reads (gathered off the mesh), are the single device's. Models a and g then
+    take new weights while serving (a file's; a state dict's by Hugging Face names) in every run, and answer the same
+    requests with the single device's new tokens, compiling nothing."""
     proc = subprocess.run([sys.executable, "-m", "tests.tp_check", str(tmp_path)], capture_output=True, text=True,
                           timeout=1500, cwd=os.path.dirname(HERE))
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -86,13 +88,17 @@ def test_meshes_give_the_single_device_tokens(tmp_path):
         assert np.abs(pooled - single).max() < 1e-4 * np.abs(single).max(), name
         rows, single = np.asarray(run["head_rows"]), np.asarray(reference["head_rows"])  # (gathered off the mesh)
         assert rows.shape == single.shape and np.abs(rows - single).max() <= 1e-6 * np.abs(single).max(), name
-        assert run["compilations_after_warmup"] == 0, name
+        assert run["compilations_after_warmup"] == 0, name  # (new weights taken while serving, where given, too)
+        assert run["updated_tokens"] == reference["updated_tokens"], name
+        assert (run["updated_tokens"] is not None) == (name[0] in "ag"), name
+    for name in ("a-tp1", "g-tp1", "a-tp1-int4", "a-tp1-lora"):  # (the new weights change the tokens)
+        assert out[name]["updated_tokens"] != out[name]["tokens"], name
     # Replicas on disjoint devices, both used, every routed token accounted for at the end.
     assert out["g-dp2"]["devices"] == [[0], [1]]
     assert out["a-tp2-dp2"]["devices"] == [[0, 1], [2, 3]]
     assert [s[2:4] for s in out["g-tp2"]["kv_shards"][0]] == [[1, 16]] * 2  # Gemma's full-layer group, split
     for name in ("g-dp2", "a-tp2-dp2"):
-        assert min(out[name]["routed"]) > 0 and sum(out[name]["routed"]) == 6 + 3, name  # (the prompts, 3 embeddings)
+        assert min(out[name]["routed"]) > 0 and sum(out[name]["routed"]) == 6 + 3 + 6, name  # (the prompts, 3 embeddings, the prompts again)
         assert out[name]["load_left"] == [0, 0], name
 
 

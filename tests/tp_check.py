@@ -46,6 +46,9 @@ RUNS = [
 # the experts' biases split with their columns); "d": the tiny DeepSeek-V3 (a dense layer, then experts' layers:
 # each kind's matrices split by columns, stacked over its own layers; latent attention: its one KV head, the
 # rotated part and the latent, a copy on each device; the heads' up-projections split).
+# The models whose runs take new weights while serving, then answer the same requests again (tokens compared with
+# the single device's after its own update).
+UPDATED = ("a", "g")
 TINY_HF = os.path.join(os.path.dirname(os.path.abspath(__file__)), "golden", "tiny_hf")
 
 
@@ -116,11 +119,18 @@ def main(workdir: str) -> None:
                                                 for m in ("last", "mean", "last")])
             compiled = engines[0].stats().compilations - before
             rows = head_rows(engines[0].runner.params, [3, 7, cfg.vocab_size - 1])  # (a from-token classifier's)
+            updated = None
+            if key in UPDATED:  # new weights while serving (jaxcb.weight_update), then the same requests again: the
+                # steps compile nothing (the update may: the KV heads' copies made on the mesh)
+                llm.update_weights(new_weights(key, path, workdir), version="next")
+                before = engines[0].stats().compilations
+                updated = [o.token_ids for o in llm.generate(prompts, params)]
+                compiled += engines[0].stats().compilations - before
             llm.close()
             for e in engines:
                 e.pool.check_all_free()
             out[f"{key}-{name}"] = {
-                "tokens": tokens, "compilations_after_warmup": compiled,
+                "tokens": tokens, "compilations_after_warmup": compiled, "updated_tokens": updated,
                 "embeddings": [o.embedding.tolist() for o in pooled],
                 "head_rows": rows.tolist(),
                 "kv_shards": [[list(x.data.shape) for x in e.runner.kv_arrays[0].addressable_shards] for e in engines],
@@ -148,6 +158,26 @@ def main(workdir: str) -> None:
     checkpoint.save(converted, cfg, params_to_weights(params), tok, "float32", "int8")
     out["placed_converted"] = placed_where_read(converted, 4)
     print(json.dumps(out))
+
+
+def new_weights(key: str, path: str, workdir: str):
+    """Other weights of model `key` (UPDATED): a GGUF file's of other random weights, or (a Hugging Face checkpoint)
+    its state dict by its own names, each tensor shifted by a little noise."""
+    if path.endswith(".gguf"):
+        other = os.path.join(workdir, f"tiny-{key}-next.gguf")
+        if not os.path.exists(other):
+            from jaxcb.llm import read_model_config
+
+            write_tiny_gguf(other, read_model_config(path), seed=1)
+        return other
+    from safetensors.numpy import load_file
+
+    rng = np.random.default_rng(1)
+    state = {}
+    for f in sorted(os.listdir(path)):
+        if f.endswith(".safetensors"):
+            state.update(load_file(os.path.join(path, f)))
+    return {n: (t + rng.normal(0, 0.05, t.shape).astype(t.dtype)) if t.dtype.kind == "f" else t for n, t in state.items()}
 
 
 def placed_where_read(path: str, tensor: int) -> dict:

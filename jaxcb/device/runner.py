@@ -25,7 +25,7 @@ import numpy as np
 
 from jaxcb.device.sampling import SampleOutput, sample
 from jaxcb.host.batch import SamplingInput, StepInput, StepShape, pack, pack_sampling
-from jaxcb.host.errors import InvalidConfig
+from jaxcb.host.errors import InvalidConfig, InvalidRequest
 from jaxcb.host.runner_protocol import Runner
 from jaxcb.model.config import ModelConfig
 from jaxcb.model.llama import Attention, Params, forward_hidden, logits_at, rms_norm
@@ -347,6 +347,37 @@ class ModelRunner(Runner):
         self._collapse(self.kv_pages, "new KV pages")
         self.last_tokens = self._zero_last_tokens(self.last_tokens.shape[0])
         return True
+
+    def prepare_params(self, params: Params, release: bool = False) -> Params:
+        """New weights made as this runner made its own (KV heads repeated onto the mesh, split over it, blocked
+        for the native matmul) and put where its own are: refused, naming the first difference, unless every
+        array has the shape and dtype of the one it replaces (then no step compiles again). Any thread; the step
+        takes them at use_params. `release`: nobody else reads `params` (what is rewritten is freed)."""
+        if self.mesh is not None:
+            from jaxcb.device import parallel
+
+            _, params = parallel.replicate_kv_heads(self.model_config, params, self.mesh.shape[parallel.AXIS])
+            params = parallel.shard_params(params, self.mesh)
+        if self.attention.native_matmul:
+            from jaxcb.model.quant import blocked_layers
+
+            params = blocked_layers(params, release=release)
+        new, new_tree = jax.tree_util.tree_flatten_with_path(params)
+        old, old_tree = jax.tree_util.tree_flatten_with_path(self.params)
+        if new_tree != old_tree:
+            names = lambda leaves: {jax.tree_util.keystr(k) for k, _ in leaves}  # noqa: E731
+            differ = sorted(names(new) ^ names(old)) or ["the arrays' layout"]
+            raise InvalidRequest(f"weights: not the served model's arrays (they differ at {', '.join(differ[:4])})")
+        for (path, a), (_, b) in zip(new, old):
+            if tuple(a.shape) != tuple(b.shape) or jnp.dtype(a.dtype) != jnp.dtype(b.dtype):
+                raise InvalidRequest(f"weights: {jax.tree_util.keystr(path)} is {jnp.dtype(a.dtype).name}"
+                                     f"{list(a.shape)}, the served model's {jnp.dtype(b.dtype).name}{list(b.shape)}")
+        return jax.tree.map(lambda a, b: jax.device_put(a, b.sharding), params, self.params)
+
+    def use_params(self, params: Params) -> None:
+        """Step on `params` (made by prepare_params) from the next step on; the old ones are dropped."""
+        self.params = params
+        self._collapse(self.params, "new weights")
 
     def describe(self) -> dict[str, str]:
         """How the step computes (the start banner, GetServerInfo): platform, compute dtype, the weight

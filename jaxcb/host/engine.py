@@ -32,7 +32,7 @@ from jaxcb.host.draft import describe_speculation, proposer_for
 from jaxcb.host.engine_config import EngineConfig
 from jaxcb.host.embedding import take_pooled
 from jaxcb.host.engine_stats import Counters, EngineStats, StepRecord
-from jaxcb.host.inbox import Add, ForgetCache, Inbox
+from jaxcb.host.inbox import PAUSE_MODES, Add, ForgetCache, Inbox, Pause, Resume, Swap
 from jaxcb.host.lora import Adapters
 from jaxcb.host.errors import InvalidRequest, NotFound, StepFailed, shown
 from jaxcb.host.output import EventCallback, Outputs, take_prompt_logprobs, token_logprobs
@@ -112,6 +112,14 @@ class Engine:
         self.fault_injector: Callable | None = None
         self._length_log = None  # record_lengths(): one JSON line per finished request
         self.step_log: list[StepRecord] | None = None  # set to a list to record every step
+        # Paused (vLLM's RL routes, jaxcb.host.inbox.Pause): the mode, None while generating; the pauses not yet
+        # told they hold; the version the newest weights came with (swap_weights).
+        self.paused: str | None = None
+        self._pauses: list[Pause] = []
+        self.weight_version: str | None = None
+        self.weight_updates = 0
+        # How the weights were made (jaxcb.weight_update.Origin, set by jaxcb.llm.build_engines): new ones are made so.
+        self.origin = None
 
     def describe_speculation(self) -> str:
         """Speculative decoding as configured ("" off): the start banner and GetServerInfo."""
@@ -210,10 +218,33 @@ class Engine:
         """Forget every cached prefix (vLLM's reset_prefix_cache; the KV-cache events say AllBlocksCleared), at
         the engine thread's next step and only if no request runs or waits then: the future tells whether it
         did (False: try again when idle)."""
-        return self.inbox.forget_cache()
+        return self.inbox.put(ForgetCache(concurrent.futures.Future()))
+
+    # ---- pausing, and new weights (any thread; vLLM's RL routes) ----
+    def pause(self, mode: str = "abort", clear_cache: bool = True) -> concurrent.futures.Future:
+        """Pause generation at the next step (jaxcb.host.inbox.Pause: "abort", "wait" or "keep"): the future is
+        told True once the engine is still, False if resumed before."""
+        if mode not in PAUSE_MODES:
+            raise InvalidRequest(f"mode: {shown(mode)} is not a pause mode ({', '.join(PAUSE_MODES)})")
+        return self.inbox.put(Pause(mode, bool(clear_cache), concurrent.futures.Future()))
+
+    def resume(self) -> concurrent.futures.Future:
+        """Generation goes on at the next step, requests that arrived meanwhile admitted; the future is told whether
+        the engine had been paused."""
+        return self.inbox.put(Resume(concurrent.futures.Future()))
+
+    def swap_weights(self, params, version: str | None = None) -> concurrent.futures.Future:
+        """New weights between two steps: `params` made for this engine's runner (jaxcb.device.factory.
+        prepare_weights: the same arrays' shapes, dtypes and placements, so nothing compiles again). The step in
+        flight finishes on the old ones; then every running request is computed again from its tokens on the new
+        ones (none keeps K/V the old weights made) and the prefix cache forgets every page. The future is told the
+        version."""
+        return self.inbox.put(Swap(params, version, concurrent.futures.Future()))
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work or not self.inbox.empty() or bool(self._in_flight)
+        if self.paused in ("abort", "keep"):  # nothing is scheduled: what is in flight comes back, pauses settle
+            return not self.inbox.empty() or bool(self._in_flight) or bool(self._pauses)
+        return self.scheduler.has_work or not self.inbox.empty() or bool(self._in_flight) or bool(self._pauses)
 
     def stats(self) -> EngineStats:
         return EngineStats.of(self._counters, self.scheduler, self.pool, self.window_group,
@@ -236,15 +267,65 @@ class Engine:
                     self.outputs.open(r, st)
                     self.scheduler.add(r)
             elif isinstance(item, ForgetCache):  # (only while nothing runs: a running request holds its pages' hashes)
-                idle = not self.scheduler.has_work and not self._in_flight
+                idle = not self.scheduler.running and not self.scheduler.waiting and not self._in_flight
                 if idle:
-                    self.pool.forget_cached()
-                    if self.window_group is not None:
-                        self.window_group.pool.forget_cached()
+                    self._forget_cached()
                 item.done.set_result(idle)
+            elif isinstance(item, Pause):
+                if item.mode == "abort":  # every request there is ends (those that arrive later wait)
+                    for samples in list(self._requests.values()):
+                        for r in list(samples):
+                            self._finish(r, FinishReason.ABORT, events)
+                self.paused = item.mode
+                self.scheduler.holding = True
+                self._pauses.append(item)
+            elif isinstance(item, Resume):
+                item.done.set_result(self.paused is not None)
+                self.paused = None
+                self.scheduler.holding = False
+                for p in self._pauses:  # (resumed before they held)
+                    p.done.set_result(False)
+                self._pauses.clear()
+            elif isinstance(item, Swap):
+                self._swap(item, events)
             elif item.request_id in self._requests:  # an Abort
                 for r in list(self._requests[item.request_id]):
                     self._finish(r, FinishReason.ABORT, events)
+
+    def _forget_cached(self) -> None:
+        self.pool.forget_cached()
+        if self.window_group is not None:
+            self.window_group.pool.forget_cached()
+
+    def _swap(self, swap: Swap, events: list[TokenEvent]) -> None:
+        """New weights (swap_weights): after the steps in flight, before the next; no request keeps the old K/V."""
+        while self._in_flight:
+            self._complete(self._in_flight.popleft(), events)
+        try:
+            self.runner.use_params(swap.params)
+        except Exception as e:  # noqa: BLE001 - the caller is told; the engine goes on with the weights it had
+            swap.done.set_exception(e)
+            return
+        recomputed = list(self.scheduler.running)
+        for r in recomputed:
+            self.scheduler.preempt(r)
+        self._forget_cached()  # (after the preemptions: their registered pages were kept as cache)
+        self.weight_version = swap.version
+        self.weight_updates += 1
+        log.info("new weights%s: %d running requests recomputed on them", f" ({swap.version})" if swap.version else "",
+                 len(recomputed))
+        swap.done.set_result(swap.version)
+
+    def _settle_pauses(self) -> None:
+        """Tell the pauses they hold once the engine is still: nothing in flight and, paused with "wait", nothing
+        running (the prefix cache forgotten first where one asked and none keeps requests)."""
+        if not self._pauses or self._in_flight or (self.paused == "wait" and self.scheduler.has_work):
+            return
+        if self.paused != "keep" and any(p.clear_cache for p in self._pauses):
+            self._forget_cached()
+        for p in self._pauses:
+            p.done.set_result(True)
+        self._pauses.clear()
 
     def publish_kv_events(self, sink, rank: int | None = None) -> KVEvents:
         """From now on, every page registered in or evicted from the prefix cache goes to `sink` as
@@ -270,6 +351,12 @@ class Engine:
     def _step(self) -> list[TokenEvent]:
         events: list[TokenEvent] = []
         self._drain_inbox(events)
+        if self.paused in ("abort", "keep"):  # nothing is scheduled: the steps in flight come back
+            while self._in_flight:
+                self._complete(self._in_flight.popleft(), events)
+            self._settle_pauses()
+            self.last_step_idle = True
+            return events
         # Speculation needs every token of a proposing request known: the step in flight finishes first
         # (the host's work no longer overlaps the device's for this step), and the speculating step's
         # own tokens are taken before the next is scheduled (how many it accepts decides where that
@@ -293,6 +380,7 @@ class Engine:
         keep = 1 if launched and self.scheduler.config.async_scheduling and not out.speculative else 0
         while len(self._in_flight) > keep:
             self._complete(self._in_flight.popleft(), events)
+        self._settle_pauses()
         return events
 
     def _launch(self, chunks: list[Chunk], num_static_rows: int, events: list[TokenEvent]) -> _InFlight:
@@ -425,9 +513,7 @@ class Engine:
                         "recomputed", len(self.scheduler.running))
             for r in list(self.scheduler.running):
                 self.scheduler.preempt(r)
-            self.pool.forget_cached()  # the cached pages' contents went with the old KV array
-            if self.window_group is not None:
-                self.window_group.pool.forget_cached()
+            self._forget_cached()  # the cached pages' contents went with the old KV array
         self._last_fetch_end = None
         if self.failed_in_a_row >= self.MAX_FAILED_STEPS_IN_A_ROW:
             raise StepFailed(f"{self.failed_in_a_row} steps in a row failed (last: {message}); the engine is broken")

@@ -43,6 +43,38 @@ class ForgetCache:
     done: concurrent.futures.Future
 
 
+PAUSE_MODES = ("abort", "wait", "keep")
+
+
+@dataclasses.dataclass(frozen=True)
+class Pause:
+    """Generation pauses (Engine.pause, vLLM's modes): "abort" ends every request there is, "wait" lets the
+    running ones finish, "keep" freezes them where they are; requests that arrive meanwhile wait, unadmitted,
+    for Resume. `done` is told True once the engine is still (nothing in flight, nothing running but what
+    "keep" froze), its prefix cache forgotten if `clear_cache` (not with "keep")."""
+
+    mode: str
+    clear_cache: bool
+    done: concurrent.futures.Future
+
+
+@dataclasses.dataclass(frozen=True)
+class Resume:
+    """Generation goes on (Engine.resume); `done` is told whether the engine had been paused."""
+
+    done: concurrent.futures.Future
+
+
+@dataclasses.dataclass(frozen=True)
+class Swap:
+    """New weights, made for the runner already (Engine.swap_weights), taken between two steps: `done` is told the
+    version once every step after it runs on them."""
+
+    params: object
+    version: str | None
+    done: concurrent.futures.Future
+
+
 class Inbox:
     """Thread-safe: any thread puts, the engine thread drains."""
 
@@ -80,15 +112,14 @@ class Inbox:
     def abort(self, request_id: str) -> None:
         self._items.put(Abort(request_id))
 
-    def forget_cache(self) -> concurrent.futures.Future:
-        done = concurrent.futures.Future()
-        self._items.put(ForgetCache(done))
-        return done
+    def put(self, item: ForgetCache | Pause | Resume | Swap) -> concurrent.futures.Future:
+        self._items.put(item)
+        return item.done
 
     def empty(self) -> bool:
         return self._items.empty()
 
-    def drain(self) -> Iterator[Add | Abort | ForgetCache]:
+    def drain(self) -> Iterator[Add | Abort | ForgetCache | Pause | Resume | Swap]:
         """The items put so far, in order (the engine thread, at the start of a step)."""
         while True:
             try:

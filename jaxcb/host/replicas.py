@@ -215,10 +215,33 @@ class Replicas:
     def reset_prefix_cache(self) -> list:
         """Every replica's prefix cache forgets what it holds where nothing runs (Engine.reset_prefix_cache):
         one future each, telling whether it did."""
-        done = [e.reset_prefix_cache() for e in self.engines]
+        return self._woken([e.reset_prefix_cache() for e in self.engines])
+
+    # ---- pausing, and new weights: every replica (vLLM's RL routes; jaxcb.weight_update) ----
+    def pause(self, mode: str = "abort", clear_cache: bool = True) -> list:
+        """Every replica pauses (Engine.pause; a mode it does not know is refused by the first, before any pauses):
+        one future each, told True once that one is still."""
+        return self._woken([e.pause(mode, clear_cache) for e in self.engines])
+
+    def resume(self) -> list:
+        return self._woken([e.resume() for e in self.engines])
+
+    @property
+    def paused(self) -> bool:
+        return any(e.paused is not None for e in self.engines)
+
+    def update_weights(self, source, version: str | None = None) -> list:
+        """New weights for every replica (jaxcb.weight_update.update; read here, on the caller's thread): one
+        future each, told the version once that replica steps on them."""
+        from jaxcb import weight_update
+
+        return self._woken(weight_update.update(self.engines, source, version))
+
+    def _woken(self, futures: list) -> list:
+        """(The engines' inboxes hold something now: their threads take it at once.)"""
         for t in self.threads:
             t.wake()
-        return done
+        return futures
 
     def abort(self, request_id: str) -> None:
         with self._lock:

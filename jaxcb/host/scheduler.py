@@ -71,6 +71,8 @@ class Scheduler:
         self.num_switch_recomputed_tokens = 0  # ... of those, after a switch
         self._static_rows = 0  # static mode: size of the current batch, finished members included
         self._static_batch: list[Request] = []
+        # A paused engine's (jaxcb.host.engine.Engine.pause): requests never admitted wait; the others go on.
+        self.holding = False
 
     # ---- queue ----
     def check_fits(self, request: Request) -> None:
@@ -191,6 +193,9 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
+        """Requests it may schedule: holding (a paused engine's), only those it has admitted before."""
+        if self.holding:
+            return bool(self.running) or any(r.num_preemptions for r in self.waiting)
         return bool(self.waiting or self.running)
 
     # ---- the step ----
@@ -314,9 +319,9 @@ class Scheduler:
         out = SchedulerOutput(decode=[], prefill=[], preempted=[])
         budget = self.controller.prefill_budget if self.controller is not None else c.max_prefill_tokens
         scheduled: set[int] = set()
-        if c.policy == "round-robin" and self.waiting:
+        if c.policy == "round-robin" and self.waiting and not self.holding:
             self._round_robin_yields(now)
-        elif c.policy == "fair" and self.waiting:
+        elif c.policy == "fair" and self.waiting and not self.holding:
             self._fair_yields(now)
 
         self.running.sort(key=lambda r: order_key(self.config, r, now))
@@ -353,6 +358,8 @@ class Scheduler:
         if admit:
             room = self.running_limit - len(self.running)
             order = admission_order(self.config, self.waiting, self.running, self.cache, now, room)
+            if self.holding:  # (a paused engine's: only requests it had admitted before, preempted since)
+                order = [r for r in order if r.num_preemptions]
             if c.static:
                 # A batch is chosen whole when the last one is done, then admitted as the prefill budget
                 # allows; nothing joins it until every member has finished.

@@ -571,6 +571,26 @@ def _float8_blocks(tensors: dict, raw: dict) -> dict[str, tuple[str, tuple[int, 
     return out
 
 
+def hf_state_dict(config: ModelConfig, weights: dict) -> dict[str, np.ndarray]:
+    """The loader layout's weights of a dense Llama-like model (Q/K/V biases and an untied head included) by the names
+    and in the layouts ([out, in]) a Hugging Face checkpoint keeps them: what weights_from_tensors reads back."""
+    if config.num_experts or config.mla or config.qk_norm or config.post_norms or config.out_bias or config.attn_sinks:
+        raise InvalidConfig(f"model: {config.name}'s weights are not a plain Llama's (experts, latent attention or "
+                            "extra norms): no Hugging Face names for them here")
+    tensors = {"model.embed_tokens.weight": np.asarray(weights["embed"]),
+               "model.norm.weight": np.asarray(weights["final_norm"])}
+    names = dict(_LAYER)
+    if config.attention_bias:
+        names.update({k: (v, False) for k, v in _BIASES.items()})
+    for key, (name, transpose) in names.items():
+        stack = np.asarray(weights[key])
+        for i in range(config.num_layers):
+            tensors[f"model.layers.{i}.{name}"] = np.ascontiguousarray(stack[i].T if transpose else stack[i])
+    if not config.tie_embeddings:
+        tensors["lm_head.weight"] = np.ascontiguousarray(np.asarray(weights["lm_head"]).T)
+    return tensors
+
+
 def load_weights(path: str, config: ModelConfig) -> LazyWeights:
     """The weights in the loader layout of jaxcb.model.llama (float32), each read from the memory-mapped files when
     it is used (jaxcb.model.lazy_weights): every tensor's presence, and the plain ones' shapes, checked first."""
@@ -580,8 +600,14 @@ def load_weights(path: str, config: ModelConfig) -> LazyWeights:
     tensors: dict[str, np.ndarray] = {}
     for f in files:
         tensors.update(_read_safetensors(f))
+    return weights_from_tensors(tensors, config_json(path), config, path)
 
-    settings = config_json(path)
+
+def weights_from_tensors(tensors: dict, settings: dict, config: ModelConfig, path: str) -> LazyWeights:
+    """The loader layout's weights from a checkpoint's tensors by their Hugging Face names (`tensors`: numpy
+    arrays or anything np.asarray reads; `settings`: its config.json, {} for none; `path`: what the errors name):
+    every tensor the model needs must be there and every one given must be used."""
+    tensors = dict(tensors)  # (fused projections add their parts' names)
     settings = {**settings, **(settings.get("text_config") or {})}  # (a multimodal one's language model's, as read_config)
     float8 = _float8_blocks(tensors, settings)
     used = {scale for scale, _ in float8.values()}
@@ -595,7 +621,7 @@ def load_weights(path: str, config: ModelConfig) -> LazyWeights:
 
     def read(name: str, transpose: bool = False, raw: bool = False) -> np.ndarray:
         """The tensor's values, a view where it can be (of the mapped file, transposed): cast when copied."""
-        w = tensors[name]
+        w = tensors[name] if isinstance(tensors[name], np.ndarray) else np.asarray(tensors[name])
         if raw:  # (packed values: as stored)
             return np.asarray(w)
         if name in float8:  # its values times their blocks' scales
@@ -619,7 +645,7 @@ def load_weights(path: str, config: ModelConfig) -> LazyWeights:
                 rows = [config.weight_shapes()[p][-1] for p in parts]  # (each part's outputs)
                 if tensors[name].shape[0] != sum(rows):
                     raise InvalidConfig(f"model: tensor {name} has {tensors[name].shape[0]} rows, not {sum(rows)}")
-                for part, piece in zip(parts, np.split(tensors[name], np.cumsum(rows)[:-1])):
+                for part, piece in zip(parts, np.split(np.asarray(tensors[name]), np.cumsum(rows)[:-1])):
                     tensors[layer.format(i=i) + _LAYER[part][0]] = piece  # (views of the mapped file)
                 used.add(name)
     one("embed", prefix + "embed_tokens.weight")

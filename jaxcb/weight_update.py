@@ -1,0 +1,131 @@
+"""New weights for a model being served, without a restart: a reinforcement-learning trainer's newest policy for
+the engine that makes its rollouts (vLLM's and SGLang's weight updates, over HTTP or in the trainer's process).
+
+    source -> read_weights (Params, made as the served ones were) -> each replica's runner: prepare_weights
+           -> Engine.swap_weights (between two steps; running requests computed again, the prefix cache forgotten)
+
+A source is a checkpoint (a path of the kinds jaxcb.llm.load_model reads: GGUF, a converted checkpoint, a Hugging
+Face directory), a mapping of arrays by name (a Hugging Face state dict's names, or jaxcb's loader layout, e.g. from
+jaxcb.model.llama.params_to_weights), or Params themselves (a JAX trainer's, laid out as the served model's). It must
+be the served model's architecture, shape for shape: the new arrays take the old ones' places, so nothing compiles
+again. Host side (reading, converting); the arrays are put on the devices the served ones are on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+from collections.abc import Mapping
+
+import numpy as np
+
+from jaxcb.host.errors import InvalidConfig, InvalidRequest
+from jaxcb.model.config import ModelConfig
+
+MAX_VERSION_CHARS = 256  # a weight version's length (it is echoed by /weight_info and the metrics' labels)
+
+
+@dataclasses.dataclass(frozen=True)
+class Origin:
+    """How an engine's weights were made, so that new ones are made alike: the model as loaded (before the served
+    context's and the kernels' changes), the compute dtype, the weight format (EngineConfig.weights and
+    weight_group), the RoPE override, and the checkpoint's config.json ({} for a GGUF file or weights given)."""
+
+    model_config: ModelConfig
+    dtype: object
+    weights: str = "auto"
+    group: int = 0
+    rope_scaling: str = ""
+    settings: dict = dataclasses.field(default_factory=dict)
+
+
+def check_version(version) -> str | None:
+    if version is not None and (not isinstance(version, str) or len(version) > MAX_VERSION_CHARS):
+        raise InvalidRequest(f"weight_version: a string of at most {MAX_VERSION_CHARS} characters, or null")
+    return version
+
+
+def same_model(new: ModelConfig, served: ModelConfig, where: str) -> None:
+    """Refuse another model's weights (before any is read), naming what differs."""
+    differ = [f.name for f in dataclasses.fields(served)
+              if f.name != "name" and getattr(new, f.name) != getattr(served, f.name)]
+    if differ:
+        shown = ", ".join(f"{n} {getattr(new, n)!r} (served: {getattr(served, n)!r})" for n in differ[:3])
+        raise InvalidRequest(f"model_path: {where} is not the served model's architecture: {shown}")
+
+
+def read_weights(source, origin: Origin, mesh=None):
+    """Params from `source` (see the module), in the served weights' dtype and format, put on `mesh` (the first
+    replica's, under tensor parallelism; default: the default device). Refused, naming the part, unless it is the
+    served model's architecture with every weight there and none left over."""
+    from jaxcb.model.llama import Params, params_from_numpy
+
+    if isinstance(source, Params):
+        return source
+    try:
+        if isinstance(source, (str, os.PathLike)):
+            from jaxcb.llm import load_model
+
+            path = os.fspath(source)
+            if not os.path.exists(path):
+                raise InvalidRequest(f"model_path: {path} does not exist")
+            return load_model(path, origin.dtype, check_config=lambda c: same_model(c, origin.model_config, path),
+                              weights=origin.weights, group=origin.group, rope_scaling=origin.rope_scaling,
+                              mesh=mesh)[1]
+        if not isinstance(source, Mapping):
+            raise InvalidRequest(f"weights: a checkpoint's path, arrays by name or Params, not {type(source).__name__}")
+        config = origin.model_config
+        shapes = config.weight_shapes()
+        if set(source) <= set(shapes):  # jaxcb's loader layout
+            missing = sorted(set(shapes) - set(source))
+            if missing:
+                raise InvalidRequest(f"weights: {', '.join(missing[:4])} missing (the loader layout needs every one of "
+                                     f"{len(shapes)})")
+            for name, shape in shapes.items():
+                if tuple(np.shape(source[name])) != tuple(shape):
+                    raise InvalidRequest(f"weights: {name} has shape {list(np.shape(source[name]))}, the served "
+                                         f"model's {list(shape)}")
+            weights = dict(source)
+        else:  # a Hugging Face state dict's names
+            from jaxcb.model import hf_loader
+
+            weights = hf_loader.weights_from_tensors(source, origin.settings, config, "the weights given")
+        place = None
+        if mesh is not None:
+            from jaxcb.device.parallel import Placement
+
+            place = Placement(mesh, config)
+        return params_from_numpy(weights, origin.dtype, origin.weights, origin.group, place)
+    except InvalidConfig as e:  # (the loaders' words: a request's error here)
+        raise InvalidRequest(str(e)) from None
+
+
+def update(engines: list, source, version: str | None = None) -> list:
+    """New weights for every replica's engine: read once, made for each runner, taken at each one's next step.
+    Returns one future per engine (Engine.swap_weights). Any thread but the engines'; the reading and the
+    conversion happen here, so the engines go on stepping meanwhile."""
+    from jaxcb.device.factory import prepare_weights
+    from jaxcb.model.llama import Params
+
+    check_version(version)
+    first = engines[0]
+    if first.origin is None or not all(hasattr(e.runner, "prepare_params") for e in engines):
+        raise InvalidRequest("weights: this engine cannot take new weights (a multi-host cluster's, or weights it "
+                             "was not built from)")
+    if first.config.classifier_from_tokens:
+        raise InvalidRequest("weights: not with model.classifier_from_tokens (its head is read from the weights once)")
+    params = read_weights(source, first.origin, mesh=first.runner.mesh)
+    own = not isinstance(source, Params) and len(engines) == 1  # (nobody else reads them: rewritten ones are freed)
+    prepared = [prepare_weights(e.runner, params, e.config, release=own) for e in engines]
+    return [e.swap_weights(p, version) for e, p in zip(engines, prepared)]
+
+
+def checksums(engine) -> dict[str, str]:
+    """The served arrays' SHA-256 by their place in the weights (vLLM's weight checker): equal weights give equal
+    sums on equal servers."""
+    import jax
+
+    leaves = jax.tree_util.tree_flatten_with_path(engine.runner.params)[0]
+    return {jax.tree_util.keystr(path).lstrip("."): hashlib.sha256(np.asarray(jax.device_get(a)).tobytes()).hexdigest()
+            for path, a in leaves}

@@ -1,0 +1,183 @@
+"""New weights while serving (jaxcb.weight_update; the RL trainer's weight sync): the tokens after an update are an
+engine's built with the new weights, running requests go on from their tokens on them, nothing compiles again, and
+generation pauses in vLLM's three modes. The HTTP routes are tested in tests/test_openai_api.py."""
+
+import collections
+import os
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+from jaxcb import weight_update
+from jaxcb.device.runner import compilation_count
+from jaxcb.host.errors import InvalidRequest
+from jaxcb.host.request import FinishReason, SamplingParams
+from jaxcb.model.llama import params_from_numpy, random_weights
+from tests.test_model_dirs import write_hf_dir
+from tests.tiny_gguf import tiny_model_config, write_tiny_gguf
+
+PROMPTS = [[5, 9, 40, 41, 7], list(range(3, 40)), [11, 12, 13]]
+
+
+def greedy(llm, prompts=PROMPTS, max_tokens=10):
+    return [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True))]
+
+
+def built_with(make_llm, tiny_model, weights):
+    config, _, tokenizer, eos = tiny_model
+    return make_llm(model=(config, params_from_numpy(weights), tokenizer, eos))
+
+
+def test_new_weights_give_the_tokens_of_an_engine_built_with_them(make_llm, tiny_model, tiny_gguf_path):
+    new = random_weights(tiny_model[0], seed=1)
+    expected = greedy(built_with(make_llm, tiny_model, new))
+    llm = make_llm()
+    before = greedy(llm)
+    compiled = compilation_count()
+    llm.update_weights(new, version="step-1")
+    after = greedy(llm)
+    assert compilation_count() == compiled  # the same arrays' shapes: every program is the one compiled before
+    assert after != before and llm.weight_version == "step-1"
+    assert after == expected
+    llm.update_weights(tiny_gguf_path)  # the file it was loaded from: its tokens again
+    assert greedy(llm) == before and llm.weight_version is None
+    assert compilation_count() == compiled
+
+
+def test_a_hugging_face_checkpoint_or_state_dict_gives_the_weights_it_holds(make_llm, tiny_model, tmp_path):
+    """By path (a Hugging Face directory) or as arrays by their Hugging Face names, the served arrays are those of the
+    same weights given in jaxcb's own layout."""
+    config, _, tokenizer, _ = tiny_model
+    new = random_weights(config, seed=2)
+    write_hf_dir(str(tmp_path), config, new, tokenizer)
+    llm = make_llm()
+    llm.update_weights(new)
+    expected, tokens = llm.weight_checksums(), greedy(llm)
+    llm.update_weights(tiny_model[1])  # (Params themselves: the loaded ones)
+    assert llm.weight_checksums() != expected
+    llm.update_weights(str(tmp_path))
+    assert llm.weight_checksums() == expected
+    llm.update_weights(tiny_model[1])
+    state = {}
+    for f in sorted(os.listdir(tmp_path)):
+        if f.endswith(".safetensors"):
+            state.update(load_file(str(tmp_path / f)))
+    llm.update_weights(state)
+    assert llm.weight_checksums() == expected and greedy(llm) == tokens
+
+
+def test_requests_running_at_the_update_go_on_from_their_tokens_on_the_new_weights(make_llm, tiny_model):
+    """The step in flight finishes on the old weights; then each running request is computed again from its prompt
+    and the tokens it has, on the new ones: what follows is what an engine built with them continues with."""
+    max_tokens = 24
+    unchanged = greedy(make_llm(), PROMPTS, max_tokens)
+    llm = make_llm()
+    engine = llm.engine
+    for i, p in enumerate(PROMPTS):
+        engine.add_request(p, SamplingParams(max_tokens=max_tokens, ignore_eos=True), request_id=f"r{i}")
+    tokens = collections.defaultdict(list)
+    while min((len(tokens[f"r{i}"]) for i in range(len(PROMPTS))), default=0) < 4:
+        for ev in engine.step():
+            tokens[ev.request_id] += ev.token_ids
+    new = random_weights(tiny_model[0], seed=1)
+    (done,) = weight_update.update([engine], new, "v1")
+    old = None
+    while engine.has_work():
+        for ev in engine.step():
+            tokens[ev.request_id] += ev.token_ids
+        if old is None and done.done():
+            old = {rid: len(t) for rid, t in tokens.items()}  # (what the steps finished before it made)
+    assert done.result() == "v1"
+    fresh = built_with(make_llm, tiny_model, new)
+    for i, p in enumerate(PROMPTS):
+        rid = f"r{i}"
+        k = old[rid]
+        assert 4 <= k < max_tokens and len(tokens[rid]) == max_tokens
+        assert tokens[rid][:k] == unchanged[i][:k]
+        assert tokens[rid][k:] == greedy(fresh, [p + tokens[rid][:k]], max_tokens - k)[0]
+    assert [tokens[f"r{i}"] for i in range(len(PROMPTS))] != unchanged
+
+
+def test_an_update_forgets_the_prefix_cache(make_llm, tiny_model):
+    llm = make_llm()
+    prompt = list(range(3, 75))
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    llm.generate([prompt], params)
+    assert llm.generate([prompt], params)[0].num_cached_tokens >= 64
+    new = random_weights(tiny_model[0], seed=1)
+    llm.update_weights(new)
+    out = llm.generate([prompt], params)[0]
+    assert out.num_cached_tokens == 0
+    assert out.token_ids == built_with(make_llm, tiny_model, new).generate([prompt], params)[0].token_ids
+
+
+def run(engine, tokens, finished):
+    for ev in engine.step():
+        tokens[ev.request_id] += ev.token_ids
+        if ev.finished:
+            finished[ev.request_id] = ev.finish_reason
+
+
+@pytest.mark.parametrize("mode", ["abort", "wait", "keep"])
+def test_a_pause_holds_new_requests_and_treats_running_ones_as_its_mode_says(make_llm, mode):
+    """abort: every request ends; wait: the running ones finish; keep: they freeze where they are and go on at
+    resume. In every mode a request that arrives while paused waits, unstarted, and runs after resume; the tokens
+    of every request that completes are those of an engine never paused."""
+    llm = make_llm()
+    expected = greedy(llm, PROMPTS[:2], 16)
+    engine = llm.engine
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    engine.add_request(PROMPTS[0], params, request_id="running")
+    tokens, finished = collections.defaultdict(list), {}
+    while len(tokens["running"]) < 3:
+        run(engine, tokens, finished)
+    paused = engine.pause(mode)
+    engine.add_request(PROMPTS[1], params, request_id="arrived")
+    for _ in range(40):
+        if not engine.has_work():
+            break
+        run(engine, tokens, finished)
+    assert not engine.has_work() and paused.result(timeout=0) is True and engine.paused == mode
+    assert tokens["arrived"] == [] and "arrived" not in finished
+    held = len(tokens["running"])
+    if mode == "abort":
+        assert finished["running"] == FinishReason.ABORT and held < 16
+    elif mode == "wait":
+        assert finished["running"] == FinishReason.LENGTH and tokens["running"] == expected[0]
+    else:
+        assert "running" not in finished and held < 16
+        run(engine, tokens, finished)  # (nothing moves while paused)
+        assert len(tokens["running"]) == held
+    resumed = engine.resume()
+    while engine.has_work():
+        run(engine, tokens, finished)
+    assert resumed.result(timeout=0) is True and engine.paused is None
+    assert finished["arrived"] == FinishReason.LENGTH and tokens["arrived"] == expected[1]
+    if mode == "keep":
+        assert finished["running"] == FinishReason.LENGTH and tokens["running"] == expected[0]
+    with pytest.raises(InvalidRequest, match="mode"):
+        engine.pause("sleep")
+
+
+def test_weights_of_another_model_are_refused_and_the_served_ones_go_on(make_llm, tiny_model, tmp_path):
+    config = tiny_model[0]
+    llm = make_llm()
+    before = greedy(llm)
+    deeper = str(tmp_path / "deeper.gguf")
+    write_tiny_gguf(deeper, tiny_model_config(num_layers=config.num_layers + 1))
+    with pytest.raises(InvalidRequest, match="num_layers"):
+        llm.update_weights(deeper)
+    with pytest.raises(InvalidRequest, match="does not exist"):
+        llm.update_weights(str(tmp_path / "absent.gguf"))
+    new = random_weights(config, seed=1)
+    with pytest.raises(InvalidRequest, match="wq"):
+        llm.update_weights({k: v for k, v in new.items() if k != "wq"})
+    with pytest.raises(InvalidRequest, match="w_up"):
+        llm.update_weights({**new, "w_up": np.swapaxes(new["w_up"], 1, 2)})
+    state = {"model.embed_tokens.weight": new["embed"], "model.norm.weight": new["final_norm"], "rogue.weight": new["embed"]}
+    with pytest.raises(InvalidRequest, match="missing"):
+        llm.update_weights(state)
+    with pytest.raises(InvalidRequest, match="weight_version"):
+        llm.update_weights(new, version="v" * 300)
+    assert greedy(llm) == before and llm.weight_version is None
