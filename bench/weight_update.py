@@ -12,6 +12,9 @@ roughly: the tokens change, the model still speaks). Measured:
    engine serves on them (target 0: the step's programs are the ones compiled at warm-up).
 3. Under load: the workload running when an update from memory is given; the longest gap between two steps, the
    running requests computed again, and the run's output tokens/s against the same run without an update.
+4. Sleep (vLLM's sleep mode): the process's resident memory and the devices' arrays before, asleep at level 1 (the KV
+   pages freed, the weights copied to the host) and level 2 (both freed), the time to sleep and to wake, and the
+   workload's tokens after waking (level 2: woken by an update) against those before.
 """
 
 from __future__ import annotations
@@ -60,6 +63,17 @@ def run_with_update(llm, prompts, tokens: int, update=None, after_steps: int = 8
     seconds = time.perf_counter() - t0
     return {"output_tokens_per_s": out / seconds, "longest_step_gap_s": max(gaps), "median_step_gap_s":
             float(np.median(gaps)), "recomputed": recomputed, "seconds": seconds}
+
+
+def rss_mb() -> float:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
+
+
+def device_mb() -> float:
+    import jax
+
+    return sum(a.nbytes for a in jax.live_arrays()) / 2**20
 
 
 def main() -> None:
@@ -140,6 +154,28 @@ def main() -> None:
               f"{r['longest_step_gap_s'] * 1000:7.1f} ms (median {r['median_step_gap_s'] * 1000:.1f} ms), "
               f"recomputed {r['recomputed']}", flush=True)
     print(f"compilations since warm-up: {result['under_load']['compilations_since_warmup']}")
+    result["sleep"] = []
+    expected = greedy(llm, prompts, args.tokens)
+    for level in (1, 2):
+        before = {"rss_mb": rss_mb(), "device_mb": device_mb()}
+        t0 = time.perf_counter()
+        llm.sleep(level)
+        slept = time.perf_counter() - t0
+        asleep = {"rss_mb": rss_mb(), "device_mb": device_mb()}
+        t0 = time.perf_counter()
+        if level == 2:
+            llm.update_weights(other)
+        llm.wake_up()
+        woke = time.perf_counter() - t0
+        row = {"level": level, "awake": before, "asleep": asleep, "sleep_s": slept, "wake_s": woke,
+               "requests_differing": sum(a != b for a, b in zip(greedy(llm, prompts, args.tokens), expected))}
+        result["sleep"].append(row)
+        print(f"sleep level {level}: resident {before['rss_mb']:.0f} -> {asleep['rss_mb']:.0f} MB, device arrays "
+              f"{before['device_mb']:.0f} -> {asleep['device_mb']:.0f} MB; sleep {slept:.2f} s, wake "
+              f"{woke:.2f} s{' (with the update)' if level == 2 else ''}; requests differing after "
+              f"{row['requests_differing']}/{len(prompts)}", flush=True)
+    result["compilations_since_warmup"] = compilation_count() - compiled
+    print(f"compilations since warm-up, all: {result['compilations_since_warmup']}")
     print(machine())
     write_result(result, args.json, echo=False)
 

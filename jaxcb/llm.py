@@ -288,8 +288,9 @@ def build_engines(model: str | None = None, config: EngineConfig | str | None = 
         weights=config.weights, group=config.weight_group, rope_scaling=config.rope_scaling, mesh=mesh)
     # How these weights were made (jaxcb.weight_update): new ones, given while serving, are made alike
     path = resolve_model(model) if loaded is None else None
-    origin = weight_update.Origin(model_config, params.compute_dtype, config.weights, config.weight_group, config.rope_scaling,
-                    hf_loader.config_json(path) if path is not None and hf_loader.is_hf_dir(path) else {})
+    mode, group = (config.weights, config.weight_group) if loaded is None else weight_update.format_of(params)
+    origin = weight_update.Origin(model_config, params.compute_dtype, mode, group, config.rope_scaling,
+                                  hf_loader.config_json(path) if path is not None and hf_loader.is_hf_dir(path) else {})
     draft = load_draft(spec, model_config, params, compute_dtype(config, dtype), mesh) if drafting else None
     head = load_classifier(resolve_model(model) if loaded is None else None, model_config, params, tokenizer,
                            config.classifier_from_tokens, config.classifier_method)
@@ -526,16 +527,31 @@ class LLM:
         """Generate with `weights` from now on: a checkpoint's path, arrays by name (a Hugging Face state dict's, or
         jaxcb's loader layout) or Params, of the served model's architecture shape for shape (nothing compiles
         again); the prefix cache is forgotten. `version`: what weight_version says from now on."""
+        self._settle(weight_update.update(self._engines(), weights, version))
+
+    def sleep(self, level: int = 1) -> None:
+        """Free the devices' memory between rollouts (vLLM's sleep mode, Engine.sleep: level 1 the KV pages, the
+        weights kept on the host; level 2 both dropped, new ones to come by update_weights) until wake_up."""
+        self._settle([e.sleep(level) for e in self._engines()])
+
+    def wake_up(self, tags=None) -> None:
+        """Put back what sleep freed (`tags`: "weights", "kv_cache"; default both)."""
+        self._settle([e.wake_up(tags) for e in self._engines()])
+
+    def _engines(self) -> list[Engine]:
+        return self.replicas.engines if self.replicas is not None else [self.engine]
+
+    def _settle(self, futures: list) -> list:
+        """What was put in the engines' inboxes, taken: by the replicas' threads, or by this one stepping."""
         if self.replicas is not None:
             if not self.replicas.started:
                 self.replicas.start()
-            for f in self.replicas.update_weights(weights, version):
-                f.result()
-            return
-        (done,) = weight_update.update([self.engine], weights, version)
-        while not done.done():
-            self.engine.step()
-        done.result()
+            for t in self.replicas.threads:
+                t.wake()
+        else:
+            while not futures[0].done():
+                self.engine.step()
+        return [f.result() for f in futures]
 
     @property
     def weight_version(self) -> str | None:

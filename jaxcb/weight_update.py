@@ -40,6 +40,25 @@ class Origin:
     settings: dict = dataclasses.field(default_factory=dict)
 
 
+def format_of(params) -> tuple[str, int]:
+    """(EngineConfig.weights, weight_group) that made `params` (weights given loaded, LLM.from_params: their own
+    format, whatever the config says)."""
+    import jax.numpy as jnp
+
+    from jaxcb.model.quant import is_quantized
+
+    w = params.layers.wq if params.layers.wq is not None else params.layers.w_up
+    if w is None:
+        return "auto", 0
+    if is_quantized(w):
+        rows = w.q.shape[-2] * (2 if w.bits == 4 else 1)  # (int4 packs two input rows a byte)
+        groups = w.scale.shape[-2]
+        return f"int{w.bits}", 0 if w.bits == 8 and groups == 1 else rows // groups
+    if jnp.dtype(w.dtype) == jnp.bfloat16 and jnp.dtype(params.compute_dtype) != jnp.bfloat16:
+        return "bfloat16", 0
+    return "auto", 0
+
+
 def check_version(version) -> str | None:
     if version is not None and (not isinstance(version, str) or len(version) > MAX_VERSION_CHARS):
         raise InvalidRequest(f"weight_version: a string of at most {MAX_VERSION_CHARS} characters, or null")
@@ -106,7 +125,8 @@ def update(engines: list, source, version: str | None = None) -> list:
     Returns one future per engine (Engine.swap_weights). Any thread but the engines'; the reading and the
     conversion happen here, so the engines go on stepping meanwhile."""
     from jaxcb.device.factory import prepare_weights
-    from jaxcb.model.llama import Params
+
+    import jax
 
     check_version(version)
     first = engines[0]
@@ -116,9 +136,20 @@ def update(engines: list, source, version: str | None = None) -> list:
     if first.config.classifier_from_tokens:
         raise InvalidRequest("weights: not with model.classifier_from_tokens (its head is read from the weights once)")
     params = read_weights(source, first.origin, mesh=first.runner.mesh)
-    own = not isinstance(source, Params) and len(engines) == 1  # (nobody else reads them: rewritten ones are freed)
-    prepared = [prepare_weights(e.runner, params, e.config, release=own) for e in engines]
-    return [e.swap_weights(p, version) for e, p in zip(engines, prepared)]
+    # Arrays made here from a file or from numpy are the engine's alone; a caller's JAX arrays are copied (a trainer
+    # may donate or delete its own), and rewritten ones are freed only where nobody else reads them.
+    fresh = isinstance(source, (str, os.PathLike)) or (
+        isinstance(source, Mapping) and not any(isinstance(v, jax.Array) for v in source.values()))
+    spec = first.config.scheduler.speculative
+    drafts = [None] * len(engines)
+    if first.draft_runner is not None and not spec.draft_model:  # a draft cut from the target's weights: cut anew
+        from jaxcb.llm import load_draft
+
+        cut = load_draft(spec, first.origin.model_config, params, first.origin.dtype, first.runner.mesh)[1]
+        drafts = [e.draft_runner.prepare_params(cut, private=not fresh) for e in engines]
+    own = fresh and len(engines) == 1 and drafts[0] is None
+    prepared = [prepare_weights(e.runner, params, e.config, release=own, private=not fresh) for e in engines]
+    return [e.swap_weights(p, version, draft) for e, p, draft in zip(engines, prepared, drafts)]
 
 
 def checksums(engine) -> dict[str, str]:

@@ -213,16 +213,43 @@ class State:
     async def resume(self) -> None:
         await self._settled(self.engine.resume())
 
-    async def update_weights(self, path: str, version: str | None) -> None:
+    async def sleep(self, level: int, mode: str) -> None:
+        """Every replica sleeps (Engine.sleep), returning once each is asleep."""
+        await self._settled(self.engine.sleep(level, mode))
+
+    async def wake_up(self, parts) -> bool:
+        """Whether every replica is whole again (Engine.wake_up)."""
+        return all(await self._settled(self.engine.wake_up(parts)))
+
+    async def update_weights(self, path: str, version: str | None, abort: bool = False) -> None:
         """New weights from a checkpoint on this machine (jaxcb.weight_update), read off the event loop while the
-        engines go on, taken between two steps: returns once every replica steps on them. One at a time."""
+        engines go on, taken between two steps: returns once every replica steps on them. One at a time. `abort`:
+        every request ends first (a pause with "abort", resumed after unless the engines were paused before)."""
+        import os
+
         from jaxcb.weight_update import check_version
 
         check_version(version)
+        if not os.path.exists(path):
+            raise InvalidRequest(f"model_path: {shown(path)} does not exist")
         if self.updating.locked():
             raise Overloaded("model_path: new weights are being read already; try again when that update is done")
         async with self.updating:
-            await self._settled(await asyncio.to_thread(self.engine.update_weights, path, version))
+            async with self.aborting_all(abort):
+                await self._settled(await asyncio.to_thread(self.engine.update_weights, path, version))
+
+    @contextlib.asynccontextmanager
+    async def aborting_all(self, abort: bool):
+        """With `abort`, every request ends before the block (SGLang's abort_all_requests: a pause with "abort") and
+        generation resumes after it, unless the engines were paused before."""
+        resume = abort and not self.engine.paused
+        if abort:
+            await self.pause("abort", True)
+        try:
+            yield
+        finally:
+            if resume:
+                await self.resume()
 
     @staticmethod
     async def _settled(futures: list) -> list:

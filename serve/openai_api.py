@@ -27,8 +27,8 @@
     POST /v1/files, /v1/batches  OpenAI's Files and Batch APIs (GET, DELETE /v1/files/{id}, its /content; GET
                                  /v1/batches/{id}, POST .../cancel): batches of requests run in the background
                                  through this app (serve.openai_batches)
-    POST /pause, /resume, /update_weights_from_disk; GET /is_paused, /weight_info; POST /update_weight_version,
-                                 /weight_checker: vLLM's and SGLang's RL routes, new weights while serving
+    POST /pause, /resume, /sleep, /wake_up, /update_weights_from_disk, /update_weight_version, /weight_checker;
+         GET /is_paused, /is_sleeping, /weight_info: vLLM's and SGLang's RL routes, new weights while serving
                                  (--dev-routes, the operator's; jaxcb.weight_update)
     GET  /version                {version}: jaxcb's (no auth)
     GET  /health                 200 once warm (no auth), else 503
@@ -372,15 +372,33 @@ def make_app(state) -> FastAPI:
                                   "it (auto)")
             bool_field(body, "flush_cache", True)  # (the prefix cache is always forgotten: it holds the old K/V)
             version = body.get("weight_version")
-            abort = bool_field(body, "abort_all_requests", False)
-            if abort:
-                await state.pause("abort", True)
-            try:
-                await state.update_weights(path, version)
-            finally:
-                if abort:
-                    await state.resume()
+            await state.update_weights(path, version, bool_field(body, "abort_all_requests", False))
             return {"success": True, "message": "Succeeded to update model weights.", "weight_version": version}
+
+        @app.post("/sleep")
+        async def sleep(request: Request):
+            """vLLM's sleep mode: ?level=1 (the KV pages freed, the weights kept on the host), 2 (both freed: new
+            weights to come), 0 (a pause only); ?mode as /pause's. Answered once every replica is asleep."""
+            operator(request)
+            level = request.query_params.get("level", "1")
+            if level not in ("0", "1", "2"):
+                raise bad_request(f"level: {shown(level)} is not a sleep level (0, 1 or 2)")
+            await state.sleep(int(level), request.query_params.get("mode", "abort"))
+            return {"status": "sleeping", "level": int(level)}
+
+        @app.post("/wake_up")
+        async def wake_up(request: Request):
+            """vLLM's: ?tags=weights&tags=kv_cache (default both) back on the devices; generation resumes once the
+            engine is whole ("awake")."""
+            operator(request)
+            tags = request.query_params.getlist("tags") or None
+            awake = await state.wake_up(tags)
+            return {"status": "awake" if awake else "sleeping", "tags": tags}
+
+        @app.get("/is_sleeping")
+        async def is_sleeping(request: Request):
+            operator(request)
+            return {"is_sleeping": state.engine.asleep}
 
         @app.get("/weight_info")
         async def weight_info(request: Request):
@@ -391,12 +409,15 @@ def make_app(state) -> FastAPI:
         async def update_weight_version(request: Request):
             operator(request)
             body = await body_of(request)
-            check_fields(body, {"new_version"})
+            check_fields(body, {"new_version", "abort_all_requests"})
             from jaxcb.weight_update import check_version
 
             version = check_version(str_field(body, "new_version", ""))
-            for engine in state.engine.engines:
-                engine.weight_version = version
+            if not version:
+                raise bad_request("new_version: required")
+            async with state.aborting_all(bool_field(body, "abort_all_requests", False)):
+                for engine in state.engine.engines:
+                    engine.weight_version = version
             return {"success": True, "new_version": version}
 
         @app.post("/weight_checker")

@@ -363,9 +363,10 @@ def test_reset_prefix_cache_forgets_cached_prefixes_only_while_nothing_runs(serv
 
 
 def test_the_rl_routes_pause_update_the_weights_from_disk_and_resume(server, long_server, tiny_gguf_path, tmp_path):
-    """vLLM's /pause, /resume, /is_paused, /weight_info, /update_weight_version, /weight_checker and SGLang's
-    /update_weights_from_disk (--dev-routes): a request made while paused waits for /resume; other weights change
-    the tokens, the served file's bring them back (and the checksums); bad calls are 400s naming the field."""
+    """vLLM's /pause, /resume, /is_paused, /sleep, /wake_up, /is_sleeping, /weight_info, /update_weight_version,
+    /weight_checker and SGLang's /update_weights_from_disk (--dev-routes): a request made while paused or asleep waits
+    for /resume or /wake_up; other weights change the tokens, the served file's bring them back (and the checksums);
+    bad calls are 400s naming the field."""
     import concurrent.futures
 
     from tests.tiny_gguf import write_tiny_gguf
@@ -398,11 +399,25 @@ def test_the_rl_routes_pause_update_the_weights_from_disk_and_resume(server, lon
         assert httpx.get(server.http + "/weight_info", timeout=30).json() == {"weight_version": "step-1"}
         compared = post("/weight_checker", json={"action": "compare", "baseline": sums}).json()
         assert compared["match"] is False and compared["mismatches"]
+        assert post("/pause?mode=keep").json() == {"status": "paused"}  # (an operator's pause outlasts the update's)
+        r = post("/update_weights_from_disk", json={"model_path": tiny_gguf_path, "abort_all_requests": True})
+        assert r.status_code == 200 and httpx.get(server.http + "/is_paused", timeout=30).json()["is_paused"] is True
+        assert post("/resume").json() == {"status": "resumed"}
         r = post("/update_weights_from_disk", json={"model_path": tiny_gguf_path, "abort_all_requests": True})
         assert r.status_code == 200 and httpx.get(server.http + "/is_paused", timeout=30).json()["is_paused"] is False
         assert complete() == before
         assert post("/weight_checker", json={"action": "compare", "baseline": sums}).json() == {
             "match": True, "mismatches": []}
+        assert post("/sleep?level=1").json() == {"status": "sleeping", "level": 1}
+        assert httpx.get(server.http + "/is_sleeping", timeout=30).json() == {"is_sleeping": True}
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            waiting = pool.submit(complete)
+            time.sleep(1.0)
+            assert not waiting.done()  # (held while asleep)
+            assert post("/wake_up?tags=kv_cache").json() == {"status": "sleeping", "tags": ["kv_cache"]}
+            assert post("/wake_up").json() == {"status": "awake", "tags": None}
+            assert waiting.result(timeout=120) == before
+        assert httpx.get(server.http + "/is_sleeping", timeout=30).json() == {"is_sleeping": False}
         assert post("/update_weight_version", json={"new_version": "v2"}).json() == {"success": True,
                                                                                     "new_version": "v2"}
         assert httpx.get(server.http + "/weight_info", timeout=30).json() == {"weight_version": "v2"}
@@ -415,6 +430,9 @@ def test_the_rl_routes_pause_update_the_weights_from_disk_and_resume(server, lon
                                  ("/update_weights_from_disk", {"json": {"model_path": other, "weight_version": 3}},
                                   "weight_version"),
                                  ("/weight_checker", {"json": {"action": "reset"}}, "action"),
+                                 ("/sleep?level=3", {}, "level"), ("/sleep?mode=nap", {}, "mode"),
+                                 ("/update_weight_version", {"json": {}}, "new_version"),
+                                 ("/wake_up?tags=everything", {}, "tags"),
                                  ("/weight_checker", {"json": {"action": "compare"}}, "baseline")):
             r = post(route, **kw)
             assert r.status_code == 400 and r.json()["error"]["message"].startswith(field), (route, r.text[:300])

@@ -88,7 +88,7 @@ def test_requests_running_at_the_update_go_on_from_their_tokens_on_the_new_weigh
             tokens[ev.request_id] += ev.token_ids
         if old is None and done.done():
             old = {rid: len(t) for rid, t in tokens.items()}  # (what the steps finished before it made)
-    assert done.result() == "v1"
+    assert done.result() == "v1" and engine.stats().preemptions == 0  # (computed again: not out of pages)
     fresh = built_with(make_llm, tiny_model, new)
     for i, p in enumerate(PROMPTS):
         rid = f"r{i}"
@@ -181,3 +181,139 @@ def test_weights_of_another_model_are_refused_and_the_served_ones_go_on(make_llm
     with pytest.raises(InvalidRequest, match="weight_version"):
         llm.update_weights(new, version="v" * 300)
     assert greedy(llm) == before and llm.weight_version is None
+
+
+def device_bytes() -> int:
+    import jax
+
+    return sum(a.nbytes for a in jax.live_arrays())
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_sleep_frees_the_devices_memory_and_wake_up_brings_the_engine_back(make_llm, tiny_model, level):
+    """vLLM's sleep mode: once still, the KV pages and the weights leave the devices (level 1 keeps the weights on
+    the host; level 2 drops them, new ones coming by update_weights); a request it kept ("keep") and one that
+    arrives while asleep run after wake_up, with the tokens of an engine that never slept; nothing compiles."""
+    import jax
+
+    llm = make_llm()
+    llm.warmup()
+    expected = greedy(llm, PROMPTS[:2], 16)
+    engine = llm.engine
+    kv = sum(a.nbytes for a in engine.runner.kv_arrays)
+    loaded = {id(a) for a in jax.tree.leaves(tiny_model[1])}  # (arrays the session's fixture holds too stay)
+    weights = sum(a.nbytes for a in jax.tree.leaves(engine.runner.params) if id(a) not in loaded)
+    compiled = compilation_count()
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    engine.add_request(PROMPTS[0], params, request_id="kept")
+    tokens, finished = collections.defaultdict(list), {}
+    while len(tokens["kept"]) < 3:
+        run(engine, tokens, finished)
+    held = device_bytes()
+    asleep = engine.sleep(level, "keep")
+    while engine.has_work():
+        run(engine, tokens, finished)
+    assert asleep.result(timeout=0) is True and engine.asleep == {"weights", "kv_cache"}
+    assert held - device_bytes() >= kv + weights > kv  # (the pages' and the weights' arrays are gone)
+    engine.add_request(PROMPTS[1], params, request_id="arrived")
+    for _ in range(3):
+        run(engine, tokens, finished)
+    assert not engine.has_work() and "kept" not in finished and tokens["arrived"] == []
+    if level == 2:  # the weights were dropped: new ones (here the same) come as an update, then the pages
+        llm.update_weights(tiny_model[1])
+        compiled = compilation_count()  # (the update's own conversions may compile; the steps after it do not)
+        assert engine.asleep == {"kv_cache"}
+        awake = engine.wake_up(["kv_cache"])
+    else:
+        awake = engine.wake_up()
+    while engine.has_work():
+        run(engine, tokens, finished)
+    assert awake.result(timeout=0) is True and not engine.asleep and engine.paused is None
+    assert [tokens["kept"], tokens["arrived"]] == expected
+    assert finished == {"kept": FinishReason.LENGTH, "arrived": FinishReason.LENGTH}
+    assert greedy(llm, PROMPTS[:2], 16) == expected and compilation_count() == compiled
+    with pytest.raises(InvalidRequest, match="level"):
+        engine.sleep(3)
+    with pytest.raises(InvalidRequest, match="tags"):
+        engine.wake_up(["everything"])
+
+
+def test_a_callers_jax_arrays_are_copied_never_served_or_freed(make_llm, tiny_model):
+    """A trainer's arrays (a state dict of JAX arrays, or Params) stay the trainer's: none is freed by the update, and
+    the engine serves copies (the trainer may donate or delete its own, as a training step does)."""
+    import jax
+    import jax.numpy as jnp
+
+    new = random_weights(tiny_model[0], seed=1)
+    expected = greedy(built_with(make_llm, tiny_model, new))
+    llm = make_llm()
+    mine = {k: jnp.asarray(v) for k, v in new.items()}
+    llm.update_weights(mine)
+    assert not any(a.is_deleted() for a in mine.values())
+    for a in mine.values():
+        a.delete()
+    assert greedy(llm) == expected
+    given = params_from_numpy(new)
+    llm.update_weights(given)
+    for a in jax.tree.leaves(given):
+        a.delete()
+    assert greedy(llm) == expected
+
+
+def test_a_draft_cut_from_the_target_takes_the_new_weights_too(make_llm, tiny_model):
+    """Speculative decoding with a draft made of the target's own layers: after an update it proposes from the new
+    weights (all of them here: every proposal is accepted), and the tokens are the new weights' own."""
+    from jaxcb.host.speculative import SpeculativeConfig
+
+    config = tiny_model[0]
+    new = random_weights(config, seed=1)
+    expected = greedy(built_with(make_llm, tiny_model, new))
+    llm = make_llm(speculative=SpeculativeConfig("draft", num_tokens=3, draft_layers=config.num_layers,
+                                                 adaptive=False))
+    llm.update_weights(new)
+    stats = llm.engine.stats()
+    assert greedy(llm) == expected
+    after = llm.engine.stats()
+    proposed = after.speculative_proposed - stats.speculative_proposed
+    assert proposed > 0 and after.speculative_accepted - stats.speculative_accepted == proposed
+
+
+@pytest.mark.parametrize("weights", ["int8", "int4", "bfloat16"])
+def test_weights_given_loaded_take_updates_in_their_own_format(make_llm, tiny_model, tiny_gguf_path, weights):
+    """LLM.from_params serves the arrays given as they are: new weights come in their format (quantized as they
+    were), whatever the config's weights mode says; the same file's weights give the same tokens."""
+    import jax.numpy as jnp
+
+    from jaxcb.llm import load_model
+
+    _, params, tokenizer, eos = load_model(tiny_gguf_path, jnp.float32, weights=weights)
+    llm = make_llm(model=(tiny_model[0], params, tokenizer, eos), weights=weights)
+    before = greedy(llm)
+    llm.update_weights(random_weights(tiny_model[0], seed=1))
+    assert greedy(llm) != before
+    llm.update_weights(tiny_gguf_path)
+    assert greedy(llm) == before
+    plain = make_llm(weights=weights)  # (the float arrays given, the config's mode notwithstanding)
+    plain.update_weights(tiny_gguf_path)
+
+
+def test_a_second_pause_keeps_the_stricter_mode(make_llm):
+    """A request frozen by "keep" stays frozen when a "wait" pause follows (it does not run to its end)."""
+    llm = make_llm()
+    engine = llm.engine
+    engine.add_request(PROMPTS[0], SamplingParams(max_tokens=16, ignore_eos=True), request_id="kept")
+    tokens, finished = collections.defaultdict(list), {}
+    while len(tokens["kept"]) < 3:
+        run(engine, tokens, finished)
+    kept, waited = engine.pause("keep"), engine.pause("wait")
+    for _ in range(6):
+        run(engine, tokens, finished)
+    held = len(tokens["kept"])
+    for _ in range(6):
+        run(engine, tokens, finished)
+    assert kept.result(timeout=0) and waited.result(timeout=0) and engine.paused == "keep"
+    assert len(tokens["kept"]) == held < 16 and not finished
+    engine.resume()
+    while engine.has_work():
+        run(engine, tokens, finished)
+    assert finished == {"kept": FinishReason.LENGTH} and len(tokens["kept"]) == 16

@@ -125,7 +125,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="serve vLLM's development routes (its VLLM_SERVER_DEV_MODE's): POST /reset_prefix_cache, which "
                         "empties the prefix cache while nothing runs (benchmarks between runs), and the RL routes: "
                         "/pause, /resume, /is_paused, /update_weights_from_disk (new weights while serving), "
-                        "/weight_info, /update_weight_version, /weight_checker; off by default: any client could "
+                        "/sleep, /wake_up, /is_sleeping, /weight_info, /update_weight_version, /weight_checker; off by "
+                        "default: any client could "
                         "slow every other")
     s.add_argument("--profile-dir", default=None, metavar="DIR",
                    help="serve POST /start_profile and /stop_profile (vLLM's): a jax.profiler trace of what runs "

@@ -113,14 +113,14 @@ def make_runner(model_config: ModelConfig, params: Params, config, dtype=None, p
     return runner, config
 
 
-def prepare_weights(runner, params: Params, config, release: bool = False) -> Params:
+def prepare_weights(runner, params: Params, config, release: bool = False, private: bool = False) -> Params:
     """New weights for a running `runner` (jaxcb.weight_update), made as make_runner made its own: int8 activations
     where the config asks for them, then the runner's own layout (ModelRunner.prepare_params)."""
     if config.activations == "int8":
         from jaxcb.model.quant import with_int8_activations
 
         params = with_int8_activations(params)
-    return runner.prepare_params(params, release=release)
+    return runner.prepare_params(params, release=release, private=private)
 
 
 def make_draft_runner(target: "ModelRunner", model_config: ModelConfig, params: Params, config):

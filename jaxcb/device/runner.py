@@ -254,6 +254,8 @@ class ModelRunner(Runner):
 
             params = blocked_layers(params, release=release_params)  # (the unblocked stacks freed: the caller's only)
         self.params = params
+        self._abstract = None  # (the weights' shapes, _weights_shape) and, asleep with them offloaded, their host copy
+        self._host_params = None
         # LoRA adapter slots (jaxcb.device.lora), `lora` = (targets, slots, max rank); None: no adapters
         self.lora = None
         if lora is not None and lora[1] > 0:
@@ -348,11 +350,12 @@ class ModelRunner(Runner):
         self.last_tokens = self._zero_last_tokens(self.last_tokens.shape[0])
         return True
 
-    def prepare_params(self, params: Params, release: bool = False) -> Params:
+    def prepare_params(self, params: Params, release: bool = False, private: bool = False) -> Params:
         """New weights made as this runner made its own (KV heads repeated onto the mesh, split over it, blocked
         for the native matmul) and put where its own are: refused, naming the first difference, unless every
         array has the shape and dtype of the one it replaces (then no step compiles again). Any thread; the step
-        takes them at use_params. `release`: nobody else reads `params` (what is rewritten is freed)."""
+        takes them at use_params. `release`: nobody else reads `params` (what is rewritten is freed); `private`:
+        the caller keeps using its arrays (each is copied, never served as it is)."""
         if self.mesh is not None:
             from jaxcb.device import parallel
 
@@ -362,8 +365,9 @@ class ModelRunner(Runner):
             from jaxcb.model.quant import blocked_layers
 
             params = blocked_layers(params, release=release)
+        served = self._weights_shape()
         new, new_tree = jax.tree_util.tree_flatten_with_path(params)
-        old, old_tree = jax.tree_util.tree_flatten_with_path(self.params)
+        old, old_tree = jax.tree_util.tree_flatten_with_path(served)
         if new_tree != old_tree:
             names = lambda leaves: {jax.tree_util.keystr(k) for k, _ in leaves}  # noqa: E731
             differ = sorted(names(new) ^ names(old)) or ["the arrays' layout"]
@@ -372,12 +376,54 @@ class ModelRunner(Runner):
             if tuple(a.shape) != tuple(b.shape) or jnp.dtype(a.dtype) != jnp.dtype(b.dtype):
                 raise InvalidRequest(f"weights: {jax.tree_util.keystr(path)} is {jnp.dtype(a.dtype).name}"
                                      f"{list(a.shape)}, the served model's {jnp.dtype(b.dtype).name}{list(b.shape)}")
-        return jax.tree.map(lambda a, b: jax.device_put(a, b.sharding), params, self.params)
+        return jax.tree.map(lambda a, b: jax.device_put(a, b.sharding, may_alias=False if private else None),
+                            params, served)
 
     def use_params(self, params: Params) -> None:
-        """Step on `params` (made by prepare_params) from the next step on; the old ones are dropped."""
-        self.params = params
+        """Step on `params` (made by prepare_params) from the next step on; the old ones are dropped (a sleeping
+        runner's too: these are resident)."""
+        self.params, self._host_params = params, None
         self._collapse(self.params, "new weights")
+
+    # ---- sleep (vLLM's sleep mode: the device's memory lent to a trainer between rollouts) ----
+    def _weights_shape(self):
+        """The weights' arrays as shapes, dtypes and placements (what new ones must match; kept while asleep)."""
+        if self.params is not None:
+            self._abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
+                                          self.params)
+        return self._abstract
+
+    @property
+    def asleep(self) -> set[str]:
+        """What is not on the devices: "weights", "kv_cache"."""
+        return {part for part, gone in (("weights", self.params is None), ("kv_cache", self.kv_pages is None)) if gone}
+
+    def release(self, weights: str | None) -> None:
+        """Free the devices' memory (the engine is still): the KV pages dropped, and the weights copied to the host
+        first ("offload") or dropped ("discard"; None: kept)."""
+        self._weights_shape()
+        self.kv_pages = None
+        if weights is not None and self.params is not None:
+            # (copies the host owns: on the CPU a device_get may be a view that keeps the device's buffer)
+            self._host_params = (jax.tree.map(lambda a: np.array(a, copy=True), self.params) if weights == "offload"
+                                 else None)
+            self.params = None
+        if self.platform == "cpu":  # (freed, the memory goes back to the system: keep_freed_memory_on_cpu keeps it)
+            from jaxcb.host.tokenizer import trim_heap
+
+            trim_heap()
+
+    def restore(self, parts: set[str]) -> None:
+        """Back on the devices: "kv_cache" fresh pages; "weights" the offloaded ones, or zeros where they were
+        discarded (new weights are to come: use_params)."""
+        if "kv_cache" in parts and self.kv_pages is None:
+            self.kv_pages = self._allocate_kv()
+            self.last_tokens = self._zero_last_tokens(self.last_tokens.shape[0])
+        if "weights" in parts and self.params is None:
+            host, self._host_params = self._host_params, None
+            self.params = (jax.tree.map(lambda h, s: jax.device_put(h, s.sharding), host, self._abstract)
+                           if host is not None else
+                           jax.tree.map(lambda s: jax.device_put(np.zeros(s.shape, s.dtype), s.sharding), self._abstract))
 
     def describe(self) -> dict[str, str]:
         """How the step computes (the start banner, GetServerInfo): platform, compute dtype, the weight

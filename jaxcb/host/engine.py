@@ -32,7 +32,7 @@ from jaxcb.host.draft import describe_speculation, proposer_for
 from jaxcb.host.engine_config import EngineConfig
 from jaxcb.host.embedding import take_pooled
 from jaxcb.host.engine_stats import Counters, EngineStats, StepRecord
-from jaxcb.host.inbox import PAUSE_MODES, Add, ForgetCache, Inbox, Pause, Resume, Swap
+from jaxcb.host.inbox import PAUSE_MODES, WAKE_PARTS, Add, ForgetCache, Inbox, Pause, Resume, Swap, WakeUp
 from jaxcb.host.lora import Adapters
 from jaxcb.host.errors import InvalidRequest, NotFound, StepFailed, shown
 from jaxcb.host.output import EventCallback, Outputs, take_prompt_logprobs, token_logprobs
@@ -233,16 +233,43 @@ class Engine:
         the engine had been paused."""
         return self.inbox.put(Resume(concurrent.futures.Future()))
 
-    def swap_weights(self, params, version: str | None = None) -> concurrent.futures.Future:
+    def sleep(self, level: int = 1, mode: str = "abort") -> concurrent.futures.Future:
+        """vLLM's sleep mode: pause (`mode`), and once still free the devices' memory: level 1 the KV pages, the
+        weights copied to the host first; level 2 both dropped (new weights are to come: swap_weights); level 0
+        pause only. Running requests are computed again after wake_up. The future is told True once asleep."""
+        if level not in (0, 1, 2):
+            raise InvalidRequest(f"level: {shown(level)} is not a sleep level (0, 1 or 2)")
+        if level and not hasattr(self.runner, "release"):
+            raise InvalidRequest("level: this engine cannot free its devices' memory (a multi-host cluster's)")
+        if mode not in PAUSE_MODES:
+            raise InvalidRequest(f"mode: {shown(mode)} is not a pause mode ({', '.join(PAUSE_MODES)})")
+        return self.inbox.put(Pause(mode, level > 0, concurrent.futures.Future(), level))
+
+    def wake_up(self, parts=None) -> concurrent.futures.Future:
+        """Put back what sleep freed (`parts`: "weights", "kv_cache"; default both; vLLM's "scheduling" alone: the
+        pause of a level-0 sleep): the future is told whether the engine is whole again, and then generation
+        resumes."""
+        parts = frozenset(WAKE_PARTS if parts is None else parts)
+        unknown = sorted(parts - set(WAKE_PARTS) - {"scheduling"})
+        if unknown:
+            raise InvalidRequest(f"tags: {shown(unknown[0])} is not one of {', '.join(WAKE_PARTS)}, scheduling")
+        return self.inbox.put(WakeUp(parts - {"scheduling"}, concurrent.futures.Future()))
+
+    @property
+    def asleep(self) -> set[str]:
+        """What sleep took off the devices ("weights", "kv_cache"); empty when awake."""
+        return getattr(self.runner, "asleep", set())
+
+    def swap_weights(self, params, version: str | None = None, draft_params=None) -> concurrent.futures.Future:
         """New weights between two steps: `params` made for this engine's runner (jaxcb.device.factory.
         prepare_weights: the same arrays' shapes, dtypes and placements, so nothing compiles again). The step in
         flight finishes on the old ones; then every running request is computed again from its tokens on the new
-        ones (none keeps K/V the old weights made) and the prefix cache forgets every page. The future is told the
-        version."""
-        return self.inbox.put(Swap(params, version, concurrent.futures.Future()))
+        ones (none keeps K/V the old weights made) and the prefix cache forgets every page. `draft_params`: the
+        draft model's, where it is cut from the target's weights. The future is told the version."""
+        return self.inbox.put(Swap(params, version, concurrent.futures.Future(), draft_params))
 
     def has_work(self) -> bool:
-        if self.paused in ("abort", "keep"):  # nothing is scheduled: what is in flight comes back, pauses settle
+        if self.paused in ("abort", "keep") or self.asleep:  # nothing is scheduled: what is in flight comes back
             return not self.inbox.empty() or bool(self._in_flight) or bool(self._pauses)
         return self.scheduler.has_work or not self.inbox.empty() or bool(self._in_flight) or bool(self._pauses)
 
@@ -276,7 +303,8 @@ class Engine:
                     for samples in list(self._requests.values()):
                         for r in list(samples):
                             self._finish(r, FinishReason.ABORT, events)
-                self.paused = item.mode
+                # (paused already: the stricter mode holds; "keep"'s frozen requests do not start running again)
+                self.paused = max(self.paused or item.mode, item.mode, key=PAUSE_MODES.index)
                 self.scheduler.holding = True
                 self._pauses.append(item)
             elif isinstance(item, Resume):
@@ -288,6 +316,14 @@ class Engine:
                 self._pauses.clear()
             elif isinstance(item, Swap):
                 self._swap(item, events)
+            elif isinstance(item, WakeUp):
+                self.runner.restore(item.parts)
+                if self.draft_runner is not None and "kv_cache" in item.parts:
+                    self.draft_runner.restore({"kv_cache"})
+                if not self.asleep:  # whole again: generation goes on (vLLM's wake_up resumes)
+                    self.paused = None
+                    self.scheduler.holding = False
+                item.done.set_result(not self.asleep)
             elif item.request_id in self._requests:  # an Abort
                 for r in list(self._requests[item.request_id]):
                     self._finish(r, FinishReason.ABORT, events)
@@ -303,12 +339,14 @@ class Engine:
             self._complete(self._in_flight.popleft(), events)
         try:
             self.runner.use_params(swap.params)
+            if swap.draft_params is not None:
+                self.draft_runner.use_params(swap.draft_params)
         except Exception as e:  # noqa: BLE001 - the caller is told; the engine goes on with the weights it had
             swap.done.set_exception(e)
             return
         recomputed = list(self.scheduler.running)
         for r in recomputed:
-            self.scheduler.preempt(r)
+            self.scheduler.preempt(r, counted=False)
         self._forget_cached()  # (after the preemptions: their registered pages were kept as cache)
         self.weight_version = swap.version
         self.weight_updates += 1
@@ -323,6 +361,15 @@ class Engine:
             return
         if self.paused != "keep" and any(p.clear_cache for p in self._pauses):
             self._forget_cached()
+        level = max(p.level for p in self._pauses)
+        if level:  # a sleep: the devices' memory freed; the requests it kept are computed again after wake_up
+            for r in list(self.scheduler.running):
+                self.scheduler.preempt(r, counted=False)
+            self._forget_cached()
+            self.runner.release("offload" if level == 1 else "discard")
+            if self.draft_runner is not None:  # (its KV pages; a draft model's weights stay)
+                self.draft_runner.release(None)
+            log.info("asleep (level %d): %s off the devices", level, ", ".join(sorted(self.asleep)))
         for p in self._pauses:
             p.done.set_result(True)
         self._pauses.clear()
@@ -351,7 +398,7 @@ class Engine:
     def _step(self) -> list[TokenEvent]:
         events: list[TokenEvent] = []
         self._drain_inbox(events)
-        if self.paused in ("abort", "keep"):  # nothing is scheduled: the steps in flight come back
+        if self.paused in ("abort", "keep") or self.asleep:  # nothing is scheduled: the steps in flight come back
             while self._in_flight:
                 self._complete(self._in_flight.popleft(), events)
             self._settle_pauses()

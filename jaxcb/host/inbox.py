@@ -43,7 +43,8 @@ class ForgetCache:
     done: concurrent.futures.Future
 
 
-PAUSE_MODES = ("abort", "wait", "keep")
+PAUSE_MODES = ("wait", "abort", "keep")  # (from the least strict: a later pause keeps the stricter)
+WAKE_PARTS = ("weights", "kv_cache")  # what a sleep frees (Engine.wake_up's tags)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,11 +52,13 @@ class Pause:
     """Generation pauses (Engine.pause, vLLM's modes): "abort" ends every request there is, "wait" lets the
     running ones finish, "keep" freezes them where they are; requests that arrive meanwhile wait, unadmitted,
     for Resume. `done` is told True once the engine is still (nothing in flight, nothing running but what
-    "keep" froze), its prefix cache forgotten if `clear_cache` (not with "keep")."""
+    "keep" froze), its prefix cache forgotten if `clear_cache` (not with "keep"). A sleep (Engine.sleep) is a pause
+    of `level` 1 or 2 that, once still, frees the devices' memory."""
 
     mode: str
     clear_cache: bool
     done: concurrent.futures.Future
+    level: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,13 +69,23 @@ class Resume:
 
 
 @dataclasses.dataclass(frozen=True)
+class WakeUp:
+    """What sleep freed back on the devices (Engine.wake_up; `parts` of WAKE_PARTS): `done` is told whether the
+    engine is whole again (then it resumes)."""
+
+    parts: frozenset
+    done: concurrent.futures.Future
+
+
+@dataclasses.dataclass(frozen=True)
 class Swap:
-    """New weights, made for the runner already (Engine.swap_weights), taken between two steps: `done` is told the
-    version once every step after it runs on them."""
+    """New weights, made for the runner already (Engine.swap_weights; a draft model cut from them, `draft_params`),
+    taken between two steps: `done` is told the version once every step after it runs on them."""
 
     params: object
     version: str | None
     done: concurrent.futures.Future
+    draft_params: object = None
 
 
 class Inbox:
@@ -112,14 +125,14 @@ class Inbox:
     def abort(self, request_id: str) -> None:
         self._items.put(Abort(request_id))
 
-    def put(self, item: ForgetCache | Pause | Resume | Swap) -> concurrent.futures.Future:
+    def put(self, item: ForgetCache | Pause | Resume | Swap | WakeUp) -> concurrent.futures.Future:
         self._items.put(item)
         return item.done
 
     def empty(self) -> bool:
         return self._items.empty()
 
-    def drain(self) -> Iterator[Add | Abort | ForgetCache | Pause | Resume | Swap]:
+    def drain(self) -> Iterator[Add | Abort | ForgetCache | Pause | Resume | Swap | WakeUp]:
         """The items put so far, in order (the engine thread, at the start of a step)."""
         while True:
             try:

@@ -230,6 +230,18 @@ class Replicas:
     def paused(self) -> bool:
         return any(e.paused is not None for e in self.engines)
 
+    def sleep(self, level: int = 1, mode: str = "abort") -> list:
+        """Every replica sleeps (Engine.sleep): one future each, told True once that one is asleep."""
+        return self._woken([e.sleep(level, mode) for e in self.engines])
+
+    def wake_up(self, parts=None) -> list:
+        """One future each, told whether that replica is whole again (Engine.wake_up)."""
+        return self._woken([e.wake_up(parts) for e in self.engines])
+
+    @property
+    def asleep(self) -> bool:
+        return any(e.asleep for e in self.engines)
+
     def update_weights(self, source, version: str | None = None) -> list:
         """New weights for every replica (jaxcb.weight_update.update; read here, on the caller's thread): one
         future each, told the version once that replica steps on them."""

@@ -200,11 +200,12 @@ class Scheduler:
 
     # ---- the step ----
     def preempt(self, victim: Request, out: SchedulerOutput | None = None, *, switch: bool = False,
-                now: float | None = None) -> None:
+                now: float | None = None, counted: bool = True) -> None:
         """Free victim's pages and requeue it to be recomputed (listed in `out.preempted` if given). Its
         registered pages stay in the prefix cache while nobody needs their memory, so what it recomputes
         at readmission is only what was evicted meanwhile. `switch`: a round-robin yield (it goes to the
-        back of the queue) rather than an out-of-pages preemption."""
+        back of the queue) rather than an out-of-pages preemption; `counted` False: neither (new weights, a
+        sleep: jaxcb.host.engine), not counted in num_preemptions."""
         self.running.remove(victim)
         victim.lost_tokens = max(victim.lost_tokens, victim.num_computed)
         victim.lost_by_switch = switch
@@ -217,7 +218,7 @@ class Scheduler:
         if switch:
             self.num_switches += 1
             victim.queued_time = time.monotonic() if now is None else now
-        else:
+        elif counted:
             self.num_preemptions += 1
         self.waiting.append(victim)
         if out is not None:

@@ -621,7 +621,12 @@ def weights_from_tensors(tensors: dict, settings: dict, config: ModelConfig, pat
 
     def read(name: str, transpose: bool = False, raw: bool = False) -> np.ndarray:
         """The tensor's values, a view where it can be (of the mapped file, transposed): cast when copied."""
-        w = tensors[name] if isinstance(tensors[name], np.ndarray) else np.asarray(tensors[name])
+        w = tensors[name]
+        if not isinstance(w, np.ndarray):  # (weights given in memory: JAX's arrays, or anything numpy reads)
+            try:
+                w = np.asarray(w)
+            except (TypeError, ValueError, RuntimeError) as e:
+                raise InvalidConfig(f"model: tensor {name} is not an array numpy reads ({e})") from None
         if raw:  # (packed values: as stored)
             return np.asarray(w)
         if name in float8:  # its values times their blocks' scales
