@@ -289,8 +289,18 @@ def build_engines(model: str | None = None, config: EngineConfig | str | None = 
     # How these weights were made (jaxcb.weight_update): new ones, given while serving, are made alike
     path = resolve_model(model) if loaded is None else None
     mode, group = (config.weights, config.weight_group) if loaded is None else weight_update.format_of(params)
-    origin = weight_update.Origin(model_config, params.compute_dtype, mode, group, config.rope_scaling,
-                                  hf_loader.config_json(path) if path is not None and hf_loader.is_hf_dir(path) else {})
+    made = params.compute_dtype
+
+    def load(path, check, on):  # (a checkpoint read as these weights were)
+        return load_model(path, made, check_config=check, weights=mode, group=group, rope_scaling=config.rope_scaling,
+                          mesh=on)[1]
+
+    def cut_draft(target, on):  # (speculative decoding's draft, cut from the target's layers as this one was)
+        return load_draft(spec, model_config, target, compute_dtype(config, dtype), on)[1]
+
+    origin = weight_update.Origin(model_config, made, mode, group, config.rope_scaling,
+                                  hf_loader.config_json(path) if path is not None and hf_loader.is_hf_dir(path) else {},
+                                  load, cut_draft if drafting and not spec.draft_model else None)
     draft = load_draft(spec, model_config, params, compute_dtype(config, dtype), mesh) if drafting else None
     head = load_classifier(resolve_model(model) if loaded is None else None, model_config, params, tokenizer,
                            config.classifier_from_tokens, config.classifier_method)
@@ -546,8 +556,7 @@ class LLM:
         if self.replicas is not None:
             if not self.replicas.started:
                 self.replicas.start()
-            for t in self.replicas.threads:
-                t.wake()
+            self.replicas.woken(futures)
         else:
             while not futures[0].done():
                 self.engine.step()

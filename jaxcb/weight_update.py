@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import numpy as np
 
@@ -30,7 +30,9 @@ MAX_VERSION_CHARS = 256  # a weight version's length (it is echoed by /weight_in
 class Origin:
     """How an engine's weights were made, so that new ones are made alike: the model as loaded (before the served
     context's and the kernels' changes), the compute dtype, the weight format (EngineConfig.weights and
-    weight_group), the RoPE override, and the checkpoint's config.json ({} for a GGUF file or weights given)."""
+    weight_group), the RoPE override, the checkpoint's config.json ({} for a GGUF file or weights given); and the
+    build sequence's own steps (jaxcb.llm.build_engines): `load(path, check_config, mesh)` a checkpoint's Params read
+    so, `cut_draft(params, mesh)` the draft model speculative decoding cuts from the target's weights (None: none)."""
 
     model_config: ModelConfig
     dtype: object
@@ -38,6 +40,8 @@ class Origin:
     group: int = 0
     rope_scaling: str = ""
     settings: dict = dataclasses.field(default_factory=dict)
+    load: Callable | None = None
+    cut_draft: Callable | None = None
 
 
 def format_of(params) -> tuple[str, int]:
@@ -84,14 +88,10 @@ def read_weights(source, origin: Origin, mesh=None):
         return source
     try:
         if isinstance(source, (str, os.PathLike)):
-            from jaxcb.llm import load_model
-
             path = os.fspath(source)
             if not os.path.exists(path):
                 raise InvalidRequest(f"model_path: {path} does not exist")
-            return load_model(path, origin.dtype, check_config=lambda c: same_model(c, origin.model_config, path),
-                              weights=origin.weights, group=origin.group, rope_scaling=origin.rope_scaling,
-                              mesh=mesh)[1]
+            return origin.load(path, lambda c: same_model(c, origin.model_config, path), mesh)
         if not isinstance(source, Mapping):
             raise InvalidRequest(f"weights: a checkpoint's path, arrays by name or Params, not {type(source).__name__}")
         config = origin.model_config
@@ -140,12 +140,9 @@ def update(engines: list, source, version: str | None = None) -> list:
     # may donate or delete its own), and rewritten ones are freed only where nobody else reads them.
     fresh = isinstance(source, (str, os.PathLike)) or (
         isinstance(source, Mapping) and not any(isinstance(v, jax.Array) for v in source.values()))
-    spec = first.config.scheduler.speculative
     drafts = [None] * len(engines)
-    if first.draft_runner is not None and not spec.draft_model:  # a draft cut from the target's weights: cut anew
-        from jaxcb.llm import load_draft
-
-        cut = load_draft(spec, first.origin.model_config, params, first.origin.dtype, first.runner.mesh)[1]
+    if first.origin.cut_draft is not None:  # a draft cut from the target's weights: cut anew
+        cut = first.origin.cut_draft(params, first.runner.mesh)
         drafts = [e.draft_runner.prepare_params(cut, private=not fresh) for e in engines]
     own = fresh and len(engines) == 1 and drafts[0] is None
     prepared = [prepare_weights(e.runner, params, e.config, release=own, private=not fresh) for e in engines]

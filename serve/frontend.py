@@ -227,16 +227,17 @@ class State:
         every request ends first (a pause with "abort", resumed after unless the engines were paused before)."""
         import os
 
-        from jaxcb.weight_update import check_version
+        from jaxcb import weight_update
 
-        check_version(version)
+        weight_update.check_version(version)
         if not os.path.exists(path):
             raise InvalidRequest(f"model_path: {shown(path)} does not exist")
         if self.updating.locked():
             raise Overloaded("model_path: new weights are being read already; try again when that update is done")
         async with self.updating:
             async with self.aborting_all(abort):
-                await self._settled(await asyncio.to_thread(self.engine.update_weights, path, version))
+                futures = await asyncio.to_thread(weight_update.update, self.engine.engines, path, version)
+                await self._settled(self.engine.woken(futures))
 
     @contextlib.asynccontextmanager
     async def aborting_all(self, abort: bool):

@@ -215,16 +215,16 @@ class Replicas:
     def reset_prefix_cache(self) -> list:
         """Every replica's prefix cache forgets what it holds where nothing runs (Engine.reset_prefix_cache):
         one future each, telling whether it did."""
-        return self._woken([e.reset_prefix_cache() for e in self.engines])
+        return self.woken([e.reset_prefix_cache() for e in self.engines])
 
     # ---- pausing, and new weights: every replica (vLLM's RL routes; jaxcb.weight_update) ----
     def pause(self, mode: str = "abort", clear_cache: bool = True) -> list:
         """Every replica pauses (Engine.pause; a mode it does not know is refused by the first, before any pauses):
         one future each, told True once that one is still."""
-        return self._woken([e.pause(mode, clear_cache) for e in self.engines])
+        return self.woken([e.pause(mode, clear_cache) for e in self.engines])
 
     def resume(self) -> list:
-        return self._woken([e.resume() for e in self.engines])
+        return self.woken([e.resume() for e in self.engines])
 
     @property
     def paused(self) -> bool:
@@ -232,25 +232,18 @@ class Replicas:
 
     def sleep(self, level: int = 1, mode: str = "abort") -> list:
         """Every replica sleeps (Engine.sleep): one future each, told True once that one is asleep."""
-        return self._woken([e.sleep(level, mode) for e in self.engines])
+        return self.woken([e.sleep(level, mode) for e in self.engines])
 
     def wake_up(self, parts=None) -> list:
         """One future each, told whether that replica is whole again (Engine.wake_up)."""
-        return self._woken([e.wake_up(parts) for e in self.engines])
+        return self.woken([e.wake_up(parts) for e in self.engines])
 
     @property
     def asleep(self) -> bool:
         return any(e.asleep for e in self.engines)
 
-    def update_weights(self, source, version: str | None = None) -> list:
-        """New weights for every replica (jaxcb.weight_update.update; read here, on the caller's thread): one
-        future each, told the version once that replica steps on them."""
-        from jaxcb import weight_update
-
-        return self._woken(weight_update.update(self.engines, source, version))
-
-    def _woken(self, futures: list) -> list:
-        """(The engines' inboxes hold something now: their threads take it at once.)"""
+    def woken(self, futures: list) -> list:
+        """The engines' inboxes hold something now (their futures): their threads take it at once."""
         for t in self.threads:
             t.wake()
         return futures
