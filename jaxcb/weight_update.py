@@ -123,30 +123,55 @@ def read_weights(source, origin: Origin, mesh=None):
 def update(engines: list, source, version: str | None = None) -> list:
     """New weights for every replica's engine: read once, made for each runner, taken at each one's next step.
     Returns one future per engine (Engine.swap_weights). Any thread but the engines'; the reading and the
-    conversion happen here, so the engines go on stepping meanwhile."""
-    from jaxcb.device.factory import prepare_weights
-
-    import jax
-
+    conversion happen here, so the engines go on stepping meanwhile. A multi-host cluster's leader (its runner
+    sends every step to the followers) takes a checkpoint's path alone: at the swap, on its engine thread, every
+    process reads its own shards of it (made_from), in step."""
     check_version(version)
     first = engines[0]
-    if first.origin is None or not all(hasattr(e.runner, "prepare_params") for e in engines):
-        raise InvalidRequest("weights: this engine cannot take new weights (a multi-host cluster's, or weights it "
-                             "was not built from)")
+    if first.origin is None or not all(hasattr(e.runner, "prepare_params") or hasattr(e.runner, "reload")
+                                       for e in engines):
+        raise InvalidRequest("weights: this engine cannot take new weights (it was not built from weights it can "
+                             "read again)")
     if first.config.classifier_from_tokens:
         raise InvalidRequest("weights: not with model.classifier_from_tokens (its head is read from the weights once)")
-    params = read_weights(source, first.origin, mesh=first.runner.mesh)
-    # Arrays made here from a file or from numpy are the engine's alone; a caller's JAX arrays are copied (a trainer
-    # may donate or delete its own), and rewritten ones are freed only where nobody else reads them.
+    if hasattr(first.runner, "reload"):
+        if not isinstance(source, (str, os.PathLike)):
+            raise InvalidRequest("weights: a multi-host cluster takes a checkpoint's path (every process reads its "
+                                 "own shards of it), not arrays in one process")
+        path = os.fspath(source)
+        if not os.path.exists(path):
+            raise InvalidRequest(f"model_path: {path} does not exist")
+        return [e.swap_weights(lambda e=e: e.runner.reload(path, lambda p: made_from(e, p)), version) for e in engines]
+    return [e.swap_weights(p, version, draft) for e, (p, draft) in zip(engines, made_for_all(engines, source))]
+
+
+def made_from(engine, source) -> tuple:
+    """(params, the draft's or None) for `engine`'s runners from `source`: a multi-host process's own reading (its
+    runner the one it wraps, if any)."""
+    return made_for_all([engine], source)[0]
+
+
+def made_for_all(engines: list, source) -> list[tuple]:
+    """For each engine, (params, the draft model's params or None), from one reading of `source`. Arrays made here
+    from a file or from numpy are the engines' alone; a caller's JAX arrays are copied (a trainer may donate or
+    delete its own), and rewritten ones are freed only where nobody else reads them."""
+    import jax
+
+    from jaxcb.device.factory import prepare_weights
+
+    first = engines[0]
+    runners = [getattr(e.runner, "runner", e.runner) for e in engines]  # (a multi-host leader's: the one it wraps)
+    params = read_weights(source, first.origin, mesh=runners[0].mesh)
     fresh = isinstance(source, (str, os.PathLike)) or (
         isinstance(source, Mapping) and not any(isinstance(v, jax.Array) for v in source.values()))
     drafts = [None] * len(engines)
     if first.origin.cut_draft is not None:  # a draft cut from the target's weights: cut anew
-        cut = first.origin.cut_draft(params, first.runner.mesh)
-        drafts = [e.draft_runner.prepare_params(cut, private=not fresh) for e in engines]
+        cut = first.origin.cut_draft(params, runners[0].mesh)
+        drafts = [getattr(e.draft_runner, "runner", e.draft_runner).prepare_params(cut, private=not fresh)
+                  for e in engines]
     own = fresh and len(engines) == 1 and drafts[0] is None
-    prepared = [prepare_weights(e.runner, params, e.config, release=own, private=not fresh) for e in engines]
-    return [e.swap_weights(p, version, draft) for e, p, draft in zip(engines, prepared, drafts)]
+    return [(prepare_weights(r, params, e.config, release=own, private=not fresh), draft)
+            for e, r, draft in zip(engines, runners, drafts)]
 
 
 def checksums(engine) -> dict[str, str]:

@@ -210,3 +210,49 @@ def test_two_processes_read_a_checkpoint_onto_their_shards_a_layer_at_a_time():
     for r in results:
         assert r["devices"] == 4 and r["weights"] > 20 and r["local_shards"] == 2 * r["weights"], r
         assert r["differ"] == [] and {"wq_b", "experts_gate", "w_uk"} <= set(r["by_layer"]), r
+
+
+def test_new_weights_reach_every_process_of_the_cluster(tiny_gguf_path, tiny_model, config_path, tmp_path):
+    """POST /update_weights_from_disk on the leader: every process reads its own shards of the checkpoint (the path
+    broadcast, compiled at warm-up), and the cluster's tokens are then those of one process built with the new
+    weights; nothing compiles; an update the leader refuses (another model) leaves the cluster as it was."""
+    import httpx
+
+    from jaxcb.llm import load_model
+    from tests.tiny_gguf import tiny_model_config, write_tiny_gguf
+
+    other, deeper = str(tmp_path / "other.gguf"), str(tmp_path / "deeper.gguf")
+    write_tiny_gguf(other, seed=1)
+    write_tiny_gguf(deeper, tiny_model_config(num_layers=tiny_model[0].num_layers + 1))
+    http = free_port()
+    cluster = Cluster(tiny_gguf_path, config_path, ("--http-port", str(http), "--dev-routes"))
+    try:
+        cluster.leader.wait_serving()
+        rng = np.random.default_rng(5)
+        prompts = [rng.integers(3, 128, int(n)).tolist() for n in rng.integers(2, 60, 4)]
+
+        def complete(c):
+            return [c.complete(token_ids=p, max_tokens=12, ignore_eos=True, timeout=120).token_ids for p in prompts]
+
+        def offline(path):
+            cfg, params, tok, eos = load_model(path)
+            llm = LLM.from_params(cfg, params, tok, eos_ids=eos, config=load_config(config_path))
+            return [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True))]
+
+        with Client(cluster.leader.target) as c:
+            warm = c.server_info().compilations
+            before = complete(c)
+            r = httpx.post(f"http://127.0.0.1:{http}/update_weights_from_disk", timeout=120,
+                           json={"model_path": other, "weight_version": "step-1"})
+            assert r.status_code == 200, r.text
+            after = complete(c)
+            r = httpx.post(f"http://127.0.0.1:{http}/update_weights_from_disk", json={"model_path": deeper}, timeout=120)
+            assert r.status_code == 400 and "num_layers" in r.json()["error"]["message"], r.text
+            assert complete(c) == after
+            info = c.server_info()
+        assert after == offline(other) and before == offline(tiny_gguf_path) and after != before
+        assert info.compilations == warm
+        assert cluster.leader.stop() == 0, cluster.leader.output()
+        assert cluster.follower.proc.wait(60) == 0, cluster.follower.output()
+    finally:
+        cluster.stop()

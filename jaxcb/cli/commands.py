@@ -383,6 +383,7 @@ def _follow(args, config) -> int:
     weights and pages on this process's devices), mirroring the leader's steps."""
     import jax
 
+    from jaxcb import weight_update
     from jaxcb.device import multihost
     from jaxcb.llm import build_engines
 
@@ -393,7 +394,8 @@ def _follow(args, config) -> int:
     multihost.check_same_engine(runner, engine.config)
     print(f"jaxcb: process {jax.process_index()} follows process 0", flush=True)
     try:
-        steps = multihost.follow(runner, _channel(runner, engine.config), engine.draft_runner)
+        steps = multihost.follow(runner, _channel(runner, engine.config), engine.draft_runner,
+                                 reload=lambda path: weight_update.made_from(engine, path))
     except Exception as e:  # noqa: BLE001 - the leader is gone or the cluster broke: exit non-zero at once
         print(f"jaxcb: follower {jax.process_index()}: the cluster failed ({e!r}); exiting", flush=True)
         os._exit(1)

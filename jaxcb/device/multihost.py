@@ -12,9 +12,13 @@ KV pages and run whatever step the leader runs, in the same order:
     leader, a LoRA slot: broadcast header [LORA, slot, step no.]  then the adapter's A and B padded
                          to the slots' rank as one byte buffer (its size follows from the config),
                          then fill the slot
+    leader, new weights: broadcast header [UPDATE, path bytes, step no.]  then the checkpoint's path (a
+                         file every process reads, jaxcb.weight_update), then read it and step on it
     follower, forever:   receive the header; RUN: receive the input, run the same compiled step on the
                          same runner; COMPILE: compile that bucket (warm-up); LORA: receive the
-                         adapter, fill the same slot; PING: nothing; STOP: return
+                         adapter, fill the same slot; UPDATE: receive the path, read the weights (every
+                         process its shards, in step with the others), step on them; PING: nothing;
+                         STOP: return
 
 Both broadcasts are `multihost_utils.broadcast_one_to_all` (a psum in which only the leader
 contributes). Warm-up sends COMPILE for every bucket with a zero input, so the broadcast of every
@@ -42,7 +46,8 @@ from jaxcb.host.runner_protocol import Runner
 
 log = logging.getLogger("jaxcb.device.multihost")
 
-OP_RUN, OP_COMPILE, OP_PING, OP_STOP, OP_LORA, OP_WARMED = 1, 2, 3, 4, 5, 6
+OP_RUN, OP_COMPILE, OP_PING, OP_STOP, OP_LORA, OP_WARMED, OP_UPDATE = 1, 2, 3, 4, 5, 6, 7
+MAX_PATH_BYTES = 4096  # an update's checkpoint path, sent as one buffer of this size (compiled at warm-up)
 HEADER_WORDS = 4  # op, bucket index (LORA: the slot), step number, runner (0 the model, 1 the draft)
 TARGET, DRAFT = 0, 1  # the runners a step may run on
 PING_EVERY_S = 1.0
@@ -141,7 +146,8 @@ class Message:
     shape: StepShape | None = None  # RUN, COMPILE: the bucket
     batch: object = None  # RUN, COMPILE: the step's packed input (jaxcb.host.batch.StepInput)
     sampling: object = None  # ... and its sampling rows
-    slot: int = -1  # LORA: the device slot
+    slot: int = -1  # LORA: the device slot; UPDATE: the path's length
+    path: str = ""  # UPDATE: the checkpoint every process reads
     lora: tuple[dict, dict] | None = None  # LORA: the adapter's padded (A, B) per target
     runner: int = TARGET  # RUN, COMPILE, WARMED: TARGET or DRAFT
 
@@ -205,6 +211,19 @@ class Channel:
         self._send([op, index, self.steps, runner], leaves)
         self.steps += op == OP_RUN
 
+    def send_path(self, path: str) -> None:
+        """New weights: the checkpoint every process reads (UPDATE)."""
+        data = path.encode()
+        if len(data) > MAX_PATH_BYTES:
+            raise InvalidConfig(f"model_path: {len(data)} bytes; a multi-host cluster takes at most {MAX_PATH_BYTES}")
+        buf = np.zeros(MAX_PATH_BYTES, np.uint8)
+        buf[:len(data)] = np.frombuffer(data, np.uint8)
+        self._send([OP_UPDATE, len(data), self.steps, TARGET], [buf])
+
+    def warm_path(self) -> None:
+        """The path's broadcast compiled at warm-up (after WARMED), so an update compiles nothing."""
+        self._broadcast(np.zeros(MAX_PATH_BYTES, np.uint8))
+
     def send_lora(self, slot: int, a: dict, b: dict) -> None:
         """An adapter's padded arrays for `slot` (every process then fills that slot with them)."""
         self._send([OP_LORA, slot, self.steps, TARGET], jax.tree.leaves((a, b)))
@@ -214,6 +233,9 @@ class Channel:
         """The leader's next send."""
         header = self._broadcast(np.zeros(HEADER_WORDS, np.int32))
         op, index, runner = int(header[0]), int(header[1]), int(header[3])
+        if op == OP_UPDATE:
+            buf = self._broadcast(np.zeros(MAX_PATH_BYTES, np.uint8))
+            return Message(op, slot=index, path=bytes(buf[:index]).decode())
         if op == OP_LORA:
             if self._lora is None:
                 raise RuntimeError("multi-host: the leader filled a LoRA slot and this process has none")
@@ -257,7 +279,19 @@ class LeaderRunner(Runner):
 
     def warmed_up(self) -> None:
         self.channel.send(OP_WARMED, runner=self.which)  # the followers' pools into huge pages too
+        if self.which == TARGET:
+            self.channel.warm_path()
         self.runner.warmed_up()
+
+    # ---- new weights (jaxcb.weight_update): a checkpoint every process reads ----
+    def reload(self, path: str, made) -> object:
+        """Send the followers `path`, then `made(path)`: what this process reads (each reads its own shards of
+        the same file, the collectives of the reading in step)."""
+        self.channel.send_path(path)
+        return made(path)
+
+    def use_params(self, params) -> None:
+        self.runner.use_params(params)
 
     def compile(self, shape: StepShape) -> None:
         self.channel.send(OP_COMPILE, shape, runner=self.which)
@@ -303,9 +337,10 @@ class LeaderRunner(Runner):
         self.channel.send(OP_STOP)
 
 
-def follow(runner, channel: Channel, draft=None) -> int:
+def follow(runner, channel: Channel, draft=None, reload=None) -> int:
     """A follower's whole life after loading: mirror the leader until STOP (returns the steps run), on
-    `runner` and on `draft`, the draft model's runner where the engine speculates with one."""
+    `runner` and on `draft`, the draft model's runner where the engine speculates with one. `reload(path)`: new
+    weights as the leader reads them, (the model's, the draft's or None) (jaxcb.weight_update.made_from)."""
     runs = 0
     while True:
         m = channel.receive()
@@ -324,5 +359,17 @@ def follow(runner, channel: Channel, draft=None) -> int:
             runs += 1
         elif m.op == OP_WARMED:
             on.warmed_up()
+            if on is runner:
+                channel.warm_path()
+        elif m.op == OP_UPDATE:
+            try:
+                params, draft_params = reload(m.path)
+            except Exception as e:  # noqa: BLE001 - the leader read the same file and failed alike: the old weights stay
+                log.warning("follower %d: the update from %s failed (%r); the weights stay", jax.process_index(),
+                            m.path, e)
+                continue
+            runner.use_params(params)
+            if draft_params is not None:
+                draft.use_params(draft_params)
         elif m.op == OP_LORA:
             runner.lora.fill_padded(m.slot, *m.lora)

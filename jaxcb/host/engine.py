@@ -265,7 +265,9 @@ class Engine:
         prepare_weights: the same arrays' shapes, dtypes and placements, so nothing compiles again). The step in
         flight finishes on the old ones; then every running request is computed again from its tokens on the new
         ones (none keeps K/V the old weights made) and the prefix cache forgets every page. `draft_params`: the
-        draft model's, where it is cut from the target's weights. The future is told the version."""
+        draft model's, where it is cut from the target's weights. `params` may be a function of nothing giving
+        (params, draft_params), called at the swap on the engine thread (a multi-host cluster reads them there, every
+        process in step). The future is told the version."""
         return self.inbox.put(Swap(params, version, concurrent.futures.Future(), draft_params))
 
     def has_work(self) -> bool:
@@ -338,9 +340,10 @@ class Engine:
         while self._in_flight:
             self._complete(self._in_flight.popleft(), events)
         try:
-            self.runner.use_params(swap.params)
-            if swap.draft_params is not None:
-                self.draft_runner.use_params(swap.draft_params)
+            params, draft_params = swap.params() if callable(swap.params) else (swap.params, swap.draft_params)
+            self.runner.use_params(params)
+            if draft_params is not None:
+                self.draft_runner.use_params(draft_params)
         except Exception as e:  # noqa: BLE001 - the caller is told; the engine goes on with the weights it had
             swap.done.set_exception(e)
             return
