@@ -339,6 +339,22 @@ def test_logprobs_and_stats(make_llm):
     assert 0 <= st.padding_fraction < 1 and 0 < st.page_utilization <= 1
 
 
+def test_processed_logprobs_mode_gives_the_logprobs_of_the_drawn_distribution(make_llm):
+    """--logprobs-mode processed_logprobs: a sampled token's logprobs are of what it was drawn from (here its top 3,
+    summing to 1; the rest -9999), the tokens those of the default mode, whose logprobs are the model's own."""
+    prompts = random_prompts(make_llm(), (9, 14))
+    params = SamplingParams(max_tokens=6, temperature=0.8, top_k=3, logprobs=5, seed=11, ignore_eos=True)
+    raw = make_llm().generate(prompts, params)
+    processed = make_llm(logprobs_mode="processed_logprobs").generate(prompts, params)
+    for a, b in zip(raw, processed):
+        assert a.token_ids == b.token_ids
+        for (lp, top), (raw_lp, raw_top) in zip(b.logprobs, a.logprobs):
+            values = [v for _, v in top]
+            assert abs(sum(np.exp(values[:3])) - 1) < 1e-4 and values[3:] == [-9999.0, -9999.0]
+            assert lp >= values[2] and lp != raw_lp  # (the drawn one is among the 3 kept)
+            assert [t for t, _ in top[:3]] == [t for t, _ in raw_top[:3]]
+
+
 @pytest.mark.parametrize("kernel", ["gpu", "tpu"])
 def test_pallas_attention_gives_the_reference_tokens(make_llm, kernel):
     """The engine with the Pallas kernels (interpret mode) generates exactly the reference's greedy

@@ -244,3 +244,43 @@ def test_the_blocked_argmax_is_jnp_argmax():
     x[5, [1100, 3000]] = 7.0  # equal maxima in two blocks
     np.testing.assert_array_equal(np.asarray(jax.jit(argmax)(jnp.asarray(x))), np.asarray(jnp.argmax(jnp.asarray(x), axis=-1)))
     assert list(np.asarray(argmax(jnp.asarray(x)))[2:]) == [0, 17, v - 1, 1100]
+
+
+def test_processed_logprobs_are_of_the_distribution_each_token_is_drawn_from():
+    """logprobs_mode "processed_logprobs" (vLLM's): a sampled row's logprobs are log-softmax of its logits after
+    logit_bias, penalties, its temperature and its filters (-9999 where a filter excludes a token); a greedy row's,
+    of its biased logits; the tokens are those of the raw mode, whose logprobs are the model's own."""
+    import functools
+
+    from jaxcb.device.sampling import FILTERED_LOGPROB
+
+    rng = np.random.default_rng(3)
+    logits = jnp.asarray(rng.standard_normal((4, 64)).astype(np.float32) * 3)
+    params = [SamplingParams(temperature=0.7, top_k=5, logprobs=8), SamplingParams(temperature=1.3, top_p=0.6, logprobs=8),
+              SamplingParams(logprobs=8, logit_bias={7: 5.0}), SamplingParams(temperature=1.0, logprobs=8)]
+    s = inputs(params, seeds=[1, 2, 3, 4], vocab=64)
+    raw = sample_jit(logits, s)
+    processed = jax.jit(functools.partial(sample, logprobs_mode="processed_logprobs"))(logits, s)
+    assert np.array_equal(np.asarray(raw.token_ids), np.asarray(processed.token_ids))
+    x = np.asarray(logits, np.float64)
+    np.testing.assert_allclose(np.asarray(raw.logprobs), [jax.nn.log_softmax(x[i])[t] for i, t in
+                                                          enumerate(np.asarray(raw.token_ids))], atol=1e-5)
+    expected = []
+    for i, p in enumerate(params):
+        row = x[i].copy()
+        if p.logit_bias:
+            row[7] += 5.0
+        if p.temperature > 0:
+            row = row / p.temperature
+            order = np.argsort(-row)
+            probs = np.exp(row - np.logaddexp.reduce(row))
+            keep = order[:p.top_k] if p.top_k else order[:np.searchsorted(np.cumsum(probs[order]), p.top_p) + 1]
+            row = np.where(np.isin(np.arange(64), keep), row, -np.inf)
+        lp = row - np.logaddexp.reduce(row[np.isfinite(row)])
+        expected.append(np.maximum(lp, FILTERED_LOGPROB))
+    for i, want in enumerate(expected):
+        t = int(processed.token_ids[i])
+        assert abs(float(processed.logprobs[i]) - want[t]) < 1e-4, i
+        top = np.asarray(processed.top_logprobs[i, :8])
+        np.testing.assert_allclose(top, np.sort(want)[::-1][:8], atol=1e-4)
+    assert (np.asarray(processed.top_logprobs[0, 5:8]) == FILTERED_LOGPROB).all()  # (top_k 5: the rest excluded)

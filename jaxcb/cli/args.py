@@ -8,7 +8,7 @@ import argparse
 import dataclasses
 
 from jaxcb.host.engine_config import (ACTIVATION_CHOICES, COMPILE_CHOICES, CPU_DOTS_CHOICES, JSON_WHITESPACE_CHOICES,
-                                      KV_CHOICES, WEIGHT_CHOICES)
+                                      KV_CHOICES, LOGPROBS_MODES, WEIGHT_CHOICES)
 from jaxcb.host.policies import POLICIES
 
 
@@ -40,6 +40,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="whitespace in JSON output (response_format, structured_outputs): flexible, as pretty-printed "
                         "JSON writes it, bounded (vLLM's default), or compact, none (vLLM's disable_any_whitespace "
                         "for every request) (default: the config's model.json_whitespace, flexible)")
+    p.add_argument("--logprobs-mode", choices=LOGPROBS_MODES, default=None,
+                   help="what a sampled token's logprobs are of (vLLM's): raw_logprobs, the model's own distribution, "
+                        "or processed_logprobs, the one the token was drawn from (after logit_bias, penalties, "
+                        "grammars, temperature, top-k/top-p/min-p) (default: the config's model.logprobs_mode, raw)")
     p.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
                    help="the Jinja chat template to write conversations with instead of the model file's (a "
                         "base model's file may have none): a file, or the template itself (default: the config's "
@@ -201,6 +205,8 @@ def engine_config(args):
         changes["compile"] = args.compile
     if getattr(args, "json_whitespace", None):
         changes["json_whitespace"] = args.json_whitespace
+    if getattr(args, "logprobs_mode", None):
+        changes["logprobs_mode"] = args.logprobs_mode
     spec = speculative_config(args, config.scheduler.speculative)
     if spec != config.scheduler.speculative:
         changes["speculative"] = spec

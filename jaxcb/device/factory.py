@@ -109,7 +109,7 @@ def make_runner(model_config: ModelConfig, params: Params, config, dtype=None, p
                          max_seqs=config.buckets.max_batch, mesh=mesh, num_window_pages=plan.num_window_pages or None,
                          kv_dtype=None if config.kv_dtype == "auto" else config.kv_dtype, compile=config.compile,
                          lora=(config.lora.targets, config.lora.max_loras, config.lora.max_rank) if config.lora.enabled else None,
-                         release_params=release_params)
+                         release_params=release_params, logprobs_mode=config.logprobs_mode)
     return runner, config
 
 

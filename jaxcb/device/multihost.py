@@ -103,6 +103,7 @@ def fingerprint(runner, config) -> dict[str, str]:
         "weights": f"{', '.join(sorted({str(a.dtype) for _, a in leaves}))} arrays {weights}",
         "compute dtype": jnp.dtype(runner.dtype).name,
         "activations": config.activations,
+        "logprobs mode": config.logprobs_mode,
         "kv dtype": jnp.dtype(runner.kv_dtype).name,
         "window layout": f"window {c.sliding_window if c.windowed else 0}, {c.num_sliding_layers} sliding layers, "
                          f"{runner.num_window_pages} window pages",

@@ -110,14 +110,15 @@ def _forward(params: Params, kv_pages, last_tokens: jax.Array, batch: StepInput,
     return kv_pages, logits, newest, pooled
 
 
-def _sample(logits, newest, last_tokens: jax.Array, sampling: SamplingInput, *, seqs: int):
+def _sample(logits, newest, last_tokens: jax.Array, sampling: SamplingInput, *, seqs: int,
+            logprobs_mode: str = "raw_logprobs"):
     """The sampler's part of a step: the newest tokens into the penalties' history, one token for each
     of the logits' rows, and the new last_tokens (the first `seqs` rows' tokens, zeros after)."""
     rows = jnp.arange(logits.shape[0])
     col = jnp.maximum(sampling.pending_col, 0)
     history = sampling.history_ids.at[rows, col].set(
         jnp.where(sampling.pending_col >= 0, newest, sampling.history_ids[rows, col]))
-    out = sample(logits, dataclasses.replace(sampling, history_ids=history))
+    out = sample(logits, dataclasses.replace(sampling, history_ids=history), logprobs_mode)
     last_tokens = jax.lax.dynamic_update_slice(jnp.zeros_like(last_tokens), out.token_ids[:seqs], (0,))
     return out, last_tokens
 
@@ -130,13 +131,13 @@ def _host_copy(tree):
     return jax.tree.map(lambda x: np.asarray(x.addressable_data(0)), tree)
 
 
-def step_functions():
+def step_functions(logprobs_mode: str = "raw_logprobs"):
     """The step's two jitted functions, made afresh for each runner: jax keeps the traces, lowerings and
     executables of a jitted function in caches keyed weakly on the Python function, so a runner's programs
     go when the runner does (module-level functions kept every program of every engine a process ever
     built: ~740 memory maps each, see tests/conftest.py)."""
     forward_step = jax.jit(functools.partial(_forward), static_argnames=("config", "attention"), donate_argnums=(1,))
-    sample_step = jax.jit(functools.partial(_sample), static_argnames=("seqs",))
+    sample_step = jax.jit(functools.partial(_sample, logprobs_mode=logprobs_mode), static_argnames=("seqs",))
     return forward_step, sample_step
 
 
@@ -214,14 +215,15 @@ def _resolve_attention(choice: str, mesh, platform: str, kernel: str | None) -> 
 class ModelRunner(Runner):
     def __init__(self, config: ModelConfig, params: Params, num_pages: int, page_size: int, dtype=None,
                  attention: str = "auto", max_seqs: int = 256, mesh=None, num_window_pages: int | None = None,
-                 kv_dtype=None, compile: str = "optimized", lora=None, release_params: bool = False):
+                 kv_dtype=None, compile: str = "optimized", lora=None, release_params: bool = False,
+                 logprobs_mode: str = "raw_logprobs"):
         if jax.default_backend() == "cpu":
             keep_freed_memory_on_cpu()
         self.mesh = mesh  # tensor parallelism (jaxcb.device.parallel); None = the default device
         self.attention = resolve_attention(attention, mesh)
         self._compiled: dict[StepShape, tuple] = {}  # step shape -> its compiled (forward pass, sampler)
         self._samplers: dict[tuple, object] = {}  # (seqs, extra rows, history, logits' and newest's shardings) -> sampler
-        self._forward_step, self._sample_step = step_functions()
+        self._forward_step, self._sample_step = step_functions(logprobs_mode)
         self.compiler_options = COMPILER_OPTIONS[compile]
         if jax.default_backend() != "cpu":
             self.compiler_options = None  # XLA's defaults as they are: the options above are XLA:CPU's

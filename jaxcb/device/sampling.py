@@ -228,13 +228,20 @@ def _uniform(seed, counter):
     return (bits >> 8).astype(jnp.float32) * jnp.float32(2.0 ** -24)
 
 
-def sample(logits: jax.Array, s: SamplingInput) -> SampleOutput:
+FILTERED_LOGPROB = -9999.0  # a token the processed distribution excludes (OpenAI's value for one it cannot pick)
+
+
+def sample(logits: jax.Array, s: SamplingInput, logprobs_mode: str = "raw_logprobs") -> SampleOutput:
     """logits f32 [B, V] -> one token per row.
 
     Each costly part (penalties, the filters' whole-vocabulary search, the random draw, the logprobs'
     top-k) sits behind a `lax.cond` on whether any row needs it, so an all-greedy batch pays only for
-    an argmax. Both branches are compiled once; which one runs is data, not shape.
+    an argmax. Both branches are compiled once; which one runs is data, not shape. `logprobs_mode`
+    (EngineConfig.logprobs_mode): the logprobs of the model's distribution ("raw_logprobs") or of the one each
+    token is drawn from ("processed_logprobs": after logit_bias, penalties and the grammar's mask, and for a
+    sampled row its temperature and filters; FILTERED_LOGPROB where a token is excluded).
     """
+    processed = logprobs_mode == "processed_logprobs"
     b, v = logits.shape
     raw = logits = logits.astype(jnp.float32)
     logits = jax.lax.cond(jnp.any(s.bias_ids >= 0), _biased, lambda x, _: x, logits, s)
@@ -254,9 +261,13 @@ def sample(logits: jax.Array, s: SamplingInput) -> SampleOutput:
                               lambda y: y, scaled)
         u = jax.vmap(_uniform)(s.seed, s.counter)
         drawn = inverse_cdf_draw(u, scaled).astype(jnp.int32)
-        return jnp.where(sampling, drawn, greedy)
+        tokens = jnp.where(sampling, drawn, greedy)
+        return (tokens, jnp.where(sampling[:, None], scaled, x)) if processed else tokens
 
-    tokens = jax.lax.cond(jnp.any(sampling), draw, lambda x: greedy, logits)
+    # (processed: with the tokens, what each row's draw saw: its temperature-scaled, filtered logits; a greedy row's
+    # processed logits as they are)
+    drawn = jax.lax.cond(jnp.any(sampling), draw, lambda x: (greedy, x) if processed else greedy, logits)
+    tokens, shaped = drawn if processed else (drawn, raw)
 
     n = min(NUM_TOP_LOGPROBS, v)
 
@@ -268,12 +279,16 @@ def sample(logits: jax.Array, s: SamplingInput) -> SampleOutput:
         top, top_ids = jax.lax.top_k(raw, n)
         picked = jnp.take_along_axis(raw, tokens[:, None], axis=-1)
         rank = 1 + jnp.sum(raw > picked, axis=-1, dtype=jnp.int32)
-        return (picked - log_total)[:, 0], top_ids.astype(jnp.int32), top - log_total, rank
+        chosen, top = (picked - log_total)[:, 0], top - log_total
+        if processed:  # (what the distribution excludes is -inf: a number JSON can write)
+            chosen, top = jnp.maximum(chosen, FILTERED_LOGPROB), jnp.maximum(top, FILTERED_LOGPROB)
+        return chosen, top_ids.astype(jnp.int32), top, rank
 
     def no_logprobs(raw):
         return (jnp.zeros((b,), jnp.float32), jnp.zeros((b, n), jnp.int32), jnp.zeros((b, n), jnp.float32),
                 jnp.zeros((b,), jnp.int32))
 
-    # Logprobs describe the model's own distribution, before logit_bias, penalties and filters.
-    chosen, top_ids, top_lp, rank = jax.lax.cond(jnp.any(s.logprobs > 0), logprobs, no_logprobs, raw)
+    # Logprobs describe the model's own distribution, before logit_bias, penalties and filters (raw), or the
+    # one the token was drawn from (processed).
+    chosen, top_ids, top_lp, rank = jax.lax.cond(jnp.any(s.logprobs > 0), logprobs, no_logprobs, shaped)
     return SampleOutput(tokens, chosen, top_ids, top_lp, rank)

@@ -23,6 +23,7 @@ KV_CHOICES = ("auto", "float32", "bfloat16", "int8")
 # XLA:CPU's dot libraries (jaxcb.device.cpu_dots sets them up; "default" = whatever jaxlib does)
 CPU_DOTS_CHOICES = ("auto", "default", "ynn", "xnn", "onednn", "eigen")
 JSON_WHITESPACE_CHOICES = ("flexible", "compact")  # EngineConfig.json_whitespace
+LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")  # EngineConfig.logprobs_mode (vLLM's names)
 # How XLA compiles each step program (jaxcb.device.runner.COMPILER_OPTIONS): "optimized" (XLA's defaults) or
 # "fast" (its backend's optimisations off: a fraction of the compile time, slower steps on real models).
 COMPILE_CHOICES = ("optimized", "fast")
@@ -80,6 +81,10 @@ class EngineConfig:
     # JSON writes it, bounded (jaxcb.host.structured.JSON_WHITESPACE; vLLM's default), or "compact", none (vLLM's
     # disable_any_whitespace for every request). A request's own choice or its schema's x-guidance comes first.
     json_whitespace: str = "flexible"
+    # What a sampled token's logprobs are of (vLLM's --logprobs-mode): "raw_logprobs", the model's own distribution
+    # (before logit_bias, penalties, grammars, temperature and filters), or "processed_logprobs", the one it was
+    # drawn from (after all of them: an RL trainer's importance weights); filtered-out tokens -9999.0, as OpenAI's.
+    logprobs_mode: str = "raw_logprobs"
 
     @property
     def page_size(self) -> int:
@@ -125,6 +130,8 @@ class EngineConfig:
         if self.json_whitespace not in JSON_WHITESPACE_CHOICES:
             raise InvalidConfig(f"model.json_whitespace: {self.json_whitespace!r} is not one of "
                                 f"{JSON_WHITESPACE_CHOICES}")
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise InvalidConfig(f"model.logprobs_mode: {self.logprobs_mode!r} is not one of {LOGPROBS_MODES}")
         if self.compile not in COMPILE_CHOICES:
             raise InvalidConfig(f"model.compile: {self.compile!r} is not one of {COMPILE_CHOICES}")
         if self.attention not in ATTENTION_CHOICES:
@@ -144,7 +151,7 @@ class EngineConfig:
     def replace(self, *, num_pages=None, buckets=None, attention=None, tensor_parallel=None, data_parallel=None,
                 weights=None, weight_group=None, kv_dtype=None, cpu_dots=None, activations=None,
                 compile=None, lora=None, served_model_name=None, chat_template=None, rope_scaling=None,
-                classifier_from_tokens=None, classifier_method=None, json_whitespace=None,
+                classifier_from_tokens=None, classifier_method=None, json_whitespace=None, logprobs_mode=None,
                 **scheduler_changes) -> "EngineConfig":
         return EngineConfig(
             num_pages=self.num_pages if num_pages is None else num_pages,
@@ -169,6 +176,7 @@ class EngineConfig:
                                     else tuple(classifier_from_tokens)),
             classifier_method=self.classifier_method if classifier_method is None else classifier_method,
             json_whitespace=self.json_whitespace if json_whitespace is None else json_whitespace,
+            logprobs_mode=self.logprobs_mode if logprobs_mode is None else logprobs_mode,
         )
 
 
@@ -218,7 +226,7 @@ def make_config(*, page_size=16, num_pages=4096, max_context=2048, decode_batch=
                 pages_per_seq=None, prefill_tokens=(32, 64, 128, 256, 512), max_prefill_tokens=None,
                 tokens=None, attention="auto", tensor_parallel=1, data_parallel=1, weights="auto",
                 weight_group=0, kv_dtype="auto", cpu_dots="auto", activations="float", compile="optimized",
-                lora=None, **scheduler) -> EngineConfig:
+                lora=None, logprobs_mode="raw_logprobs", **scheduler) -> EngineConfig:
     """An EngineConfig from keyword values (tests and the Python API)."""
     if pages_per_seq is None:
         pages_per_seq = (max_context // page_size,)
@@ -235,7 +243,7 @@ def make_config(*, page_size=16, num_pages=4096, max_context=2048, decode_batch=
     return EngineConfig(num_pages=num_pages, scheduler=sched, attention=attention, tensor_parallel=tensor_parallel,
                         data_parallel=data_parallel, weights=weights, weight_group=weight_group,
                         kv_dtype=kv_dtype, cpu_dots=cpu_dots, activations=activations, compile=compile,
-                        lora=lora or LoraConfig(), buckets=Buckets(tuple(decode_batch), tuple(pages_per_seq), tuple(prefill_tokens),
+                        logprobs_mode=logprobs_mode, lora=lora or LoraConfig(), buckets=Buckets(tuple(decode_batch), tuple(pages_per_seq), tuple(prefill_tokens),
                                         tuple(tokens)))
 
 
@@ -295,7 +303,7 @@ def load_config(path: str | None = None) -> EngineConfig:
     model = raw.get("model", {})
     unknown = set(model) - {"attention", "weights", "weight_group", "cpu_dots", "activations", "compile",
                             "served_model_name", "chat_template", "rope_scaling", "classifier_from_tokens",
-                            "classifier_method", "json_whitespace"}
+                            "classifier_method", "json_whitespace", "logprobs_mode"}
     if unknown:
         raise InvalidConfig(f"config: unknown setting in [model]: {sorted(unknown)}")
     parallel = raw.get("parallel", {})
@@ -320,6 +328,7 @@ def load_config(path: str | None = None) -> EngineConfig:
                         classifier_from_tokens=parse_tokens(model.get("classifier_from_tokens", ())),
                         classifier_method=str(model.get("classifier_method", "auto")),
                         json_whitespace=str(model.get("json_whitespace", "flexible")),
+                        logprobs_mode=str(model.get("logprobs_mode", "raw_logprobs")),
                         memory_fraction=float(cache.get("memory_fraction", 0.9)),
                         memory_bytes=parse_bytes(cache["memory"]) if "memory" in cache else 0,
                         tensor_parallel=parallel.get("tensor", 1), data_parallel=parallel.get("data", 1))
