@@ -205,6 +205,12 @@ class State:
         self.lora_owners.pop(name, None)
         return done
 
+    def check_operator(self, tenant_: str) -> None:
+        """The operator's calls (profiles, the prefix cache's reset, the RL routes): with bearer tokens, the first
+        --auth-token's only (any other is refused: one tenant must not slow every other); without tokens, anyone's."""
+        if self.options.tokens and tenant_ != "token0":
+            raise PermissionDenied("this call is the operator's: the server's first --auth-token makes it")
+
     # ---- new weights while serving (vLLM's and SGLang's RL routes: the operator's, with --dev-routes) ----
     async def pause(self, mode: str, clear_cache: bool) -> None:
         """Every replica pauses (Engine.pause), returning once each is still."""
@@ -251,6 +257,22 @@ class State:
         finally:
             if resume:
                 await self.resume()
+
+    async def reset_weights(self) -> None:
+        """Every weight zeroed (vLLM's weight checker's reset), taken as an update is."""
+        async with self.updating:
+            await self._settled(self.engine.woken([e.swap_weights(e.runner.zeroed_params(), e.weight_version)
+                                                   for e in self.engine.engines]))
+
+    def abort_requests(self, request_ids: list[str] | None) -> int:
+        """vLLM's /abort_requests: the requests of these client ids (any tenant's; an HTTP call's prompts, id/0, id/1,
+        ..., by its id too), or every request (None); how many were asked to end."""
+        wanted = set(request_ids or ())
+        keys = ({key for (_, rid), key in self.ids.items() if rid in wanted or rid.rpartition("/")[0] in wanted}
+                if request_ids is not None else set(self.active))
+        for key in keys:
+            self.thread.abort(key)
+        return len(keys)
 
     @staticmethod
     async def _settled(futures: list) -> list:

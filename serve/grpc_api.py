@@ -343,6 +343,52 @@ class JaxcbService(jaxcb_pb2_grpc.JaxcbServicer):
     async def GetServerInfo(self, request, context):
         return server_info(self.state)
 
+    # ---- new weights while serving (--dev-routes, the operator's; serve.frontend.State.update_weights) ----
+    async def _weights(self, context, call) -> jaxcb_pb2.WeightsResponse:
+        if not self.state.options.dev_routes:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "the RL calls are served with --dev-routes only")
+        try:
+            self.state.check_operator(tenant_of(self.state, context))
+            message = await call()
+        except JaxcbError as e:
+            await context.abort(grpc_code(e), details(e))
+        e = self.state.engine
+        return jaxcb_pb2.WeightsResponse(message=message, paused=e.paused, sleeping=e.asleep,
+                                         weight_version=e.engines[0].weight_version or "")
+
+    async def PauseGeneration(self, request, context):
+        async def pause():
+            await self.state.pause(request.mode or "abort", not request.keep_cache)
+            return "paused"
+        return await self._weights(context, pause)
+
+    async def ResumeGeneration(self, request, context):
+        async def resume():
+            await self.state.resume()
+            return "resumed"
+        return await self._weights(context, resume)
+
+    async def UpdateWeights(self, request, context):
+        async def update():
+            if not request.model_path:
+                raise InvalidRequest("model_path: required")
+            await self.state.update_weights(request.model_path, request.weight_version or None,
+                                            request.abort_all_requests)
+            return "weights updated"
+        return await self._weights(context, update)
+
+    async def Sleep(self, request, context):
+        async def sleep():
+            level = request.level if request.HasField("level") else 1
+            await self.state.sleep(level, request.mode or "abort")
+            return f"sleeping (level {level})"
+        return await self._weights(context, sleep)
+
+    async def WakeUp(self, request, context):
+        async def wake_up():
+            return "awake" if await self.state.wake_up(list(request.tags) or None) else "sleeping"
+        return await self._weights(context, wake_up)
+
 
 def server_info(state: State) -> jaxcb_pb2.ServerInfo:
     """The server as GetServerInfo (and HTTP's /server_info) tells it."""
@@ -365,6 +411,7 @@ def server_info(state: State) -> jaxcb_pb2.ServerInfo:
         speculative_acceptance_rate=st.acceptance_rate,
         speculative_mean_accepted_length=st.mean_accepted_length,
         speculative=e.engines[0].describe_speculation(), sampling_defaults=state.sampling_defaults,
+        weight_version=e.engines[0].weight_version or "", paused=e.paused, sleeping=e.asleep,
         **_step_fields(e.engines[0].runner))
 
 

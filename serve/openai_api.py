@@ -27,8 +27,9 @@
     POST /v1/files, /v1/batches  OpenAI's Files and Batch APIs (GET, DELETE /v1/files/{id}, its /content; GET
                                  /v1/batches/{id}, POST .../cancel): batches of requests run in the background
                                  through this app (serve.openai_batches)
-    POST /pause, /resume, /sleep, /wake_up, /update_weights_from_disk, /update_weight_version, /weight_checker;
-         GET /is_paused, /is_sleeping, /weight_info: vLLM's and SGLang's RL routes, new weights while serving
+    POST /pause, /resume, /sleep, /wake_up, /update_weights_from_disk, /update_weight_version, /weight_checker,
+         /abort_requests; GET /is_paused, /is_sleeping, /weight_info, /get_world_size: vLLM's and SGLang's RL
+                                 routes, new weights while serving
                                  (--dev-routes, the operator's; jaxcb.weight_update)
     GET  /version                {version}: jaxcb's (no auth)
     GET  /health                 200 once warm (no auth), else 503
@@ -66,7 +67,7 @@ import jaxcb
 from jaxcb.host import classifier, embedding, harmony, tool_calls
 from jaxcb.host.embedding import check_encoding_format
 from jaxcb.host.tokenizer import trim_heap
-from jaxcb.host.errors import InvalidRequest, JaxcbError, NotFound, PermissionDenied, Unauthenticated, shown
+from jaxcb.host.errors import InvalidRequest, JaxcbError, NotFound, Unauthenticated, shown
 from jaxcb.host.request import MAX_SAMPLES, SamplingParams
 from serve import anthropic_messages, frontend, openai_batches, openai_responses, openai_scores, reasoning
 from serve.openai_responses_store import Store
@@ -257,8 +258,7 @@ def make_app(state) -> FastAPI:
     def operator(request: Request) -> None:
         """The operator's routes (profiles, the prefix cache's reset): with bearer tokens, the first --auth-token's
         only (any other is a 403: one tenant must not slow every other); without tokens, anyone's."""
-        if authorize(request) not in ("token0", "") and state.options.tokens:
-            raise PermissionDenied("this call is the operator's: the server's first --auth-token makes it")
+        state.check_operator(authorize(request))
 
     if state.options.profile_dir is not None:
         profiling = asyncio.Lock()
@@ -329,13 +329,15 @@ def make_app(state) -> FastAPI:
 
         # vLLM's RL routes and SGLang's weight update (development routes, the operator's): a trainer pauses the
         # rollouts, gives new weights, resumes (jaxcb.weight_update).
+        TRUE, FALSE = ("true", "1", "yes", "y", "on", "t"), ("false", "0", "no", "n", "off", "f")
+
         def query_flag(request: Request, name: str, default: bool) -> bool:
             value = request.query_params.get(name)
             if value is None:
                 return default
-            if value.lower() not in ("true", "false", "1", "0"):
+            if value.lower() not in TRUE + FALSE:  # (what vLLM's pydantic reads as a boolean)
                 raise bad_request(f"{name}: true or false, not {shown(value)}")
-            return value.lower() in ("true", "1")
+            return value.lower() in TRUE
 
         @app.post("/pause")
         async def pause(request: Request):
@@ -381,10 +383,10 @@ def make_app(state) -> FastAPI:
             weights to come), 0 (a pause only); ?mode as /pause's. Answered once every replica is asleep."""
             operator(request)
             level = request.query_params.get("level", "1")
-            if level not in ("0", "1", "2"):
+            if level not in ("0", "1", "2", "0.0", "1.0", "2.0"):
                 raise bad_request(f"level: {shown(level)} is not a sleep level (0, 1 or 2)")
-            await state.sleep(int(level), request.query_params.get("mode", "abort"))
-            return {"status": "sleeping", "level": int(level)}
+            await state.sleep(int(float(level)), request.query_params.get("mode", "abort"))
+            return {"status": "sleeping", "level": int(float(level))}
 
         @app.post("/wake_up")
         async def wake_up(request: Request):
@@ -397,13 +399,34 @@ def make_app(state) -> FastAPI:
 
         @app.get("/is_sleeping")
         async def is_sleeping(request: Request):
+            """vLLM's: paused (a level-0 sleep is a pause) or with memory off the devices."""
             operator(request)
-            return {"is_sleeping": state.engine.asleep}
+            return {"is_sleeping": state.engine.asleep or state.engine.paused}
+
+        @app.post("/abort_requests")
+        async def abort_requests(request: Request):
+            """vLLM's: {"request_ids": [...]} (the ids clients gave their requests) end at the next step; none or
+            an empty list: every request."""
+            operator(request)
+            body = await body_of(request)
+            check_fields(body, {"request_ids"})
+            ids = body.get("request_ids") or []
+            if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids):
+                raise bad_request("request_ids: a list of request ids")
+            return {"status": "aborted", "aborted": state.abort_requests(ids or None)}
+
+        @app.get("/get_world_size")
+        async def get_world_size(request: Request):
+            """vLLM's: the devices one replica spans (tensor parallel), times the replicas with include_dp."""
+            operator(request)
+            tensor = state.engine.config.tensor_parallel
+            return {"world_size": tensor * len(state.engine) if query_flag(request, "include_dp", True) else tensor}
 
         @app.get("/weight_info")
         async def weight_info(request: Request):
+            """vLLM's: the version the newest weights came with, "default" for those the server started with."""
             operator(request)
-            return {"weight_version": state.engine.engines[0].weight_version}
+            return {"weight_version": state.engine.engines[0].weight_version or "default"}
 
         @app.post("/update_weight_version")
         async def update_weight_version(request: Request):
@@ -427,8 +450,11 @@ def make_app(state) -> FastAPI:
             body = await body_of(request)
             check_fields(body, {"action", "baseline"})
             action = str_field(body, "action", "")
-            if action not in ("checksum", "compare"):
-                raise bad_request(f"action: {shown(action)} is not checksum or compare")
+            if action not in ("checksum", "compare", "reset"):
+                raise bad_request(f"action: {shown(action)} is not checksum, compare or reset")
+            if action == "reset":  # every weight zeroed (a weight-sync test's start: reset, send, compare)
+                await state.reset_weights()
+                return {"status": "reset"}
             baseline = body.get("baseline")
             if action == "compare" and not (isinstance(baseline, dict)
                                             and all(isinstance(v, str) for v in baseline.values())):

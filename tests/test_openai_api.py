@@ -384,9 +384,28 @@ def test_the_rl_routes_pause_update_the_weights_from_disk_and_resume(server, lon
     before = complete()
     sums = post("/weight_checker", json={"action": "checksum"}).json()["checksums"]
     assert sums and all(len(v) == 64 for v in sums.values())
+    assert httpx.get(server.http + "/weight_info", timeout=30).json() == {"weight_version": "default"}
+    assert httpx.get(server.http + "/get_world_size", timeout=30).json() == {"world_size": 1}
     try:
-        assert post("/pause?mode=abort").json() == {"status": "paused"}
+        assert post("/pause?mode=keep").json() == {"status": "paused"}  # vLLM's /abort_requests, by id, then all
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+            held = {rid: pool.submit(lambda rid=rid: post("/v1/completions", json={**body, "request_id": rid}).json())
+                    for rid in ("a1", "a2", "a3")}
+            time.sleep(1.0)
+            assert post("/abort_requests", json={"request_ids": ["a1"]}).json() == {"status": "aborted", "aborted": 1}
+            assert held["a1"].result(timeout=60)["choices"][0]["finish_reason"] == "abort"
+            assert post("/abort_requests", json={"request_ids": ["a2", "nobody"]}).json()["aborted"] == 1
+            assert post("/resume").json() == {"status": "resumed"}
+            assert held["a3"].result(timeout=60)["choices"][0]["text"] == before
+            assert held["a2"].result(timeout=60)["choices"][0]["finish_reason"] == "abort"
+        assert post("/weight_checker", json={"action": "reset"}).json() == {"status": "reset"}
+        zeroed = post("/weight_checker", json={"action": "checksum"}).json()["checksums"]
+        assert zeroed.keys() == sums.keys() and not set(zeroed.values()) & set(sums.values())
+        assert post("/update_weights_from_disk", json={"model_path": tiny_gguf_path}).status_code == 200
+        assert complete() == before
+        assert post("/pause?mode=abort&clear_cache=yes").json() == {"status": "paused"}
         assert httpx.get(server.http + "/is_paused", timeout=30).json() == {"is_paused": True}
+        assert httpx.get(server.http + "/is_sleeping", timeout=30).json() == {"is_sleeping": True}  # (as vLLM says)
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             waiting = pool.submit(complete)
             time.sleep(1.0)
@@ -429,7 +448,8 @@ def test_the_rl_routes_pause_update_the_weights_from_disk_and_resume(server, lon
                                   "load_format"),
                                  ("/update_weights_from_disk", {"json": {"model_path": other, "weight_version": 3}},
                                   "weight_version"),
-                                 ("/weight_checker", {"json": {"action": "reset"}}, "action"),
+                                 ("/weight_checker", {"json": {"action": "restore"}}, "action"),
+                                 ("/abort_requests", {"json": {"request_ids": "a1"}}, "request_ids"),
                                  ("/sleep?level=3", {}, "level"), ("/sleep?mode=nap", {}, "mode"),
                                  ("/update_weight_version", {"json": {}}, "new_version"),
                                  ("/wake_up?tags=everything", {}, "tags"),
@@ -437,6 +457,32 @@ def test_the_rl_routes_pause_update_the_weights_from_disk_and_resume(server, lon
             r = post(route, **kw)
             assert r.status_code == 400 and r.json()["error"]["message"].startswith(field), (route, r.text[:300])
         assert complete() == before
+        # The same over gRPC (jaxcb's API): the pause, an update and the server's account of them
+        from serve.proto import jaxcb_pb2
+
+        with Client(server.target) as c:
+            r = c.stub.PauseGeneration(jaxcb_pb2.PauseGenerationRequest(mode="wait"))
+            assert r.paused and r.message == "paused" and c.server_info().paused
+            r = c.stub.UpdateWeights(jaxcb_pb2.UpdateWeightsRequest(model_path=other, weight_version="grpc-1"))
+            assert r.weight_version == "grpc-1" and r.paused and not r.sleeping
+            r = c.stub.ResumeGeneration(jaxcb_pb2.ResumeGenerationRequest())
+            assert not r.paused and complete() == after
+            r = c.stub.UpdateWeights(jaxcb_pb2.UpdateWeightsRequest(model_path=tiny_gguf_path))
+            assert r.weight_version == "" and complete() == before
+            r = c.stub.Sleep(jaxcb_pb2.SleepRequest())
+            assert r.sleeping and c.server_info().sleeping
+            assert not c.stub.WakeUp(jaxcb_pb2.WakeUpRequest()).sleeping and complete() == before
+            for call, request, field in ((c.stub.PauseGeneration, jaxcb_pb2.PauseGenerationRequest(mode="nap"), "mode"),
+                                         (c.stub.UpdateWeights, jaxcb_pb2.UpdateWeightsRequest(), "model_path"),
+                                         (c.stub.Sleep, jaxcb_pb2.SleepRequest(level=5), "level"),
+                                         (c.stub.WakeUp, jaxcb_pb2.WakeUpRequest(tags=["gpu"]), "tags")):
+                with pytest.raises(grpc.RpcError) as err:
+                    call(request)
+                assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and err.value.details().startswith(field)
+        with Client(long_server.target) as c:  # (a server without --dev-routes)
+            with pytest.raises(grpc.RpcError) as err:
+                c.stub.PauseGeneration(jaxcb_pb2.PauseGenerationRequest())
+            assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
     finally:
         post("/resume")
     assert httpx.post(long_server.http + "/pause", timeout=60).status_code == 404

@@ -424,15 +424,19 @@ class ModelRunner(Runner):
         if "weights" in parts and self.params is None:
             host, self._host_params = self._host_params, None
             self.params = (jax.tree.map(lambda h, s: jax.device_put(h, s.sharding), host, self._abstract)
-                           if host is not None else
-                           jax.tree.map(lambda s: jax.device_put(np.zeros(s.shape, s.dtype), s.sharding), self._abstract))
+                           if host is not None else self.zeroed_params())
+
+    def zeroed_params(self) -> Params:
+        """Weights of zeros, shaped and placed as this runner's (vLLM's weight checker's reset; a wake after they
+        were dropped)."""
+        return jax.tree.map(lambda s: jax.device_put(np.zeros(s.shape, s.dtype), s.sharding), self._weights_shape())
 
     def describe(self) -> dict[str, str]:
         """How the step computes (the start banner, GetServerInfo): platform, compute dtype, the weight
         matrices' format, KV dtype, and the attention path."""
         from jaxcb.model.quant import is_quantized
 
-        w = self.params.layers.wq
+        w = self._weights_shape().layers.wq  # (their shapes: also while asleep)
         weights = f"int{w.bits}" if is_quantized(w) else jnp.dtype(w.dtype).name
         if getattr(w, "act_block", 0):
             weights += ", int8 activations"

@@ -6,6 +6,54 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class PauseGenerationRequest(_message.Message):
+    __slots__ = ("mode", "keep_cache")
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    KEEP_CACHE_FIELD_NUMBER: _ClassVar[int]
+    mode: str
+    keep_cache: bool
+    def __init__(self, mode: _Optional[str] = ..., keep_cache: _Optional[bool] = ...) -> None: ...
+
+class ResumeGenerationRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class UpdateWeightsRequest(_message.Message):
+    __slots__ = ("model_path", "weight_version", "abort_all_requests")
+    MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    ABORT_ALL_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    model_path: str
+    weight_version: str
+    abort_all_requests: bool
+    def __init__(self, model_path: _Optional[str] = ..., weight_version: _Optional[str] = ..., abort_all_requests: _Optional[bool] = ...) -> None: ...
+
+class SleepRequest(_message.Message):
+    __slots__ = ("level", "mode")
+    LEVEL_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    level: int
+    mode: str
+    def __init__(self, level: _Optional[int] = ..., mode: _Optional[str] = ...) -> None: ...
+
+class WakeUpRequest(_message.Message):
+    __slots__ = ("tags",)
+    TAGS_FIELD_NUMBER: _ClassVar[int]
+    tags: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, tags: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class WeightsResponse(_message.Message):
+    __slots__ = ("message", "paused", "sleeping", "weight_version")
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    PAUSED_FIELD_NUMBER: _ClassVar[int]
+    SLEEPING_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    message: str
+    paused: bool
+    sleeping: bool
+    weight_version: str
+    def __init__(self, message: _Optional[str] = ..., paused: _Optional[bool] = ..., sleeping: _Optional[bool] = ..., weight_version: _Optional[str] = ...) -> None: ...
+
 class EmbedInput(_message.Message):
     __slots__ = ("text", "tokens")
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -410,7 +458,7 @@ class GetServerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServerInfo(_message.Message):
-    __slots__ = ("decode_batch_buckets", "pages_per_seq_buckets", "prefill_token_buckets", "page_size", "pages_total", "pages_free", "policy", "compilations", "running", "waiting", "preemptions", "tensor_parallel", "data_parallel", "replicas", "platform", "compute_dtype", "weights", "kv_dtype", "attention", "cpu_dots", "cpu_max_isa", "cpu_dots_reason", "speculative_method", "num_speculative_tokens", "speculative_acceptance_rate", "speculative_mean_accepted_length", "speculative", "sampling_defaults")
+    __slots__ = ("decode_batch_buckets", "pages_per_seq_buckets", "prefill_token_buckets", "page_size", "pages_total", "pages_free", "policy", "compilations", "running", "waiting", "preemptions", "tensor_parallel", "data_parallel", "replicas", "platform", "compute_dtype", "weights", "kv_dtype", "attention", "cpu_dots", "cpu_max_isa", "cpu_dots_reason", "speculative_method", "num_speculative_tokens", "speculative_acceptance_rate", "speculative_mean_accepted_length", "speculative", "sampling_defaults", "weight_version", "paused", "sleeping")
     class SamplingDefaultsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -446,6 +494,9 @@ class ServerInfo(_message.Message):
     SPECULATIVE_MEAN_ACCEPTED_LENGTH_FIELD_NUMBER: _ClassVar[int]
     SPECULATIVE_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_DEFAULTS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    PAUSED_FIELD_NUMBER: _ClassVar[int]
+    SLEEPING_FIELD_NUMBER: _ClassVar[int]
     decode_batch_buckets: _containers.RepeatedScalarFieldContainer[int]
     pages_per_seq_buckets: _containers.RepeatedScalarFieldContainer[int]
     prefill_token_buckets: _containers.RepeatedScalarFieldContainer[int]
@@ -474,7 +525,10 @@ class ServerInfo(_message.Message):
     speculative_mean_accepted_length: float
     speculative: str
     sampling_defaults: _containers.ScalarMap[str, float]
-    def __init__(self, decode_batch_buckets: _Optional[_Iterable[int]] = ..., pages_per_seq_buckets: _Optional[_Iterable[int]] = ..., prefill_token_buckets: _Optional[_Iterable[int]] = ..., page_size: _Optional[int] = ..., pages_total: _Optional[int] = ..., pages_free: _Optional[int] = ..., policy: _Optional[str] = ..., compilations: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., preemptions: _Optional[int] = ..., tensor_parallel: _Optional[int] = ..., data_parallel: _Optional[int] = ..., replicas: _Optional[_Iterable[_Union[ReplicaInfo, _Mapping]]] = ..., platform: _Optional[str] = ..., compute_dtype: _Optional[str] = ..., weights: _Optional[str] = ..., kv_dtype: _Optional[str] = ..., attention: _Optional[str] = ..., cpu_dots: _Optional[str] = ..., cpu_max_isa: _Optional[str] = ..., cpu_dots_reason: _Optional[str] = ..., speculative_method: _Optional[str] = ..., num_speculative_tokens: _Optional[int] = ..., speculative_acceptance_rate: _Optional[float] = ..., speculative_mean_accepted_length: _Optional[float] = ..., speculative: _Optional[str] = ..., sampling_defaults: _Optional[_Mapping[str, float]] = ...) -> None: ...
+    weight_version: str
+    paused: bool
+    sleeping: bool
+    def __init__(self, decode_batch_buckets: _Optional[_Iterable[int]] = ..., pages_per_seq_buckets: _Optional[_Iterable[int]] = ..., prefill_token_buckets: _Optional[_Iterable[int]] = ..., page_size: _Optional[int] = ..., pages_total: _Optional[int] = ..., pages_free: _Optional[int] = ..., policy: _Optional[str] = ..., compilations: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., preemptions: _Optional[int] = ..., tensor_parallel: _Optional[int] = ..., data_parallel: _Optional[int] = ..., replicas: _Optional[_Iterable[_Union[ReplicaInfo, _Mapping]]] = ..., platform: _Optional[str] = ..., compute_dtype: _Optional[str] = ..., weights: _Optional[str] = ..., kv_dtype: _Optional[str] = ..., attention: _Optional[str] = ..., cpu_dots: _Optional[str] = ..., cpu_max_isa: _Optional[str] = ..., cpu_dots_reason: _Optional[str] = ..., speculative_method: _Optional[str] = ..., num_speculative_tokens: _Optional[int] = ..., speculative_acceptance_rate: _Optional[float] = ..., speculative_mean_accepted_length: _Optional[float] = ..., speculative: _Optional[str] = ..., sampling_defaults: _Optional[_Mapping[str, float]] = ..., weight_version: _Optional[str] = ..., paused: _Optional[bool] = ..., sleeping: _Optional[bool] = ...) -> None: ...
 
 class ReplicaInfo(_message.Message):
     __slots__ = ("replica", "device_ids", "pages_total", "pages_free", "running", "waiting", "preemptions", "pending_tokens", "requests_routed")

@@ -79,6 +79,31 @@ class JaxcbStub:
                 request_serializer=jaxcb__pb2.ScoreRequest.SerializeToString,
                 response_deserializer=jaxcb__pb2.ScoreResponse.FromString,
                 _registered_method=True)
+        self.PauseGeneration = channel.unary_unary(
+                '/jaxcb.v1.Jaxcb/PauseGeneration',
+                request_serializer=jaxcb__pb2.PauseGenerationRequest.SerializeToString,
+                response_deserializer=jaxcb__pb2.WeightsResponse.FromString,
+                _registered_method=True)
+        self.ResumeGeneration = channel.unary_unary(
+                '/jaxcb.v1.Jaxcb/ResumeGeneration',
+                request_serializer=jaxcb__pb2.ResumeGenerationRequest.SerializeToString,
+                response_deserializer=jaxcb__pb2.WeightsResponse.FromString,
+                _registered_method=True)
+        self.UpdateWeights = channel.unary_unary(
+                '/jaxcb.v1.Jaxcb/UpdateWeights',
+                request_serializer=jaxcb__pb2.UpdateWeightsRequest.SerializeToString,
+                response_deserializer=jaxcb__pb2.WeightsResponse.FromString,
+                _registered_method=True)
+        self.Sleep = channel.unary_unary(
+                '/jaxcb.v1.Jaxcb/Sleep',
+                request_serializer=jaxcb__pb2.SleepRequest.SerializeToString,
+                response_deserializer=jaxcb__pb2.WeightsResponse.FromString,
+                _registered_method=True)
+        self.WakeUp = channel.unary_unary(
+                '/jaxcb.v1.Jaxcb/WakeUp',
+                request_serializer=jaxcb__pb2.WakeUpRequest.SerializeToString,
+                response_deserializer=jaxcb__pb2.WeightsResponse.FromString,
+                _registered_method=True)
 
 
 class JaxcbServicer:
@@ -151,6 +176,39 @@ class JaxcbServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PauseGeneration(self, request, context):
+        """New weights while serving, for RL rollouts (the HTTP API's /pause, /resume, /update_weights_from_disk,
+        /sleep, /wake_up): only on a server started with --dev-routes (else UNIMPLEMENTED), and the operator's (with
+        bearer tokens the first --auth-token's, else PERMISSION_DENIED). Each answers once every replica is there.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ResumeGeneration(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UpdateWeights(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Sleep(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def WakeUp(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_JaxcbServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -198,6 +256,31 @@ def add_JaxcbServicer_to_server(servicer, server):
                     servicer.Score,
                     request_deserializer=jaxcb__pb2.ScoreRequest.FromString,
                     response_serializer=jaxcb__pb2.ScoreResponse.SerializeToString,
+            ),
+            'PauseGeneration': grpc.unary_unary_rpc_method_handler(
+                    servicer.PauseGeneration,
+                    request_deserializer=jaxcb__pb2.PauseGenerationRequest.FromString,
+                    response_serializer=jaxcb__pb2.WeightsResponse.SerializeToString,
+            ),
+            'ResumeGeneration': grpc.unary_unary_rpc_method_handler(
+                    servicer.ResumeGeneration,
+                    request_deserializer=jaxcb__pb2.ResumeGenerationRequest.FromString,
+                    response_serializer=jaxcb__pb2.WeightsResponse.SerializeToString,
+            ),
+            'UpdateWeights': grpc.unary_unary_rpc_method_handler(
+                    servicer.UpdateWeights,
+                    request_deserializer=jaxcb__pb2.UpdateWeightsRequest.FromString,
+                    response_serializer=jaxcb__pb2.WeightsResponse.SerializeToString,
+            ),
+            'Sleep': grpc.unary_unary_rpc_method_handler(
+                    servicer.Sleep,
+                    request_deserializer=jaxcb__pb2.SleepRequest.FromString,
+                    response_serializer=jaxcb__pb2.WeightsResponse.SerializeToString,
+            ),
+            'WakeUp': grpc.unary_unary_rpc_method_handler(
+                    servicer.WakeUp,
+                    request_deserializer=jaxcb__pb2.WakeUpRequest.FromString,
+                    response_serializer=jaxcb__pb2.WeightsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -443,6 +526,141 @@ class Jaxcb:
             '/jaxcb.v1.Jaxcb/Score',
             jaxcb__pb2.ScoreRequest.SerializeToString,
             jaxcb__pb2.ScoreResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PauseGeneration(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/jaxcb.v1.Jaxcb/PauseGeneration',
+            jaxcb__pb2.PauseGenerationRequest.SerializeToString,
+            jaxcb__pb2.WeightsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ResumeGeneration(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/jaxcb.v1.Jaxcb/ResumeGeneration',
+            jaxcb__pb2.ResumeGenerationRequest.SerializeToString,
+            jaxcb__pb2.WeightsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UpdateWeights(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/jaxcb.v1.Jaxcb/UpdateWeights',
+            jaxcb__pb2.UpdateWeightsRequest.SerializeToString,
+            jaxcb__pb2.WeightsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Sleep(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/jaxcb.v1.Jaxcb/Sleep',
+            jaxcb__pb2.SleepRequest.SerializeToString,
+            jaxcb__pb2.WeightsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WakeUp(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/jaxcb.v1.Jaxcb/WakeUp',
+            jaxcb__pb2.WakeUpRequest.SerializeToString,
+            jaxcb__pb2.WeightsResponse.FromString,
             options,
             channel_credentials,
             insecure,
