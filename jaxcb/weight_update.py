@@ -141,34 +141,38 @@ def update(engines: list, source, version: str | None = None) -> list:
         path = os.fspath(source)
         if not os.path.exists(path):
             raise InvalidRequest(f"model_path: {path} does not exist")
-        return [e.swap_weights(lambda e=e: e.runner.reload(path, lambda p: made_from(e, p)), version) for e in engines]
-    return [e.swap_weights(p, version, draft) for e, (p, draft) in zip(engines, made_for_all(engines, source))]
-
-
-def made_from(engine, source) -> tuple:
-    """(params, the draft's or None) for `engine`'s runners from `source`: a multi-host process's own reading (its
-    runner the one it wraps, if any)."""
-    return made_for_all([engine], source)[0]
-
-
-def made_for_all(engines: list, source) -> list[tuple]:
-    """For each engine, (params, the draft model's params or None), from one reading of `source`. Arrays made here
-    from a file or from numpy are the engines' alone; a caller's JAX arrays are copied (a trainer may donate or
-    delete its own), and rewritten ones are freed only where nobody else reads them."""
+        return [e.swap_weights(lambda e=e: e.runner.reload(path, lambda p: read_for(e, p),
+                                                           lambda params: prepare_for([e], params, True)[0]), version)
+                for e in engines]
     import jax
 
+    fresh = isinstance(source, (str, os.PathLike)) or (
+        isinstance(source, Mapping) and not any(isinstance(v, jax.Array) for v in source.values()))
+    made = prepare_for(engines, read_for(first, source), fresh)
+    return [e.swap_weights(p, version, draft) for e, (p, draft) in zip(engines, made)]
+
+
+def _model_runner(runner):
+    return getattr(runner, "runner", runner)  # (a multi-host leader's: the one it wraps)
+
+
+def read_for(engine, source):
+    """Params from `source` as `engine`'s were made, on its runner's devices (a multi-host process: its shards)."""
+    return read_weights(source, engine.origin, mesh=_model_runner(engine.runner).mesh)
+
+
+def prepare_for(engines: list, params, fresh: bool) -> list[tuple]:
+    """For each engine, (params, the draft model's params or None), made from `params` for its runners. `fresh`:
+    nobody else holds `params` (read from a file, or from numpy): else a caller's JAX arrays are copied (a trainer
+    may donate or delete its own); rewritten ones are freed only where nobody else reads them."""
     from jaxcb.device.factory import prepare_weights
 
     first = engines[0]
-    runners = [getattr(e.runner, "runner", e.runner) for e in engines]  # (a multi-host leader's: the one it wraps)
-    params = read_weights(source, first.origin, mesh=runners[0].mesh)
-    fresh = isinstance(source, (str, os.PathLike)) or (
-        isinstance(source, Mapping) and not any(isinstance(v, jax.Array) for v in source.values()))
+    runners = [_model_runner(e.runner) for e in engines]
     drafts = [None] * len(engines)
     if first.origin.cut_draft is not None:  # a draft cut from the target's weights: cut anew
         cut = first.origin.cut_draft(params, runners[0].mesh)
-        drafts = [getattr(e.draft_runner, "runner", e.draft_runner).prepare_params(cut, private=not fresh)
-                  for e in engines]
+        drafts = [_model_runner(e.draft_runner).prepare_params(cut, private=not fresh) for e in engines]
     own = fresh and len(engines) == 1 and drafts[0] is None
     return [(prepare_weights(r, params, e.config, release=own, private=not fresh), draft)
             for e, r, draft in zip(engines, runners, drafts)]
@@ -179,6 +183,8 @@ def checksums(engine) -> dict[str, str]:
     sums on equal servers."""
     import jax
 
+    if getattr(engine.runner, "params", None) is None:
+        raise InvalidRequest("action: the weights are asleep (off the devices): wake them first")
     leaves = jax.tree_util.tree_flatten_with_path(engine.runner.params)[0]
     return {jax.tree_util.keystr(path).lstrip("."): hashlib.sha256(np.asarray(jax.device_get(a)).tobytes()).hexdigest()
             for path, a in leaves}

@@ -260,9 +260,12 @@ class State:
 
     async def reset_weights(self) -> None:
         """Every weight zeroed (vLLM's weight checker's reset), taken as an update is."""
+        if not all(hasattr(e.runner, "zeroed_params") for e in self.engine.engines):
+            raise InvalidRequest("action: reset zeroes one process's weights; a multi-host cluster's are not")
         async with self.updating:
-            await self._settled(self.engine.woken([e.swap_weights(e.runner.zeroed_params(), e.weight_version)
-                                                   for e in self.engine.engines]))
+            zeros = await asyncio.to_thread(lambda: [e.runner.zeroed_params() for e in self.engine.engines])
+            await self._settled(self.engine.woken([e.swap_weights(z, e.weight_version)
+                                                   for e, z in zip(self.engine.engines, zeros)]))
 
     def abort_requests(self, request_ids: list[str] | None) -> int:
         """vLLM's /abort_requests: the requests of these client ids (any tenant's; an HTTP call's prompts, id/0, id/1,

@@ -317,3 +317,71 @@ def test_a_second_pause_keeps_the_stricter_mode(make_llm):
     while engine.has_work():
         run(engine, tokens, finished)
     assert finished == {"kept": FinishReason.LENGTH} and len(tokens["kept"]) == 16
+
+
+def test_a_wake_up_before_the_sleep_settles_cancels_it(make_llm):
+    """A sleep that waits for its running request, woken before it settles, never frees anything: the request and
+    one after it run, the sleep is told it did not happen."""
+    llm = make_llm()
+    engine = llm.engine
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    engine.add_request(PROMPTS[0], params, request_id="a")
+    tokens, finished = collections.defaultdict(list), {}
+    run(engine, tokens, finished)
+    asleep, awake = engine.sleep(1, "wait"), engine.wake_up()
+    engine.add_request(PROMPTS[1], params, request_id="b")
+    while engine.has_work():
+        run(engine, tokens, finished)
+    assert asleep.result(timeout=0) is False and awake.result(timeout=0) is True
+    assert not engine.asleep and engine.paused is None and finished == {"a": FinishReason.LENGTH, "b": FinishReason.LENGTH}
+
+
+def test_a_wait_pause_while_asleep_settles_and_a_deeper_sleep_drops_the_host_copy(make_llm, tiny_model):
+    """Asleep, a "wait" pause has nothing to wait for (it settles); the weight checker refuses weights that are not
+    there; a level-2 sleep after a level-1 one drops the host copy too; new weights and a wake bring the kept
+    request back to its tokens."""
+    llm = make_llm()
+    engine = llm.engine
+    expected = greedy(llm, PROMPTS[:1], 12)
+    engine.add_request(PROMPTS[0], SamplingParams(max_tokens=12, ignore_eos=True), request_id="kept")
+    tokens, finished = collections.defaultdict(list), {}
+    run(engine, tokens, finished)
+    engine.sleep(1, "keep")
+    while engine.has_work():
+        run(engine, tokens, finished)
+    engine.resume()
+    waiting = engine.pause("wait")
+    for _ in range(3):
+        run(engine, tokens, finished)
+    assert waiting.result(timeout=0) is True and not engine.has_work()
+    with pytest.raises(InvalidRequest, match="asleep"):
+        weight_update.checksums(engine)
+    deeper = engine.sleep(2, "keep")
+    run(engine, tokens, finished)
+    assert deeper.result(timeout=0) is True and engine.runner._host_params is None
+    llm.update_weights(tiny_model[1])
+    engine.wake_up()
+    while engine.has_work():
+        run(engine, tokens, finished)
+    assert tokens["kept"] == expected[0] and finished == {"kept": FinishReason.LENGTH}
+
+
+def test_a_wake_up_where_the_runner_cannot_sleep_resumes_without_failing(make_llm):
+    """A multi-host leader's runner has no sleep (levels 1 and 2 are refused there); a level-0 sleep and the wake_up
+    vLLM's clients send after it still go through."""
+    llm = make_llm()
+    runner = llm.engine.runner
+
+    class NoSleep:  # (the runner as a multi-host leader wraps it: no release, restore or asleep)
+        def __getattr__(self, name):
+            if name in ("release", "restore", "asleep"):
+                raise AttributeError(name)
+            return getattr(runner, name)
+
+    llm.engine.runner = NoSleep()
+    with pytest.raises(InvalidRequest, match="level"):
+        llm.engine.sleep(1)
+    paused, awake = llm.engine.sleep(0), llm.engine.wake_up(["scheduling"])
+    llm.engine.step()
+    assert paused.result(timeout=0) is False and awake.result(timeout=0) is True and llm.engine.paused is None
+    llm.engine.runner = runner

@@ -395,7 +395,9 @@ def _follow(args, config) -> int:
     print(f"jaxcb: process {jax.process_index()} follows process 0", flush=True)
     try:
         steps = multihost.follow(runner, _channel(runner, engine.config), engine.draft_runner,
-                                 reload=lambda path: weight_update.made_from(engine, path))
+                                 reload=lambda path: multihost.reload_in_step(
+                                     path, lambda p: weight_update.read_for(engine, p),
+                                     lambda params: weight_update.prepare_for([engine], params, True)[0]))
     except Exception as e:  # noqa: BLE001 - the leader is gone or the cluster broke: exit non-zero at once
         print(f"jaxcb: follower {jax.process_index()}: the cluster failed ({e!r}); exiting", flush=True)
         os._exit(1)

@@ -41,7 +41,7 @@ import numpy as np
 
 from jaxcb.device import cpu_dots
 from jaxcb.host.batch import StepShape, pack, pack_sampling
-from jaxcb.host.errors import InvalidConfig
+from jaxcb.host.errors import InvalidConfig, InvalidRequest
 from jaxcb.host.runner_protocol import Runner
 
 log = logging.getLogger("jaxcb.device.multihost")
@@ -72,6 +72,26 @@ def _allgather(x: np.ndarray) -> np.ndarray:
     from jax.experimental import multihost_utils
 
     return np.asarray(multihost_utils.process_allgather(x))
+
+
+def agreed(ok: bool) -> bool:
+    """Whether every process says ok (a one-word all-gather: compiled at warm-up, Channel.warm_path)."""
+    return bool(_allgather(np.array([int(ok)], np.int32)).min())
+
+
+def reload_in_step(path: str, read, prepare):
+    """New weights on every process at the same point of the steps: `read(path)` its shards (no collective), agree
+    that every process did, then `prepare` them (in step). Where any failed, none takes them: its own error, or
+    InvalidRequest on the others (every process keeps the weights it has; the cluster never runs two models)."""
+    try:
+        params, error = read(path), None
+    except Exception as e:  # noqa: BLE001 - told to every process first
+        params, error = None, e
+    if not agreed(error is None):
+        if error is not None:
+            raise error
+        raise InvalidRequest(f"model_path: another process of the cluster could not read {path}; the weights stay")
+    return prepare(params)
 
 
 def agree_plan(plan):
@@ -222,8 +242,10 @@ class Channel:
         self._send([OP_UPDATE, len(data), self.steps, TARGET], [buf])
 
     def warm_path(self) -> None:
-        """The path's broadcast compiled at warm-up (after WARMED), so an update compiles nothing."""
+        """The path's broadcast and the agreement after reading (agreed) compiled at warm-up (after WARMED), so an
+        update compiles nothing."""
         self._broadcast(np.zeros(MAX_PATH_BYTES, np.uint8))
+        agreed(True)
 
     def send_lora(self, slot: int, a: dict, b: dict) -> None:
         """An adapter's padded arrays for `slot` (every process then fills that slot with them)."""
@@ -285,11 +307,13 @@ class LeaderRunner(Runner):
         self.runner.warmed_up()
 
     # ---- new weights (jaxcb.weight_update): a checkpoint every process reads ----
-    def reload(self, path: str, made) -> object:
-        """Send the followers `path`, then `made(path)`: what this process reads (each reads its own shards of
-        the same file, the collectives of the reading in step)."""
-        self.channel.send_path(path)
-        return made(path)
+    def reload(self, path: str, read, prepare) -> object:
+        """Send the followers `path`, then read it here as every process does (reload_in_step)."""
+        try:
+            self.channel.send_path(path)
+        except InvalidConfig as e:  # (a path too long: refused before anything is sent)
+            raise InvalidRequest(str(e)) from None
+        return reload_in_step(path, read, prepare)
 
     def use_params(self, params) -> None:
         self.runner.use_params(params)
@@ -365,7 +389,7 @@ def follow(runner, channel: Channel, draft=None, reload=None) -> int:
         elif m.op == OP_UPDATE:
             try:
                 params, draft_params = reload(m.path)
-            except Exception as e:  # noqa: BLE001 - the leader read the same file and failed alike: the old weights stay
+            except Exception as e:  # noqa: BLE001 - every process agreed not to take them (reload_in_step)
                 log.warning("follower %d: the update from %s failed (%r); the weights stay", jax.process_index(),
                             m.path, e)
                 continue

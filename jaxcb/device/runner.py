@@ -405,6 +405,8 @@ class ModelRunner(Runner):
         first ("offload") or dropped ("discard"; None: kept)."""
         self._weights_shape()
         self.kv_pages = None
+        if weights == "discard":  # (asleep already with a host copy: dropped too)
+            self._host_params = None
         if weights is not None and self.params is not None:
             # (copies the host owns: on the CPU a device_get may be a view that keeps the device's buffer)
             self._host_params = (jax.tree.map(lambda a: np.array(a, copy=True), self.params) if weights == "offload"
@@ -421,10 +423,13 @@ class ModelRunner(Runner):
         if "kv_cache" in parts and self.kv_pages is None:
             self.kv_pages = self._allocate_kv()
             self.last_tokens = self._zero_last_tokens(self.last_tokens.shape[0])
+            if self._kv_collapsed:  # (into huge pages again, as after the warm-up)
+                self._collapse(self.kv_pages, "KV pages")
         if "weights" in parts and self.params is None:
             host, self._host_params = self._host_params, None
             self.params = (jax.tree.map(lambda h, s: jax.device_put(h, s.sharding), host, self._abstract)
                            if host is not None else self.zeroed_params())
+            self._collapse(self.params, "weights")
 
     def zeroed_params(self) -> Params:
         """Weights of zeros, shaped and placed as this runner's (vLLM's weight checker's reset; a wake after they

@@ -311,20 +311,18 @@ class Engine:
                 self._pauses.append(item)
             elif isinstance(item, Resume):
                 item.done.set_result(self.paused is not None)
-                self.paused = None
-                self.scheduler.holding = False
-                for p in self._pauses:  # (resumed before they held)
-                    p.done.set_result(False)
-                self._pauses.clear()
+                self._resume()
             elif isinstance(item, Swap):
                 self._swap(item, events)
             elif isinstance(item, WakeUp):
-                self.runner.restore(item.parts)
-                if self.draft_runner is not None and "kv_cache" in item.parts:
-                    self.draft_runner.restore({"kv_cache"})
+                for p in self._pauses:  # (a sleep not yet settled does not: woken before it slept)
+                    p.done.set_result(False)
+                self._pauses.clear()
+                for runner, parts in ((self.runner, item.parts), (self.draft_runner, item.parts & {"kv_cache"})):
+                    if runner is not None and hasattr(runner, "restore"):  # (a multi-host leader's never sleeps)
+                        runner.restore(parts)
                 if not self.asleep:  # whole again: generation goes on (vLLM's wake_up resumes)
-                    self.paused = None
-                    self.scheduler.holding = False
+                    self._resume()
                 item.done.set_result(not self.asleep)
             elif item.request_id in self._requests:  # an Abort
                 for r in list(self._requests[item.request_id]):
@@ -357,10 +355,20 @@ class Engine:
                  len(recomputed))
         swap.done.set_result(swap.version)
 
+    def _resume(self) -> None:
+        """Generation goes on; pauses not yet settled are told they did not hold."""
+        self.paused = None
+        self.scheduler.holding = False
+        for p in self._pauses:
+            p.done.set_result(False)
+        self._pauses.clear()
+
     def _settle_pauses(self) -> None:
         """Tell the pauses they hold once the engine is still: nothing in flight and, paused with "wait", nothing
-        running (the prefix cache forgotten first where one asked and none keeps requests)."""
-        if not self._pauses or self._in_flight or (self.paused == "wait" and self.scheduler.has_work):
+        running (asleep, nothing can run) (the prefix cache forgotten first where one asked and none keeps
+        requests)."""
+        if not self._pauses or self._in_flight or (self.paused == "wait" and self.scheduler.has_work
+                                                   and not self.asleep):
             return
         if self.paused != "keep" and any(p.clear_cache for p in self._pauses):
             self._forget_cached()
