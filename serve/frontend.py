@@ -214,18 +214,22 @@ class State:
     # ---- new weights while serving (vLLM's and SGLang's RL routes: the operator's, with --dev-routes) ----
     async def pause(self, mode: str, clear_cache: bool) -> None:
         """Every replica pauses (Engine.pause), returning once each is still."""
-        await self._settled(self.engine.pause(mode, clear_cache))
+        with self.metrics.weight_operation("pause", self.engine):
+            await self._settled(self.engine.pause(mode, clear_cache))
 
     async def resume(self) -> None:
-        await self._settled(self.engine.resume())
+        with self.metrics.weight_operation("resume", self.engine):
+            await self._settled(self.engine.resume())
 
     async def sleep(self, level: int, mode: str) -> None:
         """Every replica sleeps (Engine.sleep), returning once each is asleep."""
-        await self._settled(self.engine.sleep(level, mode))
+        with self.metrics.weight_operation("sleep", self.engine):
+            await self._settled(self.engine.sleep(level, mode))
 
     async def wake_up(self, parts) -> bool:
         """Whether every replica is whole again (Engine.wake_up)."""
-        return all(await self._settled(self.engine.wake_up(parts)))
+        with self.metrics.weight_operation("wake_up", self.engine):
+            return all(await self._settled(self.engine.wake_up(parts)))
 
     async def update_weights(self, path: str, version: str | None, abort: bool = False) -> None:
         """New weights from a checkpoint on this machine (jaxcb.weight_update), read off the event loop while the
@@ -242,8 +246,9 @@ class State:
             raise Overloaded("model_path: new weights are being read already; try again when that update is done")
         async with self.updating:
             async with self.aborting_all(abort):
-                futures = await asyncio.to_thread(weight_update.update, self.engine.engines, path, version)
-                await self._settled(self.engine.woken(futures))
+                with self.metrics.weight_operation("update", self.engine):
+                    futures = await asyncio.to_thread(weight_update.update, self.engine.engines, path, version)
+                    await self._settled(self.engine.woken(futures))
 
     @contextlib.asynccontextmanager
     async def aborting_all(self, abort: bool):
@@ -263,9 +268,10 @@ class State:
         if not all(hasattr(e.runner, "zeroed_params") for e in self.engine.engines):
             raise InvalidRequest("action: reset zeroes one process's weights; a multi-host cluster's are not")
         async with self.updating:
-            zeros = await asyncio.to_thread(lambda: [e.runner.zeroed_params() for e in self.engine.engines])
-            await self._settled(self.engine.woken([e.swap_weights(z, e.weight_version)
-                                                   for e, z in zip(self.engine.engines, zeros)]))
+            with self.metrics.weight_operation("reset", self.engine):
+                zeros = await asyncio.to_thread(lambda: [e.runner.zeroed_params() for e in self.engine.engines])
+                await self._settled(self.engine.woken([e.swap_weights(z, e.weight_version)
+                                                       for e, z in zip(self.engine.engines, zeros)]))
 
     def abort_requests(self, request_ids: list[str] | None) -> int:
         """vLLM's /abort_requests: the requests of these client ids (any tenant's; an HTTP call's prompts, id/0, id/1,

@@ -7,6 +7,7 @@ step refreshes its own `jaxcb:replica_*{replica="i"}` gauges, and the unlabelled
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 
@@ -90,6 +91,17 @@ class Metrics:
                                 "(num_gpu_blocks, every replica's), their dtype and whether prefixes are cached; "
                                 "the value is 1.", ["block_size", "num_gpu_blocks", "cache_dtype", "enable_prefix_caching"],
                                 registry=r)
+        # New weights while serving (serve.frontend.State.update_weights and the pause and sleep calls): vLLM's RL
+        # metrics, and where the engine stands.
+        self.weight_operation_s = Histogram("jaxcb:rl_weight_update_operation_duration_seconds", "Duration of one "
+                                            "weight operation (pause, resume, update, sleep, wake_up, reset).",
+                                            ["operation"], buckets=(0.01, 0.1, 1, 10, 30, 60, 120, 300, 600),
+                                            registry=r)
+        self.weight_operations = Gauge("jaxcb:rl_weight_update_operations_in_flight", "Weight operations being "
+                                       "awaited.", ["operation"], registry=r)
+        self.paused = Gauge("jaxcb:engine_paused", "1 while generation is paused (requests wait).", registry=r)
+        self.sleeping = Gauge("jaxcb:engine_sleeping", "1 while the KV pages or the weights are off the devices.",
+                              registry=r)
         self._lora_key = None
         self._lock = threading.Lock()  # replicas refresh from their own threads
         self._latest = [None] * replicas  # each replica's last stats (the counters grow from them)
@@ -124,6 +136,20 @@ class Metrics:
             self.measured_tpot.set(max(s.measured_p99_tpot_ms for s in latest) / 1000)
             self.measured_ttft.set(max(s.measured_p99_ttft_ms for s in latest) / 1000)
 
+
+    @contextlib.contextmanager
+    def weight_operation(self, operation: str, engine):
+        """Time one weight operation; after it, whether `engine` (the replicas) is paused or asleep."""
+        in_flight = self.weight_operations.labels(operation)
+        in_flight.inc()
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            in_flight.dec()
+            self.weight_operation_s.labels(operation).observe(time.perf_counter() - started)
+            self.paused.set(int(bool(engine.paused)))
+            self.sleeping.set(int(bool(engine.asleep)))
 
     def set_cache_info(self, page_size: int, num_pages: int, kv_dtype: str, prefix_caching: bool) -> None:
         self.cache_info.clear()

@@ -437,6 +437,12 @@ def test_the_rl_routes_pause_update_the_weights_from_disk_and_resume(server, lon
             assert post("/wake_up").json() == {"status": "awake", "tags": None}
             assert waiting.result(timeout=120) == before
         assert httpx.get(server.http + "/is_sleeping", timeout=30).json() == {"is_sleeping": False}
+        metrics = httpx.get(server.http + "/metrics", timeout=30).text  # (vLLM's RL metrics, and where the engine is)
+        for line in ('jaxcb:rl_weight_update_operation_duration_seconds_count{operation="update"}',
+                     'jaxcb:rl_weight_update_operation_duration_seconds_count{operation="sleep"}',
+                     'jaxcb:rl_weight_update_operations_in_flight{operation="wake_up"} 0.0',
+                     "jaxcb:engine_sleeping 0.0", "jaxcb:engine_paused 0.0"):
+            assert line in metrics, line
         assert post("/update_weight_version", json={"new_version": "v2"}).json() == {"success": True,
                                                                                     "new_version": "v2"}
         assert httpx.get(server.http + "/weight_info", timeout=30).json() == {"weight_version": "v2"}
