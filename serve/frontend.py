@@ -179,17 +179,23 @@ class State:
         if name in self.served_names:
             raise InvalidRequest(f"lora_name: {name!r} is a name the base model is served as")
 
-    async def load_lora(self, owner_: str, name: str, path: str) -> None:
+    async def load_lora(self, owner_: str, name: str, path: str, replace: bool = False) -> None:
         """Load a PEFT adapter while serving (both APIs), as `owner_`'s (frontend.owner): with bearer tokens, a
-        token loads at most its even share of lora.max_cpu_loras, and only it unloads what it loaded."""
+        token loads at most its even share of lora.max_cpu_loras, and only it unloads what it loaded. `replace`
+        (vLLM's load_inplace): in place of the adapter of that name (with bearer tokens, its loader's alone)."""
         self.check_adapter_name(name)
         cap, tokens = self.engine.config.lora.max_cpu_loras, len(self.options.tokens)
         mine = sum(o == owner_ for o in self.lora_owners.values())
-        if tokens > 1 and cap and mine >= max(1, cap // tokens):
+        replacing = replace and name in self.engine.lora_names()
+        if replacing and self.options.tokens and self.lora_owners.get(name) != owner_:
+            who = "the server's command line" if name not in self.lora_owners else "another token"
+            raise PermissionDenied(f"lora_name: the adapter {shown(name)} was loaded by {who}; only its loader "
+                                   "replaces it")
+        if tokens > 1 and cap and mine >= max(1, cap // tokens) and not replacing:
             raise InvalidRequest(f"lora_name: this caller has {mine} adapters loaded, its share of lora.max_cpu_loras "
                                  f"({cap} among {tokens} tokens); unload one first")
         try:
-            await asyncio.to_thread(self.engine.load_lora, name, path)
+            await asyncio.to_thread(self.engine.load_lora, name, path, replace)
         except InvalidConfig as e:  # what the adapter directory holds: the client's to fix
             raise InvalidRequest(f"lora_path: {e}") from None
         self.lora_owners[name] = owner_

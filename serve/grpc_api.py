@@ -326,7 +326,8 @@ class JaxcbService(jaxcb_pb2_grpc.JaxcbServicer):
         try:
             if not request.lora_name or not request.lora_path:
                 raise InvalidRequest("lora_name: required" if not request.lora_name else "lora_path: required")
-            await self.state.load_lora(owner(tenant_of(self.state, context)), request.lora_name, request.lora_path)
+            await self.state.load_lora(owner(tenant_of(self.state, context)), request.lora_name, request.lora_path,
+                                       request.load_inplace)
         except JaxcbError as e:
             await context.abort(grpc_code(e), details(e))
         return jaxcb_pb2.LoraAdapterResponse(message=f"LoRA adapter {request.lora_name!r} loaded", done=True)

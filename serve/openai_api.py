@@ -590,11 +590,11 @@ def make_app(state) -> FastAPI:
     async def load_lora_adapter(request: Request):
         owner = frontend.owner(authorize(request))
         body = await body_of(request)
-        check_fields(body, {"lora_name", "lora_path", "model"})
+        check_fields(body, {"lora_name", "lora_path", "model", "load_inplace"})
         name, path = str_field(body, "lora_name", ""), str_field(body, "lora_path", "")
         if not name or not path:
             raise bad_request("lora_name: required" if not name else "lora_path: required")
-        await state.load_lora(owner, name, path)
+        await state.load_lora(owner, name, path, bool_field(body, "load_inplace", False))
         return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
 
     @app.post("/v1/unload_lora_adapter")

@@ -126,6 +126,39 @@ def test_the_prefix_cache_keys_pages_by_adapter(make_llm, tiny_model, adapters):
     assert reloaded.token_ids == _merged_llm(make_llm, tiny_model, raw["mlp"]).generate([prompt], GREEDY)[0].token_ids
 
 
+def test_an_adapter_loaded_in_place_serves_new_requests_while_the_old_one_finishes_its_own(make_llm, tiny_model,
+                                                                                           adapters):
+    """vLLM's load_inplace (an RL trainer's newest adapter under the same name): a request running on the old adapter
+    finishes on it (its tokens the old merged model's), one made after the load runs the new one, no page of the
+    old is shared with it, and the old one's slot is given back when its last request ends."""
+    paths, raw = adapters
+    llm = make_llm(lora=LoraConfig(max_loras=2, max_rank=8))
+    e = llm.engine
+    e.load_lora("tuned", paths["all4"])
+    prompt = _prompts(llm.model_config.vocab_size, (48,), seed=4)[0]
+    old = _merged_llm(make_llm, tiny_model, raw["all4"]).generate([prompt], GREEDY)[0].token_ids
+    new = _merged_llm(make_llm, tiny_model, raw["mlp"]).generate([prompt], GREEDY)[0].token_ids
+    assert old != new
+    e.add_request(prompt, dataclasses.replace(GREEDY, lora="tuned"), request_id="before")
+    tokens = {"before": [], "after": []}
+    for _ in range(3):
+        for ev in e.step():
+            tokens[ev.request_id] += ev.token_ids
+    e.load_lora("tuned", paths["mlp"], replace=True)
+    e.add_request(prompt, dataclasses.replace(GREEDY, lora="tuned"), request_id="after")
+    while e.has_work():
+        for ev in e.step():
+            tokens[ev.request_id] += ev.token_ids
+    assert tokens == {"before": old, "after": new}
+    assert e.adapters.names() == ["tuned"] and sum(s is not None for s in e.adapters.slots) == 1
+    again = llm.generate([prompt], dataclasses.replace(GREEDY, lora="tuned"))[0]
+    assert again.token_ids == new and again.num_cached_tokens > 0  # (the new one's own pages, cached)
+    e.load_lora("tuned", paths["all4"], replace=True)  # (idle: the old one goes at once)
+    assert llm.generate([prompt], dataclasses.replace(GREEDY, lora="tuned"))[0].num_cached_tokens == 0
+    e.load_lora("fresh", paths["mlp"], replace=True)  # (nothing of that name: an ordinary load)
+    assert sorted(e.adapters.names()) == ["fresh", "tuned"]
+
+
 def test_unloading_waits_for_the_adapters_requests(make_llm, adapters):
     paths, _ = adapters
     llm = make_llm(lora=LoraConfig(max_loras=1, max_rank=8))
@@ -360,6 +393,13 @@ def test_served_over_http_and_grpc(tiny_gguf_path, config_path, tiny_model, adap
             assert missing.status_code == 404 and "qvd8" in missing.json()["error"]["message"]
             metrics = h.get("/metrics").text
             assert 'jaxcb:lora_requests_info{max_lora="2"' in metrics
+            again = h.post("/v1/load_lora_adapter", json={"lora_name": "qvd8", "lora_path": paths["mlp"]})
+            assert again.status_code == 400 and "already loaded" in again.json()["error"]["message"]
+            r = h.post("/v1/load_lora_adapter", json={"lora_name": "qvd8", "lora_path": paths["mlp"],
+                                                      "load_inplace": True})  # (vLLM's: the newest under its name)
+            assert r.status_code == 200, r.text
+            body = {"model": "qvd8", "prompt": prompt, "max_tokens": 16, "temperature": 0, "ignore_eos": True}
+            assert h.post("/v1/completions", json=body).json()["choices"][0]["text"] == expected("mlp")
             assert h.post("/v1/unload_lora_adapter", json={"lora_name": "qvd8"}).status_code == 200
             assert "qvd8" not in {m["id"] for m in h.get("/v1/models").json()["data"]}
         with Client(server.target) as c:

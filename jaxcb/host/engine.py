@@ -151,12 +151,12 @@ class Engine:
         return self.adapters
 
     # ---- LoRA adapters (any thread) ----
-    def load_lora(self, name: str, path: str) -> None:
+    def load_lora(self, name: str, path: str, replace: bool = False) -> None:
         """Register the PEFT adapter at `path` as `name` (read and checked here, put in a device slot
-        when a request for it runs)."""
+        when a request for it runs); `replace`: in place of the one of that name (jaxcb.host.lora.Adapters.add)."""
         if self.adapters is None:
             raise InvalidRequest("lora_name: this server has no LoRA slots (start it with --max-loras S)")
-        self.adapters.load(name, path)
+        self.adapters.load(name, path, replace)
 
     def unload_lora(self, name: str) -> bool:
         """Unregister `name`: at once if no request uses it (True), else when the last one ends."""

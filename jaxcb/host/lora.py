@@ -76,7 +76,7 @@ class Entry:
     running: int = 0  # ... of those, running: they hold its slot
     slot: int = -1  # its device slot, -1 not resident
     last_used: float = 0.0
-    unloading: bool = False  # unloaded while referenced: goes when the last request ends
+    unloading: bool = False  # unloaded (or replaced) while referenced: goes when the last request ends
 
     @property
     def key(self) -> str:
@@ -100,31 +100,41 @@ class Adapters:
         self._lock = threading.Lock()
 
     # ---- registration (any thread) ----
-    def load(self, name: str, path: str) -> Entry:
-        """Read the adapter at `path` and register it as `name`."""
+    def load(self, name: str, path: str, replace: bool = False) -> Entry:
+        """Read the adapter at `path` and register it as `name` (`replace`: in place of the one of that name)."""
         self._check_name(name)
         if self.reader is None:
             raise InvalidConfig("lora: this engine has no adapter reader")
         with self._lock:
-            self._check_free(name)
+            self._check_free(name, replace)
         adapter = self.reader(name, path)  # outside the lock: reading may take a while
-        return self.add(name, adapter)
+        return self.add(name, adapter, replace)
 
-    def add(self, name: str, adapter) -> Entry:
+    def add(self, name: str, adapter, replace: bool = False) -> Entry:
+        """Register `adapter` as `name`. `replace` (vLLM's load_inplace): in place of the adapter of that name, if
+        any: requests from now on run the new one; those that took the old one (running or waiting) finish on it,
+        which goes when the last ends. A new load is a new prefix-cache key: no page of the old is shared."""
         self._check_name(name)
         with self._lock:
-            self._check_free(name)
+            self._check_free(name, replace)
+            old = self.entries.get(name)
             entry = Entry(name, adapter, next(self._ids))
             self.entries[name] = entry
+            if old is not None:
+                old.unloading = True
+                if not old.refs:
+                    self._drop(old)
             return entry
 
     def _check_name(self, name: str) -> None:
         if not isinstance(name, str) or not name or len(name) > 256:
             raise InvalidRequest(f"lora_name: must be a non-empty string of at most 256 characters, got {shown(name)}")
 
-    def _check_free(self, name: str) -> None:
+    def _check_free(self, name: str, replace: bool = False) -> None:
         if not self.config.enabled:
             raise InvalidRequest("lora_name: this server has no LoRA slots (lora.max_loras = 0)")
+        if replace and name in self.entries:
+            return  # (in place of it: the count stays)
         if name in self.entries and self.entries[name].unloading:
             raise InvalidRequest(f"lora_name: the adapter named {shown(name)} is being unloaded: its running requests "
                                  "finish first; load it again once they have")
@@ -148,7 +158,8 @@ class Adapters:
             return True
 
     def _drop(self, entry: Entry) -> None:
-        del self.entries[entry.name]
+        if self.entries.get(entry.name) is entry:  # (one replaced in place is no longer under its name)
+            del self.entries[entry.name]
         if entry.slot >= 0:
             self.slots[entry.slot] = None
             entry.slot = -1

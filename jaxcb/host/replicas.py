@@ -91,12 +91,12 @@ class Replicas:
         return EngineStats(**total)
 
     # ---- LoRA adapters: registered with every replica (jaxcb.host.lora) ----
-    def load_lora(self, name: str, path: str) -> None:
+    def load_lora(self, name: str, path: str, replace: bool = False) -> None:
         first = self.engines[0]
-        first.load_lora(name, path)  # read and checked once
+        first.load_lora(name, path, replace)  # read and checked once
         adapter = first.adapters.entries[name].adapter
         for e in self.engines[1:]:
-            e.adapters.add(name, adapter)
+            e.adapters.add(name, adapter, replace)
 
     def unload_lora(self, name: str) -> bool:
         return all([e.unload_lora(name) for e in self.engines])
