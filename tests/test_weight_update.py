@@ -385,3 +385,23 @@ def test_a_wake_up_where_the_runner_cannot_sleep_resumes_without_failing(make_ll
     llm.engine.step()
     assert paused.result(timeout=0) is False and awake.result(timeout=0) is True and llm.engine.paused is None
     llm.engine.runner = runner
+
+
+def test_adapters_apply_to_the_new_base_weights(make_llm, tiny_model, tmp_path):
+    """A LoRA adapter served across an update is the same delta on the new base: its tokens are those of the new
+    weights with the adapter merged into them."""
+    from jaxcb.host.lora import LoraConfig
+    from tests.lora_util import merged_weights, write_adapter
+
+    config = tiny_model[0]
+    raw = write_adapter(str(tmp_path / "adapter"), config, rank=4, seed=5)
+    new = random_weights(config, seed=1)
+    llm = make_llm(lora=LoraConfig(max_loras=1, max_rank=4))
+    llm.engine.load_lora("tuned", str(tmp_path / "adapter"))
+    params = SamplingParams(max_tokens=10, ignore_eos=True, lora="tuned")
+    before = [o.token_ids for o in llm.generate(PROMPTS, params)]
+    llm.update_weights(new)
+    after = [o.token_ids for o in llm.generate(PROMPTS, params)]
+    merged = built_with(make_llm, tiny_model, merged_weights(new, raw))
+    assert after == greedy(merged) and after != before
+    assert after != greedy(llm, PROMPTS, 10)  # (the adapter still changes the new base's tokens)
