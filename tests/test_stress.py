@@ -31,6 +31,11 @@ def test_small_stress_suite_loses_nothing():
     assert sg["finished_length"] + sg["finished_abort"] == sg["streams"]
     for scenario in (st, fz, sl, mem):
         assert scenario["exit_code"] == 0
+    # New weights while serving: clients streaming through updates, pauses and sleeps.
+    w = r["weights"]
+    assert w["lost"] == 0 and w["errors"] == 0 and w["mismatched"] == 0 and w["checked"] > 0
+    assert w["updates"] > 0 and w["pauses"] > 0 and w["sleeps"] > 0
+    assert w["pages_leaked"] == 0 and w["compilations_after_warmup"] == 0 and w["exit_code"] == 0
     # The same over the OpenAI HTTP API.
     h = r["http"]
     assert h["streams"]["lost"] == 0 and h["streams"]["error"] == 0 and h["streams"]["cancelled"] > 0

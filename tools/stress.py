@@ -25,6 +25,10 @@ after them; sigterm and http each against a fresh one; faults in-process):
             the first byte too), fuzzed bodies (typed fields, raw bytes, deep JSON, huge integers) while
             healthy requests run, a slow reader and a 17 MiB body beside a healthy stream, a flood past
             --max-concurrent-streams, RSS over many requests, SIGTERM with a reader that stopped reading.
+  weights   new weights while serving (--dev-routes, over gRPC): clients stream all along while another
+            alternates two checkpoints, pauses in every mode, sleeps and wakes: every stream ends with one final
+            message, one that ran on one version of the weights has that checkpoint's tokens alone, the pool is
+            whole, nothing compiles, exit 0.
 """
 
 from __future__ import annotations
@@ -53,8 +57,9 @@ from tests.faults import ErrorBuffer
 from tests.server_util import SMALL_CONFIG, ServerProcess
 
 SCALES = {
-    "small": dict(streams=60, fuzz=300, raw=50, rss_first=100, rss_total=500, sigterm_streams=12),
-    "full": dict(streams=500, fuzz=10_000, raw=1_000, rss_first=1_000, rss_total=10_000, sigterm_streams=64),
+    "small": dict(streams=60, fuzz=300, raw=50, rss_first=100, rss_total=500, sigterm_streams=12, weight_rounds=16),
+    "full": dict(streams=500, fuzz=10_000, raw=1_000, rss_first=1_000, rss_total=10_000, sigterm_streams=64,
+                 weight_rounds=200),
 }
 FIELD_MESSAGE = re.compile(r"^[a-z_][\w.\[\]]*:")  # "max_tokens: must be >= 1", "messages[0].role: ..."
 GRACE_S = 0.5  # short enough that long streams are cut (abort), not all finished
@@ -709,11 +714,128 @@ def run(scale: str, model: str | None) -> dict:
     scenario("faults", lambda: scenario_faults(model, sizes["streams"]))
     scenario("sigterm", lambda: scenario_sigterm(model, config, sizes["sigterm_streams"]))
     scenario("http", lambda: scenario_http(model, config, sizes["streams"], sizes["fuzz"], sizes["rss_total"] // 2))
+    scenario("weights", lambda: scenario_weights(model, config, sizes["weight_rounds"], workdir))
+    return out
+
+
+# ---- new weights while serving ----
+def scenario_weights(model, config, rounds, workdir, clients=3, seed=9):
+    """Clients stream greedy requests all along (prompts from a fixed set) while the operator, `rounds` times,
+    gives the other checkpoint (a fresh version each time), pauses (abort, wait or keep) and resumes, or sleeps
+    (level 1 or 2: then the update is what brings the weights back) and wakes. A stream whose weight version was
+    the same when it was sent and when it ended must have that checkpoint's tokens (computed here, in-process)."""
+    from jaxcb.host.engine_config import load_config
+    from jaxcb.host.request import SamplingParams
+    from jaxcb.llm import LLM, load_model
+    from tests.tiny_gguf import write_tiny_gguf
+
+    other = os.path.join(workdir, "other.gguf")
+    write_tiny_gguf(other, seed=1)
+    files = (model, other)
+    rng = np.random.default_rng(seed)
+    prompts = [_prompt(rng, int(n)) for n in rng.integers(2, 60, 8)]
+    lengths = [int(n) for n in rng.integers(4, 40, len(prompts))]
+    expected = {}
+    for f in files:
+        cfg, params, tok, eos = load_model(f)
+        llm = LLM.from_params(cfg, params, tok, eos_ids=eos, config=load_config(config))
+        for i, p in enumerate(prompts):
+            expected[f, i] = llm.generate([p], SamplingParams(max_tokens=lengths[i], ignore_eos=True))[0].token_ids
+        llm.close()
+    s = ServerProcess(model, config, "--dev-routes")
+    out = {"streams": 0, "finished": 0, "aborted": 0, "lost": 0, "errors": 0, "checked": 0, "mismatched": 0,
+           "updates": 0, "pauses": 0, "sleeps": 0}
+    stop = threading.Event()
+    lock = threading.Lock()
+    served = {"file": model, "version": ""}  # what the operator has set (read under the lock)
+
+    def client(k):
+        r = random.Random(seed + k)
+        with Client(s.target) as c:
+            while not stop.is_set():
+                i = r.randrange(len(prompts))
+                with lock:
+                    before = (served["file"], served["version"])
+                try:
+                    res = c.complete(token_ids=prompts[i], max_tokens=lengths[i], ignore_eos=True, timeout=300)
+                except grpc.RpcError:
+                    with lock:
+                        out["errors"] += 1
+                    continue
+                with lock:
+                    after = (served["file"], served["version"])
+                    out["streams"] += 1
+                    if res.finish_reason == "abort":
+                        out["aborted"] += 1
+                    elif res.finish_reason == "length":
+                        out["finished"] += 1
+                        if before == after and not before[1].startswith("changing"):
+                            out["checked"] += 1
+                            out["mismatched"] += list(res.token_ids) != expected[before[0], i]
+                    else:
+                        out["lost"] += 1
+
+    try:
+        s.wait_serving()
+        with Client(s.target) as c:
+            warm = c.server_info().compilations
+            threads = [threading.Thread(target=client, args=(k,)) for k in range(clients)]
+            for t in threads:
+                t.start()
+            ops = random.Random(seed)
+            for n in range(rounds):
+                time.sleep(ops.random() * 0.2)
+                kind = ops.choice(["update", "pause", "sleep"])
+                if kind == "pause":
+                    c.stub.PauseGeneration(jaxcb_pb2.PauseGenerationRequest(mode=ops.choice(["abort", "wait", "keep"])))
+                    time.sleep(ops.random() * 0.1)
+                    c.stub.ResumeGeneration(jaxcb_pb2.ResumeGenerationRequest())
+                    out["pauses"] += 1
+                    continue
+                level = ops.choice([0, 1, 2]) if kind == "sleep" else None
+                with lock:  # (a stream sent or ended while the weights change is not checked)
+                    served["version"] = f"changing{n}"
+                    path = served["file"] if level == 1 else files[(files.index(served["file"]) + 1) % 2]
+                if level is not None:
+                    c.stub.Sleep(jaxcb_pb2.SleepRequest(level=level, mode=ops.choice(["abort", "keep"])))
+                    out["sleeps"] += 1
+                if level != 1:  # (a level-1 sleep wakes on the weights it had; level 2 needs new ones)
+                    c.stub.UpdateWeights(jaxcb_pb2.UpdateWeightsRequest(model_path=path, weight_version=f"v{n}"))
+                    out["updates"] += 1
+                if level is not None:
+                    c.stub.WakeUp(jaxcb_pb2.WakeUpRequest())
+                with lock:
+                    served["file"], served["version"] = path, f"v{n}"
+            time.sleep(0.5)
+            stop.set()
+            for t in threads:
+                t.join(300)
+            info = _pool_whole(c)
+            out["pages_leaked"] = info.pages_total - info.pages_free
+            out["compilations_after_warmup"] = info.compilations - warm
+            out["weight_version"] = info.weight_version
+        out["exit_code"] = s.stop()
+    finally:
+        stop.set()
+        s.stop()
     return out
 
 
 def table(r: dict) -> str:
-    return _grpc_table(r) + "\n\nOpenAI HTTP API\n" + _http_table(r["http"])
+    return (_grpc_table(r) + "\n\nOpenAI HTTP API\n" + _http_table(r["http"]) + "\n\nNew weights while serving\n"
+            + _weights_table(r["weights"]))
+
+
+def _weights_table(w: dict) -> str:
+    return _format_rows([
+        ("streams: finished / aborted by a pause / lost / errors", f"{w['finished']} / {w['aborted']} / {w['lost']} / "
+         f"{w['errors']}", "lost 0, errors 0"),
+        ("operations: updates / pauses / sleeps", f"{w['updates']} / {w['pauses']} / {w['sleeps']}", ""),
+        ("streams on one version checked (its tokens not the checkpoint's)", f"{w['checked']} ({w['mismatched']})",
+         "0"),
+        ("pages leaked / compilations after warm-up / exit", f"{w['pages_leaked']} / "
+         f"{w['compilations_after_warmup']} / {w['exit_code']}", "0 / 0 / 0"),
+    ])
 
 
 def _http_table(h: dict) -> str:
