@@ -50,6 +50,12 @@ __all__ = ["Engine", "EventCallback", "Runner"]
 log = logging.getLogger("jaxcb.host.engine")
 
 
+def _pause_mode(mode: str) -> str:
+    if mode not in PAUSE_MODES:
+        raise InvalidRequest(f"mode: {shown(mode)} is not a pause mode ({', '.join(PAUSE_MODES)})")
+    return mode
+
+
 @dataclasses.dataclass
 class _InFlight:
     """A launched step: its chunks (row i = chunk i), each request's preemption count at launch (a
@@ -117,7 +123,6 @@ class Engine:
         self.paused: str | None = None
         self._pauses: list[Pause] = []
         self.weight_version: str | None = None
-        self.weight_updates = 0
         # How the weights were made (jaxcb.weight_update.Origin, set by jaxcb.llm.build_engines): new ones are made so.
         self.origin = None
 
@@ -224,9 +229,7 @@ class Engine:
     def pause(self, mode: str = "abort", clear_cache: bool = True) -> concurrent.futures.Future:
         """Pause generation at the next step (jaxcb.host.inbox.Pause: "abort", "wait" or "keep"): the future is
         told True once the engine is still, False if resumed before."""
-        if mode not in PAUSE_MODES:
-            raise InvalidRequest(f"mode: {shown(mode)} is not a pause mode ({', '.join(PAUSE_MODES)})")
-        return self.inbox.put(Pause(mode, bool(clear_cache), concurrent.futures.Future()))
+        return self.inbox.put(Pause(_pause_mode(mode), bool(clear_cache), concurrent.futures.Future()))
 
     def resume(self) -> concurrent.futures.Future:
         """Generation goes on at the next step, requests that arrived meanwhile admitted; the future is told whether
@@ -241,9 +244,7 @@ class Engine:
             raise InvalidRequest(f"level: {shown(level)} is not a sleep level (0, 1 or 2)")
         if level and not hasattr(self.runner, "release"):
             raise InvalidRequest("level: this engine cannot free its devices' memory (a multi-host cluster's)")
-        if mode not in PAUSE_MODES:
-            raise InvalidRequest(f"mode: {shown(mode)} is not a pause mode ({', '.join(PAUSE_MODES)})")
-        return self.inbox.put(Pause(mode, level > 0, concurrent.futures.Future(), level))
+        return self.inbox.put(Pause(_pause_mode(mode), level > 0, concurrent.futures.Future(), level))
 
     def wake_up(self, parts=None) -> concurrent.futures.Future:
         """Put back what sleep freed (`parts`: "weights", "kv_cache"; default both; vLLM's "scheduling" alone: the
@@ -350,7 +351,6 @@ class Engine:
             self.scheduler.preempt(r, counted=False)
         self._forget_cached()  # (after the preemptions: their registered pages were kept as cache)
         self.weight_version = swap.version
-        self.weight_updates += 1
         log.info("new weights%s: %d running requests recomputed on them", f" ({swap.version})" if swap.version else "",
                  len(recomputed))
         swap.done.set_result(swap.version)
