@@ -298,7 +298,7 @@ def build_engines(model: str | None = None, config: EngineConfig | str | None = 
     def cut_draft(target, on):  # (speculative decoding's draft, cut from the target's layers as this one was)
         return load_draft(spec, model_config, target, compute_dtype(config, dtype), on)[1]
 
-    origin = weight_update.Origin(model_config, made, mode, group, config.rope_scaling,
+    origin = weight_update.Origin(model_config, made, mode, group,
                                   hf_loader.config_json(path) if path is not None and hf_loader.is_hf_dir(path) else {},
                                   load, cut_draft if drafting and not spec.draft_model else None)
     draft = load_draft(spec, model_config, params, compute_dtype(config, dtype), mesh) if drafting else None

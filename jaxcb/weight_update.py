@@ -23,22 +23,22 @@ import numpy as np
 from jaxcb.host.errors import InvalidConfig, InvalidRequest
 from jaxcb.model.config import ModelConfig
 
-MAX_VERSION_CHARS = 256  # a weight version's length (it is echoed by /weight_info and the metrics' labels)
+MAX_VERSION_CHARS = 256  # a weight version's length (it is echoed by /weight_info and GetServerInfo)
 
 
 @dataclasses.dataclass(frozen=True)
 class Origin:
     """How an engine's weights were made, so that new ones are made alike: the model as loaded (before the served
     context's and the kernels' changes), the compute dtype, the weight format (EngineConfig.weights and
-    weight_group), the RoPE override, the checkpoint's config.json ({} for a GGUF file or weights given); and the
-    build sequence's own steps (jaxcb.llm.build_engines): `load(path, check_config, mesh)` a checkpoint's Params read
-    so, `cut_draft(params, mesh)` the draft model speculative decoding cuts from the target's weights (None: none)."""
+    weight_group), the checkpoint's config.json ({} for a GGUF file or weights given); and the build sequence's own
+    steps (jaxcb.llm.build_engines): `load(path, check_config, mesh)` a checkpoint's Params read so (its RoPE
+    override too), `cut_draft(params, mesh)` the draft model speculative decoding cuts from the target's weights
+    (None: none)."""
 
     model_config: ModelConfig
     dtype: object
     weights: str = "auto"
     group: int = 0
-    rope_scaling: str = ""
     settings: dict = dataclasses.field(default_factory=dict)
     load: Callable | None = None
     cut_draft: Callable | None = None
