@@ -232,6 +232,11 @@ class State:
         with self.metrics.weight_operation("sleep", self.engine):
             await self._settled(self.engine.sleep(level, mode))
 
+    async def release_kv_cache(self) -> None:
+        """Every replica's KV pages off the devices (Engine.release_kv_cache)."""
+        with self.metrics.weight_operation("release_kv_cache", self.engine):
+            await self._settled(self.engine.release_kv_cache())
+
     async def wake_up(self, parts) -> bool:
         """Whether every replica is whole again (Engine.wake_up)."""
         with self.metrics.weight_operation("wake_up", self.engine):

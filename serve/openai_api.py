@@ -28,7 +28,7 @@
                                  /v1/batches/{id}, POST .../cancel): batches of requests run in the background
                                  through this app (serve.openai_batches)
     POST /pause, /resume, /sleep, /wake_up, /update_weights_from_disk, /update_weight_version, /weight_checker,
-         /abort_requests; GET /is_paused, /is_sleeping, /weight_info, /get_world_size: vLLM's and SGLang's RL
+         /abort_requests, /release_kv_cache_memory; GET /is_paused, /is_sleeping, /weight_info, /get_world_size: vLLM's and SGLang's RL
                                  routes, new weights while serving
                                  (--dev-routes, the operator's; jaxcb.weight_update)
     GET  /version                {version}: jaxcb's (no auth)
@@ -387,6 +387,14 @@ def make_app(state) -> FastAPI:
                 raise bad_request(f"level: {shown(level)} is not a sleep level (0, 1 or 2)")
             await state.sleep(int(float(level)), request.query_params.get("mode", "abort"))
             return {"status": "sleeping", "level": int(float(level))}
+
+        @app.post("/release_kv_cache_memory")
+        async def release_kv_cache_memory(request: Request):
+            """vLLM's: the KV pages off the devices (the weights stay), once paused with no request left; /wake_up
+            brings them back."""
+            operator(request)
+            await state.release_kv_cache()
+            return {"status": "kv_cache_released"}
 
         @app.post("/wake_up")
         async def wake_up(request: Request):

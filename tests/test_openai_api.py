@@ -437,6 +437,13 @@ def test_the_rl_routes_pause_update_the_weights_from_disk_and_resume(server, lon
             assert post("/wake_up").json() == {"status": "awake", "tags": None}
             assert waiting.result(timeout=120) == before
         assert httpx.get(server.http + "/is_sleeping", timeout=30).json() == {"is_sleeping": False}
+        r = post("/release_kv_cache_memory")  # (vLLM's: from a still engine only)
+        assert r.status_code == 400 and "pause first" in r.json()["error"]["message"], r.text
+        assert post("/pause?mode=wait").json() == {"status": "paused"}
+        assert post("/release_kv_cache_memory").json() == {"status": "kv_cache_released"}
+        assert post("/wake_up?tags=kv_cache").json() == {"status": "awake", "tags": ["kv_cache"]}
+        assert complete() == before
+        assert httpx.get(server.http + "/is_sleeping", timeout=30).json() == {"is_sleeping": False}
         metrics = httpx.get(server.http + "/metrics", timeout=30).text  # (vLLM's RL metrics, and where the engine is)
         for line in ('jaxcb:rl_weight_update_operation_duration_seconds_count{operation="update"}',
                      'jaxcb:rl_weight_update_operation_duration_seconds_count{operation="sleep"}',

@@ -405,3 +405,28 @@ def test_adapters_apply_to_the_new_base_weights(make_llm, tiny_model, tmp_path):
     merged = built_with(make_llm, tiny_model, merged_weights(new, raw))
     assert after == greedy(merged) and after != before
     assert after != greedy(llm, PROMPTS, 10)  # (the adapter still changes the new base's tokens)
+
+
+def test_the_kv_pages_alone_are_released_from_a_still_engine(make_llm):
+    """vLLM's release_kv_cache_memory: refused unless paused with no request left; then the KV pages leave the
+    devices, the weights stay; a request made meanwhile runs once they are back, with its own tokens."""
+    llm = make_llm()
+    expected = greedy(llm, PROMPTS[:1], 8)
+    engine = llm.engine
+    refused = engine.release_kv_cache()
+    engine.step()
+    with pytest.raises(InvalidRequest, match="pause first"):
+        refused.result(timeout=0)
+    paused = engine.pause("abort")
+    engine.step()
+    released = engine.release_kv_cache()
+    engine.step()
+    assert paused.result(timeout=0) and released.result(timeout=0) is True and engine.asleep == {"kv_cache"}
+    engine.add_request(PROMPTS[0], SamplingParams(max_tokens=8, ignore_eos=True), request_id="later")
+    tokens, finished = collections.defaultdict(list), {}
+    run(engine, tokens, finished)
+    assert not engine.has_work() and not tokens["later"]
+    engine.wake_up(["kv_cache"])
+    while engine.has_work():
+        run(engine, tokens, finished)
+    assert tokens["later"] == expected[0] and not engine.asleep

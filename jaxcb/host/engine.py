@@ -32,7 +32,8 @@ from jaxcb.host.draft import describe_speculation, proposer_for
 from jaxcb.host.engine_config import EngineConfig
 from jaxcb.host.embedding import take_pooled
 from jaxcb.host.engine_stats import Counters, EngineStats, StepRecord
-from jaxcb.host.inbox import PAUSE_MODES, WAKE_PARTS, Add, ForgetCache, Inbox, Pause, Resume, Swap, WakeUp
+from jaxcb.host.inbox import (PAUSE_MODES, WAKE_PARTS, Add, ForgetCache, Inbox, Pause, ReleaseKV, Resume, Swap,
+                              WakeUp)
 from jaxcb.host.lora import Adapters
 from jaxcb.host.errors import InvalidRequest, NotFound, StepFailed, shown
 from jaxcb.host.output import EventCallback, Outputs, take_prompt_logprobs, token_logprobs
@@ -256,6 +257,13 @@ class Engine:
             raise InvalidRequest(f"tags: {shown(unknown[0])} is not one of {', '.join(WAKE_PARTS)}, scheduling")
         return self.inbox.put(WakeUp(parts - {"scheduling"}, concurrent.futures.Future()))
 
+    def release_kv_cache(self) -> concurrent.futures.Future:
+        """vLLM's release_kv_cache_memory: the KV pages off the devices, the weights kept, once paused with no request
+        left (the future's InvalidRequest says when not); wake_up(["kv_cache"]) brings them back."""
+        if not hasattr(self.runner, "release"):
+            raise InvalidRequest("this engine cannot free its devices' memory (a multi-host cluster's)")
+        return self.inbox.put(ReleaseKV(concurrent.futures.Future()))
+
     @property
     def asleep(self) -> set[str]:
         """What sleep took off the devices ("weights", "kv_cache"); empty when awake."""
@@ -315,6 +323,16 @@ class Engine:
                 self._resume()
             elif isinstance(item, Swap):
                 self._swap(item, events)
+            elif isinstance(item, ReleaseKV):
+                if self.paused is None or self._pauses or self._in_flight or self.scheduler.running:
+                    item.done.set_exception(InvalidRequest("pause first, with no request running (mode abort or wait): "
+                                                           "the KV pages are released from a still engine"))
+                else:
+                    self._forget_cached()
+                    self.runner.release(None)
+                    if self.draft_runner is not None:
+                        self.draft_runner.release(None)
+                    item.done.set_result(True)
             elif isinstance(item, WakeUp):
                 for p in self._pauses:  # (a sleep not yet settled does not: woken before it slept)
                     p.done.set_result(False)

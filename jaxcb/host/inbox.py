@@ -69,6 +69,14 @@ class Resume:
 
 
 @dataclasses.dataclass(frozen=True)
+class ReleaseKV:
+    """The KV pages off the devices, the weights kept (vLLM's release_kv_cache_memory): only once a pause has
+    settled and no request is left (`done` is told True; else an InvalidRequest saying so)."""
+
+    done: concurrent.futures.Future
+
+
+@dataclasses.dataclass(frozen=True)
 class WakeUp:
     """What sleep freed back on the devices (Engine.wake_up; `parts` of WAKE_PARTS): `done` is told whether the
     engine is whole again (then it resumes)."""
@@ -125,14 +133,14 @@ class Inbox:
     def abort(self, request_id: str) -> None:
         self._items.put(Abort(request_id))
 
-    def put(self, item: ForgetCache | Pause | Resume | Swap | WakeUp) -> concurrent.futures.Future:
+    def put(self, item: ForgetCache | Pause | Resume | Swap | WakeUp | ReleaseKV) -> concurrent.futures.Future:
         self._items.put(item)
         return item.done
 
     def empty(self) -> bool:
         return self._items.empty()
 
-    def drain(self) -> Iterator[Add | Abort | ForgetCache | Pause | Resume | Swap | WakeUp]:
+    def drain(self) -> Iterator[Add | Abort | ForgetCache | Pause | Resume | Swap | WakeUp | ReleaseKV]:
         """The items put so far, in order (the engine thread, at the start of a step)."""
         while True:
             try:

@@ -238,6 +238,9 @@ class Replicas:
         """One future each, told whether that replica is whole again (Engine.wake_up)."""
         return self.woken([e.wake_up(parts) for e in self.engines])
 
+    def release_kv_cache(self) -> list:
+        return self.woken([e.release_kv_cache() for e in self.engines])
+
     @property
     def asleep(self) -> bool:
         return any(e.asleep for e in self.engines)
