@@ -64,9 +64,25 @@ def format_of(params) -> tuple[str, int]:
 
 
 def check_version(version) -> str | None:
-    if version is not None and (not isinstance(version, str) or len(version) > MAX_VERSION_CHARS):
-        raise InvalidRequest(f"weight_version: a string of at most {MAX_VERSION_CHARS} characters, or null")
+    if version is not None and (not isinstance(version, str) or len(version) > MAX_VERSION_CHARS
+                                or not version.isprintable()):
+        raise InvalidRequest(f"weight_version: a string of at most {MAX_VERSION_CHARS} printable characters, or null")
     return version
+
+
+def check_finite(params) -> None:
+    """Refuse weights with a NaN or an infinity (every token after them would be garbage and its logprobs not
+    numbers JSON can write), naming the first such array. Each process reads its own shards on the host (no
+    program to compile, no collective: a multi-host cluster agrees on the outcome after reading)."""
+    import jax
+
+    for path, a in jax.tree_util.tree_flatten_with_path(params)[0]:
+        if not np.issubdtype(a.dtype, np.floating) and str(a.dtype) != "bfloat16":
+            continue
+        shards = [s.data for s in a.addressable_shards] if isinstance(a, jax.Array) else [a]
+        if not all(np.isfinite(np.asarray(x, np.float32)).all() for x in shards):
+            raise InvalidRequest(f"weights: {jax.tree_util.keystr(path).lstrip('.')} holds values that are not "
+                                 "finite (NaN or infinity)")
 
 
 def same_model(new: ModelConfig, served: ModelConfig, where: str) -> None:
@@ -116,8 +132,11 @@ def read_weights(source, origin: Origin, mesh=None):
 
             place = Placement(mesh, config)
         return params_from_numpy(weights, origin.dtype, origin.weights, origin.group, place)
-    except InvalidConfig as e:  # (the loaders' words: a request's error here)
-        raise InvalidRequest(str(e)) from None
+    except InvalidConfig as e:  # (the loaders' words, "model: ...": a request's error here, of the path it gave)
+        message = str(e)
+        if isinstance(source, (str, os.PathLike)) and message.startswith("model: "):
+            message = "model_path: " + message[len("model: "):]
+        raise InvalidRequest(message) from None
 
 
 def update(engines: list, source, version: str | None = None) -> list:
@@ -141,14 +160,16 @@ def update(engines: list, source, version: str | None = None) -> list:
         path = os.fspath(source)
         if not os.path.exists(path):
             raise InvalidRequest(f"model_path: {path} does not exist")
-        return [e.swap_weights(lambda e=e: e.runner.reload(path, lambda p: read_for(e, p),
+        return [e.swap_weights(lambda e=e: e.runner.reload(path, lambda p: read_checked(e, p),
                                                            lambda params: prepare_for([e], params, True)[0]), version)
                 for e in engines]
     import jax
 
     fresh = isinstance(source, (str, os.PathLike)) or (
         isinstance(source, Mapping) and not any(isinstance(v, jax.Array) for v in source.values()))
-    made = prepare_for(engines, read_for(first, source), fresh)
+    params = read_for(first, source)
+    check_finite(params)
+    made = prepare_for(engines, params, fresh)
     return [e.swap_weights(p, version, draft) for e, (p, draft) in zip(engines, made)]
 
 
@@ -159,6 +180,13 @@ def _model_runner(runner):
 def read_for(engine, source):
     """Params from `source` as `engine`'s were made, on its runner's devices (a multi-host process: its shards)."""
     return read_weights(source, engine.origin, mesh=_model_runner(engine.runner).mesh)
+
+
+def read_checked(engine, source):
+    """read_for, then check_finite: a multi-host process's reading (its own shards) before the cluster agrees."""
+    params = read_for(engine, source)
+    check_finite(params)
+    return params
 
 
 def prepare_for(engines: list, params, fresh: bool) -> list[tuple]:

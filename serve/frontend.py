@@ -147,6 +147,8 @@ class State:
         self.batches = None  # the Files and Batch APIs' store (serve.openai_batches), where the HTTP API is served
         self.lora_owners: dict[str, str] = {}  # the LoRA adapters loaded while serving -> their loader (owner)
         self.updating = asyncio.Lock()  # new weights being read (update_weights): one update at a time
+        self.pauses = 0  # pauses asked for (an update's own pause resumes only if no other came after it)
+        self.loading_lora = asyncio.Lock()  # one adapter load at a time: a token's share is counted, then taken
 
     def check_open(self) -> None:
         if self.draining:
@@ -184,6 +186,10 @@ class State:
         token loads at most its even share of lora.max_cpu_loras, and only it unloads what it loaded. `replace`
         (vLLM's load_inplace): in place of the adapter of that name (with bearer tokens, its loader's alone)."""
         self.check_adapter_name(name)
+        async with self.loading_lora:  # (the share counted and taken in one go: loads side by side could pass it)
+            await self._load_lora(owner_, name, path, replace)
+
+    async def _load_lora(self, owner_: str, name: str, path: str, replace: bool) -> None:
         cap, tokens = self.engine.config.lora.max_cpu_loras, len(self.options.tokens)
         mine = sum(o == owner_ for o in self.lora_owners.values())
         replacing = replace and name in self.engine.lora_names()
@@ -220,6 +226,7 @@ class State:
     # ---- new weights while serving (vLLM's and SGLang's RL routes: the operator's, with --dev-routes) ----
     async def pause(self, mode: str, clear_cache: bool) -> None:
         """Every replica pauses (Engine.pause), returning once each is still."""
+        self.pauses += 1
         with self.metrics.weight_operation("pause", self.engine):
             await self._settled(self.engine.pause(mode, clear_cache))
 
@@ -268,10 +275,11 @@ class State:
         resume = abort and not self.engine.paused
         if abort:
             await self.pause("abort", True)
+        ours = self.pauses
         try:
             yield
         finally:
-            if resume:
+            if resume and self.pauses == ours:  # (an operator's pause since then stands)
                 await self.resume()
 
     async def reset_weights(self) -> None:

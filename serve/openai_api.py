@@ -418,7 +418,7 @@ def make_app(state) -> FastAPI:
             operator(request)
             body = await body_of(request)
             check_fields(body, {"request_ids"})
-            ids = body.get("request_ids") or []
+            ids = body.get("request_ids", [])  # (absent, null or []: every request)
             if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids):
                 raise bad_request("request_ids: a list of request ids")
             return {"status": "aborted", "aborted": state.abort_requests(ids or None)}

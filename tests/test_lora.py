@@ -451,6 +451,15 @@ def test_each_token_loads_its_share_and_unloads_only_its_own(tiny_gguf_path, con
         assert bob.post("/v1/completions", json={"model": "qvd8", "prompt": [5, 6], "max_tokens": 2}).status_code == 200
         assert alice.post("/v1/unload_lora_adapter", json={"lora_name": "qvd8"}).status_code == 200
         assert bob.post("/v1/load_lora_adapter", json={"lora_name": "qvd8", "lora_path": paths["qvd8"]}).status_code == 200
+        r = bob.post("/v1/load_lora_adapter", json={"lora_name": "mlp", "lora_path": paths["qvd8"], "load_inplace": True})
+        assert r.status_code == 403 and "only its loader replaces it" in r.text  # (alice's adapter)
+        # Loads side by side are counted one after another: bob (one loaded) gets his share's one more, no more.
+        import concurrent.futures
+
+        with concurrent.futures.ThreadPoolExecutor(5) as pool:
+            codes = list(pool.map(lambda i: bob.post("/v1/load_lora_adapter", json={
+                "lora_name": f"b{i}", "lora_path": paths["mlp"]}).status_code, range(5)))
+        assert codes.count(200) == 1 and codes.count(400) == 4, codes
     finally:
         assert server.stop() == 0, server.output()
 

@@ -463,6 +463,8 @@ def test_the_rl_routes_pause_update_the_weights_from_disk_and_resume(server, lon
                                   "weight_version"),
                                  ("/weight_checker", {"json": {"action": "restore"}}, "action"),
                                  ("/abort_requests", {"json": {"request_ids": "a1"}}, "request_ids"),
+                                 ("/abort_requests", {"json": {"request_ids": False}}, "request_ids"),
+                                 ("/update_weight_version", {"json": {"new_version": "v\n2"}}, "weight_version"),
                                  ("/sleep?level=3", {}, "level"), ("/sleep?mode=nap", {}, "mode"),
                                  ("/update_weight_version", {"json": {}}, "new_version"),
                                  ("/wake_up?tags=everything", {}, "tags"),

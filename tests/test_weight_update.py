@@ -430,3 +430,16 @@ def test_the_kv_pages_alone_are_released_from_a_still_engine(make_llm):
     while engine.has_work():
         run(engine, tokens, finished)
     assert tokens["later"] == expected[0] and not engine.asleep
+
+
+def test_weights_that_are_not_finite_are_refused(make_llm, tiny_model):
+    """A NaN or an infinity anywhere would make every token garbage and its logprobs no number JSON writes: such
+    weights are refused naming the array, and the served ones go on."""
+    llm = make_llm()
+    before = greedy(llm)
+    for bad in (np.nan, np.inf):
+        weights = random_weights(tiny_model[0], seed=1)
+        weights["w_up"][1, 3, 5] = bad
+        with pytest.raises(InvalidRequest, match="w_up holds values that are not finite"):
+            llm.update_weights(weights)
+    assert greedy(llm) == before

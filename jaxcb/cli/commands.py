@@ -396,7 +396,7 @@ def _follow(args, config) -> int:
     try:
         steps = multihost.follow(runner, _channel(runner, engine.config), engine.draft_runner,
                                  reload=lambda path: multihost.reload_in_step(
-                                     path, lambda p: weight_update.read_for(engine, p),
+                                     path, lambda p: weight_update.read_checked(engine, p),
                                      lambda params: weight_update.prepare_for([engine], params, True)[0]))
     except Exception as e:  # noqa: BLE001 - the leader is gone or the cluster broke: exit non-zero at once
         print(f"jaxcb: follower {jax.process_index()}: the cluster failed ({e!r}); exiting", flush=True)

@@ -427,6 +427,9 @@ class ModelRunner(Runner):
                 self._collapse(self.kv_pages, "KV pages")
         if "weights" in parts and self.params is None:
             host, self._host_params = self._host_params, None
+            if host is None:
+                log.warning("woken with the weights a level-2 sleep dropped: they are zeros until new ones come "
+                            "(update_weights)")
             self.params = (jax.tree.map(lambda h, s: jax.device_put(h, s.sharding), host, self._abstract)
                            if host is not None else self.zeroed_params())
             self._collapse(self.params, "weights")

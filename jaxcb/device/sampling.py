@@ -280,8 +280,9 @@ def sample(logits: jax.Array, s: SamplingInput, logprobs_mode: str = "raw_logpro
         picked = jnp.take_along_axis(raw, tokens[:, None], axis=-1)
         rank = 1 + jnp.sum(raw > picked, axis=-1, dtype=jnp.int32)
         chosen, top = (picked - log_total)[:, 0], top - log_total
-        if processed:  # (what the distribution excludes is -inf: a number JSON can write)
-            chosen, top = jnp.maximum(chosen, FILTERED_LOGPROB), jnp.maximum(top, FILTERED_LOGPROB)
+        # (what the processed distribution excludes is -inf, and logits a broken model made may be NaN: numbers
+        # JSON can write instead)
+        chosen, top = (jnp.nan_to_num(x, nan=FILTERED_LOGPROB, neginf=FILTERED_LOGPROB) for x in (chosen, top))
         return chosen, top_ids.astype(jnp.int32), top, rank
 
     def no_logprobs(raw):

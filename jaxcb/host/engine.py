@@ -319,8 +319,9 @@ class Engine:
                 self.scheduler.holding = True
                 self._pauses.append(item)
             elif isinstance(item, Resume):
-                item.done.set_result(self.paused is not None)
+                was = self.paused is not None
                 self._resume()
+                item.done.set_result(was)  # (told after: the caller reads the engine resumed)
             elif isinstance(item, Swap):
                 self._swap(item, events)
             elif isinstance(item, ReleaseKV):
