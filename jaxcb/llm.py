@@ -28,7 +28,7 @@ from jaxcb.host.engine_config import EngineConfig, load_config
 from jaxcb.host.embedding import Pooling, cosines
 from jaxcb.host.errors import InvalidConfig, InvalidRequest, StepFailed, Unavailable
 from jaxcb.host.replicas import Replicas
-from jaxcb.host.request import FinishReason, SamplingParams, TokenEvent, check_unicode
+from jaxcb.host.request import FinishReason, SamplingParams, TokenEvent, check_unicode, resolve_bad_words
 
 
 @dataclasses.dataclass
@@ -493,8 +493,10 @@ class LLM:
                 for i, s in enumerate(searches)]
 
     def _run(self, ids: list[list[int]], params: list[SamplingParams], priorities) -> list[Completion]:
+        params = list(params)
         for i, (p, sp) in enumerate(zip(ids, params)):
             try:
+                params[i] = sp = resolve_bad_words(sp, self.engine.tokenizer)  # (spelt once: validated so, run so)
                 self.engine.validate(p, sp)
             except InvalidRequest as e:
                 raise InvalidRequest(f"request {i}: {e}") from None

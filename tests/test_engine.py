@@ -246,6 +246,21 @@ def test_bad_words_are_spelt_as_vllm_spells_them(tiny_model):
         resolve_bad_words(SamplingParams(bad_words=("xq" * 100,)), tok)
 
 
+def test_the_python_api_spells_each_requests_bad_words_once(make_llm):
+    """LLM.generate spells a request's bad words once (checked and run on the same spelling; it had spelt them
+    twice, once to check and once to run)."""
+    llm = make_llm()
+    tok = llm.engine.tokenizer
+    calls = []
+    encode = tok.encode
+    tok.encode = lambda text, *a, **kw: calls.append(text) or encode(text, *a, **kw)
+    try:
+        llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2, bad_words=("hello",)))
+    finally:
+        del tok.encode
+    assert calls == ["hello", " hello"]
+
+
 def test_repetition_detection_ends_a_repeating_output_as_vllm_finds_it(make_llm):
     """vLLM's repetition_detection: the output ends (finish reason repetition) with the first token after
     which it ends with a pattern of min..max tokens repeated min_count times, not before min_tokens; the
