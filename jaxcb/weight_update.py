@@ -20,7 +20,7 @@ from collections.abc import Callable, Mapping
 
 import numpy as np
 
-from jaxcb.host.errors import InvalidConfig, InvalidRequest
+from jaxcb.host.errors import InvalidConfig, InvalidRequest, shown
 from jaxcb.model.config import ModelConfig
 
 MAX_VERSION_CHARS = 256  # a weight version's length (it is echoed by /weight_info and GetServerInfo)
@@ -70,6 +70,14 @@ def check_version(version) -> str | None:
     return version
 
 
+def checked_path(source) -> str:
+    """A checkpoint's path as given (str or os.PathLike), refused unless something is there."""
+    path = os.fspath(source)
+    if not os.path.exists(path):
+        raise InvalidRequest(f"model_path: {shown(path)} does not exist")
+    return path
+
+
 def check_finite(params) -> None:
     """Refuse weights with a NaN or an infinity (every token after them would be garbage and its logprobs not
     numbers JSON can write), naming the first such array. Each process reads its own shards on the host (no
@@ -104,9 +112,7 @@ def read_weights(source, origin: Origin, mesh=None):
         return source
     try:
         if isinstance(source, (str, os.PathLike)):
-            path = os.fspath(source)
-            if not os.path.exists(path):
-                raise InvalidRequest(f"model_path: {path} does not exist")
+            path = checked_path(source)
             return origin.load(path, lambda c: same_model(c, origin.model_config, path), mesh)
         if not isinstance(source, Mapping):
             raise InvalidRequest(f"weights: a checkpoint's path, arrays by name or Params, not {type(source).__name__}")
@@ -144,7 +150,7 @@ def update(engines: list, source, version: str | None = None) -> list:
     Returns one future per engine (Engine.swap_weights). Any thread but the engines'; the reading and the
     conversion happen here, so the engines go on stepping meanwhile. A multi-host cluster's leader (its runner
     sends every step to the followers) takes a checkpoint's path alone: at the swap, on its engine thread, every
-    process reads its own shards of it (made_from), in step."""
+    process reads its own shards of it (read_checked), agrees with the others, and makes them (prepare_for)."""
     check_version(version)
     first = engines[0]
     if first.origin is None or not all(hasattr(e.runner, "prepare_params") or hasattr(e.runner, "reload")
@@ -157,9 +163,7 @@ def update(engines: list, source, version: str | None = None) -> list:
         if not isinstance(source, (str, os.PathLike)):
             raise InvalidRequest("weights: a multi-host cluster takes a checkpoint's path (every process reads its "
                                  "own shards of it), not arrays in one process")
-        path = os.fspath(source)
-        if not os.path.exists(path):
-            raise InvalidRequest(f"model_path: {path} does not exist")
+        path = checked_path(source)
         return [e.swap_weights(lambda e=e: e.runner.reload(path, lambda p: read_checked(e, p),
                                                            lambda params: prepare_for([e], params, True)[0]), version)
                 for e in engines]
@@ -167,9 +171,7 @@ def update(engines: list, source, version: str | None = None) -> list:
 
     fresh = isinstance(source, (str, os.PathLike)) or (
         isinstance(source, Mapping) and not any(isinstance(v, jax.Array) for v in source.values()))
-    params = read_for(first, source)
-    check_finite(params)
-    made = prepare_for(engines, params, fresh)
+    made = prepare_for(engines, read_checked(first, source), fresh)
     return [e.swap_weights(p, version, draft) for e, (p, draft) in zip(engines, made)]
 
 

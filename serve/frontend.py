@@ -228,45 +228,42 @@ class State:
         """Every replica pauses (Engine.pause), returning once each is still."""
         self.pauses += 1
         with self.metrics.weight_operation("pause", self.engine):
-            await self._settled(self.engine.pause(mode, clear_cache))
+            await self.settled(self.engine.pause(mode, clear_cache))
 
     async def resume(self) -> None:
         with self.metrics.weight_operation("resume", self.engine):
-            await self._settled(self.engine.resume())
+            await self.settled(self.engine.resume())
 
     async def sleep(self, level: int, mode: str) -> None:
         """Every replica sleeps (Engine.sleep), returning once each is asleep."""
         with self.metrics.weight_operation("sleep", self.engine):
-            await self._settled(self.engine.sleep(level, mode))
+            await self.settled(self.engine.sleep(level, mode))
 
     async def release_kv_cache(self) -> None:
         """Every replica's KV pages off the devices (Engine.release_kv_cache)."""
         with self.metrics.weight_operation("release_kv_cache", self.engine):
-            await self._settled(self.engine.release_kv_cache())
+            await self.settled(self.engine.release_kv_cache())
 
     async def wake_up(self, parts) -> bool:
         """Whether every replica is whole again (Engine.wake_up)."""
         with self.metrics.weight_operation("wake_up", self.engine):
-            return all(await self._settled(self.engine.wake_up(parts)))
+            return all(await self.settled(self.engine.wake_up(parts)))
 
     async def update_weights(self, path: str, version: str | None, abort: bool = False) -> None:
         """New weights from a checkpoint on this machine (jaxcb.weight_update), read off the event loop while the
         engines go on, taken between two steps: returns once every replica steps on them. One at a time. `abort`:
         every request ends first (a pause with "abort", resumed after unless the engines were paused before)."""
-        import os
-
         from jaxcb import weight_update
 
         weight_update.check_version(version)
-        if not os.path.exists(path):
-            raise InvalidRequest(f"model_path: {shown(path)} does not exist")
+        weight_update.checked_path(path)  # (before any request is aborted)
         if self.updating.locked():
             raise Overloaded("model_path: new weights are being read already; try again when that update is done")
         async with self.updating:
             async with self.aborting_all(abort):
                 with self.metrics.weight_operation("update", self.engine):
                     futures = await asyncio.to_thread(weight_update.update, self.engine.engines, path, version)
-                    await self._settled(self.engine.woken(futures))
+                    await self.settled(self.engine.woken(futures))
 
     @contextlib.asynccontextmanager
     async def aborting_all(self, abort: bool):
@@ -289,7 +286,7 @@ class State:
         async with self.updating:
             with self.metrics.weight_operation("reset", self.engine):
                 zeros = await asyncio.to_thread(lambda: [e.runner.zeroed_params() for e in self.engine.engines])
-                await self._settled(self.engine.woken([e.swap_weights(z, e.weight_version)
+                await self.settled(self.engine.woken([e.swap_weights(z, e.weight_version)
                                                        for e, z in zip(self.engine.engines, zeros)]))
 
     def abort_requests(self, request_ids: list[str] | None) -> int:
@@ -303,8 +300,9 @@ class State:
         return len(keys)
 
     @staticmethod
-    async def _settled(futures: list) -> list:
-        return await asyncio.wait_for(asyncio.gather(*map(asyncio.wrap_future, futures)), 600.0)
+    async def settled(futures: list, timeout_s: float = 600.0) -> list:
+        """The engines' answers to what was put in their inboxes (Replicas' futures), awaited."""
+        return await asyncio.wait_for(asyncio.gather(*map(asyncio.wrap_future, futures)), timeout_s)
 
     def admit(self, samples: int = 1) -> None:
         """Admission counts every sample of every request accepted and not finished (inbox included)

@@ -256,8 +256,7 @@ def make_app(state) -> FastAPI:
         return await endpoint(request)
 
     def operator(request: Request) -> None:
-        """The operator's routes (profiles, the prefix cache's reset): with bearer tokens, the first --auth-token's
-        only (any other is a 403: one tenant must not slow every other); without tokens, anyone's."""
+        """The operator's routes (profiles, the prefix cache's reset, the RL routes): State.check_operator."""
         state.check_operator(authorize(request))
 
     if state.options.profile_dir is not None:
@@ -323,9 +322,7 @@ def make_app(state) -> FastAPI:
             """vLLM's (a development route, --dev-routes): every cached prefix forgotten, the KV-cache events'
             AllBlocksCleared published; {"success": false} while requests run or wait (try again when idle)."""
             operator(request)
-            done = state.engine.reset_prefix_cache()
-            results = await asyncio.wait_for(asyncio.gather(*map(asyncio.wrap_future, done)), 30.0)
-            return {"success": all(results)}
+            return {"success": all(await state.settled(state.engine.reset_prefix_cache(), 30.0))}
 
         # vLLM's RL routes and SGLang's weight update (development routes, the operator's): a trainer pauses the
         # rollouts, gives new weights, resumes (jaxcb.weight_update).

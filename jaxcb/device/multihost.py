@@ -167,7 +167,7 @@ class Message:
     shape: StepShape | None = None  # RUN, COMPILE: the bucket
     batch: object = None  # RUN, COMPILE: the step's packed input (jaxcb.host.batch.StepInput)
     sampling: object = None  # ... and its sampling rows
-    slot: int = -1  # LORA: the device slot; UPDATE: the path's length
+    slot: int = -1  # LORA: the device slot
     path: str = ""  # UPDATE: the checkpoint every process reads
     lora: tuple[dict, dict] | None = None  # LORA: the adapter's padded (A, B) per target
     runner: int = TARGET  # RUN, COMPILE, WARMED: TARGET or DRAFT
@@ -258,7 +258,7 @@ class Channel:
         op, index, runner = int(header[0]), int(header[1]), int(header[3])
         if op == OP_UPDATE:
             buf = self._broadcast(np.zeros(MAX_PATH_BYTES, np.uint8))
-            return Message(op, slot=index, path=bytes(buf[:index]).decode())
+            return Message(op, path=bytes(buf[:index]).decode())  # (the header's index: the path's length)
         if op == OP_LORA:
             if self._lora is None:
                 raise RuntimeError("multi-host: the leader filled a LoRA slot and this process has none")
@@ -365,7 +365,7 @@ class LeaderRunner(Runner):
 def follow(runner, channel: Channel, draft=None, reload=None) -> int:
     """A follower's whole life after loading: mirror the leader until STOP (returns the steps run), on
     `runner` and on `draft`, the draft model's runner where the engine speculates with one. `reload(path)`: new
-    weights as the leader reads them, (the model's, the draft's or None) (jaxcb.weight_update.made_from)."""
+    weights as the leader reads them, (the model's, the draft's or None) (reload_in_step)."""
     runs = 0
     while True:
         m = channel.receive()

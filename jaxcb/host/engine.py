@@ -335,9 +335,7 @@ class Engine:
                         self.draft_runner.release(None)
                     item.done.set_result(True)
             elif isinstance(item, WakeUp):
-                for p in self._pauses:  # (a sleep not yet settled does not: woken before it slept)
-                    p.done.set_result(False)
-                self._pauses.clear()
+                self._settle_pauses_as(False)  # (a sleep not yet settled does not: woken before it slept)
                 for runner, parts in ((self.runner, item.parts), (self.draft_runner, item.parts & {"kv_cache"})):
                     if runner is not None and hasattr(runner, "restore"):  # (a multi-host leader's never sleeps)
                         runner.restore(parts)
@@ -347,6 +345,16 @@ class Engine:
             elif item.request_id in self._requests:  # an Abort
                 for r in list(self._requests[item.request_id]):
                     self._finish(r, FinishReason.ABORT, events)
+
+    def _recompute_running(self, counted: bool = True) -> int:
+        """Every running request back to the queue, to be computed again from its tokens (its K/V no longer holds:
+        lost, made by old weights, or freed), and the prefix cache forgotten after (the preempted requests'
+        registered pages were kept as cache). `counted`: as preemptions (a failure's) or not. Returns how many."""
+        running = list(self.scheduler.running)
+        for r in running:
+            self.scheduler.preempt(r, counted=counted)
+        self._forget_cached()
+        return len(running)
 
     def _forget_cached(self) -> None:
         self.pool.forget_cached()
@@ -365,21 +373,22 @@ class Engine:
         except Exception as e:  # noqa: BLE001 - the caller is told; the engine goes on with the weights it had
             swap.done.set_exception(e)
             return
-        recomputed = list(self.scheduler.running)
-        for r in recomputed:
-            self.scheduler.preempt(r, counted=False)
-        self._forget_cached()  # (after the preemptions: their registered pages were kept as cache)
+        recomputed = self._recompute_running(counted=False)
         self.weight_version = swap.version
         log.info("new weights%s: %d running requests recomputed on them", f" ({swap.version})" if swap.version else "",
-                 len(recomputed))
+                 recomputed)
         swap.done.set_result(swap.version)
 
     def _resume(self) -> None:
         """Generation goes on; pauses not yet settled are told they did not hold."""
         self.paused = None
         self.scheduler.holding = False
+        self._settle_pauses_as(False)
+
+    def _settle_pauses_as(self, held: bool) -> None:
+        """Tell every pause not yet settled whether it held."""
         for p in self._pauses:
-            p.done.set_result(False)
+            p.done.set_result(held)
         self._pauses.clear()
 
     def _settle_pauses(self) -> None:
@@ -393,16 +402,12 @@ class Engine:
             self._forget_cached()
         level = max(p.level for p in self._pauses)
         if level:  # a sleep: the devices' memory freed; the requests it kept are computed again after wake_up
-            for r in list(self.scheduler.running):
-                self.scheduler.preempt(r, counted=False)
-            self._forget_cached()
+            self._recompute_running(counted=False)
             self.runner.release("offload" if level == 1 else "discard")
             if self.draft_runner is not None:  # (its KV pages; a draft model's weights stay)
                 self.draft_runner.release(None)
             log.info("asleep (level %d): %s off the devices", level, ", ".join(sorted(self.asleep)))
-        for p in self._pauses:
-            p.done.set_result(True)
-        self._pauses.clear()
+        self._settle_pauses_as(True)
 
     def publish_kv_events(self, sink, rank: int | None = None) -> KVEvents:
         """From now on, every page registered in or evicted from the prefix cache goes to `sink` as
@@ -588,9 +593,7 @@ class Engine:
         if self.runner.reset_kv_if_lost():
             log.warning("a failed step left the KV pages in an unknown state: fresh pages, %d running requests "
                         "recomputed", len(self.scheduler.running))
-            for r in list(self.scheduler.running):
-                self.scheduler.preempt(r)
-            self._forget_cached()  # the cached pages' contents went with the old KV array
+            self._recompute_running()  # (and the cached pages' contents went with the old KV array)
         self._last_fetch_end = None
         if self.failed_in_a_row >= self.MAX_FAILED_STEPS_IN_A_ROW:
             raise StepFailed(f"{self.failed_in_a_row} steps in a row failed (last: {message}); the engine is broken")
